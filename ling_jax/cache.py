@@ -1,0 +1,74 @@
+"""Decode caches. The layout is documented here, once.
+
+Per sequence b of a batch:
+- `lengths[b]` (int32): how many real tokens the sequence holds. It is also the RoPE position of the next
+  token and the slot it will be written to: real tokens are stored densely from slot 0, pads never are.
+- KDA layer (`KDAState`): `conv_window` [B, K-1, 3C] in the activation dtype, the last K-1 *pre-conv*
+  projections [q ; k ; v] of real tokens (oldest first); `recurrent_state` [B, H, d, d] fp32, S[key, value].
+  Both are fixed-size: they do not grow with context (3.1-flash: 4 MiB of state per layer and sequence).
+- MLA layer (`MLAState`): `latent` [B, max_length, kv_lora_rank + qk_rope_head_dim] in the activation
+  dtype: per slot [c_kv after kv_a_layernorm (512) ; k_pe after RoPE (64)] = 576 values, the absorbed
+  form's whole cache (an expanded cache would hold H * (192 + 128) values per token). RoPE pairs sit where
+  the checkpoint's rope dims are (interleaved pairs in place), unlike transformers' de-interleaved copy.
+- MTP layer: an `MLAState` of its own plus its own lengths (`MTPCache`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ling_jax.config import KDA, LingConfig
+
+
+@struct.dataclass
+class KDAState:
+    conv_window: jax.Array  # [B, K-1, 3C]
+    recurrent_state: jax.Array  # [B, H, d, d] fp32
+
+    @classmethod
+    def zeros(cls, config: LingConfig, batch_size: int, dtype) -> KDAState:
+        c = config
+        return cls(
+            conv_window=jnp.zeros((batch_size, c.short_conv_kernel_size - 1, 3 * c.kda_dim), dtype),
+            recurrent_state=jnp.zeros((batch_size, c.num_attention_heads, c.head_dim, c.head_dim), jnp.float32),
+        )
+
+
+@struct.dataclass
+class MLAState:
+    latent: jax.Array  # [B, max_length, kv_lora_rank + qk_rope_head_dim]
+
+    @classmethod
+    def zeros(cls, config: LingConfig, batch_size: int, max_length: int, dtype) -> MLAState:
+        return cls(latent=jnp.zeros((batch_size, max_length, config.latent_dim), dtype))
+
+
+@struct.dataclass
+class LingCache:
+    layers: tuple  # one KDAState or MLAState per decoder layer
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def max_length(self) -> int:
+        return next((s.latent.shape[1] for s in self.layers if isinstance(s, MLAState)), 0)
+
+    @classmethod
+    def create(cls, config: LingConfig, batch_size: int, max_length: int, dtype) -> LingCache:
+        layers = tuple(
+            KDAState.zeros(config, batch_size, dtype) if kind == KDA
+            else MLAState.zeros(config, batch_size, max_length, dtype)
+            for kind in config.layer_types)
+        return cls(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+@struct.dataclass
+class MTPCache:
+    layer: MLAState
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def create(cls, config: LingConfig, batch_size: int, max_length: int, dtype) -> MTPCache:
+        return cls(layer=MLAState.zeros(config, batch_size, max_length, dtype),
+                   lengths=jnp.zeros((batch_size,), jnp.int32))

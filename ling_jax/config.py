@@ -1,0 +1,420 @@
+"""Ling 3.x model configuration, parsed explicitly from a checkpoint's config.json.
+
+inclusionAI's own config files, transformers' `save_pretrained` output (alias key names, `linear_head_dim`,
+explicit `layer_types`) and the VL checkpoint's nested `text_config` are all accepted. SGLang and
+transformers disagree on the default of almost every key (spec §1), so keys whose meaning would change the
+numerics are required, and a key given under two spellings with two values is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+KDA = "kda"
+MLA = "mla"
+DENSE = "dense"
+MOE = "moe"
+
+# canonical key -> aliases that mean the same thing
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_experts": ("num_local_experts",),
+    "num_experts_per_tok": ("num_experts_per_token",),
+    "n_group": ("num_expert_group",),
+    "num_shared_experts": ("n_shared_experts",),
+    "norm_topk_prob": ("moe_renormalize",),
+    "max_position_embeddings": ("model_max_length",),
+    "num_nextn_predict_layers": ("num_mtp_layers",),
+    "rope_scaling": ("rope_parameters",),
+}
+_HF_LAYER_TYPES = {"linear_attention": KDA, "full_attention": MLA}
+_HF_MLP_TYPES = {"dense": DENSE, "sparse": MOE}
+_YARN_TYPES = ("yarn", "deepseek_yarn")
+
+
+def _fail(key: str, message: str) -> ValueError:
+    return ValueError(f"config key '{key}': {message}")
+
+
+class _Reader:
+    """Looks keys up under their canonical name or an alias; refuses contradictions."""
+
+    def __init__(self, raw: Mapping[str, Any]):
+        self.raw = raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        names = (key, *_ALIASES.get(key, ()))
+        present = [(name, self.raw[name]) for name in names if name in self.raw]
+        values = [value for _, value in present if value is not None]
+        if any(value != values[0] for value in values[1:]):
+            found = ", ".join(f"{name}={value!r}" for name, value in present)
+            raise _fail(key, f"given under several names with different values ({found})")
+        return values[0] if values else default
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            names = " / ".join((key, *_ALIASES.get(key, ())))
+            raise _fail(key, f"missing (looked for {names}); it must be read from the checkpoint")
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of the MLA rope dims (spec §3.2, §3.3)."""
+
+    theta: float
+    interleave: bool = True
+    rope_type: str = "default"  # "default" or "yarn" (deepseek_yarn is the same maths)
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attn_factor: float = 1.0
+    extrapolation_factor: float = 1.0
+    truncate: bool = True
+    mrope_section: tuple[int, ...] | None = None
+
+    @property
+    def is_yarn(self) -> bool:
+        return self.rope_type in _YARN_TYPES and self.factor > 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+    """Block-FP8 (and MXFP4 routed experts) checkpoint quantization (spec §6.2, §6.3)."""
+
+    quant_method: str
+    weight_block_size: tuple[int, int] = (128, 128)
+    activation_scheme: str = "dynamic"
+    modules_to_not_convert: tuple[str, ...] = ()
+    routed_experts_quant_method: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LingConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int  # KDA key/value head dim
+    intermediate_size: int  # dense MLP width
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    n_group: int  # 0 = no group-limited routing
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    layer_types: tuple[str, ...]  # KDA / MLA per layer
+    mlp_layer_types: tuple[str, ...]  # DENSE / MOE per layer
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    short_conv_kernel_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    no_kda_lora: bool = True
+    kda_safe_gate: bool = True
+    kda_lower_bound: float = -5.0
+    expert_swiglu_limit_list: tuple[float | None, ...] = ()
+    share_expert_swiglu_limit_list: tuple[float | None, ...] = ()
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantizationConfig | None = None
+
+    def __post_init__(self):
+        self._validate()
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def kda_dim(self) -> int:
+        """C = H * d, the width of every KDA projection."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per MLA layer: kv_lora_rank + qk_rope_head_dim (576 for Ling)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mtp_layer_index(self) -> int:
+        return self.num_hidden_layers
+
+    def swiglu_limit(self, layer_idx: int, *, shared: bool) -> float | None:
+        """Per-layer SwiGLU clip (spec §4); 0, null or out of range mean no clipping."""
+        limits = self.share_expert_swiglu_limit_list if shared else self.expert_swiglu_limit_list
+        if layer_idx >= len(limits) or not limits[layer_idx]:
+            return None
+        return float(limits[layer_idx])
+
+    def replace(self, **changes: Any) -> LingConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        layers = self.num_hidden_layers
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                    "num_experts", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+                    "short_conv_kernel_size"):
+            if getattr(self, key) <= 0:
+                raise _fail(key, f"must be positive, got {getattr(self, key)}")
+        if len(self.layer_types) != layers:
+            raise _fail("layer_types", f"has {len(self.layer_types)} entries for num_hidden_layers={layers}")
+        if len(self.mlp_layer_types) != layers:
+            raise _fail("mlp_layer_types", f"has {len(self.mlp_layer_types)} entries for num_hidden_layers={layers}")
+        if not set(self.layer_types) <= {KDA, MLA}:
+            raise _fail("layer_types", f"entries must be {KDA!r} or {MLA!r}, got {sorted(set(self.layer_types))}")
+        if not set(self.mlp_layer_types) <= {DENSE, MOE}:
+            raise _fail("mlp_layer_types", f"entries must be {DENSE!r} or {MOE!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise _fail("num_experts_per_tok", f"{self.num_experts_per_tok} > num_experts={self.num_experts}")
+        if self.n_group:
+            if self.num_experts % self.n_group:
+                raise _fail("n_group", f"{self.n_group} does not divide num_experts={self.num_experts}")
+            if not 0 < self.topk_group <= self.n_group:
+                raise _fail("topk_group", f"must be in [1, n_group={self.n_group}], got {self.topk_group}")
+            per_group = self.num_experts // self.n_group
+            if per_group < 2:
+                raise _fail("n_group", "group scores sum the top-2 experts of a group: need >= 2 experts per group")
+            if self.num_experts_per_tok > self.topk_group * per_group:
+                raise _fail("num_experts_per_tok",
+                            f"{self.num_experts_per_tok} exceeds the {self.topk_group * per_group} experts "
+                            f"left after keeping topk_group={self.topk_group} groups")
+        if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
+            raise _fail("qk_rope_head_dim", f"must be positive and even, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise _fail("q_lora_rank", f"must be null or positive, got {self.q_lora_rank}")
+        if self.kda_safe_gate and self.kda_lower_bound >= 0:
+            raise _fail("kda_lower_bound", f"must be negative with the safe gate, got {self.kda_lower_bound}")
+        if self.rope.is_yarn and not self.rope.original_max_position_embeddings:
+            raise _fail("rope_scaling.original_max_position_embeddings", "required for YaRN")
+        if self.quantization and len(self.quantization.weight_block_size) != 2:
+            raise _fail("quantization_config.weight_block_size", "must be [rows, cols]")
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> LingConfig:
+        """Parse a config.json dict (inclusionAI or transformers spelling, or a VL config with text_config)."""
+        if "text_config" in raw:
+            text = dict(raw["text_config"])
+            for key in ("quantization_config", "eos_token_id", "pad_token_id"):
+                if key in raw and key not in text:
+                    text[key] = raw[key]
+            raw = text
+        r = _Reader(raw)
+        _refuse_unsupported(r)
+        num_layers = int(r.require("num_hidden_layers"))
+        num_experts = int(r.require("num_experts"))
+        moe_width = int(r.require("moe_intermediate_size"))
+        shared_width = r.get("moe_shared_expert_intermediate_size")
+        if shared_width is None:
+            shared_width = moe_width * int(r.require("num_shared_experts"))
+        eos = r.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        q_lora = r.get("q_lora_rank")
+        return cls(
+            vocab_size=int(r.require("vocab_size")),
+            hidden_size=int(r.require("hidden_size")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=int(r.require("num_attention_heads")),
+            head_dim=int(raw["linear_head_dim"] if raw.get("linear_head_dim") else r.require("head_dim")),
+            intermediate_size=int(r.require("intermediate_size")),
+            moe_intermediate_size=moe_width,
+            shared_expert_intermediate_size=int(shared_width),
+            num_experts=num_experts,
+            num_experts_per_tok=int(r.require("num_experts_per_tok")),
+            n_group=int(r.get("n_group", 0) or 0),
+            topk_group=int(r.get("topk_group", 0) or 0),
+            norm_topk_prob=bool(r.require("norm_topk_prob")),
+            routed_scaling_factor=float(r.require("routed_scaling_factor")),
+            layer_types=_parse_layer_types(r, num_layers),
+            mlp_layer_types=_parse_mlp_layer_types(r, num_layers, num_experts),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(r.require("kv_lora_rank")),
+            qk_nope_head_dim=int(r.require("qk_nope_head_dim")),
+            qk_rope_head_dim=int(r.require("qk_rope_head_dim")),
+            v_head_dim=int(r.require("v_head_dim")),
+            short_conv_kernel_size=int(r.require("short_conv_kernel_size")),
+            rms_norm_eps=float(r.require("rms_norm_eps")),
+            rope=_parse_rope(r),
+            max_position_embeddings=int(r.require("max_position_embeddings")),
+            no_kda_lora=bool(r.get("no_kda_lora", True)),
+            kda_safe_gate=bool(r.get("kda_safe_gate", True)),
+            kda_lower_bound=float(r.get("kda_lower_bound", -5.0)),
+            expert_swiglu_limit_list=_limits(r, "expert_swiglu_limit_list"),
+            share_expert_swiglu_limit_list=_limits(r, "share_expert_swiglu_limit_list"),
+            num_nextn_predict_layers=int(r.get("num_nextn_predict_layers", 0) or 0),
+            tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
+            pad_token_id=r.get("pad_token_id"),
+            eos_token_ids=eos_ids,
+            quantization=_parse_quantization(r),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> LingConfig:
+        """Read `config.json` from a file path or a checkpoint directory."""
+        path = os.fspath(path)
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no config.json at {file}")
+        with open(file) as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}: not valid JSON ({e})") from e
+        try:
+            return cls.from_dict(raw)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from e
+
+    @classmethod
+    def preset(cls, name: str) -> LingConfig:
+        from ling_jax.presets import PRESETS
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        return PRESETS[name]
+
+
+def _refuse_unsupported(r: _Reader) -> None:
+    if r.get("short_conv_kernel_size", 0) is None:
+        raise _fail("short_conv_kernel_size", "null selects the Ling-2.5 lightning-attention path, which is not supported")
+    if r.get("full_attention_type", "mla") != "mla":
+        raise _fail("full_attention_type", "only 'mla' (Ling 3.x) is supported")
+    if r.get("moe_router_enable_expert_bias", True) is False:
+        raise _fail("moe_router_enable_expert_bias", "Ling 3.x routing needs the expert bias (sigmoid scoring)")
+    if r.get("score_function", "sigmoid") != "sigmoid":
+        raise _fail("score_function", "only sigmoid scoring is supported")
+    granularity = r.get("gated_attention_proj_granularity_type", "head_wise")
+    if granularity != "head_wise":
+        raise _fail("gated_attention_proj_granularity_type", f"only 'head_wise' is supported, got {granularity!r}")
+    if r.get("use_mla_nope", False):
+        raise _fail("use_mla_nope", "MLA without RoPE is not supported (spec §3.6)")
+    if r.get("router_dtype", "fp32") not in ("fp32", "float32"):
+        raise _fail("router_dtype", "the router runs in fp32")
+
+
+def _parse_layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
+    explicit = r.get("layer_types")
+    if explicit is not None:
+        unknown = sorted({t for t in explicit if t not in _HF_LAYER_TYPES})
+        if unknown:
+            raise _fail("layer_types", f"unknown entries {unknown}; expected {sorted(_HF_LAYER_TYPES)}")
+        return tuple(_HF_LAYER_TYPES[t] for t in explicit)
+    group = r.require("layer_group_size")
+    if isinstance(group, list):
+        if len(group) != num_layers:
+            raise _fail("layer_group_size", f"list has {len(group)} entries for num_hidden_layers={num_layers}")
+        return tuple(KDA if entry == 1 else MLA for entry in group)
+    group = int(group)
+    if group <= 0:
+        return (MLA,) * num_layers
+    if num_layers % group:
+        raise _fail("layer_group_size", f"{group} does not divide num_hidden_layers={num_layers}")
+    return tuple(MLA if (i + 1) % group == 0 else KDA for i in range(num_layers))
+
+
+def _parse_mlp_layer_types(r: _Reader, num_layers: int, num_experts: int) -> tuple[str, ...]:
+    explicit = r.get("mlp_layer_types")
+    if explicit is not None:
+        unknown = sorted({t for t in explicit if t not in _HF_MLP_TYPES})
+        if unknown:
+            raise _fail("mlp_layer_types", f"unknown entries {unknown}; expected {sorted(_HF_MLP_TYPES)}")
+        return tuple(_HF_MLP_TYPES[t] for t in explicit)
+    if num_experts == 1:
+        return (DENSE,) * num_layers
+    first_dense = int(r.require("first_k_dense_replace"))
+    return tuple(DENSE if i < first_dense else MOE for i in range(num_layers))
+
+
+def _limits(r: _Reader, key: str) -> tuple[float | None, ...]:
+    values = r.get(key)
+    if values is None:
+        return ()
+    if not isinstance(values, list):
+        raise _fail(key, f"must be a per-layer list, got {type(values).__name__}")
+    return tuple(None if v in (None, 0) else float(v) for v in values)
+
+
+def _parse_rope(r: _Reader) -> RopeConfig:
+    scaling = dict(r.get("rope_scaling") or {})
+    top_theta, dict_theta = r.get("rope_theta"), scaling.pop("rope_theta", None)
+    if top_theta is not None and dict_theta is not None and float(top_theta) != float(dict_theta):
+        raise _fail("rope_theta", f"{top_theta} contradicts rope_parameters.rope_theta={dict_theta}")
+    theta = dict_theta if dict_theta is not None else top_theta
+    if theta is None:
+        raise _fail("rope_theta", "missing (looked for rope_theta and rope_parameters.rope_theta)")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type not in ("default", *_YARN_TYPES):
+        raise _fail("rope_scaling.rope_type", f"{rope_type!r} is not supported (default, yarn, deepseek_yarn)")
+    mrope = scaling.get("mrope_section", r.get("mrope_section"))
+
+    def opt_float(key):
+        return None if scaling.get(key) is None else float(scaling[key])
+
+    original = scaling.get("original_max_position_embeddings")
+    return RopeConfig(
+        theta=float(theta),
+        interleave=bool(r.get("rope_interleave", True)),
+        rope_type="yarn" if rope_type in _YARN_TYPES else "default",
+        factor=float(scaling.get("factor") or 1.0),
+        original_max_position_embeddings=None if original is None else int(original),
+        beta_fast=float(scaling.get("beta_fast", 32.0)),
+        beta_slow=float(scaling.get("beta_slow", 1.0)),
+        mscale=opt_float("mscale"),
+        mscale_all_dim=opt_float("mscale_all_dim"),
+        attn_factor=float(scaling.get("attn_factor", 1.0) or 1.0),
+        extrapolation_factor=float(scaling.get("extrapolation_factor", 1.0)),
+        truncate=bool(scaling.get("truncate", True)),
+        mrope_section=None if mrope is None else tuple(int(s) for s in mrope),
+    )
+
+
+def _parse_quantization(r: _Reader) -> QuantizationConfig | None:
+    q = r.get("quantization_config")
+    if not q:
+        return None
+    method = str(q.get("quant_method", ""))
+    if "fp8" not in method:
+        raise _fail("quantization_config.quant_method", f"only block FP8 checkpoints are supported, got {method!r}")
+    block = q.get("weight_block_size")
+    if block is None:
+        raise _fail("quantization_config.weight_block_size", "missing (block FP8 needs [128, 128])")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise _fail("quantization_config.activation_scheme", f"block FP8 needs 'dynamic', got {scheme!r}")
+    experts = q.get("routed_experts_quant_method")
+    if experts not in (None, "mxfp4"):
+        raise _fail("quantization_config.routed_experts_quant_method", f"only 'mxfp4' is supported, got {experts!r}")
+    ignored = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+    return QuantizationConfig(
+        quant_method=method,
+        weight_block_size=tuple(int(b) for b in block),
+        activation_scheme=scheme,
+        modules_to_not_convert=tuple(ignored),
+        routed_experts_quant_method=experts,
+    )
+
+
+def yarn_mscale(factor: float, mu: float) -> float:
+    """m(s, mu) of spec §3.3."""
+    if factor <= 1.0:
+        return 1.0
+    return 0.1 * mu * math.log(factor) + 1.0

@@ -1,0 +1,95 @@
+"""Gated multi-head latent attention (spec §3): expanded form for prefill, absorbed latent form for decode.
+
+Both forms read and write the same latent cache, [c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)] per token
+(576 values for Ling; layout in `ling_jax.cache`). They differ only in where W_UK / W_UV are applied.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ling_jax.config import LingConfig
+from ling_jax.layers import Linear, RMSNorm
+from ling_jax.rope import apply_rope, softmax_scale
+from pallas_kernels.mla.reference import MASKED_SCORE, absorbed_attention
+
+EXPANDED = "expanded"
+ABSORBED = "absorbed"
+
+
+class MultiLatentAttention(nnx.Module):
+    def __init__(self, config: LingConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        heads, hidden = c.num_attention_heads, c.hidden_size
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * c.qk_head_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.q_a_proj = Linear(hidden, c.q_lora_rank, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, heads * c.qk_head_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(hidden, c.latent_dim, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), dtype=dtype, rngs=rngs)
+        self.g_proj = Linear(hidden, heads, dtype=dtype, rngs=rngs)
+        self.dense = Linear(heads * c.v_head_dim, hidden, dtype=dtype, rngs=rngs)
+        self.scale = softmax_scale(c)
+
+    def _queries(self, x_BTD, cos, sin):
+        c = self.config
+        if c.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BTHQ = q.reshape(*x_BTD.shape[:2], c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q_BTHQ[..., :c.qk_nope_head_dim], q_BTHQ[..., c.qk_nope_head_dim:]
+        return q_nope, apply_rope(q_pe, cos, sin, interleave=c.rope.interleave)
+
+    def latent(self, x_BTD, cos, sin) -> jax.Array:
+        """The per-token cache entry [c_kv after kv_a_layernorm ; k_pe after RoPE], [B, T, latent_dim]."""
+        c = self.config
+        kv = self.kv_a_proj_with_mqa(x_BTD)
+        c_kv = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
+        k_pe = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleave=c.rope.interleave)
+        return jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
+
+    def _kv_b_heads(self):
+        """W_UK [H, nope, R] and W_UV [H, v, R] from kv_b_proj's per-head [nope ; v] rows."""
+        c = self.config
+        w = self.kv_b_proj.weight.value.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
+                                                c.kv_lora_rank)
+        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+    def __call__(self, x_BTD, cos, sin, *, keys_BSA, visible_BTS, mode: str = EXPANDED) -> jax.Array:
+        """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
+
+        cos, sin: [B, T, rope_dim/2] for the queries. visible_BTS: which keys each query may see.
+        """
+        c = self.config
+        q_nope, q_pe = self._queries(x_BTD, cos, sin)
+        w_uk, w_uv = self._kv_b_heads()
+        if mode == ABSORBED:
+            q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
+            o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visible_BTS, scale=self.scale)
+            o_BTHV = jnp.einsum("bthr,hvr->bthv", o_latent, w_uv.astype(jnp.float32)).astype(x_BTD.dtype)
+        elif mode == EXPANDED:
+            o_BTHV = self._expanded(q_nope, q_pe, keys_BSA.astype(x_BTD.dtype), visible_BTS, w_uk, w_uv)
+        else:
+            raise ValueError(f"MLA mode must be {EXPANDED!r} or {ABSORBED!r}, got {mode!r}")
+        gate_BTH = jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32)).astype(x_BTD.dtype)
+        o_BTHV = o_BTHV * gate_BTH[..., None]
+        return self.dense(o_BTHV.reshape(*x_BTD.shape[:2], -1))
+
+    def _expanded(self, q_nope, q_pe, keys_BSA, visible_BTS, w_uk, w_uv):
+        c = self.config
+        dtype = q_nope.dtype
+        c_kv_BSR, k_pe_BSP = keys_BSA[..., :c.kv_lora_rank], keys_BSA[..., c.kv_lora_rank:]
+        k_nope_BSHN = jnp.einsum("bsr,hnr->bshn", c_kv_BSR, w_uk.astype(dtype))
+        v_BSHV = jnp.einsum("bsr,hvr->bshv", c_kv_BSR, w_uv.astype(dtype))
+        scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope_BSHN, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthp,bsp->bhts", q_pe, k_pe_BSP, preferred_element_type=jnp.float32))
+        scores = jnp.where(visible_BTS[:, None], scores * self.scale, MASKED_SCORE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        return jnp.einsum("bhts,bshv->bthv", probs, v_BSHV)

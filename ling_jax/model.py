@@ -1,0 +1,215 @@
+"""The Ling 3.x decoder (spec §5): embeddings, hybrid KDA/MLA layers with dense or MoE feed-forward,
+final norm and lm_head, plus the MTP (next-n) draft layer.
+
+Parameter paths mirror the checkpoint's tensor names (`model.layers.3.attention.kv_b_proj.weight` is
+`model.model.layers[3].attention.kv_b_proj.weight`), so loading is a name lookup, not a translation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
+from ling_jax.config import DENSE, KDA, LingConfig
+from ling_jax.kda import CHUNKED, RECURRENT, KimiDeltaAttention
+from ling_jax.layers import Linear, RMSNorm, normal_param
+from ling_jax.mla import ABSORBED, EXPANDED, MultiLatentAttention
+from ling_jax.moe import MLP, MoE
+from ling_jax.rope import rope_cos_sin
+
+
+@struct.dataclass
+class LingOutput:
+    logits: jax.Array  # [B, T, V]
+    hidden: jax.Array  # [B, T, D] final-normed hidden state (the lm_head input; what MTP consumes)
+    cache: LingCache | MTPCache | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenContext:
+    """Everything a layer needs to know about the T tokens of one call besides their hidden states."""
+
+    mask_BT: jax.Array | None  # real (True) vs pad tokens; None = all real
+    cos: jax.Array  # [B, T, rope_dim / 2]
+    sin: jax.Array
+    slots_BT: jax.Array | None  # cache slot per token (pads: out of range, dropped); None without a cache
+    visible_BTS: jax.Array  # which keys (cache slots, or the T tokens themselves) each query may see
+    kda_mode: str
+    mla_mode: str
+
+
+def token_context(config: LingConfig, batch: int, length: int, *, positions, attention_mask, lengths,
+                  max_length, kda_mode, mla_mode) -> TokenContext:
+    """Masks, slots and RoPE tables for a call; `lengths` is the cache's [B] token count, or None."""
+    mask = None if attention_mask is None else attention_mask.astype(bool)
+    real = jnp.ones((batch, length), bool) if mask is None else mask
+    offsets_BT = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1  # index of each real token among the new ones
+    if lengths is None:
+        index = jnp.arange(length)
+        visible = (index[None, :, None] >= index[None, None, :]) & real[:, None, :]
+        default_positions, slots = jnp.maximum(offsets_BT, 0), None
+    else:
+        slots_real = lengths[:, None] + offsets_BT
+        slots = jnp.where(real, slots_real, max_length)
+        new_lengths = lengths + real.sum(axis=1, dtype=jnp.int32)
+        slot_index = jnp.arange(max_length)
+        visible = ((slot_index[None, None, :] <= jnp.where(real, slots_real, -1)[..., None])
+                   & (slot_index[None, None, :] < new_lengths[:, None, None]))
+        default_positions = jnp.maximum(slots_real, 0)
+    if positions is None:
+        positions = default_positions
+    cos, sin = rope_cos_sin(jnp.broadcast_to(positions, (batch, length)), config)
+    if kda_mode is None:
+        kda_mode = RECURRENT if length == 1 else CHUNKED
+    if mla_mode is None:
+        mla_mode = ABSORBED if (length == 1 and lengths is not None) else EXPANDED
+    return TokenContext(mask, cos, sin, slots, visible, kda_mode, mla_mode)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LingConfig, *, attention: str, mlp: str, clip_layer: int, dtype, rngs: nnx.Rngs):
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        if attention == KDA:
+            self.attention = KimiDeltaAttention(c, dtype=dtype, rngs=rngs)
+        else:
+            self.attention = MultiLatentAttention(c, dtype=dtype, rngs=rngs)
+        if mlp == DENSE:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype, rngs=rngs)  # never clipped (spec §4)
+        else:
+            self.mlp = MoE(c, clip_layer=clip_layer, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h_BTD, ctx: TokenContext, state):
+        """state: KDAState for a KDA layer; MLAState or None (no cache) for an MLA layer."""
+        x = self.input_layernorm(h_BTD)
+        if isinstance(self.attention, KimiDeltaAttention):
+            y, state = self.attention(x, state, ctx.mask_BT, mode=ctx.kda_mode)
+        else:
+            y, state = self._latent_attention(x, ctx, state)
+        h_BTD = h_BTD + y
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), state
+
+    def _latent_attention(self, x, ctx: TokenContext, state: MLAState | None):
+        latent_BTA = self.attention.latent(x, ctx.cos, ctx.sin)
+        if state is None:
+            keys = latent_BTA
+        else:
+            rows = jnp.arange(x.shape[0])[:, None]
+            keys = state.latent.at[rows, ctx.slots_BT].set(latent_BTA.astype(state.latent.dtype), mode="drop")
+            state = MLAState(latent=keys)
+        return self.attention(x, ctx.cos, ctx.sin, keys_BSA=keys, visible_BTS=ctx.visible_BTS, mode=ctx.mla_mode), state
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = normal_param(rngs, (vocab_size, hidden), dtype)  # [V, D]
+
+    def __call__(self, ids_BT):
+        return jnp.take(self.weight.value, ids_BT, axis=0)
+
+
+class LingModel(nnx.Module):
+    def __init__(self, config: LingConfig, *, dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.word_embeddings = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([
+            DecoderLayer(config, attention=attention, mlp=mlp, clip_layer=i, dtype=dtype, rngs=rngs)
+            for i, (attention, mlp) in enumerate(zip(config.layer_types, config.mlp_layer_types))])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
+                 kda_mode: str | None = None, mla_mode: str | None = None):
+        """-> (final-normed hidden [B, T, D], updated cache or None)."""
+        c = self.config
+        batch, length = input_ids_BT.shape
+        h = self.word_embeddings(input_ids_BT)
+        ctx = token_context(c, batch, length, positions=positions, attention_mask=attention_mask,
+                            lengths=None if cache is None else cache.lengths,
+                            max_length=0 if cache is None else cache.max_length,
+                            kda_mode=kda_mode, mla_mode=mla_mode)
+        if cache is None:
+            states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
+        else:
+            states = list(cache.layers)
+        for i, layer in enumerate(self.layers):
+            h, states[i] = layer(h, ctx, states[i])
+        if cache is not None:
+            real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
+            cache = LingCache(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
+        return self.norm(h), cache
+
+
+class MTPLayer(DecoderLayer):
+    """Next-n draft layer (spec §5): eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)]) -> MLA + MoE layer ->
+    final_layernorm; the caller applies the shared lm_head. Clip limits come from index 0, as in SGLang."""
+
+    def __init__(self, config: LingConfig, *, dtype, rngs: nnx.Rngs):
+        super().__init__(config, attention="mla", mlp="moe", clip_layer=0, dtype=dtype, rngs=rngs)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def draft_hidden(self, embeds_BTD, hidden_BTD, ctx: TokenContext, state: MLAState | None):
+        z = self.eh_proj(jnp.concatenate([self.enorm(embeds_BTD), self.hnorm(hidden_BTD)], axis=-1))
+        z, state = DecoderLayer.__call__(self, z, ctx, state)
+        return self.final_layernorm(z), state
+
+
+class LingForCausalLM(nnx.Module):
+    """The Ling 3.x causal LM. `model(input_ids, positions=, cache=, attention_mask=)` -> LingOutput.
+
+    Without a cache the call is a full-sequence forward. With a cache (`init_cache`) the tokens are appended
+    to it: prefill is a call with the prompt, decode a call with one token per sequence. attention_mask
+    (1 = real, 0 = pad) may mark pads anywhere; pads never change real tokens' outputs or the cache.
+    """
+
+    def __init__(self, config: LingConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+        self.config = config
+        self.dtype = dtype
+        self.model = LingModel(config, dtype=dtype, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
+        if config.num_nextn_predict_layers:
+            self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs)
+
+    def logits(self, hidden_BTD):
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("btd,vd->btv", hidden_BTD, self.model.word_embeddings.weight.value.astype(hidden_BTD.dtype))
+        return self.lm_head(hidden_BTD)
+
+    def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
+                 kda_mode: str | None = None, mla_mode: str | None = None) -> LingOutput:
+        hidden, cache = self.model(input_ids_BT, positions=positions, cache=cache, attention_mask=attention_mask,
+                                   kda_mode=kda_mode, mla_mode=mla_mode)
+        return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> LingCache:
+        """Empty caches for `batch_size` sequences of up to `max_length` tokens (dtype: activations')."""
+        return LingCache.create(self.config, batch_size, max_length, dtype or self.dtype)
+
+    def init_mtp_cache(self, batch_size: int, max_length: int, dtype=None) -> MTPCache:
+        return MTPCache.create(self.config, batch_size, max_length, dtype or self.dtype)
+
+    def draft_logits(self, hidden_BTD, next_ids_BT, *, positions=None, cache: MTPCache | None = None,
+                     attention_mask=None) -> LingOutput:
+        """MTP draft logits for token t+2 from the main model's final hidden state at t and token t+1."""
+        if not hasattr(self, "mtp"):
+            raise ValueError("this config has num_nextn_predict_layers = 0: there is no MTP layer")
+        batch, length = next_ids_BT.shape
+        ctx = token_context(self.config, batch, length, positions=positions, attention_mask=attention_mask,
+                            lengths=None if cache is None else cache.lengths,
+                            max_length=0 if cache is None else cache.layer.latent.shape[1],
+                            kda_mode=None, mla_mode=None)
+        embeds = self.model.word_embeddings(next_ids_BT)
+        hidden, state = self.mtp.draft_hidden(embeds, hidden_BTD.astype(embeds.dtype), ctx,
+                                              None if cache is None else cache.layer)
+        if cache is not None:
+            real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
+            cache = MTPCache(layer=state, lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
+        return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)

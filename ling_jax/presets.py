@@ -1,0 +1,105 @@
+"""Configs for the published shapes and tiny test models.
+
+Values the spec marks UNCONFIRMED (vocab size, dense/MoE widths of 3.1-flash, the VL rope theta) are the
+best public guesses; a real checkpoint's config.json always wins (`LingConfig.from_pretrained`).
+"""
+
+from __future__ import annotations
+
+from ling_jax.config import LingConfig
+
+_LING_COMMON = {
+    "vocab_size": 157184,
+    "head_dim": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts": 512,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "num_shared_experts": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "short_conv_kernel_size": 4,
+    "kda_safe_gate": True,
+    "kda_lower_bound": -5.0,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 6e6,
+    "max_position_embeddings": 262144,
+    "num_nextn_predict_layers": 1,
+    "pad_token_id": 156892,
+    "eos_token_id": 156895,
+}
+
+LING_3_1_FLASH = {
+    **_LING_COMMON,
+    "hidden_size": 4096,
+    "num_hidden_layers": 72,
+    "num_attention_heads": 64,
+    "q_lora_rank": 1536,
+    "layer_group_size": 8,
+    "first_k_dense_replace": 4,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1024,
+}
+
+LING_3_0_FLASH = {
+    **_LING_COMMON,
+    "hidden_size": 2560,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 32,
+    "q_lora_rank": None,
+    "layer_group_size": 6,
+    "first_k_dense_replace": 2,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+}
+
+LING_3_0_FLASH_VL_TEXT = {
+    **LING_3_0_FLASH,
+    "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072,
+                     "beta_fast": 32, "beta_slow": 1, "mrope_section": [8, 12, 12]},
+}
+
+# Every architectural feature at toy size: KDA and MLA groups, q-LoRA, dense first layer, 16 experts in
+# 4 groups, shared expert, SwiGLU limits, an MTP layer.
+TINY = {
+    **_LING_COMMON,
+    "vocab_size": 259,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_experts": 16,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 4,
+    "layer_group_size": 2,
+    "first_k_dense_replace": 1,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "expert_swiglu_limit_list": [0, 7.0, 7.0, 7.0],
+    "share_expert_swiglu_limit_list": [0, 7.0, 7.0, 7.0],
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+}
+
+PRESETS: dict[str, LingConfig] = {
+    "ling-3.1-flash": LingConfig.from_dict(LING_3_1_FLASH),
+    "ling-3.0-flash": LingConfig.from_dict(LING_3_0_FLASH),
+    "ling-3.0-flash-vl": LingConfig.from_dict(LING_3_0_FLASH_VL_TEXT),
+    "tiny": LingConfig.from_dict(TINY),
+    "tiny-yarn-neox": LingConfig.from_dict({
+        **TINY, "q_lora_rank": None, "rope_interleave": False,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                         "mscale": 1.0, "mscale_all_dim": 1.0}}),
+}

@@ -1,0 +1,1 @@
+"""Pallas kernels for ling-jax, each beside a pure-jnp reference that states the maths."""

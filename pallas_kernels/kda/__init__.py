@@ -1,0 +1,3 @@
+from pallas_kernels.kda.reference import kda_chunked, kda_recurrent, l2_normalize
+
+__all__ = ["kda_chunked", "kda_recurrent", "l2_normalize"]

@@ -1,0 +1,97 @@
+"""Kimi Delta Attention in pure jnp: the step-by-step recurrence and the chunked form (spec §2).
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay (<= 0); beta [B, T, H];
+state [B, H, K, V] fp32. Everything is computed in fp32; outputs are cast back to v's dtype.
+A token with g = 0 and beta = 0 leaves the state unchanged, which is how padding is expressed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """x / sqrt(sum(x^2) + 1e-6) over the last axis (the eps sits inside the sqrt, as in FLA)."""
+    return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + L2_EPS)
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
+    batch, _, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * (key_dim ** -0.5 if scale is None else scale)
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)
+    return q, k, v, g, beta, initial_state.astype(jnp.float32)
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True):
+    """One token at a time: S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q. Returns (o, S)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
+
+    def step(S_BHKV, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        S_BHKV = S_BHKV * jnp.exp(g_t)[..., None]
+        delta_BHV = b_t[..., None] * (v_t - jnp.einsum("bhkv,bhk->bhv", S_BHKV, k_t))
+        S_BHKV = S_BHKV + k_t[..., None] * delta_BHV[..., None, :]
+        return S_BHKV, jnp.einsum("bhkv,bhk->bhv", S_BHKV, q_t)
+
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+    state, o_TBHV = jax.lax.scan(step, state, time_major)
+    return jnp.moveaxis(o_TBHV, 0, 1).astype(out_dtype), state
+
+
+def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64):
+    """The chunked (WY) form, scanning over chunks of `chunk_size` tokens. Returns (o, S).
+
+    Inside a chunk with cumulative log-decay G_c, only exponentials of differences G_c - G_j <= 0 and of
+    G_c itself are formed, so a gate at the safe bound (-5) over 64 steps cannot overflow fp32.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
+    batch, length, heads, key_dim = q.shape
+    pad = -length % chunk_size
+    if pad:
+        q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
+        beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
+    num_chunks = (length + pad) // chunk_size
+
+    def to_chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        x = x.reshape(batch, num_chunks, chunk_size, heads, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+    causal_CC = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    strict_CC = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
+    eye_CC = jnp.eye(chunk_size, dtype=jnp.float32)
+
+    def chunk(S_BHKV, xs):
+        q_c, k_c, v_c, g_c, b_c = xs  # [B, H, C, K|V], b_c [B, H, C]
+        G = jnp.cumsum(g_c, axis=-2)  # [B, H, C, K]
+        diff = G[..., :, None, :] - G[..., None, :, :]  # [B, H, C(c), C(j), K]
+        decay = jnp.exp(jnp.where(causal_CC[..., None], diff, -jnp.inf))
+        kk = jnp.einsum("bhck,bhjk,bhcjk->bhcj", k_c, k_c, decay)
+        L = b_c[..., None] * jnp.where(strict_CC, kk, 0.0)
+        # T = (I + L)^-1 diag(beta): solve the unit lower-triangular systems instead of inverting.
+        rhs_k = b_c[..., None] * (jnp.exp(G) * k_c)
+        rhs_v = b_c[..., None] * v_c
+        W = jax.scipy.linalg.solve_triangular(eye_CC + L, rhs_k, lower=True, unit_diagonal=True)
+        U = jax.scipy.linalg.solve_triangular(eye_CC + L, rhs_v, lower=True, unit_diagonal=True)
+        V_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S_BHKV)
+        M = jnp.einsum("bhck,bhjk,bhcjk->bhcj", q_c, k_c, decay)
+        o = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G), S_BHKV) + jnp.einsum("bhcj,bhjv->bhcv", M, V_new)
+        G_last = G[..., -1:, :]  # [B, H, 1, K]
+        S_BHKV = jnp.exp(G_last[..., 0, :])[..., None] * S_BHKV + jnp.einsum(
+            "bhck,bhcv->bhkv", jnp.exp(G_last - G) * k_c, V_new)
+        return S_BHKV, o
+
+    xs = (to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(g), to_chunks(beta[..., None])[..., 0])
+    state, o_NBHCV = jax.lax.scan(chunk, state, xs)
+    o = jnp.moveaxis(o_NBHCV, 0, 1)  # [B, N, H, C, V]
+    o = jnp.moveaxis(o, 2, 3).reshape(batch, num_chunks * chunk_size, heads, -1)[:, :length]
+    return o.astype(out_dtype), state

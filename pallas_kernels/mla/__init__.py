@@ -1,0 +1,3 @@
+from pallas_kernels.mla.reference import absorbed_attention
+
+__all__ = ["absorbed_attention"]
