@@ -355,12 +355,13 @@ def _limits(r: _Reader, key: str) -> tuple[float | None, ...]:
 
 def _parse_rope(r: _Reader) -> RopeConfig:
     scaling = dict(r.get("rope_scaling") or {})
-    top_theta, dict_theta = r.get("rope_theta"), scaling.pop("rope_theta", None)
-    if top_theta is not None and dict_theta is not None and float(top_theta) != float(dict_theta):
-        raise _fail("rope_theta", f"{top_theta} contradicts rope_parameters.rope_theta={dict_theta}")
-    theta = dict_theta if dict_theta is not None else top_theta
+    # transformers v5 keeps theta inside rope_parameters and also writes a top-level rope_theta that it
+    # ignores (possibly a stale default), so the dict's value wins.
+    theta = scaling.pop("rope_theta", None)
     if theta is None:
-        raise _fail("rope_theta", "missing (looked for rope_theta and rope_parameters.rope_theta)")
+        theta = r.get("rope_theta")
+    if theta is None:
+        raise _fail("rope_theta", "missing (looked for rope_parameters.rope_theta, rope_scaling.rope_theta, rope_theta)")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in ("default", *_YARN_TYPES):
         raise _fail("rope_scaling.rope_type", f"{rope_type!r} is not supported (default, yarn, deepseek_yarn)")

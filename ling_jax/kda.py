@@ -77,9 +77,9 @@ class KimiDeltaAttention(nnx.Module):
     def log_decay(self, f_BTC) -> jax.Array:
         """g [B, T, H, d] fp32: the safe gate lower_bound * sigmoid(A a) or -A softplus(a), a = f + dt_bias."""
         c = self.config
-        a = f_BTC.astype(jnp.float32) + self.dt_bias.value
+        a = f_BTC.astype(jnp.float32) + self.dt_bias[...]
         a = a.reshape(*a.shape[:2], c.num_attention_heads, c.head_dim)
-        decay_rate = jnp.exp(self.A_log.value)[:, None]
+        decay_rate = jnp.exp(self.A_log[...])[:, None]
         if c.kda_safe_gate:
             return c.kda_lower_bound * jax.nn.sigmoid(decay_rate * a)
         return -decay_rate * jax.nn.softplus(a)
@@ -90,7 +90,7 @@ class KimiDeltaAttention(nnx.Module):
         batch, length, _ = x_BTD.shape
         heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
         mixed = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
-        conv_w = jnp.concatenate([self.q_conv1d.value, self.k_conv1d.value, self.v_conv1d.value], axis=0)
+        conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
         if mask_BT is not None:
             mixed = jnp.where(mask_BT[..., None], mixed, 0)
         mixed, window = causal_conv_silu(mixed, state.conv_window, conv_w, mask_BT)

@@ -23,7 +23,7 @@ class Linear(nnx.Module):
         self.weight = normal_param(rngs, (out_features, in_features), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o", x, self.weight.value.astype(x.dtype))
+        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
 
 
 def rms_normalize(x_f32: jax.Array, eps: float) -> jax.Array:
@@ -39,7 +39,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         normed = rms_normalize(x.astype(jnp.float32), self.eps).astype(x.dtype)
-        return self.weight.value.astype(x.dtype) * normed
+        return self.weight[...].astype(x.dtype) * normed
 
 
 class GatedRMSNorm(nnx.Module):
@@ -50,5 +50,5 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        normed = rms_normalize(x.astype(jnp.float32), self.eps) * self.weight.value.astype(jnp.float32)
+        normed = rms_normalize(x.astype(jnp.float32), self.eps) * self.weight[...].astype(jnp.float32)
         return (normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)

@@ -58,7 +58,7 @@ class MultiLatentAttention(nnx.Module):
     def _kv_b_heads(self):
         """W_UK [H, nope, R] and W_UV [H, v, R] from kv_b_proj's per-head [nope ; v] rows."""
         c = self.config
-        w = self.kv_b_proj.weight.value.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
+        w = self.kv_b_proj.weight[...].reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
                                                 c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 

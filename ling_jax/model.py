@@ -110,7 +110,7 @@ class Embedding(nnx.Module):
         self.weight = normal_param(rngs, (vocab_size, hidden), dtype)  # [V, D]
 
     def __call__(self, ids_BT):
-        return jnp.take(self.weight.value, ids_BT, axis=0)
+        return jnp.take(self.weight[...], ids_BT, axis=0)
 
 
 class LingModel(nnx.Module):
@@ -180,7 +180,7 @@ class LingForCausalLM(nnx.Module):
 
     def logits(self, hidden_BTD):
         if self.config.tie_word_embeddings:
-            return jnp.einsum("btd,vd->btv", hidden_BTD, self.model.word_embeddings.weight.value.astype(hidden_BTD.dtype))
+            return jnp.einsum("btd,vd->btv", hidden_BTD, self.model.word_embeddings.weight[...].astype(hidden_BTD.dtype))
         return self.lm_head(hidden_BTD)
 
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,

@@ -65,7 +65,7 @@ class Router(nnx.Module):
         self.expert_bias = nnx.Param(jnp.zeros((config.num_experts,), jnp.float32))
 
     def __call__(self, x_TD):
-        return route(x_TD, self.weight.value, self.expert_bias.value, self.config)
+        return route(x_TD, self.weight[...], self.expert_bias[...], self.config)
 
 
 class Experts(nnx.Module):
@@ -80,12 +80,12 @@ class Experts(nnx.Module):
 
     def __call__(self, x_TD, weights_TK, experts_TK):
         dtype = x_TD.dtype
-        num_experts = self.gate_proj.value.shape[0]
+        num_experts = self.gate_proj[...].shape[0]
         combine_TE = jnp.zeros((x_TD.shape[0], num_experts), jnp.float32)
         combine_TE = combine_TE.at[jnp.arange(x_TD.shape[0])[:, None], experts_TK].add(weights_TK)
-        gate = jnp.einsum("td,eid->tei", x_TD, self.gate_proj.value.astype(dtype))
-        up = jnp.einsum("td,eid->tei", x_TD, self.up_proj.value.astype(dtype))
-        y_TED = jnp.einsum("tei,edi->ted", swiglu(gate, up, self.limit), self.down_proj.value.astype(dtype))
+        gate = jnp.einsum("td,eid->tei", x_TD, self.gate_proj[...].astype(dtype))
+        up = jnp.einsum("td,eid->tei", x_TD, self.up_proj[...].astype(dtype))
+        y_TED = jnp.einsum("tei,edi->ted", swiglu(gate, up, self.limit), self.down_proj[...].astype(dtype))
         return jnp.einsum("ted,te->td", y_TED, combine_TE.astype(dtype))
 
 

@@ -1,0 +1,109 @@
+"""Load a HF-format Ling checkpoint (config.json + safetensors shards, original tensor names) into
+`LingForCausalLM`, dequantising block-FP8 weights and MXFP4 experts to the requested dtype."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from ling_jax.checkpoint_names import TensorSource, canonical, ignored, source_for
+from ling_jax.config import LingConfig
+from ling_jax.model import LingForCausalLM
+from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4, is_float8
+from ling_jax.safetensors_io import CheckpointTensors
+
+SCALE_SUFFIX = "_scale_inv"  # <module>.weight_scale_inv sits beside <module>.weight
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match its config: the message names the tensor and the file."""
+
+
+class _Resolver:
+    """Finds checkpoint tensors by canonical name and returns them dequantised to float32."""
+
+    def __init__(self, tensors: CheckpointTensors, config: LingConfig):
+        self.tensors = tensors
+        self.config = config
+        self.by_name: dict[str, str] = {}
+        for stored in tensors:
+            if stored.endswith(SCALE_SUFFIX) or ignored(stored, config):
+                continue
+            self.by_name[canonical(stored)] = stored
+
+    def read(self, name: str, expected: tuple[int, ...]) -> np.ndarray:
+        stored = self.by_name.get(name)
+        if stored is None:
+            raise CheckpointError(f"{self.tensors.directory}: tensor '{name}' is missing from every shard")
+        file, dtype, shape = self.tensors.file_of(stored), self.tensors.dtype(stored), self.tensors.shape(stored)
+        scale_name = stored + SCALE_SUFFIX
+        has_scale = scale_name in self.tensors
+        if dtype in (np.uint8, np.int8) and has_scale:  # MXFP4: two E2M1 codes per byte
+            packed_shape = (*expected[:-1], -(-expected[-1] // 2))
+            self._check_shape(stored, file, shape, packed_shape, "packed MXFP4 ")
+            try:
+                return dequantize_mxfp4(self.tensors.get(stored), self.tensors.get(scale_name))[..., :expected[-1]]
+            except ValueError as e:
+                raise CheckpointError(f"{self.tensors.file_of(scale_name)}: '{scale_name}': {e}") from e
+        self._check_shape(stored, file, shape, expected, "")
+        if is_float8(dtype):
+            if not has_scale:
+                raise CheckpointError(f"{file}: FP8 tensor '{stored}' has no '{scale_name}' beside it")
+            block = self.config.quantization.weight_block_size if self.config.quantization else (128, 128)
+            try:
+                return dequantize_fp8_block(self.tensors.get(stored), self.tensors.get(scale_name), block)
+            except ValueError as e:
+                raise CheckpointError(f"{self.tensors.file_of(scale_name)}: '{scale_name}': {e}") from e
+        if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+            raise CheckpointError(f"{file}: tensor '{stored}' has dtype {dtype}, expected a float type")
+        return np.asarray(self.tensors.get(stored), np.float32)
+
+    @staticmethod
+    def _check_shape(stored, file, shape, expected, what):
+        if tuple(shape) != tuple(expected):
+            raise CheckpointError(f"{file}: tensor '{stored}' has {what}shape {list(shape)}, "
+                                  f"expected {list(expected)} from config.json")
+
+    def unused(self, used: set[str]) -> list[str]:
+        return sorted(set(self.by_name) - used)
+
+
+def _load(resolver: _Resolver, source: TensorSource) -> np.ndarray:
+    arrays = [resolver.read(name, source.shape) for name in source.names]
+    return np.stack(arrays) if source.stacked else arrays[0]
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool = True) -> LingForCausalLM:
+    """Build `LingForCausalLM` from a HF-format checkpoint directory.
+
+    Reads `config.json` and `model.safetensors` (or the shards of `model.safetensors.index.json`) lazily,
+    tensor by tensor. FP8 weights (float8 with a `weight_scale_inv` sibling) and MXFP4 experts (packed bytes
+    with E8M0 scales) are dequantised; A_log, dt_bias, conv weights and the expert bias stay fp32, the rest
+    becomes `dtype`. A missing, unknown or mis-shaped tensor raises `CheckpointError` naming it and its file.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    config = LingConfig.from_pretrained(path)
+    resolver = _Resolver(CheckpointTensors(path), config)
+    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, abstract_state = nnx.split(abstract)
+    flat = nnx.to_flat_state(abstract_state)
+    plan = [(p, v, source_for(p, v.get_value().shape, config)) for p, v in flat]
+    used = {name for _, _, source in plan for name in source.names}
+    unknown = resolver.unused(used)
+    if unknown:
+        shown = ", ".join(f"'{n}' ({os.path.basename(resolver.tensors.file_of(resolver.by_name[n]))})"
+                          for n in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise CheckpointError(f"{path}: tensors not used by the config: {shown}{more}")
+    loaded = []
+    for p, variable, source in tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress):
+        value = _load(resolver, source)
+        loaded.append((p, variable.replace(jnp.asarray(value.reshape(variable.get_value().shape),
+                                                       variable.get_value().dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
