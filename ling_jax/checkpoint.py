@@ -31,9 +31,25 @@ class _Resolver:
         self.config = config
         self.by_name: dict[str, str] = {}
         for stored in tensors:
-            if stored.endswith(SCALE_SUFFIX) or ignored(stored, config):
+            if ignored(stored, config):
                 continue
-            self.by_name[canonical(stored)] = stored
+            if stored.endswith(SCALE_SUFFIX):
+                self._check_scale_owner(stored)
+                continue
+            name = canonical(stored)
+            if name in self.by_name:
+                raise CheckpointError(f"{tensors.file_of(stored)}: '{stored}' and '{self.by_name[name]}' "
+                                      f"({tensors.file_of(self.by_name[name])}) are the same tensor spelled twice")
+            self.by_name[name] = stored
+
+    def _check_scale_owner(self, scale_name: str) -> None:
+        weight = scale_name[:-len(SCALE_SUFFIX)]
+        file = self.tensors.file_of(scale_name)
+        if weight not in self.tensors:
+            raise CheckpointError(f"{file}: '{scale_name}' has no '{weight}' to scale")
+        dtype = self.tensors.dtype(weight)
+        if not (is_float8(dtype) or dtype in (np.uint8, np.int8)):
+            raise CheckpointError(f"{file}: '{scale_name}' scales '{weight}', which is {dtype}, not FP8 or MXFP4")
 
     def read(self, name: str, expected: tuple[int, ...]) -> np.ndarray:
         stored = self.by_name.get(name)

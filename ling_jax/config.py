@@ -294,7 +294,7 @@ class LingConfig:
 
 
 def _refuse_unsupported(r: _Reader) -> None:
-    if r.get("short_conv_kernel_size", 0) is None:
+    if "short_conv_kernel_size" in r.raw and r.raw["short_conv_kernel_size"] is None:
         raise _fail("short_conv_kernel_size", "null selects the Ling-2.5 lightning-attention path, which is not supported")
     if r.get("full_attention_type", "mla") != "mla":
         raise _fail("full_attention_type", "only 'mla' (Ling 3.x) is supported")
