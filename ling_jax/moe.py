@@ -100,6 +100,5 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         weights, experts = self.gate(x_TD)
-        self.sow(nnx.Intermediate, "expert_choices", experts)  # [T, k]; read with nnx.pop(model, nnx.Intermediate)
         routed = self.experts(x_TD, weights, experts)
         return (routed + self.shared_experts(x_TD)).reshape(x_BTD.shape)
