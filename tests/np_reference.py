@@ -232,6 +232,24 @@ def _l2norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+def kda_recurrence(q, k, v, g, beta, initial_state=None):
+    """The delta rule of spec §2 step 7 on already-normalised q, k: q, k [B,T,H,d], v [B,T,H,dv], g [B,T,H,d],
+    beta [B,T,H]; returns (o [B,T,H,dv], final state [B,H,d,dv]), float64."""
+    q, k, v, g, beta = (np.asarray(x, F64) for x in (q, k, v, g, beta))
+    B, T, H, d = q.shape
+    dv = v.shape[-1]
+    S = np.zeros((B, H, d, dv), F64) if initial_state is None else np.array(initial_state, F64)
+    o = np.zeros((B, T, H, dv), F64)
+    qs = q / math.sqrt(d)
+    for t in range(T):
+        S = S * np.exp(g[:, t])[..., None]  # decay row i by exp(g_t[i])
+        pred = np.einsum("bhkv,bhk->bhv", S, k[:, t])  # S^T k
+        delta = beta[:, t][..., None] * (v[:, t] - pred)
+        S = S + k[:, t][..., :, None] * delta[..., None, :]
+        o[:, t] = np.einsum("bhkv,bhk->bhv", S, qs[:, t])
+    return o, S
+
+
 def _kda_attention(weights: Mapping, config: Mapping, prefix: str, x_BTD: np.ndarray) -> np.ndarray:
     H = _kda_num_heads(config)
     d = _kda_head_dim(config)
@@ -281,16 +299,7 @@ def _kda_attention(weights: Mapping, config: Mapping, prefix: str, x_BTD: np.nda
 
     beta = _sigmoid(_linear(x_BTD, _w(weights, p + "b_proj.weight")))  # [B, T, H]
 
-    # recurrence: S [B, H, d(key), dv(value)]
-    S = np.zeros((B, H, d, dv), F64)
-    o = np.zeros((B, T, H, dv), F64)
-    qs = q / math.sqrt(d)
-    for t in range(T):
-        S = S * np.exp(g[:, t])[..., None]  # decay row i by exp(g_t[i])
-        pred = np.einsum("bhkv,bhk->bhv", S, k[:, t])  # S^T k
-        delta = beta[:, t][..., None] * (v[:, t] - pred)
-        S = S + k[:, t][..., :, None] * delta[..., None, :]
-        o[:, t] = np.einsum("bhkv,bhk->bhv", S, qs[:, t])
+    o, _ = kda_recurrence(q, k, v, g, beta)
 
     # gated RMSNorm per head
     w_on = _w(weights, p + "o_norm.weight")
