@@ -311,13 +311,21 @@ def _refuse_unsupported(r: _Reader) -> None:
         raise _fail("router_dtype", "the router runs in fp32")
 
 
+def _explicit_types(r: _Reader, key: str, names: dict[str, str]) -> tuple[str, ...] | None:
+    """transformers' explicit per-layer type list, translated; None when the key is absent."""
+    explicit = r.get(key)
+    if explicit is None:
+        return None
+    unknown = sorted({t for t in explicit if t not in names})
+    if unknown:
+        raise _fail(key, f"unknown entries {unknown}; expected {sorted(names)}")
+    return tuple(names[t] for t in explicit)
+
+
 def _parse_layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
-    explicit = r.get("layer_types")
+    explicit = _explicit_types(r, "layer_types", _HF_LAYER_TYPES)
     if explicit is not None:
-        unknown = sorted({t for t in explicit if t not in _HF_LAYER_TYPES})
-        if unknown:
-            raise _fail("layer_types", f"unknown entries {unknown}; expected {sorted(_HF_LAYER_TYPES)}")
-        return tuple(_HF_LAYER_TYPES[t] for t in explicit)
+        return explicit
     group = r.require("layer_group_size")
     if isinstance(group, list):
         if len(group) != num_layers:
@@ -332,12 +340,9 @@ def _parse_layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
 
 
 def _parse_mlp_layer_types(r: _Reader, num_layers: int, num_experts: int) -> tuple[str, ...]:
-    explicit = r.get("mlp_layer_types")
+    explicit = _explicit_types(r, "mlp_layer_types", _HF_MLP_TYPES)
     if explicit is not None:
-        unknown = sorted({t for t in explicit if t not in _HF_MLP_TYPES})
-        if unknown:
-            raise _fail("mlp_layer_types", f"unknown entries {unknown}; expected {sorted(_HF_MLP_TYPES)}")
-        return tuple(_HF_MLP_TYPES[t] for t in explicit)
+        return explicit
     if num_experts == 1:
         return (DENSE,) * num_layers
     first_dense = int(r.require("first_k_dense_replace"))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 import np_reference as npr
 from checkpoint_factory import make_quantized_checkpoint, read_checkpoint_raw, write_hf_checkpoint
@@ -64,6 +65,12 @@ BASE = dict(
     pad_token_id=0,
     eos_token_id=1,
 )
+
+
+# jitted once per config (models with equal configs share the compiled program); eager dispatch of every op
+# would cost several seconds per model.
+forward = nnx.jit(lambda model, ids_BT: model(ids_BT))
+draft = nnx.jit(lambda model, hidden_BTD, next_ids_BT: model.draft_logits(hidden_BTD, next_ids_BT))
 
 
 def config(**changes) -> dict:
@@ -232,7 +239,7 @@ class Case:
 
     def check_logits(self, label: str, dtype=jnp.float32, tol: float = TOL_F32):
         model = self.load(dtype)
-        out = model(jnp.asarray(self.ids))
+        out = forward(model, jnp.asarray(self.ids))
         assert out.logits.shape == self.ref["logits"].shape
         err = rel_err(out.logits, self.ref["logits"])
         line = report(label, err)
@@ -298,7 +305,7 @@ def test_qlora_mla_bfloat16(tmp_path):
     ref = ref_logits(weights, cfg, ids)
     model = load_hf_checkpoint(tmp_path, dtype=jnp.bfloat16, progress=False)
     assert model.model.layers[1].attention.q_b_proj.weight[...].dtype == jnp.bfloat16
-    logits = model(jnp.asarray(ids)).logits
+    logits = forward(model, jnp.asarray(ids)).logits
     keep_fp32 = ("A_log", "dt_bias", "conv1d", "expert_bias")
     rounded = {name: w if any(k in name for k in keep_fp32) else w.astype(ml_dtypes.bfloat16).astype(np.float32)
                for name, w in weights.items()}
@@ -394,8 +401,7 @@ def test_mtp_draft_logits(tmp_path):
     assert rel_err(ref_logits(case.weights, wrong_index, case.ids), case.ref["logits"]) == 0.0
     assert f"model.layers.{L}.eh_proj.weight" in case.weights
     model, out = case.check_logits("MTP checkpoint, main logits")
-    draft = model.draft_logits(out.hidden, jnp.asarray(next_ids)).logits
-    err = rel_err(draft, ref_draft)
+    err = rel_err(draft(model, out.hidden, jnp.asarray(next_ids)).logits, ref_draft)
     line = report("MTP draft logits", err)
     assert err <= TOL_F32, line
 
@@ -474,7 +480,7 @@ def check_quantized(src, dst, label, **quant_kwargs):
     ids = random_ids(cfg, T_SHORT, seed=7)
     ref = npr.forward(weights, cfg, ids)["logits"]
     model = load_hf_checkpoint(dst, dtype=jnp.float32, progress=False)
-    err = rel_err(model(jnp.asarray(ids)).logits, ref)
+    err = rel_err(forward(model, jnp.asarray(ids)).logits, ref)
     line = report(label, err)
     assert err <= TOL_F32, f"{line} > {TOL_F32}"
 
