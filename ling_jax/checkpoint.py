@@ -93,20 +93,23 @@ def _load(resolver: _Resolver, source: TensorSource) -> np.ndarray:
     return np.stack(arrays) if source.stacked else arrays[0]
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool = True) -> LingForCausalLM:
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool = True,
+                       kernel_backend: str = "auto") -> LingForCausalLM:
     """Build `LingForCausalLM` from a HF-format checkpoint directory.
 
     Reads `config.json` and `model.safetensors` (or the shards of `model.safetensors.index.json`) lazily,
     tensor by tensor. FP8 weights (float8 with a `weight_scale_inv` sibling) and MXFP4 experts (packed bytes
     with E8M0 scales) are dequantised; A_log, dt_bias, conv weights and the expert bias stay fp32, the rest
     becomes `dtype`. A missing, unknown or mis-shaped tensor raises `CheckpointError` naming it and its file.
+    kernel_backend: as for `LingForCausalLM`.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     config = LingConfig.from_pretrained(path)
     resolver = _Resolver(CheckpointTensors(path), config)
-    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                                      kernel_backend=kernel_backend))
     graphdef, abstract_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abstract_state)
     plan = [(p, v, source_for(p, v.get_value().shape, config)) for p, v in flat]

@@ -203,6 +203,8 @@ class LingConfig:
             raise _fail("q_lora_rank", f"must be null or positive, got {self.q_lora_rank}")
         if self.kda_safe_gate and self.kda_lower_bound >= 0:
             raise _fail("kda_lower_bound", f"must be negative with the safe gate, got {self.kda_lower_bound}")
+        if self.num_nextn_predict_layers not in (0, 1):
+            raise _fail("num_nextn_predict_layers", f"Ling has at most one MTP layer, got {self.num_nextn_predict_layers}")
         if self.rope.is_yarn and not self.rope.original_max_position_embeddings:
             raise _fail("rope_scaling.original_max_position_embeddings", "required for YaRN")
         if self.quantization and len(self.quantization.weight_block_size) != 2:

@@ -13,6 +13,7 @@ from flax import nnx
 from ling_jax.config import LingConfig
 from ling_jax.layers import Linear, RMSNorm
 from ling_jax.rope import apply_rope, softmax_scale
+from pallas_kernels.mla.ops import mla_decode
 from pallas_kernels.mla.reference import MASKED_SCORE, absorbed_attention
 
 EXPANDED = "expanded"
@@ -62,17 +63,24 @@ class MultiLatentAttention(nnx.Module):
                                                 c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-    def __call__(self, x_BTD, cos, sin, *, keys_BSA, visible_BTS, mode: str = EXPANDED) -> jax.Array:
+    def __call__(self, x_BTD, cos, sin, *, keys_BSA, visible_BTS, mode: str = EXPANDED,
+                 decode_lengths_B=None, kernel_backend: str = "reference") -> jax.Array:
         """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
 
         cos, sin: [B, T, rope_dim/2] for the queries. visible_BTS: which keys each query may see.
+        decode_lengths_B: for a one-token decode over a cache whose first lengths[b] slots are visible, the
+        absorbed form runs `pallas_kernels.mla.mla_decode` with `kernel_backend`.
         """
         c = self.config
         q_nope, q_pe = self._queries(x_BTD, cos, sin)
         w_uk, w_uv = self._kv_b_heads()
         if mode == ABSORBED:
             q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
-            o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visible_BTS, scale=self.scale)
+            if decode_lengths_B is None:
+                o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visible_BTS, scale=self.scale)
+            else:
+                o_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=self.scale,
+                                      backend=kernel_backend)[:, None]
             o_BTHV = jnp.einsum("bthr,hvr->bthv", o_latent, w_uv.astype(jnp.float32)).astype(x_BTD.dtype)
         elif mode == EXPANDED:
             o_BTHV = self._expanded(q_nope, q_pe, keys_BSA.astype(x_BTD.dtype), visible_BTS, w_uk, w_uv)

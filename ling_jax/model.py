@@ -40,14 +40,17 @@ class TokenContext:
     visible_BTS: jax.Array  # which keys (cache slots, or the T tokens themselves) each query may see
     kda_mode: str
     mla_mode: str
+    decode_lengths_B: jax.Array | None  # one-token decode over a cache: the visible prefix per sequence
+    kernel_backend: str  # pallas_kernels backend for decode ("auto", "reference", "pallas_gpu", ...)
 
 
 def token_context(config: LingConfig, batch: int, length: int, *, positions, attention_mask, lengths,
-                  max_length, kda_mode, mla_mode) -> TokenContext:
+                  max_length, kda_mode, mla_mode, kernel_backend: str = "auto") -> TokenContext:
     """Masks, slots and RoPE tables for a call; `lengths` is the cache's [B] token count, or None."""
     mask = None if attention_mask is None else attention_mask.astype(bool)
     real = jnp.ones((batch, length), bool) if mask is None else mask
     offsets_BT = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1  # index of each real token among the new ones
+    decode_lengths = None
     if lengths is None:
         index = jnp.arange(length)
         visible = (index[None, :, None] >= index[None, None, :]) & real[:, None, :]
@@ -60,6 +63,8 @@ def token_context(config: LingConfig, batch: int, length: int, *, positions, att
         visible = ((slot_index[None, None, :] <= jnp.where(real, slots_real, -1)[..., None])
                    & (slot_index[None, None, :] < new_lengths[:, None, None]))
         default_positions = jnp.maximum(slots_real, 0)
+        if length == 1:
+            decode_lengths = new_lengths
     if positions is None:
         positions = default_positions
     cos, sin = rope_cos_sin(jnp.broadcast_to(positions, (batch, length)), config)
@@ -67,7 +72,7 @@ def token_context(config: LingConfig, batch: int, length: int, *, positions, att
         kda_mode = RECURRENT if length == 1 else CHUNKED
     if mla_mode is None:
         mla_mode = ABSORBED if (length == 1 and lengths is not None) else EXPANDED
-    return TokenContext(mask, cos, sin, slots, visible, kda_mode, mla_mode)
+    return TokenContext(mask, cos, sin, slots, visible, kda_mode, mla_mode, decode_lengths, kernel_backend)
 
 
 class DecoderLayer(nnx.Module):
@@ -102,7 +107,9 @@ class DecoderLayer(nnx.Module):
             rows = jnp.arange(x.shape[0])[:, None]
             keys = state.latent.at[rows, ctx.slots_BT].set(latent_BTA.astype(state.latent.dtype), mode="drop")
             state = MLAState(latent=keys)
-        return self.attention(x, ctx.cos, ctx.sin, keys_BSA=keys, visible_BTS=ctx.visible_BTS, mode=ctx.mla_mode), state
+        y = self.attention(x, ctx.cos, ctx.sin, keys_BSA=keys, visible_BTS=ctx.visible_BTS, mode=ctx.mla_mode,
+                           decode_lengths_B=ctx.decode_lengths_B, kernel_backend=ctx.kernel_backend)
+        return y, state
 
 
 class Embedding(nnx.Module):
@@ -123,7 +130,7 @@ class LingModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
-                 kda_mode: str | None = None, mla_mode: str | None = None):
+                 kda_mode: str | None = None, mla_mode: str | None = None, kernel_backend: str = "auto"):
         """-> (final-normed hidden [B, T, D], updated cache or None)."""
         c = self.config
         batch, length = input_ids_BT.shape
@@ -131,7 +138,7 @@ class LingModel(nnx.Module):
         ctx = token_context(c, batch, length, positions=positions, attention_mask=attention_mask,
                             lengths=None if cache is None else cache.lengths,
                             max_length=0 if cache is None else cache.max_length,
-                            kda_mode=kda_mode, mla_mode=mla_mode)
+                            kda_mode=kda_mode, mla_mode=mla_mode, kernel_backend=kernel_backend)
         if cache is None:
             states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
         else:
@@ -169,9 +176,12 @@ class LingForCausalLM(nnx.Module):
     (1 = real, 0 = pad) may mark pads anywhere; pads never change real tokens' outputs or the cache.
     """
 
-    def __init__(self, config: LingConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16):
+    def __init__(self, config: LingConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, kernel_backend: str = "auto"):
+        """kernel_backend: Pallas kernels for decode ("auto": GPU/TPU kernels on those platforms, jnp on CPU;
+        "reference", "pallas_gpu", "pallas_tpu", or "interpret_gpu" / "interpret_tpu" for CPU tests)."""
         self.config = config
         self.dtype = dtype
+        self.kernel_backend = kernel_backend
         self.model = LingModel(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
@@ -186,7 +196,7 @@ class LingForCausalLM(nnx.Module):
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
                  kda_mode: str | None = None, mla_mode: str | None = None) -> LingOutput:
         hidden, cache = self.model(input_ids_BT, positions=positions, cache=cache, attention_mask=attention_mask,
-                                   kda_mode=kda_mode, mla_mode=mla_mode)
+                                   kda_mode=kda_mode, mla_mode=mla_mode, kernel_backend=self.kernel_backend)
         return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> LingCache:
@@ -205,7 +215,7 @@ class LingForCausalLM(nnx.Module):
         ctx = token_context(self.config, batch, length, positions=positions, attention_mask=attention_mask,
                             lengths=None if cache is None else cache.lengths,
                             max_length=0 if cache is None else cache.layer.latent.shape[1],
-                            kda_mode=None, mla_mode=None)
+                            kda_mode=None, mla_mode=None, kernel_backend=self.kernel_backend)
         embeds = self.model.word_embeddings(next_ids_BT)
         hidden, state = self.mtp.draft_hidden(embeds, hidden_BTD.astype(embeds.dtype), ctx,
                                               None if cache is None else cache.layer)

@@ -26,3 +26,24 @@ def absorbed_attention(q_latent_BTHR, q_rope_BTHP, kv_cache_BSA, visible_BTS, *,
     scores_BTHS = jnp.where(visible_BTS[:, :, None, :], scores_BTHS, MASKED_SCORE)
     probs_BTHS = jax.nn.softmax(scores_BTHS, axis=-1)
     return jnp.einsum("bths,bsr->bthr", probs_BTHS, c_kv_BSR)
+
+
+def mla_decode_reference(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float) -> jax.Array:
+    """One query token per sequence over the first lengths[b] cache slots; returns o_latent [B, H, R] fp32."""
+    slots = jnp.arange(kv_cache_BLA.shape[1])
+    visible_B1L = (slots[None, :] < lengths_B[:, None])[:, None, :]
+    o = absorbed_attention(q_latent_BHR[:, None], q_rope_BHP[:, None], kv_cache_BLA, visible_B1L, scale=scale)
+    return o[:, 0]
+
+
+def combine_splits(o_BSHR: jax.Array, lse_BSH: jax.Array) -> jax.Array:
+    """Exact merge of per-split softmax results (flash-decoding): o = sum_s softmax_s(lse) * o_s.
+
+    A split that saw no key has lse = -inf and weight 0; a sequence with no key at all gets zeros.
+    """
+    lse_max = jnp.max(lse_BSH, axis=1, keepdims=True)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    weights_BSH = jnp.exp(lse_BSH - lse_max)
+    total_B1H = jnp.sum(weights_BSH, axis=1, keepdims=True)
+    weights_BSH = weights_BSH / jnp.where(total_B1H > 0, total_B1H, 1.0)
+    return jnp.einsum("bsh,bshr->bhr", weights_BSH, o_BSHR)

@@ -1,0 +1,97 @@
+"""Absorbed-MLA decode on GPU: a Pallas kernel (Triton lowering), flash-decoding over sequence splits.
+
+Program (head block, split, batch) walks its split of one sequence's latent cache in blocks of `block_k`
+slots, all heads of the block sharing each loaded [c_kv ; k_pe] tile (the attention is MQA), and writes
+its softmax-normalised partial output plus log-sum-exp; `combine_splits` merges the splits exactly.
+Head blocks vary fastest in the grid so the programs that share a cache tile run together (L2 reuse).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.mla.reference import combine_splits
+
+MIN_HEAD_BLOCK = 16  # the smallest M of a tensor-core dot
+
+
+def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_ref, o_ref, lse_ref, *,
+                  scale: float, block_k: int, split_len: int):
+    split = pl.program_id(1)
+    length = lengths_ref[...]
+    start = split * split_len
+    q_latent = q_latent_ref[...]  # [hb, R]
+    q_rope = q_rope_ref[...]  # [hb, P]
+    heads, latent_dim = q_latent.shape
+    offsets = jnp.arange(block_k)
+
+    def body(i, carry):
+        acc_HR, m_H, l_H = carry
+        first = start + i * block_k
+        valid_K = first + offsets < length
+        rows = pl.ds(first, block_k)
+        k_latent = plgpu.load(kv_latent_ref.at[rows, :], mask=valid_K[:, None], other=0.0)
+        k_rope = plgpu.load(kv_rope_ref.at[rows, :], mask=valid_K[:, None], other=0.0)
+        scores = (plgpu.dot(q_latent, k_latent, trans_b=True) + plgpu.dot(q_rope, k_rope, trans_b=True)) * scale
+        scores = jnp.where(valid_K[None, :], scores, -jnp.inf)
+        m_new = jnp.maximum(m_H, jnp.max(scores, axis=1))
+        p = jnp.exp(scores - m_new[:, None])
+        correction = jnp.exp(m_H - m_new)
+        acc_HR = acc_HR * correction[:, None] + plgpu.dot(p.astype(k_latent.dtype), k_latent)
+        return acc_HR, m_new, l_H * correction + jnp.sum(p, axis=1)
+
+    num_blocks = jnp.clip(pl.cdiv(length - start, block_k), 0, split_len // block_k)
+    init = (jnp.zeros((heads, latent_dim), jnp.float32), jnp.full((heads,), -1e30, jnp.float32),
+            jnp.zeros((heads,), jnp.float32))
+    acc_HR, m_H, l_H = jax.lax.fori_loop(0, num_blocks, body, init)
+    seen = l_H > 0
+    o_ref[...] = (acc_HR / jnp.where(seen, l_H, 1.0)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m_H + jnp.log(jnp.where(seen, l_H, 1.0)), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "head_block", "num_warps",
+                                             "num_stages", "interpret"))
+def mla_decode_gpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int = 32,
+                   num_splits: int | None = None, head_block: int = 16, num_warps: int = 4, num_stages: int = 2,
+                   interpret: bool = False):
+    """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R and P must be multiples of P (512, 64 for Ling)."""
+    batch, heads, latent_dim = q_latent_BHR.shape
+    rope_dim = q_rope_BHP.shape[-1]
+    max_len = kv_cache_BLA.shape[1]
+    if latent_dim % rope_dim:
+        raise ValueError(f"latent dim {latent_dim} must be a multiple of the rope dim {rope_dim}")
+    if num_splits is None:  # enough programs to fill ~132 SMs a few times over
+        num_splits = max(1, min(pl.cdiv(512, batch * pl.cdiv(heads, head_block)), pl.cdiv(max_len, 4 * block_k)))
+    split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
+    padded_heads = pl.cdiv(heads, head_block) * head_block
+    pad = ((0, 0), (0, padded_heads - heads), (0, 0))
+    q_latent = jnp.pad(q_latent_BHR.astype(kv_cache_BLA.dtype), pad)
+    q_rope = jnp.pad(q_rope_BHP.astype(kv_cache_BLA.dtype), pad)
+    grid = (padded_heads // head_block, num_splits, batch)
+    kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, split_len=split_len)
+    o_BSHR, lse_BSH = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None,), lambda h, s, b: (b,)),
+            pl.BlockSpec((None, head_block, latent_dim), lambda h, s, b: (b, h, 0)),
+            pl.BlockSpec((None, head_block, rope_dim), lambda h, s, b: (b, h, 0)),
+            pl.BlockSpec((None, max_len, latent_dim), lambda h, s, b: (b, 0, 0)),
+            pl.BlockSpec((None, max_len, rope_dim), lambda h, s, b: (b, 0, latent_dim // rope_dim)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, head_block, latent_dim), lambda h, s, b: (b, s, h, 0)),
+            pl.BlockSpec((None, None, head_block), lambda h, s, b: (b, s, h)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_splits, padded_heads, latent_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, num_splits, padded_heads), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="mla_decode_split",
+    )(lengths_B.astype(jnp.int32), q_latent, q_rope, kv_cache_BLA, kv_cache_BLA)
+    return combine_splits(o_BSHR, lse_BSH)[:, :heads]
