@@ -29,6 +29,7 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_
     q_rope = q_rope_ref[...]  # [hb, P]
     heads, latent_dim = q_latent.shape
     offsets = jnp.arange(block_k)
+    dot = functools.partial(plgpu.dot, allow_tf32=q_latent.dtype != jnp.float32)  # fp32 caches stay exact
 
     def body(i, carry):
         acc_HR, m_H, l_H = carry
@@ -37,12 +38,12 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_
         rows = pl.ds(first, block_k)
         k_latent = plgpu.load(kv_latent_ref.at[rows, :], mask=valid_K[:, None], other=0.0)
         k_rope = plgpu.load(kv_rope_ref.at[rows, :], mask=valid_K[:, None], other=0.0)
-        scores = (plgpu.dot(q_latent, k_latent, trans_b=True) + plgpu.dot(q_rope, k_rope, trans_b=True)) * scale
+        scores = (dot(q_latent, k_latent, trans_b=True) + dot(q_rope, k_rope, trans_b=True)) * scale
         scores = jnp.where(valid_K[None, :], scores, -jnp.inf)
         m_new = jnp.maximum(m_H, jnp.max(scores, axis=1))
         p = jnp.exp(scores - m_new[:, None])
         correction = jnp.exp(m_H - m_new)
-        acc_HR = acc_HR * correction[:, None] + plgpu.dot(p.astype(k_latent.dtype), k_latent)
+        acc_HR = acc_HR * correction[:, None] + dot(p.astype(k_latent.dtype), k_latent)
         return acc_HR, m_new, l_H * correction + jnp.sum(p, axis=1)
 
     num_blocks = jnp.clip(pl.cdiv(length - start, block_k), 0, split_len // block_k)

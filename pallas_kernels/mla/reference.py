@@ -17,15 +17,18 @@ def absorbed_attention(q_latent_BTHR, q_rope_BTHP, kv_cache_BSA, visible_BTS, *,
     """Softmax over cached slots; returns the latent output [B, T, H, R] in fp32.
 
     kv_cache_BSA holds [c_kv (R) ; k_pe (P)] per slot; visible_BTS says which slots each query may see.
+    Products run in the cache dtype with fp32 accumulation (queries and probabilities are rounded to it).
     """
     latent_dim = q_latent_BTHR.shape[-1]
-    kv = kv_cache_BSA.astype(jnp.float32)
-    c_kv_BSR, k_pe_BSP = kv[..., :latent_dim], kv[..., latent_dim:]
-    scores_BTHS = (jnp.einsum("bthr,bsr->bths", q_latent_BTHR.astype(jnp.float32), c_kv_BSR)
-                   + jnp.einsum("bthp,bsp->bths", q_rope_BTHP.astype(jnp.float32), k_pe_BSP)) * scale
+    dtype = kv_cache_BSA.dtype
+    c_kv_BSR, k_pe_BSP = kv_cache_BSA[..., :latent_dim], kv_cache_BSA[..., latent_dim:]
+    scores_BTHS = (jnp.einsum("bthr,bsr->bths", q_latent_BTHR.astype(dtype), c_kv_BSR,
+                              preferred_element_type=jnp.float32)
+                   + jnp.einsum("bthp,bsp->bths", q_rope_BTHP.astype(dtype), k_pe_BSP,
+                                preferred_element_type=jnp.float32)) * scale
     scores_BTHS = jnp.where(visible_BTS[:, :, None, :], scores_BTHS, MASKED_SCORE)
     probs_BTHS = jax.nn.softmax(scores_BTHS, axis=-1)
-    return jnp.einsum("bths,bsr->bthr", probs_BTHS, c_kv_BSR)
+    return jnp.einsum("bths,bsr->bthr", probs_BTHS.astype(dtype), c_kv_BSR, preferred_element_type=jnp.float32)
 
 
 def mla_decode_reference(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float) -> jax.Array:

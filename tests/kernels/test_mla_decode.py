@@ -73,6 +73,21 @@ def test_kernel_matches_float64_attention(kernel, heads, max_len, dtype):
     assert err <= TOL[dtype], f"{kernel} H={heads} L={max_len} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.parametrize("heads", [1, 4, 64])
+@pytest.mark.parametrize("max_len", [1, 17, 300, 40000])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_gpu_kernel_matches_float64_attention(heads, max_len, dtype):
+    (q_latent, q_rope, cache), lengths = random_case(heads, max_len, dtype, seed=heads + max_len)
+    scale = 1 / np.sqrt(192)
+    out = mla_decode_gpu(jnp.asarray(q_latent, dtype), jnp.asarray(q_rope, dtype), jnp.asarray(cache, dtype),
+                         jnp.asarray(lengths, jnp.int32), scale=scale)
+    err = rel_error(out, float64_attention(q_latent, q_rope, cache, lengths, scale))
+    assert err <= TOL[dtype], f"compiled GPU kernel H={heads} L={max_len}: rel. error {err:.2e}"
+
+
 @pytest.mark.parametrize("backend", ["interpret_gpu", "interpret_tpu", "interpret", "reference"])
 def test_dispatcher_and_many_splits(backend):
     (q_latent, q_rope, cache), lengths = random_case(8, 300, jnp.float32, seed=5)

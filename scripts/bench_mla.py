@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Absorbed-MLA decode: the Pallas GPU kernel vs XLA's einsum implementation, on one GPU.
+
+    python scripts/bench_mla.py                 # the issue's sizes, H=64, bf16 cache, full lengths
+    python scripts/bench_mla.py --quick         # small sizes (smoke test)
+
+For each size: device correctness of every kernel variant against the jnp reference (fp32 upcast), then
+median wall time per call (after warm-up, synchronised), cache bytes/s and FLOP/s, and the ratio to XLA.
+Also measures a device-to-device copy as the bandwidth ceiling. Prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.mla.decode_gpu import mla_decode_gpu  # noqa: E402
+from pallas_kernels.mla.reference import mla_decode_reference  # noqa: E402
+
+LATENT, ROPE, HEADS = 512, 64, 64
+SIZES = [(64, 32768), (8, 131072), (1, 262144)]
+QUICK_SIZES = [(4, 4096), (1, 8192)]
+# (block_k, head_block, num_warps, num_stages)
+VARIANTS = [(32, 16, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (32, 64, 8, 2),
+            (64, 64, 8, 2), (32, 16, 4, 3)]
+
+
+def timed(fn, *args, iters: int) -> float:
+    """Median seconds per call of a jitted fn, synchronised, after two warm-up calls."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def rel_error(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
+    return 2 * nbytes / timed(copy, x, iters=iters)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
+    print(f"jax {jax.__version__}, devices {jax.devices()}")
+    scale = 1 / np.sqrt(192)
+    ceiling = copy_bandwidth(2 << 30, args.iters)
+    print(f"device copy: {ceiling / 1e12:.2f} TB/s (bytes read + written)")
+    rows = []
+    for batch, length in (QUICK_SIZES if args.quick else SIZES):
+        keys = jax.random.split(jax.random.key(batch * length), 3)
+        q_latent = 0.2 * jax.random.normal(keys[0], (batch, HEADS, LATENT), jnp.bfloat16)
+        q_rope = jax.random.normal(keys[1], (batch, HEADS, ROPE), jnp.bfloat16)
+        cache = jax.random.normal(keys[2], (batch, length, LATENT + ROPE), jnp.bfloat16)
+        lengths = jnp.full((batch,), length, jnp.int32)
+        cache_bytes = cache.size * cache.dtype.itemsize
+        flops = 2 * batch * HEADS * length * (LATENT + ROPE + LATENT)
+        xla = jax.jit(functools.partial(mla_decode_reference, scale=scale))
+        ref = xla(q_latent.astype(jnp.float32), q_rope.astype(jnp.float32), cache.astype(jnp.float32), lengths)
+        xla_s = timed(xla, q_latent, q_rope, cache, lengths, iters=args.iters)
+        print(f"B={batch} L={length}: XLA einsum {xla_s * 1e3:.3f} ms, {cache_bytes / xla_s / 1e12:.2f} TB/s")
+        best = None
+        for block_k, head_block, warps, stages in VARIANTS:
+            fn = jax.jit(functools.partial(mla_decode_gpu, scale=scale, block_k=block_k, head_block=head_block,
+                                           num_warps=warps, num_stages=stages))
+            try:
+                err = rel_error(fn(q_latent, q_rope, cache, lengths), ref)
+                seconds = timed(fn, q_latent, q_rope, cache, lengths, iters=args.iters)
+            except Exception as e:  # a variant that does not compile (e.g. out of shared memory) is reported
+                print(f"  variant bk={block_k} hb={head_block} w={warps} s={stages}: FAILED {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:160]}")
+                continue
+            print(f"  variant bk={block_k} hb={head_block} w={warps} s={stages}: {seconds * 1e3:.3f} ms, "
+                  f"{cache_bytes / seconds / 1e12:.2f} TB/s, rel. error {err:.1e}")
+            assert err < 2e-2, f"kernel variant is wrong: rel. error {err}"
+            if best is None or seconds < best[0]:
+                best = (seconds, (block_k, head_block, warps, stages), err)
+        if best is None:
+            print(f"B={batch} L={length}: no kernel variant ran")
+            continue
+        seconds, variant, err = best
+        rows.append((batch, length, xla_s, seconds, variant, err, cache_bytes, flops))
+    print(f"\n| B | L | XLA ms | Pallas ms | speed-up | cache TB/s | % of copy | TFLOP/s | variant (bk,hb,warps,stages) |"
+          f" rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
+    for batch, length, xla_s, seconds, variant, err, cache_bytes, flops in rows:
+        print(f"| {batch} | {length} | {xla_s * 1e3:.3f} | {seconds * 1e3:.3f} | {xla_s / seconds:.2f}x | "
+              f"{cache_bytes / seconds / 1e12:.2f} | {100 * cache_bytes / seconds / ceiling:.0f}% | "
+              f"{flops / seconds / 1e12:.0f} | {variant} | {err:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
