@@ -17,8 +17,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla.reference import combine_splits
 
-MIN_HEAD_BLOCK = 16  # the smallest M of a tensor-core dot
-
 
 def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_ref, o_ref, lse_ref, *,
                   scale: float, block_k: int, split_len: int):
@@ -55,19 +53,35 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_
     lse_ref[...] = jnp.where(seen, m_H + jnp.log(jnp.where(seen, l_H, 1.0)), -jnp.inf)
 
 
+# (block_k, head_block, num_warps) by cache itemsize, measured on an H200 (BENCHMARKS.md); fp32 tiles need
+# half the size to fit the 227 KiB of shared memory with two pipeline stages.
+DEFAULT_TILES = {2: (64, 64, 8), 4: (32, 16, 4)}
+
+
+def default_num_splits(batch: int, head_blocks: int, max_len: int) -> int:
+    """About two programs per SM of an H100/H200 (132 SMs), splits of at most 4096 slots, and of at least
+    1024 so the fp32 partial outputs (written, then re-read by the combine) stay small next to the cache."""
+    wanted = max(pl.cdiv(264, batch * head_blocks), pl.cdiv(max_len, 4096))
+    return max(1, min(wanted, pl.cdiv(max_len, 1024)))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "head_block", "num_warps",
                                              "num_stages", "interpret"))
-def mla_decode_gpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int = 32,
-                   num_splits: int | None = None, head_block: int = 16, num_warps: int = 4, num_stages: int = 2,
-                   interpret: bool = False):
-    """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R and P must be multiples of P (512, 64 for Ling)."""
+def mla_decode_gpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int | None = None,
+                   num_splits: int | None = None, head_block: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 2, interpret: bool = False):
+    """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R must be a multiple of P (512 and 64 for Ling).
+    Tile sizes default to DEFAULT_TILES for the cache dtype; head_block >= 16 (heads are padded to it)."""
+    default_tiles = DEFAULT_TILES.get(kv_cache_BLA.dtype.itemsize, DEFAULT_TILES[4])
+    block_k, head_block, num_warps = (given or default for given, default in
+                                      zip((block_k, head_block, num_warps), default_tiles))
     batch, heads, latent_dim = q_latent_BHR.shape
     rope_dim = q_rope_BHP.shape[-1]
     max_len = kv_cache_BLA.shape[1]
     if latent_dim % rope_dim:
         raise ValueError(f"latent dim {latent_dim} must be a multiple of the rope dim {rope_dim}")
-    if num_splits is None:  # enough programs to fill ~132 SMs a few times over
-        num_splits = max(1, min(pl.cdiv(512, batch * pl.cdiv(heads, head_block)), pl.cdiv(max_len, 4 * block_k)))
+    if num_splits is None:
+        num_splits = default_num_splits(batch, pl.cdiv(heads, head_block), max_len)
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
     padded_heads = pl.cdiv(heads, head_block) * head_block
     pad = ((0, 0), (0, padded_heads - heads), (0, 0))

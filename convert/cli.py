@@ -1,0 +1,58 @@
+"""ling-convert SRC DST [--dtype bf16|fp8] [--workers N] [--resume] [--verify] [--overwrite] [--distributed]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from convert import ConvertError
+from convert.pipeline import Cluster, Options, convert
+from convert.plan import BF16, FP8_KEPT
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ling-convert",
+        description="Convert a HF-format Ling checkpoint (config.json + safetensors shards, block FP8 / MXFP4) "
+                    "into an Orbax checkpoint for ling_jax.load_checkpoint, streaming tensor by tensor.")
+    parser.add_argument("src", help="HF checkpoint directory (config.json, model.safetensors.index.json, shards)")
+    parser.add_argument("dst", help="Orbax checkpoint directory to create")
+    parser.add_argument("--dtype", choices=(BF16, FP8_KEPT), default=BF16,
+                        help="bf16: dequantise everything (A_log, dt_bias, convs, expert bias stay fp32); "
+                             "fp8: keep FP8 weights and MXFP4 experts (as FP8 codes) with their block scales")
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                        help="slices read, converted and written in parallel (default: min(4, CPUs))")
+    parser.add_argument("--resume", action="store_true", help="continue a killed conversion to DST")
+    parser.add_argument("--verify", action="store_true",
+                        help="re-read DST and compare it bit for bit with SRC, rejecting NaN/Inf, before publishing")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing DST (and discard an unfinished conversion to it)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="multi-host: join jax.distributed; each process converts the tensors it owns")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    options = Options(dtype=args.dtype, workers=args.workers, resume=args.resume, verify=args.verify,
+                      overwrite=args.overwrite, progress=not args.quiet)
+    try:
+        summary = convert(args.src, args.dst, options, Cluster.jax_distributed() if args.distributed else Cluster())
+    except (ConvertError, ValueError, OSError) as e:
+        print(f"ling-convert: error: {e}", file=sys.stderr)
+        return 1
+    rate = summary.bytes_read / summary.seconds / 1e9 if summary.seconds else 0.0
+    resumed = f", {summary.resumed} finished earlier" if summary.resumed else ""
+    verified = ", verified" if summary.verified else ""
+    print(f"ling-convert: {args.dst}: {summary.converted} parameters{resumed}; read {summary.bytes_read / 1e9:.2f} GB "
+          f"in {summary.seconds:.1f} s ({rate:.2f} GB/s){verified}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

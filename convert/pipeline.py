@@ -1,0 +1,173 @@
+"""The conversion: plan (every source tensor inspected) -> each slice read, transformed by a hook and written,
+on a thread pool -> per-process databases merged, metadata written -> optional verification -> the finished
+directory renamed to DST.
+
+Multi-host (best effort): under `jax.distributed` every process converts only the parameters it owns
+(`plan.owned_by`) into its own OCDBT database inside the shared workspace; process 0 merges them, writes the
+metadata and publishes DST between barriers. The workspace must be on a filesystem all processes share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from convert import ConvertError
+from convert.hooks import to_dense, to_fp8
+from convert.parallel import run_bounded
+from convert.plan import BF16, COMPUTE_DTYPE, ParamPlan, Slice, build_plan, owned_by
+from convert.source import read_rows
+from convert.store import ArrayStore, finalize
+from convert.verify import verify_params
+from convert.workspace import Journal, Workspace, check_destination
+from ling_jax.checkpoint import _Resolver
+from ling_jax.config import LingConfig
+from ling_jax.orbax_checkpoint import StoredLayout
+from ling_jax.safetensors_io import CheckpointTensors
+
+# Copied from SRC to DST beside the arrays (config.json, tokenizer and generation files).
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+              "vocab.*", "merges.txt", "*.tiktoken", "chat_template*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    dtype: str = BF16
+    workers: int = 2
+    resume: bool = False
+    verify: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+
+def _no_barrier(name: str) -> None:
+    del name
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The processes converting together, and how they wait for each other."""
+
+    process_index: int = 0
+    process_count: int = 1
+    barrier: Callable[[str], None] = _no_barrier
+
+    @classmethod
+    def jax_distributed(cls) -> Cluster:
+        """Join the job `jax.distributed.initialize()` detects (TPU pods, SLURM, JAX_COORDINATOR_ADDRESS...)."""
+        jax.distributed.initialize()
+        return cls(jax.process_index(), jax.process_count(), ocp.multihost.sync_global_processes)
+
+    @property
+    def primary(self) -> bool:
+        return self.process_index == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    converted: int  # parameters written by this run
+    resumed: int  # parameters an earlier, killed run had finished
+    bytes_read: int
+    seconds: float  # writing only
+    verified: bool
+
+
+def _write_params(plans: list[ParamPlan], tensors: CheckpointTensors, store: ArrayStore, journal: Journal,
+                  options: Options) -> None:
+    """Convert `plans` slice by slice; a parameter goes into the journal once all its slices are written."""
+    arrays: dict[str, tuple] = {}
+    slices_left = {plan.name: sum(1 for _ in plan.slices()) for plan in plans}
+    lock = threading.Lock()
+
+    def param_arrays(plan: ParamPlan) -> tuple:
+        with lock:
+            if plan.name not in arrays:
+                arrays[plan.name] = store.create_param(plan)
+            return arrays[plan.name]
+
+    def convert_slice(item: tuple[ParamPlan, Slice]) -> int:
+        plan, piece = item
+        values_array, scale_array = param_arrays(plan)
+        source = plan.sources[piece.expert or 0]
+        rows = read_rows(tensors, source, piece.start, piece.stop)
+        if scale_array is None:
+            writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype))]
+        else:
+            values, scale = to_fp8(rows, source)
+            writes = [(values_array[plan.index(piece)], values), (scale_array[plan.scale_index(piece)], scale)]
+        for target, value in writes:
+            target.write(value.reshape(target.shape)).result()
+        return rows.nbytes
+
+    def finished(item: tuple[ParamPlan, Slice], nbytes: int) -> None:
+        plan = item[0]
+        bar.update(nbytes)
+        slices_left[plan.name] -= 1
+        if not slices_left[plan.name]:
+            journal.record(plan.name)
+            with lock:
+                del arrays[plan.name]
+
+    items = ((plan, piece) for plan in plans for piece in plan.slices())
+    with tqdm(total=sum(plan.nbytes for plan in plans), desc="converting", unit="B", unit_scale=True,
+              unit_divisor=1024, disable=not options.progress) as bar:
+        run_bounded(items, convert_slice, options.workers, finished)
+
+
+def copy_side_files(src: str, dst: str) -> None:
+    for entry in sorted(os.listdir(src)):
+        path = os.path.join(src, entry)
+        if os.path.isfile(path) and any(fnmatch.fnmatch(entry, pattern) for pattern in SIDE_FILES):
+            shutil.copy2(path, os.path.join(dst, entry))
+
+
+def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster = Cluster()) -> Summary:
+    """Convert the HF checkpoint directory `src` into the Orbax checkpoint `dst` (see the module docstring)."""
+    src, dst = os.path.abspath(src), os.path.abspath(dst)
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"source checkpoint directory not found: {src}")
+    if src == dst:
+        raise ConvertError(f"{dst}: the destination must differ from the source")
+    check_destination(dst, options.overwrite)
+    config = LingConfig.from_pretrained(src)
+    tensors = CheckpointTensors(src)
+    plans = build_plan(_Resolver(tensors, config), config, options.dtype)
+    mine = owned_by(plans, cluster.process_index, cluster.process_count)
+
+    workspace = Workspace(dst)
+    job = {"source": src, "dtype": options.dtype, "process_count": cluster.process_count}
+    if cluster.primary:
+        workspace.prepare(job, resume=options.resume, overwrite=options.overwrite)
+    cluster.barrier("ling-convert:workspace")
+    if not cluster.primary:
+        workspace.attach(job)
+    journal = workspace.journal(cluster.process_index)
+    done = journal.finished() if options.resume else set()
+    todo = [plan for plan in mine if plan.name not in done]
+
+    store = ArrayStore(workspace.path, cluster.process_index)
+    start = time.perf_counter()
+    _write_params(todo, tensors, store, journal, options)
+    seconds = time.perf_counter() - start
+    cluster.barrier("ling-convert:written")
+    if cluster.primary:
+        finalize(workspace.path, plans, store.context)
+        StoredLayout(COMPUTE_DTYPE.name, {p.name: p.scale_block for p in plans if p.scale_block}).write(workspace.path)
+        copy_side_files(src, workspace.path)
+    cluster.barrier("ling-convert:finalized")
+    if options.verify:
+        verify_params(mine, tensors, store, options.workers, options.progress)
+    cluster.barrier("ling-convert:verified")
+    if cluster.primary:
+        workspace.publish()
+    cluster.barrier("ling-convert:published")
+    return Summary(len(todo), len(mine) - len(todo), sum(plan.nbytes for plan in todo), seconds, options.verify)

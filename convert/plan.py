@@ -1,0 +1,158 @@
+"""The conversion plan: one entry per NNX parameter of the model config.json describes, with the checkpoint
+tensors that fill it (`ling_jax.checkpoint_names.source_for`), its stored dtype and the row slices it is
+converted in. Building the plan inspects every source tensor, so a broken checkpoint fails here, before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from convert.hooks import FP8_CODE_DTYPE
+from convert.source import FP8, PLAIN, SourceTensor, inspect_source
+from ling_jax.checkpoint import CheckpointError, _Resolver
+from ling_jax.checkpoint_names import source_for
+from ling_jax.config import LingConfig
+from ling_jax.model import LingForCausalLM
+from ling_jax.orbax_checkpoint import param_name
+
+BF16 = "bf16"  # --dtype: dequantise everything to bfloat16
+FP8_KEPT = "fp8"  # --dtype: keep FP8 weights (and MXFP4 experts as FP8 codes) with their block scales
+COMPUTE_DTYPE = np.dtype(jnp.bfloat16)
+SLICE_ELEMENTS = 1 << 23  # rows are converted ~8M elements at a time (rounded to whole scale blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    expert: int | None  # index into a stacked parameter's sources; None when not stacked
+    start: int  # rows of the source tensor
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    path: tuple  # NNX flat-state path
+    shape: tuple[int, ...]  # parameter shape ([E, ...] when stacked)
+    dtype: np.dtype  # stored dtype
+    sources: tuple[SourceTensor, ...]  # one tensor, or one per expert stacked along axis 0
+    stacked: bool
+    rows_per_slice: int
+    scale_block: tuple[int, int] | None = None  # stored quantised: FP8 values plus `<name>_scale_inv`
+
+    @property
+    def name(self) -> str:
+        return param_name(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read from the checkpoint."""
+        return sum(source.nbytes for source in self.sources)
+
+    @property
+    def _rows(self) -> int:
+        return self.sources[0].shape[0]
+
+    def slices(self) -> Iterator[Slice]:
+        experts = range(len(self.sources)) if self.stacked else [None]
+        for expert in experts:
+            for start in range(0, self._rows, self.rows_per_slice):
+                yield Slice(expert, start, min(start + self.rows_per_slice, self._rows))
+
+    def _lead(self, expert: int | None) -> tuple:
+        return () if expert is None else (expert,)
+
+    @property
+    def slice_shape(self) -> tuple[int, ...]:
+        """The chunk shape: one full slice (a slice is reshaped from its source's layout to this)."""
+        trailing = self.shape[2:] if self.stacked else self.shape[1:]
+        return (*((1,) if self.stacked else ()), self.rows_per_slice, *trailing)
+
+    def index(self, piece: Slice) -> tuple:
+        return (*self._lead(piece.expert), slice(piece.start, piece.stop))
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        return (*self.shape[:-2], *self._scale_rows_cols(self.shape[-2], self.shape[-1]))
+
+    @property
+    def scale_slice_shape(self) -> tuple[int, ...]:
+        return (*((1,) if self.stacked else ()), *self._scale_rows_cols(self.rows_per_slice, self.shape[-1]))
+
+    def scale_index(self, piece: Slice) -> tuple:
+        block_rows = self.scale_block[0]
+        return (*self._lead(piece.expert), slice(piece.start // block_rows, -(-piece.stop // block_rows)))
+
+    def _scale_rows_cols(self, rows: int, cols: int) -> tuple[int, int]:
+        block_rows, block_cols = self.scale_block
+        return -(-rows // block_rows), -(-cols // block_cols)
+
+
+def _rows_per_slice(sources: tuple[SourceTensor, ...]) -> int:
+    shape = sources[0].shape
+    align = max(source.row_align for source in sources)
+    row_elements = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    rows = max(align, SLICE_ELEMENTS // row_elements // align * align)
+    return min(rows, shape[0])
+
+
+def _quantised_block(sources: tuple[SourceTensor, ...]) -> tuple[int, int] | None:
+    """The common scale block when every source is quantised the same way (so they share one scale array)."""
+    first = sources[0]
+    same = all((s.kind, s.dtype, s.block) == (first.kind, first.dtype, first.block) for s in sources)
+    return first.block if same and first.kind != PLAIN else None
+
+
+def _param_plan(path: tuple, shape: tuple[int, ...], dtype: np.dtype, sources: tuple[SourceTensor, ...],
+                stacked: bool, mode: str) -> ParamPlan:
+    rows = _rows_per_slice(sources)
+    block = _quantised_block(sources) if mode == FP8_KEPT else None
+    if block is None:
+        return ParamPlan(path, shape, dtype, sources, stacked, rows)
+    stored = sources[0].dtype if sources[0].kind == FP8 else FP8_CODE_DTYPE  # MXFP4 becomes E4M3 codes
+    return ParamPlan(path, shape, stored, sources, stacked, rows, block)
+
+
+def model_parameters(config: LingConfig) -> list[tuple[tuple, jax.ShapeDtypeStruct]]:
+    """(NNX flat-state path, shape and stored dense dtype) of every parameter, in model order."""
+    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=COMPUTE_DTYPE))
+    return [(path, variable.get_value()) for path, variable in nnx.to_flat_state(nnx.state(abstract))]
+
+
+def build_plan(resolver: _Resolver, config: LingConfig, mode: str) -> list[ParamPlan]:
+    """The plan for every parameter, in model order. Raises CheckpointError naming the tensor and its file
+    for a missing, mis-shaped, wrongly typed or unscaled tensor, and for tensors the config does not use."""
+    if mode not in (BF16, FP8_KEPT):
+        raise ValueError(f"--dtype must be {BF16!r} or {FP8_KEPT!r}, got {mode!r}")
+    fp8_block = config.quantization.weight_block_size if config.quantization else (128, 128)
+    plans, used = [], set()
+    for path, value in model_parameters(config):
+        source = source_for(path, value.shape, config)
+        used.update(source.names)
+        sources = tuple(inspect_source(resolver.tensors, resolver.by_name.get(name), name, source.shape, fp8_block)
+                        for name in source.names)
+        plans.append(_param_plan(path, tuple(value.shape), np.dtype(value.dtype), sources, source.stacked, mode))
+    unknown = resolver.unused(used)
+    if unknown:
+        shown = ", ".join(f"'{name}' ({os.path.basename(resolver.tensors.file_of(resolver.by_name[name]))})"
+                          for name in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise CheckpointError(f"{resolver.tensors.directory}: tensors not used by the config: {shown}{more}")
+    return plans
+
+
+def owned_by(plans: list[ParamPlan], process_index: int, process_count: int) -> list[ParamPlan]:
+    """The parameters process `process_index` converts: largest first to the least-loaded process."""
+    load = [0] * process_count
+    owner = {}
+    for plan in sorted(plans, key=lambda p: -p.nbytes):
+        target = load.index(min(load))
+        owner[plan.name] = target
+        load[target] += plan.nbytes
+    return [plan for plan in plans if owner[plan.name] == process_index]

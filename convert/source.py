@@ -1,0 +1,137 @@
+"""Source tensors of a HF-format checkpoint: inspected up front, then read a slice of rows at a time.
+
+`inspect_source` checks one checkpoint tensor (and its `weight_scale_inv`, for block FP8 and MXFP4) against the
+shape config.json implies, so a broken checkpoint fails before anything is written. `read_rows` copies rows
+[start, stop) and their scale rows out of the memory-mapped shard (`ling_jax.safetensors_io`), then drops
+those pages from the process again: resident memory stays at a few slices however large the shards are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+
+import numpy as np
+
+from ling_jax.checkpoint import SCALE_SUFFIX, CheckpointError
+from ling_jax.quant import MXFP4_GROUP, e8m0_to_float, is_float8
+from ling_jax.safetensors_io import CheckpointTensors
+
+PLAIN = "plain"
+FP8 = "fp8"
+MXFP4 = "mxfp4"
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceTensor:
+    """One checkpoint tensor as the conversion will read it."""
+
+    name: str  # as stored
+    file: str  # the shard holding it
+    kind: str  # PLAIN, FP8 or MXFP4
+    shape: tuple[int, ...]  # logical (dequantised) shape
+    dtype: np.dtype  # as stored
+    nbytes: int  # stored bytes, scale included
+    scale: str | None = None  # the `weight_scale_inv` tensor of FP8 and MXFP4 weights
+    block: tuple[int, int] | None = None  # weight rows x cols covered by one scale entry
+
+    @property
+    def row_align(self) -> int:
+        """Row slices start at multiples of this, so each one owns whole rows of scales."""
+        return self.block[0] if self.block else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceRows:
+    values: np.ndarray  # rows [start, stop) in the stored dtype (MXFP4: packed bytes)
+    scale: np.ndarray | None  # float32 scales of those rows
+    nbytes: int  # bytes read from the checkpoint
+
+
+def _fail_shape(stored: str, file: str, shape, expected, what: str) -> CheckpointError:
+    return CheckpointError(f"{file}: tensor '{stored}' has {what}shape {list(shape)}, "
+                           f"expected {list(expected)} from config.json")
+
+
+def _check_scale(tensors: CheckpointTensors, weight: str, scale: str, expected: tuple[int, ...], why: str, *,
+                 raw_exponents: bool) -> None:
+    """raw_exponents: MXFP4 scales may also be stored as uint8 E8M0 exponents."""
+    file, shape, dtype = tensors.file_of(scale), tensors.shape(scale), tensors.dtype(scale)
+    if tuple(shape) != expected:
+        raise CheckpointError(f"{file}: '{scale}' has shape {tuple(shape)}, expected {expected} for "
+                              f"'{weight}' ({why})")
+    floating = np.issubdtype(dtype, np.floating) or dtype.name in ("bfloat16", "float8_e8m0fnu")
+    if not (floating or (raw_exponents and dtype == np.uint8)):
+        raise CheckpointError(f"{file}: '{scale}' has dtype {dtype}, expected a float type")
+
+
+def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, expected: tuple[int, ...],
+                   fp8_block: tuple[int, int]) -> SourceTensor:
+    """Check the tensor stored as `stored` (None: absent) that fills checkpoint name `name` of logical shape
+    `expected`. A tensor is FP8 iff it is float8 with a `weight_scale_inv` sibling (spec §6.2) and MXFP4 iff it
+    is (u)int8 with one (§6.3); anything else must be a float tensor."""
+    if stored is None:
+        raise CheckpointError(f"{tensors.directory}: tensor '{name}' is missing from every shard")
+    file, dtype, shape = tensors.file_of(stored), tensors.dtype(stored), tuple(tensors.shape(stored))
+    scale = stored + SCALE_SUFFIX
+    has_scale = scale in tensors
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if dtype in (np.uint8, np.int8) and has_scale:
+        packed = (*expected[:-1], -(-expected[-1] // 2))
+        if shape != packed or len(expected) != 2:
+            raise _fail_shape(stored, file, shape, packed, "packed MXFP4 ")
+        _check_scale(tensors, stored, scale, (expected[0], -(-expected[1] // MXFP4_GROUP)),
+                     f"one E8M0 scale per {MXFP4_GROUP} inputs", raw_exponents=True)
+        return SourceTensor(stored, file, MXFP4, expected, dtype, nbytes + _bytes(tensors, scale), scale,
+                            (1, MXFP4_GROUP))
+    if shape != tuple(expected):
+        raise _fail_shape(stored, file, shape, expected, "")
+    if is_float8(dtype):
+        if not has_scale:
+            raise CheckpointError(f"{file}: FP8 tensor '{stored}' has no '{scale}' beside it")
+        if len(expected) != 2:
+            raise CheckpointError(f"{file}: FP8 tensor '{stored}' has {len(expected)} dims; block FP8 is 2-D")
+        block_rows, block_cols = fp8_block
+        _check_scale(tensors, stored, scale, (-(-expected[0] // block_rows), -(-expected[1] // block_cols)),
+                     f"{block_rows}x{block_cols} blocks from quantization_config.weight_block_size", raw_exponents=False)
+        return SourceTensor(stored, file, FP8, expected, dtype, nbytes + _bytes(tensors, scale), scale,
+                            tuple(fp8_block))
+    if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
+        raise CheckpointError(f"{file}: tensor '{stored}' has dtype {dtype}, expected a float type")
+    return SourceTensor(stored, file, PLAIN, expected, dtype, nbytes)
+
+
+def _bytes(tensors: CheckpointTensors, name: str) -> int:
+    return int(np.prod(tensors.shape(name), dtype=np.int64)) * tensors.dtype(name).itemsize
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Unmap the pages behind a contiguous slice of a read-only memory map from this process (they stay in the
+    page cache). Without this every page ever read stays in the process's RSS until its shard is closed."""
+    if not isinstance(view, np.memmap) or view.mode != "r" or view.size == 0:
+        return
+    start = view.__array_interface__["data"][0]
+    first_page = start - start % mmap.PAGESIZE
+    # Neighbouring tensors sharing the edge pages simply fault them in again; a failure only costs memory.
+    _LIBC.madvise(ctypes.c_void_p(first_page), ctypes.c_size_t(start + view.nbytes - first_page), mmap.MADV_DONTNEED)
+
+
+def _copy_rows(tensors: CheckpointTensors, name: str, start: int, stop: int) -> np.ndarray:
+    view = tensors.get(name)[start:stop]
+    rows = np.array(view)
+    release_pages(view)
+    return rows
+
+
+def read_rows(tensors: CheckpointTensors, source: SourceTensor, start: int, stop: int) -> SourceRows:
+    """Rows [start, stop) of `source` (start a multiple of `source.row_align`) with their float32 scales."""
+    values = _copy_rows(tensors, source.name, start, stop)
+    if source.scale is None:
+        return SourceRows(values, None, values.nbytes)
+    block_rows = source.block[0]
+    stored_scale = _copy_rows(tensors, source.scale, start // block_rows, -(-stop // block_rows))
+    scale = e8m0_to_float(stored_scale) if source.kind == MXFP4 else stored_scale.astype(np.float32)
+    return SourceRows(values, scale, values.nbytes + stored_scale.nbytes)

@@ -1,0 +1,159 @@
+"""Restore `LingForCausalLM` from an Orbax checkpoint written by ling-convert (`convert/`), straight into the
+requested shardings.
+
+Layout (orbax-checkpoint's PyTree format: OCDBT database of zarr arrays, `_METADATA`): one array per NNX
+parameter, named by its flat path joined with dots (`model.layers.3.attention.kv_b_proj.weight`, routed experts
+stacked as `model.layers.1.mlp.experts.up_proj` [E, I, D], the MTP layer under `mtp.`), plus `config.json` and
+`ling_convert.json` (`StoredLayout`). A parameter kept in FP8 is stored as float8 with a `<name>_scale_inv`
+sibling of one float32 scale per block (the scale multiplies, as in HF checkpoints); it is dequantised on the
+device after the restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from ling_jax.checkpoint import SCALE_SUFFIX
+from ling_jax.config import LingConfig
+from ling_jax.model import LingForCausalLM
+
+LAYOUT_FILE = "ling_convert.json"
+LAYOUT_FORMAT = "ling-convert/1"
+
+
+def param_name(path: tuple) -> str:
+    """The stored array name of the parameter at an NNX flat-state path."""
+    return ".".join(str(key) for key in path)
+
+
+def scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredLayout:
+    """What `ling_convert.json` records: the dtype dense parameters were written in, and for each parameter
+    kept quantised the (rows, cols) block that one entry of its scale array covers."""
+
+    compute_dtype: str
+    scale_blocks: dict[str, tuple[int, int]]
+
+    def write(self, directory: str) -> None:
+        body = {"format": LAYOUT_FORMAT, "compute_dtype": self.compute_dtype,
+                "scale_blocks": {name: list(block) for name, block in sorted(self.scale_blocks.items())}}
+        with open(os.path.join(directory, LAYOUT_FILE), "w") as f:
+            json.dump(body, f)
+
+    @classmethod
+    def read(cls, directory: str) -> StoredLayout:
+        file = os.path.join(directory, LAYOUT_FILE)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{directory}: no {LAYOUT_FILE}; not a checkpoint written by ling-convert")
+        with open(file) as f:
+            body = json.load(f)
+        if body.get("format") != LAYOUT_FORMAT:
+            raise ValueError(f"{file}: format {body.get('format')!r}, expected {LAYOUT_FORMAT!r}")
+        return cls(body["compute_dtype"], {name: tuple(block) for name, block in body["scale_blocks"].items()})
+
+
+def dequantize_blocks(weight, scale, block: tuple[int, int], dtype):
+    """W[..., r, c] = weight[..., r, c] * scale[..., r // block_rows, c // block_cols], cast to `dtype`.
+
+    Block FP8 (128 x 128 blocks) and MXFP4 experts stored as FP8 codes (1 x 32 groups); edge blocks may be
+    partial. Computed in float32 then cast once, exactly as `ling_jax.quant.dequantize_fp8_block`.
+    """
+    rows, cols = weight.shape[-2:]
+    block_rows, block_cols = block
+    full_scale = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block_rows, axis=-2), block_cols, axis=-1)
+    return (weight.astype(jnp.float32) * full_scale[..., :rows, :cols]).astype(dtype)
+
+
+def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
+    """Stored array name -> its metadata (shape, dtype), from the checkpoint's `_METADATA`."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(path).item_metadata.tree
+    flat = {}
+
+    def visit(prefix, node):
+        if isinstance(node, dict):
+            for key, child in node.items():
+                visit(prefix + (key,), child)
+        else:
+            flat[param_name(prefix)] = node
+
+    visit((), tree)
+    return flat
+
+
+def _nested(flat: dict[tuple, object]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _lookup(tree: dict, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None) -> LingForCausalLM:
+    """Restore a ling-convert checkpoint as `LingForCausalLM`.
+
+    Every parameter is restored straight into its target sharding (replicated over `mesh`, or on the first
+    device without one) from an abstract model (`nnx.eval_shape`), so no host copy of the model is built.
+    `dtype` is the model dtype (default: the dtype the checkpoint was converted to; FP8 checkpoints default to
+    bfloat16); A_log, dt_bias, conv weights and the expert bias stay float32. FP8 parameters are dequantised
+    on the device. A parameter whose stored shape disagrees with config.json raises ValueError naming it.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    layout = StoredLayout.read(path)
+    config = LingConfig.from_pretrained(path)
+    dtype = jnp.dtype(dtype or layout.compute_dtype)
+    sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, abstract_state = nnx.split(abstract)
+    flat = list(nnx.to_flat_state(abstract_state))
+    stored = _stored_arrays(path)
+    target = {}
+    for p, variable in flat:
+        name, want = param_name(p), variable.get_value()
+        if name not in stored:
+            raise ValueError(f"{path}: parameter '{name}' is missing from the checkpoint")
+        have = stored[name]
+        if tuple(have.shape) != tuple(want.shape):
+            raise ValueError(f"{path}: parameter '{name}' has shape {list(have.shape)}, expected "
+                             f"{list(want.shape)} from config.json")
+        if name in layout.scale_blocks:
+            scale = stored[scale_name(name)]
+            target[p] = jax.ShapeDtypeStruct(have.shape, have.dtype, sharding=sharding)
+            target[(*p[:-1], p[-1] + SCALE_SUFFIX)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=sharding)
+        else:
+            target[p] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sharding)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path, _nested(target))
+    loaded = []
+    for p, variable in flat:
+        value = _lookup(restored, p)
+        block = layout.scale_blocks.get(param_name(p))
+        if block is not None:
+            dequantize = jax.jit(partial(dequantize_blocks, block=block, dtype=variable.get_value().dtype),
+                                 out_shardings=sharding)
+            value = dequantize(value, _lookup(restored, (*p[:-1], p[-1] + SCALE_SUFFIX)))
+        loaded.append((p, variable.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
