@@ -26,7 +26,7 @@ from convert.hooks import to_dense, to_fp8
 from convert.parallel import run_bounded
 from convert.plan import BF16, COMPUTE_DTYPE, ParamPlan, Slice, build_plan, owned_by
 from convert.source import read_rows
-from convert.store import ArrayStore, finalize
+from convert.store import ArrayStore, finalize, sync_to_disk
 from convert.verify import verify_params
 from convert.workspace import Journal, Workspace, check_destination
 from ling_jax.checkpoint import _Resolver
@@ -158,11 +158,14 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     start = time.perf_counter()
     _write_params(todo, tensors, store, journal, options)
     seconds = time.perf_counter() - start
+    if os.path.isdir(store.database_directory):
+        sync_to_disk(store.database_directory)
     cluster.barrier("ling-convert:written")
     if cluster.primary:
         finalize(workspace.path, plans, store.context)
         StoredLayout(COMPUTE_DTYPE.name, {p.name: p.scale_block for p in plans if p.scale_block}).write(workspace.path)
         copy_side_files(src, workspace.path)
+        sync_to_disk(workspace.path)
     cluster.barrier("ling-convert:finalized")
     if options.verify:
         verify_params(mine, tensors, store, options.workers, options.progress)

@@ -30,13 +30,36 @@ _DICT_KEY = 2  # orbax's KeyType.DICT: NNX states are nested dicts (list indices
 _HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 
 
+def _context() -> ts.Context:
+    """orbax's tensorstore context without an fsync per write: with it every slice commit waits for the disk
+    (0.26 GB/s here instead of 1.7); `sync_to_disk` makes the result durable once, at the end."""
+    spec = ocp.type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
+    return ts.Context(ts.Context.Spec({**spec, "file_io_sync": False}))
+
+
+def sync_to_disk(directory: str) -> None:
+    """fsync every file and directory under `directory`."""
+    for parent, _, files in os.walk(directory):
+        for entry in [*files, "."]:
+            fd = os.open(os.path.join(parent, entry), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
 class ArrayStore:
     """Creates, writes and reads back the parameter arrays of the checkpoint being built in `directory`."""
 
     def __init__(self, directory: str, process_index: int):
         self.directory = directory
         self.process_index = process_index
-        self.context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+        self.context = _context()
+
+    @property
+    def database_directory(self) -> str:
+        """This process's OCDBT database (orbax's per-process layout)."""
+        return os.path.join(self.directory, f"ocdbt.process_{self.process_index}")
 
     def _info(self, name: str) -> ocp.type_handlers.ParamInfo:
         return ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(self.directory), use_compression=False,

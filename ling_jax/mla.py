@@ -8,16 +8,31 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from ling_jax.config import LingConfig
 from ling_jax.layers import Linear, RMSNorm
 from ling_jax.rope import apply_rope, softmax_scale
 from pallas_kernels.mla.ops import mla_decode
-from pallas_kernels.mla.reference import MASKED_SCORE, absorbed_attention
+from pallas_kernels.mla.prefill import flash_expanded_attention
+from pallas_kernels.mla.reference import absorbed_attention
 
 EXPANDED = "expanded"
 ABSORBED = "absorbed"
+
+
+@struct.dataclass
+class KeyVisibility:
+    """Which key slots each query may see, without an O(T x S) mask: query t sees slot s iff
+    s <= query_slots[b, t] and key_valid[b, s] (a pad query has slot -1 and sees nothing)."""
+
+    query_slots_BT: jax.Array  # int32
+    key_valid_BS: jax.Array  # bool
+
+    def dense(self) -> jax.Array:
+        """The [B, T, S] mask, for small problems and tests."""
+        slots = jnp.arange(self.key_valid_BS.shape[1])
+        return (slots[None, None, :] <= self.query_slots_BT[:, :, None]) & self.key_valid_BS[:, None, :]
 
 
 class MultiLatentAttention(nnx.Module):
@@ -63,41 +78,30 @@ class MultiLatentAttention(nnx.Module):
                                                 c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-    def __call__(self, x_BTD, cos, sin, *, keys_BSA, visible_BTS, mode: str = EXPANDED,
+    def __call__(self, x_BTD, cos, sin, *, keys_BSA, visibility: KeyVisibility, mode: str = EXPANDED,
                  decode_lengths_B=None, kernel_backend: str = "reference") -> jax.Array:
         """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
 
-        cos, sin: [B, T, rope_dim/2] for the queries. visible_BTS: which keys each query may see.
-        decode_lengths_B: for a one-token decode over a cache whose first lengths[b] slots are visible, the
-        absorbed form runs `pallas_kernels.mla.mla_decode` with `kernel_backend`.
+        cos, sin: [B, T, rope_dim/2] for the queries. Expanded mode is the flash-style prefill path
+        (`flash_expanded_attention`: memory O(block^2), not O(T x S)). decode_lengths_B: for a one-token
+        decode over a cache whose first lengths[b] slots are visible, absorbed mode runs
+        `pallas_kernels.mla.mla_decode` with `kernel_backend`.
         """
-        c = self.config
         q_nope, q_pe = self._queries(x_BTD, cos, sin)
         w_uk, w_uv = self._kv_b_heads()
         if mode == ABSORBED:
             q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
             if decode_lengths_B is None:
-                o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visible_BTS, scale=self.scale)
+                o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=self.scale)
             else:
                 o_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=self.scale,
                                       backend=kernel_backend)[:, None]
             o_BTHV = jnp.einsum("bthr,hvr->bthv", o_latent, w_uv.astype(jnp.float32)).astype(x_BTD.dtype)
         elif mode == EXPANDED:
-            o_BTHV = self._expanded(q_nope, q_pe, keys_BSA.astype(x_BTD.dtype), visible_BTS, w_uk, w_uv)
+            o_BTHV = flash_expanded_attention(q_nope, q_pe, keys_BSA, visibility.query_slots_BT,
+                                              visibility.key_valid_BS, w_uk, w_uv, scale=self.scale)
         else:
             raise ValueError(f"MLA mode must be {EXPANDED!r} or {ABSORBED!r}, got {mode!r}")
         gate_BTH = jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32)).astype(x_BTD.dtype)
         o_BTHV = o_BTHV * gate_BTH[..., None]
         return self.dense(o_BTHV.reshape(*x_BTD.shape[:2], -1))
-
-    def _expanded(self, q_nope, q_pe, keys_BSA, visible_BTS, w_uk, w_uv):
-        c = self.config
-        dtype = q_nope.dtype
-        c_kv_BSR, k_pe_BSP = keys_BSA[..., :c.kv_lora_rank], keys_BSA[..., c.kv_lora_rank:]
-        k_nope_BSHN = jnp.einsum("bsr,hnr->bshn", c_kv_BSR, w_uk.astype(dtype))
-        v_BSHV = jnp.einsum("bsr,hvr->bshv", c_kv_BSR, w_uv.astype(dtype))
-        scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope_BSHN, preferred_element_type=jnp.float32)
-                  + jnp.einsum("bthp,bsp->bhts", q_pe, k_pe_BSP, preferred_element_type=jnp.float32))
-        scores = jnp.where(visible_BTS[:, None], scores * self.scale, MASKED_SCORE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        return jnp.einsum("bhts,bshv->bthv", probs, v_BSHV)

@@ -17,7 +17,7 @@ from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
 from ling_jax.config import DENSE, KDA, LingConfig
 from ling_jax.kda import CHUNKED, RECURRENT, KimiDeltaAttention
 from ling_jax.layers import Linear, RMSNorm, normal_param
-from ling_jax.mla import ABSORBED, EXPANDED, MultiLatentAttention
+from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
 from ling_jax.moe import MLP, MoE
 from ling_jax.rope import rope_cos_sin
 
@@ -37,7 +37,7 @@ class TokenContext:
     cos: jax.Array  # [B, T, rope_dim / 2]
     sin: jax.Array
     slots_BT: jax.Array | None  # cache slot per token (pads: out of range, dropped); None without a cache
-    visible_BTS: jax.Array  # which keys (cache slots, or the T tokens themselves) each query may see
+    visibility: KeyVisibility  # which keys (cache slots, or the T tokens themselves) each query may see
     kda_mode: str
     mla_mode: str
     decode_lengths_B: jax.Array | None  # one-token decode over a cache: the visible prefix per sequence
@@ -51,17 +51,15 @@ def token_context(config: LingConfig, batch: int, length: int, *, positions, att
     real = jnp.ones((batch, length), bool) if mask is None else mask
     offsets_BT = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1  # index of each real token among the new ones
     decode_lengths = None
-    if lengths is None:
-        index = jnp.arange(length)
-        visible = (index[None, :, None] >= index[None, None, :]) & real[:, None, :]
+    if lengths is None:  # keys are the T tokens themselves; pad queries still see earlier real tokens
+        visibility = KeyVisibility(jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), real)
         default_positions, slots = jnp.maximum(offsets_BT, 0), None
     else:
         slots_real = lengths[:, None] + offsets_BT
         slots = jnp.where(real, slots_real, max_length)
         new_lengths = lengths + real.sum(axis=1, dtype=jnp.int32)
-        slot_index = jnp.arange(max_length)
-        visible = ((slot_index[None, None, :] <= jnp.where(real, slots_real, -1)[..., None])
-                   & (slot_index[None, None, :] < new_lengths[:, None, None]))
+        visibility = KeyVisibility(jnp.where(real, slots_real, -1),
+                                   jnp.arange(max_length)[None, :] < new_lengths[:, None])
         default_positions = jnp.maximum(slots_real, 0)
         if length == 1:
             decode_lengths = new_lengths
@@ -72,7 +70,7 @@ def token_context(config: LingConfig, batch: int, length: int, *, positions, att
         kda_mode = RECURRENT if length == 1 else CHUNKED
     if mla_mode is None:
         mla_mode = ABSORBED if (length == 1 and lengths is not None) else EXPANDED
-    return TokenContext(mask, cos, sin, slots, visible, kda_mode, mla_mode, decode_lengths, kernel_backend)
+    return TokenContext(mask, cos, sin, slots, visibility, kda_mode, mla_mode, decode_lengths, kernel_backend)
 
 
 class DecoderLayer(nnx.Module):
@@ -107,7 +105,7 @@ class DecoderLayer(nnx.Module):
             rows = jnp.arange(x.shape[0])[:, None]
             keys = state.latent.at[rows, ctx.slots_BT].set(latent_BTA.astype(state.latent.dtype), mode="drop")
             state = MLAState(latent=keys)
-        y = self.attention(x, ctx.cos, ctx.sin, keys_BSA=keys, visible_BTS=ctx.visible_BTS, mode=ctx.mla_mode,
+        y = self.attention(x, ctx.cos, ctx.sin, keys_BSA=keys, visibility=ctx.visibility, mode=ctx.mla_mode,
                            decode_lengths_B=ctx.decode_lengths_B, kernel_backend=ctx.kernel_backend)
         return y, state
 

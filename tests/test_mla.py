@@ -10,7 +10,7 @@ from flax import nnx
 
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.config import MLA
-from ling_jax.mla import ABSORBED, EXPANDED, MultiLatentAttention
+from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
 from ling_jax.presets import TINY
 from ling_jax.rope import cos_sin_factor, inv_frequencies, rope_cos_sin, softmax_scale
 from np_reference import rope_inv_freq_and_mscale
@@ -51,9 +51,10 @@ def test_absorbed_equals_expanded(variant, length):
     positions = jnp.asarray(r.integers(0, 60, (batch, length)))
     cos, sin = rope_cos_sin(positions, c)
     cache = jnp.asarray(r.normal(size=(batch, slots, c.latent_dim)), jnp.float32)
-    visible = jnp.asarray(r.uniform(size=(batch, length, slots)) < 0.6)
-    expanded = attention(x, cos, sin, keys_BSA=cache, visible_BTS=visible, mode=EXPANDED)
-    absorbed = attention(x, cos, sin, keys_BSA=cache, visible_BTS=visible, mode=ABSORBED)
+    visibility = KeyVisibility(jnp.asarray(r.integers(0, slots, (batch, length)), jnp.int32),
+                               jnp.asarray(r.uniform(size=(batch, slots)) < 0.8))
+    expanded = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, mode=EXPANDED)
+    absorbed = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, mode=ABSORBED)
     assert rel_error(absorbed, expanded) <= 1e-5
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MASKED_SCORE = -1e30  # finite: a query that sees nothing (a pad token) gets a uniform, not a NaN, row
-
 
 def absorbed_attention(q_latent_BTHR, q_rope_BTHP, kv_cache_BSA, visible_BTS, *, scale: float) -> jax.Array:
     """Softmax over cached slots; returns the latent output [B, T, H, R] in fp32.
@@ -26,8 +24,12 @@ def absorbed_attention(q_latent_BTHR, q_rope_BTHP, kv_cache_BSA, visible_BTS, *,
                               preferred_element_type=jnp.float32)
                    + jnp.einsum("bthp,bsp->bths", q_rope_BTHP.astype(dtype), k_pe_BSP,
                                 preferred_element_type=jnp.float32)) * scale
-    scores_BTHS = jnp.where(visible_BTS[:, :, None, :], scores_BTHS, MASKED_SCORE)
-    probs_BTHS = jax.nn.softmax(scores_BTHS, axis=-1)
+    visible_BT1S = visible_BTS[:, :, None, :]
+    scores_BTHS = jnp.where(visible_BT1S, scores_BTHS, -jnp.inf)
+    peak = jnp.max(scores_BTHS, axis=-1, keepdims=True)
+    weights = jnp.where(visible_BT1S, jnp.exp(scores_BTHS - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probs_BTHS = weights / jnp.where(total > 0, total, 1.0)  # a query that sees no key gets zeros
     return jnp.einsum("bths,bsr->bthr", probs_BTHS.astype(dtype), c_kv_BSR, preferred_element_type=jnp.float32)
 
 

@@ -1,0 +1,68 @@
+"""Benchmark ling-convert: throughput and peak RSS on synthetic multi-GB block-FP8 checkpoints.
+
+    python scripts/bench_convert.py --sizes-gb 2 6 --workdir /tmp/bench_convert
+
+For each size it writes a checkpoint of `convert.synthetic.benchmark_config` (random FP8 codes), then runs the
+converter as a child process (`python -m convert.cli`) per --dtype / --workers combination and reports wall
+time, source bytes read per second and the child's own peak RSS (`convert.measure`). Everything it
+writes is deleted afterwards. The source was just written, so it is read from the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from convert.measure import run_measured  # noqa: E402
+from convert.synthetic import benchmark_config, write_random_checkpoint  # noqa: E402
+
+
+def directory_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def run_converter(args: list[str]) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes, stdout) of one `python -m convert.cli` child."""
+    run = run_measured([sys.executable, "-m", "convert.cli", *args, "--quiet"], cwd=ROOT)
+    if run.returncode:
+        raise RuntimeError(f"ling-convert failed:\n{run.stderr}")
+    return run.seconds, run.peak_rss, run.stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[2.0, 6.0])
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2])
+    parser.add_argument("--verify", action="store_true", help="also time a bf16 conversion with --verify")
+    parser.add_argument("--workdir", default="/tmp/bench_convert")
+    args = parser.parse_args(argv)
+    print("| source | dtype | workers | wall s | read GB/s (wall) | write-phase GB/s | written GB | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size in args.sizes_gb:
+        src = os.path.join(args.workdir, f"src-{size:g}gb")
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        write_random_checkpoint(src, benchmark_config(size * 1e9), num_shards=max(2, round(size)), random_codes=True)
+        source_bytes = directory_bytes(src)
+        runs = [(dtype, workers, False) for dtype in args.dtypes for workers in args.workers]
+        runs += [("bf16", args.workers[0], True)] if args.verify else []
+        for dtype, workers, verify in runs:
+            dst = os.path.join(args.workdir, "dst")
+            seconds, peak, stdout = run_converter([src, dst, "--dtype", dtype, "--workers", str(workers),
+                                                   *(["--verify"] if verify else [])])
+            phase_rate = stdout.split("(")[-1].split(" GB/s")[0]
+            print(f"| {source_bytes / 1e9:.2f} GB | {dtype}{' --verify' if verify else ''} | {workers} | "
+                  f"{seconds:.1f} | {source_bytes / seconds / 1e9:.2f} | {phase_rate} | "
+                  f"{directory_bytes(dst) / 1e9:.2f} | {peak / 2**20:.0f} |", flush=True)
+            shutil.rmtree(dst)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
