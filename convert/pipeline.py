@@ -168,7 +168,11 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
         sync_to_disk(workspace.path)
     cluster.barrier("ling-convert:finalized")
     if options.verify:
-        verify_params(mine, tensors, store, options.workers, options.progress)
+        try:
+            verify_params(mine, tensors, store, options.workers, options.progress)
+        except ConvertError as e:
+            raise ConvertError(f"{e} (verification failed: nothing was published at {dst}; the unverified "
+                               f"conversion is in {workspace.path})") from e
     cluster.barrier("ling-convert:verified")
     if cluster.primary:
         workspace.publish()

@@ -16,6 +16,7 @@ from flax import nnx
 from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.layers import GatedRMSNorm, Linear
+from pallas_kernels.kda.ops import kda_decode_step
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 
 CHUNKED = "chunked"
@@ -84,8 +85,12 @@ class KimiDeltaAttention(nnx.Module):
             return c.kda_lower_bound * jax.nn.sigmoid(decay_rate * a)
         return -decay_rate * jax.nn.softplus(a)
 
-    def __call__(self, x_BTD, state: KDAState, mask_BT=None, *, mode: str = CHUNKED, chunk_size: int = 64):
-        """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state)."""
+    def __call__(self, x_BTD, state: KDAState, mask_BT=None, *, mode: str = CHUNKED, chunk_size: int = 64,
+                 kernel_backend: str = "reference"):
+        """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state).
+
+        A one-token recurrent step runs `pallas_kernels.kda.kda_decode_step` with `kernel_backend`.
+        """
         c = self.config
         batch, length, _ = x_BTD.shape
         heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
@@ -103,6 +108,10 @@ class KimiDeltaAttention(nnx.Module):
             beta = jnp.where(mask_BT[..., None], beta, 0.0)
         if mode == CHUNKED:
             o, recurrent = kda_chunked(q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size)
+        elif mode == RECURRENT and length == 1:
+            o, recurrent = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state,
+                                           backend=kernel_backend)
+            o = o[:, None]
         elif mode == RECURRENT:
             o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)
         else:

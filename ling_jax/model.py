@@ -91,7 +91,7 @@ class DecoderLayer(nnx.Module):
         """state: KDAState for a KDA layer; MLAState or None (no cache) for an MLA layer."""
         x = self.input_layernorm(h_BTD)
         if isinstance(self.attention, KimiDeltaAttention):
-            y, state = self.attention(x, state, ctx.mask_BT, mode=ctx.kda_mode)
+            y, state = self.attention(x, state, ctx.mask_BT, mode=ctx.kda_mode, kernel_backend=ctx.kernel_backend)
         else:
             y, state = self._latent_attention(x, ctx, state)
         h_BTD = h_BTD + y

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import jax
-
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
 from pallas_kernels.mla.reference import mla_decode_reference
-
-BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret", "interpret_gpu", "interpret_tpu")
-KERNEL_TARGET = {"pallas_gpu": "gpu", "interpret_gpu": "gpu", "pallas_tpu": "tpu", "interpret_tpu": "tpu",
-                 "interpret": "tpu"}
-
-
-def resolve_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
 
 
 def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, backend: str = "auto"):

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""KDA on one GPU: our kernels vs fla 0.6.0 (Triton) on the same inputs, in one run.
+
+    python scripts/bench_kda.py            # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
+    python scripts/bench_kda.py --quick
+
+Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
+with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: there is no Pallas prefill kernel
+yet, so the jnp chunked form (`kda_chunked` under XLA) is timed against fla's `chunk_kda`. Each kernel is
+checked against the other implementation on the device before it is timed. H=64, K=V=128.
+fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.kda import kda_chunked, kda_decode_step  # noqa: E402
+
+HEADS, DIM = 64, 128
+
+
+def jax_median_seconds(fn, *args, iters: int) -> float:
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def torch_median_seconds(fn, iters: int) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=max(iters, 25) * 4, return_mode="median") / 1e3
+
+
+def rel_error(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def random_inputs(batch, length, seed):
+    r = np.random.default_rng(seed)
+    q = r.normal(size=(batch, length, HEADS, DIM)).astype(np.float32)
+    k = r.normal(size=(batch, length, HEADS, DIM)).astype(np.float32)
+    v = r.normal(size=(batch, length, HEADS, DIM)).astype(np.float32)
+    g = (-5.0 * r.uniform(size=(batch, length, HEADS, DIM)) ** 4).astype(np.float32)  # mostly slow decay
+    beta = r.uniform(0.05, 1.0, size=(batch, length, HEADS)).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def to_torch(*arrays, dtype=None):
+    import torch
+
+    return [torch.from_numpy(np.ascontiguousarray(a)).cuda().to(dtype or torch.float32) for a in arrays]
+
+
+def bench_decode(batch, iters, copy_bytes_per_s):
+    import torch
+    from fla.ops.kda import fused_recurrent_kda
+
+    q, k, v, g, beta = random_inputs(batch, 1, seed=batch)
+    state = np.random.default_rng(1).normal(size=(batch, HEADS, DIM, DIM)).astype(np.float32)
+    jq, jk, jv = (jnp.asarray(x[:, 0], jnp.bfloat16) for x in (q, k, v))
+    jg, jbeta = jnp.asarray(g[:, 0]), jnp.asarray(beta[:, 0])
+    step = jax.jit(functools.partial(kda_decode_step, backend="pallas_gpu"), donate_argnums=5)
+    o, new_state = step(jq, jk, jv, jg, jbeta, jnp.asarray(state))
+    tq, tk, tv = to_torch(q, k, v, dtype=torch.bfloat16)
+    tg, tbeta, tstate = to_torch(g, beta, state)
+    fla_o, fla_state = fused_recurrent_kda(tq, tk, tv, tg, tbeta, initial_state=tstate.clone(),
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+    err_o = rel_error(o, fla_o[:, 0].float().cpu().numpy())
+    err_s = rel_error(new_state, fla_state.float().cpu().numpy())
+    state_in = jnp.asarray(state)
+
+    def ours(s):
+        return step(jq, jk, jv, jg, jbeta, s)[1]
+
+    for _ in range(2):
+        state_in = jax.block_until_ready(ours(state_in))
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        state_in = jax.block_until_ready(ours(state_in))
+        samples.append(time.perf_counter() - start)
+    ours_s = statistics.median(samples)
+    fla_s = torch_median_seconds(lambda: fused_recurrent_kda(tq, tk, tv, tg, tbeta, initial_state=tstate,
+                                                             output_final_state=True,
+                                                             use_qk_l2norm_in_kernel=True), iters)
+    traffic = 2 * 4 * batch * HEADS * DIM * DIM
+    print(f"decode B={batch}: ours {ours_s * 1e6:.1f} us ({traffic / ours_s / 1e12:.2f} TB/s), "
+          f"fla {fla_s * 1e6:.1f} us ({traffic / fla_s / 1e12:.2f} TB/s); vs fla: o {err_o:.1e}, state {err_s:.1e}")
+    return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
+
+
+def bench_prefill(batch, length, iters):
+    import torch
+    from fla.ops.kda import chunk_kda
+
+    q, k, v, g, beta = random_inputs(batch, length, seed=length)
+    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
+    ours = jax.jit(kda_chunked)
+    o, _ = ours(jq, jk, jv, jg, jbeta)
+    tq, tk, tv = to_torch(q, k, v, dtype=torch.bfloat16)
+    tg, tbeta = to_torch(g, beta)
+    fla_o, _ = chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    err = rel_error(o.astype(jnp.float32), fla_o.float().cpu().numpy())
+    ours_s = jax_median_seconds(ours, jq, jk, jv, jg, jbeta, iters=iters)
+    fla_s = torch_median_seconds(lambda: chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True), iters)
+    tokens = batch * length
+    print(f"prefill B={batch} T={length}: jnp chunked {ours_s * 1e3:.2f} ms ({tokens / ours_s / 1e6:.2f} Mtok/s), "
+          f"fla chunk_kda {fla_s * 1e3:.2f} ms ({tokens / fla_s / 1e6:.2f} Mtok/s); o vs fla {err:.1e}")
+    return ("prefill (jnp, no kernel yet)", batch, length, ours_s, fla_s, None, err)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
+    x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.bfloat16)
+    copy_s = jax_median_seconds(jax.jit(lambda a: a * jnp.bfloat16(1.0001)), x, iters=args.iters)
+    copy = 2 * x.size * 2 / copy_s
+    print(f"jax {jax.__version__}; device copy {copy / 1e12:.2f} TB/s (read + write)")
+    del x
+    rows = [bench_decode(b, args.iters, copy) for b in ((1, 64) if args.quick else (1, 64, 256))]
+    for batch, length in (((1, 4096),) if args.quick else ((1, 32768), (8, 4096))):
+        rows.append(bench_prefill(batch, length, max(5, args.iters // 10)))
+    print("\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n|---|---|---|---|---|---|---|---|")
+    for op, batch, length, ours_s, fla_s, frac, err in rows:
+        unit, scale = ("us", 1e6) if op == "decode" else ("ms", 1e3)
+        share = "" if frac is None else f"{100 * frac:.0f}%"
+        print(f"| {op} | {batch} | {length} | {ours_s * scale:.1f} {unit} | {fla_s * scale:.1f} {unit} | "
+              f"{fla_s / ours_s:.2f}x | {share} | {err:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""KDA decode-step kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
+lowering for TPU and CUDA from the CPU; prefill then kernel steps == longer prefill; the model's decode."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ling_jax import LingConfig, LingForCausalLM
+from ling_jax.presets import TINY
+from np_reference import kda_recurrence
+from pallas_kernels.kda import kda_chunked, kda_decode_step
+from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
+from pallas_kernels.kda.decode_tpu import kda_decode_step_tpu
+
+BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+
+
+def rel_error(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def l2(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def random_step(batch, heads, key_dim, value_dim, dtype, seed):
+    r = np.random.default_rng(seed)
+    rounded = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
+    q = rounded(r.normal(size=(batch, heads, key_dim)))
+    k = rounded(r.normal(size=(batch, heads, key_dim)))
+    v = rounded(r.normal(size=(batch, heads, value_dim)))
+    g = -5.0 * r.uniform(size=(batch, heads, key_dim)).astype(np.float32)
+    beta = r.uniform(0.05, 1.0, size=(batch, heads)).astype(np.float32)
+    state = r.normal(size=(batch, heads, key_dim, value_dim)).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 3, 16, 16), (3, 2, 32, 64)])
+def test_step_matches_float64_recurrence(backend, dtype, shape):
+    q, k, v, g, beta, state = random_step(*shape, dtype, seed=sum(shape))
+    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
+    o, new_state = kda_decode_step(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                   jnp.asarray(g), jnp.asarray(beta), jnp.asarray(state), backend=backend)
+    assert o.dtype == dtype and new_state.dtype == jnp.float32
+    assert rel_error(o, o_ref[:, 0]) <= TOL[dtype], rel_error(o, o_ref[:, 0])
+    assert rel_error(new_state, s_ref) <= 1e-5, rel_error(new_state, s_ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_then_kernel_steps_equals_longer_prefill(backend):
+    r = np.random.default_rng(9)
+    batch, length, heads, dim = 2, 69, 2, 16
+    q, k, v = (jnp.asarray(r.normal(size=(batch, length, heads, dim)), jnp.float32) for _ in range(3))
+    g = jnp.asarray(-5.0 * r.uniform(size=(batch, length, heads, dim)), jnp.float32)
+    beta = jnp.asarray(r.uniform(size=(batch, length, heads)), jnp.float32)
+    o_all, s_all = kda_chunked(q, k, v, g, beta)
+    _, state = kda_chunked(q[:, :65], k[:, :65], v[:, :65], g[:, :65], beta[:, :65])
+    for t in range(65, 69):
+        o_t, state = kda_decode_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, backend=backend)
+        assert rel_error(o_t, o_all[:, t]) <= 1e-5
+    assert rel_error(state, s_all) <= 1e-5
+
+
+def _abstract_step(batch=4, heads=64, dim=128):
+    shape = jax.ShapeDtypeStruct
+    return (shape((batch, heads, dim), jnp.bfloat16), shape((batch, heads, dim), jnp.bfloat16),
+            shape((batch, heads, dim), jnp.bfloat16), shape((batch, heads, dim), jnp.float32),
+            shape((batch, heads), jnp.float32), shape((batch, heads, dim, dim), jnp.float32))
+
+
+def test_tpu_kernel_lowers_for_tpu():
+    lowered = jax.jit(functools.partial(kda_decode_step_tpu, scale=128 ** -0.5)).trace(
+        *_abstract_step()).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_gpu_kernel_lowers_for_cuda():
+    lowered = jax.jit(functools.partial(kda_decode_step_gpu, scale=128 ** -0.5)).trace(
+        *_abstract_step()).lower(lowering_platforms=("cuda",))
+    assert "kda_decode_step" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.parametrize("batch", [1, 64])
+def test_compiled_gpu_kernel_full_size(batch):
+    q, k, v, g, beta, state = random_step(batch, 64, 128, 128, jnp.bfloat16, seed=batch)
+    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
+    o, new_state = kda_decode_step(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
+                                   jnp.asarray(v, jnp.bfloat16), jnp.asarray(g), jnp.asarray(beta),
+                                   jnp.asarray(state), backend="pallas_gpu")
+    assert rel_error(o, o_ref[:, 0]) <= 2e-2 and rel_error(new_state, s_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["interpret_gpu", "interpret_tpu"])
+def test_model_decode_with_kda_kernel_equals_reference(backend):
+    config = LingConfig.from_dict(TINY)
+    ids = jnp.asarray(np.random.default_rng(2).integers(2, config.vocab_size, (2, 10)))
+    logits = {}
+    for name in (backend, "reference"):
+        model = LingForCausalLM(config, rngs=nnx.Rngs(5), dtype=jnp.float32, kernel_backend=name)
+        cache = model(ids[:, :8], cache=model.init_cache(2, 16)).cache
+        steps = []
+        for t in (8, 9):
+            out = model(ids[:, t:t + 1], cache=cache)
+            steps.append(out.logits)
+            cache = out.cache
+        logits[name] = jnp.concatenate(steps, axis=1)
+    assert rel_error(logits[backend], logits["reference"]) <= 1e-5
