@@ -126,7 +126,8 @@ def write_sharded(directory: str, config: dict, entries: list[TensorEntry],
             f.write(struct.pack("<Q", len(header)) + header)
             for entry in members:
                 name, value = next(stream)
-                if (name, np.dtype(value.dtype), tuple(value.shape)) != (entry.name, np.dtype(entry.dtype), entry.shape):
+                announced = (entry.name, np.dtype(entry.dtype), entry.shape)
+                if (name, np.dtype(value.dtype), tuple(value.shape)) != announced:
                     raise ValueError(f"{file}: got '{name}' {value.dtype} {list(value.shape)} where the header "
                                      f"announced '{entry.name}' {entry.dtype} {list(entry.shape)}")
                 f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)

@@ -68,6 +68,10 @@ def _check_scale(tensors: CheckpointTensors, weight: str, scale: str, expected: 
         raise CheckpointError(f"{file}: '{scale}' has dtype {dtype}, expected a float type")
 
 
+def _bytes(tensors: CheckpointTensors, name: str) -> int:
+    return int(np.prod(tensors.shape(name), dtype=np.int64)) * tensors.dtype(name).itemsize
+
+
 def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, expected: tuple[int, ...],
                    fp8_block: tuple[int, int]) -> SourceTensor:
     """Check the tensor stored as `stored` (None: absent) that fills checkpoint name `name` of logical shape
@@ -77,35 +81,29 @@ def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, ex
         raise CheckpointError(f"{tensors.directory}: tensor '{name}' is missing from every shard")
     file, dtype, shape = tensors.file_of(stored), tensors.dtype(stored), tuple(tensors.shape(stored))
     scale = stored + SCALE_SUFFIX
-    has_scale = scale in tensors
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if dtype in (np.uint8, np.int8) and has_scale:
+    if dtype in (np.uint8, np.int8) and scale in tensors:
         packed = (*expected[:-1], -(-expected[-1] // 2))
         if shape != packed or len(expected) != 2:
             raise _fail_shape(stored, file, shape, packed, "packed MXFP4 ")
         _check_scale(tensors, stored, scale, (expected[0], -(-expected[1] // MXFP4_GROUP)),
                      f"one E8M0 scale per {MXFP4_GROUP} inputs", raw_exponents=True)
-        return SourceTensor(stored, file, MXFP4, expected, dtype, nbytes + _bytes(tensors, scale), scale,
-                            (1, MXFP4_GROUP))
+        return SourceTensor(stored, file, MXFP4, expected, dtype, _bytes(tensors, stored) + _bytes(tensors, scale),
+                            scale, (1, MXFP4_GROUP))
     if shape != tuple(expected):
         raise _fail_shape(stored, file, shape, expected, "")
     if is_float8(dtype):
-        if not has_scale:
+        if scale not in tensors:
             raise CheckpointError(f"{file}: FP8 tensor '{stored}' has no '{scale}' beside it")
         if len(expected) != 2:
             raise CheckpointError(f"{file}: FP8 tensor '{stored}' has {len(expected)} dims; block FP8 is 2-D")
-        block_rows, block_cols = fp8_block
-        _check_scale(tensors, stored, scale, (-(-expected[0] // block_rows), -(-expected[1] // block_cols)),
-                     f"{block_rows}x{block_cols} blocks from quantization_config.weight_block_size", raw_exponents=False)
-        return SourceTensor(stored, file, FP8, expected, dtype, nbytes + _bytes(tensors, scale), scale,
-                            tuple(fp8_block))
+        rows, cols = fp8_block
+        _check_scale(tensors, stored, scale, (-(-expected[0] // rows), -(-expected[1] // cols)),
+                     f"{rows}x{cols} blocks from quantization_config.weight_block_size", raw_exponents=False)
+        return SourceTensor(stored, file, FP8, expected, dtype, _bytes(tensors, stored) + _bytes(tensors, scale),
+                            scale, tuple(fp8_block))
     if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
         raise CheckpointError(f"{file}: tensor '{stored}' has dtype {dtype}, expected a float type")
-    return SourceTensor(stored, file, PLAIN, expected, dtype, nbytes)
-
-
-def _bytes(tensors: CheckpointTensors, name: str) -> int:
-    return int(np.prod(tensors.shape(name), dtype=np.int64)) * tensors.dtype(name).itemsize
+    return SourceTensor(stored, file, PLAIN, expected, dtype, _bytes(tensors, stored))
 
 
 def release_pages(view: np.ndarray) -> None:

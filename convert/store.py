@@ -21,8 +21,7 @@ import tensorstore as ts
 from etils import epath
 
 from convert.plan import ParamPlan
-from ling_jax.checkpoint import SCALE_SUFFIX
-from ling_jax.orbax_checkpoint import scale_name
+from ling_jax.orbax_checkpoint import scale_name, scale_path
 
 METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
@@ -65,7 +64,8 @@ class ArrayStore:
         return ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(self.directory), use_compression=False,
                                            is_ocdbt_checkpoint=True, ts_context=self.context)
 
-    def create(self, name: str, shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]) -> ts.TensorStore:
+    def create(self, name: str, shape: tuple[int, ...], dtype: np.dtype,
+               chunk_shape: tuple[int, ...]) -> ts.TensorStore:
         """A new (or emptied) array in this process's database."""
         spec = ocp.type_handlers.get_json_tspec_write(self._info(name), True, shape, chunk_shape, dtype,
                                                       process_index=self.process_index)
@@ -100,7 +100,7 @@ def finalize(directory: str, plans: list[ParamPlan], context: ts.Context) -> Non
         key, entry = _tree_entry(plan.path, plan.slice_shape)
         tree[key] = entry
         if plan.scale_block is not None:
-            key, entry = _tree_entry((*plan.path[:-1], plan.path[-1] + SCALE_SUFFIX), plan.scale_slice_shape)
+            key, entry = _tree_entry(scale_path(plan.path), plan.scale_slice_shape)
             tree[key] = entry
     metadata = {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": False,
                 "store_array_data_equal_to_fill_value": True, "custom_metadata": None}

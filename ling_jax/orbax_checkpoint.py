@@ -35,7 +35,12 @@ def param_name(path: tuple) -> str:
 
 
 def scale_name(name: str) -> str:
+    """The stored name of the block scales of the FP8 parameter stored as `name`."""
     return name + SCALE_SUFFIX
+
+
+def scale_path(path: tuple) -> tuple:
+    return (*path[:-1], path[-1] + SCALE_SUFFIX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +147,7 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
         if name in layout.scale_blocks:
             scale = stored[scale_name(name)]
             target[p] = jax.ShapeDtypeStruct(have.shape, have.dtype, sharding=sharding)
-            target[(*p[:-1], p[-1] + SCALE_SUFFIX)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=sharding)
+            target[scale_path(p)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=sharding)
         else:
             target[p] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sharding)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -154,6 +159,6 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
         if block is not None:
             dequantize = jax.jit(partial(dequantize_blocks, block=block, dtype=variable.get_value().dtype),
                                  out_shardings=sharding)
-            value = dequantize(value, _lookup(restored, (*p[:-1], p[-1] + SCALE_SUFFIX)))
+            value = dequantize(value, _lookup(restored, scale_path(p)))
         loaded.append((p, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))

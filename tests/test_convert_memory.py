@@ -1,5 +1,5 @@
-"""ling-convert streams: converting a multi-GB checkpoint to bf16 keeps the converter's peak RSS under a fixed
-bound far below the checkpoint (and below its largest parameter's bf16 stack times four)."""
+"""ling-convert streams: converting a multi-GB checkpoint to bf16 keeps the converter's own peak RSS (measured
+from the child, `convert.measure`) under a fixed bound, well below the checkpoint's size."""
 
 from __future__ import annotations
 
@@ -24,17 +24,15 @@ def directory_bytes(path) -> int:
 def test_peak_rss_is_bounded_on_a_multi_gb_checkpoint(tmp_path):
     src, dst = tmp_path / "hf", tmp_path / "orbax"
     try:
-        config = benchmark_config(2.3e9)
-        write_random_checkpoint(str(src), config, num_shards=3, random_codes=True)
+        write_random_checkpoint(str(src), benchmark_config(2.3e9), num_shards=3, random_codes=True)
         source_bytes = directory_bytes(src)
         assert source_bytes >= 2e9
         run = run_measured([sys.executable, "-m", "convert.cli", str(src), str(dst), "--dtype", "bf16",
                             "--workers", "2", "--quiet"], cwd=ROOT)
         assert run.returncode == 0, run.stderr
-        largest_stack = 3 * config.num_experts * config.moe_intermediate_size * config.hidden_size * 2 // 3
         print(f"converted {source_bytes / 1e9:.2f} GB -> {directory_bytes(dst) / 1e9:.2f} GB in {run.seconds:.1f} s, "
               f"peak RSS {run.peak_rss / 2**20:.0f} MiB")
-        assert run.peak_rss < RSS_BOUND < 4 * largest_stack < source_bytes
+        assert run.peak_rss < RSS_BOUND < source_bytes / 2
     finally:
         shutil.rmtree(src, ignore_errors=True)
         shutil.rmtree(dst, ignore_errors=True)
