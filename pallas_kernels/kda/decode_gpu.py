@@ -33,7 +33,7 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
                    donate_argnames=("state_BHKV",))
 def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        block_v: int = 32, num_warps: int = 4, interpret: bool = False):
+                        block_v: int = 64, num_warps: int = 4, interpret: bool = False):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state)."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
