@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from convert import ConvertError
+from convert.heap import return_large_buffers_to_the_os
 from convert.hooks import to_dense, to_fp8
 from convert.parallel import run_bounded
 from convert.plan import BF16, COMPUTE_DTYPE, ParamPlan, Slice, build_plan, owned_by
@@ -132,6 +133,7 @@ def copy_side_files(src: str, dst: str) -> None:
 
 def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster = Cluster()) -> Summary:
     """Convert the HF checkpoint directory `src` into the Orbax checkpoint `dst` (see the module docstring)."""
+    return_large_buffers_to_the_os()
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source checkpoint directory not found: {src}")

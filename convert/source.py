@@ -23,6 +23,7 @@ FP8 = "fp8"
 MXFP4 = "mxfp4"
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
+_RELEASE_MARGIN = 1 << 20  # a multiple of the page size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,15 +107,30 @@ def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, ex
     return SourceTensor(stored, file, PLAIN, expected, dtype, _bytes(tensors, stored))
 
 
+def _mapping(view: np.memmap) -> tuple[int, int]:
+    """Address range of the whole file mapping a memmap view was sliced from."""
+    whole = view
+    while isinstance(whole.base, np.ndarray):
+        whole = whole.base
+    start = whole.__array_interface__["data"][0]
+    return start, start + whole.nbytes
+
+
 def release_pages(view: np.ndarray) -> None:
     """Unmap the pages behind a contiguous slice of a read-only memory map from this process (they stay in the
-    page cache). Without this every page ever read stays in the process's RSS until its shard is closed."""
+    page cache). Without this every page ever read stays in the process's RSS until its shard is closed.
+
+    The kernel also maps the pages around each fault (fault-around, up to 64 KiB), so the range released is
+    widened by `_RELEASE_MARGIN` on both sides, within the mapping (which starts on a page); neighbouring
+    tensors' pages are simply faulted in again when they are read.
+    """
     if not isinstance(view, np.memmap) or view.mode != "r" or view.size == 0:
         return
+    map_start, map_end = _mapping(view)
     start = view.__array_interface__["data"][0]
-    first_page = start - start % mmap.PAGESIZE
-    # Neighbouring tensors sharing the edge pages simply fault them in again; a failure only costs memory.
-    _LIBC.madvise(ctypes.c_void_p(first_page), ctypes.c_size_t(start + view.nbytes - first_page), mmap.MADV_DONTNEED)
+    first = max(map_start, start - (start - map_start) % _RELEASE_MARGIN)
+    last = min(map_end, start + view.nbytes + _RELEASE_MARGIN)
+    _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
 def _copy_rows(tensors: CheckpointTensors, name: str, start: int, stop: int) -> np.ndarray:

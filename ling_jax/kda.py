@@ -16,8 +16,8 @@ from flax import nnx
 from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.layers import GatedRMSNorm, Linear
-from pallas_kernels.kda.ops import kda_decode_step
-from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
+from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
+from pallas_kernels.kda.reference import kda_recurrent
 
 CHUNKED = "chunked"
 RECURRENT = "recurrent"
@@ -89,7 +89,8 @@ class KimiDeltaAttention(nnx.Module):
                  kernel_backend: str = "reference"):
         """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state).
 
-        A one-token recurrent step runs `pallas_kernels.kda.kda_decode_step` with `kernel_backend`.
+        Chunked mode runs `pallas_kernels.kda.chunk_kda`, a one-token recurrent step
+        `pallas_kernels.kda.kda_decode_step`, both with `kernel_backend`.
         """
         c = self.config
         batch, length, _ = x_BTD.shape
@@ -107,7 +108,8 @@ class KimiDeltaAttention(nnx.Module):
             g = jnp.where(mask_BT[..., None, None], g, 0.0)
             beta = jnp.where(mask_BT[..., None], beta, 0.0)
         if mode == CHUNKED:
-            o, recurrent = kda_chunked(q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size)
+            o, recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size,
+                                     backend=kernel_backend)
         elif mode == RECURRENT and length == 1:
             o, recurrent = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state,
                                            backend=kernel_backend)

@@ -1,11 +1,18 @@
-"""`kda_decode_step`: one token per sequence through the delta rule, by backend."""
+"""KDA entry points by backend: `chunk_kda` (a whole sequence) and `kda_decode_step` (one token)."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
+from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
 from pallas_kernels.kda.decode_tpu import kda_decode_step_tpu
-from pallas_kernels.kda.reference import kda_recurrent
+from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 
 
 def kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale=None, use_qk_l2norm=True,
@@ -28,3 +35,51 @@ def kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale=No
     if KERNEL_TARGET[backend] == "gpu":
         return kda_decode_step_gpu(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
     return kda_decode_step_tpu(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _chunk_kda(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend):
+    if backend == "reference":
+        return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                           chunk_size=chunk_size)
+    interpret = backend.startswith("interpret")
+    if KERNEL_TARGET[backend] == "gpu":
+        return chunk_kda_gpu(q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                             interpret=interpret)
+    return chunk_kda_tpu(q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                         interpret=interpret)
+
+
+def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend):
+    out = _chunk_kda(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend)
+    return out, (q, k, v, g, beta, initial_state)
+
+
+def _chunk_kda_backward(scale, use_qk_l2norm, chunk_size, backend, residuals, cotangents):
+    def reference(*args):
+        return kda_chunked(*args[:5], scale=scale, initial_state=args[5], use_qk_l2norm=use_qk_l2norm,
+                           chunk_size=chunk_size)
+
+    _, pullback = jax.vjp(reference, *residuals)
+    return pullback(cotangents)
+
+
+_chunk_kda.defvjp(_chunk_kda_forward, _chunk_kda_backward)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64,
+              backend: str = "auto"):
+    """Chunked KDA over a whole sequence: (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
+
+    q, k [B, T, H, K], v [B, T, H, V] (bf16 or fp32); g [B, T, H, K] fp32 log-decay (<= 0, e.g. bounded by
+    the safe gate); beta [B, T, H]; initial_state [B, H, K, V] or None. Any T. chunk_size is the reference's
+    chunk; the kernels work in 16-token chunks, where every exponential is of a difference and fp32-safe.
+    Differentiable: the backward pass is the autodiff of the jnp chunked reference (recomputed from the
+    inputs), whichever backend ran the forward.
+    """
+    backend = resolve_backend(backend)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if initial_state is None:
+        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    return _chunk_kda(q, k, v, g, beta, initial_state.astype(jnp.float32), scale, use_qk_l2norm, chunk_size,
+                      backend)

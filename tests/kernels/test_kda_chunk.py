@@ -1,0 +1,129 @@
+"""KDA chunked-prefill kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
+lowering for TPU and CUDA from the CPU; gradients; a long-sequence stability run of the jnp path."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from np_reference import kda_recurrence
+from pallas_kernels.kda import chunk_kda, kda_chunked, kda_recurrent
+from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
+from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
+
+BACKENDS = ["interpret_gpu", "interpret_tpu"]
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+
+
+def rel_error(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def l2(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def random_sequence(batch, length, heads, key_dim, value_dim, dtype, seed):
+    r = np.random.default_rng(seed)
+    rounded = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
+    q = rounded(r.normal(size=(batch, length, heads, key_dim)))
+    k = rounded(r.normal(size=(batch, length, heads, key_dim)))
+    v = rounded(r.normal(size=(batch, length, heads, value_dim)))
+    g = (-5.0 * r.uniform(size=(batch, length, heads, key_dim))).astype(np.float32)  # down to the safe bound
+    beta = r.uniform(0.05, 1.0, size=(batch, length, heads)).astype(np.float32)
+    state = r.normal(size=(batch, heads, key_dim, value_dim)).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
+    q, k, v, g, beta, state = random_sequence(2, length, 2, 16, 32, jnp.float32, seed=length)
+    initial = state if with_state else None
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, initial)
+    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)),
+                     initial_state=None if initial is None else jnp.asarray(initial), backend=backend)
+    assert o.dtype == jnp.float32 and s.dtype == jnp.float32 and o.shape == o_ref.shape
+    assert rel_error(o, o_ref) <= 1e-4, rel_error(o, o_ref)
+    assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_bf16(backend):
+    q, k, v, g, beta, state = random_sequence(2, 77, 3, 32, 16, jnp.bfloat16, seed=3)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    o, s = chunk_kda(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
+                     initial_state=jnp.asarray(state), backend=backend)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gates_at_the_bound_do_not_overflow(backend):
+    q, k, v, _, beta, state = random_sequence(1, 96, 2, 16, 16, jnp.float32, seed=8)
+    g = np.full(q.shape, -5.0, np.float32)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state),
+                     backend=backend)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+    assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_gradient_matches_the_recurrence(backend):
+    q, k, v, g, beta, state = random_sequence(1, 40, 2, 16, 16, jnp.float32, seed=4)
+    args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
+
+    def loss(fn, q, k, v, g, beta):
+        o, s = fn(q, k, v, g, beta)
+        return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
+
+    ours = jax.grad(functools.partial(loss, functools.partial(chunk_kda, backend=backend)), argnums=(0, 1, 2, 3, 4))
+    ref = jax.grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2, 3, 4))
+    for name, a, b in zip("q k v g beta".split(), ours(*args), ref(*args)):
+        assert rel_error(a, b) <= 1e-4, f"d/d{name}: {rel_error(a, b):.2e}"
+
+
+def _abstract(batch=1, length=1000, heads=4, dim=128):
+    shape = jax.ShapeDtypeStruct
+    return (shape((batch, length, heads, dim), jnp.bfloat16), shape((batch, length, heads, dim), jnp.bfloat16),
+            shape((batch, length, heads, dim), jnp.bfloat16), shape((batch, length, heads, dim), jnp.float32),
+            shape((batch, length, heads), jnp.float32))
+
+
+def test_tpu_kernel_lowers_for_tpu():
+    lowered = jax.jit(functools.partial(chunk_kda_tpu, scale=128 ** -0.5)).trace(*_abstract()).lower(
+        lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_gpu_kernel_lowers_for_cuda():
+    lowered = jax.jit(functools.partial(chunk_kda_gpu, scale=128 ** -0.5)).trace(*_abstract()).lower(
+        lowering_platforms=("cuda",))
+    assert "kda_chunk_prefill" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+def test_compiled_gpu_kernel_full_width():
+    q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, jnp.bfloat16, seed=11)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    o, s = chunk_kda(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
+                     initial_state=jnp.asarray(state), backend="pallas_gpu")
+    assert rel_error(o, o_ref) <= 2e-2 and rel_error(s, s_ref) <= 1e-4
+
+
+def test_long_sequence_is_stable():
+    """8192 tokens through the jnp chunked path in fp32: finite, and equal to the float64 recurrence."""
+    q, k, v, g, beta, _ = random_sequence(1, 8192, 1, 16, 16, jnp.float32, seed=12)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta)
+    o, s = jax.jit(kda_chunked)(*(jnp.asarray(x) for x in (q, k, v, g, beta)))
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+    assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
