@@ -45,7 +45,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, first_ref, last_ref, decay_ref, beta_ref
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"))
 def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True,
-                  block_v: int = 32, num_warps: int = 4, interpret: bool = False):
+                  block_v: int = 64, num_warps: int = 8, interpret: bool = False):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32)."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
