@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.kda import kda_chunked  # noqa: E402
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu  # noqa: E402
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
@@ -33,26 +34,10 @@ from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
 HEADS, DIM = 64, 128
 
 
-def jax_median_seconds(fn, *args, iters: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def torch_median_seconds(fn, iters: int) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=max(iters, 25) * 4, return_mode="median") / 1e3
-
-
-def rel_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def random_inputs(batch, length, seed):
@@ -136,7 +121,7 @@ def bench_prefill(batch, length, iters):
                                                    use_qk_l2norm_in_kernel=True), iters)
     tokens = batch * length
     jnp_fn = jax.jit(kda_chunked)
-    jnp_s = jax_median_seconds(jnp_fn, jq, jk, jv, jg, jbeta, iters=iters)
+    jnp_s = median_seconds(jnp_fn, jq, jk, jv, jg, jbeta, iters=iters)
     print(f"prefill B={batch} T={length}: fla chunk_kda {fla_s * 1e3:.2f} ms ({tokens / fla_s / 1e6:.2f} Mtok/s), "
           f"jnp chunked (XLA) {jnp_s * 1e3:.2f} ms")
     best = None
@@ -144,7 +129,7 @@ def bench_prefill(batch, length, iters):
         fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, block_v=block_v, num_warps=warps))
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), fla_o), rel_error(state, fla_state)
-        seconds = jax_median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
+        seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
         print(f"  Pallas block_v={block_v} warps={warps}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s)"
               f"; vs fla: o {err_o:.1e}, state {err_s:.1e}")
         if best is None or seconds < best[0]:
@@ -162,11 +147,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
-    x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.float32)
-    copy_s = jax_median_seconds(jax.jit(lambda a: a * 1.0001), x, iters=args.iters)
-    copy = 2 * x.size * 4 / copy_s
+    copy = copy_bandwidth(args.iters)
     print(f"jax {jax.__version__}; device copy {copy / 1e12:.2f} TB/s (read + write)")
-    del x
     decode_batches = () if args.prefill_only else ((1, 64) if args.quick else (1, 64, 256))
     rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
     for batch, length in () if args.decode_only else (((1, 4096),) if args.quick else ((1, 32768), (8, 4096))):

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.mla.decode_gpu import default_num_splits, mla_decode_gpu  # noqa: E402
 from pallas_kernels.mla.reference import mla_decode_reference  # noqa: E402
 
@@ -35,29 +34,6 @@ VARIANTS = [(64, 64, 8, 2, 1.0), (64, 64, 8, 3, 1.0), (128, 64, 8, 2, 1.0), (64,
             (32, 32, 4, 2, 1.0), (64, 64, 8, 2, 0.5), (64, 64, 8, 2, 2.0), (32, 64, 8, 3, 1.0)]
 
 
-def timed(fn, *args, iters: int) -> float:
-    """Median seconds per call of a jitted fn, synchronised, after two warm-up calls."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def rel_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
-
-
-def copy_bandwidth(nbytes: int, iters: int) -> float:
-    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
-    return 2 * nbytes / timed(copy, x, iters=iters)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
@@ -67,7 +43,7 @@ def main(argv=None) -> int:
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
     print(f"jax {jax.__version__}, devices {jax.devices()}")
     scale = 1 / np.sqrt(192)
-    ceiling = copy_bandwidth(2 << 30, args.iters)
+    ceiling = copy_bandwidth(args.iters)
     print(f"device copy: {ceiling / 1e12:.2f} TB/s (bytes read + written)")
     rows = []
     for batch, length in (QUICK_SIZES if args.quick else SIZES):
@@ -80,7 +56,7 @@ def main(argv=None) -> int:
         flops = 2 * batch * HEADS * length * (LATENT + ROPE + LATENT)
         xla = jax.jit(functools.partial(mla_decode_reference, scale=scale))
         ref = xla(q_latent.astype(jnp.float32), q_rope.astype(jnp.float32), cache.astype(jnp.float32), lengths)
-        xla_s = timed(xla, q_latent, q_rope, cache, lengths, iters=args.iters)
+        xla_s = median_seconds(xla, q_latent, q_rope, cache, lengths, iters=args.iters)
         print(f"B={batch} L={length}: XLA einsum {xla_s * 1e3:.3f} ms, {cache_bytes / xla_s / 1e12:.2f} TB/s")
         best = None
         for block_k, head_block, warps, stages, split_factor in VARIANTS:
@@ -89,7 +65,7 @@ def main(argv=None) -> int:
                                            num_warps=warps, num_stages=stages, num_splits=splits))
             try:
                 err = rel_error(fn(q_latent, q_rope, cache, lengths), ref)
-                seconds = timed(fn, q_latent, q_rope, cache, lengths, iters=args.iters)
+                seconds = median_seconds(fn, q_latent, q_rope, cache, lengths, iters=args.iters)
             except Exception as e:  # a variant that does not compile (e.g. out of shared memory) is reported
                 print(f"  variant bk={block_k} hb={head_block} w={warps} s={stages} splits={splits}: FAILED "
                       f"{type(e).__name__}: "
@@ -105,8 +81,8 @@ def main(argv=None) -> int:
             continue
         seconds, variant, err = best
         rows.append((batch, length, xla_s, seconds, variant, err, cache_bytes, flops))
-    print(f"\n| B | L | XLA ms | Pallas ms | speed-up | cache TB/s | % of copy | TFLOP/s | variant (bk,hb,warps,stages,splits) |"
-          f" rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| B | L | XLA ms | Pallas ms | speed-up | cache TB/s | % of copy | TFLOP/s | variant (bk,hb,warps,stages,splits) |"
+          " rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
     for batch, length, xla_s, seconds, variant, err, cache_bytes, flops in rows:
         print(f"| {batch} | {length} | {xla_s * 1e3:.3f} | {seconds * 1e3:.3f} | {xla_s / seconds:.2f}x | "
               f"{cache_bytes / seconds / 1e12:.2f} | {100 * cache_bytes / seconds / ceiling:.0f}% | "

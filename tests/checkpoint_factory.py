@@ -15,7 +15,6 @@ without torch). Main entry points:
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import re
 import struct

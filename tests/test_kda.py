@@ -8,17 +8,9 @@ import pytest
 
 from np_reference import kda_recurrence
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
+from helpers import l2, rel_error
 
 FORMS = {"chunked": kda_chunked, "recurrent": kda_recurrent}
-
-
-def rel_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
-
-
-def l2(x):
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
 def random_inputs(length, *, batch=2, heads=3, key_dim=16, value_dim=8, gate_floor=-5.0, seed=0):

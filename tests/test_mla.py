@@ -14,6 +14,7 @@ from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
 from ling_jax.presets import TINY
 from ling_jax.rope import cos_sin_factor, inv_frequencies, rope_cos_sin, softmax_scale
 from np_reference import rope_inv_freq_and_mscale
+from helpers import rel_error
 
 VARIANTS = {
     "qlora-interleaved": {},
@@ -25,11 +26,6 @@ VARIANTS = {
 
 def config(variant):
     return LingConfig.from_dict({**TINY, **VARIANTS[variant]})
-
-
-def rel_error(ours, ref) -> float:
-    return float(np.linalg.norm(np.asarray(ours, np.float64) - np.asarray(ref, np.float64))
-                 / np.linalg.norm(np.asarray(ref, np.float64)))
 
 
 def perturb_(module, seed):

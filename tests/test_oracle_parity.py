@@ -12,6 +12,7 @@ from flax import nnx
 from ling_jax import load_hf_checkpoint
 from ling_jax import moe
 from oracle import ORACLE_CONFIGS, build_oracle, oracle_logits, oracle_router_choices, save_oracle
+from helpers import rel_error
 
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2
@@ -20,11 +21,6 @@ CONFIGS = sorted(ORACLE_CONFIGS)
 # their logits by ~10-20% (transformers' own bf16 run included). For bf16 parity the residual-branch output
 # projections are scaled down, as in a trained model, where bf16 is a faithful approximation.
 BF16_BRANCH_SCALE = 0.05
-
-
-def rel_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def random_ids(vocab_size, batch, length, seed=0):

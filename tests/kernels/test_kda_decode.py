@@ -17,18 +17,10 @@ from np_reference import kda_recurrence
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
 from pallas_kernels.kda.decode_tpu import kda_decode_step_tpu
+from helpers import l2, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
-
-
-def rel_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
-
-
-def l2(x):
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
 def random_step(batch, heads, key_dim, value_dim, dtype, seed):

@@ -17,14 +17,10 @@ from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
+from helpers import rel_error
 
 LATENT, ROPE = 512, 64
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
-
-
-def rel_error(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
 def float64_attention(q_latent, q_rope, cache, lengths, scale):
