@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
-from ling_jax.config import DENSE, KDA, LingConfig
+from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
 from ling_jax.kda import CHUNKED, RECURRENT, KimiDeltaAttention
 from ling_jax.layers import Linear, RMSNorm, normal_param
 from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
@@ -154,7 +154,7 @@ class MTPLayer(DecoderLayer):
     final_layernorm; the caller applies the shared lm_head. Clip limits come from index 0, as in SGLang."""
 
     def __init__(self, config: LingConfig, *, dtype, rngs: nnx.Rngs):
-        super().__init__(config, attention="mla", mlp="moe", clip_layer=0, dtype=dtype, rngs=rngs)
+        super().__init__(config, attention=MLA, mlp=MOE, clip_layer=0, dtype=dtype, rngs=rngs)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, dtype=dtype, rngs=rngs)
@@ -162,7 +162,7 @@ class MTPLayer(DecoderLayer):
 
     def draft_hidden(self, embeds_BTD, hidden_BTD, ctx: TokenContext, state: MLAState | None):
         z = self.eh_proj(jnp.concatenate([self.enorm(embeds_BTD), self.hnorm(hidden_BTD)], axis=-1))
-        z, state = DecoderLayer.__call__(self, z, ctx, state)
+        z, state = self(z, ctx, state)
         return self.final_layernorm(z), state
 
 
