@@ -1,16 +1,9 @@
 """ling-jax: Ling 3.x hybrid (KDA + gated MLA + MoE) models in JAX / Flax NNX."""
 
 from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
+from ling_jax.checkpoint import load_hf_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM, LingOutput
 
 __all__ = ["KDAState", "LingCache", "LingConfig", "LingForCausalLM", "LingOutput", "MLAState", "MTPCache",
            "load_hf_checkpoint"]
-
-
-def __getattr__(name):
-    if name == "load_hf_checkpoint":
-        from ling_jax.checkpoint import load_hf_checkpoint
-
-        return load_hf_checkpoint
-    raise AttributeError(name)
