@@ -120,7 +120,7 @@ def write_sharded(directory: str, config: dict, entries: list[TensorEntry],
     files = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
     stream = iter(arrays)
     for shard, file in enumerate(files):
-        members = [entry for entry, owner in zip(entries, owners) if owner == shard]
+        members = [entry for entry, owner in zip(entries, owners, strict=True) if owner == shard]
         header = _header(members)
         with open(os.path.join(directory, file), "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header)
@@ -132,7 +132,7 @@ def write_sharded(directory: str, config: dict, entries: list[TensorEntry],
                                      f"announced '{entry.name}' {entry.dtype} {list(entry.shape)}")
                 f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
     index = {"metadata": {"total_size": sum(entry.nbytes for entry in entries)},
-             "weight_map": {entry.name: files[owner] for entry, owner in zip(entries, owners)}}
+             "weight_map": {entry.name: files[owner] for entry, owner in zip(entries, owners, strict=True)}}
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
         json.dump(index, f, indent=2)
     with open(os.path.join(directory, "config.json"), "w") as f:

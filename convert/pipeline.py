@@ -22,15 +22,14 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from convert import ConvertError
-from convert.heap import return_large_buffers_to_the_os
 from convert.hooks import to_dense, to_fp8
 from convert.parallel import run_bounded
 from convert.plan import BF16, COMPUTE_DTYPE, ParamPlan, Slice, build_plan, owned_by
-from convert.source import read_rows
+from convert.source import ShardReader
 from convert.store import ArrayStore, finalize, sync_to_disk
 from convert.verify import verify_params
 from convert.workspace import Journal, Workspace, check_destination
-from ling_jax.checkpoint import _Resolver
+from ling_jax.checkpoint import TensorResolver
 from ling_jax.config import LingConfig
 from ling_jax.orbax_checkpoint import StoredLayout
 from ling_jax.safetensors_io import CheckpointTensors
@@ -82,7 +81,7 @@ class Summary:
     verified: bool
 
 
-def _write_params(plans: list[ParamPlan], tensors: CheckpointTensors, store: ArrayStore, journal: Journal,
+def _write_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, journal: Journal,
                   options: Options) -> None:
     """Convert `plans` slice by slice; a parameter goes into the journal once all its slices are written."""
     arrays: dict[str, tuple] = {}
@@ -99,7 +98,7 @@ def _write_params(plans: list[ParamPlan], tensors: CheckpointTensors, store: Arr
         plan, piece = item
         values_array, scale_array = param_arrays(plan)
         source = plan.sources[piece.expert or 0]
-        rows = read_rows(tensors, source, piece.start, piece.stop)
+        rows = reader.read_rows(source, piece.start, piece.stop)
         if scale_array is None:
             writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype))]
         else:
@@ -133,7 +132,6 @@ def copy_side_files(src: str, dst: str) -> None:
 
 def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster = Cluster()) -> Summary:
     """Convert the HF checkpoint directory `src` into the Orbax checkpoint `dst` (see the module docstring)."""
-    return_large_buffers_to_the_os()
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     if not os.path.isdir(src):
         raise FileNotFoundError(f"source checkpoint directory not found: {src}")
@@ -142,7 +140,7 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     check_destination(dst, options.overwrite)
     config = LingConfig.from_pretrained(src)
     tensors = CheckpointTensors(src)
-    plans = build_plan(_Resolver(tensors, config), config, options.dtype)
+    plans = build_plan(TensorResolver(tensors, config), config, options.dtype)
     mine = owned_by(plans, cluster.process_index, cluster.process_count)
 
     workspace = Workspace(dst)
@@ -157,26 +155,33 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     todo = [plan for plan in mine if plan.name not in done]
 
     store = ArrayStore(workspace.path, cluster.process_index)
-    start = time.perf_counter()
-    _write_params(todo, tensors, store, journal, options)
-    seconds = time.perf_counter() - start
-    if os.path.isdir(store.database_directory):
-        sync_to_disk(store.database_directory)
-    cluster.barrier("ling-convert:written")
-    if cluster.primary:
-        finalize(workspace.path, plans, store.context)
-        StoredLayout(COMPUTE_DTYPE.name, {p.name: p.scale_block for p in plans if p.scale_block}).write(workspace.path)
-        copy_side_files(src, workspace.path)
-        sync_to_disk(workspace.path)
-    cluster.barrier("ling-convert:finalized")
-    if options.verify:
-        try:
-            verify_params(mine, tensors, store, options.workers, options.progress)
-        except ConvertError as e:
-            raise ConvertError(f"{e} (verification failed: nothing was published at {dst}; the unverified "
-                               f"conversion is in {workspace.path})") from e
+    with ShardReader(tensors) as reader:
+        start = time.perf_counter()
+        _write_params(todo, reader, store, journal, options)
+        seconds = time.perf_counter() - start
+        _assemble(workspace.path, plans, src, store, cluster)
+        if options.verify:
+            try:
+                verify_params(mine, reader, store, options.workers, options.progress)
+            except ConvertError as e:
+                raise ConvertError(f"{e} (verification failed: nothing was published at {dst}; the unverified "
+                                   f"conversion is in {workspace.path})") from e
     cluster.barrier("ling-convert:verified")
     if cluster.primary:
         workspace.publish()
     cluster.barrier("ling-convert:published")
     return Summary(len(todo), len(mine) - len(todo), sum(plan.nbytes for plan in todo), seconds, options.verify)
+
+
+def _assemble(directory: str, plans: list[ParamPlan], src: str, store: ArrayStore, cluster: Cluster) -> None:
+    """Make every process's arrays durable, then (process 0) merge them into an Orbax checkpoint beside
+    `ling_convert.json` and SRC's config and tokenizer files."""
+    if os.path.isdir(store.database_directory):
+        sync_to_disk(store.database_directory)
+    cluster.barrier("ling-convert:written")
+    if cluster.primary:
+        finalize(directory, plans, store.context)
+        StoredLayout(COMPUTE_DTYPE.name, {p.name: p.scale_block for p in plans if p.scale_block}).write(directory)
+        copy_side_files(src, directory)
+        sync_to_disk(directory)
+    cluster.barrier("ling-convert:finalized")

@@ -17,7 +17,7 @@ from flax import nnx
 
 from convert.hooks import FP8_CODE_DTYPE
 from convert.source import FP8, PLAIN, SourceTensor, inspect_source
-from ling_jax.checkpoint import CheckpointError, _Resolver
+from ling_jax.checkpoint import CheckpointError, TensorResolver
 from ling_jax.checkpoint_names import source_for
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
@@ -125,7 +125,7 @@ def model_parameters(config: LingConfig) -> list[tuple[tuple, jax.ShapeDtypeStru
     return [(path, variable.get_value()) for path, variable in nnx.to_flat_state(nnx.state(abstract))]
 
 
-def build_plan(resolver: _Resolver, config: LingConfig, mode: str) -> list[ParamPlan]:
+def build_plan(resolver: TensorResolver, config: LingConfig, mode: str) -> list[ParamPlan]:
     """The plan for every parameter, in model order. Raises CheckpointError naming the tensor and its file
     for a missing, mis-shaped, wrongly typed or unscaled tensor, and for tensors the config does not use."""
     if mode not in (BF16, FP8_KEPT):

@@ -1,16 +1,16 @@
 """Source tensors of a HF-format checkpoint: inspected up front, then read a slice of rows at a time.
 
 `inspect_source` checks one checkpoint tensor (and its `weight_scale_inv`, for block FP8 and MXFP4) against the
-shape config.json implies, so a broken checkpoint fails before anything is written. `read_rows` copies rows
-[start, stop) and their scale rows out of the memory-mapped shard (`ling_jax.safetensors_io`), then drops
-those pages from the process again: resident memory stays at a few slices however large the shards are.
+shape config.json implies, so a broken checkpoint fails before anything is written. `ShardReader` reads rows
+[start, stop) and their scale rows into fresh buffers: resident memory stays at a few slices however large the
+shards are.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import mmap
+import os
+import threading
 
 import numpy as np
 
@@ -21,9 +21,6 @@ from ling_jax.safetensors_io import CheckpointTensors
 PLAIN = "plain"
 FP8 = "fp8"
 MXFP4 = "mxfp4"
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_RELEASE_MARGIN = 1 << 20  # a multiple of the page size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,45 +104,59 @@ def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, ex
     return SourceTensor(stored, file, PLAIN, expected, dtype, _bytes(tensors, stored))
 
 
-def _mapping(view: np.memmap) -> tuple[int, int]:
-    """Address range of the whole file mapping a memmap view was sliced from."""
+def _file_range(view: np.memmap) -> tuple[str, int]:
+    """(file, byte offset) of a C-contiguous slice of a memory-mapped file, without touching its pages."""
     whole = view
     while isinstance(whole.base, np.ndarray):
         whole = whole.base
-    start = whole.__array_interface__["data"][0]
-    return start, start + whole.nbytes
+    address, whole_address = view.__array_interface__["data"][0], whole.__array_interface__["data"][0]
+    return whole.filename, whole.offset + address - whole_address
 
 
-def release_pages(view: np.ndarray) -> None:
-    """Unmap the pages behind a contiguous slice of a read-only memory map from this process (they stay in the
-    page cache). Without this every page ever read stays in the process's RSS until its shard is closed.
+class ShardReader:
+    """Reads rows of checkpoint tensors with pread into fresh buffers. The shards' memory maps are used only to
+    locate the bytes and are never touched: pages read through a map would stay in the process's RSS until
+    the shard is closed, and each would cost a page fault."""
 
-    The kernel also maps the pages around each fault (fault-around, up to 64 KiB), so the range released is
-    widened by `_RELEASE_MARGIN` on both sides, within the mapping (which starts on a page); neighbouring
-    tensors' pages are simply faulted in again when they are read.
-    """
-    if not isinstance(view, np.memmap) or view.mode != "r" or view.size == 0:
-        return
-    map_start, map_end = _mapping(view)
-    start = view.__array_interface__["data"][0]
-    first = max(map_start, start - (start - map_start) % _RELEASE_MARGIN)
-    last = min(map_end, start + view.nbytes + _RELEASE_MARGIN)
-    _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+    def __init__(self, tensors: CheckpointTensors):
+        self.tensors = tensors
+        self._files: dict[str, int] = {}
+        self._lock = threading.Lock()
 
+    def __enter__(self) -> ShardReader:
+        return self
 
-def _copy_rows(tensors: CheckpointTensors, name: str, start: int, stop: int) -> np.ndarray:
-    view = tensors.get(name)[start:stop]
-    rows = np.array(view)
-    release_pages(view)
-    return rows
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            for fd in self._files.values():
+                os.close(fd)
+            self._files.clear()
 
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            if path not in self._files:
+                self._files[path] = os.open(path, os.O_RDONLY)
+            return self._files[path]
 
-def read_rows(tensors: CheckpointTensors, source: SourceTensor, start: int, stop: int) -> SourceRows:
-    """Rows [start, stop) of `source` (start a multiple of `source.row_align`) with their float32 scales."""
-    values = _copy_rows(tensors, source.name, start, stop)
-    if source.scale is None:
-        return SourceRows(values, None, values.nbytes)
-    block_rows = source.block[0]
-    stored_scale = _copy_rows(tensors, source.scale, start // block_rows, -(-stop // block_rows))
-    scale = e8m0_to_float(stored_scale) if source.kind == MXFP4 else stored_scale.astype(np.float32)
-    return SourceRows(values, scale, values.nbytes + stored_scale.nbytes)
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        view = self.tensors.get(name)[start:stop]
+        path, offset = _file_range(view)
+        rows = np.empty(view.shape, view.dtype)
+        buffer = memoryview(rows.reshape(-1).view(np.uint8))
+        fd, done = self._fd(path), 0
+        while done < len(buffer):
+            got = os.preadv(fd, [buffer[done:]], offset + done)
+            if not got:
+                raise CheckpointError(f"{path}: tensor '{name}' ends early (the file changed while converting?)")
+            done += got
+        return rows
+
+    def read_rows(self, source: SourceTensor, start: int, stop: int) -> SourceRows:
+        """Rows [start, stop) of `source` (start a multiple of `source.row_align`) with their float32 scales."""
+        values = self.rows(source.name, start, stop)
+        if source.scale is None:
+            return SourceRows(values, None, values.nbytes)
+        block_rows = source.block[0]
+        stored_scale = self.rows(source.scale, start // block_rows, -(-stop // block_rows))
+        scale = e8m0_to_float(stored_scale) if source.kind == MXFP4 else stored_scale.astype(np.float32)
+        return SourceRows(values, scale, values.nbytes + stored_scale.nbytes)

@@ -21,7 +21,7 @@ import numpy as np
 
 from convert.hf_writer import TensorEntry, quantize_fp8_block, quantize_mxfp4, write_sharded
 from convert.plan import model_parameters
-from convert.source import FP8, MXFP4, release_pages
+from convert.source import FP8, MXFP4, ShardReader
 from ling_jax.checkpoint import SCALE_SUFFIX
 from ling_jax.checkpoint_names import source_for
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
@@ -247,13 +247,10 @@ def write_quantized_copy(src: str, directory: str, *, num_shards: int = 4, mxfp4
         if name.endswith(SCALE_SUFFIX) or is_float8(tensors.dtype(name)):
             raise ValueError(f"{tensors.file_of(name)}: '{name}' is already quantised; expected an unquantised "
                              f"checkpoint")
-    names = sorted(tensors, key=natural_key)
+    shapes = [(name, tuple(tensors.shape(name))) for name in sorted(tensors, key=natural_key)]
+    with ShardReader(tensors) as reader:
+        def stored(name, shape, kind):
+            return _stored(name, reader.rows(name, 0, shape[0]).astype(np.float32), kind, scale_format)
 
-    def stored(name, shape, kind):
-        view = tensors.get(name)
-        weight = np.array(view, np.float32)
-        release_pages(view)
-        return _stored(name, weight, kind, scale_format)
-
-    _write(directory, raw_config, config, [(name, tuple(tensors.shape(name))) for name in names], stored,
-           num_shards=num_shards, mxfp4_experts=mxfp4_experts, scale_format=scale_format)
+        _write(directory, raw_config, config, shapes, stored, num_shards=num_shards, mxfp4_experts=mxfp4_experts,
+               scale_format=scale_format)

@@ -7,17 +7,15 @@ import threading
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from convert import ConvertError
 from convert.hooks import to_dense, to_fp8
 from convert.parallel import run_bounded
 from convert.plan import ParamPlan, Slice
-from convert.source import read_rows
+from convert.source import ShardReader
 from convert.store import ArrayStore
 from ling_jax.orbax_checkpoint import scale_name
-from ling_jax.safetensors_io import CheckpointTensors
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -30,7 +28,7 @@ def _equal_and_finite(expected, actual):
     return jnp.array_equal(bits(expected), bits(actual)), jnp.isfinite(expected).all()
 
 
-def verify_params(plans: list[ParamPlan], tensors: CheckpointTensors, store: ArrayStore, workers: int,
+def verify_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, workers: int,
                   progress: bool) -> None:
     """Raise ConvertError naming the parameter, the source tensor and its file at the first bad slice."""
     opened: dict[str, object] = {}
@@ -45,7 +43,7 @@ def verify_params(plans: list[ParamPlan], tensors: CheckpointTensors, store: Arr
     def check(item: tuple[ParamPlan, Slice]) -> int:
         plan, piece = item
         source = plan.sources[piece.expert or 0]
-        rows = read_rows(tensors, source, piece.start, piece.stop)
+        rows = reader.read_rows(source, piece.start, piece.stop)
         if plan.scale_block is None:
             expected = [(to_dense(rows, source, plan.dtype), plan.name, plan.index(piece))]
         else:

@@ -23,7 +23,7 @@ class CheckpointError(ValueError):
     """A checkpoint does not match its config: the message names the tensor and the file."""
 
 
-class _Resolver:
+class TensorResolver:
     """Finds checkpoint tensors by canonical name and returns them dequantised to float32."""
 
     def __init__(self, tensors: CheckpointTensors, config: LingConfig):
@@ -88,7 +88,7 @@ class _Resolver:
         return sorted(set(self.by_name) - used)
 
 
-def _load(resolver: _Resolver, source: TensorSource) -> np.ndarray:
+def _load(resolver: TensorResolver, source: TensorSource) -> np.ndarray:
     arrays = [resolver.read(name, source.shape) for name in source.names]
     return np.stack(arrays) if source.stacked else arrays[0]
 
@@ -107,7 +107,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     config = LingConfig.from_pretrained(path)
-    resolver = _Resolver(CheckpointTensors(path), config)
+    resolver = TensorResolver(CheckpointTensors(path), config)
     abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
                                                       kernel_backend=kernel_backend))
     graphdef, abstract_state = nnx.split(abstract)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -81,20 +80,13 @@ def dequantize_blocks(weight, scale, block: tuple[int, int], dtype):
     return (weight.astype(jnp.float32) * full_scale[..., :rows, :cols]).astype(dtype)
 
 
-def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
-    """Stored array name -> its metadata (shape, dtype), from the checkpoint's `_METADATA`."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(path).item_metadata.tree
+def _flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
     flat = {}
-
-    def visit(prefix, node):
-        if isinstance(node, dict):
-            for key, child in node.items():
-                visit(prefix + (key,), child)
+    for key, child in tree.items():
+        if isinstance(child, dict):
+            flat.update(_flatten(child, (*prefix, key)))
         else:
-            flat[param_name(prefix)] = node
-
-    visit((), tree)
+            flat[(*prefix, key)] = child
     return flat
 
 
@@ -108,17 +100,19 @@ def _nested(flat: dict[tuple, object]) -> dict:
     return tree
 
 
-def _lookup(tree: dict, path: tuple):
-    for key in path:
-        tree = tree[key]
-    return tree
+def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
+    """Stored array name -> its metadata (shape, dtype), from the checkpoint's `_METADATA`."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(path).item_metadata.tree
+    return {param_name(keys): metadata for keys, metadata in _flatten(tree).items()}
 
 
 def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None) -> LingForCausalLM:
     """Restore a ling-convert checkpoint as `LingForCausalLM`.
 
     Every parameter is restored straight into its target sharding (replicated over `mesh`, or on the first
-    device without one) from an abstract model (`nnx.eval_shape`), so no host copy of the model is built.
+    device without one) from an abstract model (`nnx.eval_shape`): arrays go from storage to their devices
+    one by one, and the model is never built on the host first.
     `dtype` is the model dtype (default: the dtype the checkpoint was converted to; FP8 checkpoints default to
     bfloat16); A_log, dt_bias, conv weights and the expert bias stay float32. FP8 parameters are dequantised
     on the device. A parameter whose stored shape disagrees with config.json raises ValueError naming it.
@@ -151,14 +145,13 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
         else:
             target[p] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sharding)
     with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(path, _nested(target))
+        restored = _flatten(checkpointer.restore(path, _nested(target)))
+    dequantize = jax.jit(dequantize_blocks, static_argnames=("block", "dtype"), out_shardings=sharding)
     loaded = []
     for p, variable in flat:
-        value = _lookup(restored, p)
+        value = restored.pop(p)
         block = layout.scale_blocks.get(param_name(p))
-        if block is not None:
-            dequantize = jax.jit(partial(dequantize_blocks, block=block, dtype=variable.get_value().dtype),
-                                 out_shardings=sharding)
-            value = dequantize(value, _lookup(restored, scale_path(p)))
+        if block is not None:  # dropping each FP8 array once dequantised bounds the peak by the dense model
+            value = dequantize(value, restored.pop(scale_path(p)), block=block, dtype=variable.get_value().dtype)
         loaded.append((p, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))

@@ -34,16 +34,37 @@ def run_converter(args: list[str]) -> tuple[float, int, str]:
     return run.seconds, run.peak_rss, run.stdout.strip()
 
 
+_RESTORE = """
+import sys, time
+start = time.perf_counter()
+from ling_jax.orbax_checkpoint import load_checkpoint
+import jax
+model = load_checkpoint(sys.argv[1])
+jax.block_until_ready(jax.tree.leaves(model))
+print(f"{time.perf_counter() - start:.1f}")
+"""
+
+
+def time_restore(dst: str) -> tuple[float, int]:
+    """(seconds, peak RSS bytes) of `load_checkpoint(dst)` in a fresh process, imports included."""
+    run = run_measured([sys.executable, "-c", _RESTORE, dst], cwd=ROOT)
+    if run.returncode:
+        raise RuntimeError(f"load_checkpoint failed:\n{run.stderr}")
+    return float(run.stdout.strip().splitlines()[-1]), run.peak_rss
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[2.0, 6.0])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     parser.add_argument("--workers", type=int, nargs="+", default=[2])
     parser.add_argument("--verify", action="store_true", help="also time a bf16 conversion with --verify")
+    parser.add_argument("--restore", action="store_true", help="also time load_checkpoint of each --dtype result")
     parser.add_argument("--workdir", default="/tmp/bench_convert")
     args = parser.parse_args(argv)
-    print("| source | dtype | workers | wall s | read GB/s (wall) | write-phase GB/s | written GB | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| source | dtype | workers | wall s | read GB/s (wall) | write-phase GB/s | written GB | peak RSS MB "
+          "| restore s (RSS MB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes_gb:
         src = os.path.join(args.workdir, f"src-{size:g}gb")
         shutil.rmtree(args.workdir, ignore_errors=True)
@@ -56,9 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             seconds, peak, stdout = run_converter([src, dst, "--dtype", dtype, "--workers", str(workers),
                                                    *(["--verify"] if verify else [])])
             phase_rate = stdout.split("(")[-1].split(" GB/s")[0]
+            restore = ""
+            if args.restore and workers == args.workers[-1] and not verify:
+                restore_seconds, restore_peak = time_restore(dst)
+                restore = f"{restore_seconds:.1f} ({restore_peak / 2**20:.0f})"
             print(f"| {source_bytes / 1e9:.2f} GB | {dtype}{' --verify' if verify else ''} | {workers} | "
                   f"{seconds:.1f} | {source_bytes / seconds / 1e9:.2f} | {phase_rate} | "
-                  f"{directory_bytes(dst) / 1e9:.2f} | {peak / 2**20:.0f} |", flush=True)
+                  f"{directory_bytes(dst) / 1e9:.2f} | {peak / 2**20:.0f} | {restore} |", flush=True)
             shutil.rmtree(dst)
     shutil.rmtree(args.workdir, ignore_errors=True)
     return 0

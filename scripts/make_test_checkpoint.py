@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.shards < 1:
         parser.error(f"--shards must be at least 1, got {args.shards}")
+    if args.from_hf_dir and args.random_codes:
+        parser.error("--random-codes draws random weights; it does not apply to --from-hf-dir")
     if os.path.exists(args.out) and os.listdir(args.out):
         parser.error(f"--out {args.out} exists and is not empty")
     common = dict(num_shards=args.shards, mxfp4_experts=args.mxfp4_experts, scale_format=args.mxfp4_scale_format)

@@ -4,7 +4,6 @@ and nothing at DST."""
 from __future__ import annotations
 
 import json
-import re
 
 import ml_dtypes
 import numpy as np
@@ -164,4 +163,4 @@ def test_bad_flags(tmp_path, capsys):
         main([str(tmp_path), str(tmp_path / "dst"), "--workers", "0"])
     assert exit_info.value.code == 2 and "--workers" in capsys.readouterr().err
     err = _refused(capsys, tmp_path, tmp_path / "no_such_checkpoint")
-    assert re.search(re.escape(str(tmp_path / "no_such_checkpoint")), err)
+    assert str(tmp_path / "no_such_checkpoint") in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,11 +36,19 @@ def medium_config(layers: int = 6) -> LingConfig:
 def medium_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("medium") / "hf"
     write_random_checkpoint(str(path), medium_config(), num_shards=3, random_codes=True)
-    return path
+    yield path
+    shutil.rmtree(path)
 
 
-def test_killed_conversion_resumes_and_verifies(medium_checkpoint, tmp_path, capsys):
-    dst = tmp_path / "dst"
+@pytest.fixture
+def dst(tmp_path):
+    """A conversion destination removed after the test (hundreds of MB)."""
+    yield tmp_path / "dst"
+    shutil.rmtree(tmp_path / "dst", ignore_errors=True)
+    shutil.rmtree(Workspace(str(tmp_path / "dst")).path, ignore_errors=True)
+
+
+def test_killed_conversion_resumes_and_verifies(medium_checkpoint, dst, capsys):
     journal = Journal(Workspace(str(dst)).journal(0).path)
     child = subprocess.Popen([sys.executable, "-m", "convert.cli", str(medium_checkpoint), str(dst), "--workers", "1",
                               "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -70,8 +79,7 @@ def test_journal_ignores_a_line_cut_short(tmp_path):
     assert journal.finished() == {"model.norm.weight", "lm_head.weight"}
 
 
-def test_resume_without_an_unfinished_conversion_starts_afresh(medium_checkpoint, tmp_path, capsys):
-    dst = tmp_path / "dst"
+def test_resume_without_an_unfinished_conversion_starts_afresh(medium_checkpoint, dst, capsys):
     assert main([str(medium_checkpoint), str(dst), "--resume", "--dtype", "fp8", "--quiet"]) == 0
     assert "finished earlier" not in capsys.readouterr().out
     blocks = json.loads((dst / "ling_convert.json").read_text())["scale_blocks"]

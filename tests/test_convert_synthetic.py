@@ -86,9 +86,10 @@ def test_shards_are_contiguous_balanced_and_never_empty(tmp_path):
     owners = _shard_of_each(entries, 4)
     assert owners == sorted(owners) and set(owners) == {0, 1, 2, 3}
     values = [np.full(entry.shape, i, np.float32) for i, entry in enumerate(entries)]
-    write_sharded(str(tmp_path), {"a": 1}, entries, ((e.name, v) for e, v in zip(entries, values)), num_shards=4)
+    arrays = ((entry.name, value) for entry, value in zip(entries, values, strict=True))
+    write_sharded(str(tmp_path), {"a": 1}, entries, arrays, num_shards=4)
     tensors = CheckpointTensors(str(tmp_path))
-    for entry, value in zip(entries, values):
+    for entry, value in zip(entries, values, strict=True):
         np.testing.assert_array_equal(tensors.get(entry.name), value)
     with pytest.raises(ValueError, match="t1"):
         write_sharded(str(tmp_path / "bad"), {}, entries, iter([("t0", values[0]), ("t2", values[2])]), num_shards=2)
