@@ -1,8 +1,9 @@
 """KDA chunked prefill on GPU: a Pallas kernel (Triton lowering).
 
 Program (value block, sequence-head) walks the sequence in SUB-token chunks, keeping its [K, block_v] slice
-of the fp32 state in registers, and applies `chunk_math.chunk_step` per chunk (fp32 products: exact, not
-yet tuned for speed). The K-side work of a chunk (the triangular solve) is repeated per value block.
+of the fp32 state in registers, and applies `chunk_math.chunk_step` per chunk (tf32 tensor-core products for
+bf16 inputs, IEEE fp32 for fp32 inputs). The K-side work of a chunk (the triangular solve) is repeated per
+value block; not yet tuned for speed (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pallas_kernels.kda.chunk_math import SUB, Dots, chunk_step
 from pallas_kernels.kda.chunk_prep import finish, prepare
 from pallas_kernels.kda.reference import L2_EPS
 
-_DOTS = Dots(nn=functools.partial(plgpu.dot, allow_tf32=False),
-             nt=functools.partial(plgpu.dot, trans_b=True, allow_tf32=False),
-             tn=functools.partial(plgpu.dot, trans_a=True, allow_tf32=False))
+def _dots(allow_tf32: bool) -> Dots:
+    """tf32 tensor-core products for bf16/fp16 inputs (whose own rounding is larger), IEEE fp32 for fp32."""
+    return Dots(nn=functools.partial(plgpu.dot, allow_tf32=allow_tf32),
+                nt=functools.partial(plgpu.dot, trans_b=True, allow_tf32=allow_tf32),
+                tn=functools.partial(plgpu.dot, trans_a=True, allow_tf32=allow_tf32))
 
 
 def _l2(x):
@@ -29,6 +32,8 @@ def _l2(x):
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, first_ref, last_ref, decay_ref, beta_ref, state_ref, o_ref, state_out_ref,
             *, scale, use_qk_l2norm, num_chunks):
+    dots = _dots(allow_tf32=q_ref.dtype != jnp.float32)
+
     def body(c, state):
         rows = pl.ds(c * SUB, SUB)
         q = q_ref[rows, :].astype(jnp.float32)
@@ -36,7 +41,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, first_ref, last_ref, decay_ref, beta_ref
         if use_qk_l2norm:
             q, k = _l2(q), _l2(k)
         o, state = chunk_step(q * scale, k, v_ref[rows, :].astype(jnp.float32), g_ref[rows, :],
-                              first_ref[c], last_ref[c], decay_ref[c], beta_ref[rows, :], state, _DOTS)
+                              first_ref[c], last_ref[c], decay_ref[c], beta_ref[rows, :], state, dots)
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return state
 
