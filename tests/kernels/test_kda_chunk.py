@@ -109,7 +109,9 @@ def test_compiled_gpu_kernel_full_width():
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     o, s = chunk_kda(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
                      initial_state=jnp.asarray(state), backend="pallas_gpu")
-    assert rel_error(o, o_ref) <= 2e-2 and rel_error(s, s_ref) <= 1e-4
+    err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
+    print(f"compiled GPU prefill kernel, bf16 inputs: o {err_o:.1e}, final state {err_s:.1e}")
+    assert err_o <= TOL[jnp.bfloat16] and err_s <= TOL[jnp.bfloat16], (err_o, err_s)  # tf32 products for bf16
 
 
 def test_long_sequence_is_stable():
