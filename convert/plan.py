@@ -7,7 +7,6 @@ anything is written.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 
 import jax
@@ -17,7 +16,7 @@ from flax import nnx
 
 from convert.hooks import FP8_CODE_DTYPE
 from convert.source import FP8, PLAIN, SourceTensor, inspect_source
-from ling_jax.checkpoint import CheckpointError, TensorResolver
+from ling_jax.checkpoint import TensorResolver
 from ling_jax.checkpoint_names import source_for
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
@@ -138,12 +137,7 @@ def build_plan(resolver: TensorResolver, config: LingConfig, mode: str) -> list[
         sources = tuple(inspect_source(resolver.tensors, resolver.by_name.get(name), name, source.shape, fp8_block)
                         for name in source.names)
         plans.append(_param_plan(path, tuple(value.shape), np.dtype(value.dtype), sources, source.stacked, mode))
-    unknown = resolver.unused(used)
-    if unknown:
-        shown = ", ".join(f"'{name}' ({os.path.basename(resolver.tensors.file_of(resolver.by_name[name]))})"
-                          for name in unknown[:5])
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise CheckpointError(f"{resolver.tensors.directory}: tensors not used by the config: {shown}{more}")
+    resolver.refuse_unused(used)
     return plans
 
 

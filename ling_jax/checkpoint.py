@@ -84,8 +84,14 @@ class TensorResolver:
             raise CheckpointError(f"{file}: tensor '{stored}' has {what}shape {list(shape)}, "
                                   f"expected {list(expected)} from config.json")
 
-    def unused(self, used: set[str]) -> list[str]:
-        return sorted(set(self.by_name) - used)
+    def refuse_unused(self, used: set[str]) -> None:
+        """Raise if the checkpoint holds tensors outside `used` (the names the config asks for)."""
+        unknown = sorted(set(self.by_name) - used)
+        if unknown:
+            shown = ", ".join(f"'{n}' ({os.path.basename(self.tensors.file_of(self.by_name[n]))})"
+                              for n in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            raise CheckpointError(f"{self.tensors.directory}: tensors not used by the config: {shown}{more}")
 
 
 def _load(resolver: TensorResolver, source: TensorSource) -> np.ndarray:
@@ -114,12 +120,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress:
     flat = nnx.to_flat_state(abstract_state)
     plan = [(p, v, source_for(p, v.get_value().shape, config)) for p, v in flat]
     used = {name for _, _, source in plan for name in source.names}
-    unknown = resolver.unused(used)
-    if unknown:
-        shown = ", ".join(f"'{n}' ({os.path.basename(resolver.tensors.file_of(resolver.by_name[n]))})"
-                          for n in unknown[:5])
-        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise CheckpointError(f"{path}: tensors not used by the config: {shown}{more}")
+    resolver.refuse_unused(used)
     loaded = []
     for p, variable, source in tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress):
         value = _load(resolver, source)
