@@ -134,6 +134,8 @@ class LingConfig:
     pad_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: QuantizationConfig | None = None
+    mtp_loss_scaling_factor: float = 0.0  # weight of the MTP draft loss in training (0 = off)
+    moe_capacity_factor: float | None = None  # ling-jax runtime option, not in checkpoints: None = dropless
 
     def __post_init__(self):
         self._validate()
@@ -207,6 +209,10 @@ class LingConfig:
             raise _fail("num_nextn_predict_layers", f"Ling has at most one MTP layer, got {self.num_nextn_predict_layers}")
         if self.rope.is_yarn and not self.rope.original_max_position_embeddings:
             raise _fail("rope_scaling.original_max_position_embeddings", "required for YaRN")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise _fail("moe_capacity_factor", f"must be null (dropless) or positive, got {self.moe_capacity_factor}")
+        if self.mtp_loss_scaling_factor < 0:
+            raise _fail("mtp_loss_scaling_factor", f"must be >= 0, got {self.mtp_loss_scaling_factor}")
         if self.quantization and len(self.quantization.weight_block_size) != 2:
             raise _fail("quantization_config.weight_block_size", "must be [rows, cols]")
 
@@ -267,6 +273,8 @@ class LingConfig:
             pad_token_id=r.get("pad_token_id"),
             eos_token_ids=eos_ids,
             quantization=_parse_quantization(r),
+            mtp_loss_scaling_factor=float(r.get("mtp_loss_scaling_factor", 0.0) or 0.0),
+            moe_capacity_factor=r.get("moe_capacity_factor"),
         )
 
     @classmethod

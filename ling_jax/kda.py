@@ -15,7 +15,7 @@ from flax import nnx
 
 from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
-from ling_jax.layers import GatedRMSNorm, Linear
+from ling_jax.layers import GatedRMSNorm, Linear, param
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
 from pallas_kernels.kda.reference import kda_recurrent
 
@@ -49,26 +49,27 @@ class KimiDeltaAttention(nnx.Module):
         c = config
         self.config = c
         hidden, width, heads, taps = c.hidden_size, c.kda_dim, c.num_attention_heads, c.short_conv_kernel_size
-        self.q_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(hidden, width, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(hidden, width, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(hidden, width, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
         bound = 1.0 / math.sqrt(taps)
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):  # [C, K], fp32 as in both references
-            setattr(self, name, nnx.Param(jax.random.uniform(rngs.params(), (width, taps), jnp.float32, -bound, bound)))
+            conv_CK = jax.random.uniform(rngs.params(), (width, taps), jnp.float32, -bound, bound)
+            setattr(self, name, param(conv_CK, ("heads", "conv_taps")))
         if c.no_kda_lora:
-            self.f_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
-            self.g_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
+            self.f_proj = Linear(hidden, width, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+            self.g_proj = Linear(hidden, width, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
         else:
-            self.f_a_proj = Linear(hidden, c.head_dim, dtype=dtype, rngs=rngs)
-            self.f_b_proj = Linear(c.head_dim, width, dtype=dtype, rngs=rngs)
-            self.g_a_proj = Linear(hidden, c.head_dim, dtype=dtype, rngs=rngs)
-            self.g_b_proj = Linear(c.head_dim, width, dtype=dtype, rngs=rngs)
-        self.b_proj = Linear(hidden, heads, dtype=dtype, rngs=rngs)
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (heads,), jnp.float32, 1.0, 16.0)))
+            self.f_a_proj = Linear(hidden, c.head_dim, axes=("kda_lora", "embed"), dtype=dtype, rngs=rngs)
+            self.f_b_proj = Linear(c.head_dim, width, axes=("heads", "kda_lora"), dtype=dtype, rngs=rngs)
+            self.g_a_proj = Linear(hidden, c.head_dim, axes=("kda_lora", "embed"), dtype=dtype, rngs=rngs)
+            self.g_b_proj = Linear(c.head_dim, width, axes=("heads", "kda_lora"), dtype=dtype, rngs=rngs)
+        self.b_proj = Linear(hidden, heads, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.A_log = param(jnp.log(jax.random.uniform(rngs.params(), (heads,), jnp.float32, 1.0, 16.0)), ("heads",))
         dt = jnp.exp(jax.random.uniform(rngs.params(), (width,), jnp.float32, math.log(1e-3), math.log(1e-1)))
-        self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))  # inverse softplus of dt
+        self.dt_bias = param(dt + jnp.log(-jnp.expm1(-dt)), ("heads",))  # inverse softplus of dt
         self.o_norm = GatedRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-        self.dense = Linear(width, hidden, dtype=dtype, rngs=rngs)
+        self.dense = Linear(width, hidden, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
 
     def _forget_and_output_gate_inputs(self, x_BTD):
         if self.config.no_kda_lora:

@@ -41,16 +41,18 @@ class MultiLatentAttention(nnx.Module):
         self.config = c
         heads, hidden = c.num_attention_heads, c.hidden_size
         if c.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * c.qk_head_dim, dtype=dtype, rngs=rngs)
+            self.q_proj = Linear(hidden, heads * c.qk_head_dim, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
         else:
-            self.q_a_proj = Linear(hidden, c.q_lora_rank, dtype=dtype, rngs=rngs)
+            self.q_a_proj = Linear(hidden, c.q_lora_rank, axes=("q_lora", "embed"), dtype=dtype, rngs=rngs)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype=dtype)
-            self.q_b_proj = Linear(c.q_lora_rank, heads * c.qk_head_dim, dtype=dtype, rngs=rngs)
-        self.kv_a_proj_with_mqa = Linear(hidden, c.latent_dim, dtype=dtype, rngs=rngs)
+            self.q_b_proj = Linear(c.q_lora_rank, heads * c.qk_head_dim, axes=("heads", "q_lora"),
+                                   dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(hidden, c.latent_dim, axes=("kv_latent", "embed"), dtype=dtype, rngs=rngs)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), dtype=dtype, rngs=rngs)
-        self.g_proj = Linear(hidden, heads, dtype=dtype, rngs=rngs)
-        self.dense = Linear(heads * c.v_head_dim, hidden, dtype=dtype, rngs=rngs)
+        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), axes=("heads", "kv_latent"),
+                                dtype=dtype, rngs=rngs)
+        self.g_proj = Linear(hidden, heads, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.dense = Linear(heads * c.v_head_dim, hidden, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
         self.scale = softmax_scale(c)
 
     def _queries(self, x_BTD, cos, sin):

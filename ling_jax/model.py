@@ -95,7 +95,9 @@ class DecoderLayer(nnx.Module):
         else:
             y, state = self._latent_attention(x, ctx, state)
         h_BTD = h_BTD + y
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), state
+        x = self.post_attention_layernorm(h_BTD)
+        y = self.mlp(x, kernel_backend=ctx.kernel_backend) if isinstance(self.mlp, MoE) else self.mlp(x)
+        return h_BTD + y, state
 
     def _latent_attention(self, x, ctx: TokenContext, state: MLAState | None):
         latent_BTA = self.attention.latent(x, ctx.cos, ctx.sin)
@@ -112,7 +114,7 @@ class DecoderLayer(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = normal_param(rngs, (vocab_size, hidden), dtype)  # [V, D]
+        self.weight = normal_param(rngs, (vocab_size, hidden), dtype, ("vocab", "embed_table"))  # [V, D]
 
     def __call__(self, ids_BT):
         return jnp.take(self.weight[...], ids_BT, axis=0)
@@ -157,7 +159,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(config, attention=MLA, mlp=MOE, clip_layer=0, dtype=dtype, rngs=rngs)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, axes=("embed", "embed_pair"), dtype=dtype, rngs=rngs)
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def draft_hidden(self, embeds_BTD, hidden_BTD, ctx: TokenContext, state: MLAState | None):
@@ -182,7 +184,7 @@ class LingForCausalLM(nnx.Module):
         self.kernel_backend = kernel_backend
         self.model = LingModel(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs)
         if config.num_nextn_predict_layers:
             self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs)
 

@@ -1,7 +1,7 @@
 """Feed-forward blocks (spec §4): SwiGLU MLP with optional clipping, the group-limited sigmoid router and
-the MoE with a shared expert. Experts are dispatched densely here (every expert sees every token and the
-routing weights zero out the rest): exact, simple, and meant for small configs and tests; the grouped,
-sharded dispatch lives with the sharding rules.
+the MoE with a shared expert. Routed experts run as grouped matmuls over the rows routed to them (dropless),
+on one device or expert-parallel across a mesh (`ling_jax.expert_parallel`); `dense_expert_ffn` is the
+one-hot baseline.
 """
 
 from __future__ import annotations
@@ -11,24 +11,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import LingConfig
-from ling_jax.layers import Linear, normal_param
-
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
-    """SiLU(gate) * up, or min(SiLU(gate), limit) * clip(up, -limit, limit) when the layer has a limit."""
-    activated = jax.nn.silu(gate)
-    if limit is None:
-        return activated * up
-    return jnp.minimum(activated, limit) * jnp.clip(up, -limit, limit)
+from ling_jax.expert_ffn import expert_load, local_moe, swiglu
+from ling_jax.expert_parallel import moe_parallel, uses_model_parallelism
+from ling_jax.layers import Linear, normal_param, param
+from pallas_kernels.backend import resolve_backend
 
 
 class MLP(nnx.Module):
     """Dense SwiGLU MLP; also the shared expert."""
 
     def __init__(self, hidden: int, width: int, *, limit: float | None = None, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, width, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(width, hidden, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(hidden, width, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, width, axes=("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(width, hidden, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.limit = limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -61,44 +56,58 @@ def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig):
 class Router(nnx.Module):
     def __init__(self, config: LingConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
-        self.weight = normal_param(rngs, (config.num_experts, config.hidden_size), dtype)  # [E, D]
-        self.expert_bias = nnx.Param(jnp.zeros((config.num_experts,), jnp.float32))
+        self.weight = normal_param(rngs, (config.num_experts, config.hidden_size), dtype, ("router", "embed"))  # [E, D]
+        self.expert_bias = param(jnp.zeros((config.num_experts,), jnp.float32), ("router",))
 
     def __call__(self, x_TD):
         return route(x_TD, self.weight[...], self.expert_bias[...], self.config)
 
 
 class Experts(nnx.Module):
-    """Stacked routed experts: gate/up [E, I, D], down [E, D, I] (checkpoint layout, one slice per expert)."""
+    """Stacked routed experts: gate/up [E, I, D], down [E, D, I] (checkpoint layout, one slice per expert).
+
+    Under a mesh with an `expert` or `tensor` axis (`jax.set_mesh`), tokens go to the devices that own their
+    experts (`ling_jax.expert_parallel`); otherwise all experts run here as one grouped FFN.
+    capacity_factor None is dropless; a number caps each device's rows per source (see expert_parallel).
+    """
 
     def __init__(self, config: LingConfig, *, limit: float | None, dtype, rngs: nnx.Rngs):
         e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        self.gate_proj = normal_param(rngs, (e, width, hidden), dtype)
-        self.up_proj = normal_param(rngs, (e, width, hidden), dtype)
-        self.down_proj = normal_param(rngs, (e, hidden, width), dtype)
+        self.gate_proj = normal_param(rngs, (e, width, hidden), dtype, ("experts", "expert_mlp", "embed"))
+        self.up_proj = normal_param(rngs, (e, width, hidden), dtype, ("experts", "expert_mlp", "embed"))
+        self.down_proj = normal_param(rngs, (e, hidden, width), dtype, ("experts", "embed", "expert_mlp"))
         self.limit = limit
 
-    def __call__(self, x_TD, weights_TK, experts_TK):
-        dtype = x_TD.dtype
-        num_experts = self.gate_proj[...].shape[0]
-        combine_TE = jnp.zeros((x_TD.shape[0], num_experts), jnp.float32)
-        combine_TE = combine_TE.at[jnp.arange(x_TD.shape[0])[:, None], experts_TK].add(weights_TK)
-        gate = jnp.einsum("td,eid->tei", x_TD, self.gate_proj[...].astype(dtype))
-        up = jnp.einsum("td,eid->tei", x_TD, self.up_proj[...].astype(dtype))
-        y_TED = jnp.einsum("tei,edi->ted", swiglu(gate, up, self.limit), self.down_proj[...].astype(dtype))
-        return jnp.einsum("ted,te->td", y_TED, combine_TE.astype(dtype))
+    def __call__(self, x_TD, weights_TK, experts_TK, *, backend: str = "reference",
+                 capacity_factor: float | None = None):
+        """-> (y [T, D], dropped token-assignments: int32 scalar, 0 when dropless)."""
+        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        mesh = jax.sharding.get_abstract_mesh()
+        if uses_model_parallelism(mesh):
+            return moe_parallel(x_TD, weights_TK, experts_TK, *weights, limit=self.limit, mesh=mesh,
+                                capacity_factor=capacity_factor, backend=backend)
+        return local_moe(x_TD, weights_TK, experts_TK, *weights, self.limit, backend=backend), jnp.int32(0)
 
 
 class MoE(nnx.Module):
+    """Routed experts + shared expert. Under `nnx.capture(..., nnx.Intermediate)` each call sows
+    `expert_load` [E] (token-assignments per expert) and `dropped_assignments` (0 unless a capacity factor
+    is set)."""
+
     def __init__(self, config: LingConfig, *, clip_layer: int, dtype, rngs: nnx.Rngs):
         """clip_layer: the index into the SwiGLU limit lists (the layer id; 0 for the MTP layer, as SGLang)."""
         self.gate = Router(config, dtype=dtype, rngs=rngs)
         self.experts = Experts(config, limit=config.swiglu_limit(clip_layer, shared=False), dtype=dtype, rngs=rngs)
         self.shared_experts = MLP(config.hidden_size, config.shared_expert_intermediate_size,
                                   limit=config.swiglu_limit(clip_layer, shared=True), dtype=dtype, rngs=rngs)
+        self.capacity_factor = config.moe_capacity_factor
 
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, *, kernel_backend: str = "reference"):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         weights, experts = self.gate(x_TD)
-        routed = self.experts(x_TD, weights, experts)
+        routed, dropped = self.experts(x_TD, weights, experts, backend=resolve_backend(kernel_backend),
+                                       capacity_factor=self.capacity_factor)
+        if hasattr(self, "__captures__"):  # inside nnx.capture; sowing elsewhere would grow module state
+            self.sow(nnx.Intermediate, "expert_load", expert_load(experts, self.gate.config.num_experts))
+            self.sow(nnx.Intermediate, "dropped_assignments", dropped)
         return (routed + self.shared_experts(x_TD)).reshape(x_BTD.shape)

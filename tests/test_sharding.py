@@ -1,0 +1,204 @@
+"""Sharding rules and expert parallelism on 8 virtual CPU devices (conftest sets the XLA flag)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import rel_error
+from jax.sharding import PartitionSpec as P
+
+import np_reference as npr
+from ling_jax import LingConfig, LingForCausalLM
+from ling_jax.expert_ffn import dense_expert_ffn, local_moe
+from ling_jax.expert_parallel import moe_parallel, rows_per_source
+from ling_jax.moe import MoE, route
+from ling_jax.parallel import ShardedLM
+from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
+
+TOL = 1e-5
+MESHES = [{"expert": 8}, {"data": 2, "expert": 4}, {"tensor": 2, "expert": 4},
+          {"fsdp": 2, "tensor": 2, "expert": 2}]
+
+
+def _config(**changes) -> LingConfig:
+    base = LingConfig.preset("tiny").replace(num_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4,
+                                             vocab_size=264)
+    return base.replace(**changes)
+
+
+def _model(config, seed=0):
+    return LingForCausalLM(config, rngs=nnx.Rngs(seed), dtype=jnp.float32)
+
+
+def _inputs(config, batch=8, length=13):
+    ids = jax.random.randint(jax.random.key(1), (batch, length), 0, config.vocab_size)
+    mask = np.ones((batch, length), bool)
+    mask[1, :5] = False  # left padding on two rows
+    mask[6, :12] = False  # a one-token prompt
+    return ids, jnp.asarray(mask)
+
+
+def _prefill_decode(call, init_cache, ids, mask, steps=2):
+    cache = init_cache(ids.shape[0], ids.shape[1] + steps)
+    logits, cache = call(ids, cache=cache, attention_mask=mask)
+    outs = [logits[:, -1]]
+    token = jnp.argmax(logits[:, -1], -1)[:, None]
+    for _ in range(steps):
+        logits, cache = call(token, cache=cache, attention_mask=jnp.ones(token.shape, bool))
+        outs.append(logits[:, -1])
+        token = jnp.argmax(logits[:, -1], -1)[:, None]
+    return np.stack([np.asarray(o) for o in outs])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = _config()
+    model = _model(config)
+    ids, mask = _inputs(config)
+    full = np.asarray(model(ids, attention_mask=mask).logits)
+
+    def call(ids, cache, attention_mask):
+        out = model(ids, cache=cache, attention_mask=attention_mask)
+        return out.logits, out.cache
+
+    return config, ids, mask, full, _prefill_decode(call, model.init_cache, ids, mask)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_sharded_forward_and_decode_match_unsharded(reference, shape):
+    config, ids, mask, full, decoded = reference
+    sharded = ShardedLM(_model(config), make_mesh(shape))
+    err_full = rel_error(sharded(ids, attention_mask=mask), full)
+    err_decode = rel_error(_prefill_decode(sharded, sharded.init_cache, ids, mask), decoded)
+    print(f"{shape}: forward rel. error {err_full:.1e}, prefill + 2 decode steps {err_decode:.1e}")
+    assert err_full <= TOL and err_decode <= TOL
+
+
+@pytest.mark.parametrize("shape", [{"expert": 8}, {"tensor": 2, "expert": 4}])
+def test_each_device_holds_its_share_of_experts(shape):
+    config = _config()
+    mesh = make_mesh(shape)
+    sharded = ShardedLM(_model(config), mesh)
+    ep, tp = shape["expert"], shape.get("tensor", 1)
+    params = nnx.merge(sharded.graphdef, sharded.params)
+    moe_layers = [layer.mlp for layer in params.model.layers if isinstance(layer.mlp, MoE)]
+    assert moe_layers
+    for moe in moe_layers:
+        gate = moe.experts.gate_proj[...]
+        shards = gate.addressable_shards
+        assert len(shards) == 8
+        for shard in shards:
+            assert shard.data.shape == (config.num_experts // ep, config.moe_intermediate_size // tp,
+                                        config.hidden_size)
+        first_experts = {shard.index[0].start or 0 for shard in shards}
+        assert first_experts == set(range(0, config.num_experts, config.num_experts // ep))
+
+
+def test_cache_shardings_split_batch_and_kda_heads():
+    config = _config()
+    mesh = make_mesh({"tensor": 2, "expert": 4})
+    cache = jax.eval_shape(lambda: _model(config).init_cache(8, 16))
+    shardings = cache_shardings(cache, mesh)
+    kda, mla = shardings.layers[0], shardings.layers[1]
+    assert kda.recurrent_state.spec == P(("expert",), "tensor", None, None)
+    assert mla.latent.spec == P(("expert",), None, None)
+    assert cache_shardings(jax.eval_shape(lambda: _model(config).init_cache(1, 16)), mesh).lengths.spec == P(None)
+
+
+def test_router_on_a_mesh_matches_the_reference_router_with_ties():
+    config = _config()
+    rng = np.random.default_rng(0)
+    weight_ED = rng.normal(size=(config.num_experts, config.hidden_size)).astype(np.float32)
+    weight_ED[1::2] = weight_ED[0::2]  # experts 2j and 2j+1 always tie
+    bias_E = np.zeros(config.num_experts, np.float32)
+    bias_E[5] = 0.3
+    x_TD = rng.normal(size=(16, config.hidden_size)).astype(np.float32)
+    mesh = make_mesh({"expert": 8})
+    with jax.set_mesh(mesh):
+        x_sharded = jax.device_put(x_TD, jax.sharding.NamedSharding(mesh, P("expert", None)))
+        weights, experts = jax.jit(lambda x: route(x, weight_ED, bias_E, config))(x_sharded)
+    ref_experts, ref_weights = npr.route(x_TD, weight_ED, bias_E, config.__dict__)
+    order = np.argsort(np.asarray(experts), axis=-1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, -1), ref_experts)
+    assert rel_error(np.take_along_axis(np.asarray(weights), order, -1), ref_weights) <= TOL
+
+
+def _experts(config, rng):
+    e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    return tuple(jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
+                 for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width)))
+
+
+def _routing(config, rng, tokens):
+    x_TD = jnp.asarray(rng.normal(size=(tokens, config.hidden_size)).astype(np.float32))
+    router = jnp.asarray(rng.normal(size=(config.num_experts, config.hidden_size)).astype(np.float32))
+    weights, experts = route(x_TD, router, jnp.zeros(config.num_experts), config)
+    return x_TD, weights, experts
+
+
+@pytest.mark.parametrize("tokens", [24, 3], ids=["all-to-all", "replicated-tokens"])
+def test_expert_parallel_equals_dense_baseline(tokens):
+    config = _config()
+    rng = np.random.default_rng(1)
+    x_TD, weights, experts = _routing(config, rng, tokens)
+    params = _experts(config, rng)
+    dense = dense_expert_ffn(x_TD, weights, experts, *params, 7.0)
+    assert rel_error(local_moe(x_TD, weights, experts, *params, 7.0, backend="reference"), dense) <= TOL
+    for shape in ({"expert": 8}, {"tensor": 2, "expert": 4}):
+        mesh = make_mesh(shape)
+        with jax.set_mesh(mesh):
+            y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, capacity_factor=None,
+                                                         backend="reference"))(x_TD, weights, experts, *params)
+        assert int(dropped) == 0
+        assert rel_error(y, dense) <= TOL, shape
+
+
+def test_capacity_factor_drops_and_reports_exactly_the_overflow():
+    config = _config()
+    rng = np.random.default_rng(2)
+    tokens, ep = 64, 8
+    x_TD, weights, experts = _routing(config, rng, tokens)
+    params = _experts(config, rng)
+    mesh = make_mesh({"expert": ep})
+    factor = 0.5
+    with jax.set_mesh(mesh):
+        y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=None, mesh=mesh, capacity_factor=factor,
+                                                     backend="reference"))(x_TD, weights, experts, *params)
+    local_tokens, local_experts = tokens // ep, config.num_experts // ep
+    capacity = rows_per_source(local_tokens, config.num_experts_per_tok, ep, local_experts, factor)
+    kept = np.ones(experts.shape, bool)
+    for shard in range(ep):  # token-major order within each source shard decides who is dropped
+        rows = slice(shard * local_tokens, (shard + 1) * local_tokens)
+        dest = np.asarray(experts[rows]).reshape(-1) // local_experts
+        rank = np.array([np.sum(dest[:i] == d) for i, d in enumerate(dest)])
+        kept[rows] = (rank < capacity).reshape(local_tokens, -1)
+    assert int(dropped) == int((~kept).sum()) > 0
+    expected = dense_expert_ffn(x_TD, jnp.where(kept, weights, 0.0), experts, *params, None)
+    assert rel_error(y, expected) <= TOL
+
+
+def test_moe_sows_expert_load_under_capture():
+    config = _config()
+    moe = MoE(config, clip_layer=1, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 5, config.hidden_size))
+    _, intermediates = nnx.capture(moe, nnx.Intermediate)(x)
+    load = intermediates["expert_load"][0]
+    assert load.shape == (config.num_experts,) and float(load.sum()) == 10 * config.num_experts_per_tok
+    assert int(intermediates["dropped_assignments"][0]) == 0
+
+
+def test_bad_meshes_give_clear_errors():
+    state = nnx.state(_model(_config(num_experts=12, n_group=4, topk_group=2)))
+    expected = r"layers\.1\.mlp\.experts\.\w+_proj: dimension 'experts' of size 12.*\('expert',\)"
+    with pytest.raises(ShardingError, match=expected):
+        param_shardings(state, make_mesh({"expert": 8}))
+    with pytest.raises(ShardingError, match="needs 6 devices, but 8"):
+        make_mesh({"tensor": 2, "expert": 3})
+    with pytest.raises(ShardingError, match="unknown mesh axes"):
+        make_mesh({"pipeline": 8})
+    with pytest.raises(ShardingError, match="--mesh expects"):
+        parse_mesh("tensor:2")
+    assert parse_mesh("tensor=2, expert=4") == {"tensor": 2, "expert": 4}
