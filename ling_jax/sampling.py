@@ -1,0 +1,178 @@
+"""Per-request sampling for a jitted decode step.
+
+Every row of a batch carries its own parameters (`SamplingArrays`, [B] arrays), so changing them never
+recompiles. `sample` processes the logits in float32, in the order of transformers' `generate`:
+
+1. repetition penalty on every token already seen (prompt or output), the CTRL / transformers rule: a
+   positive logit is divided by the penalty, a negative one multiplied;
+2. temperature (0 = greedy: the row takes the argmax of the penalised logits and ignores its key and
+   every filter below);
+3. top-k: keep the tokens whose logit is >= the k-th largest;
+4. top-p: over the softmax of what top-k kept, keep the smallest prefix of the sorted probabilities whose
+   sum reaches p (the top token always stays);
+5. min-p: drop tokens whose probability is below min_p times the largest one;
+6. a categorical draw (Gumbel-max) from the softmax of what is left.
+
+vLLM applies min-p before top-k / top-p; since min-p compares ratios to the top probability, the two orders
+differ only in which probabilities top-p sums. Top-k and top-p are applied as a per-row logit threshold, so
+tokens tied with the last kept one are kept too: which of equal logits survive never depends on token ids
+(transformers' top-k does the same; its top-p cuts ties in sort order, which matters only for exact ties).
+
+Cost: top-k / top-p need one sort of the [B, V] logits (values only, no indices and no scatter back). It is
+skipped with a `lax.cond` when no sampled row of the batch uses either filter, and the whole draw (the [B, V]
+Gumbel noise included) when every row is greedy. Both branches of each cond give the same token for a row
+that does not need the skipped work, so a request's output does not depend on the other rows of its batch:
+its randomness comes from its own key, fold_in(key(seed), step), with `step` its own token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+_SEED_LIMIT = 2**32  # seeds become uint32 key data
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling parameters; the defaults switch every filter off and sample at temperature 1."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError, naming the command-line flag, for a value out of range."""
+        _check_real("--temperature", self.temperature, 0.0 <= self.temperature, "must be >= 0")
+        if not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(f"--top-k must be an integer >= 0 (0 = off), got {self.top_k}")
+        _check_real("--top-p", self.top_p, 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
+        _check_real("--min-p", self.min_p, 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
+        _check_real("--repetition-penalty", self.repetition_penalty, 0.0 < self.repetition_penalty, "must be > 0")
+        if not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < _SEED_LIMIT:
+            raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed}")
+
+
+def _check_real(flag: str, value, in_range: bool, rule: str) -> None:
+    if not isinstance(value, numbers.Real) or not math.isfinite(value) or not in_range:
+        raise ValueError(f"{flag} {rule}, got {value}")
+
+
+@struct.dataclass
+class SamplingArrays:
+    """The sampling parameters of a batch, one row per request: a pytree of [B] arrays for `sample`."""
+
+    temperature: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32
+    top_p: jax.Array  # [B] float32
+    min_p: jax.Array  # [B] float32
+    repetition_penalty: jax.Array  # [B] float32
+    seed: jax.Array  # [B] uint32
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
+        if not params:
+            raise ValueError("SamplingArrays needs the parameters of at least one request")
+
+        def column(name: str, dtype) -> jax.Array:
+            return jnp.asarray(np.array([getattr(p, name) for p in params], dtype))
+
+        return cls(temperature=column("temperature", np.float32), top_k=column("top_k", np.int32),
+                   top_p=column("top_p", np.float32), min_p=column("min_p", np.float32),
+                   repetition_penalty=column("repetition_penalty", np.float32), seed=column("seed", np.uint32))
+
+
+def seen_from_prompts(ids_BT: jax.Array, mask_BT: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, V] bool: which tokens occur among the real (mask = 1) positions of each prompt."""
+    batch = ids_BT.shape[0]
+    rows_BT = jnp.broadcast_to(jnp.arange(batch)[:, None], ids_BT.shape)
+    ids_or_dropped_BT = jnp.where(mask_BT, ids_BT, vocab_size)  # pads point past the vocabulary: dropped
+    seen_BV = jnp.zeros((batch, vocab_size), bool)
+    return seen_BV.at[rows_BT, ids_or_dropped_BT].set(True, mode="drop")
+
+
+def update_seen(seen_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
+    """Mark each row's new token as seen."""
+    return seen_BV.at[jnp.arange(seen_BV.shape[0]), tokens_B].set(True)
+
+
+def apply_repetition_penalty(logits_BV: jax.Array, seen_BV: jax.Array, penalty_B: jax.Array) -> jax.Array:
+    """Seen tokens: positive logits divided by the row's penalty, negative ones multiplied (CTRL rule)."""
+    penalty_B1 = penalty_B[:, None]
+    penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
+    return jnp.where(seen_BV, penalised_BV, logits_BV)
+
+
+def request_keys(seed_B: jax.Array, steps_B: jax.Array) -> jax.Array:
+    """Each row's PRNG key for this step: fold_in(key(seed), step), independent of the rest of the batch."""
+    steps_B = jnp.broadcast_to(jnp.asarray(steps_B, jnp.int32), seed_B.shape)
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seed_B, steps_B)
+
+
+def process_logits(logits_BV: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array) -> jax.Array:
+    """The float32 logits each row draws from (steps 1-5 of the module doc), -inf where filtered out.
+
+    Greedy rows get their penalised logits, unscaled and unfiltered (their argmax is their token).
+    """
+    penalised_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV, arrays.repetition_penalty)
+    return _temperature_and_filters(penalised_BV, arrays)
+
+
+def sample(logits_BV: jax.Array, arrays: SamplingArrays, steps_B: jax.Array, seen_BV: jax.Array) -> jax.Array:
+    """Next token of every row, int32 [B]. Pure jnp, jit-able.
+
+    steps_B: [B] (or a scalar) int, how many tokens each request has generated so far; with the row's seed it
+    makes the row's key. seen_BV: [B, V] bool, the tokens the repetition penalty applies to.
+    """
+    penalised_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV, arrays.repetition_penalty)
+    greedy_B = arrays.temperature == 0
+
+    def draw():
+        processed_BV = _temperature_and_filters(penalised_BV, arrays)
+        vocab = processed_BV.shape[-1]
+        keys_B = request_keys(arrays.seed, steps_B)
+        gumbel_BV = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys_B)
+        return jnp.argmax(jnp.where(greedy_B[:, None], processed_BV, processed_BV + gumbel_BV), axis=-1)
+
+    tokens_B = jax.lax.cond(jnp.all(greedy_B), lambda: jnp.argmax(penalised_BV, axis=-1), draw)
+    return tokens_B.astype(jnp.int32)
+
+
+def _temperature_and_filters(penalised_BV: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    greedy_B = arrays.temperature == 0
+    scaled_BV = penalised_BV / jnp.where(greedy_B, 1.0, arrays.temperature)[:, None]
+    truncated_B = ~greedy_B & ((arrays.top_k > 0) | (arrays.top_p < 1))
+    cutoff_B1 = jax.lax.cond(jnp.any(truncated_B),
+                             lambda: _top_k_top_p_cutoff(scaled_BV, arrays.top_k, arrays.top_p),
+                             lambda: jnp.full((scaled_BV.shape[0], 1), -jnp.inf, jnp.float32))
+    max_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
+    kept_BV = (scaled_BV >= cutoff_B1) & (jnp.exp(scaled_BV - max_B1) >= arrays.min_p[:, None])
+    return jnp.where(kept_BV | greedy_B[:, None], scaled_BV, -jnp.inf)
+
+
+def _top_k_top_p_cutoff(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """[B, 1]: the smallest logit top-k then top-p keep; rows with both off keep everything."""
+    vocab = scaled_BV.shape[-1]
+    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)  # descending
+    k_B = jnp.where((top_k_B > 0) & (top_k_B < vocab), top_k_B, vocab)
+    kth_largest_B1 = jnp.take_along_axis(sorted_BV, k_B[:, None] - 1, axis=-1)
+    in_top_k_BV = sorted_BV >= kth_largest_B1
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    # top_p = 1 must keep the whole tail even where rounding lets the cumulative sum reach 1 early
+    in_top_p_BV = (mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1)
+    kept_B = jnp.sum(in_top_k_BV & in_top_p_BV, axis=-1)  # both are prefixes of the sorted row
+    return jnp.take_along_axis(sorted_BV, kept_B[:, None] - 1, axis=-1)
