@@ -63,6 +63,20 @@ class LingCache:
         return cls(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
+def commit_verified(cache: LingCache, accepted_B: jax.Array, num_verified: int) -> LingCache:
+    """Keep the first accepted_B[b] + 1 of the `num_verified` tokens a steps-mode call appended.
+
+    The call left one KDA state per verified token; the state after the last kept token is taken (no
+    recomputation). MLA slots past the new lengths stay in the buffer, invisible, and are overwritten later.
+    """
+    rows = jnp.arange(accepted_B.shape[0])
+    layers = tuple(
+        KDAState(conv_window=s.conv_window[rows, accepted_B], recurrent_state=s.recurrent_state[rows, accepted_B])
+        if isinstance(s, KDAState) else s
+        for s in cache.layers)
+    return LingCache(layers=layers, lengths=cache.lengths - num_verified + accepted_B + 1)
+
+
 @struct.dataclass
 class MTPCache:
     layer: MLAState

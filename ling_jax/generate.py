@@ -1,62 +1,308 @@
-"""Greedy batched generation: one jitted prefill, then a jitted single-token decode step over a donated cache.
+"""Batched generation: chunked prefill, then fixed-shape jitted decode steps (or MTP speculative rounds) over
+donated caches, with per-request sampling and streaming callbacks.
 
-Prompts of different lengths are left-padded; the attention mask keeps pads out of every state.
+Prompts are left-padded so that every row's last prompt token sits in the last column; the attention mask
+keeps pads out of every KDA state and MLA cache. The padded prompt is cut into chunks of `prefill_chunk`
+tokens (the first one shorter, a power of two), so activation memory is bounded by the chunk, and each
+chunk size compiles once. Every later step has fixed shapes: one compile per batch size and cache length.
+
+Speculative decoding (`mtp=K`): the MTP layer drafts K tokens greedily; the main model verifies
+[pending token ; K drafts] in one forward whose KDA layers keep the state after every token; each
+position's target token is drawn with the request's own sampler and key, a draft is accepted while it equals
+the target, and the caches are committed at the last accepted token (KDA: the kept per-token state; MLA:
+the cache length; the MTP cache is rolled back and re-run on the accepted tokens). Every emitted token is
+the target model's own draw, so the output is exactly the non-speculative output, with greedy or sampling.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import math
 import time
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ling_jax.cache import LingCache, MTPCache, commit_verified
+from ling_jax.kda import STEPS
 from ling_jax.model import LingForCausalLM
+from ling_jax.sampling import (
+    SamplingArrays,
+    SamplingParams,
+    sample,
+    seen_from_prompts,
+    update_seen,
+)
+from ling_jax.sharding import cache_shardings, shard_model
+
+MIN_CHUNK = 16
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _greedy_call(graphdef, params, cache, ids_BT, mask_BT):
-    out = nnx.merge(graphdef, params)(ids_BT, cache=cache, attention_mask=mask_BT)
-    return jnp.argmax(out.logits[:, -1], axis=-1).astype(jnp.int32), out.cache
+@dataclasses.dataclass
+class GenerationStats:
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float  # prompt processing up to the first token (includes compilation on a first call)
+    decode_s: float
+    ttft_s: float
+    drafted: int = 0  # MTP draft tokens proposed / accepted
+    accepted: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else math.inf
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return max(self.generated_tokens - 1, 0) / self.decode_s if self.decode_s else math.inf
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def summary(self) -> str:
+        line = (f"prompt tokens {self.prompt_tokens}, generated {self.generated_tokens}, "
+                f"prefill {self.prefill_tokens_per_s:.1f} tok/s, decode {self.decode_tokens_per_s:.1f} tok/s, "
+                f"time to first token {self.ttft_s * 1e3:.0f} ms")
+        if self.drafted:
+            line += f", MTP acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})"
+        return line
 
 
-def greedy_generate(model: LingForCausalLM, prompts: list[list[int]], max_new_tokens: int,
-                    *, eos_ids: tuple[int, ...] = ()) -> tuple[list[list[int]], dict]:
-    """Greedy continuation of each prompt (token ids). Returns (new tokens per prompt, timing stats)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    longest = max(len(p) for p in prompts)
-    max_length = longest + max_new_tokens
-    if max_length > model.config.max_position_embeddings:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_position_embeddings ({model.config.max_position_embeddings})")
-    batch = len(prompts)
-    ids = np.zeros((batch, longest), np.int32)
-    mask = np.zeros((batch, longest), bool)
-    for row, prompt in enumerate(prompts):
-        ids[row, longest - len(prompt):] = prompt
-        mask[row, longest - len(prompt):] = True
-    graphdef, params = nnx.split(model)
-    cache = model.init_cache(batch, max_length)
-    start = time.perf_counter()
-    token, cache = _greedy_call(graphdef, params, cache, jnp.asarray(ids), jnp.asarray(mask))
-    token.block_until_ready()
-    prefill_s = time.perf_counter() - start
-    generated = [[] for _ in prompts]
-    done = np.zeros(batch, bool)
-    ones = jnp.ones((batch, 1), bool)
-    start = time.perf_counter()
-    for step in range(max_new_tokens):
-        host = np.asarray(token)
-        for row in np.flatnonzero(~done):
-            generated[row].append(int(host[row]))
-            done[row] = host[row] in eos_ids
-        if done.all() or step == max_new_tokens - 1:
-            break
-        token, cache = _greedy_call(graphdef, params, cache, token[:, None], jnp.logical_and(ones, ~done[:, None]))
-    decode_s = time.perf_counter() - start
-    stats = {"prompt_tokens": int(mask.sum()), "generated_tokens": sum(map(len, generated)),
-             "prefill_s": prefill_s, "decode_s": decode_s}
-    return generated, stats
+def prefill_chunks(longest: int, chunk: int) -> list[int]:
+    """Chunk lengths covering a left-padded prompt of >= `longest` tokens: a power-of-two head, then full chunks."""
+    full, rest = divmod(longest, chunk)
+    head = [min(chunk, max(MIN_CHUNK, 1 << (rest - 1).bit_length()))] if rest else []
+    return head + [chunk] * full
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _prefill_chunk(graphdef, params, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC):
+    model = nnx.merge(graphdef, params)
+    hidden_BCD, cache = model.model(ids_BC, cache=cache, attention_mask=mask_BC,
+                                    kernel_backend=model.kernel_backend)
+    if mtp_cache is not None:
+        _, mtp_cache = model.draft_hidden(hidden_BCD, next_ids_BC, cache=mtp_cache, attention_mask=mtp_mask_BC)
+    return cache, mtp_cache, hidden_BCD[:, -1]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _first_token(graphdef, params, mtp_cache, seen_BV, hidden_BD, arrays, steps_B):
+    """The first new token from the last prompt position; with MTP, also the first draft."""
+    model = nnx.merge(graphdef, params)
+    token_B = sample(model.logits(hidden_BD[:, None])[:, 0], arrays, steps_B, seen_BV)
+    seen_BV = update_seen(seen_BV, token_B)
+    if mtp_cache is None:
+        return token_B, seen_BV, None, None, None
+    out = model.draft_logits(hidden_BD[:, None], token_B[:, None], cache=mtp_cache)
+    draft_B = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+    return token_B, seen_BV, out.cache, draft_B, out.hidden[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _decode_step(graphdef, params, cache, seen_BV, token_B, arrays, steps_B):
+    out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache)
+    next_B = sample(out.logits[:, 0], arrays, steps_B, seen_BV)
+    return next_B, out.cache, update_seen(seen_BV, next_B)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
+def _speculative_round(graphdef, num_drafts, params, cache: LingCache, mtp_cache: MTPCache, seen_BV, token_B,
+                       draft_B, draft_hidden_BD, arrays, steps_B, active_B):
+    """Draft num_drafts tokens, verify them, commit. Returns (targets [B, K+1], accepted [B], caches, ...):
+    the round emits targets[:, :accepted + 1]; targets[:, accepted] is the next pending token. Finished rows
+    (active false) keep their cache lengths, so they never run past the cache."""
+    model = nnx.merge(graphdef, params)
+    rows = jnp.arange(token_B.shape[0])
+    drafts = [draft_B]
+    for _ in range(num_drafts - 1):
+        out = model.draft_logits(draft_hidden_BD[:, None], drafts[-1][:, None], cache=mtp_cache)
+        mtp_cache, draft_hidden_BD = out.cache, out.hidden[:, 0]
+        drafts.append(jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32))
+    drafts_BK = jnp.stack(drafts, axis=1)
+    verify_ids = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
+    start_lengths_B = cache.lengths
+    hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS,
+                                          kernel_backend=model.kernel_backend)
+    logits_BTV = model.logits(hidden_BTD)
+    targets, seen = [], seen_BV
+    for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)
+        targets.append(sample(logits_BTV[:, i], arrays, steps_B + i, seen))
+        if i < num_drafts:
+            seen = update_seen(seen, drafts_BK[:, i])
+    targets_BT = jnp.stack(targets, axis=1)
+    accepted_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
+    kept_BT = jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]
+    seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
+    cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
+    cache = LingCache(layers=cache.layers, lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
+    mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=start_lengths_B)  # drop the chained drafts' entries
+    out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
+    next_draft_B = jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32)
+    return (targets_BT, accepted_B, cache, out.cache, seen_BV, targets_BT[rows, accepted_B], next_draft_B,
+            out.hidden[rows, accepted_B])
+
+
+class _Rows:
+    """Host-side bookkeeping: tokens per row, EOS / stop / length limits, streaming callbacks."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_ids: Collection[int], on_tokens):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.done = np.zeros(batch, bool)
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.on_tokens = on_tokens
+
+    def add(self, row: int, new_ids) -> None:
+        if self.done[row]:
+            return
+        kept = []
+        for token in map(int, new_ids):
+            if token in self.eos_ids:
+                self.done[row] = True
+                break
+            kept.append(token)
+            if len(self.tokens[row]) + len(kept) == self.max_new_tokens:
+                self.done[row] = True
+                break
+        self.tokens[row].extend(kept)
+        if kept and self.on_tokens is not None and self.on_tokens(row, kept):
+            self.done[row] = True
+
+    @property
+    def generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+class Generator:
+    """Generates continuations of token-id prompts with `model` (optionally sharded over `mesh`)."""
+
+    def __init__(self, model: LingForCausalLM, *, mesh: jax.sharding.Mesh | None = None, prefill_chunk: int = 2048,
+                 mtp: int = 0):
+        if prefill_chunk < MIN_CHUNK:
+            raise ValueError(f"--prefill-chunk must be >= {MIN_CHUNK}, got {prefill_chunk}")
+        if mtp < 0:
+            raise ValueError(f"--mtp must be >= 0, got {mtp}")
+        if mtp and not model.config.num_nextn_predict_layers:
+            raise ValueError("--mtp needs a model with an MTP layer (num_nextn_predict_layers = 1); this one has none")
+        self.config = model.config
+        self.dtype = model.dtype
+        self.mesh = mesh
+        self.prefill_chunk = prefill_chunk
+        self.mtp = mtp
+        if mesh is not None:
+            shard_model(model, mesh)
+        self.graphdef, self.params = nnx.split(model)
+
+    def _place(self, cache):
+        if self.mesh is None:
+            return cache
+        return jax.device_put(cache, cache_shardings(cache, self.mesh))
+
+    def _check(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], max_new_tokens: int):
+        if not prompts:
+            raise ValueError("no prompts given")
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        for row, prompt in enumerate(prompts):
+            if not len(prompt):
+                raise ValueError(f"prompt {row} is empty: every prompt needs at least one token")
+            bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {row} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+            limit = self.config.max_position_embeddings
+            if len(prompt) + max_new_tokens > limit:
+                raise ValueError(f"prompt {row} has {len(prompt)} tokens; with --max-new-tokens {max_new_tokens} "
+                                 f"that exceeds the model's context of {limit} tokens")
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], max_new_tokens: int,
+                 *, eos_ids: Collection[int] = (), on_tokens: Callable[[int, list[int]], bool] | None = None
+                 ) -> tuple[list[list[int]], GenerationStats]:
+        """New tokens per prompt (EOS excluded) and timing stats. on_tokens(row, ids) streams them as they
+        arrive; returning True stops that row (e.g. a stop string)."""
+        self._check(prompts, sampling, max_new_tokens)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            return self._generate(prompts, sampling, max_new_tokens, eos_ids, on_tokens)
+
+    def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens):
+        batch = len(prompts)
+        chunks = prefill_chunks(max(len(p) for p in prompts), self.prefill_chunk)
+        padded = sum(chunks)
+        ids = np.zeros((batch, padded), np.int32)
+        mask = np.zeros((batch, padded), bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, padded - len(prompt):] = prompt
+            mask[row, padded - len(prompt):] = True
+        next_ids = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
+        mtp_mask = mask & (np.arange(padded) < padded - 1)[None, :]
+        max_length = padded + max_new_tokens + self.mtp + 1
+        cache = self._place(LingCache.create(self.config, batch, max_length, self.dtype))
+        mtp_cache = self._place(MTPCache.create(self.config, batch, max_length, self.dtype)) if self.mtp else None
+        arrays = SamplingArrays.from_params(sampling)
+        seen = seen_from_prompts(jnp.asarray(ids), jnp.asarray(mask), self.config.vocab_size)
+        rows = _Rows(batch, max_new_tokens, eos_ids, on_tokens)
+
+        start = time.perf_counter()
+        offset = 0
+        for length in chunks:
+            part = slice(offset, offset + length)
+            cache, mtp_cache, last_hidden = _prefill_chunk(self.graphdef, self.params, cache, mtp_cache, ids[:, part],
+                                                           mask[:, part], next_ids[:, part], mtp_mask[:, part])
+            offset += length
+        steps = jnp.zeros((batch,), jnp.int32)
+        token, seen, mtp_cache, draft, draft_hidden = _first_token(self.graphdef, self.params, mtp_cache, seen,
+                                                                   last_hidden, arrays, steps)
+        first = np.asarray(token)
+        ttft = time.perf_counter() - start
+        for row in range(batch):
+            rows.add(row, [first[row]])
+        stats = GenerationStats(prompt_tokens=int(mask.sum()), generated_tokens=0, prefill_s=ttft, decode_s=0.0,
+                                ttft_s=ttft)
+        start = time.perf_counter()
+        if self.mtp:
+            self._speculate(rows, stats, cache, mtp_cache, seen, token, draft, draft_hidden, arrays)
+        else:
+            self._decode(rows, cache, seen, token, arrays)
+        stats.decode_s = time.perf_counter() - start
+        stats.generated_tokens = rows.generated
+        return rows.tokens, stats
+
+    def _decode(self, rows: _Rows, cache, seen, token, arrays):
+        """One token per step; each step is dispatched before the host reads the previous step's token, so
+        the device never waits for the host."""
+        remaining = rows.max_new_tokens - 1
+        if remaining == 0 or rows.done.all():
+            return
+        step = functools.partial(_decode_step, self.graphdef, self.params)
+        steps = jnp.ones((len(rows.tokens),), jnp.int32)
+        current, cache, seen = step(cache, seen, token, arrays, steps)
+        for i in range(remaining):
+            if i + 1 < remaining:
+                following, cache, seen = step(cache, seen, current, arrays, steps + i + 1)
+            host = np.asarray(current)
+            for row in np.flatnonzero(~rows.done):
+                rows.add(row, [host[row]])
+            if rows.done.all():
+                break
+            current = following
+
+    def _speculate(self, rows: _Rows, stats: GenerationStats, cache, mtp_cache, seen, token, draft, draft_hidden,
+                   arrays):
+        steps = jnp.ones((len(rows.tokens),), jnp.int32)
+        while not rows.done.all():
+            (targets, accepted, cache, mtp_cache, seen, token, draft, draft_hidden) = _speculative_round(
+                self.graphdef, self.mtp, self.params, cache, mtp_cache, seen, token, draft, draft_hidden, arrays,
+                steps, jnp.asarray(~rows.done))
+            steps = steps + accepted + 1
+            host_targets, host_accepted = np.asarray(targets), np.asarray(accepted)
+            for row in np.flatnonzero(~rows.done):
+                stats.drafted += self.mtp
+                stats.accepted += int(host_accepted[row])
+                rows.add(row, host_targets[row, :host_accepted[row] + 1])

@@ -21,6 +21,7 @@ from pallas_kernels.kda.reference import kda_recurrent
 
 CHUNKED = "chunked"
 RECURRENT = "recurrent"
+STEPS = "steps"  # recurrent, keeping the state after every token (speculative-decoding verification)
 
 
 def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
@@ -42,6 +43,13 @@ def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
     if mask_BT is not None:
         y = jnp.take_along_axis(y, jnp.argsort(order, axis=1)[..., None], axis=1)
     return y[:, -length:], full[:, full.shape[1] - (taps - 1):]
+
+
+def step_windows(window_BWC, u_BTC):
+    """[B, T, K-1, C]: the conv window (newest K-1 inputs) after each of the T tokens, all real."""
+    taps_minus_one = window_BWC.shape[1]
+    full = jnp.concatenate([window_BWC.astype(u_BTC.dtype), u_BTC], axis=1)
+    return jnp.stack([full[:, t + 1:t + 1 + taps_minus_one] for t in range(u_BTC.shape[1])], axis=1)
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -91,7 +99,8 @@ class KimiDeltaAttention(nnx.Module):
         """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state).
 
         Chunked mode runs `pallas_kernels.kda.chunk_kda`, a one-token recurrent step
-        `pallas_kernels.kda.kda_decode_step`, both with `kernel_backend`.
+        `pallas_kernels.kda.kda_decode_step`, both with `kernel_backend`. Steps mode returns a state per token
+        (conv_window [B, T, K-1, 3C], recurrent_state [B, T, H, d, d]) for speculative verification.
         """
         c = self.config
         batch, length, _ = x_BTD.shape
@@ -100,7 +109,10 @@ class KimiDeltaAttention(nnx.Module):
         conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
         if mask_BT is not None:
             mixed = jnp.where(mask_BT[..., None], mixed, 0)
-        mixed, window = causal_conv_silu(mixed, state.conv_window, conv_w, mask_BT)
+        if mode == STEPS and mask_BT is not None:
+            raise ValueError(f"KDA mode {STEPS!r} takes no padding mask: every verified token is real")
+        conv_inputs_BTC = mixed
+        mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
         q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
         f, r = self._forget_and_output_gate_inputs(x_BTD)
         g = self.log_decay(f)
@@ -117,8 +129,12 @@ class KimiDeltaAttention(nnx.Module):
             o = o[:, None]
         elif mode == RECURRENT:
             o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)
+        elif mode == STEPS:
+            o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state,
+                                         return_all_states=True)
+            window = step_windows(state.conv_window, conv_inputs_BTC)
         else:
-            raise ValueError(f"KDA mode must be {CHUNKED!r} or {RECURRENT!r}, got {mode!r}")
+            raise ValueError(f"KDA mode must be {CHUNKED!r}, {RECURRENT!r} or {STEPS!r}, got {mode!r}")
         o = self.o_norm(o, r.reshape(batch, length, heads, head_dim))
         y = self.dense(o.reshape(batch, length, width))
         return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)

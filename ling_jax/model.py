@@ -209,6 +209,13 @@ class LingForCausalLM(nnx.Module):
     def draft_logits(self, hidden_BTD, next_ids_BT, *, positions=None, cache: MTPCache | None = None,
                      attention_mask=None) -> LingOutput:
         """MTP draft logits for token t+2 from the main model's final hidden state at t and token t+1."""
+        hidden, cache = self.draft_hidden(hidden_BTD, next_ids_BT, positions=positions, cache=cache,
+                                          attention_mask=attention_mask)
+        return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
+
+    def draft_hidden(self, hidden_BTD, next_ids_BT, *, positions=None, cache: MTPCache | None = None,
+                     attention_mask=None):
+        """`draft_logits` without the lm_head: (MTP final hidden [B, T, D], updated MTP cache or None)."""
         if not hasattr(self, "mtp"):
             raise ValueError("this config has num_nextn_predict_layers = 0: there is no MTP layer")
         batch, length = next_ids_BT.shape
@@ -222,4 +229,4 @@ class LingForCausalLM(nnx.Module):
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = MTPCache(layer=state, lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
-        return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
+        return hidden, cache

@@ -30,8 +30,13 @@ def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     return q, k, v, g, beta, initial_state.astype(jnp.float32)
 
 
-def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True):
-    """One token at a time: S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q. Returns (o, S)."""
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
+                  return_all_states=False):
+    """One token at a time: S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q. Returns (o, S).
+
+    return_all_states: S is then [B, T, H, K, V], the state after each token (for speculative decoding,
+    which commits the state at the last accepted draft token).
+    """
     out_dtype = v.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
 
@@ -40,11 +45,15 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2
         S_BHKV = S_BHKV * jnp.exp(g_t)[..., None]
         delta_BHV = b_t[..., None] * (v_t - jnp.einsum("bhkv,bhk->bhv", S_BHKV, k_t))
         S_BHKV = S_BHKV + k_t[..., None] * delta_BHV[..., None, :]
-        return S_BHKV, jnp.einsum("bhkv,bhk->bhv", S_BHKV, q_t)
+        o_BHV = jnp.einsum("bhkv,bhk->bhv", S_BHKV, q_t)
+        return S_BHKV, (o_BHV, S_BHKV) if return_all_states else o_BHV
 
     time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
-    state, o_TBHV = jax.lax.scan(step, state, time_major)
-    return jnp.moveaxis(o_TBHV, 0, 1).astype(out_dtype), state
+    state, per_step = jax.lax.scan(step, state, time_major)
+    if return_all_states:
+        o_TBHV, states_TBHKV = per_step
+        return jnp.moveaxis(o_TBHV, 0, 1).astype(out_dtype), jnp.moveaxis(states_TBHKV, 0, 1)
+    return jnp.moveaxis(per_step, 0, 1).astype(out_dtype), state
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64):

@@ -7,7 +7,7 @@ import functools
 import jax
 
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
-from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu
+from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, grouped_weight_grad_gpu
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
 
@@ -21,10 +21,10 @@ def _gpu_kernel_fwd(lhs_MK, rhs_GNK, group_sizes_G, interpret):
 
 
 def _gpu_kernel_bwd(interpret, residuals, d_out_MN):
-    """Gradients through the jnp reference (XLA's ragged dots) until there are backward kernels."""
     lhs_MK, rhs_GNK, group_sizes_G = residuals
-    _, vjp = jax.vjp(lambda lhs, rhs: grouped_matmul_reference(lhs, rhs, group_sizes_G), lhs_MK, rhs_GNK)
-    return (*vjp(d_out_MN), None)
+    d_lhs_MK = grouped_matmul_gpu(d_out_MN, rhs_GNK, group_sizes_G, rhs_transposed=True, interpret=interpret)
+    d_rhs_GNK = grouped_weight_grad_gpu(lhs_MK, d_out_MN, group_sizes_G, interpret=interpret)
+    return d_lhs_MK, d_rhs_GNK.astype(rhs_GNK.dtype), None
 
 
 _gpu_kernel.defvjp(_gpu_kernel_fwd, _gpu_kernel_bwd)
@@ -38,7 +38,8 @@ def grouped_matmul(lhs_MK, rhs_GNK, group_sizes_G, *, backend: str = "auto") -> 
     backend: "auto" (the GPU kernel on a GPU, the jnp reference elsewhere), "reference" (jnp ragged dot),
     "pallas_gpu", or "interpret_gpu" (the GPU kernel in Pallas interpret mode, for CPU tests). There is no
     TPU kernel yet: "pallas_tpu", "interpret_tpu" and "interpret" (and "auto" on a TPU) run the reference.
-    Differentiable in lhs and rhs with every backend; the kernel's gradients come from the reference.
+    Differentiable in lhs and rhs with every backend; the GPU backends take their gradients from the GPU
+    kernels too (XLA's GPU ragged_dot materialises a masked lhs per group: out of memory at MoE sizes).
     """
     backend = resolve_backend(backend)
     if KERNEL_TARGET.get(backend) == "gpu":

@@ -19,9 +19,12 @@ def grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G) -> jax.Array:
     """out [M, N] in lhs's dtype, accumulated in fp32; differentiable in lhs and rhs.
 
     group_sizes int [G], traced, with sum <= M. The tail rows are zeroed explicitly: ragged_dot leaves
-    them unspecified in its documentation.
+    them unspecified in its documentation. fp32 products are full fp32 (XLA would use tf32 on a GPU).
+    On a GPU, XLA (jax 0.11.2) lowers ragged_dot through a masked copy of lhs per group, [G, M, K]: fine
+    for tests, out of memory at MoE sizes (use the "pallas_gpu" backend there).
     """
+    precision = jax.lax.Precision.HIGHEST if lhs_MK.dtype == jnp.float32 else None
     out_MN = jax.lax.ragged_dot_general(lhs_MK, rhs_GNK.astype(lhs_MK.dtype), group_sizes_G.astype(jnp.int32),
-                                        _RAGGED_MK_GNK, preferred_element_type=jnp.float32)
+                                        _RAGGED_MK_GNK, precision=precision, preferred_element_type=jnp.float32)
     used_M = jnp.arange(lhs_MK.shape[0]) < jnp.sum(group_sizes_G)
     return jnp.where(used_M[:, None], out_MN, 0.0).astype(lhs_MK.dtype)
