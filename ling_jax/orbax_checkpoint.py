@@ -23,6 +23,7 @@ from flax import nnx
 from ling_jax.checkpoint import SCALE_SUFFIX
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
+from ling_jax.sharding import param_shardings
 
 LAYOUT_FILE = "ling_convert.json"
 LAYOUT_FORMAT = "ling-convert/1"
@@ -110,8 +111,8 @@ def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
 def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None) -> LingForCausalLM:
     """Restore a ling-convert checkpoint as `LingForCausalLM`.
 
-    Every parameter is restored straight into its target sharding (replicated over `mesh`, or on the first
-    device without one) from an abstract model (`nnx.eval_shape`): arrays go from storage to their devices
+    Every parameter is restored straight into its target sharding (from the logical axis rules of
+    `ling_jax.sharding` over `mesh`, or on the first device without one) from an abstract model (`nnx.eval_shape`): arrays go from storage to their devices
     one by one, and the model is never built on the host first.
     `dtype` is the model dtype (default: the dtype the checkpoint was converted to; FP8 checkpoints default to
     bfloat16); A_log, dt_bias, conv weights and the expert bias stay float32. FP8 parameters are dequantised
@@ -123,11 +124,16 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
     layout = StoredLayout.read(path)
     config = LingConfig.from_pretrained(path)
     dtype = jnp.dtype(dtype or layout.compute_dtype)
-    sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
-                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, abstract_state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(abstract_state))
+    if mesh is None:
+        one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = {p: one_device for p, _ in flat}
+        small = one_device
+    else:
+        shardings = {p: v.get_value() for p, v in nnx.to_flat_state(param_shardings(abstract_state, mesh))}
+        small = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # block scales: replicated
     stored = _stored_arrays(path)
     target = {}
     for p, variable in flat:
@@ -140,18 +146,18 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
                              f"{list(want.shape)} from config.json")
         if name in layout.scale_blocks:
             scale = stored[scale_name(name)]
-            target[p] = jax.ShapeDtypeStruct(have.shape, have.dtype, sharding=sharding)
-            target[scale_path(p)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=sharding)
+            target[p] = jax.ShapeDtypeStruct(have.shape, have.dtype, sharding=shardings[p])
+            target[scale_path(p)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=small)
         else:
-            target[p] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sharding)
+            target[p] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=shardings[p])
     with ocp.StandardCheckpointer() as checkpointer:
         restored = _flatten(checkpointer.restore(path, _nested(target)))
-    dequantize = jax.jit(dequantize_blocks, static_argnames=("block", "dtype"), out_shardings=sharding)
     loaded = []
     for p, variable in flat:
         value = restored.pop(p)
         block = layout.scale_blocks.get(param_name(p))
         if block is not None:  # dropping each FP8 array once dequantised bounds the peak by the dense model
+            dequantize = jax.jit(dequantize_blocks, static_argnames=("block", "dtype"), out_shardings=shardings[p])
             value = dequantize(value, restored.pop(scale_path(p)), block=block, dtype=variable.get_value().dtype)
         loaded.append((p, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))

@@ -18,6 +18,7 @@ from convert.source import FP8, MXFP4, SourceRows, SourceTensor
 from ling_jax.checkpoint import SCALE_SUFFIX
 from ling_jax.orbax_checkpoint import dequantize_blocks, load_checkpoint, param_name
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
+from ling_jax.sharding import make_mesh, param_shardings
 from oracle import build_oracle, load_oracle, oracle_logits, save_oracle
 
 FP32_TOL = 1e-4
@@ -69,8 +70,9 @@ def test_orbax_tree_is_the_nnx_parameter_tree(oracle_dirs, tmp_path):
     hf_dir, orbax_dir = tmp_path / "hf", tmp_path / "orbax"
     make_quantized_checkpoint(oracle_dirs["g4_wide"], hf_dir, mxfp4_experts=True)
     assert main([str(hf_dir), str(orbax_dir), "--dtype", "fp8", "--quiet"]) == 0
-    mesh = jax.make_mesh((1,), ("data",))
+    mesh = make_mesh({"expert": 8})
     model = load_checkpoint(orbax_dir, mesh=mesh)
+    expected = param_shardings(nnx.state(model), mesh)
     flat = nnx.to_flat_state(nnx.state(model))
     names = {param_name(path) for path, _ in flat}
     experts = "model.layers.1.mlp.experts.gate_proj"
@@ -79,12 +81,13 @@ def test_orbax_tree_is_the_nnx_parameter_tree(oracle_dirs, tmp_path):
     assert names <= stored
     assert {n[:-len(SCALE_SUFFIX)] for n in stored - names} <= names  # the rest are FP8 block scales
     assert experts + SCALE_SUFFIX in stored and "model.layers.0.attention.q_proj.weight" + SCALE_SUFFIX in stored
-    for path, variable in flat:
+    for (path, variable), (_, sharding) in zip(flat, nnx.to_flat_state(expected)):
         value = variable.get_value()
-        assert value.sharding == jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), path
+        assert value.sharding == sharding.get_value(), path  # restored straight into the rules' shardings
         assert value.dtype == (jnp.float32 if param_name(path).endswith(("A_log", "dt_bias", "conv1d",
                                                                           "expert_bias")) else jnp.bfloat16), path
-    assert model.model.layers[1].mlp.experts.gate_proj[...].shape[0] == 16  # [E, I, D]
+    gate = model.model.layers[1].mlp.experts.gate_proj[...]
+    assert gate.shape[0] == 16 and gate.addressable_shards[0].data.shape == (2, 144, 160)  # [E, I, D], E over 8
     assert (orbax_dir / "config.json").is_file()
 
 

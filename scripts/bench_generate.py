@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Prefill throughput and decode-step time of a full-width Ling-3.1-flash slice on one GPU, vs the roofline.
+
+    python scripts/bench_generate.py            # hidden 4096, one 8-layer group (7 KDA + 1 MLA), all-MoE,
+                                                # 512 experts, random bf16 weights; batch 1 and 64, context 8192
+    python scripts/bench_generate.py --quick    # a narrow model (smoke test)
+
+Prefill: the prompt goes through the cache in chunks (as `Generator` does), timed after a warm-up. Decode:
+one jitted, cache-donating step (the model's Pallas KDA / MLA decode kernels and grouped-matmul experts)
+over a cache holding `context` tokens, median over steps. Roofline: the bytes a step must read, i.e. every
+non-expert weight, the routed experts this step's tokens actually picked (counted from the routing), the
+KDA states (read and written) and the MLA latent cache, divided by the device copy bandwidth measured in the
+same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bench_common import copy_bandwidth  # noqa: E402
+from ling_jax import LingConfig, LingForCausalLM  # noqa: E402
+from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
+from ling_jax.config import MOE  # noqa: E402
+
+
+def slice_config(quick: bool) -> LingConfig:
+    config = LingConfig.preset("ling-3.1-flash")
+    layers = 8
+    config = config.replace(num_hidden_layers=layers, layer_types=config.layer_types[8:16],
+                            mlp_layer_types=(MOE,) * layers, num_nextn_predict_layers=0,
+                            expert_swiglu_limit_list=(), share_expert_swiglu_limit_list=())
+    if quick:
+        config = config.replace(hidden_size=512, num_attention_heads=8, moe_intermediate_size=128, num_experts=64,
+                                n_group=8, topk_group=4, shared_expert_intermediate_size=128, vocab_size=4096)
+    return config
+
+
+def filled_cache(model, batch: int, context: int, extra: int) -> LingCache:
+    """A cache that holds `context` tokens: random latents and small random KDA states."""
+    config = model.config
+    cache = LingCache.create(config, batch, context + extra, model.dtype)
+    keys = iter(jax.random.split(jax.random.key(7), 2 * len(cache.layers)))
+    layers = []
+    for state in cache.layers:
+        if isinstance(state, KDAState):
+            layers.append(KDAState(conv_window=state.conv_window,
+                                   recurrent_state=0.01 * jax.random.normal(next(keys), state.recurrent_state.shape)))
+        else:
+            layers.append(MLAState(latent=jax.random.normal(next(keys), state.latent.shape, state.latent.dtype)))
+    return LingCache(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
+    """Bytes one decode step must read (KDA states also written), from the routing of this very step."""
+    config = model.config
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def loads(params, cache, token_B):
+        _, captured = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(token_B[:, None], cache=cache)
+        return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(captured)
+                if "expert_load" in jax.tree_util.keystr(path)]
+
+    touched = [int((np.asarray(load) > 0).sum()) for load in loads(params, cache, token_B)]
+    itemsize = jnp.dtype(model.dtype).itemsize
+    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * itemsize
+    all_params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    all_experts = config.num_experts * expert_bytes * len(touched)
+    embedding = config.vocab_size * config.hidden_size * itemsize  # only B rows are gathered
+    weights = all_params - all_experts - embedding + sum(touched) * expert_bytes
+    kda = sum(2 * s.recurrent_state.nbytes + 2 * s.conv_window.nbytes for s in cache.layers
+              if isinstance(s, KDAState))
+    batch, context = cache.lengths.shape[0], int(cache.lengths[0])
+    mla = sum(batch * context * s.latent.shape[-1] * itemsize for s in cache.layers if isinstance(s, MLAState))
+    parts = {"weights": weights, "kda_states": kda, "mla_cache": mla, "experts_touched_per_layer": touched}
+    return weights + kda + mla, parts
+
+
+def time_prefill(model, batch: int, context: int, chunk: int) -> float:
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def prefill(params, cache, ids_BC):
+        return nnx.merge(graphdef, params)(ids_BC, cache=cache).cache
+
+    ids = jax.random.randint(jax.random.key(1), (batch, context), 0, model.config.vocab_size)
+    elapsed = []
+    for _ in range(2):  # the first pass compiles
+        cache = model.init_cache(batch, context + 8)
+        jax.block_until_ready(cache)
+        start = time.perf_counter()
+        for offset in range(0, context, chunk):
+            cache = prefill(params, cache, ids[:, offset:offset + chunk])
+        jax.block_until_ready(cache)
+        elapsed.append(time.perf_counter() - start)
+    return elapsed[-1]
+
+
+def time_decode(model, cache: LingCache, steps: int) -> float:
+    graphdef, params = nnx.split(model)
+
+    def step(params, cache, token_B):
+        out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache)
+        return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
+
+    step = jax.jit(step, donate_argnums=1)
+    token = jnp.zeros((cache.lengths.shape[0],), jnp.int32)
+    samples = []
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        token, cache = step(params, cache, token)
+        token.block_until_ready()
+        if i >= 3:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a narrow model and short context")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--prefill-tokens", type=int, default=32768,
+                        help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    config = slice_config(args.quick)
+    context = 512 if args.quick else args.context
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
+          f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts, bf16", flush=True)
+    copy = copy_bandwidth(10)
+    print(f"device copy: {copy / 1e12:.2f} TB/s", flush=True)
+    start = time.perf_counter()
+    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
+    print(f"random init: {params_gb:.1f} GB of weights in {time.perf_counter() - start:.0f} s", flush=True)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        chunk = max(64, min(context, args.prefill_tokens // batch))
+        prefill_s = time_prefill(model, batch, context, chunk)
+        cache = filled_cache(model, batch, context, args.steps + 8)
+        token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
+        nbytes, parts = step_bytes(model, cache, token)
+        decode_s = time_decode(model, cache, args.steps)
+        roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
+        rows.append((batch, batch * context / prefill_s, decode_s, roofline_s, nbytes))
+        print(f"batch {batch}: prefill {batch * context / prefill_s:,.0f} tok/s (chunk {chunk}); decode step "
+              f"{decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms ({nbytes / 1e9:.2f} GB: "
+              f"weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, MLA "
+              f"{parts['mla_cache'] / 1e9:.2f}; experts touched per layer {parts['experts_touched_per_layer']}); "
+              f"{decode_s / roofline_s:.2f}x roofline", flush=True)
+    print("\n| batch | context | prefill tok/s | decode step ms | roofline ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for batch, prefill_tps, decode_s, roofline_s, _ in rows:
+        print(f"| {batch} | {context} | {prefill_tps:,.0f} | {decode_s * 1e3:.2f} | {roofline_s * 1e3:.2f} | "
+              f"{decode_s / roofline_s:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
