@@ -1,4 +1,5 @@
-"""ling-convert SRC DST [--dtype bf16|fp8] [--workers N] [--resume] [--verify] [--overwrite] [--distributed]"""
+"""ling-convert SRC DST [--dtype bf16|fp8] [--mesh AXES] [--workers N] [--resume] [--verify] [--overwrite]
+[--distributed]"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from convert import ConvertError
 from convert.pipeline import Cluster, Options, convert
 from convert.plan import BF16, FP8_KEPT
+from ling_jax.sharding import parse_mesh
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=(BF16, FP8_KEPT), default=BF16,
                         help="bf16: dequantise everything (A_log, dt_bias, convs, expert bias stay fp32); "
                              "fp8: keep FP8 weights and MXFP4 experts (as FP8 codes) with their block scales")
+    parser.add_argument("--mesh", metavar="AXES",
+                        help="target mesh, e.g. 'tensor=2,expert=4': refuse a model it does not fit, cut the stored "
+                             "chunks to the rows each device will hold, record it in ling_convert.json")
     parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                         help="slices read, converted and written in parallel (default: min(4, CPUs))")
     parser.add_argument("--resume", action="store_true", help="continue a killed conversion to DST")
@@ -39,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
-    options = Options(dtype=args.dtype, workers=args.workers, resume=args.resume, verify=args.verify,
-                      overwrite=args.overwrite, progress=not args.quiet)
     try:
+        mesh = parse_mesh(args.mesh) if args.mesh else None
+        options = Options(dtype=args.dtype, workers=args.workers, resume=args.resume, verify=args.verify,
+                          overwrite=args.overwrite, progress=not args.quiet, mesh=mesh)
         summary = convert(args.src, args.dst, options, Cluster.jax_distributed() if args.distributed else Cluster())
     except (ConvertError, ValueError, OSError) as e:
         print(f"ling-convert: error: {e}", file=sys.stderr)

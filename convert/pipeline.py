@@ -47,6 +47,7 @@ class Options:
     verify: bool = False
     overwrite: bool = False
     progress: bool = True
+    mesh: dict[str, int] | None = None  # target mesh axis sizes: chunks aligned to its shards, recorded in the layout
 
 
 def _no_barrier(name: str) -> None:
@@ -140,7 +141,7 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     check_destination(dst, options.overwrite)
     config = LingConfig.from_pretrained(src)
     tensors = CheckpointTensors(src)
-    plans = build_plan(TensorResolver(tensors, config), config, options.dtype)
+    plans = build_plan(TensorResolver(tensors, config), config, options.dtype, options.mesh)
     mine = owned_by(plans, cluster.process_index, cluster.process_count)
 
     workspace = Workspace(dst)
@@ -159,7 +160,7 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
         start = time.perf_counter()
         _write_params(todo, reader, store, journal, options)
         seconds = time.perf_counter() - start
-        _assemble(workspace.path, plans, src, store, cluster)
+        _assemble(workspace.path, plans, src, store, cluster, options.mesh)
         if options.verify:
             try:
                 verify_params(mine, reader, store, options.workers, options.progress)
@@ -173,7 +174,8 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     return Summary(len(todo), len(mine) - len(todo), sum(plan.nbytes for plan in todo), seconds, options.verify)
 
 
-def _assemble(directory: str, plans: list[ParamPlan], src: str, store: ArrayStore, cluster: Cluster) -> None:
+def _assemble(directory: str, plans: list[ParamPlan], src: str, store: ArrayStore, cluster: Cluster,
+              mesh: dict[str, int] | None) -> None:
     """Make every process's arrays durable, then (process 0) merge them into an Orbax checkpoint beside
     `ling_convert.json` and SRC's config and tokenizer files."""
     if os.path.isdir(store.database_directory):
@@ -181,7 +183,7 @@ def _assemble(directory: str, plans: list[ParamPlan], src: str, store: ArrayStor
     cluster.barrier("ling-convert:written")
     if cluster.primary:
         finalize(directory, plans, store.context)
-        StoredLayout(COMPUTE_DTYPE.name, {p.name: p.scale_block for p in plans if p.scale_block}).write(directory)
+        StoredLayout(COMPUTE_DTYPE.name, {p.name: p.scale_block for p in plans if p.scale_block}, mesh).write(directory)
         copy_side_files(src, directory)
         sync_to_disk(directory)
     cluster.barrier("ling-convert:finalized")

@@ -1,13 +1,16 @@
 """The conversion plan: one entry per NNX parameter of the model config.json describes, with the checkpoint
 tensors that fill it (`ling_jax.checkpoint_names.source_for`), its stored dtype and the row slices it is
 converted in. Building the plan inspects every source tensor, so a broken checkpoint fails here, before
-anything is written.
+anything is written. With a target mesh (`--mesh`), each parameter's row slices (the stored chunks) are cut to
+divide the rows every device will hold, so a sharded restore reads whole chunks; a mesh that does not fit the
+model is refused here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,7 @@ from ling_jax.checkpoint_names import source_for
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
 from ling_jax.orbax_checkpoint import param_name
+from ling_jax.sharding import logical_to_spec
 
 BF16 = "bf16"  # --dtype: dequantise everything to bfloat16
 FP8_KEPT = "fp8"  # --dtype: keep FP8 weights (and MXFP4 experts as FP8 codes) with their block scales
@@ -93,12 +97,16 @@ class ParamPlan:
         return -(-rows // block_rows), -(-cols // block_cols)
 
 
-def _rows_per_slice(sources: tuple[SourceTensor, ...]) -> int:
+def _rows_per_slice(sources: tuple[SourceTensor, ...], shard_rows: int) -> int:
+    """~SLICE_ELEMENTS per slice, whole scale blocks, and (when possible) a divisor of the rows of one shard."""
     shape = sources[0].shape
     align = max(source.row_align for source in sources)
     row_elements = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-    rows = max(align, SLICE_ELEMENTS // row_elements // align * align)
-    return min(rows, shape[0])
+    rows = min(max(align, SLICE_ELEMENTS // row_elements // align * align), shape[0])
+    if shard_rows % rows == 0:
+        return rows
+    fitting = [r for r in range(rows - rows % align, 0, -align) if shard_rows % r == 0]
+    return fitting[0] if fitting else rows
 
 
 def _quantised_block(sources: tuple[SourceTensor, ...]) -> tuple[int, int] | None:
@@ -109,8 +117,8 @@ def _quantised_block(sources: tuple[SourceTensor, ...]) -> tuple[int, int] | Non
 
 
 def _param_plan(path: tuple, shape: tuple[int, ...], dtype: np.dtype, sources: tuple[SourceTensor, ...],
-                stacked: bool, mode: str) -> ParamPlan:
-    rows = _rows_per_slice(sources)
+                stacked: bool, mode: str, shard_rows: int) -> ParamPlan:
+    rows = _rows_per_slice(sources, shard_rows)
     block = _quantised_block(sources) if mode == FP8_KEPT else None
     if block is None:
         return ParamPlan(path, shape, dtype, sources, stacked, rows)
@@ -118,25 +126,42 @@ def _param_plan(path: tuple, shape: tuple[int, ...], dtype: np.dtype, sources: t
     return ParamPlan(path, shape, stored, sources, stacked, rows, block)
 
 
-def model_parameters(config: LingConfig) -> list[tuple[tuple, jax.ShapeDtypeStruct]]:
-    """(NNX flat-state path, shape and stored dense dtype) of every parameter, in model order."""
+def model_parameters(config: LingConfig) -> list[tuple[tuple, jax.ShapeDtypeStruct, tuple]]:
+    """(NNX flat-state path, shape and stored dense dtype, logical axes) of every parameter, in model order."""
     abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=COMPUTE_DTYPE))
-    return [(path, variable.get_value()) for path, variable in nnx.to_flat_state(nnx.state(abstract))]
+    return [(path, variable.get_value(), variable.get_metadata()["out_sharding"])
+            for path, variable in nnx.to_flat_state(nnx.state(abstract))]
 
 
-def build_plan(resolver: TensorResolver, config: LingConfig, mode: str) -> list[ParamPlan]:
+def _shard_rows(path: tuple, value, axes: tuple, stacked: bool, mesh: Mapping[str, int] | None) -> int:
+    """Rows of the source tensor one device holds on `mesh` (all of them without a mesh)."""
+    row_dim = 1 if stacked else 0
+    rows = value.shape[row_dim]
+    if not mesh:
+        return rows
+    spec = logical_to_spec(axes, value.shape, mesh, name=param_name(path))
+    row_axes = spec[row_dim] if row_dim < len(spec) else None
+    row_axes = () if row_axes is None else (row_axes,) if isinstance(row_axes, str) else row_axes
+    return rows // math.prod(mesh[a] for a in row_axes)
+
+
+def build_plan(resolver: TensorResolver, config: LingConfig, mode: str,
+               mesh: Mapping[str, int] | None = None) -> list[ParamPlan]:
     """The plan for every parameter, in model order. Raises CheckpointError naming the tensor and its file
-    for a missing, mis-shaped, wrongly typed or unscaled tensor, and for tensors the config does not use."""
+    for a missing, mis-shaped, wrongly typed or unscaled tensor, and for tensors the config does not use;
+    ShardingError for a `mesh` (axis sizes) whose axes do not divide a parameter."""
     if mode not in (BF16, FP8_KEPT):
         raise ValueError(f"--dtype must be {BF16!r} or {FP8_KEPT!r}, got {mode!r}")
     fp8_block = config.quantization.weight_block_size if config.quantization else (128, 128)
     plans, used = [], set()
-    for path, value in model_parameters(config):
+    for path, value, axes in model_parameters(config):
         source = source_for(path, value.shape, config)
+        shard_rows = _shard_rows(path, value, axes, source.stacked, mesh)
         used.update(source.names)
         sources = tuple(inspect_source(resolver.tensors, resolver.by_name.get(name), name, source.shape, fp8_block)
                         for name in source.names)
-        plans.append(_param_plan(path, tuple(value.shape), np.dtype(value.dtype), sources, source.stacked, mode))
+        plans.append(_param_plan(path, tuple(value.shape), np.dtype(value.dtype), sources, source.stacked, mode,
+                                 shard_rows))
     resolver.refuse_unused(used)
     return plans
 

@@ -83,7 +83,7 @@ def storage_kind(name: str, config: LingConfig, mxfp4_experts: bool) -> str:
 def checkpoint_tensors(config: LingConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(original name, logical shape) of every tensor the config implies, in natural name order."""
     tensors = []
-    for path, value in model_parameters(config):
+    for path, value, _ in model_parameters(config):
         source = source_for(path, value.shape, config)
         tensors += [(name, tuple(source.shape)) for name in source.names]
     return sorted(tensors, key=lambda item: natural_key(item[0]))

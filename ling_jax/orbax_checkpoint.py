@@ -50,10 +50,12 @@ class StoredLayout:
 
     compute_dtype: str
     scale_blocks: dict[str, tuple[int, int]]
+    mesh: dict[str, int] | None = None  # the mesh (axis sizes) the chunks were aligned to (`ling-convert --mesh`)
 
     def write(self, directory: str) -> None:
         body = {"format": LAYOUT_FORMAT, "compute_dtype": self.compute_dtype,
-                "scale_blocks": {name: list(block) for name, block in sorted(self.scale_blocks.items())}}
+                "scale_blocks": {name: list(block) for name, block in sorted(self.scale_blocks.items())},
+                "mesh": self.mesh}
         with open(os.path.join(directory, LAYOUT_FILE), "w") as f:
             json.dump(body, f)
 
@@ -66,7 +68,8 @@ class StoredLayout:
             body = json.load(f)
         if body.get("format") != LAYOUT_FORMAT:
             raise ValueError(f"{file}: format {body.get('format')!r}, expected {LAYOUT_FORMAT!r}")
-        return cls(body["compute_dtype"], {name: tuple(block) for name, block in body["scale_blocks"].items()})
+        return cls(body["compute_dtype"], {name: tuple(block) for name, block in body["scale_blocks"].items()},
+                   body.get("mesh"))
 
 
 def dequantize_blocks(weight, scale, block: tuple[int, int], dtype):

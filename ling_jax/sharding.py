@@ -57,17 +57,21 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Devi
     shape is None every device goes to `expert`. The product must equal the number of devices.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = {"expert": len(devices)} if shape is None else dict(shape)
-    unknown = sorted(set(shape) - set(MESH_AXES))
-    if unknown:
-        raise ShardingError(f"unknown mesh axes {unknown}: the axes are {MESH_AXES}")
-    if any(not isinstance(n, int) or n < 1 for n in shape.values()):
-        raise ShardingError(f"mesh axis sizes must be positive integers, got {shape}")
+    shape = check_mesh_shape({"expert": len(devices)} if shape is None else shape)
     sizes = [shape.get(axis, 1) for axis in MESH_AXES]
     if math.prod(sizes) != len(devices):
         raise ShardingError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
                             f"but {len(devices)} are available")
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_mesh_shape(shape: Mapping[str, int]) -> dict[str, int]:
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ShardingError(f"unknown mesh axes {unknown}: the axes are {MESH_AXES}")
+    if any(not isinstance(n, int) or n < 1 for n in shape.values()):
+        raise ShardingError(f"mesh axis sizes must be positive integers, got {dict(shape)}")
+    return dict(shape)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -78,7 +82,7 @@ def parse_mesh(text: str) -> dict[str, int]:
         if not size.strip().isdigit():
             raise ShardingError(f"--mesh expects axis=size pairs like 'tensor=2,expert=4', got {item!r}")
         shape[name.strip()] = int(size)
-    return shape
+    return check_mesh_shape(shape)
 
 
 def mesh_axes_for(logical: str | None, rules: Mapping[str, tuple[str, ...]] = RULES) -> tuple[str, ...]:
@@ -89,15 +93,16 @@ def mesh_axes_for(logical: str | None, rules: Mapping[str, tuple[str, ...]] = RU
     return rules[logical]
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh, *, name: str,
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], axis_sizes: Mapping[str, int], *, name: str,
                     rules: Mapping[str, tuple[str, ...]] = RULES) -> PartitionSpec:
-    """PartitionSpec for one array; each mesh axis is used at most once (first dimension wins)."""
+    """PartitionSpec for one array over a mesh of `axis_sizes` (mesh.shape); each mesh axis is used at most once
+    (first dimension wins)."""
     used: set[str] = set()
     spec = []
     for logical, size in zip(axes, shape):
         mesh_axes = tuple(a for a in mesh_axes_for(logical, rules)
-                          if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
-        ways = math.prod(mesh.shape[a] for a in mesh_axes)
+                          if axis_sizes.get(a, 1) > 1 and a not in used)
+        ways = math.prod(axis_sizes[a] for a in mesh_axes)
         if size % ways:
             raise ShardingError(f"{name}: dimension {logical!r} of size {size} is not divisible by mesh axes "
                                 f"{mesh_axes} ({ways} ways) in shape {tuple(shape)}")
@@ -110,17 +115,24 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
 
 
-def param_shardings(state: nnx.State, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = RULES) -> nnx.State:
-    """NamedSharding for every parameter of `state` (nnx.state(model)), from its logical axis annotations."""
+def param_specs(state: nnx.State, axis_sizes: Mapping[str, int],
+                rules: Mapping[str, tuple[str, ...]] = RULES) -> nnx.State:
+    """PartitionSpec for every parameter of `state` (nnx.state(model)), from its logical axis annotations, for
+    a mesh of `axis_sizes` (no devices needed: the converter plans for a mesh it does not run on)."""
 
     def one(path, variable):
         axes = variable.get_metadata().get("out_sharding")
         if axes is None:
             raise ShardingError(f"{_path_name(path)} has no logical axis annotation")
-        spec = logical_to_spec(axes, variable.shape, mesh, name=_path_name(path), rules=rules)
-        return variable.replace(NamedSharding(mesh, spec))
+        return variable.replace(logical_to_spec(axes, variable.shape, axis_sizes, name=_path_name(path), rules=rules))
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = RULES) -> nnx.State:
+    """NamedSharding for every parameter of `state` (nnx.state(model)) over `mesh`."""
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), param_specs(state, mesh.shape, rules),
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = RULES) -> nnx.Module:
@@ -154,7 +166,7 @@ def _layer_specs(state: KDAState | MLAState, mesh: Mesh, batch: int, name: str):
     fields = {}
     for field, axes in CACHE_AXES[type(state)].items():
         shape = getattr(state, field).shape
-        rest = logical_to_spec(axes, shape[1:], mesh, name=f"{name}.{field}")
+        rest = logical_to_spec(axes, shape[1:], mesh.shape, name=f"{name}.{field}")
         fields[field] = batch_spec(mesh, batch, *rest)
     return type(state)(**fields)
 
