@@ -4,7 +4,9 @@ donated caches, with per-request sampling and streaming callbacks.
 Prompts are left-padded so that every row's last prompt token sits in the last column; the attention mask
 keeps pads out of every KDA state and MLA cache. The padded prompt is cut into chunks of `prefill_chunk`
 tokens (the first one shorter, a power of two), so activation memory is bounded by the chunk, and each
-chunk size compiles once. Every later step has fixed shapes: one compile per batch size and cache length.
+chunk size compiles once. Every later step has fixed shapes: one compile per batch size and cache length
+(rounded up to a multiple of 256). Compiled programs persist across runs with JAX's compilation cache
+(`JAX_COMPILATION_CACHE_DIR`).
 
 Speculative decoding (`mtp=K`): the MTP layer drafts K tokens greedily; the main model verifies
 [pending token ; K drafts] in one forward whose KDA layers keep the state after every token; each
@@ -41,6 +43,7 @@ from ling_jax.sampling import (
 from ling_jax.sharding import cache_shardings, shard_model
 
 MIN_CHUNK = 16
+CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt lengths share compiled steps
 
 
 @dataclasses.dataclass
@@ -242,7 +245,7 @@ class Generator:
             mask[row, padded - len(prompt):] = True
         next_ids = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
         mtp_mask = mask & (np.arange(padded) < padded - 1)[None, :]
-        max_length = padded + max_new_tokens + self.mtp + 1
+        max_length = -(-(padded + max_new_tokens + self.mtp + 1) // CACHE_BUCKET) * CACHE_BUCKET
         cache = self._place(LingCache.create(self.config, batch, max_length, self.dtype))
         mtp_cache = self._place(MTPCache.create(self.config, batch, max_length, self.dtype)) if self.mtp else None
         arrays = SamplingArrays.from_params(sampling)

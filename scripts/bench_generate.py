@@ -16,6 +16,7 @@ same run.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -91,8 +92,10 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
     graphdef, params = nnx.split(model)
 
     @jax.jit
-    def prefill(params, cache, ids_BC):
-        return nnx.merge(graphdef, params)(ids_BC, cache=cache).cache
+    def prefill(params, cache, ids_BC):  # hidden states only: the lm_head runs on the last position alone
+        model = nnx.merge(graphdef, params)
+        hidden_BCD, cache = model.model(ids_BC, cache=cache, kernel_backend=model.kernel_backend)
+        return model.logits(hidden_BCD[:, -1:]), cache
 
     ids = jax.random.randint(jax.random.key(1), (batch, context), 0, model.config.vocab_size)
     elapsed = []
@@ -101,7 +104,7 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
         jax.block_until_ready(cache)
         start = time.perf_counter()
         for offset in range(0, context, chunk):
-            cache = prefill(params, cache, ids[:, offset:offset + chunk])
+            _, cache = prefill(params, cache, ids[:, offset:offset + chunk])
         jax.block_until_ready(cache)
         elapsed.append(time.perf_counter() - start)
     return elapsed[-1]
@@ -134,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-tokens", type=int, default=32768,
                         help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
     args = parser.parse_args(argv)
     config = slice_config(args.quick)
     context = 512 if args.quick else args.context
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         chunk = max(64, min(context, args.prefill_tokens // batch))
-        prefill_s = time_prefill(model, batch, context, chunk)
+        prefill_s = math.nan if args.decode_only else time_prefill(model, batch, context, chunk)
         cache = filled_cache(model, batch, context, args.steps + 8)
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
         nbytes, parts = step_bytes(model, cache, token)
