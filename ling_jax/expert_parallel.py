@@ -23,24 +23,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ling_jax.expert_ffn import combine, grouped_expert_ffn
-
-TOKEN_AXES = ("data", "fsdp", "expert")
+from ling_jax.sharding import batch_axes
 
 
 def uses_model_parallelism(mesh) -> bool:
     """True when `mesh` (the context mesh; possibly empty) splits experts or their width."""
     return not mesh.empty and any(mesh.shape.get(axis, 1) > 1 for axis in ("expert", "tensor"))
-
-
-def token_axes(mesh, num_tokens: int) -> tuple[str, ...]:
-    """The batch axes the token dimension is split over: each of data, fsdp, expert that still divides it."""
-    axes, ways = [], 1
-    for axis in TOKEN_AXES:
-        size = mesh.shape.get(axis, 1)
-        if size > 1 and num_tokens % (ways * size) == 0:
-            axes.append(axis)
-            ways *= size
-    return tuple(axes)
 
 
 def rows_per_source(tokens: int, top_k: int, num_shards: int, local_experts: int,
@@ -103,11 +91,11 @@ def moe_parallel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, li
         raise ValueError(f"{num_experts} experts cannot be split over the expert axis of size {ep}")
     if width % tp:
         raise ValueError(f"moe_intermediate_size {width} cannot be split over the tensor axis of size {tp}")
-    axes = token_axes(mesh, x_TD.shape[0])
+    axes = batch_axes(mesh, x_TD.shape[0])  # tokens are split like the batch they come from
     expert_axis = "expert" if ep > 1 else None
     tensor_axis = "tensor" if tp > 1 else None
     tp_axes = ("tensor",) if tp > 1 else ()
-    common = dict(limit=limit, backend=backend, ep=ep, tp_axes=tp_axes)
+    common = {"limit": limit, "backend": backend, "ep": ep, "tp_axes": tp_axes}
     if "expert" in axes:
         body = functools.partial(_all_to_all_tokens, capacity_factor=capacity_factor, count_axes=axes, **common)
     else:

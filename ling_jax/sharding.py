@@ -144,15 +144,21 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, tuple[str, ..
     return model
 
 
-def batch_spec(mesh: Mesh, batch: int, *trailing: str | None) -> PartitionSpec:
-    """[B, ...] arrays: B over the batch axes that divide it (largest prefix of data, fsdp, expert)."""
+def batch_axes(mesh, batch: int) -> tuple[str, ...]:
+    """The batch axes a dimension of `batch` rows (or tokens) is split over: each of data, fsdp, expert (of size
+    > 1) that still divides it."""
     axes, ways = [], 1
     for axis in BATCH_AXES:
         size = mesh.shape.get(axis, 1)
         if size > 1 and batch % (ways * size) == 0:
             axes.append(axis)
             ways *= size
-    return PartitionSpec(tuple(axes) if axes else None, *trailing)
+    return tuple(axes)
+
+
+def batch_spec(mesh: Mesh, batch: int, *trailing: str | None) -> PartitionSpec:
+    """[B, ...] arrays: B over `batch_axes`, the trailing dimensions as given."""
+    return PartitionSpec(batch_axes(mesh, batch) or None, *trailing)
 
 
 # per-sequence cache arrays: logical axes after the leading batch dimension

@@ -1,11 +1,23 @@
 import os
 import sys
 
+import pytest
+
 # Multi-device code is tested on 8 virtual CPU devices; this must be set before jax initialises a backend.
 _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICES_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
 
+import jax  # noqa: E402  (after XLA_FLAGS)
+
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module: one process runs the whole suite, and CPU
+    executables otherwise accumulate for its full length."""
+    yield
+    jax.clear_caches()

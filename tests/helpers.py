@@ -14,3 +14,16 @@ def rel_error(ours, ref) -> float:
 def l2(x):
     """FLA's l2 normalisation (eps inside the sqrt), in numpy."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def train_byte_bpe(path, sentences, vocab_size: int, special_tokens) -> None:
+    """Train a small byte-level BPE on `sentences` and save it as a real tokenizer.json at `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(sentences, trainer)
+    backend.save(str(path))

@@ -15,8 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from helpers import train_byte_bpe
 
 from convert.synthetic import write_random_checkpoint
 from ling_jax import LingConfig, generate_cli
@@ -40,13 +39,7 @@ def hf_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-hf")
     config = LingConfig.preset("tiny").replace(vocab_size=320)
     write_random_checkpoint(str(directory), config, seed=0, num_shards=1)
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(SENTENCES, trainer)
-    backend.save(str(directory / "tokenizer.json"))
+    train_byte_bpe(directory / "tokenizer.json", SENTENCES, 300, SPECIALS)
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
                                                                  "chat_template": TEMPLATE}))
     return directory

@@ -6,11 +6,16 @@ import json
 
 import jinja2
 import pytest
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from helpers import train_byte_bpe
 
 from ling_jax import LingConfig
-from ling_jax.tokenizer import ByteTokenizer, HFTokenizer, StopChecker, StreamDecoder, load_tokenizer
+from ling_jax.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    StopChecker,
+    StreamDecoder,
+    load_tokenizer,
+)
 
 MULTIBYTE = "héllo 世界 🙂"
 SENTENCES = [
@@ -42,13 +47,7 @@ def tiny_config(**changes):
 def bpe_dir(tmp_path_factory):
     """A byte-level BPE trained on four sentences: too small a vocabulary to hold whole CJK characters."""
     directory = tmp_path_factory.mktemp("bpe")
-    backend = BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(SENTENCES, trainer)
-    backend.save(str(directory / "tokenizer.json"))
+    train_byte_bpe(directory / "tokenizer.json", SENTENCES, 320, SPECIALS)
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": {"__type": "AddedToken", "content": "<|pad|>"},
         "eos_token": "<|endoftext|>",
