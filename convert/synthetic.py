@@ -123,6 +123,10 @@ def config_dict(config: LingConfig) -> dict:
                         ("share_expert_swiglu_limit_list", c.share_expert_swiglu_limit_list)):
         if limits:
             raw[key] = [limit or 0 for limit in limits]
+    if c.mtp_loss_scaling_factor:
+        raw["mtp_loss_scaling_factor"] = c.mtp_loss_scaling_factor
+    if c.moe_capacity_factor is not None:
+        raw["moe_capacity_factor"] = c.moe_capacity_factor
     if c.pad_token_id is not None:
         raw["pad_token_id"] = c.pad_token_id
     if c.eos_token_ids:

@@ -93,11 +93,45 @@ TINY = {
     "eos_token_id": 1,
 }
 
+# The demo model trained by scripts/train.py (docs/demo_model.md): every architectural feature, small enough to
+# train on one GPU in minutes. Two groups of 3 KDA + 1 MLA layers, q-LoRA, one dense layer, 16 experts in 4
+# groups (2 kept per token), shared expert, SwiGLU limits, an MTP layer; the vocab is the demo tokenizer's
+# (pad = 0, eos = 1).
+DEMO = {
+    **_LING_COMMON,
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "head_dim": 64,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 64,
+    "num_experts": 16,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 4,
+    "layer_group_size": 4,
+    "first_k_dense_replace": 1,
+    "intermediate_size": 768,
+    "moe_intermediate_size": 128,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "expert_swiglu_limit_list": [0] + [7.0] * 7,
+    "share_expert_swiglu_limit_list": [0] + [7.0] * 7,
+    "mtp_loss_scaling_factor": 0.1,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+}
+
 PRESETS: dict[str, LingConfig] = {
     "ling-3.1-flash": LingConfig.from_dict(LING_3_1_FLASH),
     "ling-3.0-flash": LingConfig.from_dict(LING_3_0_FLASH),
     "ling-3.0-flash-vl": LingConfig.from_dict(LING_3_0_FLASH_VL_TEXT),
     "tiny": LingConfig.from_dict(TINY),
+    "ling-demo": LingConfig.from_dict(DEMO),
     "tiny-yarn-neox": LingConfig.from_dict({
         **TINY, "q_lora_rank": None, "rope_interleave": False,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,

@@ -56,6 +56,21 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2
     return jnp.moveaxis(per_step, 0, 1).astype(out_dtype), state
 
 
+def unit_lower_inverse(L_CC):
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C]: L is nilpotent (L^C = 0), so the inverse is
+    sum_k (-L)^k = prod_i (I + (-L)^(2^i)), ceil(log2 C) squarings and products (matmuls only).
+
+    Matmuls rather than a triangular solve: jaxlib 0.10's batched CPU solve (and its gradient) can deadlock
+    in its thread pool at these batch sizes."""
+    size = L_CC.shape[-1]
+    power = -L_CC
+    inverse = jnp.eye(size, dtype=L_CC.dtype) + power
+    for _ in range(max(0, (size - 1).bit_length() - 1)):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    return inverse
+
+
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64):
     """The chunked (WY) form, scanning over chunks of `chunk_size` tokens. Returns (o, S).
 
@@ -86,11 +101,10 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
         decay = jnp.exp(jnp.where(causal_CC[..., None], diff, -jnp.inf))
         kk = jnp.einsum("bhck,bhjk,bhcjk->bhcj", k_c, k_c, decay)
         L = b_c[..., None] * jnp.where(strict_CC, kk, 0.0)
-        # T = (I + L)^-1 diag(beta): solve the unit lower-triangular systems instead of inverting.
-        rhs_k = b_c[..., None] * (jnp.exp(G) * k_c)
-        rhs_v = b_c[..., None] * v_c
-        W = jax.scipy.linalg.solve_triangular(eye_CC + L, rhs_k, lower=True, unit_diagonal=True)
-        U = jax.scipy.linalg.solve_triangular(eye_CC + L, rhs_v, lower=True, unit_diagonal=True)
+        # T = (I + L)^-1 diag(beta), applied to both right-hand sides
+        inverse = unit_lower_inverse(L)
+        W = jnp.einsum("bhcj,bhjk->bhck", inverse, b_c[..., None] * (jnp.exp(G) * k_c))
+        U = jnp.einsum("bhcj,bhjv->bhcv", inverse, b_c[..., None] * v_c)
         V_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S_BHKV)
         M = jnp.einsum("bhck,bhjk,bhcjk->bhcj", q_c, k_c, decay)
         o = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G), S_BHKV) + jnp.einsum("bhcj,bhjv->bhcv", M, V_new)
