@@ -207,6 +207,14 @@ class LingConfig:
             raise _fail("kda_lower_bound", f"must be negative with the safe gate, got {self.kda_lower_bound}")
         if self.num_nextn_predict_layers not in (0, 1):
             raise _fail("num_nextn_predict_layers", f"Ling has at most one MTP layer, got {self.num_nextn_predict_layers}")
+        if self.rope.mrope_section is not None:
+            section = self.rope.mrope_section
+            if len(section) != 3 or section[1] != section[2] or min(section) < 0:
+                raise _fail("mrope_section", f"must be [t, h, w] with h == w (h and w frequencies alternate), "
+                                             f"got {list(section)}")
+            if sum(section) != self.qk_rope_head_dim // 2:
+                raise _fail("mrope_section", f"{list(section)} must sum to qk_rope_head_dim / 2 = "
+                                             f"{self.qk_rope_head_dim // 2}")
         if self.rope.is_yarn and not self.rope.original_max_position_embeddings:
             raise _fail("rope_scaling.original_max_position_embeddings", "required for YaRN")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
@@ -225,6 +233,8 @@ class LingConfig:
             for key in ("quantization_config", "eos_token_id", "pad_token_id"):
                 if key in raw and key not in text:
                     text[key] = raw[key]
+            if raw.get("mrope_section") is not None:
+                text["mrope_section"] = _vl_mrope_section(raw, text)
             raw = text
         r = _Reader(raw)
         _refuse_unsupported(r)
@@ -301,6 +311,16 @@ class LingConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         return PRESETS[name]
+
+
+def _vl_mrope_section(raw: Mapping[str, Any], text: Mapping[str, Any]) -> list[int]:
+    """A VL config's top-level mrope_section, which must agree with one in text_config if both are given."""
+    section = list(raw["mrope_section"])
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    inner = rope.get("mrope_section", text.get("mrope_section"))
+    if inner is not None and list(inner) != section:
+        raise _fail("mrope_section", f"top level {section} contradicts text_config's {list(inner)}")
+    return section
 
 
 def _refuse_unsupported(r: _Reader) -> None:

@@ -65,7 +65,9 @@ def token_context(config: LingConfig, batch: int, length: int, *, positions, att
             decode_lengths = new_lengths
     if positions is None:
         positions = default_positions
-    cos, sin = rope_cos_sin(jnp.broadcast_to(positions, (batch, length)), config)
+    positions = jnp.asarray(positions)
+    shape = (batch, length, 3) if positions.ndim == 3 else (batch, length)  # [B, T, 3]: VL (t, h, w) positions
+    cos, sin = rope_cos_sin(jnp.broadcast_to(positions, shape), config)
     if kda_mode is None:
         kda_mode = RECURRENT if length == 1 else CHUNKED
     if mla_mode is None:
@@ -130,11 +132,13 @@ class LingModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
-                 kda_mode: str | None = None, mla_mode: str | None = None, kernel_backend: str = "auto"):
-        """-> (final-normed hidden [B, T, D], updated cache or None)."""
+                 kda_mode: str | None = None, mla_mode: str | None = None, kernel_backend: str = "auto",
+                 inputs_embeds=None):
+        """-> (final-normed hidden [B, T, D], updated cache or None). inputs_embeds [B, T, D] replaces the
+        embedding lookup (the VL model's merged text + vision embeddings)."""
         c = self.config
         batch, length = input_ids_BT.shape
-        h = self.word_embeddings(input_ids_BT)
+        h = self.word_embeddings(input_ids_BT) if inputs_embeds is None else inputs_embeds
         ctx = token_context(c, batch, length, positions=positions, attention_mask=attention_mask,
                             lengths=None if cache is None else cache.lengths,
                             max_length=0 if cache is None else cache.max_length,

@@ -81,10 +81,10 @@ def mrope_positions(input_ids_T: np.ndarray, image_grids: Sequence[MediaGrid], v
             raise ValueError(f"the prompt has more {kind} pad-token runs (token {token}) than {kind} grids")
         grid = grids.pop(0)
         length = grid.num_tokens(spatial_merge_size)
-        span = ids[media_start:media_start + length]
-        if len(span) != length or not np.all(span == token):
+        run = int(np.argmin(np.append(ids[media_start:media_start + length] == token, False)))
+        if run != length:
             raise ValueError(f"{kind} grid {grid} needs {length} consecutive pad tokens ({token}) at position "
-                             f"{media_start}; the prompt has {int(np.argmin(np.append(span == token, False)))}")
+                             f"{media_start}; the prompt has {run}")
         text_len = media_start - cursor
         blocks.append(np.broadcast_to(start + np.arange(text_len), (3, text_len)))
         blocks.append(_media_positions(grid.merged(spatial_merge_size), start + text_len))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.config import LingConfig, RopeConfig, yarn_mscale
+from ling_jax.mrope import mrope_angles
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_max: int) -> float:
@@ -34,9 +35,12 @@ def inv_frequencies(rope: RopeConfig, rope_dim: int) -> np.ndarray:
 
 
 def cos_sin_factor(rope: RopeConfig) -> float:
-    """YaRN's multiplier on cos and sin: m(f, mscale) / m(f, mscale_all_dim) * attn_factor (SGLang's rule)."""
+    """YaRN's multiplier on cos and sin: m(f, mscale) / m(f, mscale_all_dim) * attn_factor (SGLang's text rule);
+    with 3-axis sections (the VL model) SGLang's mRoPE rule, m(f, 1) * attn_factor (spec §3.3)."""
     if not rope.is_yarn:
         return 1.0
+    if rope.mrope_section is not None:
+        return yarn_mscale(rope.factor, 1.0) * rope.attn_factor
     mscale = 1.0 if rope.mscale is None else rope.mscale
     mscale_all_dim = 0.0 if rope.mscale_all_dim is None else rope.mscale_all_dim
     return yarn_mscale(rope.factor, mscale) / yarn_mscale(rope.factor, mscale_all_dim) * rope.attn_factor
@@ -51,10 +55,14 @@ def softmax_scale(config: LingConfig) -> float:
     return scale
 
 
-def rope_cos_sin(positions_BT: jax.Array, config: LingConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, rope_dim / 2] in fp32 for integer positions."""
+def rope_cos_sin(positions: jax.Array, config: LingConfig) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, rope_dim / 2] in fp32 for integer positions [B, T], or 3-axis (t, h, w) positions
+    [B, T, 3] of the VL model (each frequency rotated by its axis' position, `ling_jax.mrope`)."""
     inv_freq = jnp.asarray(inv_frequencies(config.rope, config.qk_rope_head_dim), jnp.float32)
-    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    if positions.ndim == 3:
+        angles = mrope_angles(positions, inv_freq, config.rope.mrope_section)
+    else:
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq
     factor = cos_sin_factor(config.rope)
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
