@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_common import median_seconds, rel_error
 
-from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu
+from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, row_tiles
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
 SHAPES = {"gate/up": (1024, 4096), "down": (4096, 1024)}  # (N, K)
@@ -61,6 +61,8 @@ def sweep(rows: int, n_dim: int, k_dim: int, num_experts: int, quick: bool, iter
             raise SystemExit(f"tiles {tiles}: rel. error {error:.2e} against the reference")
         return median_seconds(fn, lhs, rhs, sizes_dev, iters=iters)
 
+    tiling = median_seconds(jax.jit(lambda s: row_tiles(s, rows, 16)), sizes_dev, iters=iters)
+    print(f"  row tiling alone (jnp, before the kernel): {tiling * 1e6:.1f} us")
     results = []
     for tiles in candidates(quick):
         try:

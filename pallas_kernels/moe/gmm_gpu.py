@@ -104,7 +104,8 @@ def row_tiles(group_sizes_G, num_rows: int, block_m: int):
     tiles_P = (ends_P - starts_P + block_m - 1) // block_m
     tile_ends_P = jnp.cumsum(tiles_P)
     tile_T = jnp.arange(max_row_tiles(num_rows, num_groups, block_m), dtype=jnp.int32)
-    part_T = jnp.searchsorted(tile_ends_P, tile_T, side="right").astype(jnp.int32)
+    # compare_all: one parallel comparison; the default "scan" is a while loop, each step a GPU round trip
+    part_T = jnp.searchsorted(tile_ends_P, tile_T, side="right", method="compare_all").astype(jnp.int32)
     used_T = part_T <= num_groups
     part_T = jnp.minimum(part_T, num_groups)
     row_start_T = starts_P[part_T] + (tile_T - tile_ends_P[part_T] + tiles_P[part_T]) * block_m
@@ -117,6 +118,11 @@ def row_tiles(group_sizes_G, num_rows: int, block_m: int):
 # against 555 for the same kernel on one group and 734 for XLA's dense matmul. fp32 (IEEE, no tensor
 # cores) is untuned.
 DEFAULT_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
+# Decode sizes (a few rows per group: each call streams the picked experts' weights): the smallest row tile
+# and narrow column tiles, so that enough programs run to use the whole memory system. bf16 from
+# `scripts/bench_grouped_matmul.py` on an H200 (8 and 64 rows over 512 experts, both expert shapes).
+FEW_ROWS_TILES = {2: (16, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
+FEW_ROWS_PER_GROUP = 4  # FEW_ROWS_TILES up to this many rows per group on average
 
 
 def _tile(size: int, wanted: int) -> int:
@@ -138,14 +144,16 @@ def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = Fal
     [G, N, K], or lhs[rows of g] @ rhs[g] for rhs [G, K, N] with rhs_transposed (the gradient w.r.t. lhs).
 
     rhs is cast to lhs's dtype; bf16 products use the tensor cores, fp32 ones stay IEEE fp32 (no tf32).
-    Tile sizes and launch settings default to DEFAULT_TILES for lhs's dtype; tiles are powers of two.
+    Tile sizes and launch settings default to DEFAULT_TILES for lhs's dtype, or FEW_ROWS_TILES when the
+    groups average at most FEW_ROWS_PER_GROUP rows (decode); tiles are powers of two.
     """
     num_rows, k_dim = lhs_MK.shape
     n_dim = rhs.shape[2] if rhs_transposed else rhs.shape[1]
     if num_rows == 0:
         return jnp.zeros((0, n_dim), lhs_MK.dtype)
+    few_rows = num_rows <= FEW_ROWS_PER_GROUP * group_sizes_G.shape[0]
     block_m, block_n, block_k, num_warps, num_stages = _launch_settings(
-        lhs_MK.dtype, (block_m, block_n, block_k, num_warps, num_stages), DEFAULT_TILES)
+        lhs_MK.dtype, (block_m, block_n, block_k, num_warps, num_stages), FEW_ROWS_TILES if few_rows else DEFAULT_TILES)
     block_m, block_n, block_k = _tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k)
     group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, block_m)
     kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
