@@ -30,9 +30,9 @@ from convert.store import ArrayStore, finalize, sync_to_disk
 from convert.verify import verify_params
 from convert.workspace import Journal, Workspace, check_destination
 from ling_jax.checkpoint import TensorResolver
-from ling_jax.config import LingConfig
 from ling_jax.orbax_checkpoint import StoredLayout
 from ling_jax.safetensors_io import CheckpointTensors
+from ling_jax.vl_config import load_model_config, text_config_of
 
 # Copied from SRC to DST beside the arrays (config.json, tokenizer and generation files).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
@@ -139,9 +139,9 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     if src == dst:
         raise ConvertError(f"{dst}: the destination must differ from the source")
     check_destination(dst, options.overwrite)
-    config = LingConfig.from_pretrained(src)
+    config = load_model_config(src)
     tensors = CheckpointTensors(src)
-    plans = build_plan(TensorResolver(tensors, config), config, options.dtype, options.mesh)
+    plans = build_plan(TensorResolver(tensors, text_config_of(config)), config, options.dtype, options.mesh)
     mine = owned_by(plans, cluster.process_index, cluster.process_count)
 
     workspace = Workspace(dst)

@@ -22,9 +22,10 @@ from convert.source import FP8, PLAIN, SourceTensor, inspect_source
 from ling_jax.checkpoint import TensorResolver
 from ling_jax.checkpoint_names import source_for
 from ling_jax.config import LingConfig
-from ling_jax.model import LingForCausalLM
 from ling_jax.orbax_checkpoint import param_name
 from ling_jax.sharding import logical_to_spec
+from ling_jax.vl_config import LingVLConfig, text_config_of
+from ling_jax.vl_model import build_model
 
 BF16 = "bf16"  # --dtype: dequantise everything to bfloat16
 FP8_KEPT = "fp8"  # --dtype: keep FP8 weights (and MXFP4 experts as FP8 codes) with their block scales
@@ -126,9 +127,9 @@ def _param_plan(path: tuple, shape: tuple[int, ...], dtype: np.dtype, sources: t
     return ParamPlan(path, shape, stored, sources, stacked, rows, block)
 
 
-def model_parameters(config: LingConfig) -> list[tuple[tuple, jax.ShapeDtypeStruct, tuple]]:
+def model_parameters(config: LingConfig | LingVLConfig) -> list[tuple[tuple, jax.ShapeDtypeStruct, tuple]]:
     """(NNX flat-state path, shape and stored dense dtype, logical axes) of every parameter, in model order."""
-    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=COMPUTE_DTYPE))
+    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=COMPUTE_DTYPE))
     return [(path, variable.get_value(), variable.get_metadata()["out_sharding"])
             for path, variable in nnx.to_flat_state(nnx.state(abstract))]
 
@@ -145,17 +146,18 @@ def _shard_rows(path: tuple, value, axes: tuple, stacked: bool, mesh: Mapping[st
     return rows // math.prod(mesh[a] for a in row_axes)
 
 
-def build_plan(resolver: TensorResolver, config: LingConfig, mode: str,
+def build_plan(resolver: TensorResolver, config: LingConfig | LingVLConfig, mode: str,
                mesh: Mapping[str, int] | None = None) -> list[ParamPlan]:
     """The plan for every parameter, in model order. Raises CheckpointError naming the tensor and its file
     for a missing, mis-shaped, wrongly typed or unscaled tensor, and for tensors the config does not use;
     ShardingError for a `mesh` (axis sizes) whose axes do not divide a parameter."""
     if mode not in (BF16, FP8_KEPT):
         raise ValueError(f"--dtype must be {BF16!r} or {FP8_KEPT!r}, got {mode!r}")
-    fp8_block = config.quantization.weight_block_size if config.quantization else (128, 128)
+    text = text_config_of(config)
+    fp8_block = text.quantization.weight_block_size if text.quantization else (128, 128)
     plans, used = [], set()
     for path, value, axes in model_parameters(config):
-        source = source_for(path, value.shape, config)
+        source = source_for(path, value.shape, text)
         shard_rows = _shard_rows(path, value, axes, source.stacked, mesh)
         used.update(source.names)
         sources = tuple(inspect_source(resolver.tensors, resolver.by_name.get(name), name, source.shape, fp8_block)

@@ -13,6 +13,8 @@ from tqdm.auto import tqdm
 from ling_jax.checkpoint_names import TensorSource, canonical, ignored, source_for
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
+from ling_jax.vl_config import load_model_config, text_config_of
+from ling_jax.vl_model import build_model
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4, is_float8
 from ling_jax.safetensors_io import CheckpointTensors
 
@@ -101,7 +103,8 @@ def _load(resolver: TensorResolver, source: TensorSource) -> np.ndarray:
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool = True,
                        kernel_backend: str = "auto") -> LingForCausalLM:
-    """Build `LingForCausalLM` from a HF-format checkpoint directory.
+    """Build `LingForCausalLM` (or, for a VL checkpoint, `LingVLForConditionalGeneration`) from a HF-format
+    checkpoint directory.
 
     Reads `config.json` and `model.safetensors` (or the shards of `model.safetensors.index.json`) lazily,
     tensor by tensor. FP8 weights (float8 with a `weight_scale_inv` sibling) and MXFP4 experts (packed bytes
@@ -112,10 +115,11 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    config = LingConfig.from_pretrained(path)
+    model_config = load_model_config(path)
+    config = text_config_of(model_config)
     resolver = TensorResolver(CheckpointTensors(path), config)
-    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                                      kernel_backend=kernel_backend))
+    abstract = nnx.eval_shape(lambda: build_model(model_config, rngs=nnx.Rngs(0), dtype=dtype,
+                                                  kernel_backend=kernel_backend))
     graphdef, abstract_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abstract_state)
     plan = [(p, v, source_for(p, v.get_value().shape, config)) for p, v in flat]

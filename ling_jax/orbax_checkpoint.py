@@ -21,9 +21,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from ling_jax.checkpoint import SCALE_SUFFIX
-from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
 from ling_jax.sharding import param_shardings
+from ling_jax.vl_config import load_model_config
+from ling_jax.vl_model import build_model
 
 LAYOUT_FILE = "ling_convert.json"
 LAYOUT_FORMAT = "ling-convert/1"
@@ -112,7 +113,7 @@ def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
 
 
 def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None) -> LingForCausalLM:
-    """Restore a ling-convert checkpoint as `LingForCausalLM`.
+    """Restore a ling-convert checkpoint as `LingForCausalLM` (`LingVLForConditionalGeneration` for a VL one).
 
     Every parameter is restored straight into its target sharding (from the logical axis rules of
     `ling_jax.sharding` over `mesh`, or on the first device without one) from an abstract model (`nnx.eval_shape`): arrays go from storage to their devices
@@ -125,9 +126,9 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     layout = StoredLayout.read(path)
-    config = LingConfig.from_pretrained(path)
+    config = load_model_config(path)
     dtype = jnp.dtype(dtype or layout.compute_dtype)
-    abstract = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype))
+    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, abstract_state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(abstract_state))
     if mesh is None:

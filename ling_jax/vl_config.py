@@ -173,3 +173,14 @@ def read_json(file: str) -> dict:
 def is_vl_checkpoint(path: str | os.PathLike) -> bool:
     """True when the checkpoint's config.json has a `vision_config` (a Ling-VL checkpoint)."""
     return "vision_config" in read_json(config_file(path))
+
+
+def load_model_config(path: str | os.PathLike) -> LingConfig | LingVLConfig:
+    """A checkpoint's config: `LingVLConfig` when config.json has a `vision_config`, else `LingConfig`."""
+    if is_vl_checkpoint(path):
+        return LingVLConfig.from_pretrained(path)
+    return LingConfig.from_pretrained(path)
+
+
+def text_config_of(config: LingConfig | LingVLConfig) -> LingConfig:
+    return config.text if isinstance(config, LingVLConfig) else config

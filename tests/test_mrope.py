@@ -18,14 +18,14 @@ from np_reference import rope_inv_freq_and_mscale
 IMAGE, VIDEO, MERGE = 900, 901, 2
 
 
-def spec_positions(ids, media):
+def spec_positions(ids, media, media_tokens=(IMAGE, VIDEO)):
     """Token by token: text gets (n, n, n) from a running counter n; a media block of merged grid (T, Hm, Wm)
     starting at counter n gets t = n + 2 f, h = t + r - (Hm - 1) // 2, w = t + c - (Wm - 1) // 2, and the
     counter continues at max(t) + 1 = n + 2 (T - 1) + 1."""
     media = iter(media)
     out, counter, i = [], 0, 0
     while i < len(ids):
-        if ids[i] in (IMAGE, VIDEO):
+        if ids[i] in media_tokens:
             frames, rows, cols = next(media)
             for f in range(frames):
                 for r in range(rows):
