@@ -141,3 +141,26 @@ def test_missing_vision_tensor_is_named(tmp_path, checkpoints):
     write_vl_checkpoint(str(checkpoints[0] / "text"), str(tmp_path / "vl"), omit="model.visual.merger.norm.bias")
     with pytest.raises(CheckpointError, match="model.visual.merger.norm.bias"):
         load_hf_checkpoint(tmp_path / "vl", dtype=jnp.float32, progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_convert_round_trip(tmp_path, checkpoints, dtype):
+    """ling-convert keeps the vision tower and projector: load_checkpoint restores the VL model with the same
+    parameters load_hf_checkpoint reads in bfloat16."""
+    from flax import nnx
+
+    from convert.cli import main
+    from ling_jax.orbax_checkpoint import load_checkpoint
+
+    root = checkpoints[0]
+    assert main([str(root / "vl"), str(tmp_path / "orbax"), "--dtype", dtype, "--verify", "--quiet"]) == 0
+    restored = load_checkpoint(tmp_path / "orbax", dtype=jnp.bfloat16)
+    assert isinstance(restored, LingVLForConditionalGeneration)
+    reference = dict(nnx.to_flat_state(nnx.state(load_hf_checkpoint(root / "vl", dtype=jnp.bfloat16,
+                                                                    progress=False), nnx.Param)))
+    vision_paths = [p for p in reference if p[0] in ("visual", "linear_proj")]
+    assert len(vision_paths) == 37
+    ours = dict(nnx.to_flat_state(nnx.state(restored, nnx.Param)))
+    for path in vision_paths:
+        np.testing.assert_array_equal(np.asarray(ours[path].get_value(), np.float32),
+                                      np.asarray(reference[path].get_value(), np.float32), err_msg=str(path))
