@@ -38,7 +38,7 @@ from ling_jax.tokenizer import StopChecker, StreamDecoder, Tokenizer, load_token
 
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "ling-demo"
 FALLBACK_PRESET = "tiny"  # what runs when the demo checkpoint is not installed
-DEFAULT_PROMPT = "The quick brown fox"
+DEFAULT_PROMPT = "It is a truth universally acknowledged"
 EXIT_USAGE = 2
 
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="generate.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate text with a Ling 3.x model (greedy by default).",
         epilog="examples:\n"
-               "  python scripts/generate.py \"The quick brown fox\"\n"
+               "  python scripts/generate.py \"Mr. Darcy\"\n"
                "  python scripts/generate.py --model /ckpt/Ling-3.1-flash --chat --temperature 0.7 \"Hi!\"\n"
                "  python scripts/generate.py --prompt-file prompts.txt --json --stop $'\\n\\n' > out.jsonl\n"
                "  python scripts/generate.py --model /ckpt/Ling-3.1-flash-orbax --tp 2 --ep 4 --mtp 1 \"...\"")
