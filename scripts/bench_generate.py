@@ -7,7 +7,8 @@
 
 Prefill: the prompt goes through the cache in chunks (as `Generator` does), timed after a warm-up. Decode:
 one jitted, cache-donating step (the model's Pallas KDA / MLA decode kernels and grouped-matmul experts)
-over a cache holding `context` tokens, median over steps. Roofline: the bytes a step must read, i.e. every
+over a cache holding `context` tokens, the steps dispatched back to back as `Generator` runs them (mean
+per step; `--profile DIR` adds a Perfetto trace of 5 steps). Roofline: the bytes a step must read, i.e. every
 non-expert weight, the routed experts this step's tokens actually picked (counted from the routing), the
 KDA states (read and written) and the MLA latent cache, divided by the device copy bandwidth measured in the
 same run.
@@ -110,7 +111,10 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
     return elapsed[-1]
 
 
-def time_decode(model, cache: LingCache, steps: int) -> float:
+def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = None) -> float:
+    """Seconds per decode step, as `Generator` runs them: each step is dispatched before the previous one
+    finishes (its token feeds the next step on the device), so host dispatch overlaps device work. With
+    profile_dir, 5 more steps run under the JAX profiler, which writes a Perfetto trace there."""
     graphdef, params = nnx.split(model)
 
     def step(params, cache, token_B):
@@ -119,14 +123,20 @@ def time_decode(model, cache: LingCache, steps: int) -> float:
 
     step = jax.jit(step, donate_argnums=1)
     token = jnp.zeros((cache.lengths.shape[0],), jnp.int32)
-    samples = []
-    for i in range(steps + 3):
-        start = time.perf_counter()
+    for _ in range(3):
         token, cache = step(params, cache, token)
-        token.block_until_ready()
-        if i >= 3:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    token.block_until_ready()
+    start = time.perf_counter()
+    for _ in range(steps):
+        token, cache = step(params, cache, token)
+    token.block_until_ready()
+    seconds = (time.perf_counter() - start) / steps
+    if profile_dir:
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for _ in range(5):
+                token, cache = step(params, cache, token)
+            token.block_until_ready()
+    return seconds
 
 
 def main(argv=None) -> int:
@@ -138,6 +148,7 @@ def main(argv=None) -> int:
                         help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
+    parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 5 decode steps of the first batch")
     args = parser.parse_args(argv)
     config = slice_config(args.quick)
     context = 512 if args.quick else args.context
@@ -153,10 +164,10 @@ def main(argv=None) -> int:
     for batch in (int(b) for b in args.batches.split(",")):
         chunk = max(64, min(context, args.prefill_tokens // batch))
         prefill_s = math.nan if args.decode_only else time_prefill(model, batch, context, chunk)
-        cache = filled_cache(model, batch, context, args.steps + 8)
+        cache = filled_cache(model, batch, context, args.steps + 16)
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
         nbytes, parts = step_bytes(model, cache, token)
-        decode_s = time_decode(model, cache, args.steps)
+        decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
         rows.append((batch, batch * context / prefill_s, decode_s, roofline_s, nbytes))
         print(f"batch {batch}: prefill {batch * context / prefill_s:,.0f} tok/s (chunk {chunk}); decode step "
