@@ -33,6 +33,7 @@ from flax import nnx
 from ling_jax.cache import LingCache, MTPCache, commit_verified
 from ling_jax.kda import STEPS
 from ling_jax.model import LingForCausalLM
+from ling_jax.mrope import MediaGrid, batch_mrope_positions
 from ling_jax.sampling import (
     SamplingArrays,
     SamplingParams,
@@ -85,10 +86,12 @@ def prefill_chunks(longest: int, chunk: int) -> list[int]:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill_chunk(graphdef, params, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC):
+def _prefill_chunk(graphdef, params, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None,
+                   positions_BC3=None):
+    """embeds_BCD / positions_BC3: a VL prompt's merged embeddings and (t, h, w) positions (None for text)."""
     model = nnx.merge(graphdef, params)
-    hidden_BCD, cache = model.model(ids_BC, cache=cache, attention_mask=mask_BC,
-                                    kernel_backend=model.kernel_backend)
+    hidden_BCD, cache = model.model(ids_BC, cache=cache, attention_mask=mask_BC, positions=positions_BC3,
+                                    kernel_backend=model.kernel_backend, inputs_embeds=embeds_BCD)
     if mtp_cache is not None:
         _, mtp_cache = model.draft_hidden(hidden_BCD, next_ids_BC, cache=mtp_cache, attention_mask=mtp_mask_BC)
     return cache, mtp_cache, hidden_BCD[:, -1]
@@ -107,9 +110,17 @@ def _first_token(graphdef, params, mtp_cache, seen_BV, hidden_BD, arrays, steps_
     return token_B, seen_BV, out.cache, draft_B, out.hidden[:, 0]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4, 6))
+def _media_embeddings(graphdef, params, ids_BT, pixel_values, image_grids, pixel_values_videos, video_grids):
+    return nnx.merge(graphdef, params).embed(ids_BT, pixel_values=pixel_values, image_grids=image_grids,
+                                             pixel_values_videos=pixel_values_videos, video_grids=video_grids)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _decode_step(graphdef, params, cache, seen_BV, token_B, arrays, steps_B):
-    out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache)
+def _decode_step(graphdef, params, cache, seen_BV, token_B, arrays, steps_B, position_offsets_B=None):
+    """position_offsets_B: after media, a token in cache slot s sits at position s + offset (VL prompts)."""
+    positions = None if position_offsets_B is None else (cache.lengths + position_offsets_B)[:, None]
+    out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache, positions=positions)
     next_B = sample(out.logits[:, 0], arrays, steps_B, seen_BV)
     return next_B, out.cache, update_seen(seen_BV, next_B)
 
@@ -182,8 +193,20 @@ class _Rows:
         return sum(len(t) for t in self.tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class MediaInputs:
+    """Images and videos of a VL batch: each row's grids in prompt order; pixel values of every row's media
+    concatenated in row order ([N, patch_dim], `ling_jax.image_processing`)."""
+
+    image_grids: tuple[tuple[MediaGrid, ...], ...] = ()
+    pixel_values: np.ndarray | None = None
+    video_grids: tuple[tuple[MediaGrid, ...], ...] = ()
+    pixel_values_videos: np.ndarray | None = None
+
+
 class Generator:
-    """Generates continuations of token-id prompts with `model` (optionally sharded over `mesh`)."""
+    """Generates continuations of token-id prompts with `model` (optionally sharded over `mesh`); a VL model
+    also takes images and videos (`MediaInputs`)."""
 
     def __init__(self, model: LingForCausalLM, *, mesh: jax.sharding.Mesh | None = None, prefill_chunk: int = 2048,
                  mtp: int = 0):
@@ -194,6 +217,7 @@ class Generator:
         if mtp and not model.config.num_nextn_predict_layers:
             raise ValueError("--mtp needs a model with an MTP layer (num_nextn_predict_layers = 1); this one has none")
         self.config = model.config
+        self.vl_config = getattr(model, "vl_config", None)
         self.dtype = model.dtype
         self.mesh = mesh
         self.prefill_chunk = prefill_chunk
@@ -226,15 +250,40 @@ class Generator:
                                  f"that exceeds the model's context of {limit} tokens")
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], max_new_tokens: int,
-                 *, eos_ids: Collection[int] = (), on_tokens: Callable[[int, list[int]], bool] | None = None
-                 ) -> tuple[list[list[int]], GenerationStats]:
+                 *, eos_ids: Collection[int] = (), on_tokens: Callable[[int, list[int]], bool] | None = None,
+                 media: MediaInputs | None = None) -> tuple[list[list[int]], GenerationStats]:
         """New tokens per prompt (EOS excluded) and timing stats. on_tokens(row, ids) streams them as they
-        arrive; returning True stops that row (e.g. a stop string)."""
+        arrive; returning True stops that row (e.g. a stop string). media: the prompts' images and videos, whose
+        pad tokens the prompts hold (VL models only)."""
         self._check(prompts, sampling, max_new_tokens)
+        if media is not None:
+            self._check_media(media, len(prompts))
         with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            return self._generate(prompts, sampling, max_new_tokens, eos_ids, on_tokens)
+            return self._generate(prompts, sampling, max_new_tokens, eos_ids, on_tokens, media)
 
-    def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens):
+    def _check_media(self, media: MediaInputs, batch: int) -> None:
+        if self.vl_config is None:
+            raise ValueError("images and videos need a VL model (a checkpoint with a vision_config)")
+        if self.mtp:
+            raise ValueError("--mtp is not supported with images or videos (the VL model's MTP is not wired up)")
+        for grids, what in ((media.image_grids, "image"), (media.video_grids, "video")):
+            if grids and len(grids) != batch:
+                raise ValueError(f"{what} grids are given for {len(grids)} rows, there are {batch} prompts")
+
+    def _media_prefill_inputs(self, ids, mask, media: MediaInputs):
+        """Merged embeddings [B, T, D], (t, h, w) positions [B, T, 3] and per-row position offsets [B]."""
+        c = self.vl_config
+        batch = ids.shape[0]
+        image_grids = media.image_grids or ((),) * batch
+        video_grids = media.video_grids or ((),) * batch
+        positions, deltas = batch_mrope_positions(ids, mask, image_grids, video_grids, image_token_id=c.image_token_id,
+                                                  video_token_id=c.video_token_id,
+                                                  spatial_merge_size=c.vision.spatial_merge_size)
+        embeds = _media_embeddings(self.graphdef, self.params, jnp.asarray(ids), media.pixel_values, image_grids,
+                                   media.pixel_values_videos, video_grids)
+        return embeds, jnp.asarray(positions, jnp.int32), jnp.asarray(deltas, jnp.int32)
+
+    def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens, media):
         batch = len(prompts)
         chunks = prefill_chunks(max(len(p) for p in prompts), self.prefill_chunk)
         padded = sum(chunks)
@@ -253,11 +302,16 @@ class Generator:
         rows = _Rows(batch, max_new_tokens, eos_ids, on_tokens)
 
         start = time.perf_counter()
+        embeds = positions = offsets = None
+        if media is not None:
+            embeds, positions, offsets = self._media_prefill_inputs(ids, mask, media)
         offset = 0
         for length in chunks:
             part = slice(offset, offset + length)
-            cache, mtp_cache, last_hidden = _prefill_chunk(self.graphdef, self.params, cache, mtp_cache, ids[:, part],
-                                                           mask[:, part], next_ids[:, part], mtp_mask[:, part])
+            cache, mtp_cache, last_hidden = _prefill_chunk(
+                self.graphdef, self.params, cache, mtp_cache, ids[:, part], mask[:, part], next_ids[:, part],
+                mtp_mask[:, part], None if embeds is None else embeds[:, part],
+                None if positions is None else positions[:, part])
             offset += length
         steps = jnp.zeros((batch,), jnp.int32)
         token, seen, mtp_cache, draft, draft_hidden = _first_token(self.graphdef, self.params, mtp_cache, seen,
@@ -272,12 +326,12 @@ class Generator:
         if self.mtp:
             self._speculate(rows, stats, cache, mtp_cache, seen, token, draft, draft_hidden, arrays)
         else:
-            self._decode(rows, cache, seen, token, arrays)
+            self._decode(rows, cache, seen, token, arrays, offsets)
         stats.decode_s = time.perf_counter() - start
         stats.generated_tokens = rows.generated
         return rows.tokens, stats
 
-    def _decode(self, rows: _Rows, cache, seen, token, arrays):
+    def _decode(self, rows: _Rows, cache, seen, token, arrays, position_offsets):
         """One token per step; each step is dispatched before the host reads the previous step's token, so
         the device never waits for the host."""
         remaining = rows.max_new_tokens - 1
@@ -285,10 +339,10 @@ class Generator:
             return
         step = functools.partial(_decode_step, self.graphdef, self.params)
         steps = jnp.ones((len(rows.tokens),), jnp.int32)
-        current, cache, seen = step(cache, seen, token, arrays, steps)
+        current, cache, seen = step(cache, seen, token, arrays, steps, position_offsets)
         for i in range(remaining):
             if i + 1 < remaining:
-                following, cache, seen = step(cache, seen, current, arrays, steps + i + 1)
+                following, cache, seen = step(cache, seen, current, arrays, steps + i + 1, position_offsets)
             host = np.asarray(current)
             for row in np.flatnonzero(~rows.done):
                 rows.add(row, [host[row]])

@@ -164,3 +164,36 @@ def test_convert_round_trip(tmp_path, checkpoints, dtype):
     for path in vision_paths:
         np.testing.assert_array_equal(np.asarray(ours[path].get_value(), np.float32),
                                       np.asarray(reference[path].get_value(), np.float32), err_msg=str(path))
+
+
+def test_generator_with_media_equals_full_forward_greedy(checkpoints):
+    """Batched, left-padded generation (one row with an image and a video, one text-only) gives each row the
+    tokens a full forward over its own growing sequence picks greedily."""
+    from ling_jax.generate import Generator, MediaInputs
+    from ling_jax.sampling import SamplingParams
+
+    _, _, _, model = checkpoints
+    media_prompt = _prompt()[0].tolist()
+    text_prompt = [5, 7, 11, 13]
+    image_pixels, video_pixels = _pixels((IMAGE,), 3), _pixels((VIDEO,), 4)
+    media = MediaInputs(image_grids=((IMAGE,), ()), pixel_values=image_pixels, video_grids=((VIDEO,), ()),
+                        pixel_values_videos=video_pixels)
+    generator = Generator(model, prefill_chunk=16)
+    outputs, _ = generator.generate([media_prompt, text_prompt], [SamplingParams(temperature=0.0)] * 2, 3, media=media)
+    for prompt, output, row_media in ((media_prompt, outputs[0], dict(
+            pixel_values=jnp.asarray(image_pixels), image_grids=[[IMAGE]],
+            pixel_values_videos=jnp.asarray(video_pixels), video_grids=[[VIDEO]])), (text_prompt, outputs[1], {})):
+        ids = list(prompt)
+        for _ in range(3):
+            ids.append(int(np.argmax(np.asarray(model(jnp.asarray([ids]), **row_media).logits)[0, -1])))
+        assert output == ids[len(prompt):]
+
+
+def test_generator_refuses_media_for_a_text_model(checkpoints):
+    from ling_jax.generate import Generator, MediaInputs
+    from ling_jax.sampling import SamplingParams
+
+    text_model = checkpoints[2]
+    with pytest.raises(ValueError, match="need a VL model"):
+        Generator(text_model).generate([[5, 6]], [SamplingParams()], 2,
+                                       media=MediaInputs(image_grids=((IMAGE,),), pixel_values=_pixels((IMAGE,), 1)))
