@@ -28,13 +28,16 @@ from flax import nnx
 
 from ling_jax.checkpoint import load_hf_checkpoint
 from ling_jax.config import LingConfig
-from ling_jax.generate import MIN_CHUNK, GenerationStats, Generator
+from ling_jax.generate import MIN_CHUNK, GenerationStats, Generator, MediaInputs
+from ling_jax.image_processing import ProcessorConfig
 from ling_jax.model import LingForCausalLM
 from ling_jax.orbax_checkpoint import LAYOUT_FILE, load_checkpoint
 from ling_jax.presets import PRESETS
 from ling_jax.sampling import SamplingParams
 from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
 from ling_jax.tokenizer import StopChecker, StreamDecoder, Tokenizer, load_tokenizer
+from ling_jax.vl_config import LingVLConfig
+from ling_jax.vl_prompt import PromptMedia, encode_with_media, load_media, media_inputs, with_placeholders
 
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "ling-demo"
 FALLBACK_PRESET = "tiny"  # what runs when the demo checkpoint is not installed
@@ -102,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     prompting.add_argument("--chat", action="store_true",
                            help="format each prompt as one user message with the tokenizer's chat template")
     prompting.add_argument("--system", metavar="TEXT", help="a system message before each prompt (with --chat)")
+    prompting.add_argument("--image", action="append", default=[], metavar="PATH",
+                           help="an image for every prompt (VL checkpoints); repeatable. It goes where the prompt "
+                                "says <image>, else before the text")
+    prompting.add_argument("--video", action="append", default=[], nargs="+", metavar="FRAME",
+                           help="a video for every prompt, given as its frame image files (VL checkpoints); "
+                                "repeatable. It goes where the prompt says <video>, else before the text")
     prompting.add_argument("--prompt-file", metavar="PATH",
                            help="read prompts from PATH, one per line (blank lines skipped); '-' = stdin")
 
@@ -148,6 +157,7 @@ class Run:
     sampling: SamplingParams
     stops: StopChecker | None
     is_main: bool  # process 0 prints
+    media: MediaInputs | None = None  # --image / --video, the same for every prompt
 
     def generate_and_print(self) -> None:
         args = self.args
@@ -164,7 +174,7 @@ class Run:
             _write(f"> {self.texts[0]}\n")
         outputs, stats = self.generator.generate(self.prompts, [self.sampling] * len(self.prompts),
                                                  args.max_new_tokens, eos_ids=self.tokenizer.eos_ids,
-                                                 on_tokens=on_tokens)
+                                                 on_tokens=on_tokens, media=self.media)
         for completion, ids in zip(completions, outputs):
             completion.finish(ids)
         if not self.is_main:
@@ -197,13 +207,16 @@ def _prepare(args: argparse.Namespace) -> Run:
     if args.mtp and not config.num_nextn_predict_layers:
         raise CLIError(f"--mtp {args.mtp} needs a model with an MTP layer; {loaded.source} has none "
                        "(num_nextn_predict_layers = 0)")
-    prompts = [_encode(loaded.tokenizer, text, args) for text in texts]
+    media = _load_media(args, loaded) if (args.image or args.video) else None
+    prompts = [_encode(loaded.tokenizer, text, args, media, getattr(loaded.model, "vl_config", None))
+               for text in texts]
     _check_lengths(prompts, args.max_new_tokens, config)
     try:
         generator = Generator(loaded.model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
         raise CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {e}") from e
-    return Run(args, generator, loaded.tokenizer, texts, prompts, sampling, stops, is_main)
+    return Run(args, generator, loaded.tokenizer, texts, prompts, sampling, stops, is_main,
+               None if media is None else media_inputs(media, len(prompts)))
 
 
 class Completion:
@@ -350,15 +363,40 @@ def _load_checkpoint_dir(path: Path, what: str, dtype, mesh, *, verbose: bool) -
     return LoadedModel(model, load_tokenizer(path, model.config), str(path))
 
 
-def _encode(tokenizer: Tokenizer, text: str, args: argparse.Namespace) -> list[int]:
-    if not args.chat:
-        return tokenizer.encode(text)
-    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+def _encode(tokenizer: Tokenizer, text: str, args: argparse.Namespace, media: PromptMedia | None = None,
+            vl_config: LingVLConfig | None = None) -> list[int]:
+    if media is not None:
+        try:
+            text = with_placeholders(text, media)
+        except ValueError as e:
+            raise CLIError(f"--image / --video: {e}") from e
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        try:
+            text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}])
+        except jinja2.TemplateError as e:
+            raise CLIError(f"--chat: the chat template of {tokenizer.name} failed: {e}") from e
+    if media is None:
+        return tokenizer.encode(text, add_special_tokens=not args.chat)
+    return encode_with_media(lambda piece, first: tokenizer.encode(piece, add_special_tokens=first and not args.chat),
+                             text, media, vl_config)
+
+
+def _load_media(args: argparse.Namespace, loaded: LoadedModel) -> PromptMedia:
+    """--image / --video, preprocessed as the checkpoint's preprocessor_config.json (or the defaults) says."""
+    vl_config = getattr(loaded.model, "vl_config", None)
+    if vl_config is None:
+        raise CLIError(f"--image / --video need a VL checkpoint (config.json with a vision_config); "
+                       f"{loaded.source} is a text model")
+    if args.mtp:
+        raise CLIError("--mtp is not supported with --image / --video (the VL model's MTP layer is not wired up)")
+    processor = ProcessorConfig.for_vision(vl_config.vision)
+    if args.model is not None:
+        processor = ProcessorConfig.from_pretrained(args.model, vl_config.vision)
     try:
-        formatted = tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}])
-    except jinja2.TemplateError as e:
-        raise CLIError(f"--chat: the chat template of {tokenizer.name} failed: {e}") from e
-    return tokenizer.encode(formatted, add_special_tokens=False)
+        return load_media(args.image, args.video, processor)
+    except (OSError, ValueError) as e:
+        raise CLIError(f"--image / --video: {e}") from e
 
 
 def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: LingConfig) -> None:

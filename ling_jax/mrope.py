@@ -3,8 +3,8 @@
 Host side: `mrope_positions` turns a prompt with image / video pad tokens into per-token (t, h, w) positions.
 Text tokens get t = h = w = a running index; a media block of merged grid (T, Hm, Wm) after text_len text
 tokens at base b gets t = b + text_len + 2 * frame, h = t + row - (Hm - 1) // 2, w = t + col - (Wm - 1) // 2
-(centred, possibly negative), and the following text restarts at max(t) + 1. The returned delta
-(max position + 1 - tokens) shifts the positions of every later token, so decode continues from there.
+(centred, possibly negative), and the following text restarts at max(t) + 1. The returned delta (the next
+token's position minus its index: max t + 1 - tokens) shifts every later token, so decode continues there.
 
 Device side: `mrope_angles` rotates each of the rope_dim / 2 frequencies by the position of its axis: with
 sections [t, h, w] (h == w) the first h + w frequencies alternate h (even index) / w (odd index) and the last
@@ -96,7 +96,7 @@ def mrope_positions(input_ids_T: np.ndarray, image_grids: Sequence[MediaGrid], v
     text_len = len(ids) - cursor
     blocks.append(np.broadcast_to(start + np.arange(text_len), (3, text_len)))
     positions_3T = np.concatenate(blocks, axis=1).astype(np.int64)
-    delta = int(positions_3T.max(initial=-1)) + 1 - len(ids) if len(ids) else 0
+    delta = start + text_len - len(ids)  # the next token's position (max t + 1 after media) minus its slot
     return positions_3T.T.copy(), delta
 
 

@@ -22,6 +22,11 @@ def spec_positions(ids, media, media_tokens=(IMAGE, VIDEO)):
     """Token by token: text gets (n, n, n) from a running counter n; a media block of merged grid (T, Hm, Wm)
     starting at counter n gets t = n + 2 f, h = t + r - (Hm - 1) // 2, w = t + c - (Wm - 1) // 2, and the
     counter continues at max(t) + 1 = n + 2 (T - 1) + 1."""
+    return spec_positions_and_next(ids, media, media_tokens)[0]
+
+
+def spec_positions_and_next(ids, media, media_tokens=(IMAGE, VIDEO)):
+    """(positions, the counter after the prompt = the position of the next token)."""
     media = iter(media)
     out, counter, i = [], 0, 0
     while i < len(ids):
@@ -38,7 +43,7 @@ def spec_positions(ids, media, media_tokens=(IMAGE, VIDEO)):
             out.append((counter, counter, counter))
             counter += 1
             i += 1
-    return np.array(out, np.int64)
+    return np.array(out, np.int64), counter
 
 
 def _prompt(parts):
@@ -60,6 +65,8 @@ CASES = {
     "text-image-text-video-text": [3, (IMAGE, MediaGrid(1, 6, 10)), 2, (VIDEO, MediaGrid(3, 4, 8)), 4],
     "image-first-then-video-last": [(IMAGE, MediaGrid(1, 10, 6)), 1, (VIDEO, MediaGrid(2, 6, 6))],
     "adjacent-images": [2, (IMAGE, MediaGrid(1, 4, 4)), (IMAGE, MediaGrid(1, 8, 2)), 5],
+    # the image's w positions run past the trailing text's: the next position still follows the text
+    "wide-image-short-tail": [2, (IMAGE, MediaGrid(1, 14, 20)), 2],
 }
 
 
@@ -68,9 +75,9 @@ def test_positions_match_spec(name):
     ids, images, videos, merged = _prompt(CASES[name])
     ours, delta = mrope_positions(ids, images, videos, image_token_id=IMAGE, video_token_id=VIDEO,
                                   spatial_merge_size=MERGE)
-    ref = spec_positions(ids, merged)
+    ref, next_position = spec_positions_and_next(ids, merged)
     np.testing.assert_array_equal(ours, ref)
-    assert delta == ref.max() + 1 - len(ids)
+    assert delta == next_position - len(ids)
 
 
 def test_positions_go_negative_when_media_comes_first():
@@ -99,7 +106,7 @@ def test_batch_positions_skip_pads():
     np.testing.assert_array_equal(positions[0, 4:], spec_positions(ids, merged))
     np.testing.assert_array_equal(positions[0, :4], 0)
     np.testing.assert_array_equal(positions[1], spec_positions(padded[1], merged))
-    assert deltas[0] == deltas[1] == spec_positions(ids, merged).max() + 1 - len(ids)
+    assert deltas[0] == deltas[1] == spec_positions_and_next(ids, merged)[1] - len(ids)
 
 
 def test_grid_and_prompt_mismatches_are_refused():

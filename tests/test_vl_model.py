@@ -197,3 +197,45 @@ def test_generator_refuses_media_for_a_text_model(checkpoints):
     with pytest.raises(ValueError, match="need a VL model"):
         Generator(text_model).generate([[5, 6]], [SamplingParams()], 2,
                                        media=MediaInputs(image_grids=((IMAGE,),), pixel_values=_pixels((IMAGE,), 1)))
+
+
+def test_generate_cli_with_an_image(tmp_path, checkpoints, capsys):
+    """scripts/generate.py --image: the image becomes [vision_start, pads, vision_end] where the prompt says
+    <image>; the completion is the model's greedy continuation of exactly those ids and pixels."""
+    import json
+
+    from PIL import Image
+
+    from ling_jax.generate_cli import main
+    from ling_jax.image_processing import ProcessorConfig, preprocess_image
+    from vl_checkpoint import VISION_END, VISION_START
+
+    root, _, _, model = checkpoints
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (44, 60, 3), dtype=np.uint8))
+    image.save(tmp_path / "cat.png")
+    argv = ["--model", str(root / "vl"), "--image", str(tmp_path / "cat.png"), "--max-new-tokens", "2",
+            "--temperature", "0", "--json", "A <image> B"]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    patches, grid = preprocess_image(image, ProcessorConfig.for_vision(model.vl_config.vision))
+    ids = [ord("A"), ord(" "), VISION_START, *[IMAGE_TOKEN] * grid.num_tokens(2), VISION_END, ord(" "), ord("B")]
+    assert record["prompt_tokens"] == len(ids)
+    for _ in range(2):
+        logits = model(jnp.asarray([ids]), pixel_values=jnp.asarray(patches), image_grids=[[grid]]).logits
+        ids.append(int(np.argmax(np.asarray(logits)[0, -1])))
+    assert record["completion_ids"] == ids[-2:]
+
+
+def test_generate_cli_media_errors(tmp_path, checkpoints, capsys):
+    from ling_jax.generate_cli import main
+
+    root = checkpoints[0]
+    assert main(["--model", str(root / "text"), "--image", str(tmp_path / "x.png"), "hi"]) == 2
+    assert "need a VL checkpoint" in capsys.readouterr().err
+    assert main(["--model", str(root / "vl"), "--image", str(tmp_path / "missing.png"), "hi"]) == 2
+    assert "image not found" in capsys.readouterr().err
+    from PIL import Image
+
+    Image.new("RGB", (30, 20), (200, 10, 10)).save(tmp_path / "red.png")
+    assert main(["--model", str(root / "vl"), "--image", str(tmp_path / "red.png"), "<image> <image>"]) == 2
+    assert "2 <image> placeholders but 1 image" in capsys.readouterr().err
