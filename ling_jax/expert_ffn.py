@@ -7,15 +7,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.ops import grouped_matmul
+from pallas_kernels.backend import KERNEL_TARGET
+from pallas_kernels.moe.ops import grouped_matmul, routed_experts
+from pallas_kernels.moe.reference import swiglu
 
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
-    """SiLU(gate) * up, or min(SiLU(gate), limit) * clip(up, -limit, limit) when the layer has a limit."""
-    activated = jax.nn.silu(gate)
-    if limit is None:
-        return activated * up
-    return jnp.minimum(activated, limit) * jnp.clip(up, -limit, limit)
+# Up to this many token-expert rows (8 tokens at top-8), a GPU runs the routed experts row by row
+# (`pallas_kernels.moe.routed_experts`: no sort, each row streams its expert), above it the grouped path.
+ROW_PATH_MAX_ROWS = 64
 
 
 def expert_load(experts_TK, num_experts: int) -> jax.Array:
@@ -63,8 +61,11 @@ def dense_expert_ffn(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, l
 
 
 def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    """All experts on this device: each token's k assignments become k rows of one grouped FFN."""
+    """All experts on this device: each token's k assignments become k rows of one grouped FFN (on a GPU, up to
+    ROW_PATH_MAX_ROWS rows go through the row-by-row decode kernels instead)."""
     tokens, top_k = experts_TK.shape
+    if KERNEL_TARGET.get(backend) == "gpu" and tokens * top_k <= ROW_PATH_MAX_ROWS:
+        return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
     rows_D = jnp.repeat(x_TD, top_k, axis=0)
     y_RD = grouped_expert_ffn(rows_D, experts_TK.reshape(-1), gate_EID, up_EID, down_EDI, limit, backend=backend)
     return combine(y_RD.reshape(tokens, top_k, -1), weights_TK, x_TD.dtype)

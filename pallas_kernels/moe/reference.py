@@ -1,6 +1,7 @@
-"""Grouped matmul (the MoE expert GEMM) in pure jnp: the spec in code.
+"""The MoE expert kernels in pure jnp, the spec in code: the grouped matmul (the expert GEMM over rows
+sorted by expert) and the routed experts of a few tokens (each token's picked experts, combined).
 
-Rows of lhs are sorted by group: the first group_sizes[0] rows belong to group 0, the next group_sizes[1]
+Grouped matmul: rows of lhs are sorted by group: the first group_sizes[0] rows belong to group 0, the next group_sizes[1]
 to group 1, and so on; each group multiplies its rows by its own weight in the checkpoint's [out, in]
 layout, so out[rows of g] = lhs[rows of g] @ rhs[g].T. Rows at or past sum(group_sizes) give zeros.
 """
@@ -28,3 +29,27 @@ def grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G) -> jax.Array:
                                         _RAGGED_MK_GNK, precision=precision, preferred_element_type=jnp.float32)
     used_M = jnp.arange(lhs_MK.shape[0]) < jnp.sum(group_sizes_G)
     return jnp.where(used_M[:, None], out_MN, 0.0).astype(lhs_MK.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
+    """SiLU(gate) * up, or min(SiLU(gate), limit) * clip(up, -limit, limit) when the layer has a limit."""
+    activated = jax.nn.silu(gate)
+    if limit is None:
+        return activated * up
+    return jnp.minimum(activated, limit) * jnp.clip(up, -limit, limit)
+
+
+def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None):
+    """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype, where FFN_e is expert e's SwiGLU
+    (clipped at `limit`), computed in fp32 from the gathered experts' weights [T, K, ...]; experts outside
+    [0, E) contribute nothing."""
+    num_experts = gate_EID.shape[0]
+    valid_TK = (experts_TK >= 0) & (experts_TK < num_experts)
+    index_TK = jnp.clip(experts_TK, 0, num_experts - 1)
+    x = x_TD.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    gate = jnp.einsum("td,tkid->tki", x, gate_EID[index_TK].astype(jnp.float32), precision=hi)
+    up = jnp.einsum("td,tkid->tki", x, up_EID[index_TK].astype(jnp.float32), precision=hi)
+    y_TKD = jnp.einsum("tki,tkdi->tkd", swiglu(gate, up, limit), down_EDI[index_TK].astype(jnp.float32), precision=hi)
+    weights_TK = jnp.where(valid_TK, weights_TK.astype(jnp.float32), 0.0)
+    return jnp.einsum("tkd,tk->td", y_TKD, weights_TK, precision=hi).astype(x_TD.dtype)

@@ -1,0 +1,141 @@
+"""Routed experts for a few tokens (decode) on GPU: two Pallas kernels (Triton lowering), no sorting.
+
+At decode sizes each token-expert pair is its own group, so the grouped path's sort, row tiling, gather and
+scatter cost more than the arithmetic. Here every row r = (token t, slot k) reads its expert's weights directly:
+
+- `_swiglu_kernel`, program (row, column tile of the expert width I): gate and up tiles of expert e_r times
+  x[t] (products summed over the hidden size in chunks, fp32), SwiGLU with the optional clip, stored to h[r];
+- `_down_combine_kernel`, program (token, column tile of the hidden size D): for each slot k, the down tile of
+  expert e_(t,k) times h[(t,k)], weighted by the routing weight and summed over k (the combine) in fp32.
+
+Both are streams of expert weights (tokens x top_k x 3 x D x I elements), read once per row: the right
+choice while rows rarely share an expert, i.e. for a few tokens; the grouped path reads each expert once.
+A row whose expert is outside [0, E) contributes nothing and reads no weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _mask_2d(rows_ok, cols_ok):
+    """rows_ok[:, None] & cols_ok[None, :]; None stands for all true (both None: no mask)."""
+    if rows_ok is None:
+        return None if cols_ok is None else cols_ok[None, :]
+    return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok[None, :]
+
+
+def _load(ref, mask):
+    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
+
+
+def _valid(expert, num_experts: int):
+    """1 if 0 <= expert < num_experts else 0, as int32 (clips: Triton's lowering turns a where of two
+    constants into i1)."""
+    return jnp.clip(expert + 1, 0, 1) * jnp.clip(num_experts - expert, 0, 1)
+
+
+def _row_times_tile(weight_ref, expert, col0, vector_ref, vector_row, *, block_n, block_k, cols_ok, mask_k):
+    """sum_j weight[expert, col0 + n, j] * vector[vector_row, j] for n < block_n, fp32 [block_n]; no reads
+    when the expert is invalid (the loop runs zero times)."""
+    k_dim = weight_ref.shape[2]
+
+    def body(step, acc_N):
+        k0 = step * block_k
+        k_ok = k0 + jnp.arange(block_k) < k_dim if mask_k else None
+        tile_NK = _load(weight_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], _mask_2d(cols_ok, k_ok))
+        chunk_K = _load(vector_ref.at[vector_row, pl.ds(k0, block_k)], k_ok)
+        return acc_N + jnp.sum(tile_NK.astype(jnp.float32) * chunk_K.astype(jnp.float32)[None, :], axis=1)
+
+    steps = _valid(expert, weight_ref.shape[0]) * pl.cdiv(k_dim, block_k)
+    return jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
+
+
+def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, h_ref, *, top_k: int, limit: float | None, block_n: int,
+                   block_k: int, mask_n: bool, mask_k: bool):
+    row, col0 = pl.program_id(0), pl.program_id(1) * block_n
+    expert = expert_ref[...]
+    cols_ok = col0 + jnp.arange(block_n) < gate_ref.shape[1] if mask_n else None
+    product = functools.partial(_row_times_tile, expert=expert, col0=col0, vector_ref=x_ref, vector_row=row // top_k,
+                                block_n=block_n, block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
+    gate, up = product(gate_ref), product(up_ref)
+    activated = gate * jax.nn.sigmoid(gate)
+    if limit is not None:
+        activated, up = jnp.minimum(activated, limit), jnp.clip(up, -limit, limit)
+    plgpu.store(h_ref.at[row, pl.ds(col0, block_n)], (activated * up).astype(h_ref.dtype), mask=cols_ok)
+
+
+def _down_combine_kernel(expert_ref, weight_ref, h_ref, down_ref, y_ref, *, top_k: int, block_n: int,
+                         block_k: int, mask_n: bool, mask_k: bool):
+    token, col0 = pl.program_id(0), pl.program_id(1) * block_n
+    cols_ok = col0 + jnp.arange(block_n) < down_ref.shape[1] if mask_n else None
+    experts_K, weights_K = expert_ref[...], weight_ref[...].astype(jnp.float32)
+    slot_K = jnp.arange(experts_K.shape[0])
+    acc_N = jnp.zeros((block_n,), jnp.float32)
+    for slot in range(top_k):
+        expert = jnp.sum(jnp.where(slot_K == slot, experts_K, 0))
+        weight = jnp.sum(jnp.where(slot_K == slot, weights_K, 0.0))
+        acc_N += weight * _row_times_tile(down_ref, expert, col0, h_ref, token * top_k + slot, block_n=block_n,
+                                          block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
+    plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=cols_ok)
+
+
+# (block_n, block_k, num_warps, num_stages) of each kernel; bf16, from scripts/bench_generate.py on an H200.
+SWIGLU_TILES = (16, 512, 4, 3)
+DOWN_TILES = (16, 512, 4, 3)
+
+
+def _tile(size: int, wanted: int) -> int:
+    return min(wanted, pl.next_power_of_2(size))
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "interpret", "swiglu_tiles", "down_tiles"))
+def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, limit: float | None,
+                       interpret: bool = False, swiglu_tiles: tuple[int, int, int, int] = SWIGLU_TILES,
+                       down_tiles: tuple[int, int, int, int] = DOWN_TILES):
+    """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
+    is expert e's SwiGLU (clipped at `limit`). Weights are read in their stored dtype; experts outside [0, E)
+    contribute nothing. Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two."""
+    tokens, hidden = x_TD.shape
+    top_k = experts_TK.shape[1]
+    width = gate_EID.shape[1]
+    experts_R = experts_TK.reshape(-1).astype(jnp.int32)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
+
+    block_n, block_k, num_warps, num_stages = swiglu_tiles
+    block_n, block_k = _tile(width, block_n), _tile(hidden, block_k)
+    h_RI = pl.pallas_call(
+        functools.partial(_swiglu_kernel, top_k=top_k, limit=limit, block_n=block_n, block_k=block_k,
+                          mask_n=width % block_n != 0, mask_k=hidden % block_k != 0),
+        grid=(tokens * top_k, pl.cdiv(width, block_n)),
+        in_specs=[pl.BlockSpec((None,), lambda r, n: (r,)), whole(x_TD.shape), whole(gate_EID.shape),
+                  whole(up_EID.shape)],
+        out_specs=whole((tokens * top_k, width)),
+        out_shape=jax.ShapeDtypeStruct((tokens * top_k, width), x_TD.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="expert_swiglu_rows",
+    )(experts_R, x_TD, gate_EID, up_EID)
+
+    slots = pl.next_power_of_2(top_k)  # Triton blocks are powers of two: pad the slots with invalid experts
+    experts_TS = jnp.pad(experts_TK.astype(jnp.int32), ((0, 0), (0, slots - top_k)), constant_values=-1)
+    weights_TS = jnp.pad(weights_TK.astype(jnp.float32), ((0, 0), (0, slots - top_k)))
+    block_n, block_k, num_warps, num_stages = down_tiles
+    block_n, block_k = _tile(hidden, block_n), _tile(width, block_k)
+    return pl.pallas_call(
+        functools.partial(_down_combine_kernel, top_k=top_k, block_n=block_n, block_k=block_k,
+                          mask_n=hidden % block_n != 0, mask_k=width % block_k != 0),
+        grid=(tokens, pl.cdiv(hidden, block_n)),
+        in_specs=[pl.BlockSpec((None, slots), lambda t, n: (t, 0)), pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
+                  whole(h_RI.shape), whole(down_EDI.shape)],
+        out_specs=whole((tokens, hidden)),
+        out_shape=jax.ShapeDtypeStruct((tokens, hidden), x_TD.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="expert_down_combine",
+    )(experts_TS, weights_TS, h_RI, down_EDI)

@@ -1,0 +1,125 @@
+"""Routed experts of a few tokens (`pallas_kernels.moe.routed_experts`): the GPU kernels (Pallas interpret mode
+on the CPU, compiled on the device machine) and the jnp reference against a float64 loop over tokens and
+slots; gradients; the decode dispatch in `local_moe`; lowering for CUDA from the CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import rel_error
+
+from ling_jax.expert_ffn import ROW_PATH_MAX_ROWS, dense_expert_ffn, local_moe
+from pallas_kernels.moe import routed_experts
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+BACKENDS = ["interpret_gpu", "reference"]
+
+
+def random_case(tokens, top_k, num_experts, hidden, width, dtype, seed, invalid=False):
+    """x, routing weights, experts (distinct per token; with `invalid`, some slots hold -1 or E), gate, up,
+    down: as float32 numpy rounded to dtype, no zeros."""
+    r = np.random.default_rng(seed)
+    rounded = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
+    experts = np.stack([r.permutation(num_experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    if invalid:
+        experts[0, -1], experts[-1, 0] = -1, num_experts
+    return (rounded(r.normal(size=(tokens, hidden))), r.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32),
+            experts, rounded(r.normal(size=(num_experts, width, hidden)) / hidden ** 0.5),
+            rounded(r.normal(size=(num_experts, width, hidden)) / hidden ** 0.5),
+            rounded(r.normal(size=(num_experts, hidden, width)) / width ** 0.5))
+
+
+def float64_loop(x, weights, experts, gate, up, down, limit):
+    """Token by token, slot by slot, in float64; experts outside [0, E) are skipped."""
+    out = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for k, e in enumerate(experts[t]):
+            if not 0 <= e < gate.shape[0]:
+                continue
+            g, u = gate[e].astype(np.float64) @ x[t], up[e].astype(np.float64) @ x[t]
+            activated = g / (1 + np.exp(-g))
+            if limit is not None:
+                activated, u = np.minimum(activated, limit), np.clip(u, -limit, limit)
+            out[t] += weights[t, k] * (down[e].astype(np.float64) @ (activated * u))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("limit", [None, 0.7], ids=["no-limit", "limit"])
+@pytest.mark.parametrize("shape", [(1, 8, 16, 64, 32), (5, 3, 7, 48, 40), (3, 1, 4, 130, 24)],
+                         ids=["decode-1", "odd", "top-1"])
+def test_matches_float64_loop_fp32(backend, limit, shape):
+    case = random_case(*shape, jnp.float32, seed=sum(shape), invalid=shape[1] > 1)
+    ours = routed_experts(*(jnp.asarray(a) for a in case), limit, backend=backend)
+    assert ours.dtype == jnp.float32
+    assert rel_error(ours, float64_loop(*case, limit)) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16(backend):
+    case = random_case(2, 8, 32, 256, 64, jnp.bfloat16, seed=3)
+    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 and i != 1 else jnp.asarray(a)
+            for i, a in enumerate(case)]
+    ours = routed_experts(*args, 7.0, backend=backend)
+    assert ours.dtype == jnp.bfloat16
+    assert rel_error(ours, float64_loop(*case, 7.0)) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_the_dense_path(backend):
+    """Gradients for x, the routing weights and the three expert weights against the one-hot dense FFN."""
+    x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(3, 2, 5, 24, 16, jnp.float32, 9))
+
+    def loss(fn, x, weights, gate, up, down):
+        return jnp.sum(jnp.sin(fn(x, weights, experts, gate, up, down, 0.9)))
+
+    ours = jax.grad(functools.partial(loss, functools.partial(routed_experts, backend=backend)),
+                    argnums=range(5))(x, weights, gate, up, down)
+    dense = jax.grad(functools.partial(loss, dense_expert_ffn), argnums=range(5))(x, weights, gate, up, down)
+    for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, dense):
+        assert rel_error(a, b) <= 1e-5, f"d/d{name}: {rel_error(a, b):.2e}"
+
+
+def test_local_moe_takes_the_row_path_for_few_tokens():
+    """On a GPU backend, up to ROW_PATH_MAX_ROWS rows run the row kernels; either way the result is the
+    grouped reference's."""
+    for tokens in (1, ROW_PATH_MAX_ROWS // 4, ROW_PATH_MAX_ROWS // 4 + 1):
+        x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16,
+                                                                                   jnp.float32, tokens))
+        ours = local_moe(x, weights, experts, gate, up, down, 2.0, backend="interpret_gpu")
+        grouped = local_moe(x, weights, experts, gate, up, down, 2.0, backend="reference")
+        assert rel_error(ours, grouped) <= 1e-5
+        text = str(jax.make_jaxpr(functools.partial(local_moe, limit=2.0, backend="interpret_gpu"))(
+            x, weights, experts, gate, up, down))
+        assert ("expert_swiglu_rows" in text) == (tokens * 4 <= ROW_PATH_MAX_ROWS)
+
+
+def test_gpu_kernels_lower_for_cuda():
+    """Ling-3.1-flash decode shapes (one token, top-8 of 512 experts, hidden 4096, width 1024)."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
+    shape = jax.ShapeDtypeStruct
+    args = (shape((1, 4096), jnp.bfloat16), shape((1, 8), jnp.float32), shape((1, 8), jnp.int32),
+            shape((512, 1024, 4096), jnp.bfloat16), shape((512, 1024, 4096), jnp.bfloat16),
+            shape((512, 4096, 1024), jnp.bfloat16))
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(functools.partial(routed_experts, limit=7.0, backend="pallas_gpu")).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "expert_swiglu_rows" in text and "expert_down_combine" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_compiled_gpu_kernels_at_decode_size(tokens):
+    case = random_case(tokens, 8, 512, 4096, 1024, jnp.bfloat16, seed=tokens)
+    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 and i != 1 else jnp.asarray(a)
+            for i, a in enumerate(case)]
+    ours = routed_experts(*args, 7.0, backend="pallas_gpu")
+    assert rel_error(ours, float64_loop(*case, 7.0)) <= TOL[jnp.bfloat16]
