@@ -85,9 +85,10 @@ def _down_combine_kernel(expert_ref, weight_ref, h_ref, down_ref, y_ref, *, top_
     plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=cols_ok)
 
 
-# (block_n, block_k, num_warps, num_stages) of each kernel; bf16, from scripts/bench_generate.py on an H200.
-SWIGLU_TILES = (16, 512, 4, 3)
-DOWN_TILES = (16, 512, 4, 3)
+# (block_n, block_k, num_warps, num_stages) of each kernel: the best bf16 pair of the sweep in
+# scripts/bench_routed_experts.py (one token, Ling-3.1-flash shapes) on an H200.
+SWIGLU_TILES = (16, 512, 4, 2)
+DOWN_TILES = (8, 1024, 4, 3)
 
 
 def _tile(size: int, wanted: int) -> int:
