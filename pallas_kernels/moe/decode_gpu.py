@@ -22,16 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
-def _mask_2d(rows_ok, cols_ok):
-    """rows_ok[:, None] & cols_ok[None, :]; None stands for all true (both None: no mask)."""
-    if rows_ok is None:
-        return None if cols_ok is None else cols_ok[None, :]
-    return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok[None, :]
-
-
-def _load(ref, mask):
-    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
+from pallas_kernels.moe.masked import mask_2d, masked_load
 
 
 def _valid(expert, num_experts: int):
@@ -48,8 +39,8 @@ def _row_times_tile(weight_ref, expert, col0, vector_ref, vector_row, *, block_n
     def body(step, acc_N):
         k0 = step * block_k
         k_ok = k0 + jnp.arange(block_k) < k_dim if mask_k else None
-        tile_NK = _load(weight_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], _mask_2d(cols_ok, k_ok))
-        chunk_K = _load(vector_ref.at[vector_row, pl.ds(k0, block_k)], k_ok)
+        tile_NK = masked_load(weight_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok, k_ok))
+        chunk_K = masked_load(vector_ref.at[vector_row, pl.ds(k0, block_k)], k_ok)
         return acc_N + jnp.sum(tile_NK.astype(jnp.float32) * chunk_K.astype(jnp.float32)[None, :], axis=1)
 
     steps = _valid(expert, weight_ref.shape[0]) * pl.cdiv(k_dim, block_k)

@@ -24,16 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
-def _mask_2d(rows_ok, cols_ok):
-    """rows_ok[:, None] & cols_ok[None, :]; None stands for all true (both None: no mask)."""
-    if rows_ok is None:
-        return None if cols_ok is None else cols_ok[None, :]
-    return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok[None, :]
-
-
-def _load(ref, mask):
-    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
+from pallas_kernels.moe.masked import mask_2d, masked_load
 
 
 def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
@@ -49,11 +40,12 @@ def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *,
     def k_body(step, acc_MN):
         k0 = step * block_k
         k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
-        lhs_MK = _load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], _mask_2d(rows_ok_M, k_ok_K))
+        lhs_MK = masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
         if rhs_transposed:  # rhs [G, K, N]
-            rhs_KN = _load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)], _mask_2d(k_ok_K, cols_ok_N))
+            rhs_KN = masked_load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)],
+                                 mask_2d(k_ok_K, cols_ok_N))
             return acc_MN + plgpu.dot(lhs_MK, rhs_KN, allow_tf32=allow_tf32)
-        rhs_NK = _load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], _mask_2d(cols_ok_N, k_ok_K))
+        rhs_NK = masked_load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
         return acc_MN + plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
 
     # No K steps on a tail tile (group == G); a clip, as Triton's lowering turns a jnp.where of two
@@ -61,7 +53,7 @@ def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *,
     num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)
     acc_MN = jax.lax.fori_loop(0, num_steps, k_body, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc_MN.astype(out_ref.dtype),
-                mask=_mask_2d(rows_ok_M, cols_ok_N))
+                mask=mask_2d(rows_ok_M, cols_ok_N))
 
 
 def _weight_grad_kernel(offsets_ref, lhs_ref, d_out_ref, d_rhs_ref, *, block_m: int, block_n: int, block_k: int,
@@ -75,13 +67,13 @@ def _weight_grad_kernel(offsets_ref, lhs_ref, d_out_ref, d_rhs_ref, *, block_m: 
     def row_body(step, acc_NK):
         row0 = start + step * block_m
         rows_ok_M = row0 + jnp.arange(block_m) < end
-        d_out_MN = _load(d_out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], _mask_2d(rows_ok_M, cols_ok_N))
-        lhs_MK = _load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], _mask_2d(rows_ok_M, k_ok_K))
+        d_out_MN = masked_load(d_out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], mask_2d(rows_ok_M, cols_ok_N))
+        lhs_MK = masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
         return acc_NK + plgpu.dot(d_out_MN, lhs_MK, trans_a=True, allow_tf32=lhs_ref.dtype != jnp.float32)
 
     acc_NK = jax.lax.fori_loop(0, pl.cdiv(end - start, block_m), row_body, jnp.zeros((block_n, block_k), jnp.float32))
     plgpu.store(d_rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], acc_NK.astype(d_rhs_ref.dtype),
-                mask=_mask_2d(cols_ok_N, k_ok_K))
+                mask=mask_2d(cols_ok_N, k_ok_K))
 
 
 def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:

@@ -1,9 +1,9 @@
 """The MoE expert kernels in pure jnp, the spec in code: the grouped matmul (the expert GEMM over rows
 sorted by expert) and the routed experts of a few tokens (each token's picked experts, combined).
 
-Grouped matmul: rows of lhs are sorted by group: the first group_sizes[0] rows belong to group 0, the next group_sizes[1]
-to group 1, and so on; each group multiplies its rows by its own weight in the checkpoint's [out, in]
-layout, so out[rows of g] = lhs[rows of g] @ rhs[g].T. Rows at or past sum(group_sizes) give zeros.
+Grouped matmul: rows of lhs are sorted by group: the first group_sizes[0] rows belong to group 0, the next
+group_sizes[1] to group 1, and so on; each group multiplies its rows by its own weight in the checkpoint's
+[out, in] layout, so out[rows of g] = lhs[rows of g] @ rhs[g].T. Rows at or past sum(group_sizes) give zeros.
 """
 
 from __future__ import annotations
