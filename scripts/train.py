@@ -302,6 +302,14 @@ def main(argv=None) -> int:
         def flush() -> None:
             for logged_step, values in jax.device_get(pending):
                 log.append({"step": logged_step, **{k: float(v) for k, v in values.items() if k != "tokens"}})
+                if not (np.isfinite(log[-1]["loss"]) and np.isfinite(log[-1]["grad_norm"])):
+                    write_json(log_path, log)
+                    progress.close()
+                    last = manager.latest_step()
+                    sys.exit(f"error: step {logged_step}: loss {log[-1]['loss']}, gradient norm "
+                             f"{log[-1]['grad_norm']}: training diverged. {log_path} has the steps so far; the last "
+                             f"checkpoint is " + (f"step {last} (--resume continues from it)" if last is not None
+                                                  else "none") + ". Try a lower --lr or a longer --warmup.")
             pending.clear()
 
         def save(step: int) -> None:

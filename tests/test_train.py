@@ -185,6 +185,26 @@ def test_script_trains_resumes_and_exports(tmp_path):
     assert model.config.vocab_size == 320 and model.config.eos_token_ids == (1,)
 
 
+def test_script_stops_when_training_diverges(tmp_path):
+    """A learning rate of 1e30 overflows the weights: the run stops at the first non-finite loss or
+    gradient norm, says so on one line and keeps the log, instead of training on NaNs."""
+    _corpus(tmp_path / "corpus.txt")
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config_dict(SMALL), f)
+    out = tmp_path / "run"
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"}
+    result = subprocess.run([str(arg) for arg in (
+        sys.executable, SCRIPT, "--corpus", tmp_path / "corpus.txt", "--out", out, "--config", tmp_path / "config.json",
+        "--steps", "20", "--batch-size", "2", "--seq-len", "32", "--log-every", "1", "--warmup", "1", "--lr", "1e30",
+        "--eval-fraction", "0.05", "--sample-tokens", "0")], check=False, capture_output=True, text=True, env=env)
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: step ") and "training diverged" in message and "Traceback" not in result.stderr
+    with open(out / "log.json") as f:
+        log = json.load(f)
+    assert not np.isfinite(log[-1]["loss"] + log[-1]["grad_norm"]) and log[-1]["step"] < 20
+
+
 def test_sharded_train_step_equals_unsharded():
     batch = random_batch(SMALL, 8, 16, seed=3)
 
