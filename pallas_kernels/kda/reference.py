@@ -56,13 +56,26 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2
     return jnp.moveaxis(per_step, 0, 1).astype(out_dtype), state
 
 
-LEAF = 16  # blocks up to this size are inverted by forward substitution
+LEAF = 16  # diagonal blocks of this size are inverted by forward substitution
+
+
+def _forward_substitution(L_CC):
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C], a row at a time: row c of the inverse is
+    e_c - sum_j L[c, j] (row j of the inverse). A loop, not unrolled: small programs compile fast."""
+    size = L_CC.shape[-1]
+    eye = jnp.eye(size, dtype=L_CC.dtype)
+
+    def row(c, inverse):
+        return inverse.at[..., c, :].set(eye[c] - jnp.einsum("...j,...jk->...k", L_CC[..., c, :], inverse))
+
+    return jax.lax.fori_loop(1, size, row, jnp.broadcast_to(eye, L_CC.shape))
 
 
 def unit_lower_inverse(L_CC):
-    """(I + L)^-1 for strictly lower-triangular L [..., C, C], by blocks: the inverse of [[I + A, 0], [B, I + D]]
-    is [[A', 0], [-D' B A', D']] with A' = (I + A)^-1 and D' = (I + D)^-1, recursively down to LEAF-row blocks,
-    which forward substitution inverts a row at a time.
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C], by blocks: all LEAF-row diagonal blocks at once
+    by forward substitution, then pairs merged level by level, [[A', 0], [-D' B A', D']] being the inverse of
+    [[I + A, 0], [B, I + D]] for A' = (I + A)^-1, D' = (I + D)^-1. C is padded to LEAF x 2^n with zeros
+    (which leaves the leading block of the inverse unchanged).
 
     Every intermediate is a block of the true inverse, whose entries stay bounded for the delta rule's L
     (|L| <= 1), so this is accurate in fp32 and tf32. A power series in L is not: L^k holds binomial-sized
@@ -71,19 +84,23 @@ def unit_lower_inverse(L_CC):
     """
     size = L_CC.shape[-1]
     if size <= LEAF:
-        rows = []
-        for c in range(size):
-            unit = jnp.broadcast_to(jnp.eye(size, dtype=L_CC.dtype)[c], L_CC.shape[:-1])
-            rows.append(unit if c == 0 else
-                        unit - jnp.einsum("...j,...jk->...k", L_CC[..., c, :c], jnp.stack(rows, axis=-2)))
-        return jnp.stack(rows, axis=-2)
-    half = size // 2
-    top_inverse = unit_lower_inverse(L_CC[..., :half, :half])
-    bottom_inverse = unit_lower_inverse(L_CC[..., half:, half:])
-    lower_left = -bottom_inverse @ (L_CC[..., half:, :half] @ top_inverse)
-    upper_right = jnp.zeros((*L_CC.shape[:-2], half, size - half), L_CC.dtype)
-    return jnp.concatenate([jnp.concatenate([top_inverse, upper_right], axis=-1),
-                            jnp.concatenate([lower_left, bottom_inverse], axis=-1)], axis=-2)
+        return _forward_substitution(L_CC)
+    width, blocks = LEAF, 1 << (-(-size // LEAF) - 1).bit_length()
+    padded = blocks * width
+    L = jnp.pad(L_CC, [(0, 0)] * (L_CC.ndim - 2) + [(0, padded - size), (0, padded - size)])
+    diagonal = jnp.stack([L[..., i * width:(i + 1) * width, i * width:(i + 1) * width] for i in range(blocks)])
+    inverses = list(_forward_substitution(diagonal))
+    while len(inverses) > 1:
+        merged = []
+        for pair in range(0, len(inverses), 2):
+            start = pair * width
+            top, bottom = inverses[pair], inverses[pair + 1]
+            lower_left = -bottom @ (L[..., start + width:start + 2 * width, start:start + width] @ top)
+            zeros = jnp.zeros_like(top)
+            merged.append(jnp.concatenate([jnp.concatenate([top, zeros], axis=-1),
+                                           jnp.concatenate([lower_left, bottom], axis=-1)], axis=-2))
+        inverses, width = merged, 2 * width
+    return inverses[0][..., :size, :size]
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64):
