@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from ling_jax import LingConfig, LingForCausalLM
-from ling_jax.generate import Generator, prefill_chunks
+from ling_jax.generate import Generator, _prefill_chunk, prefill_chunks
 from ling_jax.sampling import SamplingParams
 from ling_jax.sharding import make_mesh
 
@@ -134,3 +135,24 @@ def test_clear_errors(model):
         Generator(no_mtp, mtp=2)
     with pytest.raises(ValueError, match="--prefill-chunk"):
         Generator(model, prefill_chunk=4)
+
+
+def test_prefill_chunk_memory_stays_bounded_up_to_262144_tokens():
+    """A 2048-token prefill chunk compiles at the 3.1-flash context (262,144 cache slots) and its temporary
+    memory grows by less than the cache itself does from 8192 slots: attention is blocked, never a
+    [chunk, context] score matrix (2 GiB per head at fp32)."""
+    config = LingConfig.preset("tiny").replace(max_position_embeddings=262144)
+    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    graphdef, params = nnx.split(model)
+    ids = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    mask = jax.ShapeDtypeStruct((1, 2048), jnp.bool_)
+
+    def memory(slots):
+        cache = jax.eval_shape(lambda: model.init_cache(batch_size=1, max_length=slots))
+        analysis = _prefill_chunk.trace(graphdef, params, cache, None, ids, mask, ids, mask).lower().compile() \
+            .memory_analysis()
+        return analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
+
+    (temp_short, args_short), (temp_long, args_long) = memory(8192), memory(262144)
+    assert temp_long - temp_short < args_long - args_short
+    assert temp_long < 2048 * 262144 * 4 // 8
