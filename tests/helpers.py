@@ -27,3 +27,14 @@ def train_byte_bpe(path, sentences, vocab_size: int, special_tokens) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(sentences, trainer)
     backend.save(str(path))
+
+
+def lower_for_cuda(fn, *abstract_args):
+    """jax.jit(fn) lowered for CUDA from any machine: jax >= 0.11 asks for the target GPU when none is
+    attached, so an abstract H200 is supplied through an abstract mesh (older jax ignores it)."""
+    import jax
+
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",))

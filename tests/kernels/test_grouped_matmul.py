@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels.moe import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, grouped_weight_grad_gpu, max_row_tiles, row_tiles
-from helpers import rel_error
+from helpers import lower_for_cuda, rel_error
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -177,13 +177,8 @@ def _abstract_args(rows=1000, num_groups=64, k_dim=512, n_dim=256):
 
 
 def test_gpu_kernels_lower_for_cuda():
-    """jax >= 0.11 asks for the target GPU when none is attached: an H200, through an abstract mesh."""
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
     loss = lambda x, w, gs: jnp.sum(grouped_matmul(x, w, gs, backend="pallas_gpu").astype(jnp.float32))  # noqa: E731
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*_abstract_args()).lower(
-            lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(jax.grad(loss, argnums=(0, 1)), *_abstract_args())
     text = lowered.as_text()
     assert "grouped_matmul" in text and "grouped_weight_grad" in text
 

@@ -15,7 +15,7 @@ from pallas_kernels.kda import chunk_kda, kda_chunked, kda_recurrent
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
 from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
 from pallas_kernels.kda.reference import unit_lower_inverse
-from helpers import l2, rel_error
+from helpers import l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -130,8 +130,7 @@ def test_tpu_kernel_lowers_for_tpu():
 
 
 def test_gpu_kernel_lowers_for_cuda():
-    lowered = jax.jit(functools.partial(chunk_kda_gpu, scale=128 ** -0.5)).trace(*_abstract()).lower(
-        lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128 ** -0.5), *_abstract())
     assert "kda_chunk_prefill" in lowered.as_text()
 
 

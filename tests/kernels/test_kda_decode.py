@@ -17,7 +17,7 @@ from np_reference import kda_recurrence
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
 from pallas_kernels.kda.decode_tpu import kda_decode_step_tpu
-from helpers import l2, rel_error
+from helpers import l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -77,8 +77,7 @@ def test_tpu_kernel_lowers_for_tpu():
 
 
 def test_gpu_kernel_lowers_for_cuda():
-    lowered = jax.jit(functools.partial(kda_decode_step_gpu, scale=128 ** -0.5)).trace(
-        *_abstract_step()).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(functools.partial(kda_decode_step_gpu, scale=128 ** -0.5), *_abstract_step())
     assert "kda_decode_step" in lowered.as_text()
 
 

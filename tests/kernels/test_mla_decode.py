@@ -17,7 +17,7 @@ from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
-from helpers import rel_error
+from helpers import lower_for_cuda, rel_error
 
 LATENT, ROPE = 512, 64
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -117,8 +117,7 @@ def test_tpu_kernel_lowers_for_tpu(max_len):
 
 
 def test_gpu_kernel_lowers_for_cuda():
-    lowered = jax.jit(functools.partial(mla_decode_gpu, scale=0.07)).trace(
-        *_abstract_args()).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args())
     assert "mla_decode_split" in lowered.as_text()
 
 

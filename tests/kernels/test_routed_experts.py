@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import rel_error
+from helpers import lower_for_cuda, rel_error
 
 from ling_jax.expert_ffn import ROW_PATH_MAX_ROWS, dense_expert_ffn, local_moe
 from pallas_kernels.moe import routed_experts
@@ -100,15 +100,11 @@ def test_local_moe_takes_the_row_path_for_few_tokens():
 
 def test_gpu_kernels_lower_for_cuda():
     """Ling-3.1-flash decode shapes (one token, top-8 of 512 experts, hidden 4096, width 1024)."""
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
     shape = jax.ShapeDtypeStruct
     args = (shape((1, 4096), jnp.bfloat16), shape((1, 8), jnp.float32), shape((1, 8), jnp.int32),
             shape((512, 1024, 4096), jnp.bfloat16), shape((512, 1024, 4096), jnp.bfloat16),
             shape((512, 4096, 1024), jnp.bfloat16))
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(functools.partial(routed_experts, limit=7.0, backend="pallas_gpu")).trace(*args).lower(
-            lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(functools.partial(routed_experts, limit=7.0, backend="pallas_gpu"), *args)
     text = lowered.as_text()
     assert "expert_swiglu_rows" in text and "expert_down_combine" in text
 
