@@ -43,6 +43,17 @@ RULES: dict[str, tuple[str, ...]] = {
     "cache_length": (),
     "state_dim": (),
     "conv_channels": (),
+    # the VL vision tower and projector (ling_jax.vision) run replicated: well under 1B parameters next to the
+    # experts, and their [patches, width] activations are far smaller than the language model's
+    "vision_embed": (),
+    "vision_positions": (),
+    "vision_qkv": (),
+    "vision_out": (),
+    "vision_mlp": (),
+    "vision_merged": (),
+    "vision_merged_in": (),
+    "vision_proj": (),
+    "vision_proj_in": (),
 }
 
 

@@ -4,6 +4,7 @@ cached prefill + decode."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from ling_jax import load_hf_checkpoint
 from ling_jax.checkpoint import CheckpointError
 from ling_jax.model import LingForCausalLM
 from ling_jax.mrope import MediaGrid
+from ling_jax.sharding import make_mesh, shard_model
 from ling_jax.vl_model import LingVLForConditionalGeneration
 from test_mrope import spec_positions
 from vl_checkpoint import (IMAGE_TOKEN, VIDEO_TOKEN, projector_weights, write_text_checkpoint,
@@ -239,3 +241,21 @@ def test_generate_cli_media_errors(tmp_path, checkpoints, capsys):
     Image.new("RGB", (30, 20), (200, 10, 10)).save(tmp_path / "red.png")
     assert main(["--model", str(root / "vl"), "--image", str(tmp_path / "red.png"), "<image> <image>"]) == 2
     assert "2 <image> placeholders but 1 image" in capsys.readouterr().err
+
+
+def test_sharded_vl_model_equals_unsharded(tmp_path):
+    """Every parameter (the vision tower and projector replicated) placed on a data x expert mesh of 8 CPU
+    devices: the media prompt's logits are unchanged."""
+    write_text_checkpoint(str(tmp_path / "text"))
+    write_vl_checkpoint(str(tmp_path / "text"), str(tmp_path / "vl"))
+    ids = jnp.asarray(_prompt())
+    media = dict(pixel_values=jnp.asarray(_pixels((IMAGE,), 3)), image_grids=[[IMAGE]],
+                 pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)), video_grids=[[VIDEO]])
+    model = load_hf_checkpoint(tmp_path / "vl", dtype=jnp.float32, progress=False)
+    plain = np.asarray(model(ids, **media).logits)
+    mesh = make_mesh({"data": 2, "expert": 4})  # the tiny vocab (259) does not split over a tensor axis
+    shard_model(model, mesh)
+    assert model.visual.blocks[0].attn.qkv.weight[...].sharding.is_fully_replicated
+    with jax.set_mesh(mesh):
+        sharded = np.asarray(model(ids, **media).logits)
+    assert rel_error(sharded, plain) <= 1e-5
