@@ -60,12 +60,19 @@ def dense_expert_ffn(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, l
     return jnp.einsum("ted,te->td", y_TED.astype(jnp.float32), combine_TE).astype(dtype)
 
 
-def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    """All experts on this device: each token's k assignments become k rows of one grouped FFN (on a GPU, up to
-    ROW_PATH_MAX_ROWS rows go through the row-by-row decode kernels instead)."""
+def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
+                      backend: str):
+    """All experts on this device: each token's k assignments become k rows of one grouped FFN."""
     tokens, top_k = experts_TK.shape
-    if KERNEL_TARGET.get(backend) == "gpu" and tokens * top_k <= ROW_PATH_MAX_ROWS:
-        return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
     rows_D = jnp.repeat(x_TD, top_k, axis=0)
     y_RD = grouped_expert_ffn(rows_D, experts_TK.reshape(-1), gate_EID, up_EID, down_EDI, limit, backend=backend)
     return combine(y_RD.reshape(tokens, top_k, -1), weights_TK, x_TD.dtype)
+
+
+def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
+    """All experts on this device: `grouped_local_moe`, except that on a GPU up to ROW_PATH_MAX_ROWS
+    token-expert rows go through the row-by-row decode kernels instead."""
+    tokens, top_k = experts_TK.shape
+    if KERNEL_TARGET.get(backend) == "gpu" and tokens * top_k <= ROW_PATH_MAX_ROWS:
+        return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
+    return grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)

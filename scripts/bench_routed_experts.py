@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Routed experts of a few tokens at Ling-3.1-flash width (hidden 4096, 512 experts, top-8, width 1024, bf16):
 the row-by-row decode kernels (`pallas_kernels.moe.routed_experts`) against the grouped path (sort, three
-grouped matmuls, unsort, combine: `ling_jax.expert_ffn.grouped_expert_ffn`), in one jitted layer each.
+grouped matmuls, unsort, combine: `ling_jax.expert_ffn.grouped_local_moe`), in one jitted layer each.
 
     python scripts/bench_routed_experts.py              # 1, 2, 4, 8 and 16 tokens, with a tile sweep at 1 token
 
@@ -12,6 +12,7 @@ expert once for the grouped path; a weight read per token-expert pair for the ro
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -23,17 +24,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_common import median_seconds, rel_error  # noqa: E402
-from ling_jax.expert_ffn import combine, grouped_expert_ffn  # noqa: E402
+from ling_jax.expert_ffn import grouped_local_moe  # noqa: E402
 from pallas_kernels.moe.decode_gpu import routed_experts_gpu  # noqa: E402
 
 HIDDEN, WIDTH, EXPERTS, TOP_K, LIMIT = 4096, 1024, 512, 8, 7.0
-
-
-def grouped_path(x_TD, weights_TK, experts_TK, gate, up, down):
-    tokens = x_TD.shape[0]
-    rows = jnp.repeat(x_TD, TOP_K, axis=0)
-    y = grouped_expert_ffn(rows, experts_TK.reshape(-1), gate, up, down, LIMIT, backend="pallas_gpu")
-    return combine(y.reshape(tokens, TOP_K, -1), weights_TK, x_TD.dtype)
 
 
 def main(argv=None) -> int:
@@ -49,7 +43,7 @@ def main(argv=None) -> int:
     up = jax.random.normal(keys[1], (EXPERTS, WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN ** -0.5
     down = jax.random.normal(keys[2], (EXPERTS, HIDDEN, WIDTH), jnp.bfloat16) * WIDTH ** -0.5
     expert_bytes = 3 * HIDDEN * WIDTH * 2
-    grouped = jax.jit(grouped_path)
+    grouped = jax.jit(functools.partial(grouped_local_moe, limit=LIMIT, backend="pallas_gpu"))
     print("| tokens | row kernels ms | TB/s (pair reads) | grouped path ms | TB/s (distinct experts) | rel. diff |")
     print("|---|---|---|---|---|---|")
     for tokens in map(int, args.tokens.split(",")):

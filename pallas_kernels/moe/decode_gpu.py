@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe.masked import mask_2d, masked_load
+from pallas_kernels.moe.reference import swiglu
 
 
 def _valid(expert, num_experts: int):
@@ -54,11 +55,8 @@ def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, h_ref, *, top_k: int, li
     cols_ok = col0 + jnp.arange(block_n) < gate_ref.shape[1] if mask_n else None
     product = functools.partial(_row_times_tile, expert=expert, col0=col0, vector_ref=x_ref, vector_row=row // top_k,
                                 block_n=block_n, block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
-    gate, up = product(gate_ref), product(up_ref)
-    activated = gate * jax.nn.sigmoid(gate)
-    if limit is not None:
-        activated, up = jnp.minimum(activated, limit), jnp.clip(up, -limit, limit)
-    plgpu.store(h_ref.at[row, pl.ds(col0, block_n)], (activated * up).astype(h_ref.dtype), mask=cols_ok)
+    hidden = swiglu(product(gate_ref), product(up_ref), limit)
+    plgpu.store(h_ref.at[row, pl.ds(col0, block_n)], hidden.astype(h_ref.dtype), mask=cols_ok)
 
 
 def _down_combine_kernel(expert_ref, weight_ref, h_ref, down_ref, y_ref, *, top_k: int, block_n: int,
