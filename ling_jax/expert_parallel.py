@@ -11,6 +11,8 @@ Both are dropless by default: a device reserves room for every assignment a sour
 (tokens x min(top_k, local experts)). A capacity factor C shrinks that to ceil(C x tokens x top_k /
 n_expert) rows per source; assignments beyond it are dropped and counted (the MoE sows the count).
 `ragged_all_to_all` would avoid the fixed-size buffers but is not implemented on the CPU backend.
+The all-to-all path is three stages, `dispatch`, `grouped_expert_ffn` and `return_and_combine`, each callable
+inside a shard_map on its own (scripts/bench_expert_parallel.py times them separately).
 """
 
 from __future__ import annotations
@@ -55,11 +57,21 @@ def _replicated_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, b
     return summed.astype(x_TD.dtype), jnp.int32(0)
 
 
-def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, tp_axes,
-                       capacity_factor, count_axes):
-    tokens, top_k = experts_TK.shape
-    local_experts = gate.shape[0]
-    capacity = rows_per_source(tokens, top_k, ep, local_experts, capacity_factor)
+def exchange(a, ep: int):
+    """Inside a shard_map over the expert axis: row block d of `a` (ep equal blocks) goes to device d; block s
+    of the result came from device s."""
+    return jax.lax.all_to_all(a.reshape(ep, -1, *a.shape[1:]), "expert", 0, 0).reshape(a.shape)
+
+
+def dispatch(x_TD, experts_TK, *, ep: int, local_experts: int, capacity: int):
+    """Inside a shard_map: packs each token-assignment into the block of the device owning its expert (at most
+    `capacity` rows per destination; the rest are dropped) and sends the blocks with one all-to-all.
+
+    -> (x_RD, expert_R): the ep * capacity rows this device received and their local expert ids
+    (`local_experts` marks an unused slot); slot_A, kept_A: where each of this device's token-assignments went
+    and whether it was kept, for `return_and_combine`.
+    """
+    top_k = experts_TK.shape[1]
     experts_A = experts_TK.reshape(-1)  # one entry per token-assignment, token-major
     dest_A = experts_A // local_experts
     rank_A = jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(dest_A, ep, dtype=jnp.int32), axis=0),
@@ -70,15 +82,29 @@ def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, b
         jnp.repeat(x_TD, top_k, axis=0), mode="drop")
     send_expert = jnp.full((ep * capacity,), local_experts, jnp.int32).at[slot_A].set(
         experts_A % local_experts, mode="drop")  # unused slots name no local expert: skipped
+    return exchange(send_x, ep), exchange(send_expert, ep), slot_A, kept_A
 
-    def exchange(a):  # row block d goes to device d; block s of the result came from device s
-        return jax.lax.all_to_all(a.reshape(ep, capacity, *a.shape[1:]), "expert", 0, 0).reshape(a.shape)
 
-    y_recv = grouped_expert_ffn(exchange(send_x), exchange(send_expert), gate, up, down, limit, backend=backend)
-    y_back = exchange(_psum_f32(y_recv, tp_axes).astype(x_TD.dtype))
-    y_A = jnp.where(kept_A[:, None], y_back[jnp.minimum(slot_A, ep * capacity - 1)], 0)
+def return_and_combine(y_RD, slot_A, kept_A, weights_TK, *, ep: int, tp_axes: tuple[str, ...], dtype):
+    """Inside a shard_map: the expert outputs of the received rows (partial sums over `tp_axes`, summed here)
+    go back to their source devices with a second all-to-all, and each token's k results are summed with its
+    routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
+    tokens, top_k = weights_TK.shape
+    y_back = exchange(_psum_f32(y_RD, tp_axes).astype(dtype), ep)
+    y_A = jnp.where(kept_A[:, None], y_back[jnp.minimum(slot_A, y_back.shape[0] - 1)], 0)
+    return combine(y_A.reshape(tokens, top_k, -1), weights_TK, dtype)
+
+
+def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, tp_axes,
+                       capacity_factor, count_axes):
+    tokens, top_k = experts_TK.shape
+    local_experts = gate.shape[0]
+    capacity = rows_per_source(tokens, top_k, ep, local_experts, capacity_factor)
+    x_RD, expert_R, slot_A, kept_A = dispatch(x_TD, experts_TK, ep=ep, local_experts=local_experts,
+                                              capacity=capacity)
+    y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
     dropped = jax.lax.psum(jnp.sum(~kept_A, dtype=jnp.int32), count_axes)
-    return combine(y_A.reshape(tokens, top_k, -1), weights_TK, x_TD.dtype), dropped
+    return return_and_combine(y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype), dropped
 
 
 def moe_parallel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, limit: float | None, mesh,

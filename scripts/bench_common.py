@@ -1,13 +1,23 @@
-"""Timing and checking helpers shared by the scripts/bench_*.py benchmarks."""
+"""Helpers shared by the scripts/bench_*.py benchmarks and scripts/check_multi_gpu.py: timing, errors, the
+full-width Ling-3.1-flash slice with random weights (on one device or straight into a mesh's shardings), a
+filled decode cache and the decode-step timer."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from ling_jax import LingConfig
+from ling_jax.cache import KDAState, LingCache, MLAState
+from ling_jax.config import KDA, MLA, MOE
+from ling_jax.sharding import param_shardings
 
 
 def median_seconds(fn, *args, iters: int) -> float:
@@ -31,3 +41,72 @@ def copy_bandwidth(iters: int, nbytes: int = 4 << 30) -> float:
     """Bytes per second (read + written) of an fp32 elementwise scale over `nbytes`: the bandwidth ceiling."""
     x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
     return 2 * nbytes / median_seconds(jax.jit(lambda a: a * 1.0001), x, iters=iters)
+
+
+def flash_slice_config(layers: int, quick: bool) -> LingConfig:
+    """Ling-3.1-flash at full width (hidden 4096, 64 heads, 512 experts) with `layers` decoder layers, all MoE,
+    an MLA layer every 8th counting back from the last (8 layers: 7 KDA + 1 MLA, like the preset's layers
+    8-15; 72: the preset's schedule), no MTP layer. quick: a narrow model (hidden 512, 64 experts) for smoke
+    tests on a CPU."""
+    config = LingConfig.preset("ling-3.1-flash")
+    group = config.layer_types.index(MLA) + 1  # the preset's layer group: 7 KDA + 1 MLA
+    config = config.replace(num_hidden_layers=layers,
+                            layer_types=tuple(MLA if (layers - 1 - i) % group == 0 else KDA for i in range(layers)),
+                            mlp_layer_types=(MOE,) * layers, num_nextn_predict_layers=0,
+                            expert_swiglu_limit_list=(), share_expert_swiglu_limit_list=())
+    if quick:
+        config = config.replace(hidden_size=512, num_attention_heads=8, moe_intermediate_size=128, num_experts=64,
+                                n_group=8, topk_group=4, shared_expert_intermediate_size=128, vocab_size=4096)
+    return config
+
+
+def init_on_mesh(build: Callable[[], nnx.Module], mesh: Mesh) -> nnx.Module:
+    """The module `build()` makes (random init), its parameters created straight into their shardings on `mesh`
+    (`ling_jax.sharding` rules), so nothing full-size lands on one device. The random values do not depend on
+    the mesh (partitionable threefry): the same `build` gives the same weights on one device and on eight."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    state = jax.jit(lambda: nnx.state(build()), out_shardings=param_shardings(abstract, mesh))()
+    return nnx.merge(graphdef, state)
+
+
+def filled_cache(model, batch: int, context: int, extra: int) -> LingCache:
+    """A cache that holds `context` tokens: random latents and small random KDA states."""
+    config = model.config
+    cache = LingCache.create(config, batch, context + extra, model.dtype)
+    keys = iter(jax.random.split(jax.random.key(7), 2 * len(cache.layers)))
+    layers = []
+    for state in cache.layers:
+        if isinstance(state, KDAState):
+            layers.append(KDAState(conv_window=state.conv_window,
+                                   recurrent_state=0.01 * jax.random.normal(next(keys), state.recurrent_state.shape)))
+        else:
+            layers.append(MLAState(latent=jax.random.normal(next(keys), state.latent.shape, state.latent.dtype)))
+    return LingCache(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = None) -> float:
+    """Seconds per decode step, as `Generator` runs them: each step is dispatched before the previous one
+    finishes (its token feeds the next step on the device), so host dispatch overlaps device work. With
+    profile_dir, 5 more steps run under the JAX profiler, which writes a Perfetto trace there."""
+    graphdef, params = nnx.split(model)
+
+    def step(params, cache, token_B):
+        out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache)
+        return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
+
+    step = jax.jit(step, donate_argnums=1)
+    token = jnp.zeros((cache.lengths.shape[0],), jnp.int32)
+    for _ in range(3):
+        token, cache = step(params, cache, token)
+    token.block_until_ready()
+    start = time.perf_counter()
+    for _ in range(steps):
+        token, cache = step(params, cache, token)
+    token.block_until_ready()
+    seconds = (time.perf_counter() - start) / steps
+    if profile_dir:
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for _ in range(5):
+                token, cache = step(params, cache, token)
+            token.block_until_ready()
+    return seconds

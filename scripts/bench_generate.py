@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -30,37 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_common import copy_bandwidth  # noqa: E402
-from ling_jax import LingConfig, LingForCausalLM  # noqa: E402
+from bench_common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
+from ling_jax import LingForCausalLM  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
-from ling_jax.config import MOE  # noqa: E402
-
-
-def slice_config(quick: bool) -> LingConfig:
-    config = LingConfig.preset("ling-3.1-flash")
-    layers = 8
-    config = config.replace(num_hidden_layers=layers, layer_types=config.layer_types[8:16],
-                            mlp_layer_types=(MOE,) * layers, num_nextn_predict_layers=0,
-                            expert_swiglu_limit_list=(), share_expert_swiglu_limit_list=())
-    if quick:
-        config = config.replace(hidden_size=512, num_attention_heads=8, moe_intermediate_size=128, num_experts=64,
-                                n_group=8, topk_group=4, shared_expert_intermediate_size=128, vocab_size=4096)
-    return config
-
-
-def filled_cache(model, batch: int, context: int, extra: int) -> LingCache:
-    """A cache that holds `context` tokens: random latents and small random KDA states."""
-    config = model.config
-    cache = LingCache.create(config, batch, context + extra, model.dtype)
-    keys = iter(jax.random.split(jax.random.key(7), 2 * len(cache.layers)))
-    layers = []
-    for state in cache.layers:
-        if isinstance(state, KDAState):
-            layers.append(KDAState(conv_window=state.conv_window,
-                                   recurrent_state=0.01 * jax.random.normal(next(keys), state.recurrent_state.shape)))
-        else:
-            layers.append(MLAState(latent=jax.random.normal(next(keys), state.latent.shape, state.latent.dtype)))
-    return LingCache(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32))
 
 
 def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
@@ -111,34 +82,6 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
     return elapsed[-1]
 
 
-def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = None) -> float:
-    """Seconds per decode step, as `Generator` runs them: each step is dispatched before the previous one
-    finishes (its token feeds the next step on the device), so host dispatch overlaps device work. With
-    profile_dir, 5 more steps run under the JAX profiler, which writes a Perfetto trace there."""
-    graphdef, params = nnx.split(model)
-
-    def step(params, cache, token_B):
-        out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache)
-        return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
-
-    step = jax.jit(step, donate_argnums=1)
-    token = jnp.zeros((cache.lengths.shape[0],), jnp.int32)
-    for _ in range(3):
-        token, cache = step(params, cache, token)
-    token.block_until_ready()
-    start = time.perf_counter()
-    for _ in range(steps):
-        token, cache = step(params, cache, token)
-    token.block_until_ready()
-    seconds = (time.perf_counter() - start) / steps
-    if profile_dir:
-        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-            for _ in range(5):
-                token, cache = step(params, cache, token)
-            token.block_until_ready()
-    return seconds
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a narrow model and short context")
@@ -150,7 +93,7 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
     parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 5 decode steps of the first batch")
     args = parser.parse_args(argv)
-    config = slice_config(args.quick)
+    config = flash_slice_config(8, args.quick)
     context = 512 if args.quick else args.context
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
           f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts, bf16", flush=True)
