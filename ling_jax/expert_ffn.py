@@ -1,5 +1,9 @@
 """The routed experts' arithmetic, independent of where they live: SwiGLU (with the optional clip), the
 grouped FFN over rows sorted by expert, the weighted combine, and the one-hot dense baseline.
+
+On a GPU backend the grouped FFN is two fused kernels (`pallas_kernels.moe.gather_swiglu`, `down_scatter`):
+rows are read from the unsorted activations through the sort permutation and written back through it, so
+neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is three jnp ragged dots.
 """
 
 from __future__ import annotations
@@ -7,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import KERNEL_TARGET
-from pallas_kernels.moe.ops import grouped_matmul, routed_experts
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, routed_experts
 from pallas_kernels.moe.reference import swiglu
 
 # Up to this many token-expert rows (8 tokens at top-8), a GPU runs the routed experts row by row
@@ -21,17 +25,42 @@ def expert_load(experts_TK, num_experts: int) -> jax.Array:
     return jnp.zeros((num_experts,), jnp.float32).at[experts_TK.reshape(-1)].add(1.0)
 
 
+def sort_by_expert(expert_R, num_experts: int):
+    """(order [R]: row indices sorted by expert, stable; sizes [E] int32: rows per expert). Rows whose expert
+    is outside [0, E) sort last and count in no group."""
+    key_R = jnp.where((expert_R >= 0) & (expert_R < num_experts), expert_R, num_experts)
+    order_R = jnp.argsort(key_R, stable=True)
+    sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_R].add(1)[:num_experts]
+    return order_R, sizes_E
+
+
+def _runs_gpu_kernels(backend: str) -> bool:
+    return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu"
+
+
+def fused_expert_rows(x_XD, source_R, order_R, row_weight_R, sizes_E, gate_EID, up_EID, down_EDI,
+                      limit: float | None, *, backend: str):
+    """[R, D] in x's dtype: row order[r] of the result = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of
+    the expert order (group g); rows past sum(sizes) are 0. The GPU's two fused kernels."""
+    dtype = x_XD.dtype
+    h_RI = gather_swiglu(x_XD, source_R, sizes_E, gate_EID.astype(dtype), up_EID.astype(dtype), limit,
+                         backend=backend)
+    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down_EDI.astype(dtype), backend=backend)
+
+
 def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     """SwiGLU experts applied row-wise: row r goes through expert expert_R[r] of the E given ones.
 
     Rows whose expert is outside [0, E) are skipped (their output is 0): the caller marks rows routed to
-    other devices, or unused buffer slots, that way. Rows are sorted by expert, run through three grouped
-    matmuls (`pallas_kernels.moe.grouped_matmul`), and put back in order.
+    other devices, or unused buffer slots, that way. Rows are sorted by expert and run through three grouped
+    matmuls (`pallas_kernels.moe.grouped_matmul`), then put back in order; on a GPU backend through
+    `fused_expert_rows` instead.
     """
     num_experts = gate_EID.shape[0]
-    key_R = jnp.where((expert_R >= 0) & (expert_R < num_experts), expert_R, num_experts)
-    order_R = jnp.argsort(key_R, stable=True)
-    sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_R].add(1)[:num_experts]
+    order_R, sizes_E = sort_by_expert(expert_R, num_experts)
+    if _runs_gpu_kernels(backend):
+        return fused_expert_rows(x_RD, order_R, order_R, jnp.ones(order_R.shape, jnp.float32), sizes_E, gate_EID,
+                                 up_EID, down_EDI, limit, backend=backend)
     x_sorted = x_RD[order_R]
     dtype = x_RD.dtype
     hidden_RI = swiglu(grouped_matmul(x_sorted, gate_EID.astype(dtype), sizes_E, backend=backend),
@@ -62,8 +91,15 @@ def dense_expert_ffn(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, l
 
 def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
                       backend: str):
-    """All experts on this device: each token's k assignments become k rows of one grouped FFN."""
+    """All experts on this device: each token's k assignments become k rows of one grouped FFN. On a GPU
+    backend the rows are weighted inside the down kernel and land in [T, k, D] order, so the combine is a
+    sum over k (in fp32)."""
     tokens, top_k = experts_TK.shape
+    if _runs_gpu_kernels(backend):
+        order_R, sizes_E = sort_by_expert(experts_TK.reshape(-1), gate_EID.shape[0])
+        y_RD = fused_expert_rows(x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E,
+                                 gate_EID, up_EID, down_EDI, limit, backend=backend)
+        return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
     rows_D = jnp.repeat(x_TD, top_k, axis=0)
     y_RD = grouped_expert_ffn(rows_D, experts_TK.reshape(-1), gate_EID, up_EID, down_EDI, limit, backend=backend)
     return combine(y_RD.reshape(tokens, top_k, -1), weights_TK, x_TD.dtype)

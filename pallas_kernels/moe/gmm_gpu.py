@@ -18,6 +18,7 @@ rows, so training needs no ragged_dot (whose XLA GPU lowering materialises a mas
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,31 +28,47 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe.masked import mask_2d, masked_load
 
 
+def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int, block_k: int, cols_ok_N,
+                  mask_k: bool, rhs_transposed: bool = False):
+    """One fp32 [block_m, block_n] accumulator per ref in rhs_refs: the sum over K tiles of lhs tile @ rhs[group]
+    tile, rhs [G, N, K] (or [G, K, N] with rhs_transposed). load_lhs(k0, k_ok_K) gives the lhs tile [block_m,
+    block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros."""
+    num_groups = rhs_refs[0].shape[0]
+    k_dim = rhs_refs[0].shape[1 if rhs_transposed else 2]
+    allow_tf32 = rhs_refs[0].dtype != jnp.float32
+
+    def rhs_product(lhs_MK, rhs_ref, k0, k_ok_K):
+        if rhs_transposed:
+            rhs_KN = masked_load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)],
+                                 mask_2d(k_ok_K, cols_ok_N))
+            return plgpu.dot(lhs_MK, rhs_KN, allow_tf32=allow_tf32)
+        rhs_NK = masked_load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
+        return plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
+
+    def k_body(step, accs):
+        k0 = step * block_k
+        k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
+        lhs_MK = load_lhs(k0, k_ok_K)
+        return tuple(acc_MN + rhs_product(lhs_MK, rhs_ref, k0, k_ok_K) for acc_MN, rhs_ref in zip(accs, rhs_refs))
+
+    # A clip, as Triton's lowering turns a jnp.where of two constants into i1.
+    num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)
+    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in rhs_refs)
+    return jax.lax.fori_loop(0, num_steps, k_body, zeros)
+
+
 def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
             block_k: int, rhs_transposed: bool, mask_n: bool, mask_k: bool):
-    k_dim = lhs_ref.shape[1]
-    num_groups, n_dim = rhs_ref.shape[0], out_ref.shape[1]
     group, row0, row_end = group_ref[...], row_start_ref[...], row_end_ref[...]
     col0 = pl.program_id(0) * block_n
     rows_ok_M = row0 + jnp.arange(block_m) < row_end
-    cols_ok_N = col0 + jnp.arange(block_n) < n_dim if mask_n else None
-    allow_tf32 = lhs_ref.dtype != jnp.float32
+    cols_ok_N = col0 + jnp.arange(block_n) < out_ref.shape[1] if mask_n else None
 
-    def k_body(step, acc_MN):
-        k0 = step * block_k
-        k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
-        lhs_MK = masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
-        if rhs_transposed:  # rhs [G, K, N]
-            rhs_KN = masked_load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)],
-                                 mask_2d(k_ok_K, cols_ok_N))
-            return acc_MN + plgpu.dot(lhs_MK, rhs_KN, allow_tf32=allow_tf32)
-        rhs_NK = masked_load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
-        return acc_MN + plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
+    def load_lhs(k0, k_ok_K):
+        return masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
 
-    # No K steps on a tail tile (group == G); a clip, as Triton's lowering turns a jnp.where of two
-    # constants into i1.
-    num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)
-    acc_MN = jax.lax.fori_loop(0, num_steps, k_body, jnp.zeros((block_m, block_n), jnp.float32))
+    (acc_MN,) = tile_products(load_lhs, (rhs_ref,), group, col0, block_m=block_m, block_n=block_n,
+                              block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k, rhs_transposed=rhs_transposed)
     plgpu.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc_MN.astype(out_ref.dtype),
                 mask=mask_2d(rows_ok_M, cols_ok_N))
 
@@ -127,6 +144,47 @@ def _launch_settings(dtype, given, defaults_by_itemsize):
     return tuple(value or default for value, default in zip(given, defaults))
 
 
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def row_tile_settings(dtype, given, *, num_rows: int, num_groups: int, n_dim: int, k_dim: int,
+                      tiles=DEFAULT_TILES, few_rows_tiles=FEW_ROWS_TILES) -> Tiles:
+    """The given (block_m, block_n, block_k, num_warps, num_stages), None taking the default for dtype's
+    itemsize: few_rows_tiles when the groups average at most FEW_ROWS_PER_GROUP rows (decode), else tiles;
+    block sizes clipped to powers of two that fit the problem."""
+    few_rows = num_rows <= FEW_ROWS_PER_GROUP * num_groups
+    block_m, block_n, block_k, num_warps, num_stages = _launch_settings(dtype, given,
+                                                                        few_rows_tiles if few_rows else tiles)
+    return Tiles(_tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k), num_warps, num_stages)
+
+
+def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: Tiles, *, num_rows: int, n_dim: int,
+                        k_dim: int, interpret: bool, name: str):
+    """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, block_m=, block_n=,
+    block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row tiles of
+    num_rows rows sorted by group, the operands and the output whole."""
+    group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, tiles.block_m)
+    kernel = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
+                               mask_n=n_dim % tiles.block_n != 0, mask_k=k_dim % tiles.block_k != 0)
+    whole = lambda shape: pl.BlockSpec(shape, lambda n, t: (0,) * len(shape))  # noqa: E731
+    per_row_tile = pl.BlockSpec((None,), lambda n, t: (t,))
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n_dim, tiles.block_n), group_T.shape[0]),
+        in_specs=[per_row_tile, per_row_tile, per_row_tile, *(whole(op.shape) for op in operands)],
+        out_specs=whole(out_shape.shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name=name,
+    )(group_T, row_start_T, row_end_T, *operands)
+
+
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
 def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = False, block_m: int | None = None,
@@ -143,26 +201,12 @@ def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = Fal
     n_dim = rhs.shape[2] if rhs_transposed else rhs.shape[1]
     if num_rows == 0:
         return jnp.zeros((0, n_dim), lhs_MK.dtype)
-    few_rows = num_rows <= FEW_ROWS_PER_GROUP * group_sizes_G.shape[0]
-    block_m, block_n, block_k, num_warps, num_stages = _launch_settings(
-        lhs_MK.dtype, (block_m, block_n, block_k, num_warps, num_stages), FEW_ROWS_TILES if few_rows else DEFAULT_TILES)
-    block_m, block_n, block_k = _tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k)
-    group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, block_m)
-    kernel = functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                               rhs_transposed=rhs_transposed, mask_n=n_dim % block_n != 0,
-                               mask_k=k_dim % block_k != 0)
-    whole = lambda shape: pl.BlockSpec(shape, lambda n, t: (0,) * len(shape))  # noqa: E731
-    per_row_tile = pl.BlockSpec((None,), lambda n, t: (t,))
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(n_dim, block_n), group_T.shape[0]),
-        in_specs=[per_row_tile, per_row_tile, per_row_tile, whole(lhs_MK.shape), whole(rhs.shape)],
-        out_specs=whole((num_rows, n_dim)),
-        out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), lhs_MK.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="grouped_matmul",
-    )(group_T, row_start_T, row_end_T, lhs_MK, rhs.astype(lhs_MK.dtype))
+    tiles = row_tile_settings(lhs_MK.dtype, (block_m, block_n, block_k, num_warps, num_stages), num_rows=num_rows,
+                              num_groups=group_sizes_G.shape[0], n_dim=n_dim, k_dim=k_dim)
+    return call_over_row_tiles(functools.partial(_kernel, rhs_transposed=rhs_transposed), group_sizes_G,
+                               (lhs_MK, rhs.astype(lhs_MK.dtype)), jax.ShapeDtypeStruct((num_rows, n_dim), lhs_MK.dtype),
+                               tiles, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret,
+                               name="grouped_matmul")
 
 
 # (block_m = rows per step, block_n, block_k, num_warps, num_stages) by lhs itemsize; bf16 from the same

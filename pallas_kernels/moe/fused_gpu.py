@@ -1,0 +1,121 @@
+"""The routed-expert FFN on GPU as two fused grouped matmuls (Pallas, Triton lowering) over rows sorted by
+expert, with no sorted copy of the activations and no unsort:
+
+- `gather_swiglu_gpu`: row r of the sorted order reads x[source[r]] straight from the unsorted activations
+  (a gathered load per K tile), multiplies it by its expert's gate and up tiles for the same columns (two fp32
+  accumulators, one pass over the rows) and stores swiglu(gate, up) in x's dtype: h [R, I] in sorted order;
+- `down_scatter_gpu`: h's sorted rows times their expert's down weight, scaled by the row's weight in fp32,
+  each stored to its original row dest[r] (a scattered store): y [R, D] in the callers' order, so that the
+  combine of a token's top-k rows is a plain sum.
+
+Both reuse the grouped matmul's row tiling and K loop (`pallas_kernels.moe.gmm_gpu`): tiles never cross a
+group, a tail tile (rows past sum(group_sizes)) stores zeros; dest must be a permutation of [0, R), so every
+output row has exactly one owner.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.moe.gmm_gpu import call_over_row_tiles, row_tile_settings, tile_products
+from pallas_kernels.moe.masked import mask_2d, masked_load
+from pallas_kernels.moe.reference import swiglu
+
+
+def _row_indices(index_ref, row0, rows_ok_M, *, block_m: int, fill: int):
+    """index_ref[row0 : row0 + block_m] as int32 [block_m], `fill` (an index past the indexed array) on rows
+    outside the tile: a masked store through it then writes nothing, in interpret mode too."""
+    return plgpu.load(index_ref.at[pl.ds(row0, block_m)], mask=rows_ok_M, other=fill)
+
+
+def _columns(col0, block: int):
+    return (col0 + jnp.arange(block))[None, :]
+
+
+def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_ref, gate_ref, up_ref, h_ref, *,
+                          limit: float | None, block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
+    group, row0 = group_ref[...], row_start_ref[...]
+    col0 = pl.program_id(0) * block_n
+    rows_ok_M = row0 + jnp.arange(block_m) < row_end_ref[...]
+    cols_ok_N = col0 + jnp.arange(block_n) < h_ref.shape[1] if mask_n else None
+    source_M1 = _row_indices(source_ref, row0, rows_ok_M, block_m=block_m, fill=x_ref.shape[0])[:, None]
+
+    def load_lhs(k0, k_ok_K):
+        return masked_load(x_ref.at[source_M1, _columns(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
+
+    gate_MN, up_MN = tile_products(load_lhs, (gate_ref, up_ref), group, col0, block_m=block_m, block_n=block_n,
+                                   block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k)
+    plgpu.store(h_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
+                swiglu(gate_MN, up_MN, limit).astype(h_ref.dtype), mask=mask_2d(rows_ok_M, cols_ok_N))
+
+
+def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_weight_ref, h_ref, down_ref, y_ref, *,
+                         block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
+    group, row0 = group_ref[...], row_start_ref[...]
+    col0 = pl.program_id(0) * block_n
+    rows_ok_M = row0 + jnp.arange(block_m) < row_end_ref[...]
+    cols_ok_N = col0 + jnp.arange(block_n) < y_ref.shape[1] if mask_n else None
+
+    def load_lhs(k0, k_ok_K):
+        return masked_load(h_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
+
+    (acc_MN,) = tile_products(load_lhs, (down_ref,), group, col0, block_m=block_m, block_n=block_n,
+                              block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k)
+    row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
+    dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
+    plgpu.store(y_ref.at[dest_M1, _columns(col0, block_n)], (acc_MN * row_weight_M[:, None]).astype(y_ref.dtype),
+                mask=mask_2d(rows_ok_M, cols_ok_N))
+
+
+# (block_m, block_n, block_k, num_warps, num_stages) by x's itemsize. gather_swiglu keeps two accumulators, so
+# its column tile is half the grouped matmul's; fp32 (IEEE, no tensor cores) untuned.
+GATHER_SWIGLU_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 32, 32, 4, 3)}
+DOWN_SCATTER_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
+FEW_ROWS_GATHER_SWIGLU_TILES = {2: (16, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
+FEW_ROWS_DOWN_SCATTER_TILES = {2: (16, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
+_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("limit", *_TILE_ARGS))
+def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit: float | None,
+                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False):
+    """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
+    rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
+    get zeros. source [R] int32 indexes x's rows (repeats allowed). gate and up [G, I, D] are cast to x's dtype.
+    Tiles default to GATHER_SWIGLU_TILES (FEW_ROWS_GATHER_SWIGLU_TILES at decode sizes)."""
+    num_rows, (width, hidden) = source_R.shape[0], gate_GID.shape[1:]
+    if num_rows == 0:
+        return jnp.zeros((0, width), x_XD.dtype)
+    tiles = row_tile_settings(x_XD.dtype, (block_m, block_n, block_k, num_warps, num_stages), num_rows=num_rows,
+                              num_groups=gate_GID.shape[0], n_dim=width, k_dim=hidden, tiles=GATHER_SWIGLU_TILES,
+                              few_rows_tiles=FEW_ROWS_GATHER_SWIGLU_TILES)
+    operands = (source_R.astype(jnp.int32), x_XD, gate_GID.astype(x_XD.dtype), up_GID.astype(x_XD.dtype))
+    return call_over_row_tiles(functools.partial(_gather_swiglu_kernel, limit=limit), group_sizes_G, operands,
+                               jax.ShapeDtypeStruct((num_rows, width), x_XD.dtype), tiles, num_rows=num_rows,
+                               n_dim=width, k_dim=hidden, interpret=interpret, name="gather_swiglu")
+
+
+@functools.partial(jax.jit, static_argnames=_TILE_ARGS)
+def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, block_m: int | None = None,
+                     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, interpret: bool = False):
+    """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
+    sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
+    zeros. dest [R] int32 must be a permutation of [0, R); row_weight [R] fp32. down [G, D, I] is cast to h's
+    dtype. Tiles default to DOWN_SCATTER_TILES (FEW_ROWS_DOWN_SCATTER_TILES at decode sizes)."""
+    num_rows, (hidden, width) = h_RI.shape[0], down_GDI.shape[1:]
+    if num_rows == 0:
+        return jnp.zeros((0, hidden), h_RI.dtype)
+    tiles = row_tile_settings(h_RI.dtype, (block_m, block_n, block_k, num_warps, num_stages), num_rows=num_rows,
+                              num_groups=down_GDI.shape[0], n_dim=hidden, k_dim=width, tiles=DOWN_SCATTER_TILES,
+                              few_rows_tiles=FEW_ROWS_DOWN_SCATTER_TILES)
+    operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, down_GDI.astype(h_RI.dtype))
+    return call_over_row_tiles(_down_scatter_kernel, group_sizes_G, operands,
+                               jax.ShapeDtypeStruct((num_rows, hidden), h_RI.dtype), tiles, num_rows=num_rows,
+                               n_dim=hidden, k_dim=width, interpret=interpret, name="down_scatter")
