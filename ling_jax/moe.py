@@ -15,6 +15,7 @@ from ling_jax.expert_ffn import expert_load, local_moe, swiglu
 from ling_jax.expert_parallel import moe_parallel, uses_model_parallelism
 from ling_jax.layers import Linear, normal_param, param
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.moe.routing import RoutingRule, select_experts
 
 
 class MLP(nnx.Module):
@@ -30,36 +31,21 @@ class MLP(nnx.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-def kept_groups(choice_TGS, keep: int):
-    """[T, G] bool: the `keep` groups with the largest sum of their two best scores, ties to the lower group
-    (what top_k of the group scores picks). Written with maxima and pairwise ranks rather than top_k, which
-    XLA runs as a sort: two sorts and a scatter fewer per layer, which matters in a one-token decode step."""
-    best_TG = jnp.max(choice_TGS, axis=-1)
-    first_best_TGS = jnp.arange(choice_TGS.shape[-1]) == jnp.argmax(choice_TGS, axis=-1)[..., None]
-    score_TG = best_TG + jnp.max(jnp.where(first_best_TGS, -jnp.inf, choice_TGS), axis=-1)
-    groups = jnp.arange(score_TG.shape[-1])
-    ahead_TGH = (score_TG[:, None, :] > score_TG[:, :, None]) | (
-        (score_TG[:, None, :] == score_TG[:, :, None]) & (groups[None, :] < groups[:, None]))
-    return jnp.sum(ahead_TGH, axis=-1) < keep
+def routing_rule(config: LingConfig) -> RoutingRule:
+    c = config
+    return RoutingRule(top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
+                       norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
 
 
-def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig):
+def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig, *, backend: str = "reference"):
     """Group-limited sigmoid routing. Returns (weights [T, k] fp32, expert indices [T, k] int32).
 
-    The expert bias steers selection only; weights are the un-biased sigmoid scores, renormalised and scaled.
+    The router logits are an fp32 matmul; the selection is `pallas_kernels.moe.routing.select_experts` (one
+    kernel on a GPU). The expert bias steers selection only; weights are the un-biased sigmoid scores,
+    renormalised and scaled.
     """
-    c = config
-    logits = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), router_weight_ED.astype(jnp.float32))
-    scores_TE = jax.nn.sigmoid(logits)
-    choice_TE = scores_TE + expert_bias_E.astype(jnp.float32)
-    if c.n_group:
-        keep_TG = kept_groups(choice_TE.reshape(choice_TE.shape[0], c.n_group, -1), c.topk_group)
-        choice_TE = jnp.where(jnp.repeat(keep_TG, c.num_experts // c.n_group, axis=1), choice_TE, -jnp.inf)
-    _, experts_TK = jax.lax.top_k(choice_TE, c.num_experts_per_tok)
-    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=1)
-    if c.norm_topk_prob:
-        weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
-    return weights_TK * c.routed_scaling_factor, experts_TK.astype(jnp.int32)
+    logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), router_weight_ED.astype(jnp.float32))
+    return select_experts(logits_TE, expert_bias_E, routing_rule(config), backend=backend)
 
 
 class Router(nnx.Module):
@@ -68,8 +54,8 @@ class Router(nnx.Module):
         self.weight = normal_param(rngs, (config.num_experts, config.hidden_size), dtype, ("router", "embed"))  # [E, D]
         self.expert_bias = param(jnp.zeros((config.num_experts,), jnp.float32), ("router",))
 
-    def __call__(self, x_TD):
-        return route(x_TD, self.weight[...], self.expert_bias[...], self.config)
+    def __call__(self, x_TD, *, backend: str = "reference"):
+        return route(x_TD, self.weight[...], self.expert_bias[...], self.config, backend=backend)
 
 
 class Experts(nnx.Module):
@@ -113,8 +99,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD, *, kernel_backend: str = "reference"):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
-        weights, experts = self.gate(x_TD)
-        routed, dropped = self.experts(x_TD, weights, experts, backend=resolve_backend(kernel_backend),
+        backend = resolve_backend(kernel_backend)
+        weights, experts = self.gate(x_TD, backend=backend)
+        routed, dropped = self.experts(x_TD, weights, experts, backend=backend,
                                        capacity_factor=self.capacity_factor)
         if hasattr(self, "__captures__"):  # inside nnx.capture; sowing elsewhere would grow module state
             self.sow(nnx.Intermediate, "expert_load", expert_load(experts, self.gate.config.num_experts))

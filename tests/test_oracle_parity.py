@@ -61,8 +61,8 @@ def test_router_choices_match(oracle_pair, monkeypatch):
     expected = oracle_router_choices(oracle, ids)
     recorded = []
 
-    def recording_route(*args):
-        weights, experts = route(*args)
+    def recording_route(*args, **kwargs):
+        weights, experts = route(*args, **kwargs)
         recorded.append(np.sort(np.asarray(experts), axis=-1))
         return weights, experts
 
