@@ -1,4 +1,4 @@
-"""Layout shared by the KDA prefill kernels: heads flattened into the batch, T padded to whole chunks, and
+"""Layout of the TPU KDA prefill kernel: heads flattened into the batch, T padded to whole chunks, and
 the per-chunk gate quantities (chunk-local cumsum, its first and last rows, e^last as a column) built once."""
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm
 
     q, k [B, T, H, K], v [B, T, H, V] (bf16 or fp32); g [B, T, H, K] fp32 log-decay (<= 0, e.g. bounded by
     the safe gate); beta [B, T, H]; initial_state [B, H, K, V] or None. Any T. chunk_size is the reference's
-    chunk; the kernels work in 16-token chunks, where every exponential is of a difference and fp32-safe.
+    chunk; the GPU kernels work in 64-token chunks of 16-row sub-blocks and the TPU kernel in 16-token chunks,
+    where every exponential is of a difference and fp32-safe.
     Differentiable: the backward pass is the autodiff of the jnp chunked reference (recomputed from the
     inputs), whichever backend ran the forward.
     """

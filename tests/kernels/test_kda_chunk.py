@@ -1,5 +1,6 @@
 """KDA chunked-prefill kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
-lowering for TPU and CUDA from the CPU; gradients; a long-sequence stability run of the jnp path."""
+lowering for TPU and CUDA from the CPU; gradients; prefill then decode steps; a long-sequence stability run
+of the jnp path. The GPU kernel works in 64-token chunks (T = 63..65, 129, 257 cross their edges)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from np_reference import kda_recurrence
-from pallas_kernels.kda import chunk_kda, kda_chunked, kda_recurrent
+from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
 from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
 from pallas_kernels.kda.reference import unit_lower_inverse
@@ -34,7 +35,7 @@ def random_sequence(batch, length, heads, key_dim, value_dim, dtype, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 200, 257])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
 def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
     q, k, v, g, beta, state = random_sequence(2, length, 2, 16, 32, jnp.float32, seed=length)
@@ -48,8 +49,9 @@ def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_kernel_bf16(backend):
-    q, k, v, g, beta, state = random_sequence(2, 77, 3, 32, 16, jnp.bfloat16, seed=3)
+@pytest.mark.parametrize("length", [77, 257])
+def test_kernel_bf16(backend, length):
+    q, k, v, g, beta, state = random_sequence(2, length, 3, 32, 16, jnp.bfloat16, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     o, s = chunk_kda(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
                      initial_state=jnp.asarray(state), backend=backend)
@@ -59,13 +61,38 @@ def test_kernel_bf16(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gates_at_the_bound_do_not_overflow(backend):
-    q, k, v, _, beta, state = random_sequence(1, 96, 2, 16, 16, jnp.float32, seed=8)
+    """g = -5 at every step of two whole 64-token chunks and a part: e^{-G} would reach e^320 in a chunk."""
+    q, k, v, _, beta, state = random_sequence(1, 160, 2, 16, 16, jnp.float32, seed=8)
     g = np.full(q.shape, -5.0, np.float32)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state),
                      backend=backend)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_without_in_kernel_l2norm(backend):
+    q, k, v, g, beta, state = random_sequence(2, 70, 2, 16, 16, jnp.float32, seed=5)
+    q, k = l2(q), 0.7 * l2(k)
+    o_ref, s_ref = kda_recurrence(q, k, v, g, beta, state)
+    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state),
+                     use_qk_l2norm=False, backend=backend)
+    assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_prefill_then_decode_steps(backend):
+    """Prefill 130 tokens with the kernel, decode 4 more with the decode kernel: equal to the recurrence."""
+    q, k, v, g, beta, _ = random_sequence(2, 134, 2, 16, 16, jnp.float32, seed=6)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta)
+    q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+    o, state = chunk_kda(q[:, :130], k[:, :130], v[:, :130], g[:, :130], beta[:, :130], backend=backend)
+    assert rel_error(o, o_ref[:, :130]) <= 1e-4
+    for t in range(130, 134):
+        o_t, state = kda_decode_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, backend=backend)
+        assert rel_error(o_t, o_ref[:, t]) <= 1e-4
+    assert rel_error(state, s_ref) <= 1e-4
 
 
 @pytest.mark.parametrize("backend", BACKENDS + ["reference"])
@@ -129,22 +156,24 @@ def test_tpu_kernel_lowers_for_tpu():
     assert "tpu_custom_call" in lowered.as_text()
 
 
-def test_gpu_kernel_lowers_for_cuda():
-    lowered = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128 ** -0.5), *_abstract())
-    assert "kda_chunk_prefill" in lowered.as_text()
+@pytest.mark.parametrize("shape", [(1, 1000, 4), (1, 32768, 64)], ids=["T1000-H4", "T32768-H64"])
+def test_gpu_kernel_lowers_for_cuda(shape):
+    text = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128 ** -0.5), *_abstract(*shape)).as_text()
+    assert "kda_prefill_intra_chunk" in text and "kda_prefill_inter_chunk" in text
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
-def test_compiled_gpu_kernel_full_width():
-    q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, jnp.bfloat16, seed=11)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compiled_gpu_kernel_full_width(dtype):
+    q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, dtype, seed=11)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
+    o, s = chunk_kda(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
                      initial_state=jnp.asarray(state), backend="pallas_gpu")
     err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
-    print(f"compiled GPU prefill kernel, bf16 inputs: o {err_o:.1e}, final state {err_s:.1e}")
-    assert err_o <= TOL[jnp.bfloat16] and err_s <= TOL[jnp.bfloat16], (err_o, err_s)  # tf32 products for bf16
+    print(f"compiled GPU prefill kernel, {jnp.dtype(dtype).name} inputs: o {err_o:.1e}, final state {err_s:.1e}")
+    assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)  # bf16/tf32 products for bf16 inputs
 
 
 def test_long_sequence_is_stable():

@@ -1,0 +1,67 @@
+"""KDA prefill on GPU, phase 2 of 2: the state carried across 64-token chunks, a Pallas kernel (Triton lowering).
+
+Program (value block, sequence-head) keeps its [K, block_v] slice of the fp32 state S in registers and walks
+the chunks in order, using phase 1's per-chunk parts (`chunk_gpu_intra.ChunkParts`):
+  v_new = u - w S;  o = qg S + a_qk v_new;  S <- e^{G_last} S + kg^T v_new.
+The output is formed here rather than in a third, parallel pass over stored per-chunk states: at the shapes
+that matter (B*H*V/block_v programs ~ one wave of SMs) the two output products do not depend on the next
+state, so they fill issue slots the state chain leaves idle, while storing the states would cost
+2 x T/64 x H x K x V values of memory traffic (1 GiB each way at T=32768, H=64, bf16) for nothing else.
+Operands are phase 1's dtype: bf16 parts give bf16 tensor-core products of the state and of v_new (rounded
+to bf16 as operands only; S and v_new stay fp32), fp32 parts give IEEE fp32 products.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kda.chunk_gpu_intra import CHUNK, ChunkParts, gpu_dots
+
+
+def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
+    dots = gpu_dots(w_ref.dtype)
+
+    def chunk(n, state_KV):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        state_operand = state_KV.astype(w_ref.dtype)
+        v_new = u_ref[rows, :].astype(jnp.float32) - dots.nn(w_ref[rows, :], state_operand)  # [CHUNK, block_v]
+        v_new_operand = v_new.astype(w_ref.dtype)
+        o = dots.nn(qg_ref[rows, :], state_operand) + dots.nn(a_ref[rows, :], v_new_operand)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        return decay_ref[n] * state_KV + dots.tn(kg_ref[rows, :], v_new_operand)
+
+    state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_v", "num_warps", "num_stages", "interpret"))
+def inter_chunk(parts: ChunkParts, initial_state, *, out_dtype, block_v: int = 32, num_warps: int = 4,
+                num_stages: int = 2, interpret: bool = False):
+    """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts and the
+    initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs all Tp / CHUNK chunks."""
+    batch, heads, key_dim, value_dim = initial_state.shape
+    flat, padded = parts.w.shape[:2]
+    num_chunks = padded // CHUNK
+    block_v = min(block_v, value_dim)
+    whole = lambda width: pl.BlockSpec((None, padded, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
+    state_part = pl.BlockSpec((None, key_dim, block_v), lambda j, bh: (bh, 0, j))
+    o, state = pl.pallas_call(
+        functools.partial(_kernel, num_chunks=num_chunks),
+        grid=(pl.cdiv(value_dim, block_v), flat),
+        in_specs=[whole(key_dim), pl.BlockSpec((None, padded, block_v), lambda j, bh: (bh, 0, j)), whole(key_dim),
+                  whole(key_dim), whole(CHUNK), pl.BlockSpec((None, num_chunks, key_dim, 1), lambda j, bh: (bh, 0, 0, 0)),
+                  state_part],
+        out_specs=[pl.BlockSpec((None, padded, None, block_v), lambda j, bh: (bh // heads, 0, bh % heads, j)),
+                   state_part],
+        out_shape=[jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype),
+                   jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kda_prefill_inter_chunk",
+    )(parts.w, parts.u, parts.qg, parts.kg, parts.a_qk, parts.decay_last.reshape(flat, num_chunks, key_dim, 1),
+      initial_state.reshape(flat, key_dim, value_dim))
+    return o, state.reshape(batch, heads, key_dim, value_dim)

@@ -1,0 +1,139 @@
+"""KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, a Pallas kernel (Triton lowering).
+
+Program (sequence-head, chunk) reads its chunk of q, k, v, g, beta straight from the [B, T, H, ...] inputs and
+works on four 16-row sub-blocks kept as Python lists (the Triton lowering neither slices nor concatenates
+values). In log2 units, with L_i the cumulative decay inside sub-block i (<= 0) and t_i its total, the
+chunk-local decay is G = o_i + L_i, o_i = t_0 + ... + t_{i-1}. Every exponential is of a gap that is <= 0,
+except the one inside a diagonal sub-block, bounded by e^80 for gates >= -5 (16 steps):
+  e^{G_c - G_s} = e^{L_c} e^{o_i - G_s};  e^{o_i - G_s} = e^{t_{j+1} + ... + t_{i-1}} e^{t_j - L_s} for s in
+  sub-block j < i, and = e^{-L_s} for s in sub-block i.
+The program writes (in v's dtype unless said otherwise; T = (I + L)^-1 diag(beta), L = strictly lower
+diag(beta) A_kk, found by block forward substitution on the inverses of the four 16x16 diagonal blocks):
+  w = T (e^G k), u = T v, qg = e^G q (normalised, scaled), kg = e^{G_last - G} k, a_qk [64, 64] (q-k decay
+  products, lower incl. diagonal) and decay_last = e^{G_last} (fp32).
+Products run on tensor cores: tf32 for bf16/fp16 inputs (whose own rounding is larger), IEEE fp32 for fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kda.chunk_math import SUB, Dots, unit_lower_inverse
+from pallas_kernels.kda.reference import L2_EPS
+
+CHUNK = 64
+SUBS = CHUNK // SUB  # sub-blocks per chunk
+LOG2_E = 1.4426950408889634
+
+
+class ChunkParts(NamedTuple):
+    """Phase 1's output, per sequence-head (BH = B*H, Tp = T padded to whole chunks, N = Tp / CHUNK)."""
+
+    w: jax.Array  # [BH, Tp, K] T (e^G k)
+    u: jax.Array  # [BH, Tp, V] T v
+    qg: jax.Array  # [BH, Tp, K] e^G q
+    kg: jax.Array  # [BH, Tp, K] e^{G_last - G} k
+    a_qk: jax.Array  # [BH, Tp, CHUNK] sum_i q_c k_s e^{G_c - G_s} for s <= c, else 0
+    decay_last: jax.Array  # [BH, N, 1, K] fp32 e^{G_last}
+
+
+def gpu_dots(dtype) -> Dots:
+    """Tensor-core products for operands stored as `dtype`: tf32 when they come from bf16/fp16 data, IEEE fp32
+    for fp32 data (a 16-bit operand pair runs at its own precision either way)."""
+    allow_tf32 = dtype != jnp.float32
+    return Dots(nn=functools.partial(plgpu.dot, allow_tf32=allow_tf32),
+                nt=functools.partial(plgpu.dot, trans_b=True, allow_tf32=allow_tf32),
+                tn=functools.partial(plgpu.dot, trans_a=True, allow_tf32=allow_tf32))
+
+
+def _iota(axis: int):
+    return jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), axis)
+
+
+def _gap(totals, start: int, stop: int):
+    """log2-decay from the start of sub-block `start` to the start of sub-block `stop` ([1, K], 0 if empty)."""
+    return sum(totals[start:stop], jnp.zeros_like(totals[0]))
+
+
+def _load_rows(ref, rows, l2norm: bool):
+    x = ref[rows, :].astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS) if l2norm else x
+
+
+def _store(ref, rows, x):
+    ref[rows, :] = x.astype(ref.dtype)
+
+
+def _substitute(inverse, rhs, strict_row, solved, dots: Dots):
+    """Block forward substitution, row block i: (I + L_ii)^-1 (rhs_i - sum_{j<i} L_ij x_j)."""
+    for L_ij, x_j in zip(strict_row, solved):
+        rhs = rhs - dots.nn(L_ij, x_j)
+    return dots.nn(inverse, rhs)
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref,
+            *, scale, use_qk_l2norm):
+    dots = gpu_dots(v_ref.dtype)
+    rows = [pl.ds(i * SUB, SUB) for i in range(SUBS)]
+    totals = [jnp.sum(g_ref[r, :], axis=0, keepdims=True) * LOG2_E for r in rows]  # [1, K] each
+    decay_ref[...] = jnp.exp2(_gap(totals, 0, SUBS))
+    lower, strict = _iota(0) >= _iota(1), _iota(0) > _iota(1)
+    k_to_end, w_solved, u_solved = [], [], []  # per earlier sub-block j: k e^{t_j - L}, and rows of w, u
+    for i, r in enumerate(rows):
+        q = _load_rows(q_ref, r, use_qk_l2norm) * scale
+        k = _load_rows(k_ref, r, use_qk_l2norm)
+        beta = beta_ref[r, :]  # [SUB, 1]
+        local = jnp.cumsum(g_ref[r, :] * LOG2_E, axis=0)  # L_i [SUB, K], <= 0
+        from_start = jnp.exp2(local)  # e^{G_c - o_i} <= 1
+        decay = jnp.exp2(_gap(totals, 0, i)) * from_start  # e^{G_c}
+        q_left, k_left = q * from_start, k * from_start
+        k_right = [k_to_end[j] * jnp.exp2(_gap(totals, j + 1, i)) for j in range(i)]  # k_s e^{o_i - G_s} <= 1
+        k_right.append(k * jnp.exp2(-local))  # the diagonal block: <= e^80
+        a_qk = [dots.nt(q_left, right) for right in k_right]
+        a_qk[i] = jnp.where(lower, a_qk[i], 0.0)
+        L = [beta * dots.nt(k_left, right) for right in k_right]
+        L[i] = jnp.where(strict, L[i], 0.0)
+        inverse = unit_lower_inverse(L[i], dots)
+        w_solved.append(_substitute(inverse, beta * k * decay, L[:i], w_solved, dots))
+        u_solved.append(_substitute(inverse, beta * v_ref[r, :].astype(jnp.float32), L[:i], u_solved, dots))
+        k_to_end.append(k * jnp.exp2(totals[i] - local))
+        _store(w_ref, r, w_solved[i])
+        _store(u_ref, r, u_solved[i])
+        _store(qg_ref, r, q * decay)
+        _store(kg_ref, r, k_to_end[i] * jnp.exp2(_gap(totals, i + 1, SUBS)))
+        for j, block in enumerate(a_qk + [jnp.zeros((SUB, SUB), jnp.float32)] * (SUBS - 1 - i)):
+            a_ref[r, pl.ds(j * SUB, SUB)] = block.astype(a_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "num_warps", "interpret"))
+def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, num_warps: int = 8,
+                interpret: bool = False) -> ChunkParts:
+    """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
+    beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK. Grid (B*H, Tp / CHUNK), all programs independent."""
+    batch, padded, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    flat, num_chunks = batch * heads, padded // CHUNK
+    dtype = v.dtype
+    source = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))
+    target = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
+    per_token = lambda width, dt: jax.ShapeDtypeStruct((flat, padded, width), dt)  # noqa: E731
+    return ChunkParts(*pl.pallas_call(
+        functools.partial(_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm),
+        grid=(flat, num_chunks),
+        in_specs=[source(key_dim), source(key_dim), source(value_dim), source(key_dim), source(1)],
+        out_specs=[target(key_dim), target(value_dim), target(key_dim), target(key_dim), target(CHUNK),
+                   pl.BlockSpec((None, None, 1, key_dim), lambda bh, n: (bh, n, 0, 0))],
+        out_shape=[per_token(key_dim, dtype), per_token(value_dim, dtype), per_token(key_dim, dtype),
+                   per_token(key_dim, dtype), per_token(CHUNK, dtype),
+                   jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_intra_chunk",
+    )(q, k, v, g, beta))
