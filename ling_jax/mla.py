@@ -92,13 +92,16 @@ class MultiLatentAttention(nnx.Module):
         q_nope, q_pe = self._queries(x_BTD, cos, sin)
         w_uk, w_uv = self._kv_b_heads()
         if mode == ABSORBED:
-            q_latent = jnp.einsum("bthn,hnr->bthr", q_nope.astype(jnp.float32), w_uk.astype(jnp.float32))
+            # Products in the weights' dtype with fp32 results: no fp32 copy of W_UK / W_UV per decode step.
+            q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk.astype(q_nope.dtype),
+                                  preferred_element_type=jnp.float32)
             if decode_lengths_B is None:
                 o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=self.scale)
             else:
                 o_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=self.scale,
                                       backend=kernel_backend)[:, None]
-            o_BTHV = jnp.einsum("bthr,hvr->bthv", o_latent, w_uv.astype(jnp.float32)).astype(x_BTD.dtype)
+            o_BTHV = jnp.einsum("bthr,hvr->bthv", o_latent.astype(x_BTD.dtype), w_uv.astype(x_BTD.dtype),
+                                preferred_element_type=jnp.float32).astype(x_BTD.dtype)
         elif mode == EXPANDED:
             o_BTHV = flash_expanded_attention(q_nope, q_pe, keys_BSA, visibility.query_slots_BT,
                                               visibility.key_valid_BS, w_uk, w_uv, scale=self.scale)
