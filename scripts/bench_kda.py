@@ -5,9 +5,11 @@
     python scripts/bench_kda.py --quick
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
-with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas) vs fla's
-`chunk_kda`, with the jnp chunked form under XLA as a second baseline. Each kernel is checked against fla
-on the device before it is timed. H=64, K=V=128.
+with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
+kernels) vs fla's `chunk_kda`, with the jnp chunked form under XLA as a second baseline, over a few tile
+variants; each variant also times its two pallas_calls alone (phase 1: intra-chunk, parallel; phase 2: the
+sequential state pass), with the bytes each must move at least. Each kernel is checked against fla on the
+device before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
 """
 
@@ -29,6 +31,8 @@ import numpy as np  # noqa: E402
 from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.kda import kda_chunked  # noqa: E402
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu  # noqa: E402
+from pallas_kernels.kda.chunk_gpu_inter import inter_chunk  # noqa: E402
+from pallas_kernels.kda.chunk_gpu_intra import intra_chunk  # noqa: E402
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
 
 HEADS, DIM = 64, 128
@@ -103,7 +107,29 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-PREFILL_VARIANTS = [(32, 4), (64, 4), (64, 8)]  # (block_v, num_warps)
+PREFILL_VARIANTS = [  # (block_v, num_warps, num_stages) of phase 2, num_warps of phase 1
+    (32, 4, 2, 8), (64, 4, 2, 8), (32, 2, 2, 8), (64, 8, 2, 8), (32, 4, 3, 8), (128, 8, 2, 8), (32, 4, 2, 4),
+]
+
+
+def bench_prefill_phases(inputs, intra_warps, block_v, warps, stages, iters, intra_seconds):
+    """(phase 1 s, phase 2 s, bytes each moves at least), each pallas_call jitted and timed alone; phase 1's
+    time is kept per intra_warps in intra_seconds (its only tile parameter)."""
+    jq, jk, jv, jg, jbeta = inputs
+    intra = jax.jit(functools.partial(intra_chunk, scale=DIM ** -0.5, num_warps=intra_warps))
+    phase1_args = (jq, jk, jv, jg, jbeta[..., None])
+    parts = intra(*phase1_args)
+    if intra_warps not in intra_seconds:
+        intra_seconds[intra_warps] = median_seconds(intra, *phase1_args, iters=iters)
+    batch, _, heads, _ = jq.shape
+    state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
+    inter = jax.jit(functools.partial(inter_chunk, out_dtype=jv.dtype, block_v=block_v, num_warps=warps,
+                                      num_stages=stages))
+    inter_s = median_seconds(inter, parts, state, iters=iters)
+    parts_bytes = sum(x.nbytes for x in parts)
+    phase1_bytes = sum(x.nbytes for x in phase1_args) + parts_bytes
+    phase2_bytes = parts_bytes + jv.nbytes + 2 * state.nbytes
+    return intra_seconds[intra_warps], inter_s, phase1_bytes, phase2_bytes
 
 
 def bench_prefill(batch, length, iters):
@@ -124,14 +150,21 @@ def bench_prefill(batch, length, iters):
     jnp_s = median_seconds(jnp_fn, jq, jk, jv, jg, jbeta, iters=iters)
     print(f"prefill B={batch} T={length}: fla chunk_kda {fla_s * 1e3:.2f} ms ({tokens / fla_s / 1e6:.2f} Mtok/s), "
           f"jnp chunked (XLA) {jnp_s * 1e3:.2f} ms")
-    best = None
-    for block_v, warps in PREFILL_VARIANTS:
-        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, block_v=block_v, num_warps=warps))
+    best, intra_seconds = None, {}
+    for block_v, warps, stages, intra_warps in PREFILL_VARIANTS:
+        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, block_v=block_v, num_warps=warps,
+                                       num_stages=stages, intra_num_warps=intra_warps))
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), fla_o), rel_error(state, fla_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
-        print(f"  Pallas block_v={block_v} warps={warps}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s)"
-              f"; vs fla: o {err_o:.1e}, state {err_s:.1e}")
+        intra_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases(
+            (jq, jk, jv, jg, jbeta), intra_warps, block_v, warps, stages, iters, intra_seconds)
+        print(f"  Pallas block_v={block_v} warps={warps} stages={stages} intra_warps={intra_warps}: "
+              f"{seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, fla / ours {fla_s / seconds:.2f}x); "
+              f"vs fla: o {err_o:.1e}, state {err_s:.1e}\n"
+              f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms, >= {intra_bytes / 1e9:.2f} GB "
+              f"({intra_bytes / intra_s / 1e12:.2f} TB/s); phase 2 (state pass) {inter_s * 1e3:.2f} ms, "
+              f">= {inter_bytes / 1e9:.2f} GB ({inter_bytes / inter_s / 1e12:.2f} TB/s)")
         if best is None or seconds < best[0]:
             best = (seconds, err_o)
     seconds, err = best
