@@ -11,6 +11,10 @@ scatter cost more than the arithmetic. Here every row r = (token t, slot k) read
 Both are streams of expert weights (tokens x top_k x 3 x D x I elements), read once per row: the right
 choice while rows rarely share an expert, i.e. for a few tokens; the grouped path reads each expert once.
 A row whose expert is outside [0, E) contributes nothing and reads no weights.
+
+With `shared` weights (the MoE's shared expert, of the same width I), each token gets one more row, after
+the routed ones, that reads the shared weights (a one-expert stack) with weight 1: the shared expert costs no
+launches of its own and its output is summed with the routed ones in fp32.
 """
 
 from __future__ import annotations
@@ -48,29 +52,45 @@ def _row_times_tile(weight_ref, expert, col0, vector_ref, vector_row, *, block_n
     return jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
 
 
-def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, h_ref, *, top_k: int, limit: float | None, block_n: int,
-                   block_k: int, mask_n: bool, mask_k: bool):
+def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, *refs, top_k: int, routed_rows: int, limit: float | None,
+                   shared_limit: float | None, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
+    """Row r < routed_rows is (token r // top_k, its expert); with shared refs, row routed_rows + t is token t's
+    shared-expert row (its routed expert index is -1: no routed reads)."""
+    *shared_refs, h_ref = refs
     row, col0 = pl.program_id(0), pl.program_id(1) * block_n
-    expert = expert_ref[...]
     cols_ok = col0 + jnp.arange(block_n) < gate_ref.shape[1] if mask_n else None
-    product = functools.partial(_row_times_tile, expert=expert, col0=col0, vector_ref=x_ref, vector_row=row // top_k,
-                                block_n=block_n, block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
-    hidden = swiglu(product(gate_ref), product(up_ref), limit)
+    is_shared = jnp.clip(row - routed_rows + 1, 0, 1)  # int 0 / 1 (see _valid)
+    token = row // top_k + is_shared * (row - routed_rows - row // top_k)
+    product = functools.partial(_row_times_tile, col0=col0, vector_ref=x_ref, vector_row=token, block_n=block_n,
+                                block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
+    expert = expert_ref[...]
+    gate_N, up_N = product(gate_ref, expert), product(up_ref, expert)
+    hidden = swiglu(gate_N, up_N, limit)
+    if shared_refs:
+        shared_gate_ref, shared_up_ref = shared_refs
+        shared_index = is_shared - 1  # 0 on a shared row, -1 (no reads) on a routed one
+        gate_N += product(shared_gate_ref, shared_index)
+        up_N += product(shared_up_ref, shared_index)
+        hidden = jnp.where(is_shared == 1, swiglu(gate_N, up_N, shared_limit), swiglu(gate_N, up_N, limit))
     plgpu.store(h_ref.at[row, pl.ds(col0, block_n)], hidden.astype(h_ref.dtype), mask=cols_ok)
 
 
-def _down_combine_kernel(expert_ref, weight_ref, h_ref, down_ref, y_ref, *, top_k: int, block_n: int,
+def _down_combine_kernel(expert_ref, weight_ref, h_ref, down_ref, *refs, top_k: int, routed_rows: int, block_n: int,
                          block_k: int, mask_n: bool, mask_k: bool):
+    *shared_refs, y_ref = refs
     token, col0 = pl.program_id(0), pl.program_id(1) * block_n
     cols_ok = col0 + jnp.arange(block_n) < down_ref.shape[1] if mask_n else None
+    product = functools.partial(_row_times_tile, col0=col0, vector_ref=h_ref, block_n=block_n, block_k=block_k,
+                                cols_ok=cols_ok, mask_k=mask_k)
     experts_K, weights_K = expert_ref[...], weight_ref[...].astype(jnp.float32)
     slot_K = jnp.arange(experts_K.shape[0])
     acc_N = jnp.zeros((block_n,), jnp.float32)
     for slot in range(top_k):
         expert = jnp.sum(jnp.where(slot_K == slot, experts_K, 0))
         weight = jnp.sum(jnp.where(slot_K == slot, weights_K, 0.0))
-        acc_N += weight * _row_times_tile(down_ref, expert, col0, h_ref, token * top_k + slot, block_n=block_n,
-                                          block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
+        acc_N += weight * product(down_ref, expert, vector_row=token * top_k + slot)
+    if shared_refs:
+        acc_N += product(shared_refs[0], jnp.int32(0), vector_row=routed_rows + token)
     plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=cols_ok)
 
 
@@ -84,33 +104,43 @@ def _tile(size: int, wanted: int) -> int:
     return min(wanted, pl.next_power_of_2(size))
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "interpret", "swiglu_tiles", "down_tiles"))
-def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, limit: float | None,
-                       interpret: bool = False, swiglu_tiles: tuple[int, int, int, int] = SWIGLU_TILES,
+@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles"))
+def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared=None, *, limit: float | None,
+                       shared_limit: float | None = None, interpret: bool = False,
+                       swiglu_tiles: tuple[int, int, int, int] = SWIGLU_TILES,
                        down_tiles: tuple[int, int, int, int] = DOWN_TILES):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
     is expert e's SwiGLU (clipped at `limit`). Weights are read in their stored dtype; experts outside [0, E)
-    contribute nothing. Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two."""
+    contribute nothing. shared: None, or the shared expert's (gate [I, D], up [I, D], down [D, I]), clipped at
+    `shared_limit`, added with weight 1. Tiles: (block_n, block_k, num_warps, num_stages) of each kernel,
+    powers of two."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]
-    experts_R = experts_TK.reshape(-1).astype(jnp.int32)
+    routed_rows = tokens * top_k
+    shared_stacks = () if shared is None else tuple(w[None] for w in shared)  # one-expert stacks [1, ...]
+    if shared_stacks and shared_stacks[0].shape[1:] != gate_EID.shape[1:]:
+        raise ValueError(f"shared expert gate {shared[0].shape} must have the routed experts' shape "
+                         f"{gate_EID.shape[1:]} to run in their kernels")
+    rows = routed_rows + (tokens if shared_stacks else 0)
+    experts_R = jnp.pad(experts_TK.reshape(-1).astype(jnp.int32), (0, rows - routed_rows), constant_values=-1)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
 
     block_n, block_k, num_warps, num_stages = swiglu_tiles
     block_n, block_k = _tile(width, block_n), _tile(hidden, block_k)
     h_RI = pl.pallas_call(
-        functools.partial(_swiglu_kernel, top_k=top_k, limit=limit, block_n=block_n, block_k=block_k,
+        functools.partial(_swiglu_kernel, top_k=top_k, routed_rows=routed_rows, limit=limit,
+                          shared_limit=shared_limit, block_n=block_n, block_k=block_k,
                           mask_n=width % block_n != 0, mask_k=hidden % block_k != 0),
-        grid=(tokens * top_k, pl.cdiv(width, block_n)),
+        grid=(rows, pl.cdiv(width, block_n)),
         in_specs=[pl.BlockSpec((None,), lambda r, n: (r,)), whole(x_TD.shape), whole(gate_EID.shape),
-                  whole(up_EID.shape)],
-        out_specs=whole((tokens * top_k, width)),
-        out_shape=jax.ShapeDtypeStruct((tokens * top_k, width), x_TD.dtype),
+                  whole(up_EID.shape)] + [whole(w.shape) for w in shared_stacks[:2]],
+        out_specs=whole((rows, width)),
+        out_shape=jax.ShapeDtypeStruct((rows, width), x_TD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="expert_swiglu_rows",
-    )(experts_R, x_TD, gate_EID, up_EID)
+    )(experts_R, x_TD, gate_EID, up_EID, *shared_stacks[:2])
 
     slots = pl.next_power_of_2(top_k)  # Triton blocks are powers of two: pad the slots with invalid experts
     experts_TS = jnp.pad(experts_TK.astype(jnp.int32), ((0, 0), (0, slots - top_k)), constant_values=-1)
@@ -118,14 +148,14 @@ def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI,
     block_n, block_k, num_warps, num_stages = down_tiles
     block_n, block_k = _tile(hidden, block_n), _tile(width, block_k)
     return pl.pallas_call(
-        functools.partial(_down_combine_kernel, top_k=top_k, block_n=block_n, block_k=block_k,
-                          mask_n=hidden % block_n != 0, mask_k=width % block_k != 0),
+        functools.partial(_down_combine_kernel, top_k=top_k, routed_rows=routed_rows, block_n=block_n,
+                          block_k=block_k, mask_n=hidden % block_n != 0, mask_k=width % block_k != 0),
         grid=(tokens, pl.cdiv(hidden, block_n)),
         in_specs=[pl.BlockSpec((None, slots), lambda t, n: (t, 0)), pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
-                  whole(h_RI.shape), whole(down_EDI.shape)],
+                  whole(h_RI.shape), whole(down_EDI.shape)] + [whole(w.shape) for w in shared_stacks[2:]],
         out_specs=whole((tokens, hidden)),
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), x_TD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="expert_down_combine",
-    )(experts_TS, weights_TS, h_RI, down_EDI)
+    )(experts_TS, weights_TS, h_RI, down_EDI, *shared_stacks[2:])
