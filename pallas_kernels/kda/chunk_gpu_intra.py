@@ -2,13 +2,15 @@
 
 Program (sequence-head, chunk) reads its chunk of q, k, v, g, beta straight from the [B, T, H, ...] inputs and
 works on four 16-row sub-blocks kept as Python lists (the Triton lowering neither slices nor concatenates
-values). In log2 units, with L_i the cumulative decay inside sub-block i (<= 0) and t_i its total, the
-chunk-local decay is G = o_i + L_i, o_i = t_0 + ... + t_{i-1}. Every exponential is of a gap that is <= 0,
-except the one inside a diagonal sub-block, bounded by e^80 for gates >= -5 (16 steps):
-  e^{G_c - G_s} = e^{L_c} e^{o_i - G_s};  e^{o_i - G_s} = e^{t_{j+1} + ... + t_{i-1}} e^{t_j - L_s} for s in
-  sub-block j < i, and = e^{-L_s} for s in sub-block i.
+values). With Γ_i the cumulative log-decay inside sub-block i (<= 0; kept in log2 units for exp2) and t_i
+its total, the chunk-local decay of a row of sub-block i is G = o_i + Γ_i, o_i = t_0 + ... + t_{i-1}. Every
+exponential is of a gap that is <= 0, except inside a diagonal sub-block, where it is bounded by e^80 for
+gates >= -5 (16 steps). For row c of sub-block i and row s of sub-block j <= i:
+  e^{G_c - G_s} = e^{Γ_c} e^{o_i - G_s},  e^{o_i - G_s} = e^{t_{j+1} + ... + t_{i-1}} e^{t_j - Γ_s} (j < i)
+  or e^{-Γ_s} (j = i).
 The program writes (in v's dtype unless said otherwise; T = (I + L)^-1 diag(beta), L = strictly lower
-diag(beta) A_kk, found by block forward substitution on the inverses of the four 16x16 diagonal blocks):
+diag(beta) A_kk, inverted as 16x16 blocks: the four diagonal ones by forward substitution, side by side,
+then the blocks below them):
   w = T (e^G k), u = T v, qg = e^G q (normalised, scaled), kg = e^{G_last - G} k, a_qk [64, 64] (q-k decay
   products, lower incl. diagonal) and decay_last = e^{G_last} (fp32).
 Products run on tensor cores: tf32 for bf16/fp16 inputs (whose own rounding is larger), IEEE fp32 for fp32.
@@ -17,6 +19,7 @@ Products run on tensor cores: tf32 for bf16/fp16 inputs (whose own rounding is l
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda.chunk_math import SUB, Dots, unit_lower_inverse
+from pallas_kernels.kda.chunk_math import SUB, Dots, unit_lower_inverses
 from pallas_kernels.kda.reference import L2_EPS
 
 CHUNK = 64
@@ -70,11 +73,19 @@ def _store(ref, rows, x):
     ref[rows, :] = x.astype(ref.dtype)
 
 
-def _substitute(inverse, rhs, strict_row, solved, dots: Dots):
-    """Block forward substitution, row block i: (I + L_ii)^-1 (rhs_i - sum_{j<i} L_ij x_j)."""
-    for L_ij, x_j in zip(strict_row, solved):
-        rhs = rhs - dots.nn(L_ij, x_j)
-    return dots.nn(inverse, rhs)
+def _sum(terms):
+    return functools.reduce(operator.add, terms)
+
+
+def _block_inverse(strict_L, dots: Dots):
+    """(I + L)^-1 as 16x16 blocks X[i][j], j <= i, for the strictly lower [CHUNK, CHUNK] L given as blocks
+    L[i][j]: the diagonal blocks' inverses D_i (in lockstep), then X_ij = -D_i sum_{m=j}^{i-1} L_im X_mj."""
+    diagonal = unit_lower_inverses([strict_L[i][i] for i in range(SUBS)], dots)
+    inverse = []
+    for i in range(SUBS):
+        inverse.append([-dots.nn(diagonal[i], _sum(dots.nn(strict_L[i][m], inverse[m][j]) for m in range(j, i)))
+                        for j in range(i)] + [diagonal[i]])
+    return inverse
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref,
@@ -84,31 +95,31 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, 
     totals = [jnp.sum(g_ref[r, :], axis=0, keepdims=True) * LOG2_E for r in rows]  # [1, K] each
     decay_ref[...] = jnp.exp2(_gap(totals, 0, SUBS))
     lower, strict = _iota(0) >= _iota(1), _iota(0) > _iota(1)
-    k_to_end, w_solved, u_solved = [], [], []  # per earlier sub-block j: k e^{t_j - L}, and rows of w, u
+    strict_L, k_to_end, beta_k_decayed = [], [], []  # per sub-block: its row of L; k e^{t_i - Γ}; beta e^G k
     for i, r in enumerate(rows):
         q = _load_rows(q_ref, r, use_qk_l2norm) * scale
         k = _load_rows(k_ref, r, use_qk_l2norm)
         beta = beta_ref[r, :]  # [SUB, 1]
-        local = jnp.cumsum(g_ref[r, :] * LOG2_E, axis=0)  # L_i [SUB, K], <= 0
+        local = jnp.cumsum(g_ref[r, :] * LOG2_E, axis=0)  # Γ_i [SUB, K], <= 0
         from_start = jnp.exp2(local)  # e^{G_c - o_i} <= 1
         decay = jnp.exp2(_gap(totals, 0, i)) * from_start  # e^{G_c}
-        q_left, k_left = q * from_start, k * from_start
         k_right = [k_to_end[j] * jnp.exp2(_gap(totals, j + 1, i)) for j in range(i)]  # k_s e^{o_i - G_s} <= 1
         k_right.append(k * jnp.exp2(-local))  # the diagonal block: <= e^80
-        a_qk = [dots.nt(q_left, right) for right in k_right]
+        a_qk = [dots.nt(q * from_start, right) for right in k_right]
         a_qk[i] = jnp.where(lower, a_qk[i], 0.0)
-        L = [beta * dots.nt(k_left, right) for right in k_right]
-        L[i] = jnp.where(strict, L[i], 0.0)
-        inverse = unit_lower_inverse(L[i], dots)
-        w_solved.append(_substitute(inverse, beta * k * decay, L[:i], w_solved, dots))
-        u_solved.append(_substitute(inverse, beta * v_ref[r, :].astype(jnp.float32), L[:i], u_solved, dots))
-        k_to_end.append(k * jnp.exp2(totals[i] - local))
-        _store(w_ref, r, w_solved[i])
-        _store(u_ref, r, u_solved[i])
-        _store(qg_ref, r, q * decay)
-        _store(kg_ref, r, k_to_end[i] * jnp.exp2(_gap(totals, i + 1, SUBS)))
         for j, block in enumerate(a_qk + [jnp.zeros((SUB, SUB), jnp.float32)] * (SUBS - 1 - i)):
             a_ref[r, pl.ds(j * SUB, SUB)] = block.astype(a_ref.dtype)
+        strict_L.append([beta * dots.nt(k * from_start, right) for right in k_right])
+        strict_L[i][i] = jnp.where(strict, strict_L[i][i], 0.0)
+        k_to_end.append(k * jnp.exp2(totals[i] - local))
+        beta_k_decayed.append(beta * k * decay)
+        _store(qg_ref, r, q * decay)
+        _store(kg_ref, r, k_to_end[i] * jnp.exp2(_gap(totals, i + 1, SUBS)))
+    inverse = _block_inverse(strict_L, dots)
+    beta_v = [beta_ref[r, :] * v_ref[r, :].astype(jnp.float32) for r in rows]
+    for i, r in enumerate(rows):  # T = (I + L)^-1 diag(beta)
+        _store(w_ref, r, _sum(dots.nn(inverse[i][j], beta_k_decayed[j]) for j in range(i + 1)))
+        _store(u_ref, r, _sum(dots.nn(inverse[i][j], beta_v[j]) for j in range(i + 1)))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "num_warps", "interpret"))
