@@ -108,7 +108,8 @@ def bench_decode(batch, iters, copy_bytes_per_s):
 
 
 PREFILL_VARIANTS = [  # (block_v, num_warps, num_stages) of phase 2, num_warps of phase 1
-    (32, 4, 2, 8), (64, 4, 2, 8), (32, 2, 2, 8), (64, 8, 2, 8), (32, 4, 3, 8), (128, 8, 2, 8), (32, 4, 2, 4),
+    (32, 4, 2, 8), (32, 4, 1, 8), (32, 4, 3, 8), (32, 2, 2, 8), (64, 4, 2, 8), (64, 4, 1, 8), (64, 8, 2, 8),
+    (128, 8, 2, 8), (32, 4, 2, 4),
 ]
 
 
