@@ -48,25 +48,31 @@ def fused_expert_rows(x_XD, source_R, order_R, row_weight_R, sizes_E, gate_EID, 
     return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down_EDI.astype(dtype), backend=backend)
 
 
-def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    """SwiGLU experts applied row-wise: row r goes through expert expert_R[r] of the E given ones.
-
-    Rows whose expert is outside [0, E) are skipped (their output is 0): the caller marks rows routed to
-    other devices, or unused buffer slots, that way. Rows are sorted by expert and run through three grouped
-    matmuls (`pallas_kernels.moe.grouped_matmul`), then put back in order; on a GPU backend through
-    `fused_expert_rows` instead.
-    """
+def sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
+    """`grouped_expert_ffn` unfused, on any backend: rows sorted by expert (a copy), three grouped matmuls
+    (`pallas_kernels.moe.grouped_matmul`), the SwiGLU between them, and the rows put back in order."""
     num_experts = gate_EID.shape[0]
     order_R, sizes_E = sort_by_expert(expert_R, num_experts)
-    if _runs_gpu_kernels(backend):
-        return fused_expert_rows(x_RD, order_R, order_R, jnp.ones(order_R.shape, jnp.float32), sizes_E, gate_EID,
-                                 up_EID, down_EDI, limit, backend=backend)
     x_sorted = x_RD[order_R]
     dtype = x_RD.dtype
     hidden_RI = swiglu(grouped_matmul(x_sorted, gate_EID.astype(dtype), sizes_E, backend=backend),
                        grouped_matmul(x_sorted, up_EID.astype(dtype), sizes_E, backend=backend), limit)
     y_sorted = grouped_matmul(hidden_RI, down_EDI.astype(dtype), sizes_E, backend=backend)
     return jnp.zeros_like(y_sorted).at[order_R].set(y_sorted)
+
+
+def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
+    """SwiGLU experts applied row-wise: row r goes through expert expert_R[r] of the E given ones.
+
+    Rows whose expert is outside [0, E) are skipped (their output is 0): the caller marks rows routed to
+    other devices, or unused buffer slots, that way. On a GPU backend: `fused_expert_rows` over the rows in
+    expert order; elsewhere `sorted_expert_ffn`.
+    """
+    if not _runs_gpu_kernels(backend):
+        return sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit, backend=backend)
+    order_R, sizes_E = sort_by_expert(expert_R, gate_EID.shape[0])
+    return fused_expert_rows(x_RD, order_R, order_R, jnp.ones(order_R.shape, jnp.float32), sizes_E, gate_EID,
+                             up_EID, down_EDI, limit, backend=backend)
 
 
 def combine(y_TKD, weights_TK, dtype) -> jax.Array:
@@ -89,20 +95,34 @@ def dense_expert_ffn(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, l
     return jnp.einsum("ted,te->td", y_TED.astype(jnp.float32), combine_TE).astype(dtype)
 
 
+def unfused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
+                      backend: str):
+    """All experts on this device, on any backend: each token's k assignments become k rows (a copy) of
+    `sorted_expert_ffn`, then the weighted combine."""
+    tokens, top_k = experts_TK.shape
+    rows_D = jnp.repeat(x_TD, top_k, axis=0)
+    y_RD = sorted_expert_ffn(rows_D, experts_TK.reshape(-1), gate_EID, up_EID, down_EDI, limit, backend=backend)
+    return combine(y_RD.reshape(tokens, top_k, -1), weights_TK, x_TD.dtype)
+
+
+def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
+                    backend: str):
+    """All experts on this device, GPU backends: `fused_expert_rows` reads each token's row once per
+    assignment straight from x and weights it inside the down kernel; the rows land in [T, k, D] order, so the
+    combine is a sum over k (in fp32)."""
+    tokens, top_k = experts_TK.shape
+    order_R, sizes_E = sort_by_expert(experts_TK.reshape(-1), gate_EID.shape[0])
+    y_RD = fused_expert_rows(x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate_EID,
+                             up_EID, down_EDI, limit, backend=backend)
+    return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
+
+
 def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
                       backend: str):
-    """All experts on this device: each token's k assignments become k rows of one grouped FFN. On a GPU
-    backend the rows are weighted inside the down kernel and land in [T, k, D] order, so the combine is a
-    sum over k (in fp32)."""
-    tokens, top_k = experts_TK.shape
-    if _runs_gpu_kernels(backend):
-        order_R, sizes_E = sort_by_expert(experts_TK.reshape(-1), gate_EID.shape[0])
-        y_RD = fused_expert_rows(x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E,
-                                 gate_EID, up_EID, down_EDI, limit, backend=backend)
-        return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
-    rows_D = jnp.repeat(x_TD, top_k, axis=0)
-    y_RD = grouped_expert_ffn(rows_D, experts_TK.reshape(-1), gate_EID, up_EID, down_EDI, limit, backend=backend)
-    return combine(y_RD.reshape(tokens, top_k, -1), weights_TK, x_TD.dtype)
+    """All experts on this device as one grouped FFN: `fused_local_moe` on a GPU backend, else
+    `unfused_local_moe`."""
+    local = fused_local_moe if _runs_gpu_kernels(backend) else unfused_local_moe
+    return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
 
 def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):

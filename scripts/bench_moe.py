@@ -1,19 +1,30 @@
 #!/usr/bin/env python3
-"""One MoE layer at Ling-3.1-flash width on one GPU: the grouped-GEMM path vs the dense one-hot baseline.
+"""One MoE layer at Ling-3.1-flash width on one GPU: the fused grouped path vs the unfused one vs the dense
+one-hot baseline, and a tile sweep of the fused kernels.
 
     python scripts/bench_moe.py            # 8192 and 64 tokens, hidden 4096, 512 experts, top-8, bf16
-    python scripts/bench_moe.py --quick    # small sizes (smoke test)
+    python scripts/bench_moe.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
+    python scripts/bench_moe.py --no-sweep # without the tile sweep
 
-For each token count: the routed experts through `local_moe` (sort rows by expert, three Pallas grouped
-matmuls, unsort, combine), the same three grouped matmuls alone, the whole layer (router + routed + shared
-expert), and the dense baseline (every expert on every token, masked by the routing weights; run in token
-chunks so it fits). Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width) and the fraction of
-the bf16 matmul peak measured in the same run; checks grouped vs dense on device.
+For each token count:
+- unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
+  rows), three Pallas grouped matmuls with the SwiGLU between them, unsort, weighted combine;
+- fused (`local_moe`, what the model runs): sort the assignment indices only, `gather_swiglu` (rows read from
+  x through the permutation inside the kernel, gate + up + SwiGLU in one pass) and `down_scatter` (weighted
+  rows stored back through the permutation), a sum over k;
+- each path's kernels alone on pre-sorted inputs ("GEMMs only"), each inside the whole layer (router + routed
+  + shared expert), and the dense baseline (every expert on every token, in token chunks), which also checks
+  both paths on device (the bf16 baseline rounds gate and up to bf16 as the unfused path does, the fused
+  kernel keeps them in fp32, so the fused path sits ~5e-3 from it while closer to an fp32 computation).
+Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width) and the share of the bf16 matmul peak
+measured in the same run (and of the 683 TFLOP/s issue 6 measures against). The sweep times each fused kernel
+alone over a few (block_m, block_n, block_k, num_warps, num_stages) variants.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -25,11 +36,28 @@ from flax import nnx  # noqa: E402
 
 from bench_common import median_seconds, rel_error  # noqa: E402
 from ling_jax import LingConfig  # noqa: E402
-from ling_jax.expert_ffn import dense_expert_ffn, local_moe  # noqa: E402
+from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
 from ling_jax.moe import MoE  # noqa: E402
-from pallas_kernels.moe.ops import grouped_matmul  # noqa: E402
+from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu  # noqa: E402
+from pallas_kernels.moe.gmm_gpu import FEW_ROWS_PER_GROUP  # noqa: E402
+from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul  # noqa: E402
+from pallas_kernels.moe.reference import swiglu  # noqa: E402
 
 BASELINE_CHUNK = 512  # tokens per dense-baseline chunk: [chunk, E, D] bf16 intermediates stay ~2 GB
+ISSUE_PEAK = 683e12  # the H200 bf16 peak issue 6 states its goal against
+# (block_m, block_n, block_k, num_warps, num_stages) of the sweep; the first of each list is the default.
+SWEEP = {
+    "many rows": {
+        "gather_swiglu": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+                          (128, 128, 32, 8, 4), (64, 256, 64, 8, 3)],
+        "down_scatter": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 4),
+                         (128, 128, 64, 4, 4), (128, 256, 32, 8, 4)],
+    },
+    "few rows": {
+        "gather_swiglu": [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4)],
+        "down_scatter": [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4)],
+    },
+}
 
 
 def matmul_peak(iters: int, n: int = 8192) -> float:
@@ -50,26 +78,92 @@ def dense_in_chunks(x_TD, weights_TK, experts_TK, gate, up, down, limit):
     return jax.lax.map(one, split).reshape(x_TD.shape)
 
 
+def unfused_gemms(rows_RD, sizes_E, gate, up, down, *, limit, backend):
+    """The unfused path's kernels alone: three grouped matmuls and the SwiGLU on already repeated rows."""
+    hidden_RI = swiglu(grouped_matmul(rows_RD, gate, sizes_E, backend=backend),
+                       grouped_matmul(rows_RD, up, sizes_E, backend=backend), limit)
+    return grouped_matmul(hidden_RI, down, sizes_E, backend=backend)
+
+
+def fused_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, *, limit, backend):
+    """The fused path's kernels alone, on an already computed permutation."""
+    h_RI = gather_swiglu(x_TD, source_R, sizes_E, gate, up, limit, backend=backend)
+    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down, backend=backend)
+
+
+def layer_with(routed, graphdef, limit, backend):
+    """The whole MoE layer (router, routed experts through `routed`, shared expert), jitted over its split
+    state as the model runs (nnx.jit would also return, i.e. copy, the state)."""
+    def run(state, x_TD):
+        moe = nnx.merge(graphdef, state)
+        weights_TK, experts_TK = moe.gate(x_TD)
+        experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
+        return routed(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend) + moe.shared_experts(x_TD)
+
+    return jax.jit(run)
+
+
+def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, iters):
+    """Rows (kernel, tiles, ms, TFLOP/s) for each fused kernel alone over its tile variants."""
+    x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
+    h_RI = gather_swiglu_gpu(x_TD, source_R, sizes_E, gate, up, limit=limit, interpret=interpret)
+    calls = {
+        "gather_swiglu": lambda tiles: (functools.partial(gather_swiglu_gpu, limit=limit, interpret=interpret,
+                                                          **tiles), (x_TD, source_R, sizes_E, gate, up)),
+        "down_scatter": lambda tiles: (functools.partial(down_scatter_gpu, interpret=interpret, **tiles),
+                                       (h_RI, order_R, row_weight_R, sizes_E, down)),
+    }
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    rows = []
+    for kernel, tile_list in variants.items():
+        for tiles in tile_list:
+            fn, args = calls[kernel](dict(zip(names, tiles)))
+            seconds = median_seconds(fn, *args, iters=iters)
+            rows.append((kernel, tiles, seconds, flops_per_kernel[kernel] / seconds / 1e12))
+    return rows
+
+
+def print_table(rows, peak):
+    print(f"\n| tokens | path | ms | useful TFLOP/s | % of measured peak ({peak / 1e12:.3g}) | "
+          f"% of {ISSUE_PEAK / 1e12:.0f} |")
+    print("|---|---|---|---|---|---|")
+    for tokens, name, seconds, tflops in rows:
+        print(f"| {tokens} | {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops * 1e12 / peak:.1%} | "
+              f"{tflops * 1e12 / ISSUE_PEAK:.1%} |")
+
+
+def print_sweep(tokens, rows):
+    print("\n| tokens | kernel | block_m, block_n, block_k, num_warps, num_stages | ms | TFLOP/s |")
+    print("|---|---|---|---|---|")
+    for kernel, tiles, seconds, tflops in rows:
+        print(f"| {tokens} | {kernel} | {', '.join(map(str, tiles))} | {seconds * 1e3:.3f} | {tflops:.1f} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--backend", default="pallas_gpu", help="grouped-matmul backend (reference: CPU smoke test)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
+    parser.add_argument("--backend", default=None,
+                        help="kernel backend: pallas_gpu (default on a GPU), interpret_gpu (default with --quick "
+                             "elsewhere), reference (jnp ragged dots, no kernels)")
     args = parser.parse_args(argv)
-    if jax.default_backend() != "gpu" and args.backend == "pallas_gpu":
-        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
-    backend = args.backend
+    on_gpu = jax.default_backend() == "gpu"
+    backend = args.backend or ("pallas_gpu" if on_gpu else "interpret_gpu" if args.quick else None)
+    if backend is None or (backend == "pallas_gpu" and not on_gpu):
+        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); try --quick")
     config = LingConfig.preset("ling-3.1-flash")
     token_counts = (8192, 64)
     if args.quick:
-        config = config.replace(hidden_size=1024, moe_intermediate_size=256, num_experts=64, n_group=8,
-                                topk_group=4, shared_expert_intermediate_size=256)
-        token_counts = (1024, 64)
+        config = config.replace(hidden_size=256, moe_intermediate_size=128, num_experts=16, n_group=4,
+                                topk_group=2, shared_expert_intermediate_size=128)
+        token_counts = (256, 16)  # 16 x top-8 rows: above local_moe's row-path limit
     hidden, width, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; hidden {hidden}, {config.num_experts} experts, "
-          f"top-{top_k}, width {width}, shared width {config.shared_expert_intermediate_size}, bf16")
-    peak = matmul_peak(args.iters, n=2048 if args.quick else 8192)
-    print(f"bf16 matmul peak (8192^3, XLA): {peak / 1e12:.0f} TFLOP/s")
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; backend {backend}; hidden {hidden}, "
+          f"{config.num_experts} experts, top-{top_k}, width {width}, shared width "
+          f"{config.shared_expert_intermediate_size}, bf16")
+    peak = matmul_peak(args.iters, n=1024 if args.quick else 8192)
+    print(f"bf16 matmul peak (XLA, best of three medians): {peak / 1e12:.1f} TFLOP/s")
     moe = MoE(config, clip_layer=8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     gate, up, down = moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...]
     limit = moe.experts.limit
@@ -80,36 +174,42 @@ def main(argv=None) -> int:
         weights_TK, experts_TK = jax.jit(moe.gate)(x_TD)
         flops = 2 * tokens * top_k * 3 * hidden * width
         # weights are arguments, never closed over: 13 GB of captured constants would stall the compiler
-        routed = jax.jit(lambda *a: local_moe(*a, limit, backend=backend))
+        unfused = jax.jit(functools.partial(unfused_local_moe, limit=limit, backend=backend))
+        fused = jax.jit(functools.partial(local_moe, limit=limit, backend=backend))
         baseline = jax.jit(lambda *a: dense_in_chunks(*a, limit))
         routing = (x_TD, weights_TK, experts_TK, gate, up, down)
-        err = rel_error(routed(*routing), baseline(*routing))
+        dense = baseline(*routing)
+        errors = {"unfused": rel_error(unfused(*routing), dense), "fused": rel_error(fused(*routing), dense)}
+        order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), config.num_experts)
+        kernel_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down)
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
-        sizes = jnp.bincount(experts_TK.reshape(-1), length=config.num_experts).astype(jnp.int32)
-
-        def three_gemms(x, sizes, gate, up, down):
-            h = jax.nn.silu(grouped_matmul(x, gate, sizes, backend=backend)) * grouped_matmul(x, up, sizes,
-                                                                                                 backend=backend)
-            return grouped_matmul(h, down, sizes, backend=backend)
-
-        # jax.jit over the split state, as the model runs (nnx.jit would also return, i.e. copy, the 13 GB state)
-        layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
         times = {
-            "grouped GEMMs only": median_seconds(jax.jit(three_gemms), rows_RD, sizes, gate, up, down,
-                                                 iters=args.iters),
-            "routed experts (grouped)": median_seconds(routed, *routing, iters=args.iters),
-            "whole MoE layer (grouped)": median_seconds(layer, state, x_TD[None], iters=args.iters),
+            "unfused: GEMMs only": median_seconds(
+                jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)), rows_RD, sizes_E, gate, up,
+                down, iters=args.iters),
+            "fused: kernels only": median_seconds(
+                jax.jit(functools.partial(fused_kernels, limit=limit, backend=backend)), *kernel_args,
+                iters=args.iters),
+            "unfused: routed experts": median_seconds(unfused, *routing, iters=args.iters),
+            "fused: routed experts": median_seconds(fused, *routing, iters=args.iters),
+            "unfused: whole MoE layer": median_seconds(layer_with(unfused_local_moe, graphdef, limit, backend), state,
+                                                       x_TD, iters=args.iters),
+            "fused: whole MoE layer": median_seconds(layer_with(local_moe, graphdef, limit, backend), state, x_TD,
+                                                     iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
-        print(f"\ntokens {tokens}: grouped vs dense rel. error {err:.2e}")
+        print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}")
         for name, seconds in times.items():
             tflops = flops / seconds / 1e12
             print(f"  {name:28s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  {tflops * 1e12 / peak:6.1%} of peak")
             rows.append((tokens, name, seconds, tflops))
-    print(f"\n| tokens | path | ms | useful TFLOP/s | % of measured peak ({peak / 1e12:.0f}) |")
-    print("|---|---|---|---|---|")
-    for tokens, name, seconds, tflops in rows:
-        print(f"| {tokens} | {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops * 1e12 / peak:.1%} |")
+        if not args.no_sweep and backend != "reference":
+            few_rows = tokens * top_k <= FEW_ROWS_PER_GROUP * config.num_experts
+            sweep = sweep_tiles(kernel_args, SWEEP["few rows" if few_rows else "many rows"],
+                                flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
+                                interpret=backend.startswith("interpret"), limit=limit, iters=args.iters)
+            print_sweep(tokens, sweep)
+    print_table(rows, peak)
     return 0
 
 
