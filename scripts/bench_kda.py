@@ -107,21 +107,24 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-PREFILL_VARIANTS = [  # (block_v, num_warps, num_stages) of phase 2, num_warps of phase 1
-    (32, 4, 2, 8), (32, 4, 1, 8), (32, 4, 3, 8), (32, 2, 2, 8), (64, 4, 2, 8), (64, 4, 1, 8), (64, 8, 2, 8),
-    (128, 8, 2, 8), (32, 4, 2, 4),
+PREFILL_VARIANTS = [  # (block_v, num_warps, num_stages) of phase 2, num_warps of phase 1, parts dtype
+    (32, 4, 2, 8, None), (32, 4, 1, 8, None), (32, 4, 3, 8, None), (32, 2, 2, 8, None), (64, 4, 2, 8, None),
+    (64, 4, 1, 8, None), (64, 8, 2, 8, None), (128, 8, 2, 8, None), (32, 4, 2, 4, None),
+    (32, 4, 2, 8, jnp.float32),
 ]
 
 
-def bench_prefill_phases(inputs, intra_warps, block_v, warps, stages, iters, intra_seconds):
+def bench_prefill_phases(inputs, variant, iters, intra_seconds):
     """(phase 1 s, phase 2 s, bytes each moves at least), each pallas_call jitted and timed alone; phase 1's
-    time is kept per intra_warps in intra_seconds (its only tile parameter)."""
+    time is kept per (num_warps, parts dtype) in intra_seconds (its only parameters)."""
     jq, jk, jv, jg, jbeta = inputs
-    intra = jax.jit(functools.partial(intra_chunk, scale=DIM ** -0.5, num_warps=intra_warps))
+    block_v, warps, stages, intra_warps, parts_dtype = variant
+    intra = jax.jit(functools.partial(intra_chunk, scale=DIM ** -0.5, num_warps=intra_warps,
+                                      parts_dtype=parts_dtype))
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
     parts = intra(*phase1_args)
-    if intra_warps not in intra_seconds:
-        intra_seconds[intra_warps] = median_seconds(intra, *phase1_args, iters=iters)
+    if (intra_warps, parts_dtype) not in intra_seconds:
+        intra_seconds[intra_warps, parts_dtype] = median_seconds(intra, *phase1_args, iters=iters)
     batch, _, heads, _ = jq.shape
     state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
     inter = jax.jit(functools.partial(inter_chunk, out_dtype=jv.dtype, block_v=block_v, num_warps=warps,
@@ -130,7 +133,7 @@ def bench_prefill_phases(inputs, intra_warps, block_v, warps, stages, iters, int
     parts_bytes = sum(x.nbytes for x in parts)
     phase1_bytes = sum(x.nbytes for x in phase1_args) + parts_bytes
     phase2_bytes = parts_bytes + jv.nbytes + 2 * state.nbytes
-    return intra_seconds[intra_warps], inter_s, phase1_bytes, phase2_bytes
+    return intra_seconds[intra_warps, parts_dtype], inter_s, phase1_bytes, phase2_bytes
 
 
 def bench_prefill(batch, length, iters):
@@ -152,15 +155,18 @@ def bench_prefill(batch, length, iters):
     print(f"prefill B={batch} T={length}: fla chunk_kda {fla_s * 1e3:.2f} ms ({tokens / fla_s / 1e6:.2f} Mtok/s), "
           f"jnp chunked (XLA) {jnp_s * 1e3:.2f} ms")
     best, intra_seconds = None, {}
-    for block_v, warps, stages, intra_warps in PREFILL_VARIANTS:
+    for variant in PREFILL_VARIANTS:
+        block_v, warps, stages, intra_warps, parts_dtype = variant
         fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, block_v=block_v, num_warps=warps,
-                                       num_stages=stages, intra_num_warps=intra_warps))
+                                       num_stages=stages, intra_num_warps=intra_warps, parts_dtype=parts_dtype))
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), fla_o), rel_error(state, fla_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
-        intra_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases(
-            (jq, jk, jv, jg, jbeta), intra_warps, block_v, warps, stages, iters, intra_seconds)
-        print(f"  Pallas block_v={block_v} warps={warps} stages={stages} intra_warps={intra_warps}: "
+        intra_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases((jq, jk, jv, jg, jbeta), variant, iters,
+                                                                          intra_seconds)
+        parts_name = jnp.dtype(parts_dtype or jv.dtype).name
+        print(f"  Pallas block_v={block_v} warps={warps} stages={stages} intra_warps={intra_warps} "
+              f"parts={parts_name}: "
               f"{seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, fla / ours {fla_s / seconds:.2f}x); "
               f"vs fla: o {err_o:.1e}, state {err_s:.1e}\n"
               f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms, >= {intra_bytes / 1e9:.2f} GB "

@@ -24,14 +24,16 @@ def _pad_time(x, pad: int):
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "num_stages",
-                                             "intra_num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_v", "num_warps",
+                                             "num_stages", "intra_num_warps", "interpret"))
 def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True,
-                  block_v: int = 32, num_warps: int = 4, num_stages: int = 2, intra_num_warps: int = 8,
-                  interpret: bool = False):
+                  parts_dtype=None, block_v: int = 32, num_warps: int = 4, num_stages: int = 2,
+                  intra_num_warps: int = 8, interpret: bool = False):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
-    block_v, num_warps, num_stages tile the sequential phase; intra_num_warps the parallel one.
+    parts_dtype: how phase 1 hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with
+    bf16 inputs keeps tf32 precision in phase 2 for twice the memory traffic). block_v, num_warps,
+    num_stages tile the sequential phase; intra_num_warps the parallel one.
     """
     batch, length, heads, key_dim = q.shape
     pad = -length % CHUNK
@@ -39,8 +41,8 @@ def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_
                                                      beta.astype(jnp.float32)[..., None]))
     if initial_state is None:
         initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
-    parts = intra_chunk(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, num_warps=intra_num_warps,
-                        interpret=interpret)
+    parts = intra_chunk(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=parts_dtype,
+                        num_warps=intra_num_warps, interpret=interpret)
     o, state = inter_chunk(parts, initial_state.astype(jnp.float32), out_dtype=v.dtype, block_v=block_v,
                            num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return o[:, :length], state

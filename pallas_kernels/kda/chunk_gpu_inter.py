@@ -7,8 +7,9 @@ The output is formed here rather than in a third, parallel pass over stored per-
 that matter (B*H*V/block_v programs ~ one wave of SMs) the two output products do not depend on the next
 state, so they fill issue slots the state chain leaves idle, while storing the states would cost
 2 x T/64 x H x K x V values of memory traffic (1 GiB each way at T=32768, H=64, bf16) for nothing else.
-Operands are phase 1's dtype: bf16 parts give bf16 tensor-core products of the state and of v_new (rounded
-to bf16 as operands only; S and v_new stay fp32), fp32 parts give IEEE fp32 products.
+Operands are in the parts' dtype: bf16 parts (the default for bf16 inputs, as in FLA: half the memory
+traffic of fp32 ones) give bf16 tensor-core products, the state and v_new rounded to bf16 as operands only
+(both stay fp32); fp32 parts give tf32 products for bf16 inputs and IEEE fp32 ones for fp32 inputs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pallas_kernels.kda.chunk_gpu_intra import CHUNK, ChunkParts, gpu_dots
 
 
 def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
-    dots = gpu_dots(w_ref.dtype)
+    dots = gpu_dots(o_ref.dtype)
 
     def chunk(n, state_KV):
         rows = pl.ds(n * CHUNK, CHUNK)

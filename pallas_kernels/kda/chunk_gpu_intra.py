@@ -8,7 +8,7 @@ exponential is of a gap that is <= 0, except inside a diagonal sub-block, where 
 gates >= -5 (16 steps). For row c of sub-block i and row s of sub-block j <= i:
   e^{G_c - G_s} = e^{Γ_c} e^{o_i - G_s},  e^{o_i - G_s} = e^{t_{j+1} + ... + t_{i-1}} e^{t_j - Γ_s} (j < i)
   or e^{-Γ_s} (j = i).
-The program writes (in v's dtype unless said otherwise; T = (I + L)^-1 diag(beta), L = strictly lower
+The program writes (in parts_dtype, v's by default, unless said otherwise; T = (I + L)^-1 diag(beta), L = strictly lower
 diag(beta) A_kk, inverted as 16x16 blocks: the four diagonal ones by forward substitution, side by side,
 then the blocks below them):
   w = T (e^G k), u = T v, qg = e^G q (normalised, scaled), kg = e^{G_last - G} k, a_qk [64, 64] (q-k decay
@@ -46,10 +46,10 @@ class ChunkParts(NamedTuple):
     decay_last: jax.Array  # [BH, N, 1, K] fp32 e^{G_last}
 
 
-def gpu_dots(dtype) -> Dots:
-    """Tensor-core products for operands stored as `dtype`: tf32 when they come from bf16/fp16 data, IEEE fp32
-    for fp32 data (a 16-bit operand pair runs at its own precision either way)."""
-    allow_tf32 = dtype != jnp.float32
+def gpu_dots(input_dtype) -> Dots:
+    """Tensor-core products for a kernel whose inputs came as `input_dtype`: fp32 operands in tf32 when that is
+    bf16/fp16 (whose own rounding is larger), IEEE fp32 for fp32 inputs; 16-bit operands at their own precision."""
+    allow_tf32 = input_dtype != jnp.float32
     return Dots(nn=functools.partial(plgpu.dot, allow_tf32=allow_tf32),
                 nt=functools.partial(plgpu.dot, trans_b=True, allow_tf32=allow_tf32),
                 tn=functools.partial(plgpu.dot, trans_a=True, allow_tf32=allow_tf32))
@@ -122,15 +122,16 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, 
         _store(u_ref, r, _sum(dots.nn(inverse[i][j], beta_v[j]) for j in range(i + 1)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "num_warps", "interpret"))
-def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, num_warps: int = 8,
-                interpret: bool = False) -> ChunkParts:
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "num_warps", "interpret"))
+def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
+                num_warps: int = 8, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
-    beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK. Grid (B*H, Tp / CHUNK), all programs independent."""
+    beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
+    Grid (B*H, Tp / CHUNK), all programs independent."""
     batch, padded, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     flat, num_chunks = batch * heads, padded // CHUNK
-    dtype = v.dtype
+    dtype = v.dtype if parts_dtype is None else parts_dtype
     source = lambda width: pl.BlockSpec(  # noqa: E731
         (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))
     target = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731

@@ -59,6 +59,17 @@ def test_kernel_bf16(backend, length):
     assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]
 
 
+def test_gpu_kernel_fp32_parts_for_bf16_inputs():
+    """parts_dtype=float32: phase 2 gets fp32 factors (tf32 products on a GPU, exact here), so the final state
+    is as close as the fp32 inputs' (the default bf16 parts give ~2e-3)."""
+    q, k, v, g, beta, state = random_sequence(2, 150, 2, 32, 32, jnp.bfloat16, seed=7)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    o, s = chunk_kda_gpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
+                         jnp.asarray(state), scale=32 ** -0.5, parts_dtype=jnp.float32, interpret=True)
+    assert o.dtype == jnp.bfloat16 and rel_error(o, o_ref) <= TOL[jnp.bfloat16]
+    assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gates_at_the_bound_do_not_overflow(backend):
     """g = -5 at every step of two whole 64-token chunks and a part: e^{-G} would reach e^320 in a chunk."""
