@@ -7,6 +7,9 @@ grouped matmuls, unsort, combine: `ling_jax.expert_ffn.grouped_local_moe`), in o
 
 Prints ms per call and the bandwidth over the expert weights each path must read (every distinct picked
 expert once for the grouped path; a weight read per token-expert pair for the row path, which is its cost).
+Then the expert selection before them (`pallas_kernels.moe.routing`): the GPU kernel's tiles against the jnp
+reference under XLA, each timed as a chain of CHAINED_CALLS dependent calls in one jitted program (a lone
+call of a few-microsecond kernel would time the launch, not the kernel).
 """
 
 from __future__ import annotations
@@ -26,8 +29,40 @@ import numpy as np  # noqa: E402
 from bench_common import median_seconds, rel_error  # noqa: E402
 from ling_jax.expert_ffn import grouped_local_moe  # noqa: E402
 from pallas_kernels.moe.decode_gpu import routed_experts_gpu  # noqa: E402
+from pallas_kernels.moe.routing import RoutingRule, select_experts_gpu, select_experts_reference  # noqa: E402
 
 HIDDEN, WIDTH, EXPERTS, TOP_K, LIMIT = 4096, 1024, 512, 8, 7.0
+RULE = RoutingRule(top_k=TOP_K, n_group=8, topk_group=4, norm_topk_prob=True, scaling=2.5)
+CHAINED_CALLS = 64
+SELECT_TILES = [(1, 1), (1, 2), (1, 4), (2, 2), (4, 4), (16, 4)]  # (block_t, num_warps)
+
+
+def chained(select):
+    """CHAINED_CALLS selections in one program, each call's logits nudged by the last call's weights."""
+    def run(logits_TE, bias_E):
+        for _ in range(CHAINED_CALLS):
+            weights_TK, _ = select(logits_TE, bias_E)
+            logits_TE = logits_TE + 1e-6 * weights_TK[:, :1]
+        return logits_TE
+    return jax.jit(run)
+
+
+def bench_select_experts(iters: int) -> None:
+    print(f"\nexpert selection, us per call (chains of {CHAINED_CALLS}); kernel tiles (block_t, num_warps)")
+    print("| tokens | jnp reference (XLA) | " + " | ".join(f"kernel {t}" for t in SELECT_TILES) + " |")
+    print("|---|---|" + "---|" * len(SELECT_TILES))
+    for tokens in (1, 8, 64, 8192):
+        r = np.random.default_rng(tokens)
+        logits = jnp.asarray(r.normal(size=(tokens, EXPERTS)), jnp.float32)
+        bias = jnp.asarray(r.normal(size=EXPERTS) * 0.1, jnp.float32)
+        ref_experts = select_experts_reference(logits, bias, RULE)[1]
+        cells = [median_seconds(chained(lambda lg, b: select_experts_reference(lg, b, RULE)), logits, bias,
+                                iters=iters)]
+        for block_t, warps in SELECT_TILES:
+            select = functools.partial(select_experts_gpu, rule=RULE, block_t=block_t, num_warps=warps)
+            assert (np.asarray(select(logits, bias)[1]) == np.asarray(ref_experts)).all(), (block_t, warps)
+            cells.append(median_seconds(chained(select), logits, bias, iters=iters))
+        print(f"| {tokens} | " + " | ".join(f"{c / CHAINED_CALLS * 1e6:.1f}" for c in cells) + " |", flush=True)
 
 
 def main(argv=None) -> int:
@@ -73,6 +108,7 @@ def main(argv=None) -> int:
                 print(f"  skip {swiglu_tiles} {down_tiles}: {type(error).__name__}")
         for seconds, swiglu_tiles, down_tiles in sorted(results)[:6]:
             print(f"    swiglu {swiglu_tiles} down {down_tiles}: {seconds * 1e3:.3f} ms")
+    bench_select_experts(max(args.iters // 5, 5))
     return 0
 
 
