@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from ling_jax.expert_ffn import dense_expert_ffn, grouped_expert_ffn, grouped_local_moe, sort_by_expert
+from ling_jax.expert_ffn import (
+    dense_expert_ffn,
+    grouped_expert_ffn,
+    grouped_local_moe,
+    sort_by_expert,
+    unfused_local_moe,
+)
 from ling_jax.expert_parallel import moe_parallel
 from ling_jax.sharding import make_mesh
 from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu
@@ -245,6 +251,13 @@ def test_gpu_backends_run_the_fused_kernels_and_the_reference_keeps_its_path():
     assert "gather_swiglu" not in reference and "ragged_dot" in reference
 
 
+def test_unfused_path_on_the_gpu_kernels_matches_the_fused_one():
+    """unfused_local_moe (the pre-fusion path bench_moe compares against) with the grouped-matmul kernels."""
+    args = moe_args("odd", jnp.float32, seed=13)
+    fused = grouped_local_moe(*args, 0.9, backend="interpret_gpu")
+    assert rel_error(unfused_local_moe(*args, 0.9, backend="interpret_gpu"), fused) <= TOL[jnp.float32]
+
+
 def test_grouped_expert_ffn_skips_rows_of_no_expert():
     """The expert-parallel contract: rows whose expert is outside [0, E) give 0, the others are unweighted."""
     x, _, experts, gate, up, down = moe_args("odd", jnp.float32, seed=14)
@@ -292,6 +305,13 @@ ON_GPU = pytest.mark.skipif(
     reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
 
 
+@jax.jit
+def device_rel_error(ours, ref):
+    """||ours - ref|| / ||ref|| in fp32 on the device (the full-size arrays stay there)."""
+    diff = ours.astype(jnp.float32) - ref.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(diff * diff) / jnp.sum(ref.astype(jnp.float32) ** 2))
+
+
 def moe_args_sized(tokens, top_k, num_experts, hidden, width, seed):
     """Device-drawn bf16 MoE inputs (x, weights, experts, gate, up, down); experts distinct per token."""
     keys = jax.random.split(jax.random.key(seed), 6)
@@ -316,35 +336,29 @@ def test_compiled_kernels_match_float64(limit, case, dtype):
     assert rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, limit)) <= TOL[dtype]
     y = down_scatter(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down, dtype),
                      backend="pallas_gpu")
-    h64 = np.asarray(h, np.float32)
-    assert rel_error(y, float64_down_scatter(h64, order, row_weight, sizes, down)) <= TOL[dtype]
+    assert rel_error(y, float64_down_scatter(np.asarray(h, np.float32), order, row_weight, sizes, down)) <= TOL[dtype]
 
 
 @pytest.mark.gpu
 @ON_GPU
 def test_compiled_moe_and_gradients_match_the_reference():
-    """2048 tokens, top-8 of 64 experts, hidden 1024, width 256, bf16 (a size XLA's ragged_dot fits)."""
+    """2048 tokens, top-8 of 64 experts, hidden 1024, width 256: the fused kernels in bf16 against the
+    reference path in fp32 (a size XLA's ragged_dot fits), value and gradients."""
     tokens, top_k, num_experts, hidden, width = 2048, 8, 64, 1024, 256
-    args = moe_args_sized(tokens, top_k, num_experts, hidden, width, seed=17)
+    x, weights, experts, gate, up, down = moe_args_sized(tokens, top_k, num_experts, hidden, width, seed=17)
 
     def loss(backend, x, weights, gate, up, down):
-        y = grouped_local_moe(x, weights, args[2], gate, up, down, 7.0, backend=backend)
+        y = grouped_local_moe(x, weights, experts, gate, up, down, 7.0, backend=backend)
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32)))
 
-    primals = (args[0], args[1], *args[3:])
+    primals = (x, weights, gate, up, down)
     ours = jax.jit(jax.value_and_grad(functools.partial(loss, "pallas_gpu"), argnums=range(5)))(*primals)
-    ref = jax.jit(jax.value_and_grad(functools.partial(loss, "reference"), argnums=range(5)))(*primals)
+    ref = jax.jit(jax.value_and_grad(functools.partial(loss, "reference"), argnums=range(5)))(
+        *(a.astype(jnp.float32) for a in primals))
     assert rel_error(ours[0], ref[0]) <= TOL[jnp.bfloat16]
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours[1], ref[1]):
-        err = rel_error(a.astype(jnp.float32), b.astype(jnp.float32))
+        err = device_rel_error(a, b)
         assert err <= TOL[jnp.bfloat16], f"d/d{name}: rel. error {err:.2e}"
-
-
-@jax.jit
-def device_rel_error(ours, ref):
-    """||ours - ref|| / ||ref|| in fp32 on the device (the full-size arrays stay there)."""
-    diff = ours.astype(jnp.float32) - ref.astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(diff * diff) / jnp.sum(ref.astype(jnp.float32) ** 2))
 
 
 @pytest.mark.gpu
