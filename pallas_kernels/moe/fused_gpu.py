@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.moe.gmm_gpu import call_over_row_tiles, row_tile_settings, tile_products
+from pallas_kernels.moe.gmm_gpu import call_over_row_tiles, output_tile, row_tile_settings, tile_products
 from pallas_kernels.moe.masked import mask_2d, masked_load
 from pallas_kernels.moe.reference import swiglu
 
@@ -39,10 +39,8 @@ def _columns(col0, block: int):
 
 def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_ref, gate_ref, up_ref, h_ref, *,
                           limit: float | None, block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
-    group, row0 = group_ref[...], row_start_ref[...]
-    col0 = pl.program_id(0) * block_n
-    rows_ok_M = row0 + jnp.arange(block_m) < row_end_ref[...]
-    cols_ok_N = col0 + jnp.arange(block_n) < h_ref.shape[1] if mask_n else None
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, h_ref.shape[1],
+                                                          block_m=block_m, block_n=block_n, mask_n=mask_n)
     source_M1 = _row_indices(source_ref, row0, rows_ok_M, block_m=block_m, fill=x_ref.shape[0])[:, None]
 
     def load_lhs(k0, k_ok_K):
@@ -56,10 +54,8 @@ def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_r
 
 def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_weight_ref, h_ref, down_ref, y_ref, *,
                          block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
-    group, row0 = group_ref[...], row_start_ref[...]
-    col0 = pl.program_id(0) * block_n
-    rows_ok_M = row0 + jnp.arange(block_m) < row_end_ref[...]
-    cols_ok_N = col0 + jnp.arange(block_n) < y_ref.shape[1] if mask_n else None
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, y_ref.shape[1],
+                                                          block_m=block_m, block_n=block_n, mask_n=mask_n)
 
     def load_lhs(k0, k_ok_K):
         return masked_load(h_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))

@@ -10,6 +10,9 @@ used tiles store nothing. The dots spent on partial tiles are what padding each 
 cost. Column tiles vary fastest so the programs sharing a row tile of lhs run together (L2 reuse), and
 a group's tiles are adjacent so its weight is read from HBM about once.
 
+The tiling (`row_tiles`, `call_over_row_tiles`, `output_tile`) and the K loop (`tile_products`) are shared with
+the fused expert kernels (`pallas_kernels.moe.fused_gpu`), which differ in how rows are loaded and what is stored.
+
 The same kernel with rhs read as [G, K, N] gives d_lhs = d_out @ rhs[g]; `grouped_weight_grad_gpu` gives
 d_rhs[g] = d_out[rows of g].T @ lhs[rows of g], one program per (K tile, N tile, group) walking the group's
 rows, so training needs no ragged_dot (whose XLA GPU lowering materialises a masked lhs per group).
@@ -57,12 +60,19 @@ def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int
     return jax.lax.fori_loop(0, num_steps, k_body, zeros)
 
 
+def output_tile(group_ref, row_start_ref, row_end_ref, n_dim: int, *, block_m: int, block_n: int, mask_n: bool):
+    """(group, first row, first column, rows_ok_M, cols_ok_N or None) of this program's tile of the grid laid
+    out by `call_over_row_tiles`."""
+    row0, col0 = row_start_ref[...], pl.program_id(0) * block_n
+    rows_ok_M = row0 + jnp.arange(block_m) < row_end_ref[...]
+    cols_ok_N = col0 + jnp.arange(block_n) < n_dim if mask_n else None
+    return group_ref[...], row0, col0, rows_ok_M, cols_ok_N
+
+
 def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
             block_k: int, rhs_transposed: bool, mask_n: bool, mask_k: bool):
-    group, row0, row_end = group_ref[...], row_start_ref[...], row_end_ref[...]
-    col0 = pl.program_id(0) * block_n
-    rows_ok_M = row0 + jnp.arange(block_m) < row_end
-    cols_ok_N = col0 + jnp.arange(block_n) < out_ref.shape[1] if mask_n else None
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, out_ref.shape[1],
+                                                          block_m=block_m, block_n=block_n, mask_n=mask_n)
 
     def load_lhs(k0, k_ok_K):
         return masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
