@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Expert parallelism over N devices (mesh expert=N): one MoE layer split into its stages, and the sharded
+decode step of the full-width Ling-3.1-flash slice.
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/bench_expert_parallel.py              # all devices
+    python scripts/bench_expert_parallel.py --devices 2 --capacity-factor 1.25
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_expert_parallel.py --quick   # CPU
+
+MoE layer (hidden 4096, 512 experts, top-8, random bf16 weights and router) at 64 and 8192 tokens per device:
+each stage of `ling_jax.expert_parallel`'s all-to-all path jitted on the mesh as its own shard_map over the
+previous stage's real outputs:
+- dispatch: pack each token-assignment into its destination's block, then the all-to-all (`dispatch`);
+- grouped GEMM: sort the received rows by expert, three grouped matmuls, unsort (`grouped_expert_ffn`);
+- combine: the all-to-all back and the weighted sum of each token's k results (`return_and_combine`);
+the two all-to-alls alone (`exchange` over buffers of the same size), the routed experts end to end
+(`moe_parallel`), and the whole layer (router + routed + shared expert). Each all-to-all moves fixed-size
+buffers (ep x capacity rows per device; dropless: capacity = tokens x top-k); the table gives the bytes a
+device sends to the others, the bytes of the assignments that really leave it, and the achieved GB/s.
+Decode: the 8-layer full-width slice (`bench_common.flash_slice_config`) on the mesh, batch 64 over a cache
+of 8192 tokens, steps dispatched back to back as `Generator` runs them (`bench_common.time_decode`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from bench_common import (filled_cache, flash_slice_config, init_on_mesh, median_seconds, rel_error,  # noqa: E402
+                          time_decode)
+from ling_jax import LingForCausalLM  # noqa: E402
+from ling_jax.expert_ffn import grouped_expert_ffn  # noqa: E402
+from ling_jax.expert_parallel import dispatch, exchange, moe_parallel, return_and_combine, rows_per_source  # noqa: E402
+from ling_jax.moe import MoE, route  # noqa: E402
+from ling_jax.sharding import ShardingError, cache_shardings, make_mesh  # noqa: E402
+from pallas_kernels.backend import resolve_backend  # noqa: E402
+
+SPLIT = P("expert")  # leading dimension (tokens, buffer rows, experts) over the expert axis
+FULL = {"tokens_per_device": (64, 8192), "decode_batch": 64, "context": 8192, "iters": 20, "steps": 20}
+QUICK = {"tokens_per_device": (8, 32), "decode_batch": 8, "context": 64, "iters": 1, "steps": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    tokens: int  # per device
+    stage: str
+    seconds: float
+    sent_bytes: int = 0  # all-to-all bytes one device sends to the others (its own block stays)
+    useful_bytes: int = 0  # of which token-assignments that really go to another device
+
+
+def expert_mesh(devices: int):
+    if devices > jax.device_count():
+        raise ShardingError(f"--devices {devices}: only {jax.device_count()} present (on a CPU: "
+                            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})")
+    return make_mesh({"expert": devices}, devices=jax.devices()[:devices])
+
+
+def on_mesh(fn, mesh, in_specs, out_specs):
+    """fn jitted as a shard_map over `mesh` (per-device bodies that name the `expert` axis)."""
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: str) -> dict:
+    ep = mesh.shape["expert"]
+    weights = (P("expert", None, None),) * 3
+    return {
+        "dispatch": on_mesh(functools.partial(dispatch, ep=ep, local_experts=local_experts, capacity=capacity),
+                            mesh, (SPLIT, SPLIT), (SPLIT,) * 4),
+        "dispatch all-to-all": on_mesh(lambda x, e: (exchange(x, ep), exchange(e, ep)), mesh, (SPLIT, SPLIT),
+                                       (SPLIT, SPLIT)),
+        "grouped GEMM": on_mesh(lambda x, e, g, u, d: grouped_expert_ffn(x, e, g, u, d, limit, backend=backend),
+                                mesh, (SPLIT, SPLIT, *weights), SPLIT),
+        "combine": on_mesh(lambda y, slot, kept, w: return_and_combine(y, slot, kept, w, ep=ep, tp_axes=(),
+                                                                        dtype=y.dtype),
+                           mesh, (SPLIT,) * 4, SPLIT),
+        "combine all-to-all": on_mesh(lambda y: exchange(y, ep), mesh, (SPLIT,), SPLIT),
+    }
+
+
+def useful_rows(experts_TK, tokens_per_device: int, local_experts: int) -> int:
+    """Token-assignments per device (mean) whose expert lives on another device."""
+    experts = np.asarray(experts_TK)
+    source = np.arange(experts.shape[0])[:, None] // tokens_per_device
+    return int((experts // local_experts != source).sum()) // (experts.shape[0] // tokens_per_device)
+
+
+def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str,
+                   iters: int) -> list[Row]:
+    """Every stage of one MoE layer at `tokens_per_device`; checks the chained stages against moe_parallel."""
+    config = moe.gate.config
+    ep = mesh.shape["expert"]
+    tokens, top_k, hidden = ep * tokens_per_device, config.num_experts_per_tok, config.hidden_size
+    local_experts = config.num_experts // ep
+    capacity = rows_per_source(tokens_per_device, top_k, ep, local_experts, capacity_factor)
+    x_TD = jax.device_put(jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16),
+                          NamedSharding(mesh, SPLIT))
+    gate_weights = (moe.gate.weight[...], moe.gate.expert_bias[...])
+    weights_TK, experts_TK = jax.jit(lambda x, w, b: route(x, w, b, config))(x_TD, *gate_weights)
+    experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
+    stages = stage_functions(mesh, local_experts=local_experts, capacity=capacity, limit=moe.experts.limit,
+                             backend=backend)
+    x_RD, expert_R, slot_A, kept_A = stages["dispatch"](x_TD, experts_TK)
+    y_RD = stages["grouped GEMM"](x_RD, expert_R, *experts)
+    chained = stages["combine"](y_RD, slot_A, kept_A, weights_TK)
+    routed = jax.jit(lambda *a: moe_parallel(*a, limit=moe.experts.limit, mesh=mesh, capacity_factor=capacity_factor,
+                                             backend=backend)[0])
+    print(f"tokens/device {tokens_per_device}: capacity {capacity} rows per source, chained stages vs "
+          f"moe_parallel rel. error {rel_error(chained, routed(x_TD, weights_TK, experts_TK, *experts)):.1e}",
+          flush=True)
+    graphdef, state = nnx.split(moe)
+    with jax.set_mesh(mesh):
+        layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
+        layer_s = median_seconds(layer, state, x_TD[None], iters=iters)
+    itemsize = jnp.dtype(jnp.bfloat16).itemsize
+    others = (ep - 1) * capacity  # rows a device sends to other devices
+    useful = useful_rows(experts_TK, tokens_per_device, local_experts)
+    dispatch_bytes = (others * (hidden * itemsize + 4), useful * (hidden * itemsize + 4))  # + int32 expert ids
+    combine_bytes = (others * hidden * itemsize, useful * hidden * itemsize)
+
+    def timed(name, *args):
+        return median_seconds(stages[name], *args, iters=iters)
+
+    return [
+        Row(tokens_per_device, "dispatch (pack + all-to-all)", timed("dispatch", x_TD, experts_TK), *dispatch_bytes),
+        Row(tokens_per_device, "  dispatch all-to-all alone", timed("dispatch all-to-all", x_RD, expert_R),
+            *dispatch_bytes),
+        Row(tokens_per_device, "grouped GEMM (sort, 3 matmuls, unsort)",
+            timed("grouped GEMM", x_RD, expert_R, *experts)),
+        Row(tokens_per_device, "combine (all-to-all back + weighted sum)",
+            timed("combine", y_RD, slot_A, kept_A, weights_TK), *combine_bytes),
+        Row(tokens_per_device, "  combine all-to-all alone", timed("combine all-to-all", y_RD), *combine_bytes),
+        Row(tokens_per_device, "routed experts (moe_parallel)",
+            median_seconds(routed, x_TD, weights_TK, experts_TK, *experts, iters=iters)),
+        Row(tokens_per_device, "whole MoE layer (router + routed + shared)", layer_s),
+    ]
+
+
+def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: int, kernel_backend: str) -> float:
+    """Seconds per decode step of the 8-layer full-width slice on `mesh`, batch over the expert axis."""
+    config = flash_slice_config(8, quick)
+    model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                 kernel_backend=kernel_backend), mesh)
+    cache = filled_cache(model, batch, context, steps + 8)
+    cache = jax.device_put(cache, cache_shardings(cache, mesh))
+    with jax.set_mesh(mesh):
+        return time_decode(model, cache, steps)
+
+
+def print_table(rows: list[Row], decode: tuple[int, int, float], devices: int) -> None:
+    print(f"\n| tokens/device | stage (mesh expert={devices}) | ms | all-to-all MB sent per device "
+          f"(buffer / useful) | GB/s per device (buffer / useful) |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        if row.sent_bytes:
+            moved = f"{row.sent_bytes / 1e6:.1f} / {row.useful_bytes / 1e6:.1f}"
+            rate = f"{row.sent_bytes / row.seconds / 1e9:.1f} / {row.useful_bytes / row.seconds / 1e9:.1f}"
+        else:
+            moved = rate = ""
+        print(f"| {row.tokens} | {row.stage} | {row.seconds * 1e3:.3f} | {moved} | {rate} |")
+    batch, context, seconds = decode
+    print(f"\n| decode step (mesh expert={devices}) | batch | context | ms |\n|---|---|---|---|")
+    print(f"| 8-layer full-width slice | {batch} | {context} | {seconds * 1e3:.2f} |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=jax.device_count(), help="N: mesh expert=N (default: all)")
+    parser.add_argument("--capacity-factor", type=float, help="cap rows per source (default: dropless)")
+    parser.add_argument("--kernel-backend", default="auto", help="auto: the Pallas kernels on a GPU, jnp on a CPU")
+    parser.add_argument("--iters", type=int, help=f"timed calls per stage (default {FULL['iters']})")
+    parser.add_argument("--steps", type=int, help=f"decode steps timed (default {FULL['steps']})")
+    parser.add_argument("--quick", action="store_true", help="a narrow model, fewer tokens: a CPU smoke test")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    iters, steps = args.iters or sizes["iters"], args.steps or sizes["steps"]
+    backend = resolve_backend(args.kernel_backend)
+    config = flash_slice_config(8, args.quick)
+    try:
+        mesh = expert_mesh(args.devices)
+        if config.num_experts % args.devices:
+            raise ShardingError(f"{config.num_experts} experts cannot be split over {args.devices} devices")
+    except ShardingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"jax {jax.__version__}, {args.devices} x {jax.devices()[0].device_kind}, mesh expert={args.devices}; "
+          f"hidden {config.hidden_size}, {config.num_experts} experts, top-{config.num_experts_per_tok}, width "
+          f"{config.moe_intermediate_size}, bf16, kernels {backend}, capacity factor {args.capacity_factor}",
+          flush=True)
+    moe = init_on_mesh(lambda: MoE(config, clip_layer=8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh)
+    rows = [row for tokens in sizes["tokens_per_device"]
+            for row in time_moe_layer(moe, mesh, tokens, capacity_factor=args.capacity_factor, backend=backend,
+                                      iters=iters)]
+    del moe
+    gc.collect()
+    decode_s = time_sharded_decode(mesh, quick=args.quick, batch=sizes["decode_batch"], context=sizes["context"],
+                                   steps=steps, kernel_backend=args.kernel_backend)
+    print_table(rows, (sizes["decode_batch"], sizes["context"], decode_s), args.devices)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

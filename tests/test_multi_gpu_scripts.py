@@ -1,0 +1,49 @@
+"""scripts/check_multi_gpu.py and scripts/bench_expert_parallel.py in their --quick modes on the 8 virtual CPU
+devices (conftest sets the XLA flag): both succeed, and the check fails on a model whose last expert shard is
+corrupted (so it can fail)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import bench_expert_parallel  # noqa: E402
+import check_multi_gpu  # noqa: E402
+
+QUICK_CHECK = ["--quick", "--mesh", "expert=8", "--layers", "3"]
+
+
+def test_check_passes_on_the_mesh(capsys):
+    assert check_multi_gpu.main(QUICK_CHECK) == 0
+    out = capsys.readouterr().out
+    assert "2 layers (1 KDA + 1 MLA)" in out  # the reference size the quick memory budget allows
+    assert "PASS" in out
+
+
+def test_check_fails_when_the_last_expert_shard_is_corrupted(capsys):
+    assert check_multi_gpu.main(QUICK_CHECK + ["--corrupt-last-shard"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_check_refuses_a_mesh_larger_than_the_devices(capsys):
+    assert check_multi_gpu.main(["--quick", "--mesh", "expert=16"]) == 2
+    assert "needs 16 devices, 8 present" in capsys.readouterr().err
+
+
+def test_bench_expert_parallel_quick(capsys):
+    assert bench_expert_parallel.main(["--quick", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "chained stages vs moe_parallel rel. error 0.0e+00" in out
+    for stage in ("dispatch all-to-all alone", "grouped GEMM", "combine all-to-all alone", "whole MoE layer"):
+        assert stage in out
+    assert "| 8-layer full-width slice | 8 | 64 |" in out
+
+
+@pytest.mark.parametrize("devices", [3, 16])
+def test_bench_refuses_device_counts_that_do_not_fit(capsys, devices):
+    assert bench_expert_parallel.main(["--quick", "--devices", str(devices)]) == 2
+    assert "error:" in capsys.readouterr().err
