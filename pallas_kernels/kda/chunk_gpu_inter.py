@@ -49,12 +49,13 @@ def inter_chunk(parts: ChunkParts, initial_state, *, out_dtype, block_v: int = 3
     num_chunks = padded // CHUNK
     block_v = min(block_v, value_dim)
     whole = lambda width: pl.BlockSpec((None, padded, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
+    value_part = pl.BlockSpec((None, padded, block_v), lambda j, bh: (bh, 0, j))
+    per_chunk_column = pl.BlockSpec((None, num_chunks, key_dim, 1), lambda j, bh: (bh, 0, 0, 0))
     state_part = pl.BlockSpec((None, key_dim, block_v), lambda j, bh: (bh, 0, j))
     o, state = pl.pallas_call(
         functools.partial(_kernel, num_chunks=num_chunks),
         grid=(pl.cdiv(value_dim, block_v), flat),
-        in_specs=[whole(key_dim), pl.BlockSpec((None, padded, block_v), lambda j, bh: (bh, 0, j)), whole(key_dim),
-                  whole(key_dim), whole(CHUNK), pl.BlockSpec((None, num_chunks, key_dim, 1), lambda j, bh: (bh, 0, 0, 0)),
+        in_specs=[whole(key_dim), value_part, whole(key_dim), whole(key_dim), whole(CHUNK), per_chunk_column,
                   state_part],
         out_specs=[pl.BlockSpec((None, padded, None, block_v), lambda j, bh: (bh // heads, 0, bh % heads, j)),
                    state_part],

@@ -73,6 +73,13 @@ def _store(ref, rows, x):
     ref[rows, :] = x.astype(ref.dtype)
 
 
+def _store_row_of_blocks(ref, rows, blocks):
+    """Row `rows` of a [CHUNK, CHUNK] matrix from its 16x16 blocks up to the diagonal; zeros after it."""
+    for j in range(SUBS):
+        block = blocks[j] if j < len(blocks) else jnp.zeros((SUB, SUB), jnp.float32)
+        ref[rows, pl.ds(j * SUB, SUB)] = block.astype(ref.dtype)
+
+
 def _sum(terms):
     return functools.reduce(operator.add, terms)
 
@@ -107,8 +114,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, 
         k_right.append(k * jnp.exp2(-local))  # the diagonal block: <= e^80
         a_qk = [dots.nt(q * from_start, right) for right in k_right]
         a_qk[i] = jnp.where(lower, a_qk[i], 0.0)
-        for j, block in enumerate(a_qk + [jnp.zeros((SUB, SUB), jnp.float32)] * (SUBS - 1 - i)):
-            a_ref[r, pl.ds(j * SUB, SUB)] = block.astype(a_ref.dtype)
+        _store_row_of_blocks(a_ref, r, a_qk)
         strict_L.append([beta * dots.nt(k * from_start, right) for right in k_right])
         strict_L[i][i] = jnp.where(strict, strict_L[i][i], 0.0)
         k_to_end.append(k * jnp.exp2(totals[i] - local))
