@@ -8,6 +8,8 @@ neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is thr
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +20,23 @@ from pallas_kernels.moe.reference import swiglu
 # Up to this many token-expert rows (8 tokens at top-8), a GPU runs the routed experts row by row
 # (`pallas_kernels.moe.routed_experts`: no sort, each row streams its expert), above it the grouped path.
 ROW_PATH_MAX_ROWS = 64
+
+
+class SharedExpert(NamedTuple):
+    """The MoE's shared expert: SwiGLU weights in the checkpoint's [out, in] layout and its clip."""
+
+    gate_ID: jax.Array
+    up_ID: jax.Array
+    down_DI: jax.Array
+    limit: float | None
+
+
+def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None) -> jax.Array:
+    """down(swiglu(gate(x), up(x), limit)) with the weights cast to x's dtype: the dense MLP and shared expert."""
+    def linear(v, w_OI):
+        return jnp.einsum("...i,oi->...o", v, w_OI.astype(v.dtype))
+
+    return linear(swiglu(linear(x, gate_ID), linear(x, up_ID), limit), down_DI)
 
 
 def expert_load(experts_TK, num_experts: int) -> jax.Array:
@@ -125,10 +144,19 @@ def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, 
     return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
 
-def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    """All experts on this device: `grouped_local_moe`, except that on a GPU up to ROW_PATH_MAX_ROWS
-    token-expert rows go through the row-by-row decode kernels instead."""
+def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str,
+              shared: SharedExpert | None = None):
+    """All experts on this device, plus the shared expert when given: `grouped_local_moe`, except that on a GPU
+    up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
+    the shared expert (one more row per token) when it has the routed experts' width."""
     tokens, top_k = experts_TK.shape
-    if KERNEL_TARGET.get(backend) == "gpu" and tokens * top_k <= ROW_PATH_MAX_ROWS:
-        return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
-    return grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
+    row_path = KERNEL_TARGET.get(backend) == "gpu" and tokens * top_k <= ROW_PATH_MAX_ROWS
+    if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
+        return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend,
+                              shared=shared[:3], shared_limit=shared.limit)
+    if row_path:
+        routed_TD = routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
+    else:
+        routed_TD = grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
+                                      backend=backend)
+    return routed_TD if shared is None else routed_TD + swiglu_ffn(x_TD, *shared)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import LingConfig
-from ling_jax.expert_ffn import expert_load, local_moe, swiglu
+from ling_jax.expert_ffn import SharedExpert, expert_load, local_moe, swiglu_ffn
 from ling_jax.expert_parallel import moe_parallel, uses_model_parallelism
 from ling_jax.layers import Linear, normal_param, param
 from pallas_kernels.backend import resolve_backend
@@ -27,8 +27,12 @@ class MLP(nnx.Module):
         self.down_proj = Linear(width, hidden, axes=("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.limit = limit
 
+    def weights(self) -> SharedExpert:
+        return SharedExpert(self.gate_proj.weight[...], self.up_proj.weight[...], self.down_proj.weight[...],
+                            self.limit)
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return swiglu_ffn(x, *self.weights())
 
 
 def routing_rule(config: LingConfig) -> RoutingRule:
@@ -74,14 +78,17 @@ class Experts(nnx.Module):
         self.limit = limit
 
     def __call__(self, x_TD, weights_TK, experts_TK, *, backend: str = "reference",
-                 capacity_factor: float | None = None):
-        """-> (y [T, D], dropped token-assignments: int32 scalar, 0 when dropless)."""
+                 capacity_factor: float | None = None, shared: SharedExpert | None = None):
+        """-> (y [T, D], dropped token-assignments: int32 scalar, 0 when dropless). With `shared`, y includes the
+        shared expert's output (on one device a GPU decode step runs it inside the routed experts' kernels)."""
         weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         mesh = jax.sharding.get_abstract_mesh()
         if uses_model_parallelism(mesh):
-            return moe_parallel(x_TD, weights_TK, experts_TK, *weights, limit=self.limit, mesh=mesh,
-                                capacity_factor=capacity_factor, backend=backend)
-        return local_moe(x_TD, weights_TK, experts_TK, *weights, self.limit, backend=backend), jnp.int32(0)
+            routed, dropped = moe_parallel(x_TD, weights_TK, experts_TK, *weights, limit=self.limit, mesh=mesh,
+                                           capacity_factor=capacity_factor, backend=backend)
+            return (routed if shared is None else routed + swiglu_ffn(x_TD, *shared)), dropped
+        return local_moe(x_TD, weights_TK, experts_TK, *weights, self.limit, backend=backend,
+                         shared=shared), jnp.int32(0)
 
 
 class MoE(nnx.Module):
@@ -101,9 +108,9 @@ class MoE(nnx.Module):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         backend = resolve_backend(kernel_backend)
         weights, experts = self.gate(x_TD, backend=backend)
-        routed, dropped = self.experts(x_TD, weights, experts, backend=backend,
-                                       capacity_factor=self.capacity_factor)
+        y_TD, dropped = self.experts(x_TD, weights, experts, backend=backend, capacity_factor=self.capacity_factor,
+                                     shared=self.shared_experts.weights())
         if hasattr(self, "__captures__"):  # inside nnx.capture; sowing elsewhere would grow module state
             self.sow(nnx.Intermediate, "expert_load", expert_load(experts, self.gate.config.num_experts))
             self.sow(nnx.Intermediate, "dropped_assignments", dropped)
-        return (routed + self.shared_experts(x_TD)).reshape(x_BTD.shape)
+        return y_TD.reshape(x_BTD.shape)

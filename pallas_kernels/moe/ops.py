@@ -150,45 +150,51 @@ def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend
     return down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, interpret):
-    return routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit=limit,
-                              interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit,
+                       interpret):
+    return routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit=limit,
+                              shared_limit=shared_limit, interpret=interpret)
 
 
-def _routed_gpu_kernel_fwd(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, interpret):
-    out = _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, interpret)
-    return out, (x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI)
+def _routed_gpu_kernel_fwd(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit,
+                           interpret):
+    out = _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit,
+                             interpret)
+    return out, (x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared)
 
 
-def _routed_gpu_kernel_bwd(limit, interpret, residuals, d_out_TD):
-    x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI = residuals
+def _routed_gpu_kernel_bwd(limit, shared_limit, interpret, residuals, d_out_TD):
+    x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared = residuals
 
-    def reference(x, weights, gate, up, down):
-        return routed_experts_reference(x, weights, experts_TK, gate, up, down, limit)
+    def reference(x, weights, gate, up, down, shared_weights):
+        return routed_experts_reference(x, weights, experts_TK, gate, up, down, limit, shared_weights, shared_limit)
 
-    _, pullback = jax.vjp(reference, x_TD, weights_TK, gate_EID, up_EID, down_EDI)
-    d_x, d_weights, d_gate, d_up, d_down = pullback(d_out_TD)
-    return d_x, d_weights, None, d_gate, d_up, d_down
+    _, pullback = jax.vjp(reference, x_TD, weights_TK, gate_EID, up_EID, down_EDI, shared)
+    d_x, d_weights, d_gate, d_up, d_down, d_shared = pullback(d_out_TD)
+    return d_x, d_weights, None, d_gate, d_up, d_down, d_shared
 
 
 _routed_gpu_kernel.defvjp(_routed_gpu_kernel_fwd, _routed_gpu_kernel_bwd)
 
 
 def routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
-                   backend: str = "auto") -> jax.Array:
+                   shared=None, shared_limit: float | None = None, backend: str = "auto") -> jax.Array:
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation); FFN_e is
     expert e's SwiGLU, min(SiLU(x W_gate), limit) * clip(x W_up, +-limit) W_down with a limit. Weights
     [E, I, D] (gate, up) and [E, D, I] (down) in the checkpoint's [out, in] layout; experts outside [0, E)
-    contribute nothing.
+    contribute nothing. shared: None, or the MoE's shared expert (gate [I, D], up [I, D], down [D, I], the
+    routed experts' width), clipped at `shared_limit` and added with weight 1.
 
     For a few tokens (decode): the GPU kernels read each row's expert directly, with no sorting, and cost a
-    weight read per token-expert pair. backend: "auto" (the GPU kernels on a GPU, the reference elsewhere),
-    "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. Differentiable (the backward
-    pass is the reference's).
+    weight read per token-expert pair; the shared expert is one more row per token. backend: "auto" (the GPU
+    kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
+    reference. Differentiable (the backward pass is the reference's).
     """
     backend = resolve_backend(backend)
+    shared = None if shared is None else tuple(shared)
     if KERNEL_TARGET.get(backend) == "gpu":
-        return _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
-                                  backend.startswith("interpret"))
-    return routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit)
+        return _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit,
+                                  shared_limit, backend.startswith("interpret"))
+    return routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, shared,
+                                    shared_limit)

@@ -39,10 +39,12 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
     return jnp.minimum(activated, limit) * jnp.clip(up, -limit, limit)
 
 
-def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None):
+def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None,
+                             shared=None, shared_limit: float | None = None):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype, where FFN_e is expert e's SwiGLU
     (clipped at `limit`), computed in fp32 from the gathered experts' weights [T, K, ...]; experts outside
-    [0, E) contribute nothing."""
+    [0, E) contribute nothing. shared: None, or the shared expert's (gate [I, D], up [I, D], down [D, I]),
+    clipped at `shared_limit` and added (in fp32, before the cast)."""
     num_experts = gate_EID.shape[0]
     valid_TK = (experts_TK >= 0) & (experts_TK < num_experts)
     index_TK = jnp.clip(experts_TK, 0, num_experts - 1)
@@ -52,4 +54,10 @@ def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, dow
     up = jnp.einsum("td,tkid->tki", x, up_EID[index_TK].astype(jnp.float32), precision=hi)
     y_TKD = jnp.einsum("tki,tkdi->tkd", swiglu(gate, up, limit), down_EDI[index_TK].astype(jnp.float32), precision=hi)
     weights_TK = jnp.where(valid_TK, weights_TK.astype(jnp.float32), 0.0)
-    return jnp.einsum("tkd,tk->td", y_TKD, weights_TK, precision=hi).astype(x_TD.dtype)
+    y_TD = jnp.einsum("tkd,tk->td", y_TKD, weights_TK, precision=hi)
+    if shared is not None:
+        shared_gate_ID, shared_up_ID, shared_down_DI = (w.astype(jnp.float32) for w in shared)
+        hidden_TI = swiglu(jnp.dot(x, shared_gate_ID.T, precision=hi), jnp.dot(x, shared_up_ID.T, precision=hi),
+                           shared_limit)
+        y_TD = y_TD + jnp.dot(hidden_TI, shared_down_DI.T, precision=hi)
+    return y_TD.astype(x_TD.dtype)

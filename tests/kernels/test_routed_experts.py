@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from ling_jax.expert_ffn import ROW_PATH_MAX_ROWS, dense_expert_ffn, local_moe
+from ling_jax.expert_ffn import ROW_PATH_MAX_ROWS, SharedExpert, dense_expert_ffn, local_moe, swiglu_ffn
 from pallas_kernels.moe import routed_experts
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -33,19 +33,32 @@ def random_case(tokens, top_k, num_experts, hidden, width, dtype, seed, invalid=
             rounded(r.normal(size=(num_experts, hidden, width)) / width ** 0.5))
 
 
-def float64_loop(x, weights, experts, gate, up, down, limit):
-    """Token by token, slot by slot, in float64; experts outside [0, E) are skipped."""
+def float64_ffn(x, gate, up, down, limit):
+    """One SwiGLU expert on one token in float64."""
+    g, u = gate.astype(np.float64) @ x, up.astype(np.float64) @ x
+    activated = g / (1 + np.exp(-g))
+    if limit is not None:
+        activated, u = np.minimum(activated, limit), np.clip(u, -limit, limit)
+    return down.astype(np.float64) @ (activated * u)
+
+
+def float64_loop(x, weights, experts, gate, up, down, limit, shared=None, shared_limit=None):
+    """Token by token, slot by slot, in float64; experts outside [0, E) are skipped; `shared` (gate, up, down)
+    is added with weight 1."""
     out = np.zeros(x.shape)
     for t in range(x.shape[0]):
         for k, e in enumerate(experts[t]):
-            if not 0 <= e < gate.shape[0]:
-                continue
-            g, u = gate[e].astype(np.float64) @ x[t], up[e].astype(np.float64) @ x[t]
-            activated = g / (1 + np.exp(-g))
-            if limit is not None:
-                activated, u = np.minimum(activated, limit), np.clip(u, -limit, limit)
-            out[t] += weights[t, k] * (down[e].astype(np.float64) @ (activated * u))
+            if 0 <= e < gate.shape[0]:
+                out[t] += weights[t, k] * float64_ffn(x[t], gate[e], up[e], down[e], limit)
+        if shared is not None:
+            out[t] += float64_ffn(x[t], *shared, shared_limit)
     return out
+
+
+def random_shared(hidden, width, seed):
+    r = np.random.default_rng(seed)
+    return (r.normal(size=(width, hidden)) / hidden ** 0.5, r.normal(size=(width, hidden)) / hidden ** 0.5,
+            r.normal(size=(hidden, width)) / width ** 0.5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -57,6 +70,39 @@ def test_matches_float64_loop_fp32(backend, limit, shape):
     ours = routed_experts(*(jnp.asarray(a) for a in case), limit, backend=backend)
     assert ours.dtype == jnp.float32
     assert rel_error(ours, float64_loop(*case, limit)) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shared_limit", [None, 0.4], ids=["shared", "shared-limit"])
+@pytest.mark.parametrize("shape", [(1, 8, 16, 64, 32), (5, 3, 7, 48, 40)], ids=["decode-1", "odd"])
+def test_shared_expert_rows_match_float64_loop(backend, shared_limit, shape):
+    """The shared expert as one more row per token (its own clip), invalid routed slots included."""
+    case = random_case(*shape, jnp.float32, seed=sum(shape) + 1, invalid=True)
+    shared = tuple(a.astype(np.float32) for a in random_shared(shape[3], shape[4], seed=shape[0]))
+    ours = routed_experts(*(jnp.asarray(a) for a in case), 0.7, shared=tuple(map(jnp.asarray, shared)),
+                          shared_limit=shared_limit, backend=backend)
+    assert rel_error(ours, float64_loop(*case, 0.7, shared, shared_limit)) <= TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_expert_gradients_match_the_dense_path(backend):
+    x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(3, 2, 5, 24, 16, jnp.float32, 9))
+    shared = tuple(jnp.asarray(a, jnp.float32) for a in random_shared(24, 16, seed=4))
+
+    def loss(fn, x, weights, gate, up, down, shared):
+        return jnp.sum(jnp.sin(fn(x, weights, gate, up, down, shared)))
+
+    def ours(x, weights, gate, up, down, shared):
+        return routed_experts(x, weights, experts, gate, up, down, 0.9, shared=shared, shared_limit=0.5,
+                              backend=backend)
+
+    def dense(x, weights, gate, up, down, shared):
+        return dense_expert_ffn(x, weights, experts, gate, up, down, 0.9) + swiglu_ffn(x, *shared, 0.5)
+
+    got, expected = (jax.grad(functools.partial(loss, fn), argnums=range(6))(x, weights, gate, up, down, shared)
+                     for fn in (ours, dense))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        assert rel_error(a, b) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,6 +142,24 @@ def test_local_moe_takes_the_row_path_for_few_tokens():
         text = str(jax.make_jaxpr(functools.partial(local_moe, limit=2.0, backend="interpret_gpu"))(
             x, weights, experts, gate, up, down))
         assert ("expert_swiglu_rows" in text) == (tokens * 4 <= ROW_PATH_MAX_ROWS)
+
+
+@pytest.mark.parametrize("tokens", [1, ROW_PATH_MAX_ROWS // 4 + 1])
+@pytest.mark.parametrize("shared_width", [16, 24], ids=["same-width", "other-width"])
+def test_local_moe_with_the_shared_expert(tokens, shared_width):
+    """The shared expert joins the row kernels when it has the routed width (one launch pair, no separate
+    shared-expert ops); otherwise, and on the grouped path, it is added after. Always == reference."""
+    x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16,
+                                                                               jnp.float32, tokens))
+    shared = SharedExpert(*(jnp.asarray(a, jnp.float32) for a in random_shared(32, shared_width, seed=7)), 0.6)
+    run = functools.partial(local_moe, limit=2.0, shared=shared)
+    ours = run(x, weights, experts, gate, up, down, backend="interpret_gpu")
+    reference = run(x, weights, experts, gate, up, down, backend="reference")
+    expected = dense_expert_ffn(x, weights, experts, gate, up, down, 2.0) + swiglu_ffn(x, *shared)
+    assert rel_error(ours, expected) <= 1e-5 and rel_error(reference, expected) <= 1e-5
+    jaxpr = jax.make_jaxpr(functools.partial(run, backend="interpret_gpu"))(x, weights, experts, gate, up, down)
+    in_rows = tokens * 4 <= ROW_PATH_MAX_ROWS and shared_width == 16
+    assert ("expert_down_combine" in str(jaxpr.jaxpr.eqns[-1])) == in_rows  # the kernels' output is the result
 
 
 def test_gpu_kernels_lower_for_cuda():
