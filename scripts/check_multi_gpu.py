@@ -2,10 +2,10 @@
 """A full-width Ling-3.1-flash-shaped model (random bf16 weights) with its experts split over all devices:
 a sharded forward and prefill + decode of as many layers as fit, and a logit check against one device.
 
-    # 2 GPUs (expert=2): 18 layers on the mesh, 9 for the comparison with one GPU
+    # 2 H200s (expert=2): about 18 layers on the mesh, 9 for the comparison with one GPU
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/check_multi_gpu.py
     python scripts/check_multi_gpu.py --mesh expert=8 --layers 64 --reference-layers 8
-    python scripts/check_multi_gpu.py --plan-only --mesh expert=8 --device-memory-gib 141   # arithmetic only
+    python scripts/check_multi_gpu.py --plan-only --mesh expert=8 --device-memory-gib 133   # arithmetic only
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/check_multi_gpu.py --quick   # CPU
 
 The model is `bench_common.flash_slice_config` (hidden 4096, 64 heads, 512 experts, every layer MoE, an MLA
@@ -148,10 +148,11 @@ class Logits:
     cached: np.ndarray  # [B, steps + 1, V] fp32: the prefill's last position, then one per decode step
 
 
-def run_model(config: LingConfig, mesh, inputs: Inputs, *, corrupt: bool = False) -> Logits:
+def run_model(config: LingConfig, mesh, inputs: Inputs, *, kernel_backend: str, corrupt: bool = False) -> Logits:
     """Builds the model on `mesh` (seed 0), runs the forward and the prefill + decode steps; frees it after."""
     start = time.perf_counter()
-    model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), mesh)
+    model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
+                                                 kernel_backend=kernel_backend), mesh)
     if corrupt:
         corrupt_last_shard(model, mesh.shape.get("expert", 1))
     sharded = ShardedLM(model, mesh)
@@ -227,6 +228,8 @@ def parse_args(argv):
                         help="memory per device (default: the device's bytes_limit; needed on a CPU)")
     parser.add_argument("--headroom-gib", type=float, help="memory per device kept free of parameters: activations, "
                         f"cache, init temporaries (default {DEFAULTS['headroom_gib']})")
+    parser.add_argument("--kernel-backend", default="auto",
+                        help="auto: the Pallas kernels on a GPU, jnp on a CPU; reference: jnp everywhere")
     parser.add_argument("--plan-only", action="store_true", help="print the layer arithmetic and stop")
     parser.add_argument("--corrupt-last-shard", action="store_true",
                         help=f"self-test: scale the last device's routed experts by {CORRUPT_SCALE} on the mesh")
@@ -267,18 +270,20 @@ def main(argv=None) -> int:
                              args.decode_steps)
         reduced = flash_slice_config(reference_layers, args.quick)
         print(f"\n{reference_layers} layers on one device (reference):", flush=True)
-        reference = run_model(reduced, one_device, inputs)
+        reference = run_model(reduced, one_device, inputs, kernel_backend=args.kernel_backend)
         print(f"{reference_layers} layers on the mesh{' (last shard corrupted)' if args.corrupt_last_shard else ''}:",
               flush=True)
         matches = compare_with_reference(
-            reference, run_model(reduced, mesh, inputs, corrupt=args.corrupt_last_shard), inputs)
+            reference, run_model(reduced, mesh, inputs, kernel_backend=args.kernel_backend,
+                                 corrupt=args.corrupt_last_shard), inputs)
         del reference
         if not matches:
             print(f"\nFAIL: {reference_layers}-layer logits on mesh {mesh_sizes} differ from one device by more than "
                   f"{TOLERANCE:.0e}; the {layers}-layer run is skipped")
             return 1
         print(f"{layers} layers on the mesh:", flush=True)
-        large_ok = check_large_run(run_model(flash_slice_config(layers, args.quick), mesh, inputs), inputs)
+        large = run_model(flash_slice_config(layers, args.quick), mesh, inputs, kernel_backend=args.kernel_backend)
+        large_ok = check_large_run(large, inputs)
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
