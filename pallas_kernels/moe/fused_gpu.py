@@ -69,11 +69,12 @@ def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_we
 
 
 # (block_m, block_n, block_k, num_warps, num_stages) by x's itemsize. gather_swiglu keeps two accumulators, so
-# its column tile is half the grouped matmul's; fp32 (IEEE, no tensor cores) untuned.
+# its column tile is half the grouped matmul's. bf16: the best of scripts/bench_moe.py's sweep on an H200 at
+# 8192 and at 64 tokens (Ling-3.1-flash MoE; 2026-11-29); fp32 (IEEE, no tensor cores) untuned.
 GATHER_SWIGLU_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 32, 32, 4, 3)}
 DOWN_SCATTER_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
-FEW_ROWS_GATHER_SWIGLU_TILES = {2: (16, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
-FEW_ROWS_DOWN_SCATTER_TILES = {2: (16, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
+FEW_ROWS_GATHER_SWIGLU_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
+FEW_ROWS_DOWN_SCATTER_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
 _TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret")
 
 
