@@ -63,7 +63,7 @@ def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, *refs, top_k: int, route
     token = row // top_k + is_shared * (row - routed_rows - row // top_k)
     product = functools.partial(_row_times_tile, col0=col0, vector_ref=x_ref, vector_row=token, block_n=block_n,
                                 block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
-    expert = expert_ref[...]
+    expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
     gate_N, up_N = product(gate_ref, expert), product(up_ref, expert)
     hidden = swiglu(gate_N, up_N, limit)
     if shared_refs:
@@ -124,7 +124,7 @@ def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI,
         raise ValueError(f"shared expert gate {shared[0].shape} must have the routed experts' shape "
                          f"{gate_EID.shape[1:]} to run in their kernels")
     rows = routed_rows + (tokens if shared_stacks else 0)
-    experts_R = jnp.pad(experts_TK.reshape(-1).astype(jnp.int32), (0, rows - routed_rows), constant_values=-1)
+    experts_R = experts_TK.reshape(-1).astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
 
     block_n, block_k, num_warps, num_stages = swiglu_tiles
@@ -134,8 +134,8 @@ def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI,
                           shared_limit=shared_limit, block_n=block_n, block_k=block_k,
                           mask_n=width % block_n != 0, mask_k=hidden % block_k != 0),
         grid=(rows, pl.cdiv(width, block_n)),
-        in_specs=[pl.BlockSpec((None,), lambda r, n: (r,)), whole(x_TD.shape), whole(gate_EID.shape),
-                  whole(up_EID.shape)] + [whole(w.shape) for w in shared_stacks[:2]],
+        in_specs=[pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),)), whole(x_TD.shape),
+                  whole(gate_EID.shape), whole(up_EID.shape)] + [whole(w.shape) for w in shared_stacks[:2]],
         out_specs=whole((rows, width)),
         out_shape=jax.ShapeDtypeStruct((rows, width), x_TD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
