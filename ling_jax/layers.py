@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.norm.ops import add_rms_norm, rms_norm
+from pallas_kernels.norm.reference import rms_normalize
+
 DEFAULT_INIT_STD = 0.02
 
 
@@ -38,20 +41,20 @@ class Linear(nnx.Module):
         return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
 
 
-def rms_normalize(x_f32: jax.Array, eps: float) -> jax.Array:
-    return x_f32 * jax.lax.rsqrt(jnp.mean(jnp.square(x_f32), axis=-1, keepdims=True) + eps)
-
-
 class RMSNorm(nnx.Module):
-    """weight * (x / rms(x)): normalised in fp32, cast back to the input dtype, then scaled (spec §5)."""
+    """weight * (x / rms(x)): normalised in fp32, cast back to the input dtype, then scaled (spec §5).
+    backend: `pallas_kernels.norm` (one kernel per norm on a GPU, the jnp reference elsewhere)."""
 
     def __init__(self, dim: int, eps: float, *, dtype):
         self.weight = param(jnp.ones((dim,), dtype), ("norm",))
         self.eps = eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        normed = rms_normalize(x.astype(jnp.float32), self.eps).astype(x.dtype)
-        return self.weight[...].astype(x.dtype) * normed
+    def __call__(self, x: jax.Array, *, backend: str = "reference") -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps, backend=backend)
+
+    def add_and_normalize(self, x: jax.Array, residual: jax.Array, *, backend: str = "reference"):
+        """(x + residual, this norm of it), one kernel on a GPU."""
+        return add_rms_norm(x, residual, self.weight[...], self.eps, backend=backend)
 
 
 class GatedRMSNorm(nnx.Module):

@@ -91,13 +91,14 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, h_BTD, ctx: TokenContext, state):
         """state: KDAState for a KDA layer; MLAState or None (no cache) for an MLA layer."""
-        x = self.input_layernorm(h_BTD)
+        # One device: the norms (and the residual add before the second) run as one kernel each on a GPU.
+        norm_backend = ctx.kernel_backend if jax.sharding.get_abstract_mesh().empty else "reference"
+        x = self.input_layernorm(h_BTD, backend=norm_backend)
         if isinstance(self.attention, KimiDeltaAttention):
             y, state = self.attention(x, state, ctx.mask_BT, mode=ctx.kda_mode, kernel_backend=ctx.kernel_backend)
         else:
             y, state = self._latent_attention(x, ctx, state)
-        h_BTD = h_BTD + y
-        x = self.post_attention_layernorm(h_BTD)
+        h_BTD, x = self.post_attention_layernorm.add_and_normalize(h_BTD, y, backend=norm_backend)
         y = self.mlp(x, kernel_backend=ctx.kernel_backend) if isinstance(self.mlp, MoE) else self.mlp(x)
         return h_BTD + y, state
 

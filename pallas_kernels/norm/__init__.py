@@ -1,0 +1,4 @@
+from pallas_kernels.norm.ops import add_rms_norm, rms_norm
+from pallas_kernels.norm.reference import add_rms_norm_reference, rms_norm_reference
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]

@@ -1,0 +1,24 @@
+"""RMSNorm in pure jnp, the spec in code (spec §5): weight * (x / rms(x)), normalised in fp32, cast back to
+the input dtype, then scaled in that dtype; and the residual add in front of it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_normalize(x_f32: jax.Array, eps: float) -> jax.Array:
+    return x_f32 * jax.lax.rsqrt(jnp.mean(jnp.square(x_f32), axis=-1, keepdims=True) + eps)
+
+
+def rms_norm_reference(x, weight, eps: float) -> jax.Array:
+    """[..., D] in x's dtype."""
+    normed = rms_normalize(x.astype(jnp.float32), eps).astype(x.dtype)
+    return weight.astype(x.dtype) * normed
+
+
+def add_rms_norm_reference(x, residual, weight, eps: float):
+    """(x + residual, rms_norm(x + residual)), both in x's dtype: a decoder layer's residual add and the norm
+    after it."""
+    total = x + residual.astype(x.dtype)
+    return total, rms_norm_reference(total, weight, eps)

@@ -1,0 +1,69 @@
+"""RMSNorm on GPU: one Pallas kernel (Triton lowering), optionally with the residual add in front.
+
+Program = one row of D values held in registers: (residual add, stored), the fp32 mean of squares, the
+normalised row rounded to the input dtype, times the weight in that dtype (computed exactly in fp32, then
+rounded, which is what a bf16 multiply is). A decode step's norms are rows of 4096: XLA runs each as a
+reduction kernel plus an elementwise kernel (plus one for the add); this is one launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _normalise(total_D, weight_D, eps: float, dtype):
+    """The norm of one row, as `rms_norm_reference` computes it."""
+    total_f32 = total_D.astype(jnp.float32)
+    mean_square = jnp.sum(total_f32 * total_f32) / total_D.shape[0]
+    normed = (total_f32 * jax.lax.rsqrt(mean_square + eps)).astype(dtype)
+    return (weight_D.astype(dtype).astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
+
+
+def _norm_kernel(x_ref, weight_ref, out_ref, *, eps: float):
+    out_ref[...] = _normalise(x_ref[...], weight_ref[...], eps, out_ref.dtype)
+
+
+def _add_norm_kernel(x_ref, residual_ref, weight_ref, total_ref, out_ref, *, eps: float):
+    total = (x_ref[...].astype(jnp.float32) + residual_ref[...].astype(x_ref.dtype).astype(jnp.float32))
+    total = total.astype(total_ref.dtype)
+    total_ref[...] = total
+    out_ref[...] = _normalise(total, weight_ref[...], eps, out_ref.dtype)
+
+
+def _row_call(kernel, rows_inputs, weight_D, num_outputs: int, *, num_warps: int, interpret: bool, name: str):
+    """Run `kernel` over the rows of [N, D] inputs (D a power of two), one program per row."""
+    rows, dim = rows_inputs[0].shape
+    row = pl.BlockSpec((None, dim), lambda i: (i, 0))
+    out = jax.ShapeDtypeStruct((rows, dim), rows_inputs[0].dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(rows,),
+        in_specs=[row] * len(rows_inputs) + [pl.BlockSpec((dim,), lambda i: (0,))],
+        out_specs=[row] * num_outputs,
+        out_shape=[out] * num_outputs,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*rows_inputs, weight_D)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def rms_norm_gpu(x, weight_D, *, eps: float, num_warps: int = 4, interpret: bool = False):
+    """`rms_norm_reference` for x [..., D] with D a power of two."""
+    (out,) = _row_call(functools.partial(_norm_kernel, eps=eps), [x.reshape(-1, x.shape[-1])], weight_D, 1,
+                       num_warps=num_warps, interpret=interpret, name="rms_norm")
+    return out.reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def add_rms_norm_gpu(x, residual, weight_D, *, eps: float, num_warps: int = 4, interpret: bool = False):
+    """`add_rms_norm_reference` for x, residual [..., D] with D a power of two."""
+    flat = [a.reshape(-1, x.shape[-1]) for a in (x, residual)]
+    total, out = _row_call(functools.partial(_add_norm_kernel, eps=eps), flat, weight_D, 2, num_warps=num_warps,
+                           interpret=interpret, name="add_rms_norm")
+    return total.reshape(x.shape), out.reshape(x.shape)

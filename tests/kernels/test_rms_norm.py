@@ -1,0 +1,103 @@
+"""RMSNorm and residual add + RMSNorm (`pallas_kernels.norm`): the GPU kernel (Pallas interpret mode on the CPU,
+compiled on the device machine) and the jnp reference against float64 numpy; gradients; lowering for CUDA."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import lower_for_cuda, rel_error
+
+from pallas_kernels.norm import add_rms_norm, rms_norm
+
+BACKENDS = ["interpret_gpu", "reference"]
+EPS = 1e-6
+
+
+def float64_norm(x, weight):
+    x = np.asarray(x, np.float64)
+    return np.asarray(weight, np.float64) * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS)
+
+
+def random_rows(shape, dtype, seed):
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.normal(size=shape) * 3.0, dtype)
+    residual = jnp.asarray(r.normal(size=shape), dtype)
+    weight = jnp.asarray(r.uniform(0.5, 1.5, shape[-1]), dtype)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (5, 256), (3, 7, 128)], ids=["one-row", "rows", "batch-time"])
+def test_matches_float64(shape, dtype, tol, backend):
+    x, residual, weight = random_rows(shape, dtype, seed=sum(shape))
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    normed = rms_norm(x, weight, EPS, backend=backend)
+    assert normed.dtype == dtype and normed.shape == x.shape
+    assert rel_error(normed, float64_norm(f32(x), f32(weight))) <= tol
+    total, normed = add_rms_norm(x, residual, weight, EPS, backend=backend)
+    expected_total = f32(x).astype(np.float64) + f32(residual)
+    assert rel_error(total, expected_total) <= tol
+    assert rel_error(normed, float64_norm(f32(total), f32(weight))) <= tol
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_equals_reference(dtype):
+    """The kernel rounds where the reference does (the normalised row to the input dtype, then the product)."""
+    x, residual, weight = random_rows((9, 512), dtype, seed=1)
+    for op, args in ((rms_norm, (x, weight, EPS)), (add_rms_norm, (x, residual, weight, EPS))):
+        ours = jax.tree.leaves(op(*args, backend="interpret_gpu"))
+        ref = jax.tree.leaves(op(*args, backend="reference"))
+        for a, b in zip(ours, ref):
+            differ = np.asarray(a, np.float32) != np.asarray(b, np.float32)
+            assert differ.mean() <= (0.0 if dtype == jnp.float32 else 0.01)
+            assert rel_error(a, b) <= (1e-6 if dtype == jnp.float32 else 1e-3)
+
+
+def test_other_widths_use_the_reference():
+    x, residual, weight = random_rows((2, 96), jnp.float32, seed=2)
+    text = str(jax.make_jaxpr(functools.partial(add_rms_norm, eps=EPS, backend="interpret_gpu"))(x, residual, weight))
+    assert "pallas_call" not in text
+    assert rel_error(rms_norm(x, weight, EPS, backend="interpret_gpu"), float64_norm(x, weight)) <= 1e-6
+
+
+def test_gradients_match_the_reference():
+    x, residual, weight = random_rows((3, 128), jnp.float32, seed=3)
+    probe = jnp.asarray(np.random.default_rng(4).normal(size=(3, 128)), jnp.float32)
+
+    def loss(backend, x, residual, weight):
+        total, normed = add_rms_norm(x, residual, weight, EPS, backend=backend)
+        return jnp.sum(jnp.sin(normed) * probe) + jnp.sum(total * total) + jnp.sum(
+            rms_norm(x, weight, EPS, backend=backend) * probe)
+
+    grads = {b: jax.grad(functools.partial(loss, b), argnums=(0, 1, 2))(x, residual, weight) for b in BACKENDS}
+    for a, b in zip(grads["interpret_gpu"], grads["reference"]):
+        assert rel_error(a, b) <= 1e-6
+
+
+def test_gpu_kernels_lower_for_cuda():
+    """Ling-3.1-flash rows (hidden 4096): a decode step's one row and a 4096-token prefill chunk."""
+    for rows in (1, 4096):
+        row = jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16)
+        weight = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+        text = lower_for_cuda(functools.partial(add_rms_norm, eps=EPS, backend="pallas_gpu"), row, row, weight).as_text()
+        assert "add_rms_norm" in text
+        assert "rms_norm" in lower_for_cuda(functools.partial(rms_norm, eps=EPS, backend="pallas_gpu"), row,
+                                            weight).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.parametrize("rows", [1, 64, 8192])
+def test_compiled_gpu_kernels(rows):
+    x, residual, weight = random_rows((rows, 4096), jnp.bfloat16, seed=rows)
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    total, normed = add_rms_norm(x, residual, weight, EPS, backend="pallas_gpu")
+    assert rel_error(total, f32(x).astype(np.float64) + f32(residual)) <= 1e-2
+    assert rel_error(normed, float64_norm(f32(total), f32(weight))) <= 1e-2
+    assert rel_error(rms_norm(x, weight, EPS, backend="pallas_gpu"), float64_norm(f32(x), f32(weight))) <= 1e-2
