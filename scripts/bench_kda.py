@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """KDA on one GPU: our kernels vs fla 0.6.0 (Triton) on the same inputs, in one run.
 
-    python scripts/bench_kda.py            # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
+    python scripts/bench_kda.py                  # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
+    python scripts/bench_kda.py --prefill-only   # ~90 s on an H200
     python scripts/bench_kda.py --quick
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
-kernels) vs fla's `chunk_kda`, with the jnp chunked form under XLA as a second baseline, over a few tile
-variants; each variant also times its two pallas_calls alone (phase 1: intra-chunk, parallel; phase 2: the
-sequential state pass), with the bytes each must move at least. Each kernel is checked against fla on the
-device before it is timed. H=64, K=V=128.
+kernels) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form under XLA: ~180 ms a call at
+T=32768), over a few tile variants (phase 1's warps among them); each variant also times its two pallas_calls
+alone (phase 1: intra-chunk, parallel; phase 2: the sequential state pass), with the bytes each must move at
+least. Each kernel is checked against fla on the device before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
 """
 
@@ -109,24 +110,24 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-PREFILL_VARIANTS = [  # (block_v, num_warps, num_stages) of phase 2, num_warps of phase 1, parts dtype
-    (32, 4, 2, 8, None), (32, 4, 1, 8, None), (32, 4, 3, 8, None), (32, 2, 2, 8, None), (64, 4, 2, 8, None),
-    (64, 4, 1, 8, None), (64, 8, 2, 8, None), (128, 8, 2, 8, None), (32, 4, 2, 4, None),
-    (32, 4, 2, 8, jnp.float32),
-]
+PREFILL_VARIANTS = [  # (block_v, num_warps, num_stages) of phase 2, (num_warps, num_stages) of phase 1, parts dtype
+    (32, 4, 2, 4, 1, None), (32, 4, 2, 8, 1, None), (32, 4, 2, 2, 1, None), (64, 4, 2, 4, 1, None),
+    (32, 4, 1, 4, 1, None), (32, 4, 2, 4, 1, jnp.float32),
+]  # the most promising first
 
 
 def bench_prefill_phases(inputs, variant, iters, intra_seconds):
     """(phase 1 s, phase 2 s, bytes each moves at least), each pallas_call jitted and timed alone; phase 1's
-    time is kept per (num_warps, parts dtype) in intra_seconds (its only parameters)."""
+    time is kept per (num_warps, num_stages, parts dtype) in intra_seconds (its only parameters)."""
     jq, jk, jv, jg, jbeta = inputs
-    block_v, warps, stages, intra_warps, parts_dtype = variant
+    block_v, warps, stages, intra_warps, intra_stages, parts_dtype = variant
     intra = jax.jit(functools.partial(intra_chunk, scale=DIM ** -0.5, num_warps=intra_warps,
-                                      parts_dtype=parts_dtype))
+                                      num_stages=intra_stages, parts_dtype=parts_dtype))
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
     parts = intra(*phase1_args)
-    if (intra_warps, parts_dtype) not in intra_seconds:
-        intra_seconds[intra_warps, parts_dtype] = median_seconds(intra, *phase1_args, iters=iters)
+    intra_key = intra_warps, intra_stages, parts_dtype
+    if intra_key not in intra_seconds:
+        intra_seconds[intra_key] = median_seconds(intra, *phase1_args, iters=iters)
     batch, _, heads, _ = jq.shape
     state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
     inter = jax.jit(functools.partial(inter_chunk, out_dtype=jv.dtype, block_v=block_v, num_warps=warps,
@@ -135,10 +136,10 @@ def bench_prefill_phases(inputs, variant, iters, intra_seconds):
     parts_bytes = sum(x.nbytes for x in parts)
     phase1_bytes = sum(x.nbytes for x in phase1_args) + parts_bytes
     phase2_bytes = parts_bytes + jv.nbytes + 2 * state.nbytes
-    return intra_seconds[intra_warps, parts_dtype], inter_s, phase1_bytes, phase2_bytes
+    return intra_seconds[intra_key], inter_s, phase1_bytes, phase2_bytes
 
 
-def bench_prefill(batch, length, iters):
+def bench_prefill(batch, length, iters, jnp_baseline: bool):
     import torch
     from fla.ops.kda import chunk_kda
 
@@ -152,15 +153,18 @@ def bench_prefill(batch, length, iters):
     fla_s = torch_median_seconds(lambda: chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True), iters)
     tokens = batch * length
-    jnp_fn = jax.jit(kda_chunked)
-    jnp_s = median_seconds(jnp_fn, jq, jk, jv, jg, jbeta, iters=iters)
-    print(f"prefill B={batch} T={length}: fla chunk_kda {fla_s * 1e3:.2f} ms ({tokens / fla_s / 1e6:.2f} Mtok/s), "
-          f"jnp chunked (XLA) {jnp_s * 1e3:.2f} ms")
+    baseline = ""
+    if jnp_baseline:
+        jnp_s = median_seconds(jax.jit(kda_chunked), jq, jk, jv, jg, jbeta, iters=iters)
+        baseline = f", jnp chunked (XLA) {jnp_s * 1e3:.2f} ms"
+    print(f"prefill B={batch} T={length}: fla chunk_kda {fla_s * 1e3:.2f} ms ({tokens / fla_s / 1e6:.2f} Mtok/s)"
+          f"{baseline}")
     best, intra_seconds = None, {}
     for variant in PREFILL_VARIANTS:
-        block_v, warps, stages, intra_warps, parts_dtype = variant
+        block_v, warps, stages, intra_warps, intra_stages, parts_dtype = variant
         fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, block_v=block_v, num_warps=warps,
-                                       num_stages=stages, intra_num_warps=intra_warps, parts_dtype=parts_dtype))
+                                       num_stages=stages, intra_num_warps=intra_warps,
+                                       intra_num_stages=intra_stages, parts_dtype=parts_dtype))
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), fla_o), rel_error(state, fla_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
@@ -168,7 +172,7 @@ def bench_prefill(batch, length, iters):
                                                                           intra_seconds)
         parts_name = jnp.dtype(parts_dtype or jv.dtype).name
         print(f"  Pallas block_v={block_v} warps={warps} stages={stages} intra_warps={intra_warps} "
-              f"parts={parts_name}: "
+              f"intra_stages={intra_stages} parts={parts_name}: "
               f"{seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, fla / ours {fla_s / seconds:.2f}x); "
               f"vs fla: o {err_o:.1e}, state {err_s:.1e}\n"
               f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms, >= {intra_bytes / 1e9:.2f} GB "
@@ -186,6 +190,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--prefill-only", action="store_true")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--jnp-baseline", action="store_true",
+                        help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
@@ -194,7 +200,7 @@ def main(argv=None) -> int:
     decode_batches = () if args.prefill_only else ((1, 64) if args.quick else (1, 64, 256))
     rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
     for batch, length in () if args.decode_only else (((1, 4096),) if args.quick else ((1, 32768), (8, 4096))):
-        rows.append(bench_prefill(batch, length, max(5, args.iters // 10)))
+        rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline))
     print("\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n|---|---|---|---|---|---|---|---|")
     for op, batch, length, ours_s, fla_s, frac, err in rows:
         unit, scale = ("us", 1e6) if op == "decode" else ("ms", 1e3)
