@@ -1,4 +1,4 @@
-"""The XLA:CPU YNNPACK-fusion miscompile (jaxlib 0.10.2 / 0.11.2) that `pallas_kernels/__init__.py` works around:
+"""The XLA:CPU YNNPACK-fusion miscompile (jaxlib 0.10.2 / 0.11.2) that `pallas_kernels/compat.py` works around:
 jitted programs at head_dim 128 (the chunked KDA with a zero initial state made inside the jit, a whole decoder
 layer) against eager runs and the float64 recurrence. Without the workaround each of these is ~100% off or NaN."""
 
