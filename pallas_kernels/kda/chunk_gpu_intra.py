@@ -125,7 +125,8 @@ class _SubBlocks:
 
 def _decay_rows(blocks: _SubBlocks, i: int, q_ref, beta_ref, qg_ref, kg_ref, a_ref, *, scale, l2norm, dots):
     """Pass 1 for sub-block i: stores its rows of qg, kg and a_qk; returns its 16x16 blocks of L up to the
-    diagonal. Live [SUB, K] values: q and k decayed from the sub-block's start, k, Γ_i, one reloaded block."""
+    diagonal. Live [SUB, K] values: q and k decayed from the sub-block's start, and k and Γ_i until the
+    diagonal blocks are formed, then one reloaded sub-block at a time."""
     q = q_ref[_rows(i), :].astype(jnp.float32)
     q = (q * _inverse_norms_SUB1(q) if l2norm else q) * scale
     k, local = blocks.keys(i), blocks.log_decay(i)
@@ -134,15 +135,14 @@ def _decay_rows(blocks: _SubBlocks, i: int, q_ref, beta_ref, qg_ref, kg_ref, a_r
     q_left, k_left = q * from_start, k * from_start
     _store(qg_ref, i, q_left * jnp.exp2(blocks.gap(0, i)))
     _store(kg_ref, i, blocks.keys_to_end(i, k, local) * jnp.exp2(blocks.gap(i + 1, SUBS)))
-    a_qk, strict_L = [], []
-    for j in range(i + 1):
-        right = k * jnp.exp2(-local) if j == i else blocks.keys_to_start_of(i, j)  # the diagonal: <= e^80
-        a_qk.append(dots.nt(q_left, right))
-        strict_L.append(beta * dots.nt(k_left, right))
-    a_qk[i] = jnp.where(_iota(0) >= _iota(1), a_qk[i], 0.0)
-    strict_L[i] = jnp.where(_iota(0) > _iota(1), strict_L[i], 0.0)
-    _store_row_of_blocks(a_ref, i, a_qk)
-    return strict_L
+
+    def products(right_SUBK):  # (a_qk block, L block)
+        return dots.nt(q_left, right_SUBK), beta * dots.nt(k_left, right_SUBK)
+
+    a_qk_diagonal, L_diagonal = products(k * jnp.exp2(-local))  # first, so k and Γ_i die here; <= e^80
+    below = [products(blocks.keys_to_start_of(i, j)) for j in range(i)]
+    _store_row_of_blocks(a_ref, i, [a for a, _ in below] + [jnp.where(_iota(0) >= _iota(1), a_qk_diagonal, 0.0)])
+    return [L for _, L in below] + [jnp.where(_iota(0) > _iota(1), L_diagonal, 0.0)]
 
 
 def _block_inverse(strict_L, dots: Dots):
