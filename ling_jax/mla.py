@@ -13,34 +13,12 @@ from flax import nnx, struct
 from ling_jax.config import LingConfig
 from ling_jax.layers import Linear, RMSNorm
 from ling_jax.rope import apply_rope, softmax_scale
-from pallas_kernels.mla.ops import mla_decode
+from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode
 from pallas_kernels.mla.prefill import flash_expanded_attention
 from pallas_kernels.mla.reference import absorbed_attention
 
 EXPANDED = "expanded"
 ABSORBED = "absorbed"
-
-
-# Up to this many query rows (batch x tokens) the absorbed products are written as a broadcast product and a
-# sum: XLA turns a dot with one row per head into the same multiply-and-reduce, but through a materialised,
-# transposed fp32 [H, 512, 128] product (two 7 us kernels per decode step at Ling-3.1-flash size).
-FEW_QUERY_ROWS = 8
-
-
-def absorb_query(q_nope_BTHN, w_uk_HNR) -> jax.Array:
-    """q_latent [B, T, H, R] fp32 = q_nope @ W_UK per head, in fp32 (exact products for bf16 inputs)."""
-    if q_nope_BTHN.shape[0] * q_nope_BTHN.shape[1] <= FEW_QUERY_ROWS:
-        product_BTHNR = q_nope_BTHN.astype(jnp.float32)[..., None] * w_uk_HNR.astype(jnp.float32)
-        return jnp.sum(product_BTHNR, axis=-2)
-    return jnp.einsum("bthn,hnr->bthr", q_nope_BTHN.astype(jnp.float32), w_uk_HNR.astype(jnp.float32))
-
-
-def expand_output(o_latent_BTHR, w_uv_HVR) -> jax.Array:
-    """[B, T, H, V] fp32 = o_latent @ W_UV^T per head, in fp32."""
-    if o_latent_BTHR.shape[0] * o_latent_BTHR.shape[1] <= FEW_QUERY_ROWS:
-        product_BTHVR = o_latent_BTHR.astype(jnp.float32)[..., None, :] * w_uv_HVR.astype(jnp.float32)
-        return jnp.sum(product_BTHVR, axis=-1)
-    return jnp.einsum("bthr,hvr->bthv", o_latent_BTHR.astype(jnp.float32), w_uv_HVR.astype(jnp.float32))
 
 
 @struct.dataclass
@@ -95,12 +73,16 @@ class MultiLatentAttention(nnx.Module):
         k_pe = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleave=c.rope.interleave)
         return jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
 
+    def _kv_b_per_head(self):
+        """kv_b_proj's weight as [H, nope + v, R]: each head's [W_UK ; W_UV] rows."""
+        c = self.config
+        return self.kv_b_proj.weight[...].reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
+                                                  c.kv_lora_rank)
+
     def _kv_b_heads(self):
         """W_UK [H, nope, R] and W_UV [H, v, R] from kv_b_proj's per-head [nope ; v] rows."""
-        c = self.config
-        w = self.kv_b_proj.weight[...].reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
-                                                c.kv_lora_rank)
-        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+        w = self._kv_b_per_head()
+        return w[:, :self.config.qk_nope_head_dim], w[:, self.config.qk_nope_head_dim:]
 
     def __call__(self, x_BTD, cos, sin, *, keys_BSA, visibility: KeyVisibility, mode: str = EXPANDED,
                  decode_lengths_B=None, kernel_backend: str = "reference") -> jax.Array:
@@ -112,16 +94,21 @@ class MultiLatentAttention(nnx.Module):
         `pallas_kernels.mla.mla_decode` with `kernel_backend`.
         """
         q_nope, q_pe = self._queries(x_BTD, cos, sin)
-        w_uk, w_uv = self._kv_b_heads()
         if mode == ABSORBED:
-            q_latent = absorb_query(q_nope, w_uk)
+            batch, length = x_BTD.shape[:2]
+            kv_b_HCR = self._kv_b_per_head()
+            q_latent = absorb_query(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR,
+                                    backend=kernel_backend).reshape(*q_nope.shape[:3], -1)
             if decode_lengths_B is None:
                 o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=self.scale)
             else:
                 o_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=self.scale,
                                       backend=kernel_backend)[:, None]
-            o_BTHV = expand_output(o_latent, w_uv).astype(x_BTD.dtype)
+            o_BTHV = expand_output(o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR,
+                                   self.config.qk_nope_head_dim, backend=kernel_backend)
+            o_BTHV = o_BTHV.reshape(batch, length, *o_BTHV.shape[1:]).astype(x_BTD.dtype)
         elif mode == EXPANDED:
+            w_uk, w_uv = self._kv_b_heads()
             o_BTHV = flash_expanded_attention(q_nope, q_pe, keys_BSA, visibility.query_slots_BT,
                                               visibility.key_valid_BS, w_uk, w_uv, scale=self.scale)
         else:

@@ -1,8 +1,15 @@
-"""`mla_decode`: absorbed-MLA attention of one query token per sequence over a ragged latent cache."""
+"""Absorbed-MLA ops by backend: `mla_decode` (attention of one query token per sequence over a ragged latent
+cache) and the weight products around it, `absorb_query` and `expand_output`."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
+
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.mla.absorb_gpu import ROWS, absorb_query_gpu, expand_output_gpu
+from pallas_kernels.mla.absorb_reference import absorb_query_reference, expand_output_reference
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
 from pallas_kernels.mla.reference import mla_decode_reference
@@ -24,3 +31,56 @@ def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: floa
     if KERNEL_TARGET[backend] == "gpu":
         return mla_decode_gpu(*args, scale=scale, interpret=interpret)
     return mla_decode_tpu(*args, scale=scale, interpret=interpret)
+
+
+def _few_rows_on_gpu(x_MHX, backend: str) -> bool:
+    return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu" and x_MHX.shape[0] <= ROWS
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret):
+    return absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret=interpret)
+
+
+def _absorb_query_gpu_fwd(q_nope_MHN, kv_b_HCR, interpret):
+    return _absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret), (q_nope_MHN, kv_b_HCR)
+
+
+def _absorb_query_gpu_bwd(interpret, residuals, d_out):
+    return jax.vjp(absorb_query_reference, *residuals)[1](d_out)
+
+
+_absorb_query_gpu.defvjp(_absorb_query_gpu_fwd, _absorb_query_gpu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, interpret):
+    return expand_output_gpu(o_latent_MHR, kv_b_HCR, nope=nope, interpret=interpret)
+
+
+def _expand_output_gpu_fwd(o_latent_MHR, kv_b_HCR, nope, interpret):
+    return _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, interpret), (o_latent_MHR, kv_b_HCR)
+
+
+def _expand_output_gpu_bwd(nope, interpret, residuals, d_out):
+    return jax.vjp(functools.partial(expand_output_reference, nope=nope), *residuals)[1](d_out)
+
+
+_expand_output_gpu.defvjp(_expand_output_gpu_fwd, _expand_output_gpu_bwd)
+
+
+def absorb_query(q_nope_MHN, kv_b_HCR, *, backend: str = "auto"):
+    """q_latent [M, H, R] fp32 = q_nope @ W_UK per head; kv_b [H, nope + v, R] is kv_b_proj's per-head view.
+    On a GPU backend, up to ROWS query rows run the Pallas kernel; otherwise (and above) the jnp reference.
+    Differentiable (the kernel's backward pass is the reference's)."""
+    if _few_rows_on_gpu(q_nope_MHN, backend):
+        return _absorb_query_gpu(q_nope_MHN, kv_b_HCR, resolve_backend(backend).startswith("interpret"))
+    return absorb_query_reference(q_nope_MHN, kv_b_HCR)
+
+
+def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, backend: str = "auto"):
+    """[M, H, V] fp32 = o_latent @ W_UV^T per head (W_UV: each head's rows after the first `nope`); backends
+    as for `absorb_query`."""
+    if _few_rows_on_gpu(o_latent_MHR, backend):
+        return _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, resolve_backend(backend).startswith("interpret"))
+    return expand_output_reference(o_latent_MHR, kv_b_HCR, nope)

@@ -1,0 +1,106 @@
+"""The absorbed-MLA weight products for a few query rows on GPU: two Pallas kernels (Triton lowering).
+
+With one decode token per sequence each head's product is a vector times a [128, 512] slice of kv_b_proj.
+XLA rewrites such a dot into a multiply and a reduction through a materialised, transposed fp32 copy of the
+slice ([H, 512, 128], 17 MB written and read per product at Ling-3.1-flash size); these kernels read each
+bf16 weight tile once, straight from kv_b_proj's [H, nope + v, R] view (the slices are block offsets), and
+reduce in registers. Rows are few (up to ROWS), so products are elementwise multiply-and-sum, no dots.
+
+- `absorb_query_gpu`, program (head, latent column tile): q_latent[m, h, cols] = sum_n q_nope[m, h, n] W_UK[h, n, cols].
+- `expand_output_gpu`, program (head, value column tile): o[m, h, cols] = sum_r o_latent[m, h, r] W_UV[h, cols, r].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+ROWS = 8  # the most query rows (batch x tokens) these kernels take
+
+
+def _rows_of(vector_ref, rows: int):
+    """One head's vectors, row by row, in fp32 (a Python list: Triton values cannot be sliced)."""
+    return [vector_ref[row, :].astype(jnp.float32) for row in range(rows)]
+
+
+def _stack_rows(row_values, rows: int, cols: int):
+    """[rows, cols] from a list of [cols] values."""
+    row_R1 = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    out = jnp.zeros((rows, cols), jnp.float32)
+    for row, value in enumerate(row_values):
+        out = jnp.where(row_R1 == row, value[None, :], out)
+    return out
+
+
+def _absorb_kernel(q_ref, w_ref, out_ref, *, rows: int):
+    w_NC = w_ref[...].astype(jnp.float32)  # [nope, block] of W_UK
+    products = [jnp.sum(q_N[:, None] * w_NC, axis=0) for q_N in _rows_of(q_ref, rows)]
+    out_ref[...] = _stack_rows(products, rows, w_NC.shape[1])
+
+
+def _expand_kernel(o_ref, w_ref, out_ref, *, rows: int):
+    w_CR = w_ref[...].astype(jnp.float32)  # [block, R] of W_UV
+    products = [jnp.sum(w_CR * o_R[None, :], axis=1) for o_R in _rows_of(o_ref, rows)]
+    out_ref[...] = _stack_rows(products, rows, w_CR.shape[0])
+
+
+def _padded_rows(x_MHX):
+    rows = pl.next_power_of_2(x_MHX.shape[0])
+    if x_MHX.shape[0] > ROWS:
+        raise ValueError(f"{x_MHX.shape[0]} query rows: these kernels take at most {ROWS}")
+    return jnp.pad(x_MHX, ((0, rows - x_MHX.shape[0]), (0, 0), (0, 0))), rows
+
+
+def _column_block(wanted: int, *widths: int) -> int:
+    """The largest power of two <= wanted dividing every width (Triton blocks are powers of two)."""
+    block = wanted
+    while any(width % block for width in widths):
+        block //= 2
+    return block
+
+
+@functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
+def absorb_query_gpu(q_nope_MHN, kv_b_HCR, *, block: int = 128, num_warps: int = 4, interpret: bool = False):
+    """`absorb_query_reference` for at most ROWS rows: [M, H, R] fp32."""
+    q_MHN, rows = _padded_rows(q_nope_MHN)
+    heads, nope, rank = q_MHN.shape[1], q_MHN.shape[2], kv_b_HCR.shape[2]
+    block = _column_block(block, rank)
+    out = pl.pallas_call(
+        functools.partial(_absorb_kernel, rows=rows),
+        grid=(heads, pl.cdiv(rank, block)),
+        in_specs=[pl.BlockSpec((rows, None, nope), lambda h, c: (0, h, 0)),
+                  pl.BlockSpec((None, nope, block), lambda h, c: (h, 0, c))],
+        out_specs=pl.BlockSpec((rows, None, block), lambda h, c: (0, h, c)),
+        out_shape=jax.ShapeDtypeStruct((rows, heads, rank), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="mla_absorb_query",
+    )(q_MHN, kv_b_HCR)
+    return out[:q_nope_MHN.shape[0]]
+
+
+@functools.partial(jax.jit, static_argnames=("nope", "block", "num_warps", "interpret"))
+def expand_output_gpu(o_latent_MHR, kv_b_HCR, *, nope: int, block: int = 32, num_warps: int = 4,
+                      interpret: bool = False):
+    """`expand_output_reference` for at most ROWS rows: [M, H, V] fp32."""
+    o_MHR, rows = _padded_rows(o_latent_MHR)
+    heads, rank = o_MHR.shape[1], o_MHR.shape[2]
+    value = kv_b_HCR.shape[1] - nope
+    block = _column_block(block, nope, value)
+    first = nope // block  # W_UV starts `first` blocks into each head's rows
+    out = pl.pallas_call(
+        functools.partial(_expand_kernel, rows=rows),
+        grid=(heads, value // block),
+        in_specs=[pl.BlockSpec((rows, None, rank), lambda h, c: (0, h, 0)),
+                  pl.BlockSpec((None, block, rank), lambda h, c: (h, first + c, 0))],
+        out_specs=pl.BlockSpec((rows, None, block), lambda h, c: (0, h, c)),
+        out_shape=jax.ShapeDtypeStruct((rows, heads, value), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="mla_expand_output",
+    )(o_MHR, kv_b_HCR)
+    return out[:o_latent_MHR.shape[0]]
