@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret", "interpret_gpu", "interpret_tpu")
@@ -20,3 +23,29 @@ def resolve_backend(backend: str) -> str:
     if backend != "auto":
         return backend
     return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+
+
+def with_reference_vjp(kernel: Callable, reference: Callable, nondiff_argnums: tuple[int, ...] = ()) -> Callable:
+    """kernel(*args), differentiated as reference(*args): the backward pass recomputes the jnp reference from
+    the inputs (kept as residuals) and pulls the cotangent back through it. nondiff_argnums: static arguments
+    (flags, sizes), passed to both and given no cotangent."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=nondiff_argnums)
+    def op(*args):
+        return kernel(*args)
+
+    def with_statics(diff_args, static_args):
+        diff, static = iter(diff_args), iter(static_args)
+        return [next(static) if i in nondiff_argnums else next(diff)
+                for i in range(len(diff_args) + len(static_args))]
+
+    def forward(*args):
+        return op(*args), tuple(a for i, a in enumerate(args) if i not in nondiff_argnums)
+
+    def backward(*statics_residuals_cotangent):
+        *static_args, residuals, cotangent = statics_residuals_cotangent
+        _, pullback = jax.vjp(lambda *diff: reference(*with_statics(diff, static_args)), *residuals)
+        return pullback(cotangent)
+
+    op.defvjp(forward, backward)
+    return op

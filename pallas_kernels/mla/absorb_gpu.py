@@ -48,13 +48,6 @@ def _expand_kernel(o_ref, w_ref, out_ref, *, rows: int):
     out_ref[...] = _stack_rows(products, rows, w_CR.shape[0])
 
 
-def _padded_rows(x_MHX):
-    rows = pl.next_power_of_2(x_MHX.shape[0])
-    if x_MHX.shape[0] > ROWS:
-        raise ValueError(f"{x_MHX.shape[0]} query rows: these kernels take at most {ROWS}")
-    return jnp.pad(x_MHX, ((0, rows - x_MHX.shape[0]), (0, 0), (0, 0))), rows
-
-
 def _column_block(wanted: int, *widths: int) -> int:
     """The largest power of two <= wanted dividing every width (Triton blocks are powers of two)."""
     block = wanted
@@ -63,44 +56,45 @@ def _column_block(wanted: int, *widths: int) -> int:
     return block
 
 
+def _per_head_call(kernel, vectors_MHX, kv_b_HCR, weight_block, weight_index, out_width: int, block: int, *,
+                   num_warps: int, interpret: bool, name: str):
+    """Grid (head, output column tile): each program gets its head's M vectors (rows padded to a power of two)
+    and one weight tile of kv_b [H, nope + v, R] (block shape `weight_block`, at `weight_index(h, c)`); the
+    result [M, H, out_width] fp32."""
+    rows = pl.next_power_of_2(vectors_MHX.shape[0])
+    if vectors_MHX.shape[0] > ROWS:
+        raise ValueError(f"{vectors_MHX.shape[0]} query rows: these kernels take at most {ROWS}")
+    padded_MHX = jnp.pad(vectors_MHX, ((0, rows - vectors_MHX.shape[0]), (0, 0), (0, 0)))
+    heads, width = padded_MHX.shape[1:]
+    out = pl.pallas_call(
+        functools.partial(kernel, rows=rows),
+        grid=(heads, out_width // block),
+        in_specs=[pl.BlockSpec((rows, None, width), lambda h, c: (0, h, 0)),
+                  pl.BlockSpec((None, *weight_block), weight_index)],
+        out_specs=pl.BlockSpec((rows, None, block), lambda h, c: (0, h, c)),
+        out_shape=jax.ShapeDtypeStruct((rows, heads, out_width), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name=name,
+    )(padded_MHX, kv_b_HCR)
+    return out[:vectors_MHX.shape[0]]
+
+
 @functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
 def absorb_query_gpu(q_nope_MHN, kv_b_HCR, *, block: int = 128, num_warps: int = 4, interpret: bool = False):
     """`absorb_query_reference` for at most ROWS rows: [M, H, R] fp32."""
-    q_MHN, rows = _padded_rows(q_nope_MHN)
-    heads, nope, rank = q_MHN.shape[1], q_MHN.shape[2], kv_b_HCR.shape[2]
+    nope, rank = q_nope_MHN.shape[2], kv_b_HCR.shape[2]
     block = _column_block(block, rank)
-    out = pl.pallas_call(
-        functools.partial(_absorb_kernel, rows=rows),
-        grid=(heads, pl.cdiv(rank, block)),
-        in_specs=[pl.BlockSpec((rows, None, nope), lambda h, c: (0, h, 0)),
-                  pl.BlockSpec((None, nope, block), lambda h, c: (h, 0, c))],
-        out_specs=pl.BlockSpec((rows, None, block), lambda h, c: (0, h, c)),
-        out_shape=jax.ShapeDtypeStruct((rows, heads, rank), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret,
-        name="mla_absorb_query",
-    )(q_MHN, kv_b_HCR)
-    return out[:q_nope_MHN.shape[0]]
+    return _per_head_call(_absorb_kernel, q_nope_MHN, kv_b_HCR, (nope, block), lambda h, c: (h, 0, c), rank, block,
+                          num_warps=num_warps, interpret=interpret, name="mla_absorb_query")
 
 
 @functools.partial(jax.jit, static_argnames=("nope", "block", "num_warps", "interpret"))
 def expand_output_gpu(o_latent_MHR, kv_b_HCR, *, nope: int, block: int = 32, num_warps: int = 4,
                       interpret: bool = False):
     """`expand_output_reference` for at most ROWS rows: [M, H, V] fp32."""
-    o_MHR, rows = _padded_rows(o_latent_MHR)
-    heads, rank = o_MHR.shape[1], o_MHR.shape[2]
-    value = kv_b_HCR.shape[1] - nope
+    rank, value = kv_b_HCR.shape[2], kv_b_HCR.shape[1] - nope
     block = _column_block(block, nope, value)
     first = nope // block  # W_UV starts `first` blocks into each head's rows
-    out = pl.pallas_call(
-        functools.partial(_expand_kernel, rows=rows),
-        grid=(heads, value // block),
-        in_specs=[pl.BlockSpec((rows, None, rank), lambda h, c: (0, h, 0)),
-                  pl.BlockSpec((None, block, rank), lambda h, c: (h, first + c, 0))],
-        out_specs=pl.BlockSpec((rows, None, block), lambda h, c: (0, h, c)),
-        out_shape=jax.ShapeDtypeStruct((rows, heads, value), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
-        interpret=interpret,
-        name="mla_expand_output",
-    )(o_MHR, kv_b_HCR)
-    return out[:o_latent_MHR.shape[0]]
+    return _per_head_call(_expand_kernel, o_latent_MHR, kv_b_HCR, (block, rank), lambda h, c: (h, first + c, 0),
+                          value, block, num_warps=num_warps, interpret=interpret, name="mla_expand_output")

@@ -3,11 +3,7 @@ cache) and the weight products around it, `absorb_query` and `expand_output`."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
-from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.mla.absorb_gpu import ROWS, absorb_query_gpu, expand_output_gpu
 from pallas_kernels.mla.absorb_reference import absorb_query_reference, expand_output_reference
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
@@ -37,36 +33,12 @@ def _few_rows_on_gpu(x_MHX, backend: str) -> bool:
     return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu" and x_MHX.shape[0] <= ROWS
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret):
-    return absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret=interpret)
-
-
-def _absorb_query_gpu_fwd(q_nope_MHN, kv_b_HCR, interpret):
-    return _absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret), (q_nope_MHN, kv_b_HCR)
-
-
-def _absorb_query_gpu_bwd(interpret, residuals, d_out):
-    return jax.vjp(absorb_query_reference, *residuals)[1](d_out)
-
-
-_absorb_query_gpu.defvjp(_absorb_query_gpu_fwd, _absorb_query_gpu_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, interpret):
-    return expand_output_gpu(o_latent_MHR, kv_b_HCR, nope=nope, interpret=interpret)
-
-
-def _expand_output_gpu_fwd(o_latent_MHR, kv_b_HCR, nope, interpret):
-    return _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, interpret), (o_latent_MHR, kv_b_HCR)
-
-
-def _expand_output_gpu_bwd(nope, interpret, residuals, d_out):
-    return jax.vjp(functools.partial(expand_output_reference, nope=nope), *residuals)[1](d_out)
-
-
-_expand_output_gpu.defvjp(_expand_output_gpu_fwd, _expand_output_gpu_bwd)
+_absorb_query_gpu = with_reference_vjp(
+    lambda q_nope, kv_b, interpret: absorb_query_gpu(q_nope, kv_b, interpret=interpret),
+    lambda q_nope, kv_b, interpret: absorb_query_reference(q_nope, kv_b), nondiff_argnums=(2,))
+_expand_output_gpu = with_reference_vjp(
+    lambda o_latent, kv_b, nope, interpret: expand_output_gpu(o_latent, kv_b, nope=nope, interpret=interpret),
+    lambda o_latent, kv_b, nope, interpret: expand_output_reference(o_latent, kv_b, nope), nondiff_argnums=(2, 3))
 
 
 def absorb_query(q_nope_MHN, kv_b_HCR, *, backend: str = "auto"):

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
-from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.norm.reference import add_rms_norm_reference, rms_norm_reference
 from pallas_kernels.norm.rmsnorm_gpu import add_rms_norm_gpu, rms_norm_gpu
 
@@ -17,38 +13,14 @@ def _runs_gpu_kernel(backend: str, x) -> bool:
     return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu" and dim & (dim - 1) == 0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm_gpu(x, weight_D, eps, interpret):
-    return rms_norm_gpu(x, weight_D, eps=eps, interpret=interpret)
-
-
-def _rms_norm_gpu_fwd(x, weight_D, eps, interpret):
-    return _rms_norm_gpu(x, weight_D, eps, interpret), (x, weight_D)
-
-
-def _rms_norm_gpu_bwd(eps, interpret, residuals, d_out):
-    _, pullback = jax.vjp(functools.partial(rms_norm_reference, eps=eps), *residuals)
-    return pullback(d_out)
-
-
-_rms_norm_gpu.defvjp(_rms_norm_gpu_fwd, _rms_norm_gpu_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _add_rms_norm_gpu(x, residual, weight_D, eps, interpret):
-    return add_rms_norm_gpu(x, residual, weight_D, eps=eps, interpret=interpret)
-
-
-def _add_rms_norm_gpu_fwd(x, residual, weight_D, eps, interpret):
-    return _add_rms_norm_gpu(x, residual, weight_D, eps, interpret), (x, residual, weight_D)
-
-
-def _add_rms_norm_gpu_bwd(eps, interpret, residuals, cotangents):
-    _, pullback = jax.vjp(functools.partial(add_rms_norm_reference, eps=eps), *residuals)
-    return pullback(cotangents)
-
-
-_add_rms_norm_gpu.defvjp(_add_rms_norm_gpu_fwd, _add_rms_norm_gpu_bwd)
+_rms_norm_gpu = with_reference_vjp(
+    lambda x, weight_D, eps, interpret: rms_norm_gpu(x, weight_D, eps=eps, interpret=interpret),
+    lambda x, weight_D, eps, interpret: rms_norm_reference(x, weight_D, eps), nondiff_argnums=(2, 3))
+_add_rms_norm_gpu = with_reference_vjp(
+    lambda x, residual, weight_D, eps, interpret: add_rms_norm_gpu(x, residual, weight_D, eps=eps,
+                                                                   interpret=interpret),
+    lambda x, residual, weight_D, eps, interpret: add_rms_norm_reference(x, residual, weight_D, eps),
+    nondiff_argnums=(3, 4))
 
 
 def rms_norm(x, weight_D, eps: float, *, backend: str = "auto"):
