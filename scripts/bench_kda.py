@@ -61,7 +61,15 @@ def to_torch(*arrays, dtype=None):
     return [torch.from_numpy(np.ascontiguousarray(a)).cuda().to(dtype or torch.float32) for a in arrays]
 
 
-DECODE_VARIANTS = [(32, 4), (64, 4), (64, 8), (128, 8), (16, 2)]  # (block_v, num_warps)
+DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=8)]
+DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for B < 64 and for B >= 64
+    "small": DECODE_TILES + [dict(block_v=128, num_warps=8), dict(block_v=16, num_warps=2)],
+    "large": DECODE_TILES + [  # the load latency hidden: K-chunk prefetch, longer programs
+        dict(block_v=64, num_warps=4, chunk_k=32), dict(block_v=128, num_warps=4, chunk_k=32),
+        dict(block_v=64, num_warps=4, heads_per_program=2),
+        dict(block_v=64, num_warps=4, chunk_k=32, heads_per_program=4),
+    ],
+}
 STEPS_PER_CALL = 20  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 
 
@@ -82,8 +90,8 @@ def bench_decode(batch, iters, copy_bytes_per_s):
                                                              use_qk_l2norm_in_kernel=True), iters)
     traffic = 2 * 4 * batch * HEADS * DIM * DIM
     best = None
-    for block_v, warps in DECODE_VARIANTS:
-        step = functools.partial(kda_decode_step_gpu, scale=DIM ** -0.5, block_v=block_v, num_warps=warps)
+    for variant in DECODE_VARIANTS["small" if batch < 64 else "large"]:
+        step = functools.partial(kda_decode_step_gpu, scale=DIM ** -0.5, **variant)
         o, new_state = jax.jit(step)(jq, jk, jv, jg, jbeta, jnp.asarray(state))
         err_o = rel_error(o, fla_o[:, 0].float().cpu().numpy())
         err_s = rel_error(new_state, fla_state.float().cpu().numpy())
@@ -101,7 +109,8 @@ def bench_decode(batch, iters, copy_bytes_per_s):
             carried = jax.block_until_ready(steps(carried))
             samples.append(time.perf_counter() - start)
         ours_s = statistics.median(samples[2:]) / STEPS_PER_CALL
-        print(f"decode B={batch} block_v={block_v} warps={warps}: ours {ours_s * 1e6:.1f} us "
+        label = " ".join(f"{name}={value}" for name, value in variant.items())
+        print(f"decode B={batch} {label}: ours {ours_s * 1e6:.1f} us "
               f"({traffic / ours_s / 1e12:.2f} TB/s), fla {fla_s * 1e6:.1f} us ({traffic / fla_s / 1e12:.2f} TB/s);"
               f" vs fla: o {err_o:.1e}, state {err_s:.1e}")
         if best is None or ours_s < best[0]:

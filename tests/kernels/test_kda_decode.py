@@ -21,6 +21,19 @@ from helpers import l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+GPU_VARIANTS = {  # kda_decode_step_gpu keywords at the test shapes (K 16 or 32: several 8-row chunks)
+    "k_chunks": dict(chunk_k=8),
+    "two_heads": dict(heads_per_program=2),
+    "three_heads_v_blocks": dict(heads_per_program=3, block_v=8),
+    "two_heads_k_chunks": dict(heads_per_program=2, chunk_k=8, block_v=8),
+    "three_heads_one_chunk": dict(heads_per_program=3, chunk_k=16),
+}
+FULL_SIZE_GPU_VARIANTS = {  # the same at K = V = 128 (scripts/bench_kda.py's candidates)
+    "default": {},
+    "k_chunks": dict(chunk_k=32),
+    "two_heads": dict(heads_per_program=2),
+    "four_heads_k_chunks": dict(heads_per_program=4, chunk_k=32, block_v=128),
+}
 
 
 def random_step(batch, heads, key_dim, value_dim, dtype, seed):
@@ -43,6 +56,20 @@ def test_step_matches_float64_recurrence(backend, dtype, shape):
     o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
     o, new_state = kda_decode_step(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
                                    jnp.asarray(g), jnp.asarray(beta), jnp.asarray(state), backend=backend)
+    assert o.dtype == dtype and new_state.dtype == jnp.float32
+    assert rel_error(o, o_ref[:, 0]) <= TOL[dtype], rel_error(o, o_ref[:, 0])
+    assert rel_error(new_state, s_ref) <= 1e-5, rel_error(new_state, s_ref)
+
+
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 3, 16, 16), (3, 2, 32, 64)])
+def test_gpu_kernel_variants_match_float64_recurrence(variant, dtype, shape):
+    q, k, v, g, beta, state = random_step(*shape, dtype, seed=sum(shape))
+    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
+    o, new_state = kda_decode_step_gpu(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                                       jnp.asarray(g), jnp.asarray(beta), jnp.asarray(state),
+                                       scale=shape[2] ** -0.5, interpret=True, **GPU_VARIANTS[variant])
     assert o.dtype == dtype and new_state.dtype == jnp.float32
     assert rel_error(o, o_ref[:, 0]) <= TOL[dtype], rel_error(o, o_ref[:, 0])
     assert rel_error(new_state, s_ref) <= 1e-5, rel_error(new_state, s_ref)
@@ -76,8 +103,10 @@ def test_tpu_kernel_lowers_for_tpu():
     assert "tpu_custom_call" in lowered.as_text()
 
 
-def test_gpu_kernel_lowers_for_cuda():
-    lowered = lower_for_cuda(functools.partial(kda_decode_step_gpu, scale=128 ** -0.5), *_abstract_step())
+@pytest.mark.parametrize("variant", FULL_SIZE_GPU_VARIANTS)
+def test_gpu_kernel_lowers_for_cuda(variant):
+    step = functools.partial(kda_decode_step_gpu, scale=128 ** -0.5, **FULL_SIZE_GPU_VARIANTS[variant])
+    lowered = lower_for_cuda(step, *_abstract_step(batch=64))
     assert "kda_decode_step" in lowered.as_text()
 
 
