@@ -4,8 +4,9 @@
     python scripts/bench_mla.py                 # the issue's sizes, H=64, bf16 cache, full lengths
     python scripts/bench_mla.py --quick         # small sizes (smoke test)
 
-For each size: device correctness of every kernel variant against the jnp reference (fp32 upcast), then
-median wall time per call (after warm-up, synchronised), cache bytes/s and FLOP/s, and the ratio to XLA.
+For each size: device correctness of every kernel variant (tiles, warps, stages, splits, latent column parts)
+against the jnp reference (fp32 upcast), then median wall time per call (after warm-up, synchronised), cache
+bytes/s and useful FLOP/s (column parts repeat the scores, which is not counted), and the ratio to XLA.
 Also measures a device-to-device copy as the bandwidth ceiling. Prints a markdown table last.
 """
 
@@ -29,9 +30,10 @@ from pallas_kernels.mla.reference import mla_decode_reference  # noqa: E402
 LATENT, ROPE, HEADS = 512, 64, 64
 SIZES = [(64, 32768), (8, 131072), (1, 262144)]
 QUICK_SIZES = [(4, 4096), (1, 8192)]
-# (block_k, head_block, num_warps, num_stages, splits relative to default_num_splits)
-VARIANTS = [(64, 64, 8, 2, 1.0), (64, 64, 8, 3, 1.0), (128, 64, 8, 2, 1.0), (64, 64, 4, 2, 1.0),
-            (32, 32, 4, 2, 1.0), (64, 64, 8, 2, 0.5), (64, 64, 8, 2, 2.0), (32, 64, 8, 3, 1.0)]
+# (block_k, head_block, num_warps, num_stages, splits relative to default_num_splits, latent_parts): the last
+# run's best (the first two), four 32-slot stages, then the output latent columns in halves or quarters.
+VARIANTS = [(64, 64, 8, 2, 1.0, 1), (32, 64, 8, 3, 1.0, 1), (32, 64, 8, 4, 1.0, 1), (64, 64, 8, 2, 1.0, 2),
+            (32, 64, 8, 4, 1.0, 2), (64, 64, 4, 2, 1.0, 2), (32, 64, 4, 4, 1.0, 2), (32, 64, 8, 4, 1.0, 4)]
 
 
 def main(argv=None) -> int:
@@ -59,30 +61,31 @@ def main(argv=None) -> int:
         xla_s = median_seconds(xla, q_latent, q_rope, cache, lengths, iters=args.iters)
         print(f"B={batch} L={length}: XLA einsum {xla_s * 1e3:.3f} ms, {cache_bytes / xla_s / 1e12:.2f} TB/s")
         best = None
-        for block_k, head_block, warps, stages, split_factor in VARIANTS:
-            splits = max(1, round(split_factor * default_num_splits(batch, -(-HEADS // head_block), length)))
+        for block_k, head_block, warps, stages, split_factor, parts in VARIANTS:
+            head_blocks = -(-HEADS // head_block)
+            splits = max(1, round(split_factor * default_num_splits(batch, head_blocks * parts, length)))
+            variant = (block_k, head_block, warps, stages, splits, parts)
             fn = jax.jit(functools.partial(mla_decode_gpu, scale=scale, block_k=block_k, head_block=head_block,
-                                           num_warps=warps, num_stages=stages, num_splits=splits))
+                                           num_warps=warps, num_stages=stages, num_splits=splits,
+                                           latent_parts=parts))
             try:
                 err = rel_error(fn(q_latent, q_rope, cache, lengths), ref)
                 seconds = median_seconds(fn, q_latent, q_rope, cache, lengths, iters=args.iters)
             except Exception as e:  # a variant that does not compile (e.g. out of shared memory) is reported
-                print(f"  variant bk={block_k} hb={head_block} w={warps} s={stages} splits={splits}: FAILED "
-                      f"{type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:160]}")
+                print(f"  variant {variant}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 continue
-            print(f"  variant bk={block_k} hb={head_block} w={warps} s={stages} splits={splits}: {seconds * 1e3:.3f} ms, "
-                  f"{cache_bytes / seconds / 1e12:.2f} TB/s, rel. error {err:.1e}")
+            print(f"  variant {variant}: {seconds * 1e3:.3f} ms, {cache_bytes / seconds / 1e12:.2f} TB/s, "
+                  f"rel. error {err:.1e}")
             assert err < 2e-2, f"kernel variant is wrong: rel. error {err}"
             if best is None or seconds < best[0]:
-                best = (seconds, (block_k, head_block, warps, stages, splits), err)
+                best = (seconds, variant, err)
         if best is None:
             print(f"B={batch} L={length}: no kernel variant ran")
             continue
         seconds, variant, err = best
         rows.append((batch, length, xla_s, seconds, variant, err, cache_bytes, flops))
-    print("\n| B | L | XLA ms | Pallas ms | speed-up | cache TB/s | % of copy | TFLOP/s | variant (bk,hb,warps,stages,splits) |"
-          " rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| B | L | XLA ms | Pallas ms | speed-up | cache TB/s | % of copy | TFLOP/s |"
+          " variant (bk,hb,warps,stages,splits,parts) | rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
     for batch, length, xla_s, seconds, variant, err, cache_bytes, flops in rows:
         print(f"| {batch} | {length} | {xla_s * 1e3:.3f} | {seconds * 1e3:.3f} | {xla_s / seconds:.2f}x | "
               f"{cache_bytes / seconds / 1e12:.2f} | {100 * cache_bytes / seconds / ceiling:.0f}% | "
