@@ -48,31 +48,30 @@ def random_step(batch, heads, key_dim, value_dim, dtype, seed):
     return q, k, v, g, beta, state
 
 
+def assert_step_matches_float64_recurrence(step, dtype, shape):
+    """step(q, k, v, g, beta, state) -> (o, new state) on a random step, against the float64 recurrence."""
+    q, k, v, g, beta, state = random_step(*shape, dtype, seed=sum(shape))
+    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
+    o, new_state = step(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
+                        jnp.asarray(beta), jnp.asarray(state))
+    assert o.dtype == dtype and new_state.dtype == jnp.float32
+    assert rel_error(o, o_ref[:, 0]) <= TOL[dtype], rel_error(o, o_ref[:, 0])
+    assert rel_error(new_state, s_ref) <= 1e-5, rel_error(new_state, s_ref)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16), (3, 2, 32, 64)])
 def test_step_matches_float64_recurrence(backend, dtype, shape):
-    q, k, v, g, beta, state = random_step(*shape, dtype, seed=sum(shape))
-    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
-    o, new_state = kda_decode_step(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                                   jnp.asarray(g), jnp.asarray(beta), jnp.asarray(state), backend=backend)
-    assert o.dtype == dtype and new_state.dtype == jnp.float32
-    assert rel_error(o, o_ref[:, 0]) <= TOL[dtype], rel_error(o, o_ref[:, 0])
-    assert rel_error(new_state, s_ref) <= 1e-5, rel_error(new_state, s_ref)
+    assert_step_matches_float64_recurrence(functools.partial(kda_decode_step, backend=backend), dtype, shape)
 
 
 @pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 3, 16, 16), (3, 2, 32, 64)])
 def test_gpu_kernel_variants_match_float64_recurrence(variant, dtype, shape):
-    q, k, v, g, beta, state = random_step(*shape, dtype, seed=sum(shape))
-    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
-    o, new_state = kda_decode_step_gpu(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                                       jnp.asarray(g), jnp.asarray(beta), jnp.asarray(state),
-                                       scale=shape[2] ** -0.5, interpret=True, **GPU_VARIANTS[variant])
-    assert o.dtype == dtype and new_state.dtype == jnp.float32
-    assert rel_error(o, o_ref[:, 0]) <= TOL[dtype], rel_error(o, o_ref[:, 0])
-    assert rel_error(new_state, s_ref) <= 1e-5, rel_error(new_state, s_ref)
+    step = functools.partial(kda_decode_step_gpu, scale=shape[2] ** -0.5, interpret=True, **GPU_VARIANTS[variant])
+    assert_step_matches_float64_recurrence(step, dtype, shape)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
