@@ -150,7 +150,7 @@ def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: f
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
     the shared expert (one more row per token) when it has the routed experts' width."""
     tokens, top_k = experts_TK.shape
-    row_path = KERNEL_TARGET.get(backend) == "gpu" and tokens * top_k <= ROW_PATH_MAX_ROWS
+    row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
         return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend,
                               shared=shared[:3], shared_limit=shared.limit)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
 from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
@@ -37,11 +34,14 @@ def kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale=No
     return kda_decode_step_tpu(*args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _chunk_kda(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend):
+def _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend):
+    return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                       chunk_size=chunk_size)
+
+
+def _chunk_kda_by_backend(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend):
     if backend == "reference":
-        return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                           chunk_size=chunk_size)
+        return _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend)
     interpret = backend.startswith("interpret")
     if KERNEL_TARGET[backend] == "gpu":
         return chunk_kda_gpu(q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
@@ -50,21 +50,7 @@ def _chunk_kda(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size
                          interpret=interpret)
 
 
-def _chunk_kda_forward(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend):
-    out = _chunk_kda(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, backend)
-    return out, (q, k, v, g, beta, initial_state)
-
-
-def _chunk_kda_backward(scale, use_qk_l2norm, chunk_size, backend, residuals, cotangents):
-    def reference(*args):
-        return kda_chunked(*args[:5], scale=scale, initial_state=args[5], use_qk_l2norm=use_qk_l2norm,
-                           chunk_size=chunk_size)
-
-    _, pullback = jax.vjp(reference, *residuals)
-    return pullback(cotangents)
-
-
-_chunk_kda.defvjp(_chunk_kda_forward, _chunk_kda_backward)
+_chunk_kda = with_reference_vjp(_chunk_kda_by_backend, _chunk_kda_reference, nondiff_argnums=(6, 7, 8, 9))
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64,

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.moe.decode_gpu import routed_experts_gpu
 from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu
 from pallas_kernels.moe.fused_reference import down_scatter_reference, gather_swiglu_reference
@@ -150,32 +150,12 @@ def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend
     return down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit,
-                       interpret):
-    return routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit=limit,
-                              shared_limit=shared_limit, interpret=interpret)
-
-
-def _routed_gpu_kernel_fwd(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit,
-                           interpret):
-    out = _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit,
-                             interpret)
-    return out, (x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared)
-
-
-def _routed_gpu_kernel_bwd(limit, shared_limit, interpret, residuals, d_out_TD):
-    x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared = residuals
-
-    def reference(x, weights, gate, up, down, shared_weights):
-        return routed_experts_reference(x, weights, experts_TK, gate, up, down, limit, shared_weights, shared_limit)
-
-    _, pullback = jax.vjp(reference, x_TD, weights_TK, gate_EID, up_EID, down_EDI, shared)
-    d_x, d_weights, d_gate, d_up, d_down, d_shared = pullback(d_out_TD)
-    return d_x, d_weights, None, d_gate, d_up, d_down, d_shared
-
-
-_routed_gpu_kernel.defvjp(_routed_gpu_kernel_fwd, _routed_gpu_kernel_bwd)
+_routed_gpu_kernel = with_reference_vjp(
+    lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_gpu(
+        x, weights, experts, gate, up, down, shared, limit=limit, shared_limit=shared_limit, interpret=interpret),
+    lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_reference(
+        x, weights, experts, gate, up, down, limit, shared, shared_limit),
+    nondiff_argnums=(7, 8, 9))
 
 
 def routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
