@@ -41,3 +41,14 @@ def _disable_ynn_fusions() -> None:
 
 
 _disable_ynn_fusions()
+
+
+def mosaic_gpu_interpret(enabled: bool):
+    """The `interpret` argument of `plgpu.kernel` (Pallas Mosaic GPU) that runs a kernel on the CPU with
+    simulated shared memory, TMA, barriers and wgmma (jax >= 0.10.2, where the class is not public yet), or
+    None for a compiled kernel."""
+    if not enabled:
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
