@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Absorbed-MLA decode: the Pallas GPU kernel vs XLA's einsum implementation, on one GPU.
+"""Absorbed-MLA decode: the Pallas GPU kernels (Triton lowering; Mosaic GPU for Hopper) vs XLA's einsum
+implementation, on one GPU.
 
     python scripts/bench_mla.py                 # the issue's sizes, H=64, bf16 cache, full lengths
     python scripts/bench_mla.py --quick         # small sizes (smoke test)
 
-For each size: device correctness of every kernel variant (tiles, warps, stages, splits, latent column parts)
-against the jnp reference (fp32 upcast), then median wall time per call (after warm-up, synchronised), cache
-bytes/s and useful FLOP/s (column parts repeat the scores, which is not counted), and the ratio to XLA.
+For each size: device correctness of every kernel variant (tiles, warps, stages, splits) against the jnp
+reference (fp32 upcast), then median wall time per call (after warm-up, synchronised), cache bytes/s, useful
+FLOP/s and the ratio to XLA.
 Also measures a device-to-device copy as the bandwidth ceiling. Prints a markdown table last.
 """
 
@@ -25,15 +26,30 @@ import numpy as np  # noqa: E402
 
 from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.mla.decode_gpu import default_num_splits, mla_decode_gpu  # noqa: E402
+from pallas_kernels.mla.decode_mgpu import default_num_splits as mosaic_num_splits  # noqa: E402
+from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu  # noqa: E402
 from pallas_kernels.mla.reference import mla_decode_reference  # noqa: E402
 
 LATENT, ROPE, HEADS = 512, 64, 64
 SIZES = [(64, 32768), (8, 131072), (1, 262144)]
 QUICK_SIZES = [(4, 4096), (1, 8192)]
-# (block_k, head_block, num_warps, num_stages, splits relative to default_num_splits, latent_parts): the last
-# run's best (the first two), four 32-slot stages, then the output latent columns in halves or quarters.
-VARIANTS = [(64, 64, 8, 2, 1.0, 1), (32, 64, 8, 3, 1.0, 1), (32, 64, 8, 4, 1.0, 1), (64, 64, 8, 2, 1.0, 2),
-            (32, 64, 8, 4, 1.0, 2), (64, 64, 4, 2, 1.0, 2), (32, 64, 4, 4, 1.0, 2), (32, 64, 8, 4, 1.0, 4)]
+# Triton kernel (block_k, head_block, num_warps, num_stages): the last runs' best two. Mosaic GPU kernel
+# (pv_chunk, splits relative to its default): the default, wider P·V products, twice the splits.
+TRITON_VARIANTS = [(64, 64, 8, 2), (32, 64, 8, 4)]
+MOSAIC_VARIANTS = [(64, 1), (128, 1), (64, 2)]
+
+
+def kernel_variants(batch: int, length: int, scale: float):
+    """(label, jitted kernel) pairs for one size."""
+    for block_k, head_block, warps, stages in TRITON_VARIANTS:
+        splits = default_num_splits(batch, -(-HEADS // head_block), length)
+        yield (f"triton (bk {block_k}, hb {head_block}, warps {warps}, stages {stages}, splits {splits})",
+               jax.jit(functools.partial(mla_decode_gpu, scale=scale, block_k=block_k, head_block=head_block,
+                                         num_warps=warps, num_stages=stages, num_splits=splits)))
+    for pv_chunk, split_factor in MOSAIC_VARIANTS:
+        splits = split_factor * mosaic_num_splits(batch, length)
+        yield (f"mosaic (pv_chunk {pv_chunk}, splits {splits})",
+               jax.jit(functools.partial(mla_decode_mgpu, scale=scale, pv_chunk=pv_chunk, num_splits=splits)))
 
 
 def main(argv=None) -> int:
@@ -61,13 +77,7 @@ def main(argv=None) -> int:
         xla_s = median_seconds(xla, q_latent, q_rope, cache, lengths, iters=args.iters)
         print(f"B={batch} L={length}: XLA einsum {xla_s * 1e3:.3f} ms, {cache_bytes / xla_s / 1e12:.2f} TB/s")
         best = None
-        for block_k, head_block, warps, stages, split_factor, parts in VARIANTS:
-            head_blocks = -(-HEADS // head_block)
-            splits = max(1, round(split_factor * default_num_splits(batch, head_blocks * parts, length)))
-            variant = (block_k, head_block, warps, stages, splits, parts)
-            fn = jax.jit(functools.partial(mla_decode_gpu, scale=scale, block_k=block_k, head_block=head_block,
-                                           num_warps=warps, num_stages=stages, num_splits=splits,
-                                           latent_parts=parts))
+        for variant, fn in kernel_variants(batch, length, scale):
             try:
                 err = rel_error(fn(q_latent, q_rope, cache, lengths), ref)
                 seconds = median_seconds(fn, q_latent, q_rope, cache, lengths, iters=args.iters)
@@ -84,8 +94,8 @@ def main(argv=None) -> int:
             continue
         seconds, variant, err = best
         rows.append((batch, length, xla_s, seconds, variant, err, cache_bytes, flops))
-    print("\n| B | L | XLA ms | Pallas ms | speed-up | cache TB/s | % of copy | TFLOP/s |"
-          " variant (bk,hb,warps,stages,splits,parts) | rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| B | L | XLA ms | best ms | speed-up | cache TB/s | % of copy | TFLOP/s |"
+          " kernel | rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
     for batch, length, xla_s, seconds, variant, err, cache_bytes, flops in rows:
         print(f"| {batch} | {length} | {xla_s * 1e3:.3f} | {seconds * 1e3:.3f} | {xla_s / seconds:.2f}x | "
               f"{cache_bytes / seconds / 1e12:.2f} | {100 * cache_bytes / seconds / ceiling:.0f}% | "
