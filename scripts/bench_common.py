@@ -32,6 +32,23 @@ def median_seconds(fn, *args, iters: int) -> float:
     return statistics.median(samples)
 
 
+CHAINED_CALLS = 32
+
+
+def chained(call, nudge, calls: int = CHAINED_CALLS):
+    """`calls` calls in one jitted program, args[0] <- nudge(args[0], the last call's output) between them:
+    timings free of the ~90 us per-dispatch floor of a lone small call, without letting XLA merge the calls."""
+    def run(first, *rest):
+        for _ in range(calls):
+            first = nudge(first, call(first, *rest))
+        return first
+    return jax.jit(run)
+
+
+def per_call_seconds(call, nudge, *args, iters: int, calls: int = CHAINED_CALLS) -> float:
+    return median_seconds(chained(call, nudge, calls), *args, iters=iters) / calls
+
+
 def rel_error(ours, ref) -> float:
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))

@@ -7,7 +7,7 @@ token, then the expert selection before them (`pallas_kernels.moe.routing`: kern
 
     python scripts/bench_routed_experts.py              # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
 
-Every time is per call of a chain of CHAINED_CALLS dependent calls in one jitted program (each call's input
+Every time is per call of a chain of bench_common.CHAINED_CALLS dependent calls in one jitted program (each call's input
 nudged by the last output): a lone call of a few-ten-microsecond kernel would time the launch, not the kernel.
 Bandwidth is over the expert weights each path must read (every distinct picked expert once for the grouped
 path; a weight read per token-expert pair for the row path, which is its cost; the shared expert once).
@@ -26,28 +26,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_common import median_seconds, rel_error  # noqa: E402
+from bench_common import per_call_seconds, rel_error  # noqa: E402
 from ling_jax.expert_ffn import grouped_local_moe, swiglu_ffn  # noqa: E402
 from pallas_kernels.moe.decode_gpu import DOWN_TILES, SWIGLU_TILES, routed_experts_gpu  # noqa: E402
 from pallas_kernels.moe.routing import RoutingRule, select_experts_gpu, select_experts_reference  # noqa: E402
 
 HIDDEN, WIDTH, EXPERTS, TOP_K, LIMIT = 4096, 1024, 512, 8, 7.0
 RULE = RoutingRule(top_k=TOP_K, n_group=8, topk_group=4, norm_topk_prob=True, scaling=2.5)
-CHAINED_CALLS = 32
 SELECT_TILES = [(1, 1), (1, 2), (1, 4), (2, 2), (4, 4), (16, 4)]  # (block_t, num_warps)
-
-
-def chained(call, nudge):
-    """CHAINED_CALLS calls in one jitted program: args[0] <- nudge(args[0], the last call's output)."""
-    def run(first, *rest):
-        for _ in range(CHAINED_CALLS):
-            first = nudge(first, call(first, *rest))
-        return first
-    return jax.jit(run)
-
-
-def per_call_seconds(call, nudge, *args, iters: int) -> float:
-    return median_seconds(chained(call, nudge), *args, iters=iters) / CHAINED_CALLS
 
 
 def nudge_logits(logits_TE, selection):

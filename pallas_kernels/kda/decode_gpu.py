@@ -80,7 +80,7 @@ def _chunked_step(refs, h, chunk0, *, scale, use_qk_l2norm, chunk_k, heads):
         state_CV, k_C, q_C = decayed(loaded)
         sums = (by_k_V + jnp.sum(k_C[:, None] * state_CV, 0), by_q_V + jnp.sum(q_C[:, None] * state_CV, 0),
                 kq + jnp.sum(k_C * q_C))
-        return _load_chunk(refs, h, jnp.where(c + 1 == chunks, 0, c + 1), chunk_k), sums
+        return _load_chunk(refs, h, jnp.where(c + 1 == chunks, jnp.int32(0), c + 1), chunk_k), sums
 
     zeros_V = jnp.zeros(v_ref.shape[-1:], jnp.float32)
     loaded, (by_k_V, by_q_V, kq) = jax.lax.fori_loop(0, chunks, project,
@@ -90,10 +90,11 @@ def _chunked_step(refs, h, chunk0, *, scale, use_qk_l2norm, chunk_k, heads):
 
     def update(c, loaded):  # the last prefetch is the next head's chunk 0 (the last head: this chunk again)
         state_CV, k_C, _ = decayed(loaded)
+        head = jnp.asarray(h, jnp.int32)  # int32 operands only: Triton's select takes no i1/i32 mix
         last = c + 1 == chunks
-        next_head = jnp.logical_and(last, h + 1 < heads)
-        prefetched = _load_chunk(refs, jnp.where(next_head, h + 1, h),
-                                 jnp.where(last, jnp.where(next_head, 0, c), c + 1), chunk_k)
+        next_head = jnp.logical_and(last, head + 1 < heads)
+        prefetched = _load_chunk(refs, jnp.where(next_head, head + 1, head),
+                                 jnp.where(last, jnp.where(next_head, jnp.int32(0), c), c + 1), chunk_k)
         new_state_ref[h, pl.ds(c * chunk_k, chunk_k), :] = (
             state_CV + k_C[:, None] * delta_V[None, :])
         return prefetched

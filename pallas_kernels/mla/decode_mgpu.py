@@ -196,10 +196,11 @@ def default_num_splits(batch: int, max_len: int, num_sms: int = 132) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "pv_chunk", "num_splits", "interpret"))
 def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int = 64,
-                    stages: int = 2, pv_chunk: int = 64, num_splits: int | None = None, interpret: bool = False):
+                    stages: int = 2, pv_chunk: int = 128, num_splits: int | None = None, interpret: bool = False):
     """o_latent [B, H, R] fp32 for a bf16 or fp16 cache [B, L, R + P] (R = 512, P = 64 for Ling; R and P
     multiples of 64 and 128 divides R), H <= 64 heads. Slots past L in the last tile read as zeros
-    (TMA) and are masked like those past lengths[b]. Tiles: `block_k` slots a tile, `stages` ring buffers,
+    (TMA) and are masked like those past lengths[b]; a cache whose L is not a multiple of 8 is padded first (a
+    copy: TMA needs whole 8-row tiles). Tiles: `block_k` slots a tile, `stages` ring buffers,
     P·V in `pv_chunk`-column products per consumer (each a fresh accumulator added to the rescaled output:
     fewer live registers than one [64, 256] product)."""
     batch, heads, latent_dim = q_latent_BHR.shape
@@ -215,6 +216,8 @@ def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale:
     if num_splits is None:
         num_splits = default_num_splits(batch, max_len)
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
+    if max_len % 8:  # a TMA source dimension must be a multiple of its 8-row tiling: odd lengths are padded
+        kv_cache_BLA = jnp.pad(kv_cache_BLA, ((0, 0), (0, -max_len % 8), (0, 0)))
     q_BHA = jnp.concatenate([q_latent_BHR, q_rope_BHP], axis=-1).astype(dtype)
     q_BHA = jnp.pad(q_BHA, ((0, 0), (0, HEADS - heads), (0, 0)))
     layout = _smem_layout()
