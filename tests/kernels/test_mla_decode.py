@@ -214,3 +214,23 @@ def test_compiled_mosaic_kernel_matches_float64_attention(heads, max_len):
                           jnp.asarray(lengths, jnp.int32), scale=scale)
     err = rel_error(out, float64_attention(q_latent, q_rope, cache, lengths, scale))
     assert err <= TOL[jnp.bfloat16], f"compiled Mosaic GPU kernel H={heads} L={max_len}: rel. error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Mosaic GPU kernel in the model needs a Hopper GPU; it runs on the device machine")
+def test_compiled_model_decode_with_mosaic_kernel_equals_expanded_reference():
+    """TINY with Ling's latent widths (512 + 64), so that mla_decode picks the Mosaic GPU kernel, in bf16."""
+    config = LingConfig.from_dict({**TINY, "kv_lora_rank": LATENT, "qk_rope_head_dim": ROPE})
+    model = LingForCausalLM(config, rngs=nnx.Rngs(4), dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(6).integers(2, config.vocab_size, (2, 75)))
+    logits = {}
+    for mode in ("kernel", EXPANDED):
+        cache = model(ids[:, :72], cache=model.init_cache(2, 96)).cache
+        steps = []
+        for t in range(72, 75):
+            out = model(ids[:, t:t + 1], cache=cache, mla_mode=None if mode == "kernel" else EXPANDED)
+            steps.append(out.logits)
+            cache = out.cache
+        logits[mode] = jnp.concatenate(steps, axis=1)
+    assert rel_error(logits["kernel"], logits[EXPANDED]) <= 2e-2
