@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_common import copy_bandwidth, per_call_seconds, rel_error  # noqa: E402
+from bench_common import chained, copy_bandwidth, per_call_seconds, rel_error  # noqa: E402
 from pallas_kernels.mla.decode_gpu import default_num_splits, mla_decode_gpu  # noqa: E402
 from pallas_kernels.mla.decode_mgpu import default_num_splits as mosaic_num_splits  # noqa: E402
 from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu  # noqa: E402
@@ -35,9 +35,9 @@ LATENT, ROPE, HEADS = 512, 64, 64
 SIZES = [(64, 32768), (8, 131072), (1, 262144)]
 QUICK_SIZES = [(4, 4096), (1, 8192)]
 # Triton kernel (block_k, head_block, num_warps, num_stages): the last runs' best two. Mosaic GPU kernel
-# (pv_chunk, splits relative to its default): the default, twice the splits, one [64, 256] P·V product.
+# (pv_chunk, splits relative to its default, approx_math): the default, twice the splits, approximate exp.
 TRITON_VARIANTS = [(64, 64, 8, 2), (32, 64, 8, 4)]
-MOSAIC_VARIANTS = [(128, 1), (128, 2), (256, 1)]
+MOSAIC_VARIANTS = [(128, 1, False), (128, 2, False), (128, 1, True)]
 
 
 CALLS = 8  # decode calls chained in one jitted program per timing (no per-dispatch floor in small calls)
@@ -55,16 +55,26 @@ def kernel_variants(batch: int, length: int, scale: float):
         yield (f"triton (bk {block_k}, hb {head_block}, warps {warps}, stages {stages}, splits {splits})",
                jax.jit(functools.partial(mla_decode_gpu, scale=scale, block_k=block_k, head_block=head_block,
                                          num_warps=warps, num_stages=stages, num_splits=splits)))
-    for pv_chunk, split_factor in MOSAIC_VARIANTS:
+    for pv_chunk, split_factor, approx_math in MOSAIC_VARIANTS:
         splits = split_factor * mosaic_num_splits(batch, length)
-        yield (f"mosaic (pv_chunk {pv_chunk}, splits {splits})",
-               jax.jit(functools.partial(mla_decode_mgpu, scale=scale, pv_chunk=pv_chunk, num_splits=splits)))
+        yield (f"mosaic (pv_chunk {pv_chunk}, splits {splits}{', approx. exp' if approx_math else ''})",
+               jax.jit(functools.partial(mla_decode_mgpu, scale=scale, pv_chunk=pv_chunk, num_splits=splits,
+                                         approx_math=approx_math)))
+
+
+def profile_default_kernel(directory: str, scale: float, *args) -> None:
+    chain = chained(functools.partial(mla_decode_mgpu, scale=scale), nudge_query, CALLS)
+    jax.block_until_ready(chain(*args))
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        jax.block_until_ready(chain(*args))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of the default Mosaic kernel's "
+                        "chained calls at each size under DIR/B<batch>_L<length> (read it with trace_summary.py)")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
@@ -99,6 +109,9 @@ def main(argv=None) -> int:
             assert err < 2e-2, f"kernel variant is wrong: rel. error {err}"
             if best is None or seconds < best[0]:
                 best = (seconds, variant, err)
+        if args.profile:
+            profile_default_kernel(os.path.join(args.profile, f"B{batch}_L{length}"), scale, q_latent, q_rope, cache,
+                                   lengths)
         if best is None:
             print(f"B={batch} L={length}: no kernel variant ran")
             continue
