@@ -64,10 +64,9 @@ def to_torch(*arrays, dtype=None):
 DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=8)]
 DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for B < 64 and for B >= 64
     "small": DECODE_TILES + [dict(block_v=128, num_warps=8), dict(block_v=16, num_warps=2)],
-    "large": DECODE_TILES + [  # the load latency hidden: K-chunk prefetch, longer programs
-        dict(block_v=64, num_warps=4, chunk_k=32), dict(block_v=128, num_warps=4, chunk_k=32),
-        dict(block_v=64, num_warps=4, heads_per_program=2),
-        dict(block_v=64, num_warps=4, chunk_k=32, heads_per_program=4),
+    "large": DECODE_TILES + [  # narrower value blocks, fewer warps: more programs resident per SM
+        dict(block_v=32, num_warps=2), dict(block_v=32, num_warps=1), dict(block_v=16, num_warps=1),
+        dict(block_v=16, num_warps=2), dict(block_v=64, num_warps=2),
     ],
 }
 STEPS_PER_CALL = 20  # decode steps chained in one jitted program, so host dispatch is not what gets timed
