@@ -21,18 +21,14 @@ from helpers import l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
-GPU_VARIANTS = {  # kda_decode_step_gpu keywords at the test shapes (K 16 or 32: several 8-row chunks)
-    "k_chunks": dict(chunk_k=8),
-    "two_heads": dict(heads_per_program=2),
-    "three_heads_v_blocks": dict(heads_per_program=3, block_v=8),
-    "two_heads_k_chunks": dict(heads_per_program=2, chunk_k=8, block_v=8),
-    "three_heads_one_chunk": dict(heads_per_program=3, chunk_k=16),
+GPU_VARIANTS = {  # kda_decode_step_gpu keywords at the test shapes (K 16 or 32)
+    "narrow_v_blocks": dict(block_v=8),
+    "two_warps": dict(block_v=16, num_warps=2),
 }
 FULL_SIZE_GPU_VARIANTS = {  # the same at K = V = 128 (scripts/bench_kda.py's candidates)
     "default": {},
-    "k_chunks": dict(chunk_k=32),
-    "two_heads": dict(heads_per_program=2),
-    "four_heads_k_chunks": dict(heads_per_program=4, chunk_k=32, block_v=128),
+    "v_block_32_two_warps": dict(block_v=32, num_warps=2),
+    "v_block_16_one_warp": dict(block_v=16, num_warps=1),
 }
 
 
