@@ -4,7 +4,7 @@ one-hot baseline, and a tile sweep of the fused kernels.
 
     python scripts/bench_moe.py            # 8192 and 64 tokens, hidden 4096, 512 experts, top-8, bf16
     python scripts/bench_moe.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
-    python scripts/bench_moe.py --no-sweep # without the tile sweeps
+    python scripts/bench_moe.py --sweep none  # without the tile sweeps (or only: --sweep triton / mosaic)
     python scripts/bench_moe.py --no-mosaic # without the Mosaic GPU kernels (pallas_kernels.moe.fused_mgpu)
 
 For each token count:
@@ -240,7 +240,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweeps of the fused kernels")
+    parser.add_argument("--sweep", choices=("all", "triton", "mosaic", "none"), default="all",
+                        help="tile sweeps of the fused kernels to run (Triton at each size, Mosaic GPU at the first)")
     parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels (fused_mgpu)")
     parser.add_argument("--backend", default=None,
                         help="kernel backend: pallas_gpu (default on a GPU), interpret_gpu (default with --quick "
@@ -315,13 +316,13 @@ def main(argv=None) -> int:
             tflops = flops * KERNEL_SHARE.get(name.split(": ")[-1], 1.0) / seconds / 1e12
             print(f"  {name:30s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  {tflops * 1e12 / peak:6.1%} of peak")
             rows.append((tokens, name, seconds, tflops))
-        if not args.no_sweep and backend != "reference":
+        if args.sweep in ("all", "triton") and backend != "reference":
             few_rows = tokens * top_k <= FEW_ROWS_PER_GROUP * config.num_experts
             sweep = sweep_tiles(kernel_args, SWEEP["few rows" if few_rows else "many rows"],
                                 flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
                                 interpret=backend.startswith("interpret"), limit=limit, iters=args.iters)
             print_sweep(tokens, sweep)
-        if not args.no_sweep and mosaic is not None and tokens == token_counts[0]:
+        if args.sweep in ("all", "mosaic") and mosaic is not None and tokens == token_counts[0]:
             print_mosaic_sweep(tokens, sweep_mosaic(
                 kernel_args, MOSAIC_SWEEP, flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
                 interpret=interpret, limit=limit, iters=args.iters))
