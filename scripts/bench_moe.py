@@ -4,8 +4,7 @@ one-hot baseline, and a tile sweep of the fused kernels.
 
     python scripts/bench_moe.py            # 8192 and 64 tokens, hidden 4096, 512 experts, top-8, bf16
     python scripts/bench_moe.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
-    python scripts/bench_moe.py --sweep none  # without the tile sweeps (or only: --sweep triton / mosaic)
-    python scripts/bench_moe.py --no-mosaic # without the Mosaic GPU kernels (pallas_kernels.moe.fused_mgpu)
+    python scripts/bench_moe.py --no-sweep # without the tile sweep
 
 For each token count:
 - unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
@@ -13,18 +12,13 @@ For each token count:
 - fused (`local_moe`, what the model runs): sort the assignment indices only, `gather_swiglu` (rows read from
   x through the permutation inside the kernel, gate + up + SwiGLU in one pass) and `down_scatter` (weighted
   rows stored back through the permutation), a sum over k;
-- mosaic (`fused_mgpu`, not yet the model's path): the same two ops as Mosaic GPU kernels (TMA pipelines into
-  wgmma; the gather and the tiled row order are XLA gathers inside the ops), both together and each alone
-  next to the Triton fused kernels alone, and the routed experts through them;
 - each path's kernels alone on pre-sorted inputs ("GEMMs only"), each inside the whole layer (router + routed
   + shared expert), and the dense baseline (every expert on every token, in token chunks), which also checks
   both paths on device (the bf16 baseline rounds gate and up to bf16 as the unfused path does, the fused
   kernel keeps them in fp32, so the fused path sits ~5e-3 from it while closer to an fp32 computation).
 Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width) and the share of the bf16 matmul peak
 measured in the same run (and of the 683 TFLOP/s issue 6 measures against). The sweep times each fused kernel
-alone over a few (block_m, block_n, block_k, num_warps, num_stages) variants; at 8192 tokens a second sweep
-times the Mosaic GPU kernels over (block_m, block_n, block_k, max_concurrent_steps[, scatter]) variants, each
-checked against the Triton kernels first (a failure, e.g. too much shared memory, is reported and skipped).
+alone over a few (block_m, block_n, block_k, num_warps, num_stages) variants.
 """
 
 from __future__ import annotations
@@ -45,7 +39,6 @@ from ling_jax import LingConfig  # noqa: E402
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
 from ling_jax.moe import MoE  # noqa: E402
 from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu  # noqa: E402
-from pallas_kernels.moe.fused_mgpu import down_scatter_mgpu, gather_swiglu_mgpu  # noqa: E402
 from pallas_kernels.moe.gmm_gpu import FEW_ROWS_PER_GROUP  # noqa: E402
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul  # noqa: E402
 from pallas_kernels.moe.reference import swiglu  # noqa: E402
@@ -65,20 +58,6 @@ SWEEP = {
         "down_scatter": [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4)],
     },
 }
-
-# (block_m, block_n, block_k, max_concurrent_steps[, scatter]) of the Mosaic GPU sweep at 8192 tokens; the first
-# of each list is the default. Register budget: gather_swiglu holds 2 x block_m x block_n fp32 accumulators,
-# down_scatter one, over 128 threads, so block_m x block_n stays at 8192 (gather) or 16384 (down).
-MOSAIC_SWEEP = {
-    "gather_swiglu": [(64, 128, 64, 4), (64, 128, 64, 3), (64, 128, 64, 2), (64, 128, 128, 2), (128, 64, 64, 4),
-                      (64, 64, 64, 4), (64, 64, 128, 4)],
-    "down_scatter": [(64, 256, 64, 4, "rows"), (64, 256, 64, 4, "sorted"), (64, 256, 64, 3, "rows"),
-                     (64, 256, 64, 2, "rows"), (128, 128, 64, 4, "rows"), (128, 128, 64, 4, "sorted"),
-                     (64, 128, 64, 4, "rows"), (64, 128, 128, 3, "rows")],
-}
-# share of the routed experts' FLOPs a timed name does (gate + up: 2/3, down: 1/3)
-KERNEL_SHARE = {"gather_swiglu alone": 2 / 3, "down_scatter alone": 1 / 3}
-MOSAIC_TOL = 2e-2  # bf16 rel. error against the Triton kernels before a variant is timed
 
 
 def matmul_peak(iters: int, n: int = 8192) -> float:
@@ -110,41 +89,6 @@ def fused_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down
     """The fused path's kernels alone, on an already computed permutation."""
     h_RI = gather_swiglu(x_TD, source_R, sizes_E, gate, up, limit, backend=backend)
     return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down, backend=backend)
-
-
-def mosaic_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, *, limit, interpret):
-    """The Mosaic GPU kernels alone, on an already computed permutation (as `fused_kernels`)."""
-    h_RI = gather_swiglu_mgpu(x_TD, source_R, sizes_E, gate, up, limit=limit, interpret=interpret)
-    return down_scatter_mgpu(h_RI, order_R, row_weight_R, sizes_E, down, interpret=interpret)
-
-
-def mosaic_local_moe(x_TD, weights_TK, experts_TK, gate, up, down, limit, *, interpret):
-    """The routed experts through the Mosaic GPU kernels, as `fused_local_moe` runs the Triton ones: sort the
-    assignments, the two kernels, a sum over k in fp32."""
-    tokens, top_k = experts_TK.shape
-    order_R, sizes_E = sort_by_expert(experts_TK.reshape(-1), gate.shape[0])
-    y_RD = mosaic_kernels(x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down,
-                          limit=limit, interpret=interpret)
-    return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
-
-
-def single_kernels(kernel_args, *, limit, interpret, mosaic: bool):
-    """{name: (jitted fn, args)} of each fused kernel alone, Triton and (with mosaic) Mosaic GPU; down_scatter
-    reads the Triton gather_swiglu's h."""
-    x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
-    h_RI = gather_swiglu_gpu(x_TD, source_R, sizes_E, gate, up, limit=limit, interpret=interpret)
-    gather_args, down_args = (x_TD, source_R, sizes_E, gate, up), (h_RI, order_R, row_weight_R, sizes_E, down)
-    kernels = {
-        "triton: gather_swiglu alone": (functools.partial(gather_swiglu_gpu, limit=limit, interpret=interpret),
-                                        gather_args),
-        "triton: down_scatter alone": (functools.partial(down_scatter_gpu, interpret=interpret), down_args),
-    }
-    if mosaic:
-        kernels["mosaic: gather_swiglu alone"] = (
-            functools.partial(gather_swiglu_mgpu, limit=limit, interpret=interpret), gather_args)
-        kernels["mosaic: down_scatter alone"] = (functools.partial(down_scatter_mgpu, interpret=interpret),
-                                                 down_args)
-    return kernels
 
 
 def layer_with(routed, graphdef, limit, backend):
@@ -179,39 +123,6 @@ def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, it
     return rows
 
 
-def sweep_mosaic(kernel_args, variants, *, flops_per_kernel, interpret, limit, iters):
-    """Rows (kernel, tiles, ms or None, TFLOP/s or None, note) for each Mosaic GPU kernel alone over its
-    variants; each variant is first checked against the Triton kernel (rel. error <= MOSAIC_TOL), a failing
-    or erroring one is reported (note) and not timed."""
-    x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
-    h_RI = gather_swiglu_gpu(x_TD, source_R, sizes_E, gate, up, limit=limit, interpret=interpret)
-    expected = {"gather_swiglu": h_RI,
-                "down_scatter": down_scatter_gpu(h_RI, order_R, row_weight_R, sizes_E, down, interpret=interpret)}
-    names = ("block_m", "block_n", "block_k", "max_concurrent_steps", "scatter")
-    calls = {
-        "gather_swiglu": lambda tiles: (jax.jit(functools.partial(gather_swiglu_mgpu, limit=limit,
-                                                                  interpret=interpret, **tiles)),
-                                        (x_TD, source_R, sizes_E, gate, up)),
-        "down_scatter": lambda tiles: (jax.jit(functools.partial(down_scatter_mgpu, interpret=interpret, **tiles)),
-                                       (h_RI, order_R, row_weight_R, sizes_E, down)),
-    }
-    rows = []
-    for kernel, tile_list in variants.items():
-        for tiles in tile_list:
-            fn, args = calls[kernel](dict(zip(names, tiles)))
-            try:
-                error = rel_error(fn(*args), expected[kernel])
-            except Exception as e:  # noqa: BLE001  (a variant that does not compile, e.g. shared memory)
-                rows.append((kernel, tiles, None, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
-                continue
-            if not error <= MOSAIC_TOL:
-                rows.append((kernel, tiles, None, None, f"wrong: rel. error {error:.2e}"))
-                continue
-            seconds = median_seconds(fn, *args, iters=iters)
-            rows.append((kernel, tiles, seconds, flops_per_kernel[kernel] / seconds / 1e12, f"rel. error {error:.1e}"))
-    return rows
-
-
 def print_table(rows, peak):
     print(f"\n| tokens | path | ms | useful TFLOP/s | % of measured peak ({peak / 1e12:.3g}) | "
           f"% of {ISSUE_PEAK / 1e12:.0f} |")
@@ -228,21 +139,11 @@ def print_sweep(tokens, rows):
         print(f"| {tokens} | {kernel} | {', '.join(map(str, tiles))} | {seconds * 1e3:.3f} | {tflops:.1f} |")
 
 
-def print_mosaic_sweep(tokens, rows):
-    print("\n| tokens | Mosaic GPU kernel | block_m, block_n, block_k, steps[, scatter] | ms | TFLOP/s | check |")
-    print("|---|---|---|---|---|---|")
-    for kernel, tiles, seconds, tflops, note in rows:
-        timing = f"{seconds * 1e3:.3f} | {tflops:.1f}" if seconds is not None else "- | -"
-        print(f"| {tokens} | {kernel} | {', '.join(map(str, tiles))} | {timing} | {note} |")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--sweep", choices=("all", "triton", "mosaic", "none"), default="all",
-                        help="tile sweeps of the fused kernels to run (Triton at each size, Mosaic GPU at the first)")
-    parser.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic GPU kernels (fused_mgpu)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
     parser.add_argument("--backend", default=None,
                         help="kernel backend: pallas_gpu (default on a GPU), interpret_gpu (default with --quick "
                              "elsewhere), reference (jnp ragged dots, no kernels)")
@@ -278,11 +179,7 @@ def main(argv=None) -> int:
         baseline = jax.jit(lambda *a: dense_in_chunks(*a, limit))
         routing = (x_TD, weights_TK, experts_TK, gate, up, down)
         dense = baseline(*routing)
-        mosaic = None if args.no_mosaic or backend == "reference" else jax.jit(
-            functools.partial(mosaic_local_moe, limit=limit, interpret=backend.startswith("interpret")))
         errors = {"unfused": rel_error(unfused(*routing), dense), "fused": rel_error(fused(*routing), dense)}
-        if mosaic is not None:
-            errors["mosaic"] = rel_error(mosaic(*routing), dense)
         order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), config.num_experts)
         kernel_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down)
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
@@ -301,31 +198,17 @@ def main(argv=None) -> int:
                                                      iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
-        if backend != "reference":
-            interpret = backend.startswith("interpret")
-            for name, (fn, fn_args) in single_kernels(kernel_args, limit=limit, interpret=interpret,
-                                                      mosaic=mosaic is not None).items():
-                times[name] = median_seconds(jax.jit(fn), *fn_args, iters=args.iters)
-        if mosaic is not None:
-            times["mosaic: kernels only"] = median_seconds(
-                jax.jit(functools.partial(mosaic_kernels, limit=limit, interpret=interpret)), *kernel_args,
-                iters=args.iters)
-            times["mosaic: routed experts"] = median_seconds(mosaic, *routing, iters=args.iters)
-        print(f"\ntokens {tokens}: rel. error vs dense: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+        print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}")
         for name, seconds in times.items():
-            tflops = flops * KERNEL_SHARE.get(name.split(": ")[-1], 1.0) / seconds / 1e12
-            print(f"  {name:30s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  {tflops * 1e12 / peak:6.1%} of peak")
+            tflops = flops / seconds / 1e12
+            print(f"  {name:28s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  {tflops * 1e12 / peak:6.1%} of peak")
             rows.append((tokens, name, seconds, tflops))
-        if args.sweep in ("all", "triton") and backend != "reference":
+        if not args.no_sweep and backend != "reference":
             few_rows = tokens * top_k <= FEW_ROWS_PER_GROUP * config.num_experts
             sweep = sweep_tiles(kernel_args, SWEEP["few rows" if few_rows else "many rows"],
                                 flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
                                 interpret=backend.startswith("interpret"), limit=limit, iters=args.iters)
             print_sweep(tokens, sweep)
-        if args.sweep in ("all", "mosaic") and mosaic is not None and tokens == token_counts[0]:
-            print_mosaic_sweep(tokens, sweep_mosaic(
-                kernel_args, MOSAIC_SWEEP, flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
-                interpret=interpret, limit=limit, iters=args.iters))
     print_table(rows, peak)
     return 0
 
