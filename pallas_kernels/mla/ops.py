@@ -40,11 +40,13 @@ def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: floa
 
 
 def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:
-    """A Hopper GPU (wgmma and TMA: compute capability 9.x), a 16-bit cache, <= 64 heads, 64-column tiles."""
+    """A Hopper GPU (wgmma and TMA: compute capability 9.x), a 16-bit cache, <= 64 heads, 64-column tiles, and
+    a cache length that is a multiple of 8 (the kernel would otherwise pad, i.e. copy, the cache every step)."""
     device = jax.devices()[0]
     return (getattr(device, "compute_capability", "").startswith("9.")
             and kv_cache_BLA.dtype in (jnp.bfloat16, jnp.float16) and q_latent_BHR.shape[1] <= MOSAIC_MAX_HEADS
-            and kv_cache_BLA.shape[-1] % 64 == 0 and q_latent_BHR.shape[-1] % 256 == 0)
+            and kv_cache_BLA.shape[-1] % 64 == 0 and q_latent_BHR.shape[-1] % 256 == 0
+            and kv_cache_BLA.shape[1] % 8 == 0)
 
 
 def _few_rows_on_gpu(x_MHX, backend: str) -> bool:
