@@ -142,15 +142,15 @@ def _values_consumer(num_tiles, refs, *, stages: int, pv_chunk: int, cast):
     _store_normalised(o_gmem, acc_chunks, chunk_cols, cast(l_smem[...], plgpu.Layout.WGMMA.reduce(1)))
 
 
-def _producer(batch, first_slot, num_tiles, q_gmem, kv_gmem, q_smem, kv_smem, kv_ready, kv_free, q_ready, *,
-              block_k: int, stages: int):
-    """The producer warpgroup: the query once, then cache tiles through the ring."""
+def _producer(batch, first_tile, num_tiles, q_gmem, cache_tile, q_smem, kv_smem, kv_ready, kv_free, q_ready, *,
+              stages: int):
+    """The producer warpgroup: the query once, then cache tiles through the ring (cache_tile(i): the GMEM view
+    of the sequence's tile i)."""
     plgpu.set_max_registers(40, action="decrease")
     plgpu.copy_gmem_to_smem(q_gmem.at[batch], q_smem, q_ready.at[0])
 
     def load_tile(t, slot):
-        rows = pl.ds(first_slot + t * block_k, block_k)
-        plgpu.copy_gmem_to_smem(kv_gmem.at[batch, rows], kv_smem.at[slot], kv_ready.at[slot])
+        plgpu.copy_gmem_to_smem(cache_tile(first_tile + t), kv_smem.at[slot], kv_ready.at[slot])
 
     for t in range(stages):
         pl.when(t < num_tiles)(functools.partial(load_tile, t, t))
@@ -166,9 +166,11 @@ def _producer(batch, first_slot, num_tiles, q_gmem, kv_gmem, q_smem, kv_smem, kv
         plgpu.barrier_wait(kv_free.at[lax.rem(t, stages)])
 
 
-def _kernel(lengths_gmem, q_gmem, kv_gmem, o_gmem, lse_gmem, q_smem, kv_smem, p_smem, correction_smem, l_smem,
+def _kernel(cache_tile, lengths_gmem, q_gmem, o_gmem, lse_gmem, q_smem, kv_smem, p_smem, correction_smem, l_smem,
             kv_ready, kv_free, q_ready, p_ready, p_free, *, scale: float, block_k: int, split_len: int,
             stages: int, pv_chunk: int, interpret: bool):
+    """The CTA of (batch, split): its warpgroups' roles; cache_tile(i) is the GMEM view of tile i of the
+    sequence (block_k slots), contiguous or paged."""
     batch, split, warpgroup = lax.axis_index("batch"), lax.axis_index("split"), lax.axis_index("wg")
     length = lengths_gmem[batch]
     first_slot = split * split_len
@@ -181,8 +183,29 @@ def _kernel(lengths_gmem, q_gmem, kv_gmem, o_gmem, lse_gmem, q_smem, kv_smem, p_
     pl.when(warpgroup == 1)(functools.partial(_values_consumer, num_tiles, refs, stages=stages, pv_chunk=pv_chunk,
                                               cast=cast))
     pl.when(warpgroup == CONSUMERS)(functools.partial(
-        _producer, batch, first_slot, num_tiles, q_gmem, kv_gmem, q_smem, kv_smem, kv_ready, kv_free, q_ready,
-        block_k=block_k, stages=stages))
+        _producer, batch, split * (split_len // block_k), num_tiles, q_gmem, cache_tile, q_smem, kv_smem,
+        kv_ready, kv_free, q_ready, stages=stages))
+
+
+def _contiguous_kernel(lengths_gmem, q_gmem, kv_gmem, *refs, block_k: int, **params):
+    """Tile i of sequence b: cache slots [i * block_k, +block_k) of kv [B, L, A]."""
+    batch = lax.axis_index("batch")
+    _kernel(lambda i: kv_gmem.at[batch, pl.ds(i * block_k, block_k)], lengths_gmem, q_gmem, *refs,
+            block_k=block_k, **params)
+
+
+def _paged_kernel(lengths_gmem, q_gmem, pages_gmem, page_table_gmem, *refs, block_k: int, page_size: int,
+                  **params):
+    """Tile i of sequence b: rows of page page_table[b, i // tiles_per_page] of pages [P, page_size, A] (the
+    row offset a multiple of block_k, so TMA's 8-row alignment is provable)."""
+    batch = lax.axis_index("batch")
+    tiles_per_page = page_size // block_k
+
+    def cache_tile(i):
+        page = page_table_gmem[batch, lax.div(i, tiles_per_page)]
+        return pages_gmem.at[page, pl.ds(lax.rem(i, tiles_per_page) * block_k, block_k)]
+
+    _kernel(cache_tile, lengths_gmem, q_gmem, *refs, block_k=block_k, **params)
 
 
 MIN_SPLIT = 512  # slots
@@ -194,21 +217,8 @@ def default_num_splits(batch: int, max_len: int, num_sms: int = 132) -> int:
     return max(1, min(num_sms // batch, pl.cdiv(max_len, MIN_SPLIT)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "stages", "pv_chunk", "num_splits", "approx_math",
-                                             "interpret"))
-def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int = 64,
-                    stages: int = 2, pv_chunk: int = 128, num_splits: int | None = None, approx_math: bool = True,
-                    interpret: bool = False):
-    """o_latent [B, H, R] fp32 for a bf16 or fp16 cache [B, L, R + P] (R = 512, P = 64 for Ling; R and P
-    multiples of 64 and 128 divides R), H <= 64 heads. Slots past L in the last tile read as zeros
-    (TMA) and are masked like those past lengths[b]; a cache whose L is not a multiple of 8 is padded first (a
-    copy: TMA needs whole 8-row tiles). Tiles: `block_k` slots a tile, `stages` ring buffers,
-    P·V in `pv_chunk`-column products per consumer (each a fresh accumulator added to the rescaled output:
-    fewer live registers than one [64, 256] product). approx_math: the softmax's exp in the
-    fast approximate form (ex2.approx; the same error vs float64 on the H200, 0.136 vs 0.173 ms at B=1)."""
-    batch, heads, latent_dim = q_latent_BHR.shape
-    max_len, width = kv_cache_BLA.shape[1:]
-    dtype = kv_cache_BLA.dtype
+def _check(q_latent_BHR, dtype, width: int, *, block_k: int, pv_chunk: int):
+    heads, latent_dim = q_latent_BHR.shape[1:]
     if dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"mla_decode_mgpu takes a bf16 or fp16 cache, got {dtype}")
     if heads > HEADS or width % 64 or latent_dim % (CONSUMERS * pv_chunk) or block_k % 64:
@@ -216,15 +226,21 @@ def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale:
                          f"dim that is a multiple of {CONSUMERS} x pv_chunk and block_k a multiple of 64; got "
                          f"{heads} heads, cache width {width}, latent dim {latent_dim}, pv_chunk {pv_chunk}, "
                          f"block_k {block_k}")
+
+
+def _run(body, cache_args, q_latent_BHR, q_rope_BHP, lengths_B, *, max_len: int, scale: float, block_k: int,
+         stages: int, pv_chunk: int, num_splits: int | None, approx_math: bool, interpret: bool):
+    """The kernel `body` over (batch, split) CTAs, then the exact combine of the splits: o_latent [B, H, R]."""
+    batch, heads, latent_dim = q_latent_BHR.shape
+    dtype, width = cache_args[0].dtype, cache_args[0].shape[-1]
+    _check(q_latent_BHR, dtype, width, block_k=block_k, pv_chunk=pv_chunk)
     if num_splits is None:
         num_splits = default_num_splits(batch, max_len)
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
-    if max_len % 8:  # a TMA source dimension must be a multiple of its 8-row tiling: odd lengths are padded
-        kv_cache_BLA = jnp.pad(kv_cache_BLA, ((0, 0), (0, -max_len % 8), (0, 0)))
     q_BHA = jnp.concatenate([q_latent_BHR, q_rope_BHP], axis=-1).astype(dtype)
     q_BHA = jnp.pad(q_BHA, ((0, 0), (0, HEADS - heads), (0, 0)))
     layout = _smem_layout()
-    kernel = functools.partial(_kernel, scale=scale, block_k=block_k, split_len=split_len, stages=stages,
+    kernel = functools.partial(body, scale=scale, block_k=block_k, split_len=split_len, stages=stages,
                                pv_chunk=pv_chunk, interpret=interpret)
     o_BSHR, lse_BSH = plgpu.kernel(
         kernel,
@@ -250,5 +266,45 @@ def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale:
                                              reduction_scratch_bytes=0,  # row reductions stay within warps
                                              approx_math=approx_math),
         interpret=mosaic_gpu_interpret(interpret),
-    )(lengths_B.astype(jnp.int32), q_BHA, kv_cache_BLA)
+    )(lengths_B.astype(jnp.int32), q_BHA, *cache_args)
     return combine_splits(o_BSHR, lse_BSH)[:, :heads]
+
+
+_TUNING = ("scale", "block_k", "stages", "pv_chunk", "num_splits", "approx_math", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_TUNING)
+def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int = 64,
+                    stages: int = 2, pv_chunk: int = 128, num_splits: int | None = None, approx_math: bool = True,
+                    interpret: bool = False):
+    """o_latent [B, H, R] fp32 for a bf16 or fp16 cache [B, L, R + P] (R = 512, P = 64 for Ling; R and P
+    multiples of 64 and 128 divides R), H <= 64 heads. Slots past L in the last tile read as zeros
+    (TMA) and are masked like those past lengths[b]; a cache whose L is not a multiple of 8 is padded first (a
+    copy: TMA needs whole 8-row tiles). Tiles: `block_k` slots a tile, `stages` ring buffers,
+    P·V in `pv_chunk`-column products per consumer (each a fresh accumulator added to the rescaled output:
+    fewer live registers than one [64, 256] product). approx_math: the softmax's exp in the
+    fast approximate form (ex2.approx; the same error vs float64 on the H200, 0.136 vs 0.173 ms at B=1)."""
+    max_len = kv_cache_BLA.shape[1]
+    if max_len % 8:  # a TMA source dimension must be a multiple of its 8-row tiling: odd lengths are padded
+        kv_cache_BLA = jnp.pad(kv_cache_BLA, ((0, 0), (0, -max_len % 8), (0, 0)))
+    return _run(_contiguous_kernel, (kv_cache_BLA,), q_latent_BHR, q_rope_BHP, lengths_B, max_len=max_len,
+                scale=scale, block_k=block_k, stages=stages, pv_chunk=pv_chunk, num_splits=num_splits,
+                approx_math=approx_math, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_TUNING)
+def mla_decode_paged_mgpu(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *, scale: float,
+                          block_k: int = 64, stages: int = 2, pv_chunk: int = 128, num_splits: int | None = None,
+                          approx_math: bool = True, interpret: bool = False):
+    """`mla_decode_mgpu` over a paged cache: kv_pages [P, page_size, R + P_rope] (page_size a multiple of
+    block_k), page_table [B, max_pages] int32: slot s of sequence b is row s % page_size of page
+    page_table[b, s // page_size]. Pages may be shared between sequences (prefix reuse); entries past a
+    sequence's length are never read."""
+    page_size = kv_pages_PSA.shape[1]
+    if page_size % block_k:
+        raise ValueError(f"mla_decode_paged_mgpu needs a page size that is a multiple of block_k {block_k}, "
+                         f"got {page_size}")
+    body = functools.partial(_paged_kernel, page_size=page_size)
+    return _run(body, (kv_pages_PSA, page_table_BN.astype(jnp.int32)), q_latent_BHR, q_rope_BHP, lengths_B,
+                max_len=page_table_BN.shape[1] * page_size, scale=scale, block_k=block_k, stages=stages,
+                pv_chunk=pv_chunk, num_splits=num_splits, approx_math=approx_math, interpret=interpret)

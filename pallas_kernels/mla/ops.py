@@ -11,9 +11,9 @@ from pallas_kernels.mla.absorb_gpu import ROWS, absorb_query_gpu, expand_output_
 from pallas_kernels.mla.absorb_reference import absorb_query_reference, expand_output_reference
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_mgpu import HEADS as MOSAIC_MAX_HEADS
-from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu
+from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu, mla_decode_paged_mgpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
-from pallas_kernels.mla.reference import mla_decode_reference
+from pallas_kernels.mla.reference import gather_pages, mla_decode_reference
 
 
 def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, backend: str = "auto"):
@@ -37,6 +37,21 @@ def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: floa
     if KERNEL_TARGET[backend] == "gpu":
         return mla_decode_gpu(*args, scale=scale, interpret=interpret)
     return mla_decode_tpu(*args, scale=scale, interpret=interpret)
+
+
+def mla_decode_paged(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *, scale: float,
+                     backend: str = "auto"):
+    """`mla_decode` over a paged latent cache (what prefix reuse needs): kv_pages [P, page_size, R + P_rope],
+    page_table [B, max_pages] int32 (slot s of sequence b is row s % page_size of page
+    page_table[b, s // page_size]; sequences may share pages). On a Hopper GPU ("pallas_gpu", a 16-bit cache,
+    pages of a multiple of 64 slots) the Mosaic GPU kernel reads the pages in place; every other backend first
+    gathers each sequence's pages into a contiguous cache (a copy of B x max_pages pages) and runs `mla_decode`.
+    """
+    if (resolve_backend(backend) == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_pages_PSA)
+            and kv_pages_PSA.shape[1] % 64 == 0):
+        return mla_decode_paged_mgpu(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, scale=scale)
+    return mla_decode(q_latent_BHR, q_rope_BHP, gather_pages(kv_pages_PSA, page_table_BN), lengths_B, scale=scale,
+                      backend=backend)
 
 
 def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:

@@ -41,6 +41,22 @@ def mla_decode_reference(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, s
     return o[:, 0]
 
 
+def gather_pages(kv_pages_PSA: jax.Array, page_table_BN: jax.Array) -> jax.Array:
+    """A paged latent cache as a contiguous one: [B, max_pages * page_size, A], sequence b's pages in table
+    order (entries outside [0, P), e.g. unused ones, are clipped to a valid page: callers mask them by length)."""
+    batch, max_pages = page_table_BN.shape
+    pages_BNSA = jnp.take(kv_pages_PSA, jnp.clip(page_table_BN, 0, kv_pages_PSA.shape[0] - 1), axis=0)
+    return pages_BNSA.reshape(batch, max_pages * kv_pages_PSA.shape[1], kv_pages_PSA.shape[2])
+
+
+def mla_decode_paged_reference(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *,
+                               scale: float) -> jax.Array:
+    """`mla_decode_reference` over a paged cache: slot s of sequence b is row s % page_size of page
+    page_table[b, s // page_size]."""
+    return mla_decode_reference(q_latent_BHR, q_rope_BHP, gather_pages(kv_pages_PSA, page_table_BN), lengths_B,
+                                scale=scale)
+
+
 def combine_splits(o_BSHR: jax.Array, lse_BSH: jax.Array) -> jax.Array:
     """Exact merge of per-split softmax results (flash-decoding): o = sum_s softmax_s(lse) * o_s.
 

@@ -18,9 +18,9 @@ from flax import nnx
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
-from pallas_kernels.mla import mla_decode
+from pallas_kernels.mla import mla_decode, mla_decode_paged
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
-from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu
+from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu, mla_decode_paged_mgpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
 from helpers import lower_for_cuda, rel_error
 
@@ -234,3 +234,69 @@ def test_compiled_model_decode_with_mosaic_kernel_equals_expanded_reference():
             cache = out.cache
         logits[mode] = jnp.concatenate(steps, axis=1)
     assert rel_error(logits["kernel"], logits[EXPANDED]) <= 2e-2
+
+
+def random_paged_case(heads, page_size, max_pages, dtype, seed):
+    """3 sequences over shuffled pages; sequence 1 shares sequence 0's first page (a reused prefix), and the
+    table's unused entries are -1. Returns the (rounded) inputs, the table, the lengths and the contiguous
+    cache each sequence sees."""
+    r = np.random.default_rng(seed)
+    batch, num_pages = 3, 3 * max_pages
+    table = r.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    table[1, 0] = table[0, 0]
+    lengths = np.array([1, page_size + 5, max_pages * page_size], np.int32)
+    table[0, 1:] = -1
+    rounded = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
+    q_latent = rounded(r.normal(size=(batch, heads, LATENT)) * 0.2)
+    q_rope = rounded(r.normal(size=(batch, heads, ROPE)))
+    pages = rounded(r.normal(size=(num_pages, page_size, LATENT + ROPE)))
+    contiguous = pages[np.clip(table, 0, None)].reshape(batch, max_pages * page_size, LATENT + ROPE)
+    return (q_latent, q_rope, pages), table, lengths, contiguous
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret_gpu", "interpret_tpu"])
+def test_paged_decode_matches_float64_attention(backend):
+    (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(4, 16, 3, jnp.float32, seed=21)
+    ref = float64_attention(q_latent, q_rope, contiguous, lengths, 0.06)
+    out = mla_decode_paged(*(jnp.asarray(x) for x in (q_latent, q_rope, pages)), jnp.asarray(table),
+                           jnp.asarray(lengths), scale=0.06, backend=backend)
+    assert rel_error(out, ref) <= 1e-4
+
+
+@needs_mgpu_interpreter
+@pytest.mark.parametrize("heads, page_size", [(4, 64), (64, 128)])
+def test_mosaic_paged_kernel_matches_float64_attention(heads, page_size):
+    (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(heads, page_size, 3, jnp.bfloat16,
+                                                                              seed=page_size)
+    ref = float64_attention(q_latent, q_rope, contiguous, lengths, 0.06)
+    out = mla_decode_paged_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)),
+                                jnp.asarray(table), jnp.asarray(lengths), scale=0.06, num_splits=2, interpret=True)
+    assert rel_error(out, ref) <= 2e-2
+
+
+def test_mosaic_paged_kernel_refuses_pages_off_the_tile():
+    (q_latent, q_rope, pages), table, lengths, _ = random_paged_case(4, 32, 2, jnp.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="page size"):
+        mla_decode_paged_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)),
+                              jnp.asarray(table), jnp.asarray(lengths), scale=0.06)
+
+
+def test_mosaic_paged_kernel_lowers_for_cuda():
+    args = (jax.ShapeDtypeStruct((64, 64, LATENT), jnp.bfloat16), jax.ShapeDtypeStruct((64, 64, ROPE), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64 * 512, 64, LATENT + ROPE), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 512), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.int32))
+    lowered = lower_for_cuda(functools.partial(mla_decode_paged_mgpu, scale=0.07), *args)
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Mosaic GPU kernel needs a Hopper GPU; it runs on the device machine")
+@pytest.mark.parametrize("page_size", [64, 256])
+def test_compiled_mosaic_paged_kernel_matches_float64_attention(page_size):
+    (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(64, page_size, 40, jnp.bfloat16,
+                                                                              seed=page_size)
+    ref = float64_attention(q_latent, q_rope, contiguous, lengths, 0.06)
+    out = mla_decode_paged(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)), jnp.asarray(table),
+                           jnp.asarray(lengths), scale=0.06)
+    assert rel_error(out, ref) <= 2e-2
