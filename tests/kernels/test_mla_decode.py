@@ -53,10 +53,8 @@ def random_case(heads, max_len, dtype, seed):
     return rounded, lengths
 
 
-# GPU kernel variants by keyword: the output latent columns whole, in halves or in quarters (one program each)
-GPU_VARIANTS = {"gpu": {}, "gpu_halves": {"latent_parts": 2}, "gpu_quarters": {"latent_parts": 4}}
 KERNELS = {
-    **{name: functools.partial(mla_decode_gpu, interpret=True, **kw) for name, kw in GPU_VARIANTS.items()},
+    "gpu": functools.partial(mla_decode_gpu, interpret=True),
     "tpu": functools.partial(mla_decode_tpu, interpret=True, block_k=128),
 }
 
@@ -79,17 +77,16 @@ def test_kernel_matches_float64_attention(kernel, heads, max_len, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
-@pytest.mark.parametrize("variant", sorted(GPU_VARIANTS))
 @pytest.mark.parametrize("heads", [1, 4, 64])
 @pytest.mark.parametrize("max_len", [1, 17, 300, 40000])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_compiled_gpu_kernel_matches_float64_attention(variant, heads, max_len, dtype):
+def test_compiled_gpu_kernel_matches_float64_attention(heads, max_len, dtype):
     (q_latent, q_rope, cache), lengths = random_case(heads, max_len, dtype, seed=heads + max_len)
     scale = 1 / np.sqrt(192)
     out = mla_decode_gpu(jnp.asarray(q_latent, dtype), jnp.asarray(q_rope, dtype), jnp.asarray(cache, dtype),
-                         jnp.asarray(lengths, jnp.int32), scale=scale, **GPU_VARIANTS[variant])
+                         jnp.asarray(lengths, jnp.int32), scale=scale)
     err = rel_error(out, float64_attention(q_latent, q_rope, cache, lengths, scale))
-    assert err <= TOL[dtype], f"compiled GPU kernel {variant} H={heads} L={max_len}: rel. error {err:.2e}"
+    assert err <= TOL[dtype], f"compiled GPU kernel H={heads} L={max_len}: rel. error {err:.2e}"
 
 
 @pytest.mark.parametrize("backend", ["interpret_gpu", "interpret_tpu", "interpret", "reference"])
@@ -99,10 +96,9 @@ def test_dispatcher_and_many_splits(backend):
     out = mla_decode(*(jnp.asarray(x) for x in (q_latent, q_rope, cache)), jnp.asarray(lengths), scale=0.05,
                      backend=backend)
     assert rel_error(out, ref) <= 1e-4
-    for parts in (1, 2):
-        split = mla_decode_gpu(*(jnp.asarray(x) for x in (q_latent, q_rope, cache)), jnp.asarray(lengths),
-                               scale=0.05, num_splits=7, block_k=16, latent_parts=parts, interpret=True)
-        assert rel_error(split, ref) <= 1e-4
+    split = mla_decode_gpu(*(jnp.asarray(x) for x in (q_latent, q_rope, cache)), jnp.asarray(lengths), scale=0.05,
+                           num_splits=7, block_k=16, interpret=True)
+    assert rel_error(split, ref) <= 1e-4
 
 
 def test_unknown_backend_is_refused():
@@ -125,18 +121,11 @@ def test_tpu_kernel_lowers_for_tpu(max_len):
     assert "tpu_custom_call" in lowered.as_text()
 
 
-@pytest.mark.parametrize("variant", sorted(GPU_VARIANTS))
 @pytest.mark.parametrize("batch, max_len", [(2, 1024), (64, 32768)])
-def test_gpu_kernel_lowers_for_cuda(variant, batch, max_len):
-    lowered = lower_for_cuda(functools.partial(mla_decode_gpu, scale=0.07, **GPU_VARIANTS[variant]),
+def test_gpu_kernel_lowers_for_cuda(batch, max_len):
+    lowered = lower_for_cuda(functools.partial(mla_decode_gpu, scale=0.07),
                              *_abstract_args(batch=batch, max_len=max_len))
     assert "mla_decode_split" in lowered.as_text()
-
-
-def test_latent_parts_must_divide_the_latent_dim():
-    with pytest.raises(ValueError, match="latent_parts"):
-        mla_decode_gpu(*(jnp.zeros(x.shape, x.dtype) for x in _abstract_args(batch=1, max_len=16)), scale=1.0,
-                       latent_parts=3, interpret=True)
 
 
 @pytest.mark.parametrize("backend", ["interpret_gpu", "interpret_tpu"])
