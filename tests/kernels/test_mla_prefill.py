@@ -1,14 +1,21 @@
-"""Flash-style expanded MLA prefill (query chunks x key blocks, skipped blocks) vs a float64 dense softmax."""
+"""Flash-style expanded MLA prefill (query chunks x key blocks, skipped blocks) and its GPU kernel (segments of
+expanded keys, Pallas interpret mode on the CPU; CUDA lowering; compiled on the GPU) vs a float64 dense softmax."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import lower_for_cuda
 from pallas_kernels.mla.prefill import flash_expanded_attention
+from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 3, 12, 8, 10, 24
+POW2_NOPE, POW2_VALUE = 16, 16  # the GPU kernel's block shapes are powers of two
 
 
 def float64_expanded(q_nope, q_pe, latent, query_slots, key_valid, w_uk, w_uv, scale):
@@ -24,26 +31,66 @@ def float64_expanded(q_nope, q_pe, latent, query_slots, key_valid, w_uk, w_uv, s
     return np.einsum("bhts,bshv->bthv", weights / np.where(total > 0, total, 1), v)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("blocks", [(16, 32), (64, 7), (2048, 512)])
-def test_flash_prefill_matches_dense_float64(dtype, tol, blocks):
-    r = np.random.default_rng(blocks[0] + blocks[1])
-    batch, length, slots = 2, 45, 100
-    q_nope = r.normal(size=(batch, length, HEADS, NOPE))
+def random_case(dtype, seed, nope=NOPE, value=VALUE, length=45, slots=100):
+    """Inputs (in dtype, as passed to the attention) and the float64 reference on their rounded values.
+    Row 0: a chunk appended after 30 cached tokens (causal with an offset); row 1: ragged, one pad query."""
+    r = np.random.default_rng(seed)
+    batch = 2
+    q_nope = r.normal(size=(batch, length, HEADS, nope))
     q_pe = r.normal(size=(batch, length, HEADS, ROPE))
     latent = r.normal(size=(batch, slots, LATENT + ROPE))
-    w_uk = r.normal(size=(HEADS, NOPE, LATENT)) / np.sqrt(LATENT)
-    w_uv = r.normal(size=(HEADS, VALUE, LATENT)) / np.sqrt(LATENT)
-    # row 0: a chunk appended after 30 cached tokens (causal with an offset); row 1: ragged, one pad query
+    w_uk = r.normal(size=(HEADS, nope, LATENT)) / np.sqrt(LATENT)
+    w_uv = r.normal(size=(HEADS, value, LATENT)) / np.sqrt(LATENT)
     query_slots = np.stack([30 + np.arange(length), np.r_[-1, np.arange(length - 1) * 2]])
     key_valid = np.stack([np.arange(slots) < 30 + length, r.uniform(size=slots) < 0.7])
     rounded = [np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
                for x in (q_nope, q_pe, latent, w_uk, w_uv)]
     ref = float64_expanded(rounded[0], rounded[1], rounded[2], query_slots, key_valid, rounded[3], rounded[4], 0.2)
-    out = flash_expanded_attention(*(jnp.asarray(x, dtype) for x in rounded[:3]), jnp.asarray(query_slots, jnp.int32),
-                                   jnp.asarray(key_valid), *(jnp.asarray(x, dtype) for x in rounded[3:]),
-                                   scale=0.2, query_block=blocks[0], key_block=blocks[1])
+    args = (*(jnp.asarray(x, dtype) for x in rounded[:3]), jnp.asarray(query_slots, jnp.int32),
+            jnp.asarray(key_valid), *(jnp.asarray(x, dtype) for x in rounded[3:]))
+    return args, ref
+
+
+def assert_matches(out, ref, dtype, tol, what):
     assert out.shape == ref.shape and out.dtype == dtype
     err = float(np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref))
-    assert err <= tol, f"blocks {blocks}: rel. error {err:.2e}"
+    assert err <= tol, f"{what}: rel. error {err:.2e}"
     np.testing.assert_array_equal(np.asarray(out[1, 0], np.float64), 0.0)  # the pad query sees nothing
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("blocks", [(16, 32), (64, 7), (2048, 512)])
+def test_flash_prefill_matches_dense_float64(dtype, tol, blocks):
+    args, ref = random_case(dtype, seed=blocks[0] + blocks[1])
+    out = flash_expanded_attention(*args, scale=0.2, query_block=blocks[0], key_block=blocks[1])
+    assert_matches(out, ref, dtype, tol, f"blocks {blocks}")
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("segment, block_q, block_k", [(32, 16, 16), (128, 64, 32), (4096, 64, 64)])
+def test_gpu_kernel_matches_dense_float64(dtype, tol, segment, block_q, block_k):
+    """The Pallas (Triton) segment kernel in interpret mode: several segments merged, a padded last segment."""
+    args, ref = random_case(dtype, seed=segment + block_k, nope=POW2_NOPE, value=POW2_VALUE)
+    out = flash_expanded_attention_gpu(*args, scale=0.2, segment=segment, block_q=block_q, block_k=block_k,
+                                       interpret=True)
+    assert_matches(out, ref, dtype, tol, f"segment {segment}, blocks {block_q}x{block_k}")
+
+
+def test_gpu_kernel_lowers_for_cuda_at_ling_width():
+    shape = jax.ShapeDtypeStruct
+    batch, length, slots, heads = 1, 2048, 8192, 64
+    args = (shape((batch, length, heads, 128), jnp.bfloat16), shape((batch, length, heads, 64), jnp.bfloat16),
+            shape((batch, slots, 576), jnp.bfloat16), shape((batch, length), jnp.int32),
+            shape((batch, slots), jnp.bool_), shape((heads, 128, 512), jnp.bfloat16),
+            shape((heads, 128, 512), jnp.bfloat16))
+    lowered = lower_for_cuda(functools.partial(flash_expanded_attention_gpu, scale=0.07), *args)
+    assert "mla_prefill_segment" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+def test_compiled_gpu_kernel_matches_dense_float64():
+    args, ref = random_case(jnp.bfloat16, seed=5, nope=POW2_NOPE, value=POW2_VALUE, length=300, slots=700)
+    out = flash_expanded_attention_gpu(*args, scale=0.2, segment=256)
+    assert_matches(out, ref, jnp.bfloat16, 2e-2, "compiled")

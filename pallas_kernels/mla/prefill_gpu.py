@@ -1,0 +1,137 @@
+"""MLA prefill attention on GPU: a Pallas flash-attention kernel (Triton lowering) over one segment of
+expanded keys, and the exact merge of segments.
+
+`flash_expanded_attention_gpu` has the semantics of the jnp `flash_expanded_attention` (`prefill.py`): query
+t sees key slot s iff s <= query_slots[b, t] and key_valid[b, s]. It walks the latent cache in segments of
+`segment` slots; per segment XLA expands the keys once for all queries (k_nope [B, S, H, N] and v
+[B, S, H, V] from c_kv with W_UK, W_UV; the rope key k_pe [B, S, P] is shared by the heads), and the kernel
+runs flash attention over it: program (query block, head, sequence) keeps its [block_q, V] fp32 accumulator
+and online softmax over key blocks, stops at the last key block any of its queries can see, and writes its
+normalised output and log-sum-exp. Segments merge exactly by their log-sum-exps (`combine_splits`), so the
+expanded keys never exceed one segment (at 4096 slots, B x 4096 x H x 256 values).
+
+N, P, V must be powers of two (Ling: 128, 64, 128): Triton's block shapes are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.mla.reference import combine_splits
+
+
+def _segment_kernel(first_ref, slots_ref, valid_ref, q_nope_ref, q_pe_ref, k_nope_ref, k_pe_ref, v_ref, o_ref,
+                    lse_ref, *, scale: float, block_k: int):
+    slots_Q = slots_ref[...]
+    first = first_ref[0]
+    num_keys = k_nope_ref.shape[0]
+    q_nope, q_pe = q_nope_ref[...], q_pe_ref[...]
+    dot = functools.partial(plgpu.dot, allow_tf32=q_nope.dtype != jnp.float32)  # fp32 inputs stay exact
+    offsets = jnp.arange(block_k)
+
+    def body(i, carry):
+        acc_QV, m_Q, l_Q = carry
+        keys = pl.ds(i * block_k, block_k)
+        in_segment_K = i * block_k + offsets < num_keys
+        rows_K1 = in_segment_K[:, None]
+        k_nope = plgpu.load(k_nope_ref.at[keys, :], mask=rows_K1, other=0.0)
+        k_pe = plgpu.load(k_pe_ref.at[keys, :], mask=rows_K1, other=0.0)
+        v = plgpu.load(v_ref.at[keys, :], mask=rows_K1, other=0.0)
+        valid_K = plgpu.load(valid_ref.at[keys], mask=in_segment_K, other=0) != 0
+        scores = (dot(q_nope, k_nope, trans_b=True) + dot(q_pe, k_pe, trans_b=True)) * scale
+        visible = (first + i * block_k + offsets[None, :] <= slots_Q[:, None]) & valid_K[None, :]
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m_Q, jnp.max(scores, axis=1))
+        p = jnp.exp(scores - m_new[:, None])
+        correction = jnp.exp(m_Q - m_new)
+        acc_QV = acc_QV * correction[:, None] + dot(p.astype(v.dtype), v)
+        return acc_QV, m_new, l_Q * correction + jnp.sum(p, axis=1)
+
+    frontier = jnp.max(slots_Q) - first + 1  # keys past the block's last visible slot are never loaded
+    num_blocks = jnp.clip(pl.cdiv(jnp.minimum(frontier, num_keys), block_k), 0, pl.cdiv(num_keys, block_k))
+    init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full(slots_Q.shape, -1e30, jnp.float32),
+            jnp.zeros(slots_Q.shape, jnp.float32))
+    acc_QV, m_Q, l_Q = jax.lax.fori_loop(0, num_blocks, body, init)
+    seen = l_Q > 0
+    o_ref[...] = acc_QV / jnp.where(seen, l_Q, 1.0)[:, None]
+    lse_ref[...] = jnp.where(seen, m_Q + jnp.log(jnp.where(seen, l_Q, 1.0)), -jnp.inf)
+
+
+def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, query_slots_BT, key_valid_BS,
+                          first_slot, *, scale: float, block_q: int = 64, block_k: int = 64, num_warps: int = 4,
+                          num_stages: int = 2, interpret: bool = False):
+    """Flash attention of every query over the segment's keys (slots first_slot + [0, S); S a power of two):
+    (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible)."""
+    batch, length, heads, nope = q_nope_BTHN.shape
+    segment, value_dim, rope = k_nope_BSHN.shape[1], v_BSHV.shape[-1], q_pe_BTHP.shape[-1]
+    block_q = min(block_q, pl.next_power_of_2(length))
+    block_k = min(block_k, segment)
+    padded = pl.cdiv(length, block_q) * block_q
+    pad = ((0, 0), (0, padded - length))
+    q_nope = jnp.pad(q_nope_BTHN, pad + ((0, 0), (0, 0)))
+    q_pe = jnp.pad(q_pe_BTHP, pad + ((0, 0), (0, 0)))
+    slots = jnp.pad(query_slots_BT.astype(jnp.int32), pad, constant_values=-1)
+    kernel = functools.partial(_segment_kernel, scale=scale, block_k=block_k)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(padded // block_q, heads, batch),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, h, b: (0,)),
+            pl.BlockSpec((None, block_q), lambda i, h, b: (b, i)),
+            pl.BlockSpec((None, segment), lambda i, h, b: (b, 0)),
+            pl.BlockSpec((None, block_q, None, nope), lambda i, h, b: (b, i, h, 0)),
+            pl.BlockSpec((None, block_q, None, rope), lambda i, h, b: (b, i, h, 0)),
+            pl.BlockSpec((None, segment, None, nope), lambda i, h, b: (b, 0, h, 0)),
+            pl.BlockSpec((None, segment, rope), lambda i, h, b: (b, 0, 0)),
+            pl.BlockSpec((None, segment, None, value_dim), lambda i, h, b: (b, 0, h, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, block_q, None, value_dim), lambda i, h, b: (b, i, h, 0)),
+                   pl.BlockSpec((None, block_q, None), lambda i, h, b: (b, i, h))],
+        out_shape=[jax.ShapeDtypeStruct((batch, padded, heads, value_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, padded, heads), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="mla_prefill_segment",
+    )(jnp.asarray(first_slot, jnp.int32).reshape(1), slots, key_valid_BS.astype(jnp.int32), q_nope, q_pe,
+      k_nope_BSHN, k_pe_BSP, v_BSHV)
+    return o[:, :length], lse[:, :length]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "segment", "block_q", "block_k", "interpret"))
+def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR,
+                                 w_uv_HVR, *, scale: float, segment: int = 4096, block_q: int = 64,
+                                 block_k: int = 64, interpret: bool = False):
+    """Expanded MLA attention -> o [B, T, H, V] in q's dtype (arguments as for `flash_expanded_attention`)."""
+    batch, _, heads, _ = q_nope_BTHN.shape
+    latent_dim = w_uk_HNR.shape[-1]
+    dtype = q_nope_BTHN.dtype
+    slots = latent_BSA.shape[1]
+    segment = min(segment, pl.next_power_of_2(slots))  # Triton block shapes are powers of two
+    pad = -slots % segment
+    latent = jnp.pad(latent_BSA.astype(dtype), ((0, 0), (0, pad), (0, 0)))
+    key_valid = jnp.pad(key_valid_BS, ((0, 0), (0, pad)))
+    w_uk, w_uv = w_uk_HNR.astype(dtype), w_uv_HVR.astype(dtype)
+    attend = functools.partial(attention_segment_gpu, scale=scale, block_q=block_q, block_k=block_k,
+                               interpret=interpret)
+
+    def one_segment(index):
+        first = index * segment
+        block_BSA = jax.lax.dynamic_slice_in_dim(latent, first, segment, axis=1)
+        c_kv, k_pe = block_BSA[..., :latent_dim], block_BSA[..., latent_dim:]
+        k_nope = jnp.einsum("bsr,hnr->bshn", c_kv, w_uk)
+        v = jnp.einsum("bsr,hvr->bshv", c_kv, w_uv)
+        valid = jax.lax.dynamic_slice_in_dim(key_valid, first, segment, axis=1)
+        return attend(q_nope_BTHN, q_pe_BTHP, k_nope, k_pe, v, query_slots_BT, valid, first)
+
+    o_STBHV, lse_STBH = jax.lax.map(one_segment, jnp.arange((slots + pad) // segment))
+    o_BTSHV = jnp.moveaxis(o_STBHV, 0, 2)  # the segments as flash-decoding splits of each (query, head)
+    lse_BTSH = jnp.moveaxis(lse_STBH, 0, 2)
+    batch_queries = batch * o_BTSHV.shape[1]
+    o = combine_splits(o_BTSHV.reshape(batch_queries, -1, heads, o_BTSHV.shape[-1]),
+                       lse_BTSH.reshape(batch_queries, -1, heads))
+    return o.reshape(batch, -1, heads, o.shape[-1]).astype(dtype)
