@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""MLA prefill attention on one GPU: the Pallas segment kernel (`flash_expanded_attention_gpu`) vs the jnp
+flash-style path under XLA (`flash_expanded_attention`, the model's prefill today), in one run.
+
+    python scripts/bench_mla_prefill.py           # a 2048-token chunk over 8192 and 32768 cache slots, H=64
+    python scripts/bench_mla_prefill.py --quick   # small sizes
+
+Ling widths (nope 128, rope 64, value 128, latent 512), bf16, one sequence whose chunk ends at the last slot
+(causal: the chunk's queries see every earlier slot). Each path is checked against the other on the device,
+then timed (median of synchronised calls after warm-up); FLOP/s counts the attention products over the
+visible keys (2 x visible pairs x H x (nope + rope + value)) and not the key expansion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench_common import median_seconds, rel_error  # noqa: E402
+from pallas_kernels.mla.prefill import flash_expanded_attention  # noqa: E402
+from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu  # noqa: E402
+
+HEADS, NOPE, ROPE, VALUE, LATENT = 64, 128, 64, 128, 512
+SEGMENTS = (2048, 4096)  # the kernel's key segment, swept
+
+
+def inputs(length: int, slots: int):
+    keys = jax.random.split(jax.random.key(slots), 5)
+    normal = lambda key, shape, s=1.0: (s * jax.random.normal(key, shape)).astype(jnp.bfloat16)  # noqa: E731
+    first = slots - length
+    return (normal(keys[0], (1, length, HEADS, NOPE)), normal(keys[1], (1, length, HEADS, ROPE)),
+            normal(keys[2], (1, slots, LATENT + ROPE)), (first + jnp.arange(length))[None].astype(jnp.int32),
+            jnp.ones((1, slots), bool), normal(keys[3], (HEADS, NOPE, LATENT), LATENT ** -0.5),
+            normal(keys[4], (HEADS, VALUE, LATENT), LATENT ** -0.5))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
+    scale = (NOPE + ROPE) ** -0.5
+    sizes = [(256, 1024)] if args.quick else [(2048, 8192), (2048, 32768)]
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    print("| chunk | cache slots | path | ms | TFLOP/s | rel. err vs jnp |\n|---|---|---|---|---|---|")
+    for length, slots in sizes:
+        case = inputs(length, slots)
+        visible_pairs = length * (slots - length) + length * (length + 1) // 2
+        flops = 2 * visible_pairs * HEADS * (NOPE + ROPE + VALUE)
+        jnp_path = jax.jit(functools.partial(flash_expanded_attention, scale=scale))
+        ref = jnp_path(*case)
+        paths = [("jnp flash (XLA)", jnp_path)] + [
+            (f"Pallas kernel, segment {segment}",
+             jax.jit(functools.partial(flash_expanded_attention_gpu, scale=scale, segment=segment)))
+            for segment in SEGMENTS]
+        for name, fn in paths:
+            err = rel_error(fn(*case), ref)
+            assert err < 2e-2, f"{name}: rel. error {err}"
+            seconds = median_seconds(fn, *case, iters=args.iters)
+            print(f"| {length} | {slots} | {name} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.0f} | {err:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
