@@ -10,7 +10,8 @@ and online softmax over key blocks, stops at the last key block any of its queri
 normalised output and log-sum-exp. Segments merge exactly by their log-sum-exps (`combine_splits`), so the
 expanded keys never exceed one segment (at 4096 slots, B x 4096 x H x 256 values).
 
-N, P, V must be powers of two (Ling: 128, 64, 128): Triton's block shapes are.
+N, P, V must be powers of two of at least 16 (Ling: 128, 64, 128): Triton's block shapes are powers of two
+and its dot wants 16 or more along each axis.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV,
     (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible)."""
     batch, length, heads, nope = q_nope_BTHN.shape
     segment, value_dim, rope = k_nope_BSHN.shape[1], v_BSHV.shape[-1], q_pe_BTHP.shape[-1]
+    if any(d < 16 or d & (d - 1) for d in (nope, rope, value_dim)):
+        raise ValueError(f"the MLA prefill kernel needs nope, rope and value dims that are powers of two >= 16, "
+                         f"got {nope}, {rope}, {value_dim}")
     block_q = min(block_q, pl.next_power_of_2(length))
     block_k = min(block_k, segment)
     padded = pl.cdiv(length, block_q) * block_q

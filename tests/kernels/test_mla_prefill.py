@@ -15,7 +15,7 @@ from pallas_kernels.mla.prefill import flash_expanded_attention
 from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 3, 12, 8, 10, 24
-POW2_NOPE, POW2_VALUE = 16, 16  # the GPU kernel's block shapes are powers of two
+KERNEL_DIMS = dict(nope=32, value=32, rope=16)  # the GPU kernel's: powers of two, >= 16 (Triton's dot)
 
 
 def float64_expanded(q_nope, q_pe, latent, query_slots, key_valid, w_uk, w_uv, scale):
@@ -31,14 +31,14 @@ def float64_expanded(q_nope, q_pe, latent, query_slots, key_valid, w_uk, w_uv, s
     return np.einsum("bhts,bshv->bthv", weights / np.where(total > 0, total, 1), v)
 
 
-def random_case(dtype, seed, nope=NOPE, value=VALUE, length=45, slots=100):
+def random_case(dtype, seed, nope=NOPE, value=VALUE, rope=ROPE, length=45, slots=100):
     """Inputs (in dtype, as passed to the attention) and the float64 reference on their rounded values.
     Row 0: a chunk appended after 30 cached tokens (causal with an offset); row 1: ragged, one pad query."""
     r = np.random.default_rng(seed)
     batch = 2
     q_nope = r.normal(size=(batch, length, HEADS, nope))
-    q_pe = r.normal(size=(batch, length, HEADS, ROPE))
-    latent = r.normal(size=(batch, slots, LATENT + ROPE))
+    q_pe = r.normal(size=(batch, length, HEADS, rope))
+    latent = r.normal(size=(batch, slots, LATENT + rope))
     w_uk = r.normal(size=(HEADS, nope, LATENT)) / np.sqrt(LATENT)
     w_uv = r.normal(size=(HEADS, value, LATENT)) / np.sqrt(LATENT)
     query_slots = np.stack([30 + np.arange(length), np.r_[-1, np.arange(length - 1) * 2]])
@@ -70,10 +70,16 @@ def test_flash_prefill_matches_dense_float64(dtype, tol, blocks):
 @pytest.mark.parametrize("segment, block_q, block_k", [(32, 16, 16), (128, 64, 32), (4096, 64, 64)])
 def test_gpu_kernel_matches_dense_float64(dtype, tol, segment, block_q, block_k):
     """The Pallas (Triton) segment kernel in interpret mode: several segments merged, a padded last segment."""
-    args, ref = random_case(dtype, seed=segment + block_k, nope=POW2_NOPE, value=POW2_VALUE)
+    args, ref = random_case(dtype, seed=segment + block_k, **KERNEL_DIMS)
     out = flash_expanded_attention_gpu(*args, scale=0.2, segment=segment, block_q=block_q, block_k=block_k,
                                        interpret=True)
     assert_matches(out, ref, dtype, tol, f"segment {segment}, blocks {block_q}x{block_k}")
+
+
+def test_gpu_kernel_refuses_dims_triton_cannot_multiply():
+    args, _ = random_case(jnp.float32, seed=1, nope=16, value=16, rope=8)
+    with pytest.raises(ValueError, match="powers of two"):
+        flash_expanded_attention_gpu(*args, scale=0.2, interpret=True)
 
 
 def test_gpu_kernel_lowers_for_cuda_at_ling_width():
@@ -91,6 +97,6 @@ def test_gpu_kernel_lowers_for_cuda_at_ling_width():
 @pytest.mark.skipif(jax.default_backend() != "gpu",
                     reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
 def test_compiled_gpu_kernel_matches_dense_float64():
-    args, ref = random_case(jnp.bfloat16, seed=5, nope=POW2_NOPE, value=POW2_VALUE, length=300, slots=700)
+    args, ref = random_case(jnp.bfloat16, seed=5, length=300, slots=700, **KERNEL_DIMS)
     out = flash_expanded_attention_gpu(*args, scale=0.2, segment=256)
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "compiled")
