@@ -5,9 +5,8 @@
     python scripts/bench_kda.py --prefill-only   # ~90 s on an H200
     python scripts/bench_kda.py --quick
 
-Decode: `kda_decode_step_gpu` (Pallas, Triton lowering, state donated and updated in place) over tile variants,
-and at B >= 64 also `kda_decode_step_mgpu` (Pallas Mosaic GPU, TMA; a new state array), vs fla's
-`fused_recurrent_kda` with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
+Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
+with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
 kernels) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form under XLA: ~180 ms a call at
 T=32768), over a few tile variants (phase 1's warps among them); each variant also times its two pallas_calls
 alone (phase 1: intra-chunk, parallel; phase 2: the sequential state pass), with the bytes each must move at
@@ -36,7 +35,6 @@ from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_inter import inter_chunk  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_intra import intra_chunk  # noqa: E402
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
-from pallas_kernels.kda.decode_mgpu import kda_decode_step_mgpu  # noqa: E402
 
 HEADS, DIM = 64, 128
 
@@ -71,7 +69,6 @@ DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for
         dict(block_v=16, num_warps=2), dict(block_v=64, num_warps=2),
     ],
 }
-MOSAIC_DECODE_VARIANTS = [dict(block_v=64), dict(block_v=128)]  # kda_decode_step_mgpu keywords, B >= 64
 STEPS_PER_CALL = 20  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 
 
@@ -92,14 +89,8 @@ def bench_decode(batch, iters, copy_bytes_per_s):
                                                              use_qk_l2norm_in_kernel=True), iters)
     traffic = 2 * 4 * batch * HEADS * DIM * DIM
     best = None
-    steps_by_label = [(" ".join(f"{name}={value}" for name, value in variant.items()),
-                       functools.partial(kda_decode_step_gpu, scale=DIM ** -0.5, **variant))
-                      for variant in DECODE_VARIANTS["small" if batch < 64 else "large"]]
-    if batch >= 64:
-        steps_by_label += [("mosaic " + " ".join(f"{name}={value}" for name, value in variant.items()),
-                            functools.partial(kda_decode_step_mgpu, scale=DIM ** -0.5, **variant))
-                           for variant in MOSAIC_DECODE_VARIANTS]
-    for label, step in steps_by_label:
+    for variant in DECODE_VARIANTS["small" if batch < 64 else "large"]:
+        step = functools.partial(kda_decode_step_gpu, scale=DIM ** -0.5, **variant)
         o, new_state = jax.jit(step)(jq, jk, jv, jg, jbeta, jnp.asarray(state))
         err_o = rel_error(o, fla_o[:, 0].float().cpu().numpy())
         err_s = rel_error(new_state, fla_state.float().cpu().numpy())
@@ -117,6 +108,7 @@ def bench_decode(batch, iters, copy_bytes_per_s):
             carried = jax.block_until_ready(steps(carried))
             samples.append(time.perf_counter() - start)
         ours_s = statistics.median(samples[2:]) / STEPS_PER_CALL
+        label = " ".join(f"{name}={value}" for name, value in variant.items())
         print(f"decode B={batch} {label}: ours {ours_s * 1e6:.1f} us "
               f"({traffic / ours_s / 1e12:.2f} TB/s), fla {fla_s * 1e6:.1f} us ({traffic / fla_s / 1e12:.2f} TB/s);"
               f" vs fla: o {err_o:.1e}, state {err_s:.1e}")

@@ -16,7 +16,6 @@ from ling_jax.presets import TINY
 from np_reference import kda_recurrence
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
-from pallas_kernels.kda.decode_mgpu import kda_decode_step_mgpu
 from pallas_kernels.kda.decode_tpu import kda_decode_step_tpu
 from helpers import l2, lower_for_cuda, rel_error
 
@@ -71,21 +70,6 @@ def test_gpu_kernel_variants_match_float64_recurrence(variant, dtype, shape):
     assert_step_matches_float64_recurrence(step, dtype, shape)
 
 
-@pytest.mark.parametrize("block_v", [64, 16])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(2, 3, 64, 64), (1, 2, 128, 128)])
-def test_mosaic_kernel_matches_float64_recurrence(block_v, dtype, shape):
-    """The Mosaic GPU kernel in the Mosaic GPU interpreter (jax 0.10 and 0.11)."""
-    step = functools.partial(kda_decode_step_mgpu, scale=shape[2] ** -0.5, block_v=block_v, interpret=True)
-    assert_step_matches_float64_recurrence(step, dtype, shape)
-
-
-def test_mosaic_kernel_refuses_what_it_cannot_tile():
-    q, k, v, g, beta, state = random_step(1, 1, 32, 32, jnp.float32, seed=0)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        kda_decode_step_mgpu(*(jnp.asarray(x) for x in (q, k, v, g, beta, state)), scale=1.0, interpret=True)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_then_kernel_steps_equals_longer_prefill(backend):
     r = np.random.default_rng(9)
@@ -119,26 +103,6 @@ def test_gpu_kernel_lowers_for_cuda(variant):
     step = functools.partial(kda_decode_step_gpu, scale=128 ** -0.5, **FULL_SIZE_GPU_VARIANTS[variant])
     lowered = lower_for_cuda(step, *_abstract_step(batch=64))
     assert "kda_decode_step" in lowered.as_text()
-
-
-@pytest.mark.parametrize("block_v", [64, 128])
-def test_mosaic_kernel_lowers_for_cuda(block_v):
-    """Layout inference (the cross-warp sums over K) and the shared-memory budget are checked at lowering."""
-    step = functools.partial(kda_decode_step_mgpu, scale=128 ** -0.5, block_v=block_v)
-    assert "mosaic_gpu" in lower_for_cuda(step, *_abstract_step(batch=64)).as_text()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Mosaic GPU kernel needs a Hopper GPU; it runs on the device machine")
-@pytest.mark.parametrize("block_v", [64, 128])
-def test_compiled_mosaic_kernel_full_size(block_v):
-    q, k, v, g, beta, state = random_step(64, 64, 128, 128, jnp.bfloat16, seed=block_v)
-    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
-    o, new_state = kda_decode_step_mgpu(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
-                                        jnp.asarray(v, jnp.bfloat16), jnp.asarray(g), jnp.asarray(beta),
-                                        jnp.asarray(state), scale=128 ** -0.5, block_v=block_v)
-    assert rel_error(o, o_ref[:, 0]) <= 2e-2 and rel_error(new_state, s_ref) <= 1e-5
 
 
 @pytest.mark.gpu
