@@ -38,3 +38,13 @@ def lower_for_cuda(fn, *abstract_args):
     mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",))
+
+
+def gpu_test(what: str):
+    """Decorator for a test that needs a GPU: marked `gpu` and, elsewhere, skipped with the reason."""
+    import jax
+    import pytest
+
+    skip = pytest.mark.skipif(jax.default_backend() != "gpu",
+                              reason=f"{what} needs a GPU; it runs on the device machine (pytest -m gpu)")
+    return lambda test: pytest.mark.gpu(skip(test))

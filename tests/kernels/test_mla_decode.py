@@ -22,7 +22,7 @@ from pallas_kernels.mla import mla_decode, mla_decode_paged
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu, mla_decode_paged_mgpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
-from helpers import lower_for_cuda, rel_error
+from helpers import gpu_test, lower_for_cuda, rel_error
 
 LATENT, ROPE = 512, 64
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -191,9 +191,7 @@ def test_mosaic_kernel_lowers_for_cuda(batch, max_len):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Mosaic GPU kernel needs a Hopper GPU; it runs on the device machine")
+@gpu_test("the compiled Mosaic GPU kernel (Hopper)")
 @pytest.mark.parametrize("heads", [1, 64])
 @pytest.mark.parametrize("max_len", [1, 17, 300, 40000])
 def test_compiled_mosaic_kernel_matches_float64_attention(heads, max_len):
@@ -205,9 +203,7 @@ def test_compiled_mosaic_kernel_matches_float64_attention(heads, max_len):
     assert err <= TOL[jnp.bfloat16], f"compiled Mosaic GPU kernel H={heads} L={max_len}: rel. error {err:.2e}"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Mosaic GPU kernel in the model needs a Hopper GPU; it runs on the device machine")
+@gpu_test("the compiled Mosaic GPU kernel in the model (Hopper)")
 def test_compiled_model_decode_with_mosaic_kernel_equals_expanded_reference():
     """TINY with Ling's latent widths (512 + 64), so that mla_decode picks the Mosaic GPU kernel, in bf16."""
     config = LingConfig.from_dict({**TINY, "kv_lora_rank": LATENT, "qk_rope_head_dim": ROPE})
@@ -278,9 +274,7 @@ def test_mosaic_paged_kernel_lowers_for_cuda():
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Mosaic GPU kernel needs a Hopper GPU; it runs on the device machine")
+@gpu_test("the compiled paged Mosaic GPU kernel (Hopper)")
 @pytest.mark.parametrize("page_size", [64, 256])
 def test_compiled_mosaic_paged_kernel_matches_float64_attention(page_size):
     (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(64, page_size, 40, jnp.bfloat16,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import lower_for_cuda
+from helpers import gpu_test, lower_for_cuda
 from pallas_kernels.mla.prefill import flash_expanded_attention
 from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu
 
@@ -93,9 +93,7 @@ def test_gpu_kernel_lowers_for_cuda_at_ling_width():
     assert "mla_prefill_segment" in lowered.as_text()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@gpu_test("the compiled Triton kernel")
 def test_compiled_gpu_kernel_matches_dense_float64():
     args, ref = random_case(jnp.bfloat16, seed=5, length=300, slots=700, **KERNEL_DIMS)
     out = flash_expanded_attention_gpu(*args, scale=0.2, segment=256)
