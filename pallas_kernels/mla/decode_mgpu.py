@@ -19,6 +19,9 @@ needs K = block_k to be a multiple of 64, so three stages do not fit the 227 KiB
 Each consumer writes its softmax-normalised half of the split's output and the scores consumer the split's
 log-sum-exp; `combine_splits` merges the splits exactly, as for the Triton kernel (`decode_gpu.py`). The query
 and P go to the tensor cores in the cache dtype (bf16 or fp16) with fp32 accumulation.
+
+The cache is contiguous ([B, L, 576], `mla_decode_mgpu`) or paged ([P, page_size, 576] with a page table,
+`mla_decode_paged_mgpu`); only the producer's view of tile i differs.
 """
 
 from __future__ import annotations
