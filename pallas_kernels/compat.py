@@ -53,12 +53,3 @@ def mosaic_gpu_interpret(enabled: bool):
 
     return InterpretGPUParams()
 
-
-def smem_transpose(ref):
-    """A Mosaic GPU shared-memory ref seen transposed ([N, K] -> [K, N]: a wgmma operand read K-major).
-    jax 0.11 transposes refs directly and deprecates `plgpu.transpose_ref`, which jax 0.10 needs."""
-    if hasattr(ref, "transpose"):
-        return ref.transpose((1, 0))
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu.transpose_ref(ref, (1, 0))

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.compat import mosaic_gpu_interpret, smem_transpose
+from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.mla.reference import combine_splits
 
 HEADS = 64  # wgmma's M; fewer heads are padded to it
@@ -94,7 +94,7 @@ def _scores_consumer(length, first_slot, num_tiles, refs, *, scale: float, block
         plgpu.barrier_wait(kv_ready.at[slot])
 
         def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, smem_transpose(kv_smem.at[slot]))
+            plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))  # K read K-major
             return acc_ref[...]
 
         scores_HK = pl.run_scoped(scores, plgpu.ACC((HEADS, block_k), jnp.float32))
