@@ -16,6 +16,12 @@ from pallas_kernels.mla.decode_tpu import mla_decode_tpu
 from pallas_kernels.mla.reference import gather_pages, mla_decode_reference
 
 
+# Below this many cache slots (B x L) the Triton kernel stays: a Mosaic GPU call showed ~0.1 ms of idle device
+# time around it on the H200 (BENCHMARKS.md), which only larger caches repay; the Mosaic kernel was measured
+# faster at B x L = 2^18 (B=1, L=262144) and above.
+MOSAIC_MIN_SLOTS = 1 << 18
+
+
 def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, backend: str = "auto"):
     """o_latent [B, H, R] in fp32.
 
@@ -23,16 +29,18 @@ def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: floa
     [B, L, R + P] = [c_kv ; k_pe] per slot; lengths [B] int32: only the first lengths[b] slots are attended.
     backend: "auto" (by jax.default_backend()), "reference" (jnp), "pallas_gpu", "pallas_tpu", or a kernel
     in Pallas interpret mode on the CPU: "interpret_gpu", "interpret_tpu" ("interpret" = "interpret_tpu").
-    "pallas_gpu" runs the Mosaic GPU kernel (`decode_mgpu.py`) on a Hopper GPU for a bf16/fp16 cache and at
-    most 64 heads (2x faster than the Triton kernel on an H200, BENCHMARKS.md), the Triton kernel
-    (`decode_gpu.py`) otherwise; "interpret_gpu" runs the Triton kernel.
+    "pallas_gpu" runs the Mosaic GPU kernel (`decode_mgpu.py`) on a Hopper GPU for a bf16/fp16 cache, at
+    most 64 heads and at least MOSAIC_MIN_SLOTS cache slots in the batch (1.8-2x faster than the Triton
+    kernel on an H200 from B x L = 2^18 up, BENCHMARKS.md), the Triton kernel (`decode_gpu.py`) otherwise;
+    "interpret_gpu" runs the Triton kernel.
     """
     backend = resolve_backend(backend)
     args = (q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B)
     if backend == "reference":
         return mla_decode_reference(*args, scale=scale)
     interpret = backend.startswith("interpret")
-    if backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA):
+    if (backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA)
+            and kv_cache_BLA.shape[0] * kv_cache_BLA.shape[1] >= MOSAIC_MIN_SLOTS):
         return mla_decode_mgpu(*args, scale=scale)
     if KERNEL_TARGET[backend] == "gpu":
         return mla_decode_gpu(*args, scale=scale, interpret=interpret)

@@ -19,6 +19,7 @@ from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode, mla_decode_paged
+from pallas_kernels.mla.ops import MOSAIC_MIN_SLOTS
 from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu, mla_decode_paged_mgpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
@@ -205,13 +206,14 @@ def test_compiled_mosaic_kernel_matches_float64_attention(heads, max_len):
 
 @gpu_test("the compiled Mosaic GPU kernel in the model (Hopper)")
 def test_compiled_model_decode_with_mosaic_kernel_equals_expanded_reference():
-    """TINY with Ling's latent widths (512 + 64), so that mla_decode picks the Mosaic GPU kernel, in bf16."""
+    """TINY with Ling's latent widths (512 + 64) and a cache of MOSAIC_MIN_SLOTS slots, so that mla_decode picks
+    the Mosaic GPU kernel, in bf16."""
     config = LingConfig.from_dict({**TINY, "kv_lora_rank": LATENT, "qk_rope_head_dim": ROPE})
     model = LingForCausalLM(config, rngs=nnx.Rngs(4), dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(6).integers(2, config.vocab_size, (2, 75)))
     logits = {}
     for mode in ("kernel", EXPANDED):
-        cache = model(ids[:, :72], cache=model.init_cache(2, 96)).cache
+        cache = model(ids[:, :72], cache=model.init_cache(2, MOSAIC_MIN_SLOTS // 2)).cache
         steps = []
         for t in range(72, 75):
             out = model(ids[:, t:t + 1], cache=cache, mla_mode=None if mode == "kernel" else EXPANDED)
