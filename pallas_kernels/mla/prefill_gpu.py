@@ -63,6 +63,17 @@ def _segment_kernel(first_ref, slots_ref, valid_ref, q_nope_ref, q_pe_ref, k_nop
     lse_ref[...] = jnp.where(seen, m_Q + jnp.log(jnp.where(seen, l_Q, 1.0)), -jnp.inf)
 
 
+def _query_block(length: int, block_q: int) -> int:
+    return min(block_q, pl.next_power_of_2(length))
+
+
+def _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q: int):
+    """The queries padded to whole query blocks (pad queries see no key: slot -1); no copy when they are."""
+    pad = ((0, 0), (0, -q_nope_BTHN.shape[1] % block_q))
+    return (jnp.pad(q_nope_BTHN, pad + ((0, 0), (0, 0))), jnp.pad(q_pe_BTHP, pad + ((0, 0), (0, 0))),
+            jnp.pad(query_slots_BT.astype(jnp.int32), pad, constant_values=-1))
+
+
 def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, query_slots_BT, key_valid_BS,
                           first_slot, *, scale: float, block_q: int = 64, block_k: int = 64, num_warps: int = 4,
                           num_stages: int = 2, interpret: bool = False):
@@ -73,13 +84,10 @@ def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV,
     if any(d < 16 or d & (d - 1) for d in (nope, rope, value_dim)):
         raise ValueError(f"the MLA prefill kernel needs nope, rope and value dims that are powers of two >= 16, "
                          f"got {nope}, {rope}, {value_dim}")
-    block_q = min(block_q, pl.next_power_of_2(length))
+    block_q = _query_block(length, block_q)
     block_k = min(block_k, segment)
-    padded = pl.cdiv(length, block_q) * block_q
-    pad = ((0, 0), (0, padded - length))
-    q_nope = jnp.pad(q_nope_BTHN, pad + ((0, 0), (0, 0)))
-    q_pe = jnp.pad(q_pe_BTHP, pad + ((0, 0), (0, 0)))
-    slots = jnp.pad(query_slots_BT.astype(jnp.int32), pad, constant_values=-1)
+    q_nope, q_pe, slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)
+    padded = q_nope.shape[1]
     kernel = functools.partial(_segment_kernel, scale=scale, block_k=block_k)
     o, lse = pl.pallas_call(
         kernel,
@@ -120,6 +128,9 @@ def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots
     latent = jnp.pad(latent_BSA.astype(dtype), ((0, 0), (0, pad), (0, 0)))
     key_valid = jnp.pad(key_valid_BS, ((0, 0), (0, pad)))
     w_uk, w_uv = w_uk_HNR.astype(dtype), w_uv_HVR.astype(dtype)
+    length = q_nope_BTHN.shape[1]
+    block_q = _query_block(length, block_q)
+    q_nope, q_pe, query_slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)  # once
     attend = functools.partial(attention_segment_gpu, scale=scale, block_q=block_q, block_k=block_k,
                                interpret=interpret)
 
@@ -130,7 +141,7 @@ def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots
         k_nope = jnp.einsum("bsr,hnr->bshn", c_kv, w_uk)
         v = jnp.einsum("bsr,hvr->bshv", c_kv, w_uv)
         valid = jax.lax.dynamic_slice_in_dim(key_valid, first, segment, axis=1)
-        return attend(q_nope_BTHN, q_pe_BTHP, k_nope, k_pe, v, query_slots_BT, valid, first)
+        return attend(q_nope, q_pe, k_nope, k_pe, v, query_slots, valid, first)
 
     o_STBHV, lse_STBH = jax.lax.map(one_segment, jnp.arange((slots + pad) // segment))
     o_BTSHV = jnp.moveaxis(o_STBHV, 0, 2)  # the segments as flash-decoding splits of each (query, head)
@@ -138,4 +149,4 @@ def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots
     batch_queries = batch * o_BTSHV.shape[1]
     o = combine_splits(o_BTSHV.reshape(batch_queries, -1, heads, o_BTSHV.shape[-1]),
                        lse_BTSH.reshape(batch_queries, -1, heads))
-    return o.reshape(batch, -1, heads, o.shape[-1]).astype(dtype)
+    return o.reshape(batch, -1, heads, o.shape[-1])[:, :length].astype(dtype)
