@@ -13,8 +13,7 @@ from flax import nnx, struct
 from ling_jax.config import LingConfig
 from ling_jax.layers import Linear, RMSNorm
 from ling_jax.rope import apply_rope, softmax_scale
-from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode
-from pallas_kernels.mla.prefill import flash_expanded_attention
+from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_prefill
 from pallas_kernels.mla.reference import absorbed_attention
 
 EXPANDED = "expanded"
@@ -89,9 +88,9 @@ class MultiLatentAttention(nnx.Module):
         """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
 
         cos, sin: [B, T, rope_dim/2] for the queries. Expanded mode is the flash-style prefill path
-        (`flash_expanded_attention`: memory O(block^2), not O(T x S)). decode_lengths_B: for a one-token
-        decode over a cache whose first lengths[b] slots are visible, absorbed mode runs
-        `pallas_kernels.mla.mla_decode` with `kernel_backend`.
+        (`pallas_kernels.mla.mla_prefill` with `kernel_backend`: memory O(block^2), not O(T x S)).
+        decode_lengths_B: for a one-token decode over a cache whose first lengths[b] slots are visible,
+        absorbed mode runs `pallas_kernels.mla.mla_decode` with `kernel_backend`.
         """
         q_nope, q_pe = self._queries(x_BTD, cos, sin)
         if mode == ABSORBED:
@@ -109,8 +108,8 @@ class MultiLatentAttention(nnx.Module):
             o_BTHV = o_BTHV.reshape(batch, length, *o_BTHV.shape[1:]).astype(x_BTD.dtype)
         elif mode == EXPANDED:
             w_uk, w_uv = self._kv_b_heads()
-            o_BTHV = flash_expanded_attention(q_nope, q_pe, keys_BSA, visibility.query_slots_BT,
-                                              visibility.key_valid_BS, w_uk, w_uv, scale=self.scale)
+            o_BTHV = mla_prefill(q_nope, q_pe, keys_BSA, visibility.query_slots_BT, visibility.key_valid_BS, w_uk,
+                                 w_uv, scale=self.scale, backend=kernel_backend)
         else:
             raise ValueError(f"MLA mode must be {EXPANDED!r} or {ABSORBED!r}, got {mode!r}")
         gate_BTH = jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32)).astype(x_BTD.dtype)

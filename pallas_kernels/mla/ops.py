@@ -1,5 +1,6 @@
-"""Absorbed-MLA ops by backend: `mla_decode` (attention of one query token per sequence over a ragged latent
-cache) and the weight products around it, `absorb_query` and `expand_output`."""
+"""MLA ops by backend: `mla_decode` (attention of one query token per sequence over a ragged latent cache), the
+weight products around it (`absorb_query`, `expand_output`), and `mla_prefill` (attention over the expanded
+heads, flash style)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pallas_kernels.mla.decode_gpu import mla_decode_gpu
 from pallas_kernels.mla.decode_mgpu import HEADS as MOSAIC_MAX_HEADS
 from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu, mla_decode_paged_mgpu
 from pallas_kernels.mla.decode_tpu import mla_decode_tpu
+from pallas_kernels.mla.prefill import flash_expanded_attention
+from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu, kernel_dims_fit
 from pallas_kernels.mla.reference import gather_pages, mla_decode_reference
 
 
@@ -99,3 +102,28 @@ def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, backend: str = "auto"):
     if _few_rows_on_gpu(o_latent_MHR, backend):
         return _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, resolve_backend(backend).startswith("interpret"))
     return expand_output_reference(o_latent_MHR, kv_b_HCR, nope)
+
+
+# Arguments: the seven arrays of `mla_prefill`, then scale and interpret (static).
+_prefill_gpu = with_reference_vjp(
+    lambda *a: flash_expanded_attention_gpu(*a[:7], scale=a[7], interpret=a[8]),
+    lambda *a: flash_expanded_attention(*a[:7], scale=a[7]), nondiff_argnums=(7, 8))
+
+
+def mla_prefill(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR, *,
+                scale: float, backend: str = "auto"):
+    """Attention over the expanded heads -> o [B, T, H, V] in q's dtype (arguments as for
+    `pallas_kernels.mla.prefill.flash_expanded_attention`: query t sees key slot s iff s <= query_slots[b, t]
+    and key_valid[b, s]).
+
+    A GPU backend ("pallas_gpu", or "interpret_gpu" in Pallas interpret mode) runs the Triton flash kernel
+    (`prefill_gpu.py`, 4.6x the jnp path on an H200 at Ling widths, BENCHMARKS.md) when the nope, rope and value
+    head dims are powers of two of at least 16 (Ling: 128, 64, 128); every other case runs the jnp flash path.
+    Differentiable: the kernel's backward pass is the jnp path's.
+    """
+    args = (q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR)
+    backend = resolve_backend(backend)
+    if KERNEL_TARGET.get(backend) == "gpu" and kernel_dims_fit(q_nope_BTHN.shape[-1], q_pe_BTHP.shape[-1],
+                                                              w_uv_HVR.shape[1]):
+        return _prefill_gpu(*args, scale, backend.startswith("interpret"))
+    return flash_expanded_attention(*args, scale=scale)

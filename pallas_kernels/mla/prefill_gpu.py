@@ -26,6 +26,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.mla.reference import combine_splits
 
 
+def kernel_dims_fit(*head_dims: int) -> bool:
+    """Whether the kernel can take these nope, rope and value head dims (powers of two of at least 16)."""
+    return all(d >= 16 and not d & (d - 1) for d in head_dims)
+
+
 def _segment_kernel(first_ref, slots_ref, valid_ref, q_nope_ref, q_pe_ref, k_nope_ref, k_pe_ref, v_ref, o_ref,
                     lse_ref, *, scale: float, block_k: int):
     slots_Q = slots_ref[...]
@@ -81,7 +86,7 @@ def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV,
     (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible)."""
     batch, length, heads, nope = q_nope_BTHN.shape
     segment, value_dim, rope = k_nope_BSHN.shape[1], v_BSHV.shape[-1], q_pe_BTHP.shape[-1]
-    if any(d < 16 or d & (d - 1) for d in (nope, rope, value_dim)):
+    if not kernel_dims_fit(nope, rope, value_dim):
         raise ValueError(f"the MLA prefill kernel needs nope, rope and value dims that are powers of two >= 16, "
                          f"got {nope}, {rope}, {value_dim}")
     block_q = _query_block(length, block_q)

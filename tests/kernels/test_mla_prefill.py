@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import gpu_test, lower_for_cuda
+from flax import nnx
+
+from helpers import gpu_test, lower_for_cuda, rel_error
+from ling_jax import LingConfig, LingForCausalLM
+from ling_jax.presets import TINY
+from pallas_kernels.mla import mla_prefill
 from pallas_kernels.mla.prefill import flash_expanded_attention
 from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu
 
@@ -98,3 +103,60 @@ def test_compiled_gpu_kernel_matches_dense_float64():
     args, ref = random_case(jnp.bfloat16, seed=5, length=300, slots=700, **KERNEL_DIMS)
     out = flash_expanded_attention_gpu(*args, scale=0.2, segment=256)
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "compiled")
+
+
+def _runs_prefill_kernel(fn, *args) -> bool:
+    return "mla_prefill_segment" in str(jax.make_jaxpr(fn)(*args))
+
+
+@pytest.mark.parametrize("dims, kernel", [(KERNEL_DIMS, True), (dict(nope=NOPE, value=VALUE, rope=ROPE), False)],
+                         ids=["kernel-dims", "other-dims"])
+@pytest.mark.parametrize("backend", ["interpret_gpu", "reference", "interpret_tpu"])
+def test_mla_prefill_op_picks_the_kernel_where_it_fits(backend, dims, kernel):
+    """The GPU backends run the Triton kernel for power-of-two head dims >= 16 and the jnp flash path otherwise;
+    every backend matches float64."""
+    args, ref = random_case(jnp.float32, seed=17, **dims)
+    op = functools.partial(mla_prefill, scale=0.2, backend=backend)
+    assert _runs_prefill_kernel(op, *args) == (kernel and backend == "interpret_gpu")
+    assert_matches(op(*args), ref, jnp.float32, 1e-4, f"{backend}, {dims}")
+
+
+def test_mla_prefill_kernel_gradient_is_the_flash_paths():
+    args, _ = random_case(jnp.float32, seed=23, **KERNEL_DIMS)
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=(2, 45, HEADS, KERNEL_DIMS["value"])), jnp.float32)
+
+    def grads(backend):
+        loss = lambda q_nope, latent, w_uv: jnp.sum(cotangent * mla_prefill(  # noqa: E731
+            q_nope, args[1], latent, args[3], args[4], args[5], w_uv, scale=0.2, backend=backend))
+        return jax.grad(loss, argnums=(0, 1, 2))(args[0], args[2], args[6])
+
+    for kernel_grad, flash_grad in zip(grads("interpret_gpu"), grads("reference")):
+        assert rel_error(kernel_grad, flash_grad) <= 1e-5
+
+
+KERNEL_TINY = {**TINY, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
+
+
+def _prefill_logits(backend: str):
+    config = LingConfig.from_dict(KERNEL_TINY)
+    model = LingForCausalLM(config, rngs=nnx.Rngs(3), dtype=jnp.float32, kernel_backend=backend)
+    ids = jnp.asarray(np.random.default_rng(8).integers(2, config.vocab_size, (2, 13)))
+    mask = jnp.asarray(np.r_[[[0, 0] + [1] * 11], [[1] * 13]].astype(bool))  # row 0 left-padded
+    out = model(ids, cache=model.init_cache(2, 20), attention_mask=mask)
+    return out.logits, out.cache
+
+
+def test_model_prefill_with_kernel_equals_reference():
+    """A chunked prefill into a cache through the kernel (interpret mode) == the jnp path."""
+    assert _runs_prefill_kernel(lambda: _prefill_logits("interpret_gpu")[0])
+    logits, cache = _prefill_logits("interpret_gpu")
+    ref_logits, ref_cache = _prefill_logits("reference")
+    assert rel_error(logits, ref_logits) <= 1e-5
+    assert all(rel_error(a, b) <= 1e-5 for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)))
+
+
+@gpu_test("the compiled Triton kernel in the model")
+def test_compiled_model_prefill_with_kernel_equals_reference():
+    logits, _ = _prefill_logits("pallas_gpu")
+    ref_logits, _ = _prefill_logits("reference")
+    assert rel_error(logits, ref_logits) <= 1e-4
