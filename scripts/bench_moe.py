@@ -18,7 +18,7 @@ For each token count:
   kernel keeps them in fp32, so the fused path sits ~5e-3 from it while closer to an fp32 computation).
 Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width) and the share of the bf16 matmul peak
 measured in the same run (and of the 683 TFLOP/s issue 6 measures against). The sweep times each fused kernel
-alone over a few (block_m, block_n, block_k, num_warps, num_stages) variants.
+alone over a few (block_m, block_n, block_k, num_warps, num_stages, min_block_m) variants.
 """
 
 from __future__ import annotations
@@ -45,17 +45,20 @@ from pallas_kernels.moe.reference import swiglu  # noqa: E402
 
 BASELINE_CHUNK = 512  # tokens per dense-baseline chunk: [chunk, E, D] bf16 intermediates stay ~2 GB
 ISSUE_PEAK = 683e12  # the H200 bf16 peak issue 6 states its goal against
-# (block_m, block_n, block_k, num_warps, num_stages) of the sweep; the first of each list is the default.
+# (block_m, block_n, block_k, num_warps, num_stages, min_block_m) of the sweep; the first of each list is the
+# default. min_block_m: the smallest row tile a group's last, partial tile shrinks to (= block_m: no shrinking).
 SWEEP = {
     "many rows": {
-        "gather_swiglu": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-                          (128, 128, 32, 8, 4), (64, 256, 64, 8, 3)],
-        "down_scatter": [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 4),
-                         (128, 128, 64, 4, 4), (128, 256, 32, 8, 4)],
+        "gather_swiglu": [(128, 128, 64, 8, 4, 32), (128, 128, 64, 8, 4, 128), (128, 128, 64, 8, 4, 64),
+                          (128, 128, 64, 8, 4, 16), (128, 128, 64, 8, 3, 32), (64, 128, 64, 4, 4, 16),
+                          (64, 256, 64, 8, 3, 16)],
+        "down_scatter": [(128, 256, 64, 8, 4, 32), (128, 256, 64, 8, 4, 128), (128, 256, 64, 8, 4, 64),
+                         (128, 256, 64, 8, 4, 16), (128, 256, 64, 8, 3, 32), (64, 256, 64, 8, 4, 16),
+                         (128, 128, 64, 8, 4, 32)],
     },
     "few rows": {
-        "gather_swiglu": [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4)],
-        "down_scatter": [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4)],
+        "gather_swiglu": [(16, 64, 128, 4, 4, 16), (16, 32, 128, 4, 4, 16), (32, 64, 128, 4, 4, 16)],
+        "down_scatter": [(16, 64, 128, 4, 4, 16), (16, 32, 128, 4, 4, 16), (32, 64, 128, 4, 4, 16)],
     },
 }
 
@@ -113,7 +116,7 @@ def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, it
         "down_scatter": lambda tiles: (functools.partial(down_scatter_gpu, interpret=interpret, **tiles),
                                        (h_RI, order_R, row_weight_R, sizes_E, down)),
     }
-    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m")
     rows = []
     for kernel, tile_list in variants.items():
         for tiles in tile_list:
@@ -133,7 +136,7 @@ def print_table(rows, peak):
 
 
 def print_sweep(tokens, rows):
-    print("\n| tokens | kernel | block_m, block_n, block_k, num_warps, num_stages | ms | TFLOP/s |")
+    print("\n| tokens | kernel | block_m, block_n, block_k, num_warps, num_stages, min_block_m | ms | TFLOP/s |")
     print("|---|---|---|---|---|")
     for kernel, tiles, seconds, tflops in rows:
         print(f"| {tokens} | {kernel} | {', '.join(map(str, tiles))} | {seconds * 1e3:.3f} | {tflops:.1f} |")

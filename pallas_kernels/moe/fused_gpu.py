@@ -38,9 +38,11 @@ def _columns(col0, block: int):
 
 
 def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_ref, gate_ref, up_ref, h_ref, *,
-                          limit: float | None, block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
+                          limit: float | None, column_tile, block_m: int, block_n: int, block_k: int, mask_n: bool,
+                          mask_k: bool):
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, h_ref.shape[1],
-                                                          block_m=block_m, block_n=block_n, mask_n=mask_n)
+                                                          column_tile=column_tile, block_m=block_m, block_n=block_n,
+                                                          mask_n=mask_n)
     source_M1 = _row_indices(source_ref, row0, rows_ok_M, block_m=block_m, fill=x_ref.shape[0])[:, None]
 
     def load_lhs(k0, k_ok_K):
@@ -53,9 +55,10 @@ def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_r
 
 
 def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_weight_ref, h_ref, down_ref, y_ref, *,
-                         block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
+                         column_tile, block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, y_ref.shape[1],
-                                                          block_m=block_m, block_n=block_n, mask_n=mask_n)
+                                                          column_tile=column_tile, block_m=block_m, block_n=block_n,
+                                                          mask_n=mask_n)
 
     def load_lhs(k0, k_ok_K):
         return masked_load(h_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
@@ -75,25 +78,28 @@ GATHER_SWIGLU_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 32, 32, 4, 3)}
 DOWN_SCATTER_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
 FEW_ROWS_GATHER_SWIGLU_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
 FEW_ROWS_DOWN_SCATTER_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
-_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret")
+_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "interpret")
 
 
 def _over_row_tiles(kernel, group_sizes_G, operands, requested_tiles, *, num_rows: int, n_dim: int, k_dim: int,
-                    dtype, tiles, few_rows_tiles, interpret: bool, name: str):
+                    dtype, tiles, few_rows_tiles, min_block_m: int | None, interpret: bool, name: str):
     """[num_rows, n_dim] in dtype from `kernel` over the row tiles of the groups (empty for no rows); tiles:
-    the requested (block_m, block_n, block_k, num_warps, num_stages), None entries from the defaults."""
+    the requested (block_m, block_n, block_k, num_warps, num_stages), None entries from the defaults;
+    min_block_m: the smallest row tile a partial one shrinks to (`gmm_gpu.row_tile_sizes`)."""
     if num_rows == 0:
         return jnp.zeros((0, n_dim), dtype)
     settings = row_tile_settings(dtype, requested_tiles, num_rows=num_rows, num_groups=group_sizes_G.shape[0],
                                  n_dim=n_dim, k_dim=k_dim, tiles=tiles, few_rows_tiles=few_rows_tiles)
     return call_over_row_tiles(kernel, group_sizes_G, operands, jax.ShapeDtypeStruct((num_rows, n_dim), dtype),
-                               settings, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret, name=name)
+                               settings, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret, name=name,
+                               min_block_m=min_block_m)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", *_TILE_ARGS))
 def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit: float | None,
                       block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False):
+                      num_warps: int | None = None, num_stages: int | None = None, min_block_m: int | None = None,
+                      interpret: bool = False):
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros. source [R] int32 indexes x's rows (repeats allowed). gate and up [G, I, D] are cast to x's dtype.
@@ -103,13 +109,14 @@ def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit:
     return _over_row_tiles(functools.partial(_gather_swiglu_kernel, limit=limit), group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=source_R.shape[0],
                            n_dim=width, k_dim=hidden, dtype=x_XD.dtype, tiles=GATHER_SWIGLU_TILES,
-                           few_rows_tiles=FEW_ROWS_GATHER_SWIGLU_TILES, interpret=interpret, name="gather_swiglu")
+                           few_rows_tiles=FEW_ROWS_GATHER_SWIGLU_TILES, min_block_m=min_block_m, interpret=interpret,
+                           name="gather_swiglu")
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_ARGS)
 def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, interpret: bool = False):
+                     num_stages: int | None = None, min_block_m: int | None = None, interpret: bool = False):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros. dest [R] int32 must be a permutation of [0, R); row_weight [R] fp32. down [G, D, I] is cast to h's
@@ -119,4 +126,5 @@ def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, blo
     return _over_row_tiles(_down_scatter_kernel, group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=h_RI.shape[0], n_dim=hidden,
                            k_dim=width, dtype=h_RI.dtype, tiles=DOWN_SCATTER_TILES,
-                           few_rows_tiles=FEW_ROWS_DOWN_SCATTER_TILES, interpret=interpret, name="down_scatter")
+                           few_rows_tiles=FEW_ROWS_DOWN_SCATTER_TILES, min_block_m=min_block_m, interpret=interpret,
+                           name="down_scatter")

@@ -60,19 +60,21 @@ def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int
     return jax.lax.fori_loop(0, num_steps, k_body, zeros)
 
 
-def output_tile(group_ref, row_start_ref, row_end_ref, n_dim: int, *, block_m: int, block_n: int, mask_n: bool):
+def output_tile(group_ref, row_start_ref, row_end_ref, n_dim: int, *, column_tile, block_m: int, block_n: int,
+                mask_n: bool):
     """(group, first row, first column, rows_ok_M, cols_ok_N or None) of this program's tile of the grid laid
-    out by `call_over_row_tiles`."""
-    row0, col0 = row_start_ref[...], pl.program_id(0) * block_n
+    out by `call_over_row_tiles` (column_tile: its program id along the columns)."""
+    row0, col0 = row_start_ref[...], column_tile * block_n
     rows_ok_M = row0 + jnp.arange(block_m) < row_end_ref[...]
     cols_ok_N = col0 + jnp.arange(block_n) < n_dim if mask_n else None
     return group_ref[...], row0, col0, rows_ok_M, cols_ok_N
 
 
-def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *, block_m: int, block_n: int,
-            block_k: int, rhs_transposed: bool, mask_n: bool, mask_k: bool):
+def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *, column_tile, block_m: int,
+            block_n: int, block_k: int, rhs_transposed: bool, mask_n: bool, mask_k: bool):
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, out_ref.shape[1],
-                                                          block_m=block_m, block_n=block_n, mask_n=mask_n)
+                                                          column_tile=column_tile, block_m=block_m, block_n=block_n,
+                                                          mask_n=mask_n)
 
     def load_lhs(k0, k_ok_K):
         return masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
@@ -173,14 +175,47 @@ def row_tile_settings(dtype, given, *, num_rows: int, num_groups: int, n_dim: in
     return Tiles(_tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k), num_warps, num_stages)
 
 
+# The smallest row tile a group's last, partial tile shrinks to (see `call_over_row_tiles`).
+MIN_ROW_TILE = 32
+
+
+def row_tile_sizes(block_m: int, min_block_m: int | None = None) -> tuple[int, ...]:
+    """The row-tile sizes a launch compiles: powers of two from min_block_m (default MIN_ROW_TILE, at least 16:
+    Triton's dot) up to block_m."""
+    size = min(block_m, max(16, MIN_ROW_TILE if min_block_m is None else min_block_m))
+    sizes = []
+    while size < block_m:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, block_m)
+
+
+def _by_row_count(kernel, sizes):
+    """kernel(..., block_m=size, column_tile=) for the smallest size of `sizes` that holds the tile's rows: a
+    group's last tile (about half a tile wasted on average otherwise, at ~128 rows per group) runs only the dots
+    it needs. The program id is read here, outside the branches (Pallas's interpret mode needs that)."""
+
+    def sized(group_ref, row_start_ref, row_end_ref, *refs):
+        run = functools.partial(kernel, group_ref, row_start_ref, row_end_ref, *refs, column_tile=pl.program_id(0))
+        if len(sizes) == 1:
+            return run(block_m=sizes[0])
+        rows = row_end_ref[...] - row_start_ref[...]
+        index = sum(jnp.clip(rows - size, 0, 1) for size in sizes[:-1])  # a clip: see tile_products
+        return jax.lax.switch(index, [functools.partial(run, block_m=size) for size in sizes])
+
+    return sized
+
+
 def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: Tiles, *, num_rows: int, n_dim: int,
-                        k_dim: int, interpret: bool, name: str):
-    """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, block_m=, block_n=,
-    block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row tiles of
-    num_rows rows sorted by group, the operands and the output whole."""
+                        k_dim: int, interpret: bool, name: str, min_block_m: int | None = None):
+    """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, column_tile=, block_m=,
+    block_n=, block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row tiles of
+    num_rows rows sorted by group, the operands and the output whole. A tile of fewer rows runs the kernel at
+    the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them."""
     group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, tiles.block_m)
-    kernel = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
-                               mask_n=n_dim % tiles.block_n != 0, mask_k=k_dim % tiles.block_k != 0)
+    kernel = _by_row_count(functools.partial(kernel, block_n=tiles.block_n, block_k=tiles.block_k,
+                                             mask_n=n_dim % tiles.block_n != 0, mask_k=k_dim % tiles.block_k != 0),
+                           row_tile_sizes(tiles.block_m, min_block_m))
     whole = lambda shape: pl.BlockSpec(shape, lambda n, t: (0,) * len(shape))  # noqa: E731
     per_row_tile = pl.BlockSpec((None,), lambda n, t: (t,))
     return pl.pallas_call(
@@ -196,16 +231,17 @@ def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: Tiles
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "min_block_m", "interpret"))
 def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = False, block_m: int | None = None,
                        block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                       num_stages: int | None = None, interpret: bool = False):
+                       num_stages: int | None = None, min_block_m: int | None = None, interpret: bool = False):
     """out [M, N] in lhs's dtype (fp32 accumulation): out[rows of g] = lhs[rows of g] @ rhs[g].T for rhs
     [G, N, K], or lhs[rows of g] @ rhs[g] for rhs [G, K, N] with rhs_transposed (the gradient w.r.t. lhs).
 
     rhs is cast to lhs's dtype; bf16 products use the tensor cores, fp32 ones stay IEEE fp32 (no tf32).
     Tile sizes and launch settings default to DEFAULT_TILES for lhs's dtype, or FEW_ROWS_TILES when the
-    groups average at most FEW_ROWS_PER_GROUP rows (decode); tiles are powers of two.
+    groups average at most FEW_ROWS_PER_GROUP rows (decode); tiles are powers of two. A group's last, partial
+    row tile runs at the smallest power of two >= min_block_m (default MIN_ROW_TILE) that holds its rows.
     """
     num_rows, k_dim = lhs_MK.shape
     n_dim = rhs.shape[2] if rhs_transposed else rhs.shape[1]
@@ -216,7 +252,7 @@ def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = Fal
     return call_over_row_tiles(functools.partial(_kernel, rhs_transposed=rhs_transposed), group_sizes_G,
                                (lhs_MK, rhs.astype(lhs_MK.dtype)), jax.ShapeDtypeStruct((num_rows, n_dim), lhs_MK.dtype),
                                tiles, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret,
-                               name="grouped_matmul")
+                               name="grouped_matmul", min_block_m=min_block_m)
 
 
 # (block_m = rows per step, block_n, block_k, num_warps, num_stages) by lhs itemsize; bf16 from the same

@@ -380,3 +380,23 @@ def test_compiled_kernels_at_ling_flash_size_match_the_unfused_kernels():
     y_sorted = row_weight[:, None] * grouped_matmul_gpu(h, down, sizes).astype(jnp.float32)
     y_unfused = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     assert device_rel_error(y, y_unfused) <= TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("min_block_m", [16, 64], ids=["shrinking", "fixed"])
+def test_fused_kernels_partial_row_tiles_shrink_to_the_rows_they_hold(min_block_m):
+    """Experts whose last 64-row tile holds 6, 26, 36, 16 and 64 rows (tiles of 16, 32, 64, 16, 64), an empty
+    expert, a tail of rows past the experts."""
+    r = np.random.default_rng(min_block_m)
+    sizes = np.asarray([70, 90, 100, 16, 0, 64], np.int32)
+    rows, tokens, hidden, width = sizes.sum() + 9, 150, 48, 40
+    x, gate, up, down = (np.asarray(jnp.asarray(r.normal(size=shape), jnp.float32))
+                         for shape in ((tokens, hidden), (6, width, hidden), (6, width, hidden), (6, hidden, width)))
+    source, order = r.integers(0, tokens, rows).astype(np.int32), r.permutation(rows).astype(np.int32)
+    row_weight = r.uniform(0.1, 1.0, rows).astype(np.float32)
+    args = {"block_m": 64, "block_n": 16, "block_k": 16, "min_block_m": min_block_m, "interpret": True}
+    h = gather_swiglu_gpu(jnp.asarray(x), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate),
+                          jnp.asarray(up), limit=0.9, **args)
+    assert rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, 0.9)) <= TOL[jnp.float32]
+    y = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down),
+                         **args)
+    assert rel_error(y, float64_down_scatter(np.asarray(h), order, row_weight, sizes, down)) <= TOL[jnp.float32]

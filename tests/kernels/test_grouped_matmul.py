@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import grouped_matmul, grouped_matmul_reference
-from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, grouped_weight_grad_gpu, max_row_tiles, row_tiles
+from pallas_kernels.moe.gmm_gpu import (
+    MIN_ROW_TILE,
+    grouped_matmul_gpu,
+    grouped_weight_grad_gpu,
+    max_row_tiles,
+    row_tile_sizes,
+    row_tiles,
+)
 from helpers import lower_for_cuda, rel_error
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -260,3 +267,23 @@ def test_compiled_gpu_kernels_match_reference():
             jax.random.normal(keys[2], (rows, n_dim), jnp.bfloat16), group_sizes, jnp.bfloat16)
     for ours, ref in zip(value_and_grads("pallas_gpu", *args), value_and_grads("reference", *args)):
         assert rel_error(ours.astype(jnp.float32), ref.astype(jnp.float32)) <= 2e-2
+
+
+def test_row_tile_sizes_are_the_powers_of_two_up_to_the_tile():
+    assert row_tile_sizes(64, 16) == (16, 32, 64)
+    assert row_tile_sizes(128)[0] == MIN_ROW_TILE and row_tile_sizes(128)[-1] == 128
+    assert row_tile_sizes(16, 64) == (16,) and row_tile_sizes(32, 8) == (16, 32)
+
+
+# Groups whose last 64-row tile holds 6, 26, 36, 16 and 64 rows (tiles of 16, 32, 64, 16, 64), an empty one,
+# a tail of 9 rows past the groups.
+SHRINKING = (64 + 6 + 90 + 100 + 16 + 64 + 9, 48, 80, [70, 90, 100, 16, 0, 64])
+
+
+@pytest.mark.parametrize("min_block_m", [16, 64], ids=["shrinking", "fixed"])
+def test_partial_row_tiles_shrink_to_the_rows_they_hold(min_block_m):
+    lhs, rhs, d_out, group_sizes = random_case(*SHRINKING, jnp.float32, seed=min_block_m)
+    out = grouped_matmul_gpu(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes), block_m=64, block_n=32,
+                             block_k=16, min_block_m=min_block_m, interpret=True)
+    assert rel_error(out, float64_per_group(lhs, rhs, d_out, group_sizes)[0]) <= TOL[jnp.float32]
+    assert not np.any(np.asarray(out[group_sizes.sum():])), "tail rows are not 0"
