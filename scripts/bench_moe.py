@@ -5,6 +5,7 @@ one-hot baseline, and a tile sweep of the fused kernels.
     python scripts/bench_moe.py            # 8192 and 64 tokens, hidden 4096, 512 experts, top-8, bf16
     python scripts/bench_moe.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
     python scripts/bench_moe.py --no-sweep # without the tile sweep
+    python scripts/bench_moe.py --no-sweep --profile /tmp/moe  # plus a trace of the fused layer per token count
 
 For each token count:
 - unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
@@ -106,6 +107,14 @@ def layer_with(routed, graphdef, limit, backend):
     return jax.jit(run)
 
 
+def profile_calls(fn, args, directory: str, *, calls: int) -> None:
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+
 def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, iters):
     """Rows (kernel, tiles, ms, TFLOP/s) for each fused kernel alone over its tile variants."""
     x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
@@ -147,6 +156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
+    parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 3 calls of the fused whole layer "
+                        "per token count under DIR/tokens<N> (read it with scripts/trace_summary.py --steps 3)")
     parser.add_argument("--backend", default=None,
                         help="kernel backend: pallas_gpu (default on a GPU), interpret_gpu (default with --quick "
                              "elsewhere), reference (jnp ragged dots, no kernels)")
@@ -186,6 +197,7 @@ def main(argv=None) -> int:
         order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), config.num_experts)
         kernel_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down)
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
+        fused_layer = layer_with(local_moe, graphdef, limit, backend)
         times = {
             "unfused: GEMMs only": median_seconds(
                 jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)), rows_RD, sizes_E, gate, up,
@@ -197,10 +209,15 @@ def main(argv=None) -> int:
             "fused: routed experts": median_seconds(fused, *routing, iters=args.iters),
             "unfused: whole MoE layer": median_seconds(layer_with(unfused_local_moe, graphdef, limit, backend), state,
                                                        x_TD, iters=args.iters),
-            "fused: whole MoE layer": median_seconds(layer_with(local_moe, graphdef, limit, backend), state, x_TD,
-                                                     iters=args.iters),
+            "fused: whole MoE layer": median_seconds(fused_layer, state, x_TD, iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
+        if args.profile:
+            profile_calls(fused_layer, (state, x_TD), os.path.join(args.profile, f"tokens{tokens}"), calls=3)
+        layer_flops = flops + 2 * tokens * hidden * (config.num_experts + 3 * config.shared_expert_intermediate_size)
+        print(f"\ntokens {tokens}: whole fused layer counting all its matmuls (routed top-{top_k}, shared expert, "
+              f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times['fused: whole MoE layer'] / 1e12:.1f} "
+              f"TFLOP/s, {layer_flops / times['fused: whole MoE layer'] / peak:.1%} of peak")
         print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}")
         for name, seconds in times.items():
             tflops = flops / seconds / 1e12

@@ -7,8 +7,9 @@ t sees key slot s iff s <= query_slots[b, t] and key_valid[b, s]. It walks the l
 [B, S, H, V] from c_kv with W_UK, W_UV; the rope key k_pe [B, S, P] is shared by the heads), and the kernel
 runs flash attention over it: program (query block, head, sequence) keeps its [block_q, V] fp32 accumulator
 and online softmax over key blocks, stops at the last key block any of its queries can see, and writes its
-normalised output and log-sum-exp. Segments merge exactly by their log-sum-exps (`combine_splits`), so the
-expanded keys never exceed one segment (at 4096 slots, B x 4096 x H x 256 values).
+normalised output and log-sum-exp. Each segment merges exactly into a running (output, log-sum-exp) pair, so
+the expanded keys never exceed one segment (at 4096 slots, B x 4096 x H x 256 values) and the partial outputs
+one [B, T, H, V] fp32 array; segments past the last visible slot (the rest of a long cache) are skipped.
 
 N, P, V must be powers of two of at least 16 (Ling: 128, 64, 128): Triton's block shapes are powers of two
 and its dot wants 16 or more along each axis.
@@ -23,7 +24,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.mla.reference import combine_splits
 
 
 def kernel_dims_fit(*head_dims: int) -> bool:
@@ -66,6 +66,19 @@ def _segment_kernel(first_ref, slots_ref, valid_ref, q_nope_ref, q_pe_ref, k_nop
     seen = l_Q > 0
     o_ref[...] = acc_QV / jnp.where(seen, l_Q, 1.0)[:, None]
     lse_ref[...] = jnp.where(seen, m_Q + jnp.log(jnp.where(seen, l_Q, 1.0)), -jnp.inf)
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """The exact union of two softmax attentions over disjoint keys, each normalised with its log-sum-exp
+    (-inf and zeros where it saw no key): (o [B, T, H, V], lse [B, T, H])."""
+    peak = jnp.maximum(lse_a, lse_b)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weight_a, weight_b = jnp.exp(lse_a - peak), jnp.exp(lse_b - peak)
+    total = weight_a + weight_b
+    seen = total > 0
+    scale = 1.0 / jnp.where(seen, total, 1.0)
+    o = o_a * (weight_a * scale)[..., None] + o_b * (weight_b * scale)[..., None]
+    return o, jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
 
 
 def _query_block(length: int, block_q: int) -> int:
@@ -139,19 +152,21 @@ def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots
     attend = functools.partial(attention_segment_gpu, scale=scale, block_q=block_q, block_k=block_k,
                                interpret=interpret)
 
-    def one_segment(index):
+    value_dim = w_uv_HVR.shape[1]
+
+    def add_segment(index, carry):
         first = index * segment
         block_BSA = jax.lax.dynamic_slice_in_dim(latent, first, segment, axis=1)
         c_kv, k_pe = block_BSA[..., :latent_dim], block_BSA[..., latent_dim:]
         k_nope = jnp.einsum("bsr,hnr->bshn", c_kv, w_uk)
         v = jnp.einsum("bsr,hvr->bshv", c_kv, w_uv)
         valid = jax.lax.dynamic_slice_in_dim(key_valid, first, segment, axis=1)
-        return attend(q_nope, q_pe, k_nope, k_pe, v, query_slots, valid, first)
+        return _merge(*carry, *attend(q_nope, q_pe, k_nope, k_pe, v, query_slots, valid, first))
 
-    o_STBHV, lse_STBH = jax.lax.map(one_segment, jnp.arange((slots + pad) // segment))
-    o_BTSHV = jnp.moveaxis(o_STBHV, 0, 2)  # the segments as flash-decoding splits of each (query, head)
-    lse_BTSH = jnp.moveaxis(lse_STBH, 0, 2)
-    batch_queries = batch * o_BTSHV.shape[1]
-    o = combine_splits(o_BTSHV.reshape(batch_queries, -1, heads, o_BTSHV.shape[-1]),
-                       lse_BTSH.reshape(batch_queries, -1, heads))
-    return o.reshape(batch, -1, heads, o.shape[-1])[:, :length].astype(dtype)
+    # segments past the last visible slot are neither expanded nor attended
+    needed = jnp.clip(jnp.max(query_slots) // segment + 1, 0, (slots + pad) // segment)
+    padded = q_nope.shape[1]
+    nothing_seen = (jnp.zeros((batch, padded, heads, value_dim), jnp.float32),
+                    jnp.full((batch, padded, heads), -jnp.inf, jnp.float32))
+    o, _ = jax.lax.fori_loop(0, needed, add_segment, nothing_seen)
+    return o[:, :length].astype(dtype)

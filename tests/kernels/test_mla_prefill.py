@@ -81,6 +81,14 @@ def test_gpu_kernel_matches_dense_float64(dtype, tol, segment, block_q, block_k)
     assert_matches(out, ref, dtype, tol, f"segment {segment}, blocks {block_q}x{block_k}")
 
 
+def test_gpu_kernel_over_a_long_cache_stops_at_the_last_visible_slot():
+    """A cache of 1000 slots in segments of 32, the last visible slot near 90: the segments past it are skipped
+    and the result is still exact."""
+    args, ref = random_case(jnp.float32, seed=9, slots=1000, **KERNEL_DIMS)
+    out = flash_expanded_attention_gpu(*args, scale=0.2, segment=32, block_q=16, block_k=16, interpret=True)
+    assert_matches(out, ref, jnp.float32, 1e-4, "long cache")
+
+
 def test_gpu_kernel_refuses_dims_triton_cannot_multiply():
     args, _ = random_case(jnp.float32, seed=1, nope=16, value=16, rope=8)
     with pytest.raises(ValueError, match="powers of two"):
@@ -157,6 +165,8 @@ def test_model_prefill_with_kernel_equals_reference():
 
 @gpu_test("the compiled Triton kernel in the model")
 def test_compiled_model_prefill_with_kernel_equals_reference():
-    logits, _ = _prefill_logits("pallas_gpu")
-    ref_logits, _ = _prefill_logits("reference")
+    """fp32 with full-precision XLA products (a GPU's default runs fp32 matmuls in tf32), as the kernels do."""
+    with jax.default_matmul_precision("float32"):
+        logits, _ = _prefill_logits("pallas_gpu")
+        ref_logits, _ = _prefill_logits("reference")
     assert rel_error(logits, ref_logits) <= 1e-4
