@@ -1,8 +1,8 @@
 """KDA chunked prefill on GPU: two Pallas kernels (Triton lowering) over 64-token chunks, as in FLA.
 
-1. `chunk_gpu_intra.intra_chunk`, grid (B*H, T/64), all programs independent: per chunk the gate cumsum, the
-   WY factors w = T (e^G k), u = T v and the masked q-k decay matrix, one 16-row sub-block at a time (no
-   exponential can overflow fp32, and few values live in registers at once).
+1. `chunk_gpu_intra.intra_chunk` (itself three pallas_calls, each over independent programs): per chunk the
+   decay-weighted q-k and k-k blocks, the inverse of (I + L), the WY factors w = T (e^G k), u = T v and the
+   decayed q and k (no exponential can overflow fp32).
 2. `chunk_gpu_inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its
    slice of the fp32 state and writing the output.
 Both read and write the [B, T, H, ...] layout directly; T is padded to whole chunks (g = 0, beta = 0: an
@@ -26,15 +26,16 @@ def _pad_time(x, pad: int):
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_v", "num_warps",
                                              "num_stages", "intra_num_warps", "intra_num_stages",
-                                             "interpret"))
+                                             "intra_inverse_num_warps", "intra_factors_num_warps", "interpret"))
 def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True,
                   parts_dtype=None, block_v: int = 32, num_warps: int = 4, num_stages: int = 2,
-                  intra_num_warps: int = 8, intra_num_stages: int = 1, interpret: bool = False):
+                  intra_num_warps: int = 4, intra_num_stages: int = 1, intra_inverse_num_warps: int = 2,
+                  intra_factors_num_warps: int = 8, interpret: bool = False):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
     parts_dtype: how phase 1 hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with
     bf16 inputs keeps tf32 precision in phase 2 for twice the memory traffic). block_v, num_warps,
-    num_stages tile the sequential phase; intra_num_warps, intra_num_stages the parallel one.
+    num_stages tile the sequential phase; the intra_* knobs are `intra_chunk`'s (the parallel phase).
     """
     batch, length, heads, key_dim = q.shape
     pad = -length % CHUNK
@@ -43,7 +44,9 @@ def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_
     if initial_state is None:
         initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
     parts = intra_chunk(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=parts_dtype,
-                        num_warps=intra_num_warps, num_stages=intra_num_stages, interpret=interpret)
+                        num_warps=intra_num_warps, num_stages=intra_num_stages,
+                        inverse_num_warps=intra_inverse_num_warps, factors_num_warps=intra_factors_num_warps,
+                        interpret=interpret)
     o, state = inter_chunk(parts, initial_state.astype(jnp.float32), out_dtype=v.dtype, block_v=block_v,
                            num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return o[:, :length], state

@@ -31,21 +31,14 @@ def _iota(n: int, axis: int):
     return jax.lax.broadcasted_iota(jnp.int32, (n, n), axis)
 
 
-def unit_lower_inverses(strict_Ls, dots: Dots):
-    """(I + L)^-1 for each strictly lower-triangular L [SUB, SUB] of a list, by forward substitution one row at
-    a time, the matrices in lockstep (independent products side by side, for the GPU's scheduler)."""
-    rows, cols = _iota(SUB, 0), _iota(SUB, 1)
-    inverses = [(rows == cols).astype(jnp.float32)] * len(strict_Ls)
-    for c in range(1, SUB):
-        # only row c: sum_j L[c, j] inverse[j]
-        updates = [dots.nn(jnp.where(rows == c, L, 0.0), inverse) for L, inverse in zip(strict_Ls, inverses)]
-        inverses = [jnp.where(rows == c, inverse - update, inverse) for inverse, update in zip(inverses, updates)]
-    return inverses
-
-
 def unit_lower_inverse(strict_L, dots: Dots):
-    """(I + L)^-1 for one strictly lower-triangular L [SUB, SUB]."""
-    return unit_lower_inverses([strict_L], dots)[0]
+    """(I + L)^-1 for a strictly lower-triangular L [SUB, SUB], by forward substitution one row at a time."""
+    rows, cols = _iota(SUB, 0), _iota(SUB, 1)
+    inverse = (rows == cols).astype(jnp.float32)
+    for c in range(1, SUB):
+        update = dots.nn(jnp.where(rows == c, strict_L, 0.0), inverse)  # only row c: sum_j L[c, j] inverse[j]
+        inverse = jnp.where(rows == c, inverse - update, inverse)
+    return inverse
 
 
 def chunk_step(q, k, v, g_cum, g_first, g_last, decay_last, beta, state, dots: Dots):

@@ -14,6 +14,7 @@ import pytest
 from np_reference import kda_recurrence
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
+from pallas_kernels.kda.chunk_gpu_tril import merge_inverse, unit_lower_inverse_16
 from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
 from pallas_kernels.kda.reference import unit_lower_inverse
 from helpers import l2, lower_for_cuda, rel_error
@@ -132,6 +133,39 @@ def test_unit_lower_inverse_with_equal_keys(size):
     assert rel_error(ours, expected) <= 1e-5
 
 
+def _strictly_lower(rng, count, size, equal_keys: bool):
+    """count strictly lower [size, size] matrices: random (the delta rule's size) or ~all ones (equal keys)."""
+    if equal_keys:
+        return np.tril(np.ones((size, size)), -1) * rng.uniform(0.9, 1.0, size=(count, size, size))
+    return np.tril(rng.normal(scale=0.3, size=(count, size, size)), -1)
+
+
+@pytest.mark.parametrize("equal_keys", [False, True], ids=["random", "equal-keys"])
+def test_gpu_diagonal_block_inverse_by_row_updates(equal_keys):
+    """Phase 1's 16x16 inverse in registers, given L transposed, against numpy's inverse."""
+    strict = _strictly_lower(np.random.default_rng(1), 4, 16, equal_keys)
+    for L in strict:
+        ours = unit_lower_inverse_16(jnp.asarray(L.T, jnp.float32))
+        assert rel_error(ours, np.linalg.inv(np.eye(16) + L)) <= 1e-6
+
+
+@pytest.mark.parametrize("input_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("equal_keys", [False, True], ids=["random", "equal-keys"])
+def test_gpu_chunk_inverse_merge(equal_keys, input_dtype):
+    """The merge kernel: (I + L)^-1 of 64x64 chunks from the diagonal blocks' inverses and the blocks below
+    them (upper blocks of its input are garbage, never read), against numpy's inverse."""
+    rng = np.random.default_rng(2)
+    strict = _strictly_lower(rng, 6, 64, equal_keys)
+    blocks = strict + np.triu(rng.normal(size=strict.shape), 1)
+    for i in range(4):
+        rows = slice(16 * i, 16 * i + 16)
+        blocks[:, rows, rows] = np.linalg.inv(np.eye(16) + strict[:, rows, rows])
+    ours = merge_inverse(jnp.asarray(blocks.reshape(2, 3 * 64, 64), jnp.float32), input_dtype=input_dtype,
+                         interpret=True)
+    expected = np.linalg.inv(np.eye(64) + strict)
+    assert rel_error(ours.reshape(6, 64, 64), expected) <= 1e-5
+
+
 @pytest.mark.parametrize("backend", ["reference", "interpret_gpu"])
 def test_correlated_keys_without_decay(backend):
     """Early in training keys are alike and gates near 0: forward and gradient stay exact (a power-series
@@ -170,7 +204,8 @@ def test_tpu_kernel_lowers_for_tpu():
 @pytest.mark.parametrize("shape", [(1, 1000, 4), (1, 32768, 64)], ids=["T1000-H4", "T32768-H64"])
 def test_gpu_kernel_lowers_for_cuda(shape):
     text = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128 ** -0.5), *_abstract(*shape)).as_text()
-    assert "kda_prefill_intra_chunk" in text and "kda_prefill_inter_chunk" in text
+    for kernel in ("intra_blocks", "intra_inverse", "intra_factors", "inter_chunk"):
+        assert f"kda_prefill_{kernel}" in text, kernel
 
 
 @pytest.mark.gpu
