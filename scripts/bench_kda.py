@@ -3,14 +3,14 @@
 
     python scripts/bench_kda.py                  # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
     python scripts/bench_kda.py --prefill-only   # ~90 s on an H200
-    python scripts/bench_kda.py --quick
+    python scripts/bench_kda.py --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
-kernels) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form under XLA: ~180 ms a call at
-T=32768), over a few tile variants (phase 1's warps among them); each variant also times its two pallas_calls
-alone (phase 1: intra-chunk, parallel; phase 2: the sequential state pass), with the bytes each must move at
-least. Each kernel is checked against fla on the device before it is timed. H=64, K=V=128.
+phases, the first three pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
+under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them); each variant also times its two phases alone
+(phase 1: intra-chunk, parallel, and each of its three kernels; phase 2: the sequential state pass), with the
+bytes each must move at least. Each kernel is checked against fla on the device before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
 """
 
@@ -33,10 +33,14 @@ from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.kda import kda_chunked  # noqa: E402
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_inter import inter_chunk  # noqa: E402
+from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_intra import intra_chunk  # noqa: E402
+from pallas_kernels.kda.chunk_gpu_tril import merge_inverse  # noqa: E402
+from pallas_kernels.kda.chunk_gpu_wy import chunk_factors  # noqa: E402
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
 
 HEADS, DIM = 64, 128
+CPU_HEADS = 2  # the interpreted smoke run's
 
 
 def torch_median_seconds(fn, iters: int) -> float:
@@ -45,13 +49,13 @@ def torch_median_seconds(fn, iters: int) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=max(iters, 25) * 4, return_mode="median") / 1e3
 
 
-def random_inputs(batch, length, seed):
+def random_inputs(batch, length, seed, heads=HEADS):
     r = np.random.default_rng(seed)
-    q = r.normal(size=(batch, length, HEADS, DIM)).astype(np.float32)
-    k = r.normal(size=(batch, length, HEADS, DIM)).astype(np.float32)
-    v = r.normal(size=(batch, length, HEADS, DIM)).astype(np.float32)
-    g = (-5.0 * r.uniform(size=(batch, length, HEADS, DIM)) ** 4).astype(np.float32)  # mostly slow decay
-    beta = r.uniform(0.05, 1.0, size=(batch, length, HEADS)).astype(np.float32)
+    q = r.normal(size=(batch, length, heads, DIM)).astype(np.float32)
+    k = r.normal(size=(batch, length, heads, DIM)).astype(np.float32)
+    v = r.normal(size=(batch, length, heads, DIM)).astype(np.float32)
+    g = (-5.0 * r.uniform(size=(batch, length, heads, DIM)) ** 4).astype(np.float32)  # mostly slow decay
+    beta = r.uniform(0.05, 1.0, size=(batch, length, heads)).astype(np.float32)
     return q, k, v, g, beta
 
 
@@ -118,78 +122,117 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-PREFILL_VARIANTS = [  # (block_v, num_warps, num_stages) of phase 2, (num_warps, num_stages) of phase 1, parts dtype
-    (32, 4, 2, 4, 1, None), (32, 4, 2, 8, 1, None), (32, 4, 2, 2, 1, None), (64, 4, 2, 4, 1, None),
-    (32, 4, 1, 4, 1, None), (32, 4, 2, 4, 1, jnp.float32),
-]  # the most promising first
+PHASE2_DEFAULT = dict(block_v=32, num_warps=4, num_stages=2)
+PHASE1_DEFAULT = dict(intra_num_warps=4, intra_num_stages=1, intra_inverse_num_warps=2, intra_factors_num_warps=8)
+PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
+    {},
+    dict(intra_num_warps=2), dict(intra_num_warps=8), dict(intra_inverse_num_warps=1),
+    dict(intra_inverse_num_warps=4), dict(intra_factors_num_warps=4), dict(intra_num_stages=2),
+    dict(block_v=64), dict(num_stages=1), dict(parts_dtype=jnp.float32),
+]
+PHASE1_KNOBS = ("intra_num_warps", "intra_num_stages", "intra_inverse_num_warps", "intra_factors_num_warps",
+                "parts_dtype")
 
 
-def bench_prefill_phases(inputs, variant, iters, intra_seconds):
-    """(phase 1 s, phase 2 s, bytes each moves at least), each pallas_call jitted and timed alone; phase 1's
-    time is kept per (num_warps, num_stages, parts dtype) in intra_seconds (its only parameters)."""
+def phase1_kernels(q, k, v, g, beta, knobs, interpret):
+    """Phase 1's three pallas_calls as jitted functions of their own inputs (each timed alone), with the
+    inputs each needs: [(name, fn, args)], in order."""
+    dtype = knobs["parts_dtype"] or v.dtype
+    blocks_fn = jax.jit(functools.partial(
+        decay_blocks, scale=DIM ** -0.5, use_qk_l2norm=True, parts_dtype=dtype, num_warps=knobs["intra_num_warps"],
+        num_stages=knobs["intra_num_stages"], interpret=interpret))
+    blocks = blocks_fn(q, k, g, beta)[2]
+    inverse_fn = jax.jit(functools.partial(merge_inverse, input_dtype=v.dtype,
+                                           num_warps=knobs["intra_inverse_num_warps"],
+                                           num_stages=knobs["intra_num_stages"], interpret=interpret))
+    factors_fn = jax.jit(functools.partial(
+        chunk_factors, use_qk_l2norm=True, parts_dtype=dtype, num_warps=knobs["intra_factors_num_warps"],
+        num_stages=knobs["intra_num_stages"], interpret=interpret))
+    return [("blocks", blocks_fn, (q, k, g, beta)), ("inverse", inverse_fn, (blocks,)),
+            ("factors", factors_fn, (k, v, g, beta, inverse_fn(blocks)))]
+
+
+def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
+    """(phase 1 s, its kernels' s, phase 2 s, bytes each phase moves at least), each pallas_call jitted and
+    timed alone; phase 1's times are kept per its knobs in phase1_seconds."""
     jq, jk, jv, jg, jbeta = inputs
-    block_v, warps, stages, intra_warps, intra_stages, parts_dtype = variant
-    intra = jax.jit(functools.partial(intra_chunk, scale=DIM ** -0.5, num_warps=intra_warps,
-                                      num_stages=intra_stages, parts_dtype=parts_dtype))
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
+    knobs = {name: variant[name] for name in PHASE1_KNOBS}
+    intra = jax.jit(functools.partial(
+        intra_chunk, scale=DIM ** -0.5, num_warps=knobs["intra_num_warps"], num_stages=knobs["intra_num_stages"],
+        inverse_num_warps=knobs["intra_inverse_num_warps"], factors_num_warps=knobs["intra_factors_num_warps"],
+        parts_dtype=knobs["parts_dtype"], interpret=interpret))
     parts = intra(*phase1_args)
-    intra_key = intra_warps, intra_stages, parts_dtype
-    if intra_key not in intra_seconds:
-        intra_seconds[intra_key] = median_seconds(intra, *phase1_args, iters=iters)
+    key = tuple(knobs.values())
+    if key not in phase1_seconds:
+        phase1_seconds[key] = (median_seconds(intra, *phase1_args, iters=iters),
+                               {name: median_seconds(fn, *args, iters=iters)
+                                for name, fn, args in phase1_kernels(*phase1_args, knobs, interpret)})
     batch, _, heads, _ = jq.shape
     state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
-    inter = jax.jit(functools.partial(inter_chunk, out_dtype=jv.dtype, block_v=block_v, num_warps=warps,
-                                      num_stages=stages))
+    inter = jax.jit(functools.partial(inter_chunk, out_dtype=jv.dtype, block_v=variant["block_v"],
+                                      num_warps=variant["num_warps"], num_stages=variant["num_stages"],
+                                      interpret=interpret))
     inter_s = median_seconds(inter, parts, state, iters=iters)
     parts_bytes = sum(x.nbytes for x in parts)
     phase1_bytes = sum(x.nbytes for x in phase1_args) + parts_bytes
     phase2_bytes = parts_bytes + jv.nbytes + 2 * state.nbytes
-    return intra_seconds[intra_key], inter_s, phase1_bytes, phase2_bytes
+    return *phase1_seconds[key], inter_s, phase1_bytes, phase2_bytes
 
 
-def bench_prefill(batch, length, iters, jnp_baseline: bool):
+def fla_prefill(q, k, v, g, beta, iters):
+    """(o, final state, seconds) of fla's chunk_kda on the GPU."""
     import torch
     from fla.ops.kda import chunk_kda
 
-    q, k, v, g, beta = random_inputs(batch, length, seed=length)
-    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
-    jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
     tq, tk, tv = to_torch(q, k, v, dtype=torch.bfloat16)
     tg, tbeta = to_torch(g, beta)
     fla_o, fla_state = chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    fla_o, fla_state = fla_o.float().cpu().numpy(), fla_state.float().cpu().numpy()
     fla_s = torch_median_seconds(lambda: chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True), iters)
+    return fla_o.float().cpu().numpy(), fla_state.float().cpu().numpy(), fla_s
+
+
+def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = False, heads: int = HEADS):
+    """Every PREFILL_VARIANTS entry vs fla (on the GPU) or, interpreted on the CPU, vs the jnp chunked form
+    (a smoke run of the wiring: its times say nothing)."""
+    q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
+    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
     tokens = batch * length
+    if interpret:
+        ref_o, ref_state = (np.asarray(x, np.float32) for x in jax.jit(kda_chunked)(jq, jk, jv, jg, jbeta))
+        ref_s, ref_name = float("nan"), "jnp chunked"
+    else:
+        ref_o, ref_state, ref_s = fla_prefill(q, k, v, g, beta, iters)
+        ref_name = "fla"
     baseline = ""
     if jnp_baseline:
         jnp_s = median_seconds(jax.jit(kda_chunked), jq, jk, jv, jg, jbeta, iters=iters)
         baseline = f", jnp chunked (XLA) {jnp_s * 1e3:.2f} ms"
-    print(f"prefill B={batch} T={length}: fla chunk_kda {fla_s * 1e3:.2f} ms ({tokens / fla_s / 1e6:.2f} Mtok/s)"
+    print(f"prefill B={batch} T={length}: {ref_name} {ref_s * 1e3:.2f} ms ({tokens / ref_s / 1e6:.2f} Mtok/s)"
           f"{baseline}")
-    best, intra_seconds = None, {}
-    for variant in PREFILL_VARIANTS:
-        block_v, warps, stages, intra_warps, intra_stages, parts_dtype = variant
-        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, block_v=block_v, num_warps=warps,
-                                       num_stages=stages, intra_num_warps=intra_warps,
-                                       intra_num_stages=intra_stages, parts_dtype=parts_dtype))
+    best, phase1_seconds = None, {}
+    for overrides in PREFILL_VARIANTS:
+        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT, "parts_dtype": None, **overrides}
+        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, interpret=interpret, **variant))
         o, state = fn(jq, jk, jv, jg, jbeta)
-        err_o, err_s = rel_error(o.astype(jnp.float32), fla_o), rel_error(state, fla_state)
+        err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
-        intra_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases((jq, jk, jv, jg, jbeta), variant, iters,
-                                                                          intra_seconds)
-        parts_name = jnp.dtype(parts_dtype or jv.dtype).name
-        print(f"  Pallas block_v={block_v} warps={warps} stages={stages} intra_warps={intra_warps} "
-              f"intra_stages={intra_stages} parts={parts_name}: "
-              f"{seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, fla / ours {fla_s / seconds:.2f}x); "
-              f"vs fla: o {err_o:.1e}, state {err_s:.1e}\n"
-              f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms, >= {intra_bytes / 1e9:.2f} GB "
+        intra_s, kernel_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases(
+            (jq, jk, jv, jg, jbeta), variant, iters, phase1_seconds, interpret)
+        label = " ".join(f"{name}={jnp.dtype(value).name if name == 'parts_dtype' and value else value}"
+                         for name, value in overrides.items()) or "defaults"
+        kernels = " + ".join(f"{name} {s * 1e3:.2f}" for name, s in kernel_s.items())
+        print(f"  Pallas {label}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, "
+              f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}\n"
+              f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels} alone), >= {intra_bytes / 1e9:.2f} GB "
               f"({intra_bytes / intra_s / 1e12:.2f} TB/s); phase 2 (state pass) {inter_s * 1e3:.2f} ms, "
               f">= {inter_bytes / 1e9:.2f} GB ({inter_bytes / inter_s / 1e12:.2f} TB/s)")
         if best is None or seconds < best[0]:
             best = (seconds, err_o)
     seconds, err = best
-    return ("prefill", batch, length, seconds, fla_s, None, err)
+    return ("prefill", batch, length, seconds, ref_s, None, err)
 
 
 def main(argv=None) -> int:
@@ -202,13 +245,18 @@ def main(argv=None) -> int:
                         help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
-        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
-    copy = copy_bandwidth(args.iters)
-    print(f"jax {jax.__version__}; device copy {copy / 1e12:.2f} TB/s (read + write)")
-    decode_batches = () if args.prefill_only else ((1, 64) if args.quick else (1, 64, 256))
-    rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
-    for batch, length in () if args.decode_only else (((1, 4096),) if args.quick else ((1, 32768), (8, 4096))):
-        rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline))
+        if not args.quick or args.decode_only:
+            parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); without one, "
+                         "--quick runs the prefill variants interpreted at a small size (a check of the wiring)")
+        print(f"jax {jax.__version__}; no GPU: prefill variants in interpret mode, H={CPU_HEADS} (times meaningless)")
+        rows = [bench_prefill(1, 3 * 64, 1, False, interpret=True, heads=CPU_HEADS)]
+    else:
+        copy = copy_bandwidth(args.iters)
+        print(f"jax {jax.__version__}; device copy {copy / 1e12:.2f} TB/s (read + write)")
+        decode_batches = () if args.prefill_only else ((1, 64) if args.quick else (1, 64, 256))
+        rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
+        for batch, length in () if args.decode_only else (((1, 4096),) if args.quick else ((1, 32768), (8, 4096))):
+            rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline))
     print("\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n|---|---|---|---|---|---|---|---|")
     for op, batch, length, ours_s, fla_s, frac, err in rows:
         unit, scale = ("us", 1e6) if op == "decode" else ("ms", 1e3)

@@ -9,6 +9,7 @@ of sub-block i and row s of sub-block j <= i the chunk-local decay is
 so each factor is e^{<= 0} except e^{-Γ_s} <= e^80 for gates >= -5 over 16 steps: fp32 cannot overflow.
 The program walks j = i-1 down to 0 (reloading k_j, g_j: L1/L2 hits shared with its neighbours), carrying
 gap_j, and stores
+  qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c} e^{o_i}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
   diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from the
@@ -41,7 +42,7 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _kernel(q_ref, k_ref, g_ref, beta_ref, a_ref, blocks_ref, *, scale, l2norm, input_dtype):
+def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, *, scale, l2norm, input_dtype):
     dots = gpu_dots(input_dtype)
     i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
@@ -61,7 +62,8 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, a_ref, blocks_ref, *, scale, l2norm, 
         blocks_ref[:, sub_rows(j)] = beta_SUB1 * dots.nt(k_left, right)
         return gap_1K + total_1K
 
-    jax.lax.fori_loop(0, i, earlier_block, jnp.zeros((1, k_ref.shape[1]), jnp.float32))
+    offset_1K = jax.lax.fori_loop(0, i, earlier_block, jnp.zeros((1, k_ref.shape[1]), jnp.float32))  # o_i
+    qg_ref[...] = (q_left * jnp.exp2(offset_1K)).astype(qg_ref.dtype)
     right = k_i * jnp.exp2(-log_decay)  # e^{-Γ_s} <= e^80
     a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, dots.nt(q_left, right), 0.0).astype(a_ref.dtype)
     strict_U = jnp.where(rows < cols, dots.nt(right, k_left), 0.0) * _as_row(beta_SUB1)  # L_ii^T
@@ -74,22 +76,23 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, a_ref, blocks_ref, *, scale, l2norm, 
     jax.lax.fori_loop(i + 1, SUBS, zero_block, 0)
 
 
-def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, a_dtype, num_warps: int = 4,
+def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, num_warps: int = 4,
                  num_stages: int = 1, interpret: bool = False):
-    """(a_qk [BH, Tp, CHUNK] a_dtype, blocks [BH, Tp, CHUNK] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K]
+    """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K]
     fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (B*H, Tp / CHUNK, CHUNK / SUB)."""
     batch, padded, heads, key_dim = q.shape
     flat = batch * heads
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
         (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
     whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
-    out_rows = pl.BlockSpec((None, SUB, CHUNK), lambda bh, n, i: (bh, n * SUBS + i, 0))
+    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype),
         grid=(flat, padded // CHUNK, SUBS),
         in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
-        out_specs=[out_rows, out_rows],
-        out_shape=[jax.ShapeDtypeStruct((flat, padded, CHUNK), a_dtype),
+        out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK)],
+        out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+                   jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -1,13 +1,13 @@
 """KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, three Pallas kernels (Triton lowering),
 all programs of each independent, handing intermediates over in global memory (fp32):
 
-1. `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of the
-   decay-weighted products a_qk (stored as a part) and of L = diag(beta) A_kk (strictly lower): the blocks
+1. `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
+   qg = e^G q, of the decay-weighted products a_qk (both parts) and of L = diag(beta) A_kk: the blocks
    L_ij, j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers.
 2. `chunk_gpu_tril.merge_inverse`, grid (B*H, T/64): X = (I + L)^-1 as a dense [64, 64] matrix from the D_i
    and L_ij, by 16x16 products.
 3. `chunk_gpu_wy.chunk_factors`, grid (B*H, T/64): w = X (beta e^G k), u = X (beta v) as [64, 64]-row
-   products, qg = e^G q, kg = e^{G_last - G} k and decay_last = e^{G_last}.
+   products, kg = e^{G_last - G} k and decay_last = e^{G_last}.
 Short programs, many of them: the old single kernel ran one long chain of 16x16 products per chunk (15 of them
 for the forward substitution alone), with few programs resident per SM to hide its latency.
 
@@ -52,11 +52,10 @@ def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, p
     Triton's num_warps: num_warps for kernel 1 (16-row blocks), inverse_num_warps for kernel 2 (16x16
     products), factors_num_warps for kernel 3 ([64, 128] tiles); num_stages for all three."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
-    a_qk, blocks = decay_blocks(q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, a_dtype=dtype,
-                                num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    qg, a_qk, blocks = decay_blocks(q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype,
+                                    num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     inverse = merge_inverse(blocks, input_dtype=v.dtype, num_warps=inverse_num_warps, num_stages=num_stages,
                             interpret=interpret)
-    w, u, qg, kg, decay_last = chunk_factors(q, k, v, g, beta, inverse, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                             parts_dtype=dtype, num_warps=factors_num_warps,
-                                             num_stages=num_stages, interpret=interpret)
+    w, u, kg, decay_last = chunk_factors(k, v, g, beta, inverse, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype,
+                                         num_warps=factors_num_warps, num_stages=num_stages, interpret=interpret)
     return ChunkParts(w, u, qg, kg, a_qk, decay_last)

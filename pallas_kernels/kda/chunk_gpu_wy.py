@@ -2,7 +2,7 @@
 Grid (B*H, T/64): program (bh, n) takes chunk n whole, with X = (I + L)^-1 from `chunk_gpu_tril.merge_inverse`,
 and with G the chunk-local cumulative log-decay (<= 0, log2 units for exp2) stores
   w = X (beta e^G k), u = X (beta v)   (two [64, 64] x [64, K or V] products),
-  qg = e^G q (normalised, scaled), kg = e^{G_last - G} k, decay_last = e^{G_last} (fp32).
+  kg = e^{G_last - G} k and decay_last = e^{G_last} (fp32).
 Every exponent is <= 0 (an e^G that underflows to 0 is the true value rounded): nothing can overflow.
 """
 
@@ -19,8 +19,7 @@ from pallas_kernels.kda.chunk_gpu_blocks import LOG2_E, normalised
 from pallas_kernels.kda.chunk_gpu_tril import CHUNK, gpu_dots
 
 
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, w_ref, u_ref, qg_ref, kg_ref, decay_ref,
-            *, scale, l2norm, input_dtype):
+def _kernel(k_ref, v_ref, g_ref, beta_ref, inverse_ref, w_ref, u_ref, kg_ref, decay_ref, *, l2norm, input_dtype):
     dots = gpu_dots(input_dtype)
     g_CK = g_ref[...] * LOG2_E
     log_decay_CK = jnp.cumsum(g_CK, axis=0)  # G
@@ -33,15 +32,14 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, inverse_ref, w_ref, u_ref, qg_
     kg_ref[...] = (k_CK * jnp.exp2(last_1K - log_decay_CK)).astype(kg_ref.dtype)
     from_start_CK = jnp.exp2(log_decay_CK)
     w_ref[...] = dots.nn(inverse_CC, beta_C1 * k_CK * from_start_CK).astype(w_ref.dtype)
-    qg_ref[...] = (normalised(q_ref[...], l2norm) * scale * from_start_CK).astype(qg_ref.dtype)
 
 
-def chunk_factors(q, k, v, g, beta, inverse, *, scale: float, use_qk_l2norm: bool, parts_dtype,
-                  num_warps: int = 8, num_stages: int = 1, interpret: bool = False):
-    """(w, u, qg, kg [BH, Tp, K or V] parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K],
+def chunk_factors(k, v, g, beta, inverse, *, use_qk_l2norm: bool, parts_dtype, num_warps: int = 8,
+                  num_stages: int = 1, interpret: bool = False):
+    """(w, u, kg [BH, Tp, K or V] parts_dtype, decay_last [BH, N, 1, K] fp32) from k [B, Tp, H, K],
     v [B, Tp, H, V], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1] fp32 and inverse [BH, Tp, CHUNK] fp32.
     Grid (B*H, N = Tp / CHUNK)."""
-    batch, padded, heads, key_dim = q.shape
+    batch, padded, heads, key_dim = k.shape
     value_dim = v.shape[-1]
     flat, num_chunks = batch * heads, padded // CHUNK
     source = lambda width: pl.BlockSpec(  # noqa: E731
@@ -49,14 +47,14 @@ def chunk_factors(q, k, v, g, beta, inverse, *, scale: float, use_qk_l2norm: boo
     target = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
     per_token = lambda width: jax.ShapeDtypeStruct((flat, padded, width), parts_dtype)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype),
+        functools.partial(_kernel, l2norm=use_qk_l2norm, input_dtype=v.dtype),
         grid=(flat, num_chunks),
-        in_specs=[source(key_dim), source(key_dim), source(value_dim), source(key_dim), source(1), target(CHUNK)],
-        out_specs=[target(key_dim), target(value_dim), target(key_dim), target(key_dim),
+        in_specs=[source(key_dim), source(value_dim), source(key_dim), source(1), target(CHUNK)],
+        out_specs=[target(key_dim), target(value_dim), target(key_dim),
                    pl.BlockSpec((None, None, 1, key_dim), lambda bh, n: (bh, n, 0, 0))],
-        out_shape=[per_token(key_dim), per_token(value_dim), per_token(key_dim), per_token(key_dim),
+        out_shape=[per_token(key_dim), per_token(value_dim), per_token(key_dim),
                    jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_prefill_intra_factors",
-    )(q, k, v, g, beta, inverse)
+    )(k, v, g, beta, inverse)
