@@ -13,12 +13,14 @@ For each token count:
 - fused (`local_moe`, what the model runs): sort the assignment indices only, `gather_swiglu` (rows read from
   x through the permutation inside the kernel, gate + up + SwiGLU in one pass) and `down_scatter` (weighted
   rows stored back through the permutation), a sum over k;
-- each path's kernels alone on pre-sorted inputs ("GEMMs only"), each inside the whole layer (router + routed
-  + shared expert), and the dense baseline (every expert on every token, in token chunks), which also checks
+- each path's kernels alone on pre-sorted inputs ("GEMMs only"), each inside the whole layer (router with the
+  backend's expert selection + routed + shared expert; the fused one is the `MoE` module as the model calls
+  it), and the dense baseline (every expert on every token, in token chunks), which also checks
   both paths on device (the bf16 baseline rounds gate and up to bf16 as the unfused path does, the fused
   kernel keeps them in fp32, so the fused path sits ~5e-3 from it while closer to an fp32 computation).
-Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width) and the share of the bf16 matmul peak
-measured in the same run (and of the 683 TFLOP/s issue 6 measures against). The sweep times each fused kernel
+Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width: the routed experts' products only) and
+the share of the bf16 matmul peak measured in the same run (and of the 683 TFLOP/s issue 6 measures against);
+for the fused whole layer also the rate counting all its matmuls (routed, shared expert, router). The sweep times each fused kernel
 alone over a few (block_m, block_n, block_k, num_warps, num_stages, min_block_m) variants.
 """
 
@@ -95,16 +97,22 @@ def fused_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down
     return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down, backend=backend)
 
 
-def layer_with(routed, graphdef, limit, backend):
-    """The whole MoE layer (router, routed experts through `routed`, shared expert), jitted over its split
-    state as the model runs (nnx.jit would also return, i.e. copy, the state)."""
+def unfused_layer(graphdef, limit, backend):
+    """The whole MoE layer (router, routed experts, shared expert) with the unfused routed path, jitted over
+    its split state as the model runs (nnx.jit would also return, i.e. copy, the state)."""
     def run(state, x_TD):
         moe = nnx.merge(graphdef, state)
-        weights_TK, experts_TK = moe.gate(x_TD)
+        weights_TK, experts_TK = moe.gate(x_TD, backend=backend)
         experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
-        return routed(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend) + moe.shared_experts(x_TD)
+        return (unfused_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend)
+                + moe.shared_experts(x_TD))
 
     return jax.jit(run)
+
+
+def model_layer(graphdef, backend):
+    """The MoE module itself, as the model calls it (its fused path on a GPU)."""
+    return jax.jit(lambda state, x_TD: nnx.merge(graphdef, state)(x_TD, kernel_backend=backend))
 
 
 def profile_calls(fn, args, directory: str, *, calls: int) -> None:
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
     rows = []
     for tokens in token_counts:
         x_TD = jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16)
-        weights_TK, experts_TK = jax.jit(moe.gate)(x_TD)
+        weights_TK, experts_TK = jax.jit(functools.partial(moe.gate, backend=backend))(x_TD)
         flops = 2 * tokens * top_k * 3 * hidden * width
         # weights are arguments, never closed over: 13 GB of captured constants would stall the compiler
         unfused = jax.jit(functools.partial(unfused_local_moe, limit=limit, backend=backend))
@@ -197,7 +205,7 @@ def main(argv=None) -> int:
         order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), config.num_experts)
         kernel_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down)
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
-        fused_layer = layer_with(local_moe, graphdef, limit, backend)
+        fused_layer = model_layer(graphdef, backend)
         times = {
             "unfused: GEMMs only": median_seconds(
                 jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)), rows_RD, sizes_E, gate, up,
@@ -207,8 +215,8 @@ def main(argv=None) -> int:
                 iters=args.iters),
             "unfused: routed experts": median_seconds(unfused, *routing, iters=args.iters),
             "fused: routed experts": median_seconds(fused, *routing, iters=args.iters),
-            "unfused: whole MoE layer": median_seconds(layer_with(unfused_local_moe, graphdef, limit, backend), state,
-                                                       x_TD, iters=args.iters),
+            "unfused: whole MoE layer": median_seconds(unfused_layer(graphdef, limit, backend), state, x_TD,
+                                                       iters=args.iters),
             "fused: whole MoE layer": median_seconds(fused_layer, state, x_TD, iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
