@@ -2,7 +2,7 @@
 Grid (B*H, T/64): program (bh, n) takes chunk n whole, with X = (I + L)^-1 from `chunk_gpu_tril.merge_inverse`,
 and with G the chunk-local cumulative log-decay (<= 0, log2 units for exp2) stores
   w = X (beta e^G k), u = X (beta v)   (two [64, 64] x [64, K or V] products),
-  kg = e^{G_last - G} k and decay_last = e^{G_last} (fp32).
+  kg = e^{G_last - G} k (by 16-row sub-blocks, for precision) and decay_last = e^{G_last} (fp32).
 Every exponent is <= 0 (an e^G that underflows to 0 is the true value rounded): nothing can overflow.
 """
 
@@ -16,7 +16,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda.chunk_gpu_blocks import LOG2_E, normalised
-from pallas_kernels.kda.chunk_gpu_tril import CHUNK, gpu_dots
+from pallas_kernels.kda.chunk_gpu_tril import CHUNK, SUBS, gpu_dots, sub_rows
+
+
+def _store_keys_to_end(k_ref, g_ref, kg_ref, l2norm):
+    """kg = k e^{G_last - G}, a 16-row sub-block i at a time, as e^{(t_i - Γ_i) + t_{i+1} + ... + t_3}
+    (Γ_i its cumulative log-decay, t_i its total): G_last - G_c for a row near the end is not then the
+    difference of two sums of up to 64 gates (whose fp32 rounding, ~|G_last| ulp, made kg 1e-4-wrong)."""
+    suffix_1K = jnp.zeros((1, k_ref.shape[1]), jnp.float32)
+    for i in reversed(range(SUBS)):
+        g_SUBK = g_ref[sub_rows(i), :] * LOG2_E
+        total_1K = jnp.sum(g_SUBK, axis=0, keepdims=True)
+        decay_SUBK = jnp.exp2(total_1K - jnp.cumsum(g_SUBK, axis=0) + suffix_1K)
+        kg_ref[sub_rows(i), :] = (normalised(k_ref[sub_rows(i), :], l2norm) * decay_SUBK).astype(kg_ref.dtype)
+        suffix_1K = suffix_1K + total_1K
 
 
 def _kernel(k_ref, v_ref, g_ref, beta_ref, inverse_ref, w_ref, u_ref, kg_ref, decay_ref, *, l2norm, input_dtype):
@@ -28,8 +41,8 @@ def _kernel(k_ref, v_ref, g_ref, beta_ref, inverse_ref, w_ref, u_ref, kg_ref, de
     beta_C1 = beta_ref[...]
     inverse_CC = inverse_ref[...]
     u_ref[...] = dots.nn(inverse_CC, beta_C1 * v_ref[...].astype(jnp.float32)).astype(u_ref.dtype)
+    _store_keys_to_end(k_ref, g_ref, kg_ref, l2norm)
     k_CK = normalised(k_ref[...], l2norm)
-    kg_ref[...] = (k_CK * jnp.exp2(last_1K - log_decay_CK)).astype(kg_ref.dtype)
     from_start_CK = jnp.exp2(log_decay_CK)
     w_ref[...] = dots.nn(inverse_CC, beta_C1 * k_CK * from_start_CK).astype(w_ref.dtype)
 

@@ -14,10 +14,11 @@ import pytest
 from np_reference import kda_recurrence
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
+from pallas_kernels.kda.chunk_gpu_intra import intra_chunk
 from pallas_kernels.kda.chunk_gpu_tril import merge_inverse, unit_lower_inverse_16
 from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
 from pallas_kernels.kda.reference import unit_lower_inverse
-from helpers import l2, lower_for_cuda, rel_error
+from helpers import gpu_test, l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -164,6 +165,57 @@ def test_gpu_chunk_inverse_merge(equal_keys, input_dtype):
                          interpret=True)
     expected = np.linalg.inv(np.eye(64) + strict)
     assert rel_error(ours.reshape(6, 64, 64), expected) <= 1e-5
+
+
+def chunk_parts_float64(q, k, v, g, beta, scale):
+    """Phase 1's parts (`ChunkParts`, as [B*H, T, ...] float64) from q, k [B, T, H, K] (normalised), v, g, beta
+    [B, T, H] with T a multiple of 64, literally: per chunk G = cumsum(g), decays e^{G_c - G_s} in float64."""
+    batch, length, heads, _ = q.shape
+    flat = lambda x: np.moveaxis(np.asarray(x, np.float64), 2, 1).reshape(batch * heads, length, -1)  # noqa: E731
+    q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
+    parts = {name: [] for name in ("w", "u", "qg", "kg", "a_qk", "decay_last")}
+    lower = np.tril(np.ones((64, 64)))
+    for rows in (slice(start, start + 64) for start in range(0, length, 64)):
+        G = np.cumsum(g[:, rows], axis=1)  # [BH, 64, K]
+        decay = np.exp(G[:, :, None, :] - G[:, None, :, :])  # [BH, c, s, K]; overflows only where masked
+        with np.errstate(over="ignore", invalid="ignore"):
+            a_kk = np.nan_to_num(np.einsum("bck,bsk,bcsk->bcs", k[:, rows], k[:, rows], decay) * (lower - np.eye(64)))
+            a_qk = np.nan_to_num(np.einsum("bck,bsk,bcsk->bcs", q[:, rows], k[:, rows], decay) * lower)
+        transform = np.linalg.inv(np.eye(64) + beta[:, rows] * a_kk) * beta[:, rows, 0][:, None, :]  # T
+        parts["w"].append(transform @ (np.exp(G) * k[:, rows]))
+        parts["u"].append(transform @ v[:, rows])
+        parts["qg"].append(np.exp(G) * q[:, rows] * scale)
+        parts["kg"].append(np.exp(G[:, -1:] - G) * k[:, rows])
+        parts["a_qk"].append(a_qk * scale)
+        parts["decay_last"].append(np.exp(G[:, -1:]))
+    return {name: np.concatenate(x, axis=1) for name, x in parts.items()}
+
+
+def _check_parts(dtype, key_dim, value_dim, interpret, tolerance):
+    q, k, v, g, beta, _ = random_sequence(1, 128, 2, key_dim, value_dim, dtype, seed=13)
+    g[:, :64] *= 0.02  # the first chunk's decay_last far from fp32's underflow (e^-160 for the full range)
+    g[:, 64:] = -5.0  # the second chunk at the gate bound
+    parts = intra_chunk(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta)[..., None],
+                        scale=key_dim ** -0.5, parts_dtype=jnp.float32, interpret=interpret)
+    expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim ** -0.5)
+    for name, ours in parts._asdict().items():
+        ours = np.asarray(ours).reshape(expected[name].shape)
+        error = rel_error(ours, expected[name])
+        assert np.isfinite(ours).all() and error <= tolerance, (name, error)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_gpu_chunk_parts_match_float64(dtype):
+    """Phase 1 alone (its three kernels), each part against the literal float64 form, one chunk of slow decay
+    and one at the gate bound: a failing part names the kernel at fault (blocks: a_qk, qg; factors: the rest)."""
+    _check_parts(dtype, 16, 32, interpret=True, tolerance=1e-6)  # exact fp32 products when interpreted
+
+
+@gpu_test("the compiled Triton kernels")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compiled_gpu_chunk_parts_full_width(dtype):
+    """The same compiled at K = V = 128: tf32 products for bf16 inputs, IEEE fp32 ones for fp32 inputs."""
+    _check_parts(dtype, 128, 128, interpret=False, tolerance=TOL[dtype] if dtype == jnp.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret_gpu"])
