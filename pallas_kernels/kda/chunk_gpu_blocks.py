@@ -1,19 +1,19 @@
 """KDA prefill on GPU, phase 1, kernel 1 of 3: the decay-weighted q-k and k-k products of a chunk, by rows of
-16x16 blocks (Pallas, Triton lowering). Grid (B*H, T/64, 4): program (bh, n, i) owns sub-block i (16 rows) of
-chunk n, so the 4 row-blocks of a chunk run side by side and every program is short.
+16x16 blocks (Pallas, Triton lowering). Grid (4, B*H, T/64): program (i, bh, n) owns sub-block i (16 rows) of
+chunk n, so every program is short; the sub-block is the fastest-varying grid axis (Triton's x), so a chunk's
+4 programs run side by side and its keys and gates, which each reads up to its own rows, come from L2.
 
 With Γ_j the cumulative log-decay inside sub-block j (<= 0, log2 units for exp2) and t_j its total, for row c
 of sub-block i and row s of sub-block j <= i the chunk-local decay is
   e^{G_c - G_s} = e^{Γ_c} e^{(t_j - Γ_s) + gap_j},   gap_j = t_{j+1} + ... + t_{i-1} (j < i),
   e^{G_c - G_s} = e^{Γ_c} e^{-Γ_s}                   (j = i, the diagonal block),
 so each factor is e^{<= 0} except e^{-Γ_s} <= e^80 for gates >= -5 over 16 steps: fp32 cannot overflow.
-The program walks j = i-1 down to 0 (reloading k_j, g_j: L1/L2 hits shared with its neighbours), carrying
-gap_j, and stores
+The program walks j = i-1 down to 0 (loading k_j, g_j), carrying gap_j, and stores
   qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c} e^{o_i}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
-  diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from the
-  transposed product, which the transposed dot gives at no extra cost. Right of the diagonal: not written.
+  diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from L_ii^T,
+  formed directly by one more 16x16 product (no transpose). Right of the diagonal: not written.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _as_row(column_SUB1):
 
 def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, *, scale, l2norm, input_dtype):
     dots = gpu_dots(input_dtype)
-    i = pl.program_id(2)
+    i = pl.program_id(0)
     rows, cols = iota_16(0), iota_16(1)
     log_decay = jnp.cumsum(g_ref[sub_rows(i), :] * LOG2_E, axis=0)  # Γ_i [SUB, K]
     from_start = jnp.exp2(log_decay)  # e^{Γ_c} <= 1
@@ -79,16 +79,16 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, *, scale, 
 def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, num_warps: int = 4,
                  num_stages: int = 1, interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K]
-    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (B*H, Tp / CHUNK, CHUNK / SUB)."""
+    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (CHUNK / SUB, B*H, Tp / CHUNK)."""
     batch, padded, heads, key_dim = q.shape
     flat = batch * heads
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
-    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
-    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
+        (None, SUB, None, width), lambda i, bh, n: (bh // heads, n * SUBS + i, bh % heads, 0))
+    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda i, bh, n: (bh // heads, n, bh % heads, 0))
+    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda i, bh, n: (bh, n * SUBS + i, 0))  # noqa: E731
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype),
-        grid=(flat, padded // CHUNK, SUBS),
+        grid=(SUBS, flat, padded // CHUNK),  # axis 0 varies fastest: a chunk's programs run together
         in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
         out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK)],
         out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),

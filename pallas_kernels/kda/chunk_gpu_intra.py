@@ -1,7 +1,7 @@
 """KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, three Pallas kernels (Triton lowering),
 all programs of each independent, handing intermediates over in global memory (fp32):
 
-1. `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
+1. `chunk_gpu_blocks.decay_blocks`, grid (4, B*H, T/64): per 16-row sub-block i of a chunk, its rows of
    qg = e^G q, of the decay-weighted products a_qk (both parts) and of L = diag(beta) A_kk: the blocks
    L_ij, j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers.
 2. `chunk_gpu_tril.merge_inverse`, grid (B*H, T/64): X = (I + L)^-1 as a dense [64, 64] matrix from the D_i
