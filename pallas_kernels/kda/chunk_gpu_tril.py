@@ -7,7 +7,8 @@
    needs a layout conversion, a shared-memory round trip or a tensor-core product on the 15-step chain.
 2. `merge_inverse`, a pallas_call with grid (B*H, T/64): from the four diagonal inverses D_i and the blocks
    L_ij (j < i) below them, X_ii = D_i and X_ij = -D_i sum_{m=j}^{i-1} L_im X_mj, as 16x16 products;
-   stores X as a dense [64, 64] fp32 matrix (zeros above the diagonal) for phase 1's w / u products.
+   stores X's blocks on and below the diagonal in a [64, 64] fp32 matrix (the blocks above are left unwritten:
+   w / u's products load it through `block_lower_mask`, as zeros there, and move 6 fewer blocks each way).
 Every X block is a block of the true inverse (bounded for the delta rule's L: |entries| stay moderate even for
 equal keys, where X is bidiagonal), so no intermediate grows.
 """
@@ -67,15 +68,21 @@ def _merge_kernel(blocks_ref, inverse_ref, *, input_dtype):
         below = [-dots.nn(diagonal, functools.reduce(
             jnp.add, [dots.nn(block(i, m), inverse[m][j]) for m in range(j, i)])) for j in range(i)]
         inverse.append(below + [diagonal])
-    zeros = jnp.zeros((SUB, SUB), jnp.float32)
     for i in range(SUBS):
-        for j in range(SUBS):
-            inverse_ref[sub_rows(i), sub_rows(j)] = inverse[i][j] if j <= i else zeros
+        for j in range(i + 1):
+            inverse_ref[sub_rows(i), sub_rows(j)] = inverse[i][j]
+
+
+def block_lower_mask():
+    """[CHUNK, CHUNK] bool: the 16x16 blocks on and below the diagonal (those `merge_inverse` writes)."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0) // SUB
+    return rows >= jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1) // SUB
 
 
 def merge_inverse(blocks, *, input_dtype, num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
-    """(I + L)^-1 [BH, Tp, CHUNK] fp32 per chunk from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal
-    blocks' inverses D_i on the diagonal, the blocks L_ij of L below it); products as `gpu_dots(input_dtype)`.
+    """(I + L)^-1 [BH, Tp, CHUNK] fp32 per chunk (its 16x16 blocks above the diagonal unwritten) from blocks
+    [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, the blocks L_ij of L
+    below it); products as `gpu_dots(input_dtype)`.
     Grid (BH, Tp / CHUNK)."""
     flat, padded, _ = blocks.shape
     chunk = pl.BlockSpec((None, CHUNK, CHUNK), lambda bh, n: (bh, n, 0))

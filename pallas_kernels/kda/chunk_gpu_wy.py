@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda.chunk_gpu_blocks import LOG2_E, normalised
-from pallas_kernels.kda.chunk_gpu_tril import CHUNK, SUBS, gpu_dots, sub_rows
+from pallas_kernels.kda.chunk_gpu_tril import CHUNK, SUBS, block_lower_mask, gpu_dots, sub_rows
 
 
 def _store_keys_to_end(k_ref, g_ref, kg_ref, l2norm):
@@ -39,7 +39,7 @@ def _kernel(k_ref, v_ref, g_ref, beta_ref, inverse_ref, w_ref, u_ref, kg_ref, de
     last_1K = jnp.sum(g_CK, axis=0, keepdims=True)  # G_last
     decay_ref[...] = jnp.exp2(last_1K)
     beta_C1 = beta_ref[...]
-    inverse_CC = inverse_ref[...]
+    inverse_CC = plgpu.load(inverse_ref, mask=block_lower_mask(), other=0.0)  # above its blocks: unwritten
     u_ref[...] = dots.nn(inverse_CC, beta_C1 * v_ref[...].astype(jnp.float32)).astype(u_ref.dtype)
     _store_keys_to_end(k_ref, g_ref, kg_ref, l2norm)
     k_CK = normalised(k_ref[...], l2norm)
