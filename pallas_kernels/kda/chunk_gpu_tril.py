@@ -3,8 +3,9 @@
 1. `unit_lower_inverse_16`, inside phase 1's block-row kernel: the inverse of one diagonal block, a row at a
    time in registers, no products. Row c of X = (I + L)^-1 is e_c - sum_{j<c} L[c, j] X[j, :]; the block is
    given transposed (U = L^T), so L's row c is U's column c: a masked sum along axis 1 gives it as a column
-   (broadcast along rows, as X's rows need), and the update is a sum along axis 0, already a row. Neither
-   needs a layout conversion, a shared-memory round trip or a tensor-core product on the 15-step chain.
+   (broadcast along rows, as X's rows need), and the update is a sum along axis 0, already a row: the 15-step
+   chain has no tensor-core product and no layout conversion (only the sums' cross-thread exchanges), where
+   forward substitution by masked 16x16 products converted layouts around each of its 15 products.
 2. `merge_inverse`, a pallas_call with grid (B*H, T/64): from the four diagonal inverses D_i and the blocks
    L_ij (j < i) below them, X_ii = D_i and X_ij = -D_i sum_{m=j}^{i-1} L_im X_mj, as 16x16 products;
    stores X's blocks on and below the diagonal in a [64, 64] fp32 matrix (the blocks above are left unwritten:
