@@ -1,13 +1,15 @@
-"""KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, three Pallas kernels (Triton lowering),
+"""KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, four Pallas kernels (Triton lowering),
 all programs of each independent, handing intermediates over in global memory (fp32):
 
 1. `chunk_gpu_blocks.decay_blocks`, grid (4, B*H, T/64): per 16-row sub-block i of a chunk, its rows of
    qg = e^G q, of the decay-weighted products a_qk (both parts) and of L = diag(beta) A_kk: the blocks
-   L_ij, j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers.
-2. `chunk_gpu_tril.merge_inverse`, grid (B*H, T/64): X = (I + L)^-1 as a dense [64, 64] matrix from the D_i
-   and L_ij, by 16x16 products.
-3. `chunk_gpu_wy.chunk_factors`, grid (B*H, T/64): w = X (beta e^G k), u = X (beta v) as [64, 64]-row
-   products, kg = e^{G_last - G} k and decay_last = e^{G_last}.
+   L_ij, j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers;
+   and the keys' inverse l2 norms.
+2. `chunk_gpu_tril.merge_inverse`, grid (B*H, T/64): X = (I + L)^-1 ([64, 64], blocks on and below the
+   diagonal) from the D_i and L_ij, by 16x16 products.
+3. `chunk_gpu_wy.key_factors`, grid (K/32, B*H, T/64): w = X (beta e^G k) as [64, 64] x [64, 32] products,
+   kg = e^{G_last - G} k and decay_last = e^{G_last}.
+4. `chunk_gpu_wy.value_factors`, grid (V/32, B*H, T/64): u = X (beta v).
 Short programs, many of them: the old single kernel ran one long chain of 16x16 products per chunk (15 of them
 for the forward substitution alone), with few programs resident per SM to hide its latency.
 
@@ -26,7 +28,7 @@ import jax
 
 from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks
 from pallas_kernels.kda.chunk_gpu_tril import CHUNK, gpu_dots, merge_inverse
-from pallas_kernels.kda.chunk_gpu_wy import chunk_factors
+from pallas_kernels.kda.chunk_gpu_wy import key_factors, value_factors
 
 __all__ = ["CHUNK", "ChunkParts", "gpu_dots", "intra_chunk"]
 
@@ -43,19 +45,23 @@ class ChunkParts(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "num_warps", "num_stages",
-                                             "inverse_num_warps", "factors_num_warps", "interpret"))
+                                             "inverse_num_warps", "factors_num_warps", "factors_block",
+                                             "interpret"))
 def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
-                num_warps: int = 4, num_stages: int = 1, inverse_num_warps: int = 2, factors_num_warps: int = 8,
-                interpret: bool = False) -> ChunkParts:
+                num_warps: int = 2, num_stages: int = 1, inverse_num_warps: int = 2, factors_num_warps: int = 4,
+                factors_block: int = 32, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
-    Triton's num_warps: num_warps for kernel 1 (16-row blocks), inverse_num_warps for kernel 2 (16x16
-    products), factors_num_warps for kernel 3 ([64, 128] tiles); num_stages for all three."""
+    Triton's num_warps: num_warps for kernel 1 (16-row blocks; 2 measured fastest on an H200, 8 slowest),
+    inverse_num_warps for kernel 2 (16x16 products), factors_num_warps for kernels 3 and 4 ([64, factors_block]
+    tiles); num_stages for all four."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
-    qg, a_qk, blocks = decay_blocks(q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype,
+    qg, a_qk, blocks, key_scale = decay_blocks(q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype,
                                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     inverse = merge_inverse(blocks, input_dtype=v.dtype, num_warps=inverse_num_warps, num_stages=num_stages,
                             interpret=interpret)
-    w, u, kg, decay_last = chunk_factors(k, v, g, beta, inverse, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype,
-                                         num_warps=factors_num_warps, num_stages=num_stages, interpret=interpret)
+    factors = dict(parts_dtype=dtype, block=factors_block, num_warps=factors_num_warps, num_stages=num_stages,
+                   interpret=interpret)
+    w, kg, decay_last = key_factors(k, key_scale, g, beta, inverse, **factors)
+    u = value_factors(v, beta, inverse, **factors)
     return ChunkParts(w, u, qg, kg, a_qk, decay_last)

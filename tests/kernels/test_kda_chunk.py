@@ -208,7 +208,7 @@ def _check_parts(dtype, key_dim, value_dim, interpret, tolerance):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_gpu_chunk_parts_match_float64(dtype):
-    """Phase 1 alone (its three kernels), each part against the literal float64 form, one chunk of slow decay
+    """Phase 1 alone (its four kernels), each part against the literal float64 form, one chunk of slow decay
     and one at the gate bound: a failing part names the kernel at fault (blocks: a_qk, qg; factors: the rest)."""
     _check_parts(dtype, 16, 32, interpret=True, tolerance=1e-6)  # exact fp32 products when interpreted
 
@@ -258,7 +258,7 @@ def test_tpu_kernel_lowers_for_tpu():
 @pytest.mark.parametrize("shape", [(1, 1000, 4), (1, 32768, 64)], ids=["T1000-H4", "T32768-H64"])
 def test_gpu_kernel_lowers_for_cuda(shape):
     text = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128 ** -0.5), *_abstract(*shape)).as_text()
-    for kernel in ("intra_blocks", "intra_inverse", "intra_factors", "inter_chunk"):
+    for kernel in ("intra_blocks", "intra_inverse", "intra_key_factors", "intra_value_factors", "inter_chunk"):
         assert f"kda_prefill_{kernel}" in text, kernel
 
 
