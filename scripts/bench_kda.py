@@ -8,9 +8,10 @@
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
 phases, the first four pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
-under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them); each variant also times its two phases alone
-(phase 1: intra-chunk, parallel, and each of its four kernels; phase 2: the sequential state pass), with the
-bytes each must move at least. Each kernel is checked against fla on the device before it is timed. H=64, K=V=128.
+under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them); each variant also
+times its two phases alone (phase 1: intra-chunk, parallel, and each of its four kernels; phase 2: the
+sequential state pass), with the bytes each must move at least. Each kernel is checked against fla on the device
+before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
 """
 
@@ -123,16 +124,17 @@ def bench_decode(batch, iters, copy_bytes_per_s):
 
 
 PHASE2_DEFAULT = dict(block_v=32, num_warps=4, num_stages=2)
-PHASE1_DEFAULT = dict(intra_num_warps=2, intra_num_stages=1, intra_inverse_num_warps=2, intra_factors_num_warps=4,
-                      intra_factors_block=32)
+PHASE1_DEFAULT = dict(intra_block_k=32, intra_num_warps=2, intra_num_stages=1, intra_inverse_num_warps=2,
+                      intra_factors_num_warps=4, intra_factors_block=32)
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
     {}, dict(block_v=64),
-    dict(intra_num_warps=1), dict(intra_factors_num_warps=2), dict(intra_factors_block=64),
+    dict(intra_block_k=128), dict(intra_block_k=64), dict(intra_num_warps=1), dict(intra_num_warps=4),
+    dict(intra_factors_num_warps=2), dict(intra_factors_block=64),
     dict(intra_factors_block=64, intra_factors_num_warps=8), dict(intra_inverse_num_warps=1),
-    dict(intra_num_warps=4), dict(intra_num_stages=2), dict(parts_dtype=jnp.float32),
+    dict(intra_num_stages=2), dict(parts_dtype=jnp.float32),
 ]
-PHASE1_KNOBS = ("intra_num_warps", "intra_num_stages", "intra_inverse_num_warps", "intra_factors_num_warps",
-                "intra_factors_block", "parts_dtype")
+PHASE1_KNOBS = ("intra_block_k", "intra_num_warps", "intra_num_stages", "intra_inverse_num_warps",
+                "intra_factors_num_warps", "intra_factors_block", "parts_dtype")
 
 
 def phase1_kernels(q, k, v, g, beta, knobs, interpret):
@@ -141,7 +143,8 @@ def phase1_kernels(q, k, v, g, beta, knobs, interpret):
     stages = dict(num_stages=knobs["intra_num_stages"], interpret=interpret)
     dtype = knobs["parts_dtype"] or v.dtype
     blocks_fn = jax.jit(functools.partial(decay_blocks, scale=DIM ** -0.5, use_qk_l2norm=True, parts_dtype=dtype,
-                                          num_warps=knobs["intra_num_warps"], **stages))
+                                          block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"],
+                                          **stages))
     _, _, blocks, key_scale = blocks_fn(q, k, g, beta)
     inverse_fn = jax.jit(functools.partial(merge_inverse, input_dtype=v.dtype,
                                            num_warps=knobs["intra_inverse_num_warps"], **stages))
@@ -160,9 +163,10 @@ def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
     knobs = {name: variant[name] for name in PHASE1_KNOBS}
     intra = jax.jit(functools.partial(
-        intra_chunk, scale=DIM ** -0.5, num_warps=knobs["intra_num_warps"], num_stages=knobs["intra_num_stages"],
-        inverse_num_warps=knobs["intra_inverse_num_warps"], factors_num_warps=knobs["intra_factors_num_warps"],
-        factors_block=knobs["intra_factors_block"], parts_dtype=knobs["parts_dtype"], interpret=interpret))
+        intra_chunk, scale=DIM ** -0.5, block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"],
+        num_stages=knobs["intra_num_stages"], inverse_num_warps=knobs["intra_inverse_num_warps"],
+        factors_num_warps=knobs["intra_factors_num_warps"], factors_block=knobs["intra_factors_block"],
+        parts_dtype=knobs["parts_dtype"], interpret=interpret))
     parts = intra(*phase1_args)
     key = tuple(knobs.values())
     if key not in phase1_seconds:

@@ -5,11 +5,16 @@ chunk n, so every program is short; the sub-block is the fastest-varying grid ax
 
 With Γ_j the cumulative log-decay inside sub-block j (<= 0, log2 units for exp2) and t_j its total, for row c
 of sub-block i and row s of sub-block j <= i the chunk-local decay is
-  e^{G_c - G_s} = e^{Γ_c} e^{(t_j - Γ_s) + gap_j},   gap_j = t_{j+1} + ... + t_{i-1} (j < i),
-  e^{G_c - G_s} = e^{Γ_c} e^{-Γ_s}                   (j = i, the diagonal block),
-so each factor is e^{<= 0} except e^{-Γ_s} <= e^80 for gates >= -5 over 16 steps: fp32 cannot overflow.
+  e^{G_c - G_s} = e^{Γ_c + S} e^{(t_j - Γ_s) + gap_j - S},   gap_j = t_{j+1} + ... + t_{i-1} (j < i),
+  e^{G_c - G_s} = e^{Γ_c + S} e^{-Γ_s - S}                   (j = i, the diagonal block),
+with the fixed shift e^S = 2^58 (S ~ 40): for gates >= -5, Γ >= -80 over 16 steps, so the diagonal block's
+factors both lie in [e^-40, e^40] and fp32 can neither overflow nor lose a factor to underflow (e^{Γ_c} alone,
+down to e^-80, times a small key component went subnormal: 4e-4 off on the diagonal blocks at K = 64). Below
+the diagonal the second factor is <= e^-S; where it underflows the product is below e^-80 anyway. The shift
+multiplies an exp2 by a power of two (exact), rather than entering its argument (which would round a slow
+decay's small exponent to the ulp of ~58).
 The program walks j = i-1 down to 0 (loading k_j, g_j), carrying gap_j, and stores
-  qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c} e^{o_i}, o_i = t_0 + ... + t_{i-1} (parts dtype);
+  qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c + S} e^{o_i - S}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
   diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from L_ii^T,
@@ -30,17 +35,17 @@ from pallas_kernels.kda.chunk_gpu_tril import CHUNK, SUB, SUBS, gpu_dots, iota_1
 from pallas_kernels.kda.reference import L2_EPS
 
 LOG2_E = 1.4426950408889634
+SHIFT_UP, SHIFT_DOWN = 2.0 ** 58, 2.0 ** -58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
 
 
-def inverse_norms(x_RK):
-    """[rows, 1] fp32: 1 / |x| along K (l2, with the reference's epsilon)."""
-    x_RK = x_RK.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.sum(x_RK * x_RK, axis=1, keepdims=True) + L2_EPS)
-
-
-def normalised(x_RK, l2norm: bool):
-    """x [rows, K] as fp32, l2-normalised along K if asked."""
-    return x_RK.astype(jnp.float32) * inverse_norms(x_RK) if l2norm else x_RK.astype(jnp.float32)
+def _inverse_norms(ref, rows, column_blocks, l2norm: bool):
+    """[SUB, 1] fp32: 1 / |x| (l2, with the reference's epsilon) for rows `rows` of ref, summed over column
+    blocks; ones without l2norm."""
+    if not l2norm:
+        return jnp.ones((SUB, 1), jnp.float32)
+    squares = [jnp.sum(jnp.square(ref[rows, columns].astype(jnp.float32)), axis=1, keepdims=True)
+               for columns in column_blocks]
+    return jax.lax.rsqrt(functools.reduce(jnp.add, squares) + L2_EPS)
 
 
 def _as_row(column_SUB1):
@@ -49,34 +54,52 @@ def _as_row(column_SUB1):
 
 
 def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, key_scale_ref, *, scale, l2norm,
-            input_dtype):
+            input_dtype, block_k):
+    """Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
     dots = gpu_dots(input_dtype)
     i = pl.program_id(0)
     rows, cols = iota_16(0), iota_16(1)
-    log_decay = jnp.cumsum(g_ref[sub_rows(i), :] * LOG2_E, axis=0)  # Γ_i [SUB, K]
-    from_start = jnp.exp2(log_decay)  # e^{Γ_c} <= 1
-    q_left = normalised(q_ref[...], l2norm) * scale * from_start
-    raw_keys = k_ref[sub_rows(i), :]
-    key_scale_SUB1 = inverse_norms(raw_keys) if l2norm else jnp.ones((SUB, 1), jnp.float32)
+    zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
+    column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
+    query_scale_SUB1 = _inverse_norms(q_ref, slice(None), column_blocks, l2norm) * scale
+    key_scale_SUB1 = _inverse_norms(k_ref, sub_rows(i), column_blocks, l2norm)
     key_scale_ref[...] = key_scale_SUB1
-    k_i = raw_keys.astype(jnp.float32) * key_scale_SUB1
-    k_left = k_i * from_start
     beta_SUB1 = beta_ref[...]
 
-    def earlier_block(m, gap_1K):  # sub-block j = i - 1 - m, gap_1K = t_{j+1} + ... + t_{i-1}
-        j = i - 1 - m
-        g_j = g_ref[sub_rows(j), :] * LOG2_E
-        total_1K = jnp.sum(g_j, axis=0, keepdims=True)
-        right = normalised(k_ref[sub_rows(j), :], l2norm) * jnp.exp2(total_1K - jnp.cumsum(g_j, axis=0) + gap_1K)
-        a_ref[:, sub_rows(j)] = dots.nt(q_left, right).astype(a_ref.dtype)
-        blocks_ref[:, sub_rows(j)] = beta_SUB1 * dots.nt(k_left, right)
-        return gap_1K + total_1K
+    def own_rows(columns):
+        """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}, Γ_i), columns `columns`."""
+        log_decay = jnp.cumsum(g_ref[sub_rows(i), columns] * LOG2_E, axis=0)
+        from_start = jnp.exp2(log_decay) * SHIFT_UP
+        return (q_ref[:, columns].astype(jnp.float32) * query_scale_SUB1 * from_start,
+                k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1 * from_start, log_decay)
 
-    offset_1K = jax.lax.fori_loop(0, i, earlier_block, jnp.zeros((1, k_ref.shape[1]), jnp.float32))  # o_i
-    qg_ref[...] = (q_left * jnp.exp2(offset_1K)).astype(qg_ref.dtype)
-    right = k_i * jnp.exp2(-log_decay)  # e^{-Γ_s} <= e^80
-    a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, dots.nt(q_left, right), 0.0).astype(a_ref.dtype)
-    strict_U = jnp.where(rows < cols, dots.nt(right, k_left), 0.0) * _as_row(beta_SUB1)  # L_ii^T
+    def earlier_block(m, gaps):  # sub-block j = i - 1 - m; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}
+        j = i - 1 - m
+        scale_j = _inverse_norms(k_ref, sub_rows(j), column_blocks, l2norm)
+        a_qk, L, new_gaps = zeros_SUBSUB, zeros_SUBSUB, []
+        for columns, gap in zip(column_blocks, gaps):
+            q_left, k_left, _ = own_rows(columns)
+            g_j = g_ref[sub_rows(j), columns] * LOG2_E
+            total = jnp.sum(g_j, axis=0, keepdims=True)
+            right = (k_ref[sub_rows(j), columns].astype(jnp.float32) * scale_j
+                     * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN))  # e^{o_i - G_s - S}
+            a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
+            new_gaps.append(gap + total)
+        a_ref[:, sub_rows(j)] = a_qk.astype(a_ref.dtype)
+        blocks_ref[:, sub_rows(j)] = beta_SUB1 * L
+        return tuple(new_gaps)
+
+    offsets = jax.lax.fori_loop(0, i, earlier_block,
+                                tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks))  # o_i
+    a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
+    for columns, offset in zip(column_blocks, offsets):
+        q_left, k_left, log_decay = own_rows(columns)
+        qg_ref[:, columns] = (q_left * (jnp.exp2(offset) * SHIFT_DOWN)).astype(qg_ref.dtype)
+        keys = k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1
+        right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
+        a_qk, strict_U = a_qk + dots.nt(q_left, right), strict_U + dots.nt(right, k_left)
+    a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
+    strict_U = jnp.where(rows < cols, strict_U, 0.0) * _as_row(beta_SUB1)  # L_ii^T
     blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
     def zero_block(j, carry):
@@ -86,11 +109,12 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, key_scale_
     jax.lax.fori_loop(i + 1, SUBS, zero_block, 0)
 
 
-def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, num_warps: int = 4,
-                 num_stages: int = 1, interpret: bool = False):
+def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 32,
+                 num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, key_scale [BH, Tp, 1]
     fp32: the keys' inverse l2 norms, or ones without use_qk_l2norm) from q, k [B, Tp, H, K], g [B, Tp, H, K]
-    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (CHUNK / SUB, B*H, Tp / CHUNK)."""
+    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (CHUNK / SUB, B*H, Tp / CHUNK); the keys are
+    worked through block_k columns at a time (a power of two)."""
     batch, padded, heads, key_dim = q.shape
     flat = batch * heads
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
@@ -98,7 +122,8 @@ def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtyp
     whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda i, bh, n: (bh // heads, n, bh % heads, 0))
     out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda i, bh, n: (bh, n * SUBS + i, 0))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype),
+        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
+                          block_k=min(block_k, key_dim)),
         grid=(SUBS, flat, padded // CHUNK),  # axis 0 varies fastest: a chunk's programs run together
         in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
         out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(1)],

@@ -193,12 +193,12 @@ def chunk_parts_float64(q, k, v, g, beta, scale):
     return {name: np.concatenate(x, axis=1) for name, x in parts.items()}
 
 
-def _check_parts(dtype, key_dim, value_dim, interpret, tolerance):
+def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, **blocks):
     q, k, v, g, beta, _ = random_sequence(1, 128, 2, key_dim, value_dim, dtype, seed=13)
     g[:, :64] *= 0.02  # the first chunk's decay_last far from fp32's underflow (e^-160 for the full range)
     g[:, 64:] = -5.0  # the second chunk at the gate bound
     parts = intra_chunk(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta)[..., None],
-                        scale=key_dim ** -0.5, parts_dtype=jnp.float32, interpret=interpret)
+                        scale=key_dim ** -0.5, parts_dtype=jnp.float32, interpret=interpret, **blocks)
     expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim ** -0.5)
     for name, ours in parts._asdict().items():
         ours = np.asarray(ours).reshape(expected[name].shape)
@@ -207,10 +207,12 @@ def _check_parts(dtype, key_dim, value_dim, interpret, tolerance):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-def test_gpu_chunk_parts_match_float64(dtype):
+@pytest.mark.parametrize("key_dim, value_dim", [(16, 32), (64, 32)], ids=["one-column-block", "column-blocks"])
+def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim):
     """Phase 1 alone (its four kernels), each part against the literal float64 form, one chunk of slow decay
     and one at the gate bound: a failing part names the kernel at fault (blocks: a_qk, qg; factors: the rest)."""
-    _check_parts(dtype, 16, 32, interpret=True, tolerance=1e-6)  # exact fp32 products when interpreted
+    _check_parts(dtype, key_dim, value_dim, interpret=True, tolerance=1e-6,  # exact fp32 products when interpreted
+                 block_k=16, factors_block=16)  # several column blocks at 64 keys, 32 values
 
 
 @gpu_test("the compiled Triton kernels")
