@@ -2,7 +2,8 @@
 """KDA on one GPU: our kernels vs fla 0.6.0 (Triton) on the same inputs, in one run.
 
     python scripts/bench_kda.py                  # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
-    python scripts/bench_kda.py --prefill-only   # ~90 s on an H200
+    python scripts/bench_kda.py --prefill-only
+    python scripts/bench_kda.py --prefill-only --prefill-size 1 32768 --iters 20   # one size
     python scripts/bench_kda.py --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
@@ -246,6 +247,8 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--prefill-only", action="store_true")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--prefill-size", type=int, nargs=2, action="append", metavar=("B", "T"),
+                        help="prefill batch and length to time (repeatable; default 1 32768 and 8 4096, --quick 1 4096)")
     parser.add_argument("--jnp-baseline", action="store_true",
                         help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)")
     args = parser.parse_args(argv)
@@ -260,7 +263,8 @@ def main(argv=None) -> int:
         print(f"jax {jax.__version__}; device copy {copy / 1e12:.2f} TB/s (read + write)")
         decode_batches = () if args.prefill_only else ((1, 64) if args.quick else (1, 64, 256))
         rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
-        for batch, length in () if args.decode_only else (((1, 4096),) if args.quick else ((1, 32768), (8, 4096))):
+        sizes = args.prefill_size or (((1, 4096),) if args.quick else ((1, 32768), (8, 4096)))
+        for batch, length in () if args.decode_only else sizes:
             rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline))
     print("\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n|---|---|---|---|---|---|---|---|")
     for op, batch, length, ours_s, fla_s, frac, err in rows:
