@@ -49,7 +49,7 @@ class ChunkParts(NamedTuple):
                                              "inverse_num_warps", "factors_num_warps", "factors_block",
                                              "interpret"))
 def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
-                block_k: int = 32, num_warps: int = 2, num_stages: int = 1, inverse_num_warps: int = 2,
+                block_k: int = 128, num_warps: int = 2, num_stages: int = 1, inverse_num_warps: int = 2,
                 factors_num_warps: int = 4,
                 factors_block: int = 32, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
