@@ -20,8 +20,9 @@ For each token count:
   kernel keeps them in fp32, so the fused path sits ~5e-3 from it while closer to an fp32 computation).
 Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width: the routed experts' products only) and
 the share of the bf16 matmul peak measured in the same run (and of the 683 TFLOP/s issue 6 measures against);
-for the fused whole layer also the rate counting all its matmuls (routed, shared expert, router). The sweep times each fused kernel
-alone over a few (block_m, block_n, block_k, num_warps, num_stages, min_block_m) variants.
+for the fused whole layer also the rate counting all its matmuls (routed, shared expert, router). The sweep
+times each fused kernel alone over a few (block_m, block_n, block_k, num_warps, num_stages, min_block_m)
+variants.
 """
 
 from __future__ import annotations

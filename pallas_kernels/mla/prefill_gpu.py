@@ -25,7 +25,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-
 def kernel_dims_fit(*head_dims: int) -> bool:
     """Whether the kernel can take these nope, rope and value head dims (powers of two of at least 16)."""
     return all(d >= 16 and not d & (d - 1) for d in head_dims)

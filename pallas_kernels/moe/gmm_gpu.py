@@ -209,9 +209,9 @@ def _by_row_count(kernel, sizes):
 def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: Tiles, *, num_rows: int, n_dim: int,
                         k_dim: int, interpret: bool, name: str, min_block_m: int | None = None):
     """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, column_tile=, block_m=,
-    block_n=, block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row tiles of
-    num_rows rows sorted by group, the operands and the output whole. A tile of fewer rows runs the kernel at
-    the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them."""
+    block_n=, block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row
+    tiles of num_rows rows sorted by group, the operands and the output whole. A tile of fewer rows runs the
+    kernel at the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them."""
     group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, tiles.block_m)
     kernel = _by_row_count(functools.partial(kernel, block_n=tiles.block_n, block_k=tiles.block_k,
                                              mask_n=n_dim % tiles.block_n != 0, mask_k=k_dim % tiles.block_k != 0),
