@@ -67,15 +67,13 @@ def to_torch(*arrays, dtype=None):
     return [torch.from_numpy(np.ascontiguousarray(a)).cuda().to(dtype or torch.float32) for a in arrays]
 
 
-DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=32, num_warps=4), dict(block_v=64, num_warps=8)]
+DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=32, num_warps=4)]
 DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for B < 64 and for B >= 64
-    "small": DECODE_TILES + [dict(block_v=128, num_warps=8), dict(block_v=16, num_warps=2)],
-    "large": DECODE_TILES + [  # narrower value blocks, fewer warps: more programs resident per SM
-        dict(block_v=32, num_warps=2), dict(block_v=32, num_warps=1), dict(block_v=16, num_warps=1),
-        dict(block_v=16, num_warps=2), dict(block_v=64, num_warps=2),
-    ],
+    "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
+    "large": DECODE_TILES + [  # the state streamed with L2 evict-first hints (read once, written once)
+        dict(tile, state_eviction="evict_first") for tile in DECODE_TILES + [dict(block_v=32, num_warps=2)]],
 }
-STEPS_PER_CALL = 20  # decode steps chained in one jitted program, so host dispatch is not what gets timed
+STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 
 
 def bench_decode(batch, iters, copy_bytes_per_s):
@@ -124,12 +122,11 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-PHASE2_DEFAULT = dict(block_v=32, num_warps=4, num_stages=2)
+PHASE2_DEFAULT = dict(block_v=64, num_warps=4, num_stages=2)
 PHASE1_DEFAULT = dict(intra_block_k=128, intra_num_warps=2, intra_num_stages=1, intra_inverse_num_warps=2,
                       intra_factors_num_warps=4, intra_factors_block=32)
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
-    {}, dict(intra_block_k=64), dict(intra_block_k=32), dict(intra_factors_block=64),
-    dict(intra_factors_block=128, intra_factors_num_warps=8), dict(intra_num_warps=4), dict(block_v=32),
+    {}, dict(intra_block_k=64), dict(intra_num_warps=4), dict(block_v=32), dict(intra_factors_block=64),
 ]
 PHASE1_KNOBS = ("intra_block_k", "intra_num_warps", "intra_num_stages", "intra_inverse_num_warps",
                 "intra_factors_num_warps", "intra_factors_block", "parts_dtype")
@@ -245,7 +242,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-only", action="store_true")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--prefill-size", type=int, nargs=2, action="append", metavar=("B", "T"),
-                        help="prefill batch and length to time (repeatable; default 1 32768 and 8 4096, --quick 1 4096)")
+                        help="prefill batch and length to time (repeatable; default 1 32768 and 8 4096, "
+                             "--quick 1 4096)")
     parser.add_argument("--jnp-baseline", action="store_true",
                         help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)")
     args = parser.parse_args(argv)
@@ -263,7 +261,8 @@ def main(argv=None) -> int:
         sizes = args.prefill_size or (((1, 4096),) if args.quick else ((1, 32768), (8, 4096)))
         for batch, length in () if args.decode_only else sizes:
             rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline))
-    print("\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n|---|---|---|---|---|---|---|---|")
+    print("\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n"
+          "|---|---|---|---|---|---|---|---|")
     for op, batch, length, ours_s, fla_s, frac, err in rows:
         unit, scale = ("us", 1e6) if op == "decode" else ("ms", 1e3)
         share = "" if frac is None else f"{100 * frac:.0f}%"
