@@ -11,7 +11,8 @@ cost. Column tiles vary fastest so the programs sharing a row tile of lhs run to
 a group's tiles are adjacent so its weight is read from HBM about once.
 
 The tiling (`row_tiles`, `call_over_row_tiles`, `output_tile`) and the K loop (`tile_products`) are shared with
-the fused expert kernels (`pallas_kernels.moe.fused_gpu`), which differ in how rows are loaded and what is stored.
+the fused expert kernels (`pallas_kernels.moe.fused_gpu`), which differ in how rows are loaded and what is stored;
+for them the K loop can also read block-FP8 weights, dequantizing each weight tile before its dot.
 
 The same kernel with rhs read as [G, K, N] gives d_lhs = d_out @ rhs[g]; `grouped_weight_grad_gpu` gives
 d_rhs[g] = d_out[rows of g].T @ lhs[rows of g], one program per (K tile, N tile, group) walking the group's
@@ -31,28 +32,60 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe.masked import mask_2d, masked_load
 
 
+# Rows and columns of a block-FP8 weight that share one scale (spec §6.2: `weight_scale_inv`, 128 x 128 blocks).
+FP8_BLOCK = 128
+
+
+def fp8_scale_shape(weight_GNK) -> tuple[int, int, int]:
+    """Shape of the block scales of a block-FP8 weight [G, N, K]: [G, ceil(N / 128), ceil(K / 128)]."""
+    num_groups, n_dim, k_dim = weight_GNK.shape
+    return num_groups, pl.cdiv(n_dim, FP8_BLOCK), pl.cdiv(k_dim, FP8_BLOCK)
+
+
+def dequantized_tile(codes_NK, scale_ref, group, col0, k0, *, block_n: int, cols_ok_N, dtype):
+    """codes_NK, the FP8 tile [block_n, block_k] of rhs[group] at column col0 and K offset k0 (its K range inside
+    one scale block), as dtype: (codes * scale[group, column // 128, k0 // 128]).astype(dtype), multiplied in
+    fp32. scale_ref [G, ceil(N / 128), ceil(K / 128)] fp32; columns outside cols_ok_N read no scale."""
+    blocks_N = (col0 + jnp.arange(block_n)) // FP8_BLOCK
+    scale_N = masked_load(scale_ref.at[group, blocks_N, k0 // FP8_BLOCK], cols_ok_N)
+    return (codes_NK.astype(jnp.float32) * scale_N[:, None]).astype(dtype)
+
+
 def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int, block_k: int, cols_ok_N,
-                  mask_k: bool, rhs_transposed: bool = False):
+                  mask_k: bool, rhs_transposed: bool = False, rhs_scale_refs=None):
     """One fp32 [block_m, block_n] accumulator per ref in rhs_refs: the sum over K tiles of lhs tile @ rhs[group]
-    tile, rhs [G, N, K] (or [G, K, N] with rhs_transposed). load_lhs(k0, k_ok_K) gives the lhs tile [block_m,
-    block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros."""
+    tile, rhs [G, N, K] (or [G, K, N] with rhs_transposed) in lhs's dtype. load_lhs(k0, k_ok_K) gives the lhs
+    tile [block_m, block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros.
+
+    rhs_scale_refs: None, or one block-scale ref [G, ceil(N / 128), ceil(K / 128)] fp32 per rhs ref, the rhs
+    then float8_e4m3fn [G, N, K] (not rhs_transposed): each rhs tile is dequantized to lhs's dtype right before
+    its dot (`dequantized_tile`), so block_k must divide 128."""
     num_groups = rhs_refs[0].shape[0]
     k_dim = rhs_refs[0].shape[1 if rhs_transposed else 2]
-    allow_tf32 = rhs_refs[0].dtype != jnp.float32
+    if rhs_scale_refs is not None and (rhs_transposed or FP8_BLOCK % block_k):
+        raise ValueError(f"block-FP8 rhs needs rhs [G, N, K] and block_k dividing {FP8_BLOCK}, got "
+                         f"rhs_transposed={rhs_transposed}, block_k={block_k}")
 
-    def rhs_product(lhs_MK, rhs_ref, k0, k_ok_K):
+    def rhs_product(lhs_MK, rhs_ref, scale_ref, k0, k_ok_K):
+        allow_tf32 = lhs_MK.dtype != jnp.float32
         if rhs_transposed:
             rhs_KN = masked_load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)],
                                  mask_2d(k_ok_K, cols_ok_N))
             return plgpu.dot(lhs_MK, rhs_KN, allow_tf32=allow_tf32)
         rhs_NK = masked_load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
+        if scale_ref is not None:
+            rhs_NK = dequantized_tile(rhs_NK, scale_ref, group, col0, k0, block_n=block_n, cols_ok_N=cols_ok_N,
+                                      dtype=lhs_MK.dtype)
         return plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
+
+    scale_refs = (None,) * len(rhs_refs) if rhs_scale_refs is None else rhs_scale_refs
 
     def k_body(step, accs):
         k0 = step * block_k
         k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
         lhs_MK = load_lhs(k0, k_ok_K)
-        return tuple(acc_MN + rhs_product(lhs_MK, rhs_ref, k0, k_ok_K) for acc_MN, rhs_ref in zip(accs, rhs_refs))
+        return tuple(acc_MN + rhs_product(lhs_MK, rhs_ref, scale_ref, k0, k_ok_K)
+                     for acc_MN, rhs_ref, scale_ref in zip(accs, rhs_refs, scale_refs))
 
     # A clip, as Triton's lowering turns a jnp.where of two constants into i1.
     num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)
@@ -249,10 +282,10 @@ def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = Fal
         return jnp.zeros((0, n_dim), lhs_MK.dtype)
     tiles = row_tile_settings(lhs_MK.dtype, (block_m, block_n, block_k, num_warps, num_stages), num_rows=num_rows,
                               num_groups=group_sizes_G.shape[0], n_dim=n_dim, k_dim=k_dim)
+    out_shape = jax.ShapeDtypeStruct((num_rows, n_dim), lhs_MK.dtype)
     return call_over_row_tiles(functools.partial(_kernel, rhs_transposed=rhs_transposed), group_sizes_G,
-                               (lhs_MK, rhs.astype(lhs_MK.dtype)), jax.ShapeDtypeStruct((num_rows, n_dim), lhs_MK.dtype),
-                               tiles, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret,
-                               name="grouped_matmul", min_block_m=min_block_m)
+                               (lhs_MK, rhs.astype(lhs_MK.dtype)), out_shape, tiles, num_rows=num_rows, n_dim=n_dim,
+                               k_dim=k_dim, interpret=interpret, name="grouped_matmul", min_block_m=min_block_m)
 
 
 # (block_m = rows per step, block_n, block_k, num_warps, num_stages) by lhs itemsize; bf16 from the same
