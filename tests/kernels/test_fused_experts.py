@@ -167,7 +167,7 @@ def test_kernels_with_small_tiles(tiles):
 
 
 # (tokens, top_k, experts, hidden D, width I) for block-FP8 weights: D and I over one 128 scale block and not a
-# multiple of it; with block_n 256, down's D = 300 has padded columns two blocks past its last scale block.
+# multiple of it; with block_n 256, down's D = 300 has padded columns (384..511) a block past its last scale block.
 FP8_CASE = (29, 3, 7, 300, 136)
 
 
