@@ -32,7 +32,7 @@ def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_
                   parts_dtype=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 2,
                   intra_block_k: int = 128, intra_num_warps: int = 2, intra_num_stages: int = 1,
                   intra_inverse_num_warps: int = 2,
-                  intra_factors_num_warps: int = 4, intra_factors_block: int = 32, interpret: bool = False):
+                  intra_factors_num_warps: int = 4, intra_factors_block: int = 64, interpret: bool = False):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
     parts_dtype: how phase 1 hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with

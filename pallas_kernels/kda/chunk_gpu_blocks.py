@@ -1,7 +1,8 @@
 """KDA prefill on GPU, phase 1, kernel 1 of 4: the decay-weighted q-k and k-k products of a chunk, by rows of
-16x16 blocks (Pallas, Triton lowering). Grid (4, B*H, T/64): program (i, bh, n) owns sub-block i (16 rows) of
-chunk n, so every program is short; the sub-block is the fastest-varying grid axis (Triton's x), so a chunk's
-4 programs run side by side and its keys and gates, which each reads up to its own rows, come from L2.
+16x16 blocks (Pallas, Triton lowering). Grid (B*H, T/64, 4): program (bh, n, i) owns sub-block i (16 rows) of
+chunk n, so every program is short. The sequence-head is the fastest-varying grid axis (Triton's x): on an H200
+at B=1, T=32768, H=64 this order ran 4.6 ms against 7.7 with the sub-block fastest (a chunk's 4 programs side by
+side, sharing its keys and gates in L2), BENCHMARKS.md.
 
 With Γ_j the cumulative log-decay inside sub-block j (<= 0, log2 units for exp2) and t_j its total, for row c
 of sub-block i and row s of sub-block j <= i the chunk-local decay is
@@ -57,7 +58,7 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, key_scale_
             input_dtype, block_k):
     """Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
     dots = gpu_dots(input_dtype)
-    i = pl.program_id(0)
+    i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
     column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
@@ -113,19 +114,19 @@ def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtyp
                  num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, key_scale [BH, Tp, 1]
     fp32: the keys' inverse l2 norms, or ones without use_qk_l2norm) from q, k [B, Tp, H, K], g [B, Tp, H, K]
-    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (CHUNK / SUB, B*H, Tp / CHUNK); the keys are
+    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (B*H, Tp / CHUNK, CHUNK / SUB); the keys are
     worked through block_k columns at a time (a power of two; default whole 128-key rows, the structure whose
-    kernel measured 5.0 ms at B=1, T=32768, H=64 on an H200, BENCHMARKS.md)."""
+    kernel measured 4.6 ms at B=1, T=32768, H=64 on an H200, BENCHMARKS.md)."""
     batch, padded, heads, key_dim = q.shape
     flat = batch * heads
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, SUB, None, width), lambda i, bh, n: (bh // heads, n * SUBS + i, bh % heads, 0))
-    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda i, bh, n: (bh // heads, n, bh % heads, 0))
-    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda i, bh, n: (bh, n * SUBS + i, 0))  # noqa: E731
+        (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
+    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
+    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
                           block_k=min(block_k, key_dim)),
-        grid=(SUBS, flat, padded // CHUNK),  # axis 0 varies fastest: a chunk's programs run together
+        grid=(flat, padded // CHUNK, SUBS),  # axis 0 varies fastest
         in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
         out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(1)],
         out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),

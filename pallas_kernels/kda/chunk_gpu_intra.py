@@ -1,15 +1,15 @@
 """KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, four Pallas kernels (Triton lowering),
 all programs of each independent, handing intermediates over in global memory (fp32):
 
-1. `chunk_gpu_blocks.decay_blocks`, grid (4, B*H, T/64): per 16-row sub-block i of a chunk, its rows of
+1. `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
    qg = e^G q, of the decay-weighted products a_qk (both parts) and of L = diag(beta) A_kk: the blocks
    L_ij, j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers;
    and the keys' inverse l2 norms.
 2. `chunk_gpu_tril.merge_inverse`, grid (B*H, T/64): X = (I + L)^-1 ([64, 64], blocks on and below the
    diagonal) from the D_i and L_ij, by 16x16 products.
-3. `chunk_gpu_wy.key_factors`, grid (K/32, B*H, T/64): w = X (beta e^G k) as [64, 64] x [64, 32] products,
+3. `chunk_gpu_wy.key_factors`, grid (K/64, B*H, T/64): w = X (beta e^G k) as [64, 64] x [64, 64] products,
    kg = e^{G_last - G} k and decay_last = e^{G_last}.
-4. `chunk_gpu_wy.value_factors`, grid (V/32, B*H, T/64): u = X (beta v).
+4. `chunk_gpu_wy.value_factors`, grid (V/64, B*H, T/64): u = X (beta v).
 Short programs, many of them: the old single kernel ran one long chain of 16x16 products per chunk (15 of them
 for the forward substitution alone), with few programs resident per SM to hide its latency.
 
@@ -51,7 +51,7 @@ class ChunkParts(NamedTuple):
 def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
                 block_k: int = 128, num_warps: int = 2, num_stages: int = 1, inverse_num_warps: int = 2,
                 factors_num_warps: int = 4,
-                factors_block: int = 32, interpret: bool = False) -> ChunkParts:
+                factors_block: int = 64, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
     Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1

@@ -68,7 +68,7 @@ def _specs(heads: int, block: int):
     return columns, beta, rows, out_columns
 
 
-def key_factors(k, key_scale, g, beta, inverse, *, parts_dtype, block: int = 32, num_warps: int = 4,
+def key_factors(k, key_scale, g, beta, inverse, *, parts_dtype, block: int = 64, num_warps: int = 4,
                 num_stages: int = 1, interpret: bool = False):
     """(w, kg [BH, Tp, K] parts_dtype, decay_last [BH, N, 1, K] fp32) from k [B, Tp, H, K], key_scale
     [BH, Tp, 1] fp32 (the keys' inverse l2 norms, or ones), g [B, Tp, H, K] fp32, beta [B, Tp, H, 1] fp32 and
@@ -90,7 +90,7 @@ def key_factors(k, key_scale, g, beta, inverse, *, parts_dtype, block: int = 32,
     )(k, key_scale, g, beta, inverse)
 
 
-def value_factors(v, beta, inverse, *, parts_dtype, block: int = 32, num_warps: int = 4, num_stages: int = 1,
+def value_factors(v, beta, inverse, *, parts_dtype, block: int = 64, num_warps: int = 4, num_stages: int = 1,
                   interpret: bool = False):
     """u [BH, Tp, V] parts_dtype from v [B, Tp, H, V], beta [B, Tp, H, 1] fp32 and inverse [BH, Tp, CHUNK]
     fp32. Grid (V / block, B*H, N)."""
