@@ -54,81 +54,102 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, key_scale_ref, *, scale, l2norm,
-            input_dtype, block_k):
-    """Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
+def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, key_scale_ref, *, scale, l2norm,
+               input_dtype, block_k):
+    """Sub-block i's rows of every output. k_ref and g_ref hold the whole chunk; the other refs are indexed by
+    `own` along their rows (sub-block i's rows of the chunk, or all of a 16-row block). Everything by column
+    blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
     dots = gpu_dots(input_dtype)
-    i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
     column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
-    query_scale_SUB1 = _inverse_norms(q_ref, slice(None), column_blocks, l2norm) * scale
+    query_scale_SUB1 = _inverse_norms(q_ref, own, column_blocks, l2norm) * scale
     key_scale_SUB1 = _inverse_norms(k_ref, sub_rows(i), column_blocks, l2norm)
-    key_scale_ref[...] = key_scale_SUB1
-    beta_SUB1 = beta_ref[...]
+    key_scale_ref[own, :] = key_scale_SUB1
+    beta_SUB1 = beta_ref[own, :]
 
     def own_rows(columns):
         """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}, Γ_i), columns `columns`."""
         log_decay = jnp.cumsum(g_ref[sub_rows(i), columns] * LOG2_E, axis=0)
         from_start = jnp.exp2(log_decay) * SHIFT_UP
-        return (q_ref[:, columns].astype(jnp.float32) * query_scale_SUB1 * from_start,
+        return (q_ref[own, columns].astype(jnp.float32) * query_scale_SUB1 * from_start,
                 k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1 * from_start, log_decay)
 
-    own = [own_rows(columns) for columns in column_blocks]  # once, not once per earlier sub-block
+    decayed = [own_rows(columns) for columns in column_blocks]  # once, not once per earlier sub-block
 
     def earlier_block(m, gaps):  # sub-block j = i - 1 - m; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}
         j = i - 1 - m
         scale_j = _inverse_norms(k_ref, sub_rows(j), column_blocks, l2norm)
         a_qk, L, new_gaps = zeros_SUBSUB, zeros_SUBSUB, []
-        for columns, gap, (q_left, k_left, _) in zip(column_blocks, gaps, own):
+        for columns, gap, (q_left, k_left, _) in zip(column_blocks, gaps, decayed):
             g_j = g_ref[sub_rows(j), columns] * LOG2_E
             total = jnp.sum(g_j, axis=0, keepdims=True)
             right = (k_ref[sub_rows(j), columns].astype(jnp.float32) * scale_j
                      * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN))  # e^{o_i - G_s - S}
             a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
             new_gaps.append(gap + total)
-        a_ref[:, sub_rows(j)] = a_qk.astype(a_ref.dtype)
-        blocks_ref[:, sub_rows(j)] = beta_SUB1 * L
+        a_ref[own, sub_rows(j)] = a_qk.astype(a_ref.dtype)
+        blocks_ref[own, sub_rows(j)] = beta_SUB1 * L
         return tuple(new_gaps)
 
     offsets = jax.lax.fori_loop(0, i, earlier_block,
                                 tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks))  # o_i
     a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
-    for columns, offset, (q_left, k_left, log_decay) in zip(column_blocks, offsets, own):
-        qg_ref[:, columns] = (q_left * (jnp.exp2(offset) * SHIFT_DOWN)).astype(qg_ref.dtype)
+    for columns, offset, (q_left, k_left, log_decay) in zip(column_blocks, offsets, decayed):
+        qg_ref[own, columns] = (q_left * (jnp.exp2(offset) * SHIFT_DOWN)).astype(qg_ref.dtype)
         keys = k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1
         right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
         a_qk, strict_U = a_qk + dots.nt(q_left, right), strict_U + dots.nt(right, k_left)
-    a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
+    a_ref[own, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
     strict_U = jnp.where(rows < cols, strict_U, 0.0) * _as_row(beta_SUB1)  # L_ii^T
-    blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
+    blocks_ref[own, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
     def zero_block(j, carry):
-        a_ref[:, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+        a_ref[own, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
         return carry
 
     jax.lax.fori_loop(i + 1, SUBS, zero_block, 0)
 
 
+
+def _sub_block_kernel(*refs, **settings):
+    """Grid (B*H, T/64, 4): program (bh, n, i) does sub-block i of chunk n (its refs: the sub-block's rows)."""
+    i = pl.program_id(2)
+    _sub_block(i, slice(None), *refs, **settings)
+
+
+def _chunk_kernel(*refs, **settings):
+    """Grid (B*H, T/64): program (bh, n) does chunk n's four sub-blocks in turn (its refs: the whole chunk)."""
+    for i in range(SUBS):
+        _sub_block(i, sub_rows(i), *refs, **settings)
+
+
 def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
-                 num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
+                 num_warps: int = 2, num_stages: int = 1, whole_chunks: bool = False, interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, key_scale [BH, Tp, 1]
     fp32: the keys' inverse l2 norms, or ones without use_qk_l2norm) from q, k [B, Tp, H, K], g [B, Tp, H, K]
-    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (B*H, Tp / CHUNK, CHUNK / SUB); the keys are
-    worked through block_k columns at a time (a power of two; default whole 128-key rows, the structure whose
-    kernel measured 4.6 ms at B=1, T=32768, H=64 on an H200, BENCHMARKS.md)."""
+    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (B*H, Tp / CHUNK, CHUNK / SUB), or with
+    whole_chunks (B*H, Tp / CHUNK), one program doing a chunk's four sub-blocks in turn (its keys and gates read
+    from memory once, not by four programs); the keys are worked through block_k columns at a time (a power of
+    two; default whole 128-key rows, whose per-sub-block kernel measured 4.6 ms at B=1, T=32768, H=64 on an
+    H200, BENCHMARKS.md)."""
     batch, padded, heads, key_dim = q.shape
     flat = batch * heads
-    own_rows = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
-    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
-    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
+    rows = CHUNK if whole_chunks else SUB
+
+    def spec(shape, index):  # index(bh, n, i) -> block index; i = 0 for whole chunks
+        return pl.BlockSpec(shape, (lambda bh, n: index(bh, n, 0)) if whole_chunks else index)
+
+    inputs = lambda width: spec(  # noqa: E731
+        (None, rows, None, width), lambda bh, n, i: (bh // heads, n * (CHUNK // rows) + i, bh % heads, 0))
+    whole_chunk = spec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
+    outputs = lambda width: spec((None, rows, width), lambda bh, n, i: (bh, n * (CHUNK // rows) + i, 0))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
-                          block_k=min(block_k, key_dim)),
-        grid=(flat, padded // CHUNK, SUBS),  # axis 0 varies fastest
-        in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
-        out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(1)],
+        functools.partial(_chunk_kernel if whole_chunks else _sub_block_kernel, scale=scale, l2norm=use_qk_l2norm,
+                          input_dtype=q.dtype, block_k=min(block_k, key_dim)),
+        grid=(flat, padded // CHUNK) if whole_chunks else (flat, padded // CHUNK, SUBS),  # axis 0 varies fastest
+        in_specs=[inputs(key_dim), whole_chunk, whole_chunk, inputs(1)],
+        out_specs=[outputs(key_dim), outputs(CHUNK), outputs(CHUNK), outputs(1)],
         out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32),

@@ -47,21 +47,21 @@ class ChunkParts(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_k", "num_warps",
                                              "num_stages",
                                              "inverse_num_warps", "factors_num_warps", "factors_block",
-                                             "interpret"))
+                                             "whole_chunks", "interpret"))
 def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
                 block_k: int = 128, num_warps: int = 2, num_stages: int = 1, inverse_num_warps: int = 2,
                 factors_num_warps: int = 4,
-                factors_block: int = 64, interpret: bool = False) -> ChunkParts:
+                factors_block: int = 64, whole_chunks: bool = False, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
     Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1
     (16-row blocks; with whole 128-key rows, 2 measured fastest on an H200 and 8 slowest),
     inverse_num_warps for kernel 2 (16x16 products), factors_num_warps for kernels 3 and 4 ([64, factors_block]
-    tiles); num_stages for all four."""
+    tiles); num_stages for all four; whole_chunks: kernel 1 by whole chunks (`decay_blocks`)."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
     qg, a_qk, blocks, key_scale = decay_blocks(q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                                parts_dtype=dtype, block_k=block_k, num_warps=num_warps,
-                                               num_stages=num_stages, interpret=interpret)
+                                               num_stages=num_stages, whole_chunks=whole_chunks, interpret=interpret)
     inverse = merge_inverse(blocks, input_dtype=v.dtype, num_warps=inverse_num_warps, num_stages=num_stages,
                             interpret=interpret)
     factors = dict(parts_dtype=dtype, block=factors_block, num_warps=factors_num_warps, num_stages=num_stages,
