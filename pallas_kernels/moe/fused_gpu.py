@@ -15,7 +15,9 @@ output row has exactly one owner.
 The expert weights may be block FP8 (float8_e4m3fn codes with one fp32 scale per 128 x 128 block, spec §6.2):
 the kernels then read the codes and scales and dequantize each weight tile in the K loop, in fp32, to the
 activations' dtype right before its dot (`gmm_gpu.dequantized_tile`), which halves the weight stream against
-bf16 weights and gives what the bf16 weights (codes * scale).astype(dtype) would.
+bf16 weights and gives what the bf16 weights (codes * scale).astype(dtype) would. fp8_weight_operand picks the
+dot's form (`gmm_gpu.FP8_WEIGHT_OPERANDS`): "a" (the default) makes the dequantized tile the first operand,
+summing the transposed products [block_n, block_m] and transposing once per output tile; "b" the second.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def _columns(col0, block: int):
 
 
 def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_ref, gate_ref, up_ref,
-                          *scale_and_h_refs, limit: float | None, column_tile, block_m: int, block_n: int,
-                          block_k: int, mask_n: bool, mask_k: bool):
+                          *scale_and_h_refs, limit: float | None, fp8_weight_operand: str, column_tile,
+                          block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
     """scale_and_h_refs: (gate_scale_ref, up_scale_ref, h_ref) for FP8 gate and up, else (h_ref,)."""
     *scale_refs, h_ref = scale_and_h_refs
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, h_ref.shape[1],
@@ -64,14 +66,14 @@ def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_r
 
     gate_MN, up_MN = tile_products(load_lhs, (gate_ref, up_ref), group, col0, block_m=block_m, block_n=block_n,
                                    block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k,
-                                   rhs_scale_refs=tuple(scale_refs) or None)
+                                   rhs_scale_refs=tuple(scale_refs) or None, fp8_weight_operand=fp8_weight_operand)
     plgpu.store(h_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
                 swiglu(gate_MN, up_MN, limit).astype(h_ref.dtype), mask=mask_2d(rows_ok_M, cols_ok_N))
 
 
 def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_weight_ref, h_ref, down_ref,
-                         *scale_and_y_refs, column_tile, block_m: int, block_n: int, block_k: int, mask_n: bool,
-                         mask_k: bool):
+                         *scale_and_y_refs, fp8_weight_operand: str, column_tile, block_m: int, block_n: int,
+                         block_k: int, mask_n: bool, mask_k: bool):
     """scale_and_y_refs: (down_scale_ref, y_ref) for an FP8 down, else (y_ref,)."""
     *scale_refs, y_ref = scale_and_y_refs
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, y_ref.shape[1],
@@ -83,7 +85,7 @@ def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_we
 
     (acc_MN,) = tile_products(load_lhs, (down_ref,), group, col0, block_m=block_m, block_n=block_n,
                               block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k,
-                              rhs_scale_refs=tuple(scale_refs) or None)
+                              rhs_scale_refs=tuple(scale_refs) or None, fp8_weight_operand=fp8_weight_operand)
     row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
     dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
     plgpu.store(y_ref.at[dest_M1, _columns(col0, block_n)], (acc_MN * row_weight_M[:, None]).astype(y_ref.dtype),
@@ -97,7 +99,8 @@ GATHER_SWIGLU_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 32, 32, 4, 3)}
 DOWN_SCATTER_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
 FEW_ROWS_GATHER_SWIGLU_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
 FEW_ROWS_DOWN_SCATTER_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
-_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "interpret")
+_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "fp8_weight_operand",
+              "interpret")
 
 
 def _checked_scale(name: str, weight_GNK, scale):
@@ -150,17 +153,20 @@ def _over_row_tiles(kernel, group_sizes_G, operands, requested_tiles, *, num_row
 def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit: float | None, gate_scale=None,
                       up_scale=None, block_m: int | None = None, block_n: int | None = None,
                       block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                      min_block_m: int | None = None, interpret: bool = False):
+                      min_block_m: int | None = None, fp8_weight_operand: str = "a", interpret: bool = False):
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros. source [R] int32 indexes x's rows (repeats allowed). gate and up [G, I, D] are cast to x's dtype,
     or are both block FP8: float8_e4m3fn codes with gate_scale and up_scale [G, ceil(I / 128), ceil(D / 128)]
     fp32, each tile dequantized in the kernel to (codes * scale).astype(x's dtype); block_k is then at most 128.
-    Tiles default to GATHER_SWIGLU_TILES (FEW_ROWS_GATHER_SWIGLU_TILES at decode sizes)."""
+    fp8_weight_operand: "a" or "b", the dot operand the dequantized tile is (module docstring); ignored for
+    weights that are not FP8. Tiles default to GATHER_SWIGLU_TILES (FEW_ROWS_GATHER_SWIGLU_TILES at decode
+    sizes)."""
     width, hidden = gate_GID.shape[1:]
     weights, scales = _weight_operands(x_XD.dtype, ("gate", "up"), (gate_GID, up_GID), (gate_scale, up_scale))
     operands = (source_R.astype(jnp.int32), x_XD, *weights, *scales)
-    return _over_row_tiles(functools.partial(_gather_swiglu_kernel, limit=limit), group_sizes_G, operands,
+    kernel = functools.partial(_gather_swiglu_kernel, limit=limit, fp8_weight_operand=fp8_weight_operand)
+    return _over_row_tiles(kernel, group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=source_R.shape[0],
                            n_dim=width, k_dim=hidden, dtype=x_XD.dtype, tiles=GATHER_SWIGLU_TILES,
                            few_rows_tiles=FEW_ROWS_GATHER_SWIGLU_TILES, fp8_weights=bool(scales),
@@ -171,17 +177,19 @@ def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit:
 def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, down_scale=None,
                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, min_block_m: int | None = None,
-                     interpret: bool = False):
+                     fp8_weight_operand: str = "a", interpret: bool = False):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros. dest [R] int32 must be a permutation of [0, R); row_weight [R] fp32. down [G, D, I] is cast to h's
     dtype, or is block FP8: float8_e4m3fn codes with down_scale [G, ceil(D / 128), ceil(I / 128)] fp32, each
-    tile dequantized in the kernel to (codes * scale).astype(h's dtype); block_k is then at most 128. Tiles
-    default to DOWN_SCATTER_TILES (FEW_ROWS_DOWN_SCATTER_TILES at decode sizes)."""
+    tile dequantized in the kernel to (codes * scale).astype(h's dtype); block_k is then at most 128.
+    fp8_weight_operand: "a" or "b", the dot operand the dequantized tile is (module docstring); ignored for a
+    down that is not FP8. Tiles default to DOWN_SCATTER_TILES (FEW_ROWS_DOWN_SCATTER_TILES at decode sizes)."""
     hidden, width = down_GDI.shape[1:]
     weights, scales = _weight_operands(h_RI.dtype, ("down",), (down_GDI,), (down_scale,))
     operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, *weights, *scales)
-    return _over_row_tiles(_down_scatter_kernel, group_sizes_G, operands,
+    kernel = functools.partial(_down_scatter_kernel, fp8_weight_operand=fp8_weight_operand)
+    return _over_row_tiles(kernel, group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=h_RI.shape[0], n_dim=hidden,
                            k_dim=width, dtype=h_RI.dtype, tiles=DOWN_SCATTER_TILES,
                            few_rows_tiles=FEW_ROWS_DOWN_SCATTER_TILES, fp8_weights=bool(scales),

@@ -39,6 +39,9 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 BACKENDS = pytest.mark.parametrize("backend", ["interpret_gpu", "reference"])
 LIMITS = pytest.mark.parametrize("limit", [None, 0.9], ids=["no-limit", "limit"])
+# The dot operand a dequantized FP8 weight tile is: "a", the weights times the activations transposed (transposed
+# accumulators), or "b", the activations times the weights transposed.
+FP8_WEIGHT_OPERANDS = pytest.mark.parametrize("fp8_weight_operand", ["a", "b"], ids=["weights-as-a", "weights-as-b"])
 
 # (tokens, top_k, experts, hidden D, width I): token-expert rows not a multiple of any tile, D and I off the
 # default tiles, one token, top-1. Every case has an empty expert (0), an expert with one row (1) and an
@@ -191,17 +194,21 @@ def fp8_inputs(dtype, seed):
     return jnp.asarray(x, dtype), weights.reshape(-1)[order], source, order, sizes, h, quantized
 
 
-def fp8_and_dequantized_kernels(x, row_weight, source, order, sizes, h, quantized, dtype, tiles):
+def fp8_and_dequantized_kernels(x, row_weight, source, order, sizes, h, quantized, dtype, tiles,
+                                fp8_weight_operand):
     """{"h": (FP8 gather_swiglu, bf16-path gather_swiglu), "y": (the same for down_scatter on h)}: the kernels
-    on FP8 codes and scales, and on the weights dequantized as (codes * scale).astype(dtype)."""
+    on FP8 codes and scales (the weight tiles as the dot operand fp8_weight_operand), and on the weights
+    dequantized as (codes * scale).astype(dtype)."""
     (gate, gate_scale), (up, up_scale), (down, down_scale) = quantized
     dequantized = [dequantize_fp8_blocks(codes, scale, dtype) for codes, scale in quantized]
     gather = functools.partial(gather_swiglu_gpu, x, jnp.asarray(source), jnp.asarray(sizes), limit=0.9,
                                interpret=True, **tiles)
     scatter = functools.partial(down_scatter_gpu, h, jnp.asarray(order), jnp.asarray(row_weight),
                                 jnp.asarray(sizes), interpret=True, **tiles)
-    return {"h": (gather(gate, up, gate_scale=gate_scale, up_scale=up_scale), gather(*dequantized[:2])),
-            "y": (scatter(down, down_scale=down_scale), scatter(dequantized[2]))}
+    return {"h": (gather(gate, up, gate_scale=gate_scale, up_scale=up_scale, fp8_weight_operand=fp8_weight_operand),
+                  gather(*dequantized[:2])),
+            "y": (scatter(down, down_scale=down_scale, fp8_weight_operand=fp8_weight_operand),
+                  scatter(dequantized[2]))}
 
 
 # The FP8 path against the bf16 path on dequantized weights: rounding of the fp32 sums at most (the same tiles
@@ -212,16 +219,52 @@ FP8_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2e-2}
 # (block_m, block_n, block_k): the defaults; small tiles (several K steps per scale block, column tiles inside
 # one); wide ones (a column tile over two scale blocks, block_k 256 clipped to one scale block).
 @pytest.mark.parametrize("tiles", [None, (16, 32, 16), (16, 256, 256)], ids=["default", "small", "wide"])
+@FP8_WEIGHT_OPERANDS
 @DTYPES
-def test_fp8_kernels_match_the_kernels_on_dequantized_weights(tiles, dtype):
+def test_fp8_kernels_match_the_kernels_on_dequantized_weights(tiles, fp8_weight_operand, dtype):
     x, row_weight, source, order, sizes, h, quantized = fp8_inputs(dtype, seed=21)
     tile_args = {} if tiles is None else dict(zip(("block_m", "block_n", "block_k"), tiles))
-    outputs = fp8_and_dequantized_kernels(x, row_weight, source, order, sizes, h, quantized, dtype, tile_args)
+    outputs = fp8_and_dequantized_kernels(x, row_weight, source, order, sizes, h, quantized, dtype, tile_args,
+                                          fp8_weight_operand)
+    what = f"{jnp.dtype(dtype).name} tiles {tiles}, weights as {fp8_weight_operand}"
     for name, (fp8, dequantized) in outputs.items():
         assert fp8.dtype == dtype and fp8.shape == dequantized.shape
         err = rel_error(fp8.astype(jnp.float32), dequantized.astype(jnp.float32))
-        print(f"{name} {jnp.dtype(dtype).name} tiles {tiles}: rel. error vs dequantized weights {err:.2e}")
-        assert err <= FP8_TOL[dtype], f"{name} {jnp.dtype(dtype).name} tiles {tiles}: rel. error {err:.2e}"
+        print(f"{name} {what}: rel. error vs dequantized weights {err:.2e}")
+        assert err <= FP8_TOL[dtype], f"{name} {what}: rel. error {err:.2e}"
+
+
+def kernel_jaxprs(weights, scales, fp8_weight_operand):
+    """The jaxprs (text) of gather_swiglu and down_scatter on FP8_CASE-sized zero inputs with weights (gate, up,
+    down) and scales (their block scales or Nones), the weight tiles as the dot operand fp8_weight_operand."""
+    tokens, top_k, num_experts, hidden, width = FP8_CASE
+    rows, sizes = tokens * top_k, jnp.zeros((num_experts,), jnp.int32)
+    (gate, up, down), (gate_scale, up_scale, down_scale) = weights, scales
+    gather = functools.partial(gather_swiglu_gpu, limit=None, gate_scale=gate_scale, up_scale=up_scale,
+                               fp8_weight_operand=fp8_weight_operand, interpret=True)
+    scatter = functools.partial(down_scatter_gpu, down_scale=down_scale, fp8_weight_operand=fp8_weight_operand,
+                                interpret=True)
+    return (str(jax.make_jaxpr(gather)(jnp.zeros((tokens, hidden), jnp.bfloat16), jnp.arange(rows), sizes, gate,
+                                       up)),
+            str(jax.make_jaxpr(scatter)(jnp.zeros((rows, width), jnp.bfloat16), jnp.arange(rows), jnp.ones((rows,)),
+                                        sizes, down)))
+
+
+def test_fp8_weight_operand_transposes_only_fp8_accumulators():
+    """Weights as a: the FP8 kernels transpose their accumulators, as b they transpose nothing; bf16 weights
+    give the same kernels whatever fp8_weight_operand says."""
+    quantized = fp8_inputs(jnp.bfloat16, seed=23)[-1]
+    codes, scales = tuple(c for c, _ in quantized), tuple(s for _, s in quantized)
+    bf16 = tuple(w.astype(jnp.bfloat16) for w in codes)
+    assert kernel_jaxprs(bf16, (None,) * 3, "a") == kernel_jaxprs(bf16, (None,) * 3, "b")
+    assert not any("transpose" in text for text in kernel_jaxprs(codes, scales, "b"))
+    assert all("transpose" in text for text in kernel_jaxprs(codes, scales, "a"))
+
+
+def test_fp8_kernels_reject_an_unknown_weight_operand():
+    quantized = fp8_inputs(jnp.bfloat16, seed=24)[-1]
+    with pytest.raises(ValueError, match="fp8_weight_operand"):
+        kernel_jaxprs(tuple(c for c, _ in quantized), tuple(s for _, s in quantized), "c")
 
 
 def test_fp8_kernels_match_the_spec_formula_in_float64():
@@ -412,9 +455,11 @@ def test_gpu_kernels_lower_for_cuda_at_ling_flash_size():
         assert kernel in text, kernel
 
 
-def test_fp8_kernels_lower_for_cuda_at_ling_flash_size():
+@FP8_WEIGHT_OPERANDS
+def test_fp8_kernels_lower_for_cuda_at_ling_flash_size(fp8_weight_operand):
     """The two fused kernels on block-FP8 gate, up and down at 8192 tokens, top-8 of 512 experts, hidden 4096,
-    width 1024, bf16 activations: the FP8 codes and scales go into the Triton calls as they are."""
+    width 1024, bf16 activations, the weight tiles as either dot operand: the FP8 codes and scales go into the
+    Triton calls as they are."""
     shape = jax.ShapeDtypeStruct
     rows, fp8 = 8192 * 8, jnp.float8_e4m3fn
     args = (shape((8192, 4096), jnp.bfloat16), shape((rows,), jnp.int32), shape((rows,), jnp.int32),
@@ -423,8 +468,10 @@ def test_fp8_kernels_lower_for_cuda_at_ling_flash_size():
             shape((512, 8, 32), jnp.float32), shape((512, 32, 8), jnp.float32))
 
     def fused(x, source, order, row_weight, sizes, gate, up, down, gate_scale, up_scale, down_scale):
-        h = gather_swiglu_gpu(x, source, sizes, gate, up, limit=7.0, gate_scale=gate_scale, up_scale=up_scale)
-        return down_scatter_gpu(h, order, row_weight, sizes, down, down_scale=down_scale)
+        h = gather_swiglu_gpu(x, source, sizes, gate, up, limit=7.0, gate_scale=gate_scale, up_scale=up_scale,
+                              fp8_weight_operand=fp8_weight_operand)
+        return down_scatter_gpu(h, order, row_weight, sizes, down, down_scale=down_scale,
+                                fp8_weight_operand=fp8_weight_operand)
 
     text = lower_for_cuda(fused, *args).as_text()
     triton_calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
@@ -537,9 +584,11 @@ def test_fused_kernels_partial_row_tiles_shrink_to_the_rows_they_hold(min_block_
 
 @pytest.mark.gpu
 @ON_GPU
-def test_compiled_fp8_kernels_at_ling_flash_size_match_the_kernels_on_dequantized_weights():
+@FP8_WEIGHT_OPERANDS
+def test_compiled_fp8_kernels_at_ling_flash_size_match_the_kernels_on_dequantized_weights(fp8_weight_operand):
     """8192 tokens, top-8 of 512 experts, hidden 4096, width 1024, bf16 activations: the fused kernels on
-    block-FP8 weights against the same kernels on the weights dequantized to bf16, both compiled."""
+    block-FP8 weights (the weight tiles as either dot operand) against the same kernels on the weights
+    dequantized to bf16, both compiled."""
     x, weights, experts, gate, up, down = moe_args_sized(8192, 8, 512, 4096, 1024, seed=19)
     order, sizes = sort_by_expert(experts.reshape(-1), 512)
     source, row_weight = order // 8, weights.reshape(-1)[order]
@@ -548,10 +597,13 @@ def test_compiled_fp8_kernels_at_ling_flash_size_match_the_kernels_on_dequantize
     dequantize = jax.jit(dequantize_fp8_blocks, static_argnums=2)
     h = gather_swiglu_gpu(x, source, sizes, dequantize(gate, gate_scale, jnp.bfloat16),
                           dequantize(up, up_scale, jnp.bfloat16), limit=7.0)
-    h_fp8 = gather_swiglu_gpu(x, source, sizes, gate, up, limit=7.0, gate_scale=gate_scale, up_scale=up_scale)
+    h_fp8 = gather_swiglu_gpu(x, source, sizes, gate, up, limit=7.0, gate_scale=gate_scale, up_scale=up_scale,
+                              fp8_weight_operand=fp8_weight_operand)
     y = down_scatter_gpu(h, order, row_weight, sizes, dequantize(down, down_scale, jnp.bfloat16))
-    y_fp8 = down_scatter_gpu(h, order, row_weight, sizes, down, down_scale=down_scale)
+    y_fp8 = down_scatter_gpu(h, order, row_weight, sizes, down, down_scale=down_scale,
+                             fp8_weight_operand=fp8_weight_operand)
     for name, ours, ref in (("h", h_fp8, h), ("y", y_fp8, y)):
         err = device_rel_error(ours, ref)
-        print(f"{name}: FP8 kernels vs the kernels on dequantized weights, rel. error {float(err):.2e}")
+        print(f"{name}: FP8 kernels (weights as {fp8_weight_operand}) vs the kernels on dequantized weights, "
+              f"rel. error {float(err):.2e}")
         assert err <= FP8_TOL[jnp.bfloat16], f"{name}: rel. error {float(err):.2e}"
