@@ -1,6 +1,7 @@
-"""KDA prefill on GPU, phase 1, kernel 1 of 4: the decay-weighted q-k and k-k products of a chunk, by rows of
-16x16 blocks (Pallas, Triton lowering). Grid (B*H, T/64, 4): program (bh, n, i) owns sub-block i (16 rows) of
-chunk n, so every program is short. The sequence-head is the fastest-varying grid axis (Triton's x): on an H200
+"""KDA prefill on GPU, phase 1, kernel 1 of 2: the decay-weighted q-k and k-k products of a chunk, by rows of
+16x16 blocks, and the decayed keys (Pallas, Triton lowering). Grid (B*H, T/64, 4): program (bh, n, i) owns
+sub-block i (16 rows) of chunk n, so every program is short (or, with whole_chunks, grid (B*H, T/64), a program
+does a chunk's sub-blocks in turn). The sequence-head is the fastest-varying grid axis (Triton's x): on an H200
 at B=1, T=32768, H=64 this order ran 4.6 ms against 7.7 with the sub-block fastest (a chunk's 4 programs side by
 side, sharing its keys and gates in L2), BENCHMARKS.md.
 
@@ -14,13 +15,18 @@ down to e^-80, times a small key component went subnormal: 4e-4 off on the diago
 the diagonal the second factor is <= e^-S; where it underflows the product is below e^-80 anyway. The shift
 multiplies an exp2 by a power of two (exact), rather than entering its argument (which would round a slow
 decay's small exponent to the ulp of ~58).
-The program walks j = i-1 down to 0 (loading k_j, g_j), carrying gap_j, and stores
+The program walks j = i-1 down to 0 (loading k_j, g_j), carrying gap_j, then sums the totals t_j of the later
+sub-blocks j > i (loading g_j), and stores
   qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c + S} e^{o_i - S}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
   diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from L_ii^T,
   formed directly by one more 16x16 product (no transpose). Right of the diagonal: not written;
-  key_scale rows of sub-block i: the keys' inverse l2 norms (fp32), for the factor kernels' column blocks.
+  kb rows of sub-block i (fp32): beta_c e^{G_c} k_c, as qg (the right factor of w = X kb);
+  kg rows of sub-block i: e^{G_last - G_c} k_c = k_c e^{(t_i - Γ_c) + t_{i+1} + ... + t_3} (parts dtype; every
+  exponent <= 0, and G_last - G_c is not the difference of two sums of up to 64 gates, whose fp32 rounding,
+  ~|G_last| ulp, made kg 1e-4-wrong);
+  decay_last (sub-block 3's program): e^{G_last} = e^{o_3 + t_3} (fp32).
 """
 
 from __future__ import annotations
@@ -54,8 +60,20 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, key_scale_ref, *, scale, l2norm,
-               input_dtype, block_k):
+def _store_if_last(i, ref, index, value):
+    """ref[index] = value by sub-block SUBS - 1 only (i a Python int in a whole-chunk program, else traced)."""
+    def store():
+        ref[index] = value
+
+    if isinstance(i, int):
+        if i == SUBS - 1:
+            store()
+    else:
+        pl.when(i == SUBS - 1)(store)
+
+
+def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale,
+               l2norm, input_dtype, block_k):
     """Sub-block i's rows of every output. k_ref and g_ref hold the whole chunk; the other refs are indexed by
     `own` along their rows (sub-block i's rows of the chunk, or all of a 16-row block). Everything by column
     blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
@@ -65,23 +83,25 @@ def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref,
     column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
     query_scale_SUB1 = _inverse_norms(q_ref, own, column_blocks, l2norm) * scale
     key_scale_SUB1 = _inverse_norms(k_ref, sub_rows(i), column_blocks, l2norm)
-    key_scale_ref[own, :] = key_scale_SUB1
     beta_SUB1 = beta_ref[own, :]
 
     def own_rows(columns):
-        """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}, Γ_i), columns `columns`."""
-        log_decay = jnp.cumsum(g_ref[sub_rows(i), columns] * LOG2_E, axis=0)
+        """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}; k; Γ_i; t_i), columns `columns`."""
+        g_i = g_ref[sub_rows(i), columns] * LOG2_E
+        log_decay = jnp.cumsum(g_i, axis=0)
         from_start = jnp.exp2(log_decay) * SHIFT_UP
-        return (q_ref[own, columns].astype(jnp.float32) * query_scale_SUB1 * from_start,
-                k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1 * from_start, log_decay)
+        keys = k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1
+        return (q_ref[own, columns].astype(jnp.float32) * query_scale_SUB1 * from_start, keys * from_start, keys,
+                log_decay, jnp.sum(g_i, axis=0, keepdims=True))
 
     decayed = [own_rows(columns) for columns in column_blocks]  # once, not once per earlier sub-block
+    zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
 
     def earlier_block(m, gaps):  # sub-block j = i - 1 - m; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}
         j = i - 1 - m
         scale_j = _inverse_norms(k_ref, sub_rows(j), column_blocks, l2norm)
         a_qk, L, new_gaps = zeros_SUBSUB, zeros_SUBSUB, []
-        for columns, gap, (q_left, k_left, _) in zip(column_blocks, gaps, decayed):
+        for columns, gap, (q_left, k_left, *_) in zip(column_blocks, gaps, decayed):
             g_j = g_ref[sub_rows(j), columns] * LOG2_E
             total = jnp.sum(g_j, axis=0, keepdims=True)
             right = (k_ref[sub_rows(j), columns].astype(jnp.float32) * scale_j
@@ -92,24 +112,26 @@ def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref,
         blocks_ref[own, sub_rows(j)] = beta_SUB1 * L
         return tuple(new_gaps)
 
-    offsets = jax.lax.fori_loop(0, i, earlier_block,
-                                tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks))  # o_i
+    def later_block(j, sums):  # sub-block j > i: its a_qk block is zero; sums[c] = t_{i+1} + ... + t_{j-1}
+        a_ref[own, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+        return tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
+                     for total, columns in zip(sums, column_blocks))
+
+    offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
+    later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
     a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
-    for columns, offset, (q_left, k_left, log_decay) in zip(column_blocks, offsets, decayed):
-        qg_ref[own, columns] = (q_left * (jnp.exp2(offset) * SHIFT_DOWN)).astype(qg_ref.dtype)
-        keys = k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1
+    for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
+                                                                                  decayed):
+        to_start = jnp.exp2(offset) * SHIFT_DOWN  # e^{o_i - S}: with the left factors' e^{Γ_c + S}, e^{G_c}
+        qg_ref[own, columns] = (q_left * to_start).astype(qg_ref.dtype)
+        kb_ref[own, columns] = beta_SUB1 * k_left * to_start  # beta e^G k
+        kg_ref[own, columns] = (keys * jnp.exp2(total - log_decay + after)).astype(kg_ref.dtype)  # e^{G_last - G} k
+        _store_if_last(i, decay_ref, (slice(None), columns), jnp.exp2(offset + total))  # e^{G_last}
         right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
         a_qk, strict_U = a_qk + dots.nt(q_left, right), strict_U + dots.nt(right, k_left)
     a_ref[own, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
     strict_U = jnp.where(rows < cols, strict_U, 0.0) * _as_row(beta_SUB1)  # L_ii^T
     blocks_ref[own, sub_rows(i)] = unit_lower_inverse_16(strict_U)
-
-    def zero_block(j, carry):
-        a_ref[own, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
-        return carry
-
-    jax.lax.fori_loop(i + 1, SUBS, zero_block, 0)
-
 
 
 def _sub_block_kernel(*refs, **settings):
@@ -126,15 +148,14 @@ def _chunk_kernel(*refs, **settings):
 
 def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
                  num_warps: int = 2, num_stages: int = 1, whole_chunks: bool = False, interpret: bool = False):
-    """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, key_scale [BH, Tp, 1]
-    fp32: the keys' inverse l2 norms, or ones without use_qk_l2norm) from q, k [B, Tp, H, K], g [B, Tp, H, K]
-    fp32, beta [B, Tp, H, 1] fp32 (Tp a multiple of CHUNK). Grid (B*H, Tp / CHUNK, CHUNK / SUB), or with
-    whole_chunks (B*H, Tp / CHUNK), one program doing a chunk's four sub-blocks in turn (its keys and gates read
-    from memory once, not by four programs); the keys are worked through block_k columns at a time (a power of
-    two; default whole 128-key rows, whose per-sub-block kernel measured 4.6 ms at B=1, T=32768, H=64 on an
-    H200, BENCHMARKS.md)."""
+    """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb [BH, Tp, K] fp32,
+    kg [BH, Tp, K] in parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K]
+    fp32, beta [B, Tp, H, 1] fp32 (Tp = N * CHUNK). Grid (B*H, N, CHUNK / SUB), or with whole_chunks (B*H, N),
+    one program doing a chunk's four sub-blocks in turn (its keys and gates read from memory once, not by four
+    programs); the keys are worked through block_k columns at a time (a power of two; default whole 128-key
+    rows, whose per-sub-block kernel measured 4.6 ms at B=1, T=32768, H=64 on an H200, BENCHMARKS.md)."""
     batch, padded, heads, key_dim = q.shape
-    flat = batch * heads
+    flat, num_chunks = batch * heads, padded // CHUNK
     rows = CHUNK if whole_chunks else SUB
 
     def spec(shape, index):  # index(bh, n, i) -> block index; i = 0 for whole chunks
@@ -144,16 +165,19 @@ def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtyp
         (None, rows, None, width), lambda bh, n, i: (bh // heads, n * (CHUNK // rows) + i, bh % heads, 0))
     whole_chunk = spec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
     outputs = lambda width: spec((None, rows, width), lambda bh, n, i: (bh, n * (CHUNK // rows) + i, 0))  # noqa: E731
+    per_chunk = spec((None, None, 1, key_dim), lambda bh, n, i: (bh, n, 0, 0))
     return pl.pallas_call(
         functools.partial(_chunk_kernel if whole_chunks else _sub_block_kernel, scale=scale, l2norm=use_qk_l2norm,
                           input_dtype=q.dtype, block_k=min(block_k, key_dim)),
-        grid=(flat, padded // CHUNK) if whole_chunks else (flat, padded // CHUNK, SUBS),  # axis 0 varies fastest
+        grid=(flat, num_chunks) if whole_chunks else (flat, num_chunks, SUBS),  # axis 0 varies fastest
         in_specs=[inputs(key_dim), whole_chunk, whole_chunk, inputs(1)],
-        out_specs=[outputs(key_dim), outputs(CHUNK), outputs(CHUNK), outputs(1)],
+        out_specs=[outputs(key_dim), outputs(CHUNK), outputs(CHUNK), outputs(key_dim), outputs(key_dim), per_chunk],
         out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32),
-                   jax.ShapeDtypeStruct((flat, padded, 1), jnp.float32)],
+                   jax.ShapeDtypeStruct((flat, padded, key_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+                   jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_prefill_intra_blocks",

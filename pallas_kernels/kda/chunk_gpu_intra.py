@@ -1,17 +1,14 @@
-"""KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, four Pallas kernels (Triton lowering),
-all programs of each independent, handing intermediates over in global memory (fp32):
+"""KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, two Pallas kernels (Triton lowering),
+all programs of each independent, handing intermediates over in global memory:
 
-1. `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
-   qg = e^G q, of the decay-weighted products a_qk (both parts) and of L = diag(beta) A_kk: the blocks
-   L_ij, j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers;
-   and the keys' inverse l2 norms.
-2. `chunk_gpu_tril.merge_inverse`, grid (B*H, T/64): X = (I + L)^-1 ([64, 64], blocks on and below the
-   diagonal) from the D_i and L_ij, by 16x16 products.
-3. `chunk_gpu_wy.key_factors`, grid (K/64, B*H, T/64): w = X (beta e^G k) as [64, 64] x [64, 64] products,
-   kg = e^{G_last - G} k and decay_last = e^{G_last}.
-4. `chunk_gpu_wy.value_factors`, grid (V/64, B*H, T/64): u = X (beta v).
-Short programs, many of them: the old single kernel ran one long chain of 16x16 products per chunk (15 of them
-for the forward substitution alone), with few programs resident per SM to hide its latency.
+1. `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4) (or (B*H, T/64), a chunk per program): per 16-row
+   sub-block i of a chunk, its rows of qg = e^G q, of the decay-weighted products a_qk (both parts) and of
+   L = diag(beta) A_kk: the blocks L_ij, j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by
+   row updates in registers; and the decayed keys kb = beta e^G k, kg = e^{G_last - G} k, decay_last.
+2. `chunk_gpu_tril.wy_factors`, grid (B*H, T/64): X = (I + L)^-1 ([64, 64], as 16x16 blocks in registers)
+   from the D_i and L_ij, then w = X kb and u = X (beta v), by 16x16 x 16xK products.
+Short programs, many of them: the first single kernel ran one long chain of 16x16 products per chunk (15 of
+them for the forward substitution alone), with few programs resident per SM to hide its latency.
 
 Exponentials cannot overflow fp32: each is of a log-decay difference that is <= 0, except inside a diagonal
 16x16 block, where e^{-Γ} <= e^80 for gates >= -5 (16 steps); see the kernels' docstrings. Products: tf32 for
@@ -27,8 +24,7 @@ from typing import NamedTuple
 import jax
 
 from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks
-from pallas_kernels.kda.chunk_gpu_tril import CHUNK, gpu_dots, merge_inverse
-from pallas_kernels.kda.chunk_gpu_wy import key_factors, value_factors
+from pallas_kernels.kda.chunk_gpu_tril import CHUNK, gpu_dots, wy_factors
 
 __all__ = ["CHUNK", "ChunkParts", "gpu_dots", "intra_chunk"]
 
@@ -45,27 +41,19 @@ class ChunkParts(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_k", "num_warps",
-                                             "num_stages",
-                                             "inverse_num_warps", "factors_num_warps", "factors_block",
-                                             "whole_chunks", "interpret"))
+                                             "num_stages", "factors_num_warps", "whole_chunks", "interpret"))
 def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
-                block_k: int = 128, num_warps: int = 2, num_stages: int = 1, inverse_num_warps: int = 2,
-                factors_num_warps: int = 4,
-                factors_block: int = 64, whole_chunks: bool = False, interpret: bool = False) -> ChunkParts:
+                block_k: int = 128, num_warps: int = 2, num_stages: int = 1, factors_num_warps: int = 4,
+                whole_chunks: bool = False, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
-    Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1
-    (16-row blocks; with whole 128-key rows, 2 measured fastest on an H200 and 8 slowest),
-    inverse_num_warps for kernel 2 (16x16 products), factors_num_warps for kernels 3 and 4 ([64, factors_block]
-    tiles); num_stages for all four; whole_chunks: kernel 1 by whole chunks (`decay_blocks`)."""
+    Kernel 1 works through the keys block_k columns at a time, by sub-blocks or with whole_chunks by chunks.
+    Triton's num_warps: num_warps for kernel 1 (16-row blocks; with whole 128-key rows, 2 measured fastest on
+    an H200 and 8 slowest), factors_num_warps for kernel 2; num_stages for both."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
-    qg, a_qk, blocks, key_scale = decay_blocks(q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                               parts_dtype=dtype, block_k=block_k, num_warps=num_warps,
-                                               num_stages=num_stages, whole_chunks=whole_chunks, interpret=interpret)
-    inverse = merge_inverse(blocks, input_dtype=v.dtype, num_warps=inverse_num_warps, num_stages=num_stages,
-                            interpret=interpret)
-    factors = dict(parts_dtype=dtype, block=factors_block, num_warps=factors_num_warps, num_stages=num_stages,
-                   interpret=interpret)
-    w, kg, decay_last = key_factors(k, key_scale, g, beta, inverse, **factors)
-    u = value_factors(v, beta, inverse, **factors)
+    qg, a_qk, blocks, kb, kg, decay_last = decay_blocks(
+        q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
+        num_warps=num_warps, num_stages=num_stages, whole_chunks=whole_chunks, interpret=interpret)
+    w, u = wy_factors(blocks, kb, v, beta, parts_dtype=dtype, input_dtype=v.dtype, num_warps=factors_num_warps,
+                      num_stages=num_stages, interpret=interpret)
     return ChunkParts(w, u, qg, kg, a_qk, decay_last)

@@ -6,10 +6,9 @@
    (broadcast along rows, as X's rows need), and the update is a sum along axis 0, already a row: the 15-step
    chain has no tensor-core product and no layout conversion (only the sums' cross-thread exchanges), where
    forward substitution by masked 16x16 products converted layouts around each of its 15 products.
-2. `merge_inverse`, a pallas_call with grid (B*H, T/64): from the four diagonal inverses D_i and the blocks
-   L_ij (j < i) below them, X_ii = D_i and X_ij = -D_i sum_{m=j}^{i-1} L_im X_mj, as 16x16 products;
-   stores X's blocks on and below the diagonal in a [64, 64] fp32 matrix (the blocks above are left unwritten:
-   w / u's products load it through `block_lower_mask`, as zeros there, and move 6 fewer blocks each way).
+2. `wy_factors`, a pallas_call with grid (B*H, T/64): from the four diagonal inverses D_i and the blocks
+   L_ij (j < i) below them, X_ii = D_i and X_ij = -D_i sum_{m=j}^{i-1} L_im X_mj, as 16x16 products held in
+   registers, then the WY factors w = X kb and u = X (beta v) by 16-row blocks (X never goes to memory).
 Every X block is a block of the true inverse (bounded for the delta rule's L: |entries| stay moderate even for
 equal keys, where X is bidiagonal), so no intermediate grows.
 """
@@ -59,8 +58,11 @@ def gpu_dots(input_dtype) -> Dots:
                 tn=functools.partial(plgpu.dot, trans_a=True, allow_tf32=allow_tf32))
 
 
-def _merge_kernel(blocks_ref, inverse_ref, *, input_dtype):
-    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal, L_ij below it (above: not read)."""
+def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dtype):
+    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal, L_ij below it (above: not read); kb_ref [CHUNK, K] fp32,
+    v_ref [CHUNK, V], beta_ref [CHUNK, 1]. X's blocks stay in registers; the rows of w and u of sub-block i are
+    sums over j <= i of X_ij times sub-block j's rows (re-read per i from L1/L2: four [SUB, K] fp32 tiles alive
+    at once would crowd the registers)."""
     dots = gpu_dots(input_dtype)
     block = lambda i, j: blocks_ref[sub_rows(i), sub_rows(j)]  # noqa: E731
     inverse = []
@@ -70,30 +72,33 @@ def _merge_kernel(blocks_ref, inverse_ref, *, input_dtype):
             jnp.add, [dots.nn(block(i, m), inverse[m][j]) for m in range(j, i)])) for j in range(i)]
         inverse.append(below + [diagonal])
     for i in range(SUBS):
-        for j in range(i + 1):
-            inverse_ref[sub_rows(i), sub_rows(j)] = inverse[i][j]
+        w = functools.reduce(jnp.add, [dots.nn(inverse[i][j], kb_ref[sub_rows(j), :]) for j in range(i + 1)])
+        u = functools.reduce(jnp.add, [
+            dots.nn(inverse[i][j], beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32))
+            for j in range(i + 1)])
+        w_ref[sub_rows(i), :] = w.astype(w_ref.dtype)
+        u_ref[sub_rows(i), :] = u.astype(u_ref.dtype)
 
 
-def block_lower_mask():
-    """[CHUNK, CHUNK] bool: the 16x16 blocks on and below the diagonal (those `merge_inverse` writes)."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0) // SUB
-    return rows >= jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1) // SUB
-
-
-def merge_inverse(blocks, *, input_dtype, num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
-    """(I + L)^-1 [BH, Tp, CHUNK] fp32 per chunk (its 16x16 blocks above the diagonal unwritten) from blocks
-    [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, the blocks L_ij of L
-    below it); products as `gpu_dots(input_dtype)`.
-    Grid (BH, Tp / CHUNK)."""
-    flat, padded, _ = blocks.shape
-    chunk = pl.BlockSpec((None, CHUNK, CHUNK), lambda bh, n: (bh, n, 0))
+def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int = 4, num_stages: int = 1,
+               interpret: bool = False):
+    """(w [BH, Tp, K], u [BH, Tp, V] in parts_dtype): w = X kb, u = X (beta v) per chunk, X = (I + L)^-1 merged
+    from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, the blocks
+    L_ij of L below it); kb [BH, Tp, K] fp32 (beta e^G k), v [B, Tp, H, V], beta [B, Tp, H, 1] fp32; products
+    as `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK)."""
+    flat, padded, key_dim = kb.shape
+    batch, _, heads, value_dim = v.shape
+    rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
+    heads_layout = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))
     return pl.pallas_call(
         functools.partial(_merge_kernel, input_dtype=input_dtype),
         grid=(flat, padded // CHUNK),
-        in_specs=[chunk],
-        out_specs=chunk,
-        out_shape=jax.ShapeDtypeStruct(blocks.shape, jnp.float32),
+        in_specs=[rows(CHUNK), rows(key_dim), heads_layout(value_dim), heads_layout(1)],
+        out_specs=[rows(key_dim), rows(value_dim)],
+        out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+                   jax.ShapeDtypeStruct((flat, padded, value_dim), parts_dtype)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="kda_prefill_intra_inverse",
-    )(blocks)
+        name="kda_prefill_intra_wy_factors",
+    )(blocks, kb, v, beta)

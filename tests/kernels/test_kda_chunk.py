@@ -15,7 +15,7 @@ from np_reference import kda_recurrence
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
 from pallas_kernels.kda.chunk_gpu_intra import intra_chunk
-from pallas_kernels.kda.chunk_gpu_tril import block_lower_mask, merge_inverse, unit_lower_inverse_16
+from pallas_kernels.kda.chunk_gpu_tril import unit_lower_inverse_16, wy_factors
 from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
 from pallas_kernels.kda.reference import unit_lower_inverse
 from helpers import gpu_test, l2, lower_for_cuda, rel_error
@@ -152,21 +152,26 @@ def test_gpu_diagonal_block_inverse_by_row_updates(equal_keys):
 
 @pytest.mark.parametrize("input_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("equal_keys", [False, True], ids=["random", "equal-keys"])
-def test_gpu_chunk_inverse_merge(equal_keys, input_dtype):
-    """The merge kernel: (I + L)^-1 of 64x64 chunks from the diagonal blocks' inverses and the blocks below
-    them (upper blocks of its input are garbage, never read), against numpy's inverse, on and below the
-    diagonal blocks (the only ones it writes)."""
+def test_gpu_wy_factors_from_the_inverse_blocks(equal_keys, input_dtype):
+    """The merge kernel: w = X kb and u = X (beta v), X = (I + L)^-1 of 64x64 chunks merged from the diagonal
+    blocks' inverses and the blocks below them (upper blocks of its input are garbage, never read), against
+    numpy's inverse."""
     rng = np.random.default_rng(2)
-    strict = _strictly_lower(rng, 6, 64, equal_keys)
+    strict = _strictly_lower(rng, 6, 64, equal_keys)  # 2 sequence-heads x 3 chunks
     blocks = strict + np.triu(rng.normal(size=strict.shape), 1)
     for i in range(4):
         rows = slice(16 * i, 16 * i + 16)
         blocks[:, rows, rows] = np.linalg.inv(np.eye(16) + strict[:, rows, rows])
-    ours = merge_inverse(jnp.asarray(blocks.reshape(2, 3 * 64, 64), jnp.float32), input_dtype=input_dtype,
-                         interpret=True)
-    expected = np.linalg.inv(np.eye(64) + strict)
-    written = np.asarray(block_lower_mask())
-    assert rel_error(np.asarray(ours).reshape(6, 64, 64)[:, written], expected[:, written]) <= 1e-5
+    kb = rng.normal(size=(6, 64, 32))
+    v = rng.normal(size=(1, 3 * 64, 2, 16)).astype(np.float32)  # [B, Tp, H, V]: heads 0, 1 are the two rows
+    beta = rng.uniform(0.05, 1.0, size=(1, 3 * 64, 2, 1)).astype(np.float32)
+    w, u = wy_factors(jnp.asarray(blocks.reshape(2, 3 * 64, 64), jnp.float32),
+                      jnp.asarray(kb.reshape(2, 3 * 64, 32), jnp.float32), jnp.asarray(v), jnp.asarray(beta),
+                      parts_dtype=jnp.float32, input_dtype=input_dtype, interpret=True)
+    inverse = np.linalg.inv(np.eye(64) + strict)
+    beta_v = np.moveaxis(beta * v, 2, 0).reshape(6, 64, 16)
+    assert rel_error(np.asarray(w).reshape(6, 64, 32), inverse @ kb) <= 1e-5
+    assert rel_error(np.asarray(u).reshape(6, 64, 16), inverse @ beta_v) <= 1e-5
 
 
 def chunk_parts_float64(q, k, v, g, beta, scale):
@@ -213,7 +218,7 @@ def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim, whole_chunks):
     """Phase 1 alone (its four kernels), each part against the literal float64 form, one chunk of slow decay
     and one at the gate bound: a failing part names the kernel at fault (blocks: a_qk, qg; factors: the rest)."""
     _check_parts(dtype, key_dim, value_dim, interpret=True, tolerance=1e-6,  # exact fp32 products when interpreted
-                 block_k=16, factors_block=16, whole_chunks=whole_chunks)  # several column blocks at 64 keys
+                 block_k=16, whole_chunks=whole_chunks)  # several column blocks at 64 keys
 
 
 @gpu_test("the compiled Triton kernels")
@@ -263,7 +268,7 @@ def test_tpu_kernel_lowers_for_tpu():
 @pytest.mark.parametrize("shape", [(1, 1000, 4), (1, 32768, 64)], ids=["T1000-H4", "T32768-H64"])
 def test_gpu_kernel_lowers_for_cuda(shape):
     text = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128 ** -0.5), *_abstract(*shape)).as_text()
-    for kernel in ("intra_blocks", "intra_inverse", "intra_key_factors", "intra_value_factors", "inter_chunk"):
+    for kernel in ("intra_blocks", "intra_wy_factors", "inter_chunk"):
         assert f"kda_prefill_{kernel}" in text, kernel
 
 
