@@ -1,9 +1,9 @@
 """KDA prefill on GPU, phase 1, kernel 1 of 2: the decay-weighted q-k and k-k products of a chunk, by rows of
 16x16 blocks, and the decayed keys (Pallas, Triton lowering). Grid (B*H, T/64, 4): program (bh, n, i) owns
-sub-block i (16 rows) of chunk n, so every program is short (or, with whole_chunks, grid (B*H, T/64), a program
-does a chunk's sub-blocks in turn). The sequence-head is the fastest-varying grid axis (Triton's x): on an H200
-at B=1, T=32768, H=64 this order ran 4.6 ms against 7.7 with the sub-block fastest (a chunk's 4 programs side by
-side, sharing its keys and gates in L2), BENCHMARKS.md.
+sub-block i (16 rows) of chunk n, so every program is short (one program per chunk, doing its sub-blocks in
+turn, measured 13.1 ms against 6.4 on an H200 at B=1, T=32768, H=64). The sequence-head is the fastest-varying
+grid axis (Triton's x): this order ran 4.6 ms against 7.7 with the sub-block fastest (a chunk's 4 programs side
+by side, sharing its keys and gates in L2), BENCHMARKS.md.
 
 With Γ_j the cumulative log-decay inside sub-block j (<= 0, log2 units for exp2) and t_j its total, for row c
 of sub-block i and row s of sub-block j <= i the chunk-local decay is
@@ -22,7 +22,7 @@ sub-blocks j > i (loading g_j), and stores
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
   diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from L_ii^T,
   formed directly by one more 16x16 product (no transpose). Right of the diagonal: not written;
-  kb rows of sub-block i (fp32): beta_c e^{G_c} k_c, as qg (the right factor of w = X kb);
+  kb rows of sub-block i: beta_c e^{G_c} k_c, as qg (the right factor of w = X kb; parts dtype);
   kg rows of sub-block i: e^{G_last - G_c} k_c = k_c e^{(t_i - Γ_c) + t_{i+1} + ... + t_3} (parts dtype; every
   exponent <= 0, and G_last - G_c is not the difference of two sums of up to 64 gates, whose fp32 rounding,
   ~|G_last| ulp, made kg 1e-4-wrong);
@@ -60,30 +60,18 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _store_if_last(i, ref, index, value):
-    """ref[index] = value by sub-block SUBS - 1 only (i a Python int in a whole-chunk program, else traced)."""
-    def store():
-        ref[index] = value
-
-    if isinstance(i, int):
-        if i == SUBS - 1:
-            store()
-    else:
-        pl.when(i == SUBS - 1)(store)
-
-
-def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale,
-               l2norm, input_dtype, block_k):
-    """Sub-block i's rows of every output. k_ref and g_ref hold the whole chunk; the other refs are indexed by
-    `own` along their rows (sub-block i's rows of the chunk, or all of a 16-row block). Everything by column
-    blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
+def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale, l2norm,
+            input_dtype, block_k):
+    """Sub-block i's rows of every output (k_ref and g_ref: the whole chunk; the other refs: sub-block i's rows).
+    Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
     dots = gpu_dots(input_dtype)
+    i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
     column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
-    query_scale_SUB1 = _inverse_norms(q_ref, own, column_blocks, l2norm) * scale
+    query_scale_SUB1 = _inverse_norms(q_ref, slice(None), column_blocks, l2norm) * scale
     key_scale_SUB1 = _inverse_norms(k_ref, sub_rows(i), column_blocks, l2norm)
-    beta_SUB1 = beta_ref[own, :]
+    beta_SUB1 = beta_ref[...]
 
     def own_rows(columns):
         """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}; k; Γ_i; t_i), columns `columns`."""
@@ -91,7 +79,7 @@ def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref,
         log_decay = jnp.cumsum(g_i, axis=0)
         from_start = jnp.exp2(log_decay) * SHIFT_UP
         keys = k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1
-        return (q_ref[own, columns].astype(jnp.float32) * query_scale_SUB1 * from_start, keys * from_start, keys,
+        return (q_ref[:, columns].astype(jnp.float32) * query_scale_SUB1 * from_start, keys * from_start, keys,
                 log_decay, jnp.sum(g_i, axis=0, keepdims=True))
 
     decayed = [own_rows(columns) for columns in column_blocks]  # once, not once per earlier sub-block
@@ -108,12 +96,12 @@ def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref,
                      * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN))  # e^{o_i - G_s - S}
             a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
             new_gaps.append(gap + total)
-        a_ref[own, sub_rows(j)] = a_qk.astype(a_ref.dtype)
-        blocks_ref[own, sub_rows(j)] = beta_SUB1 * L
+        a_ref[:, sub_rows(j)] = a_qk.astype(a_ref.dtype)
+        blocks_ref[:, sub_rows(j)] = beta_SUB1 * L
         return tuple(new_gaps)
 
     def later_block(j, sums):  # sub-block j > i: its a_qk block is zero; sums[c] = t_{i+1} + ... + t_{j-1}
-        a_ref[own, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+        a_ref[:, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
         return tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
                      for total, columns in zip(sums, column_blocks))
 
@@ -123,59 +111,45 @@ def _sub_block(i, own, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref,
     for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
                                                                                   decayed):
         to_start = jnp.exp2(offset) * SHIFT_DOWN  # e^{o_i - S}: with the left factors' e^{Γ_c + S}, e^{G_c}
-        qg_ref[own, columns] = (q_left * to_start).astype(qg_ref.dtype)
-        kb_ref[own, columns] = beta_SUB1 * k_left * to_start  # beta e^G k
-        kg_ref[own, columns] = (keys * jnp.exp2(total - log_decay + after)).astype(kg_ref.dtype)  # e^{G_last - G} k
-        _store_if_last(i, decay_ref, (slice(None), columns), jnp.exp2(offset + total))  # e^{G_last}
+        qg_ref[:, columns] = (q_left * to_start).astype(qg_ref.dtype)
+        kb_ref[:, columns] = (beta_SUB1 * k_left * to_start).astype(kb_ref.dtype)  # beta e^G k
+        kg_ref[:, columns] = (keys * jnp.exp2(total - log_decay + after)).astype(kg_ref.dtype)  # e^{G_last - G} k
+
+        @pl.when(i == SUBS - 1)
+        def _():
+            decay_ref[:, columns] = jnp.exp2(offset + total)  # e^{G_last} = e^{o_3 + t_3}
+
         right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
         a_qk, strict_U = a_qk + dots.nt(q_left, right), strict_U + dots.nt(right, k_left)
-    a_ref[own, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
+    a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
     strict_U = jnp.where(rows < cols, strict_U, 0.0) * _as_row(beta_SUB1)  # L_ii^T
-    blocks_ref[own, sub_rows(i)] = unit_lower_inverse_16(strict_U)
-
-
-def _sub_block_kernel(*refs, **settings):
-    """Grid (B*H, T/64, 4): program (bh, n, i) does sub-block i of chunk n (its refs: the sub-block's rows)."""
-    i = pl.program_id(2)
-    _sub_block(i, slice(None), *refs, **settings)
-
-
-def _chunk_kernel(*refs, **settings):
-    """Grid (B*H, T/64): program (bh, n) does chunk n's four sub-blocks in turn (its refs: the whole chunk)."""
-    for i in range(SUBS):
-        _sub_block(i, sub_rows(i), *refs, **settings)
+    blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
 
 def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
-                 num_warps: int = 2, num_stages: int = 1, whole_chunks: bool = False, interpret: bool = False):
-    """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb [BH, Tp, K] fp32,
-    kg [BH, Tp, K] in parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K]
-    fp32, beta [B, Tp, H, 1] fp32 (Tp = N * CHUNK). Grid (B*H, N, CHUNK / SUB), or with whole_chunks (B*H, N),
-    one program doing a chunk's four sub-blocks in turn (its keys and gates read from memory once, not by four
-    programs); the keys are worked through block_k columns at a time (a power of two; default whole 128-key
-    rows, whose per-sub-block kernel measured 4.6 ms at B=1, T=32768, H=64 on an H200, BENCHMARKS.md)."""
+                 num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
+    """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
+    parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
+    fp32 (Tp = N * CHUNK). Grid (B*H, N, CHUNK / SUB); the keys are worked through block_k columns at a time (a
+    power of two; default whole 128-key rows)."""
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
-    rows = CHUNK if whole_chunks else SUB
-
-    def spec(shape, index):  # index(bh, n, i) -> block index; i = 0 for whole chunks
-        return pl.BlockSpec(shape, (lambda bh, n: index(bh, n, 0)) if whole_chunks else index)
-
-    inputs = lambda width: spec(  # noqa: E731
-        (None, rows, None, width), lambda bh, n, i: (bh // heads, n * (CHUNK // rows) + i, bh % heads, 0))
-    whole_chunk = spec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
-    outputs = lambda width: spec((None, rows, width), lambda bh, n, i: (bh, n * (CHUNK // rows) + i, 0))  # noqa: E731
-    per_chunk = spec((None, None, 1, key_dim), lambda bh, n, i: (bh, n, 0, 0))
+    own_rows = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
+    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
+    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
+    per_chunk = pl.BlockSpec((None, None, 1, key_dim), lambda bh, n, i: (bh, n, 0, 0))
     return pl.pallas_call(
-        functools.partial(_chunk_kernel if whole_chunks else _sub_block_kernel, scale=scale, l2norm=use_qk_l2norm,
-                          input_dtype=q.dtype, block_k=min(block_k, key_dim)),
-        grid=(flat, num_chunks) if whole_chunks else (flat, num_chunks, SUBS),  # axis 0 varies fastest
-        in_specs=[inputs(key_dim), whole_chunk, whole_chunk, inputs(1)],
-        out_specs=[outputs(key_dim), outputs(CHUNK), outputs(CHUNK), outputs(key_dim), outputs(key_dim), per_chunk],
+        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
+                          block_k=min(block_k, key_dim)),
+        grid=(flat, num_chunks, SUBS),  # axis 0 varies fastest
+        in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
+        out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(key_dim), out_rows(key_dim),
+                   per_chunk],
         out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32),
-                   jax.ShapeDtypeStruct((flat, padded, key_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
                    jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

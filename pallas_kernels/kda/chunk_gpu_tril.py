@@ -59,7 +59,7 @@ def gpu_dots(input_dtype) -> Dots:
 
 
 def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dtype):
-    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal, L_ij below it (above: not read); kb_ref [CHUNK, K] fp32,
+    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal, L_ij below it (above: not read); kb_ref [CHUNK, K],
     v_ref [CHUNK, V], beta_ref [CHUNK, 1]. X's blocks stay in registers; the rows of w and u of sub-block i are
     sums over j <= i of X_ij times sub-block j's rows (re-read per i from L1/L2: four [SUB, K] fp32 tiles alive
     at once would crowd the registers)."""
@@ -72,7 +72,8 @@ def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dt
             jnp.add, [dots.nn(block(i, m), inverse[m][j]) for m in range(j, i)])) for j in range(i)]
         inverse.append(below + [diagonal])
     for i in range(SUBS):
-        w = functools.reduce(jnp.add, [dots.nn(inverse[i][j], kb_ref[sub_rows(j), :]) for j in range(i + 1)])
+        w = functools.reduce(jnp.add, [dots.nn(inverse[i][j], kb_ref[sub_rows(j), :].astype(jnp.float32))
+                                       for j in range(i + 1)])
         u = functools.reduce(jnp.add, [
             dots.nn(inverse[i][j], beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32))
             for j in range(i + 1)])
@@ -80,12 +81,12 @@ def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dt
         u_ref[sub_rows(i), :] = u.astype(u_ref.dtype)
 
 
-def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int = 4, num_stages: int = 1,
+def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int = 2, num_stages: int = 1,
                interpret: bool = False):
     """(w [BH, Tp, K], u [BH, Tp, V] in parts_dtype): w = X kb, u = X (beta v) per chunk, X = (I + L)^-1 merged
     from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, the blocks
-    L_ij of L below it); kb [BH, Tp, K] fp32 (beta e^G k), v [B, Tp, H, V], beta [B, Tp, H, 1] fp32; products
-    as `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK)."""
+    L_ij of L below it); kb [BH, Tp, K] (beta e^G k, in the parts' dtype), v [B, Tp, H, V], beta [B, Tp, H, 1]
+    fp32; products as `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK)."""
     flat, padded, key_dim = kb.shape
     batch, _, heads, value_dim = v.shape
     rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
