@@ -6,7 +6,6 @@ one-hot baseline, and a tile sweep of the fused kernels.
     python scripts/bench_moe.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
     python scripts/bench_moe.py --no-sweep # without the tile sweep
     python scripts/bench_moe.py --no-sweep --profile /tmp/moe  # plus a trace of the fused layer per token count
-    python scripts/bench_moe.py --fp8-experts  # plus the fused kernels on block-FP8 expert weights
 
 For each token count:
 - unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
@@ -24,15 +23,6 @@ the share of the bf16 matmul peak measured in the same run (and of the 683 TFLOP
 for the fused whole layer also the rate counting all its matmuls (routed, shared expert, router). The sweep
 times each fused kernel alone over a few (block_m, block_n, block_k, num_warps, num_stages, min_block_m)
 variants.
-
-With --fp8-experts the expert weights are also quantized to block FP8 (float8_e4m3fn, one scale per 128 x 128
-block, scale = max|block| / 448, as the checkpoints store them) and the two fused kernels, alone and chained,
-run on the FP8 codes and scales (each weight tile dequantized to bf16 in the kernel) next to the bf16 weights,
-on the same FLOP count, once for each dot form (`fp8_weight_operand`): "fp8 (weights as A)", the dequantized
-weight tile as the dot's first operand (transposed products, one transpose per output tile), and "fp8 (weights
-as B)", as its second; the FP8 outputs are compared with the bf16 kernels on the dequantized weights (the same
-numbers up to fp32 summation order) and with the bf16 path on the original weights (the quantization error).
-The sweep then also runs on the FP8 weights, a few tiles (FP8_SWEEP) in each form.
 """
 
 from __future__ import annotations
@@ -52,12 +42,7 @@ from bench_common import median_seconds, rel_error  # noqa: E402
 from ling_jax import LingConfig  # noqa: E402
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
 from ling_jax.moe import MoE  # noqa: E402
-from pallas_kernels.moe.fused_gpu import (  # noqa: E402
-    dequantize_fp8_blocks,
-    down_scatter_gpu,
-    gather_swiglu_gpu,
-    quantize_fp8_blocks,
-)
+from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu  # noqa: E402
 from pallas_kernels.moe.gmm_gpu import FEW_ROWS_PER_GROUP  # noqa: E402
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul  # noqa: E402
 from pallas_kernels.moe.reference import swiglu  # noqa: E402
@@ -67,10 +52,12 @@ ISSUE_PEAK = 683e12  # the H200 bf16 peak issue 6 states its goal against
 # (block_m, block_n, block_k, num_warps, num_stages, min_block_m) of the sweep; the first of each list is the
 # default. min_block_m: the smallest row tile a group's last, partial tile shrinks to (= block_m: no shrinking).
 SWEEP = {
-    "many rows": {  # block_k 128: room in shared memory with FP8 weight tiles (min_block_m swept 2026-11-29)
-        "gather_swiglu": [(128, 128, 64, 8, 4, 32), (128, 128, 128, 8, 3, 32), (128, 128, 64, 8, 3, 32),
-                          (64, 128, 128, 4, 3, 32)],
-        "down_scatter": [(128, 256, 64, 8, 4, 32), (128, 256, 128, 8, 3, 32), (128, 128, 128, 8, 3, 32),
+    "many rows": {
+        "gather_swiglu": [(128, 128, 64, 8, 4, 32), (128, 128, 64, 8, 4, 128), (128, 128, 64, 8, 4, 64),
+                          (128, 128, 64, 8, 4, 16), (128, 128, 64, 8, 3, 32), (64, 128, 64, 4, 4, 16),
+                          (64, 256, 64, 8, 3, 16)],
+        "down_scatter": [(128, 256, 64, 8, 4, 32), (128, 256, 64, 8, 4, 128), (128, 256, 64, 8, 4, 64),
+                         (128, 256, 64, 8, 4, 16), (128, 256, 64, 8, 3, 32), (64, 256, 64, 8, 4, 16),
                          (128, 128, 64, 8, 4, 32)],
     },
     "few rows": {
@@ -78,16 +65,6 @@ SWEEP = {
         "down_scatter": [(16, 64, 128, 4, 4, 16), (16, 32, 128, 4, 4, 16), (32, 64, 128, 4, 4, 16)],
     },
 }
-# The sweep on FP8 weights, run once per dot form: the default tile and the best FP8 ones of the first sweep.
-FP8_SWEEP = {
-    "many rows": {
-        "gather_swiglu": [(128, 128, 64, 8, 4, 32), (128, 128, 128, 8, 3, 32)],
-        "down_scatter": [(128, 256, 64, 8, 4, 32), (128, 128, 128, 8, 3, 32)],
-    },
-    "few rows": SWEEP["few rows"],
-}
-# fp8_weight_operand: the name of its rows ("a": the dequantized weight tile is the dot's first operand).
-FP8_FORMS = {"a": "fp8 (weights as A)", "b": "fp8 (weights as B)"}
 
 
 def matmul_peak(iters: int, n: int = 8192) -> float:
@@ -147,130 +124,28 @@ def profile_calls(fn, args, directory: str, *, calls: int) -> None:
         jax.block_until_ready(out)
 
 
-def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, iters, scales=(None, None, None),
-                fp8_weight_operand="a"):
-    """Rows (kernel, tiles, ms, TFLOP/s) for each fused kernel alone over its tile variants; scales: the block
-    scales of gate, up and down when kernel_args holds FP8 codes (the rows' kernel names then end in the
-    FP8_FORMS name of fp8_weight_operand)."""
+def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, iters):
+    """Rows (kernel, tiles, ms, TFLOP/s) for each fused kernel alone over its tile variants."""
     x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
-    gate_scale, up_scale, down_scale = scales
-    gather = functools.partial(gather_swiglu_gpu, limit=limit, gate_scale=gate_scale, up_scale=up_scale,
-                               fp8_weight_operand=fp8_weight_operand, interpret=interpret)
-    scatter = functools.partial(down_scatter_gpu, down_scale=down_scale, fp8_weight_operand=fp8_weight_operand,
-                                interpret=interpret)
-    h_RI = gather(x_TD, source_R, sizes_E, gate, up)
+    h_RI = gather_swiglu_gpu(x_TD, source_R, sizes_E, gate, up, limit=limit, interpret=interpret)
     calls = {
-        "gather_swiglu": lambda tiles: (functools.partial(gather, **tiles), (x_TD, source_R, sizes_E, gate, up)),
-        "down_scatter": lambda tiles: (functools.partial(scatter, **tiles), (h_RI, order_R, row_weight_R, sizes_E,
-                                                                             down)),
+        "gather_swiglu": lambda tiles: (functools.partial(gather_swiglu_gpu, limit=limit, interpret=interpret,
+                                                          **tiles), (x_TD, source_R, sizes_E, gate, up)),
+        "down_scatter": lambda tiles: (functools.partial(down_scatter_gpu, interpret=interpret, **tiles),
+                                       (h_RI, order_R, row_weight_R, sizes_E, down)),
     }
     names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m")
     rows = []
     for kernel, tile_list in variants.items():
         for tiles in tile_list:
             fn, args = calls[kernel](dict(zip(names, tiles)))
-            name = kernel if gate_scale is None else f"{kernel} {FP8_FORMS[fp8_weight_operand]}"
             try:
                 seconds = median_seconds(fn, *args, iters=iters)
             except Exception as error:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal
-                print(f"  {name} {tiles}: failed: {str(error).splitlines()[0][:200]}")
+                print(f"  {kernel} {tiles}: failed: {str(error).splitlines()[0][:200]}")
                 continue
-            rows.append((name, tiles, seconds, flops_per_kernel[kernel] / seconds / 1e12))
+            rows.append((kernel, tiles, seconds, flops_per_kernel[kernel] / seconds / 1e12))
     return rows
-
-
-@jax.jit
-def device_rel_error(ours, ref):
-    """||ours - ref|| / ||ref|| in fp32 on the device (full-size outputs need not come to the host)."""
-    diff = ours.astype(jnp.float32) - ref.astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(diff * diff) / jnp.sum(ref.astype(jnp.float32) ** 2))
-
-
-def fp8_experts(gate, up, down):
-    """((codes, scale) of gate, up and down quantized to block FP8, and the weights they dequantize to, bf16)."""
-    quantized = [jax.jit(quantize_fp8_blocks)(weight) for weight in (gate, up, down)]
-    dequantize = jax.jit(functools.partial(dequantize_fp8_blocks, dtype=jnp.bfloat16))
-    return quantized, [dequantize(codes, scale) for codes, scale in quantized]
-
-
-def fused_kernel_calls(kernel_args, scales, *, limit, interpret, fp8_weight_operand="a"):
-    """(gather(gate, up) -> h, scatter(h, down) -> y, both(gate, up, down) -> y): the two fused kernels on
-    kernel_args' rows, and the two chained; scales: None for bf16 weights, else the block scales of FP8 gate, up
-    and down (their tiles then the dot operand fp8_weight_operand)."""
-    x_TD, source_R, order_R, row_weight_R, sizes_E = kernel_args[:5]
-    gate_scale, up_scale, down_scale = (None, None, None) if scales is None else scales
-
-    def gather(gate, up):
-        return gather_swiglu_gpu(x_TD, source_R, sizes_E, gate, up, limit=limit, gate_scale=gate_scale,
-                                 up_scale=up_scale, fp8_weight_operand=fp8_weight_operand, interpret=interpret)
-
-    def scatter(h_RI, down):
-        return down_scatter_gpu(h_RI, order_R, row_weight_R, sizes_E, down, down_scale=down_scale,
-                                fp8_weight_operand=fp8_weight_operand, interpret=interpret)
-
-    def both(gate, up, down):
-        return scatter(gather(gate, up), down)
-
-    return gather, scatter, both
-
-
-def timed_kernel_calls(calls, weights, h_RI, *, flops, iters):
-    """{kernel: (seconds, TFLOP/s)} of `fused_kernel_calls`' gather, scatter (on h) and both chained, on weights
-    (gate, up, down), the chained pair counting flops."""
-    gather, scatter, both = calls
-    timed = {"gather_swiglu": (2 * flops / 3, gather, weights[:2]),
-             "down_scatter": (flops / 3, scatter, (h_RI, weights[2])),
-             "both kernels": (flops, both, weights)}
-    results = {}
-    for name, (call_flops, fn, args) in timed.items():
-        seconds = median_seconds(fn, *args, iters=iters)
-        results[name] = (seconds, call_flops / seconds / 1e12)
-    return results
-
-
-def fp8_comparison(kernel_args, quantized, dequantized, *, flops, interpret, limit, iters):
-    """The fused kernels on bf16 weights and on block-FP8 ones in each FP8_FORMS form, each alone and chained:
-    {"bf16" or form name: {kernel: (seconds, TFLOP/s)}} on the bf16 path's FLOP count, and {form name: {output:
-    (rel. difference of FP8 vs the bf16 kernels on the dequantized weights, vs the bf16 kernels on the original
-    weights)}} for h, y alone (on the same h) and y chained."""
-    gate, up, down = kernel_args[5:]
-    codes = tuple(codes for codes, _ in quantized)
-    scales = tuple(scale for _, scale in quantized)
-    bf16_gather, bf16_scatter, bf16_both = bf16_calls = fused_kernel_calls(kernel_args, None, limit=limit,
-                                                                            interpret=interpret)
-    fp8_calls = {name: fused_kernel_calls(kernel_args, scales, limit=limit, interpret=interpret,
-                                          fp8_weight_operand=form) for form, name in FP8_FORMS.items()}
-    h_RI = bf16_gather(gate, up)
-    timed = functools.partial(timed_kernel_calls, h_RI=h_RI, flops=flops, iters=iters)
-    times = {"bf16": timed(bf16_calls, (gate, up, down)), **{name: timed(calls, codes)
-                                                             for name, calls in fp8_calls.items()}}
-    references = {  # (bf16 on the dequantized weights, bf16 on the original weights)
-        "h": (bf16_gather(*dequantized[:2]), h_RI),
-        "y": (bf16_scatter(h_RI, dequantized[2]), bf16_scatter(h_RI, down)),
-        "y chained": (bf16_both(*dequantized), bf16_both(gate, up, down)),
-    }
-    differences = {}
-    for name, (gather, scatter, both) in fp8_calls.items():
-        outputs = {"h": gather(*codes[:2]), "y": scatter(h_RI, codes[2]), "y chained": both(*codes)}
-        differences[name] = {output: tuple(float(device_rel_error(fp8, reference)) for reference in references[output])
-                             for output, fp8 in outputs.items()}
-    return times, differences
-
-
-def print_fp8_comparison(tokens, times, differences, peak, weight_bytes):
-    """weight_bytes: {"bf16": ..., "fp8": ...} bytes of expert weights (and scales) each kernel pair reads."""
-    print(f"\ntokens {tokens}: fused kernels on bf16 vs block-FP8 expert weights ({weight_bytes['bf16'] / 1e9:.3g} vs "
-          f"{weight_bytes['fp8'] / 1e9:.3g} GB of weights and scales, every expert)")
-    for kind, kernel_times in times.items():
-        kind_bytes = weight_bytes["bf16" if kind == "bf16" else "fp8"]
-        for name, (seconds, tflops) in kernel_times.items():
-            stream = f"  {kind_bytes / seconds / 1e9:7.0f} GB/s of weights" if name == "both kernels" else ""
-            print(f"  {kind:18s} {name:14s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  "
-                  f"{tflops * 1e12 / peak:6.1%} of peak{stream}")
-    for kind, kind_differences in differences.items():
-        for name, (vs_dequantized, vs_original) in kind_differences.items():
-            print(f"  {kind} {name}: rel. difference vs bf16 kernels on the dequantized weights {vs_dequantized:.2e}, "
-                  f"vs bf16 on the original weights {vs_original:.2e}")
 
 
 def print_table(rows, peak):
@@ -296,8 +171,6 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
     parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 3 calls of the fused whole layer "
                         "per token count under DIR/tokens<N> (read it with scripts/trace_summary.py --steps 3)")
-    parser.add_argument("--fp8-experts", action="store_true",
-                        help="also time the fused kernels on the expert weights quantized to block FP8")
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help="token counts to time (default 8192 64; --quick 256 16)")
     parser.add_argument("--backend", default=None,
@@ -325,10 +198,6 @@ def main(argv=None) -> int:
     gate, up, down = moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...]
     limit = moe.experts.limit
     graphdef, state = nnx.split(moe)
-    if args.fp8_experts:
-        quantized, dequantized = fp8_experts(gate, up, down)
-        weight_bytes = {"bf16": sum(w.nbytes for w in (gate, up, down)),
-                        "fp8": sum(codes.nbytes + scale.nbytes for codes, scale in quantized)}
     rows = []
     for tokens in token_counts:
         x_TD = jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16)
@@ -371,23 +240,11 @@ def main(argv=None) -> int:
             print(f"  {name:28s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  {tflops * 1e12 / peak:6.1%} of peak")
             rows.append((tokens, name, seconds, tflops))
         if not args.no_sweep and backend != "reference":
-            rows_kind = "few rows" if tokens * top_k <= FEW_ROWS_PER_GROUP * config.num_experts else "many rows"
-            sweep_over = functools.partial(sweep_tiles, flops_per_kernel={"gather_swiglu": 2 * flops / 3,
-                                                                          "down_scatter": flops / 3},
-                                           interpret=backend.startswith("interpret"), limit=limit, iters=args.iters)
-            sweep = sweep_over(kernel_args, SWEEP[rows_kind])
-            if args.fp8_experts:
-                for form in FP8_FORMS:
-                    sweep += sweep_over((*kernel_args[:5], *(codes for codes, _ in quantized)), FP8_SWEEP[rows_kind],
-                                        scales=tuple(scale for _, scale in quantized), fp8_weight_operand=form)
+            few_rows = tokens * top_k <= FEW_ROWS_PER_GROUP * config.num_experts
+            sweep = sweep_tiles(kernel_args, SWEEP["few rows" if few_rows else "many rows"],
+                                flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
+                                interpret=backend.startswith("interpret"), limit=limit, iters=args.iters)
             print_sweep(tokens, sweep)
-        if args.fp8_experts and backend != "reference":
-            fp8_times, differences = fp8_comparison(kernel_args, quantized, dequantized, flops=flops,
-                                                    interpret=backend.startswith("interpret"), limit=limit,
-                                                    iters=args.iters)
-            print_fp8_comparison(tokens, fp8_times, differences, peak, weight_bytes)
-            rows += [(tokens, f"{name}, {kind}", seconds, tflops)
-                     for kind, kernel_times in fp8_times.items() for name, (seconds, tflops) in kernel_times.items()]
     print_table(rows, peak)
     return 0
 

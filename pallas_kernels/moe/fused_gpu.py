@@ -11,13 +11,6 @@ expert, with no sorted copy of the activations and no unsort:
 Both reuse the grouped matmul's row tiling and K loop (`pallas_kernels.moe.gmm_gpu`): tiles never cross a
 group, a tail tile (rows past sum(group_sizes)) stores zeros; dest must be a permutation of [0, R), so every
 output row has exactly one owner.
-
-The expert weights may be block FP8 (float8_e4m3fn codes with one fp32 scale per 128 x 128 block, spec §6.2):
-the kernels then read the codes and scales and dequantize each weight tile in the K loop, in fp32, to the
-activations' dtype right before its dot (`gmm_gpu.dequantized_tile`), which halves the weight stream against
-bf16 weights and gives what the bf16 weights (codes * scale).astype(dtype) would. fp8_weight_operand picks the
-dot's form (`gmm_gpu.FP8_WEIGHT_OPERANDS`): "a" (the default) makes the dequantized tile the first operand,
-summing the transposed products [block_n, block_m] and transposing once per output tile; "b" the second.
 """
 
 from __future__ import annotations
@@ -29,14 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.moe.gmm_gpu import (
-    FP8_BLOCK,
-    call_over_row_tiles,
-    fp8_scale_shape,
-    output_tile,
-    row_tile_settings,
-    tile_products,
-)
+from pallas_kernels.moe.gmm_gpu import call_over_row_tiles, output_tile, row_tile_settings, tile_products
 from pallas_kernels.moe.masked import mask_2d, masked_load
 from pallas_kernels.moe.reference import swiglu
 
@@ -51,11 +37,9 @@ def _columns(col0, block: int):
     return (col0 + jnp.arange(block))[None, :]
 
 
-def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_ref, gate_ref, up_ref,
-                          *scale_and_h_refs, limit: float | None, fp8_weight_operand: str, column_tile,
-                          block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
-    """scale_and_h_refs: (gate_scale_ref, up_scale_ref, h_ref) for FP8 gate and up, else (h_ref,)."""
-    *scale_refs, h_ref = scale_and_h_refs
+def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_ref, gate_ref, up_ref, h_ref, *,
+                          limit: float | None, column_tile, block_m: int, block_n: int, block_k: int, mask_n: bool,
+                          mask_k: bool):
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, h_ref.shape[1],
                                                           column_tile=column_tile, block_m=block_m, block_n=block_n,
                                                           mask_n=mask_n)
@@ -65,17 +49,13 @@ def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_r
         return masked_load(x_ref.at[source_M1, _columns(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
 
     gate_MN, up_MN = tile_products(load_lhs, (gate_ref, up_ref), group, col0, block_m=block_m, block_n=block_n,
-                                   block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k,
-                                   rhs_scale_refs=tuple(scale_refs) or None, fp8_weight_operand=fp8_weight_operand)
+                                   block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k)
     plgpu.store(h_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
                 swiglu(gate_MN, up_MN, limit).astype(h_ref.dtype), mask=mask_2d(rows_ok_M, cols_ok_N))
 
 
-def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_weight_ref, h_ref, down_ref,
-                         *scale_and_y_refs, fp8_weight_operand: str, column_tile, block_m: int, block_n: int,
-                         block_k: int, mask_n: bool, mask_k: bool):
-    """scale_and_y_refs: (down_scale_ref, y_ref) for an FP8 down, else (y_ref,)."""
-    *scale_refs, y_ref = scale_and_y_refs
+def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_weight_ref, h_ref, down_ref, y_ref, *,
+                         column_tile, block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, y_ref.shape[1],
                                                           column_tile=column_tile, block_m=block_m, block_n=block_n,
                                                           mask_n=mask_n)
@@ -84,8 +64,7 @@ def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_we
         return masked_load(h_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
 
     (acc_MN,) = tile_products(load_lhs, (down_ref,), group, col0, block_m=block_m, block_n=block_n,
-                              block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k,
-                              rhs_scale_refs=tuple(scale_refs) or None, fp8_weight_operand=fp8_weight_operand)
+                              block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k)
     row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
     dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
     plgpu.store(y_ref.at[dest_M1, _columns(col0, block_n)], (acc_MN * row_weight_M[:, None]).astype(y_ref.dtype),
@@ -99,125 +78,53 @@ GATHER_SWIGLU_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 32, 32, 4, 3)}
 DOWN_SCATTER_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
 FEW_ROWS_GATHER_SWIGLU_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
 FEW_ROWS_DOWN_SCATTER_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
-_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "fp8_weight_operand",
-              "interpret")
-
-
-def _checked_scale(name: str, weight_GNK, scale):
-    """scale as fp32 for a float8_e4m3fn weight (None for another weight); ValueError naming the argument when
-    an FP8 weight lacks its block scales [G, ceil(N / 128), ceil(K / 128)] or they have another shape, or when
-    another weight has a scale."""
-    if weight_GNK.dtype != jnp.float8_e4m3fn:
-        if scale is not None:
-            raise ValueError(f"{name}_scale is given but {name} is {weight_GNK.dtype}, not float8_e4m3fn")
-        return None
-    expected = fp8_scale_shape(weight_GNK)
-    if scale is None or scale.shape != expected:
-        got = "none" if scale is None else f"shape {scale.shape}"
-        raise ValueError(f"{name} is float8_e4m3fn {weight_GNK.shape}: {name}_scale must be its fp32 block scales "
-                         f"of shape {expected} ({FP8_BLOCK} x {FP8_BLOCK} blocks), got {got}")
-    return scale.astype(jnp.float32)
-
-
-def _weight_operands(dtype, names, weights, scales):
-    """(weights, scales) as the kernels take them: float8_e4m3fn weights [G, N, K] as they are with their fp32
-    block scales, other weights cast to dtype with no scales (). All the weights must be FP8 or none."""
-    checked = [_checked_scale(name, weight, scale) for name, weight, scale in zip(names, weights, scales)]
-    if all(scale is None for scale in checked):
-        return tuple(weight.astype(dtype) for weight in weights), ()
-    if any(scale is None for scale in checked):
-        raise ValueError(f"{' and '.join(names)} must all be float8_e4m3fn or none of them, got "
-                         f"{', '.join(str(weight.dtype) for weight in weights)}")
-    return tuple(weights), tuple(checked)
+_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "interpret")
 
 
 def _over_row_tiles(kernel, group_sizes_G, operands, requested_tiles, *, num_rows: int, n_dim: int, k_dim: int,
-                    dtype, tiles, few_rows_tiles, fp8_weights: bool, min_block_m: int | None, interpret: bool,
-                    name: str):
+                    dtype, tiles, few_rows_tiles, min_block_m: int | None, interpret: bool, name: str):
     """[num_rows, n_dim] in dtype from `kernel` over the row tiles of the groups (empty for no rows); tiles:
-    the requested (block_m, block_n, block_k, num_warps, num_stages), None entries from the defaults, block_k
-    at most FP8_BLOCK with fp8_weights (a K tile stays in one scale block); min_block_m: the smallest row tile
-    a partial one shrinks to (`gmm_gpu.row_tile_sizes`)."""
+    the requested (block_m, block_n, block_k, num_warps, num_stages), None entries from the defaults;
+    min_block_m: the smallest row tile a partial one shrinks to (`gmm_gpu.row_tile_sizes`)."""
     if num_rows == 0:
         return jnp.zeros((0, n_dim), dtype)
     settings = row_tile_settings(dtype, requested_tiles, num_rows=num_rows, num_groups=group_sizes_G.shape[0],
                                  n_dim=n_dim, k_dim=k_dim, tiles=tiles, few_rows_tiles=few_rows_tiles)
-    if fp8_weights:
-        settings = settings._replace(block_k=min(settings.block_k, FP8_BLOCK))
     return call_over_row_tiles(kernel, group_sizes_G, operands, jax.ShapeDtypeStruct((num_rows, n_dim), dtype),
                                settings, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret, name=name,
                                min_block_m=min_block_m)
 
 
 @functools.partial(jax.jit, static_argnames=("limit", *_TILE_ARGS))
-def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit: float | None, gate_scale=None,
-                      up_scale=None, block_m: int | None = None, block_n: int | None = None,
-                      block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                      min_block_m: int | None = None, fp8_weight_operand: str = "a", interpret: bool = False):
+def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit: float | None,
+                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None, min_block_m: int | None = None,
+                      interpret: bool = False):
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
-    get zeros. source [R] int32 indexes x's rows (repeats allowed). gate and up [G, I, D] are cast to x's dtype,
-    or are both block FP8: float8_e4m3fn codes with gate_scale and up_scale [G, ceil(I / 128), ceil(D / 128)]
-    fp32, each tile dequantized in the kernel to (codes * scale).astype(x's dtype); block_k is then at most 128.
-    fp8_weight_operand: "a" or "b", the dot operand the dequantized tile is (module docstring); ignored for
-    weights that are not FP8. Tiles default to GATHER_SWIGLU_TILES (FEW_ROWS_GATHER_SWIGLU_TILES at decode
-    sizes)."""
+    get zeros. source [R] int32 indexes x's rows (repeats allowed). gate and up [G, I, D] are cast to x's dtype.
+    Tiles default to GATHER_SWIGLU_TILES (FEW_ROWS_GATHER_SWIGLU_TILES at decode sizes)."""
     width, hidden = gate_GID.shape[1:]
-    weights, scales = _weight_operands(x_XD.dtype, ("gate", "up"), (gate_GID, up_GID), (gate_scale, up_scale))
-    operands = (source_R.astype(jnp.int32), x_XD, *weights, *scales)
-    kernel = functools.partial(_gather_swiglu_kernel, limit=limit, fp8_weight_operand=fp8_weight_operand)
-    return _over_row_tiles(kernel, group_sizes_G, operands,
+    operands = (source_R.astype(jnp.int32), x_XD, gate_GID.astype(x_XD.dtype), up_GID.astype(x_XD.dtype))
+    return _over_row_tiles(functools.partial(_gather_swiglu_kernel, limit=limit), group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=source_R.shape[0],
                            n_dim=width, k_dim=hidden, dtype=x_XD.dtype, tiles=GATHER_SWIGLU_TILES,
-                           few_rows_tiles=FEW_ROWS_GATHER_SWIGLU_TILES, fp8_weights=bool(scales),
-                           min_block_m=min_block_m, interpret=interpret, name="gather_swiglu")
+                           few_rows_tiles=FEW_ROWS_GATHER_SWIGLU_TILES, min_block_m=min_block_m, interpret=interpret,
+                           name="gather_swiglu")
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_ARGS)
-def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, down_scale=None,
-                     block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None, min_block_m: int | None = None,
-                     fp8_weight_operand: str = "a", interpret: bool = False):
+def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, block_m: int | None = None,
+                     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, min_block_m: int | None = None, interpret: bool = False):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros. dest [R] int32 must be a permutation of [0, R); row_weight [R] fp32. down [G, D, I] is cast to h's
-    dtype, or is block FP8: float8_e4m3fn codes with down_scale [G, ceil(D / 128), ceil(I / 128)] fp32, each
-    tile dequantized in the kernel to (codes * scale).astype(h's dtype); block_k is then at most 128.
-    fp8_weight_operand: "a" or "b", the dot operand the dequantized tile is (module docstring); ignored for a
-    down that is not FP8. Tiles default to DOWN_SCATTER_TILES (FEW_ROWS_DOWN_SCATTER_TILES at decode sizes)."""
+    dtype. Tiles default to DOWN_SCATTER_TILES (FEW_ROWS_DOWN_SCATTER_TILES at decode sizes)."""
     hidden, width = down_GDI.shape[1:]
-    weights, scales = _weight_operands(h_RI.dtype, ("down",), (down_GDI,), (down_scale,))
-    operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, *weights, *scales)
-    kernel = functools.partial(_down_scatter_kernel, fp8_weight_operand=fp8_weight_operand)
-    return _over_row_tiles(kernel, group_sizes_G, operands,
+    operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, down_GDI.astype(h_RI.dtype))
+    return _over_row_tiles(_down_scatter_kernel, group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=h_RI.shape[0], n_dim=hidden,
                            k_dim=width, dtype=h_RI.dtype, tiles=DOWN_SCATTER_TILES,
-                           few_rows_tiles=FEW_ROWS_DOWN_SCATTER_TILES, fp8_weights=bool(scales),
-                           min_block_m=min_block_m, interpret=interpret, name="down_scatter")
-
-
-# Block-FP8 weights for callers and tests: quantized as the checkpoints are, and the dequantization the kernels
-# do per tile, applied to a whole array.
-FP8_MAX = 448.0  # the largest float8_e4m3fn
-
-
-def quantize_fp8_blocks(weight_GNK):
-    """(codes [G, N, K] float8_e4m3fn, scale [G, ceil(N / 128), ceil(K / 128)] fp32): weight ~ codes * scale per
-    128 x 128 block (partial at the edges), scale = max|block| / 448 (1 for a block of zeros)."""
-    num_groups, n_dim, k_dim = weight_GNK.shape
-    _, n_blocks, k_blocks = fp8_scale_shape(weight_GNK)
-    padded_GNK = jnp.pad(weight_GNK.astype(jnp.float32),
-                         ((0, 0), (0, n_blocks * FP8_BLOCK - n_dim), (0, k_blocks * FP8_BLOCK - k_dim)))
-    blocks = padded_GNK.reshape(num_groups, n_blocks, FP8_BLOCK, k_blocks, FP8_BLOCK)
-    scale = jnp.max(jnp.abs(blocks), axis=(2, 4)) / FP8_MAX
-    scale = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.clip(blocks / scale[:, :, None, :, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return codes.reshape(padded_GNK.shape)[:, :n_dim, :k_dim], scale
-
-
-def dequantize_fp8_blocks(codes_GNK, scale, dtype):
-    """(codes * scale of its block).astype(dtype), multiplied in fp32: the weights the kernels' FP8 path uses,
-    as a whole array (codes [G, N, K], scale [G, ceil(N / 128), ceil(K / 128)])."""
-    n_dim, k_dim = codes_GNK.shape[1:]
-    scale_GNK = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)
-    return (codes_GNK.astype(jnp.float32) * scale_GNK[:, :n_dim, :k_dim]).astype(dtype)
+                           few_rows_tiles=FEW_ROWS_DOWN_SCATTER_TILES, min_block_m=min_block_m, interpret=interpret,
+                           name="down_scatter")

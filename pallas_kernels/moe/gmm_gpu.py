@@ -11,9 +11,7 @@ cost. Column tiles vary fastest so the programs sharing a row tile of lhs run to
 a group's tiles are adjacent so its weight is read from HBM about once.
 
 The tiling (`row_tiles`, `call_over_row_tiles`, `output_tile`) and the K loop (`tile_products`) are shared with
-the fused expert kernels (`pallas_kernels.moe.fused_gpu`), which differ in how rows are loaded and what is stored;
-for them the K loop can also read block-FP8 weights, dequantizing each weight tile before its dot, with the
-weight tile as the first or the second operand of the dot (`FP8_WEIGHT_OPERANDS`).
+the fused expert kernels (`pallas_kernels.moe.fused_gpu`), which differ in how rows are loaded and what is stored.
 
 The same kernel with rhs read as [G, K, N] gives d_lhs = d_out @ rhs[g]; `grouped_weight_grad_gpu` gives
 d_rhs[g] = d_out[rows of g].T @ lhs[rows of g], one program per (K tile, N tile, group) walking the group's
@@ -33,80 +31,33 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe.masked import mask_2d, masked_load
 
 
-# Rows and columns of a block-FP8 weight that share one scale (spec §6.2: `weight_scale_inv`, 128 x 128 blocks).
-FP8_BLOCK = 128
-
-
-def fp8_scale_shape(weight_GNK) -> tuple[int, int, int]:
-    """Shape of the block scales of a block-FP8 weight [G, N, K]: [G, ceil(N / 128), ceil(K / 128)]."""
-    num_groups, n_dim, k_dim = weight_GNK.shape
-    return num_groups, pl.cdiv(n_dim, FP8_BLOCK), pl.cdiv(k_dim, FP8_BLOCK)
-
-
-def dequantized_tile(codes_NK, scale_ref, group, col0, k0, *, block_n: int, cols_ok_N, dtype):
-    """codes_NK, the FP8 tile [block_n, block_k] of rhs[group] at column col0 and K offset k0 (its K range inside
-    one scale block), as dtype: (codes * scale[group, column // 128, k0 // 128]).astype(dtype), multiplied in
-    fp32. scale_ref [G, ceil(N / 128), ceil(K / 128)] fp32; columns outside cols_ok_N read no scale."""
-    blocks_N = (col0 + jnp.arange(block_n)) // FP8_BLOCK
-    scale_N = masked_load(scale_ref.at[group, blocks_N, k0 // FP8_BLOCK], cols_ok_N)
-    return (codes_NK.astype(jnp.float32) * scale_N[:, None]).astype(dtype)
-
-
-# Which MMA operand a dequantized FP8 weight tile is (`tile_products`): "a", the weights times the activations
-# transposed (on sm90 wgmma reads A from registers, where the tile is converted), or "b", the activations times
-# the weights transposed (wgmma reads B from shared memory, so the converted tile goes back through it).
-FP8_WEIGHT_OPERANDS = ("a", "b")
-
-
 def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int, block_k: int, cols_ok_N,
-                  mask_k: bool, rhs_transposed: bool = False, rhs_scale_refs=None, fp8_weight_operand: str = "a"):
+                  mask_k: bool, rhs_transposed: bool = False):
     """One fp32 [block_m, block_n] accumulator per ref in rhs_refs: the sum over K tiles of lhs tile @ rhs[group]
-    tile, rhs [G, N, K] (or [G, K, N] with rhs_transposed) in lhs's dtype. load_lhs(k0, k_ok_K) gives the lhs
-    tile [block_m, block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros.
-
-    rhs_scale_refs: None, or one block-scale ref [G, ceil(N / 128), ceil(K / 128)] fp32 per rhs ref, the rhs
-    then float8_e4m3fn [G, N, K] (not rhs_transposed): each rhs tile is dequantized to lhs's dtype right before
-    its dot (`dequantized_tile`), so block_k must divide 128. fp8_weight_operand (FP8_WEIGHT_OPERANDS, ignored
-    without rhs_scale_refs): "a" sums rhs_NK @ lhs_MK.T into [block_n, block_m] accumulators and transposes each
-    once after the K loop; "b" sums lhs_MK @ rhs_NK.T."""
+    tile, rhs [G, N, K] (or [G, K, N] with rhs_transposed). load_lhs(k0, k_ok_K) gives the lhs tile [block_m,
+    block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros."""
     num_groups = rhs_refs[0].shape[0]
     k_dim = rhs_refs[0].shape[1 if rhs_transposed else 2]
-    if rhs_scale_refs is not None and (rhs_transposed or FP8_BLOCK % block_k):
-        raise ValueError(f"block-FP8 rhs needs rhs [G, N, K] and block_k dividing {FP8_BLOCK}, got "
-                         f"rhs_transposed={rhs_transposed}, block_k={block_k}")
-    if fp8_weight_operand not in FP8_WEIGHT_OPERANDS:
-        raise ValueError(f"fp8_weight_operand must be one of {FP8_WEIGHT_OPERANDS}, got {fp8_weight_operand!r}")
-    weights_as_a = rhs_scale_refs is not None and fp8_weight_operand == "a"
+    allow_tf32 = rhs_refs[0].dtype != jnp.float32
 
-    def rhs_product(lhs_MK, rhs_ref, scale_ref, k0, k_ok_K):
-        """lhs tile @ rhs tile [block_m, block_n], or its transpose [block_n, block_m] with weights_as_a."""
-        allow_tf32 = lhs_MK.dtype != jnp.float32
+    def rhs_product(lhs_MK, rhs_ref, k0, k_ok_K):
         if rhs_transposed:
             rhs_KN = masked_load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)],
                                  mask_2d(k_ok_K, cols_ok_N))
             return plgpu.dot(lhs_MK, rhs_KN, allow_tf32=allow_tf32)
         rhs_NK = masked_load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
-        if scale_ref is not None:
-            rhs_NK = dequantized_tile(rhs_NK, scale_ref, group, col0, k0, block_n=block_n, cols_ok_N=cols_ok_N,
-                                      dtype=lhs_MK.dtype)
-        if weights_as_a:
-            return plgpu.dot(rhs_NK, lhs_MK, trans_b=True, allow_tf32=allow_tf32)
         return plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
-
-    scale_refs = (None,) * len(rhs_refs) if rhs_scale_refs is None else rhs_scale_refs
 
     def k_body(step, accs):
         k0 = step * block_k
         k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
         lhs_MK = load_lhs(k0, k_ok_K)
-        return tuple(acc + rhs_product(lhs_MK, rhs_ref, scale_ref, k0, k_ok_K)
-                     for acc, rhs_ref, scale_ref in zip(accs, rhs_refs, scale_refs))
+        return tuple(acc_MN + rhs_product(lhs_MK, rhs_ref, k0, k_ok_K) for acc_MN, rhs_ref in zip(accs, rhs_refs))
 
     # A clip, as Triton's lowering turns a jnp.where of two constants into i1.
     num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)
-    acc_shape = (block_n, block_m) if weights_as_a else (block_m, block_n)
-    accs = jax.lax.fori_loop(0, num_steps, k_body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in rhs_refs))
-    return tuple(acc_NM.T for acc_NM in accs) if weights_as_a else accs
+    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in rhs_refs)
+    return jax.lax.fori_loop(0, num_steps, k_body, zeros)
 
 
 def output_tile(group_ref, row_start_ref, row_end_ref, n_dim: int, *, column_tile, block_m: int, block_n: int,

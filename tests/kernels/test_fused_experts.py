@@ -1,9 +1,8 @@
 """The fused routed-expert kernels (`gather_swiglu`: rows gathered in the kernel, gate + up + SwiGLU in one pass;
 `down_scatter`: row-weighted down projection stored through the sort permutation): Pallas interpret mode and the
 jnp reference against float64 numpy loops, gradients against the reference path, the GPU grouped FFN
-(`grouped_local_moe`, `grouped_expert_ffn`, expert parallel) against the dense baseline; the block-FP8 weight
-path against the same kernels on the dequantized weights; CUDA lowering at Ling-3.1-flash size; the compiled
-kernels on a GPU."""
+(`grouped_local_moe`, `grouped_expert_ffn`, expert parallel) against the dense baseline; CUDA lowering at
+Ling-3.1-flash size; the compiled kernels on a GPU."""
 
 from __future__ import annotations
 
@@ -23,14 +22,8 @@ from ling_jax.expert_ffn import (
     unfused_local_moe,
 )
 from ling_jax.expert_parallel import moe_parallel
-from ling_jax.quant import dequantize_fp8_block
 from ling_jax.sharding import make_mesh
-from pallas_kernels.moe.fused_gpu import (
-    dequantize_fp8_blocks,
-    down_scatter_gpu,
-    gather_swiglu_gpu,
-    quantize_fp8_blocks,
-)
+from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu
 from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu
 from pallas_kernels.moe.reference import swiglu
@@ -39,9 +32,6 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 BACKENDS = pytest.mark.parametrize("backend", ["interpret_gpu", "reference"])
 LIMITS = pytest.mark.parametrize("limit", [None, 0.9], ids=["no-limit", "limit"])
-# The dot operand a dequantized FP8 weight tile is: "a", the weights times the activations transposed (transposed
-# accumulators), or "b", the activations times the weights transposed.
-FP8_WEIGHT_OPERANDS = pytest.mark.parametrize("fp8_weight_operand", ["a", "b"], ids=["weights-as-a", "weights-as-b"])
 
 # (tokens, top_k, experts, hidden D, width I): token-expert rows not a multiple of any tile, D and I off the
 # default tiles, one token, top-1. Every case has an empty expert (0), an expert with one row (1) and an
@@ -167,151 +157,6 @@ def test_kernels_with_small_tiles(tiles):
     y = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down),
                          **args)
     assert rel_error(y, float64_down_scatter(np.asarray(h), order, row_weight, sizes, down)) <= TOL[jnp.float32]
-
-
-# (tokens, top_k, experts, hidden D, width I) for block-FP8 weights: D and I over one 128 scale block and not a
-# multiple of it; with block_n 256, down's D = 300 has padded columns (384..511) a block past its last scale block.
-FP8_CASE = (29, 3, 7, 300, 136)
-
-
-def block_fp8(weight_GNK, seed):
-    """(codes, scale) of the weight times a random power of two per 128 x 128 block (scales of many sizes)."""
-    num_groups, n_dim, k_dim = weight_GNK.shape
-    r = np.random.default_rng(seed)
-    factor = 2.0 ** r.uniform(-4, 4, (num_groups, -(-n_dim // 128), -(-k_dim // 128)))
-    factor_GNK = np.repeat(np.repeat(factor, 128, axis=1), 128, axis=2)[:, :n_dim, :k_dim]
-    return quantize_fp8_blocks(jnp.asarray(weight_GNK * factor_GNK, jnp.float32))
-
-
-def fp8_inputs(dtype, seed):
-    """(x, row weights, source, order, sizes, h, quantized (codes, scale) of gate, up, down) for FP8_CASE;
-    x and h as dtype, h random."""
-    tokens, top_k, num_experts, hidden, width = FP8_CASE
-    x, weights, experts, gate, up, down = random_case(tokens, top_k, num_experts, hidden, width, dtype, seed)
-    order, sizes, source = sorted_rows(experts, num_experts)
-    h = jnp.asarray(random_h(len(order), width, dtype, seed + 1), dtype)
-    quantized = [block_fp8(w, seed + i) for i, w in enumerate((gate, up, down))]
-    return jnp.asarray(x, dtype), weights.reshape(-1)[order], source, order, sizes, h, quantized
-
-
-def fp8_and_dequantized_kernels(x, row_weight, source, order, sizes, h, quantized, dtype, tiles,
-                                fp8_weight_operand):
-    """{"h": (FP8 gather_swiglu, bf16-path gather_swiglu), "y": (the same for down_scatter on h)}: the kernels
-    on FP8 codes and scales (the weight tiles as the dot operand fp8_weight_operand), and on the weights
-    dequantized as (codes * scale).astype(dtype)."""
-    (gate, gate_scale), (up, up_scale), (down, down_scale) = quantized
-    dequantized = [dequantize_fp8_blocks(codes, scale, dtype) for codes, scale in quantized]
-    gather = functools.partial(gather_swiglu_gpu, x, jnp.asarray(source), jnp.asarray(sizes), limit=0.9,
-                               interpret=True, **tiles)
-    scatter = functools.partial(down_scatter_gpu, h, jnp.asarray(order), jnp.asarray(row_weight),
-                                jnp.asarray(sizes), interpret=True, **tiles)
-    return {"h": (gather(gate, up, gate_scale=gate_scale, up_scale=up_scale, fp8_weight_operand=fp8_weight_operand),
-                  gather(*dequantized[:2])),
-            "y": (scatter(down, down_scale=down_scale, fp8_weight_operand=fp8_weight_operand),
-                  scatter(dequantized[2]))}
-
-
-# The FP8 path against the bf16 path on dequantized weights: rounding of the fp32 sums at most (the same tiles
-# and order: in practice equal).
-FP8_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2e-2}
-
-
-# (block_m, block_n, block_k): the defaults; small tiles (several K steps per scale block, column tiles inside
-# one); wide ones (a column tile over two scale blocks, block_k 256 clipped to one scale block).
-@pytest.mark.parametrize("tiles", [None, (16, 32, 16), (16, 256, 256)], ids=["default", "small", "wide"])
-@FP8_WEIGHT_OPERANDS
-@DTYPES
-def test_fp8_kernels_match_the_kernels_on_dequantized_weights(tiles, fp8_weight_operand, dtype):
-    x, row_weight, source, order, sizes, h, quantized = fp8_inputs(dtype, seed=21)
-    tile_args = {} if tiles is None else dict(zip(("block_m", "block_n", "block_k"), tiles))
-    outputs = fp8_and_dequantized_kernels(x, row_weight, source, order, sizes, h, quantized, dtype, tile_args,
-                                          fp8_weight_operand)
-    what = f"{jnp.dtype(dtype).name} tiles {tiles}, weights as {fp8_weight_operand}"
-    for name, (fp8, dequantized) in outputs.items():
-        assert fp8.dtype == dtype and fp8.shape == dequantized.shape
-        err = rel_error(fp8.astype(jnp.float32), dequantized.astype(jnp.float32))
-        print(f"{name} {what}: rel. error vs dequantized weights {err:.2e}")
-        assert err <= FP8_TOL[dtype], f"{name} {what}: rel. error {err:.2e}"
-
-
-def kernel_jaxprs(weights, scales, fp8_weight_operand):
-    """The jaxprs (text) of gather_swiglu and down_scatter on FP8_CASE-sized zero inputs with weights (gate, up,
-    down) and scales (their block scales or Nones), the weight tiles as the dot operand fp8_weight_operand."""
-    tokens, top_k, num_experts, hidden, width = FP8_CASE
-    rows, sizes = tokens * top_k, jnp.zeros((num_experts,), jnp.int32)
-    (gate, up, down), (gate_scale, up_scale, down_scale) = weights, scales
-    gather = functools.partial(gather_swiglu_gpu, limit=None, gate_scale=gate_scale, up_scale=up_scale,
-                               fp8_weight_operand=fp8_weight_operand, interpret=True)
-    scatter = functools.partial(down_scatter_gpu, down_scale=down_scale, fp8_weight_operand=fp8_weight_operand,
-                                interpret=True)
-    return (str(jax.make_jaxpr(gather)(jnp.zeros((tokens, hidden), jnp.bfloat16), jnp.arange(rows), sizes, gate,
-                                       up)),
-            str(jax.make_jaxpr(scatter)(jnp.zeros((rows, width), jnp.bfloat16), jnp.arange(rows), jnp.ones((rows,)),
-                                        sizes, down)))
-
-
-def test_fp8_weight_operand_transposes_only_fp8_accumulators():
-    """Weights as a: the FP8 kernels transpose their accumulators, as b they transpose nothing; bf16 weights
-    give the same kernels whatever fp8_weight_operand says."""
-    quantized = fp8_inputs(jnp.bfloat16, seed=23)[-1]
-    codes, scales = tuple(c for c, _ in quantized), tuple(s for _, s in quantized)
-    bf16 = tuple(w.astype(jnp.bfloat16) for w in codes)
-    assert kernel_jaxprs(bf16, (None,) * 3, "a") == kernel_jaxprs(bf16, (None,) * 3, "b")
-    assert not any("transpose" in text for text in kernel_jaxprs(codes, scales, "b"))
-    assert all("transpose" in text for text in kernel_jaxprs(codes, scales, "a"))
-
-
-def test_fp8_kernels_reject_an_unknown_weight_operand():
-    quantized = fp8_inputs(jnp.bfloat16, seed=24)[-1]
-    with pytest.raises(ValueError, match="fp8_weight_operand"):
-        kernel_jaxprs(tuple(c for c, _ in quantized), tuple(s for _, s in quantized), "c")
-
-
-def test_fp8_kernels_match_the_spec_formula_in_float64():
-    """W[g, r, c] = fp8[g, r, c] * scale[g, r // 128, c // 128] (ling_jax.quant, spec §6.2), then float64 loops."""
-    x, row_weight, source, order, sizes, h, quantized = fp8_inputs(jnp.float32, seed=22)
-    (gate, gate_scale), (up, up_scale), (down, down_scale) = quantized
-    gate64, up64, down64 = (np.stack([dequantize_fp8_block(np.asarray(c), np.asarray(s), (128, 128))
-                                      for c, s in zip(codes, scale)]).astype(np.float64)
-                            for codes, scale in quantized)
-    h_fp8 = gather_swiglu_gpu(x, jnp.asarray(source), jnp.asarray(sizes), gate, up, limit=0.9, gate_scale=gate_scale,
-                              up_scale=up_scale, interpret=True)
-    assert rel_error(h_fp8, float64_gather_swiglu(np.asarray(x), source, sizes, gate64, up64, 0.9)) <= TOL[jnp.float32]
-    y_fp8 = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), down,
-                             down_scale=down_scale, interpret=True)
-    y64 = float64_down_scatter(np.asarray(h), order, row_weight, sizes, down64)
-    assert rel_error(y_fp8, y64) <= TOL[jnp.float32]
-
-
-def bad_scale_calls():
-    """(argument named in the error, call) for FP8 weights with missing or misshapen scales, a scale for a bf16
-    weight, FP8 gate with bf16 up."""
-    tokens, top_k, num_experts, hidden, width = FP8_CASE
-    x = jnp.zeros((tokens, hidden), jnp.bfloat16)
-    rows, sizes = tokens * top_k, jnp.zeros((num_experts,), jnp.int32)
-    index_R, row_weight_R, h = jnp.arange(rows), jnp.ones((rows,)), jnp.zeros((rows, width), jnp.bfloat16)
-    gate = up = jnp.zeros((num_experts, width, hidden), jnp.float8_e4m3fn)
-    down = jnp.zeros((num_experts, hidden, width), jnp.float8_e4m3fn)
-    gate_scale = up_scale = jnp.ones((num_experts, 2, 3))
-    down_scale = jnp.ones((num_experts, 3, 2))
-    gather = functools.partial(gather_swiglu_gpu, x, index_R, sizes, limit=None, interpret=True)
-    scatter = functools.partial(down_scatter_gpu, h, index_R, row_weight_R, sizes, interpret=True)
-    return {
-        "missing gate_scale": ("gate_scale", lambda: gather(gate, up, up_scale=up_scale)),
-        "transposed up_scale": ("up_scale", lambda: gather(gate, up, gate_scale=gate_scale,
-                                                           up_scale=jnp.ones((num_experts, 3, 2)))),
-        "missing down_scale": ("down_scale", lambda: scatter(down)),
-        "down_scale of one expert": ("down_scale", lambda: scatter(down, down_scale=down_scale[:1])),
-        "down_scale for bf16 down": ("down_scale", lambda: scatter(down.astype(jnp.bfloat16), down_scale=down_scale)),
-        "FP8 gate, bf16 up": ("gate and up", lambda: gather(gate, up.astype(jnp.bfloat16), gate_scale=gate_scale)),
-    }
-
-
-@pytest.mark.parametrize("case", sorted(bad_scale_calls()))
-def test_fp8_kernels_reject_missing_or_misshapen_scales(case):
-    argument, call = bad_scale_calls()[case]
-    with pytest.raises(ValueError, match=argument):
-        call()
 
 
 def test_no_rows_in_any_expert_gives_zeros():
@@ -455,31 +300,6 @@ def test_gpu_kernels_lower_for_cuda_at_ling_flash_size():
         assert kernel in text, kernel
 
 
-@FP8_WEIGHT_OPERANDS
-def test_fp8_kernels_lower_for_cuda_at_ling_flash_size(fp8_weight_operand):
-    """The two fused kernels on block-FP8 gate, up and down at 8192 tokens, top-8 of 512 experts, hidden 4096,
-    width 1024, bf16 activations, the weight tiles as either dot operand: the FP8 codes and scales go into the
-    Triton calls as they are."""
-    shape = jax.ShapeDtypeStruct
-    rows, fp8 = 8192 * 8, jnp.float8_e4m3fn
-    args = (shape((8192, 4096), jnp.bfloat16), shape((rows,), jnp.int32), shape((rows,), jnp.int32),
-            shape((rows,), jnp.float32), shape((512,), jnp.int32), shape((512, 1024, 4096), fp8),
-            shape((512, 1024, 4096), fp8), shape((512, 4096, 1024), fp8), shape((512, 8, 32), jnp.float32),
-            shape((512, 8, 32), jnp.float32), shape((512, 32, 8), jnp.float32))
-
-    def fused(x, source, order, row_weight, sizes, gate, up, down, gate_scale, up_scale, down_scale):
-        h = gather_swiglu_gpu(x, source, sizes, gate, up, limit=7.0, gate_scale=gate_scale, up_scale=up_scale,
-                              fp8_weight_operand=fp8_weight_operand)
-        return down_scatter_gpu(h, order, row_weight, sizes, down, down_scale=down_scale,
-                                fp8_weight_operand=fp8_weight_operand)
-
-    text = lower_for_cuda(fused, *args).as_text()
-    triton_calls = [line for line in text.splitlines() if "xla.gpu.triton" in line]
-    assert len(triton_calls) == 2
-    assert all("512x8x32xf32" in call or "512x32x8xf32" in call for call in triton_calls)
-    assert "tensor<512x1024x4096xf8E4M3FN>" in text and "tensor<512x4096x1024xf8E4M3FN>" in text
-
-
 ON_GPU = pytest.mark.skipif(
     jax.default_backend() != "gpu",
     reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
@@ -580,30 +400,3 @@ def test_fused_kernels_partial_row_tiles_shrink_to_the_rows_they_hold(min_block_
     y = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down),
                          **args)
     assert rel_error(y, float64_down_scatter(np.asarray(h), order, row_weight, sizes, down)) <= TOL[jnp.float32]
-
-
-@pytest.mark.gpu
-@ON_GPU
-@FP8_WEIGHT_OPERANDS
-def test_compiled_fp8_kernels_at_ling_flash_size_match_the_kernels_on_dequantized_weights(fp8_weight_operand):
-    """8192 tokens, top-8 of 512 experts, hidden 4096, width 1024, bf16 activations: the fused kernels on
-    block-FP8 weights (the weight tiles as either dot operand) against the same kernels on the weights
-    dequantized to bf16, both compiled."""
-    x, weights, experts, gate, up, down = moe_args_sized(8192, 8, 512, 4096, 1024, seed=19)
-    order, sizes = sort_by_expert(experts.reshape(-1), 512)
-    source, row_weight = order // 8, weights.reshape(-1)[order]
-    (gate, gate_scale), (up, up_scale), (down, down_scale) = (jax.jit(quantize_fp8_blocks)(w) for w in (gate, up,
-                                                                                                       down))
-    dequantize = jax.jit(dequantize_fp8_blocks, static_argnums=2)
-    h = gather_swiglu_gpu(x, source, sizes, dequantize(gate, gate_scale, jnp.bfloat16),
-                          dequantize(up, up_scale, jnp.bfloat16), limit=7.0)
-    h_fp8 = gather_swiglu_gpu(x, source, sizes, gate, up, limit=7.0, gate_scale=gate_scale, up_scale=up_scale,
-                              fp8_weight_operand=fp8_weight_operand)
-    y = down_scatter_gpu(h, order, row_weight, sizes, dequantize(down, down_scale, jnp.bfloat16))
-    y_fp8 = down_scatter_gpu(h, order, row_weight, sizes, down, down_scale=down_scale,
-                             fp8_weight_operand=fp8_weight_operand)
-    for name, ours, ref in (("h", h_fp8, h), ("y", y_fp8, y)):
-        err = device_rel_error(ours, ref)
-        print(f"{name}: FP8 kernels (weights as {fp8_weight_operand}) vs the kernels on dequantized weights, "
-              f"rel. error {float(err):.2e}")
-        assert err <= FP8_TOL[jnp.bfloat16], f"{name}: rel. error {float(err):.2e}"
