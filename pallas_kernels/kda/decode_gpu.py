@@ -33,26 +33,21 @@ def _normalized(x_ref, use_qk_l2norm):
     return x_K * _inverse_norm(x_K, use_qk_l2norm)
 
 
-def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm,
-                 state_eviction):
+def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm):
     """One sequence-head's update of its [K, bv] state slice."""
     q_K, k_K = _normalized(q_ref, use_qk_l2norm), _normalized(k_ref, use_qk_l2norm)
-    state_KV = plgpu.load(state_ref, eviction_policy=state_eviction) * jnp.exp(g_ref[...])[:, None]
+    state_KV = state_ref[...] * jnp.exp(g_ref[...])[:, None]
     delta_V = beta_ref[...] * (v_ref[...].astype(jnp.float32) - jnp.sum(k_K[:, None] * state_KV, 0))
     state_KV = state_KV + k_K[:, None] * delta_V[None, :]
-    plgpu.store(new_state_ref, state_KV, eviction_policy=state_eviction)
+    new_state_ref[...] = state_KV
     o_ref[...] = jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "state_eviction",
-                                             "interpret"),
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
                    donate_argnames=("state_BHKV",))
 def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        block_v: int = 64, num_warps: int = 4, state_eviction: str | None = None,
-                        interpret: bool = False):
-    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
-    state_eviction: Triton's L2 eviction policy for the state's load and store (None, "evict_first" for a
-    stream read and written once)."""
+                        block_v: int = 64, num_warps: int = 4, interpret: bool = False):
+    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state)."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
     block_v = min(block_v, value_dim)
@@ -64,7 +59,7 @@ def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scal
     value_block = pl.BlockSpec((None, block_v), lambda j, i: (i, j))
     state_block = pl.BlockSpec((None, key_dim, block_v), lambda j, i: (i, 0, j))
     o, state = pl.pallas_call(
-        functools.partial(_step_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm, state_eviction=state_eviction),
+        functools.partial(_step_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm),
         grid=(pl.cdiv(value_dim, block_v), flat),
         in_specs=[row, row, value_block, row, pl.BlockSpec((None,), lambda j, i: (i,)), state_block],
         out_specs=[value_block, state_block],
