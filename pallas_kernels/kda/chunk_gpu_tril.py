@@ -1,4 +1,5 @@
-"""The (I + L)^-1 of a KDA chunk on GPU (L strictly lower [64, 64], held as 16x16 blocks), in two stages:
+"""The (I + L)^-1 of a KDA chunk on GPU (L strictly lower [64, 64], held as 16x16 blocks), in two stages, and the
+WY factors it multiplies:
 
 1. `unit_lower_inverse_16`, inside phase 1's block-row kernel: the inverse of one diagonal block, a row at a
    time in registers, no products. Row c of X = (I + L)^-1 is e_c - sum_{j<c} L[c, j] X[j, :]; the block is
@@ -88,7 +89,7 @@ def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int 
     L_ij of L below it); kb [BH, Tp, K] (beta e^G k, in the parts' dtype), v [B, Tp, H, V], beta [B, Tp, H, 1]
     fp32; products as `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK)."""
     flat, padded, key_dim = kb.shape
-    batch, _, heads, value_dim = v.shape
+    _, _, heads, value_dim = v.shape
     rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
     heads_layout = lambda width: pl.BlockSpec(  # noqa: E731
         (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))
