@@ -60,10 +60,31 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
+def _other_sub_blocks_unrolled(i, g_ref, column_blocks, products_with, store_earlier, store_zeros):
+    """The work against the other sub-blocks j != i as straight-line code over every j (stores predicated on
+    j < i or j > i; the products of j >= i computed and dropped), rather than loops of i and 3 - i steps whose
+    trip counts depend on the program id. Returns (o_i, t_{i+1} + ... + t_3) per column block."""
+    totals = [[jnp.sum(g_ref[sub_rows(m), columns] * LOG2_E, axis=0, keepdims=True) for columns in column_blocks]
+              for m in range(SUBS)]  # t_m
+
+    def span(first, end):  # t_first + ... + t_{end-1} per column block (bounds static or traced)
+        return tuple(functools.reduce(jnp.add, [
+            totals[m][c] * jnp.logical_and(first <= m, m < end).astype(jnp.float32) for m in range(SUBS)])
+            for c in range(len(column_blocks)))
+
+    for j in range(SUBS - 1):
+        a_qk, L, _ = products_with(j, span(j + 1, i))
+        pl.when(j < i)(functools.partial(store_earlier, j, a_qk, L))
+    for j in range(1, SUBS):
+        pl.when(j > i)(functools.partial(store_zeros, j))
+    return span(0, i), span(i + 1, SUBS)
+
+
 def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale, l2norm,
-            input_dtype, block_k):
+            input_dtype, block_k, unrolled):
     """Sub-block i's rows of every output (k_ref and g_ref: the whole chunk; the other refs: sub-block i's rows).
-    Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
+    Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k]).
+    unrolled: `_other_sub_blocks_unrolled` for the loops over the other sub-blocks."""
     dots = gpu_dots(input_dtype)
     i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
@@ -83,30 +104,46 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg
                 log_decay, jnp.sum(g_i, axis=0, keepdims=True))
 
     decayed = [own_rows(columns) for columns in column_blocks]  # once, not once per earlier sub-block
-    zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
 
-    def earlier_block(m, gaps):  # sub-block j = i - 1 - m; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}
-        j = i - 1 - m
+    def products_with(j, gaps):
+        """(a_qk, L) blocks of sub-block i's rows against the columns of sub-block j < i, and j's gate totals t_j
+        per column block; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}."""
         scale_j = _inverse_norms(k_ref, sub_rows(j), column_blocks, l2norm)
-        a_qk, L, new_gaps = zeros_SUBSUB, zeros_SUBSUB, []
+        a_qk, L, totals = zeros_SUBSUB, zeros_SUBSUB, []
         for columns, gap, (q_left, k_left, *_) in zip(column_blocks, gaps, decayed):
             g_j = g_ref[sub_rows(j), columns] * LOG2_E
             total = jnp.sum(g_j, axis=0, keepdims=True)
             right = (k_ref[sub_rows(j), columns].astype(jnp.float32) * scale_j
                      * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN))  # e^{o_i - G_s - S}
             a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
-            new_gaps.append(gap + total)
+            totals.append(total)
+        return a_qk, L, totals
+
+    def store_earlier(j, a_qk, L):
         a_ref[:, sub_rows(j)] = a_qk.astype(a_ref.dtype)
         blocks_ref[:, sub_rows(j)] = beta_SUB1 * L
-        return tuple(new_gaps)
 
-    def later_block(j, sums):  # sub-block j > i: its a_qk block is zero; sums[c] = t_{i+1} + ... + t_{j-1}
+    def store_zeros(j):  # a_qk's block right of the diagonal
         a_ref[:, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
-        return tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
-                     for total, columns in zip(sums, column_blocks))
 
-    offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
-    later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
+    if unrolled:
+        offsets, later = _other_sub_blocks_unrolled(i, g_ref, column_blocks, products_with, store_earlier,
+                                                    store_zeros)
+    else:
+        def earlier_block(m, gaps):  # sub-block j = i - 1 - m
+            j = i - 1 - m
+            a_qk, L, totals = products_with(j, gaps)
+            store_earlier(j, a_qk, L)
+            return tuple(gap + total for gap, total in zip(gaps, totals))
+
+        def later_block(j, sums):  # sub-block j > i; sums[c] = t_{i+1} + ... + t_{j-1}
+            store_zeros(j)
+            return tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
+                         for total, columns in zip(sums, column_blocks))
+
+        zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
+        offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
+        later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
     a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
     for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
                                                                                   decayed):
@@ -127,11 +164,13 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg
 
 
 def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
-                 num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
+                 num_warps: int = 2, num_stages: int = 1, unrolled: bool = False, interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
     parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
     fp32 (Tp = N * CHUNK). Grid (B*H, N, CHUNK / SUB); the keys are worked through block_k columns at a time (a
-    power of two; default whole 128-key rows)."""
+    power of two; default whole 128-key rows). unrolled: the other sub-blocks' work as straight-line predicated
+    code, not loops (the loops are most of this kernel's time on an H200, BENCHMARKS.md; the unrolled form is
+    not measured yet)."""
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
@@ -141,7 +180,7 @@ def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtyp
     per_chunk = pl.BlockSpec((None, None, 1, key_dim), lambda bh, n, i: (bh, n, 0, 0))
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
-                          block_k=min(block_k, key_dim)),
+                          block_k=min(block_k, key_dim), unrolled=unrolled),
         grid=(flat, num_chunks, SUBS),  # axis 0 varies fastest
         in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
         out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(key_dim), out_rows(key_dim),

@@ -41,19 +41,20 @@ class ChunkParts(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_k", "num_warps",
-                                             "num_stages", "factors_num_warps", "interpret"))
+                                             "num_stages", "factors_num_warps", "unrolled", "interpret"))
 def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
                 block_k: int = 128, num_warps: int = 2, num_stages: int = 1, factors_num_warps: int = 2,
-                interpret: bool = False) -> ChunkParts:
+                unrolled: bool = False, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
     Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1
     (16-row blocks; with whole 128-key rows, 2 measured fastest on an H200 and 8 slowest), factors_num_warps
-    for kernel 2 (2: 1.88 ms against 2.79 with 4 on an H200 at B=1, T=32768); num_stages for both."""
+    for kernel 2 (2: 1.88 ms against 2.79 with 4 on an H200 at B=1, T=32768); num_stages for both; unrolled:
+    kernel 1's work against the other sub-blocks as straight-line code (`decay_blocks`)."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
     qg, a_qk, blocks, kb, kg, decay_last = decay_blocks(
         q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        num_warps=num_warps, num_stages=num_stages, unrolled=unrolled, interpret=interpret)
     w, u = wy_factors(blocks, kb, v, beta, parts_dtype=dtype, input_dtype=v.dtype, num_warps=factors_num_warps,
                       num_stages=num_stages, interpret=interpret)
     return ChunkParts(w, u, qg, kg, a_qk, decay_last)
