@@ -63,21 +63,23 @@ def _as_row(column_SUB1):
 def _other_sub_blocks_unrolled(i, g_ref, column_blocks, products_with, store_earlier, store_zeros):
     """The work against the other sub-blocks j != i as straight-line code over every j (stores predicated on
     j < i or j > i; the products of j >= i computed and dropped), rather than loops of i and 3 - i steps whose
-    trip counts depend on the program id. Returns (o_i, t_{i+1} + ... + t_3) per column block."""
-    totals = [[jnp.sum(g_ref[sub_rows(m), columns] * LOG2_E, axis=0, keepdims=True) for columns in column_blocks]
-              for m in range(SUBS)]  # t_m
+    trip counts depend on the program id. j runs down from 2, so each j's gate totals t_j (from its products)
+    extend the gap of the next. Returns (o_i, t_{i+1} + ... + t_3) per column block."""
+    def kept(totals, keep):  # totals where keep (a traced bool), else zeros
+        return tuple(total * keep.astype(jnp.float32) for total in totals)
 
-    def span(first, end):  # t_first + ... + t_{end-1} per column block (bounds static or traced)
-        return tuple(functools.reduce(jnp.add, [
-            totals[m][c] * jnp.logical_and(first <= m, m < end).astype(jnp.float32) for m in range(SUBS)])
-            for c in range(len(column_blocks)))
-
-    for j in range(SUBS - 1):
-        a_qk, L, _ = products_with(j, span(j + 1, i))
+    last = SUBS - 1
+    gaps = tuple(jnp.zeros((1, columns.size), jnp.float32) for columns in column_blocks)  # t_{j+1} + ... + t_{i-1}
+    later = kept([jnp.sum(g_ref[sub_rows(last), columns] * LOG2_E, axis=0, keepdims=True)
+                  for columns in column_blocks], last > i)
+    for j in reversed(range(last)):
+        a_qk, L, totals = products_with(j, gaps)
         pl.when(j < i)(functools.partial(store_earlier, j, a_qk, L))
+        gaps = tuple(map(jnp.add, gaps, kept(totals, j < i)))
+        later = tuple(map(jnp.add, later, kept(totals, j > i)))
     for j in range(1, SUBS):
         pl.when(j > i)(functools.partial(store_zeros, j))
-    return span(0, i), span(i + 1, SUBS)
+    return gaps, later
 
 
 def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale, l2norm,
