@@ -45,13 +45,17 @@ LOG2_E = 1.4426950408889634
 SHIFT_UP, SHIFT_DOWN = 2.0 ** 58, 2.0 ** -58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
 
 
-def _inverse_norms(ref, rows, column_blocks, l2norm: bool):
-    """[SUB, 1] fp32: 1 / |x| (l2, with the reference's epsilon) for rows `rows` of ref, summed over column
-    blocks; ones without l2norm."""
+def _rows(ref, rows, column_blocks):
+    """ref's rows `rows` as fp32 [SUB, block_k] tiles, one per column block."""
+    return [ref[rows, columns].astype(jnp.float32) for columns in column_blocks]
+
+
+def _inverse_norms(tiles, l2norm: bool):
+    """[SUB, 1] fp32: 1 / |x| (l2, with the reference's epsilon) of rows given as column-block tiles; ones without
+    l2norm."""
     if not l2norm:
         return jnp.ones((SUB, 1), jnp.float32)
-    squares = [jnp.sum(jnp.square(ref[rows, columns].astype(jnp.float32)), axis=1, keepdims=True)
-               for columns in column_blocks]
+    squares = [jnp.sum(jnp.square(tile), axis=1, keepdims=True) for tile in tiles]
     return jax.lax.rsqrt(functools.reduce(jnp.add, squares) + L2_EPS)
 
 
@@ -92,31 +96,32 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
     column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
-    query_scale_SUB1 = _inverse_norms(q_ref, slice(None), column_blocks, l2norm) * scale
-    key_scale_SUB1 = _inverse_norms(k_ref, sub_rows(i), column_blocks, l2norm)
+    queries, keys_i = _rows(q_ref, slice(None), column_blocks), _rows(k_ref, sub_rows(i), column_blocks)
+    query_scale_SUB1 = _inverse_norms(queries, l2norm) * scale
+    key_scale_SUB1 = _inverse_norms(keys_i, l2norm)
     beta_SUB1 = beta_ref[...]
 
-    def own_rows(columns):
+    def own_rows(columns, query, key):
         """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}; k; Γ_i; t_i), columns `columns`."""
         g_i = g_ref[sub_rows(i), columns] * LOG2_E
         log_decay = jnp.cumsum(g_i, axis=0)
         from_start = jnp.exp2(log_decay) * SHIFT_UP
-        keys = k_ref[sub_rows(i), columns].astype(jnp.float32) * key_scale_SUB1
-        return (q_ref[:, columns].astype(jnp.float32) * query_scale_SUB1 * from_start, keys * from_start, keys,
-                log_decay, jnp.sum(g_i, axis=0, keepdims=True))
+        keys = key * key_scale_SUB1
+        return (query * query_scale_SUB1 * from_start, keys * from_start, keys, log_decay,
+                jnp.sum(g_i, axis=0, keepdims=True))
 
-    decayed = [own_rows(columns) for columns in column_blocks]  # once, not once per earlier sub-block
+    decayed = [own_rows(*tiles) for tiles in zip(column_blocks, queries, keys_i)]  # once, not per earlier block
 
     def products_with(j, gaps):
         """(a_qk, L) blocks of sub-block i's rows against the columns of sub-block j < i, and j's gate totals t_j
         per column block; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}."""
-        scale_j = _inverse_norms(k_ref, sub_rows(j), column_blocks, l2norm)
+        keys_j = _rows(k_ref, sub_rows(j), column_blocks)
+        scale_j = _inverse_norms(keys_j, l2norm)
         a_qk, L, totals = zeros_SUBSUB, zeros_SUBSUB, []
-        for columns, gap, (q_left, k_left, *_) in zip(column_blocks, gaps, decayed):
+        for columns, key, gap, (q_left, k_left, *_) in zip(column_blocks, keys_j, gaps, decayed):
             g_j = g_ref[sub_rows(j), columns] * LOG2_E
             total = jnp.sum(g_j, axis=0, keepdims=True)
-            right = (k_ref[sub_rows(j), columns].astype(jnp.float32) * scale_j
-                     * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN))  # e^{o_i - G_s - S}
+            right = key * scale_j * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN)  # e^{o_i-G_s-S}
             a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
             totals.append(total)
         return a_qk, L, totals
