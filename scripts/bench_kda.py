@@ -133,13 +133,11 @@ def bench_decode(batch, iters, copy_bytes_per_s):
 
 
 PHASE2_DEFAULT = dict(block_v=64, num_warps=4, num_stages=2)
-PHASE1_DEFAULT = dict(intra_block_k=128, intra_num_warps=2, intra_num_stages=1, intra_factors_num_warps=2,
-                      intra_unrolled=False)
+PHASE1_DEFAULT = dict(intra_block_k=64, intra_num_warps=4, intra_num_stages=1, intra_factors_num_warps=2)
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
-    {}, dict(intra_unrolled=True), dict(intra_unrolled=True, intra_num_warps=4),
+    {}, dict(intra_block_k=32), dict(intra_num_warps=8), dict(intra_block_k=128, intra_num_warps=8),
 ]
-PHASE1_KNOBS = ("intra_block_k", "intra_num_warps", "intra_num_stages", "intra_factors_num_warps", "intra_unrolled",
-                "parts_dtype")
+PHASE1_KNOBS = ("intra_block_k", "intra_num_warps", "intra_num_stages", "intra_factors_num_warps", "parts_dtype")
 
 
 def phase1_kernels(q, k, v, g, beta, knobs, interpret):
@@ -149,7 +147,7 @@ def phase1_kernels(q, k, v, g, beta, knobs, interpret):
     dtype = knobs["parts_dtype"] or v.dtype
     blocks_fn = jax.jit(functools.partial(decay_blocks, scale=DIM ** -0.5, use_qk_l2norm=True, parts_dtype=dtype,
                                           block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"],
-                                          unrolled=knobs["intra_unrolled"], **stages))
+                                          **stages))
     _, _, blocks, kb, _, _ = blocks_fn(q, k, g, beta)
     factors_fn = jax.jit(functools.partial(wy_factors, parts_dtype=dtype, input_dtype=v.dtype,
                                            num_warps=knobs["intra_factors_num_warps"], **stages))
@@ -165,7 +163,7 @@ def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
     intra = jax.jit(functools.partial(
         intra_chunk, scale=DIM ** -0.5, block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"],
         num_stages=knobs["intra_num_stages"], factors_num_warps=knobs["intra_factors_num_warps"],
-        unrolled=knobs["intra_unrolled"], parts_dtype=knobs["parts_dtype"], interpret=interpret))
+        parts_dtype=knobs["parts_dtype"], interpret=interpret))
     parts = intra(*phase1_args)
     key = tuple(knobs.values())
     if key not in phase1_seconds:

@@ -26,11 +26,11 @@ def _pad_time(x, pad: int):
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_v", "num_warps",
                                              "num_stages", "intra_block_k", "intra_num_warps", "intra_num_stages",
-                                             "intra_factors_num_warps", "intra_unrolled", "interpret"))
+                                             "intra_factors_num_warps", "interpret"))
 def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True,
                   parts_dtype=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 2,
-                  intra_block_k: int = 128, intra_num_warps: int = 2, intra_num_stages: int = 1,
-                  intra_factors_num_warps: int = 2, intra_unrolled: bool = False, interpret: bool = False):
+                  intra_block_k: int = 64, intra_num_warps: int = 4, intra_num_stages: int = 1,
+                  intra_factors_num_warps: int = 2, interpret: bool = False):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
     parts_dtype: how phase 1 hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with
@@ -46,7 +46,7 @@ def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_
         initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
     parts = intra_chunk(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=parts_dtype,
                         block_k=intra_block_k, num_warps=intra_num_warps, num_stages=intra_num_stages,
-                        factors_num_warps=intra_factors_num_warps, unrolled=intra_unrolled, interpret=interpret)
+                        factors_num_warps=intra_factors_num_warps, interpret=interpret)
     o, state = inter_chunk(parts, initial_state.astype(jnp.float32), out_dtype=v.dtype, block_v=block_v,
                            num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     return o[:, :length], state

@@ -213,22 +213,19 @@ def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, **blocks):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("key_dim, value_dim", [(16, 32), (64, 32)], ids=["one-column-block", "column-blocks"])
-@pytest.mark.parametrize("unrolled", [False, True], ids=["loops", "unrolled"])
-def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim, unrolled):
+def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim):
     """Phase 1 alone (its two kernels), each part against the literal float64 form, one chunk of slow decay
     and one at the gate bound: a failing part names the kernel at fault (blocks: a_qk, qg, kg, decay_last; WY
     factors: w, u)."""
     _check_parts(dtype, key_dim, value_dim, interpret=True, tolerance=1e-6,  # exact fp32 products when interpreted
-                 block_k=16, unrolled=unrolled)  # several column blocks at 64 keys
+                 block_k=16)  # several column blocks at 64 keys
 
 
 @gpu_test("the compiled Triton kernels")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("unrolled", [False, True], ids=["loops", "unrolled"])
-def test_compiled_gpu_chunk_parts_full_width(dtype, unrolled):
+def test_compiled_gpu_chunk_parts_full_width(dtype):
     """The same compiled at K = V = 128: tf32 products for bf16 inputs, IEEE fp32 ones for fp32 inputs."""
-    _check_parts(dtype, 128, 128, interpret=False, tolerance=TOL[dtype] if dtype == jnp.bfloat16 else 1e-5,
-                 unrolled=unrolled)
+    _check_parts(dtype, 128, 128, interpret=False, tolerance=TOL[dtype] if dtype == jnp.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret_gpu"])
