@@ -29,7 +29,7 @@ def _pad_time(x, pad: int):
                                              "intra_factors_num_warps", "interpret"))
 def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True,
                   parts_dtype=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 2,
-                  intra_block_k: int = 64, intra_num_warps: int = 4, intra_num_stages: int = 1,
+                  intra_block_k: int = 128, intra_num_warps: int = 2, intra_num_stages: int = 1,
                   intra_factors_num_warps: int = 2, interpret: bool = False):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 

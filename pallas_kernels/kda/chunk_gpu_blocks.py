@@ -1,30 +1,34 @@
-"""KDA prefill on GPU, phase 1, kernel 1 of 2: a chunk's decay-weighted q-k and k-k products as 16-column
-blocks, the diagonal blocks' inverses and the decayed q and k (Pallas, Triton lowering). Grid (B*H, T/64): one
-program per chunk, straight-line code over whole-chunk tiles, its 16-row sub-blocks held as the leading axis of
-[4, 16, block_k] tiles (so the sub-block sums and scans are reductions along an axis, with no loop over
-sub-blocks and no trip count that depends on the program id: the earlier kernel, one program per sub-block
-looping over the others, spent half its 6 ms on those loops on an H200, BENCHMARKS.md).
+"""KDA prefill on GPU, phase 1, kernel 1 of 2: the decay-weighted q-k and k-k products of a chunk, by rows of
+16x16 blocks, and the decayed keys (Pallas, Triton lowering). Grid (B*H, T/64, 4): program (bh, n, i) owns
+sub-block i (16 rows) of chunk n, so every program is short (one program per chunk, doing its sub-blocks in
+turn, measured 13.1 ms against 6.4 on an H200 at B=1, T=32768, H=64). The sequence-head is the fastest-varying
+grid axis (Triton's x): this order ran 4.6 ms against 7.7 with the sub-block fastest (a chunk's 4 programs side
+by side, sharing its keys and gates in L2), BENCHMARKS.md.
 
-In log2 units, with Γ_c the cumulative gate of row c inside its sub-block b (0 >= Γ >= -115 for gates >= -5),
-t_b the sub-block's total and the chunk-local G_c = o_b + Γ_c (o_b = t_0 + ... + t_{b-1}), the decay between
-row c of sub-block b and row s of sub-block j < b is
-  2^{G_c - G_s} = [2^{Γ_c} 2^{t_{j+1} + ... + t_{b-1}}] [2^{t_j - Γ_s}],
-both brackets <= 1 (where one underflows, the product is below 2^-115 anyway); on the diagonal block (j = b)
-  2^{G_c - G_s} = [2^{Γ_c} 2^S] [2^{-Γ_s} 2^{-S}],
-with the fixed shift 2^S = 2^58, both in [2^-58, 2^58]: fp32 can neither overflow nor lose a factor to
-underflow (2^{Γ_c} alone, down to 2^-115, times a small key component went subnormal: 4e-4 off at K = 64), and
-the same Γ in both makes the diagonal exact. The shift multiplies an exp2 by a power of two (exact), rather than
-entering its argument (which would round a slow decay's small exponent to the ulp of ~58). Every exponent is a
-within-sub-block scan plus a sum of a few sub-block totals, never the difference of two sums over the whole
-chunk (whose fp32 rounding, ~|G| ulp, put 1e-4 errors into kg). Sub-block j's 16 rows are reloaded (from L1)
-for the right bracket and the diagonal block's factors; the left bracket is one product over the whole chunk
-per column block j.
-
-Stored per chunk (block rows of 16 x 16):
-  qg = q e^G, kb = beta e^G k, kg = e^{G_last - G} k (parts dtype), decay_last = e^{G_last} (fp32);
-  a_qk: q_c k_s e^{G_c - G_s} for s <= c, zeros above the diagonal (parts dtype);
-  blocks (fp32): below the diagonal L_bj = diag(beta_b) (k_b k_j decay products), on it D_j = (I + L_jj)^-1
-  (`chunk_gpu_tril.unit_lower_inverse_16`, from L_jj^T formed by one more 16x16 product), zeros above.
+With Γ_j the cumulative log-decay inside sub-block j (<= 0, log2 units for exp2) and t_j its total, for row c
+of sub-block i and row s of sub-block j <= i the chunk-local decay is
+  e^{G_c - G_s} = e^{Γ_c + S} e^{(t_j - Γ_s) + gap_j - S},   gap_j = t_{j+1} + ... + t_{i-1} (j < i),
+  e^{G_c - G_s} = e^{Γ_c + S} e^{-Γ_s - S}                   (j = i, the diagonal block),
+with the fixed shift e^S = 2^58 (S ~ 40): for gates >= -5, Γ >= -80 over 16 steps, so the diagonal block's
+factors both lie in [e^-40, e^40] and fp32 can neither overflow nor lose a factor to underflow (e^{Γ_c} alone,
+down to e^-80, times a small key component went subnormal: 4e-4 off on the diagonal blocks at K = 64). Below
+the diagonal the second factor is <= e^-S; where it underflows the product is below e^-80 anyway. The shift
+multiplies an exp2 by a power of two (exact), rather than entering its argument (which would round a slow
+decay's small exponent to the ulp of ~58).
+The program walks j = i-1 down to 0 (loading k_j, g_j), carrying gap_j, then sums the totals t_j of the later
+sub-blocks j > i (loading g_j), as straight-line code: the kernel switches on i into one branch per sub-block
+index, in which i is static (loops with trip counts i and 3 - i, read from the program id, were more than half
+of this kernel's 6 ms on an H200; predicating every step on j < i instead took 19.9 ms). It stores
+  qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c + S} e^{o_i - S}, o_i = t_0 + ... + t_{i-1} (parts dtype);
+  a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
+  blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
+  diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from L_ii^T,
+  formed directly by one more 16x16 product (no transpose). Right of the diagonal: not written;
+  kb rows of sub-block i: beta_c e^{G_c} k_c, as qg (the right factor of w = X kb; parts dtype);
+  kg rows of sub-block i: e^{G_last - G_c} k_c = k_c e^{(t_i - Γ_c) + t_{i+1} + ... + t_3} (parts dtype; every
+  exponent <= 0, and G_last - G_c is not the difference of two sums of up to 64 gates, whose fp32 rounding,
+  ~|G_last| ulp, made kg 1e-4-wrong);
+  decay_last (sub-block 3's program): e^{G_last} = e^{o_3 + t_3} (fp32).
 """
 
 from __future__ import annotations
@@ -40,27 +44,21 @@ from pallas_kernels.kda.chunk_gpu_tril import CHUNK, SUB, SUBS, gpu_dots, iota_1
 from pallas_kernels.kda.reference import L2_EPS
 
 LOG2_E = 1.4426950408889634
-SHIFT_UP, SHIFT_DOWN = 2.0 ** 58, 2.0 ** -58  # half the widest decay across a sub-block (16 gates >= -5: 2^-115)
+SHIFT_UP, SHIFT_DOWN = 2.0 ** 58, 2.0 ** -58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
 
 
-def _inverse_norms(ref, rows, size, column_blocks, l2norm: bool):
-    """1 / |x| (l2, with the reference's epsilon) of ref's `size` rows `rows`, as a column [size, 1]; ones
-    without l2norm."""
+def _rows(ref, rows, column_blocks):
+    """ref's rows `rows` as fp32 [SUB, block_k] tiles, one per column block."""
+    return [ref[rows, columns].astype(jnp.float32) for columns in column_blocks]
+
+
+def _inverse_norms(tiles, l2norm: bool):
+    """[SUB, 1] fp32: 1 / |x| (l2, with the reference's epsilon) of rows given as column-block tiles; ones without
+    l2norm."""
     if not l2norm:
-        return jnp.ones((size, 1), jnp.float32)
-    squares = [jnp.sum(jnp.square(ref[rows, columns].astype(jnp.float32)), axis=1, keepdims=True)
-               for columns in column_blocks]
+        return jnp.ones((SUB, 1), jnp.float32)
+    squares = [jnp.sum(jnp.square(tile), axis=1, keepdims=True) for tile in tiles]
     return jax.lax.rsqrt(functools.reduce(jnp.add, squares) + L2_EPS)
-
-
-def _by_sub_block(x, width):
-    """[CHUNK, width] -> [SUBS, SUB, width]: sub-block b's rows as x[b]."""
-    return x.reshape(SUBS, SUB, width)
-
-
-def _per_sub_block(matrix_bbB, mask_bb):
-    """sum over b' of matrix[b, b'] where mask[b, b'] ([SUBS, SUBS] bools): [SUBS, block_k] from [SUBS, SUBS, bk]."""
-    return jnp.sum(jnp.where(mask_bb[:, :, None], matrix_bbB, 0.0), axis=1)
 
 
 def _as_row(column_SUB1):
@@ -68,95 +66,109 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _sub_block_factors(q_ref, k_ref, g_ref, j, columns, query_scale_SUB1, key_scale_SUB1):
-    """Sub-block j's rows, columns `columns`, reloaded: (k_s 2^{t_j - Γ_s}, the right factor of the blocks below
-    the diagonal; q_c 2^{Γ_c + S}, k_c 2^{Γ_c + S}, k_s 2^{-Γ_s - S}, the diagonal block's factors)."""
-    g_SUBB = g_ref[sub_rows(j), columns] * LOG2_E
-    scan = jnp.cumsum(g_SUBB, axis=0)  # Γ
-    keys = k_ref[sub_rows(j), columns].astype(jnp.float32) * key_scale_SUB1
-    up = jnp.exp2(scan) * SHIFT_UP
-    return (keys * jnp.exp2(jnp.sum(g_SUBB, axis=0, keepdims=True) - scan),
-            q_ref[sub_rows(j), columns].astype(jnp.float32) * query_scale_SUB1 * up, keys * up,
-            keys * (jnp.exp2(-scan) * SHIFT_DOWN))
+def _kernel(*refs, scale, l2norm, input_dtype, block_k):
+    """Program (bh, n, i): one branch per sub-block index, so that i is static in each (`_sub_block`)."""
+    i = pl.program_id(2)  # read outside the branches
+    jax.lax.switch(i, [functools.partial(_sub_block, s, *refs, scale=scale, l2norm=l2norm, input_dtype=input_dtype,
+                                         block_k=block_k) for s in range(SUBS)])
 
 
-def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale, l2norm,
-            input_dtype, block_k):
-    """One chunk; keys worked through block_k columns at a time, the products summed over them."""
+def _sub_block(i, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale,
+               l2norm, input_dtype, block_k):
+    """Sub-block i's rows of every output (k_ref and g_ref: the whole chunk; the other refs: sub-block i's rows).
+    Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k]).
+    i: the sub-block (a Python int), so the work against the other sub-blocks is straight-line code of exactly
+    i and 3 - i steps."""
     dots = gpu_dots(input_dtype)
-    key_dim = k_ref.shape[1]
-    column_blocks = [pl.ds(c * block_k, block_k) for c in range(key_dim // block_k)]
-    everything = slice(None)
-    query_scale_CHUNK1 = _inverse_norms(q_ref, everything, CHUNK, column_blocks, l2norm) * scale
-    key_scale_CHUNK1 = _inverse_norms(k_ref, everything, CHUNK, column_blocks, l2norm)
-    query_scale, key_scale = _by_sub_block(query_scale_CHUNK1, 1), _by_sub_block(key_scale_CHUNK1, 1)
-    query_scales = [_inverse_norms(q_ref, sub_rows(j), SUB, column_blocks, l2norm) * scale for j in range(SUBS)]
-    key_scales = [_inverse_norms(k_ref, sub_rows(j), SUB, column_blocks, l2norm) for j in range(SUBS)]
-    beta = _by_sub_block(beta_ref[...], 1)
-    sub_block = jax.lax.broadcasted_iota(jnp.int32, (SUBS, SUBS), 0)  # [b, b']
-    other = jax.lax.broadcasted_iota(jnp.int32, (SUBS, SUBS), 1)
-    sub_block_column = jax.lax.broadcasted_iota(jnp.int32, (SUBS, 1), 0)
-    zeros = lambda rows: [jnp.zeros((rows, SUB), jnp.float32) for _ in range(SUBS)]  # noqa: E731
-    a_qk, a_kk = zeros(CHUNK), zeros(CHUNK)  # column block j of each product, below the diagonal block
-    a_qk_diagonal, a_kk_diagonal_T = zeros(SUB), zeros(SUB)
-    for columns in column_blocks:
-        g = _by_sub_block(g_ref[:, columns] * LOG2_E, block_k)
-        scan = jnp.cumsum(g, axis=1)  # Γ
-        totals = jnp.sum(g, axis=1)  # [SUBS, block_k]: t_b
-        each = jnp.broadcast_to(totals[None], (SUBS, SUBS, block_k))  # [b, b'] -> t_b'
-        before, after = _per_sub_block(each, other < sub_block), _per_sub_block(each, other > sub_block)  # o_b, ...
-        decay_in = jnp.exp2(scan)  # 2^Γ in [2^-115, 1]
-        queries = q_ref[:, columns].astype(jnp.float32).reshape(SUBS, SUB, block_k) * query_scale
-        keys = k_ref[:, columns].astype(jnp.float32).reshape(SUBS, SUB, block_k) * key_scale
-        decay = decay_in * jnp.exp2(before)[:, None, :]  # e^G
-        qg_ref[:, columns] = (queries * decay).reshape(CHUNK, block_k).astype(qg_ref.dtype)
-        kb_ref[:, columns] = (beta * keys * decay).reshape(CHUNK, block_k).astype(kb_ref.dtype)
-        to_last = (totals[:, None, :] - scan) + after[:, None, :]  # G_last - G_c, from local sums
-        kg_ref[:, columns] = (keys * jnp.exp2(to_last)).reshape(CHUNK, block_k).astype(kg_ref.dtype)
-        decay_ref[:, columns] = jnp.exp2(jnp.sum(totals, axis=0, keepdims=True))
-        for j in range(SUBS):
-            right, q_up, k_up, k_down = _sub_block_factors(q_ref, k_ref, g_ref, j, columns, query_scales[j],
-                                                           key_scales[j])
-            a_qk_diagonal[j] = a_qk_diagonal[j] + dots.nt(q_up, k_down)
-            a_kk_diagonal_T[j] = a_kk_diagonal_T[j] + dots.nt(k_down, k_up)
-            if j == SUBS - 1:
-                continue  # no sub-block below the last
-            between = _per_sub_block(each, (other > j) & (other < sub_block))  # t_{j+1} + ... + t_{b-1}
-            left = decay_in * jnp.where(sub_block_column > j, jnp.exp2(between), 0.0)[:, None, :]
-            a_qk[j] = a_qk[j] + dots.nt((queries * left).reshape(CHUNK, block_k), right)
-            a_kk[j] = a_kk[j] + dots.nt((keys * left).reshape(CHUNK, block_k), right)
-    row_block = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, SUB), 0) // SUB
-    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, SUB), 0) % SUB
-    column = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, SUB), 1)
-    tiled = lambda x_SUBSUB: jnp.broadcast_to(x_SUBSUB[None], (SUBS, SUB, SUB)).reshape(CHUNK, SUB)  # noqa: E731
-    beta_CHUNK1 = beta_ref[...]
-    for j in range(SUBS):
-        on_diagonal = (row_block == j) & (row >= column)
-        a_ref[:, sub_rows(j)] = jnp.where(row_block > j, a_qk[j], jnp.where(on_diagonal, tiled(a_qk_diagonal[j]),
-                                                                            0.0)).astype(a_ref.dtype)
-        strict_U = jnp.where(iota_16(0) < iota_16(1), a_kk_diagonal_T[j], 0.0) * _as_row(beta_ref[sub_rows(j), :])
-        blocks_ref[:, sub_rows(j)] = jnp.where(row_block > j, beta_CHUNK1 * a_kk[j], jnp.where(
-            row_block == j, tiled(unit_lower_inverse_16(strict_U)), 0.0))
+    rows, cols = iota_16(0), iota_16(1)
+    zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
+    column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
+    queries, keys_i = _rows(q_ref, slice(None), column_blocks), _rows(k_ref, sub_rows(i), column_blocks)
+    query_scale_SUB1 = _inverse_norms(queries, l2norm) * scale
+    key_scale_SUB1 = _inverse_norms(keys_i, l2norm)
+    beta_SUB1 = beta_ref[...]
+
+    def own_rows(columns, query, key):
+        """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}; k; Γ_i; t_i), columns `columns`."""
+        g_i = g_ref[sub_rows(i), columns] * LOG2_E
+        log_decay = jnp.cumsum(g_i, axis=0)
+        from_start = jnp.exp2(log_decay) * SHIFT_UP
+        keys = key * key_scale_SUB1
+        return (query * query_scale_SUB1 * from_start, keys * from_start, keys, log_decay,
+                jnp.sum(g_i, axis=0, keepdims=True))
+
+    decayed = [own_rows(*tiles) for tiles in zip(column_blocks, queries, keys_i)]  # once, not per earlier block
+
+    def products_with(j, gaps):
+        """(a_qk, L) blocks of sub-block i's rows against the columns of sub-block j < i, and j's gate totals t_j
+        per column block; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}."""
+        keys_j = _rows(k_ref, sub_rows(j), column_blocks)
+        scale_j = _inverse_norms(keys_j, l2norm)
+        a_qk, L, totals = zeros_SUBSUB, zeros_SUBSUB, []
+        for columns, key, gap, (q_left, k_left, *_) in zip(column_blocks, keys_j, gaps, decayed):
+            g_j = g_ref[sub_rows(j), columns] * LOG2_E
+            total = jnp.sum(g_j, axis=0, keepdims=True)
+            right = key * scale_j * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN)  # e^{o_i-G_s-S}
+            a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
+            totals.append(total)
+        return a_qk, L, totals
+
+    def store_earlier(j, a_qk, L):
+        a_ref[:, sub_rows(j)] = a_qk.astype(a_ref.dtype)
+        blocks_ref[:, sub_rows(j)] = beta_SUB1 * L
+
+    def store_zeros(j):  # a_qk's block right of the diagonal
+        a_ref[:, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+
+    zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
+    offsets = zeros_1B  # o_i = t_0 + ... + t_{i-1}, from the gaps of sub-blocks i-1 down to 0
+    for j in reversed(range(i)):
+        a_qk, L, totals = products_with(j, offsets)
+        store_earlier(j, a_qk, L)
+        offsets = tuple(map(jnp.add, offsets, totals))
+    later = zeros_1B  # t_{i+1} + ... + t_3
+    for j in range(i + 1, SUBS):
+        store_zeros(j)
+        later = tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
+                      for total, columns in zip(later, column_blocks))
+    a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
+    for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
+                                                                                  decayed):
+        to_start = jnp.exp2(offset) * SHIFT_DOWN  # e^{o_i - S}: with the left factors' e^{Γ_c + S}, e^{G_c}
+        qg_ref[:, columns] = (q_left * to_start).astype(qg_ref.dtype)
+        kb_ref[:, columns] = (beta_SUB1 * k_left * to_start).astype(kb_ref.dtype)  # beta e^G k
+        kg_ref[:, columns] = (keys * jnp.exp2(total - log_decay + after)).astype(kg_ref.dtype)  # e^{G_last - G} k
+
+        if i == SUBS - 1:
+            decay_ref[:, columns] = jnp.exp2(offset + total)  # e^{G_last} = e^{o_3 + t_3}
+
+        right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
+        a_qk, strict_U = a_qk + dots.nt(q_left, right), strict_U + dots.nt(right, k_left)
+    a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
+    strict_U = jnp.where(rows < cols, strict_U, 0.0) * _as_row(beta_SUB1)  # L_ii^T
+    blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
 
-def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 64,
-                 num_warps: int = 4, num_stages: int = 1, interpret: bool = False):
+def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
+                 num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
     parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
-    fp32 (Tp = N * CHUNK). Grid (B*H, N); the keys are worked through block_k columns at a time (a power of
-    two, at least 16)."""
+    fp32 (Tp = N * CHUNK). Grid (B*H, N, CHUNK / SUB); the keys are worked through block_k columns at a time (a
+    power of two; default whole 128-key rows)."""
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
-    chunk = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))
-    out_rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
+    own_rows = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
+    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
+    out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
+    per_chunk = pl.BlockSpec((None, None, 1, key_dim), lambda bh, n, i: (bh, n, 0, 0))
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
                           block_k=min(block_k, key_dim)),
-        grid=(flat, num_chunks),  # axis 0 varies fastest
-        in_specs=[chunk(key_dim), chunk(key_dim), chunk(key_dim), chunk(1)],
+        grid=(flat, num_chunks, SUBS),  # axis 0 varies fastest
+        in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
         out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(key_dim), out_rows(key_dim),
-                   pl.BlockSpec((None, None, 1, key_dim), lambda bh, n: (bh, n, 0, 0))],
+                   per_chunk],
         out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32),
