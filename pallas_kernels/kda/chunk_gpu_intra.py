@@ -48,8 +48,8 @@ def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, p
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
     Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1
-    (16-row blocks; with whole 128-key rows, 2 measured fastest on an H200 and 8 slowest), factors_num_warps for kernel 2 (2: 1.88 ms against 2.79 with 4 on an H200 at B=1,
-    T=32768); num_stages for both."""
+    (16-row blocks; with whole 128-key rows, 2 measured fastest on an H200 and 8 slowest), factors_num_warps
+    for kernel 2 (2: 1.88 ms against 2.79 with 4 on an H200 at B=1, T=32768); num_stages for both."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
     qg, a_qk, blocks, kb, kg, decay_last = decay_blocks(
         q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
