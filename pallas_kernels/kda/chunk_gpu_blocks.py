@@ -16,9 +16,10 @@ the diagonal the second factor is <= e^-S; where it underflows the product is be
 multiplies an exp2 by a power of two (exact), rather than entering its argument (which would round a slow
 decay's small exponent to the ulp of ~58).
 The program walks j = i-1 down to 0 (loading k_j, g_j), carrying gap_j, then sums the totals t_j of the later
-sub-blocks j > i (loading g_j), as straight-line code: the kernel switches on i into one branch per sub-block
-index, in which i is static (loops with trip counts i and 3 - i, read from the program id, were more than half
-of this kernel's 6 ms on an H200; predicating every step on j < i instead took 19.9 ms). It stores
+sub-blocks j > i (loading g_j), both as loops whose trip counts come from the program id. Measured slower on an
+H200 (BENCHMARKS.md): the same steps as straight-line code predicated on j < i (19.9 ms against 6.0) or in one
+branch per sub-block index with static trip counts (7.8 ms), and one program per chunk over [4, 16, block_k]
+tiles (18.3 ms). It stores
   qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c + S} e^{o_i - S}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
@@ -66,20 +67,12 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _kernel(*refs, scale, l2norm, input_dtype, block_k):
-    """Program (bh, n, i): one branch per sub-block index, so that i is static in each (`_sub_block`)."""
-    i = pl.program_id(2)  # read outside the branches
-    jax.lax.switch(i, [functools.partial(_sub_block, s, *refs, scale=scale, l2norm=l2norm, input_dtype=input_dtype,
-                                         block_k=block_k) for s in range(SUBS)])
-
-
-def _sub_block(i, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale,
-               l2norm, input_dtype, block_k):
+def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale, l2norm,
+            input_dtype, block_k):
     """Sub-block i's rows of every output (k_ref and g_ref: the whole chunk; the other refs: sub-block i's rows).
-    Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k]).
-    i: the sub-block (a Python int), so the work against the other sub-blocks is straight-line code of exactly
-    i and 3 - i steps."""
+    Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
     dots = gpu_dots(input_dtype)
+    i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
     column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
@@ -120,17 +113,20 @@ def _sub_block(i, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_r
     def store_zeros(j):  # a_qk's block right of the diagonal
         a_ref[:, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
 
-    zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
-    offsets = zeros_1B  # o_i = t_0 + ... + t_{i-1}, from the gaps of sub-blocks i-1 down to 0
-    for j in reversed(range(i)):
-        a_qk, L, totals = products_with(j, offsets)
+    def earlier_block(m, gaps):  # sub-block j = i - 1 - m
+        j = i - 1 - m
+        a_qk, L, totals = products_with(j, gaps)
         store_earlier(j, a_qk, L)
-        offsets = tuple(map(jnp.add, offsets, totals))
-    later = zeros_1B  # t_{i+1} + ... + t_3
-    for j in range(i + 1, SUBS):
+        return tuple(gap + total for gap, total in zip(gaps, totals))
+
+    def later_block(j, sums):  # sub-block j > i; sums[c] = t_{i+1} + ... + t_{j-1}
         store_zeros(j)
-        later = tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
-                      for total, columns in zip(later, column_blocks))
+        return tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
+                     for total, columns in zip(sums, column_blocks))
+
+    zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
+    offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
+    later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
     a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
     for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
                                                                                   decayed):
@@ -139,7 +135,8 @@ def _sub_block(i, q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_r
         kb_ref[:, columns] = (beta_SUB1 * k_left * to_start).astype(kb_ref.dtype)  # beta e^G k
         kg_ref[:, columns] = (keys * jnp.exp2(total - log_decay + after)).astype(kg_ref.dtype)  # e^{G_last - G} k
 
-        if i == SUBS - 1:
+        @pl.when(i == SUBS - 1)
+        def _():
             decay_ref[:, columns] = jnp.exp2(offset + total)  # e^{G_last} = e^{o_3 + t_3}
 
         right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
