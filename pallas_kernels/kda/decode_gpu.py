@@ -34,12 +34,9 @@ def _normalized(x_ref, use_qk_l2norm):
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm):
-    """One sequence-head's update of its [K, bv] state slice. The state is loaded first, so that its load is in
-    flight while q and k are normalised (their cross-thread sums wait for their own loads)."""
-    state_KV = state_ref[...]
-    decay_K = jnp.exp(g_ref[...])
+    """One sequence-head's update of its [K, bv] state slice."""
     q_K, k_K = _normalized(q_ref, use_qk_l2norm), _normalized(k_ref, use_qk_l2norm)
-    state_KV = state_KV * decay_K[:, None]
+    state_KV = state_ref[...] * jnp.exp(g_ref[...])[:, None]
     delta_V = beta_ref[...] * (v_ref[...].astype(jnp.float32) - jnp.sum(k_K[:, None] * state_KV, 0))
     state_KV = state_KV + k_K[:, None] * delta_V[None, :]
     new_state_ref[...] = state_KV
