@@ -135,7 +135,7 @@ def bench_decode(batch, iters, copy_bytes_per_s):
 PHASE2_DEFAULT = dict(block_v=64, num_warps=4, num_stages=2)
 PHASE1_DEFAULT = dict(intra_block_k=128, intra_num_warps=2, intra_num_stages=1, intra_factors_num_warps=2)
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
-    {}, dict(intra_num_warps=4), dict(intra_block_k=64),
+    {}, dict(block_v=128, num_warps=8), dict(num_warps=8),
 ]
 PHASE1_KNOBS = ("intra_block_k", "intra_num_warps", "intra_num_stages", "intra_factors_num_warps", "parts_dtype")
 
