@@ -8,9 +8,9 @@
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
-phases, the first two pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
+phases, the first three pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
 under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them); each variant also
-times its two phases alone (phase 1: intra-chunk, parallel, and each of its two kernels; phase 2: the
+times its two phases alone (phase 1: intra-chunk, parallel, and each of its three kernels; phase 2: the
 sequential state pass), with the bytes each must move at least. Each kernel is checked against fla on the device
 before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
@@ -35,7 +35,7 @@ from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.kda import kda_chunked  # noqa: E402
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_inter import inter_chunk  # noqa: E402
-from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks  # noqa: E402
+from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks, sub_block_keys  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_intra import intra_chunk  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_tril import wy_factors  # noqa: E402
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
@@ -135,23 +135,27 @@ def bench_decode(batch, iters, copy_bytes_per_s):
 PHASE2_DEFAULT = dict(block_v=64, num_warps=4, num_stages=2)
 PHASE1_DEFAULT = dict(intra_block_k=128, intra_num_warps=2, intra_num_stages=1, intra_factors_num_warps=2)
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
-    {}, dict(block_v=128, num_warps=8), dict(num_warps=8),
+    {},
 ]
 PHASE1_KNOBS = ("intra_block_k", "intra_num_warps", "intra_num_stages", "intra_factors_num_warps", "parts_dtype")
 
 
 def phase1_kernels(q, k, v, g, beta, knobs, interpret):
-    """Phase 1's two pallas_calls as jitted functions of their own inputs (each timed alone), with the
+    """Phase 1's three pallas_calls as jitted functions of their own inputs (each timed alone), with the
     inputs each needs: [(name, fn, args)], in order."""
     stages = dict(num_stages=knobs["intra_num_stages"], interpret=interpret)
     dtype = knobs["parts_dtype"] or v.dtype
+    tiles = dict(block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"])
+    keys_fn = jax.jit(functools.partial(sub_block_keys, use_qk_l2norm=True, parts_dtype=dtype, interpret=interpret,
+                                        **tiles))
+    right, totals = keys_fn(k, g)
     blocks_fn = jax.jit(functools.partial(decay_blocks, scale=DIM ** -0.5, use_qk_l2norm=True, parts_dtype=dtype,
-                                          block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"],
-                                          **stages))
-    _, _, blocks, kb, _, _ = blocks_fn(q, k, g, beta)
+                                          **tiles, **stages))
+    _, _, blocks, kb, _, _ = blocks_fn(q, k, g, beta, right, totals)
     factors_fn = jax.jit(functools.partial(wy_factors, parts_dtype=dtype, input_dtype=v.dtype,
                                            num_warps=knobs["intra_factors_num_warps"], **stages))
-    return [("blocks", blocks_fn, (q, k, g, beta)), ("wy factors", factors_fn, (blocks, kb, v, beta))]
+    return [("keys", keys_fn, (k, g)), ("blocks", blocks_fn, (q, k, g, beta, right, totals)),
+            ("wy factors", factors_fn, (blocks, kb, v, beta))]
 
 
 def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):

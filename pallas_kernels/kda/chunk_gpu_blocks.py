@@ -67,23 +67,37 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref, decay_ref, *, scale, l2norm,
-            input_dtype, block_k):
-    """Sub-block i's rows of every output (k_ref and g_ref: the whole chunk; the other refs: sub-block i's rows).
-    Everything by column blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
+def _keys_kernel(k_ref, g_ref, right_ref, totals_ref, *, l2norm, block_k):
+    """One sub-block j: its keys decayed to its end, k_s e^{t_j - Γ_s} (<= 1), and its gate totals t_j."""
+    column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
+    keys = _rows(k_ref, slice(None), column_blocks)
+    key_scale_SUB1 = _inverse_norms(keys, l2norm)
+    for columns, key in zip(column_blocks, keys):
+        g_j = g_ref[:, columns] * LOG2_E
+        total = jnp.sum(g_j, axis=0, keepdims=True)
+        right_ref[:, columns] = (key * key_scale_SUB1 * jnp.exp2(total - jnp.cumsum(g_j, axis=0))).astype(
+            right_ref.dtype)
+        totals_ref[:, columns] = total
+
+
+def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref,
+            decay_ref, *, scale, l2norm, input_dtype, block_k):
+    """Sub-block i's rows of every output (right_ref: the whole chunk's decayed keys, totals_ref [SUBS, K] its
+    sub-blocks' gate totals, from `_keys_kernel`; the other refs: sub-block i's rows). Everything by column
+    blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
     dots = gpu_dots(input_dtype)
     i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
     column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
-    queries, keys_i = _rows(q_ref, slice(None), column_blocks), _rows(k_ref, sub_rows(i), column_blocks)
+    queries, keys_i = _rows(q_ref, slice(None), column_blocks), _rows(k_ref, slice(None), column_blocks)
     query_scale_SUB1 = _inverse_norms(queries, l2norm) * scale
     key_scale_SUB1 = _inverse_norms(keys_i, l2norm)
     beta_SUB1 = beta_ref[...]
 
     def own_rows(columns, query, key):
         """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}; k; Γ_i; t_i), columns `columns`."""
-        g_i = g_ref[sub_rows(i), columns] * LOG2_E
+        g_i = g_ref[:, columns] * LOG2_E
         log_decay = jnp.cumsum(g_i, axis=0)
         from_start = jnp.exp2(log_decay) * SHIFT_UP
         keys = key * key_scale_SUB1
@@ -95,13 +109,10 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg
     def products_with(j, gaps):
         """(a_qk, L) blocks of sub-block i's rows against the columns of sub-block j < i, and j's gate totals t_j
         per column block; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}."""
-        keys_j = _rows(k_ref, sub_rows(j), column_blocks)
-        scale_j = _inverse_norms(keys_j, l2norm)
         a_qk, L, totals = zeros_SUBSUB, zeros_SUBSUB, []
-        for columns, key, gap, (q_left, k_left, *_) in zip(column_blocks, keys_j, gaps, decayed):
-            g_j = g_ref[sub_rows(j), columns] * LOG2_E
-            total = jnp.sum(g_j, axis=0, keepdims=True)
-            right = key * scale_j * (jnp.exp2(total - jnp.cumsum(g_j, axis=0) + gap) * SHIFT_DOWN)  # e^{o_i-G_s-S}
+        for columns, gap, (q_left, k_left, *_) in zip(column_blocks, gaps, decayed):
+            total = totals_ref[pl.ds(j, 1), columns]
+            right = right_ref[sub_rows(j), columns].astype(jnp.float32) * (jnp.exp2(gap) * SHIFT_DOWN)  # e^{o_i-G_s-S}
             a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
             totals.append(total)
         return a_qk, L, totals
@@ -121,8 +132,7 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg
 
     def later_block(j, sums):  # sub-block j > i; sums[c] = t_{i+1} + ... + t_{j-1}
         store_zeros(j)
-        return tuple(total + jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True)
-                     for total, columns in zip(sums, column_blocks))
+        return tuple(total + totals_ref[pl.ds(j, 1), columns] for total, columns in zip(sums, column_blocks))
 
     zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
     offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
@@ -146,26 +156,49 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg
     blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
 
-def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
+def sub_block_keys(k, g, *, use_qk_l2norm: bool, parts_dtype, block_k: int = 128, num_warps: int = 2,
+                   interpret: bool = False):
+    """(right [BH, Tp, K] in parts_dtype: k_s e^{t_j - Γ_s} of every 16-row sub-block j, k l2-normalised when
+    asked; totals [BH, Tp / SUB, K] fp32: each sub-block's gate total t_j, log2 units) from k [B, Tp, H, K] and
+    g [B, Tp, H, K] fp32. Grid (B*H, Tp / SUB): what `decay_blocks` needs of the sub-blocks other than a program's
+    own, formed once rather than by each later sub-block's program."""
+    batch, padded, heads, key_dim = k.shape
+    flat, sub_blocks = batch * heads, padded // SUB
+    rows = pl.BlockSpec((None, SUB, None, key_dim), lambda bh, s: (bh // heads, s, bh % heads, 0))
+    return pl.pallas_call(
+        functools.partial(_keys_kernel, l2norm=use_qk_l2norm, block_k=min(block_k, key_dim)),
+        grid=(flat, sub_blocks),
+        in_specs=[rows, rows],
+        out_specs=[pl.BlockSpec((None, SUB, key_dim), lambda bh, s: (bh, s, 0)),
+                   pl.BlockSpec((None, 1, key_dim), lambda bh, s: (bh, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+                   jax.ShapeDtypeStruct((flat, sub_blocks, key_dim), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_intra_keys",
+    )(k, g)
+
+
+def decay_blocks(q, k, g, beta, right, totals, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
                  num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
     parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
-    fp32 (Tp = N * CHUNK). Grid (B*H, N, CHUNK / SUB); the keys are worked through block_k columns at a time (a
-    power of two; default whole 128-key rows)."""
+    fp32 (Tp = N * CHUNK) and `sub_block_keys`' right and totals. Grid (B*H, N, CHUNK / SUB); the keys are worked
+    through block_k columns at a time (a power of two; default whole 128-key rows)."""
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
         (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
-    whole_chunk = pl.BlockSpec((None, CHUNK, None, key_dim), lambda bh, n, i: (bh // heads, n, bh % heads, 0))
     out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
-    per_chunk = pl.BlockSpec((None, None, 1, key_dim), lambda bh, n, i: (bh, n, 0, 0))
+    per_chunk = lambda rows: pl.BlockSpec((None, None, rows, key_dim), lambda bh, n, i: (bh, n, 0, 0))  # noqa: E731
     return pl.pallas_call(
         functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
                           block_k=min(block_k, key_dim)),
         grid=(flat, num_chunks, SUBS),  # axis 0 varies fastest
-        in_specs=[own_rows(key_dim), whole_chunk, whole_chunk, own_rows(1)],
+        in_specs=[own_rows(key_dim), own_rows(key_dim), own_rows(key_dim), own_rows(1),
+                  pl.BlockSpec((None, CHUNK, key_dim), lambda bh, n, i: (bh, n, 0)), per_chunk(SUBS)],
         out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(key_dim), out_rows(key_dim),
-                   per_chunk],
+                   per_chunk(1)],
         out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
                    jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32),
@@ -175,4 +208,4 @@ def decay_blocks(q, k, g, beta, *, scale: float, use_qk_l2norm: bool, parts_dtyp
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_prefill_intra_blocks",
-    )(q, k, g, beta)
+    )(q, k, g, beta, right, totals.reshape(flat, num_chunks, SUBS, key_dim))

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import jax
 
-from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks
+from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks, sub_block_keys
 from pallas_kernels.kda.chunk_gpu_tril import CHUNK, gpu_dots, wy_factors
 
 __all__ = ["CHUNK", "ChunkParts", "gpu_dots", "intra_chunk"]
@@ -51,8 +51,10 @@ def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, p
     (16-row blocks; with whole 128-key rows, 2 measured fastest on an H200 and 8 slowest), factors_num_warps
     for kernel 2 (2: 1.88 ms against 2.79 with 4 on an H200 at B=1, T=32768); num_stages for both."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
+    right, totals = sub_block_keys(k, g, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
+                                   num_warps=num_warps, interpret=interpret)
     qg, a_qk, blocks, kb, kg, decay_last = decay_blocks(
-        q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
+        q, k, g, beta, right, totals, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     w, u = wy_factors(blocks, kb, v, beta, parts_dtype=dtype, input_dtype=v.dtype, num_warps=factors_num_warps,
                       num_stages=num_stages, interpret=interpret)
