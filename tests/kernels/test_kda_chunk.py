@@ -14,6 +14,7 @@ import pytest
 from np_reference import kda_recurrence
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
 from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
+from pallas_kernels.kda.chunk_gpu_blocks import sub_block_keys
 from pallas_kernels.kda.chunk_gpu_intra import intra_chunk
 from pallas_kernels.kda.chunk_gpu_tril import unit_lower_inverse_16, wy_factors
 from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
@@ -172,6 +173,22 @@ def test_gpu_wy_factors_from_the_inverse_blocks(equal_keys, input_dtype):
     beta_v = np.moveaxis(beta * v, 2, 0).reshape(6, 64, 16)
     assert rel_error(np.asarray(w).reshape(6, 64, 32), inverse @ kb) <= 1e-5
     assert rel_error(np.asarray(u).reshape(6, 64, 16), inverse @ beta_v) <= 1e-5
+
+
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "as-given"])
+def test_gpu_sub_block_keys_match_float64(l2norm):
+    """Phase 1's keys kernel: every 16-row sub-block's keys decayed to its end, k_s e^{t_j - G_s} (G the
+    cumulative gate inside the sub-block, t_j its total), and the totals in log2 units, against float64."""
+    q, k, _, g, _, _ = random_sequence(2, 128, 3, 32, 16, jnp.float32, seed=21)
+    right, totals = sub_block_keys(jnp.asarray(k), jnp.asarray(g), use_qk_l2norm=l2norm, parts_dtype=jnp.float32,
+                                   block_k=16, interpret=True)
+    flat = lambda x: np.moveaxis(np.asarray(x, np.float64), 2, 1).reshape(6, 8, 16, -1)  # noqa: E731
+    keys, gates = flat(l2(k) if l2norm else k), flat(g)
+    total = gates.sum(axis=2, keepdims=True)
+    expected = keys * np.exp(total - np.cumsum(gates, axis=2))
+    # t_j - G_s is a difference of fp32 sums of up to 16 gates (to -80): ~1e-5 of rounding in the exponent
+    assert rel_error(np.asarray(right).reshape(expected.shape), expected) <= 1e-5
+    assert rel_error(np.asarray(totals).reshape(6, 8, 32), total[:, :, 0] / np.log(2.0)) <= 1e-6
 
 
 def chunk_parts_float64(q, k, v, g, beta, scale):
