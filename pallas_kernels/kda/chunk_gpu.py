@@ -1,6 +1,6 @@
 """KDA chunked prefill on GPU: two phases of Pallas kernels (Triton lowering) over 64-token chunks, as in FLA.
 
-1. `chunk_gpu_intra.intra_chunk` (itself two pallas_calls, each over independent programs): per chunk the
+1. `chunk_gpu_intra.intra_chunk` (itself three pallas_calls, each over independent programs): per chunk the
    decay-weighted q-k and k-k blocks, the inverse of (I + L), the WY factors w = T (e^G k), u = T v and the
    decayed q and k (no exponential can overflow fp32).
 2. `chunk_gpu_inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its

@@ -1,5 +1,11 @@
-"""KDA prefill on GPU, phase 1, kernel 1 of 2: the decay-weighted q-k and k-k products of a chunk, by rows of
-16x16 blocks, and the decayed keys (Pallas, Triton lowering). Grid (B*H, T/64, 4): program (bh, n, i) owns
+"""KDA prefill on GPU, phase 1, kernels 1 and 2 of 3: the decay-weighted q-k and k-k products of a chunk, by rows
+of 16x16 blocks, and the decayed keys (Pallas, Triton lowering).
+
+`sub_block_keys`, grid (B*H, T/16): each 16-row sub-block's keys decayed to its end and its gate totals, formed
+once for the later sub-blocks' programs of `decay_blocks` to load (each of them formed them itself before: norms,
+scans and exponentials per pair of sub-blocks; 6.4 -> 4.1 + 0.9 ms on an H200, BENCHMARKS.md).
+
+`decay_blocks`, grid (B*H, T/64, 4): program (bh, n, i) owns
 sub-block i (16 rows) of chunk n, so every program is short (one program per chunk, doing its sub-blocks in
 turn, measured 13.1 ms against 6.4 on an H200 at B=1, T=32768, H=64). The sequence-head is the fastest-varying
 grid axis (Triton's x): this order ran 4.6 ms against 7.7 with the sub-block fastest (a chunk's 4 programs side
@@ -15,8 +21,8 @@ down to e^-80, times a small key component went subnormal: 4e-4 off on the diago
 the diagonal the second factor is <= e^-S; where it underflows the product is below e^-80 anyway. The shift
 multiplies an exp2 by a power of two (exact), rather than entering its argument (which would round a slow
 decay's small exponent to the ulp of ~58).
-The program walks j = i-1 down to 0 (loading k_j, g_j), carrying gap_j, then sums the totals t_j of the later
-sub-blocks j > i (loading g_j), both as loops whose trip counts come from the program id. Measured slower on an
+The program walks j = i-1 down to 0 (loading k_s e^{t_j - Γ_s} and t_j from `sub_block_keys`), carrying gap_j,
+then sums the totals t_j of the later sub-blocks j > i, both as loops whose trip counts come from the program id. Measured slower on an
 H200 (BENCHMARKS.md): the same steps as straight-line code predicated on j < i (19.9 ms against 6.0) or in one
 branch per sub-block index with static trip counts (7.8 ms), and one program per chunk over [4, 16, block_k]
 tiles (18.3 ms). It stores

@@ -1,7 +1,9 @@
-"""KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, two Pallas kernels (Triton lowering),
+"""KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, three Pallas kernels (Triton lowering),
 all programs of each independent, handing intermediates over in global memory:
 
-1. `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
+1. `chunk_gpu_blocks.sub_block_keys`, grid (B*H, T/16): each 16-row sub-block's keys decayed to its end and its
+   gate totals (what the next kernel needs of the sub-blocks other than a program's own).
+   `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
    qg = e^G q, of the decay-weighted products a_qk (both parts) and of L = diag(beta) A_kk: the blocks L_ij,
    j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers; and the
    decayed keys kb = beta e^G k, kg = e^{G_last - G} k, decay_last.

@@ -231,9 +231,9 @@ def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, **blocks):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("key_dim, value_dim", [(16, 32), (64, 32)], ids=["one-column-block", "column-blocks"])
 def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim):
-    """Phase 1 alone (its two kernels), each part against the literal float64 form, one chunk of slow decay
-    and one at the gate bound: a failing part names the kernel at fault (blocks: a_qk, qg, kg, decay_last; WY
-    factors: w, u)."""
+    """Phase 1 alone (its three kernels), each part against the literal float64 form, one chunk of slow decay
+    and one at the gate bound: a failing part names the kernel at fault (keys and blocks: a_qk, qg, kg,
+    decay_last; WY factors: w, u; the keys kernel also has its own test)."""
     _check_parts(dtype, key_dim, value_dim, interpret=True, tolerance=1e-6,  # exact fp32 products when interpreted
                  block_k=16)  # several column blocks at 64 keys
 
