@@ -22,10 +22,10 @@ the diagonal the second factor is <= e^-S; where it underflows the product is be
 multiplies an exp2 by a power of two (exact), rather than entering its argument (which would round a slow
 decay's small exponent to the ulp of ~58).
 The program walks j = i-1 down to 0 (loading k_s e^{t_j - Γ_s} and t_j from `sub_block_keys`), carrying gap_j,
-then sums the totals t_j of the later sub-blocks j > i, both as loops whose trip counts come from the program id. Measured slower on an
-H200 (BENCHMARKS.md): the same steps as straight-line code predicated on j < i (19.9 ms against 6.0) or in one
-branch per sub-block index with static trip counts (7.8 ms), and one program per chunk over [4, 16, block_k]
-tiles (18.3 ms). It stores
+then sums the totals t_j of the later sub-blocks j > i, both as loops whose trip counts come from the program
+id. Measured slower on an H200 (BENCHMARKS.md): the same steps as straight-line code predicated on j < i
+(19.9 ms against 6.0) or in one branch per sub-block index with static trip counts (7.8 ms), and one program
+per chunk over [4, 16, block_k] tiles (18.3 ms). It stores
   qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c + S} e^{o_i - S}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the

@@ -179,7 +179,7 @@ def test_gpu_wy_factors_from_the_inverse_blocks(equal_keys, input_dtype):
 def test_gpu_sub_block_keys_match_float64(l2norm):
     """Phase 1's keys kernel: every 16-row sub-block's keys decayed to its end, k_s e^{t_j - G_s} (G the
     cumulative gate inside the sub-block, t_j its total), and the totals in log2 units, against float64."""
-    q, k, _, g, _, _ = random_sequence(2, 128, 3, 32, 16, jnp.float32, seed=21)
+    _, k, _, g, _, _ = random_sequence(2, 128, 3, 32, 16, jnp.float32, seed=21)
     right, totals = sub_block_keys(jnp.asarray(k), jnp.asarray(g), use_qk_l2norm=l2norm, parts_dtype=jnp.float32,
                                    block_k=16, interpret=True)
     flat = lambda x: np.moveaxis(np.asarray(x, np.float64), 2, 1).reshape(6, 8, 16, -1)  # noqa: E731
