@@ -54,9 +54,14 @@ LOG2_E = 1.4426950408889634
 SHIFT_UP, SHIFT_DOWN = 2.0 ** 58, 2.0 ** -58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
 
 
-def _rows(ref, rows, column_blocks):
-    """ref's rows `rows` as fp32 [SUB, block_k] tiles, one per column block."""
-    return [ref[rows, columns].astype(jnp.float32) for columns in column_blocks]
+def _column_blocks(key_dim: int, block_k: int):
+    """The key columns, block_k at a time."""
+    return [pl.ds(c * block_k, block_k) for c in range(key_dim // block_k)]
+
+
+def _rows(ref, column_blocks):
+    """ref's [SUB, K] rows as fp32 [SUB, block_k] tiles, one per column block."""
+    return [ref[:, columns].astype(jnp.float32) for columns in column_blocks]
 
 
 def _inverse_norms(tiles, l2norm: bool):
@@ -75,8 +80,8 @@ def _as_row(column_SUB1):
 
 def _keys_kernel(k_ref, g_ref, right_ref, totals_ref, *, l2norm, block_k):
     """One sub-block j: its keys decayed to its end, k_s e^{t_j - Γ_s} (<= 1), and its gate totals t_j."""
-    column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
-    keys = _rows(k_ref, slice(None), column_blocks)
+    column_blocks = _column_blocks(k_ref.shape[1], block_k)
+    keys = _rows(k_ref, column_blocks)
     key_scale_SUB1 = _inverse_norms(keys, l2norm)
     for columns, key in zip(column_blocks, keys):
         g_j = g_ref[:, columns] * LOG2_E
@@ -95,8 +100,8 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
     i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
-    column_blocks = [pl.ds(c * block_k, block_k) for c in range(k_ref.shape[1] // block_k)]
-    queries, keys_i = _rows(q_ref, slice(None), column_blocks), _rows(k_ref, slice(None), column_blocks)
+    column_blocks = _column_blocks(k_ref.shape[1], block_k)
+    queries, keys_i = _rows(q_ref, column_blocks), _rows(k_ref, column_blocks)
     query_scale_SUB1 = _inverse_norms(queries, l2norm) * scale
     key_scale_SUB1 = _inverse_norms(keys_i, l2norm)
     beta_SUB1 = beta_ref[...]
