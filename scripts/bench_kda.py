@@ -79,11 +79,12 @@ def to_torch(*arrays, dtype=None):
 
 
 DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=32, num_warps=4)]
-PERSISTENT_TILES = [dict(block_v=block_v, num_warps=warps, programs=132 * waves, num_stages=stages)
-                    for block_v, warps in ((64, 4), (64, 2), (128, 8)) for waves in (2, 4, 8) for stages in (1, 2, 3)]
+VARIANT_TILES = [dict(block_v=block_v, num_warps=warps, in_place=in_place, hints=hints)
+                 for block_v, warps in ((64, 4), (64, 2), (32, 4)) for in_place, hints in ((True, True), (False, False),
+                                                                                        (False, True))]
 DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for B < 64 and for B >= 64
     "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
-    "large": DECODE_TILES + PERSISTENT_TILES,
+    "large": DECODE_TILES + VARIANT_TILES,
 }
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 

@@ -132,22 +132,19 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
         a_ref[:, sub_rows(j)] = a_qk.astype(a_ref.dtype)
         blocks_ref[:, sub_rows(j)] = beta_SUB1 * L
 
-    def store_zeros(j):  # a_qk's block right of the diagonal
-        a_ref[:, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
-
     def earlier_block(m, gaps):  # sub-block j = i - 1 - m
         j = i - 1 - m
         a_qk, L, totals = products_with(j, gaps)
         store_earlier(j, a_qk, L)
         return tuple(gap + total for gap, total in zip(gaps, totals))
 
-    def later_block(j, sums):  # sub-block j > i; sums[c] = t_{i+1} + ... + t_{j-1}
-        store_zeros(j)
-        return tuple(total + totals_ref[pl.ds(j, 1), columns] for total, columns in zip(sums, column_blocks))
-
     zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
     offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
-    later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
+    later_SUBS1 = jax.lax.broadcasted_iota(jnp.int32, (SUBS, 1), 0) > i
+    later = [jnp.sum(jnp.where(later_SUBS1, totals_ref[:, columns], 0.0), axis=0, keepdims=True)
+             for columns in column_blocks]  # t_{i+1} + ... + t_3
+    plgpu.store(a_ref, jnp.zeros(a_ref.shape, a_ref.dtype),  # a_qk's blocks right of the diagonal
+                mask=jax.lax.broadcasted_iota(jnp.int32, a_ref.shape, 1) >= (i + 1) * SUB)
     a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
     for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
                                                                                   decayed):

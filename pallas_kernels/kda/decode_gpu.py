@@ -27,50 +27,31 @@ def _inverse_norm(x_K, use_qk_l2norm):
     return jax.lax.rsqrt(jnp.sum(x_K * x_K) + L2_EPS) if use_qk_l2norm else 1.0
 
 
-def _normalized(x_ref, use_qk_l2norm):
+def _normalized(x_ref, use_qk_l2norm, hint):
     """x_ref's row in fp32, L2-normalised when asked."""
-    x_K = x_ref[...].astype(jnp.float32)
+    x_K = plgpu.load(x_ref, eviction_policy=hint).astype(jnp.float32)
     return x_K * _inverse_norm(x_K, use_qk_l2norm)
 
 
-def _update(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm):
-    """One sequence-head's update of a [K, bv] state slice (refs already narrowed to that head and slice)."""
-    state_KV = state_ref[...]
-    q_K, k_K = _normalized(q_ref, use_qk_l2norm), _normalized(k_ref, use_qk_l2norm)
-    state_KV = state_KV * jnp.exp(g_ref[...])[:, None]
-    delta_V = beta_ref[...] * (v_ref[...].astype(jnp.float32) - jnp.sum(k_K[:, None] * state_KV, 0))
+def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm,
+                 hints):
+    """One sequence-head's update of its [K, bv] state slice."""
+    last, first = ("evict_last", "evict_first") if hints else (None, None)
+    q_K, k_K = _normalized(q_ref, use_qk_l2norm, last), _normalized(k_ref, use_qk_l2norm, last)
+    state_KV = state_ref[...] * jnp.exp(plgpu.load(g_ref, eviction_policy=last))[:, None]
+    v_V = plgpu.load(v_ref, eviction_policy=first).astype(jnp.float32)
+    delta_V = beta_ref[...] * (v_V - jnp.sum(k_K[:, None] * state_KV, 0))
     state_KV = state_KV + k_K[:, None] * delta_V[None, :]
     new_state_ref[...] = state_KV
     o_ref[...] = jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype)
 
 
-def _persistent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, block_v, **update):
-    """Program p walks the (sequence-head, value block) tiles p, p + P, ... in turn (P programs)."""
-    program, programs = pl.program_id(0), pl.num_programs(0)
-    value_blocks = v_ref.shape[1] // block_v
-    tiles = v_ref.shape[0] * value_blocks
-
-    def tile(t, carry):
-        index = program + t * programs
-        head, columns = index // value_blocks, pl.ds((index % value_blocks) * block_v, block_v)
-        _update(q_ref.at[head], k_ref.at[head], v_ref.at[head, columns], g_ref.at[head], beta_ref.at[head],
-                state_ref.at[head, :, columns], o_ref.at[head, columns], new_state_ref.at[head, :, columns],
-                **update)
-        return carry
-
-    jax.lax.fori_loop(0, (tiles - program + programs - 1) // programs, tile, 0)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "programs", "num_stages",
-                                             "interpret"),
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "in_place", "hints", "interpret"),
                    donate_argnames=("state_BHKV",))
 def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        block_v: int = 64, num_warps: int = 4, programs: int | None = None, num_stages: int = 1,
+                        block_v: int = 64, num_warps: int = 4, in_place: bool = True, hints: bool = False,
                         interpret: bool = False):
-    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
-
-    programs: None runs one program per (value block, sequence-head) tile; a number runs that many programs,
-    each walking every programs-th tile in a loop (num_stages > 1 lets the compiler prefetch the next tile)."""
+    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state)."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
     block_v = min(block_v, value_dim)
@@ -78,26 +59,19 @@ def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scal
     q, k, g = (x.reshape(flat, key_dim) for x in (q_BHK, k_BHK, g_BHK))
     v, beta = v_BHV.reshape(flat, value_dim), beta_BH.reshape(flat)
     state = state_BHKV.reshape(flat, key_dim, value_dim)
-    update = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
-    if programs is None:
-        row = pl.BlockSpec((None, key_dim), lambda j, i: (i, 0))
-        value_block = pl.BlockSpec((None, block_v), lambda j, i: (i, j))
-        state_block = pl.BlockSpec((None, key_dim, block_v), lambda j, i: (i, 0, j))
-        specs = dict(grid=(pl.cdiv(value_dim, block_v), flat),
-                     in_specs=[row, row, value_block, row, pl.BlockSpec((None,), lambda j, i: (i,)), state_block],
-                     out_specs=[value_block, state_block])
-        kernel = functools.partial(_update, **update)
-    else:
-        specs = dict(grid=(min(programs, flat * pl.cdiv(value_dim, block_v)),))
-        kernel = functools.partial(_persistent_kernel, block_v=block_v, **update)
+    row = pl.BlockSpec((None, key_dim), lambda j, i: (i, 0))
+    value_block = pl.BlockSpec((None, block_v), lambda j, i: (i, j))
+    state_block = pl.BlockSpec((None, key_dim, block_v), lambda j, i: (i, 0, j))
     o, state = pl.pallas_call(
-        kernel,
+        functools.partial(_step_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm, hints=hints),
+        grid=(pl.cdiv(value_dim, block_v), flat),
+        in_specs=[row, row, value_block, row, pl.BlockSpec((None,), lambda j, i: (i,)), state_block],
+        out_specs=[value_block, state_block],
         out_shape=[jax.ShapeDtypeStruct((flat, value_dim), v_BHV.dtype),
                    jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32)],
-        input_output_aliases={5: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        input_output_aliases={5: 1} if in_place else {},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_step",
-        **specs,
     )(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32))
     return o.reshape(batch, heads, value_dim), state.reshape(batch, heads, key_dim, value_dim)
