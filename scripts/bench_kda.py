@@ -79,9 +79,8 @@ def to_torch(*arrays, dtype=None):
 
 
 DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=32, num_warps=4)]
-VARIANT_TILES = [dict(block_v=block_v, num_warps=warps, in_place=in_place, hints=hints)
-                 for block_v, warps in ((64, 4), (64, 2), (32, 4)) for in_place, hints in ((True, True), (False, False),
-                                                                                        (False, True))]
+VARIANT_TILES = [dict(block_v=64, num_warps=warps, state_policy=policy) for warps in (4, 2)
+                 for policy in ("evict_first", "store", "evict_first store")]
 DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for B < 64 and for B >= 64
     "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
     "large": DECODE_TILES + VARIANT_TILES,

@@ -59,9 +59,10 @@ def _column_blocks(key_dim: int, block_k: int):
     return [pl.ds(c * block_k, block_k) for c in range(key_dim // block_k)]
 
 
-def _rows(ref, column_blocks):
+def _rows(ref, column_blocks, eviction_policy=None):
     """ref's [SUB, K] rows as fp32 [SUB, block_k] tiles, one per column block."""
-    return [ref[:, columns].astype(jnp.float32) for columns in column_blocks]
+    return [plgpu.load(ref.at[:, columns], eviction_policy=eviction_policy).astype(jnp.float32)
+            for columns in column_blocks]
 
 
 def _inverse_norms(tiles, l2norm: bool):
@@ -101,14 +102,14 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
     column_blocks = _column_blocks(k_ref.shape[1], block_k)
-    queries, keys_i = _rows(q_ref, column_blocks), _rows(k_ref, column_blocks)
+    queries, keys_i = _rows(q_ref, column_blocks, "evict_first"), _rows(k_ref, column_blocks, "evict_first")
     query_scale_SUB1 = _inverse_norms(queries, l2norm) * scale
     key_scale_SUB1 = _inverse_norms(keys_i, l2norm)
     beta_SUB1 = beta_ref[...]
 
     def own_rows(columns, query, key):
         """(q, k of sub-block i decayed from its start and shifted, e^{Γ_c + S}; k; Γ_i; t_i), columns `columns`."""
-        g_i = g_ref[:, columns] * LOG2_E
+        g_i = plgpu.load(g_ref.at[:, columns], eviction_policy="evict_first") * LOG2_E
         log_decay = jnp.cumsum(g_i, axis=0)
         from_start = jnp.exp2(log_decay) * SHIFT_UP
         keys = key * key_scale_SUB1
@@ -122,8 +123,9 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
         per column block; gaps[c] [1, block_k] = t_{j+1} + ... + t_{i-1}."""
         a_qk, L, totals = zeros_SUBSUB, zeros_SUBSUB, []
         for columns, gap, (q_left, k_left, *_) in zip(column_blocks, gaps, decayed):
-            total = totals_ref[pl.ds(j, 1), columns]
-            right = right_ref[sub_rows(j), columns].astype(jnp.float32) * (jnp.exp2(gap) * SHIFT_DOWN)  # e^{o_i-G_s-S}
+            total = plgpu.load(totals_ref.at[pl.ds(j, 1), columns], eviction_policy="evict_last")
+            right = plgpu.load(right_ref.at[sub_rows(j), columns], eviction_policy="evict_last").astype(
+                jnp.float32) * (jnp.exp2(gap) * SHIFT_DOWN)  # e^{o_i - G_s - S}
             a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
             totals.append(total)
         return a_qk, L, totals
@@ -132,19 +134,23 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
         a_ref[:, sub_rows(j)] = a_qk.astype(a_ref.dtype)
         blocks_ref[:, sub_rows(j)] = beta_SUB1 * L
 
+    def store_zeros(j):  # a_qk's block right of the diagonal
+        a_ref[:, sub_rows(j)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+
     def earlier_block(m, gaps):  # sub-block j = i - 1 - m
         j = i - 1 - m
         a_qk, L, totals = products_with(j, gaps)
         store_earlier(j, a_qk, L)
         return tuple(gap + total for gap, total in zip(gaps, totals))
 
+    def later_block(j, sums):  # sub-block j > i; sums[c] = t_{i+1} + ... + t_{j-1}
+        store_zeros(j)
+        return tuple(total + plgpu.load(totals_ref.at[pl.ds(j, 1), columns], eviction_policy="evict_last")
+                     for total, columns in zip(sums, column_blocks))
+
     zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
     offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
-    later_SUBS1 = jax.lax.broadcasted_iota(jnp.int32, (SUBS, 1), 0) > i
-    later = [jnp.sum(jnp.where(later_SUBS1, totals_ref[:, columns], 0.0), axis=0, keepdims=True)
-             for columns in column_blocks]  # t_{i+1} + ... + t_3
-    plgpu.store(a_ref, jnp.zeros(a_ref.shape, a_ref.dtype),  # a_qk's blocks right of the diagonal
-                mask=jax.lax.broadcasted_iota(jnp.int32, a_ref.shape, 1) >= (i + 1) * SUB)
+    later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
     a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
     for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
                                                                                   decayed):

@@ -27,30 +27,30 @@ def _inverse_norm(x_K, use_qk_l2norm):
     return jax.lax.rsqrt(jnp.sum(x_K * x_K) + L2_EPS) if use_qk_l2norm else 1.0
 
 
-def _normalized(x_ref, use_qk_l2norm, hint):
-    """x_ref's row in fp32, L2-normalised when asked."""
-    x_K = plgpu.load(x_ref, eviction_policy=hint).astype(jnp.float32)
+def _normalized(x_ref, use_qk_l2norm):
+    """x_ref's row in fp32, L2-normalised when asked (kept in L2: the head's other value blocks read it too)."""
+    x_K = plgpu.load(x_ref, eviction_policy="evict_last").astype(jnp.float32)
     return x_K * _inverse_norm(x_K, use_qk_l2norm)
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm,
-                 hints):
+                 state_policy):
     """One sequence-head's update of its [K, bv] state slice."""
-    last, first = ("evict_last", "evict_first") if hints else (None, None)
-    q_K, k_K = _normalized(q_ref, use_qk_l2norm, last), _normalized(k_ref, use_qk_l2norm, last)
-    state_KV = state_ref[...] * jnp.exp(plgpu.load(g_ref, eviction_policy=last))[:, None]
-    v_V = plgpu.load(v_ref, eviction_policy=first).astype(jnp.float32)
+    state_KV = plgpu.load(state_ref, eviction_policy="evict_first" if "evict_first" in state_policy else None)
+    q_K, k_K = _normalized(q_ref, use_qk_l2norm), _normalized(k_ref, use_qk_l2norm)
+    state_KV = state_KV * jnp.exp(plgpu.load(g_ref, eviction_policy="evict_last"))[:, None]
+    v_V = plgpu.load(v_ref, eviction_policy="evict_first").astype(jnp.float32)
     delta_V = beta_ref[...] * (v_V - jnp.sum(k_K[:, None] * state_KV, 0))
     state_KV = state_KV + k_K[:, None] * delta_V[None, :]
-    new_state_ref[...] = state_KV
-    o_ref[...] = jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype)
+    plgpu.store(new_state_ref, state_KV, eviction_policy="evict_first" if "store" in state_policy else None)
+    plgpu.store(o_ref, jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype),
+                eviction_policy="evict_first")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "in_place", "hints", "interpret"),
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "state_policy", "interpret"),
                    donate_argnames=("state_BHKV",))
 def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        block_v: int = 64, num_warps: int = 4, in_place: bool = True, hints: bool = False,
-                        interpret: bool = False):
+                        block_v: int = 64, num_warps: int = 4, state_policy: str = "", interpret: bool = False):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state)."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
@@ -63,13 +63,13 @@ def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scal
     value_block = pl.BlockSpec((None, block_v), lambda j, i: (i, j))
     state_block = pl.BlockSpec((None, key_dim, block_v), lambda j, i: (i, 0, j))
     o, state = pl.pallas_call(
-        functools.partial(_step_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm, hints=hints),
+        functools.partial(_step_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm, state_policy=state_policy),
         grid=(pl.cdiv(value_dim, block_v), flat),
         in_specs=[row, row, value_block, row, pl.BlockSpec((None,), lambda j, i: (i,)), state_block],
         out_specs=[value_block, state_block],
         out_shape=[jax.ShapeDtypeStruct((flat, value_dim), v_BHV.dtype),
                    jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32)],
-        input_output_aliases={5: 1} if in_place else {},
+        input_output_aliases={5: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_step",
