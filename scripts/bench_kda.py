@@ -79,11 +79,9 @@ def to_torch(*arrays, dtype=None):
 
 
 DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=32, num_warps=4)]
-VARIANT_TILES = [dict(block_v=64, num_warps=warps, state_policy=policy) for warps in (4, 2)
-                 for policy in ("evict_first", "store", "evict_first store")]
 DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for B < 64 and for B >= 64
     "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
-    "large": DECODE_TILES + VARIANT_TILES,
+    "large": DECODE_TILES,
 }
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 

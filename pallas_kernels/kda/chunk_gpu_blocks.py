@@ -25,7 +25,10 @@ The program walks j = i-1 down to 0 (loading k_s e^{t_j - Γ_s} and t_j from `su
 then sums the totals t_j of the later sub-blocks j > i, both as loops whose trip counts come from the program
 id. Measured slower on an H200 (BENCHMARKS.md): the same steps as straight-line code predicated on j < i
 (19.9 ms against 6.0) or in one branch per sub-block index with static trip counts (7.8 ms), and one program
-per chunk over [4, 16, block_k] tiles (18.3 ms). It stores
+per chunk over [4, 16, block_k] tiles (18.3 ms); no faster: the later totals as one masked sum over the chunk's
+[SUBS, K] totals with a_qk's zeros as one masked store (4.3 ms against 4.1). Its own rows are loaded with an L2
+evict-first hint, the earlier sub-blocks' keys and totals (which the later sub-blocks' programs read again)
+evict-last (4.00 ms at B=1, T=32768, within run-to-run spread of 4.13 without). It stores
   qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c + S} e^{o_i - S}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the

@@ -7,7 +7,10 @@ is bound by state traffic: 2 x 4 bytes x K x V per head, read and written once.
 One sequence-head and one value block per program, the whole [K, block_v] slice loaded at once. Two
 variants that tried to hide the load latency better were measured slower on an H200 and removed
 (BENCHMARKS.md): K-chunked two-pass updates with a register prefetch (194 vs 171 us at B=64) and several
-sequence-heads per program (no gain).
+sequence-heads per program (no gain); so were persistent programs walking every P-th tile (168-240 us against
+162, Triton did not prefetch across the loop) and writing the new state out of place. q, k and g carry an L2
+evict-last hint (every value block of the head reads them), v and o evict-first, as fla's kernel does: 152 vs
+160 us at B=64 in one run, within the ~5% spread between machines.
 """
 
 from __future__ import annotations
@@ -33,24 +36,23 @@ def _normalized(x_ref, use_qk_l2norm):
     return x_K * _inverse_norm(x_K, use_qk_l2norm)
 
 
-def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm,
-                 state_policy):
+def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm):
     """One sequence-head's update of its [K, bv] state slice."""
-    state_KV = plgpu.load(state_ref, eviction_policy="evict_first" if "evict_first" in state_policy else None)
+    state_KV = state_ref[...]
     q_K, k_K = _normalized(q_ref, use_qk_l2norm), _normalized(k_ref, use_qk_l2norm)
     state_KV = state_KV * jnp.exp(plgpu.load(g_ref, eviction_policy="evict_last"))[:, None]
     v_V = plgpu.load(v_ref, eviction_policy="evict_first").astype(jnp.float32)
     delta_V = beta_ref[...] * (v_V - jnp.sum(k_K[:, None] * state_KV, 0))
     state_KV = state_KV + k_K[:, None] * delta_V[None, :]
-    plgpu.store(new_state_ref, state_KV, eviction_policy="evict_first" if "store" in state_policy else None)
+    new_state_ref[...] = state_KV
     plgpu.store(o_ref, jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype),
                 eviction_policy="evict_first")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "state_policy", "interpret"),
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
                    donate_argnames=("state_BHKV",))
 def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        block_v: int = 64, num_warps: int = 4, state_policy: str = "", interpret: bool = False):
+                        block_v: int = 64, num_warps: int = 4, interpret: bool = False):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state)."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
@@ -63,7 +65,7 @@ def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scal
     value_block = pl.BlockSpec((None, block_v), lambda j, i: (i, j))
     state_block = pl.BlockSpec((None, key_dim, block_v), lambda j, i: (i, 0, j))
     o, state = pl.pallas_call(
-        functools.partial(_step_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm, state_policy=state_policy),
+        functools.partial(_step_kernel, scale=scale, use_qk_l2norm=use_qk_l2norm),
         grid=(pl.cdiv(value_dim, block_v), flat),
         in_specs=[row, row, value_block, row, pl.BlockSpec((None,), lambda j, i: (i,)), state_block],
         out_specs=[value_block, state_block],
