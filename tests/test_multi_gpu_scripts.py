@@ -1,6 +1,6 @@
 """scripts/check_multi_gpu.py and scripts/bench_expert_parallel.py in their --quick modes on the 8 virtual CPU
-devices (conftest sets the XLA flag): both succeed, and the check fails on a model whose last expert shard is
-corrupted (so it can fail)."""
+devices (conftest sets the XLA flag): both succeed, in fp32 the check holds at 1e-4, and it fails on a model whose
+last expert shard is corrupted (so it can fail); scripts/routing_sensitivity.py on a small model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import bench_expert_parallel  # noqa: E402
 import check_multi_gpu  # noqa: E402
+import routing_sensitivity  # noqa: E402
 
 QUICK_CHECK = ["--quick", "--mesh", "expert=8", "--layers", "3"]
 
@@ -22,6 +23,13 @@ def test_check_passes_on_the_mesh(capsys):
     out = capsys.readouterr().out
     assert "2 layers (1 KDA + 1 MLA)" in out  # the reference size the quick memory budget allows
     assert "PASS" in out
+
+
+def test_check_in_float32_holds_at_1e_4(capsys):
+    flags = ["--quick", "--mesh", "expert=2", "--dtype", "float32", "--reference-layers", "2", "--layers", "2"]
+    assert check_multi_gpu.main(flags) == 0
+    out = capsys.readouterr().out
+    assert "float32 parameters" in out and "within 1e-04" in out
 
 
 def test_check_fails_when_the_last_expert_shard_is_corrupted(capsys):
@@ -47,3 +55,10 @@ def test_bench_expert_parallel_quick(capsys):
 def test_bench_refuses_device_counts_that_do_not_fit(capsys, devices):
     assert bench_expert_parallel.main(["--quick", "--devices", str(devices)]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_routing_sensitivity_reports_each_fraction(capsys):
+    assert routing_sensitivity.main(["--hidden", "256", "--experts", "16"]) == 0
+    out = capsys.readouterr().out
+    errors = [float(part.split(": ")[1]) for part in out.strip().split("off: ")[1].split(", ")]
+    assert len(errors) == 3 and errors[-1] > 0
