@@ -263,6 +263,11 @@ def mesh_for(text: str | None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with jax.default_matmul_precision("highest" if args.dtype == "float32" else None):  # for this call only
+        return check(args)
+
+
+def check(args) -> int:
     try:
         mesh = mesh_for(args.mesh)
         one_device = make_mesh({}, devices=jax.devices()[:1])
@@ -270,8 +275,6 @@ def main(argv=None) -> int:
         print(f"jax {jax.__version__}, {mesh.devices.size} x {jax.devices()[0].device_kind}, mesh {mesh_sizes}",
               flush=True)
         dtype, tolerance = jnp.dtype(args.dtype), TOLERANCE[args.dtype]
-        if dtype == jnp.float32:
-            jax.config.update("jax_default_matmul_precision", "highest")
         print(f"layer arithmetic ({args.dtype} parameters):")
         budget = device_budget(jax.devices()[0], args.device_memory_gib, args.headroom_gib)
         layers = args.layers or plan_layers(args.quick, mesh_sizes, budget, dtype)
