@@ -19,6 +19,7 @@ KDA = "kda"
 MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
+MOE_ALL_TO_ALL = ("auto", "ragged", "dense")  # how expert parallelism moves rows: ling_jax.expert_parallel
 
 # canonical key -> aliases that mean the same thing
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -136,6 +137,7 @@ class LingConfig:
     quantization: QuantizationConfig | None = None
     mtp_loss_scaling_factor: float = 0.0  # weight of the MTP draft loss in training (0 = off)
     moe_capacity_factor: float | None = None  # ling-jax runtime option, not in checkpoints: None = dropless
+    moe_all_to_all: str = "auto"  # ling-jax runtime option: one of MOE_ALL_TO_ALL
 
     def __post_init__(self):
         self._validate()
@@ -219,6 +221,8 @@ class LingConfig:
             raise _fail("rope_scaling.original_max_position_embeddings", "required for YaRN")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             raise _fail("moe_capacity_factor", f"must be null (dropless) or positive, got {self.moe_capacity_factor}")
+        if self.moe_all_to_all not in MOE_ALL_TO_ALL:
+            raise _fail("moe_all_to_all", f"must be one of {list(MOE_ALL_TO_ALL)}, got {self.moe_all_to_all!r}")
         if self.mtp_loss_scaling_factor < 0:
             raise _fail("mtp_loss_scaling_factor", f"must be >= 0, got {self.mtp_loss_scaling_factor}")
         if self.quantization and len(self.quantization.weight_block_size) != 2:
@@ -285,6 +289,7 @@ class LingConfig:
             quantization=_parse_quantization(r),
             mtp_loss_scaling_factor=float(r.get("mtp_loss_scaling_factor", 0.0) or 0.0),
             moe_capacity_factor=r.get("moe_capacity_factor"),
+            moe_all_to_all=r.get("moe_all_to_all", "auto"),
         )
 
     @classmethod

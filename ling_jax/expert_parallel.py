@@ -10,21 +10,31 @@ device owns E / n_expert experts (and, with a `tensor` axis, a slice of their wi
 Both are dropless by default: a device reserves room for every assignment a source could send it
 (tokens x min(top_k, local experts)). A capacity factor C shrinks that to ceil(C x tokens x top_k /
 n_expert) rows per source; assignments beyond it are dropped and counted (the MoE sows the count).
-`ragged_all_to_all` would avoid the fixed-size buffers but is not implemented on the CPU backend.
-The all-to-all path is three stages, `dispatch`, `grouped_expert_ffn` and `return_and_combine`, each callable
-inside a shard_map on its own (scripts/bench_expert_parallel.py times them separately).
+
+The all-to-all path moves the rows one of two ways (`LingConfig.moe_all_to_all`), with the same kept rows and the same
+results:
+- "ragged" (the default on GPU and TPU): `ragged_all_to_all` sends exactly the kept rows, one slice per
+  expert, into the receiver's buffer in expert order (expert-major, then source), so the receiver runs its
+  experts on contiguous groups without a sort (`ragged_dispatch`, `expert_sorted_ffn`,
+  `ragged_return_and_combine`). XLA:CPU has no ragged all-to-all; there the same collective is emulated with
+  all-gathers (`emulated_ragged_all_to_all`), for tests.
+- "dense" (the default on a CPU): every source fills a fixed block per destination, so each all-to-all moves
+  the whole reserved buffer, used or not (`dispatch`, `grouped_expert_ffn`, `return_and_combine`).
+Each stage is callable inside a shard_map on its own (scripts/bench_expert_parallel.py times them separately).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ling_jax.expert_ffn import combine, grouped_expert_ffn
+from ling_jax.config import MOE_ALL_TO_ALL
+from ling_jax.expert_ffn import combine, expert_sorted_ffn, grouped_expert_ffn
 from ling_jax.sharding import batch_axes
 
 
@@ -63,6 +73,14 @@ def exchange(a, ep: int):
     return jax.lax.all_to_all(a.reshape(ep, -1, *a.shape[1:]), "expert", 0, 0).reshape(a.shape)
 
 
+def _rank_and_kept(dest_A, *, ep: int, capacity: int):
+    """Each token-assignment's order among this device's assignments to the same destination (token-major), and
+    whether it fits that destination's `capacity` rows."""
+    rank_A = jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(dest_A, ep, dtype=jnp.int32), axis=0),
+                                 dest_A[:, None], axis=1)[:, 0] - 1
+    return rank_A, rank_A < capacity
+
+
 def dispatch(x_TD, experts_TK, *, ep: int, local_experts: int, capacity: int):
     """Inside a shard_map: packs each token-assignment into the block of the device owning its expert (at most
     `capacity` rows per destination; the rest are dropped) and sends the blocks with one all-to-all.
@@ -74,9 +92,7 @@ def dispatch(x_TD, experts_TK, *, ep: int, local_experts: int, capacity: int):
     top_k = experts_TK.shape[1]
     experts_A = experts_TK.reshape(-1)  # one entry per token-assignment, token-major
     dest_A = experts_A // local_experts
-    rank_A = jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(dest_A, ep, dtype=jnp.int32), axis=0),
-                                 dest_A[:, None], axis=1)[:, 0] - 1  # order among assignments to the same device
-    kept_A = rank_A < capacity
+    rank_A, kept_A = _rank_and_kept(dest_A, ep=ep, capacity=capacity)
     slot_A = jnp.where(kept_A, dest_A * capacity + rank_A, ep * capacity)  # out of range: dropped
     send_x = jnp.zeros((ep * capacity, x_TD.shape[1]), x_TD.dtype).at[slot_A].set(
         jnp.repeat(x_TD, top_k, axis=0), mode="drop")
@@ -95,21 +111,139 @@ def return_and_combine(y_RD, slot_A, kept_A, weights_TK, *, ep: int, tp_axes: tu
     return combine(y_A.reshape(tokens, top_k, -1), weights_TK, dtype)
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name: str):
+    """`jax.lax.ragged_all_to_all`'s result built from all-gathers, for backends without it (XLA:CPU): every
+    device gathers every operand and slice table and copies the slices addressed to it. recv_sizes is implied
+    by the senders' tables and not read. Memory: axis size x operand per device; for tests."""
+    del recv_sizes
+    me, devices = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+    per_device = input_offsets.shape[0] // devices
+
+    def gathered_to_me(table_K):  # [devices * per_device]: the slices each source sends this device
+        return jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(table_K, axis_name), me * per_device, per_device,
+                                            axis=1).reshape(-1)
+
+    start_S, size_S, at_S = (gathered_to_me(t) for t in (input_offsets, send_sizes, output_offsets))
+    row_M = jnp.arange(output.shape[0])
+    inside_MS = (row_M[:, None] >= at_S) & (row_M[:, None] < at_S + size_S)
+    slice_M = jnp.argmax(inside_MS, axis=1)
+    source_row_M = jnp.clip(start_S[slice_M] + row_M - at_S[slice_M], 0, operand.shape[0] - 1)
+    received = jax.lax.all_gather(operand, axis_name)[slice_M // per_device, source_row_M]
+    covered = jnp.any(inside_MS, axis=1).reshape(-1, *(1,) * (operand.ndim - 1))
+    return jnp.where(covered, received, output)
+
+
+class RaggedRoutes(NamedTuple):
+    """One device's side of the ragged exchange (inside a shard_map over the expert axis). Slice e of the sends
+    is global expert e's kept rows, bound for device e // L; slice s * L + j of the receives is what source s
+    sends for local expert j. The receive buffer is in expert order: local expert j's rows from source 0, then
+    source 1, ..."""
+
+    order_A: jax.Array  # [A] token-assignments sorted by global expert, dropped ones last
+    kept_A: jax.Array  # [A] bool: within the destination's capacity
+    send_sizes_E: jax.Array  # [E] rows this device sends per global expert
+    send_offsets_E: jax.Array  # [E] where slice e starts among this device's sorted rows
+    remote_offsets_E: jax.Array  # [E] where slice e lands in its receiver's buffer
+    recv_sizes_SL: jax.Array  # [ep * L] rows received per (source, local expert)
+    recv_offsets_SL: jax.Array  # [ep * L] where they sit in this device's buffer
+    remote_send_offsets_SL: jax.Array  # [ep * L] where source s's slice for local expert j started on s
+    group_sizes_L: jax.Array  # [L] received rows per local expert
+
+
+def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int) -> RaggedRoutes:
+    """Inside a shard_map: the slice tables of both ragged exchanges, from every device's per-expert counts (one
+    all-gather of [E] int32). The kept rows are `dispatch`'s: the first `capacity` per destination."""
+    num_experts = ep * local_experts
+    experts_A = experts_TK.reshape(-1)
+    _, kept_A = _rank_and_kept(experts_A // local_experts, ep=ep, capacity=capacity)
+    key_A = jnp.where(kept_A, experts_A, num_experts)
+    order_A = jnp.argsort(key_A, stable=True)
+    sent_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_A].add(1)[:num_experts]
+    sent_SE = jax.lax.all_gather(sent_E, "expert")  # [source, global expert]
+    send_offsets_SE = jnp.cumsum(sent_SE, axis=1) - sent_SE
+    earlier_sources_SE = jnp.cumsum(sent_SE, axis=0) - sent_SE
+    total_DL = jnp.sum(sent_SE, axis=0).reshape(ep, local_experts)
+    expert_start_E = (jnp.cumsum(total_DL, axis=1) - total_DL).reshape(-1)  # in its receiver's buffer
+    me = jax.lax.axis_index("expert")
+
+    def mine(table_SE):  # [ep * L]: the columns of this device's local experts, source-major
+        return jax.lax.dynamic_slice_in_dim(table_SE, me * local_experts, local_experts, axis=1).reshape(-1)
+
+    local_start_SL = jnp.tile(jax.lax.dynamic_slice_in_dim(expert_start_E, me * local_experts, local_experts), ep)
+    return RaggedRoutes(
+        order_A=order_A, kept_A=kept_A, send_sizes_E=sent_E, send_offsets_E=send_offsets_SE[me],
+        remote_offsets_E=expert_start_E + earlier_sources_SE[me], recv_sizes_SL=mine(sent_SE),
+        recv_offsets_SL=local_start_SL + mine(earlier_sources_SE), remote_send_offsets_SL=mine(send_offsets_SE),
+        group_sizes_L=total_DL[me])
+
+
+def _ragged_exchange(native: bool):
+    return jax.lax.ragged_all_to_all if native else emulated_ragged_all_to_all
+
+
+def ragged_dispatch(x_TD, routes: RaggedRoutes, *, rows: int, native: bool):
+    """Inside a shard_map: each kept token-assignment's row goes to its expert's device. -> [rows, D], this
+    device's received rows in expert order (`routes.group_sizes_L`); rows past their sum are zeros."""
+    top_k = routes.order_A.shape[0] // x_TD.shape[0]
+    return _ragged_exchange(native)(
+        x_TD[routes.order_A // top_k], jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), routes.send_offsets_E,
+        routes.send_sizes_E, routes.remote_offsets_E, routes.recv_sizes_SL, axis_name="expert")
+
+
+def ragged_return_and_combine(y_RD, routes: RaggedRoutes, weights_TK, *, tp_axes: tuple[str, ...], dtype,
+                              native: bool):
+    """Inside a shard_map: the received rows' expert outputs (partial sums over `tp_axes`, summed here) go back
+    to their sources, into the sorted order they left in, and each token's k results are summed with its
+    routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
+    tokens, top_k = weights_TK.shape
+    back_AD = _ragged_exchange(native)(
+        _psum_f32(y_RD, tp_axes).astype(dtype), jnp.zeros((tokens * top_k, y_RD.shape[1]), dtype),
+        routes.recv_offsets_SL, routes.recv_sizes_SL, routes.remote_send_offsets_SL, routes.send_sizes_E,
+        axis_name="expert")
+    position_A = jnp.zeros_like(routes.order_A).at[routes.order_A].set(jnp.arange(tokens * top_k))
+    return combine(back_AD[position_A].reshape(tokens, top_k, -1), weights_TK, dtype)
+
+
 def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, tp_axes,
-                       capacity_factor, count_axes):
+                       capacity_factor, count_axes, exchange: str, native: bool):
     tokens, top_k = experts_TK.shape
     local_experts = gate.shape[0]
     capacity = rows_per_source(tokens, top_k, ep, local_experts, capacity_factor)
-    x_RD, expert_R, slot_A, kept_A = dispatch(x_TD, experts_TK, ep=ep, local_experts=local_experts,
-                                              capacity=capacity)
-    y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
-    dropped = jax.lax.psum(jnp.sum(~kept_A, dtype=jnp.int32), count_axes)
-    return return_and_combine(y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype), dropped
+    if exchange == "ragged":
+        routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity)
+        x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native)
+        y_RD = expert_sorted_ffn(x_RD, routes.group_sizes_L, gate, up, down, limit, backend=backend)
+        routed_TD = ragged_return_and_combine(y_RD, routes, weights_TK, tp_axes=tp_axes, dtype=x_TD.dtype,
+                                              native=native)
+        kept_A = routes.kept_A
+    else:
+        x_RD, expert_R, slot_A, kept_A = dispatch(x_TD, experts_TK, ep=ep, local_experts=local_experts,
+                                                  capacity=capacity)
+        y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
+        routed_TD = return_and_combine(y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype)
+    return routed_TD, jax.lax.psum(jnp.sum(~kept_A, dtype=jnp.int32), count_axes)
+
+
+def has_ragged_all_to_all() -> bool:
+    """Whether the default backend runs `jax.lax.ragged_all_to_all` (XLA:CPU does not)."""
+    return jax.default_backend() != "cpu"
+
+
+def resolve_exchange(exchange: str) -> str:
+    """"auto" -> "ragged" where the backend has a ragged all-to-all, else "dense"."""
+    if exchange not in MOE_ALL_TO_ALL:
+        raise ValueError(f"moe_all_to_all must be one of {MOE_ALL_TO_ALL}, got {exchange!r}")
+    if exchange == "auto":
+        return "ragged" if has_ragged_all_to_all() else "dense"
+    return exchange
 
 
 def moe_parallel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, limit: float | None, mesh,
-                 capacity_factor: float | None, backend: str):
-    """Routed-expert output [T, D] and the number of dropped assignments, experts split over `mesh`."""
+                 capacity_factor: float | None, backend: str, exchange: str = "auto"):
+    """Routed-expert output [T, D] and the number of dropped assignments, experts split over `mesh`;
+    exchange: how the all-to-all path moves rows (one of `MOE_ALL_TO_ALL`, see the module doc)."""
+    exchange = resolve_exchange(exchange)
     ep = mesh.shape.get("expert", 1)
     tp = mesh.shape.get("tensor", 1)
     num_experts, width = gate_EID.shape[:2]
@@ -123,7 +257,8 @@ def moe_parallel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, li
     tp_axes = ("tensor",) if tp > 1 else ()
     common = {"limit": limit, "backend": backend, "ep": ep, "tp_axes": tp_axes}
     if "expert" in axes:
-        body = functools.partial(_all_to_all_tokens, capacity_factor=capacity_factor, count_axes=axes, **common)
+        body = functools.partial(_all_to_all_tokens, capacity_factor=capacity_factor, count_axes=axes,
+                                 exchange=exchange, native=has_ragged_all_to_all(), **common)
     else:
         body = functools.partial(_replicated_tokens, **common)
     tokens = P(axes or None, None)

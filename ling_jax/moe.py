@@ -68,7 +68,8 @@ class Experts(nnx.Module):
 
     Under a mesh with an `expert` or `tensor` axis (`jax.set_mesh`), tokens go to the devices that own their
     experts (`ling_jax.expert_parallel`); otherwise all experts run here as one grouped FFN.
-    capacity_factor None is dropless; a number caps each device's rows per source (see expert_parallel).
+    capacity_factor None is dropless; a number caps each device's rows per source (see expert_parallel);
+    all_to_all: how the rows move between devices (`LingConfig.moe_all_to_all`).
     """
 
     def __init__(self, config: LingConfig, *, limit: float | None, dtype, rngs: nnx.Rngs):
@@ -79,14 +80,15 @@ class Experts(nnx.Module):
         self.limit = limit
 
     def __call__(self, x_TD, weights_TK, experts_TK, *, backend: str = "reference",
-                 capacity_factor: float | None = None, shared: SharedExpert | None = None):
+                 capacity_factor: float | None = None, all_to_all: str = "auto",
+                 shared: SharedExpert | None = None):
         """-> (y [T, D], dropped token-assignments: int32 scalar, 0 when dropless). With `shared`, y includes the
         shared expert's output (on one device a GPU decode step runs it inside the routed experts' kernels)."""
         weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         mesh = jax.sharding.get_abstract_mesh()
         if uses_model_parallelism(mesh):
             routed, dropped = moe_parallel(x_TD, weights_TK, experts_TK, *weights, limit=self.limit, mesh=mesh,
-                                           capacity_factor=capacity_factor, backend=backend)
+                                           capacity_factor=capacity_factor, backend=backend, exchange=all_to_all)
             return (routed if shared is None else routed + swiglu_ffn(x_TD, *shared)), dropped
         return local_moe(x_TD, weights_TK, experts_TK, *weights, self.limit, backend=backend,
                          shared=shared), jnp.int32(0)
@@ -104,13 +106,14 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(config.hidden_size, config.shared_expert_intermediate_size,
                                   limit=config.swiglu_limit(clip_layer, shared=True), dtype=dtype, rngs=rngs)
         self.capacity_factor = config.moe_capacity_factor
+        self.all_to_all = config.moe_all_to_all
 
     def __call__(self, x_BTD, *, kernel_backend: str = "reference"):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         backend = resolve_backend(kernel_backend)
         weights, experts = self.gate(x_TD, backend=backend)
         y_TD, dropped = self.experts(x_TD, weights, experts, backend=backend, capacity_factor=self.capacity_factor,
-                                     shared=self.shared_experts.weights())
+                                     all_to_all=self.all_to_all, shared=self.shared_experts.weights())
         if hasattr(self, "__captures__"):  # inside nnx.capture; sowing elsewhere would grow module state
             self.sow(nnx.Intermediate, "expert_load", expert_load(experts, self.gate.config.num_experts))
             self.sow(nnx.Intermediate, "dropped_assignments", dropped)

@@ -6,16 +6,21 @@ decode step of the full-width Ling-3.1-flash slice.
     python scripts/bench_expert_parallel.py --devices 2 --capacity-factor 1.25
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_expert_parallel.py --quick   # CPU
 
-MoE layer (hidden 4096, 512 experts, top-8, random bf16 weights and router) at 64 and 8192 tokens per device:
-each stage of `ling_jax.expert_parallel`'s all-to-all path jitted on the mesh as its own shard_map over the
-previous stage's real outputs:
-- dispatch: pack each token-assignment into its destination's block, then the all-to-all (`dispatch`);
-- grouped GEMM: sort the received rows by expert, three grouped matmuls, unsort (`grouped_expert_ffn`);
-- combine: the all-to-all back and the weighted sum of each token's k results (`return_and_combine`);
-the two all-to-alls alone (`exchange` over buffers of the same size), the routed experts end to end
-(`moe_parallel`), and the whole layer (router + routed + shared expert). Each all-to-all moves fixed-size
-buffers (ep x capacity rows per device; dropless: capacity = tokens x top-k); the table gives the bytes a
-device sends to the others, the bytes of the assignments that really leave it, and the achieved GB/s.
+MoE layer (hidden 4096, 512 experts, top-8, random bf16 weights and router) at 64 and 8192 tokens per device,
+both ways of moving rows (`LingConfig.moe_all_to_all`), each stage jitted on the mesh as its own shard_map
+over the previous stage's real outputs:
+- dense: dispatch = pack each token-assignment into its destination's fixed block, then the all-to-all
+  (`dispatch`); grouped GEMM = sort the received rows by expert, the expert FFN, unsort
+  (`grouped_expert_ffn`); combine = the all-to-all back and the weighted sum of each token's k results
+  (`return_and_combine`); and the two all-to-alls alone (`exchange` over buffers of the same size). Each moves
+  the whole buffer (ep x capacity rows per device; dropless: capacity = tokens x top-k), used or not;
+- ragged: routes = the slice tables (`ragged_routes`, one all-gather of per-expert counts); dispatch = gather
+  the rows in expert order and `ragged_all_to_all` them (`ragged_dispatch`); grouped GEMM = the expert FFN on
+  the received rows, already in expert order (`expert_sorted_ffn`); combine = the ragged all-to-all back,
+  unsort and weighted sum (`ragged_return_and_combine`). Only the kept rows move;
+then the routed experts end to end (`moe_parallel`) both ways, and the whole layer (router + routed + shared
+expert, the model's default exchange). The table gives the bytes a device sends to the others (buffer / the
+assignments that really leave it) and the achieved GB/s.
 Decode: the 8-layer full-width slice (`bench_common.flash_slice_config`) on the mesh, batch 64 over a cache
 of 8192 tokens, steps dispatched back to back as `Generator` runs them (`bench_common.time_decode`).
 """
@@ -41,8 +46,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from bench_common import (filled_cache, flash_slice_config, init_on_mesh, median_seconds, rel_error,  # noqa: E402
                           time_decode)
 from ling_jax import LingForCausalLM  # noqa: E402
-from ling_jax.expert_ffn import grouped_expert_ffn  # noqa: E402
-from ling_jax.expert_parallel import dispatch, exchange, moe_parallel, return_and_combine, rows_per_source  # noqa: E402
+from ling_jax.expert_ffn import expert_sorted_ffn, grouped_expert_ffn  # noqa: E402
+from ling_jax.expert_parallel import (dispatch, exchange, has_ragged_all_to_all, moe_parallel,  # noqa: E402
+                                      ragged_dispatch, ragged_return_and_combine, ragged_routes, resolve_exchange,
+                                      return_and_combine, rows_per_source)
 from ling_jax.moe import MoE, route  # noqa: E402
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh  # noqa: E402
 from pallas_kernels.backend import resolve_backend  # noqa: E402
@@ -76,6 +83,8 @@ def on_mesh(fn, mesh, in_specs, out_specs):
 def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: str) -> dict:
     ep = mesh.shape["expert"]
     weights = (P("expert", None, None),) * 3
+    native = has_ragged_all_to_all()
+    routes_spec = SPLIT  # every field of RaggedRoutes is per device: concatenated over the expert axis
     return {
         "dispatch": on_mesh(functools.partial(dispatch, ep=ep, local_experts=local_experts, capacity=capacity),
                             mesh, (SPLIT, SPLIT), (SPLIT,) * 4),
@@ -87,6 +96,15 @@ def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: 
                                                                         dtype=y.dtype),
                            mesh, (SPLIT,) * 4, SPLIT),
         "combine all-to-all": on_mesh(lambda y: exchange(y, ep), mesh, (SPLIT,), SPLIT),
+        "ragged routes": on_mesh(functools.partial(ragged_routes, ep=ep, local_experts=local_experts,
+                                                   capacity=capacity), mesh, (SPLIT,), routes_spec),
+        "ragged dispatch": on_mesh(functools.partial(ragged_dispatch, rows=ep * capacity, native=native), mesh,
+                                   (SPLIT, routes_spec), SPLIT),
+        "ragged grouped GEMM": on_mesh(lambda x, routes, g, u, d: expert_sorted_ffn(
+            x, routes.group_sizes_L, g, u, d, limit, backend=backend), mesh, (SPLIT, routes_spec, *weights), SPLIT),
+        "ragged combine": on_mesh(lambda y, routes, w: ragged_return_and_combine(y, routes, w, tp_axes=(),
+                                                                                 dtype=y.dtype, native=native),
+                                  mesh, (SPLIT, routes_spec, SPLIT), SPLIT),
     }
 
 
@@ -99,7 +117,8 @@ def useful_rows(experts_TK, tokens_per_device: int, local_experts: int) -> int:
 
 def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str,
                    iters: int) -> list[Row]:
-    """Every stage of one MoE layer at `tokens_per_device`; checks the chained stages against moe_parallel."""
+    """Every stage of one MoE layer at `tokens_per_device`, both exchanges; checks the chained stages against
+    moe_parallel."""
     config = moe.gate.config
     ep = mesh.shape["expert"]
     tokens, top_k, hidden = ep * tokens_per_device, config.num_experts_per_tok, config.hidden_size
@@ -114,12 +133,20 @@ def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, b
                              backend=backend)
     x_RD, expert_R, slot_A, kept_A = stages["dispatch"](x_TD, experts_TK)
     y_RD = stages["grouped GEMM"](x_RD, expert_R, *experts)
-    chained = stages["combine"](y_RD, slot_A, kept_A, weights_TK)
-    routed = jax.jit(lambda *a: moe_parallel(*a, limit=moe.experts.limit, mesh=mesh, capacity_factor=capacity_factor,
-                                             backend=backend)[0])
-    print(f"tokens/device {tokens_per_device}: capacity {capacity} rows per source, chained stages vs "
-          f"moe_parallel rel. error {rel_error(chained, routed(x_TD, weights_TK, experts_TK, *experts)):.1e}",
-          flush=True)
+    routes = stages["ragged routes"](experts_TK)
+    x_ragged = stages["ragged dispatch"](x_TD, routes)
+    y_ragged = stages["ragged grouped GEMM"](x_ragged, routes, *experts)
+    chained = {"dense": stages["combine"](y_RD, slot_A, kept_A, weights_TK),
+               "ragged": stages["ragged combine"](y_ragged, routes, weights_TK)}
+    routed = {exchange_: jax.jit(functools.partial(moe_parallel, limit=moe.experts.limit, mesh=mesh,
+                                                   capacity_factor=capacity_factor, backend=backend,
+                                                   exchange=exchange_))
+              for exchange_ in ("dense", "ragged")}
+    for name, out in chained.items():
+        reference = routed[name](x_TD, weights_TK, experts_TK, *experts)[0]
+        print(f"tokens/device {tokens_per_device}: capacity {capacity} rows per source; {name} exchange: chained "
+              f"stages vs moe_parallel rel. error {rel_error(out, reference):.1e}, vs the dense exchange "
+              f"{rel_error(out, chained['dense']):.1e}", flush=True)
     graphdef, state = nnx.split(moe)
     with jax.set_mesh(mesh):
         layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
@@ -129,22 +156,36 @@ def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, b
     useful = useful_rows(experts_TK, tokens_per_device, local_experts)
     dispatch_bytes = (others * (hidden * itemsize + 4), useful * (hidden * itemsize + 4))  # + int32 expert ids
     combine_bytes = (others * hidden * itemsize, useful * hidden * itemsize)
+    ragged_bytes = (useful * hidden * itemsize,) * 2
 
     def timed(name, *args):
         return median_seconds(stages[name], *args, iters=iters)
 
+    def routed_s(exchange_):
+        return median_seconds(routed[exchange_], x_TD, weights_TK, experts_TK, *experts, iters=iters)
+
     return [
-        Row(tokens_per_device, "dispatch (pack + all-to-all)", timed("dispatch", x_TD, experts_TK), *dispatch_bytes),
-        Row(tokens_per_device, "  dispatch all-to-all alone", timed("dispatch all-to-all", x_RD, expert_R),
+        Row(tokens_per_device, "dense: dispatch (pack + all-to-all)", timed("dispatch", x_TD, experts_TK),
             *dispatch_bytes),
-        Row(tokens_per_device, "grouped GEMM (sort, 3 matmuls, unsort)",
+        Row(tokens_per_device, "dense:   dispatch all-to-all alone", timed("dispatch all-to-all", x_RD, expert_R),
+            *dispatch_bytes),
+        Row(tokens_per_device, "dense: grouped GEMM (sort, expert FFN, unsort)",
             timed("grouped GEMM", x_RD, expert_R, *experts)),
-        Row(tokens_per_device, "combine (all-to-all back + weighted sum)",
+        Row(tokens_per_device, "dense: combine (all-to-all back + weighted sum)",
             timed("combine", y_RD, slot_A, kept_A, weights_TK), *combine_bytes),
-        Row(tokens_per_device, "  combine all-to-all alone", timed("combine all-to-all", y_RD), *combine_bytes),
-        Row(tokens_per_device, "routed experts (moe_parallel)",
-            median_seconds(routed, x_TD, weights_TK, experts_TK, *experts, iters=iters)),
-        Row(tokens_per_device, "whole MoE layer (router + routed + shared)", layer_s),
+        Row(tokens_per_device, "dense:   combine all-to-all alone", timed("combine all-to-all", y_RD),
+            *combine_bytes),
+        Row(tokens_per_device, "dense: routed experts (moe_parallel)", routed_s("dense")),
+        Row(tokens_per_device, "ragged: routes (count all-gather, tables)", timed("ragged routes", experts_TK)),
+        Row(tokens_per_device, "ragged: dispatch (gather + ragged all-to-all)",
+            timed("ragged dispatch", x_TD, routes), *ragged_bytes),
+        Row(tokens_per_device, "ragged: grouped GEMM (expert FFN on ordered rows)",
+            timed("ragged grouped GEMM", x_ragged, routes, *experts)),
+        Row(tokens_per_device, "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
+            timed("ragged combine", y_ragged, routes, weights_TK), *ragged_bytes),
+        Row(tokens_per_device, "ragged: routed experts (moe_parallel)", routed_s("ragged")),
+        Row(tokens_per_device, f"whole MoE layer (router + routed + shared; {resolve_exchange('auto')} exchange)",
+            layer_s),
     ]
 
 

@@ -409,3 +409,10 @@ def test_from_pretrained_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         LingConfig.from_pretrained(missing)
     assert str(missing) in str(info.value)
+
+
+def test_moe_all_to_all_option():
+    assert LingConfig.from_dict(TINY).moe_all_to_all == "auto"
+    assert LingConfig.from_dict({**TINY, "moe_all_to_all": "ragged"}).moe_all_to_all == "ragged"
+    with pytest.raises(ValueError, match="moe_all_to_all.*'auto', 'ragged', 'dense'.*'sparse'"):
+        LingConfig.from_dict({**TINY, "moe_all_to_all": "sparse"})

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import np_reference as npr
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe
-from ling_jax.expert_parallel import moe_parallel, rows_per_source
+from ling_jax.expert_parallel import emulated_ragged_all_to_all, moe_parallel, rows_per_source
 from ling_jax.moe import MoE, route
 from ling_jax.parallel import ShardedLM
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
@@ -74,6 +74,16 @@ def test_sharded_forward_and_decode_match_unsharded(reference, shape):
     err_full = rel_error(sharded(ids, attention_mask=mask), full)
     err_decode = rel_error(_prefill_decode(sharded, sharded.init_cache, ids, mask), decoded)
     print(f"{shape}: forward rel. error {err_full:.1e}, prefill + 2 decode steps {err_decode:.1e}")
+    assert err_full <= TOL and err_decode <= TOL
+
+
+def test_sharded_model_with_the_ragged_exchange_matches_unsharded(reference):
+    """The ragged all-to-all path (emulated on the CPU) through the whole model."""
+    config, ids, mask, full, decoded = reference
+    sharded = ShardedLM(_model(config.replace(moe_all_to_all="ragged")), make_mesh({"data": 2, "expert": 4}))
+    err_full = rel_error(sharded(ids, attention_mask=mask), full)
+    err_decode = rel_error(_prefill_decode(sharded, sharded.init_cache, ids, mask), decoded)
+    print(f"ragged exchange: forward rel. error {err_full:.1e}, prefill + 2 decode steps {err_decode:.1e}")
     assert err_full <= TOL and err_decode <= TOL
 
 
@@ -139,8 +149,31 @@ def _routing(config, rng, tokens):
     return x_TD, weights, experts
 
 
+def test_emulated_ragged_all_to_all_follows_the_documented_example():
+    """jax.lax.ragged_all_to_all's docstring example (axis of size 2), through the CPU emulation, plus slices
+    that land out of order and a device that receives nothing from one source."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",))
+
+    def run(operand, output, *tables):
+        call = jax.shard_map(lambda *a: emulated_ragged_all_to_all(*a, axis_name="expert"), mesh=mesh,
+                             in_specs=P("expert"), out_specs=P("expert"), check_vma=False)
+        return np.asarray(jax.jit(call)(jnp.asarray(operand, jnp.float32), jnp.zeros(np.size(output)),
+                                        *(jnp.asarray(t, jnp.int32) for t in tables))).reshape(2, -1)
+
+    documented = run([1, 2, 2, 3, 4, 0], [0] * 8, [0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])
+    np.testing.assert_array_equal(documented, [[1, 3, 0, 0], [2, 2, 4, 0]])
+    # device 0 sends [5, 6] to itself at 2 and [7] to device 1 at 0; device 1 sends [8, 9] to device 0 at 0
+    # and nothing to itself
+    reordered = run([5, 6, 7, 8, 9, 0], [0] * 8, [0, 2, 0, 2], [2, 1, 2, 0], [2, 0, 0, 1], [2, 2, 1, 0])
+    np.testing.assert_array_equal(reordered, [[8, 9, 5, 6], [7, 0, 0, 0]])
+
+
+EXCHANGE_IDS = ["dense", "ragged"]
+
+
+@pytest.mark.parametrize("exchange", EXCHANGE_IDS)
 @pytest.mark.parametrize("tokens", [24, 3], ids=["all-to-all", "replicated-tokens"])
-def test_expert_parallel_equals_dense_baseline(tokens):
+def test_expert_parallel_equals_dense_baseline(tokens, exchange):
     config = _config()
     rng = np.random.default_rng(1)
     x_TD, weights, experts = _routing(config, rng, tokens)
@@ -151,12 +184,14 @@ def test_expert_parallel_equals_dense_baseline(tokens):
         mesh = make_mesh(shape)
         with jax.set_mesh(mesh):
             y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, capacity_factor=None,
-                                                         backend="reference"))(x_TD, weights, experts, *params)
+                                                         backend="reference", exchange=exchange))(
+                x_TD, weights, experts, *params)
         assert int(dropped) == 0
         assert rel_error(y, dense) <= TOL, shape
 
 
-def test_capacity_factor_drops_and_reports_exactly_the_overflow():
+@pytest.mark.parametrize("exchange", EXCHANGE_IDS)
+def test_capacity_factor_drops_and_reports_exactly_the_overflow(exchange):
     config = _config()
     rng = np.random.default_rng(2)
     tokens, ep = 64, 8
@@ -166,7 +201,8 @@ def test_capacity_factor_drops_and_reports_exactly_the_overflow():
     factor = 0.5
     with jax.set_mesh(mesh):
         y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=None, mesh=mesh, capacity_factor=factor,
-                                                     backend="reference"))(x_TD, weights, experts, *params)
+                                                     backend="reference", exchange=exchange))(
+            x_TD, weights, experts, *params)
     local_tokens, local_experts = tokens // ep, config.num_experts // ep
     capacity = rows_per_source(local_tokens, config.num_experts_per_tok, ep, local_experts, factor)
     kept = np.ones(experts.shape, bool)

@@ -112,15 +112,17 @@ def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
     return parts + (num_rows - parts) // block_m
 
 
-def row_tiles(group_sizes_G, num_rows: int, block_m: int):
+def row_tiles(group_sizes_G, num_rows: int, block_m: int, *, fill_tail: bool = True):
     """(group, first row, end row) of each row tile [T], int32, T = max_row_tiles; end - first <= block_m.
 
-    Group G marks a tile of the unused tail (it stores zeros); tiles past the used ones get empty row
-    ranges. Group ends are clipped to num_rows, so an oversized group_sizes never reads past lhs.
+    Group G marks a tile of the unused tail (it stores zeros; with fill_tail False there are none and the
+    tail's rows are never written); tiles past the used ones get empty row ranges. Group ends are clipped to
+    num_rows, so an oversized group_sizes never reads past lhs.
     """
     num_groups = group_sizes_G.shape[0]
-    ends_P = jnp.concatenate([jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), num_rows),
-                              jnp.full((1,), num_rows, jnp.int32)])  # parts: the groups, then the tail
+    group_ends_G = jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), num_rows)
+    tail_end = jnp.full((1,), num_rows, jnp.int32) if fill_tail else group_ends_G[-1:]
+    ends_P = jnp.concatenate([group_ends_G, tail_end])  # parts: the groups, then the tail
     starts_P = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_P[:-1]])
     tiles_P = (ends_P - starts_P + block_m - 1) // block_m
     tile_ends_P = jnp.cumsum(tiles_P)
@@ -207,12 +209,14 @@ def _by_row_count(kernel, sizes):
 
 
 def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: Tiles, *, num_rows: int, n_dim: int,
-                        k_dim: int, interpret: bool, name: str, min_block_m: int | None = None):
+                        k_dim: int, interpret: bool, name: str, min_block_m: int | None = None,
+                        fill_tail: bool = True):
     """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, column_tile=, block_m=,
     block_n=, block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row
     tiles of num_rows rows sorted by group, the operands and the output whole. A tile of fewer rows runs the
-    kernel at the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them."""
-    group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, tiles.block_m)
+    kernel at the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them. fill_tail False:
+    the output's rows past sum(group_sizes) are left unwritten (undefined)."""
+    group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, tiles.block_m, fill_tail=fill_tail)
     kernel = _by_row_count(functools.partial(kernel, block_n=tiles.block_n, block_k=tiles.block_k,
                                              mask_n=n_dim % tiles.block_n != 0, mask_k=k_dim % tiles.block_k != 0),
                            row_tile_sizes(tiles.block_m, min_block_m))

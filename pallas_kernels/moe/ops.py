@@ -54,20 +54,22 @@ def grouped_matmul(lhs_MK, rhs_GNK, group_sizes_G, *, backend: str = "auto") -> 
     return grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, interpret):
-    return gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit=limit, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret):
+    return gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit=limit, fill_tail=fill_tail,
+                             interpret=interpret)
 
 
-def _gather_swiglu_gpu_fwd(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, interpret):
-    h_RI = _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, interpret)
+def _gather_swiglu_gpu_fwd(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret):
+    h_RI = _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
     return h_RI, (x_XD, source_R, group_sizes_G, gate_GID, up_GID)
 
 
-def _gather_swiglu_gpu_bwd(limit, interpret, residuals, d_h_RI):
+def _gather_swiglu_gpu_bwd(limit, fill_tail, interpret, residuals, d_h_RI):
     """Recomputes the gate and up products from a materialised x[source] (nothing [R, I] is kept from the
     forward pass), then the plain grouped-matmul kernels: d_x rows through the transposed weights, summed
     back onto x's rows (a token's repeats add up), and the weight-grad kernel for gate and up."""
+    del fill_tail  # the tail's cotangent rows meet no expert: they add nothing
     x_XD, source_R, group_sizes_G, gate_GID, up_GID = residuals
     dtype = x_XD.dtype
     x_RD = x_XD[source_R]
@@ -88,10 +90,11 @@ _gather_swiglu_gpu.defvjp(_gather_swiglu_gpu_fwd, _gather_swiglu_gpu_bwd)
 
 
 def gather_swiglu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit: float | None, *,
-                  backend: str = "auto") -> jax.Array:
+                  backend: str = "auto", fill_tail: bool = True) -> jax.Array:
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g: the rows sorted by group (group_sizes int32 [G], traced, sum <= R), each read from x's
-    row source[r] (int32 [R], repeats allowed); rows past the sum give zeros. gate, up [G, I, D].
+    row source[r] (int32 [R], repeats allowed); rows past the sum give zeros, or with fill_tail False are
+    undefined (the GPU kernel skips them; other backends still give zeros). gate, up [G, I, D].
 
     backend as for `grouped_matmul`: the GPU backends run one fused kernel (the rows gathered inside it, both
     products and the SwiGLU in fp32 before the one store); the others the jnp reference. Differentiable in x,
@@ -99,25 +102,27 @@ def gather_swiglu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit: float 
     """
     backend = resolve_backend(backend)
     if KERNEL_TARGET.get(backend) == "gpu":
-        return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit,
+        return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail,
                                   backend.startswith("interpret"))
     return gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, interpret):
-    return down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret):
+    return down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail=fill_tail,
+                            interpret=interpret)
 
 
-def _down_scatter_gpu_fwd(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, interpret):
-    y_RD = _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, interpret)
+def _down_scatter_gpu_fwd(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret):
+    y_RD = _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
     return y_RD, (h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI)
 
 
-def _down_scatter_gpu_bwd(interpret, residuals, d_y_RD):
+def _down_scatter_gpu_bwd(fill_tail, interpret, residuals, d_y_RD):
     """The plain grouped-matmul kernels on d_y gathered into sorted order: one transposed product gives the
     unweighted d_h, hence d_h (times the row weight) and d_row_weight (its dot with h); the weight-grad kernel
     gives d_down from the weighted h."""
+    del fill_tail  # the tail rows meet no expert: zero cotangents for h and the row weights there
     h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI = residuals
     dtype = h_RI.dtype
     d_y_sorted_RD = d_y_RD[dest_R]
@@ -134,11 +139,13 @@ def _down_scatter_gpu_bwd(interpret, residuals, d_y_RD):
 _down_scatter_gpu.defvjp(_down_scatter_gpu_fwd, _down_scatter_gpu_bwd)
 
 
-def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend: str = "auto") -> jax.Array:
+def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend: str = "auto",
+                 fill_tail: bool = True) -> jax.Array:
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g: h's
     rows sorted by group (group_sizes int32 [G], traced, sum <= R), each stored back to its original row
     dest[r] (int32 [R], a permutation of [0, R)); row_weight fp32 [R], applied to the fp32 accumulator; rows
-    past the sum store zeros. down [G, D, I].
+    past the sum store zeros, or with fill_tail False leave their dest rows undefined (GPU kernel; other
+    backends still store zeros). down [G, D, I].
 
     backend as for `grouped_matmul`: the GPU backends run one kernel (scattered stores, no unsort pass); the
     others the jnp reference. Differentiable in h, row_weight and down; the GPU backward pass uses the
@@ -146,7 +153,8 @@ def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend
     """
     backend = resolve_backend(backend)
     if KERNEL_TARGET.get(backend) == "gpu":
-        return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, backend.startswith("interpret"))
+        return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail,
+                                 backend.startswith("interpret"))
     return down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI)
 
 

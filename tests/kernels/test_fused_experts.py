@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
+from ling_jax import expert_parallel
 from ling_jax.expert_ffn import (
     dense_expert_ffn,
     grouped_expert_ffn,
@@ -24,7 +25,7 @@ from ling_jax.expert_ffn import (
 from ling_jax.expert_parallel import moe_parallel
 from ling_jax.sharding import make_mesh
 from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu
-from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu
+from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, row_tiles
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu
 from pallas_kernels.moe.reference import swiglu
 
@@ -159,6 +160,26 @@ def test_kernels_with_small_tiles(tiles):
     assert rel_error(y, float64_down_scatter(np.asarray(h), order, row_weight, sizes, down)) <= TOL[jnp.float32]
 
 
+def test_kernels_without_the_tail_match_on_the_group_rows():
+    """fill_tail=False: no row tile covers the rows past sum(sizes), and the group rows are as with the tail."""
+    x, row_weight, source, order, sizes, gate, up, down = fused_inputs("odd", jnp.float32, seed=21)
+    used = int(sizes.sum())
+    assert used < len(source), "the case needs tail rows"
+    _, start_T, end_T = row_tiles(jnp.asarray(sizes), len(source), 16, fill_tail=False)
+    covered = np.zeros(len(source), bool)
+    for start, end in zip(np.asarray(start_T), np.asarray(end_T)):
+        covered[start:end] = True
+    assert covered[:used].all() and not covered[used:].any()
+    args = [jnp.asarray(a) for a in (x, source, sizes, gate, up)]
+    with_tail = gather_swiglu_gpu(*args, limit=0.9, interpret=True)
+    without = gather_swiglu_gpu(*args, limit=0.9, fill_tail=False, interpret=True)
+    np.testing.assert_array_equal(np.asarray(without[:used]), np.asarray(with_tail[:used]))
+    down_args = (jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down))
+    y_with = down_scatter_gpu(with_tail, *down_args, interpret=True)
+    y_without = down_scatter_gpu(with_tail, *down_args, fill_tail=False, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y_without[order[:used]]), np.asarray(y_with[order[:used]]))
+
+
 def test_no_rows_in_any_expert_gives_zeros():
     x, row_weight, source, order, sizes, gate, up, down = fused_inputs("odd", jnp.float32, seed=0)
     no_rows = jnp.zeros_like(jnp.asarray(sizes))
@@ -269,10 +290,12 @@ def test_grouped_expert_ffn_skips_rows_of_no_expert():
     assert not np.any(np.asarray(ours[jnp.array([3, 7])]))
 
 
-@pytest.mark.parametrize(("tokens", "shape"), [(16, {"expert": 8}), (3, {"tensor": 2, "expert": 4})],
-                         ids=["all-to-all", "replicated-tokens"])
-def test_expert_parallel_with_the_fused_kernels_matches_dense(tokens, shape):
-    """grouped_expert_ffn's GPU path inside shard_map, on 8 virtual CPU devices."""
+@pytest.mark.parametrize(("tokens", "shape", "exchange"),
+                         [(16, {"expert": 8}, "dense"), (16, {"expert": 8}, "ragged"),
+                          (3, {"tensor": 2, "expert": 4}, "dense")],
+                         ids=["all-to-all", "ragged-all-to-all", "replicated-tokens"])
+def test_expert_parallel_with_the_fused_kernels_matches_dense(tokens, shape, exchange):
+    """The GPU expert FFNs inside shard_map, on 8 virtual CPU devices (the ragged exchange emulated)."""
     top_k, num_experts, hidden, width = 2, 8, 32, 32
     x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(tokens, top_k, num_experts,
                                                                               hidden, width, jnp.float32, 15))
@@ -280,7 +303,8 @@ def test_expert_parallel_with_the_fused_kernels_matches_dense(tokens, shape):
     mesh = make_mesh(shape)
     with jax.set_mesh(mesh):
         y, _ = jax.jit(lambda *a: moe_parallel(*a, limit=0.9, mesh=mesh, capacity_factor=None,
-                                               backend="interpret_gpu"))(x, weights, experts, gate, up, down)
+                                               backend="interpret_gpu", exchange=exchange))(
+            x, weights, experts, gate, up, down)
     assert rel_error(y, dense_expert_ffn(x, weights, experts, gate, up, down, 0.9)) <= TOL[jnp.float32]
 
 
@@ -337,6 +361,40 @@ def test_compiled_kernels_match_float64(limit, case, dtype):
     y = down_scatter(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down, dtype),
                      backend="pallas_gpu")
     assert rel_error(y, float64_down_scatter(np.asarray(h, np.float32), order, row_weight, sizes, down)) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@ON_GPU
+@pytest.mark.skipif(jax.device_count() < 2, reason="the native ragged all-to-all needs 2 or more GPUs "
+                                                   "(the nvidia-h200-x2 kind); one GPU was found")
+def test_native_ragged_exchange_matches_the_dense_one_on_gpus(monkeypatch):
+    """Expert parallelism over all GPUs with the fused kernels (fp32): the native ragged all-to-all against the
+    dense exchange and against its all-gather emulation, value and gradients (the collective's transpose)."""
+    ep = jax.device_count()
+    tokens, top_k, num_experts, hidden, width = 192 * ep, 8, 16 * ep, 256, 128
+    x, weights, experts, gate, up, down = moe_args_sized(tokens, top_k, num_experts, hidden, width, seed=19)
+    primals = tuple(a.astype(jnp.float32) for a in (x, weights, gate, up, down))
+    mesh = make_mesh({"expert": ep})
+
+    def loss(exchange, x, weights, gate, up, down):
+        y, _ = moe_parallel(x, weights, experts, gate, up, down, limit=7.0, mesh=mesh, capacity_factor=None,
+                            backend="pallas_gpu", exchange=exchange)
+        return jnp.sum(y * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
+
+    def run(exchange):
+        with jax.set_mesh(mesh):
+            return jax.jit(jax.value_and_grad(functools.partial(loss, exchange), argnums=range(5), has_aux=True))(
+                *primals)
+
+    (_, y_dense), grads_dense = run("dense")
+    (_, y_ragged), grads_ragged = run("ragged")
+    monkeypatch.setattr(expert_parallel, "has_ragged_all_to_all", lambda: False)
+    (_, y_emulated), _ = run("ragged")
+    assert device_rel_error(y_ragged, y_dense) <= 1e-5
+    assert device_rel_error(y_emulated, y_dense) <= 1e-5
+    for name, a, b in zip(["x", "weights", "gate", "up", "down"], grads_ragged, grads_dense):
+        err = device_rel_error(a, b)
+        assert err <= 1e-5, f"d/d{name}: rel. error {err:.2e}"
 
 
 @pytest.mark.gpu
