@@ -73,27 +73,27 @@ def sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float |
     """`grouped_expert_ffn` unfused, on any backend: rows sorted by expert (a copy), three grouped matmuls
     (`pallas_kernels.moe.grouped_matmul`), the SwiGLU between them, and the rows put back in order."""
     order_R, sizes_E = sort_by_expert(expert_R, gate_EID.shape[0])
-    return _unfused_in_order(x_RD, order_R, sizes_E, gate_EID, up_EID, down_EDI, limit, backend=backend)
-
-
-def _unfused_in_order(x_RD, order_R, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    dtype = x_RD.dtype
-    x_sorted = x_RD[order_R]
-    hidden_RI = swiglu(grouped_matmul(x_sorted, gate_EID.astype(dtype), sizes_E, backend=backend),
-                       grouped_matmul(x_sorted, up_EID.astype(dtype), sizes_E, backend=backend), limit)
-    y_sorted = grouped_matmul(hidden_RI, down_EDI.astype(dtype), sizes_E, backend=backend)
+    y_sorted = _three_grouped_matmuls(x_RD[order_R], sizes_E, gate_EID, up_EID, down_EDI, limit, backend=backend)
     return jnp.zeros_like(y_sorted).at[order_R].set(y_sorted)
 
 
-def permuted_expert_ffn(x_RD, order_R, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    """The experts on rows given in expert order by a permutation: row order[i] goes through expert e for the
-    positions i in [sum(sizes[:e]), sum(sizes[:e + 1])); the rows at positions past sum(sizes) are undefined.
-    On a GPU backend `fused_expert_rows`, which neither computes nor writes those rows (a dropless receive
-    buffer is mostly such rows); elsewhere a sorted copy and three grouped matmuls (zeros there)."""
+def _three_grouped_matmuls(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
+    dtype = x_RD.dtype
+    hidden_RI = swiglu(grouped_matmul(x_RD, gate_EID.astype(dtype), sizes_E, backend=backend),
+                       grouped_matmul(x_RD, up_EID.astype(dtype), sizes_E, backend=backend), limit)
+    return grouped_matmul(hidden_RI, down_EDI.astype(dtype), sizes_E, backend=backend)
+
+
+def expert_sorted_ffn(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
+    """The experts on rows already in expert order: rows [sum(sizes[:e]), sum(sizes[:e + 1])) go through expert
+    e; rows past sum(sizes) are undefined: on a GPU backend `fused_expert_rows` with identity permutations (no
+    copy) neither computes nor writes them (a dropless receive buffer is mostly such rows), elsewhere three
+    grouped matmuls give zeros there."""
     if not _runs_gpu_kernels(backend):
-        return _unfused_in_order(x_RD, order_R, sizes_E, gate_EID, up_EID, down_EDI, limit, backend=backend)
-    return fused_expert_rows(x_RD, order_R, order_R, jnp.ones(order_R.shape, jnp.float32), sizes_E, gate_EID,
-                             up_EID, down_EDI, limit, backend=backend, fill_tail=False)
+        return _three_grouped_matmuls(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit, backend=backend)
+    identity_R = jnp.arange(x_RD.shape[0], dtype=jnp.int32)
+    return fused_expert_rows(x_RD, identity_R, identity_R, jnp.ones(identity_R.shape, jnp.float32), sizes_E,
+                             gate_EID, up_EID, down_EDI, limit, backend=backend, fill_tail=False)
 
 
 def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):

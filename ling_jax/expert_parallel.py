@@ -13,12 +13,11 @@ n_expert) rows per source; assignments beyond it are dropped and counted (the Mo
 
 The all-to-all path moves the rows one of two ways (`LingConfig.moe_all_to_all`), with the same kept rows and the same
 results:
-- "ragged" (the default on GPU and TPU): `ragged_all_to_all` sends exactly the kept rows, one contiguous
-  block per destination (rows sorted by expert, so a block is in expert order), and the receiver runs its
-  experts through a permutation into expert order computed from the count tables, without a sort or a copy
-  (`ragged_routes`, `ragged_dispatch`, `permuted_expert_ffn`, `ragged_return_and_combine`). XLA:CPU has no
-  ragged all-to-all; there the same collective is emulated with all-gathers (`emulated_ragged_all_to_all`),
-  for tests.
+- "ragged" (the default on GPU and TPU): `ragged_all_to_all` sends exactly the kept rows, one slice per
+  expert, into the receiver's buffer in expert order (expert-major, then source), so the receiver runs its
+  experts on contiguous groups without a sort (`ragged_dispatch`, `expert_sorted_ffn`,
+  `ragged_return_and_combine`). XLA:CPU has no ragged all-to-all; there the same collective is emulated with
+  all-gathers (`emulated_ragged_all_to_all`), for tests.
 - "dense" (the default on a CPU): every source fills a fixed block per destination, so each all-to-all moves
   the whole reserved buffer, used or not (`dispatch`, `grouped_expert_ffn`, `return_and_combine`).
 Each stage is callable inside a shard_map on its own (scripts/bench_expert_parallel.py times them separately).
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import MOE_ALL_TO_ALL
-from ling_jax.expert_ffn import combine, grouped_expert_ffn, permuted_expert_ffn
+from ling_jax.expert_ffn import combine, expert_sorted_ffn, grouped_expert_ffn
 from ling_jax.sharding import batch_axes
 
 
@@ -136,26 +135,25 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 
 class RaggedRoutes(NamedTuple):
-    """One device's side of both ragged exchanges (inside a shard_map over the expert axis): block d of the sends
-    is this device's kept rows for device d's experts (sorted by expert), block s of the receive buffer is what
-    source s sent, the blocks back to back from row 0."""
+    """One device's side of the ragged exchange (inside a shard_map over the expert axis). Slice e of the sends
+    is global expert e's kept rows, bound for device e // L; slice s * L + j of the receives is what source s
+    sends for local expert j. The receive buffer is in expert order: local expert j's rows from source 0, then
+    source 1, ..."""
 
     order_A: jax.Array  # [A] token-assignments sorted by global expert, dropped ones last
     kept_A: jax.Array  # [A] bool: within the destination's capacity
-    send_sizes_D: jax.Array  # [ep] rows this device sends to each device
-    send_offsets_D: jax.Array  # [ep] where block d starts among this device's sorted rows
-    remote_offsets_D: jax.Array  # [ep] where block d lands in device d's receive buffer
-    recv_sizes_S: jax.Array  # [ep] rows received from each source
-    recv_offsets_S: jax.Array  # [ep] where they start in this device's receive buffer
-    remote_send_offsets_S: jax.Array  # [ep] where source s's block for this device started among its sorted rows
+    send_sizes_E: jax.Array  # [E] rows this device sends per global expert
+    send_offsets_E: jax.Array  # [E] where slice e starts among this device's sorted rows
+    remote_offsets_E: jax.Array  # [E] where slice e lands in its receiver's buffer
+    recv_sizes_SL: jax.Array  # [ep * L] rows received per (source, local expert)
+    recv_offsets_SL: jax.Array  # [ep * L] where they sit in this device's buffer
+    remote_send_offsets_SL: jax.Array  # [ep * L] where source s's slice for local expert j started on s
     group_sizes_L: jax.Array  # [L] received rows per local expert
-    expert_order_R: jax.Array  # [rows] the received rows in local-expert order (a permutation; identity past them)
 
 
 def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int) -> RaggedRoutes:
-    """Inside a shard_map: the block tables of both ragged exchanges and the receiver's expert order, from every
-    device's per-expert counts (one all-gather of [E] int32). The kept rows are `dispatch`'s: the first
-    `capacity` per destination; the receive buffer has ep x capacity rows."""
+    """Inside a shard_map: the slice tables of both ragged exchanges, from every device's per-expert counts (one
+    all-gather of [E] int32). The kept rows are `dispatch`'s: the first `capacity` per destination."""
     num_experts = ep * local_experts
     experts_A = experts_TK.reshape(-1)
     _, kept_A = _rank_and_kept(experts_A // local_experts, ep=ep, capacity=capacity)
@@ -163,30 +161,21 @@ def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int) -> 
     order_A = jnp.argsort(key_A, stable=True)
     sent_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_A].add(1)[:num_experts]
     sent_SE = jax.lax.all_gather(sent_E, "expert")  # [source, global expert]
-    sent_SD = jnp.sum(sent_SE.reshape(ep, ep, local_experts), axis=2)  # [source, destination]
-    send_offsets_SD = jnp.cumsum(sent_SD, axis=1) - sent_SD
-    recv_offsets_SD = jnp.cumsum(sent_SD, axis=0) - sent_SD
+    send_offsets_SE = jnp.cumsum(sent_SE, axis=1) - sent_SE
+    earlier_sources_SE = jnp.cumsum(sent_SE, axis=0) - sent_SE
+    total_DL = jnp.sum(sent_SE, axis=0).reshape(ep, local_experts)
+    expert_start_E = (jnp.cumsum(total_DL, axis=1) - total_DL).reshape(-1)  # in its receiver's buffer
     me = jax.lax.axis_index("expert")
-    mine_SL = jax.lax.dynamic_slice_in_dim(sent_SE, me * local_experts, local_experts, axis=1)
+
+    def mine(table_SE):  # [ep * L]: the columns of this device's local experts, source-major
+        return jax.lax.dynamic_slice_in_dim(table_SE, me * local_experts, local_experts, axis=1).reshape(-1)
+
+    local_start_SL = jnp.tile(jax.lax.dynamic_slice_in_dim(expert_start_E, me * local_experts, local_experts), ep)
     return RaggedRoutes(
-        order_A=order_A, kept_A=kept_A, send_sizes_D=sent_SD[me], send_offsets_D=send_offsets_SD[me],
-        remote_offsets_D=recv_offsets_SD[me], recv_sizes_S=sent_SD[:, me], recv_offsets_S=recv_offsets_SD[:, me],
-        remote_send_offsets_S=send_offsets_SD[:, me], group_sizes_L=jnp.sum(mine_SL, axis=0),
-        expert_order_R=_expert_order(mine_SL, recv_offsets_SD[:, me], rows=ep * capacity))
-
-
-def _expert_order(mine_SL, block_start_S, *, rows: int):
-    """[rows]: the received row at each position of the local-expert order (expert-major, then source). Block s
-    of the buffer holds source s's rows for local experts 0..L-1 in turn (mine_SL[s, j] of expert j)."""
-    received_start_SL = block_start_S[:, None] + jnp.cumsum(mine_SL, axis=1) - mine_SL
-    ordered_start_LS = (jnp.cumsum(jnp.sum(mine_SL, axis=0)) - jnp.sum(mine_SL, axis=0))[:, None] + (
-        jnp.cumsum(mine_SL, axis=0) - mine_SL).T
-    ordered_start = ordered_start_LS.reshape(-1)  # nondecreasing: segment (j, s) of the expert order
-    position_R = jnp.arange(rows, dtype=jnp.int32)
-    # the last segment starting at or before each position: the non-empty one among equal starts
-    segment_R = jnp.searchsorted(ordered_start, position_R, side="right", method="sort") - 1
-    row_R = received_start_SL.T.reshape(-1)[segment_R] + position_R - ordered_start[segment_R]
-    return jnp.where(position_R < jnp.sum(mine_SL), row_R, position_R).astype(jnp.int32)
+        order_A=order_A, kept_A=kept_A, send_sizes_E=sent_E, send_offsets_E=send_offsets_SE[me],
+        remote_offsets_E=expert_start_E + earlier_sources_SE[me], recv_sizes_SL=mine(sent_SE),
+        recv_offsets_SL=local_start_SL + mine(earlier_sources_SE), remote_send_offsets_SL=mine(send_offsets_SE),
+        group_sizes_L=total_DL[me])
 
 
 def _ragged_exchange(native: bool):
@@ -195,23 +184,22 @@ def _ragged_exchange(native: bool):
 
 def ragged_dispatch(x_TD, routes: RaggedRoutes, *, rows: int, native: bool):
     """Inside a shard_map: each kept token-assignment's row goes to its expert's device. -> [rows, D], this
-    device's received rows, source blocks back to back (`routes.expert_order_R` puts them in expert order);
-    the rows past them are zeros."""
+    device's received rows in expert order (`routes.group_sizes_L`); rows past their sum are zeros."""
     top_k = routes.order_A.shape[0] // x_TD.shape[0]
     return _ragged_exchange(native)(
-        x_TD[routes.order_A // top_k], jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), routes.send_offsets_D,
-        routes.send_sizes_D, routes.remote_offsets_D, routes.recv_sizes_S, axis_name="expert")
+        x_TD[routes.order_A // top_k], jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), routes.send_offsets_E,
+        routes.send_sizes_E, routes.remote_offsets_E, routes.recv_sizes_SL, axis_name="expert")
 
 
 def ragged_return_and_combine(y_RD, routes: RaggedRoutes, weights_TK, *, tp_axes: tuple[str, ...], dtype,
                               native: bool):
-    """Inside a shard_map: the received rows' expert outputs (in received order; partial sums over `tp_axes`,
-    summed here) go back to their sources, into the sorted order they left in, and each token's k results are
-    summed with its routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
+    """Inside a shard_map: the received rows' expert outputs (partial sums over `tp_axes`, summed here) go back
+    to their sources, into the sorted order they left in, and each token's k results are summed with its
+    routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
     tokens, top_k = weights_TK.shape
     back_AD = _ragged_exchange(native)(
         _psum_f32(y_RD, tp_axes).astype(dtype), jnp.zeros((tokens * top_k, y_RD.shape[1]), dtype),
-        routes.recv_offsets_S, routes.recv_sizes_S, routes.remote_send_offsets_S, routes.send_sizes_D,
+        routes.recv_offsets_SL, routes.recv_sizes_SL, routes.remote_send_offsets_SL, routes.send_sizes_E,
         axis_name="expert")
     position_A = jnp.zeros_like(routes.order_A).at[routes.order_A].set(jnp.arange(tokens * top_k))
     return combine(back_AD[position_A].reshape(tokens, top_k, -1), weights_TK, dtype)
@@ -225,8 +213,7 @@ def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, b
     if exchange == "ragged":
         routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity)
         x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native)
-        y_RD = permuted_expert_ffn(x_RD, routes.expert_order_R, routes.group_sizes_L, gate, up, down, limit,
-                                   backend=backend)
+        y_RD = expert_sorted_ffn(x_RD, routes.group_sizes_L, gate, up, down, limit, backend=backend)
         routed_TD = ragged_return_and_combine(y_RD, routes, weights_TK, tp_axes=tp_axes, dtype=x_TD.dtype,
                                               native=native)
         kept_A = routes.kept_A

@@ -14,11 +14,10 @@ over the previous stage's real outputs:
   (`grouped_expert_ffn`); combine = the all-to-all back and the weighted sum of each token's k results
   (`return_and_combine`); and the two all-to-alls alone (`exchange` over buffers of the same size). Each moves
   the whole buffer (ep x capacity rows per device; dropless: capacity = tokens x top-k), used or not;
-- ragged: routes = the block tables and the receiver's expert order (`ragged_routes`, one all-gather of
-  per-expert counts); dispatch = gather the rows in expert order and `ragged_all_to_all` them, one block per
-  destination (`ragged_dispatch`); grouped GEMM = the expert FFN on the received rows through the expert
-  order (`permuted_expert_ffn`); combine = the ragged all-to-all back, unsort and weighted sum
-  (`ragged_return_and_combine`). Only the kept rows move;
+- ragged: routes = the slice tables (`ragged_routes`, one all-gather of per-expert counts); dispatch = gather
+  the rows in expert order and `ragged_all_to_all` them (`ragged_dispatch`); grouped GEMM = the expert FFN on
+  the received rows, already in expert order (`expert_sorted_ffn`); combine = the ragged all-to-all back,
+  unsort and weighted sum (`ragged_return_and_combine`). Only the kept rows move;
 then the routed experts end to end (`moe_parallel`) both ways, and the whole layer (router + routed + shared
 expert, the model's default exchange). The table gives the bytes a device sends to the others (buffer / the
 assignments that really leave it) and the achieved GB/s.
@@ -47,7 +46,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from bench_common import (filled_cache, flash_slice_config, init_on_mesh, median_seconds, rel_error,  # noqa: E402
                           time_decode)
 from ling_jax import LingForCausalLM  # noqa: E402
-from ling_jax.expert_ffn import grouped_expert_ffn, permuted_expert_ffn  # noqa: E402
+from ling_jax.expert_ffn import expert_sorted_ffn, grouped_expert_ffn  # noqa: E402
 from ling_jax.expert_parallel import (dispatch, exchange, has_ragged_all_to_all, moe_parallel,  # noqa: E402
                                       ragged_dispatch, ragged_return_and_combine, ragged_routes, resolve_exchange,
                                       return_and_combine, rows_per_source)
@@ -101,9 +100,8 @@ def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: 
                                                    capacity=capacity), mesh, (SPLIT,), routes_spec),
         "ragged dispatch": on_mesh(functools.partial(ragged_dispatch, rows=ep * capacity, native=native), mesh,
                                    (SPLIT, routes_spec), SPLIT),
-        "ragged grouped GEMM": on_mesh(lambda x, routes, g, u, d: permuted_expert_ffn(
-            x, routes.expert_order_R, routes.group_sizes_L, g, u, d, limit, backend=backend), mesh,
-            (SPLIT, routes_spec, *weights), SPLIT),
+        "ragged grouped GEMM": on_mesh(lambda x, routes, g, u, d: expert_sorted_ffn(
+            x, routes.group_sizes_L, g, u, d, limit, backend=backend), mesh, (SPLIT, routes_spec, *weights), SPLIT),
         "ragged combine": on_mesh(lambda y, routes, w: ragged_return_and_combine(y, routes, w, tp_axes=(),
                                                                                  dtype=y.dtype, native=native),
                                   mesh, (SPLIT, routes_spec, SPLIT), SPLIT),
@@ -181,7 +179,7 @@ def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, b
         Row(tokens_per_device, "ragged: routes (count all-gather, tables)", timed("ragged routes", experts_TK)),
         Row(tokens_per_device, "ragged: dispatch (gather + ragged all-to-all)",
             timed("ragged dispatch", x_TD, routes), *ragged_bytes),
-        Row(tokens_per_device, "ragged: grouped GEMM (expert FFN through the expert order)",
+        Row(tokens_per_device, "ragged: grouped GEMM (expert FFN on ordered rows)",
             timed("ragged grouped GEMM", x_ragged, routes, *experts)),
         Row(tokens_per_device, "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
             timed("ragged combine", y_ragged, routes, weights_TK), *ragged_bytes),
