@@ -11,13 +11,13 @@ Both are dropless by default: a device reserves room for every assignment a sour
 (tokens x min(top_k, local experts)). A capacity factor C shrinks that to ceil(C x tokens x top_k /
 n_expert) rows per source; assignments beyond it are dropped and counted (the MoE sows the count).
 
-The all-to-all path moves the rows one of two ways (`LingConfig.moe_all_to_all`), with the same kept rows and the same
-results:
-- "ragged" (the default on GPU and TPU): `ragged_all_to_all` sends exactly the kept rows, one slice per
-  expert, into the receiver's buffer in expert order (expert-major, then source), so the receiver runs its
-  experts on contiguous groups without a sort (`ragged_dispatch`, `expert_sorted_ffn`,
-  `ragged_return_and_combine`). XLA:CPU has no ragged all-to-all; there the same collective is emulated with
-  all-gathers (`emulated_ragged_all_to_all`), for tests.
+The all-to-all path moves the rows one of two ways (`LingConfig.moe_all_to_all`), with the same kept rows and
+the same results:
+- "ragged" (the default on GPU and TPU): `ragged_all_to_all` sends exactly the kept rows, each expert's rows
+  as `SLICES_PER_EXPERT` slices, into the receiver's buffer in expert order (expert-major, then source), so
+  the receiver runs its experts on contiguous groups without a sort (`ragged_routes`, `ragged_dispatch`,
+  `expert_sorted_ffn`, `ragged_return_and_combine`). XLA:CPU has no ragged all-to-all; there the same
+  collective is emulated with all-gathers (`emulated_ragged_all_to_all`), for tests.
 - "dense" (the default on a CPU): every source fills a fixed block per destination, so each all-to-all moves
   the whole reserved buffer, used or not (`dispatch`, `grouped_expert_ffn`, `return_and_combine`).
 Each stage is callable inside a shard_map on its own (scripts/bench_expert_parallel.py times them separately).
@@ -134,24 +134,40 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return jnp.where(covered, received, output)
 
 
+# Slices each expert's rows are cut into for the ragged all-to-all: XLA's GPU ragged all-to-all copies each
+# slice with its own thread blocks, so its throughput grows with the slice count (one block per destination
+# measured 2.7 GB/s between two H200s, one slice per expert 91 GB/s; BENCHMARKS.md).
+SLICES_PER_EXPERT = 1
+
+
 class RaggedRoutes(NamedTuple):
-    """One device's side of the ragged exchange (inside a shard_map over the expert axis). Slice e of the sends
-    is global expert e's kept rows, bound for device e // L; slice s * L + j of the receives is what source s
-    sends for local expert j. The receive buffer is in expert order: local expert j's rows from source 0, then
-    source 1, ..."""
+    """One device's side of the ragged exchange (inside a shard_map over the expert axis), P = slices per
+    expert: slices e * P .. e * P + P - 1 of the sends are global expert e's kept rows, bound for device e // L;
+    slices (s * L + j) * P + p of the receives are what source s sends for local expert j. The receive buffer
+    is in expert order: local expert j's rows from source 0, then source 1, ..."""
 
     order_A: jax.Array  # [A] token-assignments sorted by global expert, dropped ones last
     kept_A: jax.Array  # [A] bool: within the destination's capacity
-    send_sizes_E: jax.Array  # [E] rows this device sends per global expert
-    send_offsets_E: jax.Array  # [E] where slice e starts among this device's sorted rows
-    remote_offsets_E: jax.Array  # [E] where slice e lands in its receiver's buffer
-    recv_sizes_SL: jax.Array  # [ep * L] rows received per (source, local expert)
-    recv_offsets_SL: jax.Array  # [ep * L] where they sit in this device's buffer
-    remote_send_offsets_SL: jax.Array  # [ep * L] where source s's slice for local expert j started on s
+    send_sizes: jax.Array  # [E * P] rows this device sends per slice
+    send_offsets: jax.Array  # [E * P] where each slice starts among this device's sorted rows
+    remote_offsets: jax.Array  # [E * P] where it lands in its receiver's buffer
+    recv_sizes: jax.Array  # [ep * L * P] rows received per slice
+    recv_offsets: jax.Array  # [ep * L * P] where they sit in this device's buffer
+    remote_send_offsets: jax.Array  # [ep * L * P] where the source's slice started among its sorted rows
     group_sizes_L: jax.Array  # [L] received rows per local expert
 
 
-def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int) -> RaggedRoutes:
+def _cut(sizes_X, starts, pieces: int):
+    """Each slice of sizes_X cut into `pieces` consecutive parts: the parts' sizes [X * pieces] and, for each
+    table of slice starts in `starts`, the parts' starts [X * pieces]."""
+    part_P = jnp.arange(pieces, dtype=sizes_X.dtype)
+    cut_XP = sizes_X[..., None] * part_P // pieces
+    part_sizes = (sizes_X[..., None] * (part_P + 1) // pieces - cut_XP).reshape(-1)
+    return part_sizes, tuple((table_X[..., None] + cut_XP).reshape(-1) for table_X in starts)
+
+
+def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int,
+                  slices_per_expert: int = SLICES_PER_EXPERT) -> RaggedRoutes:
     """Inside a shard_map: the slice tables of both ragged exchanges, from every device's per-expert counts (one
     all-gather of [E] int32). The kept rows are `dispatch`'s: the first `capacity` per destination."""
     num_experts = ep * local_experts
@@ -171,11 +187,13 @@ def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int) -> 
         return jax.lax.dynamic_slice_in_dim(table_SE, me * local_experts, local_experts, axis=1).reshape(-1)
 
     local_start_SL = jnp.tile(jax.lax.dynamic_slice_in_dim(expert_start_E, me * local_experts, local_experts), ep)
-    return RaggedRoutes(
-        order_A=order_A, kept_A=kept_A, send_sizes_E=sent_E, send_offsets_E=send_offsets_SE[me],
-        remote_offsets_E=expert_start_E + earlier_sources_SE[me], recv_sizes_SL=mine(sent_SE),
-        recv_offsets_SL=local_start_SL + mine(earlier_sources_SE), remote_send_offsets_SL=mine(send_offsets_SE),
-        group_sizes_L=total_DL[me])
+    send_sizes, (send_offsets, remote_offsets) = _cut(
+        sent_E, (send_offsets_SE[me], expert_start_E + earlier_sources_SE[me]), slices_per_expert)
+    recv_sizes, (recv_offsets, remote_send_offsets) = _cut(
+        mine(sent_SE), (local_start_SL + mine(earlier_sources_SE), mine(send_offsets_SE)), slices_per_expert)
+    return RaggedRoutes(order_A=order_A, kept_A=kept_A, send_sizes=send_sizes, send_offsets=send_offsets,
+                        remote_offsets=remote_offsets, recv_sizes=recv_sizes, recv_offsets=recv_offsets,
+                        remote_send_offsets=remote_send_offsets, group_sizes_L=total_DL[me])
 
 
 def _ragged_exchange(native: bool):
@@ -187,8 +205,8 @@ def ragged_dispatch(x_TD, routes: RaggedRoutes, *, rows: int, native: bool):
     device's received rows in expert order (`routes.group_sizes_L`); rows past their sum are zeros."""
     top_k = routes.order_A.shape[0] // x_TD.shape[0]
     return _ragged_exchange(native)(
-        x_TD[routes.order_A // top_k], jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), routes.send_offsets_E,
-        routes.send_sizes_E, routes.remote_offsets_E, routes.recv_sizes_SL, axis_name="expert")
+        x_TD[routes.order_A // top_k], jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), routes.send_offsets,
+        routes.send_sizes, routes.remote_offsets, routes.recv_sizes, axis_name="expert")
 
 
 def ragged_return_and_combine(y_RD, routes: RaggedRoutes, weights_TK, *, tp_axes: tuple[str, ...], dtype,
@@ -199,8 +217,7 @@ def ragged_return_and_combine(y_RD, routes: RaggedRoutes, weights_TK, *, tp_axes
     tokens, top_k = weights_TK.shape
     back_AD = _ragged_exchange(native)(
         _psum_f32(y_RD, tp_axes).astype(dtype), jnp.zeros((tokens * top_k, y_RD.shape[1]), dtype),
-        routes.recv_offsets_SL, routes.recv_sizes_SL, routes.remote_send_offsets_SL, routes.send_sizes_E,
-        axis_name="expert")
+        routes.recv_offsets, routes.recv_sizes, routes.remote_send_offsets, routes.send_sizes, axis_name="expert")
     position_A = jnp.zeros_like(routes.order_A).at[routes.order_A].set(jnp.arange(tokens * top_k))
     return combine(back_AD[position_A].reshape(tokens, top_k, -1), weights_TK, dtype)
 

@@ -47,9 +47,9 @@ from bench_common import (filled_cache, flash_slice_config, init_on_mesh, median
                           time_decode)
 from ling_jax import LingForCausalLM  # noqa: E402
 from ling_jax.expert_ffn import expert_sorted_ffn, grouped_expert_ffn  # noqa: E402
-from ling_jax.expert_parallel import (dispatch, exchange, has_ragged_all_to_all, moe_parallel,  # noqa: E402
-                                      ragged_dispatch, ragged_return_and_combine, ragged_routes, resolve_exchange,
-                                      return_and_combine, rows_per_source)
+from ling_jax.expert_parallel import (SLICES_PER_EXPERT, dispatch, exchange, has_ragged_all_to_all,  # noqa: E402
+                                      moe_parallel, ragged_dispatch, ragged_return_and_combine, ragged_routes,
+                                      resolve_exchange, return_and_combine, rows_per_source)
 from ling_jax.moe import MoE, route  # noqa: E402
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh  # noqa: E402
 from pallas_kernels.backend import resolve_backend  # noqa: E402
@@ -115,8 +115,8 @@ def useful_rows(experts_TK, tokens_per_device: int, local_experts: int) -> int:
     return int((experts // local_experts != source).sum()) // (experts.shape[0] // tokens_per_device)
 
 
-def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str,
-                   iters: int) -> list[Row]:
+def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str, iters: int,
+                   slice_counts: tuple[int, ...]) -> list[Row]:
     """Every stage of one MoE layer at `tokens_per_device`, both exchanges; checks the chained stages against
     moe_parallel."""
     config = moe.gate.config
@@ -161,6 +161,17 @@ def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, b
     def timed(name, *args):
         return median_seconds(stages[name], *args, iters=iters)
 
+    slice_rows = []
+    for count in slice_counts:  # the ragged all-to-alls with each expert's rows in `count` slices
+        routes_n = on_mesh(functools.partial(ragged_routes, ep=ep, local_experts=local_experts, capacity=capacity,
+                                             slices_per_expert=count), mesh, (SPLIT,), SPLIT)(experts_TK)
+        if rel_error(stages["ragged dispatch"](x_TD, routes_n), x_ragged) != 0.0:
+            raise AssertionError(f"{count} slices per expert: received rows differ")
+        slice_rows += [Row(tokens_per_device, f"ragged, {count} slices per expert: dispatch",
+                           timed("ragged dispatch", x_TD, routes_n), *ragged_bytes),
+                       Row(tokens_per_device, f"ragged, {count} slices per expert: combine",
+                           timed("ragged combine", y_ragged, routes_n, weights_TK), *ragged_bytes)]
+
     def routed_s(exchange_):
         return median_seconds(routed[exchange_], x_TD, weights_TK, experts_TK, *experts, iters=iters)
 
@@ -183,6 +194,7 @@ def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, b
             timed("ragged grouped GEMM", x_ragged, routes, *experts)),
         Row(tokens_per_device, "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
             timed("ragged combine", y_ragged, routes, weights_TK), *ragged_bytes),
+        *slice_rows,
         Row(tokens_per_device, "ragged: routed experts (moe_parallel)", routed_s("ragged")),
         Row(tokens_per_device, f"whole MoE layer (router + routed + shared; {resolve_exchange('auto')} exchange)",
             layer_s),
@@ -223,6 +235,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-backend", default="auto", help="auto: the Pallas kernels on a GPU, jnp on a CPU")
     parser.add_argument("--iters", type=int, help=f"timed calls per stage (default {FULL['iters']})")
     parser.add_argument("--steps", type=int, help=f"decode steps timed (default {FULL['steps']})")
+    parser.add_argument("--slices-per-expert", type=int, nargs="*", default=[4, 16], metavar="N",
+                        help=f"also time the ragged all-to-alls with each expert's rows in N slices (the model "
+                             f"uses {SLICES_PER_EXPERT}; default: 4 16)")
     parser.add_argument("--quick", action="store_true", help="a narrow model, fewer tokens: a CPU smoke test")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
@@ -243,7 +258,7 @@ def main(argv=None) -> int:
     moe = init_on_mesh(lambda: MoE(config, clip_layer=8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh)
     rows = [row for tokens in sizes["tokens_per_device"]
             for row in time_moe_layer(moe, mesh, tokens, capacity_factor=args.capacity_factor, backend=backend,
-                                      iters=iters)]
+                                      iters=iters, slice_counts=tuple(args.slices_per_expert))]
     del moe
     gc.collect()
     decode_s = time_sharded_decode(mesh, quick=args.quick, batch=sizes["decode_batch"], context=sizes["context"],

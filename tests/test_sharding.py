@@ -13,7 +13,14 @@ from jax.sharding import PartitionSpec as P
 import np_reference as npr
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe
-from ling_jax.expert_parallel import emulated_ragged_all_to_all, moe_parallel, rows_per_source
+from ling_jax.expert_parallel import (
+    emulated_ragged_all_to_all,
+    moe_parallel,
+    ragged_dispatch,
+    ragged_return_and_combine,
+    ragged_routes,
+    rows_per_source,
+)
 from ling_jax.moe import MoE, route
 from ling_jax.parallel import ShardedLM
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
@@ -166,6 +173,35 @@ def test_emulated_ragged_all_to_all_follows_the_documented_example():
     # and nothing to itself
     reordered = run([5, 6, 7, 8, 9, 0], [0] * 8, [0, 2, 0, 2], [2, 1, 2, 0], [2, 0, 0, 1], [2, 2, 1, 0])
     np.testing.assert_array_equal(reordered, [[8, 9, 5, 6], [7, 0, 0, 0]])
+
+
+def test_ragged_slices_per_expert_move_the_same_rows():
+    """Each expert's rows cut into 3 slices (some of 0 rows) land exactly where one slice per expert puts them,
+    and come back to the same places."""
+    config = _config()
+    rng = np.random.default_rng(3)
+    x_TD, weights, experts = _routing(config, rng, 40)
+    ep = 8
+    local_experts = config.num_experts // ep
+    capacity = rows_per_source(40 // ep, config.num_experts_per_tok, ep, local_experts, None)
+    mesh = make_mesh({"expert": ep})
+
+    def exchanged(slices):
+        def body(x, w, e):
+            routes = ragged_routes(e, ep=ep, local_experts=local_experts, capacity=capacity,
+                                   slices_per_expert=slices)
+            received = ragged_dispatch(x, routes, rows=ep * capacity, native=False)
+            back = ragged_return_and_combine(received * 2.0, routes, w, tp_axes=(), dtype=x.dtype, native=False)
+            return received, back
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"),
+                                     check_vma=False))(x_TD, weights, experts)
+
+    (received_1, back_1), (received_3, back_3) = exchanged(1), exchanged(3)
+    np.testing.assert_array_equal(np.asarray(received_3), np.asarray(received_1))
+    np.testing.assert_array_equal(np.asarray(back_3), np.asarray(back_1))
+    expected = 2.0 * np.einsum("tk,td->td", np.asarray(weights), np.asarray(x_TD))  # each row comes back doubled
+    assert rel_error(back_1, expected) <= TOL
 
 
 EXCHANGE_IDS = ["dense", "ragged"]
