@@ -6,6 +6,7 @@ one-hot baseline, and a tile sweep of the fused kernels.
     python scripts/bench_moe.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
     python scripts/bench_moe.py --no-sweep # without the tile sweep
     python scripts/bench_moe.py --no-sweep --profile /tmp/moe  # plus a trace of the fused layer per token count
+    python scripts/bench_moe.py --devices 8  # experts over 8 devices: scripts/bench_expert_parallel.py --devices 8
 
 For each token count:
 - unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
@@ -168,6 +169,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--devices", type=int, default=1,
+                        help="N > 1: the layer with its experts over N devices, split into dispatch all-to-all, "
+                             "grouped GEMM and combine, plus the sharded decode step (runs "
+                             "scripts/bench_expert_parallel.py --devices N with --quick and --iters)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
     parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 3 calls of the fused whole layer "
                         "per token count under DIR/tokens<N> (read it with scripts/trace_summary.py --steps 3)")
@@ -177,6 +182,11 @@ def main(argv=None) -> int:
                         help="kernel backend: pallas_gpu (default on a GPU), interpret_gpu (default with --quick "
                              "elsewhere), reference (jnp ragged dots, no kernels)")
     args = parser.parse_args(argv)
+    if args.devices > 1:
+        import bench_expert_parallel
+
+        return bench_expert_parallel.main(["--devices", str(args.devices), "--iters", str(args.iters)]
+                                          + (["--quick"] if args.quick else []))
     on_gpu = jax.default_backend() == "gpu"
     backend = args.backend or ("pallas_gpu" if on_gpu else "interpret_gpu" if args.quick else None)
     if backend is None or (backend == "pallas_gpu" and not on_gpu):

@@ -1,6 +1,7 @@
-"""scripts/check_multi_gpu.py and scripts/bench_expert_parallel.py in their --quick modes on the 8 virtual CPU
-devices (conftest sets the XLA flag): both succeed, in fp32 the check holds at 1e-4, and it fails on a model whose
-last expert shard is corrupted (so it can fail); scripts/routing_sensitivity.py on a small model."""
+"""scripts/check_multi_gpu.py and scripts/bench_expert_parallel.py (also reached as bench_moe.py --devices) in
+their --quick modes on the 8 virtual CPU devices (conftest sets the XLA flag): both succeed, in fp32 the check
+holds at 1e-4, and it fails on a model whose last expert shard is corrupted (so it can fail);
+scripts/routing_sensitivity.py on a small model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import bench_expert_parallel  # noqa: E402
+import bench_moe  # noqa: E402
 import check_multi_gpu  # noqa: E402
 import routing_sensitivity  # noqa: E402
 
@@ -46,8 +48,10 @@ def test_bench_expert_parallel_quick(capsys):
     assert bench_expert_parallel.main(["--quick", "--devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "chained stages vs moe_parallel rel. error 0.0e+00" in out
-    for stage in ("dispatch all-to-all alone", "grouped GEMM", "combine all-to-all alone", "whole MoE layer"):
+    for stage in ("dispatch all-to-all alone", "grouped GEMM", "combine all-to-all alone", "whole MoE layer",
+                  "ragged: dispatch", "ragged, 16 slices per expert: combine", "ragged: routed experts"):
         assert stage in out
+    assert "ragged exchange: chained stages vs moe_parallel rel. error 0.0e+00, vs the dense exchange 0.0e+00" in out
     assert "| 8-layer full-width slice | 8 | 64 |" in out
 
 
@@ -55,6 +59,13 @@ def test_bench_expert_parallel_quick(capsys):
 def test_bench_refuses_device_counts_that_do_not_fit(capsys, devices):
     assert bench_expert_parallel.main(["--quick", "--devices", str(devices)]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_bench_moe_devices_runs_the_expert_parallel_bench(monkeypatch):
+    forwarded = []
+    monkeypatch.setattr(bench_expert_parallel, "main", lambda argv: forwarded.append(argv) or 0)
+    assert bench_moe.main(["--devices", "8", "--iters", "5"]) == 0
+    assert forwarded == [["--devices", "8", "--iters", "5"]]
 
 
 def test_routing_sensitivity_reports_each_fraction(capsys):
