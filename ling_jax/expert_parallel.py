@@ -13,13 +13,15 @@ n_expert) rows per source; assignments beyond it are dropped and counted (the Mo
 
 The all-to-all path moves the rows one of two ways (`LingConfig.moe_all_to_all`), with the same kept rows and
 the same results:
-- "ragged" (the default on GPU and TPU): `ragged_all_to_all` sends exactly the kept rows, each expert's rows
-  as `SLICES_PER_EXPERT` slices, into the receiver's buffer in expert order (expert-major, then source), so
-  the receiver runs its experts on contiguous groups without a sort (`ragged_routes`, `ragged_dispatch`,
-  `expert_sorted_ffn`, `ragged_return_and_combine`). XLA:CPU has no ragged all-to-all; there the same
-  collective is emulated with all-gathers (`emulated_ragged_all_to_all`), for tests.
-- "dense" (the default on a CPU): every source fills a fixed block per destination, so each all-to-all moves
-  the whole reserved buffer, used or not (`dispatch`, `grouped_expert_ffn`, `return_and_combine`).
+- "ragged" (the default on TPU and on the GPUs of one host): `ragged_all_to_all` sends exactly the kept
+  rows, each expert's rows as `SLICES_PER_EXPERT` slices, into the receiver's buffer in expert order
+  (expert-major, then source), so the receiver runs its experts on contiguous groups without a sort
+  (`ragged_routes`, `ragged_dispatch`, `expert_sorted_ffn`, `ragged_return_and_combine`). XLA:CPU has no
+  ragged all-to-all; there the same collective is emulated with all-gathers (`emulated_ragged_all_to_all`),
+  for tests.
+- "dense" (the default on a CPU and across GPU hosts, see `resolve_exchange`): every source fills a fixed
+  block per destination, so each all-to-all moves the whole reserved buffer, used or not (`dispatch`,
+  `grouped_expert_ffn`, `return_and_combine`).
 Each stage is callable inside a shard_map on its own (scripts/bench_expert_parallel.py times them separately).
 """
 
@@ -250,11 +252,15 @@ def has_ragged_all_to_all() -> bool:
 
 
 def resolve_exchange(exchange: str) -> str:
-    """"auto" -> "ragged" where the backend has a ragged all-to-all, else "dense"."""
+    """"auto" -> "ragged" on TPU and on GPUs of one process, else "dense". Across GPU hosts XLA's ragged
+    all-to-all refuses to run without extra XLA flags (its single-host kernel does not reach other hosts and its
+    NCCL fallback is off by default), so multi-process GPU runs exchange fixed-size buffers unless
+    moe_all_to_all is "ragged"."""
     if exchange not in MOE_ALL_TO_ALL:
         raise ValueError(f"moe_all_to_all must be one of {MOE_ALL_TO_ALL}, got {exchange!r}")
     if exchange == "auto":
-        return "ragged" if has_ragged_all_to_all() else "dense"
+        backend = jax.default_backend()
+        return "ragged" if backend == "tpu" or (backend == "gpu" and jax.process_count() == 1) else "dense"
     return exchange
 
 

@@ -19,6 +19,7 @@ from ling_jax.expert_parallel import (
     ragged_dispatch,
     ragged_return_and_combine,
     ragged_routes,
+    resolve_exchange,
     rows_per_source,
 )
 from ling_jax.moe import MoE, route
@@ -202,6 +203,17 @@ def test_ragged_slices_per_expert_move_the_same_rows():
     np.testing.assert_array_equal(np.asarray(back_3), np.asarray(back_1))
     expected = 2.0 * np.einsum("tk,td->td", np.asarray(weights), np.asarray(x_TD))  # each row comes back doubled
     assert rel_error(back_1, expected) <= TOL
+
+
+@pytest.mark.parametrize(("backend", "processes", "expected"),
+                         [("cpu", 1, "dense"), ("gpu", 1, "ragged"), ("gpu", 2, "dense"), ("tpu", 4, "ragged")])
+def test_auto_exchange_by_backend_and_process_count(monkeypatch, backend, processes, expected):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    assert resolve_exchange("auto") == expected
+    assert resolve_exchange("dense") == "dense" and resolve_exchange("ragged") == "ragged"
+    with pytest.raises(ValueError, match="moe_all_to_all must be one of"):
+        resolve_exchange("sparse")
 
 
 EXCHANGE_IDS = ["dense", "ragged"]
