@@ -11,7 +11,7 @@ from helpers import rel_error
 from jax.sharding import PartitionSpec as P
 
 import np_reference as npr
-from ling_jax import LingConfig, LingForCausalLM
+from ling_jax import LingConfig, LingForCausalLM, expert_parallel
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe
 from ling_jax.expert_parallel import (
     emulated_ragged_all_to_all,
@@ -214,6 +214,25 @@ def test_auto_exchange_by_backend_and_process_count(monkeypatch, backend, proces
     assert resolve_exchange("dense") == "dense" and resolve_exchange("ragged") == "ragged"
     with pytest.raises(ValueError, match="moe_all_to_all must be one of"):
         resolve_exchange("sparse")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_native_ragged_exchange_lowers_for_tpu_and_cuda(monkeypatch, platform):
+    """moe_parallel with the native ragged all-to-all (which XLA:CPU cannot run) lowers for TPU and CUDA from the
+    CPU: two ragged all-to-alls (out and back) in the module."""
+    monkeypatch.setattr(expert_parallel, "has_ragged_all_to_all", lambda: True)
+    config = _config()
+    tokens, shape = 64, jax.ShapeDtypeStruct
+    e, width, hidden, top_k = config.num_experts, config.moe_intermediate_size, config.hidden_size, 4
+    args = (shape((tokens, hidden), jnp.bfloat16), shape((tokens, top_k), jnp.float32),
+            shape((tokens, top_k), jnp.int32), shape((e, width, hidden), jnp.bfloat16),
+            shape((e, width, hidden), jnp.bfloat16), shape((e, hidden, width), jnp.bfloat16))
+    mesh = make_mesh({"expert": 4}, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda *a: moe_parallel(*a, limit=None, mesh=mesh, capacity_factor=None,
+                                               backend="reference", exchange="ragged")[0]).trace(*args).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert text.count("ragged_all_to_all") == 2
 
 
 EXCHANGE_IDS = ["dense", "ragged"]
