@@ -138,9 +138,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 # Slices each expert's rows are cut into for the ragged all-to-all: XLA's GPU ragged all-to-all copies each
 # slice with its own thread blocks, so few slices are slow (one block per destination: 2.7 GB/s between two
-# H200s; one slice per expert 88-91 GB/s). On 2 H200s, 8192 tokens per device, 4 slices per expert cut the
-# dispatch + combine from 5.02 to 4.59 ms (16 and 64: 4.48, 4.35) and leave 64 tokens per device unchanged
-# (16 and 64 slices: 1.4x and 2.5x slower there); BENCHMARKS.md.
+# H200s; one slice per expert 88-91 GB/s). On 2 H200s at 8192 tokens per device, dispatch + combine took
+# 4.59 ms with 4 slices per expert against 5.02 ms with 1 in one run, 4.73-4.86 ms with 4 in the next (the
+# spread between runs); at 64 tokens per device 16 and 64 slices cost 1.4x and 2.5x; BENCHMARKS.md.
 SLICES_PER_EXPERT = 4
 
 
