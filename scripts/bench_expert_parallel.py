@@ -115,90 +115,137 @@ def useful_rows(experts_TK, tokens_per_device: int, local_experts: int) -> int:
     return int((experts // local_experts != source).sum()) // (experts.shape[0] // tokens_per_device)
 
 
-def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str, iters: int,
-                   slice_counts: tuple[int, ...]) -> list[Row]:
-    """Every stage of one MoE layer at `tokens_per_device`, both exchanges; checks the chained stages against
-    moe_parallel."""
+@dataclasses.dataclass(frozen=True)
+class LayerInputs:
+    """One MoE layer's routed inputs at a token count, on the mesh."""
+
+    tokens_per_device: int
+    capacity: int  # receive rows per source
+    x_TD: jax.Array
+    weights_TK: jax.Array
+    experts_TK: jax.Array
+    expert_weights: tuple  # gate, up, down
+
+
+def layer_inputs(moe: MoE, mesh, tokens_per_device: int, capacity_factor) -> LayerInputs:
     config = moe.gate.config
     ep = mesh.shape["expert"]
-    tokens, top_k, hidden = ep * tokens_per_device, config.num_experts_per_tok, config.hidden_size
-    local_experts = config.num_experts // ep
-    capacity = rows_per_source(tokens_per_device, top_k, ep, local_experts, capacity_factor)
-    x_TD = jax.device_put(jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16),
+    tokens = ep * tokens_per_device
+    x_TD = jax.device_put(jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.bfloat16),
                           NamedSharding(mesh, SPLIT))
     gate_weights = (moe.gate.weight[...], moe.gate.expert_bias[...])
     weights_TK, experts_TK = jax.jit(lambda x, w, b: route(x, w, b, config))(x_TD, *gate_weights)
-    experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
-    stages = stage_functions(mesh, local_experts=local_experts, capacity=capacity, limit=moe.experts.limit,
+    capacity = rows_per_source(tokens_per_device, config.num_experts_per_tok, ep, config.num_experts // ep,
+                               capacity_factor)
+    return LayerInputs(tokens_per_device, capacity, x_TD, weights_TK, experts_TK,
+                       (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...]))
+
+
+def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str, iters: int,
+                   slice_counts: tuple[int, ...]) -> list[Row]:
+    """Every stage of one MoE layer at `tokens_per_device`, both exchanges (each checked against moe_parallel
+    and the ragged one against the dense one), the ragged all-to-alls at other slice counts, and the layer."""
+    config = moe.gate.config
+    ep = mesh.shape["expert"]
+    local_experts = config.num_experts // ep
+    inputs = layer_inputs(moe, mesh, tokens_per_device, capacity_factor)
+    stages = stage_functions(mesh, local_experts=local_experts, capacity=inputs.capacity, limit=moe.experts.limit,
                              backend=backend)
-    x_RD, expert_R, slot_A, kept_A = stages["dispatch"](x_TD, experts_TK)
-    y_RD = stages["grouped GEMM"](x_RD, expert_R, *experts)
-    routes = stages["ragged routes"](experts_TK)
-    x_ragged = stages["ragged dispatch"](x_TD, routes)
-    y_ragged = stages["ragged grouped GEMM"](x_ragged, routes, *experts)
-    chained = {"dense": stages["combine"](y_RD, slot_A, kept_A, weights_TK),
-               "ragged": stages["ragged combine"](y_ragged, routes, weights_TK)}
     routed = {exchange_: jax.jit(functools.partial(moe_parallel, limit=moe.experts.limit, mesh=mesh,
                                                    capacity_factor=capacity_factor, backend=backend,
                                                    exchange=exchange_))
               for exchange_ in ("dense", "ragged")}
-    for name, out in chained.items():
-        reference = routed[name](x_TD, weights_TK, experts_TK, *experts)[0]
-        print(f"tokens/device {tokens_per_device}: capacity {capacity} rows per source; {name} exchange: chained "
-              f"stages vs moe_parallel rel. error {rel_error(out, reference):.1e}, vs the dense exchange "
-              f"{rel_error(out, chained['dense']):.1e}", flush=True)
-    graphdef, state = nnx.split(moe)
-    with jax.set_mesh(mesh):
-        layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
-        layer_s = median_seconds(layer, state, x_TD[None], iters=iters)
-    itemsize = jnp.dtype(jnp.bfloat16).itemsize
-    others = (ep - 1) * capacity  # rows a device sends to other devices
-    useful = useful_rows(experts_TK, tokens_per_device, local_experts)
-    dispatch_bytes = (others * (hidden * itemsize + 4), useful * (hidden * itemsize + 4))  # + int32 expert ids
-    combine_bytes = (others * hidden * itemsize, useful * hidden * itemsize)
-    ragged_bytes = (useful * hidden * itemsize,) * 2
+    row_bytes = config.hidden_size * jnp.dtype(jnp.bfloat16).itemsize
+    useful = useful_rows(inputs.experts_TK, tokens_per_device, local_experts)  # rows that leave a device
+    others = (ep - 1) * inputs.capacity  # a device's buffer rows for the other devices
 
     def timed(name, *args):
         return median_seconds(stages[name], *args, iters=iters)
 
-    slice_rows = []
-    for count in slice_counts:  # the ragged all-to-alls with each expert's rows in `count` slices
-        routes_n = on_mesh(functools.partial(ragged_routes, ep=ep, local_experts=local_experts, capacity=capacity,
-                                             slices_per_expert=count), mesh, (SPLIT,), SPLIT)(experts_TK)
-        if rel_error(stages["ragged dispatch"](x_TD, routes_n), x_ragged) != 0.0:
-            raise AssertionError(f"{count} slices per expert: received rows differ")
-        slice_rows += [Row(tokens_per_device, f"ragged, {count} slices per expert: dispatch",
-                           timed("ragged dispatch", x_TD, routes_n), *ragged_bytes),
-                       Row(tokens_per_device, f"ragged, {count} slices per expert: combine",
-                           timed("ragged combine", y_ragged, routes_n, weights_TK), *ragged_bytes)]
+    def routed_row(exchange_):
+        seconds = median_seconds(routed[exchange_], inputs.x_TD, inputs.weights_TK, inputs.experts_TK,
+                                 *inputs.expert_weights, iters=iters)
+        return Row(tokens_per_device, f"{exchange_}: routed experts (moe_parallel)", seconds)
 
-    def routed_s(exchange_):
-        return median_seconds(routed[exchange_], x_TD, weights_TK, experts_TK, *experts, iters=iters)
+    dense, dense_out = dense_rows(stages, inputs, timed, others=others, useful=useful, row_bytes=row_bytes)
+    ragged, ragged_out = ragged_rows(stages, inputs, timed, useful_bytes=useful * row_bytes)
+    for name, out in (("dense", dense_out), ("ragged", ragged_out)):
+        reference = routed[name](inputs.x_TD, inputs.weights_TK, inputs.experts_TK, *inputs.expert_weights)[0]
+        print(f"tokens/device {tokens_per_device}: capacity {inputs.capacity} rows per source; {name} exchange: "
+              f"chained stages vs moe_parallel rel. error {rel_error(out, reference):.1e}, vs the dense exchange "
+              f"{rel_error(out, dense_out):.1e}", flush=True)
+    slices = slice_count_rows(stages, inputs, timed, mesh, local_experts=local_experts, slice_counts=slice_counts,
+                              useful_bytes=useful * row_bytes)
+    graphdef, state = nnx.split(moe)
+    with jax.set_mesh(mesh):
+        layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
+        layer_s = median_seconds(layer, state, inputs.x_TD[None], iters=iters)
+    return [*dense, routed_row("dense"), *ragged, *slices, routed_row("ragged"),
+            Row(tokens_per_device, f"whole MoE layer (router + routed + shared; {resolve_exchange('auto')} "
+                f"exchange)", layer_s)]
 
-    return [
-        Row(tokens_per_device, "dense: dispatch (pack + all-to-all)", timed("dispatch", x_TD, experts_TK),
+
+def dense_rows(stages, inputs: LayerInputs, timed, *, others: int, useful: int, row_bytes: int):
+    """The dense exchange's stages chained (-> rows, the chained output). others / useful: rows a device sends
+    to the other devices (its buffer) / of which really leave it; a dispatch row also carries its int32 expert
+    id."""
+    tokens = inputs.tokens_per_device
+    x_RD, expert_R, slot_A, kept_A = stages["dispatch"](inputs.x_TD, inputs.experts_TK)
+    y_RD = stages["grouped GEMM"](x_RD, expert_R, *inputs.expert_weights)
+    dispatch_bytes = (others * (row_bytes + 4), useful * (row_bytes + 4))
+    combine_bytes = (others * row_bytes, useful * row_bytes)
+    rows = [
+        Row(tokens, "dense: dispatch (pack + all-to-all)", timed("dispatch", inputs.x_TD, inputs.experts_TK),
             *dispatch_bytes),
-        Row(tokens_per_device, "dense:   dispatch all-to-all alone", timed("dispatch all-to-all", x_RD, expert_R),
+        Row(tokens, "dense:   dispatch all-to-all alone", timed("dispatch all-to-all", x_RD, expert_R),
             *dispatch_bytes),
-        Row(tokens_per_device, "dense: grouped GEMM (sort, expert FFN, unsort)",
-            timed("grouped GEMM", x_RD, expert_R, *experts)),
-        Row(tokens_per_device, "dense: combine (all-to-all back + weighted sum)",
-            timed("combine", y_RD, slot_A, kept_A, weights_TK), *combine_bytes),
-        Row(tokens_per_device, "dense:   combine all-to-all alone", timed("combine all-to-all", y_RD),
-            *combine_bytes),
-        Row(tokens_per_device, "dense: routed experts (moe_parallel)", routed_s("dense")),
-        Row(tokens_per_device, "ragged: routes (count all-gather, tables)", timed("ragged routes", experts_TK)),
-        Row(tokens_per_device, "ragged: dispatch (gather + ragged all-to-all)",
-            timed("ragged dispatch", x_TD, routes), *ragged_bytes),
-        Row(tokens_per_device, "ragged: grouped GEMM (expert FFN on ordered rows)",
-            timed("ragged grouped GEMM", x_ragged, routes, *experts)),
-        Row(tokens_per_device, "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
-            timed("ragged combine", y_ragged, routes, weights_TK), *ragged_bytes),
-        *slice_rows,
-        Row(tokens_per_device, "ragged: routed experts (moe_parallel)", routed_s("ragged")),
-        Row(tokens_per_device, f"whole MoE layer (router + routed + shared; {resolve_exchange('auto')} exchange)",
-            layer_s),
+        Row(tokens, "dense: grouped GEMM (sort, expert FFN, unsort)",
+            timed("grouped GEMM", x_RD, expert_R, *inputs.expert_weights)),
+        Row(tokens, "dense: combine (all-to-all back + weighted sum)",
+            timed("combine", y_RD, slot_A, kept_A, inputs.weights_TK), *combine_bytes),
+        Row(tokens, "dense:   combine all-to-all alone", timed("combine all-to-all", y_RD), *combine_bytes),
     ]
+    return rows, stages["combine"](y_RD, slot_A, kept_A, inputs.weights_TK)
+
+
+def ragged_rows(stages, inputs: LayerInputs, timed, *, useful_bytes: int):
+    """The ragged exchange's stages chained (-> rows, the chained output): only the useful bytes move."""
+    tokens = inputs.tokens_per_device
+    routes = stages["ragged routes"](inputs.experts_TK)
+    x_RD = stages["ragged dispatch"](inputs.x_TD, routes)
+    y_RD = stages["ragged grouped GEMM"](x_RD, routes, *inputs.expert_weights)
+    rows = [
+        Row(tokens, "ragged: routes (count all-gather, tables)", timed("ragged routes", inputs.experts_TK)),
+        Row(tokens, "ragged: dispatch (gather + ragged all-to-all)", timed("ragged dispatch", inputs.x_TD, routes),
+            useful_bytes, useful_bytes),
+        Row(tokens, "ragged: grouped GEMM (expert FFN on ordered rows)",
+            timed("ragged grouped GEMM", x_RD, routes, *inputs.expert_weights)),
+        Row(tokens, "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
+            timed("ragged combine", y_RD, routes, inputs.weights_TK), useful_bytes, useful_bytes),
+    ]
+    return rows, stages["ragged combine"](y_RD, routes, inputs.weights_TK)
+
+
+def slice_count_rows(stages, inputs: LayerInputs, timed, mesh, *, local_experts: int,
+                     slice_counts: tuple[int, ...], useful_bytes: int) -> list[Row]:
+    """The ragged all-to-alls with each expert's rows in each of `slice_counts` slices (the received rows must
+    equal the model's)."""
+    ep = mesh.shape["expert"]
+    model_routes = stages["ragged routes"](inputs.experts_TK)
+    received = stages["ragged dispatch"](inputs.x_TD, model_routes)
+    y_RD = stages["ragged grouped GEMM"](received, model_routes, *inputs.expert_weights)
+    rows = []
+    for count in slice_counts:
+        routes = on_mesh(functools.partial(ragged_routes, ep=ep, local_experts=local_experts,
+                                           capacity=inputs.capacity, slices_per_expert=count),
+                         mesh, (SPLIT,), SPLIT)(inputs.experts_TK)
+        if rel_error(stages["ragged dispatch"](inputs.x_TD, routes), received) != 0.0:
+            raise AssertionError(f"{count} slices per expert: received rows differ")
+        rows += [Row(inputs.tokens_per_device, f"ragged, {count} slices per expert: dispatch",
+                     timed("ragged dispatch", inputs.x_TD, routes), useful_bytes, useful_bytes),
+                 Row(inputs.tokens_per_device, f"ragged, {count} slices per expert: combine",
+                     timed("ragged combine", y_RD, routes, inputs.weights_TK), useful_bytes, useful_bytes)]
+    return rows
 
 
 def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: int, kernel_backend: str) -> float:
