@@ -168,14 +168,14 @@ def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, b
         return Row(tokens_per_device, f"{exchange_}: routed experts (moe_parallel)", seconds)
 
     dense, dense_out = dense_rows(stages, inputs, timed, others=others, useful=useful, row_bytes=row_bytes)
-    ragged, ragged_out = ragged_rows(stages, inputs, timed, useful_bytes=useful * row_bytes)
+    ragged, ragged_out, (received, y_ragged) = ragged_rows(stages, inputs, timed, useful_bytes=useful * row_bytes)
     for name, out in (("dense", dense_out), ("ragged", ragged_out)):
         reference = routed[name](inputs.x_TD, inputs.weights_TK, inputs.experts_TK, *inputs.expert_weights)[0]
         print(f"tokens/device {tokens_per_device}: capacity {inputs.capacity} rows per source; {name} exchange: "
               f"chained stages vs moe_parallel rel. error {rel_error(out, reference):.1e}, vs the dense exchange "
               f"{rel_error(out, dense_out):.1e}", flush=True)
-    slices = slice_count_rows(stages, inputs, timed, mesh, local_experts=local_experts, slice_counts=slice_counts,
-                              useful_bytes=useful * row_bytes)
+    slices = slice_count_rows(stages, inputs, timed, mesh, received, y_ragged, local_experts=local_experts,
+                              slice_counts=slice_counts, useful_bytes=useful * row_bytes)
     graphdef, state = nnx.split(moe)
     with jax.set_mesh(mesh):
         layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
@@ -209,7 +209,8 @@ def dense_rows(stages, inputs: LayerInputs, timed, *, others: int, useful: int, 
 
 
 def ragged_rows(stages, inputs: LayerInputs, timed, *, useful_bytes: int):
-    """The ragged exchange's stages chained (-> rows, the chained output): only the useful bytes move."""
+    """The ragged exchange's stages chained (-> rows, the chained output, (the received rows, their expert
+    outputs)): only the useful bytes move."""
     tokens = inputs.tokens_per_device
     routes = stages["ragged routes"](inputs.experts_TK)
     x_RD = stages["ragged dispatch"](inputs.x_TD, routes)
@@ -223,17 +224,14 @@ def ragged_rows(stages, inputs: LayerInputs, timed, *, useful_bytes: int):
         Row(tokens, "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
             timed("ragged combine", y_RD, routes, inputs.weights_TK), useful_bytes, useful_bytes),
     ]
-    return rows, stages["ragged combine"](y_RD, routes, inputs.weights_TK)
+    return rows, stages["ragged combine"](y_RD, routes, inputs.weights_TK), (x_RD, y_RD)
 
 
-def slice_count_rows(stages, inputs: LayerInputs, timed, mesh, *, local_experts: int,
+def slice_count_rows(stages, inputs: LayerInputs, timed, mesh, received, y_RD, *, local_experts: int,
                      slice_counts: tuple[int, ...], useful_bytes: int) -> list[Row]:
-    """The ragged all-to-alls with each expert's rows in each of `slice_counts` slices (the received rows must
-    equal the model's)."""
+    """The ragged all-to-alls with each expert's rows in each of `slice_counts` slices; received / y_RD: the
+    model's received rows (which each count must reproduce) and their expert outputs."""
     ep = mesh.shape["expert"]
-    model_routes = stages["ragged routes"](inputs.experts_TK)
-    received = stages["ragged dispatch"](inputs.x_TD, model_routes)
-    y_RD = stages["ragged grouped GEMM"](received, model_routes, *inputs.expert_weights)
     rows = []
     for count in slice_counts:
         routes = on_mesh(functools.partial(ragged_routes, ep=ep, local_experts=local_experts,
