@@ -41,14 +41,10 @@ ROW_ALIGN = 8  # TMA row offsets into x are multiples of this
 
 class RowTiles(NamedTuple):
     """The row tiles of rows sorted by group, in the 8-aligned layout: tile t covers rows [8 * row8[t], +block_m)
-    of the gathered x, of which rows[t] (0 for unused tiles) belong to group[t]; position [R] is each sorted
-    row's place in that layout; tile_of [R], col_of [R] its slab and column."""
+    of the gathered x, of which rows[t] (0 for unused tiles) belong to group[t]."""
     group: jax.Array
     row8: jax.Array
     rows: jax.Array
-    position: jax.Array
-    tile_of: jax.Array
-    col_of: jax.Array
 
 
 def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
@@ -62,37 +58,50 @@ def aligned_rows(num_rows: int, num_groups: int, block_m: int) -> int:
     return pl.cdiv(num_rows + (ROW_ALIGN - 1) * num_groups + block_m, ROW_ALIGN) * ROW_ALIGN
 
 
-def row_tiles(group_sizes_G, num_rows: int, *, block_m: int) -> RowTiles:
-    """The tile table for sorted rows (group_sizes [G], sum <= num_rows; rows past the sum are in no tile)."""
+def _group_layout(group_sizes_G, block_m: int):
+    """(sizes, first sorted row, first aligned row, first tile, tiles) per group, int32 [G] each."""
     sizes_G = group_sizes_G.astype(jnp.int32)
     padded_G = (sizes_G + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
-    start_G = jnp.cumsum(padded_G) - padded_G
     tiles_G = (sizes_G + block_m - 1) // block_m
-    tile_end_G = jnp.cumsum(tiles_G)
+    return (sizes_G, jnp.cumsum(sizes_G) - sizes_G, jnp.cumsum(padded_G) - padded_G, jnp.cumsum(tiles_G) - tiles_G,
+            tiles_G)
+
+
+def _owner(first_G, index_N):
+    """The group whose range [first[g], first[g + 1]) holds each index (first non-decreasing)."""
+    return jnp.maximum(jnp.searchsorted(first_G, index_N, side="right") - 1, 0)
+
+
+def row_tiles(group_sizes_G, num_rows: int, *, block_m: int) -> RowTiles:
+    """The tile table for sorted rows (group_sizes [G], sum <= num_rows; rows past the sum are in no tile)."""
+    sizes_G, _, aligned_G, first_tile_G, tiles_G = _group_layout(group_sizes_G, block_m)
     tile_T = jnp.arange(max_row_tiles(num_rows, sizes_G.shape[0], block_m), dtype=jnp.int32)
-    group_T = jnp.minimum(jnp.searchsorted(tile_end_G, tile_T, side="right"), sizes_G.shape[0] - 1)
-    within_T = tile_T - (tile_end_G[group_T] - tiles_G[group_T])
-    rows_T = jnp.where(tile_T < tile_end_G[-1], jnp.clip(sizes_G[group_T] - within_T * block_m, 0, block_m), 0)
-    row_R = jnp.arange(num_rows, dtype=jnp.int32)
-    sorted_end_G = jnp.cumsum(sizes_G)
-    group_R = jnp.minimum(jnp.searchsorted(sorted_end_G, row_R, side="right"), sizes_G.shape[0] - 1)
-    within_R = row_R - (sorted_end_G[group_R] - sizes_G[group_R])
-    tile_R = tile_end_G[group_R] - tiles_G[group_R] + within_R // block_m
-    return RowTiles(group=group_T, row8=(start_G[group_T] + within_T * block_m) // ROW_ALIGN, rows=rows_T,
-                    position=start_G[group_R] + within_R, tile_of=tile_R, col_of=within_R % block_m)
+    group_T = _owner(first_tile_G, tile_T)
+    within_T = tile_T - first_tile_G[group_T]
+    rows_T = jnp.where(within_T < tiles_G[group_T], jnp.clip(sizes_G[group_T] - within_T * block_m, 0, block_m), 0)
+    return RowTiles(group=group_T, row8=(aligned_G[group_T] + within_T * block_m) // ROW_ALIGN, rows=rows_T)
 
 
-def gather_aligned(x_XD, source_R, tiles: RowTiles, num_groups: int, *, block_m: int):
-    """x's rows source[r] at tiles.position[r] of a [aligned_rows, D] buffer (padding rows: x's row 0)."""
+def gather_aligned(x_XD, source_R, group_sizes_G, *, block_m: int):
+    """[aligned_rows, D]: aligned row p holds x[source[r]] for the sorted row r placed there (padding rows
+    hold x's row 0). Every index is gathered (no scatter)."""
     num_rows = source_R.shape[0]
-    source_P = jnp.zeros((aligned_rows(num_rows, num_groups, block_m),), jnp.int32)
-    source_P = source_P.at[tiles.position].set(source_R.astype(jnp.int32))
+    sizes_G, sorted_G, aligned_G, _, _ = _group_layout(group_sizes_G, block_m)
+    position_P = jnp.arange(aligned_rows(num_rows, sizes_G.shape[0], block_m), dtype=jnp.int32)
+    group_P = _owner(aligned_G, position_P)
+    within_P = position_P - aligned_G[group_P]
+    row_P = jnp.where(within_P < sizes_G[group_P], sorted_G[group_P] + within_P, num_rows)
+    source_P = jnp.concatenate([source_R.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])[row_P]
     return x_XD[source_P]
 
 
-def slabs_to_rows(hT_TIM, tiles: RowTiles):
-    """h [R, I] in sorted row order from the slabs [tiles, I, block_m]."""
-    return hT_TIM[tiles.tile_of, :, tiles.col_of]
+def slabs_to_rows(hT_TIM, group_sizes_G, num_rows: int, *, block_m: int):
+    """h [R, I] in sorted row order (rows past sum(group_sizes) undefined) from the slabs [tiles, I, block_m]."""
+    _, sorted_G, _, first_tile_G, _ = _group_layout(group_sizes_G, block_m)
+    row_R = jnp.arange(num_rows, dtype=jnp.int32)
+    group_R = _owner(sorted_G, row_R)
+    within_R = row_R - sorted_G[group_R]
+    return hT_TIM[first_tile_G[group_R] + within_R // block_m, :, within_R % block_m]
 
 
 def _producer(group, row8, num_steps, x_gmem, gate_gmem, up_gmem, scale_gmem, x_smem, gate_smem, up_smem,
@@ -135,7 +144,7 @@ def _swiglu(gate, up, limit: float | None):
 
 
 def _dequantized(codes_smem, scale):
-    """The consumer's FP8 rows [64, 128] times their block scale, as bf16 registers."""
+    """FP8 codes [64, k] times their block scale, as bf16 registers."""
     return (codes_smem[...].astype(jnp.float16).astype(jnp.float32) * scale).astype(jnp.bfloat16)
 
 
@@ -144,16 +153,20 @@ def _output_rows(n_tile, consumer: int):
 
 
 def _consumer(consumer: int, num_steps, x_smem, gate_smem, up_smem, scale_smem, h_smem, a_smem, hT_gmem, ready,
-              free, scale_ready, *, limit, n_tile, block_m: int, stages: int):
-    """Weight rows [64 * consumer, +64) of the tile. a_smem: None, or (interpret mode, whose wgmma takes no
-    register operand) shared memory [2, 64, 128] the dequantized tiles pass through."""
+              free, scale_ready, *, limit, n_tile, block_m: int, stages: int, parts: int):
+    """Weight rows [64 * consumer, +64) of the tile. Each K step runs in `parts` column parts: dequantize a
+    part, issue its two products, wait for the part before it (its registers and, at a step's first part,
+    the previous step's buffer are then free), so dequantizing overlaps the tensor cores. a_smem: None, or
+    (interpret mode, whose wgmma takes no register operand) shared memory [2, 64, 128] the dequantized
+    tiles pass through."""
     plgpu.set_max_registers(232, action="increase")
+    part_k = BLOCK_K // parts
 
-    def a_operand(which: int, weight):
+    def a_operand(which: int, part: int, weight):
         if a_smem is None:
             return weight
-        a_smem.at[which][...] = weight
-        return a_smem.at[which]
+        a_smem.at[which, :, pl.ds(part * part_k, part_k)][...] = weight
+        return a_smem.at[which, :, pl.ds(part * part_k, part_k)]
 
     x_ready, gate_ready, up_ready = ready
     mine = pl.ds(consumer * (BLOCK_N // CONSUMERS), BLOCK_N // CONSUMERS)
@@ -167,11 +180,17 @@ def _consumer(consumer: int, num_steps, x_smem, gate_smem, up_smem, scale_smem, 
             plgpu.barrier_wait(gate_ready.at[slot])
             plgpu.barrier_wait(up_ready.at[slot])
             rows_T = x_smem.at[slot].transpose((1, 0))  # x^T [128, block_m], wgmma's B
-            plgpu.wgmma(gate_ref, a_operand(0, _dequantized(gate_smem.at[slot, mine], scale_smem[0, step])), rows_T)
-            plgpu.wgmma(up_ref, a_operand(1, _dequantized(up_smem.at[slot, mine], scale_smem[1, step])), rows_T)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[slot])
+            for part in range(parts):
+                cols = pl.ds(part * part_k, part_k)
+                for which, (acc_ref, codes_smem) in enumerate(((gate_ref, gate_smem), (up_ref, up_smem))):
+                    weight = _dequantized(codes_smem.at[slot, mine, cols], scale_smem[which, step])
+                    plgpu.wgmma(acc_ref, a_operand(which, part, weight), rows_T.at[cols])
+                plgpu.wgmma_wait(2)  # the part before this one is done
+                if part == 0:
+                    pl.when(step > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(step + stages - 1, stages)]))
 
+        plgpu.wgmma_wait(0)
+        pl.when(num_steps > 0)(lambda: plgpu.barrier_arrive(free.at[lax.rem(num_steps - 1, stages)]))
         return _swiglu(gate_ref[...], up_ref[...], limit)
 
     acc = plgpu.ACC((BLOCK_N // CONSUMERS, block_m), jnp.float32)
@@ -187,7 +206,7 @@ def _consumer(consumer: int, num_steps, x_smem, gate_smem, up_smem, scale_smem, 
 
 def _kernel(group_gmem, row8_gmem, rows_gmem, x_gmem, gate_gmem, up_gmem, scale_gmem, hT_gmem, x_smem, gate_smem,
             up_smem, scale_smem, h_smem, x_ready, gate_ready, up_ready, free, scale_ready, *a_smem, limit,
-            block_m: int, stages: int):
+            block_m: int, stages: int, parts: int):
     n_tile, tile, warpgroup = lax.axis_index("n"), lax.axis_index("tile"), lax.axis_index("wg")
     group, row8 = group_gmem[tile], row8_gmem[tile]
     num_steps = jnp.where(rows_gmem[tile] > 0, x_gmem.shape[1] // BLOCK_K, 0)
@@ -196,13 +215,13 @@ def _kernel(group_gmem, row8_gmem, rows_gmem, x_gmem, gate_gmem, up_gmem, scale_
         pl.when(warpgroup == consumer)(functools.partial(
             _consumer, consumer, num_steps, x_smem, gate_smem, up_smem, scale_smem, h_smem,
             a_smem[0].at[consumer] if a_smem else None, hT_gmem.at[tile],
-            ready, free, scale_ready, limit=limit, n_tile=n_tile, block_m=block_m, stages=stages))
+            ready, free, scale_ready, limit=limit, n_tile=n_tile, block_m=block_m, stages=stages, parts=parts))
     pl.when(warpgroup == CONSUMERS)(functools.partial(
         _producer, group, row8, num_steps, x_gmem, gate_gmem, up_gmem, scale_gmem, x_smem, gate_smem, up_smem,
         scale_smem, ready, free, scale_ready, n_tile=n_tile, block_m=block_m, stages=stages))
 
 
-def _check(x_XD, gate_GID, gate_scale, up_GID, up_scale, block_m: int):
+def _check(x_XD, gate_GID, gate_scale, up_GID, up_scale, block_m: int, parts: int):
     width, hidden = gate_GID.shape[1:]
     expected_scale = (gate_GID.shape[0], width // SCALE_BLOCK, hidden // SCALE_BLOCK)
     if x_XD.dtype != jnp.bfloat16:
@@ -214,31 +233,34 @@ def _check(x_XD, gate_GID, gate_scale, up_GID, up_scale, block_m: int):
         if scale.shape != expected_scale:
             raise ValueError(f"gate_up_fp8_mgpu: {name} scale must be {expected_scale} (one per 128 x 128 block), "
                              f"got {scale.shape}")
-    if width % BLOCK_N or hidden % BLOCK_K or x_XD.shape[1] != hidden or block_m not in (64, 128):
+    if (width % BLOCK_N or hidden % BLOCK_K or x_XD.shape[1] != hidden or block_m not in (64, 128)
+            or parts not in (1, 2)):
         raise ValueError(f"gate_up_fp8_mgpu needs width and hidden multiples of {SCALE_BLOCK}, x's width equal to "
-                         f"hidden and block_m 64 or 128; got width {width}, hidden {hidden}, x {x_XD.shape}, "
-                         f"block_m {block_m}")
+                         f"hidden, block_m 64 or 128 and parts 1 or 2; got width {width}, hidden {hidden}, x "
+                         f"{x_XD.shape}, block_m {block_m}, parts {parts}")
 
 
 @functools.partial(jax.jit, static_argnames=("block_m",))
 def prepare_rows(x_XD, source_R, group_sizes_G, *, block_m: int = 128):
     """(RowTiles, x's rows gathered into the 8-aligned layout) for `gate_up_fp8_tiles`."""
-    tiles = row_tiles(group_sizes_G, source_R.shape[0], block_m=block_m)
-    return tiles, gather_aligned(x_XD, source_R, tiles, group_sizes_G.shape[0], block_m=block_m)
+    return (row_tiles(group_sizes_G, source_R.shape[0], block_m=block_m),
+            gather_aligned(x_XD, source_R, group_sizes_G, block_m=block_m))
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "block_m", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", "block_m", "stages", "parts", "interpret"))
 def gate_up_fp8_tiles(tiles: RowTiles, x_PD, gate_GID, gate_scale_GIbDb, up_GID, up_scale_GIbDb, *,
-                      limit: float | None, block_m: int = 128, stages: int = 3, interpret: bool = False):
+                      limit: float | None, block_m: int = 128, stages: int = 3, parts: int = 2,
+                      interpret: bool = False):
     """The kernel alone on `prepare_rows`' output (made with the same block_m): hT [tiles, I, block_m] bf16."""
-    _check(x_PD, gate_GID, gate_scale_GIbDb, up_GID, up_scale_GIbDb, block_m)
+    _check(x_PD, gate_GID, gate_scale_GIbDb, up_GID, up_scale_GIbDb, block_m, parts)
     width, hidden = gate_GID.shape[1:]
     num_tiles = tiles.group.shape[0]
     scale_GN2S = jnp.stack([gate_scale_GIbDb, up_scale_GIbDb], axis=2).astype(jnp.float32)
-    fp8_layout = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    part_k = BLOCK_K // parts  # an FP8 swizzle tile per part: a part's columns are whole tiles
+    fp8_layout = (plgpu.TilingTransform((8, part_k)), plgpu.SwizzleTransform(part_k))
     bf16_layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     return plgpu.kernel(
-        functools.partial(_kernel, limit=limit, block_m=block_m, stages=stages),
+        functools.partial(_kernel, limit=limit, block_m=block_m, stages=stages, parts=parts),
         out_type=jax.ShapeDtypeStruct((num_tiles, width, block_m), jnp.bfloat16),
         scratch_types=(
             plgpu.SMEM((stages, block_m, BLOCK_K), jnp.bfloat16, transforms=bf16_layout),
@@ -263,16 +285,18 @@ def gate_up_fp8_tiles(tiles: RowTiles, x_PD, gate_GID, gate_scale_GIbDb, up_GID,
     )(tiles.group, tiles.row8, tiles.rows, x_PD, gate_GID, up_GID, scale_GN2S)
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "block_m", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", "block_m", "stages", "parts", "interpret"))
 def gate_up_fp8_mgpu(x_XD, source_R, group_sizes_G, gate_GID, gate_scale_GIbDb, up_GID, up_scale_GIbDb, *,
-                     limit: float | None, block_m: int = 128, stages: int = 3, interpret: bool = False):
+                     limit: float | None, block_m: int = 128, stages: int = 3, parts: int = 2,
+                     interpret: bool = False):
     """(hT [tiles, I, block_m] bf16, RowTiles): the slab of row tile t holds swiglu(x_r @ gate[g].T,
     x_r @ up[g].T, limit) for the tile's rows r (columns past tiles.rows[t] undefined), where x_r = x[source[r]]
     and rows are sorted by group (group_sizes [G], sum <= R). gate, up: float8_e4m3fn [G, I, D] codes with fp32
     scales [G, I/128, D/128] (the checkpoint's `weight_scale_inv`); x bf16 [X, D]; fp32 accumulation.
-    block_m: rows a tile (64 or 128); stages: ring buffers (3 at block_m 128 fills the shared memory)."""
-    _check(x_XD, gate_GID, gate_scale_GIbDb, up_GID, up_scale_GIbDb, block_m)
+    block_m: rows a tile (64 or 128); stages: ring buffers (3 at block_m 128 fills the shared memory); parts:
+    column parts of each K step whose dequantizing overlaps the previous part's products (1 or 2)."""
+    _check(x_XD, gate_GID, gate_scale_GIbDb, up_GID, up_scale_GIbDb, block_m, parts)
     tiles, x_PD = prepare_rows(x_XD, source_R, group_sizes_G, block_m=block_m)
     hT_TIM = gate_up_fp8_tiles(tiles, x_PD, gate_GID, gate_scale_GIbDb, up_GID, up_scale_GIbDb, limit=limit,
-                               block_m=block_m, stages=stages, interpret=interpret)
+                               block_m=block_m, stages=stages, parts=parts, interpret=interpret)
     return hT_TIM, tiles
