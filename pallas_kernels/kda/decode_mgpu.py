@@ -157,10 +157,11 @@ def kda_decode_step_mgpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, sca
     [B, H]; state fp32. num_ctas: persistent CTAs (default: the GPU's SM count, 8 in interpret mode)."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
-    if key_dim % 64 or value_dim % block_v or block_v % 16 or stages % CONSUMERS:
+    if key_dim % 64 or value_dim % block_v or block_v % 64 or stages % CONSUMERS:
         raise ValueError(f"kda_decode_step_mgpu needs K a multiple of 64, V a multiple of block_v (a multiple of "
-                         f"16) and an even number of stages (each buffer serves one consumer, whose barrier phases "
-                         f"it must see all of); got K {key_dim}, V {value_dim}, block_v {block_v}, stages {stages}")
+                         f"64: block_v 32 faulted with a misaligned address on an H200) and an even number of stages "
+                         f"(each buffer serves one consumer, whose barrier phases it must see all of); got K "
+                         f"{key_dim}, V {value_dim}, block_v {block_v}, stages {stages}")
     flat = batch * heads
     tiles_per_head = value_dim // block_v
     total_tiles = flat * tiles_per_head

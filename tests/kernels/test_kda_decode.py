@@ -81,7 +81,7 @@ needs_mgpu_interpreter = pytest.mark.skipif(
 
 @needs_mgpu_interpreter
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape, block_v, num_ctas", [((2, 3, 64, 64), 64, 4), ((3, 3, 128, 32), 16, 5)])
+@pytest.mark.parametrize("shape, block_v, num_ctas", [((2, 3, 64, 64), 64, 4), ((3, 3, 128, 128), 64, 5)])
 def test_mosaic_kernel_matches_float64_recurrence(dtype, shape, block_v, num_ctas):
     """Persistent CTAs with uneven shares of the tiles (num_ctas does not divide them), several value blocks."""
     step = functools.partial(kda_decode_step_mgpu, scale=shape[2] ** -0.5, block_v=block_v, stages=2,
@@ -106,15 +106,15 @@ def test_mosaic_kernel_rejects_unsupported_sizes():
                              stages=3)
 
 
-@pytest.mark.parametrize("block_v", [64, 32])
-def test_mosaic_kernel_lowers_for_cuda(block_v):
-    step = functools.partial(kda_decode_step_mgpu, scale=128 ** -0.5, block_v=block_v, num_ctas=132)
+@pytest.mark.parametrize("stages", [4, 2])
+def test_mosaic_kernel_lowers_for_cuda(stages):
+    step = functools.partial(kda_decode_step_mgpu, scale=128 ** -0.5, stages=stages, num_ctas=132)
     assert "mosaic_gpu" in lower_for_cuda(step, *_abstract_step(batch=64)).as_text()
 
 
 @gpu_test("the compiled Mosaic GPU kernel")
 @pytest.mark.parametrize("batch", [1, 64])
-@pytest.mark.parametrize("block_v, stages", [(64, 4), (32, 8)])
+@pytest.mark.parametrize("block_v, stages", [(64, 4), (64, 2)])
 def test_compiled_mosaic_kernel_full_size(batch, block_v, stages):
     q, k, v, g, beta, state = random_step(batch, 64, 128, 128, jnp.bfloat16, seed=batch)
     o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
