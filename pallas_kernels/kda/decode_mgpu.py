@@ -28,7 +28,7 @@ from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.kda.reference import L2_EPS
 
 CONSUMERS = 2
-BETA_CHUNK = 4  # beta is read 16 bytes at a time (TMA's smallest copy)
+BETA_CHUNK = 32  # beta is read 128 bytes at a time: every buffer of the ring starts 128-byte aligned, as TMA needs
 
 
 def _state_layout(block_v: int):
