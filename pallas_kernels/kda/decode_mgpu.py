@@ -1,14 +1,16 @@
 """KDA decode step on Hopper: a Pallas Mosaic GPU kernel that streams the fp32 state through shared memory.
 
 The step reads and writes each head's [K, V] fp32 state once and is bound by that traffic. Persistent CTAs
-(one an SM) walk their share of the [K, block_v] state tiles with three warpgroups:
+(one an SM) walk their share of the [K, block_v] state tiles with two warpgroups:
 
 - the producer keeps `stages` tiles in flight: TMA loads of the state tile and the head's q, k, g rows, the
   tile's v block and beta, into a ring of shared-memory buffers, refilling a buffer once it is released;
-- two consumers take alternate tiles: each reads its tile's inputs into registers and releases the buffer at
-  once, then S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q (q and k L2-normalised when asked, q
-  scaled), and stores S and o with TMA from its own output buffers, so loads, updates and stores of
-  different tiles overlap.
+- the consumer reads a tile's inputs into registers and releases the buffer at once, then S <- diag(e^g) S;
+  S <- S + k beta (v - S^T k)^T; o = S^T q (q and k L2-normalised when asked, q scaled), and stores S and o
+  with TMA from its output buffers, so loads, updates and stores of different tiles overlap.
+
+One consumer: the sums over K cross warps, and Mosaic GPU's cross-warp reductions share one shared-memory
+scratch per CTA, so two consumers reducing at once race on it (they did: NaNs on the H200).
 
 The new state is a separate output (Pallas Mosaic GPU kernels do not alias inputs); under `jax.jit` the
 donated input buffer is freed after the step.
@@ -27,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.kda.reference import L2_EPS
 
-CONSUMERS = 2
+CONSUMERS = 1
 BETA_CHUNK = 32  # beta is read 128 bytes at a time: every buffer of the ring starts 128-byte aligned, as TMA needs
 
 
@@ -47,7 +49,6 @@ def _keep_layout(x, layout):
 def _producer(first_tile, num_tiles, tile_stride, gmem, smem, ready, free, *, tiles_per_head: int, block_v: int,
               stages: int):
     q_gmem, k_gmem, g_gmem, v_gmem, beta_gmem, state_gmem = gmem
-    plgpu.set_max_registers(40, action="decrease")
 
     def load(i, slot):
         tile = first_tile + i * tile_stride
@@ -103,11 +104,10 @@ def _updated(state_KV, q_K, k_K, g_K, v_V, beta, *, scale: float, use_qk_l2norm:
 def _consumer(consumer: int, first_tile, num_tiles, tile_stride, smem, out_smem, o_smem, o_gmem, state_out_gmem,
               ready, free, *, tiles_per_head: int, block_v: int, stages: int, scale: float, use_qk_l2norm: bool,
               interpret: bool):
-    """Tiles i = consumer, consumer + 2, ... of this CTA's share; the state tile in registers in the wgmma
-    accumulator layout, the [K] vectors in its row layout, the [bv] ones in its column layout."""
+    """Tiles i = consumer, consumer + CONSUMERS, ... of this CTA's share; the state tile in registers in the
+    wgmma accumulator layout, the [K] vectors in its row layout, the [bv] ones in its column layout."""
     cast = _keep_layout if interpret else plgpu.layout_cast
     q_smem, k_smem, g_smem, v_smem, beta_smem, state_smem = smem
-    plgpu.set_max_registers(232, action="increase")
 
     @pl.loop(consumer, num_tiles, step=CONSUMERS)
     def _tile(i):
@@ -157,10 +157,9 @@ def kda_decode_step_mgpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, sca
     [B, H]; state fp32. num_ctas: persistent CTAs (default: the GPU's SM count, 8 in interpret mode)."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
-    if key_dim % 64 or value_dim % block_v or block_v % 64 or stages % CONSUMERS:
+    if key_dim % 64 or value_dim % block_v or block_v % 64 or stages < 1:
         raise ValueError(f"kda_decode_step_mgpu needs K a multiple of 64, V a multiple of block_v (a multiple of "
-                         f"64: block_v 32 faulted with a misaligned address on an H200) and an even number of stages "
-                         f"(each buffer serves one consumer, whose barrier phases it must see all of); got K "
+                         f"64: block_v 32 faulted with a misaligned address on an H200) and stages >= 1; got K "
                          f"{key_dim}, V {value_dim}, block_v {block_v}, stages {stages}")
     flat = batch * heads
     tiles_per_head = value_dim // block_v
