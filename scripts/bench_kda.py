@@ -86,7 +86,8 @@ DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for
     "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
     "large": DECODE_TILES,
 }
-MOSAIC_DECODE_VARIANTS = [dict(block_v=64, stages=4), dict(block_v=64, stages=3), dict(block_v=64, stages=2)]
+MOSAIC_DECODE_VARIANTS = [dict(block_v=64, stages=4), dict(block_v=64, stages=2, ctas_per_sm=2),
+                          dict(block_v=64, stages=2, ctas_per_sm=3)]
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 
 

@@ -148,13 +148,14 @@ def _kernel(q_gmem, k_gmem, g_gmem, v_gmem, beta_gmem, state_gmem, o_gmem, state
         free, **producer_params))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "stages", "num_ctas",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "stages", "ctas_per_sm",
+                                             "num_ctas", "interpret"))
 def kda_decode_step_mgpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float,
-                         use_qk_l2norm: bool = True, block_v: int = 64, stages: int = 4, num_ctas: int | None = None,
-                         interpret: bool = False):
+                         use_qk_l2norm: bool = True, block_v: int = 64, stages: int = 4, ctas_per_sm: int = 1,
+                         num_ctas: int | None = None, interpret: bool = False):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32). q, k, v bf16 or fp16; g fp32 log-decay; beta
-    [B, H]; state fp32. num_ctas: persistent CTAs (default: the GPU's SM count, 8 in interpret mode)."""
+    [B, H]; state fp32. num_ctas: persistent CTAs (default: ctas_per_sm times the GPU's SM count, 8 in
+    interpret mode); two an SM need stages <= 2 (shared memory), each with its own consumer and scratch."""
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
     if key_dim % 64 or value_dim % block_v or block_v % 64 or stages < 1:
@@ -165,7 +166,7 @@ def kda_decode_step_mgpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, sca
     tiles_per_head = value_dim // block_v
     total_tiles = flat * tiles_per_head
     if num_ctas is None:
-        num_ctas = 8 if interpret else jax.devices()[0].core_count
+        num_ctas = 8 if interpret else ctas_per_sm * jax.devices()[0].core_count
     num_ctas = min(num_ctas, total_tiles)
     beta_F = jnp.pad(beta_BH.reshape(flat).astype(jnp.float32), (0, -flat % BETA_CHUNK))
     params = dict(tiles_per_head=tiles_per_head, block_v=block_v, stages=stages, scale=scale,

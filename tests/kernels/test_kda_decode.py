@@ -114,13 +114,13 @@ def test_mosaic_kernel_lowers_for_cuda(stages):
 
 @gpu_test("the compiled Mosaic GPU kernel")
 @pytest.mark.parametrize("batch", [1, 64])
-@pytest.mark.parametrize("block_v, stages", [(64, 4), (64, 3)])
-def test_compiled_mosaic_kernel_full_size(batch, block_v, stages):
+@pytest.mark.parametrize("stages, ctas_per_sm", [(4, 1), (2, 2)])
+def test_compiled_mosaic_kernel_full_size(batch, stages, ctas_per_sm):
     q, k, v, g, beta, state = random_step(batch, 64, 128, 128, jnp.bfloat16, seed=batch)
     o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
     o, new_state = kda_decode_step_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g),
-                                        jnp.asarray(beta), jnp.asarray(state), scale=128 ** -0.5, block_v=block_v,
-                                        stages=stages)
+                                        jnp.asarray(beta), jnp.asarray(state), scale=128 ** -0.5, stages=stages,
+                                        ctas_per_sm=ctas_per_sm)
     assert rel_error(o, o_ref[:, 0]) <= 2e-2 and rel_error(new_state, s_ref) <= 1e-5
 
 
