@@ -87,7 +87,7 @@ DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for
     "large": DECODE_TILES,
 }
 MOSAIC_DECODE_VARIANTS = [dict(block_v=64, stages=4), dict(block_v=64, stages=2, ctas_per_sm=2),
-                          dict(block_v=64, stages=2, ctas_per_sm=3)]
+                          dict(block_v=64, stages=1, ctas_per_sm=2)]
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 
 
