@@ -6,10 +6,8 @@
     python scripts/bench_kda.py --prefill-only --prefill-size 1 32768 --iters 20   # one size
     python scripts/bench_kda.py --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
 
-Decode: `kda_decode_step_gpu` (Pallas Triton, state donated and updated in place) and `kda_decode_step_mgpu`
-(Pallas Mosaic GPU, persistent CTAs streaming the state through shared memory; new state out of place) over a
-few tile variants each vs fla's `fused_recurrent_kda` with T=1; the state traffic is 2 x 4 B x B x H x K x V
-per step. Prefill: `chunk_kda_gpu` (Pallas, two
+Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
+with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
 phases, the first three pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
 under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them); each variant also
 times its two phases alone (phase 1: intra-chunk, parallel, and each of its three kernels; phase 2: the
@@ -41,7 +39,6 @@ from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks, sub_block_keys  # 
 from pallas_kernels.kda.chunk_gpu_intra import intra_chunk  # noqa: E402
 from pallas_kernels.kda.chunk_gpu_tril import wy_factors  # noqa: E402
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
-from pallas_kernels.kda.decode_mgpu import kda_decode_step_mgpu  # noqa: E402
 
 HEADS, DIM = 64, 128
 CPU_HEADS = 2  # the interpreted smoke run's
@@ -86,8 +83,6 @@ DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for
     "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
     "large": DECODE_TILES,
 }
-MOSAIC_DECODE_VARIANTS = [dict(block_v=64, stages=4), dict(block_v=64, stages=2, ctas_per_sm=2),
-                          dict(block_v=64, stages=1, ctas_per_sm=2)]
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 
 
@@ -108,10 +103,8 @@ def bench_decode(batch, iters, copy_bytes_per_s):
                                                              use_qk_l2norm_in_kernel=True), iters)
     traffic = 2 * 4 * batch * HEADS * DIM * DIM
     best = None
-    variants = ([(kda_decode_step_gpu, "triton", v) for v in DECODE_VARIANTS["small" if batch < 64 else "large"]]
-                + [(kda_decode_step_mgpu, "mosaic", v) for v in MOSAIC_DECODE_VARIANTS])
-    for kernel, kernel_name, variant in variants:
-        step = functools.partial(kernel, scale=DIM ** -0.5, **variant)
+    for variant in DECODE_VARIANTS["small" if batch < 64 else "large"]:
+        step = functools.partial(kda_decode_step_gpu, scale=DIM ** -0.5, **variant)
         o, new_state = jax.jit(step)(jq, jk, jv, jg, jbeta, jnp.asarray(state))
         err_o = rel_error(o, fla_o[:, 0].float().cpu().numpy())
         err_s = rel_error(new_state, fla_state.float().cpu().numpy())
@@ -129,7 +122,7 @@ def bench_decode(batch, iters, copy_bytes_per_s):
             carried = jax.block_until_ready(steps(carried))
             samples.append(time.perf_counter() - start)
         ours_s = statistics.median(samples[2:]) / STEPS_PER_CALL
-        label = " ".join([kernel_name] + [f"{name}={value}" for name, value in variant.items()])
+        label = " ".join(f"{name}={value}" for name, value in variant.items())
         print(f"decode B={batch} {label}: ours {ours_s * 1e6:.1f} us "
               f"({traffic / ours_s / 1e12:.2f} TB/s), fla {fla_s * 1e6:.1f} us ({traffic / fla_s / 1e12:.2f} TB/s);"
               f" vs fla: o {err_o:.1e}, state {err_s:.1e}")

@@ -1,7 +1,5 @@
 """KDA decode-step kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
-lowering for TPU and CUDA from the CPU; prefill then kernel steps == longer prefill; the model's decode.
-The Hopper streaming kernel (`decode_mgpu`, Pallas Mosaic GPU) runs in Mosaic GPU interpret mode only on
-jax >= 0.11 (those tests say so and skip on older jax); its CUDA lowering is tested everywhere."""
+lowering for TPU and CUDA from the CPU; prefill then kernel steps == longer prefill; the model's decode."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from ling_jax.presets import TINY
 from np_reference import kda_recurrence
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
-from pallas_kernels.kda.decode_mgpu import kda_decode_step_mgpu
 from pallas_kernels.kda.decode_tpu import kda_decode_step_tpu
-from helpers import gpu_test, l2, lower_for_cuda, rel_error
+from helpers import l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -71,57 +68,6 @@ def test_step_matches_float64_recurrence(backend, dtype, shape):
 def test_gpu_kernel_variants_match_float64_recurrence(variant, dtype, shape):
     step = functools.partial(kda_decode_step_gpu, scale=shape[2] ** -0.5, interpret=True, **GPU_VARIANTS[variant])
     assert_step_matches_float64_recurrence(step, dtype, shape)
-
-
-MGPU_INTERPRET_OK = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
-needs_mgpu_interpreter = pytest.mark.skipif(
-    not MGPU_INTERPRET_OK, reason=f"jax {jax.__version__}'s Mosaic GPU interpreter cannot run this kernel (jax >= "
-    "0.11 can); its CUDA lowering is still tested here and the compiled kernel on the GPU")
-
-
-@needs_mgpu_interpreter
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape, block_v, num_ctas", [((2, 3, 64, 64), 64, 4), ((3, 3, 128, 128), 64, 5)])
-def test_mosaic_kernel_matches_float64_recurrence(dtype, shape, block_v, num_ctas):
-    """Persistent CTAs with uneven shares of the tiles (num_ctas does not divide them), several value blocks."""
-    step = functools.partial(kda_decode_step_mgpu, scale=shape[2] ** -0.5, block_v=block_v, stages=3,
-                             num_ctas=num_ctas, interpret=True)
-    assert_step_matches_float64_recurrence(step, dtype, shape)
-
-
-@needs_mgpu_interpreter
-def test_mosaic_kernel_without_l2norm_matches_the_triton_kernel():
-    q, k, v, g, beta, state = (jnp.asarray(x) for x in random_step(2, 2, 64, 64, jnp.float32, seed=5))
-    kwargs = dict(scale=0.3, use_qk_l2norm=False, interpret=True)
-    o, new_state = kda_decode_step_mgpu(q, k, v, g, beta, state, num_ctas=3, **kwargs)
-    o_ref, s_ref = kda_decode_step_gpu(q, k, v, g, beta, state, **kwargs)
-    assert rel_error(o, o_ref) <= 1e-5 and rel_error(new_state, s_ref) <= 1e-5
-
-
-def test_mosaic_kernel_rejects_unsupported_sizes():
-    with pytest.raises(ValueError, match="K a multiple of 64"):
-        kda_decode_step_mgpu(*(jnp.asarray(x) for x in random_step(1, 1, 32, 64, jnp.float32, seed=0)), scale=1.0)
-    with pytest.raises(ValueError, match="a multiple of 64: block_v 32"):
-        kda_decode_step_mgpu(*(jnp.asarray(x) for x in random_step(1, 1, 64, 64, jnp.float32, seed=0)), scale=1.0,
-                             block_v=32)
-
-
-@pytest.mark.parametrize("stages", [4, 2])
-def test_mosaic_kernel_lowers_for_cuda(stages):
-    step = functools.partial(kda_decode_step_mgpu, scale=128 ** -0.5, stages=stages, num_ctas=132)
-    assert "mosaic_gpu" in lower_for_cuda(step, *_abstract_step(batch=64)).as_text()
-
-
-@gpu_test("the compiled Mosaic GPU kernel")
-@pytest.mark.parametrize("batch", [1, 64])
-@pytest.mark.parametrize("stages, ctas_per_sm", [(4, 1), (2, 2)])
-def test_compiled_mosaic_kernel_full_size(batch, stages, ctas_per_sm):
-    q, k, v, g, beta, state = random_step(batch, 64, 128, 128, jnp.bfloat16, seed=batch)
-    o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
-    o, new_state = kda_decode_step_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g),
-                                        jnp.asarray(beta), jnp.asarray(state), scale=128 ** -0.5, stages=stages,
-                                        ctas_per_sm=ctas_per_sm)
-    assert rel_error(o, o_ref[:, 0]) <= 2e-2 and rel_error(new_state, s_ref) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
