@@ -8,12 +8,14 @@ neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is thr
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
+from pallas_kernels.compat import on_gpu_stream
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, routed_experts
 from pallas_kernels.moe.reference import swiglu
 
@@ -175,4 +177,18 @@ def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: f
     else:
         routed_TD = grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
                                       backend=backend)
-    return routed_TD if shared is None else routed_TD + swiglu_ffn(x_TD, *shared)
+    return routed_TD if shared is None else routed_TD + shared_expert_ffn(x_TD, shared, backend=backend)
+
+
+# The GPU stream the shared expert runs on beside the routed experts' kernels (XLA's main stream is 0).
+SHARED_EXPERT_STREAM = 1
+
+
+def shared_expert_ffn(x_TD, shared: SharedExpert, *, backend: str) -> jax.Array:
+    """The shared expert on x [T, D]. When the routed experts run the compiled GPU kernels, on GPU stream
+    SHARED_EXPERT_STREAM: its matmuls are compute-bound and the routed kernels at prefill sizes are bound by their
+    weight stream, so the two overlap instead of running one after the other."""
+    ffn = functools.partial(swiglu_ffn, limit=shared.limit)
+    if resolve_backend(backend) == "pallas_gpu":
+        ffn = on_gpu_stream(ffn, SHARED_EXPERT_STREAM)
+    return ffn(x_TD, *shared[:3])

@@ -13,7 +13,8 @@ import warnings
 # head_dim 128 with a zero initial state made inside the jit (any cache-less forward) has that shape of
 # program: jitted decoder layers came out ~100% off or NaN. Turning the YNNPACK fusions off (a CPU-only XLA
 # flag, read when jax creates its backends, so before any computation) fixes it; an explicit setting of the
-# flag in XLA_FLAGS is left alone. Regression test: tests/test_xla_cpu_workaround.py. Imported by `pallas_kernels/__init__.py`.
+# flag in XLA_FLAGS is left alone. Regression test: tests/test_xla_cpu_workaround.py. Imported by
+# `pallas_kernels/__init__.py`.
 _YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 _YNN_AFFECTED = ((0, 10, 2), (0, 12, 0))  # jaxlib versions known to have the flag (older ones reject it)
 
@@ -53,3 +54,15 @@ def mosaic_gpu_interpret(enabled: bool):
 
     return InterpretGPUParams()
 
+
+
+def on_gpu_stream(fn, stream: int):
+    """fn traced as one computation that XLA runs on GPU compute stream `stream` (its explicit stream annotation),
+    so that it can overlap the work on the main stream; its outputs stay in device memory. The wrapper is
+    `jax.experimental.compute_on.compute_on2` in jax 0.10 and `compute_on` since 0.11 (0.10's `compute_on` is a
+    context manager)."""
+    import jax
+    from jax.experimental import compute_on as module
+
+    wrap = getattr(module, "compute_on2", module.compute_on)
+    return wrap(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)

@@ -16,7 +16,8 @@ For each token count:
   rows stored back through the permutation), a sum over k;
 - each path's kernels alone on pre-sorted inputs ("GEMMs only"), each inside the whole layer (router with the
   backend's expert selection + routed + shared expert; the fused one is the `MoE` module as the model calls
-  it), and the dense baseline (every expert on every token, in token chunks), which also checks
+  it, with the shared expert on its own GPU stream, and once more with the shared expert after the routed
+  experts on the main stream), and the dense baseline (every expert on every token, in token chunks), which also checks
   both paths on device (the bf16 baseline rounds gate and up to bf16 as the unfused path does, the fused
   kernel keeps them in fp32, so the fused path sits ~5e-3 from it while closer to an fp32 computation).
 Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width: the routed experts' products only) and
@@ -41,7 +42,8 @@ from flax import nnx  # noqa: E402
 
 from bench_common import median_seconds, rel_error  # noqa: E402
 from ling_jax import LingConfig  # noqa: E402
-from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
+from ling_jax.expert_ffn import (dense_expert_ffn, grouped_local_moe, local_moe, sort_by_expert,  # noqa: E402
+                                 unfused_local_moe)
 from ling_jax.moe import MoE  # noqa: E402
 from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu  # noqa: E402
 from pallas_kernels.moe.gmm_gpu import FEW_ROWS_PER_GROUP  # noqa: E402
@@ -107,6 +109,19 @@ def unfused_layer(graphdef, limit, backend):
         weights_TK, experts_TK = moe.gate(x_TD, backend=backend)
         experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
         return (unfused_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend)
+                + moe.shared_experts(x_TD))
+
+    return jax.jit(run)
+
+
+def main_stream_layer(graphdef, limit, backend):
+    """The fused whole layer as before the shared expert got its own GPU stream: router, fused routed path,
+    then the shared expert on the main stream (the same-run baseline for the stream overlap)."""
+    def run(state, x_TD):
+        moe = nnx.merge(graphdef, state)
+        weights_TK, experts_TK = moe.gate(x_TD, backend=backend)
+        experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
+        return (grouped_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend)
                 + moe.shared_experts(x_TD))
 
     return jax.jit(run)
@@ -223,7 +238,8 @@ def main(argv=None) -> int:
         order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), config.num_experts)
         kernel_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down)
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
-        fused_layer = model_layer(graphdef, backend)
+        fused_layer, main_stream = model_layer(graphdef, backend), main_stream_layer(graphdef, limit, backend)
+        errors["stream"] = rel_error(fused_layer(state, x_TD), main_stream(state, x_TD))
         times = {
             "unfused: GEMMs only": median_seconds(
                 jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)), rows_RD, sizes_E, gate, up,
@@ -235,6 +251,8 @@ def main(argv=None) -> int:
             "fused: routed experts": median_seconds(fused, *routing, iters=args.iters),
             "unfused: whole MoE layer": median_seconds(unfused_layer(graphdef, limit, backend), state, x_TD,
                                                        iters=args.iters),
+            "fused: whole layer, shared on main stream": median_seconds(main_stream, state, x_TD,
+                                                                        iters=args.iters),
             "fused: whole MoE layer": median_seconds(fused_layer, state, x_TD, iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
@@ -244,7 +262,8 @@ def main(argv=None) -> int:
         print(f"\ntokens {tokens}: whole fused layer counting all its matmuls (routed top-{top_k}, shared expert, "
               f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times['fused: whole MoE layer'] / 1e12:.1f} "
               f"TFLOP/s, {layer_flops / times['fused: whole MoE layer'] / peak:.1%} of peak")
-        print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}")
+        print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}; "
+              f"whole layer, shared expert on its stream vs the main stream: {errors['stream']:.2e}")
         for name, seconds in times.items():
             tflops = flops / seconds / 1e12
             print(f"  {name:28s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  {tflops * 1e12 / peak:6.1%} of peak")
