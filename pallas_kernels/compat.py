@@ -55,14 +55,3 @@ def mosaic_gpu_interpret(enabled: bool):
     return InterpretGPUParams()
 
 
-
-def on_gpu_stream(fn, stream: int):
-    """fn traced as one computation that XLA runs on GPU compute stream `stream` (its explicit stream annotation),
-    so that it can overlap the work on the main stream; its outputs stay in device memory. The wrapper is
-    `jax.experimental.compute_on.compute_on2` in jax 0.10 and `compute_on` since 0.11 (0.10's `compute_on` is a
-    context manager)."""
-    import jax
-    from jax.experimental import compute_on as module
-
-    wrap = getattr(module, "compute_on2", module.compute_on)
-    return wrap(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)

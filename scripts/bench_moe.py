@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_common import median_seconds, rel_error  # noqa: E402
+from bench_common import median_seconds, per_call_seconds, rel_error  # noqa: E402
 from ling_jax import LingConfig  # noqa: E402
 from ling_jax.expert_ffn import (dense_expert_ffn, grouped_local_moe, local_moe, sort_by_expert,  # noqa: E402
                                  unfused_local_moe)
@@ -125,6 +125,16 @@ def main_stream_layer(graphdef, limit, backend):
                 + moe.shared_experts(x_TD))
 
     return jax.jit(run)
+
+
+# Layers per jitted program in the chained timing: as in a model, the host enqueues the next layer while the
+# device runs this one, so no dispatch and launch gaps (the routing's small kernels) show between layers.
+CHAINED_LAYERS = 4
+
+
+def next_layer_input(x_TD, y_TD):
+    """The residual stream after a layer, with the layer's output scaled down so that the routing stays put."""
+    return x_TD + (1e-3 * y_TD).astype(x_TD.dtype)
 
 
 def model_layer(graphdef, backend):
@@ -256,12 +266,18 @@ def main(argv=None) -> int:
             "fused: whole MoE layer": median_seconds(fused_layer, state, x_TD, iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
+        for name, layer in (("fused: whole layer, shared on main stream", main_stream),
+                            ("fused: whole MoE layer", fused_layer)):
+            times[f"{name}, {CHAINED_LAYERS} chained"] = per_call_seconds(
+                lambda x, state, layer=layer: layer(state, x), next_layer_input, x_TD, state, iters=args.iters,
+                calls=CHAINED_LAYERS)
         if args.profile:
             profile_calls(fused_layer, (state, x_TD), os.path.join(args.profile, f"tokens{tokens}"), calls=3)
         layer_flops = flops + 2 * tokens * hidden * (config.num_experts + 3 * config.shared_expert_intermediate_size)
-        print(f"\ntokens {tokens}: whole fused layer counting all its matmuls (routed top-{top_k}, shared expert, "
-              f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times['fused: whole MoE layer'] / 1e12:.1f} "
-              f"TFLOP/s, {layer_flops / times['fused: whole MoE layer'] / peak:.1%} of peak")
+        for name in ("fused: whole MoE layer", f"fused: whole MoE layer, {CHAINED_LAYERS} chained"):
+            print(f"\ntokens {tokens}: {name[7:]} counting all its matmuls (routed top-{top_k}, shared expert, "
+                  f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times[name] / 1e12:.1f} TFLOP/s, "
+                  f"{layer_flops / times[name] / peak:.1%} of peak")
         print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}; "
               f"whole layer, shared expert on its stream vs the main stream: {errors['stream']:.2e}")
         for name, seconds in times.items():

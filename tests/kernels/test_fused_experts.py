@@ -335,8 +335,9 @@ def shared_expert_args(hidden, width, dtype, seed):
 
 
 def test_shared_expert_runs_on_its_own_gpu_stream_beside_the_compiled_kernels():
-    """Lowered for CUDA with the compiled kernels, the shared expert is one call annotated with its GPU stream
-    (so XLA can overlap it with the routed kernels); the interpret and reference backends get no annotation."""
+    """Lowered for CUDA with the compiled kernels, the shared expert is one call annotated with its GPU stream,
+    in one scheduling group with the routed kernels (so XLA overlaps them); the interpret and reference backends
+    get no annotation."""
     shape = jax.ShapeDtypeStruct
     tokens, top_k, num_experts, hidden, width = 256, 4, 16, 256, 128
     args = (shape((tokens, hidden), jnp.bfloat16), shape((tokens, top_k), jnp.float32),
@@ -350,12 +351,16 @@ def test_shared_expert_runs_on_its_own_gpu_stream_beside_the_compiled_kernels():
                          shared=SharedExpert(*shared, 0.5))
 
     annotation = f'_xla_stream_annotation = "{SHARED_EXPERT_STREAM}"'
-    text = lower_for_cuda(functools.partial(layer, "pallas_gpu"), *args).as_text()
-    annotated_calls = [line for line in text.splitlines() if " call @" in line and annotation in line]
+    text = lower_for_cuda(functools.partial(layer, "pallas_gpu"), *args).as_text().splitlines()
+    annotated_calls = [line for line in text if " call @" in line and annotation in line]
     # one call, nothing nested: XLA rejects an annotated call inside the annotated computation (a jitted silu)
-    assert len(annotated_calls) == 1 and "call @compute_on" in annotated_calls[0], annotated_calls
+    assert len(annotated_calls) == 1, annotated_calls
+    # the call and the routed kernels in one scheduling group, which XLA schedules as a unit (the overlap)
+    group = f'_scheduling_group_id = "{SHARED_EXPERT_STREAM}"'
+    kernels = [line for line in text if "gpu.triton" in line]
+    assert len(kernels) == 2 and all(group in line for line in (*kernels, *annotated_calls))
     for backend in ("interpret_gpu", "reference"):
-        assert "compute_on" not in str(jax.make_jaxpr(functools.partial(layer, backend))(*args)), backend
+        assert "_xla_stream_annotation" not in jax.jit(functools.partial(layer, backend)).lower(*args).as_text()
 
 
 @pytest.mark.parametrize("backend", ["interpret_gpu", "reference"])
