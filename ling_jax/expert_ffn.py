@@ -8,12 +8,10 @@ neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is thr
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.xla_metadata import set_xla_metadata
 
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, routed_experts
@@ -166,40 +164,15 @@ def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: f
               shared: SharedExpert | None = None):
     """All experts on this device, plus the shared expert when given: `grouped_local_moe`, except that on a GPU
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
-    the shared expert (one more row per token) when it has the routed experts' width. Otherwise, with the
-    compiled GPU kernels, the shared expert runs on its own GPU stream beside the routed experts
-    (`shared_expert_ffn`)."""
+    the shared expert (one more row per token) when it has the routed experts' width."""
     tokens, top_k = experts_TK.shape
     row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
         return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend,
                               shared=shared[:3], shared_limit=shared.limit)
-
-    def routed():
-        local = routed_experts if row_path else grouped_local_moe
-        return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
-
-    if shared is None:
-        return routed()
-    if resolve_backend(backend) != "pallas_gpu":
-        return routed() + swiglu_ffn(x_TD, *shared)
-    # One XLA scheduling group: the latency-hiding scheduler places it as a unit, so the shared expert's call on
-    # its stream starts before the routed experts' kernels and is awaited after them (left to itself, it put the
-    # call after them: no overlap).
-    with set_xla_metadata(_scheduling_group_id=str(SHARED_EXPERT_STREAM)):
-        shared_TD = shared_expert_ffn(x_TD, shared)
-        routed_TD = routed()
-    return routed_TD + shared_TD
-
-
-# The GPU stream the shared expert runs on beside the routed experts' kernels (XLA's main stream is 0).
-SHARED_EXPERT_STREAM = 1
-
-
-def shared_expert_ffn(x_TD, shared: SharedExpert) -> jax.Array:
-    """The shared expert on x [T, D], as one call that XLA runs on GPU stream SHARED_EXPERT_STREAM (its explicit
-    stream annotation): its matmuls are compute-bound, while the routed kernels at prefill sizes are bound by their
-    weight stream, so the two overlap instead of running one after the other. Nothing inside may be a nested
-    jitted call (XLA rejects an annotated call inside the annotated one; see `swiglu`)."""
-    with set_xla_metadata(_xla_stream_annotation=str(SHARED_EXPERT_STREAM), inlineable="false"):
-        return jax.jit(functools.partial(swiglu_ffn, limit=shared.limit))(x_TD, *shared[:3])
+    if row_path:
+        routed_TD = routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
+    else:
+        routed_TD = grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
+                                      backend=backend)
+    return routed_TD if shared is None else routed_TD + swiglu_ffn(x_TD, *shared)

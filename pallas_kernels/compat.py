@@ -53,5 +53,3 @@ def mosaic_gpu_interpret(enabled: bool):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
-
-

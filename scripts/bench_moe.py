@@ -16,8 +16,7 @@ For each token count:
   rows stored back through the permutation), a sum over k;
 - each path's kernels alone on pre-sorted inputs ("GEMMs only"), each inside the whole layer (router with the
   backend's expert selection + routed + shared expert; the fused one is the `MoE` module as the model calls
-  it, with the shared expert on its own GPU stream, and once more with the shared expert after the routed
-  experts on the main stream), and the dense baseline (every expert on every token, in token chunks), which also checks
+  it), and the dense baseline (every expert on every token, in token chunks), which also checks
   both paths on device (the bf16 baseline rounds gate and up to bf16 as the unfused path does, the fused
   kernel keeps them in fp32, so the fused path sits ~5e-3 from it while closer to an fp32 computation).
 Reports ms, useful TFLOP/s (2 * tokens * top_k * 3 * hidden * width: the routed experts' products only) and
@@ -40,10 +39,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_common import median_seconds, per_call_seconds, rel_error  # noqa: E402
+from bench_common import median_seconds, rel_error  # noqa: E402
 from ling_jax import LingConfig  # noqa: E402
-from ling_jax.expert_ffn import (dense_expert_ffn, grouped_local_moe, local_moe, sort_by_expert,  # noqa: E402
-                                 unfused_local_moe)
+from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
 from ling_jax.moe import MoE  # noqa: E402
 from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu  # noqa: E402
 from pallas_kernels.moe.gmm_gpu import FEW_ROWS_PER_GROUP  # noqa: E402
@@ -112,29 +110,6 @@ def unfused_layer(graphdef, limit, backend):
                 + moe.shared_experts(x_TD))
 
     return jax.jit(run)
-
-
-def main_stream_layer(graphdef, limit, backend):
-    """The fused whole layer as before the shared expert got its own GPU stream: router, fused routed path,
-    then the shared expert on the main stream (the same-run baseline for the stream overlap)."""
-    def run(state, x_TD):
-        moe = nnx.merge(graphdef, state)
-        weights_TK, experts_TK = moe.gate(x_TD, backend=backend)
-        experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
-        return (grouped_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend)
-                + moe.shared_experts(x_TD))
-
-    return jax.jit(run)
-
-
-# Layers per jitted program in the chained timing: as in a model, the host enqueues the next layer while the
-# device runs this one, so no dispatch and launch gaps (the routing's small kernels) show between layers.
-CHAINED_LAYERS = 4
-
-
-def next_layer_input(x_TD, y_TD):
-    """The residual stream after a layer, with the layer's output scaled down so that the routing stays put."""
-    return x_TD + (1e-3 * y_TD).astype(x_TD.dtype)
 
 
 def model_layer(graphdef, backend):
@@ -248,8 +223,7 @@ def main(argv=None) -> int:
         order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), config.num_experts)
         kernel_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down)
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
-        fused_layer, main_stream = model_layer(graphdef, backend), main_stream_layer(graphdef, limit, backend)
-        errors["stream"] = rel_error(fused_layer(state, x_TD), main_stream(state, x_TD))
+        fused_layer = model_layer(graphdef, backend)
         times = {
             "unfused: GEMMs only": median_seconds(
                 jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)), rows_RD, sizes_E, gate, up,
@@ -261,25 +235,16 @@ def main(argv=None) -> int:
             "fused: routed experts": median_seconds(fused, *routing, iters=args.iters),
             "unfused: whole MoE layer": median_seconds(unfused_layer(graphdef, limit, backend), state, x_TD,
                                                        iters=args.iters),
-            "fused: whole layer, shared on main stream": median_seconds(main_stream, state, x_TD,
-                                                                        iters=args.iters),
             "fused: whole MoE layer": median_seconds(fused_layer, state, x_TD, iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
-        for name, layer in (("fused: whole layer, shared on main stream", main_stream),
-                            ("fused: whole MoE layer", fused_layer)):
-            times[f"{name}, {CHAINED_LAYERS} chained"] = per_call_seconds(
-                lambda x, state, layer=layer: layer(state, x), next_layer_input, x_TD, state, iters=args.iters,
-                calls=CHAINED_LAYERS)
         if args.profile:
             profile_calls(fused_layer, (state, x_TD), os.path.join(args.profile, f"tokens{tokens}"), calls=3)
         layer_flops = flops + 2 * tokens * hidden * (config.num_experts + 3 * config.shared_expert_intermediate_size)
-        for name in ("fused: whole MoE layer", f"fused: whole MoE layer, {CHAINED_LAYERS} chained"):
-            print(f"\ntokens {tokens}: {name[7:]} counting all its matmuls (routed top-{top_k}, shared expert, "
-                  f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times[name] / 1e12:.1f} TFLOP/s, "
-                  f"{layer_flops / times[name] / peak:.1%} of peak")
-        print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}; "
-              f"whole layer, shared expert on its stream vs the main stream: {errors['stream']:.2e}")
+        print(f"\ntokens {tokens}: whole fused layer counting all its matmuls (routed top-{top_k}, shared expert, "
+              f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times['fused: whole MoE layer'] / 1e12:.1f} "
+              f"TFLOP/s, {layer_flops / times['fused: whole MoE layer'] / peak:.1%} of peak")
+        print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}")
         for name, seconds in times.items():
             tflops = flops / seconds / 1e12
             print(f"  {name:28s} {seconds * 1e3:9.3f} ms  {tflops:7.1f} TFLOP/s  {tflops * 1e12 / peak:6.1%} of peak")

@@ -32,15 +32,11 @@ def grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G) -> jax.Array:
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
-    """SiLU(gate) * up, or min(SiLU(gate), limit) * clip(up, -limit, limit) when the layer has a limit.
-
-    Written with primitives only, no nested jitted call (`jax.nn.silu` and `jnp.clip` are ones): the shared
-    expert runs it on its own GPU stream (`ling_jax.expert_ffn.shared_expert_ffn`), and XLA's stream annotation
-    fails on an annotated call nested inside the annotated computation."""
-    activated = gate * jax.lax.logistic(gate)
+    """SiLU(gate) * up, or min(SiLU(gate), limit) * clip(up, -limit, limit) when the layer has a limit."""
+    activated = jax.nn.silu(gate)
     if limit is None:
         return activated * up
-    return jnp.minimum(activated, limit) * jnp.minimum(jnp.maximum(up, -limit), limit)
+    return jnp.minimum(activated, limit) * jnp.clip(up, -limit, limit)
 
 
 def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None,

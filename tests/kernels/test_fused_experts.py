@@ -16,14 +16,10 @@ from helpers import lower_for_cuda, rel_error
 
 from ling_jax import expert_parallel
 from ling_jax.expert_ffn import (
-    SHARED_EXPERT_STREAM,
-    SharedExpert,
     dense_expert_ffn,
     grouped_expert_ffn,
     grouped_local_moe,
-    local_moe,
     sort_by_expert,
-    swiglu_ffn,
     unfused_local_moe,
 )
 from ling_jax.expert_parallel import moe_parallel
@@ -328,55 +324,6 @@ def test_gpu_kernels_lower_for_cuda_at_ling_flash_size():
         assert kernel in text, kernel
 
 
-def shared_expert_args(hidden, width, dtype, seed):
-    r = np.random.default_rng(seed)
-    return tuple(jnp.asarray(r.normal(size=shape) / np.sqrt(shape[1]), dtype)
-                 for shape in ((width, hidden), (width, hidden), (hidden, width)))
-
-
-def test_shared_expert_runs_on_its_own_gpu_stream_beside_the_compiled_kernels():
-    """Lowered for CUDA with the compiled kernels, the shared expert is one call annotated with its GPU stream,
-    in one scheduling group with the routed kernels (so XLA overlaps them); the interpret and reference backends
-    get no annotation."""
-    shape = jax.ShapeDtypeStruct
-    tokens, top_k, num_experts, hidden, width = 256, 4, 16, 256, 128
-    args = (shape((tokens, hidden), jnp.bfloat16), shape((tokens, top_k), jnp.float32),
-            shape((tokens, top_k), jnp.int32), shape((num_experts, width, hidden), jnp.bfloat16),
-            shape((num_experts, width, hidden), jnp.bfloat16), shape((num_experts, hidden, width), jnp.bfloat16),
-            shape((width, hidden), jnp.bfloat16), shape((width, hidden), jnp.bfloat16),
-            shape((hidden, width), jnp.bfloat16))
-
-    def layer(backend, x, weights, experts, gate, up, down, *shared):
-        return local_moe(x, weights, experts, gate, up, down, 7.0, backend=backend,
-                         shared=SharedExpert(*shared, 0.5))
-
-    annotation = f'_xla_stream_annotation = "{SHARED_EXPERT_STREAM}"'
-    text = lower_for_cuda(functools.partial(layer, "pallas_gpu"), *args).as_text().splitlines()
-    annotated_calls = [line for line in text if " call @" in line and annotation in line]
-    # one call, nothing nested: XLA rejects an annotated call inside the annotated computation (a jitted silu)
-    assert len(annotated_calls) == 1, annotated_calls
-    # the call and the routed kernels in one scheduling group, which XLA schedules as a unit (the overlap)
-    group = f'_scheduling_group_id = "{SHARED_EXPERT_STREAM}"'
-    kernels = [line for line in text if "gpu.triton" in line]
-    assert len(kernels) == 2 and all(group in line for line in (*kernels, *annotated_calls))
-    for backend in ("interpret_gpu", "reference"):
-        assert "_xla_stream_annotation" not in jax.jit(functools.partial(layer, backend)).lower(*args).as_text()
-
-
-@pytest.mark.parametrize("backend", ["interpret_gpu", "reference"])
-def test_local_moe_with_the_shared_expert_matches_dense(backend):
-    """The grouped path plus the shared expert (its own clip) against the dense baseline plus a float64 MLP."""
-    x, weights, experts, gate, up, down = moe_args("odd", jnp.float32, seed=19)
-    shared = shared_expert_args(x.shape[1], 24, jnp.float32, seed=20)
-    y = local_moe(x, weights, experts, gate, up, down, 0.9, backend=backend, shared=SharedExpert(*shared, 0.5))
-    x64, (gate64, up64, down64) = np.asarray(x, np.float64), (np.asarray(w, np.float64) for w in shared)
-    g, u = x64 @ gate64.T, x64 @ up64.T
-    shared64 = (np.minimum(g / (1 + np.exp(-g)), 0.5) * np.clip(u, -0.5, 0.5)) @ down64.T
-    routed = dense_expert_ffn(x, jnp.where(experts < 0, 0.0, weights), experts, gate, up, down, 0.9)  # -1 wraps
-    expected = np.asarray(routed, np.float64) + shared64
-    assert rel_error(y, expected) <= TOL[jnp.float32]
-
-
 ON_GPU = pytest.mark.skipif(
     jax.default_backend() != "gpu",
     reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
@@ -470,33 +417,6 @@ def test_compiled_moe_and_gradients_match_the_reference():
     ours = jax.jit(jax.grad(functools.partial(loss, "pallas_gpu"), argnums=range(5)))(*primals)
     ref = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(5)))(*primals_f32)
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, ref):
-        err = device_rel_error(a, b)
-        assert err <= TOL[jnp.bfloat16], f"d/d{name}: rel. error {err:.2e}"
-
-
-@pytest.mark.gpu
-@ON_GPU
-def test_compiled_moe_with_the_shared_expert_on_its_stream_matches_the_reference():
-    """2048 tokens, top-8 of 64 experts, hidden 1024, width 256, bf16: local_moe with the shared expert on its
-    own GPU stream against the reference path in fp32, value and gradients (through the stream's call)."""
-    tokens, top_k, num_experts, hidden, width = 2048, 8, 64, 1024, 256
-    x, weights, experts, gate, up, down = moe_args_sized(tokens, top_k, num_experts, hidden, width, seed=21)
-    shared = shared_expert_args(hidden, width, jnp.bfloat16, seed=22)
-
-    def loss(backend, x, weights, gate, up, down, *shared):
-        y = local_moe(x, weights, experts, gate, up, down, 7.0, backend=backend, shared=SharedExpert(*shared, 5.0))
-        return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32)))
-
-    primals = (x, weights, gate, up, down, *shared)
-    primals_f32 = tuple(a.astype(jnp.float32) for a in primals)
-    y = local_moe(*primals[:2], experts, *primals[2:5], 7.0, backend="pallas_gpu", shared=SharedExpert(*shared, 5.0))
-    y_ref = (grouped_local_moe(*primals_f32[:2], experts, *primals_f32[2:5], 7.0, backend="reference")
-             + swiglu_ffn(primals_f32[0], *primals_f32[5:], 5.0))
-    assert device_rel_error(y, y_ref) <= TOL[jnp.bfloat16]
-    ours = jax.jit(jax.grad(functools.partial(loss, "pallas_gpu"), argnums=range(8)))(*primals)
-    ref = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(8)))(*primals_f32)
-    for name, a, b in zip(["x", "weights", "gate", "up", "down", "shared gate", "shared up", "shared down"], ours,
-                          ref):
         err = device_rel_error(a, b)
         assert err <= TOL[jnp.bfloat16], f"d/d{name}: rel. error {err:.2e}"
 
