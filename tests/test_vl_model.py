@@ -134,7 +134,8 @@ def test_projector_without_model_prefix_and_l2_norm(tmp_path, checkpoints):
     oracle = write_vl_checkpoint(str(root / "text"), str(tmp_path / "vl"), norm_query_embeds=True, projector_prefix="")
     model = load_hf_checkpoint(tmp_path / "vl", dtype=jnp.float32, progress=False)
     pixels = _pixels((IMAGE,), 6)
-    ref = _numpy_projector(projector_weights(str(tmp_path / "vl"), prefix=""), vision_oracle_output(oracle, pixels, (IMAGE,)))
+    ref = _numpy_projector(projector_weights(str(tmp_path / "vl"), prefix=""),
+                           vision_oracle_output(oracle, pixels, (IMAGE,)))
     ref /= np.linalg.norm(ref, axis=-1, keepdims=True)
     assert rel_error(model.media_embeddings(jnp.asarray(pixels), (IMAGE,)), ref) <= 1e-4
 
@@ -170,7 +171,8 @@ def test_convert_round_trip(tmp_path, checkpoints, dtype):
 
 def test_generator_with_media_equals_full_forward_greedy(checkpoints):
     """Batched, left-padded generation (one row with an image and a video, one text-only) gives each row the
-    tokens a full forward over its own growing sequence picks greedily."""
+    tokens a full forward over its own growing sequence picks greedily (one forward over prompt + output gives
+    every step's pick: the model is causal)."""
     from ling_jax.generate import Generator, MediaInputs
     from ling_jax.sampling import SamplingParams
 
@@ -185,10 +187,9 @@ def test_generator_with_media_equals_full_forward_greedy(checkpoints):
     for prompt, output, row_media in ((media_prompt, outputs[0], dict(
             pixel_values=jnp.asarray(image_pixels), image_grids=[[IMAGE]],
             pixel_values_videos=jnp.asarray(video_pixels), video_grids=[[VIDEO]])), (text_prompt, outputs[1], {})):
-        ids = list(prompt)
-        for _ in range(3):
-            ids.append(int(np.argmax(np.asarray(model(jnp.asarray([ids]), **row_media).logits)[0, -1])))
-        assert output == ids[len(prompt):]
+        assert len(output) == 3
+        logits = np.asarray(model(jnp.asarray([list(prompt) + output]), **row_media).logits)[0]
+        assert output == [int(t) for t in np.argmax(logits[len(prompt) - 1:-1], axis=-1)]
 
 
 def test_generator_refuses_media_for_a_text_model(checkpoints):
