@@ -208,7 +208,8 @@ class LingConfig:
         if self.kda_safe_gate and self.kda_lower_bound >= 0:
             raise _fail("kda_lower_bound", f"must be negative with the safe gate, got {self.kda_lower_bound}")
         if self.num_nextn_predict_layers not in (0, 1):
-            raise _fail("num_nextn_predict_layers", f"Ling has at most one MTP layer, got {self.num_nextn_predict_layers}")
+            raise _fail("num_nextn_predict_layers",
+                        f"Ling has at most one MTP layer, got {self.num_nextn_predict_layers}")
         if self.rope.mrope_section is not None:
             section = self.rope.mrope_section
             if len(section) != 3 or section[1] != section[2] or min(section) < 0:
@@ -330,7 +331,8 @@ def _vl_mrope_section(raw: Mapping[str, Any], text: Mapping[str, Any]) -> list[i
 
 def _refuse_unsupported(r: _Reader) -> None:
     if "short_conv_kernel_size" in r.raw and r.raw["short_conv_kernel_size"] is None:
-        raise _fail("short_conv_kernel_size", "null selects the Ling-2.5 lightning-attention path, which is not supported")
+        raise _fail("short_conv_kernel_size",
+                    "null selects the Ling-2.5 lightning-attention path, which is not supported")
     if r.get("full_attention_type", "mla") != "mla":
         raise _fail("full_attention_type", "only 'mla' (Ling 3.x) is supported")
     if r.get("moe_router_enable_expert_bias", True) is False:
@@ -401,7 +403,8 @@ def _parse_rope(r: _Reader) -> RopeConfig:
     if theta is None:
         theta = r.get("rope_theta")
     if theta is None:
-        raise _fail("rope_theta", "missing (looked for rope_parameters.rope_theta, rope_scaling.rope_theta, rope_theta)")
+        raise _fail("rope_theta",
+                    "missing (looked for rope_parameters.rope_theta, rope_scaling.rope_theta, rope_theta)")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in ("default", *_YARN_TYPES):
         raise _fail("rope_scaling.rope_type", f"{rope_type!r} is not supported (default, yarn, deepseek_yarn)")

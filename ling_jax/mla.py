@@ -48,8 +48,8 @@ class MultiLatentAttention(nnx.Module):
                                    dtype=dtype, rngs=rngs)
         self.kv_a_proj_with_mqa = Linear(hidden, c.latent_dim, axes=("kv_latent", "embed"), dtype=dtype, rngs=rngs)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), axes=("heads", "kv_latent"),
-                                dtype=dtype, rngs=rngs)
+        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                axes=("heads", "kv_latent"), dtype=dtype, rngs=rngs)
         self.g_proj = Linear(hidden, heads, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
         self.dense = Linear(heads * c.v_head_dim, hidden, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
         self.scale = softmax_scale(c)

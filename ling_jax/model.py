@@ -164,7 +164,8 @@ class MTPLayer(DecoderLayer):
         super().__init__(config, attention=MLA, mlp=MOE, clip_layer=0, dtype=dtype, rngs=rngs)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, axes=("embed", "embed_pair"), dtype=dtype, rngs=rngs)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, axes=("embed", "embed_pair"), dtype=dtype,
+                              rngs=rngs)
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def draft_hidden(self, embeds_BTD, hidden_BTD, ctx: TokenContext, state: MLAState | None):
@@ -189,13 +190,15 @@ class LingForCausalLM(nnx.Module):
         self.kernel_backend = kernel_backend
         self.model = LingModel(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype,
+                                  rngs=rngs)
         if config.num_nextn_predict_layers:
             self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs)
 
     def logits(self, hidden_BTD):
         if self.config.tie_word_embeddings:
-            return jnp.einsum("btd,vd->btv", hidden_BTD, self.model.word_embeddings.weight[...].astype(hidden_BTD.dtype))
+            embedding_VD = self.model.word_embeddings.weight[...].astype(hidden_BTD.dtype)
+            return jnp.einsum("btd,vd->btv", hidden_BTD, embedding_VD)
         return self.lm_head(hidden_BTD)
 
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,

@@ -116,8 +116,9 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
     """Restore a ling-convert checkpoint as `LingForCausalLM` (`LingVLForConditionalGeneration` for a VL one).
 
     Every parameter is restored straight into its target sharding (from the logical axis rules of
-    `ling_jax.sharding` over `mesh`, or on the first device without one) from an abstract model (`nnx.eval_shape`): arrays go from storage to their devices
-    one by one, and the model is never built on the host first.
+    `ling_jax.sharding` over `mesh`, or on the first device without one) from an abstract model
+    (`nnx.eval_shape`): arrays go from storage to their devices one by one, and the model is never built on the
+    host first.
     `dtype` is the model dtype (default: the dtype the checkpoint was converted to; FP8 checkpoints default to
     bfloat16); A_log, dt_bias, conv weights and the expert bias stay float32. FP8 parameters are dequantised
     on the device. A parameter whose stored shape disagrees with config.json raises ValueError naming it.

@@ -6,9 +6,8 @@ implementation, on one GPU.
     python scripts/bench_mla.py --quick         # small sizes (smoke test)
 
 For each size: device correctness of every kernel variant (tiles, warps, stages, splits) against the jnp
-reference (fp32 upcast), then the median time per call of CALLS dependent calls chained in one jitted program (after warm-up,
-synchronised), cache bytes/s, useful
-FLOP/s and the ratio to XLA.
+reference (fp32 upcast), then the median time per call of CALLS dependent calls chained in one jitted program
+(after warm-up, synchronised), cache bytes/s, useful FLOP/s and the ratio to XLA.
 Also measures a device-to-device copy as the bandwidth ceiling. Prints a markdown table last.
 """
 

@@ -67,7 +67,8 @@ def parse_args(argv=None):
     parser.add_argument("--corpus", required=True, help="UTF-8 text file")
     parser.add_argument("--out", required=True, help="run directory (checkpoints, logs, export)")
     parser.add_argument("--config", default="ling-demo", help="a preset name or a config.json (default ling-demo)")
-    parser.add_argument("--tokenizer", help="directory with tokenizer.json + tokenizer_config.json (default: train one)")
+    parser.add_argument("--tokenizer",
+                        help="directory with tokenizer.json + tokenizer_config.json (default: train one)")
     parser.add_argument("--vocab-size", type=int, help="BPE vocab when training a tokenizer (default: the config's)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     parser.add_argument("--steps", type=int, default=1000)

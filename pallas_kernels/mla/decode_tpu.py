@@ -55,10 +55,10 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_ref, o_ref, lse_ref,
 
     @pl.when(block == blocks_per_split - 1)
     def _finish():
-        l = l_ref[...]
-        seen = l > 0
-        o_ref[...] = acc_ref[...] / jnp.where(seen, l, 1.0)
-        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        weight_sum = l_ref[...]
+        seen = weight_sum > 0
+        o_ref[...] = acc_ref[...] / jnp.where(seen, weight_sum, 1.0)
+        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, weight_sum, 1.0)), -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "interpret"))

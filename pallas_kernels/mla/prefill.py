@@ -81,9 +81,9 @@ def flash_expanded_attention(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT,
         init = (jnp.zeros((batch, query_block, heads, w_uv.shape[1]), jnp.float32),
                 jnp.full((batch, heads, query_block), -jnp.inf, jnp.float32),
                 jnp.zeros((batch, heads, query_block), jnp.float32))
-        (acc, _, l), _ = jax.lax.scan(key_step, init, (jnp.arange(num_k), latent_blocks, valid_blocks))
-        l_BQH = jnp.moveaxis(l, 1, 2)
-        return (acc / jnp.where(l_BQH > 0, l_BQH, 1.0)[..., None]).astype(dtype)
+        (acc, _, weight_sum), _ = jax.lax.scan(key_step, init, (jnp.arange(num_k), latent_blocks, valid_blocks))
+        weight_sum_BQH = jnp.moveaxis(weight_sum, 1, 2)
+        return (acc / jnp.where(weight_sum_BQH > 0, weight_sum_BQH, 1.0)[..., None]).astype(dtype)
 
     o = jax.lax.map(query_chunk, (chunks(q_nope, query_block), chunks(q_pe, query_block),
                                   chunks(query_slots, query_block)))
