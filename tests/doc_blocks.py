@@ -13,7 +13,7 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LANGUAGES = ("python", "bash", "text")
-_FENCE = re.compile(r"^```(?P<lang>[^\n`]*)\n(?P<code>.*?)^```[ \t]*$", re.M | re.S)
+_FENCE = re.compile(r"^```(?P<lang>[^\n`]*)\n(?P<code>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _MARKER = re.compile(r"<!--\s*not tested:(?P<reason>[^>]*)-->")
 _MARKER_BEFORE_FENCE = re.compile(r"<!--\s*not tested:(?P<reason>[^>]*)-->[ \t]*\n\Z")
 _LINK = re.compile(r"!?\[[^\]\n]*\]\((?P<target>[^)\s]+)\)")
@@ -71,7 +71,7 @@ def heading_anchors(text: str) -> set[str]:
     """GitHub's anchors of a markdown text's headings: lowercased, punctuation dropped, spaces to hyphens, a
     repeated anchor suffixed -1, -2, ..."""
     anchors: set[str] = set()
-    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", _FENCE.sub("", text), flags=re.M):
+    for heading in re.findall(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", _FENCE.sub("", text), flags=re.MULTILINE):
         slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
         anchor, n = slug, 0
         while anchor in anchors:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.doc_blocks import ROOT, blocks, broken_links, heading_anchors, run_python_blocks
+from doc_blocks import ROOT, blocks, broken_links, heading_anchors, run_python_blocks
 
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
 ALL_MARKDOWN = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *DOCS]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.doc_blocks import ROOT, blocks, run_python_blocks
+from doc_blocks import ROOT, blocks, run_python_blocks
 
 README = (ROOT / "README.md").read_text()
 
@@ -17,11 +17,11 @@ def test_python_examples_run():
 
 
 def test_quick_start_is_two_commands_and_ci_runs_the_test_one():
-    quick = re.search(r"## Quick start\n\n```bash\n(.*?)```", README, flags=re.S).group(1).strip().splitlines()
+    quick = re.search(r"## Quick start\n\n```bash\n(.*?)```", README, flags=re.DOTALL).group(1).strip().splitlines()
     assert len(quick) == 2 and "scripts/generate.py" in quick[0]
     assert quick[1] in (ROOT / ".ci" / "run").read_text()
 
 
 def test_quick_start_comes_first():
-    headings = re.findall(r"^## (.+)$", README, flags=re.M)
+    headings = re.findall(r"^## (.+)$", README, flags=re.MULTILINE)
     assert headings[:2] == ["Quick start", "Status"]
