@@ -16,6 +16,9 @@ from helpers import rel_error
 from jax.sharding import PartitionSpec as P
 
 from ling_jax import LingConfig, LingForCausalLM
+from ling_jax.expert_ffn import dense_expert_ffn
+from ling_jax.expert_parallel import moe_parallel
+from ling_jax.moe import route
 from ling_jax.parallel import ShardedLM
 from ling_jax.sharding import (
     ACTIVATION_BTD,
@@ -133,9 +136,11 @@ EXPERTS_OVER_EXPERT_AND_DATA = {**RULES, "experts": ("expert", "data")}
 
 @pytest.fixture(scope="module")
 def changed_rule():
-    """The tiny model on a data=2 x expert=4 mesh with the experts split over expert x data (8 ways, instead of 4
-    ways and replicated over data), its unsharded logits, and the lowered forward (one compile for the module)."""
-    config = LingConfig.preset("tiny")
+    """A two-layer tiny model (KDA + dense MLP, MLA + MoE) on a data=2 x expert=4 mesh with the experts split over
+    expert x data (8 ways, instead of 4 ways and replicated over data), its unsharded logits, and the lowered
+    forward (one sharded compile for the module)."""
+    config = LingConfig.preset("tiny").replace(num_hidden_layers=2, layer_types=("kda", "mla"),
+                                               mlp_layer_types=("dense", "moe"))
     model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
     ids = jax.random.randint(jax.random.key(1), (8, 7), 0, config.vocab_size)
     mask = np.ones(ids.shape, bool)
@@ -159,12 +164,32 @@ def test_a_changed_rule_moves_the_experts_and_their_exchange(changed_rule):
     assert {shard.data.shape[0] for shard in gate.addressable_shards} == {config.num_experts // 8}
     assert len({shard.index[0].start for shard in gate.addressable_shards}) == 8
     groups = _all_to_all_groups(hlo)
-    # 3 MoE layers x (rows out, their expert ids, results back), each across all 8 devices (4 by default)
-    assert len(groups) == 9 and all(sorted(group) == list(range(8)) for group in groups), groups
+    # rows out, their expert ids, results back: each across all 8 devices (two groups of 4 by default)
+    assert len(groups) == 3 and all(sorted(group) == list(range(8)) for group in groups), groups
 
 
 def test_blocks_run_under_named_scopes(changed_rule):
     text = changed_rule[-1].as_text(debug_info=True)
     scopes = ["decoder_layer_0/kda", "decoder_layer_0/mlp", "decoder_layer_1/mla", "decoder_layer_1/moe/moe_router",
-              "decoder_layer_3/moe/routed_experts", "decoder_layer_3/moe/shared_expert", "lm_head"]
+              "decoder_layer_1/moe/routed_experts", "decoder_layer_1/moe/shared_expert", "lm_head"]
     assert [scope for scope in scopes if scope not in text] == []
+
+
+@pytest.mark.parametrize("tokens", [24, 2, 3], ids=["split-over-both", "split-over-data-only", "replicated"])
+def test_experts_over_two_axes_match_the_dense_baseline(tokens):
+    """Experts over expert x data: tokens split over both axes, over one of them (the exchange then runs on
+    duplicated tokens) or over neither (partial sums over both)."""
+    config = LingConfig.preset("tiny")
+    rng = np.random.default_rng(5)
+    e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    gate, up, down = (jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
+                      for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width)))
+    x_TD = jnp.asarray(rng.normal(size=(tokens, hidden)).astype(np.float32))
+    router_ED = jnp.asarray(rng.normal(size=(e, hidden)).astype(np.float32))
+    weights, experts = route(x_TD, router_ED, jnp.zeros(e), config)
+    mesh = make_mesh({"data": 2, "expert": 4})
+    with jax.set_mesh(mesh), use_rules(EXPERTS_OVER_EXPERT_AND_DATA):
+        y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, capacity_factor=None,
+                                                     backend="reference"))(x_TD, weights, experts, gate, up, down)
+    assert int(dropped) == 0
+    assert rel_error(y, dense_expert_ffn(x_TD, weights, experts, gate, up, down, 7.0)) <= 1e-5
