@@ -168,11 +168,18 @@ def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: f
     tokens, top_k = experts_TK.shape
     row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
-        return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend,
-                              shared=shared[:3], shared_limit=shared.limit)
-    if row_path:
-        routed_TD = routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
-    else:
-        routed_TD = grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
-                                      backend=backend)
-    return routed_TD if shared is None else routed_TD + swiglu_ffn(x_TD, *shared)
+        with jax.named_scope("routed_and_shared_experts"):
+            return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend,
+                                  shared=shared[:3], shared_limit=shared.limit)
+    with jax.named_scope("routed_experts"):
+        if row_path:
+            routed_TD = routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
+                                       backend=backend)
+        else:
+            routed_TD = grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
+                                          backend=backend)
+    if shared is None:
+        return routed_TD
+    with jax.named_scope("shared_expert"):
+        shared_TD = swiglu_ffn(x_TD, *shared)
+    return routed_TD + shared_TD

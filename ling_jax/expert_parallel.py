@@ -1,12 +1,15 @@
-"""Expert parallelism: the routed experts of one MoE layer spread over the mesh's `expert` axis.
+"""Expert parallelism: the routed experts of one MoE layer spread over the mesh axes of the `experts` rule.
 
+Which mesh axes split what comes from the logical rules (`ling_jax.sharding`): the experts over those of
+`experts` (the "expert axes", `expert` by default; several axes act as one, in rule order), their width over
+those of `expert_mlp`, the tokens like the batch (`activation_batch`); this module names no mesh axis.
 Routing happens before this (once, on every token, by `ling_jax.moe.route`). Inside a `shard_map` each
-device owns E / n_expert experts (and, with a `tensor` axis, a slice of their width) and
-- when the tokens are split over the expert axis too (the usual case: attention is data parallel across
+device owns E / ep experts (ep: the expert axes' size; with a split width, a slice of it) and
+- when the tokens are split over an expert axis too (the usual case: attention is data parallel across
   it), sends each token-assignment to the device owning its expert with one all-to-all, runs its experts as
   a grouped FFN on what it received, and sends the results back with a second all-to-all;
 - when they are not (fewer tokens than devices, e.g. batch-1 decode), runs its own experts on the
-  assignments that pick them and sums the partial outputs over the expert axis.
+  assignments that pick them and sums the partial outputs over the expert axes.
 Both are dropless by default: a device reserves room for every assignment a source could send it
 (tokens x min(top_k, local experts)). A capacity factor C shrinks that to ceil(C x tokens x top_k /
 n_expert) rows per source; assignments beyond it are dropped and counted (the MoE sows the count).
@@ -37,12 +40,17 @@ from jax.sharding import PartitionSpec as P
 
 from ling_jax.config import MOE_ALL_TO_ALL
 from ling_jax.expert_ffn import combine, expert_sorted_ffn, grouped_expert_ffn
-from ling_jax.sharding import batch_axes
+from ling_jax.sharding import axes_size, batch_axes, mesh_axes
 
 
 def uses_model_parallelism(mesh) -> bool:
     """True when `mesh` (the context mesh; possibly empty) splits experts or their width."""
-    return not mesh.empty and any(mesh.shape.get(axis, 1) > 1 for axis in ("expert", "tensor"))
+    return bool(mesh_axes("experts", mesh) or mesh_axes("expert_mlp", mesh))
+
+
+def _expert_axes(axes: tuple[str, ...] | None) -> tuple[str, ...]:
+    """Inside a shard_map: the expert axes given, else those of the `experts` rule on the context mesh."""
+    return mesh_axes("experts") if axes is None else axes
 
 
 def rows_per_source(tokens: int, top_k: int, num_shards: int, local_experts: int,
@@ -59,20 +67,20 @@ def _psum_f32(y, axes):
     return jax.lax.psum(y.astype(jnp.float32), axes) if axes else y.astype(jnp.float32)
 
 
-def _replicated_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, tp_axes):
+def _replicated_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep_axes, tp_axes):
     tokens, top_k = experts_TK.shape
-    first = jax.lax.axis_index("expert") * gate.shape[0] if ep > 1 else 0
+    first = jax.lax.axis_index(ep_axes) * gate.shape[0] if ep_axes else 0
     y_RD = grouped_expert_ffn(jnp.repeat(x_TD, top_k, axis=0), experts_TK.reshape(-1) - first, gate, up, down,
                               limit, backend=backend)
     y_TD = combine(y_RD.reshape(tokens, top_k, -1), weights_TK, jnp.float32)
-    summed = _psum_f32(y_TD, (("expert",) if ep > 1 else ()) + tp_axes)
+    summed = _psum_f32(y_TD, ep_axes + tp_axes)
     return summed.astype(x_TD.dtype), jnp.int32(0)
 
 
-def exchange(a, ep: int):
-    """Inside a shard_map over the expert axis: row block d of `a` (ep equal blocks) goes to device d; block s
-    of the result came from device s."""
-    return jax.lax.all_to_all(a.reshape(ep, -1, *a.shape[1:]), "expert", 0, 0).reshape(a.shape)
+def exchange(a, ep: int, axes: tuple[str, ...] | None = None):
+    """Inside a shard_map over the expert axes (`axes`, default from the rules): row block d of `a` (ep equal
+    blocks) goes to device d along them; block s of the result came from device s."""
+    return jax.lax.all_to_all(a.reshape(ep, -1, *a.shape[1:]), _expert_axes(axes), 0, 0).reshape(a.shape)
 
 
 def _rank_and_kept(dest_A, *, ep: int, capacity: int):
@@ -83,7 +91,7 @@ def _rank_and_kept(dest_A, *, ep: int, capacity: int):
     return rank_A, rank_A < capacity
 
 
-def dispatch(x_TD, experts_TK, *, ep: int, local_experts: int, capacity: int):
+def dispatch(x_TD, experts_TK, *, ep: int, local_experts: int, capacity: int, axes: tuple[str, ...] | None = None):
     """Inside a shard_map: packs each token-assignment into the block of the device owning its expert (at most
     `capacity` rows per destination; the rest are dropped) and sends the blocks with one all-to-all.
 
@@ -100,15 +108,16 @@ def dispatch(x_TD, experts_TK, *, ep: int, local_experts: int, capacity: int):
         jnp.repeat(x_TD, top_k, axis=0), mode="drop")
     send_expert = jnp.full((ep * capacity,), local_experts, jnp.int32).at[slot_A].set(
         experts_A % local_experts, mode="drop")  # unused slots name no local expert: skipped
-    return exchange(send_x, ep), exchange(send_expert, ep), slot_A, kept_A
+    return exchange(send_x, ep, axes), exchange(send_expert, ep, axes), slot_A, kept_A
 
 
-def return_and_combine(y_RD, slot_A, kept_A, weights_TK, *, ep: int, tp_axes: tuple[str, ...], dtype):
+def return_and_combine(y_RD, slot_A, kept_A, weights_TK, *, ep: int, tp_axes: tuple[str, ...], dtype,
+                       axes: tuple[str, ...] | None = None):
     """Inside a shard_map: the expert outputs of the received rows (partial sums over `tp_axes`, summed here)
     go back to their source devices with a second all-to-all, and each token's k results are summed with its
     routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
     tokens, top_k = weights_TK.shape
-    y_back = exchange(_psum_f32(y_RD, tp_axes).astype(dtype), ep)
+    y_back = exchange(_psum_f32(y_RD, tp_axes).astype(dtype), ep, axes)
     y_A = jnp.where(kept_A[:, None], y_back[jnp.minimum(slot_A, y_back.shape[0] - 1)], 0)
     return combine(y_A.reshape(tokens, top_k, -1), weights_TK, dtype)
 
@@ -171,7 +180,7 @@ def _cut(sizes_X, starts, pieces: int):
 
 
 def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int,
-                  slices_per_expert: int = SLICES_PER_EXPERT) -> RaggedRoutes:
+                  slices_per_expert: int = SLICES_PER_EXPERT, axes: tuple[str, ...] | None = None) -> RaggedRoutes:
     """Inside a shard_map: the slice tables of both ragged exchanges, from every device's per-expert counts (one
     all-gather of [E] int32). The kept rows are `dispatch`'s: the first `capacity` per destination."""
     num_experts = ep * local_experts
@@ -180,12 +189,13 @@ def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int,
     key_A = jnp.where(kept_A, experts_A, num_experts)
     order_A = jnp.argsort(key_A, stable=True)
     sent_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_A].add(1)[:num_experts]
-    sent_SE = jax.lax.all_gather(sent_E, "expert")  # [source, global expert]
+    axes = _expert_axes(axes)
+    sent_SE = jax.lax.all_gather(sent_E, axes)  # [source, global expert]
     send_offsets_SE = jnp.cumsum(sent_SE, axis=1) - sent_SE
     earlier_sources_SE = jnp.cumsum(sent_SE, axis=0) - sent_SE
     total_DL = jnp.sum(sent_SE, axis=0).reshape(ep, local_experts)
     expert_start_E = (jnp.cumsum(total_DL, axis=1) - total_DL).reshape(-1)  # in its receiver's buffer
-    me = jax.lax.axis_index("expert")
+    me = jax.lax.axis_index(axes)
 
     def mine(table_SE):  # [ep * L]: the columns of this device's local experts, source-major
         return jax.lax.dynamic_slice_in_dim(table_SE, me * local_experts, local_experts, axis=1).reshape(-1)
@@ -204,45 +214,47 @@ def _ragged_exchange(native: bool):
     return jax.lax.ragged_all_to_all if native else emulated_ragged_all_to_all
 
 
-def ragged_dispatch(x_TD, routes: RaggedRoutes, *, rows: int, native: bool):
+def ragged_dispatch(x_TD, routes: RaggedRoutes, *, rows: int, native: bool, axes: tuple[str, ...] | None = None):
     """Inside a shard_map: each kept token-assignment's row goes to its expert's device. -> [rows, D], this
     device's received rows in expert order (`routes.group_sizes_L`); rows past their sum are zeros."""
     top_k = routes.order_A.shape[0] // x_TD.shape[0]
     return _ragged_exchange(native)(
         x_TD[routes.order_A // top_k], jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), routes.send_offsets,
-        routes.send_sizes, routes.remote_offsets, routes.recv_sizes, axis_name="expert")
+        routes.send_sizes, routes.remote_offsets, routes.recv_sizes, axis_name=_expert_axes(axes))
 
 
 def ragged_return_and_combine(y_RD, routes: RaggedRoutes, weights_TK, *, tp_axes: tuple[str, ...], dtype,
-                              native: bool):
+                              native: bool, axes: tuple[str, ...] | None = None):
     """Inside a shard_map: the received rows' expert outputs (partial sums over `tp_axes`, summed here) go back
     to their sources, into the sorted order they left in, and each token's k results are summed with its
     routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
     tokens, top_k = weights_TK.shape
     back_AD = _ragged_exchange(native)(
         _psum_f32(y_RD, tp_axes).astype(dtype), jnp.zeros((tokens * top_k, y_RD.shape[1]), dtype),
-        routes.recv_offsets, routes.recv_sizes, routes.remote_send_offsets, routes.send_sizes, axis_name="expert")
+        routes.recv_offsets, routes.recv_sizes, routes.remote_send_offsets, routes.send_sizes,
+        axis_name=_expert_axes(axes))
     position_A = jnp.zeros_like(routes.order_A).at[routes.order_A].set(jnp.arange(tokens * top_k))
     return combine(back_AD[position_A].reshape(tokens, top_k, -1), weights_TK, dtype)
 
 
-def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, tp_axes,
+def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, ep_axes, tp_axes,
                        capacity_factor, count_axes, exchange: str, native: bool):
     tokens, top_k = experts_TK.shape
     local_experts = gate.shape[0]
     capacity = rows_per_source(tokens, top_k, ep, local_experts, capacity_factor)
     if exchange == "ragged":
-        routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity)
-        x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native)
+        routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes)
+        x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native, axes=ep_axes)
         y_RD = expert_sorted_ffn(x_RD, routes.group_sizes_L, gate, up, down, limit, backend=backend)
         routed_TD = ragged_return_and_combine(y_RD, routes, weights_TK, tp_axes=tp_axes, dtype=x_TD.dtype,
-                                              native=native)
+                                              native=native, axes=ep_axes)
         kept_A = routes.kept_A
     else:
         x_RD, expert_R, slot_A, kept_A = dispatch(x_TD, experts_TK, ep=ep, local_experts=local_experts,
-                                                  capacity=capacity)
+                                                  capacity=capacity, axes=ep_axes)
         y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
-        routed_TD = return_and_combine(y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype)
+        routed_TD = return_and_combine(y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype,
+                                       axes=ep_axes)
     return routed_TD, jax.lax.psum(jnp.sum(~kept_A, dtype=jnp.int32), count_axes)
 
 
@@ -266,29 +278,29 @@ def resolve_exchange(exchange: str) -> str:
 
 def moe_parallel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, limit: float | None, mesh,
                  capacity_factor: float | None, backend: str, exchange: str = "auto"):
-    """Routed-expert output [T, D] and the number of dropped assignments, experts split over `mesh`;
-    exchange: how the all-to-all path moves rows (one of `MOE_ALL_TO_ALL`, see the module doc)."""
+    """Routed-expert output [T, D] and the number of dropped assignments, experts split over `mesh` as the
+    current rules say; exchange: how the all-to-all path moves rows (one of `MOE_ALL_TO_ALL`, see the module
+    doc)."""
     exchange = resolve_exchange(exchange)
-    ep = mesh.shape.get("expert", 1)
-    tp = mesh.shape.get("tensor", 1)
+    ep_axes = mesh_axes("experts", mesh)
+    tp_axes = tuple(axis for axis in mesh_axes("expert_mlp", mesh) if axis not in ep_axes)
+    ep, tp = axes_size(mesh, ep_axes), axes_size(mesh, tp_axes)
     num_experts, width = gate_EID.shape[:2]
     if num_experts % ep:
-        raise ValueError(f"{num_experts} experts cannot be split over the expert axis of size {ep}")
+        raise ValueError(f"{num_experts} experts cannot be split over the expert axes {ep_axes} ({ep} ways)")
     if width % tp:
-        raise ValueError(f"moe_intermediate_size {width} cannot be split over the tensor axis of size {tp}")
+        raise ValueError(f"moe_intermediate_size {width} cannot be split over the axes {tp_axes} ({tp} ways)")
     axes = batch_axes(mesh, x_TD.shape[0])  # tokens are split like the batch they come from
-    expert_axis = "expert" if ep > 1 else None
-    tensor_axis = "tensor" if tp > 1 else None
-    tp_axes = ("tensor",) if tp > 1 else ()
-    common = {"limit": limit, "backend": backend, "ep": ep, "tp_axes": tp_axes}
-    if "expert" in axes:
-        body = functools.partial(_all_to_all_tokens, capacity_factor=capacity_factor, count_axes=axes,
+    common = {"limit": limit, "backend": backend, "ep_axes": ep_axes, "tp_axes": tp_axes}
+    if set(ep_axes) & set(axes):  # devices of one expert group see different tokens: exchange them
+        body = functools.partial(_all_to_all_tokens, ep=ep, capacity_factor=capacity_factor, count_axes=axes,
                                  exchange=exchange, native=has_ragged_all_to_all(), **common)
     else:
         body = functools.partial(_replicated_tokens, **common)
     tokens = P(axes or None, None)
-    gate_up = P(expert_axis, tensor_axis, None)
-    down = P(expert_axis, None, tensor_axis)
+    expert_entry, width_entry = (ep_axes or None), (tp_axes or None)
+    gate_up = P(expert_entry, width_entry, None)
+    down = P(expert_entry, None, width_entry)
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, gate_up, gate_up, down),
                          out_specs=(tokens, P()), check_vma=False)(
         x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI)

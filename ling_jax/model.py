@@ -20,6 +20,7 @@ from ling_jax.layers import Linear, RMSNorm, normal_param
 from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
 from ling_jax.moe import MLP, MoE
 from ling_jax.rope import rope_cos_sin
+from ling_jax.sharding import ACTIVATION_BTD, ACTIVATION_BTV, constrain
 
 
 @struct.dataclass
@@ -93,14 +94,23 @@ class DecoderLayer(nnx.Module):
         """state: KDAState for a KDA layer; MLAState or None (no cache) for an MLA layer."""
         # One device: the norms (and the residual add before the second) run as one kernel each on a GPU.
         norm_backend = ctx.kernel_backend if jax.sharding.get_abstract_mesh().empty else "reference"
+        h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
         x = self.input_layernorm(h_BTD, backend=norm_backend)
         if isinstance(self.attention, KimiDeltaAttention):
-            y, state = self.attention(x, state, ctx.mask_BT, mode=ctx.kda_mode, kernel_backend=ctx.kernel_backend)
+            with jax.named_scope("kda"):
+                y, state = self.attention(x, state, ctx.mask_BT, mode=ctx.kda_mode, kernel_backend=ctx.kernel_backend)
         else:
-            y, state = self._latent_attention(x, ctx, state)
-        h_BTD, x = self.post_attention_layernorm.add_and_normalize(h_BTD, y, backend=norm_backend)
-        y = self.mlp(x, kernel_backend=ctx.kernel_backend) if isinstance(self.mlp, MoE) else self.mlp(x)
-        return h_BTD + y, state
+            with jax.named_scope("mla"):
+                y, state = self._latent_attention(x, ctx, state)
+        h_BTD, x = self.post_attention_layernorm.add_and_normalize(h_BTD, constrain(y, *ACTIVATION_BTD),
+                                                                   backend=norm_backend)
+        if isinstance(self.mlp, MoE):
+            with jax.named_scope("moe"):
+                y = self.mlp(x, kernel_backend=ctx.kernel_backend)
+        else:
+            with jax.named_scope("mlp"):
+                y = self.mlp(x)
+        return constrain(h_BTD + constrain(y, *ACTIVATION_BTD), *ACTIVATION_BTD), state
 
     def _latent_attention(self, x, ctx: TokenContext, state: MLAState | None):
         latent_BTA = self.attention.latent(x, ctx.cos, ctx.sin)
@@ -139,7 +149,8 @@ class LingModel(nnx.Module):
         embedding lookup (the VL model's merged text + vision embeddings)."""
         c = self.config
         batch, length = input_ids_BT.shape
-        h = self.word_embeddings(input_ids_BT) if inputs_embeds is None else inputs_embeds
+        with jax.named_scope("embed"):
+            h = self.word_embeddings(input_ids_BT) if inputs_embeds is None else inputs_embeds
         ctx = token_context(c, batch, length, positions=positions, attention_mask=attention_mask,
                             lengths=None if cache is None else cache.lengths,
                             max_length=0 if cache is None else cache.max_length,
@@ -149,11 +160,13 @@ class LingModel(nnx.Module):
         else:
             states = list(cache.layers)
         for i, layer in enumerate(self.layers):
-            h, states[i] = layer(h, ctx, states[i])
+            with jax.named_scope(f"decoder_layer_{i}"):
+                h, states[i] = layer(h, ctx, states[i])
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = LingCache(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
-        return self.norm(h), cache
+        with jax.named_scope("final_norm"):
+            return self.norm(h), cache
 
 
 class MTPLayer(DecoderLayer):
@@ -196,10 +209,13 @@ class LingForCausalLM(nnx.Module):
             self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs)
 
     def logits(self, hidden_BTD):
-        if self.config.tie_word_embeddings:
-            embedding_VD = self.model.word_embeddings.weight[...].astype(hidden_BTD.dtype)
-            return jnp.einsum("btd,vd->btv", hidden_BTD, embedding_VD)
-        return self.lm_head(hidden_BTD)
+        with jax.named_scope("lm_head"):
+            if self.config.tie_word_embeddings:
+                embedding_VD = self.model.word_embeddings.weight[...].astype(hidden_BTD.dtype)
+                logits_BTV = jnp.einsum("btd,vd->btv", hidden_BTD, embedding_VD)
+            else:
+                logits_BTV = self.lm_head(hidden_BTD)
+            return constrain(logits_BTV, *ACTIVATION_BTV)
 
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
                  kda_mode: str | None = None, mla_mode: str | None = None) -> LingOutput:
@@ -231,9 +247,10 @@ class LingForCausalLM(nnx.Module):
                             lengths=None if cache is None else cache.lengths,
                             max_length=0 if cache is None else cache.layer.latent.shape[1],
                             kda_mode=None, mla_mode=None, kernel_backend=self.kernel_backend)
-        embeds = self.model.word_embeddings(next_ids_BT)
-        hidden, state = self.mtp.draft_hidden(embeds, hidden_BTD.astype(embeds.dtype), ctx,
-                                              None if cache is None else cache.layer)
+        with jax.named_scope("mtp"):
+            embeds = self.model.word_embeddings(next_ids_BT)
+            hidden, state = self.mtp.draft_hidden(embeds, hidden_BTD.astype(embeds.dtype), ctx,
+                                                  None if cache is None else cache.layer)
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = MTPCache(layer=state, lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))

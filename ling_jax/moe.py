@@ -66,8 +66,9 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Stacked routed experts: gate/up [E, I, D], down [E, D, I] (checkpoint layout, one slice per expert).
 
-    Under a mesh with an `expert` or `tensor` axis (`jax.set_mesh`), tokens go to the devices that own their
-    experts (`ling_jax.expert_parallel`); otherwise all experts run here as one grouped FFN.
+    Under a mesh that splits the experts or their width (`jax.set_mesh`; the `experts` / `expert_mlp` rules),
+    tokens go to the devices that own their experts (`ling_jax.expert_parallel`); otherwise all experts run here
+    as one grouped FFN.
     capacity_factor None is dropless; a number caps each device's rows per source (see expert_parallel);
     all_to_all: how the rows move between devices (`LingConfig.moe_all_to_all`).
     """
@@ -87,9 +88,14 @@ class Experts(nnx.Module):
         weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
         mesh = jax.sharding.get_abstract_mesh()
         if uses_model_parallelism(mesh):
-            routed, dropped = moe_parallel(x_TD, weights_TK, experts_TK, *weights, limit=self.limit, mesh=mesh,
-                                           capacity_factor=capacity_factor, backend=backend, exchange=all_to_all)
-            return (routed if shared is None else routed + swiglu_ffn(x_TD, *shared)), dropped
+            with jax.named_scope("routed_experts"):
+                routed, dropped = moe_parallel(x_TD, weights_TK, experts_TK, *weights, limit=self.limit, mesh=mesh,
+                                               capacity_factor=capacity_factor, backend=backend, exchange=all_to_all)
+            if shared is None:
+                return routed, dropped
+            with jax.named_scope("shared_expert"):
+                shared_TD = swiglu_ffn(x_TD, *shared)
+            return routed + shared_TD, dropped
         return local_moe(x_TD, weights_TK, experts_TK, *weights, self.limit, backend=backend,
                          shared=shared), jnp.int32(0)
 
@@ -111,7 +117,8 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD, *, kernel_backend: str = "reference"):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         backend = resolve_backend(kernel_backend)
-        weights, experts = self.gate(x_TD, backend=backend)
+        with jax.named_scope("moe_router"):
+            weights, experts = self.gate(x_TD, backend=backend)
         y_TD, dropped = self.experts(x_TD, weights, experts, backend=backend, capacity_factor=self.capacity_factor,
                                      all_to_all=self.all_to_all, shared=self.shared_experts.weights())
         if hasattr(self, "__captures__"):  # inside nnx.capture; sowing elsewhere would grow module state

@@ -6,49 +6,70 @@
     logits, cache = sharded(ids_BT, cache=cache, attention_mask=mask_BT)   # prefill, then decode steps
 
 Each distinct (batch, length, cache) shape compiles once; the cache is donated, so a decode step updates it
-in place. Calls trace under `jax.set_mesh(mesh)`, which is what routes the MoE through expert parallelism.
+in place. Calls trace under `jax.set_mesh(mesh)` (which is what routes the MoE through expert parallelism) and
+`use_rules(rules)`: `ShardedLM(model, mesh, rules={**RULES, "experts": (...)})` moves the parameters, the
+activation constraints and the expert-parallel collectives together.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from ling_jax.cache import LingCache
 from ling_jax.model import LingForCausalLM
-from ling_jax.sharding import batch_spec, cache_shardings, param_shardings, shard_model
-
-
-def _logits_spec(mesh: Mesh, batch: int, vocab: int) -> PartitionSpec:
-    tensor = mesh.shape.get("tensor", 1)
-    return batch_spec(mesh, batch, None, "tensor" if tensor > 1 and vocab % tensor == 0 else None)
+from ling_jax.sharding import (
+    Rules,
+    activation_spec,
+    cache_shardings,
+    check_rules,
+    current_rules,
+    param_shardings,
+    shard_model,
+    use_rules,
+)
 
 
 class ShardedLM:
-    """`model` (a LingForCausalLM) sharded over `mesh`; call it like the model, get (logits, cache)."""
+    """`model` (a LingForCausalLM) sharded over `mesh`; call it like the model, get (logits, cache).
 
-    def __init__(self, model: LingForCausalLM, mesh: Mesh):
+    rules: the logical axis rules (default: those in effect here, `ling_jax.sharding.RULES` unless inside
+    `use_rules`), used for the parameters, the cache, the inputs and outputs and everything traced inside."""
+
+    def __init__(self, model: LingForCausalLM, mesh: Mesh, rules: Rules | None = None):
         self.config = model.config
         self.mesh = mesh
+        self.rules = check_rules(current_rules() if rules is None else rules)
         self.dtype = model.dtype
-        shard_model(model, mesh)
+        shard_model(model, mesh, self.rules)
         self.graphdef, self.params = nnx.split(model)
-        self.param_shardings = param_shardings(self.params, mesh)
-        self._compiled = {}  # (batch, cache shapes) -> jitted step
+        self.param_shardings = param_shardings(self.params, mesh, self.rules)
+        self._compiled = {}  # (batch, length, cache shapes) -> jitted step
+
+    @contextlib.contextmanager
+    def _context(self):
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            yield
 
     def init_cache(self, batch_size: int, max_length: int) -> LingCache:
         shapes = jax.eval_shape(lambda: LingCache.create(self.config, batch_size, max_length, self.dtype))
-        shardings = cache_shardings(shapes, self.mesh)
+        shardings = cache_shardings(shapes, self.mesh, self.rules)
         return jax.jit(lambda: LingCache.create(self.config, batch_size, max_length, self.dtype),
                        out_shardings=shardings)()
 
-    def _step(self, batch: int, with_cache_of: LingCache | None):
-        key = (batch, None if with_cache_of is None else jax.tree.map(lambda a: a.shape, with_cache_of))
+    def _step(self, batch: int, length: int, with_cache_of: LingCache | None):
+        key = (batch, length, None if with_cache_of is None else jax.tree.map(lambda a: a.shape, with_cache_of))
         if key not in self._compiled:
-            tokens = NamedSharding(self.mesh, batch_spec(self.mesh, batch, None))
-            logits = NamedSharding(self.mesh, _logits_spec(self.mesh, batch, self.config.vocab_size))
+            def sharding(logical, shape):
+                return NamedSharding(self.mesh, activation_spec(logical, shape, self.mesh, rules=self.rules))
+
+            tokens = sharding(("activation_batch", "activation_length"), (batch, length))
+            logits = sharding(("activation_batch", "activation_length", "activation_vocab"),
+                              (batch, length, self.config.vocab_size))
             graphdef = self.graphdef
 
             def run(params, cache, ids_BT, mask_BT):
@@ -59,7 +80,7 @@ class ShardedLM:
                 fn = jax.jit(lambda params, ids, mask: run(params, None, ids, mask)[0],
                              in_shardings=(self.param_shardings, tokens, tokens), out_shardings=logits)
             else:
-                caches = cache_shardings(with_cache_of, self.mesh)
+                caches = cache_shardings(with_cache_of, self.mesh, self.rules)
                 fn = jax.jit(run, in_shardings=(self.param_shardings, caches, tokens, tokens),
                              out_shardings=(logits, caches), donate_argnums=1)
             self._compiled[key] = fn
@@ -67,9 +88,21 @@ class ShardedLM:
 
     def __call__(self, input_ids_BT, *, cache: LingCache | None = None, attention_mask=None):
         """-> logits [B, T, V] (without a cache), or (logits, updated cache) with one (the cache is donated)."""
-        ids = jnp.asarray(input_ids_BT, jnp.int32)
-        mask = jnp.ones(ids.shape, bool) if attention_mask is None else jnp.asarray(attention_mask, bool)
-        with jax.set_mesh(self.mesh):
+        ids, mask = _tokens(input_ids_BT, attention_mask)
+        with self._context():
             if cache is None:
-                return self._step(ids.shape[0], None)(self.params, ids, mask)
-            return self._step(ids.shape[0], cache)(self.params, cache, ids, mask)
+                return self._step(*ids.shape, None)(self.params, ids, mask)
+            return self._step(*ids.shape, cache)(self.params, cache, ids, mask)
+
+    def lower(self, input_ids_BT, *, attention_mask=None) -> jax.stages.Lowered:
+        """The cache-free forward for these inputs, lowered: `.as_text()` shows the program (its named scopes in
+        the op locations with `debug_info=True`), `.compile()` what XLA made of the rules; the compiled program
+        takes (self.params, ids, mask)."""
+        ids, mask = _tokens(input_ids_BT, attention_mask)
+        with self._context():
+            return self._step(*ids.shape, None).lower(self.params, ids, mask)
+
+
+def _tokens(input_ids_BT, attention_mask):
+    ids = jnp.asarray(input_ids_BT, jnp.int32)
+    return ids, jnp.ones(ids.shape, bool) if attention_mask is None else jnp.asarray(attention_mask, bool)

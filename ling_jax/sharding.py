@@ -1,17 +1,24 @@
-"""Sharding, expressed once: logical axis names (on every parameter and cache array) -> mesh axes.
+"""Sharding, expressed once: logical axis names (on every parameter, cache array and block-boundary activation)
+-> mesh axes.
 
 Mesh axes: `data` and `fsdp` split the batch (fsdp also splits the weights' embed dimension, gathered on
 use), `tensor` splits attention heads, MLP and expert widths and the vocabulary, `expert` splits the
 routed experts (and the batch outside the MoE: attention is data parallel across the expert axis).
-`RULES` is the only place that says which logical axis goes where; `make_mesh` builds a mesh, and
-`param_shardings` / `cache_shardings` turn the annotations into NamedShardings, refusing (with the
-parameter's name) any dimension that its mesh axes do not divide.
+`RULES` is the only place that says which logical axis goes where, and this module the only one that names a
+mesh axis: the rest of the package asks for a logical axis (`mesh_axes("experts")` for the expert-parallel
+collectives, `constrain(x, "activation_batch", ...)` at block boundaries). `use_rules` swaps the table for a
+block of code (`ShardedLM(..., rules=)` traces under it), so changing one rule moves the parameters, the
+activations and the collectives together.
+`make_mesh` builds a mesh, and `param_shardings` / `cache_shardings` turn the annotations into NamedShardings,
+refusing (with the parameter's name) any dimension that its mesh axes do not divide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -25,7 +32,11 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical axis -> mesh axes (a tuple: the dimension is split over their product); absent = replicated
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": BATCH_AXES,
+    # activations at block boundaries (`constrain`): [batch, length, embed] hidden states, [..., vocab] logits
+    "activation_batch": BATCH_AXES,
+    "activation_length": (),
+    "activation_embed": (),
+    "activation_vocab": ("tensor",),
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "embed_table": (),  # the input embedding's D: a gather from an fsdp-split table would be re-gathered whole
@@ -55,6 +66,13 @@ RULES: dict[str, tuple[str, ...]] = {
     "vision_proj": (),
     "vision_proj_in": (),
 }
+
+# the hidden state [B, T, D] between blocks, and the logits [B, T, V]
+ACTIVATION_BTD = ("activation_batch", "activation_length", "activation_embed")
+ACTIVATION_BTV = ("activation_batch", "activation_length", "activation_vocab")
+
+Rules = Mapping[str, tuple[str, ...]]
+_ACTIVE_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("ling_jax_rules", default=None)
 
 
 class ShardingError(ValueError):
@@ -96,7 +114,36 @@ def parse_mesh(text: str) -> dict[str, int]:
     return check_mesh_shape(shape)
 
 
-def mesh_axes_for(logical: str | None, rules: Mapping[str, tuple[str, ...]] = RULES) -> tuple[str, ...]:
+def check_rules(rules: Rules) -> dict[str, tuple[str, ...]]:
+    """`rules` as a dict, after checking that every entry is a tuple of known mesh axes, each at most once."""
+    for logical, axes in rules.items():
+        if not isinstance(axes, tuple) or len(set(axes)) != len(axes) or not set(axes) <= set(MESH_AXES):
+            raise ShardingError(f"rule {logical!r}: expected a tuple of distinct mesh axes from {MESH_AXES}, "
+                                f"got {axes!r}")
+    return dict(rules)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules) -> Iterator[None]:
+    """Within the block, `rules` replace RULES for every function here that is not given rules explicitly (and so
+    for the model's activation constraints and its expert-parallel collectives). Rules are read while tracing: a
+    jitted function keeps the rules it was first traced under."""
+    token = _ACTIVE_RULES.set(check_rules(rules))
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def current_rules() -> Rules:
+    """The rules of the innermost `use_rules` block, else RULES."""
+    active = _ACTIVE_RULES.get()
+    return RULES if active is None else active
+
+
+def mesh_axes_for(logical: str | None, rules: Rules | None = None) -> tuple[str, ...]:
+    """The mesh axes a logical axis maps to (all of them, whatever the mesh)."""
+    rules = current_rules() if rules is None else rules
     if logical is None:
         return ()
     if logical not in rules:
@@ -104,21 +151,67 @@ def mesh_axes_for(logical: str | None, rules: Mapping[str, tuple[str, ...]] = RU
     return rules[logical]
 
 
+def mesh_axes(logical: str, mesh=None, *, rules: Rules | None = None) -> tuple[str, ...]:
+    """The axes of `mesh` (default: the context mesh, also inside a shard_map) of size > 1 that `logical` is
+    split over, in rule order: what a collective over that logical axis names (e.g. `mesh_axes("experts")`)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    return tuple(axis for axis in mesh_axes_for(logical, rules) if sizes.get(axis, 1) > 1)
+
+
+def axes_size(mesh, axes: Sequence[str]) -> int:
+    """How many ways `axes` of `mesh` split a dimension."""
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def _spec_entry(axes: Sequence[str]):
+    return tuple(axes) if len(axes) > 1 else (axes[0] if axes else None)
+
+
+def activation_spec(logical: Sequence[str | None], shape: Sequence[int], mesh=None, *,
+                    rules: Rules | None = None) -> PartitionSpec:
+    """PartitionSpec for an activation of `shape` with these logical axes over `mesh` (default: the context mesh):
+    each dimension over the mesh axes of its rule that still divide it, in rule order (so a batch of one stays
+    whole instead of failing); a mesh axis taken by an earlier dimension is skipped."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if len(logical) != len(shape):
+        raise ShardingError(f"logical axes {tuple(logical)} do not match an array of shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for name, size in zip(logical, shape):
+        axes, ways = [], 1
+        for axis in mesh_axes(name, mesh, rules=rules):
+            if axis not in used and size % (ways * mesh.shape[axis]) == 0:
+                axes.append(axis)
+                ways *= mesh.shape[axis]
+        used.update(axes)
+        spec.append(_spec_entry(axes))
+    return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
+    """`x` pinned to the sharding its logical axes give on the context mesh (`jax.set_mesh`, under the current
+    rules); `x` unchanged without a mesh, or inside a shard_map (where the mesh axes are manual)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AxisType.Manual in mesh.axis_types:
+        return x
+    return jax.lax.with_sharding_constraint(x, activation_spec(logical, x.shape, mesh))
+
+
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], axis_sizes: Mapping[str, int], *, name: str,
-                    rules: Mapping[str, tuple[str, ...]] = RULES) -> PartitionSpec:
+                    rules: Rules | None = None) -> PartitionSpec:
     """PartitionSpec for one array over a mesh of `axis_sizes` (mesh.shape); each mesh axis is used at most once
     (first dimension wins)."""
     used: set[str] = set()
     spec = []
     for logical, size in zip(axes, shape):
-        mesh_axes = tuple(a for a in mesh_axes_for(logical, rules)
-                          if axis_sizes.get(a, 1) > 1 and a not in used)
-        ways = math.prod(axis_sizes[a] for a in mesh_axes)
+        axes_here = tuple(a for a in mesh_axes_for(logical, rules) if axis_sizes.get(a, 1) > 1 and a not in used)
+        ways = math.prod(axis_sizes[a] for a in axes_here)
         if size % ways:
             raise ShardingError(f"{name}: dimension {logical!r} of size {size} is not divisible by mesh axes "
-                                f"{mesh_axes} ({ways} ways) in shape {tuple(shape)}")
-        used.update(mesh_axes)
-        spec.append(mesh_axes if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+                                f"{axes_here} ({ways} ways) in shape {tuple(shape)}")
+        used.update(axes_here)
+        spec.append(_spec_entry(axes_here))
     return PartitionSpec(*spec)
 
 
@@ -127,7 +220,7 @@ def _path_name(path) -> str:
 
 
 def param_specs(state: nnx.State, axis_sizes: Mapping[str, int],
-                rules: Mapping[str, tuple[str, ...]] = RULES) -> nnx.State:
+                rules: Rules | None = None) -> nnx.State:
     """PartitionSpec for every parameter of `state` (nnx.state(model)), from its logical axis annotations, for
     a mesh of `axis_sizes` (no devices needed: the converter plans for a mesh it does not run on)."""
 
@@ -140,13 +233,13 @@ def param_specs(state: nnx.State, axis_sizes: Mapping[str, int],
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def param_shardings(state: nnx.State, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = RULES) -> nnx.State:
+def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
     """NamedSharding for every parameter of `state` (nnx.state(model)) over `mesh`."""
     return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), param_specs(state, mesh.shape, rules),
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = RULES) -> nnx.Module:
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
     """Places every parameter of `model` on `mesh` according to the rules (in place); returns the model."""
     state = nnx.state(model)
     shardings = param_shardings(state, mesh, rules)
@@ -155,21 +248,16 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, tuple[str, ..
     return model
 
 
-def batch_axes(mesh, batch: int) -> tuple[str, ...]:
-    """The batch axes a dimension of `batch` rows (or tokens) is split over: each of data, fsdp, expert (of size
-    > 1) that still divides it."""
-    axes, ways = [], 1
-    for axis in BATCH_AXES:
-        size = mesh.shape.get(axis, 1)
-        if size > 1 and batch % (ways * size) == 0:
-            axes.append(axis)
-            ways *= size
-    return tuple(axes)
+def batch_axes(mesh, batch: int, *, rules: Rules | None = None) -> tuple[str, ...]:
+    """The mesh axes a dimension of `batch` rows (or tokens) is split over: those of the `activation_batch` rule
+    (of size > 1) that still divide it."""
+    entry = activation_spec(("activation_batch",), (batch,), mesh, rules=rules)[0]
+    return () if entry is None else (entry,) if isinstance(entry, str) else entry
 
 
-def batch_spec(mesh: Mesh, batch: int, *trailing: str | None) -> PartitionSpec:
-    """[B, ...] arrays: B over `batch_axes`, the trailing dimensions as given."""
-    return PartitionSpec(batch_axes(mesh, batch) or None, *trailing)
+def batch_spec(mesh: Mesh, batch: int, *trailing, rules: Rules | None = None) -> PartitionSpec:
+    """[B, ...] arrays: B over `batch_axes`, the trailing dimensions as given (PartitionSpec entries)."""
+    return PartitionSpec(batch_axes(mesh, batch, rules=rules) or None, *trailing)
 
 
 # per-sequence cache arrays: logical axes after the leading batch dimension
@@ -179,22 +267,23 @@ CACHE_AXES = {
 }
 
 
-def _layer_specs(state: KDAState | MLAState, mesh: Mesh, batch: int, name: str):
+def _layer_specs(state: KDAState | MLAState, mesh: Mesh, batch: int, name: str, rules: Rules | None):
     fields = {}
     for field, axes in CACHE_AXES[type(state)].items():
         shape = getattr(state, field).shape
-        rest = logical_to_spec(axes, shape[1:], mesh.shape, name=f"{name}.{field}")
-        fields[field] = batch_spec(mesh, batch, *rest)
+        rest = logical_to_spec(axes, shape[1:], mesh.shape, name=f"{name}.{field}", rules=rules)
+        fields[field] = batch_spec(mesh, batch, *rest, rules=rules)
     return type(state)(**fields)
 
 
-def cache_shardings(cache: LingCache | MTPCache, mesh: Mesh):
+def cache_shardings(cache: LingCache | MTPCache, mesh: Mesh, rules: Rules | None = None):
     """NamedShardings for a cache: batch over the batch axes that divide it, KDA states' heads over `tensor`."""
     batch = cache.lengths.shape[0]
+    lengths = batch_spec(mesh, batch, rules=rules)
     if isinstance(cache, MTPCache):
-        specs = MTPCache(layer=_layer_specs(cache.layer, mesh, batch, "mtp"), lengths=batch_spec(mesh, batch))
+        specs = MTPCache(layer=_layer_specs(cache.layer, mesh, batch, "mtp", rules), lengths=lengths)
     else:
-        specs = LingCache(layers=tuple(_layer_specs(s, mesh, batch, f"layers.{i}") for i, s in enumerate(cache.layers)),
-                          lengths=batch_spec(mesh, batch))
+        specs = LingCache(layers=tuple(_layer_specs(s, mesh, batch, f"layers.{i}", rules)
+                                       for i, s in enumerate(cache.layers)), lengths=lengths)
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
