@@ -1,6 +1,6 @@
-"""The conversion: plan (every source tensor inspected) -> each slice read, transformed by a hook and written,
-on a thread pool -> per-process databases merged, metadata written -> optional verification -> the finished
-directory renamed to DST.
+"""The conversion: DST and SRC checked (`destination`, `inputs`) -> plan (every source tensor inspected) -> each
+slice read, transformed by a hook, refused if it holds NaN / Inf, and written, on a thread pool -> per-process
+databases merged, metadata written -> optional verification -> the finished directory renamed to DST.
 
 Multi-host (best effort): under `jax.distributed` every process converts only the parameters it owns
 (`plan.owned_by`) into its own OCDBT database inside the shared workspace; process 0 merges them, writes the
@@ -110,14 +110,15 @@ def _write_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore
         source = plan.sources[piece.expert or 0]
         rows = reader.read_rows(source, piece.start, piece.stop)
         if scale_array is None:
-            writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype))]
+            writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype), source.name)]
         else:
             values, scale = to_fp8(rows, source)
-            writes = [(values_array[plan.index(piece)], values), (scale_array[plan.scale_index(piece)], scale)]
+            writes = [(values_array[plan.index(piece)], values, source.name),
+                      (scale_array[plan.scale_index(piece)], scale, source.scale)]
         if not options.allow_nonfinite:
-            for (_, value), name in zip(writes, (source.name, source.scale)):
+            for _, value, name in writes:
                 _check_finite(value, name, source.file, piece)
-        for target, value in writes:
+        for target, value, _ in writes:
             target.write(value.reshape(target.shape)).result()
         return rows.nbytes
 
