@@ -1,10 +1,11 @@
 """A cheap NaN/Inf check of one tensor as it streams (ling-convert, the checkpoint loaders).
 
 numpy's `isfinite` on bfloat16 and FP8 goes through ml_dtypes' scalar loops (~0.25 G elements/s here), so
-narrow floats are checked on their bits instead: for IEEE-style formats (bfloat16, float16, E5M2) and E4M3FN
-the non-finite values are exactly the bit patterns whose magnitude bits are at least those of the first one
-(Inf, or E4M3FN's NaN), so one masked max decides (~1-4 G elements/s). float32 and float64 use min and max,
-which propagate NaN; the rest (E8M0 aside, which the bit rule covers: fnuz formats) plain `isfinite`. Device (jax) arrays are reduced where they live; only a boolean comes back.
+narrow floats are checked on their bits instead: for IEEE-style formats (bfloat16, float16, E5M2), E4M3FN and
+E8M0 the non-finite values are exactly the bit patterns whose magnitude bits reach those of the first one (Inf,
+or the one NaN), so one masked max decides (~1-4 G elements/s). float32 and float64 use min and max, which
+propagate NaN; the rest (the fnuz formats) plain `isfinite`. Device (jax) arrays are reduced where they live;
+only a boolean comes back.
 """
 
 from __future__ import annotations
