@@ -1,5 +1,9 @@
 """ling-convert SRC DST [--dtype bf16|fp8] [--mesh AXES] [--workers N] [--resume] [--verify] [--overwrite]
-[--distributed]"""
+[--allow-nonfinite] [--distributed]
+
+Ctrl-C ends it with one line and status 130 wherever it comes, the seconds spent importing JAX included (the
+pipeline is imported inside `main`): the journal keeps what was finished for `--resume`.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,10 @@ import argparse
 import os
 import sys
 
-from convert import ConvertError
-from convert.pipeline import Cluster, Options, convert
-from convert.plan import BF16, FP8_KEPT
-from ling_jax.sharding import parse_mesh
+from convert import BF16, FP8_KEPT, ConvertError
+
+INTERRUPTED = "ling-convert: interrupted; run the same command with --resume to continue"
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, as shells report it
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,22 +36,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--verify", action="store_true",
                         help="re-read DST and compare it bit for bit with SRC, rejecting NaN/Inf, before publishing")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing DST (and discard an unfinished conversion to it)")
+                        help="replace DST when it is an earlier ling-convert output (never a directory of other "
+                             "files), and discard an unfinished conversion to it; the old output is deleted only "
+                             "once the new one is in place")
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help="convert tensors holding NaN or Inf instead of refusing them")
     parser.add_argument("--distributed", action="store_true",
                         help="multi-host: join jax.distributed; each process converts the tensors it owns")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error(f"--workers must be at least 1, got {args.workers}")
+def _run(args: argparse.Namespace) -> int:
+    from convert.pipeline import Cluster, Options, convert
+    from ling_jax.sharding import parse_mesh
+
     try:
         mesh = parse_mesh(args.mesh) if args.mesh else None
         options = Options(dtype=args.dtype, workers=args.workers, resume=args.resume, verify=args.verify,
-                          overwrite=args.overwrite, progress=not args.quiet, mesh=mesh)
+                          overwrite=args.overwrite, progress=not args.quiet, mesh=mesh,
+                          allow_nonfinite=args.allow_nonfinite)
         summary = convert(args.src, args.dst, options, Cluster.jax_distributed() if args.distributed else Cluster())
     except (ConvertError, ValueError, OSError) as e:
         print(f"ling-convert: error: {e}", file=sys.stderr)
@@ -58,6 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ling-convert: {args.dst}: {summary.converted} parameters{resumed}; read {summary.bytes_read / 1e9:.2f} GB "
           f"in {summary.seconds:.1f} s ({rate:.2f} GB/s){verified}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return INTERRUPTED_STATUS
 
 
 if __name__ == "__main__":

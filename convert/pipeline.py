@@ -1,6 +1,6 @@
-"""The conversion: plan (every source tensor inspected) -> each slice read, transformed by a hook and written,
-on a thread pool -> per-process databases merged, metadata written -> optional verification -> the finished
-directory renamed to DST.
+"""The conversion: DST and SRC checked (`destination`, `inputs`) -> plan (every source tensor inspected) -> each
+slice read, transformed by a hook, refused if it holds NaN / Inf, and written, on a thread pool -> per-process
+databases merged, metadata written -> optional verification -> the finished directory renamed to DST.
 
 Multi-host (best effort): under `jax.distributed` every process converts only the parameters it owns
 (`plan.owned_by`) into its own OCDBT database inside the shared workspace; process 0 merges them, writes the
@@ -18,25 +18,24 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from convert import ConvertError
+from convert import BF16, ConvertError
+from convert.destination import SIDE_FILES, check_apart, check_destination
 from convert.hooks import to_dense, to_fp8
+from convert.inputs import open_source
 from convert.parallel import run_bounded
-from convert.plan import BF16, COMPUTE_DTYPE, ParamPlan, Slice, build_plan, owned_by
+from convert.plan import COMPUTE_DTYPE, ParamPlan, Slice, build_plan, owned_by
 from convert.source import ShardReader
 from convert.store import ArrayStore, finalize, sync_to_disk
 from convert.verify import verify_params
-from convert.workspace import Journal, Workspace, check_destination
+from convert.workspace import Journal, Workspace
 from ling_jax.checkpoint import TensorResolver
+from ling_jax.finite_check import NonFiniteError, check_finite
 from ling_jax.orbax_checkpoint import StoredLayout
-from ling_jax.safetensors_io import CheckpointTensors
-from ling_jax.vl_config import load_model_config, text_config_of
-
-# Copied from SRC to DST beside the arrays (config.json, tokenizer and generation files).
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-              "vocab.*", "merges.txt", "*.tiktoken", "chat_template*")
+from ling_jax.vl_config import text_config_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +46,7 @@ class Options:
     verify: bool = False
     overwrite: bool = False
     progress: bool = True
+    allow_nonfinite: bool = False  # publish tensors holding NaN / Inf instead of refusing them
     mesh: dict[str, int] | None = None  # target mesh axis sizes: chunks aligned to its shards, recorded in the layout
 
 
@@ -82,6 +82,15 @@ class Summary:
     verified: bool
 
 
+def _check_finite(value: np.ndarray, name: str, file: str, piece: Slice) -> None:
+    """Refuse converted rows holding NaN or Inf (dense: after dequantisation; FP8: the codes or their scales)."""
+    try:
+        check_finite(value, name)
+    except NonFiniteError as e:
+        raise ConvertError(f"{file}: tensor '{name}' has {e.count} NaN or Inf values in rows "
+                           f"{piece.start}..{piece.stop} (--allow-nonfinite converts it anyway)") from e
+
+
 def _write_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, journal: Journal,
                   options: Options) -> None:
     """Convert `plans` slice by slice; a parameter goes into the journal once all its slices are written."""
@@ -101,11 +110,15 @@ def _write_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore
         source = plan.sources[piece.expert or 0]
         rows = reader.read_rows(source, piece.start, piece.stop)
         if scale_array is None:
-            writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype))]
+            writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype), source.name)]
         else:
             values, scale = to_fp8(rows, source)
-            writes = [(values_array[plan.index(piece)], values), (scale_array[plan.scale_index(piece)], scale)]
-        for target, value in writes:
+            writes = [(values_array[plan.index(piece)], values, source.name),
+                      (scale_array[plan.scale_index(piece)], scale, source.scale)]
+        if not options.allow_nonfinite:
+            for _, value, name in writes:
+                _check_finite(value, name, source.file, piece)
+        for target, value, _ in writes:
             target.write(value.reshape(target.shape)).result()
         return rows.nbytes
 
@@ -133,18 +146,17 @@ def copy_side_files(src: str, dst: str) -> None:
 
 def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster = Cluster()) -> Summary:
     """Convert the HF checkpoint directory `src` into the Orbax checkpoint `dst` (see the module docstring)."""
-    src, dst = os.path.abspath(src), os.path.abspath(dst)
+    named_dst = os.path.abspath(dst)
+    src, dst = os.path.realpath(src), os.path.realpath(dst)
+    workspace = Workspace(dst)
     if not os.path.isdir(src):
-        raise FileNotFoundError(f"source checkpoint directory not found: {src}")
-    if src == dst:
-        raise ConvertError(f"{dst}: the destination must differ from the source")
+        raise ConvertError(f"{src}: source checkpoint directory not found")
+    check_apart(src, dst, workspace.path, named_dst)
     check_destination(dst, options.overwrite)
-    config = load_model_config(src)
-    tensors = CheckpointTensors(src)
+    config, tensors = open_source(src)
     plans = build_plan(TensorResolver(tensors, text_config_of(config)), config, options.dtype, options.mesh)
     mine = owned_by(plans, cluster.process_index, cluster.process_count)
 
-    workspace = Workspace(dst)
     job = {"source": src, "dtype": options.dtype, "process_count": cluster.process_count}
     if cluster.primary:
         workspace.prepare(job, resume=options.resume, overwrite=options.overwrite)
@@ -158,18 +170,22 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     store = ArrayStore(workspace.path, cluster.process_index)
     with ShardReader(tensors) as reader:
         start = time.perf_counter()
-        _write_params(todo, reader, store, journal, options)
+        try:
+            _write_params(todo, reader, store, journal, options)
+        except ConvertError as e:
+            raise ConvertError(f"{e}; nothing was published at {dst} (the parameters finished so far are kept in "
+                               f"{workspace.path} for --resume)") from e
         seconds = time.perf_counter() - start
         _assemble(workspace.path, plans, src, store, cluster, options.mesh)
         if options.verify:
             try:
-                verify_params(mine, reader, store, options.workers, options.progress)
+                verify_params(mine, reader, store, options.workers, options.progress, options.allow_nonfinite)
             except ConvertError as e:
                 raise ConvertError(f"{e} (verification failed: nothing was published at {dst}; the unverified "
                                    f"conversion is in {workspace.path})") from e
     cluster.barrier("ling-convert:verified")
     if cluster.primary:
-        workspace.publish()
+        workspace.publish(options.overwrite)
     cluster.barrier("ling-convert:published")
     return Summary(len(todo), len(mine) - len(todo), sum(plan.nbytes for plan in todo), seconds, options.verify)
 

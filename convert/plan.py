@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from convert import BF16, FP8_KEPT
 from convert.hooks import FP8_CODE_DTYPE
 from convert.source import FP8, PLAIN, SourceTensor, inspect_source
 from ling_jax.checkpoint import TensorResolver
@@ -27,8 +28,6 @@ from ling_jax.sharding import logical_to_spec
 from ling_jax.vl_config import LingVLConfig, text_config_of
 from ling_jax.vl_model import build_model
 
-BF16 = "bf16"  # --dtype: dequantise everything to bfloat16
-FP8_KEPT = "fp8"  # --dtype: keep FP8 weights (and MXFP4 experts as FP8 codes) with their block scales
 COMPUTE_DTYPE = np.dtype(jnp.bfloat16)
 SLICE_ELEMENTS = 1 << 23  # rows are converted ~8M elements at a time (rounded to whole scale blocks)
 

@@ -1,5 +1,6 @@
 """`--verify`: re-read every written slice from the merged checkpoint and compare it bit for bit with the value
-re-derived from the source, rejecting NaN and Inf (in the source's dequantised values and in FP8 scales)."""
+re-derived from the source, rejecting NaN and Inf (in the source's dequantised values and in FP8 scales) unless
+`--allow-nonfinite` accepted them."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _equal_and_finite(expected, actual):
 
 
 def verify_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, workers: int,
-                  progress: bool) -> None:
+                  progress: bool, allow_nonfinite: bool) -> None:
     """Raise ConvertError naming the parameter, the source tensor and its file at the first bad slice."""
     opened: dict[str, object] = {}
     lock = threading.Lock()
@@ -53,7 +54,7 @@ def verify_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore
             got = array(name)[index].read().result()
             equal, finite = _equal_and_finite(want.reshape(got.shape), got)
             where = f"rows {piece.start}..{piece.stop}"
-            if not finite:
+            if not finite and not allow_nonfinite:
                 raise ConvertError(f"{source.file}: tensor '{source.name}' has NaN or Inf values in {where}")
             if not equal:
                 raise ConvertError(f"{store.directory}: array '{name}' differs from '{source.name}' "

@@ -3,7 +3,8 @@
 `<parent of DST>/.<name of DST>.ling-convert-partial/` holds the Orbax arrays being written, `job.json` (what
 is being converted, so `--resume` cannot mix two different conversions) and one `journal.process_<i>.jsonl`
 per process with a line per parameter whose arrays are completely written. DST itself only appears at the
-end, by renaming the finished directory (`publish`), so nothing at DST ever looks complete early.
+end, by renaming the finished directory (`publish`), so nothing at DST ever looks complete early; an earlier
+output it replaces is renamed aside first and deleted only once the new one is in place.
 """
 
 from __future__ import annotations
@@ -14,23 +15,14 @@ import shutil
 import threading
 
 from convert import ConvertError
-from convert.store import CHECKPOINT_METADATA_FILE
-from ling_jax.orbax_checkpoint import LAYOUT_FILE
+from convert.destination import check_destination
 
 JOB_FILE = "job.json"
 
 
-def check_destination(dst: str, overwrite: bool) -> None:
-    if os.path.exists(dst) and not os.path.isdir(dst):
-        raise ConvertError(f"{dst}: exists and is not a directory")
-    if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
-        finished = any(os.path.exists(os.path.join(dst, f)) for f in (LAYOUT_FILE, CHECKPOINT_METADATA_FILE))
-        what = "a finished checkpoint" if finished else "a non-empty directory"
-        raise ConvertError(f"{dst}: already {what}; pass --overwrite to replace it")
-
-
 class Journal:
-    """Append-only record of finished parameters; a line cut short by a kill is ignored on resume."""
+    """Append-only record of finished parameters; a last line cut short by a kill is ignored on resume, any
+    other line that is not an entry means the journal is damaged."""
 
     def __init__(self, path: str):
         self.path = path
@@ -39,14 +31,22 @@ class Journal:
     def finished(self) -> set[str]:
         if not os.path.exists(self.path):
             return set()
-        names = set()
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    names.add(json.loads(line)["param"])
-                except (json.JSONDecodeError, KeyError):
-                    continue
-        return names
+        with open(self.path, "rb") as f:
+            # after the last newline: nothing, or the entry a kill cut short (that parameter is converted again)
+            complete = f.read().split(b"\n")[:-1]
+        return {self._entry(line, number) for number, line in enumerate(complete, 1)}
+
+    def _entry(self, line: bytes, number: int) -> str:
+        try:
+            entry = json.loads(line.decode("utf-8"))
+        except ValueError as e:
+            problem = str(e)
+        else:
+            if isinstance(entry, dict) and isinstance(entry.get("param"), str):
+                return entry["param"]
+            problem = f"found {line[:80]!r}"
+        raise ConvertError(f"{self.path}: line {number} is not a journal entry ({problem}); the journal is "
+                           f"damaged: pass --overwrite to start over")
 
     def record(self, name: str) -> None:
         with self._lock, open(self.path, "a") as f:
@@ -81,20 +81,27 @@ class Workspace:
         try:
             with open(file) as f:
                 started = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:
             raise ConvertError(f"{file}: cannot read the unfinished conversion's job ({e}); pass --overwrite to "
                                f"start over") from e
         if started != job:
             raise ConvertError(f"{file}: the unfinished conversion is {started}, not {job}; pass --overwrite to "
                                f"start over")
 
-    def publish(self) -> None:
-        """Drop the bookkeeping and move the finished checkpoint to DST (replacing what `--overwrite` allowed)."""
+    def publish(self, overwrite: bool) -> None:
+        """Drop the bookkeeping and move the finished checkpoint to DST, replacing the earlier output there
+        (checked again: the conversion may have taken hours) only once the new one is in place."""
+        try:
+            check_destination(self.dst, overwrite)
+        except ConvertError as e:
+            raise ConvertError(f"{e} (DST changed while converting; the finished conversion is in {self.path})") from e
         for entry in os.listdir(self.path):
             if entry == JOB_FILE or entry.startswith("journal."):
                 os.remove(os.path.join(self.path, entry))
         replaced = self.path + ".replaced"
         if os.path.exists(self.dst):
+            if os.path.exists(replaced):  # an older output a crash after the swap left behind
+                shutil.rmtree(replaced)
             os.rename(self.dst, replaced)
         os.rename(self.path, self.dst)
         if os.path.exists(replaced):

@@ -1,4 +1,5 @@
-"""A conversion killed mid-way resumes without redoing finished parameters, and the result verifies."""
+"""A conversion killed or interrupted (Ctrl-C) mid-way resumes without redoing finished parameters, and the result
+verifies."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from convert.cli import main
+from convert.cli import INTERRUPTED, main
 from convert.plan import model_parameters
 from convert.synthetic import write_random_checkpoint
 from convert.workspace import Journal, Workspace
@@ -48,18 +49,34 @@ def dst(tmp_path):
     shutil.rmtree(Workspace(str(tmp_path / "dst")).path, ignore_errors=True)
 
 
-def test_killed_conversion_resumes_and_verifies(medium_checkpoint, dst, capsys):
+def _stopped_in_progress(checkpoint, dst, stop: signal.Signals, *flags: str) -> tuple[subprocess.Popen, str]:
+    """Start `ling-convert checkpoint dst *flags` and send it `stop` once it has finished a parameter more than
+    the journal held before."""
     journal = Journal(Workspace(str(dst)).journal(0).path)
-    child = subprocess.Popen([sys.executable, "-m", "convert.cli", str(medium_checkpoint), str(dst), "--workers", "1",
-                              "--quiet"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    earlier = len(journal.finished())
+    child = subprocess.Popen([sys.executable, "-m", "convert.cli", str(checkpoint), str(dst), "--workers", "1",
+                              "--quiet", *flags], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while child.poll() is None and not journal.finished() and time.monotonic() < deadline:
+    while child.poll() is None and len(journal.finished()) <= earlier and time.monotonic() < deadline:
         time.sleep(0.005)
-    child.send_signal(signal.SIGKILL)
-    _, stderr = child.communicate()
+    child.send_signal(stop)
+    _, stderr = child.communicate(timeout=120)
+    return child, stderr
+
+
+def test_interrupted_then_killed_conversion_resumes_and_verifies(medium_checkpoint, dst, capsys):
+    journal = Journal(Workspace(str(dst)).journal(0).path)
+    child, stderr = _stopped_in_progress(medium_checkpoint, dst, signal.SIGINT)
+    assert child.returncode == 130 and stderr.splitlines() == [INTERRUPTED], stderr  # Ctrl-C: one line, no traceback
+    assert "--resume" in INTERRUPTED
+    interrupted = journal.finished()
+    assert interrupted and not dst.exists()
+
+    child, stderr = _stopped_in_progress(medium_checkpoint, dst, signal.SIGKILL, "--resume")
     assert child.returncode == -signal.SIGKILL, f"the conversion ended before it could be killed: {stderr}"
     finished = journal.finished()
-    assert finished and not dst.exists()
+    assert finished > interrupted and not dst.exists()
 
     assert main([str(medium_checkpoint), str(dst), "--resume", "--verify", "--quiet"]) == 0
     out = capsys.readouterr().out
