@@ -49,7 +49,7 @@ def lookup(table: Table, *, dtype, bucket: str = ANY, device: str | None = None)
         if key in table:
             return table[key].params
     raise LookupError(f"no tuning entry for device {device!r}, bucket {bucket!r}, dtype {dtypes[0]}: a table needs "
-                      f"an ({ANY!r}, {ANY!r}, {ANY!r}) default")
+                      f"a default entry (device {ANY!r}) for every bucket it uses")
 
 
 def fill(given: tuple, defaults) -> tuple:

@@ -30,7 +30,8 @@ __all__ = ["VARIANTS", "RoutingRule", "down_scatter", "gather_swiglu", "grouped_
 VARIANTS = {
     "grouped_matmul": {REFERENCE: Variant(None, grouped_matmul_reference),
                        "gpu_triton": Variant("gpu", grouped_matmul_gpu)},
-    "gather_swiglu": {REFERENCE: Variant(None, gather_swiglu_reference), "gpu_triton": Variant("gpu", gather_swiglu_gpu)},
+    "gather_swiglu": {REFERENCE: Variant(None, gather_swiglu_reference),
+                      "gpu_triton": Variant("gpu", gather_swiglu_gpu)},
     "down_scatter": {REFERENCE: Variant(None, down_scatter_reference), "gpu_triton": Variant("gpu", down_scatter_gpu)},
     "routed_experts": {REFERENCE: Variant(None, routed_experts_reference),
                        "gpu_triton": Variant("gpu", routed_experts_gpu)},

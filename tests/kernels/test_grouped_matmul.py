@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import grouped_matmul, grouped_matmul_reference
-from pallas_kernels.moe.gpu_triton import MIN_ROW_TILE, grouped_weight_grad_gpu, max_row_tiles, row_tile_sizes, row_tiles
+from pallas_kernels.moe.gpu_triton import (MIN_ROW_TILE, grouped_weight_grad_gpu, max_row_tiles, row_tile_sizes,
+                                           row_tiles)
 from pallas_kernels.moe.ops import kernel
 from helpers import lower_for_cuda, rel_error
 
