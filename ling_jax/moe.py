@@ -15,7 +15,7 @@ from ling_jax.expert_ffn import SharedExpert, expert_load, local_moe, swiglu_ffn
 from ling_jax.expert_parallel import moe_parallel, uses_model_parallelism
 from ling_jax.layers import Linear, normal_param, param
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.moe.routing import RoutingRule, select_experts
+from pallas_kernels.moe.ops import RoutingRule, select_experts
 
 
 class MLP(nnx.Module):

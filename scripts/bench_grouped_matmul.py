@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tile sweep of the Pallas grouped matmul (`pallas_kernels.moe.grouped_matmul_gpu`) at MoE shapes.
+"""Tile sweep of the Pallas grouped matmul (`pallas_kernels.moe` grouped_matmul, variant gpu_triton) at MoE shapes.
 
     python scripts/bench_grouped_matmul.py                    # rows 8, 64, 512; Ling-3.1-flash expert shapes
     python scripts/bench_grouped_matmul.py --rows 8 --quick   # fewer tile candidates
@@ -25,8 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from bench_common import median_seconds, rel_error
 
-from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, row_tiles
+from pallas_kernels.moe.gpu_triton import row_tiles
+from pallas_kernels.moe.ops import kernel
 from pallas_kernels.moe.reference import grouped_matmul_reference
+
+grouped_matmul_gpu = kernel("grouped_matmul", "gpu_triton")
 
 SHAPES = {"gate/up": (1024, 4096), "down": (4096, 1024)}  # (N, K)
 

@@ -19,6 +19,7 @@ fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -33,12 +34,13 @@ import numpy as np  # noqa: E402
 
 from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.kda import kda_chunked  # noqa: E402
-from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu  # noqa: E402
-from pallas_kernels.kda.chunk_gpu_inter import inter_chunk  # noqa: E402
-from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks, sub_block_keys  # noqa: E402
-from pallas_kernels.kda.chunk_gpu_intra import intra_chunk  # noqa: E402
-from pallas_kernels.kda.chunk_gpu_tril import wy_factors  # noqa: E402
-from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu  # noqa: E402
+from pallas_kernels.kda import tuned  # noqa: E402
+from pallas_kernels.kda.gpu_triton import (decay_blocks, inter_chunk, intra_chunk, sub_block_keys,  # noqa: E402
+                                           wy_factors)
+from pallas_kernels.kda.ops import kernel  # noqa: E402
+from pallas_kernels.tuning import lookup  # noqa: E402
+
+chunk_kda_gpu, kda_decode_step_gpu = kernel("chunk_kda", "gpu_triton"), kernel("kda_decode_step", "gpu_triton")
 
 HEADS, DIM = 64, 128
 CPU_HEADS = 2  # the interpreted smoke run's
@@ -79,7 +81,7 @@ def to_torch(*arrays, dtype=None):
 
 
 DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=32, num_warps=4)]
-DECODE_VARIANTS = {  # kda_decode_step_gpu keywords ((64, 4) is the default) for B < 64 and for B >= 64
+DECODE_VARIANTS = {  # kda_decode_step_gpu keywords (`tuned.DECODE_GPU` is the default) for B < 64 and for B >= 64
     "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
     "large": DECODE_TILES,
 }
@@ -132,8 +134,10 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-PHASE2_DEFAULT = dict(block_v=64, num_warps=4, num_stages=2)
-PHASE1_DEFAULT = dict(intra_block_k=128, intra_num_warps=2, intra_num_stages=1, intra_factors_num_warps=2)
+# the tuned table's settings on this device (`pallas_kernels/kda/tuned.py`), as chunk_kda_gpu keywords
+PHASE2_DEFAULT = dataclasses.asdict(lookup(tuned.CHUNK_INTER, dtype=jnp.bfloat16))
+PHASE1_DEFAULT = {f"intra_{name}": value
+                  for name, value in dataclasses.asdict(lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)).items()}
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
     {},
 ]

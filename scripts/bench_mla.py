@@ -25,10 +25,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_common import chained, copy_bandwidth, per_call_seconds, rel_error  # noqa: E402
-from pallas_kernels.mla.decode_gpu import default_num_splits, mla_decode_gpu  # noqa: E402
-from pallas_kernels.mla.decode_mgpu import default_num_splits as mosaic_num_splits  # noqa: E402
-from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu  # noqa: E402
+from pallas_kernels.mla.gpu_mosaic import default_num_splits as mosaic_num_splits  # noqa: E402
+from pallas_kernels.mla.gpu_triton import default_num_splits  # noqa: E402
+from pallas_kernels.mla.ops import kernel  # noqa: E402
 from pallas_kernels.mla.reference import mla_decode_reference  # noqa: E402
+
+mla_decode_gpu, mla_decode_mgpu = kernel("mla_decode", "gpu_triton"), kernel("mla_decode", "gpu_mosaic")
 
 LATENT, ROPE, HEADS = 512, 64, 64
 SIZES = [(64, 32768), (8, 131072), (1, 262144)]

@@ -24,8 +24,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench_common import median_seconds, rel_error  # noqa: E402
-from pallas_kernels.mla.prefill import flash_expanded_attention  # noqa: E402
-from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu  # noqa: E402
+from pallas_kernels.mla.ops import kernel  # noqa: E402
+from pallas_kernels.mla.reference import flash_expanded_attention  # noqa: E402
+
+flash_expanded_attention_gpu = kernel("mla_prefill", "gpu_triton")
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 64, 128, 64, 128, 512
 SEGMENTS = (2048, 4096)  # the kernel's key segment, swept

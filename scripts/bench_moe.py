@@ -43,10 +43,11 @@ from bench_common import median_seconds, rel_error  # noqa: E402
 from ling_jax import LingConfig  # noqa: E402
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
 from ling_jax.moe import MoE  # noqa: E402
-from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu  # noqa: E402
-from pallas_kernels.moe.gmm_gpu import FEW_ROWS_PER_GROUP  # noqa: E402
-from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul  # noqa: E402
+from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, kernel  # noqa: E402
 from pallas_kernels.moe.reference import swiglu  # noqa: E402
+from pallas_kernels.moe.tuned import FEW_ROWS_PER_GROUP  # noqa: E402
+
+gather_swiglu_gpu, down_scatter_gpu = kernel("gather_swiglu", "gpu_triton"), kernel("down_scatter", "gpu_triton")
 
 BASELINE_CHUNK = 512  # tokens per dense-baseline chunk: [chunk, E, D] bf16 intermediates stay ~2 GB
 ISSUE_PEAK = 683e12  # the H200 bf16 peak issue 6 states its goal against

@@ -3,7 +3,7 @@
 plus the shared expert of the same width, as a decode step runs them): the row-by-row decode kernels
 (`pallas_kernels.moe.routed_experts`) against the grouped path (sort, grouped matmuls, combine:
 `ling_jax.expert_ffn.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one
-token, then the expert selection before them (`pallas_kernels.moe.routing`: kernel tiles vs the jnp reference).
+token, then the expert selection before them (`pallas_kernels.moe.select_experts`: kernel tiles vs the jnp reference).
 
     python scripts/bench_routed_experts.py              # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
 
@@ -16,6 +16,7 @@ path; a weight read per token-expert pair for the row path, which is its cost; t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -28,8 +29,14 @@ import numpy as np  # noqa: E402
 
 from bench_common import per_call_seconds, rel_error  # noqa: E402
 from ling_jax.expert_ffn import grouped_local_moe, swiglu_ffn  # noqa: E402
-from pallas_kernels.moe.decode_gpu import DOWN_TILES, SWIGLU_TILES, routed_experts_gpu  # noqa: E402
-from pallas_kernels.moe.routing import RoutingRule, select_experts_gpu, select_experts_reference  # noqa: E402
+from pallas_kernels.moe import tuned  # noqa: E402
+from pallas_kernels.moe.ops import kernel  # noqa: E402
+from pallas_kernels.moe.reference import RoutingRule, select_experts_reference  # noqa: E402
+from pallas_kernels.tuning import lookup  # noqa: E402
+
+routed_experts_gpu, select_experts_gpu = kernel("routed_experts", "gpu_triton"), kernel("select_experts", "gpu_triton")
+SWIGLU_TILES = dataclasses.astuple(lookup(tuned.ROUTED_SWIGLU, dtype=jnp.bfloat16))  # the table's, this device's
+DOWN_TILES = dataclasses.astuple(lookup(tuned.ROUTED_DOWN, dtype=jnp.bfloat16))
 
 HIDDEN, WIDTH, EXPERTS, TOP_K, LIMIT = 4096, 1024, 512, 8, 7.0
 RULE = RoutingRule(top_k=TOP_K, n_group=8, topk_group=4, norm_topk_prob=True, scaling=2.5)

@@ -1,4 +1,4 @@
-"""Group selection of the group-limited router (`pallas_kernels.moe.routing.kept_groups`) against a numpy sort, ties included."""
+"""Group selection of the group-limited router (`pallas_kernels.moe.reference.kept_groups`) against a numpy sort, ties included."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.routing import kept_groups
+from pallas_kernels.moe.reference import kept_groups
 
 
 def numpy_kept_groups(choice_TGS: np.ndarray, keep: int) -> np.ndarray:

@@ -1,68 +1,94 @@
-"""MLA ops by backend: `mla_decode` (attention of one query token per sequence over a ragged latent cache), the
-weight products around it (`absorb_query`, `expand_output`), and `mla_prefill` (attention over the expanded
-heads, flash style)."""
+"""MLA ops: `mla_decode` (attention of one query token per sequence over a ragged latent cache) and
+`mla_decode_paged`, the weight products around it (`absorb_query`, `expand_output`), and `mla_prefill`
+(attention over the expanded heads, flash style), each over its variants.
+
+VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
+block-size overrides, for tests and benchmarks). Without a variant named, the backend and the shapes pick (see
+each op); `mla_decode_paged` takes `mla_decode`'s names ("gpu_mosaic" reads the pages in place, every other
+variant runs on the pages gathered into a contiguous cache).
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
-from pallas_kernels.mla.absorb_gpu import ROWS, absorb_query_gpu, expand_output_gpu
-from pallas_kernels.mla.absorb_reference import absorb_query_reference, expand_output_reference
-from pallas_kernels.mla.decode_gpu import mla_decode_gpu
-from pallas_kernels.mla.decode_mgpu import HEADS as MOSAIC_MAX_HEADS
-from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu, mla_decode_paged_mgpu
-from pallas_kernels.mla.decode_tpu import mla_decode_tpu
-from pallas_kernels.mla.prefill import flash_expanded_attention
-from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu, kernel_dims_fit
-from pallas_kernels.mla.reference import gather_pages, mla_decode_reference
+from pallas_kernels.mla.gpu_mosaic import HEADS as MOSAIC_MAX_HEADS
+from pallas_kernels.mla.gpu_mosaic import mla_decode_mgpu, mla_decode_paged_mgpu
+from pallas_kernels.mla.gpu_triton import (ROWS, absorb_query_gpu, expand_output_gpu, flash_expanded_attention_gpu,
+                                           kernel_dims_fit, mla_decode_gpu)
+from pallas_kernels.mla.reference import (absorb_query_reference, expand_output_reference, flash_expanded_attention,
+                                          gather_pages, mla_decode_reference)
+from pallas_kernels.mla.tpu_mosaic import mla_decode_tpu
+from pallas_kernels.mla.tuned import MOSAIC_MIN_SLOTS
+from pallas_kernels.variants import REFERENCE, Variant
+
+VARIANTS = {
+    "mla_decode": {REFERENCE: Variant(None, mla_decode_reference), "gpu_triton": Variant("gpu", mla_decode_gpu),
+                   "gpu_mosaic": Variant("gpu", mla_decode_mgpu), "tpu_mosaic": Variant("tpu", mla_decode_tpu)},
+    "mla_decode_paged": {"gpu_mosaic": Variant("gpu", mla_decode_paged_mgpu)},
+    "absorb_query": {REFERENCE: Variant(None, absorb_query_reference), "gpu_triton": Variant("gpu", absorb_query_gpu)},
+    "expand_output": {REFERENCE: Variant(None, expand_output_reference),
+                      "gpu_triton": Variant("gpu", expand_output_gpu)},
+    "mla_prefill": {REFERENCE: Variant(None, flash_expanded_attention),
+                    "gpu_triton": Variant("gpu", flash_expanded_attention_gpu)},
+}
 
 
-# Below this many cache slots (B x L) the Triton kernel stays: a Mosaic GPU call showed ~0.1 ms of idle device
-# time around it on the H200 (BENCHMARKS.md), which only larger caches repay; the Mosaic kernel was measured
-# faster at B x L = 2^18 (B=1, L=262144) and above.
-MOSAIC_MIN_SLOTS = 1 << 18
+def kernel(op: str, name: str):
+    """The entry point of variant `name` of `op` (a key of VARIANTS)."""
+    return variants.lookup(VARIANTS, op, name).kernel
 
 
-def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, backend: str = "auto"):
+def _decode_default(backend: str, q_latent_BHR, kv_cache_BLA) -> str:
+    """On a GPU compiled, the Mosaic GPU kernel for a cache it fits of at least MOSAIC_MIN_SLOTS slots in the batch,
+    else the Triton kernel (interpreted too); the TPU kernel on a TPU backend, the reference otherwise."""
+    if (backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA)
+            and kv_cache_BLA.shape[0] * kv_cache_BLA.shape[1] >= MOSAIC_MIN_SLOTS):
+        return "gpu_mosaic"
+    return variants.by_platform(backend, {"gpu": "gpu_triton", "tpu": "tpu_mosaic"})
+
+
+def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, backend: str = "auto",
+               variant: str | None = None):
     """o_latent [B, H, R] in fp32.
 
     q_latent: q_nope already multiplied by W_UK [B, H, R]; q_rope [B, H, P] (after RoPE); kv_cache
     [B, L, R + P] = [c_kv ; k_pe] per slot; lengths [B] int32: only the first lengths[b] slots are attended.
     backend: "auto" (by jax.default_backend()), "reference" (jnp), "pallas_gpu", "pallas_tpu", or a kernel
     in Pallas interpret mode on the CPU: "interpret_gpu", "interpret_tpu" ("interpret" = "interpret_tpu").
-    "pallas_gpu" runs the Mosaic GPU kernel (`decode_mgpu.py`) on a Hopper GPU for a bf16/fp16 cache, at
-    most 64 heads and at least MOSAIC_MIN_SLOTS cache slots in the batch (1.8-2x faster than the Triton
-    kernel on an H200 from B x L = 2^18 up, BENCHMARKS.md), the Triton kernel (`decode_gpu.py`) otherwise;
-    "interpret_gpu" runs the Triton kernel.
+    variant: a name of VARIANTS["mla_decode"]; None: "pallas_gpu" runs "gpu_mosaic" (`gpu_mosaic.py`) on a Hopper
+    GPU for a bf16/fp16 cache, at most 64 heads and at least MOSAIC_MIN_SLOTS cache slots in the batch, else
+    "gpu_triton" (`gpu_triton/decode.py`); "interpret_gpu" runs "gpu_triton".
     """
     backend = resolve_backend(backend)
     args = (q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B)
-    if backend == "reference":
+    name = variants.pick(VARIANTS, "mla_decode", variant, backend, _decode_default(backend, q_latent_BHR, kv_cache_BLA))
+    if name == REFERENCE:
         return mla_decode_reference(*args, scale=scale)
-    interpret = backend.startswith("interpret")
-    if (backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA)
-            and kv_cache_BLA.shape[0] * kv_cache_BLA.shape[1] >= MOSAIC_MIN_SLOTS):
-        return mla_decode_mgpu(*args, scale=scale)
-    if KERNEL_TARGET[backend] == "gpu":
-        return mla_decode_gpu(*args, scale=scale, interpret=interpret)
-    return mla_decode_tpu(*args, scale=scale, interpret=interpret)
+    return kernel("mla_decode", name)(*args, scale=scale, interpret=variants.interpreted(backend))
 
 
 def mla_decode_paged(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *, scale: float,
-                     backend: str = "auto"):
+                     backend: str = "auto", variant: str | None = None):
     """`mla_decode` over a paged latent cache (what prefix reuse needs): kv_pages [P, page_size, R + P_rope],
     page_table [B, max_pages] int32 (slot s of sequence b is row s % page_size of page
     page_table[b, s // page_size]; sequences may share pages). On a Hopper GPU ("pallas_gpu", a 16-bit cache,
-    pages of a multiple of 64 slots) the Mosaic GPU kernel reads the pages in place; every other backend first
-    gathers each sequence's pages into a contiguous cache (a copy of B x max_pages pages) and runs `mla_decode`.
+    pages of a multiple of 64 slots), or with variant "gpu_mosaic", the Mosaic GPU kernel reads the pages in
+    place; every other case first gathers each sequence's pages into a contiguous cache (a copy of B x max_pages
+    pages) and runs `mla_decode` with the same backend and variant.
     """
-    if (resolve_backend(backend) == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_pages_PSA)
-            and kv_pages_PSA.shape[1] % 64 == 0):
-        return mla_decode_paged_mgpu(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, scale=scale)
+    backend = resolve_backend(backend)
+    fits = (backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_pages_PSA)
+            and kv_pages_PSA.shape[1] % 64 == 0)
+    if variant == "gpu_mosaic" or (variant is None and fits):
+        name = variants.pick(VARIANTS, "mla_decode_paged", "gpu_mosaic", backend, "gpu_mosaic")
+        return kernel("mla_decode_paged", name)(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B,
+                                                scale=scale, interpret=variants.interpreted(backend))
     return mla_decode(q_latent_BHR, q_rope_BHP, gather_pages(kv_pages_PSA, page_table_BN), lengths_B, scale=scale,
-                      backend=backend)
+                      backend=backend, variant=variant)
 
 
 def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:
@@ -75,8 +101,11 @@ def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:
             and kv_cache_BLA.shape[1] % 8 == 0)
 
 
-def _few_rows_on_gpu(x_MHX, backend: str) -> bool:
-    return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu" and x_MHX.shape[0] <= ROWS
+def _few_rows_variant(op: str, variant: str | None, x_MHX, backend: str) -> tuple[str, bool]:
+    """(variant name, interpret): on a GPU backend "gpu_triton" for up to ROWS query rows, else the reference."""
+    backend = resolve_backend(backend)
+    default = "gpu_triton" if KERNEL_TARGET.get(backend) == "gpu" and x_MHX.shape[0] <= ROWS else REFERENCE
+    return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
 
 
 _absorb_query_gpu = with_reference_vjp(
@@ -87,20 +116,22 @@ _expand_output_gpu = with_reference_vjp(
     lambda o_latent, kv_b, nope, interpret: expand_output_reference(o_latent, kv_b, nope), nondiff_argnums=(2, 3))
 
 
-def absorb_query(q_nope_MHN, kv_b_HCR, *, backend: str = "auto"):
+def absorb_query(q_nope_MHN, kv_b_HCR, *, backend: str = "auto", variant: str | None = None):
     """q_latent [M, H, R] fp32 = q_nope @ W_UK per head; kv_b [H, nope + v, R] is kv_b_proj's per-head view.
     On a GPU backend, up to ROWS query rows run the Pallas kernel; otherwise (and above) the jnp reference.
     Differentiable (the kernel's backward pass is the reference's)."""
-    if _few_rows_on_gpu(q_nope_MHN, backend):
-        return _absorb_query_gpu(q_nope_MHN, kv_b_HCR, resolve_backend(backend).startswith("interpret"))
+    name, interpret = _few_rows_variant("absorb_query", variant, q_nope_MHN, backend)
+    if name == "gpu_triton":
+        return _absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret)
     return absorb_query_reference(q_nope_MHN, kv_b_HCR)
 
 
-def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, backend: str = "auto"):
+def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, backend: str = "auto", variant: str | None = None):
     """[M, H, V] fp32 = o_latent @ W_UV^T per head (W_UV: each head's rows after the first `nope`); backends
-    as for `absorb_query`."""
-    if _few_rows_on_gpu(o_latent_MHR, backend):
-        return _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, resolve_backend(backend).startswith("interpret"))
+    and variants as for `absorb_query`."""
+    name, interpret = _few_rows_variant("expand_output", variant, o_latent_MHR, backend)
+    if name == "gpu_triton":
+        return _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, interpret)
     return expand_output_reference(o_latent_MHR, kv_b_HCR, nope)
 
 
@@ -111,19 +142,20 @@ _prefill_gpu = with_reference_vjp(
 
 
 def mla_prefill(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR, *,
-                scale: float, backend: str = "auto"):
+                scale: float, backend: str = "auto", variant: str | None = None):
     """Attention over the expanded heads -> o [B, T, H, V] in q's dtype (arguments as for
-    `pallas_kernels.mla.prefill.flash_expanded_attention`: query t sees key slot s iff s <= query_slots[b, t]
+    `pallas_kernels.mla.reference.flash_expanded_attention`: query t sees key slot s iff s <= query_slots[b, t]
     and key_valid[b, s]).
 
-    A GPU backend ("pallas_gpu", or "interpret_gpu" in Pallas interpret mode) runs the Triton flash kernel
-    (`prefill_gpu.py`, 4.6x the jnp path on an H200 at Ling widths, BENCHMARKS.md) when the nope, rope and value
-    head dims are powers of two of at least 16 (Ling: 128, 64, 128); every other case runs the jnp flash path.
+    Without a variant named, a GPU backend ("pallas_gpu", or "interpret_gpu" in Pallas interpret mode) runs the
+    Triton flash kernel ("gpu_triton", `gpu_triton/prefill.py`) when the nope, rope and value head dims are
+    powers of two of at least 16 (Ling: 128, 64, 128); every other case runs the jnp flash path ("reference").
     Differentiable: the kernel's backward pass is the jnp path's.
     """
     args = (q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR)
     backend = resolve_backend(backend)
-    if KERNEL_TARGET.get(backend) == "gpu" and kernel_dims_fit(q_nope_BTHN.shape[-1], q_pe_BTHP.shape[-1],
-                                                              w_uv_HVR.shape[1]):
-        return _prefill_gpu(*args, scale, backend.startswith("interpret"))
+    fits = kernel_dims_fit(q_nope_BTHN.shape[-1], q_pe_BTHP.shape[-1], w_uv_HVR.shape[1])
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if fits else REFERENCE
+    if variants.pick(VARIANTS, "mla_prefill", variant, backend, default) == "gpu_triton":
+        return _prefill_gpu(*args, scale, variants.interpreted(backend))
     return flash_expanded_attention(*args, scale=scale)

@@ -1,7 +1,12 @@
-"""MoE expert ops by backend: `grouped_matmul` (the expert GEMM over rows sorted by expert, one weight per
-group), its fused neighbours `gather_swiglu` (gate/up + SwiGLU over rows gathered from the unsorted
-activations) and `down_scatter` (down, weighted per row, stored to each row's original place), and
-`routed_experts` (a few tokens' picked experts, row by row, combined)."""
+"""MoE ops: `grouped_matmul` (the expert GEMM over rows sorted by expert, one weight per group), its fused
+neighbours `gather_swiglu` (gate/up + SwiGLU over rows gathered from the unsorted activations) and `down_scatter`
+(down, weighted per row, stored to each row's original place), `routed_experts` (a few tokens' picked experts,
+row by row, combined) and `select_experts` (the router's group-limited expert selection), each over its variants.
+
+VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
+block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton" and
+every other backend the jnp reference (there are no TPU kernels yet).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,41 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
-from pallas_kernels.moe.decode_gpu import routed_experts_gpu
-from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu
-from pallas_kernels.moe.fused_reference import down_scatter_reference, gather_swiglu_reference
-from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, grouped_weight_grad_gpu
-from pallas_kernels.moe.reference import grouped_matmul_reference, routed_experts_reference, swiglu
+from pallas_kernels import variants
+from pallas_kernels.backend import resolve_backend, with_reference_vjp
+from pallas_kernels.moe.gpu_triton import (down_scatter_gpu, gather_swiglu_gpu, grouped_matmul_gpu,
+                                           grouped_weight_grad_gpu, routed_experts_gpu, select_experts_gpu)
+from pallas_kernels.moe.reference import (RoutingRule, down_scatter_reference, gather_swiglu_reference,
+                                          grouped_matmul_reference, routed_experts_reference, routing_weights,
+                                          select_experts_reference, swiglu)
+from pallas_kernels.variants import REFERENCE, Variant
+
+__all__ = ["VARIANTS", "RoutingRule", "down_scatter", "gather_swiglu", "grouped_matmul", "kernel", "routed_experts",
+           "select_experts"]
+
+VARIANTS = {
+    "grouped_matmul": {REFERENCE: Variant(None, grouped_matmul_reference),
+                       "gpu_triton": Variant("gpu", grouped_matmul_gpu)},
+    "gather_swiglu": {REFERENCE: Variant(None, gather_swiglu_reference),
+                      "gpu_triton": Variant("gpu", gather_swiglu_gpu)},
+    "down_scatter": {REFERENCE: Variant(None, down_scatter_reference), "gpu_triton": Variant("gpu", down_scatter_gpu)},
+    "routed_experts": {REFERENCE: Variant(None, routed_experts_reference),
+                       "gpu_triton": Variant("gpu", routed_experts_gpu)},
+    "select_experts": {REFERENCE: Variant(None, select_experts_reference),
+                       "gpu_triton": Variant("gpu", select_experts_gpu)},
+}
+
+
+def kernel(op: str, name: str):
+    """The entry point of variant `name` of `op` (a key of VARIANTS)."""
+    return variants.lookup(VARIANTS, op, name).kernel
+
+
+def _pick(op: str, variant: str | None, backend: str) -> tuple[str, bool]:
+    """(variant name, interpret): "gpu_triton" on a GPU backend, the reference elsewhere, unless one is named."""
+    backend = resolve_backend(backend)
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"})
+    return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -37,7 +71,7 @@ def _gpu_kernel_bwd(interpret, residuals, d_out_MN):
 _gpu_kernel.defvjp(_gpu_kernel_fwd, _gpu_kernel_bwd)
 
 
-def grouped_matmul(lhs_MK, rhs_GNK, group_sizes_G, *, backend: str = "auto") -> jax.Array:
+def grouped_matmul(lhs_MK, rhs_GNK, group_sizes_G, *, backend: str = "auto", variant: str | None = None) -> jax.Array:
     """out [M, N] in lhs's dtype (fp32 accumulation): out[rows of g] = lhs[rows of g] @ rhs[g].T.
 
     lhs [M, K] rows sorted by group (the first group_sizes[0] rows are group 0, ...); rhs [G, N, K] in the
@@ -48,9 +82,9 @@ def grouped_matmul(lhs_MK, rhs_GNK, group_sizes_G, *, backend: str = "auto") -> 
     Differentiable in lhs and rhs with every backend; the GPU backends take their gradients from the GPU
     kernels too (XLA's GPU ragged_dot materialises a masked lhs per group: out of memory at MoE sizes).
     """
-    backend = resolve_backend(backend)
-    if KERNEL_TARGET.get(backend) == "gpu":
-        return _gpu_kernel(lhs_MK, rhs_GNK, group_sizes_G, backend.startswith("interpret"))
+    name, interpret = _pick("grouped_matmul", variant, backend)
+    if name == "gpu_triton":
+        return _gpu_kernel(lhs_MK, rhs_GNK, group_sizes_G, interpret)
     return grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G)
 
 
@@ -90,7 +124,7 @@ _gather_swiglu_gpu.defvjp(_gather_swiglu_gpu_fwd, _gather_swiglu_gpu_bwd)
 
 
 def gather_swiglu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit: float | None, *,
-                  backend: str = "auto", fill_tail: bool = True) -> jax.Array:
+                  backend: str = "auto", variant: str | None = None, fill_tail: bool = True) -> jax.Array:
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g: the rows sorted by group (group_sizes int32 [G], traced, sum <= R), each read from x's
     row source[r] (int32 [R], repeats allowed); rows past the sum give zeros, or with fill_tail False are
@@ -100,10 +134,9 @@ def gather_swiglu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit: float 
     products and the SwiGLU in fp32 before the one store); the others the jnp reference. Differentiable in x,
     gate and up; the GPU backward pass recomputes the products with the grouped-matmul kernels.
     """
-    backend = resolve_backend(backend)
-    if KERNEL_TARGET.get(backend) == "gpu":
-        return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail,
-                                  backend.startswith("interpret"))
+    name, interpret = _pick("gather_swiglu", variant, backend)
+    if name == "gpu_triton":
+        return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
     return gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit)
 
 
@@ -140,7 +173,7 @@ _down_scatter_gpu.defvjp(_down_scatter_gpu_fwd, _down_scatter_gpu_bwd)
 
 
 def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend: str = "auto",
-                 fill_tail: bool = True) -> jax.Array:
+                 variant: str | None = None, fill_tail: bool = True) -> jax.Array:
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g: h's
     rows sorted by group (group_sizes int32 [G], traced, sum <= R), each stored back to its original row
     dest[r] (int32 [R], a permutation of [0, R)); row_weight fp32 [R], applied to the fp32 accumulator; rows
@@ -151,10 +184,9 @@ def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend
     others the jnp reference. Differentiable in h, row_weight and down; the GPU backward pass uses the
     grouped-matmul kernels.
     """
-    backend = resolve_backend(backend)
-    if KERNEL_TARGET.get(backend) == "gpu":
-        return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail,
-                                 backend.startswith("interpret"))
+    name, interpret = _pick("down_scatter", variant, backend)
+    if name == "gpu_triton":
+        return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
     return down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI)
 
 
@@ -167,7 +199,8 @@ _routed_gpu_kernel = with_reference_vjp(
 
 
 def routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
-                   shared=None, shared_limit: float | None = None, backend: str = "auto") -> jax.Array:
+                   shared=None, shared_limit: float | None = None, backend: str = "auto",
+                   variant: str | None = None) -> jax.Array:
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation); FFN_e is
     expert e's SwiGLU, min(SiLU(x W_gate), limit) * clip(x W_up, +-limit) W_down with a limit. Weights
     [E, I, D] (gate, up) and [E, D, I] (down) in the checkpoint's [out, in] layout; experts outside [0, E)
@@ -179,10 +212,45 @@ def routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, lim
     kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
     reference. Differentiable (the backward pass is the reference's).
     """
-    backend = resolve_backend(backend)
+    name, interpret = _pick("routed_experts", variant, backend)
     shared = None if shared is None else tuple(shared)
-    if KERNEL_TARGET.get(backend) == "gpu":
+    if name == "gpu_triton":
         return _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit,
-                                  shared_limit, backend.startswith("interpret"))
+                                  shared_limit, interpret)
     return routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, shared,
                                     shared_limit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _select_experts_gpu(logits_TE, expert_bias_E, rule: RoutingRule, interpret: bool):
+    return select_experts_gpu(logits_TE, expert_bias_E, rule, interpret=interpret)
+
+
+def _select_experts_gpu_fwd(logits_TE, expert_bias_E, rule, interpret):
+    weights_TK, experts_TK = select_experts_gpu(logits_TE, expert_bias_E, rule, interpret=interpret)
+    return (weights_TK, experts_TK), (logits_TE, experts_TK, expert_bias_E)
+
+
+def _select_experts_gpu_bwd(rule, interpret, residuals, cotangents):
+    """The picks are piecewise constant: the logits' gradient is that of `routing_weights` at the picks; the
+    bias only steers the picks, so its gradient is zero (as through the reference's top_k)."""
+    logits_TE, experts_TK, expert_bias_E = residuals
+    _, pullback = jax.vjp(lambda logits: routing_weights(logits, experts_TK, rule), logits_TE)
+    return pullback(cotangents[0])[0], jnp.zeros_like(expert_bias_E)
+
+
+_select_experts_gpu.defvjp(_select_experts_gpu_fwd, _select_experts_gpu_bwd)
+
+
+def select_experts(logits_TE, expert_bias_E, rule: RoutingRule, *, backend: str = "auto",
+                   variant: str | None = None):
+    """(weights [T, top_k] fp32, experts [T, top_k] int32) from router logits [T, E].
+
+    backend: "auto" (the GPU kernel on a GPU, the jnp reference elsewhere), "reference", "pallas_gpu",
+    "interpret_gpu" (the GPU kernel in Pallas interpret mode); TPU backends run the reference.
+    Differentiable in the logits through the weights (the picks are piecewise constant), with every backend.
+    """
+    name, interpret = _pick("select_experts", variant, backend)
+    if name == "gpu_triton":
+        return _select_experts_gpu(logits_TE, expert_bias_E, rule, interpret)
+    return select_experts_reference(logits_TE, expert_bias_E, rule)

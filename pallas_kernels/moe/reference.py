@@ -1,12 +1,23 @@
-"""The MoE expert kernels in pure jnp, the spec in code: the grouped matmul (the expert GEMM over rows
-sorted by expert) and the routed experts of a few tokens (each token's picked experts, combined).
+"""The MoE ops in pure jnp, the spec in code: the grouped matmul (the expert GEMM over rows sorted by
+expert), its fused neighbours `gather_swiglu` (gate/up over rows gathered from the unsorted activations, then
+SwiGLU) and `down_scatter` (down, weighted per row, stored back to each row's original place), the routed
+experts of a few tokens (each token's picked experts, combined) and the router's expert selection.
 
 Grouped matmul: rows of lhs are sorted by group: the first group_sizes[0] rows belong to group 0, the next
 group_sizes[1] to group 1, and so on; each group multiplies its rows by its own weight in the checkpoint's
 [out, in] layout, so out[rows of g] = lhs[rows of g] @ rhs[g].T. Rows at or past sum(group_sizes) give zeros.
+
+Expert selection, group-limited sigmoid routing (spec §4) after the router matmul. For each token: scores =
+sigmoid(logits); choice = scores + expert_bias (the bias steers selection only); with groups, each group scores
+the sum of its two best choices and only the `topk_group` best groups stay (ties to the lower group); then the
+top_k best choices of the kept groups (ties to the lower expert), whose un-biased scores, optionally
+renormalised, times the scaling factor are the weights. Group selection is written with maxima and pairwise
+ranks, then `lax.top_k`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +72,64 @@ def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, dow
                            shared_limit)
         y_TD = y_TD + jnp.dot(hidden_TI, shared_down_DI.T, precision=hi)
     return y_TD.astype(x_TD.dtype)
+
+
+def gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit: float | None):
+    """h [R, I] in x's dtype: swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the rows r
+    of group g; rows at or past sum(group_sizes) give zeros."""
+    x_RD = x_XD[source_R]
+    return swiglu(grouped_matmul_reference(x_RD, gate_GID, group_sizes_G),
+                  grouped_matmul_reference(x_RD, up_GID, group_sizes_G), limit)
+
+
+def down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI):
+    """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g, the
+    weighting in fp32; rows at or past sum(group_sizes) give zeros. dest is a permutation of [0, R)."""
+    y_RD = grouped_matmul_reference(h_RI, down_GDI, group_sizes_G)
+    weighted_RD = (row_weight_R.astype(jnp.float32)[:, None] * y_RD.astype(jnp.float32)).astype(h_RI.dtype)
+    return jnp.zeros_like(weighted_RD).at[dest_R].set(weighted_RD)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingRule:
+    """top_k experts per token from n_group groups of which topk_group are kept (n_group 0 or None: no
+    groups); weights renormalised to sum 1 when norm_topk_prob, then multiplied by scaling."""
+
+    top_k: int
+    n_group: int | None
+    topk_group: int | None
+    norm_topk_prob: bool
+    scaling: float
+
+
+def kept_groups(choice_TGS, keep: int):
+    """[T, G] bool: the `keep` groups with the largest sum of their two best scores, ties to the lower group
+    (what top_k of the group scores picks). Written with maxima and pairwise ranks rather than top_k, which
+    XLA runs as a sort."""
+    best_TG = jnp.max(choice_TGS, axis=-1)
+    first_best_TGS = jnp.arange(choice_TGS.shape[-1]) == jnp.argmax(choice_TGS, axis=-1)[..., None]
+    score_TG = best_TG + jnp.max(jnp.where(first_best_TGS, -jnp.inf, choice_TGS), axis=-1)
+    groups = jnp.arange(score_TG.shape[-1])
+    ahead_TGH = (score_TG[:, None, :] > score_TG[:, :, None]) | (
+        (score_TG[:, None, :] == score_TG[:, :, None]) & (groups[None, :] < groups[:, None]))
+    return jnp.sum(ahead_TGH, axis=-1) < keep
+
+
+def routing_weights(logits_TE, experts_TK, rule: RoutingRule):
+    """[T, top_k] fp32: the picked experts' un-biased sigmoid scores, renormalised and scaled."""
+    weights_TK = jnp.take_along_axis(jax.nn.sigmoid(logits_TE.astype(jnp.float32)), experts_TK, axis=1)
+    if rule.norm_topk_prob:
+        weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
+    return weights_TK * rule.scaling
+
+
+def select_experts_reference(logits_TE, expert_bias_E, rule: RoutingRule):
+    """(weights [T, top_k] fp32, experts [T, top_k] int32) from router logits [T, E] (fp32)."""
+    scores_TE = jax.nn.sigmoid(logits_TE.astype(jnp.float32))
+    choice_TE = scores_TE + expert_bias_E.astype(jnp.float32)
+    if rule.n_group:
+        num_experts = choice_TE.shape[1]
+        keep_TG = kept_groups(choice_TE.reshape(choice_TE.shape[0], rule.n_group, -1), rule.topk_group)
+        choice_TE = jnp.where(jnp.repeat(keep_TG, num_experts // rule.n_group, axis=1), choice_TE, -jnp.inf)
+    _, experts_TK = jax.lax.top_k(choice_TE, rule.top_k)
+    return routing_weights(logits_TE, experts_TK, rule), experts_TK.astype(jnp.int32)

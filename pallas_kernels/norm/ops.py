@@ -1,16 +1,32 @@
-"""RMSNorm entry points by backend: `rms_norm` and `add_rms_norm` (the residual add and the norm after it)."""
+"""RMSNorm entry points: `rms_norm` and `add_rms_norm` (the residual add and the norm after it), each over its
+variants (VARIANTS; `kernel(op, name)` gives one's entry point). Without a variant named, a GPU backend runs
+"gpu_triton" for power-of-two rows (its block is the whole row), every other case the jnp reference."""
 
 from __future__ import annotations
 
-from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
+from pallas_kernels import variants
+from pallas_kernels.backend import resolve_backend, with_reference_vjp
+from pallas_kernels.norm.gpu_triton import add_rms_norm_gpu, rms_norm_gpu
 from pallas_kernels.norm.reference import add_rms_norm_reference, rms_norm_reference
-from pallas_kernels.norm.rmsnorm_gpu import add_rms_norm_gpu, rms_norm_gpu
+from pallas_kernels.variants import REFERENCE, Variant
+
+VARIANTS = {
+    "rms_norm": {REFERENCE: Variant(None, rms_norm_reference), "gpu_triton": Variant("gpu", rms_norm_gpu)},
+    "add_rms_norm": {REFERENCE: Variant(None, add_rms_norm_reference), "gpu_triton": Variant("gpu", add_rms_norm_gpu)},
+}
 
 
-def _runs_gpu_kernel(backend: str, x) -> bool:
-    """The GPU kernel needs a power-of-two row (its block is the whole row); other widths use the reference."""
+def kernel(op: str, name: str):
+    """The entry point of variant `name` of `op` ("rms_norm" or "add_rms_norm")."""
+    return variants.lookup(VARIANTS, op, name).kernel
+
+
+def _pick(op: str, variant: str | None, backend: str, x) -> tuple[str, bool]:
+    """(variant name, interpret)."""
+    backend = resolve_backend(backend)
     dim = x.shape[-1]
-    return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu" and dim & (dim - 1) == 0
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if dim & (dim - 1) == 0 else REFERENCE
+    return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
 
 
 _rms_norm_gpu = with_reference_vjp(
@@ -23,17 +39,19 @@ _add_rms_norm_gpu = with_reference_vjp(
     nondiff_argnums=(3, 4))
 
 
-def rms_norm(x, weight_D, eps: float, *, backend: str = "auto"):
+def rms_norm(x, weight_D, eps: float, *, backend: str = "auto", variant: str | None = None):
     """weight * (x / rms(x)) over the last axis, in x's dtype (`rms_norm_reference`). backend: "auto" (the GPU
     kernel on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
     reference. Differentiable; the GPU backward pass is the reference's."""
-    if _runs_gpu_kernel(backend, x):
-        return _rms_norm_gpu(x, weight_D, eps, resolve_backend(backend).startswith("interpret"))
+    name, interpret = _pick("rms_norm", variant, backend, x)
+    if name == "gpu_triton":
+        return _rms_norm_gpu(x, weight_D, eps, interpret)
     return rms_norm_reference(x, weight_D, eps)
 
 
-def add_rms_norm(x, residual, weight_D, eps: float, *, backend: str = "auto"):
+def add_rms_norm(x, residual, weight_D, eps: float, *, backend: str = "auto", variant: str | None = None):
     """(x + residual, rms_norm(x + residual)) in x's dtype, one kernel on a GPU; backends as for `rms_norm`."""
-    if _runs_gpu_kernel(backend, x):
-        return _add_rms_norm_gpu(x, residual, weight_D, eps, resolve_backend(backend).startswith("interpret"))
+    name, interpret = _pick("add_rms_norm", variant, backend, x)
+    if name == "gpu_triton":
+        return _add_rms_norm_gpu(x, residual, weight_D, eps, interpret)
     return add_rms_norm_reference(x, residual, weight_D, eps)

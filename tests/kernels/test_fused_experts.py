@@ -24,13 +24,14 @@ from ling_jax.expert_ffn import (
 )
 from ling_jax.expert_parallel import moe_parallel
 from ling_jax.sharding import make_mesh
-from pallas_kernels.moe.fused_gpu import down_scatter_gpu, gather_swiglu_gpu
-from pallas_kernels.moe.gmm_gpu import grouped_matmul_gpu, row_tiles
-from pallas_kernels.moe.ops import down_scatter, gather_swiglu
+from pallas_kernels.moe.gpu_triton import row_tiles
+from pallas_kernels.moe.ops import down_scatter, gather_swiglu, kernel
 from pallas_kernels.moe.reference import swiglu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+gather_swiglu_gpu, down_scatter_gpu = kernel("gather_swiglu", "gpu_triton"), kernel("down_scatter", "gpu_triton")
+grouped_matmul_gpu = kernel("grouped_matmul", "gpu_triton")
 BACKENDS = pytest.mark.parametrize("backend", ["interpret_gpu", "reference"])
 LIMITS = pytest.mark.parametrize("limit", [None, 0.9], ids=["no-limit", "limit"])
 

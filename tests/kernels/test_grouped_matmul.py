@@ -12,15 +12,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import grouped_matmul, grouped_matmul_reference
-from pallas_kernels.moe.gmm_gpu import (
-    MIN_ROW_TILE,
-    grouped_matmul_gpu,
-    grouped_weight_grad_gpu,
-    max_row_tiles,
-    row_tile_sizes,
-    row_tiles,
-)
+from pallas_kernels.moe.gpu_triton import (MIN_ROW_TILE, grouped_weight_grad_gpu, max_row_tiles, row_tile_sizes,
+                                           row_tiles)
+from pallas_kernels.moe.ops import kernel
 from helpers import lower_for_cuda, rel_error
+
+grouped_matmul_gpu = kernel("grouped_matmul", "gpu_triton")
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

@@ -13,15 +13,13 @@ import pytest
 
 from np_reference import kda_recurrence
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
-from pallas_kernels.kda.chunk_gpu import chunk_kda_gpu
-from pallas_kernels.kda.chunk_gpu_blocks import sub_block_keys
-from pallas_kernels.kda.chunk_gpu_intra import intra_chunk
-from pallas_kernels.kda.chunk_gpu_tril import unit_lower_inverse_16, wy_factors
-from pallas_kernels.kda.chunk_tpu import chunk_kda_tpu
+from pallas_kernels.kda.gpu_triton import intra_chunk, sub_block_keys, unit_lower_inverse_16, wy_factors
+from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import unit_lower_inverse
 from helpers import gpu_test, l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu"]
+chunk_kda_gpu, chunk_kda_tpu = kernel("chunk_kda", "gpu_triton"), kernel("chunk_kda", "tpu_mosaic")
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
 

@@ -15,12 +15,13 @@ from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
 from np_reference import kda_recurrence
 from pallas_kernels.kda import kda_chunked, kda_decode_step
-from pallas_kernels.kda.decode_gpu import kda_decode_step_gpu
-from pallas_kernels.kda.decode_tpu import kda_decode_step_tpu
+from pallas_kernels.kda.ops import kernel
 from helpers import l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+kda_decode_step_gpu = kernel("kda_decode_step", "gpu_triton")
+kda_decode_step_tpu = kernel("kda_decode_step", "tpu_mosaic")
 GPU_VARIANTS = {  # kda_decode_step_gpu keywords at the test shapes (K 16 or 32)
     "narrow_v_blocks": dict(block_v=8),
     "two_warps": dict(block_v=16, num_warps=2),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from pallas_kernels.mla.absorb_gpu import ROWS
+from pallas_kernels.mla.gpu_triton import ROWS
 from pallas_kernels.mla.ops import absorb_query, expand_output
 
 BACKENDS = ["interpret_gpu", "reference"]

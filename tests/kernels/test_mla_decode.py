@@ -19,11 +19,12 @@ from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode, mla_decode_paged
-from pallas_kernels.mla.ops import MOSAIC_MIN_SLOTS
-from pallas_kernels.mla.decode_gpu import mla_decode_gpu
-from pallas_kernels.mla.decode_mgpu import mla_decode_mgpu, mla_decode_paged_mgpu
-from pallas_kernels.mla.decode_tpu import mla_decode_tpu
+from pallas_kernels.mla.ops import kernel
+from pallas_kernels.mla.tuned import MOSAIC_MIN_SLOTS
 from helpers import gpu_test, lower_for_cuda, rel_error
+
+mla_decode_gpu, mla_decode_tpu = kernel("mla_decode", "gpu_triton"), kernel("mla_decode", "tpu_mosaic")
+mla_decode_mgpu, mla_decode_paged_mgpu = kernel("mla_decode", "gpu_mosaic"), kernel("mla_decode_paged", "gpu_mosaic")
 
 LATENT, ROPE = 512, 64
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}

@@ -16,8 +16,10 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_prefill
-from pallas_kernels.mla.prefill import flash_expanded_attention
-from pallas_kernels.mla.prefill_gpu import flash_expanded_attention_gpu
+from pallas_kernels.mla.ops import kernel
+from pallas_kernels.mla.reference import flash_expanded_attention
+
+flash_expanded_attention_gpu = kernel("mla_prefill", "gpu_triton")
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 3, 12, 8, 10, 24
 KERNEL_DIMS = dict(nope=32, value=32, rope=16)  # the GPU kernel's: powers of two, >= 16 (Triton's dot)

@@ -1,4 +1,4 @@
-"""Expert selection of the group-limited router (`pallas_kernels.moe.routing.select_experts`): the GPU kernel
+"""Expert selection of the group-limited router (`pallas_kernels.moe.select_experts`): the GPU kernel
 (Pallas interpret mode on the CPU, compiled on the device machine) and the jnp reference against a float64
 numpy router with stable sorts, ties included; gradients; lowering for CUDA from the CPU."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from pallas_kernels.moe.routing import RoutingRule, select_experts
+from pallas_kernels.moe import RoutingRule, select_experts
 
 BACKENDS = ["interpret_gpu", "reference"]
 

@@ -2,14 +2,13 @@
 of 16x16 blocks, and the decayed keys (Pallas, Triton lowering).
 
 `sub_block_keys`, grid (B*H, T/16): each 16-row sub-block's keys decayed to its end and its gate totals, formed
-once for the later sub-blocks' programs of `decay_blocks` to load (each of them formed them itself before: norms,
-scans and exponentials per pair of sub-blocks; 6.4 -> 4.1 + 0.9 ms on an H200, BENCHMARKS.md).
+once for the later sub-blocks' programs of `decay_blocks` to load (rather than each of them forming them again:
+norms, scans and exponentials per pair of sub-blocks).
 
-`decay_blocks`, grid (B*H, T/64, 4): program (bh, n, i) owns
-sub-block i (16 rows) of chunk n, so every program is short (one program per chunk, doing its sub-blocks in
-turn, measured 13.1 ms against 6.4 on an H200 at B=1, T=32768, H=64). The sequence-head is the fastest-varying
-grid axis (Triton's x): this order ran 4.6 ms against 7.7 with the sub-block fastest (a chunk's 4 programs side
-by side, sharing its keys and gates in L2), BENCHMARKS.md.
+`decay_blocks`, grid (B*H, T/64, 4): program (bh, n, i) owns sub-block i (16 rows) of chunk n, so every program is
+short (rather than one program per chunk doing its sub-blocks in turn). The sequence-head is the fastest-varying
+grid axis (Triton's x), not the sub-block (which would put a chunk's 4 programs side by side, sharing its keys
+and gates in L2). The forms measured and their times: docs/benchmarks (KDA prefill).
 
 With Γ_j the cumulative log-decay inside sub-block j (<= 0, log2 units for exp2) and t_j its total, for row c
 of sub-block i and row s of sub-block j <= i the chunk-local decay is
@@ -23,16 +22,14 @@ multiplies an exp2 by a power of two (exact), rather than entering its argument 
 decay's small exponent to the ulp of ~58).
 The program walks j = i-1 down to 0 (loading k_s e^{t_j - Γ_s} and t_j from `sub_block_keys`), carrying gap_j,
 then sums the totals t_j of the later sub-blocks j > i, both as loops whose trip counts come from the program
-id. Measured slower on an H200 (BENCHMARKS.md): the same steps as straight-line code predicated on j < i
-(19.9 ms against 6.0) or in one branch per sub-block index with static trip counts (7.8 ms), and one program
-per chunk over [4, 16, block_k] tiles (18.3 ms); no faster: the later totals as one masked sum over the chunk's
-[SUBS, K] totals with a_qk's zeros as one masked store (4.3 ms against 4.1). Its own rows are loaded with an L2
-evict-first hint, the earlier sub-blocks' keys and totals (which the later sub-blocks' programs read again)
-evict-last (4.00 ms at B=1, T=32768, within run-to-run spread of 4.13 without). It stores
+id (straight-line code predicated on j < i, one branch per sub-block index, one program per chunk over
+[4, 16, block_k] tiles and a masked sum of the later totals were measured slower or no faster). Its own rows are
+loaded with an L2 evict-first hint, the earlier sub-blocks' keys and totals (which the later sub-blocks' programs
+read again) evict-last. It stores
   qg rows of sub-block i: q_c e^{G_c} = q_c e^{Γ_c + S} e^{o_i - S}, o_i = t_0 + ... + t_{i-1} (parts dtype);
   a_qk rows of sub-block i: q_c k_s e^{G_c - G_s} for s <= c, zeros right of the diagonal (parts dtype);
   blocks rows of sub-block i (fp32): L_ij = diag(beta_i) (k_i k_j decay products) for j < i, and on the
-  diagonal D_i = (I + L_ii)^-1, inverted in registers (`chunk_gpu_tril.unit_lower_inverse_16`) from L_ii^T,
+  diagonal D_i = (I + L_ii)^-1, inverted in registers (`tril.unit_lower_inverse_16`) from L_ii^T,
   formed directly by one more 16x16 product (no transpose). Right of the diagonal: not written;
   kb rows of sub-block i: beta_c e^{G_c} k_c, as qg (the right factor of w = X kb; parts dtype);
   kg rows of sub-block i: e^{G_last - G_c} k_c = k_c e^{(t_i - Γ_c) + t_{i+1} + ... + t_3} (parts dtype; every
@@ -50,8 +47,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda.chunk_gpu_tril import CHUNK, SUB, SUBS, gpu_dots, iota_16, sub_rows, unit_lower_inverse_16
+from pallas_kernels.kda import tuned
+from pallas_kernels.kda.gpu_triton.tril import CHUNK, SUB, SUBS, gpu_dots, iota_16, sub_rows, unit_lower_inverse_16
 from pallas_kernels.kda.reference import L2_EPS
+from pallas_kernels.tuning import fill, lookup
 
 LOG2_E = 1.4426950408889634
 SHIFT_UP, SHIFT_DOWN = 2.0 ** 58, 2.0 ** -58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
@@ -173,12 +172,19 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
     blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
 
-def sub_block_keys(k, g, *, use_qk_l2norm: bool, parts_dtype, block_k: int = 128, num_warps: int = 2,
-                   interpret: bool = False):
+def _tiles(dtype, stages: bool = False) -> tuple[int, ...]:
+    """(block_k, num_warps[, num_stages]) of `tuned.CHUNK_INTRA` for inputs of this dtype."""
+    tiles = lookup(tuned.CHUNK_INTRA, dtype=dtype)
+    return (tiles.block_k, tiles.num_warps) + ((tiles.num_stages,) if stages else ())
+
+
+def sub_block_keys(k, g, *, use_qk_l2norm: bool, parts_dtype, block_k: int | None = None,
+                   num_warps: int | None = None, interpret: bool = False):
     """(right [BH, Tp, K] in parts_dtype: k_s e^{t_j - Γ_s} of every 16-row sub-block j, k l2-normalised when
     asked; totals [BH, Tp / SUB, K] fp32: each sub-block's gate total t_j, log2 units) from k [B, Tp, H, K] and
     g [B, Tp, H, K] fp32. Grid (B*H, Tp / SUB): what `decay_blocks` needs of the sub-blocks other than a program's
-    own, formed once rather than by each later sub-block's program."""
+    own, formed once rather than by each later sub-block's program. Tiles: None from `tuned.CHUNK_INTRA`."""
+    block_k, num_warps = fill((block_k, num_warps), _tiles(k.dtype))
     batch, padded, heads, key_dim = k.shape
     flat, sub_blocks = batch * heads, padded // SUB
     rows = pl.BlockSpec((None, SUB, None, key_dim), lambda bh, s: (bh // heads, s, bh % heads, 0))
@@ -196,12 +202,14 @@ def sub_block_keys(k, g, *, use_qk_l2norm: bool, parts_dtype, block_k: int = 128
     )(k, g)
 
 
-def decay_blocks(q, k, g, beta, right, totals, *, scale: float, use_qk_l2norm: bool, parts_dtype, block_k: int = 128,
-                 num_warps: int = 2, num_stages: int = 1, interpret: bool = False):
+def decay_blocks(q, k, g, beta, right, totals, *, scale: float, use_qk_l2norm: bool, parts_dtype,
+                 block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 interpret: bool = False):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
     parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
     fp32 (Tp = N * CHUNK) and `sub_block_keys`' right and totals. Grid (B*H, N, CHUNK / SUB); the keys are worked
-    through block_k columns at a time (a power of two; default whole 128-key rows)."""
+    through block_k columns at a time (a power of two). Tiles: None from `tuned.CHUNK_INTRA`."""
+    block_k, num_warps, num_stages = fill((block_k, num_warps, num_stages), _tiles(q.dtype, stages=True))
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731

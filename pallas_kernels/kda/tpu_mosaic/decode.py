@@ -13,7 +13,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.kda import tuned
 from pallas_kernels.kda.reference import L2_EPS
+from pallas_kernels.tuning import lookup
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref, *, scale, use_qk_l2norm):
@@ -33,8 +35,11 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "head_block", "interpret"),
                    donate_argnames=("state_BHKV",))
 def kda_decode_step_tpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        head_block: int = 8, interpret: bool = False):
-    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state)."""
+                        head_block: int | None = None, interpret: bool = False):
+    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
+    head_block: None from `tuned.DECODE_TPU`."""
+    if head_block is None:
+        head_block = lookup(tuned.DECODE_TPU, dtype=v_BHV.dtype).head_block
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
     head_block = head_block if heads % head_block == 0 else heads

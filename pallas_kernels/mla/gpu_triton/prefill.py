@@ -1,7 +1,7 @@
 """MLA prefill attention on GPU: a Pallas flash-attention kernel (Triton lowering) over one segment of
 expanded keys, and the exact merge of segments.
 
-`flash_expanded_attention_gpu` has the semantics of the jnp `flash_expanded_attention` (`prefill.py`): query
+`flash_expanded_attention_gpu` has the semantics of the jnp `flash_expanded_attention` (`mla/reference.py`): query
 t sees key slot s iff s <= query_slots[b, t] and key_valid[b, s]. It walks the latent cache in segments of
 `segment` slots; per segment XLA expands the keys once for all queries (k_nope [B, S, H, N] and v
 [B, S, H, V] from c_kv with W_UK, W_UV; the rope key k_pe [B, S, P] is shared by the heads), and the kernel
@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.mla import tuned
+from pallas_kernels.tuning import fill, lookup
 
 
 def kernel_dims_fit(*head_dims: int) -> bool:
@@ -92,8 +95,8 @@ def _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q: int):
 
 
 def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, query_slots_BT, key_valid_BS,
-                          first_slot, *, scale: float, block_q: int = 64, block_k: int = 64, num_warps: int = 4,
-                          num_stages: int = 2, interpret: bool = False):
+                          first_slot, *, scale: float, block_q: int, block_k: int, num_warps: int, num_stages: int,
+                          interpret: bool = False):
     """Flash attention of every query over the segment's keys (slots first_slot + [0, S); S a power of two):
     (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible)."""
     batch, length, heads, nope = q_nope_BTHN.shape
@@ -131,11 +134,16 @@ def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV,
     return o[:, :length], lse[:, :length]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "segment", "block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "segment", "block_q", "block_k", "num_warps", "num_stages",
+                                             "interpret"))
 def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR,
-                                 w_uv_HVR, *, scale: float, segment: int = 4096, block_q: int = 64,
-                                 block_k: int = 64, interpret: bool = False):
-    """Expanded MLA attention -> o [B, T, H, V] in q's dtype (arguments as for `flash_expanded_attention`)."""
+                                 w_uv_HVR, *, scale: float, segment: int | None = None, block_q: int | None = None,
+                                 block_k: int | None = None, num_warps: int | None = None,
+                                 num_stages: int | None = None, interpret: bool = False):
+    """Expanded MLA attention -> o [B, T, H, V] in q's dtype (arguments as for `flash_expanded_attention`).
+    Tiles: None from `tuned.PREFILL`."""
+    segment, block_q, block_k, num_warps, num_stages = fill((segment, block_q, block_k, num_warps, num_stages),
+                                                            lookup(tuned.PREFILL, dtype=q_nope_BTHN.dtype))
     batch, _, heads, _ = q_nope_BTHN.shape
     latent_dim = w_uk_HNR.shape[-1]
     dtype = q_nope_BTHN.dtype
@@ -149,7 +157,7 @@ def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots
     block_q = _query_block(length, block_q)
     q_nope, q_pe, query_slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)  # once
     attend = functools.partial(attention_segment_gpu, scale=scale, block_q=block_q, block_k=block_k,
-                               interpret=interpret)
+                               num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
     value_dim = w_uv_HVR.shape[1]
 

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kda import tuned
 from pallas_kernels.kda.chunk_math import SUB, Dots
+from pallas_kernels.tuning import lookup
 
 CHUNK = 64
 SUBS = CHUNK // SUB  # sub-blocks per chunk
@@ -82,12 +84,16 @@ def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dt
         u_ref[sub_rows(i), :] = u.astype(u_ref.dtype)
 
 
-def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int = 2, num_stages: int = 1,
-               interpret: bool = False):
+def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int | None = None,
+               num_stages: int | None = None, interpret: bool = False):
     """(w [BH, Tp, K], u [BH, Tp, V] in parts_dtype): w = X kb, u = X (beta v) per chunk, X = (I + L)^-1 merged
     from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, the blocks
     L_ij of L below it); kb [BH, Tp, K] (beta e^G k, in the parts' dtype), v [B, Tp, H, V], beta [B, Tp, H, 1]
-    fp32; products as `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK)."""
+    fp32; products as `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK). Warps and stages: None from
+    `tuned.CHUNK_INTRA` (factors_num_warps, num_stages)."""
+    tiles = lookup(tuned.CHUNK_INTRA, dtype=input_dtype)
+    num_warps = tiles.factors_num_warps if num_warps is None else num_warps
+    num_stages = tiles.num_stages if num_stages is None else num_stages
     flat, padded, key_dim = kb.shape
     _, _, heads, value_dim = v.shape
     rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.mla import tuned
+from pallas_kernels.tuning import fill, lookup
+
 ROWS = 8  # the most query rows (batch x tokens) these kernels take
 
 
@@ -81,8 +84,10 @@ def _per_head_call(kernel, vectors_MHX, kv_b_HCR, weight_block, weight_index, ou
 
 
 @functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
-def absorb_query_gpu(q_nope_MHN, kv_b_HCR, *, block: int = 128, num_warps: int = 4, interpret: bool = False):
-    """`absorb_query_reference` for at most ROWS rows: [M, H, R] fp32."""
+def absorb_query_gpu(q_nope_MHN, kv_b_HCR, *, block: int | None = None, num_warps: int | None = None,
+                     interpret: bool = False):
+    """`absorb_query_reference` for at most ROWS rows: [M, H, R] fp32. Tiles: None from `tuned.ABSORB_QUERY`."""
+    block, num_warps = fill((block, num_warps), lookup(tuned.ABSORB_QUERY, dtype=kv_b_HCR.dtype))
     nope, rank = q_nope_MHN.shape[2], kv_b_HCR.shape[2]
     block = _column_block(block, rank)
     return _per_head_call(_absorb_kernel, q_nope_MHN, kv_b_HCR, (nope, block), lambda h, c: (h, 0, c), rank, block,
@@ -90,9 +95,10 @@ def absorb_query_gpu(q_nope_MHN, kv_b_HCR, *, block: int = 128, num_warps: int =
 
 
 @functools.partial(jax.jit, static_argnames=("nope", "block", "num_warps", "interpret"))
-def expand_output_gpu(o_latent_MHR, kv_b_HCR, *, nope: int, block: int = 32, num_warps: int = 4,
+def expand_output_gpu(o_latent_MHR, kv_b_HCR, *, nope: int, block: int | None = None, num_warps: int | None = None,
                       interpret: bool = False):
-    """`expand_output_reference` for at most ROWS rows: [M, H, V] fp32."""
+    """`expand_output_reference` for at most ROWS rows: [M, H, V] fp32. Tiles: None from `tuned.EXPAND_OUTPUT`."""
+    block, num_warps = fill((block, num_warps), lookup(tuned.EXPAND_OUTPUT, dtype=kv_b_HCR.dtype))
     rank, value = kv_b_HCR.shape[2], kv_b_HCR.shape[1] - nope
     block = _column_block(block, nope, value)
     first = nope // block  # W_UV starts `first` blocks into each head's rows

@@ -17,11 +17,11 @@ consumer's P·V of tile t. Shared memory: the query 72 KiB, two 64-slot cache ti
 needs K = block_k to be a multiple of 64, so three stages do not fit the 227 KiB).
 
 Each consumer writes its softmax-normalised half of the split's output and the scores consumer the split's
-log-sum-exp; `combine_splits` merges the splits exactly, as for the Triton kernel (`decode_gpu.py`). The query
+log-sum-exp; `combine_splits` merges the splits exactly, as for the Triton kernel (`gpu_triton/decode.py`). The query
 and P go to the tensor cores in the cache dtype (bf16 or fp16) with fp32 accumulation.
 
 The cache is contiguous ([B, L, 576], `mla_decode_mgpu`) or paged ([P, page_size, 576] with a page table,
-`mla_decode_paged_mgpu`); only the producer's view of tile i differs.
+`mla_decode_paged_mgpu`); only the producer's view of tile i differs. Tiles: None from `tuned.DECODE_MOSAIC`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import mosaic_gpu_interpret
+from pallas_kernels.mla import tuned
 from pallas_kernels.mla.reference import combine_splits
+from pallas_kernels.tuning import fill, lookup
 
 HEADS = 64  # wgmma's M; fewer heads are padded to it
 CONSUMERS = 2
@@ -273,20 +275,26 @@ def _run(body, cache_args, q_latent_BHR, q_rope_BHP, lengths_B, *, max_len: int,
     return combine_splits(o_BSHR, lse_BSH)[:, :heads]
 
 
+def _tiles(dtype, *given):
+    """(block_k, stages, pv_chunk, approx_math): the given ones, None ones from `tuned.DECODE_MOSAIC`."""
+    return fill(given, lookup(tuned.DECODE_MOSAIC, dtype=dtype))
+
+
 _TUNING = ("scale", "block_k", "stages", "pv_chunk", "num_splits", "approx_math", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
-def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int = 64,
-                    stages: int = 2, pv_chunk: int = 128, num_splits: int | None = None, approx_math: bool = True,
-                    interpret: bool = False):
+def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float,
+                    block_k: int | None = None, stages: int | None = None, pv_chunk: int | None = None,
+                    num_splits: int | None = None, approx_math: bool | None = None, interpret: bool = False):
     """o_latent [B, H, R] fp32 for a bf16 or fp16 cache [B, L, R + P] (R = 512, P = 64 for Ling; R and P
     multiples of 64 and 128 divides R), H <= 64 heads. Slots past L in the last tile read as zeros
     (TMA) and are masked like those past lengths[b]; a cache whose L is not a multiple of 8 is padded first (a
     copy: TMA needs whole 8-row tiles). Tiles: `block_k` slots a tile, `stages` ring buffers,
     P·V in `pv_chunk`-column products per consumer (each a fresh accumulator added to the rescaled output:
     fewer live registers than one [64, 256] product). approx_math: the softmax's exp in the
-    fast approximate form (ex2.approx; the same error vs float64 on the H200, 0.136 vs 0.173 ms at B=1)."""
+    fast approximate form (ex2.approx; the same error vs float64). None: `tuned.DECODE_MOSAIC`."""
+    block_k, stages, pv_chunk, approx_math = _tiles(kv_cache_BLA.dtype, block_k, stages, pv_chunk, approx_math)
     max_len = kv_cache_BLA.shape[1]
     if max_len % 8:  # a TMA source dimension must be a multiple of its 8-row tiling: odd lengths are padded
         kv_cache_BLA = jnp.pad(kv_cache_BLA, ((0, 0), (0, -max_len % 8), (0, 0)))
@@ -297,12 +305,13 @@ def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale:
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
 def mla_decode_paged_mgpu(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *, scale: float,
-                          block_k: int = 64, stages: int = 2, pv_chunk: int = 128, num_splits: int | None = None,
-                          approx_math: bool = True, interpret: bool = False):
+                          block_k: int | None = None, stages: int | None = None, pv_chunk: int | None = None,
+                          num_splits: int | None = None, approx_math: bool | None = None, interpret: bool = False):
     """`mla_decode_mgpu` over a paged cache: kv_pages [P, page_size, R + P_rope] (page_size a multiple of
     block_k), page_table [B, max_pages] int32: slot s of sequence b is row s % page_size of page
     page_table[b, s // page_size]. Pages may be shared between sequences (prefix reuse); entries past a
     sequence's length are never read."""
+    block_k, stages, pv_chunk, approx_math = _tiles(kv_pages_PSA.dtype, block_k, stages, pv_chunk, approx_math)
     page_size = kv_pages_PSA.shape[1]
     if page_size % block_k:
         raise ValueError(f"mla_decode_paged_mgpu needs a page size that is a multiple of block_k {block_k}, "

@@ -11,7 +11,7 @@ cost. Column tiles vary fastest so the programs sharing a row tile of lhs run to
 a group's tiles are adjacent so its weight is read from HBM about once.
 
 The tiling (`row_tiles`, `call_over_row_tiles`, `output_tile`) and the K loop (`tile_products`) are shared with
-the fused expert kernels (`pallas_kernels.moe.fused_gpu`), which differ in how rows are loaded and what is stored.
+the fused expert kernels (`fused.py`), which differ in how rows are loaded and what is stored.
 
 The same kernel with rhs read as [G, K, N] gives d_lhs = d_out @ rhs[g]; `grouped_weight_grad_gpu` gives
 d_rhs[g] = d_out[rows of g].T @ lhs[rows of g], one program per (K tile, N tile, group) walking the group's
@@ -21,14 +21,15 @@ rows, so training needs no ragged_dot (whose XLA GPU lowering materialises a mas
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.moe.masked import mask_2d, masked_load
+from pallas_kernels.moe import tuned
+from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.tuning import fill, lookup
 
 
 def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int, block_k: int, cols_ok_N,
@@ -136,45 +137,20 @@ def row_tiles(group_sizes_G, num_rows: int, block_m: int, *, fill_tail: bool = T
     return part_T, jnp.where(used_T, row_start_T, 0), jnp.where(used_T, row_end_T, 0)
 
 
-# (block_m, block_n, block_k, num_warps, num_stages) by lhs itemsize. bf16: the best of a small sweep on an
-# H200 (jax 0.11.2) for 65536 rows, 512 groups, K 4096, N 1024: about 375 TFLOP/s forward, 340 for d_lhs,
-# against 555 for the same kernel on one group and 734 for XLA's dense matmul. fp32 (IEEE, no tensor
-# cores) is untuned.
-DEFAULT_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
-# Decode sizes (a few rows per group: each call streams the picked experts' weights): the smallest row tile
-# and narrow column tiles, so that enough programs run to use the whole memory system. bf16 from
-# `scripts/bench_grouped_matmul.py` on an H200 (8 and 64 rows over 512 experts, both expert shapes).
-FEW_ROWS_TILES = {2: (16, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
-FEW_ROWS_PER_GROUP = 4  # FEW_ROWS_TILES up to this many rows per group on average
-
-
 def _tile(size: int, wanted: int) -> int:
     """Triton tiles are powers of two, and its dots want at least 16 per side."""
     return max(16, min(wanted, pl.next_power_of_2(size)))
 
 
-def _launch_settings(dtype, given, defaults_by_itemsize):
-    defaults = defaults_by_itemsize.get(jnp.dtype(dtype).itemsize, defaults_by_itemsize[4])
-    return tuple(value or default for value, default in zip(given, defaults))
-
-
-class Tiles(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
 def row_tile_settings(dtype, given, *, num_rows: int, num_groups: int, n_dim: int, k_dim: int,
-                      tiles=DEFAULT_TILES, few_rows_tiles=FEW_ROWS_TILES) -> Tiles:
-    """The given (block_m, block_n, block_k, num_warps, num_stages), None taking the default for dtype's
-    itemsize: few_rows_tiles when the groups average at most FEW_ROWS_PER_GROUP rows (decode), else tiles;
-    block sizes clipped to powers of two that fit the problem."""
-    few_rows = num_rows <= FEW_ROWS_PER_GROUP * num_groups
-    block_m, block_n, block_k, num_warps, num_stages = _launch_settings(dtype, given,
-                                                                        few_rows_tiles if few_rows else tiles)
-    return Tiles(_tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k), num_warps, num_stages)
+                      table=tuned.GROUPED_MATMUL) -> tuned.GroupedTiles:
+    """The given (block_m, block_n, block_k, num_warps, num_stages), None ones from `table` (a `tuned` table of
+    GroupedTiles) for dtype and the rows' bucket ("few_rows" when the groups average at most
+    tuned.FEW_ROWS_PER_GROUP rows: decode); block sizes clipped to powers of two that fit the problem."""
+    block_m, block_n, block_k, num_warps, num_stages = fill(given, lookup(
+        table, dtype=dtype, bucket=tuned.rows_bucket(num_rows, num_groups)))
+    return tuned.GroupedTiles(_tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k), num_warps,
+                              num_stages)
 
 
 # The smallest row tile a group's last, partial tile shrinks to (see `call_over_row_tiles`).
@@ -208,8 +184,8 @@ def _by_row_count(kernel, sizes):
     return sized
 
 
-def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: Tiles, *, num_rows: int, n_dim: int,
-                        k_dim: int, interpret: bool, name: str, min_block_m: int | None = None,
+def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: tuned.GroupedTiles, *, num_rows: int,
+                        n_dim: int, k_dim: int, interpret: bool, name: str, min_block_m: int | None = None,
                         fill_tail: bool = True):
     """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, column_tile=, block_m=,
     block_n=, block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row
@@ -243,8 +219,8 @@ def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = Fal
     [G, N, K], or lhs[rows of g] @ rhs[g] for rhs [G, K, N] with rhs_transposed (the gradient w.r.t. lhs).
 
     rhs is cast to lhs's dtype; bf16 products use the tensor cores, fp32 ones stay IEEE fp32 (no tf32).
-    Tile sizes and launch settings default to DEFAULT_TILES for lhs's dtype, or FEW_ROWS_TILES when the
-    groups average at most FEW_ROWS_PER_GROUP rows (decode); tiles are powers of two. A group's last, partial
+    Tile sizes and launch settings: None from `tuned.GROUPED_MATMUL` for lhs's dtype and the rows' bucket; tiles
+    are powers of two. A group's last, partial
     row tile runs at the smallest power of two >= min_block_m (default MIN_ROW_TILE) that holds its rows.
     """
     num_rows, k_dim = lhs_MK.shape
@@ -259,11 +235,6 @@ def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = Fal
                                k_dim=k_dim, interpret=interpret, name="grouped_matmul", min_block_m=min_block_m)
 
 
-# (block_m = rows per step, block_n, block_k, num_warps, num_stages) by lhs itemsize; bf16 from the same
-# sweep: about 275 TFLOP/s (a group's last row step is partial, so small steps win).
-WEIGHT_GRAD_TILES = {2: (32, 128, 128, 4, 4), 4: (32, 64, 64, 4, 3)}
-
-
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
 def grouped_weight_grad_gpu(lhs_MK, d_out_MN, group_sizes_G, *, block_m: int | None = None,
@@ -271,15 +242,15 @@ def grouped_weight_grad_gpu(lhs_MK, d_out_MN, group_sizes_G, *, block_m: int | N
                             num_stages: int | None = None, interpret: bool = False):
     """d_rhs [G, N, K] in lhs's dtype (fp32 accumulation): d_rhs[g] = d_out[rows of g].T @ lhs[rows of g].
 
-    An empty group gets zeros. d_out is cast to lhs's dtype; tiles default to WEIGHT_GRAD_TILES.
+    An empty group gets zeros. d_out is cast to lhs's dtype; tiles: None from `tuned.WEIGHT_GRAD`.
     """
     num_rows, k_dim = lhs_MK.shape
     n_dim = d_out_MN.shape[1]
     num_groups = group_sizes_G.shape[0]
     if num_rows == 0:
         return jnp.zeros((num_groups, n_dim, k_dim), lhs_MK.dtype)
-    block_m, block_n, block_k, num_warps, num_stages = _launch_settings(
-        lhs_MK.dtype, (block_m, block_n, block_k, num_warps, num_stages), WEIGHT_GRAD_TILES)
+    block_m, block_n, block_k, num_warps, num_stages = fill((block_m, block_n, block_k, num_warps, num_stages),
+                                                            lookup(tuned.WEIGHT_GRAD, dtype=lhs_MK.dtype))
     block_m, block_n, block_k = _tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k)
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), num_rows)])

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda.chunk_math import SUB, Dots, chunk_step
-from pallas_kernels.kda.chunk_prep import finish, prepare
+from pallas_kernels.kda.tpu_mosaic.prep import finish, prepare
 from pallas_kernels.kda.reference import L2_EPS
 
 

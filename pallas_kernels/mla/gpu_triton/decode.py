@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.mla import tuned
 from pallas_kernels.mla.reference import combine_splits
+from pallas_kernels.tuning import fill, lookup
 
 
 def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_ref, o_ref, lse_ref, *,
@@ -53,19 +55,13 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_
     lse_ref[...] = jnp.where(seen, m_H + jnp.log(jnp.where(seen, l_H, 1.0)), -jnp.inf)
 
 
-# (block_k, head_block, num_warps) by cache itemsize, measured on an H200 (BENCHMARKS.md); fp32 tiles need
-# half the size to fit the 227 KiB of shared memory with two pipeline stages.
-DEFAULT_TILES = {2: (64, 64, 8), 4: (32, 16, 4)}
-
-
 MIN_SPLIT = 256  # slots: four 64-slot blocks per program at least
 
 
 def default_num_splits(batch: int, head_blocks: int, max_len: int) -> int:
     """About two programs per SM of an H100/H200 (132 SMs), splits of at most 4096 slots and at least
-    MIN_SPLIT. Small batches want many splits: one sequence at 8192 slots ran in 74 us with 1024-slot splits
-    (9 programs), a latency-bound walk; the fp32 partial outputs the extra splits write and the combine
-    re-reads (splits x heads x 4 KiB) cost far less."""
+    MIN_SPLIT. Small batches want many splits: with few programs the walk is latency-bound, and the fp32 partial
+    outputs the extra splits write and the combine re-reads (splits x heads x 4 KiB) cost far less."""
     wanted = max(pl.cdiv(264, batch * head_blocks), pl.cdiv(max_len, 4096))
     return max(1, min(wanted, pl.cdiv(max_len, MIN_SPLIT)))
 
@@ -74,12 +70,11 @@ def default_num_splits(batch: int, head_blocks: int, max_len: int) -> int:
                                              "num_stages", "interpret"))
 def mla_decode_gpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int | None = None,
                    num_splits: int | None = None, head_block: int | None = None, num_warps: int | None = None,
-                   num_stages: int = 2, interpret: bool = False):
+                   num_stages: int | None = None, interpret: bool = False):
     """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R must be a multiple of P (512 and 64 for Ling).
-    Tile sizes default to DEFAULT_TILES for the cache dtype; head_block >= 16 (heads are padded to it)."""
-    default_tiles = DEFAULT_TILES.get(kv_cache_BLA.dtype.itemsize, DEFAULT_TILES[4])
-    block_k, head_block, num_warps = (given or default for given, default in
-                                      zip((block_k, head_block, num_warps), default_tiles))
+    Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it)."""
+    block_k, head_block, num_warps, num_stages = fill((block_k, head_block, num_warps, num_stages),
+                                                      lookup(tuned.DECODE_TRITON, dtype=kv_cache_BLA.dtype))
     batch, heads, latent_dim = q_latent_BHR.shape
     rope_dim = q_rope_BHP.shape[-1]
     max_len = kv_cache_BLA.shape[1]

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.mla import tuned
 from pallas_kernels.mla.reference import combine_splits
+from pallas_kernels.tuning import fill, lookup
 
 NEG_INF = -1e30
 
@@ -62,10 +64,11 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_ref, o_ref, lse_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "interpret"))
-def mla_decode_tpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int = 256,
-                   num_splits: int = 2, interpret: bool = False):
+def mla_decode_tpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int | None = None,
+                   num_splits: int | None = None, interpret: bool = False):
     """o_latent [B, H, R] fp32. block_k: cache slots per tile, a multiple of 16; any cache length works (a
-    cache shorter than one tile is one tile, a partial last tile is masked)."""
+    cache shorter than one tile is one tile, a partial last tile is masked). None: `tuned.DECODE_TPU`."""
+    block_k, num_splits = fill((block_k, num_splits), lookup(tuned.DECODE_TPU, dtype=kv_cache_BLA.dtype))
     batch, heads, latent_dim = q_latent_BHR.shape
     rope_dim = q_rope_BHP.shape[-1]
     max_len, width = kv_cache_BLA.shape[1:]

@@ -26,8 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.moe.masked import mask_2d, masked_load
+from pallas_kernels.moe import tuned
+from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 from pallas_kernels.moe.reference import swiglu
+from pallas_kernels.tuning import fill, lookup
 
 
 def _valid(expert, num_experts: int):
@@ -94,13 +96,6 @@ def _down_combine_kernel(expert_ref, weight_ref, h_ref, down_ref, *refs, top_k: 
     plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=cols_ok)
 
 
-# (block_n, block_k, num_warps, num_stages) of each kernel: the best bf16 pair of the sweep in
-# scripts/bench_routed_experts.py (one token, 8 routed + 1 shared rows, Ling-3.1-flash shapes) on an H200:
-# 74.5 us per call against 79.9 us for the previous (16, 512, 4, 2).
-SWIGLU_TILES = (8, 256, 4, 4)
-DOWN_TILES = (8, 1024, 4, 3)
-
-
 def _tile(size: int, wanted: int) -> int:
     return min(wanted, pl.next_power_of_2(size))
 
@@ -108,13 +103,15 @@ def _tile(size: int, wanted: int) -> int:
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles"))
 def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared=None, *, limit: float | None,
                        shared_limit: float | None = None, interpret: bool = False,
-                       swiglu_tiles: tuple[int, int, int, int] = SWIGLU_TILES,
-                       down_tiles: tuple[int, int, int, int] = DOWN_TILES):
+                       swiglu_tiles: tuple[int | None, ...] = (None,) * 4,
+                       down_tiles: tuple[int | None, ...] = (None,) * 4):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
     is expert e's SwiGLU (clipped at `limit`). Weights are read in their stored dtype; experts outside [0, E)
     contribute nothing. shared: None, or the shared expert's (gate [I, D], up [I, D], down [D, I]), clipped at
     `shared_limit`, added with weight 1. Tiles: (block_n, block_k, num_warps, num_stages) of each kernel,
-    powers of two."""
+    powers of two; None ones from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN`."""
+    swiglu_tiles = fill(swiglu_tiles, lookup(tuned.ROUTED_SWIGLU, dtype=x_TD.dtype))
+    down_tiles = fill(down_tiles, lookup(tuned.ROUTED_DOWN, dtype=x_TD.dtype))
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]

@@ -8,7 +8,7 @@ expert, with no sorted copy of the activations and no unsort:
   each stored to its original row dest[r] (a scattered store): y [R, D] in the callers' order, so that the
   combine of a token's top-k rows is a plain sum.
 
-Both reuse the grouped matmul's row tiling and K loop (`pallas_kernels.moe.gmm_gpu`): tiles never cross a
+Both reuse the grouped matmul's row tiling and K loop (`gmm.py`): tiles never cross a
 group, a tail tile (rows past sum(group_sizes)) stores zeros; dest must be a permutation of [0, R), so every
 output row has exactly one owner.
 """
@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.moe.gmm_gpu import call_over_row_tiles, output_tile, row_tile_settings, tile_products
-from pallas_kernels.moe.masked import mask_2d, masked_load
+from pallas_kernels.moe import tuned
+from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings, tile_products
+from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 from pallas_kernels.moe.reference import swiglu
 
 
@@ -71,27 +72,20 @@ def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_we
                 mask=mask_2d(rows_ok_M, cols_ok_N))
 
 
-# (block_m, block_n, block_k, num_warps, num_stages) by x's itemsize. gather_swiglu keeps two accumulators, so
-# its column tile is half the grouped matmul's. bf16: the best of scripts/bench_moe.py's sweep on an H200 at
-# 8192 and at 64 tokens (Ling-3.1-flash MoE; 2026-11-29); fp32 (IEEE, no tensor cores) untuned.
-GATHER_SWIGLU_TILES = {2: (128, 128, 64, 8, 4), 4: (64, 32, 32, 4, 3)}
-DOWN_SCATTER_TILES = {2: (128, 256, 64, 8, 4), 4: (64, 64, 32, 4, 3)}
-FEW_ROWS_GATHER_SWIGLU_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
-FEW_ROWS_DOWN_SCATTER_TILES = {2: (32, 64, 128, 4, 4), 4: (16, 32, 64, 4, 3)}
 _TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
 
 
 def _over_row_tiles(kernel, group_sizes_G, operands, requested_tiles, *, num_rows: int, n_dim: int, k_dim: int,
-                    dtype, tiles, few_rows_tiles, min_block_m: int | None, fill_tail: bool, interpret: bool,
+                    dtype, table, min_block_m: int | None, fill_tail: bool, interpret: bool,
                     name: str):
     """[num_rows, n_dim] in dtype from `kernel` over the row tiles of the groups (empty for no rows); tiles:
     the requested (block_m, block_n, block_k, num_warps, num_stages), None entries from the defaults;
     min_block_m: the smallest row tile a partial one shrinks to (`gmm_gpu.row_tile_sizes`); fill_tail False:
-    rows past sum(group_sizes) are not written (undefined)."""
+    rows past sum(group_sizes) are not written (undefined); table: the `tuned` table of the defaults."""
     if num_rows == 0:
         return jnp.zeros((0, n_dim), dtype)
     settings = row_tile_settings(dtype, requested_tiles, num_rows=num_rows, num_groups=group_sizes_G.shape[0],
-                                 n_dim=n_dim, k_dim=k_dim, tiles=tiles, few_rows_tiles=few_rows_tiles)
+                                 n_dim=n_dim, k_dim=k_dim, table=table)
     return call_over_row_tiles(kernel, group_sizes_G, operands, jax.ShapeDtypeStruct((num_rows, n_dim), dtype),
                                settings, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret, name=name,
                                min_block_m=min_block_m, fill_tail=fill_tail)
@@ -105,14 +99,13 @@ def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit:
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros (fill_tail) or are not written (undefined). source [R] int32 indexes x's rows (repeats allowed).
-    gate and up [G, I, D] are cast to x's dtype. Tiles default to GATHER_SWIGLU_TILES
-    (FEW_ROWS_GATHER_SWIGLU_TILES at decode sizes)."""
+    gate and up [G, I, D] are cast to x's dtype. Tiles: None from `tuned.GATHER_SWIGLU`."""
     width, hidden = gate_GID.shape[1:]
     operands = (source_R.astype(jnp.int32), x_XD, gate_GID.astype(x_XD.dtype), up_GID.astype(x_XD.dtype))
     return _over_row_tiles(functools.partial(_gather_swiglu_kernel, limit=limit), group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=source_R.shape[0],
-                           n_dim=width, k_dim=hidden, dtype=x_XD.dtype, tiles=GATHER_SWIGLU_TILES,
-                           few_rows_tiles=FEW_ROWS_GATHER_SWIGLU_TILES, min_block_m=min_block_m, fill_tail=fill_tail,
+                           n_dim=width, k_dim=hidden, dtype=x_XD.dtype, table=tuned.GATHER_SWIGLU,
+                           min_block_m=min_block_m, fill_tail=fill_tail,
                            interpret=interpret, name="gather_swiglu")
 
 
@@ -124,12 +117,11 @@ def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, blo
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros (fill_tail) or nothing (their dest rows undefined). dest [R] int32 must be a permutation of [0, R);
-    row_weight [R] fp32. down [G, D, I] is cast to h's dtype. Tiles default to DOWN_SCATTER_TILES
-    (FEW_ROWS_DOWN_SCATTER_TILES at decode sizes)."""
+    row_weight [R] fp32. down [G, D, I] is cast to h's dtype. Tiles: None from `tuned.DOWN_SCATTER`."""
     hidden, width = down_GDI.shape[1:]
     operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, down_GDI.astype(h_RI.dtype))
     return _over_row_tiles(_down_scatter_kernel, group_sizes_G, operands,
                            (block_m, block_n, block_k, num_warps, num_stages), num_rows=h_RI.shape[0], n_dim=hidden,
-                           k_dim=width, dtype=h_RI.dtype, tiles=DOWN_SCATTER_TILES,
-                           few_rows_tiles=FEW_ROWS_DOWN_SCATTER_TILES, min_block_m=min_block_m, fill_tail=fill_tail,
+                           k_dim=width, dtype=h_RI.dtype, table=tuned.DOWN_SCATTER,
+                           min_block_m=min_block_m, fill_tail=fill_tail,
                            interpret=interpret, name="down_scatter")

@@ -15,6 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.norm import tuned
+from pallas_kernels.tuning import lookup
+
 
 def _normalise(total_D, weight_D, eps: float, dtype):
     """The norm of one row, as `rms_norm_reference` computes it."""
@@ -35,8 +38,11 @@ def _add_norm_kernel(x_ref, residual_ref, weight_ref, total_ref, out_ref, *, eps
     out_ref[...] = _normalise(total, weight_ref[...], eps, out_ref.dtype)
 
 
-def _row_call(kernel, rows_inputs, weight_D, num_outputs: int, *, num_warps: int, interpret: bool, name: str):
-    """Run `kernel` over the rows of [N, D] inputs (D a power of two), one program per row."""
+def _row_call(kernel, rows_inputs, weight_D, num_outputs: int, *, num_warps: int | None, interpret: bool, name: str):
+    """Run `kernel` over the rows of [N, D] inputs (D a power of two), one program per row; num_warps None:
+    `tuned.ROWS`."""
+    if num_warps is None:
+        num_warps = lookup(tuned.ROWS, dtype=rows_inputs[0].dtype).num_warps
     rows, dim = rows_inputs[0].shape
     row = pl.BlockSpec((None, dim), lambda i: (i, 0))
     out = jax.ShapeDtypeStruct((rows, dim), rows_inputs[0].dtype)
@@ -53,7 +59,7 @@ def _row_call(kernel, rows_inputs, weight_D, num_outputs: int, *, num_warps: int
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
-def rms_norm_gpu(x, weight_D, *, eps: float, num_warps: int = 4, interpret: bool = False):
+def rms_norm_gpu(x, weight_D, *, eps: float, num_warps: int | None = None, interpret: bool = False):
     """`rms_norm_reference` for x [..., D] with D a power of two."""
     (out,) = _row_call(functools.partial(_norm_kernel, eps=eps), [x.reshape(-1, x.shape[-1])], weight_D, 1,
                        num_warps=num_warps, interpret=interpret, name="rms_norm")
@@ -61,7 +67,7 @@ def rms_norm_gpu(x, weight_D, *, eps: float, num_warps: int = 4, interpret: bool
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
-def add_rms_norm_gpu(x, residual, weight_D, *, eps: float, num_warps: int = 4, interpret: bool = False):
+def add_rms_norm_gpu(x, residual, weight_D, *, eps: float, num_warps: int | None = None, interpret: bool = False):
     """`add_rms_norm_reference` for x, residual [..., D] with D a power of two."""
     flat = [a.reshape(-1, x.shape[-1]) for a in (x, residual)]
     total, out = _row_call(functools.partial(_add_norm_kernel, eps=eps), flat, weight_D, 2, num_warps=num_warps,

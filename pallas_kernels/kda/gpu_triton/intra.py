@@ -1,13 +1,13 @@
 """KDA prefill on GPU, phase 1 of 2: everything inside a 64-token chunk, three Pallas kernels (Triton lowering),
 all programs of each independent, handing intermediates over in global memory:
 
-1. `chunk_gpu_blocks.sub_block_keys`, grid (B*H, T/16): each 16-row sub-block's keys decayed to its end and its
+1. `blocks.sub_block_keys`, grid (B*H, T/16): each 16-row sub-block's keys decayed to its end and its
    gate totals (what the next kernel needs of the sub-blocks other than a program's own).
-   `chunk_gpu_blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
+   `blocks.decay_blocks`, grid (B*H, T/64, 4): per 16-row sub-block i of a chunk, its rows of
    qg = e^G q, of the decay-weighted products a_qk (both parts) and of L = diag(beta) A_kk: the blocks L_ij,
    j < i, and the inverse D_i = (I + L_ii)^-1 of its diagonal block, by row updates in registers; and the
    decayed keys kb = beta e^G k, kg = e^{G_last - G} k, decay_last.
-2. `chunk_gpu_tril.wy_factors`, grid (B*H, T/64): X = (I + L)^-1 ([64, 64], as 16x16 blocks in registers)
+2. `tril.wy_factors`, grid (B*H, T/64): X = (I + L)^-1 ([64, 64], as 16x16 blocks in registers)
    from the D_i and L_ij, then w = X kb and u = X (beta v), by 16x16 x 16xK products.
 Short programs, many of them: the first single kernel ran one long chain of 16x16 products per chunk (15 of
 them for the forward substitution alone), with few programs resident per SM to hide its latency.
@@ -25,8 +25,10 @@ from typing import NamedTuple
 
 import jax
 
-from pallas_kernels.kda.chunk_gpu_blocks import decay_blocks, sub_block_keys
-from pallas_kernels.kda.chunk_gpu_tril import CHUNK, gpu_dots, wy_factors
+from pallas_kernels.kda import tuned
+from pallas_kernels.kda.gpu_triton.blocks import decay_blocks, sub_block_keys
+from pallas_kernels.kda.gpu_triton.tril import CHUNK, gpu_dots, wy_factors
+from pallas_kernels.tuning import fill, lookup
 
 __all__ = ["CHUNK", "ChunkParts", "gpu_dots", "intra_chunk"]
 
@@ -45,13 +47,14 @@ class ChunkParts(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_k", "num_warps",
                                              "num_stages", "factors_num_warps", "interpret"))
 def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
-                block_k: int = 128, num_warps: int = 2, num_stages: int = 1, factors_num_warps: int = 2,
-                interpret: bool = False) -> ChunkParts:
+                block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                factors_num_warps: int | None = None, interpret: bool = False) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
     Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1
-    (16-row blocks; with whole 128-key rows, 2 measured fastest on an H200 and 8 slowest), factors_num_warps
-    for kernel 2 (2: 1.88 ms against 2.79 with 4 on an H200 at B=1, T=32768); num_stages for both."""
+    (16-row blocks), factors_num_warps for kernel 2; num_stages for both. None: `tuned.CHUNK_INTRA`."""
+    block_k, num_warps, num_stages, factors_num_warps = fill((block_k, num_warps, num_stages, factors_num_warps),
+                                                             lookup(tuned.CHUNK_INTRA, dtype=v.dtype))
     dtype = v.dtype if parts_dtype is None else parts_dtype
     right, totals = sub_block_keys(k, g, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
                                    num_warps=num_warps, interpret=interpret)

@@ -1,7 +1,7 @@
 """KDA prefill on GPU, phase 2 of 2: the state carried across 64-token chunks, a Pallas kernel (Triton lowering).
 
 Program (value block, sequence-head) keeps its [K, block_v] slice of the fp32 state S in registers and walks
-the chunks in order, using phase 1's per-chunk parts (`chunk_gpu_intra.ChunkParts`):
+the chunks in order, using phase 1's per-chunk parts (`intra.ChunkParts`):
   v_new = u - w S;  o = qg S + a_qk v_new;  S <- e^{G_last} S + kg^T v_new.
 The output is formed here rather than in a third, parallel pass over stored per-chunk states: at the shapes
 that matter (B*H*V/block_v programs ~ one wave of SMs) the two output products do not depend on the next
@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda.chunk_gpu_intra import CHUNK, ChunkParts, gpu_dots
+from pallas_kernels.kda import tuned
+from pallas_kernels.kda.gpu_triton.intra import CHUNK, ChunkParts, gpu_dots
+from pallas_kernels.tuning import fill, lookup
 
 
 def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
@@ -40,10 +42,12 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, st
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_v", "num_warps", "num_stages", "interpret"))
-def inter_chunk(parts: ChunkParts, initial_state, *, out_dtype, block_v: int = 32, num_warps: int = 4,
-                num_stages: int = 2, interpret: bool = False):
+def inter_chunk(parts: ChunkParts, initial_state, *, out_dtype, block_v: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False):
     """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts and the
-    initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs all Tp / CHUNK chunks."""
+    initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs all Tp / CHUNK chunks.
+    Tiles: None from `tuned.CHUNK_INTER`."""
+    block_v, num_warps, num_stages = fill((block_v, num_warps, num_stages), lookup(tuned.CHUNK_INTER, dtype=out_dtype))
     batch, heads, key_dim, value_dim = initial_state.shape
     flat, padded = parts.w.shape[:2]
     num_chunks = padded // CHUNK

@@ -1,9 +1,9 @@
 """KDA chunked prefill on GPU: two phases of Pallas kernels (Triton lowering) over 64-token chunks, as in FLA.
 
-1. `chunk_gpu_intra.intra_chunk` (itself three pallas_calls, each over independent programs): per chunk the
+1. `intra.intra_chunk` (itself three pallas_calls, each over independent programs): per chunk the
    decay-weighted q-k and k-k blocks, the inverse of (I + L), the WY factors w = T (e^G k), u = T v and the
    decayed q and k (no exponential can overflow fp32).
-2. `chunk_gpu_inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its
+2. `inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its
    slice of the fp32 state and writing the output.
 Both read and write the [B, T, H, ...] layout directly; T is padded to whole chunks (g = 0, beta = 0: an
 identity update) only when it is not already a multiple of 64.
@@ -16,8 +16,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.chunk_gpu_inter import inter_chunk
-from pallas_kernels.kda.chunk_gpu_intra import CHUNK, intra_chunk
+from pallas_kernels.kda import tuned
+from pallas_kernels.kda.gpu_triton.inter import inter_chunk
+from pallas_kernels.kda.gpu_triton.intra import CHUNK, intra_chunk
+from pallas_kernels.tuning import fill, lookup
 
 
 def _pad_time(x, pad: int):
@@ -28,15 +30,16 @@ def _pad_time(x, pad: int):
                                              "num_stages", "intra_block_k", "intra_num_warps", "intra_num_stages",
                                              "intra_factors_num_warps", "interpret"))
 def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True,
-                  parts_dtype=None, block_v: int = 64, num_warps: int = 4, num_stages: int = 2,
-                  intra_block_k: int = 128, intra_num_warps: int = 2, intra_num_stages: int = 1,
-                  intra_factors_num_warps: int = 2, interpret: bool = False):
+                  parts_dtype=None, block_v: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, intra_block_k: int | None = None, intra_num_warps: int | None = None,
+                  intra_num_stages: int | None = None, intra_factors_num_warps: int | None = None,
+                  interpret: bool = False):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
     parts_dtype: how phase 1 hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with
     bf16 inputs keeps tf32 precision in phase 2 for twice the memory traffic). block_v, num_warps,
-    num_stages tile the sequential phase (block_v 64: 1.68 ms against 2.59 at 32 on an H200 at B=1,
-    T=32768, BENCHMARKS.md); the intra_* knobs are `intra_chunk`'s (the parallel phase).
+    num_stages tile the sequential phase (`inter_chunk`); the intra_* knobs are `intra_chunk`'s (the parallel
+    phase). None: `tuned.CHUNK_INTER` / `tuned.CHUNK_INTRA`.
     """
     batch, length, heads, key_dim = q.shape
     pad = -length % CHUNK
@@ -44,6 +47,7 @@ def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_
                                                      beta.astype(jnp.float32)[..., None]))
     if initial_state is None:
         initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
+    block_v, num_warps, num_stages = fill((block_v, num_warps, num_stages), lookup(tuned.CHUNK_INTER, dtype=v.dtype))
     parts = intra_chunk(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=parts_dtype,
                         block_k=intra_block_k, num_warps=intra_num_warps, num_stages=intra_num_stages,
                         factors_num_warps=intra_factors_num_warps, interpret=interpret)

@@ -4,13 +4,10 @@ Program (value block, sequence-head) updates the [K, block_v] slice of that head
 S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q, written back over the input (aliased). The step
 is bound by state traffic: 2 x 4 bytes x K x V per head, read and written once.
 
-One sequence-head and one value block per program, the whole [K, block_v] slice loaded at once. Two
-variants that tried to hide the load latency better were measured slower on an H200 and removed
-(BENCHMARKS.md): K-chunked two-pass updates with a register prefetch (194 vs 171 us at B=64) and several
-sequence-heads per program (no gain); so were persistent programs walking every P-th tile (168-240 us against
-162, Triton did not prefetch across the loop) and writing the new state out of place. q, k and g carry an L2
-evict-last hint (every value block of the head reads them), v and o evict-first, as fla's kernel does: 152 vs
-160 us at B=64 in one run, within the ~5% spread between machines.
+One sequence-head and one value block per program, the whole [K, block_v] slice loaded at once (K-chunked
+two-pass updates with a register prefetch, several sequence-heads per program, persistent programs and an
+out-of-place state were measured slower or no faster and removed: docs/benchmarks, KDA decode step). q, k and g
+carry an L2 evict-last hint (every value block of the head reads them), v and o evict-first, as fla's kernel does.
 """
 
 from __future__ import annotations
@@ -22,7 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kda import tuned
 from pallas_kernels.kda.reference import L2_EPS
+from pallas_kernels.tuning import fill, lookup
 
 
 def _inverse_norm(x_K, use_qk_l2norm):
@@ -52,8 +51,10 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
                    donate_argnames=("state_BHKV",))
 def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        block_v: int = 64, num_warps: int = 4, interpret: bool = False):
-    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state)."""
+                        block_v: int | None = None, num_warps: int | None = None, interpret: bool = False):
+    """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
+    Tiles: None from `tuned.DECODE_GPU`."""
+    block_v, num_warps = fill((block_v, num_warps), lookup(tuned.DECODE_GPU, dtype=v_BHV.dtype))
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
     block_v = min(block_v, value_dim)

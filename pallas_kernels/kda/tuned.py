@@ -1,0 +1,64 @@
+"""Launch settings of the KDA kernels, keyed by (device kind, shape bucket, dtype) (`pallas_kernels.tuning`).
+
+Every GPU entry was measured on an H200 at H = 64, K = V = 128 (B=1 T=32768 and B=8 T=4096 for the prefill,
+B in {1, 64, 256} for decode); other GPUs take the same values (the ANY entries). The TPU entries were chosen to
+fit VMEM, not measured: there are no TPU rows in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.tuning import ANY, H200, Entry
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraTiles:
+    """gpu_triton prefill phase 1: keys through block_k columns at a time, Triton warps and stages of the keys and
+    block-row kernels, warps of the WY-factors kernel."""
+
+    block_k: int
+    num_warps: int
+    num_stages: int
+    factors_num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InterTiles:
+    """gpu_triton prefill phase 2 (the sequential state pass): block_v state columns per program."""
+
+    block_v: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeGpuTiles:
+    block_v: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTpuTiles:
+    head_block: int
+
+
+def _gpu(params, source: str) -> dict:
+    """The H200's entry, also the default for every other device."""
+    entry = Entry(params, source)
+    return {(H200, ANY, ANY): entry, (ANY, ANY, ANY): entry}
+
+
+CHUNK_INTRA = _gpu(IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
+                   "BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order (2026-11-30)': 2 warps fastest "
+                   "for the block-row kernel (4 warps 6.0-6.6 ms), num_stages 2 or 3 no change, and the WY factors "
+                   "with 2 warps against 'The call before (... merge kernel 4 warps)'")
+CHUNK_INTER = _gpu(InterTiles(block_v=64, num_warps=4, num_stages=2),
+                   "BENCHMARKS.md, KDA prefill, 'Phase 1 as three kernels (2026-11-29, night)', row 'phase 2 "
+                   "block_v 64' (phase 2 1.68 ms against 2.59 at block_v 32); 'The keys kernel: first prefill faster "
+                   "than fla': block_v 128 / 8 warps slower, the defaults (block_v 64, 4 warps) stay")
+DECODE_GPU = _gpu(DecodeGpuTiles(block_v=64, num_warps=4),
+                  "BENCHMARKS.md, 'KDA decode step', B=64 row and 'Other B=64 tiles: (64, 4) 174.5, ...' (best of 5 "
+                  "tile variants at B >= 64; B=1 is faster with (16, 2) but launch-bound either way)")
+DECODE_TPU = {(ANY, ANY, ANY): Entry(DecodeTpuTiles(head_block=8),
+                                     "not measured: 8 heads' [K, V] fp32 states (512 KiB at K = V = 128) in VMEM")}

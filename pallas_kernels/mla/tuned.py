@@ -1,0 +1,93 @@
+"""Launch settings of the MLA kernels, keyed by (device kind, shape bucket, dtype) (`pallas_kernels.tuning`).
+
+The GPU entries were measured on an H200 at Ling widths (H = 64, R = 512, P = 64; bf16 caches); other GPUs take
+the same values (the ANY entries). The TPU entry was chosen, not measured: there are no TPU rows in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.tuning import ANY, H200, Entry
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTritonTiles:
+    """gpu_triton decode: block_k cache slots a step, head_block heads a program (>= 16, heads padded to it)."""
+
+    block_k: int
+    head_block: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMosaicTiles:
+    """gpu_mosaic decode: block_k slots a tile, `stages` ring buffers, P·V in pv_chunk-column products,
+    approx_math: the softmax's exp as ex2.approx."""
+
+    block_k: int
+    stages: int
+    pv_chunk: int
+    approx_math: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTpuTiles:
+    block_k: int  # cache slots a tile, a multiple of 16
+    num_splits: int  # sequence splits (parallel: both cores of a megacore chip on one sequence)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTiles:
+    """gpu_triton prefill: keys expanded `segment` slots at a time, flash attention in block_q x block_k tiles."""
+
+    segment: int
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AbsorbTiles:
+    """gpu_triton absorbed products: output columns a program (a power of two dividing the widths)."""
+
+    block: int
+    num_warps: int
+
+
+def _gpu(entries: dict) -> dict:
+    """The H200's entries {(bucket, dtype): Entry}, also the defaults for every other device."""
+    return {(device, *key): entry for key, entry in entries.items() for device in (H200, ANY)}
+
+
+_TRITON_DECODE = ("BENCHMARKS.md, Absorbed-MLA decode, 'Triton kernel (before the Mosaic GPU kernel)': "
+                  "variant (bk, hb, warps, stages) = (64, 64, 8, 2) best at B=64 L=32768 and B=8 L=131072")
+DECODE_TRITON = _gpu({
+    (ANY, "16bit"): Entry(DecodeTritonTiles(block_k=64, head_block=64, num_warps=8, num_stages=2), _TRITON_DECODE),
+    (ANY, ANY): Entry(DecodeTritonTiles(block_k=32, head_block=16, num_warps=4, num_stages=2),
+                      "not measured: fp32 tiles at half the bf16 size, to fit 227 KiB of shared memory with two "
+                      f"pipeline stages ({_TRITON_DECODE})"),
+})
+DECODE_MOSAIC = _gpu({(ANY, ANY): Entry(
+    DecodeMosaicTiles(block_k=64, stages=2, pv_chunk=128, approx_math=True),
+    "BENCHMARKS.md, Absorbed-MLA decode, 'Mosaic GPU kernel (2026-11-29, evening)': the B=64 / 8 / 1 rows, against "
+    "'accurate exp 0.703 / 0.357 / 0.173' and the earlier 64-column and one-product P·V runs")})
+# `mla_decode` runs gpu_mosaic from this many cache slots in the batch (B x L), gpu_triton below: BENCHMARKS.md,
+# 'Mosaic GPU kernel (2026-11-29, evening)', the ~0.1 ms idle gap per call that only larger caches repay.
+MOSAIC_MIN_SLOTS = 1 << 18
+DECODE_TPU = {(ANY, ANY, ANY): Entry(DecodeTpuTiles(block_k=256, num_splits=2),
+                                     "not measured: 256-slot tiles (288 KiB of bf16 cache), a split per core")}
+PREFILL = _gpu({(ANY, ANY): Entry(
+    PrefillTiles(segment=4096, block_q=64, block_k=64, num_warps=4, num_stages=2),
+    "BENCHMARKS.md, Absorbed-MLA decode, 'Prefill attention': columns 'Pallas, segment 4096' (2.550 / 9.997 ms) "
+    "against 'segment 2048'; the flash tiles not swept")})
+ABSORB_QUERY = _gpu({(ANY, ANY): Entry(
+    AbsorbTiles(block=128, num_warps=4),
+    "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, evening)': mla_absorb_query "
+    "4.3 us per layer")})
+EXPAND_OUTPUT = _gpu({(ANY, ANY): Entry(
+    AbsorbTiles(block=32, num_warps=4),
+    "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, evening)': mla_expand_output "
+    "4.6 us per layer")})
