@@ -159,7 +159,7 @@ class Run:
     is_main: bool  # process 0 prints
     media: MediaInputs | None = None  # --image / --video, the same for every prompt
 
-    def generate_and_print(self) -> None:
+    def generate_and_print(self) -> GenerationStats:
         args = self.args
         completions = [Completion(self.tokenizer, self.stops) for _ in self.prompts]
         stream = self.is_main and len(self.prompts) == 1 and not (args.no_stream or args.json)
@@ -178,7 +178,7 @@ class Run:
         for completion, ids in zip(completions, outputs):
             completion.finish(ids)
         if not self.is_main:
-            return
+            return stats
         if stream:
             _write(completions[0].unshown() + "\n")
         elif args.json:
@@ -188,6 +188,7 @@ class Run:
         else:
             _write("\n".join(f"> {text}\n{completion.text}\n" for text, completion in zip(self.texts, completions)))
         print(stats.summary(), file=sys.stderr)
+        return stats
 
 
 def _prepare(args: argparse.Namespace) -> Run:
