@@ -1,5 +1,5 @@
-"""Seeing JAX compile: the seconds spent tracing, lowering and compiling, and a hook at each XLA compile's start
-and end, from `jax.monitoring` events (the same events jax's `jax_log_compiles` logs).
+"""Seeing JAX compile: the seconds spent tracing, lowering and compiling, and hooks at each phase's start and
+end, from `jax.monitoring` events (the same events jax's `jax_log_compiles` logs).
 
 An XLA compile here includes a load from the persistent compilation cache (a hit is a short "compile").
 Listeners see only the thread that registered them, so a generation in another thread is not counted.
@@ -40,19 +40,20 @@ class CompileClock:
 
 
 class CompileHooks:
-    """Context manager calling `on_start()` when an XLA compile (or persistent-cache load) begins in this
-    thread, and `on_end(seconds)` when it ends."""
+    """Context manager calling `on_start()` when one of `events` (default: an XLA compile, or a persistent-cache
+    load) begins in this thread, and `on_end(seconds)` when it ends."""
 
-    def __init__(self, on_start: Callable[[], None], on_end: Callable[[float], None]):
-        self._on_start, self._on_end = on_start, on_end
+    def __init__(self, on_start: Callable[[], None], on_end: Callable[[float], None],
+                 events: frozenset[str] = frozenset({BACKEND_COMPILE_EVENT})):
+        self._on_start, self._on_end, self._events = on_start, on_end, events
         self._thread = threading.get_ident()
 
-    def _scalar(self, event: str, _value: float, **_) -> None:  # jax records each compile's start time
-        if event == BACKEND_COMPILE_EVENT and threading.get_ident() == self._thread:
+    def _scalar(self, event: str, _value: float, **_) -> None:  # jax records each phase's start time
+        if event in self._events and threading.get_ident() == self._thread:
             self._on_start()
 
     def _duration(self, event: str, duration: float, **_) -> None:
-        if event == BACKEND_COMPILE_EVENT and threading.get_ident() == self._thread:
+        if event in self._events and threading.get_ident() == self._thread:
             self._on_end(duration)
 
     def __enter__(self) -> CompileHooks:
