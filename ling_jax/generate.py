@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable, Collection, Sequence
 

@@ -10,9 +10,9 @@ from flax import nnx
 
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.generate import Generator, _prefill_chunk, prefill_chunks
-from ling_jax.static_model import split_model
 from ling_jax.sampling import SamplingParams
 from ling_jax.sharding import make_mesh
+from ling_jax.static_model import split_model
 
 GREEDY = SamplingParams(temperature=0.0)
 LENGTHS = (5, 1, 20)  # with 16-token chunks the longest prompt is prefilled in two chunks

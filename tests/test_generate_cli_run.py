@@ -141,8 +141,9 @@ def test_interactive_reads_turns_until_eof():
 
 
 def test_bench_generate_cli_quick():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_generate_cli.py"), "--quick", "--batches", "1,3"],
+    bench = ROOT / "scripts" / "bench_generate_cli.py"
+    result = subprocess.run([sys.executable, str(bench), "--quick", "--batches", "3"],
                             capture_output=True, text=True, cwd=ROOT, timeout=300, env=script_env(), check=False)
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [row.split("|")[1].strip() for row in rows] == ["1", "3"] and all(row.endswith("x |") for row in rows)
+    assert [row.split("|")[1].strip() for row in rows] == ["3"] and all(row.endswith("x |") for row in rows)
