@@ -21,16 +21,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from ling_jax.cache import LingCache, MTPCache, commit_verified
+from ling_jax.compile_watch import CompileClock
 from ling_jax.kda import STEPS
 from ling_jax.model import LingForCausalLM
 from ling_jax.mrope import MediaGrid, batch_mrope_positions
@@ -42,6 +41,7 @@ from ling_jax.sampling import (
     update_seen,
 )
 from ling_jax.sharding import cache_shardings, shard_model
+from ling_jax.static_model import split_model
 
 MIN_CHUNK = 16
 CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt lengths share compiled steps
@@ -49,47 +49,54 @@ CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt len
 
 @dataclasses.dataclass
 class GenerationStats:
+    """Timings of one `Generator.generate` call. The rates count steady-state work only: the prefill less the
+    compilation inside it, and the decode steps (MTP rounds) after the first one, which compiles on a first
+    call. A rate with nothing to measure (one token per prompt) is None."""
+
     prompt_tokens: int
     generated_tokens: int
-    prefill_s: float  # prompt processing up to the first token (includes compilation on a first call)
-    decode_s: float
+    prefill_s: float  # prompt processing up to the first token, compilation included
+    decode_s: float  # after the first token, compilation included
     ttft_s: float
     drafted: int = 0  # MTP draft tokens proposed / accepted
     accepted: int = 0
+    compile_s: float = 0.0  # tracing and compiling (or loading from the compilation cache) in this call
+    prefill_compile_s: float = 0.0  # the part of compile_s before the first token
+    steady_steps: int = 0  # decode steps (MTP rounds) after the first one
+    steady_tokens: int = 0  # the tokens they emitted
+    steady_s: float = 0.0  # their time: from the first step's tokens on the host to the last step's
 
     @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else math.inf
+    def prefill_tokens_per_s(self) -> float | None:
+        run_s = self.prefill_s - self.prefill_compile_s
+        return self.prompt_tokens / run_s if run_s > 0 else None
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        return max(self.generated_tokens - 1, 0) / self.decode_s if self.decode_s else math.inf
+    def decode_tokens_per_s(self) -> float | None:
+        return self.steady_tokens / self.steady_s if self.steady_tokens and self.steady_s > 0 else None
 
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.drafted if self.drafted else None
 
     def summary(self) -> str:
-        line = (f"prompt tokens {self.prompt_tokens}, generated {self.generated_tokens}, "
-                f"prefill {self.prefill_tokens_per_s:.1f} tok/s, decode {self.decode_tokens_per_s:.1f} tok/s, "
-                f"time to first token {self.ttft_s * 1e3:.0f} ms")
+        line = (f"prompt tokens {self.prompt_tokens}, generated {self.generated_tokens}; "
+                f"prefill {_rate(self.prefill_tokens_per_s)}, decode {_rate(self.decode_tokens_per_s)} "
+                f"(steady state); compile {self.compile_s:.1f} s; time to first token {self.ttft_s * 1e3:.0f} ms")
         if self.drafted:
-            line += f", MTP acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})"
+            line += f"; MTP acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})"
         return line
 
 
-def prefill_chunks(longest: int, chunk: int) -> list[int]:
-    """Chunk lengths covering a left-padded prompt of >= `longest` tokens: a power-of-two head, then full chunks."""
-    full, rest = divmod(longest, chunk)
-    head = [min(chunk, max(MIN_CHUNK, 1 << (rest - 1).bit_length()))] if rest else []
-    return head + [chunk] * full
+def _rate(tokens_per_s: float | None) -> str:
+    return "n/a" if tokens_per_s is None else f"{tokens_per_s:.1f} tok/s"
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill_chunk(graphdef, params, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None,
+def _prefill_chunk(static, leaves, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None,
                    positions_BC3=None):
     """embeds_BCD / positions_BC3: a VL prompt's merged embeddings and (t, h, w) positions (None for text)."""
-    model = nnx.merge(graphdef, params)
+    model = static.merge(leaves)
     hidden_BCD, cache = model.model(ids_BC, cache=cache, attention_mask=mask_BC, positions=positions_BC3,
                                     kernel_backend=model.kernel_backend, inputs_embeds=embeds_BCD)
     if mtp_cache is not None:
@@ -98,9 +105,9 @@ def _prefill_chunk(graphdef, params, cache, mtp_cache, ids_BC, mask_BC, next_ids
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _first_token(graphdef, params, mtp_cache, seen_BV, hidden_BD, arrays, steps_B):
+def _first_token(static, leaves, mtp_cache, seen_BV, hidden_BD, arrays, steps_B):
     """The first new token from the last prompt position; with MTP, also the first draft."""
-    model = nnx.merge(graphdef, params)
+    model = static.merge(leaves)
     token_B = sample(model.logits(hidden_BD[:, None])[:, 0], arrays, steps_B, seen_BV)
     seen_BV = update_seen(seen_BV, token_B)
     if mtp_cache is None:
@@ -111,27 +118,27 @@ def _first_token(graphdef, params, mtp_cache, seen_BV, hidden_BD, arrays, steps_
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 6))
-def _media_embeddings(graphdef, params, ids_BT, pixel_values, image_grids, pixel_values_videos, video_grids):
-    return nnx.merge(graphdef, params).embed(ids_BT, pixel_values=pixel_values, image_grids=image_grids,
+def _media_embeddings(static, leaves, ids_BT, pixel_values, image_grids, pixel_values_videos, video_grids):
+    return static.merge(leaves).embed(ids_BT, pixel_values=pixel_values, image_grids=image_grids,
                                              pixel_values_videos=pixel_values_videos, video_grids=video_grids)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _decode_step(graphdef, params, cache, seen_BV, token_B, arrays, steps_B, position_offsets_B=None):
+def _decode_step(static, leaves, cache, seen_BV, token_B, arrays, steps_B, position_offsets_B=None):
     """position_offsets_B: after media, a token in cache slot s sits at position s + offset (VL prompts)."""
     positions = None if position_offsets_B is None else (cache.lengths + position_offsets_B)[:, None]
-    out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache, positions=positions)
+    out = static.merge(leaves)(token_B[:, None], cache=cache, positions=positions)
     next_B = sample(out.logits[:, 0], arrays, steps_B, seen_BV)
-    return next_B, out.cache, update_seen(seen_BV, next_B)
+    return next_B, out.cache, update_seen(seen_BV, next_B), steps_B + 1
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
-def _speculative_round(graphdef, num_drafts, params, cache: LingCache, mtp_cache: MTPCache, seen_BV, token_B,
+def _speculative_round(static, num_drafts, leaves, cache: LingCache, mtp_cache: MTPCache, seen_BV, token_B,
                        draft_B, draft_hidden_BD, arrays, steps_B, active_B):
     """Draft num_drafts tokens, verify them, commit. Returns (targets [B, K+1], accepted [B], caches, ...):
     the round emits targets[:, :accepted + 1]; targets[:, accepted] is the next pending token. Finished rows
     (active false) keep their cache lengths, so they never run past the cache."""
-    model = nnx.merge(graphdef, params)
+    model = static.merge(leaves)
     rows = jnp.arange(token_B.shape[0])
     drafts = [draft_B]
     for _ in range(num_drafts - 1):
@@ -193,6 +200,35 @@ class _Rows:
         return sum(len(t) for t in self.tokens)
 
 
+class _SteadyClock:
+    """Times the decode steps after the first: `tick()` once a step's tokens are on the host."""
+
+    def __init__(self, rows: _Rows):
+        self.rows = rows
+        self.ticks = 0
+        self.start = self.end = 0.0
+        self.start_tokens = self.end_tokens = 0
+
+    def tick(self) -> None:
+        now, tokens = time.perf_counter(), self.rows.generated
+        if not self.ticks:
+            self.start, self.start_tokens = now, tokens
+        self.end, self.end_tokens = now, tokens
+        self.ticks += 1
+
+    def record(self, stats: GenerationStats) -> None:
+        stats.steady_steps = max(self.ticks - 1, 0)
+        stats.steady_tokens = self.end_tokens - self.start_tokens
+        stats.steady_s = self.end - self.start
+
+
+def prefill_chunks(longest: int, chunk: int) -> list[int]:
+    """Chunk lengths covering a left-padded prompt of >= `longest` tokens: a power-of-two head, then full chunks."""
+    full, rest = divmod(longest, chunk)
+    head = [min(chunk, max(MIN_CHUNK, 1 << (rest - 1).bit_length()))] if rest else []
+    return head + [chunk] * full
+
+
 @dataclasses.dataclass(frozen=True)
 class MediaInputs:
     """Images and videos of a VL batch: each row's grids in prompt order; pixel values of every row's media
@@ -224,7 +260,7 @@ class Generator:
         self.mtp = mtp
         if mesh is not None:
             shard_model(model, mesh)
-        self.graphdef, self.params = nnx.split(model)
+        self.static, self.leaves = split_model(model)
 
     def _place(self, cache):
         if self.mesh is None:
@@ -258,8 +294,10 @@ class Generator:
         self._check(prompts, sampling, max_new_tokens)
         if media is not None:
             self._check_media(media, len(prompts))
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            return self._generate(prompts, sampling, max_new_tokens, eos_ids, on_tokens, media)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext(), CompileClock() as clock:
+            tokens, stats = self._generate(prompts, sampling, max_new_tokens, eos_ids, on_tokens, media, clock)
+        stats.compile_s = clock.seconds
+        return tokens, stats
 
     def _check_media(self, media: MediaInputs, batch: int) -> None:
         if self.vl_config is None:
@@ -279,11 +317,11 @@ class Generator:
         positions, deltas = batch_mrope_positions(ids, mask, image_grids, video_grids, image_token_id=c.image_token_id,
                                                   video_token_id=c.video_token_id,
                                                   spatial_merge_size=c.vision.spatial_merge_size)
-        embeds = _media_embeddings(self.graphdef, self.params, jnp.asarray(ids), media.pixel_values, image_grids,
+        embeds = _media_embeddings(self.static, self.leaves, jnp.asarray(ids), media.pixel_values, image_grids,
                                    media.pixel_values_videos, video_grids)
         return embeds, jnp.asarray(positions, jnp.int32), jnp.asarray(deltas, jnp.int32)
 
-    def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens, media):
+    def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens, media, clock: CompileClock):
         batch = len(prompts)
         chunks = prefill_chunks(max(len(p) for p in prompts), self.prefill_chunk)
         padded = sum(chunks)
@@ -301,7 +339,7 @@ class Generator:
         seen = seen_from_prompts(jnp.asarray(ids), jnp.asarray(mask), self.config.vocab_size)
         rows = _Rows(batch, max_new_tokens, eos_ids, on_tokens)
 
-        start = time.perf_counter()
+        start, compiled_before = time.perf_counter(), clock.seconds
         embeds = positions = offsets = None
         if media is not None:
             embeds, positions, offsets = self._media_prefill_inputs(ids, mask, media)
@@ -309,53 +347,58 @@ class Generator:
         for length in chunks:
             part = slice(offset, offset + length)
             cache, mtp_cache, last_hidden = _prefill_chunk(
-                self.graphdef, self.params, cache, mtp_cache, ids[:, part], mask[:, part], next_ids[:, part],
+                self.static, self.leaves, cache, mtp_cache, ids[:, part], mask[:, part], next_ids[:, part],
                 mtp_mask[:, part], None if embeds is None else embeds[:, part],
                 None if positions is None else positions[:, part])
+            # no chunk runs during the next call's compilation, so prefill_s less compile time is the prefill's
+            jax.block_until_ready(last_hidden)
             offset += length
         steps = jnp.zeros((batch,), jnp.int32)
-        token, seen, mtp_cache, draft, draft_hidden = _first_token(self.graphdef, self.params, mtp_cache, seen,
+        token, seen, mtp_cache, draft, draft_hidden = _first_token(self.static, self.leaves, mtp_cache, seen,
                                                                    last_hidden, arrays, steps)
         first = np.asarray(token)
         ttft = time.perf_counter() - start
         for row in range(batch):
             rows.add(row, [first[row]])
         stats = GenerationStats(prompt_tokens=int(mask.sum()), generated_tokens=0, prefill_s=ttft, decode_s=0.0,
-                                ttft_s=ttft)
+                                ttft_s=ttft, prefill_compile_s=clock.seconds - compiled_before)
+        steady = _SteadyClock(rows)
         start = time.perf_counter()
         if self.mtp:
-            self._speculate(rows, stats, cache, mtp_cache, seen, token, draft, draft_hidden, arrays)
+            self._speculate(rows, stats, steady, cache, mtp_cache, seen, token, draft, draft_hidden, arrays)
         else:
-            self._decode(rows, cache, seen, token, arrays, offsets)
+            self._decode(rows, steady, cache, seen, token, arrays, offsets)
         stats.decode_s = time.perf_counter() - start
+        steady.record(stats)
         stats.generated_tokens = rows.generated
         return rows.tokens, stats
 
-    def _decode(self, rows: _Rows, cache, seen, token, arrays, position_offsets):
+    def _decode(self, rows: _Rows, steady: _SteadyClock, cache, seen, token, arrays, position_offsets):
         """One token per step; each step is dispatched before the host reads the previous step's token, so
         the device never waits for the host."""
         remaining = rows.max_new_tokens - 1
         if remaining == 0 or rows.done.all():
             return
-        step = functools.partial(_decode_step, self.graphdef, self.params)
+        step = functools.partial(_decode_step, self.static, self.leaves)
         steps = jnp.ones((len(rows.tokens),), jnp.int32)
-        current, cache, seen = step(cache, seen, token, arrays, steps, position_offsets)
+        current, cache, seen, steps = step(cache, seen, token, arrays, steps, position_offsets)
         for i in range(remaining):
             if i + 1 < remaining:
-                following, cache, seen = step(cache, seen, current, arrays, steps + i + 1, position_offsets)
+                following, cache, seen, steps = step(cache, seen, current, arrays, steps, position_offsets)
             host = np.asarray(current)
             for row in np.flatnonzero(~rows.done):
                 rows.add(row, [host[row]])
+            steady.tick()
             if rows.done.all():
                 break
             current = following
 
-    def _speculate(self, rows: _Rows, stats: GenerationStats, cache, mtp_cache, seen, token, draft, draft_hidden,
-                   arrays):
+    def _speculate(self, rows: _Rows, stats: GenerationStats, steady: _SteadyClock, cache, mtp_cache, seen, token,
+                   draft, draft_hidden, arrays):
         steps = jnp.ones((len(rows.tokens),), jnp.int32)
         while not rows.done.all():
             (targets, accepted, cache, mtp_cache, seen, token, draft, draft_hidden) = _speculative_round(
-                self.graphdef, self.mtp, self.params, cache, mtp_cache, seen, token, draft, draft_hidden, arrays,
+                self.static, self.mtp, self.leaves, cache, mtp_cache, seen, token, draft, draft_hidden, arrays,
                 steps, jnp.asarray(~rows.done))
             steps = steps + accepted + 1
             host_targets, host_accepted = np.asarray(targets), np.asarray(accepted)
@@ -363,3 +406,4 @@ class Generator:
                 stats.drafted += self.mtp
                 stats.accepted += int(host_accepted[row])
                 rows.add(row, host_targets[row, :host_accepted[row] + 1])
+            steady.tick()

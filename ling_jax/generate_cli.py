@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import jinja2
 from flax import nnx
 
+from ling_jax import cli_runtime, interactive
 from ling_jax.checkpoint import load_hf_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.generate import MIN_CHUNK, GenerationStats, Generator, MediaInputs
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "repeatable. It goes where the prompt says <video>, else before the text")
     prompting.add_argument("--prompt-file", metavar="PATH",
                            help="read prompts from PATH, one per line (blank lines skipped); '-' = stdin")
+    prompting.add_argument("--interactive", action="store_true",
+                           help="a prompt loop: each line on stdin is a turn of one conversation (through the chat "
+                                "template when the tokenizer has one); ends at end of input or 'exit'")
 
     running = parser.add_argument_group("execution")
     running.add_argument("--prefill-chunk", type=int, default=2048, metavar="N",
@@ -124,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--ep", type=int, metavar="N", help="expert parallelism: shorthand for --mesh expert=N")
     running.add_argument("--distributed", action="store_true",
                          help="multi-host: call jax.distributed.initialize() first; only process 0 prints")
+    running.add_argument("--no-compile-cache", action="store_true",
+                         help="do not keep compiled programs in the persistent cache (default: on, in "
+                              f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)")
 
     output = parser.add_argument_group("output")
     output.add_argument("--no-stream", action="store_true",
@@ -136,13 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        run = _prepare(args)
-    except (CLIError, ValueError, OSError) as e:  # ShardingError, CheckpointError, config errors are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    run.generate_and_print()  # everything a user can get wrong was refused above: errors here are bugs
+    cached = cli_runtime.enable_compile_cache(args.no_compile_cache) is not None
+    with cli_runtime.CompileNotice(cached) as notice:
+        try:
+            run = _prepare(args)
+        except (CLIError, ValueError, OSError) as e:  # ShardingError, CheckpointError, config errors: ValueErrors
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        notice.quiet = not run.is_main
+        if args.interactive:  # everything a user can get wrong was refused above: errors below are bugs
+            run.converse()
+        else:
+            run.generate_and_print()
     return 0
+
+
+def script_main() -> int:
+    """`scripts/generate.py` and `ling-generate`: main() with Ctrl-C ending the run cleanly."""
+    cli_runtime.handle_interrupts("interrupted (Ctrl-C): generation stopped")
+    return main()
 
 
 @dataclasses.dataclass
@@ -159,7 +178,7 @@ class Run:
     is_main: bool  # process 0 prints
     media: MediaInputs | None = None  # --image / --video, the same for every prompt
 
-    def generate_and_print(self) -> None:
+    def generate_and_print(self) -> GenerationStats:
         args = self.args
         completions = [Completion(self.tokenizer, self.stops) for _ in self.prompts]
         stream = self.is_main and len(self.prompts) == 1 and not (args.no_stream or args.json)
@@ -178,7 +197,7 @@ class Run:
         for completion, ids in zip(completions, outputs):
             completion.finish(ids)
         if not self.is_main:
-            return
+            return stats
         if stream:
             _write(completions[0].unshown() + "\n")
         elif args.json:
@@ -188,6 +207,28 @@ class Run:
         else:
             _write("\n".join(f"> {text}\n{completion.text}\n" for text, completion in zip(self.texts, completions)))
         print(stats.summary(), file=sys.stderr)
+        return stats
+
+    def converse(self) -> None:
+        """--interactive: the prompt loop, each reply streamed."""
+        conversation = interactive.Conversation(self.tokenizer, self.args.system)
+        budget = self.generator.config.max_position_embeddings - self.args.max_new_tokens
+        interactive.run_loop(conversation, budget, self.reply)
+
+    def reply(self, prompt_ids: list[int]) -> str:
+        """Stream one completion of `prompt_ids` on stdout; return its text."""
+        completion = Completion(self.tokenizer, self.stops)
+
+        def on_tokens(_row: int, new_ids: list[int]) -> bool:
+            stopped = completion.add(new_ids)
+            _write(completion.unshown())
+            return stopped
+
+        outputs, _ = self.generator.generate([prompt_ids], [self.sampling], self.args.max_new_tokens,
+                                             eos_ids=self.tokenizer.eos_ids, on_tokens=on_tokens)
+        completion.finish(outputs[0])
+        _write(completion.unshown() + "\n")
+        return completion.text
 
 
 def _prepare(args: argparse.Namespace) -> Run:
@@ -200,7 +241,9 @@ def _prepare(args: argparse.Namespace) -> Run:
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
     stops = StopChecker(args.stop) if args.stop else None
     mesh = _build_mesh(args)
-    texts = _read_prompts(args)
+    if args.interactive:
+        interactive.check_flags(args)
+    texts = [] if args.interactive else _read_prompts(args)
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     loaded = _load_model(args, dtype, mesh, verbose=is_main)
     config = loaded.model.config
@@ -354,7 +397,7 @@ def _load_checkpoint_dir(path: Path, what: str, dtype, mesh, *, verbose: bool) -
     if not path.is_dir():
         raise CLIError(f"{label}: not a directory (expected a HF checkpoint or ling-convert directory)")
     if (path / LAYOUT_FILE).is_file():
-        model = load_checkpoint(path, mesh=mesh, dtype=dtype)
+        model = load_checkpoint(path, mesh=mesh, dtype=dtype, progress=verbose and sys.stderr.isatty())
     elif (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         model = load_hf_checkpoint(path, dtype=dtype, progress=verbose and sys.stderr.isatty())
     else:
@@ -431,6 +474,4 @@ def _stats_dict(stats: GenerationStats) -> dict:
 
 
 def _write(text: str) -> None:
-    if text:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    cli_runtime.write_stdout(text)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+from tqdm.auto import tqdm
 
 from ling_jax.checkpoint import SCALE_SUFFIX
 from ling_jax.model import LingForCausalLM
@@ -112,7 +113,28 @@ def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
     return {param_name(keys): metadata for keys, metadata in _flatten(tree).items()}
 
 
-def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None) -> LingForCausalLM:
+def _restore_group(path: tuple) -> tuple:
+    """Arrays restored together (one step of the progress bar): a decoder layer, else a top-level module."""
+    return path[:3] if len(path) > 3 and path[1] == "layers" else path[:1]
+
+
+def _restore(path: str, target: dict[tuple, jax.ShapeDtypeStruct], progress: bool) -> dict[tuple, jax.Array]:
+    """Restore `target`'s arrays a group at a time (Orbax partial restores), with a progress bar."""
+    groups: dict[tuple, dict[tuple, jax.ShapeDtypeStruct]] = {}
+    for p, struct in target.items():
+        groups.setdefault(_restore_group(p), {})[p] = struct
+    restored = {}
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        for group in tqdm(groups.values(), desc="loading checkpoint", unit="group", disable=not progress):
+            tree = _nested(group)
+            args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                                          partial_restore=True)
+            restored.update(_flatten(checkpointer.restore(path, args=args)))
+    return restored
+
+
+def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None,
+                    progress: bool = False) -> LingForCausalLM:
     """Restore a ling-convert checkpoint as `LingForCausalLM` (`LingVLForConditionalGeneration` for a VL one).
 
     Every parameter is restored straight into its target sharding (from the logical axis rules of
@@ -122,6 +144,7 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
     `dtype` is the model dtype (default: the dtype the checkpoint was converted to; FP8 checkpoints default to
     bfloat16); A_log, dt_bias, conv weights and the expert bias stay float32. FP8 parameters are dequantised
     on the device. A parameter whose stored shape disagrees with config.json raises ValueError naming it.
+    progress: a tqdm bar on stderr, one step per decoder layer (restored together).
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
@@ -155,8 +178,7 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
             target[scale_path(p)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=small)
         else:
             target[p] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=shardings[p])
-    with ocp.StandardCheckpointer() as checkpointer:
-        restored = _flatten(checkpointer.restore(path, _nested(target)))
+    restored = _restore(path, target, progress)
     loaded = []
     for p, variable in flat:
         value = restored.pop(p)

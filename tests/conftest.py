@@ -8,6 +8,9 @@ _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICES_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
 
+# generate.py's persistent compilation cache stays off in tests (and their subprocesses): nothing in ~/.cache
+os.environ.setdefault("LING_JAX_NO_COMPILE_CACHE", "1")
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pallas_kernels  # noqa: E402,F401  (adds its XLA:CPU workaround flag before any test makes a backend)
 

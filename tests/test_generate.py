@@ -12,6 +12,7 @@ from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.generate import Generator, _prefill_chunk, prefill_chunks
 from ling_jax.sampling import SamplingParams
 from ling_jax.sharding import make_mesh
+from ling_jax.static_model import split_model
 
 GREEDY = SamplingParams(temperature=0.0)
 LENGTHS = (5, 1, 20)  # with 16-token chunks the longest prompt is prefilled in two chunks
@@ -143,13 +144,13 @@ def test_prefill_chunk_memory_stays_bounded_up_to_262144_tokens():
     [chunk, context] score matrix (2 GiB per head at fp32)."""
     config = LingConfig.preset("tiny").replace(max_position_embeddings=262144)
     model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
-    graphdef, params = nnx.split(model)
+    static, leaves = split_model(model)
     ids = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
     mask = jax.ShapeDtypeStruct((1, 2048), jnp.bool_)
 
     def memory(slots):
         cache = jax.eval_shape(lambda: model.init_cache(batch_size=1, max_length=slots))
-        analysis = _prefill_chunk.trace(graphdef, params, cache, None, ids, mask, ids, mask).lower().compile() \
+        analysis = _prefill_chunk.trace(static, leaves, cache, None, ids, mask, ids, mask).lower().compile() \
             .memory_analysis()
         return analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
 

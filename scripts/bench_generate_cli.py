@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Steady-state decode of `scripts/generate.py`'s code path vs the Generator's bare decode step, per batch size.
+
+    python scripts/bench_generate_cli.py            # the demo checkpoint, batch 1 and 32, 48 new tokens
+    python scripts/bench_generate_cli.py --quick    # the random tiny preset, batch 1 and 2, 8 new tokens (smoke)
+
+CLI: the command `generate.py --max-new-tokens N PROMPT...` is prepared as the script prepares it (flags,
+checkpoint, tokenizer, prompts) and run twice, its stdout thrown away; the second run's steady-state decode
+(the steps after the first one, `GenerationStats.steady_s / steady_steps`) is the CLI's time per step, so it
+includes host reads, detokenising, stop-string checks and printing. Bare: the same Generator's jitted decode
+step on a cache of the same length, dispatched back to back with its token fed back on the device and one
+sync at the end (mean per step). The ratio is CLI / bare (goal: <= 1.2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from ling_jax import generate_cli  # noqa: E402
+from ling_jax.cache import LingCache  # noqa: E402
+from ling_jax.generate import CACHE_BUCKET, _decode_step, prefill_chunks  # noqa: E402
+from ling_jax.sampling import SamplingArrays  # noqa: E402
+
+PROMPT_WORDS = ("Mr. Darcy", "Elizabeth", "It is a truth", "Emma Woodhouse", "The weather", "Her sister", "A letter",
+                "At Netherfield")
+
+
+def prompts(batch: int) -> list[str]:
+    return [f"{PROMPT_WORDS[i % len(PROMPT_WORDS)]} {i}" for i in range(batch)]
+
+
+def cli_step_seconds(model_flags: list[str], batch: int, new_tokens: int) -> tuple[float, generate_cli.Run]:
+    """Seconds per steady-state decode step of the CLI's second run (the first compiles)."""
+    args = generate_cli.build_parser().parse_args([*model_flags, "--max-new-tokens", str(new_tokens),
+                                                   *prompts(batch)])
+    run = generate_cli._prepare(args)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), \
+            contextlib.redirect_stderr(devnull):
+        run.generate_and_print()
+        stats = run.generate_and_print()
+    if not stats.steady_steps:
+        raise SystemExit(f"batch {batch}: every prompt ended after {stats.generated_tokens} tokens; no steady state")
+    return stats.steady_s / stats.steady_steps, run
+
+
+def bare_step_seconds(run: generate_cli.Run, steps: int) -> float:
+    """Mean seconds per `_decode_step` of the run's Generator, back to back, on a cache of the CLI run's length."""
+    generator, batch = run.generator, len(run.prompts)
+    padded = sum(prefill_chunks(max(map(len, run.prompts)), generator.prefill_chunk))
+    length = -(-(padded + run.args.max_new_tokens + 1) // CACHE_BUCKET) * CACHE_BUCKET
+    cache = LingCache.create(generator.config, batch, length, generator.dtype)
+    cache = LingCache(layers=cache.layers, lengths=jnp.full((batch,), padded, jnp.int32))
+    seen = jnp.zeros((batch, generator.config.vocab_size), bool)
+    token, counter = jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.int32)
+    arrays = SamplingArrays.from_params([run.sampling] * batch)
+
+    def step(cache, seen, token, counter):
+        return _decode_step(generator.static, generator.leaves, cache, seen, token, arrays, counter)
+
+    for _ in range(3):
+        token, cache, seen, counter = step(cache, seen, token, counter)
+    jax.block_until_ready(token)
+    start = time.perf_counter()
+    for _ in range(steps):
+        token, cache, seen, counter = step(cache, seen, token, counter)
+    jax.block_until_ready(token)
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the random tiny preset, small batches, few tokens")
+    parser.add_argument("--model", metavar="PATH", help="a checkpoint directory (default: the demo checkpoint)")
+    parser.add_argument("--batches", help="comma-separated batch sizes (default 1,32; --quick: 1,2)")
+    parser.add_argument("--new-tokens", type=int, help="tokens per prompt (default 48; --quick: 8)")
+    args = parser.parse_args(argv)
+    model_flags = ["--model", args.model] if args.model else (["--preset", "tiny"] if args.quick else [])
+    batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,32")).split(",")]
+    new_tokens = args.new_tokens or (8 if args.quick else 48)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; model: "
+          f"{' '.join(model_flags) or 'the demo checkpoint'}; {new_tokens} new tokens per prompt", flush=True)
+    rows = []
+    for batch in batches:
+        cli_s, run = cli_step_seconds(model_flags, batch, new_tokens)
+        bare_s = bare_step_seconds(run, max(new_tokens, 8))
+        rows.append((batch, cli_s, bare_s))
+        print(f"batch {batch}: CLI {cli_s * 1e3:.2f} ms/step ({batch / cli_s:,.1f} tok/s), bare step "
+              f"{bare_s * 1e3:.2f} ms ({batch / bare_s:,.1f} tok/s): {cli_s / bare_s:.2f}x", flush=True)
+    print("\n| batch | CLI ms/step | CLI tok/s | bare step ms | ratio |")
+    print("|---|---|---|---|---|")
+    for batch, cli_s, bare_s in rows:
+        print(f"| {batch} | {cli_s * 1e3:.2f} | {batch / cli_s:,.1f} | {bare_s * 1e3:.2f} | {cli_s / bare_s:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
