@@ -7,8 +7,10 @@ are printed: streamed as tokens arrive when there is one prompt, each whole once
 there are several (or with --no-stream), or as one JSON object per prompt with --json. Stop strings cut a
 completion before the stop string, which is never printed, not even in part. The stats line goes to stderr.
 
-User errors (a bad flag value, a missing path, a prompt too long, a mesh that does not fit) print one
-`error: ...` line on stderr and exit with status 2.
+User errors (a bad flag value, a missing path or tokenizer.json, a prompt too long, a damaged checkpoint, NaN
+weights, a mesh that does not fit) print one `error: ...` line on stderr and exit with status 2. Everything
+that can be checked without the weights (`ling_jax.cli_checks`: flags, prompts, config, tokenizer, the
+checkpoint's index and layout files) is checked before they load.
 """
 
 from __future__ import annotations

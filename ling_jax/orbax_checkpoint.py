@@ -157,7 +157,7 @@ def _restore(path: str, target: dict) -> dict:
         try:
             return checkpointer.restore(path, target)
         except Exception as e:  # tensorstore's errors arrive wrapped in a bare Exception
-            raise ValueError(f"{path}: damaged checkpoint: {_root_cause(e)}; convert it again") from e
+            raise ValueError(f"{path}: restoring failed, the checkpoint looks damaged: {_root_cause(e)}") from e
 
 
 def _root_cause(error: BaseException) -> str:

@@ -22,7 +22,8 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_generate_cli import ROOT, hf_dir, run_cli  # noqa: F401 (hf_dir is a fixture)
+import test_generate_cli
+from test_generate_cli import ROOT, run_cli
 
 from convert.pipeline import Options, convert
 from ling_jax import generate_cli
@@ -30,6 +31,7 @@ from ling_jax.cli_checks import MAX_MTP
 
 INDEX = "model.safetensors.index.json"
 SHARD = "model-00001-of-00001.safetensors"
+hf_dir = test_generate_cli.hf_dir  # the fixture: the tiny HF checkpoint with a trained tokenizer.json
 
 
 @pytest.fixture
@@ -192,7 +194,7 @@ def truncate_data_files(model):
 @pytest.mark.parametrize("damage, message", [
     (lambda m: (m / "_METADATA").unlink(), "damaged checkpoint: _METADATA (the index of the stored arrays) is missing"),
     (lambda m: (m / "_METADATA").write_text("{"), "damaged checkpoint: its array metadata"),
-    (truncate_data_files, "damaged checkpoint: "),
+    (truncate_data_files, "restoring failed, the checkpoint looks damaged: "),
     (lambda m: (m / "ling_convert.json").write_text("{"), "ling_convert.json: not valid JSON"),
     (lambda m: (m / "ling_convert.json").write_text('{"format": "ling-convert/1", "compute_dtype": "bfloat16"}'),
      "ling_convert.json: 'scale_blocks' must map parameter names"),
