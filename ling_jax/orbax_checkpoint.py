@@ -218,6 +218,8 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
             raise ValueError(f"{path}: parameter '{name}' has shape {list(have.shape)}, expected "
                              f"{list(want.shape)} from config.json")
         if name in layout.scale_blocks:
+            if scale_name(name) not in stored:
+                raise ValueError(f"{path}: FP8 parameter '{name}' has no '{scale_name(name)}' beside it")
             scale = stored[scale_name(name)]
             target[p] = jax.ShapeDtypeStruct(have.shape, have.dtype, sharding=shardings[p])
             target[scale_path(p)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=small)
