@@ -54,9 +54,19 @@ class TensorResolver:
             raise CheckpointError(f"{file}: '{scale_name}' scales '{weight}', which is {dtype}, not FP8 or MXFP4")
 
     def read(self, name: str, expected: tuple[int, ...]) -> np.ndarray:
+        """The tensor `name` as float32 of shape `expected`; NaN or Inf in it raises CheckpointError."""
         stored = self.by_name.get(name)
         if stored is None:
             raise CheckpointError(f"{self.tensors.directory}: tensor '{name}' is missing from every shard")
+        value = self._read(stored, expected)
+        # one pass, no temporary: NaN and Inf reach a float64 sum, which finite float32 values cannot overflow
+        if not np.isfinite(value.sum(dtype=np.float64)):
+            bad = int(np.count_nonzero(~np.isfinite(value)))
+            raise CheckpointError(f"{self.tensors.file_of(stored)}: tensor '{stored}' has {bad} NaN or Inf "
+                                  f"value{'s' if bad > 1 else ''} (of {value.size}): the checkpoint is damaged")
+        return value
+
+    def _read(self, stored: str, expected: tuple[int, ...]) -> np.ndarray:
         file, dtype, shape = self.tensors.file_of(stored), self.tensors.dtype(stored), self.tensors.shape(stored)
         scale_name = stored + SCALE_SUFFIX
         has_scale = scale_name in self.tensors

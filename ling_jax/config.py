@@ -35,10 +35,26 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 _HF_LAYER_TYPES = {"linear_attention": KDA, "full_attention": MLA}
 _HF_MLP_TYPES = {"dense": DENSE, "sparse": MOE}
 _YARN_TYPES = ("yarn", "deepseek_yarn")
+# model_type of Ling 3.x: `bailing_hybrid` (inclusionAI, transformers) or `bailing_moe_v3` (vLLM); of Ling-VL
+_TEXT_MODEL_TYPES = ("bailing_hybrid", "bailing_moe_v3")
+_VL_MODEL_TYPES = ("bailing_moe_v3_vl",)
 
 
 def _fail(key: str, message: str) -> ValueError:
     return ValueError(f"config key '{key}': {message}")
+
+
+def _integer(key: str, value: Any) -> int:
+    """A JSON integer (a float without a fraction too, as some writers emit); never a bool, string or 16.5."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise _fail(key, f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(key, f"must be a number, got {value!r}")
+    return float(value)
 
 
 class _Reader:
@@ -62,6 +78,16 @@ class _Reader:
             names = " / ".join((key, *_ALIASES.get(key, ())))
             raise _fail(key, f"missing (looked for {names}); it must be read from the checkpoint")
         return value
+
+    def require_int(self, key: str) -> int:
+        return _integer(key, self.require(key))
+
+    def require_float(self, key: str) -> float:
+        return _number(key, self.require(key))
+
+    def get_int(self, key: str, default: int | None = None) -> int | None:
+        value = self.get(key)
+        return default if value is None else _integer(key, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,56 +260,63 @@ class LingConfig:
     def from_dict(cls, raw: Mapping[str, Any]) -> LingConfig:
         """Parse a config.json dict (inclusionAI or transformers spelling, or a VL config with text_config)."""
         if "text_config" in raw:
+            _check_model_type(raw, "model_type", _VL_MODEL_TYPES)
             text = dict(raw["text_config"])
+            _check_model_type(text, "text_config.model_type", _TEXT_MODEL_TYPES)
             for key in ("quantization_config", "eos_token_id", "pad_token_id"):
                 if key in raw and key not in text:
                     text[key] = raw[key]
             if raw.get("mrope_section") is not None:
                 text["mrope_section"] = _vl_mrope_section(raw, text)
             raw = text
+        else:
+            _check_model_type(raw, "model_type", _TEXT_MODEL_TYPES)
         r = _Reader(raw)
         _refuse_unsupported(r)
-        num_layers = int(r.require("num_hidden_layers"))
-        num_experts = int(r.require("num_experts"))
-        moe_width = int(r.require("moe_intermediate_size"))
+        num_layers = r.require_int("num_hidden_layers")
+        num_experts = r.require_int("num_experts")
+        moe_width = r.require_int("moe_intermediate_size")
         shared_width = r.get("moe_shared_expert_intermediate_size")
         if shared_width is None:
-            shared_width = moe_width * int(r.require("num_shared_experts"))
+            shared_width = moe_width * r.require_int("num_shared_experts")
+        else:
+            shared_width = _integer("moe_shared_expert_intermediate_size", shared_width)
         eos = r.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        q_lora = r.get("q_lora_rank")
+        eos_list = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        eos_ids = tuple(_integer("eos_token_id", e) for e in eos_list)
         return cls(
-            vocab_size=int(r.require("vocab_size")),
-            hidden_size=int(r.require("hidden_size")),
+            vocab_size=r.require_int("vocab_size"),
+            hidden_size=r.require_int("hidden_size"),
             num_hidden_layers=num_layers,
-            num_attention_heads=int(r.require("num_attention_heads")),
-            head_dim=int(raw["linear_head_dim"] if raw.get("linear_head_dim") else r.require("head_dim")),
-            intermediate_size=int(r.require("intermediate_size")),
+            num_attention_heads=r.require_int("num_attention_heads"),
+            head_dim=_integer("linear_head_dim", raw["linear_head_dim"]) if raw.get("linear_head_dim")
+            else r.require_int("head_dim"),
+            intermediate_size=r.require_int("intermediate_size"),
             moe_intermediate_size=moe_width,
-            shared_expert_intermediate_size=int(shared_width),
+            shared_expert_intermediate_size=shared_width,
             num_experts=num_experts,
-            num_experts_per_tok=int(r.require("num_experts_per_tok")),
-            n_group=int(r.get("n_group", 0) or 0),
-            topk_group=int(r.get("topk_group", 0) or 0),
+            num_experts_per_tok=r.require_int("num_experts_per_tok"),
+            n_group=r.get_int("n_group", 0),
+            topk_group=r.get_int("topk_group", 0),
             norm_topk_prob=bool(r.require("norm_topk_prob")),
-            routed_scaling_factor=float(r.require("routed_scaling_factor")),
+            routed_scaling_factor=r.require_float("routed_scaling_factor"),
             layer_types=_parse_layer_types(r, num_layers),
             mlp_layer_types=_parse_mlp_layer_types(r, num_layers, num_experts),
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            kv_lora_rank=int(r.require("kv_lora_rank")),
-            qk_nope_head_dim=int(r.require("qk_nope_head_dim")),
-            qk_rope_head_dim=int(r.require("qk_rope_head_dim")),
-            v_head_dim=int(r.require("v_head_dim")),
-            short_conv_kernel_size=int(r.require("short_conv_kernel_size")),
-            rms_norm_eps=float(r.require("rms_norm_eps")),
+            q_lora_rank=r.get_int("q_lora_rank"),
+            kv_lora_rank=r.require_int("kv_lora_rank"),
+            qk_nope_head_dim=r.require_int("qk_nope_head_dim"),
+            qk_rope_head_dim=r.require_int("qk_rope_head_dim"),
+            v_head_dim=r.require_int("v_head_dim"),
+            short_conv_kernel_size=r.require_int("short_conv_kernel_size"),
+            rms_norm_eps=r.require_float("rms_norm_eps"),
             rope=_parse_rope(r),
-            max_position_embeddings=int(r.require("max_position_embeddings")),
+            max_position_embeddings=r.require_int("max_position_embeddings"),
             no_kda_lora=bool(r.get("no_kda_lora", True)),
             kda_safe_gate=bool(r.get("kda_safe_gate", True)),
             kda_lower_bound=float(r.get("kda_lower_bound", -5.0)),
             expert_swiglu_limit_list=_limits(r, "expert_swiglu_limit_list"),
             share_expert_swiglu_limit_list=_limits(r, "share_expert_swiglu_limit_list"),
-            num_nextn_predict_layers=int(r.get("num_nextn_predict_layers", 0) or 0),
+            num_nextn_predict_layers=r.get_int("num_nextn_predict_layers", 0),
             tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
             pad_token_id=r.get("pad_token_id"),
             eos_token_ids=eos_ids,
@@ -348,6 +381,12 @@ def _refuse_unsupported(r: _Reader) -> None:
         raise _fail("router_dtype", "the router runs in fp32")
 
 
+def _check_model_type(raw: Mapping[str, Any], key: str, known: tuple[str, ...]) -> None:
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in known:
+        raise _fail(key, f"{model_type!r} is not a Ling 3.x model (expected {' or '.join(map(repr, known))})")
+
+
 def _explicit_types(r: _Reader, key: str, names: dict[str, str]) -> tuple[str, ...] | None:
     """transformers' explicit per-layer type list, translated; None when the key is absent."""
     explicit = r.get(key)
@@ -368,7 +407,7 @@ def _parse_layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
         if len(group) != num_layers:
             raise _fail("layer_group_size", f"list has {len(group)} entries for num_hidden_layers={num_layers}")
         return tuple(KDA if entry == 1 else MLA for entry in group)
-    group = int(group)
+    group = _integer("layer_group_size", group)
     if group <= 0:
         return (MLA,) * num_layers
     if num_layers % group:
@@ -382,7 +421,7 @@ def _parse_mlp_layer_types(r: _Reader, num_layers: int, num_experts: int) -> tup
         return explicit
     if num_experts == 1:
         return (DENSE,) * num_layers
-    first_dense = int(r.require("first_k_dense_replace"))
+    first_dense = r.require_int("first_k_dense_replace")
     return tuple(DENSE if i < first_dense else MOE for i in range(num_layers))
 
 
@@ -419,7 +458,8 @@ def _parse_rope(r: _Reader) -> RopeConfig:
         interleave=bool(r.get("rope_interleave", True)),
         rope_type="yarn" if rope_type in _YARN_TYPES else "default",
         factor=float(scaling.get("factor") or 1.0),
-        original_max_position_embeddings=None if original is None else int(original),
+        original_max_position_embeddings=None if original is None else _integer(
+            "rope_scaling.original_max_position_embeddings", original),
         beta_fast=float(scaling.get("beta_fast", 32.0)),
         beta_slow=float(scaling.get("beta_slow", 1.0)),
         mscale=opt_float("mscale"),

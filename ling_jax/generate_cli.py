@@ -7,8 +7,10 @@ are printed: streamed as tokens arrive when there is one prompt, each whole once
 there are several (or with --no-stream), or as one JSON object per prompt with --json. Stop strings cut a
 completion before the stop string, which is never printed, not even in part. The stats line goes to stderr.
 
-User errors (a bad flag value, a missing path, a prompt too long, a mesh that does not fit) print one
-`error: ...` line on stderr and exit with status 2.
+User errors (a bad flag value, a missing path or tokenizer.json, a prompt too long, a damaged checkpoint, NaN
+weights, a mesh that does not fit) print one `error: ...` line on stderr and exit with status 2. Everything
+that can be checked without the weights (`ling_jax.cli_checks`: flags, prompts, config, tokenizer, the
+checkpoint's index and layout files) is checked before they load.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import jax.numpy as jnp
 import jinja2
 from flax import nnx
 
-from ling_jax import cli_runtime, interactive
+from ling_jax import cli_checks, cli_runtime, interactive
 from ling_jax.checkpoint import load_hf_checkpoint
+from ling_jax.cli_checks import ModelSource
 from ling_jax.config import LingConfig
 from ling_jax.generate import MIN_CHUNK, GenerationStats, Generator, MediaInputs
 from ling_jax.image_processing import ProcessorConfig
@@ -36,7 +39,7 @@ from ling_jax.orbax_checkpoint import LAYOUT_FILE, load_checkpoint
 from ling_jax.presets import PRESETS
 from ling_jax.sampling import SamplingParams
 from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
-from ling_jax.tokenizer import StopChecker, StreamDecoder, Tokenizer, load_tokenizer
+from ling_jax.tokenizer import StopChecker, StreamDecoder, Tokenizer
 from ling_jax.vl_config import LingVLConfig
 from ling_jax.vl_prompt import PromptMedia, encode_with_media, load_media, media_inputs, with_placeholders
 
@@ -48,13 +51,6 @@ EXIT_USAGE = 2
 
 class CLIError(Exception):
     """A mistake in the command line or its inputs: printed as one `error: ...` line, exit status 2."""
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    model: LingForCausalLM
-    tokenizer: Tokenizer
-    source: str  # what was loaded, for messages
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--preset", metavar="NAME", choices=sorted(PRESETS),
                         help=f"a RANDOMLY initialised model of this preset ({', '.join(sorted(PRESETS))}) instead "
                              "of a checkpoint: its output is noise; text is tokenised as bytes")
+    model.add_argument("--byte-tokenizer", action="store_true",
+                       help="accept a checkpoint without tokenizer.json: text is tokenised as UTF-8 bytes (token id "
+                            "= byte value), which only a model trained on bytes understands")
     model.add_argument("--dtype", choices=("bfloat16", "float32"),
                        help="parameter and activation dtype (default: float32 on CPU, bfloat16 on GPU / TPU)")
 
@@ -100,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="stop a completion where this string appears, without printing it (repeatable)")
     sampling.add_argument("--mtp", type=int, default=0, metavar="K",
                           help="speculative decoding: the model's MTP layer drafts K tokens per step, verified in "
-                               "one forward (same output as without; needs an MTP layer; default 0 = off)")
+                               "one forward (same output as without; needs an MTP layer; at most "
+                               f"{cli_checks.MAX_MTP}; default 0 = off)")
 
     prompting = parser.add_argument_group("prompts")
     prompting.add_argument("--chat", action="store_true",
@@ -244,21 +244,21 @@ def _prepare(args: argparse.Namespace) -> Run:
     if args.interactive:
         interactive.check_flags(args)
     texts = [] if args.interactive else _read_prompts(args)
-    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
-    loaded = _load_model(args, dtype, mesh, verbose=is_main)
-    config = loaded.model.config
+    source = _model_source(args, verbose=is_main)  # config and tokenizer: checked before any weight is read
+    config = source.text_config
     if args.mtp and not config.num_nextn_predict_layers:
-        raise CLIError(f"--mtp {args.mtp} needs a model with an MTP layer; {loaded.source} has none "
+        raise CLIError(f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none "
                        "(num_nextn_predict_layers = 0)")
-    media = _load_media(args, loaded) if (args.image or args.video) else None
-    prompts = [_encode(loaded.tokenizer, text, args, media, getattr(loaded.model, "vl_config", None))
-               for text in texts]
+    media = _load_media(args, source) if (args.image or args.video) else None
+    prompts = [_encode(source.tokenizer, text, args, media, source.vl_config) for text in texts]
     _check_lengths(prompts, args.max_new_tokens, config)
+    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    model = _load_model(source, dtype, mesh, verbose=is_main)
     try:
-        generator = Generator(loaded.model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
+        generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
         raise CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {e}") from e
-    return Run(args, generator, loaded.tokenizer, texts, prompts, sampling, stops, is_main,
+    return Run(args, generator, source.tokenizer, texts, prompts, sampling, stops, is_main,
                None if media is None else media_inputs(media, len(prompts)))
 
 
@@ -316,6 +316,7 @@ def _check_flags(args: argparse.Namespace) -> None:
                              ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK), ("--mtp", args.mtp, 0)):
         if value < low:
             raise CLIError(f"{flag} must be >= {low}, got {value}")
+    cli_checks.check_mtp(args.mtp)
     if args.system is not None and not args.chat:
         raise CLIError("--system needs --chat (the system message goes through the chat template)")
 
@@ -349,17 +350,20 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     texts = list(args.prompts)
     if args.prompt_file is not None:
         texts += _read_prompt_file(args.prompt_file)
-    elif not texts and not sys.stdin.isatty():
-        texts = _lines(sys.stdin.read())
+    elif not texts and cli_checks.stdin_is_input():
+        texts = _lines(cli_checks.read_stdin("stdin"))
+        if not texts:
+            raise CLIError("no prompt on stdin (it is empty or every line is blank): pipe some text, or give "
+                           "PROMPT arguments or --prompt-file")
     return texts or [DEFAULT_PROMPT]
 
 
 def _read_prompt_file(name: str) -> list[str]:
     if name == "-":
-        prompts = _lines(sys.stdin.read())
+        prompts = _lines(cli_checks.read_stdin("--prompt-file -"))
     else:
         try:
-            prompts = _lines(Path(name).read_text(encoding="utf-8"))
+            prompts = _lines(cli_checks.read_text_file(name, f"--prompt-file {name}"))
         except OSError as e:
             raise CLIError(f"--prompt-file {name}: {e.strerror or e}") from e
     if not prompts:
@@ -371,39 +375,29 @@ def _lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def _load_model(args: argparse.Namespace, dtype, mesh, *, verbose: bool) -> LoadedModel:
+def _model_source(args: argparse.Namespace, *, verbose: bool) -> ModelSource:
     if args.preset is not None:
-        return _random_model(args.preset, dtype, verbose=verbose)
+        if verbose:
+            print(f"NOTE: --preset {args.preset}: a RANDOMLY INITIALISED model; its output is noise.",
+                  file=sys.stderr)
+        return cli_checks.preset_source(args.preset)
     if args.model is not None:
-        return _load_checkpoint_dir(Path(args.model), "--model", dtype, mesh, verbose=verbose)
+        return cli_checks.checkpoint_source(Path(args.model), "--model", byte_tokenizer=args.byte_tokenizer)
     if DEMO_DIR.is_dir():
-        return _load_checkpoint_dir(DEMO_DIR, "the demo checkpoint", dtype, mesh, verbose=verbose)
+        return cli_checks.checkpoint_source(DEMO_DIR, "the demo checkpoint", byte_tokenizer=args.byte_tokenizer)
     if verbose:
         print(f"NOTE: the demo checkpoint ({DEMO_DIR}) is not installed and no --model was given: using a RANDOMLY "
               f"INITIALISED '{FALLBACK_PRESET}' model. Its output is noise.", file=sys.stderr)
-    return _random_model(FALLBACK_PRESET, dtype, verbose=False)
+    return cli_checks.preset_source(FALLBACK_PRESET)
 
 
-def _random_model(preset: str, dtype, *, verbose: bool) -> LoadedModel:
-    if verbose:
-        print(f"NOTE: --preset {preset}: a RANDOMLY INITIALISED model; its output is noise.", file=sys.stderr)
-    config = LingConfig.preset(preset)
-    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype)
-    return LoadedModel(model, load_tokenizer(None, config), f"the random '{preset}' preset")
-
-
-def _load_checkpoint_dir(path: Path, what: str, dtype, mesh, *, verbose: bool) -> LoadedModel:
-    label = f"{what} {path}" if what.startswith("--") else f"{what} ({path})"
-    if not path.is_dir():
-        raise CLIError(f"{label}: not a directory (expected a HF checkpoint or ling-convert directory)")
-    if (path / LAYOUT_FILE).is_file():
-        model = load_checkpoint(path, mesh=mesh, dtype=dtype, progress=verbose and sys.stderr.isatty())
-    elif (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        model = load_hf_checkpoint(path, dtype=dtype, progress=verbose and sys.stderr.isatty())
-    else:
-        raise CLIError(f"{label}: expected a HF checkpoint directory (config.json and *.safetensors) or a "
-                       f"ling-convert directory ({LAYOUT_FILE}); found neither")
-    return LoadedModel(model, load_tokenizer(path, model.config), str(path))
+def _load_model(source: ModelSource, dtype, mesh, *, verbose: bool) -> LingForCausalLM:
+    if source.path is None:
+        return LingForCausalLM(source.config, rngs=nnx.Rngs(0), dtype=dtype)
+    progress = verbose and sys.stderr.isatty()
+    if source.orbax:
+        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, progress=progress)
+    return load_hf_checkpoint(source.path, dtype=dtype, progress=progress)
 
 
 def _encode(tokenizer: Tokenizer, text: str, args: argparse.Namespace, media: PromptMedia | None = None,
@@ -425,12 +419,12 @@ def _encode(tokenizer: Tokenizer, text: str, args: argparse.Namespace, media: Pr
                              text, media, vl_config)
 
 
-def _load_media(args: argparse.Namespace, loaded: LoadedModel) -> PromptMedia:
+def _load_media(args: argparse.Namespace, source: ModelSource) -> PromptMedia:
     """--image / --video, preprocessed as the checkpoint's preprocessor_config.json (or the defaults) says."""
-    vl_config = getattr(loaded.model, "vl_config", None)
+    vl_config = source.vl_config
     if vl_config is None:
         raise CLIError(f"--image / --video need a VL checkpoint (config.json with a vision_config); "
-                       f"{loaded.source} is a text model")
+                       f"{source.name} is a text model")
     if args.mtp:
         raise CLIError("--mtp is not supported with --image / --video (the VL model's MTP layer is not wired up)")
     processor = ProcessorConfig.for_vision(vl_config.vision)
@@ -475,3 +469,7 @@ def _stats_dict(stats: GenerationStats) -> dict:
 
 def _write(text: str) -> None:
     cli_runtime.write_stdout(text)
+
+
+if __name__ == "__main__":
+    sys.exit(script_main())

@@ -7,12 +7,16 @@ stacked as `model.layers.1.mlp.experts.up_proj` [E, I, D], the MTP layer under `
 `ling_convert.json` (`StoredLayout`). A parameter kept in FP8 is stored as float8 with a `<name>_scale_inv`
 sibling of one float32 scale per block (the scale multiplies, as in HF checkpoints); it is dequantised on the
 device after the restore.
+
+A damaged directory (an unreadable `_METADATA`, a missing or truncated data file, a broken `ling_convert.json`) and
+a parameter holding NaN or Inf raise ValueError naming the file or parameter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 import jax
@@ -29,6 +33,7 @@ from ling_jax.vl_model import build_model
 
 LAYOUT_FILE = "ling_convert.json"
 LAYOUT_FORMAT = "ling-convert/1"
+METADATA_FILE = "_METADATA"  # orbax's tree of the stored arrays
 
 
 def param_name(path: tuple) -> str:
@@ -66,12 +71,33 @@ class StoredLayout:
         file = os.path.join(directory, LAYOUT_FILE)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{directory}: no {LAYOUT_FILE}; not a checkpoint written by ling-convert")
-        with open(file) as f:
-            body = json.load(f)
-        if body.get("format") != LAYOUT_FORMAT:
-            raise ValueError(f"{file}: format {body.get('format')!r}, expected {LAYOUT_FORMAT!r}")
-        return cls(body["compute_dtype"], {name: tuple(block) for name, block in body["scale_blocks"].items()},
-                   body.get("mesh"))
+        try:
+            with open(file, "rb") as f:
+                body = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{file}: not valid JSON ({e}); convert the checkpoint again") from e
+        if not isinstance(body, dict) or body.get("format") != LAYOUT_FORMAT:
+            found = body.get("format") if isinstance(body, dict) else body
+            raise ValueError(f"{file}: format {found!r}, expected {LAYOUT_FORMAT!r}")
+        compute_dtype, blocks, mesh = body.get("compute_dtype"), body.get("scale_blocks"), body.get("mesh")
+        if not _is_float_dtype(compute_dtype):
+            raise ValueError(f"{file}: 'compute_dtype' is {compute_dtype!r}, expected a float dtype ('bfloat16')")
+        if not isinstance(blocks, dict) or not all(_is_block(block) for block in blocks.values()):
+            raise ValueError(f"{file}: 'scale_blocks' must map parameter names to [rows, cols] block sizes")
+        if mesh is not None and not (isinstance(mesh, dict) and all(isinstance(n, int) for n in mesh.values())):
+            raise ValueError(f"{file}: 'mesh' must be null or map axis names to sizes, got {mesh!r}")
+        return cls(compute_dtype, {name: tuple(block) for name, block in blocks.items()}, mesh)
+
+
+def _is_float_dtype(name) -> bool:
+    try:
+        return isinstance(name, str) and jnp.issubdtype(jnp.dtype(name), jnp.floating)
+    except TypeError:
+        return False
+
+
+def _is_block(block) -> bool:
+    return isinstance(block, list) and len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block)
 
 
 def dequantize_blocks(weight, scale, block: tuple[int, int], dtype):
@@ -108,9 +134,43 @@ def _nested(flat: dict[tuple, object]) -> dict:
 
 def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
     """Stored array name -> its metadata (shape, dtype), from the checkpoint's `_METADATA`."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(path).item_metadata.tree
-    return {param_name(keys): metadata for keys, metadata in _flatten(tree).items()}
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        raise ValueError(f"{path}: damaged checkpoint: {METADATA_FILE} (the index of the stored arrays) is missing; "
+                         "convert the checkpoint again")
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # orbax logs a warning of its own where it returns no metadata
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            item = checkpointer.metadata(path).item_metadata
+    except Exception as e:  # orbax raises whatever its parsers meet
+        raise ValueError(f"{path}: damaged checkpoint: its array metadata cannot be read ({_root_cause(e)})") from e
+    finally:
+        absl_logger.setLevel(level)
+    if item is None:
+        raise ValueError(f"{path}: damaged checkpoint: its array metadata ({METADATA_FILE}, manifest.ocdbt) cannot be "
+                         "read; convert the checkpoint again")
+    return {param_name(keys): metadata for keys, metadata in _flatten(item.tree).items()}
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error's first line (orbax wraps tensorstore's in pages of spec)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+
+
+def _refuse_non_finite(path: str, loaded: list[tuple[tuple, object]]) -> None:
+    """One fused reduction per parameter on its devices, one host transfer for all."""
+    finite = jax.device_get([_all_finite(variable.get_value()) for _, variable in loaded])
+    for (p, _), ok in zip(loaded, finite):
+        if not ok:
+            raise ValueError(f"{path}: parameter '{param_name(p)}' holds NaN or Inf values: the checkpoint is "
+                             "damaged (or was converted from a damaged one)")
 
 
 def _restore_group(path: tuple) -> tuple:
@@ -129,7 +189,10 @@ def _restore(path: str, target: dict[tuple, jax.ShapeDtypeStruct], progress: boo
             tree = _nested(group)
             args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
                                           partial_restore=True)
-            restored.update(_flatten(checkpointer.restore(path, args=args)))
+            try:
+                restored.update(_flatten(checkpointer.restore(path, args=args)))
+            except Exception as e:  # tensorstore's errors arrive wrapped in a bare Exception
+                raise ValueError(f"{path}: restoring failed, the checkpoint looks damaged: {_root_cause(e)}") from e
     return restored
 
 
@@ -173,6 +236,8 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
             raise ValueError(f"{path}: parameter '{name}' has shape {list(have.shape)}, expected "
                              f"{list(want.shape)} from config.json")
         if name in layout.scale_blocks:
+            if scale_name(name) not in stored:
+                raise ValueError(f"{path}: FP8 parameter '{name}' has no '{scale_name(name)}' beside it")
             scale = stored[scale_name(name)]
             target[p] = jax.ShapeDtypeStruct(have.shape, have.dtype, sharding=shardings[p])
             target[scale_path(p)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=small)
@@ -187,4 +252,5 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
             dequantize = jax.jit(dequantize_blocks, static_argnames=("block", "dtype"), out_shardings=shardings[p])
             value = dequantize(value, restored.pop(scale_path(p)), block=block, dtype=variable.get_value().dtype)
         loaded.append((p, variable.replace(value)))
+    _refuse_non_finite(path, loaded)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))

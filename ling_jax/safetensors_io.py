@@ -73,6 +73,22 @@ class SafetensorsFile:
         return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """The index's {tensor name: shard file}; a file that is no such index raises ValueError naming it."""
+    try:
+        with open(index_path, "rb") as f:
+            body = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index_path}: not valid JSON ({e})") from e
+    weight_map = body.get("weight_map") if isinstance(body, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path}: no 'weight_map' object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise ValueError(f"{index_path}: 'weight_map' maps '{name}' to {file!r}, not a shard file name")
+    return weight_map
+
+
 class CheckpointTensors:
     """All tensors of a HF-format checkpoint directory, looked up by name across shards."""
 
@@ -80,10 +96,7 @@ class CheckpointTensors:
         self.directory = directory
         index_path = os.path.join(directory, INDEX_FILE)
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"{index_path}: no 'weight_map' object")
+            weight_map = _read_weight_map(index_path)
             files = sorted(set(weight_map.values()))
             for file in files:
                 if not os.path.isfile(os.path.join(directory, file)):

@@ -2,7 +2,9 @@
 
 `load_tokenizer` wraps a checkpoint's `tokenizer.json` (the `tokenizers` library) or, without one, falls back
 to bytes: every UTF-8 byte is one token whose id is the byte value (what a randomly initialised model
-needs to run end to end; a trained checkpoint's ids are not bytes, so its output would be meaningless).
+needs to run end to end; a trained checkpoint's ids are not bytes, so its output would be meaningless, and
+`scripts/generate.py` refuses a checkpoint without tokenizer.json unless told `--byte-tokenizer`). A file that
+cannot be read as what it should be raises ValueError naming it.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def load_tokenizer(model_dir: str | Path | None, config: LingConfig) -> Tokenize
     eos_ids = [*config.eos_token_ids, *_as_id_list(generation.get("eos_token_id"))]
 
     if directory is not None and (directory / "tokenizer.json").is_file():
-        backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        backend = _read_tokenizer_json(directory / "tokenizer.json")
         size = backend.get_vocab_size(with_added_tokens=True)
         if size > config.vocab_size:
             raise ValueError(f"{directory / 'tokenizer.json'} has {size} tokens but config.json's vocab_size is "
@@ -126,10 +128,24 @@ def load_tokenizer(model_dir: str | Path | None, config: LingConfig) -> Tokenize
                          special_tokens=special_tokens)
 
 
+def _read_tokenizer_json(file: Path) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the Rust library raises a bare Exception for every malformed file
+        raise ValueError(f"{file}: not a valid tokenizer.json ({e})") from e
+
+
 def _read_json(directory: Path | None, filename: str) -> dict[str, Any]:
     if directory is None or not (directory / filename).is_file():
         return {}
-    return json.loads((directory / filename).read_text(encoding="utf-8"))
+    file = directory / filename
+    try:
+        body = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(body).__name__}")
+    return body
 
 
 def _token_text(token: str | Mapping[str, Any]) -> str:
@@ -145,8 +161,12 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
 
 def _read_chat_template(directory: Path | None, settings: Mapping[str, Any]) -> str | None:
     """chat_template.jinja (newer transformers) wins over tokenizer_config.json, as in transformers."""
-    if directory is not None and (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    file = None if directory is None else directory / "chat_template.jinja"
+    if file is not None and file.is_file():
+        try:
+            return file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file}: not UTF-8 text ({e})") from e
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         template = {entry["name"]: entry["template"] for entry in template}.get("default")

@@ -205,7 +205,8 @@ def test_completion_holds_back_a_possible_stop_string():
 def run_script(*argv, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run has
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], input=stdin or "", capture_output=True,
+    stdin_source = {"stdin": subprocess.DEVNULL} if stdin is None else {"input": stdin}  # /dev/null: no prompts
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], **stdin_source, capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=120, check=False)
 
 

@@ -216,8 +216,8 @@ def test_generate_cli_with_an_image(tmp_path, checkpoints, capsys):
     root, _, _, model = checkpoints
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (44, 60, 3), dtype=np.uint8))
     image.save(tmp_path / "cat.png")
-    argv = ["--model", str(root / "vl"), "--image", str(tmp_path / "cat.png"), "--max-new-tokens", "2",
-            "--temperature", "0", "--json", "A <image> B"]
+    argv = ["--byte-tokenizer", "--model", str(root / "vl"), "--image", str(tmp_path / "cat.png"),
+            "--max-new-tokens", "2", "--temperature", "0", "--json", "A <image> B"]
     assert main(argv) == 0
     record = json.loads(capsys.readouterr().out)
     patches, grid = preprocess_image(image, ProcessorConfig.for_vision(model.vl_config.vision))
@@ -233,14 +233,17 @@ def test_generate_cli_media_errors(tmp_path, checkpoints, capsys):
     from ling_jax.generate_cli import main
 
     root = checkpoints[0]
-    assert main(["--model", str(root / "text"), "--image", str(tmp_path / "x.png"), "hi"]) == 2
+    assert main(["--byte-tokenizer", "--model", str(root / "text"),
+                 "--image", str(tmp_path / "x.png"), "hi"]) == 2
     assert "need a VL checkpoint" in capsys.readouterr().err
-    assert main(["--model", str(root / "vl"), "--image", str(tmp_path / "missing.png"), "hi"]) == 2
+    assert main(["--byte-tokenizer", "--model", str(root / "vl"),
+                 "--image", str(tmp_path / "missing.png"), "hi"]) == 2
     assert "image not found" in capsys.readouterr().err
     from PIL import Image
 
     Image.new("RGB", (30, 20), (200, 10, 10)).save(tmp_path / "red.png")
-    assert main(["--model", str(root / "vl"), "--image", str(tmp_path / "red.png"), "<image> <image>"]) == 2
+    assert main(["--byte-tokenizer", "--model", str(root / "vl"),
+                 "--image", str(tmp_path / "red.png"), "<image> <image>"]) == 2
     assert "2 <image> placeholders but 1 image" in capsys.readouterr().err
 
 
