@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op, rms_norm as rms_norm_op
+from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
+from pallas_kernels.norm.ops import rms_norm as rms_norm_op
 from pallas_kernels.norm.reference import rms_normalize
 
 DEFAULT_INIT_STD = 0.02
