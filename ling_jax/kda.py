@@ -1,5 +1,8 @@
 """Kimi Delta Attention layer (spec §2): projections, short causal convs, gates, delta rule, gated norm.
 
+`kda_attention(weights, x_BTD, state, ctx, cfg)` is the layer as a pure function; `KimiDeltaAttention` holds
+the parameters and calls it.
+
 Padding: a token whose mask is 0 contributes nothing. Its gate is forced to 0 and beta to 0 (an identity
 state update), and the short convs run over each row's real tokens only (pads are moved out of the way, so
 pads may sit anywhere, not just on the left).
@@ -15,13 +18,16 @@ from flax import nnx
 
 from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
-from ling_jax.layers import GatedRMSNorm, Linear, param
+from ling_jax.context import TokenContext
+from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, param, params_of
+from ling_jax.policy import KDAMode
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
 from pallas_kernels.kda.reference import kda_recurrent
 
-CHUNKED = "chunked"
-RECURRENT = "recurrent"
-STEPS = "steps"  # recurrent, keeping the state after every token (speculative-decoding verification)
+CHUNKED = KDAMode.CHUNKED
+RECURRENT = KDAMode.RECURRENT
+STEPS = KDAMode.STEPS  # recurrent, keeping the state after every token (speculative-decoding verification)
+DEFAULT_CHUNK_SIZE = 64
 
 
 def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
@@ -52,6 +58,78 @@ def step_windows(window_BWC, u_BTC):
     return jnp.stack([full[:, t + 1:t + 1 + taps_minus_one] for t in range(u_BTC.shape[1])], axis=1)
 
 
+def _gate_inputs(weights: Weights, x_BTD, config: LingConfig):
+    """The forget-gate and output-gate pre-activations [B, T, C] (full-rank or low-rank projections)."""
+    if config.no_kda_lora:
+        return linear(weights["f_proj"], x_BTD), linear(weights["g_proj"], x_BTD)
+    return (linear(weights["f_b_proj"], linear(weights["f_a_proj"], x_BTD)),
+            linear(weights["g_b_proj"], linear(weights["g_a_proj"], x_BTD)))
+
+
+def log_decay(weights: Weights, f_BTC, cfg: LingConfig) -> jax.Array:
+    """g [B, T, H, d] fp32: the safe gate lower_bound * sigmoid(A a) or -A softplus(a), a = f + dt_bias."""
+    c = cfg
+    a = f_BTC.astype(jnp.float32) + weights["dt_bias"]
+    a = a.reshape(*a.shape[:2], c.num_attention_heads, c.head_dim)
+    decay_rate = jnp.exp(weights["A_log"])[:, None]
+    if c.kda_safe_gate:
+        return c.kda_lower_bound * jax.nn.sigmoid(decay_rate * a)
+    return -decay_rate * jax.nn.softplus(a)
+
+
+def kda_attention(weights: Weights, x_BTD, state: KDAState | None, ctx: TokenContext, cfg: LingConfig, *,
+                  chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """The KDA layer: x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state).
+
+    weights: the layer's `attention` parameters (`q_proj`, `q_conv1d`, `A_log`, ...); state None starts from
+    zeros. ctx gives the padding mask, the mode and the kernel backend (`ctx.policy`).
+    """
+    if state is None:
+        state = KDAState.zeros(cfg, x_BTD.shape[0], x_BTD.dtype)
+    return _kda(weights, x_BTD, state, ctx.mask_BT, cfg, mode=ctx.policy.kda_mode, chunk_size=chunk_size,
+                kernel_backend=ctx.kernel_backend)
+
+
+def _kda(weights: Weights, x_BTD, state: KDAState, mask_BT, config: LingConfig, *, mode: str, chunk_size: int,
+         kernel_backend: str):
+    c = config
+    batch, length, _ = x_BTD.shape
+    heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
+    mixed = jnp.concatenate([linear(weights[name], x_BTD) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
+    conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
+    if mask_BT is not None:
+        mixed = jnp.where(mask_BT[..., None], mixed, 0)
+    if mode == STEPS and mask_BT is not None:
+        raise ValueError(f"KDA mode {STEPS.value!r} takes no padding mask: every verified token is real")
+    conv_inputs_BTC = mixed
+    mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
+    q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
+    f, r = _gate_inputs(weights, x_BTD, c)
+    g = log_decay(weights, f, c)
+    beta = jax.nn.sigmoid(linear(weights["b_proj"], x_BTD).astype(jnp.float32))
+    if mask_BT is not None:
+        g = jnp.where(mask_BT[..., None, None], g, 0.0)
+        beta = jnp.where(mask_BT[..., None], beta, 0.0)
+    if mode == CHUNKED:
+        o, recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size,
+                                 backend=kernel_backend)
+    elif mode == RECURRENT and length == 1:
+        o, recurrent = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state,
+                                       backend=kernel_backend)
+        o = o[:, None]
+    elif mode == RECURRENT:
+        o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)
+    elif mode == STEPS:
+        o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state, return_all_states=True)
+        window = step_windows(state.conv_window, conv_inputs_BTC)
+    else:
+        valid = ", ".join(repr(m.value) for m in KDAMode)
+        raise ValueError(f"KDA mode must be one of {valid}, got {mode!r}")
+    o = gated_rms_norm(weights["o_norm"], o, r.reshape(batch, length, heads, head_dim), c.rms_norm_eps)
+    y = linear(weights["dense"], o.reshape(batch, length, width))
+    return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
+
+
 class KimiDeltaAttention(nnx.Module):
     def __init__(self, config: LingConfig, *, dtype, rngs: nnx.Rngs):
         c = config
@@ -79,62 +157,14 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = GatedRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
         self.dense = Linear(width, hidden, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
 
-    def _forget_and_output_gate_inputs(self, x_BTD):
-        if self.config.no_kda_lora:
-            return self.f_proj(x_BTD), self.g_proj(x_BTD)
-        return self.f_b_proj(self.f_a_proj(x_BTD)), self.g_b_proj(self.g_a_proj(x_BTD))
-
-    def log_decay(self, f_BTC) -> jax.Array:
-        """g [B, T, H, d] fp32: the safe gate lower_bound * sigmoid(A a) or -A softplus(a), a = f + dt_bias."""
-        c = self.config
-        a = f_BTC.astype(jnp.float32) + self.dt_bias[...]
-        a = a.reshape(*a.shape[:2], c.num_attention_heads, c.head_dim)
-        decay_rate = jnp.exp(self.A_log[...])[:, None]
-        if c.kda_safe_gate:
-            return c.kda_lower_bound * jax.nn.sigmoid(decay_rate * a)
-        return -decay_rate * jax.nn.softplus(a)
-
-    def __call__(self, x_BTD, state: KDAState, mask_BT=None, *, mode: str = CHUNKED, chunk_size: int = 64,
-                 kernel_backend: str = "reference"):
-        """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state).
+    def __call__(self, x_BTD, state: KDAState, mask_BT=None, *, mode: str = CHUNKED,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, kernel_backend: str = "reference"):
+        """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state); `kda_attention` with the
+        mask, mode and backend given directly.
 
         Chunked mode runs `pallas_kernels.kda.chunk_kda`, a one-token recurrent step
         `pallas_kernels.kda.kda_decode_step`, both with `kernel_backend`. Steps mode returns a state per token
         (conv_window [B, T, K-1, 3C], recurrent_state [B, T, H, d, d]) for speculative verification.
         """
-        c = self.config
-        batch, length, _ = x_BTD.shape
-        heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
-        mixed = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
-        conv_w = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
-        if mask_BT is not None:
-            mixed = jnp.where(mask_BT[..., None], mixed, 0)
-        if mode == STEPS and mask_BT is not None:
-            raise ValueError(f"KDA mode {STEPS!r} takes no padding mask: every verified token is real")
-        conv_inputs_BTC = mixed
-        mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
-        q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
-        f, r = self._forget_and_output_gate_inputs(x_BTD)
-        g = self.log_decay(f)
-        beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
-        if mask_BT is not None:
-            g = jnp.where(mask_BT[..., None, None], g, 0.0)
-            beta = jnp.where(mask_BT[..., None], beta, 0.0)
-        if mode == CHUNKED:
-            o, recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size,
-                                     backend=kernel_backend)
-        elif mode == RECURRENT and length == 1:
-            o, recurrent = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state,
-                                           backend=kernel_backend)
-            o = o[:, None]
-        elif mode == RECURRENT:
-            o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)
-        elif mode == STEPS:
-            o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state,
-                                         return_all_states=True)
-            window = step_windows(state.conv_window, conv_inputs_BTC)
-        else:
-            raise ValueError(f"KDA mode must be {CHUNKED!r}, {RECURRENT!r} or {STEPS!r}, got {mode!r}")
-        o = self.o_norm(o, r.reshape(batch, length, heads, head_dim))
-        y = self.dense(o.reshape(batch, length, width))
-        return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
+        return _kda(params_of(self), x_BTD, state, mask_BT, self.config, mode=mode, chunk_size=chunk_size,
+                    kernel_backend=kernel_backend)

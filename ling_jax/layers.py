@@ -1,4 +1,5 @@
-"""Primitive layers shared by every block: a bias-free linear map and the two RMSNorms.
+"""Primitive layers shared by every block: a bias-free linear map and the two RMSNorms, each a pure function of
+its weights (`linear`, `rms_norm`, `add_rms_norm`, `gated_rms_norm`) and a module that calls it.
 
 Weights keep the checkpoint's [out, in] layout, so loading a tensor never transposes it. Every parameter
 carries its logical axis names (`out_sharding` metadata, e.g. ("experts", "expert_mlp", "embed")); the
@@ -11,10 +12,39 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.norm.ops import add_rms_norm, rms_norm
+from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
+from pallas_kernels.norm.ops import rms_norm as rms_norm_op
 from pallas_kernels.norm.reference import rms_normalize
 
 DEFAULT_INIT_STD = 0.02
+
+Weights = dict  # a layer's parameters as a nested dict of arrays, keyed like the checkpoint's tensor names
+
+
+def params_of(module: nnx.Module) -> Weights:
+    """The module's parameters as a nested dict of arrays (the `weights` argument of its function)."""
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+def linear(weights: Weights, x: jax.Array) -> jax.Array:
+    """x @ weight.T, weight [out, in] (checkpoint layout) cast to x's dtype."""
+    return jnp.einsum("...i,oi->...o", x, weights["weight"].astype(x.dtype))
+
+
+def rms_norm(weights: Weights, x: jax.Array, eps: float, *, backend: str = "reference") -> jax.Array:
+    """weight * (x / rms(x)): normalised in fp32, cast back to x's dtype, then scaled (spec §5)."""
+    return rms_norm_op(x, weights["weight"], eps, backend=backend)
+
+
+def add_rms_norm(weights: Weights, x: jax.Array, residual: jax.Array, eps: float, *, backend: str = "reference"):
+    """(x + residual, rms_norm of it), one kernel on a GPU."""
+    return add_rms_norm_op(x, residual, weights["weight"], eps, backend=backend)
+
+
+def gated_rms_norm(weights: Weights, x: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
+    """KDA output norm: (x / rms(x)) * weight * sigmoid(gate), entirely in fp32, then cast (spec §2 step 8)."""
+    normed = rms_normalize(x.astype(jnp.float32), eps) * weights["weight"].astype(jnp.float32)
+    return (normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
 
 
 def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -38,7 +68,7 @@ class Linear(nnx.Module):
         self.weight = normal_param(rngs, (out_features, in_features), dtype, axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        return linear(params_of(self), x)
 
 
 class RMSNorm(nnx.Module):
@@ -50,11 +80,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, *, backend: str = "reference") -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps, backend=backend)
+        return rms_norm(params_of(self), x, self.eps, backend=backend)
 
     def add_and_normalize(self, x: jax.Array, residual: jax.Array, *, backend: str = "reference"):
         """(x + residual, this norm of it), one kernel on a GPU."""
-        return add_rms_norm(x, residual, self.weight[...], self.eps, backend=backend)
+        return add_rms_norm(params_of(self), x, residual, self.eps, backend=backend)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -65,5 +95,4 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        normed = rms_normalize(x.astype(jnp.float32), self.eps) * self.weight[...].astype(jnp.float32)
-        return (normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+        return gated_rms_norm(params_of(self), x, gate, self.eps)

@@ -7,20 +7,22 @@ Parameter paths mirror the checkpoint's tensor names (`model.layers.3.attention.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
-from ling_jax.kda import CHUNKED, RECURRENT, KimiDeltaAttention
-from ling_jax.layers import Linear, RMSNorm, normal_param
-from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
-from ling_jax.moe import MLP, MoE
-from ling_jax.rope import rope_cos_sin
+from ling_jax.context import TokenContext, token_context
+from ling_jax.kda import KimiDeltaAttention, kda_attention
+from ling_jax.layers import Linear, RMSNorm, Weights, add_rms_norm, normal_param, params_of, rms_norm
+from ling_jax.mla import MultiLatentAttention, latent_attention
+from ling_jax.moe import MLP, MoE, dense_mlp, moe_block_with_stats, sow_moe_stats
+from ling_jax.policy import ExecutionPolicy, as_policy
 from ling_jax.sharding import ACTIVATION_BTD, ACTIVATION_BTV, constrain
+
+__all__ = ["DecoderLayer", "LingForCausalLM", "LingModel", "LingOutput", "MTPLayer", "TokenContext",
+           "decoder_layer", "token_context"]
 
 
 @struct.dataclass
@@ -30,55 +32,48 @@ class LingOutput:
     cache: LingCache | MTPCache | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenContext:
-    """Everything a layer needs to know about the T tokens of one call besides their hidden states."""
+def decoder_layer(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
+    """One decoder layer: h [B, T, D] -> (h [B, T, D], updated state).
 
-    mask_BT: jax.Array | None  # real (True) vs pad tokens; None = all real
-    cos: jax.Array  # [B, T, rope_dim / 2]
-    sin: jax.Array
-    slots_BT: jax.Array | None  # cache slot per token (pads: out of range, dropped); None without a cache
-    visibility: KeyVisibility  # which keys (cache slots, or the T tokens themselves) each query may see
-    kda_mode: str
-    mla_mode: str
-    decode_lengths_B: jax.Array | None  # one-token decode over a cache: the visible prefix per sequence
-    kernel_backend: str  # pallas_kernels backend for decode ("auto", "reference", "pallas_gpu", ...)
+    weights: the layer's parameters (`input_layernorm`, `attention`, `post_attention_layernorm`, `mlp`); their
+    keys say the kinds (an MLA attention has `kv_b_proj`, an MoE `gate`). state: KDAState (or None: zeros) for a
+    KDA layer, MLAState or None (no cache) for an MLA layer. layer: the layer id, for the SwiGLU clip limits
+    (0 for the MTP layer).
+    """
+    h_BTD, state, _ = decoder_layer_with_stats(weights, h_BTD, state, ctx, cfg, layer=layer)
+    return h_BTD, state
 
 
-def token_context(config: LingConfig, batch: int, length: int, *, positions, attention_mask, lengths,
-                  max_length, kda_mode, mla_mode, kernel_backend: str = "auto") -> TokenContext:
-    """Masks, slots and RoPE tables for a call; `lengths` is the cache's [B] token count, or None."""
-    mask = None if attention_mask is None else attention_mask.astype(bool)
-    real = jnp.ones((batch, length), bool) if mask is None else mask
-    offsets_BT = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1  # index of each real token among the new ones
-    decode_lengths = None
-    if lengths is None:  # keys are the T tokens themselves; pad queries still see earlier real tokens
-        visibility = KeyVisibility(jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)), real)
-        default_positions, slots = jnp.maximum(offsets_BT, 0), None
+def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
+    """`decoder_layer` -> (h, state, the MoE's stats or None for a dense layer; see `moe_block_with_stats`)."""
+    # One device: the norms (and the residual add before the second) run as one kernel each on a GPU.
+    norm_backend = ctx.kernel_backend if jax.sharding.get_abstract_mesh().empty else "reference"
+    eps = cfg.rms_norm_eps
+    h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
+    x = rms_norm(weights["input_layernorm"], h_BTD, eps, backend=norm_backend)
+    if "kv_b_proj" in weights["attention"]:
+        with jax.named_scope("mla"):
+            y, state = latent_attention(weights["attention"], x, state, ctx, cfg)
     else:
-        slots_real = lengths[:, None] + offsets_BT
-        slots = jnp.where(real, slots_real, max_length)
-        new_lengths = lengths + real.sum(axis=1, dtype=jnp.int32)
-        visibility = KeyVisibility(jnp.where(real, slots_real, -1),
-                                   jnp.arange(max_length)[None, :] < new_lengths[:, None])
-        default_positions = jnp.maximum(slots_real, 0)
-        if length == 1:
-            decode_lengths = new_lengths
-    if positions is None:
-        positions = default_positions
-    positions = jnp.asarray(positions)
-    shape = (batch, length, 3) if positions.ndim == 3 else (batch, length)  # [B, T, 3]: VL (t, h, w) positions
-    cos, sin = rope_cos_sin(jnp.broadcast_to(positions, shape), config)
-    if kda_mode is None:
-        kda_mode = RECURRENT if length == 1 else CHUNKED
-    if mla_mode is None:
-        mla_mode = ABSORBED if (length == 1 and lengths is not None) else EXPANDED
-    return TokenContext(mask, cos, sin, slots, visibility, kda_mode, mla_mode, decode_lengths, kernel_backend)
+        with jax.named_scope("kda"):
+            y, state = kda_attention(weights["attention"], x, state, ctx, cfg)
+    h_BTD, x = add_rms_norm(weights["post_attention_layernorm"], h_BTD, constrain(y, *ACTIVATION_BTD), eps,
+                            backend=norm_backend)
+    stats = None
+    if "gate" in weights["mlp"]:
+        with jax.named_scope("moe"):
+            y, stats = moe_block_with_stats(weights["mlp"], x, cfg, layer=layer, policy=ctx.policy)
+    else:
+        with jax.named_scope("mlp"):
+            y = dense_mlp(weights["mlp"], x)  # never clipped (spec §4)
+    return constrain(h_BTD + constrain(y, *ACTIVATION_BTD), *ACTIVATION_BTD), state, stats
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, config: LingConfig, *, attention: str, mlp: str, clip_layer: int, dtype, rngs: nnx.Rngs):
         c = config
+        self.config = c
+        self.clip_layer = clip_layer
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         if attention == KDA:
@@ -91,38 +86,12 @@ class DecoderLayer(nnx.Module):
             self.mlp = MoE(c, clip_layer=clip_layer, dtype=dtype, rngs=rngs)
 
     def __call__(self, h_BTD, ctx: TokenContext, state):
-        """state: KDAState for a KDA layer; MLAState or None (no cache) for an MLA layer."""
-        # One device: the norms (and the residual add before the second) run as one kernel each on a GPU.
-        norm_backend = ctx.kernel_backend if jax.sharding.get_abstract_mesh().empty else "reference"
-        h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
-        x = self.input_layernorm(h_BTD, backend=norm_backend)
-        if isinstance(self.attention, KimiDeltaAttention):
-            with jax.named_scope("kda"):
-                y, state = self.attention(x, state, ctx.mask_BT, mode=ctx.kda_mode, kernel_backend=ctx.kernel_backend)
-        else:
-            with jax.named_scope("mla"):
-                y, state = self._latent_attention(x, ctx, state)
-        h_BTD, x = self.post_attention_layernorm.add_and_normalize(h_BTD, constrain(y, *ACTIVATION_BTD),
-                                                                   backend=norm_backend)
-        if isinstance(self.mlp, MoE):
-            with jax.named_scope("moe"):
-                y = self.mlp(x, kernel_backend=ctx.kernel_backend)
-        else:
-            with jax.named_scope("mlp"):
-                y = self.mlp(x)
-        return constrain(h_BTD + constrain(y, *ACTIVATION_BTD), *ACTIVATION_BTD), state
-
-    def _latent_attention(self, x, ctx: TokenContext, state: MLAState | None):
-        latent_BTA = self.attention.latent(x, ctx.cos, ctx.sin)
-        if state is None:
-            keys = latent_BTA
-        else:
-            rows = jnp.arange(x.shape[0])[:, None]
-            keys = state.latent.at[rows, ctx.slots_BT].set(latent_BTA.astype(state.latent.dtype), mode="drop")
-            state = MLAState(latent=keys)
-        y = self.attention(x, ctx.cos, ctx.sin, keys_BSA=keys, visibility=ctx.visibility, mode=ctx.mla_mode,
-                           decode_lengths_B=ctx.decode_lengths_B, kernel_backend=ctx.kernel_backend)
-        return y, state
+        """`decoder_layer` with this layer's parameters; the MoE's stats are sown on `self.mlp`."""
+        h_BTD, state, stats = decoder_layer_with_stats(params_of(self), h_BTD, state, ctx, self.config,
+                                                       layer=self.clip_layer)
+        if stats is not None:
+            sow_moe_stats(self.mlp, stats)
+        return h_BTD, state
 
 
 class Embedding(nnx.Module):
@@ -143,10 +112,11 @@ class LingModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
-                 kda_mode: str | None = None, mla_mode: str | None = None, kernel_backend: str = "auto",
-                 inputs_embeds=None):
+                 kda_mode: str | None = None, mla_mode: str | None = None,
+                 kernel_backend: ExecutionPolicy | str = "auto", inputs_embeds=None):
         """-> (final-normed hidden [B, T, D], updated cache or None). inputs_embeds [B, T, D] replaces the
-        embedding lookup (the VL model's merged text + vision embeddings)."""
+        embedding lookup (the VL model's merged text + vision embeddings). kernel_backend: the execution policy
+        (`model.policy`), or a backend name; kda_mode / mla_mode override its modes for this call."""
         c = self.config
         batch, length = input_ids_BT.shape
         with jax.named_scope("embed"):
@@ -154,7 +124,7 @@ class LingModel(nnx.Module):
         ctx = token_context(c, batch, length, positions=positions, attention_mask=attention_mask,
                             lengths=None if cache is None else cache.lengths,
                             max_length=0 if cache is None else cache.max_length,
-                            kda_mode=kda_mode, mla_mode=mla_mode, kernel_backend=kernel_backend)
+                            policy=as_policy(kernel_backend, c), kda_mode=kda_mode, mla_mode=mla_mode)
         if cache is None:
             states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
         else:
@@ -195,18 +165,25 @@ class LingForCausalLM(nnx.Module):
     (1 = real, 0 = pad) may mark pads anywhere; pads never change real tokens' outputs or the cache.
     """
 
-    def __init__(self, config: LingConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, kernel_backend: str = "auto"):
-        """kernel_backend: Pallas kernels for decode ("auto": GPU/TPU kernels on those platforms, jnp on CPU;
-        "reference", "pallas_gpu", "pallas_tpu", or "interpret_gpu" / "interpret_tpu" for CPU tests)."""
+    def __init__(self, config: LingConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
+                 kernel_backend: str = "auto", policy: ExecutionPolicy | None = None):
+        """policy: how the model runs (`ling_jax.policy.ExecutionPolicy`; default: `ExecutionPolicy.for_config`
+        with `kernel_backend`). kernel_backend: Pallas kernels ("auto": GPU/TPU kernels on those platforms, jnp
+        on CPU; "reference", "pallas_gpu", "pallas_tpu", or "interpret_gpu" / "interpret_tpu" for CPU tests)."""
         self.config = config
         self.dtype = dtype
-        self.kernel_backend = kernel_backend
+        self.policy = ExecutionPolicy.for_config(config, kernel_backend=kernel_backend) if policy is None else policy
         self.model = LingModel(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype,
                                   rngs=rngs)
         if config.num_nextn_predict_layers:
             self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs)
+
+    @property
+    def kernel_backend(self) -> ExecutionPolicy:
+        """The policy, under the name older callers pass on: `model.model(..., kernel_backend=model.kernel_backend)`."""
+        return self.policy
 
     def logits(self, hidden_BTD):
         with jax.named_scope("lm_head"):
@@ -220,7 +197,7 @@ class LingForCausalLM(nnx.Module):
     def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
                  kda_mode: str | None = None, mla_mode: str | None = None) -> LingOutput:
         hidden, cache = self.model(input_ids_BT, positions=positions, cache=cache, attention_mask=attention_mask,
-                                   kda_mode=kda_mode, mla_mode=mla_mode, kernel_backend=self.kernel_backend)
+                                   kda_mode=kda_mode, mla_mode=mla_mode, kernel_backend=self.policy)
         return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> LingCache:
@@ -246,7 +223,7 @@ class LingForCausalLM(nnx.Module):
         ctx = token_context(self.config, batch, length, positions=positions, attention_mask=attention_mask,
                             lengths=None if cache is None else cache.lengths,
                             max_length=0 if cache is None else cache.layer.latent.shape[1],
-                            kda_mode=None, mla_mode=None, kernel_backend=self.kernel_backend)
+                            policy=self.policy)
         with jax.named_scope("mtp"):
             embeds = self.model.word_embeddings(next_ids_BT)
             hidden, state = self.mtp.draft_hidden(embeds, hidden_BTD.astype(embeds.dtype), ctx,

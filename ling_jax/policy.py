@@ -1,0 +1,114 @@
+"""How a model runs, as opposed to what it computes: the execution policy, one frozen object built once.
+
+`ExecutionPolicy` holds the kernel backend, the KDA and MLA modes and the MoE exchange and capacity. Every field
+is an enum (or a checked number), so a misspelt value fails when the policy is built, naming the field and the
+valid values, instead of deep inside a traced call. Strings are accepted and converted: `"reference"` and
+`KernelBackend.REFERENCE` are the same value (the enums are `StrEnum`s).
+
+The KDA / MLA modes may stay None, meaning "chosen per call": recurrent KDA and absorbed MLA for a one-token
+decode over a cache, chunked KDA and expanded MLA otherwise (`ExecutionPolicy.for_call`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from ling_jax.config import LingConfig
+
+
+class KernelBackend(enum.StrEnum):
+    """Which implementation the Pallas entry points run (`pallas_kernels.backend.resolve_backend`)."""
+
+    AUTO = "auto"  # the platform's kernels: GPU or TPU Pallas, the jnp references on a CPU
+    REFERENCE = "reference"
+    PALLAS_GPU = "pallas_gpu"
+    PALLAS_TPU = "pallas_tpu"
+    INTERPRET = "interpret"  # = INTERPRET_TPU
+    INTERPRET_GPU = "interpret_gpu"  # Pallas interpret mode on any platform (CPU tests)
+    INTERPRET_TPU = "interpret_tpu"
+
+
+class KDAMode(enum.StrEnum):
+    CHUNKED = "chunked"
+    RECURRENT = "recurrent"
+    STEPS = "steps"  # recurrent, keeping the state after every token (speculative-decoding verification)
+
+
+class MLAMode(enum.StrEnum):
+    EXPANDED = "expanded"  # flash-style prefill over expanded keys and values
+    ABSORBED = "absorbed"  # W_UK / W_UV folded into the query and output: attention over the latent cache
+
+
+class MoEExchange(enum.StrEnum):
+    """How expert parallelism moves rows between devices (`ling_jax.expert_parallel`)."""
+
+    AUTO = "auto"
+    RAGGED = "ragged"
+    DENSE = "dense"
+
+
+def _member(enum_type: type[enum.StrEnum], value: Any, field: str, *, optional: bool = False):
+    if value is None and optional:
+        return None
+    try:
+        return enum_type(value)
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in enum_type) + (", None" if optional else "")
+        raise ValueError(f"ExecutionPolicy.{field}: {value!r} is not one of {valid}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPolicy:
+    kernel_backend: KernelBackend = KernelBackend.AUTO
+    kda_mode: KDAMode | None = None  # None: per call (recurrent for one token, chunked otherwise)
+    mla_mode: MLAMode | None = None  # None: per call (absorbed for a one-token decode over a cache)
+    moe_exchange: MoEExchange = MoEExchange.AUTO
+    moe_capacity_factor: float | None = None  # None: dropless; a number caps each device's rows per source
+
+    def __post_init__(self):
+        converted = {
+            "kernel_backend": _member(KernelBackend, self.kernel_backend, "kernel_backend"),
+            "kda_mode": _member(KDAMode, self.kda_mode, "kda_mode", optional=True),
+            "mla_mode": _member(MLAMode, self.mla_mode, "mla_mode", optional=True),
+            "moe_exchange": _member(MoEExchange, self.moe_exchange, "moe_exchange"),
+        }
+        for field, value in converted.items():
+            object.__setattr__(self, field, value)
+        factor = self.moe_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
+            raise ValueError(f"ExecutionPolicy.moe_capacity_factor: must be None (dropless) or a positive number, "
+                             f"got {factor!r}")
+
+    @classmethod
+    def for_config(cls, config: LingConfig, **fields: Any) -> ExecutionPolicy:
+        """A policy whose MoE exchange and capacity default to the config's runtime options
+        (`moe_all_to_all`, `moe_capacity_factor`); `fields` set or override any field."""
+        defaults = {"moe_exchange": config.moe_all_to_all, "moe_capacity_factor": config.moe_capacity_factor}
+        return cls(**{**defaults, **fields})
+
+    def replace(self, **fields: Any) -> ExecutionPolicy:
+        return dataclasses.replace(self, **fields)
+
+    def for_call(self, length: int, *, cached: bool, kda_mode=None, mla_mode=None) -> ExecutionPolicy:
+        """This policy with both modes concrete for a call of `length` tokens (over a cache or not): the
+        arguments first, then the policy's own modes, then the per-call defaults."""
+        decode = length == 1
+        kda = kda_mode or self.kda_mode or (KDAMode.RECURRENT if decode else KDAMode.CHUNKED)
+        mla = mla_mode or self.mla_mode or (MLAMode.ABSORBED if decode and cached else MLAMode.EXPANDED)
+        if kda == self.kda_mode and mla == self.mla_mode:
+            return self
+        return self.replace(kda_mode=kda, mla_mode=mla)
+
+
+def as_policy(policy: ExecutionPolicy | str | None, config: LingConfig | None = None, *,
+              default_backend: str = KernelBackend.AUTO) -> ExecutionPolicy:
+    """A policy from a policy, a kernel backend name (the older `kernel_backend=` arguments) or None (the
+    default backend); MoE fields from `config` when it is given."""
+    if isinstance(policy, ExecutionPolicy):
+        return policy
+    backend = default_backend if policy is None else policy
+    if config is None:
+        return ExecutionPolicy(kernel_backend=backend)
+    return ExecutionPolicy.for_config(config, kernel_backend=backend)
