@@ -44,6 +44,7 @@ from ling_jax.sharding import cache_shardings, shard_model
 from ling_jax.static_model import split_model
 
 MIN_CHUNK = 16
+DECODE_READ_GROUP = 8  # decode steps per host read: the host's per-token work overlaps the device's steps
 CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt lengths share compiled steps
 
 
@@ -209,12 +210,13 @@ class _SteadyClock:
         self.start = self.end = 0.0
         self.start_tokens = self.end_tokens = 0
 
-    def tick(self) -> None:
+    def tick(self, steps: int = 1) -> None:
+        """`steps` steps' tokens have just reached the host (the first tick: the first step's alone)."""
         now, tokens = time.perf_counter(), self.rows.generated
         if not self.ticks:
             self.start, self.start_tokens = now, tokens
         self.end, self.end_tokens = now, tokens
-        self.ticks += 1
+        self.ticks += steps
 
     def record(self, stats: GenerationStats) -> None:
         stats.steady_steps = max(self.ticks - 1, 0)
@@ -374,24 +376,28 @@ class Generator:
         return rows.tokens, stats
 
     def _decode(self, rows: _Rows, steady: _SteadyClock, cache, seen, token, arrays, position_offsets):
-        """One token per step; each step is dispatched before the host reads the previous step's token, so
-        the device never waits for the host."""
+        """One token per step. Steps are dispatched up to DECODE_READ_GROUP ahead of what the host has read, and
+        after the first token the host reads DECODE_READ_GROUP steps' tokens in one transfer, so its per-step work
+        (bookkeeping, detokenising, printing) runs while the device computes the next steps."""
         remaining = rows.max_new_tokens - 1
         if remaining == 0 or rows.done.all():
             return
         step = functools.partial(_decode_step, self.static, self.leaves)
         steps = jnp.ones((len(rows.tokens),), jnp.int32)
-        current, cache, seen, steps = step(cache, seen, token, arrays, steps, position_offsets)
-        for i in range(remaining):
-            if i + 1 < remaining:
-                following, cache, seen, steps = step(cache, seen, current, arrays, steps, position_offsets)
-            host = np.asarray(current)
+        pending: list[jax.Array] = []  # [B] tokens dispatched, not yet read, oldest first
+        dispatched = read = 0
+        while read < remaining and not rows.done.all():
+            while dispatched < min(remaining, read + DECODE_READ_GROUP + 1):
+                token, cache, seen, steps = step(cache, seen, token, arrays, steps, position_offsets)
+                pending.append(token)
+                dispatched += 1
+            group = 1 if read == 0 else min(DECODE_READ_GROUP, len(pending))
+            host_BG = np.asarray(jnp.stack(pending[:group], axis=1) if group > 1 else pending[0][:, None])
+            del pending[:group]
             for row in np.flatnonzero(~rows.done):
-                rows.add(row, [host[row]])
-            steady.tick()
-            if rows.done.all():
-                break
-            current = following
+                rows.add(row, host_BG[row])
+            read += group
+            steady.tick(group)
 
     def _speculate(self, rows: _Rows, stats: GenerationStats, steady: _SteadyClock, cache, mtp_cache, seen, token,
                    draft, draft_hidden, arrays):
