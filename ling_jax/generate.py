@@ -387,7 +387,8 @@ class Generator:
         pending: list[jax.Array] = []  # [B] tokens dispatched, not yet read, oldest first
         dispatched = read = 0
         while read < remaining and not rows.done.all():
-            while dispatched < min(remaining, read + DECODE_READ_GROUP + 1):
+            ahead = 1 if read == 0 else DECODE_READ_GROUP  # the first token alone: the steady clock starts there
+            while dispatched < min(remaining, read + ahead + 1):
                 token, cache, seen, steps = step(cache, seen, token, arrays, steps, position_offsets)
                 pending.append(token)
                 dispatched += 1
