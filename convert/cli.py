@@ -21,28 +21,50 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ling-convert",
         description="Convert a HF-format Ling checkpoint (config.json + safetensors shards, block FP8 / MXFP4) "
-                    "into an Orbax checkpoint for ling_jax.load_checkpoint, streaming tensor by tensor.")
+        "into an Orbax checkpoint for ling_jax.load_checkpoint, streaming tensor by tensor.",
+    )
     parser.add_argument("src", help="HF checkpoint directory (config.json, model.safetensors.index.json, shards)")
     parser.add_argument("dst", help="Orbax checkpoint directory to create")
-    parser.add_argument("--dtype", choices=(BF16, FP8_KEPT), default=BF16,
-                        help="bf16: dequantise everything (A_log, dt_bias, convs, expert bias stay fp32); "
-                             "fp8: keep FP8 weights and MXFP4 experts (as FP8 codes) with their block scales")
-    parser.add_argument("--mesh", metavar="AXES",
-                        help="target mesh, e.g. 'tensor=2,expert=4': refuse a model it does not fit, cut the stored "
-                             "chunks to the rows each device will hold, record it in ling_convert.json")
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                        help="slices read, converted and written in parallel (default: min(4, CPUs))")
+    parser.add_argument(
+        "--dtype",
+        choices=(BF16, FP8_KEPT),
+        default=BF16,
+        help="bf16: dequantise everything (A_log, dt_bias, convs, expert bias stay fp32); "
+        "fp8: keep FP8 weights and MXFP4 experts (as FP8 codes) with their block scales",
+    )
+    parser.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="target mesh, e.g. 'tensor=2,expert=4': refuse a model it does not fit, cut the stored "
+        "chunks to the rows each device will hold, record it in ling_convert.json",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="slices read, converted and written in parallel (default: min(4, CPUs))",
+    )
     parser.add_argument("--resume", action="store_true", help="continue a killed conversion to DST")
-    parser.add_argument("--verify", action="store_true",
-                        help="re-read DST and compare it bit for bit with SRC, rejecting NaN/Inf, before publishing")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace DST when it is an earlier ling-convert output (never a directory of other "
-                             "files), and discard an unfinished conversion to it; the old output is deleted only "
-                             "once the new one is in place")
-    parser.add_argument("--allow-nonfinite", action="store_true",
-                        help="convert tensors holding NaN or Inf instead of refusing them")
-    parser.add_argument("--distributed", action="store_true",
-                        help="multi-host: join jax.distributed; each process converts the tensors it owns")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read DST and compare it bit for bit with SRC, rejecting NaN/Inf, before publishing",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST when it is an earlier ling-convert output (never a directory of other "
+        "files), and discard an unfinished conversion to it; the old output is deleted only "
+        "once the new one is in place",
+    )
+    parser.add_argument(
+        "--allow-nonfinite", action="store_true", help="convert tensors holding NaN or Inf instead of refusing them"
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: join jax.distributed; each process converts the tensors it owns",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
@@ -53,9 +75,16 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         mesh = parse_mesh(args.mesh) if args.mesh else None
-        options = Options(dtype=args.dtype, workers=args.workers, resume=args.resume, verify=args.verify,
-                          overwrite=args.overwrite, progress=not args.quiet, mesh=mesh,
-                          allow_nonfinite=args.allow_nonfinite)
+        options = Options(
+            dtype=args.dtype,
+            workers=args.workers,
+            resume=args.resume,
+            verify=args.verify,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+            mesh=mesh,
+            allow_nonfinite=args.allow_nonfinite,
+        )
         summary = convert(args.src, args.dst, options, Cluster.jax_distributed() if args.distributed else Cluster())
     except (ConvertError, ValueError, OSError) as e:
         print(f"ling-convert: error: {e}", file=sys.stderr)
@@ -63,8 +92,10 @@ def _run(args: argparse.Namespace) -> int:
     rate = summary.bytes_read / summary.seconds / 1e9 if summary.seconds else 0.0
     resumed = f", {summary.resumed} finished earlier" if summary.resumed else ""
     verified = ", verified" if summary.verified else ""
-    print(f"ling-convert: {args.dst}: {summary.converted} parameters{resumed}; read {summary.bytes_read / 1e9:.2f} GB "
-          f"in {summary.seconds:.1f} s ({rate:.2f} GB/s){verified}")
+    print(
+        f"ling-convert: {args.dst}: {summary.converted} parameters{resumed}; read {summary.bytes_read / 1e9:.2f} GB "
+        f"in {summary.seconds:.1f} s ({rate:.2f} GB/s){verified}"
+    )
     return 0
 
 

@@ -16,11 +16,27 @@ from convert.store import CHECKPOINT_METADATA_FILE, METADATA_FILE
 from ling_jax.orbax_checkpoint import LAYOUT_FILE, LAYOUT_FORMAT
 
 # Copied from SRC to DST beside the arrays (config.json, tokenizer and generation files).
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-              "vocab.*", "merges.txt", "*.tiktoken", "chat_template*")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+)
 # Everything a finished conversion holds: orbax's OCDBT root and per-process databases, its metadata, ours.
-OUTPUT_ENTRIES = (LAYOUT_FILE, METADATA_FILE, CHECKPOINT_METADATA_FILE, "manifest.ocdbt", "d", "ocdbt.process_*",
-                  *SIDE_FILES)
+OUTPUT_ENTRIES = (
+    LAYOUT_FILE,
+    METADATA_FILE,
+    CHECKPOINT_METADATA_FILE,
+    "manifest.ocdbt",
+    "d",
+    "ocdbt.process_*",
+    *SIDE_FILES,
+)
 _SHOWN = 4
 
 
@@ -35,14 +51,18 @@ def check_apart(src: str, dst: str, workspace: str, named_dst: str) -> None:
     if src == dst:
         raise ConvertError(f"{shown}: the destination is the source checkpoint; choose another directory")
     if _within(src, dst):
-        raise ConvertError(f"{shown}: the destination holds the source checkpoint {src}; choose a directory that "
-                           f"does not contain it")
+        raise ConvertError(
+            f"{shown}: the destination holds the source checkpoint {src}; choose a directory that does not contain it"
+        )
     if _within(dst, src):
-        raise ConvertError(f"{shown}: the destination lies inside the source checkpoint {src}; choose a directory "
-                           f"outside it")
+        raise ConvertError(
+            f"{shown}: the destination lies inside the source checkpoint {src}; choose a directory outside it"
+        )
     if _within(src, workspace):
-        raise ConvertError(f"{src}: the source lies inside {workspace}, where the conversion to {dst} is built; "
-                           f"move it or choose another destination")
+        raise ConvertError(
+            f"{src}: the source lies inside {workspace}, where the conversion to {dst} is built; "
+            f"move it or choose another destination"
+        )
 
 
 def _listing(entries: list[str]) -> str:
@@ -77,13 +97,17 @@ def check_destination(dst: str, overwrite: bool) -> None:
         return
     problem = _layout_problem(os.path.join(dst, LAYOUT_FILE))
     if problem:
-        raise ConvertError(f"{dst}: not an earlier ling-convert output ({problem}): replacing it would delete "
-                           f"{_listing(entries)}; --overwrite only replaces an earlier ling-convert output: choose a "
-                           f"new or empty directory")
+        raise ConvertError(
+            f"{dst}: not an earlier ling-convert output ({problem}): replacing it would delete "
+            f"{_listing(entries)}; --overwrite only replaces an earlier ling-convert output: choose a "
+            f"new or empty directory"
+        )
     foreign = [e for e in entries if not any(fnmatch.fnmatch(e, pattern) for pattern in OUTPUT_ENTRIES)]
     if foreign:
-        raise ConvertError(f"{dst}: an earlier ling-convert output, but replacing it would also delete "
-                           f"{_listing(foreign)} that ling-convert did not write: move them out or choose a new or "
-                           f"empty directory")
+        raise ConvertError(
+            f"{dst}: an earlier ling-convert output, but replacing it would also delete "
+            f"{_listing(foreign)} that ling-convert did not write: move them out or choose a new or "
+            f"empty directory"
+        )
     if not overwrite:
         raise ConvertError(f"{dst}: already a finished checkpoint from ling-convert; pass --overwrite to replace it")

@@ -103,15 +103,19 @@ def _header(entries: list[TensorEntry]) -> bytes:
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for entry in entries:
-        header[entry.name] = {"dtype": _SAFETENSORS_NAME[np.dtype(entry.dtype)], "shape": list(entry.shape),
-                              "data_offsets": [offset, offset + entry.nbytes]}
+        header[entry.name] = {
+            "dtype": _SAFETENSORS_NAME[np.dtype(entry.dtype)],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
         offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     return encoded + b" " * (-len(encoded) % 8)
 
 
-def write_sharded(directory: str, config: dict, entries: list[TensorEntry],
-                  arrays: Iterable[tuple[str, np.ndarray]], num_shards: int) -> None:
+def write_sharded(
+    directory: str, config: dict, entries: list[TensorEntry], arrays: Iterable[tuple[str, np.ndarray]], num_shards: int
+) -> None:
     """config.json, model-0000i-of-0000N.safetensors and the index, with `arrays` (name, value) arriving in
     the order of `entries`, which fixes every header up front."""
     os.makedirs(directory, exist_ok=True)
@@ -128,11 +132,15 @@ def write_sharded(directory: str, config: dict, entries: list[TensorEntry],
                 name, value = next(stream)
                 announced = (entry.name, np.dtype(entry.dtype), entry.shape)
                 if (name, np.dtype(value.dtype), tuple(value.shape)) != announced:
-                    raise ValueError(f"{file}: got '{name}' {value.dtype} {list(value.shape)} where the header "
-                                     f"announced '{entry.name}' {entry.dtype} {list(entry.shape)}")
+                    raise ValueError(
+                        f"{file}: got '{name}' {value.dtype} {list(value.shape)} where the header "
+                        f"announced '{entry.name}' {entry.dtype} {list(entry.shape)}"
+                    )
                 f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
-    index = {"metadata": {"total_size": sum(entry.nbytes for entry in entries)},
-             "weight_map": {entry.name: files[owner] for entry, owner in zip(entries, owners, strict=True)}}
+    index = {
+        "metadata": {"total_size": sum(entry.nbytes for entry in entries)},
+        "weight_map": {entry.name: files[owner] for entry, owner in zip(entries, owners, strict=True)},
+    }
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
         json.dump(index, f, indent=2)
     with open(os.path.join(directory, "config.json"), "w") as f:

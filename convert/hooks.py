@@ -51,8 +51,9 @@ def to_dense(rows: SourceRows, source: SourceTensor, dtype: np.dtype) -> np.ndar
     if source.kind == FP8:
         return np.asarray(_dequantize_fp8(rows.values, rows.scale, block=source.block, dtype=dtype))
     if source.kind == MXFP4:
-        return np.asarray(_dequantize_mxfp4(rows.values, rows.scale, block=source.block, cols=source.shape[-1],
-                                            dtype=dtype))
+        return np.asarray(
+            _dequantize_mxfp4(rows.values, rows.scale, block=source.block, cols=source.shape[-1], dtype=dtype)
+        )
     raise ValueError(f"unknown source kind {source.kind!r}")
 
 

@@ -39,8 +39,9 @@ def run_measured(argv: list[str], *, cwd: str | None = None, env: dict | None = 
     with tempfile.TemporaryDirectory() as scratch:
         rusage_file = os.path.join(scratch, "maxrss")
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", _LAUNCHER, rusage_file, *argv], cwd=cwd, env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, rusage_file, *argv], cwd=cwd, env=env, capture_output=True, text=True
+        )
         seconds = time.perf_counter() - start
         with open(rusage_file) as f:
             peak_kib = int(f.read())

@@ -18,8 +18,9 @@ def _collect(pending: dict[Future, Item], on_done: Callable[[Item, Result], None
         on_done(pending.pop(future), future.result())
 
 
-def run_bounded(items: Iterable[Item], work: Callable[[Item], Result], workers: int,
-                on_done: Callable[[Item, Result], None]) -> None:
+def run_bounded(
+    items: Iterable[Item], work: Callable[[Item], Result], workers: int, on_done: Callable[[Item, Result], None]
+) -> None:
     """work(item) on `workers` threads, on_done(item, result) on this thread as they finish. The first
     exception cancels what has not started and is re-raised."""
     with ThreadPoolExecutor(workers) as pool:

@@ -87,12 +87,15 @@ def _check_finite(value: np.ndarray, name: str, file: str, piece: Slice) -> None
     try:
         check_finite(value, name)
     except NonFiniteError as e:
-        raise ConvertError(f"{file}: tensor '{name}' has {e.count} NaN or Inf values in rows "
-                           f"{piece.start}..{piece.stop} (--allow-nonfinite converts it anyway)") from e
+        raise ConvertError(
+            f"{file}: tensor '{name}' has {e.count} NaN or Inf values in rows "
+            f"{piece.start}..{piece.stop} (--allow-nonfinite converts it anyway)"
+        ) from e
 
 
-def _write_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, journal: Journal,
-                  options: Options) -> None:
+def _write_params(
+    plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, journal: Journal, options: Options
+) -> None:
     """Convert `plans` slice by slice; a parameter goes into the journal once all its slices are written."""
     arrays: dict[str, tuple] = {}
     slices_left = {plan.name: sum(1 for _ in plan.slices()) for plan in plans}
@@ -113,8 +116,10 @@ def _write_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore
             writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype), source.name)]
         else:
             values, scale = to_fp8(rows, source)
-            writes = [(values_array[plan.index(piece)], values, source.name),
-                      (scale_array[plan.scale_index(piece)], scale, source.scale)]
+            writes = [
+                (values_array[plan.index(piece)], values, source.name),
+                (scale_array[plan.scale_index(piece)], scale, source.scale),
+            ]
         if not options.allow_nonfinite:
             for _, value, name in writes:
                 _check_finite(value, name, source.file, piece)
@@ -132,8 +137,14 @@ def _write_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore
                 del arrays[plan.name]
 
     items = ((plan, piece) for plan in plans for piece in plan.slices())
-    with tqdm(total=sum(plan.nbytes for plan in plans), desc="converting", unit="B", unit_scale=True,
-              unit_divisor=1024, disable=not options.progress) as bar:
+    with tqdm(
+        total=sum(plan.nbytes for plan in plans),
+        desc="converting",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not options.progress,
+    ) as bar:
         run_bounded(items, convert_slice, options.workers, finished)
 
 
@@ -173,16 +184,20 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
         try:
             _write_params(todo, reader, store, journal, options)
         except ConvertError as e:
-            raise ConvertError(f"{e}; nothing was published at {dst} (the parameters finished so far are kept in "
-                               f"{workspace.path} for --resume)") from e
+            raise ConvertError(
+                f"{e}; nothing was published at {dst} (the parameters finished so far are kept in "
+                f"{workspace.path} for --resume)"
+            ) from e
         seconds = time.perf_counter() - start
         _assemble(workspace.path, plans, src, store, cluster, options.mesh)
         if options.verify:
             try:
                 verify_params(mine, reader, store, options.workers, options.progress, options.allow_nonfinite)
             except ConvertError as e:
-                raise ConvertError(f"{e} (verification failed: nothing was published at {dst}; the unverified "
-                                   f"conversion is in {workspace.path})") from e
+                raise ConvertError(
+                    f"{e} (verification failed: nothing was published at {dst}; the unverified "
+                    f"conversion is in {workspace.path})"
+                ) from e
     cluster.barrier("ling-convert:verified")
     if cluster.primary:
         workspace.publish(options.overwrite)
@@ -190,8 +205,9 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     return Summary(len(todo), len(mine) - len(todo), sum(plan.nbytes for plan in todo), seconds, options.verify)
 
 
-def _assemble(directory: str, plans: list[ParamPlan], src: str, store: ArrayStore, cluster: Cluster,
-              mesh: dict[str, int] | None) -> None:
+def _assemble(
+    directory: str, plans: list[ParamPlan], src: str, store: ArrayStore, cluster: Cluster, mesh: dict[str, int] | None
+) -> None:
     """Make every process's arrays durable, then (process 0) merge them into an Orbax checkpoint beside
     `ling_convert.json` and SRC's config and tokenizer files."""
     if os.path.isdir(store.database_directory):

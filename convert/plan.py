@@ -116,8 +116,15 @@ def _quantised_block(sources: tuple[SourceTensor, ...]) -> tuple[int, int] | Non
     return first.block if same and first.kind != PLAIN else None
 
 
-def _param_plan(path: tuple, shape: tuple[int, ...], dtype: np.dtype, sources: tuple[SourceTensor, ...],
-                stacked: bool, mode: str, shard_rows: int) -> ParamPlan:
+def _param_plan(
+    path: tuple,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    sources: tuple[SourceTensor, ...],
+    stacked: bool,
+    mode: str,
+    shard_rows: int,
+) -> ParamPlan:
     rows = _rows_per_slice(sources, shard_rows)
     block = _quantised_block(sources) if mode == FP8_KEPT else None
     if block is None:
@@ -129,8 +136,10 @@ def _param_plan(path: tuple, shape: tuple[int, ...], dtype: np.dtype, sources: t
 def model_parameters(config: LingConfig | LingVLConfig) -> list[tuple[tuple, jax.ShapeDtypeStruct, tuple]]:
     """(NNX flat-state path, shape and stored dense dtype, logical axes) of every parameter, in model order."""
     abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=COMPUTE_DTYPE))
-    return [(path, variable.get_value(), variable.get_metadata()["out_sharding"])
-            for path, variable in nnx.to_flat_state(nnx.state(abstract))]
+    return [
+        (path, variable.get_value(), variable.get_metadata()["out_sharding"])
+        for path, variable in nnx.to_flat_state(nnx.state(abstract))
+    ]
 
 
 def _shard_rows(path: tuple, value, axes: tuple, stacked: bool, mesh: Mapping[str, int] | None) -> int:
@@ -145,8 +154,9 @@ def _shard_rows(path: tuple, value, axes: tuple, stacked: bool, mesh: Mapping[st
     return rows // math.prod(mesh[a] for a in row_axes)
 
 
-def build_plan(resolver: TensorResolver, config: LingConfig | LingVLConfig, mode: str,
-               mesh: Mapping[str, int] | None = None) -> list[ParamPlan]:
+def build_plan(
+    resolver: TensorResolver, config: LingConfig | LingVLConfig, mode: str, mesh: Mapping[str, int] | None = None
+) -> list[ParamPlan]:
     """The plan for every parameter, in model order. Raises CheckpointError naming the tensor and its file
     for a missing, mis-shaped, wrongly typed or unscaled tensor, and for tensors the config does not use;
     ShardingError for a `mesh` (axis sizes) whose axes do not divide a parameter."""
@@ -159,10 +169,13 @@ def build_plan(resolver: TensorResolver, config: LingConfig | LingVLConfig, mode
         source = source_for(path, value.shape, text)
         shard_rows = _shard_rows(path, value, axes, source.stacked, mesh)
         used.update(source.names)
-        sources = tuple(inspect_source(resolver.tensors, resolver.by_name.get(name), name, source.shape, fp8_block)
-                        for name in source.names)
-        plans.append(_param_plan(path, tuple(value.shape), np.dtype(value.dtype), sources, source.stacked, mode,
-                                 shard_rows))
+        sources = tuple(
+            inspect_source(resolver.tensors, resolver.by_name.get(name), name, source.shape, fp8_block)
+            for name in source.names
+        )
+        plans.append(
+            _param_plan(path, tuple(value.shape), np.dtype(value.dtype), sources, source.stacked, mode, shard_rows)
+        )
     resolver.refuse_unused(used)
     return plans
 

@@ -50,17 +50,18 @@ class SourceRows:
 
 
 def _fail_shape(stored: str, file: str, shape, expected, what: str) -> CheckpointError:
-    return CheckpointError(f"{file}: tensor '{stored}' has {what}shape {list(shape)}, "
-                           f"expected {list(expected)} from config.json")
+    return CheckpointError(
+        f"{file}: tensor '{stored}' has {what}shape {list(shape)}, expected {list(expected)} from config.json"
+    )
 
 
-def _check_scale(tensors: CheckpointTensors, weight: str, scale: str, expected: tuple[int, ...], why: str, *,
-                 raw_exponents: bool) -> None:
+def _check_scale(
+    tensors: CheckpointTensors, weight: str, scale: str, expected: tuple[int, ...], why: str, *, raw_exponents: bool
+) -> None:
     """raw_exponents: MXFP4 scales may also be stored as uint8 E8M0 exponents."""
     file, shape, dtype = tensors.file_of(scale), tensors.shape(scale), tensors.dtype(scale)
     if tuple(shape) != expected:
-        raise CheckpointError(f"{file}: '{scale}' has shape {tuple(shape)}, expected {expected} for "
-                              f"'{weight}' ({why})")
+        raise CheckpointError(f"{file}: '{scale}' has shape {tuple(shape)}, expected {expected} for '{weight}' ({why})")
     floating = np.issubdtype(dtype, np.floating) or dtype.name in ("bfloat16", "float8_e8m0fnu")
     if not (floating or (raw_exponents and dtype == np.uint8)):
         raise CheckpointError(f"{file}: '{scale}' has dtype {dtype}, expected a float type")
@@ -70,8 +71,9 @@ def _bytes(tensors: CheckpointTensors, name: str) -> int:
     return int(np.prod(tensors.shape(name), dtype=np.int64)) * tensors.dtype(name).itemsize
 
 
-def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, expected: tuple[int, ...],
-                   fp8_block: tuple[int, int]) -> SourceTensor:
+def inspect_source(
+    tensors: CheckpointTensors, stored: str | None, name: str, expected: tuple[int, ...], fp8_block: tuple[int, int]
+) -> SourceTensor:
     """Check the tensor stored as `stored` (None: absent) that fills checkpoint name `name` of logical shape
     `expected`. A tensor is FP8 iff it is float8 with a `weight_scale_inv` sibling (spec §6.2) and MXFP4 iff it
     is (u)int8 with one (§6.3); anything else must be a float tensor."""
@@ -83,10 +85,24 @@ def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, ex
         packed = (*expected[:-1], -(-expected[-1] // 2))
         if shape != packed or len(expected) != 2:
             raise _fail_shape(stored, file, shape, packed, "packed MXFP4 ")
-        _check_scale(tensors, stored, scale, (expected[0], -(-expected[1] // MXFP4_GROUP)),
-                     f"one E8M0 scale per {MXFP4_GROUP} inputs", raw_exponents=True)
-        return SourceTensor(stored, file, MXFP4, expected, dtype, _bytes(tensors, stored) + _bytes(tensors, scale),
-                            scale, (1, MXFP4_GROUP))
+        _check_scale(
+            tensors,
+            stored,
+            scale,
+            (expected[0], -(-expected[1] // MXFP4_GROUP)),
+            f"one E8M0 scale per {MXFP4_GROUP} inputs",
+            raw_exponents=True,
+        )
+        return SourceTensor(
+            stored,
+            file,
+            MXFP4,
+            expected,
+            dtype,
+            _bytes(tensors, stored) + _bytes(tensors, scale),
+            scale,
+            (1, MXFP4_GROUP),
+        )
     if shape != tuple(expected):
         raise _fail_shape(stored, file, shape, expected, "")
     if is_float8(dtype):
@@ -95,10 +111,24 @@ def inspect_source(tensors: CheckpointTensors, stored: str | None, name: str, ex
         if len(expected) != 2:
             raise CheckpointError(f"{file}: FP8 tensor '{stored}' has {len(expected)} dims; block FP8 is 2-D")
         rows, cols = fp8_block
-        _check_scale(tensors, stored, scale, (-(-expected[0] // rows), -(-expected[1] // cols)),
-                     f"{rows}x{cols} blocks from quantization_config.weight_block_size", raw_exponents=False)
-        return SourceTensor(stored, file, FP8, expected, dtype, _bytes(tensors, stored) + _bytes(tensors, scale),
-                            scale, tuple(fp8_block))
+        _check_scale(
+            tensors,
+            stored,
+            scale,
+            (-(-expected[0] // rows), -(-expected[1] // cols)),
+            f"{rows}x{cols} blocks from quantization_config.weight_block_size",
+            raw_exponents=False,
+        )
+        return SourceTensor(
+            stored,
+            file,
+            FP8,
+            expected,
+            dtype,
+            _bytes(tensors, stored) + _bytes(tensors, scale),
+            scale,
+            tuple(fp8_block),
+        )
     if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
         raise CheckpointError(f"{file}: tensor '{stored}' has dtype {dtype}, expected a float type")
     return SourceTensor(stored, file, PLAIN, expected, dtype, _bytes(tensors, stored))

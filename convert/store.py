@@ -37,8 +37,9 @@ def _context() -> ts.Context:
     - with a 16 MB instead of 100 MB B-tree node cache: a conversion only appends, and the bigger cache was
       ~250 MB of the converter's RSS after 6 GB (the cache undercounts its nodes' memory)."""
     spec = ocp.type_handlers.get_ts_context(use_ocdbt=True).spec.to_json()
-    return ts.Context(ts.Context.Spec({**spec, "file_io_sync": False,
-                                       "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_CACHE_BYTES}}))
+    return ts.Context(
+        ts.Context.Spec({**spec, "file_io_sync": False, "cache_pool#ocdbt": {"total_bytes_limit": OCDBT_CACHE_BYTES}})
+    )
 
 
 def sync_to_disk(directory: str) -> None:
@@ -66,14 +67,21 @@ class ArrayStore:
         return os.path.join(self.directory, f"ocdbt.process_{self.process_index}")
 
     def _info(self, name: str) -> ocp.type_handlers.ParamInfo:
-        return ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(self.directory), use_compression=False,
-                                           is_ocdbt_checkpoint=True, ts_context=self.context)
+        return ocp.type_handlers.ParamInfo(
+            name=name,
+            parent_dir=epath.Path(self.directory),
+            use_compression=False,
+            is_ocdbt_checkpoint=True,
+            ts_context=self.context,
+        )
 
-    def create(self, name: str, shape: tuple[int, ...], dtype: np.dtype,
-               chunk_shape: tuple[int, ...]) -> ts.TensorStore:
+    def create(
+        self, name: str, shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...]
+    ) -> ts.TensorStore:
         """A new (or emptied) array in this process's database."""
-        spec = ocp.type_handlers.get_json_tspec_write(self._info(name), True, shape, chunk_shape, dtype,
-                                                      process_index=self.process_index)
+        spec = ocp.type_handlers.get_json_tspec_write(
+            self._info(name), True, shape, chunk_shape, dtype, process_index=self.process_index
+        )
         spec["metadata"]["chunks"] = list(chunk_shape)
         return ts.open(spec, create=True, delete_existing=True, context=self.context).result()
 
@@ -81,8 +89,9 @@ class ArrayStore:
         values = self.create(plan.name, plan.shape, plan.dtype, plan.slice_shape)
         if plan.scale_block is None:
             return values, None
-        return values, self.create(scale_name(plan.name), plan.scale_shape, np.dtype(np.float32),
-                                   plan.scale_slice_shape)
+        return values, self.create(
+            scale_name(plan.name), plan.scale_shape, np.dtype(np.float32), plan.scale_slice_shape
+        )
 
     def open_merged(self, name: str) -> ts.TensorStore:
         """An array of the merged root database (after `finalize`)."""
@@ -92,9 +101,10 @@ class ArrayStore:
 
 def _tree_entry(path: tuple, chunk_shape: tuple[int, ...]) -> tuple[str, dict]:
     keys = tuple(str(key) for key in path)
-    return str(keys), {"key_metadata": [{"key": key, "key_type": _DICT_KEY} for key in keys],
-                       "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
-                                          "write_shape": list(chunk_shape)}}
+    return str(keys), {
+        "key_metadata": [{"key": key, "key_type": _DICT_KEY} for key in keys],
+        "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(chunk_shape)},
+    }
 
 
 def finalize(directory: str, plans: list[ParamPlan], context: ts.Context) -> None:
@@ -107,12 +117,23 @@ def finalize(directory: str, plans: list[ParamPlan], context: ts.Context) -> Non
         if plan.scale_block is not None:
             key, entry = _tree_entry(scale_path(plan.path), plan.scale_slice_shape)
             tree[key] = entry
-    metadata = {"tree_metadata": tree, "use_ocdbt": True, "use_zarr3": False,
-                "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+    metadata = {
+        "tree_metadata": tree,
+        "use_ocdbt": True,
+        "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
+    }
     with open(os.path.join(directory, METADATA_FILE), "w") as f:
         json.dump(metadata, f)
     now = time.time_ns()
-    step = {"item_handlers": _HANDLER, "metrics": {}, "performance_metrics": {}, "init_timestamp_nsecs": now,
-            "commit_timestamp_nsecs": now, "custom_metadata": {}}
+    step = {
+        "item_handlers": _HANDLER,
+        "metrics": {},
+        "performance_metrics": {},
+        "init_timestamp_nsecs": now,
+        "commit_timestamp_nsecs": now,
+        "custom_metadata": {},
+    }
     with open(os.path.join(directory, CHECKPOINT_METADATA_FILE), "w") as f:
         json.dump(step, f)

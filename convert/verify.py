@@ -29,8 +29,9 @@ def _equal_and_finite(expected, actual):
     return jnp.array_equal(bits(expected), bits(actual)), jnp.isfinite(expected).all()
 
 
-def verify_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, workers: int,
-                  progress: bool, allow_nonfinite: bool) -> None:
+def verify_params(
+    plans: list[ParamPlan], reader: ShardReader, store: ArrayStore, workers: int, progress: bool, allow_nonfinite: bool
+) -> None:
     """Raise ConvertError naming the parameter, the source tensor and its file at the first bad slice."""
     opened: dict[str, object] = {}
     lock = threading.Lock()
@@ -57,11 +58,18 @@ def verify_params(plans: list[ParamPlan], reader: ShardReader, store: ArrayStore
             if not finite and not allow_nonfinite:
                 raise ConvertError(f"{source.file}: tensor '{source.name}' has NaN or Inf values in {where}")
             if not equal:
-                raise ConvertError(f"{store.directory}: array '{name}' differs from '{source.name}' "
-                                   f"({source.file}) in {where}")
+                raise ConvertError(
+                    f"{store.directory}: array '{name}' differs from '{source.name}' ({source.file}) in {where}"
+                )
         return rows.nbytes
 
     items = ((plan, piece) for plan in plans for piece in plan.slices())
-    with tqdm(total=sum(p.nbytes for p in plans), desc="verifying", unit="B", unit_scale=True, unit_divisor=1024,
-              disable=not progress) as bar:
+    with tqdm(
+        total=sum(p.nbytes for p in plans),
+        desc="verifying",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not progress,
+    ) as bar:
         run_bounded(items, check, workers, lambda item, nbytes: bar.update(nbytes))

@@ -45,8 +45,10 @@ class Journal:
             if isinstance(entry, dict) and isinstance(entry.get("param"), str):
                 return entry["param"]
             problem = f"found {line[:80]!r}"
-        raise ConvertError(f"{self.path}: line {number} is not a journal entry ({problem}); the journal is "
-                           f"damaged: pass --overwrite to start over")
+        raise ConvertError(
+            f"{self.path}: line {number} is not a journal entry ({problem}); the journal is "
+            f"damaged: pass --overwrite to start over"
+        )
 
     def record(self, name: str) -> None:
         with self._lock, open(self.path, "a") as f:
@@ -68,8 +70,10 @@ class Workspace:
                 self.attach(job)
                 return
             if not overwrite:
-                raise ConvertError(f"{self.path}: an unfinished conversion to {self.dst} is there; pass --resume to "
-                                   f"continue it or --overwrite to start over")
+                raise ConvertError(
+                    f"{self.path}: an unfinished conversion to {self.dst} is there; pass --resume to "
+                    f"continue it or --overwrite to start over"
+                )
             shutil.rmtree(self.path)
         os.makedirs(self.path)
         with open(os.path.join(self.path, JOB_FILE), "w") as f:
@@ -82,11 +86,13 @@ class Workspace:
             with open(file) as f:
                 started = json.load(f)
         except (OSError, ValueError) as e:
-            raise ConvertError(f"{file}: cannot read the unfinished conversion's job ({e}); pass --overwrite to "
-                               f"start over") from e
+            raise ConvertError(
+                f"{file}: cannot read the unfinished conversion's job ({e}); pass --overwrite to start over"
+            ) from e
         if started != job:
-            raise ConvertError(f"{file}: the unfinished conversion is {started}, not {job}; pass --overwrite to "
-                               f"start over")
+            raise ConvertError(
+                f"{file}: the unfinished conversion is {started}, not {job}; pass --overwrite to start over"
+            )
 
     def publish(self, overwrite: bool) -> None:
         """Drop the bookkeeping and move the finished checkpoint to DST, replacing the earlier output there

@@ -6,5 +6,14 @@ from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM, LingOutput
 from ling_jax.orbax_checkpoint import load_checkpoint
 
-__all__ = ["KDAState", "LingCache", "LingConfig", "LingForCausalLM", "LingOutput", "MLAState", "MTPCache",
-           "load_checkpoint", "load_hf_checkpoint"]
+__all__ = [
+    "KDAState",
+    "LingCache",
+    "LingConfig",
+    "LingForCausalLM",
+    "LingOutput",
+    "MLAState",
+    "MTPCache",
+    "load_checkpoint",
+    "load_hf_checkpoint",
+]

@@ -57,9 +57,11 @@ class LingCache:
     @classmethod
     def create(cls, config: LingConfig, batch_size: int, max_length: int, dtype) -> LingCache:
         layers = tuple(
-            KDAState.zeros(config, batch_size, dtype) if kind == KDA
+            KDAState.zeros(config, batch_size, dtype)
+            if kind == KDA
             else MLAState.zeros(config, batch_size, max_length, dtype)
-            for kind in config.layer_types)
+            for kind in config.layer_types
+        )
         return cls(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
@@ -72,8 +74,10 @@ def commit_verified(cache: LingCache, accepted_B: jax.Array, num_verified: int) 
     rows = jnp.arange(accepted_B.shape[0])
     layers = tuple(
         KDAState(conv_window=s.conv_window[rows, accepted_B], recurrent_state=s.recurrent_state[rows, accepted_B])
-        if isinstance(s, KDAState) else s
-        for s in cache.layers)
+        if isinstance(s, KDAState)
+        else s
+        for s in cache.layers
+    )
     return LingCache(layers=layers, lengths=cache.lengths - num_verified + accepted_B + 1)
 
 
@@ -84,5 +88,6 @@ class MTPCache:
 
     @classmethod
     def create(cls, config: LingConfig, batch_size: int, max_length: int, dtype) -> MTPCache:
-        return cls(layer=MLAState.zeros(config, batch_size, max_length, dtype),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+        return cls(
+            layer=MLAState.zeros(config, batch_size, max_length, dtype), lengths=jnp.zeros((batch_size,), jnp.int32)
+        )

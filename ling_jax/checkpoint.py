@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 from ling_jax.checkpoint_names import TensorSource, canonical, ignored, source_for
 from ling_jax.config import LingConfig
 from ling_jax.model import LingForCausalLM
-from ling_jax.vl_config import load_model_config, text_config_of
-from ling_jax.vl_model import build_model
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4, is_float8
 from ling_jax.safetensors_io import CheckpointTensors
+from ling_jax.vl_config import load_model_config, text_config_of
+from ling_jax.vl_model import build_model
 
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight_scale_inv sits beside <module>.weight
 
@@ -40,12 +40,14 @@ class TensorResolver:
                 continue
             name = canonical(stored)
             if name in self.by_name:
-                raise CheckpointError(f"{tensors.file_of(stored)}: '{stored}' and '{self.by_name[name]}' "
-                                      f"({tensors.file_of(self.by_name[name])}) are the same tensor spelled twice")
+                raise CheckpointError(
+                    f"{tensors.file_of(stored)}: '{stored}' and '{self.by_name[name]}' "
+                    f"({tensors.file_of(self.by_name[name])}) are the same tensor spelled twice"
+                )
             self.by_name[name] = stored
 
     def _check_scale_owner(self, scale_name: str) -> None:
-        weight = scale_name[:-len(SCALE_SUFFIX)]
+        weight = scale_name[: -len(SCALE_SUFFIX)]
         file = self.tensors.file_of(scale_name)
         if weight not in self.tensors:
             raise CheckpointError(f"{file}: '{scale_name}' has no '{weight}' to scale")
@@ -62,8 +64,10 @@ class TensorResolver:
         # one pass, no temporary: NaN and Inf reach a float64 sum, which finite float32 values cannot overflow
         if not np.isfinite(value.sum(dtype=np.float64)):
             bad = int(np.count_nonzero(~np.isfinite(value)))
-            raise CheckpointError(f"{self.tensors.file_of(stored)}: tensor '{stored}' has {bad} NaN or Inf "
-                                  f"value{'s' if bad > 1 else ''} (of {value.size}): the checkpoint is damaged")
+            raise CheckpointError(
+                f"{self.tensors.file_of(stored)}: tensor '{stored}' has {bad} NaN or Inf "
+                f"value{'s' if bad > 1 else ''} (of {value.size}): the checkpoint is damaged"
+            )
         return value
 
     def _read(self, stored: str, expected: tuple[int, ...]) -> np.ndarray:
@@ -74,7 +78,7 @@ class TensorResolver:
             packed_shape = (*expected[:-1], -(-expected[-1] // 2))
             self._check_shape(stored, file, shape, packed_shape, "packed MXFP4 ")
             try:
-                return dequantize_mxfp4(self.tensors.get(stored), self.tensors.get(scale_name))[..., :expected[-1]]
+                return dequantize_mxfp4(self.tensors.get(stored), self.tensors.get(scale_name))[..., : expected[-1]]
             except ValueError as e:
                 raise CheckpointError(f"{self.tensors.file_of(scale_name)}: '{scale_name}': {e}") from e
         self._check_shape(stored, file, shape, expected, "")
@@ -93,15 +97,15 @@ class TensorResolver:
     @staticmethod
     def _check_shape(stored, file, shape, expected, what):
         if tuple(shape) != tuple(expected):
-            raise CheckpointError(f"{file}: tensor '{stored}' has {what}shape {list(shape)}, "
-                                  f"expected {list(expected)} from config.json")
+            raise CheckpointError(
+                f"{file}: tensor '{stored}' has {what}shape {list(shape)}, expected {list(expected)} from config.json"
+            )
 
     def refuse_unused(self, used: set[str]) -> None:
         """Raise if the checkpoint holds tensors outside `used` (the names the config asks for)."""
         unknown = sorted(set(self.by_name) - used)
         if unknown:
-            shown = ", ".join(f"'{n}' ({os.path.basename(self.tensors.file_of(self.by_name[n]))})"
-                              for n in unknown[:5])
+            shown = ", ".join(f"'{n}' ({os.path.basename(self.tensors.file_of(self.by_name[n]))})" for n in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise CheckpointError(f"{self.tensors.directory}: tensors not used by the config: {shown}{more}")
 
@@ -111,8 +115,9 @@ def _load(resolver: TensorResolver, source: TensorSource) -> np.ndarray:
     return np.stack(arrays) if source.stacked else arrays[0]
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool = True,
-                       kernel_backend: str = "auto") -> LingForCausalLM:
+def load_hf_checkpoint(
+    path: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool = True, kernel_backend: str = "auto"
+) -> LingForCausalLM:
     """Build `LingForCausalLM` (or, for a VL checkpoint, `LingVLForConditionalGeneration`) from a HF-format
     checkpoint directory.
 
@@ -128,8 +133,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress:
     model_config = load_model_config(path)
     config = text_config_of(model_config)
     resolver = TensorResolver(CheckpointTensors(path), config)
-    abstract = nnx.eval_shape(lambda: build_model(model_config, rngs=nnx.Rngs(0), dtype=dtype,
-                                                  kernel_backend=kernel_backend))
+    abstract = nnx.eval_shape(
+        lambda: build_model(model_config, rngs=nnx.Rngs(0), dtype=dtype, kernel_backend=kernel_backend)
+    )
     graphdef, abstract_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abstract_state)
     plan = [(p, v, source_for(p, v.get_value().shape, config)) for p, v in flat]
@@ -138,6 +144,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.bfloat16, progress:
     loaded = []
     for p, variable, source in tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress):
         value = _load(resolver, source)
-        loaded.append((p, variable.replace(jnp.asarray(value.reshape(variable.get_value().shape),
-                                                       variable.get_value().dtype))))
+        loaded.append(
+            (p, variable.replace(jnp.asarray(value.reshape(variable.get_value().shape), variable.get_value().dtype)))
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))

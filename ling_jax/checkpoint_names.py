@@ -19,19 +19,24 @@ BARE_LEAVES = ("A_log", "dt_bias", "expert_bias")  # checkpoint names without a 
 VL_PREFIXES = ("visual", "linear_proj")  # VL parameters, stored under `model.` (spec §7)
 
 # alternative spelling in a checkpoint -> the name used here
-ALIASES = ((re.compile(r"\.attention\.o_proj\."), ".attention.dense."),
-           (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.expert_bias"),
-           (re.compile(r"^linear_proj\."), "model.linear_proj."),
-           (re.compile(r"^(model\.visual\..*\.attn\.)qkv_proj\."), r"\1qkv."))
+ALIASES = (
+    (re.compile(r"\.attention\.o_proj\."), ".attention.dense."),
+    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.expert_bias"),
+    (re.compile(r"^linear_proj\."), "model.linear_proj."),
+    (re.compile(r"^(model\.visual\..*\.attn\.)qkv_proj\."), r"\1qkv."),
+)
 
 
 def ignored(name: str, config: LingConfig) -> bool:
     """Tensors that are legitimately present but unused (as SGLang skips them)."""
     mtp_prefix = f"model.layers.{config.mtp_layer_index}."
-    return ("inv_freq" in name or name.startswith("model.mtp")
-            or (name.startswith(mtp_prefix) and (".shared_head." in name or ".embed_tokens." in name))
-            # Qwen3-VL deepstack mergers: SGLang's Bailing VL keeps only the main merger's output
-            or name.startswith("model.visual.deepstack_merger_list."))
+    return (
+        "inv_freq" in name
+        or name.startswith("model.mtp")
+        or (name.startswith(mtp_prefix) and (".shared_head." in name or ".embed_tokens." in name))
+        # Qwen3-VL deepstack mergers: SGLang's Bailing VL keeps only the main merger's output
+        or name.startswith("model.visual.deepstack_merger_list.")
+    )
 
 
 def canonical(name: str) -> str:

@@ -63,8 +63,10 @@ def checkpoint_source(path: Path, what: str, *, byte_tokenizer: bool) -> ModelSo
     elif (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         CheckpointTensors(str(path))
     else:
-        raise ValueError(f"{label}: expected a HF checkpoint directory (config.json and *.safetensors) or a "
-                         f"ling-convert directory ({LAYOUT_FILE}); found neither")
+        raise ValueError(
+            f"{label}: expected a HF checkpoint directory (config.json and *.safetensors) or a "
+            f"ling-convert directory ({LAYOUT_FILE}); found neither"
+        )
     config = load_model_config(path)
     tokenizer = _checkpoint_tokenizer(path, text_config_of(config), byte_tokenizer)
     return ModelSource(config, tokenizer, str(path), path, orbax)
@@ -75,16 +77,20 @@ def _checkpoint_tokenizer(path: Path, config: LingConfig, byte_tokenizer: bool) 
     if has_file and byte_tokenizer:
         raise ValueError(f"--byte-tokenizer: {path} has a {TOKENIZER_FILE}; drop the flag to use it")
     if not has_file and not byte_tokenizer:
-        raise ValueError(f"{path / TOKENIZER_FILE}: missing; a trained model's token ids are not bytes, so its "
-                         f"output would be noise. Put the checkpoint's {TOKENIZER_FILE} there, or pass "
-                         "--byte-tokenizer for a model trained on UTF-8 bytes (token id = byte value)")
+        raise ValueError(
+            f"{path / TOKENIZER_FILE}: missing; a trained model's token ids are not bytes, so its "
+            f"output would be noise. Put the checkpoint's {TOKENIZER_FILE} there, or pass "
+            "--byte-tokenizer for a model trained on UTF-8 bytes (token id = byte value)"
+        )
     return load_tokenizer(path, config)
 
 
 def check_mtp(drafts: int) -> None:
     if drafts > MAX_MTP:
-        raise ValueError(f"--mtp must be <= {MAX_MTP} (drafts per round chained through the one MTP layer; "
-                         f"later drafts are rarely accepted), got {drafts}")
+        raise ValueError(
+            f"--mtp must be <= {MAX_MTP} (drafts per round chained through the one MTP layer; "
+            f"later drafts are rarely accepted), got {drafts}"
+        )
 
 
 def stdin_is_input() -> bool:
@@ -100,8 +106,11 @@ def read_stdin(what: str) -> str:
     that the prompts are awaited there: a pipe left open would otherwise wait without a word."""
     mode = _stdin_mode()
     if mode is not None and not stat.S_ISREG(mode):
-        print(f"reading the prompts from {what}, one per line, until end of input (Ctrl-D on a terminal)",
-              file=sys.stderr, flush=True)
+        print(
+            f"reading the prompts from {what}, one per line, until end of input (Ctrl-D on a terminal)",
+            file=sys.stderr,
+            flush=True,
+        )
     buffer = getattr(sys.stdin, "buffer", None)
     return sys.stdin.read() if buffer is None else decode_utf8(buffer.read(), what)
 

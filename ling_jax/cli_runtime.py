@@ -102,8 +102,11 @@ class CompileNotice:
     saying so; later ones stay quiet. Loads from the persistent cache are quick, so a cached run stays quiet."""
 
     def __init__(self, cached: bool):
-        self.line = ("compiling (first run; cached afterwards)" if cached
-                     else "compiling (the compilation cache is off: every run compiles)")
+        self.line = (
+            "compiling (first run; cached afterwards)"
+            if cached
+            else "compiling (the compilation cache is off: every run compiles)"
+        )
         self.shown = False
         self.quiet = False  # e.g. on a process other than the first of a multi-host run
         self._timer: threading.Timer | None = None

@@ -43,8 +43,12 @@ class CompileHooks:
     """Context manager calling `on_start()` when one of `events` (default: an XLA compile, or a persistent-cache
     load) begins in this thread, and `on_end(seconds)` when it ends."""
 
-    def __init__(self, on_start: Callable[[], None], on_end: Callable[[float], None],
-                 events: frozenset[str] = frozenset({BACKEND_COMPILE_EVENT})):
+    def __init__(
+        self,
+        on_start: Callable[[], None],
+        on_end: Callable[[float], None],
+        events: frozenset[str] = frozenset({BACKEND_COMPILE_EVENT}),
+    ):
         self._on_start, self._on_end, self._events = on_start, on_end, events
         self._thread = threading.get_ident()
 

@@ -200,9 +200,19 @@ class LingConfig:
     # ---------------------------------------------------------------- validation
     def _validate(self) -> None:
         layers = self.num_hidden_layers
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                    "num_experts", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-                    "short_conv_kernel_size"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "short_conv_kernel_size",
+        ):
             if getattr(self, key) <= 0:
                 raise _fail(key, f"must be positive, got {getattr(self, key)}")
         if len(self.layer_types) != layers:
@@ -224,9 +234,11 @@ class LingConfig:
             if per_group < 2:
                 raise _fail("n_group", "group scores sum the top-2 experts of a group: need >= 2 experts per group")
             if self.num_experts_per_tok > self.topk_group * per_group:
-                raise _fail("num_experts_per_tok",
-                            f"{self.num_experts_per_tok} exceeds the {self.topk_group * per_group} experts "
-                            f"left after keeping topk_group={self.topk_group} groups")
+                raise _fail(
+                    "num_experts_per_tok",
+                    f"{self.num_experts_per_tok} exceeds the {self.topk_group * per_group} experts "
+                    f"left after keeping topk_group={self.topk_group} groups",
+                )
         if self.qk_rope_head_dim <= 0 or self.qk_rope_head_dim % 2:
             raise _fail("qk_rope_head_dim", f"must be positive and even, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
@@ -234,16 +246,20 @@ class LingConfig:
         if self.kda_safe_gate and self.kda_lower_bound >= 0:
             raise _fail("kda_lower_bound", f"must be negative with the safe gate, got {self.kda_lower_bound}")
         if self.num_nextn_predict_layers not in (0, 1):
-            raise _fail("num_nextn_predict_layers",
-                        f"Ling has at most one MTP layer, got {self.num_nextn_predict_layers}")
+            raise _fail(
+                "num_nextn_predict_layers", f"Ling has at most one MTP layer, got {self.num_nextn_predict_layers}"
+            )
         if self.rope.mrope_section is not None:
             section = self.rope.mrope_section
             if len(section) != 3 or section[1] != section[2] or min(section) < 0:
-                raise _fail("mrope_section", f"must be [t, h, w] with h == w (h and w frequencies alternate), "
-                                             f"got {list(section)}")
+                raise _fail(
+                    "mrope_section",
+                    f"must be [t, h, w] with h == w (h and w frequencies alternate), got {list(section)}",
+                )
             if sum(section) != self.qk_rope_head_dim // 2:
-                raise _fail("mrope_section", f"{list(section)} must sum to qk_rope_head_dim / 2 = "
-                                             f"{self.qk_rope_head_dim // 2}")
+                raise _fail(
+                    "mrope_section", f"{list(section)} must sum to qk_rope_head_dim / 2 = {self.qk_rope_head_dim // 2}"
+                )
         if self.rope.is_yarn and not self.rope.original_max_position_embeddings:
             raise _fail("rope_scaling.original_max_position_embeddings", "required for YaRN")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
@@ -289,7 +305,8 @@ class LingConfig:
             hidden_size=r.require_int("hidden_size"),
             num_hidden_layers=num_layers,
             num_attention_heads=r.require_int("num_attention_heads"),
-            head_dim=_integer("linear_head_dim", raw["linear_head_dim"]) if raw.get("linear_head_dim")
+            head_dim=_integer("linear_head_dim", raw["linear_head_dim"])
+            if raw.get("linear_head_dim")
             else r.require_int("head_dim"),
             intermediate_size=r.require_int("intermediate_size"),
             moe_intermediate_size=moe_width,
@@ -364,8 +381,9 @@ def _vl_mrope_section(raw: Mapping[str, Any], text: Mapping[str, Any]) -> list[i
 
 def _refuse_unsupported(r: _Reader) -> None:
     if "short_conv_kernel_size" in r.raw and r.raw["short_conv_kernel_size"] is None:
-        raise _fail("short_conv_kernel_size",
-                    "null selects the Ling-2.5 lightning-attention path, which is not supported")
+        raise _fail(
+            "short_conv_kernel_size", "null selects the Ling-2.5 lightning-attention path, which is not supported"
+        )
     if r.get("full_attention_type", "mla") != "mla":
         raise _fail("full_attention_type", "only 'mla' (Ling 3.x) is supported")
     if r.get("moe_router_enable_expert_bias", True) is False:
@@ -442,8 +460,9 @@ def _parse_rope(r: _Reader) -> RopeConfig:
     if theta is None:
         theta = r.get("rope_theta")
     if theta is None:
-        raise _fail("rope_theta",
-                    "missing (looked for rope_parameters.rope_theta, rope_scaling.rope_theta, rope_theta)")
+        raise _fail(
+            "rope_theta", "missing (looked for rope_parameters.rope_theta, rope_scaling.rope_theta, rope_theta)"
+        )
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in ("default", *_YARN_TYPES):
         raise _fail("rope_scaling.rope_type", f"{rope_type!r} is not supported (default, yarn, deepseek_yarn)")
@@ -458,8 +477,9 @@ def _parse_rope(r: _Reader) -> RopeConfig:
         interleave=bool(r.get("rope_interleave", True)),
         rope_type="yarn" if rope_type in _YARN_TYPES else "default",
         factor=float(scaling.get("factor") or 1.0),
-        original_max_position_embeddings=None if original is None else _integer(
-            "rope_scaling.original_max_position_embeddings", original),
+        original_max_position_embeddings=None
+        if original is None
+        else _integer("rope_scaling.original_max_position_embeddings", original),
         beta_fast=float(scaling.get("beta_fast", 32.0)),
         beta_slow=float(scaling.get("beta_slow", 1.0)),
         mscale=opt_float("mscale"),

@@ -55,9 +55,20 @@ class TokenContext:
         return self.policy.kernel_backend.value
 
 
-def token_context(config: LingConfig, batch: int, length: int, *, positions=None, attention_mask=None,
-                  lengths=None, max_length: int = 0, policy: ExecutionPolicy | None = None, kda_mode=None,
-                  mla_mode=None, kernel_backend: str | None = None) -> TokenContext:
+def token_context(
+    config: LingConfig,
+    batch: int,
+    length: int,
+    *,
+    positions=None,
+    attention_mask=None,
+    lengths=None,
+    max_length: int = 0,
+    policy: ExecutionPolicy | None = None,
+    kda_mode=None,
+    mla_mode=None,
+    kernel_backend: str | None = None,
+) -> TokenContext:
     """Masks, slots and RoPE tables for a call of T = `length` tokens per row.
 
     lengths: the cache's [B] token count (the new tokens go to slots lengths[b], ...), or None without a cache;
@@ -81,8 +92,9 @@ def token_context(config: LingConfig, batch: int, length: int, *, positions=None
         slots_real = lengths[:, None] + offsets_BT
         slots = jnp.where(real, slots_real, max_length)
         new_lengths = lengths + real.sum(axis=1, dtype=jnp.int32)
-        visibility = KeyVisibility(jnp.where(real, slots_real, -1),
-                                   jnp.arange(max_length)[None, :] < new_lengths[:, None])
+        visibility = KeyVisibility(
+            jnp.where(real, slots_real, -1), jnp.arange(max_length)[None, :] < new_lengths[:, None]
+        )
         default_positions = jnp.maximum(slots_real, 0)
         if length == 1:
             decode_lengths = new_lengths

@@ -33,6 +33,7 @@ class SharedExpert(NamedTuple):
 
 def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None) -> jax.Array:
     """down(swiglu(gate(x), up(x), limit)) with the weights cast to x's dtype: the dense MLP and shared expert."""
+
     def linear(v, w_OI):
         return jnp.einsum("...i,oi->...o", v, w_OI.astype(v.dtype))
 
@@ -57,16 +58,37 @@ def _runs_gpu_kernels(backend: str) -> bool:
     return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu"
 
 
-def fused_expert_rows(x_XD, source_R, order_R, row_weight_R, sizes_E, gate_EID, up_EID, down_EDI,
-                      limit: float | None, *, backend: str, fill_tail: bool = True):
+def fused_expert_rows(
+    x_XD,
+    source_R,
+    order_R,
+    row_weight_R,
+    sizes_E,
+    gate_EID,
+    up_EID,
+    down_EDI,
+    limit: float | None,
+    *,
+    backend: str,
+    fill_tail: bool = True,
+):
     """[R, D] in x's dtype: row order[r] of the result = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of
     the expert order (group g); rows past sum(sizes) are 0, or undefined with fill_tail False (not computed).
     The GPU's two fused kernels."""
     dtype = x_XD.dtype
-    h_RI = gather_swiglu(x_XD, source_R, sizes_E, gate_EID.astype(dtype), up_EID.astype(dtype), limit,
-                         backend=backend, fill_tail=fill_tail)
-    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down_EDI.astype(dtype), backend=backend,
-                        fill_tail=fill_tail)
+    h_RI = gather_swiglu(
+        x_XD,
+        source_R,
+        sizes_E,
+        gate_EID.astype(dtype),
+        up_EID.astype(dtype),
+        limit,
+        backend=backend,
+        fill_tail=fill_tail,
+    )
+    return down_scatter(
+        h_RI, order_R, row_weight_R, sizes_E, down_EDI.astype(dtype), backend=backend, fill_tail=fill_tail
+    )
 
 
 def sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
@@ -79,8 +101,11 @@ def sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float |
 
 def _three_grouped_matmuls(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     dtype = x_RD.dtype
-    hidden_RI = swiglu(grouped_matmul(x_RD, gate_EID.astype(dtype), sizes_E, backend=backend),
-                       grouped_matmul(x_RD, up_EID.astype(dtype), sizes_E, backend=backend), limit)
+    hidden_RI = swiglu(
+        grouped_matmul(x_RD, gate_EID.astype(dtype), sizes_E, backend=backend),
+        grouped_matmul(x_RD, up_EID.astype(dtype), sizes_E, backend=backend),
+        limit,
+    )
     return grouped_matmul(hidden_RI, down_EDI.astype(dtype), sizes_E, backend=backend)
 
 
@@ -92,8 +117,19 @@ def expert_sorted_ffn(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | 
     if not _runs_gpu_kernels(backend):
         return _three_grouped_matmuls(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit, backend=backend)
     identity_R = jnp.arange(x_RD.shape[0], dtype=jnp.int32)
-    return fused_expert_rows(x_RD, identity_R, identity_R, jnp.ones(identity_R.shape, jnp.float32), sizes_E,
-                             gate_EID, up_EID, down_EDI, limit, backend=backend, fill_tail=False)
+    return fused_expert_rows(
+        x_RD,
+        identity_R,
+        identity_R,
+        jnp.ones(identity_R.shape, jnp.float32),
+        sizes_E,
+        gate_EID,
+        up_EID,
+        down_EDI,
+        limit,
+        backend=backend,
+        fill_tail=False,
+    )
 
 
 def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
@@ -106,8 +142,18 @@ def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float 
     if not _runs_gpu_kernels(backend):
         return sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit, backend=backend)
     order_R, sizes_E = sort_by_expert(expert_R, gate_EID.shape[0])
-    return fused_expert_rows(x_RD, order_R, order_R, jnp.ones(order_R.shape, jnp.float32), sizes_E, gate_EID,
-                             up_EID, down_EDI, limit, backend=backend)
+    return fused_expert_rows(
+        x_RD,
+        order_R,
+        order_R,
+        jnp.ones(order_R.shape, jnp.float32),
+        sizes_E,
+        gate_EID,
+        up_EID,
+        down_EDI,
+        limit,
+        backend=backend,
+    )
 
 
 def combine(y_TKD, weights_TK, dtype) -> jax.Array:
@@ -130,8 +176,7 @@ def dense_expert_ffn(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, l
     return jnp.einsum("ted,te->td", y_TED.astype(jnp.float32), combine_TE).astype(dtype)
 
 
-def unfused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
-                      backend: str):
+def unfused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     """All experts on this device, on any backend: each token's k assignments become k rows (a copy) of
     `sorted_expert_ffn`, then the weighted combine."""
     tokens, top_k = experts_TK.shape
@@ -140,28 +185,46 @@ def unfused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, 
     return combine(y_RD.reshape(tokens, top_k, -1), weights_TK, x_TD.dtype)
 
 
-def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
-                    backend: str):
+def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     """All experts on this device, GPU backends: `fused_expert_rows` reads each token's row once per
     assignment straight from x and weights it inside the down kernel; the rows land in [T, k, D] order, so the
     combine is a sum over k (in fp32)."""
     tokens, top_k = experts_TK.shape
     order_R, sizes_E = sort_by_expert(experts_TK.reshape(-1), gate_EID.shape[0])
-    y_RD = fused_expert_rows(x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate_EID,
-                             up_EID, down_EDI, limit, backend=backend)
+    y_RD = fused_expert_rows(
+        x_TD,
+        order_R // top_k,
+        order_R,
+        weights_TK.reshape(-1)[order_R],
+        sizes_E,
+        gate_EID,
+        up_EID,
+        down_EDI,
+        limit,
+        backend=backend,
+    )
     return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
 
 
-def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
-                      backend: str):
+def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     """All experts on this device as one grouped FFN: `fused_local_moe` on a GPU backend, else
     `unfused_local_moe`."""
     local = fused_local_moe if _runs_gpu_kernels(backend) else unfused_local_moe
     return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
 
-def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str,
-              shared: SharedExpert | None = None):
+def local_moe(
+    x_TD,
+    weights_TK,
+    experts_TK,
+    gate_EID,
+    up_EID,
+    down_EDI,
+    limit: float | None,
+    *,
+    backend: str,
+    shared: SharedExpert | None = None,
+):
     """All experts on this device, plus the shared expert when given: `grouped_local_moe`, except that on a GPU
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
     the shared expert (one more row per token) when it has the routed experts' width."""
@@ -169,15 +232,25 @@ def local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: f
     row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
         with jax.named_scope("routed_and_shared_experts"):
-            return routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend,
-                                  shared=shared[:3], shared_limit=shared.limit)
+            return routed_experts(
+                x_TD,
+                weights_TK,
+                experts_TK,
+                gate_EID,
+                up_EID,
+                down_EDI,
+                limit,
+                backend=backend,
+                shared=shared[:3],
+                shared_limit=shared.limit,
+            )
     with jax.named_scope("routed_experts"):
         if row_path:
-            routed_TD = routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
-                                       backend=backend)
+            routed_TD = routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
         else:
-            routed_TD = grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit,
-                                          backend=backend)
+            routed_TD = grouped_local_moe(
+                x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend
+            )
     if shared is None:
         return routed_TD
     with jax.named_scope("shared_expert"):

@@ -53,8 +53,7 @@ def _expert_axes(axes: tuple[str, ...] | None) -> tuple[str, ...]:
     return mesh_axes("experts") if axes is None else axes
 
 
-def rows_per_source(tokens: int, top_k: int, num_shards: int, local_experts: int,
-                    capacity_factor: float | None) -> int:
+def rows_per_source(tokens: int, top_k: int, num_shards: int, local_experts: int, capacity_factor: float | None) -> int:
     """Receive-buffer rows per source device: dropless bound, or the capacity-factor cap below it."""
     dropless = tokens * min(top_k, local_experts)
     if capacity_factor is None:
@@ -70,8 +69,9 @@ def _psum_f32(y, axes):
 def _replicated_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep_axes, tp_axes):
     tokens, top_k = experts_TK.shape
     first = jax.lax.axis_index(ep_axes) * gate.shape[0] if ep_axes else 0
-    y_RD = grouped_expert_ffn(jnp.repeat(x_TD, top_k, axis=0), experts_TK.reshape(-1) - first, gate, up, down,
-                              limit, backend=backend)
+    y_RD = grouped_expert_ffn(
+        jnp.repeat(x_TD, top_k, axis=0), experts_TK.reshape(-1) - first, gate, up, down, limit, backend=backend
+    )
     y_TD = combine(y_RD.reshape(tokens, top_k, -1), weights_TK, jnp.float32)
     summed = _psum_f32(y_TD, ep_axes + tp_axes)
     return summed.astype(x_TD.dtype), jnp.int32(0)
@@ -86,8 +86,12 @@ def exchange(a, ep: int, axes: tuple[str, ...] | None = None):
 def _rank_and_kept(dest_A, *, ep: int, capacity: int):
     """Each token-assignment's order among this device's assignments to the same destination (token-major), and
     whether it fits that destination's `capacity` rows."""
-    rank_A = jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(dest_A, ep, dtype=jnp.int32), axis=0),
-                                 dest_A[:, None], axis=1)[:, 0] - 1
+    rank_A = (
+        jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(dest_A, ep, dtype=jnp.int32), axis=0), dest_A[:, None], axis=1)[
+            :, 0
+        ]
+        - 1
+    )
     return rank_A, rank_A < capacity
 
 
@@ -104,15 +108,20 @@ def dispatch(x_TD, experts_TK, *, ep: int, local_experts: int, capacity: int, ax
     dest_A = experts_A // local_experts
     rank_A, kept_A = _rank_and_kept(dest_A, ep=ep, capacity=capacity)
     slot_A = jnp.where(kept_A, dest_A * capacity + rank_A, ep * capacity)  # out of range: dropped
-    send_x = jnp.zeros((ep * capacity, x_TD.shape[1]), x_TD.dtype).at[slot_A].set(
-        jnp.repeat(x_TD, top_k, axis=0), mode="drop")
-    send_expert = jnp.full((ep * capacity,), local_experts, jnp.int32).at[slot_A].set(
-        experts_A % local_experts, mode="drop")  # unused slots name no local expert: skipped
+    send_x = (
+        jnp.zeros((ep * capacity, x_TD.shape[1]), x_TD.dtype)
+        .at[slot_A]
+        .set(jnp.repeat(x_TD, top_k, axis=0), mode="drop")
+    )
+    send_expert = (
+        jnp.full((ep * capacity,), local_experts, jnp.int32).at[slot_A].set(experts_A % local_experts, mode="drop")
+    )  # unused slots name no local expert: skipped
     return exchange(send_x, ep, axes), exchange(send_expert, ep, axes), slot_A, kept_A
 
 
-def return_and_combine(y_RD, slot_A, kept_A, weights_TK, *, ep: int, tp_axes: tuple[str, ...], dtype,
-                       axes: tuple[str, ...] | None = None):
+def return_and_combine(
+    y_RD, slot_A, kept_A, weights_TK, *, ep: int, tp_axes: tuple[str, ...], dtype, axes: tuple[str, ...] | None = None
+):
     """Inside a shard_map: the expert outputs of the received rows (partial sums over `tp_axes`, summed here)
     go back to their source devices with a second all-to-all, and each token's k results are summed with its
     routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
@@ -122,8 +131,9 @@ def return_and_combine(y_RD, slot_A, kept_A, weights_TK, *, ep: int, tp_axes: tu
     return combine(y_A.reshape(tokens, top_k, -1), weights_TK, dtype)
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name: str):
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str
+):
     """`jax.lax.ragged_all_to_all`'s result built from all-gathers, for backends without it (XLA:CPU): every
     device gathers every operand and slice table and copies the slices addressed to it. recv_sizes is implied
     by the senders' tables and not read. Memory: axis size x operand per device; for tests."""
@@ -132,8 +142,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     per_device = input_offsets.shape[0] // devices
 
     def gathered_to_me(table_K):  # [devices * per_device]: the slices each source sends this device
-        return jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(table_K, axis_name), me * per_device, per_device,
-                                            axis=1).reshape(-1)
+        return jax.lax.dynamic_slice_in_dim(
+            jax.lax.all_gather(table_K, axis_name), me * per_device, per_device, axis=1
+        ).reshape(-1)
 
     start_S, size_S, at_S = (gathered_to_me(t) for t in (input_offsets, send_sizes, output_offsets))
     row_M = jnp.arange(output.shape[0])
@@ -179,8 +190,15 @@ def _cut(sizes_X, starts, pieces: int):
     return part_sizes, tuple((table_X[..., None] + cut_XP).reshape(-1) for table_X in starts)
 
 
-def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int,
-                  slices_per_expert: int = SLICES_PER_EXPERT, axes: tuple[str, ...] | None = None) -> RaggedRoutes:
+def ragged_routes(
+    experts_TK,
+    *,
+    ep: int,
+    local_experts: int,
+    capacity: int,
+    slices_per_expert: int = SLICES_PER_EXPERT,
+    axes: tuple[str, ...] | None = None,
+) -> RaggedRoutes:
     """Inside a shard_map: the slice tables of both ragged exchanges, from every device's per-expert counts (one
     all-gather of [E] int32). The kept rows are `dispatch`'s: the first `capacity` per destination."""
     num_experts = ep * local_experts
@@ -202,12 +220,22 @@ def ragged_routes(experts_TK, *, ep: int, local_experts: int, capacity: int,
 
     local_start_SL = jnp.tile(jax.lax.dynamic_slice_in_dim(expert_start_E, me * local_experts, local_experts), ep)
     send_sizes, (send_offsets, remote_offsets) = _cut(
-        sent_E, (send_offsets_SE[me], expert_start_E + earlier_sources_SE[me]), slices_per_expert)
+        sent_E, (send_offsets_SE[me], expert_start_E + earlier_sources_SE[me]), slices_per_expert
+    )
     recv_sizes, (recv_offsets, remote_send_offsets) = _cut(
-        mine(sent_SE), (local_start_SL + mine(earlier_sources_SE), mine(send_offsets_SE)), slices_per_expert)
-    return RaggedRoutes(order_A=order_A, kept_A=kept_A, send_sizes=send_sizes, send_offsets=send_offsets,
-                        remote_offsets=remote_offsets, recv_sizes=recv_sizes, recv_offsets=recv_offsets,
-                        remote_send_offsets=remote_send_offsets, group_sizes_L=total_DL[me])
+        mine(sent_SE), (local_start_SL + mine(earlier_sources_SE), mine(send_offsets_SE)), slices_per_expert
+    )
+    return RaggedRoutes(
+        order_A=order_A,
+        kept_A=kept_A,
+        send_sizes=send_sizes,
+        send_offsets=send_offsets,
+        remote_offsets=remote_offsets,
+        recv_sizes=recv_sizes,
+        recv_offsets=recv_offsets,
+        remote_send_offsets=remote_send_offsets,
+        group_sizes_L=total_DL[me],
+    )
 
 
 def _ragged_exchange(native: bool):
@@ -219,26 +247,61 @@ def ragged_dispatch(x_TD, routes: RaggedRoutes, *, rows: int, native: bool, axes
     device's received rows in expert order (`routes.group_sizes_L`); rows past their sum are zeros."""
     top_k = routes.order_A.shape[0] // x_TD.shape[0]
     return _ragged_exchange(native)(
-        x_TD[routes.order_A // top_k], jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype), routes.send_offsets,
-        routes.send_sizes, routes.remote_offsets, routes.recv_sizes, axis_name=_expert_axes(axes))
+        x_TD[routes.order_A // top_k],
+        jnp.zeros((rows, x_TD.shape[1]), x_TD.dtype),
+        routes.send_offsets,
+        routes.send_sizes,
+        routes.remote_offsets,
+        routes.recv_sizes,
+        axis_name=_expert_axes(axes),
+    )
 
 
-def ragged_return_and_combine(y_RD, routes: RaggedRoutes, weights_TK, *, tp_axes: tuple[str, ...], dtype,
-                              native: bool, axes: tuple[str, ...] | None = None):
+def ragged_return_and_combine(
+    y_RD,
+    routes: RaggedRoutes,
+    weights_TK,
+    *,
+    tp_axes: tuple[str, ...],
+    dtype,
+    native: bool,
+    axes: tuple[str, ...] | None = None,
+):
     """Inside a shard_map: the received rows' expert outputs (partial sums over `tp_axes`, summed here) go back
     to their sources, into the sorted order they left in, and each token's k results are summed with its
     routing weights (dropped assignments count 0). -> [T, D] in `dtype`."""
     tokens, top_k = weights_TK.shape
     back_AD = _ragged_exchange(native)(
-        _psum_f32(y_RD, tp_axes).astype(dtype), jnp.zeros((tokens * top_k, y_RD.shape[1]), dtype),
-        routes.recv_offsets, routes.recv_sizes, routes.remote_send_offsets, routes.send_sizes,
-        axis_name=_expert_axes(axes))
+        _psum_f32(y_RD, tp_axes).astype(dtype),
+        jnp.zeros((tokens * top_k, y_RD.shape[1]), dtype),
+        routes.recv_offsets,
+        routes.recv_sizes,
+        routes.remote_send_offsets,
+        routes.send_sizes,
+        axis_name=_expert_axes(axes),
+    )
     position_A = jnp.zeros_like(routes.order_A).at[routes.order_A].set(jnp.arange(tokens * top_k))
     return combine(back_AD[position_A].reshape(tokens, top_k, -1), weights_TK, dtype)
 
 
-def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, ep_axes, tp_axes,
-                       capacity_factor, count_axes, exchange: str, native: bool):
+def _all_to_all_tokens(
+    x_TD,
+    weights_TK,
+    experts_TK,
+    gate,
+    up,
+    down,
+    *,
+    limit,
+    backend,
+    ep,
+    ep_axes,
+    tp_axes,
+    capacity_factor,
+    count_axes,
+    exchange: str,
+    native: bool,
+):
     tokens, top_k = experts_TK.shape
     local_experts = gate.shape[0]
     capacity = rows_per_source(tokens, top_k, ep, local_experts, capacity_factor)
@@ -246,15 +309,18 @@ def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, b
         routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes)
         x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native, axes=ep_axes)
         y_RD = expert_sorted_ffn(x_RD, routes.group_sizes_L, gate, up, down, limit, backend=backend)
-        routed_TD = ragged_return_and_combine(y_RD, routes, weights_TK, tp_axes=tp_axes, dtype=x_TD.dtype,
-                                              native=native, axes=ep_axes)
+        routed_TD = ragged_return_and_combine(
+            y_RD, routes, weights_TK, tp_axes=tp_axes, dtype=x_TD.dtype, native=native, axes=ep_axes
+        )
         kept_A = routes.kept_A
     else:
-        x_RD, expert_R, slot_A, kept_A = dispatch(x_TD, experts_TK, ep=ep, local_experts=local_experts,
-                                                  capacity=capacity, axes=ep_axes)
+        x_RD, expert_R, slot_A, kept_A = dispatch(
+            x_TD, experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes
+        )
         y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
-        routed_TD = return_and_combine(y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype,
-                                       axes=ep_axes)
+        routed_TD = return_and_combine(
+            y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype, axes=ep_axes
+        )
     return routed_TD, jax.lax.psum(jnp.sum(~kept_A, dtype=jnp.int32), count_axes)
 
 
@@ -264,7 +330,7 @@ def has_ragged_all_to_all() -> bool:
 
 
 def resolve_exchange(exchange: str) -> str:
-    """"auto" -> "ragged" on TPU and on GPUs of one process, else "dense". Across GPU hosts XLA's ragged
+    """ "auto" -> "ragged" on TPU and on GPUs of one process, else "dense". Across GPU hosts XLA's ragged
     all-to-all refuses to run without extra XLA flags (its single-host kernel does not reach other hosts and its
     NCCL fallback is off by default), so multi-process GPU runs exchange fixed-size buffers unless
     moe_all_to_all is "ragged"."""
@@ -276,8 +342,20 @@ def resolve_exchange(exchange: str) -> str:
     return exchange
 
 
-def moe_parallel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, limit: float | None, mesh,
-                 capacity_factor: float | None, backend: str, exchange: str = "auto"):
+def moe_parallel(
+    x_TD,
+    weights_TK,
+    experts_TK,
+    gate_EID,
+    up_EID,
+    down_EDI,
+    *,
+    limit: float | None,
+    mesh,
+    capacity_factor: float | None,
+    backend: str,
+    exchange: str = "auto",
+):
     """Routed-expert output [T, D] and the number of dropped assignments, experts split over `mesh` as the
     current rules say; exchange: how the all-to-all path moves rows (one of `MOE_ALL_TO_ALL`, see the module
     doc)."""
@@ -293,14 +371,25 @@ def moe_parallel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, *, li
     axes = batch_axes(mesh, x_TD.shape[0])  # tokens are split like the batch they come from
     common = {"limit": limit, "backend": backend, "ep_axes": ep_axes, "tp_axes": tp_axes}
     if set(ep_axes) & set(axes):  # devices of one expert group see different tokens: exchange them
-        body = functools.partial(_all_to_all_tokens, ep=ep, capacity_factor=capacity_factor, count_axes=axes,
-                                 exchange=exchange, native=has_ragged_all_to_all(), **common)
+        body = functools.partial(
+            _all_to_all_tokens,
+            ep=ep,
+            capacity_factor=capacity_factor,
+            count_axes=axes,
+            exchange=exchange,
+            native=has_ragged_all_to_all(),
+            **common,
+        )
     else:
         body = functools.partial(_replicated_tokens, **common)
     tokens = P(axes or None, None)
     expert_entry, width_entry = (ep_axes or None), (tp_axes or None)
     gate_up = P(expert_entry, width_entry, None)
     down = P(expert_entry, None, width_entry)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, gate_up, gate_up, down),
-                         out_specs=(tokens, P()), check_vma=False)(
-        x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI)
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, gate_up, gate_up, down),
+        out_specs=(tokens, P()),
+        check_vma=False,
+    )(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI)

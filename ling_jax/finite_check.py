@@ -50,7 +50,7 @@ def _all_finite_numpy(array: np.ndarray) -> bool:
     if flat.dtype.itemsize in _UINT and (rule := _bit_threshold(flat.dtype)) is not None:
         mask, threshold = rule
         codes = flat.view(_UINT[flat.dtype.itemsize])
-        return all(int((codes[i:i + _CHUNK] & mask).max()) < threshold for i in range(0, codes.size, _CHUNK))
+        return all(int((codes[i : i + _CHUNK] & mask).max()) < threshold for i in range(0, codes.size, _CHUNK))
     if flat.dtype.kind == "f":
         return bool(np.isfinite(flat.min()) and np.isfinite(flat.max()))
     return bool(np.isfinite(flat).all())

@@ -39,10 +39,31 @@ from ling_jax.rope import apply_rope, rope_cos_sin
 from ling_jax.safetensors_io import CheckpointTensors
 from ling_jax.vl_config import load_model_config, text_config_of
 
-__all__ = ["ExecutionPolicy", "KDAMode", "KernelBackend", "KeyVisibility", "MLAMode", "MoEExchange", "TokenContext",
-           "Weights", "apply_rope", "checkpoint_layer_weights", "decoder_layer", "dense_mlp", "gated_rms_norm",
-           "kda_attention", "latent_attention", "layer_weights", "linear", "mla_latent", "moe_block", "rms_norm",
-           "rope_cos_sin", "router", "token_context"]
+__all__ = [
+    "ExecutionPolicy",
+    "KDAMode",
+    "KernelBackend",
+    "KeyVisibility",
+    "MLAMode",
+    "MoEExchange",
+    "TokenContext",
+    "Weights",
+    "apply_rope",
+    "checkpoint_layer_weights",
+    "decoder_layer",
+    "dense_mlp",
+    "gated_rms_norm",
+    "kda_attention",
+    "latent_attention",
+    "layer_weights",
+    "linear",
+    "mla_latent",
+    "moe_block",
+    "rms_norm",
+    "rope_cos_sin",
+    "router",
+    "token_context",
+]
 
 
 def layer_weights(model: LingForCausalLM, index: int) -> Weights:
@@ -61,12 +82,21 @@ def checkpoint_layer_weights(path: str | os.PathLike, index: int, *, dtype=jnp.f
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     config: LingConfig = text_config_of(load_model_config(path))
     if not 0 <= index < config.num_hidden_layers:
-        raise IndexError(f"checkpoint_layer_weights: layer {index} of a config with {config.num_hidden_layers} "
-                         f"decoder layers ({path}/config.json)")
+        raise IndexError(
+            f"checkpoint_layer_weights: layer {index} of a config with {config.num_hidden_layers} "
+            f"decoder layers ({path}/config.json)"
+        )
     resolver = TensorResolver(CheckpointTensors(path), config)
-    abstract = nnx.eval_shape(lambda: DecoderLayer(config, attention=config.layer_types[index],
-                                                   mlp=config.mlp_layer_types[index], clip_layer=index,
-                                                   dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: DecoderLayer(
+            config,
+            attention=config.layer_types[index],
+            mlp=config.mlp_layer_types[index],
+            clip_layer=index,
+            dtype=dtype,
+            rngs=nnx.Rngs(0),
+        )
+    )
     loaded = []
     for p, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         like = variable.get_value()

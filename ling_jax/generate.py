@@ -81,9 +81,11 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else None
 
     def summary(self) -> str:
-        line = (f"prompt tokens {self.prompt_tokens}, generated {self.generated_tokens}; "
-                f"prefill {_rate(self.prefill_tokens_per_s)}, decode {_rate(self.decode_tokens_per_s)} "
-                f"(steady state); compile {self.compile_s:.1f} s; time to first token {self.ttft_s * 1e3:.0f} ms")
+        line = (
+            f"prompt tokens {self.prompt_tokens}, generated {self.generated_tokens}; "
+            f"prefill {_rate(self.prefill_tokens_per_s)}, decode {_rate(self.decode_tokens_per_s)} "
+            f"(steady state); compile {self.compile_s:.1f} s; time to first token {self.ttft_s * 1e3:.0f} ms"
+        )
         if self.drafted:
             line += f"; MTP acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})"
         return line
@@ -94,12 +96,19 @@ def _rate(tokens_per_s: float | None) -> str:
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill_chunk(static, leaves, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None,
-                   positions_BC3=None):
+def _prefill_chunk(
+    static, leaves, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None, positions_BC3=None
+):
     """embeds_BCD / positions_BC3: a VL prompt's merged embeddings and (t, h, w) positions (None for text)."""
     model = static.merge(leaves)
-    hidden_BCD, cache = model.model(ids_BC, cache=cache, attention_mask=mask_BC, positions=positions_BC3,
-                                    kernel_backend=model.kernel_backend, inputs_embeds=embeds_BCD)
+    hidden_BCD, cache = model.model(
+        ids_BC,
+        cache=cache,
+        attention_mask=mask_BC,
+        positions=positions_BC3,
+        kernel_backend=model.kernel_backend,
+        inputs_embeds=embeds_BCD,
+    )
     if mtp_cache is not None:
         _, mtp_cache = model.draft_hidden(hidden_BCD, next_ids_BC, cache=mtp_cache, attention_mask=mtp_mask_BC)
     return cache, mtp_cache, hidden_BCD[:, -1]
@@ -120,8 +129,13 @@ def _first_token(static, leaves, mtp_cache, seen_BV, hidden_BD, arrays, steps_B)
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 6))
 def _media_embeddings(static, leaves, ids_BT, pixel_values, image_grids, pixel_values_videos, video_grids):
-    return static.merge(leaves).embed(ids_BT, pixel_values=pixel_values, image_grids=image_grids,
-                                             pixel_values_videos=pixel_values_videos, video_grids=video_grids)
+    return static.merge(leaves).embed(
+        ids_BT,
+        pixel_values=pixel_values,
+        image_grids=image_grids,
+        pixel_values_videos=pixel_values_videos,
+        video_grids=video_grids,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
@@ -134,8 +148,20 @@ def _decode_step(static, leaves, cache, seen_BV, token_B, arrays, steps_B, posit
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
-def _speculative_round(static, num_drafts, leaves, cache: LingCache, mtp_cache: MTPCache, seen_BV, token_B,
-                       draft_B, draft_hidden_BD, arrays, steps_B, active_B):
+def _speculative_round(
+    static,
+    num_drafts,
+    leaves,
+    cache: LingCache,
+    mtp_cache: MTPCache,
+    seen_BV,
+    token_B,
+    draft_B,
+    draft_hidden_BD,
+    arrays,
+    steps_B,
+    active_B,
+):
     """Draft num_drafts tokens, verify them, commit. Returns (targets [B, K+1], accepted [B], caches, ...):
     the round emits targets[:, :accepted + 1]; targets[:, accepted] is the next pending token. Finished rows
     (active false) keep their cache lengths, so they never run past the cache."""
@@ -149,8 +175,7 @@ def _speculative_round(static, num_drafts, leaves, cache: LingCache, mtp_cache: 
     drafts_BK = jnp.stack(drafts, axis=1)
     verify_ids = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
     start_lengths_B = cache.lengths
-    hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS,
-                                          kernel_backend=model.kernel_backend)
+    hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, kernel_backend=model.kernel_backend)
     logits_BTV = model.logits(hidden_BTD)
     targets, seen = [], seen_BV
     for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)
@@ -166,8 +191,16 @@ def _speculative_round(static, num_drafts, leaves, cache: LingCache, mtp_cache: 
     mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=start_lengths_B)  # drop the chained drafts' entries
     out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
     next_draft_B = jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32)
-    return (targets_BT, accepted_B, cache, out.cache, seen_BV, targets_BT[rows, accepted_B], next_draft_B,
-            out.hidden[rows, accepted_B])
+    return (
+        targets_BT,
+        accepted_B,
+        cache,
+        out.cache,
+        seen_BV,
+        targets_BT[rows, accepted_B],
+        next_draft_B,
+        out.hidden[rows, accepted_B],
+    )
 
 
 class _Rows:
@@ -246,8 +279,9 @@ class Generator:
     """Generates continuations of token-id prompts with `model` (optionally sharded over `mesh`); a VL model
     also takes images and videos (`MediaInputs`)."""
 
-    def __init__(self, model: LingForCausalLM, *, mesh: jax.sharding.Mesh | None = None, prefill_chunk: int = 2048,
-                 mtp: int = 0):
+    def __init__(
+        self, model: LingForCausalLM, *, mesh: jax.sharding.Mesh | None = None, prefill_chunk: int = 2048, mtp: int = 0
+    ):
         if prefill_chunk < MIN_CHUNK:
             raise ValueError(f"--prefill-chunk must be >= {MIN_CHUNK}, got {prefill_chunk}")
         if mtp < 0:
@@ -284,12 +318,21 @@ class Generator:
                 raise ValueError(f"prompt {row} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
             limit = self.config.max_position_embeddings
             if len(prompt) + max_new_tokens > limit:
-                raise ValueError(f"prompt {row} has {len(prompt)} tokens; with --max-new-tokens {max_new_tokens} "
-                                 f"that exceeds the model's context of {limit} tokens")
+                raise ValueError(
+                    f"prompt {row} has {len(prompt)} tokens; with --max-new-tokens {max_new_tokens} "
+                    f"that exceeds the model's context of {limit} tokens"
+                )
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], max_new_tokens: int,
-                 *, eos_ids: Collection[int] = (), on_tokens: Callable[[int, list[int]], bool] | None = None,
-                 media: MediaInputs | None = None) -> tuple[list[list[int]], GenerationStats]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams],
+        max_new_tokens: int,
+        *,
+        eos_ids: Collection[int] = (),
+        on_tokens: Callable[[int, list[int]], bool] | None = None,
+        media: MediaInputs | None = None,
+    ) -> tuple[list[list[int]], GenerationStats]:
         """New tokens per prompt (EOS excluded) and timing stats. on_tokens(row, ids) streams them as they
         arrive; returning True stops that row (e.g. a stop string). media: the prompts' images and videos, whose
         pad tokens the prompts hold (VL models only)."""
@@ -316,11 +359,24 @@ class Generator:
         batch = ids.shape[0]
         image_grids = media.image_grids or ((),) * batch
         video_grids = media.video_grids or ((),) * batch
-        positions, deltas = batch_mrope_positions(ids, mask, image_grids, video_grids, image_token_id=c.image_token_id,
-                                                  video_token_id=c.video_token_id,
-                                                  spatial_merge_size=c.vision.spatial_merge_size)
-        embeds = _media_embeddings(self.static, self.leaves, jnp.asarray(ids), media.pixel_values, image_grids,
-                                   media.pixel_values_videos, video_grids)
+        positions, deltas = batch_mrope_positions(
+            ids,
+            mask,
+            image_grids,
+            video_grids,
+            image_token_id=c.image_token_id,
+            video_token_id=c.video_token_id,
+            spatial_merge_size=c.vision.spatial_merge_size,
+        )
+        embeds = _media_embeddings(
+            self.static,
+            self.leaves,
+            jnp.asarray(ids),
+            media.pixel_values,
+            image_grids,
+            media.pixel_values_videos,
+            video_grids,
+        )
         return embeds, jnp.asarray(positions, jnp.int32), jnp.asarray(deltas, jnp.int32)
 
     def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens, media, clock: CompileClock):
@@ -330,8 +386,8 @@ class Generator:
         ids = np.zeros((batch, padded), np.int32)
         mask = np.zeros((batch, padded), bool)
         for row, prompt in enumerate(prompts):
-            ids[row, padded - len(prompt):] = prompt
-            mask[row, padded - len(prompt):] = True
+            ids[row, padded - len(prompt) :] = prompt
+            mask[row, padded - len(prompt) :] = True
         next_ids = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
         mtp_mask = mask & (np.arange(padded) < padded - 1)[None, :]
         max_length = -(-(padded + max_new_tokens + self.mtp + 1) // CACHE_BUCKET) * CACHE_BUCKET
@@ -349,21 +405,36 @@ class Generator:
         for length in chunks:
             part = slice(offset, offset + length)
             cache, mtp_cache, last_hidden = _prefill_chunk(
-                self.static, self.leaves, cache, mtp_cache, ids[:, part], mask[:, part], next_ids[:, part],
-                mtp_mask[:, part], None if embeds is None else embeds[:, part],
-                None if positions is None else positions[:, part])
+                self.static,
+                self.leaves,
+                cache,
+                mtp_cache,
+                ids[:, part],
+                mask[:, part],
+                next_ids[:, part],
+                mtp_mask[:, part],
+                None if embeds is None else embeds[:, part],
+                None if positions is None else positions[:, part],
+            )
             # no chunk runs during the next call's compilation, so prefill_s less compile time is the prefill's
             jax.block_until_ready(last_hidden)
             offset += length
         steps = jnp.zeros((batch,), jnp.int32)
-        token, seen, mtp_cache, draft, draft_hidden = _first_token(self.static, self.leaves, mtp_cache, seen,
-                                                                   last_hidden, arrays, steps)
+        token, seen, mtp_cache, draft, draft_hidden = _first_token(
+            self.static, self.leaves, mtp_cache, seen, last_hidden, arrays, steps
+        )
         first = np.asarray(token)
         ttft = time.perf_counter() - start
         for row in range(batch):
             rows.add(row, [first[row]])
-        stats = GenerationStats(prompt_tokens=int(mask.sum()), generated_tokens=0, prefill_s=ttft, decode_s=0.0,
-                                ttft_s=ttft, prefill_compile_s=clock.seconds - compiled_before)
+        stats = GenerationStats(
+            prompt_tokens=int(mask.sum()),
+            generated_tokens=0,
+            prefill_s=ttft,
+            decode_s=0.0,
+            ttft_s=ttft,
+            prefill_compile_s=clock.seconds - compiled_before,
+        )
         steady = _SteadyClock(rows)
         start = time.perf_counter()
         if self.mtp:
@@ -400,17 +471,39 @@ class Generator:
             read += group
             steady.tick(group)
 
-    def _speculate(self, rows: _Rows, stats: GenerationStats, steady: _SteadyClock, cache, mtp_cache, seen, token,
-                   draft, draft_hidden, arrays):
+    def _speculate(
+        self,
+        rows: _Rows,
+        stats: GenerationStats,
+        steady: _SteadyClock,
+        cache,
+        mtp_cache,
+        seen,
+        token,
+        draft,
+        draft_hidden,
+        arrays,
+    ):
         steps = jnp.ones((len(rows.tokens),), jnp.int32)
         while not rows.done.all():
             (targets, accepted, cache, mtp_cache, seen, token, draft, draft_hidden) = _speculative_round(
-                self.static, self.mtp, self.leaves, cache, mtp_cache, seen, token, draft, draft_hidden, arrays,
-                steps, jnp.asarray(~rows.done))
+                self.static,
+                self.mtp,
+                self.leaves,
+                cache,
+                mtp_cache,
+                seen,
+                token,
+                draft,
+                draft_hidden,
+                arrays,
+                steps,
+                jnp.asarray(~rows.done),
+            )
             steps = steps + accepted + 1
             host_targets, host_accepted = np.asarray(targets), np.asarray(accepted)
             for row in np.flatnonzero(~rows.done):
                 stats.drafted += self.mtp
                 stats.accepted += int(host_accepted[row])
-                rows.add(row, host_targets[row, :host_accepted[row] + 1])
+                rows.add(row, host_targets[row, : host_accepted[row] + 1])
             steady.tick()

@@ -55,89 +55,169 @@ class CLIError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="generate.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="generate.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate text with a Ling 3.x model (greedy by default).",
         epilog="examples:\n"
-               "  python scripts/generate.py \"Mr. Darcy\"\n"
-               "  python scripts/generate.py --model /ckpt/Ling-3.1-flash --chat --temperature 0.7 \"Hi!\"\n"
-               "  python scripts/generate.py --prompt-file prompts.txt --json --stop $'\\n\\n' > out.jsonl\n"
-               "  python scripts/generate.py --model /ckpt/Ling-3.1-flash-orbax --tp 2 --ep 4 --mtp 1 \"...\"")
-    parser.add_argument("prompts", nargs="*", metavar="PROMPT",
-                        help="prompts to complete (default: --prompt-file, else stdin when it is not a terminal, "
-                             f"else {DEFAULT_PROMPT!r})")
+        '  python scripts/generate.py "Mr. Darcy"\n'
+        '  python scripts/generate.py --model /ckpt/Ling-3.1-flash --chat --temperature 0.7 "Hi!"\n'
+        "  python scripts/generate.py --prompt-file prompts.txt --json --stop $'\\n\\n' > out.jsonl\n"
+        '  python scripts/generate.py --model /ckpt/Ling-3.1-flash-orbax --tp 2 --ep 4 --mtp 1 "..."',
+    )
+    parser.add_argument(
+        "prompts",
+        nargs="*",
+        metavar="PROMPT",
+        help="prompts to complete (default: --prompt-file, else stdin when it is not a terminal, "
+        f"else {DEFAULT_PROMPT!r})",
+    )
 
     model = parser.add_argument_group("model")
     source = model.add_mutually_exclusive_group()
-    source.add_argument("--model", metavar="PATH",
-                        help="HF-format checkpoint directory (config.json + *.safetensors) or ling-convert Orbax "
-                             f"directory ({LAYOUT_FILE}); default: the demo checkpoint in ling_jax/assets/ling-demo")
-    source.add_argument("--preset", metavar="NAME", choices=sorted(PRESETS),
-                        help=f"a RANDOMLY initialised model of this preset ({', '.join(sorted(PRESETS))}) instead "
-                             "of a checkpoint: its output is noise; text is tokenised as bytes")
-    model.add_argument("--byte-tokenizer", action="store_true",
-                       help="accept a checkpoint without tokenizer.json: text is tokenised as UTF-8 bytes (token id "
-                            "= byte value), which only a model trained on bytes understands")
-    model.add_argument("--dtype", choices=("bfloat16", "float32"),
-                       help="parameter and activation dtype (default: float32 on CPU, bfloat16 on GPU / TPU)")
+    source.add_argument(
+        "--model",
+        metavar="PATH",
+        help="HF-format checkpoint directory (config.json + *.safetensors) or ling-convert Orbax "
+        f"directory ({LAYOUT_FILE}); default: the demo checkpoint in ling_jax/assets/ling-demo",
+    )
+    source.add_argument(
+        "--preset",
+        metavar="NAME",
+        choices=sorted(PRESETS),
+        help=f"a RANDOMLY initialised model of this preset ({', '.join(sorted(PRESETS))}) instead "
+        "of a checkpoint: its output is noise; text is tokenised as bytes",
+    )
+    model.add_argument(
+        "--byte-tokenizer",
+        action="store_true",
+        help="accept a checkpoint without tokenizer.json: text is tokenised as UTF-8 bytes (token id "
+        "= byte value), which only a model trained on bytes understands",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="parameter and activation dtype (default: float32 on CPU, bfloat16 on GPU / TPU)",
+    )
 
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                          help="tokens to generate per prompt at most (default 64)")
-    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                          help="sampling temperature; 0 = greedy (default 0)")
-    sampling.add_argument("--top-k", type=int, default=0, metavar="K",
-                          help="sample from the K most likely tokens only; 0 = off (default)")
-    sampling.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                          help="nucleus sampling: the smallest set of tokens with probability >= P; 1 = off (default)")
-    sampling.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                          help="drop tokens less likely than P times the most likely one; 0 = off (default)")
-    sampling.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                          help="penalise tokens already in the prompt or output (CTRL rule); 1 = off (default)")
-    sampling.add_argument("--seed", type=int, default=0,
-                          help="sampling seed, the same for every prompt (default 0)")
-    sampling.add_argument("--stop", action="append", default=[], metavar="STR",
-                          help="stop a completion where this string appears, without printing it (repeatable)")
-    sampling.add_argument("--mtp", type=int, default=0, metavar="K",
-                          help="speculative decoding: the model's MTP layer drafts K tokens per step, verified in "
-                               "one forward (same output as without; needs an MTP layer; at most "
-                               f"{cli_checks.MAX_MTP}; default 0 = off)")
+    sampling.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt at most (default 64)"
+    )
+    sampling.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 = greedy (default 0)"
+    )
+    sampling.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens only; 0 = off (default)"
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: the smallest set of tokens with probability >= P; 1 = off (default)",
+    )
+    sampling.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one; 0 = off (default)",
+    )
+    sampling.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="penalise tokens already in the prompt or output (CTRL rule); 1 = off (default)",
+    )
+    sampling.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every prompt (default 0)")
+    sampling.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop a completion where this string appears, without printing it (repeatable)",
+    )
+    sampling.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: the model's MTP layer drafts K tokens per step, verified in "
+        "one forward (same output as without; needs an MTP layer; at most "
+        f"{cli_checks.MAX_MTP}; default 0 = off)",
+    )
 
     prompting = parser.add_argument_group("prompts")
-    prompting.add_argument("--chat", action="store_true",
-                           help="format each prompt as one user message with the tokenizer's chat template")
+    prompting.add_argument(
+        "--chat", action="store_true", help="format each prompt as one user message with the tokenizer's chat template"
+    )
     prompting.add_argument("--system", metavar="TEXT", help="a system message before each prompt (with --chat)")
-    prompting.add_argument("--image", action="append", default=[], metavar="PATH",
-                           help="an image for every prompt (VL checkpoints); repeatable. It goes where the prompt "
-                                "says <image>, else before the text")
-    prompting.add_argument("--video", action="append", default=[], nargs="+", metavar="FRAME",
-                           help="a video for every prompt, given as its frame image files (VL checkpoints); "
-                                "repeatable. It goes where the prompt says <video>, else before the text")
-    prompting.add_argument("--prompt-file", metavar="PATH",
-                           help="read prompts from PATH, one per line (blank lines skipped); '-' = stdin")
-    prompting.add_argument("--interactive", action="store_true",
-                           help="a prompt loop: each line on stdin is a turn of one conversation (through the chat "
-                                "template when the tokenizer has one); ends at end of input or 'exit'")
+    prompting.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for every prompt (VL checkpoints); repeatable. It goes where the prompt "
+        "says <image>, else before the text",
+    )
+    prompting.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        nargs="+",
+        metavar="FRAME",
+        help="a video for every prompt, given as its frame image files (VL checkpoints); "
+        "repeatable. It goes where the prompt says <video>, else before the text",
+    )
+    prompting.add_argument(
+        "--prompt-file", metavar="PATH", help="read prompts from PATH, one per line (blank lines skipped); '-' = stdin"
+    )
+    prompting.add_argument(
+        "--interactive",
+        action="store_true",
+        help="a prompt loop: each line on stdin is a turn of one conversation (through the chat "
+        "template when the tokenizer has one); ends at end of input or 'exit'",
+    )
 
     running = parser.add_argument_group("execution")
-    running.add_argument("--prefill-chunk", type=int, default=2048, metavar="N",
-                         help=f"prefill long prompts N tokens at a time, N >= {MIN_CHUNK} (default 2048)")
-    running.add_argument("--mesh", metavar="AXES",
-                         help="device mesh, e.g. 'tensor=2,expert=4' (axes: data, fsdp, tensor, expert); the sizes "
-                              "must multiply to the number of devices (default: one device)")
+    running.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        metavar="N",
+        help=f"prefill long prompts N tokens at a time, N >= {MIN_CHUNK} (default 2048)",
+    )
+    running.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="device mesh, e.g. 'tensor=2,expert=4' (axes: data, fsdp, tensor, expert); the sizes "
+        "must multiply to the number of devices (default: one device)",
+    )
     running.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shorthand for --mesh tensor=N")
     running.add_argument("--ep", type=int, metavar="N", help="expert parallelism: shorthand for --mesh expert=N")
-    running.add_argument("--distributed", action="store_true",
-                         help="multi-host: call jax.distributed.initialize() first; only process 0 prints")
-    running.add_argument("--no-compile-cache", action="store_true",
-                         help="do not keep compiled programs in the persistent cache (default: on, in "
-                              f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)")
+    running.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize() first; only process 0 prints",
+    )
+    running.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not keep compiled programs in the persistent cache (default: on, in "
+        f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)",
+    )
 
     output = parser.add_argument_group("output")
-    output.add_argument("--no-stream", action="store_true",
-                        help="print the completion once it is done instead of token by token")
-    output.add_argument("--json", action="store_true",
-                        help="print one JSON object per prompt (prompt, completion, ids, token counts, "
-                             "finish_reason, stats) instead of text")
+    output.add_argument(
+        "--no-stream", action="store_true", help="print the completion once it is done instead of token by token"
+    )
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt (prompt, completion, ids, token counts, "
+        "finish_reason, stats) instead of text",
+    )
     return parser
 
 
@@ -191,9 +271,14 @@ class Run:
 
         if stream:
             _write(f"> {self.texts[0]}\n")
-        outputs, stats = self.generator.generate(self.prompts, [self.sampling] * len(self.prompts),
-                                                 args.max_new_tokens, eos_ids=self.tokenizer.eos_ids,
-                                                 on_tokens=on_tokens, media=self.media)
+        outputs, stats = self.generator.generate(
+            self.prompts,
+            [self.sampling] * len(self.prompts),
+            args.max_new_tokens,
+            eos_ids=self.tokenizer.eos_ids,
+            on_tokens=on_tokens,
+            media=self.media,
+        )
         for completion, ids in zip(completions, outputs):
             completion.finish(ids)
         if not self.is_main:
@@ -224,8 +309,9 @@ class Run:
             _write(completion.unshown())
             return stopped
 
-        outputs, _ = self.generator.generate([prompt_ids], [self.sampling], self.args.max_new_tokens,
-                                             eos_ids=self.tokenizer.eos_ids, on_tokens=on_tokens)
+        outputs, _ = self.generator.generate(
+            [prompt_ids], [self.sampling], self.args.max_new_tokens, eos_ids=self.tokenizer.eos_ids, on_tokens=on_tokens
+        )
         completion.finish(outputs[0])
         _write(completion.unshown() + "\n")
         return completion.text
@@ -237,8 +323,14 @@ def _prepare(args: argparse.Namespace) -> Run:
     if args.distributed:
         jax.distributed.initialize()
     is_main = jax.process_index() == 0
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
     stops = StopChecker(args.stop) if args.stop else None
     mesh = _build_mesh(args)
     if args.interactive:
@@ -247,8 +339,9 @@ def _prepare(args: argparse.Namespace) -> Run:
     source = _model_source(args, verbose=is_main)  # config and tokenizer: checked before any weight is read
     config = source.text_config
     if args.mtp and not config.num_nextn_predict_layers:
-        raise CLIError(f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none "
-                       "(num_nextn_predict_layers = 0)")
+        raise CLIError(
+            f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none (num_nextn_predict_layers = 0)"
+        )
     media = _load_media(args, source) if (args.image or args.video) else None
     prompts = [_encode(source.tokenizer, text, args, media, source.vl_config) for text in texts]
     _check_lengths(prompts, args.max_new_tokens, config)
@@ -258,8 +351,17 @@ def _prepare(args: argparse.Namespace) -> Run:
         generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
         raise CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {e}") from e
-    return Run(args, generator, source.tokenizer, texts, prompts, sampling, stops, is_main,
-               None if media is None else media_inputs(media, len(prompts)))
+    return Run(
+        args,
+        generator,
+        source.tokenizer,
+        texts,
+        prompts,
+        sampling,
+        stops,
+        is_main,
+        None if media is None else media_inputs(media, len(prompts)),
+    )
 
 
 class Completion:
@@ -290,7 +392,7 @@ class Completion:
 
     def finish(self, all_ids: Sequence[int]) -> None:
         """The generation is over and returned `all_ids` for this prompt: take any not seen yet, flush."""
-        self.add(all_ids[len(self.ids):])
+        self.add(all_ids[len(self.ids) :])
         if not self.stopped:
             self._extend(self.decoder.flush())
         self.finished = True
@@ -299,7 +401,7 @@ class Completion:
         end = len(self.text)
         if self.stops is not None and not (self.stopped or self.finished):
             end = self.stops.printable_length(self.text)
-        piece, self._shown = self.text[self._shown:end], max(self._shown, end)
+        piece, self._shown = self.text[self._shown : end], max(self._shown, end)
         return piece
 
     def _extend(self, piece: str) -> None:
@@ -312,8 +414,11 @@ class Completion:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK), ("--mtp", args.mtp, 0)):
+    for flag, value, low in (
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
+        ("--mtp", args.mtp, 0),
+    ):
         if value < low:
             raise CLIError(f"{flag} must be >= {low}, got {value}")
     cli_checks.check_mtp(args.mtp)
@@ -322,8 +427,11 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _mesh_flags(args: argparse.Namespace) -> str:
-    given = [f"--mesh {args.mesh!r}" if args.mesh is not None else "", f"--tp {args.tp}" if args.tp else "",
-             f"--ep {args.ep}" if args.ep else ""]
+    given = [
+        f"--mesh {args.mesh!r}" if args.mesh is not None else "",
+        f"--tp {args.tp}" if args.tp else "",
+        f"--ep {args.ep}" if args.ep else "",
+    ]
     return " ".join(filter(None, given))
 
 
@@ -353,8 +461,10 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     elif not texts and cli_checks.stdin_is_input():
         texts = _lines(cli_checks.read_stdin("stdin"))
         if not texts:
-            raise CLIError("no prompt on stdin (it is empty or every line is blank): pipe some text, or give "
-                           "PROMPT arguments or --prompt-file")
+            raise CLIError(
+                "no prompt on stdin (it is empty or every line is blank): pipe some text, or give "
+                "PROMPT arguments or --prompt-file"
+            )
     return texts or [DEFAULT_PROMPT]
 
 
@@ -378,16 +488,18 @@ def _lines(text: str) -> list[str]:
 def _model_source(args: argparse.Namespace, *, verbose: bool) -> ModelSource:
     if args.preset is not None:
         if verbose:
-            print(f"NOTE: --preset {args.preset}: a RANDOMLY INITIALISED model; its output is noise.",
-                  file=sys.stderr)
+            print(f"NOTE: --preset {args.preset}: a RANDOMLY INITIALISED model; its output is noise.", file=sys.stderr)
         return cli_checks.preset_source(args.preset)
     if args.model is not None:
         return cli_checks.checkpoint_source(Path(args.model), "--model", byte_tokenizer=args.byte_tokenizer)
     if DEMO_DIR.is_dir():
         return cli_checks.checkpoint_source(DEMO_DIR, "the demo checkpoint", byte_tokenizer=args.byte_tokenizer)
     if verbose:
-        print(f"NOTE: the demo checkpoint ({DEMO_DIR}) is not installed and no --model was given: using a RANDOMLY "
-              f"INITIALISED '{FALLBACK_PRESET}' model. Its output is noise.", file=sys.stderr)
+        print(
+            f"NOTE: the demo checkpoint ({DEMO_DIR}) is not installed and no --model was given: using a RANDOMLY "
+            f"INITIALISED '{FALLBACK_PRESET}' model. Its output is noise.",
+            file=sys.stderr,
+        )
     return cli_checks.preset_source(FALLBACK_PRESET)
 
 
@@ -400,8 +512,13 @@ def _load_model(source: ModelSource, dtype, mesh, *, verbose: bool) -> LingForCa
     return load_hf_checkpoint(source.path, dtype=dtype, progress=progress)
 
 
-def _encode(tokenizer: Tokenizer, text: str, args: argparse.Namespace, media: PromptMedia | None = None,
-            vl_config: LingVLConfig | None = None) -> list[int]:
+def _encode(
+    tokenizer: Tokenizer,
+    text: str,
+    args: argparse.Namespace,
+    media: PromptMedia | None = None,
+    vl_config: LingVLConfig | None = None,
+) -> list[int]:
     if media is not None:
         try:
             text = with_placeholders(text, media)
@@ -415,16 +532,18 @@ def _encode(tokenizer: Tokenizer, text: str, args: argparse.Namespace, media: Pr
             raise CLIError(f"--chat: the chat template of {tokenizer.name} failed: {e}") from e
     if media is None:
         return tokenizer.encode(text, add_special_tokens=not args.chat)
-    return encode_with_media(lambda piece, first: tokenizer.encode(piece, add_special_tokens=first and not args.chat),
-                             text, media, vl_config)
+    return encode_with_media(
+        lambda piece, first: tokenizer.encode(piece, add_special_tokens=first and not args.chat), text, media, vl_config
+    )
 
 
 def _load_media(args: argparse.Namespace, source: ModelSource) -> PromptMedia:
     """--image / --video, preprocessed as the checkpoint's preprocessor_config.json (or the defaults) says."""
     vl_config = source.vl_config
     if vl_config is None:
-        raise CLIError(f"--image / --video need a VL checkpoint (config.json with a vision_config); "
-                       f"{source.name} is a text model")
+        raise CLIError(
+            f"--image / --video need a VL checkpoint (config.json with a vision_config); {source.name} is a text model"
+        )
     if args.mtp:
         raise CLIError("--mtp is not supported with --image / --video (the VL model's MTP layer is not wired up)")
     processor = ProcessorConfig.for_vision(vl_config.vision)
@@ -441,30 +560,44 @@ def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: LingCo
         if not ids:
             raise CLIError(f"prompt {number} is empty (it has no tokens)")
         if len(ids) + max_new_tokens > config.max_position_embeddings:
-            raise CLIError(f"prompt {number} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that "
-                           f"exceeds the model's context of {config.max_position_embeddings} tokens "
-                           "(max_position_embeddings)")
+            raise CLIError(
+                f"prompt {number} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that "
+                f"exceeds the model's context of {config.max_position_embeddings} tokens "
+                "(max_position_embeddings)"
+            )
 
 
-def _record(prompt: str, prompt_ids: list[int], completion: Completion, max_new_tokens: int,
-            stats: GenerationStats) -> dict:
+def _record(
+    prompt: str, prompt_ids: list[int], completion: Completion, max_new_tokens: int, stats: GenerationStats
+) -> dict:
     if completion.stopped:
         finish_reason = "stop"
     elif len(completion.ids) >= max_new_tokens:
         finish_reason = "length"
     else:
         finish_reason = "eos"
-    return {"prompt": prompt, "completion": completion.text, "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(completion.ids), "completion_ids": completion.ids,
-            "finish_reason": finish_reason, "stats": _stats_dict(stats)}
+    return {
+        "prompt": prompt,
+        "completion": completion.text,
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(completion.ids),
+        "completion_ids": completion.ids,
+        "finish_reason": finish_reason,
+        "stats": _stats_dict(stats),
+    }
 
 
 def _stats_dict(stats: GenerationStats) -> dict:
     """The batch's stats; a rate with no time to divide by is null (JSON has no infinity)."""
-    rates = {"prefill_tokens_per_s": stats.prefill_tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
-             "acceptance_rate": stats.acceptance_rate}
-    return {**dataclasses.asdict(stats),
-            **{name: rate if rate is not None and math.isfinite(rate) else None for name, rate in rates.items()}}
+    rates = {
+        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "acceptance_rate": stats.acceptance_rate,
+    }
+    return {
+        **dataclasses.asdict(stats),
+        **{name: rate if rate is not None and math.isfinite(rate) else None for name, rate in rates.items()},
+    }
 
 
 def _write(text: str) -> None:

@@ -45,8 +45,11 @@ class ProcessorConfig:
 
     @classmethod
     def for_vision(cls, vision: VisionConfig) -> ProcessorConfig:
-        return cls(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-                   merge_size=vision.spatial_merge_size)
+        return cls(
+            patch_size=vision.patch_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size,
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, vision: VisionConfig) -> ProcessorConfig:
@@ -66,8 +69,11 @@ class ProcessorConfig:
             image_mean=tuple(float(v) for v in raw.get("image_mean", config.image_mean)),
             image_std=tuple(float(v) for v in raw.get("image_std", config.image_std)),
         )
-        for key, expected in (("patch_size", vision.patch_size), ("temporal_patch_size", vision.temporal_patch_size),
-                              ("merge_size", vision.spatial_merge_size)):
+        for key, expected in (
+            ("patch_size", vision.patch_size),
+            ("temporal_patch_size", vision.temporal_patch_size),
+            ("merge_size", vision.spatial_merge_size),
+        ):
             if key in raw and int(raw[key]) != expected:
                 raise ValueError(f"{file}: {key}={raw[key]} disagrees with the vision config ({expected})")
         return config
@@ -150,8 +156,9 @@ def preprocess_video(frames: Sequence[Image.Image], config: ProcessorConfig) -> 
     first = frames[0]
     odd = [i for i, f in enumerate(frames) if f.size != first.size]
     if odd:
-        raise ValueError(f"video frame {odd[0]} is {frames[odd[0]].size}, frame 0 is {first.size}: frames must "
-                         f"share one size")
+        raise ValueError(
+            f"video frame {odd[0]} is {frames[odd[0]].size}, frame 0 is {first.size}: frames must share one size"
+        )
     size = video_size(len(frames), first.height, first.width, config)
     chw = np.stack([_normalized_chw(frame, size, config) for frame in frames])
     missing = -len(frames) % config.temporal_patch_size

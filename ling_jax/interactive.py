@@ -23,9 +23,18 @@ EXIT_WORDS = frozenset({"exit", "quit"})
 
 def check_flags(args: argparse.Namespace) -> None:
     """--interactive reads its prompts from stdin and streams text: refuse flags that say otherwise."""
-    given = [flag for flag, on in (("PROMPT", args.prompts), ("--prompt-file", args.prompt_file is not None),
-                                   ("--json", args.json), ("--no-stream", args.no_stream),
-                                   ("--image", args.image), ("--video", args.video)) if on]
+    given = [
+        flag
+        for flag, on in (
+            ("PROMPT", args.prompts),
+            ("--prompt-file", args.prompt_file is not None),
+            ("--json", args.json),
+            ("--no-stream", args.no_stream),
+            ("--image", args.image),
+            ("--video", args.video),
+        )
+        if on
+    ]
     if given:
         raise ValueError(f"--interactive reads its prompts from stdin and streams the replies; drop {', '.join(given)}")
 
@@ -81,14 +90,23 @@ def prompt_lines(stdin: TextIO, stderr: TextIO) -> Iterator[str]:
             yield text
 
 
-def run_loop(conversation: Conversation, budget: int, respond: Callable[[list[int]], str],
-             stdin: TextIO = sys.stdin, stderr: TextIO = sys.stderr) -> None:
+def run_loop(
+    conversation: Conversation,
+    budget: int,
+    respond: Callable[[list[int]], str],
+    stdin: TextIO = sys.stdin,
+    stderr: TextIO = sys.stderr,
+) -> None:
     """Read turns, stream each reply through `respond(prompt_ids) -> reply text`, keep the conversation.
     budget: the most prompt tokens a reply leaves room for (context less --max-new-tokens)."""
     for text in prompt_lines(stdin, stderr):
         ids = conversation.fitting_prompt_ids(text, budget)
         if ids is None:
-            print(f"error: this turn alone has more than {budget} tokens (the context less --max-new-tokens); "
-                  "try a shorter one", file=stderr, flush=True)
+            print(
+                f"error: this turn alone has more than {budget} tokens (the context less --max-new-tokens); "
+                "try a shorter one",
+                file=stderr,
+                flush=True,
+            )
             continue
         conversation.turns.append((text, respond(ids)))

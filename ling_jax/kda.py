@@ -44,26 +44,28 @@ def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
         order = jnp.argsort(real, axis=1, stable=True)
         full = jnp.take_along_axis(full, order[..., None], axis=1)
     padded = jnp.pad(full.astype(jnp.float32), ((0, 0), (taps - 1, 0), (0, 0)))
-    y = sum(padded[:, j:j + full.shape[1]] * weight_CK[:, j].astype(jnp.float32) for j in range(taps))
+    y = sum(padded[:, j : j + full.shape[1]] * weight_CK[:, j].astype(jnp.float32) for j in range(taps))
     y = jax.nn.silu(y).astype(u_BTC.dtype)
     if mask_BT is not None:
         y = jnp.take_along_axis(y, jnp.argsort(order, axis=1)[..., None], axis=1)
-    return y[:, -length:], full[:, full.shape[1] - (taps - 1):]
+    return y[:, -length:], full[:, full.shape[1] - (taps - 1) :]
 
 
 def step_windows(window_BWC, u_BTC):
     """[B, T, K-1, C]: the conv window (newest K-1 inputs) after each of the T tokens, all real."""
     taps_minus_one = window_BWC.shape[1]
     full = jnp.concatenate([window_BWC.astype(u_BTC.dtype), u_BTC], axis=1)
-    return jnp.stack([full[:, t + 1:t + 1 + taps_minus_one] for t in range(u_BTC.shape[1])], axis=1)
+    return jnp.stack([full[:, t + 1 : t + 1 + taps_minus_one] for t in range(u_BTC.shape[1])], axis=1)
 
 
 def _gate_inputs(weights: Weights, x_BTD, config: LingConfig):
     """The forget-gate and output-gate pre-activations [B, T, C] (full-rank or low-rank projections)."""
     if config.no_kda_lora:
         return linear(weights["f_proj"], x_BTD), linear(weights["g_proj"], x_BTD)
-    return (linear(weights["f_b_proj"], linear(weights["f_a_proj"], x_BTD)),
-            linear(weights["g_b_proj"], linear(weights["g_a_proj"], x_BTD)))
+    return (
+        linear(weights["f_b_proj"], linear(weights["f_a_proj"], x_BTD)),
+        linear(weights["g_b_proj"], linear(weights["g_a_proj"], x_BTD)),
+    )
 
 
 def log_decay(weights: Weights, f_BTC, cfg: LingConfig) -> jax.Array:
@@ -77,8 +79,15 @@ def log_decay(weights: Weights, f_BTC, cfg: LingConfig) -> jax.Array:
     return -decay_rate * jax.nn.softplus(a)
 
 
-def kda_attention(weights: Weights, x_BTD, state: KDAState | None, ctx: TokenContext, cfg: LingConfig, *,
-                  chunk_size: int = DEFAULT_CHUNK_SIZE):
+def kda_attention(
+    weights: Weights,
+    x_BTD,
+    state: KDAState | None,
+    ctx: TokenContext,
+    cfg: LingConfig,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
     """The KDA layer: x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state).
 
     weights: the layer's `attention` parameters (`q_proj`, `q_conv1d`, `A_log`, ...); state None starts from
@@ -86,12 +95,29 @@ def kda_attention(weights: Weights, x_BTD, state: KDAState | None, ctx: TokenCon
     """
     if state is None:
         state = KDAState.zeros(cfg, x_BTD.shape[0], x_BTD.dtype)
-    return _kda(weights, x_BTD, state, ctx.mask_BT, cfg, mode=ctx.policy.kda_mode, chunk_size=chunk_size,
-                kernel_backend=ctx.kernel_backend)
+    return _kda(
+        weights,
+        x_BTD,
+        state,
+        ctx.mask_BT,
+        cfg,
+        mode=ctx.policy.kda_mode,
+        chunk_size=chunk_size,
+        kernel_backend=ctx.kernel_backend,
+    )
 
 
-def _kda(weights: Weights, x_BTD, state: KDAState, mask_BT, config: LingConfig, *, mode: str, chunk_size: int,
-         kernel_backend: str):
+def _kda(
+    weights: Weights,
+    x_BTD,
+    state: KDAState,
+    mask_BT,
+    config: LingConfig,
+    *,
+    mode: str,
+    chunk_size: int,
+    kernel_backend: str,
+):
     c = config
     batch, length, _ = x_BTD.shape
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
@@ -111,11 +137,13 @@ def _kda(weights: Weights, x_BTD, state: KDAState, mask_BT, config: LingConfig, 
         g = jnp.where(mask_BT[..., None, None], g, 0.0)
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
     if mode == CHUNKED:
-        o, recurrent = chunk_kda(q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size,
-                                 backend=kernel_backend)
+        o, recurrent = chunk_kda(
+            q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size, backend=kernel_backend
+        )
     elif mode == RECURRENT and length == 1:
-        o, recurrent = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state,
-                                       backend=kernel_backend)
+        o, recurrent = kda_decode_step(
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state, backend=kernel_backend
+        )
         o = o[:, None]
     elif mode == RECURRENT:
         o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)
@@ -157,8 +185,16 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = GatedRMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
         self.dense = Linear(width, hidden, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BTD, state: KDAState, mask_BT=None, *, mode: str = CHUNKED,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, kernel_backend: str = "reference"):
+    def __call__(
+        self,
+        x_BTD,
+        state: KDAState,
+        mask_BT=None,
+        *,
+        mode: str = CHUNKED,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        kernel_backend: str = "reference",
+    ):
         """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state); `kda_attention` with the
         mask, mode and backend given directly.
 
@@ -166,5 +202,13 @@ class KimiDeltaAttention(nnx.Module):
         `pallas_kernels.kda.kda_decode_step`, both with `kernel_backend`. Steps mode returns a state per token
         (conv_window [B, T, K-1, 3C], recurrent_state [B, T, H, d, d]) for speculative verification.
         """
-        return _kda(params_of(self), x_BTD, state, mask_BT, self.config, mode=mode, chunk_size=chunk_size,
-                    kernel_backend=kernel_backend)
+        return _kda(
+            params_of(self),
+            x_BTD,
+            state,
+            mask_BT,
+            self.config,
+            mode=mode,
+            chunk_size=chunk_size,
+            kernel_backend=kernel_backend,
+        )

@@ -54,16 +54,18 @@ def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
-def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...],
-                 std: float = DEFAULT_INIT_STD) -> nnx.Param:
+def normal_param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], std: float = DEFAULT_INIT_STD
+) -> nnx.Param:
     return param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype), axes)
 
 
 class Linear(nnx.Module):
     """y = x @ weight.T with weight [out_features, in_features], no bias (no Ling projection has one)."""
 
-    def __init__(self, in_features: int, out_features: int, *, axes: tuple[str | None, str | None], dtype,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, in_features: int, out_features: int, *, axes: tuple[str | None, str | None], dtype, rngs: nnx.Rngs
+    ):
         """axes: logical names of (out_features, in_features)."""
         self.weight = normal_param(rngs, (out_features, in_features), dtype, axes)
 

@@ -33,7 +33,7 @@ def _queries(weights: Weights, x_BTD, cos, sin, cfg: LingConfig):
         q_a = rms_norm(weights["q_a_layernorm"], linear(weights["q_a_proj"], x_BTD), c.rms_norm_eps)
         q = linear(weights["q_b_proj"], q_a)
     q_BTHQ = q.reshape(*x_BTD.shape[:2], c.num_attention_heads, c.qk_head_dim)
-    q_nope, q_pe = q_BTHQ[..., :c.qk_nope_head_dim], q_BTHQ[..., c.qk_nope_head_dim:]
+    q_nope, q_pe = q_BTHQ[..., : c.qk_nope_head_dim], q_BTHQ[..., c.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, cos, sin, interleave=c.rope.interleave)
 
 
@@ -41,20 +41,32 @@ def mla_latent(weights: Weights, x_BTD, cos, sin, cfg: LingConfig) -> jax.Array:
     """The per-token cache entry [c_kv after kv_a_layernorm ; k_pe after RoPE], [B, T, latent_dim]."""
     c = cfg
     kv = linear(weights["kv_a_proj_with_mqa"], x_BTD)
-    c_kv = rms_norm(weights["kv_a_layernorm"], kv[..., :c.kv_lora_rank], c.rms_norm_eps)
-    k_pe = apply_rope(kv[..., c.kv_lora_rank:], cos, sin, interleave=c.rope.interleave)
+    c_kv = rms_norm(weights["kv_a_layernorm"], kv[..., : c.kv_lora_rank], c.rms_norm_eps)
+    k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, interleave=c.rope.interleave)
     return jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
 
 
 def _kv_b_per_head(weights: Weights, cfg: LingConfig):
     """kv_b_proj's weight as [H, nope + v, R]: each head's [W_UK ; W_UV] rows."""
     c = cfg
-    return weights["kv_b_proj"]["weight"].reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
-                                                  c.kv_lora_rank)
+    return weights["kv_b_proj"]["weight"].reshape(
+        c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
+    )
 
 
-def mla_attend(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, *, keys_BSA, visibility: KeyVisibility,
-               mode: str, decode_lengths_B, kernel_backend: str) -> jax.Array:
+def mla_attend(
+    weights: Weights,
+    x_BTD,
+    cos,
+    sin,
+    cfg: LingConfig,
+    *,
+    keys_BSA,
+    visibility: KeyVisibility,
+    mode: str,
+    decode_lengths_B,
+    kernel_backend: str,
+) -> jax.Array:
     """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
 
     cos, sin: [B, T, rope_dim/2] for the queries. Expanded mode is the flash-style prefill path
@@ -68,20 +80,32 @@ def mla_attend(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, *, keys_BSA, 
     kv_b_HCR = _kv_b_per_head(weights, c)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
-        q_latent = absorb_query(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR,
-                                backend=kernel_backend).reshape(*q_nope.shape[:3], -1)
+        q_latent = absorb_query(
+            q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR, backend=kernel_backend
+        ).reshape(*q_nope.shape[:3], -1)
         if decode_lengths_B is None:
             o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=scale)
         else:
-            o_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=scale,
-                                  backend=kernel_backend)[:, None]
-        o_BTHV = expand_output(o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR,
-                               c.qk_nope_head_dim, backend=kernel_backend)
+            o_latent = mla_decode(
+                q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=scale, backend=kernel_backend
+            )[:, None]
+        o_BTHV = expand_output(
+            o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR, c.qk_nope_head_dim, backend=kernel_backend
+        )
         o_BTHV = o_BTHV.reshape(batch, length, *o_BTHV.shape[1:]).astype(x_BTD.dtype)
     elif mode == EXPANDED:
-        w_uk, w_uv = kv_b_HCR[:, :c.qk_nope_head_dim], kv_b_HCR[:, c.qk_nope_head_dim:]
-        o_BTHV = mla_prefill(q_nope, q_pe, keys_BSA, visibility.query_slots_BT, visibility.key_valid_BS, w_uk,
-                             w_uv, scale=scale, backend=kernel_backend)
+        w_uk, w_uv = kv_b_HCR[:, : c.qk_nope_head_dim], kv_b_HCR[:, c.qk_nope_head_dim :]
+        o_BTHV = mla_prefill(
+            q_nope,
+            q_pe,
+            keys_BSA,
+            visibility.query_slots_BT,
+            visibility.key_valid_BS,
+            w_uk,
+            w_uv,
+            scale=scale,
+            backend=kernel_backend,
+        )
     else:
         valid = ", ".join(repr(m.value) for m in MLAMode)
         raise ValueError(f"MLA mode must be one of {valid}, got {mode!r}")
@@ -105,8 +129,18 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
         rows = jnp.arange(x_BTD.shape[0])[:, None]
         keys_BSA = cache.latent.at[rows, ctx.slots_BT].set(latent_BTA.astype(cache.latent.dtype), mode="drop")
         cache = MLAState(latent=keys_BSA)
-    y = mla_attend(weights, x_BTD, ctx.cos, ctx.sin, cfg, keys_BSA=keys_BSA, visibility=ctx.visibility,
-                   mode=ctx.mla_mode, decode_lengths_B=ctx.decode_lengths_B, kernel_backend=ctx.kernel_backend)
+    y = mla_attend(
+        weights,
+        x_BTD,
+        ctx.cos,
+        ctx.sin,
+        cfg,
+        keys_BSA=keys_BSA,
+        visibility=ctx.visibility,
+        mode=ctx.mla_mode,
+        decode_lengths_B=ctx.decode_lengths_B,
+        kernel_backend=ctx.kernel_backend,
+    )
     return y, cache
 
 
@@ -120,12 +154,18 @@ class MultiLatentAttention(nnx.Module):
         else:
             self.q_a_proj = Linear(hidden, c.q_lora_rank, axes=("q_lora", "embed"), dtype=dtype, rngs=rngs)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype=dtype)
-            self.q_b_proj = Linear(c.q_lora_rank, heads * c.qk_head_dim, axes=("heads", "q_lora"),
-                                   dtype=dtype, rngs=rngs)
+            self.q_b_proj = Linear(
+                c.q_lora_rank, heads * c.qk_head_dim, axes=("heads", "q_lora"), dtype=dtype, rngs=rngs
+            )
         self.kv_a_proj_with_mqa = Linear(hidden, c.latent_dim, axes=("kv_latent", "embed"), dtype=dtype, rngs=rngs)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                axes=("heads", "kv_latent"), dtype=dtype, rngs=rngs)
+        self.kv_b_proj = Linear(
+            c.kv_lora_rank,
+            heads * (c.qk_nope_head_dim + c.v_head_dim),
+            axes=("heads", "kv_latent"),
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.g_proj = Linear(hidden, heads, axes=("heads", "embed"), dtype=dtype, rngs=rngs)
         self.dense = Linear(heads * c.v_head_dim, hidden, axes=("embed", "heads"), dtype=dtype, rngs=rngs)
 
@@ -133,8 +173,28 @@ class MultiLatentAttention(nnx.Module):
         """The per-token cache entry (`mla_latent`)."""
         return mla_latent(params_of(self), x_BTD, cos, sin, self.config)
 
-    def __call__(self, x_BTD, cos, sin, *, keys_BSA, visibility: KeyVisibility, mode: str = EXPANDED,
-                 decode_lengths_B=None, kernel_backend: str = "reference") -> jax.Array:
+    def __call__(
+        self,
+        x_BTD,
+        cos,
+        sin,
+        *,
+        keys_BSA,
+        visibility: KeyVisibility,
+        mode: str = EXPANDED,
+        decode_lengths_B=None,
+        kernel_backend: str = "reference",
+    ) -> jax.Array:
         """`mla_attend` over keys_BSA (the cache, or the tokens themselves) with this layer's parameters."""
-        return mla_attend(params_of(self), x_BTD, cos, sin, self.config, keys_BSA=keys_BSA, visibility=visibility,
-                          mode=mode, decode_lengths_B=decode_lengths_B, kernel_backend=kernel_backend)
+        return mla_attend(
+            params_of(self),
+            x_BTD,
+            cos,
+            sin,
+            self.config,
+            keys_BSA=keys_BSA,
+            visibility=visibility,
+            mode=mode,
+            decode_lengths_B=decode_lengths_B,
+            kernel_backend=kernel_backend,
+        )

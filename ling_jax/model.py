@@ -21,8 +21,16 @@ from ling_jax.moe import MLP, MoE, dense_mlp, moe_block_with_stats, sow_moe_stat
 from ling_jax.policy import ExecutionPolicy, as_policy
 from ling_jax.sharding import ACTIVATION_BTD, ACTIVATION_BTV, constrain
 
-__all__ = ["DecoderLayer", "LingForCausalLM", "LingModel", "LingOutput", "MTPLayer", "TokenContext",
-           "decoder_layer", "token_context"]
+__all__ = [
+    "DecoderLayer",
+    "LingForCausalLM",
+    "LingModel",
+    "LingOutput",
+    "MTPLayer",
+    "TokenContext",
+    "decoder_layer",
+    "token_context",
+]
 
 
 @struct.dataclass
@@ -57,8 +65,9 @@ def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, 
     else:
         with jax.named_scope("kda"):
             y, state = kda_attention(weights["attention"], x, state, ctx, cfg)
-    h_BTD, x = add_rms_norm(weights["post_attention_layernorm"], h_BTD, constrain(y, *ACTIVATION_BTD), eps,
-                            backend=norm_backend)
+    h_BTD, x = add_rms_norm(
+        weights["post_attention_layernorm"], h_BTD, constrain(y, *ACTIVATION_BTD), eps, backend=norm_backend
+    )
     stats = None
     if "gate" in weights["mlp"]:
         with jax.named_scope("moe"):
@@ -87,8 +96,9 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, h_BTD, ctx: TokenContext, state):
         """`decoder_layer` with this layer's parameters; the MoE's stats are sown on `self.mlp`."""
-        h_BTD, state, stats = decoder_layer_with_stats(params_of(self), h_BTD, state, ctx, self.config,
-                                                       layer=self.clip_layer)
+        h_BTD, state, stats = decoder_layer_with_stats(
+            params_of(self), h_BTD, state, ctx, self.config, layer=self.clip_layer
+        )
         if stats is not None:
             sow_moe_stats(self.mlp, stats)
         return h_BTD, state
@@ -106,14 +116,26 @@ class LingModel(nnx.Module):
     def __init__(self, config: LingConfig, *, dtype, rngs: nnx.Rngs):
         self.config = config
         self.word_embeddings = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([
-            DecoderLayer(config, attention=attention, mlp=mlp, clip_layer=i, dtype=dtype, rngs=rngs)
-            for i, (attention, mlp) in enumerate(zip(config.layer_types, config.mlp_layer_types))])
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, attention=attention, mlp=mlp, clip_layer=i, dtype=dtype, rngs=rngs)
+                for i, (attention, mlp) in enumerate(zip(config.layer_types, config.mlp_layer_types))
+            ]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
-                 kda_mode: str | None = None, mla_mode: str | None = None,
-                 kernel_backend: ExecutionPolicy | str = "auto", inputs_embeds=None):
+    def __call__(
+        self,
+        input_ids_BT,
+        *,
+        positions=None,
+        cache: LingCache | None = None,
+        attention_mask=None,
+        kda_mode: str | None = None,
+        mla_mode: str | None = None,
+        kernel_backend: ExecutionPolicy | str = "auto",
+        inputs_embeds=None,
+    ):
         """-> (final-normed hidden [B, T, D], updated cache or None). inputs_embeds [B, T, D] replaces the
         embedding lookup (the VL model's merged text + vision embeddings). kernel_backend: the execution policy
         (`model.policy`), or a backend name; kda_mode / mla_mode override its modes for this call."""
@@ -121,10 +143,18 @@ class LingModel(nnx.Module):
         batch, length = input_ids_BT.shape
         with jax.named_scope("embed"):
             h = self.word_embeddings(input_ids_BT) if inputs_embeds is None else inputs_embeds
-        ctx = token_context(c, batch, length, positions=positions, attention_mask=attention_mask,
-                            lengths=None if cache is None else cache.lengths,
-                            max_length=0 if cache is None else cache.max_length,
-                            policy=as_policy(kernel_backend, c), kda_mode=kda_mode, mla_mode=mla_mode)
+        ctx = token_context(
+            c,
+            batch,
+            length,
+            positions=positions,
+            attention_mask=attention_mask,
+            lengths=None if cache is None else cache.lengths,
+            max_length=0 if cache is None else cache.max_length,
+            policy=as_policy(kernel_backend, c),
+            kda_mode=kda_mode,
+            mla_mode=mla_mode,
+        )
         if cache is None:
             states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
         else:
@@ -147,8 +177,9 @@ class MTPLayer(DecoderLayer):
         super().__init__(config, attention=MLA, mlp=MOE, clip_layer=0, dtype=dtype, rngs=rngs)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, axes=("embed", "embed_pair"), dtype=dtype,
-                              rngs=rngs)
+        self.eh_proj = Linear(
+            2 * config.hidden_size, config.hidden_size, axes=("embed", "embed_pair"), dtype=dtype, rngs=rngs
+        )
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def draft_hidden(self, embeds_BTD, hidden_BTD, ctx: TokenContext, state: MLAState | None):
@@ -165,8 +196,15 @@ class LingForCausalLM(nnx.Module):
     (1 = real, 0 = pad) may mark pads anywhere; pads never change real tokens' outputs or the cache.
     """
 
-    def __init__(self, config: LingConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
-                 kernel_backend: str = "auto", policy: ExecutionPolicy | None = None):
+    def __init__(
+        self,
+        config: LingConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.bfloat16,
+        kernel_backend: str = "auto",
+        policy: ExecutionPolicy | None = None,
+    ):
         """policy: how the model runs (`ling_jax.policy.ExecutionPolicy`; default: `ExecutionPolicy.for_config`
         with `kernel_backend`). kernel_backend: Pallas kernels ("auto": GPU/TPU kernels on those platforms, jnp
         on CPU; "reference", "pallas_gpu", "pallas_tpu", or "interpret_gpu" / "interpret_tpu" for CPU tests)."""
@@ -175,8 +213,9 @@ class LingForCausalLM(nnx.Module):
         self.policy = ExecutionPolicy.for_config(config, kernel_backend=kernel_backend) if policy is None else policy
         self.model = LingModel(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype,
-                                  rngs=rngs)
+            self.lm_head = Linear(
+                config.hidden_size, config.vocab_size, axes=("vocab", "embed"), dtype=dtype, rngs=rngs
+            )
         if config.num_nextn_predict_layers:
             self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs)
 
@@ -194,10 +233,25 @@ class LingForCausalLM(nnx.Module):
                 logits_BTV = self.lm_head(hidden_BTD)
             return constrain(logits_BTV, *ACTIVATION_BTV)
 
-    def __call__(self, input_ids_BT, *, positions=None, cache: LingCache | None = None, attention_mask=None,
-                 kda_mode: str | None = None, mla_mode: str | None = None) -> LingOutput:
-        hidden, cache = self.model(input_ids_BT, positions=positions, cache=cache, attention_mask=attention_mask,
-                                   kda_mode=kda_mode, mla_mode=mla_mode, kernel_backend=self.policy)
+    def __call__(
+        self,
+        input_ids_BT,
+        *,
+        positions=None,
+        cache: LingCache | None = None,
+        attention_mask=None,
+        kda_mode: str | None = None,
+        mla_mode: str | None = None,
+    ) -> LingOutput:
+        hidden, cache = self.model(
+            input_ids_BT,
+            positions=positions,
+            cache=cache,
+            attention_mask=attention_mask,
+            kda_mode=kda_mode,
+            mla_mode=mla_mode,
+            kernel_backend=self.policy,
+        )
         return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> LingCache:
@@ -207,27 +261,37 @@ class LingForCausalLM(nnx.Module):
     def init_mtp_cache(self, batch_size: int, max_length: int, dtype=None) -> MTPCache:
         return MTPCache.create(self.config, batch_size, max_length, dtype or self.dtype)
 
-    def draft_logits(self, hidden_BTD, next_ids_BT, *, positions=None, cache: MTPCache | None = None,
-                     attention_mask=None) -> LingOutput:
+    def draft_logits(
+        self, hidden_BTD, next_ids_BT, *, positions=None, cache: MTPCache | None = None, attention_mask=None
+    ) -> LingOutput:
         """MTP draft logits for token t+2 from the main model's final hidden state at t and token t+1."""
-        hidden, cache = self.draft_hidden(hidden_BTD, next_ids_BT, positions=positions, cache=cache,
-                                          attention_mask=attention_mask)
+        hidden, cache = self.draft_hidden(
+            hidden_BTD, next_ids_BT, positions=positions, cache=cache, attention_mask=attention_mask
+        )
         return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
 
-    def draft_hidden(self, hidden_BTD, next_ids_BT, *, positions=None, cache: MTPCache | None = None,
-                     attention_mask=None):
+    def draft_hidden(
+        self, hidden_BTD, next_ids_BT, *, positions=None, cache: MTPCache | None = None, attention_mask=None
+    ):
         """`draft_logits` without the lm_head: (MTP final hidden [B, T, D], updated MTP cache or None)."""
         if not hasattr(self, "mtp"):
             raise ValueError("this config has num_nextn_predict_layers = 0: there is no MTP layer")
         batch, length = next_ids_BT.shape
-        ctx = token_context(self.config, batch, length, positions=positions, attention_mask=attention_mask,
-                            lengths=None if cache is None else cache.lengths,
-                            max_length=0 if cache is None else cache.layer.latent.shape[1],
-                            policy=self.policy)
+        ctx = token_context(
+            self.config,
+            batch,
+            length,
+            positions=positions,
+            attention_mask=attention_mask,
+            lengths=None if cache is None else cache.lengths,
+            max_length=0 if cache is None else cache.layer.latent.shape[1],
+            policy=self.policy,
+        )
         with jax.named_scope("mtp"):
             embeds = self.model.word_embeddings(next_ids_BT)
-            hidden, state = self.mtp.draft_hidden(embeds, hidden_BTD.astype(embeds.dtype), ctx,
-                                                  None if cache is None else cache.layer)
+            hidden, state = self.mtp.draft_hidden(
+                embeds, hidden_BTD.astype(embeds.dtype), ctx, None if cache is None else cache.layer
+            )
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = MTPCache(layer=state, lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))

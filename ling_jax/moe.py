@@ -24,8 +24,9 @@ from pallas_kernels.moe.ops import RoutingRule, select_experts
 
 def shared_expert(weights: Weights, limit: float | None) -> SharedExpert:
     """A SwiGLU block's weights ({gate,up,down}_proj) with its clip."""
-    return SharedExpert(weights["gate_proj"]["weight"], weights["up_proj"]["weight"],
-                        weights["down_proj"]["weight"], limit)
+    return SharedExpert(
+        weights["gate_proj"]["weight"], weights["up_proj"]["weight"], weights["down_proj"]["weight"], limit
+    )
 
 
 def dense_mlp(weights: Weights, x: jax.Array, *, limit: float | None = None) -> jax.Array:
@@ -35,8 +36,13 @@ def dense_mlp(weights: Weights, x: jax.Array, *, limit: float | None = None) -> 
 
 def routing_rule(config: LingConfig) -> RoutingRule:
     c = config
-    return RoutingRule(top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
-                       norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)
+    return RoutingRule(
+        top_k=c.num_experts_per_tok,
+        n_group=c.n_group,
+        topk_group=c.topk_group,
+        norm_topk_prob=c.norm_topk_prob,
+        scaling=c.routed_scaling_factor,
+    )
 
 
 def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig, *, backend: str = "reference"):
@@ -56,9 +62,18 @@ def router(weights: Weights, x_TD, cfg: LingConfig, *, backend: str = "reference
     return route(x_TD, weights["weight"], weights["expert_bias"], cfg, backend=backend)
 
 
-def routed_experts_block(weights: Weights, x_TD, weights_TK, experts_TK, *, limit: float | None, backend: str,
-                         capacity_factor: float | None = None, exchange: str = "auto",
-                         shared: SharedExpert | None = None):
+def routed_experts_block(
+    weights: Weights,
+    x_TD,
+    weights_TK,
+    experts_TK,
+    *,
+    limit: float | None,
+    backend: str,
+    capacity_factor: float | None = None,
+    exchange: str = "auto",
+    shared: SharedExpert | None = None,
+):
     """The routed experts (`gate_proj` / `up_proj` [E, I, D], `down_proj` [E, D, I]) on the rows routed to them
     -> (y [T, D], dropped token-assignments: int32 scalar, 0 when dropless). With `shared`, y includes the
     shared expert's output (on one device a GPU decode step runs it inside the routed experts' kernels).
@@ -70,8 +85,17 @@ def routed_experts_block(weights: Weights, x_TD, weights_TK, experts_TK, *, limi
     mesh = jax.sharding.get_abstract_mesh()
     if uses_model_parallelism(mesh):
         with jax.named_scope("routed_experts"):
-            routed, dropped = moe_parallel(x_TD, weights_TK, experts_TK, *stacked, limit=limit, mesh=mesh,
-                                           capacity_factor=capacity_factor, backend=backend, exchange=exchange)
+            routed, dropped = moe_parallel(
+                x_TD,
+                weights_TK,
+                experts_TK,
+                *stacked,
+                limit=limit,
+                mesh=mesh,
+                capacity_factor=capacity_factor,
+                backend=backend,
+                exchange=exchange,
+            )
         if shared is None:
             return routed, dropped
         with jax.named_scope("shared_expert"):
@@ -90,8 +114,9 @@ def moe_block(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: E
     return moe_block_with_stats(weights, x_BTD, cfg, layer=layer, policy=policy)[0]
 
 
-def moe_block_with_stats(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int,
-                         policy: ExecutionPolicy | None = None):
+def moe_block_with_stats(
+    weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: ExecutionPolicy | None = None
+):
     """`moe_block` -> (y [B, T, D], {"expert_load": [E] assignments per expert, "dropped_assignments": int32})."""
     policy = as_policy(policy, cfg)
     x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -99,10 +124,17 @@ def moe_block_with_stats(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int
     with jax.named_scope("moe_router"):
         weights_TK, experts_TK = router(weights["gate"], x_TD, cfg, backend=backend)
     shared = shared_expert(weights["shared_experts"], cfg.swiglu_limit(layer, shared=True))
-    y_TD, dropped = routed_experts_block(weights["experts"], x_TD, weights_TK, experts_TK,
-                                         limit=cfg.swiglu_limit(layer, shared=False), backend=backend,
-                                         capacity_factor=policy.moe_capacity_factor,
-                                         exchange=policy.moe_exchange.value, shared=shared)
+    y_TD, dropped = routed_experts_block(
+        weights["experts"],
+        x_TD,
+        weights_TK,
+        experts_TK,
+        limit=cfg.swiglu_limit(layer, shared=False),
+        backend=backend,
+        capacity_factor=policy.moe_capacity_factor,
+        exchange=policy.moe_exchange.value,
+        shared=shared,
+    )
     stats = {"expert_load": expert_load(experts_TK, cfg.num_experts), "dropped_assignments": dropped}
     return y_TD.reshape(x_BTD.shape), stats
 
@@ -151,12 +183,28 @@ class Experts(nnx.Module):
         self.down_proj = normal_param(rngs, (e, hidden, width), dtype, ("experts", "embed", "expert_mlp"))
         self.limit = limit
 
-    def __call__(self, x_TD, weights_TK, experts_TK, *, backend: str = "reference",
-                 capacity_factor: float | None = None, all_to_all: str = "auto",
-                 shared: SharedExpert | None = None):
-        return routed_experts_block(params_of(self), x_TD, weights_TK, experts_TK, limit=self.limit,
-                                    backend=backend, capacity_factor=capacity_factor, exchange=all_to_all,
-                                    shared=shared)
+    def __call__(
+        self,
+        x_TD,
+        weights_TK,
+        experts_TK,
+        *,
+        backend: str = "reference",
+        capacity_factor: float | None = None,
+        all_to_all: str = "auto",
+        shared: SharedExpert | None = None,
+    ):
+        return routed_experts_block(
+            params_of(self),
+            x_TD,
+            weights_TK,
+            experts_TK,
+            limit=self.limit,
+            backend=backend,
+            capacity_factor=capacity_factor,
+            exchange=all_to_all,
+            shared=shared,
+        )
 
 
 class MoE(nnx.Module):
@@ -170,13 +218,17 @@ class MoE(nnx.Module):
         self.clip_layer = clip_layer
         self.gate = Router(config, dtype=dtype, rngs=rngs)
         self.experts = Experts(config, limit=config.swiglu_limit(clip_layer, shared=False), dtype=dtype, rngs=rngs)
-        self.shared_experts = MLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                  limit=config.swiglu_limit(clip_layer, shared=True), dtype=dtype, rngs=rngs)
+        self.shared_experts = MLP(
+            config.hidden_size,
+            config.shared_expert_intermediate_size,
+            limit=config.swiglu_limit(clip_layer, shared=True),
+            dtype=dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, x_BTD, *, policy: ExecutionPolicy | str | None = None, kernel_backend: str | None = None):
         """policy: an `ExecutionPolicy` (or, as `kernel_backend`, a backend name; default "reference")."""
         policy = as_policy(policy or kernel_backend, self.config, default_backend="reference")
-        y_BTD, stats = moe_block_with_stats(params_of(self), x_BTD, self.config, layer=self.clip_layer,
-                                            policy=policy)
+        y_BTD, stats = moe_block_with_stats(params_of(self), x_BTD, self.config, layer=self.clip_layer, policy=policy)
         sow_moe_stats(self, stats)
         return y_BTD

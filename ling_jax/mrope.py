@@ -45,8 +45,8 @@ def frequency_axes(mrope_section: Sequence[int]) -> np.ndarray:
     """Which axis (T_AXIS, H_AXIS, W_AXIS) rotates each frequency, [sum(mrope_section)]."""
     t, h, w = mrope_section
     axes = np.full(t + h + w, T_AXIS, np.int32)
-    axes[0:h + w:2] = H_AXIS
-    axes[1:h + w:2] = W_AXIS
+    axes[0 : h + w : 2] = H_AXIS
+    axes[1 : h + w : 2] = W_AXIS
     return axes
 
 
@@ -56,14 +56,23 @@ def mrope_angles(positions_BT3: jax.Array, inv_freq_F: jax.Array, mrope_section:
         raise ValueError("3-axis positions [B, T, 3] need a config with rope_scaling.mrope_section")
     axes = frequency_axes(mrope_section)
     if len(axes) != inv_freq_F.shape[0]:
-        raise ValueError(f"mrope_section {list(mrope_section)} covers {len(axes)} frequencies, "
-                         f"the rope dims have {inv_freq_F.shape[0]}")
+        raise ValueError(
+            f"mrope_section {list(mrope_section)} covers {len(axes)} frequencies, "
+            f"the rope dims have {inv_freq_F.shape[0]}"
+        )
     positions_BTF = jnp.take(positions_BT3.astype(jnp.float32), jnp.asarray(axes), axis=-1)
     return positions_BTF * inv_freq_F
 
 
-def mrope_positions(input_ids_T: np.ndarray, image_grids: Sequence[MediaGrid], video_grids: Sequence[MediaGrid], *,
-                    image_token_id: int, video_token_id: int, spatial_merge_size: int) -> tuple[np.ndarray, int]:
+def mrope_positions(
+    input_ids_T: np.ndarray,
+    image_grids: Sequence[MediaGrid],
+    video_grids: Sequence[MediaGrid],
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    spatial_merge_size: int,
+) -> tuple[np.ndarray, int]:
     """(positions [T, 3] int64, delta) for one prompt; media are consumed in prompt order, images from
     image_grids and videos from video_grids. Raises if the pad-token runs do not match the grids."""
     ids = np.asarray(input_ids_T)
@@ -81,10 +90,12 @@ def mrope_positions(input_ids_T: np.ndarray, image_grids: Sequence[MediaGrid], v
             raise ValueError(f"the prompt has more {kind} pad-token runs (token {token}) than {kind} grids")
         grid = grids.pop(0)
         length = grid.num_tokens(spatial_merge_size)
-        run = int(np.argmin(np.append(ids[media_start:media_start + length] == token, False)))
+        run = int(np.argmin(np.append(ids[media_start : media_start + length] == token, False)))
         if run != length:
-            raise ValueError(f"{kind} grid {grid} needs {length} consecutive pad tokens ({token}) at position "
-                             f"{media_start}; the prompt has {run}")
+            raise ValueError(
+                f"{kind} grid {grid} needs {length} consecutive pad tokens ({token}) at position "
+                f"{media_start}; the prompt has {run}"
+            )
         text_len = media_start - cursor
         blocks.append(np.broadcast_to(start + np.arange(text_len), (3, text_len)))
         blocks.append(_media_positions(grid.merged(spatial_merge_size), start + text_len))
@@ -107,10 +118,16 @@ def _media_positions(merged_grid: tuple[int, int, int], base: int) -> np.ndarray
     return np.stack([t, t + row_3N - (rows - 1) // 2, t + col_3N - (cols - 1) // 2])
 
 
-def batch_mrope_positions(input_ids_BT: np.ndarray, attention_mask_BT: np.ndarray,
-                          image_grids: Sequence[Sequence[MediaGrid]], video_grids: Sequence[Sequence[MediaGrid]], *,
-                          image_token_id: int, video_token_id: int, spatial_merge_size: int
-                          ) -> tuple[np.ndarray, np.ndarray]:
+def batch_mrope_positions(
+    input_ids_BT: np.ndarray,
+    attention_mask_BT: np.ndarray,
+    image_grids: Sequence[Sequence[MediaGrid]],
+    video_grids: Sequence[Sequence[MediaGrid]],
+    *,
+    image_token_id: int,
+    video_token_id: int,
+    spatial_merge_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """Positions [B, T, 3] (pads: 0) and deltas [B] for a padded batch; grids are given per row."""
     batch, length = input_ids_BT.shape
     mask = np.ones((batch, length), bool) if attention_mask_BT is None else np.asarray(attention_mask_BT, bool)
@@ -120,8 +137,13 @@ def batch_mrope_positions(input_ids_BT: np.ndarray, attention_mask_BT: np.ndarra
         real = np.flatnonzero(mask[row])
         try:
             positions[row, real], deltas[row] = mrope_positions(
-                input_ids_BT[row, real], image_grids[row], video_grids[row], image_token_id=image_token_id,
-                video_token_id=video_token_id, spatial_merge_size=spatial_merge_size)
+                input_ids_BT[row, real],
+                image_grids[row],
+                video_grids[row],
+                image_token_id=image_token_id,
+                video_token_id=video_token_id,
+                spatial_merge_size=spatial_merge_size,
+            )
         except ValueError as e:
             raise ValueError(f"prompt {row}: {e}") from e
     return positions, deltas

@@ -60,9 +60,12 @@ class StoredLayout:
     mesh: dict[str, int] | None = None  # the mesh (axis sizes) the chunks were aligned to (`ling-convert --mesh`)
 
     def write(self, directory: str) -> None:
-        body = {"format": LAYOUT_FORMAT, "compute_dtype": self.compute_dtype,
-                "scale_blocks": {name: list(block) for name, block in sorted(self.scale_blocks.items())},
-                "mesh": self.mesh}
+        body = {
+            "format": LAYOUT_FORMAT,
+            "compute_dtype": self.compute_dtype,
+            "scale_blocks": {name: list(block) for name, block in sorted(self.scale_blocks.items())},
+            "mesh": self.mesh,
+        }
         with open(os.path.join(directory, LAYOUT_FILE), "w") as f:
             json.dump(body, f)
 
@@ -135,8 +138,10 @@ def _nested(flat: dict[tuple, object]) -> dict:
 def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
     """Stored array name -> its metadata (shape, dtype), from the checkpoint's `_METADATA`."""
     if not os.path.isfile(os.path.join(path, METADATA_FILE)):
-        raise ValueError(f"{path}: damaged checkpoint: {METADATA_FILE} (the index of the stored arrays) is missing; "
-                         "convert the checkpoint again")
+        raise ValueError(
+            f"{path}: damaged checkpoint: {METADATA_FILE} (the index of the stored arrays) is missing; "
+            "convert the checkpoint again"
+        )
     absl_logger = logging.getLogger("absl")
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)  # orbax logs a warning of its own where it returns no metadata
@@ -148,8 +153,10 @@ def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
     finally:
         absl_logger.setLevel(level)
     if item is None:
-        raise ValueError(f"{path}: damaged checkpoint: its array metadata ({METADATA_FILE}, manifest.ocdbt) cannot be "
-                         "read; convert the checkpoint again")
+        raise ValueError(
+            f"{path}: damaged checkpoint: its array metadata ({METADATA_FILE}, manifest.ocdbt) cannot be "
+            "read; convert the checkpoint again"
+        )
     return {param_name(keys): metadata for keys, metadata in _flatten(item.tree).items()}
 
 
@@ -169,8 +176,10 @@ def _refuse_non_finite(path: str, loaded: list[tuple[tuple, object]]) -> None:
     finite = jax.device_get([_all_finite(variable.get_value()) for _, variable in loaded])
     for (p, _), ok in zip(loaded, finite):
         if not ok:
-            raise ValueError(f"{path}: parameter '{param_name(p)}' holds NaN or Inf values: the checkpoint is "
-                             "damaged (or was converted from a damaged one)")
+            raise ValueError(
+                f"{path}: parameter '{param_name(p)}' holds NaN or Inf values: the checkpoint is "
+                "damaged (or was converted from a damaged one)"
+            )
 
 
 def _restore_group(path: tuple) -> tuple:
@@ -187,8 +196,9 @@ def _restore(path: str, target: dict[tuple, jax.ShapeDtypeStruct], progress: boo
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         for group in tqdm(groups.values(), desc="loading checkpoint", unit="group", disable=not progress):
             tree = _nested(group)
-            args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
-                                          partial_restore=True)
+            args = ocp.args.PyTreeRestore(
+                item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree), partial_restore=True
+            )
             try:
                 restored.update(_flatten(checkpointer.restore(path, args=args)))
             except Exception as e:  # tensorstore's errors arrive wrapped in a bare Exception
@@ -196,8 +206,9 @@ def _restore(path: str, target: dict[tuple, jax.ShapeDtypeStruct], progress: boo
     return restored
 
 
-def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None,
-                    progress: bool = False) -> LingForCausalLM:
+def load_checkpoint(
+    path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None, progress: bool = False
+) -> LingForCausalLM:
     """Restore a ling-convert checkpoint as `LingForCausalLM` (`LingVLForConditionalGeneration` for a VL one).
 
     Every parameter is restored straight into its target sharding (from the logical axis rules of
@@ -233,8 +244,9 @@ def load_checkpoint(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None =
             raise ValueError(f"{path}: parameter '{name}' is missing from the checkpoint")
         have = stored[name]
         if tuple(have.shape) != tuple(want.shape):
-            raise ValueError(f"{path}: parameter '{name}' has shape {list(have.shape)}, expected "
-                             f"{list(want.shape)} from config.json")
+            raise ValueError(
+                f"{path}: parameter '{name}' has shape {list(have.shape)}, expected {list(want.shape)} from config.json"
+            )
         if name in layout.scale_blocks:
             if scale_name(name) not in stored:
                 raise ValueError(f"{path}: FP8 parameter '{name}' has no '{scale_name(name)}' beside it")

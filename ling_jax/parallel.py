@@ -58,18 +58,21 @@ class ShardedLM:
     def init_cache(self, batch_size: int, max_length: int) -> LingCache:
         shapes = jax.eval_shape(lambda: LingCache.create(self.config, batch_size, max_length, self.dtype))
         shardings = cache_shardings(shapes, self.mesh, self.rules)
-        return jax.jit(lambda: LingCache.create(self.config, batch_size, max_length, self.dtype),
-                       out_shardings=shardings)()
+        return jax.jit(
+            lambda: LingCache.create(self.config, batch_size, max_length, self.dtype), out_shardings=shardings
+        )()
 
     def _step(self, batch: int, length: int, with_cache_of: LingCache | None):
         key = (batch, length, None if with_cache_of is None else jax.tree.map(lambda a: a.shape, with_cache_of))
         if key not in self._compiled:
+
             def sharding(logical, shape):
                 return NamedSharding(self.mesh, activation_spec(logical, shape, self.mesh, rules=self.rules))
 
             tokens = sharding(("activation_batch", "activation_length"), (batch, length))
-            logits = sharding(("activation_batch", "activation_length", "activation_vocab"),
-                              (batch, length, self.config.vocab_size))
+            logits = sharding(
+                ("activation_batch", "activation_length", "activation_vocab"), (batch, length, self.config.vocab_size)
+            )
             graphdef = self.graphdef
 
             def run(params, cache, ids_BT, mask_BT):
@@ -77,12 +80,19 @@ class ShardedLM:
                 return out.logits, out.cache
 
             if with_cache_of is None:
-                fn = jax.jit(lambda params, ids, mask: run(params, None, ids, mask)[0],
-                             in_shardings=(self.param_shardings, tokens, tokens), out_shardings=logits)
+                fn = jax.jit(
+                    lambda params, ids, mask: run(params, None, ids, mask)[0],
+                    in_shardings=(self.param_shardings, tokens, tokens),
+                    out_shardings=logits,
+                )
             else:
                 caches = cache_shardings(with_cache_of, self.mesh, self.rules)
-                fn = jax.jit(run, in_shardings=(self.param_shardings, caches, tokens, tokens),
-                             out_shardings=(logits, caches), donate_argnums=1)
+                fn = jax.jit(
+                    run,
+                    in_shardings=(self.param_shardings, caches, tokens, tokens),
+                    out_shardings=(logits, caches),
+                    donate_argnums=1,
+                )
             self._compiled[key] = fn
         return self._compiled[key]
 

@@ -78,8 +78,9 @@ class ExecutionPolicy:
             object.__setattr__(self, field, value)
         factor = self.moe_capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
-            raise ValueError(f"ExecutionPolicy.moe_capacity_factor: must be None (dropless) or a positive number, "
-                             f"got {factor!r}")
+            raise ValueError(
+                f"ExecutionPolicy.moe_capacity_factor: must be None (dropless) or a positive number, got {factor!r}"
+            )
 
     @classmethod
     def for_config(cls, config: LingConfig, **fields: Any) -> ExecutionPolicy:
@@ -102,8 +103,9 @@ class ExecutionPolicy:
         return self.replace(kda_mode=kda, mla_mode=mla)
 
 
-def as_policy(policy: ExecutionPolicy | str | None, config: LingConfig | None = None, *,
-              default_backend: str = KernelBackend.AUTO) -> ExecutionPolicy:
+def as_policy(
+    policy: ExecutionPolicy | str | None, config: LingConfig | None = None, *, default_backend: str = KernelBackend.AUTO
+) -> ExecutionPolicy:
     """A policy from a policy, a kernel backend name (the older `kernel_backend=` arguments) or None (the
     default backend); MoE fields from `config` when it is given."""
     if isinstance(policy, ExecutionPolicy):

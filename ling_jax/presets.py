@@ -59,8 +59,14 @@ LING_3_0_FLASH = {
 
 LING_3_0_FLASH_VL_TEXT = {
     **LING_3_0_FLASH,
-    "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072,
-                     "beta_fast": 32, "beta_slow": 1, "mrope_section": [8, 12, 12]},
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 131072,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mrope_section": [8, 12, 12],
+    },
 }
 
 # Every architectural feature at toy size: KDA and MLA groups, q-LoRA, dense first layer, 16 experts in
@@ -132,8 +138,18 @@ PRESETS: dict[str, LingConfig] = {
     "ling-3.0-flash-vl": LingConfig.from_dict(LING_3_0_FLASH_VL_TEXT),
     "tiny": LingConfig.from_dict(TINY),
     "ling-demo": LingConfig.from_dict(DEMO),
-    "tiny-yarn-neox": LingConfig.from_dict({
-        **TINY, "q_lora_rank": None, "rope_interleave": False,
-        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
-                         "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    "tiny-yarn-neox": LingConfig.from_dict(
+        {
+            **TINY,
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        }
+    ),
 }

@@ -17,8 +17,10 @@ def dequantize_fp8_block(weight: np.ndarray, scale: np.ndarray, block: tuple[int
     block_rows, block_cols = block
     expected = (-(-rows // block_rows), -(-cols // block_cols))
     if scale.shape != expected:
-        raise ValueError(f"block scale has shape {scale.shape}, expected {expected} for a {weight.shape} weight "
-                         f"with {block_rows}x{block_cols} blocks")
+        raise ValueError(
+            f"block scale has shape {scale.shape}, expected {expected} for a {weight.shape} weight "
+            f"with {block_rows}x{block_cols} blocks"
+        )
     full_scale = np.repeat(np.repeat(scale.astype(np.float32), block_rows, 0), block_cols, 1)[:rows, :cols]
     return weight.astype(np.float32) * full_scale
 

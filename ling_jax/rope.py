@@ -19,7 +19,7 @@ def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_m
 def inv_frequencies(rope: RopeConfig, rope_dim: int) -> np.ndarray:
     """inv_freq [rope_dim / 2] in float64, YaRN-blended when the config asks for it."""
     exponents = np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim
-    inv_freq = rope.theta ** -exponents
+    inv_freq = rope.theta**-exponents
     if not rope.is_yarn:
         return inv_freq
     lo = _yarn_correction_dim(rope.beta_fast, rope_dim, rope.theta, rope.original_max_position_embeddings)
@@ -48,7 +48,7 @@ def cos_sin_factor(rope: RopeConfig) -> float:
 
 def softmax_scale(config: LingConfig) -> float:
     """1/sqrt(qk_nope + qk_rope), times m(f, mscale_all_dim)^2 only when mscale_all_dim is set."""
-    scale = config.qk_head_dim ** -0.5
+    scale = config.qk_head_dim**-0.5
     rope = config.rope
     if rope.is_yarn and rope.mscale_all_dim:
         scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2

@@ -17,11 +17,19 @@ import numpy as np
 INDEX_FILE = "model.safetensors.index.json"
 
 DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 
 
@@ -51,8 +59,10 @@ class SafetensorsFile:
             begin, end = entry["data_offsets"]
             expected = int(np.prod(entry["shape"], dtype=np.int64)) * DTYPES[entry["dtype"]].itemsize
             if end - begin != expected or self._data_start + end > size:
-                raise ValueError(f"{path}: tensor '{name}' is truncated or mis-sized "
-                                 f"(bytes {begin}..{end} of a {size - self._data_start}-byte data section)")
+                raise ValueError(
+                    f"{path}: tensor '{name}' is truncated or mis-sized "
+                    f"(bytes {begin}..{end} of a {size - self._data_start}-byte data section)"
+                )
         self._mmap = None
 
     def keys(self) -> list[str]:
@@ -69,7 +79,7 @@ class SafetensorsFile:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         entry = self._entries[name]
         begin, end = entry["data_offsets"]
-        raw = self._mmap[self._data_start + begin:self._data_start + end]
+        raw = self._mmap[self._data_start + begin : self._data_start + end]
         return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
@@ -112,8 +122,10 @@ class CheckpointTensors:
             for name in reader.keys():
                 if weight_map is not None and weight_map.get(name) != file:
                     where = weight_map.get(name)
-                    raise ValueError(f"{reader.path}: tensor '{name}' is not mapped to this file by {INDEX_FILE}"
-                                     f" (index says {where!r})")
+                    raise ValueError(
+                        f"{reader.path}: tensor '{name}' is not mapped to this file by {INDEX_FILE}"
+                        f" (index says {where!r})"
+                    )
                 self._where[name] = file
         if weight_map is not None:
             for name, file in weight_map.items():

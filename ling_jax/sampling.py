@@ -90,9 +90,14 @@ class SamplingArrays:
         def column(name: str, dtype) -> jax.Array:
             return jnp.asarray(np.array([getattr(p, name) for p in params], dtype))
 
-        return cls(temperature=column("temperature", np.float32), top_k=column("top_k", np.int32),
-                   top_p=column("top_p", np.float32), min_p=column("min_p", np.float32),
-                   repetition_penalty=column("repetition_penalty", np.float32), seed=column("seed", np.uint32))
+        return cls(
+            temperature=column("temperature", np.float32),
+            top_k=column("top_k", np.int32),
+            top_p=column("top_p", np.float32),
+            min_p=column("min_p", np.float32),
+            repetition_penalty=column("repetition_penalty", np.float32),
+            seed=column("seed", np.uint32),
+        )
 
 
 def seen_from_prompts(ids_BT: jax.Array, mask_BT: jax.Array, vocab_size: int) -> jax.Array:
@@ -155,9 +160,11 @@ def _temperature_and_filters(penalised_BV: jax.Array, arrays: SamplingArrays) ->
     greedy_B = arrays.temperature == 0
     scaled_BV = penalised_BV / jnp.where(greedy_B, 1.0, arrays.temperature)[:, None]
     truncated_B = ~greedy_B & ((arrays.top_k > 0) | (arrays.top_p < 1))
-    cutoff_B1 = jax.lax.cond(jnp.any(truncated_B),
-                             lambda: _top_k_top_p_cutoff(scaled_BV, arrays.top_k, arrays.top_p),
-                             lambda: jnp.full((scaled_BV.shape[0], 1), -jnp.inf, jnp.float32))
+    cutoff_B1 = jax.lax.cond(
+        jnp.any(truncated_B),
+        lambda: _top_k_top_p_cutoff(scaled_BV, arrays.top_k, arrays.top_p),
+        lambda: jnp.full((scaled_BV.shape[0], 1), -jnp.inf, jnp.float32),
+    )
     max_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
     kept_BV = (scaled_BV >= cutoff_B1) & (jnp.exp(scaled_BV - max_B1) >= arrays.min_p[:, None])
     return jnp.where(kept_BV | greedy_B[:, None], scaled_BV, -jnp.inf)

@@ -89,8 +89,9 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Devi
     shape = check_mesh_shape({"expert": len(devices)} if shape is None else shape)
     sizes = [shape.get(axis, 1) for axis in MESH_AXES]
     if math.prod(sizes) != len(devices):
-        raise ShardingError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                            f"but {len(devices)} are available")
+        raise ShardingError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, but {len(devices)} are available"
+        )
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -118,8 +119,9 @@ def check_rules(rules: Rules) -> dict[str, tuple[str, ...]]:
     """`rules` as a dict, after checking that every entry is a tuple of known mesh axes, each at most once."""
     for logical, axes in rules.items():
         if not isinstance(axes, tuple) or len(set(axes)) != len(axes) or not set(axes) <= set(MESH_AXES):
-            raise ShardingError(f"rule {logical!r}: expected a tuple of distinct mesh axes from {MESH_AXES}, "
-                                f"got {axes!r}")
+            raise ShardingError(
+                f"rule {logical!r}: expected a tuple of distinct mesh axes from {MESH_AXES}, got {axes!r}"
+            )
     return dict(rules)
 
 
@@ -168,8 +170,9 @@ def _spec_entry(axes: Sequence[str]):
     return tuple(axes) if len(axes) > 1 else (axes[0] if axes else None)
 
 
-def activation_spec(logical: Sequence[str | None], shape: Sequence[int], mesh=None, *,
-                    rules: Rules | None = None) -> PartitionSpec:
+def activation_spec(
+    logical: Sequence[str | None], shape: Sequence[int], mesh=None, *, rules: Rules | None = None
+) -> PartitionSpec:
     """PartitionSpec for an activation of `shape` with these logical axes over `mesh` (default: the context mesh):
     each dimension over the mesh axes of its rule that still divide it, in rule order (so a batch of one stays
     whole instead of failing); a mesh axis taken by an earlier dimension is skipped."""
@@ -198,8 +201,14 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, activation_spec(logical, x.shape, mesh))
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], axis_sizes: Mapping[str, int], *, name: str,
-                    rules: Rules | None = None) -> PartitionSpec:
+def logical_to_spec(
+    axes: Sequence[str | None],
+    shape: Sequence[int],
+    axis_sizes: Mapping[str, int],
+    *,
+    name: str,
+    rules: Rules | None = None,
+) -> PartitionSpec:
     """PartitionSpec for one array over a mesh of `axis_sizes` (mesh.shape); each mesh axis is used at most once
     (first dimension wins)."""
     used: set[str] = set()
@@ -208,8 +217,10 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], axis_sizes
         axes_here = tuple(a for a in mesh_axes_for(logical, rules) if axis_sizes.get(a, 1) > 1 and a not in used)
         ways = math.prod(axis_sizes[a] for a in axes_here)
         if size % ways:
-            raise ShardingError(f"{name}: dimension {logical!r} of size {size} is not divisible by mesh axes "
-                                f"{axes_here} ({ways} ways) in shape {tuple(shape)}")
+            raise ShardingError(
+                f"{name}: dimension {logical!r} of size {size} is not divisible by mesh axes "
+                f"{axes_here} ({ways} ways) in shape {tuple(shape)}"
+            )
         used.update(axes_here)
         spec.append(_spec_entry(axes_here))
     return PartitionSpec(*spec)
@@ -219,8 +230,7 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
 
 
-def param_specs(state: nnx.State, axis_sizes: Mapping[str, int],
-                rules: Rules | None = None) -> nnx.State:
+def param_specs(state: nnx.State, axis_sizes: Mapping[str, int], rules: Rules | None = None) -> nnx.State:
     """PartitionSpec for every parameter of `state` (nnx.state(model)), from its logical axis annotations, for
     a mesh of `axis_sizes` (no devices needed: the converter plans for a mesh it does not run on)."""
 
@@ -235,16 +245,18 @@ def param_specs(state: nnx.State, axis_sizes: Mapping[str, int],
 
 def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
     """NamedSharding for every parameter of `state` (nnx.state(model)) over `mesh`."""
-    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, v.get_value())), param_specs(state, mesh.shape, rules),
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(
+        lambda v: v.replace(NamedSharding(mesh, v.get_value())),
+        param_specs(state, mesh.shape, rules),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:
     """Places every parameter of `model` on `mesh` according to the rules (in place); returns the model."""
     state = nnx.state(model)
     shardings = param_shardings(state, mesh, rules)
-    nnx.update(model, jax.tree.map(jax.device_put, state, shardings,
-                                   is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    nnx.update(model, jax.tree.map(jax.device_put, state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     return model
 
 
@@ -283,7 +295,8 @@ def cache_shardings(cache: LingCache | MTPCache, mesh: Mesh, rules: Rules | None
     if isinstance(cache, MTPCache):
         specs = MTPCache(layer=_layer_specs(cache.layer, mesh, batch, "mtp", rules), lengths=lengths)
     else:
-        specs = LingCache(layers=tuple(_layer_specs(s, mesh, batch, f"layers.{i}", rules)
-                                       for i, s in enumerate(cache.layers)), lengths=lengths)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+        specs = LingCache(
+            layers=tuple(_layer_specs(s, mesh, batch, f"layers.{i}", rules) for i, s in enumerate(cache.layers)),
+            lengths=lengths,
+        )
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -27,8 +27,12 @@ class StaticModel:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, StaticModel) and self._hash == other._hash
-                                 and self.graphdef == other.graphdef and self.treedef == other.treedef)
+        return self is other or (
+            isinstance(other, StaticModel)
+            and self._hash == other._hash
+            and self.graphdef == other.graphdef
+            and self.treedef == other.treedef
+        )
 
     def merge(self, leaves: list[jax.Array]) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))

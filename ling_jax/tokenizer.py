@@ -32,8 +32,9 @@ _REPLACEMENT_CHAR = "\ufffd"  # what lossy UTF-8 decoding makes of an incomplete
 class Tokenizer(abc.ABC):
     """What generation needs from a tokenizer; build one with `load_tokenizer`."""
 
-    def __init__(self, *, name: str, eos_ids: tuple[int, ...], chat_template: str | None,
-                 special_tokens: Mapping[str, str]):
+    def __init__(
+        self, *, name: str, eos_ids: tuple[int, ...], chat_template: str | None, special_tokens: Mapping[str, str]
+    ):
         self.name = name
         self.eos_ids = eos_ids
         self.chat_template = chat_template
@@ -50,12 +51,18 @@ class Tokenizer(abc.ABC):
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render the checkpoint's jinja2 chat template over `messages` ([{"role": ..., "content": ...}])."""
         if self.chat_template is None:
-            raise ValueError(f"{self.name} has no chat template (looked for chat_template.jinja and "
-                             f"tokenizer_config.json's 'chat_template'): drop --chat to send prompts as raw text")
+            raise ValueError(
+                f"{self.name} has no chat template (looked for chat_template.jinja and "
+                f"tokenizer_config.json's 'chat_template'): drop --chat to send prompts as raw text"
+            )
         # transformers passes tools and documents even when there are none; some templates test `is none`
         return _compile_chat_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-            **self.special_tokens)
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **self.special_tokens,
+        )
 
 
 class HFTokenizer(Tokenizer):
@@ -106,26 +113,41 @@ def load_tokenizer(model_dir: str | Path | None, config: LingConfig) -> Tokenize
         backend = _read_tokenizer_json(directory / "tokenizer.json")
         size = backend.get_vocab_size(with_added_tokens=True)
         if size > config.vocab_size:
-            raise ValueError(f"{directory / 'tokenizer.json'} has {size} tokens but config.json's vocab_size is "
-                             f"{config.vocab_size}: the model cannot embed the extra ids")
+            raise ValueError(
+                f"{directory / 'tokenizer.json'} has {size} tokens but config.json's vocab_size is "
+                f"{config.vocab_size}: the model cannot embed the extra ids"
+            )
         if "eos_token" in special_tokens:
             eos_id = backend.token_to_id(special_tokens["eos_token"])
             if eos_id is None:
-                raise ValueError(f"tokenizer_config.json's eos_token {special_tokens['eos_token']!r} is not a token "
-                                 f"of {directory / 'tokenizer.json'}")
+                raise ValueError(
+                    f"tokenizer_config.json's eos_token {special_tokens['eos_token']!r} is not a token "
+                    f"of {directory / 'tokenizer.json'}"
+                )
             eos_ids.append(eos_id)
-        return HFTokenizer(backend, name=f"tokenizer.json of {directory}", eos_ids=tuple(dict.fromkeys(eos_ids)),
-                           chat_template=chat_template, special_tokens=special_tokens)
+        return HFTokenizer(
+            backend,
+            name=f"tokenizer.json of {directory}",
+            eos_ids=tuple(dict.fromkeys(eos_ids)),
+            chat_template=chat_template,
+            special_tokens=special_tokens,
+        )
 
     if config.vocab_size < _BYTE_VOCAB:
-        raise ValueError(f"no tokenizer.json{'' if directory is None else f' in {directory}'}, and the byte-level "
-                         f"fallback needs vocab_size >= {_BYTE_VOCAB} (one id per byte value); the config has "
-                         f"{config.vocab_size}")
+        raise ValueError(
+            f"no tokenizer.json{'' if directory is None else f' in {directory}'}, and the byte-level "
+            f"fallback needs vocab_size >= {_BYTE_VOCAB} (one id per byte value); the config has "
+            f"{config.vocab_size}"
+        )
     special_ids = frozenset(eos_ids) | ({config.pad_token_id} if config.pad_token_id is not None else frozenset())
     where = "no model directory" if directory is None else f"no tokenizer.json in {directory}"
-    return ByteTokenizer(special_ids, name=f"byte-level fallback ({where}; token id = UTF-8 byte)",
-                         eos_ids=tuple(dict.fromkeys(eos_ids)), chat_template=chat_template,
-                         special_tokens=special_tokens)
+    return ByteTokenizer(
+        special_ids,
+        name=f"byte-level fallback ({where}; token id = UTF-8 byte)",
+        eos_ids=tuple(dict.fromkeys(eos_ids)),
+        chat_template=chat_template,
+        special_tokens=special_tokens,
+    )
 
 
 def _read_tokenizer_json(file: Path) -> tokenizers.Tokenizer:
@@ -177,8 +199,9 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     # jinja2's own tojson escapes HTML characters; transformers replaces it with plain json.dumps
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -186,8 +209,9 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 @functools.lru_cache(maxsize=8)
 def _compile_chat_template(source: str) -> jinja2.Template:
     """The environment transformers renders chat templates in."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -218,17 +242,17 @@ class StreamDecoder:
         if len(window_text) <= len(printed_text) or window_text.endswith(_REPLACEMENT_CHAR):
             return ""
         self._window_start, self._printed_end = self._printed_end, len(self.ids)
-        return window_text[len(printed_text):]
+        return window_text[len(printed_text) :]
 
     def flush(self) -> str:
         """The held-back text (possibly ending in U+FFFD); call once when the request ends."""
         printed_text, window_text = self._window()
         self._window_start = self._printed_end = len(self.ids)
-        return window_text[len(printed_text):]
+        return window_text[len(printed_text) :]
 
     def _window(self) -> tuple[str, str]:
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
-        return (decode(self.ids[self._window_start:self._printed_end]), decode(self.ids[self._window_start:]))
+        return (decode(self.ids[self._window_start : self._printed_end]), decode(self.ids[self._window_start :]))
 
 
 class StopChecker:

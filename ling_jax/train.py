@@ -55,23 +55,33 @@ class TrainState:
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=config.warmup_steps,
         decay_steps=max(config.total_steps, config.warmup_steps + 1),
-        end_value=config.learning_rate * config.end_learning_rate_fraction)
+        end_value=config.learning_rate * config.end_learning_rate_fraction,
+    )
 
 
 def optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(config.grad_clip_norm),
-        optax.adamw(learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2,
-                    weight_decay=config.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+        optax.adamw(
+            learning_rate_schedule(config),
+            b1=config.adam_b1,
+            b2=config.adam_b2,
+            weight_decay=config.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
 
 
 def init_train_state(model: LingForCausalLM, config: TrainConfig) -> tuple[nnx.GraphDef, TrainState]:
     """Split `model` into its static graph and a fresh TrainState (step 0, optimizer moments at zero)."""
     graphdef, expert_bias, params = nnx.split(model, EXPERT_BIAS, TRAINABLE)
-    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, expert_bias=expert_bias,
-                                opt_state=optimizer(config).init(params))
+    return graphdef, TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, expert_bias=expert_bias, opt_state=optimizer(config).init(params)
+    )
 
 
 def merge_model(graphdef: nnx.GraphDef, state: TrainState) -> LingForCausalLM:
@@ -97,8 +107,9 @@ def _model_losses(model: LingForCausalLM, batch: Batch):
         return lm_loss, metrics
     # the draft at t reads hidden state t and token t+1, and predicts token t+2
     draft = model.draft_logits(out.hidden[:, :-1], tokens[:, 1:], attention_mask=next_real)
-    mtp_loss, _ = _mean_cross_entropy(draft.logits[:, :-1], tokens[:, 2:],
-                                      (next_real[:, :-1] & real[:, 2:]).astype(jnp.float32))
+    mtp_loss, _ = _mean_cross_entropy(
+        draft.logits[:, :-1], tokens[:, 2:], (next_real[:, :-1] & real[:, 2:]).astype(jnp.float32)
+    )
     return lm_loss + scale * mtp_loss, {**metrics, "mtp_loss": mtp_loss}
 
 
@@ -106,8 +117,11 @@ def loss_and_expert_loads(params, expert_bias, graphdef, batch: Batch):
     """-> (loss, (metrics, expert loads: MoE path -> [E] token-assignment counts of this batch))."""
     model = nnx.merge(graphdef, expert_bias, params)
     (loss, metrics), intermediates = nnx.capture(_model_losses, nnx.Intermediate)(model, batch)
-    loads = {path[:-1]: sum(variable.get_value())
-             for path, variable in nnx.to_flat_state(intermediates) if path[-1] == "expert_load"}
+    loads = {
+        path[:-1]: sum(variable.get_value())
+        for path, variable in nnx.to_flat_state(intermediates)
+        if path[-1] == "expert_load"
+    }
     return loss, (metrics, loads)
 
 
@@ -133,16 +147,24 @@ def train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, config: 
     """-> (new state, metrics: dict of scalars): one AdamW step on the batch, then the expert-bias update."""
     losses = loss_and_expert_loads
     if config.remat:
-        losses = jax.checkpoint(loss_and_expert_loads, static_argnums=2,
-                                policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        losses = jax.checkpoint(
+            loss_and_expert_loads, static_argnums=2, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        )
     grad_fn = jax.value_and_grad(losses, has_aux=True)
     (loss, (metrics, loads)), grads = grad_fn(state.params, state.expert_bias, graphdef, batch)
     updates, opt_state = optimizer(config).update(grads, state.opt_state, state.params)
-    new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                           expert_bias=balanced_expert_bias(state.expert_bias, loads, config.expert_bias_rate),
-                           opt_state=opt_state)
-    metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
-               "learning_rate": learning_rate_schedule(config)(state.step)}
+    new_state = TrainState(
+        step=state.step + 1,
+        params=optax.apply_updates(state.params, updates),
+        expert_bias=balanced_expert_bias(state.expert_bias, loads, config.expert_bias_rate),
+        opt_state=opt_state,
+    )
+    metrics = {
+        **metrics,
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "learning_rate": learning_rate_schedule(config)(state.step),
+    }
     if loads:
         metrics["load_imbalance"] = _load_imbalance(loads)
     return new_state, metrics

@@ -87,8 +87,9 @@ class PatchEmbed(nnx.Module):
 
 class PositionTable(nnx.Module):
     def __init__(self, config: VisionConfig, *, dtype, rngs: nnx.Rngs):
-        self.weight = normal_param(rngs, (config.num_position_embeddings, config.hidden_size), dtype,
-                                   ("vision_positions", "vision_embed"))
+        self.weight = normal_param(
+            rngs, (config.num_position_embeddings, config.hidden_size), dtype, ("vision_positions", "vision_embed")
+        )
 
 
 class VisionAttention(nnx.Module):
@@ -98,8 +99,9 @@ class VisionAttention(nnx.Module):
         self.qkv = BiasedLinear(d, 3 * d, axes=("vision_qkv", "vision_embed"), dtype=dtype, rngs=rngs)
         self.proj = BiasedLinear(d, d, axes=("vision_embed", "vision_qkv"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_ND: jax.Array, cos_NF: jax.Array, sin_NF: jax.Array,
-                 frames: Sequence[tuple[int, int]]) -> jax.Array:
+    def __call__(
+        self, x_ND: jax.Array, cos_NF: jax.Array, sin_NF: jax.Array, frames: Sequence[tuple[int, int]]
+    ) -> jax.Array:
         """frames: (number of frames, patches per frame) per media, in order; attention stays inside a frame."""
         n = x_ND.shape[0]
         q, k, v = jnp.moveaxis(self.qkv(x_ND).reshape(n, 3, self.num_heads, -1), 1, 0)
@@ -109,8 +111,7 @@ class VisionAttention(nnx.Module):
         outputs, offset = [], 0
         for count, per_frame in frames:
             part = slice(offset, offset + count * per_frame)
-            q_FPHK, k_FPHK, v_FPHK = (a[part].reshape(count, per_frame, self.num_heads, -1)
-                                      for a in (q_NHK, k_NHK, v))
+            q_FPHK, k_FPHK, v_FPHK = (a[part].reshape(count, per_frame, self.num_heads, -1) for a in (q_NHK, k_NHK, v))
             scores = jnp.einsum("fqhk,fshk->fhqs", q_FPHK, k_FPHK, preferred_element_type=jnp.float32) * scale
             weights = jax.nn.softmax(scores, axis=-1).astype(v_FPHK.dtype)
             outputs.append(jnp.einsum("fhqs,fshk->fqhk", weights, v_FPHK).reshape(count * per_frame, -1))
@@ -120,10 +121,12 @@ class VisionAttention(nnx.Module):
 
 class VisionMLP(nnx.Module):
     def __init__(self, config: VisionConfig, *, dtype, rngs: nnx.Rngs):
-        self.linear_fc1 = BiasedLinear(config.hidden_size, config.intermediate_size,
-                                       axes=("vision_mlp", "vision_embed"), dtype=dtype, rngs=rngs)
-        self.linear_fc2 = BiasedLinear(config.intermediate_size, config.hidden_size,
-                                       axes=("vision_embed", "vision_mlp"), dtype=dtype, rngs=rngs)
+        self.linear_fc1 = BiasedLinear(
+            config.hidden_size, config.intermediate_size, axes=("vision_mlp", "vision_embed"), dtype=dtype, rngs=rngs
+        )
+        self.linear_fc2 = BiasedLinear(
+            config.intermediate_size, config.hidden_size, axes=("vision_embed", "vision_mlp"), dtype=dtype, rngs=rngs
+        )
         self.activation = config.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -151,10 +154,12 @@ class PatchMerger(nnx.Module):
         self.merged_dim = c.merged_dim
         self.norm = LayerNorm(c.hidden_size, c.layer_norm_eps, dtype=dtype)
         if not c.disable_merger_proj:
-            self.linear_fc1 = BiasedLinear(c.merged_dim, c.merged_dim, axes=("vision_merged", "vision_merged_in"),
-                                           dtype=dtype, rngs=rngs)
-            self.linear_fc2 = BiasedLinear(c.merged_dim, c.out_hidden_size, axes=("vision_out", "vision_merged"),
-                                           dtype=dtype, rngs=rngs)
+            self.linear_fc1 = BiasedLinear(
+                c.merged_dim, c.merged_dim, axes=("vision_merged", "vision_merged_in"), dtype=dtype, rngs=rngs
+            )
+            self.linear_fc2 = BiasedLinear(
+                c.merged_dim, c.out_hidden_size, axes=("vision_out", "vision_merged"), dtype=dtype, rngs=rngs
+            )
 
     def __call__(self, x_ND: jax.Array) -> jax.Array:
         merged_MK = self.norm(x_ND).reshape(-1, self.merged_dim)
@@ -192,12 +197,13 @@ def check_grids(grids: Sequence[MediaGrid], pixels_shape: tuple[int, ...], confi
     merge = config.spatial_merge_size
     for grid in grids:
         if min(grid.t, grid.h, grid.w) <= 0 or grid.h % merge or grid.w % merge:
-            raise ValueError(f"grid {grid}: t, h, w must be positive and h, w multiples of "
-                             f"spatial_merge_size={merge}")
+            raise ValueError(f"grid {grid}: t, h, w must be positive and h, w multiples of spatial_merge_size={merge}")
     patches = sum(g.t * g.h * g.w for g in grids)
     if tuple(pixels_shape) != (patches, config.patch_dim):
-        raise ValueError(f"pixel_values has shape {list(pixels_shape)}; the grids need "
-                         f"[{patches}, {config.patch_dim}] (patches x channels * temporal_patch * patch^2)")
+        raise ValueError(
+            f"pixel_values has shape {list(pixels_shape)}; the grids need "
+            f"[{patches}, {config.patch_dim}] (patches x channels * temporal_patch * patch^2)"
+        )
 
 
 def block_order_rows_cols(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -247,11 +253,13 @@ def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.
 def make_projector(config: VisionConfig, text_hidden: int, *, dtype, rngs: nnx.Rngs) -> nnx.List:
     """`linear_proj`: Linear(output_dim -> D) -> exact GELU -> Linear(D -> D), indexed as the checkpoint's
     Sequential (0, 1, 2)."""
-    return nnx.List([
-        BiasedLinear(config.output_dim, text_hidden, axes=("vision_proj", "vision_out"), dtype=dtype, rngs=rngs),
-        ExactGELU(),
-        BiasedLinear(text_hidden, text_hidden, axes=("vision_proj", "vision_proj_in"), dtype=dtype, rngs=rngs),
-    ])
+    return nnx.List(
+        [
+            BiasedLinear(config.output_dim, text_hidden, axes=("vision_proj", "vision_out"), dtype=dtype, rngs=rngs),
+            ExactGELU(),
+            BiasedLinear(text_hidden, text_hidden, axes=("vision_proj", "vision_proj_in"), dtype=dtype, rngs=rngs),
+        ]
+    )
 
 
 def project(linear_proj: nnx.List, vision_MK: jax.Array, *, l2_normalize: bool) -> jax.Array:

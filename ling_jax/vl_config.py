@@ -14,8 +14,12 @@ from ling_jax.config import LingConfig
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")
 
 # SGLang's defaults for the media token ids (spec §7); a checkpoint's config.json wins
-DEFAULT_TOKEN_IDS = {"image_token_id": 157157, "video_token_id": 156909,
-                     "vision_start_token_id": 157158, "vision_end_token_id": 157159}
+DEFAULT_TOKEN_IDS = {
+    "image_token_id": 157157,
+    "video_token_id": 156909,
+    "vision_start_token_id": 157158,
+    "vision_end_token_id": 157159,
+}
 
 
 def _fail(key: str, message: str) -> ValueError:
@@ -45,19 +49,33 @@ class VisionConfig:
     deepstack_visual_indexes: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "temporal_patch_size",
-                    "spatial_merge_size", "out_hidden_size", "num_position_embeddings", "in_channels"):
+        for key in (
+            "depth",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "patch_size",
+            "temporal_patch_size",
+            "spatial_merge_size",
+            "out_hidden_size",
+            "num_position_embeddings",
+            "in_channels",
+        ):
             if getattr(self, key) <= 0:
                 raise _fail(f"vision_config.{key}", f"must be positive, got {getattr(self, key)}")
         if self.hidden_size % self.num_heads:
             raise _fail("vision_config.num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}")
         if self.head_dim % 4:
-            raise _fail("vision_config.num_heads", f"the 2-D rotary embedding needs a head dim divisible by 4, "
-                                                   f"got {self.head_dim}")
+            raise _fail(
+                "vision_config.num_heads",
+                f"the 2-D rotary embedding needs a head dim divisible by 4, got {self.head_dim}",
+            )
         side = self.grid_side
         if side * side != self.num_position_embeddings:
-            raise _fail("vision_config.num_position_embeddings",
-                        f"must be a square (a side x side table), got {self.num_position_embeddings}")
+            raise _fail(
+                "vision_config.num_position_embeddings",
+                f"must be a square (a side x side table), got {self.num_position_embeddings}",
+            )
         if self.hidden_act not in VISION_ACTIVATIONS:
             raise _fail("vision_config.hidden_act", f"{self.hidden_act!r} is not one of {VISION_ACTIVATIONS}")
 
@@ -68,17 +86,17 @@ class VisionConfig:
     @property
     def grid_side(self) -> int:
         """The learned position table is grid_side x grid_side."""
-        return round(self.num_position_embeddings ** 0.5)
+        return round(self.num_position_embeddings**0.5)
 
     @property
     def patch_dim(self) -> int:
         """Values per flattened patch: channels x temporal patch x patch x patch."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def merged_dim(self) -> int:
         """Width of a merged token before the merger's MLP: hidden_size * spatial_merge_size^2."""
-        return self.hidden_size * self.spatial_merge_size ** 2
+        return self.hidden_size * self.spatial_merge_size**2
 
     @property
     def output_dim(self) -> int:
@@ -126,8 +144,10 @@ class LingVLConfig:
 
     def __post_init__(self):
         if self.text.rope.mrope_section is None:
-            raise _fail("mrope_section", "the VL model needs 3-axis rotary sections [t, h, w] (top level or in "
-                                         "text_config.rope_parameters)")
+            raise _fail(
+                "mrope_section",
+                "the VL model needs 3-axis rotary sections [t, h, w] (top level or in text_config.rope_parameters)",
+            )
         for key in DEFAULT_TOKEN_IDS:
             token = getattr(self, key)
             if not 0 <= token < self.text.vocab_size:
@@ -140,8 +160,10 @@ class LingVLConfig:
         return cls(
             text=LingConfig.from_dict(raw),
             vision=VisionConfig.from_dict(raw["vision_config"]),
-            **{key: int(raw.get(key) if raw.get(key) is not None else default)
-               for key, default in DEFAULT_TOKEN_IDS.items()},
+            **{
+                key: int(raw.get(key) if raw.get(key) is not None else default)
+                for key, default in DEFAULT_TOKEN_IDS.items()
+            },
             norm_query_embeds=bool(raw.get("norm_query_embeds", False)),
         )
 

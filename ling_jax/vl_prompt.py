@@ -28,8 +28,9 @@ class PromptMedia:
     videos: tuple[tuple[np.ndarray, MediaGrid], ...] = ()
 
 
-def load_media(image_paths: Sequence[str | os.PathLike], videos: Sequence[Sequence[str | os.PathLike]],
-               processor: ProcessorConfig) -> PromptMedia:
+def load_media(
+    image_paths: Sequence[str | os.PathLike], videos: Sequence[Sequence[str | os.PathLike]], processor: ProcessorConfig
+) -> PromptMedia:
     """Images from files, and videos each given as its frame image files."""
     images = tuple(preprocess_image(load_image(path), processor) for path in image_paths)
     clips = tuple(preprocess_video([load_image(path) for path in frames], processor) for frames in videos)
@@ -42,12 +43,12 @@ def with_placeholders(text: str, media: PromptMedia) -> str:
     for count, given, what in ((images, len(media.images), "image"), (videos, len(media.videos), "video")):
         if count > given:
             raise ValueError(f"the prompt has {count} <{what}> placeholders but {given} {what}(s) were given")
-    return (IMAGE_PLACEHOLDER * (len(media.images) - images) + VIDEO_PLACEHOLDER * (len(media.videos) - videos)
-            + text)
+    return IMAGE_PLACEHOLDER * (len(media.images) - images) + VIDEO_PLACEHOLDER * (len(media.videos) - videos) + text
 
 
-def encode_with_media(encode: Callable[[str, bool], list[int]], text: str, media: PromptMedia,
-                      config: LingVLConfig) -> list[int]:
+def encode_with_media(
+    encode: Callable[[str, bool], list[int]], text: str, media: PromptMedia, config: LingVLConfig
+) -> list[int]:
     """Token ids of `text` (placeholders already in place) with media blocks; encode(piece, first) tokenises a
     piece of text, `first` telling whether it starts the prompt (special tokens are added there only)."""
     merge = config.vision.spatial_merge_size
@@ -55,8 +56,11 @@ def encode_with_media(encode: Callable[[str, bool], list[int]], text: str, media
     ids: list[int] = []
     for index, piece in enumerate(_PLACEHOLDERS.split(text)):
         if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
-            token, (_, grid) = ((config.image_token_id, next(images)) if piece == IMAGE_PLACEHOLDER
-                                else (config.video_token_id, next(videos)))
+            token, (_, grid) = (
+                (config.image_token_id, next(images))
+                if piece == IMAGE_PLACEHOLDER
+                else (config.video_token_id, next(videos))
+            )
             ids += [config.vision_start_token_id, *[token] * grid.num_tokens(merge), config.vision_end_token_id]
         elif piece:
             ids += encode(piece, index == 0)
@@ -65,10 +69,13 @@ def encode_with_media(encode: Callable[[str, bool], list[int]], text: str, media
 
 def media_inputs(media: PromptMedia, rows: int) -> MediaInputs:
     """The same media for each of `rows` prompts, as the generator takes them."""
+
     def pixels(items):
         return np.concatenate([patches for patches, _ in items] * rows) if items else None
 
-    return MediaInputs(image_grids=(tuple(grid for _, grid in media.images),) * rows,
-                       pixel_values=pixels(media.images),
-                       video_grids=(tuple(grid for _, grid in media.videos),) * rows,
-                       pixel_values_videos=pixels(media.videos))
+    return MediaInputs(
+        image_grids=(tuple(grid for _, grid in media.images),) * rows,
+        pixel_values=pixels(media.images),
+        video_grids=(tuple(grid for _, grid in media.videos),) * rows,
+        pixel_values_videos=pixels(media.videos),
+    )

@@ -8,12 +8,17 @@ from collections.abc import Callable
 import jax
 
 BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret", "interpret_gpu", "interpret_tpu")
-KERNEL_TARGET = {"pallas_gpu": "gpu", "interpret_gpu": "gpu", "pallas_tpu": "tpu", "interpret_tpu": "tpu",
-                 "interpret": "tpu"}
+KERNEL_TARGET = {
+    "pallas_gpu": "gpu",
+    "interpret_gpu": "gpu",
+    "pallas_tpu": "tpu",
+    "interpret_tpu": "tpu",
+    "interpret": "tpu",
+}
 
 
 def resolve_backend(backend: str) -> str:
-    """"auto" -> the Pallas kernel of jax.default_backend() (GPU or TPU), or the jnp reference on a CPU.
+    """ "auto" -> the Pallas kernel of jax.default_backend() (GPU or TPU), or the jnp reference on a CPU.
 
     "interpret_gpu" / "interpret_tpu" run that kernel in Pallas interpret mode on any platform (for CPU
     tests); "interpret" means "interpret_tpu".
@@ -36,8 +41,7 @@ def with_reference_vjp(kernel: Callable, reference: Callable, nondiff_argnums: t
 
     def with_statics(diff_args, static_args):
         diff, static = iter(diff_args), iter(static_args)
-        return [next(static) if i in nondiff_argnums else next(diff)
-                for i in range(len(diff_args) + len(static_args))]
+        return [next(static) if i in nondiff_argnums else next(diff) for i in range(len(diff_args) + len(static_args))]
 
     def forward(*args):
         return op(*args), tuple(a for i, a in enumerate(args) if i not in nondiff_argnums)

@@ -36,9 +36,12 @@ def _disable_ynn_fusions() -> None:
     except ImportError:
         return
     if backends_are_initialized():
-        warnings.warn(f"jax's backends were created before pallas_kernels / ling_jax was imported, so {_YNN_FLAG}= "
-                      "came too late: jitted CPU programs (the chunked KDA at head_dim 128) can compute garbage "
-                      f"on this jaxlib; import ling_jax first or set XLA_FLAGS='{_YNN_FLAG}='", stacklevel=2)
+        warnings.warn(
+            f"jax's backends were created before pallas_kernels / ling_jax was imported, so {_YNN_FLAG}= "
+            "came too late: jitted CPU programs (the chunked KDA at head_dim 128) can compute garbage "
+            f"on this jaxlib; import ling_jax first or set XLA_FLAGS='{_YNN_FLAG}='",
+            stacklevel=2,
+        )
 
 
 _disable_ynn_fusions()

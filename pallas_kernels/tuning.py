@@ -48,8 +48,10 @@ def lookup(table: Table, *, dtype, bucket: str = ANY, device: str | None = None)
     for key in ((d, b, t) for d in (device, ANY) for b in (bucket, ANY) for t in dtypes):
         if key in table:
             return table[key].params
-    raise LookupError(f"no tuning entry for device {device!r}, bucket {bucket!r}, dtype {dtypes[0]}: a table needs "
-                      f"a default entry (device {ANY!r}) for every bucket it uses")
+    raise LookupError(
+        f"no tuning entry for device {device!r}, bucket {bucket!r}, dtype {dtypes[0]}: a table needs "
+        f"a default entry (device {ANY!r}) for every bucket it uses"
+    )
 
 
 def fill(given: tuple, defaults) -> tuple:

@@ -47,8 +47,10 @@ def pick(registry: Registry, op: str, name: str | None, backend: str, default: s
         return default
     platform = lookup(registry, op, name).platform
     if platform is not None and KERNEL_TARGET.get(backend) != platform:
-        raise ValueError(f"variant {name!r} of {op} is a {platform} kernel: it runs with backend 'pallas_{platform}' "
-                         f"or 'interpret_{platform}', not {backend!r}")
+        raise ValueError(
+            f"variant {name!r} of {op} is a {platform} kernel: it runs with backend 'pallas_{platform}' "
+            f"or 'interpret_{platform}', not {backend!r}"
+        )
     return name
 
 

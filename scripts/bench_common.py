@@ -38,10 +38,12 @@ CHAINED_CALLS = 32
 def chained(call, nudge, calls: int = CHAINED_CALLS):
     """`calls` calls in one jitted program, args[0] <- nudge(args[0], the last call's output) between them:
     timings free of the ~90 us per-dispatch floor of a lone small call, without letting XLA merge the calls."""
+
     def run(first, *rest):
         for _ in range(calls):
             first = nudge(first, call(first, *rest))
         return first
+
     return jax.jit(run)
 
 
@@ -67,13 +69,25 @@ def flash_slice_config(layers: int, quick: bool) -> LingConfig:
     tests on a CPU."""
     config = LingConfig.preset("ling-3.1-flash")
     group = config.layer_types.index(MLA) + 1  # the preset's layer group: 7 KDA + 1 MLA
-    config = config.replace(num_hidden_layers=layers,
-                            layer_types=tuple(MLA if (layers - 1 - i) % group == 0 else KDA for i in range(layers)),
-                            mlp_layer_types=(MOE,) * layers, num_nextn_predict_layers=0,
-                            expert_swiglu_limit_list=(), share_expert_swiglu_limit_list=())
+    config = config.replace(
+        num_hidden_layers=layers,
+        layer_types=tuple(MLA if (layers - 1 - i) % group == 0 else KDA for i in range(layers)),
+        mlp_layer_types=(MOE,) * layers,
+        num_nextn_predict_layers=0,
+        expert_swiglu_limit_list=(),
+        share_expert_swiglu_limit_list=(),
+    )
     if quick:
-        config = config.replace(hidden_size=512, num_attention_heads=8, moe_intermediate_size=128, num_experts=64,
-                                n_group=8, topk_group=4, shared_expert_intermediate_size=128, vocab_size=4096)
+        config = config.replace(
+            hidden_size=512,
+            num_attention_heads=8,
+            moe_intermediate_size=128,
+            num_experts=64,
+            n_group=8,
+            topk_group=4,
+            shared_expert_intermediate_size=128,
+            vocab_size=4096,
+        )
     return config
 
 
@@ -94,8 +108,12 @@ def filled_cache(model, batch: int, context: int, extra: int) -> LingCache:
     layers = []
     for state in cache.layers:
         if isinstance(state, KDAState):
-            layers.append(KDAState(conv_window=state.conv_window,
-                                   recurrent_state=0.01 * jax.random.normal(next(keys), state.recurrent_state.shape)))
+            layers.append(
+                KDAState(
+                    conv_window=state.conv_window,
+                    recurrent_state=0.01 * jax.random.normal(next(keys), state.recurrent_state.shape),
+                )
+            )
         else:
             layers.append(MLAState(latent=jax.random.normal(next(keys), state.latent.shape, state.latent.dtype)))
     return LingCache(layers=tuple(layers), lengths=jnp.full((batch,), context, jnp.int32))

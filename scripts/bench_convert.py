@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restore", action="store_true", help="also time load_checkpoint of each --dtype result")
     parser.add_argument("--workdir", default="/tmp/bench_convert")
     args = parser.parse_args(argv)
-    print("| source | dtype | workers | wall s | read GB/s (wall) | write-phase GB/s | written GB | peak RSS MB "
-          "| restore s (RSS MB) |")
+    print(
+        "| source | dtype | workers | wall s | read GB/s (wall) | write-phase GB/s | written GB | peak RSS MB "
+        "| restore s (RSS MB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes_gb:
         src = os.path.join(args.workdir, f"src-{size:g}gb")
@@ -74,16 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         runs += [("bf16", args.workers[0], True)] if args.verify else []
         for dtype, workers, verify in runs:
             dst = os.path.join(args.workdir, "dst")
-            seconds, peak, stdout = run_converter([src, dst, "--dtype", dtype, "--workers", str(workers),
-                                                   *(["--verify"] if verify else [])])
+            seconds, peak, stdout = run_converter(
+                [src, dst, "--dtype", dtype, "--workers", str(workers), *(["--verify"] if verify else [])]
+            )
             phase_rate = stdout.split("(")[-1].split(" GB/s")[0]
             restore = ""
             if args.restore and workers == args.workers[-1] and not verify:
                 restore_seconds, restore_peak = time_restore(dst)
                 restore = f"{restore_seconds:.1f} ({restore_peak / 2**20:.0f})"
-            print(f"| {source_bytes / 1e9:.2f} GB | {dtype}{' --verify' if verify else ''} | {workers} | "
-                  f"{seconds:.1f} | {source_bytes / seconds / 1e9:.2f} | {phase_rate} | "
-                  f"{directory_bytes(dst) / 1e9:.2f} | {peak / 2**20:.0f} | {restore} |", flush=True)
+            print(
+                f"| {source_bytes / 1e9:.2f} GB | {dtype}{' --verify' if verify else ''} | {workers} | "
+                f"{seconds:.1f} | {source_bytes / seconds / 1e9:.2f} | {phase_rate} | "
+                f"{directory_bytes(dst) / 1e9:.2f} | {peak / 2**20:.0f} | {restore} |",
+                flush=True,
+            )
             shutil.rmtree(dst)
     shutil.rmtree(args.workdir, ignore_errors=True)
     return 0

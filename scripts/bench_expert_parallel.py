@@ -39,17 +39,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_common import (
+    filled_cache,
+    flash_slice_config,
+    init_on_mesh,
+    median_seconds,
+    rel_error,  # noqa: E402
+    time_decode,
+)
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from bench_common import (filled_cache, flash_slice_config, init_on_mesh, median_seconds, rel_error,  # noqa: E402
-                          time_decode)
 from ling_jax import LingForCausalLM  # noqa: E402
 from ling_jax.expert_ffn import expert_sorted_ffn, grouped_expert_ffn  # noqa: E402
-from ling_jax.expert_parallel import (SLICES_PER_EXPERT, dispatch, exchange, has_ragged_all_to_all,  # noqa: E402
-                                      moe_parallel, ragged_dispatch, ragged_return_and_combine, ragged_routes,
-                                      resolve_exchange, return_and_combine, rows_per_source)
+from ling_jax.expert_parallel import (
+    SLICES_PER_EXPERT,
+    dispatch,
+    exchange,
+    has_ragged_all_to_all,  # noqa: E402
+    moe_parallel,
+    ragged_dispatch,
+    ragged_return_and_combine,
+    ragged_routes,
+    resolve_exchange,
+    return_and_combine,
+    rows_per_source,
+)
 from ling_jax.moe import MoE, route  # noqa: E402
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh  # noqa: E402
 from pallas_kernels.backend import resolve_backend  # noqa: E402
@@ -70,8 +86,10 @@ class Row:
 
 def expert_mesh(devices: int):
     if devices > jax.device_count():
-        raise ShardingError(f"--devices {devices}: only {jax.device_count()} present (on a CPU: "
-                            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})")
+        raise ShardingError(
+            f"--devices {devices}: only {jax.device_count()} present (on a CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})"
+        )
     return make_mesh({"expert": devices}, devices=jax.devices()[:devices])
 
 
@@ -86,25 +104,49 @@ def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: 
     native = has_ragged_all_to_all()
     routes_spec = SPLIT  # every field of RaggedRoutes is per device: concatenated over the expert axis
     return {
-        "dispatch": on_mesh(functools.partial(dispatch, ep=ep, local_experts=local_experts, capacity=capacity),
-                            mesh, (SPLIT, SPLIT), (SPLIT,) * 4),
-        "dispatch all-to-all": on_mesh(lambda x, e: (exchange(x, ep), exchange(e, ep)), mesh, (SPLIT, SPLIT),
-                                       (SPLIT, SPLIT)),
-        "grouped GEMM": on_mesh(lambda x, e, g, u, d: grouped_expert_ffn(x, e, g, u, d, limit, backend=backend),
-                                mesh, (SPLIT, SPLIT, *weights), SPLIT),
-        "combine": on_mesh(lambda y, slot, kept, w: return_and_combine(y, slot, kept, w, ep=ep, tp_axes=(),
-                                                                        dtype=y.dtype),
-                           mesh, (SPLIT,) * 4, SPLIT),
+        "dispatch": on_mesh(
+            functools.partial(dispatch, ep=ep, local_experts=local_experts, capacity=capacity),
+            mesh,
+            (SPLIT, SPLIT),
+            (SPLIT,) * 4,
+        ),
+        "dispatch all-to-all": on_mesh(
+            lambda x, e: (exchange(x, ep), exchange(e, ep)), mesh, (SPLIT, SPLIT), (SPLIT, SPLIT)
+        ),
+        "grouped GEMM": on_mesh(
+            lambda x, e, g, u, d: grouped_expert_ffn(x, e, g, u, d, limit, backend=backend),
+            mesh,
+            (SPLIT, SPLIT, *weights),
+            SPLIT,
+        ),
+        "combine": on_mesh(
+            lambda y, slot, kept, w: return_and_combine(y, slot, kept, w, ep=ep, tp_axes=(), dtype=y.dtype),
+            mesh,
+            (SPLIT,) * 4,
+            SPLIT,
+        ),
         "combine all-to-all": on_mesh(lambda y: exchange(y, ep), mesh, (SPLIT,), SPLIT),
-        "ragged routes": on_mesh(functools.partial(ragged_routes, ep=ep, local_experts=local_experts,
-                                                   capacity=capacity), mesh, (SPLIT,), routes_spec),
-        "ragged dispatch": on_mesh(functools.partial(ragged_dispatch, rows=ep * capacity, native=native), mesh,
-                                   (SPLIT, routes_spec), SPLIT),
-        "ragged grouped GEMM": on_mesh(lambda x, routes, g, u, d: expert_sorted_ffn(
-            x, routes.group_sizes_L, g, u, d, limit, backend=backend), mesh, (SPLIT, routes_spec, *weights), SPLIT),
-        "ragged combine": on_mesh(lambda y, routes, w: ragged_return_and_combine(y, routes, w, tp_axes=(),
-                                                                                 dtype=y.dtype, native=native),
-                                  mesh, (SPLIT, routes_spec, SPLIT), SPLIT),
+        "ragged routes": on_mesh(
+            functools.partial(ragged_routes, ep=ep, local_experts=local_experts, capacity=capacity),
+            mesh,
+            (SPLIT,),
+            routes_spec,
+        ),
+        "ragged dispatch": on_mesh(
+            functools.partial(ragged_dispatch, rows=ep * capacity, native=native), mesh, (SPLIT, routes_spec), SPLIT
+        ),
+        "ragged grouped GEMM": on_mesh(
+            lambda x, routes, g, u, d: expert_sorted_ffn(x, routes.group_sizes_L, g, u, d, limit, backend=backend),
+            mesh,
+            (SPLIT, routes_spec, *weights),
+            SPLIT,
+        ),
+        "ragged combine": on_mesh(
+            lambda y, routes, w: ragged_return_and_combine(y, routes, w, tp_axes=(), dtype=y.dtype, native=native),
+            mesh,
+            (SPLIT, routes_spec, SPLIT),
+            SPLIT,
+        ),
     }
 
 
@@ -131,30 +173,50 @@ def layer_inputs(moe: MoE, mesh, tokens_per_device: int, capacity_factor) -> Lay
     config = moe.gate.config
     ep = mesh.shape["expert"]
     tokens = ep * tokens_per_device
-    x_TD = jax.device_put(jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.bfloat16),
-                          NamedSharding(mesh, SPLIT))
+    x_TD = jax.device_put(
+        jax.random.normal(jax.random.key(tokens), (tokens, config.hidden_size), jnp.bfloat16),
+        NamedSharding(mesh, SPLIT),
+    )
     gate_weights = (moe.gate.weight[...], moe.gate.expert_bias[...])
     weights_TK, experts_TK = jax.jit(lambda x, w, b: route(x, w, b, config))(x_TD, *gate_weights)
-    capacity = rows_per_source(tokens_per_device, config.num_experts_per_tok, ep, config.num_experts // ep,
-                               capacity_factor)
-    return LayerInputs(tokens_per_device, capacity, x_TD, weights_TK, experts_TK,
-                       (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...]))
+    capacity = rows_per_source(
+        tokens_per_device, config.num_experts_per_tok, ep, config.num_experts // ep, capacity_factor
+    )
+    return LayerInputs(
+        tokens_per_device,
+        capacity,
+        x_TD,
+        weights_TK,
+        experts_TK,
+        (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...]),
+    )
 
 
-def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str, iters: int,
-                   slice_counts: tuple[int, ...]) -> list[Row]:
+def time_moe_layer(
+    moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str, iters: int, slice_counts: tuple[int, ...]
+) -> list[Row]:
     """Every stage of one MoE layer at `tokens_per_device`, both exchanges (each checked against moe_parallel
     and the ragged one against the dense one), the ragged all-to-alls at other slice counts, and the layer."""
     config = moe.gate.config
     ep = mesh.shape["expert"]
     local_experts = config.num_experts // ep
     inputs = layer_inputs(moe, mesh, tokens_per_device, capacity_factor)
-    stages = stage_functions(mesh, local_experts=local_experts, capacity=inputs.capacity, limit=moe.experts.limit,
-                             backend=backend)
-    routed = {exchange_: jax.jit(functools.partial(moe_parallel, limit=moe.experts.limit, mesh=mesh,
-                                                   capacity_factor=capacity_factor, backend=backend,
-                                                   exchange=exchange_))
-              for exchange_ in ("dense", "ragged")}
+    stages = stage_functions(
+        mesh, local_experts=local_experts, capacity=inputs.capacity, limit=moe.experts.limit, backend=backend
+    )
+    routed = {
+        exchange_: jax.jit(
+            functools.partial(
+                moe_parallel,
+                limit=moe.experts.limit,
+                mesh=mesh,
+                capacity_factor=capacity_factor,
+                backend=backend,
+                exchange=exchange_,
+            )
+        )
+        for exchange_ in ("dense", "ragged")
+    }
     row_bytes = config.hidden_size * jnp.dtype(jnp.bfloat16).itemsize
     useful = useful_rows(inputs.experts_TK, tokens_per_device, local_experts)  # rows that leave a device
     others = (ep - 1) * inputs.capacity  # a device's buffer rows for the other devices
@@ -163,26 +225,48 @@ def time_moe_layer(moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, b
         return median_seconds(stages[name], *args, iters=iters)
 
     def routed_row(exchange_):
-        seconds = median_seconds(routed[exchange_], inputs.x_TD, inputs.weights_TK, inputs.experts_TK,
-                                 *inputs.expert_weights, iters=iters)
+        seconds = median_seconds(
+            routed[exchange_], inputs.x_TD, inputs.weights_TK, inputs.experts_TK, *inputs.expert_weights, iters=iters
+        )
         return Row(tokens_per_device, f"{exchange_}: routed experts (moe_parallel)", seconds)
 
     dense, dense_out = dense_rows(stages, inputs, timed, others=others, useful=useful, row_bytes=row_bytes)
     ragged, ragged_out, (received, y_ragged) = ragged_rows(stages, inputs, timed, useful_bytes=useful * row_bytes)
     for name, out in (("dense", dense_out), ("ragged", ragged_out)):
         reference = routed[name](inputs.x_TD, inputs.weights_TK, inputs.experts_TK, *inputs.expert_weights)[0]
-        print(f"tokens/device {tokens_per_device}: capacity {inputs.capacity} rows per source; {name} exchange: "
-              f"chained stages vs moe_parallel rel. error {rel_error(out, reference):.1e}, vs the dense exchange "
-              f"{rel_error(out, dense_out):.1e}", flush=True)
-    slices = slice_count_rows(stages, inputs, timed, mesh, received, y_ragged, local_experts=local_experts,
-                              slice_counts=slice_counts, useful_bytes=useful * row_bytes)
+        print(
+            f"tokens/device {tokens_per_device}: capacity {inputs.capacity} rows per source; {name} exchange: "
+            f"chained stages vs moe_parallel rel. error {rel_error(out, reference):.1e}, vs the dense exchange "
+            f"{rel_error(out, dense_out):.1e}",
+            flush=True,
+        )
+    slices = slice_count_rows(
+        stages,
+        inputs,
+        timed,
+        mesh,
+        received,
+        y_ragged,
+        local_experts=local_experts,
+        slice_counts=slice_counts,
+        useful_bytes=useful * row_bytes,
+    )
     graphdef, state = nnx.split(moe)
     with jax.set_mesh(mesh):
         layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
         layer_s = median_seconds(layer, state, inputs.x_TD[None], iters=iters)
-    return [*dense, routed_row("dense"), *ragged, *slices, routed_row("ragged"),
-            Row(tokens_per_device, f"whole MoE layer (router + routed + shared; {resolve_exchange('auto')} "
-                f"exchange)", layer_s)]
+    return [
+        *dense,
+        routed_row("dense"),
+        *ragged,
+        *slices,
+        routed_row("ragged"),
+        Row(
+            tokens_per_device,
+            f"whole MoE layer (router + routed + shared; {resolve_exchange('auto')} exchange)",
+            layer_s,
+        ),
+    ]
 
 
 def dense_rows(stages, inputs: LayerInputs, timed, *, others: int, useful: int, row_bytes: int):
@@ -195,14 +279,26 @@ def dense_rows(stages, inputs: LayerInputs, timed, *, others: int, useful: int, 
     dispatch_bytes = (others * (row_bytes + 4), useful * (row_bytes + 4))
     combine_bytes = (others * row_bytes, useful * row_bytes)
     rows = [
-        Row(tokens, "dense: dispatch (pack + all-to-all)", timed("dispatch", inputs.x_TD, inputs.experts_TK),
-            *dispatch_bytes),
-        Row(tokens, "dense:   dispatch all-to-all alone", timed("dispatch all-to-all", x_RD, expert_R),
-            *dispatch_bytes),
-        Row(tokens, "dense: grouped GEMM (sort, expert FFN, unsort)",
-            timed("grouped GEMM", x_RD, expert_R, *inputs.expert_weights)),
-        Row(tokens, "dense: combine (all-to-all back + weighted sum)",
-            timed("combine", y_RD, slot_A, kept_A, inputs.weights_TK), *combine_bytes),
+        Row(
+            tokens,
+            "dense: dispatch (pack + all-to-all)",
+            timed("dispatch", inputs.x_TD, inputs.experts_TK),
+            *dispatch_bytes,
+        ),
+        Row(
+            tokens, "dense:   dispatch all-to-all alone", timed("dispatch all-to-all", x_RD, expert_R), *dispatch_bytes
+        ),
+        Row(
+            tokens,
+            "dense: grouped GEMM (sort, expert FFN, unsort)",
+            timed("grouped GEMM", x_RD, expert_R, *inputs.expert_weights),
+        ),
+        Row(
+            tokens,
+            "dense: combine (all-to-all back + weighted sum)",
+            timed("combine", y_RD, slot_A, kept_A, inputs.weights_TK),
+            *combine_bytes,
+        ),
         Row(tokens, "dense:   combine all-to-all alone", timed("combine all-to-all", y_RD), *combine_bytes),
     ]
     return rows, stages["combine"](y_RD, slot_A, kept_A, inputs.weights_TK)
@@ -217,40 +313,81 @@ def ragged_rows(stages, inputs: LayerInputs, timed, *, useful_bytes: int):
     y_RD = stages["ragged grouped GEMM"](x_RD, routes, *inputs.expert_weights)
     rows = [
         Row(tokens, "ragged: routes (count all-gather, tables)", timed("ragged routes", inputs.experts_TK)),
-        Row(tokens, "ragged: dispatch (gather + ragged all-to-all)", timed("ragged dispatch", inputs.x_TD, routes),
-            useful_bytes, useful_bytes),
-        Row(tokens, "ragged: grouped GEMM (expert FFN on ordered rows)",
-            timed("ragged grouped GEMM", x_RD, routes, *inputs.expert_weights)),
-        Row(tokens, "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
-            timed("ragged combine", y_RD, routes, inputs.weights_TK), useful_bytes, useful_bytes),
+        Row(
+            tokens,
+            "ragged: dispatch (gather + ragged all-to-all)",
+            timed("ragged dispatch", inputs.x_TD, routes),
+            useful_bytes,
+            useful_bytes,
+        ),
+        Row(
+            tokens,
+            "ragged: grouped GEMM (expert FFN on ordered rows)",
+            timed("ragged grouped GEMM", x_RD, routes, *inputs.expert_weights),
+        ),
+        Row(
+            tokens,
+            "ragged: combine (ragged all-to-all back, unsort, weighted sum)",
+            timed("ragged combine", y_RD, routes, inputs.weights_TK),
+            useful_bytes,
+            useful_bytes,
+        ),
     ]
     return rows, stages["ragged combine"](y_RD, routes, inputs.weights_TK), (x_RD, y_RD)
 
 
-def slice_count_rows(stages, inputs: LayerInputs, timed, mesh, received, y_RD, *, local_experts: int,
-                     slice_counts: tuple[int, ...], useful_bytes: int) -> list[Row]:
+def slice_count_rows(
+    stages,
+    inputs: LayerInputs,
+    timed,
+    mesh,
+    received,
+    y_RD,
+    *,
+    local_experts: int,
+    slice_counts: tuple[int, ...],
+    useful_bytes: int,
+) -> list[Row]:
     """The ragged all-to-alls with each expert's rows in each of `slice_counts` slices; received / y_RD: the
     model's received rows (which each count must reproduce) and their expert outputs."""
     ep = mesh.shape["expert"]
     rows = []
     for count in slice_counts:
-        routes = on_mesh(functools.partial(ragged_routes, ep=ep, local_experts=local_experts,
-                                           capacity=inputs.capacity, slices_per_expert=count),
-                         mesh, (SPLIT,), SPLIT)(inputs.experts_TK)
+        routes = on_mesh(
+            functools.partial(
+                ragged_routes, ep=ep, local_experts=local_experts, capacity=inputs.capacity, slices_per_expert=count
+            ),
+            mesh,
+            (SPLIT,),
+            SPLIT,
+        )(inputs.experts_TK)
         if rel_error(stages["ragged dispatch"](inputs.x_TD, routes), received) != 0.0:
             raise AssertionError(f"{count} slices per expert: received rows differ")
-        rows += [Row(inputs.tokens_per_device, f"ragged, {count} slices per expert: dispatch",
-                     timed("ragged dispatch", inputs.x_TD, routes), useful_bytes, useful_bytes),
-                 Row(inputs.tokens_per_device, f"ragged, {count} slices per expert: combine",
-                     timed("ragged combine", y_RD, routes, inputs.weights_TK), useful_bytes, useful_bytes)]
+        rows += [
+            Row(
+                inputs.tokens_per_device,
+                f"ragged, {count} slices per expert: dispatch",
+                timed("ragged dispatch", inputs.x_TD, routes),
+                useful_bytes,
+                useful_bytes,
+            ),
+            Row(
+                inputs.tokens_per_device,
+                f"ragged, {count} slices per expert: combine",
+                timed("ragged combine", y_RD, routes, inputs.weights_TK),
+                useful_bytes,
+                useful_bytes,
+            ),
+        ]
     return rows
 
 
 def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: int, kernel_backend: str) -> float:
     """Seconds per decode step of the 8-layer full-width slice on `mesh`, batch over the expert axis."""
     config = flash_slice_config(8, quick)
-    model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16,
-                                                 kernel_backend=kernel_backend), mesh)
+    model = init_on_mesh(
+        lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, kernel_backend=kernel_backend), mesh
+    )
     cache = filled_cache(model, batch, context, steps + 8)
     cache = jax.device_put(cache, cache_shardings(cache, mesh))
     with jax.set_mesh(mesh):
@@ -258,8 +395,10 @@ def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: i
 
 
 def print_table(rows: list[Row], decode: tuple[int, int, float], devices: int) -> None:
-    print(f"\n| tokens/device | stage (mesh expert={devices}) | ms | all-to-all MB sent per device "
-          f"(buffer / useful) | GB/s per device (buffer / useful) |")
+    print(
+        f"\n| tokens/device | stage (mesh expert={devices}) | ms | all-to-all MB sent per device "
+        f"(buffer / useful) | GB/s per device (buffer / useful) |"
+    )
     print("|---|---|---|---|---|")
     for row in rows:
         if row.sent_bytes:
@@ -280,9 +419,15 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-backend", default="auto", help="auto: the Pallas kernels on a GPU, jnp on a CPU")
     parser.add_argument("--iters", type=int, help=f"timed calls per stage (default {FULL['iters']})")
     parser.add_argument("--steps", type=int, help=f"decode steps timed (default {FULL['steps']})")
-    parser.add_argument("--slices-per-expert", type=int, nargs="*", default=[4, 16], metavar="N",
-                        help=f"also time the ragged all-to-alls with each expert's rows in N slices (the model "
-                             f"uses {SLICES_PER_EXPERT}; default: 4 16)")
+    parser.add_argument(
+        "--slices-per-expert",
+        type=int,
+        nargs="*",
+        default=[4, 16],
+        metavar="N",
+        help=f"also time the ragged all-to-alls with each expert's rows in N slices (the model "
+        f"uses {SLICES_PER_EXPERT}; default: 4 16)",
+    )
     parser.add_argument("--quick", action="store_true", help="a narrow model, fewer tokens: a CPU smoke test")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
@@ -296,18 +441,36 @@ def main(argv=None) -> int:
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"jax {jax.__version__}, {args.devices} x {jax.devices()[0].device_kind}, mesh expert={args.devices}; "
-          f"hidden {config.hidden_size}, {config.num_experts} experts, top-{config.num_experts_per_tok}, width "
-          f"{config.moe_intermediate_size}, bf16, kernels {backend}, capacity factor {args.capacity_factor}",
-          flush=True)
+    print(
+        f"jax {jax.__version__}, {args.devices} x {jax.devices()[0].device_kind}, mesh expert={args.devices}; "
+        f"hidden {config.hidden_size}, {config.num_experts} experts, top-{config.num_experts_per_tok}, width "
+        f"{config.moe_intermediate_size}, bf16, kernels {backend}, capacity factor {args.capacity_factor}",
+        flush=True,
+    )
     moe = init_on_mesh(lambda: MoE(config, clip_layer=8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), mesh)
-    rows = [row for tokens in sizes["tokens_per_device"]
-            for row in time_moe_layer(moe, mesh, tokens, capacity_factor=args.capacity_factor, backend=backend,
-                                      iters=iters, slice_counts=tuple(args.slices_per_expert))]
+    rows = [
+        row
+        for tokens in sizes["tokens_per_device"]
+        for row in time_moe_layer(
+            moe,
+            mesh,
+            tokens,
+            capacity_factor=args.capacity_factor,
+            backend=backend,
+            iters=iters,
+            slice_counts=tuple(args.slices_per_expert),
+        )
+    ]
     del moe
     gc.collect()
-    decode_s = time_sharded_decode(mesh, quick=args.quick, batch=sizes["decode_batch"], context=sizes["context"],
-                                   steps=steps, kernel_backend=args.kernel_backend)
+    decode_s = time_sharded_decode(
+        mesh,
+        quick=args.quick,
+        batch=sizes["decode_batch"],
+        context=sizes["context"],
+        steps=steps,
+        kernel_backend=args.kernel_backend,
+    )
     print_table(rows, (sizes["decode_batch"], sizes["context"], decode_s), args.devices)
     return 0
 

@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
 from ling_jax import LingForCausalLM  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 
@@ -42,8 +42,11 @@ def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
     @jax.jit
     def loads(params, cache, token_B):
         _, captured = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(token_B[:, None], cache=cache)
-        return [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(captured)
-                if "expert_load" in jax.tree_util.keystr(path)]
+        return [
+            leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(captured)
+            if "expert_load" in jax.tree_util.keystr(path)
+        ]
 
     touched = [int((np.asarray(load) > 0).sum()) for load in loads(params, cache, token_B)]
     itemsize = jnp.dtype(model.dtype).itemsize
@@ -52,8 +55,7 @@ def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
     all_experts = config.num_experts * expert_bytes * len(touched)
     embedding = config.vocab_size * config.hidden_size * itemsize  # only B rows are gathered
     weights = all_params - all_experts - embedding + sum(touched) * expert_bytes
-    kda = sum(2 * s.recurrent_state.nbytes + 2 * s.conv_window.nbytes for s in cache.layers
-              if isinstance(s, KDAState))
+    kda = sum(2 * s.recurrent_state.nbytes + 2 * s.conv_window.nbytes for s in cache.layers if isinstance(s, KDAState))
     batch, context = cache.lengths.shape[0], int(cache.lengths[0])
     mla = sum(batch * context * s.latent.shape[-1] * itemsize for s in cache.layers if isinstance(s, MLAState))
     parts = {"weights": weights, "kda_states": kda, "mla_cache": mla, "experts_touched_per_layer": touched}
@@ -76,7 +78,7 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
         jax.block_until_ready(cache)
         start = time.perf_counter()
         for offset in range(0, context, chunk):
-            _, cache = prefill(params, cache, ids[:, offset:offset + chunk])
+            _, cache = prefill(params, cache, ids[:, offset : offset + chunk])
         jax.block_until_ready(cache)
         elapsed.append(time.perf_counter() - start)
     return elapsed[-1]
@@ -87,16 +89,23 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a narrow model and short context")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--prefill-tokens", type=int, default=32768,
-                        help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk")
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=32768,
+        help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
     parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 5 decode steps of the first batch")
     args = parser.parse_args(argv)
     config = flash_slice_config(8, args.quick)
     context = 512 if args.quick else args.context
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
-          f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts, bf16", flush=True)
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
+        f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts, bf16",
+        flush=True,
+    )
     copy = copy_bandwidth(10)
     print(f"device copy: {copy / 1e12:.2f} TB/s", flush=True)
     start = time.perf_counter()
@@ -113,16 +122,21 @@ def main(argv=None) -> int:
         decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
         rows.append((batch, batch * context / prefill_s, decode_s, roofline_s, nbytes))
-        print(f"batch {batch}: prefill {batch * context / prefill_s:,.0f} tok/s (chunk {chunk}); decode step "
-              f"{decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms ({nbytes / 1e9:.2f} GB: "
-              f"weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, MLA "
-              f"{parts['mla_cache'] / 1e9:.2f}; experts touched per layer {parts['experts_touched_per_layer']}); "
-              f"{decode_s / roofline_s:.2f}x roofline", flush=True)
+        print(
+            f"batch {batch}: prefill {batch * context / prefill_s:,.0f} tok/s (chunk {chunk}); decode step "
+            f"{decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms ({nbytes / 1e9:.2f} GB: "
+            f"weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, MLA "
+            f"{parts['mla_cache'] / 1e9:.2f}; experts touched per layer {parts['experts_touched_per_layer']}); "
+            f"{decode_s / roofline_s:.2f}x roofline",
+            flush=True,
+        )
     print("\n| batch | context | prefill tok/s | decode step ms | roofline ms | ratio |")
     print("|---|---|---|---|---|---|")
     for batch, prefill_tps, decode_s, roofline_s, _ in rows:
-        print(f"| {batch} | {context} | {prefill_tps:,.0f} | {decode_s * 1e3:.2f} | {roofline_s * 1e3:.2f} | "
-              f"{decode_s / roofline_s:.2f}x |")
+        print(
+            f"| {batch} | {context} | {prefill_tps:,.0f} | {decode_s * 1e3:.2f} | {roofline_s * 1e3:.2f} | "
+            f"{decode_s / roofline_s:.2f}x |"
+        )
     return 0
 
 

@@ -30,8 +30,16 @@ from ling_jax.cache import LingCache  # noqa: E402
 from ling_jax.generate import CACHE_BUCKET, _decode_step, prefill_chunks  # noqa: E402
 from ling_jax.sampling import SamplingArrays  # noqa: E402
 
-PROMPT_WORDS = ("Mr. Darcy", "Elizabeth", "It is a truth", "Emma Woodhouse", "The weather", "Her sister", "A letter",
-                "At Netherfield")
+PROMPT_WORDS = (
+    "Mr. Darcy",
+    "Elizabeth",
+    "It is a truth",
+    "Emma Woodhouse",
+    "The weather",
+    "Her sister",
+    "A letter",
+    "At Netherfield",
+)
 
 
 def prompts(batch: int) -> list[str]:
@@ -40,11 +48,9 @@ def prompts(batch: int) -> list[str]:
 
 def cli_step_seconds(model_flags: list[str], batch: int, new_tokens: int) -> tuple[float, generate_cli.Run]:
     """Seconds per steady-state decode step of the CLI's second run (the first compiles)."""
-    args = generate_cli.build_parser().parse_args([*model_flags, "--max-new-tokens", str(new_tokens),
-                                                   *prompts(batch)])
+    args = generate_cli.build_parser().parse_args([*model_flags, "--max-new-tokens", str(new_tokens), *prompts(batch)])
     run = generate_cli._prepare(args)
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), \
-            contextlib.redirect_stderr(devnull):
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
         run.generate_and_print()
         stats = run.generate_and_print()
     if not stats.steady_steps:
@@ -86,15 +92,21 @@ def main(argv=None) -> int:
     model_flags = ["--model", args.model] if args.model else (["--preset", "tiny"] if args.quick else [])
     batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,32")).split(",")]
     new_tokens = args.new_tokens or (8 if args.quick else 48)
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; model: "
-          f"{' '.join(model_flags) or 'the demo checkpoint'}; {new_tokens} new tokens per prompt", flush=True)
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}; model: "
+        f"{' '.join(model_flags) or 'the demo checkpoint'}; {new_tokens} new tokens per prompt",
+        flush=True,
+    )
     rows = []
     for batch in batches:
         cli_s, run = cli_step_seconds(model_flags, batch, new_tokens)
         bare_s = bare_step_seconds(run, max(new_tokens, 8))
         rows.append((batch, cli_s, bare_s))
-        print(f"batch {batch}: CLI {cli_s * 1e3:.2f} ms/step ({batch / cli_s:,.1f} tok/s), bare step "
-              f"{bare_s * 1e3:.2f} ms ({batch / bare_s:,.1f} tok/s): {cli_s / bare_s:.2f}x", flush=True)
+        print(
+            f"batch {batch}: CLI {cli_s * 1e3:.2f} ms/step ({batch / cli_s:,.1f} tok/s), bare step "
+            f"{bare_s * 1e3:.2f} ms ({batch / bare_s:,.1f} tok/s): {cli_s / bare_s:.2f}x",
+            flush=True,
+        )
     print("\n| batch | CLI ms/step | CLI tok/s | bare step ms | ratio |")
     print("|---|---|---|---|---|")
     for batch, cli_s, bare_s in rows:

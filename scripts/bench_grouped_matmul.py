@@ -88,8 +88,10 @@ def main(argv=None) -> int:
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
     for rows, (shape_name, (n_dim, k_dim)) in itertools.product(map(int, args.rows.split(",")), SHAPES.items()):
         default, results, weight_bytes = sweep(rows, n_dim, k_dim, args.experts, args.quick, args.iters)
-        print(f"rows {rows:6d} {shape_name:8s} N {n_dim} K {k_dim}: {weight_bytes / 1e6:.1f} MB of expert weights; "
-              f"default tiles {default * 1e6:.1f} us ({weight_bytes / default / 1e12:.2f} TB/s)")
+        print(
+            f"rows {rows:6d} {shape_name:8s} N {n_dim} K {k_dim}: {weight_bytes / 1e6:.1f} MB of expert weights; "
+            f"default tiles {default * 1e6:.1f} us ({weight_bytes / default / 1e12:.2f} TB/s)"
+        )
         for seconds, tiles in results[:5]:
             print(f"    {tiles}: {seconds * 1e6:.1f} us ({weight_bytes / seconds / 1e12:.2f} TB/s)")
     return 0

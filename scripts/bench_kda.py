@@ -31,12 +31,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
-from pallas_kernels.kda import kda_chunked  # noqa: E402
-from pallas_kernels.kda import tuned  # noqa: E402
-from pallas_kernels.kda.gpu_triton import (decay_blocks, inter_chunk, intra_chunk, sub_block_keys,  # noqa: E402
-                                           wy_factors)
+
+from pallas_kernels.kda import (
+    kda_chunked,  # noqa: E402
+    tuned,  # noqa: E402
+)
+from pallas_kernels.kda.gpu_triton import (
+    decay_blocks,
+    inter_chunk,
+    intra_chunk,
+    sub_block_keys,  # noqa: E402
+    wy_factors,
+)
 from pallas_kernels.kda.ops import kernel  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
@@ -98,15 +105,19 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     jg, jbeta = jnp.asarray(g[:, 0]), jnp.asarray(beta[:, 0])
     tq, tk, tv = to_torch(q, k, v, dtype=torch.bfloat16)
     tg, tbeta, tstate = to_torch(g, beta, state)
-    fla_o, fla_state = fused_recurrent_kda(tq, tk, tv, tg, tbeta, initial_state=tstate.clone(),
-                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
-    fla_s = torch_median_seconds(lambda: fused_recurrent_kda(tq, tk, tv, tg, tbeta, initial_state=tstate,
-                                                             output_final_state=True,
-                                                             use_qk_l2norm_in_kernel=True), iters)
+    fla_o, fla_state = fused_recurrent_kda(
+        tq, tk, tv, tg, tbeta, initial_state=tstate.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    fla_s = torch_median_seconds(
+        lambda: fused_recurrent_kda(
+            tq, tk, tv, tg, tbeta, initial_state=tstate, output_final_state=True, use_qk_l2norm_in_kernel=True
+        ),
+        iters,
+    )
     traffic = 2 * 4 * batch * HEADS * DIM * DIM
     best = None
     for variant in DECODE_VARIANTS["small" if batch < 64 else "large"]:
-        step = functools.partial(kda_decode_step_gpu, scale=DIM ** -0.5, **variant)
+        step = functools.partial(kda_decode_step_gpu, scale=DIM**-0.5, **variant)
         o, new_state = jax.jit(step)(jq, jk, jv, jg, jbeta, jnp.asarray(state))
         err_o = rel_error(o, fla_o[:, 0].float().cpu().numpy())
         err_s = rel_error(new_state, fla_state.float().cpu().numpy())
@@ -125,9 +136,11 @@ def bench_decode(batch, iters, copy_bytes_per_s):
             samples.append(time.perf_counter() - start)
         ours_s = statistics.median(samples[2:]) / STEPS_PER_CALL
         label = " ".join(f"{name}={value}" for name, value in variant.items())
-        print(f"decode B={batch} {label}: ours {ours_s * 1e6:.1f} us "
-              f"({traffic / ours_s / 1e12:.2f} TB/s), fla {fla_s * 1e6:.1f} us ({traffic / fla_s / 1e12:.2f} TB/s);"
-              f" vs fla: o {err_o:.1e}, state {err_s:.1e}")
+        print(
+            f"decode B={batch} {label}: ours {ours_s * 1e6:.1f} us "
+            f"({traffic / ours_s / 1e12:.2f} TB/s), fla {fla_s * 1e6:.1f} us ({traffic / fla_s / 1e12:.2f} TB/s);"
+            f" vs fla: o {err_o:.1e}, state {err_s:.1e}"
+        )
         if best is None or ours_s < best[0]:
             best = (ours_s, err_o)
     ours_s, err_o = best
@@ -136,8 +149,9 @@ def bench_decode(batch, iters, copy_bytes_per_s):
 
 # the tuned table's settings on this device (`pallas_kernels/kda/tuned.py`), as chunk_kda_gpu keywords
 PHASE2_DEFAULT = dataclasses.asdict(lookup(tuned.CHUNK_INTER, dtype=jnp.bfloat16))
-PHASE1_DEFAULT = {f"intra_{name}": value
-                  for name, value in dataclasses.asdict(lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)).items()}
+PHASE1_DEFAULT = {
+    f"intra_{name}": value for name, value in dataclasses.asdict(lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)).items()
+}
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
     {},
 ]
@@ -150,16 +164,24 @@ def phase1_kernels(q, k, v, g, beta, knobs, interpret):
     stages = dict(num_stages=knobs["intra_num_stages"], interpret=interpret)
     dtype = knobs["parts_dtype"] or v.dtype
     tiles = dict(block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"])
-    keys_fn = jax.jit(functools.partial(sub_block_keys, use_qk_l2norm=True, parts_dtype=dtype, interpret=interpret,
-                                        **tiles))
+    keys_fn = jax.jit(
+        functools.partial(sub_block_keys, use_qk_l2norm=True, parts_dtype=dtype, interpret=interpret, **tiles)
+    )
     right, totals = keys_fn(k, g)
-    blocks_fn = jax.jit(functools.partial(decay_blocks, scale=DIM ** -0.5, use_qk_l2norm=True, parts_dtype=dtype,
-                                          **tiles, **stages))
+    blocks_fn = jax.jit(
+        functools.partial(decay_blocks, scale=DIM**-0.5, use_qk_l2norm=True, parts_dtype=dtype, **tiles, **stages)
+    )
     _, _, blocks, kb, _, _ = blocks_fn(q, k, g, beta, right, totals)
-    factors_fn = jax.jit(functools.partial(wy_factors, parts_dtype=dtype, input_dtype=v.dtype,
-                                           num_warps=knobs["intra_factors_num_warps"], **stages))
-    return [("keys", keys_fn, (k, g)), ("blocks", blocks_fn, (q, k, g, beta, right, totals)),
-            ("wy factors", factors_fn, (blocks, kb, v, beta))]
+    factors_fn = jax.jit(
+        functools.partial(
+            wy_factors, parts_dtype=dtype, input_dtype=v.dtype, num_warps=knobs["intra_factors_num_warps"], **stages
+        )
+    )
+    return [
+        ("keys", keys_fn, (k, g)),
+        ("blocks", blocks_fn, (q, k, g, beta, right, totals)),
+        ("wy factors", factors_fn, (blocks, kb, v, beta)),
+    ]
 
 
 def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
@@ -168,21 +190,40 @@ def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
     jq, jk, jv, jg, jbeta = inputs
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
     knobs = {name: variant[name] for name in PHASE1_KNOBS}
-    intra = jax.jit(functools.partial(
-        intra_chunk, scale=DIM ** -0.5, block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"],
-        num_stages=knobs["intra_num_stages"], factors_num_warps=knobs["intra_factors_num_warps"],
-        parts_dtype=knobs["parts_dtype"], interpret=interpret))
+    intra = jax.jit(
+        functools.partial(
+            intra_chunk,
+            scale=DIM**-0.5,
+            block_k=knobs["intra_block_k"],
+            num_warps=knobs["intra_num_warps"],
+            num_stages=knobs["intra_num_stages"],
+            factors_num_warps=knobs["intra_factors_num_warps"],
+            parts_dtype=knobs["parts_dtype"],
+            interpret=interpret,
+        )
+    )
     parts = intra(*phase1_args)
     key = tuple(knobs.values())
     if key not in phase1_seconds:
-        phase1_seconds[key] = (median_seconds(intra, *phase1_args, iters=iters),
-                               {name: median_seconds(fn, *args, iters=iters)
-                                for name, fn, args in phase1_kernels(*phase1_args, knobs, interpret)})
+        phase1_seconds[key] = (
+            median_seconds(intra, *phase1_args, iters=iters),
+            {
+                name: median_seconds(fn, *args, iters=iters)
+                for name, fn, args in phase1_kernels(*phase1_args, knobs, interpret)
+            },
+        )
     batch, _, heads, _ = jq.shape
     state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
-    inter = jax.jit(functools.partial(inter_chunk, out_dtype=jv.dtype, block_v=variant["block_v"],
-                                      num_warps=variant["num_warps"], num_stages=variant["num_stages"],
-                                      interpret=interpret))
+    inter = jax.jit(
+        functools.partial(
+            inter_chunk,
+            out_dtype=jv.dtype,
+            block_v=variant["block_v"],
+            num_warps=variant["num_warps"],
+            num_stages=variant["num_stages"],
+            interpret=interpret,
+        )
+    )
     inter_s = median_seconds(inter, parts, state, iters=iters)
     parts_bytes = sum(x.nbytes for x in parts)
     phase1_bytes = sum(x.nbytes for x in phase1_args) + parts_bytes
@@ -198,8 +239,9 @@ def fla_prefill(q, k, v, g, beta, iters):
     tq, tk, tv = to_torch(q, k, v, dtype=torch.bfloat16)
     tg, tbeta = to_torch(g, beta)
     fla_o, fla_state = chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    fla_s = torch_median_seconds(lambda: chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True,
-                                                   use_qk_l2norm_in_kernel=True), iters)
+    fla_s = torch_median_seconds(
+        lambda: chunk_kda(tq, tk, tv, tg, tbeta, output_final_state=True, use_qk_l2norm_in_kernel=True), iters
+    )
     return fla_o.float().cpu().numpy(), fla_state.float().cpu().numpy(), fla_s
 
 
@@ -220,29 +262,38 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
     if jnp_baseline:
         jnp_s = median_seconds(jax.jit(kda_chunked), jq, jk, jv, jg, jbeta, iters=iters)
         baseline = f", jnp chunked (XLA) {jnp_s * 1e3:.2f} ms"
-    print(f"prefill B={batch} T={length}: {ref_name} {ref_s * 1e3:.2f} ms ({tokens / ref_s / 1e6:.2f} Mtok/s)"
-          f"{baseline}")
+    print(
+        f"prefill B={batch} T={length}: {ref_name} {ref_s * 1e3:.2f} ms ({tokens / ref_s / 1e6:.2f} Mtok/s){baseline}"
+    )
     best, phase1_seconds = None, {}
     for overrides in PREFILL_VARIANTS:
         variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT, "parts_dtype": None, **overrides}
-        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM ** -0.5, interpret=interpret, **variant))
-        label = " ".join(f"{name}={jnp.dtype(value).name if name == 'parts_dtype' and value else value}"
-                         for name, value in overrides.items()) or "defaults"
+        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM**-0.5, interpret=interpret, **variant))
+        label = (
+            " ".join(
+                f"{name}={jnp.dtype(value).name if name == 'parts_dtype' and value else value}"
+                for name, value in overrides.items()
+            )
+            or "defaults"
+        )
         try:
             o, state = fn(jq, jk, jv, jg, jbeta)
             err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
             seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
             intra_s, kernel_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases(
-                (jq, jk, jv, jg, jbeta), variant, iters, phase1_seconds, interpret)
+                (jq, jk, jv, jg, jbeta), variant, iters, phase1_seconds, interpret
+            )
         except Exception as error:  # a variant that fails to compile or run must not end the sweep
             print(f"  Pallas {label}: failed: {type(error).__name__}: {str(error)[:300]}")
             continue
         kernels = " + ".join(f"{name} {s * 1e3:.2f}" for name, s in kernel_s.items())
-        print(f"  Pallas {label}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, "
-              f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}\n"
-              f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels} alone), >= {intra_bytes / 1e9:.2f} GB "
-              f"({intra_bytes / intra_s / 1e12:.2f} TB/s); phase 2 (state pass) {inter_s * 1e3:.2f} ms, "
-              f">= {inter_bytes / 1e9:.2f} GB ({inter_bytes / inter_s / 1e12:.2f} TB/s)")
+        print(
+            f"  Pallas {label}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, "
+            f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}\n"
+            f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels} alone), >= {intra_bytes / 1e9:.2f} GB "
+            f"({intra_bytes / intra_s / 1e12:.2f} TB/s); phase 2 (state pass) {inter_s * 1e3:.2f} ms, "
+            f">= {inter_bytes / 1e9:.2f} GB ({inter_bytes / inter_s / 1e12:.2f} TB/s)"
+        )
         if best is None or seconds < best[0]:
             best = (seconds, err_o)
     seconds, err = best
@@ -255,34 +306,50 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--prefill-only", action="store_true")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--prefill-size", type=int, nargs=2, action="append", metavar=("B", "T"),
-                        help="prefill batch and length to time (repeatable; default 1 32768 and 8 4096, "
-                             "--quick 1 4096)")
-    parser.add_argument("--jnp-baseline", action="store_true",
-                        help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)")
+    parser.add_argument(
+        "--prefill-size",
+        type=int,
+        nargs=2,
+        action="append",
+        metavar=("B", "T"),
+        help="prefill batch and length to time (repeatable; default 1 32768 and 8 4096, --quick 1 4096)",
+    )
+    parser.add_argument(
+        "--jnp-baseline",
+        action="store_true",
+        help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)",
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         if not args.quick or args.decode_only:
-            parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); without one, "
-                         "--quick runs the prefill variants interpreted at a small size (a check of the wiring)")
+            parser.error(
+                f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); without one, "
+                "--quick runs the prefill variants interpreted at a small size (a check of the wiring)"
+            )
         print(f"jax {jax.__version__}; no GPU: prefill variants in interpret mode, H={CPU_HEADS} (times meaningless)")
         rows = [bench_prefill(1, 3 * 64, 1, False, interpret=True, heads=CPU_HEADS)]
     else:
         copy = max(copy_bandwidth(args.iters), 0.0 if args.prefill_only else torch_copy_bandwidth(args.iters))
-        print(f"jax {jax.__version__}; device copy {copy / 1e12:.2f} TB/s (read + write; the faster of an XLA "
-              "elementwise op and a torch copy)")
+        print(
+            f"jax {jax.__version__}; device copy {copy / 1e12:.2f} TB/s (read + write; the faster of an XLA "
+            "elementwise op and a torch copy)"
+        )
         decode_batches = () if args.prefill_only else ((1, 64) if args.quick else (1, 64, 256))
         rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
         sizes = args.prefill_size or (((1, 4096),) if args.quick else ((1, 32768), (8, 4096)))
         for batch, length in () if args.decode_only else sizes:
             rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline))
-    print("\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     for op, batch, length, ours_s, fla_s, frac, err in rows:
         unit, scale = ("us", 1e6) if op == "decode" else ("ms", 1e3)
         share = "" if frac is None else f"{100 * frac:.0f}%"
-        print(f"| {op} | {batch} | {length} | {ours_s * scale:.1f} {unit} | {fla_s * scale:.1f} {unit} | "
-              f"{fla_s / ours_s:.2f}x | {share} | {err:.1e} |")
+        print(
+            f"| {op} | {batch} | {length} | {ours_s * scale:.1f} {unit} | {fla_s * scale:.1f} {unit} | "
+            f"{fla_s / ours_s:.2f}x | {share} | {err:.1e} |"
+        )
     return 0
 
 

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_common import chained, copy_bandwidth, per_call_seconds, rel_error  # noqa: E402
+
 from pallas_kernels.mla.gpu_mosaic import default_num_splits as mosaic_num_splits  # noqa: E402
 from pallas_kernels.mla.gpu_triton import default_num_splits  # noqa: E402
 from pallas_kernels.mla.ops import kernel  # noqa: E402
@@ -53,14 +53,30 @@ def kernel_variants(batch: int, length: int, scale: float):
     """(label, jitted kernel) pairs for one size."""
     for block_k, head_block, warps, stages in TRITON_VARIANTS:
         splits = default_num_splits(batch, -(-HEADS // head_block), length)
-        yield (f"triton (bk {block_k}, hb {head_block}, warps {warps}, stages {stages}, splits {splits})",
-               jax.jit(functools.partial(mla_decode_gpu, scale=scale, block_k=block_k, head_block=head_block,
-                                         num_warps=warps, num_stages=stages, num_splits=splits)))
+        yield (
+            f"triton (bk {block_k}, hb {head_block}, warps {warps}, stages {stages}, splits {splits})",
+            jax.jit(
+                functools.partial(
+                    mla_decode_gpu,
+                    scale=scale,
+                    block_k=block_k,
+                    head_block=head_block,
+                    num_warps=warps,
+                    num_stages=stages,
+                    num_splits=splits,
+                )
+            ),
+        )
     for pv_chunk, split_factor, approx_math in MOSAIC_VARIANTS:
         splits = split_factor * mosaic_num_splits(batch, length)
-        yield (f"mosaic (pv_chunk {pv_chunk}, splits {splits}{', approx. exp' if approx_math else ''})",
-               jax.jit(functools.partial(mla_decode_mgpu, scale=scale, pv_chunk=pv_chunk, num_splits=splits,
-                                         approx_math=approx_math)))
+        yield (
+            f"mosaic (pv_chunk {pv_chunk}, splits {splits}{', approx. exp' if approx_math else ''})",
+            jax.jit(
+                functools.partial(
+                    mla_decode_mgpu, scale=scale, pv_chunk=pv_chunk, num_splits=splits, approx_math=approx_math
+                )
+            ),
+        )
 
 
 def profile_default_kernel(directory: str, scale: float, *args) -> None:
@@ -74,8 +90,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of the default Mosaic kernel's "
-                        "chained calls at each size under DIR/B<batch>_L<length> (read it with trace_summary.py)")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a Perfetto trace of the default Mosaic kernel's "
+        "chained calls at each size under DIR/B<batch>_L<length> (read it with trace_summary.py)",
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
@@ -84,7 +104,7 @@ def main(argv=None) -> int:
     ceiling = copy_bandwidth(args.iters)
     print(f"device copy: {ceiling / 1e12:.2f} TB/s (bytes read + written)")
     rows = []
-    for batch, length in (QUICK_SIZES if args.quick else SIZES):
+    for batch, length in QUICK_SIZES if args.quick else SIZES:
         keys = jax.random.split(jax.random.key(batch * length), 3)
         q_latent = 0.2 * jax.random.normal(keys[0], (batch, HEADS, LATENT), jnp.bfloat16)
         q_rope = jax.random.normal(keys[1], (batch, HEADS, ROPE), jnp.bfloat16)
@@ -100,30 +120,38 @@ def main(argv=None) -> int:
         for variant, fn in kernel_variants(batch, length, scale):
             try:
                 err = rel_error(fn(q_latent, q_rope, cache, lengths), ref)
-                seconds = per_call_seconds(fn, nudge_query, q_latent, q_rope, cache, lengths, iters=args.iters,
-                                           calls=CALLS)
+                seconds = per_call_seconds(
+                    fn, nudge_query, q_latent, q_rope, cache, lengths, iters=args.iters, calls=CALLS
+                )
             except Exception as e:  # a variant that does not compile (e.g. out of shared memory) is reported
                 print(f"  variant {variant}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 continue
-            print(f"  variant {variant}: {seconds * 1e3:.3f} ms, {cache_bytes / seconds / 1e12:.2f} TB/s, "
-                  f"rel. error {err:.1e}")
+            print(
+                f"  variant {variant}: {seconds * 1e3:.3f} ms, {cache_bytes / seconds / 1e12:.2f} TB/s, "
+                f"rel. error {err:.1e}"
+            )
             assert err < 2e-2, f"kernel variant is wrong: rel. error {err}"
             if best is None or seconds < best[0]:
                 best = (seconds, variant, err)
         if args.profile:
-            profile_default_kernel(os.path.join(args.profile, f"B{batch}_L{length}"), scale, q_latent, q_rope, cache,
-                                   lengths)
+            profile_default_kernel(
+                os.path.join(args.profile, f"B{batch}_L{length}"), scale, q_latent, q_rope, cache, lengths
+            )
         if best is None:
             print(f"B={batch} L={length}: no kernel variant ran")
             continue
         seconds, variant, err = best
         rows.append((batch, length, xla_s, seconds, variant, err, cache_bytes, flops))
-    print("\n| B | L | XLA ms | best ms | speed-up | cache TB/s | % of copy | TFLOP/s |"
-          " kernel | rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| B | L | XLA ms | best ms | speed-up | cache TB/s | % of copy | TFLOP/s |"
+        " kernel | rel. err |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     for batch, length, xla_s, seconds, variant, err, cache_bytes, flops in rows:
-        print(f"| {batch} | {length} | {xla_s * 1e3:.3f} | {seconds * 1e3:.3f} | {xla_s / seconds:.2f}x | "
-              f"{cache_bytes / seconds / 1e12:.2f} | {100 * cache_bytes / seconds / ceiling:.0f}% | "
-              f"{flops / seconds / 1e12:.0f} | {variant} | {err:.1e} |")
+        print(
+            f"| {batch} | {length} | {xla_s * 1e3:.3f} | {seconds * 1e3:.3f} | {xla_s / seconds:.2f}x | "
+            f"{cache_bytes / seconds / 1e12:.2f} | {100 * cache_bytes / seconds / ceiling:.0f}% | "
+            f"{flops / seconds / 1e12:.0f} | {variant} | {err:.1e} |"
+        )
     return 0
 
 

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from bench_common import median_seconds, rel_error  # noqa: E402
+
 from pallas_kernels.mla.ops import kernel  # noqa: E402
 from pallas_kernels.mla.reference import flash_expanded_attention  # noqa: E402
 
@@ -37,10 +37,15 @@ def inputs(length: int, slots: int):
     keys = jax.random.split(jax.random.key(slots), 5)
     normal = lambda key, shape, s=1.0: (s * jax.random.normal(key, shape)).astype(jnp.bfloat16)  # noqa: E731
     first = slots - length
-    return (normal(keys[0], (1, length, HEADS, NOPE)), normal(keys[1], (1, length, HEADS, ROPE)),
-            normal(keys[2], (1, slots, LATENT + ROPE)), (first + jnp.arange(length))[None].astype(jnp.int32),
-            jnp.ones((1, slots), bool), normal(keys[3], (HEADS, NOPE, LATENT), LATENT ** -0.5),
-            normal(keys[4], (HEADS, VALUE, LATENT), LATENT ** -0.5))
+    return (
+        normal(keys[0], (1, length, HEADS, NOPE)),
+        normal(keys[1], (1, length, HEADS, ROPE)),
+        normal(keys[2], (1, slots, LATENT + ROPE)),
+        (first + jnp.arange(length))[None].astype(jnp.int32),
+        jnp.ones((1, slots), bool),
+        normal(keys[3], (HEADS, NOPE, LATENT), LATENT**-0.5),
+        normal(keys[4], (HEADS, VALUE, LATENT), LATENT**-0.5),
+    )
 
 
 def main(argv=None) -> int:
@@ -61,9 +66,12 @@ def main(argv=None) -> int:
         jnp_path = jax.jit(functools.partial(flash_expanded_attention, scale=scale))
         ref = jnp_path(*case)
         paths = [("jnp flash (XLA)", jnp_path)] + [
-            (f"Pallas kernel, segment {segment}",
-             jax.jit(functools.partial(flash_expanded_attention_gpu, scale=scale, segment=segment)))
-            for segment in SEGMENTS]
+            (
+                f"Pallas kernel, segment {segment}",
+                jax.jit(functools.partial(flash_expanded_attention_gpu, scale=scale, segment=segment)),
+            )
+            for segment in SEGMENTS
+        ]
         for name, fn in paths:
             err = rel_error(fn(*case), ref)
             assert err < 2e-2, f"{name}: rel. error {err}"

@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_common import median_seconds, rel_error  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_common import median_seconds, rel_error  # noqa: E402
 from ling_jax import LingConfig  # noqa: E402
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
 from ling_jax.moe import MoE  # noqa: E402
@@ -55,12 +55,24 @@ ISSUE_PEAK = 683e12  # the H200 bf16 peak issue 6 states its goal against
 # default. min_block_m: the smallest row tile a group's last, partial tile shrinks to (= block_m: no shrinking).
 SWEEP = {
     "many rows": {
-        "gather_swiglu": [(128, 128, 64, 8, 4, 32), (128, 128, 64, 8, 4, 128), (128, 128, 64, 8, 4, 64),
-                          (128, 128, 64, 8, 4, 16), (128, 128, 64, 8, 3, 32), (64, 128, 64, 4, 4, 16),
-                          (64, 256, 64, 8, 3, 16)],
-        "down_scatter": [(128, 256, 64, 8, 4, 32), (128, 256, 64, 8, 4, 128), (128, 256, 64, 8, 4, 64),
-                         (128, 256, 64, 8, 4, 16), (128, 256, 64, 8, 3, 32), (64, 256, 64, 8, 4, 16),
-                         (128, 128, 64, 8, 4, 32)],
+        "gather_swiglu": [
+            (128, 128, 64, 8, 4, 32),
+            (128, 128, 64, 8, 4, 128),
+            (128, 128, 64, 8, 4, 64),
+            (128, 128, 64, 8, 4, 16),
+            (128, 128, 64, 8, 3, 32),
+            (64, 128, 64, 4, 4, 16),
+            (64, 256, 64, 8, 3, 16),
+        ],
+        "down_scatter": [
+            (128, 256, 64, 8, 4, 32),
+            (128, 256, 64, 8, 4, 128),
+            (128, 256, 64, 8, 4, 64),
+            (128, 256, 64, 8, 4, 16),
+            (128, 256, 64, 8, 3, 32),
+            (64, 256, 64, 8, 4, 16),
+            (128, 128, 64, 8, 4, 32),
+        ],
     },
     "few rows": {
         "gather_swiglu": [(16, 64, 128, 4, 4, 16), (16, 32, 128, 4, 4, 16), (32, 64, 128, 4, 4, 16)],
@@ -74,7 +86,7 @@ def matmul_peak(iters: int, n: int = 8192) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     matmul = jax.jit(lambda x, y: x @ y)
-    return max(2 * n ** 3 / median_seconds(matmul, a, b, iters=iters) for _ in range(3))
+    return max(2 * n**3 / median_seconds(matmul, a, b, iters=iters) for _ in range(3))
 
 
 def dense_in_chunks(x_TD, weights_TK, experts_TK, gate, up, down, limit):
@@ -89,8 +101,11 @@ def dense_in_chunks(x_TD, weights_TK, experts_TK, gate, up, down, limit):
 
 def unfused_gemms(rows_RD, sizes_E, gate, up, down, *, limit, backend):
     """The unfused path's kernels alone: three grouped matmuls and the SwiGLU on already repeated rows."""
-    hidden_RI = swiglu(grouped_matmul(rows_RD, gate, sizes_E, backend=backend),
-                       grouped_matmul(rows_RD, up, sizes_E, backend=backend), limit)
+    hidden_RI = swiglu(
+        grouped_matmul(rows_RD, gate, sizes_E, backend=backend),
+        grouped_matmul(rows_RD, up, sizes_E, backend=backend),
+        limit,
+    )
     return grouped_matmul(hidden_RI, down, sizes_E, backend=backend)
 
 
@@ -103,12 +118,14 @@ def fused_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down
 def unfused_layer(graphdef, limit, backend):
     """The whole MoE layer (router, routed experts, shared expert) with the unfused routed path, jitted over
     its split state as the model runs (nnx.jit would also return, i.e. copy, the state)."""
+
     def run(state, x_TD):
         moe = nnx.merge(graphdef, state)
         weights_TK, experts_TK = moe.gate(x_TD, backend=backend)
         experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
-        return (unfused_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend)
-                + moe.shared_experts(x_TD))
+        return unfused_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend) + moe.shared_experts(
+            x_TD
+        )
 
     return jax.jit(run)
 
@@ -131,10 +148,14 @@ def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, it
     x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
     h_RI = gather_swiglu_gpu(x_TD, source_R, sizes_E, gate, up, limit=limit, interpret=interpret)
     calls = {
-        "gather_swiglu": lambda tiles: (functools.partial(gather_swiglu_gpu, limit=limit, interpret=interpret,
-                                                          **tiles), (x_TD, source_R, sizes_E, gate, up)),
-        "down_scatter": lambda tiles: (functools.partial(down_scatter_gpu, interpret=interpret, **tiles),
-                                       (h_RI, order_R, row_weight_R, sizes_E, down)),
+        "gather_swiglu": lambda tiles: (
+            functools.partial(gather_swiglu_gpu, limit=limit, interpret=interpret, **tiles),
+            (x_TD, source_R, sizes_E, gate, up),
+        ),
+        "down_scatter": lambda tiles: (
+            functools.partial(down_scatter_gpu, interpret=interpret, **tiles),
+            (h_RI, order_R, row_weight_R, sizes_E, down),
+        ),
     }
     names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m")
     rows = []
@@ -151,12 +172,16 @@ def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, it
 
 
 def print_table(rows, peak):
-    print(f"\n| tokens | path | ms | useful TFLOP/s | % of measured peak ({peak / 1e12:.3g}) | "
-          f"% of {ISSUE_PEAK / 1e12:.0f} |")
+    print(
+        f"\n| tokens | path | ms | useful TFLOP/s | % of measured peak ({peak / 1e12:.3g}) | "
+        f"% of {ISSUE_PEAK / 1e12:.0f} |"
+    )
     print("|---|---|---|---|---|---|")
     for tokens, name, seconds, tflops in rows:
-        print(f"| {tokens} | {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops * 1e12 / peak:.1%} | "
-              f"{tflops * 1e12 / ISSUE_PEAK:.1%} |")
+        print(
+            f"| {tokens} | {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops * 1e12 / peak:.1%} | "
+            f"{tflops * 1e12 / ISSUE_PEAK:.1%} |"
+        )
 
 
 def print_sweep(tokens, rows):
@@ -170,24 +195,37 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--devices", type=int, default=1,
-                        help="N > 1: the layer with its experts over N devices, split into dispatch all-to-all, "
-                             "grouped GEMM and combine, plus the sharded decode step (runs "
-                             "scripts/bench_expert_parallel.py --devices N with --quick and --iters)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="N > 1: the layer with its experts over N devices, split into dispatch all-to-all, "
+        "grouped GEMM and combine, plus the sharded decode step (runs "
+        "scripts/bench_expert_parallel.py --devices N with --quick and --iters)",
+    )
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
-    parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 3 calls of the fused whole layer "
-                        "per token count under DIR/tokens<N> (read it with scripts/trace_summary.py --steps 3)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=None,
-                        help="token counts to time (default 8192 64; --quick 256 16)")
-    parser.add_argument("--backend", default=None,
-                        help="kernel backend: pallas_gpu (default on a GPU), interpret_gpu (default with --quick "
-                             "elsewhere), reference (jnp ragged dots, no kernels)")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a Perfetto trace of 3 calls of the fused whole layer "
+        "per token count under DIR/tokens<N> (read it with scripts/trace_summary.py --steps 3)",
+    )
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=None, help="token counts to time (default 8192 64; --quick 256 16)"
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="kernel backend: pallas_gpu (default on a GPU), interpret_gpu (default with --quick "
+        "elsewhere), reference (jnp ragged dots, no kernels)",
+    )
     args = parser.parse_args(argv)
     if args.devices > 1:
         import bench_expert_parallel
 
-        return bench_expert_parallel.main(["--devices", str(args.devices), "--iters", str(args.iters)]
-                                          + (["--quick"] if args.quick else []))
+        return bench_expert_parallel.main(
+            ["--devices", str(args.devices), "--iters", str(args.iters)] + (["--quick"] if args.quick else [])
+        )
     on_gpu = jax.default_backend() == "gpu"
     backend = args.backend or ("pallas_gpu" if on_gpu else "interpret_gpu" if args.quick else None)
     if backend is None or (backend == "pallas_gpu" and not on_gpu):
@@ -195,14 +233,22 @@ def main(argv=None) -> int:
     config = LingConfig.preset("ling-3.1-flash")
     token_counts = (8192, 64)
     if args.quick:
-        config = config.replace(hidden_size=256, moe_intermediate_size=128, num_experts=16, n_group=4,
-                                topk_group=2, shared_expert_intermediate_size=128)
+        config = config.replace(
+            hidden_size=256,
+            moe_intermediate_size=128,
+            num_experts=16,
+            n_group=4,
+            topk_group=2,
+            shared_expert_intermediate_size=128,
+        )
         token_counts = (256, 16)  # 16 x top-8 rows: above local_moe's row-path limit
     token_counts = args.tokens or token_counts
     hidden, width, top_k = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; backend {backend}; hidden {hidden}, "
-          f"{config.num_experts} experts, top-{top_k}, width {width}, shared width "
-          f"{config.shared_expert_intermediate_size}, bf16")
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}; backend {backend}; hidden {hidden}, "
+        f"{config.num_experts} experts, top-{top_k}, width {width}, shared width "
+        f"{config.shared_expert_intermediate_size}, bf16"
+    )
     peak = matmul_peak(args.iters, n=1024 if args.quick else 8192)
     print(f"bf16 matmul peak (XLA, best of three medians): {peak / 1e12:.1f} TFLOP/s")
     moe = MoE(config, clip_layer=8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -227,24 +273,33 @@ def main(argv=None) -> int:
         fused_layer = model_layer(graphdef, backend)
         times = {
             "unfused: GEMMs only": median_seconds(
-                jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)), rows_RD, sizes_E, gate, up,
-                down, iters=args.iters),
+                jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)),
+                rows_RD,
+                sizes_E,
+                gate,
+                up,
+                down,
+                iters=args.iters,
+            ),
             "fused: kernels only": median_seconds(
-                jax.jit(functools.partial(fused_kernels, limit=limit, backend=backend)), *kernel_args,
-                iters=args.iters),
+                jax.jit(functools.partial(fused_kernels, limit=limit, backend=backend)), *kernel_args, iters=args.iters
+            ),
             "unfused: routed experts": median_seconds(unfused, *routing, iters=args.iters),
             "fused: routed experts": median_seconds(fused, *routing, iters=args.iters),
-            "unfused: whole MoE layer": median_seconds(unfused_layer(graphdef, limit, backend), state, x_TD,
-                                                       iters=args.iters),
+            "unfused: whole MoE layer": median_seconds(
+                unfused_layer(graphdef, limit, backend), state, x_TD, iters=args.iters
+            ),
             "fused: whole MoE layer": median_seconds(fused_layer, state, x_TD, iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
         if args.profile:
             profile_calls(fused_layer, (state, x_TD), os.path.join(args.profile, f"tokens{tokens}"), calls=3)
         layer_flops = flops + 2 * tokens * hidden * (config.num_experts + 3 * config.shared_expert_intermediate_size)
-        print(f"\ntokens {tokens}: whole fused layer counting all its matmuls (routed top-{top_k}, shared expert, "
-              f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times['fused: whole MoE layer'] / 1e12:.1f} "
-              f"TFLOP/s, {layer_flops / times['fused: whole MoE layer'] / peak:.1%} of peak")
+        print(
+            f"\ntokens {tokens}: whole fused layer counting all its matmuls (routed top-{top_k}, shared expert, "
+            f"router: {layer_flops / 1e12:.3f} TFLOP): {layer_flops / times['fused: whole MoE layer'] / 1e12:.1f} "
+            f"TFLOP/s, {layer_flops / times['fused: whole MoE layer'] / peak:.1%} of peak"
+        )
         print(f"\ntokens {tokens}: rel. error vs dense: unfused {errors['unfused']:.2e}, fused {errors['fused']:.2e}")
         for name, seconds in times.items():
             tflops = flops / seconds / 1e12
@@ -252,9 +307,14 @@ def main(argv=None) -> int:
             rows.append((tokens, name, seconds, tflops))
         if not args.no_sweep and backend != "reference":
             few_rows = tokens * top_k <= FEW_ROWS_PER_GROUP * config.num_experts
-            sweep = sweep_tiles(kernel_args, SWEEP["few rows" if few_rows else "many rows"],
-                                flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
-                                interpret=backend.startswith("interpret"), limit=limit, iters=args.iters)
+            sweep = sweep_tiles(
+                kernel_args,
+                SWEEP["few rows" if few_rows else "many rows"],
+                flops_per_kernel={"gather_swiglu": 2 * flops / 3, "down_scatter": flops / 3},
+                interpret=backend.startswith("interpret"),
+                limit=limit,
+                iters=args.iters,
+            )
             print_sweep(tokens, sweep)
     print_table(rows, peak)
     return 0

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bench_common import per_call_seconds, rel_error  # noqa: E402
+
 from ling_jax.expert_ffn import grouped_local_moe, swiglu_ffn  # noqa: E402
 from pallas_kernels.moe import tuned  # noqa: E402
 from pallas_kernels.moe.ops import kernel  # noqa: E402
@@ -60,8 +60,11 @@ def bench_select_experts(iters: int) -> None:
         logits = jnp.asarray(r.normal(size=(tokens, EXPERTS)), jnp.float32)
         bias = jnp.asarray(r.normal(size=EXPERTS) * 0.1, jnp.float32)
         ref_experts = select_experts_reference(logits, bias, RULE)[1]
-        cells = [per_call_seconds(lambda lg, b: select_experts_reference(lg, b, RULE), nudge_logits, logits, bias,
-                                  iters=iters)]
+        cells = [
+            per_call_seconds(
+                lambda lg, b: select_experts_reference(lg, b, RULE), nudge_logits, logits, bias, iters=iters
+            )
+        ]
         for block_t, warps in SELECT_TILES:
             select = functools.partial(select_experts_gpu, rule=RULE, block_t=block_t, num_warps=warps)
             assert (np.asarray(select(logits, bias)[1]) == np.asarray(ref_experts)).all(), (block_t, warps)
@@ -69,18 +72,38 @@ def bench_select_experts(iters: int) -> None:
         print(f"| {tokens} | " + " | ".join(f"{c * 1e6:.1f}" for c in cells) + " |", flush=True)
 
 
-SWIGLU_SWEEP = [(8, 512, 4, 3), (8, 1024, 4, 3), (16, 512, 4, 2), (16, 512, 4, 3), (16, 1024, 4, 3),
-                (16, 512, 8, 3), (32, 256, 4, 3), (32, 512, 8, 3), (8, 512, 2, 3), (16, 256, 4, 4), (8, 256, 4, 4),
-                (4, 1024, 4, 3)]
-DOWN_SWEEP = [(8, 1024, 4, 3), (4, 1024, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 8, 3), (8, 1024, 2, 3),
-              (8, 256, 4, 4)]
+SWIGLU_SWEEP = [
+    (8, 512, 4, 3),
+    (8, 1024, 4, 3),
+    (16, 512, 4, 2),
+    (16, 512, 4, 3),
+    (16, 1024, 4, 3),
+    (16, 512, 8, 3),
+    (32, 256, 4, 3),
+    (32, 512, 8, 3),
+    (8, 512, 2, 3),
+    (16, 256, 4, 4),
+    (8, 256, 4, 4),
+    (4, 1024, 4, 3),
+]
+DOWN_SWEEP = [
+    (8, 1024, 4, 3),
+    (4, 1024, 4, 3),
+    (8, 512, 4, 3),
+    (16, 512, 4, 3),
+    (16, 1024, 8, 3),
+    (8, 1024, 2, 3),
+    (8, 256, 4, 4),
+]
 
 
 def sweep_row_tiles(operands, shared, iters: int) -> None:
     """The SwiGLU-rows kernel's tiles with the default down tiles, then the down kernel's with the best."""
+
     def timed(swiglu_tiles, down_tiles):
-        rows = functools.partial(routed_experts_gpu, limit=LIMIT, shared_limit=LIMIT, swiglu_tiles=swiglu_tiles,
-                                 down_tiles=down_tiles)
+        rows = functools.partial(
+            routed_experts_gpu, limit=LIMIT, shared_limit=LIMIT, swiglu_tiles=swiglu_tiles, down_tiles=down_tiles
+        )
         try:
             return per_call_seconds(lambda x, *rest: rows(x, *rest), nudge_x, *operands, shared, iters=iters)
         except Exception as error:  # noqa: BLE001 - a candidate that does not compile is skipped
@@ -89,8 +112,10 @@ def sweep_row_tiles(operands, shared, iters: int) -> None:
 
     swiglu = sorted((timed(t, DOWN_TILES), t) for t in SWIGLU_SWEEP)
     down = sorted((timed(swiglu[0][1], t), t) for t in DOWN_SWEEP)
-    print(f"\nrow-kernel tiles at 1 token (block_n, block_k, num_warps, num_stages), us per call (default "
-          f"swiglu {SWIGLU_TILES}, down {DOWN_TILES})")
+    print(
+        f"\nrow-kernel tiles at 1 token (block_n, block_k, num_warps, num_stages), us per call (default "
+        f"swiglu {SWIGLU_TILES}, down {DOWN_TILES})"
+    )
     for seconds, tiles in swiglu[:5]:
         print(f"    swiglu {tiles} down {DOWN_TILES}: {seconds * 1e6:.1f}")
     for seconds, tiles in down[:4]:
@@ -106,12 +131,14 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
     keys = jax.random.split(jax.random.key(0), 7)
-    gate = jax.random.normal(keys[0], (EXPERTS, WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN ** -0.5
-    up = jax.random.normal(keys[1], (EXPERTS, WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN ** -0.5
-    down = jax.random.normal(keys[2], (EXPERTS, HIDDEN, WIDTH), jnp.bfloat16) * WIDTH ** -0.5
-    shared = (jax.random.normal(keys[4], (WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN ** -0.5,
-              jax.random.normal(keys[5], (WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN ** -0.5,
-              jax.random.normal(keys[6], (HIDDEN, WIDTH), jnp.bfloat16) * WIDTH ** -0.5)
+    gate = jax.random.normal(keys[0], (EXPERTS, WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN**-0.5
+    up = jax.random.normal(keys[1], (EXPERTS, WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN**-0.5
+    down = jax.random.normal(keys[2], (EXPERTS, HIDDEN, WIDTH), jnp.bfloat16) * WIDTH**-0.5
+    shared = (
+        jax.random.normal(keys[4], (WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN**-0.5,
+        jax.random.normal(keys[5], (WIDTH, HIDDEN), jnp.bfloat16) * HIDDEN**-0.5,
+        jax.random.normal(keys[6], (HIDDEN, WIDTH), jnp.bfloat16) * WIDTH**-0.5,
+    )
     expert_bytes = 3 * HIDDEN * WIDTH * 2
 
     def rows(x, weights, experts, gate, up, down, shared):
@@ -133,8 +160,11 @@ def main(argv=None) -> int:
         grouped_s = per_call_seconds(grouped, nudge_x, *operands, shared, iters=args.iters)
         distinct = len(np.unique(np.asarray(experts))) + 1
         diff = rel_error(jax.jit(rows)(*operands, shared), jax.jit(grouped)(*operands, shared))
-        print(f"| {tokens} | {row_s * 1e6:.1f} | {(tokens * TOP_K + 1) * expert_bytes / row_s / 1e12:.2f} | "
-              f"{grouped_s * 1e6:.1f} | {distinct * expert_bytes / grouped_s / 1e12:.2f} | {diff:.1e} |", flush=True)
+        print(
+            f"| {tokens} | {row_s * 1e6:.1f} | {(tokens * TOP_K + 1) * expert_bytes / row_s / 1e12:.2f} | "
+            f"{grouped_s * 1e6:.1f} | {distinct * expert_bytes / grouped_s / 1e12:.2f} | {diff:.1e} |",
+            flush=True,
+        )
         if tokens == 1 and not args.no_sweep:
             sweep_row_tiles(operands, shared, args.iters)
     bench_select_experts(args.iters)

@@ -47,9 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_common import flash_slice_config, init_on_mesh, rel_error  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench_common import flash_slice_config, init_on_mesh, rel_error  # noqa: E402
 from ling_jax import LingConfig, LingForCausalLM  # noqa: E402
 from ling_jax.config import KDA, MLA  # noqa: E402
 from ling_jax.memory import format_bytes  # noqa: E402
@@ -81,8 +81,12 @@ def layer_bytes(quick: bool, axis_sizes: dict[str, int], dtype) -> LayerBytes:
     specs = param_specs(state, axis_sizes)
     fixed, per_layer = 0, [0] * config.num_hidden_layers
     for (path, variable), (_, spec) in zip(nnx.to_flat_state(state), nnx.to_flat_state(specs)):
-        ways = math.prod(axis_sizes[axis] for entry in spec.get_value() if entry
-                         for axis in ((entry,) if isinstance(entry, str) else entry))
+        ways = math.prod(
+            axis_sizes[axis]
+            for entry in spec.get_value()
+            if entry
+            for axis in ((entry,) if isinstance(entry, str) else entry)
+        )
         nbytes = math.prod(variable.shape) * variable.get_value().dtype.itemsize // ways
         if path[:2] == ("model", "layers"):
             per_layer[path[2]] += nbytes
@@ -95,8 +99,10 @@ def layers_that_fit(sizes: LayerBytes, budget: int, quick: bool) -> int:
     """The most layers (up to the model's 72) whose parameters fit in `budget` bytes per device; prints the sum."""
     fitting = [n for n in range(1, MAX_LAYERS + 1) if sizes.total(flash_slice_config(n, quick)) <= budget]
     if not fitting:
-        raise ShardingError(f"not even one layer fits: {format_bytes(sizes.total(flash_slice_config(1, quick)))} "
-                            f"> budget {format_bytes(budget)} per device")
+        raise ShardingError(
+            f"not even one layer fits: {format_bytes(sizes.total(flash_slice_config(1, quick)))} "
+            f"> budget {format_bytes(budget)} per device"
+        )
     layers = fitting[-1]
     types = flash_slice_config(layers, quick).layer_types
     terms = " + ".join(f"{types.count(kind)} x {format_bytes(sizes.per_kind[kind])}" for kind in (KDA, MLA))
@@ -105,8 +111,10 @@ def layers_that_fit(sizes: LayerBytes, budget: int, quick: bool) -> int:
         beyond = "the model's full depth"
     else:
         beyond = f"{layers + 1} would need {format_bytes(sizes.total(flash_slice_config(layers + 1, quick)))}"
-    print(f"    {layers} layers ({types.count(KDA)} KDA + {types.count(MLA)} MLA): {format_bytes(sizes.fixed)} + "
-          f"{terms} = {format_bytes(total)} <= {format_bytes(budget)} ({beyond})")
+    print(
+        f"    {layers} layers ({types.count(KDA)} KDA + {types.count(MLA)} MLA): {format_bytes(sizes.fixed)} + "
+        f"{terms} = {format_bytes(total)} <= {format_bytes(budget)} ({beyond})"
+    )
     return layers
 
 
@@ -120,16 +128,20 @@ def device_budget(device, memory_gib: float | None, headroom_gib: float) -> int:
     else:
         memory, source = int(memory_gib * GIB), "--device-memory-gib"
     headroom = int(headroom_gib * GIB)
-    print(f"  budget per device: {format_bytes(memory)} ({source}) - {format_bytes(headroom)} headroom (activations, "
-          f"cache, init temporaries) = {format_bytes(memory - headroom)}")
+    print(
+        f"  budget per device: {format_bytes(memory)} ({source}) - {format_bytes(headroom)} headroom (activations, "
+        f"cache, init temporaries) = {format_bytes(memory - headroom)}"
+    )
     return memory - headroom
 
 
 def plan_layers(quick: bool, axis_sizes: dict[str, int], budget: int, dtype) -> int:
     sizes = layer_bytes(quick, axis_sizes, dtype)
-    print(f"  parameters per device on {axis_sizes or 'one device'}: fixed {format_bytes(sizes.fixed)} (embedding, "
-          f"lm_head, final norm), KDA+MoE layer {format_bytes(sizes.per_kind[KDA])}, MLA+MoE layer "
-          f"{format_bytes(sizes.per_kind[MLA])}")
+    print(
+        f"  parameters per device on {axis_sizes or 'one device'}: fixed {format_bytes(sizes.fixed)} (embedding, "
+        f"lm_head, final norm), KDA+MoE layer {format_bytes(sizes.per_kind[KDA])}, MLA+MoE layer "
+        f"{format_bytes(sizes.per_kind[MLA])}"
+    )
     return layers_that_fit(sizes, budget, quick)
 
 
@@ -145,7 +157,7 @@ def make_inputs(vocab: int, batch: int, prompt_length: int, steps: int) -> Input
     ids = np.random.default_rng(0).integers(0, vocab, (batch, prompt_length + steps), dtype=np.int32)
     mask = np.ones(ids.shape, bool)
     for row in range(batch):
-        mask[row, :row * prompt_length // (2 * batch)] = False
+        mask[row, : row * prompt_length // (2 * batch)] = False
     return Inputs(ids_BL=ids, mask_BL=mask, prompt_length=prompt_length)
 
 
@@ -158,16 +170,20 @@ class Logits:
 def run_model(config: LingConfig, mesh, inputs: Inputs, *, dtype, kernel_backend: str, corrupt: bool = False) -> Logits:
     """Builds the model on `mesh` (seed 0), runs the forward and the prefill + decode steps; frees it after."""
     start = time.perf_counter()
-    model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                                 kernel_backend=kernel_backend), mesh)
+    model = init_on_mesh(
+        lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, kernel_backend=kernel_backend), mesh
+    )
     if corrupt:
         corrupt_last_shard(model, mesh.shape.get("expert", 1))
     sharded = ShardedLM(model, mesh)
     print(f"    init {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
     forward = np.asarray(sharded(inputs.ids_BL, attention_mask=inputs.mask_BL), np.float32)
-    print(f"    forward [{inputs.ids_BL.shape[0]}, {inputs.ids_BL.shape[1]}] {time.perf_counter() - start:.1f} s "
-          f"(with compilation)", flush=True)
+    print(
+        f"    forward [{inputs.ids_BL.shape[0]}, {inputs.ids_BL.shape[1]}] {time.perf_counter() - start:.1f} s "
+        f"(with compilation)",
+        flush=True,
+    )
     start = time.perf_counter()
     cached = prefill_and_decode(sharded, inputs)
     steps = inputs.ids_BL.shape[1] - inputs.prompt_length
@@ -184,7 +200,7 @@ def prefill_and_decode(sharded: ShardedLM, inputs: Inputs) -> np.ndarray:
     logits, cache = sharded(inputs.ids_BL[:, :prompt], cache=cache, attention_mask=inputs.mask_BL[:, :prompt])
     out = [np.asarray(logits[:, -1], np.float32)]
     for position in range(prompt, length):
-        logits, cache = sharded(inputs.ids_BL[:, position:position + 1], cache=cache)
+        logits, cache = sharded(inputs.ids_BL[:, position : position + 1], cache=cache)
         out.append(np.asarray(logits[:, -1], np.float32))
     return np.stack(out, axis=1)
 
@@ -201,20 +217,26 @@ def corrupt_last_shard(model: LingForCausalLM, expert_ways: int) -> None:
 
 def compare_with_reference(ref: Logits, ours: Logits, inputs: Inputs, tolerance: float) -> bool:
     """Rel. errors of the forward logits at real tokens (pads' logits are not outputs) and the cached ones."""
-    errors = {"forward": rel_error(ours.forward[inputs.mask_BL], ref.forward[inputs.mask_BL]),
-              "prefill + decode": rel_error(ours.cached, ref.cached)}
+    errors = {
+        "forward": rel_error(ours.forward[inputs.mask_BL], ref.forward[inputs.mask_BL]),
+        "prefill + decode": rel_error(ours.cached, ref.cached),
+    }
     for name, err in errors.items():
-        print(f"    {name} logits rel. error vs one device: {err:.2e} "
-              f"({'pass' if err <= tolerance else 'FAIL'} at {tolerance:.0e})")
+        print(
+            f"    {name} logits rel. error vs one device: {err:.2e} "
+            f"({'pass' if err <= tolerance else 'FAIL'} at {tolerance:.0e})"
+        )
     return all(err <= tolerance for err in errors.values())
 
 
 def check_large_run(logits: Logits, inputs: Inputs) -> bool:
     """Finite logits; the cache path's logits vs the forward's at the same positions (reported only)."""
     finite = bool(np.isfinite(logits.forward).all() and np.isfinite(logits.cached).all())
-    forward_at_cached = logits.forward[:, inputs.prompt_length - 1:]
-    print(f"    logits finite: {'pass' if finite else 'FAIL'}; prefill + decode vs forward at the same positions: "
-          f"rel. error {rel_error(logits.cached, forward_at_cached):.2e} (cache path vs full sequence)")
+    forward_at_cached = logits.forward[:, inputs.prompt_length - 1 :]
+    print(
+        f"    logits finite: {'pass' if finite else 'FAIL'}; prefill + decode vs forward at the same positions: "
+        f"rel. error {rel_error(logits.cached, forward_at_cached):.2e} (cache path vs full sequence)"
+    )
     return finite
 
 
@@ -226,24 +248,46 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", help="mesh axes, e.g. expert=8 (default: expert=<all devices>)")
     parser.add_argument("--layers", type=int, help="layers of the large run (default: the most that fit)")
-    parser.add_argument("--reference-layers", type=int,
-                        help="layers of the comparison with one device (default: the most that fit on one)")
+    parser.add_argument(
+        "--reference-layers",
+        type=int,
+        help="layers of the comparison with one device (default: the most that fit on one)",
+    )
     parser.add_argument("--batch", type=int, help=f"prompts (default {DEFAULTS['batch']})")
     parser.add_argument("--prompt-length", type=int, help=f"tokens per prompt (default {DEFAULTS['prompt_length']})")
     parser.add_argument("--decode-steps", type=int, help=f"default {DEFAULTS['decode_steps']}")
-    parser.add_argument("--device-memory-gib", type=float,
-                        help="memory per device (default: the device's bytes_limit; needed on a CPU)")
-    parser.add_argument("--headroom-gib", type=float, help="memory per device kept free of parameters: activations, "
-                        f"cache, init temporaries (default {DEFAULTS['headroom_gib']})")
-    parser.add_argument("--dtype", choices=tuple(TOLERANCE), default="bfloat16",
-                        help="parameters and activations; float32 also runs the matmuls at full fp32 precision")
-    parser.add_argument("--kernel-backend", default="auto",
-                        help="auto: the Pallas kernels on a GPU, jnp on a CPU; reference: jnp everywhere")
+    parser.add_argument(
+        "--device-memory-gib", type=float, help="memory per device (default: the device's bytes_limit; needed on a CPU)"
+    )
+    parser.add_argument(
+        "--headroom-gib",
+        type=float,
+        help="memory per device kept free of parameters: activations, "
+        f"cache, init temporaries (default {DEFAULTS['headroom_gib']})",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(TOLERANCE),
+        default="bfloat16",
+        help="parameters and activations; float32 also runs the matmuls at full fp32 precision",
+    )
+    parser.add_argument(
+        "--kernel-backend",
+        default="auto",
+        help="auto: the Pallas kernels on a GPU, jnp on a CPU; reference: jnp everywhere",
+    )
     parser.add_argument("--plan-only", action="store_true", help="print the layer arithmetic and stop")
-    parser.add_argument("--corrupt-last-shard", action="store_true",
-                        help=f"self-test: scale the last device's routed experts by {CORRUPT_SCALE} on the mesh")
-    parser.add_argument("--quick", action="store_true", help="a narrow model (hidden 512, 64 experts), short "
-                        f"prompts, {QUICK_DEFAULTS['device_memory_gib']} GiB per device: a CPU smoke test")
+    parser.add_argument(
+        "--corrupt-last-shard",
+        action="store_true",
+        help=f"self-test: scale the last device's routed experts by {CORRUPT_SCALE} on the mesh",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a narrow model (hidden 512, 64 experts), short "
+        f"prompts, {QUICK_DEFAULTS['device_memory_gib']} GiB per device: a CPU smoke test",
+    )
     args = parser.parse_args(argv)
     for name, default in (QUICK_DEFAULTS if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
@@ -256,8 +300,10 @@ def mesh_for(text: str | None):
     shape = parse_mesh(text) if text else {"expert": jax.device_count()}
     needed = math.prod(shape.values())
     if needed > jax.device_count():
-        raise ShardingError(f"mesh {shape} needs {needed} devices, {jax.device_count()} present (on a CPU: "
-                            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})")
+        raise ShardingError(
+            f"mesh {shape} needs {needed} devices, {jax.device_count()} present (on a CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})"
+        )
     return make_mesh(shape, devices=jax.devices()[:needed])
 
 
@@ -272,8 +318,10 @@ def check(args) -> int:
         mesh = mesh_for(args.mesh)
         one_device = make_mesh({}, devices=jax.devices()[:1])
         mesh_sizes = {axis: size for axis, size in mesh.shape.items() if size > 1}
-        print(f"jax {jax.__version__}, {mesh.devices.size} x {jax.devices()[0].device_kind}, mesh {mesh_sizes}",
-              flush=True)
+        print(
+            f"jax {jax.__version__}, {mesh.devices.size} x {jax.devices()[0].device_kind}, mesh {mesh_sizes}",
+            flush=True,
+        )
         dtype, tolerance = jnp.dtype(args.dtype), TOLERANCE[args.dtype]
         print(f"layer arithmetic ({args.dtype} parameters):")
         budget = device_budget(jax.devices()[0], args.device_memory_gib, args.headroom_gib)
@@ -281,30 +329,43 @@ def check(args) -> int:
         reference_layers = args.reference_layers or plan_layers(args.quick, {}, budget, dtype)
         if args.plan_only:
             return 0
-        inputs = make_inputs(flash_slice_config(1, args.quick).vocab_size, args.batch, args.prompt_length,
-                             args.decode_steps)
+        inputs = make_inputs(
+            flash_slice_config(1, args.quick).vocab_size, args.batch, args.prompt_length, args.decode_steps
+        )
         reduced = flash_slice_config(reference_layers, args.quick)
         print(f"\n{reference_layers} layers on one device (reference):", flush=True)
         reference = run_model(reduced, one_device, inputs, dtype=dtype, kernel_backend=args.kernel_backend)
-        print(f"{reference_layers} layers on the mesh{' (last shard corrupted)' if args.corrupt_last_shard else ''}:",
-              flush=True)
+        print(
+            f"{reference_layers} layers on the mesh{' (last shard corrupted)' if args.corrupt_last_shard else ''}:",
+            flush=True,
+        )
         matches = compare_with_reference(
-            reference, run_model(reduced, mesh, inputs, dtype=dtype, kernel_backend=args.kernel_backend,
-                                 corrupt=args.corrupt_last_shard), inputs, tolerance)
+            reference,
+            run_model(
+                reduced, mesh, inputs, dtype=dtype, kernel_backend=args.kernel_backend, corrupt=args.corrupt_last_shard
+            ),
+            inputs,
+            tolerance,
+        )
         del reference
         if not matches:
-            print(f"\nFAIL: {reference_layers}-layer logits on mesh {mesh_sizes} differ from one device by more than "
-                  f"{tolerance:.0e}; the {layers}-layer run is skipped")
+            print(
+                f"\nFAIL: {reference_layers}-layer logits on mesh {mesh_sizes} differ from one device by more than "
+                f"{tolerance:.0e}; the {layers}-layer run is skipped"
+            )
             return 1
         print(f"{layers} layers on the mesh:", flush=True)
-        large = run_model(flash_slice_config(layers, args.quick), mesh, inputs, dtype=dtype,
-                          kernel_backend=args.kernel_backend)
+        large = run_model(
+            flash_slice_config(layers, args.quick), mesh, inputs, dtype=dtype, kernel_backend=args.kernel_backend
+        )
         large_ok = check_large_run(large, inputs)
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"\n{'PASS' if large_ok else 'FAIL'}: {reference_layers}-layer logits on mesh {mesh_sizes} match one device "
-          f"within {tolerance:.0e}; {layers}-layer run logits finite: {large_ok}")
+    print(
+        f"\n{'PASS' if large_ok else 'FAIL'}: {reference_layers}-layer logits on mesh {mesh_sizes} match one device "
+        f"within {tolerance:.0e}; {layers}-layer run logits finite: {large_ok}"
+    )
     return 0 if large_ok else 1
 
 

@@ -29,12 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory to write")
     parser.add_argument("--shards", type=int, default=4, help="number of safetensors shards (default 4)")
     parser.add_argument("--mxfp4-experts", action="store_true", help="routed experts in MXFP4 (spec §6.3)")
-    parser.add_argument("--mxfp4-scale-format", choices=MXFP4_SCALE_FORMATS, default="e8m0",
-                        help="MXFP4 scale storage: float8_e8m0fnu, fp32 powers of two, or raw uint8 exponents")
+    parser.add_argument(
+        "--mxfp4-scale-format",
+        choices=MXFP4_SCALE_FORMATS,
+        default="e8m0",
+        help="MXFP4 scale storage: float8_e8m0fnu, fp32 powers of two, or raw uint8 exponents",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random weights' seed")
-    parser.add_argument("--random-codes", action="store_true",
-                        help="draw FP8/MXFP4 weights as random codes instead of quantising Gaussian weights "
-                             "(fast: for multi-GB benchmark checkpoints)")
+    parser.add_argument(
+        "--random-codes",
+        action="store_true",
+        help="draw FP8/MXFP4 weights as random codes instead of quantising Gaussian weights "
+        "(fast: for multi-GB benchmark checkpoints)",
+    )
     args = parser.parse_args(argv)
     if args.shards < 1:
         parser.error(f"--shards must be at least 1, got {args.shards}")

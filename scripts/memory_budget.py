@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Decode-cache memory budget of a Ling 3.x config (KDA states, conv windows, absorbed vs expanded MLA cache).
 
-    python scripts/memory_budget.py                                   # ling-3.1-flash, batch 1, 262144 tokens
-    python scripts/memory_budget.py --preset ling-3.0-flash --batch 8 --context 32768
-    python scripts/memory_budget.py --config /path/to/checkpoint-dir  # or a config.json file
+python scripts/memory_budget.py                                   # ling-3.1-flash, batch 1, 262144 tokens
+python scripts/memory_budget.py --preset ling-3.0-flash --batch 8 --context 32768
+python scripts/memory_budget.py --config /path/to/checkpoint-dir  # or a config.json file
 """
 
 from __future__ import annotations
@@ -37,10 +37,15 @@ def parse_args(argv=None):
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default: ling-3.1-flash)")
     source.add_argument("--config", help="a checkpoint directory or its config.json")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default: 1)")
-    parser.add_argument("--context", type=positive_int, default=262144,
-                        help="cache length in tokens per sequence (default: 262144)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                        help="activation / cache dtype (default: bfloat16; the KDA state is always float32)")
+    parser.add_argument(
+        "--context", type=positive_int, default=262144, help="cache length in tokens per sequence (default: 262144)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="bfloat16",
+        help="activation / cache dtype (default: bfloat16; the KDA state is always float32)",
+    )
     args = parser.parse_args(argv)
     if args.config:
         try:
@@ -59,8 +64,10 @@ def main(argv=None) -> int:
     budget = cache_budget(args.model_config, args.batch, args.context, args.dtype)
     print(f"config: {args.source}")
     if args.context > args.model_config.max_position_embeddings:
-        print(f"NOTE: context {args.context:,} exceeds max_position_embeddings "
-              f"{args.model_config.max_position_embeddings:,}")
+        print(
+            f"NOTE: context {args.context:,} exceeds max_position_embeddings "
+            f"{args.model_config.max_position_embeddings:,}"
+        )
     print(budget.table())
     return 0
 

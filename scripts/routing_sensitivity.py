@@ -24,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_common import flash_slice_config, rel_error  # noqa: E402
+from check_multi_gpu import make_inputs  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ling_jax.moe as moe  # noqa: E402
-from bench_common import flash_slice_config, rel_error  # noqa: E402
-from check_multi_gpu import make_inputs  # noqa: E402
 from ling_jax import LingForCausalLM  # noqa: E402
 
 FRACTIONS = (1e-4, 1e-3, 1e-2)
@@ -40,7 +40,7 @@ def perturbing_route(fraction: float):
 
     def nudged(x_TD, *args, **kwargs):
         hit = jax.random.uniform(jax.random.key(3), x_TD.shape) < fraction
-        x_TD = jnp.where(hit, (x_TD.astype(jnp.float32) * (1 + 2.0 ** -7)).astype(x_TD.dtype), x_TD)
+        x_TD = jnp.where(hit, (x_TD.astype(jnp.float32) * (1 + 2.0**-7)).astype(x_TD.dtype), x_TD)
         return route(x_TD, *args, **kwargs)
 
     return nudged
@@ -67,8 +67,10 @@ def main(argv=None) -> int:
             errors.append(rel_error(logits(), reference))
         finally:
             moe.route = route
-    print(f"hidden {args.hidden}, {args.experts} experts, one MLA + MoE layer, bf16: logits rel. error with p of the "
-          "router inputs one ulp off: " + ", ".join(f"p {p:g}: {e:.2e}" for p, e in zip(FRACTIONS, errors)))
+    print(
+        f"hidden {args.hidden}, {args.experts} experts, one MLA + MoE layer, bf16: logits rel. error with p of the "
+        "router inputs one ulp off: " + ", ".join(f"p {p:g}: {e:.2e}" for p, e in zip(FRACTIONS, errors))
+    )
     return 0
 
 

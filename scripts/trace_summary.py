@@ -35,11 +35,17 @@ def find_trace(path: pathlib.Path) -> pathlib.Path:
 
 def device_kernels(trace: dict) -> list[dict]:
     """Complete ("X") events of the processes named /device:..., sorted by start."""
-    devices = {event["pid"] for event in trace["traceEvents"]
-               if event.get("ph") == "M" and event.get("name") == "process_name"
-               and event["args"].get("name", "").startswith("/device:")}
-    return sorted((event for event in trace["traceEvents"] if event.get("ph") == "X" and event["pid"] in devices),
-                  key=lambda event: event["ts"])
+    devices = {
+        event["pid"]
+        for event in trace["traceEvents"]
+        if event.get("ph") == "M"
+        and event.get("name") == "process_name"
+        and event["args"].get("name", "").startswith("/device:")
+    }
+    return sorted(
+        (event for event in trace["traceEvents"] if event.get("ph") == "X" and event["pid"] in devices),
+        key=lambda event: event["ts"],
+    )
 
 
 def summarize(kernels: list[dict], steps: int, top: int, small_us: float, by_kind: bool = False) -> str:
@@ -48,15 +54,24 @@ def summarize(kernels: list[dict], steps: int, top: int, small_us: float, by_kin
     for kernel in kernels:
         by_name[suffix.sub("", kernel["name"])].append(kernel["dur"])
     busy = sum(kernel["dur"] for kernel in kernels)
-    lines = [f"{len(kernels) / steps:.0f} kernels and {busy / steps:.1f} us of device time per step "
-             f"({steps} steps)", "", "| us / step | calls / step | us / call | kernel |", "|---|---|---|---|"]
+    lines = [
+        f"{len(kernels) / steps:.0f} kernels and {busy / steps:.1f} us of device time per step ({steps} steps)",
+        "",
+        "| us / step | calls / step | us / call | kernel |",
+        "|---|---|---|---|",
+    ]
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
     for name, durations in ranked[:top]:
-        lines.append(f"| {sum(durations) / steps:.1f} | {len(durations) / steps:.1f} | "
-                     f"{sum(durations) / len(durations):.1f} | {name} |")
+        lines.append(
+            f"| {sum(durations) / steps:.1f} | {len(durations) / steps:.1f} | "
+            f"{sum(durations) / len(durations):.1f} | {name} |"
+        )
     small = [d for durations in by_name.values() for d in durations if sum(durations) / len(durations) < small_us]
-    lines += ["", f"kernels averaging under {small_us:g} us: {len(small) / steps:.0f} per step, "
-                  f"{sum(small) / steps:.1f} us per step"]
+    lines += [
+        "",
+        f"kernels averaging under {small_us:g} us: {len(small) / steps:.0f} per step, "
+        f"{sum(small) / steps:.1f} us per step",
+    ]
     return "\n".join(lines)
 
 

@@ -67,8 +67,9 @@ def parse_args(argv=None):
     parser.add_argument("--corpus", required=True, help="UTF-8 text file")
     parser.add_argument("--out", required=True, help="run directory (checkpoints, logs, export)")
     parser.add_argument("--config", default="ling-demo", help="a preset name or a config.json (default ling-demo)")
-    parser.add_argument("--tokenizer",
-                        help="directory with tokenizer.json + tokenizer_config.json (default: train one)")
+    parser.add_argument(
+        "--tokenizer", help="directory with tokenizer.json + tokenizer_config.json (default: train one)"
+    )
     parser.add_argument("--vocab-size", type=int, help="BPE vocab when training a tokenizer (default: the config's)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
     parser.add_argument("--steps", type=int, default=1000)
@@ -78,9 +79,13 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--grad-clip", type=float, default=1.0, help="global gradient norm limit")
-    parser.add_argument("--expert-bias-rate", type=float, default=1e-2,
-                        help="router balancing step per training step (DeepSeek-V3 uses 1e-3 over far longer runs; "
-                             "short runs need faster balancing)")
+    parser.add_argument(
+        "--expert-bias-rate",
+        type=float,
+        default=1e-2,
+        help="router balancing step per training step (DeepSeek-V3 uses 1e-3 over far longer runs; "
+        "short runs need faster balancing)",
+    )
     parser.add_argument("--mtp-loss-scale", type=float, help="override the config's mtp_loss_scaling_factor")
     parser.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data order")
@@ -94,8 +99,17 @@ def parse_args(argv=None):
     parser.add_argument("--prompt", default="It is a truth universally acknowledged", help="sample prompt")
     parser.add_argument("--sample-tokens", type=int, default=80, help="tokens sampled from the export (0 = none)")
     args = parser.parse_args(argv)
-    for flag in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "save_every",
-                 "keep_checkpoints", "shards"):
+    for flag in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "save_every",
+        "keep_checkpoints",
+        "shards",
+    ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if not 0 < args.eval_fraction < 1:
@@ -110,14 +124,24 @@ def train_tokenizer(lines: list[str], vocab_size: int, directory: str, max_lengt
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(lines, trainer)
     os.makedirs(directory, exist_ok=True)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": EOS_TOKEN,
-                "pad_token": PAD_TOKEN, "unk_token": None, "model_max_length": max_length,
-                "clean_up_tokenization_spaces": False}
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(settings, f, indent=2)
 
@@ -166,7 +190,7 @@ def training_starts(step: int, batch_size: int, num_tokens: int, seq_len: int, s
 
 
 def make_batch(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
-    tokens = np.stack([stream[start:start + seq_len] for start in starts])
+    tokens = np.stack([stream[start : start + seq_len] for start in starts])
     return Batch(tokens=jnp.asarray(tokens), mask=jnp.ones(tokens.shape, bool))
 
 
@@ -174,8 +198,9 @@ def evaluate(graphdef, state: TrainState, batches: list[Batch]) -> dict[str, flo
     """Token-weighted mean of each loss over the held-out batches."""
     results = [jax.device_get(jit_eval_step(graphdef, state, batch)) for batch in batches]
     tokens = sum(float(r["tokens"]) for r in results)
-    return {key: sum(float(r[key]) * float(r["tokens"]) for r in results) / tokens
-            for key in results[0] if key != "tokens"}
+    return {
+        key: sum(float(r[key]) * float(r["tokens"]) for r in results) / tokens for key in results[0] if key != "tokens"
+    }
 
 
 # ---------------------------------------------------------------- logging
@@ -194,8 +219,9 @@ def plot_losses(log: list[dict], path: str) -> None:
     axes.plot([e["step"] for e in train], [e["lm_loss"] for e in train], label="train next-token loss", lw=1)
     if train and "mtp_loss" in train[0]:
         axes.plot([e["step"] for e in train], [e["mtp_loss"] for e in train], label="train MTP loss", lw=1)
-    axes.plot([e["step"] for e in held_out], [e["eval_lm_loss"] for e in held_out], "o-",
-              label="held-out next-token loss")
+    axes.plot(
+        [e["step"] for e in held_out], [e["eval_lm_loss"] for e in held_out], "o-", label="held-out next-token loss"
+    )
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy (nats / token)")
     axes.grid(alpha=0.3)
@@ -256,39 +282,56 @@ def main(argv=None) -> int:
         train_tokenizer(lines, args.vocab_size or config.vocab_size, tokenizer_dir, config.max_position_embeddings)
     tokenizer, eos_id, pad_id = load_tokenizer(tokenizer_dir)
     if tokenizer.get_vocab_size() > config.vocab_size:
-        sys.exit(f"error: the tokenizer has {tokenizer.get_vocab_size()} tokens, the model's vocab_size is "
-                 f"{config.vocab_size}")
+        sys.exit(
+            f"error: the tokenizer has {tokenizer.get_vocab_size()} tokens, the model's vocab_size is "
+            f"{config.vocab_size}"
+        )
     config = config.replace(eos_token_ids=(eos_id,), pad_token_id=config.pad_token_id if pad_id is None else pad_id)
 
     stream = tokenize(lines, tokenizer, eos_id)
     split = int(len(stream) * (1 - args.eval_fraction))
     train_stream, held_out = stream[:split], stream[split:]
     if len(train_stream) < 2 * args.seq_len or len(held_out) < args.seq_len:
-        sys.exit(f"error: {len(stream)} tokens are too few for --seq-len {args.seq_len} with --eval-fraction "
-                 f"{args.eval_fraction}: the training part needs 2 windows and the held-out part one")
+        sys.exit(
+            f"error: {len(stream)} tokens are too few for --seq-len {args.seq_len} with --eval-fraction "
+            f"{args.eval_fraction}: the training part needs 2 windows and the held-out part one"
+        )
     eval_starts = np.arange(0, len(held_out) - args.seq_len + 1, args.seq_len)
     eval_rows = min(args.batch_size, len(eval_starts))  # equal batches: one compiled eval step
-    eval_batches = [make_batch(held_out, eval_starts[i:i + eval_rows], args.seq_len)
-                    for i in range(0, len(eval_starts) - eval_rows + 1, eval_rows)][:args.eval_batches]
-    print(f"{len(stream):,} tokens ({len(train_stream):,} train, {len(held_out):,} held out), vocab "
-          f"{tokenizer.get_vocab_size()}; {args.batch_size * args.seq_len:,} tokens per step, "
-          f"{args.steps * args.batch_size * args.seq_len / len(train_stream):.2f} epochs")
+    eval_batches = [
+        make_batch(held_out, eval_starts[i : i + eval_rows], args.seq_len)
+        for i in range(0, len(eval_starts) - eval_rows + 1, eval_rows)
+    ][: args.eval_batches]
+    print(
+        f"{len(stream):,} tokens ({len(train_stream):,} train, {len(held_out):,} held out), vocab "
+        f"{tokenizer.get_vocab_size()}; {args.batch_size * args.seq_len:,} tokens per step, "
+        f"{args.steps * args.batch_size * args.seq_len / len(train_stream):.2f} epochs"
+    )
 
-    train_config = TrainConfig(learning_rate=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
-                               weight_decay=args.weight_decay, grad_clip_norm=args.grad_clip,
-                               expert_bias_rate=args.expert_bias_rate, remat=args.remat)
+    train_config = TrainConfig(
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        total_steps=args.steps,
+        weight_decay=args.weight_decay,
+        grad_clip_norm=args.grad_clip,
+        expert_bias_rate=args.expert_bias_rate,
+        remat=args.remat,
+    )
     model = LingForCausalLM(config, rngs=nnx.Rngs(args.seed), dtype=jnp.float32)
     parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    print(f"model: {parameters / 1e6:.1f}M parameters, {config.num_hidden_layers} layers "
-          f"({config.layer_types.count('kda')} KDA, {config.layer_types.count('mla')} MLA), "
-          f"{config.num_experts} experts, MTP loss x {config.mtp_loss_scaling_factor}; {jax.devices()[0].platform}")
+    print(
+        f"model: {parameters / 1e6:.1f}M parameters, {config.num_hidden_layers} layers "
+        f"({config.layer_types.count('kda')} KDA, {config.layer_types.count('mla')} MLA), "
+        f"{config.num_experts} experts, MTP loss x {config.mtp_loss_scaling_factor}; {jax.devices()[0].platform}"
+    )
     graphdef, state = init_train_state(model, train_config)
     del model
 
     log_path = os.path.join(args.out, "log.json")
     log: list[dict] = []
-    options = ocp.CheckpointManagerOptions(max_to_keep=args.keep_checkpoints, create=True,
-                                           enable_async_checkpointing=False)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=args.keep_checkpoints, create=True, enable_async_checkpointing=False
+    )
     with ocp.CheckpointManager(checkpoint_dir, options=options) as manager:
         if args.resume and manager.latest_step() is not None:
             state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
@@ -307,10 +350,13 @@ def main(argv=None) -> int:
                     write_json(log_path, log)
                     progress.close()
                     last = manager.latest_step()
-                    sys.exit(f"error: step {logged_step}: loss {log[-1]['loss']}, gradient norm "
-                             f"{log[-1]['grad_norm']}: training diverged. {log_path} has the steps so far; the last "
-                             f"checkpoint is " + (f"step {last} (--resume continues from it)" if last is not None
-                                                  else "none") + ". Try a lower --lr or a longer --warmup.")
+                    sys.exit(
+                        f"error: step {logged_step}: loss {log[-1]['loss']}, gradient norm "
+                        f"{log[-1]['grad_norm']}: training diverged. {log_path} has the steps so far; the last "
+                        f"checkpoint is "
+                        + (f"step {last} (--resume continues from it)" if last is not None else "none")
+                        + ". Try a lower --lr or a longer --warmup."
+                    )
             pending.clear()
 
         def save(step: int) -> None:
@@ -318,12 +364,19 @@ def main(argv=None) -> int:
             manager.save(step, args=ocp.args.StandardSave(state))
             write_json(log_path, log)
 
-        progress = tqdm(range(first_step, args.steps), initial=first_step, total=args.steps, desc="training",
-                        unit="step", dynamic_ncols=True)
+        progress = tqdm(
+            range(first_step, args.steps),
+            initial=first_step,
+            total=args.steps,
+            desc="training",
+            unit="step",
+            dynamic_ncols=True,
+        )
         for step in progress:
             starts = training_starts(step, args.batch_size, len(train_stream), args.seq_len, args.seed)
-            state, metrics = jit_train_step(graphdef, state, make_batch(train_stream, starts, args.seq_len),
-                                            train_config)
+            state, metrics = jit_train_step(
+                graphdef, state, make_batch(train_stream, starts, args.seq_len), train_config
+            )
             done = step + 1
             pending.append((done, metrics))
             if done % args.log_every == 0 or done == args.steps:
@@ -346,19 +399,26 @@ def main(argv=None) -> int:
     export_hf_checkpoint(merge_model(graphdef, state), export_dir, tokenizer_dir, args.shards)
     exported = load_hf_checkpoint(export_dir, dtype=jnp.float32, progress=False)
     _, exported_bias, exported_params = nnx.split(exported, EXPERT_BIAS, TRAINABLE)
-    export_loss = evaluate(graphdef, state.replace(params=exported_params, expert_bias=exported_bias),
-                           eval_batches)["lm_loss"]
+    export_loss = evaluate(graphdef, state.replace(params=exported_params, expert_bias=exported_bias), eval_batches)[
+        "lm_loss"
+    ]
     wall = time.perf_counter() - started
-    recent = train_entries[-min(len(train_entries), args.log_every):]
-    print(f"final train loss {np.mean([e['lm_loss'] for e in recent]):.4f} (mean of the last {len(recent)} steps), "
-          f"held-out loss {final_eval['eval_lm_loss']:.4f}, FP8 export held-out loss {export_loss:.4f}; "
-          f"wall time {wall:.0f} s")
+    recent = train_entries[-min(len(train_entries), args.log_every) :]
+    print(
+        f"final train loss {np.mean([e['lm_loss'] for e in recent]):.4f} (mean of the last {len(recent)} steps), "
+        f"held-out loss {final_eval['eval_lm_loss']:.4f}, FP8 export held-out loss {export_loss:.4f}; "
+        f"wall time {wall:.0f} s"
+    )
     print(f"wrote {log_path}, {os.path.join(args.out, 'loss_curve.png')} and {export_dir}")
     if args.sample_tokens:
         generator = Generator(exported)
         prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
-        new, _ = generator.generate([prompt], [SamplingParams(temperature=0.8, top_p=0.95, seed=args.seed)],
-                                    args.sample_tokens, eos_ids=(eos_id,))
+        new, _ = generator.generate(
+            [prompt],
+            [SamplingParams(temperature=0.8, top_p=0.95, seed=args.seed)],
+            args.sample_tokens,
+            eos_ids=(eos_id,),
+        )
         print(f"sample (temperature 0.8, top-p 0.95):\n{tokenizer.decode(prompt + new[0])}")
     return 0
 

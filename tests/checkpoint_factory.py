@@ -67,7 +67,11 @@ def write_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict[str, 
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         raw = arr.tobytes(order="C")
-        header[name] = {"dtype": _st_dtype(arr), "shape": [int(s) for s in arr.shape], "data_offsets": [offset, offset + len(raw)]}
+        header[name] = {
+            "dtype": _st_dtype(arr),
+            "shape": [int(s) for s in arr.shape],
+            "data_offsets": [offset, offset + len(raw)],
+        }
         blobs.append(raw)
         offset += len(raw)
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -217,7 +221,9 @@ def _round_to_e2m1_codes(v: np.ndarray) -> np.ndarray:
     return code | (sign << 3)
 
 
-def quantize_mxfp4(w: np.ndarray, scale_format: str = "float32", group: int = MXFP4_GROUP) -> tuple[np.ndarray, np.ndarray]:
+def quantize_mxfp4(
+    w: np.ndarray, scale_format: str = "float32", group: int = MXFP4_GROUP
+) -> tuple[np.ndarray, np.ndarray]:
     """-> (uint8 packed [O, In/2], scales [O, ceil(In/32)]).
 
     Byte j of a row holds element 2j in the LOW nibble and element 2j+1 in the HIGH nibble; nibble codes 0..7 =

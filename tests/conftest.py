@@ -12,6 +12,7 @@ if _DEVICES_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("LING_JAX_NO_COMPILE_CACHE", "1")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+
 import pallas_kernels  # noqa: E402,F401  (adds its XLA:CPU workaround flag before any test makes a backend)
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -42,8 +42,10 @@ def blocks(text: str, name: str) -> list[Block]:
         if marker:
             reason = marker["reason"].strip()
             if lang != "python" or not reason:
-                raise ValueError(f"{name}:{line - 1}: '<!-- not tested: REASON -->' needs a reason and must come "
-                                 f"right before a python block")
+                raise ValueError(
+                    f"{name}:{line - 1}: '<!-- not tested: REASON -->' needs a reason and must come "
+                    f"right before a python block"
+                )
             markers_used += 1
         found.append(Block(lang, fence["code"], line, reason))
         start = fence.end()

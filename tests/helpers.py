@@ -23,8 +23,9 @@ def train_byte_bpe(path, sentences, vocab_size: int, special_tokens) -> None:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special_tokens), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     backend.train_from_iterator(sentences, trainer)
     backend.save(str(path))
 
@@ -45,6 +46,7 @@ def gpu_test(what: str):
     import jax
     import pytest
 
-    skip = pytest.mark.skipif(jax.default_backend() != "gpu",
-                              reason=f"{what} needs a GPU; it runs on the device machine (pytest -m gpu)")
+    skip = pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason=f"{what} needs a GPU; it runs on the device machine (pytest -m gpu)"
+    )
     return lambda test: pytest.mark.gpu(skip(test))

@@ -22,7 +22,8 @@ spelling (spec §1).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -495,7 +496,9 @@ def _moe(weights: Mapping, config: Mapping, prefix: str, x_BTD: np.ndarray, limi
     if _has(weights, p + "shared_experts.gate_proj.weight"):
         expect = _get(config, "moe_shared_expert_intermediate_size")
         if expect is None and _get(config, "moe_intermediate_size") is not None:
-            expect = int(config["moe_intermediate_size"]) * int(_get(config, "num_shared_experts", "n_shared_experts", default=1))
+            expect = int(config["moe_intermediate_size"]) * int(
+                _get(config, "num_shared_experts", "n_shared_experts", default=1)
+            )
         got = np.shape(weights[p + "shared_experts.gate_proj.weight"])[0]
         assert expect is None or got == int(expect), f"shared expert width {got} != config {expect}"
         out = out + _mlp(weights, p + "shared_experts", x, lam_s)  # not scaled

@@ -21,7 +21,6 @@ import re
 
 import numpy as np
 import torch
-
 from transformers import BailingHybridConfig, BailingHybridForCausalLM
 
 _LIN, _FULL = "linear_attention", "full_attention"
@@ -208,7 +207,11 @@ def save_oracle(model: BailingHybridForCausalLM, path) -> pathlib.Path:
     expected = set(_EXPECTED_SAVED)
     for i, lt in enumerate(cfg.layer_types):
         p = f"model.layers.{i}"
-        expected |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight", f"{p}.attention.dense.weight"}
+        expected |= {
+            f"{p}.input_layernorm.weight",
+            f"{p}.post_attention_layernorm.weight",
+            f"{p}.attention.dense.weight",
+        }
         if lt == _LIN:
             expected |= {f"{p}.attention.{x}" for x in ("q_conv1d.weight", "A_log", "dt_bias", "f_proj.weight")}
         else:
@@ -224,9 +227,15 @@ def save_oracle(model: BailingHybridForCausalLM, path) -> pathlib.Path:
         else:
             expected |= {f"{p}.mlp.gate_proj.weight"}
     missing = expected - names
-    bad = [n for n in names if re.search(r"embed_tokens|self_attn|o_proj|forget_gate|e_score_correction|gate_up_proj|\.conv1d", n)]
+    bad = [
+        n
+        for n in names
+        if re.search(r"embed_tokens|self_attn|o_proj|forget_gate|e_score_correction|gate_up_proj|\.conv1d", n)
+    ]
     if missing or bad:
-        raise AssertionError(f"save_pretrained wrote unexpected names: missing={sorted(missing)[:8]} hf_names={bad[:8]}")
+        raise AssertionError(
+            f"save_pretrained wrote unexpected names: missing={sorted(missing)[:8]} hf_names={bad[:8]}"
+        )
     return path
 
 

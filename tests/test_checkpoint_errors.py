@@ -8,16 +8,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
-
 from checkpoint_factory import (
     make_quantized_checkpoint,
     read_checkpoint_raw,
     read_checkpoint_tensors,
     write_hf_checkpoint,
 )
-from ling_jax.checkpoint import CheckpointError, load_hf_checkpoint
+from flax import nnx
 from oracle import build_oracle, save_oracle
+
+from ling_jax.checkpoint import CheckpointError, load_hf_checkpoint
 
 INDEX = "model.safetensors.index.json"
 KV_B = "model.layers.1.attention.kv_b_proj.weight"
@@ -87,8 +87,9 @@ def test_hf_aliases_load_identically(oracle_dir, oracle, tmp_path):
     assert any(".o_proj." in n for n in renamed) and any("e_score_correction_bias" in n for n in renamed)
     assert not any(".attention.dense." in n or n.endswith("expert_bias") for n in renamed)
     reference, aliased = _load(oracle_dir), _load(_write(tmp_path, config, renamed))
-    for (path_a, a), (path_b, b) in zip(nnx.to_flat_state(nnx.state(reference)),
-                                         nnx.to_flat_state(nnx.state(aliased)), strict=True):
+    for (path_a, a), (path_b, b) in zip(
+        nnx.to_flat_state(nnx.state(reference)), nnx.to_flat_state(nnx.state(aliased)), strict=True
+    ):
         assert path_a == path_b
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path_a))
     np.testing.assert_array_equal(np.asarray(_logits(reference, IDS)), np.asarray(_logits(aliased, IDS)))
@@ -110,8 +111,9 @@ def test_missing_tensor(oracle, tmp_path, name):
     assert name in message and str(tmp_path) in message
 
 
-@pytest.mark.parametrize("name", [KV_B, "model.layers.0.attention.q_proj.weight",
-                                  "model.layers.2.mlp.experts.0.down_proj.weight"])
+@pytest.mark.parametrize(
+    "name", [KV_B, "model.layers.0.attention.q_proj.weight", "model.layers.2.mlp.experts.0.down_proj.weight"]
+)
 def test_wrong_shape(oracle, tmp_path, name):
     config, tensors = oracle
     tensors = {**tensors, name: np.ascontiguousarray(tensors[name].T)}
@@ -205,7 +207,7 @@ def test_truncated_shard(oracle, tmp_path):
     shard = tmp_path / "model-00003-of-00003.safetensors"
     data = shard.read_bytes()
     (header_len,) = np.frombuffer(data[:8], "<u8")
-    header = json.loads(data[8:8 + int(header_len)])
+    header = json.loads(data[8 : 8 + int(header_len)])
     header.pop("__metadata__", None)
     last = max(header, key=lambda n: header[n]["data_offsets"][1])
     shard.write_bytes(data[:-16])

@@ -5,8 +5,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-
 from checkpoint_factory import (
     E2M1_VALUES,
     dequantize_fp8_block,
@@ -21,6 +19,7 @@ from checkpoint_factory import (
     write_safetensors,
 )
 from oracle import build_oracle, save_oracle
+from safetensors import safe_open
 
 
 def test_write_safetensors_roundtrip(tmp_path):
@@ -171,9 +170,13 @@ def test_make_quantized_checkpoint_g4_wide(tmp_path, mxfp4):
     assert index["metadata"]["total_size"] == sum(v.nbytes for v in raw.values())
 
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == "fp8" and qc["activation_scheme"] == "dynamic" and qc["weight_block_size"] == [128, 128]
+    assert (
+        qc["quant_method"] == "fp8" and qc["activation_scheme"] == "dynamic" and qc["weight_block_size"] == [128, 128]
+    )
     assert ("routed_experts_quant_method" in qc) == mxfp4
-    assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.3.attention.g_proj" in qc["modules_to_not_convert"]
+    assert (
+        "lm_head" in qc["modules_to_not_convert"] and "model.layers.3.attention.g_proj" in qc["modules_to_not_convert"]
+    )
     assert cfg["linear_head_dim"] == cfg_src["linear_head_dim"] == 16
 
     D, Im, I = 160, 144, 200
@@ -205,8 +208,12 @@ def test_make_quantized_checkpoint_g4_wide(tmp_path, mxfp4):
     ):
         assert raw[name].dtype == bf16, name
         assert name.replace(".weight", ".weight_scale_inv") not in raw
-    for name in ("model.layers.0.attention.A_log", "model.layers.0.attention.dt_bias",
-                 "model.layers.0.attention.q_conv1d.weight", "model.layers.1.mlp.gate.expert_bias"):
+    for name in (
+        "model.layers.0.attention.A_log",
+        "model.layers.0.attention.dt_bias",
+        "model.layers.0.attention.q_conv1d.weight",
+        "model.layers.1.mlp.gate.expert_bias",
+    ):
         assert raw[name].dtype == np.float32, name
     np.testing.assert_array_equal(deq["model.layers.0.attention.A_log"], orig["model.layers.0.attention.A_log"])
     # routed experts

@@ -5,10 +5,10 @@ import dataclasses
 import json
 
 import pytest
+from oracle import build_oracle, save_oracle
 
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
 from ling_jax.presets import TINY
-from oracle import build_oracle, save_oracle
 
 FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -83,7 +83,7 @@ def test_config_is_frozen():
     assert c.replace(hidden_size=128).hidden_size == 128 and c.hidden_size == 64
 
 
-# ------------------------------------------------------------------------------------------------ save_pretrained spelling
+# save_pretrained spelling
 @pytest.fixture(scope="module")
 def saved_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("g3_list_dense2")
@@ -95,8 +95,16 @@ def test_save_pretrained_config_parses(saved_dir):
     raw = json.loads((saved_dir / "config.json").read_text())
     # the spelling this test is about: aliases, linear_head_dim, explicit lists, rope_parameters
     assert raw["head_dim"] == 8 and raw["linear_head_dim"] == 16
-    for alias in ("num_experts_per_token", "num_expert_group", "moe_renormalize", "model_max_length",
-                  "num_nextn_predict_layers", "num_shared_experts", "rope_parameters", "layer_types"):
+    for alias in (
+        "num_experts_per_token",
+        "num_expert_group",
+        "moe_renormalize",
+        "model_max_length",
+        "num_nextn_predict_layers",
+        "num_shared_experts",
+        "rope_parameters",
+        "layer_types",
+    ):
         assert alias in raw, alias
     assert "num_experts_per_tok" not in raw and "norm_topk_prob" not in raw
 
@@ -133,8 +141,15 @@ def test_rope_theta_inside_rope_parameters_wins(saved_dir):
 
 # ------------------------------------------------------------------------------------------------ inclusionAI spelling
 def test_layer_group_size_int():
-    c = LingConfig.from_dict({**TINY, "num_hidden_layers": 6, "layer_group_size": 3,
-                              "expert_swiglu_limit_list": [], "share_expert_swiglu_limit_list": []})
+    c = LingConfig.from_dict(
+        {
+            **TINY,
+            "num_hidden_layers": 6,
+            "layer_group_size": 3,
+            "expert_swiglu_limit_list": [],
+            "share_expert_swiglu_limit_list": [],
+        }
+    )
     assert c.layer_types == (KDA, KDA, MLA, KDA, KDA, MLA)
 
 
@@ -155,8 +170,13 @@ def test_first_k_dense_replace():
 
 
 def test_single_expert_means_all_dense():
-    raw = {**_without(TINY, "first_k_dense_replace"), "num_experts": 1, "num_experts_per_tok": 1,
-           "n_group": 0, "topk_group": 0}
+    raw = {
+        **_without(TINY, "first_k_dense_replace"),
+        "num_experts": 1,
+        "num_experts_per_tok": 1,
+        "n_group": 0,
+        "topk_group": 0,
+    }
     assert LingConfig.from_dict(raw).mlp_layer_types == (DENSE,) * 4
 
 
@@ -170,8 +190,9 @@ def test_shared_expert_width():
 
 
 def test_swiglu_limits():
-    c = LingConfig.from_dict({**TINY, "expert_swiglu_limit_list": [0, None, 5.5],
-                              "share_expert_swiglu_limit_list": [3, 0, 0, 9.0]})
+    c = LingConfig.from_dict(
+        {**TINY, "expert_swiglu_limit_list": [0, None, 5.5], "share_expert_swiglu_limit_list": [3, 0, 0, 9.0]}
+    )
     assert [c.swiglu_limit(i, shared=False) for i in range(5)] == [None, None, 5.5, None, None]
     assert [c.swiglu_limit(i, shared=True) for i in range(5)] == [3.0, None, None, 9.0, None]
     c = LingConfig.from_dict(_without(TINY, "expert_swiglu_limit_list", "share_expert_swiglu_limit_list"))
@@ -185,10 +206,25 @@ def test_q_lora_rank_null_or_int():
 
 
 def test_inclusionai_aliases():
-    raw = _without(TINY, "num_experts", "num_experts_per_tok", "n_group", "num_shared_experts", "norm_topk_prob",
-                   "max_position_embeddings", "num_nextn_predict_layers")
-    raw.update(num_local_experts=16, num_experts_per_token=4, num_expert_group=4, n_shared_experts=1,
-               moe_renormalize=False, model_max_length=2048, num_mtp_layers=1)
+    raw = _without(
+        TINY,
+        "num_experts",
+        "num_experts_per_tok",
+        "n_group",
+        "num_shared_experts",
+        "norm_topk_prob",
+        "max_position_embeddings",
+        "num_nextn_predict_layers",
+    )
+    raw.update(
+        num_local_experts=16,
+        num_experts_per_token=4,
+        num_expert_group=4,
+        n_shared_experts=1,
+        moe_renormalize=False,
+        model_max_length=2048,
+        num_mtp_layers=1,
+    )
     c = LingConfig.from_dict(raw)
     assert (c.num_experts, c.num_experts_per_tok, c.n_group, c.shared_expert_intermediate_size) == (16, 4, 4, 32)
     assert c.norm_topk_prob is False
@@ -202,9 +238,19 @@ def test_norm_topk_prob_false_is_kept():
 
 
 def test_rope_scaling_yarn_all_fields():
-    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 16,
-               "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 0.5, "attn_factor": 1.25,
-               "extrapolation_factor": 0.75, "truncate": False, "mrope_section": [2, 1, 1]}
+    scaling = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.5,
+        "attn_factor": 1.25,
+        "extrapolation_factor": 0.75,
+        "truncate": False,
+        "mrope_section": [2, 1, 1],
+    }
     rope = LingConfig.from_dict({**TINY, "rope_scaling": scaling}).rope
     assert rope.is_yarn and rope.rope_type == "yarn" and rope.theta == 10000.0
     assert (rope.factor, rope.original_max_position_embeddings) == (4.0, 256)
@@ -232,8 +278,14 @@ def test_rope_interleave():
 
 
 def test_quantization_config():
-    raw = {**TINY, "quantization_config": {**FP8_BLOCK, "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"],
-                                           "routed_experts_quant_method": "mxfp4"}}
+    raw = {
+        **TINY,
+        "quantization_config": {
+            **FP8_BLOCK,
+            "modules_to_not_convert": ["lm_head", "model.layers.0.mlp"],
+            "routed_experts_quant_method": "mxfp4",
+        },
+    }
     q = LingConfig.from_dict(raw).quantization
     assert q.quant_method == "fp8" and q.weight_block_size == (128, 128) and q.activation_scheme == "dynamic"
     assert q.modules_to_not_convert == ("lm_head", "model.layers.0.mlp")
@@ -245,9 +297,15 @@ def test_quantization_config():
 
 def test_vl_nesting_merges_top_level_keys():
     text = _without(TINY, "eos_token_id", "pad_token_id")
-    raw = {"model_type": "bailing_moe_v3_vl", "text_config": text, "vision_config": {"depth": 2},
-           "quantization_config": {**FP8_BLOCK, "routed_experts_quant_method": "mxfp4"},
-           "eos_token_id": [5, 6], "pad_token_id": 7, "image_token_id": 157157}
+    raw = {
+        "model_type": "bailing_moe_v3_vl",
+        "text_config": text,
+        "vision_config": {"depth": 2},
+        "quantization_config": {**FP8_BLOCK, "routed_experts_quant_method": "mxfp4"},
+        "eos_token_id": [5, 6],
+        "pad_token_id": 7,
+        "image_token_id": 157157,
+    }
     c = LingConfig.from_dict(raw)
     assert c.quantization is not None and c.quantization.routed_experts_quant_method == "mxfp4"
     assert c.eos_token_ids == (5, 6) and c.pad_token_id == 7
@@ -258,10 +316,23 @@ def test_vl_nesting_merges_top_level_keys():
 
 
 # ------------------------------------------------------------------------------------------------ errors
-@pytest.mark.parametrize("key", ["hidden_size", "norm_topk_prob", "kv_lora_rank", "vocab_size",
-                                 "num_hidden_layers", "routed_scaling_factor", "rms_norm_eps",
-                                 "max_position_embeddings", "num_experts", "num_experts_per_tok",
-                                 "qk_rope_head_dim", "rope_theta"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "hidden_size",
+        "norm_topk_prob",
+        "kv_lora_rank",
+        "vocab_size",
+        "num_hidden_layers",
+        "routed_scaling_factor",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
+        "qk_rope_head_dim",
+        "rope_theta",
+    ],
+)
 def test_missing_required_key(key):
     with pytest.raises(ValueError, match=key):
         LingConfig.from_dict(_without(TINY, key))
@@ -277,7 +348,11 @@ def test_missing_layer_group_size_without_layer_types():
         LingConfig.from_dict(_without(TINY, "layer_group_size"))
     explicit = ["linear_attention", "full_attention"] * 2
     assert LingConfig.from_dict({**_without(TINY, "layer_group_size"), "layer_types": explicit}).layer_types == (
-        KDA, MLA, KDA, MLA)
+        KDA,
+        MLA,
+        KDA,
+        MLA,
+    )
 
 
 def test_missing_first_k_dense_replace_without_mlp_layer_types():
@@ -298,13 +373,16 @@ def test_missing_kda_head_dim():
         LingConfig.from_dict(_without(TINY, "head_dim"))
 
 
-@pytest.mark.parametrize("canonical, alias, a, b", [
-    ("num_experts", "num_local_experts", 16, 32),
-    ("num_experts_per_tok", "num_experts_per_token", 4, 2),
-    ("n_group", "num_expert_group", 4, 2),
-    ("norm_topk_prob", "moe_renormalize", True, False),
-    ("max_position_embeddings", "model_max_length", 4096, 8192),
-])
+@pytest.mark.parametrize(
+    "canonical, alias, a, b",
+    [
+        ("num_experts", "num_local_experts", 16, 32),
+        ("num_experts_per_tok", "num_experts_per_token", 4, 2),
+        ("n_group", "num_expert_group", 4, 2),
+        ("norm_topk_prob", "moe_renormalize", True, False),
+        ("max_position_embeddings", "model_max_length", 4096, 8192),
+    ],
+)
 def test_alias_contradiction_names_both(canonical, alias, a, b):
     with pytest.raises(ValueError) as info:
         LingConfig.from_dict({**TINY, canonical: a, alias: b})
@@ -345,33 +423,46 @@ def test_top_k_at_most_experts():
         LingConfig.from_dict({**TINY, "num_experts_per_tok": 17, "n_group": 0, "topk_group": 0})
 
 
-@pytest.mark.parametrize("key, value", [
-    ("score_function", "softmax"),
-    ("use_mla_nope", True),
-    ("short_conv_kernel_size", None),
-    ("gated_attention_proj_granularity_type", "element_wise"),
-    ("moe_router_enable_expert_bias", False),
-    ("full_attention_type", "gqa"),
-    ("router_dtype", "bf16"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("score_function", "softmax"),
+        ("use_mla_nope", True),
+        ("short_conv_kernel_size", None),
+        ("gated_attention_proj_granularity_type", "element_wise"),
+        ("moe_router_enable_expert_bias", False),
+        ("full_attention_type", "gqa"),
+        ("router_dtype", "bf16"),
+    ],
+)
 def test_unsupported_values(key, value):
     with pytest.raises(ValueError, match=key):
         LingConfig.from_dict({**TINY, key: value})
 
 
 def test_supported_values_of_refused_keys_are_accepted():
-    c = LingConfig.from_dict({**TINY, "score_function": "sigmoid", "use_mla_nope": False,
-                              "gated_attention_proj_granularity_type": "head_wise",
-                              "moe_router_enable_expert_bias": True, "router_dtype": "fp32"})
+    c = LingConfig.from_dict(
+        {
+            **TINY,
+            "score_function": "sigmoid",
+            "use_mla_nope": False,
+            "gated_attention_proj_granularity_type": "head_wise",
+            "moe_router_enable_expert_bias": True,
+            "router_dtype": "fp32",
+        }
+    )
     assert c == LingConfig.from_dict(TINY)
 
 
-@pytest.mark.parametrize("quant, key", [
-    ({**FP8_BLOCK, "quant_method": "awq"}, "quant_method"),
-    ({**FP8_BLOCK, "routed_experts_quant_method": "w4afp8"}, "routed_experts_quant_method"),
-    (_without(FP8_BLOCK, "weight_block_size"), "weight_block_size"),
-    ({**FP8_BLOCK, "activation_scheme": "static"}, "activation_scheme"),
-])
+@pytest.mark.parametrize(
+    "quant, key",
+    [
+        ({**FP8_BLOCK, "quant_method": "awq"}, "quant_method"),
+        ({**FP8_BLOCK, "routed_experts_quant_method": "w4afp8"}, "routed_experts_quant_method"),
+        (_without(FP8_BLOCK, "weight_block_size"), "weight_block_size"),
+        ({**FP8_BLOCK, "activation_scheme": "static"}, "activation_scheme"),
+    ],
+)
 def test_unsupported_quantization(quant, key):
     with pytest.raises(ValueError, match=key):
         LingConfig.from_dict({**TINY, "quantization_config": quant})

@@ -8,12 +8,12 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-
 from checkpoint_factory import make_quantized_checkpoint, read_checkpoint_raw, write_hf_checkpoint
+from oracle import build_oracle, save_oracle
+
 from convert.cli import main
 from convert.workspace import Workspace
 from ling_jax.orbax_checkpoint import load_checkpoint
-from oracle import build_oracle, save_oracle
 
 INDEX = "model.safetensors.index.json"
 KV_B = "model.layers.1.attention.kv_b_proj.weight"
@@ -53,7 +53,7 @@ def test_truncated_shard(quantized, tmp_path, capsys):
     src = _write(tmp_path, *quantized)
     shard = src / "model-00003-of-00003.safetensors"
     data = shard.read_bytes()
-    header = json.loads(data[8:8 + int(np.frombuffer(data[:8], "<u8")[0])])
+    header = json.loads(data[8 : 8 + int(np.frombuffer(data[:8], "<u8")[0])])
     last = max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
     shard.write_bytes(data[:-16])
     err = _refused(capsys, tmp_path, src)
@@ -119,12 +119,23 @@ def test_config_missing_a_key(quantized, tmp_path, capsys):
     assert "kv_lora_rank" in err and str(src / "config.json") in err
 
 
-@pytest.mark.parametrize("name,poison", [
-    (KV_B, lambda fp8: np.where(np.arange(fp8.size).reshape(fp8.shape) == 5, np.uint8(0x7F),
-                                fp8.view(np.uint8)).view(ml_dtypes.float8_e4m3fn)),  # an E4M3 NaN code
-    (NORM, lambda bf16: np.where(np.arange(bf16.size) == 3, np.float32(np.inf), bf16.astype(np.float32))
-     .astype(ml_dtypes.bfloat16)),
-])
+@pytest.mark.parametrize(
+    "name,poison",
+    [
+        (
+            KV_B,
+            lambda fp8: np.where(np.arange(fp8.size).reshape(fp8.shape) == 5, np.uint8(0x7F), fp8.view(np.uint8)).view(
+                ml_dtypes.float8_e4m3fn
+            ),
+        ),  # an E4M3 NaN code
+        (
+            NORM,
+            lambda bf16: np.where(np.arange(bf16.size) == 3, np.float32(np.inf), bf16.astype(np.float32)).astype(
+                ml_dtypes.bfloat16
+            ),
+        ),
+    ],
+)
 def test_nan_or_inf_fails_verification(quantized, tmp_path, capsys, name, poison):
     config, tensors = quantized
     src = _write(tmp_path, config, {**tensors, name: poison(tensors[name])})

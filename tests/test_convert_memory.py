@@ -27,11 +27,15 @@ def test_peak_rss_is_bounded_on_a_multi_gb_checkpoint(tmp_path):
         write_random_checkpoint(str(src), benchmark_config(2.3e9), num_shards=3, random_codes=True)
         source_bytes = directory_bytes(src)
         assert source_bytes >= 2e9
-        run = run_measured([sys.executable, "-m", "convert.cli", str(src), str(dst), "--dtype", "bf16",
-                            "--workers", "2", "--quiet"], cwd=ROOT)
+        run = run_measured(
+            [sys.executable, "-m", "convert.cli", str(src), str(dst), "--dtype", "bf16", "--workers", "2", "--quiet"],
+            cwd=ROOT,
+        )
         assert run.returncode == 0, run.stderr
-        print(f"converted {source_bytes / 1e9:.2f} GB -> {directory_bytes(dst) / 1e9:.2f} GB in {run.seconds:.1f} s, "
-              f"peak RSS {run.peak_rss / 2**20:.0f} MiB")
+        print(
+            f"converted {source_bytes / 1e9:.2f} GB -> {directory_bytes(dst) / 1e9:.2f} GB in {run.seconds:.1f} s, "
+            f"peak RSS {run.peak_rss / 2**20:.0f} MiB"
+        )
         assert run.peak_rss < RSS_BOUND < source_bytes / 2
     finally:
         shutil.rmtree(src, ignore_errors=True)

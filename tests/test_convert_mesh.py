@@ -33,8 +33,9 @@ def source(tmp_path_factory):
 
 def test_chunks_divide_each_devices_rows(source):
     config, directory = source
-    plans = {p.name: p for p in build_plan(TensorResolver(CheckpointTensors(str(directory)), config), config, "bf16",
-                                           MESH)}
+    plans = {
+        p.name: p for p in build_plan(TensorResolver(CheckpointTensors(str(directory)), config), config, "bf16", MESH)
+    }
     assert plans["model.layers.0.attention.q_proj.weight"].rows_per_slice == 256  # 512 rows over tensor=2
     assert plans["model.layers.1.mlp.experts.gate_proj"].rows_per_slice == 128  # [E, 256, D], per expert
     assert plans["lm_head.weight"].rows_per_slice == 132  # stored bf16 (no 128-row blocks): 264 rows over 2
@@ -52,15 +53,21 @@ def test_converted_on_a_mesh_restores_onto_it(source, tmp_path):
     for (path, ours), (_, ref) in zip(restored, reference):
         np.testing.assert_array_equal(np.asarray(ours.get_value()), np.asarray(ref.get_value()), err_msg=str(path))
     gate = dict(restored)[("model", "layers", 1, "mlp", "experts", "gate_proj")].get_value()
-    assert gate.addressable_shards[0].data.shape == (config.num_experts // 4, config.moe_intermediate_size // 2,
-                                                     config.hidden_size)
+    assert gate.addressable_shards[0].data.shape == (
+        config.num_experts // 4,
+        config.moe_intermediate_size // 2,
+        config.hidden_size,
+    )
 
 
-@pytest.mark.parametrize("mesh, message", [
-    ("expert=3", "dimension 'experts' of size 16 is not divisible by mesh axes \\('expert',\\)"),
-    ("tensor:2", "--mesh expects axis=size pairs"),
-    ("pipeline=2", "unknown mesh axes"),
-])
+@pytest.mark.parametrize(
+    "mesh, message",
+    [
+        ("expert=3", "dimension 'experts' of size 16 is not divisible by mesh axes \\('expert',\\)"),
+        ("tensor:2", "--mesh expects axis=size pairs"),
+        ("pipeline=2", "unknown mesh axes"),
+    ],
+)
 def test_bad_mesh_is_refused_before_writing(source, tmp_path, capsys, mesh, message):
     _, directory = source
     assert main([str(directory), str(tmp_path / "out"), "--mesh", mesh, "--quiet"]) == 1

@@ -42,8 +42,10 @@ def test_two_processes_convert_what_they_own(tmp_path):
     assert not errors, errors
     assert summaries[0].converted and summaries[1].converted
     assert summaries[0].converted + summaries[1].converted == len(model_parameters(config))
-    assert sorted(d for d in os.listdir(tmp_path / "two") if d.startswith("ocdbt.process_")) == \
-        ["ocdbt.process_0", "ocdbt.process_1"]
+    assert sorted(d for d in os.listdir(tmp_path / "two") if d.startswith("ocdbt.process_")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
 
     convert(src, str(tmp_path / "one"), options)
     two, one = load_checkpoint(tmp_path / "two"), load_checkpoint(tmp_path / "one")
@@ -53,9 +55,17 @@ def test_two_processes_convert_what_they_own(tmp_path):
 
 def test_ownership_is_a_balanced_partition():
     sizes = [900, 500, 400, 300, 300, 100, 50]
-    plans = [ParamPlan((f"p{i}",), (n,), np.dtype(np.float32),
-                       (SourceTensor(f"p{i}", "f", PLAIN, (n,), np.dtype(np.float32), n),), False, n)
-             for i, n in enumerate(sizes)]
+    plans = [
+        ParamPlan(
+            (f"p{i}",),
+            (n,),
+            np.dtype(np.float32),
+            (SourceTensor(f"p{i}", "f", PLAIN, (n,), np.dtype(np.float32), n),),
+            False,
+            n,
+        )
+        for i, n in enumerate(sizes)
+    ]
     parts = [owned_by(plans, i, 3) for i in range(3)]
     assert sorted(p.name for part in parts for p in part) == sorted(p.name for p in plans)
     loads = [sum(p.nbytes for p in part) for part in parts]

@@ -26,11 +26,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def medium_config(layers: int = 6) -> LingConfig:
     """~300 MB in FP8: big enough to be caught mid-conversion, small enough for CI."""
     return LingConfig.preset("tiny").replace(
-        vocab_size=4096, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=8, head_dim=128,
-        intermediate_size=2048, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=32,
-        q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        layer_types=tuple(MLA if i % 2 else KDA for i in range(layers)), mlp_layer_types=(MOE,) * layers,
-        expert_swiglu_limit_list=(), share_expert_swiglu_limit_list=())
+        vocab_size=4096,
+        hidden_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        head_dim=128,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=32,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        layer_types=tuple(MLA if i % 2 else KDA for i in range(layers)),
+        mlp_layer_types=(MOE,) * layers,
+        expert_swiglu_limit_list=(),
+        share_expert_swiglu_limit_list=(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +68,14 @@ def _stopped_in_progress(checkpoint, dst, stop: signal.Signals, *flags: str) -> 
     the journal held before."""
     journal = Journal(Workspace(str(dst)).journal(0).path)
     earlier = len(journal.finished())
-    child = subprocess.Popen([sys.executable, "-m", "convert.cli", str(checkpoint), str(dst), "--workers", "1",
-                              "--quiet", *flags], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "convert.cli", str(checkpoint), str(dst), "--workers", "1", "--quiet", *flags],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while child.poll() is None and len(journal.finished()) <= earlier and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -9,9 +9,10 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
-
 from checkpoint_factory import make_quantized_checkpoint, read_checkpoint_tensors, write_hf_checkpoint
+from flax import nnx
+from oracle import build_oracle, load_oracle, oracle_logits, save_oracle
+
 from convert.cli import main
 from convert.hooks import to_dense, to_fp8
 from convert.source import FP8, MXFP4, SourceRows, SourceTensor
@@ -19,7 +20,6 @@ from ling_jax.checkpoint import SCALE_SUFFIX
 from ling_jax.orbax_checkpoint import dequantize_blocks, load_checkpoint, param_name
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
 from ling_jax.sharding import make_mesh, param_shardings
-from oracle import build_oracle, load_oracle, oracle_logits, save_oracle
 
 FP32_TOL = 1e-4
 KEPT_FP32 = ("A_log", "dt_bias", "conv1d.weight", "expert_bias")  # stay float32 in a bf16 conversion
@@ -33,8 +33,10 @@ def rel_error(ours, ref) -> float:
 
 @pytest.fixture(scope="module")
 def oracle_dirs(tmp_path_factory):
-    return {name: save_oracle(build_oracle(name, seed=3), tmp_path_factory.mktemp(name))
-            for name in ("g2_dense1", "g4_wide")}
+    return {
+        name: save_oracle(build_oracle(name, seed=3), tmp_path_factory.mktemp(name))
+        for name in ("g2_dense1", "g4_wide")
+    }
 
 
 def _reference_logits(tmp_path, quantized_dir, dequantized: dict, *, bf16: bool) -> np.ndarray:
@@ -42,14 +44,18 @@ def _reference_logits(tmp_path, quantized_dir, dequantized: dict, *, bf16: bool)
     config, _ = read_checkpoint_tensors(quantized_dir)
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     if bf16:
-        dequantized = {name: value if name.endswith(KEPT_FP32) else
-                       value.astype(ml_dtypes.bfloat16).astype(np.float32) for name, value in dequantized.items()}
+        dequantized = {
+            name: value if name.endswith(KEPT_FP32) else value.astype(ml_dtypes.bfloat16).astype(np.float32)
+            for name, value in dequantized.items()
+        }
     write_hf_checkpoint(tmp_path / "reference", config, dequantized)
     return oracle_logits(load_oracle(tmp_path / "reference"), IDS)
 
 
-@pytest.mark.parametrize("oracle,mxfp4,dtype", [("g2_dense1", False, "bf16"), ("g4_wide", True, "bf16"),
-                                                ("g2_dense1", False, "fp8"), ("g4_wide", True, "fp8")])
+@pytest.mark.parametrize(
+    "oracle,mxfp4,dtype",
+    [("g2_dense1", False, "bf16"), ("g4_wide", True, "bf16"), ("g2_dense1", False, "fp8"), ("g4_wide", True, "fp8")],
+)
 def test_logits_match_oracle_on_dequantised_weights(oracle_dirs, tmp_path, oracle, mxfp4, dtype):
     hf_dir, orbax_dir = tmp_path / "hf", tmp_path / "orbax"
     dequantized = make_quantized_checkpoint(oracle_dirs[oracle], hf_dir, mxfp4_experts=mxfp4)
@@ -79,13 +85,14 @@ def test_orbax_tree_is_the_nnx_parameter_tree(oracle_dirs, tmp_path):
     assert experts in names and "model.layers.0.attention.q_conv1d" in names
     stored = _stored_names(orbax_dir)
     assert names <= stored
-    assert {n[:-len(SCALE_SUFFIX)] for n in stored - names} <= names  # the rest are FP8 block scales
+    assert {n[: -len(SCALE_SUFFIX)] for n in stored - names} <= names  # the rest are FP8 block scales
     assert experts + SCALE_SUFFIX in stored and "model.layers.0.attention.q_proj.weight" + SCALE_SUFFIX in stored
     for (path, variable), (_, sharding) in zip(flat, nnx.to_flat_state(expected)):
         value = variable.get_value()
         assert value.sharding == sharding.get_value(), path  # restored straight into the rules' shardings
-        assert value.dtype == (jnp.float32 if param_name(path).endswith(("A_log", "dt_bias", "conv1d",
-                                                                          "expert_bias")) else jnp.bfloat16), path
+        assert value.dtype == (
+            jnp.float32 if param_name(path).endswith(("A_log", "dt_bias", "conv1d", "expert_bias")) else jnp.bfloat16
+        ), path
     gate = model.model.layers[1].mlp.experts.gate_proj[...]
     assert gate.shape[0] == 16 and gate.addressable_shards[0].data.shape == (2, 144, 160)  # [E, I, D], E over 8
     assert (orbax_dir / "config.json").is_file()

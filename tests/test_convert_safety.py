@@ -14,8 +14,8 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-
 from checkpoint_factory import read_checkpoint_raw, write_hf_checkpoint
+
 from convert.cli import main
 from convert.synthetic import write_random_checkpoint
 from convert.workspace import Workspace
@@ -42,8 +42,14 @@ def _write(directory, config: dict, tensors: dict[str, np.ndarray]):
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "convert.cli", *map(str, args), "--quiet"], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "convert.cli", *map(str, args), "--quiet"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _one_error_line(stderr: str, *needles) -> str:
@@ -89,8 +95,13 @@ def test_destination_holding_the_source_is_refused(source, tmp_path, capsys):
 
     (tmp_path / "link").symlink_to(parent)
     (tmp_path / "src_link").symlink_to(src)
-    _refused_in_process(capsys, src, tmp_path / "link", "--overwrite",
-                        needles=(tmp_path / "link", f"really {parent}", "holds the source"))
+    _refused_in_process(
+        capsys,
+        src,
+        tmp_path / "link",
+        "--overwrite",
+        needles=(tmp_path / "link", f"really {parent}", "holds the source"),
+    )
     _refused_in_process(capsys, tmp_path / "src_link", parent, "--overwrite", needles=("holds the source",))
     _refused_in_process(capsys, src, tmp_path / "src_link", "--overwrite", needles=("is the source checkpoint",))
     _refused_in_process(capsys, src, src / "out", needles=("lies inside the source checkpoint",))
@@ -104,8 +115,13 @@ def test_overwrite_replaces_only_an_earlier_output(source, tmp_path, capsys):
     for i in range(7):
         (other / f"file{i}.txt").write_text(str(i))
     before = _snapshot(other)
-    line = _refused(_cli(src, other, "--overwrite"), other, "would delete 7 entries (file0.txt, ", ", ...)",
-                    "--overwrite only replaces an earlier ling-convert output")
+    line = _refused(
+        _cli(src, other, "--overwrite"),
+        other,
+        "would delete 7 entries (file0.txt, ",
+        ", ...)",
+        "--overwrite only replaces an earlier ling-convert output",
+    )
     assert "file6.txt" not in line
     line = _refused_in_process(capsys, src, other, needles=("would delete 7 entries", "--overwrite only replaces"))
     assert "pass --overwrite" not in line
@@ -119,7 +135,7 @@ def test_overwrite_replaces_only_an_earlier_output(source, tmp_path, capsys):
     _refused_in_process(capsys, src, empty, "--overwrite", needles=("1 entry (notes.txt)", "did not write"))
     (empty / "notes.txt").unlink()
     layout = (empty / LAYOUT_FILE).read_bytes()
-    (empty / LAYOUT_FILE).write_bytes(layout[:len(layout) // 2])
+    (empty / LAYOUT_FILE).write_bytes(layout[: len(layout) // 2])
     _refused_in_process(capsys, src, empty, "--overwrite", needles=(LAYOUT_FILE, "not an earlier ling-convert output"))
     (empty / LAYOUT_FILE).write_bytes(layout)
     assert main([str(src), str(empty), "--quiet", "--overwrite", "--dtype", "fp8"]) == 0
@@ -143,8 +159,13 @@ def test_nonfinite_weights_are_not_published(source, tmp_path, capsys):
 
     bad = _write(tmp_path / "bad", config, {**tensors, NORM: _poison(tensors[NORM], np.inf, rng)})
     workspace = Workspace(str(dst)).path
-    _refused(_cli(bad, dst, "--overwrite"), f"{_shard_of(bad, NORM)}: tensor '{NORM}' has 1 NaN or Inf values",
-             "--allow-nonfinite", f"nothing was published at {dst}", f"kept in {workspace} for --resume")
+    _refused(
+        _cli(bad, dst, "--overwrite"),
+        f"{_shard_of(bad, NORM)}: tensor '{NORM}' has 1 NaN or Inf values",
+        "--allow-nonfinite",
+        f"nothing was published at {dst}",
+        f"kept in {workspace} for --resume",
+    )
     assert _snapshot(dst) == published  # the earlier output is untouched
     assert main([str(bad), str(dst), "--quiet", "--overwrite", "--resume", "--allow-nonfinite", "--verify"]) == 0
     assert "parameters" in capsys.readouterr().out and not os.path.exists(workspace)
@@ -165,11 +186,11 @@ def _damage_header(shard) -> None:
     """Drop one tensor's data_offsets from a shard's header (still valid JSON)."""
     data = shard.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
+    header = json.loads(data[8 : 8 + length])
     name = next(n for n in header if n != "__metadata__")
     del header[name]["data_offsets"]
     encoded = json.dumps(header).encode()
-    shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length:])
+    shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length :])
 
 
 def test_damaged_shard_header(source, tmp_path):
@@ -180,13 +201,16 @@ def test_damaged_shard_header(source, tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
-@pytest.mark.parametrize("file,damage,message", [
-    (INDEX, lambda text: text[:-40], "not valid JSON"),
-    (INDEX, lambda text: "[" + text + "]", "expected a JSON object, found list"),
-    (INDEX, lambda text: json.dumps({"weight_map": {NORM: None}}), f"'weight_map' maps '{NORM}' to None"),
-    ("config.json", lambda text: text.replace('"', '"\udcff', 1), "not UTF-8 text (byte {} is 0xff)"),
-    ("config.json", lambda text: "[]", "expected a JSON object, found list"),
-])
+@pytest.mark.parametrize(
+    "file,damage,message",
+    [
+        (INDEX, lambda text: text[:-40], "not valid JSON"),
+        (INDEX, lambda text: "[" + text + "]", "expected a JSON object, found list"),
+        (INDEX, lambda text: json.dumps({"weight_map": {NORM: None}}), f"'weight_map' maps '{NORM}' to None"),
+        ("config.json", lambda text: text.replace('"', '"\udcff', 1), "not UTF-8 text (byte {} is 0xff)"),
+        ("config.json", lambda text: "[]", "expected a JSON object, found list"),
+    ],
+)
 def test_damaged_json_file(source, tmp_path, capsys, file, damage, message):
     src = _write(tmp_path / "src", *source)
     text = (src / file).read_text()
@@ -204,8 +228,13 @@ def test_damaged_journal_on_resume(source, tmp_path, capsys, journal, line):
     workspace.prepare({"source": str(src), "dtype": "bf16", "process_count": 1}, resume=False, overwrite=False)
     with open(workspace.journal(0).path, "wb") as f:
         f.write(journal)
-    _refused_in_process(capsys, src, dst, "--resume",
-                        needles=(f"{workspace.journal(0).path}: line {line} is not a journal entry", "--overwrite"))
+    _refused_in_process(
+        capsys,
+        src,
+        dst,
+        "--resume",
+        needles=(f"{workspace.journal(0).path}: line {line} is not a journal entry", "--overwrite"),
+    )
     with open(os.path.join(workspace.path, "job.json"), "wb") as f:
         f.write(b'{"source": "\xff"}')
     _refused_in_process(capsys, src, dst, "--resume", needles=("job.json", "utf-8"))

@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 from checkpoint_factory import make_quantized_checkpoint, read_checkpoint_raw
+from oracle import build_oracle, save_oracle
+
 from convert.hf_writer import TensorEntry, _shard_of_each, write_sharded
 from convert.synthetic import benchmark_config, checkpoint_tensors, config_dict, storage_kind
 from ling_jax.checkpoint import load_hf_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.presets import PRESETS
 from ling_jax.safetensors_io import CheckpointTensors
-from oracle import build_oracle, save_oracle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "make_test_checkpoint.py")
@@ -40,8 +40,15 @@ def test_config_dict_parses_back_to_the_config(preset):
 def test_from_hf_dir_quantises_like_the_test_factory(tmp_path, mxfp4):
     oracle = save_oracle(build_oracle("g4_wide"), tmp_path / "oracle")
     make_quantized_checkpoint(oracle, tmp_path / "factory", mxfp4_experts=mxfp4)
-    make_test_checkpoint("--from-hf-dir", oracle, "--out", tmp_path / "script", "--shards", 5,
-                         *(["--mxfp4-experts", "--mxfp4-scale-format", "float32"] if mxfp4 else []))
+    make_test_checkpoint(
+        "--from-hf-dir",
+        oracle,
+        "--out",
+        tmp_path / "script",
+        "--shards",
+        5,
+        *(["--mxfp4-experts", "--mxfp4-scale-format", "float32"] if mxfp4 else []),
+    )
     factory_config, factory = read_checkpoint_raw(tmp_path / "factory")
     script_config, script = read_checkpoint_raw(tmp_path / "script")
     assert sorted(factory) == sorted(script)
@@ -98,6 +105,7 @@ def test_shards_are_contiguous_balanced_and_never_empty(tmp_path):
 def test_benchmark_config_reaches_its_size():
     config = benchmark_config(2.3e9)
     sizes = {"fp8": 1, "bf16": 2, "fp32": 4}
-    total = sum(int(np.prod(shape)) * sizes[storage_kind(name, config, False)]
-                for name, shape in checkpoint_tensors(config))
+    total = sum(
+        int(np.prod(shape)) * sizes[storage_kind(name, config, False)] for name, shape in checkpoint_tensors(config)
+    )
     assert 2.0e9 <= total <= 2.8e9

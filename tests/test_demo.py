@@ -24,8 +24,38 @@ WINDOW, WINDOWS = 512, 4
 # docs/demo_model.md: 3.61 nats/token over these 4 windows (3.77 over the whole held-out tail) on the CPU
 HELD_OUT_LOSS_LIMIT = 3.9
 PROMPT = "It is a truth universally acknowledged"
-COMMON_WORDS = {"the", "and", "to", "of", "a", "i", "was", "her", "she", "he", "be", "not", "in", "that", "it",
-                "have", "had", "his", "you", "as", "for", "with", "but", "is", "so", "my", "me", "him", "by", "at"}
+COMMON_WORDS = {
+    "the",
+    "and",
+    "to",
+    "of",
+    "a",
+    "i",
+    "was",
+    "her",
+    "she",
+    "he",
+    "be",
+    "not",
+    "in",
+    "that",
+    "it",
+    "have",
+    "had",
+    "his",
+    "you",
+    "as",
+    "for",
+    "with",
+    "but",
+    "is",
+    "so",
+    "my",
+    "me",
+    "him",
+    "by",
+    "at",
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +88,7 @@ def test_held_out_loss_is_below_the_threshold(model, tokenizer):
     """Mean next-token loss over the first held-out windows (the end of *Persuasion*, never trained on)."""
     lines = HELD_OUT.read_text().splitlines(keepends=True)
     ids = [token for encoding in tokenizer.encode_batch(lines, add_special_tokens=False) for token in encoding.ids]
-    windows = jnp.asarray(np.asarray(ids[:WINDOW * WINDOWS], np.int32).reshape(WINDOWS, WINDOW))
+    windows = jnp.asarray(np.asarray(ids[: WINDOW * WINDOWS], np.int32).reshape(WINDOWS, WINDOW))
     graphdef, state = nnx.split(model)
 
     @jax.jit

@@ -5,13 +5,11 @@ BENCHMARKS.md and docs/ resolves to a file, folder or heading. (tests/test_readm
 from __future__ import annotations
 
 import pytest
-
 from doc_blocks import ROOT, blocks, broken_links, heading_anchors, run_python_blocks
 
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
 ALL_MARKDOWN = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *DOCS]
-RUNNABLE = [p for p in DOCS if any(b.lang == "python" and b.skip_reason is None
-                                   for b in blocks(p.read_text(), str(p)))]
+RUNNABLE = [p for p in DOCS if any(b.lang == "python" and b.skip_reason is None for b in blocks(p.read_text(), str(p)))]
 
 
 def test_every_fence_names_its_language_and_every_marker_a_python_block():
@@ -39,8 +37,12 @@ def test_the_checks_can_fail(tmp_path):
     marked = blocks("<!-- not tested: needs a GPU -->\n```python\nimport gpu_only\n```\n", "page.md")
     assert marked[0].skip_reason == "needs a GPU" and marked[0].line == 3
     assert heading_anchors("# A `b.py` (c)\n## A `b.py` (c)\n```bash\n# not a heading\n```\n") == {
-        "a-bpy-c", "a-bpy-c-1"}
+        "a-bpy-c",
+        "a-bpy-c-1",
+    }
     page = tmp_path / "page.md"
-    page.write_text("# Top\n[ok](#top) [here](page.md#top) [web](https://x.org/y) `[code](nowhere.md)`\n"
-                    "[gone](missing.md) [no heading](page.md#bottom)\n")
+    page.write_text(
+        "# Top\n[ok](#top) [here](page.md#top) [web](https://x.org/y) `[code](nowhere.md)`\n"
+        "[gone](missing.md) [no heading](page.md#bottom)\n"
+    )
     assert [b.split(" (")[0] for b in broken_links(page)] == ["missing.md", "page.md#bottom"]

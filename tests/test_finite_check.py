@@ -9,8 +9,14 @@ import pytest
 
 from ling_jax.finite_check import NonFiniteError, check_finite
 
-NARROW = [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, ml_dtypes.float8_e8m0fnu,
-          ml_dtypes.float8_e4m3fnuz]
+NARROW = [
+    np.float16,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e8m0fnu,
+    ml_dtypes.float8_e4m3fnuz,
+]
 
 
 def _refused(array) -> NonFiniteError:

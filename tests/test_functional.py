@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-
 from helpers import rel_error
+from oracle import build_oracle, save_oracle
+
 from ling_jax import LingConfig, LingForCausalLM, MLAState, load_hf_checkpoint
 from ling_jax import functional as F
-from oracle import build_oracle, save_oracle
 from pallas_kernels.backend import BACKENDS
 
 FP32_TOL = 1e-4
@@ -73,8 +73,9 @@ def test_latent_attention_matches_oracle(oracle_setup, x_BTD):
     y, cache = jitted(F.latent_attention)(weights["attention"], x_BTD, None, ctx, cfg=config)
     cos_sin, mask, _ = hf_position_inputs(oracle, x_BTD)
     with torch.no_grad():
-        expected, _ = oracle.model.layers[MLA_MOE].self_attn(hidden_states=torch_of(x_BTD),
-                                                            position_embeddings=cos_sin, attention_mask=mask)
+        expected, _ = oracle.model.layers[MLA_MOE].self_attn(
+            hidden_states=torch_of(x_BTD), position_embeddings=cos_sin, attention_mask=mask
+        )
     assert cache is None
     assert rel_error(y, expected.numpy()) <= FP32_TOL
 
@@ -93,10 +94,16 @@ def test_feed_forward_functions_match_oracle(oracle_setup, x_BTD):
     assert rel_error(jax.jit(F.dense_mlp)(dense, x_BTD), expected_dense.numpy()) <= FP32_TOL
     assert rel_error(moe, expected_moe.numpy()) <= FP32_TOL
     order, hf_order = np.argsort(np.asarray(experts), -1), np.argsort(hf_experts.numpy(), -1)
-    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, -1),
-                                  np.take_along_axis(hf_experts.numpy(), hf_order, -1))
-    assert rel_error(np.take_along_axis(np.asarray(route_weights), order, -1),
-                     np.take_along_axis(hf_weights.numpy(), hf_order, -1)) <= FP32_TOL
+    np.testing.assert_array_equal(
+        np.take_along_axis(np.asarray(experts), order, -1), np.take_along_axis(hf_experts.numpy(), hf_order, -1)
+    )
+    assert (
+        rel_error(
+            np.take_along_axis(np.asarray(route_weights), order, -1),
+            np.take_along_axis(hf_weights.numpy(), hf_order, -1),
+        )
+        <= FP32_TOL
+    )
     norm_weights = F.checkpoint_layer_weights(path, KDA_DENSE)["input_layernorm"]
     norm = jax.jit(F.rms_norm, static_argnames="eps")(norm_weights, x_BTD, eps=config.rms_norm_eps)
     assert rel_error(norm, expected_norm.numpy()) <= FP32_TOL
@@ -106,12 +113,17 @@ def test_feed_forward_functions_match_oracle(oracle_setup, x_BTD):
 def test_decoder_layer_matches_oracle(oracle_setup, x_BTD, index):
     oracle, config, path = oracle_setup
     ctx = F.token_context(config, BATCH, LENGTH, policy=POLICY)
-    h, _ = jitted(F.decoder_layer, "layer")(F.checkpoint_layer_weights(path, index), x_BTD, None, ctx, cfg=config,
-                                            layer=index)
+    h, _ = jitted(F.decoder_layer, "layer")(
+        F.checkpoint_layer_weights(path, index), x_BTD, None, ctx, cfg=config, layer=index
+    )
     cos_sin, mask, positions = hf_position_inputs(oracle, x_BTD)
     with torch.no_grad():
-        expected = oracle.model.layers[index](torch_of(x_BTD), attention_mask=None if index == KDA_DENSE else mask,
-                                              position_ids=positions, position_embeddings=cos_sin)
+        expected = oracle.model.layers[index](
+            torch_of(x_BTD),
+            attention_mask=None if index == KDA_DENSE else mask,
+            position_ids=positions,
+            position_embeddings=cos_sin,
+        )
     assert rel_error(h, expected.numpy()) <= FP32_TOL
 
 
@@ -135,13 +147,18 @@ def test_latent_attention_alone_over_a_cache_equals_one_full_call():
     full, _ = attend(weights, x, None, F.token_context(config, BATCH, LENGTH, policy=POLICY), cfg=config)
     prefill, slots = 7, 16
     context = functools.partial(F.token_context, config, BATCH, max_length=slots, policy=POLICY)
-    y, cache = attend(weights, x[:, :prefill], MLAState.zeros(config, BATCH, slots, jnp.float32),
-                      context(prefill, lengths=jnp.zeros((BATCH,), jnp.int32)), cfg=config)
+    y, cache = attend(
+        weights,
+        x[:, :prefill],
+        MLAState.zeros(config, BATCH, slots, jnp.float32),
+        context(prefill, lengths=jnp.zeros((BATCH,), jnp.int32)),
+        cfg=config,
+    )
     steps = [y]
     for t in range(prefill, LENGTH):
         ctx = context(1, lengths=jnp.full((BATCH,), t, jnp.int32))
         assert ctx.mla_mode == F.MLAMode.ABSORBED
-        y, cache = attend(weights, x[:, t:t + 1], cache, ctx, cfg=config)
+        y, cache = attend(weights, x[:, t : t + 1], cache, ctx, cfg=config)
         steps.append(y)
     assert rel_error(jnp.concatenate(steps, axis=1), full) <= 1e-5
 
@@ -155,7 +172,8 @@ def test_policy_rejects_typos_at_construction():
         F.ExecutionPolicy(moe_capacity_factor=0)
     with pytest.raises(ValueError, match="kernel_backend: 'refrence'"):
         LingForCausalLM(LingConfig.preset("tiny"), rngs=nnx.Rngs(0), kernel_backend="refrence")
-    policy = F.ExecutionPolicy.for_config(LingConfig.preset("tiny").replace(moe_all_to_all="ragged"),
-                                          kernel_backend="reference", mla_mode="absorbed")
+    policy = F.ExecutionPolicy.for_config(
+        LingConfig.preset("tiny").replace(moe_all_to_all="ragged"), kernel_backend="reference", mla_mode="absorbed"
+    )
     assert (policy.moe_exchange, policy.mla_mode) == (F.MoEExchange.RAGGED, F.MLAMode.ABSORBED)
     assert {b.value for b in F.KernelBackend} == set(BACKENDS)

@@ -45,7 +45,7 @@ def _recomputed_argmax(model, prompt, new):
     """The token an uncached full forward picks greedily after prompt + new[:i], for each i: the model is causal
     (the logits at a position depend on the tokens up to it only), so one forward over prompt + new gives them
     all, where a forward per step would recompute the same prefixes again."""
-    logits = model(jnp.asarray([prompt + new])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(new)]
+    logits = model(jnp.asarray([prompt + new])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(new)]
     return [int(t) for t in jnp.argmax(logits, axis=-1)]
 
 
@@ -75,8 +75,7 @@ def test_batching_does_not_change_a_prompt_output(model):
 def test_mtp_greedy_is_token_identical_and_reports_acceptance(two_token_model, drafts):
     prompts = _prompts(two_token_model.config)
     plain, _ = Generator(two_token_model, prefill_chunk=16).generate(prompts, [GREEDY] * 3, 16)
-    speculative, stats = Generator(two_token_model, prefill_chunk=16, mtp=drafts).generate(prompts, [GREEDY] * 3,
-                                                                                            16)
+    speculative, stats = Generator(two_token_model, prefill_chunk=16, mtp=drafts).generate(prompts, [GREEDY] * 3, 16)
     print(f"K={drafts}: {stats.summary()}")
     assert speculative == plain
     assert 0 < stats.accepted < stats.drafted  # both accepted and rejected drafts were exercised
@@ -107,7 +106,7 @@ def test_eos_and_stop_callback_end_rows(model):
     full, _ = generator.generate(prompts, [GREEDY] * 3, 8)
     eos = full[0][3]
     out, _ = generator.generate(prompts, [GREEDY] * 3, 8, eos_ids=[eos])
-    assert out[0] == full[0][:full[0].index(eos)]
+    assert out[0] == full[0][: full[0].index(eos)]
     seen = []
     out, _ = generator.generate(prompts, [GREEDY] * 3, 8, on_tokens=lambda row, ids: seen.append((row, ids)) or True)
     assert out == [f[:1] for f in full] and sorted(seen) == [(r, f[:1]) for r, f in enumerate(full)]
@@ -150,8 +149,9 @@ def test_prefill_chunk_memory_stays_bounded_up_to_262144_tokens():
 
     def memory(slots):
         cache = jax.eval_shape(lambda: model.init_cache(batch_size=1, max_length=slots))
-        analysis = _prefill_chunk.trace(static, leaves, cache, None, ids, mask, ids, mask).lower().compile() \
-            .memory_analysis()
+        analysis = (
+            _prefill_chunk.trace(static, leaves, cache, None, ids, mask, ids, mask).lower().compile().memory_analysis()
+        )
         return analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
 
     (temp_short, args_short), (temp_long, args_long) = memory(8192), memory(262144)

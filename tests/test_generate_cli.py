@@ -23,8 +23,11 @@ from ling_jax.tokenizer import StopChecker, load_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "generate.py"
-SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Ling is a mixture of experts language model.",
-             "Delta attention keeps a fixed size state per layer."]
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Ling is a mixture of experts language model.",
+    "Delta attention keeps a fixed size state per layer.",
+]
 # pad = 0 and eos = 1, as in the tiny preset's config
 SPECIALS = ["<|pad|>", "<|endoftext|>", "<role>"]
 # short, so that a chat prompt pads to the same 16 tokens as PROMPTS and reuses their compilations
@@ -40,8 +43,9 @@ def hf_dir(tmp_path_factory):
     config = LingConfig.preset("tiny").replace(vocab_size=320)
     write_random_checkpoint(str(directory), config, seed=0, num_shards=1)
     train_byte_bpe(directory / "tokenizer.json", SENTENCES, 300, SPECIALS)
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                                 "chat_template": TEMPLATE}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "chat_template": TEMPLATE})
+    )
     return directory
 
 
@@ -71,8 +75,7 @@ def greedy(hf_dir):
     """The greedy completions of PROMPTS (computed once; capsys is function-scoped, so capture by hand)."""
     stdout, sys.stdout = sys.stdout, io.StringIO()
     try:
-        assert generate_cli.main(["--model", str(hf_dir), "--json", "--max-new-tokens", str(NEW_TOKENS),
-                                  *PROMPTS]) == 0
+        assert generate_cli.main(["--model", str(hf_dir), "--json", "--max-new-tokens", str(NEW_TOKENS), *PROMPTS]) == 0
         out = sys.stdout.getvalue()
     finally:
         sys.stdout = stdout
@@ -108,14 +111,24 @@ def test_stop_strings_cut_the_completion(capsys, hf_dir, tokenizer, greedy):
     full = greedy[0]["completion"]
     stop = full[2:4]
     cut = full.find(stop)
-    code, out, err = run_cli(capsys, "--model", hf_dir, "--max-new-tokens", NEW_TOKENS, "--stop", stop,
-                             "--stop", "never-generated", PROMPTS[0])
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        hf_dir,
+        "--max-new-tokens",
+        NEW_TOKENS,
+        "--stop",
+        stop,
+        "--stop",
+        "never-generated",
+        PROMPTS[0],
+    )
     assert code == 0, err
     assert out == f"> {PROMPTS[0]}\n{full[:cut]}\n"  # streamed: the stop string never shows, even in part
     record, _ = run_json(capsys, "--model", hf_dir, "--stop", stop, *PROMPTS)
     assert record["completion"] == full[:cut] and record["finish_reason"] == "stop"
     ids = record["completion_ids"]
-    assert ids == greedy[0]["completion_ids"][:len(ids)]  # the ids end with the one completing the stop string
+    assert ids == greedy[0]["completion_ids"][: len(ids)]  # the ids end with the one completing the stop string
     assert StopChecker([stop]).find(tokenizer.decode(ids)) == cut
 
 
@@ -138,26 +151,29 @@ def test_mtp_speculation_gives_the_greedy_completion(capsys, hf_dir, greedy):
 
 
 def test_chat_template_and_system_message(capsys, hf_dir, tokenizer):
-    record, = run_json(capsys, "--model", hf_dir, "--chat", "--system", "Be brief.", "Hi")
+    (record,) = run_json(capsys, "--model", hf_dir, "--chat", "--system", "Be brief.", "Hi")
     formatted = "<role>sBe brief.<role>uHi<role>"
     assert record["prompt"] == "Hi"
     assert record["prompt_tokens"] == len(tokenizer.encode(formatted, add_special_tokens=False))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--min-p", "2"], "--min-p"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--system", "x"], "--system needs --chat"),
-    (["--stop", "END", "--stop", ""], "--stop strings must be non-empty"),
-    (["--model", "/nonexistent/ling"], "--model /nonexistent/ling: not a directory"),
-    (["--mesh", "tensor=x"], "--mesh expects axis=size pairs"),
-    (["--mesh", "tensor=3"], "--mesh 'tensor=3': mesh {'data': 1, 'fsdp': 1, 'tensor': 3, 'expert': 1} needs 3"),
-    (["--mesh", "pipeline=8"], "unknown mesh axes ['pipeline']"),
-    (["--mesh", "tensor=4,expert=2", "--tp", "2"], "--tp 2 contradicts --mesh tensor=4"),
-    (["--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file /nonexistent/prompts.txt: No such file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--min-p", "2"], "--min-p"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--system", "x"], "--system needs --chat"),
+        (["--stop", "END", "--stop", ""], "--stop strings must be non-empty"),
+        (["--model", "/nonexistent/ling"], "--model /nonexistent/ling: not a directory"),
+        (["--mesh", "tensor=x"], "--mesh expects axis=size pairs"),
+        (["--mesh", "tensor=3"], "--mesh 'tensor=3': mesh {'data': 1, 'fsdp': 1, 'tensor': 3, 'expert': 1} needs 3"),
+        (["--mesh", "pipeline=8"], "unknown mesh axes ['pipeline']"),
+        (["--mesh", "tensor=4,expert=2", "--tp", "2"], "--tp 2 contradicts --mesh tensor=4"),
+        (["--prompt-file", "/nonexistent/prompts.txt"], "--prompt-file /nonexistent/prompts.txt: No such file"),
+    ],
+)
 def test_errors_before_loading_are_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv, "a prompt")
     assert code == 2 and out == ""
@@ -168,8 +184,10 @@ def test_errors_after_loading_are_one_line(capsys, tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     cases = [
         (["--model", tmp_path, "x"], f"--model {tmp_path}: expected a HF checkpoint directory"),
-        (["--preset", "tiny", "x" * 4100], ("prompt 1 has 4100 tokens; with --max-new-tokens 64 that exceeds the "
-                                            "model's context of 4096 tokens")),
+        (
+            ["--preset", "tiny", "x" * 4100],
+            ("prompt 1 has 4100 tokens; with --max-new-tokens 64 that exceeds the model's context of 4096 tokens"),
+        ),
         (["--preset", "tiny", "--mesh", "tensor=8", "x"], "--mesh 'tensor=8': the model does not fit this mesh"),
         (["--preset", "tiny", "--chat", "x"], "has no chat template"),
     ]
@@ -187,8 +205,12 @@ def test_mesh_flags_combine():
 
     assert mesh_of() is None  # one device
     assert mesh_of("--tp", "2", "--ep", "4") == {"data": 1, "fsdp": 1, "tensor": 2, "expert": 4}
-    assert mesh_of("--mesh", "data=2,tensor=2", "--tp", "2", "--ep", "2") == {"data": 2, "fsdp": 1, "tensor": 2,
-                                                                                 "expert": 2}
+    assert mesh_of("--mesh", "data=2,tensor=2", "--tp", "2", "--ep", "2") == {
+        "data": 2,
+        "fsdp": 1,
+        "tensor": 2,
+        "expert": 2,
+    }
 
 
 def test_completion_holds_back_a_possible_stop_string():
@@ -206,8 +228,16 @@ def run_script(*argv, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run has
     stdin_source = {"stdin": subprocess.DEVNULL} if stdin is None else {"input": stdin}  # /dev/null: no prompts
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, argv)], **stdin_source, capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, argv)],
+        **stdin_source,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_script_default_model():
@@ -221,8 +251,9 @@ def test_script_default_model():
 
 
 def test_script_reads_stdin_and_prints_json(hf_dir, greedy):
-    result = run_script("--model", hf_dir, "--json", "--max-new-tokens", NEW_TOKENS, "--temperature", 0,
-                        stdin="\n".join(PROMPTS) + "\n")
+    result = run_script(
+        "--model", hf_dir, "--json", "--max-new-tokens", NEW_TOKENS, "--temperature", 0, stdin="\n".join(PROMPTS) + "\n"
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["completion_ids"] for r in records] == [r["completion_ids"] for r in greedy]
@@ -231,5 +262,7 @@ def test_script_reads_stdin_and_prints_json(hf_dir, greedy):
 def test_script_error_has_no_traceback():
     result = run_script("--model", "/nonexistent/ling", "--top-k", 5, "x")
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == "error: --model /nonexistent/ling: not a directory (expected a HF checkpoint or " \
-                            "ling-convert directory)\n"
+    assert (
+        result.stderr == "error: --model /nonexistent/ling: not a directory (expected a HF checkpoint or "
+        "ling-convert directory)\n"
+    )

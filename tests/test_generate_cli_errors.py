@@ -65,18 +65,26 @@ def assert_one_line_error(code, out, err, *fragments):
 def test_missing_tokenizer_json_is_refused_unless_bytes_are_asked_for(capsys, tmp_path, hf_dir, no_weights):
     model = copy_of(hf_dir, tmp_path)
     (model / "tokenizer.json").unlink()
-    assert_one_line_error(*run_cli(capsys, "--model", model, "hi"), f"{model / 'tokenizer.json'}: missing",
-                          "--byte-tokenizer")
+    assert_one_line_error(
+        *run_cli(capsys, "--model", model, "hi"), f"{model / 'tokenizer.json'}: missing", "--byte-tokenizer"
+    )
     prompt = "é" * 3  # 6 bytes: the byte tokenizer is what counts them
-    assert_one_line_error(*run_cli(capsys, "--model", model, "--byte-tokenizer", "--max-new-tokens", 4091, prompt),
-                          "prompt 1 has 6 tokens")
-    assert_one_line_error(*run_cli(capsys, "--model", hf_dir, "--byte-tokenizer", "hi"),
-                          f"--byte-tokenizer: {hf_dir} has a tokenizer.json")
+    assert_one_line_error(
+        *run_cli(capsys, "--model", model, "--byte-tokenizer", "--max-new-tokens", 4091, prompt),
+        "prompt 1 has 6 tokens",
+    )
+    assert_one_line_error(
+        *run_cli(capsys, "--model", hf_dir, "--byte-tokenizer", "hi"),
+        f"--byte-tokenizer: {hf_dir} has a tokenizer.json",
+    )
 
 
 def test_input_errors_come_before_the_weights_load(capsys, tmp_path, hf_dir, no_weights):
-    assert_one_line_error(*run_cli(capsys, "--model", hf_dir, "--max-new-tokens", 4096, "The quick brown"),
-                          "prompt 1 has", "exceeds the model's context of 4096 tokens")
+    assert_one_line_error(
+        *run_cli(capsys, "--model", hf_dir, "--max-new-tokens", 4096, "The quick brown"),
+        "prompt 1 has",
+        "exceeds the model's context of 4096 tokens",
+    )
     plain = copy_of(hf_dir, tmp_path, "no-template")
     (plain / "tokenizer_config.json").unlink()
     assert_one_line_error(*run_cli(capsys, "--model", plain, "--chat", "hi"), "has no chat template")
@@ -84,32 +92,41 @@ def test_input_errors_come_before_the_weights_load(capsys, tmp_path, hf_dir, no_
     assert_one_line_error(*run_cli(capsys, "--model", plain, "--mtp", 1, "hi"), "needs a model with an MTP layer")
     corrupt = copy_of(hf_dir, tmp_path, "corrupt")
     (corrupt / "tokenizer.json").write_text('{"model": ')
-    assert_one_line_error(*run_cli(capsys, "--model", corrupt, "hi"),
-                          f"{corrupt / 'tokenizer.json'}: not a valid tokenizer.json")
+    assert_one_line_error(
+        *run_cli(capsys, "--model", corrupt, "hi"), f"{corrupt / 'tokenizer.json'}: not a valid tokenizer.json"
+    )
     (corrupt / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
     edit_json(corrupt / "tokenizer_config.json", eos_token="<|not-a-token|>")
     assert_one_line_error(*run_cli(capsys, "--model", corrupt, "hi"), "eos_token '<|not-a-token|>' is not a token")
     (corrupt / "tokenizer_config.json").write_bytes(b"\xff{")
-    assert_one_line_error(*run_cli(capsys, "--model", corrupt, "hi"),
-                          f"{corrupt / 'tokenizer_config.json'}: not valid JSON")
+    assert_one_line_error(
+        *run_cli(capsys, "--model", corrupt, "hi"), f"{corrupt / 'tokenizer_config.json'}: not valid JSON"
+    )
 
 
-@pytest.mark.parametrize("body, message", [
-    ("{", "not valid JSON"), ("[]", "no 'weight_map' object"),
-    ('{"weight_map": {"lm_head.weight": 7}}', "'weight_map' maps 'lm_head.weight' to 7"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("{", "not valid JSON"),
+        ("[]", "no 'weight_map' object"),
+        ('{"weight_map": {"lm_head.weight": 7}}', "'weight_map' maps 'lm_head.weight' to 7"),
+    ],
+)
 def test_broken_safetensors_index(capsys, tmp_path, hf_dir, no_weights, body, message):
     model = copy_of(hf_dir, tmp_path)
     (model / INDEX).write_text(body)
     assert_one_line_error(*run_cli(capsys, "--model", model, "hi"), f"{model / INDEX}: {message}")
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_experts": 16.5}, "config key 'num_experts': must be an integer, got 16.5"),
-    ({"hidden_size": "64"}, "config key 'hidden_size': must be an integer, got '64'"),
-    ({"rms_norm_eps": True}, "config key 'rms_norm_eps': must be a number, got True"),
-    ({"model_type": "llama"}, "config key 'model_type': 'llama' is not a Ling 3.x model"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts": 16.5}, "config key 'num_experts': must be an integer, got 16.5"),
+        ({"hidden_size": "64"}, "config key 'hidden_size': must be an integer, got '64'"),
+        ({"rms_norm_eps": True}, "config key 'rms_norm_eps': must be a number, got True"),
+        ({"model_type": "llama"}, "config key 'model_type': 'llama' is not a Ling 3.x model"),
+    ],
+)
 def test_config_nonsense_is_refused_by_key(capsys, tmp_path, hf_dir, no_weights, change, message):
     model = copy_of(hf_dir, tmp_path)
     edit_json(model / "config.json", **change)
@@ -117,15 +134,18 @@ def test_config_nonsense_is_refused_by_key(capsys, tmp_path, hf_dir, no_weights,
 
 
 def test_mtp_is_bounded(capsys, no_weights):
-    assert_one_line_error(*run_cli(capsys, "--preset", "tiny", "--mtp", 100, "hi"),
-                          f"--mtp must be <= {MAX_MTP}", "got 100")
+    assert_one_line_error(
+        *run_cli(capsys, "--preset", "tiny", "--mtp", 100, "hi"), f"--mtp must be <= {MAX_MTP}", "got 100"
+    )
 
 
 def test_prompts_must_be_utf8_and_stdin_not_empty(capsys, monkeypatch, tmp_path, no_weights):
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes("naïve\n".encode("latin-1"))
-    assert_one_line_error(*run_cli(capsys, "--preset", "tiny", "--prompt-file", prompts),
-                          f"--prompt-file {prompts}: not UTF-8 text (byte 0xef at offset 2)")
+    assert_one_line_error(
+        *run_cli(capsys, "--preset", "tiny", "--prompt-file", prompts),
+        f"--prompt-file {prompts}: not UTF-8 text (byte 0xef at offset 2)",
+    )
     for text in ("", "\n  \n"):
         monkeypatch.setattr(sys, "stdin", io.StringIO(text))
         assert_one_line_error(*run_cli(capsys, "--preset", "tiny"), "no prompt on stdin")
@@ -139,8 +159,9 @@ def poison(model_dir, kind: str, value: float) -> str:
     with open(shard, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
-    names = sorted(n for n, e in header.items()
-                   if n != "__metadata__" and e["dtype"] == kind and not n.endswith("_scale_inv"))
+    names = sorted(
+        n for n, e in header.items() if n != "__metadata__" and e["dtype"] == kind and not n.endswith("_scale_inv")
+    )
     rng = np.random.default_rng(len(names))
     name = names[rng.integers(len(names))]
     dtype = {"BF16": ml_dtypes.bfloat16, "F32": np.float32}[kind]
@@ -156,8 +177,9 @@ def poison(model_dir, kind: str, value: float) -> str:
 def test_non_finite_hf_weights_are_refused_with_the_tensor_name(capsys, tmp_path, hf_dir, kind, value):
     model = copy_of(hf_dir, tmp_path)
     name = poison(model, kind, value)
-    assert_one_line_error(*run_cli(capsys, "--model", model, "hi"),
-                          f"{model / SHARD}: tensor '{name}' has 1 NaN or Inf value (of ")
+    assert_one_line_error(
+        *run_cli(capsys, "--model", model, "hi"), f"{model / SHARD}: tensor '{name}' has 1 NaN or Inf value (of "
+    )
 
 
 @pytest.fixture(scope="module")
@@ -194,14 +216,22 @@ def truncate_data_files(model):
                 os.truncate(os.path.join(folder, file), 10)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda m: (m / "_METADATA").unlink(), "damaged checkpoint: _METADATA (the index of the stored arrays) is missing"),
-    (lambda m: (m / "_METADATA").write_text("{"), "damaged checkpoint: its array metadata"),
-    (truncate_data_files, "restoring failed, the checkpoint looks damaged: "),
-    (lambda m: (m / "ling_convert.json").write_text("{"), "ling_convert.json: not valid JSON"),
-    (lambda m: (m / "ling_convert.json").write_text('{"format": "ling-convert/1", "compute_dtype": "bfloat16"}'),
-     "ling_convert.json: 'scale_blocks' must map parameter names"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda m: (m / "_METADATA").unlink(),
+            "damaged checkpoint: _METADATA (the index of the stored arrays) is missing",
+        ),
+        (lambda m: (m / "_METADATA").write_text("{"), "damaged checkpoint: its array metadata"),
+        (truncate_data_files, "restoring failed, the checkpoint looks damaged: "),
+        (lambda m: (m / "ling_convert.json").write_text("{"), "ling_convert.json: not valid JSON"),
+        (
+            lambda m: (m / "ling_convert.json").write_text('{"format": "ling-convert/1", "compute_dtype": "bfloat16"}'),
+            "ling_convert.json: 'scale_blocks' must map parameter names",
+        ),
+    ],
+)
 def test_damaged_orbax_checkpoint_is_one_line(capsys, tmp_path, orbax_dir, damage, message):
     model = copy_of(orbax_dir, tmp_path)
     damage(model)
@@ -211,8 +241,14 @@ def test_damaged_orbax_checkpoint_is_one_line(capsys, tmp_path, orbax_dir, damag
 def cli_process(*argv, stdin):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    return subprocess.Popen([sys.executable, *map(str, argv)], stdin=stdin, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, *map(str, argv)],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_an_open_stdin_is_announced_and_its_end_without_prompts_refused():
@@ -224,9 +260,15 @@ def test_an_open_stdin_is_announced_and_its_end_without_prompts_refused():
         assert b"reading the prompts from stdin" in process.stderr.readline()
         process.stdin.close()
         assert process.wait(timeout=60) == 2
-        assert process.stderr.read().decode().endswith("error: no prompt on stdin (it is empty or every line is "
-                                                       "blank): pipe some text, or give PROMPT arguments or "
-                                                       "--prompt-file\n")
+        assert (
+            process.stderr.read()
+            .decode()
+            .endswith(
+                "error: no prompt on stdin (it is empty or every line is "
+                "blank): pipe some text, or give PROMPT arguments or "
+                "--prompt-file\n"
+            )
+        )
     finally:
         process.kill()
 

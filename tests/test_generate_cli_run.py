@@ -42,8 +42,14 @@ def read_until(proc: subprocess.Popen, done, timeout: float = 120.0) -> str:
 
 
 def interrupt(argv: list[str], ready) -> tuple[int, str, str]:
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=script_env(), cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=script_env(),
+        cwd=ROOT,
+    )
     try:
         seen = read_until(proc, ready)
         proc.send_signal(signal.SIGINT)
@@ -58,8 +64,9 @@ def test_ctrl_c_during_compile_and_generation_exits_130_with_one_line():
     # the prompt line is printed just before the first compilation starts
     code, out, err = interrupt(["--max-new-tokens", "8", "Mr. Darcy"], lambda text: text.startswith("> Mr. Darcy\n"))
     assert code == 130, err
-    assert "Traceback" not in err and [line for line in err.splitlines() if "interrupt" in line] == \
-        ["interrupted (Ctrl-C): generation stopped"], err
+    assert "Traceback" not in err and [line for line in err.splitlines() if "interrupt" in line] == [
+        "interrupted (Ctrl-C): generation stopped"
+    ], err
     # the demo writes ~1900 tokens of Austen before EOS: interrupted mid-stream, the line is finished
     code, out, err = interrupt(["--max-new-tokens", "1900", "Mr. Darcy"], lambda text: len(text) > 60)
     assert code == 130 and "Traceback" not in err, err
@@ -68,8 +75,9 @@ def test_ctrl_c_during_compile_and_generation_exits_130_with_one_line():
 
 
 def test_stats_rates_count_steady_state_steps_only():
-    generator = Generator(LingForCausalLM(LingConfig.preset("tiny"), rngs=nnx.Rngs(3), dtype="float32"),
-                          prefill_chunk=16)
+    generator = Generator(
+        LingForCausalLM(LingConfig.preset("tiny"), rngs=nnx.Rngs(3), dtype="float32"), prefill_chunk=16
+    )
     prompts, sampling = [[5, 9, 2], [7, 3, 3, 8, 1, 4]], [SamplingParams()] * 2
     _, first = generator.generate(prompts, sampling, 7)  # eos_ids=(): every row makes 7 tokens
     _, warm = generator.generate(prompts, sampling, 7)
@@ -83,19 +91,32 @@ def test_stats_rates_count_steady_state_steps_only():
     assert one.decode_tokens_per_s is None and one.steady_steps == 0
     line = one.summary()
     assert "decode n/a (steady state)" in line and f"compile {one.compile_s:.1f} s" in line
-    assert GenerationStats(3, 1, prefill_s=0.5, decode_s=0.0, ttft_s=0.5, prefill_compile_s=0.5).prefill_tokens_per_s \
+    assert (
+        GenerationStats(3, 1, prefill_s=0.5, decode_s=0.0, ttft_s=0.5, prefill_compile_s=0.5).prefill_tokens_per_s
         is None
+    )
 
 
 def run_script(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, cwd=ROOT, timeout=180,
-                          env=script_env(**env), check=False, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
+        env=script_env(**env),
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_compile_cache_on_by_default_in_the_user_cache_dir(tmp_path):
     argv = ["--preset", "tiny", "--max-new-tokens", "2", "--json", "x"]
-    on = {"LING_JAX_NO_COMPILE_CACHE": "", "XDG_CACHE_HOME": str(tmp_path / "xdg"),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # every program cached; the notice at once
+    on = {
+        "LING_JAX_NO_COMPILE_CACHE": "",
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }  # every program cached; the notice at once
     result = run_script(*argv, **on)
     assert result.returncode == 0, result.stderr
     cache = tmp_path / "xdg" / "ling-jax" / "jax_cache"
@@ -120,8 +141,10 @@ def test_demo_chat_template_keeps_the_conversation():
     tokenizer = conversation.tokenizer
     assert tokenizer.decode(conversation.prompt_ids("Who is Emma?")) == "Be kind.\n\nUser: Who is Emma?\nAssistant:"
     conversation.turns.append(("Who is Emma?", " A young lady. "))
-    assert tokenizer.decode(conversation.prompt_ids("And Harriet?")) == \
-        "Be kind.\n\nUser: Who is Emma?\nAssistant: A young lady.\nUser: And Harriet?\nAssistant:"
+    assert (
+        tokenizer.decode(conversation.prompt_ids("And Harriet?"))
+        == "Be kind.\n\nUser: Who is Emma?\nAssistant: A young lady.\nUser: And Harriet?\nAssistant:"
+    )
     short = tokenizer.encode("Be kind.\n\nUser: And Harriet?\nAssistant:", add_special_tokens=False)
     assert conversation.fitting_prompt_ids("And Harriet?", budget=len(short) + 1) == short
     assert not conversation.turns  # the oldest turn was dropped to fit
@@ -130,9 +153,16 @@ def test_demo_chat_template_keeps_the_conversation():
 
 @needs_demo
 def test_interactive_reads_turns_until_eof():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--interactive", "--max-new-tokens", "5", "--chat"],
-                            input="Who is Mr. Darcy?\n\nAnd Elizabeth?\n", capture_output=True, text=True, cwd=ROOT,
-                            timeout=180, env=script_env(), check=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--interactive", "--max-new-tokens", "5", "--chat"],
+        input="Who is Mr. Darcy?\n\nAnd Elizabeth?\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
+        env=script_env(),
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 2 and result.stdout.endswith("\n")  # one streamed line per turn
     assert result.stderr.count("> ") == 4, result.stderr  # a marker per line read (the blank one too) and at EOF
@@ -142,8 +172,15 @@ def test_interactive_reads_turns_until_eof():
 
 def test_bench_generate_cli_quick():
     bench = ROOT / "scripts" / "bench_generate_cli.py"
-    result = subprocess.run([sys.executable, str(bench), "--quick", "--batches", "3"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300, env=script_env(), check=False)
+    result = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--batches", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=script_env(),
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split("|")[1].strip() for row in rows] == ["3"] and all(row.endswith("x |") for row in rows)

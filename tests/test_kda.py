@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from np_reference import kda_recurrence
-from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 from helpers import l2, rel_error
+from np_reference import kda_recurrence
+
+from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 
 FORMS = {"chunked": kda_chunked, "recurrent": kda_recurrent}
 
@@ -35,8 +35,10 @@ def test_matches_float64_recurrence_fp32(form, length, with_state):
     q, k, v, g, beta, state = random_inputs(length, seed=length)
     initial = state if with_state else None
     o_ref, s_ref = reference(q, k, v, g, beta, initial)
-    o, s = FORMS[form](*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)),
-                       initial_state=None if initial is None else jnp.asarray(initial, jnp.float32))
+    o, s = FORMS[form](
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)),
+        initial_state=None if initial is None else jnp.asarray(initial, jnp.float32),
+    )
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32
     assert rel_error(o, o_ref) <= 1e-4, rel_error(o, o_ref)
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
@@ -46,8 +48,12 @@ def test_matches_float64_recurrence_fp32(form, length, with_state):
 def test_bf16_inputs(form):
     q, k, v, g, beta, state = random_inputs(77, seed=7)
     o_ref, s_ref = reference(q, k, v, g, beta, state)
-    o, s = FORMS[form](*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g, jnp.float32),
-                       jnp.asarray(beta, jnp.float32), initial_state=jnp.asarray(state, jnp.float32))
+    o, s = FORMS[form](
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
+        jnp.asarray(g, jnp.float32),
+        jnp.asarray(beta, jnp.float32),
+        initial_state=jnp.asarray(state, jnp.float32),
+    )
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert rel_error(o, o_ref) <= 2e-2 and rel_error(s, s_ref) <= 2e-2
 
@@ -57,8 +63,9 @@ def test_gates_at_the_safe_bound_do_not_overflow():
     q, k, v, _, beta, state = random_inputs(128, seed=3)
     g = np.full(q.shape, -5.0)
     o_ref, s_ref = reference(q, k, v, g, beta, state)
-    o, s = kda_chunked(*(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)),
-                       initial_state=jnp.asarray(state, jnp.float32))
+    o, s = kda_chunked(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state, jnp.float32)
+    )
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
@@ -70,7 +77,7 @@ def test_prefill_then_steps_equals_longer_prefill():
     o_pre, state = kda_chunked(*(x[:, :66] for x in args))
     outputs = [o_pre]
     for t in range(66, 70):
-        o_t, state = kda_recurrent(*(x[:, t:t + 1] for x in args), initial_state=state)
+        o_t, state = kda_recurrent(*(x[:, t : t + 1] for x in args), initial_state=state)
         outputs.append(o_t)
     assert rel_error(jnp.concatenate(outputs, axis=1), o_all) <= 1e-5
     assert rel_error(state, s_all) <= 1e-5

@@ -57,8 +57,14 @@ def test_budget_is_linear_in_batch_and_state_stays_fp32():
     config = LingConfig.preset("ling-3.1-flash")
     one = cache_budget(config, 1, 1000)
     four = cache_budget(config, 4, 1000)
-    for field in ("kda_state_bytes", "kda_conv_bytes", "absorbed_mla_bytes", "expanded_mla_bytes", "mtp_bytes",
-                  "lengths_bytes"):
+    for field in (
+        "kda_state_bytes",
+        "kda_conv_bytes",
+        "absorbed_mla_bytes",
+        "expanded_mla_bytes",
+        "mtp_bytes",
+        "lengths_bytes",
+    ):
         assert getattr(four, field) == 4 * getattr(one, field), field
     assert four.total_bytes == 4 * one.total_bytes
     f32 = cache_budget(config, 1, 1000, "float32")
@@ -142,7 +148,13 @@ def test_cache_bytes_rejects_non_array_leaves():
 # ------------------------------------------------------------------------------------------ table / CLI
 def test_format_bytes():
     assert [format_bytes(n) for n in (0, 1023, 1024, 252 * MiB, 90 * 2**30, 2**20 - 1)] == [
-        "0 B", "1023 B", "1.00 KiB", "252.00 MiB", "90.00 GiB", "1.00 MiB"]
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "252.00 MiB",
+        "90.00 GiB",
+        "1.00 MiB",
+    ]
 
 
 def test_table_reports_seed_figures():
@@ -177,14 +189,17 @@ def cli():
     return module
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--context", "-5"), "--context: must be positive"),
-    (("--context", "lots"), "--context: expected a positive integer"),
-    (("--preset", "ling-9"), "invalid choice: 'ling-9'"),
-    (("--config", "/nonexistent/ling"), "--config: no config.json"),
-    (("--preset", "tiny", "--config", "x"), "not allowed with argument"),
-    (("--dtype", "int8"), "invalid choice: 'int8'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--context", "-5"), "--context: must be positive"),
+        (("--context", "lots"), "--context: expected a positive integer"),
+        (("--preset", "ling-9"), "invalid choice: 'ling-9'"),
+        (("--config", "/nonexistent/ling"), "--config: no config.json"),
+        (("--preset", "tiny", "--config", "x"), "not allowed with argument"),
+        (("--dtype", "int8"), "invalid choice: 'int8'"),
+    ],
+)
 def test_cli_rejects_bad_args(cli, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(list(args))

@@ -7,20 +7,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import rel_error
+from np_reference import rope_inv_freq_and_mscale
 
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.config import MLA
 from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
 from ling_jax.presets import TINY
 from ling_jax.rope import cos_sin_factor, inv_frequencies, rope_cos_sin, softmax_scale
-from np_reference import rope_inv_freq_and_mscale
-from helpers import rel_error
 
 VARIANTS = {
     "qlora-interleaved": {},
     "plain-q-neox": {"q_lora_rank": None, "rope_interleave": False},
-    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                              "mscale": 1.0, "mscale_all_dim": 0.7}},
+    "yarn": {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.7,
+        }
+    },
 }
 
 
@@ -47,8 +54,9 @@ def test_absorbed_equals_expanded(variant, length):
     positions = jnp.asarray(r.integers(0, 60, (batch, length)))
     cos, sin = rope_cos_sin(positions, c)
     cache = jnp.asarray(r.normal(size=(batch, slots, c.latent_dim)), jnp.float32)
-    visibility = KeyVisibility(jnp.asarray(r.integers(0, slots, (batch, length)), jnp.int32),
-                               jnp.asarray(r.uniform(size=(batch, slots)) < 0.8))
+    visibility = KeyVisibility(
+        jnp.asarray(r.integers(0, slots, (batch, length)), jnp.int32), jnp.asarray(r.uniform(size=(batch, slots)) < 0.8)
+    )
     expanded = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, mode=EXPANDED)
     absorbed = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, mode=ABSORBED)
     assert rel_error(absorbed, expanded) <= 1e-5
@@ -65,7 +73,7 @@ def test_model_decode_absorbed_equals_expanded(variant):
         cache = model(ids[:, :10], cache=cache).cache
         steps = []
         for t in (10, 11):
-            out = model(ids[:, t:t + 1], cache=cache, mla_mode=mode)
+            out = model(ids[:, t : t + 1], cache=cache, mla_mode=mode)
             steps.append(out.logits)
             cache = out.cache
         logits[mode] = jnp.concatenate(steps, axis=1)
@@ -73,14 +81,31 @@ def test_model_decode_absorbed_equals_expanded(variant):
     assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
 
 
-@pytest.mark.parametrize("rope_scaling", [
-    None,
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 131072, "mscale": 1.0,
-     "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
-    {"rope_type": "deepseek_yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "mscale": 0.707,
-     "mscale_all_dim": 0.707, "attn_factor": 1.1, "truncate": False},
-])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 131072,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        {
+            "rope_type": "deepseek_yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "attn_factor": 1.1,
+            "truncate": False,
+        },
+    ],
+)
 def test_rope_tables_match_reference(rope_scaling):
     raw = {**TINY, "qk_rope_head_dim": 64, "rope_theta": 6e6}
     if rope_scaling:
@@ -97,4 +122,3 @@ def test_spec_yarn_example():
     c = LingConfig.preset("ling-3.0-flash-vl")
     assert cos_sin_factor(c.rope) == pytest.approx(1.0693147, abs=1e-7)
     assert softmax_scale(c) == pytest.approx(1 / np.sqrt(192))
-

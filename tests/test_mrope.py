@@ -7,13 +7,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import rel_error
+from np_reference import rope_inv_freq_and_mscale
+
 from ling_jax.config import LingConfig
 from ling_jax.mrope import MediaGrid, batch_mrope_positions, mrope_positions
 from ling_jax.presets import LING_3_0_FLASH_VL_TEXT
 from ling_jax.rope import cos_sin_factor, inv_frequencies, rope_cos_sin
-from np_reference import rope_inv_freq_and_mscale
 
 IMAGE, VIDEO, MERGE = 900, 901, 2
 
@@ -73,8 +73,9 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_positions_match_spec(name):
     ids, images, videos, merged = _prompt(CASES[name])
-    ours, delta = mrope_positions(ids, images, videos, image_token_id=IMAGE, video_token_id=VIDEO,
-                                  spatial_merge_size=MERGE)
+    ours, delta = mrope_positions(
+        ids, images, videos, image_token_id=IMAGE, video_token_id=VIDEO, spatial_merge_size=MERGE
+    )
     ref, next_position = spec_positions_and_next(ids, merged)
     np.testing.assert_array_equal(ours, ref)
     assert delta == next_position - len(ids)
@@ -82,8 +83,7 @@ def test_positions_match_spec(name):
 
 def test_positions_go_negative_when_media_comes_first():
     ids, images, videos, _ = _prompt(CASES["image-first-then-video-last"])
-    ours, _ = mrope_positions(ids, images, videos, image_token_id=IMAGE, video_token_id=VIDEO,
-                              spatial_merge_size=MERGE)
+    ours, _ = mrope_positions(ids, images, videos, image_token_id=IMAGE, video_token_id=VIDEO, spatial_merge_size=MERGE)
     assert ours[0].tolist() == [0, -2, -1]  # merged grid 5 x 3: rows centred by 2, columns by 1
     assert ours.min() < 0
 
@@ -101,8 +101,15 @@ def test_batch_positions_skip_pads():
     mask = np.ones_like(padded, bool)
     mask[0, :4] = False
     padded[1, :4] = 7
-    positions, deltas = batch_mrope_positions(padded, mask, [images, images], [videos, videos], image_token_id=IMAGE,
-                                              video_token_id=VIDEO, spatial_merge_size=MERGE)
+    positions, deltas = batch_mrope_positions(
+        padded,
+        mask,
+        [images, images],
+        [videos, videos],
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        spatial_merge_size=MERGE,
+    )
     np.testing.assert_array_equal(positions[0, 4:], spec_positions(ids, merged))
     np.testing.assert_array_equal(positions[0, :4], 0)
     np.testing.assert_array_equal(positions[1], spec_positions(padded[1], merged))
@@ -155,7 +162,11 @@ def test_equal_axes_reduce_to_1d_rope():
 
 def test_mrope_section_must_fit_rope_dims():
     with pytest.raises(ValueError, match="must sum to qk_rope_head_dim / 2 = 32"):
-        LingConfig.from_dict({**LING_3_0_FLASH_VL_TEXT, "rope_scaling": {
-            **LING_3_0_FLASH_VL_TEXT["rope_scaling"], "mrope_section": [8, 10, 10]}})
+        LingConfig.from_dict(
+            {
+                **LING_3_0_FLASH_VL_TEXT,
+                "rope_scaling": {**LING_3_0_FLASH_VL_TEXT["rope_scaling"], "mrope_section": [8, 10, 10]},
+            }
+        )
     with pytest.raises(ValueError, match="contradicts"):
         LingConfig.from_dict({"text_config": LING_3_0_FLASH_VL_TEXT, "mrope_section": [16, 8, 8]})

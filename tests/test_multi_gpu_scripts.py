@@ -48,8 +48,15 @@ def test_bench_expert_parallel_quick(capsys):
     assert bench_expert_parallel.main(["--quick", "--devices", "8"]) == 0
     out = capsys.readouterr().out
     assert "chained stages vs moe_parallel rel. error 0.0e+00" in out
-    for stage in ("dispatch all-to-all alone", "grouped GEMM", "combine all-to-all alone", "whole MoE layer",
-                  "ragged: dispatch", "ragged, 16 slices per expert: combine", "ragged: routed experts"):
+    for stage in (
+        "dispatch all-to-all alone",
+        "grouped GEMM",
+        "combine all-to-all alone",
+        "whole MoE layer",
+        "ragged: dispatch",
+        "ragged, 16 slices per expert: combine",
+        "ragged: routed experts",
+    ):
         assert stage in out
     assert "ragged exchange: chained stages vs moe_parallel rel. error 0.0e+00, vs the dense exchange 0.0e+00" in out
     assert "| 8-layer full-width slice | 8 | 64 |" in out

@@ -161,7 +161,11 @@ def ref_a(oracle_a):
 def test_saved_checkpoint_uses_original_names(oracle_a):
     w, c = oracle_a["weights"], oracle_a["config"]
     assert "model.word_embeddings.weight" in w
-    assert "model.layers.0.attention.q_conv1d.weight" in w and w["model.layers.0.attention.q_conv1d.weight"].shape == (64, 1, 4)
+    assert "model.layers.0.attention.q_conv1d.weight" in w and w["model.layers.0.attention.q_conv1d.weight"].shape == (
+        64,
+        1,
+        4,
+    )
     assert "model.layers.1.attention.dense.weight" in w
     assert "model.layers.1.mlp.experts.15.gate_proj.weight" in w
     assert "model.layers.1.mlp.gate.expert_bias" in w
@@ -380,11 +384,18 @@ def test_swiglu_limits_per_layer(oracle_a, ref_a):
     L = cfg["num_hidden_layers"]
     run = lambda **kw: npr.forward(w, dict(cfg, **kw), ids)["logits"]  # noqa: E731
     # huge limit / zero / None / too-short list -> no clipping
-    np.testing.assert_array_equal(run(expert_swiglu_limit_list=[1e9] * L, share_expert_swiglu_limit_list=[1e9] * L), ref_a["logits"])
-    np.testing.assert_array_equal(run(expert_swiglu_limit_list=[0] * L, share_expert_swiglu_limit_list=[None] * L), ref_a["logits"])
+    np.testing.assert_array_equal(
+        run(expert_swiglu_limit_list=[1e9] * L, share_expert_swiglu_limit_list=[1e9] * L), ref_a["logits"]
+    )
+    np.testing.assert_array_equal(
+        run(expert_swiglu_limit_list=[0] * L, share_expert_swiglu_limit_list=[None] * L), ref_a["logits"]
+    )
     np.testing.assert_array_equal(run(expert_swiglu_limit_list=[0.0, 0.0]), ref_a["logits"])
     # dense layer 0 is never clipped
-    np.testing.assert_array_equal(run(expert_swiglu_limit_list=[0.05] + [0] * (L - 1), share_expert_swiglu_limit_list=[0.05] + [0] * (L - 1)), ref_a["logits"])
+    np.testing.assert_array_equal(
+        run(expert_swiglu_limit_list=[0.05] + [0] * (L - 1), share_expert_swiglu_limit_list=[0.05] + [0] * (L - 1)),
+        ref_a["logits"],
+    )
     # small limits on a MoE layer change the output; routed and shared limits act separately
     r = run(expert_swiglu_limit_list=[0, 0, 0.05, 0, 0])
     s = run(share_expert_swiglu_limit_list=[0, 0, 0.05, 0, 0])
@@ -419,7 +430,7 @@ def _with_mtp(oracle, seed=11):
             v = np.asarray(w[k], np.float64)
             if v.ndim == 1 and "norm" in k:
                 v = v * (1 + 0.1 * rng.standard_normal(v.shape))
-            w[f"model.layers.{L}." + k[len(pre):]] = v
+            w[f"model.layers.{L}." + k[len(pre) :]] = v
     w[f"model.layers.{L}.enorm.weight"] = 1 + 0.3 * rng.standard_normal(D)
     w[f"model.layers.{L}.hnorm.weight"] = 1 + 0.3 * rng.standard_normal(D)
     w[f"model.layers.{L}.final_layernorm.weight"] = 1 + 0.3 * rng.standard_normal(D)
@@ -441,9 +452,15 @@ def test_mtp_draft_logits(oracle_a, ref_a):
         return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg["rms_norm_eps"]) * g
 
     e = np.asarray(w["model.word_embeddings.weight"], np.float64)[next_ids]
-    z = np.concatenate([rms(e, w[f"model.layers.{L}.enorm.weight"]), rms(hidden, w[f"model.layers.{L}.hnorm.weight"])], -1)
+    z = np.concatenate(
+        [rms(e, w[f"model.layers.{L}.enorm.weight"]), rms(hidden, w[f"model.layers.{L}.hnorm.weight"])], -1
+    )
     z = z @ w[f"model.layers.{L}.eh_proj.weight"].T
-    w1 = {k.replace(f"model.layers.{L}.", "model.layers.0."): v for k, v in w.items() if k.startswith(f"model.layers.{L}.")}
+    w1 = {
+        k.replace(f"model.layers.{L}.", "model.layers.0."): v
+        for k, v in w.items()
+        if k.startswith(f"model.layers.{L}.")
+    }
     w1["model.word_embeddings.weight"] = z.reshape(B * T, D)
     w1["model.norm.weight"] = w[f"model.layers.{L}.final_layernorm.weight"]
     w1["lm_head.weight"] = w["lm_head.weight"]
@@ -460,7 +477,9 @@ def test_mtp_draft_logits(oracle_a, ref_a):
 
     # clip limits for the MTP MoE come from index 0 of the lists (SGLang), not index L
     lim_L = [0] * L + [0.05]
-    np.testing.assert_array_equal(npr.mtp_draft_logits(w, dict(cfg, expert_swiglu_limit_list=lim_L), hidden, next_ids), got)
+    np.testing.assert_array_equal(
+        npr.mtp_draft_logits(w, dict(cfg, expert_swiglu_limit_list=lim_L), hidden, next_ids), got
+    )
     lim_0 = [0.05] + [0] * L
     assert rel_err(npr.mtp_draft_logits(w, dict(cfg, expert_swiglu_limit_list=lim_0), hidden, next_ids), got) > 1e-3
 
@@ -498,8 +517,11 @@ def test_yarn_spec_example():
     ramp = (np.arange(lo + 1, hi) - lo) / (hi - lo)
     np.testing.assert_allclose(ratio[lo + 1 : hi], (1 - ramp) + ramp / 2, rtol=1e-12)
     # rope_parameters spelling with rope_theta inside; mscale_all_dim sets the softmax scale
-    cfg2 = dict(qk_rope_head_dim=64, qk_nope_head_dim=128,
-                rope_parameters=dict(cfg["rope_scaling"], rope_theta=6e6, mscale=1.0, mscale_all_dim=1.0))
+    cfg2 = dict(
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        rope_parameters=dict(cfg["rope_scaling"], rope_theta=6e6, mscale=1.0, mscale_all_dim=1.0),
+    )
     inv2, cs2, scale2 = npr.rope_inv_freq_and_mscale(cfg2)
     np.testing.assert_array_equal(inv2, inv_freq)
     assert cs2 == pytest.approx(1.0)

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-
-from ling_jax import load_hf_checkpoint
-from ling_jax import moe
-from oracle import ORACLE_CONFIGS, build_oracle, oracle_logits, oracle_router_choices, save_oracle
 from helpers import rel_error
+from oracle import ORACLE_CONFIGS, build_oracle, oracle_logits, oracle_router_choices, save_oracle
+
+from ling_jax import load_hf_checkpoint, moe
 
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2
@@ -81,8 +80,8 @@ def _prefill_then_decode(model, ids, chunks, max_length, attention_mask=None):
     logits, start = [], 0
     steps = list(chunks) + [1] * (length - sum(chunks))
     for step in steps:
-        mask = None if attention_mask is None else jnp.asarray(attention_mask[:, start:start + step])
-        out = forward(model, jnp.asarray(ids[:, start:start + step]), cache, mask)
+        mask = None if attention_mask is None else jnp.asarray(attention_mask[:, start : start + step])
+        out = forward(model, jnp.asarray(ids[:, start : start + step]), cache, mask)
         logits.append(out.logits)
         cache, start = out.cache, start + step
     return np.concatenate([np.asarray(l, np.float64) for l in logits], axis=1), cache

@@ -13,12 +13,12 @@ import math
 
 import jax.numpy as jnp
 import ml_dtypes
+import np_reference as npr
 import numpy as np
 import pytest
+from checkpoint_factory import make_quantized_checkpoint, read_checkpoint_raw, write_hf_checkpoint
 from flax import nnx
 
-import np_reference as npr
-from checkpoint_factory import make_quantized_checkpoint, read_checkpoint_raw, write_hf_checkpoint
 from ling_jax import load_hf_checkpoint
 
 B = 2
@@ -99,8 +99,10 @@ def report(label: str, err: float) -> str:
 def layer_kinds(cfg: dict) -> list[tuple[str, str]]:
     """(attention, mlp) per main layer: MLA iff (i + 1) % g == 0, dense MLP for i < first_k_dense_replace."""
     g = cfg["layer_group_size"]
-    return [("mla" if (i + 1) % g == 0 else "kda", "dense" if i < cfg["first_k_dense_replace"] else "moe")
-            for i in range(cfg["num_hidden_layers"])]
+    return [
+        ("mla" if (i + 1) % g == 0 else "kda", "dense" if i < cfg["first_k_dense_replace"] else "moe")
+        for i in range(cfg["num_hidden_layers"])
+    ]
 
 
 def tensor_specs(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -307,10 +309,14 @@ def test_qlora_mla_bfloat16(tmp_path):
     assert model.model.layers[1].attention.q_b_proj.weight[...].dtype == jnp.bfloat16
     logits = jax_forward(model, jnp.asarray(ids)).logits
     keep_fp32 = ("A_log", "dt_bias", "conv1d", "expert_bias")
-    rounded = {name: w if any(k in name for k in keep_fp32) else w.astype(ml_dtypes.bfloat16).astype(np.float32)
-               for name, w in weights.items()}
-    report("q-LoRA MLA bf16 (context: float64 reference on bf16-rounded weights vs float32 weights)",
-           rel_err(ref_logits(rounded, cfg, ids), ref))
+    rounded = {
+        name: w if any(k in name for k in keep_fp32) else w.astype(ml_dtypes.bfloat16).astype(np.float32)
+        for name, w in weights.items()
+    }
+    report(
+        "q-LoRA MLA bf16 (context: float64 reference on bf16-rounded weights vs float32 weights)",
+        rel_err(ref_logits(rounded, cfg, ids), ref),
+    )
     err = rel_err(logits, ref)
     line = report("q-LoRA MLA (bfloat16 weights and activations)", err)
     assert err <= TOL_BF16, f"{line} > {TOL_BF16}"
@@ -325,16 +331,22 @@ def test_swiglu_clipping(tmp_path):
     # layers: 0 dense (its entries must be ignored: dense MLPs are never clipped), 1-3 MoE.
     # routed: 0 at layer 1 (no clip), 0.75 at layer 2, list too short for layer 3 (no clip).
     # shared: 1.0 at layer 1, null at layer 2 (no clip), 0.6 at layer 3.
-    cfg = config(expert_swiglu_limit_list=[0.5, 0, 0.75], share_expert_swiglu_limit_list=[0.5, 1.0, None, 0.6],
-                 norm_topk_prob=False, q_lora_rank=None)
+    cfg = config(
+        expert_swiglu_limit_list=[0.5, 0, 0.75],
+        share_expert_swiglu_limit_list=[0.5, 1.0, None, 0.6],
+        norm_topk_prob=False,
+        q_lora_rank=None,
+    )
     case = Case(tmp_path, cfg, seed=2, length=T_SHORT)
     for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
         unclipped = {k: v for k, v in cfg.items() if k != key}
-        assert_differs(f"SwiGLU clipping, without {key}", ref_logits(case.weights, unclipped, case.ids),
-                       case.ref["logits"])
+        assert_differs(
+            f"SwiGLU clipping, without {key}", ref_logits(case.weights, unclipped, case.ids), case.ref["logits"]
+        )
     # a clipped dense layer 0 would be a bug: check the reference ignores index 0 (so the model must, too)
-    dense_clip_free = config(**{**cfg, "expert_swiglu_limit_list": [0, 0, 0.75],
-                                "share_expert_swiglu_limit_list": [0, 1.0, None, 0.6]})
+    dense_clip_free = config(
+        **{**cfg, "expert_swiglu_limit_list": [0, 0, 0.75], "share_expert_swiglu_limit_list": [0, 1.0, None, 0.6]}
+    )
     assert rel_err(ref_logits(case.weights, dense_clip_free, case.ids), case.ref["logits"]) == 0.0
     case.check_logits("SwiGLU clipping (per-layer limits, 0 / null / short list)")
 
@@ -355,8 +367,12 @@ YARN_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(YARN_VARIANTS))
 def test_yarn_rope(tmp_path, variant):
-    rope_scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                    **YARN_VARIANTS[variant]}
+    rope_scaling = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        **YARN_VARIANTS[variant],
+    }
     # 16 rope dims so the YaRN ramp has intermediate values; q_proj (no q-LoRA) for variety
     cfg = config(rope_scaling=rope_scaling, qk_rope_head_dim=16, q_lora_rank=None)
     case = Case(tmp_path, cfg, seed=3, length=T_LONG)
@@ -367,15 +383,24 @@ def test_yarn_rope(tmp_path, variant):
 
 @pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
 def test_neox_rope(tmp_path, yarn):
-    changes = dict(rope_interleave=False, qk_rope_head_dim=16, n_group=0, topk_group=0,
-                   moe_shared_expert_intermediate_size=40)
+    changes = dict(
+        rope_interleave=False, qk_rope_head_dim=16, n_group=0, topk_group=0, moe_shared_expert_intermediate_size=40
+    )
     if yarn:
-        changes["rope_scaling"] = {"rope_type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-                                   "mscale": 1.0, "mscale_all_dim": 0.5}
+        changes["rope_scaling"] = {
+            "rope_type": "deepseek_yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        }
     cfg = config(**changes)
     case = Case(tmp_path, cfg, seed=4, length=T_LONG)
-    assert_differs("NeoX vs interleaved RoPE", ref_logits(case.weights, {**cfg, "rope_interleave": True}, case.ids),
-                   case.ref["logits"])
+    assert_differs(
+        "NeoX vs interleaved RoPE",
+        ref_logits(case.weights, {**cfg, "rope_interleave": True}, case.ids),
+        case.ref["logits"],
+    )
     case.check_logits(f"NeoX RoPE ({'yarn' if yarn else 'plain'})")
 
 
@@ -388,16 +413,24 @@ def test_mtp_draft_logits(tmp_path):
     L = BASE["num_hidden_layers"]
     # index 0 is a dense layer in the main model, so its limits act only on the MTP layer (spec §5: SGLang's
     # MTP MoE uses index 0); index L = 4 holds different limits that a wrong lookup would pick up.
-    cfg = config(num_nextn_predict_layers=1, expert_swiglu_limit_list=[0.6, 3.0, 2.0, 1.5, 0],
-                 share_expert_swiglu_limit_list=[0.5, 2.5, 0, 1.5, 4.0])
+    cfg = config(
+        num_nextn_predict_layers=1,
+        expert_swiglu_limit_list=[0.6, 3.0, 2.0, 1.5, 0],
+        share_expert_swiglu_limit_list=[0.5, 2.5, 0, 1.5, 4.0],
+    )
     case = Case(tmp_path, cfg, seed=5, length=T_SHORT)
     next_ids = random_ids(cfg, T_SHORT, seed=55)
     ref_draft = npr.mtp_draft_logits(case.weights, cfg, case.ref["hidden"], next_ids)
-    wrong_index = {**cfg,
-                   "expert_swiglu_limit_list": [0, 3.0, 2.0, 1.5, 0],
-                   "share_expert_swiglu_limit_list": [4.0, 2.5, 0, 1.5, 4.0]}
-    assert_differs("MTP clip index 0 vs index L", npr.mtp_draft_logits(case.weights, wrong_index, case.ref["hidden"],
-                                                                      next_ids), ref_draft)
+    wrong_index = {
+        **cfg,
+        "expert_swiglu_limit_list": [0, 3.0, 2.0, 1.5, 0],
+        "share_expert_swiglu_limit_list": [4.0, 2.5, 0, 1.5, 4.0],
+    }
+    assert_differs(
+        "MTP clip index 0 vs index L",
+        npr.mtp_draft_logits(case.weights, wrong_index, case.ref["hidden"], next_ids),
+        ref_draft,
+    )
     assert rel_err(ref_logits(case.weights, wrong_index, case.ids), case.ref["logits"]) == 0.0
     assert f"model.layers.{L}.eh_proj.weight" in case.weights
     model, out = case.check_logits("MTP checkpoint, main logits")
@@ -411,8 +444,11 @@ def test_mtp_draft_logits(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("no_kda_lora,safe_gate", [(False, True), (True, False), (False, False)],
-                         ids=["lora-safe", "fullrank-softplus", "lora-softplus"])
+@pytest.mark.parametrize(
+    "no_kda_lora,safe_gate",
+    [(False, True), (True, False), (False, False)],
+    ids=["lora-safe", "fullrank-softplus", "lora-softplus"],
+)
 def test_kda_gate_variants(tmp_path, no_kda_lora, safe_gate):
     cfg = config(no_kda_lora=no_kda_lora, kda_safe_gate=safe_gate, kda_lower_bound=-3.0 if safe_gate else -5.0)
     case = Case(tmp_path, cfg, seed=6, length=T_LONG)
@@ -422,8 +458,11 @@ def test_kda_gate_variants(tmp_path, no_kda_lora, safe_gate):
     other_gate = {**cfg, "kda_safe_gate": not safe_gate}
     assert_differs("KDA safe vs softplus gate", ref_logits(case.weights, other_gate, case.ids), case.ref["logits"])
     if safe_gate:
-        assert_differs("KDA lower bound -3 vs -5", ref_logits(case.weights, {**cfg, "kda_lower_bound": -5.0}, case.ids),
-                       case.ref["logits"])
+        assert_differs(
+            "KDA lower bound -3 vs -5",
+            ref_logits(case.weights, {**cfg, "kda_lower_bound": -5.0}, case.ids),
+            case.ref["logits"],
+        )
     case.check_logits(f"KDA gates (no_kda_lora={no_kda_lora}, kda_safe_gate={safe_gate})")
 
 
@@ -501,6 +540,12 @@ SCALE_DTYPES = {"float32": np.float32, "e8m0": ml_dtypes.float8_e8m0fnu, "uint8"
 @pytest.mark.parametrize("scale_format,packed_dtype", [("float32", "uint8"), ("e8m0", "uint8"), ("uint8", "int8")])
 def test_mxfp4_experts(oracle_dir, tmp_path, scale_format, packed_dtype):
     # g4_wide: Im = 144, so down_proj [160, 144] ends in a partial 16-element MXFP4 group
-    check_quantized(oracle_dir, tmp_path, f"FP8 + MXFP4 experts (scales {scale_format}, packed {packed_dtype})",
-                    stored_dtypes=(packed_dtype, SCALE_DTYPES[scale_format]),
-                    mxfp4_experts=True, mxfp4_scale_format=scale_format, mxfp4_packed_dtype=packed_dtype)
+    check_quantized(
+        oracle_dir,
+        tmp_path,
+        f"FP8 + MXFP4 experts (scales {scale_format}, packed {packed_dtype})",
+        stored_dtypes=(packed_dtype, SCALE_DTYPES[scale_format]),
+        mxfp4_experts=True,
+        mxfp4_scale_format=scale_format,
+        mxfp4_packed_dtype=packed_dtype,
+    )

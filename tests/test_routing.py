@@ -1,4 +1,5 @@
-"""Group selection of the group-limited router (`pallas_kernels.moe.reference.kept_groups`) against a numpy sort, ties included."""
+"""Group selection of the group-limited router (`pallas_kernels.moe.reference.kept_groups`) against a numpy
+sort, ties included."""
 
 from __future__ import annotations
 

@@ -59,8 +59,7 @@ def test_top_k_1_is_greedy():
 
 def test_temperature_0_is_argmax_whatever_the_seed_and_filters():
     logits = random_logits(6, seed=1)
-    params = [SamplingParams(temperature=0, seed=s, top_k=3 * s, top_p=1.0 - 0.1 * s, min_p=0.05 * s)
-              for s in range(6)]
+    params = [SamplingParams(temperature=0, seed=s, top_k=3 * s, top_p=1.0 - 0.1 * s, min_p=0.05 * s) for s in range(6)]
     tokens = sample_jit(logits, SamplingArrays.from_params(params), jnp.arange(6) * 7, no_seen(6))
     np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
     assert tokens.dtype == jnp.int32
@@ -78,17 +77,24 @@ def test_fixed_seed_reproducible_other_seed_differs():
     assert len(set(draw_sequence(5))) > 1  # the step index changes the key
 
 
-@pytest.mark.parametrize("target", [
-    SamplingParams(temperature=0.8, seed=11),
-    SamplingParams(temperature=0.8, top_p=0.9, seed=11),
-    SamplingParams(temperature=0.8, top_k=20, min_p=0.02, repetition_penalty=1.3, seed=11),
-    SamplingParams(temperature=0, repetition_penalty=1.3),
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        SamplingParams(temperature=0.8, seed=11),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11),
+        SamplingParams(temperature=0.8, top_k=20, min_p=0.02, repetition_penalty=1.3, seed=11),
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+    ],
+)
 def test_request_tokens_do_not_depend_on_the_batch(target):
     logits = random_logits(1, seed=3)
     seen = jnp.zeros((1, VOCAB), bool).at[0, :40].set(True)
-    others = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, top_p=0.8, seed=2),
-              SamplingParams(temperature=0), SamplingParams(top_k=5, seed=3)]
+    others = [
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.5, top_p=0.8, seed=2),
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=5, seed=3),
+    ]
     for step in (0, 4):
         alone = sample_jit(logits, SamplingArrays.from_params([target]), step, seen)[0]
         for other in others:
@@ -135,8 +141,9 @@ def test_repetition_penalty_rule():
     penalised = apply_repetition_penalty(logits, seen, jnp.array([2.0]))
     np.testing.assert_array_equal(penalised, [[1.0, -4.0, 2.0, -2.0, 0.0]])
     # a penalty below 1 rewards seen tokens
-    np.testing.assert_array_equal(apply_repetition_penalty(logits, seen, jnp.array([0.5])),
-                                  [[4.0, -1.0, 2.0, -2.0, 0.0]])
+    np.testing.assert_array_equal(
+        apply_repetition_penalty(logits, seen, jnp.array([0.5])), [[4.0, -1.0, 2.0, -2.0, 0.0]]
+    )
 
 
 def test_repetition_penalty_changes_the_greedy_choice():
@@ -159,10 +166,13 @@ def test_seen_mask_from_prompts_ignores_pads_and_updates():
     np.testing.assert_array_equal(jax.jit(update_seen)(seen, jnp.array([2, 7])), expected)
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0.7, top_k=4),
-    dict(temperature=1.5, top_p=0.8, min_p=0.1),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7, top_k=4),
+        dict(temperature=1.5, top_p=0.8, min_p=0.1),
+    ],
+)
 def test_draws_follow_the_filtered_softmax(params):
     draws = 20000
     logits_V = jnp.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -177,7 +187,7 @@ def test_draws_follow_the_filtered_softmax(params):
     order = np.argsort(-probs)
     kept = np.zeros(8, bool)
     if "top_k" in params:
-        kept[order[:params["top_k"]]] = True
+        kept[order[: params["top_k"]]] = True
     else:
         mass_before = np.cumsum(probs[order]) - probs[order]
         kept[order[mass_before < params["top_p"]]] = True
@@ -200,24 +210,29 @@ def test_new_values_do_not_recompile():
         return sample(logits, arrays, steps, seen)
 
     logits = random_logits(2)
-    for params in ([SamplingParams(), SamplingParams(temperature=0)],
-                   [SamplingParams(top_p=0.5, seed=3), SamplingParams(top_k=7, min_p=0.1, repetition_penalty=1.2)]):
+    for params in (
+        [SamplingParams(), SamplingParams(temperature=0)],
+        [SamplingParams(top_p=0.5, seed=3), SamplingParams(top_k=7, min_p=0.1, repetition_penalty=1.2)],
+    ):
         step(logits, SamplingArrays.from_params(params), jnp.zeros(2, jnp.int32), no_seen(2))
     assert len(traces) == 1
 
 
-@pytest.mark.parametrize("params, message", [
-    (dict(temperature=-1), "--temperature must be >= 0, got -1"),
-    (dict(temperature=float("nan")), "--temperature"),
-    (dict(top_k=-2), "--top-k must be an integer >= 0"),
-    (dict(top_k=2.5), "--top-k"),
-    (dict(top_p=0.0), r"--top-p must be in \(0, 1\], got 0.0"),
-    (dict(top_p=1.5), "--top-p"),
-    (dict(min_p=-0.1), r"--min-p must be in \[0, 1\]"),
-    (dict(repetition_penalty=0), "--repetition-penalty must be > 0"),
-    (dict(seed=-1), r"--seed must be an integer in \[0, 2\*\*32\)"),
-    (dict(seed=2**32), "--seed"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(temperature=-1), "--temperature must be >= 0, got -1"),
+        (dict(temperature=float("nan")), "--temperature"),
+        (dict(top_k=-2), "--top-k must be an integer >= 0"),
+        (dict(top_k=2.5), "--top-k"),
+        (dict(top_p=0.0), r"--top-p must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), "--top-p"),
+        (dict(min_p=-0.1), r"--min-p must be in \[0, 1\]"),
+        (dict(repetition_penalty=0), "--repetition-penalty must be > 0"),
+        (dict(seed=-1), r"--seed must be an integer in \[0, 2\*\*32\)"),
+        (dict(seed=2**32), "--seed"),
+    ],
+)
 def test_validate_names_the_flag(params, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**params)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import np_reference as npr
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import rel_error
 from jax.sharding import PartitionSpec as P
 
-import np_reference as npr
 from ling_jax import LingConfig, LingForCausalLM, expert_parallel
 from ling_jax.expert_ffn import dense_expert_ffn, local_moe
 from ling_jax.expert_parallel import (
@@ -27,13 +27,13 @@ from ling_jax.parallel import ShardedLM
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
 
 TOL = 1e-5
-MESHES = [{"expert": 8}, {"data": 2, "expert": 4}, {"tensor": 2, "expert": 4},
-          {"fsdp": 2, "tensor": 2, "expert": 2}]
+MESHES = [{"expert": 8}, {"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}, {"fsdp": 2, "tensor": 2, "expert": 2}]
 
 
 def _config(**changes) -> LingConfig:
-    base = LingConfig.preset("tiny").replace(num_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4,
-                                             vocab_size=264)
+    base = LingConfig.preset("tiny").replace(
+        num_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=264
+    )
     return base.replace(**changes)
 
 
@@ -109,8 +109,11 @@ def test_each_device_holds_its_share_of_experts(shape):
         shards = gate.addressable_shards
         assert len(shards) == 8
         for shard in shards:
-            assert shard.data.shape == (config.num_experts // ep, config.moe_intermediate_size // tp,
-                                        config.hidden_size)
+            assert shard.data.shape == (
+                config.num_experts // ep,
+                config.moe_intermediate_size // tp,
+                config.hidden_size,
+            )
         first_experts = {shard.index[0].start or 0 for shard in shards}
         assert first_experts == set(range(0, config.num_experts, config.num_experts // ep))
 
@@ -146,8 +149,10 @@ def test_router_on_a_mesh_matches_the_reference_router_with_ties():
 
 def _experts(config, rng):
     e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
-    return tuple(jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
-                 for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width)))
+    return tuple(
+        jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
+        for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width))
+    )
 
 
 def _routing(config, rng, tokens):
@@ -163,10 +168,20 @@ def test_emulated_ragged_all_to_all_follows_the_documented_example():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",))
 
     def run(operand, output, *tables):
-        call = jax.shard_map(lambda *a: emulated_ragged_all_to_all(*a, axis_name="expert"), mesh=mesh,
-                             in_specs=P("expert"), out_specs=P("expert"), check_vma=False)
-        return np.asarray(jax.jit(call)(jnp.asarray(operand, jnp.float32), jnp.zeros(np.size(output)),
-                                        *(jnp.asarray(t, jnp.int32) for t in tables))).reshape(2, -1)
+        call = jax.shard_map(
+            lambda *a: emulated_ragged_all_to_all(*a, axis_name="expert"),
+            mesh=mesh,
+            in_specs=P("expert"),
+            out_specs=P("expert"),
+            check_vma=False,
+        )
+        return np.asarray(
+            jax.jit(call)(
+                jnp.asarray(operand, jnp.float32),
+                jnp.zeros(np.size(output)),
+                *(jnp.asarray(t, jnp.int32) for t in tables),
+            )
+        ).reshape(2, -1)
 
     documented = run([1, 2, 2, 3, 4, 0], [0] * 8, [0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])
     np.testing.assert_array_equal(documented, [[1, 3, 0, 0], [2, 2, 4, 0]])
@@ -189,14 +204,14 @@ def test_ragged_slices_per_expert_move_the_same_rows():
 
     def exchanged(slices):
         def body(x, w, e):
-            routes = ragged_routes(e, ep=ep, local_experts=local_experts, capacity=capacity,
-                                   slices_per_expert=slices)
+            routes = ragged_routes(e, ep=ep, local_experts=local_experts, capacity=capacity, slices_per_expert=slices)
             received = ragged_dispatch(x, routes, rows=ep * capacity, native=False)
             back = ragged_return_and_combine(received * 2.0, routes, w, tp_axes=(), dtype=x.dtype, native=False)
             return received, back
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"),
-                                     check_vma=False))(x_TD, weights, experts)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"), check_vma=False))(
+            x_TD, weights, experts
+        )
 
     (received_1, back_1), (received_3, back_3) = exchanged(1), exchanged(3)
     np.testing.assert_array_equal(np.asarray(received_3), np.asarray(received_1))
@@ -205,8 +220,10 @@ def test_ragged_slices_per_expert_move_the_same_rows():
     assert rel_error(back_1, expected) <= TOL
 
 
-@pytest.mark.parametrize(("backend", "processes", "expected"),
-                         [("cpu", 1, "dense"), ("gpu", 1, "ragged"), ("gpu", 2, "dense"), ("tpu", 4, "ragged")])
+@pytest.mark.parametrize(
+    ("backend", "processes", "expected"),
+    [("cpu", 1, "dense"), ("gpu", 1, "ragged"), ("gpu", 2, "dense"), ("tpu", 4, "ragged")],
+)
 def test_auto_exchange_by_backend_and_process_count(monkeypatch, backend, processes, expected):
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setattr(jax, "process_count", lambda: processes)
@@ -224,14 +241,26 @@ def test_native_ragged_exchange_lowers_for_tpu_and_cuda(monkeypatch, platform):
     config = _config()
     tokens, shape = 64, jax.ShapeDtypeStruct
     e, width, hidden, top_k = config.num_experts, config.moe_intermediate_size, config.hidden_size, 4
-    args = (shape((tokens, hidden), jnp.bfloat16), shape((tokens, top_k), jnp.float32),
-            shape((tokens, top_k), jnp.int32), shape((e, width, hidden), jnp.bfloat16),
-            shape((e, width, hidden), jnp.bfloat16), shape((e, hidden, width), jnp.bfloat16))
+    args = (
+        shape((tokens, hidden), jnp.bfloat16),
+        shape((tokens, top_k), jnp.float32),
+        shape((tokens, top_k), jnp.int32),
+        shape((e, width, hidden), jnp.bfloat16),
+        shape((e, width, hidden), jnp.bfloat16),
+        shape((e, hidden, width), jnp.bfloat16),
+    )
     mesh = make_mesh({"expert": 4}, devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
-        text = jax.jit(lambda *a: moe_parallel(*a, limit=None, mesh=mesh, capacity_factor=None,
-                                               backend="reference", exchange="ragged")[0]).trace(*args).lower(
-            lowering_platforms=(platform,)).as_text()
+        text = (
+            jax.jit(
+                lambda *a: moe_parallel(
+                    *a, limit=None, mesh=mesh, capacity_factor=None, backend="reference", exchange="ragged"
+                )[0]
+            )
+            .trace(*args)
+            .lower(lowering_platforms=(platform,))
+            .as_text()
+        )
     assert text.count("ragged_all_to_all") == 2
 
 
@@ -250,9 +279,11 @@ def test_expert_parallel_equals_dense_baseline(tokens, exchange):
     for shape in ({"expert": 8}, {"tensor": 2, "expert": 4}):
         mesh = make_mesh(shape)
         with jax.set_mesh(mesh):
-            y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, capacity_factor=None,
-                                                         backend="reference", exchange=exchange))(
-                x_TD, weights, experts, *params)
+            y, dropped = jax.jit(
+                lambda *a: moe_parallel(
+                    *a, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference", exchange=exchange
+                )
+            )(x_TD, weights, experts, *params)
         assert int(dropped) == 0
         assert rel_error(y, dense) <= TOL, shape
 
@@ -269,8 +300,9 @@ def test_ragged_exchange_gradients_match_the_dense_exchange():
 
     def grads(exchange):
         def loss(x, w, *p):
-            y, _ = moe_parallel(x, w, experts, *p, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference",
-                                exchange=exchange)
+            y, _ = moe_parallel(
+                x, w, experts, *p, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference", exchange=exchange
+            )
             return jnp.sum(y * probe)
 
         with jax.set_mesh(mesh):
@@ -290,9 +322,11 @@ def test_capacity_factor_drops_and_reports_exactly_the_overflow(exchange):
     mesh = make_mesh({"expert": ep})
     factor = 0.5
     with jax.set_mesh(mesh):
-        y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=None, mesh=mesh, capacity_factor=factor,
-                                                     backend="reference", exchange=exchange))(
-            x_TD, weights, experts, *params)
+        y, dropped = jax.jit(
+            lambda *a: moe_parallel(
+                *a, limit=None, mesh=mesh, capacity_factor=factor, backend="reference", exchange=exchange
+            )
+        )(x_TD, weights, experts, *params)
     local_tokens, local_experts = tokens // ep, config.num_experts // ep
     capacity = rows_per_source(local_tokens, config.num_experts_per_tok, ep, local_experts, factor)
     kept = np.ones(experts.shape, bool)

@@ -34,9 +34,26 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ling_jax", "convert", "pallas_kernels")
 SHARDING_MODULE = ROOT / "ling_jax" / "sharding.py"
 # calls whose arguments name mesh axes: partition specs, shardings, constraints, shard_map and the collectives
-AXIS_CALLS = {"P", "PartitionSpec", "NamedSharding", "with_sharding_constraint", "reshard", "shard_map",
-              "psum", "pmean", "pmax", "pmin", "psum_scatter", "all_to_all", "ragged_all_to_all", "all_gather",
-              "axis_index", "axis_size", "ppermute", "pshuffle"}
+AXIS_CALLS = {
+    "P",
+    "PartitionSpec",
+    "NamedSharding",
+    "with_sharding_constraint",
+    "reshard",
+    "shard_map",
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "psum_scatter",
+    "all_to_all",
+    "ragged_all_to_all",
+    "all_gather",
+    "axis_index",
+    "axis_size",
+    "ppermute",
+    "pshuffle",
+}
 AXIS_KEYWORDS = {"axis_name", "axis_names"}
 
 
@@ -53,8 +70,13 @@ def _reads_mesh_shape(node) -> bool:
     if isinstance(node, ast.Subscript):
         return isinstance(node.value, ast.Attribute) and node.value.attr == "shape" and _is_axis(node.slice)
     func = node.func
-    return (isinstance(func, ast.Attribute) and func.attr == "get" and isinstance(func.value, ast.Attribute)
-            and func.value.attr == "shape" and any(_is_axis(a) for a in node.args))
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "get"
+        and isinstance(func.value, ast.Attribute)
+        and func.value.attr == "shape"
+        and any(_is_axis(a) for a in node.args)
+    )
 
 
 def _names_axes(target) -> bool:
@@ -74,21 +96,26 @@ def axis_literals(source: str) -> list[tuple[int, str]]:
             args = [*node.args, *(k.value for k in node.keywords)]
             found += [(c.lineno, c.value) for a in args for c in ast.walk(a) if _is_axis(c)]
         elif isinstance(node, ast.Call):
-            found += [(c.lineno, c.value) for k in node.keywords if k.arg in AXIS_KEYWORDS
-                      for c in ast.walk(k.value) if _is_axis(c)]
+            found += [
+                (c.lineno, c.value)
+                for k in node.keywords
+                if k.arg in AXIS_KEYWORDS
+                for c in ast.walk(k.value)
+                if _is_axis(c)
+            ]
         if isinstance(node, (ast.Subscript, ast.Call)) and _reads_mesh_shape(node):
             found.append((node.lineno, "shape read"))
     return sorted(set(found))
 
 
 def test_the_axis_literal_scan_finds_axis_usages_only():
-    bad = '''
+    bad = """
 spec = P(("expert", "data"), None)
 total = jax.lax.psum(x, ("tensor",))
 y = jax.lax.ragged_all_to_all(a, b, c, d, e, f, axis_name="fsdp")
 ep = mesh.shape.get("expert", 1)
 tp_axes = ("tensor",) if tp > 1 else ()
-'''
+"""
     benign = '''
 """Experts split over the `expert` axis."""
 shape = {"data": 2}
@@ -105,9 +132,13 @@ for flag, axis, size in (("--tp", "tensor", args.tp),):
 def test_no_mesh_axis_literal_outside_the_sharding_module():
     """Every mesh axis the package uses comes from the rules (`ling_jax.sharding.mesh_axes` & co.): a name written
     by hand elsewhere would not follow a changed rule."""
-    offenders = [f"{path.relative_to(ROOT)}:{line}: {axis}"
-                 for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py")) if path != SHARDING_MODULE
-                 for line, axis in axis_literals(path.read_text())]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {axis}"
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path != SHARDING_MODULE
+        for line, axis in axis_literals(path.read_text())
+    ]
     assert not offenders, "mesh axes named outside ling_jax/sharding.py:\n" + "\n".join(offenders)
 
 
@@ -126,8 +157,10 @@ def test_constrain_follows_the_rules_and_is_a_no_op_without_a_mesh():
     assert spec(x_BTD[:1], embed_split) == P(None, None, "tensor")  # a batch of one stays whole
     with pytest.raises(ShardingError, match="do not match an array of shape"):
         spec(x_BTD[0])
-    with pytest.raises(ShardingError, match="rule 'experts': expected a tuple of distinct mesh axes"), \
-            use_rules({**RULES, "experts": ("pipeline",)}):
+    with (
+        pytest.raises(ShardingError, match="rule 'experts': expected a tuple of distinct mesh axes"),
+        use_rules({**RULES, "experts": ("pipeline",)}),
+    ):
         pass
 
 
@@ -139,8 +172,9 @@ def changed_rule():
     """A two-layer tiny model (KDA + dense MLP, MLA + MoE) on a data=2 x expert=4 mesh with the experts split over
     expert x data (8 ways, instead of 4 ways and replicated over data), its unsharded logits, and the lowered
     forward (one sharded compile for the module)."""
-    config = LingConfig.preset("tiny").replace(num_hidden_layers=2, layer_types=("kda", "mla"),
-                                               mlp_layer_types=("dense", "moe"))
+    config = LingConfig.preset("tiny").replace(
+        num_hidden_layers=2, layer_types=("kda", "mla"), mlp_layer_types=("dense", "moe")
+    )
     model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
     ids = jax.random.randint(jax.random.key(1), (8, 7), 0, config.vocab_size)
     mask = np.ones(ids.shape, bool)
@@ -170,8 +204,15 @@ def test_a_changed_rule_moves_the_experts_and_their_exchange(changed_rule):
 
 def test_blocks_run_under_named_scopes(changed_rule):
     text = changed_rule[-1].as_text(debug_info=True)
-    scopes = ["decoder_layer_0/kda", "decoder_layer_0/mlp", "decoder_layer_1/mla", "decoder_layer_1/moe/moe_router",
-              "decoder_layer_1/moe/routed_experts", "decoder_layer_1/moe/shared_expert", "lm_head"]
+    scopes = [
+        "decoder_layer_0/kda",
+        "decoder_layer_0/mlp",
+        "decoder_layer_1/mla",
+        "decoder_layer_1/moe/moe_router",
+        "decoder_layer_1/moe/routed_experts",
+        "decoder_layer_1/moe/shared_expert",
+        "lm_head",
+    ]
     assert [scope for scope in scopes if scope not in text] == []
 
 
@@ -182,14 +223,17 @@ def test_experts_over_two_axes_match_the_dense_baseline(tokens):
     config = LingConfig.preset("tiny")
     rng = np.random.default_rng(5)
     e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
-    gate, up, down = (jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
-                      for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width)))
+    gate, up, down = (
+        jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
+        for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width))
+    )
     x_TD = jnp.asarray(rng.normal(size=(tokens, hidden)).astype(np.float32))
     router_ED = jnp.asarray(rng.normal(size=(e, hidden)).astype(np.float32))
     weights, experts = route(x_TD, router_ED, jnp.zeros(e), config)
     mesh = make_mesh({"data": 2, "expert": 4})
     with jax.set_mesh(mesh), use_rules(EXPERTS_OVER_EXPERT_AND_DATA):
-        y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, capacity_factor=None,
-                                                     backend="reference"))(x_TD, weights, experts, gate, up, down)
+        y, dropped = jax.jit(
+            lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference")
+        )(x_TD, weights, experts, gate, up, down)
     assert int(dropped) == 0
     assert rel_error(y, dense_expert_ffn(x_TD, weights, experts, gate, up, down, 7.0)) <= 1e-5

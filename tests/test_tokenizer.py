@@ -48,11 +48,15 @@ def bpe_dir(tmp_path_factory):
     """A byte-level BPE trained on four sentences: too small a vocabulary to hold whole CJK characters."""
     directory = tmp_path_factory.mktemp("bpe")
     train_byte_bpe(directory / "tokenizer.json", SENTENCES, 320, SPECIALS)
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"__type": "AddedToken", "content": "<|pad|>"},
-        "eos_token": "<|endoftext|>",
-        "chat_template": TEMPLATE,
-    }))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"__type": "AddedToken", "content": "<|pad|>"},
+                "eos_token": "<|endoftext|>",
+                "chat_template": TEMPLATE,
+            }
+        )
+    )
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     return directory
 
@@ -84,8 +88,9 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(bpe_dir):
 
 def test_chat_template_renders_like_transformers(bpe):
     text = bpe.apply_chat_template(MESSAGES)
-    assert text == ("<|pad|><role>SYSTEM</role>Be brief.<|endoftext|>"
-                    "<role>USER</role>Hi 🙂<|endoftext|><role>ASSISTANT</role>")
+    assert text == (
+        "<|pad|><role>SYSTEM</role>Be brief.<|endoftext|><role>USER</role>Hi 🙂<|endoftext|><role>ASSISTANT</role>"
+    )
     assert not bpe.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("<role>ASSISTANT</role>")
     ids = bpe.encode(text, add_special_tokens=False)
     assert bpe.decode(ids, skip_special_tokens=False) == text
@@ -94,11 +99,19 @@ def test_chat_template_renders_like_transformers(bpe):
 
 
 def test_chat_template_sandbox_and_helpers(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "tool_use", "template": "unused"},
-        {"name": "default",
-         "template": "{{ messages | tojson }}|{{ tools is none }}|{{ strftime_now('%Y') | length }}"},
-    ]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [
+                    {"name": "tool_use", "template": "unused"},
+                    {
+                        "name": "default",
+                        "template": "{{ messages | tojson }}|{{ tools is none }}|{{ strftime_now('%Y') | length }}",
+                    },
+                ]
+            }
+        )
+    )
     tokenizer = load_tokenizer(tmp_path, tiny_config())
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "é"}])
     assert rendered == '[{"role": "user", "content": "é"}]|True|4'  # tojson keeps non-ASCII, as transformers

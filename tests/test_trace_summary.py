@@ -12,14 +12,18 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "trace_summar
 
 
 def _write_trace(directory: pathlib.Path) -> None:
-    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-              {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
-              {"ph": "X", "pid": 7, "tid": 1, "ts": 0.0, "dur": 900.0, "name": "PjitFunction(step)"}]
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 7, "tid": 1, "ts": 0.0, "dur": 900.0, "name": "PjitFunction(step)"},
+    ]
     for step in range(2):
         start = 1000.0 * step
-        events += [{"ph": "X", "pid": 1, "tid": 2, "ts": start, "dur": 300.0, "name": "gemm_fusion_dot.3"},
-                   {"ph": "X", "pid": 1, "tid": 2, "ts": start + 300, "dur": 2.0, "name": "loop_add_fusion_1"},
-                   {"ph": "X", "pid": 1, "tid": 2, "ts": start + 302, "dur": 4.0, "name": "loop_add_fusion_2"}]
+        events += [
+            {"ph": "X", "pid": 1, "tid": 2, "ts": start, "dur": 300.0, "name": "gemm_fusion_dot.3"},
+            {"ph": "X", "pid": 1, "tid": 2, "ts": start + 300, "dur": 2.0, "name": "loop_add_fusion_1"},
+            {"ph": "X", "pid": 1, "tid": 2, "ts": start + 302, "dur": 4.0, "name": "loop_add_fusion_2"},
+        ]
     run = directory / "plugins" / "profile" / "run"
     run.mkdir(parents=True)
     with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
@@ -27,8 +31,7 @@ def _write_trace(directory: pathlib.Path) -> None:
 
 
 def _run(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          check=False)
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, check=False)
 
 
 def test_per_step_device_time_and_small_kernel_tail(tmp_path):

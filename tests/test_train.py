@@ -34,10 +34,27 @@ SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 
 # every layer kind at minimum size: a KDA + dense layer, an MLA (q-LoRA) + MoE layer, the MTP layer
 SMALL = LingConfig.preset("tiny").replace(
-    vocab_size=320, hidden_size=32, num_hidden_layers=2, layer_types=(KDA, MLA), mlp_layer_types=(DENSE, MOE),
-    num_attention_heads=1, head_dim=8, v_head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-    qk_rope_head_dim=4, intermediate_size=32, num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
-    moe_intermediate_size=8, shared_expert_intermediate_size=8, mtp_loss_scaling_factor=0.3)
+    vocab_size=320,
+    hidden_size=32,
+    num_hidden_layers=2,
+    layer_types=(KDA, MLA),
+    mlp_layer_types=(DENSE, MOE),
+    num_attention_heads=1,
+    head_dim=8,
+    v_head_dim=8,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    intermediate_size=32,
+    num_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=2,
+    moe_intermediate_size=8,
+    shared_expert_intermediate_size=8,
+    mtp_loss_scaling_factor=0.3,
+)
 STEP_CONFIG = TrainConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8, expert_bias_rate=0.125)
 
 
@@ -93,8 +110,11 @@ def test_gradients_match_central_finite_differences():
         moe.gate.expert_bias.set_value(0.5 * jax.random.normal(jax.random.key(seed), (SMALL.num_experts,)))
     graphdef, state = init_train_state(model, TrainConfig())
     batch = random_batch(SMALL, 1, 12)
-    value_and_grad = jax.jit(jax.value_and_grad(
-        lambda params: loss_and_expert_loads(params, state.expert_bias, graphdef, batch), has_aux=True))
+    value_and_grad = jax.jit(
+        jax.value_and_grad(
+            lambda params: loss_and_expert_loads(params, state.expert_bias, graphdef, batch), has_aux=True
+        )
+    )
     (_, (_, loads)), grads = value_and_grad(state.params)
     grads = dict(nnx.to_flat_state(grads))
     params = dict(nnx.to_flat_state(state.params))
@@ -106,11 +126,16 @@ def test_gradients_match_central_finite_differences():
         (loss, (_, new_loads)), _ = value_and_grad(nnx.from_flat_state(list(moved.items())))
         return float(loss), all(bool((new_loads[k] == loads[k]).all()) for k in loads)
 
-    checked = [("model", "layers", 0, "attention", "q_proj", "weight"), ("model", "layers", 0, "attention", "k_conv1d"),
-               ("model", "layers", 0, "attention", "b_proj", "weight"),
-               ("model", "layers", 1, "mlp", "experts", "gate_proj"), ("mtp", "mlp", "experts", "down_proj"),
-               ("model", "layers", 1, "attention", "kv_b_proj", "weight"), ("mtp", "eh_proj", "weight"),
-               ("model", "word_embeddings", "weight")]
+    checked = [
+        ("model", "layers", 0, "attention", "q_proj", "weight"),
+        ("model", "layers", 0, "attention", "k_conv1d"),
+        ("model", "layers", 0, "attention", "b_proj", "weight"),
+        ("model", "layers", 1, "mlp", "experts", "gate_proj"),
+        ("mtp", "mlp", "experts", "down_proj"),
+        ("model", "layers", 1, "attention", "kv_b_proj", "weight"),
+        ("mtp", "eh_proj", "weight"),
+        ("model", "word_embeddings", "weight"),
+    ]
     for path in checked:
         grad = np.asarray(grads[path].get_value())
         # the largest gradient entry whose +-eps steps keep every expert choice (the loss is smooth there)
@@ -127,8 +152,12 @@ def test_gradients_match_central_finite_differences():
 
 
 def test_expert_bias_moves_against_the_load():
-    bias = nnx.State({"layer": {"mlp": {"gate": {"expert_bias": nnx.Param(jnp.zeros(4, jnp.float32))}}},
-                      "mtp": {"mlp": {"gate": {"expert_bias": nnx.Param(jnp.ones(4, jnp.float32))}}}})
+    bias = nnx.State(
+        {
+            "layer": {"mlp": {"gate": {"expert_bias": nnx.Param(jnp.zeros(4, jnp.float32))}}},
+            "mtp": {"mlp": {"gate": {"expert_bias": nnx.Param(jnp.ones(4, jnp.float32))}}},
+        }
+    )
     loads = {("layer", "mlp"): jnp.array([6.0, 2.0, 4.0, 4.0])}  # mean 4; the MTP layer did not run
     updated = balanced_expert_bias(bias, loads, 0.01)
     np.testing.assert_allclose(updated["layer"]["mlp"]["gate"]["expert_bias"][...], [-0.01, 0.01, 0.0, 0.0])
@@ -138,8 +167,10 @@ def test_expert_bias_moves_against_the_load():
 def _corpus(path) -> None:
     """400 random 12-word sentences over 24 words."""
     rng = np.random.default_rng(0)
-    words = ("the house was quiet and the garden lay in the warm light of the evening while she read "
-             "her letter again with a smile that nobody saw").split()
+    words = (
+        "the house was quiet and the garden lay in the warm light of the evening while she read "
+        "her letter again with a smile that nobody saw"
+    ).split()
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(" ".join(rng.choice(words, size=12)).capitalize() + ".\n" for _ in range(400))
 
@@ -149,14 +180,43 @@ def test_script_trains_resumes_and_exports(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump(config_dict(SMALL), f)
     out = tmp_path / "run"
-    command = [str(arg) for arg in (
-        sys.executable, SCRIPT, "--corpus", tmp_path / "corpus.txt", "--out", out, "--config", tmp_path / "config.json",
-        "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--eval-every", "2", "--save-every", "2",
-        "--log-every", "1", "--warmup", "1", "--eval-fraction", "0.05")]
+    command = [
+        str(arg)
+        for arg in (
+            sys.executable,
+            SCRIPT,
+            "--corpus",
+            tmp_path / "corpus.txt",
+            "--out",
+            out,
+            "--config",
+            tmp_path / "config.json",
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--eval-every",
+            "2",
+            "--save-every",
+            "2",
+            "--log-every",
+            "1",
+            "--warmup",
+            "1",
+            "--eval-fraction",
+            "0.05",
+        )
+    ]
     # compiles dominate these tiny runs: unoptimised code, and the resumed run reuses the first one's
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
     first = subprocess.run([*command, "--sample-tokens", "0"], check=False, capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(os.listdir(out / "checkpoints")) == ["2", "3"]
@@ -164,8 +224,9 @@ def test_script_trains_resumes_and_exports(tmp_path):
         uninterrupted = json.load(f)
 
     shutil.rmtree(out / "checkpoints" / "3")  # as if the run had died after its step-2 checkpoint
-    second = subprocess.run([*command, "--sample-tokens", "1", "--resume"], check=False, capture_output=True, text=True,
-                            env=env)
+    second = subprocess.run(
+        [*command, "--sample-tokens", "1", "--resume"], check=False, capture_output=True, text=True, env=env
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 2" in second.stdout and "sample" in second.stdout
     with open(out / "log.json") as f:
@@ -173,8 +234,9 @@ def test_script_trains_resumes_and_exports(tmp_path):
     assert [entry["step"] for entry in log] == [entry["step"] for entry in uninterrupted] == [1, 2, 2, 3, 3]
     for resumed, original in zip(log, uninterrupted):  # same batches from the restored state: the same losses
         assert resumed.keys() == original.keys()
-        np.testing.assert_allclose([resumed[k] for k in sorted(resumed)], [original[k] for k in sorted(original)],
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            [resumed[k] for k in sorted(resumed)], [original[k] for k in sorted(original)], rtol=1e-5
+        )
     assert os.path.getsize(out / "loss_curve.png") > 0
 
     exported = set(os.listdir(out / "hf"))
@@ -193,10 +255,41 @@ def test_script_stops_when_training_diverges(tmp_path):
         json.dump(config_dict(SMALL), f)
     out = tmp_path / "run"
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"}
-    result = subprocess.run([str(arg) for arg in (
-        sys.executable, SCRIPT, "--corpus", tmp_path / "corpus.txt", "--out", out, "--config", tmp_path / "config.json",
-        "--steps", "20", "--batch-size", "2", "--seq-len", "32", "--log-every", "1", "--warmup", "1", "--lr", "1e30",
-        "--eval-fraction", "0.05", "--sample-tokens", "0")], check=False, capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [
+            str(arg)
+            for arg in (
+                sys.executable,
+                SCRIPT,
+                "--corpus",
+                tmp_path / "corpus.txt",
+                "--out",
+                out,
+                "--config",
+                tmp_path / "config.json",
+                "--steps",
+                "20",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+                "--log-every",
+                "1",
+                "--warmup",
+                "1",
+                "--lr",
+                "1e30",
+                "--eval-fraction",
+                "0.05",
+                "--sample-tokens",
+                "0",
+            )
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 1
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: step ") and "training diverged" in message and "Traceback" not in result.stderr
@@ -227,4 +320,3 @@ def test_sharded_train_step_equals_unsharded():
         assert np.linalg.norm(ours - ref) <= 1e-5 * max(np.linalg.norm(ref), 1e-6)
     for ours, ref in zip(jax.tree.leaves(state.expert_bias), jax.tree.leaves(ref_state.expert_bias)):
         np.testing.assert_allclose(ours, ref, atol=1e-6)
-

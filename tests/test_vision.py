@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from helpers import rel_error
+from vl_oracle import TINY_VISION, build_vision_oracle, copy_weights, vision_oracle_output
+
 from ling_jax.mrope import MediaGrid
 from ling_jax.vision import VisionTransformer, make_projector, merge_media, project
 from ling_jax.vl_config import VisionConfig
-from vl_oracle import TINY_VISION, build_vision_oracle, copy_weights, vision_oracle_output
 
 
 def _tower(**overrides):

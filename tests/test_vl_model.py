@@ -8,19 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy.special import erf
-
 from helpers import rel_error
+from scipy.special import erf
+from test_mrope import spec_positions
+from vl_checkpoint import IMAGE_TOKEN, VIDEO_TOKEN, projector_weights, write_text_checkpoint, write_vl_checkpoint
+from vl_oracle import vision_oracle_output
+
 from ling_jax import load_hf_checkpoint
 from ling_jax.checkpoint import CheckpointError
 from ling_jax.model import LingForCausalLM
 from ling_jax.mrope import MediaGrid
 from ling_jax.sharding import make_mesh, shard_model
 from ling_jax.vl_model import LingVLForConditionalGeneration
-from test_mrope import spec_positions
-from vl_checkpoint import (IMAGE_TOKEN, VIDEO_TOKEN, projector_weights, write_text_checkpoint,
-                           write_vl_checkpoint)
-from vl_oracle import vision_oracle_output
 
 IMAGE, VIDEO = MediaGrid(1, 4, 6), MediaGrid(2, 4, 4)  # 6 and 8 merged tokens
 
@@ -68,15 +67,21 @@ def test_media_prompt_matches_reference_composition(checkpoints):
     root, oracle, text_model, model = checkpoints
     ids = _prompt()
     image_pixels, video_pixels = _pixels((IMAGE,), 3), _pixels((VIDEO,), 4)
-    ours = model(jnp.asarray(ids), pixel_values=jnp.asarray(image_pixels), image_grids=[[IMAGE]],
-                 pixel_values_videos=jnp.asarray(video_pixels), video_grids=[[VIDEO]]).logits
+    ours = model(
+        jnp.asarray(ids),
+        pixel_values=jnp.asarray(image_pixels),
+        image_grids=[[IMAGE]],
+        pixel_values_videos=jnp.asarray(video_pixels),
+        video_grids=[[VIDEO]],
+    ).logits
     weights = projector_weights(str(root / "vl"))
     embeds = np.asarray(text_model.model.word_embeddings(jnp.asarray(ids)), np.float64)
     embeds[ids == IMAGE_TOKEN] = _numpy_projector(weights, vision_oracle_output(oracle, image_pixels, (IMAGE,)))
     embeds[ids == VIDEO_TOKEN] = _numpy_projector(weights, vision_oracle_output(oracle, video_pixels, (VIDEO,)))
     positions = spec_positions(ids[0], [IMAGE.merged(2), VIDEO.merged(2)], (IMAGE_TOKEN, VIDEO_TOKEN))[None]
-    hidden, _ = text_model.model(jnp.asarray(ids), positions=jnp.asarray(positions),
-                                 inputs_embeds=jnp.asarray(embeds, jnp.float32))
+    hidden, _ = text_model.model(
+        jnp.asarray(ids), positions=jnp.asarray(positions), inputs_embeds=jnp.asarray(embeds, jnp.float32)
+    )
     err = rel_error(ours, text_model.logits(hidden))
     print(f"VL logits vs reference composition: fp32 rel. error {err:.2e}")
     assert err <= 1e-4
@@ -111,8 +116,12 @@ def test_cached_prefill_and_decode_continue_after_media(checkpoints):
     one full forward over the whole sequence."""
     _, _, _, model = checkpoints
     ids = np.concatenate([_prompt(), [[17, 29]]], axis=1)
-    media = dict(pixel_values=jnp.asarray(_pixels((IMAGE,), 3)), image_grids=[[IMAGE]],
-                 pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)), video_grids=[[VIDEO]])
+    media = dict(
+        pixel_values=jnp.asarray(_pixels((IMAGE,), 3)),
+        image_grids=[[IMAGE]],
+        pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)),
+        video_grids=[[VIDEO]],
+    )
     full = np.asarray(model(jnp.asarray(ids), **media).logits)
     prompt = ids[:, :-2]
     positions, deltas = model.positions(prompt, image_grids=[[IMAGE]], video_grids=[[VIDEO]])
@@ -134,8 +143,9 @@ def test_projector_without_model_prefix_and_l2_norm(tmp_path, checkpoints):
     oracle = write_vl_checkpoint(str(root / "text"), str(tmp_path / "vl"), norm_query_embeds=True, projector_prefix="")
     model = load_hf_checkpoint(tmp_path / "vl", dtype=jnp.float32, progress=False)
     pixels = _pixels((IMAGE,), 6)
-    ref = _numpy_projector(projector_weights(str(tmp_path / "vl"), prefix=""),
-                           vision_oracle_output(oracle, pixels, (IMAGE,)))
+    ref = _numpy_projector(
+        projector_weights(str(tmp_path / "vl"), prefix=""), vision_oracle_output(oracle, pixels, (IMAGE,))
+    )
     ref /= np.linalg.norm(ref, axis=-1, keepdims=True)
     assert rel_error(model.media_embeddings(jnp.asarray(pixels), (IMAGE,)), ref) <= 1e-4
 
@@ -159,14 +169,18 @@ def test_convert_round_trip(tmp_path, checkpoints, dtype):
     assert main([str(root / "vl"), str(tmp_path / "orbax"), "--dtype", dtype, "--verify", "--quiet"]) == 0
     restored = load_checkpoint(tmp_path / "orbax", dtype=jnp.bfloat16)
     assert isinstance(restored, LingVLForConditionalGeneration)
-    reference = dict(nnx.to_flat_state(nnx.state(load_hf_checkpoint(root / "vl", dtype=jnp.bfloat16,
-                                                                    progress=False), nnx.Param)))
+    reference = dict(
+        nnx.to_flat_state(nnx.state(load_hf_checkpoint(root / "vl", dtype=jnp.bfloat16, progress=False), nnx.Param))
+    )
     vision_paths = [p for p in reference if p[0] in ("visual", "linear_proj")]
     assert len(vision_paths) == 37
     ours = dict(nnx.to_flat_state(nnx.state(restored, nnx.Param)))
     for path in vision_paths:
-        np.testing.assert_array_equal(np.asarray(ours[path].get_value(), np.float32),
-                                      np.asarray(reference[path].get_value(), np.float32), err_msg=str(path))
+        np.testing.assert_array_equal(
+            np.asarray(ours[path].get_value(), np.float32),
+            np.asarray(reference[path].get_value(), np.float32),
+            err_msg=str(path),
+        )
 
 
 def test_generator_with_media_equals_full_forward_greedy(checkpoints):
@@ -180,16 +194,30 @@ def test_generator_with_media_equals_full_forward_greedy(checkpoints):
     media_prompt = _prompt()[0].tolist()
     text_prompt = [5, 7, 11, 13]
     image_pixels, video_pixels = _pixels((IMAGE,), 3), _pixels((VIDEO,), 4)
-    media = MediaInputs(image_grids=((IMAGE,), ()), pixel_values=image_pixels, video_grids=((VIDEO,), ()),
-                        pixel_values_videos=video_pixels)
+    media = MediaInputs(
+        image_grids=((IMAGE,), ()),
+        pixel_values=image_pixels,
+        video_grids=((VIDEO,), ()),
+        pixel_values_videos=video_pixels,
+    )
     generator = Generator(model, prefill_chunk=16)
     outputs, _ = generator.generate([media_prompt, text_prompt], [SamplingParams(temperature=0.0)] * 2, 3, media=media)
-    for prompt, output, row_media in ((media_prompt, outputs[0], dict(
-            pixel_values=jnp.asarray(image_pixels), image_grids=[[IMAGE]],
-            pixel_values_videos=jnp.asarray(video_pixels), video_grids=[[VIDEO]])), (text_prompt, outputs[1], {})):
+    for prompt, output, row_media in (
+        (
+            media_prompt,
+            outputs[0],
+            dict(
+                pixel_values=jnp.asarray(image_pixels),
+                image_grids=[[IMAGE]],
+                pixel_values_videos=jnp.asarray(video_pixels),
+                video_grids=[[VIDEO]],
+            ),
+        ),
+        (text_prompt, outputs[1], {}),
+    ):
         assert len(output) == 3
         logits = np.asarray(model(jnp.asarray([list(prompt) + output]), **row_media).logits)[0]
-        assert output == [int(t) for t in np.argmax(logits[len(prompt) - 1:-1], axis=-1)]
+        assert output == [int(t) for t in np.argmax(logits[len(prompt) - 1 : -1], axis=-1)]
 
 
 def test_generator_refuses_media_for_a_text_model(checkpoints):
@@ -198,8 +226,12 @@ def test_generator_refuses_media_for_a_text_model(checkpoints):
 
     text_model = checkpoints[2]
     with pytest.raises(ValueError, match="need a VL model"):
-        Generator(text_model).generate([[5, 6]], [SamplingParams()], 2,
-                                       media=MediaInputs(image_grids=((IMAGE,),), pixel_values=_pixels((IMAGE,), 1)))
+        Generator(text_model).generate(
+            [[5, 6]],
+            [SamplingParams()],
+            2,
+            media=MediaInputs(image_grids=((IMAGE,),), pixel_values=_pixels((IMAGE,), 1)),
+        )
 
 
 def test_generate_cli_with_an_image(tmp_path, checkpoints, capsys):
@@ -208,16 +240,27 @@ def test_generate_cli_with_an_image(tmp_path, checkpoints, capsys):
     import json
 
     from PIL import Image
+    from vl_checkpoint import VISION_END, VISION_START
 
     from ling_jax.generate_cli import main
     from ling_jax.image_processing import ProcessorConfig, preprocess_image
-    from vl_checkpoint import VISION_END, VISION_START
 
     root, _, _, model = checkpoints
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (44, 60, 3), dtype=np.uint8))
     image.save(tmp_path / "cat.png")
-    argv = ["--byte-tokenizer", "--model", str(root / "vl"), "--image", str(tmp_path / "cat.png"),
-            "--max-new-tokens", "2", "--temperature", "0", "--json", "A <image> B"]
+    argv = [
+        "--byte-tokenizer",
+        "--model",
+        str(root / "vl"),
+        "--image",
+        str(tmp_path / "cat.png"),
+        "--max-new-tokens",
+        "2",
+        "--temperature",
+        "0",
+        "--json",
+        "A <image> B",
+    ]
     assert main(argv) == 0
     record = json.loads(capsys.readouterr().out)
     patches, grid = preprocess_image(image, ProcessorConfig.for_vision(model.vl_config.vision))
@@ -233,17 +276,17 @@ def test_generate_cli_media_errors(tmp_path, checkpoints, capsys):
     from ling_jax.generate_cli import main
 
     root = checkpoints[0]
-    assert main(["--byte-tokenizer", "--model", str(root / "text"),
-                 "--image", str(tmp_path / "x.png"), "hi"]) == 2
+    assert main(["--byte-tokenizer", "--model", str(root / "text"), "--image", str(tmp_path / "x.png"), "hi"]) == 2
     assert "need a VL checkpoint" in capsys.readouterr().err
-    assert main(["--byte-tokenizer", "--model", str(root / "vl"),
-                 "--image", str(tmp_path / "missing.png"), "hi"]) == 2
+    assert main(["--byte-tokenizer", "--model", str(root / "vl"), "--image", str(tmp_path / "missing.png"), "hi"]) == 2
     assert "image not found" in capsys.readouterr().err
     from PIL import Image
 
     Image.new("RGB", (30, 20), (200, 10, 10)).save(tmp_path / "red.png")
-    assert main(["--byte-tokenizer", "--model", str(root / "vl"),
-                 "--image", str(tmp_path / "red.png"), "<image> <image>"]) == 2
+    assert (
+        main(["--byte-tokenizer", "--model", str(root / "vl"), "--image", str(tmp_path / "red.png"), "<image> <image>"])
+        == 2
+    )
     assert "2 <image> placeholders but 1 image" in capsys.readouterr().err
 
 
@@ -253,8 +296,12 @@ def test_sharded_vl_model_equals_unsharded(tmp_path):
     write_text_checkpoint(str(tmp_path / "text"))
     write_vl_checkpoint(str(tmp_path / "text"), str(tmp_path / "vl"))
     ids = jnp.asarray(_prompt())
-    media = dict(pixel_values=jnp.asarray(_pixels((IMAGE,), 3)), image_grids=[[IMAGE]],
-                 pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)), video_grids=[[VIDEO]])
+    media = dict(
+        pixel_values=jnp.asarray(_pixels((IMAGE,), 3)),
+        image_grids=[[IMAGE]],
+        pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)),
+        video_grids=[[VIDEO]],
+    )
     model = load_hf_checkpoint(tmp_path / "vl", dtype=jnp.float32, progress=False)
     plain = np.asarray(model(ids, **media).logits)
     mesh = make_mesh({"data": 2, "expert": 4})  # the tiny vocab (259) does not split over a tensor axis

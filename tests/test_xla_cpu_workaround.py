@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from helpers import l2, rel_error
+from np_reference import kda_recurrence
+
 from ling_jax.cache import KDAState
 from ling_jax.config import DENSE, KDA, LingConfig
 from ling_jax.model import DecoderLayer, token_context
-from np_reference import kda_recurrence
 from pallas_kernels.kda.ops import chunk_kda
 from pallas_kernels.kda.reference import kda_chunked
 
@@ -39,8 +39,10 @@ def test_jitted_chunked_kda_at_head_dim_128_matches_float64_recurrence():
     beta = r.uniform(0.05, 1.0, size=(batch, length, heads))
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta)
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta)]
-    for name, run in [("kda_chunked", lambda *a: kda_chunked(*a)),  # zero state made inside the jit
-                      ("chunk_kda", lambda *a: chunk_kda(*a, backend="reference"))]:
+    for name, run in [
+        ("kda_chunked", lambda *a: kda_chunked(*a)),  # zero state made inside the jit
+        ("chunk_kda", lambda *a: chunk_kda(*a, backend="reference")),
+    ]:
         # the outputs alone (as a model uses them): returning the state too changed the fusions and hid the bug
         assert rel_error(jax.jit(lambda *a: run(*a)[0])(*args), o_ref) < 1e-5, name
         assert rel_error(jax.jit(lambda *a: run(*a)[1])(*args), s_ref) < 1e-5, name
@@ -48,15 +50,31 @@ def test_jitted_chunked_kda_at_head_dim_128_matches_float64_recurrence():
 
 def test_jitted_decoder_layer_at_head_dim_128_matches_eager_recurrent():
     config = LingConfig.preset("ling-3.1-flash").replace(
-        num_hidden_layers=1, layer_types=(KDA,), mlp_layer_types=(DENSE,), num_nextn_predict_layers=0,
-        hidden_size=64, num_attention_heads=2, intermediate_size=256)
+        num_hidden_layers=1,
+        layer_types=(KDA,),
+        mlp_layer_types=(DENSE,),
+        num_nextn_predict_layers=0,
+        hidden_size=64,
+        num_attention_heads=2,
+        intermediate_size=256,
+    )
     assert config.head_dim == 128
     layer = DecoderLayer(config, attention=KDA, mlp=DENSE, clip_layer=0, dtype=jnp.float32, rngs=nnx.Rngs(0))
     h = 0.02 * jax.random.normal(jax.random.key(3), (2, 10, config.hidden_size))
 
     def run(layer, h, kda_mode):
-        ctx = token_context(config, 2, 10, positions=None, attention_mask=None, lengths=None, max_length=0,
-                            kda_mode=kda_mode, mla_mode=None, kernel_backend="reference")
+        ctx = token_context(
+            config,
+            2,
+            10,
+            positions=None,
+            attention_mask=None,
+            lengths=None,
+            max_length=0,
+            kda_mode=kda_mode,
+            mla_mode=None,
+            kernel_backend="reference",
+        )
         return layer(h, ctx, KDAState.zeros(config, 2, h.dtype))[0]
 
     expected = run(layer, h, "recurrent")  # eager, one token at a time

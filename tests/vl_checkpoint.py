@@ -13,18 +13,25 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from vl_oracle import TINY_VISION, build_vision_oracle
 
 from convert.hf_writer import quantize_fp8_block
 from convert.synthetic import write_random_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.presets import TINY
 from ling_jax.quant import dequantize_fp8_block
-from vl_oracle import TINY_VISION, build_vision_oracle
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 250, 251, 252, 253
 # rope dims 8 -> 4 frequencies: [t, h, w] = [2, 1, 1]; YaRN with a short original context so that it matters
-TINY_VL_TEXT = {**TINY, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
-                                         "mrope_section": [2, 1, 1]}}
+TINY_VL_TEXT = {
+    **TINY,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 64,
+        "mrope_section": [2, 1, 1],
+    },
+}
 FP8_VISION_WEIGHT = "model.visual.blocks.0.mlp.linear_fc1.weight"
 VISION_SHARD = "model-vision.safetensors"
 
@@ -35,8 +42,14 @@ def write_text_checkpoint(directory: str) -> LingConfig:
     return config
 
 
-def write_vl_checkpoint(text_directory: str, directory: str, *, norm_query_embeds: bool = False,
-                        projector_prefix: str = "model.", omit: str | None = None) -> torch.nn.Module:
+def write_vl_checkpoint(
+    text_directory: str,
+    directory: str,
+    *,
+    norm_query_embeds: bool = False,
+    projector_prefix: str = "model.",
+    omit: str | None = None,
+) -> torch.nn.Module:
     """Copy the text checkpoint and add the vision side; returns the vision oracle (its weights as loaded).
     omit: a vision tensor to leave out (for error tests)."""
     shutil.copytree(text_directory, directory)
@@ -56,9 +69,13 @@ def write_vl_checkpoint(text_directory: str, directory: str, *, norm_query_embed
                 value.copy_(torch.from_numpy(tensors[full].astype(np.float32)))
     rng = np.random.default_rng(9)
     text = LingConfig.from_dict(TINY_VL_TEXT)
-    for index, (rows, cols) in ((0, (text.hidden_size, TINY_VISION["out_hidden_size"])),
-                                (2, (text.hidden_size, text.hidden_size))):
-        tensors[f"{projector_prefix}linear_proj.{index}.weight"] = rng.normal(0, cols ** -0.5, (rows, cols)).astype(np.float32)
+    for index, (rows, cols) in (
+        (0, (text.hidden_size, TINY_VISION["out_hidden_size"])),
+        (2, (text.hidden_size, text.hidden_size)),
+    ):
+        tensors[f"{projector_prefix}linear_proj.{index}.weight"] = rng.normal(0, cols**-0.5, (rows, cols)).astype(
+            np.float32
+        )
         tensors[f"{projector_prefix}linear_proj.{index}.bias"] = rng.normal(0, 0.1, (rows,)).astype(np.float32)
     tensors.pop(omit, None)
     save_file(tensors, os.path.join(directory, VISION_SHARD))
@@ -71,10 +88,18 @@ def write_vl_checkpoint(text_directory: str, directory: str, *, norm_query_embed
     config_file = os.path.join(directory, "config.json")
     with open(config_file) as f:
         text_raw = json.load(f)
-    vl_raw = {"architectures": ["BailingMoeV3VLForConditionalGeneration"], "model_type": "bailing_moe_v3_vl",
-              "text_config": text_raw, "vision_config": {**TINY_VISION, "model_type": "qwen3_moe_vit"},
-              "image_token_id": IMAGE_TOKEN, "video_token_id": VIDEO_TOKEN, "vision_start_token_id": VISION_START,
-              "vision_end_token_id": VISION_END, "norm_query_embeds": norm_query_embeds, "mrope_section": [2, 1, 1]}
+    vl_raw = {
+        "architectures": ["BailingMoeV3VLForConditionalGeneration"],
+        "model_type": "bailing_moe_v3_vl",
+        "text_config": text_raw,
+        "vision_config": {**TINY_VISION, "model_type": "qwen3_moe_vit"},
+        "image_token_id": IMAGE_TOKEN,
+        "video_token_id": VIDEO_TOKEN,
+        "vision_start_token_id": VISION_START,
+        "vision_end_token_id": VISION_END,
+        "norm_query_embeds": norm_query_embeds,
+        "mrope_section": [2, 1, 1],
+    }
     with open(config_file, "w") as f:
         json.dump(vl_raw, f)
     return oracle
@@ -82,5 +107,8 @@ def write_vl_checkpoint(text_directory: str, directory: str, *, norm_query_embed
 
 def projector_weights(directory: str, prefix: str = "model.") -> dict[str, np.ndarray]:
     with safe_open(os.path.join(directory, VISION_SHARD), framework="np") as f:
-        return {name[len(prefix):]: f.get_tensor(name).astype(np.float64) for name in f.keys()
-                if name.startswith(prefix + "linear_proj.")}
+        return {
+            name[len(prefix) :]: f.get_tensor(name).astype(np.float64)
+            for name in f.keys()
+            if name.startswith(prefix + "linear_proj.")
+        }

@@ -7,14 +7,24 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
-
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 # head_dim 8 (2-D RoPE needs a multiple of 4), a 6 x 6 position table, patches of 3 x 2 x 4 x 4 = 96 values
-TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=4, temporal_patch_size=2,
-                   spatial_merge_size=2, out_hidden_size=24, num_position_embeddings=36, in_channels=3,
-                   hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
+TINY_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=4,
+    patch_size=4,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=24,
+    num_position_embeddings=36,
+    in_channels=3,
+    hidden_act="gelu_pytorch_tanh",
+    deepstack_visual_indexes=[],
+)
 
 
 def build_vision_oracle(seed: int = 0, **overrides) -> Qwen3VLMoeVisionModel:

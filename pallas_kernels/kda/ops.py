@@ -18,21 +18,36 @@ from pallas_kernels.variants import REFERENCE, Variant
 
 
 def _decode_reference(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale, use_qk_l2norm):
-    o, state = kda_recurrent(q_BHK[:, None], k_BHK[:, None], v_BHV[:, None], g_BHK[:, None], beta_BH[:, None],
-                             scale=scale, initial_state=state_BHKV, use_qk_l2norm=use_qk_l2norm)
+    o, state = kda_recurrent(
+        q_BHK[:, None],
+        k_BHK[:, None],
+        v_BHV[:, None],
+        g_BHK[:, None],
+        beta_BH[:, None],
+        scale=scale,
+        initial_state=state_BHKV,
+        use_qk_l2norm=use_qk_l2norm,
+    )
     return o[:, 0], state
 
 
 def _chunk_reference(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, chunk_size=64):
-    return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
-                       chunk_size=chunk_size)
+    return kda_chunked(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
+    )
 
 
 VARIANTS = {
-    "chunk_kda": {REFERENCE: Variant(None, _chunk_reference), "gpu_triton": Variant("gpu", chunk_kda_gpu),
-                  "tpu_mosaic": Variant("tpu", chunk_kda_tpu)},
-    "kda_decode_step": {REFERENCE: Variant(None, _decode_reference), "gpu_triton": Variant("gpu", kda_decode_step_gpu),
-                        "tpu_mosaic": Variant("tpu", kda_decode_step_tpu)},
+    "chunk_kda": {
+        REFERENCE: Variant(None, _chunk_reference),
+        "gpu_triton": Variant("gpu", chunk_kda_gpu),
+        "tpu_mosaic": Variant("tpu", chunk_kda_tpu),
+    },
+    "kda_decode_step": {
+        REFERENCE: Variant(None, _decode_reference),
+        "gpu_triton": Variant("gpu", kda_decode_step_gpu),
+        "tpu_mosaic": Variant("tpu", kda_decode_step_tpu),
+    },
 }
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
 
@@ -42,8 +57,19 @@ def kernel(op: str, name: str):
     return variants.lookup(VARIANTS, op, name).kernel
 
 
-def kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale=None, use_qk_l2norm=True,
-                    backend: str = "auto", variant: str | None = None):
+def kda_decode_step(
+    q_BHK,
+    k_BHK,
+    v_BHV,
+    g_BHK,
+    beta_BH,
+    state_BHKV,
+    *,
+    scale=None,
+    use_qk_l2norm=True,
+    backend: str = "auto",
+    variant: str | None = None,
+):
     """(o [B, H, V], new state [B, H, K, V] fp32) for one token per sequence.
 
     g: fp32 log-decay (<= 0); beta [B, H]; scale defaults to K^-1/2. The kernels update the state in place
@@ -57,28 +83,42 @@ def kda_decode_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale=No
     args = (q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV)
     if name == REFERENCE:
         return _decode_reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    return kernel("kda_decode_step", name)(*args, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                           interpret=variants.interpreted(backend))
+    return kernel("kda_decode_step", name)(
+        *args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=variants.interpreted(backend)
+    )
 
 
 def _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret):
-    return _chunk_reference(q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                            chunk_size=chunk_size)
+    return _chunk_reference(
+        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
+    )
 
 
 def _chunk_kda_variant(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret):
     if name == REFERENCE:
-        return _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name,
-                                    interpret)
-    return kernel("chunk_kda", name)(q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm,
-                                     interpret=interpret)
+        return _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret)
+    return kernel("chunk_kda", name)(
+        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret
+    )
 
 
 _chunk_kda = with_reference_vjp(_chunk_kda_variant, _chunk_kda_reference, nondiff_argnums=(6, 7, 8, 9, 10))
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, chunk_size=64,
-              backend: str = "auto", variant: str | None = None):
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    use_qk_l2norm=True,
+    chunk_size=64,
+    backend: str = "auto",
+    variant: str | None = None,
+):
     """Chunked KDA over a whole sequence: (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
     q, k [B, T, H, K], v [B, T, H, V] (bf16 or fp32); g [B, T, H, K] fp32 log-decay (<= 0, e.g. bounded by
@@ -94,5 +134,16 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _chunk_kda(q, k, v, g, beta, initial_state.astype(jnp.float32), scale, use_qk_l2norm, chunk_size, name,
-                      variants.interpreted(backend))
+    return _chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state.astype(jnp.float32),
+        scale,
+        use_qk_l2norm,
+        chunk_size,
+        name,
+        variants.interpreted(backend),
+    )

@@ -24,14 +24,13 @@ def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm):
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    q = q * (key_dim ** -0.5 if scale is None else scale)
+    q = q * (key_dim**-0.5 if scale is None else scale)
     if initial_state is None:
         initial_state = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)
     return q, k, v, g, beta, initial_state.astype(jnp.float32)
 
 
-def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True,
-                  return_all_states=False):
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2norm=True, return_all_states=False):
     """One token at a time: S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q. Returns (o, S).
 
     return_all_states: S is then [B, T, H, K, V], the state after each token (for speculative decoding,
@@ -88,17 +87,20 @@ def unit_lower_inverse(L_CC):
     width, blocks = LEAF, 1 << (-(-size // LEAF) - 1).bit_length()
     padded = blocks * width
     L = jnp.pad(L_CC, [(0, 0)] * (L_CC.ndim - 2) + [(0, padded - size), (0, padded - size)])
-    diagonal = jnp.stack([L[..., i * width:(i + 1) * width, i * width:(i + 1) * width] for i in range(blocks)])
+    diagonal = jnp.stack([L[..., i * width : (i + 1) * width, i * width : (i + 1) * width] for i in range(blocks)])
     inverses = list(_forward_substitution(diagonal))
     while len(inverses) > 1:
         merged = []
         for pair in range(0, len(inverses), 2):
             start = pair * width
             top, bottom = inverses[pair], inverses[pair + 1]
-            lower_left = -bottom @ (L[..., start + width:start + 2 * width, start:start + width] @ top)
+            lower_left = -bottom @ (L[..., start + width : start + 2 * width, start : start + width] @ top)
             zeros = jnp.zeros_like(top)
-            merged.append(jnp.concatenate([jnp.concatenate([top, zeros], axis=-1),
-                                           jnp.concatenate([lower_left, bottom], axis=-1)], axis=-2))
+            merged.append(
+                jnp.concatenate(
+                    [jnp.concatenate([top, zeros], axis=-1), jnp.concatenate([lower_left, bottom], axis=-1)], axis=-2
+                )
+            )
         inverses, width = merged, 2 * width
     return inverses[0][..., :size, :size]
 
@@ -141,7 +143,8 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
         o = jnp.einsum("bhck,bhkv->bhcv", q_c * jnp.exp(G), S_BHKV) + jnp.einsum("bhcj,bhjv->bhcv", M, V_new)
         G_last = G[..., -1:, :]  # [B, H, 1, K]
         S_BHKV = jnp.exp(G_last[..., 0, :])[..., None] * S_BHKV + jnp.einsum(
-            "bhck,bhcv->bhkv", jnp.exp(G_last - G) * k_c, V_new)
+            "bhck,bhcv->bhkv", jnp.exp(G_last - G) * k_c, V_new
+        )
         return S_BHKV, o
 
     xs = (to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(g), to_chunks(beta[..., None])[..., 0])

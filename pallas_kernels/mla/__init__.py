@@ -1,5 +1,11 @@
 from pallas_kernels.mla.ops import mla_decode, mla_decode_paged, mla_prefill
 from pallas_kernels.mla.reference import absorbed_attention, mla_decode_paged_reference, mla_decode_reference
 
-__all__ = ["absorbed_attention", "mla_decode", "mla_decode_paged", "mla_decode_paged_reference", "mla_decode_reference",
-           "mla_prefill"]
+__all__ = [
+    "absorbed_attention",
+    "mla_decode",
+    "mla_decode_paged",
+    "mla_decode_paged_reference",
+    "mla_decode_reference",
+    "mla_prefill",
+]

@@ -58,6 +58,7 @@ def _keep_layout(x, layout):
 def _rescaled_plus_values(acc_chunks, correction_H, p_smem, values_smem, chunk_cols):
     """Each [64, chunk] accumulator times the per-head correction, plus P @ values[:, chunk] (a fresh wgmma
     accumulator per chunk: interpret mode has no in-place accumulation, and a chunk needs fewer registers)."""
+
     def plus_chunk(acc_HC, cols):
         def weighted_values(acc_ref):
             plgpu.wgmma(acc_ref, p_smem, values_smem.at[:, cols])
@@ -81,8 +82,9 @@ def _chunks(consumer: int, latent_dim: int, pv_chunk: int, cast):
     return cols, tuple(cast(jnp.zeros((HEADS, pv_chunk), jnp.float32), plgpu.Layout.WGMMA) for _ in cols)
 
 
-def _scores_consumer(length, first_slot, num_tiles, refs, *, scale: float, block_k: int, stages: int,
-                     pv_chunk: int, cast):
+def _scores_consumer(
+    length, first_slot, num_tiles, refs, *, scale: float, block_k: int, stages: int, pv_chunk: int, cast
+):
     """Warpgroup 0: scores, online softmax, P and the correction to shared memory, P·V of the first half."""
     q_smem, kv_smem, p_smem, correction_smem, l_smem, barriers, o_gmem, lse_gmem = refs
     kv_ready, kv_free, q_ready, p_ready, p_free = barriers
@@ -115,8 +117,11 @@ def _scores_consumer(length, first_slot, num_tiles, refs, *, scale: float, block
         plgpu.barrier_arrive(kv_free.at[slot])
         return acc_chunks, m_new, l_H
 
-    init = (acc_init, cast(jnp.full((HEADS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+    init = (
+        acc_init,
+        cast(jnp.full((HEADS,), -1e30, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        cast(jnp.zeros((HEADS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+    )
     acc_chunks, m_H, l_H = lax.fori_loop(0, num_tiles, tile_step, init)
     pl.when(num_tiles > 0)(lambda: plgpu.barrier_wait(p_free.at[0]))
     l_smem[...] = l_H
@@ -147,8 +152,9 @@ def _values_consumer(num_tiles, refs, *, stages: int, pv_chunk: int, cast):
     _store_normalised(o_gmem, acc_chunks, chunk_cols, cast(l_smem[...], plgpu.Layout.WGMMA.reduce(1)))
 
 
-def _producer(batch, first_tile, num_tiles, q_gmem, cache_tile, q_smem, kv_smem, kv_ready, kv_free, q_ready, *,
-              stages: int):
+def _producer(
+    batch, first_tile, num_tiles, q_gmem, cache_tile, q_smem, kv_smem, kv_ready, kv_free, q_ready, *, stages: int
+):
     """The producer warpgroup: the query once, then cache tiles through the ring (cache_tile(i): the GMEM view
     of the sequence's tile i)."""
     plgpu.set_max_registers(40, action="decrease")
@@ -171,36 +177,91 @@ def _producer(batch, first_tile, num_tiles, q_gmem, cache_tile, q_smem, kv_smem,
         plgpu.barrier_wait(kv_free.at[lax.rem(t, stages)])
 
 
-def _kernel(cache_tile, lengths_gmem, q_gmem, o_gmem, lse_gmem, q_smem, kv_smem, p_smem, correction_smem, l_smem,
-            kv_ready, kv_free, q_ready, p_ready, p_free, *, scale: float, block_k: int, split_len: int,
-            stages: int, pv_chunk: int, interpret: bool):
+def _kernel(
+    cache_tile,
+    lengths_gmem,
+    q_gmem,
+    o_gmem,
+    lse_gmem,
+    q_smem,
+    kv_smem,
+    p_smem,
+    correction_smem,
+    l_smem,
+    kv_ready,
+    kv_free,
+    q_ready,
+    p_ready,
+    p_free,
+    *,
+    scale: float,
+    block_k: int,
+    split_len: int,
+    stages: int,
+    pv_chunk: int,
+    interpret: bool,
+):
     """The CTA of (batch, split): its warpgroups' roles; cache_tile(i) is the GMEM view of tile i of the
     sequence (block_k slots), contiguous or paged."""
     batch, split, warpgroup = lax.axis_index("batch"), lax.axis_index("split"), lax.axis_index("wg")
     length = lengths_gmem[batch]
     first_slot = split * split_len
     num_tiles = jnp.clip(lax.div(length - first_slot + block_k - 1, block_k), 0, split_len // block_k)
-    refs = (q_smem, kv_smem, p_smem, correction_smem, l_smem, (kv_ready, kv_free, q_ready, p_ready, p_free),
-            o_gmem.at[batch, split], lse_gmem.at[batch, split])
+    refs = (
+        q_smem,
+        kv_smem,
+        p_smem,
+        correction_smem,
+        l_smem,
+        (kv_ready, kv_free, q_ready, p_ready, p_free),
+        o_gmem.at[batch, split],
+        lse_gmem.at[batch, split],
+    )
     cast = _keep_layout if interpret else plgpu.layout_cast
-    pl.when(warpgroup == 0)(functools.partial(_scores_consumer, length, first_slot, num_tiles, refs, scale=scale,
-                                              block_k=block_k, stages=stages, pv_chunk=pv_chunk, cast=cast))
-    pl.when(warpgroup == 1)(functools.partial(_values_consumer, num_tiles, refs, stages=stages, pv_chunk=pv_chunk,
-                                              cast=cast))
-    pl.when(warpgroup == CONSUMERS)(functools.partial(
-        _producer, batch, split * (split_len // block_k), num_tiles, q_gmem, cache_tile, q_smem, kv_smem,
-        kv_ready, kv_free, q_ready, stages=stages))
+    pl.when(warpgroup == 0)(
+        functools.partial(
+            _scores_consumer,
+            length,
+            first_slot,
+            num_tiles,
+            refs,
+            scale=scale,
+            block_k=block_k,
+            stages=stages,
+            pv_chunk=pv_chunk,
+            cast=cast,
+        )
+    )
+    pl.when(warpgroup == 1)(
+        functools.partial(_values_consumer, num_tiles, refs, stages=stages, pv_chunk=pv_chunk, cast=cast)
+    )
+    pl.when(warpgroup == CONSUMERS)(
+        functools.partial(
+            _producer,
+            batch,
+            split * (split_len // block_k),
+            num_tiles,
+            q_gmem,
+            cache_tile,
+            q_smem,
+            kv_smem,
+            kv_ready,
+            kv_free,
+            q_ready,
+            stages=stages,
+        )
+    )
 
 
 def _contiguous_kernel(lengths_gmem, q_gmem, kv_gmem, *refs, block_k: int, **params):
     """Tile i of sequence b: cache slots [i * block_k, +block_k) of kv [B, L, A]."""
     batch = lax.axis_index("batch")
-    _kernel(lambda i: kv_gmem.at[batch, pl.ds(i * block_k, block_k)], lengths_gmem, q_gmem, *refs,
-            block_k=block_k, **params)
+    _kernel(
+        lambda i: kv_gmem.at[batch, pl.ds(i * block_k, block_k)], lengths_gmem, q_gmem, *refs, block_k=block_k, **params
+    )
 
 
-def _paged_kernel(lengths_gmem, q_gmem, pages_gmem, page_table_gmem, *refs, block_k: int, page_size: int,
-                  **params):
+def _paged_kernel(lengths_gmem, q_gmem, pages_gmem, page_table_gmem, *refs, block_k: int, page_size: int, **params):
     """Tile i of sequence b: rows of page page_table[b, i // tiles_per_page] of pages [P, page_size, A] (the
     row offset a multiple of block_k, so TMA's 8-row alignment is provable)."""
     batch = lax.axis_index("batch")
@@ -227,14 +288,30 @@ def _check(q_latent_BHR, dtype, width: int, *, block_k: int, pv_chunk: int):
     if dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"mla_decode_mgpu takes a bf16 or fp16 cache, got {dtype}")
     if heads > HEADS or width % 64 or latent_dim % (CONSUMERS * pv_chunk) or block_k % 64:
-        raise ValueError(f"mla_decode_mgpu needs <= {HEADS} heads, a cache width that is a multiple of 64, a latent "
-                         f"dim that is a multiple of {CONSUMERS} x pv_chunk and block_k a multiple of 64; got "
-                         f"{heads} heads, cache width {width}, latent dim {latent_dim}, pv_chunk {pv_chunk}, "
-                         f"block_k {block_k}")
+        raise ValueError(
+            f"mla_decode_mgpu needs <= {HEADS} heads, a cache width that is a multiple of 64, a latent "
+            f"dim that is a multiple of {CONSUMERS} x pv_chunk and block_k a multiple of 64; got "
+            f"{heads} heads, cache width {width}, latent dim {latent_dim}, pv_chunk {pv_chunk}, "
+            f"block_k {block_k}"
+        )
 
 
-def _run(body, cache_args, q_latent_BHR, q_rope_BHP, lengths_B, *, max_len: int, scale: float, block_k: int,
-         stages: int, pv_chunk: int, num_splits: int | None, approx_math: bool, interpret: bool):
+def _run(
+    body,
+    cache_args,
+    q_latent_BHR,
+    q_rope_BHP,
+    lengths_B,
+    *,
+    max_len: int,
+    scale: float,
+    block_k: int,
+    stages: int,
+    pv_chunk: int,
+    num_splits: int | None,
+    approx_math: bool,
+    interpret: bool,
+):
     """The kernel `body` over (batch, split) CTAs, then the exact combine of the splits: o_latent [B, H, R]."""
     batch, heads, latent_dim = q_latent_BHR.shape
     dtype, width = cache_args[0].dtype, cache_args[0].shape[-1]
@@ -245,12 +322,15 @@ def _run(body, cache_args, q_latent_BHR, q_rope_BHP, lengths_B, *, max_len: int,
     q_BHA = jnp.concatenate([q_latent_BHR, q_rope_BHP], axis=-1).astype(dtype)
     q_BHA = jnp.pad(q_BHA, ((0, 0), (0, HEADS - heads), (0, 0)))
     layout = _smem_layout()
-    kernel = functools.partial(body, scale=scale, block_k=block_k, split_len=split_len, stages=stages,
-                               pv_chunk=pv_chunk, interpret=interpret)
+    kernel = functools.partial(
+        body, scale=scale, block_k=block_k, split_len=split_len, stages=stages, pv_chunk=pv_chunk, interpret=interpret
+    )
     o_BSHR, lse_BSH = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((batch, num_splits, HEADS, latent_dim), jnp.float32),
-                  jax.ShapeDtypeStruct((batch, num_splits, HEADS), jnp.float32)),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, num_splits, HEADS, latent_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_splits, HEADS), jnp.float32),
+        ),
         scratch_types=(
             plgpu.SMEM((HEADS, width), dtype, transforms=layout),
             plgpu.SMEM((stages, block_k, width), dtype, transforms=layout),
@@ -267,9 +347,11 @@ def _run(body, cache_args, q_latent_BHR, q_rope_BHP, lengths_B, *, max_len: int,
         grid_names=("batch", "split"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                             reduction_scratch_bytes=0,  # row reductions stay within warps
-                                             approx_math=approx_math),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            reduction_scratch_bytes=0,  # row reductions stay within warps
+            approx_math=approx_math,
+        ),
         interpret=mosaic_gpu_interpret(interpret),
     )(lengths_B.astype(jnp.int32), q_BHA, *cache_args)
     return combine_splits(o_BSHR, lse_BSH)[:, :heads]
@@ -284,9 +366,20 @@ _TUNING = ("scale", "block_k", "stages", "pv_chunk", "num_splits", "approx_math"
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
-def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float,
-                    block_k: int | None = None, stages: int | None = None, pv_chunk: int | None = None,
-                    num_splits: int | None = None, approx_math: bool | None = None, interpret: bool = False):
+def mla_decode_mgpu(
+    q_latent_BHR,
+    q_rope_BHP,
+    kv_cache_BLA,
+    lengths_B,
+    *,
+    scale: float,
+    block_k: int | None = None,
+    stages: int | None = None,
+    pv_chunk: int | None = None,
+    num_splits: int | None = None,
+    approx_math: bool | None = None,
+    interpret: bool = False,
+):
     """o_latent [B, H, R] fp32 for a bf16 or fp16 cache [B, L, R + P] (R = 512, P = 64 for Ling; R and P
     multiples of 64 and 128 divides R), H <= 64 heads. Slots past L in the last tile read as zeros
     (TMA) and are masked like those past lengths[b]; a cache whose L is not a multiple of 8 is padded first (a
@@ -298,15 +391,39 @@ def mla_decode_mgpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale:
     max_len = kv_cache_BLA.shape[1]
     if max_len % 8:  # a TMA source dimension must be a multiple of its 8-row tiling: odd lengths are padded
         kv_cache_BLA = jnp.pad(kv_cache_BLA, ((0, 0), (0, -max_len % 8), (0, 0)))
-    return _run(_contiguous_kernel, (kv_cache_BLA,), q_latent_BHR, q_rope_BHP, lengths_B, max_len=max_len,
-                scale=scale, block_k=block_k, stages=stages, pv_chunk=pv_chunk, num_splits=num_splits,
-                approx_math=approx_math, interpret=interpret)
+    return _run(
+        _contiguous_kernel,
+        (kv_cache_BLA,),
+        q_latent_BHR,
+        q_rope_BHP,
+        lengths_B,
+        max_len=max_len,
+        scale=scale,
+        block_k=block_k,
+        stages=stages,
+        pv_chunk=pv_chunk,
+        num_splits=num_splits,
+        approx_math=approx_math,
+        interpret=interpret,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
-def mla_decode_paged_mgpu(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *, scale: float,
-                          block_k: int | None = None, stages: int | None = None, pv_chunk: int | None = None,
-                          num_splits: int | None = None, approx_math: bool | None = None, interpret: bool = False):
+def mla_decode_paged_mgpu(
+    q_latent_BHR,
+    q_rope_BHP,
+    kv_pages_PSA,
+    page_table_BN,
+    lengths_B,
+    *,
+    scale: float,
+    block_k: int | None = None,
+    stages: int | None = None,
+    pv_chunk: int | None = None,
+    num_splits: int | None = None,
+    approx_math: bool | None = None,
+    interpret: bool = False,
+):
     """`mla_decode_mgpu` over a paged cache: kv_pages [P, page_size, R + P_rope] (page_size a multiple of
     block_k), page_table [B, max_pages] int32: slot s of sequence b is row s % page_size of page
     page_table[b, s // page_size]. Pages may be shared between sequences (prefix reuse); entries past a
@@ -314,9 +431,22 @@ def mla_decode_paged_mgpu(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN,
     block_k, stages, pv_chunk, approx_math = _tiles(kv_pages_PSA.dtype, block_k, stages, pv_chunk, approx_math)
     page_size = kv_pages_PSA.shape[1]
     if page_size % block_k:
-        raise ValueError(f"mla_decode_paged_mgpu needs a page size that is a multiple of block_k {block_k}, "
-                         f"got {page_size}")
+        raise ValueError(
+            f"mla_decode_paged_mgpu needs a page size that is a multiple of block_k {block_k}, got {page_size}"
+        )
     body = functools.partial(_paged_kernel, page_size=page_size)
-    return _run(body, (kv_pages_PSA, page_table_BN.astype(jnp.int32)), q_latent_BHR, q_rope_BHP, lengths_B,
-                max_len=page_table_BN.shape[1] * page_size, scale=scale, block_k=block_k, stages=stages,
-                pv_chunk=pv_chunk, num_splits=num_splits, approx_math=approx_math, interpret=interpret)
+    return _run(
+        body,
+        (kv_pages_PSA, page_table_BN.astype(jnp.int32)),
+        q_latent_BHR,
+        q_rope_BHP,
+        lengths_B,
+        max_len=page_table_BN.shape[1] * page_size,
+        scale=scale,
+        block_k=block_k,
+        stages=stages,
+        pv_chunk=pv_chunk,
+        num_splits=num_splits,
+        approx_math=approx_math,
+        interpret=interpret,
+    )

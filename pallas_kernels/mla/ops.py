@@ -17,23 +17,42 @@ from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.mla.gpu_mosaic import HEADS as MOSAIC_MAX_HEADS
 from pallas_kernels.mla.gpu_mosaic import mla_decode_mgpu, mla_decode_paged_mgpu
-from pallas_kernels.mla.gpu_triton import (ROWS, absorb_query_gpu, expand_output_gpu, flash_expanded_attention_gpu,
-                                           kernel_dims_fit, mla_decode_gpu)
-from pallas_kernels.mla.reference import (absorb_query_reference, expand_output_reference, flash_expanded_attention,
-                                          gather_pages, mla_decode_reference)
+from pallas_kernels.mla.gpu_triton import (
+    ROWS,
+    absorb_query_gpu,
+    expand_output_gpu,
+    flash_expanded_attention_gpu,
+    kernel_dims_fit,
+    mla_decode_gpu,
+)
+from pallas_kernels.mla.reference import (
+    absorb_query_reference,
+    expand_output_reference,
+    flash_expanded_attention,
+    gather_pages,
+    mla_decode_reference,
+)
 from pallas_kernels.mla.tpu_mosaic import mla_decode_tpu
 from pallas_kernels.mla.tuned import MOSAIC_MIN_SLOTS
 from pallas_kernels.variants import REFERENCE, Variant
 
 VARIANTS = {
-    "mla_decode": {REFERENCE: Variant(None, mla_decode_reference), "gpu_triton": Variant("gpu", mla_decode_gpu),
-                   "gpu_mosaic": Variant("gpu", mla_decode_mgpu), "tpu_mosaic": Variant("tpu", mla_decode_tpu)},
+    "mla_decode": {
+        REFERENCE: Variant(None, mla_decode_reference),
+        "gpu_triton": Variant("gpu", mla_decode_gpu),
+        "gpu_mosaic": Variant("gpu", mla_decode_mgpu),
+        "tpu_mosaic": Variant("tpu", mla_decode_tpu),
+    },
     "mla_decode_paged": {"gpu_mosaic": Variant("gpu", mla_decode_paged_mgpu)},
     "absorb_query": {REFERENCE: Variant(None, absorb_query_reference), "gpu_triton": Variant("gpu", absorb_query_gpu)},
-    "expand_output": {REFERENCE: Variant(None, expand_output_reference),
-                      "gpu_triton": Variant("gpu", expand_output_gpu)},
-    "mla_prefill": {REFERENCE: Variant(None, flash_expanded_attention),
-                    "gpu_triton": Variant("gpu", flash_expanded_attention_gpu)},
+    "expand_output": {
+        REFERENCE: Variant(None, expand_output_reference),
+        "gpu_triton": Variant("gpu", expand_output_gpu),
+    },
+    "mla_prefill": {
+        REFERENCE: Variant(None, flash_expanded_attention),
+        "gpu_triton": Variant("gpu", flash_expanded_attention_gpu),
+    },
 }
 
 
@@ -45,14 +64,25 @@ def kernel(op: str, name: str):
 def _decode_default(backend: str, q_latent_BHR, kv_cache_BLA) -> str:
     """On a GPU compiled, the Mosaic GPU kernel for a cache it fits of at least MOSAIC_MIN_SLOTS slots in the batch,
     else the Triton kernel (interpreted too); the TPU kernel on a TPU backend, the reference otherwise."""
-    if (backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA)
-            and kv_cache_BLA.shape[0] * kv_cache_BLA.shape[1] >= MOSAIC_MIN_SLOTS):
+    if (
+        backend == "pallas_gpu"
+        and _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA)
+        and kv_cache_BLA.shape[0] * kv_cache_BLA.shape[1] >= MOSAIC_MIN_SLOTS
+    ):
         return "gpu_mosaic"
     return variants.by_platform(backend, {"gpu": "gpu_triton", "tpu": "tpu_mosaic"})
 
 
-def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, backend: str = "auto",
-               variant: str | None = None):
+def mla_decode(
+    q_latent_BHR,
+    q_rope_BHP,
+    kv_cache_BLA,
+    lengths_B,
+    *,
+    scale: float,
+    backend: str = "auto",
+    variant: str | None = None,
+):
     """o_latent [B, H, R] in fp32.
 
     q_latent: q_nope already multiplied by W_UK [B, H, R]; q_rope [B, H, P] (after RoPE); kv_cache
@@ -71,8 +101,17 @@ def mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: floa
     return kernel("mla_decode", name)(*args, scale=scale, interpret=variants.interpreted(backend))
 
 
-def mla_decode_paged(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *, scale: float,
-                     backend: str = "auto", variant: str | None = None):
+def mla_decode_paged(
+    q_latent_BHR,
+    q_rope_BHP,
+    kv_pages_PSA,
+    page_table_BN,
+    lengths_B,
+    *,
+    scale: float,
+    backend: str = "auto",
+    variant: str | None = None,
+):
     """`mla_decode` over a paged latent cache (what prefix reuse needs): kv_pages [P, page_size, R + P_rope],
     page_table [B, max_pages] int32 (slot s of sequence b is row s % page_size of page
     page_table[b, s // page_size]; sequences may share pages). On a Hopper GPU ("pallas_gpu", a 16-bit cache,
@@ -81,24 +120,43 @@ def mla_decode_paged(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, leng
     pages) and runs `mla_decode` with the same backend and variant.
     """
     backend = resolve_backend(backend)
-    fits = (backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_pages_PSA)
-            and kv_pages_PSA.shape[1] % 64 == 0)
+    fits = (
+        backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_pages_PSA) and kv_pages_PSA.shape[1] % 64 == 0
+    )
     if variant == "gpu_mosaic" or (variant is None and fits):
         name = variants.pick(VARIANTS, "mla_decode_paged", "gpu_mosaic", backend, "gpu_mosaic")
-        return kernel("mla_decode_paged", name)(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B,
-                                                scale=scale, interpret=variants.interpreted(backend))
-    return mla_decode(q_latent_BHR, q_rope_BHP, gather_pages(kv_pages_PSA, page_table_BN), lengths_B, scale=scale,
-                      backend=backend, variant=variant)
+        return kernel("mla_decode_paged", name)(
+            q_latent_BHR,
+            q_rope_BHP,
+            kv_pages_PSA,
+            page_table_BN,
+            lengths_B,
+            scale=scale,
+            interpret=variants.interpreted(backend),
+        )
+    return mla_decode(
+        q_latent_BHR,
+        q_rope_BHP,
+        gather_pages(kv_pages_PSA, page_table_BN),
+        lengths_B,
+        scale=scale,
+        backend=backend,
+        variant=variant,
+    )
 
 
 def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:
     """A Hopper GPU (wgmma and TMA: compute capability 9.x), a 16-bit cache, <= 64 heads, 64-column tiles, and
     a cache length that is a multiple of 8 (the kernel would otherwise pad, i.e. copy, the cache every step)."""
     device = jax.devices()[0]
-    return (getattr(device, "compute_capability", "").startswith("9.")
-            and kv_cache_BLA.dtype in (jnp.bfloat16, jnp.float16) and q_latent_BHR.shape[1] <= MOSAIC_MAX_HEADS
-            and kv_cache_BLA.shape[-1] % 64 == 0 and q_latent_BHR.shape[-1] % 256 == 0
-            and kv_cache_BLA.shape[1] % 8 == 0)
+    return (
+        getattr(device, "compute_capability", "").startswith("9.")
+        and kv_cache_BLA.dtype in (jnp.bfloat16, jnp.float16)
+        and q_latent_BHR.shape[1] <= MOSAIC_MAX_HEADS
+        and kv_cache_BLA.shape[-1] % 64 == 0
+        and q_latent_BHR.shape[-1] % 256 == 0
+        and kv_cache_BLA.shape[1] % 8 == 0
+    )
 
 
 def _few_rows_variant(op: str, variant: str | None, x_MHX, backend: str) -> tuple[str, bool]:
@@ -110,10 +168,14 @@ def _few_rows_variant(op: str, variant: str | None, x_MHX, backend: str) -> tupl
 
 _absorb_query_gpu = with_reference_vjp(
     lambda q_nope, kv_b, interpret: absorb_query_gpu(q_nope, kv_b, interpret=interpret),
-    lambda q_nope, kv_b, interpret: absorb_query_reference(q_nope, kv_b), nondiff_argnums=(2,))
+    lambda q_nope, kv_b, interpret: absorb_query_reference(q_nope, kv_b),
+    nondiff_argnums=(2,),
+)
 _expand_output_gpu = with_reference_vjp(
     lambda o_latent, kv_b, nope, interpret: expand_output_gpu(o_latent, kv_b, nope=nope, interpret=interpret),
-    lambda o_latent, kv_b, nope, interpret: expand_output_reference(o_latent, kv_b, nope), nondiff_argnums=(2, 3))
+    lambda o_latent, kv_b, nope, interpret: expand_output_reference(o_latent, kv_b, nope),
+    nondiff_argnums=(2, 3),
+)
 
 
 def absorb_query(q_nope_MHN, kv_b_HCR, *, backend: str = "auto", variant: str | None = None):
@@ -138,11 +200,24 @@ def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, backend: str = "auto", v
 # Arguments: the seven arrays of `mla_prefill`, then scale and interpret (static).
 _prefill_gpu = with_reference_vjp(
     lambda *a: flash_expanded_attention_gpu(*a[:7], scale=a[7], interpret=a[8]),
-    lambda *a: flash_expanded_attention(*a[:7], scale=a[7]), nondiff_argnums=(7, 8))
+    lambda *a: flash_expanded_attention(*a[:7], scale=a[7]),
+    nondiff_argnums=(7, 8),
+)
 
 
-def mla_prefill(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR, *,
-                scale: float, backend: str = "auto", variant: str | None = None):
+def mla_prefill(
+    q_nope_BTHN,
+    q_pe_BTHP,
+    latent_BSA,
+    query_slots_BT,
+    key_valid_BS,
+    w_uk_HNR,
+    w_uv_HVR,
+    *,
+    scale: float,
+    backend: str = "auto",
+    variant: str | None = None,
+):
     """Attention over the expanded heads -> o [B, T, H, V] in q's dtype (arguments as for
     `pallas_kernels.mla.reference.flash_expanded_attention`: query t sees key slot s iff s <= query_slots[b, t]
     and key_valid[b, s]).

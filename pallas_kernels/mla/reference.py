@@ -30,10 +30,10 @@ def absorbed_attention(q_latent_BTHR, q_rope_BTHP, kv_cache_BSA, visible_BTS, *,
     latent_dim = q_latent_BTHR.shape[-1]
     dtype = kv_cache_BSA.dtype
     c_kv_BSR, k_pe_BSP = kv_cache_BSA[..., :latent_dim], kv_cache_BSA[..., latent_dim:]
-    scores_BTHS = (jnp.einsum("bthr,bsr->bths", q_latent_BTHR.astype(dtype), c_kv_BSR,
-                              preferred_element_type=jnp.float32)
-                   + jnp.einsum("bthp,bsp->bths", q_rope_BTHP.astype(dtype), k_pe_BSP,
-                                preferred_element_type=jnp.float32)) * scale
+    scores_BTHS = (
+        jnp.einsum("bthr,bsr->bths", q_latent_BTHR.astype(dtype), c_kv_BSR, preferred_element_type=jnp.float32)
+        + jnp.einsum("bthp,bsp->bths", q_rope_BTHP.astype(dtype), k_pe_BSP, preferred_element_type=jnp.float32)
+    ) * scale
     visible_BT1S = visible_BTS[:, :, None, :]
     scores_BTHS = jnp.where(visible_BT1S, scores_BTHS, -jnp.inf)
     peak = jnp.max(scores_BTHS, axis=-1, keepdims=True)
@@ -59,12 +59,14 @@ def gather_pages(kv_pages_PSA: jax.Array, page_table_BN: jax.Array) -> jax.Array
     return pages_BNSA.reshape(batch, max_pages * kv_pages_PSA.shape[1], kv_pages_PSA.shape[2])
 
 
-def mla_decode_paged_reference(q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *,
-                               scale: float) -> jax.Array:
+def mla_decode_paged_reference(
+    q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B, *, scale: float
+) -> jax.Array:
     """`mla_decode_reference` over a paged cache: slot s of sequence b is row s % page_size of page
     page_table[b, s // page_size]."""
-    return mla_decode_reference(q_latent_BHR, q_rope_BHP, gather_pages(kv_pages_PSA, page_table_BN), lengths_B,
-                                scale=scale)
+    return mla_decode_reference(
+        q_latent_BHR, q_rope_BHP, gather_pages(kv_pages_PSA, page_table_BN), lengths_B, scale=scale
+    )
 
 
 def combine_splits(o_BSHR: jax.Array, lse_BSH: jax.Array) -> jax.Array:
@@ -82,7 +84,7 @@ def combine_splits(o_BSHR: jax.Array, lse_BSH: jax.Array) -> jax.Array:
 
 def absorb_query_reference(q_nope_MHN, kv_b_HCR) -> jax.Array:
     """q_latent [M, H, R] fp32 = q_nope @ W_UK per head (W_UK = the first N rows of each head)."""
-    w_uk_HNR = kv_b_HCR[:, :q_nope_MHN.shape[-1]]
+    w_uk_HNR = kv_b_HCR[:, : q_nope_MHN.shape[-1]]
     return jnp.einsum("mhn,hnr->mhr", q_nope_MHN.astype(jnp.float32), w_uk_HNR.astype(jnp.float32))
 
 
@@ -102,8 +104,19 @@ def _pad_to(x, axis, multiple, value):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "query_block", "key_block"))
-def flash_expanded_attention(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR,
-                             *, scale: float, query_block: int = 2048, key_block: int = 512):
+def flash_expanded_attention(
+    q_nope_BTHN,
+    q_pe_BTHP,
+    latent_BSA,
+    query_slots_BT,
+    key_valid_BS,
+    w_uk_HNR,
+    w_uv_HVR,
+    *,
+    scale: float,
+    query_block: int = 2048,
+    key_block: int = 512,
+):
     """Expanded MLA attention -> o [B, T, H, V] in q's dtype.
 
     q_nope [B, T, H, N], q_pe [B, T, H, P] (roped); latent [B, S, R + P] = [c_kv ; k_pe] per key slot;
@@ -140,8 +153,10 @@ def flash_expanded_attention(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT,
                 c_kv, k_pe = block_BKA[..., :latent_dim], block_BKA[..., latent_dim:]
                 k_nope = jnp.einsum("bkr,hnr->bkhn", c_kv, w_uk)
                 v = jnp.einsum("bkr,hvr->bkhv", c_kv, w_uv)
-                scores = (jnp.einsum("bqhn,bkhn->bhqk", qn_BQHN, k_nope, preferred_element_type=jnp.float32)
-                          + jnp.einsum("bqhp,bkp->bhqk", qp_BQHP, k_pe, preferred_element_type=jnp.float32)) * scale
+                scores = (
+                    jnp.einsum("bqhn,bkhn->bhqk", qn_BQHN, k_nope, preferred_element_type=jnp.float32)
+                    + jnp.einsum("bqhp,bkp->bhqk", qp_BQHP, k_pe, preferred_element_type=jnp.float32)
+                ) * scale
                 key_slots = first + jnp.arange(key_block)
                 visible = (key_slots[None, None, :] <= slots_BQ[:, :, None]) & valid_BK[:, None, :]  # [B, Q, K]
                 scores = jnp.where(visible[:, None], scores, -jnp.inf)
@@ -149,20 +164,24 @@ def flash_expanded_attention(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT,
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(scores - m_safe[..., None])
                 correction = jnp.exp(jnp.where(jnp.isfinite(m_BHQ), m_BHQ, m_safe) - m_safe)
-                acc_BQHV = (acc_BQHV * jnp.moveaxis(correction, 1, 2)[..., None]
-                            + jnp.einsum("bhqk,bkhv->bqhv", p.astype(dtype), v, preferred_element_type=jnp.float32))
+                acc_BQHV = acc_BQHV * jnp.moveaxis(correction, 1, 2)[..., None] + jnp.einsum(
+                    "bhqk,bkhv->bqhv", p.astype(dtype), v, preferred_element_type=jnp.float32
+                )
                 return acc_BQHV, m_new, l_BHQ * correction + jnp.sum(p, axis=-1)
 
             needed = (first <= frontier) & jnp.any(valid_BK)
             return jax.lax.cond(needed, attend, lambda c: c, carry), None
 
-        init = (jnp.zeros((batch, query_block, heads, w_uv.shape[1]), jnp.float32),
-                jnp.full((batch, heads, query_block), -jnp.inf, jnp.float32),
-                jnp.zeros((batch, heads, query_block), jnp.float32))
+        init = (
+            jnp.zeros((batch, query_block, heads, w_uv.shape[1]), jnp.float32),
+            jnp.full((batch, heads, query_block), -jnp.inf, jnp.float32),
+            jnp.zeros((batch, heads, query_block), jnp.float32),
+        )
         (acc, _, weight_sum), _ = jax.lax.scan(key_step, init, (jnp.arange(num_k), latent_blocks, valid_blocks))
         weight_sum_BQH = jnp.moveaxis(weight_sum, 1, 2)
         return (acc / jnp.where(weight_sum_BQH > 0, weight_sum_BQH, 1.0)[..., None]).astype(dtype)
 
-    o = jax.lax.map(query_chunk, (chunks(q_nope, query_block), chunks(q_pe, query_block),
-                                  chunks(query_slots, query_block)))
+    o = jax.lax.map(
+        query_chunk, (chunks(q_nope, query_block), chunks(q_pe, query_block), chunks(query_slots, query_block))
+    )
     return jnp.moveaxis(o, 0, 1).reshape(batch, num_q * query_block, heads, -1)[:, :length]

@@ -23,8 +23,22 @@ from pallas_kernels.tuning import fill, lookup
 NEG_INF = -1e30
 
 
-def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, *,
-                  scale: float, block_k: int, blocks_per_split: int, latent_dim: int):
+def _split_kernel(
+    lengths_ref,
+    q_latent_ref,
+    q_rope_ref,
+    kv_ref,
+    o_ref,
+    lse_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    scale: float,
+    block_k: int,
+    blocks_per_split: int,
+    latent_dim: int,
+):
     b, split, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[b]
     first = (split * blocks_per_split + block) * block_k
@@ -42,8 +56,9 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_ref, o_ref, lse_ref,
         kv = jnp.where(valid_K1, kv, jnp.zeros_like(kv))
         k_latent, k_rope = kv[:, :latent_dim], kv[:, latent_dim:]
         contract = (((1,), (1,)), ((), ()))
-        scores = (jax.lax.dot_general(q_latent_ref[...], k_latent, contract, preferred_element_type=jnp.float32)
-                  + jax.lax.dot_general(q_rope_ref[...], k_rope, contract, preferred_element_type=jnp.float32))
+        scores = jax.lax.dot_general(
+            q_latent_ref[...], k_latent, contract, preferred_element_type=jnp.float32
+        ) + jax.lax.dot_general(q_rope_ref[...], k_rope, contract, preferred_element_type=jnp.float32)
         slots = first + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         scores = jnp.where(slots < length, scores * scale, NEG_INF)  # [H, block_k]
         m_prev = m_ref[...]  # [H, 1]
@@ -51,8 +66,9 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_ref, o_ref, lse_ref,
         p = jnp.exp(scores - m_new)
         correction = jnp.exp(m_prev - m_new)
         l_ref[...] = l_ref[...] * correction + jnp.sum(p, axis=1, keepdims=True)
-        acc_ref[...] = acc_ref[...] * correction + jnp.dot(p.astype(k_latent.dtype), k_latent,
-                                                           preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * correction + jnp.dot(
+            p.astype(k_latent.dtype), k_latent, preferred_element_type=jnp.float32
+        )
         m_ref[...] = m_new
 
     @pl.when(block == blocks_per_split - 1)
@@ -64,8 +80,17 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_ref, o_ref, lse_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "interpret"))
-def mla_decode_tpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int | None = None,
-                   num_splits: int | None = None, interpret: bool = False):
+def mla_decode_tpu(
+    q_latent_BHR,
+    q_rope_BHP,
+    kv_cache_BLA,
+    lengths_B,
+    *,
+    scale: float,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+):
     """o_latent [B, H, R] fp32. block_k: cache slots per tile, a multiple of 16; any cache length works (a
     cache shorter than one tile is one tile, a partial last tile is masked). None: `tuned.DECODE_TPU`."""
     block_k, num_splits = fill((block_k, num_splits), lookup(tuned.DECODE_TPU, dtype=kv_cache_BLA.dtype))
@@ -84,8 +109,9 @@ def mla_decode_tpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: 
         last_useful = jnp.maximum(pl.cdiv(lengths_ref[b], block_k) - 1, 0)
         return b, jnp.minimum(jnp.minimum(s * blocks_per_split + j, last_useful), total_blocks - 1), 0
 
-    kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, blocks_per_split=blocks_per_split,
-                               latent_dim=latent_dim)
+    kernel = functools.partial(
+        _split_kernel, scale=scale, block_k=block_k, blocks_per_split=blocks_per_split, latent_dim=latent_dim
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, num_splits, blocks_per_split),
@@ -98,14 +124,19 @@ def mla_decode_tpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: 
             pl.BlockSpec((None, None, heads, latent_dim), lambda b, s, j, lengths_ref: (b, s, 0, 0)),
             pl.BlockSpec((None, None, heads, 1), lambda b, s, j, lengths_ref: (b, s, 0, 0)),
         ],
-        scratch_shapes=[pltpu.VMEM((heads, latent_dim), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
-                        pltpu.VMEM((heads, 1), jnp.float32)],
+        scratch_shapes=[
+            pltpu.VMEM((heads, latent_dim), jnp.float32),
+            pltpu.VMEM((heads, 1), jnp.float32),
+            pltpu.VMEM((heads, 1), jnp.float32),
+        ],
     )
     o_BSHR, lse_BSH1 = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=[jax.ShapeDtypeStruct((batch, num_splits, heads, latent_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, num_splits, heads, 1), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_splits, heads, latent_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_splits, heads, 1), jnp.float32),
+        ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="mla_decode_split",

@@ -62,32 +62,66 @@ def _gpu(entries: dict) -> dict:
     return {(device, *key): entry for key, entry in entries.items() for device in (H200, ANY)}
 
 
-_TRITON_DECODE = ("BENCHMARKS.md, Absorbed-MLA decode, 'Triton kernel (before the Mosaic GPU kernel)': "
-                  "variant (bk, hb, warps, stages) = (64, 64, 8, 2) best at B=64 L=32768 and B=8 L=131072")
-DECODE_TRITON = _gpu({
-    (ANY, "16bit"): Entry(DecodeTritonTiles(block_k=64, head_block=64, num_warps=8, num_stages=2), _TRITON_DECODE),
-    (ANY, ANY): Entry(DecodeTritonTiles(block_k=32, head_block=16, num_warps=4, num_stages=2),
-                      "not measured: fp32 tiles at half the bf16 size, to fit 227 KiB of shared memory with two "
-                      f"pipeline stages ({_TRITON_DECODE})"),
-})
-DECODE_MOSAIC = _gpu({(ANY, ANY): Entry(
-    DecodeMosaicTiles(block_k=64, stages=2, pv_chunk=128, approx_math=True),
-    "BENCHMARKS.md, Absorbed-MLA decode, 'Mosaic GPU kernel (2026-11-29, evening)': the B=64 / 8 / 1 rows, against "
-    "'accurate exp 0.703 / 0.357 / 0.173' and the earlier 64-column and one-product P·V runs")})
+_TRITON_DECODE = (
+    "BENCHMARKS.md, Absorbed-MLA decode, 'Triton kernel (before the Mosaic GPU kernel)': "
+    "variant (bk, hb, warps, stages) = (64, 64, 8, 2) best at B=64 L=32768 and B=8 L=131072"
+)
+DECODE_TRITON = _gpu(
+    {
+        (ANY, "16bit"): Entry(DecodeTritonTiles(block_k=64, head_block=64, num_warps=8, num_stages=2), _TRITON_DECODE),
+        (ANY, ANY): Entry(
+            DecodeTritonTiles(block_k=32, head_block=16, num_warps=4, num_stages=2),
+            "not measured: fp32 tiles at half the bf16 size, to fit 227 KiB of shared memory with two "
+            f"pipeline stages ({_TRITON_DECODE})",
+        ),
+    }
+)
+DECODE_MOSAIC = _gpu(
+    {
+        (ANY, ANY): Entry(
+            DecodeMosaicTiles(block_k=64, stages=2, pv_chunk=128, approx_math=True),
+            "BENCHMARKS.md, Absorbed-MLA decode, 'Mosaic GPU kernel (2026-11-29, evening)': the B=64 "
+            "/ 8 / 1 rows, against "
+            "'accurate exp 0.703 / 0.357 / 0.173' and the earlier 64-column and one-product P·V runs",
+        )
+    }
+)
 # `mla_decode` runs gpu_mosaic from this many cache slots in the batch (B x L), gpu_triton below: BENCHMARKS.md,
 # 'Mosaic GPU kernel (2026-11-29, evening)', the ~0.1 ms idle gap per call that only larger caches repay.
 MOSAIC_MIN_SLOTS = 1 << 18
-DECODE_TPU = {(ANY, ANY, ANY): Entry(DecodeTpuTiles(block_k=256, num_splits=2),
-                                     "not measured: 256-slot tiles (288 KiB of bf16 cache), a split per core")}
-PREFILL = _gpu({(ANY, ANY): Entry(
-    PrefillTiles(segment=4096, block_q=64, block_k=64, num_warps=4, num_stages=2),
-    "BENCHMARKS.md, Absorbed-MLA decode, 'Prefill attention': columns 'Pallas, segment 4096' (2.550 / 9.997 ms) "
-    "against 'segment 2048'; the flash tiles not swept")})
-ABSORB_QUERY = _gpu({(ANY, ANY): Entry(
-    AbsorbTiles(block=128, num_warps=4),
-    "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, evening)': mla_absorb_query "
-    "4.3 us per layer")})
-EXPAND_OUTPUT = _gpu({(ANY, ANY): Entry(
-    AbsorbTiles(block=32, num_warps=4),
-    "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, evening)': mla_expand_output "
-    "4.6 us per layer")})
+DECODE_TPU = {
+    (ANY, ANY, ANY): Entry(
+        DecodeTpuTiles(block_k=256, num_splits=2),
+        "not measured: 256-slot tiles (288 KiB of bf16 cache), a split per core",
+    )
+}
+PREFILL = _gpu(
+    {
+        (ANY, ANY): Entry(
+            PrefillTiles(segment=4096, block_q=64, block_k=64, num_warps=4, num_stages=2),
+            "BENCHMARKS.md, Absorbed-MLA decode, 'Prefill attention': columns 'Pallas, segment 4096' "
+            "(2.550 / 9.997 ms) "
+            "against 'segment 2048'; the flash tiles not swept",
+        )
+    }
+)
+ABSORB_QUERY = _gpu(
+    {
+        (ANY, ANY): Entry(
+            AbsorbTiles(block=128, num_warps=4),
+            "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, "
+            "evening)': mla_absorb_query "
+            "4.3 us per layer",
+        )
+    }
+)
+EXPAND_OUTPUT = _gpu(
+    {
+        (ANY, ANY): Entry(
+            AbsorbTiles(block=32, num_warps=4),
+            "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, "
+            "evening)': mla_expand_output "
+            "4.6 us per layer",
+        )
+    }
+)

@@ -17,26 +17,55 @@ import jax.numpy as jnp
 
 from pallas_kernels import variants
 from pallas_kernels.backend import resolve_backend, with_reference_vjp
-from pallas_kernels.moe.gpu_triton import (down_scatter_gpu, gather_swiglu_gpu, grouped_matmul_gpu,
-                                           grouped_weight_grad_gpu, routed_experts_gpu, select_experts_gpu)
-from pallas_kernels.moe.reference import (RoutingRule, down_scatter_reference, gather_swiglu_reference,
-                                          grouped_matmul_reference, routed_experts_reference, routing_weights,
-                                          select_experts_reference, swiglu)
+from pallas_kernels.moe.gpu_triton import (
+    down_scatter_gpu,
+    gather_swiglu_gpu,
+    grouped_matmul_gpu,
+    grouped_weight_grad_gpu,
+    routed_experts_gpu,
+    select_experts_gpu,
+)
+from pallas_kernels.moe.reference import (
+    RoutingRule,
+    down_scatter_reference,
+    gather_swiglu_reference,
+    grouped_matmul_reference,
+    routed_experts_reference,
+    routing_weights,
+    select_experts_reference,
+    swiglu,
+)
 from pallas_kernels.variants import REFERENCE, Variant
 
-__all__ = ["VARIANTS", "RoutingRule", "down_scatter", "gather_swiglu", "grouped_matmul", "kernel", "routed_experts",
-           "select_experts"]
+__all__ = [
+    "VARIANTS",
+    "RoutingRule",
+    "down_scatter",
+    "gather_swiglu",
+    "grouped_matmul",
+    "kernel",
+    "routed_experts",
+    "select_experts",
+]
 
 VARIANTS = {
-    "grouped_matmul": {REFERENCE: Variant(None, grouped_matmul_reference),
-                       "gpu_triton": Variant("gpu", grouped_matmul_gpu)},
-    "gather_swiglu": {REFERENCE: Variant(None, gather_swiglu_reference),
-                      "gpu_triton": Variant("gpu", gather_swiglu_gpu)},
+    "grouped_matmul": {
+        REFERENCE: Variant(None, grouped_matmul_reference),
+        "gpu_triton": Variant("gpu", grouped_matmul_gpu),
+    },
+    "gather_swiglu": {
+        REFERENCE: Variant(None, gather_swiglu_reference),
+        "gpu_triton": Variant("gpu", gather_swiglu_gpu),
+    },
     "down_scatter": {REFERENCE: Variant(None, down_scatter_reference), "gpu_triton": Variant("gpu", down_scatter_gpu)},
-    "routed_experts": {REFERENCE: Variant(None, routed_experts_reference),
-                       "gpu_triton": Variant("gpu", routed_experts_gpu)},
-    "select_experts": {REFERENCE: Variant(None, select_experts_reference),
-                       "gpu_triton": Variant("gpu", select_experts_gpu)},
+    "routed_experts": {
+        REFERENCE: Variant(None, routed_experts_reference),
+        "gpu_triton": Variant("gpu", routed_experts_gpu),
+    },
+    "select_experts": {
+        REFERENCE: Variant(None, select_experts_reference),
+        "gpu_triton": Variant("gpu", select_experts_gpu),
+    },
 }
 
 
@@ -90,8 +119,9 @@ def grouped_matmul(lhs_MK, rhs_GNK, group_sizes_G, *, backend: str = "auto", var
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret):
-    return gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit=limit, fill_tail=fill_tail,
-                             interpret=interpret)
+    return gather_swiglu_gpu(
+        x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit=limit, fill_tail=fill_tail, interpret=interpret
+    )
 
 
 def _gather_swiglu_gpu_fwd(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret):
@@ -107,24 +137,40 @@ def _gather_swiglu_gpu_bwd(limit, fill_tail, interpret, residuals, d_h_RI):
     x_XD, source_R, group_sizes_G, gate_GID, up_GID = residuals
     dtype = x_XD.dtype
     x_RD = x_XD[source_R]
-    gate_RI, up_RI = (grouped_matmul_gpu(x_RD, w.astype(dtype), group_sizes_G, interpret=interpret)
-                      for w in (gate_GID, up_GID))
+    gate_RI, up_RI = (
+        grouped_matmul_gpu(x_RD, w.astype(dtype), group_sizes_G, interpret=interpret) for w in (gate_GID, up_GID)
+    )
     _, swiglu_vjp = jax.vjp(lambda g, u: swiglu(g, u, limit), gate_RI.astype(jnp.float32), up_RI.astype(jnp.float32))
     d_gate_RI, d_up_RI = (d.astype(dtype) for d in swiglu_vjp(d_h_RI.astype(jnp.float32)))
-    d_x_RD = sum(grouped_matmul_gpu(d, w.astype(dtype), group_sizes_G, rhs_transposed=True,
-                                    interpret=interpret).astype(jnp.float32)
-                 for d, w in ((d_gate_RI, gate_GID), (d_up_RI, up_GID)))
+    d_x_RD = sum(
+        grouped_matmul_gpu(d, w.astype(dtype), group_sizes_G, rhs_transposed=True, interpret=interpret).astype(
+            jnp.float32
+        )
+        for d, w in ((d_gate_RI, gate_GID), (d_up_RI, up_GID))
+    )
     d_x_XD = jnp.zeros(x_XD.shape, jnp.float32).at[source_R].add(d_x_RD).astype(dtype)
-    d_gate_GID, d_up_GID = (grouped_weight_grad_gpu(x_RD, d, group_sizes_G, interpret=interpret).astype(w.dtype)
-                            for d, w in ((d_gate_RI, gate_GID), (d_up_RI, up_GID)))
+    d_gate_GID, d_up_GID = (
+        grouped_weight_grad_gpu(x_RD, d, group_sizes_G, interpret=interpret).astype(w.dtype)
+        for d, w in ((d_gate_RI, gate_GID), (d_up_RI, up_GID))
+    )
     return d_x_XD, None, None, d_gate_GID, d_up_GID
 
 
 _gather_swiglu_gpu.defvjp(_gather_swiglu_gpu_fwd, _gather_swiglu_gpu_bwd)
 
 
-def gather_swiglu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit: float | None, *,
-                  backend: str = "auto", variant: str | None = None, fill_tail: bool = True) -> jax.Array:
+def gather_swiglu(
+    x_XD,
+    source_R,
+    group_sizes_G,
+    gate_GID,
+    up_GID,
+    limit: float | None,
+    *,
+    backend: str = "auto",
+    variant: str | None = None,
+    fill_tail: bool = True,
+) -> jax.Array:
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g: the rows sorted by group (group_sizes int32 [G], traced, sum <= R), each read from x's
     row source[r] (int32 [R], repeats allowed); rows past the sum give zeros, or with fill_tail False are
@@ -142,8 +188,9 @@ def gather_swiglu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit: float 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret):
-    return down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail=fill_tail,
-                            interpret=interpret)
+    return down_scatter_gpu(
+        h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail=fill_tail, interpret=interpret
+    )
 
 
 def _down_scatter_gpu_fwd(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret):
@@ -159,8 +206,9 @@ def _down_scatter_gpu_bwd(fill_tail, interpret, residuals, d_y_RD):
     h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI = residuals
     dtype = h_RI.dtype
     d_y_sorted_RD = d_y_RD[dest_R]
-    d_product_RI = grouped_matmul_gpu(d_y_sorted_RD, down_GDI.astype(dtype), group_sizes_G, rhs_transposed=True,
-                                      interpret=interpret).astype(jnp.float32)
+    d_product_RI = grouped_matmul_gpu(
+        d_y_sorted_RD, down_GDI.astype(dtype), group_sizes_G, rhs_transposed=True, interpret=interpret
+    ).astype(jnp.float32)
     row_weight_R1 = row_weight_R.astype(jnp.float32)[:, None]
     d_h_RI = (row_weight_R1 * d_product_RI).astype(dtype)
     d_row_weight_R = jnp.sum(d_product_RI * h_RI.astype(jnp.float32), axis=1).astype(row_weight_R.dtype)
@@ -172,8 +220,17 @@ def _down_scatter_gpu_bwd(fill_tail, interpret, residuals, d_y_RD):
 _down_scatter_gpu.defvjp(_down_scatter_gpu_fwd, _down_scatter_gpu_bwd)
 
 
-def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend: str = "auto",
-                 variant: str | None = None, fill_tail: bool = True) -> jax.Array:
+def down_scatter(
+    h_RI,
+    dest_R,
+    row_weight_R,
+    group_sizes_G,
+    down_GDI,
+    *,
+    backend: str = "auto",
+    variant: str | None = None,
+    fill_tail: bool = True,
+) -> jax.Array:
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g: h's
     rows sorted by group (group_sizes int32 [G], traced, sum <= R), each stored back to its original row
     dest[r] (int32 [R], a permutation of [0, R)); row_weight fp32 [R], applied to the fp32 accumulator; rows
@@ -192,15 +249,29 @@ def down_scatter(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, backend
 
 _routed_gpu_kernel = with_reference_vjp(
     lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_gpu(
-        x, weights, experts, gate, up, down, shared, limit=limit, shared_limit=shared_limit, interpret=interpret),
+        x, weights, experts, gate, up, down, shared, limit=limit, shared_limit=shared_limit, interpret=interpret
+    ),
     lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_reference(
-        x, weights, experts, gate, up, down, limit, shared, shared_limit),
-    nondiff_argnums=(7, 8, 9))
+        x, weights, experts, gate, up, down, limit, shared, shared_limit
+    ),
+    nondiff_argnums=(7, 8, 9),
+)
 
 
-def routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *,
-                   shared=None, shared_limit: float | None = None, backend: str = "auto",
-                   variant: str | None = None) -> jax.Array:
+def routed_experts(
+    x_TD,
+    weights_TK,
+    experts_TK,
+    gate_EID,
+    up_EID,
+    down_EDI,
+    limit: float | None,
+    *,
+    shared=None,
+    shared_limit: float | None = None,
+    backend: str = "auto",
+    variant: str | None = None,
+) -> jax.Array:
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation); FFN_e is
     expert e's SwiGLU, min(SiLU(x W_gate), limit) * clip(x W_up, +-limit) W_down with a limit. Weights
     [E, I, D] (gate, up) and [E, D, I] (down) in the checkpoint's [out, in] layout; experts outside [0, E)
@@ -215,10 +286,12 @@ def routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, lim
     name, interpret = _pick("routed_experts", variant, backend)
     shared = None if shared is None else tuple(shared)
     if name == "gpu_triton":
-        return _routed_gpu_kernel(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit,
-                                  shared_limit, interpret)
-    return routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, shared,
-                                    shared_limit)
+        return _routed_gpu_kernel(
+            x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit, interpret
+        )
+    return routed_experts_reference(
+        x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, shared, shared_limit
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -242,8 +315,7 @@ def _select_experts_gpu_bwd(rule, interpret, residuals, cotangents):
 _select_experts_gpu.defvjp(_select_experts_gpu_fwd, _select_experts_gpu_bwd)
 
 
-def select_experts(logits_TE, expert_bias_E, rule: RoutingRule, *, backend: str = "auto",
-                   variant: str | None = None):
+def select_experts(logits_TE, expert_bias_E, rule: RoutingRule, *, backend: str = "auto", variant: str | None = None):
     """(weights [T, top_k] fp32, experts [T, top_k] int32) from router logits [T, E].
 
     backend: "auto" (the GPU kernel on a GPU, the jnp reference elsewhere), "reference", "pallas_gpu",

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 # lhs [M, K] x rhs [G, N, K] -> [M, N]: contract K with K, M is ragged over rhs's group dimension.
 _RAGGED_MK_GNK = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
 
 
 def grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G) -> jax.Array:
@@ -36,8 +37,14 @@ def grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G) -> jax.Array:
     for tests, out of memory at MoE sizes (use the "pallas_gpu" backend there).
     """
     precision = jax.lax.Precision.HIGHEST if lhs_MK.dtype == jnp.float32 else None
-    out_MN = jax.lax.ragged_dot_general(lhs_MK, rhs_GNK.astype(lhs_MK.dtype), group_sizes_G.astype(jnp.int32),
-                                        _RAGGED_MK_GNK, precision=precision, preferred_element_type=jnp.float32)
+    out_MN = jax.lax.ragged_dot_general(
+        lhs_MK,
+        rhs_GNK.astype(lhs_MK.dtype),
+        group_sizes_G.astype(jnp.int32),
+        _RAGGED_MK_GNK,
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
     used_M = jnp.arange(lhs_MK.shape[0]) < jnp.sum(group_sizes_G)
     return jnp.where(used_M[:, None], out_MN, 0.0).astype(lhs_MK.dtype)
 
@@ -50,8 +57,17 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
     return jnp.minimum(activated, limit) * jnp.clip(up, -limit, limit)
 
 
-def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None,
-                             shared=None, shared_limit: float | None = None):
+def routed_experts_reference(
+    x_TD,
+    weights_TK,
+    experts_TK,
+    gate_EID,
+    up_EID,
+    down_EDI,
+    limit: float | None,
+    shared=None,
+    shared_limit: float | None = None,
+):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype, where FFN_e is expert e's SwiGLU
     (clipped at `limit`), computed in fp32 from the gathered experts' weights [T, K, ...]; experts outside
     [0, E) contribute nothing. shared: None, or the shared expert's (gate [I, D], up [I, D], down [D, I]),
@@ -68,8 +84,9 @@ def routed_experts_reference(x_TD, weights_TK, experts_TK, gate_EID, up_EID, dow
     y_TD = jnp.einsum("tkd,tk->td", y_TKD, weights_TK, precision=hi)
     if shared is not None:
         shared_gate_ID, shared_up_ID, shared_down_DI = (w.astype(jnp.float32) for w in shared)
-        hidden_TI = swiglu(jnp.dot(x, shared_gate_ID.T, precision=hi), jnp.dot(x, shared_up_ID.T, precision=hi),
-                           shared_limit)
+        hidden_TI = swiglu(
+            jnp.dot(x, shared_gate_ID.T, precision=hi), jnp.dot(x, shared_up_ID.T, precision=hi), shared_limit
+        )
         y_TD = y_TD + jnp.dot(hidden_TI, shared_down_DI.T, precision=hi)
     return y_TD.astype(x_TD.dtype)
 
@@ -78,8 +95,11 @@ def gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, lim
     """h [R, I] in x's dtype: swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the rows r
     of group g; rows at or past sum(group_sizes) give zeros."""
     x_RD = x_XD[source_R]
-    return swiglu(grouped_matmul_reference(x_RD, gate_GID, group_sizes_G),
-                  grouped_matmul_reference(x_RD, up_GID, group_sizes_G), limit)
+    return swiglu(
+        grouped_matmul_reference(x_RD, gate_GID, group_sizes_G),
+        grouped_matmul_reference(x_RD, up_GID, group_sizes_G),
+        limit,
+    )
 
 
 def down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI):
@@ -111,7 +131,8 @@ def kept_groups(choice_TGS, keep: int):
     score_TG = best_TG + jnp.max(jnp.where(first_best_TGS, -jnp.inf, choice_TGS), axis=-1)
     groups = jnp.arange(score_TG.shape[-1])
     ahead_TGH = (score_TG[:, None, :] > score_TG[:, :, None]) | (
-        (score_TG[:, None, :] == score_TG[:, :, None]) & (groups[None, :] < groups[:, None]))
+        (score_TG[:, None, :] == score_TG[:, :, None]) & (groups[None, :] < groups[:, None])
+    )
     return jnp.sum(ahead_TGH, axis=-1) < keep
 
 

@@ -55,38 +55,59 @@ def _gpu(entries: dict) -> dict:
 
 
 _FP32 = "fp32 untuned (IEEE products, no tensor cores): smaller tiles, not measured"
-GROUPED_MATMUL = _gpu({
-    ("many_rows", "16bit"): Entry(GroupedTiles(128, 256, 64, 8, 4),
-                                  "BENCHMARKS.md, 'MoE layer', row '8192 | three grouped GEMMs alone' (128x256x64 "
-                                  "tiles: the best of a small sweep at 65536 rows, 512 groups, K 4096, N 1024)"),
-    ("few_rows", "16bit"): Entry(GroupedTiles(16, 64, 128, 4, 4),
-                                 "BENCHMARKS.md, 'Grouped-matmul tiles at decode sizes': the narrow tiles "
-                                 "(16 x 64 x 128) best or near it at 8 and 64 rows for both shapes"),
-    ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
-    ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
-})
-WEIGHT_GRAD = _gpu({
-    (ANY, "16bit"): Entry(GroupedTiles(32, 128, 128, 4, 4),
-                          "the sweep of 'MoE layer' 's grouped GEMMs, the weight-gradient kernel (a group's last row "
-                          "step is partial, so small steps win)"),
-    (ANY, ANY): Entry(GroupedTiles(32, 64, 64, 4, 3), _FP32),
-})
+GROUPED_MATMUL = _gpu(
+    {
+        ("many_rows", "16bit"): Entry(
+            GroupedTiles(128, 256, 64, 8, 4),
+            "BENCHMARKS.md, 'MoE layer', row '8192 | three grouped GEMMs alone' (128x256x64 "
+            "tiles: the best of a small sweep at 65536 rows, 512 groups, K 4096, N 1024)",
+        ),
+        ("few_rows", "16bit"): Entry(
+            GroupedTiles(16, 64, 128, 4, 4),
+            "BENCHMARKS.md, 'Grouped-matmul tiles at decode sizes': the narrow tiles "
+            "(16 x 64 x 128) best or near it at 8 and 64 rows for both shapes",
+        ),
+        ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
+        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+    }
+)
+WEIGHT_GRAD = _gpu(
+    {
+        (ANY, "16bit"): Entry(
+            GroupedTiles(32, 128, 128, 4, 4),
+            "the sweep of 'MoE layer' 's grouped GEMMs, the weight-gradient kernel (a group's last row "
+            "step is partial, so small steps win)",
+        ),
+        (ANY, ANY): Entry(GroupedTiles(32, 64, 64, 4, 3), _FP32),
+    }
+)
 _FUSED = "BENCHMARKS.md, MoE layer, 'Fused grouped path (2026-11-29)': the best of scripts/bench_moe.py's sweep"
-GATHER_SWIGLU = _gpu({  # two accumulators: half the grouped matmul's column tile
-    ("many_rows", "16bit"): Entry(GroupedTiles(128, 128, 64, 8, 4), f"{_FUSED} at 8192 tokens"),
-    ("few_rows", "16bit"): Entry(GroupedTiles(32, 64, 128, 4, 4), f"{_FUSED} at 64 tokens"),
-    ("many_rows", ANY): Entry(GroupedTiles(64, 32, 32, 4, 3), _FP32),
-    ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
-})
-DOWN_SCATTER = _gpu({
-    ("many_rows", "16bit"): Entry(GroupedTiles(128, 256, 64, 8, 4), f"{_FUSED} at 8192 tokens"),
-    ("few_rows", "16bit"): Entry(GroupedTiles(32, 64, 128, 4, 4), f"{_FUSED} at 64 tokens"),
-    ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
-    ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
-})
-_ROUTED = ("BENCHMARKS.md, 'Routed experts and expert selection at decode sizes, chained-call timing (2026-11-29)', "
-           "tile sweep at one token")
+GATHER_SWIGLU = _gpu(
+    {  # two accumulators: half the grouped matmul's column tile
+        ("many_rows", "16bit"): Entry(GroupedTiles(128, 128, 64, 8, 4), f"{_FUSED} at 8192 tokens"),
+        ("few_rows", "16bit"): Entry(GroupedTiles(32, 64, 128, 4, 4), f"{_FUSED} at 64 tokens"),
+        ("many_rows", ANY): Entry(GroupedTiles(64, 32, 32, 4, 3), _FP32),
+        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+    }
+)
+DOWN_SCATTER = _gpu(
+    {
+        ("many_rows", "16bit"): Entry(GroupedTiles(128, 256, 64, 8, 4), f"{_FUSED} at 8192 tokens"),
+        ("few_rows", "16bit"): Entry(GroupedTiles(32, 64, 128, 4, 4), f"{_FUSED} at 64 tokens"),
+        ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
+        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+    }
+)
+_ROUTED = (
+    "BENCHMARKS.md, 'Routed experts and expert selection at decode sizes, chained-call timing (2026-11-29)', "
+    "tile sweep at one token"
+)
 ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 256, 4, 4), f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us")})
 ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the down + combine default stayed")})
-SELECT_EXPERTS = _gpu({(ANY, ANY): Entry(SelectTiles(block_t=1, num_warps=1),
-                                         f"{_ROUTED}: expert selection, column 'kernel (1 token, 1 warp)'")})
+SELECT_EXPERTS = _gpu(
+    {
+        (ANY, ANY): Entry(
+            SelectTiles(block_t=1, num_warps=1), f"{_ROUTED}: expert selection, column 'kernel (1 token, 1 warp)'"
+        )
+    }
+)

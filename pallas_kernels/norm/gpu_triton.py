@@ -32,7 +32,7 @@ def _norm_kernel(x_ref, weight_ref, out_ref, *, eps: float):
 
 
 def _add_norm_kernel(x_ref, residual_ref, weight_ref, total_ref, out_ref, *, eps: float):
-    total = (x_ref[...].astype(jnp.float32) + residual_ref[...].astype(x_ref.dtype).astype(jnp.float32))
+    total = x_ref[...].astype(jnp.float32) + residual_ref[...].astype(x_ref.dtype).astype(jnp.float32)
     total = total.astype(total_ref.dtype)
     total_ref[...] = total
     out_ref[...] = _normalise(total, weight_ref[...], eps, out_ref.dtype)
@@ -61,8 +61,15 @@ def _row_call(kernel, rows_inputs, weight_D, num_outputs: int, *, num_warps: int
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def rms_norm_gpu(x, weight_D, *, eps: float, num_warps: int | None = None, interpret: bool = False):
     """`rms_norm_reference` for x [..., D] with D a power of two."""
-    (out,) = _row_call(functools.partial(_norm_kernel, eps=eps), [x.reshape(-1, x.shape[-1])], weight_D, 1,
-                       num_warps=num_warps, interpret=interpret, name="rms_norm")
+    (out,) = _row_call(
+        functools.partial(_norm_kernel, eps=eps),
+        [x.reshape(-1, x.shape[-1])],
+        weight_D,
+        1,
+        num_warps=num_warps,
+        interpret=interpret,
+        name="rms_norm",
+    )
     return out.reshape(x.shape)
 
 
@@ -70,6 +77,13 @@ def rms_norm_gpu(x, weight_D, *, eps: float, num_warps: int | None = None, inter
 def add_rms_norm_gpu(x, residual, weight_D, *, eps: float, num_warps: int | None = None, interpret: bool = False):
     """`add_rms_norm_reference` for x, residual [..., D] with D a power of two."""
     flat = [a.reshape(-1, x.shape[-1]) for a in (x, residual)]
-    total, out = _row_call(functools.partial(_add_norm_kernel, eps=eps), flat, weight_D, 2, num_warps=num_warps,
-                           interpret=interpret, name="add_rms_norm")
+    total, out = _row_call(
+        functools.partial(_add_norm_kernel, eps=eps),
+        flat,
+        weight_D,
+        2,
+        num_warps=num_warps,
+        interpret=interpret,
+        name="add_rms_norm",
+    )
     return total.reshape(x.shape), out.reshape(x.shape)

@@ -31,12 +31,14 @@ def _pick(op: str, variant: str | None, backend: str, x) -> tuple[str, bool]:
 
 _rms_norm_gpu = with_reference_vjp(
     lambda x, weight_D, eps, interpret: rms_norm_gpu(x, weight_D, eps=eps, interpret=interpret),
-    lambda x, weight_D, eps, interpret: rms_norm_reference(x, weight_D, eps), nondiff_argnums=(2, 3))
+    lambda x, weight_D, eps, interpret: rms_norm_reference(x, weight_D, eps),
+    nondiff_argnums=(2, 3),
+)
 _add_rms_norm_gpu = with_reference_vjp(
-    lambda x, residual, weight_D, eps, interpret: add_rms_norm_gpu(x, residual, weight_D, eps=eps,
-                                                                   interpret=interpret),
+    lambda x, residual, weight_D, eps, interpret: add_rms_norm_gpu(x, residual, weight_D, eps=eps, interpret=interpret),
     lambda x, residual, weight_D, eps, interpret: add_rms_norm_reference(x, residual, weight_D, eps),
-    nondiff_argnums=(3, 4))
+    nondiff_argnums=(3, 4),
+)
 
 
 def rms_norm(x, weight_D, eps: float, *, backend: str = "auto", variant: str | None = None):

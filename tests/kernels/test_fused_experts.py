@@ -60,11 +60,14 @@ def random_case(tokens, top_k, num_experts, hidden, width, dtype, seed):
     """x, routing weights, experts, gate, up, down: floats as float32 numpy rounded to dtype, no zeros."""
     r = np.random.default_rng(seed)
     rounded = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
-    return (rounded(r.normal(size=(tokens, hidden))), r.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32),
-            routing(tokens, top_k, num_experts, seed),
-            rounded(r.normal(size=(num_experts, width, hidden)) / hidden ** 0.5),
-            rounded(r.normal(size=(num_experts, width, hidden)) / hidden ** 0.5),
-            rounded(r.normal(size=(num_experts, hidden, width)) / width ** 0.5))
+    return (
+        rounded(r.normal(size=(tokens, hidden))),
+        r.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32),
+        routing(tokens, top_k, num_experts, seed),
+        rounded(r.normal(size=(num_experts, width, hidden)) / hidden**0.5),
+        rounded(r.normal(size=(num_experts, width, hidden)) / hidden**0.5),
+        rounded(r.normal(size=(num_experts, hidden, width)) / width**0.5),
+    )
 
 
 def sorted_rows(experts, num_experts):
@@ -92,8 +95,7 @@ def float64_gather_swiglu(x, source, sizes, gate, up, limit):
     for row, group in enumerate(group_of_rows(sizes, len(source))):
         if group < len(sizes):
             x_row = x[source[row]].astype(np.float64)
-            h[row] = float64_swiglu(gate[group].astype(np.float64) @ x_row, up[group].astype(np.float64) @ x_row,
-                                    limit)
+            h[row] = float64_swiglu(gate[group].astype(np.float64) @ x_row, up[group].astype(np.float64) @ x_row, limit)
     return h
 
 
@@ -125,10 +127,17 @@ def random_h(rows, width, dtype, seed):
 @DTYPES
 def test_gather_swiglu_matches_float64(backend, limit, case, dtype):
     x, _, source, _, sizes, gate, up, _ = fused_inputs(case, dtype, seed=len(case))
-    h = gather_swiglu(jnp.asarray(x, dtype), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate, dtype),
-                      jnp.asarray(up, dtype), limit, backend=backend)
+    h = gather_swiglu(
+        jnp.asarray(x, dtype),
+        jnp.asarray(source),
+        jnp.asarray(sizes),
+        jnp.asarray(gate, dtype),
+        jnp.asarray(up, dtype),
+        limit,
+        backend=backend,
+    )
     assert h.dtype == dtype and h.shape == (len(source), gate.shape[1])
-    assert not np.any(np.asarray(h[sizes.sum():], np.float32)), "tail rows are not 0"
+    assert not np.any(np.asarray(h[sizes.sum() :], np.float32)), "tail rows are not 0"
     err = rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, limit))
     assert err <= TOL[dtype], f"{backend} {case} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
 
@@ -139,10 +148,16 @@ def test_gather_swiglu_matches_float64(backend, limit, case, dtype):
 def test_down_scatter_matches_float64(backend, case, dtype):
     _, row_weight, source, order, sizes, _, _, down = fused_inputs(case, dtype, seed=len(case) + 1)
     h = random_h(len(source), down.shape[2], dtype, seed=3)
-    y = down_scatter(jnp.asarray(h, dtype), jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes),
-                     jnp.asarray(down, dtype), backend=backend)
+    y = down_scatter(
+        jnp.asarray(h, dtype),
+        jnp.asarray(order),
+        jnp.asarray(row_weight),
+        jnp.asarray(sizes),
+        jnp.asarray(down, dtype),
+        backend=backend,
+    )
     assert y.dtype == dtype and y.shape == (len(order), down.shape[1])
-    assert not np.any(np.asarray(y[order[sizes.sum():]], np.float32)), "tail rows are not 0"
+    assert not np.any(np.asarray(y[order[sizes.sum() :]], np.float32)), "tail rows are not 0"
     err = rel_error(y, float64_down_scatter(h, order, row_weight, sizes, down))
     assert err <= TOL[dtype], f"{backend} {case} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
 
@@ -153,11 +168,11 @@ def test_kernels_with_small_tiles(tiles):
     block_m, block_n, block_k = tiles
     x, row_weight, source, order, sizes, gate, up, down = fused_inputs("odd", jnp.float32, seed=block_n)
     args = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "interpret": True}
-    h = gather_swiglu_gpu(jnp.asarray(x), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate),
-                          jnp.asarray(up), limit=0.9, **args)
+    h = gather_swiglu_gpu(
+        jnp.asarray(x), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate), jnp.asarray(up), limit=0.9, **args
+    )
     assert rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, 0.9)) <= TOL[jnp.float32]
-    y = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down),
-                         **args)
+    y = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down), **args)
     assert rel_error(y, float64_down_scatter(np.asarray(h), order, row_weight, sizes, down)) <= TOL[jnp.float32]
 
 
@@ -184,10 +199,17 @@ def test_kernels_without_the_tail_match_on_the_group_rows():
 def test_no_rows_in_any_expert_gives_zeros():
     x, row_weight, source, order, sizes, gate, up, down = fused_inputs("odd", jnp.float32, seed=0)
     no_rows = jnp.zeros_like(jnp.asarray(sizes))
-    h = gather_swiglu(jnp.asarray(x), jnp.asarray(source), no_rows, jnp.asarray(gate), jnp.asarray(up), None,
-                      backend="interpret_gpu")
-    y = down_scatter(jnp.asarray(random_h(len(order), down.shape[2], jnp.float32, 1)), jnp.asarray(order),
-                     jnp.asarray(row_weight), no_rows, jnp.asarray(down), backend="interpret_gpu")
+    h = gather_swiglu(
+        jnp.asarray(x), jnp.asarray(source), no_rows, jnp.asarray(gate), jnp.asarray(up), None, backend="interpret_gpu"
+    )
+    y = down_scatter(
+        jnp.asarray(random_h(len(order), down.shape[2], jnp.float32, 1)),
+        jnp.asarray(order),
+        jnp.asarray(row_weight),
+        no_rows,
+        jnp.asarray(down),
+        backend="interpret_gpu",
+    )
     assert not np.any(np.asarray(h)) and not np.any(np.asarray(y))
 
 
@@ -228,13 +250,17 @@ def test_down_scatter_gradients_match_the_reference(case, dtype):
     for name, ours, ref in zip(("y", "d_h", "d_row_weight", "d_down"), got["interpret_gpu"], got["reference"]):
         err = rel_error(ours, ref)
         assert err <= TOL[dtype], f"{case} {name} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
-    assert not np.any(np.asarray(got["interpret_gpu"][2][sizes.sum():])), "d_row_weight of tail rows is not 0"
+    assert not np.any(np.asarray(got["interpret_gpu"][2][sizes.sum() :])), "d_row_weight of tail rows is not 0"
 
 
 def moe_args(case, dtype, seed):
     x, weights, experts, gate, up, down = random_case(*CASES[case], dtype, seed)
-    return (jnp.asarray(x, dtype), jnp.asarray(weights), jnp.asarray(experts), *(jnp.asarray(w, dtype) for w in
-                                                                                 (gate, up, down)))
+    return (
+        jnp.asarray(x, dtype),
+        jnp.asarray(weights),
+        jnp.asarray(experts),
+        *(jnp.asarray(w, dtype) for w in (gate, up, down)),
+    )
 
 
 @LIMITS
@@ -243,8 +269,13 @@ def moe_args(case, dtype, seed):
 def test_grouped_local_moe_matches_dense(limit, case, dtype):
     x, weights, experts, gate, up, down = moe_args(case, dtype, seed=11)
     ours = grouped_local_moe(x, weights, experts, gate, up, down, limit, backend="interpret_gpu")
-    dense = dense_expert_ffn(x.astype(jnp.float32), jnp.where(experts < 0, 0.0, weights), experts,
-                             *(w.astype(jnp.float32) for w in (gate, up, down)), limit)  # -1 wraps around there
+    dense = dense_expert_ffn(
+        x.astype(jnp.float32),
+        jnp.where(experts < 0, 0.0, weights),
+        experts,
+        *(w.astype(jnp.float32) for w in (gate, up, down)),
+        limit,
+    )  # -1 wraps around there
     assert ours.dtype == dtype
     err = rel_error(ours, dense)
     assert err <= TOL[dtype], f"{case} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
@@ -258,8 +289,11 @@ def test_grouped_local_moe_gradients_match_dense():
     def loss(fn, x, weights, gate, up, down):
         return jnp.sum(jnp.sin(fn(x, weights, experts, gate, up, down, 0.9)))
 
-    ours = jax.jit(jax.grad(functools.partial(loss, functools.partial(grouped_local_moe, backend="interpret_gpu")),
-                            argnums=range(5)))(x, weights, gate, up, down)
+    ours = jax.jit(
+        jax.grad(
+            functools.partial(loss, functools.partial(grouped_local_moe, backend="interpret_gpu")), argnums=range(5)
+        )
+    )(x, weights, gate, up, down)
     dense = jax.grad(functools.partial(loss, dense_expert_ffn), argnums=range(5))(x, weights, gate, up, down)
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, dense):
         assert rel_error(a, b) <= TOL[jnp.float32], f"d/d{name}: {rel_error(a, b):.2e}"
@@ -291,34 +325,44 @@ def test_grouped_expert_ffn_skips_rows_of_no_expert():
     assert not np.any(np.asarray(ours[jnp.array([3, 7])]))
 
 
-@pytest.mark.parametrize(("tokens", "shape", "exchange"),
-                         [(16, {"expert": 8}, "dense"), (16, {"expert": 8}, "ragged"),
-                          (3, {"tensor": 2, "expert": 4}, "dense")],
-                         ids=["all-to-all", "ragged-all-to-all", "replicated-tokens"])
+@pytest.mark.parametrize(
+    ("tokens", "shape", "exchange"),
+    [(16, {"expert": 8}, "dense"), (16, {"expert": 8}, "ragged"), (3, {"tensor": 2, "expert": 4}, "dense")],
+    ids=["all-to-all", "ragged-all-to-all", "replicated-tokens"],
+)
 def test_expert_parallel_with_the_fused_kernels_matches_dense(tokens, shape, exchange):
     """The GPU expert FFNs inside shard_map, on 8 virtual CPU devices (the ragged exchange emulated)."""
     top_k, num_experts, hidden, width = 2, 8, 32, 32
-    x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(tokens, top_k, num_experts,
-                                                                              hidden, width, jnp.float32, 15))
+    x, weights, experts, gate, up, down = (
+        jnp.asarray(a) for a in random_case(tokens, top_k, num_experts, hidden, width, jnp.float32, 15)
+    )
     experts = jnp.maximum(experts, 0)  # the router always picks an expert
     mesh = make_mesh(shape)
     with jax.set_mesh(mesh):
-        y, _ = jax.jit(lambda *a: moe_parallel(*a, limit=0.9, mesh=mesh, capacity_factor=None,
-                                               backend="interpret_gpu", exchange=exchange))(
-            x, weights, experts, gate, up, down)
+        y, _ = jax.jit(
+            lambda *a: moe_parallel(
+                *a, limit=0.9, mesh=mesh, capacity_factor=None, backend="interpret_gpu", exchange=exchange
+            )
+        )(x, weights, experts, gate, up, down)
     assert rel_error(y, dense_expert_ffn(x, weights, experts, gate, up, down, 0.9)) <= TOL[jnp.float32]
 
 
 def test_gpu_kernels_lower_for_cuda_at_ling_flash_size():
     """8192 tokens, top-8 of 512 experts, hidden 4096, width 1024, bf16: forward and backward."""
     shape = jax.ShapeDtypeStruct
-    args = (shape((8192, 4096), jnp.bfloat16), shape((8192, 8), jnp.float32), shape((8192, 8), jnp.int32),
-            shape((512, 1024, 4096), jnp.bfloat16), shape((512, 1024, 4096), jnp.bfloat16),
-            shape((512, 4096, 1024), jnp.bfloat16))
+    args = (
+        shape((8192, 4096), jnp.bfloat16),
+        shape((8192, 8), jnp.float32),
+        shape((8192, 8), jnp.int32),
+        shape((512, 1024, 4096), jnp.bfloat16),
+        shape((512, 1024, 4096), jnp.bfloat16),
+        shape((512, 4096, 1024), jnp.bfloat16),
+    )
 
     def loss(x, weights, experts, gate, up, down):
-        return jnp.sum(grouped_local_moe(x, weights, experts, gate, up, down, 7.0, backend="pallas_gpu")
-                       .astype(jnp.float32))
+        return jnp.sum(
+            grouped_local_moe(x, weights, experts, gate, up, down, 7.0, backend="pallas_gpu").astype(jnp.float32)
+        )
 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 3, 4, 5)), *args).as_text()
     for kernel in ("gather_swiglu", "down_scatter", "grouped_matmul", "grouped_weight_grad"):
@@ -327,7 +371,8 @@ def test_gpu_kernels_lower_for_cuda_at_ling_flash_size():
 
 ON_GPU = pytest.mark.skipif(
     jax.default_backend() != "gpu",
-    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
+    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)",
+)
 
 
 @jax.jit
@@ -341,11 +386,12 @@ def moe_args_sized(tokens, top_k, num_experts, hidden, width, seed):
     """Device-drawn bf16 MoE inputs (x, weights, experts, gate, up, down); experts distinct per token."""
     keys = jax.random.split(jax.random.key(seed), 6)
     experts = jax.vmap(lambda k: jax.random.permutation(k, num_experts)[:top_k])(
-        jax.random.split(keys[0], tokens)).astype(jnp.int32)
+        jax.random.split(keys[0], tokens)
+    ).astype(jnp.int32)
     weights = jax.random.uniform(keys[1], (tokens, top_k), jnp.float32, 0.1, 1.0)
     x = jax.random.normal(keys[2], (tokens, hidden), jnp.bfloat16)
-    gate, up = (jax.random.normal(k, (num_experts, width, hidden), jnp.bfloat16) * hidden ** -0.5 for k in keys[3:5])
-    down = jax.random.normal(keys[5], (num_experts, hidden, width), jnp.bfloat16) * width ** -0.5
+    gate, up = (jax.random.normal(k, (num_experts, width, hidden), jnp.bfloat16) * hidden**-0.5 for k in keys[3:5])
+    down = jax.random.normal(keys[5], (num_experts, hidden, width), jnp.bfloat16) * width**-0.5
     return x, weights, experts, gate, up, down
 
 
@@ -356,18 +402,33 @@ def moe_args_sized(tokens, top_k, num_experts, hidden, width, seed):
 @DTYPES
 def test_compiled_kernels_match_float64(limit, case, dtype):
     x, row_weight, source, order, sizes, gate, up, down = fused_inputs(case, dtype, seed=16)
-    h = gather_swiglu(jnp.asarray(x, dtype), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate, dtype),
-                      jnp.asarray(up, dtype), limit, backend="pallas_gpu")
+    h = gather_swiglu(
+        jnp.asarray(x, dtype),
+        jnp.asarray(source),
+        jnp.asarray(sizes),
+        jnp.asarray(gate, dtype),
+        jnp.asarray(up, dtype),
+        limit,
+        backend="pallas_gpu",
+    )
     assert rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, limit)) <= TOL[dtype]
-    y = down_scatter(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down, dtype),
-                     backend="pallas_gpu")
+    y = down_scatter(
+        h,
+        jnp.asarray(order),
+        jnp.asarray(row_weight),
+        jnp.asarray(sizes),
+        jnp.asarray(down, dtype),
+        backend="pallas_gpu",
+    )
     assert rel_error(y, float64_down_scatter(np.asarray(h, np.float32), order, row_weight, sizes, down)) <= TOL[dtype]
 
 
 @pytest.mark.gpu
 @ON_GPU
-@pytest.mark.skipif(jax.device_count() < 2, reason="the native ragged all-to-all needs 2 or more GPUs "
-                                                   "(the nvidia-h200-x2 kind); one GPU was found")
+@pytest.mark.skipif(
+    jax.device_count() < 2,
+    reason="the native ragged all-to-all needs 2 or more GPUs (the nvidia-h200-x2 kind); one GPU was found",
+)
 def test_native_ragged_exchange_matches_the_dense_one_on_gpus(monkeypatch):
     """Expert parallelism over all GPUs with the fused kernels (fp32): the native ragged all-to-all against the
     dense exchange and against its all-gather emulation, value and gradients (the collective's transpose)."""
@@ -378,14 +439,26 @@ def test_native_ragged_exchange_matches_the_dense_one_on_gpus(monkeypatch):
     mesh = make_mesh({"expert": ep})
 
     def loss(exchange, x, weights, gate, up, down):
-        y, _ = moe_parallel(x, weights, experts, gate, up, down, limit=7.0, mesh=mesh, capacity_factor=None,
-                            backend="pallas_gpu", exchange=exchange)
+        y, _ = moe_parallel(
+            x,
+            weights,
+            experts,
+            gate,
+            up,
+            down,
+            limit=7.0,
+            mesh=mesh,
+            capacity_factor=None,
+            backend="pallas_gpu",
+            exchange=exchange,
+        )
         return jnp.sum(y * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
 
     def run(exchange):
         with jax.set_mesh(mesh):
             return jax.jit(jax.value_and_grad(functools.partial(loss, exchange), argnums=range(5), has_aux=True))(
-                *primals)
+                *primals
+            )
 
     (_, y_dense), grads_dense = run("dense")
     (_, y_ragged), grads_ragged = run("ragged")
@@ -432,8 +505,11 @@ def test_compiled_kernels_at_ling_flash_size_match_the_unfused_kernels():
     source, row_weight = order // 8, weights.reshape(-1)[order]
     h = gather_swiglu(x, source, sizes, gate, up, 7.0, backend="pallas_gpu")
     x_RD = x[source]
-    h_unfused = swiglu(grouped_matmul_gpu(x_RD, gate, sizes).astype(jnp.float32),
-                       grouped_matmul_gpu(x_RD, up, sizes).astype(jnp.float32), 7.0)
+    h_unfused = swiglu(
+        grouped_matmul_gpu(x_RD, gate, sizes).astype(jnp.float32),
+        grouped_matmul_gpu(x_RD, up, sizes).astype(jnp.float32),
+        7.0,
+    )
     assert device_rel_error(h, h_unfused) <= TOL[jnp.bfloat16]
     y = down_scatter(h, order, row_weight, sizes, down, backend="pallas_gpu")
     y_sorted = row_weight[:, None] * grouped_matmul_gpu(h, down, sizes).astype(jnp.float32)
@@ -448,14 +524,16 @@ def test_fused_kernels_partial_row_tiles_shrink_to_the_rows_they_hold(min_block_
     r = np.random.default_rng(min_block_m)
     sizes = np.asarray([70, 90, 100, 16, 0, 64], np.int32)
     rows, tokens, hidden, width = sizes.sum() + 9, 150, 48, 40
-    x, gate, up, down = (np.asarray(jnp.asarray(r.normal(size=shape), jnp.float32))
-                         for shape in ((tokens, hidden), (6, width, hidden), (6, width, hidden), (6, hidden, width)))
+    x, gate, up, down = (
+        np.asarray(jnp.asarray(r.normal(size=shape), jnp.float32))
+        for shape in ((tokens, hidden), (6, width, hidden), (6, width, hidden), (6, hidden, width))
+    )
     source, order = r.integers(0, tokens, rows).astype(np.int32), r.permutation(rows).astype(np.int32)
     row_weight = r.uniform(0.1, 1.0, rows).astype(np.float32)
     args = {"block_m": 64, "block_n": 16, "block_k": 16, "min_block_m": min_block_m, "interpret": True}
-    h = gather_swiglu_gpu(jnp.asarray(x), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate),
-                          jnp.asarray(up), limit=0.9, **args)
+    h = gather_swiglu_gpu(
+        jnp.asarray(x), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate), jnp.asarray(up), limit=0.9, **args
+    )
     assert rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, 0.9)) <= TOL[jnp.float32]
-    y = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down),
-                         **args)
+    y = down_scatter_gpu(h, jnp.asarray(order), jnp.asarray(row_weight), jnp.asarray(sizes), jnp.asarray(down), **args)
     assert rel_error(y, float64_down_scatter(np.asarray(h), order, row_weight, sizes, down)) <= TOL[jnp.float32]

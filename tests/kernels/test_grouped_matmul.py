@@ -10,12 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import lower_for_cuda, rel_error
 
 from pallas_kernels.moe import grouped_matmul, grouped_matmul_reference
-from pallas_kernels.moe.gpu_triton import (MIN_ROW_TILE, grouped_weight_grad_gpu, max_row_tiles, row_tile_sizes,
-                                           row_tiles)
+from pallas_kernels.moe.gpu_triton import (
+    MIN_ROW_TILE,
+    grouped_weight_grad_gpu,
+    max_row_tiles,
+    row_tile_sizes,
+    row_tiles,
+)
 from pallas_kernels.moe.ops import kernel
-from helpers import lower_for_cuda, rel_error
 
 grouped_matmul_gpu = kernel("grouped_matmul", "gpu_triton")
 
@@ -37,10 +42,17 @@ SMALL_TILES = pytest.mark.parametrize("tiles", [(16, 16, 16), (16, 32, 32), (32,
 def random_case(rows, k_dim, n_dim, group_sizes, dtype, seed):
     """lhs, rhs and a cotangent for the output rounded to dtype (as float32 numpy), group sizes; no zeros."""
     r = np.random.default_rng(seed)
-    rounded = lambda shape: np.asarray(jnp.asarray(  # noqa: E731
-        r.choice([-1.0, 1.0], size=shape) * r.uniform(0.1, 1.0, shape), dtype).astype(jnp.float32))
-    return (rounded((rows, k_dim)), rounded((len(group_sizes), n_dim, k_dim)), rounded((rows, n_dim)),
-            np.asarray(group_sizes, np.int32))
+    rounded = lambda shape: np.asarray(
+        jnp.asarray(  # noqa: E731
+            r.choice([-1.0, 1.0], size=shape) * r.uniform(0.1, 1.0, shape), dtype
+        ).astype(jnp.float32)
+    )
+    return (
+        rounded((rows, k_dim)),
+        rounded((len(group_sizes), n_dim, k_dim)),
+        rounded((rows, n_dim)),
+        np.asarray(group_sizes, np.int32),
+    )
 
 
 def float64_per_group(lhs, rhs, d_out, group_sizes):
@@ -71,7 +83,7 @@ def test_matches_float64_per_group_loop(backend, case, dtype):
     out = grouped_matmul(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(group_sizes), backend=backend)
     ref = float64_per_group(lhs, rhs, d_out, group_sizes)[0]
     assert out.shape == ref.shape and out.dtype == dtype
-    assert not np.any(np.asarray(out[group_sizes.sum():], np.float32)), f"{backend} {case}: tail rows are not 0"
+    assert not np.any(np.asarray(out[group_sizes.sum() :], np.float32)), f"{backend} {case}: tail rows are not 0"
     err = rel_error(out, ref)
     assert err <= TOL[dtype], f"{backend} {case} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
 
@@ -87,17 +99,20 @@ def test_gradients_match_float64(backend, case, dtype):
         err = rel_error(ours, ref)
         assert err <= TOL[dtype], f"{backend} {case} {name} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
     d_lhs, d_rhs = got[1:]
-    assert not np.any(np.asarray(d_lhs[group_sizes.sum():], np.float32)), "tail rows of d_lhs are not 0"
+    assert not np.any(np.asarray(d_lhs[group_sizes.sum() :], np.float32)), "tail rows of d_lhs are not 0"
     assert not np.any(np.asarray(d_rhs[group_sizes == 0], np.float32)), "d_rhs of an empty group is not 0"
 
 
 def test_gradient_under_jit_and_grad():
     lhs, rhs, _, group_sizes = random_case(*CASES["odd"], jnp.float32, seed=3)
+
     def loss(lhs, rhs, backend):
         return jnp.sum(grouped_matmul(lhs, rhs, jnp.asarray(group_sizes), backend=backend) ** 2)
 
-    grads = {backend: jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(lhs, rhs, backend)
-             for backend in ("interpret_gpu", "reference")}
+    grads = {
+        backend: jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(lhs, rhs, backend)
+        for backend in ("interpret_gpu", "reference")
+    }
     for ours, ref in zip(grads["interpret_gpu"], grads["reference"]):
         assert rel_error(ours, ref) <= 1e-5
 
@@ -110,10 +125,10 @@ def test_kernels_with_small_tiles(tiles):
     out_ref, d_lhs_ref, d_rhs_ref = float64_per_group(lhs, rhs, d_out, group_sizes)
     gs = jnp.asarray(group_sizes)
     out = grouped_matmul_gpu(lhs, rhs, gs, block_m=block_m, block_n=block_n, block_k=block_k, interpret=True)
-    d_lhs = grouped_matmul_gpu(d_out, rhs, gs, rhs_transposed=True, block_m=block_m, block_n=block_k,
-                               block_k=block_n, interpret=True)
-    d_rhs = grouped_weight_grad_gpu(lhs, d_out, gs, block_m=block_m, block_n=block_n, block_k=block_k,
-                                    interpret=True)
+    d_lhs = grouped_matmul_gpu(
+        d_out, rhs, gs, rhs_transposed=True, block_m=block_m, block_n=block_k, block_k=block_n, interpret=True
+    )
+    d_rhs = grouped_weight_grad_gpu(lhs, d_out, gs, block_m=block_m, block_n=block_n, block_k=block_k, interpret=True)
     for name, ours, ref in (("out", out, out_ref), ("d_lhs", d_lhs, d_lhs_ref), ("d_rhs", d_rhs, d_rhs_ref)):
         assert rel_error(ours, ref) <= TOL[jnp.float32], f"{name} with tiles {tiles}"
 
@@ -128,11 +143,13 @@ def test_no_rows_in_any_group_gives_zeros(backend):
 
 def test_reference_gradient_in_bf16_under_jit():
     lhs, rhs, _, group_sizes = random_case(*CASES["sixteen"], jnp.bfloat16, seed=4)
+
     def loss(lhs, rhs):
         return jnp.sum(grouped_matmul_reference(lhs, rhs, jnp.asarray(group_sizes)).astype(jnp.float32))
 
-    d_lhs, d_rhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(lhs, jnp.bfloat16),
-                                                          jnp.asarray(rhs, jnp.bfloat16))
+    d_lhs, d_rhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16)
+    )
     assert d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(d_rhs, np.float32))) and np.any(np.asarray(d_rhs, np.float32))
 
@@ -152,8 +169,14 @@ def test_unknown_backend_is_refused():
 @pytest.mark.parametrize("seed", range(6))
 def test_row_tiles_cover_each_row_once_within_one_group(seed):
     r = np.random.default_rng(seed)
-    rows, num_groups, block_m = [(1000, 7, 128), (300, 64, 16), (64, 512, 64), (5000, 3, 32), (128, 4, 32),
-                                 (17, 16, 16)][seed]
+    rows, num_groups, block_m = [
+        (1000, 7, 128),
+        (300, 64, 16),
+        (64, 512, 64),
+        (5000, 3, 32),
+        (128, 4, 32),
+        (17, 16, 16),
+    ][seed]
     group_sizes = r.multinomial(int(rows * r.uniform(0.5, 1.0)), r.dirichlet(np.full(num_groups, 0.3)))
     if seed == 0:
         group_sizes = np.ones(num_groups, np.int64)  # the worst case: G + 1 parts, each with a partial tile
@@ -175,9 +198,11 @@ def test_row_tiles_cover_each_row_once_within_one_group(seed):
 
 
 def _abstract_args(rows=1000, num_groups=64, k_dim=512, n_dim=256):
-    return (jax.ShapeDtypeStruct((rows, k_dim), jnp.bfloat16),
-            jax.ShapeDtypeStruct((num_groups, n_dim, k_dim), jnp.bfloat16),
-            jax.ShapeDtypeStruct((num_groups,), jnp.int32))
+    return (
+        jax.ShapeDtypeStruct((rows, k_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_groups, n_dim, k_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_groups,), jnp.int32),
+    )
 
 
 def test_gpu_kernels_lower_for_cuda():
@@ -189,7 +214,8 @@ def test_gpu_kernels_lower_for_cuda():
 
 ON_GPU = pytest.mark.skipif(
     jax.default_backend() != "gpu",
-    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
+    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)",
+)
 
 
 @pytest.mark.gpu
@@ -199,7 +225,7 @@ ON_GPU = pytest.mark.skipif(
 def test_compiled_gpu_kernels_match_float64_per_group_loop(case, dtype):
     lhs, rhs, d_out, group_sizes = random_case(*CASES[case], dtype, seed=len(case))
     got = value_and_grads("pallas_gpu", lhs, rhs, d_out, group_sizes, dtype)
-    assert not np.any(np.asarray(got[0][group_sizes.sum():], np.float32)), "tail rows are not 0"
+    assert not np.any(np.asarray(got[0][group_sizes.sum() :], np.float32)), "tail rows are not 0"
     for name, ours, ref in zip(("out", "d_lhs", "d_rhs"), got, float64_per_group(lhs, rhs, d_out, group_sizes)):
         err = rel_error(ours, ref)
         assert err <= TOL[dtype], f"compiled {name} {case} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
@@ -217,11 +243,12 @@ def per_group_rel_errors(lhs_MK, rhs_GNK, group_sizes_G, d_out_MN, got, *, windo
     def one_group(args):
         rhs_NK, d_rhs_NK, start, size = args
         valid = (jnp.arange(window) < size)[:, None]
-        lhs, d_out, out, d_lhs = (jnp.where(valid, jax.lax.dynamic_slice_in_dim(x, start, window), 0)
-                                  for x in padded)
+        lhs, d_out, out, d_lhs = (jnp.where(valid, jax.lax.dynamic_slice_in_dim(x, start, window), 0) for x in padded)
         pairs = ((out, dot(lhs, rhs_NK.T)), (d_lhs, dot(d_out, rhs_NK)), (d_rhs_NK, dot(d_out.T, lhs)))
-        return (jnp.stack([jnp.sum((ours.astype(jnp.float32) - ref) ** 2) for ours, ref in pairs]),
-                jnp.stack([jnp.sum(ref ** 2) for _, ref in pairs]))
+        return (
+            jnp.stack([jnp.sum((ours.astype(jnp.float32) - ref) ** 2) for ours, ref in pairs]),
+            jnp.stack([jnp.sum(ref**2) for _, ref in pairs]),
+        )
 
     diff_G3, ref_G3 = jax.lax.map(one_group, (rhs_GNK, d_rhs_GNK, starts_G, group_sizes_G))
     return jnp.sqrt(diff_G3.sum(0) / ref_G3.sum(0))
@@ -248,7 +275,7 @@ def test_compiled_gpu_kernels_at_moe_size():
     errors = per_group_rel_errors(lhs, rhs, jnp.asarray(group_sizes), d_out, got, window=int(group_sizes.max()))
     for name, err in zip(("out", "d_lhs", "d_rhs"), np.asarray(errors)):
         assert err <= 2e-2, f"compiled {name}: rel. error {err:.2e} against per-group dots"
-    assert not jnp.any(out[int(group_sizes.sum()):]) and not jnp.any(got[1][int(group_sizes.sum()):])
+    assert not jnp.any(out[int(group_sizes.sum()) :]) and not jnp.any(got[1][int(group_sizes.sum()) :])
 
 
 @pytest.mark.gpu
@@ -259,9 +286,13 @@ def test_compiled_gpu_kernels_match_reference():
     r = np.random.default_rng(1)
     group_sizes = r.multinomial(rows - 100, r.dirichlet(np.full(num_groups, 0.5))).astype(np.int32)
     keys = jax.random.split(jax.random.key(1), 3)
-    args = (jax.random.normal(keys[0], (rows, k_dim), jnp.bfloat16),
-            jax.random.normal(keys[1], (num_groups, n_dim, k_dim), jnp.bfloat16),
-            jax.random.normal(keys[2], (rows, n_dim), jnp.bfloat16), group_sizes, jnp.bfloat16)
+    args = (
+        jax.random.normal(keys[0], (rows, k_dim), jnp.bfloat16),
+        jax.random.normal(keys[1], (num_groups, n_dim, k_dim), jnp.bfloat16),
+        jax.random.normal(keys[2], (rows, n_dim), jnp.bfloat16),
+        group_sizes,
+        jnp.bfloat16,
+    )
     for ours, ref in zip(value_and_grads("pallas_gpu", *args), value_and_grads("reference", *args)):
         assert rel_error(ours.astype(jnp.float32), ref.astype(jnp.float32)) <= 2e-2
 
@@ -280,7 +311,15 @@ SHRINKING = (64 + 6 + 90 + 100 + 16 + 64 + 9, 48, 80, [70, 90, 100, 16, 0, 64])
 @pytest.mark.parametrize("min_block_m", [16, 64], ids=["shrinking", "fixed"])
 def test_partial_row_tiles_shrink_to_the_rows_they_hold(min_block_m):
     lhs, rhs, d_out, group_sizes = random_case(*SHRINKING, jnp.float32, seed=min_block_m)
-    out = grouped_matmul_gpu(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes), block_m=64, block_n=32,
-                             block_k=16, min_block_m=min_block_m, interpret=True)
+    out = grouped_matmul_gpu(
+        jnp.asarray(lhs),
+        jnp.asarray(rhs),
+        jnp.asarray(group_sizes),
+        block_m=64,
+        block_n=32,
+        block_k=16,
+        min_block_m=min_block_m,
+        interpret=True,
+    )
     assert rel_error(out, float64_per_group(lhs, rhs, d_out, group_sizes)[0]) <= TOL[jnp.float32]
-    assert not np.any(np.asarray(out[group_sizes.sum():])), "tail rows are not 0"
+    assert not np.any(np.asarray(out[group_sizes.sum() :])), "tail rows are not 0"

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from helpers import gpu_test, l2, lower_for_cuda, rel_error
 from np_reference import kda_recurrence
+
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
 from pallas_kernels.kda.gpu_triton import intra_chunk, sub_block_keys, unit_lower_inverse_16, wy_factors
 from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import unit_lower_inverse
-from helpers import gpu_test, l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu"]
 chunk_kda_gpu, chunk_kda_tpu = kernel("chunk_kda", "gpu_triton"), kernel("chunk_kda", "tpu_mosaic")
@@ -42,8 +42,11 @@ def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
     q, k, v, g, beta, state = random_sequence(2, length, 2, 16, 32, jnp.float32, seed=length)
     initial = state if with_state else None
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, initial)
-    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)),
-                     initial_state=None if initial is None else jnp.asarray(initial), backend=backend)
+    o, s = chunk_kda(
+        *(jnp.asarray(x) for x in (q, k, v, g, beta)),
+        initial_state=None if initial is None else jnp.asarray(initial),
+        backend=backend,
+    )
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32 and o.shape == o_ref.shape
     assert rel_error(o, o_ref) <= 1e-4, rel_error(o, o_ref)
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
@@ -54,8 +57,13 @@ def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
 def test_kernel_bf16(backend, length):
     q, k, v, g, beta, state = random_sequence(2, length, 3, 32, 16, jnp.bfloat16, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
-                     initial_state=jnp.asarray(state), backend=backend)
+    o, s = chunk_kda(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        initial_state=jnp.asarray(state),
+        backend=backend,
+    )
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]
 
@@ -65,8 +73,15 @@ def test_gpu_kernel_fp32_parts_for_bf16_inputs():
     is as close as the fp32 inputs' (the default bf16 parts give ~2e-3)."""
     q, k, v, g, beta, state = random_sequence(2, 150, 2, 32, 32, jnp.bfloat16, seed=7)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda_gpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
-                         jnp.asarray(state), scale=32 ** -0.5, parts_dtype=jnp.float32, interpret=True)
+    o, s = chunk_kda_gpu(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        jnp.asarray(state),
+        scale=32**-0.5,
+        parts_dtype=jnp.float32,
+        interpret=True,
+    )
     assert o.dtype == jnp.bfloat16 and rel_error(o, o_ref) <= TOL[jnp.bfloat16]
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
 
@@ -77,8 +92,7 @@ def test_gates_at_the_bound_do_not_overflow(backend):
     q, k, v, _, beta, state = random_sequence(1, 160, 2, 16, 16, jnp.float32, seed=8)
     g = np.full(q.shape, -5.0, np.float32)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state),
-                     backend=backend)
+    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state), backend=backend)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
@@ -88,8 +102,12 @@ def test_kernel_without_in_kernel_l2norm(backend):
     q, k, v, g, beta, state = random_sequence(2, 70, 2, 16, 16, jnp.float32, seed=5)
     q, k = l2(q), 0.7 * l2(k)
     o_ref, s_ref = kda_recurrence(q, k, v, g, beta, state)
-    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state),
-                     use_qk_l2norm=False, backend=backend)
+    o, s = chunk_kda(
+        *(jnp.asarray(x) for x in (q, k, v, g, beta)),
+        initial_state=jnp.asarray(state),
+        use_qk_l2norm=False,
+        backend=backend,
+    )
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
 
@@ -164,9 +182,15 @@ def test_gpu_wy_factors_from_the_inverse_blocks(equal_keys, input_dtype):
     kb = rng.normal(size=(6, 64, 32))
     v = rng.normal(size=(1, 3 * 64, 2, 16)).astype(np.float32)  # [B, Tp, H, V]: heads 0, 1 are the two rows
     beta = rng.uniform(0.05, 1.0, size=(1, 3 * 64, 2, 1)).astype(np.float32)
-    w, u = wy_factors(jnp.asarray(blocks.reshape(2, 3 * 64, 64), jnp.float32),
-                      jnp.asarray(kb.reshape(2, 3 * 64, 32), jnp.float32), jnp.asarray(v), jnp.asarray(beta),
-                      parts_dtype=jnp.float32, input_dtype=input_dtype, interpret=True)
+    w, u = wy_factors(
+        jnp.asarray(blocks.reshape(2, 3 * 64, 64), jnp.float32),
+        jnp.asarray(kb.reshape(2, 3 * 64, 32), jnp.float32),
+        jnp.asarray(v),
+        jnp.asarray(beta),
+        parts_dtype=jnp.float32,
+        input_dtype=input_dtype,
+        interpret=True,
+    )
     inverse = np.linalg.inv(np.eye(64) + strict)
     beta_v = np.moveaxis(beta * v, 2, 0).reshape(6, 64, 16)
     assert rel_error(np.asarray(w).reshape(6, 64, 32), inverse @ kb) <= 1e-5
@@ -178,8 +202,9 @@ def test_gpu_sub_block_keys_match_float64(l2norm):
     """Phase 1's keys kernel: every 16-row sub-block's keys decayed to its end, k_s e^{t_j - G_s} (G the
     cumulative gate inside the sub-block, t_j its total), and the totals in log2 units, against float64."""
     _, k, _, g, _, _ = random_sequence(2, 128, 3, 32, 16, jnp.float32, seed=21)
-    right, totals = sub_block_keys(jnp.asarray(k), jnp.asarray(g), use_qk_l2norm=l2norm, parts_dtype=jnp.float32,
-                                   block_k=16, interpret=True)
+    right, totals = sub_block_keys(
+        jnp.asarray(k), jnp.asarray(g), use_qk_l2norm=l2norm, parts_dtype=jnp.float32, block_k=16, interpret=True
+    )
     flat = lambda x: np.moveaxis(np.asarray(x, np.float64), 2, 1).reshape(6, 8, 16, -1)  # noqa: E731
     keys, gates = flat(l2(k) if l2norm else k), flat(g)
     total = gates.sum(axis=2, keepdims=True)
@@ -217,9 +242,16 @@ def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, **blocks):
     q, k, v, g, beta, _ = random_sequence(1, 128, 2, key_dim, value_dim, dtype, seed=13)
     g[:, :64] *= 0.02  # the first chunk's decay_last far from fp32's underflow (e^-160 for the full range)
     g[:, 64:] = -5.0  # the second chunk at the gate bound
-    parts = intra_chunk(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta)[..., None],
-                        scale=key_dim ** -0.5, parts_dtype=jnp.float32, interpret=interpret, **blocks)
-    expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim ** -0.5)
+    parts = intra_chunk(
+        *(jnp.asarray(x, dtype) for x in (q, k, v)),
+        jnp.asarray(g),
+        jnp.asarray(beta)[..., None],
+        scale=key_dim**-0.5,
+        parts_dtype=jnp.float32,
+        interpret=interpret,
+        **blocks,
+    )
+    expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim**-0.5)
     for name, ours in parts._asdict().items():
         ours = np.asarray(ours).reshape(expected[name].shape)
         error = rel_error(ours, expected[name])
@@ -232,8 +264,14 @@ def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim):
     """Phase 1 alone (its three kernels), each part against the literal float64 form, one chunk of slow decay
     and one at the gate bound: a failing part names the kernel at fault (keys and blocks: a_qk, qg, kg,
     decay_last; WY factors: w, u; the keys kernel also has its own test)."""
-    _check_parts(dtype, key_dim, value_dim, interpret=True, tolerance=1e-6,  # exact fp32 products when interpreted
-                 block_k=16)  # several column blocks at 64 keys
+    _check_parts(
+        dtype,
+        key_dim,
+        value_dim,
+        interpret=True,
+        tolerance=1e-6,  # exact fp32 products when interpreted
+        block_k=16,
+    )  # several column blocks at 64 keys
 
 
 @gpu_test("the compiled Triton kernels")
@@ -257,8 +295,9 @@ def test_correlated_keys_without_decay(backend):
         o, s = fn(*xs)
         return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
 
-    ours = jax.value_and_grad(functools.partial(loss, functools.partial(chunk_kda, backend=backend)),
-                              argnums=(0, 1, 2))(*args)
+    ours = jax.value_and_grad(
+        functools.partial(loss, functools.partial(chunk_kda, backend=backend)), argnums=(0, 1, 2)
+    )(*args)
     ref = jax.value_and_grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2))(*args)
     assert abs(float(ours[0]) - float(ref[0])) <= 1e-4 * abs(float(ref[0]))
     for name, a, b in zip("q k v".split(), ours[1], ref[1]):
@@ -267,33 +306,47 @@ def test_correlated_keys_without_decay(backend):
 
 def _abstract(batch=1, length=1000, heads=4, dim=128):
     shape = jax.ShapeDtypeStruct
-    return (shape((batch, length, heads, dim), jnp.bfloat16), shape((batch, length, heads, dim), jnp.bfloat16),
-            shape((batch, length, heads, dim), jnp.bfloat16), shape((batch, length, heads, dim), jnp.float32),
-            shape((batch, length, heads), jnp.float32))
+    return (
+        shape((batch, length, heads, dim), jnp.bfloat16),
+        shape((batch, length, heads, dim), jnp.bfloat16),
+        shape((batch, length, heads, dim), jnp.bfloat16),
+        shape((batch, length, heads, dim), jnp.float32),
+        shape((batch, length, heads), jnp.float32),
+    )
 
 
 def test_tpu_kernel_lowers_for_tpu():
-    lowered = jax.jit(functools.partial(chunk_kda_tpu, scale=128 ** -0.5)).trace(*_abstract()).lower(
-        lowering_platforms=("tpu",))
+    lowered = (
+        jax.jit(functools.partial(chunk_kda_tpu, scale=128**-0.5))
+        .trace(*_abstract())
+        .lower(lowering_platforms=("tpu",))
+    )
     assert "tpu_custom_call" in lowered.as_text()
 
 
 @pytest.mark.parametrize("shape", [(1, 1000, 4), (1, 32768, 64)], ids=["T1000-H4", "T32768-H64"])
 def test_gpu_kernel_lowers_for_cuda(shape):
-    text = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128 ** -0.5), *_abstract(*shape)).as_text()
+    text = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128**-0.5), *_abstract(*shape)).as_text()
     for kernel in ("intra_blocks", "intra_wy_factors", "inter_chunk"):
         assert f"kda_prefill_{kernel}" in text, kernel
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
+)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_compiled_gpu_kernel_full_width(dtype):
     q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, dtype, seed=11)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda(*(jnp.asarray(x, dtype) for x in (q, k, v)), jnp.asarray(g), jnp.asarray(beta),
-                     initial_state=jnp.asarray(state), backend="pallas_gpu")
+    o, s = chunk_kda(
+        *(jnp.asarray(x, dtype) for x in (q, k, v)),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        initial_state=jnp.asarray(state),
+        backend="pallas_gpu",
+    )
     err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
     print(f"compiled GPU prefill kernel, {jnp.dtype(dtype).name} inputs: o {err_o:.1e}, final state {err_s:.1e}")
     assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)  # bf16/tf32 products for bf16 inputs

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import l2, lower_for_cuda, rel_error
+from np_reference import kda_recurrence
 
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
-from np_reference import kda_recurrence
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.ops import kernel
-from helpers import l2, lower_for_cuda, rel_error
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -49,8 +49,14 @@ def assert_step_matches_float64_recurrence(step, dtype, shape):
     """step(q, k, v, g, beta, state) -> (o, new state) on a random step, against the float64 recurrence."""
     q, k, v, g, beta, state = random_step(*shape, dtype, seed=sum(shape))
     o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
-    o, new_state = step(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g),
-                        jnp.asarray(beta), jnp.asarray(state))
+    o, new_state = step(
+        jnp.asarray(q, dtype),
+        jnp.asarray(k, dtype),
+        jnp.asarray(v, dtype),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        jnp.asarray(state),
+    )
     assert o.dtype == dtype and new_state.dtype == jnp.float32
     assert rel_error(o, o_ref[:, 0]) <= TOL[dtype], rel_error(o, o_ref[:, 0])
     assert rel_error(new_state, s_ref) <= 1e-5, rel_error(new_state, s_ref)
@@ -88,34 +94,50 @@ def test_prefill_then_kernel_steps_equals_longer_prefill(backend):
 
 def _abstract_step(batch=4, heads=64, dim=128):
     shape = jax.ShapeDtypeStruct
-    return (shape((batch, heads, dim), jnp.bfloat16), shape((batch, heads, dim), jnp.bfloat16),
-            shape((batch, heads, dim), jnp.bfloat16), shape((batch, heads, dim), jnp.float32),
-            shape((batch, heads), jnp.float32), shape((batch, heads, dim, dim), jnp.float32))
+    return (
+        shape((batch, heads, dim), jnp.bfloat16),
+        shape((batch, heads, dim), jnp.bfloat16),
+        shape((batch, heads, dim), jnp.bfloat16),
+        shape((batch, heads, dim), jnp.float32),
+        shape((batch, heads), jnp.float32),
+        shape((batch, heads, dim, dim), jnp.float32),
+    )
 
 
 def test_tpu_kernel_lowers_for_tpu():
-    lowered = jax.jit(functools.partial(kda_decode_step_tpu, scale=128 ** -0.5)).trace(
-        *_abstract_step()).lower(lowering_platforms=("tpu",))
+    lowered = (
+        jax.jit(functools.partial(kda_decode_step_tpu, scale=128**-0.5))
+        .trace(*_abstract_step())
+        .lower(lowering_platforms=("tpu",))
+    )
     assert "tpu_custom_call" in lowered.as_text()
 
 
 @pytest.mark.parametrize("variant", FULL_SIZE_GPU_VARIANTS)
 def test_gpu_kernel_lowers_for_cuda(variant):
-    step = functools.partial(kda_decode_step_gpu, scale=128 ** -0.5, **FULL_SIZE_GPU_VARIANTS[variant])
+    step = functools.partial(kda_decode_step_gpu, scale=128**-0.5, **FULL_SIZE_GPU_VARIANTS[variant])
     lowered = lower_for_cuda(step, *_abstract_step(batch=64))
     assert "kda_decode_step" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
+)
 @pytest.mark.parametrize("batch", [1, 64])
 def test_compiled_gpu_kernel_full_size(batch):
     q, k, v, g, beta, state = random_step(batch, 64, 128, 128, jnp.bfloat16, seed=batch)
     o_ref, s_ref = kda_recurrence(l2(q)[:, None], l2(k)[:, None], v[:, None], g[:, None], beta[:, None], state)
-    o, new_state = kda_decode_step(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
-                                   jnp.asarray(v, jnp.bfloat16), jnp.asarray(g), jnp.asarray(beta),
-                                   jnp.asarray(state), backend="pallas_gpu")
+    o, new_state = kda_decode_step(
+        jnp.asarray(q, jnp.bfloat16),
+        jnp.asarray(k, jnp.bfloat16),
+        jnp.asarray(v, jnp.bfloat16),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        jnp.asarray(state),
+        backend="pallas_gpu",
+    )
     assert rel_error(o, o_ref[:, 0]) <= 2e-2 and rel_error(new_state, s_ref) <= 1e-5
 
 
@@ -129,7 +151,7 @@ def test_model_decode_with_kda_kernel_equals_reference(backend):
         cache = model(ids[:, :8], cache=model.init_cache(2, 16)).cache
         steps = []
         for t in (8, 9):
-            out = model(ids[:, t:t + 1], cache=cache)
+            out = model(ids[:, t : t + 1], cache=cache)
             steps.append(out.logits)
             cache = out.cache
         logits[name] = jnp.concatenate(steps, axis=1)

@@ -47,8 +47,9 @@ def test_kernels_run_for_few_rows_only():
     for rows, expected in ((ROWS, True), (ROWS + 1, False)):
         text = str(jax.make_jaxpr(functools.partial(absorb_query, backend="interpret_gpu"))(q_nope[:rows], kv_b))
         assert ("mla_absorb_query" in text) == expected
-        text = str(jax.make_jaxpr(functools.partial(expand_output, nope=16, backend="interpret_gpu"))(
-            o_latent[:rows], kv_b))
+        text = str(
+            jax.make_jaxpr(functools.partial(expand_output, nope=16, backend="interpret_gpu"))(o_latent[:rows], kv_b)
+        )
         assert ("mla_expand_output" in text) == expected
 
 
@@ -56,8 +57,9 @@ def test_gradients_match_the_reference():
     q_nope, o_latent, kv_b = random_case(2, 3, 16, 16, 32, jnp.float32, seed=5)
 
     def loss(backend, q_nope, o_latent, kv_b):
-        return (jnp.sum(jnp.sin(absorb_query(q_nope, kv_b, backend=backend)))
-                + jnp.sum(jnp.cos(expand_output(o_latent, kv_b, 16, backend=backend))))
+        return jnp.sum(jnp.sin(absorb_query(q_nope, kv_b, backend=backend))) + jnp.sum(
+            jnp.cos(expand_output(o_latent, kv_b, 16, backend=backend))
+        )
 
     grads = {b: jax.grad(functools.partial(loss, b), argnums=(0, 1, 2))(q_nope, o_latent, kv_b) for b in BACKENDS}
     for a, b in zip(grads["interpret_gpu"], grads["reference"]):
@@ -67,17 +69,23 @@ def test_gradients_match_the_reference():
 def test_gpu_kernels_lower_for_cuda():
     """Ling-3.1-flash: 64 heads, nope 128, v 128, latent 512, bf16 kv_b_proj; one decode token."""
     kv_b = jax.ShapeDtypeStruct((64, 256, 512), jnp.bfloat16)
-    text = lower_for_cuda(functools.partial(absorb_query, backend="pallas_gpu"),
-                          jax.ShapeDtypeStruct((1, 64, 128), jnp.bfloat16), kv_b).as_text()
+    text = lower_for_cuda(
+        functools.partial(absorb_query, backend="pallas_gpu"), jax.ShapeDtypeStruct((1, 64, 128), jnp.bfloat16), kv_b
+    ).as_text()
     assert "mla_absorb_query" in text
-    text = lower_for_cuda(functools.partial(expand_output, nope=128, backend="pallas_gpu"),
-                          jax.ShapeDtypeStruct((1, 64, 512), jnp.float32), kv_b).as_text()
+    text = lower_for_cuda(
+        functools.partial(expand_output, nope=128, backend="pallas_gpu"),
+        jax.ShapeDtypeStruct((1, 64, 512), jnp.float32),
+        kv_b,
+    ).as_text()
     assert "mla_expand_output" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)",
+)
 @pytest.mark.parametrize("rows", [1, ROWS])
 def test_compiled_gpu_kernels(rows):
     q_nope, o_latent, kv_b = random_case(rows, 64, 128, 128, 512, jnp.bfloat16, seed=rows)

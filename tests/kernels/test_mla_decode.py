@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import gpu_test, lower_for_cuda, rel_error
 
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
@@ -21,7 +22,6 @@ from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode, mla_decode_paged
 from pallas_kernels.mla.ops import kernel
 from pallas_kernels.mla.tuned import MOSAIC_MIN_SLOTS
-from helpers import gpu_test, lower_for_cuda, rel_error
 
 mla_decode_gpu, mla_decode_tpu = kernel("mla_decode", "gpu_triton"), kernel("mla_decode", "tpu_mosaic")
 mla_decode_mgpu, mla_decode_paged_mgpu = kernel("mla_decode", "gpu_mosaic"), kernel("mla_decode_paged", "gpu_mosaic")
@@ -69,24 +69,36 @@ def test_kernel_matches_float64_attention(kernel, heads, max_len, dtype):
     (q_latent, q_rope, cache), lengths = random_case(heads, max_len, dtype, seed=heads * 1000 + max_len)
     scale = 1 / np.sqrt(192)
     ref = float64_attention(q_latent, q_rope, cache, lengths, scale)
-    out = KERNELS[kernel](jnp.asarray(q_latent, dtype), jnp.asarray(q_rope, dtype), jnp.asarray(cache, dtype),
-                          jnp.asarray(lengths, jnp.int32), scale=scale)
+    out = KERNELS[kernel](
+        jnp.asarray(q_latent, dtype),
+        jnp.asarray(q_rope, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(lengths, jnp.int32),
+        scale=scale,
+    )
     assert out.shape == ref.shape and out.dtype == jnp.float32
     err = rel_error(out, ref)
     assert err <= TOL[dtype], f"{kernel} H={heads} L={max_len} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
+)
 @pytest.mark.parametrize("heads", [1, 4, 64])
 @pytest.mark.parametrize("max_len", [1, 17, 300, 40000])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_gpu_kernel_matches_float64_attention(heads, max_len, dtype):
     (q_latent, q_rope, cache), lengths = random_case(heads, max_len, dtype, seed=heads + max_len)
     scale = 1 / np.sqrt(192)
-    out = mla_decode_gpu(jnp.asarray(q_latent, dtype), jnp.asarray(q_rope, dtype), jnp.asarray(cache, dtype),
-                         jnp.asarray(lengths, jnp.int32), scale=scale)
+    out = mla_decode_gpu(
+        jnp.asarray(q_latent, dtype),
+        jnp.asarray(q_rope, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(lengths, jnp.int32),
+        scale=scale,
+    )
     err = rel_error(out, float64_attention(q_latent, q_rope, cache, lengths, scale))
     assert err <= TOL[dtype], f"compiled GPU kernel H={heads} L={max_len}: rel. error {err:.2e}"
 
@@ -95,38 +107,57 @@ def test_compiled_gpu_kernel_matches_float64_attention(heads, max_len, dtype):
 def test_dispatcher_and_many_splits(backend):
     (q_latent, q_rope, cache), lengths = random_case(8, 300, jnp.float32, seed=5)
     ref = float64_attention(q_latent, q_rope, cache, lengths, 0.05)
-    out = mla_decode(*(jnp.asarray(x) for x in (q_latent, q_rope, cache)), jnp.asarray(lengths), scale=0.05,
-                     backend=backend)
+    out = mla_decode(
+        *(jnp.asarray(x) for x in (q_latent, q_rope, cache)), jnp.asarray(lengths), scale=0.05, backend=backend
+    )
     assert rel_error(out, ref) <= 1e-4
-    split = mla_decode_gpu(*(jnp.asarray(x) for x in (q_latent, q_rope, cache)), jnp.asarray(lengths), scale=0.05,
-                           num_splits=7, block_k=16, interpret=True)
+    split = mla_decode_gpu(
+        *(jnp.asarray(x) for x in (q_latent, q_rope, cache)),
+        jnp.asarray(lengths),
+        scale=0.05,
+        num_splits=7,
+        block_k=16,
+        interpret=True,
+    )
     assert rel_error(split, ref) <= 1e-4
 
 
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="backend"):
-        mla_decode(jnp.zeros((1, 1, LATENT)), jnp.zeros((1, 1, ROPE)), jnp.zeros((1, 4, LATENT + ROPE)),
-                   jnp.ones((1,), jnp.int32), scale=1.0, backend="cuda")
+        mla_decode(
+            jnp.zeros((1, 1, LATENT)),
+            jnp.zeros((1, 1, ROPE)),
+            jnp.zeros((1, 4, LATENT + ROPE)),
+            jnp.ones((1,), jnp.int32),
+            scale=1.0,
+            backend="cuda",
+        )
 
 
 def _abstract_args(batch=2, heads=64, max_len=1024):
-    return (jax.ShapeDtypeStruct((batch, heads, LATENT), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch, heads, ROPE), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch, max_len, LATENT + ROPE), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return (
+        jax.ShapeDtypeStruct((batch, heads, LATENT), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, heads, ROPE), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, max_len, LATENT + ROPE), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("max_len", [1024, 1000])
 def test_tpu_kernel_lowers_for_tpu(max_len):
-    lowered = jax.jit(functools.partial(mla_decode_tpu, scale=0.07)).trace(
-        *_abstract_args(max_len=max_len)).lower(lowering_platforms=("tpu",))
+    lowered = (
+        jax.jit(functools.partial(mla_decode_tpu, scale=0.07))
+        .trace(*_abstract_args(max_len=max_len))
+        .lower(lowering_platforms=("tpu",))
+    )
     assert "tpu_custom_call" in lowered.as_text()
 
 
 @pytest.mark.parametrize("batch, max_len", [(2, 1024), (64, 32768)])
 def test_gpu_kernel_lowers_for_cuda(batch, max_len):
-    lowered = lower_for_cuda(functools.partial(mla_decode_gpu, scale=0.07),
-                             *_abstract_args(batch=batch, max_len=max_len))
+    lowered = lower_for_cuda(
+        functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args(batch=batch, max_len=max_len)
+    )
     assert "mla_decode_split" in lowered.as_text()
 
 
@@ -141,7 +172,7 @@ def test_model_decode_with_kernel_equals_expanded_reference(backend):
         cache = model(ids[:, :9], cache=model.init_cache(2, 24), attention_mask=mask[:, :9]).cache
         steps = []
         for t in (9, 10):
-            out = model(ids[:, t:t + 1], cache=cache, mla_mode=None if mode == "kernel" else EXPANDED)
+            out = model(ids[:, t : t + 1], cache=cache, mla_mode=None if mode == "kernel" else EXPANDED)
             steps.append(out.logits)
             cache = out.cache
         logits[mode] = jnp.concatenate(steps, axis=1)
@@ -150,8 +181,10 @@ def test_model_decode_with_kernel_equals_expanded_reference(backend):
 
 MGPU_INTERPRET_OK = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 needs_mgpu_interpreter = pytest.mark.skipif(
-    not MGPU_INTERPRET_OK, reason=f"jax {jax.__version__}'s Mosaic GPU interpreter cannot run transposed wgmma "
-    "operands (jax >= 0.11 can); the kernel's CUDA lowering is still tested here and the compiled kernel on the GPU")
+    not MGPU_INTERPRET_OK,
+    reason=f"jax {jax.__version__}'s Mosaic GPU interpreter cannot run transposed wgmma "
+    "operands (jax >= 0.11 can); the kernel's CUDA lowering is still tested here and the compiled kernel on the GPU",
+)
 
 
 @needs_mgpu_interpreter
@@ -161,8 +194,15 @@ needs_mgpu_interpreter = pytest.mark.skipif(
 def test_mosaic_kernel_matches_float64_attention(heads, max_len, dtype):
     (q_latent, q_rope, cache), lengths = random_case(heads, max_len, dtype, seed=heads * 7 + max_len)
     scale = 1 / np.sqrt(192)
-    out = mla_decode_mgpu(jnp.asarray(q_latent, dtype), jnp.asarray(q_rope, dtype), jnp.asarray(cache, dtype),
-                          jnp.asarray(lengths, jnp.int32), scale=scale, num_splits=2, interpret=True)
+    out = mla_decode_mgpu(
+        jnp.asarray(q_latent, dtype),
+        jnp.asarray(q_rope, dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(lengths, jnp.int32),
+        scale=scale,
+        num_splits=2,
+        interpret=True,
+    )
     err = rel_error(out, float64_attention(q_latent, q_rope, cache, lengths, scale))
     assert out.shape == (3, heads, LATENT) and err <= TOL[jnp.bfloat16], f"H={heads} L={max_len}: {err:.2e}"
 
@@ -172,8 +212,13 @@ def test_mosaic_kernel_many_splits_and_empty_ones():
     """Splits of one 64-slot tile, splits past a sequence's length (no tile: zero weight in the combine)."""
     (q_latent, q_rope, cache), lengths = random_case(8, 300, jnp.bfloat16, seed=11)
     ref = float64_attention(q_latent, q_rope, cache, lengths, 0.05)
-    out = mla_decode_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, cache)),
-                          jnp.asarray(lengths), scale=0.05, num_splits=5, interpret=True)
+    out = mla_decode_mgpu(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, cache)),
+        jnp.asarray(lengths),
+        scale=0.05,
+        num_splits=5,
+        interpret=True,
+    )
     assert rel_error(out, ref) <= 2e-2
 
 
@@ -188,8 +233,9 @@ def test_mosaic_kernel_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("batch, max_len", [(2, 1000), (64, 32768)])
 def test_mosaic_kernel_lowers_for_cuda(batch, max_len):
     """Layout inference and the shared-memory budget (227 KiB) are checked at lowering."""
-    lowered = lower_for_cuda(functools.partial(mla_decode_mgpu, scale=0.07),
-                             *_abstract_args(batch=batch, max_len=max_len))
+    lowered = lower_for_cuda(
+        functools.partial(mla_decode_mgpu, scale=0.07), *_abstract_args(batch=batch, max_len=max_len)
+    )
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -199,8 +245,9 @@ def test_mosaic_kernel_lowers_for_cuda(batch, max_len):
 def test_compiled_mosaic_kernel_matches_float64_attention(heads, max_len):
     (q_latent, q_rope, cache), lengths = random_case(heads, max_len, jnp.bfloat16, seed=heads + max_len)
     scale = 1 / np.sqrt(192)
-    out = mla_decode_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, cache)),
-                          jnp.asarray(lengths, jnp.int32), scale=scale)
+    out = mla_decode_mgpu(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, cache)), jnp.asarray(lengths, jnp.int32), scale=scale
+    )
     err = rel_error(out, float64_attention(q_latent, q_rope, cache, lengths, scale))
     assert err <= TOL[jnp.bfloat16], f"compiled Mosaic GPU kernel H={heads} L={max_len}: rel. error {err:.2e}"
 
@@ -217,7 +264,7 @@ def test_compiled_model_decode_with_mosaic_kernel_equals_expanded_reference():
         cache = model(ids[:, :72], cache=model.init_cache(2, MOSAIC_MIN_SLOTS // 2)).cache
         steps = []
         for t in range(72, 75):
-            out = model(ids[:, t:t + 1], cache=cache, mla_mode=None if mode == "kernel" else EXPANDED)
+            out = model(ids[:, t : t + 1], cache=cache, mla_mode=None if mode == "kernel" else EXPANDED)
             steps.append(out.logits)
             cache = out.cache
         logits[mode] = jnp.concatenate(steps, axis=1)
@@ -230,7 +277,7 @@ def random_paged_case(heads, page_size, max_pages, dtype, seed):
     cache each sequence sees."""
     r = np.random.default_rng(seed)
     batch, num_pages = 3, 3 * max_pages
-    table = r.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    table = r.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
     table[1, 0] = table[0, 0]
     lengths = np.array([1, page_size + 5, max_pages * page_size], np.int32)
     table[0, 1:] = -1
@@ -246,33 +293,53 @@ def random_paged_case(heads, page_size, max_pages, dtype, seed):
 def test_paged_decode_matches_float64_attention(backend):
     (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(4, 16, 3, jnp.float32, seed=21)
     ref = float64_attention(q_latent, q_rope, contiguous, lengths, 0.06)
-    out = mla_decode_paged(*(jnp.asarray(x) for x in (q_latent, q_rope, pages)), jnp.asarray(table),
-                           jnp.asarray(lengths), scale=0.06, backend=backend)
+    out = mla_decode_paged(
+        *(jnp.asarray(x) for x in (q_latent, q_rope, pages)),
+        jnp.asarray(table),
+        jnp.asarray(lengths),
+        scale=0.06,
+        backend=backend,
+    )
     assert rel_error(out, ref) <= 1e-4
 
 
 @needs_mgpu_interpreter
 @pytest.mark.parametrize("heads, page_size", [(4, 64), (64, 128)])
 def test_mosaic_paged_kernel_matches_float64_attention(heads, page_size):
-    (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(heads, page_size, 3, jnp.bfloat16,
-                                                                              seed=page_size)
+    (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(
+        heads, page_size, 3, jnp.bfloat16, seed=page_size
+    )
     ref = float64_attention(q_latent, q_rope, contiguous, lengths, 0.06)
-    out = mla_decode_paged_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)),
-                                jnp.asarray(table), jnp.asarray(lengths), scale=0.06, num_splits=2, interpret=True)
+    out = mla_decode_paged_mgpu(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)),
+        jnp.asarray(table),
+        jnp.asarray(lengths),
+        scale=0.06,
+        num_splits=2,
+        interpret=True,
+    )
     assert rel_error(out, ref) <= 2e-2
 
 
 def test_mosaic_paged_kernel_refuses_pages_off_the_tile():
     (q_latent, q_rope, pages), table, lengths, _ = random_paged_case(4, 32, 2, jnp.bfloat16, seed=3)
     with pytest.raises(ValueError, match="page size"):
-        mla_decode_paged_mgpu(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)),
-                              jnp.asarray(table), jnp.asarray(lengths), scale=0.06)
+        mla_decode_paged_mgpu(
+            *(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)),
+            jnp.asarray(table),
+            jnp.asarray(lengths),
+            scale=0.06,
+        )
 
 
 def test_mosaic_paged_kernel_lowers_for_cuda():
-    args = (jax.ShapeDtypeStruct((64, 64, LATENT), jnp.bfloat16), jax.ShapeDtypeStruct((64, 64, ROPE), jnp.bfloat16),
-            jax.ShapeDtypeStruct((64 * 512, 64, LATENT + ROPE), jnp.bfloat16),
-            jax.ShapeDtypeStruct((64, 512), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((64, 64, LATENT), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64, 64, ROPE), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64 * 512, 64, LATENT + ROPE), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64, 512), jnp.int32),
+        jax.ShapeDtypeStruct((64,), jnp.int32),
+    )
     lowered = lower_for_cuda(functools.partial(mla_decode_paged_mgpu, scale=0.07), *args)
     assert "mosaic_gpu" in lowered.as_text()
 
@@ -280,9 +347,14 @@ def test_mosaic_paged_kernel_lowers_for_cuda():
 @gpu_test("the compiled paged Mosaic GPU kernel (Hopper)")
 @pytest.mark.parametrize("page_size", [64, 256])
 def test_compiled_mosaic_paged_kernel_matches_float64_attention(page_size):
-    (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(64, page_size, 40, jnp.bfloat16,
-                                                                              seed=page_size)
+    (q_latent, q_rope, pages), table, lengths, contiguous = random_paged_case(
+        64, page_size, 40, jnp.bfloat16, seed=page_size
+    )
     ref = float64_attention(q_latent, q_rope, contiguous, lengths, 0.06)
-    out = mla_decode_paged(*(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)), jnp.asarray(table),
-                           jnp.asarray(lengths), scale=0.06)
+    out = mla_decode_paged(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q_latent, q_rope, pages)),
+        jnp.asarray(table),
+        jnp.asarray(lengths),
+        scale=0.06,
+    )
     assert rel_error(out, ref) <= 2e-2

@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from flax import nnx
-
 from helpers import gpu_test, lower_for_cuda, rel_error
+
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_prefill
@@ -50,11 +49,16 @@ def random_case(dtype, seed, nope=NOPE, value=VALUE, rope=ROPE, length=45, slots
     w_uv = r.normal(size=(HEADS, value, LATENT)) / np.sqrt(LATENT)
     query_slots = np.stack([30 + np.arange(length), np.r_[-1, np.arange(length - 1) * 2]])
     key_valid = np.stack([np.arange(slots) < 30 + length, r.uniform(size=slots) < 0.7])
-    rounded = [np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
-               for x in (q_nope, q_pe, latent, w_uk, w_uv)]
+    rounded = [
+        np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64) for x in (q_nope, q_pe, latent, w_uk, w_uv)
+    ]
     ref = float64_expanded(rounded[0], rounded[1], rounded[2], query_slots, key_valid, rounded[3], rounded[4], 0.2)
-    args = (*(jnp.asarray(x, dtype) for x in rounded[:3]), jnp.asarray(query_slots, jnp.int32),
-            jnp.asarray(key_valid), *(jnp.asarray(x, dtype) for x in rounded[3:]))
+    args = (
+        *(jnp.asarray(x, dtype) for x in rounded[:3]),
+        jnp.asarray(query_slots, jnp.int32),
+        jnp.asarray(key_valid),
+        *(jnp.asarray(x, dtype) for x in rounded[3:]),
+    )
     return args, ref
 
 
@@ -78,8 +82,9 @@ def test_flash_prefill_matches_dense_float64(dtype, tol, blocks):
 def test_gpu_kernel_matches_dense_float64(dtype, tol, segment, block_q, block_k):
     """The Pallas (Triton) segment kernel in interpret mode: several segments merged, a padded last segment."""
     args, ref = random_case(dtype, seed=segment + block_k, **KERNEL_DIMS)
-    out = flash_expanded_attention_gpu(*args, scale=0.2, segment=segment, block_q=block_q, block_k=block_k,
-                                       interpret=True)
+    out = flash_expanded_attention_gpu(
+        *args, scale=0.2, segment=segment, block_q=block_q, block_k=block_k, interpret=True
+    )
     assert_matches(out, ref, dtype, tol, f"segment {segment}, blocks {block_q}x{block_k}")
 
 
@@ -100,10 +105,15 @@ def test_gpu_kernel_refuses_dims_triton_cannot_multiply():
 def test_gpu_kernel_lowers_for_cuda_at_ling_width():
     shape = jax.ShapeDtypeStruct
     batch, length, slots, heads = 1, 2048, 8192, 64
-    args = (shape((batch, length, heads, 128), jnp.bfloat16), shape((batch, length, heads, 64), jnp.bfloat16),
-            shape((batch, slots, 576), jnp.bfloat16), shape((batch, length), jnp.int32),
-            shape((batch, slots), jnp.bool_), shape((heads, 128, 512), jnp.bfloat16),
-            shape((heads, 128, 512), jnp.bfloat16))
+    args = (
+        shape((batch, length, heads, 128), jnp.bfloat16),
+        shape((batch, length, heads, 64), jnp.bfloat16),
+        shape((batch, slots, 576), jnp.bfloat16),
+        shape((batch, length), jnp.int32),
+        shape((batch, slots), jnp.bool_),
+        shape((heads, 128, 512), jnp.bfloat16),
+        shape((heads, 128, 512), jnp.bfloat16),
+    )
     lowered = lower_for_cuda(functools.partial(flash_expanded_attention_gpu, scale=0.07), *args)
     assert "mla_prefill_segment" in lowered.as_text()
 
@@ -119,8 +129,11 @@ def _runs_prefill_kernel(fn, *args) -> bool:
     return "mla_prefill_segment" in str(jax.make_jaxpr(fn)(*args))
 
 
-@pytest.mark.parametrize("dims, kernel", [(KERNEL_DIMS, True), (dict(nope=NOPE, value=VALUE, rope=ROPE), False)],
-                         ids=["kernel-dims", "other-dims"])
+@pytest.mark.parametrize(
+    "dims, kernel",
+    [(KERNEL_DIMS, True), (dict(nope=NOPE, value=VALUE, rope=ROPE), False)],
+    ids=["kernel-dims", "other-dims"],
+)
 @pytest.mark.parametrize("backend", ["interpret_gpu", "reference", "interpret_tpu"])
 def test_mla_prefill_op_picks_the_kernel_where_it_fits(backend, dims, kernel):
     """The GPU backends run the Triton kernel for power-of-two head dims >= 16 and the jnp flash path otherwise;
@@ -136,8 +149,12 @@ def test_mla_prefill_kernel_gradient_is_the_flash_paths():
     cotangent = jnp.asarray(np.random.default_rng(2).normal(size=(2, 45, HEADS, KERNEL_DIMS["value"])), jnp.float32)
 
     def grads(backend):
-        loss = lambda q_nope, latent, w_uv: jnp.sum(cotangent * mla_prefill(  # noqa: E731
-            q_nope, args[1], latent, args[3], args[4], args[5], w_uv, scale=0.2, backend=backend))
+        loss = lambda q_nope, latent, w_uv: jnp.sum(
+            cotangent
+            * mla_prefill(  # noqa: E731
+                q_nope, args[1], latent, args[3], args[4], args[5], w_uv, scale=0.2, backend=backend
+            )
+        )
         return jax.grad(loss, argnums=(0, 1, 2))(args[0], args[2], args[6])
 
     for kernel_grad, flash_grad in zip(grads("interpret_gpu"), grads("reference")):

@@ -71,8 +71,11 @@ def test_gradients_match_the_reference():
 
     def loss(backend, x, residual, weight):
         total, normed = add_rms_norm(x, residual, weight, EPS, backend=backend)
-        return jnp.sum(jnp.sin(normed) * probe) + jnp.sum(total * total) + jnp.sum(
-            rms_norm(x, weight, EPS, backend=backend) * probe)
+        return (
+            jnp.sum(jnp.sin(normed) * probe)
+            + jnp.sum(total * total)
+            + jnp.sum(rms_norm(x, weight, EPS, backend=backend) * probe)
+        )
 
     grads = {b: jax.grad(functools.partial(loss, b), argnums=(0, 1, 2))(x, residual, weight) for b in BACKENDS}
     for a, b in zip(grads["interpret_gpu"], grads["reference"]):
@@ -84,15 +87,21 @@ def test_gpu_kernels_lower_for_cuda():
     for rows in (1, 4096):
         row = jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16)
         weight = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
-        text = lower_for_cuda(functools.partial(add_rms_norm, eps=EPS, backend="pallas_gpu"), row, row, weight).as_text()
+        text = lower_for_cuda(
+            functools.partial(add_rms_norm, eps=EPS, backend="pallas_gpu"), row, row, weight
+        ).as_text()
         assert "add_rms_norm" in text
-        assert "rms_norm" in lower_for_cuda(functools.partial(rms_norm, eps=EPS, backend="pallas_gpu"), row,
-                                            weight).as_text()
+        assert (
+            "rms_norm"
+            in lower_for_cuda(functools.partial(rms_norm, eps=EPS, backend="pallas_gpu"), row, weight).as_text()
+        )
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
+)
 @pytest.mark.parametrize("rows", [1, 64, 8192])
 def test_compiled_gpu_kernels(rows):
     x, residual, weight = random_rows((rows, 4096), jnp.bfloat16, seed=rows)

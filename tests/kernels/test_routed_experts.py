@@ -27,10 +27,14 @@ def random_case(tokens, top_k, num_experts, hidden, width, dtype, seed, invalid=
     experts = np.stack([r.permutation(num_experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
     if invalid:
         experts[0, -1], experts[-1, 0] = -1, num_experts
-    return (rounded(r.normal(size=(tokens, hidden))), r.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32),
-            experts, rounded(r.normal(size=(num_experts, width, hidden)) / hidden ** 0.5),
-            rounded(r.normal(size=(num_experts, width, hidden)) / hidden ** 0.5),
-            rounded(r.normal(size=(num_experts, hidden, width)) / width ** 0.5))
+    return (
+        rounded(r.normal(size=(tokens, hidden))),
+        r.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32),
+        experts,
+        rounded(r.normal(size=(num_experts, width, hidden)) / hidden**0.5),
+        rounded(r.normal(size=(num_experts, width, hidden)) / hidden**0.5),
+        rounded(r.normal(size=(num_experts, hidden, width)) / width**0.5),
+    )
 
 
 def float64_ffn(x, gate, up, down, limit):
@@ -57,14 +61,18 @@ def float64_loop(x, weights, experts, gate, up, down, limit, shared=None, shared
 
 def random_shared(hidden, width, seed):
     r = np.random.default_rng(seed)
-    return (r.normal(size=(width, hidden)) / hidden ** 0.5, r.normal(size=(width, hidden)) / hidden ** 0.5,
-            r.normal(size=(hidden, width)) / width ** 0.5)
+    return (
+        r.normal(size=(width, hidden)) / hidden**0.5,
+        r.normal(size=(width, hidden)) / hidden**0.5,
+        r.normal(size=(hidden, width)) / width**0.5,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("limit", [None, 0.7], ids=["no-limit", "limit"])
-@pytest.mark.parametrize("shape", [(1, 8, 16, 64, 32), (5, 3, 7, 48, 40), (3, 1, 4, 130, 24)],
-                         ids=["decode-1", "odd", "top-1"])
+@pytest.mark.parametrize(
+    "shape", [(1, 8, 16, 64, 32), (5, 3, 7, 48, 40), (3, 1, 4, 130, 24)], ids=["decode-1", "odd", "top-1"]
+)
 def test_matches_float64_loop_fp32(backend, limit, shape):
     case = random_case(*shape, jnp.float32, seed=sum(shape), invalid=shape[1] > 1)
     ours = routed_experts(*(jnp.asarray(a) for a in case), limit, backend=backend)
@@ -79,8 +87,13 @@ def test_shared_expert_rows_match_float64_loop(backend, shared_limit, shape):
     """The shared expert as one more row per token (its own clip), invalid routed slots included."""
     case = random_case(*shape, jnp.float32, seed=sum(shape) + 1, invalid=True)
     shared = tuple(a.astype(np.float32) for a in random_shared(shape[3], shape[4], seed=shape[0]))
-    ours = routed_experts(*(jnp.asarray(a) for a in case), 0.7, shared=tuple(map(jnp.asarray, shared)),
-                          shared_limit=shared_limit, backend=backend)
+    ours = routed_experts(
+        *(jnp.asarray(a) for a in case),
+        0.7,
+        shared=tuple(map(jnp.asarray, shared)),
+        shared_limit=shared_limit,
+        backend=backend,
+    )
     assert rel_error(ours, float64_loop(*case, 0.7, shared, shared_limit)) <= TOL[jnp.float32]
 
 
@@ -93,14 +106,17 @@ def test_shared_expert_gradients_match_the_dense_path(backend):
         return jnp.sum(jnp.sin(fn(x, weights, gate, up, down, shared)))
 
     def ours(x, weights, gate, up, down, shared):
-        return routed_experts(x, weights, experts, gate, up, down, 0.9, shared=shared, shared_limit=0.5,
-                              backend=backend)
+        return routed_experts(
+            x, weights, experts, gate, up, down, 0.9, shared=shared, shared_limit=0.5, backend=backend
+        )
 
     def dense(x, weights, gate, up, down, shared):
         return dense_expert_ffn(x, weights, experts, gate, up, down, 0.9) + swiglu_ffn(x, *shared, 0.5)
 
-    got, expected = (jax.grad(functools.partial(loss, fn), argnums=range(6))(x, weights, gate, up, down, shared)
-                     for fn in (ours, dense))
+    got, expected = (
+        jax.grad(functools.partial(loss, fn), argnums=range(6))(x, weights, gate, up, down, shared)
+        for fn in (ours, dense)
+    )
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         assert rel_error(a, b) <= 1e-5
 
@@ -108,8 +124,9 @@ def test_shared_expert_gradients_match_the_dense_path(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16(backend):
     case = random_case(2, 8, 32, 256, 64, jnp.bfloat16, seed=3)
-    args = [jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 and i != 1 else jnp.asarray(a)
-            for i, a in enumerate(case)]
+    args = [
+        jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 and i != 1 else jnp.asarray(a) for i, a in enumerate(case)
+    ]
     ours = routed_experts(*args, 7.0, backend=backend)
     assert ours.dtype == jnp.bfloat16
     assert rel_error(ours, float64_loop(*case, 7.0)) <= TOL[jnp.bfloat16]
@@ -123,8 +140,9 @@ def test_gradients_match_the_dense_path(backend):
     def loss(fn, x, weights, gate, up, down):
         return jnp.sum(jnp.sin(fn(x, weights, experts, gate, up, down, 0.9)))
 
-    ours = jax.grad(functools.partial(loss, functools.partial(routed_experts, backend=backend)),
-                    argnums=range(5))(x, weights, gate, up, down)
+    ours = jax.grad(functools.partial(loss, functools.partial(routed_experts, backend=backend)), argnums=range(5))(
+        x, weights, gate, up, down
+    )
     dense = jax.grad(functools.partial(loss, dense_expert_ffn), argnums=range(5))(x, weights, gate, up, down)
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, dense):
         assert rel_error(a, b) <= 1e-5, f"d/d{name}: {rel_error(a, b):.2e}"
@@ -134,13 +152,17 @@ def test_local_moe_takes_the_row_path_for_few_tokens():
     """On a GPU backend, up to ROW_PATH_MAX_ROWS rows run the row kernels; either way the result is the
     grouped reference's."""
     for tokens in (1, ROW_PATH_MAX_ROWS // 4, ROW_PATH_MAX_ROWS // 4 + 1):
-        x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16,
-                                                                                   jnp.float32, tokens))
+        x, weights, experts, gate, up, down = (
+            jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16, jnp.float32, tokens)
+        )
         ours = local_moe(x, weights, experts, gate, up, down, 2.0, backend="interpret_gpu")
         grouped = local_moe(x, weights, experts, gate, up, down, 2.0, backend="reference")
         assert rel_error(ours, grouped) <= 1e-5
-        text = str(jax.make_jaxpr(functools.partial(local_moe, limit=2.0, backend="interpret_gpu"))(
-            x, weights, experts, gate, up, down))
+        text = str(
+            jax.make_jaxpr(functools.partial(local_moe, limit=2.0, backend="interpret_gpu"))(
+                x, weights, experts, gate, up, down
+            )
+        )
         assert ("expert_swiglu_rows" in text) == (tokens * 4 <= ROW_PATH_MAX_ROWS)
 
 
@@ -149,8 +171,9 @@ def test_local_moe_takes_the_row_path_for_few_tokens():
 def test_local_moe_with_the_shared_expert(tokens, shared_width):
     """The shared expert joins the row kernels when it has the routed width (one launch pair, no separate
     shared-expert ops); otherwise, and on the grouped path, it is added after. Always == reference."""
-    x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16,
-                                                                               jnp.float32, tokens))
+    x, weights, experts, gate, up, down = (
+        jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16, jnp.float32, tokens)
+    )
     shared = SharedExpert(*(jnp.asarray(a, jnp.float32) for a in random_shared(32, shared_width, seed=7)), 0.6)
     run = functools.partial(local_moe, limit=2.0, shared=shared)
     ours = run(x, weights, experts, gate, up, down, backend="interpret_gpu")
@@ -165,17 +188,24 @@ def test_local_moe_with_the_shared_expert(tokens, shared_width):
 def test_gpu_kernels_lower_for_cuda():
     """Ling-3.1-flash decode shapes (one token, top-8 of 512 experts, hidden 4096, width 1024)."""
     shape = jax.ShapeDtypeStruct
-    args = (shape((1, 4096), jnp.bfloat16), shape((1, 8), jnp.float32), shape((1, 8), jnp.int32),
-            shape((512, 1024, 4096), jnp.bfloat16), shape((512, 1024, 4096), jnp.bfloat16),
-            shape((512, 4096, 1024), jnp.bfloat16))
+    args = (
+        shape((1, 4096), jnp.bfloat16),
+        shape((1, 8), jnp.float32),
+        shape((1, 8), jnp.int32),
+        shape((512, 1024, 4096), jnp.bfloat16),
+        shape((512, 1024, 4096), jnp.bfloat16),
+        shape((512, 4096, 1024), jnp.bfloat16),
+    )
     lowered = lower_for_cuda(functools.partial(routed_experts, limit=7.0, backend="pallas_gpu"), *args)
     text = lowered.as_text()
     assert "expert_swiglu_rows" in text and "expert_down_combine" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the compiled Triton kernels need a GPU; they run on the device machine (pytest -m gpu)",
+)
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_compiled_gpu_kernels_at_decode_size(tokens):
     """Ling-3.1-flash shapes, bf16: weights drawn on the device (3 x 512 x 4096 x 1024 values); the float64
@@ -186,8 +216,8 @@ def test_compiled_gpu_kernels_at_decode_size(tokens):
     weights = r.uniform(0.1, 1.0, (tokens, top_k)).astype(np.float32)
     keys = jax.random.split(jax.random.key(tokens), 4)
     x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
-    gate, up = (jax.random.normal(k, (num_experts, width, hidden), jnp.bfloat16) * hidden ** -0.5 for k in keys[1:3])
-    down = jax.random.normal(keys[3], (num_experts, hidden, width), jnp.bfloat16) * width ** -0.5
+    gate, up = (jax.random.normal(k, (num_experts, width, hidden), jnp.bfloat16) * hidden**-0.5 for k in keys[1:3])
+    down = jax.random.normal(keys[3], (num_experts, hidden, width), jnp.bfloat16) * width**-0.5
     ours = routed_experts(x, jnp.asarray(weights), jnp.asarray(experts), gate, up, down, 7.0, backend="pallas_gpu")
     picked, local = np.unique(experts, return_inverse=True)
     host = [np.asarray(w[jnp.asarray(picked)], np.float32) for w in (gate, up, down)]

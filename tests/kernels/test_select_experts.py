@@ -25,11 +25,11 @@ def numpy_select(logits, bias, rule: RoutingRule):
     if rule.n_group:
         grouped = choice.reshape(tokens, rule.n_group, -1)
         group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
-        kept_groups = np.argsort(-group_score, axis=-1, kind="stable")[:, :rule.topk_group]
+        kept_groups = np.argsort(-group_score, axis=-1, kind="stable")[:, : rule.topk_group]
         kept = np.zeros(group_score.shape, bool)
         np.put_along_axis(kept, kept_groups, True, axis=-1)
         choice = np.where(np.repeat(kept, num_experts // rule.n_group, axis=-1), choice, -np.inf)
-    experts = np.argsort(-choice, axis=-1, kind="stable")[:, :rule.top_k]
+    experts = np.argsort(-choice, axis=-1, kind="stable")[:, : rule.top_k]
     weights = np.take_along_axis(scores, experts, axis=-1)
     if rule.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
@@ -40,8 +40,10 @@ def random_logits(tokens, num_experts, seed, ties):
     """Router logits and expert bias; with `ties`, few distinct values (equal group scores, repeated maxima)."""
     r = np.random.default_rng(seed)
     if ties:
-        return (r.integers(-2, 3, (tokens, num_experts)).astype(np.float32),
-                r.integers(0, 2, num_experts).astype(np.float32) * 0.5)
+        return (
+            r.integers(-2, 3, (tokens, num_experts)).astype(np.float32),
+            r.integers(0, 2, num_experts).astype(np.float32) * 0.5,
+        )
     return r.normal(size=(tokens, num_experts)).astype(np.float32), r.normal(size=num_experts).astype(np.float32) * 0.1
 
 
@@ -87,8 +89,10 @@ def test_gradient_through_the_weights():
         weights, _ = select_experts(logits_TE, bias_E, rule, backend=backend)
         return jnp.sum(weights * probe)
 
-    grads = {b: jax.grad(functools.partial(loss, b), argnums=(0, 1))(jnp.asarray(logits), jnp.asarray(bias))
-             for b in BACKENDS}
+    grads = {
+        b: jax.grad(functools.partial(loss, b), argnums=(0, 1))(jnp.asarray(logits), jnp.asarray(bias))
+        for b in BACKENDS
+    }
     assert rel_error(grads["interpret_gpu"][0], grads["reference"][0]) <= 1e-6
     assert np.abs(np.asarray(grads["reference"][0])).max() > 1e-3
     np.testing.assert_array_equal(np.asarray(grads["interpret_gpu"][1]), np.asarray(grads["reference"][1]))
@@ -98,14 +102,15 @@ def test_gpu_kernel_lowers_for_cuda():
     """Ling-3.1-flash: 512 experts in 8 groups, one decode token and a 4096-token prefill chunk."""
     for tokens in (1, 4096):
         args = (jax.ShapeDtypeStruct((tokens, 512), jnp.float32), jax.ShapeDtypeStruct((512,), jnp.float32))
-        lowered = lower_for_cuda(functools.partial(select_experts, rule=RULES["ling-3.1"], backend="pallas_gpu"),
-                                 *args)
+        lowered = lower_for_cuda(functools.partial(select_experts, rule=RULES["ling-3.1"], backend="pallas_gpu"), *args)
         assert "select_experts" in lowered.as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu",
-                    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)")
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
+)
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("tokens", [1, 64, 8192])
 def test_compiled_gpu_kernel(tokens, ties):

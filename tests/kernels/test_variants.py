@@ -22,8 +22,12 @@ from pallas_kernels.norm import tuned as norm_tuned
 from pallas_kernels.tuning import ANY, H200, Entry
 
 OPS = (kda_ops, mla_ops, moe_ops, norm_ops)
-TABLES = {f"{module.__name__}.{name}": table for module in (kda_tuned, mla_tuned, moe_tuned, norm_tuned)
-          for name, table in vars(module).items() if name.isupper() and isinstance(table, dict)}
+TABLES = {
+    f"{module.__name__}.{name}": table
+    for module in (kda_tuned, mla_tuned, moe_tuned, norm_tuned)
+    for name, table in vars(module).items()
+    if name.isupper() and isinstance(table, dict)
+}
 
 
 def test_every_variant_is_reachable_by_name():
@@ -35,7 +39,9 @@ def test_every_variant_is_reachable_by_name():
 
 
 def test_unknown_variant_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown variant 'gpu' of chunk_kda; known: reference, gpu_triton, tpu_mosaic"):
+    with pytest.raises(
+        ValueError, match="unknown variant 'gpu' of chunk_kda; known: reference, gpu_triton, tpu_mosaic"
+    ):
         kda_ops.kernel("chunk_kda", "gpu")
     with pytest.raises(ValueError, match="unknown op 'chunk'; known: chunk_kda, kda_decode_step"):
         kda_ops.kernel("chunk", "reference")
@@ -78,9 +84,13 @@ def test_every_table_has_a_default_and_cites_its_source(name):
 
 
 def test_lookup_prefers_device_then_bucket_then_dtype():
-    table = {(ANY, ANY, ANY): Entry("default", "-"), (ANY, ANY, "16bit"): Entry("16-bit", "-"),
-             (ANY, "decode", ANY): Entry("decode", "-"), (H200, ANY, ANY): Entry("h200", "-"),
-             (H200, ANY, "bfloat16"): Entry("h200 bf16", "-")}
+    table = {
+        (ANY, ANY, ANY): Entry("default", "-"),
+        (ANY, ANY, "16bit"): Entry("16-bit", "-"),
+        (ANY, "decode", ANY): Entry("decode", "-"),
+        (H200, ANY, ANY): Entry("h200", "-"),
+        (H200, ANY, "bfloat16"): Entry("h200 bf16", "-"),
+    }
     assert tuning.lookup(table, dtype=jnp.float32, device="other") == "default"
     assert tuning.lookup(table, dtype=jnp.float16, device="other") == "16-bit"
     assert tuning.lookup(table, dtype=jnp.float16, bucket="decode", device="other") == "decode"
@@ -94,4 +104,5 @@ def test_one_source_of_truth_for_the_kda_prefill_state_pass():
     """Phase 2 alone and inside the whole prefill take the same table entry (they once disagreed: 32 vs 64)."""
     assert tuning.lookup(kda_tuned.CHUNK_INTER, dtype=jnp.bfloat16, device=H200).block_v == 64
     assert tuning.lookup(kda_tuned.CHUNK_INTER, dtype=jnp.bfloat16, device="other") == tuning.lookup(
-        kda_tuned.CHUNK_INTER, dtype=jnp.bfloat16, device=H200)
+        kda_tuned.CHUNK_INTER, dtype=jnp.bfloat16, device=H200
+    )

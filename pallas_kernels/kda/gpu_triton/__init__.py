@@ -9,5 +9,14 @@ from pallas_kernels.kda.gpu_triton.inter import inter_chunk
 from pallas_kernels.kda.gpu_triton.intra import ChunkParts, intra_chunk
 from pallas_kernels.kda.gpu_triton.tril import unit_lower_inverse_16, wy_factors
 
-__all__ = ["ChunkParts", "chunk_kda_gpu", "decay_blocks", "inter_chunk", "intra_chunk", "kda_decode_step_gpu",
-           "sub_block_keys", "unit_lower_inverse_16", "wy_factors"]
+__all__ = [
+    "ChunkParts",
+    "chunk_kda_gpu",
+    "decay_blocks",
+    "inter_chunk",
+    "intra_chunk",
+    "kda_decode_step_gpu",
+    "sub_block_keys",
+    "unit_lower_inverse_16",
+    "wy_factors",
+]

@@ -53,7 +53,7 @@ from pallas_kernels.kda.reference import L2_EPS
 from pallas_kernels.tuning import fill, lookup
 
 LOG2_E = 1.4426950408889634
-SHIFT_UP, SHIFT_DOWN = 2.0 ** 58, 2.0 ** -58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
+SHIFT_UP, SHIFT_DOWN = 2.0**58, 2.0**-58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
 
 
 def _column_blocks(key_dim: int, block_k: int):
@@ -63,8 +63,9 @@ def _column_blocks(key_dim: int, block_k: int):
 
 def _rows(ref, column_blocks, eviction_policy=None):
     """ref's [SUB, K] rows as fp32 [SUB, block_k] tiles, one per column block."""
-    return [plgpu.load(ref.at[:, columns], eviction_policy=eviction_policy).astype(jnp.float32)
-            for columns in column_blocks]
+    return [
+        plgpu.load(ref.at[:, columns], eviction_policy=eviction_policy).astype(jnp.float32) for columns in column_blocks
+    ]
 
 
 def _inverse_norms(tiles, l2norm: bool):
@@ -90,12 +91,30 @@ def _keys_kernel(k_ref, g_ref, right_ref, totals_ref, *, l2norm, block_k):
         g_j = g_ref[:, columns] * LOG2_E
         total = jnp.sum(g_j, axis=0, keepdims=True)
         right_ref[:, columns] = (key * key_scale_SUB1 * jnp.exp2(total - jnp.cumsum(g_j, axis=0))).astype(
-            right_ref.dtype)
+            right_ref.dtype
+        )
         totals_ref[:, columns] = total
 
 
-def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref, blocks_ref, kb_ref, kg_ref,
-            decay_ref, *, scale, l2norm, input_dtype, block_k):
+def _kernel(
+    q_ref,
+    k_ref,
+    g_ref,
+    beta_ref,
+    right_ref,
+    totals_ref,
+    qg_ref,
+    a_ref,
+    blocks_ref,
+    kb_ref,
+    kg_ref,
+    decay_ref,
+    *,
+    scale,
+    l2norm,
+    input_dtype,
+    block_k,
+):
     """Sub-block i's rows of every output (right_ref: the whole chunk's decayed keys, totals_ref [SUBS, K] its
     sub-blocks' gate totals, from `_keys_kernel`; the other refs: sub-block i's rows). Everything by column
     blocks of block_k keys, products summed over them: small fp32 tiles ([SUB, block_k])."""
@@ -115,8 +134,13 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
         log_decay = jnp.cumsum(g_i, axis=0)
         from_start = jnp.exp2(log_decay) * SHIFT_UP
         keys = key * key_scale_SUB1
-        return (query * query_scale_SUB1 * from_start, keys * from_start, keys, log_decay,
-                jnp.sum(g_i, axis=0, keepdims=True))
+        return (
+            query * query_scale_SUB1 * from_start,
+            keys * from_start,
+            keys,
+            log_decay,
+            jnp.sum(g_i, axis=0, keepdims=True),
+        )
 
     decayed = [own_rows(*tiles) for tiles in zip(column_blocks, queries, keys_i)]  # once, not per earlier block
 
@@ -126,8 +150,9 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
         a_qk, L, totals = zeros_SUBSUB, zeros_SUBSUB, []
         for columns, gap, (q_left, k_left, *_) in zip(column_blocks, gaps, decayed):
             total = plgpu.load(totals_ref.at[pl.ds(j, 1), columns], eviction_policy="evict_last")
-            right = plgpu.load(right_ref.at[sub_rows(j), columns], eviction_policy="evict_last").astype(
-                jnp.float32) * (jnp.exp2(gap) * SHIFT_DOWN)  # e^{o_i - G_s - S}
+            right = plgpu.load(right_ref.at[sub_rows(j), columns], eviction_policy="evict_last").astype(jnp.float32) * (
+                jnp.exp2(gap) * SHIFT_DOWN
+            )  # e^{o_i - G_s - S}
             a_qk, L = a_qk + dots.nt(q_left, right), L + dots.nt(k_left, right)
             totals.append(total)
         return a_qk, L, totals
@@ -147,15 +172,16 @@ def _kernel(q_ref, k_ref, g_ref, beta_ref, right_ref, totals_ref, qg_ref, a_ref,
 
     def later_block(j, sums):  # sub-block j > i; sums[c] = t_{i+1} + ... + t_{j-1}
         store_zeros(j)
-        return tuple(total + plgpu.load(totals_ref.at[pl.ds(j, 1), columns], eviction_policy="evict_last")
-                     for total, columns in zip(sums, column_blocks))
+        return tuple(
+            total + plgpu.load(totals_ref.at[pl.ds(j, 1), columns], eviction_policy="evict_last")
+            for total, columns in zip(sums, column_blocks)
+        )
 
     zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
     offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
     later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
     a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
-    for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later,
-                                                                                  decayed):
+    for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later, decayed):
         to_start = jnp.exp2(offset) * SHIFT_DOWN  # e^{o_i - S}: with the left factors' e^{Γ_c + S}, e^{G_c}
         qg_ref[:, columns] = (q_left * to_start).astype(qg_ref.dtype)
         kb_ref[:, columns] = (beta_SUB1 * k_left * to_start).astype(kb_ref.dtype)  # beta e^G k
@@ -178,8 +204,16 @@ def _tiles(dtype, stages: bool = False) -> tuple[int, ...]:
     return (tiles.block_k, tiles.num_warps) + ((tiles.num_stages,) if stages else ())
 
 
-def sub_block_keys(k, g, *, use_qk_l2norm: bool, parts_dtype, block_k: int | None = None,
-                   num_warps: int | None = None, interpret: bool = False):
+def sub_block_keys(
+    k,
+    g,
+    *,
+    use_qk_l2norm: bool,
+    parts_dtype,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    interpret: bool = False,
+):
     """(right [BH, Tp, K] in parts_dtype: k_s e^{t_j - Γ_s} of every 16-row sub-block j, k l2-normalised when
     asked; totals [BH, Tp / SUB, K] fp32: each sub-block's gate total t_j, log2 units) from k [B, Tp, H, K] and
     g [B, Tp, H, K] fp32. Grid (B*H, Tp / SUB): what `decay_blocks` needs of the sub-blocks other than a program's
@@ -192,19 +226,36 @@ def sub_block_keys(k, g, *, use_qk_l2norm: bool, parts_dtype, block_k: int | Non
         functools.partial(_keys_kernel, l2norm=use_qk_l2norm, block_k=min(block_k, key_dim)),
         grid=(flat, sub_blocks),
         in_specs=[rows, rows],
-        out_specs=[pl.BlockSpec((None, SUB, key_dim), lambda bh, s: (bh, s, 0)),
-                   pl.BlockSpec((None, 1, key_dim), lambda bh, s: (bh, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
-                   jax.ShapeDtypeStruct((flat, sub_blocks, key_dim), jnp.float32)],
+        out_specs=[
+            pl.BlockSpec((None, SUB, key_dim), lambda bh, s: (bh, s, 0)),
+            pl.BlockSpec((None, 1, key_dim), lambda bh, s: (bh, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+            jax.ShapeDtypeStruct((flat, sub_blocks, key_dim), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kda_prefill_intra_keys",
     )(k, g)
 
 
-def decay_blocks(q, k, g, beta, right, totals, *, scale: float, use_qk_l2norm: bool, parts_dtype,
-                 block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 interpret: bool = False):
+def decay_blocks(
+    q,
+    k,
+    g,
+    beta,
+    right,
+    totals,
+    *,
+    scale: float,
+    use_qk_l2norm: bool,
+    parts_dtype,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
     parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
     fp32 (Tp = N * CHUNK) and `sub_block_keys`' right and totals. Grid (B*H, N, CHUNK / SUB); the keys are worked
@@ -213,23 +264,39 @@ def decay_blocks(q, k, g, beta, right, totals, *, scale: float, use_qk_l2norm: b
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0))
+        (None, SUB, None, width), lambda bh, n, i: (bh // heads, n * SUBS + i, bh % heads, 0)
+    )
     out_rows = lambda width: pl.BlockSpec((None, SUB, width), lambda bh, n, i: (bh, n * SUBS + i, 0))  # noqa: E731
     per_chunk = lambda rows: pl.BlockSpec((None, None, rows, key_dim), lambda bh, n, i: (bh, n, 0, 0))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype,
-                          block_k=min(block_k, key_dim)),
+        functools.partial(
+            _kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype, block_k=min(block_k, key_dim)
+        ),
         grid=(flat, num_chunks, SUBS),  # axis 0 varies fastest
-        in_specs=[own_rows(key_dim), own_rows(key_dim), own_rows(key_dim), own_rows(1),
-                  pl.BlockSpec((None, CHUNK, key_dim), lambda bh, n, i: (bh, n, 0)), per_chunk(SUBS)],
-        out_specs=[out_rows(key_dim), out_rows(CHUNK), out_rows(CHUNK), out_rows(key_dim), out_rows(key_dim),
-                   per_chunk(1)],
-        out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
-                   jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
-                   jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32),
-                   jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
-                   jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
-                   jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32)],
+        in_specs=[
+            own_rows(key_dim),
+            own_rows(key_dim),
+            own_rows(key_dim),
+            own_rows(1),
+            pl.BlockSpec((None, CHUNK, key_dim), lambda bh, n, i: (bh, n, 0)),
+            per_chunk(SUBS),
+        ],
+        out_specs=[
+            out_rows(key_dim),
+            out_rows(CHUNK),
+            out_rows(CHUNK),
+            out_rows(key_dim),
+            out_rows(key_dim),
+            per_chunk(1),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+            jax.ShapeDtypeStruct((flat, padded, CHUNK), parts_dtype),
+            jax.ShapeDtypeStruct((flat, padded, CHUNK), jnp.float32),
+            jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+            jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+            jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_prefill_intra_blocks",

@@ -26,14 +26,42 @@ def _pad_time(x, pad: int):
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_v", "num_warps",
-                                             "num_stages", "intra_block_k", "intra_num_warps", "intra_num_stages",
-                                             "intra_factors_num_warps", "interpret"))
-def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True,
-                  parts_dtype=None, block_v: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, intra_block_k: int | None = None, intra_num_warps: int | None = None,
-                  intra_num_stages: int | None = None, intra_factors_num_warps: int | None = None,
-                  interpret: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "use_qk_l2norm",
+        "parts_dtype",
+        "block_v",
+        "num_warps",
+        "num_stages",
+        "intra_block_k",
+        "intra_num_warps",
+        "intra_num_stages",
+        "intra_factors_num_warps",
+        "interpret",
+    ),
+)
+def chunk_kda_gpu(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state=None,
+    *,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    parts_dtype=None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    intra_block_k: int | None = None,
+    intra_num_warps: int | None = None,
+    intra_num_stages: int | None = None,
+    intra_factors_num_warps: int | None = None,
+    interpret: bool = False,
+):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
     parts_dtype: how phase 1 hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with
@@ -43,14 +71,34 @@ def chunk_kda_gpu(q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_
     """
     batch, length, heads, key_dim = q.shape
     pad = -length % CHUNK
-    q, k, v, g, beta = (_pad_time(x, pad) for x in (q, k, v, g.astype(jnp.float32),
-                                                     beta.astype(jnp.float32)[..., None]))
+    q, k, v, g, beta = (
+        _pad_time(x, pad) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32)[..., None])
+    )
     if initial_state is None:
         initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
     block_v, num_warps, num_stages = fill((block_v, num_warps, num_stages), lookup(tuned.CHUNK_INTER, dtype=v.dtype))
-    parts = intra_chunk(q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=parts_dtype,
-                        block_k=intra_block_k, num_warps=intra_num_warps, num_stages=intra_num_stages,
-                        factors_num_warps=intra_factors_num_warps, interpret=interpret)
-    o, state = inter_chunk(parts, initial_state.astype(jnp.float32), out_dtype=v.dtype, block_v=block_v,
-                           num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    parts = intra_chunk(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        parts_dtype=parts_dtype,
+        block_k=intra_block_k,
+        num_warps=intra_num_warps,
+        num_stages=intra_num_stages,
+        factors_num_warps=intra_factors_num_warps,
+        interpret=interpret,
+    )
+    o, state = inter_chunk(
+        parts,
+        initial_state.astype(jnp.float32),
+        out_dtype=v.dtype,
+        block_v=block_v,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
     return o[:, :length], state

@@ -44,14 +44,30 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
     delta_V = beta_ref[...] * (v_V - jnp.sum(k_K[:, None] * state_KV, 0))
     state_KV = state_KV + k_K[:, None] * delta_V[None, :]
     new_state_ref[...] = state_KV
-    plgpu.store(o_ref, jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype),
-                eviction_policy="evict_first")
+    plgpu.store(
+        o_ref, jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype), eviction_policy="evict_first"
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
-                   donate_argnames=("state_BHKV",))
-def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        block_v: int | None = None, num_warps: int | None = None, interpret: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+    donate_argnames=("state_BHKV",),
+)
+def kda_decode_step_gpu(
+    q_BHK,
+    k_BHK,
+    v_BHV,
+    g_BHK,
+    beta_BH,
+    state_BHKV,
+    *,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    interpret: bool = False,
+):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
     Tiles: None from `tuned.DECODE_GPU`."""
     block_v, num_warps = fill((block_v, num_warps), lookup(tuned.DECODE_GPU, dtype=v_BHV.dtype))
@@ -70,8 +86,10 @@ def kda_decode_step_gpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scal
         grid=(pl.cdiv(value_dim, block_v), flat),
         in_specs=[row, row, value_block, row, pl.BlockSpec((None,), lambda j, i: (i,)), state_block],
         out_specs=[value_block, state_block],
-        out_shape=[jax.ShapeDtypeStruct((flat, value_dim), v_BHV.dtype),
-                   jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((flat, value_dim), v_BHV.dtype),
+            jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32),
+        ],
         input_output_aliases={5: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

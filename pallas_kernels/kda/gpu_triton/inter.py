@@ -42,8 +42,16 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, st
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_v", "num_warps", "num_stages", "interpret"))
-def inter_chunk(parts: ChunkParts, initial_state, *, out_dtype, block_v: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False):
+def inter_chunk(
+    parts: ChunkParts,
+    initial_state,
+    *,
+    out_dtype,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
     """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts and the
     initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs all Tp / CHUNK chunks.
     Tiles: None from `tuned.CHUNK_INTER`."""
@@ -59,15 +67,33 @@ def inter_chunk(parts: ChunkParts, initial_state, *, out_dtype, block_v: int | N
     o, state = pl.pallas_call(
         functools.partial(_kernel, num_chunks=num_chunks),
         grid=(pl.cdiv(value_dim, block_v), flat),
-        in_specs=[whole(key_dim), value_part, whole(key_dim), whole(key_dim), whole(CHUNK), per_chunk_column,
-                  state_part],
-        out_specs=[pl.BlockSpec((None, padded, None, block_v), lambda j, bh: (bh // heads, 0, bh % heads, j)),
-                   state_part],
-        out_shape=[jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype),
-                   jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32)],
+        in_specs=[
+            whole(key_dim),
+            value_part,
+            whole(key_dim),
+            whole(key_dim),
+            whole(CHUNK),
+            per_chunk_column,
+            state_part,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, padded, None, block_v), lambda j, bh: (bh // heads, 0, bh % heads, j)),
+            state_part,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype),
+            jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_prefill_inter_chunk",
-    )(parts.w, parts.u, parts.qg, parts.kg, parts.a_qk, parts.decay_last.reshape(flat, num_chunks, key_dim, 1),
-      initial_state.reshape(flat, key_dim, value_dim))
+    )(
+        parts.w,
+        parts.u,
+        parts.qg,
+        parts.kg,
+        parts.a_qk,
+        parts.decay_last.reshape(flat, num_chunks, key_dim, 1),
+        initial_state.reshape(flat, key_dim, value_dim),
+    )
     return o, state.reshape(batch, heads, key_dim, value_dim)

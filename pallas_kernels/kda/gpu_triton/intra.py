@@ -44,23 +44,70 @@ class ChunkParts(NamedTuple):
     decay_last: jax.Array  # [BH, N, 1, K] fp32 e^{G_last}
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_k", "num_warps",
-                                             "num_stages", "factors_num_warps", "interpret"))
-def intra_chunk(q, k, v, g, beta, *, scale: float, use_qk_l2norm: bool = True, parts_dtype=None,
-                block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                factors_num_warps: int | None = None, interpret: bool = False) -> ChunkParts:
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "use_qk_l2norm",
+        "parts_dtype",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "factors_num_warps",
+        "interpret",
+    ),
+)
+def intra_chunk(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    parts_dtype=None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    factors_num_warps: int | None = None,
+    interpret: bool = False,
+) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
     Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1
     (16-row blocks), factors_num_warps for kernel 2; num_stages for both. None: `tuned.CHUNK_INTRA`."""
-    block_k, num_warps, num_stages, factors_num_warps = fill((block_k, num_warps, num_stages, factors_num_warps),
-                                                             lookup(tuned.CHUNK_INTRA, dtype=v.dtype))
+    block_k, num_warps, num_stages, factors_num_warps = fill(
+        (block_k, num_warps, num_stages, factors_num_warps), lookup(tuned.CHUNK_INTRA, dtype=v.dtype)
+    )
     dtype = v.dtype if parts_dtype is None else parts_dtype
-    right, totals = sub_block_keys(k, g, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
-                                   num_warps=num_warps, interpret=interpret)
+    right, totals = sub_block_keys(
+        k, g, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k, num_warps=num_warps, interpret=interpret
+    )
     qg, a_qk, blocks, kb, kg, decay_last = decay_blocks(
-        q, k, g, beta, right, totals, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    w, u = wy_factors(blocks, kb, v, beta, parts_dtype=dtype, input_dtype=v.dtype, num_warps=factors_num_warps,
-                      num_stages=num_stages, interpret=interpret)
+        q,
+        k,
+        g,
+        beta,
+        right,
+        totals,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        parts_dtype=dtype,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
+    w, u = wy_factors(
+        blocks,
+        kb,
+        v,
+        beta,
+        parts_dtype=dtype,
+        input_dtype=v.dtype,
+        num_warps=factors_num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
     return ChunkParts(w, u, qg, kg, a_qk, decay_last)

@@ -56,9 +56,11 @@ def gpu_dots(input_dtype) -> Dots:
     """Tensor-core products for a kernel whose inputs came as `input_dtype`: fp32 operands in tf32 when that is
     bf16/fp16 (whose own rounding is larger), IEEE fp32 for fp32 inputs; 16-bit operands at their own precision."""
     allow_tf32 = input_dtype != jnp.float32
-    return Dots(nn=functools.partial(plgpu.dot, allow_tf32=allow_tf32),
-                nt=functools.partial(plgpu.dot, trans_b=True, allow_tf32=allow_tf32),
-                tn=functools.partial(plgpu.dot, trans_a=True, allow_tf32=allow_tf32))
+    return Dots(
+        nn=functools.partial(plgpu.dot, allow_tf32=allow_tf32),
+        nt=functools.partial(plgpu.dot, trans_b=True, allow_tf32=allow_tf32),
+        tn=functools.partial(plgpu.dot, trans_a=True, allow_tf32=allow_tf32),
+    )
 
 
 def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dtype):
@@ -71,21 +73,38 @@ def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dt
     inverse = []
     for i in range(SUBS):
         diagonal = block(i, i)
-        below = [-dots.nn(diagonal, functools.reduce(
-            jnp.add, [dots.nn(block(i, m), inverse[m][j]) for m in range(j, i)])) for j in range(i)]
+        below = [
+            -dots.nn(diagonal, functools.reduce(jnp.add, [dots.nn(block(i, m), inverse[m][j]) for m in range(j, i)]))
+            for j in range(i)
+        ]
         inverse.append(below + [diagonal])
     for i in range(SUBS):
-        w = functools.reduce(jnp.add, [dots.nn(inverse[i][j], kb_ref[sub_rows(j), :].astype(jnp.float32))
-                                       for j in range(i + 1)])
-        u = functools.reduce(jnp.add, [
-            dots.nn(inverse[i][j], beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32))
-            for j in range(i + 1)])
+        w = functools.reduce(
+            jnp.add, [dots.nn(inverse[i][j], kb_ref[sub_rows(j), :].astype(jnp.float32)) for j in range(i + 1)]
+        )
+        u = functools.reduce(
+            jnp.add,
+            [
+                dots.nn(inverse[i][j], beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32))
+                for j in range(i + 1)
+            ],
+        )
         w_ref[sub_rows(i), :] = w.astype(w_ref.dtype)
         u_ref[sub_rows(i), :] = u.astype(u_ref.dtype)
 
 
-def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int | None = None,
-               num_stages: int | None = None, interpret: bool = False):
+def wy_factors(
+    blocks,
+    kb,
+    v,
+    beta,
+    *,
+    parts_dtype,
+    input_dtype,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
     """(w [BH, Tp, K], u [BH, Tp, V] in parts_dtype): w = X kb, u = X (beta v) per chunk, X = (I + L)^-1 merged
     from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, the blocks
     L_ij of L below it); kb [BH, Tp, K] (beta e^G k, in the parts' dtype), v [B, Tp, H, V], beta [B, Tp, H, 1]
@@ -98,14 +117,17 @@ def wy_factors(blocks, kb, v, beta, *, parts_dtype, input_dtype, num_warps: int 
     _, _, heads, value_dim = v.shape
     rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
     heads_layout = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))
+        (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0)
+    )
     return pl.pallas_call(
         functools.partial(_merge_kernel, input_dtype=input_dtype),
         grid=(flat, padded // CHUNK),
         in_specs=[rows(CHUNK), rows(key_dim), heads_layout(value_dim), heads_layout(1)],
         out_specs=[rows(key_dim), rows(value_dim)],
-        out_shape=[jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
-                   jax.ShapeDtypeStruct((flat, padded, value_dim), parts_dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
+            jax.ShapeDtypeStruct((flat, padded, value_dim), parts_dtype),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kda_prefill_intra_wy_factors",

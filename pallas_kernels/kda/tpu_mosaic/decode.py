@@ -32,10 +32,22 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
     o_ref[...] = jnp.sum((q * scale)[:, :, None] * state, axis=1).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "head_block", "interpret"),
-                   donate_argnames=("state_BHKV",))
-def kda_decode_step_tpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scale: float, use_qk_l2norm: bool = True,
-                        head_block: int | None = None, interpret: bool = False):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "use_qk_l2norm", "head_block", "interpret"), donate_argnames=("state_BHKV",)
+)
+def kda_decode_step_tpu(
+    q_BHK,
+    k_BHK,
+    v_BHV,
+    g_BHK,
+    beta_BH,
+    state_BHKV,
+    *,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    head_block: int | None = None,
+    interpret: bool = False,
+):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
     head_block: None from `tuned.DECODE_TPU`."""
     if head_block is None:
@@ -49,15 +61,29 @@ def kda_decode_step_tpu(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, *, scal
     o, state = pl.pallas_call(
         kernel,
         grid=(batch, heads // head_block),
-        in_specs=[per_head(key_dim), per_head(key_dim), per_head(value_dim), per_head(key_dim), per_head(1),
-                  state_spec],
+        in_specs=[
+            per_head(key_dim),
+            per_head(key_dim),
+            per_head(value_dim),
+            per_head(key_dim),
+            per_head(1),
+            state_spec,
+        ],
         out_specs=[per_head(value_dim), state_spec],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, value_dim), v_BHV.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, value_dim), v_BHV.dtype),
+            jax.ShapeDtypeStruct((batch, heads, key_dim, value_dim), jnp.float32),
+        ],
         input_output_aliases={5: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="kda_decode_step",
-    )(q_BHK, k_BHK, v_BHV, g_BHK.astype(jnp.float32), beta_BH.astype(jnp.float32)[..., None],
-      state_BHKV.astype(jnp.float32))
+    )(
+        q_BHK,
+        k_BHK,
+        v_BHV,
+        g_BHK.astype(jnp.float32),
+        beta_BH.astype(jnp.float32)[..., None],
+        state_BHKV.astype(jnp.float32),
+    )
     return o, state

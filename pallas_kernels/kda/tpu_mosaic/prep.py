@@ -35,15 +35,20 @@ def prepare(q, k, v, g, beta, initial_state) -> ChunkInputs:
 
     g_chunks = flat(g.astype(jnp.float32)).reshape(batch * heads, -1, SUB, key_dim)
     g_cum = jnp.cumsum(g_chunks, axis=2)
-    g_last = g_cum[:, :, SUB - 1:]
+    g_last = g_cum[:, :, SUB - 1 :]
     if initial_state is None:
         initial_state = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)
     return ChunkInputs(
-        q=flat(q), k=flat(k), v=flat(v),
+        q=flat(q),
+        k=flat(k),
+        v=flat(v),
         g_cum=g_cum.reshape(batch * heads, -1, key_dim),
-        g_first=g_cum[:, :, :1], g_last=g_last, decay_last=jnp.swapaxes(jnp.exp(g_last), -1, -2),
+        g_first=g_cum[:, :, :1],
+        g_last=g_last,
+        decay_last=jnp.swapaxes(jnp.exp(g_last), -1, -2),
         beta=flat(beta.astype(jnp.float32)[..., None]),
-        state=initial_state.astype(jnp.float32).reshape(batch * heads, key_dim, value_dim))
+        state=initial_state.astype(jnp.float32).reshape(batch * heads, key_dim, value_dim),
+    )
 
 
 def finish(o_flat, state_flat, batch, length, heads):

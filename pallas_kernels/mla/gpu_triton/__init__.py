@@ -6,5 +6,12 @@ from pallas_kernels.mla.gpu_triton.absorb import ROWS, absorb_query_gpu, expand_
 from pallas_kernels.mla.gpu_triton.decode import default_num_splits, mla_decode_gpu
 from pallas_kernels.mla.gpu_triton.prefill import flash_expanded_attention_gpu, kernel_dims_fit
 
-__all__ = ["ROWS", "absorb_query_gpu", "default_num_splits", "expand_output_gpu", "flash_expanded_attention_gpu",
-           "kernel_dims_fit", "mla_decode_gpu"]
+__all__ = [
+    "ROWS",
+    "absorb_query_gpu",
+    "default_num_splits",
+    "expand_output_gpu",
+    "flash_expanded_attention_gpu",
+    "kernel_dims_fit",
+    "mla_decode_gpu",
+]

@@ -59,8 +59,19 @@ def _column_block(wanted: int, *widths: int) -> int:
     return block
 
 
-def _per_head_call(kernel, vectors_MHX, kv_b_HCR, weight_block, weight_index, out_width: int, block: int, *,
-                   num_warps: int, interpret: bool, name: str):
+def _per_head_call(
+    kernel,
+    vectors_MHX,
+    kv_b_HCR,
+    weight_block,
+    weight_index,
+    out_width: int,
+    block: int,
+    *,
+    num_warps: int,
+    interpret: bool,
+    name: str,
+):
     """Grid (head, output column tile): each program gets its head's M vectors (rows padded to a power of two)
     and one weight tile of kv_b [H, nope + v, R] (block shape `weight_block`, at `weight_index(h, c)`); the
     result [M, H, out_width] fp32."""
@@ -72,35 +83,65 @@ def _per_head_call(kernel, vectors_MHX, kv_b_HCR, weight_block, weight_index, ou
     out = pl.pallas_call(
         functools.partial(kernel, rows=rows),
         grid=(heads, out_width // block),
-        in_specs=[pl.BlockSpec((rows, None, width), lambda h, c: (0, h, 0)),
-                  pl.BlockSpec((None, *weight_block), weight_index)],
+        in_specs=[
+            pl.BlockSpec((rows, None, width), lambda h, c: (0, h, 0)),
+            pl.BlockSpec((None, *weight_block), weight_index),
+        ],
         out_specs=pl.BlockSpec((rows, None, block), lambda h, c: (0, h, c)),
         out_shape=jax.ShapeDtypeStruct((rows, heads, out_width), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name=name,
     )(padded_MHX, kv_b_HCR)
-    return out[:vectors_MHX.shape[0]]
+    return out[: vectors_MHX.shape[0]]
 
 
 @functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
-def absorb_query_gpu(q_nope_MHN, kv_b_HCR, *, block: int | None = None, num_warps: int | None = None,
-                     interpret: bool = False):
+def absorb_query_gpu(
+    q_nope_MHN, kv_b_HCR, *, block: int | None = None, num_warps: int | None = None, interpret: bool = False
+):
     """`absorb_query_reference` for at most ROWS rows: [M, H, R] fp32. Tiles: None from `tuned.ABSORB_QUERY`."""
     block, num_warps = fill((block, num_warps), lookup(tuned.ABSORB_QUERY, dtype=kv_b_HCR.dtype))
     nope, rank = q_nope_MHN.shape[2], kv_b_HCR.shape[2]
     block = _column_block(block, rank)
-    return _per_head_call(_absorb_kernel, q_nope_MHN, kv_b_HCR, (nope, block), lambda h, c: (h, 0, c), rank, block,
-                          num_warps=num_warps, interpret=interpret, name="mla_absorb_query")
+    return _per_head_call(
+        _absorb_kernel,
+        q_nope_MHN,
+        kv_b_HCR,
+        (nope, block),
+        lambda h, c: (h, 0, c),
+        rank,
+        block,
+        num_warps=num_warps,
+        interpret=interpret,
+        name="mla_absorb_query",
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("nope", "block", "num_warps", "interpret"))
-def expand_output_gpu(o_latent_MHR, kv_b_HCR, *, nope: int, block: int | None = None, num_warps: int | None = None,
-                      interpret: bool = False):
+def expand_output_gpu(
+    o_latent_MHR,
+    kv_b_HCR,
+    *,
+    nope: int,
+    block: int | None = None,
+    num_warps: int | None = None,
+    interpret: bool = False,
+):
     """`expand_output_reference` for at most ROWS rows: [M, H, V] fp32. Tiles: None from `tuned.EXPAND_OUTPUT`."""
     block, num_warps = fill((block, num_warps), lookup(tuned.EXPAND_OUTPUT, dtype=kv_b_HCR.dtype))
     rank, value = kv_b_HCR.shape[2], kv_b_HCR.shape[1] - nope
     block = _column_block(block, nope, value)
     first = nope // block  # W_UV starts `first` blocks into each head's rows
-    return _per_head_call(_expand_kernel, o_latent_MHR, kv_b_HCR, (block, rank), lambda h, c: (h, first + c, 0),
-                          value, block, num_warps=num_warps, interpret=interpret, name="mla_expand_output")
+    return _per_head_call(
+        _expand_kernel,
+        o_latent_MHR,
+        kv_b_HCR,
+        (block, rank),
+        lambda h, c: (h, first + c, 0),
+        value,
+        block,
+        num_warps=num_warps,
+        interpret=interpret,
+        name="mla_expand_output",
+    )

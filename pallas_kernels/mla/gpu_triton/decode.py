@@ -20,8 +20,19 @@ from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.tuning import fill, lookup
 
 
-def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_ref, o_ref, lse_ref, *,
-                  scale: float, block_k: int, split_len: int):
+def _split_kernel(
+    lengths_ref,
+    q_latent_ref,
+    q_rope_ref,
+    kv_latent_ref,
+    kv_rope_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale: float,
+    block_k: int,
+    split_len: int,
+):
     split = pl.program_id(1)
     length = lengths_ref[...]
     start = split * split_len
@@ -47,8 +58,11 @@ def _split_kernel(lengths_ref, q_latent_ref, q_rope_ref, kv_latent_ref, kv_rope_
         return acc_HR, m_new, l_H * correction + jnp.sum(p, axis=1)
 
     num_blocks = jnp.clip(pl.cdiv(length - start, block_k), 0, split_len // block_k)
-    init = (jnp.zeros((heads, latent_dim), jnp.float32), jnp.full((heads,), -1e30, jnp.float32),
-            jnp.zeros((heads,), jnp.float32))
+    init = (
+        jnp.zeros((heads, latent_dim), jnp.float32),
+        jnp.full((heads,), -1e30, jnp.float32),
+        jnp.zeros((heads,), jnp.float32),
+    )
     acc_HR, m_H, l_H = jax.lax.fori_loop(0, num_blocks, body, init)
     seen = l_H > 0
     o_ref[...] = (acc_HR / jnp.where(seen, l_H, 1.0)[:, None]).astype(o_ref.dtype)
@@ -66,15 +80,28 @@ def default_num_splits(batch: int, head_blocks: int, max_len: int) -> int:
     return max(1, min(wanted, pl.cdiv(max_len, MIN_SPLIT)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "head_block", "num_warps",
-                                             "num_stages", "interpret"))
-def mla_decode_gpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: float, block_k: int | None = None,
-                   num_splits: int | None = None, head_block: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, interpret: bool = False):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_k", "num_splits", "head_block", "num_warps", "num_stages", "interpret")
+)
+def mla_decode_gpu(
+    q_latent_BHR,
+    q_rope_BHP,
+    kv_cache_BLA,
+    lengths_B,
+    *,
+    scale: float,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    head_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
     """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R must be a multiple of P (512 and 64 for Ling).
     Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it)."""
-    block_k, head_block, num_warps, num_stages = fill((block_k, head_block, num_warps, num_stages),
-                                                      lookup(tuned.DECODE_TRITON, dtype=kv_cache_BLA.dtype))
+    block_k, head_block, num_warps, num_stages = fill(
+        (block_k, head_block, num_warps, num_stages), lookup(tuned.DECODE_TRITON, dtype=kv_cache_BLA.dtype)
+    )
     batch, heads, latent_dim = q_latent_BHR.shape
     rope_dim = q_rope_BHP.shape[-1]
     max_len = kv_cache_BLA.shape[1]
@@ -103,8 +130,10 @@ def mla_decode_gpu(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, scale: 
             pl.BlockSpec((None, None, head_block, latent_dim), lambda h, s, b: (b, s, h, 0)),
             pl.BlockSpec((None, None, head_block), lambda h, s, b: (b, s, h)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((batch, num_splits, padded_heads, latent_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, num_splits, padded_heads), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_splits, padded_heads, latent_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_splits, padded_heads), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_decode_split",

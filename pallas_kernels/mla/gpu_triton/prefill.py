@@ -33,8 +33,21 @@ def kernel_dims_fit(*head_dims: int) -> bool:
     return all(d >= 16 and not d & (d - 1) for d in head_dims)
 
 
-def _segment_kernel(first_ref, slots_ref, valid_ref, q_nope_ref, q_pe_ref, k_nope_ref, k_pe_ref, v_ref, o_ref,
-                    lse_ref, *, scale: float, block_k: int):
+def _segment_kernel(
+    first_ref,
+    slots_ref,
+    valid_ref,
+    q_nope_ref,
+    q_pe_ref,
+    k_nope_ref,
+    k_pe_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale: float,
+    block_k: int,
+):
     slots_Q = slots_ref[...]
     first = first_ref[0]
     num_keys = k_nope_ref.shape[0]
@@ -62,8 +75,11 @@ def _segment_kernel(first_ref, slots_ref, valid_ref, q_nope_ref, q_pe_ref, k_nop
 
     frontier = jnp.max(slots_Q) - first + 1  # keys past the block's last visible slot are never loaded
     num_blocks = jnp.clip(pl.cdiv(jnp.minimum(frontier, num_keys), block_k), 0, pl.cdiv(num_keys, block_k))
-    init = (jnp.zeros(o_ref.shape, jnp.float32), jnp.full(slots_Q.shape, -1e30, jnp.float32),
-            jnp.zeros(slots_Q.shape, jnp.float32))
+    init = (
+        jnp.zeros(o_ref.shape, jnp.float32),
+        jnp.full(slots_Q.shape, -1e30, jnp.float32),
+        jnp.zeros(slots_Q.shape, jnp.float32),
+    )
     acc_QV, m_Q, l_Q = jax.lax.fori_loop(0, num_blocks, body, init)
     seen = l_Q > 0
     o_ref[...] = acc_QV / jnp.where(seen, l_Q, 1.0)[:, None]
@@ -90,20 +106,39 @@ def _query_block(length: int, block_q: int) -> int:
 def _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q: int):
     """The queries padded to whole query blocks (pad queries see no key: slot -1); no copy when they are."""
     pad = ((0, 0), (0, -q_nope_BTHN.shape[1] % block_q))
-    return (jnp.pad(q_nope_BTHN, pad + ((0, 0), (0, 0))), jnp.pad(q_pe_BTHP, pad + ((0, 0), (0, 0))),
-            jnp.pad(query_slots_BT.astype(jnp.int32), pad, constant_values=-1))
+    return (
+        jnp.pad(q_nope_BTHN, pad + ((0, 0), (0, 0))),
+        jnp.pad(q_pe_BTHP, pad + ((0, 0), (0, 0))),
+        jnp.pad(query_slots_BT.astype(jnp.int32), pad, constant_values=-1),
+    )
 
 
-def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, query_slots_BT, key_valid_BS,
-                          first_slot, *, scale: float, block_q: int, block_k: int, num_warps: int, num_stages: int,
-                          interpret: bool = False):
+def attention_segment_gpu(
+    q_nope_BTHN,
+    q_pe_BTHP,
+    k_nope_BSHN,
+    k_pe_BSP,
+    v_BSHV,
+    query_slots_BT,
+    key_valid_BS,
+    first_slot,
+    *,
+    scale: float,
+    block_q: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool = False,
+):
     """Flash attention of every query over the segment's keys (slots first_slot + [0, S); S a power of two):
     (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible)."""
     batch, length, heads, nope = q_nope_BTHN.shape
     segment, value_dim, rope = k_nope_BSHN.shape[1], v_BSHV.shape[-1], q_pe_BTHP.shape[-1]
     if not kernel_dims_fit(nope, rope, value_dim):
-        raise ValueError(f"the MLA prefill kernel needs nope, rope and value dims that are powers of two >= 16, "
-                         f"got {nope}, {rope}, {value_dim}")
+        raise ValueError(
+            f"the MLA prefill kernel needs nope, rope and value dims that are powers of two >= 16, "
+            f"got {nope}, {rope}, {value_dim}"
+        )
     block_q = _query_block(length, block_q)
     block_k = min(block_k, segment)
     q_nope, q_pe, slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)
@@ -122,28 +157,55 @@ def attention_segment_gpu(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV,
             pl.BlockSpec((None, segment, rope), lambda i, h, b: (b, 0, 0)),
             pl.BlockSpec((None, segment, None, value_dim), lambda i, h, b: (b, 0, h, 0)),
         ],
-        out_specs=[pl.BlockSpec((None, block_q, None, value_dim), lambda i, h, b: (b, i, h, 0)),
-                   pl.BlockSpec((None, block_q, None), lambda i, h, b: (b, i, h))],
-        out_shape=[jax.ShapeDtypeStruct((batch, padded, heads, value_dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, padded, heads), jnp.float32)],
+        out_specs=[
+            pl.BlockSpec((None, block_q, None, value_dim), lambda i, h, b: (b, i, h, 0)),
+            pl.BlockSpec((None, block_q, None), lambda i, h, b: (b, i, h)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, padded, heads, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, padded, heads), jnp.float32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_prefill_segment",
-    )(jnp.asarray(first_slot, jnp.int32).reshape(1), slots, key_valid_BS.astype(jnp.int32), q_nope, q_pe,
-      k_nope_BSHN, k_pe_BSP, v_BSHV)
+    )(
+        jnp.asarray(first_slot, jnp.int32).reshape(1),
+        slots,
+        key_valid_BS.astype(jnp.int32),
+        q_nope,
+        q_pe,
+        k_nope_BSHN,
+        k_pe_BSP,
+        v_BSHV,
+    )
     return o[:, :length], lse[:, :length]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "segment", "block_q", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
-def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR,
-                                 w_uv_HVR, *, scale: float, segment: int | None = None, block_q: int | None = None,
-                                 block_k: int | None = None, num_warps: int | None = None,
-                                 num_stages: int | None = None, interpret: bool = False):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "segment", "block_q", "block_k", "num_warps", "num_stages", "interpret")
+)
+def flash_expanded_attention_gpu(
+    q_nope_BTHN,
+    q_pe_BTHP,
+    latent_BSA,
+    query_slots_BT,
+    key_valid_BS,
+    w_uk_HNR,
+    w_uv_HVR,
+    *,
+    scale: float,
+    segment: int | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
     """Expanded MLA attention -> o [B, T, H, V] in q's dtype (arguments as for `flash_expanded_attention`).
     Tiles: None from `tuned.PREFILL`."""
-    segment, block_q, block_k, num_warps, num_stages = fill((segment, block_q, block_k, num_warps, num_stages),
-                                                            lookup(tuned.PREFILL, dtype=q_nope_BTHN.dtype))
+    segment, block_q, block_k, num_warps, num_stages = fill(
+        (segment, block_q, block_k, num_warps, num_stages), lookup(tuned.PREFILL, dtype=q_nope_BTHN.dtype)
+    )
     batch, _, heads, _ = q_nope_BTHN.shape
     latent_dim = w_uk_HNR.shape[-1]
     dtype = q_nope_BTHN.dtype
@@ -156,8 +218,15 @@ def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots
     length = q_nope_BTHN.shape[1]
     block_q = _query_block(length, block_q)
     q_nope, q_pe, query_slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)  # once
-    attend = functools.partial(attention_segment_gpu, scale=scale, block_q=block_q, block_k=block_k,
-                               num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    attend = functools.partial(
+        attention_segment_gpu,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
 
     value_dim = w_uv_HVR.shape[1]
 
@@ -173,7 +242,9 @@ def flash_expanded_attention_gpu(q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots
     # segments past the last visible slot are neither expanded nor attended
     needed = jnp.clip(jnp.max(query_slots) // segment + 1, 0, (slots + pad) // segment)
     padded = q_nope.shape[1]
-    nothing_seen = (jnp.zeros((batch, padded, heads, value_dim), jnp.float32),
-                    jnp.full((batch, padded, heads), -jnp.inf, jnp.float32))
+    nothing_seen = (
+        jnp.zeros((batch, padded, heads, value_dim), jnp.float32),
+        jnp.full((batch, padded, heads), -jnp.inf, jnp.float32),
+    )
     o, _ = jax.lax.fori_loop(0, needed, add_segment, nothing_seen)
     return o[:, :length].astype(dtype)

@@ -54,8 +54,21 @@ def _row_times_tile(weight_ref, expert, col0, vector_ref, vector_row, *, block_n
     return jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
 
 
-def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, *refs, top_k: int, routed_rows: int, limit: float | None,
-                   shared_limit: float | None, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
+def _swiglu_kernel(
+    expert_ref,
+    x_ref,
+    gate_ref,
+    up_ref,
+    *refs,
+    top_k: int,
+    routed_rows: int,
+    limit: float | None,
+    shared_limit: float | None,
+    block_n: int,
+    block_k: int,
+    mask_n: bool,
+    mask_k: bool,
+):
     """Row r < routed_rows is (token r // top_k, its expert); with shared refs, row routed_rows + t is token t's
     shared-expert row (its routed expert index is -1: no routed reads)."""
     *shared_refs, h_ref = refs
@@ -63,8 +76,16 @@ def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, *refs, top_k: int, route
     cols_ok = col0 + jnp.arange(block_n) < gate_ref.shape[1] if mask_n else None
     is_shared = jnp.clip(row - routed_rows + 1, 0, 1)  # int 0 / 1 (see _valid)
     token = row // top_k + is_shared * (row - routed_rows - row // top_k)
-    product = functools.partial(_row_times_tile, col0=col0, vector_ref=x_ref, vector_row=token, block_n=block_n,
-                                block_k=block_k, cols_ok=cols_ok, mask_k=mask_k)
+    product = functools.partial(
+        _row_times_tile,
+        col0=col0,
+        vector_ref=x_ref,
+        vector_row=token,
+        block_n=block_n,
+        block_k=block_k,
+        cols_ok=cols_ok,
+        mask_k=mask_k,
+    )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
     gate_N, up_N = product(gate_ref, expert), product(up_ref, expert)
     hidden = swiglu(gate_N, up_N, limit)
@@ -77,13 +98,25 @@ def _swiglu_kernel(expert_ref, x_ref, gate_ref, up_ref, *refs, top_k: int, route
     plgpu.store(h_ref.at[row, pl.ds(col0, block_n)], hidden.astype(h_ref.dtype), mask=cols_ok)
 
 
-def _down_combine_kernel(expert_ref, weight_ref, h_ref, down_ref, *refs, top_k: int, routed_rows: int, block_n: int,
-                         block_k: int, mask_n: bool, mask_k: bool):
+def _down_combine_kernel(
+    expert_ref,
+    weight_ref,
+    h_ref,
+    down_ref,
+    *refs,
+    top_k: int,
+    routed_rows: int,
+    block_n: int,
+    block_k: int,
+    mask_n: bool,
+    mask_k: bool,
+):
     *shared_refs, y_ref = refs
     token, col0 = pl.program_id(0), pl.program_id(1) * block_n
     cols_ok = col0 + jnp.arange(block_n) < down_ref.shape[1] if mask_n else None
-    product = functools.partial(_row_times_tile, col0=col0, vector_ref=h_ref, block_n=block_n, block_k=block_k,
-                                cols_ok=cols_ok, mask_k=mask_k)
+    product = functools.partial(
+        _row_times_tile, col0=col0, vector_ref=h_ref, block_n=block_n, block_k=block_k, cols_ok=cols_ok, mask_k=mask_k
+    )
     experts_K, weights_K = expert_ref[...], weight_ref[...].astype(jnp.float32)
     slot_K = jnp.arange(experts_K.shape[0])
     acc_N = jnp.zeros((block_n,), jnp.float32)
@@ -101,10 +134,21 @@ def _tile(size: int, wanted: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles"))
-def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared=None, *, limit: float | None,
-                       shared_limit: float | None = None, interpret: bool = False,
-                       swiglu_tiles: tuple[int | None, ...] = (None,) * 4,
-                       down_tiles: tuple[int | None, ...] = (None,) * 4):
+def routed_experts_gpu(
+    x_TD,
+    weights_TK,
+    experts_TK,
+    gate_EID,
+    up_EID,
+    down_EDI,
+    shared=None,
+    *,
+    limit: float | None,
+    shared_limit: float | None = None,
+    interpret: bool = False,
+    swiglu_tiles: tuple[int | None, ...] = (None,) * 4,
+    down_tiles: tuple[int | None, ...] = (None,) * 4,
+):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
     is expert e's SwiGLU (clipped at `limit`). Weights are read in their stored dtype; experts outside [0, E)
     contribute nothing. shared: None, or the shared expert's (gate [I, D], up [I, D], down [D, I]), clipped at
@@ -118,8 +162,10 @@ def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI,
     routed_rows = tokens * top_k
     shared_stacks = () if shared is None else tuple(w[None] for w in shared)  # one-expert stacks [1, ...]
     if shared_stacks and shared_stacks[0].shape[1:] != gate_EID.shape[1:]:
-        raise ValueError(f"shared expert gate {shared[0].shape} must have the routed experts' shape "
-                         f"{gate_EID.shape[1:]} to run in their kernels")
+        raise ValueError(
+            f"shared expert gate {shared[0].shape} must have the routed experts' shape "
+            f"{gate_EID.shape[1:]} to run in their kernels"
+        )
     rows = routed_rows + (tokens if shared_stacks else 0)
     experts_R = experts_TK.reshape(-1).astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
@@ -127,12 +173,25 @@ def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI,
     block_n, block_k, num_warps, num_stages = swiglu_tiles
     block_n, block_k = _tile(width, block_n), _tile(hidden, block_k)
     h_RI = pl.pallas_call(
-        functools.partial(_swiglu_kernel, top_k=top_k, routed_rows=routed_rows, limit=limit,
-                          shared_limit=shared_limit, block_n=block_n, block_k=block_k,
-                          mask_n=width % block_n != 0, mask_k=hidden % block_k != 0),
+        functools.partial(
+            _swiglu_kernel,
+            top_k=top_k,
+            routed_rows=routed_rows,
+            limit=limit,
+            shared_limit=shared_limit,
+            block_n=block_n,
+            block_k=block_k,
+            mask_n=width % block_n != 0,
+            mask_k=hidden % block_k != 0,
+        ),
         grid=(rows, pl.cdiv(width, block_n)),
-        in_specs=[pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),)), whole(x_TD.shape),
-                  whole(gate_EID.shape), whole(up_EID.shape)] + [whole(w.shape) for w in shared_stacks[:2]],
+        in_specs=[
+            pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),)),
+            whole(x_TD.shape),
+            whole(gate_EID.shape),
+            whole(up_EID.shape),
+        ]
+        + [whole(w.shape) for w in shared_stacks[:2]],
         out_specs=whole((rows, width)),
         out_shape=jax.ShapeDtypeStruct((rows, width), x_TD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -146,11 +205,23 @@ def routed_experts_gpu(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI,
     block_n, block_k, num_warps, num_stages = down_tiles
     block_n, block_k = _tile(hidden, block_n), _tile(width, block_k)
     return pl.pallas_call(
-        functools.partial(_down_combine_kernel, top_k=top_k, routed_rows=routed_rows, block_n=block_n,
-                          block_k=block_k, mask_n=hidden % block_n != 0, mask_k=width % block_k != 0),
+        functools.partial(
+            _down_combine_kernel,
+            top_k=top_k,
+            routed_rows=routed_rows,
+            block_n=block_n,
+            block_k=block_k,
+            mask_n=hidden % block_n != 0,
+            mask_k=width % block_k != 0,
+        ),
         grid=(tokens, pl.cdiv(hidden, block_n)),
-        in_specs=[pl.BlockSpec((None, slots), lambda t, n: (t, 0)), pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
-                  whole(h_RI.shape), whole(down_EDI.shape)] + [whole(w.shape) for w in shared_stacks[2:]],
+        in_specs=[
+            pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
+            pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
+            whole(h_RI.shape),
+            whole(down_EDI.shape),
+        ]
+        + [whole(w.shape) for w in shared_stacks[2:]],
         out_specs=whole((tokens, hidden)),
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), x_TD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -38,90 +38,234 @@ def _columns(col0, block: int):
     return (col0 + jnp.arange(block))[None, :]
 
 
-def _gather_swiglu_kernel(group_ref, row_start_ref, row_end_ref, source_ref, x_ref, gate_ref, up_ref, h_ref, *,
-                          limit: float | None, column_tile, block_m: int, block_n: int, block_k: int, mask_n: bool,
-                          mask_k: bool):
-    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, h_ref.shape[1],
-                                                          column_tile=column_tile, block_m=block_m, block_n=block_n,
-                                                          mask_n=mask_n)
+def _gather_swiglu_kernel(
+    group_ref,
+    row_start_ref,
+    row_end_ref,
+    source_ref,
+    x_ref,
+    gate_ref,
+    up_ref,
+    h_ref,
+    *,
+    limit: float | None,
+    column_tile,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    mask_n: bool,
+    mask_k: bool,
+):
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
+        group_ref,
+        row_start_ref,
+        row_end_ref,
+        h_ref.shape[1],
+        column_tile=column_tile,
+        block_m=block_m,
+        block_n=block_n,
+        mask_n=mask_n,
+    )
     source_M1 = _row_indices(source_ref, row0, rows_ok_M, block_m=block_m, fill=x_ref.shape[0])[:, None]
 
     def load_lhs(k0, k_ok_K):
         return masked_load(x_ref.at[source_M1, _columns(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
 
-    gate_MN, up_MN = tile_products(load_lhs, (gate_ref, up_ref), group, col0, block_m=block_m, block_n=block_n,
-                                   block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k)
-    plgpu.store(h_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
-                swiglu(gate_MN, up_MN, limit).astype(h_ref.dtype), mask=mask_2d(rows_ok_M, cols_ok_N))
+    gate_MN, up_MN = tile_products(
+        load_lhs,
+        (gate_ref, up_ref),
+        group,
+        col0,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        cols_ok_N=cols_ok_N,
+        mask_k=mask_k,
+    )
+    plgpu.store(
+        h_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
+        swiglu(gate_MN, up_MN, limit).astype(h_ref.dtype),
+        mask=mask_2d(rows_ok_M, cols_ok_N),
+    )
 
 
-def _down_scatter_kernel(group_ref, row_start_ref, row_end_ref, dest_ref, row_weight_ref, h_ref, down_ref, y_ref, *,
-                         column_tile, block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool):
-    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, y_ref.shape[1],
-                                                          column_tile=column_tile, block_m=block_m, block_n=block_n,
-                                                          mask_n=mask_n)
+def _down_scatter_kernel(
+    group_ref,
+    row_start_ref,
+    row_end_ref,
+    dest_ref,
+    row_weight_ref,
+    h_ref,
+    down_ref,
+    y_ref,
+    *,
+    column_tile,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    mask_n: bool,
+    mask_k: bool,
+):
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
+        group_ref,
+        row_start_ref,
+        row_end_ref,
+        y_ref.shape[1],
+        column_tile=column_tile,
+        block_m=block_m,
+        block_n=block_n,
+        mask_n=mask_n,
+    )
 
     def load_lhs(k0, k_ok_K):
         return masked_load(h_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
 
-    (acc_MN,) = tile_products(load_lhs, (down_ref,), group, col0, block_m=block_m, block_n=block_n,
-                              block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k)
+    (acc_MN,) = tile_products(
+        load_lhs,
+        (down_ref,),
+        group,
+        col0,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        cols_ok_N=cols_ok_N,
+        mask_k=mask_k,
+    )
     row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
     dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
-    plgpu.store(y_ref.at[dest_M1, _columns(col0, block_n)], (acc_MN * row_weight_M[:, None]).astype(y_ref.dtype),
-                mask=mask_2d(rows_ok_M, cols_ok_N))
+    plgpu.store(
+        y_ref.at[dest_M1, _columns(col0, block_n)],
+        (acc_MN * row_weight_M[:, None]).astype(y_ref.dtype),
+        mask=mask_2d(rows_ok_M, cols_ok_N),
+    )
 
 
 _TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
 
 
-def _over_row_tiles(kernel, group_sizes_G, operands, requested_tiles, *, num_rows: int, n_dim: int, k_dim: int,
-                    dtype, table, min_block_m: int | None, fill_tail: bool, interpret: bool,
-                    name: str):
+def _over_row_tiles(
+    kernel,
+    group_sizes_G,
+    operands,
+    requested_tiles,
+    *,
+    num_rows: int,
+    n_dim: int,
+    k_dim: int,
+    dtype,
+    table,
+    min_block_m: int | None,
+    fill_tail: bool,
+    interpret: bool,
+    name: str,
+):
     """[num_rows, n_dim] in dtype from `kernel` over the row tiles of the groups (empty for no rows); tiles:
     the requested (block_m, block_n, block_k, num_warps, num_stages), None entries from the defaults;
     min_block_m: the smallest row tile a partial one shrinks to (`gmm_gpu.row_tile_sizes`); fill_tail False:
     rows past sum(group_sizes) are not written (undefined); table: the `tuned` table of the defaults."""
     if num_rows == 0:
         return jnp.zeros((0, n_dim), dtype)
-    settings = row_tile_settings(dtype, requested_tiles, num_rows=num_rows, num_groups=group_sizes_G.shape[0],
-                                 n_dim=n_dim, k_dim=k_dim, table=table)
-    return call_over_row_tiles(kernel, group_sizes_G, operands, jax.ShapeDtypeStruct((num_rows, n_dim), dtype),
-                               settings, num_rows=num_rows, n_dim=n_dim, k_dim=k_dim, interpret=interpret, name=name,
-                               min_block_m=min_block_m, fill_tail=fill_tail)
+    settings = row_tile_settings(
+        dtype,
+        requested_tiles,
+        num_rows=num_rows,
+        num_groups=group_sizes_G.shape[0],
+        n_dim=n_dim,
+        k_dim=k_dim,
+        table=table,
+    )
+    return call_over_row_tiles(
+        kernel,
+        group_sizes_G,
+        operands,
+        jax.ShapeDtypeStruct((num_rows, n_dim), dtype),
+        settings,
+        num_rows=num_rows,
+        n_dim=n_dim,
+        k_dim=k_dim,
+        interpret=interpret,
+        name=name,
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("limit", *_TILE_ARGS))
-def gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, *, limit: float | None,
-                      block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None, min_block_m: int | None = None,
-                      fill_tail: bool = True, interpret: bool = False):
+def gather_swiglu_gpu(
+    x_XD,
+    source_R,
+    group_sizes_G,
+    gate_GID,
+    up_GID,
+    *,
+    limit: float | None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_block_m: int | None = None,
+    fill_tail: bool = True,
+    interpret: bool = False,
+):
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros (fill_tail) or are not written (undefined). source [R] int32 indexes x's rows (repeats allowed).
     gate and up [G, I, D] are cast to x's dtype. Tiles: None from `tuned.GATHER_SWIGLU`."""
     width, hidden = gate_GID.shape[1:]
     operands = (source_R.astype(jnp.int32), x_XD, gate_GID.astype(x_XD.dtype), up_GID.astype(x_XD.dtype))
-    return _over_row_tiles(functools.partial(_gather_swiglu_kernel, limit=limit), group_sizes_G, operands,
-                           (block_m, block_n, block_k, num_warps, num_stages), num_rows=source_R.shape[0],
-                           n_dim=width, k_dim=hidden, dtype=x_XD.dtype, table=tuned.GATHER_SWIGLU,
-                           min_block_m=min_block_m, fill_tail=fill_tail,
-                           interpret=interpret, name="gather_swiglu")
+    return _over_row_tiles(
+        functools.partial(_gather_swiglu_kernel, limit=limit),
+        group_sizes_G,
+        operands,
+        (block_m, block_n, block_k, num_warps, num_stages),
+        num_rows=source_R.shape[0],
+        n_dim=width,
+        k_dim=hidden,
+        dtype=x_XD.dtype,
+        table=tuned.GATHER_SWIGLU,
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+        interpret=interpret,
+        name="gather_swiglu",
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_TILE_ARGS)
-def down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, *, block_m: int | None = None,
-                     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, min_block_m: int | None = None, fill_tail: bool = True,
-                     interpret: bool = False):
+def down_scatter_gpu(
+    h_RI,
+    dest_R,
+    row_weight_R,
+    group_sizes_G,
+    down_GDI,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_block_m: int | None = None,
+    fill_tail: bool = True,
+    interpret: bool = False,
+):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros (fill_tail) or nothing (their dest rows undefined). dest [R] int32 must be a permutation of [0, R);
     row_weight [R] fp32. down [G, D, I] is cast to h's dtype. Tiles: None from `tuned.DOWN_SCATTER`."""
     hidden, width = down_GDI.shape[1:]
     operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, down_GDI.astype(h_RI.dtype))
-    return _over_row_tiles(_down_scatter_kernel, group_sizes_G, operands,
-                           (block_m, block_n, block_k, num_warps, num_stages), num_rows=h_RI.shape[0], n_dim=hidden,
-                           k_dim=width, dtype=h_RI.dtype, table=tuned.DOWN_SCATTER,
-                           min_block_m=min_block_m, fill_tail=fill_tail,
-                           interpret=interpret, name="down_scatter")
+    return _over_row_tiles(
+        _down_scatter_kernel,
+        group_sizes_G,
+        operands,
+        (block_m, block_n, block_k, num_warps, num_stages),
+        num_rows=h_RI.shape[0],
+        n_dim=hidden,
+        k_dim=width,
+        dtype=h_RI.dtype,
+        table=tuned.DOWN_SCATTER,
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+        interpret=interpret,
+        name="down_scatter",
+    )

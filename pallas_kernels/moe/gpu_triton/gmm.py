@@ -32,8 +32,19 @@ from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 from pallas_kernels.tuning import fill, lookup
 
 
-def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int, block_k: int, cols_ok_N,
-                  mask_k: bool, rhs_transposed: bool = False):
+def tile_products(
+    load_lhs,
+    rhs_refs,
+    group,
+    col0,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    cols_ok_N,
+    mask_k: bool,
+    rhs_transposed: bool = False,
+):
     """One fp32 [block_m, block_n] accumulator per ref in rhs_refs: the sum over K tiles of lhs tile @ rhs[group]
     tile, rhs [G, N, K] (or [G, K, N] with rhs_transposed). load_lhs(k0, k_ok_K) gives the lhs tile [block_m,
     block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros."""
@@ -43,8 +54,9 @@ def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int
 
     def rhs_product(lhs_MK, rhs_ref, k0, k_ok_K):
         if rhs_transposed:
-            rhs_KN = masked_load(rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)],
-                                 mask_2d(k_ok_K, cols_ok_N))
+            rhs_KN = masked_load(
+                rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask_2d(k_ok_K, cols_ok_N)
+            )
             return plgpu.dot(lhs_MK, rhs_KN, allow_tf32=allow_tf32)
         rhs_NK = masked_load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
         return plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
@@ -61,8 +73,9 @@ def tile_products(load_lhs, rhs_refs, group, col0, *, block_m: int, block_n: int
     return jax.lax.fori_loop(0, num_steps, k_body, zeros)
 
 
-def output_tile(group_ref, row_start_ref, row_end_ref, n_dim: int, *, column_tile, block_m: int, block_n: int,
-                mask_n: bool):
+def output_tile(
+    group_ref, row_start_ref, row_end_ref, n_dim: int, *, column_tile, block_m: int, block_n: int, mask_n: bool
+):
     """(group, first row, first column, rows_ok_M, cols_ok_N or None) of this program's tile of the grid laid
     out by `call_over_row_tiles` (column_tile: its program id along the columns)."""
     row0, col0 = row_start_ref[...], column_tile * block_n
@@ -71,23 +84,58 @@ def output_tile(group_ref, row_start_ref, row_end_ref, n_dim: int, *, column_til
     return group_ref[...], row0, col0, rows_ok_M, cols_ok_N
 
 
-def _kernel(group_ref, row_start_ref, row_end_ref, lhs_ref, rhs_ref, out_ref, *, column_tile, block_m: int,
-            block_n: int, block_k: int, rhs_transposed: bool, mask_n: bool, mask_k: bool):
-    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(group_ref, row_start_ref, row_end_ref, out_ref.shape[1],
-                                                          column_tile=column_tile, block_m=block_m, block_n=block_n,
-                                                          mask_n=mask_n)
+def _kernel(
+    group_ref,
+    row_start_ref,
+    row_end_ref,
+    lhs_ref,
+    rhs_ref,
+    out_ref,
+    *,
+    column_tile,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    rhs_transposed: bool,
+    mask_n: bool,
+    mask_k: bool,
+):
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
+        group_ref,
+        row_start_ref,
+        row_end_ref,
+        out_ref.shape[1],
+        column_tile=column_tile,
+        block_m=block_m,
+        block_n=block_n,
+        mask_n=mask_n,
+    )
 
     def load_lhs(k0, k_ok_K):
         return masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
 
-    (acc_MN,) = tile_products(load_lhs, (rhs_ref,), group, col0, block_m=block_m, block_n=block_n,
-                              block_k=block_k, cols_ok_N=cols_ok_N, mask_k=mask_k, rhs_transposed=rhs_transposed)
-    plgpu.store(out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], acc_MN.astype(out_ref.dtype),
-                mask=mask_2d(rows_ok_M, cols_ok_N))
+    (acc_MN,) = tile_products(
+        load_lhs,
+        (rhs_ref,),
+        group,
+        col0,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        cols_ok_N=cols_ok_N,
+        mask_k=mask_k,
+        rhs_transposed=rhs_transposed,
+    )
+    plgpu.store(
+        out_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
+        acc_MN.astype(out_ref.dtype),
+        mask=mask_2d(rows_ok_M, cols_ok_N),
+    )
 
 
-def _weight_grad_kernel(offsets_ref, lhs_ref, d_out_ref, d_rhs_ref, *, block_m: int, block_n: int, block_k: int,
-                        mask_n: bool, mask_k: bool):
+def _weight_grad_kernel(
+    offsets_ref, lhs_ref, d_out_ref, d_rhs_ref, *, block_m: int, block_n: int, block_k: int, mask_n: bool, mask_k: bool
+):
     k_dim, n_dim = lhs_ref.shape[1], d_out_ref.shape[1]
     k0, col0, group = pl.program_id(0) * block_k, pl.program_id(1) * block_n, pl.program_id(2)
     start, end = offsets_ref[group], offsets_ref[group + 1]
@@ -102,8 +150,11 @@ def _weight_grad_kernel(offsets_ref, lhs_ref, d_out_ref, d_rhs_ref, *, block_m: 
         return acc_NK + plgpu.dot(d_out_MN, lhs_MK, trans_a=True, allow_tf32=lhs_ref.dtype != jnp.float32)
 
     acc_NK = jax.lax.fori_loop(0, pl.cdiv(end - start, block_m), row_body, jnp.zeros((block_n, block_k), jnp.float32))
-    plgpu.store(d_rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], acc_NK.astype(d_rhs_ref.dtype),
-                mask=mask_2d(cols_ok_N, k_ok_K))
+    plgpu.store(
+        d_rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)],
+        acc_NK.astype(d_rhs_ref.dtype),
+        mask=mask_2d(cols_ok_N, k_ok_K),
+    )
 
 
 def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
@@ -142,15 +193,18 @@ def _tile(size: int, wanted: int) -> int:
     return max(16, min(wanted, pl.next_power_of_2(size)))
 
 
-def row_tile_settings(dtype, given, *, num_rows: int, num_groups: int, n_dim: int, k_dim: int,
-                      table=tuned.GROUPED_MATMUL) -> tuned.GroupedTiles:
+def row_tile_settings(
+    dtype, given, *, num_rows: int, num_groups: int, n_dim: int, k_dim: int, table=tuned.GROUPED_MATMUL
+) -> tuned.GroupedTiles:
     """The given (block_m, block_n, block_k, num_warps, num_stages), None ones from `table` (a `tuned` table of
     GroupedTiles) for dtype and the rows' bucket ("few_rows" when the groups average at most
     tuned.FEW_ROWS_PER_GROUP rows: decode); block sizes clipped to powers of two that fit the problem."""
-    block_m, block_n, block_k, num_warps, num_stages = fill(given, lookup(
-        table, dtype=dtype, bucket=tuned.rows_bucket(num_rows, num_groups)))
-    return tuned.GroupedTiles(_tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k), num_warps,
-                              num_stages)
+    block_m, block_n, block_k, num_warps, num_stages = fill(
+        given, lookup(table, dtype=dtype, bucket=tuned.rows_bucket(num_rows, num_groups))
+    )
+    return tuned.GroupedTiles(
+        _tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k), num_warps, num_stages
+    )
 
 
 # The smallest row tile a group's last, partial tile shrinks to (see `call_over_row_tiles`).
@@ -184,18 +238,37 @@ def _by_row_count(kernel, sizes):
     return sized
 
 
-def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: tuned.GroupedTiles, *, num_rows: int,
-                        n_dim: int, k_dim: int, interpret: bool, name: str, min_block_m: int | None = None,
-                        fill_tail: bool = True):
+def call_over_row_tiles(
+    kernel,
+    group_sizes_G,
+    operands,
+    out_shape,
+    tiles: tuned.GroupedTiles,
+    *,
+    num_rows: int,
+    n_dim: int,
+    k_dim: int,
+    interpret: bool,
+    name: str,
+    min_block_m: int | None = None,
+    fill_tail: bool = True,
+):
     """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, column_tile=, block_m=,
     block_n=, block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row
     tiles of num_rows rows sorted by group, the operands and the output whole. A tile of fewer rows runs the
     kernel at the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them. fill_tail False:
     the output's rows past sum(group_sizes) are left unwritten (undefined)."""
     group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, tiles.block_m, fill_tail=fill_tail)
-    kernel = _by_row_count(functools.partial(kernel, block_n=tiles.block_n, block_k=tiles.block_k,
-                                             mask_n=n_dim % tiles.block_n != 0, mask_k=k_dim % tiles.block_k != 0),
-                           row_tile_sizes(tiles.block_m, min_block_m))
+    kernel = _by_row_count(
+        functools.partial(
+            kernel,
+            block_n=tiles.block_n,
+            block_k=tiles.block_k,
+            mask_n=n_dim % tiles.block_n != 0,
+            mask_k=k_dim % tiles.block_k != 0,
+        ),
+        row_tile_sizes(tiles.block_m, min_block_m),
+    )
     whole = lambda shape: pl.BlockSpec(shape, lambda n, t: (0,) * len(shape))  # noqa: E731
     per_row_tile = pl.BlockSpec((None,), lambda n, t: (t,))
     return pl.pallas_call(
@@ -210,11 +283,33 @@ def call_over_row_tiles(kernel, group_sizes_G, operands, out_shape, tiles: tuned
     )(group_T, row_start_T, row_end_T, *operands)
 
 
-@functools.partial(jax.jit, static_argnames=("rhs_transposed", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "min_block_m", "interpret"))
-def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = False, block_m: int | None = None,
-                       block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                       num_stages: int | None = None, min_block_m: int | None = None, interpret: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "rhs_transposed",
+        "block_m",
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "min_block_m",
+        "interpret",
+    ),
+)
+def grouped_matmul_gpu(
+    lhs_MK,
+    rhs,
+    group_sizes_G,
+    *,
+    rhs_transposed: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_block_m: int | None = None,
+    interpret: bool = False,
+):
     """out [M, N] in lhs's dtype (fp32 accumulation): out[rows of g] = lhs[rows of g] @ rhs[g].T for rhs
     [G, N, K], or lhs[rows of g] @ rhs[g] for rhs [G, K, N] with rhs_transposed (the gradient w.r.t. lhs).
 
@@ -227,19 +322,43 @@ def grouped_matmul_gpu(lhs_MK, rhs, group_sizes_G, *, rhs_transposed: bool = Fal
     n_dim = rhs.shape[2] if rhs_transposed else rhs.shape[1]
     if num_rows == 0:
         return jnp.zeros((0, n_dim), lhs_MK.dtype)
-    tiles = row_tile_settings(lhs_MK.dtype, (block_m, block_n, block_k, num_warps, num_stages), num_rows=num_rows,
-                              num_groups=group_sizes_G.shape[0], n_dim=n_dim, k_dim=k_dim)
+    tiles = row_tile_settings(
+        lhs_MK.dtype,
+        (block_m, block_n, block_k, num_warps, num_stages),
+        num_rows=num_rows,
+        num_groups=group_sizes_G.shape[0],
+        n_dim=n_dim,
+        k_dim=k_dim,
+    )
     out_shape = jax.ShapeDtypeStruct((num_rows, n_dim), lhs_MK.dtype)
-    return call_over_row_tiles(functools.partial(_kernel, rhs_transposed=rhs_transposed), group_sizes_G,
-                               (lhs_MK, rhs.astype(lhs_MK.dtype)), out_shape, tiles, num_rows=num_rows, n_dim=n_dim,
-                               k_dim=k_dim, interpret=interpret, name="grouped_matmul", min_block_m=min_block_m)
+    return call_over_row_tiles(
+        functools.partial(_kernel, rhs_transposed=rhs_transposed),
+        group_sizes_G,
+        (lhs_MK, rhs.astype(lhs_MK.dtype)),
+        out_shape,
+        tiles,
+        num_rows=num_rows,
+        n_dim=n_dim,
+        k_dim=k_dim,
+        interpret=interpret,
+        name="grouped_matmul",
+        min_block_m=min_block_m,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
-def grouped_weight_grad_gpu(lhs_MK, d_out_MN, group_sizes_G, *, block_m: int | None = None,
-                            block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
+def grouped_weight_grad_gpu(
+    lhs_MK,
+    d_out_MN,
+    group_sizes_G,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
     """d_rhs [G, N, K] in lhs's dtype (fp32 accumulation): d_rhs[g] = d_out[rows of g].T @ lhs[rows of g].
 
     An empty group gets zeros. d_out is cast to lhs's dtype; tiles: None from `tuned.WEIGHT_GRAD`.
@@ -249,13 +368,21 @@ def grouped_weight_grad_gpu(lhs_MK, d_out_MN, group_sizes_G, *, block_m: int | N
     num_groups = group_sizes_G.shape[0]
     if num_rows == 0:
         return jnp.zeros((num_groups, n_dim, k_dim), lhs_MK.dtype)
-    block_m, block_n, block_k, num_warps, num_stages = fill((block_m, block_n, block_k, num_warps, num_stages),
-                                                            lookup(tuned.WEIGHT_GRAD, dtype=lhs_MK.dtype))
+    block_m, block_n, block_k, num_warps, num_stages = fill(
+        (block_m, block_n, block_k, num_warps, num_stages), lookup(tuned.WEIGHT_GRAD, dtype=lhs_MK.dtype)
+    )
     block_m, block_n, block_k = _tile(num_rows, block_m), _tile(n_dim, block_n), _tile(k_dim, block_k)
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                               jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), num_rows)])
-    kernel = functools.partial(_weight_grad_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                               mask_n=n_dim % block_n != 0, mask_k=k_dim % block_k != 0)
+    offsets = jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), jnp.minimum(jnp.cumsum(group_sizes_G.astype(jnp.int32)), num_rows)]
+    )
+    kernel = functools.partial(
+        _weight_grad_kernel,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        mask_n=n_dim % block_n != 0,
+        mask_k=k_dim % block_k != 0,
+    )
     whole = lambda shape: pl.BlockSpec(shape, lambda k, n, g: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
         kernel,

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 from pallas_kernels.moe import tuned
+from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 from pallas_kernels.moe.reference import RoutingRule
 from pallas_kernels.tuning import fill, lookup
 
@@ -42,14 +42,16 @@ def _kept_columns(choice_TE, column_E, *, num_columns: int, per_group: int, n_gr
         group_scores.append(best_T + second_T)
     kept_TE = jnp.zeros(choice_TE.shape, jnp.int32)
     for group, score_T in enumerate(group_scores):
-        ahead_T = sum(_count(other_T > score_T) + (_count(other_T == score_T) if other < group else 0)
-                      for other, other_T in enumerate(group_scores) if other != group)
+        ahead_T = sum(
+            _count(other_T > score_T) + (_count(other_T == score_T) if other < group else 0)
+            for other, other_T in enumerate(group_scores)
+            if other != group
+        )
         kept_TE += _count((group_E == group)[None, :] & (ahead_T < topk_group)[:, None])
     return kept_TE > 0
 
 
-def _kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, rule: RoutingRule, num_experts: int,
-            block_t: int):
+def _kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, rule: RoutingRule, num_experts: int, block_t: int):
     num_columns, slots = logits_ref.shape[1], weights_ref.shape[1]
     row0 = pl.program_id(0) * block_t
     rows_ok_T = row0 + jnp.arange(block_t) < logits_ref.shape[0]
@@ -59,8 +61,14 @@ def _kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, rule: RoutingRule
     scores_TE = jax.nn.sigmoid(logits_TE)
     choice_TE = jnp.where(columns_ok_E[None, :], scores_TE + bias_ref[...][None, :], -jnp.inf)
     if rule.n_group:
-        kept_TE = _kept_columns(choice_TE, column_E, num_columns=num_columns, per_group=num_experts // rule.n_group,
-                                n_group=rule.n_group, topk_group=rule.topk_group)
+        kept_TE = _kept_columns(
+            choice_TE,
+            column_E,
+            num_columns=num_columns,
+            per_group=num_experts // rule.n_group,
+            n_group=rule.n_group,
+            topk_group=rule.topk_group,
+        )
         choice_TE = jnp.where(kept_TE, choice_TE, -jnp.inf)
     slot_S = jnp.arange(slots)
     weights_TS = jnp.zeros((block_t, slots), jnp.float32)
@@ -81,8 +89,15 @@ def _kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, rule: RoutingRule
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "block_t", "num_warps", "interpret"))
-def select_experts_gpu(logits_TE, expert_bias_E, rule: RoutingRule, *, block_t: int | None = None,
-                       num_warps: int | None = None, interpret: bool = False):
+def select_experts_gpu(
+    logits_TE,
+    expert_bias_E,
+    rule: RoutingRule,
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+    interpret: bool = False,
+):
     """`select_experts_reference` as one Pallas kernel (Triton lowering); the padded columns (E up to a power
     of two) and slots (top_k likewise) are masked. Tiles: None from `tuned.SELECT_EXPERTS` (one token per
     single-warp program: the ~100 whole-row operations then stay in one warp's registers, 16 logits per thread at
@@ -98,10 +113,12 @@ def select_experts_gpu(logits_TE, expert_bias_E, rule: RoutingRule, *, block_t: 
         grid=(pl.cdiv(tokens, block_t),),
         in_specs=[whole(logits_TE.shape), whole(bias_E.shape)],
         out_specs=[whole((tokens, slots)), whole((tokens, slots))],
-        out_shape=[jax.ShapeDtypeStruct((tokens, slots), jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, slots), jnp.int32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((tokens, slots), jnp.float32),
+            jax.ShapeDtypeStruct((tokens, slots), jnp.int32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="select_experts",
     )(logits_TE, bias_E)
-    return weights_TS[:, :rule.top_k], experts_TS[:, :rule.top_k]
+    return weights_TS[:, : rule.top_k], experts_TS[:, : rule.top_k]
