@@ -383,6 +383,11 @@ class Completion:
 
     def add(self, new_ids: Iterable[int]) -> bool:
         """Take newly generated ids; True once a stop string has ended the completion."""
+        if self.stops is None:  # no stop string to place at a token: one decode for all the new ids
+            new_ids = [int(token) for token in new_ids]
+            self.ids.extend(new_ids)
+            self._extend(self.decoder.extend(new_ids))
+            return False
         for token in new_ids:
             if self.stopped:
                 break

@@ -237,7 +237,11 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         """Add one id; return the new complete text ('' while a character is incomplete)."""
-        self.ids.append(int(token_id))
+        return self.extend([token_id])
+
+    def extend(self, token_ids: Iterable[int]) -> str:
+        """Add several ids with one decode of the window (not one per id); return the new complete text."""
+        self.ids.extend(int(t) for t in token_ids)
         printed_text, window_text = self._window()
         if len(window_text) <= len(printed_text) or window_text.endswith(_REPLACEMENT_CHAR):
             return ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jinja2
+import numpy as np
 import pytest
 from helpers import train_byte_bpe
 
@@ -160,6 +161,21 @@ def test_stream_decoder_bytes_split_characters():
     assert all("\ufffd" not in piece for piece in pieces)
     # 🙂 arrives as 4 bytes: three pushes print nothing, the fourth prints the whole character
     assert pieces[-4:] == ["", "", "", "🙂"]
+
+
+def test_stream_decoder_extend_in_groups_equals_pushes(bpe):
+    """Ids added several at a time (the CLI's decode groups) give the same text as one push per id."""
+    text = f"{SENTENCES[2]} {MULTIBYTE} 界界 ok"
+    ids = bpe.encode(text)
+    rng = np.random.default_rng(3)
+    decoder, pieces, start = StreamDecoder(bpe), [], 0
+    while start < len(ids):
+        stop = start + int(rng.integers(1, 6))  # groups of 1-5 ids, splitting multi-byte characters
+        pieces.append(decoder.extend(ids[start:stop]))
+        start = stop
+    rest = decoder.flush()
+    assert "".join(pieces) + rest == text and rest == ""
+    assert all("\ufffd" not in piece for piece in pieces)
 
 
 def test_stream_decoder_bpe(bpe):
