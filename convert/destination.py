@@ -13,7 +13,7 @@ import os
 
 from convert import ConvertError
 from convert.store import CHECKPOINT_METADATA_FILE, METADATA_FILE
-from ling_jax.orbax_checkpoint import LAYOUT_FILE, LAYOUT_FORMAT
+from ling_jax.checkpoints.orbax import LAYOUT_FILE, LAYOUT_FORMAT
 
 # Copied from SRC to DST beside the arrays (config.json, tokenizer and generation files).
 SIDE_FILES = (

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 import ml_dtypes
 import numpy as np
 
+from ling_jax.checkpoints.safetensors_io import DTYPES, INDEX_FILE
 from ling_jax.quant import MXFP4_GROUP
-from ling_jax.safetensors_io import DTYPES, INDEX_FILE
 
 FP8_E4M3_MAX = 448.0
 MXFP4_SCALE_FORMATS = ("e8m0", "float32", "uint8")  # float8_e8m0fnu, fp32 powers of two, raw exponents u

@@ -8,9 +8,10 @@ import json
 import os
 
 from convert import ConvertError
+from ling_jax.build import load_model_config
+from ling_jax.checkpoints.safetensors_io import INDEX_FILE, CheckpointTensors, SafetensorsFile
 from ling_jax.config import LingConfig
-from ling_jax.safetensors_io import INDEX_FILE, CheckpointTensors, SafetensorsFile
-from ling_jax.vl_config import LingVLConfig, load_model_config
+from ling_jax.vl.config import LingVLConfig
 
 CONFIG_FILE = "config.json"
 # what a header that is JSON but not the safetensors layout makes the parser raise

@@ -32,10 +32,10 @@ from convert.source import ShardReader
 from convert.store import ArrayStore, finalize, sync_to_disk
 from convert.verify import verify_params
 from convert.workspace import Journal, Workspace
-from ling_jax.checkpoint import TensorResolver
-from ling_jax.finite_check import NonFiniteError, check_finite
-from ling_jax.orbax_checkpoint import StoredLayout
-from ling_jax.vl_config import text_config_of
+from ling_jax.build import text_config_of
+from ling_jax.checkpoints.finite_check import NonFiniteError, check_finite
+from ling_jax.checkpoints.hf import TensorResolver
+from ling_jax.checkpoints.orbax import StoredLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The conversion plan: one entry per NNX parameter of the model config.json describes, with the checkpoint
-tensors that fill it (`ling_jax.checkpoint_names.source_for`), its stored dtype and the row slices it is
+tensors that fill it (`ling_jax.checkpoints.names.source_for`), its stored dtype and the row slices it is
 converted in. Building the plan inspects every source tensor, so a broken checkpoint fails here, before
 anything is written. With a target mesh (`--mesh`), each parameter's row slices (the stored chunks) are cut to
 divide the rows every device will hold, so a sharded restore reads whole chunks; a mesh that does not fit the
@@ -20,13 +20,13 @@ from flax import nnx
 from convert import BF16, FP8_KEPT
 from convert.hooks import FP8_CODE_DTYPE
 from convert.source import FP8, PLAIN, SourceTensor, inspect_source
-from ling_jax.checkpoint import TensorResolver
-from ling_jax.checkpoint_names import source_for
+from ling_jax.build import build_model, text_config_of
+from ling_jax.checkpoints.hf import TensorResolver
+from ling_jax.checkpoints.names import source_for
+from ling_jax.checkpoints.orbax import param_name
 from ling_jax.config import LingConfig
-from ling_jax.orbax_checkpoint import param_name
 from ling_jax.sharding import logical_to_spec
-from ling_jax.vl_config import LingVLConfig, text_config_of
-from ling_jax.vl_model import build_model
+from ling_jax.vl.config import LingVLConfig
 
 COMPUTE_DTYPE = np.dtype(jnp.bfloat16)
 SLICE_ELEMENTS = 1 << 23  # rows are converted ~8M elements at a time (rounded to whole scale blocks)

@@ -14,9 +14,9 @@ import threading
 
 import numpy as np
 
-from ling_jax.checkpoint import SCALE_SUFFIX, CheckpointError
+from ling_jax.checkpoints.hf import SCALE_SUFFIX, CheckpointError
+from ling_jax.checkpoints.safetensors_io import CheckpointTensors
 from ling_jax.quant import MXFP4_GROUP, e8m0_to_float, is_float8
-from ling_jax.safetensors_io import CheckpointTensors
 
 PLAIN = "plain"
 FP8 = "fp8"

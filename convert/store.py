@@ -21,7 +21,7 @@ import tensorstore as ts
 from etils import epath
 
 from convert.plan import ParamPlan
-from ling_jax.orbax_checkpoint import scale_name, scale_path
+from ling_jax.checkpoints.orbax import scale_name, scale_path
 
 METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"

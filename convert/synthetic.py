@@ -22,11 +22,12 @@ import numpy as np
 from convert.hf_writer import TensorEntry, quantize_fp8_block, quantize_mxfp4, write_sharded
 from convert.plan import model_parameters
 from convert.source import FP8, MXFP4, ShardReader
-from ling_jax.checkpoint import SCALE_SUFFIX
-from ling_jax.checkpoint_names import source_for
+from ling_jax.checkpoints.hf import SCALE_SUFFIX
+from ling_jax.checkpoints.names import source_for
+from ling_jax.checkpoints.safetensors_io import CheckpointTensors
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
+from ling_jax.presets import preset
 from ling_jax.quant import MXFP4_GROUP, is_float8
-from ling_jax.safetensors_io import CheckpointTensors
 
 FP32 = "fp32"
 BF16 = "bf16"
@@ -61,7 +62,7 @@ def benchmark_config(target_bytes: float) -> LingConfig:
     # and the MTP layer ~0.78 GB
     moe_layers = max(1, round((target_bytes - 0.78e9) / 0.43e9))
     layers = 1 + moe_layers
-    return LingConfig.preset("tiny").replace(
+    return preset("tiny").replace(
         vocab_size=32768,
         hidden_size=hidden,
         num_hidden_layers=layers,

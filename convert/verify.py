@@ -16,7 +16,7 @@ from convert.parallel import run_bounded
 from convert.plan import ParamPlan, Slice
 from convert.source import ShardReader
 from convert.store import ArrayStore
-from ling_jax.orbax_checkpoint import scale_name
+from ling_jax.checkpoints.orbax import scale_name
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 

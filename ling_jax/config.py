@@ -19,7 +19,7 @@ KDA = "kda"
 MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
-MOE_ALL_TO_ALL = ("auto", "ragged", "dense")  # how expert parallelism moves rows: ling_jax.expert_parallel
+MOE_ALL_TO_ALL = ("auto", "ragged", "dense")  # how expert parallelism moves rows: ling_jax.moe.expert_parallel
 
 # canonical key -> aliases that mean the same thing
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -359,14 +359,6 @@ class LingConfig:
             return cls.from_dict(raw)
         except ValueError as e:
             raise ValueError(f"{file}: {e}") from e
-
-    @classmethod
-    def preset(cls, name: str) -> LingConfig:
-        from ling_jax.presets import PRESETS
-
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-        return PRESETS[name]
 
 
 def _vl_mrope_section(raw: Mapping[str, Any], text: Mapping[str, Any]) -> list[int]:

@@ -14,30 +14,21 @@ cache slots, RoPE tables and the `ExecutionPolicy`), a pytree.
     rope_cos_sin(positions_BT, cfg) -> (cos, sin), apply_rope(x, cos, sin, interleave=)
 
 These are the functions the NNX modules call (`ling_jax.model`, `kda`, `mla`, `moe`, `layers`): there is one
-implementation. `layer_weights` takes a layer's weights from a model, `checkpoint_layer_weights` from a HF
-checkpoint directory (reading that layer's tensors only).
+implementation. `layer_weights` takes a layer's weights from a model;
+`ling_jax.checkpoints.hf.checkpoint_layer_weights` reads them from a HF checkpoint directory (that layer's
+tensors only).
 """
 
 from __future__ import annotations
 
-import os
-
-import jax.numpy as jnp
-from flax import nnx
-
-from ling_jax.checkpoint import TensorResolver, _load
-from ling_jax.checkpoint_names import source_for
-from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext, token_context
 from ling_jax.kda import kda_attention
 from ling_jax.layers import Weights, gated_rms_norm, linear, params_of, rms_norm
 from ling_jax.mla import latent_attention, mla_latent
-from ling_jax.model import DecoderLayer, LingForCausalLM, decoder_layer
-from ling_jax.moe import dense_mlp, moe_block, router
+from ling_jax.model import LingForCausalLM, decoder_layer
+from ling_jax.moe.block import dense_mlp, moe_block, router
 from ling_jax.policy import ExecutionPolicy, KDAMode, KernelBackend, MLAMode, MoEExchange
 from ling_jax.rope import apply_rope, rope_cos_sin
-from ling_jax.safetensors_io import CheckpointTensors
-from ling_jax.vl_config import load_model_config, text_config_of
 
 __all__ = [
     "ExecutionPolicy",
@@ -49,7 +40,6 @@ __all__ = [
     "TokenContext",
     "Weights",
     "apply_rope",
-    "checkpoint_layer_weights",
     "decoder_layer",
     "dense_mlp",
     "gated_rms_norm",
@@ -72,34 +62,3 @@ def layer_weights(model: LingForCausalLM, index: int) -> Weights:
     if not 0 <= index < len(layers):
         raise IndexError(f"layer_weights: layer {index} of a model with {len(layers)} decoder layers")
     return params_of(layers[index])
-
-
-def checkpoint_layer_weights(path: str | os.PathLike, index: int, *, dtype=jnp.float32) -> Weights:
-    """Decoder layer `index`'s weights from a HF-format checkpoint directory, reading only that layer's tensors
-    (dequantised as `load_hf_checkpoint` does; A_log, dt_bias, conv weights and the expert bias stay fp32)."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    config: LingConfig = text_config_of(load_model_config(path))
-    if not 0 <= index < config.num_hidden_layers:
-        raise IndexError(
-            f"checkpoint_layer_weights: layer {index} of a config with {config.num_hidden_layers} "
-            f"decoder layers ({path}/config.json)"
-        )
-    resolver = TensorResolver(CheckpointTensors(path), config)
-    abstract = nnx.eval_shape(
-        lambda: DecoderLayer(
-            config,
-            attention=config.layer_types[index],
-            mlp=config.mlp_layer_types[index],
-            clip_layer=index,
-            dtype=dtype,
-            rngs=nnx.Rngs(0),
-        )
-    )
-    loaded = []
-    for p, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
-        like = variable.get_value()
-        source = source_for(("model", "layers", index, *p), like.shape, config)
-        loaded.append((p, jnp.asarray(_load(resolver, source).reshape(like.shape), like.dtype)))
-    return nnx.to_pure_dict(nnx.from_flat_state(loaded))

@@ -17,7 +17,7 @@ from ling_jax.context import TokenContext, token_context
 from ling_jax.kda import KimiDeltaAttention, kda_attention
 from ling_jax.layers import Linear, RMSNorm, Weights, add_rms_norm, normal_param, params_of, rms_norm
 from ling_jax.mla import MultiLatentAttention, latent_attention
-from ling_jax.moe import MLP, MoE, dense_mlp, moe_block_with_stats, sow_moe_stats
+from ling_jax.moe.block import MLP, MoE, dense_mlp, moe_block_with_stats, sow_moe_stats
 from ling_jax.policy import ExecutionPolicy, as_policy
 from ling_jax.sharding import ACTIVATION_BTD, ACTIVATION_BTV, constrain
 

@@ -42,7 +42,7 @@ class MLAMode(enum.StrEnum):
 
 
 class MoEExchange(enum.StrEnum):
-    """How expert parallelism moves rows between devices (`ling_jax.expert_parallel`)."""
+    """How expert parallelism moves rows between devices (`ling_jax.moe.expert_parallel`)."""
 
     AUTO = "auto"
     RAGGED = "ragged"

@@ -153,3 +153,10 @@ PRESETS: dict[str, LingConfig] = {
         }
     ),
 }
+
+
+def preset(name: str) -> LingConfig:
+    """The config named `name` in `PRESETS`; an unknown name lists the known ones."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]

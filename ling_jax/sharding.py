@@ -54,7 +54,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "cache_length": (),
     "state_dim": (),
     "conv_channels": (),
-    # the VL vision tower and projector (ling_jax.vision) run replicated: well under 1B parameters next to the
+    # the VL vision tower and projector (ling_jax.vl.vision) run replicated: well under 1B parameters next to the
     # experts, and their [patches, width] activations are far smaller than the language model's
     "vision_embed": (),
     "vision_positions": (),

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from ling_jax import LingConfig
 from ling_jax.cache import KDAState, LingCache, MLAState
 from ling_jax.config import KDA, MLA, MOE
+from ling_jax.presets import preset
 from ling_jax.sharding import param_shardings
 
 
@@ -67,7 +68,7 @@ def flash_slice_config(layers: int, quick: bool) -> LingConfig:
     an MLA layer every 8th counting back from the last (8 layers: 7 KDA + 1 MLA, like the preset's layers
     8-15; 72: the preset's schedule), no MTP layer. quick: a narrow model (hidden 512, 64 experts) for smoke
     tests on a CPU."""
-    config = LingConfig.preset("ling-3.1-flash")
+    config = preset("ling-3.1-flash")
     group = config.layer_types.index(MLA) + 1  # the preset's layer group: 7 KDA + 1 MLA
     config = config.replace(
         num_hidden_layers=layers,

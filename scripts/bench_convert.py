@@ -37,7 +37,7 @@ def run_converter(args: list[str]) -> tuple[float, int, str]:
 _RESTORE = """
 import sys, time
 start = time.perf_counter()
-from ling_jax.orbax_checkpoint import load_checkpoint
+from ling_jax.checkpoints.orbax import load_checkpoint
 import jax
 model = load_checkpoint(sys.argv[1])
 jax.block_until_ready(jax.tree.leaves(model))

@@ -52,8 +52,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from ling_jax import LingForCausalLM  # noqa: E402
-from ling_jax.expert_ffn import expert_sorted_ffn, grouped_expert_ffn  # noqa: E402
-from ling_jax.expert_parallel import (
+from ling_jax.moe.block import MoE, route  # noqa: E402
+from ling_jax.moe.expert_parallel import (
     SLICES_PER_EXPERT,
     dispatch,
     exchange,
@@ -66,7 +66,7 @@ from ling_jax.expert_parallel import (
     return_and_combine,
     rows_per_source,
 )
-from ling_jax.moe import MoE, route  # noqa: E402
+from ling_jax.moe.experts import expert_sorted_ffn, grouped_expert_ffn  # noqa: E402
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh  # noqa: E402
 from pallas_kernels.backend import resolve_backend  # noqa: E402
 

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ling_jax import generate_cli  # noqa: E402
 from ling_jax.cache import LingCache  # noqa: E402
-from ling_jax.generate import CACHE_BUCKET, _decode_step, prefill_chunks  # noqa: E402
-from ling_jax.sampling import SamplingArrays  # noqa: E402
+from ling_jax.generation import cli as generate_cli  # noqa: E402
+from ling_jax.generation.generator import CACHE_BUCKET, _decode_step, prefill_chunks  # noqa: E402
+from ling_jax.generation.sampling import SamplingArrays  # noqa: E402
 
 PROMPT_WORDS = (
     "Mr. Darcy",

@@ -40,9 +40,9 @@ import jax.numpy as jnp  # noqa: E402
 from bench_common import median_seconds, rel_error  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ling_jax import LingConfig  # noqa: E402
-from ling_jax.expert_ffn import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
-from ling_jax.moe import MoE  # noqa: E402
+from ling_jax.moe.block import MoE  # noqa: E402
+from ling_jax.moe.experts import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
+from ling_jax.presets import preset
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, kernel  # noqa: E402
 from pallas_kernels.moe.reference import swiglu  # noqa: E402
 from pallas_kernels.moe.tuned import FEW_ROWS_PER_GROUP  # noqa: E402
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     backend = args.backend or ("pallas_gpu" if on_gpu else "interpret_gpu" if args.quick else None)
     if backend is None or (backend == "pallas_gpu" and not on_gpu):
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); try --quick")
-    config = LingConfig.preset("ling-3.1-flash")
+    config = preset("ling-3.1-flash")
     token_counts = (8192, 64)
     if args.quick:
         config = config.replace(

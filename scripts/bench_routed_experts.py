@@ -2,7 +2,7 @@
 """Routed experts of a few tokens at Ling-3.1-flash width (hidden 4096, 512 experts, top-8, width 1024, bf16,
 plus the shared expert of the same width, as a decode step runs them): the row-by-row decode kernels
 (`pallas_kernels.moe.routed_experts`) against the grouped path (sort, grouped matmuls, combine:
-`ling_jax.expert_ffn.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one
+`ling_jax.moe.experts.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one
 token, then the expert selection before them (`pallas_kernels.moe.select_experts`: kernel tiles vs the jnp reference).
 
     python scripts/bench_routed_experts.py              # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_common import per_call_seconds, rel_error  # noqa: E402
 
-from ling_jax.expert_ffn import grouped_local_moe, swiglu_ffn  # noqa: E402
+from ling_jax.moe.experts import grouped_local_moe, swiglu_ffn  # noqa: E402
 from pallas_kernels.moe import tuned  # noqa: E402
 from pallas_kernels.moe.ops import kernel  # noqa: E402
 from pallas_kernels.moe.reference import RoutingRule, select_experts_reference  # noqa: E402

@@ -52,13 +52,14 @@ from flax import nnx  # noqa: E402
 
 from ling_jax import LingConfig, LingForCausalLM  # noqa: E402
 from ling_jax.config import KDA, MLA  # noqa: E402
-from ling_jax.memory import format_bytes  # noqa: E402
-from ling_jax.moe import MoE  # noqa: E402
-from ling_jax.parallel import ShardedLM  # noqa: E402
+from ling_jax.generation.memory import format_bytes  # noqa: E402
+from ling_jax.generation.sharded import ShardedLM  # noqa: E402
+from ling_jax.moe.block import MoE  # noqa: E402
+from ling_jax.presets import preset
 from ling_jax.sharding import ShardingError, make_mesh, param_specs, parse_mesh  # noqa: E402
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # logits rel. error, mesh vs one device
-MAX_LAYERS = LingConfig.preset("ling-3.1-flash").num_hidden_layers
+MAX_LAYERS = preset("ling-3.1-flash").num_hidden_layers
 CORRUPT_SCALE = 2.0
 GIB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""Generate text with a Ling 3.x model: `python scripts/generate.py --help`; the code is ling_jax/generate_cli.py."""
+"""Generate text with a Ling 3.x model: `python scripts/generate.py --help`; the code is ling_jax/generation/cli.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ling_jax.generate_cli import script_main  # noqa: E402
+from ling_jax.generation.cli import script_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(script_main())

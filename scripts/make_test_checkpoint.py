@@ -17,7 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from convert.hf_writer import MXFP4_SCALE_FORMATS  # noqa: E402
 from convert.synthetic import write_quantized_copy, write_random_checkpoint  # noqa: E402
 from ling_jax.config import LingConfig  # noqa: E402
-from ling_jax.presets import PRESETS  # noqa: E402
+from ling_jax.presets import (
+    PRESETS,  # noqa: E402
+    preset,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_hf_dir:
         write_quantized_copy(args.from_hf_dir, args.out, **common)
     else:
-        config = LingConfig.preset(args.preset) if args.preset else LingConfig.from_pretrained(args.config)
+        config = preset(args.preset) if args.preset else LingConfig.from_pretrained(args.config)
         write_random_checkpoint(args.out, config, seed=args.seed, random_codes=args.random_codes, **common)
     print(f"wrote {args.out}")
     return 0

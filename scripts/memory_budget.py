@@ -15,8 +15,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ling_jax.config import LingConfig  # noqa: E402
-from ling_jax.memory import cache_budget  # noqa: E402
-from ling_jax.presets import PRESETS  # noqa: E402
+from ling_jax.generation.memory import cache_budget  # noqa: E402
+from ling_jax.presets import (
+    PRESETS,  # noqa: E402
+    preset,
+)
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -55,7 +58,7 @@ def parse_args(argv=None):
         args.source = args.config
     else:
         args.source = args.preset or "ling-3.1-flash"
-        args.model_config = LingConfig.preset(args.source)
+        args.model_config = preset(args.source)
     return args
 
 

@@ -28,7 +28,7 @@ from bench_common import flash_slice_config, rel_error  # noqa: E402
 from check_multi_gpu import make_inputs  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import ling_jax.moe as moe  # noqa: E402
+import ling_jax.moe.block as moe  # noqa: E402
 from ling_jax import LingForCausalLM  # noqa: E402
 
 FRACTIONS = (1e-4, 1e-3, 1e-2)

@@ -38,11 +38,11 @@ from tqdm.auto import tqdm  # noqa: E402
 from convert.hf_writer import TensorEntry, write_sharded  # noqa: E402
 from convert.synthetic import config_dict, write_quantized_copy  # noqa: E402
 from ling_jax import LingConfig, LingForCausalLM, load_hf_checkpoint  # noqa: E402
-from ling_jax.checkpoint_names import source_for  # noqa: E402
-from ling_jax.generate import Generator  # noqa: E402
+from ling_jax.checkpoints.names import source_for  # noqa: E402
+from ling_jax.generation.generator import Generator  # noqa: E402
+from ling_jax.generation.sampling import SamplingParams  # noqa: E402
 from ling_jax.presets import PRESETS  # noqa: E402
-from ling_jax.sampling import SamplingParams  # noqa: E402
-from ling_jax.train import (  # noqa: E402
+from ling_jax.training.train import (  # noqa: E402
     EXPERT_BIAS,
     TRAINABLE,
     Batch,

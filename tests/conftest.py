@@ -15,7 +15,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 
 import pallas_kernels  # noqa: E402,F401  (adds its XLA:CPU workaround flag before any test makes a backend)
 
-_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+_TESTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 

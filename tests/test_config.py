@@ -8,7 +8,7 @@ import pytest
 from oracle import build_oracle, save_oracle
 
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
-from ling_jax.presets import TINY
+from ling_jax.presets import TINY, preset
 
 FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -23,7 +23,7 @@ def _indices(kinds, kind) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------ presets
 def test_preset_ling_3_1_flash():
-    c = LingConfig.preset("ling-3.1-flash")
+    c = preset("ling-3.1-flash")
     assert c.num_hidden_layers == 72
     assert _indices(c.layer_types, MLA) == list(range(7, 72, 8))
     assert len(_indices(c.layer_types, MLA)) == 9 and len(_indices(c.layer_types, KDA)) == 63
@@ -39,7 +39,7 @@ def test_preset_ling_3_1_flash():
 
 
 def test_preset_ling_3_0_flash():
-    c = LingConfig.preset("ling-3.0-flash")
+    c = preset("ling-3.0-flash")
     assert c.num_hidden_layers == 42
     assert _indices(c.layer_types, MLA) == list(range(5, 42, 6))
     assert len(_indices(c.layer_types, KDA)) == 35
@@ -50,8 +50,8 @@ def test_preset_ling_3_0_flash():
 
 
 def test_preset_ling_3_0_flash_vl():
-    c = LingConfig.preset("ling-3.0-flash-vl")
-    text = LingConfig.preset("ling-3.0-flash")
+    c = preset("ling-3.0-flash-vl")
+    text = preset("ling-3.0-flash")
     assert c.layer_types == text.layer_types and c.mlp_layer_types == text.mlp_layer_types
     assert c.rope.is_yarn and c.rope.rope_type == "yarn"
     assert c.rope.factor == 2.0 and c.rope.original_max_position_embeddings == 131072
@@ -59,7 +59,7 @@ def test_preset_ling_3_0_flash_vl():
 
 
 def test_preset_tiny_has_every_feature():
-    c = LingConfig.preset("tiny")
+    c = preset("tiny")
     assert set(c.layer_types) == {KDA, MLA} and set(c.mlp_layer_types) == {DENSE, MOE}
     assert c.q_lora_rank is not None
     assert c.n_group > 0 and c.topk_group > 0
@@ -71,11 +71,11 @@ def test_preset_tiny_has_every_feature():
 
 def test_unknown_preset_names_it():
     with pytest.raises(ValueError, match="ling-9.9-huge"):
-        LingConfig.preset("ling-9.9-huge")
+        preset("ling-9.9-huge")
 
 
 def test_config_is_frozen():
-    c = LingConfig.preset("tiny")
+    c = preset("tiny")
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.hidden_size = 128
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -17,6 +17,8 @@ from oracle import build_oracle, save_oracle
 
 from ling_jax import LingConfig, LingForCausalLM, MLAState, load_hf_checkpoint
 from ling_jax import functional as F
+from ling_jax.checkpoints.hf import checkpoint_layer_weights
+from ling_jax.presets import preset
 from pallas_kernels.backend import BACKENDS
 
 FP32_TOL = 1e-4
@@ -57,7 +59,7 @@ def jitted(fn, *static):
 
 def test_kda_attention_matches_oracle(oracle_setup, x_BTD):
     oracle, config, path = oracle_setup
-    weights = F.checkpoint_layer_weights(path, KDA_DENSE)
+    weights = checkpoint_layer_weights(path, KDA_DENSE)
     ctx = F.token_context(config, BATCH, LENGTH, policy=POLICY)
     y, state = jitted(F.kda_attention)(weights["attention"], x_BTD, None, ctx, cfg=config)
     with torch.no_grad():
@@ -68,7 +70,7 @@ def test_kda_attention_matches_oracle(oracle_setup, x_BTD):
 
 def test_latent_attention_matches_oracle(oracle_setup, x_BTD):
     oracle, config, path = oracle_setup
-    weights = F.checkpoint_layer_weights(path, MLA_MOE)
+    weights = checkpoint_layer_weights(path, MLA_MOE)
     ctx = F.token_context(config, BATCH, LENGTH, policy=POLICY)
     y, cache = jitted(F.latent_attention)(weights["attention"], x_BTD, None, ctx, cfg=config)
     cos_sin, mask, _ = hf_position_inputs(oracle, x_BTD)
@@ -82,7 +84,7 @@ def test_latent_attention_matches_oracle(oracle_setup, x_BTD):
 
 def test_feed_forward_functions_match_oracle(oracle_setup, x_BTD):
     oracle, config, path = oracle_setup
-    dense, sparse = (F.checkpoint_layer_weights(path, i)["mlp"] for i in (KDA_DENSE, MLA_MOE))
+    dense, sparse = (checkpoint_layer_weights(path, i)["mlp"] for i in (KDA_DENSE, MLA_MOE))
     hf_dense, hf_moe = oracle.model.layers[KDA_DENSE].mlp, oracle.model.layers[MLA_MOE].mlp
     x_TD = x_BTD.reshape(-1, config.hidden_size)
     moe = jitted(F.moe_block, "layer", "policy")(sparse, x_BTD, cfg=config, layer=MLA_MOE, policy=POLICY)
@@ -104,7 +106,7 @@ def test_feed_forward_functions_match_oracle(oracle_setup, x_BTD):
         )
         <= FP32_TOL
     )
-    norm_weights = F.checkpoint_layer_weights(path, KDA_DENSE)["input_layernorm"]
+    norm_weights = checkpoint_layer_weights(path, KDA_DENSE)["input_layernorm"]
     norm = jax.jit(F.rms_norm, static_argnames="eps")(norm_weights, x_BTD, eps=config.rms_norm_eps)
     assert rel_error(norm, expected_norm.numpy()) <= FP32_TOL
 
@@ -114,7 +116,7 @@ def test_decoder_layer_matches_oracle(oracle_setup, x_BTD, index):
     oracle, config, path = oracle_setup
     ctx = F.token_context(config, BATCH, LENGTH, policy=POLICY)
     h, _ = jitted(F.decoder_layer, "layer")(
-        F.checkpoint_layer_weights(path, index), x_BTD, None, ctx, cfg=config, layer=index
+        checkpoint_layer_weights(path, index), x_BTD, None, ctx, cfg=config, layer=index
     )
     cos_sin, mask, positions = hf_position_inputs(oracle, x_BTD)
     with torch.no_grad():
@@ -130,15 +132,15 @@ def test_decoder_layer_matches_oracle(oracle_setup, x_BTD, index):
 def test_checkpoint_layer_weights_equal_the_loaded_model_layer(oracle_setup):
     _, _, path = oracle_setup
     model = load_hf_checkpoint(path, dtype=jnp.float32, progress=False)
-    ours, loaded = F.checkpoint_layer_weights(path, MLA_MOE), F.layer_weights(model, MLA_MOE)
+    ours, loaded = checkpoint_layer_weights(path, MLA_MOE), F.layer_weights(model, MLA_MOE)
     assert jax.tree.structure(ours) == jax.tree.structure(loaded)
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), ours, loaded)))
     with pytest.raises(IndexError, match="layer 9 of a config with 4 decoder layers"):
-        F.checkpoint_layer_weights(path, 9)
+        checkpoint_layer_weights(path, 9)
 
 
 def test_latent_attention_alone_over_a_cache_equals_one_full_call():
-    config = LingConfig.preset("tiny")
+    config = preset("tiny")
     model = LingForCausalLM(config, rngs=nnx.Rngs(1), dtype=jnp.float32, kernel_backend="reference")
     index = config.layer_types.index("mla")
     weights = F.layer_weights(model, index)["attention"]
@@ -171,9 +173,9 @@ def test_policy_rejects_typos_at_construction():
     with pytest.raises(ValueError, match="moe_capacity_factor: must be None"):
         F.ExecutionPolicy(moe_capacity_factor=0)
     with pytest.raises(ValueError, match="kernel_backend: 'refrence'"):
-        LingForCausalLM(LingConfig.preset("tiny"), rngs=nnx.Rngs(0), kernel_backend="refrence")
+        LingForCausalLM(preset("tiny"), rngs=nnx.Rngs(0), kernel_backend="refrence")
     policy = F.ExecutionPolicy.for_config(
-        LingConfig.preset("tiny").replace(moe_all_to_all="ragged"), kernel_backend="reference", mla_mode="absorbed"
+        preset("tiny").replace(moe_all_to_all="ragged"), kernel_backend="reference", mla_mode="absorbed"
     )
     assert (policy.moe_exchange, policy.mla_mode) == (F.MoEExchange.RAGGED, F.MLAMode.ABSORBED)
     assert {b.value for b in F.KernelBackend} == set(BACKENDS)

@@ -13,7 +13,7 @@ from np_reference import rope_inv_freq_and_mscale
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.config import MLA
 from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
-from ling_jax.presets import TINY
+from ling_jax.presets import TINY, preset
 from ling_jax.rope import cos_sin_factor, inv_frequencies, rope_cos_sin, softmax_scale
 
 VARIANTS = {
@@ -119,6 +119,6 @@ def test_rope_tables_match_reference(rope_scaling):
 
 def test_spec_yarn_example():
     """Spec §3.3: VL (f = 2, L0 = 131072, theta = 6e6) has cos/sin factor 1.0693147."""
-    c = LingConfig.preset("ling-3.0-flash-vl")
+    c = preset("ling-3.0-flash-vl")
     assert cos_sin_factor(c.rope) == pytest.approx(1.0693147, abs=1e-7)
     assert softmax_scale(c) == pytest.approx(1 / np.sqrt(192))

@@ -1,4 +1,4 @@
-"""Validate the float64 NumPy reference (tests/np_reference.py) against transformers'
+"""Validate the float64 NumPy reference (tests/support/np_reference.py) against transformers'
 BailingHybridForCausalLM (fp32, CPU) and against hand-built examples for what HF lacks."""
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from flax import nnx
 from helpers import rel_error
 from oracle import ORACLE_CONFIGS, build_oracle, oracle_logits, oracle_router_choices, save_oracle
 
-from ling_jax import load_hf_checkpoint, moe
+from ling_jax import load_hf_checkpoint
+from ling_jax.moe import block as moe
 
 FP32_TOL = 1e-4
 BF16_TOL = 2e-2

@@ -1,4 +1,4 @@
-"""ling_jax against the float64 NumPy reference (tests/np_reference.py) for what transformers lacks.
+"""ling_jax against the float64 NumPy reference (tests/support/np_reference.py) for what transformers lacks.
 
 transformers' bailing_hybrid has no q-LoRA, no SwiGLU clipping, no NeoX RoPE, no MTP, no low-rank KDA gates and
 no FP8 / MXFP4 loading, so those paths are checked here against np_reference instead. Every test writes a real

@@ -11,9 +11,11 @@ from flax import nnx
 from helpers import rel_error
 from jax.sharding import PartitionSpec as P
 
-from ling_jax import LingConfig, LingForCausalLM, expert_parallel
-from ling_jax.expert_ffn import dense_expert_ffn, local_moe
-from ling_jax.expert_parallel import (
+from ling_jax import LingConfig, LingForCausalLM
+from ling_jax.generation.sharded import ShardedLM
+from ling_jax.moe import expert_parallel
+from ling_jax.moe.block import MoE, route
+from ling_jax.moe.expert_parallel import (
     emulated_ragged_all_to_all,
     moe_parallel,
     ragged_dispatch,
@@ -22,8 +24,8 @@ from ling_jax.expert_parallel import (
     resolve_exchange,
     rows_per_source,
 )
-from ling_jax.moe import MoE, route
-from ling_jax.parallel import ShardedLM
+from ling_jax.moe.experts import dense_expert_ffn, local_moe
+from ling_jax.presets import preset
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
 
 TOL = 1e-5
@@ -31,9 +33,7 @@ MESHES = [{"expert": 8}, {"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}, {
 
 
 def _config(**changes) -> LingConfig:
-    base = LingConfig.preset("tiny").replace(
-        num_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=264
-    )
+    base = preset("tiny").replace(num_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=264)
     return base.replace(**changes)
 
 

@@ -15,11 +15,12 @@ from flax import nnx
 from helpers import rel_error
 from jax.sharding import PartitionSpec as P
 
-from ling_jax import LingConfig, LingForCausalLM
-from ling_jax.expert_ffn import dense_expert_ffn
-from ling_jax.expert_parallel import moe_parallel
-from ling_jax.moe import route
-from ling_jax.parallel import ShardedLM
+from ling_jax import LingForCausalLM
+from ling_jax.generation.sharded import ShardedLM
+from ling_jax.moe.block import route
+from ling_jax.moe.expert_parallel import moe_parallel
+from ling_jax.moe.experts import dense_expert_ffn
+from ling_jax.presets import preset
 from ling_jax.sharding import (
     ACTIVATION_BTD,
     MESH_AXES,
@@ -172,9 +173,7 @@ def changed_rule():
     """A two-layer tiny model (KDA + dense MLP, MLA + MoE) on a data=2 x expert=4 mesh with the experts split over
     expert x data (8 ways, instead of 4 ways and replicated over data), its unsharded logits, and the lowered
     forward (one sharded compile for the module)."""
-    config = LingConfig.preset("tiny").replace(
-        num_hidden_layers=2, layer_types=("kda", "mla"), mlp_layer_types=("dense", "moe")
-    )
+    config = preset("tiny").replace(num_hidden_layers=2, layer_types=("kda", "mla"), mlp_layer_types=("dense", "moe"))
     model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
     ids = jax.random.randint(jax.random.key(1), (8, 7), 0, config.vocab_size)
     mask = np.ones(ids.shape, bool)
@@ -220,7 +219,7 @@ def test_blocks_run_under_named_scopes(changed_rule):
 def test_experts_over_two_axes_match_the_dense_baseline(tokens):
     """Experts over expert x data: tokens split over both axes, over one of them (the exchange then runs on
     duplicated tokens) or over neither (partial sums over both)."""
-    config = LingConfig.preset("tiny")
+    config = preset("tiny")
     rng = np.random.default_rng(5)
     e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
     gate, up, down = (

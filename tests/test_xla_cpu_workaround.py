@@ -12,8 +12,9 @@ from helpers import l2, rel_error
 from np_reference import kda_recurrence
 
 from ling_jax.cache import KDAState
-from ling_jax.config import DENSE, KDA, LingConfig
+from ling_jax.config import DENSE, KDA
 from ling_jax.model import DecoderLayer, token_context
+from ling_jax.presets import preset
 from pallas_kernels.kda.ops import chunk_kda
 from pallas_kernels.kda.reference import kda_chunked
 
@@ -49,7 +50,7 @@ def test_jitted_chunked_kda_at_head_dim_128_matches_float64_recurrence():
 
 
 def test_jitted_decoder_layer_at_head_dim_128_matches_eager_recurrent():
-    config = LingConfig.preset("ling-3.1-flash").replace(
+    config = preset("ling-3.1-flash").replace(
         num_hidden_layers=1,
         layer_types=(KDA,),
         mlp_layer_types=(DENSE,),

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from ling_jax import expert_parallel
-from ling_jax.expert_ffn import (
+from ling_jax.moe import expert_parallel
+from ling_jax.moe.expert_parallel import moe_parallel
+from ling_jax.moe.experts import (
     dense_expert_ffn,
     grouped_expert_ffn,
     grouped_local_moe,
     sort_by_expert,
     unfused_local_moe,
 )
-from ling_jax.expert_parallel import moe_parallel
 from ling_jax.sharding import make_mesh
 from pallas_kernels.moe.gpu_triton import row_tiles
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, kernel

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from ling_jax.expert_ffn import ROW_PATH_MAX_ROWS, SharedExpert, dense_expert_ffn, local_moe, swiglu_ffn
+from ling_jax.moe.experts import ROW_PATH_MAX_ROWS, SharedExpert, dense_expert_ffn, local_moe, swiglu_ffn
 from pallas_kernels.moe import routed_experts
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -1,0 +1,613 @@
+"""The `scripts/generate.py` command: text in, text out, over `ling_jax.generation.generator.Generator`.
+
+The model is a HF-format checkpoint, a ling-convert Orbax directory, the embedded demo checkpoint (the
+default) or a randomly initialised preset. Prompts come from the command line, a file or stdin; each is
+tokenised (through the chat template with --chat), the batch is generated in one call, and the completions
+are printed: streamed as tokens arrive when there is one prompt, each whole once the batch is done when
+there are several (or with --no-stream), or as one JSON object per prompt with --json. Stop strings cut a
+completion before the stop string, which is never printed, not even in part. The stats line goes to stderr.
+
+User errors (a bad flag value, a missing path or tokenizer.json, a prompt too long, a damaged checkpoint, NaN
+weights, a mesh that does not fit) print one `error: ...` line on stderr and exit with status 2. Everything
+that can be checked without the weights (`ling_jax.generation.cli_checks`: flags, prompts, config, tokenizer, the
+checkpoint's index and layout files) is checked before they load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jinja2
+from flax import nnx
+
+from ling_jax.checkpoints.hf import load_hf_checkpoint
+from ling_jax.checkpoints.orbax import LAYOUT_FILE, load_checkpoint
+from ling_jax.config import LingConfig
+from ling_jax.generation import cli_checks, cli_runtime, interactive
+from ling_jax.generation.cli_checks import ModelSource
+from ling_jax.generation.generator import MIN_CHUNK, GenerationStats, Generator, MediaInputs
+from ling_jax.generation.sampling import SamplingParams
+from ling_jax.generation.tokenizer import StopChecker, StreamDecoder, Tokenizer
+from ling_jax.model import LingForCausalLM
+from ling_jax.presets import PRESETS
+from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
+from ling_jax.vl.config import LingVLConfig
+from ling_jax.vl.image_processing import ProcessorConfig
+from ling_jax.vl.prompt import PromptMedia, encode_with_media, load_media, media_inputs, with_placeholders
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "ling-demo"
+FALLBACK_PRESET = "tiny"  # what runs when the demo checkpoint is not installed
+DEFAULT_PROMPT = "It is a truth universally acknowledged"
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A mistake in the command line or its inputs: printed as one `error: ...` line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="generate.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate text with a Ling 3.x model (greedy by default).",
+        epilog="examples:\n"
+        '  python scripts/generate.py "Mr. Darcy"\n'
+        '  python scripts/generate.py --model /ckpt/Ling-3.1-flash --chat --temperature 0.7 "Hi!"\n'
+        "  python scripts/generate.py --prompt-file prompts.txt --json --stop $'\\n\\n' > out.jsonl\n"
+        '  python scripts/generate.py --model /ckpt/Ling-3.1-flash-orbax --tp 2 --ep 4 --mtp 1 "..."',
+    )
+    parser.add_argument(
+        "prompts",
+        nargs="*",
+        metavar="PROMPT",
+        help="prompts to complete (default: --prompt-file, else stdin when it is not a terminal, "
+        f"else {DEFAULT_PROMPT!r})",
+    )
+
+    model = parser.add_argument_group("model")
+    source = model.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model",
+        metavar="PATH",
+        help="HF-format checkpoint directory (config.json + *.safetensors) or ling-convert Orbax "
+        f"directory ({LAYOUT_FILE}); default: the demo checkpoint in ling_jax/assets/ling-demo",
+    )
+    source.add_argument(
+        "--preset",
+        metavar="NAME",
+        choices=sorted(PRESETS),
+        help=f"a RANDOMLY initialised model of this preset ({', '.join(sorted(PRESETS))}) instead "
+        "of a checkpoint: its output is noise; text is tokenised as bytes",
+    )
+    model.add_argument(
+        "--byte-tokenizer",
+        action="store_true",
+        help="accept a checkpoint without tokenizer.json: text is tokenised as UTF-8 bytes (token id "
+        "= byte value), which only a model trained on bytes understands",
+    )
+    model.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="parameter and activation dtype (default: float32 on CPU, bfloat16 on GPU / TPU)",
+    )
+
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt at most (default 64)"
+    )
+    sampling.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 = greedy (default 0)"
+    )
+    sampling.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens only; 0 = off (default)"
+    )
+    sampling.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling: the smallest set of tokens with probability >= P; 1 = off (default)",
+    )
+    sampling.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one; 0 = off (default)",
+    )
+    sampling.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="penalise tokens already in the prompt or output (CTRL rule); 1 = off (default)",
+    )
+    sampling.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every prompt (default 0)")
+    sampling.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop a completion where this string appears, without printing it (repeatable)",
+    )
+    sampling.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: the model's MTP layer drafts K tokens per step, verified in "
+        "one forward (same output as without; needs an MTP layer; at most "
+        f"{cli_checks.MAX_MTP}; default 0 = off)",
+    )
+
+    prompting = parser.add_argument_group("prompts")
+    prompting.add_argument(
+        "--chat", action="store_true", help="format each prompt as one user message with the tokenizer's chat template"
+    )
+    prompting.add_argument("--system", metavar="TEXT", help="a system message before each prompt (with --chat)")
+    prompting.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for every prompt (VL checkpoints); repeatable. It goes where the prompt "
+        "says <image>, else before the text",
+    )
+    prompting.add_argument(
+        "--video",
+        action="append",
+        default=[],
+        nargs="+",
+        metavar="FRAME",
+        help="a video for every prompt, given as its frame image files (VL checkpoints); "
+        "repeatable. It goes where the prompt says <video>, else before the text",
+    )
+    prompting.add_argument(
+        "--prompt-file", metavar="PATH", help="read prompts from PATH, one per line (blank lines skipped); '-' = stdin"
+    )
+    prompting.add_argument(
+        "--interactive",
+        action="store_true",
+        help="a prompt loop: each line on stdin is a turn of one conversation (through the chat "
+        "template when the tokenizer has one); ends at end of input or 'exit'",
+    )
+
+    running = parser.add_argument_group("execution")
+    running.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        metavar="N",
+        help=f"prefill long prompts N tokens at a time, N >= {MIN_CHUNK} (default 2048)",
+    )
+    running.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="device mesh, e.g. 'tensor=2,expert=4' (axes: data, fsdp, tensor, expert); the sizes "
+        "must multiply to the number of devices (default: one device)",
+    )
+    running.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shorthand for --mesh tensor=N")
+    running.add_argument("--ep", type=int, metavar="N", help="expert parallelism: shorthand for --mesh expert=N")
+    running.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize() first; only process 0 prints",
+    )
+    running.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not keep compiled programs in the persistent cache (default: on, in "
+        f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)",
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--no-stream", action="store_true", help="print the completion once it is done instead of token by token"
+    )
+    output.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt (prompt, completion, ids, token counts, "
+        "finish_reason, stats) instead of text",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cached = cli_runtime.enable_compile_cache(args.no_compile_cache) is not None
+    with cli_runtime.CompileNotice(cached) as notice:
+        try:
+            run = _prepare(args)
+        except (CLIError, ValueError, OSError) as e:  # ShardingError, CheckpointError, config errors: ValueErrors
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        notice.quiet = not run.is_main
+        if args.interactive:  # everything a user can get wrong was refused above: errors below are bugs
+            run.converse()
+        else:
+            run.generate_and_print()
+    return 0
+
+
+def script_main() -> int:
+    """`scripts/generate.py` and `ling-generate`: main() with Ctrl-C ending the run cleanly."""
+    cli_runtime.handle_interrupts("interrupted (Ctrl-C): generation stopped")
+    return main()
+
+
+@dataclasses.dataclass
+class Run:
+    """A checked command: the generator, the encoded prompts and how to print their completions."""
+
+    args: argparse.Namespace
+    generator: Generator
+    tokenizer: Tokenizer
+    texts: list[str]  # the prompts as given
+    prompts: list[list[int]]  # their token ids (chat-formatted with --chat)
+    sampling: SamplingParams
+    stops: StopChecker | None
+    is_main: bool  # process 0 prints
+    media: MediaInputs | None = None  # --image / --video, the same for every prompt
+
+    def generate_and_print(self) -> GenerationStats:
+        args = self.args
+        completions = [Completion(self.tokenizer, self.stops) for _ in self.prompts]
+        stream = self.is_main and len(self.prompts) == 1 and not (args.no_stream or args.json)
+
+        def on_tokens(row: int, new_ids: list[int]) -> bool:
+            stopped = completions[row].add(new_ids)
+            if stream:
+                _write(completions[row].unshown())
+            return stopped
+
+        if stream:
+            _write(f"> {self.texts[0]}\n")
+        outputs, stats = self.generator.generate(
+            self.prompts,
+            [self.sampling] * len(self.prompts),
+            args.max_new_tokens,
+            eos_ids=self.tokenizer.eos_ids,
+            on_tokens=on_tokens,
+            media=self.media,
+        )
+        for completion, ids in zip(completions, outputs):
+            completion.finish(ids)
+        if not self.is_main:
+            return stats
+        if stream:
+            _write(completions[0].unshown() + "\n")
+        elif args.json:
+            for text, ids, completion in zip(self.texts, self.prompts, completions):
+                record = _record(text, ids, completion, args.max_new_tokens, stats)
+                _write(json.dumps(record, ensure_ascii=False) + "\n")
+        else:
+            _write("\n".join(f"> {text}\n{completion.text}\n" for text, completion in zip(self.texts, completions)))
+        print(stats.summary(), file=sys.stderr)
+        return stats
+
+    def converse(self) -> None:
+        """--interactive: the prompt loop, each reply streamed."""
+        conversation = interactive.Conversation(self.tokenizer, self.args.system)
+        budget = self.generator.config.max_position_embeddings - self.args.max_new_tokens
+        interactive.run_loop(conversation, budget, self.reply)
+
+    def reply(self, prompt_ids: list[int]) -> str:
+        """Stream one completion of `prompt_ids` on stdout; return its text."""
+        completion = Completion(self.tokenizer, self.stops)
+
+        def on_tokens(_row: int, new_ids: list[int]) -> bool:
+            stopped = completion.add(new_ids)
+            _write(completion.unshown())
+            return stopped
+
+        outputs, _ = self.generator.generate(
+            [prompt_ids], [self.sampling], self.args.max_new_tokens, eos_ids=self.tokenizer.eos_ids, on_tokens=on_tokens
+        )
+        completion.finish(outputs[0])
+        _write(completion.unshown() + "\n")
+        return completion.text
+
+
+def _prepare(args: argparse.Namespace) -> Run:
+    """Check the flags, load the model and tokenizer, encode the prompts: every user error surfaces here."""
+    _check_flags(args)
+    if args.distributed:
+        jax.distributed.initialize()
+    is_main = jax.process_index() == 0
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    stops = StopChecker(args.stop) if args.stop else None
+    mesh = _build_mesh(args)
+    if args.interactive:
+        interactive.check_flags(args)
+    texts = [] if args.interactive else _read_prompts(args)
+    source = _model_source(args, verbose=is_main)  # config and tokenizer: checked before any weight is read
+    config = source.text_config
+    if args.mtp and not config.num_nextn_predict_layers:
+        raise CLIError(
+            f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none (num_nextn_predict_layers = 0)"
+        )
+    media = _load_media(args, source) if (args.image or args.video) else None
+    prompts = [_encode(source.tokenizer, text, args, media, source.vl_config) for text in texts]
+    _check_lengths(prompts, args.max_new_tokens, config)
+    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    model = _load_model(source, dtype, mesh, verbose=is_main)
+    try:
+        generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
+    except ShardingError as e:
+        raise CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {e}") from e
+    return Run(
+        args,
+        generator,
+        source.tokenizer,
+        texts,
+        prompts,
+        sampling,
+        stops,
+        is_main,
+        None if media is None else media_inputs(media, len(prompts)),
+    )
+
+
+class Completion:
+    """One prompt's completion as its tokens arrive: decoded incrementally and cut at the first stop string.
+
+    `ids` ends with the token that completed the stop string (tokens after it are dropped); `text` ends before
+    the stop string; `unshown` hands out the text not yet printed, holding back a tail that could still grow
+    into a stop string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: StopChecker | None):
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = stops
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False  # by a stop string
+        self.finished = False
+        self._shown = 0
+
+    def add(self, new_ids: Iterable[int]) -> bool:
+        """Take newly generated ids; True once a stop string has ended the completion."""
+        if self.stops is None:  # no stop string to place at a token: one decode for all the new ids
+            new_ids = [int(token) for token in new_ids]
+            self.ids.extend(new_ids)
+            self._extend(self.decoder.extend(new_ids))
+            return False
+        for token in new_ids:
+            if self.stopped:
+                break
+            self.ids.append(int(token))
+            self._extend(self.decoder.push(token))
+        return self.stopped
+
+    def finish(self, all_ids: Sequence[int]) -> None:
+        """The generation is over and returned `all_ids` for this prompt: take any not seen yet, flush."""
+        self.add(all_ids[len(self.ids) :])
+        if not self.stopped:
+            self._extend(self.decoder.flush())
+        self.finished = True
+
+    def unshown(self) -> str:
+        end = len(self.text)
+        if self.stops is not None and not (self.stopped or self.finished):
+            end = self.stops.printable_length(self.text)
+        piece, self._shown = self.text[self._shown : end], max(self._shown, end)
+        return piece
+
+    def _extend(self, piece: str) -> None:
+        if not piece:
+            return
+        self.text += piece
+        cut = self.stops.find(self.text) if self.stops is not None else None
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag, value, low in (
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
+        ("--mtp", args.mtp, 0),
+    ):
+        if value < low:
+            raise CLIError(f"{flag} must be >= {low}, got {value}")
+    cli_checks.check_mtp(args.mtp)
+    if args.system is not None and not args.chat:
+        raise CLIError("--system needs --chat (the system message goes through the chat template)")
+
+
+def _mesh_flags(args: argparse.Namespace) -> str:
+    given = [
+        f"--mesh {args.mesh!r}" if args.mesh is not None else "",
+        f"--tp {args.tp}" if args.tp else "",
+        f"--ep {args.ep}" if args.ep else "",
+    ]
+    return " ".join(filter(None, given))
+
+
+def _build_mesh(args: argparse.Namespace) -> jax.sharding.Mesh | None:
+    """The mesh --mesh / --tp / --ep ask for, or None (one device) without them."""
+    if args.mesh is None and args.tp is None and args.ep is None:
+        return None
+    shape = parse_mesh(args.mesh) if args.mesh is not None else {}
+    for flag, axis, size in (("--tp", "tensor", args.tp), ("--ep", "expert", args.ep)):
+        if size is None:
+            continue
+        if size < 1:
+            raise CLIError(f"{flag} must be >= 1, got {size}")
+        if shape.get(axis, size) != size:
+            raise CLIError(f"{flag} {size} contradicts --mesh {axis}={shape[axis]}")
+        shape[axis] = size
+    try:
+        return make_mesh(shape)
+    except ShardingError as e:
+        raise CLIError(f"{_mesh_flags(args)}: {e}") from e
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    texts = list(args.prompts)
+    if args.prompt_file is not None:
+        texts += _read_prompt_file(args.prompt_file)
+    elif not texts and cli_checks.stdin_is_input():
+        texts = _lines(cli_checks.read_stdin("stdin"))
+        if not texts:
+            raise CLIError(
+                "no prompt on stdin (it is empty or every line is blank): pipe some text, or give "
+                "PROMPT arguments or --prompt-file"
+            )
+    return texts or [DEFAULT_PROMPT]
+
+
+def _read_prompt_file(name: str) -> list[str]:
+    if name == "-":
+        prompts = _lines(cli_checks.read_stdin("--prompt-file -"))
+    else:
+        try:
+            prompts = _lines(cli_checks.read_text_file(name, f"--prompt-file {name}"))
+        except OSError as e:
+            raise CLIError(f"--prompt-file {name}: {e.strerror or e}") from e
+    if not prompts:
+        raise CLIError(f"--prompt-file {name}: no prompts (it is empty or every line is blank)")
+    return prompts
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _model_source(args: argparse.Namespace, *, verbose: bool) -> ModelSource:
+    if args.preset is not None:
+        if verbose:
+            print(f"NOTE: --preset {args.preset}: a RANDOMLY INITIALISED model; its output is noise.", file=sys.stderr)
+        return cli_checks.preset_source(args.preset)
+    if args.model is not None:
+        return cli_checks.checkpoint_source(Path(args.model), "--model", byte_tokenizer=args.byte_tokenizer)
+    if DEMO_DIR.is_dir():
+        return cli_checks.checkpoint_source(DEMO_DIR, "the demo checkpoint", byte_tokenizer=args.byte_tokenizer)
+    if verbose:
+        print(
+            f"NOTE: the demo checkpoint ({DEMO_DIR}) is not installed and no --model was given: using a RANDOMLY "
+            f"INITIALISED '{FALLBACK_PRESET}' model. Its output is noise.",
+            file=sys.stderr,
+        )
+    return cli_checks.preset_source(FALLBACK_PRESET)
+
+
+def _load_model(source: ModelSource, dtype, mesh, *, verbose: bool) -> LingForCausalLM:
+    if source.path is None:
+        return LingForCausalLM(source.config, rngs=nnx.Rngs(0), dtype=dtype)
+    progress = verbose and sys.stderr.isatty()
+    if source.orbax:
+        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, progress=progress)
+    return load_hf_checkpoint(source.path, dtype=dtype, progress=progress)
+
+
+def _encode(
+    tokenizer: Tokenizer,
+    text: str,
+    args: argparse.Namespace,
+    media: PromptMedia | None = None,
+    vl_config: LingVLConfig | None = None,
+) -> list[int]:
+    if media is not None:
+        try:
+            text = with_placeholders(text, media)
+        except ValueError as e:
+            raise CLIError(f"--image / --video: {e}") from e
+    if args.chat:
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        try:
+            text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}])
+        except jinja2.TemplateError as e:
+            raise CLIError(f"--chat: the chat template of {tokenizer.name} failed: {e}") from e
+    if media is None:
+        return tokenizer.encode(text, add_special_tokens=not args.chat)
+    return encode_with_media(
+        lambda piece, first: tokenizer.encode(piece, add_special_tokens=first and not args.chat), text, media, vl_config
+    )
+
+
+def _load_media(args: argparse.Namespace, source: ModelSource) -> PromptMedia:
+    """--image / --video, preprocessed as the checkpoint's preprocessor_config.json (or the defaults) says."""
+    vl_config = source.vl_config
+    if vl_config is None:
+        raise CLIError(
+            f"--image / --video need a VL checkpoint (config.json with a vision_config); {source.name} is a text model"
+        )
+    if args.mtp:
+        raise CLIError("--mtp is not supported with --image / --video (the VL model's MTP layer is not wired up)")
+    processor = ProcessorConfig.for_vision(vl_config.vision)
+    if args.model is not None:
+        processor = ProcessorConfig.from_pretrained(args.model, vl_config.vision)
+    try:
+        return load_media(args.image, args.video, processor)
+    except (OSError, ValueError) as e:
+        raise CLIError(f"--image / --video: {e}") from e
+
+
+def _check_lengths(prompts: list[list[int]], max_new_tokens: int, config: LingConfig) -> None:
+    for number, ids in enumerate(prompts, 1):
+        if not ids:
+            raise CLIError(f"prompt {number} is empty (it has no tokens)")
+        if len(ids) + max_new_tokens > config.max_position_embeddings:
+            raise CLIError(
+                f"prompt {number} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that "
+                f"exceeds the model's context of {config.max_position_embeddings} tokens "
+                "(max_position_embeddings)"
+            )
+
+
+def _record(
+    prompt: str, prompt_ids: list[int], completion: Completion, max_new_tokens: int, stats: GenerationStats
+) -> dict:
+    if completion.stopped:
+        finish_reason = "stop"
+    elif len(completion.ids) >= max_new_tokens:
+        finish_reason = "length"
+    else:
+        finish_reason = "eos"
+    return {
+        "prompt": prompt,
+        "completion": completion.text,
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(completion.ids),
+        "completion_ids": completion.ids,
+        "finish_reason": finish_reason,
+        "stats": _stats_dict(stats),
+    }
+
+
+def _stats_dict(stats: GenerationStats) -> dict:
+    """The batch's stats; a rate with no time to divide by is null (JSON has no infinity)."""
+    rates = {
+        "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "acceptance_rate": stats.acceptance_rate,
+    }
+    return {
+        **dataclasses.asdict(stats),
+        **{name: rate if rate is not None and math.isfinite(rate) else None for name, rate in rates.items()},
+    }
+
+
+def _write(text: str) -> None:
+    cli_runtime.write_stdout(text)
+
+
+if __name__ == "__main__":
+    sys.exit(script_main())

@@ -1,0 +1,509 @@
+"""Batched generation: chunked prefill, then fixed-shape jitted decode steps (or MTP speculative rounds) over
+donated caches, with per-request sampling and streaming callbacks.
+
+Prompts are left-padded so that every row's last prompt token sits in the last column; the attention mask
+keeps pads out of every KDA state and MLA cache. The padded prompt is cut into chunks of `prefill_chunk`
+tokens (the first one shorter, a power of two), so activation memory is bounded by the chunk, and each
+chunk size compiles once. Every later step has fixed shapes: one compile per batch size and cache length
+(rounded up to a multiple of 256). Compiled programs persist across runs with JAX's compilation cache
+(`JAX_COMPILATION_CACHE_DIR`).
+
+Speculative decoding (`mtp=K`): the MTP layer drafts K tokens greedily; the main model verifies
+[pending token ; K drafts] in one forward whose KDA layers keep the state after every token; each
+position's target token is drawn with the request's own sampler and key, a draft is accepted while it equals
+the target, and the caches are committed at the last accepted token (KDA: the kept per-token state; MLA:
+the cache length; the MTP cache is rolled back and re-run on the accepted tokens). Every emitted token is
+the target model's own draw, so the output is exactly the non-speculative output, with greedy or sampling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Collection, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.cache import LingCache, MTPCache, commit_verified
+from ling_jax.generation.compile_watch import CompileClock
+from ling_jax.generation.sampling import (
+    SamplingArrays,
+    SamplingParams,
+    sample,
+    seen_from_prompts,
+    update_seen,
+)
+from ling_jax.generation.static_model import split_model
+from ling_jax.kda import STEPS
+from ling_jax.model import LingForCausalLM
+from ling_jax.mrope import MediaGrid, batch_mrope_positions
+from ling_jax.sharding import cache_shardings, shard_model
+
+MIN_CHUNK = 16
+DECODE_READ_GROUP = 8  # decode steps per host read: the host's per-token work overlaps the device's steps
+CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt lengths share compiled steps
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Timings of one `Generator.generate` call. The rates count steady-state work only: the prefill less the
+    compilation inside it, and the decode steps (MTP rounds) after the first one, which compiles on a first
+    call. A rate with nothing to measure (one token per prompt) is None."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float  # prompt processing up to the first token, compilation included
+    decode_s: float  # after the first token, compilation included
+    ttft_s: float
+    drafted: int = 0  # MTP draft tokens proposed / accepted
+    accepted: int = 0
+    compile_s: float = 0.0  # tracing and compiling (or loading from the compilation cache) in this call
+    prefill_compile_s: float = 0.0  # the part of compile_s before the first token
+    steady_steps: int = 0  # decode steps (MTP rounds) after the first one
+    steady_tokens: int = 0  # the tokens they emitted
+    steady_s: float = 0.0  # their time: from the first step's tokens on the host to the last step's
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        run_s = self.prefill_s - self.prefill_compile_s
+        return self.prompt_tokens / run_s if run_s > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return self.steady_tokens / self.steady_s if self.steady_tokens and self.steady_s > 0 else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    def summary(self) -> str:
+        line = (
+            f"prompt tokens {self.prompt_tokens}, generated {self.generated_tokens}; "
+            f"prefill {_rate(self.prefill_tokens_per_s)}, decode {_rate(self.decode_tokens_per_s)} "
+            f"(steady state); compile {self.compile_s:.1f} s; time to first token {self.ttft_s * 1e3:.0f} ms"
+        )
+        if self.drafted:
+            line += f"; MTP acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})"
+        return line
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "n/a" if tokens_per_s is None else f"{tokens_per_s:.1f} tok/s"
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _prefill_chunk(
+    static, leaves, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None, positions_BC3=None
+):
+    """embeds_BCD / positions_BC3: a VL prompt's merged embeddings and (t, h, w) positions (None for text)."""
+    model = static.merge(leaves)
+    hidden_BCD, cache = model.model(
+        ids_BC,
+        cache=cache,
+        attention_mask=mask_BC,
+        positions=positions_BC3,
+        kernel_backend=model.kernel_backend,
+        inputs_embeds=embeds_BCD,
+    )
+    if mtp_cache is not None:
+        _, mtp_cache = model.draft_hidden(hidden_BCD, next_ids_BC, cache=mtp_cache, attention_mask=mtp_mask_BC)
+    return cache, mtp_cache, hidden_BCD[:, -1]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _first_token(static, leaves, mtp_cache, seen_BV, hidden_BD, arrays, steps_B):
+    """The first new token from the last prompt position; with MTP, also the first draft."""
+    model = static.merge(leaves)
+    token_B = sample(model.logits(hidden_BD[:, None])[:, 0], arrays, steps_B, seen_BV)
+    seen_BV = update_seen(seen_BV, token_B)
+    if mtp_cache is None:
+        return token_B, seen_BV, None, None, None
+    out = model.draft_logits(hidden_BD[:, None], token_B[:, None], cache=mtp_cache)
+    draft_B = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+    return token_B, seen_BV, out.cache, draft_B, out.hidden[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 6))
+def _media_embeddings(static, leaves, ids_BT, pixel_values, image_grids, pixel_values_videos, video_grids):
+    return static.merge(leaves).embed(
+        ids_BT,
+        pixel_values=pixel_values,
+        image_grids=image_grids,
+        pixel_values_videos=pixel_values_videos,
+        video_grids=video_grids,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _decode_step(static, leaves, cache, seen_BV, token_B, arrays, steps_B, position_offsets_B=None):
+    """position_offsets_B: after media, a token in cache slot s sits at position s + offset (VL prompts)."""
+    positions = None if position_offsets_B is None else (cache.lengths + position_offsets_B)[:, None]
+    out = static.merge(leaves)(token_B[:, None], cache=cache, positions=positions)
+    next_B = sample(out.logits[:, 0], arrays, steps_B, seen_BV)
+    return next_B, out.cache, update_seen(seen_BV, next_B), steps_B + 1
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
+def _speculative_round(
+    static,
+    num_drafts,
+    leaves,
+    cache: LingCache,
+    mtp_cache: MTPCache,
+    seen_BV,
+    token_B,
+    draft_B,
+    draft_hidden_BD,
+    arrays,
+    steps_B,
+    active_B,
+):
+    """Draft num_drafts tokens, verify them, commit. Returns (targets [B, K+1], accepted [B], caches, ...):
+    the round emits targets[:, :accepted + 1]; targets[:, accepted] is the next pending token. Finished rows
+    (active false) keep their cache lengths, so they never run past the cache."""
+    model = static.merge(leaves)
+    rows = jnp.arange(token_B.shape[0])
+    drafts = [draft_B]
+    for _ in range(num_drafts - 1):
+        out = model.draft_logits(draft_hidden_BD[:, None], drafts[-1][:, None], cache=mtp_cache)
+        mtp_cache, draft_hidden_BD = out.cache, out.hidden[:, 0]
+        drafts.append(jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32))
+    drafts_BK = jnp.stack(drafts, axis=1)
+    verify_ids = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
+    start_lengths_B = cache.lengths
+    hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, kernel_backend=model.kernel_backend)
+    logits_BTV = model.logits(hidden_BTD)
+    targets, seen = [], seen_BV
+    for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)
+        targets.append(sample(logits_BTV[:, i], arrays, steps_B + i, seen))
+        if i < num_drafts:
+            seen = update_seen(seen, drafts_BK[:, i])
+    targets_BT = jnp.stack(targets, axis=1)
+    accepted_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
+    kept_BT = jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]
+    seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
+    cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
+    cache = LingCache(layers=cache.layers, lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
+    mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=start_lengths_B)  # drop the chained drafts' entries
+    out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
+    next_draft_B = jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32)
+    return (
+        targets_BT,
+        accepted_B,
+        cache,
+        out.cache,
+        seen_BV,
+        targets_BT[rows, accepted_B],
+        next_draft_B,
+        out.hidden[rows, accepted_B],
+    )
+
+
+class _Rows:
+    """Host-side bookkeeping: tokens per row, EOS / stop / length limits, streaming callbacks."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_ids: Collection[int], on_tokens):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.done = np.zeros(batch, bool)
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.on_tokens = on_tokens
+
+    def add(self, row: int, new_ids) -> None:
+        if self.done[row]:
+            return
+        kept = []
+        for token in map(int, new_ids):
+            if token in self.eos_ids:
+                self.done[row] = True
+                break
+            kept.append(token)
+            if len(self.tokens[row]) + len(kept) == self.max_new_tokens:
+                self.done[row] = True
+                break
+        self.tokens[row].extend(kept)
+        if kept and self.on_tokens is not None and self.on_tokens(row, kept):
+            self.done[row] = True
+
+    @property
+    def generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+class _SteadyClock:
+    """Times the decode steps after the first: `tick()` once a step's tokens are on the host."""
+
+    def __init__(self, rows: _Rows):
+        self.rows = rows
+        self.ticks = 0
+        self.start = self.end = 0.0
+        self.start_tokens = self.end_tokens = 0
+
+    def tick(self, steps: int = 1) -> None:
+        """`steps` steps' tokens have just reached the host (the first tick: the first step's alone)."""
+        now, tokens = time.perf_counter(), self.rows.generated
+        if not self.ticks:
+            self.start, self.start_tokens = now, tokens
+        self.end, self.end_tokens = now, tokens
+        self.ticks += steps
+
+    def record(self, stats: GenerationStats) -> None:
+        stats.steady_steps = max(self.ticks - 1, 0)
+        stats.steady_tokens = self.end_tokens - self.start_tokens
+        stats.steady_s = self.end - self.start
+
+
+def prefill_chunks(longest: int, chunk: int) -> list[int]:
+    """Chunk lengths covering a left-padded prompt of >= `longest` tokens: a power-of-two head, then full chunks."""
+    full, rest = divmod(longest, chunk)
+    head = [min(chunk, max(MIN_CHUNK, 1 << (rest - 1).bit_length()))] if rest else []
+    return head + [chunk] * full
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaInputs:
+    """Images and videos of a VL batch: each row's grids in prompt order; pixel values of every row's media
+    concatenated in row order ([N, patch_dim], `ling_jax.vl.image_processing`)."""
+
+    image_grids: tuple[tuple[MediaGrid, ...], ...] = ()
+    pixel_values: np.ndarray | None = None
+    video_grids: tuple[tuple[MediaGrid, ...], ...] = ()
+    pixel_values_videos: np.ndarray | None = None
+
+
+class Generator:
+    """Generates continuations of token-id prompts with `model` (optionally sharded over `mesh`); a VL model
+    also takes images and videos (`MediaInputs`)."""
+
+    def __init__(
+        self, model: LingForCausalLM, *, mesh: jax.sharding.Mesh | None = None, prefill_chunk: int = 2048, mtp: int = 0
+    ):
+        if prefill_chunk < MIN_CHUNK:
+            raise ValueError(f"--prefill-chunk must be >= {MIN_CHUNK}, got {prefill_chunk}")
+        if mtp < 0:
+            raise ValueError(f"--mtp must be >= 0, got {mtp}")
+        if mtp and not model.config.num_nextn_predict_layers:
+            raise ValueError("--mtp needs a model with an MTP layer (num_nextn_predict_layers = 1); this one has none")
+        self.config = model.config
+        self.vl_config = getattr(model, "vl_config", None)
+        self.dtype = model.dtype
+        self.mesh = mesh
+        self.prefill_chunk = prefill_chunk
+        self.mtp = mtp
+        if mesh is not None:
+            shard_model(model, mesh)
+        self.static, self.leaves = split_model(model)
+
+    def _place(self, cache):
+        if self.mesh is None:
+            return cache
+        return jax.device_put(cache, cache_shardings(cache, self.mesh))
+
+    def _check(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], max_new_tokens: int):
+        if not prompts:
+            raise ValueError("no prompts given")
+        if len(sampling) != len(prompts):
+            raise ValueError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        for row, prompt in enumerate(prompts):
+            if not len(prompt):
+                raise ValueError(f"prompt {row} is empty: every prompt needs at least one token")
+            bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {row} has token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+            limit = self.config.max_position_embeddings
+            if len(prompt) + max_new_tokens > limit:
+                raise ValueError(
+                    f"prompt {row} has {len(prompt)} tokens; with --max-new-tokens {max_new_tokens} "
+                    f"that exceeds the model's context of {limit} tokens"
+                )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams],
+        max_new_tokens: int,
+        *,
+        eos_ids: Collection[int] = (),
+        on_tokens: Callable[[int, list[int]], bool] | None = None,
+        media: MediaInputs | None = None,
+    ) -> tuple[list[list[int]], GenerationStats]:
+        """New tokens per prompt (EOS excluded) and timing stats. on_tokens(row, ids) streams them as they
+        arrive; returning True stops that row (e.g. a stop string). media: the prompts' images and videos, whose
+        pad tokens the prompts hold (VL models only)."""
+        self._check(prompts, sampling, max_new_tokens)
+        if media is not None:
+            self._check_media(media, len(prompts))
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext(), CompileClock() as clock:
+            tokens, stats = self._generate(prompts, sampling, max_new_tokens, eos_ids, on_tokens, media, clock)
+        stats.compile_s = clock.seconds
+        return tokens, stats
+
+    def _check_media(self, media: MediaInputs, batch: int) -> None:
+        if self.vl_config is None:
+            raise ValueError("images and videos need a VL model (a checkpoint with a vision_config)")
+        if self.mtp:
+            raise ValueError("--mtp is not supported with images or videos (the VL model's MTP is not wired up)")
+        for grids, what in ((media.image_grids, "image"), (media.video_grids, "video")):
+            if grids and len(grids) != batch:
+                raise ValueError(f"{what} grids are given for {len(grids)} rows, there are {batch} prompts")
+
+    def _media_prefill_inputs(self, ids, mask, media: MediaInputs):
+        """Merged embeddings [B, T, D], (t, h, w) positions [B, T, 3] and per-row position offsets [B]."""
+        c = self.vl_config
+        batch = ids.shape[0]
+        image_grids = media.image_grids or ((),) * batch
+        video_grids = media.video_grids or ((),) * batch
+        positions, deltas = batch_mrope_positions(
+            ids,
+            mask,
+            image_grids,
+            video_grids,
+            image_token_id=c.image_token_id,
+            video_token_id=c.video_token_id,
+            spatial_merge_size=c.vision.spatial_merge_size,
+        )
+        embeds = _media_embeddings(
+            self.static,
+            self.leaves,
+            jnp.asarray(ids),
+            media.pixel_values,
+            image_grids,
+            media.pixel_values_videos,
+            video_grids,
+        )
+        return embeds, jnp.asarray(positions, jnp.int32), jnp.asarray(deltas, jnp.int32)
+
+    def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens, media, clock: CompileClock):
+        batch = len(prompts)
+        chunks = prefill_chunks(max(len(p) for p in prompts), self.prefill_chunk)
+        padded = sum(chunks)
+        ids = np.zeros((batch, padded), np.int32)
+        mask = np.zeros((batch, padded), bool)
+        for row, prompt in enumerate(prompts):
+            ids[row, padded - len(prompt) :] = prompt
+            mask[row, padded - len(prompt) :] = True
+        next_ids = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
+        mtp_mask = mask & (np.arange(padded) < padded - 1)[None, :]
+        max_length = -(-(padded + max_new_tokens + self.mtp + 1) // CACHE_BUCKET) * CACHE_BUCKET
+        cache = self._place(LingCache.create(self.config, batch, max_length, self.dtype))
+        mtp_cache = self._place(MTPCache.create(self.config, batch, max_length, self.dtype)) if self.mtp else None
+        arrays = SamplingArrays.from_params(sampling)
+        seen = seen_from_prompts(jnp.asarray(ids), jnp.asarray(mask), self.config.vocab_size)
+        rows = _Rows(batch, max_new_tokens, eos_ids, on_tokens)
+
+        start, compiled_before = time.perf_counter(), clock.seconds
+        embeds = positions = offsets = None
+        if media is not None:
+            embeds, positions, offsets = self._media_prefill_inputs(ids, mask, media)
+        offset = 0
+        for length in chunks:
+            part = slice(offset, offset + length)
+            cache, mtp_cache, last_hidden = _prefill_chunk(
+                self.static,
+                self.leaves,
+                cache,
+                mtp_cache,
+                ids[:, part],
+                mask[:, part],
+                next_ids[:, part],
+                mtp_mask[:, part],
+                None if embeds is None else embeds[:, part],
+                None if positions is None else positions[:, part],
+            )
+            # no chunk runs during the next call's compilation, so prefill_s less compile time is the prefill's
+            jax.block_until_ready(last_hidden)
+            offset += length
+        steps = jnp.zeros((batch,), jnp.int32)
+        token, seen, mtp_cache, draft, draft_hidden = _first_token(
+            self.static, self.leaves, mtp_cache, seen, last_hidden, arrays, steps
+        )
+        first = np.asarray(token)
+        ttft = time.perf_counter() - start
+        for row in range(batch):
+            rows.add(row, [first[row]])
+        stats = GenerationStats(
+            prompt_tokens=int(mask.sum()),
+            generated_tokens=0,
+            prefill_s=ttft,
+            decode_s=0.0,
+            ttft_s=ttft,
+            prefill_compile_s=clock.seconds - compiled_before,
+        )
+        steady = _SteadyClock(rows)
+        start = time.perf_counter()
+        if self.mtp:
+            self._speculate(rows, stats, steady, cache, mtp_cache, seen, token, draft, draft_hidden, arrays)
+        else:
+            self._decode(rows, steady, cache, seen, token, arrays, offsets)
+        stats.decode_s = time.perf_counter() - start
+        steady.record(stats)
+        stats.generated_tokens = rows.generated
+        return rows.tokens, stats
+
+    def _decode(self, rows: _Rows, steady: _SteadyClock, cache, seen, token, arrays, position_offsets):
+        """One token per step. Steps are dispatched up to DECODE_READ_GROUP ahead of what the host has read, and
+        after the first token the host reads DECODE_READ_GROUP steps' tokens in one transfer, so its per-step work
+        (bookkeeping, detokenising, printing) runs while the device computes the next steps."""
+        remaining = rows.max_new_tokens - 1
+        if remaining == 0 or rows.done.all():
+            return
+        step = functools.partial(_decode_step, self.static, self.leaves)
+        steps = jnp.ones((len(rows.tokens),), jnp.int32)
+        pending: list[jax.Array] = []  # [B] tokens dispatched, not yet read, oldest first
+        dispatched = read = 0
+        while read < remaining and not rows.done.all():
+            ahead = 1 if read == 0 else DECODE_READ_GROUP  # the first token alone: the steady clock starts there
+            while dispatched < min(remaining, read + ahead + 1):
+                token, cache, seen, steps = step(cache, seen, token, arrays, steps, position_offsets)
+                pending.append(token)
+                dispatched += 1
+            group = 1 if read == 0 else min(DECODE_READ_GROUP, len(pending))
+            host_BG = np.asarray(jnp.stack(pending[:group], axis=1) if group > 1 else pending[0][:, None])
+            del pending[:group]
+            for row in np.flatnonzero(~rows.done):
+                rows.add(row, host_BG[row])
+            read += group
+            steady.tick(group)
+
+    def _speculate(
+        self,
+        rows: _Rows,
+        stats: GenerationStats,
+        steady: _SteadyClock,
+        cache,
+        mtp_cache,
+        seen,
+        token,
+        draft,
+        draft_hidden,
+        arrays,
+    ):
+        steps = jnp.ones((len(rows.tokens),), jnp.int32)
+        while not rows.done.all():
+            (targets, accepted, cache, mtp_cache, seen, token, draft, draft_hidden) = _speculative_round(
+                self.static,
+                self.mtp,
+                self.leaves,
+                cache,
+                mtp_cache,
+                seen,
+                token,
+                draft,
+                draft_hidden,
+                arrays,
+                steps,
+                jnp.asarray(~rows.done),
+            )
+            steps = steps + accepted + 1
+            host_targets, host_accepted = np.asarray(targets), np.asarray(accepted)
+            for row in np.flatnonzero(~rows.done):
+                stats.drafted += self.mtp
+                stats.accepted += int(host_accepted[row])
+                rows.add(row, host_targets[row, : host_accepted[row] + 1])
+            steady.tick()

@@ -1,0 +1,1 @@
+"""Training: the loss (with the MTP draft loss) and the optimiser step (`train`)."""

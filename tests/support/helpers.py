@@ -1,0 +1,56 @@
+"""Small helpers shared by the tests."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository's root directory
+
+
+def rel_error(ours, ref) -> float:
+    """||ours - ref|| / ||ref|| in float64."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def l2(x):
+    """FLA's l2 normalisation (eps inside the sqrt), in numpy."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def train_byte_bpe(path, sentences, vocab_size: int, special_tokens) -> None:
+    """Train a small byte-level BPE on `sentences` and save it as a real tokenizer.json at `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special_tokens), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(sentences, trainer)
+    backend.save(str(path))
+
+
+def lower_for_cuda(fn, *abstract_args):
+    """jax.jit(fn) lowered for CUDA from any machine: jax >= 0.11 asks for the target GPU when none is
+    attached, so an abstract H200 is supplied through an abstract mesh (older jax ignores it)."""
+    import jax
+
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",))
+
+
+def gpu_test(what: str):
+    """Decorator for a test that needs a GPU: marked `gpu` and, elsewhere, skipped with the reason."""
+    import jax
+    import pytest
+
+    skip = pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason=f"{what} needs a GPU; it runs on the device machine (pytest -m gpu)"
+    )
+    return lambda test: pytest.mark.gpu(skip(test))
