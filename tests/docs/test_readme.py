@@ -14,6 +14,7 @@ def test_python_examples_run():
     namespace = run_python_blocks(ROOT / "README.md")
     assert namespace["cache"].lengths.tolist() == [6, 4]
     assert namespace["draft"].logits.shape[:2] == (2, 4)
+    assert namespace["h_BTD"].shape == namespace["kda_y_BTD"].shape == namespace["x_BTD"].shape
 
 
 def test_quick_start_is_two_commands_and_ci_runs_the_test_one():
