@@ -214,9 +214,4 @@ class LingConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LingConfig:
         """Read `config.json` from a file path or a checkpoint directory."""
-        file = config_json.config_file(path)
-        raw = config_json.read_json(file)
-        try:
-            return cls.from_dict(raw)
-        except ValueError as e:
-            raise ValueError(f"{file}: {e}") from e
+        return config_json.parse_file(path, cls.from_dict)

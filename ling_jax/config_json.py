@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 KDA = "kda"
 MLA = "mla"
@@ -61,6 +63,16 @@ def read_json(file: str) -> dict:
             return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{file}: not valid JSON ({e})") from e
+
+
+def parse_file(path: str | os.PathLike, parse: Callable[[dict], T]) -> T:
+    """`parse` of the config.json at `path` (a file or a checkpoint directory); its errors name the file."""
+    file = config_file(path)
+    raw = read_json(file)
+    try:
+        return parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
 
 
 def _integer(key: str, value: Any) -> int:
@@ -137,6 +149,7 @@ def text_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
         shared_width = _integer("moe_shared_expert_intermediate_size", shared_width)
     eos = r.get("eos_token_id")
     eos_list = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    # mtp_loss_scaling_factor is not read: it weighs a training loss (TrainConfig.mtp_loss_scale), not the model
     return {
         "vocab_size": r.require_int("vocab_size"),
         "hidden_size": r.require_int("hidden_size"),

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ling_jax.config import LingConfig
-from ling_jax.config_json import config_error, config_file, read_json
+from ling_jax.config_json import config_error, parse_file
 
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")
 
@@ -167,8 +167,4 @@ class LingVLConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LingVLConfig:
-        file = config_file(path)
-        try:
-            return cls.from_dict(read_json(file))
-        except ValueError as e:
-            raise ValueError(f"{file}: {e}") from e
+        return parse_file(path, cls.from_dict)
