@@ -171,12 +171,6 @@ def config_dict(config: LingConfig) -> dict:
     ):
         if limits:
             raw[key] = [limit or 0 for limit in limits]
-    if c.mtp_loss_scaling_factor:
-        raw["mtp_loss_scaling_factor"] = c.mtp_loss_scaling_factor
-    if c.moe_capacity_factor is not None:
-        raw["moe_capacity_factor"] = c.moe_capacity_factor
-    if c.moe_all_to_all != "auto":
-        raw["moe_all_to_all"] = c.moe_all_to_all
     if c.pad_token_id is not None:
         raw["pad_token_id"] = c.pad_token_id
     if c.eos_token_ids:

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ling_jax.config import LingConfig
+from ling_jax.config_json import config_file, read_json
 from ling_jax.model import LingForCausalLM
-from ling_jax.vl.config import LingVLConfig, config_file, read_json
+from ling_jax.policy import ExecutionPolicy
+from ling_jax.vl.config import LingVLConfig
 from ling_jax.vl.model import LingVLForConditionalGeneration
 
 
@@ -34,8 +36,13 @@ def text_config_of(config: LingConfig | LingVLConfig) -> LingConfig:
 
 
 def build_model(
-    config: LingConfig | LingVLConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, kernel_backend: str = "auto"
+    config: LingConfig | LingVLConfig,
+    *,
+    rngs: nnx.Rngs,
+    dtype=jnp.bfloat16,
+    policy: ExecutionPolicy | None = None,
 ) -> LingForCausalLM:
-    """The model a config describes: `LingVLForConditionalGeneration` for a VL config, else `LingForCausalLM`."""
+    """The model a config describes: `LingVLForConditionalGeneration` for a VL config, else `LingForCausalLM`;
+    policy: how it runs (None: `ExecutionPolicy()`)."""
     cls = LingVLForConditionalGeneration if isinstance(config, LingVLConfig) else LingForCausalLM
-    return cls(config, rngs=rngs, dtype=dtype, kernel_backend=kernel_backend)
+    return cls(config, rngs=rngs, dtype=dtype, policy=policy)

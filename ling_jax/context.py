@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ling_jax.config import LingConfig
-from ling_jax.policy import ExecutionPolicy, KDAMode, MLAMode, as_policy
+from ling_jax.policy import ExecutionPolicy, KDAMode, KernelBackend, MLAMode, as_policy
 from ling_jax.rope import rope_cos_sin
 
 
@@ -51,8 +51,8 @@ class TokenContext:
         return self.policy.mla_mode
 
     @property
-    def kernel_backend(self) -> str:
-        return self.policy.kernel_backend.value
+    def kernel_backend(self) -> KernelBackend:
+        return self.policy.kernel_backend
 
 
 def token_context(
@@ -67,20 +67,15 @@ def token_context(
     policy: ExecutionPolicy | None = None,
     kda_mode=None,
     mla_mode=None,
-    kernel_backend: str | None = None,
 ) -> TokenContext:
     """Masks, slots and RoPE tables for a call of T = `length` tokens per row.
 
     lengths: the cache's [B] token count (the new tokens go to slots lengths[b], ...), or None without a cache;
     max_length: the cache's slots. positions default to each real token's index (after the cached ones).
-    policy: the execution policy (default: `ExecutionPolicy.for_config(config)`, or `kernel_backend` where only
-    that is given); kda_mode / mla_mode override its modes for this call.
+    policy: the execution policy (default: `ExecutionPolicy()`); kda_mode / mla_mode override its modes for this
+    call.
     """
-    if policy is None:
-        policy = as_policy(kernel_backend, config)
-    elif kernel_backend is not None:
-        raise ValueError("token_context: give a policy or a kernel_backend, not both")
-    policy = policy.for_call(length, cached=lengths is not None, kda_mode=kda_mode, mla_mode=mla_mode)
+    policy = as_policy(policy).for_call(length, cached=lengths is not None, kda_mode=kda_mode, mla_mode=mla_mode)
     mask = None if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
     real = jnp.ones((batch, length), bool) if mask is None else mask
     offsets_BT = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1  # index of each real token among the new ones

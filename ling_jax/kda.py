@@ -20,7 +20,7 @@ from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.context import TokenContext
 from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, param, params_of
-from ling_jax.policy import KDAMode
+from ling_jax.policy import ExecutionPolicy, KDAMode, KernelBackend, as_policy
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
 from pallas_kernels.kda.reference import kda_recurrent
 
@@ -103,7 +103,7 @@ def kda_attention(
         cfg,
         mode=ctx.policy.kda_mode,
         chunk_size=chunk_size,
-        kernel_backend=ctx.kernel_backend,
+        backend=ctx.kernel_backend,
     )
 
 
@@ -114,9 +114,9 @@ def _kda(
     mask_BT,
     config: LingConfig,
     *,
-    mode: str,
+    mode: KDAMode,
     chunk_size: int,
-    kernel_backend: str,
+    backend: KernelBackend,
 ):
     c = config
     batch, length, _ = x_BTD.shape
@@ -138,11 +138,11 @@ def _kda(
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
     if mode == CHUNKED:
         o, recurrent = chunk_kda(
-            q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size, backend=kernel_backend
+            q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size, backend=backend
         )
     elif mode == RECURRENT and length == 1:
         o, recurrent = kda_decode_step(
-            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state, backend=kernel_backend
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state, backend=backend
         )
         o = o[:, None]
     elif mode == RECURRENT:
@@ -191,16 +191,17 @@ class KimiDeltaAttention(nnx.Module):
         state: KDAState,
         mask_BT=None,
         *,
-        mode: str = CHUNKED,
+        mode: KDAMode = CHUNKED,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
-        kernel_backend: str = "reference",
+        policy: ExecutionPolicy | None = None,
     ):
         """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state); `kda_attention` with the
-        mask, mode and backend given directly.
+        mask and mode given directly.
 
         Chunked mode runs `pallas_kernels.kda.chunk_kda`, a one-token recurrent step
-        `pallas_kernels.kda.kda_decode_step`, both with `kernel_backend`. Steps mode returns a state per token
-        (conv_window [B, T, K-1, 3C], recurrent_state [B, T, H, d, d]) for speculative verification.
+        `pallas_kernels.kda.kda_decode_step`, both with the policy's kernel backend (None: `ExecutionPolicy()`).
+        Steps mode returns a state per token (conv_window [B, T, K-1, 3C], recurrent_state [B, T, H, d, d]) for
+        speculative verification.
         """
         return _kda(
             params_of(self),
@@ -210,5 +211,5 @@ class KimiDeltaAttention(nnx.Module):
             self.config,
             mode=mode,
             chunk_size=chunk_size,
-            kernel_backend=kernel_backend,
+            backend=as_policy(policy).kernel_backend,
         )

@@ -16,7 +16,7 @@ from ling_jax.cache import MLAState
 from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext
 from ling_jax.layers import Linear, RMSNorm, Weights, linear, params_of, rms_norm
-from ling_jax.policy import MLAMode
+from ling_jax.policy import ExecutionPolicy, KernelBackend, MLAMode, as_policy
 from ling_jax.rope import apply_rope, softmax_scale
 from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_prefill
 from pallas_kernels.mla.reference import absorbed_attention
@@ -63,16 +63,16 @@ def mla_attend(
     *,
     keys_BSA,
     visibility: KeyVisibility,
-    mode: str,
+    mode: MLAMode,
     decode_lengths_B,
-    kernel_backend: str,
+    backend: KernelBackend,
 ) -> jax.Array:
     """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
 
     cos, sin: [B, T, rope_dim/2] for the queries. Expanded mode is the flash-style prefill path
-    (`pallas_kernels.mla.mla_prefill` with `kernel_backend`: memory O(block^2), not O(T x S)).
+    (`pallas_kernels.mla.mla_prefill` with `backend`: memory O(block^2), not O(T x S)).
     decode_lengths_B: for a one-token decode over a cache whose first lengths[b] slots are visible,
-    absorbed mode runs `pallas_kernels.mla.mla_decode` with `kernel_backend`.
+    absorbed mode runs `pallas_kernels.mla.mla_decode` with `backend`.
     """
     c = cfg
     scale = softmax_scale(c)
@@ -80,17 +80,17 @@ def mla_attend(
     kv_b_HCR = _kv_b_per_head(weights, c)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
-        q_latent = absorb_query(
-            q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR, backend=kernel_backend
-        ).reshape(*q_nope.shape[:3], -1)
+        q_latent = absorb_query(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR, backend=backend).reshape(
+            *q_nope.shape[:3], -1
+        )
         if decode_lengths_B is None:
             o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=scale)
         else:
-            o_latent = mla_decode(
-                q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=scale, backend=kernel_backend
-            )[:, None]
+            o_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=scale, backend=backend)[
+                :, None
+            ]
         o_BTHV = expand_output(
-            o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR, c.qk_nope_head_dim, backend=kernel_backend
+            o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR, c.qk_nope_head_dim, backend=backend
         )
         o_BTHV = o_BTHV.reshape(batch, length, *o_BTHV.shape[1:]).astype(x_BTD.dtype)
     elif mode == EXPANDED:
@@ -104,7 +104,7 @@ def mla_attend(
             w_uk,
             w_uv,
             scale=scale,
-            backend=kernel_backend,
+            backend=backend,
         )
     else:
         valid = ", ".join(repr(m.value) for m in MLAMode)
@@ -139,7 +139,7 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
         visibility=ctx.visibility,
         mode=ctx.mla_mode,
         decode_lengths_B=ctx.decode_lengths_B,
-        kernel_backend=ctx.kernel_backend,
+        backend=ctx.kernel_backend,
     )
     return y, cache
 
@@ -181,11 +181,12 @@ class MultiLatentAttention(nnx.Module):
         *,
         keys_BSA,
         visibility: KeyVisibility,
-        mode: str = EXPANDED,
+        mode: MLAMode = EXPANDED,
         decode_lengths_B=None,
-        kernel_backend: str = "reference",
+        policy: ExecutionPolicy | None = None,
     ) -> jax.Array:
-        """`mla_attend` over keys_BSA (the cache, or the tokens themselves) with this layer's parameters."""
+        """`mla_attend` over keys_BSA (the cache, or the tokens themselves) with this layer's parameters and the
+        policy's kernel backend (None: `ExecutionPolicy()`)."""
         return mla_attend(
             params_of(self),
             x_BTD,
@@ -196,5 +197,5 @@ class MultiLatentAttention(nnx.Module):
             visibility=visibility,
             mode=mode,
             decode_lengths_B=decode_lengths_B,
-            kernel_backend=kernel_backend,
+            backend=as_policy(policy).kernel_backend,
         )

@@ -18,7 +18,7 @@ from ling_jax.kda import KimiDeltaAttention, kda_attention
 from ling_jax.layers import Linear, RMSNorm, Weights, add_rms_norm, normal_param, params_of, rms_norm
 from ling_jax.mla import MultiLatentAttention, latent_attention
 from ling_jax.moe.block import MLP, MoE, dense_mlp, moe_block_with_stats, sow_moe_stats
-from ling_jax.policy import ExecutionPolicy, as_policy
+from ling_jax.policy import ExecutionPolicy, KernelBackend, as_policy
 from ling_jax.sharding import ACTIVATION_BTD, ACTIVATION_BTV, constrain
 
 __all__ = [
@@ -55,7 +55,7 @@ def decoder_layer(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingCo
 def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
     """`decoder_layer` -> (h, state, the MoE's stats or None for a dense layer; see `moe_block_with_stats`)."""
     # One device: the norms (and the residual add before the second) run as one kernel each on a GPU.
-    norm_backend = ctx.kernel_backend if jax.sharding.get_abstract_mesh().empty else "reference"
+    norm_backend = ctx.kernel_backend if jax.sharding.get_abstract_mesh().empty else KernelBackend.REFERENCE
     eps = cfg.rms_norm_eps
     h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
     x = rms_norm(weights["input_layernorm"], h_BTD, eps, backend=norm_backend)
@@ -133,12 +133,12 @@ class LingModel(nnx.Module):
         attention_mask=None,
         kda_mode: str | None = None,
         mla_mode: str | None = None,
-        kernel_backend: ExecutionPolicy | str = "auto",
+        policy: ExecutionPolicy | None = None,
         inputs_embeds=None,
     ):
         """-> (final-normed hidden [B, T, D], updated cache or None). inputs_embeds [B, T, D] replaces the
-        embedding lookup (the VL model's merged text + vision embeddings). kernel_backend: the execution policy
-        (`model.policy`), or a backend name; kda_mode / mla_mode override its modes for this call."""
+        embedding lookup (the VL model's merged text + vision embeddings). policy: the execution policy
+        (`model.policy`; None: `ExecutionPolicy()`); kda_mode / mla_mode override its modes for this call."""
         c = self.config
         batch, length = input_ids_BT.shape
         with jax.named_scope("embed"):
@@ -151,7 +151,7 @@ class LingModel(nnx.Module):
             attention_mask=attention_mask,
             lengths=None if cache is None else cache.lengths,
             max_length=0 if cache is None else cache.max_length,
-            policy=as_policy(kernel_backend, c),
+            policy=policy,
             kda_mode=kda_mode,
             mla_mode=mla_mode,
         )
@@ -202,15 +202,14 @@ class LingForCausalLM(nnx.Module):
         *,
         rngs: nnx.Rngs,
         dtype=jnp.bfloat16,
-        kernel_backend: str = "auto",
         policy: ExecutionPolicy | None = None,
     ):
-        """policy: how the model runs (`ling_jax.policy.ExecutionPolicy`; default: `ExecutionPolicy.for_config`
-        with `kernel_backend`). kernel_backend: Pallas kernels ("auto": GPU/TPU kernels on those platforms, jnp
-        on CPU; "reference", "pallas_gpu", "pallas_tpu", or "interpret_gpu" / "interpret_tpu" for CPU tests)."""
+        """policy: how the model runs (`ling_jax.policy.ExecutionPolicy`: kernel backend, KDA / MLA modes, MoE
+        exchange and capacity; None: `ExecutionPolicy()`, whose "auto" backend runs the GPU / TPU kernels on
+        those platforms and jnp on a CPU)."""
         self.config = config
         self.dtype = dtype
-        self.policy = ExecutionPolicy.for_config(config, kernel_backend=kernel_backend) if policy is None else policy
+        self.policy = as_policy(policy)
         self.model = LingModel(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(
@@ -218,11 +217,6 @@ class LingForCausalLM(nnx.Module):
             )
         if config.num_nextn_predict_layers:
             self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs)
-
-    @property
-    def kernel_backend(self) -> ExecutionPolicy:
-        """The policy, under the name older callers pass on: `model.model(..., kernel_backend=model.kernel_backend)`."""
-        return self.policy
 
     def logits(self, hidden_BTD):
         with jax.named_scope("lm_head"):
@@ -250,7 +244,7 @@ class LingForCausalLM(nnx.Module):
             attention_mask=attention_mask,
             kda_mode=kda_mode,
             mla_mode=mla_mode,
-            kernel_backend=self.policy,
+            policy=self.policy,
         )
         return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
 

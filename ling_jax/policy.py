@@ -3,7 +3,8 @@
 `ExecutionPolicy` holds the kernel backend, the KDA and MLA modes and the MoE exchange and capacity. Every field
 is an enum (or a checked number), so a misspelt value fails when the policy is built, naming the field and the
 valid values, instead of deep inside a traced call. Strings are accepted and converted: `"reference"` and
-`KernelBackend.REFERENCE` are the same value (the enums are `StrEnum`s).
+`KernelBackend.REFERENCE` are the same value (the enums are `StrEnum`s). The models, the checkpoint loaders and
+the layer functions take one as `policy=` (None: `ExecutionPolicy()`); config.json holds none of it.
 
 The KDA / MLA modes may stay None, meaning "chosen per call": recurrent KDA and absorbed MLA for a one-token
 decode over a cache, chunked KDA and expanded MLA otherwise (`ExecutionPolicy.for_call`).
@@ -14,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 from typing import Any
-
-from ling_jax.config import LingConfig
 
 
 class KernelBackend(enum.StrEnum):
@@ -82,13 +81,6 @@ class ExecutionPolicy:
                 f"ExecutionPolicy.moe_capacity_factor: must be None (dropless) or a positive number, got {factor!r}"
             )
 
-    @classmethod
-    def for_config(cls, config: LingConfig, **fields: Any) -> ExecutionPolicy:
-        """A policy whose MoE exchange and capacity default to the config's runtime options
-        (`moe_all_to_all`, `moe_capacity_factor`); `fields` set or override any field."""
-        defaults = {"moe_exchange": config.moe_all_to_all, "moe_capacity_factor": config.moe_capacity_factor}
-        return cls(**{**defaults, **fields})
-
     def replace(self, **fields: Any) -> ExecutionPolicy:
         return dataclasses.replace(self, **fields)
 
@@ -103,14 +95,18 @@ class ExecutionPolicy:
         return self.replace(kda_mode=kda, mla_mode=mla)
 
 
-def as_policy(
-    policy: ExecutionPolicy | str | None, config: LingConfig | None = None, *, default_backend: str = KernelBackend.AUTO
-) -> ExecutionPolicy:
-    """A policy from a policy, a kernel backend name (the older `kernel_backend=` arguments) or None (the
-    default backend); MoE fields from `config` when it is given."""
-    if isinstance(policy, ExecutionPolicy):
-        return policy
-    backend = default_backend if policy is None else policy
-    if config is None:
-        return ExecutionPolicy(kernel_backend=backend)
-    return ExecutionPolicy.for_config(config, kernel_backend=backend)
+def as_policy(policy: ExecutionPolicy | None) -> ExecutionPolicy:
+    """`policy`, or the default `ExecutionPolicy()` for None. Anything else, such as a bare kernel backend name,
+    is refused: the policy is built once, by the caller (`ExecutionPolicy(kernel_backend="reference")`)."""
+    if policy is None:
+        return ExecutionPolicy()
+    if not isinstance(policy, ExecutionPolicy):
+        raise TypeError(
+            f"policy must be an ExecutionPolicy or None, got {policy!r}"
+            + (
+                f" (for a kernel backend: ExecutionPolicy(kernel_backend={policy!r}))"
+                if isinstance(policy, str)
+                else ""
+            )
+        )
+    return policy

@@ -127,7 +127,6 @@ DEMO = {
     "max_position_embeddings": 2048,
     "expert_swiglu_limit_list": [0] + [7.0] * 7,
     "share_expert_swiglu_limit_list": [0] + [7.0] * 7,
-    "mtp_loss_scaling_factor": 0.1,
     "pad_token_id": 0,
     "eos_token_id": 1,
 }

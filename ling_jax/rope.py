@@ -8,8 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.config import LingConfig, RopeConfig, yarn_mscale
+from ling_jax.config import LingConfig, RopeConfig
 from ling_jax.mrope import mrope_angles
+
+
+def yarn_mscale(factor: float, mu: float) -> float:
+    """m(s, mu) of spec §3.3."""
+    if factor <= 1.0:
+        return 1.0
+    return 0.1 * mu * math.log(factor) + 1.0
 
 
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, original_max: int) -> float:

@@ -7,7 +7,7 @@ decode step of the full-width Ling-3.1-flash slice.
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_expert_parallel.py --quick   # CPU
 
 MoE layer (hidden 4096, 512 experts, top-8, random bf16 weights and router) at 64 and 8192 tokens per device,
-both ways of moving rows (`LingConfig.moe_all_to_all`), each stage jitted on the mesh as its own shard_map
+both ways of moving rows (`ExecutionPolicy.moe_exchange`), each stage jitted on the mesh as its own shard_map
 over the previous stage's real outputs:
 - dense: dispatch = pack each token-assignment into its destination's fixed block, then the all-to-all
   (`dispatch`); grouped GEMM = sort the received rows by expert, the expert FFN, unsort
@@ -51,7 +51,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from ling_jax import LingForCausalLM  # noqa: E402
+from ling_jax import ExecutionPolicy, KernelBackend, LingForCausalLM  # noqa: E402
 from ling_jax.moe.block import MoE, route  # noqa: E402
 from ling_jax.moe.expert_parallel import (
     SLICES_PER_EXPERT,
@@ -253,7 +253,8 @@ def time_moe_layer(
     )
     graphdef, state = nnx.split(moe)
     with jax.set_mesh(mesh):
-        layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, kernel_backend=backend))
+        policy = ExecutionPolicy(kernel_backend=backend)
+        layer = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, policy=policy))
         layer_s = median_seconds(layer, state, inputs.x_TD[None], iters=iters)
     return [
         *dense,
@@ -382,12 +383,10 @@ def slice_count_rows(
     return rows
 
 
-def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: int, kernel_backend: str) -> float:
+def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: int, policy: ExecutionPolicy) -> float:
     """Seconds per decode step of the 8-layer full-width slice on `mesh`, batch over the expert axis."""
     config = flash_slice_config(8, quick)
-    model = init_on_mesh(
-        lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, kernel_backend=kernel_backend), mesh
-    )
+    model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=policy), mesh)
     cache = filled_cache(model, batch, context, steps + 8)
     cache = jax.device_put(cache, cache_shardings(cache, mesh))
     with jax.set_mesh(mesh):
@@ -416,7 +415,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=jax.device_count(), help="N: mesh expert=N (default: all)")
     parser.add_argument("--capacity-factor", type=float, help="cap rows per source (default: dropless)")
-    parser.add_argument("--kernel-backend", default="auto", help="auto: the Pallas kernels on a GPU, jnp on a CPU")
+    parser.add_argument(
+        "--kernel-backend",
+        choices=[backend.value for backend in KernelBackend],
+        default=KernelBackend.AUTO.value,
+        help="auto: the Pallas kernels on a GPU, jnp on a CPU",
+    )
     parser.add_argument("--iters", type=int, help=f"timed calls per stage (default {FULL['iters']})")
     parser.add_argument("--steps", type=int, help=f"decode steps timed (default {FULL['steps']})")
     parser.add_argument(
@@ -432,7 +436,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     iters, steps = args.iters or sizes["iters"], args.steps or sizes["steps"]
-    backend = resolve_backend(args.kernel_backend)
+    policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
+    backend = resolve_backend(policy.kernel_backend)
     config = flash_slice_config(8, args.quick)
     try:
         mesh = expert_mesh(args.devices)
@@ -469,7 +474,7 @@ def main(argv=None) -> int:
         batch=sizes["decode_batch"],
         context=sizes["context"],
         steps=steps,
-        kernel_backend=args.kernel_backend,
+        policy=policy,
     )
     print_table(rows, (sizes["decode_batch"], sizes["context"], decode_s), args.devices)
     return 0

@@ -68,7 +68,7 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
     @jax.jit
     def prefill(params, cache, ids_BC):  # hidden states only: the lm_head runs on the last position alone
         model = nnx.merge(graphdef, params)
-        hidden_BCD, cache = model.model(ids_BC, cache=cache, kernel_backend=model.kernel_backend)
+        hidden_BCD, cache = model.model(ids_BC, cache=cache, policy=model.policy)
         return model.logits(hidden_BCD[:, -1:]), cache
 
     ids = jax.random.randint(jax.random.key(1), (batch, context), 0, model.config.vocab_size)

@@ -42,6 +42,7 @@ from flax import nnx  # noqa: E402
 
 from ling_jax.moe.block import MoE  # noqa: E402
 from ling_jax.moe.experts import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
+from ling_jax.policy import ExecutionPolicy  # noqa: E402
 from ling_jax.presets import preset
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, kernel  # noqa: E402
 from pallas_kernels.moe.reference import swiglu  # noqa: E402
@@ -132,7 +133,8 @@ def unfused_layer(graphdef, limit, backend):
 
 def model_layer(graphdef, backend):
     """The MoE module itself, as the model calls it (its fused path on a GPU)."""
-    return jax.jit(lambda state, x_TD: nnx.merge(graphdef, state)(x_TD, kernel_backend=backend))
+    policy = ExecutionPolicy(kernel_backend=backend)
+    return jax.jit(lambda state, x_TD: nnx.merge(graphdef, state)(x_TD, policy=policy))
 
 
 def profile_calls(fn, args, directory: str, *, calls: int) -> None:

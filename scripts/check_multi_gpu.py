@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 from bench_common import flash_slice_config, init_on_mesh, rel_error  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ling_jax import LingConfig, LingForCausalLM  # noqa: E402
+from ling_jax import ExecutionPolicy, KernelBackend, LingConfig, LingForCausalLM  # noqa: E402
 from ling_jax.config import KDA, MLA  # noqa: E402
 from ling_jax.generation.memory import format_bytes  # noqa: E402
 from ling_jax.generation.sharded import ShardedLM  # noqa: E402
@@ -168,12 +168,12 @@ class Logits:
     cached: np.ndarray  # [B, steps + 1, V] fp32: the prefill's last position, then one per decode step
 
 
-def run_model(config: LingConfig, mesh, inputs: Inputs, *, dtype, kernel_backend: str, corrupt: bool = False) -> Logits:
+def run_model(
+    config: LingConfig, mesh, inputs: Inputs, *, dtype, policy: ExecutionPolicy, corrupt: bool = False
+) -> Logits:
     """Builds the model on `mesh` (seed 0), runs the forward and the prefill + decode steps; frees it after."""
     start = time.perf_counter()
-    model = init_on_mesh(
-        lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, kernel_backend=kernel_backend), mesh
-    )
+    model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy), mesh)
     if corrupt:
         corrupt_last_shard(model, mesh.shape.get("expert", 1))
     sharded = ShardedLM(model, mesh)
@@ -274,7 +274,8 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--kernel-backend",
-        default="auto",
+        choices=[backend.value for backend in KernelBackend],
+        default=KernelBackend.AUTO.value,
         help="auto: the Pallas kernels on a GPU, jnp on a CPU; reference: jnp everywhere",
     )
     parser.add_argument("--plan-only", action="store_true", help="print the layer arithmetic and stop")
@@ -324,6 +325,7 @@ def check(args) -> int:
             flush=True,
         )
         dtype, tolerance = jnp.dtype(args.dtype), TOLERANCE[args.dtype]
+        policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
         print(f"layer arithmetic ({args.dtype} parameters):")
         budget = device_budget(jax.devices()[0], args.device_memory_gib, args.headroom_gib)
         layers = args.layers or plan_layers(args.quick, mesh_sizes, budget, dtype)
@@ -335,16 +337,14 @@ def check(args) -> int:
         )
         reduced = flash_slice_config(reference_layers, args.quick)
         print(f"\n{reference_layers} layers on one device (reference):", flush=True)
-        reference = run_model(reduced, one_device, inputs, dtype=dtype, kernel_backend=args.kernel_backend)
+        reference = run_model(reduced, one_device, inputs, dtype=dtype, policy=policy)
         print(
             f"{reference_layers} layers on the mesh{' (last shard corrupted)' if args.corrupt_last_shard else ''}:",
             flush=True,
         )
         matches = compare_with_reference(
             reference,
-            run_model(
-                reduced, mesh, inputs, dtype=dtype, kernel_backend=args.kernel_backend, corrupt=args.corrupt_last_shard
-            ),
+            run_model(reduced, mesh, inputs, dtype=dtype, policy=policy, corrupt=args.corrupt_last_shard),
             inputs,
             tolerance,
         )
@@ -356,9 +356,7 @@ def check(args) -> int:
             )
             return 1
         print(f"{layers} layers on the mesh:", flush=True)
-        large = run_model(
-            flash_slice_config(layers, args.quick), mesh, inputs, dtype=dtype, kernel_backend=args.kernel_backend
-        )
+        large = run_model(flash_slice_config(layers, args.quick), mesh, inputs, dtype=dtype, policy=policy)
         large_ok = check_large_run(large, inputs)
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)

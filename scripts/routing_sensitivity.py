@@ -29,7 +29,7 @@ from check_multi_gpu import make_inputs  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ling_jax.moe.block as moe  # noqa: E402
-from ling_jax import LingForCausalLM  # noqa: E402
+from ling_jax import ExecutionPolicy, LingForCausalLM  # noqa: E402
 
 FRACTIONS = (1e-4, 1e-3, 1e-2)
 
@@ -52,7 +52,9 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=64)
     args = parser.parse_args(argv)
     config = flash_slice_config(1, True).replace(hidden_size=args.hidden, num_experts=args.experts)
-    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, kernel_backend="reference")
+    model = LingForCausalLM(
+        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=ExecutionPolicy(kernel_backend="reference")
+    )
     inputs = make_inputs(config.vocab_size, 8, 64, 4)
 
     def logits():

@@ -60,6 +60,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+DEMO_MTP_LOSS_SCALE = 0.1  # the weight of the MTP draft loss the demo model (docs/demo_model.md) trained with
 
 
 def parse_args(argv=None):
@@ -86,7 +87,12 @@ def parse_args(argv=None):
         help="router balancing step per training step (DeepSeek-V3 uses 1e-3 over far longer runs; "
         "short runs need faster balancing)",
     )
-    parser.add_argument("--mtp-loss-scale", type=float, help="override the config's mtp_loss_scaling_factor")
+    parser.add_argument(
+        "--mtp-loss-scale",
+        type=float,
+        help=f"weight of the MTP draft loss (default: {DEMO_MTP_LOSS_SCALE}, the demo's, when the config has an "
+        "MTP layer, else 0 = off)",
+    )
     parser.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data order")
     parser.add_argument("--eval-fraction", type=float, default=0.02, help="held-out tail of the corpus")
@@ -114,6 +120,8 @@ def parse_args(argv=None):
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if not 0 < args.eval_fraction < 1:
         parser.error("--eval-fraction must be in (0, 1)")
+    if args.mtp_loss_scale is not None and args.mtp_loss_scale < 0:
+        parser.error("--mtp-loss-scale must be >= 0")
     return args
 
 
@@ -194,9 +202,9 @@ def make_batch(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
     return Batch(tokens=jnp.asarray(tokens), mask=jnp.ones(tokens.shape, bool))
 
 
-def evaluate(graphdef, state: TrainState, batches: list[Batch]) -> dict[str, float]:
+def evaluate(graphdef, state: TrainState, batches: list[Batch], config: TrainConfig) -> dict[str, float]:
     """Token-weighted mean of each loss over the held-out batches."""
-    results = [jax.device_get(jit_eval_step(graphdef, state, batch)) for batch in batches]
+    results = [jax.device_get(jit_eval_step(graphdef, state, batch, config)) for batch in batches]
     tokens = sum(float(r["tokens"]) for r in results)
     return {
         key: sum(float(r[key]) * float(r["tokens"]) for r in results) / tokens for key in results[0] if key != "tokens"
@@ -269,8 +277,13 @@ def main(argv=None) -> int:
     if os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir) and not args.resume:
         sys.exit(f"error: {checkpoint_dir} already holds checkpoints: pass --resume, or choose another --out")
     config = load_config(args.config)
-    if args.mtp_loss_scale is not None:
-        config = config.replace(mtp_loss_scaling_factor=args.mtp_loss_scale)
+    mtp_loss_scale = args.mtp_loss_scale
+    if mtp_loss_scale is None:
+        mtp_loss_scale = DEMO_MTP_LOSS_SCALE if config.num_nextn_predict_layers else 0.0
+    if mtp_loss_scale and not config.num_nextn_predict_layers:
+        sys.exit(
+            f"error: --mtp-loss-scale {mtp_loss_scale}: {args.config} has no MTP layer (num_nextn_predict_layers = 0)"
+        )
     if args.seq_len > config.max_position_embeddings:
         sys.exit(f"error: --seq-len {args.seq_len} exceeds max_position_embeddings {config.max_position_embeddings}")
 
@@ -316,13 +329,14 @@ def main(argv=None) -> int:
         grad_clip_norm=args.grad_clip,
         expert_bias_rate=args.expert_bias_rate,
         remat=args.remat,
+        mtp_loss_scale=mtp_loss_scale,
     )
     model = LingForCausalLM(config, rngs=nnx.Rngs(args.seed), dtype=jnp.float32)
     parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(
         f"model: {parameters / 1e6:.1f}M parameters, {config.num_hidden_layers} layers "
         f"({config.layer_types.count('kda')} KDA, {config.layer_types.count('mla')} MLA), "
-        f"{config.num_experts} experts, MTP loss x {config.mtp_loss_scaling_factor}; {jax.devices()[0].platform}"
+        f"{config.num_experts} experts, MTP loss x {train_config.mtp_loss_scale}; {jax.devices()[0].platform}"
     )
     graphdef, state = init_train_state(model, train_config)
     del model
@@ -383,7 +397,7 @@ def main(argv=None) -> int:
                 flush()
                 progress.set_postfix(loss=f"{log[-1]['lm_loss']:.3f}", lr=f"{log[-1]['learning_rate']:.1e}")
             if done % args.eval_every == 0 or done == args.steps:
-                held_out_losses = evaluate(graphdef, state, eval_batches)
+                held_out_losses = evaluate(graphdef, state, eval_batches, train_config)
                 log.append({"step": done, **{f"eval_{k}": v for k, v in held_out_losses.items()}})
                 progress.write(f"step {done}: held-out loss {held_out_losses['lm_loss']:.4f}")
             if done % args.save_every == 0 or done == args.steps:
@@ -399,9 +413,9 @@ def main(argv=None) -> int:
     export_hf_checkpoint(merge_model(graphdef, state), export_dir, tokenizer_dir, args.shards)
     exported = load_hf_checkpoint(export_dir, dtype=jnp.float32, progress=False)
     _, exported_bias, exported_params = nnx.split(exported, EXPERT_BIAS, TRAINABLE)
-    export_loss = evaluate(graphdef, state.replace(params=exported_params, expert_bias=exported_bias), eval_batches)[
-        "lm_loss"
-    ]
+    export_loss = evaluate(
+        graphdef, state.replace(params=exported_params, expert_bias=exported_bias), eval_batches, train_config
+    )["lm_loss"]
     wall = time.perf_counter() - started
     recent = train_entries[-min(len(train_entries), args.log_every) :]
     print(

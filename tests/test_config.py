@@ -502,8 +502,13 @@ def test_from_pretrained_errors_name_the_file(tmp_path):
     assert str(missing) in str(info.value)
 
 
-def test_moe_all_to_all_option():
-    assert LingConfig.from_dict(TINY).moe_all_to_all == "auto"
-    assert LingConfig.from_dict({**TINY, "moe_all_to_all": "ragged"}).moe_all_to_all == "ragged"
-    with pytest.raises(ValueError, match="moe_all_to_all.*'auto', 'ragged', 'dense'.*'sparse'"):
-        LingConfig.from_dict({**TINY, "moe_all_to_all": "sparse"})
+@pytest.mark.parametrize(
+    ("key", "field"), [("moe_capacity_factor", "moe_capacity_factor"), ("moe_all_to_all", "moe_exchange")]
+)
+def test_runtime_options_in_config_json_are_refused(key, field):
+    with pytest.raises(ValueError, match=rf"'{key}': is a ling-jax runtime option.*ExecutionPolicy\({field}=\.\.\.\)"):
+        LingConfig.from_dict({**TINY, key: "ragged" if key == "moe_all_to_all" else 1.25})
+
+
+def test_training_keys_in_config_json_are_ignored():
+    assert LingConfig.from_dict({**TINY, "mtp_loss_scaling_factor": 0.1}) == LingConfig.from_dict(TINY)

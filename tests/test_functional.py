@@ -141,7 +141,7 @@ def test_checkpoint_layer_weights_equal_the_loaded_model_layer(oracle_setup):
 
 def test_latent_attention_alone_over_a_cache_equals_one_full_call():
     config = preset("tiny")
-    model = LingForCausalLM(config, rngs=nnx.Rngs(1), dtype=jnp.float32, kernel_backend="reference")
+    model = LingForCausalLM(config, rngs=nnx.Rngs(1), dtype=jnp.float32, policy=POLICY)
     index = config.layer_types.index("mla")
     weights = F.layer_weights(model, index)["attention"]
     x = jax.random.normal(jax.random.key(2), (BATCH, LENGTH, config.hidden_size))
@@ -172,10 +172,9 @@ def test_policy_rejects_typos_at_construction():
         F.ExecutionPolicy(kda_mode="chunk")
     with pytest.raises(ValueError, match="moe_capacity_factor: must be None"):
         F.ExecutionPolicy(moe_capacity_factor=0)
-    with pytest.raises(ValueError, match="kernel_backend: 'refrence'"):
-        LingForCausalLM(preset("tiny"), rngs=nnx.Rngs(0), kernel_backend="refrence")
-    policy = F.ExecutionPolicy.for_config(
-        preset("tiny").replace(moe_all_to_all="ragged"), kernel_backend="reference", mla_mode="absorbed"
-    )
+    with pytest.raises(TypeError, match=r"ExecutionPolicy or None, got 'reference' \(for a kernel backend: Exec"):
+        LingForCausalLM(preset("tiny"), rngs=nnx.Rngs(0), policy="reference")
+    policy = F.ExecutionPolicy(kernel_backend="reference", moe_exchange="ragged", mla_mode="absorbed")
     assert (policy.moe_exchange, policy.mla_mode) == (F.MoEExchange.RAGGED, F.MLAMode.ABSORBED)
+    assert policy.kernel_backend is F.KernelBackend.REFERENCE
     assert {b.value for b in F.KernelBackend} == set(BACKENDS)

@@ -1,5 +1,6 @@
 """The package layout holds: the public names import from `ling_jax`, the model core imports no wing, and the
-config / presets cycle stays gone. Imports are read from the source (function-level ones included)."""
+config / presets and config / config_json cycles stay gone. Imports are read from the source (function-level
+ones included)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,8 @@ def test_core_imports_no_wing(path):
 
 def test_config_does_not_import_presets():
     assert not {i for i in _imports(PACKAGE / "config.py") if i.startswith("ling_jax.presets")}
+
+
+def test_config_json_imports_no_ling_jax_module():
+    """config.py imports config_json (the parser), never the other way round."""
+    assert not _imports(PACKAGE / "config_json.py")

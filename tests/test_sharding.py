@@ -11,7 +11,7 @@ from flax import nnx
 from helpers import rel_error
 from jax.sharding import PartitionSpec as P
 
-from ling_jax import LingConfig, LingForCausalLM
+from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.generation.sharded import ShardedLM
 from ling_jax.moe import expert_parallel
 from ling_jax.moe.block import MoE, route
@@ -37,8 +37,8 @@ def _config(**changes) -> LingConfig:
     return base.replace(**changes)
 
 
-def _model(config, seed=0):
-    return LingForCausalLM(config, rngs=nnx.Rngs(seed), dtype=jnp.float32)
+def _model(config, seed=0, policy=None):
+    return LingForCausalLM(config, rngs=nnx.Rngs(seed), dtype=jnp.float32, policy=policy)
 
 
 def _inputs(config, batch=8, length=13):
@@ -88,7 +88,9 @@ def test_sharded_forward_and_decode_match_unsharded(reference, shape):
 def test_sharded_model_with_the_ragged_exchange_matches_unsharded(reference):
     """The ragged all-to-all path (emulated on the CPU) through the whole model."""
     config, ids, mask, full, decoded = reference
-    sharded = ShardedLM(_model(config.replace(moe_all_to_all="ragged")), make_mesh({"data": 2, "expert": 4}))
+    sharded = ShardedLM(
+        _model(config, policy=ExecutionPolicy(moe_exchange="ragged")), make_mesh({"data": 2, "expert": 4})
+    )
     err_full = rel_error(sharded(ids, attention_mask=mask), full)
     err_decode = rel_error(_prefill_decode(sharded, sharded.init_cache, ids, mask), decoded)
     print(f"ragged exchange: forward rel. error {err_full:.1e}, prefill + 2 decode steps {err_decode:.1e}")
@@ -229,7 +231,7 @@ def test_auto_exchange_by_backend_and_process_count(monkeypatch, backend, proces
     monkeypatch.setattr(jax, "process_count", lambda: processes)
     assert resolve_exchange("auto") == expected
     assert resolve_exchange("dense") == "dense" and resolve_exchange("ragged") == "ragged"
-    with pytest.raises(ValueError, match="moe_all_to_all must be one of"):
+    with pytest.raises(ValueError, match="moe_exchange must be one of 'auto', 'ragged', 'dense', got 'sparse'"):
         resolve_exchange("sparse")
 
 

@@ -14,6 +14,7 @@ from np_reference import kda_recurrence
 from ling_jax.cache import KDAState
 from ling_jax.config import DENSE, KDA
 from ling_jax.model import DecoderLayer, token_context
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.presets import preset
 from pallas_kernels.kda.ops import chunk_kda
 from pallas_kernels.kda.reference import kda_chunked
@@ -74,7 +75,7 @@ def test_jitted_decoder_layer_at_head_dim_128_matches_eager_recurrent():
             max_length=0,
             kda_mode=kda_mode,
             mla_mode=None,
-            kernel_backend="reference",
+            policy=ExecutionPolicy(kernel_backend="reference"),
         )
         return layer(h, ctx, KDAState.zeros(config, 2, h.dtype))[0]
 

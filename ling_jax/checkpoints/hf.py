@@ -16,6 +16,7 @@ from ling_jax.checkpoints.safetensors_io import CheckpointTensors
 from ling_jax.config import LingConfig
 from ling_jax.layers import Weights
 from ling_jax.model import DecoderLayer, LingForCausalLM
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4, is_float8
 
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight_scale_inv sits beside <module>.weight
@@ -116,7 +117,11 @@ def _load(resolver: TensorResolver, source: TensorSource) -> np.ndarray:
 
 
 def load_hf_checkpoint(
-    path: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool = True, kernel_backend: str = "auto"
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.bfloat16,
+    progress: bool = True,
+    policy: ExecutionPolicy | None = None,
 ) -> LingForCausalLM:
     """Build `LingForCausalLM` (or, for a VL checkpoint, `LingVLForConditionalGeneration`) from a HF-format
     checkpoint directory.
@@ -125,7 +130,7 @@ def load_hf_checkpoint(
     tensor by tensor. FP8 weights (float8 with a `weight_scale_inv` sibling) and MXFP4 experts (packed bytes
     with E8M0 scales) are dequantised; A_log, dt_bias, conv weights and the expert bias stay fp32, the rest
     becomes `dtype`. A missing, unknown or mis-shaped tensor raises `CheckpointError` naming it and its file.
-    kernel_backend: as for `LingForCausalLM`.
+    policy: how the model runs, as for `LingForCausalLM` (None: `ExecutionPolicy()`).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -133,9 +138,7 @@ def load_hf_checkpoint(
     model_config = load_model_config(path)
     config = text_config_of(model_config)
     resolver = TensorResolver(CheckpointTensors(path), config)
-    abstract = nnx.eval_shape(
-        lambda: build_model(model_config, rngs=nnx.Rngs(0), dtype=dtype, kernel_backend=kernel_backend)
-    )
+    abstract = nnx.eval_shape(lambda: build_model(model_config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy))
     graphdef, abstract_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abstract_state)
     plan = [(p, v, source_for(p, v.get_value().shape, config)) for p, v in flat]

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from ling_jax.build import build_model, load_model_config
 from ling_jax.checkpoints.hf import SCALE_SUFFIX
 from ling_jax.model import LingForCausalLM
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.sharding import param_shardings
 
 LAYOUT_FILE = "ling_convert.json"
@@ -206,7 +207,12 @@ def _restore(path: str, target: dict[tuple, jax.ShapeDtypeStruct], progress: boo
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype=None, progress: bool = False
+    path: str | os.PathLike,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype=None,
+    progress: bool = False,
+    policy: ExecutionPolicy | None = None,
 ) -> LingForCausalLM:
     """Restore a ling-convert checkpoint as `LingForCausalLM` (`LingVLForConditionalGeneration` for a VL one).
 
@@ -217,7 +223,8 @@ def load_checkpoint(
     `dtype` is the model dtype (default: the dtype the checkpoint was converted to; FP8 checkpoints default to
     bfloat16); A_log, dt_bias, conv weights and the expert bias stay float32. FP8 parameters are dequantised
     on the device. A parameter whose stored shape disagrees with config.json raises ValueError naming it.
-    progress: a tqdm bar on stderr, one step per decoder layer (restored together).
+    progress: a tqdm bar on stderr, one step per decoder layer (restored together). policy: how the model runs,
+    as for `LingForCausalLM` (None: `ExecutionPolicy()`).
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
@@ -225,7 +232,7 @@ def load_checkpoint(
     layout = StoredLayout.read(path)
     config = load_model_config(path)
     dtype = jnp.dtype(dtype or layout.compute_dtype)
-    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=dtype))
+    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy))
     graphdef, abstract_state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(abstract_state))
     if mesh is None:

@@ -37,6 +37,7 @@ from ling_jax.generation.generator import MIN_CHUNK, GenerationStats, Generator,
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, StreamDecoder, Tokenizer
 from ling_jax.model import LingForCausalLM
+from ling_jax.policy import ExecutionPolicy, KernelBackend
 from ling_jax.presets import PRESETS
 from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
 from ling_jax.vl.config import LingVLConfig
@@ -187,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         metavar="N",
         help=f"prefill long prompts N tokens at a time, N >= {MIN_CHUNK} (default 2048)",
+    )
+    running.add_argument(
+        "--kernel-backend",
+        choices=[backend.value for backend in KernelBackend],
+        default=KernelBackend.AUTO.value,
+        help="kernel implementation (default auto: the Pallas kernels on a GPU / TPU, jnp on a CPU)",
     )
     running.add_argument(
         "--mesh",
@@ -346,7 +353,8 @@ def _prepare(args: argparse.Namespace) -> Run:
     prompts = [_encode(source.tokenizer, text, args, media, source.vl_config) for text in texts]
     _check_lengths(prompts, args.max_new_tokens, config)
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
-    model = _load_model(source, dtype, mesh, verbose=is_main)
+    policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
+    model = _load_model(source, dtype, mesh, policy, verbose=is_main)
     try:
         generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
@@ -508,13 +516,13 @@ def _model_source(args: argparse.Namespace, *, verbose: bool) -> ModelSource:
     return cli_checks.preset_source(FALLBACK_PRESET)
 
 
-def _load_model(source: ModelSource, dtype, mesh, *, verbose: bool) -> LingForCausalLM:
+def _load_model(source: ModelSource, dtype, mesh, policy: ExecutionPolicy, *, verbose: bool) -> LingForCausalLM:
     if source.path is None:
-        return LingForCausalLM(source.config, rngs=nnx.Rngs(0), dtype=dtype)
+        return LingForCausalLM(source.config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy)
     progress = verbose and sys.stderr.isatty()
     if source.orbax:
-        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, progress=progress)
-    return load_hf_checkpoint(source.path, dtype=dtype, progress=progress)
+        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, progress=progress, policy=policy)
+    return load_hf_checkpoint(source.path, dtype=dtype, progress=progress, policy=policy)
 
 
 def _encode(

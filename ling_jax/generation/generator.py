@@ -106,7 +106,7 @@ def _prefill_chunk(
         cache=cache,
         attention_mask=mask_BC,
         positions=positions_BC3,
-        kernel_backend=model.kernel_backend,
+        policy=model.policy,
         inputs_embeds=embeds_BCD,
     )
     if mtp_cache is not None:
@@ -175,7 +175,7 @@ def _speculative_round(
     drafts_BK = jnp.stack(drafts, axis=1)
     verify_ids = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
     start_lengths_B = cache.lengths
-    hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, kernel_backend=model.kernel_backend)
+    hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, policy=model.policy)
     logits_BTV = model.logits(hidden_BTD)
     targets, seen = [], seen_BV
     for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)

@@ -17,7 +17,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers import Linear, Weights, normal_param, param, params_of
 from ling_jax.moe.expert_parallel import moe_parallel, uses_model_parallelism
 from ling_jax.moe.experts import SharedExpert, expert_load, local_moe, swiglu_ffn
-from ling_jax.policy import ExecutionPolicy, as_policy
+from ling_jax.policy import ExecutionPolicy, MoEExchange, as_policy
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.moe.ops import RoutingRule, select_experts
 
@@ -71,7 +71,7 @@ def routed_experts_block(
     limit: float | None,
     backend: str,
     capacity_factor: float | None = None,
-    exchange: str = "auto",
+    exchange: MoEExchange = MoEExchange.AUTO,
     shared: SharedExpert | None = None,
 ):
     """The routed experts (`gate_proj` / `up_proj` [E, I, D], `down_proj` [E, D, I]) on the rows routed to them
@@ -109,7 +109,7 @@ def moe_block(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: E
 
     weights: the layer's `mlp` parameters (`gate`, `experts` stacked [E, ...], `shared_experts`); layer: the
     index into the SwiGLU clip lists (0 for the MTP layer); policy: kernel backend, exchange and capacity
-    (default: `ExecutionPolicy.for_config(cfg)`).
+    (None: `ExecutionPolicy()`).
     """
     return moe_block_with_stats(weights, x_BTD, cfg, layer=layer, policy=policy)[0]
 
@@ -118,7 +118,7 @@ def moe_block_with_stats(
     weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: ExecutionPolicy | None = None
 ):
     """`moe_block` -> (y [B, T, D], {"expert_load": [E] assignments per expert, "dropped_assignments": int32})."""
-    policy = as_policy(policy, cfg)
+    policy = as_policy(policy)
     x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
     backend = resolve_backend(policy.kernel_backend.value)
     with jax.named_scope("moe_router"):
@@ -132,7 +132,7 @@ def moe_block_with_stats(
         limit=cfg.swiglu_limit(layer, shared=False),
         backend=backend,
         capacity_factor=policy.moe_capacity_factor,
-        exchange=policy.moe_exchange.value,
+        exchange=policy.moe_exchange,
         shared=shared,
     )
     stats = {"expert_load": expert_load(experts_TK, cfg.num_experts), "dropped_assignments": dropped}
@@ -173,7 +173,7 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Stacked routed experts: gate/up [E, I, D], down [E, D, I] (checkpoint layout, one slice per expert);
     `routed_experts_block`. capacity_factor None is dropless; a number caps each device's rows per source (see
-    expert_parallel); all_to_all: how the rows move between devices (`ExecutionPolicy.moe_exchange`).
+    expert_parallel); exchange: how the rows move between devices (`ExecutionPolicy.moe_exchange`).
     """
 
     def __init__(self, config: LingConfig, *, limit: float | None, dtype, rngs: nnx.Rngs):
@@ -191,7 +191,7 @@ class Experts(nnx.Module):
         *,
         backend: str = "reference",
         capacity_factor: float | None = None,
-        all_to_all: str = "auto",
+        exchange: MoEExchange = MoEExchange.AUTO,
         shared: SharedExpert | None = None,
     ):
         return routed_experts_block(
@@ -202,7 +202,7 @@ class Experts(nnx.Module):
             limit=self.limit,
             backend=backend,
             capacity_factor=capacity_factor,
-            exchange=all_to_all,
+            exchange=exchange,
             shared=shared,
         )
 
@@ -226,9 +226,8 @@ class MoE(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x_BTD, *, policy: ExecutionPolicy | str | None = None, kernel_backend: str | None = None):
-        """policy: an `ExecutionPolicy` (or, as `kernel_backend`, a backend name; default "reference")."""
-        policy = as_policy(policy or kernel_backend, self.config, default_backend="reference")
+    def __call__(self, x_BTD, *, policy: ExecutionPolicy | None = None):
+        """policy: kernel backend, exchange and capacity (None: `ExecutionPolicy()`)."""
         y_BTD, stats = moe_block_with_stats(params_of(self), x_BTD, self.config, layer=self.clip_layer, policy=policy)
         sow_moe_stats(self, stats)
         return y_BTD

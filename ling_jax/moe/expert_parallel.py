@@ -14,7 +14,7 @@ Both are dropless by default: a device reserves room for every assignment a sour
 (tokens x min(top_k, local experts)). A capacity factor C shrinks that to ceil(C x tokens x top_k /
 n_expert) rows per source; assignments beyond it are dropped and counted (the MoE sows the count).
 
-The all-to-all path moves the rows one of two ways (`LingConfig.moe_all_to_all`), with the same kept rows and
+The all-to-all path moves the rows one of two ways (`ExecutionPolicy.moe_exchange`), with the same kept rows and
 the same results:
 - "ragged" (the default on TPU and on the GPUs of one host): `ragged_all_to_all` sends exactly the kept
   rows, each expert's rows as `SLICES_PER_EXPERT` slices, into the receiver's buffer in expert order
@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ling_jax.config import MOE_ALL_TO_ALL
 from ling_jax.moe.experts import combine, expert_sorted_ffn, grouped_expert_ffn
+from ling_jax.policy import MoEExchange
 from ling_jax.sharding import axes_size, batch_axes, mesh_axes
 
 
@@ -299,13 +299,13 @@ def _all_to_all_tokens(
     tp_axes,
     capacity_factor,
     count_axes,
-    exchange: str,
+    exchange: MoEExchange,
     native: bool,
 ):
     tokens, top_k = experts_TK.shape
     local_experts = gate.shape[0]
     capacity = rows_per_source(tokens, top_k, ep, local_experts, capacity_factor)
-    if exchange == "ragged":
+    if exchange == MoEExchange.RAGGED:
         routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes)
         x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native, axes=ep_axes)
         y_RD = expert_sorted_ffn(x_RD, routes.group_sizes_L, gate, up, down, limit, backend=backend)
@@ -329,17 +329,19 @@ def has_ragged_all_to_all() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def resolve_exchange(exchange: str) -> str:
-    """ "auto" -> "ragged" on TPU and on GPUs of one process, else "dense". Across GPU hosts XLA's ragged
-    all-to-all refuses to run without extra XLA flags (its single-host kernel does not reach other hosts and its
-    NCCL fallback is off by default), so multi-process GPU runs exchange fixed-size buffers unless
-    moe_all_to_all is "ragged"."""
-    if exchange not in MOE_ALL_TO_ALL:
-        raise ValueError(f"moe_all_to_all must be one of {MOE_ALL_TO_ALL}, got {exchange!r}")
-    if exchange == "auto":
+def resolve_exchange(exchange: MoEExchange) -> MoEExchange:
+    """AUTO -> RAGGED on TPU and on GPUs of one process, else DENSE. Across GPU hosts XLA's ragged all-to-all
+    refuses to run without extra XLA flags (its single-host kernel does not reach other hosts and its NCCL
+    fallback is off by default), so multi-process GPU runs exchange fixed-size buffers unless the policy's
+    moe_exchange is "ragged"."""
+    if exchange not in set(MoEExchange):
+        valid = ", ".join(repr(m.value) for m in MoEExchange)
+        raise ValueError(f"moe_exchange must be one of {valid}, got {exchange!r}")
+    if exchange == MoEExchange.AUTO:
         backend = jax.default_backend()
-        return "ragged" if backend == "tpu" or (backend == "gpu" and jax.process_count() == 1) else "dense"
-    return exchange
+        ragged = backend == "tpu" or (backend == "gpu" and jax.process_count() == 1)
+        return MoEExchange.RAGGED if ragged else MoEExchange.DENSE
+    return MoEExchange(exchange)
 
 
 def moe_parallel(
@@ -354,11 +356,11 @@ def moe_parallel(
     mesh,
     capacity_factor: float | None,
     backend: str,
-    exchange: str = "auto",
+    exchange: MoEExchange = MoEExchange.AUTO,
 ):
     """Routed-expert output [T, D] and the number of dropped assignments, experts split over `mesh` as the
-    current rules say; exchange: how the all-to-all path moves rows (one of `MOE_ALL_TO_ALL`, see the module
-    doc)."""
+    current rules say; exchange: how the all-to-all path moves rows (`ExecutionPolicy.moe_exchange`, see the
+    module doc)."""
     exchange = resolve_exchange(exchange)
     ep_axes = mesh_axes("experts", mesh)
     tp_axes = tuple(axis for axis in mesh_axes("expert_mlp", mesh) if axis not in ep_axes)

@@ -5,7 +5,7 @@ The parameters are split in two: `params`, trained by the optimizer, and every M
 which no gradient touches. After each step each bias moves against its layer's load imbalance,
 expert_bias_e += rate * sign(mean load - load_e), from the `expert_load` counts the MoE layers sow.
 
-`train_step(graphdef, state, batch, config)` and `eval_step(graphdef, state, batch)` are pure functions of
+`train_step(graphdef, state, batch, config)` and `eval_step(graphdef, state, batch, config)` are pure functions of
 their arguments (graphdef and config static); `jit_train_step` / `jit_eval_step` are them jitted on one
 device (the state donated), and parallel training jits the same functions with shardings.
 """
@@ -37,6 +37,11 @@ class TrainConfig:
     grad_clip_norm: float = 1.0
     expert_bias_rate: float = 1e-3  # DeepSeek-V3's bias update speed
     remat: bool = False  # save only weight-matmul outputs of the forward pass, recompute the rest
+    mtp_loss_scale: float = 0.0  # weight of the MTP draft loss (0 = off; scripts/train.py trains the demo with 0.1)
+
+    def __post_init__(self):
+        if not self.mtp_loss_scale >= 0:
+            raise ValueError(f"TrainConfig.mtp_loss_scale: must be >= 0, got {self.mtp_loss_scale}")
 
 
 @struct.dataclass
@@ -95,14 +100,14 @@ def _mean_cross_entropy(logits_BTV, targets_BT, weights_BT):
     return (losses * weights_BT).sum() / jnp.maximum(count, 1.0), count
 
 
-def _model_losses(model: LingForCausalLM, batch: Batch):
-    """-> (loss, metrics): next-token loss over real tokens, plus the scaled MTP loss."""
+def _model_losses(model: LingForCausalLM, batch: Batch, mtp_loss_scale: float):
+    """-> (loss, metrics): next-token loss over real tokens, plus mtp_loss_scale x the MTP loss."""
     tokens, real = batch.tokens, batch.mask.astype(bool)
     out = model(tokens, attention_mask=real)
     next_real = real[:, :-1] & real[:, 1:]  # position t predicts real token t+1 from a real token t
     lm_loss, lm_count = _mean_cross_entropy(out.logits[:, :-1], tokens[:, 1:], next_real.astype(jnp.float32))
     metrics = {"lm_loss": lm_loss, "tokens": lm_count}
-    scale = model.config.mtp_loss_scaling_factor
+    scale = mtp_loss_scale
     if not scale:
         return lm_loss, metrics
     # the draft at t reads hidden state t and token t+1, and predicts token t+2
@@ -113,10 +118,11 @@ def _model_losses(model: LingForCausalLM, batch: Batch):
     return lm_loss + scale * mtp_loss, {**metrics, "mtp_loss": mtp_loss}
 
 
-def loss_and_expert_loads(params, expert_bias, graphdef, batch: Batch):
-    """-> (loss, (metrics, expert loads: MoE path -> [E] token-assignment counts of this batch))."""
+def loss_and_expert_loads(params, expert_bias, graphdef, batch: Batch, mtp_loss_scale: float = 0.0):
+    """-> (loss, (metrics, expert loads: MoE path -> [E] token-assignment counts of this batch)); the loss adds
+    mtp_loss_scale x the MTP draft loss (`TrainConfig.mtp_loss_scale`; 0: no draft pass)."""
     model = nnx.merge(graphdef, expert_bias, params)
-    (loss, metrics), intermediates = nnx.capture(_model_losses, nnx.Intermediate)(model, batch)
+    (loss, metrics), intermediates = nnx.capture(_model_losses, nnx.Intermediate)(model, batch, mtp_loss_scale)
     loads = {
         path[:-1]: sum(variable.get_value())
         for path, variable in nnx.to_flat_state(intermediates)
@@ -148,10 +154,12 @@ def train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, config: 
     losses = loss_and_expert_loads
     if config.remat:
         losses = jax.checkpoint(
-            loss_and_expert_loads, static_argnums=2, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            loss_and_expert_loads,
+            static_argnums=(2, 4),
+            policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         )
     grad_fn = jax.value_and_grad(losses, has_aux=True)
-    (loss, (metrics, loads)), grads = grad_fn(state.params, state.expert_bias, graphdef, batch)
+    (loss, (metrics, loads)), grads = grad_fn(state.params, state.expert_bias, graphdef, batch, config.mtp_loss_scale)
     updates, opt_state = optimizer(config).update(grads, state.opt_state, state.params)
     new_state = TrainState(
         step=state.step + 1,
@@ -170,11 +178,12 @@ def train_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, config: 
     return new_state, metrics
 
 
-def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> dict[str, jax.Array]:
-    """-> metrics (loss, lm_loss, mtp_loss, tokens) of the batch, without updating anything."""
-    loss, (metrics, _) = loss_and_expert_loads(state.params, state.expert_bias, graphdef, batch)
+def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch, config: TrainConfig) -> dict[str, jax.Array]:
+    """-> metrics (loss, lm_loss, mtp_loss when config.mtp_loss_scale > 0, tokens) of the batch, without
+    updating anything."""
+    loss, (metrics, _) = loss_and_expert_loads(state.params, state.expert_bias, graphdef, batch, config.mtp_loss_scale)
     return {**metrics, "loss": loss}
 
 
 jit_train_step = jax.jit(train_step, static_argnames=("graphdef", "config"), donate_argnames=("state",))
-jit_eval_step = jax.jit(eval_step, static_argnames=("graphdef",))
+jit_eval_step = jax.jit(eval_step, static_argnames=("graphdef", "config"))

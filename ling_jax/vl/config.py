@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from ling_jax.config import LingConfig
+from ling_jax.config_json import config_error, parse_file
 
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")
 
@@ -20,10 +20,6 @@ DEFAULT_TOKEN_IDS = {
     "vision_start_token_id": 157158,
     "vision_end_token_id": 157159,
 }
-
-
-def _fail(key: str, message: str) -> ValueError:
-    return ValueError(f"config key '{key}': {message}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,22 +58,24 @@ class VisionConfig:
             "in_channels",
         ):
             if getattr(self, key) <= 0:
-                raise _fail(f"vision_config.{key}", f"must be positive, got {getattr(self, key)}")
+                raise config_error(f"vision_config.{key}", f"must be positive, got {getattr(self, key)}")
         if self.hidden_size % self.num_heads:
-            raise _fail("vision_config.num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}")
+            raise config_error(
+                "vision_config.num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}"
+            )
         if self.head_dim % 4:
-            raise _fail(
+            raise config_error(
                 "vision_config.num_heads",
                 f"the 2-D rotary embedding needs a head dim divisible by 4, got {self.head_dim}",
             )
         side = self.grid_side
         if side * side != self.num_position_embeddings:
-            raise _fail(
+            raise config_error(
                 "vision_config.num_position_embeddings",
                 f"must be a square (a side x side table), got {self.num_position_embeddings}",
             )
         if self.hidden_act not in VISION_ACTIVATIONS:
-            raise _fail("vision_config.hidden_act", f"{self.hidden_act!r} is not one of {VISION_ACTIVATIONS}")
+            raise config_error("vision_config.hidden_act", f"{self.hidden_act!r} is not one of {VISION_ACTIVATIONS}")
 
     @property
     def head_dim(self) -> int:
@@ -110,7 +108,7 @@ class VisionConfig:
             for name in names:
                 if raw.get(name) is not None:
                     return raw[name]
-            raise _fail(f"vision_config.{key}", "missing; it must be read from the checkpoint")
+            raise config_error(f"vision_config.{key}", "missing; it must be read from the checkpoint")
 
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -144,14 +142,14 @@ class LingVLConfig:
 
     def __post_init__(self):
         if self.text.rope.mrope_section is None:
-            raise _fail(
+            raise config_error(
                 "mrope_section",
                 "the VL model needs 3-axis rotary sections [t, h, w] (top level or in text_config.rope_parameters)",
             )
         for key in DEFAULT_TOKEN_IDS:
             token = getattr(self, key)
             if not 0 <= token < self.text.vocab_size:
-                raise _fail(key, f"{token} is outside the vocabulary [0, {self.text.vocab_size})")
+                raise config_error(key, f"{token} is outside the vocabulary [0, {self.text.vocab_size})")
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> LingVLConfig:
@@ -169,24 +167,4 @@ class LingVLConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> LingVLConfig:
-        file = config_file(path)
-        try:
-            return cls.from_dict(read_json(file))
-        except ValueError as e:
-            raise ValueError(f"{file}: {e}") from e
-
-
-def config_file(path: str | os.PathLike) -> str:
-    path = os.fspath(path)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no config.json at {file}")
-    return file
-
-
-def read_json(file: str) -> dict:
-    with open(file) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON ({e})") from e
+        return parse_file(path, cls.from_dict)

@@ -15,6 +15,7 @@ from flax import nnx
 from ling_jax.cache import LingCache
 from ling_jax.model import LingForCausalLM, LingOutput
 from ling_jax.mrope import MediaGrid, batch_mrope_positions
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.vl.config import LingVLConfig
 from ling_jax.vl.vision import VisionTransformer, make_projector, merge_media, project
 
@@ -30,8 +31,11 @@ class LingVLForConditionalGeneration(LingForCausalLM):
     same for videos). positions [B, T, 3] default to `positions(...)` of the (concrete) input ids.
     """
 
-    def __init__(self, config: LingVLConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, kernel_backend: str = "auto"):
-        super().__init__(config.text, rngs=rngs, dtype=dtype, kernel_backend=kernel_backend)
+    def __init__(
+        self, config: LingVLConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16, policy: ExecutionPolicy | None = None
+    ):
+        """policy: as for `LingForCausalLM` (None: `ExecutionPolicy()`)."""
+        super().__init__(config.text, rngs=rngs, dtype=dtype, policy=policy)
         self.vl_config = config
         self.visual = VisionTransformer(config.vision, dtype=dtype, rngs=rngs)
         self.linear_proj = make_projector(config.vision, config.text.hidden_size, dtype=dtype, rngs=rngs)
@@ -128,7 +132,7 @@ class LingVLForConditionalGeneration(LingForCausalLM):
             attention_mask=attention_mask,
             kda_mode=kda_mode,
             mla_mode=mla_mode,
-            kernel_backend=self.kernel_backend,
+            policy=self.policy,
             inputs_embeds=embeds,
         )
         return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)

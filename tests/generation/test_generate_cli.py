@@ -13,12 +13,14 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 from helpers import REPO_ROOT, train_byte_bpe
 
 from convert.synthetic import write_random_checkpoint
-from ling_jax import LingConfig
+from ling_jax import ExecutionPolicy, KernelBackend, LingConfig
 from ling_jax.generation import cli as generate_cli
+from ling_jax.generation import cli_checks
 from ling_jax.generation.tokenizer import StopChecker, load_tokenizer
 from ling_jax.presets import preset
 
@@ -212,6 +214,18 @@ def test_mesh_flags_combine():
         "tensor": 2,
         "expert": 2,
     }
+
+
+def test_kernel_backend_flag_builds_the_policy(capsys, hf_dir):
+    with pytest.raises(SystemExit) as info:
+        generate_cli.build_parser().parse_args(["--kernel-backend", "cuda", "x"])
+    assert info.value.code == 2
+    assert "argument --kernel-backend: invalid choice: 'cuda'" in capsys.readouterr().err.splitlines()[-1]
+    args = generate_cli.build_parser().parse_args(["--kernel-backend", "reference", "x"])
+    policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
+    source = cli_checks.checkpoint_source(hf_dir, "--model", byte_tokenizer=False)
+    model = generate_cli._load_model(source, jnp.float32, None, policy, verbose=False)
+    assert model.policy is policy and model.policy.kernel_backend is KernelBackend.REFERENCE
 
 
 def test_completion_holds_back_a_possible_stop_string():

@@ -13,7 +13,7 @@ from flax import nnx
 from helpers import l2, lower_for_cuda, rel_error
 from np_reference import kda_recurrence
 
-from ling_jax import LingConfig, LingForCausalLM
+from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.ops import kernel
@@ -147,7 +147,9 @@ def test_model_decode_with_kda_kernel_equals_reference(backend):
     ids = jnp.asarray(np.random.default_rng(2).integers(2, config.vocab_size, (2, 10)))
     logits = {}
     for name in (backend, "reference"):
-        model = LingForCausalLM(config, rngs=nnx.Rngs(5), dtype=jnp.float32, kernel_backend=name)
+        model = LingForCausalLM(
+            config, rngs=nnx.Rngs(5), dtype=jnp.float32, policy=ExecutionPolicy(kernel_backend=name)
+        )
         cache = model(ids[:, :8], cache=model.init_cache(2, 16)).cache
         steps = []
         for t in (8, 9):

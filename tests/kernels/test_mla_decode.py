@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from helpers import gpu_test, lower_for_cuda, rel_error
 
-from ling_jax import LingConfig, LingForCausalLM
+from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode, mla_decode_paged
@@ -164,7 +164,7 @@ def test_gpu_kernel_lowers_for_cuda(batch, max_len):
 @pytest.mark.parametrize("backend", ["interpret_gpu", "interpret_tpu"])
 def test_model_decode_with_kernel_equals_expanded_reference(backend):
     config = LingConfig.from_dict(TINY)
-    model = LingForCausalLM(config, rngs=nnx.Rngs(4), dtype=jnp.float32, kernel_backend=backend)
+    model = LingForCausalLM(config, rngs=nnx.Rngs(4), dtype=jnp.float32, policy=ExecutionPolicy(kernel_backend=backend))
     ids = jnp.asarray(np.random.default_rng(6).integers(2, config.vocab_size, (2, 11)))
     mask = jnp.asarray(np.r_[[[0, 0, 0] + [1] * 8], [[1] * 11]].astype(bool))  # row 0 left-padded
     logits = {}

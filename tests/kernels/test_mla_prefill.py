@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from helpers import gpu_test, lower_for_cuda, rel_error
 
-from ling_jax import LingConfig, LingForCausalLM
+from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_prefill
 from pallas_kernels.mla.ops import kernel
@@ -166,7 +166,7 @@ KERNEL_TINY = {**TINY, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_d
 
 def _prefill_logits(backend: str):
     config = LingConfig.from_dict(KERNEL_TINY)
-    model = LingForCausalLM(config, rngs=nnx.Rngs(3), dtype=jnp.float32, kernel_backend=backend)
+    model = LingForCausalLM(config, rngs=nnx.Rngs(3), dtype=jnp.float32, policy=ExecutionPolicy(kernel_backend=backend))
     ids = jnp.asarray(np.random.default_rng(8).integers(2, config.vocab_size, (2, 13)))
     mask = jnp.asarray(np.r_[[[0, 0] + [1] * 11], [[1] * 13]].astype(bool))  # row 0 left-padded
     out = model(ids, cache=model.init_cache(2, 20), attention_mask=mask)

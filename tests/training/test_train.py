@@ -12,6 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from helpers import REPO_ROOT
 
@@ -55,9 +56,8 @@ SMALL = preset("tiny").replace(
     num_experts_per_tok=2,
     moe_intermediate_size=8,
     shared_expert_intermediate_size=8,
-    mtp_loss_scaling_factor=0.3,
 )
-STEP_CONFIG = TrainConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8, expert_bias_rate=0.125)
+STEP_CONFIG = TrainConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8, expert_bias_rate=0.125, mtp_loss_scale=0.3)
 
 
 def random_batch(config: LingConfig, batch: int, length: int, seed: int = 0) -> Batch:
@@ -79,6 +79,11 @@ def test_train_steps_reduce_the_loss_on_a_fixed_batch():
     assert history[0]["tokens"] == 2 * 23
 
 
+def test_mtp_loss_scale_is_checked():
+    with pytest.raises(ValueError, match="TrainConfig.mtp_loss_scale: must be >= 0, got -0.1"):
+        TrainConfig(mtp_loss_scale=-0.1)
+
+
 def test_train_step_updates_the_bias_by_the_rule_only():
     graphdef, state = init_train_state(LingForCausalLM(SMALL, rngs=nnx.Rngs(0), dtype=jnp.float32), STEP_CONFIG)
     assert not any("expert_bias" in path for path, _ in nnx.to_flat_state(state.params))  # no gradient, no decay
@@ -90,15 +95,15 @@ def test_train_step_updates_the_bias_by_the_rule_only():
 
 
 def test_pads_do_not_change_the_loss():
-    graphdef, state = init_train_state(LingForCausalLM(SMALL, rngs=nnx.Rngs(0), dtype=jnp.float32), TrainConfig())
+    graphdef, state = init_train_state(LingForCausalLM(SMALL, rngs=nnx.Rngs(0), dtype=jnp.float32), STEP_CONFIG)
     batch = random_batch(SMALL, 2, 16)
     mask = np.ones((2, 16), bool)
     mask[0, :3] = False  # left padding
     mask[1, 9:12] = False  # pads in the middle
     tokens = np.asarray(batch.tokens)
     other = np.where(mask, tokens, (tokens + 7) % SMALL.vocab_size)  # different ids under the pads
-    first = jax.device_get(jit_eval_step(graphdef, state, Batch(jnp.asarray(tokens), jnp.asarray(mask))))
-    second = jax.device_get(jit_eval_step(graphdef, state, Batch(jnp.asarray(other), jnp.asarray(mask))))
+    first = jax.device_get(jit_eval_step(graphdef, state, Batch(jnp.asarray(tokens), jnp.asarray(mask)), STEP_CONFIG))
+    second = jax.device_get(jit_eval_step(graphdef, state, Batch(jnp.asarray(other), jnp.asarray(mask)), STEP_CONFIG))
     assert first["tokens"] == 12 + 11  # targets t+1 where t and t+1 are both real
     for key in ("lm_loss", "mtp_loss", "loss"):
         np.testing.assert_allclose(first[key], second[key], rtol=1e-6)
@@ -114,7 +119,10 @@ def test_gradients_match_central_finite_differences():
     batch = random_batch(SMALL, 1, 12)
     value_and_grad = jax.jit(
         jax.value_and_grad(
-            lambda params: loss_and_expert_loads(params, state.expert_bias, graphdef, batch), has_aux=True
+            lambda params: loss_and_expert_loads(
+                params, state.expert_bias, graphdef, batch, STEP_CONFIG.mtp_loss_scale
+            ),
+            has_aux=True,
         )
     )
     (_, (_, loads)), grads = value_and_grad(state.params)
