@@ -18,6 +18,7 @@ from ling_jax.checkpoints.orbax import LAYOUT_FILE, StoredLayout
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors
 from ling_jax.config import LingConfig
 from ling_jax.generation.tokenizer import Tokenizer, load_tokenizer
+from ling_jax.presets import preset
 from ling_jax.vl.config import LingVLConfig
 
 # Drafts per speculative round. Ling has one MTP layer, trained to predict one token ahead; further drafts
@@ -46,10 +47,10 @@ class ModelSource:
         return self.config if isinstance(self.config, LingVLConfig) else None
 
 
-def preset_source(preset: str) -> ModelSource:
+def preset_source(name: str) -> ModelSource:
     """A randomly initialised preset: text is tokenised as bytes (it has no tokenizer of its own)."""
-    config = preset(preset)
-    return ModelSource(config, load_tokenizer(None, config), f"the random '{preset}' preset")
+    config = preset(name)
+    return ModelSource(config, load_tokenizer(None, config), f"the random '{name}' preset")
 
 
 def checkpoint_source(path: Path, what: str, *, byte_tokenizer: bool) -> ModelSource:
