@@ -1,5 +1,5 @@
 """ling-convert loses nothing and refuses damaged input with one line: a DST that holds or lies inside SRC, a
-directory of other files, NaN / Inf weights, damaged JSON files and shard headers (exit status 1, nothing
+directory of other files, NaN / Inf weights, damaged JSON files and shard headers (exit status 2, nothing
 published). Each case runs once as `python -m convert.cli`; its variants run in-process through `main`."""
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ def _one_error_line(stderr: str, *needles) -> str:
 
 
 def _refused(result: subprocess.CompletedProcess, *needles) -> str:
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     return _one_error_line(result.stderr, *needles)
 
 
 def _refused_in_process(capsys, *args, needles=()) -> str:
-    assert main([*map(str, args), "--quiet"]) == 1
+    assert main([*map(str, args), "--quiet"]) == 2
     return _one_error_line(capsys.readouterr().err, *needles)
 
 
