@@ -1,7 +1,9 @@
 """ling-convert SRC DST [--dtype bf16|fp8] [--mesh AXES] [--workers N] [--resume] [--verify] [--overwrite]
 [--allow-nonfinite] [--distributed]
 
-Ctrl-C ends it with one line and status 130 wherever it comes, the seconds spent importing JAX included (the
+A refused input (a flag, SRC, DST, a damaged file) ends it with one `ling-convert: error: ...` line and status 2,
+as argparse's usage errors; an unexpected failure is a traceback and status 1. Ctrl-C ends it with one line and
+status 130 wherever it comes, the seconds spent importing JAX included (the
 pipeline is imported inside `main`): the journal keeps what was finished for `--resume`.
 """
 
@@ -15,6 +17,7 @@ from convert import BF16, FP8_KEPT, ConvertError
 
 INTERRUPTED = "ling-convert: interrupted; run the same command with --resume to continue"
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, as shells report it
+INPUT_ERROR_STATUS = 2  # a bad flag or input file, as argparse's usage errors; 1 is left to a crash (a traceback)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         summary = convert(args.src, args.dst, options, Cluster.jax_distributed() if args.distributed else Cluster())
     except (ConvertError, ValueError, OSError) as e:
         print(f"ling-convert: error: {e}", file=sys.stderr)
-        return 1
+        return INPUT_ERROR_STATUS
     rate = summary.bytes_read / summary.seconds / 1e9 if summary.seconds else 0.0
     resumed = f", {summary.resumed} finished earlier" if summary.resumed else ""
     verified = ", verified" if summary.verified else ""

@@ -267,8 +267,8 @@ class Run:
 
     def generate_and_print(self) -> GenerationStats:
         args = self.args
-        completions = [Completion(self.tokenizer, self.stops) for _ in self.prompts]
         stream = self.is_main and len(self.prompts) == 1 and not (args.no_stream or args.json)
+        completions = [Completion(self.tokenizer, self.stops, streamed=stream) for _ in self.prompts]
 
         def on_tokens(row: int, new_ids: list[int]) -> bool:
             stopped = completions[row].add(new_ids)
@@ -377,12 +377,14 @@ class Completion:
 
     `ids` ends with the token that completed the stop string (tokens after it are dropped); `text` ends before
     the stop string; `unshown` hands out the text not yet printed, holding back a tail that could still grow
-    into a stop string.
+    into a stop string. A completion that is not streamed (`streamed=False`) and has no stop strings needs no
+    text before the end: `finish` decodes its ids once (the same text: a stream's pieces add up to the decode).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stops: StopChecker | None):
+    def __init__(self, tokenizer: Tokenizer, stops: StopChecker | None, *, streamed: bool = True):
         self.decoder = StreamDecoder(tokenizer)
         self.stops = stops
+        self.streamed = streamed
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False  # by a stop string
@@ -392,9 +394,10 @@ class Completion:
     def add(self, new_ids: Iterable[int]) -> bool:
         """Take newly generated ids; True once a stop string has ended the completion."""
         if self.stops is None:  # no stop string to place at a token: one decode for all the new ids
-            new_ids = [int(token) for token in new_ids]
+            new_ids = list(map(int, new_ids))
             self.ids.extend(new_ids)
-            self._extend(self.decoder.extend(new_ids))
+            if self.streamed:
+                self._extend(self.decoder.extend(new_ids))
             return False
         for token in new_ids:
             if self.stopped:
@@ -406,6 +409,8 @@ class Completion:
     def finish(self, all_ids: Sequence[int]) -> None:
         """The generation is over and returned `all_ids` for this prompt: take any not seen yet, flush."""
         self.add(all_ids[len(self.ids) :])
+        if self.stops is None and not self.streamed:
+            self._extend(self.decoder.extend(self.ids))
         if not self.stopped:
             self._extend(self.decoder.flush())
         self.finished = True

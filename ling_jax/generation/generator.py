@@ -44,7 +44,7 @@ from ling_jax.mrope import MediaGrid, batch_mrope_positions
 from ling_jax.sharding import cache_shardings, shard_model
 
 MIN_CHUNK = 16
-DECODE_READ_GROUP = 8  # decode steps per host read: the host's per-token work overlaps the device's steps
+DECODE_READ_GROUP = 8  # decode steps per host read; the next group's steps run on the device meanwhile
 CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt lengths share compiled steps
 
 
@@ -204,34 +204,37 @@ def _speculative_round(
 
 
 class _Rows:
-    """Host-side bookkeeping: tokens per row, EOS / stop / length limits, streaming callbacks."""
+    """Host-side bookkeeping: tokens per row, EOS / stop / length limits, streaming callbacks. Tokens arrive as a
+    [B, G] group (G steps of every row) and are checked with array operations, not one Python step per token."""
 
     def __init__(self, batch: int, max_new_tokens: int, eos_ids: Collection[int], on_tokens):
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.counts = np.zeros(batch, np.int64)
         self.done = np.zeros(batch, bool)
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.eos_ids = np.array(sorted({int(e) for e in eos_ids}), np.int64)
         self.on_tokens = on_tokens
 
-    def add(self, row: int, new_ids) -> None:
-        if self.done[row]:
-            return
-        kept = []
-        for token in map(int, new_ids):
-            if token in self.eos_ids:
+    def add(self, tokens_BG: np.ndarray, lengths_B: np.ndarray | None = None) -> None:
+        """Row r's next tokens are tokens_BG[r, :lengths_B[r]] (all G without lengths_B); each row keeps them up to
+        its first EOS (excluded) and its length limit. Finished rows take nothing."""
+        group = tokens_BG.shape[1]
+        lengths_B = np.full(len(self.done), group) if lengths_B is None else lengths_B
+        eos_BG = np.isin(tokens_BG, self.eos_ids) & (np.arange(group)[None, :] < lengths_B[:, None])
+        first_eos_B = np.where(eos_BG.any(axis=1), eos_BG.argmax(axis=1), lengths_B)
+        room_B = self.max_new_tokens - self.counts
+        kept_B = np.where(self.done, 0, np.minimum(first_eos_B, room_B))
+        self.done |= (first_eos_B < lengths_B) | (room_B <= lengths_B)
+        self.counts += kept_B
+        for row in np.flatnonzero(kept_B):
+            kept = tokens_BG[row, : kept_B[row]].tolist()
+            self.tokens[row].extend(kept)
+            if self.on_tokens is not None and self.on_tokens(int(row), kept):
                 self.done[row] = True
-                break
-            kept.append(token)
-            if len(self.tokens[row]) + len(kept) == self.max_new_tokens:
-                self.done[row] = True
-                break
-        self.tokens[row].extend(kept)
-        if kept and self.on_tokens is not None and self.on_tokens(row, kept):
-            self.done[row] = True
 
     @property
     def generated(self) -> int:
-        return sum(len(t) for t in self.tokens)
+        return int(self.counts.sum())
 
 
 class _SteadyClock:
@@ -425,8 +428,7 @@ class Generator:
         )
         first = np.asarray(token)
         ttft = time.perf_counter() - start
-        for row in range(batch):
-            rows.add(row, [first[row]])
+        rows.add(first[:, None])
         stats = GenerationStats(
             prompt_tokens=int(mask.sum()),
             generated_tokens=0,
@@ -447,9 +449,11 @@ class Generator:
         return rows.tokens, stats
 
     def _decode(self, rows: _Rows, steady: _SteadyClock, cache, seen, token, arrays, position_offsets):
-        """One token per step. Steps are dispatched up to DECODE_READ_GROUP ahead of what the host has read, and
-        after the first token the host reads DECODE_READ_GROUP steps' tokens in one transfer, so its per-step work
-        (bookkeeping, detokenising, printing) runs while the device computes the next steps."""
+        """One token per step. After the first token the host reads DECODE_READ_GROUP steps' tokens at a time, and
+        the steps of the next group are dispatched before it reads, so the device computes them while the host
+        does its per-group work (bookkeeping, detokenising, printing). Each token is copied to the host as soon as
+        its step ends (`copy_to_host_async`): a read waits for its own steps only, and puts no op in the device's
+        queue behind the steps dispatched after them."""
         remaining = rows.max_new_tokens - 1
         if remaining == 0 or rows.done.all():
             return
@@ -458,16 +462,15 @@ class Generator:
         pending: list[jax.Array] = []  # [B] tokens dispatched, not yet read, oldest first
         dispatched = read = 0
         while read < remaining and not rows.done.all():
-            ahead = 1 if read == 0 else DECODE_READ_GROUP  # the first token alone: the steady clock starts there
-            while dispatched < min(remaining, read + ahead + 1):
+            group = 1 if read == 0 else min(DECODE_READ_GROUP, remaining - read)  # the first token alone: the
+            ahead = 1 if read == 0 else DECODE_READ_GROUP  # steady clock starts there, before the pipeline fills
+            while dispatched < min(remaining, read + group + ahead):
                 token, cache, seen, steps = step(cache, seen, token, arrays, steps, position_offsets)
+                token.copy_to_host_async()
                 pending.append(token)
                 dispatched += 1
-            group = 1 if read == 0 else min(DECODE_READ_GROUP, len(pending))
-            host_BG = np.asarray(jnp.stack(pending[:group], axis=1) if group > 1 else pending[0][:, None])
+            rows.add(np.stack([np.asarray(t) for t in pending[:group]], axis=1))
             del pending[:group]
-            for row in np.flatnonzero(~rows.done):
-                rows.add(row, host_BG[row])
             read += group
             steady.tick(group)
 
@@ -501,9 +504,8 @@ class Generator:
                 jnp.asarray(~rows.done),
             )
             steps = steps + accepted + 1
-            host_targets, host_accepted = np.asarray(targets), np.asarray(accepted)
-            for row in np.flatnonzero(~rows.done):
-                stats.drafted += self.mtp
-                stats.accepted += int(host_accepted[row])
-                rows.add(row, host_targets[row, : host_accepted[row] + 1])
+            host_accepted, active = np.asarray(accepted), ~rows.done
+            stats.drafted += self.mtp * int(active.sum())
+            stats.accepted += int(host_accepted[active].sum())
+            rows.add(np.asarray(targets), host_accepted + 1)
             steady.tick()

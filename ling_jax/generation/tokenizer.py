@@ -241,7 +241,7 @@ class StreamDecoder:
 
     def extend(self, token_ids: Iterable[int]) -> str:
         """Add several ids with one decode of the window (not one per id); return the new complete text."""
-        self.ids.extend(int(t) for t in token_ids)
+        self.ids.extend(map(int, token_ids))
         printed_text, window_text = self._window()
         if len(window_text) <= len(printed_text) or window_text.endswith(_REPLACEMENT_CHAR):
             return ""
@@ -255,8 +255,13 @@ class StreamDecoder:
         return window_text[len(printed_text) :]
 
     def _window(self) -> tuple[str, str]:
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
-        return (decode(self.ids[self._window_start : self._printed_end]), decode(self.ids[self._window_start :]))
+        """The decodes of the printed part of the window and of the whole window."""
+        printed, window = self.ids[self._window_start : self._printed_end], self.ids[self._window_start :]
+        skip = self.skip_special_tokens
+        return (
+            self.tokenizer.decode(printed, skip_special_tokens=skip) if printed else "",
+            self.tokenizer.decode(window, skip_special_tokens=skip),
+        )
 
 
 class StopChecker:

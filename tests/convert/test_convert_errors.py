@@ -1,4 +1,4 @@
-"""ling-convert refuses bad input: a clear error naming the file and tensor (or key, or flag), exit status 1,
+"""ling-convert refuses bad input: a clear error naming the file and tensor (or key, or flag), exit status 2,
 and nothing at DST."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _shard_of(src, name) -> str:
 def _refused(capsys, tmp_path, src, *flags, dst_name="dst") -> str:
     """Run ling-convert, check it failed without creating DST, and return its error message."""
     dst = tmp_path / dst_name
-    assert main([str(src), str(dst), "--quiet", *flags]) == 1
+    assert main([str(src), str(dst), "--quiet", *flags]) == 2
     assert not dst.exists()
     err = capsys.readouterr().err
     assert err.startswith("ling-convert: error: "), err
@@ -147,7 +147,7 @@ def test_finished_destination_needs_overwrite(quantized, tmp_path, capsys):
     src = _write(tmp_path, *quantized)
     dst = tmp_path / "dst"
     assert main([str(src), str(dst), "--quiet"]) == 0
-    assert main([str(src), str(dst), "--quiet", "--dtype", "fp8"]) == 1
+    assert main([str(src), str(dst), "--quiet", "--dtype", "fp8"]) == 2
     err = capsys.readouterr().err
     assert str(dst) in err and "finished checkpoint" in err and "--overwrite" in err
     assert main([str(src), str(dst), "--quiet", "--dtype", "fp8", "--overwrite"]) == 0

@@ -70,7 +70,7 @@ def test_converted_on_a_mesh_restores_onto_it(source, tmp_path):
 )
 def test_bad_mesh_is_refused_before_writing(source, tmp_path, capsys, mesh, message):
     _, directory = source
-    assert main([str(directory), str(tmp_path / "out"), "--mesh", mesh, "--quiet"]) == 1
+    assert main([str(directory), str(tmp_path / "out"), "--mesh", mesh, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ling-convert: error: ") and re.search(message, err), err
     assert not (tmp_path / "out").exists()

@@ -1,6 +1,8 @@
 """ling-convert loses nothing and refuses damaged input with one line: a DST that holds or lies inside SRC, a
-directory of other files, NaN / Inf weights, damaged JSON files and shard headers (exit status 1, nothing
-published). Each case runs once as `python -m convert.cli`; its variants run in-process through `main`."""
+directory of other files, NaN / Inf weights, damaged JSON files and shard headers (exit status 2, nothing
+published). A refusal before any tensor is read (a damaged shard header) and one while tensors stream (NaN / Inf)
+run as `python -m convert.cli`: the process's status and stderr; the other cases run in process through `main`,
+which the process's status is."""
 
 from __future__ import annotations
 
@@ -62,12 +64,12 @@ def _one_error_line(stderr: str, *needles) -> str:
 
 
 def _refused(result: subprocess.CompletedProcess, *needles) -> str:
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     return _one_error_line(result.stderr, *needles)
 
 
 def _refused_in_process(capsys, *args, needles=()) -> str:
-    assert main([*map(str, args), "--quiet"]) == 1
+    assert main([*map(str, args), "--quiet"]) == 2
     return _one_error_line(capsys.readouterr().err, *needles)
 
 
@@ -91,7 +93,7 @@ def test_destination_holding_the_source_is_refused(source, tmp_path, capsys):
     src = _write(parent / "src", *source)
     (parent / "notes.txt").write_text("not ling-convert's")
     before = _snapshot(parent)
-    _refused(_cli(src, parent, "--overwrite"), parent, "holds the source checkpoint", src)
+    _refused_in_process(capsys, src, parent, "--overwrite", needles=(parent, "holds the source checkpoint", src))
     assert _snapshot(parent) == before
 
     (tmp_path / "link").symlink_to(parent)
@@ -116,12 +118,17 @@ def test_overwrite_replaces_only_an_earlier_output(source, tmp_path, capsys):
     for i in range(7):
         (other / f"file{i}.txt").write_text(str(i))
     before = _snapshot(other)
-    line = _refused(
-        _cli(src, other, "--overwrite"),
+    line = _refused_in_process(
+        capsys,
+        src,
         other,
-        "would delete 7 entries (file0.txt, ",
-        ", ...)",
-        "--overwrite only replaces an earlier ling-convert output",
+        "--overwrite",
+        needles=(
+            other,
+            "would delete 7 entries (file0.txt, ",
+            ", ...)",
+            "--overwrite only replaces an earlier ling-convert output",
+        ),
     )
     assert "file6.txt" not in line
     line = _refused_in_process(capsys, src, other, needles=("would delete 7 entries", "--overwrite only replaces"))
