@@ -17,8 +17,9 @@ from convert.cli import main
 from convert.hooks import to_dense, to_fp8
 from convert.source import FP8, MXFP4, SourceRows, SourceTensor
 from ling_jax.checkpoints.hf import SCALE_SUFFIX
-from ling_jax.checkpoints.orbax import dequantize_blocks, load_checkpoint, param_name
+from ling_jax.checkpoints.orbax import load_checkpoint, param_name
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
+from ling_jax.quantized import dequantize_blocks
 from ling_jax.sharding import make_mesh, param_shardings
 
 FP32_TOL = 1e-4
