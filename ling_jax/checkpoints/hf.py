@@ -129,10 +129,11 @@ class TensorResolver:
             block_rows, block_cols = self.block
             scale_shape = (-(-expected[0] // block_rows), -(-expected[1] // block_cols))
             what = f"{block_rows}x{block_cols} blocks"
-        if tuple(self.tensors.shape(scale_name)) != scale_shape:
+        have = tuple(self.tensors.shape(scale_name))
+        if have != scale_shape:
             raise CheckpointError(
-                f"{self.tensors.file_of(scale_name)}: '{scale_name}' has shape {list(self.tensors.shape(scale_name))}, "
-                f"expected {list(scale_shape)} for a {list(expected)} weight ({what})"
+                f"{self.tensors.file_of(scale_name)}: '{scale_name}' has shape {have}, "
+                f"expected {tuple(scale_shape)} for a {list(expected)} weight ({what})"
             )
         values = self.tensors.get(stored)
         return (values.view(np.uint8) if kind == MXFP4 else values), self.tensors.get(scale_name)
