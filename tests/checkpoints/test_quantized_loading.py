@@ -17,6 +17,7 @@ from ling_jax import load_checkpoint, load_hf_checkpoint, make_mesh, shard_model
 from ling_jax.layers import params_of
 from ling_jax.moe.block import moe_block
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
+from ling_jax.training.train import TrainConfig, init_train_state
 
 TOL_F32 = 1e-4
 BLOCK = (16, 16)  # g2_dense1 is 64 wide: 16 x 16 blocks give every weight a grid of scales
@@ -99,3 +100,5 @@ def test_refused_requests(checkpoints, tmp_path):
             load(directory, dtype=jnp.float8_e4m3fn)
         with pytest.raises(ValueError, match=rf"{load.__name__}: weights='fp8'; expected 'stored' .* or 'bf16'"):
             load(directory, weights="fp8")
+    with pytest.raises(ValueError, match=r"init_train_state: parameter 'model\.\S+' is a quantised weight"):
+        init_train_state(_load(directory), TrainConfig())
