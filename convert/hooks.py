@@ -3,7 +3,7 @@
 `to_dense` casts plain rows and dequantises block-FP8 and MXFP4 rows; `to_fp8` keeps FP8 rows with their
 block scales and turns MXFP4 rows into FP8 codes (every E2M1 value is exact in E4M3) with one scale per 32
 inputs, so a checkpoint kept in FP8 is dequantised by one function at load time
-(`ling_jax.checkpoints.orbax.dequantize_blocks`). The quantised paths run on the JAX CPU backend: the numpy
+(`ling_jax.quantized.dequantize_blocks`). The quantised paths run on the JAX CPU backend: the numpy
 versions in `ling_jax.quant` manage ~0.13 G elements/s here, XLA's fused kernel ~1.2.
 """
 
@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 
 from convert.source import FP8, MXFP4, PLAIN, SourceRows, SourceTensor
-from ling_jax.checkpoints.orbax import dequantize_blocks
 from ling_jax.quant import E2M1_VALUES
+from ling_jax.quantized import dequantize_blocks
 
 FP8_CODE_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 _E2M1_AS_FP8 = E2M1_VALUES.astype(FP8_CODE_DTYPE)

@@ -3,7 +3,9 @@ its weights (`linear`, `rms_norm`, `add_rms_norm`, `gated_rms_norm`) and a modul
 
 Weights keep the checkpoint's [out, in] layout, so loading a tensor never transposes it. Every parameter
 carries its logical axis names (`out_sharding` metadata, e.g. ("experts", "expert_mlp", "embed")); the
-mesh axes they map to are chosen once, in `ling_jax.sharding`.
+mesh axes they map to are chosen once, in `ling_jax.sharding`. A `quantizable` parameter (a projection's
+weight, the routed experts) may hold a quantised weight (`ling_jax.quantized`) that its layer dequantises
+inside the step.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling_jax.quantized import dequantized
 from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
 from pallas_kernels.norm.ops import rms_norm as rms_norm_op
 from pallas_kernels.norm.reference import rms_normalize
@@ -27,8 +30,9 @@ def params_of(module: nnx.Module) -> Weights:
 
 
 def linear(weights: Weights, x: jax.Array) -> jax.Array:
-    """x @ weight.T, weight [out, in] (checkpoint layout) cast to x's dtype."""
-    return jnp.einsum("...i,oi->...o", x, weights["weight"].astype(x.dtype))
+    """x @ weight.T, weight [out, in] (checkpoint layout) cast to x's dtype; a quantised weight is dequantised to
+    x's dtype first (the weight-only reference path)."""
+    return jnp.einsum("...i,oi->...o", x, dequantized(weights["weight"], x.dtype))
 
 
 def rms_norm(weights: Weights, x: jax.Array, eps: float, *, backend: str = "reference") -> jax.Array:
@@ -47,27 +51,37 @@ def gated_rms_norm(weights: Weights, x: jax.Array, gate: jax.Array, eps: float) 
     return (normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-def param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
-    """A parameter annotated with one logical axis name per dimension (sharding is applied later, explicitly)."""
+def param(value: jax.Array, axes: tuple[str | None, ...], *, quantizable: bool = False) -> nnx.Param:
+    """A parameter annotated with one logical axis name per dimension (sharding is applied later, explicitly).
+    quantizable: its layer accepts a quantised weight in its place (loaders keep a quantised checkpoint tensor
+    quantised only there)."""
     if len(axes) != value.ndim:
         raise ValueError(f"{len(axes)} logical axes {axes} for a parameter of shape {value.shape}")
-    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False, quantizable=quantizable)
 
 
 def normal_param(
-    rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], std: float = DEFAULT_INIT_STD
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    dtype,
+    axes: tuple[str | None, ...],
+    std: float = DEFAULT_INIT_STD,
+    *,
+    quantizable: bool = False,
 ) -> nnx.Param:
-    return param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype), axes)
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return param(value, axes, quantizable=quantizable)
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T with weight [out_features, in_features], no bias (no Ling projection has one)."""
+    """y = x @ weight.T with weight [out_features, in_features], no bias (no Ling projection has one); the weight
+    may be quantised (`linear`)."""
 
     def __init__(
         self, in_features: int, out_features: int, *, axes: tuple[str | None, str | None], dtype, rngs: nnx.Rngs
     ):
         """axes: logical names of (out_features, in_features)."""
-        self.weight = normal_param(rngs, (out_features, in_features), dtype, axes)
+        self.weight = normal_param(rngs, (out_features, in_features), dtype, axes, quantizable=True)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return linear(params_of(self), x)

@@ -17,6 +17,7 @@ from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext
 from ling_jax.layers import Linear, RMSNorm, Weights, linear, params_of, rms_norm
 from ling_jax.policy import ExecutionPolicy, KernelBackend, MLAMode, as_policy
+from ling_jax.quantized import dequantized
 from ling_jax.rope import apply_rope, softmax_scale
 from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_prefill
 from pallas_kernels.mla.reference import absorbed_attention
@@ -46,10 +47,11 @@ def mla_latent(weights: Weights, x_BTD, cos, sin, cfg: LingConfig) -> jax.Array:
     return jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
 
 
-def _kv_b_per_head(weights: Weights, cfg: LingConfig):
-    """kv_b_proj's weight as [H, nope + v, R]: each head's [W_UK ; W_UV] rows."""
+def _kv_b_per_head(weights: Weights, cfg: LingConfig, dtype):
+    """kv_b_proj's weight as [H, nope + v, R] in `dtype` (dequantised if quantised): each head's [W_UK ; W_UV]
+    rows."""
     c = cfg
-    return weights["kv_b_proj"]["weight"].reshape(
+    return dequantized(weights["kv_b_proj"]["weight"], dtype).reshape(
         c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
     )
 
@@ -77,7 +79,7 @@ def mla_attend(
     c = cfg
     scale = softmax_scale(c)
     q_nope, q_pe = _queries(weights, x_BTD, cos, sin, c)
-    kv_b_HCR = _kv_b_per_head(weights, c)
+    kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
         q_latent = absorb_query(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR, backend=backend).reshape(

@@ -10,7 +10,8 @@ collectives, `constrain(x, "activation_batch", ...)` at block boundaries). `use_
 block of code (`ShardedLM(..., rules=)` traces under it), so changing one rule moves the parameters, the
 activations and the collectives together.
 `make_mesh` builds a mesh, and `param_shardings` / `cache_shardings` turn the annotations into NamedShardings,
-refusing (with the parameter's name) any dimension that its mesh axes do not divide.
+refusing (with the parameter's name) any dimension that its mesh axes do not divide, and any split of a quantised
+weight that would cut its scale blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
+from ling_jax.quantized import QuantizedWeight, is_quantized
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -230,26 +232,51 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
 
 
+def _check_scale_blocks(name: str, weight: QuantizedWeight, spec: PartitionSpec, axis_sizes: Mapping[str, int]):
+    """Refuse a split of a quantised weight's last two dimensions whose shards do not hold whole scale blocks."""
+    for dim in (-2, -1):
+        entry, size, block = spec[dim], weight.shape[dim], weight.scale_block[dim]
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        ways = math.prod(axis_sizes[a] for a in axes)
+        if ways > 1 and (size // ways) % block:
+            raise ShardingError(
+                f"{name}: mesh axes {axes} split dimension {len(weight.shape) + dim} (size {size}) of this quantised "
+                f"weight {ways} ways, {size // ways} per device, which cuts its {block}-element scale blocks; use a "
+                "mesh whose shards hold whole blocks, or load the checkpoint with weights='bf16'"
+            )
+
+
 def param_specs(state: nnx.State, axis_sizes: Mapping[str, int], rules: Rules | None = None) -> nnx.State:
     """PartitionSpec for every parameter of `state` (nnx.state(model)), from its logical axis annotations, for
-    a mesh of `axis_sizes` (no devices needed: the converter plans for a mesh it does not run on)."""
+    a mesh of `axis_sizes` (no devices needed: the converter plans for a mesh it does not run on). A quantised
+    weight (`ling_jax.quantized`) gets one spec for its values and its scales (split alike), and a mesh whose
+    shards would cut its scale blocks is refused."""
 
     def one(path, variable):
         axes = variable.get_metadata().get("out_sharding")
         if axes is None:
             raise ShardingError(f"{_path_name(path)} has no logical axis annotation")
-        return variable.replace(logical_to_spec(axes, variable.shape, axis_sizes, name=_path_name(path), rules=rules))
+        value = variable.get_value()
+        spec = logical_to_spec(axes, value.shape, axis_sizes, name=_path_name(path), rules=rules)
+        if not is_quantized(value):
+            return variable.replace(spec)
+        _check_scale_blocks(_path_name(path), value, spec, axis_sizes)
+        return variable.replace(value.with_leaves(spec))
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def param_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None) -> nnx.State:
-    """NamedSharding for every parameter of `state` (nnx.state(model)) over `mesh`."""
-    return jax.tree.map(
-        lambda v: v.replace(NamedSharding(mesh, v.get_value())),
-        param_specs(state, mesh.shape, rules),
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
+    """NamedSharding for every parameter of `state` (nnx.state(model)) over `mesh` (for a quantised weight, one
+    for its values and one for its scales)."""
+
+    def named(variable):
+        value = variable.get_value()
+        if isinstance(value, PartitionSpec):
+            return variable.replace(NamedSharding(mesh, value))
+        return variable.replace(value.with_leaves(NamedSharding(mesh, value.values)))
+
+    return jax.tree.map(named, param_specs(state, mesh.shape, rules), is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules | None = None) -> nnx.Module:

@@ -5,8 +5,9 @@ Layout (orbax-checkpoint's PyTree format: OCDBT database of zarr arrays, `_METAD
 parameter, named by its flat path joined with dots (`model.layers.3.attention.kv_b_proj.weight`, routed experts
 stacked as `model.layers.1.mlp.experts.up_proj` [E, I, D], the MTP layer under `mtp.`), plus `config.json` and
 `ling_convert.json` (`StoredLayout`). A parameter kept in FP8 is stored as float8 with a `<name>_scale_inv`
-sibling of one float32 scale per block (the scale multiplies, as in HF checkpoints); it is dequantised on the
-device after the restore.
+sibling of one float32 scale per block (the scale multiplies, as in HF checkpoints); it is restored as it is
+stored (`weights="stored"`: a `ling_jax.quantized.BlockFP8Weight`, values and scales sharded alike) or
+dequantised on the device after the restore (`weights="bf16"`).
 
 A damaged directory (an unreadable `_METADATA`, a missing or truncated data file, a broken `ling_convert.json`) and
 a parameter holding NaN or Inf raise ValueError naming the file or parameter.
@@ -26,9 +27,10 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from ling_jax.build import build_model, load_model_config
-from ling_jax.checkpoints.hf import SCALE_SUFFIX
+from ling_jax.checkpoints.hf import SCALE_SUFFIX, STORED, check_weights
 from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
+from ling_jax.quantized import BlockFP8Weight, check_activation_dtype, dequantize_blocks, is_quantized
 from ling_jax.sharding import param_shardings
 
 LAYOUT_FILE = "ling_convert.json"
@@ -103,18 +105,6 @@ def _is_block(block) -> bool:
     return isinstance(block, list) and len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block)
 
 
-def dequantize_blocks(weight, scale, block: tuple[int, int], dtype):
-    """W[..., r, c] = weight[..., r, c] * scale[..., r // block_rows, c // block_cols], cast to `dtype`.
-
-    Block FP8 (128 x 128 blocks) and MXFP4 experts stored as FP8 codes (1 x 32 groups); edge blocks may be
-    partial. Computed in float32 then cast once, exactly as `ling_jax.quant.dequantize_fp8_block`.
-    """
-    rows, cols = weight.shape[-2:]
-    block_rows, block_cols = block
-    full_scale = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block_rows, axis=-2), block_cols, axis=-1)
-    return (weight.astype(jnp.float32) * full_scale[..., :rows, :cols]).astype(dtype)
-
-
 def _flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, object]:
     flat = {}
     for key, child in tree.items():
@@ -168,7 +158,7 @@ def _root_cause(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-_all_finite = jax.jit(lambda x: jnp.isfinite(x).all())
+_all_finite = jax.jit(lambda value: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(value)])))
 
 
 def _refuse_non_finite(path: str, loaded: list[tuple[tuple, object]]) -> None:
@@ -211,6 +201,7 @@ def load_checkpoint(
     *,
     mesh: jax.sharding.Mesh | None = None,
     dtype=None,
+    weights: str = STORED,
     progress: bool = False,
     policy: ExecutionPolicy | None = None,
 ) -> LingForCausalLM:
@@ -220,13 +211,19 @@ def load_checkpoint(
     `ling_jax.sharding` over `mesh`, or on the first device without one) from an abstract model
     (`nnx.eval_shape`): arrays go from storage to their devices one by one, and the model is never built on the
     host first.
-    `dtype` is the model dtype (default: the dtype the checkpoint was converted to; FP8 checkpoints default to
-    bfloat16); A_log, dt_bias, conv weights and the expert bias stay float32. FP8 parameters are dequantised
-    on the device. A parameter whose stored shape disagrees with config.json raises ValueError naming it.
-    progress: a tqdm bar on stderr, one step per decoder layer (restored together). policy: how the model runs,
-    as for `LingForCausalLM` (None: `ExecutionPolicy()`).
+    `dtype` is the model (activation) dtype (default: the dtype the checkpoint was converted to; FP8
+    checkpoints default to bfloat16; an FP8 dtype is refused); A_log, dt_bias, conv weights and the expert bias
+    stay float32. weights: "stored" (the default) restores FP8 parameters as stored, values and block scales
+    (`BlockFP8Weight`, sharded alike; a mesh whose shards would cut a block is refused), wherever the model
+    takes a quantised weight (elsewhere they are dequantised); "bf16" dequantises them to `dtype` on the
+    device, one at a time. A parameter whose stored shape disagrees with config.json raises ValueError naming
+    it. progress: a tqdm bar on stderr, one step per decoder layer (restored together). policy: how
+    the model runs, as for `LingForCausalLM` (None: `ExecutionPolicy()`).
     """
     path = os.path.abspath(os.fspath(path))
+    check_weights(weights, "load_checkpoint")
+    if dtype is not None:
+        check_activation_dtype(dtype, "load_checkpoint")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     layout = StoredLayout.read(path)
@@ -234,29 +231,26 @@ def load_checkpoint(
     dtype = jnp.dtype(dtype or layout.compute_dtype)
     abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy))
     graphdef, abstract_state = nnx.split(abstract)
-    flat = list(nnx.to_flat_state(abstract_state))
+    stored = _stored_arrays(path)
+    flat = [(p, _as_stored(path, p, v, stored, layout, weights)) for p, v in nnx.to_flat_state(abstract_state)]
     if mesh is None:
         one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = {p: one_device for p, _ in flat}
+        shardings = {p: jax.tree.map(lambda _: one_device, v.get_value()) for p, v in flat}
         small = one_device
     else:
-        shardings = {p: v.get_value() for p, v in nnx.to_flat_state(param_shardings(abstract_state, mesh))}
-        small = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # block scales: replicated
-    stored = _stored_arrays(path)
+        specs = param_shardings(nnx.from_flat_state(flat), mesh)
+        shardings = {p: v.get_value() for p, v in nnx.to_flat_state(specs)}
+        small = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())  # scales of dequantised weights
     target = {}
     for p, variable in flat:
         name, want = param_name(p), variable.get_value()
-        if name not in stored:
-            raise ValueError(f"{path}: parameter '{name}' is missing from the checkpoint")
-        have = stored[name]
-        if tuple(have.shape) != tuple(want.shape):
-            raise ValueError(
-                f"{path}: parameter '{name}' has shape {list(have.shape)}, expected {list(want.shape)} from config.json"
+        if is_quantized(want):
+            target[p] = jax.ShapeDtypeStruct(want.values.shape, want.values.dtype, sharding=shardings[p].values)
+            target[scale_path(p)] = jax.ShapeDtypeStruct(
+                want.scales.shape, want.scales.dtype, sharding=shardings[p].scales
             )
-        if name in layout.scale_blocks:
-            if scale_name(name) not in stored:
-                raise ValueError(f"{path}: FP8 parameter '{name}' has no '{scale_name(name)}' beside it")
-            scale = stored[scale_name(name)]
+        elif name in layout.scale_blocks:
+            have, scale = stored[name], stored[scale_name(name)]
             target[p] = jax.ShapeDtypeStruct(have.shape, have.dtype, sharding=shardings[p])
             target[scale_path(p)] = jax.ShapeDtypeStruct(scale.shape, scale.dtype, sharding=small)
         else:
@@ -264,11 +258,42 @@ def load_checkpoint(
     restored = _restore(path, target, progress)
     loaded = []
     for p, variable in flat:
-        value = restored.pop(p)
+        value, want = restored.pop(p), variable.get_value()
         block = layout.scale_blocks.get(param_name(p))
-        if block is not None:  # dropping each FP8 array once dequantised bounds the peak by the dense model
+        if is_quantized(want):
+            value = BlockFP8Weight(value, restored.pop(scale_path(p)), want.block)
+        elif block is not None:  # dropping each FP8 array once dequantised bounds the peak by the dense model
             dequantize = jax.jit(dequantize_blocks, static_argnames=("block", "dtype"), out_shardings=shardings[p])
-            value = dequantize(value, restored.pop(scale_path(p)), block=block, dtype=variable.get_value().dtype)
+            value = dequantize(value, restored.pop(scale_path(p)), block=block, dtype=want.dtype)
         loaded.append((p, variable.replace(value)))
     _refuse_non_finite(path, loaded)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _as_stored(path: str, p: tuple, variable: nnx.Variable, stored: dict, layout: StoredLayout, weights: str):
+    """The abstract parameter `variable` checked against what the checkpoint stores for it; an abstract
+    `BlockFP8Weight` where the parameter is restored quantised."""
+    name, want = param_name(p), variable.get_value()
+    if name not in stored:
+        raise ValueError(f"{path}: parameter '{name}' is missing from the checkpoint")
+    have = stored[name]
+    if tuple(have.shape) != tuple(want.shape):
+        raise ValueError(
+            f"{path}: parameter '{name}' has shape {list(have.shape)}, expected {list(want.shape)} from config.json"
+        )
+    if name not in layout.scale_blocks:
+        return variable
+    if scale_name(name) not in stored:
+        raise ValueError(f"{path}: FP8 parameter '{name}' has no '{scale_name(name)}' beside it")
+    scale, block = stored[scale_name(name)], layout.scale_blocks[name]
+    blocks = (*have.shape[:-2], *(-(-size // side) for size, side in zip(have.shape[-2:], block)))
+    if tuple(scale.shape) != blocks:
+        raise ValueError(
+            f"{path}: '{scale_name(name)}' has shape {list(scale.shape)}, expected {list(blocks)} for the "
+            f"{list(have.shape)} parameter '{name}' in {block[0]}x{block[1]} blocks; convert the checkpoint again"
+        )
+    if weights != STORED or not variable.get_metadata().get("quantizable"):
+        return variable
+    values = jax.ShapeDtypeStruct(tuple(have.shape), have.dtype)
+    scales = jax.ShapeDtypeStruct(tuple(scale.shape), scale.dtype)
+    return variable.replace(BlockFP8Weight(values, scales, block))

@@ -171,16 +171,18 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Stacked routed experts: gate/up [E, I, D], down [E, D, I] (checkpoint layout, one slice per expert);
-    `routed_experts_block`. capacity_factor None is dropless; a number caps each device's rows per source (see
-    expert_parallel); exchange: how the rows move between devices (`ExecutionPolicy.moe_exchange`).
+    """Stacked routed experts: gate/up [E, I, D], down [E, D, I] (checkpoint layout, one slice per expert; each
+    may be a quantised weight with per-expert scales, `ling_jax.quantized`); `routed_experts_block`.
+    capacity_factor None is dropless; a number caps each device's rows per source (see expert_parallel);
+    exchange: how the rows move between devices (`ExecutionPolicy.moe_exchange`).
     """
 
     def __init__(self, config: LingConfig, *, limit: float | None, dtype, rngs: nnx.Rngs):
         e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
-        self.gate_proj = normal_param(rngs, (e, width, hidden), dtype, ("experts", "expert_mlp", "embed"))
-        self.up_proj = normal_param(rngs, (e, width, hidden), dtype, ("experts", "expert_mlp", "embed"))
-        self.down_proj = normal_param(rngs, (e, hidden, width), dtype, ("experts", "embed", "expert_mlp"))
+        gate_up, down = ("experts", "expert_mlp", "embed"), ("experts", "embed", "expert_mlp")
+        self.gate_proj = normal_param(rngs, (e, width, hidden), dtype, gate_up, quantizable=True)
+        self.up_proj = normal_param(rngs, (e, width, hidden), dtype, gate_up, quantizable=True)
+        self.down_proj = normal_param(rngs, (e, hidden, width), dtype, down, quantizable=True)
         self.limit = limit
 
     def __call__(

@@ -4,6 +4,10 @@ grouped FFN over rows sorted by expert, the weighted combine, and the one-hot de
 On a GPU backend the grouped FFN is two fused kernels (`pallas_kernels.moe.gather_swiglu`, `down_scatter`):
 rows are read from the unsorted activations through the sort permutation and written back through it, so
 neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is three jnp ragged dots.
+
+Expert weights may be quantised (`ling_jax.quantized`, stacked [E, ...] with per-expert scales): every path
+dequantises them to the activation dtype inside the step (`dequantized`), only the experts of this layer and,
+expert-parallel, of this device (the weight-only reference path fused kernels are checked against).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ling_jax.quantized import dequantized, is_quantized
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, routed_experts
 from pallas_kernels.moe.reference import swiglu
@@ -23,7 +28,8 @@ ROW_PATH_MAX_ROWS = 64
 
 
 class SharedExpert(NamedTuple):
-    """The MoE's shared expert: SwiGLU weights in the checkpoint's [out, in] layout and its clip."""
+    """The MoE's shared expert: SwiGLU weights in the checkpoint's [out, in] layout (arrays or quantised weights)
+    and its clip."""
 
     gate_ID: jax.Array
     up_ID: jax.Array
@@ -32,10 +38,11 @@ class SharedExpert(NamedTuple):
 
 
 def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None) -> jax.Array:
-    """down(swiglu(gate(x), up(x), limit)) with the weights cast to x's dtype: the dense MLP and shared expert."""
+    """down(swiglu(gate(x), up(x), limit)) with the weights cast (or dequantised) to x's dtype: the dense MLP and
+    shared expert."""
 
     def linear(v, w_OI):
-        return jnp.einsum("...i,oi->...o", v, w_OI.astype(v.dtype))
+        return jnp.einsum("...i,oi->...o", v, dequantized(w_OI, v.dtype))
 
     return linear(swiglu(linear(x, gate_ID), linear(x, up_ID), limit), down_DI)
 
@@ -80,14 +87,14 @@ def fused_expert_rows(
         x_XD,
         source_R,
         sizes_E,
-        gate_EID.astype(dtype),
-        up_EID.astype(dtype),
+        dequantized(gate_EID, dtype),
+        dequantized(up_EID, dtype),
         limit,
         backend=backend,
         fill_tail=fill_tail,
     )
     return down_scatter(
-        h_RI, order_R, row_weight_R, sizes_E, down_EDI.astype(dtype), backend=backend, fill_tail=fill_tail
+        h_RI, order_R, row_weight_R, sizes_E, dequantized(down_EDI, dtype), backend=backend, fill_tail=fill_tail
     )
 
 
@@ -102,11 +109,11 @@ def sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float |
 def _three_grouped_matmuls(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     dtype = x_RD.dtype
     hidden_RI = swiglu(
-        grouped_matmul(x_RD, gate_EID.astype(dtype), sizes_E, backend=backend),
-        grouped_matmul(x_RD, up_EID.astype(dtype), sizes_E, backend=backend),
+        grouped_matmul(x_RD, dequantized(gate_EID, dtype), sizes_E, backend=backend),
+        grouped_matmul(x_RD, dequantized(up_EID, dtype), sizes_E, backend=backend),
         limit,
     )
-    return grouped_matmul(hidden_RI, down_EDI.astype(dtype), sizes_E, backend=backend)
+    return grouped_matmul(hidden_RI, dequantized(down_EDI, dtype), sizes_E, backend=backend)
 
 
 def expert_sorted_ffn(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
@@ -170,9 +177,9 @@ def dense_expert_ffn(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, l
     dtype = x_TD.dtype
     combine_TE = jnp.zeros((x_TD.shape[0], gate_EID.shape[0]), jnp.float32)
     combine_TE = combine_TE.at[jnp.arange(x_TD.shape[0])[:, None], experts_TK].add(weights_TK)
-    gate = jnp.einsum("td,eid->tei", x_TD, gate_EID.astype(dtype))
-    up = jnp.einsum("td,eid->tei", x_TD, up_EID.astype(dtype))
-    y_TED = jnp.einsum("tei,edi->ted", swiglu(gate, up, limit), down_EDI.astype(dtype))
+    gate = jnp.einsum("td,eid->tei", x_TD, dequantized(gate_EID, dtype))
+    up = jnp.einsum("td,eid->tei", x_TD, dequantized(up_EID, dtype))
+    y_TED = jnp.einsum("tei,edi->ted", swiglu(gate, up, limit), dequantized(down_EDI, dtype))
     return jnp.einsum("ted,te->td", y_TED.astype(jnp.float32), combine_TE).astype(dtype)
 
 
@@ -213,6 +220,10 @@ def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, 
     return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
 
+def _dense_for_kernels(weight, dtype):
+    return dequantized(weight, dtype) if is_quantized(weight) else weight
+
+
 def local_moe(
     x_TD,
     weights_TK,
@@ -230,6 +241,10 @@ def local_moe(
     the shared expert (one more row per token) when it has the routed experts' width."""
     tokens, top_k = experts_TK.shape
     row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
+    if row_path:  # the decode kernels read dense weights (no FP8 / MXFP4 kernel yet)
+        gate_EID, up_EID, down_EDI = (_dense_for_kernels(w, x_TD.dtype) for w in (gate_EID, up_EID, down_EDI))
+        if shared is not None:
+            shared = SharedExpert(*(_dense_for_kernels(w, x_TD.dtype) for w in shared[:3]), shared.limit)
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
         with jax.named_scope("routed_and_shared_experts"):
             return routed_experts(

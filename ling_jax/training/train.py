@@ -20,6 +20,7 @@ import optax
 from flax import nnx, struct
 
 from ling_jax.model import LingForCausalLM
+from ling_jax.quantized import is_quantized
 
 EXPERT_BIAS = nnx.PathContains("expert_bias")
 TRAINABLE = nnx.All(nnx.Param, nnx.Not(EXPERT_BIAS))
@@ -82,8 +83,15 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def init_train_state(model: LingForCausalLM, config: TrainConfig) -> tuple[nnx.GraphDef, TrainState]:
-    """Split `model` into its static graph and a fresh TrainState (step 0, optimizer moments at zero)."""
+    """Split `model` into its static graph and a fresh TrainState (step 0, optimizer moments at zero). Training
+    keeps dense master weights: a model holding quantised weights (loaded with weights="stored") is refused."""
     graphdef, expert_bias, params = nnx.split(model, EXPERT_BIAS, TRAINABLE)
+    for path, variable in nnx.to_flat_state(params):
+        if is_quantized(variable.get_value()):
+            raise ValueError(
+                f"init_train_state: parameter '{'.'.join(map(str, path))}' is a quantised weight; training keeps "
+                "dense master weights: load the checkpoint with weights='bf16' (dtype=jnp.float32 for fp32 masters)"
+            )
     return graphdef, TrainState(
         step=jnp.zeros((), jnp.int32), params=params, expert_bias=expert_bias, opt_state=optimizer(config).init(params)
     )

@@ -17,8 +17,9 @@ from convert.cli import main
 from convert.hooks import to_dense, to_fp8
 from convert.source import FP8, MXFP4, SourceRows, SourceTensor
 from ling_jax.checkpoints.hf import SCALE_SUFFIX
-from ling_jax.checkpoints.orbax import dequantize_blocks, load_checkpoint, param_name
+from ling_jax.checkpoints.orbax import load_checkpoint, param_name
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
+from ling_jax.quantized import BlockFP8Weight, dequantize_blocks
 from ling_jax.sharding import make_mesh, param_shardings
 
 FP32_TOL = 1e-4
@@ -89,12 +90,20 @@ def test_orbax_tree_is_the_nnx_parameter_tree(oracle_dirs, tmp_path):
     assert experts + SCALE_SUFFIX in stored and "model.layers.0.attention.q_proj.weight" + SCALE_SUFFIX in stored
     for (path, variable), (_, sharding) in zip(flat, nnx.to_flat_state(expected)):
         value = variable.get_value()
-        assert value.sharding == sharding.get_value(), path  # restored straight into the rules' shardings
-        assert value.dtype == (
-            jnp.float32 if param_name(path).endswith(("A_log", "dt_bias", "conv1d", "expert_bias")) else jnp.bfloat16
-        ), path
-    gate = model.model.layers[1].mlp.experts.gate_proj[...]
-    assert gate.shape[0] == 16 and gate.addressable_shards[0].data.shape == (2, 144, 160)  # [E, I, D], E over 8
+        # restored straight into the rules' shardings (a quantised weight's values and scales alike)
+        assert jax.tree.map(lambda a: a.sharding, value) == sharding.get_value(), path
+        if param_name(path).endswith(("A_log", "dt_bias", "conv1d", "expert_bias")):
+            assert value.dtype == jnp.float32, path
+        elif isinstance(value, BlockFP8Weight):  # kept as converted: E4M3 values, float32 block scales
+            assert (value.values.dtype, value.scales.dtype) == (jnp.float8_e4m3fn, jnp.float32), path
+        else:
+            assert value.dtype == jnp.bfloat16, path
+    gate = model.model.layers[1].mlp.experts.gate_proj.get_value()  # MXFP4 experts, converted to E4M3 codes
+    assert isinstance(gate, BlockFP8Weight) and gate.block == (1, 32) and gate.shape == (16, 144, 160)
+    assert gate.values.addressable_shards[0].data.shape == (2, 144, 160)  # [E, I, D], E over 8
+    assert gate.scales.addressable_shards[0].data.shape == (2, 144, 5)  # per-expert scales split with them
+    q_proj = model.model.layers[0].attention.q_proj.weight.get_value()
+    assert isinstance(q_proj, BlockFP8Weight) and q_proj.block == (128, 128)
     assert (orbax_dir / "config.json").is_file()
 
 
