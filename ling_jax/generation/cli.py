@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import jinja2
 from flax import nnx
 
-from ling_jax.checkpoints.hf import load_hf_checkpoint
+from ling_jax.checkpoints.hf import STORED, WEIGHTS, load_hf_checkpoint
 from ling_jax.checkpoints.orbax import LAYOUT_FILE, load_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.generation import cli_checks, cli_runtime, interactive
@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("bfloat16", "float32"),
         help="parameter and activation dtype (default: float32 on CPU, bfloat16 on GPU / TPU)",
+    )
+    model.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default=STORED,
+        help="stored (default): FP8 / MXFP4 weights stay quantised on the device; bf16: dequantise them at load",
     )
 
     sampling = parser.add_argument_group("sampling")
@@ -354,7 +360,7 @@ def _prepare(args: argparse.Namespace) -> Run:
     _check_lengths(prompts, args.max_new_tokens, config)
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
-    model = _load_model(source, dtype, mesh, policy, verbose=is_main)
+    model = _load_model(source, dtype, mesh, policy, args.weights, verbose=is_main)
     try:
         generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
@@ -521,13 +527,15 @@ def _model_source(args: argparse.Namespace, *, verbose: bool) -> ModelSource:
     return cli_checks.preset_source(FALLBACK_PRESET)
 
 
-def _load_model(source: ModelSource, dtype, mesh, policy: ExecutionPolicy, *, verbose: bool) -> LingForCausalLM:
+def _load_model(
+    source: ModelSource, dtype, mesh, policy: ExecutionPolicy, weights: str, *, verbose: bool
+) -> LingForCausalLM:
     if source.path is None:
         return LingForCausalLM(source.config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy)
     progress = verbose and sys.stderr.isatty()
     if source.orbax:
-        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, progress=progress, policy=policy)
-    return load_hf_checkpoint(source.path, dtype=dtype, progress=progress, policy=policy)
+        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, weights=weights, progress=progress, policy=policy)
+    return load_hf_checkpoint(source.path, dtype=dtype, weights=weights, progress=progress, policy=policy)
 
 
 def _encode(

@@ -13,7 +13,7 @@ from flax import nnx
 from helpers import rel_error
 from oracle import build_oracle, load_oracle, oracle_logits, save_oracle
 
-from ling_jax import load_checkpoint, load_hf_checkpoint, make_mesh, shard_model
+from ling_jax import ExecutionPolicy, LingConfig, load_checkpoint, load_hf_checkpoint, make_mesh, shard_model
 from ling_jax.layers import params_of
 from ling_jax.moe.block import moe_block
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
@@ -102,3 +102,17 @@ def test_refused_requests(checkpoints, tmp_path):
             load(directory, weights="fp8")
     with pytest.raises(ValueError, match=r"init_train_state: parameter 'model\.\S+' is a quantised weight"):
         init_train_state(_load(directory), TrainConfig())
+
+
+def test_generate_cli_weights_flag_reaches_the_loader(checkpoints, capsys):
+    from ling_jax.generation import cli, cli_checks
+
+    directory = checkpoints["fp8"][0]
+    source = cli_checks.ModelSource(LingConfig.from_pretrained(directory), None, "--model", path=directory)
+    for flag, kept in (([], True), (["--weights", "bf16"], False)):
+        args = cli.build_parser().parse_args([*flag, "x"])
+        model = cli._load_model(source, jnp.float32, None, ExecutionPolicy(), args.weights, verbose=False)
+        assert isinstance(model.model.layers[1].mlp.experts.up_proj.get_value(), BlockFP8Weight) is kept
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--weights", "fp4", "x"])
+    assert "argument --weights: invalid choice: 'fp4'" in capsys.readouterr().err

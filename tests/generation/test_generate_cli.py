@@ -224,7 +224,7 @@ def test_kernel_backend_flag_builds_the_policy(capsys, hf_dir):
     args = generate_cli.build_parser().parse_args(["--kernel-backend", "reference", "x"])
     policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
     source = cli_checks.checkpoint_source(hf_dir, "--model", byte_tokenizer=False)
-    model = generate_cli._load_model(source, jnp.float32, None, policy, verbose=False)
+    model = generate_cli._load_model(source, jnp.float32, None, policy, "stored", verbose=False)
     assert model.policy is policy and model.policy.kernel_backend is KernelBackend.REFERENCE
 
 
