@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import subprocess
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_common import median_seconds  # noqa: E402
 
 
 def _commit() -> str:
@@ -29,17 +34,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def _jax_seconds(fn, *args, iters: int) -> float:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def jax_rows(size: int, iters: int) -> dict[str, float]:
     a_MK = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
     b_KN = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
@@ -47,7 +41,10 @@ def jax_rows(size: int, iters: int) -> dict[str, float]:
     fp8 = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32))
     a16, b16 = a_MK.astype(jnp.bfloat16), b_KN.astype(jnp.bfloat16)
     a8, b8 = a_MK.astype(jnp.float8_e4m3fn), b_KN.astype(jnp.float8_e4m3fn)
-    return {"jax bf16": _jax_seconds(bf16, a16, b16, iters=iters), "jax fp8": _jax_seconds(fp8, a8, b8, iters=iters)}
+    return {
+        "jax bf16": median_seconds(bf16, a16, b16, iters=iters),
+        "jax fp8": median_seconds(fp8, a8, b8, iters=iters),
+    }
 
 
 def torch_rows(size: int, iters: int) -> dict[str, float | str]:
