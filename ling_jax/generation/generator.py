@@ -1,11 +1,12 @@
-"""Batched generation: chunked prefill, then fixed-shape jitted decode steps (or MTP speculative rounds) over
-donated caches, with per-request sampling and streaming callbacks.
+"""Batched generation: chunked prefill, then fixed-shape jitted decode programs of DECODE_READ_GROUP steps each
+(or MTP speculative rounds) over donated caches, with per-request sampling and streaming callbacks.
 
 Prompts are left-padded so that every row's last prompt token sits in the last column; the attention mask
 keeps pads out of every KDA state and MLA cache. The padded prompt is cut into chunks of `prefill_chunk`
 tokens (the first one shorter, a power of two), so activation memory is bounded by the chunk, and each
-chunk size compiles once. Every later step has fixed shapes: one compile per batch size and cache length
-(rounded up to a multiple of 256). Compiled programs persist across runs with JAX's compilation cache
+chunk size compiles once. Every decode program has fixed shapes: one compile per batch size and cache length
+(rounded up to a multiple of 256), the last program of a generation included (it runs whole; the host drops
+the tokens past max_new_tokens). Compiled programs persist across runs with JAX's compilation cache
 (`JAX_COMPILATION_CACHE_DIR`).
 
 Speculative decoding (`mtp=K`): the MTP layer drafts K tokens greedily; the main model verifies
@@ -23,6 +24,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,15 +46,15 @@ from ling_jax.mrope import MediaGrid, batch_mrope_positions
 from ling_jax.sharding import cache_shardings, shard_model
 
 MIN_CHUNK = 16
-DECODE_READ_GROUP = 8  # decode steps per host read; the next group's steps run on the device meanwhile
+DECODE_READ_GROUP = 8  # decode steps per program and host read; the next program runs on the device meanwhile
 CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt lengths share compiled steps
 
 
 @dataclasses.dataclass
 class GenerationStats:
     """Timings of one `Generator.generate` call. The rates count steady-state work only: the prefill less the
-    compilation inside it, and the decode steps (MTP rounds) after the first one, which compiles on a first
-    call. A rate with nothing to measure (one token per prompt) is None."""
+    compilation inside it, and the decode programs (MTP rounds) after the first one, which compiles on a first
+    call. A rate with nothing to measure (too few tokens per prompt to run a second program) is None."""
 
     prompt_tokens: int
     generated_tokens: int
@@ -63,9 +65,9 @@ class GenerationStats:
     accepted: int = 0
     compile_s: float = 0.0  # tracing and compiling (or loading from the compilation cache) in this call
     prefill_compile_s: float = 0.0  # the part of compile_s before the first token
-    steady_steps: int = 0  # decode steps (MTP rounds) after the first one
-    steady_tokens: int = 0  # the tokens they emitted
-    steady_s: float = 0.0  # their time: from the first step's tokens on the host to the last step's
+    steady_steps: int = 0  # decode steps the device ran (whole programs) after the first program; MTP: rounds
+    steady_tokens: int = 0  # the tokens they emitted (none past max_new_tokens or a row's end)
+    steady_s: float = 0.0  # their time: from the first program's tokens on the host to the last program's
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -138,13 +140,34 @@ def _media_embeddings(static, leaves, ids_BT, pixel_values, image_grids, pixel_v
     )
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _decode_step(static, leaves, cache, seen_BV, token_B, arrays, steps_B, position_offsets_B=None):
-    """position_offsets_B: after media, a token in cache slot s sits at position s + offset (VL prompts)."""
-    positions = None if position_offsets_B is None else (cache.lengths + position_offsets_B)[:, None]
-    out = static.merge(leaves)(token_B[:, None], cache=cache, positions=positions)
-    next_B = sample(out.logits[:, 0], arrays, steps_B, seen_BV)
-    return next_B, out.cache, update_seen(seen_BV, next_B), steps_B + 1
+class DecodeState(NamedTuple):
+    """What a decode step hands the next one, on the device."""
+
+    cache: LingCache
+    seen_BV: jax.Array  # [B, V] bool: tokens the repetition penalty applies to
+    token_B: jax.Array  # [B] int32: the last sampled token, the next step's input
+    steps_B: jax.Array  # [B] int32: tokens each row has generated so far, its sampler's step
+
+
+def _decode_one(static, leaves, arrays, position_offsets_B, state: DecodeState) -> DecodeState:
+    positions = None if position_offsets_B is None else (state.cache.lengths + position_offsets_B)[:, None]
+    out = static.merge(leaves)(state.token_B[:, None], cache=state.cache, positions=positions)
+    next_B = sample(out.logits[:, 0], arrays, state.steps_B, state.seen_BV)
+    return DecodeState(out.cache, update_seen(state.seen_BV, next_B), next_B, state.steps_B + 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _decode_group(static, num_steps, leaves, state: DecodeState, arrays, position_offsets_B=None):
+    """num_steps decode steps in one program (a `lax.scan`, each sampled token fed back on the device): their
+    tokens [B, num_steps] and the state after the last. position_offsets_B: after media, a token in cache slot
+    s sits at position s + offset (VL prompts)."""
+
+    def step(state, _):
+        state = _decode_one(static, leaves, arrays, position_offsets_B, state)
+        return state, state.token_B
+
+    state, tokens_KB = jax.lax.scan(step, state, length=num_steps)
+    return tokens_KB.T, state
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
@@ -238,26 +261,37 @@ class _Rows:
 
 
 class _SteadyClock:
-    """Times the decode steps after the first: `tick()` once a step's tokens are on the host."""
+    """Times the decode after its first program (which compiles on a first call): `tick(steps)` once a
+    program's tokens are on the host. The first tick starts the clock; the steps of later ticks are timed."""
 
     def __init__(self, rows: _Rows):
         self.rows = rows
-        self.ticks = 0
+        self.ticked = False
+        self.steps = 0
         self.start = self.end = 0.0
         self.start_tokens = self.end_tokens = 0
 
     def tick(self, steps: int = 1) -> None:
-        """`steps` steps' tokens have just reached the host (the first tick: the first step's alone)."""
+        """A program of `steps` decode steps (or one MTP round) has just brought its tokens to the host."""
         now, tokens = time.perf_counter(), self.rows.generated
-        if not self.ticks:
-            self.start, self.start_tokens = now, tokens
+        if self.ticked:
+            self.steps += steps
+        else:
+            self.ticked, self.start, self.start_tokens = True, now, tokens
         self.end, self.end_tokens = now, tokens
-        self.ticks += steps
 
     def record(self, stats: GenerationStats) -> None:
-        stats.steady_steps = max(self.ticks - 1, 0)
+        stats.steady_steps = self.steps
         stats.steady_tokens = self.end_tokens - self.start_tokens
         stats.steady_s = self.end - self.start
+
+
+def cache_length(prompt_slots: int, max_new_tokens: int, mtp: int) -> int:
+    """Cache slots for a left-padded prompt of `prompt_slots` columns and its decode, rounded up to CACHE_BUCKET.
+    Decode runs whole DECODE_READ_GROUP programs, up to DECODE_READ_GROUP - 1 steps past the last token kept; an
+    MTP round appends up to mtp + 1 tokens."""
+    slack = mtp + 1 if mtp else DECODE_READ_GROUP - 1
+    return -(-(prompt_slots + max_new_tokens + slack) // CACHE_BUCKET) * CACHE_BUCKET
 
 
 def prefill_chunks(longest: int, chunk: int) -> list[int]:
@@ -393,7 +427,7 @@ class Generator:
             mask[row, padded - len(prompt) :] = True
         next_ids = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
         mtp_mask = mask & (np.arange(padded) < padded - 1)[None, :]
-        max_length = -(-(padded + max_new_tokens + self.mtp + 1) // CACHE_BUCKET) * CACHE_BUCKET
+        max_length = cache_length(padded, max_new_tokens, self.mtp)
         cache = self._place(LingCache.create(self.config, batch, max_length, self.dtype))
         mtp_cache = self._place(MTPCache.create(self.config, batch, max_length, self.dtype)) if self.mtp else None
         arrays = SamplingArrays.from_params(sampling)
@@ -449,30 +483,30 @@ class Generator:
         return rows.tokens, stats
 
     def _decode(self, rows: _Rows, steady: _SteadyClock, cache, seen, token, arrays, position_offsets):
-        """One token per step. After the first token the host reads DECODE_READ_GROUP steps' tokens at a time, and
-        the steps of the next group are dispatched before it reads, so the device computes them while the host
-        does its per-group work (bookkeeping, detokenising, printing). Each token is copied to the host as soon as
-        its step ends (`copy_to_host_async`): a read waits for its own steps only, and puts no op in the device's
-        queue behind the steps dispatched after them."""
+        """After the first token, each jitted program runs DECODE_READ_GROUP decode steps on the device and returns
+        their tokens [B, K], and the host reads one program's tokens at a time. The next program is dispatched
+        before the host reads, so the device computes it while the host does the group's work (bookkeeping,
+        detokenising, printing); each program's tokens are copied to the host as soon as it ends
+        (`copy_to_host_async`), so a read waits for its own program only. Programs always run whole (the cache
+        has room for the steps past max_new_tokens, `cache_length`), and the host keeps no token past
+        max_new_tokens or a row's end (EOS, stop)."""
         remaining = rows.max_new_tokens - 1
         if remaining == 0 or rows.done.all():
             return
-        step = functools.partial(_decode_step, self.static, self.leaves)
-        steps = jnp.ones((len(rows.tokens),), jnp.int32)
-        pending: list[jax.Array] = []  # [B] tokens dispatched, not yet read, oldest first
-        dispatched = read = 0
-        while read < remaining and not rows.done.all():
-            group = 1 if read == 0 else min(DECODE_READ_GROUP, remaining - read)  # the first token alone: the
-            ahead = 1 if read == 0 else DECODE_READ_GROUP  # steady clock starts there, before the pipeline fills
-            while dispatched < min(remaining, read + group + ahead):
-                token, cache, seen, steps = step(cache, seen, token, arrays, steps, position_offsets)
-                token.copy_to_host_async()
-                pending.append(token)
-                dispatched += 1
-            rows.add(np.stack([np.asarray(t) for t in pending[:group]], axis=1))
-            del pending[:group]
-            read += group
-            steady.tick(group)
+        group = functools.partial(_decode_group, self.static, DECODE_READ_GROUP, self.leaves)
+        state = DecodeState(cache, seen, token, jnp.ones((len(rows.tokens),), jnp.int32))
+        programs = -(-remaining // DECODE_READ_GROUP)
+        queued: list[jax.Array] = []  # [B, K] tokens of programs dispatched, not yet read, oldest first
+        for program in range(programs):
+            while len(queued) < min(2, programs - program):  # this program and the next one
+                tokens_BK, state = group(state, arrays, position_offsets)
+                tokens_BK.copy_to_host_async()
+                queued.append(tokens_BK)
+            kept = min(DECODE_READ_GROUP, remaining - program * DECODE_READ_GROUP)
+            rows.add(np.asarray(queued.pop(0))[:, :kept])
+            steady.tick(DECODE_READ_GROUP)
+            if rows.done.all():
+                return
 
     def _speculate(
         self,
