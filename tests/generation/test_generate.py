@@ -1,6 +1,9 @@
-"""The generation engine: cached greedy == recomputed argmax, MTP speculation == plain decoding, sampling."""
+"""The generation engine: cached greedy == recomputed argmax, grouped decode == the one-step loop, MTP speculation ==
+plain decoding, sampling."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +12,8 @@ import pytest
 from flax import nnx
 
 from ling_jax import LingForCausalLM
-from ling_jax.generation.generator import Generator, _prefill_chunk, prefill_chunks
-from ling_jax.generation.sampling import SamplingParams
+from ling_jax.generation.generator import DECODE_READ_GROUP, Generator, _prefill_chunk, prefill_chunks
+from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
 from ling_jax.generation.static_model import split_model
 from ling_jax.presets import preset
 from ling_jax.sharding import make_mesh
@@ -50,6 +53,35 @@ def _recomputed_argmax(model, prompt, new):
     return [int(t) for t in jnp.argmax(logits, axis=-1)]
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_and_draw(graphdef, params, ids_BT, mask_BT, cache, seen_BV, arrays, steps_B):
+    out = nnx.merge(graphdef, params)(ids_BT, cache=cache, attention_mask=mask_BT)
+    token_B = sample(out.logits[:, -1], arrays, steps_B, seen_BV)
+    return token_B, out.cache, update_seen(seen_BV, token_B)
+
+
+def _one_step_loop(model, prompts, sampling, max_new_tokens):
+    """The decode loop written out one step at a time: the left-padded batch prefilled in one forward, then one
+    forward and one draw per token (step s draws with the row's seed and s), every row to max_new_tokens."""
+    batch, width = len(prompts), max(map(len, prompts))
+    ids = np.zeros((batch, width), np.int32)
+    mask = np.zeros((batch, width), bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, True
+    graphdef, params = nnx.split(model)
+    arrays = SamplingArrays.from_params(sampling)
+    cache = model.init_cache(batch_size=batch, max_length=width + max_new_tokens)
+    seen = seen_from_prompts(jnp.asarray(ids), jnp.asarray(mask), model.config.vocab_size)
+    token, cache, seen = _forward_and_draw(graphdef, params, ids, mask, cache, seen, arrays, jnp.zeros(batch, int))
+    columns = [np.asarray(token)]
+    for step in range(1, max_new_tokens):
+        token, cache, seen = _forward_and_draw(
+            graphdef, params, token[:, None], np.ones((batch, 1), bool), cache, seen, arrays, jnp.full(batch, step)
+        )
+        columns.append(np.asarray(token))
+    return np.stack(columns, axis=1).tolist()
+
+
 def test_prefill_chunks_cover_the_prompt_with_few_shapes():
     assert prefill_chunks(5, 2048) == [16]
     assert prefill_chunks(100, 2048) == [128]
@@ -63,6 +95,31 @@ def test_cached_greedy_equals_recomputed_argmax_for_ragged_prompts(model):
     assert all(len(new) == 10 for new in out)
     assert out == [_recomputed_argmax(model, p, new) for p, new in zip(prompts, out)]
     assert stats.prompt_tokens == sum(LENGTHS) and stats.generated_tokens == 30
+
+
+def test_grouped_decode_equals_the_one_step_loop(model):
+    """Greedy and seeded sampled rows (temperature, top-p, top-k, repetition penalty) in one ragged batch: the
+    Generator's programs of DECODE_READ_GROUP steps give the one-step loop's tokens, with max_new_tokens not a
+    multiple of the group (the last program's extra steps dropped) and with rows ending at an EOS early. Every
+    max_new_tokens here shares one cache length: after the first call nothing compiles, a short last group
+    included."""
+    prompts = _prompts(model.config)
+    sampling = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.2, top_k=20, repetition_penalty=1.3, seed=2),
+    ]
+    new = 2 * DECODE_READ_GROUP + 3  # the prefill's token, then programs of 8 steps: 8, 8 and 2 of 8 kept
+    reference = _one_step_loop(model, prompts, sampling, new)
+    generator = Generator(model, prefill_chunk=16)
+    assert generator.generate(prompts, sampling, new)[0] == reference
+    for short in (1, 2, DECODE_READ_GROUP + 1, DECODE_READ_GROUP + 2):
+        out, stats = generator.generate(prompts, sampling, short)
+        assert out == [r[:short] for r in reference] and stats.compile_s == 0
+    eos = reference[0][3]
+    ended = [r[: r.index(eos)] if eos in r else r for r in reference]
+    assert len(ended[0]) <= 3
+    assert generator.generate(prompts, sampling, new, eos_ids=[eos])[0] == ended
 
 
 def test_batching_does_not_change_a_prompt_output(model):
