@@ -17,7 +17,7 @@ from helpers import REPO_ROOT
 from ling_jax import LingForCausalLM
 from ling_jax.generation import cli_runtime
 from ling_jax.generation.cli import DEMO_DIR, main
-from ling_jax.generation.generator import GenerationStats, Generator
+from ling_jax.generation.generator import DECODE_READ_GROUP, GenerationStats, Generator
 from ling_jax.generation.interactive import Conversation
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import load_tokenizer
@@ -79,13 +79,14 @@ def test_ctrl_c_during_compile_and_generation_exits_130_with_one_line():
 def test_stats_rates_count_steady_state_steps_only():
     generator = Generator(LingForCausalLM(preset("tiny"), rngs=nnx.Rngs(3), dtype="float32"), prefill_chunk=16)
     prompts, sampling = [[5, 9, 2], [7, 3, 3, 8, 1, 4]], [SamplingParams()] * 2
-    _, first = generator.generate(prompts, sampling, 7)  # eos_ids=(): every row makes 7 tokens
-    _, warm = generator.generate(prompts, sampling, 7)
+    new = 2 * DECODE_READ_GROUP + 4  # eos_ids=(): every row makes 20 tokens
+    _, first = generator.generate(prompts, sampling, new)
+    _, warm = generator.generate(prompts, sampling, new)
     assert first.compile_s > 0 and 0 < first.prefill_compile_s <= first.compile_s
     assert warm.compile_s < first.compile_s / 10 and warm.prefill_compile_s < first.prefill_compile_s
-    for stats in first, warm:  # 1 token from the prefill, then 6 decode steps: the first compiles, 5 are timed
-        assert stats.generated_tokens == 14 and (stats.steady_steps, stats.steady_tokens) == (5, 10)
-        assert stats.decode_tokens_per_s == pytest.approx(10 / stats.steady_s) and stats.steady_s < stats.decode_s
+    for stats in first, warm:  # the prefill's token, then 3 programs of 8 steps: the first compiles, 2 are timed
+        assert stats.generated_tokens == 40 and (stats.steady_steps, stats.steady_tokens) == (16, 22)  # 8 + 3 kept
+        assert stats.decode_tokens_per_s == pytest.approx(22 / stats.steady_s) and stats.steady_s < stats.decode_s
         assert stats.prefill_tokens_per_s == pytest.approx(9 / (stats.prefill_s - stats.prefill_compile_s))
     _, one = generator.generate(prompts, sampling, 1)
     assert one.decode_tokens_per_s is None and one.steady_steps == 0
@@ -188,6 +189,7 @@ def test_bench_generate_cli_quick():
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split("|")[1].strip() for row in rows] == ["3"]
-    for row in rows:  # batch, CLI ms, CLI tok/s, bare ms, ratio, host ms/step, dispatch ms/step
+    for row in rows:  # batch, CLI ms, CLI tok/s, 1-step ms, ratio, K-step ms, ratio, host ms, two dispatch ms
         cells = [cell.strip() for cell in row.split("|")[1:-1]]
-        assert cells[4].endswith("x") and 0 < float(cells[5]) < float(cells[1]) and float(cells[6]) > 0, row
+        assert len(cells) == 10 and cells[4].endswith("x") and cells[6].endswith("x"), row
+        assert 0 < float(cells[7]) < float(cells[1]) and float(cells[8]) > 0 and float(cells[9]) > 0, row
