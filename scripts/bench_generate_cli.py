@@ -13,9 +13,9 @@ jitted program and reads their tokens once per program, the next program already
 
 Two bare loops on a cache of the CLI run's length, each dispatched back to back with its token fed back on the
 device and one sync at the end (mean per step), the same whole-program steps as the CLI's (N - 1 rounded down to
-whole programs): "1-step", one program per step (the decode loop before multi-step programs: one dispatch per
-token), and "K-step", the K-step program the CLI runs. CLI / K-step is the CLI's own overhead (goal: <= 1.2x);
-CLI / 1-step what multi-step programs buy against the one-step loop.
+whole programs): "1-step", one program per step (`_decode_group` with one step: the decode loop before
+multi-step programs, one dispatch per token), and "K-step", the K-step program the CLI runs. CLI / K-step is
+the CLI's own overhead (goal: <= 1.2x); CLI / 1-step what multi-step programs buy against the one-step loop.
 
 Host: the CLI's host work alone per step, no device involved: the tokens of a real run are replayed through the
 Generator's host bookkeeping in its read groups and the CLI's callbacks and printing (stdout thrown away).
