@@ -40,8 +40,8 @@ def prefix_sums(x_SW, dot: Callable):
     return dot(through, x_SW)
 
 
-def _row(x_SW, s: int):
-    """Row s of x as [1, W] (a masked sum: no dynamic slice of a register value)."""
+def _row(x_SW, s):
+    """Row s (a Python or traced int) of x as [1, W]: a masked sum, no dynamic slice of a register value."""
     return jnp.sum(jnp.where(_iota(x_SW.shape, 0) == s, x_SW, 0.0), axis=0, keepdims=True)
 
 
@@ -50,22 +50,25 @@ def pair_products(lefts, keys_SW, step_decay_SW):
     and 0 above the diagonal; keys_SW the block's keys k_s, step_decay_SW = e^{g} (<= 1). W may be a column block
     of the keys: the products over all of them are the sums of the blocks'.
 
-    Column s comes from decay_SW = e^{G_c - G_s} at rows c >= s (0 above): row s is 1, and each row below it is
-    the same row of column s + 1's decay times e^{g_{s+1}}."""
+    A loop over the columns from the last, s = SUB-1 down to 0, carrying decay_SW = e^{G_c - G_s} at rows c >= s
+    (0 above): row s is 1, and each row below it is the same row of column s + 1's decay times e^{g_{s+1}} (at
+    s = SUB-1 the row of e^g past the end is 0, and so was every row of the decay)."""
     rows = _iota(keys_SW.shape, 0)
     cols = _iota((SUB, SUB), 1)
-    decay_SW = jnp.zeros(keys_SW.shape, jnp.float32)
-    products = [jnp.zeros((SUB, SUB), jnp.float32) for _ in lefts]
-    for s in reversed(range(SUB)):
-        if s + 1 < SUB:
-            decay_SW = decay_SW * _row(step_decay_SW, s + 1)
-        decay_SW = jnp.where(rows == s, 1.0, decay_SW)
+
+    def column(m, carry):
+        s = SUB - 1 - m
+        decay_SW, products = carry
+        decay_SW = jnp.where(rows == s, 1.0, decay_SW * _row(step_decay_SW, s + 1))
         decayed_key_SW = _row(keys_SW, s) * decay_SW  # k_s[i] e^{G_c[i] - G_s[i]} at row c
-        products = [
+        return decay_SW, tuple(
             jnp.where(cols == s, jnp.sum(x_SW * decayed_key_SW, axis=1, keepdims=True), product)
             for x_SW, product in zip(lefts, products)
-        ]
-    return products
+        )
+
+    zeros_SS = jnp.zeros((SUB, SUB), jnp.float32)
+    start = (jnp.zeros(keys_SW.shape, jnp.float32), tuple(zeros_SS for _ in lefts))
+    return list(jax.lax.fori_loop(0, SUB, column, start)[1])
 
 
 def chunk_step_any_gate(q, k, v, g, decay_last, beta, state, dots: Dots):
