@@ -40,7 +40,8 @@ read again) evict-last. It stores
 Gates of any size (`any_gate`, the variant gpu_triton_any_gate): below -5 the diagonal block's e^{-Γ_s - S}
 overflows (NaN from 16 gates of -6) and e^{Γ_c} alone underflows before the shift (2^-126, flushed to 0 on the
 GPU: 20% off at a constant -5.5). So the diagonal block is formed from running products of per-step decays
-instead (`exact_decay.pair_products`, no factor above 1), and t_j - Γ_s (in the keys kernel and kg) as the sum
+instead (`exact_decay.pair_products`, no factor above 1; its k-k products come as L_ii, transposed once for the
+inverse), and t_j - Γ_s (in the keys kernel and kg) as the sum
 of the later gates alone (`exact_decay.suffix_sums`; the difference of two sums near -1000 would carry ~1e-4
 of rounding into the exponent). Everything else holds for any gate: off the diagonal every factor is <= 1 or
 the shift's 2^58 times one, and a factor that underflows to 0 (e^{Γ_c} below 2^-126 among them) stands for a
