@@ -79,6 +79,13 @@ def log_decay(weights: Weights, f_BTC, cfg: LingConfig) -> jax.Array:
     return -decay_rate * jax.nn.softplus(a)
 
 
+def gate_lower_bound(cfg: LingConfig) -> float | None:
+    """The bound every log-decay of `log_decay` keeps (g > it): the safe gate's kda_lower_bound, None without the
+    safe gate (-A softplus(a) has none). The prefill picks its kernel by it (`pallas_kernels.kda.ops.chunk_variant`:
+    the bounded kernels from -5 up, the any-gate ones below or without a bound)."""
+    return cfg.kda_lower_bound if cfg.kda_safe_gate else None
+
+
 def kda_attention(
     weights: Weights,
     x_BTD,
@@ -138,7 +145,15 @@ def _kda(
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
     if mode == CHUNKED:
         o, recurrent = chunk_kda(
-            q, k, v, g, beta, initial_state=state.recurrent_state, chunk_size=chunk_size, backend=backend
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=state.recurrent_state,
+            chunk_size=chunk_size,
+            gate_lower_bound=gate_lower_bound(c),
+            backend=backend,
         )
     elif mode == RECURRENT and length == 1:
         o, recurrent = kda_decode_step(

@@ -9,7 +9,8 @@
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
 phases, the first three pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
-under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them); each variant also
+under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them) and the any-gate
+kernel (`any_gate`: the variant gpu_triton_any_gate, for gates below -5, on the same gates); each variant also
 times its two phases alone (phase 1: intra-chunk, parallel, and each of its three kernels; phase 2: the
 sequential state pass), with the bytes each must move at least. Each kernel is checked against fla on the device
 before it is timed. H=64, K=V=128.
@@ -154,8 +155,16 @@ PHASE1_DEFAULT = {
 }
 PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
     {},
+    {"any_gate": True},  # the variant gpu_triton_any_gate (gates below -5 allowed), on the same safe gates
 ]
-PHASE1_KNOBS = ("intra_block_k", "intra_num_warps", "intra_num_stages", "intra_factors_num_warps", "parts_dtype")
+PHASE1_KNOBS = (
+    "intra_block_k",
+    "intra_num_warps",
+    "intra_num_stages",
+    "intra_factors_num_warps",
+    "parts_dtype",
+    "any_gate",
+)
 
 
 def phase1_kernels(q, k, v, g, beta, knobs, interpret):
@@ -163,7 +172,7 @@ def phase1_kernels(q, k, v, g, beta, knobs, interpret):
     inputs each needs: [(name, fn, args)], in order."""
     stages = dict(num_stages=knobs["intra_num_stages"], interpret=interpret)
     dtype = knobs["parts_dtype"] or v.dtype
-    tiles = dict(block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"])
+    tiles = dict(block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"], any_gate=knobs["any_gate"])
     keys_fn = jax.jit(
         functools.partial(sub_block_keys, use_qk_l2norm=True, parts_dtype=dtype, interpret=interpret, **tiles)
     )
@@ -199,6 +208,7 @@ def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
             num_stages=knobs["intra_num_stages"],
             factors_num_warps=knobs["intra_factors_num_warps"],
             parts_dtype=knobs["parts_dtype"],
+            any_gate=knobs["any_gate"],
             interpret=interpret,
         )
     )
@@ -267,7 +277,7 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
     )
     best, phase1_seconds = None, {}
     for overrides in PREFILL_VARIANTS:
-        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT, "parts_dtype": None, **overrides}
+        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT, "parts_dtype": None, "any_gate": False, **overrides}
         fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM**-0.5, interpret=interpret, **variant))
         label = (
             " ".join(

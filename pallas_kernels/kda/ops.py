@@ -2,7 +2,10 @@
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, the backend's platform picks:
-"gpu_triton" on a GPU, "tpu_mosaic" on a TPU, the jnp reference otherwise.
+"gpu_triton" on a GPU, "tpu_mosaic" on a TPU, the jnp reference otherwise. The prefill kernels come in two
+forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-5, the safe gate's default
+bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
+log-decay <= 0; `chunk_variant` picks the bounded form only when the caller guarantees the bound.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ import jax.numpy as jnp
 
 from pallas_kernels import variants
 from pallas_kernels.backend import resolve_backend, with_reference_vjp
-from pallas_kernels.kda.gpu_triton import chunk_kda_gpu, kda_decode_step_gpu
+from pallas_kernels.kda.chunk_math import GATE_FLOOR
+from pallas_kernels.kda.gpu_triton import chunk_kda_gpu, chunk_kda_gpu_any_gate, kda_decode_step_gpu
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
-from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, kda_decode_step_tpu
+from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
 from pallas_kernels.variants import REFERENCE, Variant
 
 
@@ -42,6 +46,8 @@ VARIANTS = {
         REFERENCE: Variant(None, _chunk_reference),
         "gpu_triton": Variant("gpu", chunk_kda_gpu),
         "tpu_mosaic": Variant("tpu", chunk_kda_tpu),
+        "gpu_triton_any_gate": Variant("gpu", chunk_kda_gpu_any_gate),
+        "tpu_mosaic_any_gate": Variant("tpu", chunk_kda_tpu_any_gate),
     },
     "kda_decode_step": {
         REFERENCE: Variant(None, _decode_reference),
@@ -50,6 +56,7 @@ VARIANTS = {
     },
 }
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
+_ANY_GATE = {"gpu_triton": "gpu_triton_any_gate", "tpu_mosaic": "tpu_mosaic_any_gate"}  # bounded -> any-gate form
 
 
 def kernel(op: str, name: str):
@@ -88,6 +95,27 @@ def kda_decode_step(
     )
 
 
+def gate_is_bounded(gate_lower_bound: float | None) -> bool:
+    """Whether log-decays >= gate_lower_bound suit the bounded prefill kernels (None: no bound known)."""
+    return gate_lower_bound is not None and gate_lower_bound >= GATE_FLOOR
+
+
+def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: str | None = None) -> str:
+    """The chunk_kda variant that runs on `backend` (resolved or not) for gates >= gate_lower_bound (None: of any
+    size): `variant` when named, else the platform's bounded kernel when the bound suits it, its any-gate kernel
+    otherwise, the reference on a CPU. A bounded kernel named with a bound below its floor is refused."""
+    backend = resolve_backend(backend)
+    bounded = variants.by_platform(backend, _BY_PLATFORM)
+    default = bounded if gate_is_bounded(gate_lower_bound) else _ANY_GATE.get(bounded, bounded)
+    name = variants.pick(VARIANTS, "chunk_kda", variant, backend, default)
+    if name in _ANY_GATE and gate_lower_bound is not None and not gate_is_bounded(gate_lower_bound):
+        raise ValueError(
+            f"variant {name!r} of chunk_kda takes log-decays >= {GATE_FLOOR}, but the gates are only bounded by "
+            f"{gate_lower_bound}: use {_ANY_GATE[name]!r}"
+        )
+    return name
+
+
 def _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret):
     return _chunk_reference(
         q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
@@ -116,21 +144,24 @@ def chunk_kda(
     initial_state=None,
     use_qk_l2norm=True,
     chunk_size=64,
+    gate_lower_bound: float | None = None,
     backend: str = "auto",
     variant: str | None = None,
 ):
     """Chunked KDA over a whole sequence: (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
-    q, k [B, T, H, K], v [B, T, H, V] (bf16 or fp32); g [B, T, H, K] fp32 log-decay (<= 0, e.g. bounded by
-    the safe gate); beta [B, T, H]; initial_state [B, H, K, V] or None. Any T. chunk_size is the reference's
-    chunk; the GPU kernels work in 64-token chunks of 16-row sub-blocks and the TPU kernel in 16-token chunks,
-    where every exponential is of a difference and fp32-safe. variant: a name of VARIANTS["chunk_kda"], None
-    for the backend's.
+    q, k [B, T, H, K], v [B, T, H, V] (bf16 or fp32); g [B, T, H, K] fp32 log-decay (<= 0); beta [B, T, H];
+    initial_state [B, H, K, V] or None. Any T. chunk_size is the reference's chunk; the GPU kernels work in
+    64-token chunks of 16-row sub-blocks and the TPU kernels in 16-token chunks, where no exponential can
+    overflow fp32. gate_lower_bound: a bound the caller guarantees, every g >= it (the safe gate's
+    kda_lower_bound), None for none: the faster bounded kernels run only when it is >= GATE_FLOOR (-5),
+    the any-gate ones otherwise (`chunk_variant`). variant: a name of VARIANTS["chunk_kda"], None for that
+    choice.
     Differentiable: the backward pass is the autodiff of the jnp chunked reference (recomputed from the
     inputs), whichever variant ran the forward.
     """
     backend = resolve_backend(backend)
-    name = variants.pick(VARIANTS, "chunk_kda", variant, backend, variants.by_platform(backend, _BY_PLATFORM))
+    name = chunk_variant(backend, gate_lower_bound, variant)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)

@@ -55,6 +55,11 @@ CHUNK_INTRA = _gpu(
     "for the block-row kernel (4 warps 6.0-6.6 ms), num_stages 2 or 3 no change, and the WY factors "
     "with 2 warps against 'The call before (... merge kernel 4 warps)'",
 )
+CHUNK_INTRA_ANY_GATE = _gpu(
+    IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
+    "not measured: CHUNK_INTRA's settings (BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order "
+    "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
+)
 CHUNK_INTER = _gpu(
     InterTiles(block_v=64, num_warps=4, num_stages=2),
     "BENCHMARKS.md, KDA prefill, 'Phase 1 as three kernels (2026-11-29, night)', row 'phase 2 "

@@ -1,6 +1,9 @@
 """KDA chunked-prefill kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
 lowering for TPU and CUDA from the CPU; gradients; prefill then decode steps; a long-sequence stability run
-of the jnp path. The GPU kernel works in 64-token chunks (T = 63..65, 129, 257 cross their edges)."""
+of the jnp path. The GPU kernel works in 64-token chunks (T = 63..65, 129, 257 cross their edges).
+The bounded kernels (gpu_triton, tpu_mosaic) run with gates >= -5, as chunk_kda picks them only for
+gate_lower_bound >= -5; the any-gate kernels with gates of every kind: -A softplus(a), logsigmoid / 0.1,
+constants -5.5 and -20, and the safe gate mixed with them."""
 
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import unit_lower_inverse
 
 BACKENDS = ["interpret_gpu", "interpret_tpu"]
-chunk_kda_gpu, chunk_kda_tpu = kernel("chunk_kda", "gpu_triton"), kernel("chunk_kda", "tpu_mosaic")
+ANY_GATE_VARIANTS = {"interpret_gpu": "gpu_triton_any_gate", "interpret_tpu": "tpu_mosaic_any_gate"}
+chunk_kda_gpu = kernel("chunk_kda", "gpu_triton")
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+BOUNDED = -5.0  # random_sequence's gates are >= -5: chunk_kda runs the bounded kernels
 
 
 def random_sequence(batch, length, heads, key_dim, value_dim, dtype, seed):
@@ -35,6 +40,27 @@ def random_sequence(batch, length, heads, key_dim, value_dim, dtype, seed):
     return q, k, v, g, beta, state
 
 
+def _softplus_gate(r, shape):
+    """-A softplus(a), the gate without the safe bound: A = e^{A_log} in [1, 16] per head, a with spread 2."""
+    decay_rate = np.exp(r.uniform(0.0, np.log(16.0), size=(1, 1, shape[2], 1)))
+    return -decay_rate * np.logaddexp(0.0, r.normal(scale=2.0, size=shape))
+
+
+GATES = {  # name -> (rng, shape) -> log-decays <= 0 of any size
+    "softplus": _softplus_gate,
+    "logsigmoid/0.1": lambda r, shape: -np.logaddexp(0.0, -r.normal(scale=2.0, size=shape)) / 0.1,
+    "constant-5.5": lambda r, shape: np.full(shape, -5.5),
+    "constant-20": lambda r, shape: np.full(shape, -20.0),
+    "safe-mixed": lambda r, shape: np.where(
+        r.uniform(size=shape) < 0.5, -5.0 * r.uniform(size=shape), _softplus_gate(r, shape)
+    ),
+}
+
+
+def gates_of(kind: str, shape, seed: int):
+    return GATES[kind](np.random.default_rng(seed), shape).astype(np.float32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 200, 257])
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
@@ -45,6 +71,7 @@ def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
     o, s = chunk_kda(
         *(jnp.asarray(x) for x in (q, k, v, g, beta)),
         initial_state=None if initial is None else jnp.asarray(initial),
+        gate_lower_bound=BOUNDED,
         backend=backend,
     )
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32 and o.shape == o_ref.shape
@@ -62,6 +89,7 @@ def test_kernel_bf16(backend, length):
         jnp.asarray(g),
         jnp.asarray(beta),
         initial_state=jnp.asarray(state),
+        gate_lower_bound=BOUNDED,
         backend=backend,
     )
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
@@ -92,9 +120,30 @@ def test_gates_at_the_bound_do_not_overflow(backend):
     q, k, v, _, beta, state = random_sequence(1, 160, 2, 16, 16, jnp.float32, seed=8)
     g = np.full(q.shape, -5.0, np.float32)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda(*(jnp.asarray(x) for x in (q, k, v, g, beta)), initial_state=jnp.asarray(state), backend=backend)
+    args = (jnp.asarray(x) for x in (q, k, v, g, beta))
+    o, s = chunk_kda(*args, initial_state=jnp.asarray(state), gate_lower_bound=BOUNDED, backend=backend)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gates", sorted(GATES))
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+def test_any_gate_kernels_match_float64_recurrence(backend, gates, with_state):
+    """Gates of any size (the bounded kernels give NaN from 16 gates of -6), T = 75 a multiple of neither
+    chunk; one compile per kernel (the shapes of test_kda_gates' layer test)."""
+    q, k, v, _, beta, state = random_sequence(2, 75, 4, 16, 16, jnp.float32, seed=31)
+    g = gates_of(gates, q.shape, seed=32)
+    initial = state if with_state else None
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, initial)
+    o, s = chunk_kda(
+        *(jnp.asarray(x) for x in (q, k, v, g, beta)),
+        initial_state=None if initial is None else jnp.asarray(initial),
+        backend=backend,
+    )
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+    assert rel_error(o, o_ref) <= 1e-4, rel_error(o, o_ref)
+    assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,6 +155,7 @@ def test_kernel_without_in_kernel_l2norm(backend):
         *(jnp.asarray(x) for x in (q, k, v, g, beta)),
         initial_state=jnp.asarray(state),
         use_qk_l2norm=False,
+        gate_lower_bound=BOUNDED,
         backend=backend,
     )
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
@@ -117,7 +167,8 @@ def test_kernel_prefill_then_decode_steps(backend):
     q, k, v, g, beta, _ = random_sequence(2, 134, 2, 16, 16, jnp.float32, seed=6)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta)
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    o, state = chunk_kda(q[:, :130], k[:, :130], v[:, :130], g[:, :130], beta[:, :130], backend=backend)
+    prefix = (x[:, :130] for x in (q, k, v, g, beta))
+    o, state = chunk_kda(*prefix, gate_lower_bound=BOUNDED, backend=backend)
     assert rel_error(o, o_ref[:, :130]) <= 1e-4
     for t in range(130, 134):
         o_t, state = kda_decode_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, backend=backend)
@@ -134,7 +185,10 @@ def test_gradient_matches_the_recurrence(backend):
         o, s = fn(q, k, v, g, beta)
         return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
 
-    ours = jax.grad(functools.partial(loss, functools.partial(chunk_kda, backend=backend)), argnums=(0, 1, 2, 3, 4))
+    ours = jax.grad(
+        functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
+        argnums=(0, 1, 2, 3, 4),
+    )
     ref = jax.grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2, 3, 4))
     for name, a, b in zip("q k v g beta".split(), ours(*args), ref(*args)):
         assert rel_error(a, b) <= 1e-4, f"d/d{name}: {rel_error(a, b):.2e}"
@@ -224,8 +278,8 @@ def chunk_parts_float64(q, k, v, g, beta, scale):
     lower = np.tril(np.ones((64, 64)))
     for rows in (slice(start, start + 64) for start in range(0, length, 64)):
         G = np.cumsum(g[:, rows], axis=1)  # [BH, 64, K]
-        decay = np.exp(G[:, :, None, :] - G[:, None, :, :])  # [BH, c, s, K]; overflows only where masked
         with np.errstate(over="ignore", invalid="ignore"):
+            decay = np.exp(G[:, :, None, :] - G[:, None, :, :])  # [BH, c, s, K]; overflows only where masked
             a_kk = np.nan_to_num(np.einsum("bck,bsk,bcsk->bcs", k[:, rows], k[:, rows], decay) * (lower - np.eye(64)))
             a_qk = np.nan_to_num(np.einsum("bck,bsk,bcsk->bcs", q[:, rows], k[:, rows], decay) * lower)
         transform = np.linalg.inv(np.eye(64) + beta[:, rows] * a_kk) * beta[:, rows, 0][:, None, :]  # T
@@ -238,16 +292,18 @@ def chunk_parts_float64(q, k, v, g, beta, scale):
     return {name: np.concatenate(x, axis=1) for name, x in parts.items()}
 
 
-def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, **blocks):
+def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False, **blocks):
     q, k, v, g, beta, _ = random_sequence(1, 128, 2, key_dim, value_dim, dtype, seed=13)
     g[:, :64] *= 0.02  # the first chunk's decay_last far from fp32's underflow (e^-160 for the full range)
-    g[:, 64:] = -5.0  # the second chunk at the gate bound
+    # the second chunk at the gate bound, or for any gate the safe gate mixed with -A softplus(a)
+    g[:, 64:] = gates_of("safe-mixed", g[:, 64:].shape, seed=14) if any_gate else -5.0
     parts = intra_chunk(
         *(jnp.asarray(x, dtype) for x in (q, k, v)),
         jnp.asarray(g),
         jnp.asarray(beta)[..., None],
         scale=key_dim**-0.5,
         parts_dtype=jnp.float32,
+        any_gate=any_gate,
         interpret=interpret,
         **blocks,
     )
@@ -274,6 +330,11 @@ def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim):
     )  # several column blocks at 64 keys
 
 
+def test_gpu_any_gate_chunk_parts_match_float64():
+    """The same for the any-gate kernels, gates far below -5 in the second chunk, over four column blocks."""
+    _check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, any_gate=True, block_k=16)
+
+
 @gpu_test("the compiled Triton kernels")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 def test_compiled_gpu_chunk_parts_full_width(dtype):
@@ -296,7 +357,8 @@ def test_correlated_keys_without_decay(backend):
         return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
 
     ours = jax.value_and_grad(
-        functools.partial(loss, functools.partial(chunk_kda, backend=backend)), argnums=(0, 1, 2)
+        functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
+        argnums=(0, 1, 2),
     )(*args)
     ref = jax.value_and_grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2))(*args)
     assert abs(float(ours[0]) - float(ref[0])) <= 1e-4 * abs(float(ref[0]))
@@ -315,20 +377,26 @@ def _abstract(batch=1, length=1000, heads=4, dim=128):
     )
 
 
-def test_tpu_kernel_lowers_for_tpu():
+@pytest.mark.parametrize("name", ["tpu_mosaic", "tpu_mosaic_any_gate"])
+def test_tpu_kernel_lowers_for_tpu(name):
     lowered = (
-        jax.jit(functools.partial(chunk_kda_tpu, scale=128**-0.5))
+        jax.jit(functools.partial(kernel("chunk_kda", name), scale=128**-0.5))
         .trace(*_abstract())
         .lower(lowering_platforms=("tpu",))
     )
     assert "tpu_custom_call" in lowered.as_text()
 
 
-@pytest.mark.parametrize("shape", [(1, 1000, 4), (1, 32768, 64)], ids=["T1000-H4", "T32768-H64"])
-def test_gpu_kernel_lowers_for_cuda(shape):
-    text = lower_for_cuda(functools.partial(chunk_kda_gpu, scale=128**-0.5), *_abstract(*shape)).as_text()
-    for kernel in ("intra_blocks", "intra_wy_factors", "inter_chunk"):
-        assert f"kda_prefill_{kernel}" in text, kernel
+@pytest.mark.parametrize(
+    "name, shape",
+    [("gpu_triton", (1, 1000, 4)), ("gpu_triton", (1, 32768, 64)), ("gpu_triton_any_gate", (1, 1000, 4))],
+    ids=["T1000-H4", "T32768-H64", "any-gate-T1000-H4"],
+)
+def test_gpu_kernel_lowers_for_cuda(name, shape):
+    prefill = functools.partial(kernel("chunk_kda", name), scale=128**-0.5)
+    text = lower_for_cuda(prefill, *_abstract(*shape)).as_text()
+    for stage in ("intra_blocks", "intra_wy_factors", "inter_chunk"):
+        assert f"kda_prefill_{stage}" in text, stage
 
 
 @pytest.mark.gpu
@@ -345,11 +413,33 @@ def test_compiled_gpu_kernel_full_width(dtype):
         jnp.asarray(g),
         jnp.asarray(beta),
         initial_state=jnp.asarray(state),
+        gate_lower_bound=BOUNDED,
         backend="pallas_gpu",
     )
     err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
     print(f"compiled GPU prefill kernel, {jnp.dtype(dtype).name} inputs: o {err_o:.1e}, final state {err_s:.1e}")
     assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)  # bf16/tf32 products for bf16 inputs
+
+
+@gpu_test("the compiled any-gate Triton kernels")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compiled_gpu_any_gate_kernel_full_width(dtype):
+    """Every gate kind through the kernel chunk_kda picks without a gate bound (one compile)."""
+    q, k, v, _, beta, state = random_sequence(2, 1000, 4, 128, 128, dtype, seed=11)
+    for gates in sorted(GATES):
+        g = gates_of(gates, q.shape, seed=12)
+        o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+        o, s = chunk_kda(
+            *(jnp.asarray(x, dtype) for x in (q, k, v)),
+            jnp.asarray(g),
+            jnp.asarray(beta),
+            initial_state=jnp.asarray(state),
+            backend="pallas_gpu",
+        )
+        err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
+        print(f"compiled any-gate GPU prefill, {jnp.dtype(dtype).name}, {gates}: o {err_o:.1e}, state {err_s:.1e}")
+        assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(s)).all(), gates
+        assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (gates, err_o, err_s)
 
 
 def test_long_sequence_is_stable():

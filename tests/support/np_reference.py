@@ -9,6 +9,8 @@ Public API
 ----------
 forward(weights, config, input_ids)            -> {"logits": [B,T,V], "hidden": [B,T,D]}
 mtp_draft_logits(weights, config, hidden, ids) -> [B,T,V]
+kda_attention(weights, config, prefix, x_BTD)  -> [B,T,D]: one KDA layer from a zero state (spec §2)
+kda_recurrence(q, k, v, g, beta, state)        -> (o, final state): the delta rule on normalised q, k
 dequant_fp8_block(w_fp8, scale_inv, block)     -> float64 weight
 dequant_mxfp4(packed, scales)                  -> float64 weight
 rope_inv_freq_and_mscale(config)               -> (inv_freq [dr/2], cos/sin factor, softmax scale)
@@ -30,6 +32,8 @@ import numpy as np
 __all__ = [
     "forward",
     "mtp_draft_logits",
+    "kda_attention",
+    "kda_recurrence",
     "dequant_fp8_block",
     "dequant_mxfp4",
     "rope_inv_freq_and_mscale",
@@ -251,7 +255,7 @@ def kda_recurrence(q, k, v, g, beta, initial_state=None):
     return o, S
 
 
-def _kda_attention(weights: Mapping, config: Mapping, prefix: str, x_BTD: np.ndarray) -> np.ndarray:
+def kda_attention(weights: Mapping, config: Mapping, prefix: str, x_BTD: np.ndarray) -> np.ndarray:
     H = _kda_num_heads(config)
     d = _kda_head_dim(config)
     B, T, _ = x_BTD.shape
@@ -524,7 +528,7 @@ def _decoder_layer(
     eps = _eps(config)
     x = _rms_norm(h, _w(weights, p + ".input_layernorm.weight"), eps)
     if is_kda:
-        h = h + _kda_attention(weights, config, p + ".attention", x)
+        h = h + kda_attention(weights, config, p + ".attention", x)
     else:
         h = h + _mla_attention(weights, config, p + ".attention", x)
     x = _rms_norm(h, _w(weights, p + ".post_attention_layernorm.weight"), eps)

@@ -36,6 +36,16 @@ read again) evict-last. It stores
   exponent <= 0, and G_last - G_c is not the difference of two sums of up to 64 gates, whose fp32 rounding,
   ~|G_last| ulp, made kg 1e-4-wrong);
   decay_last (sub-block 3's program): e^{G_last} = e^{o_3 + t_3} (fp32).
+
+Gates of any size (`any_gate`, the variant gpu_triton_any_gate): below -5 the diagonal block's e^{-Γ_s - S}
+overflows (NaN from 16 gates of -6) and e^{Γ_c} alone underflows before the shift (2^-126, flushed to 0 on the
+GPU: 20% off at a constant -5.5). So the diagonal block is formed from running products of per-step decays
+instead (`exact_decay.pair_products`, no factor above 1; its k-k products come as L_ii, transposed once for the
+inverse), and t_j - Γ_s (in the keys kernel and kg) as the sum
+of the later gates alone (`exact_decay.suffix_sums`; the difference of two sums near -1000 would carry ~1e-4
+of rounding into the exponent). Everything else holds for any gate: off the diagonal every factor is <= 1 or
+the shift's 2^58 times one, and a factor that underflows to 0 (e^{Γ_c} below 2^-126 among them) stands for a
+product below e^-87, which is 0 to fp32 next to the terms that count.
 """
 
 from __future__ import annotations
@@ -48,12 +58,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
+from pallas_kernels.kda.exact_decay import pair_products, suffix_sums
 from pallas_kernels.kda.gpu_triton.tril import CHUNK, SUB, SUBS, gpu_dots, iota_16, sub_rows, unit_lower_inverse_16
 from pallas_kernels.kda.reference import L2_EPS
 from pallas_kernels.tuning import fill, lookup
 
 LOG2_E = 1.4426950408889634
 SHIFT_UP, SHIFT_DOWN = 2.0**58, 2.0**-58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
+EXACT_DOT = functools.partial(plgpu.dot, allow_tf32=False)  # IEEE fp32: sums of gates through a 0/1 matrix
 
 
 def _column_blocks(key_dim: int, block_k: int):
@@ -82,7 +94,7 @@ def _as_row(column_SUB1):
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
-def _keys_kernel(k_ref, g_ref, right_ref, totals_ref, *, l2norm, block_k):
+def _keys_kernel(k_ref, g_ref, right_ref, totals_ref, *, l2norm, block_k, any_gate):
     """One sub-block j: its keys decayed to its end, k_s e^{t_j - Γ_s} (<= 1), and its gate totals t_j."""
     column_blocks = _column_blocks(k_ref.shape[1], block_k)
     keys = _rows(k_ref, column_blocks)
@@ -90,10 +102,30 @@ def _keys_kernel(k_ref, g_ref, right_ref, totals_ref, *, l2norm, block_k):
     for columns, key in zip(column_blocks, keys):
         g_j = g_ref[:, columns] * LOG2_E
         total = jnp.sum(g_j, axis=0, keepdims=True)
-        right_ref[:, columns] = (key * key_scale_SUB1 * jnp.exp2(total - jnp.cumsum(g_j, axis=0))).astype(
-            right_ref.dtype
-        )
+        to_end = suffix_sums(g_j, EXACT_DOT) if any_gate else total - jnp.cumsum(g_j, axis=0)  # t_j - Γ_s
+        right_ref[:, columns] = (key * key_scale_SUB1 * jnp.exp2(to_end)).astype(right_ref.dtype)
         totals_ref[:, columns] = total
+
+
+def _shifted_diagonal(decayed, dots):
+    """(a_qk, A^T) of sub-block i against itself, A = the k-k decay products, from its rows' factors
+    e^{Γ_c + S} (`decayed`) and e^{-Γ_s - S}: gates >= -5 only (e^{-Γ_s} up to e^80). Not masked."""
+    a_qk, transposed = jnp.zeros((SUB, SUB), jnp.float32), jnp.zeros((SUB, SUB), jnp.float32)
+    for q_left, k_left, keys, log_decay, *_ in decayed:
+        right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
+        a_qk, transposed = a_qk + dots.nt(q_left, right), transposed + dots.nt(right, k_left)
+    return a_qk, transposed
+
+
+def _exact_diagonal(g_ref, column_blocks, queries, keys):
+    """(a_qk, A^T) of sub-block i against itself for gates of any size (`exact_decay.pair_products`): queries,
+    keys its scaled queries and normalised keys [SUB, block_k] per column block. Zero above a_qk's diagonal."""
+    a_qk, products = jnp.zeros((SUB, SUB), jnp.float32), jnp.zeros((SUB, SUB), jnp.float32)
+    for columns, query, key in zip(column_blocks, queries, keys):
+        step_decay = jnp.exp2(plgpu.load(g_ref.at[:, columns]) * LOG2_E)
+        a_qk_part, products_part = pair_products([query, key], key, step_decay)
+        a_qk, products = a_qk + a_qk_part, products + products_part
+    return a_qk, products.T
 
 
 def _kernel(
@@ -114,6 +146,7 @@ def _kernel(
     l2norm,
     input_dtype,
     block_k,
+    any_gate,
 ):
     """Sub-block i's rows of every output (right_ref: the whole chunk's decayed keys, totals_ref [SUBS, K] its
     sub-blocks' gate totals, from `_keys_kernel`; the other refs: sub-block i's rows). Everything by column
@@ -180,27 +213,34 @@ def _kernel(
     zeros_1B = tuple(jnp.zeros((1, block_k), jnp.float32) for _ in column_blocks)
     offsets = jax.lax.fori_loop(0, i, earlier_block, zeros_1B)  # o_i = t_0 + ... + t_{i-1}
     later = jax.lax.fori_loop(i + 1, SUBS, later_block, zeros_1B)  # t_{i+1} + ... + t_3
-    a_qk, strict_U = zeros_SUBSUB, zeros_SUBSUB
     for columns, offset, after, (q_left, k_left, keys, log_decay, total) in zip(column_blocks, offsets, later, decayed):
+        if any_gate:  # t_i - Γ_c as the sum of the later gates (see the module docstring)
+            to_end = suffix_sums(plgpu.load(g_ref.at[:, columns]) * LOG2_E, EXACT_DOT)
+        else:
+            to_end = total - log_decay
         to_start = jnp.exp2(offset) * SHIFT_DOWN  # e^{o_i - S}: with the left factors' e^{Γ_c + S}, e^{G_c}
         qg_ref[:, columns] = (q_left * to_start).astype(qg_ref.dtype)
         kb_ref[:, columns] = (beta_SUB1 * k_left * to_start).astype(kb_ref.dtype)  # beta e^G k
-        kg_ref[:, columns] = (keys * jnp.exp2(total - log_decay + after)).astype(kg_ref.dtype)  # e^{G_last - G} k
+        kg_ref[:, columns] = (keys * jnp.exp2(to_end + after)).astype(kg_ref.dtype)  # e^{G_last - G} k
 
         @pl.when(i == SUBS - 1)
         def _():
             decay_ref[:, columns] = jnp.exp2(offset + total)  # e^{G_last} = e^{o_3 + t_3}
 
-        right = keys * (jnp.exp2(-log_decay) * SHIFT_DOWN)  # e^{-Γ_s - S}
-        a_qk, strict_U = a_qk + dots.nt(q_left, right), strict_U + dots.nt(right, k_left)
+    if any_gate:
+        scaled_queries = [query * query_scale_SUB1 for query in queries]
+        a_qk, strict_U = _exact_diagonal(g_ref, column_blocks, scaled_queries, [rows_i[2] for rows_i in decayed])
+    else:
+        a_qk, strict_U = _shifted_diagonal(decayed, dots)
     a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
     strict_U = jnp.where(rows < cols, strict_U, 0.0) * _as_row(beta_SUB1)  # L_ii^T
     blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
 
-def _tiles(dtype, stages: bool = False) -> tuple[int, ...]:
-    """(block_k, num_warps[, num_stages]) of `tuned.CHUNK_INTRA` for inputs of this dtype."""
-    tiles = lookup(tuned.CHUNK_INTRA, dtype=dtype)
+def _tiles(dtype, any_gate: bool, stages: bool = False) -> tuple[int, ...]:
+    """(block_k, num_warps[, num_stages]) of `tuned.CHUNK_INTRA` (`tuned.CHUNK_INTRA_ANY_GATE` for any gate) for
+    inputs of this dtype."""
+    tiles = lookup(tuned.CHUNK_INTRA_ANY_GATE if any_gate else tuned.CHUNK_INTRA, dtype=dtype)
     return (tiles.block_k, tiles.num_warps) + ((tiles.num_stages,) if stages else ())
 
 
@@ -212,18 +252,20 @@ def sub_block_keys(
     parts_dtype,
     block_k: int | None = None,
     num_warps: int | None = None,
+    any_gate: bool = False,
     interpret: bool = False,
 ):
     """(right [BH, Tp, K] in parts_dtype: k_s e^{t_j - Γ_s} of every 16-row sub-block j, k l2-normalised when
     asked; totals [BH, Tp / SUB, K] fp32: each sub-block's gate total t_j, log2 units) from k [B, Tp, H, K] and
     g [B, Tp, H, K] fp32. Grid (B*H, Tp / SUB): what `decay_blocks` needs of the sub-blocks other than a program's
-    own, formed once rather than by each later sub-block's program. Tiles: None from `tuned.CHUNK_INTRA`."""
-    block_k, num_warps = fill((block_k, num_warps), _tiles(k.dtype))
+    own, formed once rather than by each later sub-block's program. any_gate: for gates below -5 (module
+    docstring). Tiles: None from `tuned.CHUNK_INTRA` (`CHUNK_INTRA_ANY_GATE`)."""
+    block_k, num_warps = fill((block_k, num_warps), _tiles(k.dtype, any_gate))
     batch, padded, heads, key_dim = k.shape
     flat, sub_blocks = batch * heads, padded // SUB
     rows = pl.BlockSpec((None, SUB, None, key_dim), lambda bh, s: (bh // heads, s, bh % heads, 0))
     return pl.pallas_call(
-        functools.partial(_keys_kernel, l2norm=use_qk_l2norm, block_k=min(block_k, key_dim)),
+        functools.partial(_keys_kernel, l2norm=use_qk_l2norm, block_k=min(block_k, key_dim), any_gate=any_gate),
         grid=(flat, sub_blocks),
         in_specs=[rows, rows],
         out_specs=[
@@ -236,7 +278,7 @@ def sub_block_keys(
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="kda_prefill_intra_keys",
+        name="kda_prefill_intra_keys" + ("_any_gate" if any_gate else ""),
     )(k, g)
 
 
@@ -254,13 +296,15 @@ def decay_blocks(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    any_gate: bool = False,
     interpret: bool = False,
 ):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
     parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
     fp32 (Tp = N * CHUNK) and `sub_block_keys`' right and totals. Grid (B*H, N, CHUNK / SUB); the keys are worked
-    through block_k columns at a time (a power of two). Tiles: None from `tuned.CHUNK_INTRA`."""
-    block_k, num_warps, num_stages = fill((block_k, num_warps, num_stages), _tiles(q.dtype, stages=True))
+    through block_k columns at a time (a power of two). any_gate: for gates below -5 (module docstring). Tiles:
+    None from `tuned.CHUNK_INTRA` (`CHUNK_INTRA_ANY_GATE`)."""
+    block_k, num_warps, num_stages = fill((block_k, num_warps, num_stages), _tiles(q.dtype, any_gate, stages=True))
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
@@ -270,7 +314,12 @@ def decay_blocks(
     per_chunk = lambda rows: pl.BlockSpec((None, None, rows, key_dim), lambda bh, n, i: (bh, n, 0, 0))  # noqa: E731
     return pl.pallas_call(
         functools.partial(
-            _kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype, block_k=min(block_k, key_dim)
+            _kernel,
+            scale=scale,
+            l2norm=use_qk_l2norm,
+            input_dtype=q.dtype,
+            block_k=min(block_k, key_dim),
+            any_gate=any_gate,
         ),
         grid=(flat, num_chunks, SUBS),  # axis 0 varies fastest
         in_specs=[
@@ -299,5 +348,5 @@ def decay_blocks(
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="kda_prefill_intra_blocks",
+        name="kda_prefill_intra_blocks" + ("_any_gate" if any_gate else ""),
     )(q, k, g, beta, right, totals.reshape(flat, num_chunks, SUBS, key_dim))

@@ -2,7 +2,8 @@
 
 1. `intra.intra_chunk` (itself three pallas_calls, each over independent programs): per chunk the
    decay-weighted q-k and k-k blocks, the inverse of (I + L), the WY factors w = T (e^G k), u = T v and the
-   decayed q and k (no exponential can overflow fp32).
+   decayed q and k (no exponential can overflow fp32: for gates >= -5 in `chunk_kda_gpu`, for any gate in
+   `chunk_kda_gpu_any_gate`, whose diagonal 16x16 blocks are formed from running products of per-step decays).
 2. `inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its
    slice of the fp32 state and writing the output.
 Both read and write the [B, T, H, ...] layout directly; T is padded to whole chunks (g = 0, beta = 0: an
@@ -39,6 +40,7 @@ def _pad_time(x, pad: int):
         "intra_num_warps",
         "intra_num_stages",
         "intra_factors_num_warps",
+        "any_gate",
         "interpret",
     ),
 )
@@ -60,9 +62,11 @@ def chunk_kda_gpu(
     intra_num_warps: int | None = None,
     intra_num_stages: int | None = None,
     intra_factors_num_warps: int | None = None,
+    any_gate: bool = False,
     interpret: bool = False,
 ):
-    """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
+    """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32) for log-decays g >= -5
+    (`chunk_math.GATE_FLOOR`); with any_gate (`chunk_kda_gpu_any_gate`) for any g <= 0.
 
     parts_dtype: how phase 1 hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with
     bf16 inputs keeps tf32 precision in phase 2 for twice the memory traffic). block_v, num_warps,
@@ -90,6 +94,7 @@ def chunk_kda_gpu(
         num_warps=intra_num_warps,
         num_stages=intra_num_stages,
         factors_num_warps=intra_factors_num_warps,
+        any_gate=any_gate,
         interpret=interpret,
     )
     o, state = inter_chunk(
@@ -102,3 +107,23 @@ def chunk_kda_gpu(
         interpret=interpret,
     )
     return o[:, :length], state
+
+
+def chunk_kda_gpu_any_gate(
+    q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True, interpret: bool = False, **tiles
+):
+    """`chunk_kda_gpu` for log-decays g <= 0 of any size (e.g. -A softplus(a) without the safe gate); tiles: its
+    keywords, phase 1's from `tuned.CHUNK_INTRA_ANY_GATE` when None."""
+    return chunk_kda_gpu(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        any_gate=True,
+        interpret=interpret,
+        **tiles,
+    )

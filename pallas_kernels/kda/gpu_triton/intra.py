@@ -13,7 +13,9 @@ Short programs, many of them: the first single kernel ran one long chain of 16x1
 them for the forward substitution alone), with few programs resident per SM to hide its latency.
 
 Exponentials cannot overflow fp32: each is of a log-decay difference that is <= 0, except inside a diagonal
-16x16 block, where e^{-Γ} <= e^80 for gates >= -5 (16 steps); see the kernels' docstrings. Products: tf32 for
+16x16 block, where e^{-Γ} <= e^80 for gates >= -5 (16 steps); with any_gate (the variant gpu_triton_any_gate)
+that block is formed from running products of per-step decays instead, for gates of any size; see the kernels'
+docstrings. Products: tf32 for
 bf16/fp16 inputs (whose own rounding is larger), IEEE fp32 for fp32 inputs (`gpu_dots`); no product has two
 operands that are inputs as given, so none runs on bf16 operands without rounding an fp32 factor to bf16.
 """
@@ -54,6 +56,7 @@ class ChunkParts(NamedTuple):
         "num_warps",
         "num_stages",
         "factors_num_warps",
+        "any_gate",
         "interpret",
     ),
 )
@@ -71,18 +74,28 @@ def intra_chunk(
     num_warps: int | None = None,
     num_stages: int | None = None,
     factors_num_warps: int | None = None,
+    any_gate: bool = False,
     interpret: bool = False,
 ) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
     Kernel 1 works through the keys block_k columns at a time. Triton's num_warps: num_warps for kernel 1
-    (16-row blocks), factors_num_warps for kernel 2; num_stages for both. None: `tuned.CHUNK_INTRA`."""
+    (16-row blocks), factors_num_warps for kernel 2; num_stages for both. None: `tuned.CHUNK_INTRA`
+    (`tuned.CHUNK_INTRA_ANY_GATE` with any_gate: gates below -5 allowed, `blocks`' module docstring)."""
+    table = tuned.CHUNK_INTRA_ANY_GATE if any_gate else tuned.CHUNK_INTRA
     block_k, num_warps, num_stages, factors_num_warps = fill(
-        (block_k, num_warps, num_stages, factors_num_warps), lookup(tuned.CHUNK_INTRA, dtype=v.dtype)
+        (block_k, num_warps, num_stages, factors_num_warps), lookup(table, dtype=v.dtype)
     )
     dtype = v.dtype if parts_dtype is None else parts_dtype
     right, totals = sub_block_keys(
-        k, g, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k, num_warps=num_warps, interpret=interpret
+        k,
+        g,
+        use_qk_l2norm=use_qk_l2norm,
+        parts_dtype=dtype,
+        block_k=block_k,
+        num_warps=num_warps,
+        any_gate=any_gate,
+        interpret=interpret,
     )
     qg, a_qk, blocks, kb, kg, decay_last = decay_blocks(
         q,
@@ -97,6 +110,7 @@ def intra_chunk(
         block_k=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        any_gate=any_gate,
         interpret=interpret,
     )
     w, u = wy_factors(
