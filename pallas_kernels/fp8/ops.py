@@ -1,0 +1,105 @@
+"""Block-FP8 linear maps: `fp8_linear` (y = x @ W^T for a block-FP8 weight W), weight-only or W8A8, over the
+variants of each (`weight_only_linear`, `w8a8_linear`).
+
+VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
+block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton" where
+the kernel takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit
+float activation), and every other case the jnp reference.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import variants
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
+from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.gpu_triton import w8a8_linear_gpu, weight_only_linear_gpu
+from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
+from pallas_kernels.variants import REFERENCE, Variant
+
+__all__ = ["MODES", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
+
+WEIGHT_ONLY = "weight_only"
+W8A8 = "w8a8"
+MODES = (WEIGHT_ONLY, W8A8)
+_OP_OF_MODE = {WEIGHT_ONLY: "weight_only_linear", W8A8: "w8a8_linear"}
+
+VARIANTS = {
+    "weight_only_linear": {
+        REFERENCE: Variant(None, weight_only_linear_reference),
+        "gpu_triton": Variant("gpu", weight_only_linear_gpu),
+    },
+    "w8a8_linear": {REFERENCE: Variant(None, w8a8_linear_reference), "gpu_triton": Variant("gpu", w8a8_linear_gpu)},
+}
+
+
+def kernel(op: str, name: str):
+    """The entry point of variant `name` of `op` ("weight_only_linear" or "w8a8_linear")."""
+    return variants.lookup(VARIANTS, op, name).kernel
+
+
+def _power_of_two(n: int, at_least: int) -> bool:
+    return n >= at_least and n & (n - 1) == 0
+
+
+def kernel_takes(x, weight) -> bool:
+    """Whether the GPU kernels run this product: a 2-D weight with power-of-two scale blocks of >= 16 rows and
+    >= 32 inputs (the FP8 dot's K), and a bf16, fp16 or fp32 activation."""
+    block_rows, block_cols = weight.block
+    return (
+        weight.values.ndim == 2
+        and _power_of_two(block_rows, 16)
+        and _power_of_two(block_cols, 32)
+        and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+    )
+
+
+def _gpu_entry(entry):
+    return lambda x_MK, values_NK, scales, block, interpret: entry(
+        x_MK, values_NK, scales, block=block, interpret=interpret
+    )
+
+
+def _straight_through(x_MK, values_NK, scales, block, interpret):
+    return weight_only_linear_reference(x_MK, values_NK, scales, block)
+
+
+# Differentiated as dequantise-then-dot (straight through the activation quantisation of W8A8).
+_GPU_OPS = {
+    mode: with_reference_vjp(_gpu_entry(entry), _straight_through, nondiff_argnums=(3, 4))
+    for mode, entry in ((WEIGHT_ONLY, weight_only_linear_gpu), (W8A8, w8a8_linear_gpu))
+}
+
+
+def default_mode(num_rows: int, backend: str) -> str:
+    """W8A8 on a GPU backend from tuned.W8A8_MIN_ROWS rows on, weight-only otherwise (the reference backend:
+    dequantise-then-dot, the layers' path before the kernels)."""
+    on_gpu = KERNEL_TARGET.get(backend) == "gpu"
+    return W8A8 if on_gpu and num_rows >= tuned.W8A8_MIN_ROWS else WEIGHT_ONLY
+
+
+def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, variant: str | None = None):
+    """y [..., O] in x's dtype: x [..., In] @ W^T for a block-FP8 weight W [O, In] (anything with `values` [O, In]
+    float8_e4m3fn, `scales` [ceil(O / br), ceil(In / bc)] and `block` (br, bc): `ling_jax.quantized.
+    BlockFP8Weight`); fp32 accumulation.
+
+    mode: "weight_only" (W dequantised, products in x's dtype), "w8a8" (x quantised per token in 1 x bc groups,
+    FP8 products: `reference` states both), or None: the backend's choice (`default_mode`: by the row count on
+    a GPU backend). backend: "auto" (the GPU kernels on a GPU, the reference elsewhere), "reference",
+    "pallas_gpu", "interpret_gpu"; TPU names run the reference. Differentiable in x, as dequantise-then-dot.
+    """
+    backend = resolve_backend(backend)
+    x_MK = x.reshape(-1, x.shape[-1])
+    mode = default_mode(x_MK.shape[0], backend) if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"fp8_linear mode must be one of {MODES} or None, got {mode!r}")
+    op = _OP_OF_MODE[mode]
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if kernel_takes(x, weight) else REFERENCE
+    name = variants.pick(VARIANTS, op, variant, backend, default)
+    block, scales = tuple(weight.block), weight.scales.astype(jnp.float32)
+    if name == "gpu_triton":
+        y_MN = _GPU_OPS[mode](x_MK, weight.values, scales, block, variants.interpreted(backend))
+    else:
+        y_MN = kernel(op, REFERENCE)(x_MK, weight.values, scales, block)
+    return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])
