@@ -34,7 +34,7 @@ def _mask(rows_ok, cols_ok):
 
 def _load(ref, mask):
     """ref's tile with zeros where mask is false (mask None: a plain load)."""
-    return plgpu.load(ref, mask=mask, other=None if mask is None else 0)
+    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
 
 
 def _tile_origin(num_row_tiles: int, num_col_tiles: int, group_m: int):
