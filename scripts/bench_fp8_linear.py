@@ -3,7 +3,7 @@
 the step, then the bf16 dot), in one run.
 
     python scripts/bench_fp8_linear.py                # the table
-    python scripts/bench_fp8_linear.py --sweep        # tile sweeps of both kernels first
+    python scripts/bench_fp8_linear.py --sweep        # the tile sweeps of both kernels instead
 
 Every time is per call of a chain of CALLS dependent calls in one jitted program (each call's input nudged by
 the last output), the calls cycling over enough copies of the weight that they never fit the L2 together (a
@@ -153,12 +153,13 @@ def sweep(iters: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--sweep", action="store_true", help="also sweep the kernels' tiles")
+    parser.add_argument("--sweep", action="store_true", help="sweep the kernels' tiles instead of the table")
     args = parser.parse_args()
     print(f"# bench_fp8_linear {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}")
     if args.sweep:
         sweep(args.iters)
-    table(args.iters, copy_bandwidth(args.iters))
+    else:
+        table(args.iters, copy_bandwidth(args.iters))
 
 
 if __name__ == "__main__":
