@@ -2,8 +2,9 @@
 (`pallas_kernels.fp8`) against XLA's bf16 dot on the dequantised weight and today's jnp path (dequantise inside
 the step, then the bf16 dot), in one run.
 
-    python scripts/bench_fp8_linear.py                # the table
-    python scripts/bench_fp8_linear.py --sweep        # the tile sweeps of both kernels instead
+    python scripts/bench_fp8_linear.py                        # the table
+    python scripts/bench_fp8_linear.py --rows 1 8 --shapes "KDA q/k/v proj"   # part of it
+    python scripts/bench_fp8_linear.py --sweep weight-only W8A8             # tile sweeps instead
 
 Every time is per call of a chain of CALLS dependent calls in one jitted program (each call's input nudged by
 the last output), the calls cycling over enough copies of the weight that they never fit the L2 together (a
@@ -27,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 
+from pallas_kernels.fp8.gpu_triton.block_scaled import TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.ops import kernel  # noqa: E402
 from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
 
@@ -86,18 +88,19 @@ def methods(dense_copies):
     }
 
 
-def table(iters: int, copy_bw: float) -> None:
+def table(iters: int, copy_bw: float, shapes, rows_list) -> None:
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; us per call (TFLOP/s); bf16 activations, {BLOCK} blocks")
     print(
         "| layer (O x In) | M | XLA bf16 dot | dequant + dot (today) | weight-only | W8A8 | weight-only "
         "% of roofline | W8A8 error |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, (out_dim, in_dim) in SHAPES.items():
+    for name in shapes:
+        out_dim, in_dim = SHAPES[name]
         copies = max(1, -(-CYCLE_BYTES // (out_dim * in_dim)))
         values, scales = random_weights(out_dim, in_dim, copies)
         dense = jax.jit(jax.vmap(lambda v, s: dequantize_blocks(v, s, BLOCK, jnp.bfloat16)))(values, scales)
-        for rows in ROWS:
+        for rows in rows_list:
             x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
             flops = 2 * rows * out_dim * in_dim
             seconds = {
@@ -113,34 +116,33 @@ def table(iters: int, copy_bw: float) -> None:
             print(f"| {row} |", flush=True)
 
 
-WEIGHT_ONLY_SWEEP = [  # (block_m, block_n, group_m, num_warps, num_stages)
-    (16, n, 1, 4, stages) for n in (16, 32, 64, 128) for stages in (3, 6)
-]
-W8A8_SWEEP = [
-    (64, 128, 8, 4, 3),
-    (64, 128, 8, 4, 4),
-    (128, 128, 8, 4, 3),
-    (128, 128, 8, 8, 3),
-    (128, 128, 8, 8, 4),
-    (128, 64, 8, 4, 4),
-    (64, 64, 8, 4, 4),
-]
+SWEEPS = {  # kernel: (entry, tiles (block_m, block_n, group_m, num_warps, num_stages, k_splits), shape, rows)
+    "weight-only": (
+        weight_only_gpu,
+        [(16, 32, 1, 4, 4, 1), (16, 32, 1, 4, 4, 4), (16, 64, 1, 4, 4, 4), (16, 64, 1, 4, 4, 8), (16, 128, 1, 4, 4, 8)],
+        "KDA q/k/v proj",
+        (1, 8),
+    ),
+    "W8A8": (
+        w8a8_gpu,
+        [(64, 128, 8, 4, 3, 1), (64, 128, 8, 4, 4, 1), (128, 128, 8, 8, 4, 1), (128, 64, 8, 4, 4, 1)],
+        "dense MLP gate/up",
+        (2048, 8192),
+    ),
+}
 
 
-def sweep(iters: int) -> None:
-    cases = (
-        ("weight-only", weight_only_gpu, WEIGHT_ONLY_SWEEP, "KDA q/k/v proj", (1, 64)),
-        ("W8A8", w8a8_gpu, W8A8_SWEEP, "dense MLP gate/up", (2048, 8192)),
-    )
-    for label, entry, settings, shape, rows_list in cases:
+def sweep(iters: int, kernels) -> None:
+    for label in kernels:
+        entry, settings, shape, rows_list = SWEEPS[label]
         out_dim, in_dim = SHAPES[shape]
         copies = max(1, -(-CYCLE_BYTES // (out_dim * in_dim)))
         values, scales = random_weights(out_dim, in_dim, copies)
         print(f"\n{label} sweep at {shape} ({out_dim} x {in_dim}), us per call (TFLOP/s)")
-        print("| (block_m, block_n, group_m, warps, stages) | " + " | ".join(f"M = {r}" for r in rows_list) + " |")
+        print(f"| {', '.join(TILE_KEYWORDS)} | " + " | ".join(f"M = {r}" for r in rows_list) + " |")
         print("|---|" + "---|" * len(rows_list))
         for tiles in settings:
-            keywords = dict(zip(("block_m", "block_n", "group_m", "num_warps", "num_stages"), tiles, strict=True))
+            keywords = dict(zip(TILE_KEYWORDS, tiles, strict=True))
             product = functools.partial(entry, block=BLOCK, **keywords)
             cells = []
             for rows in rows_list:
@@ -153,13 +155,15 @@ def sweep(iters: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--sweep", action="store_true", help="sweep the kernels' tiles instead of the table")
+    parser.add_argument("--sweep", nargs="+", choices=list(SWEEPS), help="sweep these kernels' tiles instead")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     args = parser.parse_args()
     print(f"# bench_fp8_linear {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}")
     if args.sweep:
-        sweep(args.iters)
+        sweep(args.iters, args.sweep)
     else:
-        table(args.iters, copy_bandwidth(args.iters))
+        table(args.iters, copy_bandwidth(args.iters), args.shapes, args.rows)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ element. W8A8: lhs is x quantised to e4m3 (`reference.quantize_activations`), th
 partial product is also scaled per row by the activation scales of that K block. Either way the accumulator is
 fp32 and edge tiles (M, N, K not multiples of the tile) are masked.
 
-Programs are laid out along one grid axis in groups of group_m row tiles: the programs of a group walk the same
-column tiles together, so a weight tile is read from HBM about once per group.
+Programs are laid out along the first grid axis in groups of group_m row tiles: the programs of a group walk the
+same column tiles together, so a weight tile is read from HBM about once per group. The second grid axis cuts the
+K steps into k_splits ranges (decode: a few rows give few output tiles); each range stores its fp32 partial sums,
+added after the kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8.tuned import LinearTiles
+
+TILE_KEYWORDS = tuple(field.name for field in dataclasses.fields(LinearTiles))  # the entry points' tile overrides
 
 
 def _mask(rows_ok, cols_ok):
@@ -60,6 +64,10 @@ def _kernel(lhs_ref, values_ref, scales_ref, *refs, tiles: LinearTiles, block_k:
     cols_ok_N = col0 + jnp.arange(block_n) < n_dim if mask_n else None
     scale_row = col0 // block_rows
     compute_dtype = lhs_ref.dtype
+    num_steps = pl.cdiv(k_dim, block_k)
+    steps_per_split = pl.cdiv(num_steps, tiles.k_splits)
+    first_step = pl.program_id(1) * steps_per_split
+    last_step = jnp.minimum(first_step + steps_per_split, num_steps)
 
     def k_step(step, acc_MN):
         k0 = step * block_k
@@ -75,9 +83,10 @@ def _kernel(lhs_ref, values_ref, scales_ref, *refs, tiles: LinearTiles, block_k:
             return acc_MN + partial_MN * (row_scale_M[:, None] * scale)
         return acc_MN + partial_MN * scale
 
-    acc_MN = jax.lax.fori_loop(0, pl.cdiv(k_dim, block_k), k_step, jnp.zeros((block_m, block_n), jnp.float32))
+    acc_MN = jax.lax.fori_loop(first_step, last_step, k_step, jnp.zeros((block_m, block_n), jnp.float32))
+    split = (pl.program_id(1),) if tiles.k_splits > 1 else ()
     plgpu.store(
-        y_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
+        y_ref.at[(*split, pl.ds(row0, block_m), pl.ds(col0, block_n))],
         acc_MN.astype(y_ref.dtype),
         mask=_mask(rows_ok_M, cols_ok_N),
     )
@@ -88,10 +97,14 @@ def _tile(size: int, wanted: int, at_most: int | None = None) -> int:
     return max(16, min(wanted, pl.next_power_of_2(size), at_most or wanted))
 
 
-def fit_tiles(tiles: LinearTiles, *, num_rows: int, n_dim: int, block_rows: int) -> LinearTiles:
-    """The tiles cut to the problem: block_m to the rows, block_n to the outputs and the weight's row block."""
+def fit_tiles(tiles: LinearTiles, *, num_rows: int, n_dim: int, block_rows: int, num_k_steps: int) -> LinearTiles:
+    """The tiles cut to the problem: block_m to the rows, block_n to the outputs and the weight's row block,
+    k_splits to the K steps."""
     return dataclasses.replace(
-        tiles, block_m=_tile(num_rows, tiles.block_m), block_n=_tile(n_dim, tiles.block_n, block_rows)
+        tiles,
+        block_m=_tile(num_rows, tiles.block_m),
+        block_n=_tile(n_dim, tiles.block_n, block_rows),
+        k_splits=max(1, min(tiles.k_splits, num_k_steps)),
     )
 
 
@@ -113,15 +126,18 @@ def block_scaled_matmul(
         masks=(num_rows % tiles.block_m != 0, n_dim % tiles.block_n != 0, k_dim % block_k != 0),
     )
     operands = (lhs_MK, values_NK, scales) + (() if row_scales is None else (row_scales,))
-    whole = lambda shape: pl.BlockSpec(shape, lambda program: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda program, split: (0,) * len(shape))  # noqa: E731
     num_programs = pl.cdiv(num_rows, tiles.block_m) * pl.cdiv(n_dim, tiles.block_n)
-    return pl.pallas_call(
+    split = tiles.k_splits > 1
+    out_shape = (tiles.k_splits, num_rows, n_dim) if split else (num_rows, n_dim)
+    y = pl.pallas_call(
         kernel,
-        grid=(num_programs,),
+        grid=(num_programs, tiles.k_splits),
         in_specs=[whole(op.shape) for op in operands],
-        out_specs=whole((num_rows, n_dim)),
-        out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
+        out_specs=whole(out_shape),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split else out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="w8a8_linear" if row_scales is not None else "weight_only_linear",
     )(*operands)
+    return jnp.sum(y, axis=0).astype(out_dtype) if split else y
