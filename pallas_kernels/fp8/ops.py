@@ -72,11 +72,15 @@ _GPU_OPS = {
 }
 
 
-def default_mode(num_rows: int, backend: str) -> str:
-    """W8A8 on a GPU backend from tuned.W8A8_MIN_ROWS rows on, weight-only otherwise (the reference backend:
-    dequantise-then-dot, the layers' path before the kernels)."""
-    on_gpu = KERNEL_TARGET.get(backend) == "gpu"
-    return W8A8 if on_gpu and num_rows >= tuned.W8A8_MIN_ROWS else WEIGHT_ONLY
+def default_mode(num_rows: int, backend: str) -> str | None:
+    """The kernel a GPU backend runs for num_rows rows when no mode is named: weight-only up to
+    tuned.WEIGHT_ONLY_MAX_ROWS rows, W8A8 from tuned.W8A8_MIN_ROWS (None: never); None means dequantise-then-dot
+    (the weight-only reference, XLA's dot), as on every other backend."""
+    if KERNEL_TARGET.get(backend) != "gpu":
+        return None
+    if num_rows <= tuned.WEIGHT_ONLY_MAX_ROWS:
+        return WEIGHT_ONLY
+    return W8A8 if tuned.W8A8_MIN_ROWS is not None and num_rows >= tuned.W8A8_MIN_ROWS else None
 
 
 def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, variant: str | None = None):
@@ -86,20 +90,22 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
 
     mode: "weight_only" (W dequantised, products in x's dtype), "w8a8" (x quantised per token in 1 x bc groups,
     FP8 products: `reference` states both), or None: the backend's choice (`default_mode`: by the row count on
-    a GPU backend). backend: "auto" (the GPU kernels on a GPU, the reference elsewhere), "reference",
-    "pallas_gpu", "interpret_gpu"; TPU names run the reference. Differentiable in x, as dequantise-then-dot.
+    a GPU backend, dequantise-then-dot elsewhere). backend: "auto" (the GPU kernels on a GPU, the reference
+    elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. Differentiable in x, as
+    dequantise-then-dot.
     """
     backend = resolve_backend(backend)
     x_MK = x.reshape(-1, x.shape[-1])
-    mode = default_mode(x_MK.shape[0], backend) if mode is None else mode
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise ValueError(f"fp8_linear mode must be one of {MODES} or None, got {mode!r}")
-    op = _OP_OF_MODE[mode]
-    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if kernel_takes(x, weight) else REFERENCE
+    chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
+    op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
+    use_kernel = chosen is not None and kernel_takes(x, weight)
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if use_kernel else REFERENCE
     name = variants.pick(VARIANTS, op, variant, backend, default)
     block, scales = tuple(weight.block), weight.scales.astype(jnp.float32)
     if name == "gpu_triton":
-        y_MN = _GPU_OPS[mode](x_MK, weight.values, scales, block, variants.interpreted(backend))
+        y_MN = _GPU_OPS[chosen or WEIGHT_ONLY](x_MK, weight.values, scales, block, variants.interpreted(backend))
     else:
         y_MN = kernel(op, REFERENCE)(x_MK, weight.values, scales, block)
     return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])

@@ -1,5 +1,5 @@
 """Launch settings of the block-FP8 linear kernels, keyed by (device kind, shape bucket, dtype)
-(`pallas_kernels.tuning`), and the row count from which `fp8_linear` quantises activations (W8A8).
+(`pallas_kernels.tuning`), and the row counts at which `fp8_linear` runs each kernel by default.
 
 The K step of both kernels is the weight's scale block (128 inputs), so only the output tile and the launch are
 tuned. WEIGHT_ONLY is for decode-sized calls (a few rows: a stream of the FP8 weight), W8A8 for prefill-sized
@@ -12,8 +12,13 @@ import dataclasses
 
 from pallas_kernels.tuning import ANY, H200, Entry
 
-# From this many rows (tokens) on, `fp8_linear` runs W8A8; below, weight-only.
-W8A8_MIN_ROWS = 128
+# `fp8_linear` on a GPU without a mode named: the weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
+# from W8A8_MIN_ROWS (None: never), XLA's dot on the dequantised weight in between. Measured on the H200
+# (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)'): the weight-only kernel beat dequantise +
+# dot at 1 and 8 rows of the 8192 x 4096 projection and lost from 64 rows; the W8A8 kernel (331-359 TFLOP/s) never
+# beat XLA's bf16 dot on the dequantised weight (560-700 TFLOP/s at 2048 and 8192 rows).
+WEIGHT_ONLY_MAX_ROWS = 8
+W8A8_MIN_ROWS = None
 
 
 @dataclasses.dataclass(frozen=True)
