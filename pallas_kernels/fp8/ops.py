@@ -2,9 +2,10 @@
 variants of each (`weight_only_linear`, `w8a8_linear`).
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
-block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton" where
-the kernel takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit
-float activation), and every other case the jnp reference.
+block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs a kernel where it
+takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
+activation): for weight-only products of up to tuned.GEMV_MAX_ROWS rows the decode-shaped "gpu_triton_gemv", else
+the block-scaled "gpu_triton"; every other case runs the jnp reference.
 """
 
 from __future__ import annotations
@@ -14,21 +15,23 @@ import jax.numpy as jnp
 from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.fp8 import tuned
-from pallas_kernels.fp8.gpu_triton import w8a8_linear_gpu, weight_only_linear_gpu
+from pallas_kernels.fp8.gpu_triton import w8a8_linear_gpu, weight_only_gemv_gpu, weight_only_linear_gpu
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
 from pallas_kernels.variants import REFERENCE, Variant
 
-__all__ = ["MODES", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
+__all__ = ["GEMV", "MODES", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
 
 WEIGHT_ONLY = "weight_only"
 W8A8 = "w8a8"
 MODES = (WEIGHT_ONLY, W8A8)
 _OP_OF_MODE = {WEIGHT_ONLY: "weight_only_linear", W8A8: "w8a8_linear"}
+GEMV = "gpu_triton_gemv"
 
 VARIANTS = {
     "weight_only_linear": {
         REFERENCE: Variant(None, weight_only_linear_reference),
         "gpu_triton": Variant("gpu", weight_only_linear_gpu),
+        GEMV: Variant("gpu", weight_only_gemv_gpu),
     },
     "w8a8_linear": {REFERENCE: Variant(None, w8a8_linear_reference), "gpu_triton": Variant("gpu", w8a8_linear_gpu)},
 }
@@ -65,10 +68,12 @@ def _straight_through(x_MK, values_NK, scales, block, interpret):
     return weight_only_linear_reference(x_MK, values_NK, scales, block)
 
 
-# Differentiated as dequantise-then-dot (straight through the activation quantisation of W8A8).
+# {(op, variant): the kernel}, differentiated as dequantise-then-dot (straight through W8A8's quantisation).
 _GPU_OPS = {
-    mode: with_reference_vjp(_gpu_entry(entry), _straight_through, nondiff_argnums=(3, 4))
-    for mode, entry in ((WEIGHT_ONLY, weight_only_linear_gpu), (W8A8, w8a8_linear_gpu))
+    (op, name): with_reference_vjp(_gpu_entry(variant.kernel), _straight_through, nondiff_argnums=(3, 4))
+    for op, by_name in VARIANTS.items()
+    for name, variant in by_name.items()
+    if variant.platform == "gpu"
 }
 
 
@@ -91,8 +96,8 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     mode: "weight_only" (W dequantised, products in x's dtype), "w8a8" (x quantised per token in 1 x bc groups,
     FP8 products: `reference` states both), or None: the backend's choice (`default_mode`: by the row count on
     a GPU backend, dequantise-then-dot elsewhere). backend: "auto" (the GPU kernels on a GPU, the reference
-    elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. Differentiable in x, as
-    dequantise-then-dot.
+    elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. variant: a name of the
+    mode's op in VARIANTS, None: the module docstring's choice. Differentiable in x, as dequantise-then-dot.
     """
     backend = resolve_backend(backend)
     x_MK = x.reshape(-1, x.shape[-1])
@@ -101,11 +106,12 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
     op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
     use_kernel = chosen is not None and kernel_takes(x, weight)
-    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if use_kernel else REFERENCE
+    gemv = chosen == WEIGHT_ONLY and x_MK.shape[0] <= tuned.GEMV_MAX_ROWS
+    default = variants.by_platform(backend, {"gpu": GEMV if gemv else "gpu_triton"}) if use_kernel else REFERENCE
     name = variants.pick(VARIANTS, op, variant, backend, default)
     block, scales = tuple(weight.block), weight.scales.astype(jnp.float32)
-    if name == "gpu_triton":
-        y_MN = _GPU_OPS[chosen or WEIGHT_ONLY](x_MK, weight.values, scales, block, variants.interpreted(backend))
-    else:
+    if name == REFERENCE:
         y_MN = kernel(op, REFERENCE)(x_MK, weight.values, scales, block)
+    else:
+        y_MN = _GPU_OPS[op, name](x_MK, weight.values, scales, block, variants.interpreted(backend))
     return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])

@@ -13,8 +13,8 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
-from pallas_kernels.fp8.ops import W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
-from pallas_kernels.fp8.tuned import WEIGHT_ONLY_MAX_ROWS
+from pallas_kernels.fp8.ops import GEMV, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
+from pallas_kernels.fp8.tuned import GEMV_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -59,9 +59,26 @@ def float64_quantized_x(x_MK: np.ndarray, group: int) -> np.ndarray:
 def test_weight_only_kernel_matches_float64(dtype, tol):
     """Odd sizes: 5 rows, 150 outputs over 2 partial row blocks, 200 inputs over 2 partial K blocks."""
     weight, x = random_weight(150, 200), random_x((5, 200), dtype)
-    y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY)
+    y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY, variant="gpu_triton")
     assert y.dtype == dtype and y.shape == (5, 150)
     assert rel_error(y, f64(x) @ float64_weight(weight).T) <= tol
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_gemv_kernel_matches_float64(dtype, tol, rows):
+    """150 outputs (2 partial row blocks), 200 inputs (2 partial K blocks). FMA products in strips of 16 outputs,
+    one K block a step, the 2 steps split over programs; dot products, 4 K blocks a step (2 past the end)."""
+    weight, x = random_weight(150, 200, seed=rows), random_x((rows, 200), dtype, seed=rows + 1)
+    expected = f64(x) @ float64_weight(weight).T
+    y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY)  # the default variant at few rows
+    assert y.dtype == dtype and y.shape == (rows, 150)
+    assert rel_error(y, expected) <= tol
+    gemv = kernel("weight_only_linear", GEMV)
+    fma = dict(block_o=16, blocks_per_step=1, min_programs=64, dot_min_rows=GEMV_MAX_ROWS + 1)
+    for products in (fma, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
+        y = gemv(x, weight.values, weight.scales, block=weight.block, interpret=True, **products)
+        assert rel_error(y, expected) <= tol, products
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
@@ -104,28 +121,36 @@ def test_gradient_is_dequantise_then_dot():
 
 
 def test_kernels_lower_for_cuda():
+    """Each kernel by default: the decode-shaped one (FMA at 1 row, dot at 16) up to GEMV_MAX_ROWS rows."""
     weight = random_weight(576, 1000)
-    for mode in (WEIGHT_ONLY, W8A8):
+    for mode, rows, name in (
+        (WEIGHT_ONLY, 1, "weight_only_gemv"),
+        (WEIGHT_ONLY, GEMV_MAX_ROWS, "weight_only_gemv"),
+        (WEIGHT_ONLY, 300, "weight_only_linear"),
+        (W8A8, 300, "w8a8_linear"),
+    ):
         lowered = lower_for_cuda(
             lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode),  # noqa: B023
-            jax.ShapeDtypeStruct((300, 1000), jnp.bfloat16),
+            jax.ShapeDtypeStruct((rows, 1000), jnp.bfloat16),
             weight,
         )
-        assert f"{mode}_linear" in lowered.as_text()
+        assert name in lowered.as_text()
 
 
 @gpu_test("the compiled FP8 kernels")
-@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("rows", [1, 13, 300])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_kernels_match_float64(rows, dtype):
-    """576 outputs (kv_a_proj's 4.5 row blocks), 1000 inputs; both modes at both row counts."""
+    """576 outputs (kv_a_proj's 4.5 row blocks), 1000 inputs; both modes at every row count, weight-only by
+    both kernels where the decode-shaped one takes the rows (13 rows in bf16: its dot products)."""
     weight, x = random_weight(576, 1000, seed=rows), random_x((rows, 1000), dtype, seed=rows + 1)
     w_NK = float64_weight(weight)
     bf16 = dtype == jnp.bfloat16
-    for mode, x_64, tol in (
-        (WEIGHT_ONLY, f64(x), 1e-2 if bf16 else 1e-4),
-        (W8A8, float64_quantized_x(f64(x), 128), 1e-2 if bf16 else 1e-3),
+    weight_only_variants = ("gpu_triton", GEMV) if rows <= GEMV_MAX_ROWS else ("gpu_triton",)
+    for mode, variant, x_64, tol in (
+        *((WEIGHT_ONLY, variant, f64(x), 1e-2 if bf16 else 1e-4) for variant in weight_only_variants),
+        (W8A8, None, float64_quantized_x(f64(x), 128), 1e-2 if bf16 else 1e-3),
     ):
-        y = fp8_linear(x, weight, backend="pallas_gpu", mode=mode)
+        y = fp8_linear(x, weight, backend="pallas_gpu", mode=mode, variant=variant)
         assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
-        assert rel_error(y, x_64 @ w_NK.T) <= tol, mode
+        assert rel_error(y, x_64 @ w_NK.T) <= tol, (mode, variant)
