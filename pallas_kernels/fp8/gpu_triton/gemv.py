@@ -89,7 +89,7 @@ def _kernel(x_ref, values_ref, scales_ref, y_ref, *, tiles: tuned.GemvTiles, lay
             new_rows.append(acc_O + jnp.sum(sum_OK, axis=1))
         return tuple(new_rows)
 
-    rows_ok_M = jnp.arange(DOT_ROWS) < layout.num_rows
+    rows_ok_M = jnp.arange(DOT_ROWS) < layout.num_rows if layout.num_rows < DOT_ROWS else None
 
     def dot_step(step, acc_OM):
         for k0, k_ok_K, w_OK, scale in weight_tiles(step):
