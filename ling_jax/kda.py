@@ -10,6 +10,7 @@ pads may sit anywhere, not just on the left).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -58,13 +59,14 @@ def step_windows(window_BWC, u_BTC):
     return jnp.stack([full[:, t + 1 : t + 1 + taps_minus_one] for t in range(u_BTC.shape[1])], axis=1)
 
 
-def _gate_inputs(weights: Weights, x_BTD, config: LingConfig):
+def _gate_inputs(weights: Weights, x_BTD, config: LingConfig, backend: str = "reference"):
     """The forget-gate and output-gate pre-activations [B, T, C] (full-rank or low-rank projections)."""
+    proj = functools.partial(linear, backend=backend)
     if config.no_kda_lora:
-        return linear(weights["f_proj"], x_BTD), linear(weights["g_proj"], x_BTD)
+        return proj(weights["f_proj"], x_BTD), proj(weights["g_proj"], x_BTD)
     return (
-        linear(weights["f_b_proj"], linear(weights["f_a_proj"], x_BTD)),
-        linear(weights["g_b_proj"], linear(weights["g_a_proj"], x_BTD)),
+        proj(weights["f_b_proj"], proj(weights["f_a_proj"], x_BTD)),
+        proj(weights["g_b_proj"], proj(weights["g_a_proj"], x_BTD)),
     )
 
 
@@ -128,7 +130,9 @@ def _kda(
     c = config
     batch, length, _ = x_BTD.shape
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
-    mixed = jnp.concatenate([linear(weights[name], x_BTD) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
+    mixed = jnp.concatenate(
+        [linear(weights[name], x_BTD, backend=backend) for name in ("q_proj", "k_proj", "v_proj")], axis=-1
+    )
     conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
     if mask_BT is not None:
         mixed = jnp.where(mask_BT[..., None], mixed, 0)
@@ -137,9 +141,9 @@ def _kda(
     conv_inputs_BTC = mixed
     mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
     q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
-    f, r = _gate_inputs(weights, x_BTD, c)
+    f, r = _gate_inputs(weights, x_BTD, c, backend)
     g = log_decay(weights, f, c)
-    beta = jax.nn.sigmoid(linear(weights["b_proj"], x_BTD).astype(jnp.float32))
+    beta = jax.nn.sigmoid(linear(weights["b_proj"], x_BTD, backend=backend).astype(jnp.float32))
     if mask_BT is not None:
         g = jnp.where(mask_BT[..., None, None], g, 0.0)
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
@@ -169,7 +173,7 @@ def _kda(
         valid = ", ".join(repr(m.value) for m in KDAMode)
         raise ValueError(f"KDA mode must be one of {valid}, got {mode!r}")
     o = gated_rms_norm(weights["o_norm"], o, r.reshape(batch, length, heads, head_dim), c.rms_norm_eps)
-    y = linear(weights["dense"], o.reshape(batch, length, width))
+    y = linear(weights["dense"], o.reshape(batch, length, width), backend=backend)
     return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
 
 

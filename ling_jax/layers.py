@@ -5,7 +5,7 @@ Weights keep the checkpoint's [out, in] layout, so loading a tensor never transp
 carries its logical axis names (`out_sharding` metadata, e.g. ("experts", "expert_mlp", "embed")); the
 mesh axes they map to are chosen once, in `ling_jax.sharding`. A `quantizable` parameter (a projection's
 weight, the routed experts) may hold a quantised weight (`ling_jax.quantized`) that its layer dequantises
-inside the step.
+inside the step, or a block-FP8 weight goes to the FP8 kernels (`project`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.quantized import dequantized
+from ling_jax.quantized import BlockFP8Weight, dequantized
+from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
 from pallas_kernels.norm.ops import rms_norm as rms_norm_op
 from pallas_kernels.norm.reference import rms_normalize
@@ -29,10 +30,20 @@ def params_of(module: nnx.Module) -> Weights:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
-def linear(weights: Weights, x: jax.Array) -> jax.Array:
-    """x @ weight.T, weight [out, in] (checkpoint layout) cast to x's dtype; a quantised weight is dequantised to
-    x's dtype first (the weight-only reference path)."""
-    return jnp.einsum("...i,oi->...o", x, dequantized(weights["weight"], x.dtype))
+def project(x: jax.Array, weight, *, backend: str = "reference") -> jax.Array:
+    """x @ weight.T, weight [out, in] (checkpoint layout). A block-FP8 matrix runs `pallas_kernels.fp8.fp8_linear`
+    with `backend` on one device (on a GPU: weight-only FP8 kernels for a few tokens, W8A8 for many), and as the
+    reference under a mesh (a Pallas call does not split over one); the reference, like any other weight, is the
+    weight cast (or dequantised) to x's dtype, then the product."""
+    if isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2:
+        on_one_device = jax.sharding.get_abstract_mesh().empty
+        return fp8_linear(x, weight, backend=backend if on_one_device else "reference")
+    return jnp.einsum("...i,oi->...o", x, dequantized(weight, x.dtype))
+
+
+def linear(weights: Weights, x: jax.Array, *, backend: str = "reference") -> jax.Array:
+    """x @ weight.T (`project`)."""
+    return project(x, weights["weight"], backend=backend)
 
 
 def rms_norm(weights: Weights, x: jax.Array, eps: float, *, backend: str = "reference") -> jax.Array:

@@ -26,22 +26,22 @@ EXPANDED = MLAMode.EXPANDED
 ABSORBED = MLAMode.ABSORBED
 
 
-def _queries(weights: Weights, x_BTD, cos, sin, cfg: LingConfig):
+def _queries(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, backend: str):
     c = cfg
     if c.q_lora_rank is None:
-        q = linear(weights["q_proj"], x_BTD)
+        q = linear(weights["q_proj"], x_BTD, backend=backend)
     else:
-        q_a = rms_norm(weights["q_a_layernorm"], linear(weights["q_a_proj"], x_BTD), c.rms_norm_eps)
-        q = linear(weights["q_b_proj"], q_a)
+        q_a = rms_norm(weights["q_a_layernorm"], linear(weights["q_a_proj"], x_BTD, backend=backend), c.rms_norm_eps)
+        q = linear(weights["q_b_proj"], q_a, backend=backend)
     q_BTHQ = q.reshape(*x_BTD.shape[:2], c.num_attention_heads, c.qk_head_dim)
     q_nope, q_pe = q_BTHQ[..., : c.qk_nope_head_dim], q_BTHQ[..., c.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, cos, sin, interleave=c.rope.interleave)
 
 
-def mla_latent(weights: Weights, x_BTD, cos, sin, cfg: LingConfig) -> jax.Array:
+def mla_latent(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, *, backend: str = "reference") -> jax.Array:
     """The per-token cache entry [c_kv after kv_a_layernorm ; k_pe after RoPE], [B, T, latent_dim]."""
     c = cfg
-    kv = linear(weights["kv_a_proj_with_mqa"], x_BTD)
+    kv = linear(weights["kv_a_proj_with_mqa"], x_BTD, backend=backend)
     c_kv = rms_norm(weights["kv_a_layernorm"], kv[..., : c.kv_lora_rank], c.rms_norm_eps)
     k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, interleave=c.rope.interleave)
     return jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
@@ -78,7 +78,7 @@ def mla_attend(
     """
     c = cfg
     scale = softmax_scale(c)
-    q_nope, q_pe = _queries(weights, x_BTD, cos, sin, c)
+    q_nope, q_pe = _queries(weights, x_BTD, cos, sin, c, backend)
     kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
@@ -111,9 +111,9 @@ def mla_attend(
     else:
         valid = ", ".join(repr(m.value) for m in MLAMode)
         raise ValueError(f"MLA mode must be one of {valid}, got {mode!r}")
-    gate_BTH = jax.nn.sigmoid(linear(weights["g_proj"], x_BTD).astype(jnp.float32)).astype(x_BTD.dtype)
-    o_BTHV = o_BTHV * gate_BTH[..., None]
-    return linear(weights["dense"], o_BTHV.reshape(*x_BTD.shape[:2], -1))
+    gate_BTH = jax.nn.sigmoid(linear(weights["g_proj"], x_BTD, backend=backend).astype(jnp.float32))
+    o_BTHV = o_BTHV * gate_BTH.astype(x_BTD.dtype)[..., None]
+    return linear(weights["dense"], o_BTHV.reshape(*x_BTD.shape[:2], -1), backend=backend)
 
 
 def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: TokenContext, cfg: LingConfig):
@@ -124,7 +124,7 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
     cache's visible slots (`ctx.visibility`), so a prefill then decodes over the returned cache equal one full
     call. Mode and kernel backend: `ctx.policy`.
     """
-    latent_BTA = mla_latent(weights, x_BTD, ctx.cos, ctx.sin, cfg)
+    latent_BTA = mla_latent(weights, x_BTD, ctx.cos, ctx.sin, cfg, backend=ctx.kernel_backend)
     if cache is None:
         keys_BSA = latent_BTA
     else:

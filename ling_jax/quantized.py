@@ -21,16 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.quant import E2M1_VALUES, MXFP4_GROUP
-
-
-def dequantize_blocks(values, scales, block: tuple[int, int], dtype) -> jax.Array:
-    """W[..., r, c] = values[..., r, c] * scales[..., r // block_rows, c // block_cols], cast to `dtype`.
-
-    Edge blocks may be partial. Computed in float32 then cast once, as `ling_jax.quant.dequantize_fp8_block`."""
-    rows, cols = values.shape[-2:]
-    block_rows, block_cols = block
-    full_scales = jnp.repeat(jnp.repeat(scales.astype(jnp.float32), block_rows, axis=-2), block_cols, axis=-1)
-    return (values.astype(jnp.float32) * full_scales[..., :rows, :cols]).astype(dtype)
+from pallas_kernels.fp8.reference import dequantize_blocks
 
 
 @jax.tree_util.register_dataclass

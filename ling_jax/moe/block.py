@@ -29,9 +29,10 @@ def shared_expert(weights: Weights, limit: float | None) -> SharedExpert:
     )
 
 
-def dense_mlp(weights: Weights, x: jax.Array, *, limit: float | None = None) -> jax.Array:
-    """The dense SwiGLU MLP (also the shared expert): down(swiglu(gate(x), up(x), limit))."""
-    return swiglu_ffn(x, *shared_expert(weights, limit))
+def dense_mlp(weights: Weights, x: jax.Array, *, limit: float | None = None, backend: str = "reference") -> jax.Array:
+    """The dense SwiGLU MLP (also the shared expert): down(swiglu(gate(x), up(x), limit)); backend: the FP8
+    kernels' for block-FP8 weights (`swiglu_ffn`)."""
+    return swiglu_ffn(x, *shared_expert(weights, limit), backend=backend)
 
 
 def routing_rule(config: LingConfig) -> RoutingRule:

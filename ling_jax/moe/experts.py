@@ -12,11 +12,13 @@ expert-parallel, of this device (the weight-only reference path fused kernels ar
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from ling_jax.layers import project
 from ling_jax.quantized import dequantized, is_quantized
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, routed_experts
@@ -37,13 +39,10 @@ class SharedExpert(NamedTuple):
     limit: float | None
 
 
-def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None) -> jax.Array:
-    """down(swiglu(gate(x), up(x), limit)) with the weights cast (or dequantised) to x's dtype: the dense MLP and
-    shared expert."""
-
-    def linear(v, w_OI):
-        return jnp.einsum("...i,oi->...o", v, dequantized(w_OI, v.dtype))
-
+def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None, *, backend: str = "reference") -> jax.Array:
+    """down(swiglu(gate(x), up(x), limit)), each product a `project` (the weights cast or dequantised to x's dtype,
+    or the FP8 kernels with `backend`): the dense MLP and shared expert."""
+    linear = functools.partial(project, backend=backend)
     return linear(swiglu(linear(x, gate_ID), linear(x, up_ID), limit), down_DI)
 
 

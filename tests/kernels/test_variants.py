@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import tuning
+from pallas_kernels.fp8 import ops as fp8_ops
+from pallas_kernels.fp8 import tuned as fp8_tuned
 from pallas_kernels.kda import chunk_kda, kda_decode_step
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda import tuned as kda_tuned
@@ -21,10 +23,10 @@ from pallas_kernels.norm import ops as norm_ops
 from pallas_kernels.norm import tuned as norm_tuned
 from pallas_kernels.tuning import ANY, H200, Entry
 
-OPS = (kda_ops, mla_ops, moe_ops, norm_ops)
+OPS = (fp8_ops, kda_ops, mla_ops, moe_ops, norm_ops)
 TABLES = {
     f"{module.__name__}.{name}": table
-    for module in (kda_tuned, mla_tuned, moe_tuned, norm_tuned)
+    for module in (fp8_tuned, kda_tuned, mla_tuned, moe_tuned, norm_tuned)
     for name, table in vars(module).items()
     if name.isupper() and isinstance(table, dict)
 }

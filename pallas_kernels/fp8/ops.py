@@ -1,0 +1,117 @@
+"""Block-FP8 linear maps: `fp8_linear` (y = x @ W^T for a block-FP8 weight W), weight-only or W8A8, over the
+variants of each (`weight_only_linear`, `w8a8_linear`).
+
+VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
+block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs a kernel where it
+takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
+activation): for weight-only products of up to tuned.GEMV_MAX_ROWS rows the decode-shaped "gpu_triton_gemv", else
+the block-scaled "gpu_triton"; every other case runs the jnp reference.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import variants
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
+from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.gpu_triton import w8a8_linear_gpu, weight_only_gemv_gpu, weight_only_linear_gpu
+from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
+from pallas_kernels.variants import REFERENCE, Variant
+
+__all__ = ["GEMV", "MODES", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
+
+WEIGHT_ONLY = "weight_only"
+W8A8 = "w8a8"
+MODES = (WEIGHT_ONLY, W8A8)
+_OP_OF_MODE = {WEIGHT_ONLY: "weight_only_linear", W8A8: "w8a8_linear"}
+GEMV = "gpu_triton_gemv"
+
+VARIANTS = {
+    "weight_only_linear": {
+        REFERENCE: Variant(None, weight_only_linear_reference),
+        "gpu_triton": Variant("gpu", weight_only_linear_gpu),
+        GEMV: Variant("gpu", weight_only_gemv_gpu),
+    },
+    "w8a8_linear": {REFERENCE: Variant(None, w8a8_linear_reference), "gpu_triton": Variant("gpu", w8a8_linear_gpu)},
+}
+
+
+def kernel(op: str, name: str):
+    """The entry point of variant `name` of `op` ("weight_only_linear" or "w8a8_linear")."""
+    return variants.lookup(VARIANTS, op, name).kernel
+
+
+def _power_of_two(n: int, at_least: int) -> bool:
+    return n >= at_least and n & (n - 1) == 0
+
+
+def kernel_takes(x, weight) -> bool:
+    """Whether the GPU kernels run this product: a 2-D weight with power-of-two scale blocks of >= 16 rows and
+    >= 32 inputs (the FP8 dot's K), and a bf16, fp16 or fp32 activation."""
+    block_rows, block_cols = weight.block
+    return (
+        weight.values.ndim == 2
+        and _power_of_two(block_rows, 16)
+        and _power_of_two(block_cols, 32)
+        and jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+    )
+
+
+def _gpu_entry(entry):
+    return lambda x_MK, values_NK, scales, block, interpret: entry(
+        x_MK, values_NK, scales, block=block, interpret=interpret
+    )
+
+
+def _straight_through(x_MK, values_NK, scales, block, interpret):
+    return weight_only_linear_reference(x_MK, values_NK, scales, block)
+
+
+# {(op, variant): the kernel}, differentiated as dequantise-then-dot (straight through W8A8's quantisation).
+_GPU_OPS = {
+    (op, name): with_reference_vjp(_gpu_entry(variant.kernel), _straight_through, nondiff_argnums=(3, 4))
+    for op, by_name in VARIANTS.items()
+    for name, variant in by_name.items()
+    if variant.platform == "gpu"
+}
+
+
+def default_mode(num_rows: int, backend: str) -> str | None:
+    """The kernel a GPU backend runs for num_rows rows when no mode is named: weight-only up to
+    tuned.WEIGHT_ONLY_MAX_ROWS rows, W8A8 from tuned.W8A8_MIN_ROWS (None: never); None means dequantise-then-dot
+    (the weight-only reference, XLA's dot), as on every other backend."""
+    if KERNEL_TARGET.get(backend) != "gpu":
+        return None
+    if num_rows <= tuned.WEIGHT_ONLY_MAX_ROWS:
+        return WEIGHT_ONLY
+    return W8A8 if tuned.W8A8_MIN_ROWS is not None and num_rows >= tuned.W8A8_MIN_ROWS else None
+
+
+def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, variant: str | None = None):
+    """y [..., O] in x's dtype: x [..., In] @ W^T for a block-FP8 weight W [O, In] (anything with `values` [O, In]
+    float8_e4m3fn, `scales` [ceil(O / br), ceil(In / bc)] and `block` (br, bc): `ling_jax.quantized.
+    BlockFP8Weight`); fp32 accumulation.
+
+    mode: "weight_only" (W dequantised, products in x's dtype), "w8a8" (x quantised per token in 1 x bc groups,
+    FP8 products: `reference` states both), or None: the backend's choice (`default_mode`: by the row count on
+    a GPU backend, dequantise-then-dot elsewhere). backend: "auto" (the GPU kernels on a GPU, the reference
+    elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. variant: a name of the
+    mode's op in VARIANTS, None: the module docstring's choice. Differentiable in x, as dequantise-then-dot.
+    """
+    backend = resolve_backend(backend)
+    x_MK = x.reshape(-1, x.shape[-1])
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"fp8_linear mode must be one of {MODES} or None, got {mode!r}")
+    chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
+    op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
+    use_kernel = chosen is not None and kernel_takes(x, weight)
+    gemv = chosen == WEIGHT_ONLY and x_MK.shape[0] <= tuned.GEMV_MAX_ROWS
+    default = variants.by_platform(backend, {"gpu": GEMV if gemv else "gpu_triton"}) if use_kernel else REFERENCE
+    name = variants.pick(VARIANTS, op, variant, backend, default)
+    block, scales = tuple(weight.block), weight.scales.astype(jnp.float32)
+    if name == REFERENCE:
+        y_MN = kernel(op, REFERENCE)(x_MK, weight.values, scales, block)
+    else:
+        y_MN = _GPU_OPS[op, name](x_MK, weight.values, scales, block, variants.interpreted(backend))
+    return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])

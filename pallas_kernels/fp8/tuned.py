@@ -1,0 +1,93 @@
+"""Launch settings of the block-FP8 linear kernels, keyed by (device kind, shape bucket, dtype)
+(`pallas_kernels.tuning`), and the row counts at which `fp8_linear` runs each kernel by default.
+
+The K step of both kernels is the weight's scale block (128 inputs), so only the output tile and the launch are
+tuned. WEIGHT_ONLY_GEMV is for decode-sized calls (up to GEMV_MAX_ROWS rows: a stream of the FP8 weight),
+WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 for prefill-sized ones (FP8 tensor cores).
+Entries without a measurement say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.tuning import ANY, H200, Entry
+
+# `fp8_linear` on a GPU without a mode named: the weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
+# from W8A8_MIN_ROWS (None: never), XLA's dot on the dequantised weight in between. Measured on the H200
+# (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)'): the weight-only kernel beat dequantise +
+# dot at 1 and 8 rows of the 8192 x 4096 projection and lost from 64 rows; the W8A8 kernel (331-359 TFLOP/s) never
+# beat XLA's bf16 dot on the dequantised weight (560-700 TFLOP/s at 2048 and 8192 rows).
+# Weight-only calls of up to GEMV_MAX_ROWS rows run the decode-shaped kernel (`gpu_triton_gemv`, chosen for the
+# bandwidth it should reach; its H200 figures are not measured yet: scripts/bench_fp8_linear.py's decode table),
+# more rows the block-scaled one (`gpu_triton`).
+WEIGHT_ONLY_MAX_ROWS = 8
+W8A8_MIN_ROWS = None
+GEMV_MAX_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearTiles:
+    """gpu_triton: block_m rows x block_n outputs a program (block_n at most the weight's row block: one weight
+    scale per K step), group_m row tiles whose programs run together (L2 reuse of the weight tiles), the K steps
+    cut into k_splits ranges run by separate programs (fp32 partial sums added after the kernel: more programs,
+    more loads in flight, for a few rows)."""
+
+    block_m: int
+    block_n: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    k_splits: int = 1
+
+
+def _gpu(entries: dict) -> dict:
+    """The H200's entries {(bucket, dtype): Entry}, also the defaults for every other device."""
+    return {(device, *key): entry for key, entry in entries.items() for device in (H200, ANY)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvTiles:
+    """gpu_triton_gemv: block_o outputs a program (at most the weight's row block), blocks_per_step K blocks of
+    weight loaded a loop step (all issued before any is used: the bytes in flight), the K steps split over
+    programs until there are min_programs (fp32 partial sums added after the kernel), tensor-core products from
+    dot_min_rows rows (below: FMA products, no padded rows)."""
+
+    block_o: int
+    blocks_per_step: int
+    min_programs: int
+    dot_min_rows: int
+    num_warps: int
+    num_stages: int
+
+
+_SWEEP = "docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)'"
+WEIGHT_ONLY = _gpu(
+    {
+        (ANY, "16bit"): Entry(
+            LinearTiles(16, 64, 1, 4, 4, k_splits=4),
+            f"not measured with K splits: {_SWEEP}'s sweep at 8192 x 4096 (no splits) read 0.65 TB/s at best, "
+            "with 256 programs; 4 splits give 512 programs of 64 x 128 tiles",
+        ),
+        (ANY, ANY): Entry(LinearTiles(16, 32, 1, 4, 3, k_splits=4), "fp32 untuned: the 16-bit tiles, narrower"),
+    }
+)
+# Not measured: chosen for the H200's 132 SMs and its ~4.8 TB/s. A program streams 32 x 512 e4m3 (16 KB) a step
+# in 16-byte loads (4 warps: 8 a thread); K splits until 4 programs an SM. FMA products cost M multiply-adds a weight
+# byte, about the H200's fp32 rate against its bandwidth at 8 rows, hence tensor cores from 8 rows. fp32 x never
+# takes the dot (an IEEE fp32 dot is FMAs too, with padded rows).
+WEIGHT_ONLY_GEMV = _gpu(
+    {
+        (ANY, "16bit"): Entry(GemvTiles(32, 4, 528, 8, 4, 2), "not measured: chosen for the H200, see above"),
+        (ANY, ANY): Entry(
+            GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2), "not measured: the 16-bit tiles, FMA products only"
+        ),
+    }
+)
+W8A8 = _gpu(
+    {
+        (ANY, ANY): Entry(
+            LinearTiles(128, 64, 8, 4, 4), f"{_SWEEP}, W8A8 sweep at 12288 x 4096: 331 / 359 TFLOP/s at M 2048 / 8192"
+        )
+    }
+)

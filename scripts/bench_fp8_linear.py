@@ -1,0 +1,220 @@
+"""Block-FP8 linear maps at Ling-3.1-flash widths (hidden 4096): the FP8 kernels (`pallas_kernels.fp8`) against
+XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step, then the bf16 dot).
+
+    python scripts/bench_fp8_linear.py --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
+    python scripts/bench_fp8_linear.py --prefill             # 64 to 8192 rows: weight-only, W8A8 and XLA
+    python scripts/bench_fp8_linear.py --sweep weight-only W8A8          # those kernels' tile sweeps alone
+
+Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
+output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
+no slice of a stacked weight is copied first: the bench before 2026-12 sliced one, which XLA may copy), the chain
+MIN_CALLS to MAX_CALLS long, reading CHAIN_BYTES of FP8 weight where that cap allows: the copies never fit the L2
+together. Decode cells: us, GB/s of the weight bytes the method must read (FP8 values and
+fp32 scales, or the bf16 weight, plus x and y) and that rate as % of the measured copy bandwidth. Prefill cells:
+us (TFLOP/s, 2 M O In over the time) and W8A8's error against the fp32 product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
+
+from pallas_kernels.fp8 import tuned  # noqa: E402
+from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
+from pallas_kernels.fp8.ops import GEMV, kernel  # noqa: E402
+from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
+from pallas_kernels.tuning import lookup  # noqa: E402
+
+BLOCK = (128, 128)
+DECODE_SHAPES = ((8192, 4096), (4096, 8192), (10240, 4096), (4096, 10240), (576, 4096))  # (out, in)
+DECODE_ROWS = (1, 8, 16)
+PREFILL_SHAPES = ((8192, 4096), (4096, 8192), (576, 4096), (12288, 4096), (4096, 12288))
+PREFILL_ROWS = (64, 256, 2048, 8192)
+MIN_CALLS, MAX_CALLS = 16, 48  # calls (weight copies) a chain: 48 of the 576 x 4096 weight are 113 MB
+CHAIN_BYTES = 192 << 20  # FP8 weight bytes a chain reads at least: ~4x the H200's 50 MB L2
+weight_only_gpu, w8a8_gpu = kernel("weight_only_linear", "gpu_triton"), kernel("w8a8_linear", "gpu_triton")
+gemv_gpu = kernel("weight_only_linear", GEMV)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+@dataclasses.dataclass
+class Copies:
+    """One block-FP8 weight [O, In] in `calls` copies, each its own array: e4m3 values, fp32 scales and the bf16
+    weight they stand for (XLA's baseline)."""
+
+    values: list
+    scales: list
+    dense: list
+
+    @property
+    def fp8_bytes(self) -> int:
+        return self.values[0].nbytes + self.scales[0].nbytes
+
+
+def random_copies(out_dim: int, in_dim: int) -> Copies:
+    calls = min(MAX_CALLS, max(MIN_CALLS, -(-CHAIN_BYTES // (out_dim * in_dim))))
+    k_values, k_scales = jax.random.split(jax.random.key(out_dim * in_dim))
+    values = (32.0 * jax.random.normal(k_values, (calls, out_dim, in_dim), jnp.bfloat16)).astype(jnp.float8_e4m3fn)
+    scale_shape = (calls, -(-out_dim // BLOCK[0]), -(-in_dim // BLOCK[1]))
+    scales = jax.random.uniform(k_scales, scale_shape, jnp.float32, 1e-4, 1e-3)
+    dense = jax.jit(jax.vmap(lambda v, s: dequantize_blocks(v, s, BLOCK, jnp.bfloat16)))(values, scales)
+    return Copies(list(values), list(scales), list(dense))
+
+
+def chain_seconds(product, x_MK, copies: list, iters: int) -> float:
+    """Seconds per call of product(x, *copy), one call for each copy (a tuple of arrays), chained."""
+
+    def run(x_MK, copies):
+        for weights in copies:
+            y_MN = product(x_MK, *weights)
+            x_MK = x_MK + (1e-3 * y_MN[:, :1]).astype(x_MK.dtype)
+        return x_MK
+
+    return median_seconds(jax.jit(run), x_MK, copies, iters=iters) / len(copies)
+
+
+def fp8_copies(weights: Copies) -> list:
+    return list(zip(weights.values, weights.scales, strict=True))
+
+
+DECODE_METHODS = {  # name: (product, whether it reads the bf16 weight)
+    "XLA bf16 dot (bf16 weight)": (lambda x, w: x @ w.T, True),
+    "dequant + dot (today)": (lambda x, v, s: x @ dequantize_blocks(v, s, BLOCK, x.dtype).T, False),
+    "weight-only gpu_triton": (lambda x, v, s: weight_only_gpu(x, v, s, block=BLOCK), False),
+    f"weight-only {GEMV}": (lambda x, v, s: gemv_gpu(x, v, s, block=BLOCK), False),
+}
+
+
+def decode_table(iters: int, copy_bw: float) -> None:
+    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; bf16 x, {BLOCK} blocks; us (GB/s, % of copy bandwidth)")
+    print(f"{GEMV} defaults: {lookup(tuned.WEIGHT_ONLY_GEMV, dtype=jnp.bfloat16)}")
+    print("| O x In | M | " + " | ".join(DECODE_METHODS) + " |")
+    print("|---|---|" + "---|" * len(DECODE_METHODS))
+    for out_dim, in_dim in DECODE_SHAPES:
+        weights = random_copies(out_dim, in_dim)
+        for rows in DECODE_ROWS:
+            x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
+            cells = []
+            for product, reads_dense in DECODE_METHODS.values():
+                copies = [(w,) for w in weights.dense] if reads_dense else fp8_copies(weights)
+                seconds = chain_seconds(product, x, copies, iters)
+                moved = (weights.dense[0].nbytes if reads_dense else weights.fp8_bytes) + 2 * rows * (in_dim + out_dim)
+                cells.append(f"{seconds * 1e6:.1f} ({moved / seconds / 1e9:.0f}, {moved / seconds / copy_bw:.0%})")
+            print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
+def prefill_table(iters: int) -> None:
+    methods = {
+        "XLA bf16 dot": (lambda x, w: x @ w.T, True),
+        "dequant + dot": DECODE_METHODS["dequant + dot (today)"],
+        "weight-only": DECODE_METHODS["weight-only gpu_triton"],
+        "W8A8": (lambda x, v, s: w8a8_gpu(x, v, s, block=BLOCK), False),
+    }
+    print(f"\nbf16 x, {BLOCK} blocks; us per call (TFLOP/s)")
+    print("| O x In | M | " + " | ".join(methods) + " | W8A8 error |")
+    print("|---|---|" + "---|" * (len(methods) + 1))
+    for out_dim, in_dim in PREFILL_SHAPES:
+        weights = random_copies(out_dim, in_dim)
+        for rows in PREFILL_ROWS:
+            x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
+            flops = 2 * rows * out_dim * in_dim
+            cells = []
+            for product, reads_dense in methods.values():
+                copies = [(w,) for w in weights.dense] if reads_dense else fp8_copies(weights)
+                seconds = chain_seconds(product, x, copies, iters)
+                cells.append(f"{seconds * 1e6:.1f} ({flops / seconds / 1e12:.1f})")
+            values, scales = weights.values[0], weights.scales[0]
+            exact = jnp.matmul(x, dequantize_blocks(values, scales, BLOCK, jnp.float32).T, precision="highest")
+            error = rel_error(w8a8_gpu(x, values, scales, block=BLOCK), exact)
+            print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells) + f" | {error:.1e} |", flush=True)
+
+
+SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
+    GEMV: (
+        gemv_gpu,
+        gemv.TILE_KEYWORDS,
+        [
+            (32, 4, 528, 8, 4, 2),
+            (64, 2, 528, 8, 4, 2),
+            (32, 4, 1056, 8, 4, 2),
+            (32, 8, 264, 8, 8, 2),
+            (16, 4, 1056, 8, 4, 3),
+            (32, 4, 528, 17, 4, 2),
+            (64, 4, 528, 1, 4, 2),
+        ],
+        (8192, 4096),
+        DECODE_ROWS,
+    ),
+    "weight-only": (
+        weight_only_gpu,
+        block_scaled.TILE_KEYWORDS,
+        [(16, 32, 1, 4, 4, 1), (16, 32, 1, 4, 4, 4), (16, 64, 1, 4, 4, 4), (16, 64, 1, 4, 4, 8), (16, 128, 1, 4, 4, 8)],
+        (8192, 4096),
+        (1, 8),
+    ),
+    "W8A8": (
+        w8a8_gpu,
+        block_scaled.TILE_KEYWORDS,
+        [(64, 128, 8, 4, 3, 1), (64, 128, 8, 4, 4, 1), (128, 128, 8, 8, 4, 1), (128, 64, 8, 4, 4, 1)],
+        (12288, 4096),
+        (2048, 8192),
+    ),
+}
+
+
+def sweep(iters: int, kernels) -> None:
+    for label in kernels:
+        entry, keywords, settings, (out_dim, in_dim), rows_list = SWEEPS[label]
+        weights = random_copies(out_dim, in_dim)
+        print(f"\n{label} sweep at {out_dim} x {in_dim}, us per call (GB/s of the FP8 weight)")
+        print(f"| {', '.join(keywords)} | " + " | ".join(f"M = {r}" for r in rows_list) + " |")
+        print("|---|" + "---|" * len(rows_list))
+        for tiles in settings:
+            product = functools.partial(entry, block=BLOCK, **dict(zip(keywords, tiles, strict=True)))
+            cells = []
+            for rows in rows_list:
+                x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
+                seconds = chain_seconds(product, x, fp8_copies(weights), iters)
+                cells.append(f"{seconds * 1e6:.1f} ({weights.fp8_bytes / seconds / 1e9:.0f})")
+            print(f"| {tiles} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode one")
+    parser.add_argument("--sweep", nargs="+", choices=list(SWEEPS), help="sweep these kernels' tiles alone")
+    args = parser.parse_args()
+    print(f"# bench_fp8_linear {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}")
+    start = time.perf_counter()
+    if args.sweep:
+        sweep(args.iters, args.sweep)
+    elif args.prefill:
+        prefill_table(args.iters)
+    else:
+        decode_table(args.iters, copy_bandwidth(args.iters))
+        print(f"\n({time.perf_counter() - start:.0f} s)")
+        sweep(args.iters, [GEMV])
+    print(f"\n({time.perf_counter() - start:.0f} s in all)")
+
+
+if __name__ == "__main__":
+    main()

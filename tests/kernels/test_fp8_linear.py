@@ -1,0 +1,156 @@
+"""Block-FP8 linear maps (`pallas_kernels.fp8`): the GPU kernels (Pallas interpret mode on the CPU, compiled on
+the device machine) against float64 numpy written from spec §6.2 and the W8A8 formula; the dispatch; gradients;
+lowering for CUDA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import gpu_test, lower_for_cuda, rel_error
+
+from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.fp8 import fp8_linear
+from pallas_kernels.fp8.ops import GEMV, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
+from pallas_kernels.fp8.tuned import GEMV_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def random_weight(out_dim: int, in_dim: int, block=(128, 128), seed: int = 0) -> BlockFP8Weight:
+    r = np.random.default_rng(seed)
+    values = np.asarray(r.normal(size=(out_dim, in_dim)) * 60.0, E4M3)
+    scales = r.uniform(1e-3, 1e-2, (-(-out_dim // block[0]), -(-in_dim // block[1]))).astype(np.float32)
+    return BlockFP8Weight(jnp.asarray(values), jnp.asarray(scales), block)
+
+
+def random_x(shape, dtype, seed: int = 1):
+    r = np.random.default_rng(seed)
+    return jnp.asarray(r.normal(size=shape) * r.uniform(0.1, 10.0, shape[-1]), dtype)  # uneven group ranges
+
+
+def f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def float64_weight(weight: BlockFP8Weight) -> np.ndarray:
+    """W[o, i] = values[o, i] * scales[o // br, i // bc] (spec §6.2)."""
+    out_dim, in_dim = weight.shape
+    rows, cols = weight.block
+    full = np.repeat(np.repeat(f64(weight.scales), rows, 0), cols, 1)[:out_dim, :in_dim]
+    return f64(weight.values) * full
+
+
+def float64_quantized_x(x_MK: np.ndarray, group: int) -> np.ndarray:
+    """x dequantised after per-token 1 x group quantisation: scale = max(amax, 1e-10) / 448 over each group,
+    x_q = e4m3(clip(x / scale, +-448)) rounded to nearest even."""
+    dequantized = np.empty_like(x_MK)
+    for start in range(0, x_MK.shape[1], group):
+        part = x_MK[:, start : start + group]
+        scale = np.maximum(np.abs(part).max(axis=1, keepdims=True), 1e-10) / 448.0
+        codes = np.clip(part / scale, -448.0, 448.0).astype(E4M3).astype(np.float64)
+        dequantized[:, start : start + group] = codes * scale
+    return dequantized
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_weight_only_kernel_matches_float64(dtype, tol):
+    """Odd sizes: 5 rows, 150 outputs over 2 partial row blocks, 200 inputs over 2 partial K blocks."""
+    weight, x = random_weight(150, 200), random_x((5, 200), dtype)
+    y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY, variant="gpu_triton")
+    assert y.dtype == dtype and y.shape == (5, 150)
+    assert rel_error(y, f64(x) @ float64_weight(weight).T) <= tol
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_gemv_kernel_matches_float64(dtype, tol, rows):
+    """150 outputs (2 partial row blocks), 200 inputs (2 partial K blocks). FMA products in strips of 16 outputs,
+    one K block a step, the 2 steps split over programs; dot products, 4 K blocks a step (2 past the end)."""
+    weight, x = random_weight(150, 200, seed=rows), random_x((rows, 200), dtype, seed=rows + 1)
+    expected = f64(x) @ float64_weight(weight).T
+    y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY)  # the default variant at few rows
+    assert y.dtype == dtype and y.shape == (rows, 150)
+    assert rel_error(y, expected) <= tol
+    gemv = kernel("weight_only_linear", GEMV)
+    fma = dict(block_o=16, blocks_per_step=1, min_programs=64, dot_min_rows=GEMV_MAX_ROWS + 1)
+    for products in (fma, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
+        y = gemv(x, weight.values, weight.scales, block=weight.block, interpret=True, **products)
+        assert rel_error(y, expected) <= tol, products
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_w8a8_kernel_matches_float64(dtype, tol):
+    """37 rows over 3 row tiles of 16 in groups of 2 (the last group partial), 200 outputs in tiles of 64, 300
+    inputs; within a few % of the unquantised-activation product."""
+    weight, x = random_weight(200, 300, seed=2), random_x((37, 300), dtype, seed=3)
+    w8a8 = kernel("w8a8_linear", "gpu_triton")
+    y = w8a8(x, weight.values, weight.scales, block=weight.block, block_m=16, block_n=64, group_m=2, interpret=True)
+    assert y.dtype == dtype and y.shape == (37, 200)
+    w_NK = float64_weight(weight)
+    assert rel_error(y, float64_quantized_x(f64(x), 128) @ w_NK.T) <= tol
+    assert rel_error(y, f64(x) @ w_NK.T) <= 0.05
+
+
+def test_dispatch_by_rows_and_weight():
+    assert default_mode(WEIGHT_ONLY_MAX_ROWS, "pallas_gpu") == WEIGHT_ONLY
+    assert default_mode(WEIGHT_ONLY_MAX_ROWS + 1, "pallas_gpu") in (W8A8, None)  # None: dequantise, XLA's dot
+    assert default_mode(1, "reference") is None
+    x = random_x((2, 3, 64), jnp.float32)
+    assert kernel_takes(x, random_weight(32, 64, (32, 32)))
+    assert not kernel_takes(x, random_weight(32, 64, (1, 32)))  # MXFP4 experts kept as E4M3 + 1 x 32 scales
+    assert not kernel_takes(x.astype(jnp.float8_e4m3fn), random_weight(32, 64, (32, 32)))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fp8_linear(x, random_weight(32, 64, (32, 32)), mode="w4a8")
+
+
+def test_reference_backend_is_dequantise_then_dot_over_leading_axes():
+    weight, x = random_weight(40, 64, (1, 32), seed=4), random_x((2, 3, 64), jnp.float32, seed=5)
+    y = fp8_linear(x, weight, backend="interpret_gpu")  # a 1 x 32 block: no kernel, the reference
+    assert y.shape == (2, 3, 40)
+    assert rel_error(y, f64(x) @ float64_weight(weight).T) <= 1e-6
+
+
+def test_gradient_is_dequantise_then_dot():
+    weight, x = random_weight(32, 64, (32, 32), seed=6), random_x((3, 64), jnp.float32, seed=7)
+    cotangent = random_x((3, 32), jnp.float32, seed=8)
+    grad = jax.grad(lambda x: jnp.sum(fp8_linear(x, weight, backend="interpret_gpu", mode=W8A8) * cotangent))(x)
+    assert rel_error(grad, f64(cotangent) @ float64_weight(weight)) <= 1e-5
+
+
+def test_kernels_lower_for_cuda():
+    """Each kernel by default: the decode-shaped one (FMA at 1 row, dot at 16) up to GEMV_MAX_ROWS rows."""
+    weight = random_weight(576, 1000)
+    for mode, rows, name in (
+        (WEIGHT_ONLY, 1, "weight_only_gemv"),
+        (WEIGHT_ONLY, GEMV_MAX_ROWS, "weight_only_gemv"),
+        (WEIGHT_ONLY, 300, "weight_only_linear"),
+        (W8A8, 300, "w8a8_linear"),
+    ):
+        lowered = lower_for_cuda(
+            lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode),  # noqa: B023
+            jax.ShapeDtypeStruct((rows, 1000), jnp.bfloat16),
+            weight,
+        )
+        assert name in lowered.as_text()
+
+
+@gpu_test("the compiled FP8 kernels")
+@pytest.mark.parametrize("rows", [1, 13, 300])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_kernels_match_float64(rows, dtype):
+    """576 outputs (kv_a_proj's 4.5 row blocks), 1000 inputs; both modes at every row count, weight-only by
+    both kernels where the decode-shaped one takes the rows (13 rows in bf16: its dot products)."""
+    weight, x = random_weight(576, 1000, seed=rows), random_x((rows, 1000), dtype, seed=rows + 1)
+    w_NK = float64_weight(weight)
+    bf16 = dtype == jnp.bfloat16
+    weight_only_variants = ("gpu_triton", GEMV) if rows <= GEMV_MAX_ROWS else ("gpu_triton",)
+    for mode, variant, x_64, tol in (
+        *((WEIGHT_ONLY, variant, f64(x), 1e-2 if bf16 else 1e-4) for variant in weight_only_variants),
+        (W8A8, None, float64_quantized_x(f64(x), 128), 1e-2 if bf16 else 1e-3),
+    ):
+        y = fp8_linear(x, weight, backend="pallas_gpu", mode=mode, variant=variant)
+        assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
+        assert rel_error(y, x_64 @ w_NK.T) <= tol, (mode, variant)
