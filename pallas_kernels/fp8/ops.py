@@ -4,7 +4,7 @@ variants of each (`weight_only_linear`, `w8a8_linear`).
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs a kernel where it
 takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
-activation): for weight-only products of up to tuned.GEMV_MAX_ROWS rows the decode-shaped "gpu_triton_gemv", else
+activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else
 the block-scaled "gpu_triton"; every other case runs the jnp reference.
 """
 
@@ -106,7 +106,7 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
     op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
     use_kernel = chosen is not None and kernel_takes(x, weight)
-    gemv = chosen == WEIGHT_ONLY and x_MK.shape[0] <= tuned.GEMV_MAX_ROWS
+    gemv = chosen == WEIGHT_ONLY and x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS
     default = variants.by_platform(backend, {"gpu": GEMV if gemv else "gpu_triton"}) if use_kernel else REFERENCE
     name = variants.pick(VARIANTS, op, variant, backend, default)
     block, scales = tuple(weight.block), weight.scales.astype(jnp.float32)

@@ -15,15 +15,17 @@ from pallas_kernels.tuning import ANY, H200, Entry
 
 # `fp8_linear` on a GPU without a mode named: the weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
 # from W8A8_MIN_ROWS (None: never), XLA's dot on the dequantised weight in between. Measured on the H200
-# (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)'): the weight-only kernel beat dequantise +
-# dot at 1 and 8 rows of the 8192 x 4096 projection and lost from 64 rows; the W8A8 kernel (331-359 TFLOP/s) never
-# beat XLA's bf16 dot on the dequantised weight (560-700 TFLOP/s at 2048 and 8192 rows).
-# Weight-only calls of up to GEMV_MAX_ROWS rows run the decode-shaped kernel (`gpu_triton_gemv`, chosen for the
-# bandwidth it should reach; its H200 figures are not measured yet: scripts/bench_fp8_linear.py's decode table),
-# more rows the block-scaled one (`gpu_triton`).
-WEIGHT_ONLY_MAX_ROWS = 8
+# (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)' and 'The decode-shaped kernel'): the
+# block-scaled weight-only kernel took 29-46 us at 8 and 16 rows of the 4096- and 10240-wide projections against
+# 85-117 us for dequantise + dot, and lost from 64 rows; the W8A8 kernel (331-359 TFLOP/s) never beat XLA's bf16
+# dot on the dequantised weight (560-700 TFLOP/s at 2048 and 8192 rows).
+# The decode-shaped kernel (`gpu_triton_gemv`) takes at most GEMV_MAX_ROWS rows and runs by default up to
+# GEMV_DEFAULT_ROWS: at 1 row it beat the block-scaled kernel on the four large projections (25-38 us against
+# 32-35 us), at 8 and 16 it lost (42-70 us against 29-46 us); interpolating the two linearly, they cross near 3.
+WEIGHT_ONLY_MAX_ROWS = 16
 W8A8_MIN_ROWS = None
 GEMV_MAX_ROWS = 16
+GEMV_DEFAULT_ROWS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +74,17 @@ WEIGHT_ONLY = _gpu(
         (ANY, ANY): Entry(LinearTiles(16, 32, 1, 4, 3, k_splits=4), "fp32 untuned: the 16-bit tiles, narrower"),
     }
 )
-# Not measured: chosen for the H200's 132 SMs and its ~4.8 TB/s. A program streams 32 x 512 e4m3 (16 KB) a step
+# Chosen for the H200's 132 SMs and its ~4.8 TB/s. A program streams 32 x 512 e4m3 (16 KB) a step
 # in 16-byte loads (4 warps: 8 a thread); K splits until 4 programs an SM. FMA products cost M multiply-adds a weight
 # byte, about the H200's fp32 rate against its bandwidth at 8 rows, hence tensor cores from 8 rows. fp32 x never
 # takes the dot (an IEEE fp32 dot is FMAs too, with padded rows).
 WEIGHT_ONLY_GEMV = _gpu(
     {
-        (ANY, "16bit"): Entry(GemvTiles(32, 4, 528, 8, 4, 2), "not measured: chosen for the H200, see above"),
+        (ANY, "16bit"): Entry(
+            GemvTiles(32, 4, 528, 8, 4, 2),
+            "docs/benchmarks/matmul.md, 'The decode-shaped kernel': the best of a 7-setting sweep at 1 row "
+            "(8192 x 4096: 24.9 us, 1,347 GB/s)",
+        ),
         (ANY, ANY): Entry(
             GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2), "not measured: the 16-bit tiles, FMA products only"
         ),

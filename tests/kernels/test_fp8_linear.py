@@ -14,7 +14,7 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.fp8.ops import GEMV, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
-from pallas_kernels.fp8.tuned import GEMV_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS
+from pallas_kernels.fp8.tuned import GEMV_DEFAULT_ROWS, GEMV_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -121,16 +121,17 @@ def test_gradient_is_dequantise_then_dot():
 
 
 def test_kernels_lower_for_cuda():
-    """Each kernel by default: the decode-shaped one (FMA at 1 row, dot at 16) up to GEMV_MAX_ROWS rows."""
+    """Each kernel: the decode-shaped one by default up to GEMV_DEFAULT_ROWS rows (FMA products) and by name at
+    GEMV_MAX_ROWS (tensor-core products), the block-scaled ones by default for more rows."""
     weight = random_weight(576, 1000)
-    for mode, rows, name in (
-        (WEIGHT_ONLY, 1, "weight_only_gemv"),
-        (WEIGHT_ONLY, GEMV_MAX_ROWS, "weight_only_gemv"),
-        (WEIGHT_ONLY, 300, "weight_only_linear"),
-        (W8A8, 300, "w8a8_linear"),
+    for mode, rows, variant, name in (
+        (WEIGHT_ONLY, GEMV_DEFAULT_ROWS, None, "weight_only_gemv"),
+        (WEIGHT_ONLY, GEMV_MAX_ROWS, GEMV, "weight_only_gemv"),
+        (WEIGHT_ONLY, GEMV_DEFAULT_ROWS + 1, None, "weight_only_linear"),
+        (W8A8, 300, None, "w8a8_linear"),
     ):
         lowered = lower_for_cuda(
-            lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode),  # noqa: B023
+            lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode, variant=variant),  # noqa: B023
             jax.ShapeDtypeStruct((rows, 1000), jnp.bfloat16),
             weight,
         )
