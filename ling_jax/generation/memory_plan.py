@@ -100,7 +100,7 @@ class MemoryPlan:
     param_bytes: int  # exact, per device
     cache_bytes: int  # exact, per device
     mtp_cache_bytes: int  # exact, per device; only speculative decoding (--mtp) allocates it, not in the total
-    steps: tuple[StepMemory, ...]
+    steps: tuple[StepMemory, ...]  # empty when the parameters and the cache alone do not fit: nothing compiled
     compiled_on: str
     whole_model: bool
 
@@ -113,7 +113,7 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.step_bytes(step) for step in self.steps)
+        return max((self.step_bytes(step) for step in self.steps), default=self.param_bytes + self.cache_bytes)
 
     @property
     def fits(self) -> bool:
@@ -123,6 +123,11 @@ class MemoryPlan:
         usable = self.hardware.usable_bytes
         if self.fits:
             return f"fits: peak {format_bytes(self.peak_bytes)} of {format_bytes(usable)} usable per device"
+        if not self.steps:
+            return (
+                f"does not fit by at least {format_bytes(self.peak_bytes - usable)}: the parameters and the cache "
+                f"alone take {format_bytes(self.peak_bytes)} of {format_bytes(usable)} usable per device"
+            )
         return (
             f"does not fit by {format_bytes(self.peak_bytes - usable)}: peak {format_bytes(self.peak_bytes)} of "
             f"{format_bytes(usable)} usable per device"
@@ -131,7 +136,12 @@ class MemoryPlan:
     def report(self) -> str:
         hw = self.hardware
         mesh = ", ".join(f"{axis}={size}" for axis, size in self.mesh_shape) or "one device"
-        method = "the whole model" if self.whole_model else "one decoder layer of each kind, the largest temporaries"
+        if not self.steps:
+            compiled = f"compiled: {self.compiled_on}"
+        elif self.whole_model:
+            compiled = f"compiled on {self.compiled_on}: the whole model"
+        else:
+            compiled = f"compiled on {self.compiled_on}: one decoder layer of each kind, the largest temporaries"
         temporaries = f"temporaries (compiled: {'whole model' if self.whole_model else 'largest layer'})"
         rows = [
             ("parameters (exact, whole model)", lambda s: self.param_bytes),
@@ -146,12 +156,13 @@ class MemoryPlan:
             f"prefill chunk {self.prefill_chunk:,}",
             f"mesh {mesh} ({self.devices} x {hw.name}): {format_bytes(hw.memory_bytes)} per device, usable "
             f"{format_bytes(hw.usable_bytes)} ({hw.usable_fraction:g}; {hw.source})",
-            f"compiled on {self.compiled_on}: {method}",
+            compiled,
             "",
             f"{'per device':<{width}}  " + "  ".join(f"{step.name:>14}" for step in self.steps),
         ]
-        for label, value in rows:
-            lines.append(f"{label:<{width}}  " + "  ".join(f"{format_bytes(value(s)):>14}" for s in self.steps))
+        for label, value in rows if self.steps else rows[:2]:
+            figures = [format_bytes(value(step)) for step in self.steps] or [format_bytes(value(None))]
+            lines.append(f"{label:<{width}}  " + "  ".join(f"{figure:>14}" for figure in figures))
         for step in self.steps:
             kinds = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in step.temps_by_kind)
             lines.append(f"{step.name} temporaries by program: {kinds}")
@@ -323,7 +334,13 @@ def plan_memory(
     if config.num_nextn_predict_layers:
         mtp = jax.eval_shape(lambda: MTPCache.create(config, batch, context, dtype))
         mtp_bytes = per_device_bytes(mtp, cache_shardings(mtp, mesh))
-    programs = {"whole model": config} if whole_model else _layer_configs(config)
+    if param_bytes + main_cache_bytes > hardware.usable_bytes:
+        programs = {}
+        compiled_on = "nothing (the parameters and the cache alone exceed the usable memory)"
+    else:
+        programs = {"whole model": config} if whole_model else _layer_configs(config)
+        standing_in = "CPU devices standing in" if on_cpu else f"{available[0].device_kind} devices"
+        compiled_on = f"{devices} {standing_in}, kernel backend {policy.kernel_backend.value}"
     compiled = {
         kind: _compile_steps(
             layer_config,
@@ -345,6 +362,7 @@ def plan_memory(
             temps_by_kind=tuple((kind, c[step].temp_bytes) for kind, c in compiled.items()),
         )
         for step in ("prefill chunk", "decode step")
+        if compiled
     )
     return MemoryPlan(
         model=model_name,
@@ -358,8 +376,7 @@ def plan_memory(
         cache_bytes=main_cache_bytes,
         mtp_cache_bytes=mtp_bytes,
         steps=steps,
-        compiled_on=f"{devices} {'CPU devices standing in' if on_cpu else available[0].device_kind + ' devices'}, "
-        f"kernel backend {policy.kernel_backend.value}",
+        compiled_on=compiled_on,
         whole_model=whole_model,
     )
 
