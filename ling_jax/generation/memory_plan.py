@@ -78,6 +78,15 @@ HARDWARE = {
 }
 
 
+def device_hardware(device: jax.Device) -> Hardware:
+    """The `Hardware` of a live accelerator: its allocator's limit (`memory_stats()["bytes_limit"]`, the memory
+    fraction already applied), all of it usable."""
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit is None:
+        raise ValueError(f"{device.platform} device {device.id} reports no memory limit: name its hardware instead")
+    return Hardware(device.device_kind, int(limit), 1.0, "the device's bytes_limit")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
     """One compiled step's per-device bytes besides the parameters and the cache."""
@@ -381,4 +390,13 @@ def plan_memory(
     )
 
 
-__all__ = ["HARDWARE", "Hardware", "MemoryPlan", "StepMemory", "abstract_model", "plan_memory"]
+__all__ = [
+    "HARDWARE",
+    "Hardware",
+    "MemoryPlan",
+    "StepMemory",
+    "abstract_model",
+    "device_hardware",
+    "per_device_bytes",
+    "plan_memory",
+]
