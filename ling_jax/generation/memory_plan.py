@@ -18,8 +18,9 @@ Compiled on CPU devices standing in for the accelerators (`XLA_FLAGS=--xla_force
 the programs use the GPU Pallas kernels in interpret mode: the MoE then runs its fused gather / scatter kernels
 (XLA:CPU's own grouped matmul would hold a masked copy of the rows per local expert, which no accelerator makes).
 The temporaries are XLA:CPU's plan of those programs, an estimate of the accelerator's: the CPU has no bf16
-matmul, so it also holds float32 copies of one layer's bf16 weights. On the accelerators themselves the same
-call compiles for them and every figure is that compiler's.
+matmul, so it also holds float32 copies of one layer's bf16 weights and of the lm_head. On the accelerators
+themselves the same call compiles for them and every figure is that compiler's. docs/memory.md has the results
+and what makes up the temporaries.
 """
 
 from __future__ import annotations
