@@ -25,29 +25,17 @@ from convert.source import FP8, MXFP4, ShardReader
 from ling_jax.checkpoints.hf import SCALE_SUFFIX
 from ling_jax.checkpoints.names import source_for
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors
+from ling_jax.checkpoints.storage import BF16, FP32, storage_kind
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
 from ling_jax.presets import preset
 from ling_jax.quant import MXFP4_GROUP, is_float8
 
-FP32 = "fp32"
-BF16 = "bf16"
 FP8_BLOCK = (128, 128)
 _SCALE_DTYPES = {
     "e8m0": np.dtype(ml_dtypes.float8_e8m0fnu),
     "float32": np.dtype(np.float32),
     "uint8": np.dtype(np.uint8),
 }
-
-_KEEP_FP32 = re.compile(r"\.(A_log|dt_bias|expert_bias|e_score_correction_bias)$|_conv1d\.weight$")
-_ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-_KDA_GATE = re.compile(r"^model\.layers\.(\d+)\.attention\.g_proj\.weight$")  # the MLA g_proj is never FP8
-_FP8_MODULES = re.compile(
-    r"\.attention\.(q_proj|k_proj|v_proj|f_proj|dense|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj"
-    r"|f_a_proj|f_b_proj|g_a_proj|g_b_proj)\.weight$"
-    r"|\.mlp\.(gate_proj|up_proj|down_proj|shared_experts\.(gate|up|down)_proj|experts\.\d+\.(gate|up|down)_proj)"
-    r"\.weight$"
-    r"|\.eh_proj\.weight$"
-)
 
 
 def natural_key(name: str) -> list:
@@ -85,19 +73,6 @@ def benchmark_config(target_bytes: float) -> LingConfig:
         expert_swiglu_limit_list=(),
         share_expert_swiglu_limit_list=(),
     )
-
-
-def storage_kind(name: str, config: LingConfig, mxfp4_experts: bool) -> str:
-    """FP32, BF16, FP8 or MXFP4 for the tensor stored under the original name `name`."""
-    if _KEEP_FP32.search(name):
-        return FP32
-    if mxfp4_experts and _ROUTED_EXPERT.search(name):
-        return MXFP4
-    kda_gate = _KDA_GATE.match(name)
-    if kda_gate:
-        layer = int(kda_gate[1])
-        return FP8 if layer < config.num_hidden_layers and config.layer_types[layer] == KDA else BF16
-    return FP8 if _FP8_MODULES.search(name) else BF16
 
 
 def checkpoint_tensors(config: LingConfig) -> list[tuple[str, tuple[int, ...]]]:

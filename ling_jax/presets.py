@@ -1,7 +1,12 @@
 """Configs for the published shapes and tiny test models.
 
-Values the spec marks UNCONFIRMED (vocab size, dense/MoE widths of 3.1-flash, the VL rope theta) are the
-best public guesses; a real checkpoint's config.json always wins (`LingConfig.from_pretrained`).
+Ling-3.1-flash is its published shape (spec §0: expert width 1280, dense width 10240, q-LoRA 1536, 72 layers +
+1 MTP layer); its block-FP8 checkpoint comes to within 0.1% of the published 573,753,281,152 tensor bytes
+(tests/test_presets.py). The SwiGLU clip lists are those the checkpoints' config.json files are reported to
+carry (3.1-flash: 10 on the shared experts of layers 64-71 and the routed experts of layers 65-71; 3.0-flash:
+routed 4 on layers 35-41, shared 5 on layers 34-39 and 7 on 40-41); the VL text model is taken to share
+3.0-flash's. Values the spec marks UNCONFIRMED (the VL rope theta, its clip lists) are the best public guesses;
+a real checkpoint's config.json always wins (`LingConfig.from_pretrained`).
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ LING_3_1_FLASH = {
     "q_lora_rank": 1536,
     "layer_group_size": 8,
     "first_k_dense_replace": 4,
-    "intermediate_size": 12288,
-    "moe_intermediate_size": 1024,
+    "intermediate_size": 10240,
+    "moe_intermediate_size": 1280,
+    "expert_swiglu_limit_list": [0] * 65 + [10.0] * 7,
+    "share_expert_swiglu_limit_list": [0] * 64 + [10.0] * 8,
 }
 
 LING_3_0_FLASH = {
@@ -55,6 +62,8 @@ LING_3_0_FLASH = {
     "first_k_dense_replace": 2,
     "intermediate_size": 6144,
     "moe_intermediate_size": 768,
+    "expert_swiglu_limit_list": [0] * 35 + [4.0] * 7,
+    "share_expert_swiglu_limit_list": [0] * 34 + [5.0] * 6 + [7.0] * 2,
 }
 
 LING_3_0_FLASH_VL_TEXT = {

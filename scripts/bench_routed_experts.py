@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Routed experts of a few tokens at Ling-3.1-flash width (hidden 4096, 512 experts, top-8, width 1024, bf16,
+"""Routed experts of a few tokens at hidden 4096, 512 experts, top-8, width 1024 (published Ling-3.1-flash: 1280), bf16,
 plus the shared expert of the same width, as a decode step runs them): the row-by-row decode kernels
 (`pallas_kernels.moe.routed_experts`) against the grouped path (sort, grouped matmuls, combine:
 `ling_jax.moe.experts.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one

@@ -2,9 +2,9 @@
 
 Buckets of the grouped kernels: "few_rows" (decode: the groups average at most FEW_ROWS_PER_GROUP rows, so each
 call streams the picked experts' weights) and "many_rows" (`rows_bucket`). The GPU entries were measured on an
-H200 at Ling-3.1-flash MoE shapes (hidden 4096, 512 experts, top-8, width 1024, bf16); other GPUs take the same
-values (the ANY entries). fp32 (IEEE products, no tensor cores) is untuned: its entries are the 16-bit ones
-shrunk to fit, not measured.
+H200 at hidden 4096, 512 experts, top-8, width 1024, bf16 (the Ling-3.1-flash preset before its published widths;
+the published expert width is 1280); other GPUs take the same values (the ANY entries). fp32 (IEEE products, no
+tensor cores) is untuned: its entries are the 16-bit ones shrunk to fit, not measured.
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ from helpers import REPO_ROOT
 from oracle import build_oracle, save_oracle
 
 from convert.hf_writer import TensorEntry, _shard_of_each, write_sharded
-from convert.synthetic import benchmark_config, checkpoint_tensors, config_dict, storage_kind
+from convert.synthetic import benchmark_config, checkpoint_tensors, config_dict
 from ling_jax.checkpoints.hf import load_hf_checkpoint
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors
+from ling_jax.checkpoints.storage import storage_kind
 from ling_jax.config import LingConfig
 from ling_jax.presets import PRESETS
 

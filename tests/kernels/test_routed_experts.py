@@ -186,7 +186,7 @@ def test_local_moe_with_the_shared_expert(tokens, shared_width):
 
 
 def test_gpu_kernels_lower_for_cuda():
-    """Ling-3.1-flash decode shapes (one token, top-8 of 512 experts, hidden 4096, width 1024)."""
+    """Flash-sized decode shapes (one token, top-8 of 512 experts, hidden 4096, width 1024)."""
     shape = jax.ShapeDtypeStruct
     args = (
         shape((1, 4096), jnp.bfloat16),
