@@ -29,11 +29,23 @@ from ling_jax.presets import preset
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
 
 TOL = 1e-5
-MESHES = [{"expert": 8}, {"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}, {"fsdp": 2, "tensor": 2, "expert": 2}]
+# Every axis in a mesh with more than one device; expert=8 alone is covered by the expert-parallel MoE tests below
+# (moe_parallel against the dense baseline) and by the placement test (test_each_device_holds_its_share_of_experts).
+MESHES = [{"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}, {"fsdp": 2, "tensor": 2, "expert": 2}]
 
 
 def _config(**changes) -> LingConfig:
-    base = preset("tiny").replace(num_experts=32, n_group=4, topk_group=2, num_experts_per_tok=4, vocab_size=264)
+    """Two layers, KDA + dense MLP and MLA + MoE: every kind of block once (the tiny preset's four repeat them)."""
+    base = preset("tiny").replace(
+        num_experts=32,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        vocab_size=264,
+        num_hidden_layers=2,
+        layer_types=("kda", "mla"),
+        mlp_layer_types=("dense", "moe"),
+    )
     return base.replace(**changes)
 
 
@@ -63,37 +75,36 @@ def _prefill_decode(call, init_cache, ids, mask, steps=2):
 
 @pytest.fixture(scope="module")
 def reference():
+    """The unsharded model's forward and prefill + 2 decode steps (jitted: one compile each, not op by op)."""
     config = _config()
-    model = _model(config)
+    graphdef, state = nnx.split(_model(config))
     ids, mask = _inputs(config)
-    full = np.asarray(model(ids, attention_mask=mask).logits)
+    full = jax.jit(lambda s, i, m: nnx.merge(graphdef, s)(i, attention_mask=m).logits)(state, ids, mask)
 
-    def call(ids, cache, attention_mask):
-        out = model(ids, cache=cache, attention_mask=attention_mask)
+    @jax.jit
+    def step(s, ids, cache, attention_mask):
+        out = nnx.merge(graphdef, s)(ids, cache=cache, attention_mask=attention_mask)
         return out.logits, out.cache
 
-    return config, ids, mask, full, _prefill_decode(call, model.init_cache, ids, mask)
+    def init_cache(batch, length):
+        return nnx.merge(graphdef, state).init_cache(batch, length)
+
+    decoded = _prefill_decode(lambda *a, **k: step(state, *a, **k), init_cache, ids, mask)
+    return config, ids, mask, np.asarray(full), decoded
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_sharded_forward_and_decode_match_unsharded(reference, shape):
+@pytest.mark.parametrize(
+    ("shape", "exchange"),
+    [*((shape, "dense") for shape in MESHES), ({"data": 2, "expert": 4}, "ragged")],
+    ids=lambda v: ",".join(f"{k}={n}" for k, n in v.items()) if isinstance(v, dict) else v,
+)
+def test_sharded_forward_and_decode_match_unsharded(reference, shape, exchange):
+    """The dense exchange on each mesh, and the ragged all-to-all (emulated on the CPU) through the whole model."""
     config, ids, mask, full, decoded = reference
-    sharded = ShardedLM(_model(config), make_mesh(shape))
+    sharded = ShardedLM(_model(config, policy=ExecutionPolicy(moe_exchange=exchange)), make_mesh(shape))
     err_full = rel_error(sharded(ids, attention_mask=mask), full)
     err_decode = rel_error(_prefill_decode(sharded, sharded.init_cache, ids, mask), decoded)
-    print(f"{shape}: forward rel. error {err_full:.1e}, prefill + 2 decode steps {err_decode:.1e}")
-    assert err_full <= TOL and err_decode <= TOL
-
-
-def test_sharded_model_with_the_ragged_exchange_matches_unsharded(reference):
-    """The ragged all-to-all path (emulated on the CPU) through the whole model."""
-    config, ids, mask, full, decoded = reference
-    sharded = ShardedLM(
-        _model(config, policy=ExecutionPolicy(moe_exchange="ragged")), make_mesh({"data": 2, "expert": 4})
-    )
-    err_full = rel_error(sharded(ids, attention_mask=mask), full)
-    err_decode = rel_error(_prefill_decode(sharded, sharded.init_cache, ids, mask), decoded)
-    print(f"ragged exchange: forward rel. error {err_full:.1e}, prefill + 2 decode steps {err_decode:.1e}")
+    print(f"{shape} {exchange}: forward rel. error {err_full:.1e}, prefill + 2 decode steps {err_decode:.1e}")
     assert err_full <= TOL and err_decode <= TOL
 
 

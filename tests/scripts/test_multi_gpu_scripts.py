@@ -17,7 +17,9 @@ import bench_moe  # noqa: E402
 import check_multi_gpu  # noqa: E402
 import routing_sensitivity  # noqa: E402
 
-QUICK_CHECK = ["--quick", "--mesh", "expert=8", "--layers", "3"]
+# Fewer layers and tokens than --quick's defaults where nothing checks them: the run's cost is mostly compiling
+# and initialising each layer, once on one device and twice on the mesh.
+QUICK_CHECK = ["--quick", "--mesh", "expert=8", "--layers", "2", "--prompt-length", "8"]
 
 
 def test_check_passes_on_the_mesh(capsys):
@@ -28,14 +30,16 @@ def test_check_passes_on_the_mesh(capsys):
 
 
 def test_check_in_float32_holds_at_1e_4(capsys):
-    flags = ["--quick", "--mesh", "expert=2", "--dtype", "float32", "--reference-layers", "2", "--layers", "2"]
+    flags = ["--quick", "--mesh", "expert=2", "--dtype", "float32", "--reference-layers", "2", "--layers", "1"]
+    flags += ["--prompt-length", "8"]
     assert check_multi_gpu.main(flags) == 0
     out = capsys.readouterr().out
     assert "float32 parameters" in out and "within 1e-04" in out
 
 
 def test_check_fails_when_the_last_expert_shard_is_corrupted(capsys):
-    assert check_multi_gpu.main(QUICK_CHECK + ["--corrupt-last-shard"]) == 1
+    # one layer (MLA + MoE) shows the corrupted experts; the run stops before the large model
+    assert check_multi_gpu.main(QUICK_CHECK + ["--reference-layers", "1", "--corrupt-last-shard"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -45,7 +49,7 @@ def test_check_refuses_a_mesh_larger_than_the_devices(capsys):
 
 
 def test_bench_expert_parallel_quick(capsys):
-    assert bench_expert_parallel.main(["--quick", "--devices", "8"]) == 0
+    assert bench_expert_parallel.main(["--quick", "--devices", "8", "--slices-per-expert", "16"]) == 0
     out = capsys.readouterr().out
     assert "chained stages vs moe_parallel rel. error 0.0e+00" in out
     for stage in (

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from helpers import rel_error
 from scipy.special import erf
 from vl_checkpoint import IMAGE_TOKEN, VIDEO_TOKEN, projector_weights, write_text_checkpoint, write_vl_checkpoint
@@ -32,6 +33,22 @@ def checkpoints(tmp_path_factory):
     text_model = load_hf_checkpoint(root / "text", dtype=jnp.float32, progress=False)
     vl_model = load_hf_checkpoint(root / "vl", dtype=jnp.float32, progress=False)
     return root, oracle, text_model, vl_model
+
+
+def _media(image_seed=3, video_seed=4):
+    """The model's keyword arguments for _prompt()'s image and video."""
+    return dict(
+        pixel_values=jnp.asarray(_pixels((IMAGE,), image_seed)),
+        image_grids=[[IMAGE]],
+        pixel_values_videos=jnp.asarray(_pixels((VIDEO,), video_seed)),
+        video_grids=[[VIDEO]],
+    )
+
+
+@pytest.fixture(scope="module")
+def media_logits(checkpoints):
+    """The loaded VL model's logits for _prompt() with _media(): one eager forward shared by the tests."""
+    return np.asarray(checkpoints[3](jnp.asarray(_prompt()), **_media()).logits)
 
 
 def _pixels(grids, seed):
@@ -62,18 +79,11 @@ def test_loader_builds_the_vl_model_with_the_reference_tower(checkpoints):
     assert err <= 1e-4
 
 
-def test_media_prompt_matches_reference_composition(checkpoints):
+def test_media_prompt_matches_reference_composition(checkpoints, media_logits):
     """logits = text model(embeddings with pad rows <- numpy projector(transformers tower), spec positions)."""
-    root, oracle, text_model, model = checkpoints
+    root, oracle, text_model, _ = checkpoints
     ids = _prompt()
     image_pixels, video_pixels = _pixels((IMAGE,), 3), _pixels((VIDEO,), 4)
-    ours = model(
-        jnp.asarray(ids),
-        pixel_values=jnp.asarray(image_pixels),
-        image_grids=[[IMAGE]],
-        pixel_values_videos=jnp.asarray(video_pixels),
-        video_grids=[[VIDEO]],
-    ).logits
     weights = projector_weights(str(root / "vl"))
     embeds = np.asarray(text_model.model.word_embeddings(jnp.asarray(ids)), np.float64)
     embeds[ids == IMAGE_TOKEN] = _numpy_projector(weights, vision_oracle_output(oracle, image_pixels, (IMAGE,)))
@@ -82,17 +92,16 @@ def test_media_prompt_matches_reference_composition(checkpoints):
     hidden, _ = text_model.model(
         jnp.asarray(ids), positions=jnp.asarray(positions), inputs_embeds=jnp.asarray(embeds, jnp.float32)
     )
-    err = rel_error(ours, text_model.logits(hidden))
+    err = rel_error(media_logits, text_model.logits(hidden))
     print(f"VL logits vs reference composition: fp32 rel. error {err:.2e}")
     assert err <= 1e-4
 
 
-def test_image_changes_the_logits_after_it_only(checkpoints):
+def test_image_changes_the_logits_after_it_only(checkpoints, media_logits):
     _, _, _, model = checkpoints
     ids = _prompt()
-    kwargs = dict(pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)), video_grids=[[VIDEO]], image_grids=[[IMAGE]])
-    a = np.asarray(model(jnp.asarray(ids), pixel_values=jnp.asarray(_pixels((IMAGE,), 3)), **kwargs).logits)
-    b = np.asarray(model(jnp.asarray(ids), pixel_values=jnp.asarray(_pixels((IMAGE,), 5)), **kwargs).logits)
+    a = media_logits
+    b = np.asarray(model(jnp.asarray(ids), **_media(image_seed=5)).logits)
     np.testing.assert_allclose(a[:, :3], b[:, :3], rtol=1e-5, atol=1e-5)
     assert rel_error(a[:, 3:], b[:, 3:]) > 1e-2
     plain = np.asarray(model(jnp.asarray(ids)).logits)  # pad tokens embedded as text, 1-D positions
@@ -160,8 +169,6 @@ def test_missing_vision_tensor_is_named(tmp_path, checkpoints):
 def test_convert_round_trip(tmp_path, checkpoints, dtype):
     """ling-convert keeps the vision tower and projector: load_checkpoint restores the VL model with the same
     parameters load_hf_checkpoint reads in bfloat16."""
-    from flax import nnx
-
     from convert.cli import main
     from ling_jax.checkpoints.orbax import load_checkpoint
 
@@ -265,11 +272,11 @@ def test_generate_cli_with_an_image(tmp_path, checkpoints, capsys):
     record = json.loads(capsys.readouterr().out)
     patches, grid = preprocess_image(image, ProcessorConfig.for_vision(model.vl_config.vision))
     ids = [ord("A"), ord(" "), VISION_START, *[IMAGE_TOKEN] * grid.num_tokens(2), VISION_END, ord(" "), ord("B")]
-    assert record["prompt_tokens"] == len(ids)
-    for _ in range(2):
-        logits = model(jnp.asarray([ids]), pixel_values=jnp.asarray(patches), image_grids=[[grid]]).logits
-        ids.append(int(np.argmax(np.asarray(logits)[0, -1])))
-    assert record["completion_ids"] == ids[-2:]
+    assert record["prompt_tokens"] == len(ids) and len(record["completion_ids"]) == 2
+    # one forward over prompt + completion gives each step's greedy pick (the model is causal)
+    full = [*ids, *record["completion_ids"]]
+    logits = model(jnp.asarray([full]), pixel_values=jnp.asarray(patches), image_grids=[[grid]]).logits
+    assert record["completion_ids"] == [int(t) for t in np.argmax(np.asarray(logits)[0, len(ids) - 1 : -1], -1)]
 
 
 def test_generate_cli_media_errors(tmp_path, checkpoints, capsys):
@@ -290,23 +297,24 @@ def test_generate_cli_media_errors(tmp_path, checkpoints, capsys):
     assert "2 <image> placeholders but 1 image" in capsys.readouterr().err
 
 
-def test_sharded_vl_model_equals_unsharded(tmp_path):
+def test_sharded_vl_model_equals_unsharded(checkpoints, media_logits):
     """Every parameter (the vision tower and projector replicated) placed on a data x expert mesh of 8 CPU
-    devices: the media prompt's logits are unchanged."""
-    write_text_checkpoint(str(tmp_path / "text"))
-    write_vl_checkpoint(str(tmp_path / "text"), str(tmp_path / "vl"))
-    ids = jnp.asarray(_prompt())
-    media = dict(
-        pixel_values=jnp.asarray(_pixels((IMAGE,), 3)),
-        image_grids=[[IMAGE]],
-        pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)),
-        video_grids=[[VIDEO]],
-    )
-    model = load_hf_checkpoint(tmp_path / "vl", dtype=jnp.float32, progress=False)
-    plain = np.asarray(model(ids, **media).logits)
+    devices: the media prompt's logits are unchanged (the sharded forward jitted: one compile, not op by op)."""
+    model = load_hf_checkpoint(checkpoints[0] / "vl", dtype=jnp.float32, progress=False)
+    ids = _prompt()
+    positions, _ = model.positions(ids, image_grids=[[IMAGE]], video_grids=[[VIDEO]])
     mesh = make_mesh({"data": 2, "expert": 4})  # the tiny vocab (259) does not split over a tensor axis
     shard_model(model, mesh)
     assert model.visual.blocks[0].attn.qkv.weight[...].sharding.is_fully_replicated
+    graphdef, state = nnx.split(model)
+
+    def forward(state, ids, positions, media):
+        return nnx.merge(graphdef, state)(ids, positions=positions, **media).logits
+
+    media = _media()
+    grids = {name: media.pop(name) for name in ("image_grids", "video_grids")}
     with jax.set_mesh(mesh):
-        sharded = np.asarray(model(ids, **media).logits)
-    assert rel_error(sharded, plain) <= 1e-5
+        sharded = np.asarray(
+            jax.jit(lambda *a: forward(*a[:3], {**a[3], **grids}))(state, jnp.asarray(ids), positions, media)
+        )
+    assert rel_error(sharded, media_logits) <= 1e-5
