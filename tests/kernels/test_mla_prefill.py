@@ -173,15 +173,6 @@ def _prefill_logits(backend: str):
     return out.logits, out.cache
 
 
-def test_model_prefill_with_kernel_equals_reference():
-    """A chunked prefill into a cache through the kernel (interpret mode) == the jnp path."""
-    assert _runs_prefill_kernel(lambda: _prefill_logits("interpret_gpu")[0])
-    logits, cache = _prefill_logits("interpret_gpu")
-    ref_logits, ref_cache = _prefill_logits("reference")
-    assert rel_error(logits, ref_logits) <= 1e-5
-    assert all(rel_error(a, b) <= 1e-5 for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)))
-
-
 @gpu_test("the compiled Triton kernel in the model")
 def test_compiled_model_prefill_with_kernel_equals_reference():
     """fp32 with full-precision XLA products (a GPU's default runs fp32 matmuls in tf32), as the kernels do."""
