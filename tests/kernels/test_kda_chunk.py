@@ -185,11 +185,13 @@ def test_gradient_matches_the_recurrence(backend):
         o, s = fn(q, k, v, g, beta)
         return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
 
-    ours = jax.grad(
-        functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
-        argnums=(0, 1, 2, 3, 4),
+    ours = jax.jit(
+        jax.grad(
+            functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
+            argnums=(0, 1, 2, 3, 4),
+        )
     )
-    ref = jax.grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2, 3, 4))
+    ref = jax.jit(jax.grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2, 3, 4)))
     for name, a, b in zip("q k v g beta".split(), ours(*args), ref(*args)):
         assert rel_error(a, b) <= 1e-4, f"d/d{name}: {rel_error(a, b):.2e}"
 
@@ -356,11 +358,13 @@ def test_correlated_keys_without_decay(backend):
         o, s = fn(*xs)
         return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
 
-    ours = jax.value_and_grad(
-        functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
-        argnums=(0, 1, 2),
+    ours = jax.jit(
+        jax.value_and_grad(
+            functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
+            argnums=(0, 1, 2),
+        )
     )(*args)
-    ref = jax.value_and_grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2))(*args)
+    ref = jax.jit(jax.value_and_grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2)))(*args)
     assert abs(float(ours[0]) - float(ref[0])) <= 1e-4 * abs(float(ref[0]))
     for name, a, b in zip("q k v".split(), ours[1], ref[1]):
         assert rel_error(a, b) <= 1e-4, f"d/d{name}: {rel_error(a, b):.2e}"
