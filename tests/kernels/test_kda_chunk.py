@@ -1,6 +1,6 @@
 """KDA chunked-prefill kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
 lowering for TPU and CUDA from the CPU; gradients; prefill then decode steps; a long-sequence stability run
-of the jnp path. The GPU kernel works in 64-token chunks (T = 63..65, 129, 257 cross their edges).
+of the jnp path. The GPU kernel works in 64-token chunks (T = 63..65, 129, 200, 257 cross their edges).
 The bounded kernels (gpu_triton, tpu_mosaic) run with gates >= -5, as chunk_kda picks them only for
 gate_lower_bound >= -5; the any-gate kernels with gates of every kind: -A softplus(a), logsigmoid / 0.1,
 constants -5.5 and -20, and the safe gate mixed with them."""
@@ -62,7 +62,7 @@ def gates_of(kind: str, shape, seed: int):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 200, 257])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 200])  # 257: test_kernel_bf16
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
 def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
     q, k, v, g, beta, state = random_sequence(2, length, 2, 16, 32, jnp.float32, seed=length)
@@ -80,9 +80,9 @@ def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("length", [77, 257])
-def test_kernel_bf16(backend, length):
-    q, k, v, g, beta, state = random_sequence(2, length, 3, 32, 16, jnp.bfloat16, seed=3)
+def test_kernel_bf16(backend):
+    """Four whole chunks and a one-token tail (partial tails of other sizes: the fp32 test)."""
+    q, k, v, g, beta, state = random_sequence(2, 257, 3, 32, 16, jnp.bfloat16, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     o, s = chunk_kda(
         *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
