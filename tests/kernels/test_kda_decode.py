@@ -82,8 +82,8 @@ def test_prefill_then_kernel_steps_equals_longer_prefill(backend):
     q, k, v = (jnp.asarray(r.normal(size=(batch, length, heads, dim)), jnp.float32) for _ in range(3))
     g = jnp.asarray(-5.0 * r.uniform(size=(batch, length, heads, dim)), jnp.float32)
     beta = jnp.asarray(r.uniform(size=(batch, length, heads)), jnp.float32)
-    o_all, s_all = kda_chunked(q, k, v, g, beta)
-    _, state = kda_chunked(q[:, :65], k[:, :65], v[:, :65], g[:, :65], beta[:, :65])
+    o_all, s_all = jax.jit(kda_chunked)(q, k, v, g, beta)
+    _, state = jax.jit(kda_chunked)(q[:, :65], k[:, :65], v[:, :65], g[:, :65], beta[:, :65])
     for t in range(65, 69):
         o_t, state = kda_decode_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, backend=backend)
         assert rel_error(o_t, o_all[:, t]) <= 1e-5
