@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import l2, rel_error
 from np_reference import kda_recurrence
 
-from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
+from pallas_kernels.kda import reference as kda
 
+# jitted: one compile per shape instead of every jnp op's own (eager) compile
+kda_chunked, kda_recurrent = jax.jit(kda.kda_chunked), jax.jit(kda.kda_recurrent)
 FORMS = {"chunked": kda_chunked, "recurrent": kda_recurrent}
 
 

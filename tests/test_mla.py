@@ -62,21 +62,36 @@ def test_absorbed_equals_expanded(variant, length):
     assert rel_error(absorbed, expanded) <= 1e-5
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_model_decode_absorbed_equals_expanded(variant):
-    c = config(variant)
-    model = LingForCausalLM(c, rngs=nnx.Rngs(2), dtype=jnp.float32)
-    ids = jnp.asarray(np.random.default_rng(3).integers(2, c.vocab_size, (2, 12)))
+@nnx.jit
+def decode_steps_both_modes(model, ids):
+    """Prefill all but the last two ids, then decode those two steps in each MLA mode: {mode: logits}."""
+    prefill = model(ids[:, :-2], cache=model.init_cache(2, 16)).cache
     logits = {}
     for mode in (EXPANDED, ABSORBED):
-        cache = model.init_cache(2, 16)
-        cache = model(ids[:, :10], cache=cache).cache
-        steps = []
-        for t in (10, 11):
+        cache, steps = prefill, []
+        for t in range(ids.shape[1] - 2, ids.shape[1]):
             out = model(ids[:, t : t + 1], cache=cache, mla_mode=mode)
             steps.append(out.logits)
             cache = out.cache
         logits[mode] = jnp.concatenate(steps, axis=1)
+    return logits
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_model_decode_absorbed_equals_expanded(variant):
+    """Two layers (KDA, MLA) of the variant; prefill and both modes' decode steps in one compiled program."""
+    c = LingConfig.from_dict(
+        {
+            **TINY,
+            **VARIANTS[variant],
+            "num_hidden_layers": 2,
+            "expert_swiglu_limit_list": [0, 7.0],
+            "share_expert_swiglu_limit_list": [0, 7.0],
+        }
+    )
+    model = LingForCausalLM(c, rngs=nnx.Rngs(2), dtype=jnp.float32)
+    ids = jnp.asarray(np.random.default_rng(3).integers(2, c.vocab_size, (2, 12)))
+    logits = decode_steps_both_modes(model, ids)
     assert MLA in c.layer_types
     assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
 

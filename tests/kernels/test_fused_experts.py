@@ -214,8 +214,13 @@ def test_no_rows_in_any_expert_gives_zeros():
 
 
 def vjp_of(fn, primals, cotangent):
-    out, pullback = jax.vjp(fn, *primals)
-    return (out, *pullback(cotangent))
+    """(out, *cotangents of the primals) of fn, in one jitted program."""
+
+    def run(primals, cotangent):
+        out, pullback = jax.vjp(fn, *primals)
+        return (out, *pullback(cotangent))
+
+    return jax.jit(run)(primals, cotangent)
 
 
 @pytest.mark.parametrize("case", ["odd", "wide"])
@@ -294,7 +299,7 @@ def test_grouped_local_moe_gradients_match_dense():
             functools.partial(loss, functools.partial(grouped_local_moe, backend="interpret_gpu")), argnums=range(5)
         )
     )(x, weights, gate, up, down)
-    dense = jax.grad(functools.partial(loss, dense_expert_ffn), argnums=range(5))(x, weights, gate, up, down)
+    dense = jax.jit(jax.grad(functools.partial(loss, dense_expert_ffn), argnums=range(5)))(x, weights, gate, up, down)
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, dense):
         assert rel_error(a, b) <= TOL[jnp.float32], f"d/d{name}: {rel_error(a, b):.2e}"
 

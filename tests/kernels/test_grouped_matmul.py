@@ -71,8 +71,13 @@ def float64_per_group(lhs, rhs, d_out, group_sizes):
 def value_and_grads(backend, lhs, rhs, d_out, group_sizes, dtype):
     """(out, d_lhs, d_rhs) of grouped_matmul through jax.vjp with cotangent d_out."""
     fn = lambda x, w: grouped_matmul(x, w, jnp.asarray(group_sizes), backend=backend)  # noqa: E731
-    out, vjp = jax.vjp(fn, jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype))
-    return (out, *vjp(jnp.asarray(d_out, dtype)))
+
+    @jax.jit
+    def run(lhs, rhs, d_out):
+        out, vjp = jax.vjp(fn, lhs, rhs)
+        return (out, *vjp(d_out))
+
+    return run(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), jnp.asarray(d_out, dtype))
 
 
 @pytest.mark.parametrize("backend", ["interpret_gpu", "reference"])

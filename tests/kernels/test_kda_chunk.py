@@ -1,6 +1,6 @@
 """KDA chunked-prefill kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
 lowering for TPU and CUDA from the CPU; gradients; prefill then decode steps; a long-sequence stability run
-of the jnp path. The GPU kernel works in 64-token chunks (T = 63..65, 129, 257 cross their edges).
+of the jnp path. The GPU kernel works in 64-token chunks (T = 63..65, 129, 200, 257 cross their edges).
 The bounded kernels (gpu_triton, tpu_mosaic) run with gates >= -5, as chunk_kda picks them only for
 gate_lower_bound >= -5; the any-gate kernels with gates of every kind: -A softplus(a), logsigmoid / 0.1,
 constants -5.5 and -20, and the safe gate mixed with them."""
@@ -62,7 +62,7 @@ def gates_of(kind: str, shape, seed: int):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 200, 257])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 200])  # 257: test_kernel_bf16
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
 def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
     q, k, v, g, beta, state = random_sequence(2, length, 2, 16, 32, jnp.float32, seed=length)
@@ -80,9 +80,9 @@ def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("length", [77, 257])
-def test_kernel_bf16(backend, length):
-    q, k, v, g, beta, state = random_sequence(2, length, 3, 32, 16, jnp.bfloat16, seed=3)
+def test_kernel_bf16(backend):
+    """Four whole chunks and a one-token tail (partial tails of other sizes: the fp32 test)."""
+    q, k, v, g, beta, state = random_sequence(2, 257, 3, 32, 16, jnp.bfloat16, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     o, s = chunk_kda(
         *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
@@ -185,11 +185,13 @@ def test_gradient_matches_the_recurrence(backend):
         o, s = fn(q, k, v, g, beta)
         return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
 
-    ours = jax.grad(
-        functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
-        argnums=(0, 1, 2, 3, 4),
+    ours = jax.jit(
+        jax.grad(
+            functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
+            argnums=(0, 1, 2, 3, 4),
+        )
     )
-    ref = jax.grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2, 3, 4))
+    ref = jax.jit(jax.grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2, 3, 4)))
     for name, a, b in zip("q k v g beta".split(), ours(*args), ref(*args)):
         assert rel_error(a, b) <= 1e-4, f"d/d{name}: {rel_error(a, b):.2e}"
 
@@ -356,11 +358,13 @@ def test_correlated_keys_without_decay(backend):
         o, s = fn(*xs)
         return jnp.sum(o * o) + jnp.sum(jnp.sin(s))
 
-    ours = jax.value_and_grad(
-        functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
-        argnums=(0, 1, 2),
+    ours = jax.jit(
+        jax.value_and_grad(
+            functools.partial(loss, functools.partial(chunk_kda, gate_lower_bound=BOUNDED, backend=backend)),
+            argnums=(0, 1, 2),
+        )
     )(*args)
-    ref = jax.value_and_grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2))(*args)
+    ref = jax.jit(jax.value_and_grad(functools.partial(loss, kda_recurrent), argnums=(0, 1, 2)))(*args)
     assert abs(float(ours[0]) - float(ref[0])) <= 1e-4 * abs(float(ref[0]))
     for name, a, b in zip("q k v".split(), ours[1], ref[1]):
         assert rel_error(a, b) <= 1e-4, f"d/d{name}: {rel_error(a, b):.2e}"

@@ -1,5 +1,6 @@
 """KDA decode-step kernels (GPU and TPU, Pallas interpret mode on the CPU) vs the float64 recurrence;
-lowering for TPU and CUDA from the CPU; prefill then kernel steps == longer prefill; the model's decode."""
+lowering for TPU and CUDA from the CPU; prefill then kernel steps == longer prefill
+(the model's decode with the kernels: test_model_kernels.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from helpers import l2, lower_for_cuda, rel_error
 from np_reference import kda_recurrence
 
-from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
-from ling_jax.presets import TINY
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.ops import kernel
 
@@ -84,8 +82,8 @@ def test_prefill_then_kernel_steps_equals_longer_prefill(backend):
     q, k, v = (jnp.asarray(r.normal(size=(batch, length, heads, dim)), jnp.float32) for _ in range(3))
     g = jnp.asarray(-5.0 * r.uniform(size=(batch, length, heads, dim)), jnp.float32)
     beta = jnp.asarray(r.uniform(size=(batch, length, heads)), jnp.float32)
-    o_all, s_all = kda_chunked(q, k, v, g, beta)
-    _, state = kda_chunked(q[:, :65], k[:, :65], v[:, :65], g[:, :65], beta[:, :65])
+    o_all, s_all = jax.jit(kda_chunked)(q, k, v, g, beta)
+    _, state = jax.jit(kda_chunked)(q[:, :65], k[:, :65], v[:, :65], g[:, :65], beta[:, :65])
     for t in range(65, 69):
         o_t, state = kda_decode_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, backend=backend)
         assert rel_error(o_t, o_all[:, t]) <= 1e-5
@@ -139,22 +137,3 @@ def test_compiled_gpu_kernel_full_size(batch):
         backend="pallas_gpu",
     )
     assert rel_error(o, o_ref[:, 0]) <= 2e-2 and rel_error(new_state, s_ref) <= 1e-5
-
-
-@pytest.mark.parametrize("backend", ["interpret_gpu", "interpret_tpu"])
-def test_model_decode_with_kda_kernel_equals_reference(backend):
-    config = LingConfig.from_dict(TINY)
-    ids = jnp.asarray(np.random.default_rng(2).integers(2, config.vocab_size, (2, 10)))
-    logits = {}
-    for name in (backend, "reference"):
-        model = LingForCausalLM(
-            config, rngs=nnx.Rngs(5), dtype=jnp.float32, policy=ExecutionPolicy(kernel_backend=name)
-        )
-        cache = model(ids[:, :8], cache=model.init_cache(2, 16)).cache
-        steps = []
-        for t in (8, 9):
-            out = model(ids[:, t : t + 1], cache=cache)
-            steps.append(out.logits)
-            cache = out.cache
-        logits[name] = jnp.concatenate(steps, axis=1)
-    assert rel_error(logits[backend], logits["reference"]) <= 1e-5

@@ -155,7 +155,7 @@ def test_mla_prefill_kernel_gradient_is_the_flash_paths():
                 q_nope, args[1], latent, args[3], args[4], args[5], w_uv, scale=0.2, backend=backend
             )
         )
-        return jax.grad(loss, argnums=(0, 1, 2))(args[0], args[2], args[6])
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(args[0], args[2], args[6])
 
     for kernel_grad, flash_grad in zip(grads("interpret_gpu"), grads("reference")):
         assert rel_error(kernel_grad, flash_grad) <= 1e-5
@@ -171,15 +171,6 @@ def _prefill_logits(backend: str):
     mask = jnp.asarray(np.r_[[[0, 0] + [1] * 11], [[1] * 13]].astype(bool))  # row 0 left-padded
     out = model(ids, cache=model.init_cache(2, 20), attention_mask=mask)
     return out.logits, out.cache
-
-
-def test_model_prefill_with_kernel_equals_reference():
-    """A chunked prefill into a cache through the kernel (interpret mode) == the jnp path."""
-    assert _runs_prefill_kernel(lambda: _prefill_logits("interpret_gpu")[0])
-    logits, cache = _prefill_logits("interpret_gpu")
-    ref_logits, ref_cache = _prefill_logits("reference")
-    assert rel_error(logits, ref_logits) <= 1e-5
-    assert all(rel_error(a, b) <= 1e-5 for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)))
 
 
 @gpu_test("the compiled Triton kernel in the model")

@@ -114,7 +114,7 @@ def test_shared_expert_gradients_match_the_dense_path(backend):
         return dense_expert_ffn(x, weights, experts, gate, up, down, 0.9) + swiglu_ffn(x, *shared, 0.5)
 
     got, expected = (
-        jax.grad(functools.partial(loss, fn), argnums=range(6))(x, weights, gate, up, down, shared)
+        jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(6)))(x, weights, gate, up, down, shared)
         for fn in (ours, dense)
     )
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
@@ -140,10 +140,10 @@ def test_gradients_match_the_dense_path(backend):
     def loss(fn, x, weights, gate, up, down):
         return jnp.sum(jnp.sin(fn(x, weights, experts, gate, up, down, 0.9)))
 
-    ours = jax.grad(functools.partial(loss, functools.partial(routed_experts, backend=backend)), argnums=range(5))(
-        x, weights, gate, up, down
+    ours, dense = (
+        jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(5)))(x, weights, gate, up, down)
+        for fn in (functools.partial(routed_experts, backend=backend), dense_expert_ffn)
     )
-    dense = jax.grad(functools.partial(loss, dense_expert_ffn), argnums=range(5))(x, weights, gate, up, down)
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, dense):
         assert rel_error(a, b) <= 1e-5, f"d/d{name}: {rel_error(a, b):.2e}"
 
@@ -155,15 +155,11 @@ def test_local_moe_takes_the_row_path_for_few_tokens():
         x, weights, experts, gate, up, down = (
             jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16, jnp.float32, tokens)
         )
-        ours = local_moe(x, weights, experts, gate, up, down, 2.0, backend="interpret_gpu")
-        grouped = local_moe(x, weights, experts, gate, up, down, 2.0, backend="reference")
-        assert rel_error(ours, grouped) <= 1e-5
-        text = str(
-            jax.make_jaxpr(functools.partial(local_moe, limit=2.0, backend="interpret_gpu"))(
-                x, weights, experts, gate, up, down
-            )
-        )
-        assert ("expert_swiglu_rows" in text) == (tokens * 4 <= ROW_PATH_MAX_ROWS)
+        args = (x, weights, experts, gate, up, down)
+        traced = jax.jit(functools.partial(local_moe, limit=2.0, backend="interpret_gpu")).trace(*args)
+        assert ("expert_swiglu_rows" in str(traced.jaxpr)) == (tokens * 4 <= ROW_PATH_MAX_ROWS)
+        grouped = jax.jit(functools.partial(local_moe, limit=2.0, backend="reference"))(*args)
+        assert rel_error(traced.lower().compile()(*args), grouped) <= 1e-5
 
 
 @pytest.mark.parametrize("tokens", [1, ROW_PATH_MAX_ROWS // 4 + 1])
@@ -175,14 +171,15 @@ def test_local_moe_with_the_shared_expert(tokens, shared_width):
         jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16, jnp.float32, tokens)
     )
     shared = SharedExpert(*(jnp.asarray(a, jnp.float32) for a in random_shared(32, shared_width, seed=7)), 0.6)
+    args = (x, weights, experts, gate, up, down)
     run = functools.partial(local_moe, limit=2.0, shared=shared)
-    ours = run(x, weights, experts, gate, up, down, backend="interpret_gpu")
-    reference = run(x, weights, experts, gate, up, down, backend="reference")
-    expected = dense_expert_ffn(x, weights, experts, gate, up, down, 2.0) + swiglu_ffn(x, *shared)
-    assert rel_error(ours, expected) <= 1e-5 and rel_error(reference, expected) <= 1e-5
-    jaxpr = jax.make_jaxpr(functools.partial(run, backend="interpret_gpu"))(x, weights, experts, gate, up, down)
+    traced = jax.jit(functools.partial(run, backend="interpret_gpu")).trace(*args)
     in_rows = tokens * 4 <= ROW_PATH_MAX_ROWS and shared_width == 16
-    assert ("expert_down_combine" in str(jaxpr.jaxpr.eqns[-1])) == in_rows  # the kernels' output is the result
+    assert ("expert_down_combine" in str(traced.jaxpr.eqns[-1])) == in_rows  # the kernels' output is the result
+    ours = traced.lower().compile()(*args)
+    reference = jax.jit(functools.partial(run, backend="reference"))(*args)
+    expected = dense_expert_ffn(*args, 2.0) + swiglu_ffn(x, *shared)
+    assert rel_error(ours, expected) <= 1e-5 and rel_error(reference, expected) <= 1e-5
 
 
 def test_gpu_kernels_lower_for_cuda():
