@@ -373,8 +373,9 @@ def test_yarn_rope(tmp_path, variant):
         "original_max_position_embeddings": 32,
         **YARN_VARIANTS[variant],
     }
-    # 16 rope dims so the YaRN ramp has intermediate values; q_proj (no q-LoRA) for variety
-    cfg = config(rope_scaling=rope_scaling, qk_rope_head_dim=16, q_lora_rank=None)
+    # 16 rope dims so the YaRN ramp has intermediate values; q_proj (no q-LoRA) for variety; one KDA and one MLA
+    # layer (RoPE is the MLA's): half the layers to compile and to reference
+    cfg = config(rope_scaling=rope_scaling, qk_rope_head_dim=16, q_lora_rank=None, num_hidden_layers=2)
     case = Case(tmp_path, cfg, seed=3, length=T_LONG)
     plain = {k: v for k, v in cfg.items() if k != "rope_scaling"}
     assert_differs(f"YaRN {variant} vs plain RoPE", ref_logits(case.weights, plain, case.ids), case.ref["logits"])
@@ -384,7 +385,12 @@ def test_yarn_rope(tmp_path, variant):
 @pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
 def test_neox_rope(tmp_path, yarn):
     changes = dict(
-        rope_interleave=False, qk_rope_head_dim=16, n_group=0, topk_group=0, moe_shared_expert_intermediate_size=40
+        rope_interleave=False,
+        qk_rope_head_dim=16,
+        n_group=0,
+        topk_group=0,
+        moe_shared_expert_intermediate_size=40,
+        num_hidden_layers=2,  # [KDA, MLA]: the MLA layer's RoPE, and an MoE layer for the ungrouped routing
     )
     if yarn:
         changes["rope_scaling"] = {

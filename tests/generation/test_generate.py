@@ -45,12 +45,25 @@ def _prompts(config, lengths=LENGTHS, seed=0):
     return [[int(t) for t in rng.integers(3, config.vocab_size, n)] for n in lengths]
 
 
-def _recomputed_argmax(model, prompt, new):
-    """The token an uncached full forward picks greedily after prompt + new[:i], for each i: the model is causal
-    (the logits at a position depend on the tokens up to it only), so one forward over prompt + new gives them
-    all, where a forward per step would recompute the same prefixes again."""
-    logits = model(jnp.asarray([prompt + new])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(new)]
-    return [int(t) for t in jnp.argmax(logits, axis=-1)]
+@nnx.jit
+def _logits(model, ids_BT):
+    return model(ids_BT).logits
+
+
+def _recomputed_argmax(model, prompts, news):
+    """The tokens an uncached full forward picks greedily after prompt + new[:i], for each row and i: the model is
+    causal (the logits at a position depend on the tokens up to it only), so one forward over prompt + new gives
+    them all, where a forward per step would recompute the same prefixes again; and the rows, padded at their
+    end, go in one batch: a pad after a position does not change its logits."""
+    rows = [prompt + new for prompt, new in zip(prompts, news)]
+    ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)] = tokens
+    argmax = np.asarray(jnp.argmax(_logits(model, jnp.asarray(ids)), axis=-1))
+    return [
+        [int(t) for t in argmax[row, len(prompt) - 1 : len(prompt) - 1 + len(new)]]
+        for row, (prompt, new) in enumerate(zip(prompts, news))
+    ]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -93,7 +106,7 @@ def test_cached_greedy_equals_recomputed_argmax_for_ragged_prompts(model):
     prompts = _prompts(model.config)
     out, stats = Generator(model, prefill_chunk=16).generate(prompts, [GREEDY] * 3, 10)
     assert all(len(new) == 10 for new in out)
-    assert out == [_recomputed_argmax(model, p, new) for p, new in zip(prompts, out)]
+    assert out == _recomputed_argmax(model, prompts, out)
     assert stats.prompt_tokens == sum(LENGTHS) and stats.generated_tokens == 30
 
 

@@ -19,6 +19,7 @@ from helpers import REPO_ROOT, train_byte_bpe
 
 from convert.synthetic import write_random_checkpoint
 from ling_jax import ExecutionPolicy, KernelBackend, LingConfig
+from ling_jax.config import DENSE, KDA, MLA, MOE
 from ling_jax.generation import cli as generate_cli
 from ling_jax.generation import cli_checks
 from ling_jax.generation.tokenizer import StopChecker, load_tokenizer
@@ -41,9 +42,12 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """The tiny preset (with its MTP layer) as a HF checkpoint, plus a trained tokenizer.json."""
+    """The tiny preset cut to one KDA + dense and one MLA + MoE layer, with its MTP layer (every layer kind, half
+    the layers to compile), as a HF checkpoint, plus a trained tokenizer.json."""
     directory = tmp_path_factory.mktemp("tiny-hf")
-    config = preset("tiny").replace(vocab_size=320)
+    config = preset("tiny").replace(
+        vocab_size=320, num_hidden_layers=2, layer_types=(KDA, MLA), mlp_layer_types=(DENSE, MOE)
+    )
     write_random_checkpoint(str(directory), config, seed=0, num_shards=1)
     train_byte_bpe(directory / "tokenizer.json", SENTENCES, 300, SPECIALS)
     (directory / "tokenizer_config.json").write_text(
@@ -239,8 +243,8 @@ def test_completion_holds_back_a_possible_stop_string():
     assert bytes(completion.ids) == b"ab<Ex<END>"  # nothing after the token that completed the stop string
 
 
-def run_script(*argv, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_script(*argv, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run has
     stdin_source = {"stdin": subprocess.DEVNULL} if stdin is None else {"input": stdin}  # /dev/null: no prompts
     return subprocess.run(
@@ -255,9 +259,9 @@ def run_script(*argv, stdin: str | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_script_default_model():
+def test_script_default_model(shared_compile_cache):
     """The README's quick-start command: the demo checkpoint when installed, else the random tiny model."""
-    result = run_script("--max-new-tokens", 4)
+    result = run_script("--max-new-tokens", 1, env=shared_compile_cache)  # one token: the prefill's programs only
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"> {generate_cli.DEFAULT_PROMPT}\n")
     assert "prompt tokens" in result.stderr

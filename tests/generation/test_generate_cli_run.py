@@ -153,7 +153,7 @@ def test_demo_chat_template_keeps_the_conversation():
 
 
 @needs_demo
-def test_interactive_reads_turns_until_eof():
+def test_interactive_reads_turns_until_eof(shared_compile_cache):  # the demo's programs, as the quick start's
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--interactive", "--max-new-tokens", "5", "--chat"],
         input="Who is Mr. Darcy?\n\nAnd Elizabeth?\n",
@@ -161,7 +161,7 @@ def test_interactive_reads_turns_until_eof():
         text=True,
         cwd=ROOT,
         timeout=180,
-        env=script_env(),
+        env=script_env(**shared_compile_cache),
         check=False,
     )
     assert result.returncode == 0, result.stderr
