@@ -12,26 +12,16 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from memory_plan import positive_int  # noqa: E402
 
 from ling_jax.config import LingConfig  # noqa: E402
 from ling_jax.generation.memory import cache_budget  # noqa: E402
-from ling_jax.presets import (
-    PRESETS,  # noqa: E402
-    preset,
-)
+from ling_jax.presets import PRESETS, preset  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def parse_args(argv=None):
