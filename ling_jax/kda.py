@@ -22,6 +22,7 @@ from ling_jax.config import LingConfig
 from ling_jax.context import TokenContext
 from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, param, params_of
 from ling_jax.policy import ExecutionPolicy, KDAMode, KernelBackend, as_policy
+from ling_jax.sharding import per_shard
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
 from pallas_kernels.kda.reference import kda_recurrent
 
@@ -29,6 +30,13 @@ CHUNKED = KDAMode.CHUNKED
 RECURRENT = KDAMode.RECURRENT
 STEPS = KDAMode.STEPS  # recurrent, keeping the state after every token (speculative-decoding verification)
 DEFAULT_CHUNK_SIZE = 64
+
+# logical axes of the kernels' arrays: each sequence and each head is independent (`per_shard`)
+_BTHD = ("activation_batch", None, "heads", None)
+_BTH = ("activation_batch", None, "heads")
+_BHD = ("activation_batch", "heads", None)
+_BH = ("activation_batch", "heads")
+_BHKV = ("activation_batch", "heads", None, None)
 
 
 def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
@@ -148,21 +156,20 @@ def _kda(
         g = jnp.where(mask_BT[..., None, None], g, 0.0)
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
     if mode == CHUNKED:
-        o, recurrent = chunk_kda(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state=state.recurrent_state,
-            chunk_size=chunk_size,
-            gate_lower_bound=gate_lower_bound(c),
-            backend=backend,
+        chunked = functools.partial(
+            chunk_kda, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound(c), backend=backend
         )
+        o, recurrent = per_shard(
+            lambda q, k, v, g, beta, s: chunked(q, k, v, g, beta, initial_state=s),
+            in_axes=(_BTHD,) * 4 + (_BTH, _BHKV),
+            out_axes=(_BTHD, _BHKV),
+        )(q, k, v, g, beta, state.recurrent_state)
     elif mode == RECURRENT and length == 1:
-        o, recurrent = kda_decode_step(
-            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state, backend=backend
-        )
+        o, recurrent = per_shard(
+            functools.partial(kda_decode_step, backend=backend),
+            in_axes=(_BHD,) * 4 + (_BH, _BHKV),
+            out_axes=(_BHD, _BHKV),
+        )(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state)
         o = o[:, None]
     elif mode == RECURRENT:
         o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)

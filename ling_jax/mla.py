@@ -8,6 +8,8 @@ Both forms read and write the same latent cache, [c_kv (kv_lora_rank) ; k_pe (qk
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,11 +21,19 @@ from ling_jax.layers import Linear, RMSNorm, Weights, linear, params_of, rms_nor
 from ling_jax.policy import ExecutionPolicy, KernelBackend, MLAMode, as_policy
 from ling_jax.quantized import dequantized
 from ling_jax.rope import apply_rope, softmax_scale
+from ling_jax.sharding import per_shard
 from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_prefill
 from pallas_kernels.mla.reference import absorbed_attention
 
 EXPANDED = MLAMode.EXPANDED
 ABSORBED = MLAMode.ABSORBED
+
+# logical axes of the kernels' arrays: each sequence and each head is independent (`per_shard`); the B * T query
+# rows of absorb_query / expand_output split like a batch
+_BTHD = ("activation_batch", None, "heads", None)
+_BHD = ("activation_batch", "heads", None)
+_BSA = ("activation_batch", None, None)
+_HCR = ("heads", None, None)
 
 
 def _queries(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, backend: str):
@@ -82,32 +92,30 @@ def mla_attend(
     kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
-        q_latent = absorb_query(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR, backend=backend).reshape(
-            *q_nope.shape[:3], -1
-        )
+        absorb = per_shard(functools.partial(absorb_query, backend=backend), (_BHD, _HCR), (_BHD,))
+        q_latent = absorb(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR).reshape(*q_nope.shape[:3], -1)
         if decode_lengths_B is None:
             o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=scale)
         else:
-            o_latent = mla_decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B, scale=scale, backend=backend)[
-                :, None
-            ]
-        o_BTHV = expand_output(
-            o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR, c.qk_nope_head_dim, backend=backend
+            decode = per_shard(
+                functools.partial(mla_decode, scale=scale, backend=backend),
+                in_axes=(_BHD, _BHD, _BSA, ("activation_batch",)),
+                out_axes=(_BHD,),
+            )
+            o_latent = decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B)[:, None]
+        expand = per_shard(
+            functools.partial(expand_output, nope=c.qk_nope_head_dim, backend=backend), (_BHD, _HCR), (_BHD,)
         )
+        o_BTHV = expand(o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR)
         o_BTHV = o_BTHV.reshape(batch, length, *o_BTHV.shape[1:]).astype(x_BTD.dtype)
     elif mode == EXPANDED:
         w_uk, w_uv = kv_b_HCR[:, : c.qk_nope_head_dim], kv_b_HCR[:, c.qk_nope_head_dim :]
-        o_BTHV = mla_prefill(
-            q_nope,
-            q_pe,
-            keys_BSA,
-            visibility.query_slots_BT,
-            visibility.key_valid_BS,
-            w_uk,
-            w_uv,
-            scale=scale,
-            backend=backend,
+        prefill = per_shard(
+            functools.partial(mla_prefill, scale=scale, backend=backend),
+            in_axes=(_BTHD, _BTHD, _BSA, ("activation_batch", None), ("activation_batch", None), _HCR, _HCR),
+            out_axes=(_BTHD,),
         )
+        o_BTHV = prefill(q_nope, q_pe, keys_BSA, visibility.query_slots_BT, visibility.key_valid_BS, w_uk, w_uv)
     else:
         valid = ", ".join(repr(m.value) for m in MLAMode)
         raise ValueError(f"MLA mode must be one of {valid}, got {mode!r}")

@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -201,6 +202,33 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     if mesh.empty or AxisType.Manual in mesh.axis_types:
         return x
     return jax.lax.with_sharding_constraint(x, activation_spec(logical, x.shape, mesh))
+
+
+def per_shard(fn, in_axes: Sequence[Sequence[str | None] | None], out_axes: Sequence[Sequence[str | None]]):
+    """`fn` run by each device on its own shards of its arguments: a shard_map over the context mesh, for the
+    kernels XLA cannot split (it would all-gather a Pallas call's sharded operands and run the call whole on
+    every device). in_axes: one entry per positional argument, its logical axes (None: the same on every device);
+    out_axes: the logical axes of each output leaf, in `jax.tree.leaves` order. Each dimension is split as
+    `activation_spec` splits it, so arrays that share a logical axis and its size are split alike; `fn` must be
+    independent along every axis it is split on. Without a mesh, or inside a shard_map: `fn` itself."""
+
+    def run(*args):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or AxisType.Manual in mesh.axis_types:
+            return fn(*args)
+
+        def spec(axes, shape):
+            return PartitionSpec() if axes is None else activation_spec(axes, shape, mesh)
+
+        out_shapes = jax.eval_shape(fn, *args)
+        leaves, tree = jax.tree.flatten(out_shapes)
+        if len(leaves) != len(out_axes):
+            raise ShardingError(f"per_shard: {len(out_axes)} output axes given for {len(leaves)} outputs")
+        in_specs = tuple(spec(axes, jnp.shape(x)) for axes, x in zip(in_axes, args, strict=True))
+        out_specs = jax.tree.unflatten(tree, [spec(axes, leaf.shape) for axes, leaf in zip(out_axes, leaves)])
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+    return run
 
 
 def logical_to_spec(

@@ -9,6 +9,8 @@ parameters and call them.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,6 +20,7 @@ from ling_jax.layers import Linear, Weights, normal_param, param, params_of
 from ling_jax.moe.expert_parallel import moe_parallel, uses_model_parallelism
 from ling_jax.moe.experts import SharedExpert, expert_load, local_moe, swiglu_ffn
 from ling_jax.policy import ExecutionPolicy, MoEExchange, as_policy
+from ling_jax.sharding import per_shard
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.moe.ops import RoutingRule, select_experts
 
@@ -55,7 +58,9 @@ def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig, *, backend:
     selection only; weights are the un-biased sigmoid scores, renormalised and scaled.
     """
     logits_TE = jnp.einsum("td,ed->te", x_TD, router_weight_ED, preferred_element_type=jnp.float32)
-    return select_experts(logits_TE, expert_bias_E, routing_rule(config), backend=backend)
+    select = functools.partial(select_experts, rule=routing_rule(config), backend=backend)
+    tokens = ("activation_batch", None)
+    return per_shard(select, in_axes=(tokens, None), out_axes=(tokens, tokens))(logits_TE, expert_bias_E)
 
 
 def router(weights: Weights, x_TD, cfg: LingConfig, *, backend: str = "reference"):

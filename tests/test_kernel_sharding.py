@@ -1,0 +1,56 @@
+"""Kernels on a mesh: every Pallas kernel call of a layer (KDA chunked prefill and decode step, MLA absorb /
+decode / expand / prefill, the router) runs per device on its own shards (`ling_jax.sharding.per_shard`), so XLA
+never all-gathers a kernel's operands. Read from the compiled HLO of a sharded prefill and decode step with the
+GPU kernels in interpret mode on 8 CPU devices (conftest sets the XLA flag): no all-gather comes from inside a
+kernel. The values are checked elsewhere: the same shard_map runs with the reference kernels in
+tests/test_sharding.py (sharded == unsharded on every mesh)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from ling_jax import ExecutionPolicy, LingForCausalLM
+from ling_jax.generation.sharded import ShardedLM
+from ling_jax.presets import preset
+from ling_jax.sharding import make_mesh
+
+BATCH, CACHE = 8, 48
+_GATHER = re.compile(r"^\s*%?all-gather[.\d]* = .*$", re.M)
+_KERNEL_SCOPE = re.compile(r"jit\((\w+_gpu)\)")  # the GPU kernels' entry points are jitted functions named *_gpu
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    config = preset("tiny").replace(
+        num_experts=32,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        vocab_size=264,
+        num_hidden_layers=2,
+        layer_types=("kda", "mla"),
+        mlp_layer_types=("dense", "moe"),
+    )
+    policy = ExecutionPolicy(kernel_backend="interpret_gpu")
+    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32, policy=policy)
+    return ShardedLM(model, make_mesh({"data": 2, "tensor": 2, "expert": 2}))
+
+
+def _kernel_gathers(lm: ShardedLM, length: int) -> list[str]:
+    abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    cache = jax.eval_shape(lambda: lm.init_cache(BATCH, CACHE))
+    tokens = jax.ShapeDtypeStruct((BATCH, length), jnp.int32)
+    with lm._context():
+        step = lm._step(BATCH, length, cache)
+        text = step.lower(lm.params, jax.tree.map(abstract, cache), tokens, tokens.update(dtype=bool)).compile()
+    return [m[1] for line in _GATHER.findall(text.as_text()) for m in _KERNEL_SCOPE.finditer(line)]
+
+
+@pytest.mark.parametrize("length", [1, 16], ids=["decode", "prefill"])
+def test_no_kernel_operand_is_all_gathered(sharded, length):
+    assert _kernel_gathers(sharded, length) == []
