@@ -3,7 +3,8 @@
 
 The K step of both kernels is the weight's scale block (128 inputs), so only the output tile and the launch are
 tuned. WEIGHT_ONLY_GEMV is for decode-sized calls (up to GEMV_MAX_ROWS rows: a stream of the FP8 weight),
-WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 for prefill-sized ones (FP8 tensor cores).
+WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 and W8A8_TC_ACC for prefill-sized ones (FP8
+tensor cores; the second for the variant that accumulates each K block in the tensor cores).
 Entries without a measurement say so.
 """
 
@@ -94,6 +95,16 @@ W8A8 = _gpu(
     {
         (ANY, ANY): Entry(
             LinearTiles(128, 64, 8, 4, 4), f"{_SWEEP}, W8A8 sweep at 12288 x 4096: 331 / 359 TFLOP/s at M 2048 / 8192"
+        )
+    }
+)
+# 128 x 128 e4m3 tiles of x and W a K step (32 KB) in 4 stages (128 KB of the H200's 228 KB shared memory); 8 warps
+# (two warpgroups of 64 rows) hold the fp32 accumulator and the K block's partial product, 64 registers each.
+W8A8_TC_ACC = _gpu(
+    {
+        (ANY, ANY): Entry(
+            LinearTiles(128, 128, 8, 8, 4),
+            "not measured: scripts/bench_fp8_linear.py --sweep W8A8-tc-acc sweeps it (issue 25)",
         )
     }
 )
