@@ -4,7 +4,8 @@
 The K step of both kernels is the weight's scale block (128 inputs), so only the output tile and the launch are
 tuned. WEIGHT_ONLY_GEMV is for decode-sized calls (up to GEMV_MAX_ROWS rows: a stream of the FP8 weight),
 WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 and W8A8_TC_ACC for prefill-sized ones (FP8
-tensor cores; the second for the variant that accumulates each K block in the tensor cores).
+tensor cores; the second for the variant that accumulates each K block in the tensor cores). MOE_GATHER_SWIGLU_W8A8
+and MOE_DOWN_SCATTER_W8A8 are the W8A8 routed-expert kernels' (`pallas_kernels.moe.gpu_triton.w8a8`).
 Entries without a measurement say so.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.moe.tuned import GroupedTiles
 from pallas_kernels.tuning import ANY, H200, Entry
 
 # `fp8_linear` on a GPU without a mode named: the weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
@@ -108,3 +110,12 @@ W8A8_TC_ACC = _gpu(
         )
     }
 )
+
+# The W8A8 routed-expert kernels: K steps of the weights' 128-input block, and the gate/up kernel's column tile is
+# one 128-column group of h (quantised in its epilogue), so only block_m (and down's block_n, at most the weight's
+# 128-row block) and the launch are free. gate/up holds two accumulators and a partial product: 64 rows in 8 warps
+# keep them at 96 registers a thread; down one accumulator, as the linear kernel. Same settings for every dtype
+# of x (the products are FP8 either way).
+_MOE_SOURCE = "not measured: scripts/bench_moe_w8a8.py --sweep times these beside other tiles (issue 25)"
+MOE_GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 8, 4), _MOE_SOURCE)})
+MOE_DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 4), _MOE_SOURCE)})
