@@ -50,6 +50,11 @@ def fp8_matmul_scope(fp8_matmul: FP8Matmul | str):
         _FP8_MATMUL.reset(token)
 
 
+def fp8_matmul_in_scope() -> FP8Matmul:
+    """How block-FP8 matrices multiply here: the enclosing `fp8_matmul_scope`'s mode (AUTO outside any)."""
+    return _FP8_MATMUL.get()
+
+
 def project(x: jax.Array, weight, *, backend: str = "reference") -> jax.Array:
     """x @ weight.T, weight [out, in] (checkpoint layout). A block-FP8 matrix runs `pallas_kernels.fp8.fp8_linear`
     with `backend` on one device, and as the reference under a mesh (a Pallas call does not split over one), in the
@@ -58,7 +63,7 @@ def project(x: jax.Array, weight, *, backend: str = "reference") -> jax.Array:
     other weight, is the weight cast (or dequantised) to x's dtype, then the product."""
     if isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2:
         on_one_device = jax.sharding.get_abstract_mesh().empty
-        fp8_matmul = _FP8_MATMUL.get()
+        fp8_matmul = fp8_matmul_in_scope()
         mode = None if fp8_matmul == FP8Matmul.AUTO else fp8_matmul.value
         return fp8_linear(x, weight, backend=backend if on_one_device else "reference", mode=mode)
     return jnp.einsum("...i,oi->...o", x, dequantized(weight, x.dtype))

@@ -22,7 +22,9 @@ from helpers import REPO_ROOT, rel_error
 from tokenizers import Tokenizer
 
 from ling_jax import ExecutionPolicy, FP8Matmul, load_hf_checkpoint
+from ling_jax.layers import fp8_matmul_in_scope, fp8_matmul_scope, project
 from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.fp8 import w8a8_linear_reference, weight_only_linear_reference
 
 DEMO = REPO_ROOT / "ling_jax" / "assets" / "ling-demo"
 PROMPTS, LENGTH = 6, 64
@@ -75,3 +77,28 @@ def test_fp8_matmul_policy_is_checked():
     assert ExecutionPolicy(fp8_matmul="weight_only").fp8_matmul is FP8Matmul.WEIGHT_ONLY
     with pytest.raises(ValueError, match=r"fp8_matmul: 'fp8' is not one of 'auto', 'weight_only', 'w8a8'"):
         ExecutionPolicy(fp8_matmul="fp8")
+
+
+def test_project_multiplies_as_the_scope_says():
+    """AUTO (outside any scope) on the reference backend: dequantise-then-dot; inside a W8A8 scope: W8A8's
+    reference; the scope ends with its block."""
+    r = np.random.default_rng(4)
+    weight = BlockFP8Weight(
+        jnp.asarray(r.normal(size=(40, 96)) * 50, jnp.float8_e4m3fn),
+        jnp.asarray(r.uniform(1e-3, 1e-2, (2, 3)), jnp.float32),
+        (32, 32),
+    )
+    x = jnp.asarray(r.normal(size=(3, 5, 96)), jnp.float32)
+    expected = {
+        FP8Matmul.AUTO: weight_only_linear_reference(x.reshape(15, 96), weight.values, weight.scales, weight.block),
+        FP8Matmul.WEIGHT_ONLY: weight_only_linear_reference(
+            x.reshape(15, 96), weight.values, weight.scales, weight.block
+        ),
+        FP8Matmul.W8A8: w8a8_linear_reference(x.reshape(15, 96), weight.values, weight.scales, weight.block),
+    }
+    assert rel_error(expected[FP8Matmul.W8A8], expected[FP8Matmul.AUTO]) > 1e-3  # the modes differ measurably
+    for mode, y in expected.items():
+        with fp8_matmul_scope(mode):
+            assert fp8_matmul_in_scope() is mode
+            np.testing.assert_array_equal(np.asarray(project(x, weight)).reshape(15, 40), np.asarray(y))
+    assert fp8_matmul_in_scope() is FP8Matmul.AUTO
