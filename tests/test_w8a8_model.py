@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO_ROOT, rel_error
+from helpers import REPO_ROOT, gpu_test, rel_error
 from tokenizers import Tokenizer
 
 from ling_jax import ExecutionPolicy, FP8Matmul, load_hf_checkpoint
@@ -49,9 +49,11 @@ def forward_and_program(model, ids_BT):
     return np.asarray(traced.lower().compile()(state, ids_BT), np.float32), str(traced.jaxpr)
 
 
-def test_w8a8_model_matches_the_dequantised_model():
+def check_w8a8_against_bf16(backend: str) -> None:
+    """The W8A8 model on `backend` vs the bf16-dequantised one on the reference backend (module docstring)."""
     ids = random_text_windows()
-    w8a8 = load_hf_checkpoint(DEMO, dtype=jnp.bfloat16, policy=W8A8, progress=False)
+    policy = ExecutionPolicy(kernel_backend=backend, fp8_matmul=FP8Matmul.W8A8)
+    w8a8 = load_hf_checkpoint(DEMO, dtype=jnp.bfloat16, policy=policy, progress=False)
     assert isinstance(w8a8.model.layers[0].attention.q_proj.weight.get_value(), BlockFP8Weight)
     logits, program = forward_and_program(w8a8, jnp.asarray(ids))
     assert "w8a8_linear" in program and "weight_only_linear" not in program
@@ -65,12 +67,21 @@ def test_w8a8_model_matches_the_dequantised_model():
         name: float(np.mean(x[:, :-1].argmax(-1) == ids[:, 1:])) for name, x in (("w8a8", logits), ("bf16", expected))
     }
     print(
-        f"[w8a8 model] logits rel. error {err:.2e}, top-1 agreement {agreement:.1%} over {ids.size} positions, "
-        f"next-token accuracy {accuracy['w8a8']:.1%} (bf16 model {accuracy['bf16']:.1%})"
+        f"[w8a8 model] {backend}: logits rel. error {err:.2e}, top-1 agreement {agreement:.1%} over {ids.size} "
+        f"positions, next-token accuracy {accuracy['w8a8']:.1%} (bf16 model {accuracy['bf16']:.1%})"
     )
     assert err <= 5e-2, f"logits rel. error {err:.2e}"
     assert agreement >= 0.94, f"top-1 agreement {agreement:.1%}"
     assert accuracy["w8a8"] >= accuracy["bf16"] - 0.02, accuracy
+
+
+def test_w8a8_model_matches_the_dequantised_model():
+    check_w8a8_against_bf16("interpret_gpu")
+
+
+@gpu_test("the compiled W8A8 model")
+def test_compiled_w8a8_model_matches_the_dequantised_model():
+    check_w8a8_against_bf16("pallas_gpu")
 
 
 def test_fp8_matmul_policy_is_checked():
