@@ -34,7 +34,7 @@ from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, 
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 from pallas_kernels.moe.reference import swiglu
 
-_TILE_ARGS = ("block_m", "block_n", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
+_TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
 
 
 def _scaled_products(load_lhs, weights, group, col0, *, block_rows: int, block_m, block_n, block_k, cols_ok_N, mask_k):
@@ -194,7 +194,8 @@ def _check_weight(name: str, values, scales, block: tuple[int, int]) -> None:
 
 def _tiles(table, given, *, dtype, num_rows: int, num_groups: int, n_dim: int, block: tuple[int, int], gathers: bool):
     """The launch settings: given (block_m, block_n, num_warps, num_stages), None ones from `table`; the K step is
-    block[1]; the column tile is block[1] for the gate/up kernel (one group of h), at most block[0] otherwise."""
+    block[1]; the column tile is block[1] for the gate/up kernel (one group of h: `gathers`, block_n not given),
+    at most block[0] otherwise."""
     block_m, block_n, num_warps, num_stages = given
     settings = row_tile_settings(
         dtype,
@@ -222,7 +223,6 @@ def gather_swiglu_w8a8_gpu(
     limit: float | None,
     block: tuple[int, int],
     block_m: int | None = None,
-    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
@@ -234,8 +234,8 @@ def gather_swiglu_w8a8_gpu(
     W8A8 (module docstring), quantised per row in 1 x block[1] groups (`fp8.reference.quantize_groups`): h[r, i] =
     h_q[r, i] * h_scale[r, i // block[1]]. Rows past the sum get h = 0 (fill_tail) or are not written. source [R]
     int32 indexes x's rows (x [X, D], any float dtype). gate and up: block-FP8 [G, I, D] (values e4m3, scales
-    [G, ceil(I / block[0]), ceil(D / block[1])]). block_n is fixed to block[1] (given: ignored). Tiles: None from
-    `fp8.tuned.MOE_GATHER_SWIGLU_W8A8`."""
+    [G, ceil(I / block[0]), ceil(D / block[1])]). The column tile is block[1] (one group of h); the other tiles:
+    None from `fp8.tuned.MOE_GATHER_SWIGLU_W8A8`."""
     for name, values, scales in (("gate", gate_values_GID, gate_scales), ("up", up_values_GID, up_scales)):
         _check_weight(name, values, scales, block)
     num_rows, (width, hidden) = source_R.shape[0], gate_values_GID.shape[1:]
@@ -249,7 +249,7 @@ def gather_swiglu_w8a8_gpu(
     x_q_XD, x_scale_XG = quantize_activations(x_XD, block[1])
     tiles = _tiles(
         tuned.MOE_GATHER_SWIGLU_W8A8,
-        (block_m, block_n, num_warps, num_stages),
+        (block_m, None, num_warps, num_stages),
         dtype=x_XD.dtype,
         num_rows=num_rows,
         num_groups=group_sizes_G.shape[0],
@@ -282,7 +282,7 @@ def gather_swiglu_w8a8_gpu(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block", "out_dtype", *_TILE_ARGS))
+@functools.partial(jax.jit, static_argnames=("block", "out_dtype", "block_n", *_TILE_ARGS))
 def down_scatter_w8a8_gpu(
     h_q_RI,
     h_scale,
