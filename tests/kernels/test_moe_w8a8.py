@@ -6,6 +6,8 @@ clip; CUDA lowering at Ling-3.1-flash size; the compiled kernels on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -13,7 +15,8 @@ import numpy as np
 import pytest
 from helpers import gpu_test, lower_for_cuda, rel_error
 
-from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu
+from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu, w8a8_expert_rows
 from pallas_kernels.moe.w8a8_reference import down_scatter_w8a8_reference, gather_swiglu_w8a8_reference
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -209,6 +212,21 @@ def test_fill_tail_false_leaves_the_group_rows_as_they_are():
         outputs[fill_tail] = (np.asarray(h_q[:used], np.float32), np.asarray(y[rows[1][:used]], np.float32))
     for with_tail, without in zip(outputs[True], outputs[False]):
         np.testing.assert_array_equal(without, with_tail)
+
+
+def test_expert_rows_run_both_kernels_on_block_fp8_weights():
+    """`w8a8_expert_rows` (what the experts' fused path calls) on BlockFP8Weights == the two references in turn."""
+    case = "blocks_32"
+    x, (source, dest, sizes), row_weight, gate, up, down = case_inputs(case, seed=5)
+    block, limit = CASES[case][5], CASES[case][6]
+    weights = [BlockFP8Weight(jnp.asarray(values), jnp.asarray(scales), block) for values, scales in (gate, up, down)]
+    routing = (jnp.asarray(x), jnp.asarray(source), jnp.asarray(dest), jnp.asarray(row_weight), jnp.asarray(sizes))
+    y = w8a8_expert_rows(*routing, *weights, limit, interpret=True)
+    h_q, h_scale = gather_swiglu_w8a8_reference(routing[0], routing[1], routing[4], *gate, *up, limit, block=block)
+    expected = down_scatter_w8a8_reference(h_q, h_scale, *routing[2:], *down, block=block, out_dtype=jnp.float32)
+    assert y.dtype == jnp.float32 and rel_error(y, expected) <= TOL
+    with pytest.raises(ValueError, match="need one block"):
+        w8a8_expert_rows(*routing, weights[0], weights[1], dataclasses.replace(weights[2], block=(64, 32)), limit)
 
 
 def test_bad_weights_are_refused_with_the_tensor_named():

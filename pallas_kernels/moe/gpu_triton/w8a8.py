@@ -9,7 +9,8 @@ products, as SGLang serves the FP8 checkpoints:
   (`fp8_dot.scaled_fp8_product`); then SwiGLU in fp32, and h quantised in the epilogue: a program's column tile is
   exactly one 1 x block[1] group, so it stores h_q [R, I] e4m3 and h_scale [R, ceil(I / block[1])];
 - `down_scatter_w8a8_gpu`: h_q's sorted rows times the expert's down blocks the same way, weighted per row in
-  fp32 and stored to dest[r].
+  fp32 and stored to dest[r];
+- `w8a8_expert_rows`: the two in turn on the values and scales of three block-FP8 expert weights.
 
 The row tiling (tiles never cross a group, a group's last tile shrunk, tail tiles storing zeros, dest a
 permutation) is the grouped matmul's (`gmm.call_over_row_tiles`, `output_tile`). `moe.w8a8_reference` is the same
@@ -348,4 +349,53 @@ def down_scatter_w8a8_gpu(
         name="down_scatter_w8a8",
         min_block_m=min_block_m,
         fill_tail=fill_tail,
+    )
+
+
+def w8a8_expert_rows(
+    x_XD,
+    source_R,
+    order_R,
+    row_weight_R,
+    sizes_E,
+    gate,
+    up,
+    down,
+    limit: float | None,
+    *,
+    fill_tail: bool = True,
+    interpret: bool = False,
+):
+    """[R, D] in x's dtype: both W8A8 kernels, the routed experts' rows as `ling_jax.moe.experts.fused_expert_rows`
+    computes them (row order[r] = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of the expert order), from
+    block-FP8 experts: gate, up [G, I, D] and down [G, D, I], each anything with `values`, `scales` and `block`
+    (`ling_jax.quantized.BlockFP8Weight`), one block for the three."""
+    if not gate.block == up.block == down.block:
+        raise ValueError(f"W8A8 experts: gate, up and down need one block, got {gate.block}, {up.block}, {down.block}")
+    block = tuple(gate.block)
+    h_q, h_scale = gather_swiglu_w8a8_gpu(
+        x_XD,
+        source_R,
+        sizes_E,
+        gate.values,
+        gate.scales,
+        up.values,
+        up.scales,
+        limit=limit,
+        block=block,
+        fill_tail=fill_tail,
+        interpret=interpret,
+    )
+    return down_scatter_w8a8_gpu(
+        h_q,
+        h_scale,
+        order_R,
+        row_weight_R,
+        sizes_E,
+        down.values,
+        down.scales,
+        block=block,
+        out_dtype=x_XD.dtype,
+        fill_tail=fill_tail,
+        interpret=interpret,
     )
