@@ -6,9 +6,9 @@ The checkpoint is the trained demo model (`ling_jax/assets/ling-demo`, block FP8
 prompts random windows of held-out text: a random-weight model has near-uniform next-token scores whose top-1 flips
 under any rounding (the factory's tiny models are chaotic), a trained one has a next token to agree on. Measured on
 6 x 64 tokens (CPU): W8A8 logits 3.4e-2 from the bf16 model, 96.1% top-1 agreement, next-token accuracy on the
-text 27.5% against 27.8%; for scale, the bf16 model itself is 0.8e-2 and 98.2% from the fp32 one, and the W8A8 formula in fp32 (jnp
-reference) 3.1e-2 and 96.6%: the gap to issue 25's 3e-2 / 99% is the activation quantisation itself (e4m3 keeps 3
-mantissa bits, ~3% per product), not the kernels.
+text 27.5% against 27.8%; for scale, the bf16 model itself is 0.8e-2 and 98.2% from the fp32 one, and the W8A8
+formula in fp32 (jnp reference) 3.1e-2 and 96.6%: the gap to issue 25's 3e-2 / 99% is the activation quantisation
+itself (e4m3 keeps 3 mantissa bits, ~3% per product), not the kernels.
 """
 
 from __future__ import annotations
