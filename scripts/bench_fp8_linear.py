@@ -3,7 +3,7 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
 
     python scripts/bench_fp8_linear.py --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
     python scripts/bench_fp8_linear.py --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
-    python scripts/bench_fp8_linear.py --sweep W8A8 W8A8-tc-acc          # those kernels' tile sweeps alone
+    python scripts/bench_fp8_linear.py --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
 
 Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
 output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
@@ -13,8 +13,9 @@ together. Decode cells: us, GB/s of the weight bytes the method must read (FP8 v
 fp32 scales, or the bf16 weight, plus x and y) and that rate as % of the measured copy bandwidth. Prefill cells:
 us (TFLOP/s, 2 M O In over the time) and each W8A8 variant's error against the fp32 product, after the bf16 and FP8
 matmul peaks of the device measured in the same run (`bench_fp8_peak`'s rows at 8192^3). The W8A8 variants:
-"gpu_triton" (Pallas's FP8 dot, which Triton splits into one CUDA-core add per wgmma) and "gpu_triton_tc_acc"
-(each 128-input K block accumulated in the tensor cores, `pallas_kernels/fp8/gpu_triton/fp8_dot.py`).
+"gpu_triton" (Pallas's FP8 dot, which Triton splits into one CUDA-core add per wgmma), "gpu_triton_tc_acc"
+(each 128-input K block accumulated in the tensor cores, `pallas_kernels/fp8/gpu_triton/fp8_dot.py`) and
+"gpu_mosaic" (Mosaic GPU: TMA pipeline, e4m3 wgmma; N and K multiples of 128 only, "n/a" elsewhere).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
 
 from pallas_kernels.fp8 import tuned  # noqa: E402
+from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
-from pallas_kernels.fp8.ops import GEMV, TC_ACC, kernel  # noqa: E402
+from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
 from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
@@ -51,6 +53,7 @@ CHAIN_BYTES = 192 << 20  # FP8 weight bytes a chain reads at least: ~4x the H200
 weight_only_gpu, w8a8_gpu = kernel("weight_only_linear", "gpu_triton"), kernel("w8a8_linear", "gpu_triton")
 gemv_gpu = kernel("weight_only_linear", GEMV)
 w8a8_tc_acc_gpu = kernel("w8a8_linear", TC_ACC)
+w8a8_mosaic_gpu = kernel("w8a8_linear", MOSAIC)
 PEAK_SIZE = 8192
 
 
@@ -136,7 +139,23 @@ def print_peaks(iters: int) -> None:
         print(f"  {name:24s} {rate}")
 
 
-W8A8_VARIANTS = {"W8A8 gpu_triton": w8a8_gpu, f"W8A8 {TC_ACC}": w8a8_tc_acc_gpu}
+W8A8_VARIANTS = {"W8A8 gpu_triton": w8a8_gpu, f"W8A8 {TC_ACC}": w8a8_tc_acc_gpu, f"W8A8 {MOSAIC}": w8a8_mosaic_gpu}
+
+
+def timed_cell(seconds_of, flops: int) -> str:
+    """'us (TFLOP/s)' of seconds_of(), or why it cannot run (gpu_mosaic takes N and K multiples of 128 only)."""
+    try:
+        seconds = seconds_of()
+    except ValueError as error:
+        return f"n/a ({str(error).splitlines()[0][:40]})"
+    return f"{seconds * 1e6:.1f} ({flops / seconds / 1e12:.1f})"
+
+
+def error_cell(entry, x, values, scales, exact) -> str:
+    try:
+        return f"{rel_error(entry(x, values, scales, block=BLOCK), exact):.1e}"
+    except ValueError:
+        return "n/a"
 
 
 def prefill_table(iters: int) -> None:
@@ -163,13 +182,10 @@ def prefill_table(iters: int) -> None:
             cells = []
             for product, reads_dense in methods.values():
                 copies = [(w,) for w in weights.dense] if reads_dense else fp8_copies(weights)
-                seconds = chain_seconds(product, x, copies, iters)
-                cells.append(f"{seconds * 1e6:.1f} ({flops / seconds / 1e12:.1f})")
+                cells.append(timed_cell(lambda: chain_seconds(product, x, copies, iters), flops))  # noqa: B023
             values, scales = weights.values[0], weights.scales[0]
             exact = jnp.matmul(x, dequantize_blocks(values, scales, BLOCK, jnp.float32).T, precision="highest")
-            errors = [
-                f"{rel_error(entry(x, values, scales, block=BLOCK), exact):.1e}" for entry in W8A8_VARIANTS.values()
-            ]
+            errors = [error_cell(entry, x, values, scales, exact) for entry in W8A8_VARIANTS.values()]
             print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells + errors) + " |", flush=True)
 
 
@@ -216,6 +232,13 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
             (128, 64, 8, 4, 4, 1),
             (256, 128, 8, 8, 3, 1),
         ],
+        (12288, 4096),
+        (2048, 8192),
+    ),
+    "W8A8-mosaic": (
+        w8a8_mosaic_gpu,
+        MOSAIC_TILE_KEYWORDS,
+        [(128, 4), (128, 3), (128, 5), (128, 6), (64, 4), (64, 6)],
         (12288, 4096),
         (2048, 8192),
     ),

@@ -6,7 +6,8 @@ block-size overrides, for tests and benchmarks). Without a variant named, a GPU 
 takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
 activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else
 the block-scaled "gpu_triton"; for W8A8 products "gpu_triton_tc_acc" (each K block accumulated in the tensor
-cores); every other case runs the jnp reference.
+cores; "gpu_mosaic", the Mosaic GPU kernel for 128 x 128 blocks, runs when named); every other case runs the jnp
+reference.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.gpu_mosaic import w8a8_linear_mgpu
 from pallas_kernels.fp8.gpu_triton import (
     w8a8_linear_gpu,
     w8a8_linear_tc_acc_gpu,
@@ -25,7 +27,7 @@ from pallas_kernels.fp8.gpu_triton import (
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
 from pallas_kernels.variants import REFERENCE, Variant
 
-__all__ = ["GEMV", "MODES", "TC_ACC", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
+__all__ = ["GEMV", "MODES", "MOSAIC", "TC_ACC", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
 
 WEIGHT_ONLY = "weight_only"
 W8A8 = "w8a8"
@@ -33,6 +35,7 @@ MODES = (WEIGHT_ONLY, W8A8)
 _OP_OF_MODE = {WEIGHT_ONLY: "weight_only_linear", W8A8: "w8a8_linear"}
 GEMV = "gpu_triton_gemv"
 TC_ACC = "gpu_triton_tc_acc"
+MOSAIC = "gpu_mosaic"
 
 VARIANTS = {
     "weight_only_linear": {
@@ -44,6 +47,7 @@ VARIANTS = {
         REFERENCE: Variant(None, w8a8_linear_reference),
         "gpu_triton": Variant("gpu", w8a8_linear_gpu),
         TC_ACC: Variant("gpu", w8a8_linear_tc_acc_gpu),
+        MOSAIC: Variant("gpu", w8a8_linear_mgpu),
     },
 }
 

@@ -4,7 +4,8 @@
 The K step of both kernels is the weight's scale block (128 inputs), so only the output tile and the launch are
 tuned. WEIGHT_ONLY_GEMV is for decode-sized calls (up to GEMV_MAX_ROWS rows: a stream of the FP8 weight),
 WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 and W8A8_TC_ACC for prefill-sized ones (FP8
-tensor cores; the second for the variant that accumulates each K block in the tensor cores). MOE_GATHER_SWIGLU_W8A8
+tensor cores; the second for the variant that accumulates each K block in the tensor cores), W8A8_MOSAIC for the
+Mosaic GPU W8A8 kernel (`fp8/gpu_mosaic.py`). MOE_GATHER_SWIGLU_W8A8
 and MOE_DOWN_SCATTER_W8A8 are the W8A8 routed-expert kernels' (`pallas_kernels.moe.gpu_triton.w8a8`).
 Entries without a measurement say so.
 """
@@ -119,3 +120,23 @@ W8A8_TC_ACC = _gpu(
 _MOE_SOURCE = "not measured: scripts/bench_moe_w8a8.py --sweep times these beside other tiles (issue 25)"
 MOE_GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 8, 4), _MOE_SOURCE)})
 MOE_DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 4), _MOE_SOURCE)})
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """gpu_mosaic W8A8: block_n outputs a CTA (64 rows, one warpgroup; block_n divides the weight's 128-row block),
+    stages shared-memory buffers of the TMA pipeline over K."""
+
+    block_n: int
+    stages: int
+
+
+# 64 x 128 fp32 accumulator and K block partial product: 64 registers a thread each; a stage holds 8 + 16 KB of
+# e4m3 tiles and 256 B of scales, so 4 stages leave room for two CTAs an SM.
+W8A8_MOSAIC = _gpu(
+    {
+        (ANY, ANY): Entry(
+            MosaicTiles(128, 4), "not measured: scripts/bench_fp8_linear.py --sweep W8A8-mosaic sweeps it (issue 25)"
+        )
+    }
+)
