@@ -23,6 +23,7 @@ _PUBLIC = {
     "KDAMode": "ling_jax.policy",
     "MLAMode": "ling_jax.policy",
     "MoEExchange": "ling_jax.policy",
+    "FP8Matmul": "ling_jax.policy",
     # the model and its caches
     "LingForCausalLM": "ling_jax.model",
     "LingOutput": "ling_jax.model",

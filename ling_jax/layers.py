@@ -5,15 +5,21 @@ Weights keep the checkpoint's [out, in] layout, so loading a tensor never transp
 carries its logical axis names (`out_sharding` metadata, e.g. ("experts", "expert_mlp", "embed")); the
 mesh axes they map to are chosen once, in `ling_jax.sharding`. A `quantizable` parameter (a projection's
 weight, the routed experts) may hold a quantised weight (`ling_jax.quantized`) that its layer dequantises
-inside the step, or a block-FP8 weight goes to the FP8 kernels (`project`).
+inside the step, or a block-FP8 weight goes to the FP8 kernels (`project`), multiplied as the policy's
+`fp8_matmul` says: the model opens `fp8_matmul_scope` with it around each call, so every projection traced inside,
+in whichever module, sees it.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ling_jax.policy import FP8Matmul
 from ling_jax.quantized import BlockFP8Weight, dequantized
 from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
@@ -30,14 +36,36 @@ def params_of(module: nnx.Module) -> Weights:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
+_FP8_MATMUL = contextvars.ContextVar("fp8_matmul", default=FP8Matmul.AUTO)
+
+
+@contextlib.contextmanager
+def fp8_matmul_scope(fp8_matmul: FP8Matmul | str):
+    """`project` multiplies block-FP8 matrices as `fp8_matmul` says while tracing inside this block (the model
+    opens it from its policy, a static part of every jitted call, so a changed policy retraces)."""
+    token = _FP8_MATMUL.set(FP8Matmul(fp8_matmul))
+    try:
+        yield
+    finally:
+        _FP8_MATMUL.reset(token)
+
+
+def fp8_matmul_in_scope() -> FP8Matmul:
+    """How block-FP8 matrices multiply here: the enclosing `fp8_matmul_scope`'s mode (AUTO outside any)."""
+    return _FP8_MATMUL.get()
+
+
 def project(x: jax.Array, weight, *, backend: str = "reference") -> jax.Array:
     """x @ weight.T, weight [out, in] (checkpoint layout). A block-FP8 matrix runs `pallas_kernels.fp8.fp8_linear`
-    with `backend` on one device (on a GPU: weight-only FP8 kernels for a few tokens, W8A8 for many), and as the
-    reference under a mesh (a Pallas call does not split over one); the reference, like any other weight, is the
-    weight cast (or dequantised) to x's dtype, then the product."""
+    with `backend` on one device, and as the reference under a mesh (a Pallas call does not split over one), in the
+    mode of the enclosing `fp8_matmul_scope`: AUTO by the row count (on a GPU: weight-only FP8 kernels for a few
+    tokens), WEIGHT_ONLY or W8A8 always (W8A8's reference quantises the activations too). The reference, like any
+    other weight, is the weight cast (or dequantised) to x's dtype, then the product."""
     if isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2:
         on_one_device = jax.sharding.get_abstract_mesh().empty
-        return fp8_linear(x, weight, backend=backend if on_one_device else "reference")
+        fp8_matmul = fp8_matmul_in_scope()
+        mode = None if fp8_matmul == FP8Matmul.AUTO else fp8_matmul.value
+        return fp8_linear(x, weight, backend=backend if on_one_device else "reference", mode=mode)
     return jnp.einsum("...i,oi->...o", x, dequantized(weight, x.dtype))
 
 

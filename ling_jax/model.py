@@ -15,7 +15,16 @@ from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
 from ling_jax.context import TokenContext, token_context
 from ling_jax.kda import KimiDeltaAttention, kda_attention
-from ling_jax.layers import Linear, RMSNorm, Weights, add_rms_norm, normal_param, params_of, rms_norm
+from ling_jax.layers import (
+    Linear,
+    RMSNorm,
+    Weights,
+    add_rms_norm,
+    fp8_matmul_scope,
+    normal_param,
+    params_of,
+    rms_norm,
+)
 from ling_jax.mla import MultiLatentAttention, latent_attention
 from ling_jax.moe.block import MLP, MoE, dense_mlp, moe_block_with_stats, sow_moe_stats
 from ling_jax.policy import ExecutionPolicy, KernelBackend, as_policy
@@ -159,9 +168,10 @@ class LingModel(nnx.Module):
             states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
         else:
             states = list(cache.layers)
-        for i, layer in enumerate(self.layers):
-            with jax.named_scope(f"decoder_layer_{i}"):
-                h, states[i] = layer(h, ctx, states[i])
+        with fp8_matmul_scope(ctx.policy.fp8_matmul):
+            for i, layer in enumerate(self.layers):
+                with jax.named_scope(f"decoder_layer_{i}"):
+                    h, states[i] = layer(h, ctx, states[i])
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = LingCache(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
@@ -281,7 +291,7 @@ class LingForCausalLM(nnx.Module):
             max_length=0 if cache is None else cache.layer.latent.shape[1],
             policy=self.policy,
         )
-        with jax.named_scope("mtp"):
+        with jax.named_scope("mtp"), fp8_matmul_scope(ctx.policy.fp8_matmul):
             embeds = self.model.word_embeddings(next_ids_BT)
             hidden, state = self.mtp.draft_hidden(
                 embeds, hidden_BTD.astype(embeds.dtype), ctx, None if cache is None else cache.layer

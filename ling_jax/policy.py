@@ -1,6 +1,7 @@
 """How a model runs, as opposed to what it computes: the execution policy, one frozen object built once.
 
-`ExecutionPolicy` holds the kernel backend, the KDA and MLA modes and the MoE exchange and capacity. Every field
+`ExecutionPolicy` holds the kernel backend, the KDA and MLA modes, the MoE exchange and capacity and how block-FP8
+linears multiply. Every field
 is an enum (or a checked number), so a misspelt value fails when the policy is built, naming the field and the
 valid values, instead of deep inside a traced call. Strings are accepted and converted: `"reference"` and
 `KernelBackend.REFERENCE` are the same value (the enums are `StrEnum`s). The models, the checkpoint loaders and
@@ -48,6 +49,14 @@ class MoEExchange(enum.StrEnum):
     DENSE = "dense"
 
 
+class FP8Matmul(enum.StrEnum):
+    """How a block-FP8 linear multiplies (`ling_jax.layers.project`, `pallas_kernels.fp8.fp8_linear`'s modes)."""
+
+    AUTO = "auto"  # by the call's rows on a GPU (`pallas_kernels.fp8.tuned`), dequantise-then-dot elsewhere
+    WEIGHT_ONLY = "weight_only"  # the FP8 weight dequantised on chip, products in the activations' dtype
+    W8A8 = "w8a8"  # activations quantised per token in 1 x 128 groups to e4m3, FP8 x FP8 products (prefill)
+
+
 def _member(enum_type: type[enum.StrEnum], value: Any, field: str, *, optional: bool = False):
     if value is None and optional:
         return None
@@ -65,6 +74,7 @@ class ExecutionPolicy:
     mla_mode: MLAMode | None = None  # None: per call (absorbed for a one-token decode over a cache)
     moe_exchange: MoEExchange = MoEExchange.AUTO
     moe_capacity_factor: float | None = None  # None: dropless; a number caps each device's rows per source
+    fp8_matmul: FP8Matmul = FP8Matmul.AUTO
 
     def __post_init__(self):
         converted = {
@@ -72,6 +82,7 @@ class ExecutionPolicy:
             "kda_mode": _member(KDAMode, self.kda_mode, "kda_mode", optional=True),
             "mla_mode": _member(MLAMode, self.mla_mode, "mla_mode", optional=True),
             "moe_exchange": _member(MoEExchange, self.moe_exchange, "moe_exchange"),
+            "fp8_matmul": _member(FP8Matmul, self.fp8_matmul, "fp8_matmul"),
         }
         for field, value in converted.items():
             object.__setattr__(self, field, value)

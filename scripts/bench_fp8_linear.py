@@ -2,8 +2,8 @@
 XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step, then the bf16 dot).
 
     python scripts/bench_fp8_linear.py --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
-    python scripts/bench_fp8_linear.py --prefill             # 64 to 8192 rows: weight-only, W8A8 and XLA
-    python scripts/bench_fp8_linear.py --sweep weight-only W8A8          # those kernels' tile sweeps alone
+    python scripts/bench_fp8_linear.py --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
+    python scripts/bench_fp8_linear.py --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
 
 Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
 output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
@@ -11,7 +11,11 @@ no slice of a stacked weight is copied first: the bench before 2026-12 sliced on
 MIN_CALLS to MAX_CALLS long, reading CHAIN_BYTES of FP8 weight where that cap allows: the copies never fit the L2
 together. Decode cells: us, GB/s of the weight bytes the method must read (FP8 values and
 fp32 scales, or the bf16 weight, plus x and y) and that rate as % of the measured copy bandwidth. Prefill cells:
-us (TFLOP/s, 2 M O In over the time) and W8A8's error against the fp32 product.
+us (TFLOP/s, 2 M O In over the time) and each W8A8 variant's error against the fp32 product, after the bf16 and FP8
+matmul peaks of the device measured in the same run (`bench_fp8_peak`'s rows at 8192^3). The W8A8 variants:
+"gpu_triton" (Pallas's FP8 dot, which Triton splits into one CUDA-core add per wgmma), "gpu_triton_tc_acc"
+(each 128-input K block accumulated in the tensor cores, `pallas_kernels/fp8/gpu_triton/fp8_dot.py`) and
+"gpu_mosaic" (Mosaic GPU: TMA pipeline, e4m3 wgmma; N and K multiples of 128 only, "n/a" elsewhere).
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
+from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
 
 from pallas_kernels.fp8 import tuned  # noqa: E402
+from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
-from pallas_kernels.fp8.ops import GEMV, kernel  # noqa: E402
+from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
 from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
@@ -46,6 +52,9 @@ MIN_CALLS, MAX_CALLS = 16, 48  # calls (weight copies) a chain: 48 of the 576 x 
 CHAIN_BYTES = 192 << 20  # FP8 weight bytes a chain reads at least: ~4x the H200's 50 MB L2
 weight_only_gpu, w8a8_gpu = kernel("weight_only_linear", "gpu_triton"), kernel("w8a8_linear", "gpu_triton")
 gemv_gpu = kernel("weight_only_linear", GEMV)
+w8a8_tc_acc_gpu = kernel("w8a8_linear", TC_ACC)
+w8a8_mosaic_gpu = kernel("w8a8_linear", MOSAIC)
+PEAK_SIZE = 8192
 
 
 def _commit() -> str:
@@ -121,16 +130,50 @@ def decode_table(iters: int, copy_bw: float) -> None:
             print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
+def print_peaks(iters: int) -> None:
+    """The device's bf16 and FP8 matmul peaks at PEAK_SIZE^3 (`bench_fp8_peak`), the ceilings of the W8A8 rows."""
+    flops = 2 * PEAK_SIZE**3
+    print(f"\nmatmul peaks at M = N = K = {PEAK_SIZE} (scripts/bench_fp8_peak.py):")
+    for name, seconds in {**jax_rows(PEAK_SIZE, iters), **torch_rows(PEAK_SIZE, iters)}.items():
+        rate = seconds if isinstance(seconds, str) else f"{flops / seconds / 1e12:.1f} TFLOP/s"
+        print(f"  {name:24s} {rate}")
+
+
+W8A8_VARIANTS = {"W8A8 gpu_triton": w8a8_gpu, f"W8A8 {TC_ACC}": w8a8_tc_acc_gpu, f"W8A8 {MOSAIC}": w8a8_mosaic_gpu}
+
+
+def timed_cell(seconds_of, flops: int) -> str:
+    """'us (TFLOP/s)' of seconds_of(), or why it cannot run (gpu_mosaic takes N and K multiples of 128 only)."""
+    try:
+        seconds = seconds_of()
+    except ValueError as error:
+        return f"n/a ({str(error).splitlines()[0][:40]})"
+    return f"{seconds * 1e6:.1f} ({flops / seconds / 1e12:.1f})"
+
+
+def error_cell(entry, x, values, scales, exact) -> str:
+    try:
+        return f"{rel_error(entry(x, values, scales, block=BLOCK), exact):.1e}"
+    except ValueError:
+        return "n/a"
+
+
 def prefill_table(iters: int) -> None:
+    print_peaks(iters)
     methods = {
         "XLA bf16 dot": (lambda x, w: x @ w.T, True),
         "dequant + dot": DECODE_METHODS["dequant + dot (today)"],
         "weight-only": DECODE_METHODS["weight-only gpu_triton"],
-        "W8A8": (lambda x, v, s: w8a8_gpu(x, v, s, block=BLOCK), False),
+        **{
+            name: (lambda x, v, s, entry=entry: entry(x, v, s, block=BLOCK), False)
+            for name, entry in W8A8_VARIANTS.items()
+        },
     }
     print(f"\nbf16 x, {BLOCK} blocks; us per call (TFLOP/s)")
-    print("| O x In | M | " + " | ".join(methods) + " | W8A8 error |")
-    print("|---|---|" + "---|" * (len(methods) + 1))
+    print(
+        "| O x In | M | " + " | ".join(methods) + " | " + " | ".join(f"{name} error" for name in W8A8_VARIANTS) + " |"
+    )
+    print("|---|---|" + "---|" * (len(methods) + len(W8A8_VARIANTS)))
     for out_dim, in_dim in PREFILL_SHAPES:
         weights = random_copies(out_dim, in_dim)
         for rows in PREFILL_ROWS:
@@ -139,12 +182,11 @@ def prefill_table(iters: int) -> None:
             cells = []
             for product, reads_dense in methods.values():
                 copies = [(w,) for w in weights.dense] if reads_dense else fp8_copies(weights)
-                seconds = chain_seconds(product, x, copies, iters)
-                cells.append(f"{seconds * 1e6:.1f} ({flops / seconds / 1e12:.1f})")
+                cells.append(timed_cell(lambda: chain_seconds(product, x, copies, iters), flops))  # noqa: B023
             values, scales = weights.values[0], weights.scales[0]
             exact = jnp.matmul(x, dequantize_blocks(values, scales, BLOCK, jnp.float32).T, precision="highest")
-            error = rel_error(w8a8_gpu(x, values, scales, block=BLOCK), exact)
-            print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells) + f" | {error:.1e} |", flush=True)
+            errors = [error_cell(entry, x, values, scales, exact) for entry in W8A8_VARIANTS.values()]
+            print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells + errors) + " |", flush=True)
 
 
 SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
@@ -177,6 +219,29 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
         (12288, 4096),
         (2048, 8192),
     ),
+    "W8A8-tc-acc": (
+        w8a8_tc_acc_gpu,
+        block_scaled.TILE_KEYWORDS,
+        [
+            (128, 128, 8, 8, 4, 1),
+            (128, 128, 8, 8, 3, 1),
+            (128, 128, 8, 4, 4, 1),
+            (128, 128, 16, 8, 4, 1),
+            (64, 128, 8, 4, 4, 1),
+            (64, 128, 8, 4, 3, 1),
+            (128, 64, 8, 4, 4, 1),
+            (256, 128, 8, 8, 3, 1),
+        ],
+        (12288, 4096),
+        (2048, 8192),
+    ),
+    "W8A8-mosaic": (
+        w8a8_mosaic_gpu,
+        MOSAIC_TILE_KEYWORDS,
+        [(128, 4), (128, 3), (128, 5), (128, 6), (64, 4), (64, 6)],
+        (12288, 4096),
+        (2048, 8192),
+    ),
 }
 
 
@@ -184,7 +249,7 @@ def sweep(iters: int, kernels) -> None:
     for label in kernels:
         entry, keywords, settings, (out_dim, in_dim), rows_list = SWEEPS[label]
         weights = random_copies(out_dim, in_dim)
-        print(f"\n{label} sweep at {out_dim} x {in_dim}, us per call (GB/s of the FP8 weight)")
+        print(f"\n{label} sweep at {out_dim} x {in_dim}, us per call (GB/s of the FP8 weight, TFLOP/s)")
         print(f"| {', '.join(keywords)} | " + " | ".join(f"M = {r}" for r in rows_list) + " |")
         print("|---|" + "---|" * len(rows_list))
         for tiles in settings:
@@ -193,7 +258,8 @@ def sweep(iters: int, kernels) -> None:
             for rows in rows_list:
                 x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
                 seconds = chain_seconds(product, x, fp8_copies(weights), iters)
-                cells.append(f"{seconds * 1e6:.1f} ({weights.fp8_bytes / seconds / 1e9:.0f})")
+                rate = 2 * rows * out_dim * in_dim / seconds / 1e12
+                cells.append(f"{seconds * 1e6:.1f} ({weights.fp8_bytes / seconds / 1e9:.0f}, {rate:.1f})")
             print(f"| {tiles} | " + " | ".join(cells) + " |", flush=True)
 
 

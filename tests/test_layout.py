@@ -33,6 +33,7 @@ PUBLIC = {
     "MLAState",
     "MTPCache",
     "MoEExchange",
+    "FP8Matmul",
     "PRESETS",
     "QuantizationConfig",
     "RULES",

@@ -5,7 +5,9 @@ VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one
 block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs a kernel where it
 takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
 activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else
-the block-scaled "gpu_triton"; every other case runs the jnp reference.
+the block-scaled "gpu_triton"; for W8A8 products "gpu_triton_tc_acc" (each K block accumulated in the tensor
+cores; "gpu_mosaic", the Mosaic GPU kernel for 128 x 128 blocks, runs when named); every other case runs the jnp
+reference.
 """
 
 from __future__ import annotations
@@ -15,17 +17,25 @@ import jax.numpy as jnp
 from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.fp8 import tuned
-from pallas_kernels.fp8.gpu_triton import w8a8_linear_gpu, weight_only_gemv_gpu, weight_only_linear_gpu
+from pallas_kernels.fp8.gpu_mosaic import w8a8_linear_mgpu
+from pallas_kernels.fp8.gpu_triton import (
+    w8a8_linear_gpu,
+    w8a8_linear_tc_acc_gpu,
+    weight_only_gemv_gpu,
+    weight_only_linear_gpu,
+)
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
 from pallas_kernels.variants import REFERENCE, Variant
 
-__all__ = ["GEMV", "MODES", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
+__all__ = ["GEMV", "MODES", "MOSAIC", "TC_ACC", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
 
 WEIGHT_ONLY = "weight_only"
 W8A8 = "w8a8"
 MODES = (WEIGHT_ONLY, W8A8)
 _OP_OF_MODE = {WEIGHT_ONLY: "weight_only_linear", W8A8: "w8a8_linear"}
 GEMV = "gpu_triton_gemv"
+TC_ACC = "gpu_triton_tc_acc"
+MOSAIC = "gpu_mosaic"
 
 VARIANTS = {
     "weight_only_linear": {
@@ -33,7 +43,12 @@ VARIANTS = {
         "gpu_triton": Variant("gpu", weight_only_linear_gpu),
         GEMV: Variant("gpu", weight_only_gemv_gpu),
     },
-    "w8a8_linear": {REFERENCE: Variant(None, w8a8_linear_reference), "gpu_triton": Variant("gpu", w8a8_linear_gpu)},
+    "w8a8_linear": {
+        REFERENCE: Variant(None, w8a8_linear_reference),
+        "gpu_triton": Variant("gpu", w8a8_linear_gpu),
+        TC_ACC: Variant("gpu", w8a8_linear_tc_acc_gpu),
+        MOSAIC: Variant("gpu", w8a8_linear_mgpu),
+    },
 }
 
 
@@ -106,8 +121,11 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
     op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
     use_kernel = chosen is not None and kernel_takes(x, weight)
-    gemv = chosen == WEIGHT_ONLY and x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS
-    default = variants.by_platform(backend, {"gpu": GEMV if gemv else "gpu_triton"}) if use_kernel else REFERENCE
+    if chosen == W8A8:
+        gpu_variant = TC_ACC
+    else:
+        gpu_variant = GEMV if x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS else "gpu_triton"
+    default = variants.by_platform(backend, {"gpu": gpu_variant}) if use_kernel else REFERENCE
     name = variants.pick(VARIANTS, op, variant, backend, default)
     block, scales = tuple(weight.block), weight.scales.astype(jnp.float32)
     if name == REFERENCE:

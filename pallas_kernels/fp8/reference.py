@@ -30,16 +30,23 @@ def dequantize_blocks(values, scales, block: tuple[int, int], dtype) -> jax.Arra
     return (values.astype(jnp.float32) * full_scales[..., :rows, :cols]).astype(dtype)
 
 
+def quantize_groups(x_C) -> tuple[jax.Array, jax.Array]:
+    """(x_q float8_e4m3fn like x, scale float32 [...]): x [..., C] quantised as groups along its last axis, each
+    scaled so that its largest magnitude maps to 448 (module docstring). Also the epilogue of the W8A8 MoE
+    kernels, on a tile of one group's columns."""
+    x_C = x_C.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(x_C), axis=-1), EPS) / E4M3_MAX
+    x_q_C = jnp.clip(x_C / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return x_q_C, scale
+
+
 def quantize_activations(x_MK, group: int) -> tuple[jax.Array, jax.Array]:
-    """(x_q [M, K] float8_e4m3fn, a_scale [M, ceil(K / group)] float32): per-token 1 x group quantisation, each
-    group scaled so that its largest magnitude maps to 448 (module docstring)."""
+    """(x_q [M, K] float8_e4m3fn, a_scale [M, ceil(K / group)] float32): per-token 1 x group quantisation
+    (`quantize_groups`; a partial last group is padded with zeros)."""
     num_rows, k_dim = x_MK.shape
     num_groups = -(-k_dim // group)
-    x_MGC = jnp.pad(x_MK.astype(jnp.float32), ((0, 0), (0, num_groups * group - k_dim))).reshape(
-        num_rows, num_groups, group
-    )
-    scale_MG = jnp.maximum(jnp.max(jnp.abs(x_MGC), axis=-1), EPS) / E4M3_MAX
-    x_q_MGC = jnp.clip(x_MGC / scale_MG[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    x_MGC = jnp.pad(x_MK, ((0, 0), (0, num_groups * group - k_dim))).reshape(num_rows, num_groups, group)
+    x_q_MGC, scale_MG = quantize_groups(x_MGC)
     return x_q_MGC.reshape(num_rows, num_groups * group)[:, :k_dim], scale_MG
 
 

@@ -3,7 +3,10 @@
 
 The K step of both kernels is the weight's scale block (128 inputs), so only the output tile and the launch are
 tuned. WEIGHT_ONLY_GEMV is for decode-sized calls (up to GEMV_MAX_ROWS rows: a stream of the FP8 weight),
-WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 for prefill-sized ones (FP8 tensor cores).
+WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 and W8A8_TC_ACC for prefill-sized ones (FP8
+tensor cores; the second for the variant that accumulates each K block in the tensor cores), W8A8_MOSAIC for the
+Mosaic GPU W8A8 kernel (`fp8/gpu_mosaic.py`). MOE_GATHER_SWIGLU_W8A8
+and MOE_DOWN_SCATTER_W8A8 are the W8A8 routed-expert kernels' (`pallas_kernels.moe.gpu_triton.w8a8`).
 Entries without a measurement say so.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.moe.tuned import GroupedTiles
 from pallas_kernels.tuning import ANY, H200, Entry
 
 # `fp8_linear` on a GPU without a mode named: the weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
@@ -94,6 +98,45 @@ W8A8 = _gpu(
     {
         (ANY, ANY): Entry(
             LinearTiles(128, 64, 8, 4, 4), f"{_SWEEP}, W8A8 sweep at 12288 x 4096: 331 / 359 TFLOP/s at M 2048 / 8192"
+        )
+    }
+)
+# 128 x 128 e4m3 tiles of x and W a K step (32 KB) in 4 stages (128 KB of the H200's 228 KB shared memory); 8 warps
+# (two warpgroups of 64 rows) hold the fp32 accumulator and the K block's partial product, 64 registers each.
+W8A8_TC_ACC = _gpu(
+    {
+        (ANY, ANY): Entry(
+            LinearTiles(128, 128, 8, 8, 4),
+            "not measured: scripts/bench_fp8_linear.py --sweep W8A8-tc-acc sweeps it (issue 25)",
+        )
+    }
+)
+
+# The W8A8 routed-expert kernels: K steps of the weights' 128-input block, and the gate/up kernel's column tile is
+# one 128-column group of h (quantised in its epilogue), so only block_m (and down's block_n, at most the weight's
+# 128-row block) and the launch are free. gate/up holds two accumulators and a partial product: 64 rows in 8 warps
+# keep them at 96 registers a thread; down one accumulator, as the linear kernel. Same settings for every dtype
+# of x (the products are FP8 either way).
+_MOE_SOURCE = "not measured: scripts/bench_moe_w8a8.py --sweep times these beside other tiles (issue 25)"
+MOE_GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 8, 4), _MOE_SOURCE)})
+MOE_DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 4), _MOE_SOURCE)})
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """gpu_mosaic W8A8: block_n outputs a CTA (64 rows, one warpgroup; block_n divides the weight's 128-row block),
+    stages shared-memory buffers of the TMA pipeline over K."""
+
+    block_n: int
+    stages: int
+
+
+# 64 x 128 fp32 accumulator and K block partial product: 64 registers a thread each; a stage holds 8 + 16 KB of
+# e4m3 tiles and 256 B of scales, so 4 stages leave room for two CTAs an SM.
+W8A8_MOSAIC = _gpu(
+    {
+        (ANY, ANY): Entry(
+            MosaicTiles(128, 4), "not measured: scripts/bench_fp8_linear.py --sweep W8A8-mosaic sweeps it (issue 25)"
         )
     }
 )

@@ -13,7 +13,7 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
-from pallas_kernels.fp8.ops import GEMV, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
+from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
 from pallas_kernels.fp8.tuned import GEMV_DEFAULT_ROWS, GEMV_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -81,12 +81,13 @@ def test_gemv_kernel_matches_float64(dtype, tol, rows):
         assert rel_error(y, expected) <= tol, products
 
 
+@pytest.mark.parametrize("variant", ["gpu_triton", TC_ACC])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
-def test_w8a8_kernel_matches_float64(dtype, tol):
+def test_w8a8_kernel_matches_float64(dtype, tol, variant):
     """37 rows over 3 row tiles of 16 in groups of 2 (the last group partial), 200 outputs in tiles of 64, 300
-    inputs; within a few % of the unquantised-activation product."""
+    inputs; within a few % of the unquantised-activation product. Both variants of the kernel."""
     weight, x = random_weight(200, 300, seed=2), random_x((37, 300), dtype, seed=3)
-    w8a8 = kernel("w8a8_linear", "gpu_triton")
+    w8a8 = kernel("w8a8_linear", variant)
     y = w8a8(x, weight.values, weight.scales, block=weight.block, block_m=16, block_n=64, group_m=2, interpret=True)
     assert y.dtype == dtype and y.shape == (37, 200)
     w_NK = float64_weight(weight)
@@ -130,6 +131,7 @@ def test_kernels_lower_for_cuda():
         (WEIGHT_ONLY, GEMV_MAX_ROWS, GEMV, "weight_only_gemv"),
         (WEIGHT_ONLY, GEMV_DEFAULT_ROWS + 1, None, "weight_only_linear"),
         (W8A8, 300, None, "w8a8_linear"),
+        (W8A8, 300, "gpu_triton", "w8a8_linear"),
     ):
         lowered = lower_for_cuda(
             lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode, variant=variant),  # noqa: B023
@@ -151,8 +153,60 @@ def test_compiled_kernels_match_float64(rows, dtype):
     weight_only_variants = ("gpu_triton", GEMV) if rows <= GEMV_MAX_ROWS else ("gpu_triton",)
     for mode, variant, x_64, tol in (
         *((WEIGHT_ONLY, variant, f64(x), 1e-2 if bf16 else 1e-4) for variant in weight_only_variants),
-        (W8A8, None, float64_quantized_x(f64(x), 128), 1e-2 if bf16 else 1e-3),
+        *(
+            (W8A8, variant, float64_quantized_x(f64(x), 128), 1e-2 if bf16 else 1e-3)
+            for variant in ("gpu_triton", TC_ACC)
+        ),
     ):
         y = fp8_linear(x, weight, backend="pallas_gpu", mode=mode, variant=variant)
         assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
         assert rel_error(y, x_64 @ w_NK.T) <= tol, (mode, variant)
+
+
+# jax 0.10's Mosaic GPU interpreter cannot read the K-major (transposed) weight operand of the FP8 wgmma
+needs_mgpu_interpreter = pytest.mark.skipif(
+    tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11),
+    reason=f"jax {jax.__version__}'s Mosaic GPU interpreter cannot run transposed wgmma operands (jax >= 0.11 can); "
+    "the Mosaic W8A8 kernel's CUDA lowering is tested here and the compiled kernel on the GPU",
+)
+MOSAIC_WEIGHT = (256, 384)  # N, K: multiples of the kernel's 128
+
+
+def mosaic_case(rows: int, dtype, seed: int):
+    weight, x = random_weight(*MOSAIC_WEIGHT, seed=seed), random_x((rows, MOSAIC_WEIGHT[1]), dtype, seed=seed + 1)
+    return weight, x, float64_quantized_x(f64(x), 128) @ float64_weight(weight).T
+
+
+@needs_mgpu_interpreter
+@pytest.mark.parametrize("rows", [5, 70])
+def test_mosaic_w8a8_kernel_matches_float64(rows):
+    """70 rows: two 64-row tiles, the second padded; 256 outputs in tiles of 128 (and 64); 3 K blocks."""
+    weight, x, expected = mosaic_case(rows, jnp.float32, seed=rows)
+    mosaic = kernel("w8a8_linear", MOSAIC)
+    for block_n in (128, 64):
+        y = mosaic(x, weight.values, weight.scales, block=weight.block, block_n=block_n, stages=2, interpret=True)
+        assert y.shape == (rows, MOSAIC_WEIGHT[0]) and rel_error(y, expected) <= 1e-3, block_n
+
+
+def test_mosaic_w8a8_kernel_lowers_for_cuda_and_refuses_other_shapes():
+    weight = random_weight(*MOSAIC_WEIGHT)
+    lowered = lower_for_cuda(
+        lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=W8A8, variant=MOSAIC),
+        jax.ShapeDtypeStruct((300, MOSAIC_WEIGHT[1]), jnp.bfloat16),
+        weight,
+    )
+    assert "mosaic_gpu" in lowered.as_text()
+    with pytest.raises(ValueError, match="w8a8_linear_mgpu takes 128 x 128 weight blocks"):
+        fp8_linear(
+            random_x((3, 200), jnp.bfloat16), random_weight(256, 200), backend="pallas_gpu", variant=MOSAIC, mode=W8A8
+        )
+
+
+@gpu_test("the compiled Mosaic GPU W8A8 kernel")
+@pytest.mark.parametrize("rows", [13, 300])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_mosaic_w8a8_kernel_matches_float64(rows, dtype):
+    weight, x, expected = mosaic_case(rows, dtype, seed=rows)
+    y = fp8_linear(x, weight, backend="pallas_gpu", mode=W8A8, variant=MOSAIC)
+    assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
+    assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3)

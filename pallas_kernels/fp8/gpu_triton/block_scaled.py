@@ -5,8 +5,9 @@ The K step is the weight's scale block (block_k inputs), and block_n divides the
 step's partial product takes one weight scale (a scalar load). Weight-only: lhs is x itself and the e4m3 tile is
 cast to x's dtype before the dot (exact: e4m3 values fit bf16, fp16 and fp32), so the weight is read as 1 byte an
 element. W8A8: lhs is x quantised to e4m3 (`reference.quantize_activations`), the dot is FP8 x FP8, and the
-partial product is also scaled per row by the activation scales of that K block. Either way the accumulator is
-fp32 and edge tiles (M, N, K not multiples of the tile) are masked.
+partial product is also scaled per row by the activation scales of that K block; with `tc_accumulated` the FP8
+dot is `fp8_dot.fp8_dot` (the K block's products accumulated in the tensor cores, not split per wgmma by Triton).
+Either way the accumulator is fp32 and edge tiles (M, N, K not multiples of the tile) are masked.
 
 Programs are laid out along the first grid axis in groups of group_m row tiles: the programs of a group walk the
 same column tiles together, so a weight tile is read from HBM about once per group. The second grid axis cuts the
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fp8.gpu_triton.fp8_dot import scaled_fp8_product
 from pallas_kernels.fp8.tuned import LinearTiles
 
 TILE_KEYWORDS = tuple(field.name for field in dataclasses.fields(LinearTiles))  # the entry points' tile overrides
@@ -52,7 +54,17 @@ def _tile_origin(num_row_tiles: int, num_col_tiles: int, group_m: int):
     return first_row_tile + within % rows_in_group, within // rows_in_group
 
 
-def _kernel(lhs_ref, values_ref, scales_ref, *refs, tiles: LinearTiles, block_k: int, block_rows: int, masks):
+def _kernel(
+    lhs_ref,
+    values_ref,
+    scales_ref,
+    *refs,
+    tiles: LinearTiles,
+    block_k: int,
+    block_rows: int,
+    masks,
+    tc_accumulated: bool,
+):
     """refs: (row_scales_ref, y_ref) for W8A8 (row scales [M, K blocks]), (y_ref,) for weight-only."""
     *row_scales_ref, y_ref = refs
     (num_rows, k_dim), n_dim = lhs_ref.shape, values_ref.shape[0]
@@ -74,12 +86,15 @@ def _kernel(lhs_ref, values_ref, scales_ref, *refs, tiles: LinearTiles, block_k:
         k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
         lhs_MK = _load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], _mask(rows_ok_M, k_ok_K))
         w_NK = _load(values_ref.at[pl.ds(col0, block_n), pl.ds(k0, block_k)], _mask(cols_ok_N, k_ok_K))
-        partial_MN = plgpu.dot(
-            lhs_MK, w_NK.astype(compute_dtype), trans_b=True, allow_tf32=compute_dtype != jnp.float32
-        )
         scale = scales_ref[scale_row, step]
         if row_scales_ref:
             row_scale_M = _load(row_scales_ref[0].at[pl.ds(row0, block_m), step], rows_ok_M)
+            if tc_accumulated:
+                return acc_MN + scaled_fp8_product(lhs_MK, w_NK, row_scale_M, scale)
+        partial_MN = plgpu.dot(
+            lhs_MK, w_NK.astype(compute_dtype), trans_b=True, allow_tf32=compute_dtype != jnp.float32
+        )
+        if row_scales_ref:
             return acc_MN + partial_MN * (row_scale_M[:, None] * scale)
         return acc_MN + partial_MN * scale
 
@@ -109,12 +124,21 @@ def fit_tiles(tiles: LinearTiles, *, num_rows: int, n_dim: int, block_rows: int,
 
 
 def block_scaled_matmul(
-    lhs_MK, values_NK, scales, row_scales, *, block: tuple[int, int], tiles: LinearTiles, out_dtype, interpret: bool
+    lhs_MK,
+    values_NK,
+    scales,
+    row_scales,
+    *,
+    block: tuple[int, int],
+    tiles: LinearTiles,
+    out_dtype,
+    interpret: bool,
+    tc_accumulated: bool = False,
 ) -> jax.Array:
     """y [M, N] of out_dtype (module docstring). lhs [M, K] (x, or x_q e4m3 with row_scales [M, ceil(K /
     block[1])]); row_scales None for weight-only. values [N, K] e4m3, scales [ceil(N / block[0]), ceil(K /
     block[1])]; block (rows, cols) powers of two, cols >= 16 (Triton's dots); tiles already fitted
-    (`fit_tiles`)."""
+    (`fit_tiles`). tc_accumulated (W8A8 only): the FP8 dots through `fp8_dot`."""
     num_rows, k_dim = lhs_MK.shape
     n_dim = values_NK.shape[0]
     block_rows, block_k = block
@@ -124,6 +148,7 @@ def block_scaled_matmul(
         block_k=block_k,
         block_rows=block_rows,
         masks=(num_rows % tiles.block_m != 0, n_dim % tiles.block_n != 0, k_dim % block_k != 0),
+        tc_accumulated=tc_accumulated,
     )
     operands = (lhs_MK, values_NK, scales) + (() if row_scales is None else (row_scales,))
     whole = lambda shape: pl.BlockSpec(shape, lambda program, split: (0,) * len(shape))  # noqa: E731

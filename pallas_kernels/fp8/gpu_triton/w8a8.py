@@ -1,6 +1,10 @@
 """W8A8 block-FP8 linear on GPU, for prefill-sized calls: activations quantised per token in 1 x 128 groups
 (`reference.quantize_activations`, one fused XLA pass), then FP8 x FP8 products on the tensor cores, each K
-block's partial product scaled by its activation and weight scales (`block_scaled`)."""
+block's partial product scaled by its activation and weight scales (`block_scaled`).
+
+Two variants of the same kernel: `w8a8_linear_gpu` ("gpu_triton") takes Pallas's FP8 dot, which Triton splits
+into one CUDA-core add per wgmma instruction (`fp8_dot`'s docstring); `w8a8_linear_tc_acc_gpu`
+("gpu_triton_tc_acc") accumulates each K block in the tensor cores (`fp8_dot.fp8_dot`) and has its own tiles."""
 
 from __future__ import annotations
 
@@ -11,7 +15,27 @@ import jax
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_triton.block_scaled import TILE_KEYWORDS, block_scaled_matmul, fit_tiles
 from pallas_kernels.fp8.reference import quantize_activations
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import Table, fill, lookup
+
+
+def _w8a8(x_MK, values_NK, scales, *, block, given: tuple, table: Table, tc_accumulated: bool, interpret: bool):
+    tiles = tuned.LinearTiles(*fill(given, lookup(table, dtype=x_MK.dtype)))
+    num_k_steps = -(-x_MK.shape[1] // block[1])
+    tiles = fit_tiles(
+        tiles, num_rows=x_MK.shape[0], n_dim=values_NK.shape[0], block_rows=block[0], num_k_steps=num_k_steps
+    )
+    x_q_MK, a_scale_MG = quantize_activations(x_MK, block[1])
+    return block_scaled_matmul(
+        x_q_MK,
+        values_NK,
+        scales,
+        a_scale_MG,
+        block=block,
+        tiles=tiles,
+        out_dtype=x_MK.dtype,
+        interpret=interpret,
+        tc_accumulated=tc_accumulated,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("block", *TILE_KEYWORDS, "interpret"))
@@ -33,12 +57,36 @@ def w8a8_linear_gpu(
     block-FP8 weight (values [N, K] e4m3, scales [ceil(N / block[0]), ceil(K / block[1])]) transposed, fp32
     accumulation (`reference.w8a8_linear_reference` is the same sum). Tiles: None from `tuned.W8A8`."""
     given = (block_m, block_n, group_m, num_warps, num_stages, k_splits)
-    tiles = tuned.LinearTiles(*fill(given, lookup(tuned.W8A8, dtype=x_MK.dtype)))
-    num_k_steps = -(-x_MK.shape[1] // block[1])
-    tiles = fit_tiles(
-        tiles, num_rows=x_MK.shape[0], n_dim=values_NK.shape[0], block_rows=block[0], num_k_steps=num_k_steps
+    return _w8a8(
+        x_MK, values_NK, scales, block=block, given=given, table=tuned.W8A8, tc_accumulated=False, interpret=interpret
     )
-    x_q_MK, a_scale_MG = quantize_activations(x_MK, block[1])
-    return block_scaled_matmul(
-        x_q_MK, values_NK, scales, a_scale_MG, block=block, tiles=tiles, out_dtype=x_MK.dtype, interpret=interpret
+
+
+@functools.partial(jax.jit, static_argnames=("block", *TILE_KEYWORDS, "interpret"))
+def w8a8_linear_tc_acc_gpu(
+    x_MK,
+    values_NK,
+    scales,
+    *,
+    block: tuple[int, int],
+    block_m: int | None = None,
+    block_n: int | None = None,
+    group_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    k_splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """`w8a8_linear_gpu` with each K block's FP8 products accumulated in the tensor cores (module docstring).
+    Tiles: None from `tuned.W8A8_TC_ACC`."""
+    given = (block_m, block_n, group_m, num_warps, num_stages, k_splits)
+    return _w8a8(
+        x_MK,
+        values_NK,
+        scales,
+        block=block,
+        given=given,
+        table=tuned.W8A8_TC_ACC,
+        tc_accumulated=True,
+        interpret=interpret,
     )

@@ -256,7 +256,8 @@ def call_over_row_tiles(
     """pallas_call of kernel(group_ref, row_start_ref, row_end_ref, *operand_refs, out_ref, column_tile=, block_m=,
     block_n=, block_k=, mask_n=, mask_k=) over the grid (column tile of n_dim, row tile of `row_tiles`): the row
     tiles of num_rows rows sorted by group, the operands and the output whole. A tile of fewer rows runs the
-    kernel at the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them. fill_tail False:
+    kernel at the smallest of `row_tile_sizes(tiles.block_m, min_block_m)` that holds them; out_shape may be a
+    tuple of outputs (the kernel then takes their refs in order). fill_tail False:
     the output's rows past sum(group_sizes) are left unwritten (undefined)."""
     group_T, row_start_T, row_end_T = row_tiles(group_sizes_G, num_rows, tiles.block_m, fill_tail=fill_tail)
     kernel = _by_row_count(
@@ -275,7 +276,7 @@ def call_over_row_tiles(
         kernel,
         grid=(pl.cdiv(n_dim, tiles.block_n), group_T.shape[0]),
         in_specs=[per_row_tile, per_row_tile, per_row_tile, *(whole(op.shape) for op in operands)],
-        out_specs=whole(out_shape.shape),
+        out_specs=jax.tree.map(lambda out: whole(out.shape), out_shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,

@@ -1,0 +1,124 @@
+"""W8A8 block-FP8 linear on Hopper as a Pallas Mosaic GPU kernel (TMA, e4m3 wgmma): `w8a8_linear_mgpu`.
+
+The arithmetic of `reference.w8a8_linear_reference`: x quantised per token in 1 x 128 groups (one XLA pass), then
+one CTA (one warpgroup) per [64, block_n] output tile walks the K blocks of 128 inputs in a pipeline of `stages`
+shared-memory buffers filled by TMA (`plgpu.emit_pipeline`): the x_q tile [64, 128], the weight tile [block_n,
+128] (read K-major, as FP8 wgmma wants it) and the tile's 64 activation scales of that K block. Each step's wgmma
+goes to a fresh accumulator (the K block's products accumulated in the tensor cores), which is then scaled by the
+rows' activation scales and the weight block's scale (a scalar read from global memory) and added to the fp32
+accumulator in registers: DeepSeek-V3's promotion once per 128 inputs. block_n divides the weight's 128-row block
+so the tile takes one weight scale.
+
+Shapes: the weight's blocks must be 128 x 128, N a multiple of block_n and K of 128; x's rows are padded to a
+multiple of 64 (a copy of x_q, small next to the product). jax 0.10's Mosaic GPU interpreter cannot read the
+transposed (K-major) weight operand, so the kernel runs in interpret mode only on jax >= 0.11 (`interpret=True`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.compat import mosaic_gpu_interpret
+from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.reference import quantize_activations
+from pallas_kernels.tuning import fill, lookup
+
+BLOCK_M = 64  # one warpgroup's wgmma rows
+BLOCK_K = 128  # the weight's K block: 128 e4m3 bytes, one 128-byte swizzle row
+TILE_KEYWORDS = ("block_n", "stages")
+
+
+def _fp8_transforms():
+    """Tiling and swizzle of an e4m3 wgmma operand in shared memory (rows of 128 one-byte columns)."""
+    return (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(BLOCK_K))
+
+
+def _keep_layout(x, layout):
+    """Interpret mode's stand-in for plgpu.layout_cast (register layouts do not exist there)."""
+    del layout
+    return x
+
+
+def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: int, stages: int, cast):
+    """The CTA of output tile (m, n): y[64 rows, block_n columns]. row_scales [K blocks, M] (transposed, so a tile's
+    scales of one K block are one contiguous TMA row)."""
+    m, n = lax.axis_index("m"), lax.axis_index("n")
+    scale_row = n * block_n // BLOCK_K
+
+    def k_step(indices, x_smem, w_smem, row_scales_smem, acc_MN):
+        (k_block,) = indices
+
+        def block_product(acc_ref):
+            plgpu.wgmma(acc_ref, x_smem, w_smem.T)
+            return acc_ref[...]
+
+        partial_MN = pl.run_scoped(block_product, plgpu.ACC((BLOCK_M, block_n), jnp.float32))
+        row_scale_M = cast(row_scales_smem[0, :], plgpu.Layout.WGMMA.reduce(1))
+        scale_M = row_scale_M * scales_gmem[scale_row, k_block]
+        return acc_MN + partial_MN * lax.broadcast_in_dim(scale_M, partial_MN.shape, [0])
+
+    acc_MN = plgpu.emit_pipeline(
+        k_step,
+        grid=(x_gmem.shape[1] // BLOCK_K,),
+        in_specs=[
+            plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda k: (0, k), transforms=_fp8_transforms()),
+            plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_transforms()),
+            plgpu.BlockSpec((1, BLOCK_M), lambda k: (k, 0)),
+        ],
+        max_concurrent_steps=stages,
+        init_carry=cast(jnp.zeros((BLOCK_M, block_n), jnp.float32), plgpu.Layout.WGMMA),
+    )(
+        x_gmem.at[pl.ds(m * BLOCK_M, BLOCK_M)],
+        w_gmem.at[pl.ds(n * block_n, block_n)],
+        row_scales_gmem.at[:, pl.ds(m * BLOCK_M, BLOCK_M)],
+    )
+    y_gmem[pl.ds(m * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)] = acc_MN.astype(y_gmem.dtype)
+
+
+def _check(values_NK, block: tuple[int, int], block_n: int) -> None:
+    n_dim, k_dim = values_NK.shape
+    if tuple(block) != (BLOCK_K, BLOCK_K) or n_dim % block_n or k_dim % BLOCK_K or BLOCK_K % block_n:
+        raise ValueError(
+            f"w8a8_linear_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({block_n}, which divides 128) "
+            f"and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("block", *TILE_KEYWORDS, "interpret"))
+def w8a8_linear_mgpu(
+    x_MK,
+    values_NK,
+    scales,
+    *,
+    block: tuple[int, int],
+    block_n: int | None = None,
+    stages: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """y [M, N] in x's dtype: `w8a8.w8a8_linear_gpu`'s product (module docstring) on Hopper's FP8 wgmma. values
+    [N, K] e4m3, scales [N / 128, K / 128]. Tiles: None from `tuned.W8A8_MOSAIC`."""
+    block_n, stages = fill((block_n, stages), lookup(tuned.W8A8_MOSAIC, dtype=x_MK.dtype))
+    _check(values_NK, block, block_n)
+    num_rows = x_MK.shape[0]
+    x_q_MK, row_scales_MG = quantize_activations(x_MK, BLOCK_K)
+    padded_rows = -num_rows % BLOCK_M
+    x_q_MK = jnp.pad(x_q_MK, ((0, padded_rows), (0, 0)))
+    row_scales_GM = jnp.pad(row_scales_MG, ((0, padded_rows), (0, 0))).T
+    kernel = functools.partial(
+        _kernel, block_n=block_n, stages=stages, cast=_keep_layout if interpret else plgpu.layout_cast
+    )
+    y_MN = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_rows + padded_rows, values_NK.shape[0]), x_MK.dtype),
+        grid=((num_rows + padded_rows) // BLOCK_M, values_NK.shape[0] // block_n),
+        grid_names=("m", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=mosaic_gpu_interpret(interpret),
+    )(x_q_MK, values_NK, row_scales_GM, scales.astype(jnp.float32))
+    return y_MN[:num_rows]

@@ -1,0 +1,401 @@
+"""The routed-expert FFN in W8A8 on GPU (prefill; Pallas, Triton lowering): the fused kernels of `fused.py` with
+block-FP8 expert weights (e4m3 values [G, N, K], fp32 scales per block[0] x block[1] block, spec §6.2) and FP8 x FP8
+products, as SGLang serves the FP8 checkpoints:
+
+- `gather_swiglu_w8a8_gpu`: x quantised per token in 1 x block[1] groups before the kernel
+  (`fp8.reference.quantize_activations`, one XLA pass over the unsorted tokens); row r of the sorted order gathers
+  x_q[source[r]] and its group scales; each K step (one weight block) adds the FP8 products with the expert's gate
+  and up blocks, times the row's activation scale and the block's weight scale, to two fp32 accumulators
+  (`fp8_dot.scaled_fp8_product`); then SwiGLU in fp32, and h quantised in the epilogue: a program's column tile is
+  exactly one 1 x block[1] group, so it stores h_q [R, I] e4m3 and h_scale [R, ceil(I / block[1])];
+- `down_scatter_w8a8_gpu`: h_q's sorted rows times the expert's down blocks the same way, weighted per row in
+  fp32 and stored to dest[r];
+- `w8a8_expert_rows`: the two in turn on the values and scales of three block-FP8 expert weights.
+
+The row tiling (tiles never cross a group, a group's last tile shrunk, tail tiles storing zeros, dest a
+permutation) is the grouped matmul's (`gmm.call_over_row_tiles`, `output_tile`). `moe.w8a8_reference` is the same
+arithmetic in jnp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.gpu_triton.fp8_dot import scaled_fp8_product
+from pallas_kernels.fp8.reference import quantize_activations, quantize_groups
+from pallas_kernels.moe.gpu_triton.fused import _columns, _row_indices
+from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings
+from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.moe.reference import swiglu
+
+_TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
+
+
+def _scaled_products(load_lhs, weights, group, col0, *, block_rows: int, block_m, block_n, block_k, cols_ok_N, mask_k):
+    """One fp32 [block_m, block_n] accumulator per (values_ref [G, N, K] e4m3, scales_ref [G, N blocks, K blocks])
+    in weights: the sum over the K blocks of the lhs block's FP8 product with the weight block, times the lhs rows'
+    scales and the weight block's scale. load_lhs(step, k0, k_ok_K) -> (lhs_q [block_m, block_k] e4m3, zeros
+    outside the valid rows and K; row_scale [block_m]). A tail tile (group == G) runs no K steps: zeros."""
+    num_groups, _, k_dim = weights[0][0].shape
+    scale_row = col0 // block_rows
+
+    def k_body(step, accs):
+        k0 = step * block_k
+        k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
+        lhs_MK, row_scale_M = load_lhs(step, k0, k_ok_K)
+        return tuple(
+            acc_MN
+            + scaled_fp8_product(
+                lhs_MK,
+                masked_load(values_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K)),
+                row_scale_M,
+                scales_ref[group, scale_row, step],
+            )
+            for acc_MN, (values_ref, scales_ref) in zip(accs, weights)
+        )
+
+    num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)  # a clip: see gmm.tile_products
+    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weights)
+    return jax.lax.fori_loop(0, num_steps, k_body, zeros)
+
+
+def _gather_swiglu_kernel(
+    group_ref,
+    row_start_ref,
+    row_end_ref,
+    source_ref,
+    x_q_ref,
+    x_scale_ref,
+    gate_values_ref,
+    gate_scales_ref,
+    up_values_ref,
+    up_scales_ref,
+    h_q_ref,
+    h_scale_ref,
+    *,
+    limit: float | None,
+    block_rows: int,
+    column_tile,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    mask_n: bool,
+    mask_k: bool,
+):
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
+        group_ref,
+        row_start_ref,
+        row_end_ref,
+        h_q_ref.shape[1],
+        column_tile=column_tile,
+        block_m=block_m,
+        block_n=block_n,
+        mask_n=mask_n,
+    )
+    source_M = _row_indices(source_ref, row0, rows_ok_M, block_m=block_m, fill=x_q_ref.shape[0])
+
+    def load_lhs(step, k0, k_ok_K):
+        x_q_MK = masked_load(x_q_ref.at[source_M[:, None], _columns(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
+        return x_q_MK, masked_load(x_scale_ref.at[source_M, step], rows_ok_M)
+
+    gate_MN, up_MN = _scaled_products(
+        load_lhs,
+        ((gate_values_ref, gate_scales_ref), (up_values_ref, up_scales_ref)),
+        group,
+        col0,
+        block_rows=block_rows,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        cols_ok_N=cols_ok_N,
+        mask_k=mask_k,
+    )
+    h_q_MN, h_scale_M = quantize_groups(swiglu(gate_MN, up_MN, limit))  # masked columns are swiglu(0, 0) = 0
+    plgpu.store(h_q_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], h_q_MN, mask=mask_2d(rows_ok_M, cols_ok_N))
+    plgpu.store(h_scale_ref.at[pl.ds(row0, block_m), column_tile], h_scale_M, mask=rows_ok_M)
+
+
+def _down_scatter_kernel(
+    group_ref,
+    row_start_ref,
+    row_end_ref,
+    dest_ref,
+    row_weight_ref,
+    h_q_ref,
+    h_scale_ref,
+    down_values_ref,
+    down_scales_ref,
+    y_ref,
+    *,
+    block_rows: int,
+    column_tile,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    mask_n: bool,
+    mask_k: bool,
+):
+    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
+        group_ref,
+        row_start_ref,
+        row_end_ref,
+        y_ref.shape[1],
+        column_tile=column_tile,
+        block_m=block_m,
+        block_n=block_n,
+        mask_n=mask_n,
+    )
+
+    def load_lhs(step, k0, k_ok_K):
+        h_q_MK = masked_load(h_q_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
+        return h_q_MK, masked_load(h_scale_ref.at[pl.ds(row0, block_m), step], rows_ok_M)
+
+    (acc_MN,) = _scaled_products(
+        load_lhs,
+        ((down_values_ref, down_scales_ref),),
+        group,
+        col0,
+        block_rows=block_rows,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        cols_ok_N=cols_ok_N,
+        mask_k=mask_k,
+    )
+    row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
+    dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
+    plgpu.store(
+        y_ref.at[dest_M1, _columns(col0, block_n)],
+        (acc_MN * row_weight_M[:, None]).astype(y_ref.dtype),
+        mask=mask_2d(rows_ok_M, cols_ok_N),
+    )
+
+
+def _check_weight(name: str, values, scales, block: tuple[int, int]) -> None:
+    """One clear error for a weight the kernels cannot take: e4m3 [G, N, K] values, scales [G, ceil(N / block[0]),
+    ceil(K / block[1])], block powers of two with block[1] >= 32 (the FP8 dot's K) dividing block[0]."""
+    block_rows, block_cols = block
+    if block_cols < 32 or block_cols & (block_cols - 1) or block_rows % block_cols:
+        raise ValueError(f"W8A8 experts: block {block} must be powers of two, block[1] >= 32 dividing block[0]")
+    num_groups, n_dim, k_dim = values.shape
+    expected = (num_groups, -(-n_dim // block_rows), -(-k_dim // block_cols))
+    if values.dtype != jnp.float8_e4m3fn or tuple(scales.shape) != expected:
+        raise ValueError(
+            f"W8A8 experts: {name} must be float8_e4m3fn values [G, N, K] with scales {list(expected)} for block "
+            f"{block}, got {values.dtype} {list(values.shape)} and scales {list(scales.shape)}"
+        )
+
+
+def _tiles(table, given, *, dtype, num_rows: int, num_groups: int, n_dim: int, block: tuple[int, int], gathers: bool):
+    """The launch settings: given (block_m, block_n, num_warps, num_stages), None ones from `table`; the K step is
+    block[1]; the column tile is block[1] for the gate/up kernel (one group of h: `gathers`, block_n not given),
+    at most block[0] otherwise."""
+    block_m, block_n, num_warps, num_stages = given
+    settings = row_tile_settings(
+        dtype,
+        (block_m, block_n, None, num_warps, num_stages),
+        num_rows=num_rows,
+        num_groups=num_groups,
+        n_dim=n_dim,
+        k_dim=block[1],
+        table=table,
+    )
+    block_n = block[1] if gathers else min(settings.block_n, block[0])
+    return dataclasses.replace(settings, block_n=block_n, block_k=block[1])
+
+
+@functools.partial(jax.jit, static_argnames=("limit", "block", *_TILE_ARGS))
+def gather_swiglu_w8a8_gpu(
+    x_XD,
+    source_R,
+    group_sizes_G,
+    gate_values_GID,
+    gate_scales,
+    up_values_GID,
+    up_scales,
+    *,
+    limit: float | None,
+    block: tuple[int, int],
+    block_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_block_m: int | None = None,
+    fill_tail: bool = True,
+    interpret: bool = False,
+):
+    """(h_q [R, I] float8_e4m3fn, h_scale [R, ceil(I / block[1])] float32): h = swiglu(x[source[r]] @ gate[g].T,
+    x[source[r]] @ up[g].T, limit) for the rows r of group g (rows sorted by group, group_sizes [G], sum <= R) in
+    W8A8 (module docstring), quantised per row in 1 x block[1] groups (`fp8.reference.quantize_groups`): h[r, i] =
+    h_q[r, i] * h_scale[r, i // block[1]]. Rows past the sum get h = 0 (fill_tail) or are not written. source [R]
+    int32 indexes x's rows (x [X, D], any float dtype). gate and up: block-FP8 [G, I, D] (values e4m3, scales
+    [G, ceil(I / block[0]), ceil(D / block[1])]). The column tile is block[1] (one group of h); the other tiles:
+    None from `fp8.tuned.MOE_GATHER_SWIGLU_W8A8`."""
+    for name, values, scales in (("gate", gate_values_GID, gate_scales), ("up", up_values_GID, up_scales)):
+        _check_weight(name, values, scales, block)
+    num_rows, (width, hidden) = source_R.shape[0], gate_values_GID.shape[1:]
+    num_h_groups = -(-width // block[1])
+    out_shape = (
+        jax.ShapeDtypeStruct((num_rows, width), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((num_rows, num_h_groups), jnp.float32),
+    )
+    if num_rows == 0:
+        return tuple(jnp.zeros(out.shape, out.dtype) for out in out_shape)
+    x_q_XD, x_scale_XG = quantize_activations(x_XD, block[1])
+    tiles = _tiles(
+        tuned.MOE_GATHER_SWIGLU_W8A8,
+        (block_m, None, num_warps, num_stages),
+        dtype=x_XD.dtype,
+        num_rows=num_rows,
+        num_groups=group_sizes_G.shape[0],
+        n_dim=width,
+        block=block,
+        gathers=True,
+    )
+    operands = (
+        source_R.astype(jnp.int32),
+        x_q_XD,
+        x_scale_XG,
+        gate_values_GID,
+        gate_scales.astype(jnp.float32),
+        up_values_GID,
+        up_scales.astype(jnp.float32),
+    )
+    return call_over_row_tiles(
+        functools.partial(_gather_swiglu_kernel, limit=limit, block_rows=block[0]),
+        group_sizes_G,
+        operands,
+        out_shape,
+        tiles,
+        num_rows=num_rows,
+        n_dim=width,
+        k_dim=hidden,
+        interpret=interpret,
+        name="gather_swiglu_w8a8",
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("block", "out_dtype", "block_n", *_TILE_ARGS))
+def down_scatter_w8a8_gpu(
+    h_q_RI,
+    h_scale,
+    dest_R,
+    row_weight_R,
+    group_sizes_G,
+    down_values_GDI,
+    down_scales,
+    *,
+    block: tuple[int, int],
+    out_dtype=jnp.bfloat16,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_block_m: int | None = None,
+    fill_tail: bool = True,
+    interpret: bool = False,
+):
+    """y [R, D] of out_dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
+    sorted by group, group_sizes [G], sum <= R), h given quantised as `gather_swiglu_w8a8_gpu` returns it (h_q
+    [R, I] e4m3, h_scale [R, ceil(I / block[1])]), FP8 products scaled per K block, accumulated and weighted in
+    fp32; rows past the sum store zeros (fill_tail) or nothing. dest [R] int32 must be a permutation of [0, R);
+    row_weight [R] fp32. down: block-FP8 [G, D, I] (values e4m3, scales [G, ceil(D / block[0]), ceil(I /
+    block[1])]). Tiles: None from `fp8.tuned.MOE_DOWN_SCATTER_W8A8`."""
+    _check_weight("down", down_values_GDI, down_scales, block)
+    num_rows, (hidden, width) = h_q_RI.shape[0], down_values_GDI.shape[1:]
+    if h_q_RI.dtype != jnp.float8_e4m3fn or h_scale.shape != (num_rows, -(-width // block[1])):
+        raise ValueError(
+            f"W8A8 experts: h must be float8_e4m3fn [R, I] with scales [R, ceil(I / {block[1]})], got "
+            f"{h_q_RI.dtype} {list(h_q_RI.shape)} and {list(h_scale.shape)}"
+        )
+    if num_rows == 0:
+        return jnp.zeros((0, hidden), out_dtype)
+    tiles = _tiles(
+        tuned.MOE_DOWN_SCATTER_W8A8,
+        (block_m, block_n, num_warps, num_stages),
+        dtype=out_dtype,
+        num_rows=num_rows,
+        num_groups=group_sizes_G.shape[0],
+        n_dim=hidden,
+        block=block,
+        gathers=False,
+    )
+    operands = (
+        dest_R.astype(jnp.int32),
+        row_weight_R.astype(jnp.float32),
+        h_q_RI,
+        h_scale.astype(jnp.float32),
+        down_values_GDI,
+        down_scales.astype(jnp.float32),
+    )
+    return call_over_row_tiles(
+        functools.partial(_down_scatter_kernel, block_rows=block[0]),
+        group_sizes_G,
+        operands,
+        jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
+        tiles,
+        num_rows=num_rows,
+        n_dim=hidden,
+        k_dim=width,
+        interpret=interpret,
+        name="down_scatter_w8a8",
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+    )
+
+
+def w8a8_expert_rows(
+    x_XD,
+    source_R,
+    order_R,
+    row_weight_R,
+    sizes_E,
+    gate,
+    up,
+    down,
+    limit: float | None,
+    *,
+    fill_tail: bool = True,
+    interpret: bool = False,
+):
+    """[R, D] in x's dtype: both W8A8 kernels, the routed experts' rows as `ling_jax.moe.experts.fused_expert_rows`
+    computes them (row order[r] = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of the expert order), from
+    block-FP8 experts: gate, up [G, I, D] and down [G, D, I], each anything with `values`, `scales` and `block`
+    (`ling_jax.quantized.BlockFP8Weight`), one block for the three."""
+    if not gate.block == up.block == down.block:
+        raise ValueError(f"W8A8 experts: gate, up and down need one block, got {gate.block}, {up.block}, {down.block}")
+    block = tuple(gate.block)
+    h_q, h_scale = gather_swiglu_w8a8_gpu(
+        x_XD,
+        source_R,
+        sizes_E,
+        gate.values,
+        gate.scales,
+        up.values,
+        up.scales,
+        limit=limit,
+        block=block,
+        fill_tail=fill_tail,
+        interpret=interpret,
+    )
+    return down_scatter_w8a8_gpu(
+        h_q,
+        h_scale,
+        order_R,
+        row_weight_R,
+        sizes_E,
+        down.values,
+        down.scales,
+        block=block,
+        out_dtype=x_XD.dtype,
+        fill_tail=fill_tail,
+        interpret=interpret,
+    )

@@ -1,0 +1,212 @@
+"""One MoE layer's routed experts at Ling-3.1-flash width in W8A8 against the bf16 fused path, beside the GPU's
+FP8 and bf16 matmul peaks measured in the same run.
+
+    python scripts/bench_moe_w8a8.py             # 8192 tokens, hidden 4096, width 1280, 512 experts, top-8
+    python scripts/bench_moe_w8a8.py --sweep     # plus a tile sweep of the two W8A8 kernels
+    python scripts/bench_moe_w8a8.py --quick     # small sizes; on a CPU the kernels run in Pallas interpret mode
+
+Paths, each on the same routing (uniform random top-k, distinct experts per token) and the same weights (the bf16
+experts, and their block-FP8 quantisation, 128 x 128 blocks):
+- bf16 fused: `pallas_kernels.moe.ops.gather_swiglu` + `down_scatter` on bf16 weights (what the model runs today);
+- W8A8: `gather_swiglu_w8a8_gpu` (x quantised per token in 1 x 128 groups, FP8 products, h quantised in the
+  epilogue) + `down_scatter_w8a8_gpu` (`pallas_kernels.moe.gpu_triton.w8a8`) on the block-FP8 weights;
+each as "kernels only" (on a computed sort) and "routed experts" (sort by expert + kernels + the top-k sum).
+Reports ms, TFLOP/s of the routed products (2 T k 3 D I), % of the FP8 peak (the best FP8 row of
+`bench_fp8_peak` at 8192^3: torch._scaled_mm where torch has CUDA, XLA's FP8 dot), the speed-up over bf16, and the
+W8A8 layer's rel. error against the bf16 one (activation quantisation: a few %). Issue 25's goals: >= 1.6x the bf16
+path, >= 55% of the FP8 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from bench_common import median_seconds, rel_error  # noqa: E402
+from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
+
+from ling_jax.moe.experts import sort_by_expert  # noqa: E402
+from pallas_kernels.fp8.reference import E4M3_MAX  # noqa: E402
+from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu  # noqa: E402
+from pallas_kernels.moe.ops import down_scatter, gather_swiglu  # noqa: E402
+
+BLOCK = (128, 128)
+LIMIT = 7.0  # Ling's expert SwiGLU clip
+FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192)
+QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256)
+# (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m)
+# of down; the first of each is the tuned default (pallas_kernels/fp8/tuned.py).
+SWEEP = {
+    "gather_swiglu_w8a8": [
+        (64, 8, 4, 32),
+        (64, 4, 4, 32),
+        (64, 8, 3, 32),
+        (128, 8, 3, 32),
+        (128, 8, 4, 64),
+        (32, 4, 4, 16),
+    ],
+    "down_scatter_w8a8": [
+        (128, 128, 8, 4, 32),
+        (128, 128, 8, 3, 32),
+        (64, 128, 4, 4, 32),
+        (128, 64, 4, 4, 32),
+        (64, 128, 8, 4, 16),
+        (256, 128, 8, 3, 64),
+    ],
+}
+SWEEP_KEYWORDS = {
+    "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
+    "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m"),
+}
+
+
+@jax.jit
+def block_fp8(w_GNK):
+    """(e4m3 values, fp32 scales) of w [G, N, K] in BLOCK blocks (N and K multiples of them): scale = amax / 448."""
+    num_groups, n_dim, k_dim = w_GNK.shape
+    blocks = w_GNK.astype(jnp.float32).reshape(num_groups, n_dim // BLOCK[0], BLOCK[0], k_dim // BLOCK[1], BLOCK[1])
+    scales = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(2, 4)), 1e-12) / E4M3_MAX
+    values = (blocks / scales[:, :, None, :, None]).astype(jnp.float8_e4m3fn)
+    return values.reshape(w_GNK.shape), scales
+
+
+def random_problem(tokens: int, hidden: int, width: int, experts: int, top_k: int):
+    """(x, routing weights [T, k], experts [T, k], gate, up, down bf16) drawn on the device."""
+    keys = jax.random.split(jax.random.key(0), 6)
+    experts_TK = jax.lax.top_k(jax.random.uniform(keys[0], (tokens, experts)), top_k)[1].astype(jnp.int32)
+    weights_TK = jax.random.uniform(keys[1], (tokens, top_k), jnp.float32, 0.1, 1.0)
+    x_TD = jax.random.normal(keys[2], (tokens, hidden), jnp.bfloat16)
+    gate, up = (jax.random.normal(k, (experts, width, hidden), jnp.bfloat16) * hidden**-0.5 for k in keys[3:5])
+    down = jax.random.normal(keys[5], (experts, hidden, width), jnp.bfloat16) * width**-0.5
+    return x_TD, weights_TK, experts_TK, gate, up, down
+
+
+def bf16_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, *, backend):
+    h_RI = gather_swiglu(x_TD, source_R, sizes_E, gate, up, LIMIT, backend=backend)
+    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down, backend=backend)
+
+
+def w8a8_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, *, interpret):
+    h_q, h_scale = gather_swiglu_w8a8_gpu(
+        x_TD, source_R, sizes_E, *gate, *up, limit=LIMIT, block=BLOCK, interpret=interpret
+    )
+    return down_scatter_w8a8_gpu(
+        h_q, h_scale, order_R, row_weight_R, sizes_E, *down, block=BLOCK, out_dtype=x_TD.dtype, interpret=interpret
+    )
+
+
+def routed_experts(kernels, x_TD, weights_TK, experts_TK, gate, up, down, *, num_experts: int):
+    """Sort by expert, the path's kernels, the top-k sum: y [T, D]."""
+    tokens, top_k = experts_TK.shape
+    order_R, sizes_E = sort_by_expert(experts_TK.reshape(-1), num_experts)
+    row_weight_R = weights_TK.reshape(-1)[order_R]
+    y_RD = kernels(x_TD, order_R // top_k, order_R, row_weight_R, sizes_E, gate, up, down)
+    return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
+
+
+def peaks(size: int, iters: int) -> tuple[float, float, str]:
+    """(bf16 TFLOP/s, FP8 TFLOP/s, which FP8 row) from bench_fp8_peak's rows at size^3; prints every row."""
+    flops = 2 * size**3
+    rows = {**jax_rows(size, iters), **torch_rows(size, iters)}
+    print(f"\nmatmul peaks at M = N = K = {size}:")
+    rates = {}
+    for name, seconds in rows.items():
+        if isinstance(seconds, str):
+            print(f"  {name:24s} {seconds}")
+            continue
+        rates[name] = flops / seconds / 1e12
+        print(f"  {name:24s} {seconds * 1e3:8.3f} ms  {rates[name]:7.1f} TFLOP/s")
+    fp8_name = max((name for name in rates if "fp8" in name), key=rates.get)
+    bf16 = max(rate for name, rate in rates.items() if "bf16" in name)
+    return bf16, rates[fp8_name], fp8_name
+
+
+def sweep(kernel_args, *, flops: float, interpret: bool, iters: int) -> None:
+    x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
+    h_q, h_scale = gather_swiglu_w8a8_gpu(
+        x_TD, source_R, sizes_E, *gate, *up, limit=LIMIT, block=BLOCK, interpret=interpret
+    )
+    calls = {
+        "gather_swiglu_w8a8": (
+            functools.partial(gather_swiglu_w8a8_gpu, limit=LIMIT, block=BLOCK, interpret=interpret),
+            (x_TD, source_R, sizes_E, *gate, *up),
+            2 * flops / 3,
+        ),
+        "down_scatter_w8a8": (
+            functools.partial(down_scatter_w8a8_gpu, block=BLOCK, interpret=interpret),
+            (h_q, h_scale, order_R, row_weight_R, sizes_E, *down),
+            flops / 3,
+        ),
+    }
+    print("\n| kernel | tiles | ms | TFLOP/s |")
+    print("|---|---|---|---|")
+    for kernel, settings in SWEEP.items():
+        entry, args, kernel_flops = calls[kernel]
+        for tiles in settings:
+            named = dict(zip(SWEEP_KEYWORDS[kernel], tiles, strict=True))
+            try:
+                seconds = median_seconds(jax.jit(functools.partial(entry, **named)), *args, iters=iters)
+            except Exception as error:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal
+                print(f"| {kernel} | {named} | failed: {str(error).splitlines()[0][:160]} | |")
+                continue
+            print(f"| {kernel} | {named} | {seconds * 1e3:.3f} | {kernel_flops / seconds / 1e12:.1f} |", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke test)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="also sweep the W8A8 kernels' tiles")
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    if not (on_gpu or args.quick):
+        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); try --quick")
+    sizes = QUICK if args.quick else FULL
+    interpret = not on_gpu
+    backend = "interpret_gpu" if interpret else "pallas_gpu"
+    tokens, hidden, width, num_experts, top_k = (sizes[k] for k in ("tokens", "hidden", "width", "experts", "top_k"))
+    print(
+        f"# bench_moe_w8a8: jax {jax.__version__}, {jax.devices()[0].device_kind}, backend {backend}; {tokens} tokens, "
+        f"hidden {hidden}, width {width}, {num_experts} experts, top-{top_k}, bf16 activations, {BLOCK} blocks"
+    )
+    bf16_peak, fp8_peak, fp8_name = peaks(sizes["peak_size"], args.iters)
+    x_TD, weights_TK, experts_TK, gate, up, down = random_problem(tokens, hidden, width, num_experts, top_k)
+    fp8_weights = tuple(block_fp8(w) for w in (gate, up, down))
+    paths = {
+        "bf16 fused": (functools.partial(bf16_kernels, backend=backend), (gate, up, down)),
+        "W8A8": (functools.partial(w8a8_kernels, interpret=interpret), fp8_weights),
+    }
+    order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), num_experts)
+    sorted_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E)
+    flops = 2 * tokens * top_k * 3 * hidden * width
+    times, outputs = {}, {}
+    for name, (kernels, weights) in paths.items():
+        routed = jax.jit(functools.partial(routed_experts, kernels, num_experts=num_experts))
+        outputs[name] = routed(x_TD, weights_TK, experts_TK, *weights)
+        times[f"{name}: kernels only"] = median_seconds(jax.jit(kernels), *sorted_args, *weights, iters=args.iters)
+        times[f"{name}: routed experts"] = median_seconds(
+            routed, x_TD, weights_TK, experts_TK, *weights, iters=args.iters
+        )
+    print(f"\nW8A8 routed experts vs bf16: rel. error {rel_error(outputs['W8A8'], outputs['bf16 fused']):.2e}")
+    print(f"\n| path | ms | TFLOP/s | % of FP8 peak ({fp8_name}) | % of bf16 peak | speed-up over bf16 |")
+    print("|---|---|---|---|---|---|")
+    for name, seconds in times.items():
+        tflops = flops / seconds / 1e12
+        bf16_seconds = times[name.replace("W8A8", "bf16 fused")]
+        print(
+            f"| {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops / fp8_peak:.1%} | {tflops / bf16_peak:.1%} | "
+            f"{bf16_seconds / seconds:.2f}x |"
+        )
+    if args.sweep:
+        sweep((*sorted_args, *fp8_weights), flops=flops, interpret=interpret, iters=args.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

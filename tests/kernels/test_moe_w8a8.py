@@ -1,0 +1,284 @@
+"""The W8A8 routed-expert kernels (`pallas_kernels.moe.gpu_triton.w8a8`) and their jnp reference against float64
+numpy written from the W8A8 formula: activations quantised per token in 1 x 128 (here also 1 x 32) groups, scale =
+amax / 448, e4m3 rounding (ml_dtypes), block-FP8 weights (spec §6.2), products in float64; h after SwiGLU
+quantised the same way. Odd sizes, an empty expert, an expert of one row, a row of no expert (the tail), the SwiGLU
+clip; CUDA lowering at Ling-3.1-flash size; the compiled kernels on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import gpu_test, lower_for_cuda, rel_error
+
+from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu, w8a8_expert_rows
+from pallas_kernels.moe.w8a8_reference import down_scatter_w8a8_reference, gather_swiglu_w8a8_reference
+
+E4M3 = ml_dtypes.float8_e4m3fn
+TOL = 1e-3  # per matmul, against the float64 formula (issue 25)
+
+# (tokens, top_k, experts, hidden D, width I, block, limit, row tile): K and the columns not multiples of the block
+CASES = {
+    "blocks_32": (37, 3, 9, 100, 72, (32, 32), 0.9, 16),
+    "blocks_128": (19, 2, 5, 200, 150, (128, 128), None, 32),
+}
+
+
+def routed_rows(tokens: int, top_k: int, num_experts: int, seed: int):
+    """(source [R], dest [R], sizes [G]) of rows sorted by expert (stable): experts distinct per token from 2..E-1,
+    then expert 1 gets exactly one row, one assignment names no expert (a tail row), expert 0 none."""
+    r = np.random.default_rng(seed)
+    experts = np.stack([2 + r.permutation(num_experts - 2)[:top_k] for _ in range(tokens)])
+    experts[0, 0], experts[-1, -1] = 1, -1
+    flat = experts.reshape(-1)
+    order = np.argsort(np.where(flat < 0, num_experts, flat), kind="stable")
+    return (
+        (order // top_k).astype(np.int32),
+        order.astype(np.int32),
+        np.bincount(flat[flat >= 0], minlength=num_experts),
+    )
+
+
+def block_fp8(r, shape, block):
+    """(e4m3 values, fp32 scales) of a random block-FP8 weight [G, N, K] of about unit-variance rows."""
+    num_groups, n_dim, k_dim = shape
+    values = np.asarray(r.normal(size=shape) * 60.0, E4M3)
+    scale_shape = (num_groups, -(-n_dim // block[0]), -(-k_dim // block[1]))
+    return values, (r.uniform(0.5, 1.5, scale_shape) / (60.0 * k_dim**0.5)).astype(np.float32)
+
+
+def f64_weight(values, scales, block) -> np.ndarray:
+    """W[g, n, k] = values[g, n, k] * scales[g, n // block[0], k // block[1]] in float64."""
+    full = np.repeat(np.repeat(np.asarray(scales, np.float64), block[0], 1), block[1], 2)
+    return np.asarray(values, np.float64) * full[:, : values.shape[1], : values.shape[2]]
+
+
+def f64_quantize(a_RC: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dequantised a, scales [R, groups]): per row, groups of `group` columns, scale = max(amax, 1e-10) / 448,
+    codes = e4m3(clip(a / scale, +-448)), round to nearest even."""
+    dequantized, scales = np.empty_like(a_RC), []
+    for start in range(0, a_RC.shape[1], group):
+        part = a_RC[:, start : start + group]
+        scale = np.maximum(np.abs(part).max(axis=1, keepdims=True), 1e-10) / 448.0
+        dequantized[:, start : start + group] = np.clip(part / scale, -448, 448).astype(E4M3).astype(np.float64) * scale
+        scales.append(scale[:, 0])
+    return dequantized, np.stack(scales, axis=1)
+
+
+def f64_swiglu(gate, up, limit):
+    activated = gate / (1 + np.exp(-gate))
+    return activated * up if limit is None else np.minimum(activated, limit) * np.clip(up, -limit, limit)
+
+
+def expert_of_rows(sizes, num_rows):
+    """[R] expert of each sorted row, len(sizes) for the tail."""
+    return np.repeat(np.arange(len(sizes) + 1), np.r_[sizes, num_rows - sizes.sum()])
+
+
+def f64_gather_swiglu(x, source, sizes, gate, up, limit, group):
+    """(dequantised h, its scales) in float64, row by row: h = quantise(swiglu(gate[g] x_q[source], up[g] x_q[source]))
+    with x_q the per-token quantised x; tail rows 0."""
+    x_q = f64_quantize(np.asarray(x, np.float64), group)[0]
+    h = np.zeros((len(source), gate.shape[1]))
+    for row, expert in enumerate(expert_of_rows(sizes, len(source))):
+        if expert < len(sizes):
+            h[row] = f64_swiglu(gate[expert] @ x_q[source[row]], up[expert] @ x_q[source[row]], limit)
+    return f64_quantize(h, group)
+
+
+def f64_down_scatter(h, dest, row_weight, sizes, down):
+    y = np.zeros((len(dest), down.shape[1]))
+    for row, expert in enumerate(expert_of_rows(sizes, len(dest))):
+        if expert < len(sizes):
+            y[dest[row]] = row_weight[row] * (down[expert] @ h[row])
+    return y
+
+
+def case_inputs(case: str, seed: int):
+    """x [T, D] float32, routing (source, dest, sizes), sorted row weights, and gate, up, down as (values, scales)."""
+    tokens, top_k, num_experts, hidden, width, block, _, _ = CASES[case]
+    r = np.random.default_rng(seed)
+    x = (r.normal(size=(tokens, hidden)) * r.uniform(0.1, 10.0, hidden)).astype(np.float32)  # uneven groups
+    source, dest, sizes = routed_rows(tokens, top_k, num_experts, seed)
+    row_weight = r.uniform(0.1, 1.0, len(dest)).astype(np.float32)
+    gate, up = (block_fp8(r, (num_experts, width, hidden), block) for _ in range(2))
+    down = block_fp8(r, (num_experts, hidden, width), block)
+    return x, (source, dest, sizes), row_weight, gate, up, down
+
+
+def random_h(case: str, seed: int):
+    """(h_q e4m3, h_scale) of a random h [R, I], quantised by the float64 formula, and the dequantised h."""
+    tokens, top_k, _, _, width, block, _, _ = CASES[case]
+    h = np.random.default_rng(seed).normal(size=(tokens * top_k, width)) * 3.0
+    dequantized, scales = f64_quantize(h, block[1])
+    codes = np.asarray(dequantized / np.repeat(scales, block[1], 1)[:, :width], E4M3)
+    return codes, scales.astype(np.float32), dequantized
+
+
+def run_gather_swiglu(fn, case, x, rows, gate, up, **kwargs):
+    source, _, sizes = rows
+    _, _, _, _, _, block, limit, _ = CASES[case]
+    args = (jnp.asarray(x), jnp.asarray(source), jnp.asarray(sizes), *map(jnp.asarray, gate), *map(jnp.asarray, up))
+    return fn(*args, limit=limit, block=block, **kwargs)
+
+
+def run_down_scatter(fn, case, h_q, h_scale, rows, row_weight, down, **kwargs):
+    _, dest, sizes = rows
+    args = (jnp.asarray(h_q), jnp.asarray(h_scale), jnp.asarray(dest), jnp.asarray(row_weight), jnp.asarray(sizes))
+    return fn(*args, *map(jnp.asarray, down), block=CASES[case][5], **kwargs)
+
+
+IMPLEMENTATIONS = {
+    "interpret_gpu": (
+        lambda case: dict(block_m=CASES[case][7], interpret=True),
+        gather_swiglu_w8a8_gpu,
+        down_scatter_w8a8_gpu,
+    ),
+    "reference": (lambda case: {}, gather_swiglu_w8a8_reference, down_scatter_w8a8_reference),
+}
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gather_swiglu_w8a8_matches_float64(case, implementation):
+    x, rows, _, gate, up, _ = case_inputs(case, seed=len(case))
+    block = CASES[case][5]
+    options, gather_swiglu, _ = IMPLEMENTATIONS[implementation]
+    args = (gather_swiglu, case, x, rows, gate, up)
+    h_q, h_scale = run_gather_swiglu(*args, **options(case))
+    assert h_q.dtype == jnp.float8_e4m3fn and h_q.shape == (len(rows[0]), gate[0].shape[1])
+    used = rows[2].sum()
+    assert not np.any(np.asarray(h_q[used:], np.float32)), "tail rows of h are not 0"
+    expected_h, expected_scale = f64_gather_swiglu(
+        x, rows[0], rows[2], f64_weight(*gate, block), f64_weight(*up, block), CASES[case][6], block[1]
+    )
+    assert rel_error(h_scale[:used], expected_scale[:used]) <= TOL
+    err = rel_error(dequantized_h(h_q, h_scale, block[1]), expected_h)
+    print(f"[moe w8a8] gather_swiglu {case} {implementation}: rel. error {err:.2e}")
+    assert err <= TOL, f"{case} {implementation}: rel. error {err:.2e}"
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_down_scatter_w8a8_matches_float64(case, implementation):
+    _, rows, row_weight, _, _, down = case_inputs(case, seed=len(case) + 1)
+    h_q, h_scale, h = random_h(case, seed=2)
+    options, _, down_scatter = IMPLEMENTATIONS[implementation]
+    y = run_down_scatter(
+        down_scatter, case, h_q, h_scale, rows, row_weight, down, out_dtype=jnp.float32, **options(case)
+    )
+    _, dest, sizes = rows
+    assert y.dtype == jnp.float32 and y.shape == (len(dest), down[0].shape[1])
+    assert not np.any(np.asarray(y[dest[sizes.sum() :]])), "tail rows of y are not 0"
+    err = rel_error(y, f64_down_scatter(h, dest, row_weight, sizes, f64_weight(*down, CASES[case][5])))
+    print(f"[moe w8a8] down_scatter {case} {implementation}: rel. error {err:.2e}")
+    assert err <= TOL, f"{case} {implementation}: rel. error {err:.2e}"
+
+
+def dequantized_h(h_q, h_scale, group: int) -> np.ndarray:
+    return np.asarray(h_q, np.float64) * np.repeat(np.asarray(h_scale, np.float64), group, 1)[:, : h_q.shape[1]]
+
+
+def test_bf16_activations_and_output():
+    """bf16 x is quantised from its own values (the formula on the rounded x); a bf16 y within bf16 rounding."""
+    case = "blocks_32"
+    x, rows, row_weight, gate, up, down = case_inputs(case, seed=7)
+    x16 = jnp.asarray(x, jnp.bfloat16)
+    kernel_args = dict(block_m=16, interpret=True)
+    h_q, h_scale = run_gather_swiglu(gather_swiglu_w8a8_gpu, case, x16, rows, gate, up, **kernel_args)
+    ref_q, ref_scale = run_gather_swiglu(gather_swiglu_w8a8_reference, case, x16, rows, gate, up)
+    assert rel_error(dequantized_h(h_q, h_scale, 32), dequantized_h(ref_q, ref_scale, 32)) <= TOL
+    y = run_down_scatter(down_scatter_w8a8_gpu, case, h_q, h_scale, rows, row_weight, down, **kernel_args)
+    ref = run_down_scatter(
+        down_scatter_w8a8_reference, case, h_q, h_scale, rows, row_weight, down, out_dtype=jnp.float32
+    )
+    assert y.dtype == jnp.bfloat16 and rel_error(y, ref) <= 1e-2
+
+
+def test_fill_tail_false_leaves_the_group_rows_as_they_are():
+    case = "blocks_32"
+    x, rows, row_weight, gate, up, down = case_inputs(case, seed=9)
+    used = rows[2].sum()
+    outputs = {}
+    for fill_tail in (True, False):
+        kernel_args = dict(block_m=16, fill_tail=fill_tail, interpret=True)
+        h_q, h_scale = run_gather_swiglu(gather_swiglu_w8a8_gpu, case, x, rows, gate, up, **kernel_args)
+        y = run_down_scatter(down_scatter_w8a8_gpu, case, h_q, h_scale, rows, row_weight, down, **kernel_args)
+        outputs[fill_tail] = (np.asarray(h_q[:used], np.float32), np.asarray(y[rows[1][:used]], np.float32))
+    for with_tail, without in zip(outputs[True], outputs[False]):
+        np.testing.assert_array_equal(without, with_tail)
+
+
+def test_expert_rows_run_both_kernels_on_block_fp8_weights():
+    """`w8a8_expert_rows` (what the experts' fused path calls) on BlockFP8Weights == the two references in turn."""
+    case = "blocks_32"
+    x, (source, dest, sizes), row_weight, gate, up, down = case_inputs(case, seed=5)
+    block, limit = CASES[case][5], CASES[case][6]
+    weights = [BlockFP8Weight(jnp.asarray(values), jnp.asarray(scales), block) for values, scales in (gate, up, down)]
+    routing = (jnp.asarray(x), jnp.asarray(source), jnp.asarray(dest), jnp.asarray(row_weight), jnp.asarray(sizes))
+    y = w8a8_expert_rows(*routing, *weights, limit, interpret=True)
+    h_q, h_scale = gather_swiglu_w8a8_reference(routing[0], routing[1], routing[4], *gate, *up, limit, block=block)
+    expected = down_scatter_w8a8_reference(h_q, h_scale, *routing[2:], *down, block=block, out_dtype=jnp.float32)
+    assert y.dtype == jnp.float32 and rel_error(y, expected) <= TOL
+    with pytest.raises(ValueError, match="need one block"):
+        w8a8_expert_rows(*routing, weights[0], weights[1], dataclasses.replace(weights[2], block=(64, 32)), limit)
+
+
+def test_bad_weights_are_refused_with_the_tensor_named():
+    case = "blocks_32"
+    x, rows, _, gate, up, _ = case_inputs(case, seed=3)
+    with pytest.raises(ValueError, match="W8A8 experts: up must be float8_e4m3fn"):
+        run_gather_swiglu(gather_swiglu_w8a8_gpu, case, x, rows, gate, (up[0].astype(np.float32), up[1]))
+    with pytest.raises(ValueError, match=r"block \(16, 32\) must be"):
+        gather_swiglu_w8a8_gpu(*map(jnp.asarray, (x, rows[0], rows[2], *gate, *up)), limit=None, block=(16, 32))
+
+
+def ling_flash_shapes(tokens=8192, top_k=8, num_experts=512, hidden=4096, width=1280, block=(128, 128)):
+    """Abstract operands of both kernels at Ling-3.1-flash width."""
+    shape, rows = jax.ShapeDtypeStruct, tokens * top_k
+
+    def weight(n_dim, k_dim):
+        grid = (num_experts, -(-n_dim // block[0]), -(-k_dim // block[1]))
+        return shape((num_experts, n_dim, k_dim), jnp.float8_e4m3fn), shape(grid, jnp.float32)
+
+    index, sizes = shape((rows,), jnp.int32), shape((num_experts,), jnp.int32)
+    gather_args = (shape((tokens, hidden), jnp.bfloat16), index, sizes, *weight(width, hidden), *weight(width, hidden))
+    h_args = (shape((rows, width), jnp.float8_e4m3fn), shape((rows, width // block[1]), jnp.float32))
+    down_args = (*h_args, index, shape((rows,), jnp.float32), sizes, *weight(hidden, width))
+    return gather_args, down_args
+
+
+def test_kernels_lower_for_cuda_at_ling_flash_size():
+    gather_args, down_args = ling_flash_shapes()
+    gather = lower_for_cuda(lambda *a: gather_swiglu_w8a8_gpu(*a, limit=7.0, block=(128, 128)), *gather_args)
+    assert "gather_swiglu_w8a8" in gather.as_text()
+    down = lower_for_cuda(lambda *a: down_scatter_w8a8_gpu(*a, block=(128, 128)), *down_args)
+    assert "down_scatter_w8a8" in down.as_text()
+
+
+@gpu_test("the compiled W8A8 expert kernels")
+def test_compiled_kernels_match_the_reference():
+    """512 tokens, top-8 of 64 experts, hidden 1024, width 384 (3 groups of h), bf16 x, 128 x 128 blocks."""
+    tokens, top_k, num_experts, hidden, width, block = 512, 8, 64, 1024, 384, (128, 128)
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.normal(size=(tokens, hidden)), jnp.bfloat16)
+    experts = np.stack([r.permutation(num_experts)[:top_k] for _ in range(tokens)]).reshape(-1)
+    order = np.argsort(experts, kind="stable").astype(np.int32)
+    sizes = jnp.asarray(np.bincount(experts, minlength=num_experts).astype(np.int32))
+    source, dest = jnp.asarray(order // top_k), jnp.asarray(order)
+    row_weight = jnp.asarray(r.uniform(0.1, 1.0, len(order)).astype(np.float32))
+    gate, up = (tuple(map(jnp.asarray, block_fp8(r, (num_experts, width, hidden), block))) for _ in range(2))
+    down = tuple(map(jnp.asarray, block_fp8(r, (num_experts, hidden, width), block)))
+    h_q, h_scale = gather_swiglu_w8a8_gpu(x, source, sizes, *gate, *up, limit=7.0, block=block)
+    ref_q, ref_scale = gather_swiglu_w8a8_reference(x, source, sizes, *gate, *up, 7.0, block=block)
+    assert rel_error(dequantized_h(h_q, h_scale, 128), dequantized_h(ref_q, ref_scale, 128)) <= TOL
+    y = down_scatter_w8a8_gpu(h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32)
+    ref_y = down_scatter_w8a8_reference(
+        h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32
+    )
+    assert bool(jnp.all(jnp.isfinite(y))) and rel_error(y, ref_y) <= TOL

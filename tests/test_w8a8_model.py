@@ -1,0 +1,115 @@
+"""The model in W8A8 (`ExecutionPolicy(fp8_matmul="w8a8")`: every block-FP8 projection with its activations
+quantised per token in 1 x 128 groups and FP8 products) on the GPU kernels in Pallas interpret mode, against the
+same FP8 checkpoint dequantised to bf16 on the reference backend, one compiled forward each.
+
+The checkpoint is the trained demo model (`ling_jax/assets/ling-demo`, block FP8 128 x 128, spec §6.2) and the
+prompts random windows of held-out text: a random-weight model has near-uniform next-token scores whose top-1 flips
+under any rounding (the factory's tiny models are chaotic), a trained one has a next token to agree on. Measured on
+6 x 64 tokens (CPU): W8A8 logits 3.4e-2 from the bf16 model, 96.1% top-1 agreement, next-token accuracy on the
+text 27.5% against 27.8%; for scale, the bf16 model itself is 0.8e-2 and 98.2% from the fp32 one, and the W8A8
+formula in fp32 (jnp reference) 3.1e-2 and 96.6%: the gap to issue 25's 3e-2 / 99% is the activation quantisation
+itself (e4m3 keeps 3 mantissa bits, ~3% per product), not the kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import REPO_ROOT, gpu_test, rel_error
+from tokenizers import Tokenizer
+
+from ling_jax import ExecutionPolicy, FP8Matmul, load_hf_checkpoint
+from ling_jax.layers import fp8_matmul_in_scope, fp8_matmul_scope, project
+from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.fp8 import w8a8_linear_reference, weight_only_linear_reference
+
+DEMO = REPO_ROOT / "ling_jax" / "assets" / "ling-demo"
+PROMPTS, LENGTH = 6, 64
+W8A8 = ExecutionPolicy(kernel_backend="interpret_gpu", fp8_matmul=FP8Matmul.W8A8)
+
+
+def random_text_windows(seed: int = 0) -> np.ndarray:
+    """[PROMPTS, LENGTH] token ids: windows at random offsets of the held-out Austen text, demo tokenizer."""
+    ids = (
+        Tokenizer.from_file(str(DEMO / "tokenizer.json"))
+        .encode((REPO_ROOT / "tests/data/persuasion_heldout.txt").read_text())
+        .ids
+    )
+    starts = np.random.default_rng(seed).integers(0, len(ids) - LENGTH, PROMPTS)
+    return np.stack([ids[start : start + LENGTH] for start in starts])
+
+
+def forward_and_program(model, ids_BT):
+    """(logits [B, T, V] float32 numpy, the traced program's text) of one compiled forward."""
+    graph, state = nnx.split(model)
+    traced = jax.jit(lambda state, ids: nnx.merge(graph, state)(ids).logits).trace(state, ids_BT)
+    return np.asarray(traced.lower().compile()(state, ids_BT), np.float32), str(traced.jaxpr)
+
+
+def check_w8a8_against_bf16(backend: str) -> None:
+    """The W8A8 model on `backend` vs the bf16-dequantised one on the reference backend (module docstring)."""
+    ids = random_text_windows()
+    policy = ExecutionPolicy(kernel_backend=backend, fp8_matmul=FP8Matmul.W8A8)
+    w8a8 = load_hf_checkpoint(DEMO, dtype=jnp.bfloat16, policy=policy, progress=False)
+    assert isinstance(w8a8.model.layers[0].attention.q_proj.weight.get_value(), BlockFP8Weight)
+    logits, program = forward_and_program(w8a8, jnp.asarray(ids))
+    assert "w8a8_linear" in program and "weight_only_linear" not in program
+    dense = load_hf_checkpoint(
+        DEMO, dtype=jnp.bfloat16, weights="bf16", policy=ExecutionPolicy(kernel_backend="reference"), progress=False
+    )
+    expected, _ = forward_and_program(dense, jnp.asarray(ids))
+    err = rel_error(logits, expected)
+    agreement = float(np.mean(logits.argmax(-1) == expected.argmax(-1)))
+    accuracy = {
+        name: float(np.mean(x[:, :-1].argmax(-1) == ids[:, 1:])) for name, x in (("w8a8", logits), ("bf16", expected))
+    }
+    print(
+        f"[w8a8 model] {backend}: logits rel. error {err:.2e}, top-1 agreement {agreement:.1%} over {ids.size} "
+        f"positions, next-token accuracy {accuracy['w8a8']:.1%} (bf16 model {accuracy['bf16']:.1%})"
+    )
+    assert err <= 5e-2, f"logits rel. error {err:.2e}"
+    assert agreement >= 0.94, f"top-1 agreement {agreement:.1%}"
+    assert accuracy["w8a8"] >= accuracy["bf16"] - 0.02, accuracy
+
+
+def test_w8a8_model_matches_the_dequantised_model():
+    check_w8a8_against_bf16("interpret_gpu")
+
+
+@gpu_test("the compiled W8A8 model")
+def test_compiled_w8a8_model_matches_the_dequantised_model():
+    check_w8a8_against_bf16("pallas_gpu")
+
+
+def test_fp8_matmul_policy_is_checked():
+    assert ExecutionPolicy(fp8_matmul="weight_only").fp8_matmul is FP8Matmul.WEIGHT_ONLY
+    with pytest.raises(ValueError, match=r"fp8_matmul: 'fp8' is not one of 'auto', 'weight_only', 'w8a8'"):
+        ExecutionPolicy(fp8_matmul="fp8")
+
+
+def test_project_multiplies_as_the_scope_says():
+    """AUTO (outside any scope) on the reference backend: dequantise-then-dot; inside a W8A8 scope: W8A8's
+    reference; the scope ends with its block."""
+    r = np.random.default_rng(4)
+    weight = BlockFP8Weight(
+        jnp.asarray(r.normal(size=(40, 96)) * 50, jnp.float8_e4m3fn),
+        jnp.asarray(r.uniform(1e-3, 1e-2, (2, 3)), jnp.float32),
+        (32, 32),
+    )
+    x = jnp.asarray(r.normal(size=(3, 5, 96)), jnp.float32)
+    expected = {
+        FP8Matmul.AUTO: weight_only_linear_reference(x.reshape(15, 96), weight.values, weight.scales, weight.block),
+        FP8Matmul.WEIGHT_ONLY: weight_only_linear_reference(
+            x.reshape(15, 96), weight.values, weight.scales, weight.block
+        ),
+        FP8Matmul.W8A8: w8a8_linear_reference(x.reshape(15, 96), weight.values, weight.scales, weight.block),
+    }
+    assert rel_error(expected[FP8Matmul.W8A8], expected[FP8Matmul.AUTO]) > 1e-3  # the modes differ measurably
+    for mode, y in expected.items():
+        with fp8_matmul_scope(mode):
+            assert fp8_matmul_in_scope() is mode
+            np.testing.assert_array_equal(np.asarray(project(x, weight)).reshape(15, 40), np.asarray(y))
+    assert fp8_matmul_in_scope() is FP8Matmul.AUTO
