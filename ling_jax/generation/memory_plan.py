@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from ling_jax import build
 from ling_jax.cache import LingCache, MTPCache
 from ling_jax.checkpoints.hf import BF16, FP8, MXFP4, STORED, check_weights
 from ling_jax.checkpoints.names import source_for
@@ -209,7 +210,7 @@ def abstract_model(config: LingConfig, *, weights: str, dtype=jnp.bfloat16, poli
     parameters as the checkpoint stores them (`stored_format`, spec §6.2), as the loaders' weights="stored" build
     it."""
     check_weights(weights, "abstract_model")
-    model = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy))
+    model = build.abstract_model(config, dtype=dtype, policy=policy)
     if weights == BF16:
         return model
     block, mxfp4 = stored_format(config)
