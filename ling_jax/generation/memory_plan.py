@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 
 from ling_jax import build
 from ling_jax.cache import LingCache, MTPCache
-from ling_jax.checkpoints.hf import BF16, FP8, MXFP4, STORED, check_weights
+from ling_jax.checkpoints.hf import BF16, FP8, MXFP4, STORED, check_weights, stored_struct
 from ling_jax.checkpoints.names import source_for
 from ling_jax.checkpoints.storage import storage_kind
 from ling_jax.config import LingConfig
@@ -45,7 +45,6 @@ from ling_jax.generation.memory import format_bytes
 from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quant import MXFP4_GROUP
-from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from ling_jax.sharding import activation_spec, cache_shardings, make_mesh, param_shardings
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -192,19 +191,6 @@ def stored_format(config: LingConfig) -> tuple[tuple[int, int], bool]:
     return tuple(q.weight_block_size), q.routed_experts_quant_method == MXFP4
 
 
-def _stored_weight(shape: tuple[int, ...], kind: str, block: tuple[int, int]):
-    *lead, rows, cols = shape
-    if kind == FP8:
-        scales = (*lead, -(-rows // block[0]), -(-cols // block[1]))
-        return BlockFP8Weight(
-            jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32), block
-        )
-    return MXFP4Weight(
-        jax.ShapeDtypeStruct((*lead, rows, cols // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((*lead, rows, -(-cols // MXFP4_GROUP)), jnp.float8_e8m0fnu),
-    )
-
-
 def abstract_model(config: LingConfig, *, weights: str, dtype=jnp.bfloat16, policy=None) -> LingForCausalLM:
     """The model as shapes only (nothing allocated): dense in `dtype`, or with weights="stored" its quantisable
     parameters as the checkpoint stores them (`stored_format`, spec §6.2), as the loaders' weights="stored" build
@@ -221,7 +207,7 @@ def abstract_model(config: LingConfig, *, weights: str, dtype=jnp.bfloat16, poli
         if variable.get_metadata().get("quantizable"):
             kind = storage_kind(source_for(path, shape, config).names[0], config, mxfp4)
             if kind in (FP8, MXFP4) and not (kind == MXFP4 and shape[-1] % 2):
-                variable = variable.replace(_stored_weight(shape, kind, block))
+                variable = variable.replace(stored_struct(shape, kind, block if kind == FP8 else (1, MXFP4_GROUP)))
         stored.append((path, variable))
     return nnx.merge(graphdef, nnx.from_flat_state(stored))
 
