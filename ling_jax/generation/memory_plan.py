@@ -42,10 +42,10 @@ from ling_jax.checkpoints.names import source_for
 from ling_jax.checkpoints.storage import storage_kind
 from ling_jax.config import LingConfig
 from ling_jax.generation.memory import format_bytes
-from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quant import MXFP4_GROUP
 from ling_jax.sharding import activation_spec, cache_shardings, make_mesh, param_shardings
+from ling_jax.vl.config import LingVLConfig
 
 MIB, GIB = 1 << 20, 1 << 30
 PUBLISHED_FP8_BLOCK = (128, 128)  # the published checkpoints' weight_block_size
@@ -191,7 +191,7 @@ def stored_format(config: LingConfig) -> tuple[tuple[int, int], bool]:
     return tuple(q.weight_block_size), q.routed_experts_quant_method == MXFP4
 
 
-def abstract_model(config: LingConfig, *, weights: str, dtype=jnp.bfloat16, policy=None) -> LingForCausalLM:
+def abstract_model(config: LingConfig | LingVLConfig, *, weights: str, dtype=jnp.bfloat16, policy=None):
     """The model as shapes only (nothing allocated): dense in `dtype`, or with weights="stored" its quantisable
     parameters as the checkpoint stores them (`stored_format`, spec §6.2), as the loaders' weights="stored" build
     it."""
@@ -199,6 +199,7 @@ def abstract_model(config: LingConfig, *, weights: str, dtype=jnp.bfloat16, poli
     model = build.abstract_model(config, dtype=dtype, policy=policy)
     if weights == BF16:
         return model
+    config = build.text_config_of(config)
     block, mxfp4 = stored_format(config)
     graphdef, state = nnx.split(model)
     stored = []

@@ -8,11 +8,10 @@ import math
 import re
 from collections import defaultdict
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from shard_checks import assert_each_device_holds_its_fraction, leaves
 from tiny_fp8 import write_tiny_fp8_checkpoint
 
 from ling_jax import load_hf_checkpoint, make_mesh
@@ -36,31 +35,13 @@ def _load(directory, mesh=None, weights="stored"):
     return load_hf_checkpoint(directory, mesh=mesh, dtype=jnp.float32, weights=weights, progress=False)
 
 
-def _leaves(model) -> dict[str, jax.Array]:
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
-    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
-
-
 def _assert_bitwise_equal(sharded, unsharded) -> None:
-    ours, reference = _leaves(sharded), _leaves(unsharded)
+    ours, reference = leaves(sharded), leaves(unsharded)
     assert ours.keys() == reference.keys()
     for name, leaf in ours.items():
         want = np.asarray(reference[name])
         assert leaf.dtype == want.dtype and leaf.shape == want.shape, name
         assert np.array_equal(np.asarray(leaf).view(np.uint8), want.view(np.uint8)), name
-
-
-def _assert_each_device_holds_its_fraction(model, mesh) -> None:
-    """Every leaf: one piece per device, each of the global shape divided by the mesh axes its spec names."""
-    for name, leaf in _leaves(model).items():
-        spec = leaf.sharding.spec
-        ways = [
-            math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
-            for entry in (*spec, *(None,) * (leaf.ndim - len(spec)))
-        ]
-        expected = tuple(size // n for size, n in zip(leaf.shape, ways))
-        assert len(leaf.addressable_shards) == mesh.size, name
-        assert {shard.data.shape for shard in leaf.addressable_shards} == {expected}, name
 
 
 @pytest.mark.parametrize(
@@ -75,7 +56,7 @@ def test_sharded_fp8_load_equals_unsharded_bit_for_bit(checkpoints, shape):
     assert {s.data.shape for s in up.values.addressable_shards} == {expected}  # [E, I, D] experts over expert
     scales = (expected[0], 2 // shape["tensor"], 4 // shape.get("fsdp", 1))  # [E, I / 16, D / 16], split alike
     assert {s.data.shape for s in up.scales.addressable_shards} == {scales}
-    _assert_each_device_holds_its_fraction(sharded, mesh)
+    assert_each_device_holds_its_fraction(sharded, mesh)
     _assert_bitwise_equal(sharded, _load(checkpoints["fp8"]))
 
 
@@ -86,7 +67,7 @@ def test_sharded_mxfp4_load_equals_unsharded_bit_for_bit(checkpoints):
     assert isinstance(down, MXFP4Weight)
     assert {s.data.shape for s in down.values.addressable_shards} == {(4, 64, 16)}  # 4 experts, [D, I / 2] bytes
     assert {s.data.shape for s in down.scales.addressable_shards} == {(4, 64, 1)}  # one scale per 32 inputs
-    _assert_each_device_holds_its_fraction(sharded, mesh)
+    assert_each_device_holds_its_fraction(sharded, mesh)
     _assert_bitwise_equal(sharded, _load(checkpoints["mxfp4"]))
 
 
@@ -98,7 +79,7 @@ def test_dequantised_load_on_a_mesh_that_cuts_scale_blocks(checkpoints):
     with pytest.raises(ShardingError, match=refusal):
         _load(checkpoints["fp8"], mesh)
     sharded = _load(checkpoints["fp8"], mesh, weights="bf16")
-    _assert_each_device_holds_its_fraction(sharded, mesh)
+    assert_each_device_holds_its_fraction(sharded, mesh)
     _assert_bitwise_equal(sharded, _load(checkpoints["fp8"], weights="bf16"))
 
 
