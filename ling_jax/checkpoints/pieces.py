@@ -23,13 +23,14 @@ def assemble(
     `index` (a tuple of slices, one per dimension), asked for once per distinct slice this process's devices hold
     (devices holding the same slice share the read), each copied to its devices before the next is read."""
     dtype = np.dtype(dtype)
+    indices = sharding.addressable_devices_indices_map(shape)  # in the sharding's device order
     devices_of: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}  # (start, stop) per dimension -> devices
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    for device, index in indices.items():
         bounds = tuple(entry.indices(size)[:2] for entry, size in zip(index, shape))
         devices_of.setdefault(bounds, []).append(device)
-    pieces = []
+    pieces = {}
     for bounds, devices in devices_of.items():
         piece_shape = tuple(stop - start for start, stop in bounds)
         host = np.asarray(read(tuple(slice(*b) for b in bounds))).astype(dtype, copy=False).reshape(piece_shape)
-        pieces += [jax.device_put(host, device) for device in devices]
-    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+        pieces.update((device, jax.device_put(host, device)) for device in devices)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [pieces[device] for device in indices])
