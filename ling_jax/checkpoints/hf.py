@@ -21,6 +21,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from ling_jax.build import abstract_model, load_model_config, model_rngs, text_config_of
+from ling_jax.checkpoints.finite_check import NonFiniteError, check_finite
 from ling_jax.checkpoints.names import TensorSource, canonical, ignored, source_for
 from ling_jax.checkpoints.pieces import assemble, one_device_sharding
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors, Index
@@ -183,13 +184,15 @@ class TensorResolver:
         return self._refuse_non_finite(stored + SCALE_SUFFIX, scales.astype(_scale_dtype(scales.dtype), copy=False))
 
     def _refuse_non_finite(self, stored: str, value: np.ndarray) -> np.ndarray:
-        if not np.issubdtype(value.dtype, np.integer) and not np.isfinite(value.sum(dtype=np.float64)):
-            # one pass, no temporary: NaN and Inf reach a float64 sum, which finite float32 values cannot overflow
-            bad = int(np.count_nonzero(~np.isfinite(value)))
+        """`value`, a slice of the tensor `stored`, after checking it on its bits (`finite_check`: FP8 and bf16
+        without a float conversion)."""
+        try:
+            check_finite(value, stored)
+        except NonFiniteError as e:
             raise CheckpointError(
-                f"{self.tensors.file_of(stored)}: tensor '{stored}' has {bad} NaN or Inf "
-                f"value{'s' if bad > 1 else ''} (of {value.size} read): the checkpoint is damaged"
-            )
+                f"{self.tensors.file_of(stored)}: tensor '{stored}' has {e.count} NaN or Inf "
+                f"value{'s' if e.count > 1 else ''} (of {value.size} read): the checkpoint is damaged"
+            ) from None
         return value
 
     def refuse_unused(self, used: set[str]) -> None:
