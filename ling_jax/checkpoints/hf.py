@@ -93,12 +93,9 @@ class TensorResolver:
             raise CheckpointError(f"{self.tensors.directory}: tensor '{name}' is missing from every shard")
         return stored
 
-    def storage(self, name: str) -> str:
+    def _kind(self, stored: str) -> str:
         """PLAIN, FP8 or MXFP4: a tensor is quantised iff it is float8 (FP8) or (u)int8 (MXFP4) with a
         `weight_scale_inv` sibling (spec §6.2)."""
-        return self._kind(self._stored(name))
-
-    def _kind(self, stored: str) -> str:
         if stored + SCALE_SUFFIX not in self.tensors:
             return PLAIN
         dtype = self.tensors.dtype(stored)
@@ -286,7 +283,7 @@ def _tensor_index(index: Index, shape: tuple[int, ...], source_shape: tuple[int,
     return tuple(mapped)
 
 
-def _dense_reader(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...]):
+def _dense_reader(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...]) -> Reader:
     """read(index) of a parameter of `shape` as float32, dequantised from the tensors `source` names."""
     tensor_shape = shape[1:] if source.stacked else shape
     return _stacked_reader(
@@ -310,9 +307,8 @@ def _target(resolver: TensorResolver, variable: nnx.Variable, source: TensorSour
     kinds = {resolver.check(name, source.shape) for name in source.names}
     _check_fills(resolver, source, like.shape)
     (kind,) = kinds if len(kinds) == 1 else (PLAIN,)
-    if weights != STORED or not variable.get_metadata().get("quantizable") or kind == PLAIN:
-        return jax.ShapeDtypeStruct(like.shape, like.dtype)
-    if kind == MXFP4 and source.shape[-1] % 2:
+    packable = kind == FP8 or (kind == MXFP4 and source.shape[-1] % 2 == 0)
+    if weights != STORED or not variable.get_metadata().get("quantizable") or not packable:
         return jax.ShapeDtypeStruct(like.shape, like.dtype)
     return resolver.stored_weight(source.names[0], source.shape, len(source.names) if source.stacked else None)
 
