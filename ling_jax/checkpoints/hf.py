@@ -178,6 +178,8 @@ class TensorResolver:
             values = self.tensors.read(stored, index)
             return self._refuse_non_finite(stored, values.view(np.uint8) if self._kind(stored) == MXFP4 else values)
         scales = self.tensors.read(stored + SCALE_SUFFIX, index)
+        if scales.dtype == np.uint8:  # raw E8M0 exponents: the same bits as float8_e8m0fnu
+            scales = scales.view(ml_dtypes.float8_e8m0fnu)
         return self._refuse_non_finite(stored + SCALE_SUFFIX, scales.astype(_scale_dtype(scales.dtype), copy=False))
 
     def _refuse_non_finite(self, stored: str, value: np.ndarray) -> np.ndarray:
