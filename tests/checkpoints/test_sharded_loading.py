@@ -69,6 +69,8 @@ def test_sharded_mxfp4_load_equals_unsharded_bit_for_bit(checkpoints):
     assert {s.data.shape for s in down.scales.addressable_shards} == {(4, 64, 1)}  # one scale per 32 inputs
     assert_each_device_holds_its_fraction(sharded, mesh)
     _assert_bitwise_equal(sharded, _load(checkpoints["mxfp4"]))
+    dense = _load(checkpoints["mxfp4"], mesh, weights="bf16").model.layers[1].mlp.experts.down_proj.get_value()
+    np.testing.assert_array_equal(np.asarray(down.dequantize(jnp.float32)), np.asarray(dense))  # kept == dequantised
 
 
 def test_dequantised_load_on_a_mesh_that_cuts_scale_blocks(checkpoints):

@@ -28,14 +28,21 @@ def sharding_test_config() -> LingConfig:
 
 
 def write_tiny_fp8_checkpoint(directory, *, mxfp4_experts: bool = False, seed: int = 0) -> LingConfig:
-    """Random weights of `sharding_test_config()` quantised to block FP8 (MXFP4 routed experts if asked) in
-    `directory` (its `src` subdirectory holds the unquantised copy)."""
+    """Random weights of `sharding_test_config()` quantised to block FP8 (MXFP4 routed experts if asked: int8
+    packed codes with raw uint8 exponents, the least direct spelling) in `directory` (its `src` subdirectory holds
+    the unquantised copy)."""
     config = sharding_test_config()
     rng = np.random.default_rng(seed)
     tensors = {name: random_weight(name, shape, rng) for name, shape in checkpoint_tensors(config)}
     source = directory / "src"
     write_hf_checkpoint(source, config_dict(config), tensors)
     make_quantized_checkpoint(
-        source, directory, block=BLOCK, mxfp4_experts=mxfp4_experts, mxfp4_scale_format="e8m0", num_shards=3
+        source,
+        directory,
+        block=BLOCK,
+        mxfp4_experts=mxfp4_experts,
+        mxfp4_scale_format="uint8",
+        mxfp4_packed_dtype="int8",
+        num_shards=3,
     )
     return config
