@@ -1,26 +1,37 @@
 """Load a HF-format Ling checkpoint (config.json + safetensors shards, original tensor names) into
 `LingForCausalLM`, keeping block-FP8 weights and MXFP4 experts quantised on the device (`weights="stored"`,
-`ling_jax.quantized`) or dequantising them to the model dtype (`weights="bf16"`)."""
+`ling_jax.quantized`) or dequantising them to the model dtype (`weights="bf16"`).
+
+Loading is sharded: an abstract model first (shapes only), every tensor checked from the shard headers, then
+each parameter built from the slices this process's devices hold (`ling_jax.checkpoints.pieces.assemble`), read
+with pread (`CheckpointTensors.read`) and dequantised slice by slice: a full-size checkpoint never sits whole on
+one host or one device."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from ling_jax.build import build_model, load_model_config, text_config_of
+from ling_jax.build import abstract_model, load_model_config, model_rngs, text_config_of
+from ling_jax.checkpoints.finite_check import NonFiniteError, check_finite
 from ling_jax.checkpoints.names import TensorSource, canonical, ignored, source_for
-from ling_jax.checkpoints.safetensors_io import CheckpointTensors
+from ling_jax.checkpoints.pieces import assemble, one_device_sharding
+from ling_jax.checkpoints.safetensors_io import CheckpointTensors, Index
 from ling_jax.config import LingConfig
 from ling_jax.layers import Weights
 from ling_jax.model import DecoderLayer, LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
-from ling_jax.quant import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4, is_float8
-from ling_jax.quantized import BlockFP8Weight, MXFP4Weight, QuantizedWeight, check_activation_dtype
+from ling_jax.quant import E2M1_VALUES, MXFP4_GROUP, is_float8
+from ling_jax.quantized import BlockFP8Weight, MXFP4Weight, QuantizedWeight, check_activation_dtype, is_quantized
+from ling_jax.sharding import param_shardings
 
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight_scale_inv sits beside <module>.weight
 
@@ -46,7 +57,8 @@ class CheckpointError(ValueError):
 
 
 class TensorResolver:
-    """Finds checkpoint tensors by canonical name and returns them dequantised to float32."""
+    """Finds checkpoint tensors by canonical name; checks them against the config from the shard headers alone
+    (`check`), then reads slices of them: dequantised to float32 (`read`) or as stored (`read_stored`)."""
 
     def __init__(self, tensors: CheckpointTensors, config: LingConfig):
         self.tensors = tensors
@@ -81,89 +93,106 @@ class TensorResolver:
             raise CheckpointError(f"{self.tensors.directory}: tensor '{name}' is missing from every shard")
         return stored
 
-    def storage(self, name: str) -> str:
+    def _kind(self, stored: str) -> str:
         """PLAIN, FP8 or MXFP4: a tensor is quantised iff it is float8 (FP8) or (u)int8 (MXFP4) with a
         `weight_scale_inv` sibling (spec §6.2)."""
-        return self._kind(self._stored(name))
-
-    def _kind(self, stored: str) -> str:
         if stored + SCALE_SUFFIX not in self.tensors:
             return PLAIN
         dtype = self.tensors.dtype(stored)
         return FP8 if is_float8(dtype) else MXFP4 if dtype in (np.uint8, np.int8) else PLAIN
 
-    def read(self, name: str, expected: tuple[int, ...]) -> np.ndarray:
-        """The tensor `name` as float32 of shape `expected` (dequantised); NaN or Inf in it raises CheckpointError."""
-        stored = self._stored(name)
-        return self._refuse_non_finite(stored, self._read(stored, expected))
-
-    def read_quantized(self, name: str, expected: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """(values, scales) of the quantised tensor `name` of dense shape `expected`, as stored: FP8 values with
-        float32 block scales; MXFP4 packed bytes as uint8 with E8M0 scales as float8_e8m0fnu (raw uint8
-        exponents reinterpreted) or the float values stored. NaN or Inf in either raises CheckpointError."""
-        stored = self._stored(name)
-        values, scales = self._quantized_parts(stored, self._kind(stored), expected)
-        if scales.dtype == np.uint8:  # raw E8M0 exponents: the same bits as float8_e8m0fnu
-            scales = scales.view(ml_dtypes.float8_e8m0fnu)
-        elif scales.dtype != ml_dtypes.float8_e8m0fnu:
-            scales = np.asarray(scales, np.float32)
-        return self._refuse_non_finite(stored, values), self._refuse_non_finite(stored + SCALE_SUFFIX, scales)
-
-    def _refuse_non_finite(self, stored: str, value: np.ndarray) -> np.ndarray:
-        if not np.issubdtype(value.dtype, np.integer) and not np.isfinite(value.sum(dtype=np.float64)):
-            # one pass, no temporary: NaN and Inf reach a float64 sum, which finite float32 values cannot overflow
-            bad = int(np.count_nonzero(~np.isfinite(value)))
-            raise CheckpointError(
-                f"{self.tensors.file_of(stored)}: tensor '{stored}' has {bad} NaN or Inf "
-                f"value{'s' if bad > 1 else ''} (of {value.size}): the checkpoint is damaged"
-            )
-        return value
-
-    def _quantized_parts(self, stored: str, kind: str, expected: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """The stored values and scales of an FP8 or MXFP4 tensor, their shapes checked against `expected`."""
-        file, shape, scale_name = self.tensors.file_of(stored), self.tensors.shape(stored), stored + SCALE_SUFFIX
-        if kind == MXFP4:  # two E2M1 codes per byte, one scale per 32 inputs
-            self._check_shape(stored, file, shape, (*expected[:-1], -(-expected[-1] // 2)), "packed MXFP4 ")
-            scale_shape, what = (*expected[:-1], -(-expected[-1] // MXFP4_GROUP)), "one per 32 inputs"
-        else:
-            self._check_shape(stored, file, shape, expected, "")
-            block_rows, block_cols = self.block
-            scale_shape = (-(-expected[0] // block_rows), -(-expected[1] // block_cols))
-            what = f"{block_rows}x{block_cols} blocks"
-        have = tuple(self.tensors.shape(scale_name))
-        if have != scale_shape:
-            raise CheckpointError(
-                f"{self.tensors.file_of(scale_name)}: '{scale_name}' has shape {have}, "
-                f"expected {tuple(scale_shape)} for a {list(expected)} weight ({what})"
-            )
-        values = self.tensors.get(stored)
-        return (values.view(np.uint8) if kind == MXFP4 else values), self.tensors.get(scale_name)
-
     @property
     def block(self) -> tuple[int, int]:
         return self.config.quantization.weight_block_size if self.config.quantization else (128, 128)
 
-    def _read(self, stored: str, expected: tuple[int, ...]) -> np.ndarray:
-        file, dtype = self.tensors.file_of(stored), self.tensors.dtype(stored)
-        kind = self._kind(stored)
-        if kind == MXFP4:
-            values, scales = self._quantized_parts(stored, kind, expected)
-            return dequantize_mxfp4(values, scales)[..., : expected[-1]]
-        if kind == FP8:
-            return dequantize_fp8_block(*self._quantized_parts(stored, kind, expected), self.block)
-        self._check_shape(stored, file, self.tensors.shape(stored), expected, "")
-        if is_float8(dtype):
-            raise CheckpointError(f"{file}: FP8 tensor '{stored}' has no '{stored + SCALE_SUFFIX}' beside it")
-        if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
-            raise CheckpointError(f"{file}: tensor '{stored}' has dtype {dtype}, expected a float type")
-        return np.asarray(self.tensors.get(stored), np.float32)
+    def scale_block(self, kind: str) -> tuple[int, int]:
+        """Weight elements (rows, cols) one scale of a `kind` tensor covers."""
+        return (1, MXFP4_GROUP) if kind == MXFP4 else tuple(self.block)
 
-    @staticmethod
-    def _check_shape(stored, file, shape, expected, what):
-        if tuple(shape) != tuple(expected):
+    def check(self, name: str, expected: tuple[int, ...]) -> str:
+        """The storage kind of the tensor `name` of dense shape `expected`, after checking its shape and dtype and
+        those of its scales against it (headers only: nothing is read)."""
+        stored = self._stored(name)
+        kind, file, dtype = self._kind(stored), self.tensors.file_of(stored), self.tensors.dtype(stored)
+        if kind == PLAIN:
+            _check_shape(stored, file, self.tensors.shape(stored), expected, "")
+            if is_float8(dtype):
+                raise CheckpointError(f"{file}: FP8 tensor '{stored}' has no '{stored + SCALE_SUFFIX}' beside it")
+            if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+                raise CheckpointError(f"{file}: tensor '{stored}' has dtype {dtype}, expected a float type")
+            return kind
+        values_shape, scales_shape = stored_shapes(expected, kind, self.scale_block(kind))
+        _check_shape(stored, file, self.tensors.shape(stored), values_shape, "packed MXFP4 " if kind == MXFP4 else "")
+        scale_name = stored + SCALE_SUFFIX
+        have = tuple(self.tensors.shape(scale_name))
+        if have != scales_shape:
+            rows, cols = self.scale_block(kind)
+            what = "one per 32 inputs" if kind == MXFP4 else f"{rows}x{cols} blocks"
             raise CheckpointError(
-                f"{file}: tensor '{stored}' has {what}shape {list(shape)}, expected {list(expected)} from config.json"
+                f"{self.tensors.file_of(scale_name)}: '{scale_name}' has shape {have}, "
+                f"expected {scales_shape} for a {list(expected)} weight ({what})"
             )
+        return kind
+
+    def stored_weight(self, name: str, expected: tuple[int, ...], experts: int | None = None) -> QuantizedWeight:
+        """The quantised tensor `name` of dense shape `expected` as an abstract `BlockFP8Weight` / `MXFP4Weight`
+        (shapes and dtypes as `read_stored` gives them), stacked [experts, ...] unless experts is None."""
+        stored = self._stored(name)
+        kind = self._kind(stored)
+        scale_dtype = _scale_dtype(self.tensors.dtype(stored + SCALE_SUFFIX))
+        values_dtype = np.uint8 if kind == MXFP4 else self.tensors.dtype(stored)
+        lead = () if experts is None else (experts,)
+        return stored_struct(
+            (*lead, *expected), kind, self.scale_block(kind), values_dtype=values_dtype, scale_dtype=scale_dtype
+        )
+
+    def read(self, name: str, expected: tuple[int, ...], index: Index = ()) -> np.ndarray:
+        """The slice `index` of the tensor `name` (dense shape `expected`) as float32, dequantised from the
+        values and scales covering that slice only; NaN or Inf in it raises CheckpointError."""
+        stored = self._stored(name)
+        kind = self._kind(stored)
+        if kind == PLAIN:
+            return self._refuse_non_finite(stored, np.asarray(self.tensors.read(stored, index), np.float32))
+        bounds = [entry.indices(size)[:2] for entry, size in zip((*index, *_whole(expected, index)), expected)]
+        block = self.scale_block(kind)
+        lead = tuple(slice(*b) for b in bounds[:-2])
+        (row0, row1), (col0, col1) = bounds[-2:]
+        covering = (slice(start // side, -(-stop // side)) for (start, stop), side in zip(bounds[-2:], block))
+        scale_index = (*lead, *covering)
+        scales = _scale_values(self.tensors.read(stored + SCALE_SUFFIX, scale_index))
+        if kind == FP8:
+            elements = self.tensors.read(stored, (*lead, slice(row0, row1), slice(col0, col1))).astype(np.float32)
+        else:  # two E2M1 codes a byte: the bytes covering the columns, unpacked, then cut to them
+            packed = self.tensors.read(stored, (*lead, slice(row0, row1), slice(col0 // 2, -(-col1 // 2))))
+            codes = packed.view(np.uint8)
+            nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+            elements = E2M1_VALUES[nibbles][..., col0 % 2 : col0 % 2 + col1 - col0]
+        rows, cols = (np.arange(start, stop) // side - start // side for (start, stop), side in zip(bounds[-2:], block))
+        return self._refuse_non_finite(stored, elements * scales[..., rows[:, None], cols[None, :]])
+
+    def read_stored(self, name: str, part: str, index: Index = ()) -> np.ndarray:
+        """The slice `index` of the quantised tensor `name`'s stored "values" (MXFP4 packed bytes as uint8) or
+        "scales" (float32; E8M0 exponents as float8_e8m0fnu); NaN or Inf in it raises CheckpointError."""
+        stored = self._stored(name)
+        if part == "values":
+            values = self.tensors.read(stored, index)
+            return self._refuse_non_finite(stored, values.view(np.uint8) if self._kind(stored) == MXFP4 else values)
+        scales = self.tensors.read(stored + SCALE_SUFFIX, index)
+        if scales.dtype == np.uint8:  # raw E8M0 exponents: the same bits as float8_e8m0fnu
+            scales = scales.view(ml_dtypes.float8_e8m0fnu)
+        return self._refuse_non_finite(stored + SCALE_SUFFIX, scales.astype(_scale_dtype(scales.dtype), copy=False))
+
+    def _refuse_non_finite(self, stored: str, value: np.ndarray) -> np.ndarray:
+        """`value`, a slice of the tensor `stored`, after checking it on its bits (`finite_check`: FP8 and bf16
+        without a float conversion)."""
+        try:
+            check_finite(value, stored)
+        except NonFiniteError as e:
+            raise CheckpointError(
+                f"{self.tensors.file_of(stored)}: tensor '{stored}' has {e.count} NaN or Inf "
+                f"value{'s' if e.count > 1 else ''} (of {value.size} read): the checkpoint is damaged"
+            ) from None
+        return value
 
     def refuse_unused(self, used: set[str]) -> None:
         """Raise if the checkpoint holds tensors outside `used` (the names the config asks for)."""
@@ -174,42 +203,155 @@ class TensorResolver:
             raise CheckpointError(f"{self.tensors.directory}: tensors not used by the config: {shown}{more}")
 
 
-def _load(resolver: TensorResolver, source: TensorSource) -> np.ndarray:
-    arrays = [resolver.read(name, source.shape) for name in source.names]
-    return np.stack(arrays) if source.stacked else arrays[0]
+def _check_shape(stored: str, file: str, shape, expected, what: str) -> None:
+    if tuple(shape) != tuple(expected):
+        raise CheckpointError(
+            f"{file}: tensor '{stored}' has {what}shape {list(shape)}, expected {list(expected)} from config.json"
+        )
 
 
-def _load_quantized(resolver: TensorResolver, source: TensorSource) -> QuantizedWeight | None:
-    """The parameter as the checkpoint stores it, on the device; None unless every one of its tensors is
-    quantised the same way (or for MXFP4 with an odd number of inputs, which the packed type cannot hold)."""
-    kinds = {resolver.storage(name) for name in source.names}
-    if len(kinds) != 1 or PLAIN in kinds or (MXFP4 in kinds and source.shape[-1] % 2):
-        return None
-    parts = [resolver.read_quantized(name, source.shape) for name in source.names]
-    values, scales = (np.stack(p) if source.stacked else p[0] for p in zip(*parts))
-    if kinds == {FP8}:
-        return BlockFP8Weight(jnp.asarray(values), jnp.asarray(scales), tuple(resolver.block))
-    return MXFP4Weight(jnp.asarray(values), jnp.asarray(scales))
+def _whole(shape: tuple[int, ...], index: Index) -> tuple[slice, ...]:
+    return (slice(None),) * (len(shape) - len(index))
+
+
+def _scale_dtype(stored: np.dtype) -> np.dtype:
+    """The dtype scales are kept in: raw E8M0 exponents (uint8) as float8_e8m0fnu (the same bits), E8M0 as is,
+    any other float as float32."""
+    if stored in (np.uint8, ml_dtypes.float8_e8m0fnu):
+        return np.dtype(ml_dtypes.float8_e8m0fnu)
+    return np.dtype(np.float32)
+
+
+def _scale_values(scales: np.ndarray) -> np.ndarray:
+    return (scales.view(ml_dtypes.float8_e8m0fnu) if scales.dtype == np.uint8 else scales).astype(np.float32)
+
+
+def stored_shapes(shape: tuple[int, ...], kind: str, block: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(values, scales) shapes of a quantised weight of dense `shape` [..., O, In]: FP8 values as the weight with one
+    scale per block; MXFP4 two codes a byte with one scale per 32 inputs."""
+    *lead, rows, cols = shape
+    scales = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+    return ((*lead, rows, -(-cols // 2)) if kind == MXFP4 else tuple(shape)), scales
+
+
+def stored_struct(
+    shape: tuple[int, ...],
+    kind: str,
+    block: tuple[int, int],
+    *,
+    values_dtype=ml_dtypes.float8_e4m3fn,
+    scale_dtype=None,
+) -> QuantizedWeight:
+    """An abstract quantised weight (`jax.ShapeDtypeStruct` leaves) of dense `shape` stored as `kind`: FP8
+    (`values_dtype`) with float32 scales per `block`, or MXFP4 (uint8 codes) with E8M0 scales; `scale_dtype`
+    overrides the scales' dtype."""
+    values, scales = stored_shapes(shape, kind, block)
+    if kind == FP8:
+        scales = jax.ShapeDtypeStruct(scales, scale_dtype or np.float32)
+        return BlockFP8Weight(jax.ShapeDtypeStruct(values, values_dtype), scales, tuple(block))
+    scales = jax.ShapeDtypeStruct(scales, scale_dtype or ml_dtypes.float8_e8m0fnu)
+    return MXFP4Weight(jax.ShapeDtypeStruct(values, np.uint8), scales)
+
+
+Reader = Callable[[Index], np.ndarray]
+
+
+def _stacked_reader(source: TensorSource, read_one: Callable[[str, Index], np.ndarray]) -> Reader:
+    """read(index) of the parameter `source` fills: its one tensor's slice, or for stacked experts the slices of
+    the experts index[0] selects (only those are read), stacked."""
+    if not source.stacked:
+        return lambda index: read_one(source.names[0], index)
+
+    def read(index: Index) -> np.ndarray:
+        experts = range(*index[0].indices(len(source.names)))
+        return np.stack([read_one(source.names[e], index[1:]) for e in experts])
+
+    return read
+
+
+def _tensor_index(index: Index, shape: tuple[int, ...], source_shape: tuple[int, ...]) -> Index:
+    """The slice of a checkpoint tensor of `source_shape` behind the slice `index` of a parameter of `shape` (the
+    same dimensions, or with size-1 dimensions more: a conv stored [C, 1, K] for a [C, K] parameter)."""
+    if tuple(shape) == tuple(source_shape):
+        return index
+    entries, extra = iter(index), len(source_shape) - len(shape)
+    mapped = []
+    for size in source_shape:
+        if size == 1 and extra:
+            mapped.append(slice(0, 1))
+            extra -= 1
+        else:
+            mapped.append(next(entries))
+    return tuple(mapped)
+
+
+def _dense_reader(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...]) -> Reader:
+    """read(index) of a parameter of `shape` as float32, dequantised from the tensors `source` names."""
+    tensor_shape = shape[1:] if source.stacked else shape
+    return _stacked_reader(
+        source, lambda name, index: resolver.read(name, source.shape, _tensor_index(index, tensor_shape, source.shape))
+    )
+
+
+def _check_fills(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...]) -> None:
+    """Refuse a checkpoint tensor whose shape is neither the parameter's nor it with size-1 dimensions added."""
+    tensor_shape = shape[1:] if source.stacked else shape
+    if [n for n in source.shape if n != 1] != [n for n in tensor_shape if n != 1]:
+        stored = resolver.by_name[source.names[0]]
+        _check_shape(stored, resolver.tensors.file_of(stored), source.shape, tensor_shape, "")
+
+
+def _target(resolver: TensorResolver, variable: nnx.Variable, source: TensorSource, weights: str):
+    """What the parameter becomes (abstract): the quantised weight as stored when weights="stored", its layer takes
+    one and every tensor of it is quantised the same way (MXFP4 with an even number of inputs), else the dense
+    array. Every tensor's header is checked here, before anything is read."""
+    like = variable.get_value()
+    kinds = {resolver.check(name, source.shape) for name in source.names}
+    _check_fills(resolver, source, like.shape)
+    (kind,) = kinds if len(kinds) == 1 else (PLAIN,)
+    packable = kind == FP8 or (kind == MXFP4 and source.shape[-1] % 2 == 0)
+    if weights != STORED or not variable.get_metadata().get("quantizable") or not packable:
+        return jax.ShapeDtypeStruct(like.shape, like.dtype)
+    return resolver.stored_weight(source.names[0], source.shape, len(source.names) if source.stacked else None)
+
+
+def _load_parameter(resolver: TensorResolver, source: TensorSource, target, sharding):
+    """The parameter `target` describes, placed with `sharding`, from its devices' slices of the checkpoint."""
+    if not is_quantized(target):
+        return assemble(target.shape, target.dtype, sharding, _dense_reader(resolver, source, target.shape))
+    parts = {}
+    for part in ("values", "scales"):
+        leaf = getattr(target, part)
+        read = _stacked_reader(source, lambda name, index, part=part: resolver.read_stored(name, part, index))
+        parts[part] = assemble(leaf.shape, leaf.dtype, getattr(sharding, part), read)
+    return dataclasses.replace(target, **parts)
 
 
 def load_hf_checkpoint(
     path: str | os.PathLike,
     *,
+    mesh: jax.sharding.Mesh | None = None,
     dtype=jnp.bfloat16,
     weights: str = STORED,
     progress: bool = True,
     policy: ExecutionPolicy | None = None,
 ) -> LingForCausalLM:
     """Build `LingForCausalLM` (or, for a VL checkpoint, `LingVLForConditionalGeneration`) from a HF-format
-    checkpoint directory.
+    checkpoint directory, every parameter straight into its sharding over `mesh` (from the logical axis rules of
+    `ling_jax.sharding`; without a mesh, on this process's first device).
 
-    Reads `config.json` and `model.safetensors` (or the shards of `model.safetensors.index.json`) lazily,
-    tensor by tensor. FP8 weights (float8 with a `weight_scale_inv` sibling) and MXFP4 experts (packed bytes
-    with E8M0 scales) stay as stored with weights="stored" (the default): each becomes a `BlockFP8Weight` or
-    `MXFP4Weight` (`ling_jax.quantized`) wherever the model takes one (projections, routed and shared experts;
-    elsewhere, e.g. in the vision tower, it is dequantised); weights="bf16" dequantises every one to `dtype`.
-    A_log, dt_bias, conv weights and the expert bias stay fp32, the rest becomes `dtype` (the activation dtype:
-    bfloat16, float16 or float32; an FP8 dtype is refused). A missing, unknown or mis-shaped tensor raises
+    Reads `config.json` and the shard headers of `model.safetensors` (or of `model.safetensors.index.json`'s
+    shards) and checks every tensor against the abstract model before reading any. Then, parameter by
+    parameter, each process reads only the slices of the tensors its own devices hold (routed experts: the
+    experts of its devices, each cut to their slice), once per distinct slice, and puts them on those devices:
+    no parameter is ever whole on one host or device unless its sharding says so. FP8 weights (float8 with a
+    `weight_scale_inv` sibling) and MXFP4 experts (packed bytes with E8M0 scales) stay as stored with
+    weights="stored" (the default): each becomes a `BlockFP8Weight` or `MXFP4Weight` (`ling_jax.quantized`),
+    values and scales sliced alike, wherever the model takes one (projections, routed and shared experts;
+    elsewhere, e.g. in the vision tower, it is dequantised); a mesh whose shards would cut a scale block is
+    refused (`ShardingError`). weights="bf16" dequantises every one to `dtype`, slice by slice. A_log, dt_bias,
+    conv weights and the expert bias stay fp32, the rest becomes `dtype` (the activation dtype: bfloat16,
+    float16 or float32; an FP8 dtype is refused). A missing, unknown or mis-shaped tensor raises
     `CheckpointError` naming it and its file. policy: how the model runs, as for `LingForCausalLM`
     (None: `ExecutionPolicy()`).
     """
@@ -221,20 +363,20 @@ def load_hf_checkpoint(
     model_config = load_model_config(path)
     config = text_config_of(model_config)
     resolver = TensorResolver(CheckpointTensors(path), config)
-    abstract = nnx.eval_shape(lambda: build_model(model_config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy))
-    graphdef, abstract_state = nnx.split(abstract)
+    graphdef, abstract_state = nnx.split(abstract_model(model_config, dtype=dtype, policy=policy))
     flat = nnx.to_flat_state(abstract_state)
-    plan = [(p, v, source_for(p, v.get_value().shape, config)) for p, v in flat]
-    used = {name for _, _, source in plan for name in source.names}
-    resolver.refuse_unused(used)
+    sources = {p: source_for(p, v.get_value().shape, config) for p, v in flat}
+    resolver.refuse_unused({name for source in sources.values() for name in source.names})
+    targets = [(p, v.replace(_target(resolver, v, sources[p], weights))) for p, v in flat]
+    if mesh is None:
+        one = one_device_sharding()
+        shardings = {p: jax.tree.map(lambda _: one, v.get_value()) for p, v in targets}
+    else:
+        placed = nnx.to_flat_state(param_shardings(nnx.from_flat_state(targets), mesh))
+        shardings = {p: v.get_value() for p, v in placed}
     loaded = []
-    for p, variable, source in tqdm(plan, desc="loading checkpoint", unit="tensor", disable=not progress):
-        like = variable.get_value()
-        value = None
-        if weights == STORED and variable.get_metadata().get("quantizable"):
-            value = _load_quantized(resolver, source)
-        if value is None:
-            value = jnp.asarray(_load(resolver, source).reshape(like.shape), like.dtype)
+    for p, variable in tqdm(targets, desc="loading checkpoint", unit="tensor", disable=not progress):
+        value = _load_parameter(resolver, sources[p], variable.get_value(), shardings[p])
         loaded.append((p, variable.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
@@ -260,12 +402,16 @@ def checkpoint_layer_weights(path: str | os.PathLike, index: int, *, dtype=jnp.f
             mlp=config.mlp_layer_types[index],
             clip_layer=index,
             dtype=dtype,
-            rngs=nnx.Rngs(0),
+            rngs=model_rngs(0),
         )
     )
     loaded = []
     for p, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         like = variable.get_value()
         source = source_for(("model", "layers", index, *p), like.shape, config)
-        loaded.append((p, jnp.asarray(_load(resolver, source).reshape(like.shape), like.dtype)))
+        for name in source.names:
+            resolver.check(name, source.shape)
+        _check_fills(resolver, source, like.shape)
+        value = _dense_reader(resolver, source, like.shape)(tuple(slice(0, n) for n in like.shape))
+        loaded.append((p, jnp.asarray(value.reshape(like.shape), like.dtype)))
     return nnx.to_pure_dict(nnx.from_flat_state(loaded))

@@ -1,18 +1,25 @@
 """Lazy safetensors reading with numpy + ml_dtypes (bf16, FP8 E4M3, E8M0 included), memory-mapped.
 
 A checkpoint directory holds `model.safetensors`, or shards plus `model.safetensors.index.json`
-({"weight_map": {tensor: shard file}}). Nothing is read until a tensor is asked for.
+({"weight_map": {tensor: shard file}}). Nothing is read until a tensor is asked for: `get` maps it, `read` copies
+a slice of it (the sharded loaders read each device's slice that way: pread, no memory map, so the process's
+RSS holds the slice and not the pages of the whole tensor).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
+
+Index = tuple[slice, ...]  # a slice of a tensor: one slice (step 1) per leading dimension, the rest whole
+
+READ_CHUNK_BYTES = 64 << 20  # a slice cut from inner dimensions is read through a buffer of whole rows this size
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -82,6 +89,56 @@ class SafetensorsFile:
         raw = self._mmap[self._data_start + begin : self._data_start + end]
         return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
+    def read(self, name: str, index: Index = ()) -> np.ndarray:
+        """A copy of tensor[index], read with pread: only the rows (of dimension 0) the slice covers; when it cuts
+        the inner dimensions too, those rows pass through a buffer of at most READ_CHUNK_BYTES (or one row)."""
+        shape, dtype = self.shape(name), self.dtype(name)
+        bounds = _bounds(index, shape, f"{self.path}: tensor '{name}'")
+        out = np.empty(tuple(stop - start for start, stop in bounds), dtype)
+        if not shape or out.size == 0:
+            return self._pread(name, 0, out) if shape == () else out
+        row_elements = math.prod(shape[1:])
+        (first, last), inner = bounds[0], tuple(slice(start, stop) for start, stop in bounds[1:])
+        if all(stop - start == size for (start, stop), size in zip(bounds[1:], shape[1:])):
+            return self._pread(name, first * row_elements, out)
+        rows_per_chunk = max(1, READ_CHUNK_BYTES // (row_elements * dtype.itemsize))
+        for row in range(first, last, rows_per_chunk):
+            rows = np.empty((min(rows_per_chunk, last - row), *shape[1:]), dtype)
+            self._pread(name, row * row_elements, rows)
+            out[row - first : row - first + len(rows)] = rows[(slice(None), *inner)]
+        return out
+
+    def _pread(self, name: str, element: int, out: np.ndarray) -> np.ndarray:
+        """Fill `out` from tensor `name`'s bytes, starting at its `element`-th element."""
+        begin, end = self._entries[name]["data_offsets"]
+        offset = self._data_start + begin + element * out.itemsize
+        buffer, done = memoryview(out.reshape(-1).view(np.uint8)), 0
+        if offset + len(buffer) > self._data_start + end:
+            raise ValueError(f"{self.path}: read past the end of tensor '{name}'")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < len(buffer):
+                got = os.preadv(fd, [buffer[done:]], offset + done)
+                if not got:
+                    raise ValueError(f"{self.path}: tensor '{name}' ends early (the file changed while loading?)")
+                done += got
+        finally:
+            os.close(fd)
+        return out
+
+
+def _bounds(index: Index, shape: tuple[int, ...], what: str) -> list[tuple[int, int]]:
+    """(start, stop) per dimension of `shape` for `index` (missing trailing entries: the whole dimension)."""
+    if len(index) > len(shape):
+        raise IndexError(f"{what}: index {index} has more entries than its shape {list(shape)}")
+    bounds = []
+    for size, entry in zip(shape, (*index, *(slice(None),) * (len(shape) - len(index)))):
+        start, stop, step = entry.indices(size)
+        if step != 1:
+            raise IndexError(f"{what}: slices are read with step 1, got {entry}")
+        bounds.append((start, max(start, stop)))
+    return bounds
+
 
 def _read_weight_map(index_path: str) -> dict[str, str]:
     """The index's {tensor name: shard file}; a file that is no such index raises ValueError naming it."""
@@ -146,6 +203,10 @@ class CheckpointTensors:
 
     def get(self, name: str) -> np.ndarray:
         return self.reader(name).get(name)
+
+    def read(self, name: str, index: Index = ()) -> np.ndarray:
+        """A copy of tensor[index] (`SafetensorsFile.read`)."""
+        return self.reader(name).read(name, index)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.reader(name).shape(name)

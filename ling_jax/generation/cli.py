@@ -26,14 +26,21 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jinja2
-from flax import nnx
 
 from ling_jax.checkpoints.hf import STORED, WEIGHTS, load_hf_checkpoint
 from ling_jax.checkpoints.orbax import LAYOUT_FILE, load_checkpoint
 from ling_jax.config import LingConfig
 from ling_jax.generation import cli_checks, cli_runtime, interactive
 from ling_jax.generation.cli_checks import ModelSource
-from ling_jax.generation.generator import MIN_CHUNK, GenerationStats, Generator, MediaInputs
+from ling_jax.generation.generator import (
+    MIN_CHUNK,
+    GenerationStats,
+    Generator,
+    MediaInputs,
+    cache_length,
+    prefill_chunks,
+)
+from ling_jax.generation.random_init import random_model
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, StreamDecoder, Tokenizer
 from ling_jax.model import LingForCausalLM
@@ -210,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shorthand for --mesh tensor=N")
     running.add_argument("--ep", type=int, metavar="N", help="expert parallelism: shorthand for --mesh expert=N")
     running.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="skip the check that the parameters and the cache fit the device's memory on the mesh, done "
+        "before loading (it refuses with the figures and a --weights or --mesh that would fit)",
+    )
+    running.add_argument(
         "--distributed",
         action="store_true",
         help="multi-host: call jax.distributed.initialize() first; only process 0 prints",
@@ -360,8 +373,10 @@ def _prepare(args: argparse.Namespace) -> Run:
     _check_lengths(prompts, args.max_new_tokens, config)
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
-    model = _load_model(source, dtype, mesh, policy, args.weights, verbose=is_main)
     try:
+        if not args.no_memory_check:
+            _check_memory(args, source, mesh, dtype, prompts)
+        model = _load_model(source, dtype, mesh, policy, args.weights, verbose=is_main)
         generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
         raise CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {e}") from e
@@ -527,15 +542,34 @@ def _model_source(args: argparse.Namespace, *, verbose: bool) -> ModelSource:
     return cli_checks.preset_source(FALLBACK_PRESET)
 
 
+def _check_memory(args: argparse.Namespace, source: ModelSource, mesh, dtype, prompts: list[list[int]]) -> None:
+    """The parameters and the cache of this run against the device's memory, before any weight is read (the
+    cache of --max-new-tokens tokens for --interactive, whose prompts are not known yet)."""
+    longest = max((len(p) for p in prompts), default=0)
+    padded = sum(prefill_chunks(longest, args.prefill_chunk)) if longest else 0
+    cli_checks.check_memory(
+        source,
+        {} if mesh is None else dict(mesh.shape),
+        args.weights,
+        dtype,
+        batch=max(len(prompts), 1),
+        context=cache_length(padded, args.max_new_tokens, args.mtp),
+        mtp=bool(args.mtp),
+        devices=jax.device_count(),
+    )
+
+
 def _load_model(
     source: ModelSource, dtype, mesh, policy: ExecutionPolicy, weights: str, *, verbose: bool
 ) -> LingForCausalLM:
+    """The model, every parameter straight into its sharding over `mesh` (or on one device): a preset initialised
+    at random there, a checkpoint read slice by slice."""
     if source.path is None:
-        return LingForCausalLM(source.config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy)
+        return random_model(source.config, mesh=mesh, weights=weights, dtype=dtype, policy=policy)
     progress = verbose and sys.stderr.isatty()
     if source.orbax:
         return load_checkpoint(source.path, mesh=mesh, dtype=dtype, weights=weights, progress=progress, policy=policy)
-    return load_hf_checkpoint(source.path, dtype=dtype, weights=weights, progress=progress, policy=policy)
+    return load_hf_checkpoint(source.path, mesh=mesh, dtype=dtype, weights=weights, progress=progress, policy=policy)
 
 
 def _encode(

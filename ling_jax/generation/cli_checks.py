@@ -1,5 +1,6 @@
 """What `scripts/generate.py` checks before it reads a single weight: the model directory with its config and
-tokenizer, where the prompts come from and that they are UTF-8, and the bounds of --mtp.
+tokenizer, where the prompts come from and that they are UTF-8, the bounds of --mtp, and that the parameters and
+the cache fit the device's memory on the mesh (`check_memory`).
 
 Every refusal is a ValueError whose message names the file or flag and says what is wrong; the CLI prints it
 as one `error: ...` line and exits with status 2.
@@ -11,12 +12,17 @@ import dataclasses
 import os
 import stat
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+import jax
 
 from ling_jax.build import load_model_config, text_config_of
 from ling_jax.checkpoints.orbax import LAYOUT_FILE, StoredLayout
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors
 from ling_jax.config import LingConfig
+from ling_jax.generation.fit_check import check_fit
+from ling_jax.generation.memory_plan import Hardware, device_hardware
 from ling_jax.generation.tokenizer import Tokenizer, load_tokenizer
 from ling_jax.presets import preset
 from ling_jax.vl.config import LingVLConfig
@@ -93,6 +99,57 @@ def check_mtp(drafts: int) -> None:
             f"--mtp must be <= {MAX_MTP} (drafts per round chained through the one MTP layer; "
             f"later drafts are rarely accepted), got {drafts}"
         )
+
+
+def device_memory() -> Hardware | None:
+    """This process's first device's memory (its allocator's limit), or None where it reports none (a CPU)."""
+    try:
+        return device_hardware(jax.local_devices()[0])
+    except ValueError:
+        return None
+
+
+def stores_quantized(source: ModelSource) -> bool:
+    """Whether weights="stored" keeps weights quantised: a preset (as published, block FP8), a quantised HF
+    checkpoint, or a ling-convert directory holding FP8 parameters."""
+    if source.path is None:
+        return True
+    if source.orbax:
+        return bool(StoredLayout.read(str(source.path)).scale_blocks)
+    return source.text_config.quantization is not None
+
+
+def check_memory(
+    source: ModelSource,
+    mesh_shape: Mapping[str, int],
+    weights: str,
+    dtype,
+    *,
+    batch: int,
+    context: int,
+    mtp: bool,
+    devices: int,
+) -> None:
+    """Refuse, before any weight is read, a model whose parameters and decode cache cannot fit the device's memory
+    on a mesh of `mesh_shape` (`ling_jax.generation.fit_check`): one line with the figures and a --weights or
+    --mesh that would fit. Nothing is checked on a device that reports no memory limit (a CPU)."""
+    hardware = device_memory()
+    if hardware is None:
+        return
+    refusal = check_fit(
+        source.config,
+        mesh_shape,
+        hardware,
+        weights=weights,
+        dtype=dtype,
+        batch=batch,
+        context=context,
+        mtp=mtp,
+        devices=devices,
+        quantized=stores_quantized(source),
+    )
+    if refusal:
+        raise ValueError(f"{source.name} {refusal}")
 
 
 def stdin_is_input() -> bool:

@@ -35,17 +35,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from ling_jax import build
 from ling_jax.cache import LingCache, MTPCache
-from ling_jax.checkpoints.hf import BF16, FP8, MXFP4, STORED, check_weights
+from ling_jax.checkpoints.hf import BF16, FP8, MXFP4, STORED, check_weights, stored_struct
 from ling_jax.checkpoints.names import source_for
 from ling_jax.checkpoints.storage import storage_kind
 from ling_jax.config import LingConfig
 from ling_jax.generation.memory import format_bytes
-from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quant import MXFP4_GROUP
-from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from ling_jax.sharding import activation_spec, cache_shardings, make_mesh, param_shardings
+from ling_jax.vl.config import LingVLConfig
 
 MIB, GIB = 1 << 20, 1 << 30
 PUBLISHED_FP8_BLOCK = (128, 128)  # the published checkpoints' weight_block_size
@@ -191,27 +191,15 @@ def stored_format(config: LingConfig) -> tuple[tuple[int, int], bool]:
     return tuple(q.weight_block_size), q.routed_experts_quant_method == MXFP4
 
 
-def _stored_weight(shape: tuple[int, ...], kind: str, block: tuple[int, int]):
-    *lead, rows, cols = shape
-    if kind == FP8:
-        scales = (*lead, -(-rows // block[0]), -(-cols // block[1]))
-        return BlockFP8Weight(
-            jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32), block
-        )
-    return MXFP4Weight(
-        jax.ShapeDtypeStruct((*lead, rows, cols // 2), jnp.uint8),
-        jax.ShapeDtypeStruct((*lead, rows, -(-cols // MXFP4_GROUP)), jnp.float8_e8m0fnu),
-    )
-
-
-def abstract_model(config: LingConfig, *, weights: str, dtype=jnp.bfloat16, policy=None) -> LingForCausalLM:
+def abstract_model(config: LingConfig | LingVLConfig, *, weights: str, dtype=jnp.bfloat16, policy=None):
     """The model as shapes only (nothing allocated): dense in `dtype`, or with weights="stored" its quantisable
     parameters as the checkpoint stores them (`stored_format`, spec §6.2), as the loaders' weights="stored" build
     it."""
     check_weights(weights, "abstract_model")
-    model = nnx.eval_shape(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy))
+    model = build.abstract_model(config, dtype=dtype, policy=policy)
     if weights == BF16:
         return model
+    config = build.text_config_of(config)
     block, mxfp4 = stored_format(config)
     graphdef, state = nnx.split(model)
     stored = []
@@ -220,7 +208,7 @@ def abstract_model(config: LingConfig, *, weights: str, dtype=jnp.bfloat16, poli
         if variable.get_metadata().get("quantizable"):
             kind = storage_kind(source_for(path, shape, config).names[0], config, mxfp4)
             if kind in (FP8, MXFP4) and not (kind == MXFP4 and shape[-1] % 2):
-                variable = variable.replace(_stored_weight(shape, kind, block))
+                variable = variable.replace(stored_struct(shape, kind, block if kind == FP8 else (1, MXFP4_GROUP)))
         stored.append((path, variable))
     return nnx.merge(graphdef, nnx.from_flat_state(stored))
 

@@ -39,7 +39,7 @@ def no_weights(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded before the inputs were checked")
 
-    for loader in ("load_hf_checkpoint", "load_checkpoint", "LingForCausalLM"):
+    for loader in ("load_hf_checkpoint", "load_checkpoint", "random_model"):
         monkeypatch.setattr(generate_cli, loader, refuse)
 
 

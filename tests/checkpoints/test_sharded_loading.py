@@ -1,0 +1,105 @@
+"""`load_hf_checkpoint(mesh=...)` builds every parameter from per-device slices: the sharded model equals the
+unsharded one bit for bit (FP8 kept, MXFP4 kept, and dequantised on a mesh that cuts the scale blocks), every
+device holds exactly its fraction, and no read of an expert tensor asks for more than one device's slice."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from shard_checks import assert_each_device_holds_its_fraction, leaves
+from tiny_fp8 import write_tiny_fp8_checkpoint
+
+from ling_jax import load_hf_checkpoint, make_mesh
+from ling_jax.checkpoints.safetensors_io import SafetensorsFile
+from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
+from ling_jax.sharding import ShardingError
+
+EXPERT_TENSOR = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight(_scale_inv)?$")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    directories = {}
+    for kind in ("fp8", "mxfp4"):
+        directories[kind] = tmp_path_factory.mktemp(kind)
+        write_tiny_fp8_checkpoint(directories[kind], mxfp4_experts=kind == "mxfp4")
+    return directories
+
+
+def _load(directory, mesh=None, weights="stored"):
+    return load_hf_checkpoint(directory, mesh=mesh, dtype=jnp.float32, weights=weights, progress=False)
+
+
+def _assert_bitwise_equal(sharded, unsharded) -> None:
+    ours, reference = leaves(sharded), leaves(unsharded)
+    assert ours.keys() == reference.keys()
+    for name, leaf in ours.items():
+        want = np.asarray(reference[name])
+        assert leaf.dtype == want.dtype and leaf.shape == want.shape, name
+        assert np.array_equal(np.asarray(leaf).view(np.uint8), want.view(np.uint8)), name
+
+
+@pytest.mark.parametrize(
+    "shape", [{"tensor": 2, "expert": 4}, {"fsdp": 2, "tensor": 2, "expert": 2}], ids=lambda s: str(s)
+)
+def test_sharded_fp8_load_equals_unsharded_bit_for_bit(checkpoints, shape):
+    mesh = make_mesh(shape)
+    sharded = _load(checkpoints["fp8"], mesh)
+    up = sharded.model.layers[1].mlp.experts.up_proj.get_value()
+    assert isinstance(up, BlockFP8Weight) and up.values.dtype == jnp.float8_e4m3fn
+    expected = (32 // shape["expert"], 32 // shape["tensor"], 64 // shape.get("fsdp", 1))
+    assert {s.data.shape for s in up.values.addressable_shards} == {expected}  # [E, I, D] experts over expert
+    scales = (expected[0], 2 // shape["tensor"], 4 // shape.get("fsdp", 1))  # [E, I / 16, D / 16], split alike
+    assert {s.data.shape for s in up.scales.addressable_shards} == {scales}
+    assert_each_device_holds_its_fraction(sharded, mesh)
+    _assert_bitwise_equal(sharded, _load(checkpoints["fp8"]))
+
+
+def test_sharded_mxfp4_load_equals_unsharded_bit_for_bit(checkpoints):
+    mesh = make_mesh({"expert": 8})
+    sharded = _load(checkpoints["mxfp4"], mesh)
+    down = sharded.model.layers[1].mlp.experts.down_proj.get_value()
+    assert isinstance(down, MXFP4Weight)
+    assert {s.data.shape for s in down.values.addressable_shards} == {(4, 64, 16)}  # 4 experts, [D, I / 2] bytes
+    assert {s.data.shape for s in down.scales.addressable_shards} == {(4, 64, 1)}  # one scale per 32 inputs
+    assert_each_device_holds_its_fraction(sharded, mesh)
+    _assert_bitwise_equal(sharded, _load(checkpoints["mxfp4"]))
+    dense = _load(checkpoints["mxfp4"], mesh, weights="bf16").model.layers[1].mlp.experts.down_proj.get_value()
+    np.testing.assert_array_equal(np.asarray(down.dequantize(jnp.float32)), np.asarray(dense))  # kept == dequantised
+
+
+def test_dequantised_load_on_a_mesh_that_cuts_scale_blocks(checkpoints):
+    """tensor=4 gives each device 8 of an expert's 32 rows: half a 16-row scale block. Kept FP8 is refused,
+    dequantised slice by slice it equals the unsharded dequantised model."""
+    mesh = make_mesh({"tensor": 4, "expert": 2})
+    refusal = r"\.weight: mesh axes \('tensor',\) split .* cuts its 16-element scale blocks"
+    with pytest.raises(ShardingError, match=refusal):
+        _load(checkpoints["fp8"], mesh)
+    sharded = _load(checkpoints["fp8"], mesh, weights="bf16")
+    assert_each_device_holds_its_fraction(sharded, mesh)
+    _assert_bitwise_equal(sharded, _load(checkpoints["fp8"], weights="bf16"))
+
+
+@pytest.mark.parametrize("weights", ["stored", "bf16"])
+def test_no_read_asks_for_more_than_one_devices_slice_of_an_expert(checkpoints, weights, monkeypatch):
+    """On tensor=2 x expert=4 each expert tensor is held by two devices, each half of it: every read of an expert
+    tensor (or its scales) is one such half, read once for the devices sharing it."""
+    reads = defaultdict(list)
+    read = SafetensorsFile.read
+
+    def recording_read(self, name, index=()):
+        piece = read(self, name, index)
+        reads[name].append(piece.size / math.prod(self.shape(name)))
+        return piece
+
+    monkeypatch.setattr(SafetensorsFile, "read", recording_read)
+    _load(checkpoints["fp8"], make_mesh({"tensor": 2, "expert": 4}), weights=weights)
+    expert_reads = {name: fractions for name, fractions in reads.items() if EXPERT_TENSOR.search(name)}
+    assert len(expert_reads) == 2 * 32 * 3 * 2  # layer 1 and the MTP layer: each expert's gate, up, down and scales
+    for name, fractions in expert_reads.items():
+        assert fractions == [0.5, 0.5], f"{name}: read {fractions} of it"
