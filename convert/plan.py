@@ -20,7 +20,7 @@ from flax import nnx
 from convert import BF16, FP8_KEPT
 from convert.hooks import FP8_CODE_DTYPE
 from convert.source import FP8, PLAIN, SourceTensor, inspect_source
-from ling_jax.build import build_model, text_config_of
+from ling_jax.build import abstract_model, text_config_of
 from ling_jax.checkpoints.hf import TensorResolver
 from ling_jax.checkpoints.names import source_for
 from ling_jax.checkpoints.orbax import param_name
@@ -135,7 +135,7 @@ def _param_plan(
 
 def model_parameters(config: LingConfig | LingVLConfig) -> list[tuple[tuple, jax.ShapeDtypeStruct, tuple]]:
     """(NNX flat-state path, shape and stored dense dtype, logical axes) of every parameter, in model order."""
-    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=COMPUTE_DTYPE))
+    abstract = abstract_model(config, dtype=COMPUTE_DTYPE)
     return [
         (path, variable.get_value(), variable.get_metadata()["out_sharding"])
         for path, variable in nnx.to_flat_state(nnx.state(abstract))

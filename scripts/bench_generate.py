@@ -5,6 +5,11 @@
                                                 # 512 experts, random bf16 weights; batch 1 and 64, context 8192
     python scripts/bench_generate.py --quick    # a narrow model (smoke test)
 
+    python scripts/bench_generate.py --weights bf16,stored   # also the block-FP8 weights a checkpoint stores
+
+Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
+FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
+format's device memory after init is read from `memory_stats`.
 Prefill: the prompt goes through the cache in chunks (as `Generator` does), timed after a warm-up. Decode:
 one jitted, cache-donating step (the model's Pallas KDA / MLA decode kernels and grouped-matmul experts)
 over a cache holding `context` tokens, the steps dispatched back to back as `Generator` runs them (mean
@@ -30,12 +35,18 @@ import numpy as np  # noqa: E402
 from bench_common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from ling_jax import LingForCausalLM  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
+from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
+from ling_jax.generation.random_init import random_model  # noqa: E402
+
+
+def _nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
-    """Bytes one decode step must read (KDA states also written), from the routing of this very step."""
+    """Bytes one decode step must read (KDA states also written), from the routing of this very step: whatever
+    the weights' format, a routed expert's bytes are its layer's expert stack bytes over the expert count."""
     config = model.config
     graphdef, params = nnx.split(model)
 
@@ -49,15 +60,16 @@ def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
         ]
 
     touched = [int((np.asarray(load) > 0).sum()) for load in loads(params, cache, token_B)]
-    itemsize = jnp.dtype(model.dtype).itemsize
-    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * itemsize
-    all_params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    all_experts = config.num_experts * expert_bytes * len(touched)
-    embedding = config.vocab_size * config.hidden_size * itemsize  # only B rows are gathered
-    weights = all_params - all_experts - embedding + sum(touched) * expert_bytes
+    flat = [(".".join(map(str, path)), variable.get_value()) for path, variable in nnx.to_flat_state(params)]
+    all_experts = sum(_nbytes(value) for name, value in flat if ".mlp.experts." in name)
+    expert_bytes = all_experts // (config.num_experts * len(touched))
+    embedding = sum(_nbytes(value) for name, value in flat if name.endswith("word_embeddings.weight"))
+    weights = _nbytes(params) - all_experts - embedding + sum(touched) * expert_bytes  # only B embedding rows read
     kda = sum(2 * s.recurrent_state.nbytes + 2 * s.conv_window.nbytes for s in cache.layers if isinstance(s, KDAState))
     batch, context = cache.lengths.shape[0], int(cache.lengths[0])
-    mla = sum(batch * context * s.latent.shape[-1] * itemsize for s in cache.layers if isinstance(s, MLAState))
+    mla = sum(
+        batch * context * s.latent.shape[-1] * s.latent.dtype.itemsize for s in cache.layers if isinstance(s, MLAState)
+    )
     parts = {"weights": weights, "kda_states": kda, "mla_cache": mla, "experts_touched_per_layer": touched}
     return weights + kda + mla, parts
 
@@ -87,7 +99,7 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a narrow model and short context")
-    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument(
         "--prefill-tokens",
@@ -98,20 +110,51 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
     parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 5 decode steps of the first batch")
+    parser.add_argument(
+        "--weights", default="bf16,stored", help="comma-separated weight formats: bf16 and/or stored (block FP8)"
+    )
     args = parser.parse_args(argv)
+    formats = args.weights.split(",")
+    if not formats or set(formats) - {BF16, STORED}:
+        parser.error(f"--weights: expected bf16 and/or stored, comma-separated, got {args.weights!r}")
     config = flash_slice_config(8, args.quick)
     context = 512 if args.quick else args.context
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
-        f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts, bf16",
+        f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts",
         flush=True,
     )
     copy = copy_bandwidth(10)
     print(f"device copy: {copy / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for weights in formats:
+        rows += bench_format(config, weights, args, context, copy)
+    print("\n| weights | device memory GB | batch | context | prefill tok/s | decode step ms | roofline ms | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for weights, memory, batch, prefill_tps, decode_s, roofline_s in rows:
+        print(
+            f"| {weights} | {memory} | {batch} | {context} | {prefill_tps:,.0f} | {decode_s * 1e3:.2f} | "
+            f"{roofline_s * 1e3:.2f} | {decode_s / roofline_s:.2f}x |"
+        )
+    return 0
+
+
+def device_memory_gb() -> str:
+    stats = jax.devices()[0].memory_stats()
+    return f"{stats['bytes_in_use'] / 1e9:.1f}" if stats else "n/a"
+
+
+def bench_format(config, weights: str, args, context: int, copy: float) -> list[tuple]:
+    """Rows (weights, device memory, batch, prefill tok/s, decode s, roofline s) of one weight format."""
     start = time.perf_counter()
-    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    model = random_model(config, weights=weights, dtype=jnp.bfloat16)
     params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
-    print(f"random init: {params_gb:.1f} GB of weights in {time.perf_counter() - start:.0f} s", flush=True)
+    memory = device_memory_gb()
+    print(
+        f"{weights}: random init {params_gb:.1f} GB of weights in {time.perf_counter() - start:.0f} s; "
+        f"device memory in use {memory} GB",
+        flush=True,
+    )
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         chunk = max(64, min(context, args.prefill_tokens // batch))
@@ -121,23 +164,17 @@ def main(argv=None) -> int:
         nbytes, parts = step_bytes(model, cache, token)
         decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
-        rows.append((batch, batch * context / prefill_s, decode_s, roofline_s, nbytes))
+        rows.append((weights, memory, batch, batch * context / prefill_s, decode_s, roofline_s))
         print(
-            f"batch {batch}: prefill {batch * context / prefill_s:,.0f} tok/s (chunk {chunk}); decode step "
+            f"{weights} batch {batch}: prefill {batch * context / prefill_s:,.0f} tok/s (chunk {chunk}); decode step "
             f"{decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms ({nbytes / 1e9:.2f} GB: "
             f"weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, MLA "
             f"{parts['mla_cache'] / 1e9:.2f}; experts touched per layer {parts['experts_touched_per_layer']}); "
             f"{decode_s / roofline_s:.2f}x roofline",
             flush=True,
         )
-    print("\n| batch | context | prefill tok/s | decode step ms | roofline ms | ratio |")
-    print("|---|---|---|---|---|---|")
-    for batch, prefill_tps, decode_s, roofline_s, _ in rows:
-        print(
-            f"| {batch} | {context} | {prefill_tps:,.0f} | {decode_s * 1e3:.2f} | {roofline_s * 1e3:.2f} | "
-            f"{decode_s / roofline_s:.2f}x |"
-        )
-    return 0
+        del cache
+    return rows
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
-from ling_jax.build import build_model, load_model_config
+from ling_jax.build import abstract_model, load_model_config
 from ling_jax.checkpoints.hf import SCALE_SUFFIX, STORED, check_weights
 from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
@@ -229,7 +229,7 @@ def load_checkpoint(
     layout = StoredLayout.read(path)
     config = load_model_config(path)
     dtype = jnp.dtype(dtype or layout.compute_dtype)
-    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy))
+    abstract = abstract_model(config, dtype=dtype, policy=policy)
     graphdef, abstract_state = nnx.split(abstract)
     stored = _stored_arrays(path)
     flat = [(p, _as_stored(path, p, v, stored, layout, weights)) for p, v in nnx.to_flat_state(abstract_state)]
