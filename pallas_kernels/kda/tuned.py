@@ -24,6 +24,15 @@ class IntraTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class FusedTiles:
+    """gpu_triton_fused prefill phase 1 (one kernel): key and value columns per step, Triton warps."""
+
+    block_k: int
+    block_v: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
 class InterTiles:
     """gpu_triton prefill phase 2 (the sequential state pass): block_v state columns per program."""
 
@@ -59,6 +68,15 @@ CHUNK_INTRA_ANY_GATE = _gpu(
     IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
     "not measured: CHUNK_INTRA's settings (BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order "
     "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
+)
+CHUNK_FUSED = _gpu(
+    FusedTiles(block_k=64, block_v=64, num_warps=4),
+    "not measured: [16, 64] fp32 tiles (8 registers a thread at 4 warps) and the chunk's 20 16x16 product "
+    "blocks leave room for the other sub-blocks' tiles without spilling",
+)
+CHUNK_FUSED_ANY_GATE = _gpu(
+    FusedTiles(block_k=64, block_v=64, num_warps=4),
+    "not measured: CHUNK_FUSED's settings; the any-gate form differs only in its diagonal 16x16 blocks",
 )
 CHUNK_INTER = _gpu(
     InterTiles(block_v=64, num_warps=4, num_stages=2),

@@ -63,13 +63,9 @@ def gpu_dots(input_dtype) -> Dots:
     )
 
 
-def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dtype):
-    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal, L_ij below it (above: not read); kb_ref [CHUNK, K],
-    v_ref [CHUNK, V], beta_ref [CHUNK, 1]. X's blocks stay in registers; the rows of w and u of sub-block i are
-    sums over j <= i of X_ij times sub-block j's rows (re-read per i from L1/L2: four [SUB, K] fp32 tiles alive
-    at once would crowd the registers)."""
-    dots = gpu_dots(input_dtype)
-    block = lambda i, j: blocks_ref[sub_rows(i), sub_rows(j)]  # noqa: E731
+def merged_inverse(block, dots: Dots):
+    """X = (I + L)^-1 of a chunk as 16x16 blocks X[i][j], j <= i, held in registers: block(i, j) gives D_i =
+    (I + L_ii)^-1 for j = i and L_ij for j < i; X_ii = D_i, X_ij = -D_i sum_{m=j}^{i-1} L_im X_mj."""
     inverse = []
     for i in range(SUBS):
         diagonal = block(i, i)
@@ -78,16 +74,26 @@ def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dt
             for j in range(i)
         ]
         inverse.append(below + [diagonal])
+    return inverse
+
+
+def lower_product(inverse, i: int, rows_of, dots: Dots):
+    """Sub-block i's rows of X times a chunk's rows: sum_{j<=i} X_ij rows_of(j), rows_of(j) sub-block j's fp32
+    [SUB, W] rows (formed where used, so that few are alive at once)."""
+    return functools.reduce(jnp.add, [dots.nn(inverse[i][j], rows_of(j)) for j in range(i + 1)])
+
+
+def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dtype):
+    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal, L_ij below it (above: not read); kb_ref [CHUNK, K],
+    v_ref [CHUNK, V], beta_ref [CHUNK, 1]. X's blocks stay in registers; the rows of w and u of sub-block i are
+    sums over j <= i of X_ij times sub-block j's rows (re-read per i from L1/L2: four [SUB, K] fp32 tiles alive
+    at once would crowd the registers)."""
+    dots = gpu_dots(input_dtype)
+    inverse = merged_inverse(lambda i, j: blocks_ref[sub_rows(i), sub_rows(j)], dots)
     for i in range(SUBS):
-        w = functools.reduce(
-            jnp.add, [dots.nn(inverse[i][j], kb_ref[sub_rows(j), :].astype(jnp.float32)) for j in range(i + 1)]
-        )
-        u = functools.reduce(
-            jnp.add,
-            [
-                dots.nn(inverse[i][j], beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32))
-                for j in range(i + 1)
-            ],
+        w = lower_product(inverse, i, lambda j: kb_ref[sub_rows(j), :].astype(jnp.float32), dots)
+        u = lower_product(
+            inverse, i, lambda j: beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32), dots
         )
         w_ref[sub_rows(i), :] = w.astype(w_ref.dtype)
         u_ref[sub_rows(i), :] = u.astype(u_ref.dtype)
