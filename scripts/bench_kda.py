@@ -7,13 +7,13 @@
     python scripts/bench_kda.py --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
-with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
-phases, the first three pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
-under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them) and the any-gate
-kernel (`any_gate`: the variant gpu_triton_any_gate, for gates below -5, on the same gates); each variant also
-times its two phases alone (phase 1: intra-chunk, parallel, and each of its three kernels; phase 2: the
-sequential state pass), with the bytes each must move at least. Each kernel is checked against fla on the device
-before it is timed. H=64, K=V=128.
+with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: the chunk_kda variants (Pallas, two
+phases: gpu_triton, phase 1 in three pallas_calls; gpu_triton_fused, phase 1 in one) vs fla's `chunk_kda` (and,
+with --jnp-baseline, the jnp chunked form under XLA: ~180 ms a call at T=32768), over a few tile variants of the
+fused kernel and the any-gate variants (for gates below -5, on the same gates); each variant also times its two
+phases alone (phase 1: intra-chunk, parallel, and each of the three-kernel form's kernels; phase 2: the
+sequential state pass), with the bytes each must move at least; the fastest safe-gate variant is named. Each
+kernel is checked against fla on the device before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
 """
 
@@ -38,17 +38,18 @@ from pallas_kernels.kda import (
     kda_chunked,  # noqa: E402
     tuned,  # noqa: E402
 )
-from pallas_kernels.kda.gpu_triton import (
+from pallas_kernels.kda.gpu_triton import (  # noqa: E402
     decay_blocks,
+    fused_intra_chunk,
     inter_chunk,
     intra_chunk,
-    sub_block_keys,  # noqa: E402
+    sub_block_keys,
     wy_factors,
 )
 from pallas_kernels.kda.ops import kernel  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
-chunk_kda_gpu, kda_decode_step_gpu = kernel("chunk_kda", "gpu_triton"), kernel("kda_decode_step", "gpu_triton")
+kda_decode_step_gpu = kernel("kda_decode_step", "gpu_triton")
 
 HEADS, DIM = 64, 128
 CPU_HEADS = 2  # the interpreted smoke run's
@@ -148,28 +149,37 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-# the tuned table's settings on this device (`pallas_kernels/kda/tuned.py`), as chunk_kda_gpu keywords
+# the tuned tables' settings on this device (`pallas_kernels/kda/tuned.py`), as the prefill entry points' keywords
 PHASE2_DEFAULT = dataclasses.asdict(lookup(tuned.CHUNK_INTER, dtype=jnp.bfloat16))
-PHASE1_DEFAULT = {
-    f"intra_{name}": value for name, value in dataclasses.asdict(lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)).items()
+
+
+def _intra_defaults(table) -> dict:
+    return {f"intra_{name}": value for name, value in dataclasses.asdict(lookup(table, dtype=jnp.bfloat16)).items()}
+
+
+PHASE1_DEFAULT = {  # per form of phase 1: three kernels (gpu_triton*), one fused kernel (gpu_triton_fused*)
+    "three": _intra_defaults(tuned.CHUNK_INTRA),
+    "fused": _intra_defaults(tuned.CHUNK_FUSED),
 }
-PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
-    {},
-    {"any_gate": True},  # the variant gpu_triton_any_gate (gates below -5 allowed), on the same safe gates
+PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults), the default first, then the fused one
+    ("gpu_triton", {}),
+    ("gpu_triton_fused", {}),
+    ("gpu_triton_fused", {"intra_block_k": 128, "intra_block_v": 128}),
+    ("gpu_triton_fused", {"intra_block_k": 32, "intra_block_v": 32}),
+    ("gpu_triton_fused", {"intra_num_warps": 2}),
+    ("gpu_triton_fused", {"intra_num_warps": 8}),
+    ("gpu_triton_any_gate", {}),  # for gates below -5, on the same safe gates
+    ("gpu_triton_fused_any_gate", {}),
 ]
-PHASE1_KNOBS = (
-    "intra_block_k",
-    "intra_num_warps",
-    "intra_num_stages",
-    "intra_factors_num_warps",
-    "parts_dtype",
-    "any_gate",
-)
+
+
+def _form(name: str) -> str:
+    return "fused" if name.startswith("gpu_triton_fused") else "three"
 
 
 def phase1_kernels(q, k, v, g, beta, knobs, interpret):
-    """Phase 1's three pallas_calls as jitted functions of their own inputs (each timed alone), with the
-    inputs each needs: [(name, fn, args)], in order."""
+    """The three-kernel phase 1's pallas_calls as jitted functions of their own inputs (each timed alone), with
+    the inputs each needs: [(name, fn, args)], in order."""
     stages = dict(num_stages=knobs["intra_num_stages"], interpret=interpret)
     dtype = knobs["parts_dtype"] or v.dtype
     tiles = dict(block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"], any_gate=knobs["any_gate"])
@@ -193,34 +203,28 @@ def phase1_kernels(q, k, v, g, beta, knobs, interpret):
     ]
 
 
-def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
+def phase1_function(name: str, knobs: dict, interpret: bool):
+    """Phase 1 of variant `name` (`intra_chunk` or `fused_intra_chunk`) with its knobs, jitted."""
+    common = dict(scale=DIM**-0.5, parts_dtype=knobs["parts_dtype"], any_gate=knobs["any_gate"], interpret=interpret)
+    tiles = {key.removeprefix("intra_"): value for key, value in knobs.items() if key.startswith("intra_")}
+    return jax.jit(functools.partial(fused_intra_chunk if _form(name) == "fused" else intra_chunk, **common, **tiles))
+
+
+def bench_prefill_phases(inputs, name, variant, iters, phase1_seconds, interpret):
     """(phase 1 s, its kernels' s, phase 2 s, bytes each phase moves at least), each pallas_call jitted and
-    timed alone; phase 1's times are kept per its knobs in phase1_seconds."""
+    timed alone; phase 1's times are kept per its form and knobs in phase1_seconds."""
     jq, jk, jv, jg, jbeta = inputs
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
-    knobs = {name: variant[name] for name in PHASE1_KNOBS}
-    intra = jax.jit(
-        functools.partial(
-            intra_chunk,
-            scale=DIM**-0.5,
-            block_k=knobs["intra_block_k"],
-            num_warps=knobs["intra_num_warps"],
-            num_stages=knobs["intra_num_stages"],
-            factors_num_warps=knobs["intra_factors_num_warps"],
-            parts_dtype=knobs["parts_dtype"],
-            any_gate=knobs["any_gate"],
-            interpret=interpret,
-        )
-    )
+    knobs = {key: value for key, value in variant.items() if key.startswith("intra_") or key == "parts_dtype"}
+    knobs["any_gate"] = name.endswith("_any_gate")
+    intra = phase1_function(name, knobs, interpret)
     parts = intra(*phase1_args)
-    key = tuple(knobs.values())
+    key = (_form(name), *sorted(knobs.items(), key=lambda item: item[0]))
     if key not in phase1_seconds:
+        stages = phase1_kernels(*phase1_args, knobs, interpret) if _form(name) == "three" else []
         phase1_seconds[key] = (
             median_seconds(intra, *phase1_args, iters=iters),
-            {
-                name: median_seconds(fn, *args, iters=iters)
-                for name, fn, args in phase1_kernels(*phase1_args, knobs, interpret)
-            },
+            {stage: median_seconds(fn, *args, iters=iters) for stage, fn, args in stages},
         )
     batch, _, heads, _ = jq.shape
     state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
@@ -276,37 +280,38 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
         f"prefill B={batch} T={length}: {ref_name} {ref_s * 1e3:.2f} ms ({tokens / ref_s / 1e6:.2f} Mtok/s){baseline}"
     )
     best, phase1_seconds = None, {}
-    for overrides in PREFILL_VARIANTS:
-        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT, "parts_dtype": None, "any_gate": False, **overrides}
-        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM**-0.5, interpret=interpret, **variant))
-        label = (
-            " ".join(
-                f"{name}={jnp.dtype(value).name if name == 'parts_dtype' and value else value}"
-                for name, value in overrides.items()
-            )
-            or "defaults"
+    for name, overrides in PREFILL_VARIANTS:
+        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT[_form(name)], "parts_dtype": None, **overrides}
+        fn = jax.jit(functools.partial(kernel("chunk_kda", name), scale=DIM**-0.5, interpret=interpret, **variant))
+        label = " ".join(
+            [name]
+            + [
+                f"{key}={jnp.dtype(value).name if key == 'parts_dtype' and value else value}"
+                for key, value in overrides.items()
+            ]
         )
         try:
             o, state = fn(jq, jk, jv, jg, jbeta)
             err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
             seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
             intra_s, kernel_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases(
-                (jq, jk, jv, jg, jbeta), variant, iters, phase1_seconds, interpret
+                (jq, jk, jv, jg, jbeta), name, variant, iters, phase1_seconds, interpret
             )
         except Exception as error:  # a variant that fails to compile or run must not end the sweep
             print(f"  Pallas {label}: failed: {type(error).__name__}: {str(error)[:300]}")
             continue
-        kernels = " + ".join(f"{name} {s * 1e3:.2f}" for name, s in kernel_s.items())
+        kernels = " + ".join(f"{stage} {s * 1e3:.2f}" for stage, s in kernel_s.items()) or "one kernel"
         print(
             f"  Pallas {label}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, "
             f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}\n"
-            f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels} alone), >= {intra_bytes / 1e9:.2f} GB "
+            f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels}), >= {intra_bytes / 1e9:.2f} GB "
             f"({intra_bytes / intra_s / 1e12:.2f} TB/s); phase 2 (state pass) {inter_s * 1e3:.2f} ms, "
             f">= {inter_bytes / 1e9:.2f} GB ({inter_bytes / inter_s / 1e12:.2f} TB/s)"
         )
-        if best is None or seconds < best[0]:
-            best = (seconds, err_o)
-    seconds, err = best
+        if not name.endswith("_any_gate") and (best is None or seconds < best[0]):
+            best = (seconds, err_o, label)
+    seconds, err, label = best
+    print(f"  fastest for safe gates: {label}")
     return ("prefill", batch, length, seconds, ref_s, None, err)
 
 
