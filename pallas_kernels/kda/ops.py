@@ -6,8 +6,8 @@ block-size overrides, for tests and benchmarks). Without a variant named, the ba
 forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-5, the safe gate's default
 bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
 log-decay <= 0; `chunk_variant` picks the bounded form only when the caller guarantees the bound.
-"gpu_triton_fused" / "gpu_triton_fused_any_gate" are the GPU pair with phase 1 in one kernel (named only: not
-the default until measured faster on the device).
+"gpu_triton_fused" is a bounded GPU form with phase 1 in two kernels (named only: not the default until measured
+faster on the device; its any-gate form is gpu_triton_any_gate).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pallas_kernels.kda.gpu_triton import (
     chunk_kda_gpu,
     chunk_kda_gpu_any_gate,
     chunk_kda_gpu_fused,
-    chunk_kda_gpu_fused_any_gate,
     kda_decode_step_gpu,
 )
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
@@ -57,7 +56,6 @@ VARIANTS = {
         "gpu_triton_any_gate": Variant("gpu", chunk_kda_gpu_any_gate),
         "tpu_mosaic_any_gate": Variant("tpu", chunk_kda_tpu_any_gate),
         "gpu_triton_fused": Variant("gpu", chunk_kda_gpu_fused),
-        "gpu_triton_fused_any_gate": Variant("gpu", chunk_kda_gpu_fused_any_gate),
     },
     "kda_decode_step": {
         REFERENCE: Variant(None, _decode_reference),
@@ -69,7 +67,7 @@ _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
 _ANY_GATE = {  # bounded -> any-gate form
     "gpu_triton": "gpu_triton_any_gate",
     "tpu_mosaic": "tpu_mosaic_any_gate",
-    "gpu_triton_fused": "gpu_triton_fused_any_gate",
+    "gpu_triton_fused": "gpu_triton_any_gate",
 }
 
 

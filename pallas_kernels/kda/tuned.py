@@ -25,11 +25,12 @@ class IntraTiles:
 
 @dataclasses.dataclass(frozen=True)
 class FusedTiles:
-    """gpu_triton_fused prefill phase 1 (one kernel): key and value columns per step, Triton warps."""
+    """gpu_triton_fused prefill phase 1: key columns per step and Triton warps of the chunk-wide products kernel,
+    warps of the WY-factors kernel."""
 
     block_k: int
-    block_v: int
     num_warps: int
+    factors_num_warps: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +71,9 @@ CHUNK_INTRA_ANY_GATE = _gpu(
     "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
 )
 CHUNK_FUSED = _gpu(
-    FusedTiles(block_k=64, block_v=64, num_warps=4),
-    "not measured: [16, 64] fp32 tiles (8 registers a thread at 4 warps) and the chunk's 20 16x16 product "
-    "blocks leave room for the other sub-blocks' tiles without spilling",
-)
-CHUNK_FUSED_ANY_GATE = _gpu(
-    FusedTiles(block_k=64, block_v=64, num_warps=4),
-    "not measured: CHUNK_FUSED's settings; the any-gate form differs only in its diagonal 16x16 blocks",
+    FusedTiles(block_k=64, num_warps=4, factors_num_warps=2),
+    "not measured: 4 warps for the products' 64 rows (16 a warp), [64, 64] fp32 tiles (32 registers a thread); "
+    "the WY factors as CHUNK_INTRA's",
 )
 CHUNK_INTER = _gpu(
     InterTiles(block_v=64, num_warps=4, num_stages=2),

@@ -4,8 +4,8 @@
    decay-weighted q-k and k-k blocks, the inverse of (I + L), the WY factors w = T (e^G k), u = T v and the
    decayed q and k (no exponential can overflow fp32: for gates >= -5 in `chunk_kda_gpu`, for any gate in
    `chunk_kda_gpu_any_gate`, whose diagonal 16x16 blocks are formed from running products of per-step decays);
-   or `fused.fused_intra_chunk` (`chunk_kda_gpu_fused`, `chunk_kda_gpu_fused_any_gate`), the same parts from one
-   pallas_call whose intermediates stay in registers.
+   or, for gates >= -5, `fused.fused_intra_chunk` (`chunk_kda_gpu_fused`): the same parts from two pallas_calls,
+   the first forming a whole chunk's products at once.
 2. `inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its
    slice of the fp32 state and writing the output.
 Both read and write the [B, T, H, ...] layout directly; T is padded to whole chunks (g = 0, beta = 0: an
@@ -156,9 +156,8 @@ def chunk_kda_gpu_any_gate(
         "num_warps",
         "num_stages",
         "intra_block_k",
-        "intra_block_v",
         "intra_num_warps",
-        "any_gate",
+        "intra_factors_num_warps",
         "interpret",
     ),
 )
@@ -177,23 +176,20 @@ def chunk_kda_gpu_fused(
     num_warps: int | None = None,
     num_stages: int | None = None,
     intra_block_k: int | None = None,
-    intra_block_v: int | None = None,
     intra_num_warps: int | None = None,
-    any_gate: bool = False,
+    intra_factors_num_warps: int | None = None,
     interpret: bool = False,
 ):
-    """`chunk_kda_gpu` with phase 1 as one kernel (`fused.fused_intra_chunk`, its tiles the intra_* knobs, None
-    from `tuned.CHUNK_FUSED`): the variant gpu_triton_fused, for g >= -5; gpu_triton_fused_any_gate with
-    any_gate (`chunk_kda_gpu_fused_any_gate`), for any g <= 0. Phase 2 and the other keywords as there."""
+    """`chunk_kda_gpu` (log-decays g >= -5) with phase 1 as `fused.fused_intra_chunk`, its tiles the intra_*
+    knobs (None: `tuned.CHUNK_FUSED`): the variant gpu_triton_fused. Phase 2 and the other keywords as there."""
     phase1 = functools.partial(
         fused_intra_chunk,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm,
         parts_dtype=parts_dtype,
         block_k=intra_block_k,
-        block_v=intra_block_v,
         num_warps=intra_num_warps,
-        any_gate=any_gate,
+        factors_num_warps=intra_factors_num_warps,
         interpret=interpret,
     )
     return _two_phases(
@@ -208,24 +204,4 @@ def chunk_kda_gpu_fused(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
-    )
-
-
-def chunk_kda_gpu_fused_any_gate(
-    q, k, v, g, beta, initial_state=None, *, scale: float, use_qk_l2norm: bool = True, interpret: bool = False, **tiles
-):
-    """`chunk_kda_gpu_fused` for log-decays g <= 0 of any size; tiles: its keywords, phase 1's from
-    `tuned.CHUNK_FUSED_ANY_GATE` when None."""
-    return chunk_kda_gpu_fused(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state,
-        scale=scale,
-        use_qk_l2norm=use_qk_l2norm,
-        any_gate=True,
-        interpret=interpret,
-        **tiles,
     )

@@ -1,32 +1,36 @@
-"""KDA prefill on GPU, phase 1 as one kernel (the variants gpu_triton_fused and gpu_triton_fused_any_gate): each
-program owns one 64-token chunk of one sequence-head and writes only what the state pass needs (`ChunkParts`);
-the decayed queries and keys, the k-k products, the inverse (I + L)^-1 and the rows the WY factors multiply stay
-in registers (the three-kernel phase 1 of `intra` hands its keys, blocks and kb over in global memory: >= 5.1 GB
-moved at B=1 T=32768, H=64 against this kernel's inputs and parts, about 5.1 GB less its 2.2 GB of intermediates).
+"""KDA prefill on GPU, phase 1 in two kernels (the variant gpu_triton_fused): the keys and block-row kernels of
+`blocks` fused into one kernel that works on whole 64-row chunks, then `tril.wy_factors`.
 
-Grid (B*H, T/64), the sequence-head fastest (neighbouring programs read neighbouring heads of the same tokens).
-A program works on the chunk's four 16-row sub-blocks as separate [16, block_k] tiles (Triton tiles cannot be
-sliced by rows), with the math of `blocks` (Γ_i the cumulative log-decay inside sub-block i, t_i its total,
-log2 units, shift e^S = 2^58):
-1. per column block of the keys: for every sub-block i, its rows decayed from its start and shifted,
-   x_c 2^{Γ_c + S} (x = q, k), its keys decayed to its end, k_s 2^{t_i - Γ_s} (<= 1); then the 16x16 blocks
-   a_qk_ij, A_ij for j <= i summed over column blocks (off the diagonal the right factor is the keys decayed to
-   their sub-block's end times 2^{gap - S}, gap = t_{j+1} + ... + t_{i-1}; on it, as `blocks._shifted_diagonal`
-   for gates >= -5, or `exact_decay.pair_products` with any_gate); and the parts that need no inverse:
-   qg = q e^G, kg = e^{G_last - G} k, e^{G_last};
-2. the inverse of each diagonal block by row updates (`tril.unit_lower_inverse_16`), merged with the blocks L_ij
-   below it into X = (I + L)^-1 (`tril.merged_inverse`), all 16x16 register blocks;
-3. per column block: w = X (beta e^G k) and u = X (beta v), sub-block j's right-hand rows formed again from the
-   inputs (loaded again: the program's rows are in L1/L2) rather than kept alive across the inverse.
-Exponentials and precision as in `blocks` (no factor above e^40 for gates >= -5; with any_gate the diagonal
-blocks from running products of per-step decays and the decays to a sub-block's end from sums of the later
-gates); products as `tril.gpu_dots`.
+`chunk_blocks`, grid (B*H, T/64), the sequence-head fastest: program (bh, n) owns chunk n of sequence-head bh and
+forms every product of the chunk as [64, 16] column blocks, `tril.CHUNK` rows at a time (products [64, block_k] x
+[block_k, 16], whose 64 rows spread over the warps, where `blocks` ran [16, block_k] x [block_k, 16] products
+in a program per 16-row sub-block with loops over the earlier sub-blocks, after a kernel storing their decayed
+keys). One program per chunk doing the sub-blocks in turn with [16, block_k] tiles, the WY factors included,
+measured 2.4-3x slower than the three kernels (docs/benchmarks/kda.md, issue 27): such products keep one warp
+busy, so the chain of 16-row steps ran with little to overlap it.
+
+Column block j (16 columns, sub-block j) uses the decay to its own last row as reference: with G the chunk's
+cumulative log-decay (log2 units), R_j = G at row 16j + 15 and t_j sub-block j's total,
+  e^{G_c - G_s} = 2^{G_c - R_j - S} 2^{(t_j - Γ_s) + S}   (rows c >= 16j; columns s of sub-block j),
+Γ_s the cumulative log-decay inside sub-block j. The right factor, sub-block j's keys decayed to its end, comes
+from its own 16 rows (loaded again; Γ and t_j are sums of its gates alone); the left one from the chunk's rows,
+its exponent forced to -inf above sub-block j (so those rows of the column block are 0, and nothing overflows).
+For gates >= -5 both exponents lie in [-115, 0] (16 gates); the shift e^S = 2^58 (a product by a power of two,
+exact) keeps each factor within 2^{+-58} on the diagonal block, where fp32 can neither overflow nor lose a factor
+to underflow; below it the left factor is <= 2^-58, and where it underflows the decay is below 2^-68 anyway. So
+the kernel takes gates >= -5 only (`chunk_math.GATE_FLOOR`; any-gate prefill: `gpu_triton_any_gate`).
+
+It stores what `blocks.decay_blocks` stores, but the diagonal blocks of L = diag(beta) A_kk as they are (its
+upper triangle unmasked), left for `tril.wy_factors` (invert_diagonal) to invert: qg = e^G q, a_qk, L by
+column blocks, kb = beta e^G k, kg = e^{G_last - G} k (from sub-block j's rows decayed to its end times the later
+totals, as `blocks`: no difference of two 64-gate sums in the exponent) and e^{G_last}. e^G and the left factor
+are exponentials of G, a 64-row running sum (its fp32 rounding, ~ulp(|G|), enters the exponent: ~1e-5
+relative at the gate bound, as in the jnp chunked form).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,161 +38,130 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.exact_decay import pair_products, suffix_sums
-from pallas_kernels.kda.gpu_triton.blocks import (
-    EXACT_DOT,
-    LOG2_E,
-    SHIFT_DOWN,
-    SHIFT_UP,
-    as_row,
-    inverse_norms,
-    key_column_blocks,
-)
+from pallas_kernels.kda.gpu_triton.blocks import LOG2_E, SHIFT_DOWN, SHIFT_UP, inverse_norms, key_column_blocks
 from pallas_kernels.kda.gpu_triton.intra import ChunkParts
-from pallas_kernels.kda.gpu_triton.tril import (
-    CHUNK,
-    SUB,
-    SUBS,
-    gpu_dots,
-    iota_16,
-    lower_product,
-    merged_inverse,
-    sub_rows,
-    unit_lower_inverse_16,
-)
+from pallas_kernels.kda.gpu_triton.tril import CHUNK, SUB, SUBS, gpu_dots, sub_rows, wy_factors
 from pallas_kernels.tuning import fill, lookup
 
 
-class _Decayed(NamedTuple):
-    """One sub-block's [SUB, block_k] fp32 tiles of one column block (log2 units)."""
-
-    queries: jax.Array  # q, l2-normalised and scaled
-    keys: jax.Array  # k, l2-normalised
-    gates: jax.Array  # g
-    log_decay: jax.Array  # Γ = cumsum(g)
-    total: jax.Array  # [1, block_k] t = sum(g)
-    q_left: jax.Array  # q 2^{Γ + S}
-    k_left: jax.Array  # k 2^{Γ + S}
-    to_end: jax.Array  # k 2^{t - Γ} (<= 1)
-
-
-def _tile(ref, i: int, columns):
-    return ref[sub_rows(i), columns].astype(jnp.float32)
-
-
-def _decayed(q_ref, k_ref, g_ref, i: int, columns, query_scale, key_scale, any_gate: bool) -> _Decayed:
-    queries, keys = _tile(q_ref, i, columns) * query_scale, _tile(k_ref, i, columns) * key_scale
-    gates = g_ref[sub_rows(i), columns] * LOG2_E
-    log_decay = jnp.cumsum(gates, axis=0)
-    total = jnp.sum(gates, axis=0, keepdims=True)
-    from_start = jnp.exp2(log_decay) * SHIFT_UP
-    to_end = suffix_sums(gates, EXACT_DOT) if any_gate else total - log_decay  # t - Γ (see blocks' docstring)
-    return _Decayed(
-        queries, keys, gates, log_decay, total, queries * from_start, keys * from_start, keys * jnp.exp2(to_end)
-    )
-
-
-def _diagonal(tile: _Decayed, any_gate: bool, dots):
-    """(a_qk, A^T) of a sub-block against itself, unmasked (`blocks._shifted_diagonal`, `_exact_diagonal`)."""
-    if any_gate:
-        a_qk, products = pair_products([tile.queries, tile.keys], tile.keys, jnp.exp2(tile.gates))
-        return a_qk, products.T
-    right = tile.keys * (jnp.exp2(-tile.log_decay) * SHIFT_DOWN)  # 2^{-Γ_s - S}
-    return dots.nt(tile.q_left, right), dots.nt(right, tile.k_left)
+def _tiles(ref, columns_list, rows=slice(None)):
+    return [ref[rows, columns].astype(jnp.float32) for columns in columns_list]
 
 
 def _kernel(
     q_ref,
     k_ref,
     g_ref,
-    v_ref,
     beta_ref,
-    w_ref,
-    u_ref,
     qg_ref,
-    kg_ref,
     a_ref,
+    blocks_ref,
+    kb_ref,
+    kg_ref,
     decay_ref,
     *,
     scale,
     l2norm,
     input_dtype,
     block_k,
-    block_v,
-    any_gate,
 ):
+    """Chunk n's rows of every output (module docstring), block_k key columns at a time."""
     dots = gpu_dots(input_dtype)
-    rows, cols = iota_16(0), iota_16(1)
     key_blocks = key_column_blocks(k_ref.shape[1], block_k)
-    value_blocks = key_column_blocks(v_ref.shape[1], block_v)
-    betas = [beta_ref[sub_rows(i), :] for i in range(SUBS)]  # [SUB, 1] each
-    query_scales = [inverse_norms([_tile(q_ref, i, c) for c in key_blocks], l2norm) * scale for i in range(SUBS)]
-    key_scales = [inverse_norms([_tile(k_ref, i, c) for c in key_blocks], l2norm) for i in range(SUBS)]
-
-    zeros_SS = jnp.zeros((SUB, SUB), jnp.float32)
-    a_qk = {(i, j): zeros_SS for i in range(SUBS) for j in range(i + 1)}
-    a_kk = dict(a_qk)  # (i, j < i): the k-k products; (i, i): transposed
-    offsets = {}  # (column block, i) -> [1, block_k] t_0 + ... + t_{i-1}
-    for c, columns in enumerate(key_blocks):
-        tiles = [
-            _decayed(q_ref, k_ref, g_ref, i, columns, query_scales[i], key_scales[i], any_gate) for i in range(SUBS)
-        ]
-        for i, tile in enumerate(tiles):
-            diagonal_qk, diagonal_kk = _diagonal(tile, any_gate, dots)
-            a_qk[i, i], a_kk[i, i] = a_qk[i, i] + diagonal_qk, a_kk[i, i] + diagonal_kk
-            gap = jnp.zeros_like(tile.total)
-            for j in reversed(range(i)):
-                right = tiles[j].to_end * (jnp.exp2(gap) * SHIFT_DOWN)  # k_s 2^{o_i - G_s - S}
-                a_qk[i, j] = a_qk[i, j] + dots.nt(tile.q_left, right)
-                a_kk[i, j] = a_kk[i, j] + dots.nt(tile.k_left, right)
-                gap = gap + tiles[j].total
-            offsets[c, i] = gap
-            qg_ref[sub_rows(i), columns] = (tile.q_left * (jnp.exp2(gap) * SHIFT_DOWN)).astype(qg_ref.dtype)
-        later = jnp.zeros_like(tiles[0].total)  # t_{i+1} + ... + t_3
-        for i in reversed(range(SUBS)):
-            kg_ref[sub_rows(i), columns] = (tiles[i].to_end * jnp.exp2(later)).astype(kg_ref.dtype)
-            later = later + tiles[i].total
-        decay_ref[:, columns] = jnp.exp2(offsets[c, SUBS - 1] + tiles[SUBS - 1].total)
-
-    for i in range(SUBS):
+    query_scale = inverse_norms(_tiles(q_ref, key_blocks), l2norm) * scale  # [CHUNK, 1]
+    key_scale = inverse_norms(_tiles(k_ref, key_blocks), l2norm)
+    sub_key_scales = [inverse_norms(_tiles(k_ref, key_blocks, sub_rows(j)), l2norm) for j in range(SUBS)]
+    beta = beta_ref[...]  # [CHUNK, 1]
+    rows_CB = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, block_k), 0)
+    zeros_CS = jnp.zeros((CHUNK, SUB), jnp.float32)
+    a_qk, a_kk = [zeros_CS] * SUBS, [zeros_CS] * SUBS
+    for columns in key_blocks:
+        log_decay = jnp.cumsum(g_ref[:, columns] * LOG2_E, axis=0)  # G
+        queries = q_ref[:, columns].astype(jnp.float32) * query_scale
+        keys = k_ref[:, columns].astype(jnp.float32) * key_scale
+        end, totals, rights = jnp.zeros((1, block_k), jnp.float32), [], []
         for j in range(SUBS):
-            block = jnp.where(rows >= cols, a_qk[i, i], 0.0) if i == j else a_qk.get((i, j), zeros_SS)
-            a_ref[sub_rows(i), sub_rows(j)] = block.astype(a_ref.dtype)
-
-    def block(i, j):  # D_i on the diagonal, L_ij = diag(beta_i) A_ij below it
-        if i == j:
-            return unit_lower_inverse_16(jnp.where(rows < cols, a_kk[i, i], 0.0) * as_row(betas[i]))
-        return betas[i] * a_kk[i, j]
-
-    inverse = merged_inverse(block, dots)
-
-    for c, columns in enumerate(key_blocks):
-
-        def decayed_keys(j, c=c, columns=columns):  # beta e^G k
             gates = g_ref[sub_rows(j), columns] * LOG2_E
-            decay = jnp.exp2(jnp.cumsum(gates, axis=0) + offsets[c, j])
-            return betas[j] * _tile(k_ref, j, columns) * key_scales[j] * decay
+            totals.append(jnp.sum(gates, axis=0, keepdims=True))  # t_j
+            keys_j = k_ref[sub_rows(j), columns].astype(jnp.float32) * sub_key_scales[j]
+            rights.append(keys_j * (jnp.exp2(totals[j] - jnp.cumsum(gates, axis=0)) * SHIFT_UP))
+            end = end + totals[j]  # R_j
+            left = jnp.exp2(jnp.where(rows_CB >= SUB * j, log_decay - end, -jnp.inf)) * SHIFT_DOWN
+            a_qk[j] = a_qk[j] + dots.nt(queries * left, rights[j])
+            a_kk[j] = a_kk[j] + dots.nt(keys * left, rights[j])
+        decay = jnp.exp2(log_decay)  # e^G (an underflow to 0 is a decay below e^-87)
+        qg_ref[:, columns] = (queries * decay).astype(qg_ref.dtype)
+        kb_ref[:, columns] = (beta * keys * decay).astype(kb_ref.dtype)
+        decay_ref[:, columns] = jnp.exp2(end)  # e^{G_last}
+        later = jnp.zeros_like(end)  # t_{j+1} + ... + t_3
+        for j in reversed(range(SUBS)):
+            kg_ref[sub_rows(j), columns] = (rights[j] * (jnp.exp2(later) * SHIFT_DOWN)).astype(kg_ref.dtype)
+            later = later + totals[j]
+    rows_CS = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, SUB), 0)
+    cols_CS = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, SUB), 1)
+    for j in range(SUBS):
+        a_ref[:, sub_rows(j)] = jnp.where(rows_CS >= cols_CS + SUB * j, a_qk[j], 0.0).astype(a_ref.dtype)
+        blocks_ref[:, sub_rows(j)] = beta * a_kk[j]
 
-        for i in range(SUBS):
-            w_ref[sub_rows(i), columns] = lower_product(inverse, i, decayed_keys, dots).astype(w_ref.dtype)
-    for columns in value_blocks:
-        for i in range(SUBS):
-            u = lower_product(inverse, i, lambda j, columns=columns: betas[j] * _tile(v_ref, j, columns), dots)
-            u_ref[sub_rows(i), columns] = u.astype(u_ref.dtype)
+
+def chunk_blocks(
+    q,
+    k,
+    g,
+    beta,
+    *,
+    scale: float,
+    use_qk_l2norm: bool,
+    parts_dtype,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    interpret: bool = False,
+):
+    """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32: L by column blocks,
+    its diagonal blocks not inverted and their upper triangles not masked, kb, kg [BH, Tp, K] in parts_dtype,
+    decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32 (>= -5), beta [B, Tp, H, 1]
+    fp32, Tp = N * CHUNK. Grid (B*H, N); block_k key columns at a time (a power of two). Tiles: None from
+    `tuned.CHUNK_FUSED`."""
+    tiles = lookup(tuned.CHUNK_FUSED, dtype=q.dtype)
+    block_k, num_warps = fill((block_k, num_warps), (tiles.block_k, tiles.num_warps))
+    batch, padded, heads, key_dim = q.shape
+    flat, num_chunks = batch * heads, padded // CHUNK
+    chunk_rows = lambda width: pl.BlockSpec(  # noqa: E731
+        (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0)
+    )
+    out_rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
+    out_shape = lambda width, dtype=parts_dtype: jax.ShapeDtypeStruct((flat, padded, width), dtype)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(
+            _kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype, block_k=min(block_k, key_dim)
+        ),
+        grid=(flat, num_chunks),  # axis 0 varies fastest
+        in_specs=[chunk_rows(key_dim), chunk_rows(key_dim), chunk_rows(key_dim), chunk_rows(1)],
+        out_specs=[
+            out_rows(key_dim),
+            out_rows(CHUNK),
+            out_rows(CHUNK),
+            out_rows(key_dim),
+            out_rows(key_dim),
+            pl.BlockSpec((None, None, 1, key_dim), lambda bh, n: (bh, n, 0, 0)),
+        ],
+        out_shape=[
+            out_shape(key_dim),
+            out_shape(CHUNK),
+            out_shape(CHUNK, jnp.float32),
+            out_shape(key_dim),
+            out_shape(key_dim),
+            jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_fused_blocks",
+    )(q, k, g, beta)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "scale",
-        "use_qk_l2norm",
-        "parts_dtype",
-        "block_k",
-        "block_v",
-        "num_warps",
-        "any_gate",
-        "interpret",
-    ),
+    static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "block_k", "num_warps", "factors_num_warps", "interpret"),
 )
 def fused_intra_chunk(
     q,
@@ -201,57 +174,39 @@ def fused_intra_chunk(
     use_qk_l2norm: bool = True,
     parts_dtype=None,
     block_k: int | None = None,
-    block_v: int | None = None,
     num_warps: int | None = None,
-    any_gate: bool = False,
+    factors_num_warps: int | None = None,
     interpret: bool = False,
 ) -> ChunkParts:
-    """Phase 1 in one pallas_call, grid (B*H, Tp / CHUNK): the same `ChunkParts` as `intra.intra_chunk` from the
-    same inputs (q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1] fp32, Tp a
-    multiple of CHUNK; parts in parts_dtype, default v's). block_k / block_v: the key / value columns a step
-    works on (powers of two); any_gate: for gates below -5. None: `tuned.CHUNK_FUSED`
-    (`tuned.CHUNK_FUSED_ANY_GATE`)."""
-    table = tuned.CHUNK_FUSED_ANY_GATE if any_gate else tuned.CHUNK_FUSED
-    block_k, block_v, num_warps = fill((block_k, block_v, num_warps), lookup(table, dtype=v.dtype))
-    dtype = v.dtype if parts_dtype is None else parts_dtype
-    batch, padded, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    flat, num_chunks = batch * heads, padded // CHUNK
-    chunk_rows = lambda width: pl.BlockSpec(  # noqa: E731
-        (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0)
+    """Phase 1 as `chunk_blocks` then `tril.wy_factors` (inverting the diagonal blocks): the same `ChunkParts` as
+    `intra.intra_chunk` from the same inputs (q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 >= -5,
+    beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts in parts_dtype, default v's). Tiles: None from
+    `tuned.CHUNK_FUSED`."""
+    block_k, num_warps, factors_num_warps = fill(
+        (block_k, num_warps, factors_num_warps), lookup(tuned.CHUNK_FUSED, dtype=v.dtype)
     )
-    out_rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
-    parts = lambda width: jax.ShapeDtypeStruct((flat, padded, width), dtype)  # noqa: E731
-    w, u, qg, kg, a_qk, decay_last = pl.pallas_call(
-        functools.partial(
-            _kernel,
-            scale=scale,
-            l2norm=use_qk_l2norm,
-            input_dtype=v.dtype,
-            block_k=min(block_k, key_dim),
-            block_v=min(block_v, value_dim),
-            any_gate=any_gate,
-        ),
-        grid=(flat, num_chunks),  # axis 0 varies fastest
-        in_specs=[chunk_rows(key_dim), chunk_rows(key_dim), chunk_rows(key_dim), chunk_rows(value_dim), chunk_rows(1)],
-        out_specs=[
-            out_rows(key_dim),
-            out_rows(value_dim),
-            out_rows(key_dim),
-            out_rows(key_dim),
-            out_rows(CHUNK),
-            pl.BlockSpec((None, None, 1, key_dim), lambda bh, n: (bh, n, 0, 0)),
-        ],
-        out_shape=[
-            parts(key_dim),
-            parts(value_dim),
-            parts(key_dim),
-            parts(key_dim),
-            parts(CHUNK),
-            jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+    dtype = v.dtype if parts_dtype is None else parts_dtype
+    qg, a_qk, blocks, kb, kg, decay_last = chunk_blocks(
+        q,
+        k,
+        g,
+        beta,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        parts_dtype=dtype,
+        block_k=block_k,
+        num_warps=num_warps,
         interpret=interpret,
-        name="kda_prefill_fused_intra" + ("_any_gate" if any_gate else ""),
-    )(q, k, g, v, beta)
+    )
+    w, u = wy_factors(
+        blocks,
+        kb,
+        v,
+        beta,
+        parts_dtype=dtype,
+        input_dtype=v.dtype,
+        num_warps=factors_num_warps,
+        invert_diagonal=True,
+        interpret=interpret,
+    )
     return ChunkParts(w, u, qg, kg, a_qk, decay_last)
