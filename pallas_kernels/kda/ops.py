@@ -6,11 +6,14 @@ block-size overrides, for tests and benchmarks). Without a variant named, the ba
 forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-5, the safe gate's default
 bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
 log-decay <= 0; `chunk_variant` picks the bounded form only when the caller guarantees the bound.
-"gpu_triton_fused" is a bounded GPU form with phase 1 in two kernels (named only: not the default until measured
-faster on the device; its any-gate form is gpu_triton_any_gate).
+"gpu_triton_fused" and "gpu_triton_fused_wy" are bounded GPU forms whose phase-1 programs work on whole chunks,
+in one kernel and in two (named only: not the default until measured faster on the device; their any-gate form
+is gpu_triton_any_gate).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
@@ -56,6 +59,7 @@ VARIANTS = {
         "gpu_triton_any_gate": Variant("gpu", chunk_kda_gpu_any_gate),
         "tpu_mosaic_any_gate": Variant("tpu", chunk_kda_tpu_any_gate),
         "gpu_triton_fused": Variant("gpu", chunk_kda_gpu_fused),
+        "gpu_triton_fused_wy": Variant("gpu", functools.partial(chunk_kda_gpu_fused, one_kernel=False)),
     },
     "kda_decode_step": {
         REFERENCE: Variant(None, _decode_reference),
@@ -68,6 +72,7 @@ _ANY_GATE = {  # bounded -> any-gate form
     "gpu_triton": "gpu_triton_any_gate",
     "tpu_mosaic": "tpu_mosaic_any_gate",
     "gpu_triton_fused": "gpu_triton_any_gate",
+    "gpu_triton_fused_wy": "gpu_triton_any_gate",
 }
 
 

@@ -25,7 +25,15 @@ class IntraTiles:
 
 @dataclasses.dataclass(frozen=True)
 class FusedTiles:
-    """gpu_triton_fused prefill phase 1: key columns per step and Triton warps of the chunk-wide products kernel,
+    """gpu_triton_fused prefill phase 1 (one kernel): key (and value) columns per step, Triton warps."""
+
+    block_k: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedWyTiles:
+    """gpu_triton_fused_wy prefill phase 1: key columns per step and warps of the chunk-wide products kernel,
     warps of the WY-factors kernel."""
 
     block_k: int
@@ -71,9 +79,12 @@ CHUNK_INTRA_ANY_GATE = _gpu(
     "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
 )
 CHUNK_FUSED = _gpu(
-    FusedTiles(block_k=64, num_warps=4, factors_num_warps=2),
-    "not measured: 4 warps for the products' 64 rows (16 a warp), [64, 64] fp32 tiles (32 registers a thread); "
-    "the WY factors as CHUNK_INTRA's",
+    FusedTiles(block_k=64, num_warps=4),
+    "not measured: 4 warps for the products' 64 rows (16 a warp), [64, 64] fp32 tiles (32 registers a thread)",
+)
+CHUNK_FUSED_WY = _gpu(
+    FusedWyTiles(block_k=64, num_warps=4, factors_num_warps=2),
+    "not measured: CHUNK_FUSED's settings for the products kernel; the WY factors as CHUNK_INTRA's",
 )
 CHUNK_INTER = _gpu(
     InterTiles(block_v=64, num_warps=4, num_stages=2),

@@ -152,14 +152,22 @@ def test_any_gate_kernels_match_float64_recurrence(backend, gates, with_state):
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_fused_kernel_matches_float64_recurrence(dtype):
-    """gpu_triton_fused, interpreted: T = 75 (a chunk and a part), 16 key columns at a time over K = 32, one
-    sequence with an initial state and one without (a zero state)."""
+FUSED = ["gpu_triton_fused", "gpu_triton_fused_wy"]  # phase 1 over whole chunks: one kernel, two
+
+
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("gpu_triton_fused", jnp.float32), ("gpu_triton_fused", jnp.bfloat16), ("gpu_triton_fused_wy", jnp.float32)],
+    ids=["fp32", "bf16", "wy-fp32"],
+)
+def test_fused_kernels_match_float64_recurrence(name, dtype):
+    """The chunk-wide forms, interpreted: T = 75 (a chunk and a part), 16 key columns at a time over K = 32, one
+    sequence with an initial state and one without (a zero state); the two-kernel form in fp32 only (its
+    kernels differ from the one kernel's only in where the WY factors are formed)."""
     q, k, v, g, beta, state = random_sequence(2, 75, 2, 32, 32, dtype, seed=41)
     state[1] = 0.0
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = kernel("chunk_kda", "gpu_triton_fused")(
+    o, s = kernel("chunk_kda", name)(
         *(jnp.asarray(x, dtype) for x in (q, k, v)),
         jnp.asarray(g),
         jnp.asarray(beta),
@@ -173,13 +181,14 @@ def test_fused_kernel_matches_float64_recurrence(dtype):
     assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)
 
 
-def test_fused_variant_is_named_only_and_keeps_the_gate_bound():
-    """gpu_triton_fused runs when named (the default stays gpu_triton until it is measured faster on the
-    device), and is refused for gates not bounded by -5 (it takes the bounded kernels' gates only)."""
+def test_fused_variants_are_named_only_and_keep_the_gate_bound():
+    """The chunk-wide forms run when named (the default stays gpu_triton until one is measured faster on the
+    device), and are refused for gates not bounded by -5 (they take the bounded kernels' gates only)."""
     assert chunk_variant("pallas_gpu", BOUNDED) == "gpu_triton"
-    assert chunk_variant("pallas_gpu", BOUNDED, "gpu_triton_fused") == "gpu_triton_fused"
-    with pytest.raises(ValueError, match="gpu_triton_any_gate"):
-        chunk_variant("pallas_gpu", -6.0, "gpu_triton_fused")
+    for name in FUSED:
+        assert chunk_variant("pallas_gpu", BOUNDED, name) == name
+        with pytest.raises(ValueError, match="gpu_triton_any_gate"):
+            chunk_variant("pallas_gpu", -6.0, name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -374,16 +383,19 @@ def test_gpu_any_gate_chunk_parts_match_float64():
 
 
 def test_gpu_fused_chunk_parts_match_float64():
-    """The same parts from `fused_intra_chunk` (the chunk-wide products kernel, then the WY factors inverting the
-    diagonal blocks), over four 16-column steps of the keys. Its left decay factors are exponentials of a 64-gate
-    running sum (fp32 rounding of the exponent: a_qk 1.5e-6 off at the gate bound; the three kernels' sums span
-    16 gates)."""
+    """The same parts from `fused_intra_chunk` in one kernel, over four 16-column steps of the keys. The left
+    decay factors are exponentials of a 64-gate running sum (fp32 rounding of the exponent: a_qk 1.5e-6 off at the
+    gate bound; the three kernels' sums span 16 gates)."""
     _check_parts(jnp.float32, 64, 32, interpret=True, tolerance=5e-6, phase1=fused_intra_chunk, block_k=16)
 
 
 @gpu_test("the compiled Triton kernels")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("phase1", [intra_chunk, fused_intra_chunk], ids=["three-kernels", "fused"])
+@pytest.mark.parametrize(
+    "phase1",
+    [intra_chunk, fused_intra_chunk, functools.partial(fused_intra_chunk, one_kernel=False)],
+    ids=["three-kernels", "fused", "fused-wy"],
+)
 def test_compiled_gpu_chunk_parts_full_width(dtype, phase1):
     """The same compiled at K = V = 128: tf32 products for bf16 inputs, IEEE fp32 ones for fp32 inputs."""
     tolerance = TOL[dtype] if dtype == jnp.bfloat16 else 1e-5
@@ -444,13 +456,17 @@ def test_tpu_kernel_lowers_for_tpu(name):
         ("gpu_triton", (1, 32768, 64)),
         ("gpu_triton_any_gate", (1, 1000, 4)),
         ("gpu_triton_fused", (1, 32768, 64)),
+        ("gpu_triton_fused_wy", (1, 1000, 4)),
     ],
-    ids=["T1000-H4", "T32768-H64", "any-gate-T1000-H4", "fused-T32768-H64"],
+    ids=["T1000-H4", "T32768-H64", "any-gate-T1000-H4", "fused-T32768-H64", "fused-wy-T1000-H4"],
 )
 def test_gpu_kernel_lowers_for_cuda(name, shape):
     prefill = functools.partial(kernel("chunk_kda", name), scale=128**-0.5)
     text = lower_for_cuda(prefill, *_abstract(*shape)).as_text()
-    phase1 = ("fused_blocks", "intra_wy_factors_inverting") if "fused" in name else ("intra_blocks", "intra_wy_factors")
+    phase1 = {
+        "gpu_triton_fused": ("fused_intra",),
+        "gpu_triton_fused_wy": ("fused_blocks", "intra_wy_factors_inverting"),
+    }.get(name, ("intra_blocks", "intra_wy_factors"))
     for stage in (*phase1, "inter_chunk"):
         assert f"kda_prefill_{stage}" in text, stage
 
@@ -461,7 +477,7 @@ def test_gpu_kernel_lowers_for_cuda(name, shape):
     reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("variant", [None, "gpu_triton_fused"], ids=["default", "fused"])
+@pytest.mark.parametrize("variant", [None, *FUSED])
 def test_compiled_gpu_kernel_full_width(dtype, variant):
     q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, dtype, seed=11)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
@@ -501,7 +517,7 @@ def test_compiled_gpu_any_gate_kernel_full_width(dtype):
 
 
 @gpu_test("fla's Triton chunk_kda")
-@pytest.mark.parametrize("name", ["gpu_triton", "gpu_triton_fused"])
+@pytest.mark.parametrize("name", ["gpu_triton", *FUSED])
 def test_compiled_gpu_kernel_matches_fla(name):
     """bf16 inputs at K = V = 128 against fla 0.6.0's chunk_kda (torch, on the same GPU): both round their
     per-chunk factors to bf16, so they agree to ~5e-3 (BENCHMARKS.md), not to fp32 rounding."""

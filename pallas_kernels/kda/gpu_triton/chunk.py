@@ -4,8 +4,8 @@
    decay-weighted q-k and k-k blocks, the inverse of (I + L), the WY factors w = T (e^G k), u = T v and the
    decayed q and k (no exponential can overflow fp32: for gates >= -5 in `chunk_kda_gpu`, for any gate in
    `chunk_kda_gpu_any_gate`, whose diagonal 16x16 blocks are formed from running products of per-step decays);
-   or, for gates >= -5, `fused.fused_intra_chunk` (`chunk_kda_gpu_fused`): the same parts from two pallas_calls,
-   the first forming a whole chunk's products at once.
+   or, for gates >= -5, `fused.fused_intra_chunk` (`chunk_kda_gpu_fused`): the same parts from one pallas_call
+   (or two) whose programs work on whole chunks.
 2. `inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its
    slice of the fp32 state and writing the output.
 Both read and write the [B, T, H, ...] layout directly; T is padded to whole chunks (g = 0, beta = 0: an
@@ -158,6 +158,7 @@ def chunk_kda_gpu_any_gate(
         "intra_block_k",
         "intra_num_warps",
         "intra_factors_num_warps",
+        "one_kernel",
         "interpret",
     ),
 )
@@ -178,10 +179,12 @@ def chunk_kda_gpu_fused(
     intra_block_k: int | None = None,
     intra_num_warps: int | None = None,
     intra_factors_num_warps: int | None = None,
+    one_kernel: bool = True,
     interpret: bool = False,
 ):
-    """`chunk_kda_gpu` (log-decays g >= -5) with phase 1 as `fused.fused_intra_chunk`, its tiles the intra_*
-    knobs (None: `tuned.CHUNK_FUSED`): the variant gpu_triton_fused. Phase 2 and the other keywords as there."""
+    """`chunk_kda_gpu` (log-decays g >= -5) with phase 1 as `fused.fused_intra_chunk`, in one pallas_call (the
+    variant gpu_triton_fused) or, without one_kernel, two (gpu_triton_fused_wy); its tiles the intra_* knobs
+    (None: `tuned.CHUNK_FUSED` / `CHUNK_FUSED_WY`). Phase 2 and the other keywords as there."""
     phase1 = functools.partial(
         fused_intra_chunk,
         scale=scale,
@@ -190,6 +193,7 @@ def chunk_kda_gpu_fused(
         block_k=intra_block_k,
         num_warps=intra_num_warps,
         factors_num_warps=intra_factors_num_warps,
+        one_kernel=one_kernel,
         interpret=interpret,
     )
     return _two_phases(
