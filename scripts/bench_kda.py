@@ -159,9 +159,10 @@ def _intra_defaults(table) -> dict:
     return {f"intra_{name}": value for name, value in dataclasses.asdict(lookup(table, dtype=jnp.bfloat16)).items()}
 
 
-PHASE1_DEFAULT = {  # per form of phase 1: three kernels (gpu_triton*), one fused kernel (gpu_triton_fused*)
+PHASE1_DEFAULT = {  # per form of phase 1: three kernels (gpu_triton*), over whole chunks in one kernel or two
     "three": _intra_defaults(tuned.CHUNK_INTRA),
     "fused": _intra_defaults(tuned.CHUNK_FUSED),
+    "fused_wy": _intra_defaults(tuned.CHUNK_FUSED_WY),
 }
 PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults): the default, then the chunk-wide forms
     ("gpu_triton", {}),
@@ -174,13 +175,16 @@ PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults): the 
 
 
 def _form(name: str) -> str:
-    return "fused" if name.startswith("gpu_triton_fused") else "three"
+    """Phase 1 of variant `name`: "three" kernels, "fused" (one chunk-wide kernel) or "fused_wy" (two)."""
+    return {"gpu_triton_fused": "fused", "gpu_triton_fused_wy": "fused_wy"}.get(name, "three")
 
 
 def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
     """Phase 1's pallas_calls as jitted functions of their own inputs (each timed alone), with the inputs each
     needs: [(name, fn, args)], in order: the keys, block-row and WY-factors kernels of gpu_triton*, the chunk-wide
-    products and WY-factors kernels of gpu_triton_fused."""
+    products and WY-factors kernels of gpu_triton_fused_wy (none for gpu_triton_fused: one kernel)."""
+    if _form(name) == "fused":
+        return []  # one kernel: phase 1 itself
     dtype = knobs["parts_dtype"] or v.dtype
     stages = dict(num_stages=knobs.get("intra_num_stages"), interpret=interpret)
     factors_fn = jax.jit(
@@ -189,11 +193,11 @@ def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
             parts_dtype=dtype,
             input_dtype=v.dtype,
             num_warps=knobs["intra_factors_num_warps"],
-            invert_diagonal=_form(name) == "fused",
+            invert_diagonal=_form(name) == "fused_wy",
             **stages,
         )
     )
-    if _form(name) == "fused":
+    if _form(name) == "fused_wy":
         products_fn = jax.jit(
             functools.partial(
                 chunk_blocks,
@@ -227,8 +231,8 @@ def phase1_function(name: str, knobs: dict, interpret: bool):
     """Phase 1 of variant `name` (`intra_chunk` or `fused_intra_chunk`) with its knobs, jitted."""
     tiles = {key.removeprefix("intra_"): value for key, value in knobs.items() if key.startswith("intra_")}
     common = dict(scale=DIM**-0.5, parts_dtype=knobs["parts_dtype"], interpret=interpret, **tiles)
-    if _form(name) == "fused":
-        return jax.jit(functools.partial(fused_intra_chunk, **common))
+    if _form(name) != "three":
+        return jax.jit(functools.partial(fused_intra_chunk, one_kernel=_form(name) == "fused", **common))
     return jax.jit(functools.partial(intra_chunk, any_gate=knobs["any_gate"], **common))
 
 
@@ -323,10 +327,11 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
             print(f"  Pallas {label}: failed: {type(error).__name__}: {str(error)[:300]}")
             continue
         kernels = " + ".join(f"{stage} {s * 1e3:.2f}" for stage, s in kernel_s.items())
+        kernels = f"{kernels} alone" if kernels else "one kernel"
         print(
             f"  Pallas {label}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, "
             f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}\n"
-            f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels} alone), >= {intra_bytes / 1e9:.2f} GB "
+            f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels}), >= {intra_bytes / 1e9:.2f} GB "
             f"({intra_bytes / intra_s / 1e12:.2f} TB/s); phase 2 (state pass) {inter_s * 1e3:.2f} ms, "
             f">= {inter_bytes / 1e9:.2f} GB ({inter_bytes / inter_s / 1e12:.2f} TB/s)"
         )

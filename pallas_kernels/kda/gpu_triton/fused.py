@@ -1,13 +1,13 @@
-"""KDA prefill on GPU, phase 1 in two kernels (the variant gpu_triton_fused): the keys and block-row kernels of
-`blocks` fused into one kernel that works on whole 64-row chunks, then `tril.wy_factors`.
+"""KDA prefill on GPU, phase 1 with programs that own whole 64-token chunks (the variants gpu_triton_fused, one
+kernel, and gpu_triton_fused_wy, two), for gates >= -5.
 
-`chunk_blocks`, grid (B*H, T/64), the sequence-head fastest: program (bh, n) owns chunk n of sequence-head bh and
-forms every product of the chunk as [64, 16] column blocks, `tril.CHUNK` rows at a time (products [64, block_k] x
-[block_k, 16], whose 64 rows spread over the warps, where `blocks` ran [16, block_k] x [block_k, 16] products
-in a program per 16-row sub-block with loops over the earlier sub-blocks, after a kernel storing their decayed
-keys). One program per chunk doing the sub-blocks in turn with [16, block_k] tiles, the WY factors included,
-measured 2.4-3x slower than the three kernels (docs/benchmarks/kda.md, issue 27): such products keep one warp
-busy, so the chain of 16-row steps ran with little to overlap it.
+Grid (B*H, T/64), the sequence-head fastest: program (bh, n) owns chunk n of sequence-head bh and forms every
+product of the chunk as [64, 16] column blocks (products [64, block_k] x [block_k, 16], whose 64 rows spread over
+the warps, where `blocks` ran [16, block_k] x [block_k, 16] products in a program per 16-row sub-block with loops
+over the earlier sub-blocks, after a kernel storing their decayed keys). A first form of one program per chunk
+doing the sub-blocks in turn with [16, block_k] tiles, the WY factors included, measured 3.2x slower than the
+three kernels (docs/benchmarks/kda.md, issue 27): such products keep one warp busy, and the chain of 16-row steps
+ran with little to overlap it.
 
 Column block j (16 columns, sub-block j) uses the decay to its own last row as reference: with G the chunk's
 cumulative log-decay (log2 units), R_j = G at row 16j + 15 and t_j sub-block j's total,
@@ -18,14 +18,18 @@ its exponent forced to -inf above sub-block j (so those rows of the column block
 For gates >= -5 both exponents lie in [-115, 0] (16 gates); the shift e^S = 2^58 (a product by a power of two,
 exact) keeps each factor within 2^{+-58} on the diagonal block, where fp32 can neither overflow nor lose a factor
 to underflow; below it the left factor is <= 2^-58, and where it underflows the decay is below 2^-68 anyway. So
-the kernel takes gates >= -5 only (`chunk_math.GATE_FLOOR`; any-gate prefill: `gpu_triton_any_gate`).
+the kernels take gates >= -5 only (`chunk_math.GATE_FLOOR`; any-gate prefill: `gpu_triton_any_gate`). e^G and
+the left factor are exponentials of G, a 64-row running sum (its fp32 rounding, ~ulp(|G|), enters the exponent:
+~1e-6 relative at the gate bound, as in the jnp chunked form); kg = e^{G_last - G} k comes from sub-block j's
+rows decayed to its end times the later totals, as in `blocks` (no difference of two 64-gate sums).
 
-It stores what `blocks.decay_blocks` stores, but the diagonal blocks of L = diag(beta) A_kk as they are (its
-upper triangle unmasked), left for `tril.wy_factors` (invert_diagonal) to invert: qg = e^G q, a_qk, L by
-column blocks, kb = beta e^G k, kg = e^{G_last - G} k (from sub-block j's rows decayed to its end times the later
-totals, as `blocks`: no difference of two 64-gate sums in the exponent) and e^{G_last}. e^G and the left factor
-are exponentials of G, a 64-row running sum (its fp32 rounding, ~ulp(|G|), enters the exponent: ~1e-5
-relative at the gate bound, as in the jnp chunked form).
+- One kernel (`_one_kernel`): the 16x16 blocks of L = diag(beta) A_kk are split out of the column blocks, the
+  diagonal ones inverted by row updates (`tril.unit_lower_inverse_16`) and merged into X = (I + L)^-1
+  (`tril.merged_inverse`), X is put together as one [64, 64] tile, and w = X (beta e^G k), u = X (beta v) are
+  [64, 64] x [64, block_k] products. Nothing but `ChunkParts` goes to memory.
+- Two kernels (`chunk_blocks`, then `tril.wy_factors` with invert_diagonal): the first stores what
+  `blocks.decay_blocks` stores, except that the diagonal blocks of L are stored as they are (upper triangle
+  unmasked), for the second to invert.
 """
 
 from __future__ import annotations
