@@ -79,11 +79,12 @@ CHUNK_INTRA_ANY_GATE = _gpu(
     "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
 )
 CHUNK_FUSED = _gpu(
-    FusedTiles(block_k=64, num_warps=4),
-    "not measured: 4 warps for the products' 64 rows (16 a warp), [64, 64] fp32 tiles (32 registers a thread)",
+    FusedTiles(block_k=32, num_warps=4),
+    "not measured: 4 warps for the products' 64 rows (16 a warp); [64, 32] fp32 tiles (16 registers a thread) so "
+    "that the G, q, k tiles and the eight [64, 16] accumulators stay under 255 registers (about 260 at block_k 64)",
 )
 CHUNK_FUSED_WY = _gpu(
-    FusedWyTiles(block_k=64, num_warps=4, factors_num_warps=2),
+    FusedWyTiles(block_k=32, num_warps=4, factors_num_warps=2),
     "not measured: CHUNK_FUSED's settings for the products kernel; the WY factors as CHUNK_INTRA's",
 )
 CHUNK_INTER = _gpu(

@@ -110,27 +110,25 @@ def _products(chunk: _Chunk, q_ref, k_ref, g_ref, qg_ref, kg_ref, decay_ref, kb_
     zeros_CS = jnp.zeros((CHUNK, SUB), jnp.float32)
     a_qk, a_kk = [zeros_CS] * SUBS, [zeros_CS] * SUBS
     for columns in chunk.key_blocks:
+        totals = [jnp.sum(g_ref[sub_rows(j), columns] * LOG2_E, axis=0, keepdims=True) for j in range(SUBS)]
+        later = [sum(totals[j + 1 :], jnp.zeros_like(totals[0])) for j in range(SUBS)]  # t_{j+1} + ... + t_3
         log_decay = jnp.cumsum(g_ref[:, columns] * LOG2_E, axis=0)  # G
         queries, keys = chunk.queries(q_ref, columns), chunk.keys(k_ref, columns)
-        end, totals, rights = jnp.zeros((1, block_k), jnp.float32), [], []
-        for j in range(SUBS):
-            gates = g_ref[sub_rows(j), columns] * LOG2_E
-            totals.append(jnp.sum(gates, axis=0, keepdims=True))  # t_j
-            keys_j = k_ref[sub_rows(j), columns].astype(jnp.float32) * sub_key_scales[j]
-            rights.append(keys_j * (jnp.exp2(totals[j] - jnp.cumsum(gates, axis=0)) * SHIFT_UP))
-            end = end + totals[j]  # R_j
-            left = jnp.exp2(jnp.where(rows_CB >= SUB * j, log_decay - end, -jnp.inf)) * SHIFT_DOWN
-            a_qk[j] = a_qk[j] + dots.nt(queries * left, rights[j])
-            a_kk[j] = a_kk[j] + dots.nt(keys * left, rights[j])
         decay = jnp.exp2(log_decay)  # e^G (an underflow to 0 is a decay below e^-87)
         qg_ref[:, columns] = (queries * decay).astype(qg_ref.dtype)
         if kb_ref is not None:
             kb_ref[:, columns] = (chunk.beta * keys * decay).astype(kb_ref.dtype)
+        end = jnp.zeros((1, block_k), jnp.float32)
+        for j in range(SUBS):  # one sub-block's right factor alive at a time
+            gates = g_ref[sub_rows(j), columns] * LOG2_E
+            keys_j = k_ref[sub_rows(j), columns].astype(jnp.float32) * sub_key_scales[j]
+            right = keys_j * (jnp.exp2(totals[j] - jnp.cumsum(gates, axis=0)) * SHIFT_UP)  # k_s 2^{t_j - Γ_s + S}
+            kg_ref[sub_rows(j), columns] = (right * (jnp.exp2(later[j]) * SHIFT_DOWN)).astype(kg_ref.dtype)
+            end = end + totals[j]  # R_j
+            left = jnp.exp2(jnp.where(rows_CB >= SUB * j, log_decay - end, -jnp.inf)) * SHIFT_DOWN
+            a_qk[j] = a_qk[j] + dots.nt(queries * left, right)
+            a_kk[j] = a_kk[j] + dots.nt(keys * left, right)
         decay_ref[:, columns] = jnp.exp2(end)  # e^{G_last}
-        later = jnp.zeros_like(end)  # t_{j+1} + ... + t_3
-        for j in reversed(range(SUBS)):
-            kg_ref[sub_rows(j), columns] = (rights[j] * (jnp.exp2(later) * SHIFT_DOWN)).astype(kg_ref.dtype)
-            later = later + totals[j]
     return a_qk, a_kk
 
 
