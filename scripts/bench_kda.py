@@ -167,7 +167,6 @@ PHASE1_DEFAULT = {  # per form of phase 1: three kernels (gpu_triton*), over who
 PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults): the default, then the chunk-wide forms
     ("gpu_triton", {}),
     ("gpu_triton_fused", {}),
-    ("gpu_triton_fused", {"intra_block_k": 64}),
     ("gpu_triton_fused", {"intra_num_warps": 8}),
     ("gpu_triton_fused_wy", {}),
     ("gpu_triton_any_gate", {}),  # for gates below -5, on the same safe gates
