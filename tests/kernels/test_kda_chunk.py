@@ -156,23 +156,31 @@ FUSED = ["gpu_triton_fused", "gpu_triton_fused_wy"]  # phase 1 over whole chunks
 
 
 @pytest.mark.parametrize(
-    "name, dtype",
-    [("gpu_triton_fused", jnp.float32), ("gpu_triton_fused", jnp.bfloat16), ("gpu_triton_fused_wy", jnp.float32)],
-    ids=["fp32", "bf16", "wy-fp32"],
+    "name, dtype, l2norm",
+    [
+        ("gpu_triton_fused", jnp.float32, True),
+        ("gpu_triton_fused", jnp.bfloat16, True),
+        ("gpu_triton_fused_wy", jnp.float32, False),
+    ],
+    ids=["fp32", "bf16", "wy-fp32-as-given"],
 )
-def test_fused_kernels_match_float64_recurrence(name, dtype):
+def test_fused_kernels_match_float64_recurrence(name, dtype, l2norm):
     """The chunk-wide forms, interpreted: T = 75 (a chunk and a part), 16 key columns at a time over K = 32, one
     sequence with an initial state and one without (a zero state); the two-kernel form in fp32 only (its
-    kernels differ from the one kernel's only in where the WY factors are formed)."""
+    kernels differ from the one kernel's only in where the WY factors are formed), on q, k as given (not
+    normalised in the kernel)."""
     q, k, v, g, beta, state = random_sequence(2, 75, 2, 32, 32, dtype, seed=41)
     state[1] = 0.0
-    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    if not l2norm:
+        q, k = l2(q), 0.7 * l2(k)
+    o_ref, s_ref = kda_recurrence(*((l2(q), l2(k)) if l2norm else (q, k)), v, g, beta, state)
     o, s = kernel("chunk_kda", name)(
         *(jnp.asarray(x, dtype) for x in (q, k, v)),
         jnp.asarray(g),
         jnp.asarray(beta),
         jnp.asarray(state),
         scale=32**-0.5,
+        use_qk_l2norm=l2norm,
         intra_block_k=16,
         interpret=True,
     )

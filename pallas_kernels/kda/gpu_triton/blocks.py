@@ -81,10 +81,10 @@ def _rows(ref, column_blocks, eviction_policy=None):
 
 
 def inverse_norms(tiles, l2norm: bool):
-    """[SUB, 1] fp32: 1 / |x| (l2, with the reference's epsilon) of rows given as column-block tiles; ones without
-    l2norm."""
+    """[rows, 1] fp32: 1 / |x| (l2, with the reference's epsilon) of rows given as column-block tiles; ones
+    without l2norm."""
     if not l2norm:
-        return jnp.ones((SUB, 1), jnp.float32)
+        return jnp.ones((tiles[0].shape[0], 1), jnp.float32)
     squares = [jnp.sum(jnp.square(tile), axis=1, keepdims=True) for tile in tiles]
     return jax.lax.rsqrt(functools.reduce(jnp.add, squares) + L2_EPS)
 
