@@ -4,16 +4,17 @@
     python scripts/bench_kda.py                  # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
     python scripts/bench_kda.py --prefill-only
     python scripts/bench_kda.py --prefill-only --prefill-size 1 32768 --iters 20   # one size
+    python scripts/bench_kda.py --prefill-only --variant gpu_triton --variant gpu_triton_fused   # some variants
     python scripts/bench_kda.py --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
-with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: `chunk_kda_gpu` (Pallas, two
-phases, the first three pallas_calls) vs fla's `chunk_kda` (and, with --jnp-baseline, the jnp chunked form
-under XLA: ~180 ms a call at T=32768), over a few tile variants (phase 1's warps among them) and the any-gate
-kernel (`any_gate`: the variant gpu_triton_any_gate, for gates below -5, on the same gates); each variant also
-times its two phases alone (phase 1: intra-chunk, parallel, and each of its three kernels; phase 2: the
-sequential state pass), with the bytes each must move at least. Each kernel is checked against fla on the device
-before it is timed. H=64, K=V=128.
+with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: the chunk_kda variants (Pallas, two
+phases: gpu_triton, phase 1 in three pallas_calls; gpu_triton_fused, phase 1 in two) vs fla's `chunk_kda` (and,
+with --jnp-baseline, the jnp chunked form under XLA: ~180 ms a call at T=32768), over a few tile variants of the
+fused kernel and the any-gate variants (for gates below -5, on the same gates); each variant also times its two
+phases alone (phase 1: intra-chunk, parallel, and each of its kernels; phase 2: the
+sequential state pass), with the bytes each must move at least; the fastest (safe-gate) variant is named. Each
+kernel is checked against fla on the device before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
 """
 
@@ -38,17 +39,19 @@ from pallas_kernels.kda import (
     kda_chunked,  # noqa: E402
     tuned,  # noqa: E402
 )
-from pallas_kernels.kda.gpu_triton import (
+from pallas_kernels.kda.gpu_triton import (  # noqa: E402
+    chunk_blocks,
     decay_blocks,
+    fused_intra_chunk,
     inter_chunk,
     intra_chunk,
-    sub_block_keys,  # noqa: E402
+    sub_block_keys,
     wy_factors,
 )
 from pallas_kernels.kda.ops import kernel  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
-chunk_kda_gpu, kda_decode_step_gpu = kernel("chunk_kda", "gpu_triton"), kernel("kda_decode_step", "gpu_triton")
+kda_decode_step_gpu = kernel("kda_decode_step", "gpu_triton")
 
 HEADS, DIM = 64, 128
 CPU_HEADS = 2  # the interpreted smoke run's
@@ -148,30 +151,65 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-# the tuned table's settings on this device (`pallas_kernels/kda/tuned.py`), as chunk_kda_gpu keywords
+# the tuned tables' settings on this device (`pallas_kernels/kda/tuned.py`), as the prefill entry points' keywords
 PHASE2_DEFAULT = dataclasses.asdict(lookup(tuned.CHUNK_INTER, dtype=jnp.bfloat16))
-PHASE1_DEFAULT = {
-    f"intra_{name}": value for name, value in dataclasses.asdict(lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)).items()
+
+
+def _intra_defaults(table) -> dict:
+    return {f"intra_{name}": value for name, value in dataclasses.asdict(lookup(table, dtype=jnp.bfloat16)).items()}
+
+
+PHASE1_DEFAULT = {  # per form of phase 1: three kernels (gpu_triton*), over whole chunks in one kernel or two
+    "three": _intra_defaults(tuned.CHUNK_INTRA),
+    "fused": _intra_defaults(tuned.CHUNK_FUSED),
+    "fused_wy": _intra_defaults(tuned.CHUNK_FUSED_WY),
 }
-PREFILL_VARIANTS = [  # chunk_kda_gpu keywords over the defaults, the most promising first
-    {},
-    {"any_gate": True},  # the variant gpu_triton_any_gate (gates below -5 allowed), on the same safe gates
+PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults): the default, then the chunk-wide forms
+    ("gpu_triton", {}),
+    ("gpu_triton_fused", {}),
+    ("gpu_triton_fused", {"intra_num_warps": 8}),
+    ("gpu_triton_fused_wy", {}),
+    ("gpu_triton_any_gate", {}),  # for gates below -5, on the same safe gates
 ]
-PHASE1_KNOBS = (
-    "intra_block_k",
-    "intra_num_warps",
-    "intra_num_stages",
-    "intra_factors_num_warps",
-    "parts_dtype",
-    "any_gate",
-)
 
 
-def phase1_kernels(q, k, v, g, beta, knobs, interpret):
-    """Phase 1's three pallas_calls as jitted functions of their own inputs (each timed alone), with the
-    inputs each needs: [(name, fn, args)], in order."""
-    stages = dict(num_stages=knobs["intra_num_stages"], interpret=interpret)
+def _form(name: str) -> str:
+    """Phase 1 of variant `name`: "three" kernels, "fused" (one chunk-wide kernel) or "fused_wy" (two)."""
+    return {"gpu_triton_fused": "fused", "gpu_triton_fused_wy": "fused_wy"}.get(name, "three")
+
+
+def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
+    """Phase 1's pallas_calls as jitted functions of their own inputs (each timed alone), with the inputs each
+    needs: [(name, fn, args)], in order: the keys, block-row and WY-factors kernels of gpu_triton*, the chunk-wide
+    products and WY-factors kernels of gpu_triton_fused_wy (none for gpu_triton_fused: one kernel)."""
+    if _form(name) == "fused":
+        return []  # one kernel: phase 1 itself
     dtype = knobs["parts_dtype"] or v.dtype
+    stages = dict(num_stages=knobs.get("intra_num_stages"), interpret=interpret)
+    factors_fn = jax.jit(
+        functools.partial(
+            wy_factors,
+            parts_dtype=dtype,
+            input_dtype=v.dtype,
+            num_warps=knobs["intra_factors_num_warps"],
+            invert_diagonal=_form(name) == "fused_wy",
+            **stages,
+        )
+    )
+    if _form(name) == "fused_wy":
+        products_fn = jax.jit(
+            functools.partial(
+                chunk_blocks,
+                scale=DIM**-0.5,
+                use_qk_l2norm=True,
+                parts_dtype=dtype,
+                block_k=knobs["intra_block_k"],
+                num_warps=knobs["intra_num_warps"],
+                interpret=interpret,
+            )
+        )
+        _, _, blocks, kb, _, _ = products_fn(q, k, g, beta)
+        return [("chunk products", products_fn, (q, k, g, beta)), ("wy factors", factors_fn, (blocks, kb, v, beta))]
     tiles = dict(block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"], any_gate=knobs["any_gate"])
     keys_fn = jax.jit(
         functools.partial(sub_block_keys, use_qk_l2norm=True, parts_dtype=dtype, interpret=interpret, **tiles)
@@ -181,11 +219,6 @@ def phase1_kernels(q, k, v, g, beta, knobs, interpret):
         functools.partial(decay_blocks, scale=DIM**-0.5, use_qk_l2norm=True, parts_dtype=dtype, **tiles, **stages)
     )
     _, _, blocks, kb, _, _ = blocks_fn(q, k, g, beta, right, totals)
-    factors_fn = jax.jit(
-        functools.partial(
-            wy_factors, parts_dtype=dtype, input_dtype=v.dtype, num_warps=knobs["intra_factors_num_warps"], **stages
-        )
-    )
     return [
         ("keys", keys_fn, (k, g)),
         ("blocks", blocks_fn, (q, k, g, beta, right, totals)),
@@ -193,34 +226,30 @@ def phase1_kernels(q, k, v, g, beta, knobs, interpret):
     ]
 
 
-def bench_prefill_phases(inputs, variant, iters, phase1_seconds, interpret):
+def phase1_function(name: str, knobs: dict, interpret: bool):
+    """Phase 1 of variant `name` (`intra_chunk` or `fused_intra_chunk`) with its knobs, jitted."""
+    tiles = {key.removeprefix("intra_"): value for key, value in knobs.items() if key.startswith("intra_")}
+    common = dict(scale=DIM**-0.5, parts_dtype=knobs["parts_dtype"], interpret=interpret, **tiles)
+    if _form(name) != "three":
+        return jax.jit(functools.partial(fused_intra_chunk, one_kernel=_form(name) == "fused", **common))
+    return jax.jit(functools.partial(intra_chunk, any_gate=knobs["any_gate"], **common))
+
+
+def bench_prefill_phases(inputs, name, variant, iters, phase1_seconds, interpret):
     """(phase 1 s, its kernels' s, phase 2 s, bytes each phase moves at least), each pallas_call jitted and
-    timed alone; phase 1's times are kept per its knobs in phase1_seconds."""
+    timed alone; phase 1's times are kept per its form and knobs in phase1_seconds."""
     jq, jk, jv, jg, jbeta = inputs
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
-    knobs = {name: variant[name] for name in PHASE1_KNOBS}
-    intra = jax.jit(
-        functools.partial(
-            intra_chunk,
-            scale=DIM**-0.5,
-            block_k=knobs["intra_block_k"],
-            num_warps=knobs["intra_num_warps"],
-            num_stages=knobs["intra_num_stages"],
-            factors_num_warps=knobs["intra_factors_num_warps"],
-            parts_dtype=knobs["parts_dtype"],
-            any_gate=knobs["any_gate"],
-            interpret=interpret,
-        )
-    )
+    knobs = {key: value for key, value in variant.items() if key.startswith("intra_") or key == "parts_dtype"}
+    knobs["any_gate"] = name.endswith("_any_gate")  # gpu_triton_any_gate: intra_chunk(any_gate=True)
+    intra = phase1_function(name, knobs, interpret)
     parts = intra(*phase1_args)
-    key = tuple(knobs.values())
+    key = (_form(name), *sorted(knobs.items(), key=lambda item: item[0]))
     if key not in phase1_seconds:
+        stages = phase1_kernels(name, *phase1_args, knobs, interpret)
         phase1_seconds[key] = (
             median_seconds(intra, *phase1_args, iters=iters),
-            {
-                name: median_seconds(fn, *args, iters=iters)
-                for name, fn, args in phase1_kernels(*phase1_args, knobs, interpret)
-            },
+            {stage: median_seconds(fn, *args, iters=iters) for stage, fn, args in stages},
         )
     batch, _, heads, _ = jq.shape
     state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
@@ -255,9 +284,9 @@ def fla_prefill(q, k, v, g, beta, iters):
     return fla_o.float().cpu().numpy(), fla_state.float().cpu().numpy(), fla_s
 
 
-def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = False, heads: int = HEADS):
-    """Every PREFILL_VARIANTS entry vs fla (on the GPU) or, interpreted on the CPU, vs the jnp chunked form
-    (a smoke run of the wiring: its times say nothing)."""
+def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = False, heads: int = HEADS, names=None):
+    """Every PREFILL_VARIANTS entry (of the variants `names`, None: all) vs fla (on the GPU) or, interpreted on
+    the CPU, vs the jnp chunked form (a smoke run of the wiring: its times say nothing)."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
@@ -275,38 +304,41 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
     print(
         f"prefill B={batch} T={length}: {ref_name} {ref_s * 1e3:.2f} ms ({tokens / ref_s / 1e6:.2f} Mtok/s){baseline}"
     )
-    best, phase1_seconds = None, {}
-    for overrides in PREFILL_VARIANTS:
-        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT, "parts_dtype": None, "any_gate": False, **overrides}
-        fn = jax.jit(functools.partial(chunk_kda_gpu, scale=DIM**-0.5, interpret=interpret, **variant))
-        label = (
-            " ".join(
-                f"{name}={jnp.dtype(value).name if name == 'parts_dtype' and value else value}"
-                for name, value in overrides.items()
-            )
-            or "defaults"
+    results, phase1_seconds = [], {}
+    for name, overrides in [(name, overrides) for name, overrides in PREFILL_VARIANTS if name in (names or [name])]:
+        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT[_form(name)], "parts_dtype": None, **overrides}
+        fn = jax.jit(functools.partial(kernel("chunk_kda", name), scale=DIM**-0.5, interpret=interpret, **variant))
+        label = " ".join(
+            [name]
+            + [
+                f"{key}={jnp.dtype(value).name if key == 'parts_dtype' and value else value}"
+                for key, value in overrides.items()
+            ]
         )
         try:
             o, state = fn(jq, jk, jv, jg, jbeta)
             err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
             seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
             intra_s, kernel_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases(
-                (jq, jk, jv, jg, jbeta), variant, iters, phase1_seconds, interpret
+                (jq, jk, jv, jg, jbeta), name, variant, iters, phase1_seconds, interpret
             )
         except Exception as error:  # a variant that fails to compile or run must not end the sweep
             print(f"  Pallas {label}: failed: {type(error).__name__}: {str(error)[:300]}")
             continue
-        kernels = " + ".join(f"{name} {s * 1e3:.2f}" for name, s in kernel_s.items())
+        kernels = " + ".join(f"{stage} {s * 1e3:.2f}" for stage, s in kernel_s.items())
+        kernels = f"{kernels} alone" if kernels else "one kernel"
         print(
             f"  Pallas {label}: {seconds * 1e3:.2f} ms ({tokens / seconds / 1e6:.2f} Mtok/s, "
             f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}\n"
-            f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels} alone), >= {intra_bytes / 1e9:.2f} GB "
+            f"    phase 1 (intra-chunk) {intra_s * 1e3:.2f} ms ({kernels}), >= {intra_bytes / 1e9:.2f} GB "
             f"({intra_bytes / intra_s / 1e12:.2f} TB/s); phase 2 (state pass) {inter_s * 1e3:.2f} ms, "
             f">= {inter_bytes / 1e9:.2f} GB ({inter_bytes / inter_s / 1e12:.2f} TB/s)"
         )
-        if best is None or seconds < best[0]:
-            best = (seconds, err_o)
-    seconds, err = best
+        results.append((name.endswith("_any_gate"), seconds, err_o, label))
+    if not results:
+        raise SystemExit(f"prefill B={batch} T={length}: no variant ran")
+    _, seconds, err, label = min(results)  # a safe-gate variant when one ran
+    print(f"  fastest: {label}")
     return ("prefill", batch, length, seconds, ref_s, None, err)
 
 
@@ -325,6 +357,12 @@ def main(argv=None) -> int:
         help="prefill batch and length to time (repeatable; default 1 32768 and 8 4096, --quick 1 4096)",
     )
     parser.add_argument(
+        "--variant",
+        action="append",
+        choices=sorted({name for name, _ in PREFILL_VARIANTS}),
+        help="prefill: time only this chunk_kda variant's rows (repeatable; default all)",
+    )
+    parser.add_argument(
         "--jnp-baseline",
         action="store_true",
         help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)",
@@ -337,7 +375,7 @@ def main(argv=None) -> int:
                 "--quick runs the prefill variants interpreted at a small size (a check of the wiring)"
             )
         print(f"jax {jax.__version__}; no GPU: prefill variants in interpret mode, H={CPU_HEADS} (times meaningless)")
-        rows = [bench_prefill(1, 3 * 64, 1, False, interpret=True, heads=CPU_HEADS)]
+        rows = [bench_prefill(1, 3 * 64, 1, False, interpret=True, heads=CPU_HEADS, names=args.variant)]
     else:
         copy = max(copy_bandwidth(args.iters), 0.0 if args.prefill_only else torch_copy_bandwidth(args.iters))
         print(
@@ -348,7 +386,7 @@ def main(argv=None) -> int:
         rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
         sizes = args.prefill_size or (((1, 4096),) if args.quick else ((1, 32768), (8, 4096)))
         for batch, length in () if args.decode_only else sizes:
-            rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline))
+            rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline, names=args.variant))
     print(
         "\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n"
         "|---|---|---|---|---|---|---|---|"

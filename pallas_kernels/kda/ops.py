@@ -6,16 +6,26 @@ block-size overrides, for tests and benchmarks). Without a variant named, the ba
 forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-5, the safe gate's default
 bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
 log-decay <= 0; `chunk_variant` picks the bounded form only when the caller guarantees the bound.
+"gpu_triton_fused" and "gpu_triton_fused_wy" are bounded GPU forms whose phase-1 programs work on whole chunks,
+in one kernel and in two (named only: not the default until measured faster on the device; their any-gate form
+is gpu_triton_any_gate).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
 from pallas_kernels import variants
 from pallas_kernels.backend import resolve_backend, with_reference_vjp
 from pallas_kernels.kda.chunk_math import GATE_FLOOR
-from pallas_kernels.kda.gpu_triton import chunk_kda_gpu, chunk_kda_gpu_any_gate, kda_decode_step_gpu
+from pallas_kernels.kda.gpu_triton import (
+    chunk_kda_gpu,
+    chunk_kda_gpu_any_gate,
+    chunk_kda_gpu_fused,
+    kda_decode_step_gpu,
+)
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
 from pallas_kernels.variants import REFERENCE, Variant
@@ -48,6 +58,8 @@ VARIANTS = {
         "tpu_mosaic": Variant("tpu", chunk_kda_tpu),
         "gpu_triton_any_gate": Variant("gpu", chunk_kda_gpu_any_gate),
         "tpu_mosaic_any_gate": Variant("tpu", chunk_kda_tpu_any_gate),
+        "gpu_triton_fused": Variant("gpu", chunk_kda_gpu_fused),
+        "gpu_triton_fused_wy": Variant("gpu", functools.partial(chunk_kda_gpu_fused, one_kernel=False)),
     },
     "kda_decode_step": {
         REFERENCE: Variant(None, _decode_reference),
@@ -56,7 +68,12 @@ VARIANTS = {
     },
 }
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
-_ANY_GATE = {"gpu_triton": "gpu_triton_any_gate", "tpu_mosaic": "tpu_mosaic_any_gate"}  # bounded -> any-gate form
+_ANY_GATE = {  # bounded -> any-gate form
+    "gpu_triton": "gpu_triton_any_gate",
+    "tpu_mosaic": "tpu_mosaic_any_gate",
+    "gpu_triton_fused": "gpu_triton_any_gate",
+    "gpu_triton_fused_wy": "gpu_triton_any_gate",
+}
 
 
 def kernel(op: str, name: str):

@@ -24,6 +24,24 @@ class IntraTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class FusedTiles:
+    """gpu_triton_fused prefill phase 1 (one kernel): key (and value) columns per step, Triton warps."""
+
+    block_k: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedWyTiles:
+    """gpu_triton_fused_wy prefill phase 1: key columns per step and warps of the chunk-wide products kernel,
+    warps of the WY-factors kernel."""
+
+    block_k: int
+    num_warps: int
+    factors_num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
 class InterTiles:
     """gpu_triton prefill phase 2 (the sequential state pass): block_v state columns per program."""
 
@@ -59,6 +77,15 @@ CHUNK_INTRA_ANY_GATE = _gpu(
     IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
     "not measured: CHUNK_INTRA's settings (BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order "
     "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
+)
+CHUNK_FUSED = _gpu(
+    FusedTiles(block_k=32, num_warps=4),
+    "not measured: 4 warps for the products' 64 rows (16 a warp); [64, 32] fp32 tiles (16 registers a thread) so "
+    "that the G, q, k tiles and the eight [64, 16] accumulators stay under 255 registers (about 260 at block_k 64)",
+)
+CHUNK_FUSED_WY = _gpu(
+    FusedWyTiles(block_k=32, num_warps=4, factors_num_warps=2),
+    "not measured: CHUNK_FUSED's settings for the products kernel; the WY factors as CHUNK_INTRA's",
 )
 CHUNK_INTER = _gpu(
     InterTiles(block_v=64, num_warps=4, num_stages=2),

@@ -17,8 +17,14 @@ from helpers import gpu_test, l2, lower_for_cuda, rel_error
 from np_reference import kda_recurrence
 
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
-from pallas_kernels.kda.gpu_triton import intra_chunk, sub_block_keys, unit_lower_inverse_16, wy_factors
-from pallas_kernels.kda.ops import kernel
+from pallas_kernels.kda.gpu_triton import (
+    fused_intra_chunk,
+    intra_chunk,
+    sub_block_keys,
+    unit_lower_inverse_16,
+    wy_factors,
+)
+from pallas_kernels.kda.ops import chunk_variant, kernel
 from pallas_kernels.kda.reference import unit_lower_inverse
 
 BACKENDS = ["interpret_gpu", "interpret_tpu"]
@@ -144,6 +150,53 @@ def test_any_gate_kernels_match_float64_recurrence(backend, gates, with_state):
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert rel_error(o, o_ref) <= 1e-4, rel_error(o, o_ref)
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
+
+
+FUSED = ["gpu_triton_fused", "gpu_triton_fused_wy"]  # phase 1 over whole chunks: one kernel, two
+
+
+@pytest.mark.parametrize(
+    "name, dtype, l2norm",
+    [
+        ("gpu_triton_fused", jnp.float32, True),
+        ("gpu_triton_fused", jnp.bfloat16, True),
+        ("gpu_triton_fused_wy", jnp.float32, False),
+    ],
+    ids=["fp32", "bf16", "wy-fp32-as-given"],
+)
+def test_fused_kernels_match_float64_recurrence(name, dtype, l2norm):
+    """The chunk-wide forms, interpreted: T = 75 (a chunk and a part), 16 key columns at a time over K = 32, one
+    sequence with an initial state and one without (a zero state); the two-kernel form in fp32 only (its
+    kernels differ from the one kernel's only in where the WY factors are formed), on q, k as given (not
+    normalised in the kernel)."""
+    q, k, v, g, beta, state = random_sequence(2, 75, 2, 32, 32, dtype, seed=41)
+    state[1] = 0.0
+    if not l2norm:
+        q, k = l2(q), 0.7 * l2(k)
+    o_ref, s_ref = kda_recurrence(*((l2(q), l2(k)) if l2norm else (q, k)), v, g, beta, state)
+    o, s = kernel("chunk_kda", name)(
+        *(jnp.asarray(x, dtype) for x in (q, k, v)),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        jnp.asarray(state),
+        scale=32**-0.5,
+        use_qk_l2norm=l2norm,
+        intra_block_k=16,
+        interpret=True,
+    )
+    assert o.dtype == dtype and np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(s)).all()
+    err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
+    assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)
+
+
+def test_fused_variants_are_named_only_and_keep_the_gate_bound():
+    """The chunk-wide forms run when named (the default stays gpu_triton until one is measured faster on the
+    device), and are refused for gates not bounded by -5 (they take the bounded kernels' gates only)."""
+    assert chunk_variant("pallas_gpu", BOUNDED) == "gpu_triton"
+    for name in FUSED:
+        assert chunk_variant("pallas_gpu", BOUNDED, name) == name
+        with pytest.raises(ValueError, match="gpu_triton_any_gate"):
+            chunk_variant("pallas_gpu", -6.0, name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -294,19 +347,19 @@ def chunk_parts_float64(q, k, v, g, beta, scale):
     return {name: np.concatenate(x, axis=1) for name, x in parts.items()}
 
 
-def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False, **blocks):
+def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False, phase1=intra_chunk, **blocks):
     q, k, v, g, beta, _ = random_sequence(1, 128, 2, key_dim, value_dim, dtype, seed=13)
     g[:, :64] *= 0.02  # the first chunk's decay_last far from fp32's underflow (e^-160 for the full range)
     # the second chunk at the gate bound, or for any gate the safe gate mixed with -A softplus(a)
     g[:, 64:] = gates_of("safe-mixed", g[:, 64:].shape, seed=14) if any_gate else -5.0
-    parts = intra_chunk(
+    parts = phase1(
         *(jnp.asarray(x, dtype) for x in (q, k, v)),
         jnp.asarray(g),
         jnp.asarray(beta)[..., None],
         scale=key_dim**-0.5,
         parts_dtype=jnp.float32,
-        any_gate=any_gate,
         interpret=interpret,
+        **({"any_gate": True} if any_gate else {}),  # fused_intra_chunk: bounded gates only
         **blocks,
     )
     expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim**-0.5)
@@ -337,11 +390,24 @@ def test_gpu_any_gate_chunk_parts_match_float64():
     _check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, any_gate=True, block_k=16)
 
 
+def test_gpu_fused_chunk_parts_match_float64():
+    """The same parts from `fused_intra_chunk` in one kernel, over four 16-column steps of the keys. The left
+    decay factors are exponentials of a 64-gate running sum (fp32 rounding of the exponent: a_qk 1.5e-6 off at the
+    gate bound; the three kernels' sums span 16 gates)."""
+    _check_parts(jnp.float32, 64, 32, interpret=True, tolerance=5e-6, phase1=fused_intra_chunk, block_k=16)
+
+
 @gpu_test("the compiled Triton kernels")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-def test_compiled_gpu_chunk_parts_full_width(dtype):
+@pytest.mark.parametrize(
+    "phase1",
+    [intra_chunk, fused_intra_chunk, functools.partial(fused_intra_chunk, one_kernel=False)],
+    ids=["three-kernels", "fused", "fused-wy"],
+)
+def test_compiled_gpu_chunk_parts_full_width(dtype, phase1):
     """The same compiled at K = V = 128: tf32 products for bf16 inputs, IEEE fp32 ones for fp32 inputs."""
-    _check_parts(dtype, 128, 128, interpret=False, tolerance=TOL[dtype] if dtype == jnp.bfloat16 else 1e-5)
+    tolerance = TOL[dtype] if dtype == jnp.bfloat16 else 1e-5
+    _check_parts(dtype, 128, 128, interpret=False, tolerance=tolerance, phase1=phase1)
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret_gpu"])
@@ -393,13 +459,23 @@ def test_tpu_kernel_lowers_for_tpu(name):
 
 @pytest.mark.parametrize(
     "name, shape",
-    [("gpu_triton", (1, 1000, 4)), ("gpu_triton", (1, 32768, 64)), ("gpu_triton_any_gate", (1, 1000, 4))],
-    ids=["T1000-H4", "T32768-H64", "any-gate-T1000-H4"],
+    [
+        ("gpu_triton", (1, 1000, 4)),
+        ("gpu_triton", (1, 32768, 64)),
+        ("gpu_triton_any_gate", (1, 1000, 4)),
+        ("gpu_triton_fused", (1, 32768, 64)),
+        ("gpu_triton_fused_wy", (1, 1000, 4)),
+    ],
+    ids=["T1000-H4", "T32768-H64", "any-gate-T1000-H4", "fused-T32768-H64", "fused-wy-T1000-H4"],
 )
 def test_gpu_kernel_lowers_for_cuda(name, shape):
     prefill = functools.partial(kernel("chunk_kda", name), scale=128**-0.5)
     text = lower_for_cuda(prefill, *_abstract(*shape)).as_text()
-    for stage in ("intra_blocks", "intra_wy_factors", "inter_chunk"):
+    phase1 = {
+        "gpu_triton_fused": ("fused_intra",),
+        "gpu_triton_fused_wy": ("fused_blocks", "intra_wy_factors_inverting"),
+    }.get(name, ("intra_blocks", "intra_wy_factors"))
+    for stage in (*phase1, "inter_chunk"):
         assert f"kda_prefill_{stage}" in text, stage
 
 
@@ -409,7 +485,8 @@ def test_gpu_kernel_lowers_for_cuda(name, shape):
     reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-def test_compiled_gpu_kernel_full_width(dtype):
+@pytest.mark.parametrize("variant", [None, *FUSED])
+def test_compiled_gpu_kernel_full_width(dtype, variant):
     q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, dtype, seed=11)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     o, s = chunk_kda(
@@ -419,9 +496,10 @@ def test_compiled_gpu_kernel_full_width(dtype):
         initial_state=jnp.asarray(state),
         gate_lower_bound=BOUNDED,
         backend="pallas_gpu",
+        variant=variant,
     )
     err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
-    print(f"compiled GPU prefill kernel, {jnp.dtype(dtype).name} inputs: o {err_o:.1e}, final state {err_s:.1e}")
+    print(f"compiled GPU prefill {variant}, {jnp.dtype(dtype).name} inputs: o {err_o:.1e}, final state {err_s:.1e}")
     assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)  # bf16/tf32 products for bf16 inputs
 
 
@@ -444,6 +522,36 @@ def test_compiled_gpu_any_gate_kernel_full_width(dtype):
         print(f"compiled any-gate GPU prefill, {jnp.dtype(dtype).name}, {gates}: o {err_o:.1e}, state {err_s:.1e}")
         assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(s)).all(), gates
         assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (gates, err_o, err_s)
+
+
+@gpu_test("fla's Triton chunk_kda")
+@pytest.mark.parametrize("name", ["gpu_triton", *FUSED])
+def test_compiled_gpu_kernel_matches_fla(name):
+    """bf16 inputs at K = V = 128 against fla 0.6.0's chunk_kda (torch, on the same GPU): both round their
+    per-chunk factors to bf16, so they agree to ~5e-3 (BENCHMARKS.md), not to fp32 rounding."""
+    torch = pytest.importorskip("torch")
+    fla_chunk_kda = pytest.importorskip("fla.ops.kda").chunk_kda
+    q, k, v, g, beta, state = random_sequence(1, 1000, 4, 128, 128, jnp.bfloat16, seed=17)
+    as_torch = lambda x, dtype=torch.float32: torch.from_numpy(np.ascontiguousarray(x)).cuda().to(dtype)  # noqa: E731
+    fla_o, fla_s = fla_chunk_kda(
+        *(as_torch(x, torch.bfloat16) for x in (q, k, v)),
+        as_torch(g),
+        as_torch(beta),
+        initial_state=as_torch(state),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    o, s = kernel("chunk_kda", name)(
+        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        jnp.asarray(state),
+        scale=128**-0.5,
+    )
+    err_o = rel_error(o.astype(jnp.float32), fla_o.float().cpu().numpy())
+    err_s = rel_error(s, fla_s.float().cpu().numpy())
+    print(f"{name} vs fla chunk_kda, bf16: o {err_o:.1e}, final state {err_s:.1e}")
+    assert err_o <= 5e-3 and err_s <= 5e-3, (err_o, err_s)
 
 
 def test_long_sequence_is_stable():

@@ -68,7 +68,7 @@ SHIFT_UP, SHIFT_DOWN = 2.0**58, 2.0**-58  # ~e^{±40}: half the widest decay acr
 EXACT_DOT = functools.partial(plgpu.dot, allow_tf32=False)  # IEEE fp32: sums of gates through a 0/1 matrix
 
 
-def _column_blocks(key_dim: int, block_k: int):
+def key_column_blocks(key_dim: int, block_k: int):
     """The key columns, block_k at a time."""
     return [pl.ds(c * block_k, block_k) for c in range(key_dim // block_k)]
 
@@ -80,25 +80,25 @@ def _rows(ref, column_blocks, eviction_policy=None):
     ]
 
 
-def _inverse_norms(tiles, l2norm: bool):
-    """[SUB, 1] fp32: 1 / |x| (l2, with the reference's epsilon) of rows given as column-block tiles; ones without
-    l2norm."""
+def inverse_norms(tiles, l2norm: bool):
+    """[rows, 1] fp32: 1 / |x| (l2, with the reference's epsilon) of rows given as column-block tiles; ones
+    without l2norm."""
     if not l2norm:
-        return jnp.ones((SUB, 1), jnp.float32)
+        return jnp.ones((tiles[0].shape[0], 1), jnp.float32)
     squares = [jnp.sum(jnp.square(tile), axis=1, keepdims=True) for tile in tiles]
     return jax.lax.rsqrt(functools.reduce(jnp.add, squares) + L2_EPS)
 
 
-def _as_row(column_SUB1):
+def as_row(column_SUB1):
     """A [SUB, 1] column as a [1, SUB] row, through a diagonal mask and a sum (no layout conversion)."""
     return jnp.sum(jnp.where(iota_16(0) == iota_16(1), column_SUB1, 0.0), axis=0, keepdims=True)
 
 
 def _keys_kernel(k_ref, g_ref, right_ref, totals_ref, *, l2norm, block_k, any_gate):
     """One sub-block j: its keys decayed to its end, k_s e^{t_j - Γ_s} (<= 1), and its gate totals t_j."""
-    column_blocks = _column_blocks(k_ref.shape[1], block_k)
+    column_blocks = key_column_blocks(k_ref.shape[1], block_k)
     keys = _rows(k_ref, column_blocks)
-    key_scale_SUB1 = _inverse_norms(keys, l2norm)
+    key_scale_SUB1 = inverse_norms(keys, l2norm)
     for columns, key in zip(column_blocks, keys):
         g_j = g_ref[:, columns] * LOG2_E
         total = jnp.sum(g_j, axis=0, keepdims=True)
@@ -155,10 +155,10 @@ def _kernel(
     i = pl.program_id(2)
     rows, cols = iota_16(0), iota_16(1)
     zeros_SUBSUB = jnp.zeros((SUB, SUB), jnp.float32)
-    column_blocks = _column_blocks(k_ref.shape[1], block_k)
+    column_blocks = key_column_blocks(k_ref.shape[1], block_k)
     queries, keys_i = _rows(q_ref, column_blocks, "evict_first"), _rows(k_ref, column_blocks, "evict_first")
-    query_scale_SUB1 = _inverse_norms(queries, l2norm) * scale
-    key_scale_SUB1 = _inverse_norms(keys_i, l2norm)
+    query_scale_SUB1 = inverse_norms(queries, l2norm) * scale
+    key_scale_SUB1 = inverse_norms(keys_i, l2norm)
     beta_SUB1 = beta_ref[...]
 
     def own_rows(columns, query, key):
@@ -233,7 +233,7 @@ def _kernel(
     else:
         a_qk, strict_U = _shifted_diagonal(decayed, dots)
     a_ref[:, sub_rows(i)] = jnp.where(rows >= cols, a_qk, 0.0).astype(a_ref.dtype)
-    strict_U = jnp.where(rows < cols, strict_U, 0.0) * _as_row(beta_SUB1)  # L_ii^T
+    strict_U = jnp.where(rows < cols, strict_U, 0.0) * as_row(beta_SUB1)  # L_ii^T
     blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
 

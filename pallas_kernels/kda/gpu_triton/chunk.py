@@ -3,7 +3,9 @@
 1. `intra.intra_chunk` (itself three pallas_calls, each over independent programs): per chunk the
    decay-weighted q-k and k-k blocks, the inverse of (I + L), the WY factors w = T (e^G k), u = T v and the
    decayed q and k (no exponential can overflow fp32: for gates >= -5 in `chunk_kda_gpu`, for any gate in
-   `chunk_kda_gpu_any_gate`, whose diagonal 16x16 blocks are formed from running products of per-step decays).
+   `chunk_kda_gpu_any_gate`, whose diagonal 16x16 blocks are formed from running products of per-step decays);
+   or, for gates >= -5, `fused.fused_intra_chunk` (`chunk_kda_gpu_fused`): the same parts from one pallas_call
+   (or two) whose programs work on whole chunks.
 2. `inter.inter_chunk`, grid (V/block_v, B*H), one program walks the chunks in order, carrying its
    slice of the fp32 state and writing the output.
 Both read and write the [B, T, H, ...] layout directly; T is padded to whole chunks (g = 0, beta = 0: an
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import tuned
+from pallas_kernels.kda.gpu_triton.fused import fused_intra_chunk
 from pallas_kernels.kda.gpu_triton.inter import inter_chunk
 from pallas_kernels.kda.gpu_triton.intra import CHUNK, intra_chunk
 from pallas_kernels.tuning import fill, lookup
@@ -25,6 +28,29 @@ from pallas_kernels.tuning import fill, lookup
 
 def _pad_time(x, pad: int):
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+
+
+def _two_phases(phase1, q, k, v, g, beta, initial_state, *, block_v, num_warps, num_stages, interpret):
+    """(o [B, T, H, V], final state): the inputs padded to whole chunks, `phase1(q, k, v, g, beta)` (beta as
+    [B, Tp, H, 1] fp32) giving their `ChunkParts`, then the state pass with its tiles (None: `tuned.CHUNK_INTER`)."""
+    batch, length, heads, key_dim = q.shape
+    pad = -length % CHUNK
+    q, k, v, g, beta = (
+        _pad_time(x, pad) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32)[..., None])
+    )
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
+    block_v, num_warps, num_stages = fill((block_v, num_warps, num_stages), lookup(tuned.CHUNK_INTER, dtype=v.dtype))
+    o, state = inter_chunk(
+        phase1(q, k, v, g, beta),
+        initial_state.astype(jnp.float32),
+        out_dtype=v.dtype,
+        block_v=block_v,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
+    return o[:, :length], state
 
 
 @functools.partial(
@@ -73,20 +99,8 @@ def chunk_kda_gpu(
     num_stages tile the sequential phase (`inter_chunk`); the intra_* knobs are `intra_chunk`'s (the parallel
     phase). None: `tuned.CHUNK_INTER` / `tuned.CHUNK_INTRA`.
     """
-    batch, length, heads, key_dim = q.shape
-    pad = -length % CHUNK
-    q, k, v, g, beta = (
-        _pad_time(x, pad) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32)[..., None])
-    )
-    if initial_state is None:
-        initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
-    block_v, num_warps, num_stages = fill((block_v, num_warps, num_stages), lookup(tuned.CHUNK_INTER, dtype=v.dtype))
-    parts = intra_chunk(
-        q,
-        k,
-        v,
-        g,
-        beta,
+    phase1 = functools.partial(
+        intra_chunk,
         scale=scale,
         use_qk_l2norm=use_qk_l2norm,
         parts_dtype=parts_dtype,
@@ -97,16 +111,19 @@ def chunk_kda_gpu(
         any_gate=any_gate,
         interpret=interpret,
     )
-    o, state = inter_chunk(
-        parts,
-        initial_state.astype(jnp.float32),
-        out_dtype=v.dtype,
+    return _two_phases(
+        phase1,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
         block_v=block_v,
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
     )
-    return o[:, :length], state
 
 
 def chunk_kda_gpu_any_gate(
@@ -126,4 +143,69 @@ def chunk_kda_gpu_any_gate(
         any_gate=True,
         interpret=interpret,
         **tiles,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "use_qk_l2norm",
+        "parts_dtype",
+        "block_v",
+        "num_warps",
+        "num_stages",
+        "intra_block_k",
+        "intra_num_warps",
+        "intra_factors_num_warps",
+        "one_kernel",
+        "interpret",
+    ),
+)
+def chunk_kda_gpu_fused(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state=None,
+    *,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    parts_dtype=None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    intra_block_k: int | None = None,
+    intra_num_warps: int | None = None,
+    intra_factors_num_warps: int | None = None,
+    one_kernel: bool = True,
+    interpret: bool = False,
+):
+    """`chunk_kda_gpu` (log-decays g >= -5) with phase 1 as `fused.fused_intra_chunk`, in one pallas_call (the
+    variant gpu_triton_fused) or, without one_kernel, two (gpu_triton_fused_wy); its tiles the intra_* knobs
+    (None: `tuned.CHUNK_FUSED` / `CHUNK_FUSED_WY`). Phase 2 and the other keywords as there."""
+    phase1 = functools.partial(
+        fused_intra_chunk,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        parts_dtype=parts_dtype,
+        block_k=intra_block_k,
+        num_warps=intra_num_warps,
+        factors_num_warps=intra_factors_num_warps,
+        one_kernel=one_kernel,
+        interpret=interpret,
+    )
+    return _two_phases(
+        phase1,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        block_v=block_v,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
     )

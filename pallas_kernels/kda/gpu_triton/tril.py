@@ -63,13 +63,9 @@ def gpu_dots(input_dtype) -> Dots:
     )
 
 
-def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dtype):
-    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal, L_ij below it (above: not read); kb_ref [CHUNK, K],
-    v_ref [CHUNK, V], beta_ref [CHUNK, 1]. X's blocks stay in registers; the rows of w and u of sub-block i are
-    sums over j <= i of X_ij times sub-block j's rows (re-read per i from L1/L2: four [SUB, K] fp32 tiles alive
-    at once would crowd the registers)."""
-    dots = gpu_dots(input_dtype)
-    block = lambda i, j: blocks_ref[sub_rows(i), sub_rows(j)]  # noqa: E731
+def merged_inverse(block, dots: Dots):
+    """X = (I + L)^-1 of a chunk as 16x16 blocks X[i][j], j <= i, held in registers: block(i, j) gives D_i =
+    (I + L_ii)^-1 for j = i and L_ij for j < i; X_ii = D_i, X_ij = -D_i sum_{m=j}^{i-1} L_im X_mj."""
     inverse = []
     for i in range(SUBS):
         diagonal = block(i, i)
@@ -78,16 +74,35 @@ def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dt
             for j in range(i)
         ]
         inverse.append(below + [diagonal])
+    return inverse
+
+
+def lower_product(inverse, i: int, rows_of, dots: Dots):
+    """Sub-block i's rows of X times a chunk's rows: sum_{j<=i} X_ij rows_of(j), rows_of(j) sub-block j's fp32
+    [SUB, W] rows (formed where used, so that few are alive at once)."""
+    return functools.reduce(jnp.add, [dots.nn(inverse[i][j], rows_of(j)) for j in range(i + 1)])
+
+
+def _merge_kernel(blocks_ref, kb_ref, v_ref, beta_ref, w_ref, u_ref, *, input_dtype, invert_diagonal):
+    """blocks_ref [CHUNK, CHUNK]: D_i on the diagonal (with invert_diagonal: L_ii, inverted here from its
+    transpose, its upper triangle ignored), L_ij below it (above: not read); kb_ref [CHUNK, K], v_ref [CHUNK, V],
+    beta_ref [CHUNK, 1]. X's blocks stay in registers; the rows of w and u of sub-block i are sums over j <= i of
+    X_ij times sub-block j's rows (re-read per i from L1/L2: four [SUB, K] fp32 tiles alive at once would crowd
+    the registers)."""
+    dots = gpu_dots(input_dtype)
+    rows, cols = iota_16(0), iota_16(1)
+
+    def block(i, j):
+        stored = blocks_ref[sub_rows(i), sub_rows(j)]
+        if i == j and invert_diagonal:
+            return unit_lower_inverse_16(jnp.where(rows < cols, stored.T, 0.0))
+        return stored
+
+    inverse = merged_inverse(block, dots)
     for i in range(SUBS):
-        w = functools.reduce(
-            jnp.add, [dots.nn(inverse[i][j], kb_ref[sub_rows(j), :].astype(jnp.float32)) for j in range(i + 1)]
-        )
-        u = functools.reduce(
-            jnp.add,
-            [
-                dots.nn(inverse[i][j], beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32))
-                for j in range(i + 1)
-            ],
+        w = lower_product(inverse, i, lambda j: kb_ref[sub_rows(j), :].astype(jnp.float32), dots)
+        u = lower_product(
+            inverse, i, lambda j: beta_ref[sub_rows(j), :] * v_ref[sub_rows(j), :].astype(jnp.float32), dots
         )
         w_ref[sub_rows(i), :] = w.astype(w_ref.dtype)
         u_ref[sub_rows(i), :] = u.astype(u_ref.dtype)
@@ -103,12 +118,14 @@ def wy_factors(
     input_dtype,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    invert_diagonal: bool = False,
     interpret: bool = False,
 ):
     """(w [BH, Tp, K], u [BH, Tp, V] in parts_dtype): w = X kb, u = X (beta v) per chunk, X = (I + L)^-1 merged
-    from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, the blocks
-    L_ij of L below it); kb [BH, Tp, K] (beta e^G k, in the parts' dtype), v [B, Tp, H, V], beta [B, Tp, H, 1]
-    fp32; products as `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK). Warps and stages: None from
+    from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, or with
+    invert_diagonal the diagonal blocks L_ii themselves, the blocks L_ij of L below it); kb [BH, Tp, K]
+    (beta e^G k, in the parts' dtype), v [B, Tp, H, V], beta [B, Tp, H, 1] fp32; products as
+    `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK). Warps and stages: None from
     `tuned.CHUNK_INTRA` (factors_num_warps, num_stages)."""
     tiles = lookup(tuned.CHUNK_INTRA, dtype=input_dtype)
     num_warps = tiles.factors_num_warps if num_warps is None else num_warps
@@ -120,7 +137,7 @@ def wy_factors(
         (None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0)
     )
     return pl.pallas_call(
-        functools.partial(_merge_kernel, input_dtype=input_dtype),
+        functools.partial(_merge_kernel, input_dtype=input_dtype, invert_diagonal=invert_diagonal),
         grid=(flat, padded // CHUNK),
         in_specs=[rows(CHUNK), rows(key_dim), heads_layout(value_dim), heads_layout(1)],
         out_specs=[rows(key_dim), rows(value_dim)],
@@ -130,5 +147,5 @@ def wy_factors(
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="kda_prefill_intra_wy_factors",
+        name="kda_prefill_intra_wy_factors" + ("_inverting" if invert_diagonal else ""),
     )(blocks, kb, v, beta)
