@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from flax import nnx
 
 from ling_jax.policy import FP8Matmul
 from ling_jax.quantized import BlockFP8Weight, dequantized
+from ling_jax.sharding import per_shard
 from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
 from pallas_kernels.norm.ops import rms_norm as rms_norm_op
@@ -76,12 +78,19 @@ def linear(weights: Weights, x: jax.Array, *, backend: str = "reference") -> jax
 
 def rms_norm(weights: Weights, x: jax.Array, eps: float, *, backend: str = "reference") -> jax.Array:
     """weight * (x / rms(x)): normalised in fp32, cast back to x's dtype, then scaled (spec §5)."""
-    return rms_norm_op(x, weights["weight"], eps, backend=backend)
+    norm = functools.partial(rms_norm_op, eps=eps, backend=backend)
+    return per_shard(norm, in_axes=(_rows(x), None), out_axes=(_rows(x),))(x, weights["weight"])
 
 
 def add_rms_norm(weights: Weights, x: jax.Array, residual: jax.Array, eps: float, *, backend: str = "reference"):
     """(x + residual, rms_norm of it), one kernel on a GPU."""
-    return add_rms_norm_op(x, residual, weights["weight"], eps, backend=backend)
+    norm = functools.partial(add_rms_norm_op, eps=eps, backend=backend)
+    return per_shard(norm, in_axes=(_rows(x), _rows(x), None), out_axes=(_rows(x),) * 2)(x, residual, weights["weight"])
+
+
+def _rows(x: jax.Array) -> tuple[str | None, ...]:
+    """A norm's input: each row its own, the leading dimension split like a batch (`per_shard`)."""
+    return ("activation_batch",) + (None,) * (x.ndim - 1)
 
 
 def gated_rms_norm(weights: Weights, x: jax.Array, gate: jax.Array, eps: float) -> jax.Array:
