@@ -1,0 +1,270 @@
+"""Weight-only dequantisation inside Pallas TPU (Mosaic) kernels: the stored weight tile is DMA'd into VMEM as
+stored (e4m3 bytes, packed E2M1 nibbles, or a dense float), decoded and scaled there, and multiplied on the MXU
+in the activation's dtype with fp32 accumulation. TPU v5e / v6e have no FP8 matrix unit, so this reads half
+(FP8) or a quarter (MXFP4) of the bf16 weight bytes and does bf16 products.
+
+Stored forms (`describe`), each a weight W [N, K] (out, in; stacked experts add a leading dim):
+- dense: any float array;
+- block FP8 (spec §6.2): e4m3 values [N, K], fp32 scales [ceil(N / br), ceil(K / bc)] (anything with `values`,
+  `scales`, `block`: `ling_jax.quantized.BlockFP8Weight`, also its 1 x 32 MXFP4-as-FP8 experts);
+- MXFP4 (spec §6.3): uint8 values [N, K / 2], element 2j in the low nibble of byte j, and one E8M0 scale per 32
+  inputs [N, ceil(K / 32)] (float8_e8m0fnu codes, or float powers of two): `ling_jax.quantized.MXFP4Weight`.
+
+The kernels take whole rows of K (a tile is [block_n, K] as stored; expert and linear K are at most a few
+thousand) and walk them in 128-column chunks, statically unrolled: every lane slice is static, every scale is
+read by a static single-lane load and broadcast. A chunk's scale grid is built by a select per scale group it
+touches (one for 128-column blocks, four for 1 x 32, eight for MXFP4's 16 packed bytes). An MXFP4 product
+splits K into even and odd elements (x's deinterleaved halves against the low and high nibbles), so a byte is
+never spread across lanes.
+
+Decoding is integer arithmetic on the bytes (no FP8 / FP4 type inside the kernel): an e4m3 byte's 7 low bits
+shifted to bit 20 of an fp32 are its exponent and mantissa, rebiased by +120; its subnormals (exponent 0) are
+mantissa x 2^-9. An E2M1 nibble likewise (rebias +126, subnormal 0.5), an E8M0 code u is the fp32 with
+exponent field u. Codes the checkpoints never hold are not special-cased: e4m3 NaN (0x7F) decodes as 480 and
+the E8M0 codes 0 and 255 (2^-127, NaN) as 0 and inf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+DENSE, BLOCK_FP8, MXFP4 = "dense", "block_fp8", "mxfp4"
+LANES = 128
+MXFP4_GROUP = 32
+VMEM_LIMIT_BYTES = 64 * 1024 * 1024  # v5e / v6e have 128 MiB of VMEM, v5p 95 MiB; the default limit is 16-32
+TILE_BUDGET_BYTES = 24 * 1024 * 1024  # double-buffered input and output tiles of one grid step, at most
+
+
+@dataclasses.dataclass(frozen=True)
+class TileFormat:
+    """How a weight is stored, as a kernel reads it. kind: DENSE, BLOCK_FP8 or MXFP4. scale_rows x scale_cols:
+    the stored elements (rows, stored columns: bytes for MXFP4) one scale covers; (0, 0) for DENSE. parts: how
+    many x operands a stored column pairs with (MXFP4: the even and odd elements, 2)."""
+
+    kind: str
+    scale_rows: int = 0
+    scale_cols: int = 0
+
+    @property
+    def parts(self) -> int:
+        return 2 if self.kind == MXFP4 else 1
+
+    @property
+    def scaled(self) -> bool:
+        return self.kind != DENSE
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredWeight:
+    """A weight ready for a kernel: its format, values [..., N, Kp] (Kp stored columns; FP8 as uint8 bits),
+    scales [..., ceil(N / scale_rows), ceil(Kp / scale_cols)] (fp32, or uint8 E8M0 codes) or None, and the
+    dense in-features K."""
+
+    fmt: TileFormat
+    values: jax.Array
+    scales: jax.Array | None
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.values.shape[-2]
+
+
+def is_quantized(weight) -> bool:
+    """A block-FP8 or MXFP4 weight (anything with `values` and `scales`), not a dense array."""
+    return hasattr(weight, "values") and hasattr(weight, "scales")
+
+
+def as_dense(weight, dtype) -> jax.Array:
+    """`weight` as a dense array of `dtype` (a quantised weight dequantised by its own `dequantize`)."""
+    return weight.dequantize(dtype) if is_quantized(weight) else weight.astype(dtype)
+
+
+def describe(weight) -> StoredWeight:
+    """The kernel's view of a dense array, a block-FP8 weight (`values` e4m3, `scales`, `block`) or an MXFP4
+    weight (`values` uint8, `scales` E8M0 or float); a ValueError naming what else was given."""
+    if not is_quantized(weight):
+        if not jnp.issubdtype(weight.dtype, jnp.floating):
+            raise ValueError(f"weight: expected a float array or a quantised weight, got dtype {weight.dtype}")
+        return StoredWeight(TileFormat(DENSE), weight, None, weight.shape[-1])
+    values, scales = weight.values, weight.scales
+    if values.dtype == jnp.float8_e4m3fn:
+        return block_fp8(values, scales, tuple(weight.block))
+    if values.dtype == jnp.uint8:
+        if scales.dtype == jnp.float8_e8m0fnu:
+            codes = jax.lax.bitcast_convert_type(scales, jnp.uint8)
+        else:
+            codes = scales.astype(jnp.float32)
+        fmt = TileFormat(MXFP4, 1, MXFP4_GROUP // 2)
+        return StoredWeight(fmt, values, codes, 2 * values.shape[-1])
+    raise ValueError(f"weight.values: expected float8_e4m3fn (block FP8) or uint8 (MXFP4 nibbles), got {values.dtype}")
+
+
+def block_fp8(values, scales, block: tuple[int, int]) -> StoredWeight:
+    """A block-FP8 weight's kernel view: e4m3 values [..., N, K] as their bits (a free bitcast), fp32 scales."""
+    bits = jax.lax.bitcast_convert_type(values, jnp.uint8)
+    return StoredWeight(TileFormat(BLOCK_FP8, *block), bits, scales.astype(jnp.float32), values.shape[-1])
+
+
+def kernel_takes(stored: StoredWeight) -> bool:
+    """Whether the kernels' scale handling covers this format: scale blocks of one row or a multiple of 8 rows
+    (a sublane tile), and of a divisor or a multiple of 128 stored columns."""
+    fmt = stored.fmt
+    if not fmt.scaled:
+        return True
+    rows_ok = fmt.scale_rows == 1 or fmt.scale_rows % 8 == 0
+    cols_ok = fmt.scale_cols > 0 and (LANES % fmt.scale_cols == 0 or fmt.scale_cols % LANES == 0)
+    return rows_ok and cols_ok
+
+
+def x_parts(x_MK, fmt: TileFormat) -> jax.Array:
+    """x [M, K] as the kernel's [parts, M, Kp]: itself, or for MXFP4 its even and odd columns (one XLA pass over
+    x, so that a packed byte's two nibbles meet their inputs in the same lane)."""
+    if fmt.kind != MXFP4:
+        return x_MK[None]
+    num_rows, k_dim = x_MK.shape
+    return x_MK.reshape(num_rows, k_dim // 2, 2).transpose(2, 0, 1)
+
+
+def block_n_for(fmt: TileFormat, block_n: int, out_features: int) -> int:
+    """A tile of output rows that holds whole scale rows: block_n rounded to a multiple of scale_rows (at most
+    the scale rows covering out_features), or to a multiple of 8."""
+    if fmt.scale_rows > 1:
+        row_blocks = -(-out_features // fmt.scale_rows)
+        return fmt.scale_rows * max(1, min(block_n // fmt.scale_rows, row_blocks))
+    return max(8, min(block_n, -(-out_features // 8) * 8) // 8 * 8)
+
+
+def scale_operand(stored: StoredWeight) -> jax.Array:
+    """The scales as the kernels' block specs read them: [..., N, Kg] for one-row scale blocks, else
+    [..., Nb, 1, Kg] (a unit sublane dim, so that a tile's few scale rows are a legal block; scales are small)."""
+    scales = stored.scales
+    return scales if stored.fmt.scale_rows == 1 else jnp.expand_dims(scales, -2)
+
+
+def scale_block_shape(fmt: TileFormat, block_n: int, scale_cols: int) -> tuple[int, ...]:
+    """The block of `scale_operand` that covers a [block_n, Kp] weight tile (leading dims excluded)."""
+    if fmt.scale_rows == 1:
+        return (block_n, scale_cols)
+    return (block_n // fmt.scale_rows, 1, scale_cols)
+
+
+def fit_tiles(block_m: int, block_n: int, stored: StoredWeight, x_dtype, out_dtype) -> tuple[int, int]:
+    """(block_m, block_n) halved (to multiples of 8), the larger first, until a grid step's double-buffered
+    tiles fit TILE_BUDGET_BYTES."""
+    fmt, k_stored = stored.fmt, stored.values.shape[-1]
+
+    def step_bytes(bm: int, bn: int) -> int:
+        x_bytes = fmt.parts * bm * k_stored * jnp.dtype(x_dtype).itemsize
+        w_bytes = bn * k_stored * stored.values.dtype.itemsize
+        s_bytes = 0 if stored.scales is None else bn * stored.scales.shape[-1] * 4
+        return 2 * (x_bytes + w_bytes + s_bytes) + 2 * bm * bn * jnp.dtype(out_dtype).itemsize
+
+    while step_bytes(block_m, block_n) > TILE_BUDGET_BYTES and max(block_m, block_n) > 8:
+        if block_m >= block_n and block_m > 8:
+            block_m = max(8, block_m // 16 * 8)
+        else:
+            block_n = max(8, block_n // 16 * 8)
+    return block_m, block_n
+
+
+def compiler_params(dimension_semantics: tuple[str, ...]) -> pltpu.CompilerParams:
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES)
+
+
+def _f32_from_bits(bits):
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _e4m3_to_f32(byte):
+    """int32 e4m3 bit patterns -> their fp32 values (module docstring)."""
+    magnitude = byte & 0x7F
+    normal = _f32_from_bits((magnitude + (120 << 3)) << 20)
+    value = jnp.where(magnitude < 8, magnitude.astype(jnp.float32) * 2.0**-9, normal)
+    return jnp.where((byte & 0x80) != 0, -value, value)
+
+
+def _e2m1_to_f32(nibble):
+    """int32 E2M1 codes 0..15 -> their fp32 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated."""
+    magnitude = nibble & 0x7
+    normal = _f32_from_bits((magnitude + (126 << 1)) << 22)
+    value = jnp.where(magnitude < 2, magnitude.astype(jnp.float32) * 0.5, normal)
+    return jnp.where((nibble & 0x8) != 0, -value, value)
+
+
+def _scale_values(codes):
+    """A scale tile in fp32: uint8 E8M0 codes u -> 2^(u - 127), floats as they are."""
+    if codes.dtype == jnp.uint8:
+        return _f32_from_bits(codes.astype(jnp.int32) << 23)
+    return codes.astype(jnp.float32)
+
+
+def _decode(stored_tile, fmt: TileFormat) -> list:
+    """A stored [rows, cols] tile -> one fp32 tile per x part (MXFP4: low nibbles, high nibbles)."""
+    if fmt.kind == DENSE:
+        return [stored_tile.astype(jnp.float32)]
+    byte = stored_tile.astype(jnp.int32)
+    if fmt.kind == BLOCK_FP8:
+        return [_e4m3_to_f32(byte)]
+    return [_e2m1_to_f32(byte & 0xF), _e2m1_to_f32(byte >> 4)]
+
+
+def _expand_columns(load_column, first: int, width: int, scale_cols: int):
+    """The scales of stored columns [first, first + width) from the scale columns covering them: column g's
+    scales (`load_column(g)`, [rows, 1]) broadcast over its lanes, a select per further group."""
+    first_group, last_group = first // scale_cols, (first + width - 1) // scale_cols
+    expanded = _scale_values(load_column(first_group))
+    if last_group == first_group:
+        return expanded
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) + first
+    for group in range(first_group + 1, last_group + 1):
+        expanded = jnp.where(lane >= group * scale_cols, _scale_values(load_column(group)), expanded)
+    return expanded
+
+
+def _scaled(tiles: list, scale_ref, fmt: TileFormat, first: int, width: int) -> list:
+    """The decoded tiles of stored columns [first, first + width) times their scales."""
+    if fmt.scale_rows == 1:
+        scale = _expand_columns(lambda g: scale_ref[:, g : g + 1], first, width, fmt.scale_cols)
+        return [tile * scale for tile in tiles]
+    block_rows = fmt.scale_rows
+    row_blocks = tiles[0].shape[0] // block_rows
+    scaled = []
+    for tile in tiles:
+        pieces = [
+            tile[i * block_rows : (i + 1) * block_rows]
+            * _expand_columns(lambda g, i=i: scale_ref[i, :, g : g + 1], first, width, fmt.scale_cols)
+            for i in range(row_blocks)
+        ]
+        scaled.append(pieces[0] if row_blocks == 1 else jnp.concatenate(pieces, axis=0))
+    return scaled
+
+
+def dequantized_product(x_ref, w_ref, scale_ref, fmt: TileFormat):
+    """[block_m, block_n] fp32: x [parts, block_m, Kp] times the dequantised weight tile [block_n, Kp]
+    transposed, 128 stored columns a step: each chunk decoded and scaled in fp32, cast to x's dtype, one MXU
+    product per x part (fp32 products at full precision)."""
+    dtype = x_ref.dtype
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    contract_k = (((1,), (1,)), ((), ()))
+    k_stored = w_ref.shape[-1]
+    acc = None
+    for first in range(0, k_stored, LANES):
+        width = min(LANES, k_stored - first)
+        tiles = _decode(w_ref[:, first : first + width], fmt)
+        if fmt.scaled:
+            tiles = _scaled(tiles, scale_ref, fmt, first, width)
+        for part, tile in enumerate(tiles):
+            product = jax.lax.dot_general(
+                x_ref[part, :, first : first + width],
+                tile.astype(dtype),
+                contract_k,
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            acc = product if acc is None else acc + product
+    return acc
