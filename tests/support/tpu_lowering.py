@@ -23,3 +23,8 @@ def lower_for_tpu(fn, *abstract_args, device_kind: str):
     """jax.jit(fn) traced on abstract arguments and lowered for TPU (Mosaic custom calls) on the given chip."""
     with abstract_tpu(device_kind):
         return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("tpu",))
+
+
+def calls_a_kernel(fn, *args) -> bool:
+    """Whether fn(*args) traces to a Pallas kernel (without running it)."""
+    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
