@@ -30,6 +30,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 DENSE, BLOCK_FP8, MXFP4 = "dense", "block_fp8", "mxfp4"
@@ -170,6 +171,21 @@ def fit_tiles(block_m: int, block_n: int, stored: StoredWeight, x_dtype, out_dty
         else:
             block_n = max(8, block_n // 16 * 8)
     return block_m, block_n
+
+
+def cost_estimate(x_MK, stored: StoredWeight, x_reads: int) -> pl.CostEstimate:
+    """What XLA is told a call costs: a product of every row with one [N, K] weight, every stored weight byte
+    read once (an upper bound for experts: the unvisited ones are not read), x read x_reads times, y written."""
+    num_rows, k_dim = x_MK.shape
+    x_bytes = x_MK.size * x_MK.dtype.itemsize
+    w_bytes = stored.values.size * stored.values.dtype.itemsize
+    s_bytes = 0 if stored.scales is None else stored.scales.size * stored.scales.dtype.itemsize
+    y_bytes = num_rows * stored.out_features * x_MK.dtype.itemsize
+    return pl.CostEstimate(
+        flops=2 * num_rows * k_dim * stored.out_features,
+        transcendentals=0,
+        bytes_accessed=w_bytes + s_bytes + x_reads * x_bytes + y_bytes,
+    )
 
 
 def compiler_params(dimension_semantics: tuple[str, ...]) -> pltpu.CompilerParams:

@@ -66,6 +66,7 @@ def stored_linear(x_MK, stored: tpu_dequant.StoredWeight, *, block_m=None, block
         in_specs=in_specs,
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         compiler_params=tpu_dequant.compiler_params(("parallel", "parallel")),
+        cost_estimate=tpu_dequant.cost_estimate(x_MK, stored, x_reads=1),
         interpret=interpret,
     )(*operands)
 

@@ -136,6 +136,7 @@ def grouped_matmul_tpu(lhs_MK, rhs_GNK, group_sizes_G, *, block_m=None, block_n=
         out_shape=jax.ShapeDtypeStruct((num_rows, out_features), lhs_MK.dtype),
         grid_spec=grid_spec,
         compiler_params=tpu_dequant.compiler_params(("parallel", "arbitrary")),
+        cost_estimate=tpu_dequant.cost_estimate(lhs_MK, stored, x_reads=pl.cdiv(out_features, block_n)),
         interpret=interpret,
     )(*schedule, *operands)
 
