@@ -65,13 +65,17 @@ def test_one_by_32_blocks_and_narrow_output_tiles():
     assert rel_error(y, np.asarray(x, np.float64) @ float64_weight(weight).T) <= 1e-4
 
 
-def test_e4m3_and_e2m1_decoders_are_exact():
-    """Every e4m3 byte (but the two NaNs) and every E2M1 nibble decodes to its value; E8M0 codes to 2^(u-127)."""
+def test_fp8_and_e2m1_decoding_is_exact():
+    """Every e4m3 byte (but the two NaNs) decodes to its value through the TPU's b11 FP8 type and the scales' 16,
+    -0 (0x80, the b11 type's NaN) to 0; every E2M1 nibble to its value; E8M0 codes u to 2^(u - 127)."""
     codes = np.arange(256, dtype=np.uint8)
     expected = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    decoded = np.asarray(tpu_dequant._e4m3_to_f32(jnp.asarray(codes, jnp.int32)), np.float64)
+    stored = tpu_dequant.block_fp8(jnp.asarray(expected, jnp.float8_e4m3fn)[None], jnp.ones((1, 1)), (1, 256))
+    (decoded,) = tpu_dequant._decode(stored.values, stored.fmt)
+    decoded = np.asarray(decoded[0], np.float64) * np.asarray(stored.scales)[0, 0]
     number = ~np.isnan(expected)
     np.testing.assert_array_equal(decoded[number], expected[number])
+    assert decoded[0x80] == 0
     e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])  # spec §6.3
     np.testing.assert_array_equal(np.asarray(tpu_dequant._e2m1_to_f32(jnp.arange(16, dtype=jnp.int32))), e2m1)
     exponents = np.arange(1, 255, dtype=np.uint8)
