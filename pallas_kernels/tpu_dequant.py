@@ -30,6 +30,7 @@ e4m3's NaNs (0x7F, 0xFF) decode as +-480 and the E8M0 codes 0 and 255 (2^-127, N
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -249,27 +250,31 @@ def _expand_columns(load_column, first: int, width: int, scale_cols: int):
     return expanded
 
 
-def _expand_by_matmul(scale_tile, first: int, width: int, scale_cols: int):
+def _expand_by_matmul(scale_pieces: list, first: int, width: int, scale_cols: int):
     """[rows, width] fp32: the scales of stored columns [first, first + width) from a whole [rows, groups] scale
     tile, as its product with a one-hot [groups, width] matrix on the MXU (idle at decode sizes) rather than
-    lane broadcasts and selects on the VPU. Exact: one term a sum; bf16 products for E8M0 scales (powers of
-    two, exact in bf16), fp32 ones at full precision otherwise."""
-    groups = scale_tile.shape[1]
+    lane broadcasts and selects on the VPU. The tile comes as bf16 pieces that sum to it (`_scale_pieces`): each
+    product is exact (one term a sum), and so is their fp32 sum."""
+    groups = scale_pieces[0].shape[1]
     shift = scale_cols.bit_length() - 1  # scale_cols divides 128: a power of two
     lane_group = (jax.lax.broadcasted_iota(jnp.int32, (groups, width), 1) + first) >> shift
-    one_hot = jax.lax.broadcasted_iota(jnp.int32, (groups, width), 0) == lane_group
-    if scale_tile.dtype == jnp.bfloat16:
-        return jnp.dot(scale_tile, one_hot.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    return jnp.dot(
-        scale_tile, one_hot.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-    )
+    one_hot = (jax.lax.broadcasted_iota(jnp.int32, (groups, width), 0) == lane_group).astype(jnp.bfloat16)
+    expanded = [jnp.dot(piece, one_hot, preferred_element_type=jnp.float32) for piece in scale_pieces]
+    return functools.reduce(jnp.add, expanded)
 
 
-def _scale_tile(scale_ref):
-    """The whole scale tile of a one-row-block format, for `_expand_by_matmul`: E8M0 codes as bf16 powers of two,
-    fp32 scales as they are."""
+def _scale_pieces(scale_ref) -> list:
+    """The whole scale tile of a one-row-block format as bf16 pieces summing to it exactly: E8M0 codes are powers
+    of two, one piece; fp32 scales split in three (8 significant bits each)."""
     values = _scale_values(scale_ref[...])
-    return values.astype(jnp.bfloat16) if scale_ref.dtype == jnp.uint8 else values
+    if scale_ref.dtype == jnp.uint8:
+        return [values.astype(jnp.bfloat16)]
+    pieces = []
+    for _ in range(3):
+        piece = values.astype(jnp.bfloat16)
+        pieces.append(piece)
+        values = values - piece.astype(jnp.float32)
+    return pieces
 
 
 def _expands_by_matmul(fmt: TileFormat) -> bool:
@@ -277,10 +282,10 @@ def _expands_by_matmul(fmt: TileFormat) -> bool:
     return fmt.scaled and fmt.scale_rows == 1 and fmt.scale_cols < LANES
 
 
-def _scaled(tiles: list, scale_ref, fmt: TileFormat, first: int, width: int, scale_tile=None) -> list:
+def _scaled(tiles: list, scale_ref, fmt: TileFormat, first: int, width: int, scale_pieces=None) -> list:
     """The decoded tiles of stored columns [first, first + width) times their scales."""
-    if scale_tile is not None:
-        scale = _expand_by_matmul(scale_tile, first, width, fmt.scale_cols)
+    if scale_pieces is not None:
+        scale = _expand_by_matmul(scale_pieces, first, width, fmt.scale_cols)
         return [tile * scale for tile in tiles]
     if fmt.scale_rows == 1:
         scale = _expand_columns(lambda g: scale_ref[:, g : g + 1], first, width, fmt.scale_cols)
@@ -326,13 +331,13 @@ def dequantized_product(x_ref, w_ref, scale_ref, fmt: TileFormat):
     contract_k = (((1,), (1,)), ((), ()))
     block_m, (block_n, k_stored) = x_ref.shape[1], w_ref.shape
     post_scale = scales_products(fmt, block_m)
-    scale_tile = _scale_tile(scale_ref) if _expands_by_matmul(fmt) else None
+    scale_pieces = _scale_pieces(scale_ref) if _expands_by_matmul(fmt) else None
     acc = None
     for first in range(0, k_stored, LANES):
         width = min(LANES, k_stored - first)
         tiles = _decode(w_ref[:, first : first + width], fmt)
         if fmt.scaled and not post_scale:
-            tiles = _scaled(tiles, scale_ref, fmt, first, width, scale_tile)
+            tiles = _scaled(tiles, scale_ref, fmt, first, width, scale_pieces)
         for part, tile in enumerate(tiles):
             product = jax.lax.dot_general(
                 x_ref[part, :, first : first + width],
