@@ -11,11 +11,16 @@ Stored forms (`describe`), each a weight W [N, K] (out, in; stacked experts add 
   inputs [N, ceil(K / 32)] (float8_e8m0fnu codes, or float powers of two): `ling_jax.quantized.MXFP4Weight`.
 
 The kernels take whole rows of K (a tile is [block_n, K] as stored; expert and linear K are at most a few
-thousand) and walk them in 128-column chunks, statically unrolled: every lane slice is static, every scale is
-read by a static single-lane load and broadcast. A chunk's scale grid is built by a select per scale group it
-touches (one for 128-column blocks, four for 1 x 32, eight for MXFP4's 16 packed bytes). An MXFP4 product
-splits K into even and odd elements (x's deinterleaved halves against the low and high nibbles), so a byte is
-never spread across lanes.
+thousand) and walk them in 128-column chunks, statically unrolled: every lane slice is static. Scales:
+- 128 x 128 blocks (scale_rows >= 8, whole chunks of columns): one scale a row block in a chunk, read by a
+  static single-lane load and broadcast; with few rows (decode) it multiplies the chunk's [block_m, block_n]
+  product rather than the weight tile (`scales_products`);
+- one-row blocks narrower than a chunk (MXFP4's 32 inputs, the converter's 1 x 32 FP8): the chunk's [block_n,
+  128] scale grid is the scale tile times a one-hot matrix, on the MXU (`_expand_by_matmul`; fp32 scales as
+  three bf16 pieces, so exactly);
+- other one-row blocks: a select per scale group a chunk touches.
+An MXFP4 product splits K into even and odd elements (x's deinterleaved halves against the low and high
+nibbles), so a byte is never spread across lanes.
 
 FP8 is decoded by the TPU itself: the e4m3 bytes are handed to the kernel as float8_e4m3b11fnuz, the TPU's own
 FP8 type (same bit layout, exponent bias 11: a hardware unpack, subnormals included), and the factor 16 between
