@@ -6,7 +6,8 @@ block-size overrides, for tests and benchmarks). Without a variant named, a GPU 
 takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
 activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else
 the block-scaled "gpu_triton"; for W8A8 products "gpu_triton_tc_acc" (each K block accumulated in the tensor
-cores; "gpu_mosaic", the Mosaic GPU kernel for 128 x 128 blocks, runs when named); every other case runs the jnp
+cores; "gpu_mosaic", the Mosaic GPU kernel for 128 x 128 blocks, runs when named). A TPU backend runs every product
+weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case runs the jnp
 reference.
 """
 
@@ -25,6 +26,8 @@ from pallas_kernels.fp8.gpu_triton import (
     weight_only_linear_gpu,
 )
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
+from pallas_kernels.fp8.tpu_mosaic import takes as tpu_kernel_takes
+from pallas_kernels.fp8.tpu_mosaic import weight_only_linear_tpu
 from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = ["GEMV", "MODES", "MOSAIC", "TC_ACC", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
@@ -42,6 +45,7 @@ VARIANTS = {
         REFERENCE: Variant(None, weight_only_linear_reference),
         "gpu_triton": Variant("gpu", weight_only_linear_gpu),
         GEMV: Variant("gpu", weight_only_gemv_gpu),
+        "tpu_mosaic": Variant("tpu", weight_only_linear_tpu),
     },
     "w8a8_linear": {
         REFERENCE: Variant(None, w8a8_linear_reference),
@@ -84,18 +88,21 @@ def _straight_through(x_MK, values_NK, scales, block, interpret):
 
 
 # {(op, variant): the kernel}, differentiated as dequantise-then-dot (straight through W8A8's quantisation).
-_GPU_OPS = {
+_KERNEL_OPS = {
     (op, name): with_reference_vjp(_gpu_entry(variant.kernel), _straight_through, nondiff_argnums=(3, 4))
     for op, by_name in VARIANTS.items()
     for name, variant in by_name.items()
-    if variant.platform == "gpu"
+    if variant.platform is not None
 }
 
 
 def default_mode(num_rows: int, backend: str) -> str | None:
     """The kernel a GPU backend runs for num_rows rows when no mode is named: weight-only up to
     tuned.WEIGHT_ONLY_MAX_ROWS rows, W8A8 from tuned.W8A8_MIN_ROWS (None: never); None means dequantise-then-dot
-    (the weight-only reference, XLA's dot), as on every other backend."""
+    (the weight-only reference, XLA's dot), as on every other backend but a TPU's, which is always weight-only
+    (v5e / v6e have no FP8 matrix unit)."""
+    if KERNEL_TARGET.get(backend) == "tpu":
+        return WEIGHT_ONLY
     if KERNEL_TARGET.get(backend) != "gpu":
         return None
     if num_rows <= tuned.WEIGHT_ONLY_MAX_ROWS:
@@ -111,8 +118,9 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     mode: "weight_only" (W dequantised, products in x's dtype), "w8a8" (x quantised per token in 1 x bc groups,
     FP8 products: `reference` states both), or None: the backend's choice (`default_mode`: by the row count on
     a GPU backend, dequantise-then-dot elsewhere). backend: "auto" (the GPU kernels on a GPU, the reference
-    elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. variant: a name of the
-    mode's op in VARIANTS, None: the module docstring's choice. Differentiable in x, as dequantise-then-dot.
+    elsewhere), "reference", "pallas_gpu", "interpret_gpu", "pallas_tpu", "interpret_tpu" (weight-only: the
+    "tpu_mosaic" kernel where it takes the weight, `tpu_mosaic.takes`; W8A8 runs the reference). variant: a
+    name of the mode's op in VARIANTS, None: the module docstring's choice. Differentiable in x, as dequantise-then-dot.
     """
     backend = resolve_backend(backend)
     x_MK = x.reshape(-1, x.shape[-1])
@@ -120,16 +128,18 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
         raise ValueError(f"fp8_linear mode must be one of {MODES} or None, got {mode!r}")
     chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
     op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
-    use_kernel = chosen is not None and kernel_takes(x, weight)
+    takes = tpu_kernel_takes if KERNEL_TARGET.get(backend) == "tpu" else kernel_takes
+    use_kernel = chosen is not None and takes(x, weight)
     if chosen == W8A8:
         gpu_variant = TC_ACC
     else:
         gpu_variant = GEMV if x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS else "gpu_triton"
-    default = variants.by_platform(backend, {"gpu": gpu_variant}) if use_kernel else REFERENCE
+    kernels = {"gpu": gpu_variant, "tpu": "tpu_mosaic" if chosen == WEIGHT_ONLY else REFERENCE}
+    default = variants.by_platform(backend, kernels) if use_kernel else REFERENCE
     name = variants.pick(VARIANTS, op, variant, backend, default)
     block, scales = tuple(weight.block), weight.scales.astype(jnp.float32)
     if name == REFERENCE:
         y_MN = kernel(op, REFERENCE)(x_MK, weight.values, scales, block)
     else:
-        y_MN = _GPU_OPS[op, name](x_MK, weight.values, scales, block, variants.interpreted(backend))
+        y_MN = _KERNEL_OPS[op, name](x_MK, weight.values, scales, block, variants.interpreted(backend))
     return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])

@@ -4,8 +4,9 @@ neighbours `gather_swiglu` (gate/up + SwiGLU over rows gathered from the unsorte
 row by row, combined) and `select_experts` (the router's group-limited expert selection), each over its variants.
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
-block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton" and
-every other backend the jnp reference (there are no TPU kernels yet).
+block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton", a TPU
+backend runs "tpu_mosaic" for a grouped matmul with a quantised (block-FP8 or MXFP4) weight stack, and every
+other case the jnp reference.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pallas_kernels.moe.reference import (
     select_experts_reference,
     swiglu,
 )
+from pallas_kernels.moe.tpu_mosaic import grouped_matmul_tpu, grouped_matmul_tpu_op
+from pallas_kernels.tpu_dequant import as_dense, is_quantized
 from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = [
@@ -52,6 +55,7 @@ VARIANTS = {
     "grouped_matmul": {
         REFERENCE: Variant(None, grouped_matmul_reference),
         "gpu_triton": Variant("gpu", grouped_matmul_gpu),
+        "tpu_mosaic": Variant("tpu", grouped_matmul_tpu),
     },
     "gather_swiglu": {
         REFERENCE: Variant(None, gather_swiglu_reference),
@@ -74,10 +78,11 @@ def kernel(op: str, name: str):
     return variants.lookup(VARIANTS, op, name).kernel
 
 
-def _pick(op: str, variant: str | None, backend: str) -> tuple[str, bool]:
-    """(variant name, interpret): "gpu_triton" on a GPU backend, the reference elsewhere, unless one is named."""
+def _pick(op: str, variant: str | None, backend: str, tpu: str = REFERENCE) -> tuple[str, bool]:
+    """(variant name, interpret): "gpu_triton" on a GPU backend, `tpu` on a TPU backend, the reference elsewhere,
+    unless one is named."""
     backend = resolve_backend(backend)
-    default = variants.by_platform(backend, {"gpu": "gpu_triton"})
+    default = variants.by_platform(backend, {"gpu": "gpu_triton", "tpu": tpu})
     return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
 
 
@@ -104,17 +109,22 @@ def grouped_matmul(lhs_MK, rhs_GNK, group_sizes_G, *, backend: str = "auto", var
     """out [M, N] in lhs's dtype (fp32 accumulation): out[rows of g] = lhs[rows of g] @ rhs[g].T.
 
     lhs [M, K] rows sorted by group (the first group_sizes[0] rows are group 0, ...); rhs [G, N, K] in the
-    checkpoint's [out, in] layout; group_sizes int32 [G], traced, sum <= M; rows past the sum give zeros.
-    backend: "auto" (the GPU kernel on a GPU, the jnp reference elsewhere), "reference" (jnp ragged dot),
-    "pallas_gpu", or "interpret_gpu" (the GPU kernel in Pallas interpret mode, for CPU tests). There is no
-    TPU kernel yet: "pallas_tpu", "interpret_tpu" and "interpret" (and "auto" on a TPU) run the reference.
+    checkpoint's [out, in] layout: an array, or on a TPU backend (and the reference) a quantised stack
+    (`ling_jax.quantized.BlockFP8Weight` / `MXFP4Weight`); group_sizes int32 [G], traced, sum <= M; rows past
+    the sum give zeros. backend: "auto" (the GPU kernel on a GPU, the jnp reference elsewhere), "reference" (jnp
+    ragged dot, a quantised rhs dequantised first), "pallas_gpu", or "interpret_gpu" (the GPU kernel in Pallas
+    interpret mode, for CPU tests); "pallas_tpu", "interpret_tpu", "interpret" (and "auto" on a TPU) run the
+    "tpu_mosaic" kernel for a quantised rhs (dequantised in VMEM) and XLA's ragged dot for a dense one.
     Differentiable in lhs and rhs with every backend; the GPU backends take their gradients from the GPU
     kernels too (XLA's GPU ragged_dot materialises a masked lhs per group: out of memory at MoE sizes).
     """
-    name, interpret = _pick("grouped_matmul", variant, backend)
+    tpu = "tpu_mosaic" if is_quantized(rhs_GNK) else REFERENCE
+    name, interpret = _pick("grouped_matmul", variant, backend, tpu=tpu)
+    if name == "tpu_mosaic":
+        return grouped_matmul_tpu_op(lhs_MK, rhs_GNK, group_sizes_G, interpret)
     if name == "gpu_triton":
         return _gpu_kernel(lhs_MK, rhs_GNK, group_sizes_G, interpret)
-    return grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G)
+    return grouped_matmul_reference(lhs_MK, as_dense(rhs_GNK, lhs_MK.dtype), group_sizes_G)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
