@@ -5,7 +5,10 @@ row by row, combined) and `select_experts` (the router's group-limited expert se
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton" and
-every other backend the jnp reference (there are no TPU kernels yet).
+every other backend the jnp reference (there are no TPU kernels yet). Expert weights may be quantised (block FP8
+or MXFP4, `ling_jax.quantized`): `gather_swiglu`, `down_scatter` and `routed_experts` then run the weight-only
+variant "gpu_triton_weight_only" on a GPU backend (each tile dequantised on chip, nothing dense written) and the
+dequantise-then-reference path elsewhere.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ from pallas_kernels import variants
 from pallas_kernels.backend import resolve_backend, with_reference_vjp
 from pallas_kernels.moe.gpu_triton import (
     down_scatter_gpu,
+    down_scatter_weight_only_gpu,
     gather_swiglu_gpu,
+    gather_swiglu_weight_only_gpu,
     grouped_matmul_gpu,
     grouped_weight_grad_gpu,
     routed_experts_gpu,
+    routed_experts_weight_only_gpu,
     select_experts_gpu,
 )
+from pallas_kernels.moe.gpu_triton.weight_tiles import is_quantized
 from pallas_kernels.moe.reference import (
     RoutingRule,
     down_scatter_reference,
@@ -39,6 +46,7 @@ from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = [
     "VARIANTS",
+    "WEIGHT_ONLY",
     "RoutingRule",
     "down_scatter",
     "gather_swiglu",
@@ -48,6 +56,8 @@ __all__ = [
     "select_experts",
 ]
 
+WEIGHT_ONLY = "gpu_triton_weight_only"  # the fused and row kernels with quantised experts
+
 VARIANTS = {
     "grouped_matmul": {
         REFERENCE: Variant(None, grouped_matmul_reference),
@@ -56,11 +66,17 @@ VARIANTS = {
     "gather_swiglu": {
         REFERENCE: Variant(None, gather_swiglu_reference),
         "gpu_triton": Variant("gpu", gather_swiglu_gpu),
+        WEIGHT_ONLY: Variant("gpu", gather_swiglu_weight_only_gpu),
     },
-    "down_scatter": {REFERENCE: Variant(None, down_scatter_reference), "gpu_triton": Variant("gpu", down_scatter_gpu)},
+    "down_scatter": {
+        REFERENCE: Variant(None, down_scatter_reference),
+        "gpu_triton": Variant("gpu", down_scatter_gpu),
+        WEIGHT_ONLY: Variant("gpu", down_scatter_weight_only_gpu),
+    },
     "routed_experts": {
         REFERENCE: Variant(None, routed_experts_reference),
         "gpu_triton": Variant("gpu", routed_experts_gpu),
+        WEIGHT_ONLY: Variant("gpu", routed_experts_weight_only_gpu),
     },
     "select_experts": {
         REFERENCE: Variant(None, select_experts_reference),
@@ -74,11 +90,16 @@ def kernel(op: str, name: str):
     return variants.lookup(VARIANTS, op, name).kernel
 
 
-def _pick(op: str, variant: str | None, backend: str) -> tuple[str, bool]:
-    """(variant name, interpret): "gpu_triton" on a GPU backend, the reference elsewhere, unless one is named."""
+def _pick(op: str, variant: str | None, backend: str, weights=()) -> tuple[str, bool]:
+    """(variant name, interpret): on a GPU backend "gpu_triton", or WEIGHT_ONLY when any of the expert `weights`
+    is quantised; the reference elsewhere; unless one is named (a dense variant refuses quantised weights)."""
     backend = resolve_backend(backend)
-    default = variants.by_platform(backend, {"gpu": "gpu_triton"})
-    return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
+    quantized = any(is_quantized(w) for w in weights)
+    default = variants.by_platform(backend, {"gpu": WEIGHT_ONLY if quantized else "gpu_triton"})
+    name = variants.pick(VARIANTS, op, variant, backend, default)
+    if quantized and name == "gpu_triton":
+        raise ValueError(f"variant 'gpu_triton' of {op} takes dense expert weights; quantised ones run {WEIGHT_ONLY!r}")
+    return name, variants.interpreted(backend)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -159,6 +180,17 @@ def _gather_swiglu_gpu_bwd(limit, fill_tail, interpret, residuals, d_h_RI):
 _gather_swiglu_gpu.defvjp(_gather_swiglu_gpu_fwd, _gather_swiglu_gpu_bwd)
 
 
+_gather_swiglu_weight_only = with_reference_vjp(
+    lambda x, source, sizes, gate, up, limit, fill_tail, interpret: gather_swiglu_weight_only_gpu(
+        x, source, sizes, gate, up, limit=limit, fill_tail=fill_tail, interpret=interpret
+    ),
+    lambda x, source, sizes, gate, up, limit, fill_tail, interpret: gather_swiglu_reference(
+        x, source, sizes, gate, up, limit
+    ),
+    nondiff_argnums=(5, 6, 7),
+)
+
+
 def gather_swiglu(
     x_XD,
     source_R,
@@ -180,9 +212,11 @@ def gather_swiglu(
     products and the SwiGLU in fp32 before the one store); the others the jnp reference. Differentiable in x,
     gate and up; the GPU backward pass recomputes the products with the grouped-matmul kernels.
     """
-    name, interpret = _pick("gather_swiglu", variant, backend)
+    name, interpret = _pick("gather_swiglu", variant, backend, (gate_GID, up_GID))
     if name == "gpu_triton":
         return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
+    if name == WEIGHT_ONLY:
+        return _gather_swiglu_weight_only(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
     return gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit)
 
 
@@ -220,6 +254,17 @@ def _down_scatter_gpu_bwd(fill_tail, interpret, residuals, d_y_RD):
 _down_scatter_gpu.defvjp(_down_scatter_gpu_fwd, _down_scatter_gpu_bwd)
 
 
+_down_scatter_weight_only = with_reference_vjp(
+    lambda h, dest, row_weight, sizes, down, fill_tail, interpret: down_scatter_weight_only_gpu(
+        h, dest, row_weight, sizes, down, fill_tail=fill_tail, interpret=interpret
+    ),
+    lambda h, dest, row_weight, sizes, down, fill_tail, interpret: down_scatter_reference(
+        h, dest, row_weight, sizes, down
+    ),
+    nondiff_argnums=(5, 6),
+)
+
+
 def down_scatter(
     h_RI,
     dest_R,
@@ -241,21 +286,29 @@ def down_scatter(
     others the jnp reference. Differentiable in h, row_weight and down; the GPU backward pass uses the
     grouped-matmul kernels.
     """
-    name, interpret = _pick("down_scatter", variant, backend)
+    name, interpret = _pick("down_scatter", variant, backend, (down_GDI,))
     if name == "gpu_triton":
         return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
+    if name == WEIGHT_ONLY:
+        return _down_scatter_weight_only(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
     return down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI)
 
 
-_routed_gpu_kernel = with_reference_vjp(
-    lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_gpu(
+def _routed_entry(entry):
+    return lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: entry(
         x, weights, experts, gate, up, down, shared, limit=limit, shared_limit=shared_limit, interpret=interpret
-    ),
-    lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_reference(
-        x, weights, experts, gate, up, down, limit, shared, shared_limit
-    ),
-    nondiff_argnums=(7, 8, 9),
-)
+    )
+
+
+def _routed_reference(x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret):
+    return routed_experts_reference(x, weights, experts, gate, up, down, limit, shared, shared_limit)
+
+
+# {variant: the GPU kernels}, differentiated as the reference (a quantised weight: dequantise-then-reference)
+_ROUTED_GPU_KERNELS = {
+    name: with_reference_vjp(_routed_entry(entry), _routed_reference, nondiff_argnums=(7, 8, 9))
+    for name, entry in (("gpu_triton", routed_experts_gpu), (WEIGHT_ONLY, routed_experts_weight_only_gpu))
+}
 
 
 def routed_experts(
@@ -283,10 +336,10 @@ def routed_experts(
     kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
     reference. Differentiable (the backward pass is the reference's).
     """
-    name, interpret = _pick("routed_experts", variant, backend)
+    name, interpret = _pick("routed_experts", variant, backend, (gate_EID, up_EID, down_EDI))
     shared = None if shared is None else tuple(shared)
-    if name == "gpu_triton":
-        return _routed_gpu_kernel(
+    if name in _ROUTED_GPU_KERNELS:
+        return _ROUTED_GPU_KERNELS[name](
             x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit, interpret
         )
     return routed_experts_reference(

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings, tile_products
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.moe.gpu_triton.weight_tiles import expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
 
 
@@ -44,10 +45,8 @@ def _gather_swiglu_kernel(
     row_end_ref,
     source_ref,
     x_ref,
-    gate_ref,
-    up_ref,
-    h_ref,
-    *,
+    *refs,
+    formats,
     limit: float | None,
     column_tile,
     block_m: int,
@@ -56,6 +55,7 @@ def _gather_swiglu_kernel(
     mask_n: bool,
     mask_k: bool,
 ):
+    *weight_refs, h_ref = refs
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
         group_ref,
         row_start_ref,
@@ -73,7 +73,7 @@ def _gather_swiglu_kernel(
 
     gate_MN, up_MN = tile_products(
         load_lhs,
-        (gate_ref, up_ref),
+        expert_tiles(weight_refs, formats),
         group,
         col0,
         block_m=block_m,
@@ -96,9 +96,8 @@ def _down_scatter_kernel(
     dest_ref,
     row_weight_ref,
     h_ref,
-    down_ref,
-    y_ref,
-    *,
+    *refs,
+    formats,
     column_tile,
     block_m: int,
     block_n: int,
@@ -106,6 +105,7 @@ def _down_scatter_kernel(
     mask_n: bool,
     mask_k: bool,
 ):
+    *weight_refs, y_ref = refs
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
         group_ref,
         row_start_ref,
@@ -122,7 +122,7 @@ def _down_scatter_kernel(
 
     (acc_MN,) = tile_products(
         load_lhs,
-        (down_ref,),
+        expert_tiles(weight_refs, formats),
         group,
         col0,
         block_m=block_m,
@@ -190,6 +190,81 @@ def _over_row_tiles(
     )
 
 
+def gather_swiglu_call(
+    x_XD,
+    source_R,
+    group_sizes_G,
+    gate_GID,
+    up_GID,
+    *,
+    limit: float | None,
+    tiles: tuple,
+    min_block_m: int | None,
+    fill_tail: bool,
+    interpret: bool,
+    table=tuned.GATHER_SWIGLU,
+):
+    """`gather_swiglu_gpu` for gate and up dense or quantised (`weight_tiles`: read as stored, a quantised tile
+    dequantised on chip); tiles: the requested (block_m, block_n, block_k, num_warps, num_stages), None ones
+    from `table`."""
+    width, hidden = gate_GID.shape[1:]
+    formats = tuple(weight_format(w, name) for w, name in ((gate_GID, "gate"), (up_GID, "up")))
+    weights = tuple(a for w, f in zip((gate_GID, up_GID), formats) for a in kernel_operands(w, f, x_XD.dtype))
+    return _over_row_tiles(
+        functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit),
+        group_sizes_G,
+        (source_R.astype(jnp.int32), x_XD, *weights),
+        tiles,
+        num_rows=source_R.shape[0],
+        n_dim=width,
+        k_dim=hidden,
+        dtype=x_XD.dtype,
+        table=table,
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+        interpret=interpret,
+        name="gather_swiglu",
+    )
+
+
+def down_scatter_call(
+    h_RI,
+    dest_R,
+    row_weight_R,
+    group_sizes_G,
+    down_GDI,
+    *,
+    tiles: tuple,
+    min_block_m: int | None,
+    fill_tail: bool,
+    interpret: bool,
+    table=tuned.DOWN_SCATTER,
+):
+    """`down_scatter_gpu` for down dense or quantised (as `gather_swiglu_call`)."""
+    hidden, width = down_GDI.shape[1:]
+    formats = (weight_format(down_GDI, "down"),)
+    return _over_row_tiles(
+        functools.partial(_down_scatter_kernel, formats=formats),
+        group_sizes_G,
+        (
+            dest_R.astype(jnp.int32),
+            row_weight_R.astype(jnp.float32),
+            h_RI,
+            *kernel_operands(down_GDI, *formats, h_RI.dtype),
+        ),
+        tiles,
+        num_rows=h_RI.shape[0],
+        n_dim=hidden,
+        k_dim=width,
+        dtype=h_RI.dtype,
+        table=table,
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+        interpret=interpret,
+        name="down_scatter",
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("limit", *_TILE_ARGS))
 def gather_swiglu_gpu(
     x_XD,
@@ -212,22 +287,17 @@ def gather_swiglu_gpu(
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros (fill_tail) or are not written (undefined). source [R] int32 indexes x's rows (repeats allowed).
     gate and up [G, I, D] are cast to x's dtype. Tiles: None from `tuned.GATHER_SWIGLU`."""
-    width, hidden = gate_GID.shape[1:]
-    operands = (source_R.astype(jnp.int32), x_XD, gate_GID.astype(x_XD.dtype), up_GID.astype(x_XD.dtype))
-    return _over_row_tiles(
-        functools.partial(_gather_swiglu_kernel, limit=limit),
+    return gather_swiglu_call(
+        x_XD,
+        source_R,
         group_sizes_G,
-        operands,
-        (block_m, block_n, block_k, num_warps, num_stages),
-        num_rows=source_R.shape[0],
-        n_dim=width,
-        k_dim=hidden,
-        dtype=x_XD.dtype,
-        table=tuned.GATHER_SWIGLU,
+        gate_GID,
+        up_GID,
+        limit=limit,
+        tiles=(block_m, block_n, block_k, num_warps, num_stages),
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
-        name="gather_swiglu",
     )
 
 
@@ -252,20 +322,14 @@ def down_scatter_gpu(
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros (fill_tail) or nothing (their dest rows undefined). dest [R] int32 must be a permutation of [0, R);
     row_weight [R] fp32. down [G, D, I] is cast to h's dtype. Tiles: None from `tuned.DOWN_SCATTER`."""
-    hidden, width = down_GDI.shape[1:]
-    operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, down_GDI.astype(h_RI.dtype))
-    return _over_row_tiles(
-        _down_scatter_kernel,
+    return down_scatter_call(
+        h_RI,
+        dest_R,
+        row_weight_R,
         group_sizes_G,
-        operands,
-        (block_m, block_n, block_k, num_warps, num_stages),
-        num_rows=h_RI.shape[0],
-        n_dim=hidden,
-        k_dim=width,
-        dtype=h_RI.dtype,
-        table=tuned.DOWN_SCATTER,
+        down_GDI,
+        tiles=(block_m, block_n, block_k, num_warps, num_stages),
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
-        name="down_scatter",
     )

@@ -1,0 +1,217 @@
+"""How the MoE Triton kernels read a tile of a stacked expert weight [E, N, K]: dense, block FP8 or MXFP4.
+
+A kernel is written once against `ExpertTiles.load`, the [block_n, block_k] tile of expert e's rows
+[col0, col0 + block_n) and inputs [k0, k0 + block_k), zeros outside the weight, in the compute dtype. The format
+says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing dense is ever written):
+
+- `Dense`: the weight itself, [E, N, K] (the kernels' original operand);
+- `BlockFP8`: e4m3 values [E, N, K] (one byte an element) and fp32 scales [E, ceil(N / br), ceil(K / bc)] for
+  blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. Where the
+  tile lies in one block (block_n divides br, block_k divides bc: the 128 x 128 checkpoints with the tuned tiles)
+  the scale is one scalar load; otherwise a scale is gathered per row and / or column;
+- `MXFP4`: packed E2M1 codes uint8 [E, N, K / 2] (element 2j in the low nibble of byte j, half a byte an element)
+  and one E8M0 scale per 32 inputs [E, N, ceil(K / 32)] (spec §6.3), given as uint8 exponents (2^(u - 127),
+  a float8_e8m0fnu array reinterpreted) or as float powers of two: the packed bytes are split into their two
+  nibbles and interleaved (Triton's join), each E2M1 code decoded through float16's bit layout (the magnitude's
+  3 bits are an fp16 with a denormal at 0.5, times 2^14) and multiplied by its group's scale (exact in bf16).
+
+`weight_format` tells a weight's format from what it is: an array is dense, a quantised weight is anything with
+`values` and `scales` (`ling_jax.quantized.BlockFP8Weight`, which has a `block`, or `MXFP4Weight`);
+`kernel_operands` gives the arrays a pallas_call takes for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+
+MXFP4_GROUP = 32  # inputs per E8M0 scale
+_E8M0_BIAS = 127
+_FP32_MANTISSA_BITS = 23
+_E2M1_AS_FP16 = 2.0**14  # an E2M1 magnitude's 3 bits placed at fp16's bits 9-11 read as the value / 2^14
+
+
+def _range(start, size: int):
+    return start + jnp.arange(size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """A dense stacked weight [E, N, K]: one operand, read as stored."""
+
+    num_operands: ClassVar[int] = 1
+
+    def shape(self, refs) -> tuple[int, int, int]:
+        return tuple(refs[0].shape)
+
+    def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
+        tile_NK = masked_load(refs[0].at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
+        return tile_NK.astype(dtype)
+
+
+def _block_index(start, size: int, block: int, count: int):
+    """The scale index of elements [start, start + size): a scalar when they lie in one block (start is a multiple
+    of size, so that holds when size divides block), else one index an element, clipped to the count."""
+    if size <= block and block % size == 0:
+        return start // block
+    return jnp.minimum(_range(start, size) // block, count - 1)
+
+
+def _scale_tile(scales_ref, expert, rows, cols):
+    """scales[expert, rows, cols] for scalar or vector (1-D) rows and cols: a scalar, [N, 1], [1, K] or [N, K]."""
+    if jnp.ndim(rows) == 0 and jnp.ndim(cols) == 0:
+        return scales_ref[expert, rows, cols]
+    rows_N1 = jnp.reshape(rows, (-1, 1)) if jnp.ndim(rows) else jnp.full((1, 1), rows)
+    cols_1K = jnp.reshape(cols, (1, -1)) if jnp.ndim(cols) else jnp.full((1, 1), cols)
+    return plgpu.load(scales_ref.at[expert, rows_N1, cols_1K])
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFP8:
+    """Block-FP8 experts: e4m3 values [E, N, K] and fp32 scales [E, ceil(N / br), ceil(K / bc)], block (br, bc)."""
+
+    block: tuple[int, int]
+    num_operands: ClassVar[int] = 2
+
+    def shape(self, refs) -> tuple[int, int, int]:
+        return tuple(refs[0].shape)
+
+    def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
+        values_ref, scales_ref = refs
+        values_NK = masked_load(
+            values_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K)
+        )
+        block_rows, block_cols = self.block
+        scale = _scale_tile(
+            scales_ref,
+            expert,
+            _block_index(col0, block_n, block_rows, scales_ref.shape[1]),
+            _block_index(k0, block_k, block_cols, scales_ref.shape[2]),
+        )
+        return (values_NK.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _e2m1_values(codes):
+    """float32 values of E2M1 codes (int32, 0..15): the sign bit to fp16's bit 15, the 3 magnitude bits to bits
+    9-11 (exponent 0-3 over fp16's bias 15, one mantissa bit; exponent 0 is fp16's denormal, 0.5 x 2^-14)."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    as_fp16 = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return as_fp16.astype(jnp.float32) * _E2M1_AS_FP16
+
+
+def _e8m0_values(exponents):
+    """float32 2^(u - 127) of uint8 E8M0 exponents, built as fp32 bits (u = 0, 2^-127, reads as 0)."""
+    return jax.lax.bitcast_convert_type(exponents.astype(jnp.int32) << _FP32_MANTISSA_BITS, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP4:
+    """MXFP4 experts: packed codes uint8 [E, N, K / 2], scales [E, N, ceil(K / 32)] as uint8 E8M0 exponents
+    (exponent_scales) or float32 values. block_k must be even and a multiple or a divisor of 32."""
+
+    exponent_scales: bool
+    num_operands: ClassVar[int] = 2
+
+    def shape(self, refs) -> tuple[int, int, int]:
+        experts, rows, half = refs[0].shape
+        return experts, rows, 2 * half
+
+    def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
+        codes_ref, scales_ref = refs
+        half_k = block_k // 2
+        bytes_ok = None if k_ok_K is None else _range(k0 // 2, half_k) < codes_ref.shape[2]
+        packed_NH = masked_load(
+            codes_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0 // 2, half_k)], mask_2d(cols_ok_N, bytes_ok)
+        ).astype(jnp.int32)
+        codes_NK = jnp.stack([packed_NH & 0x0F, packed_NH >> 4], axis=-1).reshape(block_n, block_k)
+        rows = jnp.minimum(_range(col0, block_n), codes_ref.shape[1] - 1)
+        per_group = block_k // MXFP4_GROUP  # 0: the tile lies in one group
+        first_group = k0 // MXFP4_GROUP
+        groups = jnp.minimum(_range(first_group, per_group), scales_ref.shape[2] - 1) if per_group else first_group
+        scales = _scale_tile(scales_ref, expert, rows, groups)  # [N, 1] or [N, block_k / 32]
+        scales = _e8m0_values(scales) if self.exponent_scales else scales.astype(jnp.float32)
+        if per_group:
+            scales = jnp.broadcast_to(scales[:, :, None], (block_n, per_group, MXFP4_GROUP)).reshape(block_n, block_k)
+        return (_e2m1_values(codes_NK) * scales).astype(dtype)
+
+
+DENSE = Dense()
+Format = Dense | BlockFP8 | MXFP4
+
+
+def is_quantized(weight) -> bool:
+    """Whether `weight` is a quantised weight (values and scales) rather than an array."""
+    return hasattr(weight, "values") and hasattr(weight, "scales")
+
+
+def weight_format(weight, name: str = "weight") -> Format:
+    """The format of an expert weight (module docstring); a quantised one with unexpected dtypes is refused."""
+    if not is_quantized(weight):
+        return DENSE
+    values_dtype = np.dtype(weight.values.dtype)
+    if getattr(weight, "block", None) is not None:
+        if values_dtype != np.dtype(jnp.float8_e4m3fn):
+            raise ValueError(f"{name}: block-FP8 values must be float8_e4m3fn, got {values_dtype.name}")
+        return BlockFP8(tuple(int(b) for b in weight.block))
+    if values_dtype != np.dtype(jnp.uint8):
+        raise ValueError(f"{name}: MXFP4 values must be uint8 (two E2M1 codes a byte), got {values_dtype.name}")
+    return MXFP4(exponent_scales=np.dtype(weight.scales.dtype) in (np.dtype(jnp.uint8), np.dtype(jnp.float8_e8m0fnu)))
+
+
+def kernel_operands(weight, weight_format: Format, dtype=None) -> tuple[jax.Array, ...]:
+    """The arrays a kernel takes for `weight`: a dense one cast to `dtype` (None: as stored); FP8 values with fp32
+    scales; MXFP4 codes with E8M0 scales as uint8 exponents (a bitcast, no copy) or as float32."""
+    if isinstance(weight_format, Dense):
+        return (weight if dtype is None else weight.astype(dtype),)
+    scales = weight.scales
+    if isinstance(weight_format, MXFP4) and weight_format.exponent_scales:
+        scales = scales if scales.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(scales, jnp.uint8)
+    else:
+        scales = scales.astype(jnp.float32)
+    return weight.values, scales
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """One expert weight inside a kernel: its format and its refs."""
+
+    format: Format
+    refs: tuple
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The dense weight's [E, N, K]."""
+        return self.format.shape(self.refs)
+
+    def load(self, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
+        """[block_n, block_k] of expert `expert` at (col0, k0) in dtype, zeros outside the masks."""
+        return self.format.load(
+            self.refs,
+            expert,
+            col0,
+            k0,
+            block_n=block_n,
+            block_k=block_k,
+            cols_ok_N=cols_ok_N,
+            k_ok_K=k_ok_K,
+            dtype=dtype,
+        )
+
+
+def expert_tiles(refs, formats) -> list[ExpertTiles]:
+    """The refs of weights in `formats` (each taking format.num_operands refs, in order) as ExpertTiles."""
+    tiles, at = [], 0
+    for each in formats:
+        tiles.append(ExpertTiles(each, tuple(refs[at : at + each.num_operands])))
+        at += each.num_operands
+    if at != len(refs):
+        raise ValueError(f"{len(refs)} weight refs for formats taking {at}")
+    return tiles
