@@ -295,3 +295,47 @@ def test_compiled_kernels_match_float64(fmt, dtype):
     )
     dense = [float64_dense(w) for w in (gate, up, down)]
     assert rel_error(ours, float64_loop(x, weights, experts, *dense, 0.9)) <= TOL[dtype]
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny block-FP8 checkpoint (16 x 16 blocks, FP8 routed and shared experts) of the oracle's g2_dense1."""
+    from checkpoint_factory import make_quantized_checkpoint
+    from oracle import build_oracle, save_oracle
+
+    oracle_dir = save_oracle(build_oracle("g2_dense1", seed=2), tmp_path_factory.mktemp("oracle"))
+    directory = tmp_path_factory.mktemp("fp8")
+    make_quantized_checkpoint(oracle_dir, directory, block=(16, 16))
+    return directory
+
+
+def test_fp8_checkpoint_on_the_interpret_gpu_backend_equals_the_reference(fp8_checkpoint):
+    """The whole model from an FP8 checkpoint (weights kept FP8): prefill (the fused path) and one token a sequence
+    (the row path) with every GPU kernel interpreted == the reference backend, fp32; the MoE kernels are the
+    weight-only ones."""
+    from flax import nnx
+
+    from ling_jax import ExecutionPolicy, KernelBackend, load_hf_checkpoint
+
+    ids = jnp.asarray(np.random.default_rng(3).integers(2, 100, (2, 12)))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def prefill_and_one_token(graph, state, ids):
+        model = nnx.merge(graph, state)
+        return model(ids).logits, model(ids[:, :1]).logits
+
+    logits = {}
+    for backend in (KernelBackend.INTERPRET_GPU, KernelBackend.REFERENCE):
+        model = load_hf_checkpoint(
+            fp8_checkpoint, dtype=jnp.float32, progress=False, policy=ExecutionPolicy(kernel_backend=backend)
+        )
+        assert isinstance(model.model.layers[1].mlp.experts.up_proj.get_value(), BlockFP8Weight)
+        traced = prefill_and_one_token.trace(*nnx.split(model), ids)
+        kernels = {"gather_swiglu", "down_scatter", "expert_swiglu_rows", "expert_down_combine"}
+        found = {name for name in kernels if f"name={name}" in str(traced.jaxpr)}
+        assert found == (kernels if backend == KernelBackend.INTERPRET_GPU else set()), (backend, found)
+        logits[backend] = traced.lower().compile()(*nnx.split(model)[1:], ids)
+    for what, ours, ref in zip(("prefill", "one token"), *logits.values()):
+        err = rel_error(ours, ref)
+        print(f"[moe quantized] FP8 checkpoint, {what}: interpret GPU vs reference logits rel. error {err:.2e}")
+        assert err <= TOL[jnp.float32], what
