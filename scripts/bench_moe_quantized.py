@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Routed experts at Ling-3.1-flash width (hidden 4096, expert width 1280, 512 experts, top-8) with the experts
+stored bf16, block FP8 (128 x 128 blocks, fp32 scales) or MXFP4 (E8M0 scales per 32 inputs) on one GPU.
+
+    python scripts/bench_moe_quantized.py            # prefill at 8192 tokens, decode rows at 1, 8, 64 tokens
+    python scripts/bench_moe_quantized.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
+
+(a) Prefill, `ling_jax.moe.experts.local_moe` (the fused gather + gate/up + SwiGLU and down + scatter kernels) at
+8192 tokens, routed by a random router with a realistic imbalance (each expert's popularity drawn once, top-8 of
+noise + popularity; the busiest expert's load is printed): bf16 experts (today's path), FP8 experts through the
+weight-only kernels (tiles loaded as e4m3, dequantised on chip), MXFP4 experts likewise, and the path before them:
+the FP8 experts dequantised whole to bf16 inside the step, then the bf16 kernels. All four use the same weights
+(bf16 = the FP8 weights dequantised), so each quantised path is also checked against the bf16 one.
+
+(b) Decode rows, `pallas_kernels.moe.routed_experts` (the row-by-row kernels, which `local_moe` runs up to 64
+token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts, each beside its byte roofline:
+the bytes of the distinct experts the step touches (values and scales) over the copy bandwidth measured in the
+same run (`bench_common.copy_bandwidth`), and `local_moe` (what the model runs: the fused path above 64 rows).
+Each time is per call of a chain of dependent calls in one program (`bench_common.per_call_seconds`). Then a
+sweep of the weight-only row kernels' tiles at one token (their table is not measured yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_common import copy_bandwidth, median_seconds, per_call_seconds, rel_error  # noqa: E402
+
+from ling_jax.moe.experts import local_moe  # noqa: E402
+from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
+from pallas_kernels.moe.ops import WEIGHT_ONLY, kernel, routed_experts  # noqa: E402
+
+LIMIT = 7.0
+FP8_BLOCK = (128, 128)
+FULL = {"hidden": 4096, "width": 1280, "experts": 512, "top_k": 8, "prefill": 8192, "decode": (1, 8, 64)}
+QUICK = {"hidden": 256, "width": 192, "experts": 16, "top_k": 4, "prefill": 128, "decode": (1, 2)}
+# (block_n, block_k, num_warps, num_stages) of the weight-only row kernels at one token; the first is the table's
+ROW_SWEEP = {
+    "swiglu_tiles": [(8, 128, 4, 4), (8, 256, 4, 4), (16, 128, 4, 4), (8, 512, 4, 3), (4, 256, 4, 4)],
+    "down_tiles": [(8, 128, 4, 3), (8, 256, 4, 3), (16, 256, 4, 3), (8, 1024, 4, 3)],
+}
+
+
+def fp8_experts(key, shape) -> BlockFP8Weight:
+    """Random block-FP8 experts [E, N, K] of entries ~ 1 / sqrt(K): e4m3 values with a scale a 128 x 128 block."""
+    experts, rows, cols = shape
+    values = jnp.concatenate(  # expert by expert: no [E, N, K] fp32 temporary
+        [
+            (jax.random.normal(k, (1, rows, cols), jnp.bfloat16) * 64).astype(jnp.float8_e4m3fn)
+            for k in jax.random.split(key, experts)
+        ]
+    )
+    grid = (experts, -(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+    scales = jax.random.uniform(jax.random.fold_in(key, 1), grid, jnp.float32, 0.5, 1.5) / (64 * cols**0.5)
+    return BlockFP8Weight(values, scales, FP8_BLOCK)
+
+
+def mxfp4_experts(seed: int, shape) -> MXFP4Weight:
+    """Random MXFP4 experts [E, N, K]: random E2M1 codes, E8M0 scales 2^-8 .. 2^-5 (entries ~ 1 / sqrt(K) at K
+    4096; the same exponents at small K)."""
+    import ml_dtypes
+
+    experts, rows, cols = shape
+    r = np.random.default_rng(seed)
+    codes = jax.random.bits(jax.random.key(seed), (experts, rows, cols // 2), jnp.uint8)
+    exponents = r.integers(-8, -4, (experts, rows, -(-cols // 32)))
+    return MXFP4Weight(codes, jnp.asarray(np.ldexp(1.0, exponents).astype(ml_dtypes.float8_e8m0fnu)))
+
+
+def nbytes(weight) -> int:
+    return weight.nbytes if hasattr(weight, "dequantize") else weight.size * weight.dtype.itemsize
+
+
+def routing(tokens: int, num_experts: int, top_k: int, seed: int):
+    """(weights [T, k] fp32, experts [T, k] int32): top-k of noise + a popularity per expert (std 0.7 against
+    unit noise: the busiest expert gets ~2-3x the mean load, as trained routers show)."""
+    key_noise, key_pop, key_w = jax.random.split(jax.random.key(seed), 3)
+    popularity = 0.7 * jax.random.normal(key_pop, (num_experts,))
+    scores = jax.random.normal(key_noise, (tokens, num_experts)) + popularity
+    _, experts = jax.lax.top_k(scores, top_k)
+    weights = jax.random.uniform(key_w, (tokens, top_k), jnp.float32, 0.1, 1.0)
+    return weights, experts.astype(jnp.int32)
+
+
+def nudge_x(x_TD, y_TD):
+    return x_TD + (1e-3 * y_TD).astype(x_TD.dtype)
+
+
+def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
+    tokens, hidden, width, top_k = sizes["prefill"], sizes["hidden"], sizes["width"], sizes["top_k"]
+    x = jax.random.normal(jax.random.key(5), (tokens, hidden), jnp.bfloat16)
+    weights, experts = routing(tokens, sizes["experts"], top_k, seed=6)
+    load = np.bincount(np.asarray(experts).ravel(), minlength=sizes["experts"])
+    print(
+        f"\n(a) prefill, {tokens} tokens x top-{top_k}; busiest expert {load.max()} rows (mean "
+        f"{load.mean():.0f}), {np.sum(load == 0)} experts empty; ms per call"
+    )
+    fused = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
+
+    def dequantize_whole(x, weights, experts, gate, up, down):
+        dense = [w.dequantize(jnp.bfloat16) for w in (gate, up, down)]
+        return local_moe(x, weights, experts, *dense, LIMIT, backend=backend)
+
+    paths = {
+        "bf16 experts, fused kernels (today)": (fused, stacks["bf16"]),
+        "FP8 experts, weight-only fused kernels": (fused, stacks["fp8"]),
+        "MXFP4 experts, weight-only fused kernels": (fused, stacks["mxfp4"]),
+        "FP8 experts dequantised whole, then bf16 kernels (before)": (jax.jit(dequantize_whole), stacks["fp8"]),
+    }
+    flops = 2 * tokens * top_k * 3 * hidden * width
+    reference = fused(x, weights, experts, *stacks["bf16"])
+    print("| path | ms | useful TFLOP/s | vs bf16 | rel. diff vs bf16 (same weights; MXFP4: its own) |")
+    print("|---|---|---|---|---|")
+    bf16_seconds = None
+    for name, (fn, experts_weights) in paths.items():
+        seconds = median_seconds(fn, x, weights, experts, *experts_weights, iters=iters)
+        bf16_seconds = bf16_seconds or seconds
+        out = fn(x, weights, experts, *experts_weights)
+        diff = "-" if "MXFP4" in name else f"{rel_error(out, reference):.1e}"
+        print(
+            f"| {name} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} | {bf16_seconds / seconds:.2f}x | {diff} |",
+            flush=True,
+        )
+
+
+def touched_bytes(experts_TK, stacks) -> int:
+    """Bytes of the distinct experts a call reads (values and scales of gate, up and down)."""
+    distinct = len(np.unique(np.asarray(experts_TK)))
+    return distinct * sum(nbytes(w) for w in stacks) // stacks[0].shape[0]
+
+
+def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls: int) -> None:
+    print(
+        f"\n(b) decode rows, top-{sizes['top_k']}; us per call (x the byte roofline: touched experts' bytes / "
+        f"{copy_bw / 1e12:.2f} TB/s copy bandwidth)"
+    )
+    print("| tokens | experts | touched MB | row kernels us | x roofline | local_moe us | x roofline |")
+    print("|---|---|---|---|---|---|---|")
+    rows = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend))
+    model = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
+    for tokens in sizes["decode"]:
+        x = jax.random.normal(jax.random.key(tokens), (tokens, sizes["hidden"]), jnp.bfloat16)
+        weights, experts = routing(tokens, sizes["experts"], sizes["top_k"], seed=tokens)
+        for fmt, weight_stacks in stacks.items():
+            touched = touched_bytes(experts, weight_stacks)
+            roofline = touched / copy_bw
+            cells = []
+            for fn in (rows, model):
+                seconds = per_call_seconds(fn, nudge_x, x, weights, experts, *weight_stacks, iters=iters, calls=calls)
+                cells += [f"{seconds * 1e6:.1f}", f"{seconds / roofline:.2f}"]
+            print(f"| {tokens} | {fmt} | {touched / 1e6:.1f} | {' | '.join(cells)} |", flush=True)
+
+
+def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool) -> None:
+    print("\nweight-only row kernels at one token, tile sweep (block_n, block_k, num_warps, num_stages); us per call")
+    print("| experts | swiglu tiles | down tiles | us |")
+    print("|---|---|---|---|")
+    x = jax.random.normal(jax.random.key(1), (1, sizes["hidden"]), jnp.bfloat16)
+    weights, experts = routing(1, sizes["experts"], sizes["top_k"], seed=1)
+    entry = kernel("routed_experts", WEIGHT_ONLY)
+    default = {name: tiles[0] for name, tiles in ROW_SWEEP.items()}
+    for fmt in ("fp8", "mxfp4"):
+        for name, tile_list in ROW_SWEEP.items():
+            for tiles in tile_list[1:] if name == "down_tiles" else tile_list:
+                setting = {**default, name: tiles}
+                fn = functools.partial(entry, limit=LIMIT, interpret=interpret, **setting)
+                try:
+                    seconds = per_call_seconds(fn, nudge_x, x, weights, experts, *stacks[fmt], iters=iters, calls=calls)
+                except Exception as error:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
+                    print(
+                        f"| {fmt} | {setting['swiglu_tiles']} | {setting['down_tiles']} | failed: {str(error)[:120]} |"
+                    )
+                    continue
+                print(
+                    f"| {fmt} | {setting['swiglu_tiles']} | {setting['down_tiles']} | {seconds * 1e6:.1f} |", flush=True
+                )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run in interpret mode)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the row kernels' tile sweep")
+    args = parser.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.quick:
+        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); try --quick")
+    sizes = QUICK if args.quick else FULL
+    backend = "pallas_gpu" if on_gpu else "interpret_gpu"
+    iters, calls = (1, 1) if args.quick and not on_gpu else (args.iters, 32)
+    hidden, width, num_experts = sizes["hidden"], sizes["width"], sizes["experts"]
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}; backend {backend}; hidden {hidden}, width {width}, "
+        f"{num_experts} experts, top-{sizes['top_k']}; bf16 activations; FP8 blocks {FP8_BLOCK}"
+    )
+    gate_up_shape, down_shape = (num_experts, width, hidden), (num_experts, hidden, width)
+    fp8 = [fp8_experts(jax.random.key(i), s) for i, s in enumerate((gate_up_shape, gate_up_shape, down_shape))]
+    stacks = {
+        "bf16": [jax.jit(lambda w: w.dequantize(jnp.bfloat16))(w) for w in fp8],
+        "fp8": fp8,
+        "mxfp4": [mxfp4_experts(10 + i, s) for i, s in enumerate((gate_up_shape, gate_up_shape, down_shape))],
+    }
+    for fmt, weight_stacks in stacks.items():
+        print(f"{fmt} experts: {sum(nbytes(w) for w in weight_stacks) / 1e9:.2f} GB")
+    prefill_table(sizes, stacks, backend, iters)
+    copy_bw = copy_bandwidth(iters, nbytes=(1 << 20) if args.quick else (4 << 30))
+    decode_table(sizes, stacks, backend, iters, copy_bw, calls)
+    if not args.no_sweep:
+        sweep_rows(sizes, stacks, iters, calls, interpret=not on_gpu)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
