@@ -27,7 +27,7 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 TOKENS, TOP_K, EXPERTS, HIDDEN, WIDTH = 29, 3, 5, 200, 136  # 87 rows, D and I off every tile and scale block
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # format -> what `quantized` draws: block FP8 with the checkpoints' 128 x 128 blocks (one scale a tile), block FP8
-# with 16 x 32 blocks (scales gathered per row and column), MXFP4 with E8M0 or float32 scales
+# with 16 x 32 blocks (a scale a row block and a K block in a tile), MXFP4 with E8M0 or float32 scales
 FORMATS = ("fp8", "fp8_16x32", "mxfp4", "mxfp4_f32")
 
 
@@ -36,7 +36,7 @@ def quantized(fmt: str, shape, seed: int):
     r = np.random.default_rng(seed)
     experts, rows, cols = shape
     if fmt.startswith("fp8"):
-        block = (16, 32) if fmt == "fp8_16x32" else (128, 128)
+        block = {"fp8_16x32": (16, 32), "fp8_24x48": (24, 48)}.get(fmt, (128, 128))
         values = (r.normal(size=shape) * 64).astype(ml_dtypes.float8_e4m3fn)
         grid = (experts, -(-rows // block[0]), -(-cols // block[1]))
         scales = r.uniform(0.5, 1.5, grid).astype(np.float32) / (64 * cols**0.5)
@@ -114,9 +114,10 @@ def test_down_scatter_matches_float64(fmt, dtype, backend):
     assert err <= TOL[dtype], f"{fmt} {jnp.dtype(dtype).name} {backend}: rel. error {err:.2e}"
 
 
-# (block_m, block_n, block_k): tiles smaller than an MXFP4 group and an FP8 block, and larger than a 16 x 32 block
+# (block_m, block_n, block_k): tiles smaller than an MXFP4 group and an FP8 block, larger than a 16 x 32 block,
+# and tiles a 24 x 48 block does not divide (scales gathered a row and a column)
 @pytest.mark.parametrize("tiles", [(16, 16, 16), (32, 32, 64)], ids=["16x16x16", "32x32x64"])
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_16x32", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_16x32", "fp8_24x48", "mxfp4"])
 def test_fused_kernels_with_other_tiles(fmt, tiles):
     block_m, block_n, block_k = tiles
     order, sizes, source, row_weight = routed_rows(seed=8)

@@ -8,7 +8,8 @@ says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing
 - `BlockFP8`: e4m3 values [E, N, K] (one byte an element) and fp32 scales [E, ceil(N / br), ceil(K / bc)] for
   blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. Where the
   tile lies in one block (block_n divides br, block_k divides bc: the 128 x 128 checkpoints with the tuned tiles)
-  the scale is one scalar load; otherwise a scale is gathered per row and / or column;
+  the scale is one scalar load; otherwise one scale a row block a row and one a K block, repeated over the block's
+  inputs (or, where a block does not divide the tile, gathered a column);
 - `MXFP4`: packed E2M1 codes uint8 [E, N, K / 2] (element 2j in the low nibble of byte j, half a byte an element)
   and one E8M0 scale per 32 inputs [E, N, ceil(K / 32)] (spec §6.3), given as uint8 exponents (2^(u - 127),
   a float8_e8m0fnu array reinterpreted) or as float powers of two: the packed bytes are split into their two
@@ -57,21 +58,42 @@ class Dense:
         return tile_NK.astype(dtype)
 
 
-def _block_index(start, size: int, block: int, count: int):
-    """The scale index of elements [start, start + size): a scalar when they lie in one block (start is a multiple
-    of size, so that holds when size divides block), else one index an element, clipped to the count."""
-    if size <= block and block % size == 0:
-        return start // block
-    return jnp.minimum(_range(start, size) // block, count - 1)
+def _scale_rows(col0, block_n: int, block_rows: int, count: int):
+    """The scale row of each of a tile's rows [col0, col0 + block_n): a scalar when they lie in one row block (col0
+    is a multiple of block_n, so that holds when block_n divides block_rows), else one a row [N], clipped to the
+    count (rows past the weight's edge read the last)."""
+    if block_n <= block_rows and block_rows % block_n == 0:
+        return col0 // block_rows
+    return jnp.minimum(_range(col0, block_n) // block_rows, count - 1)
 
 
 def _scale_tile(scales_ref, expert, rows, cols):
-    """scales[expert, rows, cols] for scalar or vector (1-D) rows and cols: a scalar, [N, 1], [1, K] or [N, K]."""
+    """scales[expert, rows, cols] for scalar or vector (1-D) rows and cols: a scalar, [N, 1], [1, C] or [N, C]."""
     if jnp.ndim(rows) == 0 and jnp.ndim(cols) == 0:
         return scales_ref[expert, rows, cols]
     rows_N1 = jnp.reshape(rows, (-1, 1)) if jnp.ndim(rows) else jnp.full((1, 1), rows)
-    cols_1K = jnp.reshape(cols, (1, -1)) if jnp.ndim(cols) else jnp.full((1, 1), cols)
-    return plgpu.load(scales_ref.at[expert, rows_N1, cols_1K])
+    cols_1C = jnp.reshape(cols, (1, -1)) if jnp.ndim(cols) else jnp.full((1, 1), cols)
+    return plgpu.load(scales_ref.at[expert, rows_N1, cols_1C])
+
+
+def _tile_scales(scales_ref, expert, rows, k0, *, block_k: int, group: int, to_float):
+    """float32 scales of a tile's elements, broadcastable to [N, block_k]: the tile's inputs [k0, k0 + block_k) take
+    the scale of their group of `group` inputs (k0 is a multiple of block_k). One group: one scale a row (a scalar
+    when rows is); block_k a multiple of group: the block_k / group scales, each repeated over its group (a
+    broadcast and a reshape); otherwise one gathered a column. to_float: the stored scales to float32."""
+    count = scales_ref.shape[2]
+    if block_k <= group and group % block_k == 0:
+        return to_float(_scale_tile(scales_ref, expert, rows, k0 // group))
+    if block_k % group:
+        return to_float(_scale_tile(scales_ref, expert, rows, jnp.minimum(_range(k0, block_k) // group, count - 1)))
+    groups = block_k // group
+    scales = to_float(_scale_tile(scales_ref, expert, rows, jnp.minimum(_range(k0 // group, groups), count - 1)))
+    num_rows = scales.shape[0]
+    return jnp.broadcast_to(scales[:, :, None], (num_rows, groups, group)).reshape(num_rows, block_k)
+
+
+def _as_float32(scales):
+    return scales.astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +112,9 @@ class BlockFP8:
             values_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K)
         )
         block_rows, block_cols = self.block
-        scale = _scale_tile(
-            scales_ref,
-            expert,
-            _block_index(col0, block_n, block_rows, scales_ref.shape[1]),
-            _block_index(k0, block_k, block_cols, scales_ref.shape[2]),
-        )
-        return (values_NK.astype(jnp.float32) * scale).astype(dtype)
+        rows = _scale_rows(col0, block_n, block_rows, scales_ref.shape[1])
+        scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=block_cols, to_float=_as_float32)
+        return (values_NK.astype(jnp.float32) * scales).astype(dtype)
 
 
 def _e2m1_values(codes):
@@ -115,7 +133,7 @@ def _e8m0_values(exponents):
 @dataclasses.dataclass(frozen=True)
 class MXFP4:
     """MXFP4 experts: packed codes uint8 [E, N, K / 2], scales [E, N, ceil(K / 32)] as uint8 E8M0 exponents
-    (exponent_scales) or float32 values. block_k must be even and a multiple or a divisor of 32."""
+    (exponent_scales) or float32 values. block_k must be even."""
 
     exponent_scales: bool
     num_operands: ClassVar[int] = 2
@@ -132,14 +150,9 @@ class MXFP4:
             codes_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0 // 2, half_k)], mask_2d(cols_ok_N, bytes_ok)
         ).astype(jnp.int32)
         codes_NK = jnp.stack([packed_NH & 0x0F, packed_NH >> 4], axis=-1).reshape(block_n, block_k)
-        rows = jnp.minimum(_range(col0, block_n), codes_ref.shape[1] - 1)
-        per_group = block_k // MXFP4_GROUP  # 0: the tile lies in one group
-        first_group = k0 // MXFP4_GROUP
-        groups = jnp.minimum(_range(first_group, per_group), scales_ref.shape[2] - 1) if per_group else first_group
-        scales = _scale_tile(scales_ref, expert, rows, groups)  # [N, 1] or [N, block_k / 32]
-        scales = _e8m0_values(scales) if self.exponent_scales else scales.astype(jnp.float32)
-        if per_group:
-            scales = jnp.broadcast_to(scales[:, :, None], (block_n, per_group, MXFP4_GROUP)).reshape(block_n, block_k)
+        rows = _scale_rows(col0, block_n, 1, codes_ref.shape[1])
+        to_float = _e8m0_values if self.exponent_scales else _as_float32
+        scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=MXFP4_GROUP, to_float=to_float)
         return (_e2m1_values(codes_NK) * scales).astype(dtype)
 
 
