@@ -206,11 +206,13 @@ def gather_swiglu(
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g: the rows sorted by group (group_sizes int32 [G], traced, sum <= R), each read from x's
     row source[r] (int32 [R], repeats allowed); rows past the sum give zeros, or with fill_tail False are
-    undefined (the GPU kernel skips them; other backends still give zeros). gate, up [G, I, D].
+    undefined (the GPU kernel skips them; other backends still give zeros). gate, up [G, I, D]: arrays, or
+    quantised weights (block FP8, MXFP4: the module docstring).
 
     backend as for `grouped_matmul`: the GPU backends run one fused kernel (the rows gathered inside it, both
-    products and the SwiGLU in fp32 before the one store); the others the jnp reference. Differentiable in x,
-    gate and up; the GPU backward pass recomputes the products with the grouped-matmul kernels.
+    products and the SwiGLU in fp32 before the one store; quantised weights: WEIGHT_ONLY); the others the jnp
+    reference. Differentiable in x, gate and up; the GPU backward pass recomputes the products with the
+    grouped-matmul kernels (quantised weights: differentiable in x, as dequantise-then-reference).
     """
     name, interpret = _pick("gather_swiglu", variant, backend, (gate_GID, up_GID))
     if name == "gpu_triton":
@@ -280,11 +282,12 @@ def down_scatter(
     rows sorted by group (group_sizes int32 [G], traced, sum <= R), each stored back to its original row
     dest[r] (int32 [R], a permutation of [0, R)); row_weight fp32 [R], applied to the fp32 accumulator; rows
     past the sum store zeros, or with fill_tail False leave their dest rows undefined (GPU kernel; other
-    backends still store zeros). down [G, D, I].
+    backends still store zeros). down [G, D, I]: an array or a quantised weight.
 
-    backend as for `grouped_matmul`: the GPU backends run one kernel (scattered stores, no unsort pass); the
-    others the jnp reference. Differentiable in h, row_weight and down; the GPU backward pass uses the
-    grouped-matmul kernels.
+    backend as for `grouped_matmul`: the GPU backends run one kernel (scattered stores, no unsort pass;
+    quantised weights: WEIGHT_ONLY); the others the jnp reference. Differentiable in h, row_weight and down; the
+    GPU backward pass uses the grouped-matmul kernels (quantised weights: in h and row_weight, as
+    dequantise-then-reference).
     """
     name, interpret = _pick("down_scatter", variant, backend, (down_GDI,))
     if name == "gpu_triton":
@@ -329,12 +332,14 @@ def routed_experts(
     expert e's SwiGLU, min(SiLU(x W_gate), limit) * clip(x W_up, +-limit) W_down with a limit. Weights
     [E, I, D] (gate, up) and [E, D, I] (down) in the checkpoint's [out, in] layout; experts outside [0, E)
     contribute nothing. shared: None, or the MoE's shared expert (gate [I, D], up [I, D], down [D, I], the
-    routed experts' width), clipped at `shared_limit` and added with weight 1.
+    routed experts' width), clipped at `shared_limit` and added with weight 1. Any of them may be a quantised
+    weight (block FP8, MXFP4: the module docstring), the shared expert's in a format of its own.
 
     For a few tokens (decode): the GPU kernels read each row's expert directly, with no sorting, and cost a
-    weight read per token-expert pair; the shared expert is one more row per token. backend: "auto" (the GPU
-    kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
-    reference. Differentiable (the backward pass is the reference's).
+    weight read per token-expert pair (quantised routed experts: WEIGHT_ONLY, each tile read as stored);
+    the shared expert is one more row per token. backend: "auto" (the GPU kernels on a GPU, the reference
+    elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. Differentiable (the
+    backward pass is the reference's).
     """
     name, interpret = _pick("routed_experts", variant, backend, (gate_EID, up_EID, down_EDI))
     shared = None if shared is None else tuple(shared)

@@ -10,7 +10,9 @@ expert, with no sorted copy of the activations and no unsort:
 
 Both reuse the grouped matmul's row tiling and K loop (`gmm.py`): tiles never cross a
 group, a tail tile (rows past sum(group_sizes)) stores zeros; dest must be a permutation of [0, R), so every
-output row has exactly one owner.
+output row has exactly one owner. The expert weights are read through a weight-tile loader (`weight_tiles`):
+dense here, block FP8 or MXFP4 for the weight-only variants (`weight_only`, the same kernels over
+`gather_swiglu_call` / `down_scatter_call`).
 """
 
 from __future__ import annotations
