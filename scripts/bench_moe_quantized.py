@@ -16,8 +16,12 @@ the FP8 experts dequantised whole to bf16 inside the step, then the bf16 kernels
 token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts, each beside its byte roofline:
 the bytes of the distinct experts the step touches (values and scales) over the copy bandwidth measured in the
 same run (`bench_common.copy_bandwidth`), and `local_moe` (what the model runs: the fused path above 64 rows).
-Each time is per call of a chain of dependent calls in one program (`bench_common.per_call_seconds`). Then a
-sweep of the weight-only row kernels' tiles at one token (their table is not measured yet).
+Each time is per call of a chain of dependent calls in one program (`bench_common.per_call_seconds`).
+
+Then sweeps of the weight-only kernels' launch settings (none is measured yet): the fused kernels alone (rows
+already sorted) at the prefill size and at 64 tokens over (block_m, block_n, block_k, num_warps, num_stages,
+weight_left: the weight tile as the MMA's first operand), beside the bf16 kernels at their tuned tiles; the row
+kernels at one token over (block_n, block_k, num_warps, num_stages).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_common import copy_bandwidth, median_seconds, per_call_seconds, rel_error  # noqa: E402
 
-from ling_jax.moe.experts import local_moe  # noqa: E402
+from ling_jax.moe.experts import local_moe, sort_by_expert  # noqa: E402
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
 from pallas_kernels.moe.ops import WEIGHT_ONLY, kernel, routed_experts  # noqa: E402
 
@@ -42,6 +46,25 @@ LIMIT = 7.0
 FP8_BLOCK = (128, 128)
 FULL = {"hidden": 4096, "width": 1280, "experts": 512, "top_k": 8, "prefill": 8192, "decode": (1, 8, 64)}
 QUICK = {"hidden": 256, "width": 192, "experts": 16, "top_k": 4, "prefill": 128, "decode": (1, 2)}
+# (block_m, block_n, block_k, num_warps, num_stages, weight_left) of the weight-only fused kernels; the first of
+# each list: the bf16 kernels' tuned tiles (the weight-only default)
+FUSED_SWEEP = {
+    "many rows": [
+        (128, 128, 64, 8, 4, False),
+        (128, 128, 64, 8, 4, True),
+        (128, 128, 128, 8, 3, False),
+        (128, 128, 128, 8, 3, True),
+        (64, 128, 64, 4, 4, False),
+        (128, 64, 64, 4, 4, True),
+    ],
+    "few rows": [
+        (32, 64, 128, 4, 4, False),
+        (32, 64, 128, 4, 4, True),
+        (16, 64, 128, 4, 4, False),
+        (16, 128, 128, 4, 4, True),
+        (16, 64, 256, 4, 3, True),
+    ],
+}
 # (block_n, block_k, num_warps, num_stages) of the weight-only row kernels at one token; the first is the table's
 ROW_SWEEP = {
     "swiglu_tiles": [(8, 128, 4, 4), (8, 256, 4, 4), (16, 128, 4, 4), (8, 512, 4, 3), (4, 256, 4, 4)],
@@ -159,7 +182,43 @@ def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls:
             print(f"| {tokens} | {fmt} | {touched / 1e6:.1f} | {' | '.join(cells)} |", flush=True)
 
 
-def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool) -> None:
+def sweep_fused(sizes, stacks, iters: int, interpret: bool, count: int | None) -> None:
+    print(
+        "\nthe fused kernels alone (gather_swiglu + down_scatter, rows sorted), ms per call; tiles (block_m, block_n, "
+    )
+    print("block_k, num_warps, num_stages, weight_left)")
+    print("| tokens | experts | tiles | ms | useful TFLOP/s |")
+    print("|---|---|---|---|---|")
+    hidden, width, top_k = sizes["hidden"], sizes["width"], sizes["top_k"]
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "weight_left")
+    for tokens, bucket in ((sizes["prefill"], "many rows"), (max(sizes["decode"]), "few rows")):
+        x = jax.random.normal(jax.random.key(7), (tokens, hidden), jnp.bfloat16)
+        weights, experts = routing(tokens, sizes["experts"], top_k, seed=8)
+        order, group_sizes = jax.jit(sort_by_expert, static_argnums=1)(experts.reshape(-1), sizes["experts"])
+        rows = (x, order // top_k, order, weights.reshape(-1)[order], group_sizes)
+        flops = 2 * tokens * top_k * 3 * hidden * width
+        settings = [("bf16", None)] + [
+            (fmt, tiles) for fmt in ("fp8", "mxfp4") for tiles in FUSED_SWEEP[bucket][:count]
+        ]
+        for fmt, tiles in settings:
+            variant = "gpu_triton" if tiles is None else WEIGHT_ONLY
+            given = {} if tiles is None else dict(zip(names, tiles))
+            gate_up = functools.partial(kernel("gather_swiglu", variant), limit=LIMIT, interpret=interpret, **given)
+            down = functools.partial(kernel("down_scatter", variant), interpret=interpret, **given)
+
+            def fused(x, source, dest, row_weight, group_sizes, gate, up, down_weight, gate_up=gate_up, down=down):
+                return down(gate_up(x, source, group_sizes, gate, up), dest, row_weight, group_sizes, down_weight)
+
+            try:
+                seconds = median_seconds(jax.jit(fused), *rows, *stacks[fmt], iters=iters)
+            except Exception as error:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
+                print(f"| {tokens} | {fmt} | {tiles} | failed: {str(error).splitlines()[0][:120]} | |")
+                continue
+            label = "tuned (bf16)" if tiles is None else ", ".join(map(str, tiles))
+            print(f"| {tokens} | {fmt} | {label} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} |", flush=True)
+
+
+def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool, count: int | None) -> None:
     print("\nweight-only row kernels at one token, tile sweep (block_n, block_k, num_warps, num_stages); us per call")
     print("| experts | swiglu tiles | down tiles | us |")
     print("|---|---|---|---|")
@@ -169,7 +228,7 @@ def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool) -> None:
     default = {name: tiles[0] for name, tiles in ROW_SWEEP.items()}
     for fmt in ("fp8", "mxfp4"):
         for name, tile_list in ROW_SWEEP.items():
-            for tiles in tile_list[1:] if name == "down_tiles" else tile_list:
+            for tiles in (tile_list[1:] if name == "down_tiles" else tile_list)[:count]:
                 setting = {**default, name: tiles}
                 fn = functools.partial(entry, limit=LIMIT, interpret=interpret, **setting)
                 try:
@@ -188,7 +247,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run in interpret mode)")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--no-sweep", action="store_true", help="skip the row kernels' tile sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the weight-only kernels' tile sweeps")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.quick:
@@ -214,7 +273,9 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth(iters, nbytes=(1 << 20) if args.quick else (4 << 30))
     decode_table(sizes, stacks, backend, iters, copy_bw, calls)
     if not args.no_sweep:
-        sweep_rows(sizes, stacks, iters, calls, interpret=not on_gpu)
+        count = 2 if args.quick else None  # --quick: the first two settings of each sweep
+        sweep_fused(sizes, stacks, iters, interpret=not on_gpu, count=count)
+        sweep_rows(sizes, stacks, iters, calls, interpret=not on_gpu, count=count)
     return 0
 
 

@@ -114,17 +114,20 @@ def test_down_scatter_matches_float64(fmt, dtype, backend):
     assert err <= TOL[dtype], f"{fmt} {jnp.dtype(dtype).name} {backend}: rel. error {err:.2e}"
 
 
-# (block_m, block_n, block_k): tiles smaller than an MXFP4 group and an FP8 block, larger than a 16 x 32 block,
-# and tiles a 24 x 48 block does not divide (scales gathered a row and a column)
-@pytest.mark.parametrize("tiles", [(16, 16, 16), (32, 32, 64)], ids=["16x16x16", "32x32x64"])
+# (block_m, block_n, block_k, weight_left): tiles smaller than an MXFP4 group and an FP8 block, larger than a
+# 16 x 32 block, tiles a 24 x 48 block does not divide (scales gathered a row and a column); the weight tile as
+# the dot's first operand
+@pytest.mark.parametrize(
+    "tiles", [(16, 16, 16, False), (32, 32, 64, False), (16, 32, 32, True)], ids=["16x16x16", "32x32x64", "left"]
+)
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_16x32", "fp8_24x48", "mxfp4"])
 def test_fused_kernels_with_other_tiles(fmt, tiles):
-    block_m, block_n, block_k = tiles
+    block_m, block_n, block_k, weight_left = tiles
     order, sizes, source, row_weight = routed_rows(seed=8)
     x = activations((TOKENS, HIDDEN), jnp.float32, seed=9)
     gate, up = (quantized(fmt, (EXPERTS, WIDTH, HIDDEN), seed) for seed in (10, 11))
     down = quantized(fmt, (EXPERTS, HIDDEN, WIDTH), seed=12)
-    args = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "interpret": True}
+    args = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "weight_left": weight_left, "interpret": True}
     h = kernel("gather_swiglu", WEIGHT_ONLY)(
         jnp.asarray(x), jnp.asarray(source), jnp.asarray(sizes), gate, up, limit=0.9, **args
     )
@@ -272,6 +275,10 @@ def test_weight_only_kernels_lower_for_cuda_at_ling_flash_size(fmt):
         ).as_text()
         for name in names:
             assert name in text, (fmt, tokens, name)
+    x, source, sizes = shape((8192, 4096), jnp.bfloat16), shape((65536,), jnp.int32), shape((512,), jnp.int32)
+    gate, up, _ = flash_experts(fmt)
+    weight_left = functools.partial(kernel("gather_swiglu", WEIGHT_ONLY), limit=7.0, weight_left=True)
+    assert "gather_swiglu" in lower_for_cuda(weight_left, x, source, sizes, gate, up).as_text()
 
 
 @gpu_test("the compiled weight-only MoE kernels")
@@ -357,3 +364,29 @@ def test_gradients_through_the_weight_only_kernels(tokens):
     )
     for name, a, b in zip(("x", "weights"), ours, ref):
         assert rel_error(a, b) <= TOL[jnp.float32], f"d/d{name}: {rel_error(a, b):.2e}"
+
+
+@gpu_test("the compiled weight-only MoE kernels")
+@pytest.mark.parametrize("tokens", [8192, 64])
+def test_compiled_fp8_experts_at_ling_flash_size_match_the_dequantised_ones(tokens):
+    """hidden 4096, width 1280, top-8 of 512 FP8 experts (128 x 128 blocks), bf16: `local_moe` with the experts
+    kept FP8 (the weight-only fused kernels) == with them dequantised to bf16 first (the bf16 kernels)."""
+    hidden, width, num_experts, top_k = 4096, 1280, 512, 8
+    keys = jax.random.split(jax.random.key(tokens), 8)
+
+    def fp8_stack(key, rows, cols):
+        values = (jax.random.normal(key, (num_experts, rows, cols), jnp.bfloat16) * 64).astype(jnp.float8_e4m3fn)
+        grid = (num_experts, -(-rows // 128), -(-cols // 128))
+        scales = jax.random.uniform(jax.random.fold_in(key, 1), grid, jnp.float32, 0.5, 1.5) / (64 * cols**0.5)
+        return BlockFP8Weight(values, scales, (128, 128))
+
+    stacks = (fp8_stack(keys[0], width, hidden), fp8_stack(keys[1], width, hidden), fp8_stack(keys[2], hidden, width))
+    experts = jax.vmap(lambda k: jax.random.permutation(k, num_experts)[:top_k])(jax.random.split(keys[3], tokens))
+    weights = jax.random.uniform(keys[4], (tokens, top_k), jnp.float32, 0.1, 1.0)
+    x = jax.random.normal(keys[5], (tokens, hidden), jnp.bfloat16)
+    run = jax.jit(functools.partial(local_moe, limit=7.0, backend="pallas_gpu"))
+    ours = run(x, weights, experts.astype(jnp.int32), *stacks)
+    dense = run(x, weights, experts.astype(jnp.int32), *(w.dequantize(jnp.bfloat16) for w in stacks))
+    err = float(jnp.linalg.norm((ours - dense).astype(jnp.float32)) / jnp.linalg.norm(dense.astype(jnp.float32)))
+    print(f"[moe quantized] {tokens} tokens, FP8 experts kept vs dequantised, bf16: rel. error {err:.2e}")
+    assert err <= TOL[jnp.bfloat16]

@@ -50,6 +50,7 @@ def _gather_swiglu_kernel(
     *refs,
     formats,
     limit: float | None,
+    weight_left: bool,
     column_tile,
     block_m: int,
     block_n: int,
@@ -83,6 +84,7 @@ def _gather_swiglu_kernel(
         block_k=block_k,
         cols_ok_N=cols_ok_N,
         mask_k=mask_k,
+        weight_left=weight_left,
     )
     plgpu.store(
         h_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
@@ -100,6 +102,7 @@ def _down_scatter_kernel(
     h_ref,
     *refs,
     formats,
+    weight_left: bool,
     column_tile,
     block_m: int,
     block_n: int,
@@ -132,6 +135,7 @@ def _down_scatter_kernel(
         block_k=block_k,
         cols_ok_N=cols_ok_N,
         mask_k=mask_k,
+        weight_left=weight_left,
     )
     row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
     dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
@@ -205,15 +209,16 @@ def gather_swiglu_call(
     fill_tail: bool,
     interpret: bool,
     table=tuned.GATHER_SWIGLU,
+    weight_left: bool = False,
 ):
     """`gather_swiglu_gpu` for gate and up dense or quantised (`weight_tiles`: read as stored, a quantised tile
     dequantised on chip); tiles: the requested (block_m, block_n, block_k, num_warps, num_stages), None ones
-    from `table`."""
+    from `table`; weight_left: `gmm.tile_products`'."""
     width, hidden = gate_GID.shape[1:]
     formats = tuple(weight_format(w, name) for w, name in ((gate_GID, "gate"), (up_GID, "up")))
     weights = tuple(a for w, f in zip((gate_GID, up_GID), formats) for a in kernel_operands(w, f, x_XD.dtype))
     return _over_row_tiles(
-        functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit),
+        functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit, weight_left=weight_left),
         group_sizes_G,
         (source_R.astype(jnp.int32), x_XD, *weights),
         tiles,
@@ -241,12 +246,13 @@ def down_scatter_call(
     fill_tail: bool,
     interpret: bool,
     table=tuned.DOWN_SCATTER,
+    weight_left: bool = False,
 ):
     """`down_scatter_gpu` for down dense or quantised (as `gather_swiglu_call`)."""
     hidden, width = down_GDI.shape[1:]
     formats = (weight_format(down_GDI, "down"),)
     return _over_row_tiles(
-        functools.partial(_down_scatter_kernel, formats=formats),
+        functools.partial(_down_scatter_kernel, formats=formats, weight_left=weight_left),
         group_sizes_G,
         (
             dest_R.astype(jnp.int32),

@@ -45,11 +45,15 @@ def tile_products(
     cols_ok_N,
     mask_k: bool,
     rhs_transposed: bool = False,
+    weight_left: bool = False,
 ):
     """One fp32 [block_m, block_n] accumulator per weight in rhs_refs: the sum over K tiles of lhs tile @ rhs[group]
     tile, rhs [G, N, K] (or a dense [G, K, N] with rhs_transposed). A weight is a dense ref or an `ExpertTiles`
     (a quantised weight's refs, its tiles dequantised on chip to lhs's dtype). load_lhs(k0, k_ok_K) gives the lhs
-    tile [block_m, block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros."""
+    tile [block_m, block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros.
+    weight_left: the products as weight tile @ lhs tile^T into [block_n, block_m] accumulators, transposed at the
+    end (a dequantised weight tile then stays in registers as the MMA's first operand, which Hopper's wgmma
+    allows; its second must come from shared memory)."""
     weights = [w if isinstance(w, ExpertTiles) else ExpertTiles(DENSE, (w,)) for w in rhs_refs]
     num_groups, n_or_k, k_or_n = weights[0].shape
     k_dim = n_or_k if rhs_transposed else k_or_n
@@ -64,6 +68,8 @@ def tile_products(
         rhs_NK = weight.load(
             group, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K, dtype=lhs_MK.dtype
         )
+        if weight_left:
+            return plgpu.dot(rhs_NK, lhs_MK, trans_b=True, allow_tf32=allow_tf32)
         return plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
 
     def k_body(step, accs):
@@ -74,8 +80,9 @@ def tile_products(
 
     # A clip, as Triton's lowering turns a jnp.where of two constants into i1.
     num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)
-    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weights)
-    return jax.lax.fori_loop(0, num_steps, k_body, zeros)
+    acc_shape = (block_n, block_m) if weight_left else (block_m, block_n)
+    accs = jax.lax.fori_loop(0, num_steps, k_body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weights))
+    return tuple(acc.T for acc in accs) if weight_left else accs
 
 
 def output_tile(

@@ -20,7 +20,17 @@ from pallas_kernels.moe.gpu_triton.decode import routed_experts_call
 from pallas_kernels.moe.gpu_triton.fused import down_scatter_call, gather_swiglu_call
 from pallas_kernels.moe.gpu_triton.weight_tiles import is_quantized
 
-_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
+_TILE_ARGS = (
+    "block_m",
+    "block_n",
+    "block_k",
+    "num_warps",
+    "num_stages",
+    "min_block_m",
+    "weight_left",
+    "fill_tail",
+    "interpret",
+)
 
 
 def _require_quantized(**weights) -> None:
@@ -47,11 +57,13 @@ def gather_swiglu_weight_only_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
+    weight_left: bool = False,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
     """`fused.gather_swiglu_gpu` with gate and up [G, I, D] quantised (block FP8 or MXFP4), dequantised on chip
-    to x's dtype. Tiles: None from `tuned.GATHER_SWIGLU`."""
+    to x's dtype. Tiles: None from `tuned.GATHER_SWIGLU`; weight_left: the products with the weight tile as the
+    MMA's first operand (`gmm.tile_products`)."""
     _require_quantized(gate=gate_GID, up=up_GID)
     return gather_swiglu_call(
         x_XD,
@@ -64,6 +76,7 @@ def gather_swiglu_weight_only_gpu(
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
+        weight_left=weight_left,
     )
 
 
@@ -81,11 +94,12 @@ def down_scatter_weight_only_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
+    weight_left: bool = False,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
     """`fused.down_scatter_gpu` with down [G, D, I] quantised, dequantised on chip to h's dtype. Tiles: None from
-    `tuned.DOWN_SCATTER`."""
+    `tuned.DOWN_SCATTER`; weight_left as for `gather_swiglu_weight_only_gpu`."""
     _require_quantized(down=down_GDI)
     return down_scatter_call(
         h_RI,
@@ -97,6 +111,7 @@ def down_scatter_weight_only_gpu(
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
+        weight_left=weight_left,
     )
 
 
