@@ -104,12 +104,6 @@ _ROUTED = (
 )
 ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 256, 4, 4), f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us")})
 ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the down + combine default stayed")})
-_WEIGHT_ONLY = (
-    "not measured: the dense kernels' tiles with block_k cut to 128, so that a tile of a 128 x 128 block-FP8 weight "
-    "takes one scale (a scalar load) and an MXFP4 tile four (one a 32-input group)"
-)
-WEIGHT_ONLY_ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 128, 4, 4), _WEIGHT_ONLY)})
-WEIGHT_ONLY_ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 128, 4, 3), _WEIGHT_ONLY)})
 SELECT_EXPERTS = _gpu(
     {
         (ANY, ANY): Entry(

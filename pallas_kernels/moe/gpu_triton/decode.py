@@ -164,13 +164,11 @@ def routed_experts_call(
     interpret: bool,
     swiglu_tiles: tuple,
     down_tiles: tuple,
-    tables=(tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN),
 ):
     """`routed_experts_gpu` for weights dense or quantised (`weight_tiles`: each read as stored, a quantised
-    tile dequantised on chip), the shared expert's in a format of its own; None tiles from `tables` (of the
-    SwiGLU kernel, of the down kernel)."""
-    swiglu_tiles = fill(swiglu_tiles, lookup(tables[0], dtype=x_TD.dtype))
-    down_tiles = fill(down_tiles, lookup(tables[1], dtype=x_TD.dtype))
+    tile dequantised on chip), the shared expert's in a format of its own."""
+    swiglu_tiles = fill(swiglu_tiles, lookup(tuned.ROUTED_SWIGLU, dtype=x_TD.dtype))
+    down_tiles = fill(down_tiles, lookup(tuned.ROUTED_DOWN, dtype=x_TD.dtype))
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]

@@ -5,8 +5,9 @@ packed E2M1: a quarter), dequantised on chip with its scales, and multiplied in 
 tensor cores, IEEE fp32 for fp32) into fp32 accumulators. The same kernel bodies as the dense variants; only
 the weight-tile loader differs. No dense copy of an expert weight is ever written.
 
-Tiles: the grouped kernels take the dense variants' tuned tiles (block_k 64 / 128: one scale a tile for 128 x 128
-blocks); the row kernels `tuned.WEIGHT_ONLY_ROUTED_SWIGLU` / `WEIGHT_ONLY_ROUTED_DOWN`.
+Tiles: the dense variants' tuned tables (the same elements a tile; not measured with quantised weights yet:
+scripts/bench_moe_quantized.py sweeps them). At the grouped kernels' block_k of 64 / 128 a tile of a 128 x 128
+block-FP8 weight takes one scale.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import functools
 
 import jax
 
-from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.decode import routed_experts_call
 from pallas_kernels.moe.gpu_triton.fused import down_scatter_call, gather_swiglu_call
 from pallas_kernels.moe.gpu_triton.weight_tiles import is_quantized
@@ -133,7 +133,7 @@ def routed_experts_weight_only_gpu(
 ):
     """`decode.routed_experts_gpu` with the routed experts quantised (block FP8 or MXFP4), each tile dequantised
     on chip to fp32; the shared expert (if any) dense or quantised, in a format of its own. Tiles: None from
-    `tuned.WEIGHT_ONLY_ROUTED_SWIGLU` / `tuned.WEIGHT_ONLY_ROUTED_DOWN`."""
+    `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN`."""
     _require_quantized(gate=gate_EID, up=up_EID, down=down_EDI)
     return routed_experts_call(
         x_TD,
@@ -148,5 +148,4 @@ def routed_experts_weight_only_gpu(
         interpret=interpret,
         swiglu_tiles=swiglu_tiles,
         down_tiles=down_tiles,
-        tables=(tuned.WEIGHT_ONLY_ROUTED_SWIGLU, tuned.WEIGHT_ONLY_ROUTED_DOWN),
     )
