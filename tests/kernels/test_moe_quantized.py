@@ -27,8 +27,9 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 TOKENS, TOP_K, EXPERTS, HIDDEN, WIDTH = 29, 3, 5, 200, 136  # 87 rows, D and I off every tile and scale block
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 # format -> what `quantized` draws: block FP8 with the checkpoints' 128 x 128 blocks (one scale a tile), block FP8
-# with 16 x 32 blocks (a scale a row block and a K block in a tile), MXFP4 with E8M0 or float32 scales
-FORMATS = ("fp8", "fp8_16x32", "mxfp4", "mxfp4_f32")
+# with 1 x 32 blocks (the converter's MXFP4 experts as E4M3 codes: a scale a row and a 32-input group in a tile),
+# MXFP4 with E8M0 or float32 scales
+FORMATS = ("fp8", "fp8_1x32", "mxfp4", "mxfp4_f32")
 
 
 def quantized(fmt: str, shape, seed: int):
@@ -36,7 +37,7 @@ def quantized(fmt: str, shape, seed: int):
     r = np.random.default_rng(seed)
     experts, rows, cols = shape
     if fmt.startswith("fp8"):
-        block = {"fp8_16x32": (16, 32), "fp8_24x48": (24, 48)}.get(fmt, (128, 128))
+        block = {"fp8_1x32": (1, 32), "fp8_24x48": (24, 48)}.get(fmt, (128, 128))
         values = (r.normal(size=shape) * 64).astype(ml_dtypes.float8_e4m3fn)
         grid = (experts, -(-rows // block[0]), -(-cols // block[1]))
         scales = r.uniform(0.5, 1.5, grid).astype(np.float32) / (64 * cols**0.5)
@@ -78,7 +79,7 @@ def routed_rows(seed):
 CASES = [(fmt, jnp.float32, "interpret_gpu") for fmt in FORMATS] + [
     ("fp8", jnp.bfloat16, "interpret_gpu"),
     ("mxfp4", jnp.bfloat16, "interpret_gpu"),
-    ("fp8_16x32", jnp.float32, "reference"),
+    ("fp8_1x32", jnp.float32, "reference"),
     ("mxfp4", jnp.float32, "reference"),
 ]
 CASE_IDS = [f"{fmt}-{jnp.dtype(dtype).name}-{backend}" for fmt, dtype, backend in CASES]
@@ -114,13 +115,21 @@ def test_down_scatter_matches_float64(fmt, dtype, backend):
     assert err <= TOL[dtype], f"{fmt} {jnp.dtype(dtype).name} {backend}: rel. error {err:.2e}"
 
 
-# (block_m, block_n, block_k, weight_left): tiles smaller than an MXFP4 group and an FP8 block, larger than a
-# 16 x 32 block, tiles a 24 x 48 block does not divide (scales gathered a row and a column); the weight tile as
-# the dot's first operand
+# (format, (block_m, block_n, block_k, weight_left)): tiles smaller than an MXFP4 group, spanning two groups, a
+# tile a 24 x 48 block does not divide (scales gathered a row and a column), the weight tile as the dot's first
+# operand
 @pytest.mark.parametrize(
-    "tiles", [(16, 16, 16, False), (32, 32, 64, False), (16, 32, 32, True)], ids=["16x16x16", "32x32x64", "left"]
+    ("fmt", "tiles"),
+    [
+        ("mxfp4", (16, 16, 16, False)),
+        ("mxfp4", (32, 32, 64, False)),
+        ("fp8_24x48", (32, 32, 64, False)),
+        ("fp8_1x32", (16, 32, 128, False)),
+        ("fp8", (16, 32, 32, True)),
+        ("mxfp4", (16, 32, 32, True)),
+    ],
+    ids=["mxfp4-16x16x16", "mxfp4-32x32x64", "fp8_24x48", "fp8_1x32-16x32x128", "fp8-left", "mxfp4-left"],
 )
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_16x32", "fp8_24x48", "mxfp4"])
 def test_fused_kernels_with_other_tiles(fmt, tiles):
     block_m, block_n, block_k, weight_left = tiles
     order, sizes, source, row_weight = routed_rows(seed=8)
@@ -160,7 +169,7 @@ def decode_case(tokens, fmt, dtype, seed):
 
 @pytest.mark.parametrize(
     ("fmt", "shared_fmt", "dtype"),
-    [("fp8", "fp8", jnp.float32), ("mxfp4", "fp8_16x32", jnp.float32), ("mxfp4_f32", None, jnp.bfloat16)],
+    [("fp8", "fp8", jnp.float32), ("mxfp4", "fp8_1x32", jnp.float32), ("mxfp4_f32", None, jnp.bfloat16)],
     ids=["fp8-shared-fp8", "mxfp4-shared-fp8", "mxfp4-f32-bf16"],
 )
 def test_routed_experts_match_float64(fmt, shared_fmt, dtype):
@@ -192,6 +201,26 @@ def test_routed_experts_match_float64(fmt, shared_fmt, dtype):
     err = rel_error(ours, float64_loop(x, weights, experts, *dense, 0.9, shared64, 0.5))
     print(f"[moe quantized] routed_experts {fmt} (shared {shared_fmt}) {jnp.dtype(dtype).name}: rel. error {err:.2e}")
     assert err <= TOL[dtype]
+
+
+def test_refused_weights():
+    """A dense variant named for quantised experts, the weight-only kernels given dense ones, FP8 values that are
+    not e4m3: one clear error each, before any kernel runs."""
+    order, sizes, source, _ = routed_rows(seed=1)
+    x = jnp.asarray(activations((TOKENS, HIDDEN), jnp.float32, seed=2))
+    gate = quantized("fp8", (EXPERTS, WIDTH, HIDDEN), seed=3)
+    rows = (x, jnp.asarray(source), jnp.asarray(sizes))
+    with pytest.raises(ValueError, match="variant 'gpu_triton' of gather_swiglu takes dense expert weights"):
+        gather_swiglu(*rows, gate, gate, None, backend="interpret_gpu", variant="gpu_triton")
+    dense = gate.dequantize(jnp.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"gate: the weight-only kernels take a quantised weight .* got a dense float32 \(5, 136, 200\)",
+    ):
+        kernel("gather_swiglu", WEIGHT_ONLY)(*rows, dense, gate, limit=None, interpret=True)
+    bad = BlockFP8Weight(gate.values.astype(jnp.bfloat16), gate.scales, gate.block)
+    with pytest.raises(ValueError, match="up: block-FP8 values must be float8_e4m3fn, got bfloat16"):
+        gather_swiglu(*rows, gate, bad, None, backend="interpret_gpu")
 
 
 def dense_shapes_in(jaxpr) -> set[str]:

@@ -38,7 +38,7 @@ def _require_quantized(**weights) -> None:
         if not is_quantized(weight):
             raise ValueError(
                 f"{name}: the weight-only kernels take a quantised weight (values and scales: block FP8 or "
-                f"MXFP4), got {type(weight).__name__}; dense weights run the 'gpu_triton' variant"
+                f"MXFP4), got a dense {weight.dtype} {tuple(weight.shape)}; dense weights run the 'gpu_triton' variant"
             )
 
 
