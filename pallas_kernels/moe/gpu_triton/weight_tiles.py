@@ -35,7 +35,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 
 MXFP4_GROUP = 32  # inputs per E8M0 scale
-_E8M0_BIAS = 127
 _FP32_MANTISSA_BITS = 23
 _E2M1_AS_FP16 = 2.0**14  # an E2M1 magnitude's 3 bits placed at fp16's bits 9-11 read as the value / 2^14
 
@@ -133,7 +132,7 @@ def _e8m0_values(exponents):
 @dataclasses.dataclass(frozen=True)
 class MXFP4:
     """MXFP4 experts: packed codes uint8 [E, N, K / 2], scales [E, N, ceil(K / 32)] as uint8 E8M0 exponents
-    (exponent_scales) or float32 values. block_k must be even."""
+    (exponent_scales: float8_e8m0fnu reinterpreted) or float32 values. block_k must be even."""
 
     exponent_scales: bool
     num_operands: ClassVar[int] = 2
@@ -176,7 +175,10 @@ def weight_format(weight, name: str = "weight") -> Format:
         return BlockFP8(tuple(int(b) for b in weight.block))
     if values_dtype != np.dtype(jnp.uint8):
         raise ValueError(f"{name}: MXFP4 values must be uint8 (two E2M1 codes a byte), got {values_dtype.name}")
-    return MXFP4(exponent_scales=np.dtype(weight.scales.dtype) in (np.dtype(jnp.uint8), np.dtype(jnp.float8_e8m0fnu)))
+    scales_dtype = np.dtype(weight.scales.dtype)
+    if scales_dtype != np.dtype(jnp.float8_e8m0fnu) and not jnp.issubdtype(scales_dtype, jnp.floating):
+        raise ValueError(f"{name}: MXFP4 scales must be float8_e8m0fnu or float powers of two, got {scales_dtype.name}")
+    return MXFP4(exponent_scales=scales_dtype == np.dtype(jnp.float8_e8m0fnu))
 
 
 def kernel_operands(weight, weight_format: Format, dtype=None) -> tuple[jax.Array, ...]:
@@ -184,12 +186,9 @@ def kernel_operands(weight, weight_format: Format, dtype=None) -> tuple[jax.Arra
     scales; MXFP4 codes with E8M0 scales as uint8 exponents (a bitcast, no copy) or as float32."""
     if isinstance(weight_format, Dense):
         return (weight if dtype is None else weight.astype(dtype),)
-    scales = weight.scales
     if isinstance(weight_format, MXFP4) and weight_format.exponent_scales:
-        scales = scales if scales.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(scales, jnp.uint8)
-    else:
-        scales = scales.astype(jnp.float32)
-    return weight.values, scales
+        return weight.values, jax.lax.bitcast_convert_type(weight.scales, jnp.uint8)
+    return weight.values, weight.scales.astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
