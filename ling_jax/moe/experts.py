@@ -6,11 +6,10 @@ rows are read from the unsorted activations through the sort permutation and wri
 neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is three jnp ragged dots.
 
 Expert weights may be quantised (`ling_jax.quantized`, block FP8 or MXFP4, stacked [E, ...] with per-expert
-scales). On a GPU backend they stay quantised: the fused kernels and the row-by-row decode kernels take them
-as stored and dequantise each weight tile on chip (`pallas_kernels.moe`'s weight-only variants), so no dense
-copy of an expert is written. Elsewhere the grouped path dequantises them to the activation dtype inside the
-step (`dequantized`), only the experts of this layer and, expert-parallel, of this device: the weight-only
-reference path the kernels are checked against.
+scales). They are dequantised to the activation dtype inside the step, only the experts of this layer and,
+expert-parallel, of this device: on a GPU backend by the kernels' ops before the dense kernels (the row-by-row
+decode kernels: only the picked experts; `pallas_kernels.moe`'s weight-only variant, which reads them as stored,
+must be named: it was wrong on hardware at flash size), elsewhere by the grouped path (`dequantized`).
 """
 
 from __future__ import annotations
@@ -225,7 +224,7 @@ def local_moe(
     """All experts on this device, plus the shared expert when given: `grouped_local_moe`, except that on a GPU
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
     the shared expert (one more row per token) when it has the routed experts' width. Quantised weights (routed
-    or shared) go to the kernels as stored on a GPU."""
+    or shared) are dequantised by the kernels' ops (the row path: the picked experts only)."""
     tokens, top_k = experts_TK.shape
     row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:

@@ -6,9 +6,11 @@ row by row, combined) and `select_experts` (the router's group-limited expert se
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton" and
 every other backend the jnp reference (there are no TPU kernels yet). Expert weights may be quantised (block FP8
-or MXFP4, `ling_jax.quantized`): `gather_swiglu`, `down_scatter` and `routed_experts` then run the weight-only
-variant "gpu_triton_weight_only" on a GPU backend (each tile dequantised on chip, nothing dense written) and the
-dequantise-then-reference path elsewhere.
+or MXFP4, `ling_jax.quantized`): by default `gather_swiglu` and `down_scatter` then dequantise them to the
+activation dtype inside the step and run the dense kernels ("gpu_triton", the path verified on hardware at Ling
+flash size), `routed_experts` dequantises only the picked experts; elsewhere the dequantise-then-reference path.
+The weight-only variant WEIGHT_ONLY (each tile dequantised on chip, nothing dense written) runs only when named:
+on an H200 its FP8 kernels gave wrong results at flash size (see `gpu_triton.weight_only`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pallas_kernels.moe.gpu_triton import (
 from pallas_kernels.moe.gpu_triton.weight_tiles import is_quantized
 from pallas_kernels.moe.reference import (
     RoutingRule,
+    dense_weight,
     down_scatter_reference,
     gather_swiglu_reference,
     grouped_matmul_reference,
@@ -90,16 +93,31 @@ def kernel(op: str, name: str):
     return variants.lookup(VARIANTS, op, name).kernel
 
 
-def _pick(op: str, variant: str | None, backend: str, weights=()) -> tuple[str, bool]:
-    """(variant name, interpret): on a GPU backend "gpu_triton", or WEIGHT_ONLY when any of the expert `weights`
-    is quantised; the reference elsewhere; unless one is named (a dense variant refuses quantised weights)."""
+def _pick(op: str, variant: str | None, backend: str) -> tuple[str, bool]:
+    """(variant name, interpret): "gpu_triton" on a GPU backend, the reference elsewhere, unless one is named."""
     backend = resolve_backend(backend)
-    quantized = any(is_quantized(w) for w in weights)
-    default = variants.by_platform(backend, {"gpu": WEIGHT_ONLY if quantized else "gpu_triton"})
-    name = variants.pick(VARIANTS, op, variant, backend, default)
-    if quantized and name == "gpu_triton":
-        raise ValueError(f"variant 'gpu_triton' of {op} takes dense expert weights; quantised ones run {WEIGHT_ONLY!r}")
-    return name, variants.interpreted(backend)
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"})
+    return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
+
+
+def _dense(weights, dtype) -> tuple:
+    """Expert weights for the dense kernels: quantised ones dequantised to dtype, inside the step (one layer's
+    experts, or this device's under expert parallelism), arrays as they are."""
+    return tuple(dense_weight(w, dtype) for w in weights)
+
+
+def _picked_dense(experts_TK, stacks, dtype):
+    """(experts [T, k], stacks) for the dense row kernels: with a quantised stack among them, each slot's expert
+    gathered (values and scales) and dequantised to dtype, [T * k, ...] stacks that slot (t, k) reads at row
+    t * k + k (an invalid slot stays invalid), so a decode step dequantises T * k experts, not E."""
+    if not any(is_quantized(w) for w in stacks):
+        return experts_TK, stacks
+    num_experts = stacks[0].shape[0]
+    valid_TK = (experts_TK >= 0) & (experts_TK < num_experts)
+    index_S = jnp.clip(experts_TK, 0, num_experts - 1).reshape(-1)
+    picked = tuple(dense_weight(jax.tree.map(lambda a: a[index_S], w), dtype) for w in stacks)
+    slots_TK = jnp.arange(index_S.shape[0], dtype=jnp.int32).reshape(experts_TK.shape)
+    return jnp.where(valid_TK, slots_TK, -1), picked
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -210,12 +228,13 @@ def gather_swiglu(
     quantised weights (block FP8, MXFP4: the module docstring).
 
     backend as for `grouped_matmul`: the GPU backends run one fused kernel (the rows gathered inside it, both
-    products and the SwiGLU in fp32 before the one store; quantised weights: WEIGHT_ONLY); the others the jnp
-    reference. Differentiable in x, gate and up; the GPU backward pass recomputes the products with the
-    grouped-matmul kernels (quantised weights: differentiable in x, as dequantise-then-reference).
+    products and the SwiGLU in fp32 before the one store; quantised weights dequantised first, or read as stored
+    by the opt-in WEIGHT_ONLY); the others the jnp reference. Differentiable in x, gate and up; the GPU backward
+    pass recomputes the products with the grouped-matmul kernels (WEIGHT_ONLY: as dequantise-then-reference).
     """
-    name, interpret = _pick("gather_swiglu", variant, backend, (gate_GID, up_GID))
+    name, interpret = _pick("gather_swiglu", variant, backend)
     if name == "gpu_triton":
+        gate_GID, up_GID = _dense((gate_GID, up_GID), x_XD.dtype)
         return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
     if name == WEIGHT_ONLY:
         return _gather_swiglu_weight_only(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
@@ -285,12 +304,12 @@ def down_scatter(
     backends still store zeros). down [G, D, I]: an array or a quantised weight.
 
     backend as for `grouped_matmul`: the GPU backends run one kernel (scattered stores, no unsort pass;
-    quantised weights: WEIGHT_ONLY); the others the jnp reference. Differentiable in h, row_weight and down; the
-    GPU backward pass uses the grouped-matmul kernels (quantised weights: in h and row_weight, as
-    dequantise-then-reference).
+    quantised weights as for `gather_swiglu`); the others the jnp reference. Differentiable in h, row_weight and
+    down; the GPU backward pass uses the grouped-matmul kernels (WEIGHT_ONLY: as dequantise-then-reference).
     """
-    name, interpret = _pick("down_scatter", variant, backend, (down_GDI,))
+    name, interpret = _pick("down_scatter", variant, backend)
     if name == "gpu_triton":
+        (down_GDI,) = _dense((down_GDI,), h_RI.dtype)
         return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
     if name == WEIGHT_ONLY:
         return _down_scatter_weight_only(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
@@ -336,13 +355,16 @@ def routed_experts(
     weight (block FP8, MXFP4: the module docstring), the shared expert's in a format of its own.
 
     For a few tokens (decode): the GPU kernels read each row's expert directly, with no sorting, and cost a
-    weight read per token-expert pair (quantised routed experts: WEIGHT_ONLY, each tile read as stored);
-    the shared expert is one more row per token. backend: "auto" (the GPU kernels on a GPU, the reference
-    elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the reference. Differentiable (the
-    backward pass is the reference's).
+    weight read per token-expert pair (quantised experts: only the picked ones dequantised first, or each tile
+    read as stored by the opt-in WEIGHT_ONLY); the shared expert is one more row per token. backend: "auto"
+    (the GPU kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names
+    run the reference. Differentiable (the backward pass is the reference's).
     """
-    name, interpret = _pick("routed_experts", variant, backend, (gate_EID, up_EID, down_EDI))
+    name, interpret = _pick("routed_experts", variant, backend)
     shared = None if shared is None else tuple(shared)
+    if name == "gpu_triton":
+        experts_TK, (gate_EID, up_EID, down_EDI) = _picked_dense(experts_TK, (gate_EID, up_EID, down_EDI), x_TD.dtype)
+        shared = None if shared is None else _dense(shared, x_TD.dtype)
     if name in _ROUTED_GPU_KERNELS:
         return _ROUTED_GPU_KERNELS[name](
             x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit, interpret
