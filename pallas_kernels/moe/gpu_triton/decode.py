@@ -145,28 +145,33 @@ def _kernel_weights(weights, names):
     formats, operands = [], []
     for weight, name in zip(weights, names):
         formats.append(weight_format(weight, name))
-        arrays = kernel_operands(weight, formats[-1])
+        arrays = kernel_operands(weight, formats[-1], name=name)
         operands += [a[None] for a in arrays] if name.startswith("shared") else arrays
     return tuple(formats), operands
 
 
-def routed_experts_call(
+@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles"))
+def routed_experts_gpu(
     x_TD,
     weights_TK,
     experts_TK,
     gate_EID,
     up_EID,
     down_EDI,
-    shared,
+    shared=None,
     *,
     limit: float | None,
-    shared_limit: float | None,
-    interpret: bool,
-    swiglu_tiles: tuple,
-    down_tiles: tuple,
+    shared_limit: float | None = None,
+    interpret: bool = False,
+    swiglu_tiles: tuple[int | None, ...] = (None,) * 4,
+    down_tiles: tuple[int | None, ...] = (None,) * 4,
 ):
-    """`routed_experts_gpu` for weights dense or quantised (`weight_tiles`: each read as stored, a quantised
-    tile dequantised on chip), the shared expert's in a format of its own."""
+    """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
+    is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
+    dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
+    [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
+    Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two; None ones from
+    `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN`."""
     swiglu_tiles = fill(swiglu_tiles, lookup(tuned.ROUTED_SWIGLU, dtype=x_TD.dtype))
     down_tiles = fill(down_tiles, lookup(tuned.ROUTED_DOWN, dtype=x_TD.dtype))
     tokens, hidden = x_TD.shape
@@ -241,40 +246,3 @@ def routed_experts_call(
         interpret=interpret,
         name="expert_down_combine",
     )(experts_TS, weights_TS, h_RI, *down_weights)
-
-
-@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles"))
-def routed_experts_gpu(
-    x_TD,
-    weights_TK,
-    experts_TK,
-    gate_EID,
-    up_EID,
-    down_EDI,
-    shared=None,
-    *,
-    limit: float | None,
-    shared_limit: float | None = None,
-    interpret: bool = False,
-    swiglu_tiles: tuple[int | None, ...] = (None,) * 4,
-    down_tiles: tuple[int | None, ...] = (None,) * 4,
-):
-    """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
-    is expert e's SwiGLU (clipped at `limit`). Weights are read in their stored dtype; experts outside [0, E)
-    contribute nothing. shared: None, or the shared expert's (gate [I, D], up [I, D], down [D, I]), clipped at
-    `shared_limit`, added with weight 1. Tiles: (block_n, block_k, num_warps, num_stages) of each kernel,
-    powers of two; None ones from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN`."""
-    return routed_experts_call(
-        x_TD,
-        weights_TK,
-        experts_TK,
-        gate_EID,
-        up_EID,
-        down_EDI,
-        shared,
-        limit=limit,
-        shared_limit=shared_limit,
-        interpret=interpret,
-        swiglu_tiles=swiglu_tiles,
-        down_tiles=down_tiles,
-    )

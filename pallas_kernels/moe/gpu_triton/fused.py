@@ -146,7 +146,17 @@ def _down_scatter_kernel(
     )
 
 
-_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
+_TILE_ARGS = (
+    "block_m",
+    "block_n",
+    "block_k",
+    "num_warps",
+    "num_stages",
+    "min_block_m",
+    "weight_left",
+    "fill_tail",
+    "interpret",
+)
 
 
 def _over_row_tiles(
@@ -215,8 +225,9 @@ def gather_swiglu_call(
     dequantised on chip); tiles: the requested (block_m, block_n, block_k, num_warps, num_stages), None ones
     from `table`; weight_left: `gmm.tile_products`'."""
     width, hidden = gate_GID.shape[1:]
-    formats = tuple(weight_format(w, name) for w, name in ((gate_GID, "gate"), (up_GID, "up")))
-    weights = tuple(a for w, f in zip((gate_GID, up_GID), formats) for a in kernel_operands(w, f, x_XD.dtype))
+    named = ((gate_GID, "gate"), (up_GID, "up"))
+    formats = tuple(weight_format(w, name) for w, name in named)
+    weights = tuple(a for (w, name), f in zip(named, formats) for a in kernel_operands(w, f, x_XD.dtype, name))
     return _over_row_tiles(
         functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit, weight_left=weight_left),
         group_sizes_G,
@@ -258,7 +269,7 @@ def down_scatter_call(
             dest_R.astype(jnp.int32),
             row_weight_R.astype(jnp.float32),
             h_RI,
-            *kernel_operands(down_GDI, *formats, h_RI.dtype),
+            *kernel_operands(down_GDI, *formats, h_RI.dtype, "down"),
         ),
         tiles,
         num_rows=h_RI.shape[0],
@@ -288,13 +299,15 @@ def gather_swiglu_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
+    weight_left: bool = False,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros (fill_tail) or are not written (undefined). source [R] int32 indexes x's rows (repeats allowed).
-    gate and up [G, I, D] are cast to x's dtype. Tiles: None from `tuned.GATHER_SWIGLU`."""
+    gate and up [G, I, D]: arrays cast to x's dtype, or quantised (`weight_tiles`: each tile dequantised on chip to
+    x's dtype). Tiles: None from `tuned.GATHER_SWIGLU`; weight_left: `gmm.tile_products`'."""
     return gather_swiglu_call(
         x_XD,
         source_R,
@@ -306,6 +319,7 @@ def gather_swiglu_gpu(
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
+        weight_left=weight_left,
     )
 
 
@@ -323,13 +337,15 @@ def down_scatter_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
+    weight_left: bool = False,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros (fill_tail) or nothing (their dest rows undefined). dest [R] int32 must be a permutation of [0, R);
-    row_weight [R] fp32. down [G, D, I] is cast to h's dtype. Tiles: None from `tuned.DOWN_SCATTER`."""
+    row_weight [R] fp32. down [G, D, I]: as gate for `gather_swiglu_gpu`. Tiles: None from `tuned.DOWN_SCATTER`;
+    weight_left: `gmm.tile_products`'."""
     return down_scatter_call(
         h_RI,
         dest_R,
@@ -340,4 +356,5 @@ def down_scatter_gpu(
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
+        weight_left=weight_left,
     )

@@ -6,7 +6,11 @@ says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing
 
 - `Dense`: the weight itself, [E, N, K] (the kernels' original operand);
 - `BlockFP8`: e4m3 values [E, N, K] (one byte an element) and fp32 scales [E, ceil(N / br), ceil(K / bc)] for
-  blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. Where the
+  blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. With K
+  even the values go to the kernel as uint16 pairs [E, N, K / 2] (a bitcast; split into their two bytes on chip
+  like MXFP4's nibbles): Pallas's Triton lowering indexes a ref of at most 2^32 bytes with int32 element
+  offsets, which a one-byte stack of 2^31 elements or more overflows (Ling flash's [512, 1280, 4096]: wrong
+  results on an H200); pairs halve the largest offset. Where the
   tile lies in one block (block_n divides br, block_k divides bc: the 128 x 128 checkpoints with the tuned tiles)
   the scale is one scalar load; otherwise one scale a row block a row and one a K block, repeated over the block's
   inputs (or, where a block does not divide the tile, gathered a column);
@@ -18,7 +22,8 @@ says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing
 
 `weight_format` tells a weight's format from what it is: an array is dense, a quantised weight is anything with
 `values` and `scales` (`ling_jax.quantized.BlockFP8Weight`, which has a `block`, or `MXFP4Weight`);
-`kernel_operands` gives the arrays a pallas_call takes for it.
+`kernel_operands` gives the arrays a pallas_call takes for it, and refuses one that int32 offsets cannot
+index (`check_offsets`).
 """
 
 from __future__ import annotations
@@ -39,8 +44,39 @@ _FP32_MANTISSA_BITS = 23
 _E2M1_AS_FP16 = 2.0**14  # an E2M1 magnitude's 3 bits placed at fp16's bits 9-11 read as the value / 2^14
 
 
+# Pallas's Triton lowering indexes a ref with int32 element offsets unless it holds more than 2^32 bytes
+_INT32_OFFSETS_MAX_BYTES = 2**32
+_INT32_OFFSET_LIMIT = 2**31
+
+
 def _range(start, size: int):
     return start + jnp.arange(size)
+
+
+def check_offsets(array, name: str) -> None:
+    """Refuses a kernel operand whose int32 element offsets would overflow (2^31 or more elements in at most
+    2^32 bytes: a one-byte dtype); larger operands get int64 offsets."""
+    nbytes = array.size * np.dtype(array.dtype).itemsize
+    if array.size >= _INT32_OFFSET_LIMIT and nbytes <= _INT32_OFFSETS_MAX_BYTES:
+        raise ValueError(
+            f"{name}: {tuple(array.shape)} {np.dtype(array.dtype).name} has {array.size} elements; Pallas's Triton "
+            f"lowering would index it with int32 offsets (overflow past 2^31)"
+        )
+
+
+def _load_pairs(ref, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
+    """int32 [block_n, block_k / 2]: the words (two inputs each: an MXFP4 byte, a uint16 FP8 pair) of expert's
+    rows [col0, col0 + block_n) holding inputs [k0, k0 + block_k), zeros outside."""
+    half_k = block_k // 2
+    words_ok = None if k_ok_K is None else _range(k0 // 2, half_k) < ref.shape[2]
+    words_NH = masked_load(ref.at[expert, pl.ds(col0, block_n), pl.ds(k0 // 2, half_k)], mask_2d(cols_ok_N, words_ok))
+    return words_NH.astype(jnp.int32)
+
+
+def _interleave(low_NH, high_NH):
+    """[N, 2H]: low[:, j] at column 2j, high[:, j] at 2j + 1 (Triton's join)."""
+    rows, half = low_NH.shape
+    return jnp.stack([low_NH, high_NH], axis=-1).reshape(rows, 2 * half)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,23 +133,36 @@ def _as_float32(scales):
 
 @dataclasses.dataclass(frozen=True)
 class BlockFP8:
-    """Block-FP8 experts: e4m3 values [E, N, K] and fp32 scales [E, ceil(N / br), ceil(K / bc)], block (br, bc)."""
+    """Block-FP8 experts: e4m3 values [E, N, K] (paired: as uint16 pairs [E, N, K / 2], the first in the low
+    byte) and fp32 scales [E, ceil(N / br), ceil(K / bc)], block (br, bc). Paired: block_k must be even."""
 
     block: tuple[int, int]
+    paired: bool = True
     num_operands: ClassVar[int] = 2
 
     def shape(self, refs) -> tuple[int, int, int]:
-        return tuple(refs[0].shape)
+        experts, rows, cols = refs[0].shape
+        return experts, rows, 2 * cols if self.paired else cols
+
+    def _values(self, values_ref, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
+        if not self.paired:
+            tile = values_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)]
+            return masked_load(tile, mask_2d(cols_ok_N, k_ok_K)).astype(jnp.float32)
+        pairs_NH = _load_pairs(
+            values_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
+        )
+        bytes_NK = _interleave(pairs_NH & 0xFF, pairs_NH >> 8).astype(jnp.uint8)
+        return jax.lax.bitcast_convert_type(bytes_NK, jnp.float8_e4m3fn).astype(jnp.float32)
 
     def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
         values_ref, scales_ref = refs
-        values_NK = masked_load(
-            values_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K)
+        values_NK = self._values(
+            values_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
         )
         block_rows, block_cols = self.block
         rows = _scale_rows(col0, block_n, block_rows, scales_ref.shape[1])
         scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=block_cols, to_float=_as_float32)
-        return (values_NK.astype(jnp.float32) * scales).astype(dtype)
+        return (values_NK * scales).astype(dtype)
 
 
 def _e2m1_values(codes):
@@ -143,12 +192,10 @@ class MXFP4:
 
     def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
         codes_ref, scales_ref = refs
-        half_k = block_k // 2
-        bytes_ok = None if k_ok_K is None else _range(k0 // 2, half_k) < codes_ref.shape[2]
-        packed_NH = masked_load(
-            codes_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0 // 2, half_k)], mask_2d(cols_ok_N, bytes_ok)
-        ).astype(jnp.int32)
-        codes_NK = jnp.stack([packed_NH & 0x0F, packed_NH >> 4], axis=-1).reshape(block_n, block_k)
+        packed_NH = _load_pairs(
+            codes_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
+        )
+        codes_NK = _interleave(packed_NH & 0x0F, packed_NH >> 4)
         rows = _scale_rows(col0, block_n, 1, codes_ref.shape[1])
         to_float = _e8m0_values if self.exponent_scales else _as_float32
         scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=MXFP4_GROUP, to_float=to_float)
@@ -172,7 +219,7 @@ def weight_format(weight, name: str = "weight") -> Format:
     if getattr(weight, "block", None) is not None:
         if values_dtype != np.dtype(jnp.float8_e4m3fn):
             raise ValueError(f"{name}: block-FP8 values must be float8_e4m3fn, got {values_dtype.name}")
-        return BlockFP8(tuple(int(b) for b in weight.block))
+        return BlockFP8(tuple(int(b) for b in weight.block), paired=weight.values.shape[-1] % 2 == 0)
     if values_dtype != np.dtype(jnp.uint8):
         raise ValueError(f"{name}: MXFP4 values must be uint8 (two E2M1 codes a byte), got {values_dtype.name}")
     scales_dtype = np.dtype(weight.scales.dtype)
@@ -181,14 +228,22 @@ def weight_format(weight, name: str = "weight") -> Format:
     return MXFP4(exponent_scales=scales_dtype == np.dtype(jnp.float8_e8m0fnu))
 
 
-def kernel_operands(weight, weight_format: Format, dtype=None) -> tuple[jax.Array, ...]:
-    """The arrays a kernel takes for `weight`: a dense one cast to `dtype` (None: as stored); FP8 values with fp32
-    scales; MXFP4 codes with E8M0 scales as uint8 exponents (a bitcast, no copy) or as float32."""
+def kernel_operands(weight, weight_format: Format, dtype=None, name: str = "weight") -> tuple[jax.Array, ...]:
+    """The arrays a kernel takes for `weight`: a dense one cast to `dtype` (None: as stored); FP8 values (paired:
+    as uint16 pairs, a bitcast) with fp32 scales; MXFP4 codes with E8M0 scales as uint8 exponents (a bitcast, no
+    copy) or as float32. An operand int32 offsets cannot index is refused (`check_offsets`)."""
     if isinstance(weight_format, Dense):
-        return (weight if dtype is None else weight.astype(dtype),)
-    if isinstance(weight_format, MXFP4) and weight_format.exponent_scales:
-        return weight.values, jax.lax.bitcast_convert_type(weight.scales, jnp.uint8)
-    return weight.values, weight.scales.astype(jnp.float32)
+        operands = (weight if dtype is None else weight.astype(dtype),)
+    elif isinstance(weight_format, MXFP4) and weight_format.exponent_scales:
+        operands = (weight.values, jax.lax.bitcast_convert_type(weight.scales, jnp.uint8))
+    else:
+        values = weight.values
+        if isinstance(weight_format, BlockFP8) and weight_format.paired:
+            values = jax.lax.bitcast_convert_type(values.reshape(*values.shape[:-1], -1, 2), jnp.uint16)
+        operands = (values, weight.scales.astype(jnp.float32))
+    for operand, part in zip(operands, ("values", "scales")):
+        check_offsets(operand, f"{name} {part}" if len(operands) > 1 else name)
+    return operands
 
 
 @dataclasses.dataclass(frozen=True)
