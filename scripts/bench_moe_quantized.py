@@ -5,15 +5,19 @@ stored bf16, block FP8 (128 x 128 blocks, fp32 scales) or MXFP4 (E8M0 scales per
     python scripts/bench_moe_quantized.py            # prefill at 8192 tokens, decode rows at 1, 8, 64 tokens
     python scripts/bench_moe_quantized.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
 
-(a) Prefill, `ling_jax.moe.experts.local_moe` (the fused gather + gate/up + SwiGLU and down + scatter kernels) at
-8192 tokens, routed by a random router with a realistic imbalance (each expert's popularity drawn once, top-8 of
-noise + popularity; the busiest expert's load is printed): bf16 experts (today's path), FP8 experts through the
-weight-only kernels (tiles loaded as e4m3, dequantised on chip), MXFP4 experts likewise, and the path before them:
-the FP8 experts dequantised whole to bf16 inside the step, then the bf16 kernels. All four use the same weights
-(bf16 = the FP8 weights dequantised), so each quantised path is also checked against the bf16 one.
+(a) Prefill at 8192 tokens, routed by a random router with a realistic imbalance (each expert's popularity drawn
+once, top-8 of noise + popularity; the busiest expert's load is printed): `ling_jax.moe.experts.local_moe` (the
+fused gather + gate/up + SwiGLU and down + scatter kernels) with bf16 experts, and with FP8 and MXFP4 experts on
+the default path (dequantised to bf16 inside the step, then the bf16 kernels); the opt-in weight-only fused
+kernels (`ops.WEIGHT_ONLY`: tiles loaded as stored, dequantised on chip) on the same FP8 and MXFP4 experts, each
+checked against its format's default path (bf16 = the FP8 weights dequantised, so FP8 is also checked against
+bf16). On an H200 the FP8 weight-only kernels gave a rel. difference of 5.6 before the FP8 values went to them as
+uint16 pairs (int32 offsets: `gpu_triton.weight_only`).
 
 (b) Decode rows, `pallas_kernels.moe.routed_experts` (the row-by-row kernels, which `local_moe` runs up to 64
-token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts, each beside its byte roofline:
+token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts by default (the picked experts
+dequantised, then the bf16 kernels) and through the opt-in weight-only row kernels (rel. difference to the
+default printed), each beside its byte roofline:
 the bytes of the distinct experts the step touches (values and scales) over the copy bandwidth measured in the
 same run (`bench_common.copy_bandwidth`), and `local_moe` (what the model runs: the fused path above 64 rows).
 Each time is per call of a chain of dependent calls in one program (`bench_common.per_call_seconds`).
@@ -40,7 +44,7 @@ from bench_common import copy_bandwidth, median_seconds, per_call_seconds, rel_e
 
 from ling_jax.moe.experts import local_moe, sort_by_expert  # noqa: E402
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
-from pallas_kernels.moe.ops import WEIGHT_ONLY, kernel, routed_experts  # noqa: E402
+from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, kernel, routed_experts  # noqa: E402
 
 LIMIT = 7.0
 FP8_BLOCK = (128, 128)
@@ -118,6 +122,17 @@ def nudge_x(x_TD, y_TD):
     return x_TD + (1e-3 * y_TD).astype(x_TD.dtype)
 
 
+def weight_only_moe(x_TD, weights_TK, experts_TK, gate, up, down, *, backend: str):
+    """`local_moe`'s fused path with the opt-in weight-only kernels: rows sorted by expert, gather + gate/up +
+    SwiGLU, down + scatter, the sum over the top-k in fp32."""
+    tokens, top_k = experts_TK.shape
+    order, sizes = sort_by_expert(experts_TK.reshape(-1), gate.shape[0])
+    h = gather_swiglu(x_TD, order // top_k, sizes, gate, up, LIMIT, backend=backend, variant=WEIGHT_ONLY)
+    row_weight = weights_TK.reshape(-1)[order]
+    y = down_scatter(h, order, row_weight, sizes, down, backend=backend, variant=WEIGHT_ONLY)
+    return y.reshape(tokens, top_k, -1).astype(jnp.float32).sum(axis=1).astype(x_TD.dtype)
+
+
 def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
     tokens, hidden, width, top_k = sizes["prefill"], sizes["hidden"], sizes["width"], sizes["top_k"]
     x = jax.random.normal(jax.random.key(5), (tokens, hidden), jnp.bfloat16)
@@ -128,29 +143,27 @@ def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
         f"{load.mean():.0f}), {np.sum(load == 0)} experts empty; ms per call"
     )
     fused = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
-
-    def dequantize_whole(x, weights, experts, gate, up, down):
-        dense = [w.dequantize(jnp.bfloat16) for w in (gate, up, down)]
-        return local_moe(x, weights, experts, *dense, LIMIT, backend=backend)
-
+    weight_only = jax.jit(functools.partial(weight_only_moe, backend=backend))
+    # name: (function, experts, the path it is compared with)
     paths = {
-        "bf16 experts, fused kernels (today)": (fused, stacks["bf16"]),
-        "FP8 experts, weight-only fused kernels": (fused, stacks["fp8"]),
-        "MXFP4 experts, weight-only fused kernels": (fused, stacks["mxfp4"]),
-        "FP8 experts dequantised whole, then bf16 kernels (before)": (jax.jit(dequantize_whole), stacks["fp8"]),
+        "bf16 experts, fused kernels": (fused, "bf16", "bf16"),
+        "FP8 experts, default: dequantised in the step, then bf16 kernels": (fused, "fp8", "bf16"),
+        "FP8 experts, weight-only fused kernels (opt-in)": (weight_only, "fp8", "fp8"),
+        "MXFP4 experts, default: dequantised in the step, then bf16 kernels": (fused, "mxfp4", "mxfp4"),
+        "MXFP4 experts, weight-only fused kernels (opt-in)": (weight_only, "mxfp4", "mxfp4"),
     }
     flops = 2 * tokens * top_k * 3 * hidden * width
-    reference = fused(x, weights, experts, *stacks["bf16"])
-    print("| path | ms | useful TFLOP/s | vs bf16 | rel. diff vs bf16 (same weights; MXFP4: its own) |")
+    references = {fmt: fused(x, weights, experts, *stacks[fmt]) for fmt in ("bf16", "fp8", "mxfp4")}
+    print("| path | ms | useful TFLOP/s | vs bf16 | rel. diff (vs) |")
     print("|---|---|---|---|---|")
     bf16_seconds = None
-    for name, (fn, experts_weights) in paths.items():
-        seconds = median_seconds(fn, x, weights, experts, *experts_weights, iters=iters)
+    for name, (fn, fmt, compared) in paths.items():
+        seconds = median_seconds(fn, x, weights, experts, *stacks[fmt], iters=iters)
         bf16_seconds = bf16_seconds or seconds
-        out = fn(x, weights, experts, *experts_weights)
-        diff = "-" if "MXFP4" in name else f"{rel_error(out, reference):.1e}"
+        diff = rel_error(fn(x, weights, experts, *stacks[fmt]), references[compared])
         print(
-            f"| {name} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} | {bf16_seconds / seconds:.2f}x | {diff} |",
+            f"| {name} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} | {bf16_seconds / seconds:.2f}x | "
+            f"{diff:.1e} ({compared} default) |",
             flush=True,
         )
 
@@ -164,23 +177,32 @@ def touched_bytes(experts_TK, stacks) -> int:
 def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls: int) -> None:
     print(
         f"\n(b) decode rows, top-{sizes['top_k']}; us per call (x the byte roofline: touched experts' bytes / "
-        f"{copy_bw / 1e12:.2f} TB/s copy bandwidth)"
+        f"{copy_bw / 1e12:.2f} TB/s copy bandwidth); weight-only: the opt-in row kernels"
     )
-    print("| tokens | experts | touched MB | row kernels us | x roofline | local_moe us | x roofline |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| tokens | experts | touched MB | row kernels us | x roofline | weight-only us | x roofline | rel. diff "
+        "| local_moe us | x roofline |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend))
+    weight_only = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend, variant=WEIGHT_ONLY))
     model = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
     for tokens in sizes["decode"]:
         x = jax.random.normal(jax.random.key(tokens), (tokens, sizes["hidden"]), jnp.bfloat16)
         weights, experts = routing(tokens, sizes["experts"], sizes["top_k"], seed=tokens)
         for fmt, weight_stacks in stacks.items():
-            touched = touched_bytes(experts, weight_stacks)
-            roofline = touched / copy_bw
+            args = (x, weights, experts, *weight_stacks)
+            roofline = touched_bytes(experts, weight_stacks) / copy_bw
             cells = []
-            for fn in (rows, model):
-                seconds = per_call_seconds(fn, nudge_x, x, weights, experts, *weight_stacks, iters=iters, calls=calls)
+            for fn in (rows, weight_only, model):
+                if fn is weight_only and fmt == "bf16":
+                    cells += ["-", "-", "-"]
+                    continue
+                seconds = per_call_seconds(fn, nudge_x, *args, iters=iters, calls=calls)
                 cells += [f"{seconds * 1e6:.1f}", f"{seconds / roofline:.2f}"]
-            print(f"| {tokens} | {fmt} | {touched / 1e6:.1f} | {' | '.join(cells)} |", flush=True)
+                if fn is weight_only:
+                    cells.append(f"{rel_error(fn(*args), rows(*args)):.1e}")
+            print(f"| {tokens} | {fmt} | {roofline * copy_bw / 1e6:.1f} | {' | '.join(cells)} |", flush=True)
 
 
 def sweep_fused(sizes, stacks, iters: int, interpret: bool, count: int | None) -> None:
