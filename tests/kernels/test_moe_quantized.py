@@ -312,11 +312,11 @@ def _triton_calls(lowered):
 
 
 def int32_offsets_into_large_operands(lowered) -> list[str]:
-    """The pointer arithmetic (`tt.addptr` lines) that indexes a kernel operand of 2^31 or more elements with
+    """The pointer arithmetic (`tt.addptr` lines) that indexes a kernel operand of more than 2^31 elements with
     int32 offsets, in every Triton kernel of `lowered`: each a wrong address past 2^31 elements."""
     bad = []
     for sizes, text in _triton_calls(lowered):
-        large = {f"%arg{i}" for i, size in enumerate(sizes) if size >= 2**31}
+        large = {f"%arg{i}" for i, size in enumerate(sizes) if size > 2**31}
         derived = {m[1] for m in re.finditer(r"(%\w+) = tt\.splat (%\w+)", text) if m[2] in large} | large
         for line in text.splitlines():
             match = re.search(r"tt\.addptr (%\w+), %\w+ : .*, (tensor<[^>]*xi32>|i32)$", line.strip())
@@ -342,7 +342,7 @@ def test_the_offset_check_sees_int32_offsets_into_a_large_byte_operand():
 
 def test_weight_only_kernels_lower_for_cuda_at_ling_flash_size():
     """8192 tokens (the fused kernels, weight tile left and right) and one token (the row kernels), top-8 of 512
-    experts, hidden 4096, width 1280, bf16 activations, FP8 and MXFP4: no operand of 2^31 or more elements is
+    experts, hidden 4096, width 1280, bf16 activations, FP8 and MXFP4: no operand of more than 2^31 elements is
     indexed with int32 offsets (the FP8 values go as uint16 pairs; unpaired they are refused), in the
     weight-only kernels and in the default path (dequantised, then the bf16 kernels)."""
     shape = jax.ShapeDtypeStruct

@@ -12,7 +12,7 @@ Both are streams of expert weights (tokens x top_k x 3 x D x I elements), read o
 choice while rows rarely share an expert, i.e. for a few tokens; the grouped path reads each expert once.
 A row whose expert is outside [0, E) contributes nothing and reads no weights. Each weight is read through a
 weight-tile loader (`weight_tiles`): dense here, block FP8 or MXFP4 for the weight-only variant (`weight_only`,
-the same kernels over `routed_experts_call`).
+the same entry point, refusing dense weights).
 
 With `shared` weights (the MoE's shared expert, of the same width I), each token gets one more row, after
 the routed ones, that reads the shared weights (a one-expert stack) with weight 1: the shared expert costs no

@@ -11,8 +11,8 @@ expert, with no sorted copy of the activations and no unsort:
 Both reuse the grouped matmul's row tiling and K loop (`gmm.py`): tiles never cross a
 group, a tail tile (rows past sum(group_sizes)) stores zeros; dest must be a permutation of [0, R), so every
 output row has exactly one owner. The expert weights are read through a weight-tile loader (`weight_tiles`):
-dense here, block FP8 or MXFP4 for the weight-only variants (`weight_only`, the same kernels over
-`gather_swiglu_call` / `down_scatter_call`).
+dense ones cast to the activation dtype, block FP8 or MXFP4 ones read as stored and dequantised on chip (the
+weight-only variants, `weight_only`: these entry points, refusing dense weights).
 """
 
 from __future__ import annotations
@@ -206,82 +206,12 @@ def _over_row_tiles(
     )
 
 
-def gather_swiglu_call(
-    x_XD,
-    source_R,
-    group_sizes_G,
-    gate_GID,
-    up_GID,
-    *,
-    limit: float | None,
-    tiles: tuple,
-    min_block_m: int | None,
-    fill_tail: bool,
-    interpret: bool,
-    table=tuned.GATHER_SWIGLU,
-    weight_left: bool = False,
-):
-    """`gather_swiglu_gpu` for gate and up dense or quantised (`weight_tiles`: read as stored, a quantised tile
-    dequantised on chip); tiles: the requested (block_m, block_n, block_k, num_warps, num_stages), None ones
-    from `table`; weight_left: `gmm.tile_products`'."""
-    width, hidden = gate_GID.shape[1:]
-    named = ((gate_GID, "gate"), (up_GID, "up"))
+def _read_as_stored(named, dtype):
+    """(formats, the kernel's operands) of the (weight, name) pairs: dense ones cast to dtype, quantised ones as
+    stored (`weight_tiles`)."""
     formats = tuple(weight_format(w, name) for w, name in named)
-    weights = tuple(a for (w, name), f in zip(named, formats) for a in kernel_operands(w, f, x_XD.dtype, name))
-    return _over_row_tiles(
-        functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit, weight_left=weight_left),
-        group_sizes_G,
-        (source_R.astype(jnp.int32), x_XD, *weights),
-        tiles,
-        num_rows=source_R.shape[0],
-        n_dim=width,
-        k_dim=hidden,
-        dtype=x_XD.dtype,
-        table=table,
-        min_block_m=min_block_m,
-        fill_tail=fill_tail,
-        interpret=interpret,
-        name="gather_swiglu",
-    )
-
-
-def down_scatter_call(
-    h_RI,
-    dest_R,
-    row_weight_R,
-    group_sizes_G,
-    down_GDI,
-    *,
-    tiles: tuple,
-    min_block_m: int | None,
-    fill_tail: bool,
-    interpret: bool,
-    table=tuned.DOWN_SCATTER,
-    weight_left: bool = False,
-):
-    """`down_scatter_gpu` for down dense or quantised (as `gather_swiglu_call`)."""
-    hidden, width = down_GDI.shape[1:]
-    formats = (weight_format(down_GDI, "down"),)
-    return _over_row_tiles(
-        functools.partial(_down_scatter_kernel, formats=formats, weight_left=weight_left),
-        group_sizes_G,
-        (
-            dest_R.astype(jnp.int32),
-            row_weight_R.astype(jnp.float32),
-            h_RI,
-            *kernel_operands(down_GDI, *formats, h_RI.dtype, "down"),
-        ),
-        tiles,
-        num_rows=h_RI.shape[0],
-        n_dim=hidden,
-        k_dim=width,
-        dtype=h_RI.dtype,
-        table=table,
-        min_block_m=min_block_m,
-        fill_tail=fill_tail,
-        interpret=interpret,
-        name="down_scatter",
-    )
+    operands = tuple(a for (w, name), f in zip(named, formats) for a in kernel_operands(w, f, dtype, name))
+    return formats, operands
 
 
 @functools.partial(jax.jit, static_argnames=("limit", *_TILE_ARGS))
@@ -308,18 +238,22 @@ def gather_swiglu_gpu(
     get zeros (fill_tail) or are not written (undefined). source [R] int32 indexes x's rows (repeats allowed).
     gate and up [G, I, D]: arrays cast to x's dtype, or quantised (`weight_tiles`: each tile dequantised on chip to
     x's dtype). Tiles: None from `tuned.GATHER_SWIGLU`; weight_left: `gmm.tile_products`'."""
-    return gather_swiglu_call(
-        x_XD,
-        source_R,
+    width, hidden = gate_GID.shape[1:]
+    formats, weights = _read_as_stored(((gate_GID, "gate"), (up_GID, "up")), x_XD.dtype)
+    return _over_row_tiles(
+        functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit, weight_left=weight_left),
         group_sizes_G,
-        gate_GID,
-        up_GID,
-        limit=limit,
-        tiles=(block_m, block_n, block_k, num_warps, num_stages),
+        (source_R.astype(jnp.int32), x_XD, *weights),
+        (block_m, block_n, block_k, num_warps, num_stages),
+        num_rows=source_R.shape[0],
+        n_dim=width,
+        k_dim=hidden,
+        dtype=x_XD.dtype,
+        table=tuned.GATHER_SWIGLU,
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
-        weight_left=weight_left,
+        name="gather_swiglu",
     )
 
 
@@ -346,15 +280,20 @@ def down_scatter_gpu(
     zeros (fill_tail) or nothing (their dest rows undefined). dest [R] int32 must be a permutation of [0, R);
     row_weight [R] fp32. down [G, D, I]: as gate for `gather_swiglu_gpu`. Tiles: None from `tuned.DOWN_SCATTER`;
     weight_left: `gmm.tile_products`'."""
-    return down_scatter_call(
-        h_RI,
-        dest_R,
-        row_weight_R,
+    hidden, width = down_GDI.shape[1:]
+    formats, weights = _read_as_stored(((down_GDI, "down"),), h_RI.dtype)
+    return _over_row_tiles(
+        functools.partial(_down_scatter_kernel, formats=formats, weight_left=weight_left),
         group_sizes_G,
-        down_GDI,
-        tiles=(block_m, block_n, block_k, num_warps, num_stages),
+        (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, *weights),
+        (block_m, block_n, block_k, num_warps, num_stages),
+        num_rows=h_RI.shape[0],
+        n_dim=hidden,
+        k_dim=width,
+        dtype=h_RI.dtype,
+        table=tuned.DOWN_SCATTER,
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
-        weight_left=weight_left,
+        name="down_scatter",
     )

@@ -9,7 +9,7 @@ says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing
   blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. With K
   even the values go to the kernel as uint16 pairs [E, N, K / 2] (a bitcast; split into their two bytes on chip
   like MXFP4's nibbles): Pallas's Triton lowering indexes a ref of at most 2^32 bytes with int32 element
-  offsets, which a one-byte stack of 2^31 elements or more overflows (Ling flash's [512, 1280, 4096]: wrong
+  offsets, which a one-byte stack of more than 2^31 elements overflows (Ling flash's [512, 1280, 4096]: wrong
   results on an H200); pairs halve the largest offset. Where the
   tile lies in one block (block_n divides br, block_k divides bc: the 128 x 128 checkpoints with the tuned tiles)
   the scale is one scalar load; otherwise one scale a row block a row and one a K block, repeated over the block's
@@ -54,10 +54,10 @@ def _range(start, size: int):
 
 
 def check_offsets(array, name: str) -> None:
-    """Refuses a kernel operand whose int32 element offsets would overflow (2^31 or more elements in at most
+    """Refuses a kernel operand whose int32 element offsets would overflow (more than 2^31 elements in at most
     2^32 bytes: a one-byte dtype); larger operands get int64 offsets."""
     nbytes = array.size * np.dtype(array.dtype).itemsize
-    if array.size >= _INT32_OFFSET_LIMIT and nbytes <= _INT32_OFFSETS_MAX_BYTES:
+    if array.size > _INT32_OFFSET_LIMIT and nbytes <= _INT32_OFFSETS_MAX_BYTES:
         raise ValueError(
             f"{name}: {tuple(array.shape)} {np.dtype(array.dtype).name} has {array.size} elements; Pallas's Triton "
             f"lowering would index it with int32 offsets (overflow past 2^31)"
