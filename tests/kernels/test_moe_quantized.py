@@ -423,32 +423,36 @@ def fp8_checkpoint(tmp_path_factory):
 
 def test_fp8_checkpoint_on_the_interpret_gpu_backend_equals_the_reference(fp8_checkpoint):
     """The whole model from an FP8 checkpoint (weights kept FP8): prefill (the fused path) and one token a sequence
-    (the row path) with every GPU kernel interpreted == the reference backend, fp32; the MoE kernels are the
-    weight-only ones."""
+    (the row path) with every GPU kernel interpreted == the reference backend, fp32, both in one program over the
+    same weights; the MoE kernels read the experts dequantised in the step (the default)."""
     from flax import nnx
 
     from ling_jax import ExecutionPolicy, KernelBackend, load_hf_checkpoint
 
     ids = jnp.asarray(np.random.default_rng(3).integers(2, 100, (2, 12)))
+    model = load_hf_checkpoint(
+        fp8_checkpoint,
+        dtype=jnp.float32,
+        progress=False,
+        policy=ExecutionPolicy(kernel_backend=KernelBackend.INTERPRET_GPU),
+    )
+    assert isinstance(model.model.layers[1].mlp.experts.up_proj.get_value(), BlockFP8Weight)
+    graph_gpu, state = nnx.split(model)
+    model.policy = ExecutionPolicy(kernel_backend=KernelBackend.REFERENCE)
+    graph_reference, _ = nnx.split(model)
+    assert graph_reference != graph_gpu, "the policy is not part of the graph"
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def prefill_and_one_token(graph, state, ids):
-        model = nnx.merge(graph, state)
-        return model(ids).logits, model(ids[:, :1]).logits
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def prefill_and_one_token(graph_gpu, graph_reference, state, ids):
+        models = (nnx.merge(graph, state) for graph in (graph_gpu, graph_reference))
+        return [(m(ids).logits, m(ids[:, :1]).logits) for m in models]
 
-    logits = {}
-    for backend in (KernelBackend.INTERPRET_GPU, KernelBackend.REFERENCE):
-        model = load_hf_checkpoint(
-            fp8_checkpoint, dtype=jnp.float32, progress=False, policy=ExecutionPolicy(kernel_backend=backend)
-        )
-        assert isinstance(model.model.layers[1].mlp.experts.up_proj.get_value(), BlockFP8Weight)
-        traced = prefill_and_one_token.trace(*nnx.split(model), ids)
-        kernels = {"gather_swiglu", "down_scatter", "expert_swiglu_rows", "expert_down_combine"}
-        found = {name for name in kernels if f"name={name}" in str(traced.jaxpr)}
-        assert found == (kernels if backend == KernelBackend.INTERPRET_GPU else set()), (backend, found)
-        logits[backend] = traced.lower().compile()(*nnx.split(model)[1:], ids)
-    for what, ours, ref in zip(("prefill", "one token"), *logits.values()):
-        err = rel_error(ours, ref)
+    traced = prefill_and_one_token.trace(graph_gpu, graph_reference, state, ids)
+    kernels = {"gather_swiglu", "down_scatter", "expert_swiglu_rows", "expert_down_combine"}
+    assert {name for name in kernels if f"name={name}" in str(traced.jaxpr)} == kernels
+    ours, reference = traced.lower().compile()(state, ids)
+    for what, a, b in zip(("prefill", "one token"), ours, reference):
+        err = rel_error(a, b)
         print(f"[moe quantized] FP8 checkpoint, {what}: interpret GPU vs reference logits rel. error {err:.2e}")
         assert err <= TOL[jnp.float32], what
 
