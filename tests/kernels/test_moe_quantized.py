@@ -81,17 +81,16 @@ def routed_rows(seed):
 
 # (format, dtype, hidden, tiles (block_m, block_n, block_k, weight_left) or None: the tuned ones), each run through
 # the weight-only fused kernels (interpreted): the checkpoints' blocks at the tuned tiles; a weight tile spanning
-# two MXFP4 groups; tiles smaller than a group; a 24 x 48 block no tile divides (scales gathered a row and a
-# column) with an odd hidden size (the FP8 values unpaired in gate and up); one scale a row and a 32-input group;
-# the weight tile as the dot's first operand
+# two MXFP4 groups (float scales, the weight tile as the dot's first operand); tiles smaller than a group; a
+# 24 x 48 block no tile divides (scales gathered a row and a column) with an odd hidden size (the FP8 values
+# unpaired in gate and up); one scale a row and a 32-input group; FP8 with the weight tile first
 FUSED_CASES = [
     ("fp8", jnp.float32, HIDDEN, None),
-    ("mxfp4_f32", jnp.float32, HIDDEN, (32, 32, 64, False)),
+    ("mxfp4_f32", jnp.float32, HIDDEN, (32, 32, 64, True)),
     ("mxfp4", jnp.bfloat16, HIDDEN, (16, 16, 16, False)),
     ("fp8_24x48", jnp.float32, HIDDEN + 1, (32, 32, 64, False)),
     ("fp8_1x32", jnp.float32, HIDDEN, (16, 32, 128, False)),
     ("fp8", jnp.bfloat16, HIDDEN, (16, 32, 32, True)),
-    ("mxfp4", jnp.float32, HIDDEN, (16, 32, 32, True)),
 ]
 
 
