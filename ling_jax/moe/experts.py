@@ -5,9 +5,11 @@ On a GPU backend the grouped FFN is two fused kernels (`pallas_kernels.moe.gathe
 rows are read from the unsorted activations through the sort permutation and written back through it, so
 neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is three jnp ragged dots.
 
-Expert weights may be quantised (`ling_jax.quantized`, stacked [E, ...] with per-expert scales): every path
-dequantises them to the activation dtype inside the step (`dequantized`), only the experts of this layer and,
-expert-parallel, of this device (the weight-only reference path fused kernels are checked against).
+Expert weights may be quantised (`ling_jax.quantized`, block FP8 or MXFP4, stacked [E, ...] with per-expert
+scales). They are dequantised to the activation dtype inside the step, only the experts of this layer and,
+expert-parallel, of this device: on a GPU backend by the kernels' ops before the dense kernels (the row-by-row
+decode kernels: only the picked experts; `pallas_kernels.moe`'s weight-only variant, which reads them as stored,
+must be named: it was wrong on hardware at flash size), elsewhere by the grouped path (`dequantized`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers import project
-from ling_jax.quantized import dequantized, is_quantized
+from ling_jax.quantized import dequantized
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, routed_experts
 from pallas_kernels.moe.reference import swiglu
@@ -80,21 +82,9 @@ def fused_expert_rows(
 ):
     """[R, D] in x's dtype: row order[r] of the result = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of
     the expert order (group g); rows past sum(sizes) are 0, or undefined with fill_tail False (not computed).
-    The GPU's two fused kernels."""
-    dtype = x_XD.dtype
-    h_RI = gather_swiglu(
-        x_XD,
-        source_R,
-        sizes_E,
-        dequantized(gate_EID, dtype),
-        dequantized(up_EID, dtype),
-        limit,
-        backend=backend,
-        fill_tail=fill_tail,
-    )
-    return down_scatter(
-        h_RI, order_R, row_weight_R, sizes_E, dequantized(down_EDI, dtype), backend=backend, fill_tail=fill_tail
-    )
+    The GPU's two fused kernels, weight-only ones for quantised experts (read as stored)."""
+    h_RI = gather_swiglu(x_XD, source_R, sizes_E, gate_EID, up_EID, limit, backend=backend, fill_tail=fill_tail)
+    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down_EDI, backend=backend, fill_tail=fill_tail)
 
 
 def sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
@@ -219,10 +209,6 @@ def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, 
     return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
 
-def _dense_for_kernels(weight, dtype):
-    return dequantized(weight, dtype) if is_quantized(weight) else weight
-
-
 def local_moe(
     x_TD,
     weights_TK,
@@ -237,13 +223,10 @@ def local_moe(
 ):
     """All experts on this device, plus the shared expert when given: `grouped_local_moe`, except that on a GPU
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
-    the shared expert (one more row per token) when it has the routed experts' width."""
+    the shared expert (one more row per token) when it has the routed experts' width. Quantised weights (routed
+    or shared) are dequantised by the kernels' ops (the row path: the picked experts only)."""
     tokens, top_k = experts_TK.shape
     row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
-    if row_path:  # the decode kernels read dense weights (no FP8 / MXFP4 kernel yet)
-        gate_EID, up_EID, down_EDI = (_dense_for_kernels(w, x_TD.dtype) for w in (gate_EID, up_EID, down_EDI))
-        if shared is not None:
-            shared = SharedExpert(*(_dense_for_kernels(w, x_TD.dtype) for w in shared[:3]), shared.limit)
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
         with jax.named_scope("routed_and_shared_experts"):
             return routed_experts(
@@ -268,5 +251,5 @@ def local_moe(
     if shared is None:
         return routed_TD
     with jax.named_scope("shared_expert"):
-        shared_TD = swiglu_ffn(x_TD, *shared)
+        shared_TD = swiglu_ffn(x_TD, *shared, backend=backend)
     return routed_TD + shared_TD

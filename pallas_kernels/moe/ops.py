@@ -5,8 +5,13 @@ row by row, combined) and `select_experts` (the router's group-limited expert se
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton", a TPU
-backend runs "tpu_mosaic" for a grouped matmul with a quantised (block-FP8 or MXFP4) weight stack, and every
-other case the jnp reference.
+backend runs "tpu_mosaic" for a grouped matmul with a quantised (block-FP8 or MXFP4) weight stack, and every other
+case the jnp reference. Expert weights may be quantised (`ling_jax.quantized`): on a GPU, by default
+`gather_swiglu` and `down_scatter` then dequantise them to the activation dtype inside the step and run the dense
+kernels ("gpu_triton", the path verified on hardware at Ling flash size), `routed_experts` dequantises only the
+picked experts; elsewhere the dequantise-then-reference path. The weight-only variant WEIGHT_ONLY (each tile
+dequantised on chip, nothing dense written) runs only when named: on an H200 its FP8 kernels gave wrong results at
+flash size (see `gpu_triton.weight_only`).
 """
 
 from __future__ import annotations
@@ -20,14 +25,19 @@ from pallas_kernels import variants
 from pallas_kernels.backend import resolve_backend, with_reference_vjp
 from pallas_kernels.moe.gpu_triton import (
     down_scatter_gpu,
+    down_scatter_weight_only_gpu,
     gather_swiglu_gpu,
+    gather_swiglu_weight_only_gpu,
     grouped_matmul_gpu,
     grouped_weight_grad_gpu,
     routed_experts_gpu,
+    routed_experts_weight_only_gpu,
     select_experts_gpu,
 )
+from pallas_kernels.moe.gpu_triton.weight_tiles import is_quantized
 from pallas_kernels.moe.reference import (
     RoutingRule,
+    dense_weight,
     down_scatter_reference,
     gather_swiglu_reference,
     grouped_matmul_reference,
@@ -42,6 +52,7 @@ from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = [
     "VARIANTS",
+    "WEIGHT_ONLY",
     "RoutingRule",
     "down_scatter",
     "gather_swiglu",
@@ -50,6 +61,8 @@ __all__ = [
     "routed_experts",
     "select_experts",
 ]
+
+WEIGHT_ONLY = "gpu_triton_weight_only"  # the fused and row kernels with quantised experts
 
 VARIANTS = {
     "grouped_matmul": {
@@ -60,11 +73,17 @@ VARIANTS = {
     "gather_swiglu": {
         REFERENCE: Variant(None, gather_swiglu_reference),
         "gpu_triton": Variant("gpu", gather_swiglu_gpu),
+        WEIGHT_ONLY: Variant("gpu", gather_swiglu_weight_only_gpu),
     },
-    "down_scatter": {REFERENCE: Variant(None, down_scatter_reference), "gpu_triton": Variant("gpu", down_scatter_gpu)},
+    "down_scatter": {
+        REFERENCE: Variant(None, down_scatter_reference),
+        "gpu_triton": Variant("gpu", down_scatter_gpu),
+        WEIGHT_ONLY: Variant("gpu", down_scatter_weight_only_gpu),
+    },
     "routed_experts": {
         REFERENCE: Variant(None, routed_experts_reference),
         "gpu_triton": Variant("gpu", routed_experts_gpu),
+        WEIGHT_ONLY: Variant("gpu", routed_experts_weight_only_gpu),
     },
     "select_experts": {
         REFERENCE: Variant(None, select_experts_reference),
@@ -84,6 +103,26 @@ def _pick(op: str, variant: str | None, backend: str, tpu: str = REFERENCE) -> t
     backend = resolve_backend(backend)
     default = variants.by_platform(backend, {"gpu": "gpu_triton", "tpu": tpu})
     return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
+
+
+def _dense(weights, dtype) -> tuple:
+    """Expert weights for the dense kernels: quantised ones dequantised to dtype, inside the step (one layer's
+    experts, or this device's under expert parallelism), arrays as they are."""
+    return tuple(dense_weight(w, dtype) for w in weights)
+
+
+def _picked_dense(experts_TK, stacks, dtype):
+    """(experts [T, k], stacks) for the dense row kernels: with a quantised stack among them, each slot's expert
+    gathered (values and scales) and dequantised to dtype, [T * k, ...] stacks that slot (t, k) reads at row
+    t * k + k (an invalid slot stays invalid), so a decode step dequantises T * k experts, not E."""
+    if not any(is_quantized(w) for w in stacks):
+        return experts_TK, stacks
+    num_experts = stacks[0].shape[0]
+    valid_TK = (experts_TK >= 0) & (experts_TK < num_experts)
+    index_S = jnp.clip(experts_TK, 0, num_experts - 1).reshape(-1)
+    picked = tuple(dense_weight(jax.tree.map(lambda a: a[index_S], w), dtype) for w in stacks)
+    slots_TK = jnp.arange(index_S.shape[0], dtype=jnp.int32).reshape(experts_TK.shape)
+    return jnp.where(valid_TK, slots_TK, -1), picked
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -169,6 +208,17 @@ def _gather_swiglu_gpu_bwd(limit, fill_tail, interpret, residuals, d_h_RI):
 _gather_swiglu_gpu.defvjp(_gather_swiglu_gpu_fwd, _gather_swiglu_gpu_bwd)
 
 
+_gather_swiglu_weight_only = with_reference_vjp(
+    lambda x, source, sizes, gate, up, limit, fill_tail, interpret: gather_swiglu_weight_only_gpu(
+        x, source, sizes, gate, up, limit=limit, fill_tail=fill_tail, interpret=interpret
+    ),
+    lambda x, source, sizes, gate, up, limit, fill_tail, interpret: gather_swiglu_reference(
+        x, source, sizes, gate, up, limit
+    ),
+    nondiff_argnums=(5, 6, 7),
+)
+
+
 def gather_swiglu(
     x_XD,
     source_R,
@@ -184,15 +234,20 @@ def gather_swiglu(
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g: the rows sorted by group (group_sizes int32 [G], traced, sum <= R), each read from x's
     row source[r] (int32 [R], repeats allowed); rows past the sum give zeros, or with fill_tail False are
-    undefined (the GPU kernel skips them; other backends still give zeros). gate, up [G, I, D].
+    undefined (the GPU kernel skips them; other backends still give zeros). gate, up [G, I, D]: arrays, or
+    quantised weights (block FP8, MXFP4: the module docstring).
 
     backend as for `grouped_matmul`: the GPU backends run one fused kernel (the rows gathered inside it, both
-    products and the SwiGLU in fp32 before the one store); the others the jnp reference. Differentiable in x,
-    gate and up; the GPU backward pass recomputes the products with the grouped-matmul kernels.
+    products and the SwiGLU in fp32 before the one store; quantised weights dequantised first, or read as stored
+    by the opt-in WEIGHT_ONLY); the others the jnp reference. Differentiable in x, gate and up; the GPU backward
+    pass recomputes the products with the grouped-matmul kernels (WEIGHT_ONLY: as dequantise-then-reference).
     """
     name, interpret = _pick("gather_swiglu", variant, backend)
     if name == "gpu_triton":
+        gate_GID, up_GID = _dense((gate_GID, up_GID), x_XD.dtype)
         return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
+    if name == WEIGHT_ONLY:
+        return _gather_swiglu_weight_only(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
     return gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit)
 
 
@@ -230,6 +285,17 @@ def _down_scatter_gpu_bwd(fill_tail, interpret, residuals, d_y_RD):
 _down_scatter_gpu.defvjp(_down_scatter_gpu_fwd, _down_scatter_gpu_bwd)
 
 
+_down_scatter_weight_only = with_reference_vjp(
+    lambda h, dest, row_weight, sizes, down, fill_tail, interpret: down_scatter_weight_only_gpu(
+        h, dest, row_weight, sizes, down, fill_tail=fill_tail, interpret=interpret
+    ),
+    lambda h, dest, row_weight, sizes, down, fill_tail, interpret: down_scatter_reference(
+        h, dest, row_weight, sizes, down
+    ),
+    nondiff_argnums=(5, 6),
+)
+
+
 def down_scatter(
     h_RI,
     dest_R,
@@ -245,27 +311,36 @@ def down_scatter(
     rows sorted by group (group_sizes int32 [G], traced, sum <= R), each stored back to its original row
     dest[r] (int32 [R], a permutation of [0, R)); row_weight fp32 [R], applied to the fp32 accumulator; rows
     past the sum store zeros, or with fill_tail False leave their dest rows undefined (GPU kernel; other
-    backends still store zeros). down [G, D, I].
+    backends still store zeros). down [G, D, I]: an array or a quantised weight.
 
-    backend as for `grouped_matmul`: the GPU backends run one kernel (scattered stores, no unsort pass); the
-    others the jnp reference. Differentiable in h, row_weight and down; the GPU backward pass uses the
-    grouped-matmul kernels.
+    backend as for `grouped_matmul`: the GPU backends run one kernel (scattered stores, no unsort pass;
+    quantised weights as for `gather_swiglu`); the others the jnp reference. Differentiable in h, row_weight and
+    down; the GPU backward pass uses the grouped-matmul kernels (WEIGHT_ONLY: as dequantise-then-reference).
     """
     name, interpret = _pick("down_scatter", variant, backend)
     if name == "gpu_triton":
+        (down_GDI,) = _dense((down_GDI,), h_RI.dtype)
         return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
+    if name == WEIGHT_ONLY:
+        return _down_scatter_weight_only(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
     return down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI)
 
 
-_routed_gpu_kernel = with_reference_vjp(
-    lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_gpu(
+def _routed_entry(entry):
+    return lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: entry(
         x, weights, experts, gate, up, down, shared, limit=limit, shared_limit=shared_limit, interpret=interpret
-    ),
-    lambda x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret: routed_experts_reference(
-        x, weights, experts, gate, up, down, limit, shared, shared_limit
-    ),
-    nondiff_argnums=(7, 8, 9),
-)
+    )
+
+
+def _routed_reference(x, weights, experts, gate, up, down, shared, limit, shared_limit, interpret):
+    return routed_experts_reference(x, weights, experts, gate, up, down, limit, shared, shared_limit)
+
+
+# {variant: the GPU kernels}, differentiated as the reference (a quantised weight: dequantise-then-reference)
+_ROUTED_GPU_KERNELS = {
+    name: with_reference_vjp(_routed_entry(entry), _routed_reference, nondiff_argnums=(7, 8, 9))
+    for name, entry in (("gpu_triton", routed_experts_gpu), (WEIGHT_ONLY, routed_experts_weight_only_gpu))
+}
 
 
 def routed_experts(
@@ -286,17 +361,22 @@ def routed_experts(
     expert e's SwiGLU, min(SiLU(x W_gate), limit) * clip(x W_up, +-limit) W_down with a limit. Weights
     [E, I, D] (gate, up) and [E, D, I] (down) in the checkpoint's [out, in] layout; experts outside [0, E)
     contribute nothing. shared: None, or the MoE's shared expert (gate [I, D], up [I, D], down [D, I], the
-    routed experts' width), clipped at `shared_limit` and added with weight 1.
+    routed experts' width), clipped at `shared_limit` and added with weight 1. Any of them may be a quantised
+    weight (block FP8, MXFP4: the module docstring), the shared expert's in a format of its own.
 
     For a few tokens (decode): the GPU kernels read each row's expert directly, with no sorting, and cost a
-    weight read per token-expert pair; the shared expert is one more row per token. backend: "auto" (the GPU
-    kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
-    reference. Differentiable (the backward pass is the reference's).
+    weight read per token-expert pair (quantised experts: only the picked ones dequantised first, or each tile
+    read as stored by the opt-in WEIGHT_ONLY); the shared expert is one more row per token. backend: "auto"
+    (the GPU kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names
+    run the reference. Differentiable (the backward pass is the reference's).
     """
     name, interpret = _pick("routed_experts", variant, backend)
     shared = None if shared is None else tuple(shared)
     if name == "gpu_triton":
-        return _routed_gpu_kernel(
+        experts_TK, (gate_EID, up_EID, down_EDI) = _picked_dense(experts_TK, (gate_EID, up_EID, down_EDI), x_TD.dtype)
+        shared = None if shared is None else _dense(shared, x_TD.dtype)
+    if name in _ROUTED_GPU_KERNELS:
+        return _ROUTED_GPU_KERNELS[name](
             x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit, interpret
         )
     return routed_experts_reference(

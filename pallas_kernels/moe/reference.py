@@ -7,6 +7,10 @@ Grouped matmul: rows of lhs are sorted by group: the first group_sizes[0] rows b
 group_sizes[1] to group 1, and so on; each group multiplies its rows by its own weight in the checkpoint's
 [out, in] layout, so out[rows of g] = lhs[rows of g] @ rhs[g].T. Rows at or past sum(group_sizes) give zeros.
 
+Expert weights may be quantised (block FP8 or MXFP4: anything with `values`, `scales` and `dequantize(dtype)`,
+`ling_jax.quantized`): the references dequantise them first (`dense_weight`), which is the weight-only kernels'
+spec; the routed experts of a few tokens dequantise only the picked experts.
+
 Expert selection, group-limited sigmoid routing (spec §4) after the router matmul. For each token: scores =
 sigmoid(logits); choice = scores + expert_bias (the bias steers selection only); with groups, each group scores
 the sum of its two best choices and only the `topk_group` best groups stay (ties to the lower group); then the
@@ -26,6 +30,11 @@ import jax.numpy as jnp
 _RAGGED_MK_GNK = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
 )
+
+
+def dense_weight(weight, dtype) -> jax.Array:
+    """A quantised weight (module docstring) dequantised to dtype; an array as it is (cast later, where used)."""
+    return weight.dequantize(dtype) if hasattr(weight, "dequantize") else weight
 
 
 def grouped_matmul_reference(lhs_MK, rhs_GNK, group_sizes_G) -> jax.Array:
@@ -77,13 +86,19 @@ def routed_experts_reference(
     index_TK = jnp.clip(experts_TK, 0, num_experts - 1)
     x = x_TD.astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
-    gate = jnp.einsum("td,tkid->tki", x, gate_EID[index_TK].astype(jnp.float32), precision=hi)
-    up = jnp.einsum("td,tkid->tki", x, up_EID[index_TK].astype(jnp.float32), precision=hi)
-    y_TKD = jnp.einsum("tki,tkdi->tkd", swiglu(gate, up, limit), down_EDI[index_TK].astype(jnp.float32), precision=hi)
+    gate_TKID, up_TKID, down_TKDI = (
+        dense_weight(jax.tree.map(lambda a: a[index_TK], w), jnp.float32).astype(jnp.float32)
+        for w in (gate_EID, up_EID, down_EDI)
+    )  # the picked experts only (a quantised weight: its values and scales gathered, then dequantised)
+    gate = jnp.einsum("td,tkid->tki", x, gate_TKID, precision=hi)
+    up = jnp.einsum("td,tkid->tki", x, up_TKID, precision=hi)
+    y_TKD = jnp.einsum("tki,tkdi->tkd", swiglu(gate, up, limit), down_TKDI, precision=hi)
     weights_TK = jnp.where(valid_TK, weights_TK.astype(jnp.float32), 0.0)
     y_TD = jnp.einsum("tkd,tk->td", y_TKD, weights_TK, precision=hi)
     if shared is not None:
-        shared_gate_ID, shared_up_ID, shared_down_DI = (w.astype(jnp.float32) for w in shared)
+        shared_gate_ID, shared_up_ID, shared_down_DI = (
+            dense_weight(w, jnp.float32).astype(jnp.float32) for w in shared
+        )
         hidden_TI = swiglu(
             jnp.dot(x, shared_gate_ID.T, precision=hi), jnp.dot(x, shared_up_ID.T, precision=hi), shared_limit
         )
@@ -95,6 +110,7 @@ def gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, lim
     """h [R, I] in x's dtype: swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the rows r
     of group g; rows at or past sum(group_sizes) give zeros."""
     x_RD = x_XD[source_R]
+    gate_GID, up_GID = (dense_weight(w, x_XD.dtype) for w in (gate_GID, up_GID))
     return swiglu(
         grouped_matmul_reference(x_RD, gate_GID, group_sizes_G),
         grouped_matmul_reference(x_RD, up_GID, group_sizes_G),
@@ -105,7 +121,7 @@ def gather_swiglu_reference(x_XD, source_R, group_sizes_G, gate_GID, up_GID, lim
 def down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g, the
     weighting in fp32; rows at or past sum(group_sizes) give zeros. dest is a permutation of [0, R)."""
-    y_RD = grouped_matmul_reference(h_RI, down_GDI, group_sizes_G)
+    y_RD = grouped_matmul_reference(h_RI, dense_weight(down_GDI, h_RI.dtype), group_sizes_G)
     weighted_RD = (row_weight_R.astype(jnp.float32)[:, None] * y_RD.astype(jnp.float32)).astype(h_RI.dtype)
     return jnp.zeros_like(weighted_RD).at[dest_R].set(weighted_RD)
 

@@ -10,7 +10,9 @@ scatter cost more than the arithmetic. Here every row r = (token t, slot k) read
 
 Both are streams of expert weights (tokens x top_k x 3 x D x I elements), read once per row: the right
 choice while rows rarely share an expert, i.e. for a few tokens; the grouped path reads each expert once.
-A row whose expert is outside [0, E) contributes nothing and reads no weights.
+A row whose expert is outside [0, E) contributes nothing and reads no weights. Each weight is read through a
+weight-tile loader (`weight_tiles`): dense here, block FP8 or MXFP4 for the weight-only variant (`weight_only`,
+the same entry point, refusing dense weights).
 
 With `shared` weights (the MoE's shared expert, of the same width I), each token gets one more row, after
 the routed ones, that reads the shared weights (a one-expert stack) with weight 1: the shared expert costs no
@@ -27,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe import tuned
-from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.moe.gpu_triton.masked import masked_load
+from pallas_kernels.moe.gpu_triton.weight_tiles import ExpertTiles, expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
 from pallas_kernels.tuning import fill, lookup
 
@@ -38,28 +41,29 @@ def _valid(expert, num_experts: int):
     return jnp.clip(expert + 1, 0, 1) * jnp.clip(num_experts - expert, 0, 1)
 
 
-def _row_times_tile(weight_ref, expert, col0, vector_ref, vector_row, *, block_n, block_k, cols_ok, mask_k):
-    """sum_j weight[expert, col0 + n, j] * vector[vector_row, j] for n < block_n, fp32 [block_n]; no reads
-    when the expert is invalid (the loop runs zero times)."""
-    k_dim = weight_ref.shape[2]
+def _row_times_tile(weight: ExpertTiles, expert, col0, vector_ref, vector_row, *, block_n, block_k, cols_ok, mask_k):
+    """sum_j weight[expert, col0 + n, j] * vector[vector_row, j] for n < block_n, fp32 [block_n] (a quantised
+    weight's tiles dequantised on chip); no reads when the expert is invalid (the loop runs zero times)."""
+    num_experts, _, k_dim = weight.shape
 
     def body(step, acc_N):
         k0 = step * block_k
         k_ok = k0 + jnp.arange(block_k) < k_dim if mask_k else None
-        tile_NK = masked_load(weight_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok, k_ok))
+        tile_NK = weight.load(
+            expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok, k_ok_K=k_ok, dtype=jnp.float32
+        )
         chunk_K = masked_load(vector_ref.at[vector_row, pl.ds(k0, block_k)], k_ok)
-        return acc_N + jnp.sum(tile_NK.astype(jnp.float32) * chunk_K.astype(jnp.float32)[None, :], axis=1)
+        return acc_N + jnp.sum(tile_NK * chunk_K.astype(jnp.float32)[None, :], axis=1)
 
-    steps = _valid(expert, weight_ref.shape[0]) * pl.cdiv(k_dim, block_k)
+    steps = _valid(expert, num_experts) * pl.cdiv(k_dim, block_k)
     return jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
 
 
 def _swiglu_kernel(
     expert_ref,
     x_ref,
-    gate_ref,
-    up_ref,
     *refs,
+    formats,
     top_k: int,
     routed_rows: int,
     limit: float | None,
@@ -71,9 +75,10 @@ def _swiglu_kernel(
 ):
     """Row r < routed_rows is (token r // top_k, its expert); with shared refs, row routed_rows + t is token t's
     shared-expert row (its routed expert index is -1: no routed reads)."""
-    *shared_refs, h_ref = refs
+    *weight_refs, h_ref = refs
+    gate, up, *shared = expert_tiles(weight_refs, formats)
     row, col0 = pl.program_id(0), pl.program_id(1) * block_n
-    cols_ok = col0 + jnp.arange(block_n) < gate_ref.shape[1] if mask_n else None
+    cols_ok = col0 + jnp.arange(block_n) < gate.shape[1] if mask_n else None
     is_shared = jnp.clip(row - routed_rows + 1, 0, 1)  # int 0 / 1 (see _valid)
     token = row // top_k + is_shared * (row - routed_rows - row // top_k)
     product = functools.partial(
@@ -87,13 +92,13 @@ def _swiglu_kernel(
         mask_k=mask_k,
     )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
-    gate_N, up_N = product(gate_ref, expert), product(up_ref, expert)
+    gate_N, up_N = product(gate, expert), product(up, expert)
     hidden = swiglu(gate_N, up_N, limit)
-    if shared_refs:
-        shared_gate_ref, shared_up_ref = shared_refs
+    if shared:
+        shared_gate, shared_up = shared
         shared_index = is_shared - 1  # 0 on a shared row, -1 (no reads) on a routed one
-        gate_N += product(shared_gate_ref, shared_index)
-        up_N += product(shared_up_ref, shared_index)
+        gate_N += product(shared_gate, shared_index)
+        up_N += product(shared_up, shared_index)
         hidden = jnp.where(is_shared == 1, swiglu(gate_N, up_N, shared_limit), swiglu(gate_N, up_N, limit))
     plgpu.store(h_ref.at[row, pl.ds(col0, block_n)], hidden.astype(h_ref.dtype), mask=cols_ok)
 
@@ -102,8 +107,8 @@ def _down_combine_kernel(
     expert_ref,
     weight_ref,
     h_ref,
-    down_ref,
     *refs,
+    formats,
     top_k: int,
     routed_rows: int,
     block_n: int,
@@ -111,9 +116,10 @@ def _down_combine_kernel(
     mask_n: bool,
     mask_k: bool,
 ):
-    *shared_refs, y_ref = refs
+    *weight_refs, y_ref = refs
+    down, *shared = expert_tiles(weight_refs, formats)
     token, col0 = pl.program_id(0), pl.program_id(1) * block_n
-    cols_ok = col0 + jnp.arange(block_n) < down_ref.shape[1] if mask_n else None
+    cols_ok = col0 + jnp.arange(block_n) < down.shape[1] if mask_n else None
     product = functools.partial(
         _row_times_tile, col0=col0, vector_ref=h_ref, block_n=block_n, block_k=block_k, cols_ok=cols_ok, mask_k=mask_k
     )
@@ -123,14 +129,25 @@ def _down_combine_kernel(
     for slot in range(top_k):
         expert = jnp.sum(jnp.where(slot_K == slot, experts_K, 0))
         weight = jnp.sum(jnp.where(slot_K == slot, weights_K, 0.0))
-        acc_N += weight * product(down_ref, expert, vector_row=token * top_k + slot)
-    if shared_refs:
-        acc_N += product(shared_refs[0], jnp.int32(0), vector_row=routed_rows + token)
+        acc_N += weight * product(down, expert, vector_row=token * top_k + slot)
+    if shared:
+        acc_N += product(shared[0], jnp.int32(0), vector_row=routed_rows + token)
     plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=cols_ok)
 
 
 def _tile(size: int, wanted: int) -> int:
     return min(wanted, pl.next_power_of_2(size))
+
+
+def _kernel_weights(weights, names):
+    """(formats, the kernel's operands, read as stored) of weights named `names`: the routed ones [E, ...] as
+    they are, the shared expert's (names "shared ...") as one-expert stacks [1, ...]."""
+    formats, operands = [], []
+    for weight, name in zip(weights, names):
+        formats.append(weight_format(weight, name))
+        arrays = kernel_operands(weight, formats[-1], name=name)
+        operands += [a[None] for a in arrays] if name.startswith("shared") else arrays
+    return tuple(formats), operands
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles"))
@@ -150,23 +167,28 @@ def routed_experts_gpu(
     down_tiles: tuple[int | None, ...] = (None,) * 4,
 ):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
-    is expert e's SwiGLU (clipped at `limit`). Weights are read in their stored dtype; experts outside [0, E)
-    contribute nothing. shared: None, or the shared expert's (gate [I, D], up [I, D], down [D, I]), clipped at
-    `shared_limit`, added with weight 1. Tiles: (block_n, block_k, num_warps, num_stages) of each kernel,
-    powers of two; None ones from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN`."""
+    is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
+    dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
+    [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
+    Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two; None ones from
+    `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN`."""
     swiglu_tiles = fill(swiglu_tiles, lookup(tuned.ROUTED_SWIGLU, dtype=x_TD.dtype))
     down_tiles = fill(down_tiles, lookup(tuned.ROUTED_DOWN, dtype=x_TD.dtype))
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]
     routed_rows = tokens * top_k
-    shared_stacks = () if shared is None else tuple(w[None] for w in shared)  # one-expert stacks [1, ...]
-    if shared_stacks and shared_stacks[0].shape[1:] != gate_EID.shape[1:]:
+    shared = () if shared is None else tuple(shared)
+    if shared and tuple(shared[0].shape) != tuple(gate_EID.shape[1:]):
         raise ValueError(
-            f"shared expert gate {shared[0].shape} must have the routed experts' shape "
-            f"{gate_EID.shape[1:]} to run in their kernels"
+            f"shared expert gate {tuple(shared[0].shape)} must have the routed experts' shape "
+            f"{tuple(gate_EID.shape[1:])} to run in their kernels"
         )
-    rows = routed_rows + (tokens if shared_stacks else 0)
+    swiglu_formats, swiglu_weights = _kernel_weights(
+        (gate_EID, up_EID, *shared[:2]), ("gate", "up", "shared gate", "shared up")
+    )
+    down_formats, down_weights = _kernel_weights((down_EDI, *shared[2:]), ("down", "shared down"))
+    rows = routed_rows + (tokens if shared else 0)
     experts_R = experts_TK.reshape(-1).astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
 
@@ -175,6 +197,7 @@ def routed_experts_gpu(
     h_RI = pl.pallas_call(
         functools.partial(
             _swiglu_kernel,
+            formats=swiglu_formats,
             top_k=top_k,
             routed_rows=routed_rows,
             limit=limit,
@@ -185,19 +208,14 @@ def routed_experts_gpu(
             mask_k=hidden % block_k != 0,
         ),
         grid=(rows, pl.cdiv(width, block_n)),
-        in_specs=[
-            pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),)),
-            whole(x_TD.shape),
-            whole(gate_EID.shape),
-            whole(up_EID.shape),
-        ]
-        + [whole(w.shape) for w in shared_stacks[:2]],
+        in_specs=[pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),)), whole(x_TD.shape)]
+        + [whole(a.shape) for a in swiglu_weights],
         out_specs=whole((rows, width)),
         out_shape=jax.ShapeDtypeStruct((rows, width), x_TD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="expert_swiglu_rows",
-    )(experts_R, x_TD, gate_EID, up_EID, *shared_stacks[:2])
+    )(experts_R, x_TD, *swiglu_weights)
 
     slots = pl.next_power_of_2(top_k)  # Triton blocks are powers of two: pad the slots with invalid experts
     experts_TS = jnp.pad(experts_TK.astype(jnp.int32), ((0, 0), (0, slots - top_k)), constant_values=-1)
@@ -207,6 +225,7 @@ def routed_experts_gpu(
     return pl.pallas_call(
         functools.partial(
             _down_combine_kernel,
+            formats=down_formats,
             top_k=top_k,
             routed_rows=routed_rows,
             block_n=block_n,
@@ -219,12 +238,11 @@ def routed_experts_gpu(
             pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
             pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
             whole(h_RI.shape),
-            whole(down_EDI.shape),
         ]
-        + [whole(w.shape) for w in shared_stacks[2:]],
+        + [whole(a.shape) for a in down_weights],
         out_specs=whole((tokens, hidden)),
         out_shape=jax.ShapeDtypeStruct((tokens, hidden), x_TD.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="expert_down_combine",
-    )(experts_TS, weights_TS, h_RI, down_EDI, *shared_stacks[2:])
+    )(experts_TS, weights_TS, h_RI, *down_weights)

@@ -10,7 +10,9 @@ expert, with no sorted copy of the activations and no unsort:
 
 Both reuse the grouped matmul's row tiling and K loop (`gmm.py`): tiles never cross a
 group, a tail tile (rows past sum(group_sizes)) stores zeros; dest must be a permutation of [0, R), so every
-output row has exactly one owner.
+output row has exactly one owner. The expert weights are read through a weight-tile loader (`weight_tiles`):
+dense ones cast to the activation dtype, block FP8 or MXFP4 ones read as stored and dequantised on chip (the
+weight-only variants, `weight_only`: these entry points, refusing dense weights).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings, tile_products
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.moe.gpu_triton.weight_tiles import expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
 
 
@@ -44,11 +47,10 @@ def _gather_swiglu_kernel(
     row_end_ref,
     source_ref,
     x_ref,
-    gate_ref,
-    up_ref,
-    h_ref,
-    *,
+    *refs,
+    formats,
     limit: float | None,
+    weight_left: bool,
     column_tile,
     block_m: int,
     block_n: int,
@@ -56,6 +58,7 @@ def _gather_swiglu_kernel(
     mask_n: bool,
     mask_k: bool,
 ):
+    *weight_refs, h_ref = refs
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
         group_ref,
         row_start_ref,
@@ -73,7 +76,7 @@ def _gather_swiglu_kernel(
 
     gate_MN, up_MN = tile_products(
         load_lhs,
-        (gate_ref, up_ref),
+        expert_tiles(weight_refs, formats),
         group,
         col0,
         block_m=block_m,
@@ -81,6 +84,7 @@ def _gather_swiglu_kernel(
         block_k=block_k,
         cols_ok_N=cols_ok_N,
         mask_k=mask_k,
+        weight_left=weight_left,
     )
     plgpu.store(
         h_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)],
@@ -96,9 +100,9 @@ def _down_scatter_kernel(
     dest_ref,
     row_weight_ref,
     h_ref,
-    down_ref,
-    y_ref,
-    *,
+    *refs,
+    formats,
+    weight_left: bool,
     column_tile,
     block_m: int,
     block_n: int,
@@ -106,6 +110,7 @@ def _down_scatter_kernel(
     mask_n: bool,
     mask_k: bool,
 ):
+    *weight_refs, y_ref = refs
     group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
         group_ref,
         row_start_ref,
@@ -122,7 +127,7 @@ def _down_scatter_kernel(
 
     (acc_MN,) = tile_products(
         load_lhs,
-        (down_ref,),
+        expert_tiles(weight_refs, formats),
         group,
         col0,
         block_m=block_m,
@@ -130,6 +135,7 @@ def _down_scatter_kernel(
         block_k=block_k,
         cols_ok_N=cols_ok_N,
         mask_k=mask_k,
+        weight_left=weight_left,
     )
     row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
     dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
@@ -140,7 +146,17 @@ def _down_scatter_kernel(
     )
 
 
-_TILE_ARGS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
+_TILE_ARGS = (
+    "block_m",
+    "block_n",
+    "block_k",
+    "num_warps",
+    "num_stages",
+    "min_block_m",
+    "weight_left",
+    "fill_tail",
+    "interpret",
+)
 
 
 def _over_row_tiles(
@@ -190,6 +206,14 @@ def _over_row_tiles(
     )
 
 
+def _read_as_stored(named, dtype):
+    """(formats, the kernel's operands) of the (weight, name) pairs: dense ones cast to dtype, quantised ones as
+    stored (`weight_tiles`)."""
+    formats = tuple(weight_format(w, name) for w, name in named)
+    operands = tuple(a for (w, name), f in zip(named, formats) for a in kernel_operands(w, f, dtype, name))
+    return formats, operands
+
+
 @functools.partial(jax.jit, static_argnames=("limit", *_TILE_ARGS))
 def gather_swiglu_gpu(
     x_XD,
@@ -205,19 +229,21 @@ def gather_swiglu_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
+    weight_left: bool = False,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
     """h [R, I] in x's dtype: h[r] = swiglu(x[source[r]] @ gate[g].T, x[source[r]] @ up[g].T, limit) for the
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros (fill_tail) or are not written (undefined). source [R] int32 indexes x's rows (repeats allowed).
-    gate and up [G, I, D] are cast to x's dtype. Tiles: None from `tuned.GATHER_SWIGLU`."""
+    gate and up [G, I, D]: arrays cast to x's dtype, or quantised (`weight_tiles`: each tile dequantised on chip to
+    x's dtype). Tiles: None from `tuned.GATHER_SWIGLU`; weight_left: `gmm.tile_products`'."""
     width, hidden = gate_GID.shape[1:]
-    operands = (source_R.astype(jnp.int32), x_XD, gate_GID.astype(x_XD.dtype), up_GID.astype(x_XD.dtype))
+    formats, weights = _read_as_stored(((gate_GID, "gate"), (up_GID, "up")), x_XD.dtype)
     return _over_row_tiles(
-        functools.partial(_gather_swiglu_kernel, limit=limit),
+        functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit, weight_left=weight_left),
         group_sizes_G,
-        operands,
+        (source_R.astype(jnp.int32), x_XD, *weights),
         (block_m, block_n, block_k, num_warps, num_stages),
         num_rows=source_R.shape[0],
         n_dim=width,
@@ -245,19 +271,21 @@ def down_scatter_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
+    weight_left: bool = False,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros (fill_tail) or nothing (their dest rows undefined). dest [R] int32 must be a permutation of [0, R);
-    row_weight [R] fp32. down [G, D, I] is cast to h's dtype. Tiles: None from `tuned.DOWN_SCATTER`."""
+    row_weight [R] fp32. down [G, D, I]: as gate for `gather_swiglu_gpu`. Tiles: None from `tuned.DOWN_SCATTER`;
+    weight_left: `gmm.tile_products`'."""
     hidden, width = down_GDI.shape[1:]
-    operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, down_GDI.astype(h_RI.dtype))
+    formats, weights = _read_as_stored(((down_GDI, "down"),), h_RI.dtype)
     return _over_row_tiles(
-        _down_scatter_kernel,
+        functools.partial(_down_scatter_kernel, formats=formats, weight_left=weight_left),
         group_sizes_G,
-        operands,
+        (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_RI, *weights),
         (block_m, block_n, block_k, num_warps, num_stages),
         num_rows=h_RI.shape[0],
         n_dim=hidden,

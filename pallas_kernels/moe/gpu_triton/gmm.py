@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.moe.gpu_triton.weight_tiles import DENSE, ExpertTiles
 from pallas_kernels.tuning import fill, lookup
 
 
@@ -44,33 +45,44 @@ def tile_products(
     cols_ok_N,
     mask_k: bool,
     rhs_transposed: bool = False,
+    weight_left: bool = False,
 ):
-    """One fp32 [block_m, block_n] accumulator per ref in rhs_refs: the sum over K tiles of lhs tile @ rhs[group]
-    tile, rhs [G, N, K] (or [G, K, N] with rhs_transposed). load_lhs(k0, k_ok_K) gives the lhs tile [block_m,
-    block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros."""
-    num_groups = rhs_refs[0].shape[0]
-    k_dim = rhs_refs[0].shape[1 if rhs_transposed else 2]
-    allow_tf32 = rhs_refs[0].dtype != jnp.float32
+    """One fp32 [block_m, block_n] accumulator per weight in rhs_refs: the sum over K tiles of lhs tile @ rhs[group]
+    tile, rhs [G, N, K] (or a dense [G, K, N] with rhs_transposed). A weight is a dense ref or an `ExpertTiles`
+    (a quantised weight's refs, its tiles dequantised on chip to lhs's dtype). load_lhs(k0, k_ok_K) gives the lhs
+    tile [block_m, block_k] (zeros outside the valid rows and K). A tail tile (group == G) runs no K steps: zeros.
+    weight_left: the products as weight tile @ lhs tile^T into [block_n, block_m] accumulators, transposed at the
+    end (a dequantised weight tile then stays in registers as the MMA's first operand, which Hopper's wgmma
+    allows; its second must come from shared memory)."""
+    weights = [w if isinstance(w, ExpertTiles) else ExpertTiles(DENSE, (w,)) for w in rhs_refs]
+    num_groups, n_or_k, k_or_n = weights[0].shape
+    k_dim = n_or_k if rhs_transposed else k_or_n
 
-    def rhs_product(lhs_MK, rhs_ref, k0, k_ok_K):
+    def rhs_product(lhs_MK, weight, k0, k_ok_K):
+        allow_tf32 = lhs_MK.dtype != jnp.float32
         if rhs_transposed:
             rhs_KN = masked_load(
-                rhs_ref.at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask_2d(k_ok_K, cols_ok_N)
+                weight.refs[0].at[group, pl.ds(k0, block_k), pl.ds(col0, block_n)], mask_2d(k_ok_K, cols_ok_N)
             )
             return plgpu.dot(lhs_MK, rhs_KN, allow_tf32=allow_tf32)
-        rhs_NK = masked_load(rhs_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
+        rhs_NK = weight.load(
+            group, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K, dtype=lhs_MK.dtype
+        )
+        if weight_left:
+            return plgpu.dot(rhs_NK, lhs_MK, trans_b=True, allow_tf32=allow_tf32)
         return plgpu.dot(lhs_MK, rhs_NK, trans_b=True, allow_tf32=allow_tf32)
 
     def k_body(step, accs):
         k0 = step * block_k
         k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
         lhs_MK = load_lhs(k0, k_ok_K)
-        return tuple(acc_MN + rhs_product(lhs_MK, rhs_ref, k0, k_ok_K) for acc_MN, rhs_ref in zip(accs, rhs_refs))
+        return tuple(acc_MN + rhs_product(lhs_MK, weight, k0, k_ok_K) for acc_MN, weight in zip(accs, weights))
 
     # A clip, as Triton's lowering turns a jnp.where of two constants into i1.
     num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)
-    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in rhs_refs)
-    return jax.lax.fori_loop(0, num_steps, k_body, zeros)
+    acc_shape = (block_n, block_m) if weight_left else (block_m, block_n)
+    accs = jax.lax.fori_loop(0, num_steps, k_body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weights))
+    return tuple(acc.T for acc in accs) if weight_left else accs
 
 
 def output_tile(
