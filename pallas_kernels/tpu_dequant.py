@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.fp8.reference import is_quantized
+
 DENSE, BLOCK_FP8, MXFP4 = "dense", "block_fp8", "mxfp4"
 LANES = 128
 MXFP4_GROUP = 32
@@ -84,11 +86,6 @@ class StoredWeight:
     @property
     def out_features(self) -> int:
         return self.values.shape[-2]
-
-
-def is_quantized(weight) -> bool:
-    """A block-FP8 or MXFP4 weight (anything with `values` and `scales`), not a dense array."""
-    return hasattr(weight, "values") and hasattr(weight, "scales")
 
 
 def as_dense(weight, dtype) -> jax.Array:

@@ -96,13 +96,16 @@ def sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float |
 
 
 def _three_grouped_matmuls(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    dtype = x_RD.dtype
+    """Quantised stacks go to `grouped_matmul` as stored (the TPU kernel dequantises each tile in VMEM, the reference
+    one layer inside the step); the GPU grouped-matmul kernel takes dense weights."""
+    if _runs_gpu_kernels(backend):
+        gate_EID, up_EID, down_EDI = (dequantized(w, x_RD.dtype) for w in (gate_EID, up_EID, down_EDI))
     hidden_RI = swiglu(
-        grouped_matmul(x_RD, dequantized(gate_EID, dtype), sizes_E, backend=backend),
-        grouped_matmul(x_RD, dequantized(up_EID, dtype), sizes_E, backend=backend),
+        grouped_matmul(x_RD, gate_EID, sizes_E, backend=backend),
+        grouped_matmul(x_RD, up_EID, sizes_E, backend=backend),
         limit,
     )
-    return grouped_matmul(hidden_RI, dequantized(down_EDI, dtype), sizes_E, backend=backend)
+    return grouped_matmul(hidden_RI, down_EDI, sizes_E, backend=backend)
 
 
 def expert_sorted_ffn(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):

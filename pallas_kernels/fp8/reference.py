@@ -63,3 +63,8 @@ def w8a8_linear_reference(x_MK, values_NK, scales, block: tuple[int, int]) -> ja
     w_NK = dequantize_blocks(values_NK, scales, block, jnp.float32)
     y_MN = jnp.dot(x_MK_dequantized, w_NK.T, precision=jax.lax.Precision.HIGHEST)
     return y_MN.astype(x_MK.dtype)
+
+
+def is_quantized(weight) -> bool:
+    """A quantised weight (block FP8 or MXFP4: anything with `values` and `scales`), not a dense array."""
+    return hasattr(weight, "values") and hasattr(weight, "scales")

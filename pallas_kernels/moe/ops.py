@@ -34,7 +34,6 @@ from pallas_kernels.moe.gpu_triton import (
     routed_experts_weight_only_gpu,
     select_experts_gpu,
 )
-from pallas_kernels.moe.gpu_triton.weight_tiles import is_quantized
 from pallas_kernels.moe.reference import (
     RoutingRule,
     dense_weight,

@@ -170,3 +170,22 @@ def test_kernel_lowers_for_tpu(chip, stack, rows):
     abstract = (jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16), weight, jax.ShapeDtypeStruct((16,), jnp.int32))
     lowered = lower_for_tpu(tpu_grouped, *abstract, device_kind=TPU_KINDS[chip])
     assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_the_moe_layer_reaches_the_kernel_with_stored_experts():
+    """`local_moe` on a TPU backend hands quantised experts to the grouped kernel as stored (no dense stack first),
+    and equals the reference backend, which dequantises the layer."""
+    from ling_jax.moe.experts import local_moe
+
+    tokens, top_k = 5, 2
+    gate, up = fp8_stack(seed=3), fp8_stack(seed=4)
+    down = BlockFP8Weight(
+        jnp.swapaxes(fp8_stack(seed=5).values, 1, 2), jnp.swapaxes(fp8_stack(seed=5).scales, 1, 2), (128, 128)
+    )
+    r = np.random.default_rng(6)
+    x = random_x(tokens, jnp.float32, seed=7)
+    experts = jnp.asarray(r.choice(NUM_GROUPS, (tokens, top_k)), jnp.int32)
+    weights = jnp.asarray(r.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
+    on = lambda backend: lambda x: local_moe(x, weights, experts, gate, up, down, 7.0, backend=backend)  # noqa: E731
+    assert calls_a_kernel(on("interpret_tpu"), x) and not calls_a_kernel(on("reference"), x)
+    assert rel_error(on("interpret_tpu")(x), on("reference")(x)) <= 1e-5

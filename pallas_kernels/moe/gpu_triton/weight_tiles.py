@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fp8.reference import is_quantized
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 
 MXFP4_GROUP = 32  # inputs per E8M0 scale
@@ -204,11 +205,6 @@ class MXFP4:
 
 DENSE = Dense()
 Format = Dense | BlockFP8 | MXFP4
-
-
-def is_quantized(weight) -> bool:
-    """Whether `weight` is a quantised weight (values and scales) rather than an array."""
-    return hasattr(weight, "values") and hasattr(weight, "scales")
 
 
 def weight_format(weight, name: str = "weight") -> Format:
