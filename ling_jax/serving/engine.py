@@ -1,0 +1,205 @@
+"""The device side of the server: a batch of `max_batch` fixed slots and the jitted programs that run over it.
+
+Each slot holds one request: its rows of a `LingCache` of `max_context` tokens (KDA recurrent state and conv
+window, MLA latent rows, length), its row of the repetition penalty's seen-token mask, its last token and its
+token count. Three programs, each compiled once per shape and run with the slot batch donated:
+
+- `prefill`: one chunk of one request's prompt into its slot (the first chunk resets the slot). A prompt is
+  laid out as `Generator` lays out a prompt run alone (left-padded to a power-of-two head chunk, then full
+  chunks of `prefill_chunk`), so each chunk length compiles once and the prefill computes what a batch-1
+  `Generator.generate` computes;
+- `first_token`: the request's first token from its last prompt position;
+- `decode`: one decode step of every slot. Slots that are not decoding (free, or still in prefill) run too,
+  but keep their cache length, token and token count, so their step changes nothing they will use (a slot's
+  KDA state is reset by its next request's first chunk).
+
+Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
+request's tokens depend on its own seed and position only, never on the other slots.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ling_jax.cache import KDAState, LingCache
+from ling_jax.generation.generator import MIN_CHUNK, prefill_chunks
+from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
+from ling_jax.generation.static_model import split_model
+from ling_jax.model import LingForCausalLM
+from ling_jax.sharding import cache_shardings, shard_model
+
+GREEDY = SamplingParams(temperature=0.0)  # what an idle slot "samples" with: the cheapest branch of `sample`
+
+
+def _slot_rows(tree, slot):
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), tree)
+
+
+def _put_slot_rows(tree, rows, slot):
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), tree, rows)
+
+
+def _reset(row: LingCache) -> LingCache:
+    """A slot's cache as a new request finds it: KDA states zero, length 0 (MLA rows past the length are
+    invisible, so they are left as they are)."""
+    layers = tuple(jax.tree.map(jnp.zeros_like, s) if isinstance(s, KDAState) else s for s in row.layers)
+    return LingCache(layers=layers, lengths=jnp.zeros_like(row.lengths))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _prefill(static, leaves, cache: LingCache, seen_BV, slot, ids_1C, mask_1C, fresh):
+    """One prompt chunk [1, C] into `slot` (reset first when `fresh`); -> (cache, seen, last hidden [1, D])."""
+    model = static.merge(leaves)
+    row = _slot_rows(cache, slot)
+    row = jax.lax.cond(fresh, _reset, lambda r: r, row)
+    hidden_1CD, row = model.model(ids_1C, cache=row, attention_mask=mask_1C, policy=model.policy)
+    seen_1V = seen_from_prompts(ids_1C, mask_1C, seen_BV.shape[1]) | (_slot_rows(seen_BV, slot) & ~fresh)
+    return _put_slot_rows(cache, row, slot), _put_slot_rows(seen_BV, seen_1V, slot), hidden_1CD[:, -1]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
+def _first_token(static, leaves, seen_BV, token_B, steps_B, slot, hidden_1D, arrays_1: SamplingArrays):
+    """The request's first token (its token index 0); the slot's token, count and seen row updated."""
+    logits_1V = static.merge(leaves).logits(hidden_1D[:, None])[:, 0]
+    seen_1V = _slot_rows(seen_BV, slot)
+    token_1 = sample(logits_1V, arrays_1, jnp.zeros((1,), jnp.int32), seen_1V)
+    seen_BV = _put_slot_rows(seen_BV, update_seen(seen_1V, token_1), slot)
+    token_B = _put_slot_rows(token_B, token_1, slot)
+    steps_B = _put_slot_rows(steps_B, jnp.ones((1,), jnp.int32), slot)
+    return token_1[0], seen_BV, token_B, steps_B
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
+def _decode(static, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_B):
+    """One decode step of every slot; slots not active keep their length, token and count."""
+    out = static.merge(leaves)(token_B[:, None], cache=cache)
+    next_B = jnp.where(active_B, sample(out.logits[:, 0], arrays, steps_B, seen_BV), token_B)
+    cache = LingCache(layers=out.cache.layers, lengths=jnp.where(active_B, out.cache.lengths, cache.lengths))
+    seen_BV = jnp.where(active_B[:, None], update_seen(seen_BV, next_B), seen_BV)
+    return next_B, cache, seen_BV, next_B, steps_B + active_B.astype(jnp.int32)
+
+
+class Engine:
+    """The slot batch on the device and the programs over it. Not thread-safe: one scheduler drives it."""
+
+    def __init__(
+        self,
+        model: LingForCausalLM,
+        *,
+        max_batch: int,
+        max_context: int,
+        prefill_chunk: int,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+        if prefill_chunk < MIN_CHUNK:
+            raise ValueError(f"--prefill-chunk must be >= {MIN_CHUNK}, got {prefill_chunk}")
+        limit = model.config.max_position_embeddings
+        if not 2 <= max_context <= limit:
+            raise ValueError(f"--max-context must be in [2, {limit}] (the model's context), got {max_context}")
+        self.config = model.config
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
+        self.mesh = mesh
+        if mesh is not None:
+            shard_model(model, mesh)
+        self.static, self.leaves = split_model(model)
+        self.cache = self._place(LingCache.create(self.config, max_batch, max_context, model.dtype))
+        self.seen_BV = jnp.zeros((max_batch, self.config.vocab_size), bool)
+        self.token_B = jnp.zeros((max_batch,), jnp.int32)
+        self.steps_B = jnp.zeros((max_batch,), jnp.int32)
+        self._params = [GREEDY] * max_batch
+        self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
+
+    def _place(self, cache: LingCache) -> LingCache:
+        return cache if self.mesh is None else jax.device_put(cache, cache_shardings(cache, self.mesh))
+
+    def chunks(self, prompt_length: int) -> list[int]:
+        """The chunk lengths a prompt of `prompt_length` tokens is prefilled in (the last chunk ends with it)."""
+        return prefill_chunks(prompt_length, self.prefill_chunk)
+
+    def prompt_chunks(self, prompt: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The (ids [C], mask [C]) chunks of a prompt, left-padded as `Generator` pads it."""
+        chunks = self.chunks(len(prompt))
+        padded = sum(chunks)
+        ids, mask = np.zeros(padded, np.int32), np.zeros(padded, bool)
+        ids[padded - len(prompt) :], mask[padded - len(prompt) :] = prompt, True
+        bounds = np.cumsum([0, *chunks])
+        return [(ids[a:b], mask[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def chunk_lengths(self) -> list[int]:
+        """Every chunk length a prompt can use: the power-of-two heads and the full chunk."""
+        lengths = {self.prefill_chunk}
+        length = MIN_CHUNK
+        while length < self.prefill_chunk:
+            lengths.add(length)
+            length *= 2
+        return sorted(lengths)
+
+    def prefill(self, slot: int, ids_C: np.ndarray, mask_C: np.ndarray, *, fresh: bool) -> jax.Array:
+        """Run one chunk of a prompt (left-padded: mask false on pads) into `slot`; -> the last hidden [1, D]."""
+        self.cache, self.seen_BV, hidden_1D = _prefill(
+            self.static,
+            self.leaves,
+            self.cache,
+            self.seen_BV,
+            jnp.int32(slot),
+            jnp.asarray(ids_C[None], jnp.int32),
+            jnp.asarray(mask_C[None], bool),
+            jnp.bool_(fresh),
+        )
+        return hidden_1D
+
+    def first_token(self, slot: int, hidden_1D: jax.Array, params: SamplingParams) -> int:
+        """Sample the request's first token and make `slot` ready to decode with `params`."""
+        self._params[slot] = params
+        self._arrays = None
+        token, self.seen_BV, self.token_B, self.steps_B = _first_token(
+            self.static,
+            self.leaves,
+            self.seen_BV,
+            self.token_B,
+            self.steps_B,
+            jnp.int32(slot),
+            hidden_1D,
+            SamplingArrays.from_params([params]),
+        )
+        return int(token)
+
+    def release(self, slot: int) -> None:
+        """The slot's request is gone: it samples greedily (the cheap branch) until reused."""
+        if self._params[slot] is not GREEDY:
+            self._params[slot] = GREEDY
+            self._arrays = None
+
+    def decode(self, active_B: np.ndarray) -> np.ndarray:
+        """One decode step of every slot; -> the new token of each slot [B] (meaningful where active)."""
+        if self._arrays is None:
+            self._arrays = SamplingArrays.from_params(self._params)
+        tokens_B, self.cache, self.seen_BV, self.token_B, self.steps_B = _decode(
+            self.static,
+            self.leaves,
+            self.cache,
+            self.seen_BV,
+            self.token_B,
+            self.steps_B,
+            self._arrays,
+            jnp.asarray(active_B, bool),
+        )
+        return np.asarray(tokens_B)
+
+    def warm_up(self) -> None:
+        """Compile every program (each prefill chunk length, the first token, the decode step) on slot 0."""
+        for length in self.chunk_lengths():
+            ids = np.ones(length, np.int32)
+            hidden_1D = self.prefill(0, ids, np.ones(length, bool), fresh=True)
+        self.first_token(0, hidden_1D, GREEDY)
+        self.decode(np.zeros(self.max_batch, bool))
+        self.release(0)
+        jax.block_until_ready(self.cache)

@@ -1,0 +1,224 @@
+"""Continuous batching: one thread drives the `Engine`, admitting requests into free slots at step boundaries.
+
+Each iteration of the loop
+1. drops the requests cancelled since the last one (a disconnected client): their slots are free at once;
+2. admits waiting requests (first come, first served) into free slots;
+3. runs one prefill chunk of the oldest request still in prefill (its last chunk also samples its first
+   token), so a long prompt costs the running requests at most one chunk of delay per step;
+4. runs one decode step of every decoding slot and hands each request its token.
+
+A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
+`emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when
+cancelled, and its slot is free for the next iteration's admission. The waiting queue is bounded: `submit`
+raises `QueueFull` past `max_queue` waiting requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable, Collection
+
+import numpy as np
+
+from ling_jax.generation.cli import Completion
+from ling_jax.generation.sampling import SamplingParams
+from ling_jax.generation.tokenizer import StopChecker, Tokenizer
+from ling_jax.serving.engine import Engine
+from ling_jax.serving.metrics import Metrics
+
+IDLE_WAIT_S = 0.05  # how long the loop sleeps when there is nothing to run (a submit wakes it at once)
+
+
+class QueueFull(Exception):
+    """The bounded waiting queue has no room; the client should retry later."""
+
+
+class Finish(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens
+    CANCELLED = "cancelled"  # the client went away
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """What a request produced in one step: new text, the token ids behind it, and the finish reason once done."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish: Finish | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One completion: prompt ids, sampling, limits and where its output goes (`emit`, called on the
+    scheduler's thread)."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    emit: Callable[[Delta], None]
+    stop: tuple[str, ...] = ()
+    slot: int | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    _chunks: list = dataclasses.field(default_factory=list)  # prompt chunks not prefilled yet
+    _completion: Completion | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        *,
+        eos_ids: Collection[int],
+        max_queue: int,
+        metrics: Metrics | None = None,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slots: list[Request | None] = [None] * engine.max_batch
+        self.steps = 0  # loop iterations that ran a program
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what ended the loop, if it crashed
+
+    # --- the HTTP side (any thread) -------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        if request.stop:
+            StopChecker(request.stop)  # raises on an empty stop string
+        with self._lock:
+            if self._stopping or self.error is not None:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self.waiting.append(request)
+            self.metrics.queue_depth.set(len(self.waiting))
+            self._lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client is gone: the request ends at the next step boundary (its slot freed then)."""
+        with self._lock:
+            request.cancelled = True
+            self._lock.notify()
+
+    def busy_slots(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ling-serve-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the loop (the scheduler's thread) -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # the device failed: every request still here ends, the server reports it
+            self.error = e
+            for request in [*self.waiting, *filter(None, self.slots)]:
+                request.emit(Delta("", (), Finish.CANCELLED))
+            raise
+
+    def _step(self) -> bool:
+        """One iteration; False once stopping with nothing left to run."""
+        with self._lock:
+            self._drop_cancelled()
+            self._admit()
+            if not any(self.slots):
+                if self._stopping:
+                    return False
+                self._lock.wait(IDLE_WAIT_S)
+                return True
+        prefilling = [r for r in self.slots if r is not None and r._chunks]
+        if prefilling:
+            self._prefill_chunk(min(prefilling, key=lambda r: r.submitted_at))
+        decoding = [r for r in self.slots if r is not None and not r._chunks and r.tokens]
+        if decoding:
+            self._decode(decoding)
+        self.steps += 1
+        self.metrics.running_batch.set(self.busy_slots())
+        return True
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+        for request in self.slots:
+            if request is not None and request.cancelled:
+                self._finish(request, Finish.CANCELLED)
+        self.metrics.queue_depth.set(len(self.waiting))
+
+    def _admit(self) -> None:
+        for slot, occupant in enumerate(self.slots):
+            if occupant is None and self.waiting:
+                request = self.waiting.popleft()
+                request.slot = slot
+                request._chunks = self.engine.prompt_chunks(request.prompt)
+                self.metrics.prompt_tokens.inc(len(request.prompt))
+                request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
+                self.slots[slot] = request
+        self.metrics.queue_depth.set(len(self.waiting))
+
+    def _prefill_chunk(self, request: Request) -> None:
+        ids_C, mask_C = request._chunks.pop(0)
+        fresh = len(request._chunks) + 1 == len(self.engine.chunks(len(request.prompt)))
+        hidden_1D = self.engine.prefill(request.slot, ids_C, mask_C, fresh=fresh)
+        if not request._chunks:
+            token = self.engine.first_token(request.slot, hidden_1D, request.sampling)
+            request.first_token_at = time.perf_counter()
+            self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
+            self._take(request, token)
+
+    def _decode(self, decoding: list[Request]) -> None:
+        active_B = np.zeros(self.engine.max_batch, bool)
+        active_B[[r.slot for r in decoding]] = True
+        tokens_B = self.engine.decode(active_B)
+        for request in decoding:
+            self._take(request, int(tokens_B[request.slot]))
+
+    def _take(self, request: Request, token: int) -> None:
+        """The request's next token: emit its text, or end the request."""
+        self.metrics.count_tokens(1)
+        if token in self.eos_ids:
+            self._finish(request, Finish.STOP)
+            return
+        request.tokens.append(token)
+        if request._completion.add([token]):
+            self._finish(request, Finish.STOP, token)
+        elif len(request.tokens) >= request.max_tokens:
+            self._finish(request, Finish.LENGTH, token)
+        else:
+            request.emit(Delta(request._completion.unshown(), (token,)))
+
+    def _finish(self, request: Request, finish: Finish, token: int | None = None) -> None:
+        """End the request and free its slot now; the last delta carries `token` (not emitted yet) and the rest
+        of the text."""
+        self.engine.release(request.slot)
+        self.slots[request.slot] = None
+        if finish is Finish.CANCELLED:
+            request.emit(Delta("", (), finish))
+            return
+        request._completion.finish(request.tokens)
+        if len(request.tokens) > 1:
+            self.metrics.tpot.observe((time.perf_counter() - request.first_token_at) / (len(request.tokens) - 1))
+        request.emit(Delta(request._completion.unshown(), () if token is None else (token,), finish))
