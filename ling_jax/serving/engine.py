@@ -9,9 +9,9 @@ token count. Three programs, each compiled once per shape and run with the slot 
   chunks of `prefill_chunk`), so each chunk length compiles once and the prefill computes what a batch-1
   `Generator.generate` computes;
 - `first_token`: the request's first token from its last prompt position;
-- `decode`: one decode step of every slot. Slots that are not decoding (free, or still in prefill) run too,
-  but keep their cache length, token and token count, so their step changes nothing they will use (a slot's
-  KDA state is reset by its next request's first chunk).
+- `decode`: one decode step of every slot. Slots that are not decoding (free, or between prefill chunks) run
+  too, but keep their whole cache (the step's KDA state and length are dropped; its MLA row is written past
+  the length, where the next chunk writes), token and token count.
 
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
 request's tokens depend on its own seed and position only, never on the other slots.
@@ -73,12 +73,20 @@ def _first_token(static, leaves, seen_BV, token_B, steps_B, slot, hidden_1D, arr
     return token_1[0], seen_BV, token_B, steps_B
 
 
+def _where_rows(rows_B, new, old):
+    return jnp.where(rows_B.reshape(-1, *([1] * (new.ndim - 1))), new, old)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
 def _decode(static, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_B):
     """One decode step of every slot; slots not active keep their length, token and count."""
     out = static.merge(leaves)(token_B[:, None], cache=cache)
     next_B = jnp.where(active_B, sample(out.logits[:, 0], arrays, steps_B, seen_BV), token_B)
-    cache = LingCache(layers=out.cache.layers, lengths=jnp.where(active_B, out.cache.lengths, cache.lengths))
+    layers = tuple(
+        jax.tree.map(lambda new, old: _where_rows(active_B, new, old), s, before) if isinstance(s, KDAState) else s
+        for s, before in zip(out.cache.layers, cache.layers)
+    )
+    cache = LingCache(layers=layers, lengths=jnp.where(active_B, out.cache.lengths, cache.lengths))
     seen_BV = jnp.where(active_B[:, None], update_seen(seen_BV, next_B), seen_BV)
     return next_B, cache, seen_BV, next_B, steps_B + active_B.astype(jnp.int32)
 
