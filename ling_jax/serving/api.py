@@ -224,7 +224,6 @@ class _Reply:
             choice = {"message": message, "finish_reason": str(delta.finish), "logprobs": None}
         else:
             choice = {"text": text, "finish_reason": str(delta.finish), "logprobs": None}
-        self.service.scheduler.metrics.requests.labels(str(delta.finish)).inc()
         return JSONResponse(self._envelope(self.object, choice, self._usage()))
 
     async def stream(self, deltas: asyncio.Queue[Delta], include_usage: bool) -> AsyncIterator[str]:
@@ -249,7 +248,6 @@ class _Reply:
                 if finish is not None:
                     last = {"delta": {}} if self.chat else {"text": ""}
                     yield _event(self._envelope(chunk_object, last | {"finish_reason": str(finish), "logprobs": None}))
-            self.service.scheduler.metrics.requests.labels(str(finish)).inc()
             if include_usage:
                 yield _event(self._envelope(chunk_object, {}, self._usage()))
             yield "data: [DONE]\n\n"

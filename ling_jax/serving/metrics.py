@@ -35,6 +35,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.steps = Counter("ling_serve_steps", "scheduler steps that ran a program", registry=r)
         self.requests = Counter("ling_serve_requests", "finished requests", ["finish_reason"], registry=r)
         self.prefix_hits = Counter("ling_serve_prefix_cache_hits", "requests resumed from a cached prefix", registry=r)
         self.prefix_hit_tokens = Counter(

@@ -10,7 +10,7 @@ Each iteration of the loop
 A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
 `emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when
 cancelled, and its slot is free for the next iteration's admission. The waiting queue is bounded: `submit`
-raises `QueueFull` past `max_queue` waiting requests.
+raises `QueueFull` once `max_queue` requests wait beyond the free slots.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ class Scheduler:
         with self._lock:
             if self._stopping or self.error is not None:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            if len(self.waiting) - self.slots.count(None) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting for a slot)")
             self.waiting.append(request)
             self.metrics.queue_depth.set(len(self.waiting))
             self._lock.notify()
@@ -157,7 +157,7 @@ class Scheduler:
         if decoding:
             self._decode(decoding)
         self.steps += 1
-        self.metrics.running_batch.set(self.busy_slots())
+        self.metrics.steps.inc()
         return True
 
     def _drop_cancelled(self) -> None:
@@ -178,6 +178,7 @@ class Scheduler:
                 request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
                 self.slots[slot] = request
         self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.running_batch.set(self.busy_slots())
 
     def _prefill_chunk(self, request: Request) -> None:
         ids_C, mask_C = request._chunks.pop(0)
@@ -215,6 +216,8 @@ class Scheduler:
         of the text."""
         self.engine.release(request.slot)
         self.slots[request.slot] = None
+        self.metrics.running_batch.set(self.busy_slots())
+        self.metrics.requests.labels(str(finish)).inc()
         if finish is Finish.CANCELLED:
             request.emit(Delta("", (), finish))
             return

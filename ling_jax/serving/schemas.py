@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ling_jax.generation.sampling import SamplingParams
 
@@ -78,7 +78,7 @@ class _Body(BaseModel):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] = Field(union_mode="left_to_right")
+    prompt: str | list[int]
 
 
 class ChatMessage(BaseModel):
@@ -113,5 +113,6 @@ def parse(body_type: type[_Body], raw: bytes) -> _Body:
         error = e.errors()[0]
         if error["type"] == "json_invalid":
             raise APIError(400, f"the request body is not valid JSON: {error['msg']}") from e
-        param = ".".join(str(part) for part in error["loc"])
-        raise APIError(400, f"{param}: {error['msg']}", param=param or None) from e
+        where = ".".join(str(part) for part in error["loc"])
+        param = str(error["loc"][0]) if error["loc"] else None
+        raise APIError(400, f"{where}: {error['msg']}", param=param) from e

@@ -70,7 +70,7 @@ def test_cancelled_request_frees_its_slot_at_the_next_step(scheduler):
 
 
 def test_full_queue_is_refused(scheduler):
-    requests = [_request(([7, 8, 9], GREEDY, 1), []) for _ in range(scheduler.max_queue)]
+    requests = [_request(([7, 8, 9], GREEDY, 1), []) for _ in range(MAX_BATCH + scheduler.max_queue)]
     for request in requests:
         scheduler.submit(request)
     with pytest.raises(QueueFull, match="queue is full"):
