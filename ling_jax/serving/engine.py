@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ling_jax.cache import KDAState, LingCache
+from ling_jax.cache import KDAState, LingCache, MLAState
 from ling_jax.generation.generator import MIN_CHUNK, prefill_chunks
 from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
 from ling_jax.generation.static_model import split_model
@@ -50,15 +50,57 @@ def _reset(row: LingCache) -> LingCache:
     return LingCache(layers=layers, lengths=jnp.zeros_like(row.lengths))
 
 
+def _mark_seen(seen_BV, slot, ids_1C, mask_1C, fresh):
+    """The slot's seen row with the chunk's real tokens added (cleared first when `fresh`)."""
+    seen_1V = seen_from_prompts(ids_1C, mask_1C, seen_BV.shape[1]) | (_slot_rows(seen_BV, slot) & ~fresh)
+    return _put_slot_rows(seen_BV, seen_1V, slot)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill(static, leaves, cache: LingCache, seen_BV, slot, ids_1C, mask_1C, fresh):
-    """One prompt chunk [1, C] into `slot` (reset first when `fresh`); -> (cache, seen, last hidden [1, D])."""
+def _prefill(static, leaves, cache: LingCache, seen_BV, slot, ids_1C, mask_1C, fresh, last):
+    """One prompt chunk [1, C] into `slot` (reset first when `fresh`); -> (cache, seen, hidden [1, D] at the
+    chunk's column `last`)."""
     model = static.merge(leaves)
     row = _slot_rows(cache, slot)
     row = jax.lax.cond(fresh, _reset, lambda r: r, row)
     hidden_1CD, row = model.model(ids_1C, cache=row, attention_mask=mask_1C, policy=model.policy)
-    seen_1V = seen_from_prompts(ids_1C, mask_1C, seen_BV.shape[1]) | (_slot_rows(seen_BV, slot) & ~fresh)
-    return _put_slot_rows(cache, row, slot), _put_slot_rows(seen_BV, seen_1V, slot), hidden_1CD[:, -1]
+    seen_BV = _mark_seen(seen_BV, slot, ids_1C, mask_1C, fresh)
+    return _put_slot_rows(cache, row, slot), seen_BV, hidden_1CD[:, last]
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _snapshot(cache: LingCache, slot, start, block: int):
+    """The slot's KDA states (now) and MLA rows [start, start + block): a prefix-cache node's contents."""
+    kda = tuple(_slot_rows(s, slot) for s in cache.layers if isinstance(s, KDAState))
+    pages = tuple(
+        jax.lax.dynamic_slice(s.latent, (slot, start, 0), (1, block, s.latent.shape[2]))
+        for s in cache.layers
+        if not isinstance(s, KDAState)
+    )
+    return kda, pages
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _restore_block(cache: LingCache, seen_BV, slot, start, pages, ids_1C, fresh):
+    """Copy one cached block's MLA rows into the slot at `start` and mark its tokens seen."""
+    pages = iter(pages)
+    layers = tuple(
+        s
+        if isinstance(s, KDAState)
+        else MLAState(latent=jax.lax.dynamic_update_slice(s.latent, next(pages), (slot, start, 0)))
+        for s in cache.layers
+    )
+    seen_BV = _mark_seen(seen_BV, slot, ids_1C, jnp.ones(ids_1C.shape, bool), fresh)
+    return LingCache(layers=layers, lengths=cache.lengths), seen_BV
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _restore_state(cache: LingCache, slot, kda, length):
+    """Set the slot's KDA states to a cached node's and its length to the cached tokens."""
+    kda = iter(kda)
+    layers = tuple(_put_slot_rows(s, next(kda), slot) if isinstance(s, KDAState) else s for s in cache.layers)
+    lengths = cache.lengths.at[slot].set(length)
+    return LingCache(layers=layers, lengths=lengths)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
@@ -102,6 +144,7 @@ class Engine:
         max_context: int,
         prefill_chunk: int,
         mesh: jax.sharding.Mesh | None = None,
+        prefix_block: int | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
@@ -114,6 +157,9 @@ class Engine:
         self.max_batch = max_batch
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        if prefix_block not in (None, prefill_chunk):
+            raise ValueError(f"prefix blocks are prefill chunks ({prefill_chunk} tokens), got {prefix_block}")
+        self.prefix_block = prefix_block  # set: prompts are chunked on block boundaries, for the prefix cache
         self.mesh = mesh
         if mesh is not None:
             shard_model(model, mesh)
@@ -132,14 +178,27 @@ class Engine:
         """The chunk lengths a prompt of `prompt_length` tokens is prefilled in (the last chunk ends with it)."""
         return prefill_chunks(prompt_length, self.prefill_chunk)
 
-    def prompt_chunks(self, prompt: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The (ids [C], mask [C]) chunks of a prompt, left-padded as `Generator` pads it."""
-        chunks = self.chunks(len(prompt))
-        padded = sum(chunks)
-        ids, mask = np.zeros(padded, np.int32), np.zeros(padded, bool)
-        ids[padded - len(prompt) :], mask[padded - len(prompt) :] = prompt, True
-        bounds = np.cumsum([0, *chunks])
-        return [(ids[a:b], mask[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    def prompt_chunks(self, prompt: list[int], start: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The (ids [C], mask [C]) chunks of a prompt from token `start`. Without a prefix block size: left-padded
+        as `Generator` pads a prompt (start 0 only). With one: full chunks from `start` (a multiple of it), so
+        every chunk ends on a block boundary, the last chunk right-padded to a compiled length."""
+        if self.prefix_block is None:
+            if start:
+                raise ValueError("resuming a prompt needs the prefix-cache layout (prefix_block)")
+            chunks = self.chunks(len(prompt))
+            padded = sum(chunks)
+            ids, mask = np.zeros(padded, np.int32), np.zeros(padded, bool)
+            ids[padded - len(prompt) :], mask[padded - len(prompt) :] = prompt, True
+            bounds = np.cumsum([0, *chunks])
+            return [(ids[a:b], mask[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        pieces = []
+        for first in range(start, len(prompt), self.prefill_chunk):
+            piece = prompt[first : first + self.prefill_chunk]
+            length = next(c for c in self.chunk_lengths() if c >= len(piece))
+            ids, mask = np.zeros(length, np.int32), np.zeros(length, bool)
+            ids[: len(piece)], mask[: len(piece)] = piece, True
+            pieces.append((ids, mask))
+        return pieces
 
     def chunk_lengths(self) -> list[int]:
         """Every chunk length a prompt can use: the power-of-two heads and the full chunk."""
@@ -161,8 +220,30 @@ class Engine:
             jnp.asarray(ids_C[None], jnp.int32),
             jnp.asarray(mask_C[None], bool),
             jnp.bool_(fresh),
+            jnp.int32(np.flatnonzero(mask_C)[-1]),
         )
         return hidden_1D
+
+    def snapshot(self, slot: int, start: int) -> tuple[tuple, tuple]:
+        """The slot's KDA states now and its MLA rows of the block at `start`: a prefix-cache node."""
+        return _snapshot(self.cache, jnp.int32(slot), jnp.int32(start), self.prefix_block)
+
+    def restore(self, slot: int, blocks: list[tuple[list[int], tuple, tuple]]) -> None:
+        """Resume `slot` after cached blocks [(tokens, kda, pages)] (the prompt's first blocks, in order): their
+        MLA rows and tokens' seen marks, the last one's KDA states, the length."""
+        for i, (tokens, _, pages) in enumerate(blocks):
+            self.cache, self.seen_BV = _restore_block(
+                self.cache,
+                self.seen_BV,
+                jnp.int32(slot),
+                jnp.int32(i * self.prefix_block),
+                pages,
+                jnp.asarray([tokens], jnp.int32),
+                jnp.bool_(i == 0),
+            )
+        self.cache = _restore_state(
+            self.cache, jnp.int32(slot), blocks[-1][1], jnp.int32(len(blocks) * self.prefix_block)
+        )
 
     def first_token(self, slot: int, hidden_1D: jax.Array, params: SamplingParams) -> int:
         """Sample the request's first token and make `slot` ready to decode with `params`."""
@@ -203,10 +284,14 @@ class Engine:
         return np.asarray(tokens_B)
 
     def warm_up(self) -> None:
-        """Compile every program (each prefill chunk length, the first token, the decode step) on slot 0."""
+        """Compile every program (each prefill chunk length, the prefix cache's snapshot and restores, the first
+        token, the decode step) on slot 0."""
         for length in self.chunk_lengths():
             ids = np.ones(length, np.int32)
             hidden_1D = self.prefill(0, ids, np.ones(length, bool), fresh=True)
+        if self.prefix_block is not None:
+            kda, pages = self.snapshot(0, 0)
+            self.restore(0, [([1] * self.prefix_block, kda, pages)])
         self.first_token(0, hidden_1D, GREEDY)
         self.decode(np.zeros(self.max_batch, bool))
         self.release(0)

@@ -4,7 +4,8 @@ Each iteration of the loop
 1. drops the requests cancelled since the last one (a disconnected client): their slots are free at once;
 2. admits waiting requests (first come, first served) into free slots;
 3. runs one prefill chunk of the oldest request still in prefill (its last chunk also samples its first
-   token), so a long prompt costs the running requests at most one chunk of delay per step;
+   token), so a long prompt costs the running requests at most one chunk of delay per step; with a prefix
+   cache, a request first resumes from its longest cached prefix, and each full block it prefills is cached;
 4. runs one decode step of every decoding slot and hands each request its token.
 
 A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
@@ -29,6 +30,7 @@ from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, Tokenizer
 from ling_jax.serving.engine import Engine
 from ling_jax.serving.metrics import Metrics
+from ling_jax.serving.prefix_cache import Node, PrefixCache
 
 IDLE_WAIT_S = 0.05  # how long the loop sleeps when there is nothing to run (a submit wakes it at once)
 
@@ -68,6 +70,9 @@ class Request:
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     _chunks: list = dataclasses.field(default_factory=list)  # prompt chunks not prefilled yet
+    _position: int = 0  # prompt tokens in the slot so far
+    _resume: list = dataclasses.field(default_factory=list)  # cached prefix blocks to restore first
+    _node: Node | None = None  # the prefix-cache node of the prompt's blocks so far
     _completion: Completion | None = None
 
 
@@ -80,11 +85,15 @@ class Scheduler:
         eos_ids: Collection[int],
         max_queue: int,
         metrics: Metrics | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
+        if prefix_cache is not None and engine.prefix_block != prefix_cache.block:
+            raise ValueError("the prefix cache's blocks must be the engine's prefix blocks (its prefill chunks)")
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.max_queue = max_queue
+        self.prefix_cache = prefix_cache
         self.metrics = metrics or Metrics()
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * engine.max_batch
@@ -173,7 +182,11 @@ class Scheduler:
             if occupant is None and self.waiting:
                 request = self.waiting.popleft()
                 request.slot = slot
-                request._chunks = self.engine.prompt_chunks(request.prompt)
+                if self.prefix_cache is not None:
+                    request._resume = self.prefix_cache.match(request.prompt)
+                    request._node = request._resume[-1] if request._resume else self.prefix_cache.root
+                    request._position = len(request._resume) * self.prefix_cache.block
+                request._chunks = self.engine.prompt_chunks(request.prompt, request._position)
                 self.metrics.prompt_tokens.inc(len(request.prompt))
                 request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
                 self.slots[slot] = request
@@ -181,9 +194,20 @@ class Scheduler:
         self.metrics.running_batch.set(self.busy_slots())
 
     def _prefill_chunk(self, request: Request) -> None:
+        if request._resume:
+            self.engine.restore(request.slot, [(n.block, n.kda, n.pages) for n in request._resume])
+            self.metrics.prefix_hits.inc()
+            self.metrics.prefix_hit_tokens.inc(request._position)
+            request._resume = []
         ids_C, mask_C = request._chunks.pop(0)
-        fresh = len(request._chunks) + 1 == len(self.engine.chunks(len(request.prompt)))
-        hidden_1D = self.engine.prefill(request.slot, ids_C, mask_C, fresh=fresh)
+        start, real = request._position, int(mask_C.sum())
+        hidden_1D = self.engine.prefill(request.slot, ids_C, mask_C, fresh=start == 0)
+        request._position += real
+        cache = self.prefix_cache
+        if cache is not None and real == cache.block and request._node is not None:
+            kda, pages = self.engine.snapshot(request.slot, start)
+            request._node = cache.insert(request._node, request.prompt[start : start + real], kda, pages)
+            self.metrics.prefix_bytes.set(cache.nbytes)
         if not request._chunks:
             token = self.engine.first_token(request.slot, hidden_1D, request.sampling)
             request.first_token_at = time.perf_counter()
