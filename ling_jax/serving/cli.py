@@ -26,6 +26,7 @@ from ling_jax.generation.generator import MIN_CHUNK
 from ling_jax.serving.api import Service, create_app
 from ling_jax.serving.engine import Engine
 from ling_jax.serving.metrics import Metrics
+from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Scheduler
 from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
 
@@ -81,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests waiting for a slot before new ones get 503 (default 256)",
     )
     parser.add_argument(
-        "--prefix-cache-gb", type=float, default=0.0, metavar="GB", help="prefix cache size (not built yet: must be 0)"
+        "--prefix-cache-gb",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="prefix cache size in GiB (default 0: off): a request resumes from the cached KDA states and MLA "
+        "rows of its longest cached prompt prefix (in prefill chunks)",
     )
     parser.add_argument(
         "--mtp", type=int, default=0, metavar="K", help="MTP speculative drafts per step (not built yet: must be 0)"
@@ -102,8 +108,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if args.mtp:
         raise ValueError(f"--mtp {args.mtp}: MTP speculation per slot is not built in ling-serve yet; use --mtp 0")
-    if args.prefix_cache_gb:
-        raise ValueError(f"--prefix-cache-gb {args.prefix_cache_gb}: the prefix cache is not built in ling-serve yet")
+    if not args.prefix_cache_gb >= 0:
+        raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {args.prefix_cache_gb}")
 
 
 def prepare(args: argparse.Namespace) -> Service:
@@ -124,12 +130,25 @@ def prepare(args: argparse.Namespace) -> Service:
         model = load_checkpoint(args.model, mesh=mesh, dtype=dtype, weights=args.weights, progress=progress)
     else:
         model = load_hf_checkpoint(args.model, dtype=dtype, weights=args.weights, progress=progress)
+    prefix_cache = None
+    if args.prefix_cache_gb:
+        prefix_cache = PrefixCache(args.prefill_chunk, int(args.prefix_cache_gb * 2**30))
     engine = Engine(
-        model, max_batch=args.max_batch, max_context=args.max_context, prefill_chunk=args.prefill_chunk, mesh=mesh
+        model,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+        prefill_chunk=args.prefill_chunk,
+        mesh=mesh,
+        prefix_block=None if prefix_cache is None else prefix_cache.block,
     )
     engine.warm_up()
     scheduler = Scheduler(
-        engine, source.tokenizer, eos_ids=source.tokenizer.eos_ids, max_queue=args.max_queue, metrics=Metrics()
+        engine,
+        source.tokenizer,
+        eos_ids=source.tokenizer.eos_ids,
+        max_queue=args.max_queue,
+        metrics=Metrics(),
+        prefix_cache=prefix_cache,
     )
     name = args.served_model_name or args.model.resolve().name
     return Service(scheduler, source.tokenizer, name, args.max_context)
