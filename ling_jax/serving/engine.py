@@ -267,8 +267,9 @@ class Engine:
             self._params[slot] = GREEDY
             self._arrays = None
 
-    def decode(self, active_B: np.ndarray) -> np.ndarray:
-        """One decode step of every slot; -> the new token of each slot [B] (meaningful where active)."""
+    def decode(self, active_B: np.ndarray) -> jax.Array:
+        """Dispatch one decode step of every slot; -> the new token of each slot [B] (meaningful where active),
+        on its way to the host (the step runs while the caller does other work)."""
         if self._arrays is None:
             self._arrays = SamplingArrays.from_params(self._params)
         tokens_B, self.cache, self.seen_BV, self.token_B, self.steps_B = _decode(
@@ -281,7 +282,8 @@ class Engine:
             self._arrays,
             jnp.asarray(active_B, bool),
         )
-        return np.asarray(tokens_B)
+        tokens_B.copy_to_host_async()
+        return tokens_B
 
     def warm_up(self) -> None:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restores, the first

@@ -45,14 +45,18 @@ class Metrics:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 
+        self.tokens_per_s.set_function(self._tokens_per_s)
+
     def count_tokens(self, count: int) -> None:
-        now = time.monotonic()
         self.generated_tokens.inc(count)
         with self._lock:
-            self._recent.append((now, count))
-            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+            self._recent.append((time.monotonic(), count))
+
+    def _tokens_per_s(self) -> float:
+        with self._lock:
+            while self._recent and self._recent[0][0] < time.monotonic() - RATE_WINDOW_S:
                 self._recent.popleft()
-            self.tokens_per_s.set(sum(c for _, c in self._recent) / RATE_WINDOW_S)
+            return sum(c for _, c in self._recent) / RATE_WINDOW_S
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

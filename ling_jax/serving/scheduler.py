@@ -6,7 +6,11 @@ Each iteration of the loop
 3. runs one prefill chunk of the oldest request still in prefill (its last chunk also samples its first
    token), so a long prompt costs the running requests at most one chunk of delay per step; with a prefix
    cache, a request first resumes from its longest cached prefix, and each full block it prefills is cached;
-4. runs one decode step of every decoding slot and hands each request its token.
+4. dispatches one decode step of every decoding slot, then hands each request its token of the step before
+   (read while this one runs on the device, so the host's work overlaps the device's).
+
+A request that ends at step k still runs in step k + 1, already dispatched; that step's token is dropped and
+the slot is free at the next iteration's admission (the next request's prefill runs after it on the device).
 
 A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
 `emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when
@@ -98,6 +102,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * engine.max_batch
         self.steps = 0  # loop iterations that ran a program
+        self._in_flight: tuple | None = None  # the last decode step dispatched: its tokens and requests
         self._lock = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -146,7 +151,7 @@ class Scheduler:
         except BaseException as e:  # the device failed: every request still here ends, the server reports it
             self.error = e
             for request in [*self.waiting, *filter(None, self.slots)]:
-                request.emit(Delta("", (), Finish.CANCELLED))
+                self._emit(request, Delta("", (), Finish.CANCELLED))
             raise
 
     def _step(self) -> bool:
@@ -154,7 +159,7 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled()
             self._admit()
-            if not any(self.slots):
+            if not any(self.slots) and self._in_flight is None:
                 if self._stopping:
                     return False
                 self._lock.wait(IDLE_WAIT_S)
@@ -163,8 +168,13 @@ class Scheduler:
         if prefilling:
             self._prefill_chunk(min(prefilling, key=lambda r: r.submitted_at))
         decoding = [r for r in self.slots if r is not None and not r._chunks and r.tokens]
+        previous, self._in_flight = self._in_flight, None
         if decoding:
-            self._decode(decoding)
+            active_B = np.zeros(self.engine.max_batch, bool)
+            active_B[[r.slot for r in decoding]] = True
+            self._in_flight = (self.engine.decode(active_B), decoding)
+        if previous is not None:
+            self._take_step(*previous)
         self.steps += 1
         self.metrics.steps.inc()
         return True
@@ -214,12 +224,13 @@ class Scheduler:
             self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
             self._take(request, token)
 
-    def _decode(self, decoding: list[Request]) -> None:
-        active_B = np.zeros(self.engine.max_batch, bool)
-        active_B[[r.slot for r in decoding]] = True
-        tokens_B = self.engine.decode(active_B)
+    def _take_step(self, tokens_B, decoding: list[Request]) -> None:
+        """A decode step's tokens, read once the next step is dispatched: each request still in its slot takes
+        its token (one that ended meanwhile, or whose slot was taken since, ignores the step)."""
+        tokens_B = np.asarray(tokens_B)
         for request in decoding:
-            self._take(request, int(tokens_B[request.slot]))
+            if self.slots[request.slot] is request:
+                self._take(request, int(tokens_B[request.slot]))
 
     def _take(self, request: Request, token: int) -> None:
         """The request's next token: emit its text, or end the request."""
@@ -233,7 +244,15 @@ class Scheduler:
         elif len(request.tokens) >= request.max_tokens:
             self._finish(request, Finish.LENGTH, token)
         else:
-            request.emit(Delta(request._completion.unshown(), (token,)))
+            self._emit(request, Delta(request._completion.unshown(), (token,)))
+
+    @staticmethod
+    def _emit(request: Request, delta: Delta) -> None:
+        """Hand a delta to the request's consumer; one that fails (its client is gone) cancels the request."""
+        try:
+            request.emit(delta)
+        except Exception:
+            request.cancelled = True
 
     def _finish(self, request: Request, finish: Finish, token: int | None = None) -> None:
         """End the request and free its slot now; the last delta carries `token` (not emitted yet) and the rest
@@ -243,9 +262,9 @@ class Scheduler:
         self.metrics.running_batch.set(self.busy_slots())
         self.metrics.requests.labels(str(finish)).inc()
         if finish is Finish.CANCELLED:
-            request.emit(Delta("", (), finish))
+            self._emit(request, Delta("", (), finish))
             return
         request._completion.finish(request.tokens)
         if len(request.tokens) > 1:
             self.metrics.tpot.observe((time.perf_counter() - request.first_token_at) / (len(request.tokens) - 1))
-        request.emit(Delta(request._completion.unshown(), () if token is None else (token,), finish))
+        self._emit(request, Delta(request._completion.unshown(), () if token is None else (token,), finish))
