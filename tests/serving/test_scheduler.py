@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import gpu_test
 
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import GREEDY, Engine
@@ -41,6 +42,18 @@ def _run_until_idle(scheduler: Scheduler, limit: int = 200) -> int:
 
 
 def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokenizer):
+    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+
+
+@gpu_test("the serving engine over the GPU kernels (Pallas KDA / MLA decode, fused MoE)")
+def test_on_the_gpu_each_equals_alone(demo_model, demo_tokenizer, alone):
+    engine = Engine(demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK)
+    engine.warm_up()
+    scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
+    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+
+
+def _check_each_equals_alone(scheduler, alone, demo_tokenizer):
     sinks = [[] for _ in CASES]
     requests = [_request(case, sink) for case, sink in zip(CASES, sinks)]
     for request in requests:
