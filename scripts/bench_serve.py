@@ -33,6 +33,7 @@ from bench_common import flash_slice_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ling_jax import LingForCausalLM  # noqa: E402
+from ling_jax.generation import cli_runtime  # noqa: E402
 from ling_jax.generation.generator import Generator  # noqa: E402
 from ling_jax.generation.sampling import SamplingParams  # noqa: E402
 from ling_jax.generation.tokenizer import load_tokenizer  # noqa: E402
@@ -124,25 +125,34 @@ def main(argv=None) -> int:
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--prefill-budget", type=int, default=2048, help="served: prompt tokens per prefill step")
     parser.add_argument("--skip-static", action="store_true", help="the served runs only")
     args = parser.parse_args(argv)
     if args.quick:
         args.concurrency = "1,3"
         args.min_prompt, args.max_prompt, args.min_output, args.max_output = 8, 40, 2, 12
-        args.prefill_chunk = 32
+        args.prefill_chunk, args.prefill_budget = 32, 64
     levels = [int(c) for c in args.concurrency.split(",")]
+    cache_dir = cli_runtime.enable_compile_cache(False)  # a second run loads its programs instead of compiling
     config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer
     args.vocab = config.vocab_size
     dtype = jnp.float32 if args.quick else jnp.bfloat16
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers, hidden "
         f"{config.hidden_size}, {config.num_experts} experts, {jnp.dtype(dtype).name}; prompts "
-        f"{args.min_prompt}-{args.max_prompt}, outputs {args.min_output}-{args.max_output} tokens",
+        f"{args.min_prompt}-{args.max_prompt}, outputs {args.min_output}-{args.max_output} tokens; compilation "
+        f"cache {cache_dir or 'off'}",
         flush=True,
     )
     model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype)
     max_context = args.max_prompt + args.max_output
-    engine = Engine(model, max_batch=max(levels), max_context=max_context, prefill_chunk=args.prefill_chunk)
+    engine = Engine(
+        model,
+        max_batch=max(levels),
+        max_context=max_context,
+        prefill_chunk=args.prefill_chunk,
+        prefill_budget=args.prefill_budget,
+    )
     start = time.perf_counter()
     engine.warm_up()
     print(f"served: compiled in {time.perf_counter() - start:.0f} s", flush=True)

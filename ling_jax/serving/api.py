@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import jinja2
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -140,7 +141,7 @@ def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
         text = service.tokenizer.apply_chat_template(messages)
-    except Exception as e:  # a template's raise_exception, or no template at all
+    except (jinja2.TemplateError, ValueError, TypeError) as e:  # raise_exception in the template, or no template
         raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
     prompt = service.tokenizer.encode(text, add_special_tokens=False)
     in_reasoning = marks_reasoning(service.tokenizer.chat_template) and text.rstrip().endswith(THINK_START)

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"prompt tokens per prefill step, >= {MIN_CHUNK} (default 512)",
     )
     parser.add_argument(
+        "--prefill-budget",
+        type=int,
+        metavar="N",
+        help="prompt tokens per prefill step (default: --prefill-chunk): up to N / C requests' chunks of C "
+        "tokens are prefilled together",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=256,
@@ -106,6 +113,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.prefill_budget is not None and args.prefill_budget < args.prefill_chunk:
+        raise ValueError(
+            f"--prefill-budget must be >= --prefill-chunk ({args.prefill_chunk}), got {args.prefill_budget}"
+        )
     if args.mtp:
         raise ValueError(f"--mtp {args.mtp}: MTP speculation per slot is not built in ling-serve yet; use --mtp 0")
     if not args.prefix_cache_gb >= 0:
@@ -140,6 +151,7 @@ def prepare(args: argparse.Namespace) -> Service:
         prefill_chunk=args.prefill_chunk,
         mesh=mesh,
         prefix_block=None if prefix_cache is None else prefix_cache.block,
+        prefill_budget=args.prefill_budget,
     )
     engine.warm_up()
     scheduler = Scheduler(

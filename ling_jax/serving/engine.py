@@ -4,9 +4,10 @@ Each slot holds one request: its rows of a `LingCache` of `max_context` tokens (
 window, MLA latent rows, length), its row of the repetition penalty's seen-token mask, its last token and its
 token count. Three programs, each compiled once per shape and run with the slot batch donated:
 
-- `prefill`: one chunk of one request's prompt into its slot (the first chunk resets the slot). A prompt is
-  laid out as `Generator` lays out a prompt run alone (left-padded to a power-of-two head chunk, then full
-  chunks of `prefill_chunk`), so each chunk length compiles once and the prefill computes what a batch-1
+- `prefill`: one chunk of each of up to `prefill_rows(C)` requests' prompts (chunks of one length C, as many
+  as `prefill_budget` tokens allow) into their slots (a first chunk resets its slot). A prompt is laid out as
+  `Generator` lays out a prompt run alone (left-padded to a power-of-two head chunk, then full chunks of
+  `prefill_chunk`), so each chunk length compiles once and each row computes what a batch-1
   `Generator.generate` computes;
 - `first_token`: the request's first token from its last prompt position;
 - `decode`: one decode step of every slot. Slots that are not decoding (free, or between prefill chunks) run
@@ -43,29 +44,32 @@ def _put_slot_rows(tree, rows, slot):
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), tree, rows)
 
 
-def _reset(row: LingCache) -> LingCache:
-    """A slot's cache as a new request finds it: KDA states zero, length 0 (MLA rows past the length are
-    invisible, so they are left as they are)."""
-    layers = tuple(jax.tree.map(jnp.zeros_like, s) if isinstance(s, KDAState) else s for s in row.layers)
-    return LingCache(layers=layers, lengths=jnp.zeros_like(row.lengths))
+def _reset(rows: LingCache, fresh_P) -> LingCache:
+    """Slot rows as a new request finds them where fresh_P: KDA states zero, length 0 (MLA rows past the length
+    are invisible, so they are left as they are)."""
+    layers = tuple(
+        jax.tree.map(lambda x: _where_rows(fresh_P, jnp.zeros_like(x), x), s) if isinstance(s, KDAState) else s
+        for s in rows.layers
+    )
+    return LingCache(layers=layers, lengths=jnp.where(fresh_P, 0, rows.lengths))
 
 
-def _mark_seen(seen_BV, slot, ids_1C, mask_1C, fresh):
-    """The slot's seen row with the chunk's real tokens added (cleared first when `fresh`)."""
-    seen_1V = seen_from_prompts(ids_1C, mask_1C, seen_BV.shape[1]) | (_slot_rows(seen_BV, slot) & ~fresh)
-    return _put_slot_rows(seen_BV, seen_1V, slot)
+def _mark_seen(seen_BV, slots_P, ids_PC, mask_PC, fresh_P):
+    """The slots' seen rows with their chunks' real tokens added (cleared first where fresh)."""
+    kept_PV = seen_BV.at[slots_P].get(mode="fill", fill_value=False) & ~fresh_P[:, None]
+    return seen_BV.at[slots_P].set(seen_from_prompts(ids_PC, mask_PC, seen_BV.shape[1]) | kept_PV, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill(static, leaves, cache: LingCache, seen_BV, slot, ids_1C, mask_1C, fresh, last):
-    """One prompt chunk [1, C] into `slot` (reset first when `fresh`); -> (cache, seen, hidden [1, D] at the
-    chunk's column `last`)."""
+def _prefill(static, leaves, cache: LingCache, seen_BV, slots_P, ids_PC, mask_PC, fresh_P, last_P):
+    """One prompt chunk per row [P, C] into slots_P (rows whose slot is past the batch are padding: computed,
+    never written); -> (cache, seen, hidden [P, D] at each row's column last_P)."""
     model = static.merge(leaves)
-    row = _slot_rows(cache, slot)
-    row = jax.lax.cond(fresh, _reset, lambda r: r, row)
-    hidden_1CD, row = model.model(ids_1C, cache=row, attention_mask=mask_1C, policy=model.policy)
-    seen_BV = _mark_seen(seen_BV, slot, ids_1C, mask_1C, fresh)
-    return _put_slot_rows(cache, row, slot), seen_BV, hidden_1CD[:, last]
+    rows = jax.tree.map(lambda x: x.at[slots_P].get(mode="fill", fill_value=0), cache)
+    hidden_PCD, rows = model.model(ids_PC, cache=_reset(rows, fresh_P), attention_mask=mask_PC, policy=model.policy)
+    cache = jax.tree.map(lambda x, r: x.at[slots_P].set(r, mode="drop"), cache, rows)
+    seen_BV = _mark_seen(seen_BV, slots_P, ids_PC, mask_PC, fresh_P)
+    return cache, seen_BV, hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P]
 
 
 @functools.partial(jax.jit, static_argnums=3)
@@ -90,7 +94,7 @@ def _restore_block(cache: LingCache, seen_BV, slot, start, pages, ids_1C, fresh)
         else MLAState(latent=jax.lax.dynamic_update_slice(s.latent, next(pages), (slot, start, 0)))
         for s in cache.layers
     )
-    seen_BV = _mark_seen(seen_BV, slot, ids_1C, jnp.ones(ids_1C.shape, bool), fresh)
+    seen_BV = _mark_seen(seen_BV, slot[None], ids_1C, jnp.ones(ids_1C.shape, bool), fresh[None])
     return LingCache(layers=layers, lengths=cache.lengths), seen_BV
 
 
@@ -145,6 +149,7 @@ class Engine:
         prefill_chunk: int,
         mesh: jax.sharding.Mesh | None = None,
         prefix_block: int | None = None,
+        prefill_budget: int | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
@@ -157,6 +162,9 @@ class Engine:
         self.max_batch = max_batch
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
+        if self.prefill_budget < prefill_chunk:
+            raise ValueError(f"--prefill-budget must be >= --prefill-chunk ({prefill_chunk}), got {prefill_budget}")
         if prefix_block not in (None, prefill_chunk):
             raise ValueError(f"prefix blocks are prefill chunks ({prefill_chunk} tokens), got {prefix_block}")
         self.prefix_block = prefix_block  # set: prompts are chunked on block boundaries, for the prefix cache
@@ -209,20 +217,33 @@ class Engine:
             length *= 2
         return sorted(lengths)
 
-    def prefill(self, slot: int, ids_C: np.ndarray, mask_C: np.ndarray, *, fresh: bool) -> jax.Array:
-        """Run one chunk of a prompt (left-padded: mask false on pads) into `slot`; -> the last hidden [1, D]."""
-        self.cache, self.seen_BV, hidden_1D = _prefill(
+    def prefill_rows(self, length: int) -> int:
+        """How many prompts' chunks of `length` tokens one prefill step runs: the token budget's worth."""
+        return max(1, min(self.max_batch, self.prefill_budget // length))
+
+    def prefill(self, slots: list[int], chunks: list[tuple[np.ndarray, np.ndarray]], fresh: list[bool]) -> jax.Array:
+        """Run one chunk [C] (ids, mask: false on pads) of each slot's prompt, all of one length, as one step of
+        `prefill_rows(C)` rows (unused rows are padding); fresh: the slot's first chunk. -> hidden [P, D] at
+        each row's last real token."""
+        length = len(chunks[0][0])
+        rows = self.prefill_rows(length)
+        if len(slots) > rows or any(len(ids) != length for ids, _ in chunks):
+            raise ValueError(f"a prefill step takes up to {rows} chunks of one length, got {len(slots)}")
+        pad = rows - len(slots)
+        ids_PC = np.stack([ids for ids, _ in chunks] + [np.zeros(length, np.int32)] * pad)
+        mask_PC = np.stack([mask for _, mask in chunks] + [np.ones(length, bool)] * pad)
+        self.cache, self.seen_BV, hidden_PD = _prefill(
             self.static,
             self.leaves,
             self.cache,
             self.seen_BV,
-            jnp.int32(slot),
-            jnp.asarray(ids_C[None], jnp.int32),
-            jnp.asarray(mask_C[None], bool),
-            jnp.bool_(fresh),
-            jnp.int32(np.flatnonzero(mask_C)[-1]),
+            jnp.asarray(list(slots) + [self.max_batch] * pad, jnp.int32),
+            jnp.asarray(ids_PC, jnp.int32),
+            jnp.asarray(mask_PC, bool),
+            jnp.asarray(list(fresh) + [True] * pad, bool),
+            jnp.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], jnp.int32),
         )
-        return hidden_1D
+        return hidden_PD
 
     def snapshot(self, slot: int, start: int) -> tuple[tuple, tuple]:
         """The slot's KDA states now and its MLA rows of the block at `start`: a prefix-cache node."""
@@ -289,8 +310,7 @@ class Engine:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restores, the first
         token, the decode step) on slot 0."""
         for length in self.chunk_lengths():
-            ids = np.ones(length, np.int32)
-            hidden_1D = self.prefill(0, ids, np.ones(length, bool), fresh=True)
+            hidden_1D = self.prefill([0], [(np.ones(length, np.int32), np.ones(length, bool))], [True])[:1]
         if self.prefix_block is not None:
             kda, pages = self.snapshot(0, 0)
             self.restore(0, [([1] * self.prefix_block, kda, pages)])

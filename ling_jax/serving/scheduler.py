@@ -3,9 +3,11 @@
 Each iteration of the loop
 1. drops the requests cancelled since the last one (a disconnected client): their slots are free at once;
 2. admits waiting requests (first come, first served) into free slots;
-3. runs one prefill chunk of the oldest request still in prefill (its last chunk also samples its first
-   token), so a long prompt costs the running requests at most one chunk of delay per step; with a prefix
-   cache, a request first resumes from its longest cached prefix, and each full block it prefills is cached;
+3. runs one prefill step: the next chunk of the oldest request still in prefill and of others whose next
+   chunk has the same length, as many as the engine's token budget allows (a last chunk also samples the
+   request's first token), so a long prompt delays the running requests by one step per chunk; with a
+   prefix cache, a request first resumes from its longest cached prefix, and each whole block it prefills
+   is cached;
 4. dispatches one decode step of every decoding slot, then hands each request its token of the step before
    (read while this one runs on the device, so the host's work overlaps the device's).
 
@@ -164,9 +166,11 @@ class Scheduler:
                     return False
                 self._lock.wait(IDLE_WAIT_S)
                 return True
-        prefilling = [r for r in self.slots if r is not None and r._chunks]
+        prefilling = sorted((r for r in self.slots if r is not None and r._chunks), key=lambda r: r.submitted_at)
         if prefilling:
-            self._prefill_chunk(min(prefilling, key=lambda r: r.submitted_at))
+            length = len(prefilling[0]._chunks[0][0])  # the oldest request's next chunk, and others of its length
+            group = [r for r in prefilling if len(r._chunks[0][0]) == length]
+            self._prefill_step(group[: self.engine.prefill_rows(length)])
         decoding = [r for r in self.slots if r is not None and not r._chunks and r.tokens]
         previous, self._in_flight = self._in_flight, None
         if decoding:
@@ -203,26 +207,30 @@ class Scheduler:
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.running_batch.set(self.busy_slots())
 
-    def _prefill_chunk(self, request: Request) -> None:
-        if request._resume:
-            self.engine.restore(request.slot, [(n.block, n.kda, n.pages) for n in request._resume])
-            self.metrics.prefix_hits.inc()
-            self.metrics.prefix_hit_tokens.inc(request._position)
-            request._resume = []
-        ids_C, mask_C = request._chunks.pop(0)
-        start, real = request._position, int(mask_C.sum())
-        hidden_1D = self.engine.prefill(request.slot, ids_C, mask_C, fresh=start == 0)
-        request._position += real
-        cache = self.prefix_cache
-        if cache is not None and real == cache.block and request._node is not None:
-            kda, pages = self.engine.snapshot(request.slot, start)
-            request._node = cache.insert(request._node, request.prompt[start : start + real], kda, pages)
-            self.metrics.prefix_bytes.set(cache.nbytes)
-        if not request._chunks:
-            token = self.engine.first_token(request.slot, hidden_1D, request.sampling)
-            request.first_token_at = time.perf_counter()
-            self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
-            self._take(request, token)
+    def _prefill_step(self, requests: list[Request]) -> None:
+        """One prefill chunk of each of `requests` (chunks of one length) in one program."""
+        for request in requests:
+            if request._resume:
+                self.engine.restore(request.slot, [(n.block, n.kda, n.pages) for n in request._resume])
+                self.metrics.prefix_hits.inc()
+                self.metrics.prefix_hit_tokens.inc(request._position)
+                request._resume = []
+        chunks = [r._chunks.pop(0) for r in requests]
+        starts = [r._position for r in requests]
+        hidden_PD = self.engine.prefill([r.slot for r in requests], chunks, [start == 0 for start in starts])
+        for row, (request, (_, mask_C), start) in enumerate(zip(requests, chunks, starts)):
+            real = int(mask_C.sum())
+            request._position += real
+            cache = self.prefix_cache
+            if cache is not None and real == cache.block and request._node is not None:
+                kda, pages = self.engine.snapshot(request.slot, start)
+                request._node = cache.insert(request._node, request.prompt[start : start + real], kda, pages)
+                self.metrics.prefix_bytes.set(cache.nbytes)
+            if not request._chunks:
+                token = self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling)
+                request.first_token_at = time.perf_counter()
+                self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
+                self._take(request, token)
 
     def _take_step(self, tokens_B, decoding: list[Request]) -> None:
         """A decode step's tokens, read once the next step is dispatched: each request still in its slot takes

@@ -11,7 +11,7 @@ from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import GREEDY, Engine
 from ling_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler
 
-MAX_BATCH, MAX_CONTEXT, CHUNK = 3, 96, 16
+MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET = 3, 96, 16, 32  # two prompts' chunks per prefill step
 CASES = [  # (prompt ids, sampling, max_tokens)
     ([5, 17, 300, 42, 9, 1000, 77], GREEDY, 9),
     (list(range(100, 141)), SamplingParams(temperature=0.8, top_p=0.9, seed=3), 7),  # three chunks: 16 + 16 + 16
@@ -23,7 +23,9 @@ CASES = [  # (prompt ids, sampling, max_tokens)
 
 @pytest.fixture(scope="module")
 def scheduler(demo_model, demo_tokenizer):
-    engine = Engine(demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK)
+    engine = Engine(
+        demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK, prefill_budget=BUDGET
+    )
     engine.warm_up()
     return Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
 
@@ -47,7 +49,9 @@ def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokeni
 
 @gpu_test("the serving engine over the GPU kernels (Pallas KDA / MLA decode, fused MoE)")
 def test_on_the_gpu_each_equals_alone(demo_model, demo_tokenizer, alone):
-    engine = Engine(demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK)
+    engine = Engine(
+        demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK, prefill_budget=BUDGET
+    )
     engine.warm_up()
     scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
     _check_each_equals_alone(scheduler, alone, demo_tokenizer)

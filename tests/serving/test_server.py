@@ -26,7 +26,7 @@ from helpers import REPO_ROOT
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker
 
-MAX_BATCH, MAX_CONTEXT, CHUNK, MAX_QUEUE = 8, 128, 16, 24
+MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET, MAX_QUEUE = 8, 128, 16, 64, 24
 MODEL = "ling-demo"
 README_URL = "http://127.0.0.1:8000"
 START_TIMEOUT_S = 240
@@ -59,7 +59,8 @@ def server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     command = [sys.executable, "-m", "ling_jax.serving", "--port", str(port), "--max-batch", str(MAX_BATCH)]
-    command += ["--max-context", str(MAX_CONTEXT), "--prefill-chunk", str(CHUNK), "--max-queue", str(MAX_QUEUE)]
+    command += ["--max-context", str(MAX_CONTEXT), "--prefill-chunk", str(CHUNK), "--prefill-budget", str(BUDGET)]
+    command += ["--max-queue", str(MAX_QUEUE)]
     # XLA's full optimisation: the server runs each program hundreds of times (3x faster prefill, 2x decode)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
     with open(log, "w") as out:
