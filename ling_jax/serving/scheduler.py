@@ -113,8 +113,15 @@ class Scheduler:
     # --- the HTTP side (any thread) -------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        """Queue a request; ValueError for one that cannot run, QueueFull when the queue is full."""
         if request.stop:
             StopChecker(request.stop)  # raises on an empty stop string
+        room = self.engine.max_context - len(request.prompt)
+        if not request.prompt or not 1 <= request.max_tokens <= room:
+            raise ValueError(
+                f"a request needs 1 to {self.engine.max_context} prompt tokens and 1 <= max_tokens <= the rest of "
+                f"the context; got {len(request.prompt)} prompt tokens and max_tokens {request.max_tokens}"
+            )
         with self._lock:
             if self._stopping or self.error is not None:
                 raise QueueFull("the server is shutting down")

@@ -92,5 +92,7 @@ def test_full_queue_is_refused(scheduler):
         scheduler.submit(request)
     with pytest.raises(QueueFull, match="queue is full"):
         scheduler.submit(_request(([7, 8, 9], GREEDY, 1), []))
+    with pytest.raises(ValueError, match="got 90 prompt tokens and max_tokens 7"):
+        scheduler.submit(_request(([7] * 90, GREEDY, 7), []))
     _run_until_idle(scheduler)
     assert all(len(r.tokens) == 1 for r in requests)
