@@ -10,6 +10,7 @@ Requests: a synthetic chat mix (seeded): prompt lengths log-uniform in [--min-pr
 lengths log-uniform in [--min-output, --max-output], greedy, EOS ignored (every request runs its full length).
 Served: the scheduler in-process (no HTTP), `concurrency` closed-loop clients, each submitting its next request
 when its previous one ends; TTFT from submission to the first token, TPOT over the rest of the request.
+Prefix reuse (`--prefix-tokens`): TTFT of requests sharing a long prefix, one at a time, prefix cache off vs on.
 Static: the same requests in order, in batches of `concurrency`, each batch one `Generator.generate` call that
 runs to the batch's longest output (a row's tokens past its own length are wasted, as in a static server);
 TTFT is the batch's time to its first token, TPOT its decode time per step; tokens/s counts requested
@@ -38,6 +39,7 @@ from ling_jax.generation.generator import Generator  # noqa: E402
 from ling_jax.generation.sampling import SamplingParams  # noqa: E402
 from ling_jax.generation.tokenizer import load_tokenizer  # noqa: E402
 from ling_jax.serving.engine import Engine  # noqa: E402
+from ling_jax.serving.prefix_cache import PrefixCache  # noqa: E402
 from ling_jax.serving.scheduler import Request, Scheduler  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -115,6 +117,36 @@ def run_static(generator: Generator, requests, batch: int) -> dict:
     return {"tokens_per_s": useful / wall, "ttft": percentiles(ttft), "tpot": percentiles(tpot), "wall": wall}
 
 
+def run_prefix(model, args) -> tuple[float, float]:
+    """Median TTFT (s) of requests sharing a `--prefix-tokens` prefix (each with 32 tokens of its own), one at a
+    time, without and with the prefix cache (after a first request has filled it)."""
+    block = args.prefill_chunk
+    engine = Engine(
+        model,
+        max_batch=1,
+        max_context=args.prefix_tokens + 64,
+        prefill_chunk=block,
+        prefix_block=block,
+        prefill_budget=args.prefill_budget,
+    )
+    engine.warm_up()
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, args.vocab, args.prefix_tokens).tolist()
+    prompts = [prefix + rng.integers(0, args.vocab, 32).tolist() for _ in range(6)]
+    medians = []
+    for cache in (None, PrefixCache(block, 64 << 30)):
+        scheduler = Scheduler(engine, load_tokenizer(None, model.config), eos_ids=(), max_queue=1, prefix_cache=cache)
+        times = []
+        for prompt in prompts:
+            start = time.perf_counter()
+            scheduler.submit(Request(prompt=prompt, sampling=GREEDY, max_tokens=1, emit=lambda d: None))
+            while scheduler.waiting or any(scheduler.slots):
+                scheduler._step()
+            times.append(time.perf_counter() - start)
+        medians.append(float(np.median(times[1:])))  # the first request compiles nothing but fills the cache
+    return medians[0], medians[1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a narrow model, a few short requests (CPU)")
@@ -127,11 +159,17 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefill-budget", type=int, default=2048, help="served: prompt tokens per prefill step")
     parser.add_argument("--skip-static", action="store_true", help="the served runs only")
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=8192,
+        help="TTFT of requests sharing a prefix this long, prefix cache off vs on (0: skip)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.concurrency = "1,3"
         args.min_prompt, args.max_prompt, args.min_output, args.max_output = 8, 40, 2, 12
-        args.prefill_chunk, args.prefill_budget = 32, 64
+        args.prefill_chunk, args.prefill_budget, args.prefix_tokens = 32, 64, 96
     levels = [int(c) for c in args.concurrency.split(",")]
     cache_dir = cli_runtime.enable_compile_cache(False)  # a second run loads its programs instead of compiling
     config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer
@@ -178,6 +216,12 @@ def main(argv=None) -> int:
         for mode, result in (("ling-serve", served), ("static Generator", static)):
             if result is not None:
                 print(f"| {level} | {count} | {mode} | {_cells(result)} |")
+    if args.prefix_tokens:
+        off, on = run_prefix(model, args)
+        print(
+            f"\nshared {args.prefix_tokens}-token prefix, TTFT median: prefix cache off {off * 1e3:.1f} ms, on "
+            f"{on * 1e3:.1f} ms ({off / on:.1f}x lower)"
+        )
     return 0
 
 

@@ -77,7 +77,6 @@ class Request:
     first_token_at: float | None = None
     _chunks: list = dataclasses.field(default_factory=list)  # prompt chunks not prefilled yet
     _position: int = 0  # prompt tokens in the slot so far
-    _resume: list = dataclasses.field(default_factory=list)  # cached prefix blocks to restore first
     _node: Node | None = None  # the prefix-cache node of the prompt's blocks so far
     _completion: Completion | None = None
 
@@ -204,9 +203,7 @@ class Scheduler:
                 request = self.waiting.popleft()
                 request.slot = slot
                 if self.prefix_cache is not None:
-                    request._resume = self.prefix_cache.match(request.prompt)
-                    request._node = request._resume[-1] if request._resume else self.prefix_cache.root
-                    request._position = len(request._resume) * self.prefix_cache.block
+                    self._resume(request)
                 request._chunks = self.engine.prompt_chunks(request.prompt, request._position)
                 self.metrics.prompt_tokens.inc(len(request.prompt))
                 request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
@@ -214,14 +211,18 @@ class Scheduler:
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.running_batch.set(self.busy_slots())
 
+    def _resume(self, request: Request) -> None:
+        """Restore the request's longest cached prefix into its slot now (a later insert may evict it)."""
+        path = self.prefix_cache.match(request.prompt)
+        request._node = path[-1] if path else self.prefix_cache.root
+        request._position = len(path) * self.prefix_cache.block
+        if path:
+            self.engine.restore(request.slot, [(n.block, n.kda, n.pages) for n in path])
+            self.metrics.prefix_hits.inc()
+            self.metrics.prefix_hit_tokens.inc(request._position)
+
     def _prefill_step(self, requests: list[Request]) -> None:
         """One prefill chunk of each of `requests` (chunks of one length) in one program."""
-        for request in requests:
-            if request._resume:
-                self.engine.restore(request.slot, [(n.block, n.kda, n.pages) for n in request._resume])
-                self.metrics.prefix_hits.inc()
-                self.metrics.prefix_hit_tokens.inc(request._position)
-                request._resume = []
         chunks = [r._chunks.pop(0) for r in requests]
         starts = [r._position for r in requests]
         hidden_PD = self.engine.prefill([r.slot for r in requests], chunks, [start == 0 for start in starts])

@@ -46,12 +46,18 @@ def _counter(scheduler: Scheduler, name: str) -> float:
     return scheduler.metrics.registry.get_sample_value(f"ling_serve_prefix_cache_{name}_total")
 
 
-def test_resumed_requests_equal_cold_ones_and_hits_count(scheduler):
-    cold = []
+@pytest.fixture(scope="module")
+def cold(scheduler) -> list[list[int]]:
+    """Each case's tokens with an empty cache."""
+    tokens = []
     for case in CASES:
         scheduler.prefix_cache.clear()
-        cold += _run(scheduler, [case])
+        tokens += _run(scheduler, [case])
     assert _counter(scheduler, "hits") == _counter(scheduler, "hit_tokens") == 0
+    return tokens
+
+
+def test_resumed_requests_equal_cold_ones_and_hits_count(scheduler, cold):
     scheduler.prefix_cache.clear()
     warm = _run(scheduler, CASES[:1]) + _run(scheduler, CASES[1:])
     assert warm == cold
@@ -59,6 +65,13 @@ def test_resumed_requests_equal_cold_ones_and_hits_count(scheduler):
     assert _counter(scheduler, "hit_tokens") == sum(c[2] for c in CASES)
     assert len(scheduler.prefix_cache) == 2  # the system prompt's two whole blocks (the others end in part blocks)
     assert scheduler.prefix_cache.nbytes > 0 and scheduler.slots == [None] * 3
+
+
+def test_a_cache_smaller_than_the_prompts_evicts_and_changes_no_token(scheduler, cold):
+    node_bytes = scheduler.prefix_cache.nbytes // len(scheduler.prefix_cache)
+    scheduler.prefix_cache = PrefixCache(BLOCK, node_bytes + 1)  # room for one block: every insert evicts
+    assert _run(scheduler, CASES) == cold  # all at once: resumes and inserts interleave with evictions
+    assert len(scheduler.prefix_cache) == 1 and scheduler.prefix_cache.nbytes == node_bytes
 
 
 def test_lru_eviction_keeps_the_cache_within_its_size():
