@@ -14,7 +14,8 @@ Prefix reuse (`--prefix-tokens`): TTFT of requests sharing a long prefix, one at
 Static: the same requests in order, in batches of `concurrency`, each batch one `Generator.generate` call that
 runs to the batch's longest output (a row's tokens past its own length are wasted, as in a static server);
 TTFT is the batch's time to its first token, TPOT its decode time per step; tokens/s counts requested
-tokens only. Both compile first (a warm-up pass of the same shapes), so no figure includes compilation.
+tokens only. Both compile first (served: the engine's warm-up; static: a first pass over the same requests,
+not timed), so no figure includes compilation.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
         served = run_served(scheduler, requests, level)
         static = None
         if not args.skip_static:
-            run_static(generator, requests[:level], level)  # warm-up: compiles this batch's shapes
+            run_static(generator, requests, level)  # warm-up: compiles every batch's shapes
             static = run_static(generator, requests, level)
         rows.append((level, len(requests), served, static))
         print(f"concurrency {level}: served {_line(served)}; static {_line(static)}", flush=True)
