@@ -5,10 +5,10 @@ window, MLA latent rows, length), its row of the repetition penalty's seen-token
 token count. Three programs, each compiled once per shape and run with the slot batch donated:
 
 - `prefill`: one chunk of each of up to `prefill_rows(C)` requests' prompts (chunks of one length C, as many
-  as `prefill_budget` tokens allow) into their slots (a first chunk resets its slot). A prompt is laid out as
-  `Generator` lays out a prompt run alone (left-padded to a power-of-two head chunk, then full chunks of
-  `prefill_chunk`), so each chunk length compiles once and each row computes what a batch-1
-  `Generator.generate` computes;
+  as `prefill_budget` tokens allow; a lone chunk runs as one row) into their slots (a first chunk resets
+  its slot). A prompt is laid out as `Generator` lays out a prompt run alone (left-padded to a power-of-two
+  head chunk, then full chunks of `prefill_chunk`), so each chunk length compiles once or twice (one row;
+  the budget's rows) and each row computes what a batch-1 `Generator.generate` computes;
 - `first_token`: the request's first token from its last prompt position;
 - `decode`: one decode step of every slot. Slots that are not decoding (free, or between prefill chunks) run
   too, but keep their whole cache (the step's KDA state and length are dropped; its MLA row is written past
@@ -223,10 +223,10 @@ class Engine:
 
     def prefill(self, slots: list[int], chunks: list[tuple[np.ndarray, np.ndarray]], fresh: list[bool]) -> jax.Array:
         """Run one chunk [C] (ids, mask: false on pads) of each slot's prompt, all of one length, as one step of
-        `prefill_rows(C)` rows (unused rows are padding); fresh: the slot's first chunk. -> hidden [P, D] at
-        each row's last real token."""
+        `prefill_rows(C)` rows (unused rows are padding; one chunk alone runs as one row); fresh: the slot's
+        first chunk. -> hidden [P, D] at each row's last real token."""
         length = len(chunks[0][0])
-        rows = self.prefill_rows(length)
+        rows = 1 if len(slots) == 1 else self.prefill_rows(length)  # a lone prompt runs alone: no padding rows
         if len(slots) > rows or any(len(ids) != length for ids, _ in chunks):
             raise ValueError(f"a prefill step takes up to {rows} chunks of one length, got {len(slots)}")
         pad = rows - len(slots)
@@ -310,7 +310,10 @@ class Engine:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restores, the first
         token, the decode step) on slot 0."""
         for length in self.chunk_lengths():
-            hidden_1D = self.prefill([0], [(np.ones(length, np.int32), np.ones(length, bool))], [True])[:1]
+            chunk = (np.ones(length, np.int32), np.ones(length, bool))
+            if self.prefill_rows(length) > 1:  # the step of several rows; then the lone one
+                self.prefill([0, 1], [chunk, chunk], [True, True])
+            hidden_1D = self.prefill([0], [chunk], [True])
         if self.prefix_block is not None:
             kda, pages = self.snapshot(0, 0)
             self.restore(0, [([1] * self.prefix_block, kda, pages)])
