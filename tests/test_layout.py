@@ -14,7 +14,14 @@ from helpers import REPO_ROOT
 import ling_jax
 
 PACKAGE = REPO_ROOT / "ling_jax"
-WINGS = ("ling_jax.vl", "ling_jax.checkpoints", "ling_jax.generation", "ling_jax.training", "ling_jax.build")
+WINGS = (
+    "ling_jax.vl",
+    "ling_jax.checkpoints",
+    "ling_jax.generation",
+    "ling_jax.training",
+    "ling_jax.serving",
+    "ling_jax.build",
+)
 PUBLIC = {
     "CheckpointError",
     "ExecutionPolicy",

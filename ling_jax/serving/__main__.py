@@ -1,0 +1,5 @@
+import sys
+
+from ling_jax.serving.cli import script_main
+
+sys.exit(script_main())

@@ -1,0 +1,193 @@
+"""`ling-serve` (and `python -m ling_jax.serving`): load a model, compile its programs, serve the OpenAI API.
+
+Every flag is checked, and the checkpoint's config and tokenizer read, before the weights load; a mistake is
+one `error: ...` line on stderr and exit status 2. The server is ready once it prints "ling-serve: ready";
+SIGTERM (or Ctrl-C) stops it gracefully: it takes no new connections, the requests in flight finish, and the
+process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import uvicorn
+
+from ling_jax.checkpoints.hf import STORED, WEIGHTS, load_hf_checkpoint
+from ling_jax.checkpoints.orbax import load_checkpoint
+from ling_jax.generation import cli_checks, cli_runtime
+from ling_jax.generation.cli import DEMO_DIR
+from ling_jax.generation.generator import MIN_CHUNK
+from ling_jax.serving.api import Service, create_app
+from ling_jax.serving.engine import Engine
+from ling_jax.serving.metrics import Metrics
+from ling_jax.serving.prefix_cache import PrefixCache
+from ling_jax.serving.scheduler import Scheduler
+from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ling-serve",
+        description="An OpenAI-compatible HTTP server (continuous batching) for a Ling checkpoint.",
+        epilog="example:\n  ling-serve --port 8000\n  curl http://127.0.0.1:8000/v1/models",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        type=Path,
+        default=DEMO_DIR,
+        help="HF-format or ling-convert Orbax checkpoint directory (default: the demo checkpoint)",
+    )
+    parser.add_argument(
+        "--served-model-name", metavar="NAME", help="the model id clients ask for (default: --model's directory name)"
+    )
+    parser.add_argument(
+        "--weights", choices=WEIGHTS, default=STORED, help="stored (default) or bf16 (dequantise at load)"
+    )
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: float32 on CPU, bfloat16 elsewhere")
+    parser.add_argument("--mesh", metavar="AXES", help="device mesh, e.g. 'tensor=2,expert=4' (default: one device)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--max-batch", type=int, default=16, metavar="N", help="slots: requests decoded together (default 16)"
+    )
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="prompt + completion tokens per request (default 2048)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        metavar="N",
+        help=f"prompt tokens per prefill step, >= {MIN_CHUNK} (default 512)",
+    )
+    parser.add_argument(
+        "--prefill-budget",
+        type=int,
+        metavar="N",
+        help="prompt tokens per prefill step (default: --prefill-chunk): up to N / C requests' chunks of C "
+        "tokens are prefilled together",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests waiting for a slot before new ones get 503 (default 256)",
+    )
+    parser.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="prefix cache size in GiB (default 0: off): a request resumes from the cached KDA states and MLA "
+        "rows of its longest cached prompt prefix (in prefill chunks)",
+    )
+    parser.add_argument(
+        "--mtp", type=int, default=0, metavar="K", help="MTP speculative drafts per step (not built yet: must be 0)"
+    )
+    parser.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
+    return parser
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag, value, low in (
+        ("--max-batch", args.max_batch, 1),
+        ("--max-context", args.max_context, 2),
+        ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
+        ("--max-queue", args.max_queue, 0),
+        ("--port", args.port, 0),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.prefill_budget is not None and args.prefill_budget < args.prefill_chunk:
+        raise ValueError(
+            f"--prefill-budget must be >= --prefill-chunk ({args.prefill_chunk}), got {args.prefill_budget}"
+        )
+    if args.mtp:
+        raise ValueError(f"--mtp {args.mtp}: MTP speculation per slot is not built in ling-serve yet; use --mtp 0")
+    if not args.prefix_cache_gb >= 0:
+        raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {args.prefix_cache_gb}")
+
+
+def prepare(args: argparse.Namespace) -> Service:
+    """Check everything, load the model, compile its programs: the service, ready to start."""
+    _check_flags(args)
+    mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
+    source = cli_checks.checkpoint_source(args.model, "--model", byte_tokenizer=False)
+    config = source.text_config
+    if source.vl_config is not None:
+        raise ValueError(f"--model {args.model}: a VL checkpoint; ling-serve serves text models")
+    if args.max_context > config.max_position_embeddings:
+        raise ValueError(
+            f"--max-context {args.max_context} exceeds the model's context of {config.max_position_embeddings} tokens"
+        )
+    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    progress = sys.stderr.isatty()
+    if source.orbax:
+        model = load_checkpoint(args.model, mesh=mesh, dtype=dtype, weights=args.weights, progress=progress)
+    else:
+        model = load_hf_checkpoint(args.model, dtype=dtype, weights=args.weights, progress=progress)
+    prefix_cache = None
+    if args.prefix_cache_gb:
+        prefix_cache = PrefixCache(args.prefill_chunk, int(args.prefix_cache_gb * 2**30))
+    engine = Engine(
+        model,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+        prefill_chunk=args.prefill_chunk,
+        mesh=mesh,
+        prefix_block=None if prefix_cache is None else prefix_cache.block,
+        prefill_budget=args.prefill_budget,
+    )
+    engine.warm_up()
+    scheduler = Scheduler(
+        engine,
+        source.tokenizer,
+        eos_ids=source.tokenizer.eos_ids,
+        max_queue=args.max_queue,
+        metrics=Metrics(),
+        prefix_cache=prefix_cache,
+    )
+    name = args.served_model_name or args.model.resolve().name
+    return Service(scheduler, source.tokenizer, name, args.max_context)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cli_runtime.enable_compile_cache(args.no_compile_cache)
+    try:
+        service = prepare(args)
+    except (ValueError, OSError, ShardingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
+    )
+    # uvicorn re-raises the signal that stopped it once it has shut down; a handler that does nothing makes
+    # that a no-op, so a graceful stop exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    service.scheduler.start()
+    print(f"ling-serve: ready: {service.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    server.run()
+    service.scheduler.stop()
+    return 0 if service.scheduler.error is None else 1
+
+
+def script_main() -> int:
+    """The `ling-serve` console script."""
+    return main()

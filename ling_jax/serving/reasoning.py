@@ -1,0 +1,75 @@
+"""Reasoning text apart from the answer: the part of a chat completion between `<think>` and `</think>`.
+
+A chat template marks reasoning when it contains the start marker; the reply is reasoning from the start
+marker to the end marker (or from the start of the reply when the rendered prompt already ends with the start
+marker) and answer after it. `ReasoningSplitter` splits streamed text piece by piece: a tail that could be
+the beginning of a marker is held back until the next piece decides it.
+"""
+
+from __future__ import annotations
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+_START, _REASONING, _AFTER_END, _ANSWER = range(4)
+
+
+def marks_reasoning(chat_template: str | None) -> bool:
+    return chat_template is not None and THINK_START in chat_template
+
+
+class ReasoningSplitter:
+    """feed(piece) -> (reasoning, answer) text that can be placed now; flush() once the reply ends.
+
+    States: at the reply's start (it may open with the start marker, after whitespace), in reasoning (until the
+    end marker), in the answer (everything else). Newlines right after the end marker are dropped."""
+
+    def __init__(self, *, in_reasoning: bool = False):
+        self.state = _REASONING if in_reasoning else _START
+        self._held = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        text, self._held = self._held + piece, ""
+        reasoning = ""
+        if self.state == _START:
+            opening = text.lstrip()
+            if THINK_START.startswith(opening):  # still undecided (or only whitespace so far)
+                self._held = text
+                return "", ""
+            if not opening.startswith(THINK_START):
+                self.state = _ANSWER
+                return "", text
+            self.state, text = _REASONING, opening[len(THINK_START) :]
+        if self.state == _REASONING:
+            at = text.find(THINK_END)
+            if at < 0:
+                held = _partial_marker_suffix(text, THINK_END)
+                self._held = text[len(text) - held :]
+                return text[: len(text) - held], ""
+            self.state, reasoning, text = _AFTER_END, text[:at], text[at + len(THINK_END) :]
+        if self.state == _AFTER_END:
+            text = text.lstrip("\n")
+            if not text:
+                return reasoning, ""
+            self.state = _ANSWER
+        return reasoning, text
+
+    def flush(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        return (held, "") if self.state == _REASONING else ("", held)
+
+
+def _partial_marker_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def split_reasoning(text: str, *, in_reasoning: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a whole reply."""
+    splitter = ReasoningSplitter(in_reasoning=in_reasoning)
+    parts = [splitter.feed(text), splitter.flush()]
+    reasoning = "".join(p[0] for p in parts)
+    reasoned = in_reasoning or text.lstrip().startswith(THINK_START)
+    return (reasoning if reasoned else None), "".join(p[1] for p in parts)

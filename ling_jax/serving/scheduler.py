@@ -1,0 +1,286 @@
+"""Continuous batching: one thread drives the `Engine`, admitting requests into free slots at step boundaries.
+
+Each iteration of the loop
+1. drops the requests cancelled since the last one (a disconnected client): their slots are free at once;
+2. admits waiting requests (first come, first served) into free slots;
+3. runs one prefill step: the next chunk of the oldest request still in prefill and of others whose next
+   chunk has the same length, as many as the engine's token budget allows (a last chunk also samples the
+   request's first token), so a long prompt delays the running requests by one step per chunk; with a
+   prefix cache, a request first resumes from its longest cached prefix, and each whole block it prefills
+   is cached;
+4. dispatches one decode step of every decoding slot, then hands each request its token of the step before
+   (read while this one runs on the device, so the host's work overlaps the device's).
+
+A request that ends at step k still runs in step k + 1, already dispatched; that step's token is dropped and
+the slot is free at the next iteration's admission (the next request's prefill runs after it on the device).
+
+A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
+`emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when
+cancelled, and its slot is free for the next iteration's admission. The waiting queue is bounded: `submit`
+raises `QueueFull` once `max_queue` requests wait beyond the free slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Callable, Collection
+
+import numpy as np
+
+from ling_jax.generation.cli import Completion
+from ling_jax.generation.sampling import SamplingParams
+from ling_jax.generation.tokenizer import StopChecker, Tokenizer
+from ling_jax.serving.engine import Engine
+from ling_jax.serving.metrics import Metrics
+from ling_jax.serving.prefix_cache import Node, PrefixCache
+
+IDLE_WAIT_S = 0.05  # how long the loop sleeps when there is nothing to run (a submit wakes it at once)
+
+
+class QueueFull(Exception):
+    """The bounded waiting queue has no room; the client should retry later."""
+
+
+class Finish(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens
+    CANCELLED = "cancelled"  # the client went away
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """What a request produced in one step: new text, the token ids behind it, and the finish reason once done."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish: Finish | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One completion: prompt ids, sampling, limits and where its output goes (`emit`, called on the
+    scheduler's thread)."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    emit: Callable[[Delta], None]
+    stop: tuple[str, ...] = ()
+    slot: int | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    _chunks: list = dataclasses.field(default_factory=list)  # prompt chunks not prefilled yet
+    _position: int = 0  # prompt tokens in the slot so far
+    _node: Node | None = None  # the prefix-cache node of the prompt's blocks so far
+    _completion: Completion | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        *,
+        eos_ids: Collection[int],
+        max_queue: int,
+        metrics: Metrics | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        if prefix_cache is not None and engine.prefix_block != prefix_cache.block:
+            raise ValueError("the prefix cache's blocks must be the engine's prefix blocks (its prefill chunks)")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.max_queue = max_queue
+        self.prefix_cache = prefix_cache
+        self.metrics = metrics or Metrics()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.slots: list[Request | None] = [None] * engine.max_batch
+        self.steps = 0  # loop iterations that ran a program
+        self._in_flight: tuple | None = None  # the last decode step dispatched: its tokens and requests
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what ended the loop, if it crashed
+
+    # --- the HTTP side (any thread) -------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; ValueError for one that cannot run, QueueFull when the queue is full."""
+        if request.stop:
+            StopChecker(request.stop)  # raises on an empty stop string
+        room = self.engine.max_context - len(request.prompt)
+        if not request.prompt or not 1 <= request.max_tokens <= room:
+            raise ValueError(
+                f"a request needs 1 to {self.engine.max_context} prompt tokens and 1 <= max_tokens <= the rest of "
+                f"the context; got {len(request.prompt)} prompt tokens and max_tokens {request.max_tokens}"
+            )
+        with self._lock:
+            if self._stopping or self.error is not None:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) - self.slots.count(None) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting for a slot)")
+            self.waiting.append(request)
+            self.metrics.queue_depth.set(len(self.waiting))
+            self._lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client is gone: the request ends at the next step boundary (its slot freed then)."""
+        with self._lock:
+            request.cancelled = True
+            self._lock.notify()
+
+    def busy_slots(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ling-serve-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the loop (the scheduler's thread) -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # the device failed: every request still here ends, the server reports it
+            self.error = e
+            for request in [*self.waiting, *filter(None, self.slots)]:
+                self._emit(request, Delta("", (), Finish.CANCELLED))
+            raise
+
+    def _step(self) -> bool:
+        """One iteration; False once stopping with nothing left to run."""
+        with self._lock:
+            self._drop_cancelled()
+            self._admit()
+            if not any(self.slots) and self._in_flight is None:
+                if self._stopping:
+                    return False
+                self._lock.wait(IDLE_WAIT_S)
+                return True
+        prefilling = sorted((r for r in self.slots if r is not None and r._chunks), key=lambda r: r.submitted_at)
+        if prefilling:
+            length = len(prefilling[0]._chunks[0][0])  # the oldest request's next chunk, and others of its length
+            group = [r for r in prefilling if len(r._chunks[0][0]) == length]
+            self._prefill_step(group[: self.engine.prefill_rows(length)])
+        decoding = [r for r in self.slots if r is not None and not r._chunks and r.tokens]
+        previous, self._in_flight = self._in_flight, None
+        if decoding:
+            active_B = np.zeros(self.engine.max_batch, bool)
+            active_B[[r.slot for r in decoding]] = True
+            self._in_flight = (self.engine.decode(active_B), decoding)
+        if previous is not None:
+            self._take_step(*previous)
+        self.steps += 1
+        self.metrics.steps.inc()
+        return True
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(request)
+        for request in self.slots:
+            if request is not None and request.cancelled:
+                self._finish(request, Finish.CANCELLED)
+        self.metrics.queue_depth.set(len(self.waiting))
+
+    def _admit(self) -> None:
+        for slot, occupant in enumerate(self.slots):
+            if occupant is None and self.waiting:
+                request = self.waiting.popleft()
+                request.slot = slot
+                if self.prefix_cache is not None:
+                    self._resume(request)
+                request._chunks = self.engine.prompt_chunks(request.prompt, request._position)
+                self.metrics.prompt_tokens.inc(len(request.prompt))
+                request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
+                self.slots[slot] = request
+        self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.running_batch.set(self.busy_slots())
+
+    def _resume(self, request: Request) -> None:
+        """Restore the request's longest cached prefix into its slot now (a later insert may evict it)."""
+        path = self.prefix_cache.match(request.prompt)
+        request._node = path[-1] if path else self.prefix_cache.root
+        request._position = len(path) * self.prefix_cache.block
+        if path:
+            self.engine.restore(request.slot, [(n.block, n.kda, n.pages) for n in path])
+            self.metrics.prefix_hits.inc()
+            self.metrics.prefix_hit_tokens.inc(request._position)
+
+    def _prefill_step(self, requests: list[Request]) -> None:
+        """One prefill chunk of each of `requests` (chunks of one length) in one program."""
+        chunks = [r._chunks.pop(0) for r in requests]
+        starts = [r._position for r in requests]
+        hidden_PD = self.engine.prefill([r.slot for r in requests], chunks, [start == 0 for start in starts])
+        for row, (request, (_, mask_C), start) in enumerate(zip(requests, chunks, starts)):
+            real = int(mask_C.sum())
+            request._position += real
+            cache = self.prefix_cache
+            if cache is not None and real == cache.block and request._node is not None:
+                kda, pages = self.engine.snapshot(request.slot, start)
+                request._node = cache.insert(request._node, request.prompt[start : start + real], kda, pages)
+                self.metrics.prefix_bytes.set(cache.nbytes)
+            if not request._chunks:
+                token = self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling)
+                request.first_token_at = time.perf_counter()
+                self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
+                self._take(request, token)
+
+    def _take_step(self, tokens_B, decoding: list[Request]) -> None:
+        """A decode step's tokens, read once the next step is dispatched: each request still in its slot takes
+        its token (one that ended meanwhile, or whose slot was taken since, ignores the step)."""
+        tokens_B = np.asarray(tokens_B)
+        for request in decoding:
+            if self.slots[request.slot] is request:
+                self._take(request, int(tokens_B[request.slot]))
+
+    def _take(self, request: Request, token: int) -> None:
+        """The request's next token: emit its text, or end the request."""
+        self.metrics.count_tokens(1)
+        if token in self.eos_ids:
+            self._finish(request, Finish.STOP)
+            return
+        request.tokens.append(token)
+        if request._completion.add([token]):
+            self._finish(request, Finish.STOP, token)
+        elif len(request.tokens) >= request.max_tokens:
+            self._finish(request, Finish.LENGTH, token)
+        else:
+            self._emit(request, Delta(request._completion.unshown(), (token,)))
+
+    @staticmethod
+    def _emit(request: Request, delta: Delta) -> None:
+        """Hand a delta to the request's consumer; one that fails (its client is gone) cancels the request."""
+        try:
+            request.emit(delta)
+        except Exception:
+            request.cancelled = True
+
+    def _finish(self, request: Request, finish: Finish, token: int | None = None) -> None:
+        """End the request and free its slot now; the last delta carries `token` (not emitted yet) and the rest
+        of the text."""
+        self.engine.release(request.slot)
+        self.slots[request.slot] = None
+        self.metrics.running_batch.set(self.busy_slots())
+        self.metrics.requests.labels(str(finish)).inc()
+        if finish is Finish.CANCELLED:
+            self._emit(request, Delta("", (), finish))
+            return
+        request._completion.finish(request.tokens)
+        if len(request.tokens) > 1:
+            self.metrics.tpot.observe((time.perf_counter() - request.first_token_at) / (len(request.tokens) - 1))
+        self._emit(request, Delta(request._completion.unshown(), () if token is None else (token,), finish))

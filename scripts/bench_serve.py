@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""ling-serve's continuous batching against static batches of `Generator` (what generate.py runs), on the same
+requests: output tokens/s and time-to-first-token / time-per-output-token p50 and p99 per concurrency.
+
+    python scripts/bench_serve.py            # the full-width 8-layer Ling-3.1-flash slice (7 KDA + 1 MLA,
+                                             # 512 experts), random bf16 weights; concurrency 1, 16, 64
+    python scripts/bench_serve.py --quick    # a narrow 2-layer model, few short requests (CPU smoke test)
+
+Requests: a synthetic chat mix (seeded): prompt lengths log-uniform in [--min-prompt, --max-prompt], output
+lengths log-uniform in [--min-output, --max-output], greedy, EOS ignored (every request runs its full length).
+Served: the scheduler in-process (no HTTP), `concurrency` closed-loop clients, each submitting its next request
+when its previous one ends; TTFT from submission to the first token, TPOT over the rest of the request.
+Prefix reuse (`--prefix-tokens`): TTFT of requests sharing a long prefix, one at a time, prefix cache off vs on.
+Static: the same requests in order, in batches of `concurrency`, each batch one `Generator.generate` call that
+runs to the batch's longest output (a row's tokens past its own length are wasted, as in a static server);
+TTFT is the batch's time to its first token, TPOT its decode time per step; tokens/s counts requested
+tokens only. Both compile first (served: the engine's warm-up; static: a first pass over the same requests,
+not timed), so no figure includes compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_common import flash_slice_config  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from ling_jax import LingForCausalLM  # noqa: E402
+from ling_jax.generation import cli_runtime  # noqa: E402
+from ling_jax.generation.generator import Generator  # noqa: E402
+from ling_jax.generation.sampling import SamplingParams  # noqa: E402
+from ling_jax.generation.tokenizer import load_tokenizer  # noqa: E402
+from ling_jax.serving.engine import Engine  # noqa: E402
+from ling_jax.serving.prefix_cache import PrefixCache  # noqa: E402
+from ling_jax.serving.scheduler import Request, Scheduler  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def workload(count: int, args, seed: int) -> list[tuple[list[int], int]]:
+    """`count` (prompt ids, output length) pairs, log-uniform lengths."""
+    rng = np.random.default_rng(seed)
+
+    def lengths(low: int, high: int) -> np.ndarray:
+        return np.exp(rng.uniform(np.log(low), np.log(high + 1), count)).astype(int).clip(low, high)
+
+    prompts, outputs = lengths(args.min_prompt, args.max_prompt), lengths(args.min_output, args.max_output)
+    vocab = args.vocab
+    return [(rng.integers(0, vocab, p).tolist(), int(o)) for p, o in zip(prompts, outputs)]
+
+
+def percentiles(values: list[float]) -> tuple[float, float]:
+    return (float(np.percentile(values, 50)), float(np.percentile(values, 99))) if values else (np.nan, np.nan)
+
+
+def run_served(scheduler: Scheduler, requests, concurrency: int) -> dict:
+    """Closed loop: `concurrency` clients, each sending its next request when the last one ends."""
+    pending = list(reversed(requests))
+    lock, all_done = threading.Lock(), threading.Event()
+    ttft, tpot, tokens, live = [], [], [0], [0]
+
+    def send() -> None:
+        prompt, max_tokens = pending.pop()
+        submitted = time.perf_counter()
+        state = {"first": None, "count": 0}
+
+        def emit(delta) -> None:
+            now = time.perf_counter()
+            state["count"] += len(delta.token_ids)
+            if state["first"] is None and delta.token_ids:
+                state["first"] = now
+                ttft.append(now - submitted)
+            if delta.finish is not None:
+                if state["count"] > 1:
+                    tpot.append((now - state["first"]) / (state["count"] - 1))
+                with lock:
+                    tokens[0] += state["count"]
+                    live[0] -= 1
+                    if pending:
+                        live[0] += 1
+                        send()
+                    elif live[0] == 0:
+                        all_done.set()
+
+        scheduler.submit(Request(prompt=prompt, sampling=GREEDY, max_tokens=max_tokens, emit=emit))
+
+    start = time.perf_counter()
+    with lock:
+        for _ in range(min(concurrency, len(pending))):
+            live[0] += 1
+            send()
+    all_done.wait()
+    wall = time.perf_counter() - start
+    return {"tokens_per_s": tokens[0] / wall, "ttft": percentiles(ttft), "tpot": percentiles(tpot), "wall": wall}
+
+
+def run_static(generator: Generator, requests, batch: int) -> dict:
+    ttft, tpot, useful = [], [], 0
+    start = time.perf_counter()
+    for first in range(0, len(requests), batch):
+        group = requests[first : first + batch]
+        longest = max(o for _, o in group)
+        _, stats = generator.generate([p for p, _ in group], [GREEDY] * len(group), longest)
+        useful += sum(o for _, o in group)
+        ttft += [stats.ttft_s] * len(group)
+        if longest > 1:
+            tpot += [stats.decode_s / (longest - 1)] * len(group)
+    wall = time.perf_counter() - start
+    return {"tokens_per_s": useful / wall, "ttft": percentiles(ttft), "tpot": percentiles(tpot), "wall": wall}
+
+
+def run_prefix(model, args) -> tuple[float, float]:
+    """Median TTFT (s) of requests sharing a `--prefix-tokens` prefix (each with 32 tokens of its own), one at a
+    time, without and with the prefix cache (after a first request has filled it)."""
+    block = args.prefill_chunk
+    engine = Engine(
+        model,
+        max_batch=1,
+        max_context=args.prefix_tokens + 64,
+        prefill_chunk=block,
+        prefix_block=block,
+        prefill_budget=args.prefill_budget,
+    )
+    engine.warm_up()
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, args.vocab, args.prefix_tokens).tolist()
+    prompts = [prefix + rng.integers(0, args.vocab, 32).tolist() for _ in range(6)]
+    medians = []
+    for cache in (None, PrefixCache(block, 64 << 30)):
+        scheduler = Scheduler(engine, load_tokenizer(None, model.config), eos_ids=(), max_queue=1, prefix_cache=cache)
+        times = []
+        for prompt in prompts:
+            start = time.perf_counter()
+            scheduler.submit(Request(prompt=prompt, sampling=GREEDY, max_tokens=1, emit=lambda d: None))
+            while scheduler.waiting or any(scheduler.slots):
+                scheduler._step()
+            times.append(time.perf_counter() - start)
+        medians.append(float(np.median(times[1:])))  # the first request compiles nothing but fills the cache
+    return medians[0], medians[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a narrow model, a few short requests (CPU)")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--requests", type=int, default=0, help="requests per concurrency (default 2x it, >= 8)")
+    parser.add_argument("--min-prompt", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=2048)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--prefill-budget", type=int, default=2048, help="served: prompt tokens per prefill step")
+    parser.add_argument("--skip-static", action="store_true", help="the served runs only")
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=8192,
+        help="TTFT of requests sharing a prefix this long, prefix cache off vs on (0: skip)",
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.concurrency = "1,3"
+        args.min_prompt, args.max_prompt, args.min_output, args.max_output = 8, 40, 2, 12
+        args.prefill_chunk, args.prefill_budget, args.prefix_tokens = 32, 64, 96
+    levels = [int(c) for c in args.concurrency.split(",")]
+    cache_dir = cli_runtime.enable_compile_cache(False)  # a second run loads its programs instead of compiling
+    config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer
+    args.vocab = config.vocab_size
+    dtype = jnp.float32 if args.quick else jnp.bfloat16
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers, hidden "
+        f"{config.hidden_size}, {config.num_experts} experts, {jnp.dtype(dtype).name}; prompts "
+        f"{args.min_prompt}-{args.max_prompt}, outputs {args.min_output}-{args.max_output} tokens; compilation "
+        f"cache {cache_dir or 'off'}",
+        flush=True,
+    )
+    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype)
+    max_context = args.max_prompt + args.max_output
+    engine = Engine(
+        model,
+        max_batch=max(levels),
+        max_context=max_context,
+        prefill_chunk=args.prefill_chunk,
+        prefill_budget=args.prefill_budget,
+    )
+    start = time.perf_counter()
+    engine.warm_up()
+    print(f"served: compiled in {time.perf_counter() - start:.0f} s", flush=True)
+    tokenizer = load_tokenizer(None, config)
+    scheduler = Scheduler(engine, tokenizer, eos_ids=(), max_queue=1 << 20)
+    scheduler.start()
+    generator = Generator(model, prefill_chunk=args.prefill_chunk)
+    rows = []
+    for level in levels:
+        requests = workload(args.requests or max(8, 2 * level), args, seed=level)
+        run_served(scheduler, requests[: min(len(requests), level)], level)  # warm-up: nothing left to compile
+        served = run_served(scheduler, requests, level)
+        static = None
+        if not args.skip_static:
+            run_static(generator, requests, level)  # warm-up: compiles every batch's shapes
+            static = run_static(generator, requests, level)
+        rows.append((level, len(requests), served, static))
+        print(f"concurrency {level}: served {_line(served)}; static {_line(static)}", flush=True)
+    scheduler.stop()
+    print("\n| concurrency | requests | mode | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for level, count, served, static in rows:
+        for mode, result in (("ling-serve", served), ("static Generator", static)):
+            if result is not None:
+                print(f"| {level} | {count} | {mode} | {_cells(result)} |")
+    if args.prefix_tokens:
+        off, on = run_prefix(model, args)
+        print(
+            f"\nshared {args.prefix_tokens}-token prefix, TTFT median: prefix cache off {off * 1e3:.1f} ms, on "
+            f"{on * 1e3:.1f} ms ({off / on:.1f}x lower)"
+        )
+    return 0
+
+
+def _line(result: dict | None) -> str:
+    if result is None:
+        return "skipped"
+    return (
+        f"{result['tokens_per_s']:,.1f} tok/s, TTFT p50 {result['ttft'][0] * 1e3:.1f} ms p99 "
+        f"{result['ttft'][1] * 1e3:.1f} ms, TPOT p50 {result['tpot'][0] * 1e3:.2f} ms p99 "
+        f"{result['tpot'][1] * 1e3:.2f} ms"
+    )
+
+
+def _cells(result: dict) -> str:
+    ttft, tpot = result["ttft"], result["tpot"]
+    return (
+        f"{result['tokens_per_s']:,.1f} | {ttft[0] * 1e3:.1f} / {ttft[1] * 1e3:.1f} | "
+        f"{tpot[0] * 1e3:.2f} / {tpot[1] * 1e3:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
