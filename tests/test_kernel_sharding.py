@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from tiny_fp8 import sharding_test_config
 
 from ling_jax import ExecutionPolicy, LingForCausalLM
 from ling_jax.generation.sharded import ShardedLM
-from ling_jax.presets import preset
 from ling_jax.sharding import make_mesh
 
 BATCH, CACHE = 8, 48
@@ -26,16 +26,7 @@ _KERNEL_SCOPE = re.compile(r"jit\((\w+_gpu)\)")  # the GPU kernels' entry points
 
 @pytest.fixture(scope="module")
 def sharded():
-    config = preset("tiny").replace(
-        num_experts=32,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=4,
-        vocab_size=264,
-        num_hidden_layers=2,
-        layer_types=("kda", "mla"),
-        mlp_layer_types=("dense", "moe"),
-    )
+    config = sharding_test_config()
     policy = ExecutionPolicy(kernel_backend="interpret_gpu")
     model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32, policy=policy)
     return ShardedLM(model, make_mesh({"data": 2, "tensor": 2, "expert": 2}))

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from helpers import rel_error
 from jax.sharding import PartitionSpec as P
+from tiny_fp8 import sharding_test_config
 
 from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.generation.sharded import ShardedLM
@@ -25,7 +26,6 @@ from ling_jax.moe.expert_parallel import (
     rows_per_source,
 )
 from ling_jax.moe.experts import dense_expert_ffn, local_moe
-from ling_jax.presets import preset
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
 
 TOL = 1e-5
@@ -36,17 +36,7 @@ MESHES = [{"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}, {"fsdp": 2, "ten
 
 def _config(**changes) -> LingConfig:
     """Two layers, KDA + dense MLP and MLA + MoE: every kind of block once (the tiny preset's four repeat them)."""
-    base = preset("tiny").replace(
-        num_experts=32,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=4,
-        vocab_size=264,
-        num_hidden_layers=2,
-        layer_types=("kda", "mla"),
-        mlp_layer_types=("dense", "moe"),
-    )
-    return base.replace(**changes)
+    return sharding_test_config().replace(**changes)
 
 
 def _model(config, seed=0, policy=None):

@@ -45,7 +45,8 @@ def _bit_threshold(dtype: np.dtype) -> tuple[int, int] | None:
     return None
 
 
-def _all_finite_numpy(array: np.ndarray) -> bool:
+def all_finite_numpy(array: np.ndarray) -> bool:
+    """Whether a host array holds no NaN / Inf: 8- and 16-bit floats judged on their bits, in bounded chunks."""
     flat = np.ascontiguousarray(array).reshape(-1)
     if flat.dtype.itemsize in _UINT and (rule := _bit_threshold(flat.dtype)) is not None:
         mask, threshold = rule
@@ -74,7 +75,7 @@ def check_finite(array: np.ndarray | jax.Array, name: str) -> None:
         if bool(_all_finite_jax(array)):
             return
         array = np.asarray(array)
-    elif _all_finite_numpy(array):
+    elif all_finite_numpy(array):
         return
     with np.errstate(invalid="ignore"):
         bad = ~np.isfinite(np.asarray(array).astype(np.float32))
