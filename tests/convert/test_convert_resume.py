@@ -77,6 +77,7 @@ def _stopped_in_progress(checkpoint, dst, stop: signal.Signals, *flags: str) -> 
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a shell starts it, whatever we inherited
     )
     deadline = time.monotonic() + 120
     while child.poll() is None and len(journal.finished()) <= earlier and time.monotonic() < deadline:

@@ -43,6 +43,12 @@ def read_until(proc: subprocess.Popen, done, timeout: float = 120.0) -> str:
     return text.decode(errors="replace")
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C as a shell gives it, whatever the test process inherited (a SIGINT ignored by the
+    pytest-xdist worker would be inherited, and a Ctrl-C test would then see the run finish)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(argv: list[str], ready) -> tuple[int, str, str]:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), *argv],
@@ -51,6 +57,7 @@ def interrupt(argv: list[str], ready) -> tuple[int, str, str]:
         stderr=subprocess.PIPE,
         env=script_env(),
         cwd=ROOT,
+        preexec_fn=default_sigint,
     )
     try:
         seen = read_until(proc, ready)
