@@ -7,14 +7,13 @@ checkpoint on the interpret GPU backend; CUDA lowering at Ling-3.1-flash size; t
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import gpu_test, lower_for_cuda, rel_error
+from helpers import gpu_test, int32_offsets_into_large_operands, lower_for_cuda, rel_error
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from test_fused_experts import float64_down_scatter, float64_gather_swiglu, routing, sorted_rows
@@ -283,45 +282,6 @@ def flash_experts(fmt: str, num_experts: int = 512, hidden: int = 4096, width: i
         return MXFP4Weight(shape((num_experts, rows, cols // 2), jnp.uint8), scales)
 
     return stack(width, hidden), stack(width, hidden), stack(hidden, width)
-
-
-def _triton_calls(lowered):
-    """(operand element counts, Triton IR text) of each Triton kernel call in a module lowered for CUDA."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton.lowering import _new_ir_context
-
-    calls = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call" and "triton" in str(
-                        inner.attributes["call_target_name"]
-                    ):
-                        sizes = [int(np.prod(ir.RankedTensorType(v.type).shape)) for v in inner.operands]
-                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
-                        with _new_ir_context():
-                            text = str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
-                        calls.append((sizes, text))
-                    walk(inner.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    return calls
-
-
-def int32_offsets_into_large_operands(lowered) -> list[str]:
-    """The pointer arithmetic (`tt.addptr` lines) that indexes a kernel operand of more than 2^31 elements with
-    int32 offsets, in every Triton kernel of `lowered`: each a wrong address past 2^31 elements."""
-    bad = []
-    for sizes, text in _triton_calls(lowered):
-        large = {f"%arg{i}" for i, size in enumerate(sizes) if size > 2**31}
-        derived = {m[1] for m in re.finditer(r"(%\w+) = tt\.splat (%\w+)", text) if m[2] in large} | large
-        for line in text.splitlines():
-            match = re.search(r"tt\.addptr (%\w+), %\w+ : .*, (tensor<[^>]*xi32>|i32)$", line.strip())
-            if match and match[1] in derived:
-                bad.append(line.strip())
-    return bad
 
 
 def test_the_offset_check_sees_int32_offsets_into_a_large_byte_operand():

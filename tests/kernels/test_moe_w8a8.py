@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import gpu_test, lower_for_cuda, rel_error
+from helpers import gpu_test, int32_offsets_into_large_operands, lower_for_cuda, rel_error
 
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu, w8a8_expert_rows
@@ -184,6 +184,18 @@ def dequantized_h(h_q, h_scale, group: int) -> np.ndarray:
     return np.asarray(h_q, np.float64) * np.repeat(np.asarray(h_scale, np.float64), group, 1)[:, : h_q.shape[1]]
 
 
+def assert_requantized_h_close(h_q, h_scale, ref_q, ref_scale) -> None:
+    """h re-quantised to e4m3 by a compiled kernel vs the reference: the fp32 sums differ in the order of their
+    terms, so a few values land on the neighbouring e4m3 code (one step: 2^-3 of the value, or 2^-9 near zero)
+    and the group scales (amax / 448) differ by rounding; more than that is a wrong kernel."""
+    assert rel_error(h_scale, ref_scale) <= 1e-5
+    ours, ref = np.asarray(h_q, np.float64), np.asarray(ref_q, np.float64)
+    moved = ours != ref
+    assert moved.mean() <= 0.01
+    step = 2.0**-3 * np.maximum(np.abs(ours), np.abs(ref)) + 2.0**-9
+    assert np.all(np.abs(ours - ref)[moved] <= step[moved])
+
+
 def test_bf16_activations_and_output():
     """bf16 x is quantised from its own values (the formula on the rounded x); a bf16 y within bf16 rounding."""
     case = "blocks_32"
@@ -259,6 +271,7 @@ def test_kernels_lower_for_cuda_at_ling_flash_size():
     assert "gather_swiglu_w8a8" in gather.as_text()
     down = lower_for_cuda(lambda *a: down_scatter_w8a8_gpu(*a, block=(128, 128)), *down_args)
     assert "down_scatter_w8a8" in down.as_text()
+    assert not int32_offsets_into_large_operands(gather) and not int32_offsets_into_large_operands(down)
 
 
 @gpu_test("the compiled W8A8 expert kernels")
@@ -276,7 +289,7 @@ def test_compiled_kernels_match_the_reference():
     down = tuple(map(jnp.asarray, block_fp8(r, (num_experts, hidden, width), block)))
     h_q, h_scale = gather_swiglu_w8a8_gpu(x, source, sizes, *gate, *up, limit=7.0, block=block)
     ref_q, ref_scale = gather_swiglu_w8a8_reference(x, source, sizes, *gate, *up, 7.0, block=block)
-    assert rel_error(dequantized_h(h_q, h_scale, 128), dequantized_h(ref_q, ref_scale, 128)) <= TOL
+    assert_requantized_h_close(h_q, h_scale, ref_q, ref_scale)
     y = down_scatter_w8a8_gpu(h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32)
     ref_y = down_scatter_w8a8_reference(
         h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32

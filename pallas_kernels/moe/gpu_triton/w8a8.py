@@ -33,18 +33,20 @@ from pallas_kernels.fp8.reference import quantize_activations, quantize_groups
 from pallas_kernels.moe.gpu_triton.fused import _columns, _row_indices
 from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.moe.gpu_triton.weight_tiles import BlockFP8, StoredWeight, expert_tiles, kernel_operands
 from pallas_kernels.moe.reference import swiglu
 
 _TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
 
 
-def _scaled_products(load_lhs, weights, group, col0, *, block_rows: int, block_m, block_n, block_k, cols_ok_N, mask_k):
-    """One fp32 [block_m, block_n] accumulator per (values_ref [G, N, K] e4m3, scales_ref [G, N blocks, K blocks])
-    in weights: the sum over the K blocks of the lhs block's FP8 product with the weight block, times the lhs rows'
-    scales and the weight block's scale. load_lhs(step, k0, k_ok_K) -> (lhs_q [block_m, block_k] e4m3, zeros
-    outside the valid rows and K; row_scale [block_m]). A tail tile (group == G) runs no K steps: zeros."""
-    num_groups, _, k_dim = weights[0][0].shape
-    scale_row = col0 // block_rows
+def _scaled_products(load_lhs, weights, group, col0, *, block_m, block_n, block_k, cols_ok_N, mask_k):
+    """One fp32 [block_m, block_n] accumulator per block-FP8 `ExpertTiles` in weights ([G, N, K], the values as
+    stored and fp32 scales [G, N blocks, K blocks]): the sum over the K blocks of the lhs block's FP8 product with
+    the weight block, times the lhs rows' scales and the weight block's scale. load_lhs(step, k0, k_ok_K) ->
+    (lhs_q [block_m, block_k] e4m3, zeros outside the valid rows and K; row_scale [block_m]). A tail tile
+    (group == G) runs no K steps: zeros."""
+    num_groups, _, k_dim = weights[0].shape
+    scale_row = col0 // weights[0].format.block[0]
 
     def k_body(step, accs):
         k0 = step * block_k
@@ -54,11 +56,13 @@ def _scaled_products(load_lhs, weights, group, col0, *, block_rows: int, block_m
             acc_MN
             + scaled_fp8_product(
                 lhs_MK,
-                masked_load(values_ref.at[group, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K)),
+                tiles.format.load_e4m3(
+                    tiles.refs[0], group, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
+                ),
                 row_scale_M,
-                scales_ref[group, scale_row, step],
+                tiles.refs[1][group, scale_row, step],
             )
-            for acc_MN, (values_ref, scales_ref) in zip(accs, weights)
+            for acc_MN, tiles in zip(accs, weights)
         )
 
     num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)  # a clip: see gmm.tile_products
@@ -81,7 +85,7 @@ def _gather_swiglu_kernel(
     h_scale_ref,
     *,
     limit: float | None,
-    block_rows: int,
+    weight_format: BlockFP8,
     column_tile,
     block_m: int,
     block_n: int,
@@ -107,10 +111,9 @@ def _gather_swiglu_kernel(
 
     gate_MN, up_MN = _scaled_products(
         load_lhs,
-        ((gate_values_ref, gate_scales_ref), (up_values_ref, up_scales_ref)),
+        expert_tiles((gate_values_ref, gate_scales_ref, up_values_ref, up_scales_ref), (weight_format,) * 2),
         group,
         col0,
-        block_rows=block_rows,
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
@@ -134,7 +137,7 @@ def _down_scatter_kernel(
     down_scales_ref,
     y_ref,
     *,
-    block_rows: int,
+    weight_format: BlockFP8,
     column_tile,
     block_m: int,
     block_n: int,
@@ -159,10 +162,9 @@ def _down_scatter_kernel(
 
     (acc_MN,) = _scaled_products(
         load_lhs,
-        ((down_values_ref, down_scales_ref),),
+        expert_tiles((down_values_ref, down_scales_ref), (weight_format,)),
         group,
         col0,
-        block_rows=block_rows,
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
@@ -191,6 +193,13 @@ def _check_weight(name: str, values, scales, block: tuple[int, int]) -> None:
             f"W8A8 experts: {name} must be float8_e4m3fn values [G, N, K] with scales {list(expected)} for block "
             f"{block}, got {values.dtype} {list(values.shape)} and scales {list(scales.shape)}"
         )
+
+
+def _weight_operands(name: str, values, scales, block: tuple[int, int]) -> tuple[BlockFP8, tuple[jax.Array, ...]]:
+    """The kernel's format and arrays of a block-FP8 weight: the values as uint16 pairs where K is even (int32
+    element offsets: `weight_tiles`), fp32 scales; an operand int32 offsets cannot index is refused."""
+    weight_format = BlockFP8(block, paired=values.shape[-1] % 2 == 0)
+    return weight_format, kernel_operands(StoredWeight(values, scales), weight_format, name=f"W8A8 experts: {name}")
 
 
 def _tiles(table, given, *, dtype, num_rows: int, num_groups: int, n_dim: int, block: tuple[int, int], gathers: bool):
@@ -258,17 +267,11 @@ def gather_swiglu_w8a8_gpu(
         block=block,
         gathers=True,
     )
-    operands = (
-        source_R.astype(jnp.int32),
-        x_q_XD,
-        x_scale_XG,
-        gate_values_GID,
-        gate_scales.astype(jnp.float32),
-        up_values_GID,
-        up_scales.astype(jnp.float32),
-    )
+    weight_format, gate_operands = _weight_operands("gate", gate_values_GID, gate_scales, block)
+    _, up_operands = _weight_operands("up", up_values_GID, up_scales, block)
+    operands = (source_R.astype(jnp.int32), x_q_XD, x_scale_XG, *gate_operands, *up_operands)
     return call_over_row_tiles(
-        functools.partial(_gather_swiglu_kernel, limit=limit, block_rows=block[0]),
+        functools.partial(_gather_swiglu_kernel, limit=limit, weight_format=weight_format),
         group_sizes_G,
         operands,
         out_shape,
@@ -328,18 +331,12 @@ def down_scatter_w8a8_gpu(
         block=block,
         gathers=False,
     )
-    operands = (
-        dest_R.astype(jnp.int32),
-        row_weight_R.astype(jnp.float32),
-        h_q_RI,
-        h_scale.astype(jnp.float32),
-        down_values_GDI,
-        down_scales.astype(jnp.float32),
-    )
+    weight_format, down_operands = _weight_operands("down", down_values_GDI, down_scales, block)
+    operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_q_RI, h_scale.astype(jnp.float32))
     return call_over_row_tiles(
-        functools.partial(_down_scatter_kernel, block_rows=block[0]),
+        functools.partial(_down_scatter_kernel, weight_format=weight_format),
         group_sizes_G,
-        operands,
+        (*operands, *down_operands),
         jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
         tiles,
         num_rows=num_rows,

@@ -29,7 +29,7 @@ index (`check_offsets`).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,21 +145,23 @@ class BlockFP8:
         experts, rows, cols = refs[0].shape
         return experts, rows, 2 * cols if self.paired else cols
 
-    def _values(self, values_ref, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
+    def load_e4m3(self, values_ref, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
+        """The stored e4m3 values of the [block_n, block_k] tile at (col0, k0), zeros outside the masks (what the
+        W8A8 kernels' FP8 products take)."""
         if not self.paired:
             tile = values_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)]
-            return masked_load(tile, mask_2d(cols_ok_N, k_ok_K)).astype(jnp.float32)
+            return masked_load(tile, mask_2d(cols_ok_N, k_ok_K))
         pairs_NH = _load_pairs(
             values_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
         )
         bytes_NK = _interleave(pairs_NH & 0xFF, pairs_NH >> 8).astype(jnp.uint8)
-        return jax.lax.bitcast_convert_type(bytes_NK, jnp.float8_e4m3fn).astype(jnp.float32)
+        return jax.lax.bitcast_convert_type(bytes_NK, jnp.float8_e4m3fn)
 
     def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
         values_ref, scales_ref = refs
-        values_NK = self._values(
+        values_NK = self.load_e4m3(
             values_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
-        )
+        ).astype(jnp.float32)
         block_rows, block_cols = self.block
         rows = _scale_rows(col0, block_n, block_rows, scales_ref.shape[1])
         scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=block_cols, to_float=_as_float32)
@@ -224,6 +226,13 @@ def weight_format(weight, name: str = "weight") -> Format:
     return MXFP4(exponent_scales=scales_dtype == np.dtype(jnp.float8_e8m0fnu))
 
 
+class StoredWeight(NamedTuple):
+    """A quantised expert stack given as its arrays (what `kernel_operands` reads of a weight)."""
+
+    values: jax.Array
+    scales: jax.Array
+
+
 def kernel_operands(weight, weight_format: Format, dtype=None, name: str = "weight") -> tuple[jax.Array, ...]:
     """The arrays a kernel takes for `weight`: a dense one cast to `dtype` (None: as stored); FP8 values (paired:
     as uint16 pairs, a bitcast) with fp32 scales; MXFP4 codes with E8M0 scales as uint8 exponents (a bitcast, no
@@ -232,11 +241,12 @@ def kernel_operands(weight, weight_format: Format, dtype=None, name: str = "weig
         operands = (weight if dtype is None else weight.astype(dtype),)
     elif isinstance(weight_format, MXFP4) and weight_format.exponent_scales:
         operands = (weight.values, jax.lax.bitcast_convert_type(weight.scales, jnp.uint8))
-    else:
+    elif isinstance(weight_format, BlockFP8) and weight_format.paired:
         values = weight.values
-        if isinstance(weight_format, BlockFP8) and weight_format.paired:
-            values = jax.lax.bitcast_convert_type(values.reshape(*values.shape[:-1], -1, 2), jnp.uint16)
-        operands = (values, weight.scales.astype(jnp.float32))
+        pairs = jax.lax.bitcast_convert_type(values.reshape(*values.shape[:-1], -1, 2), jnp.uint16)
+        operands = (pairs, weight.scales.astype(jnp.float32))
+    else:
+        operands = (weight.values, weight.scales.astype(jnp.float32))
     for operand, part in zip(operands, ("values", "scales")):
         check_offsets(operand, f"{name} {part}" if len(operands) > 1 else name)
     return operands
