@@ -29,6 +29,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# fla (torch) runs beside jax on the same GPU: jax takes memory as it needs it rather than a preallocated fraction
+os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

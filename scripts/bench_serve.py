@@ -3,7 +3,8 @@
 requests: output tokens/s and time-to-first-token / time-per-output-token p50 and p99 per concurrency.
 
     python scripts/bench_serve.py            # the full-width 8-layer Ling-3.1-flash slice (7 KDA + 1 MLA,
-                                             # 512 experts), random bf16 weights; concurrency 1, 16, 64
+                                             # 512 experts), random weights stored as the checkpoint stores
+                                             # them (block FP8), initialised on the device; concurrency 1, 16, 64
     python scripts/bench_serve.py --quick    # a narrow 2-layer model, few short requests (CPU smoke test)
 
 Requests: a synthetic chat mix (seeded): prompt lengths log-uniform in [--min-prompt, --max-prompt], output
@@ -35,8 +36,10 @@ from bench_common import flash_slice_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ling_jax import LingForCausalLM  # noqa: E402
+from ling_jax.checkpoints.hf import STORED  # noqa: E402
 from ling_jax.generation import cli_runtime  # noqa: E402
 from ling_jax.generation.generator import Generator  # noqa: E402
+from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.generation.sampling import SamplingParams  # noqa: E402
 from ling_jax.generation.tokenizer import load_tokenizer  # noqa: E402
 from ling_jax.serving.engine import Engine  # noqa: E402
@@ -183,7 +186,10 @@ def main(argv=None) -> int:
         f"cache {cache_dir or 'off'}",
         flush=True,
     )
-    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype)
+    if args.quick:
+        model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype)
+    else:  # bf16 experts of 8 full-width layers are 129 GB: kept FP8 (68.7 GB), as a served checkpoint is
+        model = random_model(config, weights=STORED, dtype=dtype)
     max_context = args.max_prompt + args.max_output
     engine = Engine(
         model,
