@@ -8,21 +8,21 @@ stored bf16, block FP8 (128 x 128 blocks, fp32 scales) or MXFP4 (E8M0 scales per
 (a) Prefill at 8192 tokens, routed by a random router with a realistic imbalance (each expert's popularity drawn
 once, top-8 of noise + popularity; the busiest expert's load is printed): `ling_jax.moe.experts.local_moe` (the
 fused gather + gate/up + SwiGLU and down + scatter kernels) with bf16 experts, and with FP8 and MXFP4 experts on
-the default path (dequantised to bf16 inside the step, then the bf16 kernels); the opt-in weight-only fused
-kernels (`ops.WEIGHT_ONLY`: tiles loaded as stored, dequantised on chip) on the same FP8 and MXFP4 experts, each
-checked against its format's default path (bf16 = the FP8 weights dequantised, so FP8 is also checked against
-bf16). On an H200 the FP8 weight-only kernels gave a rel. difference of 5.6 before the FP8 values went to them as
-uint16 pairs (int32 offsets: `gpu_triton.weight_only`).
+the default path (the weight-only fused kernels `ops.WEIGHT_ONLY`: tiles loaded as stored, dequantised on chip),
+each checked against the same experts dequantised to bf16 inside the step, then the bf16 kernels (timed too: the
+default until 2026-12-02; bf16 = the FP8 weights dequantised, so FP8 is also checked against bf16). On an H200 the
+FP8 weight-only kernels gave a rel. difference of 5.6 before the FP8 values went to them as uint16 pairs (int32
+offsets: `gpu_triton.weight_only`), 0 after.
 
 (b) Decode rows, `pallas_kernels.moe.routed_experts` (the row-by-row kernels, which `local_moe` runs up to 64
 token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts by default (the picked experts
-dequantised, then the bf16 kernels) and through the opt-in weight-only row kernels (rel. difference to the
-default printed), each beside its byte roofline:
+dequantised, then the bf16 kernels) and through the weight-only row kernels (rel. difference to the default
+printed), each beside its byte roofline:
 the bytes of the distinct experts the step touches (values and scales) over the copy bandwidth measured in the
 same run (`bench_common.copy_bandwidth`), and `local_moe` (what the model runs: the fused path above 64 rows).
 Each time is per call of a chain of dependent calls in one program (`bench_common.per_call_seconds`).
 
-Then sweeps of the weight-only kernels' launch settings (none is measured yet): the fused kernels alone (rows
+Then sweeps of the weight-only kernels' launch settings: the fused kernels alone (rows
 already sorted) at the prefill size and at 64 tokens over (block_m, block_n, block_k, num_warps, num_stages,
 weight_left: the weight tile as the MMA's first operand), beside the bf16 kernels at their tuned tiles; the row
 kernels at one token over (block_n, block_k, num_warps, num_stages).
@@ -122,14 +122,15 @@ def nudge_x(x_TD, y_TD):
     return x_TD + (1e-3 * y_TD).astype(x_TD.dtype)
 
 
-def weight_only_moe(x_TD, weights_TK, experts_TK, gate, up, down, *, backend: str):
-    """`local_moe`'s fused path with the opt-in weight-only kernels: rows sorted by expert, gather + gate/up +
-    SwiGLU, down + scatter, the sum over the top-k in fp32."""
+def dequantised_moe(x_TD, weights_TK, experts_TK, gate, up, down, *, backend: str):
+    """`local_moe`'s fused path with the experts dequantised to bf16 inside the step, then the bf16 kernels (the
+    default before the weight-only kernels): rows sorted by expert, gather + gate/up + SwiGLU, down + scatter, the
+    sum over the top-k in fp32."""
     tokens, top_k = experts_TK.shape
     order, sizes = sort_by_expert(experts_TK.reshape(-1), gate.shape[0])
-    h = gather_swiglu(x_TD, order // top_k, sizes, gate, up, LIMIT, backend=backend, variant=WEIGHT_ONLY)
+    h = gather_swiglu(x_TD, order // top_k, sizes, gate, up, LIMIT, backend=backend, variant="gpu_triton")
     row_weight = weights_TK.reshape(-1)[order]
-    y = down_scatter(h, order, row_weight, sizes, down, backend=backend, variant=WEIGHT_ONLY)
+    y = down_scatter(h, order, row_weight, sizes, down, backend=backend, variant="gpu_triton")
     return y.reshape(tokens, top_k, -1).astype(jnp.float32).sum(axis=1).astype(x_TD.dtype)
 
 
@@ -143,17 +144,18 @@ def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
         f"{load.mean():.0f}), {np.sum(load == 0)} experts empty; ms per call"
     )
     fused = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
-    weight_only = jax.jit(functools.partial(weight_only_moe, backend=backend))
+    dequantised = jax.jit(functools.partial(dequantised_moe, backend=backend))
     # name: (function, experts, the path it is compared with)
     paths = {
         "bf16 experts, fused kernels": (fused, "bf16", "bf16"),
-        "FP8 experts, default: dequantised in the step, then bf16 kernels": (fused, "fp8", "bf16"),
-        "FP8 experts, weight-only fused kernels (opt-in)": (weight_only, "fp8", "fp8"),
-        "MXFP4 experts, default: dequantised in the step, then bf16 kernels": (fused, "mxfp4", "mxfp4"),
-        "MXFP4 experts, weight-only fused kernels (opt-in)": (weight_only, "mxfp4", "mxfp4"),
+        "FP8 experts, default: weight-only fused kernels": (fused, "fp8", "fp8"),
+        "FP8 experts, dequantised in the step, then bf16 kernels": (dequantised, "fp8", "bf16"),
+        "MXFP4 experts, default: weight-only fused kernels": (fused, "mxfp4", "mxfp4"),
+        "MXFP4 experts, dequantised in the step, then bf16 kernels": (dequantised, "mxfp4", "mxfp4"),
     }
     flops = 2 * tokens * top_k * 3 * hidden * width
-    references = {fmt: fused(x, weights, experts, *stacks[fmt]) for fmt in ("bf16", "fp8", "mxfp4")}
+    references = {"bf16": fused(x, weights, experts, *stacks["bf16"])}
+    references |= {fmt: dequantised(x, weights, experts, *stacks[fmt]) for fmt in ("fp8", "mxfp4")}
     print("| path | ms | useful TFLOP/s | vs bf16 | rel. diff (vs) |")
     print("|---|---|---|---|---|")
     bf16_seconds = None
@@ -163,7 +165,7 @@ def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
         diff = rel_error(fn(x, weights, experts, *stacks[fmt]), references[compared])
         print(
             f"| {name} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} | {bf16_seconds / seconds:.2f}x | "
-            f"{diff:.1e} ({compared} default) |",
+            f"{diff:.1e} ({compared}, dequantised) |",
             flush=True,
         )
 

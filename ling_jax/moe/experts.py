@@ -227,7 +227,8 @@ def local_moe(
     """All experts on this device, plus the shared expert when given: `grouped_local_moe`, except that on a GPU
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
     the shared expert (one more row per token) when it has the routed experts' width. Quantised weights (routed
-    or shared) are dequantised by the kernels' ops (the row path: the picked experts only)."""
+    or shared) as the kernels' ops take them: on a GPU the fused path reads them as stored (weight-only), the row
+    path dequantises the picked experts only."""
     tokens, top_k = experts_TK.shape
     row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:

@@ -7,11 +7,11 @@ VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one
 block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs "gpu_triton", a TPU
 backend runs "tpu_mosaic" for a grouped matmul with a quantised (block-FP8 or MXFP4) weight stack, and every other
 case the jnp reference. Expert weights may be quantised (`ling_jax.quantized`): on a GPU, by default
-`gather_swiglu` and `down_scatter` then dequantise them to the activation dtype inside the step and run the dense
-kernels ("gpu_triton", the path verified on hardware at Ling flash size), `routed_experts` dequantises only the
-picked experts; elsewhere the dequantise-then-reference path. The weight-only variant WEIGHT_ONLY (each tile
-dequantised on chip, nothing dense written) runs only when named: on an H200 its FP8 kernels gave wrong results at
-flash size (see `gpu_triton.weight_only`).
+`gather_swiglu` and `down_scatter` then run the weight-only kernels WEIGHT_ONLY (each tile dequantised on chip,
+nothing dense written: a decode step with more than a few rows reads the touched experts' stored bytes instead of
+dequantising the whole layer, and a prefill chunk needs no bf16 copy of the layer's experts); named "gpu_triton"
+they dequantise the layer to the activation dtype inside the step and run the dense kernels. `routed_experts`
+dequantises only the picked experts (WEIGHT_ONLY when named); elsewhere the dequantise-then-reference path.
 """
 
 from __future__ import annotations
@@ -102,6 +102,14 @@ def _pick(op: str, variant: str | None, backend: str, tpu: str = REFERENCE) -> t
     backend = resolve_backend(backend)
     default = variants.by_platform(backend, {"gpu": "gpu_triton", "tpu": tpu})
     return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
+
+
+def _pick_fused(op: str, variant: str | None, backend: str, weights) -> tuple[str, bool]:
+    """`_pick` for the fused kernels: unnamed, quantised weights on a GPU backend run WEIGHT_ONLY."""
+    name, interpret = _pick(op, variant, backend)
+    if variant is None and name == "gpu_triton" and any(is_quantized(w) for w in weights):
+        return WEIGHT_ONLY, interpret
+    return name, interpret
 
 
 def _dense(weights, dtype) -> tuple:
@@ -237,11 +245,11 @@ def gather_swiglu(
     quantised weights (block FP8, MXFP4: the module docstring).
 
     backend as for `grouped_matmul`: the GPU backends run one fused kernel (the rows gathered inside it, both
-    products and the SwiGLU in fp32 before the one store; quantised weights dequantised first, or read as stored
-    by the opt-in WEIGHT_ONLY); the others the jnp reference. Differentiable in x, gate and up; the GPU backward
+    products and the SwiGLU in fp32 before the one store; quantised weights read as stored by WEIGHT_ONLY, or
+    dequantised first by a named "gpu_triton"); the others the jnp reference. Differentiable in x, gate and up; the GPU backward
     pass recomputes the products with the grouped-matmul kernels (WEIGHT_ONLY: as dequantise-then-reference).
     """
-    name, interpret = _pick("gather_swiglu", variant, backend)
+    name, interpret = _pick_fused("gather_swiglu", variant, backend, (gate_GID, up_GID))
     if name == "gpu_triton":
         gate_GID, up_GID = _dense((gate_GID, up_GID), x_XD.dtype)
         return _gather_swiglu_gpu(x_XD, source_R, group_sizes_G, gate_GID, up_GID, limit, fill_tail, interpret)
@@ -316,7 +324,7 @@ def down_scatter(
     quantised weights as for `gather_swiglu`); the others the jnp reference. Differentiable in h, row_weight and
     down; the GPU backward pass uses the grouped-matmul kernels (WEIGHT_ONLY: as dequantise-then-reference).
     """
-    name, interpret = _pick("down_scatter", variant, backend)
+    name, interpret = _pick_fused("down_scatter", variant, backend, (down_GDI,))
     if name == "gpu_triton":
         (down_GDI,) = _dense((down_GDI,), h_RI.dtype)
         return _down_scatter_gpu(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI, fill_tail, interpret)
