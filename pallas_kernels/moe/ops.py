@@ -246,8 +246,9 @@ def gather_swiglu(
 
     backend as for `grouped_matmul`: the GPU backends run one fused kernel (the rows gathered inside it, both
     products and the SwiGLU in fp32 before the one store; quantised weights read as stored by WEIGHT_ONLY, or
-    dequantised first by a named "gpu_triton"); the others the jnp reference. Differentiable in x, gate and up; the GPU backward
-    pass recomputes the products with the grouped-matmul kernels (WEIGHT_ONLY: as dequantise-then-reference).
+    dequantised first by a named "gpu_triton"); the others the jnp reference. Differentiable in x, gate and up;
+    the GPU backward pass recomputes the products with the grouped-matmul kernels (WEIGHT_ONLY: as
+    dequantise-then-reference).
     """
     name, interpret = _pick_fused("gather_swiglu", variant, backend, (gate_GID, up_GID))
     if name == "gpu_triton":
