@@ -6,6 +6,8 @@
     python scripts/bench_generate.py --quick    # a narrow model (smoke test)
 
     python scripts/bench_generate.py --weights bf16,stored   # also the block-FP8 weights a checkpoint stores
+    python scripts/bench_generate.py --preset ling-3.0-flash --weights stored --batches 1,8,32
+                                                # a whole preset (all its layers, no MTP) instead of the slice
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
@@ -38,6 +40,7 @@ from flax import nnx  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
+from ling_jax.presets import preset  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -113,11 +116,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--weights", default="bf16,stored", help="comma-separated weight formats: bf16 and/or stored (block FP8)"
     )
+    parser.add_argument("--preset", help="a whole preset's model (its MTP layer left out) instead of the 8-layer slice")
     args = parser.parse_args(argv)
     formats = args.weights.split(",")
     if not formats or set(formats) - {BF16, STORED}:
         parser.error(f"--weights: expected bf16 and/or stored, comma-separated, got {args.weights!r}")
-    config = flash_slice_config(8, args.quick)
+    if args.preset:
+        config = preset(args.preset).replace(num_nextn_predict_layers=0)
+    else:
+        config = flash_slice_config(8, args.quick)
     context = 512 if args.quick else args.context
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
