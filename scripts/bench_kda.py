@@ -42,9 +42,9 @@ from pallas_kernels.kda import (
     tuned,  # noqa: E402
 )
 from pallas_kernels.kda.gpu_triton import (  # noqa: E402
+    Phase1,
     chunk_blocks,
     decay_blocks,
-    fused_intra_chunk,
     inter_chunk,
     intra_chunk,
     sub_block_keys,
@@ -162,9 +162,9 @@ def _intra_defaults(table) -> dict:
 
 
 PHASE1_DEFAULT = {  # per form of phase 1: three kernels (gpu_triton*), over whole chunks in one kernel or two
-    "three": _intra_defaults(tuned.CHUNK_INTRA),
-    "fused": _intra_defaults(tuned.CHUNK_FUSED),
-    "fused_wy": _intra_defaults(tuned.CHUNK_FUSED_WY),
+    Phase1.THREE_KERNELS: _intra_defaults(tuned.CHUNK_INTRA),
+    Phase1.FUSED: _intra_defaults(tuned.CHUNK_FUSED),
+    Phase1.FUSED_WY: _intra_defaults(tuned.CHUNK_FUSED_WY),
 }
 PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults): the default, then the chunk-wide forms
     ("gpu_triton", {}),
@@ -175,16 +175,16 @@ PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults): the 
 ]
 
 
-def _form(name: str) -> str:
-    """Phase 1 of variant `name`: "three" kernels, "fused" (one chunk-wide kernel) or "fused_wy" (two)."""
-    return {"gpu_triton_fused": "fused", "gpu_triton_fused_wy": "fused_wy"}.get(name, "three")
+def _form(name: str) -> Phase1:
+    """Phase 1 of variant `name`: three kernels, or over whole chunks in one (FUSED) or two (FUSED_WY)."""
+    return {"gpu_triton_fused": Phase1.FUSED, "gpu_triton_fused_wy": Phase1.FUSED_WY}.get(name, Phase1.THREE_KERNELS)
 
 
 def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
     """Phase 1's pallas_calls as jitted functions of their own inputs (each timed alone), with the inputs each
     needs: [(name, fn, args)], in order: the keys, block-row and WY-factors kernels of gpu_triton*, the chunk-wide
     products and WY-factors kernels of gpu_triton_fused_wy (none for gpu_triton_fused: one kernel)."""
-    if _form(name) == "fused":
+    if _form(name) is Phase1.FUSED:
         return []  # one kernel: phase 1 itself
     dtype = knobs["parts_dtype"] or v.dtype
     stages = dict(num_stages=knobs.get("intra_num_stages"), interpret=interpret)
@@ -194,11 +194,11 @@ def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
             parts_dtype=dtype,
             input_dtype=v.dtype,
             num_warps=knobs["intra_factors_num_warps"],
-            invert_diagonal=_form(name) == "fused_wy",
+            invert_diagonal=_form(name) is Phase1.FUSED_WY,
             **stages,
         )
     )
-    if _form(name) == "fused_wy":
+    if _form(name) is Phase1.FUSED_WY:
         products_fn = jax.jit(
             functools.partial(
                 chunk_blocks,
@@ -229,12 +229,19 @@ def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
 
 
 def phase1_function(name: str, knobs: dict, interpret: bool):
-    """Phase 1 of variant `name` (`intra_chunk` or `fused_intra_chunk`) with its knobs, jitted."""
+    """Phase 1 of variant `name` (`intra_chunk` in its form) with its knobs, jitted."""
     tiles = {key.removeprefix("intra_"): value for key, value in knobs.items() if key.startswith("intra_")}
-    common = dict(scale=DIM**-0.5, parts_dtype=knobs["parts_dtype"], interpret=interpret, **tiles)
-    if _form(name) != "three":
-        return jax.jit(functools.partial(fused_intra_chunk, one_kernel=_form(name) == "fused", **common))
-    return jax.jit(functools.partial(intra_chunk, any_gate=knobs["any_gate"], **common))
+    return jax.jit(
+        functools.partial(
+            intra_chunk,
+            scale=DIM**-0.5,
+            parts_dtype=knobs["parts_dtype"],
+            any_gate=knobs["any_gate"],
+            form=_form(name),
+            interpret=interpret,
+            **tiles,
+        )
+    )
 
 
 def bench_prefill_phases(inputs, name, variant, iters, phase1_seconds, interpret):

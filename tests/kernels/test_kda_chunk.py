@@ -67,6 +67,17 @@ def gates_of(kind: str, shape, seed: int):
     return GATES[kind](np.random.default_rng(seed), shape).astype(np.float32)
 
 
+def chunk_kda_of(q, k, v, g, beta, state, dtype=jnp.float32, **options):
+    """chunk_kda on random_sequence's arrays, q, k, v as dtype; state None: a zero state."""
+    return chunk_kda(
+        *(jnp.asarray(x, dtype) for x in (q, k, v)),
+        jnp.asarray(g),
+        jnp.asarray(beta),
+        initial_state=None if state is None else jnp.asarray(state),
+        **options,
+    )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 200])  # 257: test_kernel_bf16
 @pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
@@ -74,12 +85,7 @@ def test_kernel_matches_float64_recurrence_fp32(backend, length, with_state):
     q, k, v, g, beta, state = random_sequence(2, length, 2, 16, 32, jnp.float32, seed=length)
     initial = state if with_state else None
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, initial)
-    o, s = chunk_kda(
-        *(jnp.asarray(x) for x in (q, k, v, g, beta)),
-        initial_state=None if initial is None else jnp.asarray(initial),
-        gate_lower_bound=BOUNDED,
-        backend=backend,
-    )
+    o, s = chunk_kda_of(q, k, v, g, beta, initial, gate_lower_bound=BOUNDED, backend=backend)
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32 and o.shape == o_ref.shape
     assert rel_error(o, o_ref) <= 1e-4, rel_error(o, o_ref)
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
@@ -90,14 +96,7 @@ def test_kernel_bf16(backend):
     """Four whole chunks and a one-token tail (partial tails of other sizes: the fp32 test)."""
     q, k, v, g, beta, state = random_sequence(2, 257, 3, 32, 16, jnp.bfloat16, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda(
-        *(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
-        jnp.asarray(g),
-        jnp.asarray(beta),
-        initial_state=jnp.asarray(state),
-        gate_lower_bound=BOUNDED,
-        backend=backend,
-    )
+    o, s = chunk_kda_of(q, k, v, g, beta, state, jnp.bfloat16, gate_lower_bound=BOUNDED, backend=backend)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]
 
@@ -126,8 +125,7 @@ def test_gates_at_the_bound_do_not_overflow(backend):
     q, k, v, _, beta, state = random_sequence(1, 160, 2, 16, 16, jnp.float32, seed=8)
     g = np.full(q.shape, -5.0, np.float32)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    args = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    o, s = chunk_kda(*args, initial_state=jnp.asarray(state), gate_lower_bound=BOUNDED, backend=backend)
+    o, s = chunk_kda_of(q, k, v, g, beta, state, gate_lower_bound=BOUNDED, backend=backend)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
@@ -142,11 +140,7 @@ def test_any_gate_kernels_match_float64_recurrence(backend, gates, with_state):
     g = gates_of(gates, q.shape, seed=32)
     initial = state if with_state else None
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, initial)
-    o, s = chunk_kda(
-        *(jnp.asarray(x) for x in (q, k, v, g, beta)),
-        initial_state=None if initial is None else jnp.asarray(initial),
-        backend=backend,
-    )
+    o, s = chunk_kda_of(q, k, v, g, beta, initial, backend=backend)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert rel_error(o, o_ref) <= 1e-4, rel_error(o, o_ref)
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
@@ -204,13 +198,7 @@ def test_kernel_without_in_kernel_l2norm(backend):
     q, k, v, g, beta, state = random_sequence(2, 70, 2, 16, 16, jnp.float32, seed=5)
     q, k = l2(q), 0.7 * l2(k)
     o_ref, s_ref = kda_recurrence(q, k, v, g, beta, state)
-    o, s = chunk_kda(
-        *(jnp.asarray(x) for x in (q, k, v, g, beta)),
-        initial_state=jnp.asarray(state),
-        use_qk_l2norm=False,
-        gate_lower_bound=BOUNDED,
-        backend=backend,
-    )
+    o, s = chunk_kda_of(q, k, v, g, beta, state, use_qk_l2norm=False, gate_lower_bound=BOUNDED, backend=backend)
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
 
@@ -489,15 +477,7 @@ def test_gpu_kernel_lowers_for_cuda(name, shape):
 def test_compiled_gpu_kernel_full_width(dtype, variant):
     q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, dtype, seed=11)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    o, s = chunk_kda(
-        *(jnp.asarray(x, dtype) for x in (q, k, v)),
-        jnp.asarray(g),
-        jnp.asarray(beta),
-        initial_state=jnp.asarray(state),
-        gate_lower_bound=BOUNDED,
-        backend="pallas_gpu",
-        variant=variant,
-    )
+    o, s = chunk_kda_of(q, k, v, g, beta, state, dtype, gate_lower_bound=BOUNDED, backend="pallas_gpu", variant=variant)
     err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
     print(f"compiled GPU prefill {variant}, {jnp.dtype(dtype).name} inputs: o {err_o:.1e}, final state {err_s:.1e}")
     assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)  # bf16/tf32 products for bf16 inputs
@@ -511,13 +491,7 @@ def test_compiled_gpu_any_gate_kernel_full_width(dtype):
     for gates in sorted(GATES):
         g = gates_of(gates, q.shape, seed=12)
         o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-        o, s = chunk_kda(
-            *(jnp.asarray(x, dtype) for x in (q, k, v)),
-            jnp.asarray(g),
-            jnp.asarray(beta),
-            initial_state=jnp.asarray(state),
-            backend="pallas_gpu",
-        )
+        o, s = chunk_kda_of(q, k, v, g, beta, state, dtype, backend="pallas_gpu")
         err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
         print(f"compiled any-gate GPU prefill, {jnp.dtype(dtype).name}, {gates}: o {err_o:.1e}, state {err_s:.1e}")
         assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(s)).all(), gates

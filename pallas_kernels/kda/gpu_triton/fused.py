@@ -44,7 +44,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.blocks import LOG2_E, SHIFT_DOWN, SHIFT_UP, inverse_norms, key_column_blocks
-from pallas_kernels.kda.gpu_triton.intra import ChunkParts
 from pallas_kernels.kda.gpu_triton.tril import (
     CHUNK,
     SUB,
@@ -54,7 +53,6 @@ from pallas_kernels.kda.gpu_triton.tril import (
     merged_inverse,
     sub_rows,
     unit_lower_inverse_16,
-    wy_factors,
 )
 from pallas_kernels.tuning import fill, lookup
 
@@ -182,7 +180,7 @@ def _one_kernel(
     input_dtype,
     block_k,
 ):
-    """`fused_intra_chunk(one_kernel=True)`: `_kernel`'s products, then X = (I + L)^-1 from its 16x16 blocks
+    """`one_kernel_parts`: `_kernel`'s products, then X = (I + L)^-1 from its 16x16 blocks
     (split out of the column blocks, the diagonal ones inverted by row updates, `tril.merged_inverse`), put
     together as one [CHUNK, CHUNK] tile, and w = X kb, u = X (beta v) as [CHUNK, CHUNK] x [CHUNK, block_k]
     products (kb formed again from the inputs, block_k columns at a time)."""
@@ -217,30 +215,27 @@ class _Grid(NamedTuple):
     flat: int
     padded: int
     num_chunks: int
+    parts_dtype: object
 
     def inputs(self, width):  # [B, Tp, H, width]: chunk n of head bh
         heads = self.heads
         return pl.BlockSpec((None, CHUNK, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))
 
-    def rows(self, width):  # [BH, Tp, width]
-        return pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))
+    def rows(self, width, dtype=None):  # output [BH, Tp, width], in the parts' dtype unless given
+        shape = jax.ShapeDtypeStruct((self.flat, self.padded, width), dtype or self.parts_dtype)
+        return pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0)), shape
 
-    def per_chunk(self, width):  # [BH, N, 1, width]
-        return pl.BlockSpec((None, None, 1, width), lambda bh, n: (bh, n, 0, 0))
-
-    def rows_shape(self, width, dtype):
-        return jax.ShapeDtypeStruct((self.flat, self.padded, width), dtype)
-
-    def per_chunk_shape(self, width):
-        return jax.ShapeDtypeStruct((self.flat, self.num_chunks, 1, width), jnp.float32)
+    def per_chunk(self, width):  # output [BH, N, 1, width] fp32
+        shape = jax.ShapeDtypeStruct((self.flat, self.num_chunks, 1, width), jnp.float32)
+        return pl.BlockSpec((None, None, 1, width), lambda bh, n: (bh, n, 0, 0)), shape
 
 
-def _grid(q) -> _Grid:
+def _grid(q, parts_dtype) -> _Grid:
     batch, padded, heads, _ = q.shape
-    return _Grid(heads, batch * heads, padded, padded // CHUNK)
+    return _Grid(heads, batch * heads, padded, padded // CHUNK, parts_dtype)
 
 
-def _launch(kernel, grid: _Grid, num_warps: int, interpret: bool, name: str, in_specs, outputs):
+def _launch(kernel, grid: _Grid, name: str, in_specs, outputs, num_warps: int, interpret: bool):
     """pl.pallas_call over `grid` with outputs [(block spec, shape)]."""
     return pl.pallas_call(
         kernel,
@@ -274,108 +269,24 @@ def chunk_blocks(
     `tuned.CHUNK_FUSED_WY`."""
     tiles = lookup(tuned.CHUNK_FUSED_WY, dtype=q.dtype)
     block_k, num_warps = fill((block_k, num_warps), (tiles.block_k, tiles.num_warps))
-    grid, key_dim = _grid(q), q.shape[-1]
+    grid, key_dim = _grid(q, parts_dtype), q.shape[-1]
     kernel = functools.partial(
         _kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype, block_k=min(block_k, key_dim)
     )
-    keys_out = (grid.rows(key_dim), grid.rows_shape(key_dim, parts_dtype))
-    return _launch(
-        kernel,
-        grid,
-        num_warps,
-        interpret,
-        "kda_prefill_fused_blocks",
-        [grid.inputs(key_dim)] * 3 + [grid.inputs(1)],
-        [
-            keys_out,
-            (grid.rows(CHUNK), grid.rows_shape(CHUNK, parts_dtype)),
-            (grid.rows(CHUNK), grid.rows_shape(CHUNK, jnp.float32)),
-            keys_out,
-            keys_out,
-            (grid.per_chunk(key_dim), grid.per_chunk_shape(key_dim)),
-        ],
-    )(q, k, g, beta)
+    keys_out = grid.rows(key_dim)
+    outputs = [keys_out, grid.rows(CHUNK), grid.rows(CHUNK, jnp.float32), keys_out, keys_out, grid.per_chunk(key_dim)]
+    in_specs = [grid.inputs(key_dim)] * 3 + [grid.inputs(1)]
+    return _launch(kernel, grid, "kda_prefill_fused_blocks", in_specs, outputs, num_warps, interpret)(q, k, g, beta)
 
 
-def _one_pass(q, k, v, g, beta, *, scale, use_qk_l2norm, parts_dtype, block_k, num_warps, interpret) -> ChunkParts:
-    grid, key_dim, value_dim = _grid(q), q.shape[-1], v.shape[-1]
+def one_kernel_parts(q, k, v, g, beta, *, scale, use_qk_l2norm, parts_dtype, block_k, num_warps, interpret):
+    """(w, u, qg, kg, a_qk, decay_last): `intra.ChunkParts` from one pallas_call (`_one_kernel`), inputs and
+    grid as `chunk_blocks`'."""
+    grid, key_dim, value_dim = _grid(q, parts_dtype), q.shape[-1], v.shape[-1]
     kernel = functools.partial(
         _one_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype, block_k=min(block_k, key_dim, value_dim)
     )
-    keys_out = (grid.rows(key_dim), grid.rows_shape(key_dim, parts_dtype))
-    outputs = _launch(
-        kernel,
-        grid,
-        num_warps,
-        interpret,
-        "kda_prefill_fused_intra",
-        [grid.inputs(key_dim)] * 3 + [grid.inputs(value_dim), grid.inputs(1)],
-        [
-            keys_out,
-            (grid.rows(value_dim), grid.rows_shape(value_dim, parts_dtype)),
-            keys_out,
-            keys_out,
-            (grid.rows(CHUNK), grid.rows_shape(CHUNK, parts_dtype)),
-            (grid.per_chunk(key_dim), grid.per_chunk_shape(key_dim)),
-        ],
-    )(q, k, g, v, beta)
-    return ChunkParts(*outputs)
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "use_qk_l2norm",
-        "parts_dtype",
-        "block_k",
-        "num_warps",
-        "factors_num_warps",
-        "one_kernel",
-        "interpret",
-    ),
-)
-def fused_intra_chunk(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    scale: float,
-    use_qk_l2norm: bool = True,
-    parts_dtype=None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    factors_num_warps: int | None = None,
-    one_kernel: bool = True,
-    interpret: bool = False,
-) -> ChunkParts:
-    """Phase 1 over whole chunks: the same `ChunkParts` as `intra.intra_chunk` from the same inputs (q, k
-    [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 >= -5, beta [B, Tp, H, 1] fp32, Tp a multiple of
-    CHUNK; parts in parts_dtype, default v's). one_kernel: in one pallas_call (`_one_kernel`; tiles None from
-    `tuned.CHUNK_FUSED`, factors_num_warps unused); else `chunk_blocks` then `tril.wy_factors` inverting the
-    diagonal blocks with factors_num_warps warps (None from `tuned.CHUNK_FUSED_WY`)."""
-    if one_kernel:
-        block_k, num_warps = fill((block_k, num_warps), lookup(tuned.CHUNK_FUSED, dtype=v.dtype))
-    else:
-        block_k, num_warps, factors_num_warps = fill(
-            (block_k, num_warps, factors_num_warps), lookup(tuned.CHUNK_FUSED_WY, dtype=v.dtype)
-        )
-    dtype = v.dtype if parts_dtype is None else parts_dtype
-    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, block_k=block_k, num_warps=num_warps)
-    if one_kernel:
-        return _one_pass(q, k, v, g, beta, interpret=interpret, **options)
-    qg, a_qk, blocks, kb, kg, decay_last = chunk_blocks(q, k, g, beta, interpret=interpret, **options)
-    w, u = wy_factors(
-        blocks,
-        kb,
-        v,
-        beta,
-        parts_dtype=dtype,
-        input_dtype=v.dtype,
-        num_warps=factors_num_warps,
-        invert_diagonal=True,
-        interpret=interpret,
-    )
-    return ChunkParts(w, u, qg, kg, a_qk, decay_last)
+    keys_out = grid.rows(key_dim)
+    outputs = [keys_out, grid.rows(value_dim), keys_out, keys_out, grid.rows(CHUNK), grid.per_chunk(key_dim)]
+    in_specs = [grid.inputs(key_dim)] * 3 + [grid.inputs(value_dim), grid.inputs(1)]
+    return _launch(kernel, grid, "kda_prefill_fused_intra", in_specs, outputs, num_warps, interpret)(q, k, g, v, beta)
