@@ -11,7 +11,7 @@ equal everywhere) and its error, if any, in the coordination service's key-value
 process's. A process that failed re-raises its own error; every other one raises `DistributedError` naming the
 failed process and its error; jobs that differ raise it on every process, naming the flag. Nobody goes on to the
 collectives (or Orbax's barriers) that a missing process would leave hanging. CPU devices (tests) exchange data
-with gloo, jax's default CPU collectives in 0.10.2 and 0.11.2.
+with gloo, jax's default `jax_cpu_collectives_implementation`.
 
 jax and orbax are imported on first use: ling-convert parses its flags, and takes Ctrl-C, before importing them.
 """
@@ -64,7 +64,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Refuse the joining flags without --distributed, and a timeout below a second."""
     given = [f"--{name.replace('_', '-')}" for name in _JOINING_FLAGS if getattr(args, name) is not None]
     if given and not args.distributed:
-        raise DistributedError(f"{', '.join(given)} need --distributed")
+        raise DistributedError(f"{', '.join(given)}: only with --distributed")
     if args.distributed_timeout < 1:
         raise DistributedError(f"--distributed-timeout must be >= 1, got {args.distributed_timeout}")
 
@@ -99,7 +99,7 @@ def join(args: argparse.Namespace, prefix: str = "") -> None:
             process_id=args.process_id,
             initialization_timeout=timeout_s + _JAX_MARGIN_S,
         )
-    except (ValueError, TypeError, RuntimeError) as e:  # flags auto-detection could not complete
+    except (ValueError, TypeError, RuntimeError) as e:  # values jax refuses, or could not detect
         raise DistributedError(f"--distributed: {e}") from e
     finally:
         watchdog.cancel()
@@ -119,7 +119,7 @@ def agreement(stage: str, job: Mapping[str, object], timeout_s: float) -> Iterat
     try:
         yield job
     except Exception as e:
-        _exchange(stage, job, f"{type(e).__name__}: {e}", timeout_s)
+        _exchange(stage, job, str(e) or type(e).__name__, timeout_s)
         raise
     _exchange(stage, job, None, timeout_s)
 
