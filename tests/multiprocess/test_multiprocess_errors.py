@@ -23,8 +23,8 @@ def errors(stderr: str) -> list[str]:
 
 def test_a_process_count_the_launch_does_not_match_fails_within_the_timeout(launch):
     start = time.monotonic()
-    runs = launch(lambda i, at: generate(i, at, "--preset", "tiny", processes=3, timeout_s=3), timeout_s=90)
-    assert time.monotonic() - start < 60  # the imports, then 3 s
+    runs = launch(lambda i, at: generate(i, at, "--preset", "tiny", processes=3, timeout_s=3), timeout_s=150)
+    assert time.monotonic() - start < 120  # the imports, then 3 s (jax alone: 300 s, then an abort)
     for i, run in enumerate(runs):
         assert run.returncode == 2
         (error,) = errors(run.stderr)
