@@ -1,5 +1,5 @@
 """ling-convert SRC DST [--dtype bf16|fp8] [--mesh AXES] [--workers N] [--resume] [--verify] [--overwrite]
-[--allow-nonfinite] [--distributed]
+[--allow-nonfinite] [--distributed [--coordinator HOST:PORT --num-processes N --process-id I]]
 
 A refused input (a flag, SRC, DST, a damaged file) ends it with one `ling-convert: error: ...` line and status 2,
 as argparse's usage errors; an unexpected failure is a traceback and status 1. Ctrl-C ends it with one line and
@@ -14,6 +14,7 @@ import os
 import sys
 
 from convert import BF16, FP8_KEPT, ConvertError
+from ling_jax import distributed
 
 INTERRUPTED = "ling-convert: interrupted; run the same command with --resume to continue"
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, as shells report it
@@ -63,12 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow-nonfinite", action="store_true", help="convert tensors holding NaN or Inf instead of refusing them"
     )
-    parser.add_argument(
-        "--distributed",
-        action="store_true",
-        help="multi-host: join jax.distributed; each process converts the tensors it owns",
-    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    distributed.add_arguments(
+        parser,
+        "multi-host: join the jax.distributed job first; each process converts the tensors it owns, process 0 "
+        "merges them (SRC and DST on a filesystem every process shares; docs/multihost.md)",
+    )
     return parser
 
 
@@ -77,6 +78,11 @@ def _run(args: argparse.Namespace) -> int:
     from ling_jax.sharding import parse_mesh
 
     try:
+        distributed.check_arguments(args)
+        cluster = Cluster()
+        if args.distributed:
+            distributed.join(args, "ling-convert: ")
+            cluster = Cluster.jax_distributed(args.distributed_timeout)
         mesh = parse_mesh(args.mesh) if args.mesh else None
         options = Options(
             dtype=args.dtype,
@@ -88,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             mesh=mesh,
             allow_nonfinite=args.allow_nonfinite,
         )
-        summary = convert(args.src, args.dst, options, Cluster.jax_distributed() if args.distributed else Cluster())
+        summary = convert(args.src, args.dst, options, cluster)
     except (ConvertError, ValueError, OSError) as e:
         print(f"ling-convert: error: {e}", file=sys.stderr)
         return INPUT_ERROR_STATUS

@@ -2,20 +2,25 @@
 slice read, transformed by a hook, refused if it holds NaN / Inf, and written, on a thread pool -> per-process
 databases merged, metadata written -> optional verification -> the finished directory renamed to DST.
 
-Multi-host (best effort): under `jax.distributed` every process converts only the parameters it owns
-(`plan.owned_by`) into its own OCDBT database inside the shared workspace; process 0 merges them, writes the
-metadata and publishes DST between barriers. The workspace must be on a filesystem all processes share.
+Multi-host: under `jax.distributed` every process converts only the parameters it owns (`plan.owned_by`) into its
+own OCDBT database inside the shared workspace; process 0 merges them, writes the metadata and publishes DST
+between barriers. The workspace must be on a filesystem all processes share. The checks before any tensor is
+converted, and the workspace's creation and attachment, are stages every process agrees on
+(`ling_jax.distributed.agreement`): SRC missing on one process, a workspace another process cannot see or a
+different command stop every process with an error instead of leaving them waiting at a barrier.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 
 import jax
 import numpy as np
@@ -32,6 +37,7 @@ from convert.source import ShardReader
 from convert.store import ArrayStore, finalize, sync_to_disk
 from convert.verify import verify_params
 from convert.workspace import Journal, Workspace
+from ling_jax import distributed
 from ling_jax.build import text_config_of
 from ling_jax.checkpoints.finite_check import NonFiniteError, check_finite
 from ling_jax.checkpoints.hf import TensorResolver
@@ -54,6 +60,12 @@ def _no_barrier(name: str) -> None:
     del name
 
 
+@contextlib.contextmanager
+def _then_barrier(barrier: Callable[[str], None], stage: str) -> Iterator[None]:
+    yield
+    barrier(stage)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """The processes converting together, and how they wait for each other."""
@@ -61,16 +73,23 @@ class Cluster:
     process_index: int = 0
     process_count: int = 1
     barrier: Callable[[str], None] = _no_barrier
+    timeout_s: int | None = None  # under jax.distributed: how long a stage waits for the other processes
 
     @classmethod
-    def jax_distributed(cls) -> Cluster:
-        """Join the job `jax.distributed.initialize()` detects (TPU pods, SLURM, JAX_COORDINATOR_ADDRESS...)."""
-        jax.distributed.initialize()
-        return cls(jax.process_index(), jax.process_count(), ocp.multihost.sync_global_processes)
+    def jax_distributed(cls, timeout_s: int) -> Cluster:
+        """The job this process joined (`ling_jax.distributed.join`)."""
+        return cls(jax.process_index(), jax.process_count(), ocp.multihost.sync_global_processes, timeout_s)
 
     @property
     def primary(self) -> bool:
         return self.process_index == 0
+
+    def stage(self, name: str, job: Mapping[str, object]) -> AbstractContextManager:
+        """Run a stage's body on every process, then wait for all of them; under jax.distributed an error or a
+        different `job` on any process stops every process (`ling_jax.distributed.agreement`)."""
+        if self.timeout_s is None:
+            return _then_barrier(self.barrier, name)
+        return distributed.agreement(name, job, self.timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,21 +178,22 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     """Convert the HF checkpoint directory `src` into the Orbax checkpoint `dst` (see the module docstring)."""
     named_dst = os.path.abspath(dst)
     src, dst = os.path.realpath(src), os.path.realpath(dst)
-    workspace = Workspace(dst)
-    if not os.path.isdir(src):
-        raise ConvertError(f"{src}: source checkpoint directory not found")
-    check_apart(src, dst, workspace.path, named_dst)
-    check_destination(dst, options.overwrite)
-    config, tensors = open_source(src)
-    plans = build_plan(TensorResolver(tensors, text_config_of(config)), config, options.dtype, options.mesh)
-    mine = owned_by(plans, cluster.process_index, cluster.process_count)
-
     job = {"source": src, "dtype": options.dtype, "process_count": cluster.process_count}
-    if cluster.primary:
-        workspace.prepare(job, resume=options.resume, overwrite=options.overwrite)
-    cluster.barrier("ling-convert:workspace")
-    if not cluster.primary:
-        workspace.attach(job)
+    command = {**job, "destination": dst, "mesh": options.mesh, "resume": options.resume, "verify": options.verify}
+    with cluster.stage("ling-convert:checked", command):
+        workspace = Workspace(dst)
+        if not os.path.isdir(src):
+            raise ConvertError(f"{src}: source checkpoint directory not found")
+        check_apart(src, dst, workspace.path, named_dst)
+        check_destination(dst, options.overwrite)
+        config, tensors = open_source(src)
+        plans = build_plan(TensorResolver(tensors, text_config_of(config)), config, options.dtype, options.mesh)
+        mine = owned_by(plans, cluster.process_index, cluster.process_count)
+        if cluster.primary:
+            workspace.prepare(job, resume=options.resume, overwrite=options.overwrite)
+    with cluster.stage("ling-convert:workspace", command):
+        if not cluster.primary:  # the workspace must be on a filesystem every process shares
+            workspace.attach(job)
     journal = workspace.journal(cluster.process_index)
     done = journal.finished() if options.resume else set()
     todo = [plan for plan in mine if plan.name not in done]

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from ling_jax.build import abstract_model, load_model_config
 from ling_jax.checkpoints.finite_check import all_finite_numpy
 from ling_jax.checkpoints.hf import SCALE_SUFFIX, STORED, check_weights
+from ling_jax.checkpoints.pieces import one_device_sharding
 from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight, check_activation_dtype, dequantize_blocks, is_quantized
@@ -225,7 +226,7 @@ def load_checkpoint(
     """Restore a ling-convert checkpoint as `LingForCausalLM` (`LingVLForConditionalGeneration` for a VL one).
 
     Every parameter is restored straight into its target sharding (from the logical axis rules of
-    `ling_jax.sharding` over `mesh`, or on the first device without one) from an abstract model
+    `ling_jax.sharding` over `mesh`, or on this process's first device without one) from an abstract model
     (`nnx.eval_shape`): arrays go from storage to their devices one by one, and the model is never built on the
     host first.
     `dtype` is the model (activation) dtype (default: the dtype the checkpoint was converted to; FP8
@@ -251,7 +252,7 @@ def load_checkpoint(
     stored = _stored_arrays(path)
     flat = [(p, _as_stored(path, p, v, stored, layout, weights)) for p, v in nnx.to_flat_state(abstract_state)]
     if mesh is None:
-        one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        one_device = one_device_sharding()  # this process's: jax.devices()[0] is process 0's
         shardings = {p: jax.tree.map(lambda _: one_device, v.get_value()) for p, v in flat}
         small = one_device
     else:

@@ -16,9 +16,12 @@ checkpoint's index and layout files) is checked before they load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import jinja2
 
+from ling_jax import distributed
 from ling_jax.checkpoints.hf import STORED, WEIGHTS, load_hf_checkpoint
 from ling_jax.checkpoints.orbax import LAYOUT_FILE, load_checkpoint
 from ling_jax.config import LingConfig
@@ -223,15 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
         "before loading (it refuses with the figures and a --weights or --mesh that would fit)",
     )
     running.add_argument(
-        "--distributed",
-        action="store_true",
-        help="multi-host: call jax.distributed.initialize() first; only process 0 prints",
-    )
-    running.add_argument(
         "--no-compile-cache",
         action="store_true",
         help="do not keep compiled programs in the persistent cache (default: on, in "
         f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)",
+    )
+
+    distributed.add_arguments(
+        parser,
+        "multi-process (TPU pod, several GPU hosts): join the jax.distributed job first; every process runs the "
+        "same command and reads only its own devices' slices of the weights; only process 0 prints "
+        "(docs/multihost.md)",
     )
 
     output = parser.add_argument_group("output")
@@ -344,42 +350,55 @@ class Run:
 
 
 def _prepare(args: argparse.Namespace) -> Run:
-    """Check the flags, load the model and tokenizer, encode the prompts: every user error surfaces here."""
-    _check_flags(args)
+    """Check the flags, load the model and tokenizer, encode the prompts: every user error surfaces here. With
+    --distributed, every process's checks are compared before any weight is read (`distributed.agreement`)."""
+    distributed.check_arguments(args)
     if args.distributed:
-        jax.distributed.initialize()
-    is_main = jax.process_index() == 0
-    sampling = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
-    stops = StopChecker(args.stop) if args.stop else None
-    mesh = _build_mesh(args)
-    if args.interactive:
-        interactive.check_flags(args)
-    texts = [] if args.interactive else _read_prompts(args)
-    source = _model_source(args, verbose=is_main)  # config and tokenizer: checked before any weight is read
-    config = source.text_config
-    if args.mtp and not config.num_nextn_predict_layers:
-        raise CLIError(
-            f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none (num_nextn_predict_layers = 0)"
+        distributed.join(args)
+        model_path = None if args.model is None else os.path.abspath(args.model)
+        job = distributed.job_of(args, model=model_path)
+        checks = distributed.agreement("generate", job, args.distributed_timeout)
+    else:
+        checks = contextlib.nullcontext({})
+    with checks as job:
+        _check_flags(args)
+        is_main = jax.process_index() == 0
+        sampling = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
         )
-    media = _load_media(args, source) if (args.image or args.video) else None
-    prompts = [_encode(source.tokenizer, text, args, media, source.vl_config) for text in texts]
-    _check_lengths(prompts, args.max_new_tokens, config)
-    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
-    policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
-    try:
+        stops = StopChecker(args.stop) if args.stop else None
+        mesh = _build_mesh(args)
+        if args.interactive:
+            interactive.check_flags(args)
+        texts = [] if args.interactive else _read_prompts(args)
+        source = _model_source(args, verbose=is_main)  # config and tokenizer: checked before any weight is read
+        config = source.text_config
+        if args.mtp and not config.num_nextn_predict_layers:
+            raise CLIError(
+                f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none "
+                "(num_nextn_predict_layers = 0)"
+            )
+        media = _load_media(args, source) if (args.image or args.video) else None
+        prompts = [_encode(source.tokenizer, text, args, media, source.vl_config) for text in texts]
+        job["prompts"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # from stdin or a file, too
+        _check_lengths(prompts, args.max_new_tokens, config)
+        dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+        policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
         if not args.no_memory_check:
-            _check_memory(args, source, mesh, dtype, prompts)
+            try:
+                _check_memory(args, source, mesh, dtype, prompts)
+            except ShardingError as e:
+                raise _unfit(args, e) from e
+    try:
         model = _load_model(source, dtype, mesh, policy, args.weights, verbose=is_main)
         generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
-        raise CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {e}") from e
+        raise _unfit(args, e) from e
     return Run(
         args,
         generator,
@@ -391,6 +410,10 @@ def _prepare(args: argparse.Namespace) -> Run:
         is_main,
         None if media is None else media_inputs(media, len(prompts)),
     )
+
+
+def _unfit(args: argparse.Namespace, error: ShardingError) -> CLIError:
+    return CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {error}")
 
 
 class Completion:

@@ -15,8 +15,8 @@ def leaves(model) -> dict[str, jax.Array]:
 
 
 def assert_each_device_holds_its_fraction(model, mesh) -> None:
-    """Every array: one piece on each device of `mesh`, of its global shape divided by the mesh axes its spec
-    names (no device holds more than its share)."""
+    """Every array: one piece on each of this process's devices of `mesh`, of its global shape divided by the mesh
+    axes its spec names (no device holds more than its share)."""
     for name, leaf in leaves(model).items():
         spec = leaf.sharding.spec
         ways = [
@@ -24,5 +24,5 @@ def assert_each_device_holds_its_fraction(model, mesh) -> None:
             for entry in (*spec, *(None,) * (leaf.ndim - len(spec)))
         ]
         expected = tuple(size // n for size, n in zip(leaf.shape, ways))
-        assert len(leaf.addressable_shards) == mesh.size, name
+        assert len(leaf.addressable_shards) == len(mesh.local_devices), name
         assert {shard.data.shape for shard in leaf.addressable_shards} == {expected}, name
