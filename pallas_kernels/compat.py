@@ -1,4 +1,5 @@
-"""Differences between the jax versions ling-jax runs on (0.10.2 on CPU, 0.11.2 on GPU), in one place."""
+"""Differences between the jax versions ling-jax runs on (0.10.2 on CPU, 0.11.2 on GPU), and between the
+orbax-checkpoint versions it reads checkpoints with, in one place."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ def mosaic_gpu_interpret(enabled: bool):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+# --- orbax-checkpoint ------------------------------------------------------------------------------------------
+# ling-convert writes its tensorstore specs itself (convert/store.py: orbax's spec builders are internal and
+# changed across releases); what remains of orbax is its public checkpointer API, which differs here.
+
+
+def checkpoint_tree_metadata(path: str):
+    """The tree metadata (`.tree`: the nested dict of `ArrayMetadata`) of the Orbax PyTree checkpoint at `path`,
+    or None where it has none. orbax-checkpoint >= 0.11.22 returns it from `StandardCheckpointer.metadata` inside
+    a `StepMetadata`, older releases bare. orbax is imported here, on first use: `import ling_jax` stays cheap."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(path)
+    return metadata.item_metadata if isinstance(metadata, ocp.metadata.StepMetadata) else metadata

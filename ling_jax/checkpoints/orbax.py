@@ -35,6 +35,7 @@ from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight, check_activation_dtype, dequantize_blocks, is_quantized
 from ling_jax.sharding import param_shardings
+from pallas_kernels.compat import checkpoint_tree_metadata
 
 LAYOUT_FILE = "ling_convert.json"
 LAYOUT_FORMAT = "ling-convert/1"
@@ -139,8 +140,7 @@ def _stored_arrays(path: str) -> dict[str, ocp.metadata.ArrayMetadata]:
     level = absl_logger.level
     absl_logger.setLevel(logging.ERROR)  # orbax logs a warning of its own where it returns no metadata
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            item = checkpointer.metadata(path).item_metadata
+        item = checkpoint_tree_metadata(path)
     except Exception as e:  # orbax raises whatever its parsers meet
         raise ValueError(f"{path}: damaged checkpoint: its array metadata cannot be read ({_root_cause(e)})") from e
     finally:
@@ -203,14 +203,17 @@ def _restore(path: str, target: dict[tuple, jax.ShapeDtypeStruct], progress: boo
     restored = {}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         for group in tqdm(groups.values(), desc="loading checkpoint", unit="group", disable=not progress):
-            tree = _nested(group)
+            # asked for by the keys as stored, all strings (layer indices too): orbax 0.11.20 matches keys exactly
+            paths = {tuple(str(key) for key in p): p for p in group}
+            tree = _nested({keys: group[p] for keys, p in paths.items()})
             args = ocp.args.PyTreeRestore(
                 item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree), partial_restore=True
             )
             try:
-                restored.update(_flatten(checkpointer.restore(path, args=args)))
+                values = _flatten(checkpointer.restore(path, args=args))
             except Exception as e:  # tensorstore's errors arrive wrapped in a bare Exception
                 raise ValueError(f"{path}: restoring failed, the checkpoint looks damaged: {_root_cause(e)}") from e
+            restored.update({paths[keys]: value for keys, value in values.items()})
     return restored
 
 

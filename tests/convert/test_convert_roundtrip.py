@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from checkpoint_factory import make_quantized_checkpoint, read_checkpoint_tensors, write_hf_checkpoint
 from flax import nnx
@@ -21,6 +20,7 @@ from ling_jax.checkpoints.orbax import load_checkpoint, param_name
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
 from ling_jax.quantized import BlockFP8Weight, dequantize_blocks
 from ling_jax.sharding import make_mesh, param_shardings
+from pallas_kernels.compat import checkpoint_tree_metadata
 
 FP32_TOL = 1e-4
 KEPT_FP32 = ("A_log", "dt_bias", "conv1d.weight", "expert_bias")  # stay float32 in a bf16 conversion
@@ -68,8 +68,7 @@ def test_logits_match_oracle_on_dequantised_weights(oracle_dirs, tmp_path, oracl
 
 
 def _stored_names(path) -> set[str]:
-    with ocp.StandardCheckpointer() as checkpointer:
-        tree = checkpointer.metadata(path).item_metadata.tree
+    tree = checkpoint_tree_metadata(str(path)).tree
     return {".".join(str(k.key) for k in keys) for keys, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
