@@ -15,7 +15,8 @@ out. Three programs, each compiled once per shape and run with the slot batch do
   the budget's rows) and each row computes what a batch-1 `Generator.generate` computes;
 - `first_token`: the request's first token from its last prompt position;
 - `decode`: one decode step of every slot. Slots that are not decoding (free, or between prefill chunks) run
-  too, with no pages (they read and write none), and keep their KDA states, length, token and token count.
+  too, with no pages (they read and write only a scratch page), and keep their KDA states, length, token and
+  token count.
 
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
 request's tokens depend on its own seed and position only, never on the other slots.
@@ -51,8 +52,9 @@ def _put_slot_rows(tree, rows, slot):
 
 
 def _no_page(cache: LingCache) -> int:
-    """The page id that stands for no page: one past the pool."""
-    return next(s.latent_pages.shape[0] for s in cache.layers if not isinstance(s, KDAState))
+    """The scratch page, the device pool's last (one past the `PagePool`'s, never given out): table entries of no
+    page name it, so a slot without pages reads and writes only it (in bounds, for kernels reading in place)."""
+    return next(s.latent_pages.shape[0] for s in cache.layers if not isinstance(s, KDAState)) - 1
 
 
 def _gather_rows(cache: LingCache, slots_P) -> LingCache:
@@ -139,8 +141,9 @@ def _where_rows(rows_B, new, old):
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
 def _decode(static, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_B):
-    """One decode step of every slot; slots not active have no pages in it (they touch none: a new request's
-    slot may list shared pages before its first prefill) and keep their KDA states, length, token and count."""
+    """One decode step of every slot; slots not active have no pages in it (they touch only the scratch page: a
+    new request's slot may list shared pages before its first prefill) and keep their KDA states, length, token
+    and count."""
     no_pages_BN = jnp.full_like(cache.page_table, _no_page(cache))
     stepping = cache.replace(page_table=jnp.where(active_B[:, None], cache.page_table, no_pages_BN))
     out = static.merge(leaves)(token_B[:, None], cache=stepping)
@@ -198,10 +201,11 @@ class Engine:
         self.pages_per_slot = -(-max_context // page_size)
         num_pages = max_batch * self.pages_per_slot + prefix_cache_bytes // page_bytes
         self.pages = PagePool(num_pages, page_size, page_bytes)
-        self.page_table_BN = np.full((max_batch, self.pages_per_slot), num_pages, np.int32)  # the host's copy
-        self._table_changed = False
+        # the host's copy; num_pages: no page (the device's scratch page)
+        self.page_table_BN = np.full((max_batch, self.pages_per_slot), num_pages, np.int32)
+        self._table_changed = True  # the device's table (all out of range) becomes the host's at the first program
         self.cache = self._place(
-            LingCache.create_paged(self.config, max_batch, num_pages, page_size, self.pages_per_slot, model.dtype)
+            LingCache.create_paged(self.config, max_batch, num_pages + 1, page_size, self.pages_per_slot, model.dtype)
         )
         self.seen_BV = jnp.zeros((max_batch, self.config.vocab_size), bool)
         self.token_B = jnp.zeros((max_batch,), jnp.int32)
