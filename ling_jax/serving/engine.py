@@ -309,7 +309,8 @@ class Engine:
     def _synced(self) -> LingCache:
         """The cache with the host's page table (sent to the device once after each change)."""
         if self._table_changed:
-            self.cache = self._place(self.cache.replace(page_table=jnp.asarray(self.page_table_BN)))
+            table_BN = jnp.array(self.page_table_BN, copy=True)  # never a view of the host's table, edited in place
+            self.cache = self._place(self.cache.replace(page_table=table_BN))
             self._table_changed = False
         return self.cache
 
