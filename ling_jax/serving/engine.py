@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.cache import KDAState, LingCache
+from ling_jax.checkpoints.pieces import one_device_sharding
 from ling_jax.config import MLA
 from ling_jax.generation.generator import MIN_CHUNK, prefill_chunks
 from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
@@ -207,14 +208,19 @@ class Engine:
         self.cache = self._place(
             LingCache.create_paged(self.config, max_batch, num_pages + 1, page_size, self.pages_per_slot, model.dtype)
         )
-        self.seen_BV = jnp.zeros((max_batch, self.config.vocab_size), bool)
-        self.token_B = jnp.zeros((max_batch,), jnp.int32)
-        self.steps_B = jnp.zeros((max_batch,), jnp.int32)
+        replicated = one_device_sharding() if mesh is None else jax.sharding.NamedSharding(mesh, jax.P())
+        self.seen_BV = jax.device_put(jnp.zeros((max_batch, self.config.vocab_size), bool), replicated)
+        self.token_B = jax.device_put(jnp.zeros((max_batch,), jnp.int32), replicated)
+        self.steps_B = jax.device_put(jnp.zeros((max_batch,), jnp.int32), replicated)
         self._params = [GREEDY] * max_batch
         self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
 
-    def _place(self, cache: LingCache) -> LingCache:
-        return cache if self.mesh is None else jax.device_put(cache, cache_shardings(cache, self.mesh))
+    def _place(self, tree):
+        """`tree` committed where the programs keep it (one device, or the cache's shardings over the mesh): an
+        uncommitted input would compile each program again once its outputs, committed, come back."""
+        if self.mesh is None:
+            return jax.device_put(tree, one_device_sharding())
+        return jax.device_put(tree, cache_shardings(tree, self.mesh))
 
     def chunks(self, prompt_length: int) -> list[int]:
         """The chunk lengths a prompt of `prompt_length` tokens is prefilled in (the last chunk ends with it)."""
