@@ -31,6 +31,7 @@ _PUBLIC = {
     "LingCache": "ling_jax.cache",
     "MLAState": "ling_jax.cache",
     "MTPCache": "ling_jax.cache",
+    "PagedMLAState": "ling_jax.cache",
     "functional": "ling_jax",
     # which model a checkpoint builds; the VL model
     "build_model": "ling_jax.build",

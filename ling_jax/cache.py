@@ -10,6 +10,11 @@ Per sequence b of a batch:
   dtype: per slot [c_kv after kv_a_layernorm (512) ; k_pe after RoPE (64)] = 576 values, the absorbed
   form's whole cache (an expanded cache would hold H * (192 + 128) values per token). RoPE pairs sit where
   the checkpoint's rope dims are (interleaved pairs in place), unlike transformers' de-interleaved copy.
+- Paged MLA layer (`PagedMLAState`, the server's layout): `latent_pages` [P, page_size, A], a pool of pages
+  shared by every sequence; `LingCache.page_table` [B, N] int32 maps sequence b's slot s to row
+  s % page_size of page page_table[b, s // page_size] (one table for every paged layer, so a page id names the
+  same tokens in each). Sequences that share a prefix may share its pages; an entry >= P is no page (writes
+  there are dropped).
 - MTP layer: an `MLAState` of its own plus its own lengths (`MTPCache`).
 """
 
@@ -46,13 +51,24 @@ class MLAState:
 
 
 @struct.dataclass
+class PagedMLAState:
+    latent_pages: jax.Array  # [P, page_size, kv_lora_rank + qk_rope_head_dim]
+
+
+@struct.dataclass
 class LingCache:
-    layers: tuple  # one KDAState or MLAState per decoder layer
+    layers: tuple  # one KDAState, MLAState or PagedMLAState per decoder layer
     lengths: jax.Array  # [B] int32
+    page_table: jax.Array | None = None  # [B, N] int32: the PagedMLAState layers' pages per sequence
 
     @property
     def max_length(self) -> int:
-        return next((s.latent.shape[1] for s in self.layers if isinstance(s, MLAState)), 0)
+        for s in self.layers:
+            if isinstance(s, MLAState):
+                return s.latent.shape[1]
+            if isinstance(s, PagedMLAState):
+                return self.page_table.shape[1] * s.latent_pages.shape[1]
+        return 0
 
     @classmethod
     def create(cls, config: LingConfig, batch_size: int, max_length: int, dtype) -> LingCache:
@@ -63,6 +79,23 @@ class LingCache:
             for kind in config.layer_types
         )
         return cls(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    @classmethod
+    def create_paged(
+        cls, config: LingConfig, batch_size: int, num_pages: int, page_size: int, pages_per_sequence: int, dtype
+    ) -> LingCache:
+        """Paged caches: `num_pages` pages of `page_size` slots per MLA layer, every table entry empty (P)."""
+        layers = tuple(
+            KDAState.zeros(config, batch_size, dtype)
+            if kind == KDA
+            else PagedMLAState(latent_pages=jnp.zeros((num_pages, page_size, config.latent_dim), dtype))
+            for kind in config.layer_types
+        )
+        return cls(
+            layers=layers,
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+            page_table=jnp.full((batch_size, pages_per_sequence), num_pages, jnp.int32),
+        )
 
 
 def commit_verified(cache: LingCache, accepted_B: jax.Array, num_verified: int) -> LingCache:
@@ -78,7 +111,7 @@ def commit_verified(cache: LingCache, accepted_B: jax.Array, num_verified: int) 
         else s
         for s in cache.layers
     )
-    return LingCache(layers=layers, lengths=cache.lengths - num_verified + accepted_B + 1)
+    return cache.replace(layers=layers, lengths=cache.lengths - num_verified + accepted_B + 1)
 
 
 @struct.dataclass

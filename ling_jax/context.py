@@ -41,6 +41,7 @@ class TokenContext:
     visibility: KeyVisibility  # which keys (cache slots, or the T tokens themselves) each query may see
     decode_lengths_B: jax.Array | None  # one-token decode over a cache: the visible prefix per sequence
     policy: ExecutionPolicy = struct.field(pytree_node=False)  # both modes concrete (`ExecutionPolicy.for_call`)
+    page_table_BN: jax.Array | None = None  # a paged cache's pages per sequence (`ling_jax.cache`); None: not paged
 
     @property
     def kda_mode(self) -> KDAMode:
@@ -64,6 +65,7 @@ def token_context(
     attention_mask=None,
     lengths=None,
     max_length: int = 0,
+    page_table=None,
     policy: ExecutionPolicy | None = None,
     kda_mode=None,
     mla_mode=None,
@@ -71,7 +73,8 @@ def token_context(
     """Masks, slots and RoPE tables for a call of T = `length` tokens per row.
 
     lengths: the cache's [B] token count (the new tokens go to slots lengths[b], ...), or None without a cache;
-    max_length: the cache's slots. positions default to each real token's index (after the cached ones).
+    max_length: the cache's slots; page_table: a paged cache's [B, N] table (`LingCache.page_table`).
+    positions default to each real token's index (after the cached ones).
     policy: the execution policy (default: `ExecutionPolicy()`); kda_mode / mla_mode override its modes for this
     call.
     """
@@ -98,4 +101,4 @@ def token_context(
     positions = jnp.asarray(positions)
     shape = (batch, length, 3) if positions.ndim == 3 else (batch, length)  # [B, T, 3]: VL (t, h, w) positions
     cos, sin = rope_cos_sin(jnp.broadcast_to(positions, shape), config)
-    return TokenContext(mask, cos, sin, slots, visibility, decode_lengths, policy)
+    return TokenContext(mask, cos, sin, slots, visibility, decode_lengths, policy, page_table)

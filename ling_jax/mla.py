@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.cache import MLAState
+from ling_jax.cache import MLAState, PagedMLAState
 from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext
 from ling_jax.layers import Linear, RMSNorm, Weights, linear, params_of, rms_norm
@@ -22,8 +22,8 @@ from ling_jax.policy import ExecutionPolicy, KernelBackend, MLAMode, as_policy
 from ling_jax.quantized import dequantized
 from ling_jax.rope import apply_rope, softmax_scale
 from ling_jax.sharding import per_shard
-from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_prefill
-from pallas_kernels.mla.reference import absorbed_attention
+from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_decode_paged, mla_prefill
+from pallas_kernels.mla.reference import absorbed_attention, gather_pages
 
 EXPANDED = MLAMode.EXPANDED
 ABSORBED = MLAMode.ABSORBED
@@ -33,6 +33,7 @@ ABSORBED = MLAMode.ABSORBED
 _BTHD = ("activation_batch", None, "heads", None)
 _BHD = ("activation_batch", "heads", None)
 _BSA = ("activation_batch", None, None)
+_BN = ("activation_batch", None)
 _HCR = ("heads", None, None)
 
 
@@ -78,6 +79,7 @@ def mla_attend(
     mode: MLAMode,
     decode_lengths_B,
     backend: KernelBackend,
+    page_table_BN=None,
 ) -> jax.Array:
     """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
 
@@ -85,8 +87,13 @@ def mla_attend(
     (`pallas_kernels.mla.mla_prefill` with `backend`: memory O(block^2), not O(T x S)).
     decode_lengths_B: for a one-token decode over a cache whose first lengths[b] slots are visible,
     absorbed mode runs `pallas_kernels.mla.mla_decode` with `backend`.
+    page_table_BN: keys_BSA is then a paged cache's pages [P, page_size, A] (`ling_jax.cache`): a decode reads
+    them in place (`mla_decode_paged`), every other call attends to each sequence's pages gathered in order.
     """
     c = cfg
+    paged_decode = page_table_BN is not None and mode == ABSORBED and decode_lengths_B is not None
+    if page_table_BN is not None and not paged_decode:
+        keys_BSA = gather_pages(keys_BSA, page_table_BN)
     scale = softmax_scale(c)
     q_nope, q_pe = _queries(weights, x_BTD, cos, sin, c, backend)
     kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
@@ -96,6 +103,13 @@ def mla_attend(
         q_latent = absorb(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR).reshape(*q_nope.shape[:3], -1)
         if decode_lengths_B is None:
             o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=scale)
+        elif paged_decode:
+            decode = per_shard(
+                functools.partial(mla_decode_paged, scale=scale, backend=backend),
+                in_axes=(_BHD, _BHD, None, _BN, ("activation_batch",)),
+                out_axes=(_BHD,),
+            )
+            o_latent = decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, page_table_BN, decode_lengths_B)[:, None]
         else:
             decode = per_shard(
                 functools.partial(mla_decode, scale=scale, backend=backend),
@@ -128,13 +142,25 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
     """The MLA layer: x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated cache).
 
     weights: the layer's `attention` parameters. Without a cache (None) the tokens attend to themselves; with
-    one, their latents are written to slots ctx.slots_BT first (pads are dropped) and the tokens attend to the
+    one (an MLAState, or a PagedMLAState through ctx.page_table_BN), their latents are written to slots
+    ctx.slots_BT first (pads are dropped) and the tokens attend to the
     cache's visible slots (`ctx.visibility`), so a prefill then decodes over the returned cache equal one full
     call. Mode and kernel backend: `ctx.policy`.
     """
     latent_BTA = mla_latent(weights, x_BTD, ctx.cos, ctx.sin, cfg, backend=ctx.kernel_backend)
+    page_table_BN = None
     if cache is None:
         keys_BSA = latent_BTA
+    elif isinstance(cache, PagedMLAState):
+        num_pages, page_size = cache.latent_pages.shape[:2]
+        page_table_BN = ctx.page_table_BN
+        page_BT = jnp.take_along_axis(  # pads' slots lie past every table: no page, dropped
+            page_table_BN, ctx.slots_BT // page_size, axis=1, mode="fill", fill_value=num_pages
+        )
+        keys_BSA = cache.latent_pages.at[page_BT, ctx.slots_BT % page_size].set(
+            latent_BTA.astype(cache.latent_pages.dtype), mode="drop"
+        )
+        cache = PagedMLAState(latent_pages=keys_BSA)
     else:
         rows = jnp.arange(x_BTD.shape[0])[:, None]
         keys_BSA = cache.latent.at[rows, ctx.slots_BT].set(latent_BTA.astype(cache.latent.dtype), mode="drop")
@@ -150,6 +176,7 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
         mode=ctx.mla_mode,
         decode_lengths_B=ctx.decode_lengths_B,
         backend=ctx.kernel_backend,
+        page_table_BN=page_table_BN,
     )
     return y, cache
 

@@ -160,6 +160,7 @@ class LingModel(nnx.Module):
             attention_mask=attention_mask,
             lengths=None if cache is None else cache.lengths,
             max_length=0 if cache is None else cache.max_length,
+            page_table=None if cache is None else cache.page_table,
             policy=policy,
             kda_mode=kda_mode,
             mla_mode=mla_mode,
@@ -174,7 +175,7 @@ class LingModel(nnx.Module):
                     h, states[i] = layer(h, ctx, states[i])
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
-            cache = LingCache(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
+            cache = cache.replace(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
         with jax.named_scope("final_norm"):
             return self.norm(h), cache
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache
+from ling_jax.cache import KDAState, LingCache, MLAState, MTPCache, PagedMLAState
 from ling_jax.quantized import QuantizedWeight, is_quantized
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -334,7 +334,9 @@ CACHE_AXES = {
 }
 
 
-def _layer_specs(state: KDAState | MLAState, mesh: Mesh, batch: int, name: str, rules: Rules | None):
+def _layer_specs(state: KDAState | MLAState | PagedMLAState, mesh: Mesh, batch: int, name: str, rules: Rules | None):
+    if isinstance(state, PagedMLAState):  # a pool every sequence reads: whole on every device
+        return PagedMLAState(latent_pages=PartitionSpec())
     fields = {}
     for field, axes in CACHE_AXES[type(state)].items():
         shape = getattr(state, field).shape
@@ -344,7 +346,8 @@ def _layer_specs(state: KDAState | MLAState, mesh: Mesh, batch: int, name: str, 
 
 
 def cache_shardings(cache: LingCache | MTPCache, mesh: Mesh, rules: Rules | None = None):
-    """NamedShardings for a cache: batch over the batch axes that divide it, KDA states' heads over `tensor`."""
+    """NamedShardings for a cache: batch over the batch axes that divide it, KDA states' heads over `tensor`
+    (a paged cache's pages whole on every device, its page table split like the batch)."""
     batch = cache.lengths.shape[0]
     lengths = batch_spec(mesh, batch, rules=rules)
     if isinstance(cache, MTPCache):
@@ -353,5 +356,6 @@ def cache_shardings(cache: LingCache | MTPCache, mesh: Mesh, rules: Rules | None
         specs = LingCache(
             layers=tuple(_layer_specs(s, mesh, batch, f"layers.{i}", rules) for i, s in enumerate(cache.layers)),
             lengths=lengths,
+            page_table=None if cache.page_table is None else batch_spec(mesh, batch, None, rules=rules),
         )
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -22,6 +22,7 @@ not timed), so no figure includes compilation.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import threading
@@ -42,7 +43,7 @@ from ling_jax.generation.generator import Generator  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.generation.sampling import SamplingParams  # noqa: E402
 from ling_jax.generation.tokenizer import load_tokenizer  # noqa: E402
-from ling_jax.serving.engine import Engine  # noqa: E402
+from ling_jax.serving.engine import PAGE_SIZE, Engine  # noqa: E402
 from ling_jax.serving.prefix_cache import PrefixCache  # noqa: E402
 from ling_jax.serving.scheduler import Request, Scheduler  # noqa: E402
 
@@ -124,21 +125,22 @@ def run_static(generator: Generator, requests, batch: int) -> dict:
 def run_prefix(model, args) -> tuple[float, float]:
     """Median TTFT (s) of requests sharing a `--prefix-tokens` prefix (each with 32 tokens of its own), one at a
     time, without and with the prefix cache (after a first request has filled it)."""
-    block = args.prefill_chunk
+    block, cache_bytes = args.prefill_chunk, 64 << 30
     engine = Engine(
         model,
         max_batch=1,
         max_context=args.prefix_tokens + 64,
         prefill_chunk=block,
-        prefix_block=block,
         prefill_budget=args.prefill_budget,
+        page_size=math.gcd(block, PAGE_SIZE),
+        prefix_cache_bytes=cache_bytes,
     )
     engine.warm_up()
     rng = np.random.default_rng(1)
     prefix = rng.integers(0, args.vocab, args.prefix_tokens).tolist()
     prompts = [prefix + rng.integers(0, args.vocab, 32).tolist() for _ in range(6)]
     medians = []
-    for cache in (None, PrefixCache(block, 64 << 30)):
+    for cache in (None, PrefixCache(engine.pages, block, cache_bytes)):
         scheduler = Scheduler(engine, load_tokenizer(None, model.config), eos_ids=(), max_queue=1, prefix_cache=cache)
         times = []
         for prompt in prompts:

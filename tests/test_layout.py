@@ -40,6 +40,7 @@ PUBLIC = {
     "MLAState",
     "MTPCache",
     "MoEExchange",
+    "PagedMLAState",
     "FP8Matmul",
     "PRESETS",
     "QuantizationConfig",

@@ -1,4 +1,5 @@
-"""Expanded vs absorbed MLA (same cache, same outputs), and RoPE/YaRN tables vs np_reference."""
+"""Expanded vs absorbed MLA (same cache, same outputs), a paged cache vs a contiguous one, and RoPE/YaRN tables
+vs np_reference."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from helpers import rel_error
 from np_reference import rope_inv_freq_and_mscale
 
 from ling_jax import LingConfig, LingForCausalLM
+from ling_jax.cache import MLAState, PagedMLAState
 from ling_jax.config import MLA
-from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention
+from ling_jax.context import token_context
+from ling_jax.layers import params_of
+from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention, latent_attention
 from ling_jax.presets import TINY, preset
 from ling_jax.rope import cos_sin_factor, inv_frequencies, rope_cos_sin, softmax_scale
+from pallas_kernels.mla.reference import gather_pages
 
 VARIANTS = {
     "qlora-interleaved": {},
@@ -94,6 +99,30 @@ def test_model_decode_absorbed_equals_expanded(variant):
     logits = decode_steps_both_modes(model, ids)
     assert MLA in c.layer_types
     assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
+
+
+def test_paged_cache_equals_contiguous():
+    """A prefill then a decode step through a paged cache (pages out of order, an empty table entry past each
+    sequence) give the contiguous cache's outputs, with the same latents in each sequence's slots."""
+    c = config("qlora-interleaved")
+    weights = params_of(MultiLatentAttention(c, dtype=jnp.float32, rngs=nnx.Rngs(1)))
+    r = np.random.default_rng(4)
+    prompt_BTD, step_B1D = (jnp.asarray(r.normal(size=(2, n, c.hidden_size)), jnp.float32) for n in (7, 1))
+    page_table_BN = jnp.asarray([[5, 0, 3, 7], [1, 6, 2, 7]], jnp.int32)  # 7 = no page: a pool of 7 pages of 4
+
+    def run(state, page_table):
+        outputs, lengths = [], jnp.zeros((2,), jnp.int32)
+        for x_BTD in (prompt_BTD, step_B1D):
+            ctx = token_context(c, 2, x_BTD.shape[1], lengths=lengths, max_length=16, page_table=page_table)
+            y_BTD, state = latent_attention(weights, x_BTD, state, ctx, c)
+            outputs.append(y_BTD)
+            lengths = lengths + x_BTD.shape[1]
+        return jnp.concatenate(outputs, axis=1), state
+
+    expected, contiguous = run(MLAState(latent=jnp.zeros((2, 16, c.latent_dim))), None)
+    paged, pages = run(PagedMLAState(latent_pages=jnp.zeros((7, 4, c.latent_dim))), page_table_BN)
+    assert rel_error(paged, expected) <= 1e-6
+    np.testing.assert_array_equal(gather_pages(pages.latent_pages, page_table_BN)[:, :8], contiguous.latent[:, :8])
 
 
 @pytest.mark.parametrize(

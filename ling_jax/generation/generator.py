@@ -210,7 +210,7 @@ def _speculative_round(
     kept_BT = jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
     cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
-    cache = LingCache(layers=cache.layers, lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
+    cache = cache.replace(lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
     mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=start_lengths_B)  # drop the chained drafts' entries
     out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
     next_draft_B = jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32)

@@ -24,7 +24,7 @@ from ling_jax.generation import cli_checks, cli_runtime
 from ling_jax.generation.cli import DEMO_DIR
 from ling_jax.generation.generator import MIN_CHUNK
 from ling_jax.serving.api import Service, create_app
-from ling_jax.serving.engine import Engine
+from ling_jax.serving.engine import PAGE_SIZE, Engine
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Scheduler
@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens are prefilled together",
     )
     parser.add_argument(
+        "--page-size",
+        type=int,
+        default=PAGE_SIZE,
+        metavar="N",
+        help=f"MLA cache slots per page (default {PAGE_SIZE}); with the prefix cache it must divide --prefill-chunk",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=256,
@@ -93,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="GB",
-        help="prefix cache size in GiB (default 0: off): a request resumes from the cached KDA states and MLA "
-        "rows of its longest cached prompt prefix (in prefill chunks)",
+        help="prefix cache size in GiB (default 0: off): a request resumes from the cached KDA states and shares "
+        "the MLA pages of its longest cached prompt prefix (in prefill chunks)",
     )
     parser.add_argument(
         "--mtp", type=int, default=0, metavar="K", help="MTP speculative drafts per step (not built yet: must be 0)"
@@ -108,6 +115,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--max-batch", args.max_batch, 1),
         ("--max-context", args.max_context, 2),
         ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
+        ("--page-size", args.page_size, 1),
         ("--max-queue", args.max_queue, 0),
         ("--port", args.port, 0),
     ):
@@ -121,6 +129,10 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--mtp {args.mtp}: MTP speculation per slot is not built in ling-serve yet; use --mtp 0")
     if not args.prefix_cache_gb >= 0:
         raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {args.prefix_cache_gb}")
+    if args.prefix_cache_gb and args.prefill_chunk % args.page_size:
+        raise ValueError(
+            f"--page-size {args.page_size} must divide --prefill-chunk {args.prefill_chunk} with the prefix cache"
+        )
 
 
 def prepare(args: argparse.Namespace) -> Service:
@@ -141,18 +153,18 @@ def prepare(args: argparse.Namespace) -> Service:
         model = load_checkpoint(args.model, mesh=mesh, dtype=dtype, weights=args.weights, progress=progress)
     else:
         model = load_hf_checkpoint(args.model, dtype=dtype, weights=args.weights, progress=progress)
-    prefix_cache = None
-    if args.prefix_cache_gb:
-        prefix_cache = PrefixCache(args.prefill_chunk, int(args.prefix_cache_gb * 2**30))
+    prefix_cache_bytes = int(args.prefix_cache_gb * 2**30)
     engine = Engine(
         model,
         max_batch=args.max_batch,
         max_context=args.max_context,
         prefill_chunk=args.prefill_chunk,
         mesh=mesh,
-        prefix_block=None if prefix_cache is None else prefix_cache.block,
         prefill_budget=args.prefill_budget,
+        page_size=args.page_size,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
+    prefix_cache = PrefixCache(engine.pages, args.prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
     engine.warm_up()
     scheduler = Scheduler(
         engine,

@@ -1,16 +1,18 @@
 """Prefix reuse of hybrid state: a radix tree over token ids in blocks of `block` tokens (the prefill chunk).
 
 A node stands for one block of a prompt after its parent's blocks. It holds what a request needs to resume
-right after that block: every KDA layer's recurrent state and conv window at the block's end (the chunked
-prefill reaches that boundary exactly, so the snapshot is the state a cold prefill has there) and every MLA
-layer's latent rows of the block (its page). A request resumes from its longest run of cached blocks: their
-pages are copied into its slot's rows, the last node's KDA states into its slot, and its prefill goes on from
-there. A prompt that diverges inside a block reuses the blocks before it and recomputes the rest, so nothing
-cached is ever written (copy on write is a copy at restore). Only blocks that end before a prompt's last token
-are reused: that token's prefill gives the first token's logits.
+right after that block: a snapshot of every KDA layer's recurrent state and conv window at the block's end (the
+chunked prefill reaches that boundary exactly, so the snapshot is the state a cold prefill has there) and the
+ids of the MLA pages that hold the block's latent rows (`PagePool`; the node is one of their holders, so they
+outlive the request that wrote them). A request resumes from its longest run of cached blocks: their pages
+head its page table, shared in place with the cache and every other request reading them, the last node's
+KDA states go into its slot, and its prefill goes on from there. Blocks are whole pages, so a request's own
+tokens (after the last shared block, where a prompt diverges inside a block included) always go to pages of
+its own: a shared page is never written, and copy-on-write never has to copy. Only blocks that end before a
+prompt's last token are reused: that token's prefill gives the first token's logits.
 
-Memory: each node's device bytes are counted; past `capacity_bytes` the least recently used leaves go first
-(a parent outlives its children, so every cached path stays whole).
+Memory: each node's KDA snapshot and pages are counted; past `capacity_bytes` the least recently used leaves go
+first (a parent outlives its children, so every cached path stays whole) and give their pages back.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from collections.abc import Sequence
 
 import jax
 
+from ling_jax.serving.pages import PagePool
+
 
 @dataclasses.dataclass(eq=False)
 class Node:
     block: tuple[int, ...]  # this node's tokens
     parent: Node | None
     kda: tuple = ()  # per KDA layer: the KDAState of one slot ([1, ...] arrays) after this block
-    pages: tuple = ()  # per MLA layer: latent rows [1, block, A] of this block
+    pages: tuple[int, ...] = ()  # the MLA pages of this block's latent rows, in order
     nbytes: int = 0
     last_used: int = 0
     children: dict[tuple[int, ...], Node] = dataclasses.field(default_factory=dict)
@@ -40,9 +44,12 @@ class Node:
 
 
 class PrefixCache:
-    def __init__(self, block: int, capacity_bytes: int):
+    def __init__(self, pool: PagePool, block: int, capacity_bytes: int):
         if capacity_bytes <= 0:
             raise ValueError(f"the prefix cache needs a positive size, got {capacity_bytes} bytes")
+        if block % pool.page_size:
+            raise ValueError(f"a prefix block ({block} tokens) must be whole pages of {pool.page_size} tokens")
+        self.pool = pool
         self.block = block
         self.capacity_bytes = capacity_bytes
         self.root = Node((), None)
@@ -62,16 +69,18 @@ class PrefixCache:
             node.last_used = now
         return path
 
-    def insert(self, parent: Node, block: Sequence[int], kda: tuple, pages: tuple) -> Node:
-        """The node of `block` after `parent` (a new one holding these snapshots, or the one already cached)."""
+    def insert(self, parent: Node, block: Sequence[int], kda: tuple, pages: Sequence[int]) -> Node:
+        """The node of `block` after `parent` (a new one holding these KDA states and sharing these pages, or the
+        one already cached)."""
         key = tuple(block)
         if len(key) != self.block:
             raise ValueError(f"a prefix-cache block holds {self.block} tokens, got {len(key)}")
         existing = parent.children.get(key)
         if existing is not None or parent.evicted:
             return existing or parent
-        nbytes = sum(x.nbytes for x in jax.tree.leaves((kda, pages)))
-        node = Node(key, parent, kda, pages, nbytes, next(self._clock))
+        self.pool.share(pages)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(kda)) + len(pages) * self.pool.page_bytes
+        node = Node(key, parent, kda, tuple(pages), nbytes, next(self._clock))
         parent.children[key] = node
         self.nbytes += nbytes
         self._evict(keep=node)
@@ -88,9 +97,12 @@ class PrefixCache:
 
     def _remove(self, node: Node) -> None:
         del node.parent.children[node.block]
-        node.evicted = True
-        node.kda = node.pages = ()
+        self._drop(node)
         self.nbytes -= node.nbytes
+
+    def _drop(self, node: Node) -> None:
+        self.pool.release(node.pages)
+        node.evicted, node.kda, node.pages = True, (), ()
 
     def _nodes(self):
         stack = list(self.root.children.values())
@@ -105,6 +117,6 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every cached block (requests holding a node of the old tree cache nothing more under it)."""
         for node in list(self._nodes()):
-            node.evicted, node.kda, node.pages = True, (), ()
+            self._drop(node)
         self.root.children.clear()
         self.nbytes = 0

@@ -6,8 +6,8 @@ Each iteration of the loop
 3. runs one prefill step: the next chunk of the oldest request still in prefill and of others whose next
    chunk has the same length, as many as the engine's token budget allows (a last chunk also samples the
    request's first token), so a long prompt delays the running requests by one step per chunk; with a
-   prefix cache, a request first resumes from its longest cached prefix, and each whole block it prefills
-   is cached;
+   prefix cache, a request is admitted with the pages of its longest cached prefix shared into its page
+   table and resumes after it, and each whole block it prefills is cached (its pages shared, not copied);
 4. dispatches one decode step of every decoding slot, then hands each request its token of the step before
    (read while this one runs on the device, so the host's work overlaps the device's).
 
@@ -92,8 +92,11 @@ class Scheduler:
         metrics: Metrics | None = None,
         prefix_cache: PrefixCache | None = None,
     ):
-        if prefix_cache is not None and engine.prefix_block != prefix_cache.block:
-            raise ValueError("the prefix cache's blocks must be the engine's prefix blocks (its prefill chunks)")
+        mismatched = prefix_cache is not None and (
+            engine.prefix_block != prefix_cache.block or prefix_cache.pool is not engine.pages
+        )
+        if mismatched:
+            raise ValueError("the prefix cache's blocks and pages must be the engine's (its prefill chunks and pool)")
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(int(e) for e in eos_ids)
@@ -202,8 +205,7 @@ class Scheduler:
             if occupant is None and self.waiting:
                 request = self.waiting.popleft()
                 request.slot = slot
-                if self.prefix_cache is not None:
-                    self._resume(request)
+                self._resume(request)
                 request._chunks = self.engine.prompt_chunks(request.prompt, request._position)
                 self.metrics.prompt_tokens.inc(len(request.prompt))
                 request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
@@ -212,12 +214,16 @@ class Scheduler:
         self.metrics.running_batch.set(self.busy_slots())
 
     def _resume(self, request: Request) -> None:
-        """Restore the request's longest cached prefix into its slot now (a later insert may evict it)."""
-        path = self.prefix_cache.match(request.prompt)
-        request._node = path[-1] if path else self.prefix_cache.root
-        request._position = len(path) * self.prefix_cache.block
+        """Give the request's slot its pages, the cached ones of its longest cached prefix first, and restore
+        that prefix's end into the slot now (a later insert may evict it)."""
+        path = [] if self.prefix_cache is None else self.prefix_cache.match(request.prompt)
+        shared = [page for node in path for page in node.pages]
+        self.engine.assign(request.slot, shared, len(request.prompt) + request.max_tokens)
+        if self.prefix_cache is not None:
+            request._node = path[-1] if path else self.prefix_cache.root
         if path:
-            self.engine.restore(request.slot, [(n.block, n.kda, n.pages) for n in path])
+            request._position = len(path) * self.prefix_cache.block
+            self.engine.restore(request.slot, path[-1].kda, request.prompt[: request._position])
             self.metrics.prefix_hits.inc()
             self.metrics.prefix_hit_tokens.inc(request._position)
 
@@ -231,7 +237,7 @@ class Scheduler:
             request._position += real
             cache = self.prefix_cache
             if cache is not None and real == cache.block and request._node is not None:
-                kda, pages = self.engine.snapshot(request.slot, start)
+                kda, pages = self.engine.snapshot(request.slot), self.engine.block_pages(request.slot, start)
                 request._node = cache.insert(request._node, request.prompt[start : start + real], kda, pages)
                 self.metrics.prefix_bytes.set(cache.nbytes)
             if not request._chunks:

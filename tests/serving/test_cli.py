@@ -14,6 +14,7 @@ from ling_jax.serving.cli import build_parser, main
         (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
         (["--prefill-chunk", "8"], "--prefill-chunk must be >= 16, got 8"),
         (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be >= 0"),
+        (["--prefix-cache-gb", "1", "--page-size", "48"], "--page-size 48 must divide --prefill-chunk 512"),
         (["--prefill-chunk", "64", "--prefill-budget", "32"], "--prefill-budget must be >= --prefill-chunk (64)"),
         (["--max-context", "1000000"], "--max-context 1000000 exceeds the model's context of 2048"),
         (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt: not a directory"),

@@ -1,40 +1,47 @@
 """Prefix reuse of hybrid state on the demo checkpoint: requests sharing a system prompt (one diverging inside a
-cached block, one inside the second block, one ending on a block boundary) resume from cached KDA states and
-MLA pages and give exactly the tokens they give with an empty cache; the radix tree's LRU eviction keeps it
-within its size."""
+cached block, one inside a page of the second block, one ending on a block boundary) resume from cached KDA
+states and the cached MLA pages, shared in place, and give exactly the tokens they give with an empty cache; no
+page is leaked; the radix tree's LRU eviction keeps it within its size and gives evicted pages back."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import pytest
 
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import GREEDY, Engine
+from ling_jax.serving.pages import PagePool
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Request, Scheduler
 
-BLOCK, MAX_TOKENS = 16, 6
+BLOCK, PAGE, MAX_TOKENS, CACHE_BYTES = 16, 8, 6, 1 << 22
 SYSTEM = list(range(300, 340))  # 40 tokens: two whole blocks and 8 more
 CASES = [  # (prompt, sampling, cached tokens it can resume after once the first one ran)
     (SYSTEM + [5, 6, 7, 8, 9], GREEDY, 0),
     (SYSTEM + [11, 12, 13], SamplingParams(temperature=0.8, top_p=0.9, seed=4), 32),  # diverges inside block 3
-    (SYSTEM[:20] + [50] * 10, SamplingParams(temperature=1.0, top_k=30, seed=9), 16),  # inside block 2
+    (SYSTEM[:20] + [50] * 10, SamplingParams(temperature=1.0, top_k=30, seed=9), 16),  # in block 2's first page
     (SYSTEM[:32], SamplingParams(temperature=0.0, repetition_penalty=1.3), 16),  # ends on a block boundary
 ]
 
 
 @pytest.fixture(scope="module")
 def scheduler(demo_model, demo_tokenizer):
-    engine = Engine(demo_model, max_batch=3, max_context=64, prefill_chunk=BLOCK, prefix_block=BLOCK)
+    engine = Engine(
+        demo_model, max_batch=3, max_context=64, prefill_chunk=BLOCK, page_size=PAGE, prefix_cache_bytes=CACHE_BYTES
+    )
     engine.warm_up()
-    cache = PrefixCache(BLOCK, 1 << 30)
+    cache = PrefixCache(engine.pages, BLOCK, CACHE_BYTES)
     return Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8, prefix_cache=cache)
 
 
-def _run(scheduler: Scheduler, cases) -> list[list[int]]:
+def _submit(scheduler: Scheduler, cases) -> list[Request]:
     requests = [Request(prompt=p, sampling=s, max_tokens=MAX_TOKENS, emit=lambda d: None) for p, s, _ in cases]
     for request in requests:
         scheduler.submit(request)
+    return requests
+
+
+def _run(scheduler: Scheduler, cases) -> list[list[int]]:
+    requests = _submit(scheduler, cases)
     for _ in range(100):
         if not scheduler.waiting and not any(scheduler.slots):
             return [r.tokens for r in requests]
@@ -67,24 +74,52 @@ def test_resumed_requests_equal_cold_ones_and_hits_count(scheduler, cold):
     assert scheduler.prefix_cache.nbytes > 0 and scheduler.slots == [None] * 3
 
 
+def test_a_hit_shares_the_cached_pages_in_place_and_no_page_leaks(scheduler, cold):
+    pool = scheduler.engine.pages
+    scheduler.prefix_cache.clear()
+    assert pool.free == pool.num_pages
+    _run(scheduler, CASES[:1])
+    cached = [page for node in scheduler.prefix_cache.match(SYSTEM + [0]) for page in node.pages]
+    assert len(cached) == 2 * BLOCK // PAGE and pool.free == pool.num_pages - len(cached)
+    (request,) = _submit(scheduler, CASES[1:2])
+    scheduler._step()  # admitted: the cached pages head its page table, held by the cache and by it
+    row = scheduler.engine.page_table_BN[request.slot]
+    assert row[: len(cached)].tolist() == cached and all(pool.holders(p) == 2 for p in cached)
+    assert len(set(row.tolist()) - {pool.num_pages}) == -(-(len(request.prompt) + MAX_TOKENS) // PAGE)
+    _run(scheduler, [])
+    assert all(pool.holders(p) == 1 for p in cached) and pool.free == pool.num_pages - len(cached)
+
+
 def test_a_cache_smaller_than_the_prompts_evicts_and_changes_no_token(scheduler, cold):
     node_bytes = scheduler.prefix_cache.nbytes // len(scheduler.prefix_cache)
-    scheduler.prefix_cache = PrefixCache(BLOCK, node_bytes + 1)  # room for one block: every insert evicts
+    scheduler.prefix_cache.clear()
+    scheduler.prefix_cache = PrefixCache(scheduler.engine.pages, BLOCK, node_bytes + 1)  # one block: inserts evict
     assert _run(scheduler, CASES) == cold  # all at once: resumes and inserts interleave with evictions
     assert len(scheduler.prefix_cache) == 1 and scheduler.prefix_cache.nbytes == node_bytes
+    scheduler.prefix_cache.clear()
+    assert scheduler.engine.pages.free == scheduler.engine.pages.num_pages  # no page leaked
 
 
 def test_lru_eviction_keeps_the_cache_within_its_size():
-    page = jnp.zeros((1, 4, 8), jnp.float32)  # 128 bytes a node
-    cache = PrefixCache(4, 3 * page.nbytes)
-    a = cache.insert(cache.root, [1, 2, 3, 4], (), (page,))
-    b = cache.insert(a, [5, 6, 7, 8], (), (page,))
-    c = cache.insert(cache.root, [9, 9, 9, 9], (), (page,))
-    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0]) == [a, b] and cache.nbytes == 3 * page.nbytes
-    d = cache.insert(cache.root, [7, 7, 7, 7], (), (page,))  # over the size: c, the least recently used leaf, goes
-    assert c.evicted and not b.evicted and cache.match([9, 9, 9, 9, 0]) == [] and cache.nbytes == 3 * page.nbytes
+    pool = PagePool(num_pages=8, page_size=4, page_bytes=128)
+    cache = PrefixCache(pool, 4, 3 * pool.page_bytes)
+
+    def insert(parent, block):
+        (page,) = pool.allocate(1)  # as a request's slot holds the page it wrote
+        node = cache.insert(parent, block, (), [page])
+        pool.release([page])  # the request ends: the cache is the page's one holder
+        return node
+
+    a = insert(cache.root, [1, 2, 3, 4])
+    b = insert(a, [5, 6, 7, 8])
+    c = insert(cache.root, [9, 9, 9, 9])
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0]) == [a, b] and cache.nbytes == 3 * pool.page_bytes
+    c_page = c.pages[0]
+    d = insert(cache.root, [7, 7, 7, 7])  # over the size: c, the least recently used leaf, goes
+    assert c.evicted and not b.evicted and cache.match([9, 9, 9, 9, 0]) == [] and cache.nbytes == 3 * pool.page_bytes
+    assert pool.holders(c_page) == 0 and pool.free == 8 - 3  # its page is free again
     assert cache.match([1, 2, 3, 4, 5, 6, 7, 8]) == [a]  # a block ending on the prompt's last token is not used
-    cache.insert(cache.root, [6, 6, 6, 6], (), (page,))  # b (a leaf, older than d) goes before its parent a
+    insert(cache.root, [6, 6, 6, 6])  # b (a leaf, older than d) goes before its parent a
     assert b.evicted and not a.evicted and not d.evicted and len(cache) == 3
     with pytest.raises(ValueError, match="holds 4 tokens"):
-        cache.insert(cache.root, [1, 2], (), (page,))
+        cache.insert(cache.root, [1, 2], (), [])
