@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import np_reference as npr
@@ -15,6 +17,7 @@ from tiny_fp8 import sharding_test_config
 from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.generation.sharded import ShardedLM
 from ling_jax.moe import expert_parallel
+from ling_jax.moe import experts as moe_experts
 from ling_jax.moe.block import MoE, route
 from ling_jax.moe.expert_parallel import (
     emulated_ragged_all_to_all,
@@ -163,6 +166,13 @@ def _routing(config, rng, tokens):
     router = jnp.asarray(rng.normal(size=(config.num_experts, config.hidden_size)).astype(np.float32))
     weights, experts = route(x_TD, router, jnp.zeros(config.num_experts), config)
     return x_TD, weights, experts
+
+
+def _expert_parallel_case(config, *, seed: int, tokens: int, ep: int):
+    """(x, routing weights, experts, expert weights, mesh expert=ep) for moe_parallel."""
+    rng = np.random.default_rng(seed)
+    x_TD, weights, experts = _routing(config, rng, tokens)
+    return x_TD, weights, experts, _experts(config, rng), make_mesh({"expert": ep})
 
 
 def test_emulated_ragged_all_to_all_follows_the_documented_example():
@@ -316,13 +326,37 @@ def test_ragged_exchange_gradients_match_the_dense_exchange():
 
 
 @pytest.mark.parametrize("exchange", EXCHANGE_IDS)
+def test_dropless_exchange_in_token_chunks_bounds_the_receive_buffers(monkeypatch, exchange):
+    """With ROW_BUFFER_BYTES room for the receive buffers of 5 tokens a device, the 32 tokens of each device go
+    through the exchange in 7 chunks (3 padding tokens): the compiled step's temporaries shrink by more than 4x and
+    the results are the same bits as in one piece."""
+    config, ep = _config(), 8
+    x_TD, weights, experts, params, mesh = _expert_parallel_case(config, seed=5, tokens=256, ep=ep)
+
+    def compiled():
+        step = functools.partial(
+            moe_parallel, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference", exchange=exchange
+        )
+        with jax.set_mesh(mesh):
+            return jax.jit(step).lower(x_TD, weights, experts, *params).compile()
+
+    whole = compiled()
+    receive_bytes_per_token = ep * config.num_experts_per_tok * config.hidden_size * x_TD.dtype.itemsize
+    monkeypatch.setattr(moe_experts, "ROW_BUFFER_BYTES", 5 * receive_bytes_per_token)
+    chunked = compiled()
+    temp = {name: c.memory_analysis().temp_size_in_bytes for name, c in (("whole", whole), ("chunked", chunked))}
+    assert 4 * temp["chunked"] < temp["whole"], temp
+    (y_whole, dropped_whole), (y_chunked, dropped_chunked) = (
+        c(x_TD, weights, experts, *params) for c in (whole, chunked)
+    )
+    assert int(dropped_whole) == int(dropped_chunked) == 0
+    np.testing.assert_array_equal(y_chunked, y_whole)
+
+
+@pytest.mark.parametrize("exchange", EXCHANGE_IDS)
 def test_capacity_factor_drops_and_reports_exactly_the_overflow(exchange):
-    config = _config()
-    rng = np.random.default_rng(2)
-    tokens, ep = 64, 8
-    x_TD, weights, experts = _routing(config, rng, tokens)
-    params = _experts(config, rng)
-    mesh = make_mesh({"expert": ep})
+    config, tokens, ep = _config(), 64, 8
+    x_TD, weights, experts, params, mesh = _expert_parallel_case(config, seed=2, tokens=tokens, ep=ep)
     factor = 0.5
     with jax.set_mesh(mesh):
         y, dropped = jax.jit(

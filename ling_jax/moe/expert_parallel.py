@@ -11,8 +11,10 @@ device owns E / ep experts (ep: the expert axes' size; with a split width, a sli
 - when they are not (fewer tokens than devices, e.g. batch-1 decode), runs its own experts on the
   assignments that pick them and sums the partial outputs over the expert axes.
 Both are dropless by default: a device reserves room for every assignment a source could send it
-(tokens x min(top_k, local experts)). A capacity factor C shrinks that to ceil(C x tokens x top_k /
-n_expert) rows per source; assignments beyond it are dropped and counted (the MoE sows the count).
+(tokens x min(top_k, local experts)); so that this receive buffer (ep sources) stays within
+`ling_jax.moe.experts.ROW_BUFFER_BYTES`, a large prefill sends its tokens in chunks, one exchange after another
+(the same rows and results). A capacity factor C shrinks the room to ceil(C x tokens x top_k / n_expert) rows per
+source, for all the tokens at once; assignments beyond it are dropped and counted (the MoE sows the count).
 
 The all-to-all path moves the rows one of two ways (`ExecutionPolicy.moe_exchange`), with the same kept rows and
 the same results:
@@ -38,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ling_jax.moe.experts import combine, expert_sorted_ffn, grouped_expert_ffn
+from ling_jax.moe.experts import combine, expert_sorted_ffn, grouped_expert_ffn, in_token_chunks, token_chunks
 from ling_jax.policy import MoEExchange
 from ling_jax.sharding import axes_size, batch_axes, mesh_axes
 
@@ -69,12 +71,16 @@ def _psum_f32(y, axes):
 def _replicated_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep_axes, tp_axes):
     tokens, top_k = experts_TK.shape
     first = jax.lax.axis_index(ep_axes) * gate.shape[0] if ep_axes else 0
-    y_RD = grouped_expert_ffn(
-        jnp.repeat(x_TD, top_k, axis=0), experts_TK.reshape(-1) - first, gate, up, down, limit, backend=backend
-    )
-    y_TD = combine(y_RD.reshape(tokens, top_k, -1), weights_TK, jnp.float32)
-    summed = _psum_f32(y_TD, ep_axes + tp_axes)
-    return summed.astype(x_TD.dtype), jnp.int32(0)
+
+    def routed(x_TD, weights_TK, experts_TK):
+        y_RD = grouped_expert_ffn(
+            jnp.repeat(x_TD, top_k, axis=0), experts_TK.reshape(-1) - first, gate, up, down, limit, backend=backend
+        )
+        y_TD = combine(y_RD.reshape(x_TD.shape[0], top_k, -1), weights_TK, jnp.float32)
+        return _psum_f32(y_TD, ep_axes + tp_axes).astype(x_TD.dtype)
+
+    chunks = token_chunks(tokens, top_k, x_TD.shape[1] * x_TD.dtype.itemsize)
+    return in_token_chunks(routed, chunks, x_TD, weights_TK, experts_TK), jnp.int32(0)
 
 
 def exchange(a, ep: int, axes: tuple[str, ...] | None = None):
@@ -284,27 +290,11 @@ def ragged_return_and_combine(
     return combine(back_AD[position_A].reshape(tokens, top_k, -1), weights_TK, dtype)
 
 
-def _all_to_all_tokens(
-    x_TD,
-    weights_TK,
-    experts_TK,
-    gate,
-    up,
-    down,
-    *,
-    limit,
-    backend,
-    ep,
-    ep_axes,
-    tp_axes,
-    capacity_factor,
-    count_axes,
-    exchange: MoEExchange,
-    native: bool,
+def _exchanged_experts(
+    x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, ep_axes, tp_axes, capacity, exchange, native
 ):
-    tokens, top_k = experts_TK.shape
+    """Inside a shard_map: the all-to-all path on these tokens -> (routed [T, D], kept [T * top_k] bool)."""
     local_experts = gate.shape[0]
-    capacity = rows_per_source(tokens, top_k, ep, local_experts, capacity_factor)
     if exchange == MoEExchange.RAGGED:
         routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes)
         x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native, axes=ep_axes)
@@ -312,15 +302,29 @@ def _all_to_all_tokens(
         routed_TD = ragged_return_and_combine(
             y_RD, routes, weights_TK, tp_axes=tp_axes, dtype=x_TD.dtype, native=native, axes=ep_axes
         )
-        kept_A = routes.kept_A
-    else:
-        x_RD, expert_R, slot_A, kept_A = dispatch(
-            x_TD, experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes
-        )
-        y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
-        routed_TD = return_and_combine(
-            y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype, axes=ep_axes
-        )
+        return routed_TD, routes.kept_A
+    x_RD, expert_R, slot_A, kept_A = dispatch(
+        x_TD, experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes
+    )
+    y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
+    routed_TD = return_and_combine(
+        y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype, axes=ep_axes
+    )
+    return routed_TD, kept_A
+
+
+def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, ep, capacity_factor, count_axes, **exchanged):
+    """Dropless, the tokens go in as many chunks (`token_chunks`) as keep the receive buffer (ep x chunk x
+    min(top_k, local experts) rows) within ROW_BUFFER_BYTES; with a capacity factor, in one piece (which rows
+    are kept depends on all of them)."""
+    tokens, top_k = experts_TK.shape
+    local_experts = gate.shape[0]
+    chunks = 1
+    if capacity_factor is None:
+        chunks = token_chunks(tokens, ep * min(top_k, local_experts), x_TD.shape[1] * x_TD.dtype.itemsize)
+    capacity = rows_per_source(tokens // chunks, top_k, ep, local_experts, capacity_factor)
+    run = functools.partial(_exchanged_experts, gate=gate, up=up, down=down, ep=ep, capacity=capacity, **exchanged)
+    routed_TD, kept_A = in_token_chunks(run, chunks, x_TD, weights_TK, experts_TK)
     return routed_TD, jax.lax.psum(jnp.sum(~kept_A, dtype=jnp.int32), count_axes)
 
 

@@ -6,10 +6,14 @@ rows are read from the unsorted activations through the sort permutation and wri
 neither a sorted copy of the rows nor an unsort pass exists; elsewhere it is three jnp ragged dots.
 
 Expert weights may be quantised (`ling_jax.quantized`, block FP8 or MXFP4, stacked [E, ...] with per-expert
-scales). They are dequantised to the activation dtype inside the step, only the experts of this layer and,
-expert-parallel, of this device: on a GPU backend by the kernels' ops before the dense kernels (the row-by-row
-decode kernels: only the picked experts; `pallas_kernels.moe`'s weight-only variant, which reads them as stored,
-must be named: it was wrong on hardware at flash size), elsewhere by the grouped path (`dequantized`).
+scales). On a GPU backend the fused kernels read them as stored (`pallas_kernels.moe`'s weight-only variant, each
+tile dequantised on chip) and the row-by-row decode kernels dequantise only the picked experts; elsewhere the
+grouped path dequantises the experts of this layer (expert-parallel, of this device) inside the step
+(`dequantized`).
+
+A step whose [rows, hidden] buffers would exceed ROW_BUFFER_BYTES (a large prefill chunk) runs the routed experts
+on its tokens in chunks, one after another (`token_chunks`, `in_token_chunks`; expert-parallel, see
+`ling_jax.moe.expert_parallel`), every row computed as in one piece.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from pallas_kernels.moe.reference import swiglu
 # Up to this many token-expert rows (8 tokens at top-8), a GPU runs the routed experts row by row
 # (`pallas_kernels.moe.routed_experts`: no sort, each row streams its expert), above it the grouped path.
 ROW_PATH_MAX_ROWS = 64
+
+# A step whose [rows, hidden] buffers of the routed experts (per device) would exceed this many bytes runs them on
+# its tokens in chunks, one after another (`token_chunks`, `in_token_chunks`): a large prefill chunk.
+ROW_BUFFER_BYTES = 1 << 30
 
 
 class SharedExpert(NamedTuple):
@@ -155,6 +163,29 @@ def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float 
     )
 
 
+def token_chunks(tokens: int, rows_per_token: int, row_bytes: int) -> int:
+    """How many chunks of `tokens` the routed experts run on, one after another, so that a buffer of rows_per_token
+    rows of row_bytes each per token stays within ROW_BUFFER_BYTES (1 when the whole step fits)."""
+    return -(-tokens // max(1, ROW_BUFFER_BYTES // (rows_per_token * row_bytes)))
+
+
+def in_token_chunks(fn, chunks: int, *token_arrays):
+    """fn(*token_arrays) computed on `chunks` equal slices of the arrays' leading (token-major) axis in a loop
+    (`lax.map`), each output's slices put back together along its leading axis; fn itself for one chunk. The
+    tokens are padded to a multiple of `chunks` with zeros (the padding's outputs are dropped): a padding token
+    is routed to expert 0 with weight 0."""
+    if chunks <= 1:
+        return fn(*token_arrays)
+    tokens = token_arrays[0].shape[0]
+    padded = -(-tokens // chunks) * chunks
+    sliced = [
+        jnp.pad(a, [(0, padded - tokens)] + [(0, 0)] * (a.ndim - 1)).reshape(chunks, padded // chunks, *a.shape[1:])
+        for a in token_arrays
+    ]
+    out = jax.lax.map(lambda arrays: fn(*arrays), sliced)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[: a.shape[0] * a.shape[1] * tokens // padded], out)
+
+
 def combine(y_TKD, weights_TK, dtype) -> jax.Array:
     """sum_k weights[t, k] * y[t, k] in fp32, cast to the activation dtype."""
     return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK.astype(jnp.float32)).astype(dtype)
@@ -224,7 +255,8 @@ def local_moe(
     backend: str,
     shared: SharedExpert | None = None,
 ):
-    """All experts on this device, plus the shared expert when given: `grouped_local_moe`, except that on a GPU
+    """All experts on this device, plus the shared expert when given: `grouped_local_moe` (on token chunks whose
+    T x top_k rows fit in ROW_BUFFER_BYTES), except that on a GPU
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
     the shared expert (one more row per token) when it has the routed experts' width. Quantised weights (routed
     or shared) as the kernels' ops take them: on a GPU the fused path reads them as stored (weight-only), the row
@@ -249,9 +281,11 @@ def local_moe(
         if row_path:
             routed_TD = routed_experts(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
         else:
-            routed_TD = grouped_local_moe(
-                x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend
+            grouped = functools.partial(
+                grouped_local_moe, gate_EID=gate_EID, up_EID=up_EID, down_EDI=down_EDI, limit=limit, backend=backend
             )
+            chunks = token_chunks(tokens, top_k, x_TD.shape[1] * x_TD.dtype.itemsize)
+            routed_TD = in_token_chunks(grouped, chunks, x_TD, weights_TK, experts_TK)
     if shared is None:
         return routed_TD
     with jax.named_scope("shared_expert"):
