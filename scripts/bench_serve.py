@@ -38,6 +38,7 @@ from flax import nnx  # noqa: E402
 
 from ling_jax import LingForCausalLM  # noqa: E402
 from ling_jax.checkpoints.hf import STORED  # noqa: E402
+from ling_jax.config import MLA  # noqa: E402
 from ling_jax.generation import cli_runtime  # noqa: E402
 from ling_jax.generation.generator import Generator  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
@@ -125,7 +126,10 @@ def run_static(generator: Generator, requests, batch: int) -> dict:
 def run_prefix(model, args) -> tuple[float, float]:
     """Median TTFT (s) of requests sharing a `--prefix-tokens` prefix (each with 32 tokens of its own), one at a
     time, without and with the prefix cache (after a first request has filled it)."""
-    block, cache_bytes = args.prefill_chunk, 64 << 30
+    block = args.prefill_chunk
+    mla_layers = sum(kind == MLA for kind in model.config.layer_types)
+    token_bytes = mla_layers * model.config.latent_dim * jnp.dtype(model.dtype).itemsize
+    cache_bytes = 2 * (args.prefix_tokens + 64) * token_bytes  # room for the prefix's pages twice over
     engine = Engine(
         model,
         max_batch=1,
