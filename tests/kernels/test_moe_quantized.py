@@ -6,6 +6,7 @@ checkpoint on the interpret GPU backend; CUDA lowering at Ling-3.1-flash size; t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import gpu_test, int32_offsets_into_large_operands, lower_for_cuda, rel_error
+from helpers import fp8_values_paired, gpu_test, int32_offsets_into_large_operands, lower_for_cuda, rel_error
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from test_fused_experts import float64_down_scatter, float64_gather_swiglu, routing, sorted_rows
@@ -78,29 +79,35 @@ def routed_rows(seed):
     return order, sizes, source, weights[order]
 
 
-# (format, dtype, hidden, tiles (block_m, block_n, block_k, weight_left) or None: the tuned ones), each run through
-# the weight-only fused kernels (interpreted): the checkpoints' blocks at the tuned tiles; a weight tile spanning
-# two MXFP4 groups (float scales, the weight tile as the dot's first operand); tiles smaller than a group; a
-# 24 x 48 block no tile divides (scales gathered a row and a column) with an odd hidden size (the FP8 values
-# unpaired in gate and up); one scale a row and a 32-input group; FP8 with the weight tile first
+# (format, dtype, hidden, tiles (block_m, block_n, block_k, weight_left) or None: the tuned ones, FP8 values as
+# uint16 pairs even at this size), each run through the weight-only fused kernels (interpreted): the checkpoints'
+# blocks at the tuned tiles; a weight tile spanning two MXFP4 groups (float scales, the weight tile as the dot's
+# first operand); tiles smaller than a group; a 24 x 48 block no tile divides (scales gathered a row and a column)
+# with an odd hidden size (gate and up cannot pair); one scale a row and a 32-input group (unpaired); FP8 with the
+# weight tile first
 FUSED_CASES = [
-    ("fp8", jnp.float32, HIDDEN, None),
-    ("mxfp4_f32", jnp.float32, HIDDEN, (32, 32, 64, True)),
-    ("mxfp4", jnp.bfloat16, HIDDEN, (16, 16, 16, False)),
-    ("fp8_24x48", jnp.float32, HIDDEN + 1, (32, 32, 64, False)),
-    ("fp8_1x32", jnp.float32, HIDDEN, (16, 32, 128, False)),
-    ("fp8", jnp.bfloat16, HIDDEN, (16, 32, 32, True)),
+    ("fp8", jnp.float32, HIDDEN, None, True),
+    ("mxfp4_f32", jnp.float32, HIDDEN, (32, 32, 64, True), False),
+    ("mxfp4", jnp.bfloat16, HIDDEN, (16, 16, 16, False), False),
+    ("fp8_24x48", jnp.float32, HIDDEN + 1, (32, 32, 64, False), True),
+    ("fp8_1x32", jnp.float32, HIDDEN, (16, 32, 128, False), False),
+    ("fp8", jnp.bfloat16, HIDDEN, (16, 32, 32, True), True),
 ]
 
 
 @pytest.mark.parametrize(
-    ("fmt", "dtype", "hidden", "tiles"),
+    ("fmt", "dtype", "hidden", "tiles", "pairs"),
     FUSED_CASES,
-    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{c[2]}-{c[3]}" for c in FUSED_CASES],
+    ids=[f"{c[0]}-{jnp.dtype(c[1]).name}-{c[2]}-{c[3]}{'-pairs' * c[4]}" for c in FUSED_CASES],
 )
-def test_weight_only_fused_kernels_match_float64(fmt, dtype, hidden, tiles):
-    """gather_swiglu then down_scatter with the opt-in weight-only variant: h and y against float64 from the
-    spec's dequantisation, the clip reached, tail rows 0."""
+def test_weight_only_fused_kernels_match_float64(fmt, dtype, hidden, tiles, pairs):
+    """gather_swiglu then down_scatter with the weight-only variant: h and y against float64 from the spec's
+    dequantisation, the clip reached, tail rows 0."""
+    with fp8_values_paired() if pairs else contextlib.nullcontext():
+        run_weight_only_fused_kernels(fmt, dtype, hidden, tiles)
+
+
+def run_weight_only_fused_kernels(fmt, dtype, hidden, tiles):
     order, sizes, source, row_weight = routed_rows(seed=1)
     x = activations((TOKENS, hidden), dtype, seed=2)
     gate, up = (quantized(fmt, (EXPERTS, WIDTH, hidden), seed) for seed in (3, 4))

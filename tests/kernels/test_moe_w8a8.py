@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import gpu_test, int32_offsets_into_large_operands, lower_for_cuda, rel_error
+from helpers import fp8_values_paired, gpu_test, int32_offsets_into_large_operands, lower_for_cuda, rel_error
 
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu, w8a8_expert_rows
@@ -227,7 +227,8 @@ def test_fill_tail_false_leaves_the_group_rows_as_they_are():
 
 
 def test_expert_rows_run_both_kernels_on_block_fp8_weights():
-    """`w8a8_expert_rows` (what the experts' fused path calls) on BlockFP8Weights == the two references in turn."""
+    """`w8a8_expert_rows` (what the experts' fused path calls) on BlockFP8Weights == the two references in turn;
+    the same with the FP8 values as uint16 pairs (as a stack of more than 2^31 elements goes)."""
     case = "blocks_32"
     x, (source, dest, sizes), row_weight, gate, up, down = case_inputs(case, seed=5)
     block, limit = CASES[case][5], CASES[case][6]
@@ -237,6 +238,8 @@ def test_expert_rows_run_both_kernels_on_block_fp8_weights():
     h_q, h_scale = gather_swiglu_w8a8_reference(routing[0], routing[1], routing[4], *gate, *up, limit, block=block)
     expected = down_scatter_w8a8_reference(h_q, h_scale, *routing[2:], *down, block=block, out_dtype=jnp.float32)
     assert y.dtype == jnp.float32 and rel_error(y, expected) <= TOL
+    with fp8_values_paired():
+        np.testing.assert_array_equal(w8a8_expert_rows(*routing, *weights, limit, interpret=True), y)
     with pytest.raises(ValueError, match="need one block"):
         w8a8_expert_rows(*routing, weights[0], weights[1], dataclasses.replace(weights[2], block=(64, 32)), limit)
 

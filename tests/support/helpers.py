@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import re
 
@@ -83,6 +84,24 @@ def int32_offsets_into_large_operands(lowered) -> list[str]:
             if match and match[1] in derived:
                 bad.append(line.strip())
     return bad
+
+
+@contextlib.contextmanager
+def fp8_values_paired():
+    """The MoE kernels take every block-FP8 value stack as uint16 pairs, as one of more than 2^31 elements goes;
+    jax's caches are cleared on entry and exit, so no trace made with the other form is reused."""
+    import jax
+
+    from pallas_kernels.moe.gpu_triton import weight_tiles
+
+    limit = weight_tiles.PAIR_ABOVE_ELEMENTS
+    jax.clear_caches()
+    weight_tiles.PAIR_ABOVE_ELEMENTS = 0
+    try:
+        yield
+    finally:
+        weight_tiles.PAIR_ABOVE_ELEMENTS = limit
+        jax.clear_caches()
 
 
 def gpu_test(what: str):

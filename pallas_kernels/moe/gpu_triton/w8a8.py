@@ -33,7 +33,13 @@ from pallas_kernels.fp8.reference import quantize_activations, quantize_groups
 from pallas_kernels.moe.gpu_triton.fused import _columns, _row_indices
 from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
-from pallas_kernels.moe.gpu_triton.weight_tiles import BlockFP8, StoredWeight, expert_tiles, kernel_operands
+from pallas_kernels.moe.gpu_triton.weight_tiles import (
+    BlockFP8,
+    StoredWeight,
+    expert_tiles,
+    kernel_operands,
+    pairs_needed,
+)
 from pallas_kernels.moe.reference import swiglu
 
 _TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
@@ -196,9 +202,9 @@ def _check_weight(name: str, values, scales, block: tuple[int, int]) -> None:
 
 
 def _weight_operands(name: str, values, scales, block: tuple[int, int]) -> tuple[BlockFP8, tuple[jax.Array, ...]]:
-    """The kernel's format and arrays of a block-FP8 weight: the values as uint16 pairs where K is even (int32
-    element offsets: `weight_tiles`), fp32 scales; an operand int32 offsets cannot index is refused."""
-    weight_format = BlockFP8(block, paired=values.shape[-1] % 2 == 0)
+    """The kernel's format and arrays of a block-FP8 weight: the values as uint16 pairs where int32 element offsets
+    need them (`weight_tiles.pairs_needed`), fp32 scales; an operand int32 offsets cannot index is refused."""
+    weight_format = BlockFP8(block, paired=pairs_needed(values))
     return weight_format, kernel_operands(StoredWeight(values, scales), weight_format, name=f"W8A8 experts: {name}")
 
 

@@ -6,11 +6,11 @@ says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing
 
 - `Dense`: the weight itself, [E, N, K] (the kernels' original operand);
 - `BlockFP8`: e4m3 values [E, N, K] (one byte an element) and fp32 scales [E, ceil(N / br), ceil(K / bc)] for
-  blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. With K
-  even the values go to the kernel as uint16 pairs [E, N, K / 2] (a bitcast; split into their two bytes on chip
-  like MXFP4's nibbles): Pallas's Triton lowering indexes a ref of at most 2^32 bytes with int32 element
-  offsets, which a one-byte stack of more than 2^31 elements overflows (Ling flash's [512, 1280, 4096]: wrong
-  results on an H200); pairs halve the largest offset. Where the
+  blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. A stack
+  of more than 2^31 elements with K even goes to the kernel as uint16 pairs [E, N, K / 2] (a bitcast; split into
+  their two bytes on chip like MXFP4's nibbles, `pairs_needed`): Pallas's Triton lowering indexes a ref of at
+  most 2^32 bytes with int32 element offsets, which such a one-byte stack overflows (Ling flash's [512, 1280,
+  4096]: wrong results on an H200); pairs halve the largest offset. Smaller stacks go as stored. Where the
   tile lies in one block (block_n divides br, block_k divides bc: the 128 x 128 checkpoints with the tuned tiles)
   the scale is one scalar load; otherwise one scale a row block a row and one a K block, repeated over the block's
   inputs (or, where a block does not divide the tile, gathered a column);
@@ -52,6 +52,17 @@ _INT32_OFFSET_LIMIT = 2**31
 
 def _range(start, size: int):
     return start + jnp.arange(size)
+
+
+# FP8 values of more elements than this go to the kernels as uint16 pairs (a bitcast XLA may make a copy of, each
+# call): below it int32 element offsets index them as stored
+PAIR_ABOVE_ELEMENTS = _INT32_OFFSET_LIMIT
+
+
+def pairs_needed(values) -> bool:
+    """Whether block-FP8 values [..., K] go to a kernel as uint16 pairs: K even and too many elements for int32
+    element offsets (`PAIR_ABOVE_ELEMENTS`)."""
+    return values.shape[-1] % 2 == 0 and values.size > PAIR_ABOVE_ELEMENTS
 
 
 def check_offsets(array, name: str) -> None:
@@ -217,7 +228,7 @@ def weight_format(weight, name: str = "weight") -> Format:
     if getattr(weight, "block", None) is not None:
         if values_dtype != np.dtype(jnp.float8_e4m3fn):
             raise ValueError(f"{name}: block-FP8 values must be float8_e4m3fn, got {values_dtype.name}")
-        return BlockFP8(tuple(int(b) for b in weight.block), paired=weight.values.shape[-1] % 2 == 0)
+        return BlockFP8(tuple(int(b) for b in weight.block), paired=pairs_needed(weight.values))
     if values_dtype != np.dtype(jnp.uint8):
         raise ValueError(f"{name}: MXFP4 values must be uint8 (two E2M1 codes a byte), got {values_dtype.name}")
     scales_dtype = np.dtype(weight.scales.dtype)
