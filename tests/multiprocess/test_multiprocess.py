@@ -18,8 +18,6 @@ from convert.pipeline import Options, convert
 from ling_jax import load_checkpoint
 from ling_jax.generation.cli import DEMO_DIR, main
 
-pytestmark = pytest.mark.skipif(not DEMO_DIR.is_dir(), reason="the demo checkpoint is not installed")
-
 PROMPT = "Mr. Darcy"
 GENERATE = ["--max-new-tokens", "4", "--prefill-chunk", "16", "--json", PROMPT]
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from ling_jax.distributed import disagreement
 from ling_jax.generation.cli import DEMO_DIR, main
 
@@ -32,7 +30,6 @@ def test_a_process_count_the_launch_does_not_match_fails_within_the_timeout(laun
         assert "within --distributed-timeout 3 s" in error and "same --coordinator and --num-processes" in error
 
 
-@pytest.mark.skipif(not DEMO_DIR.is_dir(), reason="the demo checkpoint is not installed")
 def test_a_checkpoint_missing_on_one_process_stops_every_process(launch, tmp_path):
     missing = tmp_path / "Ling-demo"
     runs = launch(lambda i, at: generate(i, at, "--model", str(missing if i else DEMO_DIR)), timeout_s=120)
