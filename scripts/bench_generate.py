@@ -7,18 +7,19 @@
 
     python scripts/bench_generate.py --weights bf16,stored   # also the block-FP8 weights a checkpoint stores
     python scripts/bench_generate.py --preset ling-3.0-flash --weights stored --batches 1,8,32
-                                                # a whole preset (all its layers, no MTP) instead of the slice
+                                                # a whole preset instead of the slice: all its layers, and its
+                                                # MTP layer's weights resident (not run: plain decode steps)
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
-format's device memory after init is read from `memory_stats`.
+format's device memory after init is read from `memory_stats`, and the peak after each batch's runs.
 Prefill: the prompt goes through the cache in chunks (as `Generator` does), timed after a warm-up. Decode:
 one jitted, cache-donating step (the model's Pallas KDA / MLA decode kernels and grouped-matmul experts)
 over a cache holding `context` tokens, the steps dispatched back to back as `Generator` runs them (mean
 per step; `--profile DIR` adds a Perfetto trace of 5 steps). Roofline: the bytes a step must read, i.e. every
 non-expert weight, the routed experts this step's tokens actually picked (counted from the routing), the
 KDA states (read and written) and the MLA latent cache, divided by the device copy bandwidth measured in the
-same run.
+same run. At batch 1 the prefill time of the whole `--context`-token prompt is printed as the time to first token.
 """
 
 from __future__ import annotations
@@ -63,11 +64,16 @@ def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
         ]
 
     touched = [int((np.asarray(load) > 0).sum()) for load in loads(params, cache, token_B)]
-    flat = [(".".join(map(str, path)), variable.get_value()) for path, variable in nnx.to_flat_state(params)]
+    flat = [
+        (".".join(map(str, path)), variable.get_value())
+        for path, variable in nnx.to_flat_state(params)
+        if path[0] != "mtp"  # resident, never read by a plain decode step
+    ]
     all_experts = sum(_nbytes(value) for name, value in flat if ".mlp.experts." in name)
     expert_bytes = all_experts // (config.num_experts * len(touched))
     embedding = sum(_nbytes(value) for name, value in flat if name.endswith("word_embeddings.weight"))
-    weights = _nbytes(params) - all_experts - embedding + sum(touched) * expert_bytes  # only B embedding rows read
+    read = sum(_nbytes(value) for _, value in flat)
+    weights = read - all_experts - embedding + sum(touched) * expert_bytes  # only B embedding rows read
     kda = sum(2 * s.recurrent_state.nbytes + 2 * s.conv_window.nbytes for s in cache.layers if isinstance(s, KDAState))
     batch, context = cache.lengths.shape[0], int(cache.lengths[0])
     mla = sum(
@@ -116,13 +122,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--weights", default="bf16,stored", help="comma-separated weight formats: bf16 and/or stored (block FP8)"
     )
-    parser.add_argument("--preset", help="a whole preset's model (its MTP layer left out) instead of the 8-layer slice")
+    parser.add_argument(
+        "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"
+    )
     args = parser.parse_args(argv)
     formats = args.weights.split(",")
     if not formats or set(formats) - {BF16, STORED}:
         parser.error(f"--weights: expected bf16 and/or stored, comma-separated, got {args.weights!r}")
     if args.preset:
-        config = preset(args.preset).replace(num_nextn_predict_layers=0)
+        config = preset(args.preset)
     else:
         config = flash_slice_config(8, args.quick)
     context = 512 if args.quick else args.context
@@ -146,9 +154,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def device_memory_gb() -> str:
+def device_memory_gb(key: str = "bytes_in_use") -> str:
     stats = jax.devices()[0].memory_stats()
-    return f"{stats['bytes_in_use'] / 1e9:.1f}" if stats else "n/a"
+    return f"{stats[key] / 1e9:.1f}" if stats else "n/a"
 
 
 def bench_format(config, weights: str, args, context: int, copy: float) -> list[tuple]:
@@ -177,9 +185,12 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             f"{decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms ({nbytes / 1e9:.2f} GB: "
             f"weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, MLA "
             f"{parts['mla_cache'] / 1e9:.2f}; experts touched per layer {parts['experts_touched_per_layer']}); "
-            f"{decode_s / roofline_s:.2f}x roofline",
+            f"{decode_s / roofline_s:.2f}x roofline; device memory peak so far "
+            f"{device_memory_gb('peak_bytes_in_use')} GB",
             flush=True,
         )
+        if batch == 1 and not args.decode_only:
+            print(f"{weights}: time to first token of a {context}-token prompt {prefill_s:.2f} s", flush=True)
         del cache
     return rows
 
