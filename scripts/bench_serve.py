@@ -37,6 +37,7 @@ from bench_common import flash_slice_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ling_jax import LingForCausalLM  # noqa: E402
+from ling_jax.cache import KDAState, LingCache  # noqa: E402
 from ling_jax.checkpoints.hf import STORED  # noqa: E402
 from ling_jax.config import MLA  # noqa: E402
 from ling_jax.generation import cli_runtime  # noqa: E402
@@ -129,7 +130,10 @@ def run_prefix(model, args) -> tuple[float, float]:
     block = args.prefill_chunk
     mla_layers = sum(kind == MLA for kind in model.config.layer_types)
     token_bytes = mla_layers * model.config.latent_dim * jnp.dtype(model.dtype).itemsize
-    cache_bytes = 2 * (args.prefix_tokens + 64) * token_bytes  # room for the prefix's pages twice over
+    kda_state = [s for s in LingCache.create(model.config, 1, 1, model.dtype).layers if isinstance(s, KDAState)]
+    snapshot_bytes = sum(s.recurrent_state.nbytes + s.conv_window.nbytes for s in kda_state)  # one per block
+    blocks = -(-(args.prefix_tokens + 64) // block)
+    cache_bytes = 2 * ((args.prefix_tokens + 64) * token_bytes + blocks * snapshot_bytes)  # the prefix twice over
     engine = Engine(
         model,
         max_batch=1,
@@ -154,6 +158,8 @@ def run_prefix(model, args) -> tuple[float, float]:
                 scheduler._step()
             times.append(time.perf_counter() - start)
         medians.append(float(np.median(times[1:])))  # the first request compiles nothing but fills the cache
+    if len(cache) < args.prefix_tokens // block:
+        raise RuntimeError(f"the prefix cache holds {len(cache)} blocks after the run, not the prefix's")
     return medians[0], medians[1]
 
 
