@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from ling_jax import LingConfig
 from ling_jax.cache import KDAState, LingCache, MLAState
 from ling_jax.config import KDA, MLA, MOE
+from ling_jax.generation.generator import cache_length
 from ling_jax.presets import preset
 from ling_jax.sharding import param_shardings
 
@@ -102,9 +103,10 @@ def init_on_mesh(build: Callable[[], nnx.Module], mesh: Mesh) -> nnx.Module:
 
 
 def filled_cache(model, batch: int, context: int, extra: int) -> LingCache:
-    """A cache that holds `context` tokens: random latents and small random KDA states."""
+    """A cache that holds `context` tokens and room for `extra` more, its length rounded up as `Generator` rounds
+    it (`cache_length`: the decode kernels pick their variant by it); random latents and small random KDA states."""
     config = model.config
-    cache = LingCache.create(config, batch, context + extra, model.dtype)
+    cache = LingCache.create(config, batch, cache_length(context, extra, mtp=0), model.dtype)
     keys = iter(jax.random.split(jax.random.key(7), 2 * len(cache.layers)))
     layers = []
     for state in cache.layers:
