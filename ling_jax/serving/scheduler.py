@@ -253,6 +253,9 @@ class Scheduler:
         tokens_BT = np.asarray(tokens_BT)
         counts_B = np.ones(len(tokens_BT), np.int32) if counts_B is None else np.asarray(counts_B)
         for request in decoding:
+            if self.slots[request.slot] is request and tokens_BT.shape[1] > 1:
+                self.metrics.mtp_drafted.inc(tokens_BT.shape[1] - 1)
+                self.metrics.mtp_accepted.inc(int(counts_B[request.slot]) - 1)
             for token in tokens_BT[request.slot, : counts_B[request.slot]]:
                 if self.slots[request.slot] is not request:
                     break
