@@ -14,9 +14,22 @@ out. Three programs, each compiled once per shape and run with the slot batch do
   head chunk, then full chunks of `prefill_chunk`), so each chunk length compiles once or twice (one row;
   the budget's rows) and each row computes what a batch-1 `Generator.generate` computes;
 - `first_token`: the request's first token from its last prompt position;
-- `decode`: one decode step of every slot. Slots that are not decoding (free, or between prefill chunks) run
-  too, with no pages (they read and write only a scratch page), and keep their KDA states, length, token and
-  token count.
+- `decode`: one decode step of every slot. Slots that are not decoding run too, with no pages (they read and
+  write only a scratch page), and keep their KDA states, length, token and token count.
+
+MTP speculation (`mtp` = K > 0, a model with an MTP layer): each slot also holds its MTP state (`SlotDrafts`):
+the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (not paged: one layer, so
+`max_batch` x `max_context` x 576 values; it is gathered per prefill row like the KDA states), the carry (the
+main model's hidden at the last prefilled token, whose MTP entry needs the token after it), and the slot's next
+draft with its MTP hidden. A prefill chunk also writes its MTP entries (`_prefill_drafts`), the first token
+adds the last prompt position's and drafts (`first_draft`), and the decode step becomes a speculative round of
+every slot (`speculative_round`, shared with `Generator`): K drafts chained through the MTP layer, K + 1
+positions verified in one main-model pass whose KDA layers keep every token's state, each slot's targets drawn
+with its own sampler, a draft accepted while it equals its target, and each slot committed at its own accepted
+boundary (KDA state and conv window of the last accepted token, length; MLA rows past it lie beyond the length,
+MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]: exactly the tokens plain
+decoding gives, greedy or sampled. A prefix-cache snapshot then also holds the block's MTP entries and the
+carry, so a resumed request drafts as a cold one does.
 
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
 request's tokens depend on its own seed and position only, never on the other slots.

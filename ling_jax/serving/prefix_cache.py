@@ -2,9 +2,10 @@
 
 A node stands for one block of a prompt after its parent's blocks. It holds what a request needs to resume
 right after that block: a snapshot of every KDA layer's recurrent state and conv window at the block's end (the
-chunked prefill reaches that boundary exactly, so the snapshot is the state a cold prefill has there) and the
-ids of the MLA pages that hold the block's latent rows (`PagePool`; the node is one of their holders, so they
-outlive the request that wrote them). A request resumes from its longest run of cached blocks: their pages
+chunked prefill reaches that boundary exactly, so the snapshot is the state a cold prefill has there; with MTP,
+also the MTP entries the block's prefill wrote and its carry, `Engine.snapshot`) and the ids of the MLA pages
+that hold the block's latent rows (`PagePool`; the node is one of their holders, so they outlive the request
+that wrote them). A request resumes from its longest run of cached blocks: their pages
 head its page table, shared in place with the cache and every other request reading them, the last node's
 KDA states go into its slot, and its prefill goes on from there. Blocks are whole pages, so a request's own
 tokens (after the last shared block, where a prompt diverges inside a block included) always go to pages of

@@ -9,7 +9,9 @@ Each iteration of the loop
    prefix cache, a request is admitted with the pages of its longest cached prefix shared into its page
    table and resumes after it, and each whole block it prefills is cached (its pages shared, not copied);
 4. dispatches one decode step of every decoding slot, then hands each request its token of the step before
-   (read while this one runs on the device, so the host's work overlaps the device's).
+   (read while this one runs on the device, so the host's work overlaps the device's); with MTP a step gives
+   each request one to K + 1 tokens, taken in order up to the one that ends the request (EOS, a stop string,
+   max_tokens): none past it is streamed.
 
 A request that ends at step k still runs in step k + 1, already dispatched; that step's token is dropped and
 the slot is free at the next iteration's admission (the next request's prefill runs after it on the device).
