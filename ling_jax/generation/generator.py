@@ -202,9 +202,10 @@ def speculative_round(
     active_B,
 ) -> Speculation:
     """Draft num_drafts tokens, verify them, commit (traced inside a jitted program). Rows not active keep their
-    cache lengths (finished rows never run past the cache; a server's idle slots stay where they are) and add
-    no MTP entry."""
+    cache and MTP cache lengths (finished rows never run past the cache; a server's idle slots stay where they
+    are)."""
     rows = jnp.arange(token_B.shape[0])
+    mtp_lengths_B = mtp_cache.lengths
     drafts = [draft_B]
     for _ in range(num_drafts - 1):
         out = model.draft_logits(draft_hidden_BD[:, None], drafts[-1][:, None], cache=mtp_cache)
@@ -226,7 +227,7 @@ def speculative_round(
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
     cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
     cache = cache.replace(lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
-    mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=start_lengths_B)  # drop the chained drafts' entries
+    mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=mtp_lengths_B)  # drop the chained drafts' entries
     out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
     return Speculation(
         targets_BT,

@@ -9,6 +9,7 @@ per process)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ling_jax.serving.engine import GREEDY, Engine
@@ -70,6 +71,8 @@ def test_each_request_equals_plain_decoding_alone(scheduler, alone, demo_tokeniz
         assert [t for d in sink for t in d.token_ids] == expected
         assert "".join(d.text for d in sink) == demo_tokenizer.decode(expected)
     assert 0 < _counter(scheduler, "mtp_accepted_tokens") < _counter(scheduler, "mtp_draft_tokens")
+    engine = scheduler.engine  # each slot's MTP entries end where its tokens do (prefill chunks ran between steps)
+    np.testing.assert_array_equal(engine.drafts.cache.lengths, engine.cache.lengths)
     _assert_all_free(scheduler)
 
 
@@ -99,14 +102,24 @@ def test_a_cut_inside_an_accepted_run_streams_nothing_past_it(scheduler, demo_to
     _assert_all_free(scheduler)
 
 
+def _mtp_entries(engine: Engine, slot: int) -> np.ndarray:
+    return np.asarray(engine.drafts.cache.layer.latent[slot, : int(engine.drafts.cache.lengths[slot])])
+
+
 def test_prefix_hits_with_mtp_equal_cold_requests(scheduler):
+    """Tokens, and each request's MTP entries at its end: the resumed ones (cached blocks' entries restored) are
+    the cold ones."""
     cases = [(prompt, sampling, 6) for prompt, sampling, _ in PREFIX_CASES]
-    cold = []
+    cold, cold_entries = [], []
     for case in cases:
         scheduler.prefix_cache.clear()
-        cold += [r.tokens for r in _run(scheduler, [case])]
+        (request,) = _run(scheduler, [case])
+        cold.append(request.tokens)
+        cold_entries.append(_mtp_entries(scheduler.engine, request.slot))
     scheduler.prefix_cache.clear()
     hits = _counter(scheduler, "prefix_cache_hits")
-    warm = [r.tokens for r in _run(scheduler, cases[:1]) + _run(scheduler, cases[1:])]
-    assert warm == cold and _counter(scheduler, "prefix_cache_hits") == hits + 3
+    warm = _run(scheduler, cases[:1]) + _run(scheduler, cases[1:])
+    assert [r.tokens for r in warm] == cold and _counter(scheduler, "prefix_cache_hits") == hits + 3
+    for request, entries in zip(warm[1:], cold_entries[1:]):
+        np.testing.assert_allclose(_mtp_entries(scheduler.engine, request.slot), entries, atol=1e-4)
     _assert_all_free(scheduler)
