@@ -116,6 +116,13 @@ def _prefill_chunk(
     return cache, mtp_cache, hidden_BCD[:, -1]
 
 
+def first_draft(model: LingForCausalLM, mtp_cache: MTPCache, hidden_BD, token_B):
+    """The MTP entry of the last prompt position (its hidden, the first new token) and the first draft:
+    -> (MTP cache, draft [B], the MTP hidden at the draft [B, D], which the next drafts chain from)."""
+    out = model.draft_logits(hidden_BD[:, None], token_B[:, None], cache=mtp_cache)
+    return out.cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.hidden[:, 0]
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
 def _first_token(static, leaves, mtp_cache, seen_BV, hidden_BD, arrays, steps_B):
     """The first new token from the last prompt position; with MTP, also the first draft."""
@@ -124,9 +131,7 @@ def _first_token(static, leaves, mtp_cache, seen_BV, hidden_BD, arrays, steps_B)
     seen_BV = update_seen(seen_BV, token_B)
     if mtp_cache is None:
         return token_B, seen_BV, None, None, None
-    out = model.draft_logits(hidden_BD[:, None], token_B[:, None], cache=mtp_cache)
-    draft_B = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
-    return token_B, seen_BV, out.cache, draft_B, out.hidden[:, 0]
+    return token_B, seen_BV, *first_draft(model, mtp_cache, hidden_BD, token_B)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 6))
@@ -170,26 +175,37 @@ def _decode_group(static, num_steps, leaves, state: DecodeState, arrays, positio
     return tokens_KB.T, state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
-def _speculative_round(
-    static,
-    num_drafts,
-    leaves,
+class Speculation(NamedTuple):
+    """One speculative round's results (`speculative_round`)."""
+
+    targets_BT: jax.Array  # [B, K+1] the target model's draws; the round emits targets[:, :accepted + 1]
+    accepted_B: jax.Array  # [B] drafts accepted
+    cache: LingCache  # committed at the last accepted token
+    mtp_cache: MTPCache
+    seen_BV: jax.Array
+    token_B: jax.Array  # targets[:, accepted]: the next round's pending token
+    draft_B: jax.Array  # the next round's first draft
+    draft_hidden_BD: jax.Array  # the MTP hidden at that draft
+
+
+def speculative_round(
+    model: LingForCausalLM,
+    num_drafts: int,
     cache: LingCache,
     mtp_cache: MTPCache,
     seen_BV,
     token_B,
     draft_B,
     draft_hidden_BD,
-    arrays,
+    arrays: SamplingArrays,
     steps_B,
     active_B,
-):
-    """Draft num_drafts tokens, verify them, commit. Returns (targets [B, K+1], accepted [B], caches, ...):
-    the round emits targets[:, :accepted + 1]; targets[:, accepted] is the next pending token. Finished rows
-    (active false) keep their cache lengths, so they never run past the cache."""
-    model = static.merge(leaves)
+) -> Speculation:
+    """Draft num_drafts tokens, verify them, commit (traced inside a jitted program). Rows not active keep their
+    cache and MTP cache lengths (finished rows never run past the cache; a server's idle slots stay where they
+    are)."""
     rows = jnp.arange(token_B.shape[0])
+    mtp_lengths_B = mtp_cache.lengths
     drafts = [draft_B]
     for _ in range(num_drafts - 1):
         out = model.draft_logits(draft_hidden_BD[:, None], drafts[-1][:, None], cache=mtp_cache)
@@ -211,18 +227,28 @@ def _speculative_round(
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
     cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
     cache = cache.replace(lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
-    mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=start_lengths_B)  # drop the chained drafts' entries
+    mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=mtp_lengths_B)  # drop the chained drafts' entries
     out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
-    next_draft_B = jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32)
-    return (
+    return Speculation(
         targets_BT,
         accepted_B,
         cache,
         out.cache,
         seen_BV,
         targets_BT[rows, accepted_B],
-        next_draft_B,
+        jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32),
         out.hidden[rows, accepted_B],
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
+def _speculative_round(
+    static, num_drafts, leaves, cache, mtp_cache, seen_BV, token_B, draft_B, draft_hidden_BD, arrays, steps_B, active_B
+) -> Speculation:
+    """`speculative_round` over the batch: the round emits targets[:, :accepted + 1]."""
+    model = static.merge(leaves)
+    return speculative_round(
+        model, num_drafts, cache, mtp_cache, seen_BV, token_B, draft_B, draft_hidden_BD, arrays, steps_B, active_B
     )
 
 

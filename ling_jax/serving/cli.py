@@ -104,7 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the MLA pages of its longest cached prompt prefix (in prefill chunks)",
     )
     parser.add_argument(
-        "--mtp", type=int, default=0, metavar="K", help="MTP speculative drafts per step (not built yet: must be 0)"
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="MTP speculative decoding: each decode step the MTP layer drafts K tokens per request and the model "
+        "verifies them in one pass; same output as without (needs a model with an MTP layer; <= "
+        f"{cli_checks.MAX_MTP}; default 0 = off)",
     )
     parser.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     return parser
@@ -117,6 +123,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
         ("--page-size", args.page_size, 1),
         ("--max-queue", args.max_queue, 0),
+        ("--mtp", args.mtp, 0),
         ("--port", args.port, 0),
     ):
         if value < low:
@@ -125,8 +132,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--prefill-budget must be >= --prefill-chunk ({args.prefill_chunk}), got {args.prefill_budget}"
         )
-    if args.mtp:
-        raise ValueError(f"--mtp {args.mtp}: MTP speculation per slot is not built in ling-serve yet; use --mtp 0")
+    cli_checks.check_mtp(args.mtp)
     if not args.prefix_cache_gb >= 0:
         raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {args.prefix_cache_gb}")
     if args.prefix_cache_gb and args.prefill_chunk % args.page_size:
@@ -147,6 +153,10 @@ def prepare(args: argparse.Namespace) -> Service:
         raise ValueError(
             f"--max-context {args.max_context} exceeds the model's context of {config.max_position_embeddings} tokens"
         )
+    if args.mtp and not config.num_nextn_predict_layers:
+        raise ValueError(
+            f"--mtp {args.mtp} needs a model with an MTP layer; {args.model} has none (num_nextn_predict_layers = 0)"
+        )
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     progress = sys.stderr.isatty()
     if source.orbax:
@@ -163,6 +173,7 @@ def prepare(args: argparse.Namespace) -> Service:
         prefill_budget=args.prefill_budget,
         page_size=args.page_size,
         prefix_cache_bytes=prefix_cache_bytes,
+        mtp=args.mtp,
     )
     prefix_cache = PrefixCache(engine.pages, args.prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
     engine.warm_up()

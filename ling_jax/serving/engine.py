@@ -14,9 +14,22 @@ out. Three programs, each compiled once per shape and run with the slot batch do
   head chunk, then full chunks of `prefill_chunk`), so each chunk length compiles once or twice (one row;
   the budget's rows) and each row computes what a batch-1 `Generator.generate` computes;
 - `first_token`: the request's first token from its last prompt position;
-- `decode`: one decode step of every slot. Slots that are not decoding (free, or between prefill chunks) run
-  too, with no pages (they read and write only a scratch page), and keep their KDA states, length, token and
-  token count.
+- `decode`: one decode step of every slot. Slots that are not decoding run too, with no pages (they read and
+  write only a scratch page), and keep their KDA states, length, token and token count.
+
+MTP speculation (`mtp` = K > 0, a model with an MTP layer): each slot also holds its MTP state (`SlotDrafts`):
+the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (not paged: one layer, so
+`max_batch` x `max_context` x 576 values; it is gathered per prefill row like the KDA states), the carry (the
+main model's hidden at the last prefilled token, whose MTP entry needs the token after it), and the slot's next
+draft with its MTP hidden. A prefill chunk also writes its MTP entries (`_prefill_drafts`), the first token
+adds the last prompt position's and drafts (`first_draft`), and the decode step becomes a speculative round of
+every slot (`speculative_round`, shared with `Generator`): K drafts chained through the MTP layer, K + 1
+positions verified in one main-model pass whose KDA layers keep every token's state, each slot's targets drawn
+with its own sampler, a draft accepted while it equals its target, and each slot committed at its own accepted
+boundary (KDA state and conv window of the last accepted token, length; MLA rows past it lie beyond the length,
+MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]: exactly the tokens plain
+decoding gives, greedy or sampled. A prefix-cache snapshot then also holds the block's MTP entries and the
+carry, so a resumed request drafts as a cold one does.
 
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
 request's tokens depend on its own seed and position only, never on the other slots.
@@ -25,15 +38,17 @@ request's tokens depend on its own seed and position only, never on the other sl
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from ling_jax.cache import KDAState, LingCache
+from ling_jax.cache import KDAState, LingCache, MTPCache
 from ling_jax.checkpoints.pieces import one_device_sharding
 from ling_jax.config import MLA
-from ling_jax.generation.generator import MIN_CHUNK, prefill_chunks
+from ling_jax.generation.generator import MIN_CHUNK, first_draft, prefill_chunks, speculative_round
 from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
 from ling_jax.generation.static_model import split_model
 from ling_jax.model import LingForCausalLM
@@ -50,6 +65,32 @@ def _slot_rows(tree, slot):
 
 def _put_slot_rows(tree, rows, slot):
     return jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, slot, axis=0), tree, rows)
+
+
+class Snapshot(NamedTuple):
+    """A slot's state at a prefix block's end (`Engine.snapshot`)."""
+
+    kda: tuple  # per KDA layer: the slot's KDAState ([1, ...] arrays)
+    drafts: tuple | None  # with MTP: the block's MTP entries [1, block, A] and the carry [1, D]; else None
+
+
+@struct.dataclass
+class SlotDrafts:
+    """Each slot's MTP state (an `Engine` with `mtp` > 0)."""
+
+    cache: MTPCache  # the MTP layer's latent cache: a fixed [B, max_context, A] buffer, one row per slot
+    carry_BD: jax.Array  # the main model's hidden at the slot's last prefilled token (its MTP entry needs the next)
+    draft_B: jax.Array  # [B] int32: the first draft of the slot's next round
+    draft_hidden_BD: jax.Array  # the MTP hidden at that draft, which the round's next drafts chain from
+
+    @classmethod
+    def create(cls, config, batch_size: int, max_length: int, dtype) -> SlotDrafts:
+        return cls(
+            cache=MTPCache.create(config, batch_size, max_length, dtype),
+            carry_BD=jnp.zeros((batch_size, config.hidden_size), dtype),
+            draft_B=jnp.zeros((batch_size,), jnp.int32),
+            draft_hidden_BD=jnp.zeros((batch_size, config.hidden_size), dtype),
+        )
 
 
 def _no_page(cache: LingCache) -> int:
@@ -95,16 +136,39 @@ def _mark_seen(seen_BV, slots_P, ids_PC, mask_PC, fresh_P):
     return seen_BV.at[slots_P].set(seen_from_prompts(ids_PC, mask_PC, seen_BV.shape[1]) | kept_PV, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _prefill(static, leaves, cache: LingCache, seen_BV, slots_P, ids_PC, mask_PC, fresh_P, last_P):
+def _prefill_drafts(model, drafts: SlotDrafts, hidden_PCD, slots_P, ids_PC, mask_PC, fresh_P, last_P) -> SlotDrafts:
+    """A chunk's MTP entries: (hidden of the token before, token) for each real token but a prompt's first, the
+    one before the chunk's first token being the slot's carry; the entry of the chunk's last token waits for the
+    next chunk (or the first new token, `first_draft`) as the new carry. A prompt's entries are a batch-1
+    `Generator`'s, in the same cache positions."""
+
+    def take(x):
+        return x.at[slots_P].get(mode="fill", fill_value=0)
+
+    def put(x, r):
+        return x.at[slots_P].set(r, mode="drop")
+
+    rows = jax.tree.map(take, drafts.cache)
+    rows = rows.replace(lengths=jnp.where(fresh_P, 0, rows.lengths))
+    before_PCD = jnp.concatenate([take(drafts.carry_BD)[:, None].astype(hidden_PCD.dtype), hidden_PCD[:, :-1]], 1)
+    after_real_PC = mask_PC & jnp.concatenate([~fresh_P[:, None], mask_PC[:, :-1]], axis=1)
+    _, rows = model.draft_hidden(before_PCD, ids_PC, cache=rows, attention_mask=after_real_PC)
+    last_PD = hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P]
+    return drafts.replace(cache=jax.tree.map(put, drafts.cache, rows), carry_BD=put(drafts.carry_BD, last_PD))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
+def _prefill(static, leaves, cache: LingCache, seen_BV, drafts, slots_P, ids_PC, mask_PC, fresh_P, last_P):
     """One prompt chunk per row [P, C] into slots_P (rows whose slot is past the batch are padding: computed,
-    never written); -> (cache, seen, hidden [P, D] at each row's column last_P)."""
+    never written); -> (cache, seen, drafts (None without MTP), hidden [P, D] at each row's column last_P)."""
     model = static.merge(leaves)
     rows = _reset(_gather_rows(cache, slots_P), fresh_P)
     hidden_PCD, rows = model.model(ids_PC, cache=rows, attention_mask=mask_PC, policy=model.policy)
     cache = _scatter_rows(cache, rows, slots_P)
     seen_BV = _mark_seen(seen_BV, slots_P, ids_PC, mask_PC, fresh_P)
-    return cache, seen_BV, hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P]
+    if drafts is not None:
+        drafts = _prefill_drafts(model, drafts, hidden_PCD, slots_P, ids_PC, mask_PC, fresh_P, last_P)
+    return cache, seen_BV, drafts, hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P]
 
 
 @jax.jit
@@ -124,38 +188,113 @@ def _restore(cache: LingCache, seen_BV, slot, kda, ids_1L, mask_1L):
     return cache.replace(layers=layers, lengths=lengths), seen_BV
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
-def _first_token(static, leaves, seen_BV, token_B, steps_B, slot, hidden_1D, arrays_1: SamplingArrays):
-    """The request's first token (its token index 0); the slot's token, count and seen row updated."""
-    logits_1V = static.merge(leaves).logits(hidden_1D[:, None])[:, 0]
+@functools.partial(jax.jit, static_argnums=3)
+def _snapshot_drafts(drafts: SlotDrafts, slot, first, block: int):
+    """The slot's MTP entries a prefix block wrote (rows [first, first + block) of its MTP cache, first = the
+    block's start - 1, or 0 for a prompt's first block) and its carry: ([1, block, A], [1, D])."""
+    latent_1SA = _slot_rows(drafts.cache.layer.latent, slot)
+    return jax.lax.dynamic_slice_in_dim(latent_1SA, first, block, axis=1), _slot_rows(drafts.carry_BD, slot)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _restore_drafts(drafts: SlotDrafts, slot, first, rows_1KA, carry_1D, length):
+    """Put a block's MTP entries (`_snapshot_drafts`) back at row `first` of the slot's MTP cache, its length and
+    carry those at the block's end."""
+    latent = drafts.cache.layer.latent
+    latent_1SA = jax.lax.dynamic_update_slice_in_dim(_slot_rows(latent, slot), rows_1KA, first, axis=1)
+    mtp_cache = MTPCache(
+        layer=drafts.cache.layer.replace(latent=_put_slot_rows(latent, latent_1SA, slot)),
+        lengths=drafts.cache.lengths.at[slot].set(length),
+    )
+    return drafts.replace(cache=mtp_cache, carry_BD=_put_slot_rows(drafts.carry_BD, carry_1D, slot))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
+def _first_token(static, leaves, seen_BV, token_B, steps_B, drafts, slot, hidden_1D, arrays_1: SamplingArrays):
+    """The request's first token (its token index 0); the slot's token, count and seen row updated; with MTP, the
+    last prompt position's MTP entry and the slot's first draft."""
+    model = static.merge(leaves)
+    logits_1V = model.logits(hidden_1D[:, None])[:, 0]
     seen_1V = _slot_rows(seen_BV, slot)
     token_1 = sample(logits_1V, arrays_1, jnp.zeros((1,), jnp.int32), seen_1V)
     seen_BV = _put_slot_rows(seen_BV, update_seen(seen_1V, token_1), slot)
     token_B = _put_slot_rows(token_B, token_1, slot)
     steps_B = _put_slot_rows(steps_B, jnp.ones((1,), jnp.int32), slot)
-    return token_1[0], seen_BV, token_B, steps_B
+    if drafts is not None:
+        mtp_cache, draft_1, draft_hidden_1D = first_draft(model, _slot_rows(drafts.cache, slot), hidden_1D, token_1)
+        drafts = drafts.replace(
+            cache=_put_slot_rows(drafts.cache, mtp_cache, slot),
+            draft_B=_put_slot_rows(drafts.draft_B, draft_1, slot),
+            draft_hidden_BD=_put_slot_rows(drafts.draft_hidden_BD, draft_hidden_1D, slot),
+        )
+    return token_1[0], seen_BV, token_B, steps_B, drafts
 
 
 def _where_rows(rows_B, new, old):
     return jnp.where(rows_B.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
-def _decode(static, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_B):
-    """One decode step of every slot; slots not active have no pages in it (they touch only the scratch page: a
-    new request's slot may list shared pages before its first prefill) and keep their KDA states, length, token
-    and count."""
+def _without_idle_pages(cache: LingCache, active_B) -> LingCache:
+    """The cache as a step sees it: slots not active have no pages (they touch only the scratch page: a new
+    request's slot may list shared pages before its first prefill)."""
     no_pages_BN = jnp.full_like(cache.page_table, _no_page(cache))
-    stepping = cache.replace(page_table=jnp.where(active_B[:, None], cache.page_table, no_pages_BN))
-    out = static.merge(leaves)(token_B[:, None], cache=stepping)
-    next_B = jnp.where(active_B, sample(out.logits[:, 0], arrays, steps_B, seen_BV), token_B)
+    return cache.replace(page_table=jnp.where(active_B[:, None], cache.page_table, no_pages_BN))
+
+
+def _keep_idle_states(cache: LingCache, stepped: LingCache, active_B) -> LingCache:
+    """`cache` after a step: the stepped MLA pages and lengths, the stepped KDA states of active slots only."""
     layers = tuple(
         jax.tree.map(lambda new, old: _where_rows(active_B, new, old), s, before) if isinstance(s, KDAState) else s
-        for s, before in zip(out.cache.layers, cache.layers)
+        for s, before in zip(stepped.layers, cache.layers)
     )
-    cache = cache.replace(layers=layers, lengths=jnp.where(active_B, out.cache.lengths, cache.lengths))
+    return cache.replace(layers=layers, lengths=jnp.where(active_B, stepped.lengths, cache.lengths))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
+def _decode(static, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_B):
+    """One decode step of every slot; slots not active have no pages in it and keep their KDA states, length,
+    token and count. -> (tokens [B, 1], cache, seen, token, count)."""
+    out = static.merge(leaves)(token_B[:, None], cache=_without_idle_pages(cache, active_B))
+    next_B = jnp.where(active_B, sample(out.logits[:, 0], arrays, steps_B, seen_BV), token_B)
+    cache = _keep_idle_states(cache, out.cache, active_B)
     seen_BV = jnp.where(active_B[:, None], update_seen(seen_BV, next_B), seen_BV)
-    return next_B, cache, seen_BV, next_B, steps_B + active_B.astype(jnp.int32)
+    return next_B[:, None], cache, seen_BV, next_B, steps_B + active_B.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5, 6, 7))
+def _speculate(
+    static, num_drafts, leaves, cache: LingCache, seen_BV, token_B, steps_B, drafts: SlotDrafts, arrays, active_B
+):
+    """One speculative round of every slot (`speculative_round`): -> (targets [B, K+1], accepted [B], cache,
+    seen, token, count, drafts); a slot emits targets[:, :accepted + 1]. Slots not active have no pages in it and
+    keep their KDA states, length, token, count, MTP entries and drafts."""
+    out = speculative_round(
+        static.merge(leaves),
+        num_drafts,
+        _without_idle_pages(cache, active_B),
+        drafts.cache,
+        seen_BV,
+        token_B,
+        drafts.draft_B,
+        drafts.draft_hidden_BD,
+        arrays,
+        steps_B,
+        active_B,
+    )
+    drafts = drafts.replace(
+        cache=out.mtp_cache,
+        draft_B=jnp.where(active_B, out.draft_B, drafts.draft_B),
+        draft_hidden_BD=_where_rows(active_B, out.draft_hidden_BD, drafts.draft_hidden_BD),
+    )
+    return (
+        out.targets_BT,
+        out.accepted_B,
+        _keep_idle_states(cache, out.cache, active_B),
+        _where_rows(active_B, out.seen_BV, seen_BV),
+        jnp.where(active_B, out.token_B, token_B),
+        steps_B + jnp.where(active_B, out.accepted_B + 1, 0),
+        drafts,
+    )
 
 
 class Engine:
@@ -172,9 +311,15 @@ class Engine:
         prefill_budget: int | None = None,
         page_size: int = PAGE_SIZE,
         prefix_cache_bytes: int = 0,
+        mtp: int = 0,
     ):
         """prefix_cache_bytes: the prefix cache's size (0: none); the pool gets that many bytes of pages more, and
-        prompts are chunked on prefix blocks (prefill chunks, whole pages)."""
+        prompts are chunked on prefix blocks (prefill chunks, whole pages). mtp: MTP drafts per decode step (0:
+        plain decoding; needs a model with an MTP layer)."""
+        if mtp < 0:
+            raise ValueError(f"--mtp must be >= 0, got {mtp}")
+        if mtp and not model.config.num_nextn_predict_layers:
+            raise ValueError(f"--mtp {mtp} needs a model with an MTP layer (num_nextn_predict_layers = 0 here)")
         if max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
         if prefill_chunk < MIN_CHUNK:
@@ -185,6 +330,7 @@ class Engine:
         self.config = model.config
         self.max_batch = max_batch
         self.max_context = max_context
+        self.mtp = mtp
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
         if self.prefill_budget < prefill_chunk:
@@ -212,6 +358,7 @@ class Engine:
         self.seen_BV = jax.device_put(jnp.zeros((max_batch, self.config.vocab_size), bool), replicated)
         self.token_B = jax.device_put(jnp.zeros((max_batch,), jnp.int32), replicated)
         self.steps_B = jax.device_put(jnp.zeros((max_batch,), jnp.int32), replicated)
+        self.drafts = self._place(SlotDrafts.create(self.config, max_batch, max_context, model.dtype)) if mtp else None
         self._params = [GREEDY] * max_batch
         self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
 
@@ -272,11 +419,12 @@ class Engine:
         pad = rows - len(slots)
         ids_PC = np.stack([ids for ids, _ in chunks] + [np.zeros(length, np.int32)] * pad)
         mask_PC = np.stack([mask for _, mask in chunks] + [np.ones(length, bool)] * pad)
-        self.cache, self.seen_BV, hidden_PD = _prefill(
+        self.cache, self.seen_BV, self.drafts, hidden_PD = _prefill(
             self.static,
             self.leaves,
             self._synced(),
             self.seen_BV,
+            self.drafts,
             jnp.asarray(list(slots) + [self.max_batch] * pad, jnp.int32),
             jnp.asarray(ids_PC, jnp.int32),
             jnp.asarray(mask_PC, bool),
@@ -299,18 +447,38 @@ class Engine:
         first, count = start // self.pages.page_size, self.prefix_block // self.pages.page_size
         return tuple(int(p) for p in self.page_table_BN[slot, first : first + count])
 
-    def snapshot(self, slot: int) -> tuple:
-        """The slot's KDA states now: with a block's pages, a prefix-cache node."""
-        return _snapshot(self.cache, jnp.int32(slot))
+    def snapshot(self, slot: int, start: int) -> Snapshot:
+        """The slot's state at the end of its prefix block at token `start`: with the block's pages, a prefix-cache
+        node."""
+        kda = _snapshot(self.cache, jnp.int32(slot))
+        if self.drafts is None:
+            return Snapshot(kda, None)
+        return Snapshot(
+            kda, _snapshot_drafts(self.drafts, jnp.int32(slot), jnp.int32(max(start - 1, 0)), self.prefix_block)
+        )
 
-    def restore(self, slot: int, kda: tuple, prefix: list[int]) -> None:
-        """Resume `slot` after a cached `prefix` (its pages already the first of the slot's, `assign`): the KDA
-        states `kda` of its end, its length, its tokens' seen marks."""
+    def restore(self, slot: int, path: list[Snapshot], prefix: list[int]) -> None:
+        """Resume `slot` after a cached `prefix` (its pages already the first of the slot's, `assign`) from the
+        snapshots of its blocks, in order: the last one's KDA states, its length, its tokens' seen marks; with
+        MTP, every block's MTP entries and the last one's carry."""
         ids_1L, mask_1L = np.zeros((1, self.max_context), np.int32), np.zeros((1, self.max_context), bool)
         ids_1L[0, : len(prefix)], mask_1L[0, : len(prefix)] = prefix, True
         self.cache, self.seen_BV = _restore(
-            self._synced(), self.seen_BV, jnp.int32(slot), kda, jnp.asarray(ids_1L), jnp.asarray(mask_1L)
+            self._synced(), self.seen_BV, jnp.int32(slot), path[-1].kda, jnp.asarray(ids_1L), jnp.asarray(mask_1L)
         )
+        if self.drafts is None:
+            return
+        for block, snapshot in enumerate(path):
+            start = block * self.prefix_block
+            rows_1KA, carry_1D = snapshot.drafts
+            self.drafts = _restore_drafts(
+                self.drafts,
+                jnp.int32(slot),
+                jnp.int32(max(start - 1, 0)),
+                rows_1KA,
+                carry_1D,
+                jnp.int32(start + self.prefix_block - 1),
+            )
 
     def _synced(self) -> LingCache:
         """The cache with the host's page table (sent to the device once after each change)."""
@@ -324,12 +492,13 @@ class Engine:
         """Sample the request's first token and make `slot` ready to decode with `params`."""
         self._params[slot] = params
         self._arrays = None
-        token, self.seen_BV, self.token_B, self.steps_B = _first_token(
+        token, self.seen_BV, self.token_B, self.steps_B, self.drafts = _first_token(
             self.static,
             self.leaves,
             self.seen_BV,
             self.token_B,
             self.steps_B,
+            self.drafts,
             jnp.int32(slot),
             hidden_1D,
             SamplingArrays.from_params([params]),
@@ -346,23 +515,42 @@ class Engine:
             self._params[slot] = GREEDY
             self._arrays = None
 
-    def decode(self, active_B: np.ndarray) -> jax.Array:
-        """Dispatch one decode step of every slot; -> the new token of each slot [B] (meaningful where active),
-        on its way to the host (the step runs while the caller does other work)."""
+    def decode(self, active_B: np.ndarray) -> tuple[jax.Array, jax.Array | None]:
+        """Dispatch one decode step of every slot (with MTP, a speculative round); -> (tokens [B, K+1], counts
+        [B] or None): slot b's new tokens are tokens[b, :counts[b]] (without MTP, tokens[b, :1]), meaningful where
+        active, on their way to the host (the step runs while the caller does other work)."""
         if self._arrays is None:
             self._arrays = SamplingArrays.from_params(self._params)
-        tokens_B, self.cache, self.seen_BV, self.token_B, self.steps_B = _decode(
+        active_B = jnp.asarray(active_B, bool)
+        if self.drafts is None:
+            tokens_B1, self.cache, self.seen_BV, self.token_B, self.steps_B = _decode(
+                self.static,
+                self.leaves,
+                self._synced(),
+                self.seen_BV,
+                self.token_B,
+                self.steps_B,
+                self._arrays,
+                active_B,
+            )
+            tokens_B1.copy_to_host_async()
+            return tokens_B1, None
+        targets_BT, accepted_B, self.cache, self.seen_BV, self.token_B, self.steps_B, self.drafts = _speculate(
             self.static,
+            self.mtp,
             self.leaves,
             self._synced(),
             self.seen_BV,
             self.token_B,
             self.steps_B,
+            self.drafts,
             self._arrays,
-            jnp.asarray(active_B, bool),
+            active_B,
         )
-        tokens_B.copy_to_host_async()
-        return tokens_B
+        counts_B = accepted_B + 1
+        for part in (targets_BT, counts_B):
+            part.copy_to_host_async()
+        return targets_BT, counts_B
 
     def warm_up(self) -> None:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, the first
@@ -373,7 +561,7 @@ class Engine:
                 self.prefill([0, 1], [chunk, chunk], [True, True])
             hidden_1D = self.prefill([0], [chunk], [True])
         if self.prefix_block is not None:
-            self.restore(0, self.snapshot(0), [1] * self.prefix_block)
+            self.restore(0, [self.snapshot(0, 0)], [1] * self.prefix_block)
         self.first_token(0, hidden_1D, GREEDY)
         self.decode(np.zeros(self.max_batch, bool))
         self.release(0)

@@ -41,6 +41,8 @@ class Metrics:
         self.prefix_hit_tokens = Counter(
             "ling_serve_prefix_cache_hit_tokens", "prompt tokens not prefilled thanks to the prefix cache", registry=r
         )
+        self.mtp_drafted = Counter("ling_serve_mtp_draft_tokens", "MTP draft tokens verified", registry=r)
+        self.mtp_accepted = Counter("ling_serve_mtp_accepted_tokens", "MTP draft tokens accepted", registry=r)
         self.prefix_bytes = Gauge("ling_serve_prefix_cache_bytes", "bytes held by the prefix cache", registry=r)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()

@@ -2,9 +2,10 @@
 
 A node stands for one block of a prompt after its parent's blocks. It holds what a request needs to resume
 right after that block: a snapshot of every KDA layer's recurrent state and conv window at the block's end (the
-chunked prefill reaches that boundary exactly, so the snapshot is the state a cold prefill has there) and the
-ids of the MLA pages that hold the block's latent rows (`PagePool`; the node is one of their holders, so they
-outlive the request that wrote them). A request resumes from its longest run of cached blocks: their pages
+chunked prefill reaches that boundary exactly, so the snapshot is the state a cold prefill has there; with MTP,
+also the MTP entries the block's prefill wrote and its carry, `Engine.snapshot`) and the ids of the MLA pages
+that hold the block's latent rows (`PagePool`; the node is one of their holders, so they outlive the request
+that wrote them). A request resumes from its longest run of cached blocks: their pages
 head its page table, shared in place with the cache and every other request reading them, the last node's
 KDA states go into its slot, and its prefill goes on from there. Blocks are whole pages, so a request's own
 tokens (after the last shared block, where a prompt diverges inside a block included) always go to pages of
@@ -30,7 +31,7 @@ from ling_jax.serving.pages import PagePool
 class Node:
     block: tuple[int, ...]  # this node's tokens
     parent: Node | None
-    kda: tuple = ()  # per KDA layer: the KDAState of one slot ([1, ...] arrays) after this block
+    state: tuple = ()  # the slot's state after this block (`Engine.snapshot`: KDA states; with MTP, MTP entries)
     pages: tuple[int, ...] = ()  # the MLA pages of this block's latent rows, in order
     nbytes: int = 0
     last_used: int = 0
@@ -69,9 +70,9 @@ class PrefixCache:
             node.last_used = now
         return path
 
-    def insert(self, parent: Node, block: Sequence[int], kda: tuple, pages: Sequence[int]) -> Node:
-        """The node of `block` after `parent` (a new one holding these KDA states and sharing these pages, or the
-        one already cached)."""
+    def insert(self, parent: Node, block: Sequence[int], state: tuple, pages: Sequence[int]) -> Node:
+        """The node of `block` after `parent` (a new one holding this snapshot and sharing these pages, or the one
+        already cached)."""
         key = tuple(block)
         if len(key) != self.block:
             raise ValueError(f"a prefix-cache block holds {self.block} tokens, got {len(key)}")
@@ -79,8 +80,8 @@ class PrefixCache:
         if existing is not None or parent.evicted:
             return existing or parent
         self.pool.share(pages)
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(kda)) + len(pages) * self.pool.page_bytes
-        node = Node(key, parent, kda, tuple(pages), nbytes, next(self._clock))
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state)) + len(pages) * self.pool.page_bytes
+        node = Node(key, parent, state, tuple(pages), nbytes, next(self._clock))
         parent.children[key] = node
         self.nbytes += nbytes
         self._evict(keep=node)
@@ -102,7 +103,7 @@ class PrefixCache:
 
     def _drop(self, node: Node) -> None:
         self.pool.release(node.pages)
-        node.evicted, node.kda, node.pages = True, (), ()
+        node.evicted, node.state, node.pages = True, (), ()
 
     def _nodes(self):
         stack = list(self.root.children.values())

@@ -9,7 +9,9 @@ Each iteration of the loop
    prefix cache, a request is admitted with the pages of its longest cached prefix shared into its page
    table and resumes after it, and each whole block it prefills is cached (its pages shared, not copied);
 4. dispatches one decode step of every decoding slot, then hands each request its token of the step before
-   (read while this one runs on the device, so the host's work overlaps the device's).
+   (read while this one runs on the device, so the host's work overlaps the device's); with MTP a step gives
+   each request one to K + 1 tokens, taken in order up to the one that ends the request (EOS, a stop string,
+   max_tokens): none past it is streamed.
 
 A request that ends at step k still runs in step k + 1, already dispatched; that step's token is dropped and
 the slot is free at the next iteration's admission (the next request's prefill runs after it on the device).
@@ -185,7 +187,7 @@ class Scheduler:
         if decoding:
             active_B = np.zeros(self.engine.max_batch, bool)
             active_B[[r.slot for r in decoding]] = True
-            self._in_flight = (self.engine.decode(active_B), decoding)
+            self._in_flight = (*self.engine.decode(active_B), decoding)
         if previous is not None:
             self._take_step(*previous)
         self.steps += 1
@@ -223,7 +225,7 @@ class Scheduler:
             request._node = path[-1] if path else self.prefix_cache.root
         if path:
             request._position = len(path) * self.prefix_cache.block
-            self.engine.restore(request.slot, path[-1].kda, request.prompt[: request._position])
+            self.engine.restore(request.slot, [node.state for node in path], request.prompt[: request._position])
             self.metrics.prefix_hits.inc()
             self.metrics.prefix_hit_tokens.inc(request._position)
 
@@ -237,8 +239,8 @@ class Scheduler:
             request._position += real
             cache = self.prefix_cache
             if cache is not None and real == cache.block and request._node is not None:
-                kda, pages = self.engine.snapshot(request.slot), self.engine.block_pages(request.slot, start)
-                request._node = cache.insert(request._node, request.prompt[start : start + real], kda, pages)
+                state, pages = self.engine.snapshot(request.slot, start), self.engine.block_pages(request.slot, start)
+                request._node = cache.insert(request._node, request.prompt[start : start + real], state, pages)
                 self.metrics.prefix_bytes.set(cache.nbytes)
             if not request._chunks:
                 token = self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling)
@@ -246,13 +248,20 @@ class Scheduler:
                 self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
                 self._take(request, token)
 
-    def _take_step(self, tokens_B, decoding: list[Request]) -> None:
-        """A decode step's tokens, read once the next step is dispatched: each request still in its slot takes
-        its token (one that ended meanwhile, or whose slot was taken since, ignores the step)."""
-        tokens_B = np.asarray(tokens_B)
+    def _take_step(self, tokens_BT, counts_B, decoding: list[Request]) -> None:
+        """A decode step's tokens (`Engine.decode`), read once the next step is dispatched: each request still in
+        its slot takes its tokens in order, up to the one that ends it (one that ended meanwhile, or whose slot
+        was taken since, ignores the step)."""
+        tokens_BT = np.asarray(tokens_BT)
+        counts_B = np.ones(len(tokens_BT), np.int32) if counts_B is None else np.asarray(counts_B)
         for request in decoding:
-            if self.slots[request.slot] is request:
-                self._take(request, int(tokens_B[request.slot]))
+            if self.slots[request.slot] is request and tokens_BT.shape[1] > 1:
+                self.metrics.mtp_drafted.inc(tokens_BT.shape[1] - 1)
+                self.metrics.mtp_accepted.inc(int(counts_B[request.slot]) - 1)
+            for token in tokens_BT[request.slot, : counts_B[request.slot]]:
+                if self.slots[request.slot] is not request:
+                    break
+                self._take(request, int(token))
 
     def _take(self, request: Request, token: int) -> None:
         """The request's next token: emit its text, or end the request."""

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from ling_jax.generation.cli import DEMO_DIR
+from ling_jax.serving import cli
 from ling_jax.serving.cli import build_parser, main
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--mtp", "2"], "--mtp 2: MTP speculation per slot is not built"),
+        (["--mtp", "-1"], "--mtp must be >= 0, got -1"),
+        (["--mtp", "5"], "--mtp must be <= 4"),
         (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
         (["--prefill-chunk", "8"], "--prefill-chunk must be >= 16, got 8"),
         (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be >= 0"),
@@ -25,6 +30,19 @@ def test_bad_flags_are_one_error_line(flags, message, capsys):
     assert main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_mtp_needs_a_model_with_an_mtp_layer(tmp_path, capsys, monkeypatch):
+    """The demo checkpoint with its MTP layer dropped from the config (weights linked, never read)."""
+    for source in DEMO_DIR.iterdir():
+        (tmp_path / source.name).symlink_to(source)
+    config = json.loads((DEMO_DIR / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    monkeypatch.setattr(cli, "load_hf_checkpoint", lambda *a, **k: pytest.fail("weights loaded before the checks"))
+    assert main(["--model", str(tmp_path), "--mtp", "1"]) == 2
+    message = f"--mtp 1 needs a model with an MTP layer; {tmp_path} has none (num_nextn_predict_layers = 0)"
+    assert capsys.readouterr().err == f"error: {message}\n"
 
 
 def test_defaults_serve_the_demo_checkpoint_on_localhost():
