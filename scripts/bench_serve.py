@@ -37,15 +37,13 @@ from bench_common import flash_slice_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from ling_jax import LingForCausalLM  # noqa: E402
-from ling_jax.cache import KDAState, LingCache  # noqa: E402
 from ling_jax.checkpoints.hf import STORED  # noqa: E402
-from ling_jax.config import MLA  # noqa: E402
 from ling_jax.generation import cli_runtime  # noqa: E402
 from ling_jax.generation.generator import Generator  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.generation.sampling import SamplingParams  # noqa: E402
 from ling_jax.generation.tokenizer import load_tokenizer  # noqa: E402
-from ling_jax.serving.engine import PAGE_SIZE, Engine  # noqa: E402
+from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes  # noqa: E402
 from ling_jax.serving.prefix_cache import PrefixCache  # noqa: E402
 from ling_jax.serving.scheduler import Request, Scheduler  # noqa: E402
 
@@ -128,12 +126,8 @@ def run_prefix(model, args) -> tuple[float, float]:
     """Median TTFT (s) of requests sharing a `--prefix-tokens` prefix (each with 32 tokens of its own), one at a
     time, without and with the prefix cache (after a first request has filled it)."""
     block = args.prefill_chunk
-    mla_layers = sum(kind == MLA for kind in model.config.layer_types)
-    token_bytes = mla_layers * model.config.latent_dim * jnp.dtype(model.dtype).itemsize
-    kda_state = [s for s in LingCache.create(model.config, 1, 1, model.dtype).layers if isinstance(s, KDAState)]
-    snapshot_bytes = sum(s.recurrent_state.nbytes + s.conv_window.nbytes for s in kda_state)  # one per block
     blocks = -(-(args.prefix_tokens + 64) // block)
-    cache_bytes = 2 * ((args.prefix_tokens + 64) * token_bytes + blocks * snapshot_bytes)  # the prefix twice over
+    cache_bytes = 2 * blocks * prefix_block_bytes(model.config, block, model.dtype, mtp=0)  # the prefix twice over
     engine = Engine(
         model,
         max_batch=1,

@@ -24,7 +24,7 @@ from ling_jax.generation import cli_checks, cli_runtime
 from ling_jax.generation.cli import DEMO_DIR
 from ling_jax.generation.generator import MIN_CHUNK
 from ling_jax.serving.api import Service, create_app
-from ling_jax.serving.engine import PAGE_SIZE, Engine
+from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Scheduler
@@ -158,12 +158,19 @@ def prepare(args: argparse.Namespace) -> Service:
             f"--mtp {args.mtp} needs a model with an MTP layer; {args.model} has none (num_nextn_predict_layers = 0)"
         )
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    prefix_cache_bytes = int(args.prefix_cache_gb * 2**30)
+    block_bytes = prefix_block_bytes(config, args.prefill_chunk, dtype, args.mtp)
+    if 0 < prefix_cache_bytes < block_bytes:
+        raise ValueError(
+            f"--prefix-cache-gb {args.prefix_cache_gb} cannot hold one prefix block: a block of --prefill-chunk "
+            f"{args.prefill_chunk} tokens takes {block_bytes / 2**20:,.1f} MiB for this model (its KDA states, MLA "
+            f"pages{' and MTP entries' if args.mtp else ''}); give at least {block_bytes / 2**30:.3f}"
+        )
     progress = sys.stderr.isatty()
     if source.orbax:
         model = load_checkpoint(args.model, mesh=mesh, dtype=dtype, weights=args.weights, progress=progress)
     else:
         model = load_hf_checkpoint(args.model, dtype=dtype, weights=args.weights, progress=progress)
-    prefix_cache_bytes = int(args.prefix_cache_gb * 2**30)
     engine = Engine(
         model,
         max_batch=args.max_batch,

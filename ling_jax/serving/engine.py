@@ -93,6 +93,24 @@ class SlotDrafts:
         )
 
 
+def _nbytes(tree) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def prefix_block_bytes(config, block: int, dtype, mtp: int) -> int:
+    """Device bytes of one prefix-cache node of `block` tokens (`Engine.snapshot` and the block's pages): every KDA
+    layer's state and conv window for one slot, the block's rows of every MLA layer's latent pages, and with MTP
+    the block's MTP entries and the carried hidden state."""
+    cache = jax.eval_shape(lambda: LingCache.create(config, 1, 1, dtype))
+    kda = sum(_nbytes(s) for s in cache.layers if isinstance(s, KDAState))
+    pages = sum(kind == MLA for kind in config.layer_types) * block * config.latent_dim * jnp.dtype(dtype).itemsize
+    drafts = 0
+    if mtp:
+        entries = jax.eval_shape(lambda: MTPCache.create(config, 1, block, dtype)).layer
+        drafts = _nbytes(entries) + config.hidden_size * jnp.dtype(dtype).itemsize
+    return kda + pages + drafts
+
+
 def _no_page(cache: LingCache) -> int:
     """The scratch page, the device pool's last (one past the `PagePool`'s, never given out): table entries of no
     page name it, so a slot without pages reads and writes only it (in bounds, for kernels reading in place)."""

@@ -24,6 +24,7 @@ from ling_jax.serving.cli import build_parser, main
         (["--max-context", "1000000"], "--max-context 1000000 exceeds the model's context of 2048"),
         (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt: not a directory"),
         (["--mesh", "tensor"], "--mesh expects axis=size pairs"),
+        (["--prefix-cache-gb", "1e-6"], "--prefix-cache-gb 1e-06 cannot hold one prefix block: a block of"),
     ],
 )
 def test_bad_flags_are_one_error_line(flags, message, capsys):

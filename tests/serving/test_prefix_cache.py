@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ling_jax.generation.sampling import SamplingParams
-from ling_jax.serving.engine import GREEDY, Engine
+from ling_jax.serving.engine import GREEDY, Engine, prefix_block_bytes
 from ling_jax.serving.pages import PagePool
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Request, Scheduler
@@ -64,14 +64,16 @@ def cold(scheduler) -> list[list[int]]:
     return tokens
 
 
-def test_resumed_requests_equal_cold_ones_and_hits_count(scheduler, cold):
+def test_resumed_requests_equal_cold_ones_and_hits_count(scheduler, cold, demo_model):
     scheduler.prefix_cache.clear()
     warm = _run(scheduler, CASES[:1]) + _run(scheduler, CASES[1:])
     assert warm == cold
     assert _counter(scheduler, "hits") == 3
     assert _counter(scheduler, "hit_tokens") == sum(c[2] for c in CASES)
     assert len(scheduler.prefix_cache) == 2  # the system prompt's two whole blocks (the others end in part blocks)
-    assert scheduler.prefix_cache.nbytes > 0 and scheduler.slots == [None] * 3
+    assert scheduler.slots == [None] * 3
+    # what ling-serve's --prefix-cache-gb check counts a block at
+    assert scheduler.prefix_cache.nbytes == 2 * prefix_block_bytes(demo_model.config, BLOCK, demo_model.dtype, mtp=0)
 
 
 def test_a_hit_shares_the_cached_pages_in_place_and_no_page_leaks(scheduler, cold):
