@@ -19,7 +19,7 @@ import routing_sensitivity  # noqa: E402
 
 # Fewer layers and tokens than --quick's defaults where nothing checks them: the run's cost is mostly compiling
 # and initialising each layer, once on one device and twice on the mesh.
-QUICK_CHECK = ["--quick", "--mesh", "expert=8", "--layers", "2", "--prompt-length", "8"]
+QUICK_CHECK = ["--quick", "--mesh", "expert=8", "--layers", "1", "--prompt-length", "8"]
 
 
 def test_check_passes_on_the_mesh(capsys):
