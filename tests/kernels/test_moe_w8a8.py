@@ -184,17 +184,19 @@ def dequantized_h(h_q, h_scale, group: int) -> np.ndarray:
     return np.asarray(h_q, np.float64) * np.repeat(np.asarray(h_scale, np.float64), group, 1)[:, : h_q.shape[1]]
 
 
-def assert_requantized_h_close(h_q, h_scale, ref_q, ref_scale) -> None:
+def assert_requantized_h_close(h_q, h_scale, ref_q, ref_scale, group: int = 128) -> None:
     """h re-quantised to e4m3 by a compiled kernel vs the reference: Hopper's tensor cores add the FP8 products of
     each 128-input K block with fewer bits than fp32 (about 14), so the group scales (amax / 448) differ by about
-    1e-4 and a few values land on the neighbouring e4m3 code (one step: 2^-3 of the value, or 2^-9 near zero).
-    The H200 gave 1.4e-4 and 1.05% of the values on 2026-12-02; more than the bounds below is a wrong kernel."""
+    1e-4 and some values land on another e4m3 code: mostly the neighbouring one, but an h near zero from a
+    cancelling sum can move several codes (the H200, 2026-12-02: scales 1.4e-4, 1.05% of the values moved, and
+    the one-code bound failed). So the bounds are on the scales, the share of moved values and the dequantised h
+    as a whole, at the bf16 tolerance: values that move one code at random give about 0.9% at 1% moved (a numpy
+    simulation), a wrong kernel gives O(1)."""
     assert rel_error(h_scale, ref_scale) <= 1e-3
-    ours, ref = np.asarray(h_q, np.float64), np.asarray(ref_q, np.float64)
-    moved = ours != ref
-    assert moved.mean() <= 0.02
-    step = 2.0**-3 * np.maximum(np.abs(ours), np.abs(ref)) + 2.0**-9
-    assert np.all(np.abs(ours - ref)[moved] <= step[moved])
+    moved = np.asarray(h_q, np.float64) != np.asarray(ref_q, np.float64)
+    assert moved.mean() <= 0.02, f"{moved.mean():.2%} of h moved to another e4m3 code"
+    err = rel_error(dequantized_h(h_q, h_scale, group), dequantized_h(ref_q, ref_scale, group))
+    assert err <= 2e-2, f"dequantised h: rel. error {err:.2e}"
 
 
 def test_bf16_activations_and_output():
