@@ -117,25 +117,50 @@ def _no_page(cache: LingCache) -> int:
     return next(s.latent_pages.shape[0] for s in cache.layers if not isinstance(s, KDAState)) - 1
 
 
+def _select_rows(cache: LingCache, take, take_table) -> LingCache:
+    """The rows `take` picks of the cache's per-slot arrays (`take_table` for the page table) over the whole
+    pool."""
+    layers = tuple(jax.tree.map(take, s) if isinstance(s, KDAState) else s for s in cache.layers)
+    return LingCache(layers=layers, lengths=take(cache.lengths), page_table=take_table(cache.page_table))
+
+
+def _put_rows(cache: LingCache, rows: LingCache, put) -> LingCache:
+    """`cache` with the per-slot rows `put` writes from `rows`, and the pool `rows` holds."""
+    layers = tuple(jax.tree.map(put, s, r) if isinstance(s, KDAState) else r for s, r in zip(cache.layers, rows.layers))
+    return cache.replace(layers=layers, lengths=put(cache.lengths, rows.lengths))
+
+
 def _gather_rows(cache: LingCache, slots_P) -> LingCache:
     """The slots' rows (slots past the batch: padding rows of zero states and no pages) over the whole pool."""
-
-    def take(x):
-        return x.at[slots_P].get(mode="fill", fill_value=0)
-
-    layers = tuple(jax.tree.map(take, s) if isinstance(s, KDAState) else s for s in cache.layers)
-    page_table_PN = cache.page_table.at[slots_P].get(mode="fill", fill_value=_no_page(cache))
-    return LingCache(layers=layers, lengths=take(cache.lengths), page_table=page_table_PN)
+    return _select_rows(
+        cache,
+        lambda x: x.at[slots_P].get(mode="fill", fill_value=0),
+        lambda table: table.at[slots_P].get(mode="fill", fill_value=_no_page(cache)),
+    )
 
 
 def _scatter_rows(cache: LingCache, rows: LingCache, slots_P) -> LingCache:
     """`cache` with the slots' rows and the pool `rows` holds (padding rows are dropped)."""
+    return _put_rows(cache, rows, lambda x, r: x.at[slots_P].set(r, mode="drop"))
 
-    def put(x, r):
-        return x.at[slots_P].set(r, mode="drop")
 
-    layers = tuple(jax.tree.map(put, s, r) if isinstance(s, KDAState) else r for s, r in zip(cache.layers, rows.layers))
-    return cache.replace(layers=layers, lengths=put(cache.lengths, rows.lengths))
+def _first(tree, rows: int):
+    """Every leaf's first `rows` rows (slots [0, rows) of per-slot arrays)."""
+    return jax.tree.map(lambda x: x[:rows], tree)
+
+
+def _set_first(x, rows):
+    """`x` with its first rows replaced by `rows`."""
+    return x.at[: rows.shape[0]].set(rows)
+
+
+def _put_first(tree, rows_tree):
+    return jax.tree.map(_set_first, tree, rows_tree)
+
+
+def _first_rows(cache: LingCache, rows: int) -> LingCache:
+    """Slots [0, rows) of the cache over the whole pool."""
+    return _select_rows(cache, lambda x: x[:rows], lambda table: table[:rows])
 
 
 def _reset(rows: LingCache, fresh_P) -> LingCache:
@@ -268,51 +293,66 @@ def _keep_idle_states(cache: LingCache, stepped: LingCache, active_B) -> LingCac
     return cache.replace(layers=layers, lengths=jnp.where(active_B, stepped.lengths, cache.lengths))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
-def _decode(static, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_B):
-    """One decode step of every slot; slots not active have no pages in it and keep their KDA states, length,
-    token and count. -> (tokens [B, 1], cache, seen, token, count)."""
-    out = static.merge(leaves)(token_B[:, None], cache=_without_idle_pages(cache, active_B))
-    next_B = jnp.where(active_B, sample(out.logits[:, 0], arrays, steps_B, seen_BV), token_B)
-    cache = _keep_idle_states(cache, out.cache, active_B)
-    seen_BV = jnp.where(active_B[:, None], update_seen(seen_BV, next_B), seen_BV)
-    return next_B[:, None], cache, seen_BV, next_B, steps_B + active_B.astype(jnp.int32)
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5, 6))
+def _decode(static, rows, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_R):
+    """One decode step of slots [0, rows) (the engine's bucket over its active slots); slots not active have no
+    pages in it and keep their KDA states, length, token and count. -> (tokens [R, 1], cache, seen, token,
+    count)."""
+    before = _first_rows(cache, rows)
+    seen_RV, token_R, steps_R = _first((seen_BV, token_B, steps_B), rows)
+    out = static.merge(leaves)(token_R[:, None], cache=_without_idle_pages(before, active_R))
+    next_R = jnp.where(active_R, sample(out.logits[:, 0], _first(arrays, rows), steps_R, seen_RV), token_R)
+    cache = _put_rows(cache, _keep_idle_states(before, out.cache, active_R), _set_first)
+    seen_RV = jnp.where(active_R[:, None], update_seen(seen_RV, next_R), seen_RV)
+    seen_BV, token_B, steps_B = _put_first((seen_BV, token_B, steps_B), (seen_RV, next_R, steps_R + active_R))
+    return next_R[:, None], cache, seen_BV, token_B, steps_B
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5, 6, 7))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7, 8))
 def _speculate(
-    static, num_drafts, leaves, cache: LingCache, seen_BV, token_B, steps_B, drafts: SlotDrafts, arrays, active_B
+    static, num_drafts, rows, leaves, cache: LingCache, seen_BV, token_B, steps_B, drafts: SlotDrafts, arrays, active_R
 ):
-    """One speculative round of every slot (`speculative_round`): -> (targets [B, K+1], accepted [B], cache,
+    """One speculative round of slots [0, rows) (`speculative_round`): -> (targets [R, K+1], accepted [R], cache,
     seen, token, count, drafts); a slot emits targets[:, :accepted + 1]. Slots not active have no pages in it and
     keep their KDA states, length, token, count, MTP entries and drafts."""
+    before = _first_rows(cache, rows)
+    seen_RV, token_R, steps_R, drafts_R = _first((seen_BV, token_B, steps_B, drafts), rows)
     out = speculative_round(
         static.merge(leaves),
         num_drafts,
-        _without_idle_pages(cache, active_B),
-        drafts.cache,
-        seen_BV,
-        token_B,
-        drafts.draft_B,
-        drafts.draft_hidden_BD,
-        arrays,
-        steps_B,
-        active_B,
+        _without_idle_pages(before, active_R),
+        drafts_R.cache,
+        seen_RV,
+        token_R,
+        drafts_R.draft_B,
+        drafts_R.draft_hidden_BD,
+        _first(arrays, rows),
+        steps_R,
+        active_R,
     )
-    drafts = drafts.replace(
+    drafts_R = drafts_R.replace(
         cache=out.mtp_cache,
-        draft_B=jnp.where(active_B, out.draft_B, drafts.draft_B),
-        draft_hidden_BD=_where_rows(active_B, out.draft_hidden_BD, drafts.draft_hidden_BD),
+        draft_B=jnp.where(active_R, out.draft_B, drafts_R.draft_B),
+        draft_hidden_BD=_where_rows(active_R, out.draft_hidden_BD, drafts_R.draft_hidden_BD),
     )
-    return (
-        out.targets_BT,
-        out.accepted_B,
-        _keep_idle_states(cache, out.cache, active_B),
-        _where_rows(active_B, out.seen_BV, seen_BV),
-        jnp.where(active_B, out.token_B, token_B),
-        steps_B + jnp.where(active_B, out.accepted_B + 1, 0),
-        drafts,
+    cache = _put_rows(cache, _keep_idle_states(before, out.cache, active_R), _set_first)
+    seen_BV, token_B, steps_B, drafts = _put_first(
+        (seen_BV, token_B, steps_B, drafts),
+        (
+            _where_rows(active_R, out.seen_BV, seen_RV),
+            jnp.where(active_R, out.token_B, token_R),
+            steps_R + jnp.where(active_R, out.accepted_B + 1, 0),
+            drafts_R,
+        ),
     )
+    return out.targets_BT, out.accepted_B, cache, seen_BV, token_B, steps_B, drafts
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """The slot counts a decode step compiles for: powers of two below `max_batch`, and `max_batch`. A step runs
+    the smallest that holds every active slot (slots are taken lowest first), so a lone request does not pay for
+    a full batch."""
+    return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
 
 
 class Engine:
@@ -533,29 +573,38 @@ class Engine:
             self._params[slot] = GREEDY
             self._arrays = None
 
-    def decode(self, active_B: np.ndarray) -> tuple[jax.Array, jax.Array | None]:
-        """Dispatch one decode step of every slot (with MTP, a speculative round); -> (tokens [B, K+1], counts
-        [B] or None): slot b's new tokens are tokens[b, :counts[b]] (without MTP, tokens[b, :1]), meaningful where
-        active, on their way to the host (the step runs while the caller does other work)."""
+    def decode_rows(self, active_B: np.ndarray) -> int:
+        """The decode bucket of a step over the `active_B` slots."""
+        last = int(np.flatnonzero(active_B)[-1]) + 1 if np.any(active_B) else 1
+        return next(b for b in decode_buckets(self.max_batch) if b >= last)
+
+    def decode(self, active_B: np.ndarray, rows: int | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """Dispatch one decode step of the slots (with MTP, a speculative round); -> (tokens [R, K+1], counts [R]
+        or None) over slots [0, R), R = `decode_rows`: slot b's new tokens are tokens[b, :counts[b]] (without MTP,
+        tokens[b, :1]), meaningful where active, on their way to the host (the step runs while the caller does
+        other work). rows: the bucket to run instead (`warm_up`)."""
         if self._arrays is None:
             self._arrays = SamplingArrays.from_params(self._params)
-        active_B = jnp.asarray(active_B, bool)
+        rows = rows or self.decode_rows(active_B)
+        active_R = jnp.asarray(active_B[:rows], bool)
         if self.drafts is None:
-            tokens_B1, self.cache, self.seen_BV, self.token_B, self.steps_B = _decode(
+            tokens_R1, self.cache, self.seen_BV, self.token_B, self.steps_B = _decode(
                 self.static,
+                rows,
                 self.leaves,
                 self._synced(),
                 self.seen_BV,
                 self.token_B,
                 self.steps_B,
                 self._arrays,
-                active_B,
+                active_R,
             )
-            tokens_B1.copy_to_host_async()
-            return tokens_B1, None
-        targets_BT, accepted_B, self.cache, self.seen_BV, self.token_B, self.steps_B, self.drafts = _speculate(
+            tokens_R1.copy_to_host_async()
+            return tokens_R1, None
+        targets_RT, accepted_R, self.cache, self.seen_BV, self.token_B, self.steps_B, self.drafts = _speculate(
             self.static,
             self.mtp,
+            rows,
             self.leaves,
             self._synced(),
             self.seen_BV,
@@ -563,16 +612,16 @@ class Engine:
             self.steps_B,
             self.drafts,
             self._arrays,
-            active_B,
+            active_R,
         )
-        counts_B = accepted_B + 1
-        for part in (targets_BT, counts_B):
+        counts_R = accepted_R + 1
+        for part in (targets_RT, counts_R):
             part.copy_to_host_async()
-        return targets_BT, counts_B
+        return targets_RT, counts_R
 
     def warm_up(self) -> None:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, the first
-        token, the decode step) on slot 0 (no pages: nothing is written)."""
+        token, the decode step of each bucket) on slot 0 (no pages: nothing is written)."""
         for length in self.chunk_lengths():
             chunk = (np.ones(length, np.int32), np.ones(length, bool))
             if self.prefill_rows(length) > 1:  # the step of several rows; then the lone one
@@ -581,6 +630,7 @@ class Engine:
         if self.prefix_block is not None:
             self.restore(0, [self.snapshot(0, 0)], [1] * self.prefix_block)
         self.first_token(0, hidden_1D, GREEDY)
-        self.decode(np.zeros(self.max_batch, bool))
+        for rows in decode_buckets(self.max_batch):
+            self.decode(np.zeros(self.max_batch, bool), rows)
         self.release(0)
         jax.block_until_ready(self.cache)

@@ -16,7 +16,7 @@ import pytest
 from helpers import gpu_test
 
 from ling_jax.generation.sampling import SamplingParams
-from ling_jax.serving.engine import GREEDY, Engine
+from ling_jax.serving.engine import GREEDY, Engine, decode_buckets
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler
 from tests.serving.test_prefix_cache import CASES as PREFIX_CASES
@@ -53,8 +53,26 @@ def _run_until_idle(scheduler: Scheduler, limit: int = 200) -> int:
     raise AssertionError(f"still busy after {limit} steps")
 
 
-def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokenizer):
+def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokenizer, monkeypatch):
+    """Also: each decode step ran the smallest bucket holding its active slots, and the steps ran buckets both
+    below --max-batch and with an idle slot under an active one."""
+    engine, steps = scheduler.engine, []
+    decode_rows = engine.decode_rows
+
+    def recording(active_B):
+        steps.append((tuple(active_B), decode_rows(active_B)))
+        return steps[-1][1]
+
+    monkeypatch.setattr(engine, "decode_rows", recording)
     _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    assert all(rows == max(np.flatnonzero(active)) + 1 for active, rows in steps)
+    assert any(rows < MAX_BATCH for _, rows in steps)
+    assert any(not all(active[:rows]) for active, rows in steps)
+
+
+def test_decode_buckets():
+    assert decode_buckets(1) == [1] and decode_buckets(3) == [1, 2, 3] and decode_buckets(5) == [1, 2, 4, 5]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
 @gpu_test("the serving engine over the GPU kernels (Pallas KDA / MLA decode, fused MoE)")
