@@ -3,10 +3,15 @@ orbax-checkpoint versions it reads checkpoints with, in one place."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.metadata
+import math
 import os
 import re
 import warnings
+
+import numpy as np
 
 # XLA:CPU workaround, jax/jaxlib 0.10.2 (also 0.11.2): the YNNPACK fusions (`__ynn_fusion`) miscompile some
 # programs into reads of uninitialised memory. Under jit, `jnp.sum(a, -1) @ c + x @ jnp.zeros((128, 128))` for
@@ -73,3 +78,40 @@ def checkpoint_tree_metadata(path: str):
     with ocp.StandardCheckpointer() as checkpointer:
         metadata = checkpointer.metadata(path)
     return metadata.item_metadata if isinstance(metadata, ocp.metadata.StepMetadata) else metadata
+
+
+# Pallas Triton workaround, jax 0.10.2 (the GPU's 0.11.2 too): the Triton lowering gives a ref int64 element
+# offsets only when it holds more than 2^32 *bytes* (`_compute_offsets_from_indices`), so a one-byte operand of
+# 2^31 to 2^32 elements (Ling flash's block-FP8 expert stack [512, 1280, 4096]: 2.7e9) is indexed with int32
+# element offsets that wrap past 2^31 (wrong results, or an illegal address, on an H200). `widen_triton_offsets`
+# wraps that function so the choice counts elements (an operand past 2^31 of them is indexed as a four-byte one
+# of its shape would be: int64); offsets stay in elements, so nothing else changes. Regression tests:
+# tests/kernels/test_moe_quantized.py (`int32_offsets_into_large_operands` on the lowered kernels).
+_INT32_OFFSET_ELEMENTS = 2**31
+
+
+@functools.cache
+def widen_triton_offsets() -> bool:
+    """Apply the workaround above (once); False where the lowering is not the one it patches (then the MoE
+    kernels take such FP8 stacks as uint16 pairs, `weight_tiles.pairs_needed`)."""
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError:
+        return False
+    original = getattr(lowering, "_compute_offsets_from_indices", None)
+    block_info_type = getattr(lowering, "BlockInfo", None)
+    if original is None or not dataclasses.is_dataclass(block_info_type):
+        return False
+    if getattr(original, "widened", False):
+        return True
+
+    @functools.wraps(original)
+    def by_elements(block_info, nd_indexer):
+        full = block_info.full_shape_dtype
+        if math.prod(full.shape) > _INT32_OFFSET_ELEMENTS and np.dtype(full.dtype).itemsize < 4:
+            block_info = dataclasses.replace(block_info, full_shape_dtype=full.update(dtype=np.dtype(np.int32)))
+        return original(block_info, nd_indexer)
+
+    by_elements.widened = True
+    lowering._compute_offsets_from_indices = by_elements
+    return True

@@ -24,6 +24,8 @@ from ling_jax.moe.expert_parallel import moe_parallel
 from ling_jax.moe.experts import ROW_PATH_MAX_ROWS, SharedExpert, local_moe
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from ling_jax.sharding import make_mesh
+from pallas_kernels.compat import widen_triton_offsets
+from pallas_kernels.moe.gpu_triton.weight_tiles import pairs_needed
 from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, kernel, routed_experts
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -291,9 +293,11 @@ def flash_experts(fmt: str, num_experts: int = 512, hidden: int = 4096, width: i
     return stack(width, hidden), stack(width, hidden), stack(hidden, width)
 
 
-def test_the_offset_check_sees_int32_offsets_into_a_large_byte_operand():
-    """A kernel reading row 2^21 of a uint8 [2^21 + 1, 1024] (2^31 + 1024 elements, < 2^32 bytes): Pallas's
-    Triton lowering indexes it with int32 offsets, which the check reports."""
+def test_int32_offsets_into_a_large_byte_operand_and_the_workaround(monkeypatch):
+    """A kernel reading row 2^21 of a uint8 [2^21 + 1, 1024] (2^31 + 1024 elements, < 2^32 bytes): Pallas's own
+    Triton lowering indexes it with int32 offsets, which the check reports; with `compat.widen_triton_offsets`
+    (applied by the MoE kernels), int64 ones."""
+    from jax._src.pallas.triton import lowering
 
     def kernel(rows_ref, out_ref):
         out_ref[...] = rows_ref[2**21, :].astype(jnp.float32)
@@ -302,15 +306,20 @@ def test_the_offset_check_sees_int32_offsets_into_a_large_byte_operand():
         out_shape = jax.ShapeDtypeStruct((1024,), jnp.float32)
         return pl.pallas_call(kernel, out_shape=out_shape, compiler_params=plgpu.CompilerParams())(rows)
 
-    lowered = lower_for_cuda(call, jax.ShapeDtypeStruct((2**21 + 1, 1024), jnp.uint8))
-    assert int32_offsets_into_large_operands(lowered)
+    rows = jax.ShapeDtypeStruct((2**21 + 1, 1024), jnp.uint8)
+    assert widen_triton_offsets()
+    assert not int32_offsets_into_large_operands(lower_for_cuda(call, rows))
+    widened = lowering._compute_offsets_from_indices
+    monkeypatch.setattr(lowering, "_compute_offsets_from_indices", widened.__wrapped__)
+    jax.clear_caches()
+    assert int32_offsets_into_large_operands(lower_for_cuda(call, rows))
 
 
 def test_weight_only_kernels_lower_for_cuda_at_ling_flash_size():
     """8192 tokens (the fused kernels, weight tile left and right) and one token (the row kernels), top-8 of 512
     experts, hidden 4096, width 1280, bf16 activations, FP8 and MXFP4: no operand of more than 2^31 elements is
-    indexed with int32 offsets (the FP8 values go as uint16 pairs; unpaired they are refused), in the
-    weight-only kernels and in `local_moe`'s default path (the fused weight-only kernels)."""
+    indexed with int32 offsets (the FP8 values go as stored, `compat.widen_triton_offsets`; also with K odd), in
+    the weight-only kernels and in `local_moe`'s default path (the fused weight-only kernels)."""
     shape = jax.ShapeDtypeStruct
     x, source, sizes = shape((8192, 4096), jnp.bfloat16), shape((65536,), jnp.int32), shape((512,), jnp.int32)
     h = shape((65536, 1280), jnp.bfloat16)
@@ -336,11 +345,9 @@ def test_weight_only_kernels_lower_for_cuda_at_ling_flash_size():
     prefill = (x, shape((8192, 8), jnp.float32), shape((8192, 8), jnp.int32))
     lowered = lower_for_cuda(functools.partial(local_moe, limit=7.0, backend="pallas_gpu"), *prefill, gate, up, down)
     assert not int32_offsets_into_large_operands(lowered), "default path"
-    unpaired = BlockFP8Weight(
-        shape((512, 1280, 4095), jnp.float8_e4m3fn), shape((512, 10, 32), jnp.float32), (128, 128)
-    )
-    with pytest.raises(ValueError, match=r"gate values: \(512, 1280, 4095\) float8_e4m3fn .* int32 offsets"):
-        lower_for_cuda(gate_up, x, source, sizes, unpaired, unpaired)
+    assert not pairs_needed(flash_experts("fp8")[0].values)
+    odd_k = BlockFP8Weight(shape((512, 1280, 4095), jnp.float8_e4m3fn), shape((512, 10, 32), jnp.float32), (128, 128))
+    assert not int32_offsets_into_large_operands(lower_for_cuda(gate_up, x, source, sizes, odd_k, odd_k))
 
 
 @gpu_test("the compiled weight-only MoE kernels")

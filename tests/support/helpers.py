@@ -88,19 +88,19 @@ def int32_offsets_into_large_operands(lowered) -> list[str]:
 
 @contextlib.contextmanager
 def fp8_values_paired():
-    """The MoE kernels take every block-FP8 value stack as uint16 pairs, as one of more than 2^31 elements goes;
-    jax's caches are cleared on entry and exit, so no trace made with the other form is reused."""
+    """The MoE kernels take every block-FP8 value stack as uint16 pairs, as one of more than 2^31 elements goes
+    where `compat.widen_triton_offsets` cannot apply; jax's caches are cleared on entry and exit, so no trace
+    made with the other form is reused."""
     import jax
 
     from pallas_kernels.moe.gpu_triton import weight_tiles
 
-    limit = weight_tiles.PAIR_ABOVE_ELEMENTS
     jax.clear_caches()
-    weight_tiles.PAIR_ABOVE_ELEMENTS = 0
+    weight_tiles.FORCE_PAIRS = True
     try:
         yield
     finally:
-        weight_tiles.PAIR_ABOVE_ELEMENTS = limit
+        weight_tiles.FORCE_PAIRS = False
         jax.clear_caches()
 
 

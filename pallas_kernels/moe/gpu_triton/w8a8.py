@@ -202,8 +202,8 @@ def _check_weight(name: str, values, scales, block: tuple[int, int]) -> None:
 
 
 def _weight_operands(name: str, values, scales, block: tuple[int, int]) -> tuple[BlockFP8, tuple[jax.Array, ...]]:
-    """The kernel's format and arrays of a block-FP8 weight: the values as uint16 pairs where int32 element offsets
-    need them (`weight_tiles.pairs_needed`), fp32 scales; an operand int32 offsets cannot index is refused."""
+    """The kernel's format and arrays of a block-FP8 weight: the values as stored (as uint16 pairs only where
+    `weight_tiles.pairs_needed`), fp32 scales; an operand int32 offsets cannot index is refused."""
     weight_format = BlockFP8(block, paired=pairs_needed(values))
     return weight_format, kernel_operands(StoredWeight(values, scales), weight_format, name=f"W8A8 experts: {name}")
 

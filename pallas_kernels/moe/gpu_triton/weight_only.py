@@ -12,9 +12,9 @@ kernels gave a rel. difference of 5.6 against the bf16 kernels on the same weigh
 sizes. Cause (read from the lowering): Pallas's Triton lowering indexes a ref with 32-bit offsets unless the ref
 holds more than 2^32 bytes, but the offsets are in elements and signed: an e4m3 stack of 512 x 1280 x 4096 =
 2.7e9 one-byte elements overflows int32 past expert 409. The row kernels index the same stacks the same way.
-Since then the FP8 values go to the kernels as uint16 pairs (`weight_tiles.BlockFP8`; checked on the lowered
-Triton IR from the CPU, not yet on hardware: the test
-`test_compiled_weight_only_kernels_at_ling_flash_size_match_the_default_path` decides whether the default moves).
+The FP8 values then went to the kernels as uint16 pairs (`weight_tiles.BlockFP8`; verified at flash size on an
+H200, and the default since 2026-12-02); now the lowering is patched to index such stacks with int64 offsets
+(`compat.widen_triton_offsets`) and they go as stored; the pairs remain for a jax the patch does not fit.
 
 Tiles: the dense variants' tuned tables (the same elements a tile; not measured with quantised weights yet:
 scripts/bench_moe_quantized.py sweeps them). At the grouped kernels' block_k of 64 / 128 a tile of a 128 x 128

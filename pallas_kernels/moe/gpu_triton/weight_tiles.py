@@ -7,13 +7,13 @@ says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing
 - `Dense`: the weight itself, [E, N, K] (the kernels' original operand);
 - `BlockFP8`: e4m3 values [E, N, K] (one byte an element) and fp32 scales [E, ceil(N / br), ceil(K / bc)] for
   blocks of br x bc weights (spec §6.2): the tile is values * scale in fp32, cast to the compute dtype. A stack
-  of more than 2^31 elements with K even goes to the kernel as uint16 pairs [E, N, K / 2] (a bitcast; split into
-  their two bytes on chip like MXFP4's nibbles, `pairs_needed`): Pallas's Triton lowering indexes a ref of at
-  most 2^32 bytes with int32 element offsets, which such a one-byte stack overflows (Ling flash's [512, 1280,
-  4096]: wrong results on an H200); pairs halve the largest offset. Smaller stacks go as stored. Where the
-  tile lies in one block (block_n divides br, block_k divides bc: the 128 x 128 checkpoints with the tuned tiles)
-  the scale is one scalar load; otherwise one scale a row block a row and one a K block, repeated over the block's
-  inputs (or, where a block does not divide the tile, gathered a column);
+  of more than 2^31 elements (Ling flash's [512, 1280, 4096]) needs int64 offsets, which Pallas's Triton lowering
+  gives it once `compat.widen_triton_offsets` has patched it; where that cannot apply, such a stack with K even
+  goes as uint16 pairs [E, N, K / 2] (a bitcast; split into their two bytes on chip like MXFP4's nibbles,
+  `pairs_needed`), which halve the largest offset. Where the tile lies in one block (block_n divides br, block_k
+  divides bc: the 128 x 128 checkpoints with the tuned tiles) the scale is one scalar load; otherwise one scale
+  a row block a row and one a K block, repeated over the block's inputs (or, where a block does not divide the
+  tile, gathered a column);
 - `MXFP4`: packed E2M1 codes uint8 [E, N, K / 2] (element 2j in the low nibble of byte j, half a byte an element)
   and one E8M0 scale per 32 inputs [E, N, ceil(K / 32)] (spec §6.3), given as uint8 exponents (2^(u - 127),
   a float8_e8m0fnu array reinterpreted) or as float powers of two: the packed bytes are split into their two
@@ -23,7 +23,7 @@ says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing
 `weight_format` tells a weight's format from what it is: an array is dense, a quantised weight is anything with
 `values` and `scales` (`ling_jax.quantized.BlockFP8Weight`, which has a `block`, or `MXFP4Weight`);
 `kernel_operands` gives the arrays a pallas_call takes for it, and refuses one that int32 offsets cannot
-index (`check_offsets`).
+index (`check_offsets`: only where the workaround cannot apply).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.compat import widen_triton_offsets
 from pallas_kernels.fp8.reference import is_quantized
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 
@@ -45,7 +46,8 @@ _FP32_MANTISSA_BITS = 23
 _E2M1_AS_FP16 = 2.0**14  # an E2M1 magnitude's 3 bits placed at fp16's bits 9-11 read as the value / 2^14
 
 
-# Pallas's Triton lowering indexes a ref with int32 element offsets unless it holds more than 2^32 bytes
+# Pallas's Triton lowering indexes a ref with int32 element offsets unless it holds more than 2^32 bytes (jax
+# 0.10.2 / 0.11.2), unless `compat.widen_triton_offsets` applies (then: unless it has more than 2^31 elements)
 _INT32_OFFSETS_MAX_BYTES = 2**32
 _INT32_OFFSET_LIMIT = 2**31
 
@@ -54,22 +56,25 @@ def _range(start, size: int):
     return start + jnp.arange(size)
 
 
-# FP8 values of more elements than this go to the kernels as uint16 pairs (a bitcast XLA may make a copy of, each
-# call): below it int32 element offsets index them as stored
-PAIR_ABOVE_ELEMENTS = _INT32_OFFSET_LIMIT
+# tests: every block-FP8 stack with K even goes as uint16 pairs (the form taken where the workaround does not apply)
+FORCE_PAIRS = False
 
 
 def pairs_needed(values) -> bool:
-    """Whether block-FP8 values [..., K] go to a kernel as uint16 pairs: K even and too many elements for int32
-    element offsets (`PAIR_ABOVE_ELEMENTS`)."""
-    return values.shape[-1] % 2 == 0 and values.size > PAIR_ABOVE_ELEMENTS
+    """Whether block-FP8 values [..., K] go to a kernel as uint16 pairs: K even and too many elements for the int32
+    element offsets the lowering gives them (only where `compat.widen_triton_offsets` cannot apply), or
+    `FORCE_PAIRS`."""
+    if values.shape[-1] % 2:
+        return False
+    return FORCE_PAIRS or (values.size > _INT32_OFFSET_LIMIT and not widen_triton_offsets())
 
 
 def check_offsets(array, name: str) -> None:
     """Refuses a kernel operand whose int32 element offsets would overflow (more than 2^31 elements in at most
-    2^32 bytes: a one-byte dtype); larger operands get int64 offsets."""
+    2^32 bytes: a one-byte dtype) where `compat.widen_triton_offsets` cannot apply; larger operands get int64
+    offsets."""
     nbytes = array.size * np.dtype(array.dtype).itemsize
-    if array.size > _INT32_OFFSET_LIMIT and nbytes <= _INT32_OFFSETS_MAX_BYTES:
+    if array.size > _INT32_OFFSET_LIMIT and nbytes <= _INT32_OFFSETS_MAX_BYTES and not widen_triton_offsets():
         raise ValueError(
             f"{name}: {tuple(array.shape)} {np.dtype(array.dtype).name} has {array.size} elements; Pallas's Triton "
             f"lowering would index it with int32 offsets (overflow past 2^31)"
