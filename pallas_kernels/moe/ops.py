@@ -11,7 +11,8 @@ case the jnp reference. Expert weights may be quantised (`ling_jax.quantized`): 
 nothing dense written: a decode step with more than a few rows reads the touched experts' stored bytes instead of
 dequantising the whole layer, and a prefill chunk needs no bf16 copy of the layer's experts); named "gpu_triton"
 they dequantise the layer to the activation dtype inside the step and run the dense kernels. `routed_experts`
-dequantises only the picked experts (WEIGHT_ONLY when named); elsewhere the dequantise-then-reference path.
+runs WEIGHT_ONLY for block-FP8 experts and dequantises only the picked experts for MXFP4 ones (their weight-only
+row kernels were the slower; `_pick_rows`); elsewhere the dequantise-then-reference path.
 """
 
 from __future__ import annotations
@@ -108,6 +109,19 @@ def _pick_fused(op: str, variant: str | None, backend: str, weights) -> tuple[st
     """`_pick` for the fused kernels: unnamed, quantised weights on a GPU backend run WEIGHT_ONLY."""
     name, interpret = _pick(op, variant, backend)
     if variant is None and name == "gpu_triton" and any(is_quantized(w) for w in weights):
+        return WEIGHT_ONLY, interpret
+    return name, interpret
+
+
+def _pick_rows(variant: str | None, backend: str, weights) -> tuple[str, bool]:
+    """`_pick` for `routed_experts`: unnamed, block-FP8 routed experts on a GPU backend run WEIGHT_ONLY (the
+    shared expert, in any format, rides along). On the H200
+    at Ling-3.1-flash width (2026-12-02, `scripts/bench_moe_quantized.py`), the weight-only row kernels took
+    66.8 / 390.5 us at 1 / 8 tokens against 96.5 / 605.5 us for the picked experts dequantised, then the bf16 row
+    kernels; for MXFP4 they took 181.8 / 1048.6 against 100.4 / 604.7, so MXFP4 stays dequantised."""
+    name, interpret = _pick("routed_experts", variant, backend)
+    quantized = [w for w in weights if is_quantized(w)]
+    if variant is None and name == "gpu_triton" and quantized and all(getattr(w, "block", None) for w in quantized):
         return WEIGHT_ONLY, interpret
     return name, interpret
 
@@ -373,13 +387,14 @@ def routed_experts(
     weight (block FP8, MXFP4: the module docstring), the shared expert's in a format of its own.
 
     For a few tokens (decode): the GPU kernels read each row's expert directly, with no sorting, and cost a
-    weight read per token-expert pair (quantised experts: only the picked ones dequantised first, or each tile
-    read as stored by the opt-in WEIGHT_ONLY); the shared expert is one more row per token. backend: "auto"
+    weight read per token-expert pair (block-FP8 experts: each tile read as stored, WEIGHT_ONLY; MXFP4 ones:
+    only the picked ones dequantised first, unless WEIGHT_ONLY is named); the shared expert is one more row per
+    token. backend: "auto"
     (the GPU kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names
     run the reference. Differentiable (the backward pass is the reference's).
     """
-    name, interpret = _pick("routed_experts", variant, backend)
     shared = None if shared is None else tuple(shared)
+    name, interpret = _pick_rows(variant, backend, (gate_EID, up_EID, down_EDI))
     if name == "gpu_triton":
         experts_TK, (gate_EID, up_EID, down_EDI) = _picked_dense(experts_TK, (gate_EID, up_EID, down_EDI), x_TD.dtype)
         shared = None if shared is None else _dense(shared, x_TD.dtype)

@@ -236,9 +236,10 @@ def dense_shapes_in(jaxpr) -> set[str]:
 
 @pytest.mark.parametrize(("fmt", "tokens"), [("fp8", 2), ("mxfp4", TOKENS)], ids=["fp8-row-path", "mxfp4-fused-path"])
 def test_local_moe_on_gpu_never_dequantizes_the_expert_stack(fmt, tokens):
-    """On a GPU backend by default the fused path reads quantised experts as stored (the weight-only kernels) and
-    the decode rows dequantise only the picked experts: neither makes a dense [E, ...] stack (the reference does);
-    both equal the reference backend, with a quantised shared expert."""
+    """On a GPU backend by default the fused path reads quantised experts as stored (the weight-only kernels), the
+    decode rows too for block-FP8 experts (no dequantised picked expert [rows, ...] either) and dequantise only
+    the picked MXFP4 experts: none makes a dense [E, ...] stack (the reference does); each equals the reference
+    backend, with a quantised shared expert."""
     assert (tokens * TOP_K <= ROW_PATH_MAX_ROWS) == (tokens == 2)
     x, weights, experts, gate, up, down = decode_case(tokens, fmt, jnp.float32, seed=30)
     experts = np.where((experts < 0) | (experts >= EXPERTS), 0, experts)  # the router always picks an expert
@@ -253,6 +254,10 @@ def test_local_moe_on_gpu_never_dequantizes_the_expert_stack(fmt, tokens):
     }
     assert not dense_shapes_in(run["interpret_gpu"].trace(*args).jaxpr)
     assert dense_shapes_in(run["reference"].trace(*args).jaxpr), "the check cannot see a dequantised stack"
+    for fmt_of_rows, picked in (("fp8", False), ("mxfp4", True)):
+        rows_args = (*args[:3], *decode_case(tokens, fmt_of_rows, jnp.float32, seed=30)[3:])
+        text = str(run["interpret_gpu"].trace(*rows_args).jaxpr)
+        assert (f"f32[{tokens * TOP_K},{WIDTH},{HIDDEN}]" in text) == (picked and tokens == 2), fmt_of_rows
     err = rel_error(run["interpret_gpu"](*args), run["reference"](*args))
     print(f"[moe quantized] local_moe {fmt} {tokens} tokens, interpret GPU vs reference: rel. error {err:.2e}")
     assert err <= TOL[jnp.float32]
