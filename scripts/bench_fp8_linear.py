@@ -41,6 +41,7 @@ from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS 
 from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
 from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
+from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
 BLOCK = (128, 128)
@@ -109,6 +110,8 @@ DECODE_METHODS = {  # name: (product, whether it reads the bf16 weight)
     "dequant + dot (today)": (lambda x, v, s: x @ dequantize_blocks(v, s, BLOCK, x.dtype).T, False),
     "weight-only gpu_triton": (lambda x, v, s: weight_only_gpu(x, v, s, block=BLOCK), False),
     f"weight-only {GEMV}": (lambda x, v, s: gemv_gpu(x, v, s, block=BLOCK), False),
+    "weight-only xla_folded": (lambda x, v, s: weight_only_linear_xla(x, v, s, block=BLOCK), False),
+    "weight-only xla_folded reduce": (lambda x, v, s: weight_only_linear_xla_reduce(x, v, s, block=BLOCK), False),
 }
 
 

@@ -45,6 +45,8 @@ from bench_common import copy_bandwidth, median_seconds, per_call_seconds, rel_e
 from ling_jax.moe.experts import local_moe, sort_by_expert  # noqa: E402
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
 from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, kernel, routed_experts  # noqa: E402
+from pallas_kernels.moe.xla_folded import routed_experts_xla  # noqa: E402
+from pallas_kernels.moe.xla_folded import takes as folded_takes  # noqa: E402
 
 LIMIT = 7.0
 FP8_BLOCK = (128, 128)
@@ -183,12 +185,13 @@ def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls:
     )
     print(
         "| tokens | experts | touched MB | row kernels us | x roofline | weight-only us | x roofline | rel. diff "
-        "| local_moe us | x roofline |"
+        "| local_moe us | x roofline | XLA folded us | x roofline | rel. diff |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend))
     weight_only = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend, variant=WEIGHT_ONLY))
     model = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
+    folded = functools.partial(routed_experts_xla, limit=LIMIT)
     for tokens in sizes["decode"]:
         x = jax.random.normal(jax.random.key(tokens), (tokens, sizes["hidden"]), jnp.bfloat16)
         weights, experts = routing(tokens, sizes["experts"], sizes["top_k"], seed=tokens)
@@ -196,13 +199,15 @@ def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls:
             args = (x, weights, experts, *weight_stacks)
             roofline = touched_bytes(experts, weight_stacks) / copy_bw
             cells = []
-            for fn in (rows, weight_only, model):
-                if fn is weight_only and fmt == "bf16":
+            for fn in (rows, weight_only, model, folded):
+                if (fn is weight_only and fmt == "bf16") or (
+                    fn is folded and (fmt != "fp8" or tokens > 8 or not folded_takes(weight_stacks))
+                ):
                     cells += ["-", "-", "-"]
                     continue
                 seconds = per_call_seconds(fn, nudge_x, *args, iters=iters, calls=calls)
                 cells += [f"{seconds * 1e6:.1f}", f"{seconds / roofline:.2f}"]
-                if fn is weight_only:
+                if fn in (weight_only, folded):
                     cells.append(f"{rel_error(fn(*args), rows(*args)):.1e}")
             print(f"| {tokens} | {fmt} | {roofline * copy_bw / 1e6:.1f} | {' | '.join(cells)} |", flush=True)
 

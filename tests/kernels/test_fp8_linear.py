@@ -15,6 +15,7 @@ from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
 from pallas_kernels.fp8.tuned import GEMV_DEFAULT_ROWS, GEMV_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS
+from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -79,6 +80,20 @@ def test_gemv_kernel_matches_float64(dtype, tol, rows):
     for products in (fma, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
         y = gemv(x, weight.values, weight.scales, block=weight.block, interpret=True, **products)
         assert rel_error(y, expected) <= tol, products
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_xla_folded_product_matches_float64(dtype, tol):
+    """3 rows, 384 outputs over 3 row blocks of 128 with their own scales, 256 inputs over 2 K blocks; a weight
+    whose sides are not multiples of the block is refused."""
+    weight, x = random_weight(384, 256, seed=9), random_x((3, 256), dtype, seed=10)
+    for product in (weight_only_linear_xla, weight_only_linear_xla_reduce):
+        y = product(x, weight.values, weight.scales, block=weight.block)
+        assert y.dtype == dtype and y.shape == (3, 384)
+        assert rel_error(y, f64(x) @ float64_weight(weight).T) <= tol
+    odd = random_weight(150, 256)
+    with pytest.raises(ValueError, match=r"multiples of its block \(128, 128\), got \[150, 256\]"):
+        weight_only_linear_xla(x, odd.values, odd.scales, block=odd.block)
 
 
 @pytest.mark.parametrize("variant", ["gpu_triton", TC_ACC])
