@@ -15,17 +15,19 @@ FP8 weight-only kernels gave a rel. difference of 5.6 before the FP8 values went
 offsets: `gpu_triton.weight_only`), 0 after.
 
 (b) Decode rows, `pallas_kernels.moe.routed_experts` (the row-by-row kernels, which `local_moe` runs up to 64
-token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts by default (the picked experts
-dequantised, then the bf16 kernels) and through the weight-only row kernels (rel. difference to the default
-printed), each beside its byte roofline:
-the bytes of the distinct experts the step touches (values and scales) over the copy bandwidth measured in the
-same run (`bench_common.copy_bandwidth`), and `local_moe` (what the model runs: the fused path above 64 rows).
+token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts by default (FP8: the weight-only
+row kernels; MXFP4: the picked experts dequantised, then the bf16 kernels) and through the weight-only row kernels
+by name (rel. difference to the default printed), each beside its byte roofline: the bytes of the distinct experts
+the step touches (values and scales) over the copy bandwidth measured in the same run
+(`bench_common.copy_bandwidth`); `local_moe` (what the model runs: the fused path above 64 rows); and, for FP8 up
+to 8 tokens, `pallas_kernels.moe.xla_folded` (XLA's gather + reduction, no Pallas).
 Each time is per call of a chain of dependent calls in one program (`bench_common.per_call_seconds`).
 
 Then sweeps of the weight-only kernels' launch settings: the fused kernels alone (rows
 already sorted) at the prefill size and at 64 tokens over (block_m, block_n, block_k, num_warps, num_stages,
 weight_left: the weight tile as the MMA's first operand), beside the bf16 kernels at their tuned tiles; the row
-kernels at one token over (block_n, block_k, num_warps, num_stages).
+kernels at one token over (block_n, block_k, num_warps, num_stages). The first setting of each list is the
+default for quantised experts (`pallas_kernels.moe.tuned`'s *_QUANTIZED tables).
 """
 
 from __future__ import annotations
@@ -53,29 +55,30 @@ FP8_BLOCK = (128, 128)
 FULL = {"hidden": 4096, "width": 1280, "experts": 512, "top_k": 8, "prefill": 8192, "decode": (1, 8, 64)}
 QUICK = {"hidden": 256, "width": 192, "experts": 16, "top_k": 4, "prefill": 128, "decode": (1, 2)}
 # (block_m, block_n, block_k, num_warps, num_stages, weight_left) of the weight-only fused kernels; the first of
-# each list: the bf16 kernels' tuned tiles (the weight-only default)
+# each list: the quantised experts' default (`tuned.GATHER_SWIGLU_QUANTIZED`), the second the bf16 kernels' tiles
 FUSED_SWEEP = {
     "many rows": [
-        (128, 128, 64, 8, 4, False),
-        (128, 128, 64, 8, 4, True),
-        (128, 128, 128, 8, 3, False),
-        (128, 128, 128, 8, 3, True),
         (64, 128, 64, 4, 4, False),
-        (128, 64, 64, 4, 4, True),
+        (128, 128, 64, 8, 4, False),
+        (128, 128, 128, 8, 3, True),
+        (64, 128, 64, 4, 4, True),
+        (64, 128, 128, 4, 3, False),
+        (64, 64, 64, 4, 4, False),
     ],
     "few rows": [
-        (32, 64, 128, 4, 4, False),
-        (32, 64, 128, 4, 4, True),
-        (16, 64, 128, 4, 4, False),
-        (16, 128, 128, 4, 4, True),
         (16, 64, 256, 4, 3, True),
+        (32, 64, 128, 4, 4, False),
+        (16, 64, 256, 4, 3, False),
+        (16, 64, 512, 4, 3, True),
+        (16, 128, 256, 4, 3, True),
+        (16, 64, 256, 8, 3, True),
     ],
 }
-# (block_n, block_k, num_warps, num_stages) of the weight-only row kernels at one token; the first: the tuned
-# tiles of the bf16 kernels (the weight-only default)
+# (block_n, block_k, num_warps, num_stages) of the weight-only row kernels at one token; the first: the quantised
+# experts' default (`tuned.ROUTED_SWIGLU_QUANTIZED`, `tuned.ROUTED_DOWN_QUANTIZED`)
 ROW_SWEEP = {
-    "swiglu_tiles": [(8, 256, 4, 4), (8, 128, 4, 4), (8, 512, 4, 3), (16, 256, 4, 4), (4, 512, 4, 4)],
-    "down_tiles": [(8, 1024, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 3)],
+    "swiglu_tiles": [(8, 512, 4, 3), (8, 256, 4, 4), (8, 1024, 4, 3), (16, 512, 4, 3), (4, 1024, 4, 3)],
+    "down_tiles": [(8, 512, 4, 3), (8, 1024, 4, 3), (8, 256, 4, 3), (4, 1024, 4, 3), (16, 1024, 4, 3)],
 }
 
 
@@ -258,7 +261,7 @@ def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool, count: in
     default = {name: tiles[0] for name, tiles in ROW_SWEEP.items()}
     for fmt in ("fp8", "mxfp4"):
         for name, tile_list in ROW_SWEEP.items():
-            for tiles in (tile_list[1:] if name == "down_tiles" else tile_list)[:count]:
+            for tiles in (tile_list[1:] if name == "down_tiles" else tile_list)[:count]:  # the default once
                 setting = {**default, name: tiles}
                 fn = functools.partial(entry, limit=LIMIT, interpret=interpret, **setting)
                 try:

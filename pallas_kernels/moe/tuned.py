@@ -1,6 +1,7 @@
 """Launch settings of the MoE kernels, keyed by (device kind, shape bucket, dtype) (`pallas_kernels.tuning`).
 
-Buckets of the grouped kernels: "few_rows" (decode: the groups average at most FEW_ROWS_PER_GROUP rows, so each
+The *_QUANTIZED tables are the fused and row kernels' settings for quantised experts (block FP8, MXFP4), read as
+stored. Buckets of the grouped kernels: "few_rows" (decode: the groups average at most FEW_ROWS_PER_GROUP rows, so each
 call streams the picked experts' weights) and "many_rows" (`rows_bucket`). The GPU entries were measured on an
 H200 at hidden 4096, 512 experts, top-8, width 1024, bf16 (the Ling-3.1-flash preset before its published widths;
 the published expert width is 1280); other GPUs take the same values (the ANY entries). fp32 (IEEE products, no
@@ -98,12 +99,43 @@ DOWN_SCATTER = _gpu(
         ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
     }
 )
+# Quantised experts (block FP8, MXFP4: tiles read as stored and dequantised on chip, `weight_tiles`) move half or a
+# quarter of the bytes a tile: measured on the H200 at Ling-3.1-flash width (hidden 4096, width 1280, 512 experts,
+# top-8; `scripts/bench_moe_quantized.py`'s sweep, 2026-12-03, issue 25), the two fused kernels together:
+# - 8192 tokens, FP8: (64, 128, 64, 4 warps, 4 stages) 9.068 ms against 10.033 for the bf16 tiles (MXFP4: 15.49
+#   against 15.42, within noise: one entry for both);
+# - 64 tokens: (16, 64, 256, 3 stages, weight tile as the MMA's first operand) FP8 1.523 ms against 2.122 for
+#   the bf16 tiles (MXFP4 2.195 against 3.014).
+_QUANTIZED = "scripts/bench_moe_quantized.py's sweep on the H200, 2026-12-03 (docs/benchmarks/moe.md)"
+GATHER_SWIGLU_QUANTIZED = _gpu(
+    {
+        ("many_rows", "16bit"): Entry(GroupedTiles(64, 128, 64, 4, 4), f"{_QUANTIZED}: FP8 9.068 ms at 8192 tokens"),
+        ("few_rows", "16bit"): Entry(GroupedTiles(16, 64, 256, 4, 3), f"{_QUANTIZED}: FP8 1.523 ms at 64 tokens"),
+        ("many_rows", ANY): Entry(GroupedTiles(64, 32, 32, 4, 3), _FP32),
+        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+    }
+)
+DOWN_SCATTER_QUANTIZED = _gpu(
+    {
+        ("many_rows", "16bit"): Entry(GroupedTiles(64, 128, 64, 4, 4), f"{_QUANTIZED}: with GATHER_SWIGLU_QUANTIZED"),
+        ("few_rows", "16bit"): Entry(GroupedTiles(16, 64, 256, 4, 3), f"{_QUANTIZED}: with GATHER_SWIGLU_QUANTIZED"),
+        ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
+        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+    }
+)
+# whether the quantised fused kernels put the weight tile first in the MMA (`gmm.tile_products`), by bucket
+WEIGHT_LEFT_QUANTIZED = {"many_rows": False, "few_rows": True}
 _ROUTED = (
     "BENCHMARKS.md, 'Routed experts and expert selection at decode sizes, chained-call timing (2026-11-29)', "
     "tile sweep at one token"
 )
 ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 256, 4, 4), f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us")})
 ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the down + combine default stayed")})
+# The row kernels on quantised experts at one token (same sweep): SwiGLU rows (8, 512, 4, 3) 71.1 us and down
+# (8, 512, 4, 3) 73.3 us, each with the other kernel at the bf16 default, against 82.7 us for the bf16 tiles
+# (MXFP4: 149.4 / 171.3 against 183.9).
+ROUTED_SWIGLU_QUANTIZED = _gpu({(ANY, ANY): Entry(RowTiles(8, 512, 4, 3), f"{_QUANTIZED}: FP8 71.1 us")})
+ROUTED_DOWN_QUANTIZED = _gpu({(ANY, ANY): Entry(RowTiles(8, 512, 4, 3), f"{_QUANTIZED}: FP8 73.3 us")})
 SELECT_EXPERTS = _gpu(
     {
         (ANY, ANY): Entry(

@@ -514,3 +514,20 @@ def test_compiled_weight_only_kernels_at_ling_flash_size_match_the_dequantised_p
         err = rel_error(ours, dequantised)
         print(f"[moe quantized] {fmt}, {tokens} tokens, weight-only vs dequantised then dense: rel. error {err:.2e}")
         assert err <= TOL[jnp.bfloat16], (tokens, err)
+
+
+def test_quantised_experts_take_their_own_launch_defaults():
+    """The fused kernels' default tiles: the bf16 tables for dense experts, the *_QUANTIZED ones (and their
+    weight_left by bucket) for experts read as stored; a weight_left given wins."""
+    from pallas_kernels.moe import tuned
+    from pallas_kernels.moe.gpu_triton.fused import _launch_defaults
+    from pallas_kernels.moe.gpu_triton.weight_tiles import weight_format
+
+    tables = (tuned.GATHER_SWIGLU, tuned.GATHER_SWIGLU_QUANTIZED)
+    dense = (weight_format(jnp.zeros((4, 128, 128), jnp.bfloat16)),)
+    fp8 = (weight_format(quantized("fp8", (4, 128, 128), seed=0)),)
+    few, many = {"num_rows": 8, "num_groups": 4}, {"num_rows": 4096, "num_groups": 4}
+    assert _launch_defaults(dense, tables, None, **few) == (tuned.GATHER_SWIGLU, False)
+    assert _launch_defaults(fp8, tables, None, **few) == (tuned.GATHER_SWIGLU_QUANTIZED, True)
+    assert _launch_defaults(fp8, tables, None, **many) == (tuned.GATHER_SWIGLU_QUANTIZED, False)
+    assert _launch_defaults(fp8, tables, False, **few) == (tuned.GATHER_SWIGLU_QUANTIZED, False)

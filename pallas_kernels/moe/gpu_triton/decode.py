@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.masked import masked_load
-from pallas_kernels.moe.gpu_triton.weight_tiles import ExpertTiles, expert_tiles, kernel_operands, weight_format
+from pallas_kernels.moe.gpu_triton.weight_tiles import Dense, ExpertTiles, expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
 from pallas_kernels.tuning import fill, lookup
 
@@ -171,9 +171,7 @@ def routed_experts_gpu(
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
     Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two; None ones from
-    `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN`."""
-    swiglu_tiles = fill(swiglu_tiles, lookup(tuned.ROUTED_SWIGLU, dtype=x_TD.dtype))
-    down_tiles = fill(down_tiles, lookup(tuned.ROUTED_DOWN, dtype=x_TD.dtype))
+    `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (quantised routed experts: the *_QUANTIZED tables)."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]
@@ -188,6 +186,14 @@ def routed_experts_gpu(
         (gate_EID, up_EID, *shared[:2]), ("gate", "up", "shared gate", "shared up")
     )
     down_formats, down_weights = _kernel_weights((down_EDI, *shared[2:]), ("down", "shared down"))
+    dense = all(isinstance(f, Dense) for f in swiglu_formats[:2] + down_formats[:1])
+    swiglu_table, down_table = (
+        (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
+        if dense
+        else (tuned.ROUTED_SWIGLU_QUANTIZED, tuned.ROUTED_DOWN_QUANTIZED)
+    )
+    swiglu_tiles = fill(swiglu_tiles, lookup(swiglu_table, dtype=x_TD.dtype))
+    down_tiles = fill(down_tiles, lookup(down_table, dtype=x_TD.dtype))
     rows = routed_rows + (tokens if shared else 0)
     experts_R = experts_TK.reshape(-1).astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings, tile_products
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
-from pallas_kernels.moe.gpu_triton.weight_tiles import expert_tiles, kernel_operands, weight_format
+from pallas_kernels.moe.gpu_triton.weight_tiles import Dense, expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
 
 
@@ -206,6 +206,17 @@ def _over_row_tiles(
     )
 
 
+def _launch_defaults(formats, tables, weight_left: bool | None, *, num_rows: int, num_groups: int):
+    """(the `tuned` table of default tiles, weight_left): tables[0] for dense weights, tables[1] for quantised
+    ones (read as stored); weight_left None: False for dense weights, `tuned.WEIGHT_LEFT_QUANTIZED` by the rows'
+    bucket for quantised ones."""
+    if all(isinstance(f, Dense) for f in formats):
+        return tables[0], bool(weight_left)
+    if weight_left is None:
+        weight_left = tuned.WEIGHT_LEFT_QUANTIZED[tuned.rows_bucket(num_rows, num_groups)]
+    return tables[1], weight_left
+
+
 def _read_as_stored(named, dtype):
     """(formats, the kernel's operands) of the (weight, name) pairs: dense ones cast to dtype, quantised ones as
     stored (`weight_tiles`)."""
@@ -229,7 +240,7 @@ def gather_swiglu_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
-    weight_left: bool = False,
+    weight_left: bool | None = None,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
@@ -237,9 +248,17 @@ def gather_swiglu_gpu(
     rows r of group g (rows sorted by group, group_sizes [G], sum <= R), computed in fp32; rows past the sum
     get zeros (fill_tail) or are not written (undefined). source [R] int32 indexes x's rows (repeats allowed).
     gate and up [G, I, D]: arrays cast to x's dtype, or quantised (`weight_tiles`: each tile dequantised on chip to
-    x's dtype). Tiles: None from `tuned.GATHER_SWIGLU`; weight_left: `gmm.tile_products`'."""
+    x's dtype). Tiles: None from `tuned.GATHER_SWIGLU` (quantised weights: `tuned.GATHER_SWIGLU_QUANTIZED`);
+    weight_left: `gmm.tile_products`', None from `_launch_defaults`."""
     width, hidden = gate_GID.shape[1:]
     formats, weights = _read_as_stored(((gate_GID, "gate"), (up_GID, "up")), x_XD.dtype)
+    table, weight_left = _launch_defaults(
+        formats,
+        (tuned.GATHER_SWIGLU, tuned.GATHER_SWIGLU_QUANTIZED),
+        weight_left,
+        num_rows=source_R.shape[0],
+        num_groups=group_sizes_G.shape[0],
+    )
     return _over_row_tiles(
         functools.partial(_gather_swiglu_kernel, formats=formats, limit=limit, weight_left=weight_left),
         group_sizes_G,
@@ -249,7 +268,7 @@ def gather_swiglu_gpu(
         n_dim=width,
         k_dim=hidden,
         dtype=x_XD.dtype,
-        table=tuned.GATHER_SWIGLU,
+        table=table,
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
@@ -271,17 +290,25 @@ def down_scatter_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
-    weight_left: bool = False,
+    weight_left: bool | None = None,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
     """y [R, D] in h's dtype: y[dest[r]] = row_weight[r] * (h[r] @ down[g].T) for the rows r of group g (rows
     sorted by group, group_sizes [G], sum <= R), accumulated and weighted in fp32; rows past the sum store
     zeros (fill_tail) or nothing (their dest rows undefined). dest [R] int32 must be a permutation of [0, R);
-    row_weight [R] fp32. down [G, D, I]: as gate for `gather_swiglu_gpu`. Tiles: None from `tuned.DOWN_SCATTER`;
-    weight_left: `gmm.tile_products`'."""
+    row_weight [R] fp32. down [G, D, I]: as gate for `gather_swiglu_gpu`. Tiles: None from `tuned.DOWN_SCATTER`
+    (quantised weights: `tuned.DOWN_SCATTER_QUANTIZED`); weight_left: `gmm.tile_products`', None from
+    `_launch_defaults`."""
     hidden, width = down_GDI.shape[1:]
     formats, weights = _read_as_stored(((down_GDI, "down"),), h_RI.dtype)
+    table, weight_left = _launch_defaults(
+        formats,
+        (tuned.DOWN_SCATTER, tuned.DOWN_SCATTER_QUANTIZED),
+        weight_left,
+        num_rows=h_RI.shape[0],
+        num_groups=group_sizes_G.shape[0],
+    )
     return _over_row_tiles(
         functools.partial(_down_scatter_kernel, formats=formats, weight_left=weight_left),
         group_sizes_G,
@@ -291,7 +318,7 @@ def down_scatter_gpu(
         n_dim=hidden,
         k_dim=width,
         dtype=h_RI.dtype,
-        table=tuned.DOWN_SCATTER,
+        table=table,
         min_block_m=min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
