@@ -24,11 +24,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ling_jax.layers import project
+from ling_jax.layers import fp8_matmul_in_scope, project
+from ling_jax.policy import FP8Matmul
 from ling_jax.quantized import dequantized
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
-from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, routed_experts
+from pallas_kernels.moe.ops import (
+    down_scatter,
+    gather_swiglu,
+    grouped_matmul,
+    routed_experts,
+    w8a8_expert_rows,
+    w8a8_takes,
+)
 from pallas_kernels.moe.reference import swiglu
+from pallas_kernels.moe.tuned import rows_bucket
 
 # Up to this many token-expert rows (8 tokens at top-8), a GPU runs the routed experts row by row
 # (`pallas_kernels.moe.routed_experts`: no sort, each row streams its expert), above it the grouped path.
@@ -74,6 +83,19 @@ def _runs_gpu_kernels(backend: str) -> bool:
     return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu"
 
 
+def runs_w8a8(gate_EID, up_EID, down_EDI, *, num_rows: int, backend: str) -> bool:
+    """Whether the grouped FFN over num_rows rows runs in W8A8 (`pallas_kernels.moe.w8a8_expert_rows`): block-FP8
+    experts it takes, and the enclosing `fp8_matmul_scope` says W8A8, or AUTO on a GPU backend with many rows
+    per expert (prefill: `pallas_kernels.moe.tuned.rows_bucket`; at Ling-3.1-flash width and 8192 tokens the
+    W8A8 kernels took 5.3-5.7 ms on an H200 against 9.1-10.5 ms for the weight-only ones)."""
+    mode = fp8_matmul_in_scope()
+    if mode is FP8Matmul.WEIGHT_ONLY or not w8a8_takes(gate_EID, up_EID, down_EDI):
+        return False
+    if mode is FP8Matmul.W8A8:
+        return True
+    return _runs_gpu_kernels(backend) and rows_bucket(num_rows, gate_EID.shape[0]) == "many_rows"
+
+
 def fused_expert_rows(
     x_XD,
     source_R,
@@ -90,7 +112,22 @@ def fused_expert_rows(
 ):
     """[R, D] in x's dtype: row order[r] of the result = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of
     the expert order (group g); rows past sum(sizes) are 0, or undefined with fill_tail False (not computed).
-    The GPU's two fused kernels, weight-only ones for quantised experts (read as stored)."""
+    The GPU's two fused kernels, weight-only ones for quantised experts (read as stored), or the W8A8 ones
+    (`runs_w8a8`)."""
+    if runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=source_R.shape[0], backend=backend):
+        return w8a8_expert_rows(
+            x_XD,
+            source_R,
+            order_R,
+            row_weight_R,
+            sizes_E,
+            gate_EID,
+            up_EID,
+            down_EDI,
+            limit,
+            backend=backend,
+            fill_tail=fill_tail,
+        )
     h_RI = gather_swiglu(x_XD, source_R, sizes_E, gate_EID, up_EID, limit, backend=backend, fill_tail=fill_tail)
     return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down_EDI, backend=backend, fill_tail=fill_tail)
 
@@ -237,9 +274,10 @@ def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, li
 
 
 def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
-    """All experts on this device as one grouped FFN: `fused_local_moe` on a GPU backend, else
-    `unfused_local_moe`."""
-    local = fused_local_moe if _runs_gpu_kernels(backend) else unfused_local_moe
+    """All experts on this device as one grouped FFN: `fused_local_moe` on a GPU backend or in W8A8 (`runs_w8a8`),
+    else `unfused_local_moe`."""
+    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=experts_TK.size, backend=backend)
+    local = fused_local_moe if _runs_gpu_kernels(backend) or w8a8 else unfused_local_moe
     return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
 

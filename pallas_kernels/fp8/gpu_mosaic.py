@@ -81,9 +81,16 @@ def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: in
     y_gmem[pl.ds(m * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)] = acc_MN.astype(y_gmem.dtype)
 
 
+def takes(values_NK, block: tuple[int, int], block_n: int = 128) -> bool:
+    """Whether the kernel runs this weight: 128 x 128 blocks, N a multiple of block_n (which divides 128), K of
+    128."""
+    n_dim, k_dim = values_NK.shape
+    return tuple(block) == (BLOCK_K, BLOCK_K) and not n_dim % block_n and not k_dim % BLOCK_K and not BLOCK_K % block_n
+
+
 def _check(values_NK, block: tuple[int, int], block_n: int) -> None:
     n_dim, k_dim = values_NK.shape
-    if tuple(block) != (BLOCK_K, BLOCK_K) or n_dim % block_n or k_dim % BLOCK_K or BLOCK_K % block_n:
+    if not takes(values_NK, block, block_n):
         raise ValueError(
             f"w8a8_linear_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({block_n}, which divides 128) "
             f"and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"

@@ -5,8 +5,9 @@ VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one
 block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs a kernel where it
 takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
 activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else
-the block-scaled "gpu_triton"; for W8A8 products "gpu_triton_tc_acc" (each K block accumulated in the tensor
-cores; "gpu_mosaic", the Mosaic GPU kernel for 128 x 128 blocks, runs when named). A TPU backend runs every product
+the block-scaled "gpu_triton"; for W8A8 products "gpu_mosaic" (the Mosaic GPU kernel: TMA, e4m3 wgmma) from
+tuned.MOSAIC_MIN_ROWS rows where it takes the weight (128 x 128 blocks), else "gpu_triton_tc_acc" (each K block
+accumulated in the tensor cores). A TPU backend runs every product
 weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case runs the jnp
 reference.
 """
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.gpu_mosaic import takes as mosaic_takes
 from pallas_kernels.fp8.gpu_mosaic import w8a8_linear_mgpu
 from pallas_kernels.fp8.gpu_triton import (
     w8a8_linear_gpu,
@@ -28,6 +30,7 @@ from pallas_kernels.fp8.gpu_triton import (
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
 from pallas_kernels.fp8.tpu_mosaic import takes as tpu_kernel_takes
 from pallas_kernels.fp8.tpu_mosaic import weight_only_linear_tpu
+from pallas_kernels.tuning import lookup
 from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = ["GEMV", "MODES", "MOSAIC", "TC_ACC", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
@@ -110,6 +113,16 @@ def default_mode(num_rows: int, backend: str) -> str | None:
     return W8A8 if tuned.W8A8_MIN_ROWS is not None and num_rows >= tuned.W8A8_MIN_ROWS else None
 
 
+def _w8a8_variant(x_MK, weight, *, interpret: bool) -> str:
+    """The W8A8 kernel a GPU runs: "gpu_mosaic" from tuned.MOSAIC_MIN_ROWS rows where it takes the weight (128 x
+    128 blocks, sides multiples of 128) and compiles (jax 0.10's Mosaic GPU interpreter cannot run it), else
+    "gpu_triton_tc_acc"."""
+    block_n = lookup(tuned.W8A8_MOSAIC, dtype=x_MK.dtype).block_n
+    if interpret or x_MK.shape[0] < tuned.MOSAIC_MIN_ROWS or not mosaic_takes(weight.values, weight.block, block_n):
+        return TC_ACC
+    return MOSAIC
+
+
 def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, variant: str | None = None):
     """y [..., O] in x's dtype: x [..., In] @ W^T for a block-FP8 weight W [O, In] (anything with `values` [O, In]
     float8_e4m3fn, `scales` [ceil(O / br), ceil(In / bc)] and `block` (br, bc): `ling_jax.quantized.
@@ -131,7 +144,7 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     takes = tpu_kernel_takes if KERNEL_TARGET.get(backend) == "tpu" else kernel_takes
     use_kernel = chosen is not None and takes(x, weight)
     if chosen == W8A8:
-        gpu_variant = TC_ACC
+        gpu_variant = _w8a8_variant(x_MK, weight, interpret=variants.interpreted(backend))
     else:
         gpu_variant = GEMV if x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS else "gpu_triton"
     kernels = {"gpu": gpu_variant, "tpu": "tpu_mosaic" if chosen == WEIGHT_ONLY else REFERENCE}

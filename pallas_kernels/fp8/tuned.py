@@ -5,8 +5,8 @@ The K step of both kernels is the weight's scale block (128 inputs), so only the
 tuned. WEIGHT_ONLY_GEMV is for decode-sized calls (up to GEMV_MAX_ROWS rows: a stream of the FP8 weight),
 WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 and W8A8_TC_ACC for prefill-sized ones (FP8
 tensor cores; the second for the variant that accumulates each K block in the tensor cores), W8A8_MOSAIC for the
-Mosaic GPU W8A8 kernel (`fp8/gpu_mosaic.py`). MOE_GATHER_SWIGLU_W8A8
-and MOE_DOWN_SCATTER_W8A8 are the W8A8 routed-expert kernels' (`pallas_kernels.moe.gpu_triton.w8a8`).
+Mosaic GPU W8A8 kernel (`fp8/gpu_mosaic.py`).
+(The W8A8 routed-expert kernels' settings are in `pallas_kernels.moe.tuned`.)
 Entries without a measurement say so.
 """
 
@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.moe.tuned import GroupedTiles
 from pallas_kernels.tuning import ANY, H200, Entry
 
 # `fp8_linear` on a GPU without a mode named: the weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
-# from W8A8_MIN_ROWS (None: never), XLA's dot on the dequantised weight in between. Measured on the H200
-# (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)' and 'The decode-shaped kernel'): the
-# block-scaled weight-only kernel took 29-46 us at 8 and 16 rows of the 4096- and 10240-wide projections against
-# 85-117 us for dequantise + dot, and lost from 64 rows; the W8A8 kernel (331-359 TFLOP/s) never beat XLA's bf16
-# dot on the dequantised weight (560-700 TFLOP/s at 2048 and 8192 rows).
-# The decode-shaped kernel (`gpu_triton_gemv`) takes at most GEMV_MAX_ROWS rows and runs by default up to
-# GEMV_DEFAULT_ROWS: at 1 row it beat the block-scaled kernel on the four large projections (25-38 us against
-# 32-35 us), at 8 and 16 it lost (42-70 us against 29-46 us); interpolating the two linearly, they cross near 3.
+# from W8A8_MIN_ROWS (issue 25: prefill-sized calls in FP8 x FP8 with dynamic 1 x 128 activation groups, the
+# checkpoints' `activation_scheme: dynamic`), XLA's dot on the dequantised weight in between. Measured on the H200
+# (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)', 'The decode-shaped kernel' and 'Decode rows
+# again, the XLA scale-folded product, and the Mosaic W8A8 kernel measured (2026-12-03)'): the block-scaled
+# weight-only kernel took 29-46 us at 8 and 16 rows of the 4096- and 10240-wide projections against 85-117 us for
+# dequantise + dot; the Mosaic W8A8 kernel beat dequantise + dot at every size from 256 rows (8192 x 4096: 47.1
+# against 117.4 us at 256 rows, 214.4 against 260.5 at 2048, 781.7 against 825.8 = 703 TFLOP/s at 8192), where
+# the Triton W8A8 kernels had not (331-359 TFLOP/s). W8A8 runs the Mosaic kernel from MOSAIC_MIN_ROWS rows where
+# it takes the weight (tensor-core-accumulated Triton kernel below that and elsewhere: 41.5 against 56.2 us at 64
+# rows).
 WEIGHT_ONLY_MAX_ROWS = 16
-W8A8_MIN_ROWS = None
+W8A8_MIN_ROWS = 256
+MOSAIC_MIN_ROWS = 256
 GEMV_MAX_ROWS = 16
 GEMV_DEFAULT_ROWS = 2
 
@@ -111,17 +113,6 @@ W8A8_TC_ACC = _gpu(
         )
     }
 )
-
-# The W8A8 routed-expert kernels: K steps of the weights' 128-input block, and the gate/up kernel's column tile is
-# one 128-column group of h (quantised in its epilogue), so only block_m (and down's block_n, at most the weight's
-# 128-row block) and the launch are free. Same settings for every dtype of x (the products are FP8 either way).
-# Measured on the H200 at Ling-3.1-flash width (8192 tokens, top-8 of 512 experts, hidden 4096, width 1280;
-# `scripts/bench_moe_w8a8.py --sweep`, 2026-12-02, FP8 values as stored): gate/up 2.837 ms (484 TFLOP/s) against
-# 3.331 for the earlier (64, 8 warps, 4 stages); the best, 2.756 ms, wanted min_block_m 64. down 1.836 ms against
-# 2.033 for (128 x 128, 8 warps).
-_MOE_SOURCE = "scripts/bench_moe_w8a8.py --sweep on the H200, 2026-12-02 (issue 25)"
-MOE_GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 3), _MOE_SOURCE)})
-MOE_DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _MOE_SOURCE)})
 
 
 @dataclasses.dataclass(frozen=True)

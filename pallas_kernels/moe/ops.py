@@ -35,6 +35,7 @@ from pallas_kernels.moe.gpu_triton import (
     routed_experts_weight_only_gpu,
     select_experts_gpu,
 )
+from pallas_kernels.moe.gpu_triton.w8a8 import w8a8_expert_rows as w8a8_expert_rows_gpu
 from pallas_kernels.moe.reference import (
     RoutingRule,
     dense_weight,
@@ -47,6 +48,7 @@ from pallas_kernels.moe.reference import (
     swiglu,
 )
 from pallas_kernels.moe.tpu_mosaic import grouped_matmul_tpu, grouped_matmul_tpu_op
+from pallas_kernels.moe.w8a8_reference import w8a8_expert_rows_reference
 from pallas_kernels.tpu_dequant import as_dense, is_quantized
 from pallas_kernels.variants import REFERENCE, Variant
 
@@ -60,6 +62,8 @@ __all__ = [
     "kernel",
     "routed_experts",
     "select_experts",
+    "w8a8_expert_rows",
+    "w8a8_takes",
 ]
 
 WEIGHT_ONLY = "gpu_triton_weight_only"  # the fused and row kernels with quantised experts
@@ -84,6 +88,10 @@ VARIANTS = {
         REFERENCE: Variant(None, routed_experts_reference),
         "gpu_triton": Variant("gpu", routed_experts_gpu),
         WEIGHT_ONLY: Variant("gpu", routed_experts_weight_only_gpu),
+    },
+    "w8a8_expert_rows": {
+        REFERENCE: Variant(None, w8a8_expert_rows_reference),
+        "gpu_triton": Variant("gpu", w8a8_expert_rows_gpu),
     },
     "select_experts": {
         REFERENCE: Variant(None, select_experts_reference),
@@ -439,3 +447,72 @@ def select_experts(logits_TE, expert_bias_E, rule: RoutingRule, *, backend: str 
     if name == "gpu_triton":
         return _select_experts_gpu(logits_TE, expert_bias_E, rule, interpret)
     return select_experts_reference(logits_TE, expert_bias_E, rule)
+
+
+def w8a8_takes(gate, up, down) -> bool:
+    """Whether `w8a8_expert_rows` runs these experts: block-FP8 stacks (values, scales, block) sharing one block of
+    powers of two whose K side (at least 32, the FP8 dot's K) divides the row side."""
+    blocks = {tuple(getattr(w, "block", None) or ()) for w in (gate, up, down)}
+    if len(blocks) != 1 or not all(hasattr(w, "values") for w in (gate, up, down)):
+        return False
+    (block,) = blocks
+    if len(block) != 2:
+        return False
+    rows, cols = block
+    return cols >= 32 and not cols & (cols - 1) and not rows % cols and not rows & (rows - 1)
+
+
+def _straight_through_rows(x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret):
+    """The weight-only rows (the experts dequantised, products in fp32): W8A8's gradient, straight through its
+    quantisation."""
+    h = gather_swiglu_reference(x, source, sizes, gate, up, limit)
+    return down_scatter_reference(h, order, row_weight, sizes, down)
+
+
+_W8A8_ROWS_GPU = with_reference_vjp(
+    lambda x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret: w8a8_expert_rows_gpu(
+        x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail=fill_tail, interpret=interpret
+    ),
+    _straight_through_rows,
+    nondiff_argnums=(8, 9, 10),
+)
+_W8A8_ROWS_REFERENCE = with_reference_vjp(
+    lambda x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret: w8a8_expert_rows_reference(
+        x, source, order, row_weight, sizes, gate, up, down, limit
+    ),
+    _straight_through_rows,
+    nondiff_argnums=(8, 9, 10),
+)
+
+
+def w8a8_expert_rows(
+    x_XD,
+    source_R,
+    order_R,
+    row_weight_R,
+    sizes_E,
+    gate,
+    up,
+    down,
+    limit: float | None,
+    *,
+    backend: str = "auto",
+    variant: str | None = None,
+    fill_tail: bool = True,
+) -> jax.Array:
+    """[R, D] in x's dtype: the routed experts' rows in W8A8 (issue 25's prefill form), as
+    `gather_swiglu` then `down_scatter` compute them (row order[r] = row_weight[r] * FFN_g(x[source[r]]) for the
+    r-th row of the expert order, rows past sum(sizes) 0), with x and h quantised per token in 1 x block[1] groups
+    (scale = amax / 448, e4m3) and FP8 x FP8 products scaled per K block (`gpu_triton.w8a8`). gate, up [G, I, D]
+    and down [G, D, I]: block-FP8 stacks with one block (`w8a8_takes`). backend: "auto" (the kernels on a GPU,
+    the jnp reference `w8a8_reference` elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
+    reference. Differentiable in x, the row weights and the experts, straight through the quantisation (the
+    gradient of the weight-only rows)."""
+    if not w8a8_takes(gate, up, down):
+        raise ValueError(
+            "w8a8_expert_rows: gate, up and down must be block-FP8 stacks with one block of powers of two (K side "
+            f">= 32 dividing the row side), got blocks {[getattr(w, 'block', None) for w in (gate, up, down)]}"
+        )
+    name, interpret = _pick("w8a8_expert_rows", variant, backend)
+    op = _W8A8_ROWS_GPU if name == "gpu_triton" else _W8A8_ROWS_REFERENCE
+    return op(x_XD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, limit, fill_tail, interpret)

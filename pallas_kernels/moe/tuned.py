@@ -125,6 +125,16 @@ DOWN_SCATTER_QUANTIZED = _gpu(
 )
 # whether the quantised fused kernels put the weight tile first in the MMA (`gmm.tile_products`), by bucket
 WEIGHT_LEFT_QUANTIZED = {"many_rows": False, "few_rows": True}
+# The W8A8 routed-expert kernels: K steps of the weights' 128-input block, and the gate/up kernel's column tile is
+# one 128-column group of h (quantised in its epilogue), so only block_m (and down's block_n, at most the weight's
+# 128-row block) and the launch are free. Same settings for every dtype of x (the products are FP8 either way).
+# Measured on the H200 at Ling-3.1-flash width (8192 tokens, top-8 of 512 experts, hidden 4096, width 1280;
+# `scripts/bench_moe_w8a8.py --sweep`, 2026-12-02, FP8 values as stored): gate/up 2.837 ms (484 TFLOP/s) against
+# 3.331 for the earlier (64, 8 warps, 4 stages); the best, 2.756 ms, wanted min_block_m 64. down 1.836 ms against
+# 2.033 for (128 x 128, 8 warps).
+_W8A8_SOURCE = "scripts/bench_moe_w8a8.py --sweep on the H200, 2026-12-02 (issue 25)"
+GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 3), _W8A8_SOURCE)})
+DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _W8A8_SOURCE)})
 _ROUTED = (
     "BENCHMARKS.md, 'Routed experts and expert selection at decode sizes, chained-call timing (2026-11-29)', "
     "tile sweep at one token"

@@ -43,3 +43,19 @@ def down_scatter_w8a8_reference(
     h_RI = dequantize_blocks(h_q_RI, h_scale, (1, block[1]), jnp.float32)
     down_GDI = dequantize_blocks(down_values_GDI, down_scales, block, jnp.float32)
     return down_scatter_reference(h_RI, dest_R, row_weight_R, group_sizes_G, down_GDI).astype(out_dtype)
+
+
+def w8a8_expert_rows_reference(
+    x_XD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, limit, *, fill_tail=True, interpret=False
+):
+    """[R, D] in x's dtype as `gpu_triton.w8a8.w8a8_expert_rows`: the two ops above in turn on three block-FP8
+    expert stacks (anything with `values`, `scales` and `block`; one block). fill_tail and interpret are the
+    kernels' (the reference always zeroes the tail rows)."""
+    del fill_tail, interpret
+    block = tuple(gate.block)
+    h_q, h_scale = gather_swiglu_w8a8_reference(
+        x_XD, source_R, sizes_E, gate.values, gate.scales, up.values, up.scales, limit, block=block
+    )
+    return down_scatter_w8a8_reference(
+        h_q, h_scale, order_R, row_weight_R, sizes_E, down.values, down.scales, block=block, out_dtype=x_XD.dtype
+    )

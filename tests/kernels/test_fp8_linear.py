@@ -14,7 +14,13 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
-from pallas_kernels.fp8.tuned import GEMV_DEFAULT_ROWS, GEMV_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS
+from pallas_kernels.fp8.tuned import (
+    GEMV_DEFAULT_ROWS,
+    GEMV_MAX_ROWS,
+    MOSAIC_MIN_ROWS,
+    W8A8_MIN_ROWS,
+    WEIGHT_ONLY_MAX_ROWS,
+)
 from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -145,15 +151,25 @@ def test_kernels_lower_for_cuda():
         (WEIGHT_ONLY, GEMV_DEFAULT_ROWS, None, "weight_only_gemv"),
         (WEIGHT_ONLY, GEMV_MAX_ROWS, GEMV, "weight_only_gemv"),
         (WEIGHT_ONLY, GEMV_DEFAULT_ROWS + 1, None, "weight_only_linear"),
-        (W8A8, 300, None, "w8a8_linear"),
+        (W8A8, 300, None, "w8a8_linear"),  # 576 rows: no Mosaic kernel, the Triton one
         (W8A8, 300, "gpu_triton", "w8a8_linear"),
+        (None, W8A8_MIN_ROWS, None, "w8a8_linear"),  # no mode named: W8A8 from W8A8_MIN_ROWS
+        (None, W8A8_MIN_ROWS - 1, None, "dot_general"),  # dequantise + XLA's dot below it
     ):
         lowered = lower_for_cuda(
             lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode, variant=variant),  # noqa: B023
             jax.ShapeDtypeStruct((rows, 1000), jnp.bfloat16),
             weight,
         )
-        assert name in lowered.as_text()
+        assert name in lowered.as_text(), (mode, rows, variant)
+        assert name != "dot_general" or "w8a8_linear" not in lowered.as_text()
+    weight = random_weight(*MOSAIC_WEIGHT)
+    lowered = lower_for_cuda(
+        lambda x, w: fp8_linear(x, w, backend="pallas_gpu"),
+        jax.ShapeDtypeStruct((MOSAIC_MIN_ROWS, MOSAIC_WEIGHT[1]), jnp.bfloat16),
+        weight,
+    )
+    assert "mosaic_gpu" in lowered.as_text()  # 128 x 128 blocks, sides multiples of 128: the Mosaic kernel
 
 
 @gpu_test("the compiled FP8 kernels")

@@ -247,6 +247,51 @@ def test_expert_rows_run_both_kernels_on_block_fp8_weights():
         w8a8_expert_rows(*routing, weights[0], weights[1], dataclasses.replace(weights[2], block=(64, 32)), limit)
 
 
+def test_the_op_and_when_the_model_takes_it():
+    """`moe.ops.w8a8_expert_rows` on the reference backend == the references in turn, on interpret_gpu the kernels
+    (within TOL), and its gradient is the weight-only rows'; `runs_w8a8`: W8A8 when the scope says so, with AUTO
+    only for a GPU backend's prefill-sized (many rows an expert) calls, never for weight-only scopes or MXFP4."""
+    from ling_jax.layers import fp8_matmul_scope
+    from ling_jax.moe.experts import runs_w8a8
+    from ling_jax.policy import FP8Matmul
+    from pallas_kernels.moe.ops import w8a8_expert_rows as op
+    from pallas_kernels.moe.reference import down_scatter_reference, gather_swiglu_reference
+
+    case = "blocks_32"
+    x, (source, dest, sizes), row_weight, gate, up, down = case_inputs(case, seed=6)
+    block, limit = CASES[case][5], CASES[case][6]
+    weights = [BlockFP8Weight(jnp.asarray(values), jnp.asarray(scales), block) for values, scales in (gate, up, down)]
+    routing = (jnp.asarray(x), jnp.asarray(source), jnp.asarray(dest), jnp.asarray(row_weight), jnp.asarray(sizes))
+    h_q, h_scale = gather_swiglu_w8a8_reference(routing[0], routing[1], routing[4], *gate, *up, limit, block=block)
+    expected = down_scatter_w8a8_reference(h_q, h_scale, *routing[2:], *down, block=block, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(op(*routing, *weights, limit, backend="reference"), expected)
+    assert rel_error(op(*routing, *weights, limit, backend="interpret_gpu"), expected) <= TOL
+
+    def loss(x, weight_only):
+        if weight_only:
+            dense = [w.dequantize(jnp.float32) for w in weights]
+            h = gather_swiglu_reference(x, routing[1], routing[4], dense[0], dense[1], limit)
+            y = down_scatter_reference(h, *routing[2:], dense[2])
+        else:
+            y = op(x, *routing[1:], *weights, limit, backend="reference")
+        return jnp.sum(y * jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape) / y.size)
+
+    grad, weight_only_grad = (jax.grad(loss)(routing[0], flag) for flag in (False, True))
+    assert rel_error(grad, weight_only_grad) <= 1e-5
+
+    all_rows = x.shape[0] * CASES[case][1]
+    few, many = 2 * len(sizes), 5 * len(sizes)  # rows: up to 4 an expert is decode-sized
+    assert runs_w8a8(*weights, num_rows=many, backend="interpret_gpu")
+    assert not runs_w8a8(*weights, num_rows=few, backend="interpret_gpu")
+    assert not runs_w8a8(*weights, num_rows=many, backend="reference")
+    with fp8_matmul_scope(FP8Matmul.W8A8):
+        assert runs_w8a8(*weights, num_rows=few, backend="reference")
+    with fp8_matmul_scope(FP8Matmul.WEIGHT_ONLY):
+        assert not runs_w8a8(*weights, num_rows=many, backend="interpret_gpu")
+    mxfp4 = dataclasses.replace(weights[0], block=None)
+    assert not runs_w8a8(mxfp4, *weights[1:], num_rows=all_rows, backend="interpret_gpu")
+
+
 def test_bad_weights_are_refused_with_the_tensor_named():
     case = "blocks_32"
     x, rows, _, gate, up, _ = case_inputs(case, seed=3)

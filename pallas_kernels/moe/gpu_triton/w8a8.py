@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_triton.fp8_dot import scaled_fp8_product
 from pallas_kernels.fp8.reference import quantize_activations, quantize_groups
+from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.fused import _columns, _row_indices
 from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings
 from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
@@ -251,7 +251,7 @@ def gather_swiglu_w8a8_gpu(
     h_q[r, i] * h_scale[r, i // block[1]]. Rows past the sum get h = 0 (fill_tail) or are not written. source [R]
     int32 indexes x's rows (x [X, D], any float dtype). gate and up: block-FP8 [G, I, D] (values e4m3, scales
     [G, ceil(I / block[0]), ceil(D / block[1])]). The column tile is block[1] (one group of h); the other tiles:
-    None from `fp8.tuned.MOE_GATHER_SWIGLU_W8A8`."""
+    None from `moe.tuned.GATHER_SWIGLU_W8A8`."""
     for name, values, scales in (("gate", gate_values_GID, gate_scales), ("up", up_values_GID, up_scales)):
         _check_weight(name, values, scales, block)
     num_rows, (width, hidden) = source_R.shape[0], gate_values_GID.shape[1:]
@@ -264,7 +264,7 @@ def gather_swiglu_w8a8_gpu(
         return tuple(jnp.zeros(out.shape, out.dtype) for out in out_shape)
     x_q_XD, x_scale_XG = quantize_activations(x_XD, block[1])
     tiles = _tiles(
-        tuned.MOE_GATHER_SWIGLU_W8A8,
+        tuned.GATHER_SWIGLU_W8A8,
         (block_m, None, num_warps, num_stages),
         dtype=x_XD.dtype,
         num_rows=num_rows,
@@ -317,7 +317,7 @@ def down_scatter_w8a8_gpu(
     [R, I] e4m3, h_scale [R, ceil(I / block[1])]), FP8 products scaled per K block, accumulated and weighted in
     fp32; rows past the sum store zeros (fill_tail) or nothing. dest [R] int32 must be a permutation of [0, R);
     row_weight [R] fp32. down: block-FP8 [G, D, I] (values e4m3, scales [G, ceil(D / block[0]), ceil(I /
-    block[1])]). Tiles: None from `fp8.tuned.MOE_DOWN_SCATTER_W8A8`."""
+    block[1])]). Tiles: None from `moe.tuned.DOWN_SCATTER_W8A8`."""
     _check_weight("down", down_values_GDI, down_scales, block)
     num_rows, (hidden, width) = h_q_RI.shape[0], down_values_GDI.shape[1:]
     if h_q_RI.dtype != jnp.float8_e4m3fn or h_scale.shape != (num_rows, -(-width // block[1])):
@@ -328,7 +328,7 @@ def down_scatter_w8a8_gpu(
     if num_rows == 0:
         return jnp.zeros((0, hidden), out_dtype)
     tiles = _tiles(
-        tuned.MOE_DOWN_SCATTER_W8A8,
+        tuned.DOWN_SCATTER_W8A8,
         (block_m, block_n, num_warps, num_stages),
         dtype=out_dtype,
         num_rows=num_rows,
