@@ -41,6 +41,7 @@ from flax import nnx  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
+from ling_jax.policy import ExecutionPolicy, FP8Matmul  # noqa: E402
 from ling_jax.presets import preset  # noqa: E402
 
 
@@ -123,6 +124,13 @@ def main(argv=None) -> int:
         "--weights", default="bf16,stored", help="comma-separated weight formats: bf16 and/or stored (block FP8)"
     )
     parser.add_argument(
+        "--fp8-matmul",
+        default="auto",
+        choices=[mode.value for mode in FP8Matmul],
+        help="how block-FP8 weights multiply (ExecutionPolicy.fp8_matmul): auto (on a GPU weight-only for decode "
+        "sizes, W8A8 for prefill-sized calls), weight_only, w8a8",
+    )
+    parser.add_argument(
         "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"
     )
     args = parser.parse_args(argv)
@@ -162,7 +170,8 @@ def device_memory_gb(key: str = "bytes_in_use") -> str:
 def bench_format(config, weights: str, args, context: int, copy: float) -> list[tuple]:
     """Rows (weights, device memory, batch, prefill tok/s, decode s, roofline s) of one weight format."""
     start = time.perf_counter()
-    model = random_model(config, weights=weights, dtype=jnp.bfloat16)
+    policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul)
+    model = random_model(config, weights=weights, dtype=jnp.bfloat16, policy=policy)
     params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
     memory = device_memory_gb()
     print(
