@@ -213,7 +213,7 @@ def _launch_defaults(formats, tables, weight_left: bool | None, *, num_rows: int
     if all(isinstance(f, Dense) for f in formats):
         return tables[0], bool(weight_left)
     if weight_left is None:
-        weight_left = tuned.WEIGHT_LEFT_QUANTIZED[tuned.rows_bucket(num_rows, num_groups)]
+        weight_left = tuned.rows_bucket(num_rows, num_groups) in tuned.WEIGHT_LEFT_QUANTIZED
     return tables[1], weight_left
 
 
