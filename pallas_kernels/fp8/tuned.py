@@ -24,10 +24,11 @@ from pallas_kernels.tuning import ANY, H200, Entry
 # weight-only kernel took 29-46 us at 8 and 16 rows of the 4096- and 10240-wide projections against 85-117 us for
 # dequantise + dot; the Mosaic W8A8 kernel beat dequantise + dot at every size from 256 rows (8192 x 4096: 47.1
 # against 117.4 us at 256 rows, 214.4 against 260.5 at 2048, 781.7 against 825.8 = 703 TFLOP/s at 8192), where
-# the Triton W8A8 kernels had not (331-359 TFLOP/s). W8A8 runs the Mosaic kernel from MOSAIC_MIN_ROWS rows where
-# it takes the weight (tensor-core-accumulated Triton kernel below that and elsewhere: 41.5 against 56.2 us at 64
-# rows).
-WEIGHT_ONLY_MAX_ROWS = 16
+# the Triton W8A8 kernels had not (331-359 TFLOP/s); from 17 rows the block-scaled weight-only kernel at its
+# "more_rows" tiles beat dequantise + dot (2026-12-03: 38.7 against 84.4 us at 64 rows of 8192 x 4096), so no row
+# count is left to dequantise + dot. W8A8 runs the Mosaic kernel from MOSAIC_MIN_ROWS rows where it takes the
+# weight (the tensor-core-accumulated Triton kernel below that and elsewhere: 41.5 against 56.2 us at 64 rows).
+WEIGHT_ONLY_MAX_ROWS = 255
 W8A8_MIN_ROWS = 256
 MOSAIC_MIN_ROWS = 256
 GEMV_MAX_ROWS = 16
@@ -70,12 +71,27 @@ class GemvTiles:
 
 
 _SWEEP = "docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)'"
+_ROWS_SWEEP = "docs/benchmarks/matmul.md, 'Weight-only tiles for 17-255 rows (2026-12-03)'"
+# Row buckets of the block-scaled weight-only kernel: up to FEW_ROWS rows ("few_rows", decode of a few sequences),
+# more ("more_rows": a decode batch of up to W8A8_MIN_ROWS - 1 sequences)
+FEW_ROWS = 16
+
+
+def weight_only_bucket(num_rows: int) -> str:
+    return "few_rows" if num_rows <= FEW_ROWS else "more_rows"
+
+
 WEIGHT_ONLY = _gpu(
     {
-        (ANY, "16bit"): Entry(
+        ("few_rows", "16bit"): Entry(
             LinearTiles(16, 64, 1, 4, 4, k_splits=4),
             f"not measured with K splits: {_SWEEP}'s sweep at 8192 x 4096 (no splits) read 0.65 TB/s at best, "
             "with 256 programs; 4 splits give 512 programs of 64 x 128 tiles",
+        ),
+        ("more_rows", "16bit"): Entry(
+            LinearTiles(64, 64, 1, 4, 4, k_splits=2),
+            f"{_ROWS_SWEEP}: 8192 x 4096 at 32 / 64 rows 35.1 / 38.7 us against 96.0 / 84.4 us for dequantise + "
+            "dot and 47.5 / 63.4 us for XLA's scale-folded product",
         ),
         (ANY, ANY): Entry(LinearTiles(16, 32, 1, 4, 3, k_splits=4), "fp32 untuned: the 16-bit tiles, narrower"),
     }

@@ -62,12 +62,14 @@ def float64_quantized_x(x_MK: np.ndarray, group: int) -> np.ndarray:
     return dequantized
 
 
+@pytest.mark.parametrize("rows", [5, 37])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
-def test_weight_only_kernel_matches_float64(dtype, tol):
-    """Odd sizes: 5 rows, 150 outputs over 2 partial row blocks, 200 inputs over 2 partial K blocks."""
-    weight, x = random_weight(150, 200), random_x((5, 200), dtype)
+def test_weight_only_kernel_matches_float64(dtype, tol, rows):
+    """Odd sizes: 5 rows (the "few_rows" tiles) or 37 ("more_rows"), 150 outputs over 2 partial row blocks, 200
+    inputs over 2 partial K blocks."""
+    weight, x = random_weight(150, 200), random_x((rows, 200), dtype)
     y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY, variant="gpu_triton")
-    assert y.dtype == dtype and y.shape == (5, 150)
+    assert y.dtype == dtype and y.shape == (rows, 150)
     assert rel_error(y, f64(x) @ float64_weight(weight).T) <= tol
 
 
@@ -154,7 +156,7 @@ def test_kernels_lower_for_cuda():
         (W8A8, 300, None, "w8a8_linear"),  # 576 rows: no Mosaic kernel, the Triton one
         (W8A8, 300, "gpu_triton", "w8a8_linear"),
         (None, W8A8_MIN_ROWS, None, "w8a8_linear"),  # no mode named: W8A8 from W8A8_MIN_ROWS
-        (None, W8A8_MIN_ROWS - 1, None, "dot_general"),  # dequantise + XLA's dot below it
+        (None, W8A8_MIN_ROWS - 1, None, "weight_only_linear"),  # weight-only below it
     ):
         lowered = lower_for_cuda(
             lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode, variant=variant),  # noqa: B023
@@ -162,7 +164,7 @@ def test_kernels_lower_for_cuda():
             weight,
         )
         assert name in lowered.as_text(), (mode, rows, variant)
-        assert name != "dot_general" or "w8a8_linear" not in lowered.as_text()
+        assert name != "weight_only_linear" or "w8a8_linear" not in lowered.as_text()
     weight = random_weight(*MOSAIC_WEIGHT)
     lowered = lower_for_cuda(
         lambda x, w: fp8_linear(x, w, backend="pallas_gpu"),

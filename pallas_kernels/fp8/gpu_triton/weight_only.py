@@ -1,5 +1,6 @@
-"""Weight-only block-FP8 linear on GPU, for decode-sized calls: y = x @ dequant(W)^T with the e4m3 weight read
-as stored (half the bytes of bf16) and each tile dequantised on chip (`block_scaled`)."""
+"""Weight-only block-FP8 linear on GPU, for decode-sized calls (up to a decode batch of a few hundred rows):
+y = x @ dequant(W)^T with the e4m3 weight read as stored (half the bytes of bf16) and each tile dequantised on
+chip (`block_scaled`)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def weight_only_linear_gpu(
     """y [M, N] in x's dtype: x [M, K] (bf16, fp16 or fp32) times the block-FP8 weight (values [N, K] e4m3,
     scales [ceil(N / block[0]), ceil(K / block[1])]) transposed; e4m3 tiles cast to x's dtype, products in x's
     dtype (fp32: IEEE), fp32 accumulation, each K block's partial product times its weight scale. Tiles: None
-    from `tuned.WEIGHT_ONLY`."""
+    from `tuned.WEIGHT_ONLY` by the row count (`tuned.weight_only_bucket`)."""
     given = (block_m, block_n, group_m, num_warps, num_stages, k_splits)
-    tiles = tuned.LinearTiles(*fill(given, lookup(tuned.WEIGHT_ONLY, dtype=x_MK.dtype)))
+    bucket = tuned.weight_only_bucket(x_MK.shape[0])
+    tiles = tuned.LinearTiles(*fill(given, lookup(tuned.WEIGHT_ONLY, dtype=x_MK.dtype, bucket=bucket)))
     num_k_steps = -(-x_MK.shape[1] // block[1])
     tiles = fit_tiles(
         tiles, num_rows=x_MK.shape[0], n_dim=values_NK.shape[0], block_rows=block[0], num_k_steps=num_k_steps
