@@ -128,7 +128,8 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     float8_e4m3fn, `scales` [ceil(O / br), ceil(In / bc)] and `block` (br, bc): `ling_jax.quantized.
     BlockFP8Weight`); fp32 accumulation.
 
-    mode: "weight_only" (W dequantised, products in x's dtype), "w8a8" (x quantised per token in 1 x bc groups,
+    mode: "weight_only" (W dequantised, products in x's dtype; on a GPU past tuned.WEIGHT_ONLY_MAX_ROWS rows by
+    dequantise-then-dot unless a variant is named), "w8a8" (x quantised per token in 1 x bc groups,
     FP8 products: `reference` states both), or None: the backend's choice (`default_mode`: by the row count on
     a GPU backend, dequantise-then-dot elsewhere). backend: "auto" (the GPU kernels on a GPU, the reference
     elsewhere), "reference", "pallas_gpu", "interpret_gpu", "pallas_tpu", "interpret_tpu" (weight-only: the
@@ -142,7 +143,10 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
     op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
     takes = tpu_kernel_takes if KERNEL_TARGET.get(backend) == "tpu" else kernel_takes
-    use_kernel = chosen is not None and takes(x, weight)
+    # weight-only past the kernels' decode sizes on a GPU: dequantise + XLA's dot (the same products, 6x faster than
+    # the block-scaled kernel at 8192 rows of 8192 x 4096 on the H200: docs/benchmarks/matmul.md)
+    prefill_weight_only = KERNEL_TARGET.get(backend) == "gpu" and x_MK.shape[0] > tuned.WEIGHT_ONLY_MAX_ROWS
+    use_kernel = chosen is not None and takes(x, weight) and not (chosen == WEIGHT_ONLY and prefill_weight_only)
     if chosen == W8A8:
         gpu_variant = _w8a8_variant(x_MK, weight, interpret=variants.interpreted(backend))
     else:

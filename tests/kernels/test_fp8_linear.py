@@ -157,6 +157,7 @@ def test_kernels_lower_for_cuda():
         (W8A8, 300, "gpu_triton", "w8a8_linear"),
         (None, W8A8_MIN_ROWS, None, "w8a8_linear"),  # no mode named: W8A8 from W8A8_MIN_ROWS
         (None, W8A8_MIN_ROWS - 1, None, "weight_only_linear"),  # weight-only below it
+        (WEIGHT_ONLY, WEIGHT_ONLY_MAX_ROWS + 1, None, "dot_general"),  # weight-only at prefill: dequantise + dot
     ):
         lowered = lower_for_cuda(
             lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=mode, variant=variant),  # noqa: B023
@@ -165,6 +166,7 @@ def test_kernels_lower_for_cuda():
         )
         assert name in lowered.as_text(), (mode, rows, variant)
         assert name != "weight_only_linear" or "w8a8_linear" not in lowered.as_text()
+        assert name != "dot_general" or "weight_only_linear" not in lowered.as_text()
     weight = random_weight(*MOSAIC_WEIGHT)
     lowered = lower_for_cuda(
         lambda x, w: fp8_linear(x, w, backend="pallas_gpu"),
