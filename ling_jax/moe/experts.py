@@ -83,17 +83,22 @@ def _runs_gpu_kernels(backend: str) -> bool:
     return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu"
 
 
-def runs_w8a8(gate_EID, up_EID, down_EDI, *, num_rows: int, backend: str) -> bool:
-    """Whether the grouped FFN over num_rows rows runs in W8A8 (`pallas_kernels.moe.w8a8_expert_rows`): block-FP8
-    experts it takes, and the enclosing `fp8_matmul_scope` says W8A8, or AUTO on a GPU backend with many rows
-    per expert (prefill: `pallas_kernels.moe.tuned.rows_bucket`; at Ling-3.1-flash width and 8192 tokens the
-    W8A8 kernels took 5.3-5.7 ms on an H200 against 9.1-10.5 ms for the weight-only ones)."""
+def runs_w8a8(gate_EID, up_EID, down_EDI, *, num_rows: int | None, backend: str) -> bool:
+    """Whether the grouped FFN runs in W8A8 (`pallas_kernels.moe.w8a8_expert_rows`): block-FP8 experts it takes,
+    and the enclosing `fp8_matmul_scope` says W8A8, or AUTO on a GPU backend when num_rows, the call's token-expert
+    rows over all the layer's experts (gate's stack), make it prefill-sized (more than
+    `pallas_kernels.moe.tuned.FEW_ROWS_PER_GROUP` rows an expert: at Ling-3.1-flash width and 8192 tokens the W8A8
+    kernels took 5.3-5.7 ms on an H200 against 9.1-10.5 ms for the weight-only ones). num_rows None (an
+    expert-parallel receive buffer, whose size does not tell a decode step from a prefill chunk): W8A8 only when
+    the scope names it."""
     mode = fp8_matmul_in_scope()
     if mode is FP8Matmul.WEIGHT_ONLY or not w8a8_takes(gate_EID, up_EID, down_EDI):
         return False
     if mode is FP8Matmul.W8A8:
         return True
-    return _runs_gpu_kernels(backend) and rows_bucket(num_rows, gate_EID.shape[0]) == "many_rows"
+    return (
+        num_rows is not None and _runs_gpu_kernels(backend) and rows_bucket(num_rows, gate_EID.shape[0]) == "many_rows"
+    )
 
 
 def fused_expert_rows(
@@ -109,12 +114,13 @@ def fused_expert_rows(
     *,
     backend: str,
     fill_tail: bool = True,
+    w8a8: bool = False,
 ):
     """[R, D] in x's dtype: row order[r] of the result = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of
     the expert order (group g); rows past sum(sizes) are 0, or undefined with fill_tail False (not computed).
-    The GPU's two fused kernels, weight-only ones for quantised experts (read as stored), or the W8A8 ones
-    (`runs_w8a8`)."""
-    if runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=source_R.shape[0], backend=backend):
+    The GPU's two fused kernels, weight-only ones for quantised experts (read as stored), or with w8a8 (the
+    caller's `runs_w8a8`) the W8A8 ones."""
+    if w8a8:
         return w8a8_expert_rows(
             x_XD,
             source_R,
@@ -173,6 +179,7 @@ def expert_sorted_ffn(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | 
         limit,
         backend=backend,
         fill_tail=False,
+        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=None, backend=backend),
     )
 
 
@@ -183,7 +190,8 @@ def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float 
     other devices, or unused buffer slots, that way. On a GPU backend: `fused_expert_rows` over the rows in
     expert order; elsewhere `sorted_expert_ffn`.
     """
-    if not _runs_gpu_kernels(backend):
+    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=None, backend=backend)
+    if not (_runs_gpu_kernels(backend) or w8a8):
         return sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit, backend=backend)
     order_R, sizes_E = sort_by_expert(expert_R, gate_EID.shape[0])
     return fused_expert_rows(
@@ -197,6 +205,7 @@ def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float 
         down_EDI,
         limit,
         backend=backend,
+        w8a8=w8a8,
     )
 
 
@@ -269,6 +278,7 @@ def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, li
         down_EDI,
         limit,
         backend=backend,
+        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=tokens * top_k, backend=backend),
     )
     return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
 

@@ -250,7 +250,8 @@ def test_expert_rows_run_both_kernels_on_block_fp8_weights():
 def test_the_op_and_when_the_model_takes_it():
     """`moe.ops.w8a8_expert_rows` on the reference backend == the references in turn, on interpret_gpu the kernels
     (within TOL), and its gradient is the weight-only rows'; `runs_w8a8`: W8A8 when the scope says so, with AUTO
-    only for a GPU backend's prefill-sized (many rows an expert) calls, never for weight-only scopes or MXFP4."""
+    only for a GPU backend's prefill-sized (many rows an expert) local calls, never for expert-parallel buffers,
+    weight-only scopes or MXFP4."""
     from ling_jax.layers import fp8_matmul_scope
     from ling_jax.moe.experts import runs_w8a8
     from ling_jax.policy import FP8Matmul
@@ -284,8 +285,10 @@ def test_the_op_and_when_the_model_takes_it():
     assert runs_w8a8(*weights, num_rows=many, backend="interpret_gpu")
     assert not runs_w8a8(*weights, num_rows=few, backend="interpret_gpu")
     assert not runs_w8a8(*weights, num_rows=many, backend="reference")
+    assert not runs_w8a8(*weights, num_rows=None, backend="interpret_gpu")  # an expert-parallel buffer
     with fp8_matmul_scope(FP8Matmul.W8A8):
         assert runs_w8a8(*weights, num_rows=few, backend="reference")
+        assert runs_w8a8(*weights, num_rows=None, backend="interpret_gpu")
     with fp8_matmul_scope(FP8Matmul.WEIGHT_ONLY):
         assert not runs_w8a8(*weights, num_rows=many, backend="interpret_gpu")
     mxfp4 = dataclasses.replace(weights[0], block=None)
