@@ -52,9 +52,9 @@ class MoEExchange(enum.StrEnum):
 class FP8Matmul(enum.StrEnum):
     """How a block-FP8 linear multiplies (`ling_jax.layers.project`, `pallas_kernels.fp8.fp8_linear`'s modes)."""
 
-    AUTO = "auto"  # by the call's rows on a GPU (`pallas_kernels.fp8.tuned`), dequantise-then-dot elsewhere
+    AUTO = "auto"  # weight-only numerics at every size: on a GPU the kernels by the call's rows (`fp8.tuned`)
     WEIGHT_ONLY = "weight_only"  # the FP8 weight dequantised on chip, products in the activations' dtype
-    W8A8 = "w8a8"  # activations quantised per token in 1 x 128 groups to e4m3, FP8 x FP8 products (prefill)
+    W8A8 = "w8a8"  # activations quantised per token in 1 x 128 groups to e4m3, FP8 x FP8 products, every size
 
 
 def _member(enum_type: type[enum.StrEnum], value: Any, field: str, *, optional: bool = False):

@@ -127,8 +127,8 @@ def main(argv=None) -> int:
         "--fp8-matmul",
         default="auto",
         choices=[mode.value for mode in FP8Matmul],
-        help="how block-FP8 weights multiply (ExecutionPolicy.fp8_matmul): auto (on a GPU weight-only for decode "
-        "sizes, W8A8 for prefill-sized calls), weight_only, w8a8",
+        help="how block-FP8 weights multiply (ExecutionPolicy.fp8_matmul): auto (weight-only numerics: the "
+        "weight-only kernels, dequantise + dot past 255 rows), weight_only (the same), w8a8",
     )
     parser.add_argument(
         "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"

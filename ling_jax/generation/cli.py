@@ -48,7 +48,7 @@ from ling_jax.generation.random_init import random_model
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, StreamDecoder, Tokenizer
 from ling_jax.model import LingForCausalLM
-from ling_jax.policy import ExecutionPolicy, KernelBackend
+from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend
 from ling_jax.presets import PRESETS
 from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
 from ling_jax.vl.config import LingVLConfig
@@ -211,6 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[backend.value for backend in KernelBackend],
         default=KernelBackend.AUTO.value,
         help="kernel implementation (default auto: the Pallas kernels on a GPU / TPU, jnp on a CPU)",
+    )
+    running.add_argument(
+        "--fp8-matmul",
+        choices=[mode.value for mode in FP8Matmul],
+        default=FP8Matmul.AUTO.value,
+        help="how block-FP8 weights kept as stored multiply (default auto: weight-only, the dequantised weights' "
+        "numerics at every size; w8a8: activations quantised per token in 1 x 128 groups, FP8 x FP8 products, "
+        "the checkpoints' activation scheme: ~3x faster prefill on an H200, logits ~3%% from the dequantised model)",
     )
     running.add_argument(
         "--mesh",
@@ -388,7 +396,7 @@ def _prepare(args: argparse.Namespace) -> Run:
         job["prompts"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # from stdin or a file, too
         _check_lengths(prompts, args.max_new_tokens, config)
         dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
-        policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
+        policy = ExecutionPolicy(kernel_backend=args.kernel_backend, fp8_matmul=args.fp8_matmul)
         if not args.no_memory_check:
             try:
                 _check_memory(args, source, mesh, dtype, prompts)

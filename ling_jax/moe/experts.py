@@ -37,7 +37,6 @@ from pallas_kernels.moe.ops import (
     w8a8_takes,
 )
 from pallas_kernels.moe.reference import swiglu
-from pallas_kernels.moe.tuned import rows_bucket
 
 # Up to this many token-expert rows (8 tokens at top-8), a GPU runs the routed experts row by row
 # (`pallas_kernels.moe.routed_experts`: no sort, each row streams its expert), above it the grouped path.
@@ -83,22 +82,13 @@ def _runs_gpu_kernels(backend: str) -> bool:
     return KERNEL_TARGET.get(resolve_backend(backend)) == "gpu"
 
 
-def runs_w8a8(gate_EID, up_EID, down_EDI, *, num_rows: int | None, backend: str) -> bool:
-    """Whether the grouped FFN runs in W8A8 (`pallas_kernels.moe.w8a8_expert_rows`): block-FP8 experts it takes,
-    and the enclosing `fp8_matmul_scope` says W8A8, or AUTO on a GPU backend when num_rows, the call's token-expert
-    rows over all the layer's experts (gate's stack), make it prefill-sized (more than
-    `pallas_kernels.moe.tuned.FEW_ROWS_PER_GROUP` rows an expert: at Ling-3.1-flash width and 8192 tokens the W8A8
-    kernels took 5.3-5.7 ms on an H200 against 9.1-10.5 ms for the weight-only ones). num_rows None (an
-    expert-parallel receive buffer, whose size does not tell a decode step from a prefill chunk): W8A8 only when
-    the scope names it."""
-    mode = fp8_matmul_in_scope()
-    if mode is FP8Matmul.WEIGHT_ONLY or not w8a8_takes(gate_EID, up_EID, down_EDI):
-        return False
-    if mode is FP8Matmul.W8A8:
-        return True
-    return (
-        num_rows is not None and _runs_gpu_kernels(backend) and rows_bucket(num_rows, gate_EID.shape[0]) == "many_rows"
-    )
+def runs_w8a8(gate_EID, up_EID, down_EDI) -> bool:
+    """Whether the routed experts run in W8A8 (`pallas_kernels.moe.w8a8_expert_rows`, on every backend: the kernels
+    on a GPU, the jnp reference elsewhere): the enclosing `fp8_matmul_scope` says W8A8 and the experts are block-FP8
+    stacks it takes. Then every call takes the grouped path, the decode row path included (which has no W8A8
+    kernels), so that a token's output does not depend on how many rows share its call. `auto` stays weight-only
+    (the dequantised experts' numerics, as the transformers reference computes them)."""
+    return fp8_matmul_in_scope() is FP8Matmul.W8A8 and w8a8_takes(gate_EID, up_EID, down_EDI)
 
 
 def fused_expert_rows(
@@ -179,7 +169,7 @@ def expert_sorted_ffn(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | 
         limit,
         backend=backend,
         fill_tail=False,
-        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=None, backend=backend),
+        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI),
     )
 
 
@@ -190,7 +180,7 @@ def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float 
     other devices, or unused buffer slots, that way. On a GPU backend: `fused_expert_rows` over the rows in
     expert order; elsewhere `sorted_expert_ffn`.
     """
-    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=None, backend=backend)
+    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI)
     if not (_runs_gpu_kernels(backend) or w8a8):
         return sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit, backend=backend)
     order_R, sizes_E = sort_by_expert(expert_R, gate_EID.shape[0])
@@ -278,7 +268,7 @@ def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, li
         down_EDI,
         limit,
         backend=backend,
-        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=tokens * top_k, backend=backend),
+        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI),
     )
     return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
 
@@ -286,7 +276,7 @@ def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, li
 def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     """All experts on this device as one grouped FFN: `fused_local_moe` on a GPU backend or in W8A8 (`runs_w8a8`),
     else `unfused_local_moe`."""
-    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI, num_rows=experts_TK.size, backend=backend)
+    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI)
     local = fused_local_moe if _runs_gpu_kernels(backend) or w8a8 else unfused_local_moe
     return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
@@ -307,10 +297,13 @@ def local_moe(
     T x top_k rows fit in ROW_BUFFER_BYTES), except that on a GPU
     up to ROW_PATH_MAX_ROWS token-expert rows go through the row-by-row decode kernels instead, which also run
     the shared expert (one more row per token) when it has the routed experts' width. Quantised weights (routed
-    or shared) as the kernels' ops take them: on a GPU the fused path reads them as stored (weight-only), the row
-    path dequantises the picked experts only."""
+    or shared) as the kernels' ops take them: on a GPU the fused path reads them as stored (weight-only, or W8A8
+    under a W8A8 scope: `runs_w8a8`, which also keeps every call off the row path); the row path reads block-FP8
+    experts as stored and dequantises only the picked MXFP4 ones."""
     tokens, top_k = experts_TK.shape
-    row_path = _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS
+    row_path = (
+        _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS and not runs_w8a8(gate_EID, up_EID, down_EDI)
+    )
     if row_path and shared is not None and shared.gate_ID.shape == gate_EID.shape[1:]:
         with jax.named_scope("routed_and_shared_experts"):
             return routed_experts(

@@ -16,20 +16,22 @@ import dataclasses
 
 from pallas_kernels.tuning import ANY, H200, Entry
 
-# `fp8_linear` on a GPU without a mode named: the weight-only kernel up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
-# from W8A8_MIN_ROWS (issue 25: prefill-sized calls in FP8 x FP8 with dynamic 1 x 128 activation groups, the
-# checkpoints' `activation_scheme: dynamic`), XLA's dot on the dequantised weight in between. Measured on the H200
-# (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)', 'The decode-shaped kernel' and 'Decode rows
-# again, the XLA scale-folded product, and the Mosaic W8A8 kernel measured (2026-12-03)'): the block-scaled
-# weight-only kernel took 29-46 us at 8 and 16 rows of the 4096- and 10240-wide projections against 85-117 us for
-# dequantise + dot; the Mosaic W8A8 kernel beat dequantise + dot at every size from 256 rows (8192 x 4096: 47.1
-# against 117.4 us at 256 rows, 214.4 against 260.5 at 2048, 781.7 against 825.8 = 703 TFLOP/s at 8192), where
-# the Triton W8A8 kernels had not (331-359 TFLOP/s); from 17 rows the block-scaled weight-only kernel at its
-# "more_rows" tiles beat dequantise + dot (2026-12-03: 38.7 against 84.4 us at 64 rows of 8192 x 4096), so no row
-# count is left to dequantise + dot. W8A8 runs the Mosaic kernel from MOSAIC_MIN_ROWS rows where it takes the
-# weight (the tensor-core-accumulated Triton kernel below that and elsewhere: 41.5 against 56.2 us at 64 rows).
+# `fp8_linear` on a GPU without a mode named: the weight-only kernels up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
+# from W8A8_MIN_ROWS (None: never), XLA's dot on the dequantised weight in between: weight-only numerics at every
+# size, so that a token's output never depends on how many rows share its call (a serving batch, a prefill chunk,
+# an MTP verify pass) and equals the transformers reference's (which dequantises). W8A8 (the checkpoints'
+# `activation_scheme: dynamic`, as SGLang serves them) is `mode="w8a8"` / `ExecutionPolicy(fp8_matmul="w8a8")`.
+# Measured on the H200 (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)', 'The decode-shaped
+# kernel', 'Decode rows again, the XLA scale-folded product, and the Mosaic W8A8 kernel measured (2026-12-03)' and
+# 'Weight-only tiles for 17-255 rows (2026-12-03)'): the block-scaled weight-only kernel took 29-46 us at 8 and 16
+# rows of the 4096- and 10240-wide projections and, at its "more_rows" tiles, 38.7 us at 64 rows of 8192 x 4096,
+# against 84-117 us for dequantise + dot; past 255 rows dequantise + dot is the faster weight-only product (0.83
+# against 5.3 ms at 8192 rows). In W8A8 the Mosaic kernel beat dequantise + dot at every size from 256 rows (8192 x
+# 4096: 47.1 against 117.4 us at 256 rows, 781.7 against 825.8 = 703 TFLOP/s at 8192), so W8A8 runs it from
+# MOSAIC_MIN_ROWS rows where it takes the weight (the tensor-core-accumulated Triton kernel below that and
+# elsewhere: 41.5 against 56.2 us at 64 rows).
 WEIGHT_ONLY_MAX_ROWS = 255
-W8A8_MIN_ROWS = 256
+W8A8_MIN_ROWS = None
 MOSAIC_MIN_ROWS = 256
 GEMV_MAX_ROWS = 16
 GEMV_DEFAULT_ROWS = 2

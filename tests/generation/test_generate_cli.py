@@ -18,7 +18,7 @@ import pytest
 from helpers import REPO_ROOT, train_byte_bpe
 
 from convert.synthetic import write_random_checkpoint
-from ling_jax import ExecutionPolicy, KernelBackend, LingConfig
+from ling_jax import ExecutionPolicy, FP8Matmul, KernelBackend, LingConfig
 from ling_jax.config import DENSE, KDA, MLA, MOE
 from ling_jax.generation import cli as generate_cli
 from ling_jax.generation import cli_checks
@@ -225,8 +225,10 @@ def test_kernel_backend_flag_builds_the_policy(capsys, hf_dir):
         generate_cli.build_parser().parse_args(["--kernel-backend", "cuda", "x"])
     assert info.value.code == 2
     assert "argument --kernel-backend: invalid choice: 'cuda'" in capsys.readouterr().err.splitlines()[-1]
-    args = generate_cli.build_parser().parse_args(["--kernel-backend", "reference", "x"])
-    policy = ExecutionPolicy(kernel_backend=args.kernel_backend)
+    args = generate_cli.build_parser().parse_args(["--kernel-backend", "reference", "--fp8-matmul", "w8a8", "x"])
+    policy = ExecutionPolicy(kernel_backend=args.kernel_backend, fp8_matmul=args.fp8_matmul)
+    assert policy.fp8_matmul is FP8Matmul.W8A8
+    assert generate_cli.build_parser().parse_args(["x"]).fp8_matmul == "auto"
     source = cli_checks.checkpoint_source(hf_dir, "--model", byte_tokenizer=False)
     model = generate_cli._load_model(source, jnp.float32, None, policy, "stored", verbose=False)
     assert model.policy is policy and model.policy.kernel_backend is KernelBackend.REFERENCE

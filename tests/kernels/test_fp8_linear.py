@@ -120,7 +120,8 @@ def test_w8a8_kernel_matches_float64(dtype, tol, variant):
 
 def test_dispatch_by_rows_and_weight():
     assert default_mode(WEIGHT_ONLY_MAX_ROWS, "pallas_gpu") == WEIGHT_ONLY
-    assert default_mode(WEIGHT_ONLY_MAX_ROWS + 1, "pallas_gpu") in (W8A8, None)  # None: dequantise, XLA's dot
+    assert default_mode(WEIGHT_ONLY_MAX_ROWS + 1, "pallas_gpu") is None  # dequantise, XLA's dot: never W8A8 unasked
+    assert W8A8_MIN_ROWS is None
     assert default_mode(1, "reference") is None
     x = random_x((2, 3, 64), jnp.float32)
     assert kernel_takes(x, random_weight(32, 64, (32, 32)))
@@ -155,8 +156,8 @@ def test_kernels_lower_for_cuda():
         (WEIGHT_ONLY, GEMV_DEFAULT_ROWS + 1, None, "weight_only_linear"),
         (W8A8, 300, None, "w8a8_linear"),  # 576 rows: no Mosaic kernel, the Triton one
         (W8A8, 300, "gpu_triton", "w8a8_linear"),
-        (None, W8A8_MIN_ROWS, None, "w8a8_linear"),  # no mode named: W8A8 from W8A8_MIN_ROWS
-        (None, W8A8_MIN_ROWS - 1, None, "weight_only_linear"),  # weight-only below it
+        (None, WEIGHT_ONLY_MAX_ROWS, None, "weight_only_linear"),  # no mode named: the weight-only kernels
+        (None, WEIGHT_ONLY_MAX_ROWS + 1, None, "dot_general"),  # then dequantise + dot (W8A8_MIN_ROWS is None)
         (WEIGHT_ONLY, WEIGHT_ONLY_MAX_ROWS + 1, None, "dot_general"),  # weight-only at prefill: dequantise + dot
     ):
         lowered = lower_for_cuda(
@@ -168,12 +169,13 @@ def test_kernels_lower_for_cuda():
         assert name != "weight_only_linear" or "w8a8_linear" not in lowered.as_text()
         assert name != "dot_general" or "weight_only_linear" not in lowered.as_text()
     weight = random_weight(*MOSAIC_WEIGHT)
-    lowered = lower_for_cuda(
-        lambda x, w: fp8_linear(x, w, backend="pallas_gpu"),
-        jax.ShapeDtypeStruct((MOSAIC_MIN_ROWS, MOSAIC_WEIGHT[1]), jnp.bfloat16),
-        weight,
-    )
-    assert "mosaic_gpu" in lowered.as_text()  # 128 x 128 blocks, sides multiples of 128: the Mosaic kernel
+    for rows, mosaic in ((MOSAIC_MIN_ROWS, True), (MOSAIC_MIN_ROWS - 1, False)):
+        lowered = lower_for_cuda(
+            lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=W8A8),
+            jax.ShapeDtypeStruct((rows, MOSAIC_WEIGHT[1]), jnp.bfloat16),
+            weight,
+        )
+        assert ("mosaic_gpu" in lowered.as_text()) == mosaic  # 128 x 128 blocks, sides multiples of 128
 
 
 @gpu_test("the compiled FP8 kernels")

@@ -249,9 +249,8 @@ def test_expert_rows_run_both_kernels_on_block_fp8_weights():
 
 def test_the_op_and_when_the_model_takes_it():
     """`moe.ops.w8a8_expert_rows` on the reference backend == the references in turn, on interpret_gpu the kernels
-    (within TOL), and its gradient is the weight-only rows'; `runs_w8a8`: W8A8 when the scope says so, with AUTO
-    only for a GPU backend's prefill-sized (many rows an expert) local calls, never for expert-parallel buffers,
-    weight-only scopes or MXFP4."""
+    (within TOL), and its gradient is the weight-only rows'; `runs_w8a8`: W8A8 only when the scope names it, for
+    block-FP8 experts."""
     from ling_jax.layers import fp8_matmul_scope
     from ling_jax.moe.experts import runs_w8a8
     from ling_jax.policy import FP8Matmul
@@ -280,19 +279,35 @@ def test_the_op_and_when_the_model_takes_it():
     grad, weight_only_grad = (jax.grad(loss)(routing[0], flag) for flag in (False, True))
     assert rel_error(grad, weight_only_grad) <= 1e-5
 
-    all_rows = x.shape[0] * CASES[case][1]
-    few, many = 2 * len(sizes), 5 * len(sizes)  # rows: up to 4 an expert is decode-sized
-    assert runs_w8a8(*weights, num_rows=many, backend="interpret_gpu")
-    assert not runs_w8a8(*weights, num_rows=few, backend="interpret_gpu")
-    assert not runs_w8a8(*weights, num_rows=many, backend="reference")
-    assert not runs_w8a8(*weights, num_rows=None, backend="interpret_gpu")  # an expert-parallel buffer
+    assert not runs_w8a8(*weights)  # auto: weight-only numerics at every size
     with fp8_matmul_scope(FP8Matmul.W8A8):
-        assert runs_w8a8(*weights, num_rows=few, backend="reference")
-        assert runs_w8a8(*weights, num_rows=None, backend="interpret_gpu")
+        assert runs_w8a8(*weights)
+        assert not runs_w8a8(dataclasses.replace(weights[0], block=None), *weights[1:])  # MXFP4: no W8A8 kernels
     with fp8_matmul_scope(FP8Matmul.WEIGHT_ONLY):
-        assert not runs_w8a8(*weights, num_rows=many, backend="interpret_gpu")
-    mxfp4 = dataclasses.replace(weights[0], block=None)
-    assert not runs_w8a8(mxfp4, *weights[1:], num_rows=all_rows, backend="interpret_gpu")
+        assert not runs_w8a8(*weights)
+
+
+def test_w8a8_scope_gives_a_token_the_same_output_in_any_batch():
+    """Under a W8A8 scope `local_moe` never takes the (weight-only) decode row path: 2 tokens alone (4 rows, the
+    row path's size) equal the same tokens inside a batch of 37 (the grouped path), interpreted GPU kernels."""
+    from ling_jax.layers import fp8_matmul_scope
+    from ling_jax.moe.experts import local_moe
+    from ling_jax.policy import FP8Matmul
+
+    case = "blocks_32"
+    tokens, top_k, num_experts, hidden, width, block, limit, _ = CASES[case]
+    r = np.random.default_rng(8)
+    x = jnp.asarray(r.normal(size=(tokens, hidden)), jnp.float32)
+    experts = jnp.asarray(np.stack([r.permutation(num_experts)[:top_k] for _ in range(tokens)]), jnp.int32)
+    weights = jnp.asarray(r.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
+    stacks = [
+        BlockFP8Weight(*map(jnp.asarray, block_fp8(r, shape, block)), block)
+        for shape in ((num_experts, width, hidden), (num_experts, width, hidden), (num_experts, hidden, width))
+    ]
+    with fp8_matmul_scope(FP8Matmul.W8A8):
+        whole = local_moe(x, weights, experts, *stacks, limit, backend="interpret_gpu")
+        alone = local_moe(x[:2], weights[:2], experts[:2], *stacks, limit, backend="interpret_gpu")
+    assert rel_error(alone, whole[:2]) <= 1e-6
 
 
 def test_bad_weights_are_refused_with_the_tensor_named():
