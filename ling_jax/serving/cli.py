@@ -23,6 +23,7 @@ from ling_jax.checkpoints.orbax import load_checkpoint
 from ling_jax.generation import cli_checks, cli_runtime
 from ling_jax.generation.cli import DEMO_DIR
 from ling_jax.generation.generator import MIN_CHUNK
+from ling_jax.policy import ExecutionPolicy, FP8Matmul
 from ling_jax.serving.api import Service, create_app
 from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes
 from ling_jax.serving.metrics import Metrics
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--weights", choices=WEIGHTS, default=STORED, help="stored (default) or bf16 (dequantise at load)"
+    )
+    parser.add_argument(
+        "--fp8-matmul",
+        choices=[mode.value for mode in FP8Matmul],
+        default=FP8Matmul.AUTO.value,
+        help="how block-FP8 weights multiply, as in generate.py (default auto: the dequantised weights' numerics; "
+        "w8a8: FP8 x FP8 products, faster prefill)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: float32 on CPU, bfloat16 elsewhere")
     parser.add_argument("--mesh", metavar="AXES", help="device mesh, e.g. 'tensor=2,expert=4' (default: one device)")
@@ -167,10 +175,13 @@ def prepare(args: argparse.Namespace) -> Service:
             f"pages{' and MTP entries' if args.mtp else ''}); give at least {block_bytes / 2**30:.3f}"
         )
     progress = sys.stderr.isatty()
+    policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul)
     if source.orbax:
-        model = load_checkpoint(args.model, mesh=mesh, dtype=dtype, weights=args.weights, progress=progress)
+        model = load_checkpoint(
+            args.model, mesh=mesh, dtype=dtype, weights=args.weights, progress=progress, policy=policy
+        )
     else:
-        model = load_hf_checkpoint(args.model, dtype=dtype, weights=args.weights, progress=progress)
+        model = load_hf_checkpoint(args.model, dtype=dtype, weights=args.weights, progress=progress, policy=policy)
     engine = Engine(
         model,
         max_batch=args.max_batch,

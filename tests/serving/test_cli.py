@@ -48,10 +48,12 @@ def test_mtp_needs_a_model_with_an_mtp_layer(tmp_path, capsys, monkeypatch):
 
 def test_defaults_serve_the_demo_checkpoint_on_localhost():
     args = build_parser().parse_args([])
-    assert (args.host, args.port, args.model.name, args.mtp, args.prefix_cache_gb) == (
+    assert (args.host, args.port, args.model.name, args.mtp, args.prefix_cache_gb, args.fp8_matmul) == (
         "127.0.0.1",
         8000,
         "ling-demo",
         0,
         0,
+        "auto",
     )
+    assert build_parser().parse_args(["--fp8-matmul", "w8a8"]).fp8_matmul == "w8a8"
