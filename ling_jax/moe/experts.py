@@ -104,13 +104,12 @@ def fused_expert_rows(
     *,
     backend: str,
     fill_tail: bool = True,
-    w8a8: bool = False,
 ):
     """[R, D] in x's dtype: row order[r] of the result = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of
     the expert order (group g); rows past sum(sizes) are 0, or undefined with fill_tail False (not computed).
-    The GPU's two fused kernels, weight-only ones for quantised experts (read as stored), or with w8a8 (the
-    caller's `runs_w8a8`) the W8A8 ones."""
-    if w8a8:
+    The GPU's two fused kernels, weight-only ones for quantised experts (read as stored), or the W8A8 ones
+    (`runs_w8a8`)."""
+    if runs_w8a8(gate_EID, up_EID, down_EDI):
         return w8a8_expert_rows(
             x_XD,
             source_R,
@@ -169,7 +168,6 @@ def expert_sorted_ffn(x_RD, sizes_E, gate_EID, up_EID, down_EDI, limit: float | 
         limit,
         backend=backend,
         fill_tail=False,
-        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI),
     )
 
 
@@ -180,8 +178,7 @@ def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float 
     other devices, or unused buffer slots, that way. On a GPU backend: `fused_expert_rows` over the rows in
     expert order; elsewhere `sorted_expert_ffn`.
     """
-    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI)
-    if not (_runs_gpu_kernels(backend) or w8a8):
+    if not (_runs_gpu_kernels(backend) or runs_w8a8(gate_EID, up_EID, down_EDI)):
         return sorted_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit, backend=backend)
     order_R, sizes_E = sort_by_expert(expert_R, gate_EID.shape[0])
     return fused_expert_rows(
@@ -195,7 +192,6 @@ def grouped_expert_ffn(x_RD, expert_R, gate_EID, up_EID, down_EDI, limit: float 
         down_EDI,
         limit,
         backend=backend,
-        w8a8=w8a8,
     )
 
 
@@ -268,7 +264,6 @@ def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, li
         down_EDI,
         limit,
         backend=backend,
-        w8a8=runs_w8a8(gate_EID, up_EID, down_EDI),
     )
     return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
 
@@ -276,8 +271,8 @@ def fused_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, li
 def grouped_local_moe(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit: float | None, *, backend: str):
     """All experts on this device as one grouped FFN: `fused_local_moe` on a GPU backend or in W8A8 (`runs_w8a8`),
     else `unfused_local_moe`."""
-    w8a8 = runs_w8a8(gate_EID, up_EID, down_EDI)
-    local = fused_local_moe if _runs_gpu_kernels(backend) or w8a8 else unfused_local_moe
+    fused = _runs_gpu_kernels(backend) or runs_w8a8(gate_EID, up_EID, down_EDI)
+    local = fused_local_moe if fused else unfused_local_moe
     return local(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, backend=backend)
 
 

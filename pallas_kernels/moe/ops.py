@@ -35,6 +35,7 @@ from pallas_kernels.moe.gpu_triton import (
     routed_experts_weight_only_gpu,
     select_experts_gpu,
 )
+from pallas_kernels.moe.gpu_triton.w8a8 import takes_block
 from pallas_kernels.moe.gpu_triton.w8a8 import w8a8_expert_rows as w8a8_expert_rows_gpu
 from pallas_kernels.moe.reference import (
     RoutingRule,
@@ -450,16 +451,13 @@ def select_experts(logits_TE, expert_bias_E, rule: RoutingRule, *, backend: str 
 
 
 def w8a8_takes(gate, up, down) -> bool:
-    """Whether `w8a8_expert_rows` runs these experts: block-FP8 stacks (values, scales, block) sharing one block of
-    powers of two whose K side (at least 32, the FP8 dot's K) divides the row side."""
+    """Whether `w8a8_expert_rows` runs these experts: block-FP8 stacks (values, scales, block) sharing one block
+    the kernels take (`gpu_triton.w8a8.takes_block`)."""
     blocks = {tuple(getattr(w, "block", None) or ()) for w in (gate, up, down)}
     if len(blocks) != 1 or not all(hasattr(w, "values") for w in (gate, up, down)):
         return False
     (block,) = blocks
-    if len(block) != 2:
-        return False
-    rows, cols = block
-    return cols >= 32 and not cols & (cols - 1) and not rows % cols and not rows & (rows - 1)
+    return len(block) == 2 and takes_block(block)
 
 
 def _straight_through_rows(x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret):
@@ -510,8 +508,8 @@ def w8a8_expert_rows(
     gradient of the weight-only rows)."""
     if not w8a8_takes(gate, up, down):
         raise ValueError(
-            "w8a8_expert_rows: gate, up and down must be block-FP8 stacks with one block of powers of two (K side "
-            f">= 32 dividing the row side), got blocks {[getattr(w, 'block', None) for w in (gate, up, down)]}"
+            "w8a8_expert_rows: gate, up and down must be block-FP8 stacks with one block whose K side is a power of "
+            f"two >= 32 dividing the row side, got blocks {[getattr(w, 'block', None) for w in (gate, up, down)]}"
         )
     name, interpret = _pick("w8a8_expert_rows", variant, backend)
     op = _W8A8_ROWS_GPU if name == "gpu_triton" else _W8A8_ROWS_REFERENCE

@@ -186,11 +186,17 @@ def _down_scatter_kernel(
     )
 
 
+def takes_block(block: tuple[int, int]) -> bool:
+    """Whether the kernels take a weight block: block[1] a power of two >= 32 (the FP8 dot's K) dividing block[0]."""
+    block_rows, block_cols = block
+    return block_cols >= 32 and not block_cols & (block_cols - 1) and not block_rows % block_cols
+
+
 def _check_weight(name: str, values, scales, block: tuple[int, int]) -> None:
     """One clear error for a weight the kernels cannot take: e4m3 [G, N, K] values, scales [G, ceil(N / block[0]),
     ceil(K / block[1])], block powers of two with block[1] >= 32 (the FP8 dot's K) dividing block[0]."""
     block_rows, block_cols = block
-    if block_cols < 32 or block_cols & (block_cols - 1) or block_rows % block_cols:
+    if not takes_block(block):
         raise ValueError(f"W8A8 experts: block {block} must be powers of two, block[1] >= 32 dividing block[0]")
     num_groups, n_dim, k_dim = values.shape
     expected = (num_groups, -(-n_dim // block_rows), -(-k_dim // block_cols))
