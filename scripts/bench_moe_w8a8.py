@@ -10,6 +10,8 @@ experts, and their block-FP8 quantisation, 128 x 128 blocks):
 - bf16 fused: `pallas_kernels.moe.ops.gather_swiglu` + `down_scatter` on bf16 weights (what the model runs today);
 - W8A8: `gather_swiglu_w8a8_gpu` (x quantised per token in 1 x 128 groups, FP8 products, h quantised in the
   epilogue) + `down_scatter_w8a8_gpu` (`pallas_kernels.moe.gpu_triton.w8a8`) on the block-FP8 weights;
+- Mosaic W8A8 (GPU only): `pallas_kernels.moe.gpu_mosaic.w8a8_expert_rows_mgpu`, the same arithmetic in Mosaic GPU
+  kernels (TMA pipelines, FP8 wgmma) over rows padded to 64-row tiles per expert;
 each as "kernels only" (on a computed sort) and "routed experts" (sort by expert + kernels + the top-k sum).
 Reports ms, TFLOP/s of the routed products (2 T k 3 D I), % of the FP8 peak (the best FP8 row of
 `bench_fp8_peak` at 8192^3: torch._scaled_mm where torch has CUDA, XLA's FP8 dot), the speed-up over bf16, and the
@@ -32,7 +34,10 @@ from bench_common import median_seconds, rel_error  # noqa: E402
 from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
 
 from ling_jax.moe.experts import sort_by_expert  # noqa: E402
+from ling_jax.quantized import BlockFP8Weight  # noqa: E402
 from pallas_kernels.fp8.reference import E4M3_MAX  # noqa: E402
+from pallas_kernels.moe.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
+from pallas_kernels.moe.gpu_mosaic import w8a8_expert_rows_mgpu  # noqa: E402
 from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu  # noqa: E402
 from pallas_kernels.moe.ops import down_scatter, gather_swiglu  # noqa: E402
 
@@ -60,6 +65,8 @@ SWEEP = {
         (256, 128, 8, 3, 64),
     ],
 }
+# (gate_up_block_n, gate_up_stages, down_block_n, down_stages) of the Mosaic kernels; the first is the default
+MOSAIC_SWEEP = [(64, 4, 128, 4), (64, 3, 128, 3), (64, 6, 128, 6), (128, 3, 64, 4), (128, 4, 128, 5), (64, 5, 64, 6)]
 SWEEP_KEYWORDS = {
     "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m"),
@@ -99,6 +106,11 @@ def w8a8_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down,
     return down_scatter_w8a8_gpu(
         h_q, h_scale, order_R, row_weight_R, sizes_E, *down, block=BLOCK, out_dtype=x_TD.dtype, interpret=interpret
     )
+
+
+def mosaic_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, **tiles):
+    gate, up, down = (BlockFP8Weight(*weight, BLOCK) for weight in (gate, up, down))
+    return w8a8_expert_rows_mgpu(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, LIMIT, **tiles)
 
 
 def routed_experts(kernels, x_TD, weights_TK, experts_TK, gate, up, down, *, num_experts: int):
@@ -146,13 +158,21 @@ def sweep(kernel_args, *, flops: float, interpret: bool, iters: int) -> None:
     }
     print("\n| kernel | tiles | ms | TFLOP/s |")
     print("|---|---|---|---|")
+    for tiles in () if interpret else MOSAIC_SWEEP:
+        named = dict(zip(MOSAIC_TILE_KEYWORDS, tiles, strict=True))
+        try:
+            seconds = median_seconds(jax.jit(functools.partial(mosaic_kernels, **named)), *kernel_args, iters=iters)
+        except Exception as error:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal
+            print(f"| mosaic experts | {named} | failed: {str(error).splitlines()[0][:160]} | |")
+            continue
+        print(f"| mosaic experts | {named} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} |", flush=True)
     for kernel, settings in SWEEP.items():
         entry, args, kernel_flops = calls[kernel]
         for tiles in settings:
             named = dict(zip(SWEEP_KEYWORDS[kernel], tiles, strict=True))
             try:
                 seconds = median_seconds(jax.jit(functools.partial(entry, **named)), *args, iters=iters)
-            except Exception as error:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal
+            except Exception as error:  # noqa: BLE001 - as above
                 print(f"| {kernel} | {named} | failed: {str(error).splitlines()[0][:160]} | |")
                 continue
             print(f"| {kernel} | {named} | {seconds * 1e3:.3f} | {kernel_flops / seconds / 1e12:.1f} |", flush=True)
@@ -182,6 +202,8 @@ def main(argv=None) -> int:
         "bf16 fused": (functools.partial(bf16_kernels, backend=backend), (gate, up, down)),
         "W8A8": (functools.partial(w8a8_kernels, interpret=interpret), fp8_weights),
     }
+    if on_gpu:
+        paths["Mosaic W8A8"] = (mosaic_kernels, fp8_weights)
     order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), num_experts)
     sorted_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E)
     flops = 2 * tokens * top_k * 3 * hidden * width
@@ -193,12 +215,14 @@ def main(argv=None) -> int:
         times[f"{name}: routed experts"] = median_seconds(
             routed, x_TD, weights_TK, experts_TK, *weights, iters=args.iters
         )
-    print(f"\nW8A8 routed experts vs bf16: rel. error {rel_error(outputs['W8A8'], outputs['bf16 fused']):.2e}")
+    for name in paths:
+        if name != "bf16 fused":
+            print(f"\n{name} routed experts vs bf16: rel. error {rel_error(outputs[name], outputs['bf16 fused']):.2e}")
     print(f"\n| path | ms | TFLOP/s | % of FP8 peak ({fp8_name}) | % of bf16 peak | speed-up over bf16 |")
     print("|---|---|---|---|---|---|")
     for name, seconds in times.items():
         tflops = flops / seconds / 1e12
-        bf16_seconds = times[name.replace("W8A8", "bf16 fused")]
+        bf16_seconds = times["bf16 fused:" + name.split(":", 1)[1]]
         print(
             f"| {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops / fp8_peak:.1%} | {tflops / bf16_peak:.1%} | "
             f"{bf16_seconds / seconds:.2f}x |"

@@ -45,38 +45,61 @@ def _keep_layout(x, layout):
     return x
 
 
-def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: int, stages: int, cast):
-    """The CTA of output tile (m, n): y[64 rows, block_n columns]. row_scales [K blocks, M] (transposed, so a tile's
-    scales of one K block are one contiguous TMA row)."""
-    m, n = lax.axis_index("m"), lax.axis_index("n")
-    scale_row = n * block_n // BLOCK_K
+def layout_cast(interpret: bool):
+    """plgpu.layout_cast for a compiled kernel, the identity in interpret mode."""
+    return _keep_layout if interpret else plgpu.layout_cast
 
-    def k_step(indices, x_smem, w_smem, row_scales_smem, acc_MN):
+
+def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, stages: int, cast) -> tuple:
+    """One fp32 [BLOCK_M, block_n] accumulator in registers per (w_gmem, scale_at) of weights: the sum over the K
+    blocks of the x tile's FP8 wgmma with the weight tile, times the rows' activation scales of that K block and the
+    weight block's scale scale_at(k_block) (a scalar read from global memory). x_gmem [BLOCK_M, K] e4m3, each w_gmem
+    [block_n, K] e4m3 (K-major, as FP8 wgmma wants it), row_scales_gmem [K / BLOCK_K, BLOCK_M] (transposed, so a
+    tile's scales of one K block are one contiguous TMA row). One TMA pipeline of `stages` buffers feeds them all."""
+    num_weights = len(weights)
+
+    def k_step(indices, x_smem, *refs):
         (k_block,) = indices
-
-        def block_product(acc_ref):
-            plgpu.wgmma(acc_ref, x_smem, w_smem.T)
-            return acc_ref[...]
-
-        partial_MN = pl.run_scoped(block_product, plgpu.ACC((BLOCK_M, block_n), jnp.float32))
+        w_smems, row_scales_smem, accs = refs[:num_weights], refs[num_weights], refs[-1]
         row_scale_M = cast(row_scales_smem[0, :], plgpu.Layout.WGMMA.reduce(1))
-        scale_M = row_scale_M * scales_gmem[scale_row, k_block]
-        return acc_MN + partial_MN * lax.broadcast_in_dim(scale_M, partial_MN.shape, [0])
+        updated = []
+        for w_smem, (_, scale_at), acc_MN in zip(w_smems, weights, accs):
 
-    acc_MN = plgpu.emit_pipeline(
+            def block_product(acc_ref, w_smem=w_smem):
+                plgpu.wgmma(acc_ref, x_smem, w_smem.T)
+                return acc_ref[...]
+
+            partial_MN = pl.run_scoped(block_product, plgpu.ACC((BLOCK_M, block_n), jnp.float32))
+            scale_M = row_scale_M * scale_at(k_block)
+            updated.append(acc_MN + partial_MN * lax.broadcast_in_dim(scale_M, partial_MN.shape, [0]))
+        return tuple(updated)
+
+    tile = plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_transforms())
+    zeros = cast(jnp.zeros((BLOCK_M, block_n), jnp.float32), plgpu.Layout.WGMMA)
+    return plgpu.emit_pipeline(
         k_step,
         grid=(x_gmem.shape[1] // BLOCK_K,),
         in_specs=[
             plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda k: (0, k), transforms=_fp8_transforms()),
-            plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_transforms()),
+            *(tile for _ in weights),
             plgpu.BlockSpec((1, BLOCK_M), lambda k: (k, 0)),
         ],
         max_concurrent_steps=stages,
-        init_carry=cast(jnp.zeros((BLOCK_M, block_n), jnp.float32), plgpu.Layout.WGMMA),
-    )(
+        init_carry=tuple(zeros for _ in weights),
+    )(x_gmem, *(w_gmem for w_gmem, _ in weights), row_scales_gmem)
+
+
+def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: int, stages: int, cast):
+    """The CTA of output tile (m, n): y[64 rows, block_n columns]. row_scales [K blocks, M]."""
+    m, n = lax.axis_index("m"), lax.axis_index("n")
+    scale_row = n * block_n // BLOCK_K
+    (acc_MN,) = block_scaled_products(
         x_gmem.at[pl.ds(m * BLOCK_M, BLOCK_M)],
-        w_gmem.at[pl.ds(n * block_n, block_n)],
         row_scales_gmem.at[:, pl.ds(m * BLOCK_M, BLOCK_M)],
+        ((w_gmem.at[pl.ds(n * block_n, block_n)], lambda k_block: scales_gmem[scale_row, k_block]),),
+        block_n=block_n,
+        stages=stages,
+        cast=cast,
     )
     y_gmem[pl.ds(m * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)] = acc_MN.astype(y_gmem.dtype)
 
@@ -117,9 +140,7 @@ def w8a8_linear_mgpu(
     padded_rows = -num_rows % BLOCK_M
     x_q_MK = jnp.pad(x_q_MK, ((0, padded_rows), (0, 0)))
     row_scales_GM = jnp.pad(row_scales_MG, ((0, padded_rows), (0, 0))).T
-    kernel = functools.partial(
-        _kernel, block_n=block_n, stages=stages, cast=_keep_layout if interpret else plgpu.layout_cast
-    )
+    kernel = functools.partial(_kernel, block_n=block_n, stages=stages, cast=layout_cast(interpret))
     y_MN = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_rows + padded_rows, values_NK.shape[0]), x_MK.dtype),

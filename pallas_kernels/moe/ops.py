@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import variants
 from pallas_kernels.backend import resolve_backend, with_reference_vjp
+from pallas_kernels.moe.gpu_mosaic import w8a8_expert_rows_mgpu
 from pallas_kernels.moe.gpu_triton import (
     down_scatter_gpu,
     down_scatter_weight_only_gpu,
@@ -54,6 +55,7 @@ from pallas_kernels.tpu_dequant import as_dense, is_quantized
 from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = [
+    "MOSAIC",
     "VARIANTS",
     "WEIGHT_ONLY",
     "RoutingRule",
@@ -68,6 +70,7 @@ __all__ = [
 ]
 
 WEIGHT_ONLY = "gpu_triton_weight_only"  # the fused and row kernels with quantised experts
+MOSAIC = "gpu_mosaic"  # the W8A8 expert rows as Mosaic GPU kernels
 
 VARIANTS = {
     "grouped_matmul": {
@@ -93,6 +96,7 @@ VARIANTS = {
     "w8a8_expert_rows": {
         REFERENCE: Variant(None, w8a8_expert_rows_reference),
         "gpu_triton": Variant("gpu", w8a8_expert_rows_gpu),
+        MOSAIC: Variant("gpu", w8a8_expert_rows_mgpu),
     },
     "select_experts": {
         REFERENCE: Variant(None, select_experts_reference),
@@ -467,20 +471,18 @@ def _straight_through_rows(x, source, order, row_weight, sizes, gate, up, down, 
     return down_scatter_reference(h, order, row_weight, sizes, down)
 
 
-_W8A8_ROWS_GPU = with_reference_vjp(
-    lambda x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret: w8a8_expert_rows_gpu(
-        x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail=fill_tail, interpret=interpret
-    ),
-    _straight_through_rows,
-    nondiff_argnums=(8, 9, 10),
-)
-_W8A8_ROWS_REFERENCE = with_reference_vjp(
-    lambda x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret: w8a8_expert_rows_reference(
-        x, source, order, row_weight, sizes, gate, up, down, limit
-    ),
-    _straight_through_rows,
-    nondiff_argnums=(8, 9, 10),
-)
+def _w8a8_rows_op(kernel):
+    """`kernel` (a W8A8 rows entry point) with the straight-through gradient."""
+    return with_reference_vjp(
+        lambda x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret: kernel(
+            x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail=fill_tail, interpret=interpret
+        ),
+        _straight_through_rows,
+        nondiff_argnums=(8, 9, 10),
+    )
+
+
+_W8A8_ROWS = {name: _w8a8_rows_op(entry.kernel) for name, entry in VARIANTS["w8a8_expert_rows"].items()}
 
 
 def w8a8_expert_rows(
@@ -501,7 +503,8 @@ def w8a8_expert_rows(
     """[R, D] in x's dtype: the routed experts' rows in W8A8 (issue 25's prefill form), as
     `gather_swiglu` then `down_scatter` compute them (row order[r] = row_weight[r] * FFN_g(x[source[r]]) for the
     r-th row of the expert order, rows past sum(sizes) 0), with x and h quantised per token in 1 x block[1] groups
-    (scale = amax / 448, e4m3) and FP8 x FP8 products scaled per K block (`gpu_triton.w8a8`). gate, up [G, I, D]
+    (scale = amax / 448, e4m3) and FP8 x FP8 products scaled per K block (`gpu_triton.w8a8`; variant MOSAIC:
+    the Mosaic GPU kernels of `gpu_mosaic`, 128 x 128 blocks). gate, up [G, I, D]
     and down [G, D, I]: block-FP8 stacks with one block (`w8a8_takes`). backend: "auto" (the kernels on a GPU,
     the jnp reference `w8a8_reference` elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
     reference. Differentiable in x, the row weights and the experts, straight through the quantisation (the
@@ -512,5 +515,4 @@ def w8a8_expert_rows(
             f"two >= 32 dividing the row side, got blocks {[getattr(w, 'block', None) for w in (gate, up, down)]}"
         )
     name, interpret = _pick("w8a8_expert_rows", variant, backend)
-    op = _W8A8_ROWS_GPU if name == "gpu_triton" else _W8A8_ROWS_REFERENCE
-    return op(x_XD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, limit, fill_tail, interpret)
+    return _W8A8_ROWS[name](x_XD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, limit, fill_tail, interpret)

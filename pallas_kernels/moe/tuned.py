@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.fp8.tuned import MosaicTiles
 from pallas_kernels.tuning import ANY, H200, Entry
 
 FEW_ROWS_PER_GROUP = 4
@@ -135,6 +136,11 @@ WEIGHT_LEFT_QUANTIZED = ("few_rows",)
 _W8A8_SOURCE = "scripts/bench_moe_w8a8.py --sweep on the H200, 2026-12-02 (issue 25)"
 GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 3), _W8A8_SOURCE)})
 DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _W8A8_SOURCE)})
+# The Mosaic GPU W8A8 experts (`moe/gpu_mosaic.py`): (block_n, stages) of the gate/up kernel (two accumulators,
+# gate's and up's, so a narrower column tile than the linear's) and of the down kernel.
+_MOSAIC_SOURCE = "not measured: scripts/bench_moe_w8a8.py --sweep sweeps it (issue 25)"
+W8A8_MOSAIC_GATE_UP = _gpu({(ANY, ANY): Entry(MosaicTiles(64, 4), _MOSAIC_SOURCE)})
+W8A8_MOSAIC_DOWN = _gpu({(ANY, ANY): Entry(MosaicTiles(128, 4), _MOSAIC_SOURCE)})
 _ROUTED = (
     "BENCHMARKS.md, 'Routed experts and expert selection at decode sizes, chained-call timing (2026-11-29)', "
     "tile sweep at one token"
