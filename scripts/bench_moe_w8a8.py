@@ -66,7 +66,7 @@ SWEEP = {
     ],
 }
 # (gate_up_block_n, gate_up_stages, down_block_n, down_stages) of the Mosaic kernels; the first is the default
-MOSAIC_SWEEP = [(64, 4, 128, 4), (64, 3, 128, 3), (64, 6, 128, 6), (128, 3, 64, 4), (128, 4, 128, 5), (64, 5, 64, 6)]
+MOSAIC_SWEEP = [(64, 4, 128, 4), (128, 4, 128, 4), (128, 3, 128, 4), (128, 2, 128, 6), (64, 6, 128, 6), (64, 4, 64, 4)]
 SWEEP_KEYWORDS = {
     "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m"),

@@ -31,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, BLOCK_M, block_scaled_products, layout_cast
-from pallas_kernels.fp8.reference import quantize_activations
+from pallas_kernels.fp8.reference import E4M3_MAX, EPS, quantize_activations
 from pallas_kernels.moe import tuned
 from pallas_kernels.tuning import fill, lookup
 
@@ -65,11 +65,34 @@ def _swiglu(gate_MN, up_MN, limit: float | None):
     return jnp.minimum(activated_MN, limit) * jnp.clip(up_MN, -limit, limit)
 
 
-def _grouped_kernel(tile_group_gmem, x_gmem, row_scales_gmem, *refs, block_n: int, stages: int, cast, epilogue):
-    """CTA (n, t): out[tile t's 64 rows, block_n columns] = epilogue(accumulators), one accumulator per (values
-    [G, N, K], scales [G, N / 128, K / 128]) pair in refs (then out), for tile t's expert; tiles past the last
-    expert's store nothing."""
-    *weight_refs, out_gmem = refs
+def _store_h(accs, rows, cols, h_gmem, *, limit):
+    """h = SwiGLU(gate, up) in fp32 (quantised by XLA)."""
+    h_gmem[rows, cols] = _swiglu(*accs, limit)
+
+
+def _store_h_quantized(accs, rows, cols, h_q_gmem, h_scale_gmem, *, limit):
+    """h quantised in registers: the column tile is one 1 x 128 group (`fp8.reference.quantize_groups`), its scales
+    stored transposed ([I / 128, P]: a tile's are one row of 64), as the down kernel reads them."""
+    h_MN = _swiglu(*accs, limit)
+    scale_M = jnp.maximum(jnp.max(jnp.abs(h_MN), axis=1), EPS) / E4M3_MAX
+    h_q_gmem[rows, cols] = jnp.clip(h_MN / lax.broadcast_in_dim(scale_M, h_MN.shape, [0]), -E4M3_MAX, E4M3_MAX).astype(
+        h_q_gmem.dtype
+    )
+    h_scale_gmem[cols.start // BLOCK_K, rows] = scale_M
+
+
+def _store_rows(accs, rows, cols, y_gmem):
+    (acc_MN,) = accs
+    y_gmem[rows, cols] = acc_MN.astype(y_gmem.dtype)
+
+
+def _grouped_kernel(
+    tile_group_gmem, x_gmem, row_scales_gmem, *refs, num_weights: int, block_n: int, stages: int, cast, store
+):
+    """CTA (n, t): store(accumulators, tile t's 64 rows, column tile n, *outputs), one accumulator per (values
+    [G, N, K], scales [G, N / 128, K / 128]) pair of the first 2 num_weights refs (the outputs follow), for tile t's
+    expert; tiles past the last expert's store nothing."""
+    weight_refs, out_refs = refs[: 2 * num_weights], refs[2 * num_weights :]
     n, t = lax.axis_index("n"), lax.axis_index("t")
     group = tile_group_gmem[t]
     scale_row = n * block_n // BLOCK_K
@@ -88,20 +111,26 @@ def _grouped_kernel(tile_group_gmem, x_gmem, row_scales_gmem, *refs, block_n: in
             stages=stages,
             cast=cast,
         )
-        out_gmem[pl.ds(t * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)] = epilogue(*accs).astype(out_gmem.dtype)
+        store(accs, pl.ds(t * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n), *out_refs)
 
 
-def _grouped_call(tile_group_T, x_q_PK, row_scales_GP, weights, *, out_dtype, block_n, stages, epilogue, interpret):
-    """[P, N] of out_dtype: `_grouped_kernel` over the padded rows, weights a tuple of block-FP8 stacks."""
-    num_rows, n_dim = x_q_PK.shape[0], weights[0].values.shape[1]
+def _grouped_call(tile_group_T, x_q_PK, row_scales_GP, weights, *, out_type, block_n, stages, store, interpret):
+    """`_grouped_kernel` over the padded rows, weights a tuple of block-FP8 stacks; out_type that of store's
+    outputs."""
+    n_dim = weights[0].values.shape[1]
     kernel = functools.partial(
-        _grouped_kernel, block_n=block_n, stages=stages, cast=layout_cast(interpret), epilogue=epilogue
+        _grouped_kernel,
+        num_weights=len(weights),
+        block_n=block_n,
+        stages=stages,
+        cast=layout_cast(interpret),
+        store=store,
     )
     operands = [array for w in weights for array in (w.values, w.scales.astype(jnp.float32))]
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
-        grid=(n_dim // block_n, num_rows // BLOCK_M),
+        out_type=out_type,
+        grid=(n_dim // block_n, x_q_PK.shape[0] // BLOCK_M),
         grid_names=("n", "t"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_gpu_interpret(interpret),
@@ -164,28 +193,32 @@ def w8a8_expert_rows_mgpu(
     padded_rows = tile_group_T.shape[0] * BLOCK_M
     token_P = jnp.zeros(padded_rows, jnp.int32).at[pos_R].set(source_R.astype(jnp.int32), mode="drop")
     x_q_XD, x_scale_XG = quantize_activations(x_XD, BLOCK_K)
-    h_PI = _grouped_call(
-        tile_group_T,
-        x_q_XD[token_P],
-        x_scale_XG[token_P].T,
-        (gate, up),
-        out_dtype=jnp.float32,
-        block_n=gate_up_block_n,
-        stages=gate_up_stages,
-        epilogue=functools.partial(_swiglu, limit=limit),
-        interpret=interpret,
-    )
-    h_q_PI, h_scale_PG = quantize_activations(h_PI, BLOCK_K)
+    padded_I = jax.ShapeDtypeStruct((padded_rows, gate.values.shape[1]), jnp.float32)
+    gate_up = functools.partial(_grouped_call, tile_group_T, x_q_XD[token_P], x_scale_XG[token_P].T, (gate, up))
+    gate_up = functools.partial(gate_up, block_n=gate_up_block_n, stages=gate_up_stages, interpret=interpret)
+    if gate_up_block_n == BLOCK_K:
+        h_q_PI, h_scale_GP = gate_up(
+            out_type=(
+                padded_I.update(dtype=jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((padded_I.shape[1] // BLOCK_K, padded_rows), jnp.float32),
+            ),
+            store=functools.partial(_store_h_quantized, limit=limit),
+        )
+    else:
+        h_q_PI, h_scale_PG = quantize_activations(
+            gate_up(out_type=padded_I, store=functools.partial(_store_h, limit=limit)), BLOCK_K
+        )
+        h_scale_GP = h_scale_PG.T
     row_weight_P = jnp.zeros(padded_rows, jnp.float32).at[pos_R].set(row_weight_R.astype(jnp.float32), mode="drop")
     y_PD = _grouped_call(
         tile_group_T,
         h_q_PI,
-        (h_scale_PG * row_weight_P[:, None]).T,
+        h_scale_GP * row_weight_P,
         (down,),
-        out_dtype=x_XD.dtype,
+        out_type=jax.ShapeDtypeStruct((padded_rows, down.values.shape[1]), x_XD.dtype),
         block_n=down_block_n,
         stages=down_stages,
-        epilogue=lambda acc_MN: acc_MN,
+        store=_store_rows,
         interpret=interpret,
     )
     pos_of_out_R = jnp.zeros(num_rows, jnp.int32).at[order_R].set(pos_R)

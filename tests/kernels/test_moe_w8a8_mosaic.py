@@ -1,7 +1,8 @@
 """The Mosaic GPU W8A8 routed experts (`pallas_kernels.moe.gpu_mosaic`) against float64 numpy written from the W8A8
 formula (test_moe_w8a8's): the padded expert layout; the XLA around the kernels (gathers, h quantisation, the
 routing weights folded into h's scales, the way back to the caller's order) with a jnp stand-in for the kernel
-whose tail tiles are NaN (so a row read from one fails); CUDA lowering at Ling-3.1-flash size; the compiled
+that runs the kernels' own epilogues (SwiGLU, h quantised in registers) and leaves the tail tiles NaN (so a row
+read from one fails); CUDA lowering at Ling-3.1-flash size; the compiled
 kernels on a GPU (jax 0.10's Mosaic GPU interpreter cannot run them)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import gpu_test, lower_for_cuda, rel_error
+from jax.experimental import pallas as pl
 from test_moe_w8a8 import f64_down_scatter, f64_gather_swiglu, f64_weight, routed_rows
 
 from ling_jax.quantized import BlockFP8Weight
@@ -38,24 +40,35 @@ def test_padded_layout_starts_every_expert_on_a_tile():
     np.testing.assert_array_equal(pos, expected_pos + [num_tiles * BLOCK_M] * 5)
 
 
-def stand_in_call(tile_group_T, x_q_PK, row_scales_GP, weights, *, out_dtype, epilogue, **_):
-    """`_grouped_call` in jnp: each tile's rows (dequantised by their row scales) times its expert's dequantised
-    weights, at HIGHEST precision; tail tiles NaN."""
+class Buffer:
+    """A jnp array that takes a kernel's stores (`ref[pl.ds, pl.ds] = value`), tail tiles left NaN."""
+
+    def __init__(self, shape_dtype):
+        self.dtype, self.value = shape_dtype.dtype, jnp.full(shape_dtype.shape, jnp.nan, jnp.float32)
+
+    def __setitem__(self, index, value):
+        index = tuple(slice(i.start, i.start + i.size) if isinstance(i, pl.Slice) else i for i in index)
+        self.value = self.value.at[index].set(jnp.asarray(value, self.dtype).astype(jnp.float32))
+
+
+def stand_in_call(tile_group_T, x_q_PK, row_scales_GP, weights, *, out_type, block_n, store, **_):
+    """`_grouped_call` with the products in jnp (each tile's rows, dequantised by their row scales, times its
+    expert's dequantised weights, at HIGHEST precision) and the kernels' own stores, tile by tile."""
     x_PK = dequantize_blocks(x_q_PK, row_scales_GP.T, (1, BLOCK[1]), jnp.float32)
-    group_T = jnp.minimum(tile_group_T, weights[0].values.shape[0] - 1)
-    x_TMK = x_PK.reshape(tile_group_T.shape[0], BLOCK_M, -1)
-    accs = [
-        jnp.einsum(
-            "tmk,tnk->tmn",
-            x_TMK,
-            dequantize_blocks(w.values, w.scales, BLOCK, jnp.float32)[group_T],
-            precision=jax.lax.Precision.HIGHEST,
-        )
-        for w in weights
-    ]
-    tail = (tile_group_T >= weights[0].values.shape[0])[:, None, None]
-    out = jnp.where(tail, jnp.nan, epilogue(*accs))
-    return out.reshape(x_PK.shape[0], -1).astype(out_dtype)
+    dense = [dequantize_blocks(w.values, w.scales, BLOCK, jnp.float32) for w in weights]
+    outputs = [Buffer(t) for t in (out_type if isinstance(out_type, tuple) else (out_type,))]
+    for tile, group in enumerate(np.asarray(tile_group_T)):
+        if group >= len(dense[0]):
+            continue
+        rows = pl.ds(tile * BLOCK_M, BLOCK_M)
+        for col in range(0, dense[0].shape[1], block_n):
+            accs = [
+                jnp.dot(x_PK[rows.start : rows.start + BLOCK_M], w[group, col : col + block_n].T, precision="highest")
+                for w in dense
+            ]
+            store(accs, rows, pl.ds(col, block_n), *outputs)
+    values = tuple(b.value.astype(b.dtype) for b in outputs)
+    return values if isinstance(out_type, tuple) else values[0]
 
 
 def problem(tokens, top_k, num_experts, hidden, width, seed):
@@ -89,13 +102,16 @@ def run(x, rows, row_weight, weights, limit, dtype=jnp.float32, **kwargs):
 
 
 def test_the_layout_and_quantisation_around_the_kernels_match_float64(monkeypatch):
-    """37 tokens, top-3 of 9 experts (70 experts' rows of up to ~14: every expert on its own tile), hidden 256,
-    width 384 (3 groups of h), the SwiGLU clip."""
+    """37 tokens, top-3 of 9 experts (110 rows, experts of up to ~16 rows: every expert on its own tile),
+    hidden 256, width 384 (3 groups of h), the SwiGLU clip."""
     monkeypatch.setattr(gpu_mosaic, "_grouped_call", stand_in_call)
     x, rows, row_weight, weights = problem(37, 3, 9, 256, 384, seed=3)
-    y = run(x, rows, row_weight, weights, 0.9)
-    assert y.shape == (37 * 3, 256) and bool(jnp.all(jnp.isfinite(y)))
-    assert rel_error(y, float64_rows(x, rows, row_weight, weights, 0.9)) <= 1e-3
+    expected = float64_rows(x, rows, row_weight, weights, 0.9)
+    for gate_up_block_n in (64, 128):  # h quantised by XLA; in the kernel's epilogue
+        with jax.disable_jit():  # the stand-in walks the tiles in Python
+            y = run(x, rows, row_weight, weights, 0.9, gate_up_block_n=gate_up_block_n)
+        assert y.shape == (37 * 3, 256) and bool(jnp.all(jnp.isfinite(y)))
+        assert rel_error(y, expected) <= 1e-3, gate_up_block_n
 
 
 def test_lowers_for_cuda_at_ling_flash_size_and_refuses_other_blocks():
@@ -107,18 +123,19 @@ def test_lowers_for_cuda_at_ling_flash_size_and_refuses_other_blocks():
         return BlockFP8Weight(shape((num_experts, n_dim, k_dim), jnp.float8_e4m3fn), shape(grid, jnp.float32), BLOCK)
 
     index = shape((rows,), jnp.int32)
-    lowered = lower_for_cuda(
-        lambda *a: w8a8_expert_rows_mgpu(*a, 7.0),
-        shape((tokens, hidden), jnp.bfloat16),
-        index,
-        index,
-        shape((rows,), jnp.float32),
-        shape((num_experts,), jnp.int32),
-        weight(width, hidden),
-        weight(width, hidden),
-        weight(hidden, width),
-    )
-    assert "mosaic_gpu" in lowered.as_text()
+    for gate_up_block_n in (64, 128):
+        lowered = lower_for_cuda(
+            lambda *a, n=gate_up_block_n: w8a8_expert_rows_mgpu(*a, 7.0, gate_up_block_n=n),
+            shape((tokens, hidden), jnp.bfloat16),
+            index,
+            index,
+            shape((rows,), jnp.float32),
+            shape((num_experts,), jnp.int32),
+            weight(width, hidden),
+            weight(width, hidden),
+            weight(hidden, width),
+        )
+        assert "mosaic_gpu" in lowered.as_text()
     x, rows_, row_weight, weights = problem(5, 2, 4, 128, 128, seed=1)
     odd = BlockFP8Weight(weights[2].values, weights[2].scales, (128, 64))
     with pytest.raises(ValueError, match="w8a8_expert_rows_mgpu takes 128 x 128 weight blocks"):
