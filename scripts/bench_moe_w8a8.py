@@ -46,27 +46,27 @@ LIMIT = 7.0  # Ling's expert SwiGLU clip
 FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192)
 QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256)
 # (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m)
-# of down; the first of each is the tuned default (pallas_kernels/fp8/tuned.py).
+# of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
 SWEEP = {
     "gather_swiglu_w8a8": [
-        (64, 8, 4, 32),
-        (64, 4, 4, 32),
-        (64, 8, 3, 32),
         (128, 8, 3, 32),
         (128, 8, 4, 64),
-        (32, 4, 4, 16),
+        (128, 8, 3, 64),
+        (128, 8, 4, 32),
+        (128, 4, 4, 64),
+        (64, 8, 4, 64),
     ],
     "down_scatter_w8a8": [
-        (128, 128, 8, 4, 32),
-        (128, 128, 8, 3, 32),
         (64, 128, 4, 4, 32),
         (128, 64, 4, 4, 32),
-        (64, 128, 8, 4, 16),
-        (256, 128, 8, 3, 64),
+        (128, 64, 4, 4, 64),
+        (64, 64, 4, 4, 32),
+        (128, 64, 8, 4, 32),
+        (64, 128, 4, 4, 64),
     ],
 }
 # (gate_up_block_n, gate_up_stages, down_block_n, down_stages) of the Mosaic kernels; the first is the default
-MOSAIC_SWEEP = [(64, 4, 128, 4), (128, 4, 128, 4), (128, 3, 128, 4), (128, 2, 128, 6), (64, 6, 128, 6), (64, 4, 64, 4)]
+MOSAIC_SWEEP = [(64, 4, 128, 4), (128, 4, 128, 4)]
 SWEEP_KEYWORDS = {
     "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m"),
@@ -183,6 +183,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke test)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also sweep the W8A8 kernels' tiles")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="write a Perfetto trace of 3 calls of each path (scripts/trace_summary.py)"
+    )
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not (on_gpu or args.quick):
@@ -215,6 +218,11 @@ def main(argv=None) -> int:
         times[f"{name}: routed experts"] = median_seconds(
             routed, x_TD, weights_TK, experts_TK, *weights, iters=args.iters
         )
+    if args.profile:
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+            for kernels, weights in paths.values():
+                for _ in range(3):
+                    jax.block_until_ready(jax.jit(kernels)(*sorted_args, *weights))
     for name in paths:
         if name != "bf16 fused":
             print(f"\n{name} routed experts vs bf16: rel. error {rel_error(outputs[name], outputs['bf16 fused']):.2e}")
