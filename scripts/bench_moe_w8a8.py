@@ -49,11 +49,10 @@ QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256
 # of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
 SWEEP = {
     "gather_swiglu_w8a8": [
+        (128, 8, 3, 64),
         (128, 8, 3, 32),
         (128, 8, 4, 64),
-        (128, 8, 3, 64),
-        (128, 8, 4, 32),
-        (128, 4, 4, 64),
+        (128, 8, 3, 128),
         (64, 8, 4, 64),
     ],
     "down_scatter_w8a8": [
@@ -65,8 +64,8 @@ SWEEP = {
         (64, 128, 4, 4, 64),
     ],
 }
-# (gate_up_block_n, gate_up_stages, down_block_n, down_stages) of the Mosaic kernels; the first is the default
-MOSAIC_SWEEP = [(64, 4, 128, 4), (128, 4, 128, 4)]
+# (gate_up_stages, down_block_n, down_stages) of the Mosaic kernels; the first is the default
+MOSAIC_SWEEP = [(4, 128, 4), (3, 128, 4), (4, 64, 4)]
 SWEEP_KEYWORDS = {
     "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m"),

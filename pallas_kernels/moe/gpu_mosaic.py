@@ -7,12 +7,18 @@ rows laid out by expert in 64-row tiles:
 - XLA quantises x once per token and gathers x_q's rows (one byte an input) into the padded expert order: each
   expert's rows start on a 64-row tile, a tile belongs to one expert (`padded_layout`: tile_group[t], the
   expert of tile t, or G for the tiles past the last expert's, which the kernels skip);
-- gate/up kernel: CTA (n, t) multiplies tile t's x_q by its expert's gate and up tiles [block_n, K] in one TMA
-  pipeline (two accumulators), then SwiGLU in fp32, storing h [P, I] fp32;
-- XLA quantises h per row in 1 x 128 groups, and folds each row's routing weight into its group scales (the
-  down product is linear in them);
+- gate/up kernel: CTA (n, t) multiplies tile t's x_q by its expert's gate and up tiles [128, K] in one TMA
+  pipeline (two accumulators), then SwiGLU in fp32 and h quantised in registers (the column tile is one 1 x 128
+  group of h), storing h_q [P, I] e4m3 and its scales transposed [I / 128, P];
+- XLA folds each row's routing weight into h's scales (the down product is linear in them);
 - down kernel: the same pipeline on h_q and the expert's down tiles, storing [P, D] in x's dtype, whose rows XLA
   gathers back to the caller's order.
+
+On the H200 at Ling-3.1-flash width (8192 tokens, 2026-12-03, `scripts/bench_moe_w8a8.py`) these ran at 0.76x the
+bf16 fused kernels and 0.6x the Triton W8A8 ones (`gpu_triton.w8a8`, the default): 2.5 ms a kernel, plus 1.1 ms of
+XLA gathers. A CTA's K loop is short (32 and 10 steps of 128) and each step waits for its wgmma, so the pipeline's
+fill is paid per 64-row tile; a persistent kernel whose pipeline runs on across tiles is the lead. Named variant
+only (`ops.MOSAIC`).
 
 Grid order: the column tile n varies fastest, so the CTAs that run together share a row tile and its expert's
 weight tiles in L2. Shapes: 128 x 128 weight blocks, I and D multiples of 128. Like the linear, the kernels run in
@@ -35,7 +41,7 @@ from pallas_kernels.fp8.reference import E4M3_MAX, EPS, quantize_activations
 from pallas_kernels.moe import tuned
 from pallas_kernels.tuning import fill, lookup
 
-TILE_KEYWORDS = ("gate_up_block_n", "gate_up_stages", "down_block_n", "down_stages")
+TILE_KEYWORDS = ("gate_up_stages", "down_block_n", "down_stages")
 
 
 def padded_layout(sizes_G, num_rows: int) -> tuple[jax.Array, jax.Array]:
@@ -63,11 +69,6 @@ def _swiglu(gate_MN, up_MN, limit: float | None):
     if limit is None:
         return activated_MN * up_MN
     return jnp.minimum(activated_MN, limit) * jnp.clip(up_MN, -limit, limit)
-
-
-def _store_h(accs, rows, cols, h_gmem, *, limit):
-    """h = SwiGLU(gate, up) in fp32 (quantised by XLA)."""
-    h_gmem[rows, cols] = _swiglu(*accs, limit)
 
 
 def _store_h_quantized(accs, rows, cols, h_q_gmem, h_scale_gmem, *, limit):
@@ -137,24 +138,23 @@ def _grouped_call(tile_group_T, x_q_PK, row_scales_GP, weights, *, out_type, blo
     )(tile_group_T, x_q_PK, row_scales_GP, *operands)
 
 
-def takes(gate, up, down, block_n: tuple[int, int] = (64, 128)) -> bool:
-    """Whether the kernels run these block-FP8 experts: 128 x 128 blocks, I and D multiples of 128 (and of the
-    column tiles (gate/up, down))."""
+def takes(gate, up, down, down_block_n: int = BLOCK_K) -> bool:
+    """Whether the kernels run these block-FP8 experts: 128 x 128 blocks, I and D multiples of 128, D of down's
+    column tile (which divides 128)."""
     width, hidden = gate.values.shape[1:]
     return (
         all(tuple(w.block) == (BLOCK_K, BLOCK_K) for w in (gate, up, down))
         and not width % BLOCK_K
         and not hidden % BLOCK_K
-        and not width % block_n[0]
-        and not hidden % block_n[1]
+        and not BLOCK_K % down_block_n
     )
 
 
-def _check(gate, up, down, block_n: tuple[int, int]) -> None:
-    if not takes(gate, up, down, block_n):
+def _check(gate, up, down, down_block_n: int) -> None:
+    if not takes(gate, up, down, down_block_n):
         raise ValueError(
             "w8a8_expert_rows_mgpu takes 128 x 128 weight blocks and an expert width and hidden size that are "
-            f"multiples of 128 (and of the column tiles {block_n}); got blocks "
+            f"multiples of 128 (down's column tile {down_block_n} dividing 128); got blocks "
             f"{[tuple(w.block) for w in (gate, up, down)]}, gate {gate.values.shape}, down {down.values.shape}"
         )
 
@@ -171,7 +171,6 @@ def w8a8_expert_rows_mgpu(
     down,
     limit: float | None,
     *,
-    gate_up_block_n: int | None = None,
     gate_up_stages: int | None = None,
     down_block_n: int | None = None,
     down_stages: int | None = None,
@@ -181,34 +180,31 @@ def w8a8_expert_rows_mgpu(
     """[R, D] in x's dtype, as `gpu_triton.w8a8.w8a8_expert_rows`: row order[r] = row_weight[r] *
     FFN_g(x[source[r]]) for the r-th row of the expert order (rows past sum(sizes) zeros), from block-FP8 gate, up
     [G, I, D] and down [G, D, I] (module docstring). fill_tail is the Triton kernels' (the tail rows are always
-    zeros here). Tiles: None from `tuned.W8A8_MOSAIC_GATE_UP` / `W8A8_MOSAIC_DOWN`."""
+    zeros here). Tiles: None from `tuned.W8A8_MOSAIC_EXPERTS`."""
     del fill_tail
-    gate_up_block_n, gate_up_stages = fill(
-        (gate_up_block_n, gate_up_stages), lookup(tuned.W8A8_MOSAIC_GATE_UP, dtype=x_XD.dtype)
+    gate_up_stages, down_block_n, down_stages = fill(
+        (gate_up_stages, down_block_n, down_stages), lookup(tuned.W8A8_MOSAIC_EXPERTS, dtype=x_XD.dtype)
     )
-    down_block_n, down_stages = fill((down_block_n, down_stages), lookup(tuned.W8A8_MOSAIC_DOWN, dtype=x_XD.dtype))
-    _check(gate, up, down, (gate_up_block_n, down_block_n))
+    _check(gate, up, down, down_block_n)
     num_rows = source_R.shape[0]
     pos_R, tile_group_T = padded_layout(sizes_E, num_rows)
     padded_rows = tile_group_T.shape[0] * BLOCK_M
     token_P = jnp.zeros(padded_rows, jnp.int32).at[pos_R].set(source_R.astype(jnp.int32), mode="drop")
     x_q_XD, x_scale_XG = quantize_activations(x_XD, BLOCK_K)
-    padded_I = jax.ShapeDtypeStruct((padded_rows, gate.values.shape[1]), jnp.float32)
-    gate_up = functools.partial(_grouped_call, tile_group_T, x_q_XD[token_P], x_scale_XG[token_P].T, (gate, up))
-    gate_up = functools.partial(gate_up, block_n=gate_up_block_n, stages=gate_up_stages, interpret=interpret)
-    if gate_up_block_n == BLOCK_K:
-        h_q_PI, h_scale_GP = gate_up(
-            out_type=(
-                padded_I.update(dtype=jnp.float8_e4m3fn),
-                jax.ShapeDtypeStruct((padded_I.shape[1] // BLOCK_K, padded_rows), jnp.float32),
-            ),
-            store=functools.partial(_store_h_quantized, limit=limit),
-        )
-    else:
-        h_q_PI, h_scale_PG = quantize_activations(
-            gate_up(out_type=padded_I, store=functools.partial(_store_h, limit=limit)), BLOCK_K
-        )
-        h_scale_GP = h_scale_PG.T
+    h_q_PI, h_scale_GP = _grouped_call(
+        tile_group_T,
+        x_q_XD[token_P],
+        x_scale_XG[token_P].T,
+        (gate, up),
+        out_type=(
+            jax.ShapeDtypeStruct((padded_rows, gate.values.shape[1]), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((gate.values.shape[1] // BLOCK_K, padded_rows), jnp.float32),
+        ),
+        block_n=BLOCK_K,
+        stages=gate_up_stages,
+        store=functools.partial(_store_h_quantized, limit=limit),
+        interpret=interpret,
+    )
     row_weight_P = jnp.zeros(padded_rows, jnp.float32).at[pos_R].set(row_weight_R.astype(jnp.float32), mode="drop")
     y_PD = _grouped_call(
         tile_group_T,

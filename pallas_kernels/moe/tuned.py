@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.fp8.tuned import MosaicTiles
 from pallas_kernels.tuning import ANY, H200, Entry
 
 FEW_ROWS_PER_GROUP = 4
@@ -132,15 +131,34 @@ WEIGHT_LEFT_QUANTIZED = ("few_rows",)
 # Measured on the H200 at Ling-3.1-flash width (8192 tokens, top-8 of 512 experts, hidden 4096, width 1280;
 # `scripts/bench_moe_w8a8.py --sweep`, 2026-12-02, FP8 values as stored): gate/up 2.837 ms (484 TFLOP/s) against
 # 3.331 for the earlier (64, 8 warps, 4 stages); the best, 2.756 ms, wanted min_block_m 64. down 1.836 ms against
-# 2.033 for (128 x 128, 8 warps).
+# 2.033 for (128 x 128, 8 warps). Re-swept 2026-12-03 (10 iterations): gate/up at min_block_m 64 (a group's last
+# tile at least 64 rows) 2.699 ms against 2.925 at 32 (the default until then); down's default stayed the best,
+# 1.766 ms.
+GATHER_SWIGLU_W8A8_MIN_BLOCK_M = 64
 _W8A8_SOURCE = "scripts/bench_moe_w8a8.py --sweep on the H200, 2026-12-02 (issue 25)"
 GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 3), _W8A8_SOURCE)})
 DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _W8A8_SOURCE)})
-# The Mosaic GPU W8A8 experts (`moe/gpu_mosaic.py`): (block_n, stages) of the gate/up kernel (two accumulators,
-# gate's and up's, so a narrower column tile than the linear's) and of the down kernel.
-_MOSAIC_SOURCE = "not measured: scripts/bench_moe_w8a8.py --sweep sweeps it (issue 25)"
-W8A8_MOSAIC_GATE_UP = _gpu({(ANY, ANY): Entry(MosaicTiles(64, 4), _MOSAIC_SOURCE)})
-W8A8_MOSAIC_DOWN = _gpu({(ANY, ANY): Entry(MosaicTiles(128, 4), _MOSAIC_SOURCE)})
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicExpertTiles:
+    """gpu_mosaic W8A8 experts: the gate/up kernel's pipeline stages (its column tile is one 128-column group of
+    h), the down kernel's column tile and stages."""
+
+    gate_up_stages: int
+    down_block_n: int
+    down_stages: int
+
+
+W8A8_MOSAIC_EXPERTS = _gpu(
+    {
+        (ANY, ANY): Entry(
+            MosaicExpertTiles(4, 128, 4),
+            "scripts/bench_moe_w8a8.py --sweep on the H200, 2026-12-03: 7.128 ms (with h quantised by XLA, gate/up "
+            "tiles of 64: 7.365; down tiles of 64: 8.149)",
+        )
+    }
+)
 _ROUTED = (
     "BENCHMARKS.md, 'Routed experts and expert selection at decode sizes, chained-call timing (2026-11-29)', "
     "tile sweep at one token"

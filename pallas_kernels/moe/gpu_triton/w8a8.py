@@ -257,7 +257,7 @@ def gather_swiglu_w8a8_gpu(
     h_q[r, i] * h_scale[r, i // block[1]]. Rows past the sum get h = 0 (fill_tail) or are not written. source [R]
     int32 indexes x's rows (x [X, D], any float dtype). gate and up: block-FP8 [G, I, D] (values e4m3, scales
     [G, ceil(I / block[0]), ceil(D / block[1])]). The column tile is block[1] (one group of h); the other tiles:
-    None from `moe.tuned.GATHER_SWIGLU_W8A8`."""
+    None from `moe.tuned.GATHER_SWIGLU_W8A8` (min_block_m: `GATHER_SWIGLU_W8A8_MIN_BLOCK_M`)."""
     for name, values, scales in (("gate", gate_values_GID, gate_scales), ("up", up_values_GID, up_scales)):
         _check_weight(name, values, scales, block)
     num_rows, (width, hidden) = source_R.shape[0], gate_values_GID.shape[1:]
@@ -293,7 +293,7 @@ def gather_swiglu_w8a8_gpu(
         k_dim=hidden,
         interpret=interpret,
         name="gather_swiglu_w8a8",
-        min_block_m=min_block_m,
+        min_block_m=tuned.GATHER_SWIGLU_W8A8_MIN_BLOCK_M if min_block_m is None else min_block_m,
         fill_tail=fill_tail,
     )
 
