@@ -39,6 +39,7 @@ from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
 from pallas_kernels.fp8 import tuned  # noqa: E402
 from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
+from pallas_kernels.fp8.gpu_triton.weight_only import TILE_KEYWORDS as WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
 from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
 from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
@@ -214,29 +215,32 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
     ),
     "weight-only": (
         weight_only_gpu,
-        block_scaled.TILE_KEYWORDS,
-        [(16, 32, 1, 4, 4, 1), (16, 32, 1, 4, 4, 4), (16, 64, 1, 4, 4, 4), (16, 64, 1, 4, 4, 8), (16, 128, 1, 4, 4, 8)],
+        WEIGHT_ONLY_TILE_KEYWORDS,
+        [
+            (16, 64, 1, 4, 4, 4, False),
+            (16, 64, 1, 4, 4, 4, True),
+            (16, 128, 1, 4, 4, 4, True),
+            (16, 64, 1, 4, 4, 8, True),
+            (16, 128, 1, 8, 4, 2, True),
+        ],
         (8192, 4096),
-        (1, 8),
+        (8, 16),
     ),
     "weight-only-64": (
         weight_only_gpu,
-        block_scaled.TILE_KEYWORDS,
+        WEIGHT_ONLY_TILE_KEYWORDS,
         [
-            (16, 32, 1, 4, 4, 4),
-            (32, 64, 1, 4, 4, 1),
-            (64, 64, 1, 4, 4, 1),
-            (64, 128, 1, 4, 4, 1),
-            (64, 128, 1, 8, 4, 1),
-            (64, 64, 1, 4, 4, 2),
-            (32, 128, 1, 4, 4, 2),
-            (64, 128, 1, 4, 3, 2),
-            (64, 128, 1, 4, 4, 4),
-            (64, 64, 1, 4, 4, 4),
-            (32, 128, 1, 4, 4, 4),
+            (64, 64, 1, 4, 4, 2, False),
+            (64, 64, 1, 4, 4, 2, True),
+            (64, 128, 1, 4, 4, 2, True),
+            (64, 128, 1, 4, 4, 4, True),
+            (64, 64, 1, 4, 4, 4, True),
+            (32, 128, 1, 4, 4, 2, True),
+            (128, 128, 1, 8, 4, 2, True),
+            (64, 128, 1, 8, 3, 1, True),
         ],
         (8192, 4096),
-        (32, 64),
+        (32, 64, 128),
     ),
     "xla-folded": (weight_only_linear_xla, (), [()], (8192, 4096), (16, 32, 64)),
     "dequant-dot": (

@@ -52,6 +52,15 @@ class LinearTiles:
     k_splits: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightOnlyTiles(LinearTiles):
+    """The weight-only kernel's tiles, plus weight_left: each product as the dequantised weight tile @ x tile^T
+    (the weight tile stays in registers as the MMA's first operand, which Hopper's wgmma allows; the second must
+    come from shared memory), accumulated as [block_n, block_m] and transposed once at the end."""
+
+    weight_left: bool = False
+
+
 def _gpu(entries: dict) -> dict:
     """The H200's entries {(bucket, dtype): Entry}, also the defaults for every other device."""
     return {(device, *key): entry for key, entry in entries.items() for device in (H200, ANY)}
@@ -86,16 +95,16 @@ def weight_only_bucket(num_rows: int) -> str:
 WEIGHT_ONLY = _gpu(
     {
         ("few_rows", "16bit"): Entry(
-            LinearTiles(16, 64, 1, 4, 4, k_splits=4),
+            WeightOnlyTiles(16, 64, 1, 4, 4, k_splits=4, weight_left=True),
             f"not measured with K splits: {_SWEEP}'s sweep at 8192 x 4096 (no splits) read 0.65 TB/s at best, "
             "with 256 programs; 4 splits give 512 programs of 64 x 128 tiles",
         ),
         ("more_rows", "16bit"): Entry(
-            LinearTiles(64, 64, 1, 4, 4, k_splits=2),
+            WeightOnlyTiles(64, 64, 1, 4, 4, k_splits=2, weight_left=True),
             f"{_ROWS_SWEEP}: 8192 x 4096 at 32 / 64 rows 35.1 / 38.7 us against 96.0 / 84.4 us for dequantise + "
             "dot and 47.5 / 63.4 us for XLA's scale-folded product",
         ),
-        (ANY, ANY): Entry(LinearTiles(16, 32, 1, 4, 3, k_splits=4), "fp32 untuned: the 16-bit tiles, narrower"),
+        (ANY, ANY): Entry(WeightOnlyTiles(16, 32, 1, 4, 3, k_splits=4), "fp32 untuned: the 16-bit tiles, narrower"),
     }
 )
 # Chosen for the H200's 132 SMs and its ~4.8 TB/s. A program streams 32 x 512 e4m3 (16 KB) a step

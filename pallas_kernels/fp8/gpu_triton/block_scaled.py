@@ -64,6 +64,7 @@ def _kernel(
     block_rows: int,
     masks,
     tc_accumulated: bool,
+    weight_left: bool,
 ):
     """refs: (row_scales_ref, y_ref) for W8A8 (row scales [M, K blocks]), (y_ref,) for weight-only."""
     *row_scales_ref, y_ref = refs
@@ -91,14 +92,17 @@ def _kernel(
             row_scale_M = _load(row_scales_ref[0].at[pl.ds(row0, block_m), step], rows_ok_M)
             if tc_accumulated:
                 return acc_MN + scaled_fp8_product(lhs_MK, w_NK, row_scale_M, scale)
-        partial_MN = plgpu.dot(
-            lhs_MK, w_NK.astype(compute_dtype), trans_b=True, allow_tf32=compute_dtype != jnp.float32
-        )
+        allow_tf32 = compute_dtype != jnp.float32
+        if weight_left:
+            return acc_MN + plgpu.dot(w_NK.astype(compute_dtype), lhs_MK, trans_b=True, allow_tf32=allow_tf32) * scale
+        partial_MN = plgpu.dot(lhs_MK, w_NK.astype(compute_dtype), trans_b=True, allow_tf32=allow_tf32)
         if row_scales_ref:
             return acc_MN + partial_MN * (row_scale_M[:, None] * scale)
         return acc_MN + partial_MN * scale
 
-    acc_MN = jax.lax.fori_loop(first_step, last_step, k_step, jnp.zeros((block_m, block_n), jnp.float32))
+    acc_shape = (block_n, block_m) if weight_left else (block_m, block_n)
+    acc_MN = jax.lax.fori_loop(first_step, last_step, k_step, jnp.zeros(acc_shape, jnp.float32))
+    acc_MN = acc_MN.T if weight_left else acc_MN
     split = (pl.program_id(1),) if tiles.k_splits > 1 else ()
     plgpu.store(
         y_ref.at[(*split, pl.ds(row0, block_m), pl.ds(col0, block_n))],
@@ -134,11 +138,15 @@ def block_scaled_matmul(
     out_dtype,
     interpret: bool,
     tc_accumulated: bool = False,
+    weight_left: bool = False,
 ) -> jax.Array:
     """y [M, N] of out_dtype (module docstring). lhs [M, K] (x, or x_q e4m3 with row_scales [M, ceil(K /
     block[1])]); row_scales None for weight-only. values [N, K] e4m3, scales [ceil(N / block[0]), ceil(K /
     block[1])]; block (rows, cols) powers of two, cols >= 16 (Triton's dots); tiles already fitted
-    (`fit_tiles`). tc_accumulated (W8A8 only): the FP8 dots through `fp8_dot`."""
+    (`fit_tiles`). tc_accumulated (W8A8 only): the FP8 dots through `fp8_dot`. weight_left (weight-only only):
+    `tuned.WeightOnlyTiles.weight_left`."""
+    if weight_left and row_scales is not None:
+        raise ValueError("block_scaled_matmul: weight_left is for the weight-only product (row_scales None)")
     num_rows, k_dim = lhs_MK.shape
     n_dim = values_NK.shape[0]
     block_rows, block_k = block
@@ -149,6 +157,7 @@ def block_scaled_matmul(
         block_rows=block_rows,
         masks=(num_rows % tiles.block_m != 0, n_dim % tiles.block_n != 0, k_dim % block_k != 0),
         tc_accumulated=tc_accumulated,
+        weight_left=weight_left,
     )
     operands = (lhs_MK, values_NK, scales) + (() if row_scales is None else (row_scales,))
     whole = lambda shape: pl.BlockSpec(shape, lambda program, split: (0,) * len(shape))  # noqa: E731
