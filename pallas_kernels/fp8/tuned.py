@@ -83,26 +83,34 @@ class GemvTiles:
 
 _SWEEP = "docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)'"
 _ROWS_SWEEP = "docs/benchmarks/matmul.md, 'Weight-only tiles for 17-255 rows (2026-12-03)'"
+_SIDES_SWEEP = "docs/benchmarks/matmul.md, 'The weight tile on either side of the MMA (2026-12-03)'"
 # Row buckets of the block-scaled weight-only kernel: up to FEW_ROWS rows ("few_rows", decode of a few sequences),
-# more ("more_rows": a decode batch of up to W8A8_MIN_ROWS - 1 sequences)
+# up to MORE_ROWS ("more_rows"), then "many_rows" (a decode batch of up to WEIGHT_ONLY_MAX_ROWS sequences).
 FEW_ROWS = 16
+MORE_ROWS = 64
 
 
 def weight_only_bucket(num_rows: int) -> str:
-    return "few_rows" if num_rows <= FEW_ROWS else "more_rows"
+    if num_rows <= FEW_ROWS:
+        return "few_rows"
+    return "more_rows" if num_rows <= MORE_ROWS else "many_rows"
 
 
 WEIGHT_ONLY = _gpu(
     {
         ("few_rows", "16bit"): Entry(
-            WeightOnlyTiles(16, 64, 1, 4, 4, k_splits=4, weight_left=True),
-            f"not measured with K splits: {_SWEEP}'s sweep at 8192 x 4096 (no splits) read 0.65 TB/s at best, "
-            "with 256 programs; 4 splits give 512 programs of 64 x 128 tiles",
+            WeightOnlyTiles(16, 64, 1, 4, 4, k_splits=4),
+            f"{_SIDES_SWEEP}: 8192 x 4096 at 8 rows 29.2 us against 34.5 with the weight tile on the left",
         ),
         ("more_rows", "16bit"): Entry(
             WeightOnlyTiles(64, 64, 1, 4, 4, k_splits=2, weight_left=True),
-            f"{_ROWS_SWEEP}: 8192 x 4096 at 32 / 64 rows 35.1 / 38.7 us against 96.0 / 84.4 us for dequantise + "
-            "dot and 47.5 / 63.4 us for XLA's scale-folded product",
+            f"{_SIDES_SWEEP}: 8192 x 4096 at 32 / 64 rows 32.5 / 38.2 us against 36.3 / 40.4 with the weight tile on "
+            f"the right ({_ROWS_SWEEP}: 96.0 / 84.4 us for dequantise + dot)",
+        ),
+        ("many_rows", "16bit"): Entry(
+            WeightOnlyTiles(128, 128, 1, 8, 4, k_splits=2, weight_left=True),
+            f"{_SIDES_SWEEP}: 8192 x 4096 at 128 rows 60.4 us against 67.2 for the more_rows tiles with the weight "
+            "on the right (76.5 on the left)",
         ),
         (ANY, ANY): Entry(WeightOnlyTiles(16, 32, 1, 4, 3, k_splits=4), "fp32 untuned: the 16-bit tiles, narrower"),
     }

@@ -62,11 +62,11 @@ def float64_quantized_x(x_MK: np.ndarray, group: int) -> np.ndarray:
     return dequantized
 
 
-@pytest.mark.parametrize("rows", [5, 37])
+@pytest.mark.parametrize("rows", [5, 37, 70])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_weight_only_kernel_matches_float64(dtype, tol, rows):
-    """Odd sizes: 5 rows (the "few_rows" tiles) or 37 ("more_rows"), 150 outputs over 2 partial row blocks, 200
-    inputs over 2 partial K blocks; the products with the weight tile on either side."""
+    """Odd sizes: 5 rows (the "few_rows" tiles), 37 ("more_rows") or 70 ("many_rows"), 150 outputs over 2 partial
+    row blocks, 200 inputs over 2 partial K blocks; the products with the weight tile on either side."""
     weight, x = random_weight(150, 200), random_x((rows, 200), dtype)
     expected = f64(x) @ float64_weight(weight).T
     y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY, variant="gpu_triton")
