@@ -4,6 +4,7 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
     python scripts/bench_fp8_linear.py --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
     python scripts/bench_fp8_linear.py --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
     python scripts/bench_fp8_linear.py --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
+    python scripts/bench_fp8_linear.py --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
 
 Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
 output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
@@ -38,6 +39,7 @@ from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
 
 from pallas_kernels.fp8 import tuned  # noqa: E402
 from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
+from pallas_kernels.fp8.gpu_mosaic_weight_only import TILE_KEYWORDS as MOSAIC_WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
 from pallas_kernels.fp8.gpu_triton.weight_only import TILE_KEYWORDS as WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
@@ -241,6 +243,13 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
         ],
         (8192, 4096),
         (32, 64, 128),
+    ),
+    "weight-only-mosaic": (
+        kernel("weight_only_linear", MOSAIC),
+        MOSAIC_WEIGHT_ONLY_TILE_KEYWORDS,
+        [(4, 2), (4, 1), (4, 4), (3, 2), (6, 2), (4, 8)],
+        (8192, 4096),
+        (8, 32, 64, 128),
     ),
     "xla-folded": (weight_only_linear_xla, (), [()], (8192, 4096), (16, 32, 64)),
     "dequant-dot": (

@@ -7,7 +7,8 @@ takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inpu
 activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else
 the block-scaled "gpu_triton"; for W8A8 products "gpu_mosaic" (the Mosaic GPU kernel: TMA, e4m3 wgmma) from
 tuned.MOSAIC_MIN_ROWS rows where it takes the weight (128 x 128 blocks), else "gpu_triton_tc_acc" (each K block
-accumulated in the tensor cores). A TPU backend runs every product
+accumulated in the tensor cores). "gpu_mosaic" of `weight_only_linear` (a TMA-fed Mosaic GPU kernel, the weight tile
+dequantised in registers as wgmma's left operand) runs only when named. A TPU backend runs every product
 weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case runs the jnp
 reference.
 """
@@ -21,6 +22,7 @@ from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_referenc
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_mosaic import takes as mosaic_takes
 from pallas_kernels.fp8.gpu_mosaic import w8a8_linear_mgpu
+from pallas_kernels.fp8.gpu_mosaic_weight_only import weight_only_linear_mgpu
 from pallas_kernels.fp8.gpu_triton import (
     w8a8_linear_gpu,
     w8a8_linear_tc_acc_gpu,
@@ -48,6 +50,7 @@ VARIANTS = {
         REFERENCE: Variant(None, weight_only_linear_reference),
         "gpu_triton": Variant("gpu", weight_only_linear_gpu),
         GEMV: Variant("gpu", weight_only_gemv_gpu),
+        MOSAIC: Variant("gpu", weight_only_linear_mgpu),
         "tpu_mosaic": Variant("tpu", weight_only_linear_tpu),
     },
     "w8a8_linear": {

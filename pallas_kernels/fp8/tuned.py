@@ -168,3 +168,24 @@ W8A8_MOSAIC = _gpu(
         )
     }
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicWeightOnlyTiles:
+    """gpu_mosaic weight-only: stages shared-memory buffers of the TMA pipeline over K, the K blocks cut into
+    k_splits ranges run by separate CTAs (more CTAs for a narrow weight)."""
+
+    stages: int
+    k_splits: int
+
+
+# A CTA covers 64 weight rows: an 8192-row weight gives 128 CTAs a split, so 2 splits fill the H200's 132 SMs about
+# twice.
+WEIGHT_ONLY_MOSAIC = _gpu(
+    {
+        (ANY, ANY): Entry(
+            MosaicWeightOnlyTiles(4, 2),
+            "not measured: scripts/bench_fp8_linear.py --sweep weight-only-mosaic sweeps it (issue 25)",
+        )
+    }
+)
