@@ -7,7 +7,9 @@ cast to x's dtype before the dot (exact: e4m3 values fit bf16, fp16 and fp32), s
 element. W8A8: lhs is x quantised to e4m3 (`reference.quantize_activations`), the dot is FP8 x FP8, and the
 partial product is also scaled per row by the activation scales of that K block; with `tc_accumulated` the FP8
 dot is `fp8_dot.fp8_dot` (the K block's products accumulated in the tensor cores, not split per wgmma by Triton).
-Either way the accumulator is fp32 and edge tiles (M, N, K not multiples of the tile) are masked.
+Either way the accumulator is fp32 and edge tiles (M, N, K not multiples of the tile) are masked. Weight-only
+products may put the weight tile on the dot's left (`weight_left`: [block_n, block_m] accumulators, transposed
+before the store), so that Hopper's wgmma takes the converted tile from registers.
 
 Programs are laid out along the first grid axis in groups of group_m row tiles: the programs of a group walk the
 same column tiles together, so a weight tile is read from HBM about once per group. The second grid axis cuts the
