@@ -21,8 +21,11 @@ from pallas_kernels.fp8.tuned import (
     MOSAIC_MIN_ROWS,
     W8A8_MIN_ROWS,
     WEIGHT_ONLY_MAX_ROWS,
+    weight_only_bucket,
 )
+from pallas_kernels.fp8.tuned import WEIGHT_ONLY as WEIGHT_ONLY_TILES
 from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce
+from pallas_kernels.tuning import H200
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -77,6 +80,15 @@ def test_weight_only_kernel_matches_float64(dtype, tol, rows):
     for weight_left in (False, True):
         y = weight_only(x, weight.values, weight.scales, block=weight.block, weight_left=weight_left, interpret=True)
         assert rel_error(y, expected) <= tol, weight_left
+
+
+def test_weight_only_row_buckets_and_their_h200_tiles():
+    """The buckets' edges, and which side of the MMA the weight tile takes in each (docs/benchmarks/matmul.md,
+    'The weight tile on either side of the MMA')."""
+    buckets = {rows: weight_only_bucket(rows) for rows in (16, 17, 64, 65, WEIGHT_ONLY_MAX_ROWS)}
+    assert buckets == {16: "few_rows", 17: "more_rows", 64: "more_rows", 65: "many_rows", 255: "many_rows"}
+    left = {bucket: WEIGHT_ONLY_TILES[H200, bucket, "16bit"].params.weight_left for bucket in set(buckets.values())}
+    assert left == {"few_rows": False, "more_rows": True, "many_rows": True}
 
 
 @pytest.mark.parametrize("rows", [1, 5])
