@@ -34,7 +34,7 @@ BLOCK_K = 128  # the weight's K block: 128 e4m3 bytes, one 128-byte swizzle row
 TILE_KEYWORDS = ("block_n", "stages")
 
 
-def _fp8_transforms():
+def fp8_transforms():
     """Tiling and swizzle of an e4m3 wgmma operand in shared memory (rows of 128 one-byte columns)."""
     return (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(BLOCK_K))
 
@@ -74,13 +74,13 @@ def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, sta
             updated.append(acc_MN + partial_MN * lax.broadcast_in_dim(scale_M, partial_MN.shape, [0]))
         return tuple(updated)
 
-    tile = plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=_fp8_transforms())
+    tile = plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms())
     zeros = cast(jnp.zeros((BLOCK_M, block_n), jnp.float32), plgpu.Layout.WGMMA)
     return plgpu.emit_pipeline(
         k_step,
         grid=(x_gmem.shape[1] // BLOCK_K,),
         in_specs=[
-            plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda k: (0, k), transforms=_fp8_transforms()),
+            plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms()),
             *(tile for _ in weights),
             plgpu.BlockSpec((1, BLOCK_M), lambda k: (k, 0)),
         ],

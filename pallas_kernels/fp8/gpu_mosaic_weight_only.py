@@ -27,16 +27,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms
 from pallas_kernels.tuning import fill, lookup
 
 BLOCK_N = 64  # weight rows a CTA: one warpgroup's wgmma rows
-BLOCK_K = 128  # the weight's K block
 MAX_ROWS = 128  # x rows (wgmma's N at most 256; shared memory: a stage holds 8 KB of weight and 256 B a row of x)
 TILE_KEYWORDS = ("stages", "k_splits")
-
-
-def _weight_transforms():
-    return (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(BLOCK_K))
 
 
 def _x_transforms(dtype):
@@ -66,7 +62,7 @@ def _kernel(values_gmem, x_gmem, scales_gmem, y_gmem, *, steps_per_split: int, s
             k_step,
             grid=(steps_per_split,),
             in_specs=[
-                plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda k: (0, k), transforms=_weight_transforms()),
+                plgpu.BlockSpec((BLOCK_N, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms()),
                 plgpu.BlockSpec((num_rows, BLOCK_K), lambda k: (0, k), transforms=_x_transforms(x_gmem.dtype)),
             ],
             max_concurrent_steps=stages,
