@@ -21,6 +21,11 @@ def rows_bucket(num_rows: int, num_groups: int) -> str:
     return "few_rows" if num_rows <= FEW_ROWS_PER_GROUP * num_groups else "many_rows"
 
 
+def tokens_bucket(num_tokens: int) -> str:
+    """The routed-experts row kernels' bucket: "one_token" (one program column per output tile) or "tokens"."""
+    return "one_token" if num_tokens == 1 else "tokens"
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedTiles:
     """gpu_triton grouped kernels: block_m rows (for the weight gradient: rows a step), block_n x block_k tiles."""
@@ -168,8 +173,28 @@ ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the 
 # The row kernels on quantised experts at one token (same sweep): SwiGLU rows (8, 512, 4, 3) 71.1 us and down
 # (8, 512, 4, 3) 73.3 us, each with the other kernel at the bf16 default, against 82.7 us for the bf16 tiles
 # (MXFP4: 149.4 / 171.3 against 183.9).
-ROUTED_SWIGLU_QUANTIZED = _gpu({(ANY, ANY): Entry(RowTiles(8, 512, 4, 3), f"{_QUANTIZED}: FP8 71.1 us")})
-ROUTED_DOWN_QUANTIZED = _gpu({(ANY, ANY): Entry(RowTiles(8, 512, 4, 3), f"{_QUANTIZED}: FP8 73.3 us")})
+# At flash width (1280) on the H200 (docs/benchmarks/moe.md, 'Row-kernel tiles for FP8 experts at 1 and 8 tokens'):
+# one call of both kernels with the shared expert, the other kernel at (8, 512, 4, 3).
+_FLASH_ROWS = "FP8 experts at width 1280, both kernels and the shared expert, H200 2026-12-03"
+ROUTED_SWIGLU_QUANTIZED = _gpu(
+    {
+        (ANY, ANY): Entry(
+            RowTiles(16, 512, 4, 3),
+            f"{_FLASH_ROWS}: 71.4 / 375.2 us at 1 / 8 tokens against 78.9 / 384.8 for (8, 512, 4, 3)",
+        )
+    }
+)
+ROUTED_DOWN_QUANTIZED = _gpu(
+    {
+        ("one_token", ANY): Entry(
+            RowTiles(8, 512, 4, 3), f"{_FLASH_ROWS}: 78.9 us at 1 token; (32, 256, 8, 3) 88.4, (4, 256, 2, 4) 78.8"
+        ),
+        (ANY, ANY): Entry(
+            RowTiles(32, 256, 8, 3),
+            f"{_FLASH_ROWS}: 329.1 us at 8 tokens against 384.8 for (8, 512, 4, 3); 2-7 tokens not measured",
+        ),
+    }
+)
 SELECT_EXPERTS = _gpu(
     {
         (ANY, ANY): Entry(

@@ -192,8 +192,9 @@ def routed_experts_gpu(
         if dense
         else (tuned.ROUTED_SWIGLU_QUANTIZED, tuned.ROUTED_DOWN_QUANTIZED)
     )
-    swiglu_tiles = fill(swiglu_tiles, lookup(swiglu_table, dtype=x_TD.dtype))
-    down_tiles = fill(down_tiles, lookup(down_table, dtype=x_TD.dtype))
+    bucket = tuned.tokens_bucket(tokens)
+    swiglu_tiles = fill(swiglu_tiles, lookup(swiglu_table, dtype=x_TD.dtype, bucket=bucket))
+    down_tiles = fill(down_tiles, lookup(down_table, dtype=x_TD.dtype, bucket=bucket))
     rows = routed_rows + (tokens if shared else 0)
     experts_R = experts_TK.reshape(-1).astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
