@@ -26,13 +26,15 @@ Each time is per call of a chain of dependent calls in one program (`bench_commo
 Then sweeps of the weight-only kernels' launch settings: the fused kernels alone (rows
 already sorted) at the prefill size and at 64 tokens over (block_m, block_n, block_k, num_warps, num_stages,
 weight_left: the weight tile as the MMA's first operand), beside the bf16 kernels at their tuned tiles; the row
-kernels at one token over (block_n, block_k, num_warps, num_stages). The first setting of each list is the
-default for quantised experts (`pallas_kernels.moe.tuned`'s *_QUANTIZED tables).
+kernels with the shared expert at 1 and 8 tokens over (block_n, block_k, num_warps, num_stages), the first row of each
+the tuned default for that many tokens. The defaults for quantised experts are `pallas_kernels.moe.tuned`'s
+*_QUANTIZED tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -46,9 +48,11 @@ from bench_common import copy_bandwidth, median_seconds, per_call_seconds, rel_e
 
 from ling_jax.moe.experts import local_moe, sort_by_expert  # noqa: E402
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
+from pallas_kernels.moe import tuned  # noqa: E402
 from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, kernel, routed_experts  # noqa: E402
 from pallas_kernels.moe.xla_folded import routed_experts_xla  # noqa: E402
 from pallas_kernels.moe.xla_folded import takes as folded_takes  # noqa: E402
+from pallas_kernels.tuning import lookup  # noqa: E402
 
 LIMIT = 7.0
 FP8_BLOCK = (128, 128)
@@ -74,12 +78,23 @@ FUSED_SWEEP = {
         (16, 64, 256, 8, 3, True),
     ],
 }
-# (block_n, block_k, num_warps, num_stages) of the weight-only row kernels at one token; the first: the quantised
-# experts' default (`tuned.ROUTED_SWIGLU_QUANTIZED`, `tuned.ROUTED_DOWN_QUANTIZED`)
+# (block_n, block_k, num_warps, num_stages) of the weight-only row kernels, swept at ROW_SWEEP_TOKENS tokens, each
+# list against the other kernel at its tuned default for that many tokens (`tuned.ROUTED_SWIGLU_QUANTIZED`,
+# `tuned.ROUTED_DOWN_QUANTIZED`: buckets by `tuned.tokens_bucket`)
 ROW_SWEEP = {
-    "swiglu_tiles": [(8, 512, 4, 3), (8, 256, 4, 4), (8, 1024, 4, 3), (16, 512, 4, 3), (4, 1024, 4, 3)],
-    "down_tiles": [(8, 512, 4, 3), (8, 1024, 4, 3), (8, 256, 4, 3), (4, 1024, 4, 3), (16, 1024, 4, 3)],
+    "swiglu_tiles": [(8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (4, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 4)],
+    "down_tiles": [
+        (8, 512, 4, 3),
+        (32, 256, 8, 3),
+        (16, 256, 4, 3),
+        (8, 256, 2, 4),
+        (16, 512, 4, 3),
+        (4, 256, 2, 4),
+        (8, 1024, 4, 3),
+        (16, 128, 4, 4),
+    ],
 }
+ROW_SWEEP_TOKENS = (1, 8)
 
 
 def fp8_experts(key, shape) -> BlockFP8Weight:
@@ -251,29 +266,45 @@ def sweep_fused(sizes, stacks, iters: int, interpret: bool, count: int | None) -
             print(f"| {tokens} | {fmt} | {label} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} |", flush=True)
 
 
+def first_expert(stack):
+    """Expert 0 of a quantised stack as a one-expert weight (the sweep's shared expert)."""
+    return dataclasses.replace(stack, values=stack.values[0], scales=stack.scales[0])
+
+
 def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool, count: int | None) -> None:
-    print("\nweight-only row kernels at one token, tile sweep (block_n, block_k, num_warps, num_stages); us per call")
-    print("| experts | swiglu tiles | down tiles | us |")
-    print("|---|---|---|---|")
-    x = jax.random.normal(jax.random.key(1), (1, sizes["hidden"]), jnp.bfloat16)
-    weights, experts = routing(1, sizes["experts"], sizes["top_k"], seed=1)
+    print(
+        f"\nweight-only row kernels with the shared expert, tile sweep at {ROW_SWEEP_TOKENS} tokens (block_n, block_k, "
+        "num_warps, num_stages), each kernel's list against the other at its tuned default; us per call"
+    )
+    print("| tokens | experts | swiglu tiles | down tiles | us |")
+    print("|---|---|---|---|---|")
     entry = kernel("routed_experts", WEIGHT_ONLY)
-    default = {name: tiles[0] for name, tiles in ROW_SWEEP.items()}
-    for fmt in ("fp8", "mxfp4"):
-        for name, tile_list in ROW_SWEEP.items():
-            for tiles in (tile_list[1:] if name == "down_tiles" else tile_list)[:count]:  # the default once
-                setting = {**default, name: tiles}
-                fn = functools.partial(entry, limit=LIMIT, interpret=interpret, **setting)
+    for tokens in ROW_SWEEP_TOKENS:
+        x = jax.random.normal(jax.random.key(1), (tokens, sizes["hidden"]), jnp.bfloat16)
+        weights, experts = routing(tokens, sizes["experts"], sizes["top_k"], seed=1)
+        bucket = tuned.tokens_bucket(tokens)
+        default = {
+            "swiglu_tiles": dataclasses.astuple(lookup(tuned.ROUTED_SWIGLU_QUANTIZED, dtype=x.dtype, bucket=bucket)),
+            "down_tiles": dataclasses.astuple(lookup(tuned.ROUTED_DOWN_QUANTIZED, dtype=x.dtype, bucket=bucket)),
+        }
+        for fmt in ("fp8", "mxfp4"):
+            shared = tuple(first_expert(w) for w in stacks[fmt])
+            settings = [default] + [
+                {**default, name: tiles}
+                for name, tile_list in ROW_SWEEP.items()
+                for tiles in tile_list[:count]
+                if tiles != default[name]
+            ]
+            for setting in settings:
+                fn = functools.partial(entry, limit=LIMIT, shared_limit=LIMIT, interpret=interpret, **setting)
+                operands = (x, weights, experts, *stacks[fmt], shared)
+                cells = f"| {tokens} | {fmt} | {setting['swiglu_tiles']} | {setting['down_tiles']} |"
                 try:
-                    seconds = per_call_seconds(fn, nudge_x, x, weights, experts, *stacks[fmt], iters=iters, calls=calls)
+                    seconds = per_call_seconds(fn, nudge_x, *operands, iters=iters, calls=calls)
                 except Exception as error:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
-                    print(
-                        f"| {fmt} | {setting['swiglu_tiles']} | {setting['down_tiles']} | failed: {str(error)[:120]} |"
-                    )
+                    print(f"{cells} failed: {str(error)[:120]} |")
                     continue
-                print(
-                    f"| {fmt} | {setting['swiglu_tiles']} | {setting['down_tiles']} | {seconds * 1e6:.1f} |", flush=True
-                )
+                print(f"{cells} {seconds * 1e6:.1f} |", flush=True)
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,9 @@
 """Weight-only block-FP8 linear for decode batches on Hopper as a Pallas Mosaic GPU kernel: `weight_only_linear_mgpu`.
 
 Status: written 2026-12-03 from the batch-64 decode profile (the projections' Triton weight-only kernel read ~1
-TB/s), CUDA lowering tested; not yet run on a GPU, so a named variant only (`fp8.ops`, "gpu_mosaic" of
-`weight_only_linear`) until `pytest -m gpu` and `scripts/bench_fp8_linear.py --sweep weight-only-mosaic` have.
+TB/s); CUDA lowering tested in CI, correct on the H200 (`pytest -m gpu`), and 10-20% faster than the Triton kernel
+at 32-128 rows but still ~1 TB/s at best (docs/benchmarks/matmul.md, 'The Mosaic weight-only kernel on the H200'):
+a named variant only (`fp8.ops`, "gpu_mosaic" of `weight_only_linear`).
 
 The product of `reference.weight_only_linear_reference` (W dequantised to x's dtype, then x @ W^T with fp32 sums),
 computed transposed so that the weight is wgmma's register operand: one CTA (one warpgroup) per 64 weight rows

@@ -185,7 +185,8 @@ WEIGHT_ONLY_MOSAIC = _gpu(
     {
         (ANY, ANY): Entry(
             MosaicWeightOnlyTiles(4, 2),
-            "not measured: scripts/bench_fp8_linear.py --sweep weight-only-mosaic sweeps it (issue 25)",
+            "docs/benchmarks/matmul.md, 'The Mosaic weight-only kernel on the H200': 8192 x 4096 at 8 / 32 / 64 / 128 "
+            "rows 25.2 / 32.3 / 36.5 / 46.6 us (second run); no setting best at every size",
         )
     }
 )

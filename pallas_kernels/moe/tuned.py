@@ -174,7 +174,8 @@ ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the 
 # (8, 512, 4, 3) 73.3 us, each with the other kernel at the bf16 default, against 82.7 us for the bf16 tiles
 # (MXFP4: 149.4 / 171.3 against 183.9).
 # At flash width (1280) on the H200 (docs/benchmarks/moe.md, 'Row-kernel tiles for FP8 experts at 1 and 8 tokens'):
-# one call of both kernels with the shared expert, the other kernel at (8, 512, 4, 3).
+# one call of both kernels with the shared expert, the other kernel at (8, 512, 4, 3). MXFP4 experts take the same
+# entries, not measured with them.
 _FLASH_ROWS = "FP8 experts at width 1280, both kernels and the shared expert, H200 2026-12-03"
 ROUTED_SWIGLU_QUANTIZED = _gpu(
     {

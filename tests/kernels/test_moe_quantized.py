@@ -7,6 +7,7 @@ checkpoint on the interpret GPU backend; CUDA lowering at Ling-3.1-flash size; t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -531,3 +532,19 @@ def test_quantised_experts_take_their_own_launch_defaults():
     assert _launch_defaults(fp8, tables, None, **few) == (tuned.GATHER_SWIGLU_QUANTIZED, True)
     assert _launch_defaults(fp8, tables, None, **many) == (tuned.GATHER_SWIGLU_QUANTIZED, False)
     assert _launch_defaults(fp8, tables, False, **few) == (tuned.GATHER_SWIGLU_QUANTIZED, False)
+
+
+def test_row_kernels_take_tiles_by_format_and_tokens():
+    """The routed-experts row kernels' defaults: the bf16 tables for dense experts; for quantised ones SwiGLU
+    (16, 512, 4, 3) and down (8, 512, 4, 3) at one token, (32, 256, 8, 3) above (the H200 sweep); given ones win."""
+    from pallas_kernels.moe import tuned
+    from pallas_kernels.moe.gpu_triton.decode import launch_tiles
+    from pallas_kernels.tuning import lookup
+
+    unset = (None,) * 4
+    assert launch_tiles(True, 8, jnp.bfloat16, unset, unset) == tuple(
+        dataclasses.astuple(lookup(table, dtype=jnp.bfloat16)) for table in (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
+    )
+    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3), (8, 512, 4, 3))
+    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3), (32, 256, 8, 3))
+    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3)

@@ -139,6 +139,22 @@ def _tile(size: int, wanted: int) -> int:
     return min(wanted, pl.next_power_of_2(size))
 
 
+def launch_tiles(dense: bool, tokens: int, dtype, swiglu_tiles: tuple, down_tiles: tuple) -> tuple[tuple, tuple]:
+    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages): the given ones, None ones from
+    `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their *_QUANTIZED tables, by
+    `tuned.tokens_bucket`."""
+    swiglu_table, down_table = (
+        (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
+        if dense
+        else (tuned.ROUTED_SWIGLU_QUANTIZED, tuned.ROUTED_DOWN_QUANTIZED)
+    )
+    bucket = tuned.tokens_bucket(tokens)
+    return (
+        fill(swiglu_tiles, lookup(swiglu_table, dtype=dtype, bucket=bucket)),
+        fill(down_tiles, lookup(down_table, dtype=dtype, bucket=bucket)),
+    )
+
+
 def _kernel_weights(weights, names):
     """(formats, the kernel's operands, read as stored) of weights named `names`: the routed ones [E, ...] as
     they are, the shared expert's (names "shared ...") as one-expert stacks [1, ...]."""
@@ -170,8 +186,8 @@ def routed_experts_gpu(
     is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
-    Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two; None ones from
-    `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (quantised routed experts: the *_QUANTIZED tables)."""
+    Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two; None ones from the tuned
+    tables (`launch_tiles`)."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]
@@ -187,14 +203,7 @@ def routed_experts_gpu(
     )
     down_formats, down_weights = _kernel_weights((down_EDI, *shared[2:]), ("down", "shared down"))
     dense = all(isinstance(f, Dense) for f in swiglu_formats[:2] + down_formats[:1])
-    swiglu_table, down_table = (
-        (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
-        if dense
-        else (tuned.ROUTED_SWIGLU_QUANTIZED, tuned.ROUTED_DOWN_QUANTIZED)
-    )
-    bucket = tuned.tokens_bucket(tokens)
-    swiglu_tiles = fill(swiglu_tiles, lookup(swiglu_table, dtype=x_TD.dtype, bucket=bucket))
-    down_tiles = fill(down_tiles, lookup(down_table, dtype=x_TD.dtype, bucket=bucket))
+    swiglu_tiles, down_tiles = launch_tiles(dense, tokens, x_TD.dtype, swiglu_tiles, down_tiles)
     rows = routed_rows + (tokens if shared else 0)
     experts_R = experts_TK.reshape(-1).astype(jnp.int32)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
