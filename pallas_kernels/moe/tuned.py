@@ -2,7 +2,8 @@
 
 The *_QUANTIZED tables are the fused and row kernels' settings for quantised experts (block FP8, MXFP4), read as
 stored. Buckets of the grouped kernels: "few_rows" (decode: the groups average at most FEW_ROWS_PER_GROUP rows, so each
-call streams the picked experts' weights) and "many_rows" (`rows_bucket`). The GPU entries were measured on an
+call streams the picked experts' weights) and "many_rows" (`rows_bucket`); of the routed-experts row kernels:
+"one_token" and "tokens" (`tokens_bucket`). The GPU entries were measured on an
 H200 at hidden 4096, 512 experts, top-8, width 1024, bf16 (the Ling-3.1-flash preset before its published widths;
 the published expert width is 1280); other GPUs take the same values (the ANY entries). fp32 (IEEE products, no
 tensor cores) is untuned: its entries are the 16-bit ones shrunk to fit, not measured.
@@ -22,7 +23,8 @@ def rows_bucket(num_rows: int, num_groups: int) -> str:
 
 
 def tokens_bucket(num_tokens: int) -> str:
-    """The routed-experts row kernels' bucket: "one_token" (one program column per output tile) or "tokens"."""
+    """The routed-experts row kernels' bucket: "one_token" or "tokens" (more than one; the down kernel's grid has
+    tokens x D / block_n programs, so one token takes narrower tiles to fill the SMs)."""
     return "one_token" if num_tokens == 1 else "tokens"
 
 
@@ -170,11 +172,9 @@ _ROUTED = (
 )
 ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 256, 4, 4), f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us")})
 ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the down + combine default stayed")})
-# The row kernels on quantised experts at one token (same sweep): SwiGLU rows (8, 512, 4, 3) 71.1 us and down
-# (8, 512, 4, 3) 73.3 us, each with the other kernel at the bf16 default, against 82.7 us for the bf16 tiles
-# (MXFP4: 149.4 / 171.3 against 183.9).
-# At flash width (1280) on the H200 (docs/benchmarks/moe.md, 'Row-kernel tiles for FP8 experts at 1 and 8 tokens'):
-# one call of both kernels with the shared expert, the other kernel at (8, 512, 4, 3). MXFP4 experts take the same
+# The row kernels on quantised experts, by `tokens_bucket`: docs/benchmarks/moe.md, 'W8A8 re-timed with min_block_m
+# 64, and the FP8 row kernels' tiles at 1 and 8 tokens' (Ling-3.1-flash width 1280, one call of both kernels with the
+# shared expert, the other kernel at (8, 512, 4, 3), the earlier default of both). MXFP4 experts take the same
 # entries, not measured with them.
 _FLASH_ROWS = "FP8 experts at width 1280, both kernels and the shared expert, H200 2026-12-03"
 ROUTED_SWIGLU_QUANTIZED = _gpu(
