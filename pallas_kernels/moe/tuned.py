@@ -3,9 +3,9 @@
 The *_QUANTIZED tables are the fused and row kernels' settings for quantised experts (block FP8, MXFP4), read as
 stored. Buckets of the grouped kernels: "few_rows" (decode: the groups average at most FEW_ROWS_PER_GROUP rows, so each
 call streams the picked experts' weights) and "many_rows" (`rows_bucket`); of the routed-experts row kernels:
-"one_token" and "tokens" (`tokens_bucket`). The GPU entries were measured on an
-H200 at hidden 4096, 512 experts, top-8, width 1024, bf16 (the Ling-3.1-flash preset before its published widths;
-the published expert width is 1280); other GPUs take the same values (the ANY entries). fp32 (IEEE products, no
+"one_token" and "tokens" (`tokens_bucket`). The GPU entries were measured on an H200 at hidden 4096, 512 experts,
+top-8, width 1024, bf16 (the Ling-3.1-flash preset before its published widths; the published expert width is 1280),
+unless their notes say otherwise; other GPUs take the same values (the ANY entries). fp32 (IEEE products, no
 tensor cores) is untuned: its entries are the 16-bit ones shrunk to fit, not measured.
 """
 
