@@ -84,7 +84,8 @@ def _kernel(
     first_step = pl.program_id(1) * steps_per_split
     last_step = jnp.minimum(first_step + steps_per_split, num_steps)
 
-    def k_step(step, acc_MN):
+    def k_step(step, acc):
+        """acc: [block_m, block_n], or [block_n, block_m] with weight_left."""
         k0 = step * block_k
         k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
         lhs_MK = _load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], _mask(rows_ok_M, k_ok_K))
@@ -93,18 +94,18 @@ def _kernel(
         if row_scales_ref:
             row_scale_M = _load(row_scales_ref[0].at[pl.ds(row0, block_m), step], rows_ok_M)
             if tc_accumulated:
-                return acc_MN + scaled_fp8_product(lhs_MK, w_NK, row_scale_M, scale)
+                return acc + scaled_fp8_product(lhs_MK, w_NK, row_scale_M, scale)
         allow_tf32 = compute_dtype != jnp.float32
         if weight_left:
-            return acc_MN + plgpu.dot(w_NK.astype(compute_dtype), lhs_MK, trans_b=True, allow_tf32=allow_tf32) * scale
+            return acc + plgpu.dot(w_NK.astype(compute_dtype), lhs_MK, trans_b=True, allow_tf32=allow_tf32) * scale
         partial_MN = plgpu.dot(lhs_MK, w_NK.astype(compute_dtype), trans_b=True, allow_tf32=allow_tf32)
         if row_scales_ref:
-            return acc_MN + partial_MN * (row_scale_M[:, None] * scale)
-        return acc_MN + partial_MN * scale
+            return acc + partial_MN * (row_scale_M[:, None] * scale)
+        return acc + partial_MN * scale
 
     acc_shape = (block_n, block_m) if weight_left else (block_m, block_n)
-    acc_MN = jax.lax.fori_loop(first_step, last_step, k_step, jnp.zeros(acc_shape, jnp.float32))
-    acc_MN = acc_MN.T if weight_left else acc_MN
+    acc = jax.lax.fori_loop(first_step, last_step, k_step, jnp.zeros(acc_shape, jnp.float32))
+    acc_MN = acc.T if weight_left else acc
     split = (pl.program_id(1),) if tiles.k_splits > 1 else ()
     plgpu.store(
         y_ref.at[(*split, pl.ds(row0, block_m), pl.ds(col0, block_n))],
