@@ -21,7 +21,7 @@ from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.context import TokenContext
 from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, param, params_of
-from ling_jax.policy import ExecutionPolicy, KDAMode, KernelBackend, as_policy
+from ling_jax.policy import ExecutionPolicy, KDAMode, as_policy
 from ling_jax.sharding import per_shard
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
 from pallas_kernels.kda.reference import kda_recurrent
@@ -67,9 +67,9 @@ def step_windows(window_BWC, u_BTC):
     return jnp.stack([full[:, t + 1 : t + 1 + taps_minus_one] for t in range(u_BTC.shape[1])], axis=1)
 
 
-def _gate_inputs(weights: Weights, x_BTD, config: LingConfig, backend: str = "reference"):
+def _gate_inputs(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionPolicy):
     """The forget-gate and output-gate pre-activations [B, T, C] (full-rank or low-rank projections)."""
-    proj = functools.partial(linear, backend=backend)
+    proj = functools.partial(linear, policy=policy)
     if config.no_kda_lora:
         return proj(weights["f_proj"], x_BTD), proj(weights["g_proj"], x_BTD)
     return (
@@ -118,9 +118,8 @@ def kda_attention(
         state,
         ctx.mask_BT,
         cfg,
-        mode=ctx.policy.kda_mode,
         chunk_size=chunk_size,
-        backend=ctx.kernel_backend,
+        policy=ctx.policy,
     )
 
 
@@ -131,16 +130,14 @@ def _kda(
     mask_BT,
     config: LingConfig,
     *,
-    mode: KDAMode,
     chunk_size: int,
-    backend: KernelBackend,
+    policy: ExecutionPolicy,
 ):
     c = config
+    mode, backend = policy.kda_mode, policy.kernel_backend
     batch, length, _ = x_BTD.shape
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
-    mixed = jnp.concatenate(
-        [linear(weights[name], x_BTD, backend=backend) for name in ("q_proj", "k_proj", "v_proj")], axis=-1
-    )
+    mixed = jnp.concatenate([linear(weights[name], x_BTD, policy) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
     conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
     if mask_BT is not None:
         mixed = jnp.where(mask_BT[..., None], mixed, 0)
@@ -149,9 +146,9 @@ def _kda(
     conv_inputs_BTC = mixed
     mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
     q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
-    f, r = _gate_inputs(weights, x_BTD, c, backend)
+    f, r = _gate_inputs(weights, x_BTD, c, policy)
     g = log_decay(weights, f, c)
-    beta = jax.nn.sigmoid(linear(weights["b_proj"], x_BTD, backend=backend).astype(jnp.float32))
+    beta = jax.nn.sigmoid(linear(weights["b_proj"], x_BTD, policy).astype(jnp.float32))
     if mask_BT is not None:
         g = jnp.where(mask_BT[..., None, None], g, 0.0)
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
@@ -180,7 +177,7 @@ def _kda(
         valid = ", ".join(repr(m.value) for m in KDAMode)
         raise ValueError(f"KDA mode must be one of {valid}, got {mode!r}")
     o = gated_rms_norm(weights["o_norm"], o, r.reshape(batch, length, heads, head_dim), c.rms_norm_eps)
-    y = linear(weights["dense"], o.reshape(batch, length, width), backend=backend)
+    y = linear(weights["dense"], o.reshape(batch, length, width), policy)
     return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
 
 
@@ -235,7 +232,6 @@ class KimiDeltaAttention(nnx.Module):
             state,
             mask_BT,
             self.config,
-            mode=mode,
             chunk_size=chunk_size,
-            backend=as_policy(policy).kernel_backend,
+            policy=as_policy(policy).replace(kda_mode=mode),
         )

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.policy import FP8Matmul
+from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend, as_policy
 from ling_jax.quantized import BlockFP8Weight, dequantized
 from ling_jax.sharding import per_shard
 from pallas_kernels.fp8 import fp8_linear
@@ -57,23 +57,25 @@ def fp8_matmul_in_scope() -> FP8Matmul:
     return _FP8_MATMUL.get()
 
 
-def project(x: jax.Array, weight, *, backend: str = "reference") -> jax.Array:
+def project(x: jax.Array, weight, policy: ExecutionPolicy | None = None) -> jax.Array:
     """x @ weight.T, weight [out, in] (checkpoint layout). A block-FP8 matrix runs `pallas_kernels.fp8.fp8_linear`
-    with `backend` on one device, and as the reference under a mesh (a Pallas call does not split over one), in the
-    mode of the enclosing `fp8_matmul_scope`: AUTO by the row count (on a GPU: weight-only FP8 kernels for a few
+    with the policy's kernel backend on one device, and as the reference under a mesh (a Pallas call does not split
+    over one), in the policy's `fp8_matmul` mode: AUTO by the row count (on a GPU: weight-only FP8 kernels for a few
     tokens), WEIGHT_ONLY or W8A8 always (W8A8's reference quantises the activations too). The reference, like any
-    other weight, is the weight cast (or dequantised) to x's dtype, then the product."""
+    other weight, is the weight cast (or dequantised) to x's dtype, then the product. policy None:
+    `ExecutionPolicy()`."""
     if isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2:
+        policy = as_policy(policy)
         on_one_device = jax.sharding.get_abstract_mesh().empty
-        fp8_matmul = fp8_matmul_in_scope()
-        mode = None if fp8_matmul == FP8Matmul.AUTO else fp8_matmul.value
-        return fp8_linear(x, weight, backend=backend if on_one_device else "reference", mode=mode)
+        backend = policy.kernel_backend if on_one_device else KernelBackend.REFERENCE
+        mode = None if policy.fp8_matmul == FP8Matmul.AUTO else policy.fp8_matmul
+        return fp8_linear(x, weight, backend=backend, mode=mode)
     return jnp.einsum("...i,oi->...o", x, dequantized(weight, x.dtype))
 
 
-def linear(weights: Weights, x: jax.Array, *, backend: str = "reference") -> jax.Array:
+def linear(weights: Weights, x: jax.Array, policy: ExecutionPolicy | None = None) -> jax.Array:
     """x @ weight.T (`project`)."""
-    return project(x, weights["weight"], backend=backend)
+    return project(x, weights["weight"], policy)
 
 
 def rms_norm(weights: Weights, x: jax.Array, eps: float, *, backend: str = "reference") -> jax.Array:

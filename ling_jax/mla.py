@@ -18,7 +18,7 @@ from ling_jax.cache import MLAState, PagedMLAState
 from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext
 from ling_jax.layers import Linear, RMSNorm, Weights, linear, params_of, rms_norm
-from ling_jax.policy import ExecutionPolicy, KernelBackend, MLAMode, as_policy
+from ling_jax.policy import ExecutionPolicy, MLAMode, as_policy
 from ling_jax.quantized import dequantized
 from ling_jax.rope import apply_rope, softmax_scale
 from ling_jax.sharding import per_shard
@@ -37,22 +37,22 @@ _BN = ("activation_batch", None)
 _HCR = ("heads", None, None)
 
 
-def _queries(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, backend: str):
+def _queries(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, policy: ExecutionPolicy):
     c = cfg
     if c.q_lora_rank is None:
-        q = linear(weights["q_proj"], x_BTD, backend=backend)
+        q = linear(weights["q_proj"], x_BTD, policy)
     else:
-        q_a = rms_norm(weights["q_a_layernorm"], linear(weights["q_a_proj"], x_BTD, backend=backend), c.rms_norm_eps)
-        q = linear(weights["q_b_proj"], q_a, backend=backend)
+        q_a = rms_norm(weights["q_a_layernorm"], linear(weights["q_a_proj"], x_BTD, policy), c.rms_norm_eps)
+        q = linear(weights["q_b_proj"], q_a, policy)
     q_BTHQ = q.reshape(*x_BTD.shape[:2], c.num_attention_heads, c.qk_head_dim)
     q_nope, q_pe = q_BTHQ[..., : c.qk_nope_head_dim], q_BTHQ[..., c.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, cos, sin, interleave=c.rope.interleave)
 
 
-def mla_latent(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, *, backend: str = "reference") -> jax.Array:
+def mla_latent(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, policy: ExecutionPolicy | None = None) -> jax.Array:
     """The per-token cache entry [c_kv after kv_a_layernorm ; k_pe after RoPE], [B, T, latent_dim]."""
     c = cfg
-    kv = linear(weights["kv_a_proj_with_mqa"], x_BTD, backend=backend)
+    kv = linear(weights["kv_a_proj_with_mqa"], x_BTD, policy)
     c_kv = rms_norm(weights["kv_a_layernorm"], kv[..., : c.kv_lora_rank], c.rms_norm_eps)
     k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, interleave=c.rope.interleave)
     return jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
@@ -78,24 +78,25 @@ def mla_attend(
     visibility: KeyVisibility,
     mode: MLAMode,
     decode_lengths_B,
-    backend: KernelBackend,
+    policy: ExecutionPolicy,
     page_table_BN=None,
 ) -> jax.Array:
     """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
 
     cos, sin: [B, T, rope_dim/2] for the queries. Expanded mode is the flash-style prefill path
-    (`pallas_kernels.mla.mla_prefill` with `backend`: memory O(block^2), not O(T x S)).
+    (`pallas_kernels.mla.mla_prefill` with the policy's kernel backend: memory O(block^2), not O(T x S)).
     decode_lengths_B: for a one-token decode over a cache whose first lengths[b] slots are visible,
-    absorbed mode runs `pallas_kernels.mla.mla_decode` with `backend`.
+    absorbed mode runs `pallas_kernels.mla.mla_decode` with it.
     page_table_BN: keys_BSA is then a paged cache's pages [P, page_size, A] (`ling_jax.cache`): a decode reads
     them in place (`mla_decode_paged`), every other call attends to each sequence's pages gathered in order.
     """
     c = cfg
+    backend = policy.kernel_backend
     paged_decode = page_table_BN is not None and mode == ABSORBED and decode_lengths_B is not None
     if page_table_BN is not None and not paged_decode:
         keys_BSA = gather_pages(keys_BSA, page_table_BN)
     scale = softmax_scale(c)
-    q_nope, q_pe = _queries(weights, x_BTD, cos, sin, c, backend)
+    q_nope, q_pe = _queries(weights, x_BTD, cos, sin, c, policy)
     kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
@@ -133,9 +134,9 @@ def mla_attend(
     else:
         valid = ", ".join(repr(m.value) for m in MLAMode)
         raise ValueError(f"MLA mode must be one of {valid}, got {mode!r}")
-    gate_BTH = jax.nn.sigmoid(linear(weights["g_proj"], x_BTD, backend=backend).astype(jnp.float32))
+    gate_BTH = jax.nn.sigmoid(linear(weights["g_proj"], x_BTD, policy).astype(jnp.float32))
     o_BTHV = o_BTHV * gate_BTH.astype(x_BTD.dtype)[..., None]
-    return linear(weights["dense"], o_BTHV.reshape(*x_BTD.shape[:2], -1), backend=backend)
+    return linear(weights["dense"], o_BTHV.reshape(*x_BTD.shape[:2], -1), policy)
 
 
 def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: TokenContext, cfg: LingConfig):
@@ -147,7 +148,7 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
     cache's visible slots (`ctx.visibility`), so a prefill then decodes over the returned cache equal one full
     call. Mode and kernel backend: `ctx.policy`.
     """
-    latent_BTA = mla_latent(weights, x_BTD, ctx.cos, ctx.sin, cfg, backend=ctx.kernel_backend)
+    latent_BTA = mla_latent(weights, x_BTD, ctx.cos, ctx.sin, cfg, ctx.policy)
     page_table_BN = None
     if cache is None:
         keys_BSA = latent_BTA
@@ -175,7 +176,7 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
         visibility=ctx.visibility,
         mode=ctx.mla_mode,
         decode_lengths_B=ctx.decode_lengths_B,
-        backend=ctx.kernel_backend,
+        policy=ctx.policy,
         page_table_BN=page_table_BN,
     )
     return y, cache
@@ -234,5 +235,5 @@ class MultiLatentAttention(nnx.Module):
             visibility=visibility,
             mode=mode,
             decode_lengths_B=decode_lengths_B,
-            backend=as_policy(policy).kernel_backend,
+            policy=as_policy(policy),
         )

@@ -83,7 +83,7 @@ def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, 
             y, stats = moe_block_with_stats(weights["mlp"], x, cfg, layer=layer, policy=ctx.policy)
     else:
         with jax.named_scope("mlp"):
-            y = dense_mlp(weights["mlp"], x, backend=ctx.kernel_backend)  # never clipped (spec §4)
+            y = dense_mlp(weights["mlp"], x, policy=ctx.policy)  # never clipped (spec §4)
     return constrain(h_BTD + constrain(y, *ACTIVATION_BTD), *ACTIVATION_BTD), state, stats
 
 

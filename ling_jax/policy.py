@@ -17,17 +17,9 @@ import dataclasses
 import enum
 from typing import Any
 
+from pallas_kernels.backend import FP8Matmul, KernelBackend
 
-class KernelBackend(enum.StrEnum):
-    """Which implementation the Pallas entry points run (`pallas_kernels.backend.resolve_backend`)."""
-
-    AUTO = "auto"  # the platform's kernels: GPU or TPU Pallas, the jnp references on a CPU
-    REFERENCE = "reference"
-    PALLAS_GPU = "pallas_gpu"
-    PALLAS_TPU = "pallas_tpu"
-    INTERPRET = "interpret"  # = INTERPRET_TPU
-    INTERPRET_GPU = "interpret_gpu"  # Pallas interpret mode on any platform (CPU tests)
-    INTERPRET_TPU = "interpret_tpu"
+__all__ = ["ExecutionPolicy", "FP8Matmul", "KDAMode", "KernelBackend", "MLAMode", "MoEExchange", "as_policy"]
 
 
 class KDAMode(enum.StrEnum):
@@ -47,14 +39,6 @@ class MoEExchange(enum.StrEnum):
     AUTO = "auto"
     RAGGED = "ragged"
     DENSE = "dense"
-
-
-class FP8Matmul(enum.StrEnum):
-    """How a block-FP8 linear multiplies (`ling_jax.layers.project`, `pallas_kernels.fp8.fp8_linear`'s modes)."""
-
-    AUTO = "auto"  # weight-only numerics at every size: on a GPU the kernels by the call's rows (`fp8.tuned`)
-    WEIGHT_ONLY = "weight_only"  # the FP8 weight dequantised on chip, products in the activations' dtype
-    W8A8 = "w8a8"  # activations quantised per token in 1 x 128 groups to e4m3, FP8 x FP8 products, every size
 
 
 def _member(enum_type: type[enum.StrEnum], value: Any, field: str, *, optional: bool = False):

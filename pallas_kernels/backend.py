@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable
 
 import jax
 
-BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "interpret", "interpret_gpu", "interpret_tpu")
+
+class KernelBackend(enum.StrEnum):
+    """Which implementation the Pallas entry points run (`resolve_backend`)."""
+
+    AUTO = "auto"  # the platform's kernels: GPU or TPU Pallas, the jnp references on a CPU
+    REFERENCE = "reference"
+    PALLAS_GPU = "pallas_gpu"
+    PALLAS_TPU = "pallas_tpu"
+    INTERPRET = "interpret"  # = INTERPRET_TPU
+    INTERPRET_GPU = "interpret_gpu"  # Pallas interpret mode on any platform (CPU tests)
+    INTERPRET_TPU = "interpret_tpu"
+
+
+class FP8Matmul(enum.StrEnum):
+    """How a block-FP8 linear multiplies (`pallas_kernels.fp8.fp8_linear`'s modes, the policy's `fp8_matmul`)."""
+
+    AUTO = "auto"  # weight-only numerics at every size: on a GPU the kernels by the call's rows (`fp8.tuned`)
+    WEIGHT_ONLY = "weight_only"  # the FP8 weight dequantised on chip, products in the activations' dtype
+    W8A8 = "w8a8"  # activations quantised per token in 1 x 128 groups to e4m3, FP8 x FP8 products, every size
+
+
+BACKENDS = tuple(KernelBackend)
 KERNEL_TARGET = {
     "pallas_gpu": "gpu",
     "interpret_gpu": "gpu",

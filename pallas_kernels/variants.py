@@ -22,10 +22,15 @@ class Variant:
     """One implementation of an op. platform: "gpu" or "tpu" for a Pallas kernel (compiled there, or interpreted
     on any platform with the matching "interpret_*" backend), None for the jnp reference. kernel: its entry
     point; a kernel variant's takes the op's arrays, the op's keywords, `interpret` and block-size overrides
-    (None: the op's `tuned.py` table)."""
+    (None: the op's `tuned.py` table). takes: which calls it supports, asked with the op's arrays (and the
+    keywords the op documents for it); None: every call the op accepts."""
 
     platform: str | None
     kernel: Callable
+    takes: Callable[..., bool] | None = None
+
+    def supports(self, *args, **kwargs) -> bool:
+        return self.takes is None or self.takes(*args, **kwargs)
 
 
 Registry = Mapping[str, Mapping[str, Variant]]

@@ -19,7 +19,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers import Linear, Weights, normal_param, param, params_of
 from ling_jax.moe.expert_parallel import moe_parallel, uses_model_parallelism
 from ling_jax.moe.experts import SharedExpert, expert_load, local_moe, swiglu_ffn
-from ling_jax.policy import ExecutionPolicy, MoEExchange, as_policy
+from ling_jax.policy import ExecutionPolicy, as_policy
 from ling_jax.sharding import per_shard
 from pallas_kernels.backend import resolve_backend
 from pallas_kernels.moe.ops import RoutingRule, select_experts
@@ -32,10 +32,12 @@ def shared_expert(weights: Weights, limit: float | None) -> SharedExpert:
     )
 
 
-def dense_mlp(weights: Weights, x: jax.Array, *, limit: float | None = None, backend: str = "reference") -> jax.Array:
-    """The dense SwiGLU MLP (also the shared expert): down(swiglu(gate(x), up(x), limit)); backend: the FP8
-    kernels' for block-FP8 weights (`swiglu_ffn`)."""
-    return swiglu_ffn(x, *shared_expert(weights, limit), backend=backend)
+def dense_mlp(
+    weights: Weights, x: jax.Array, *, limit: float | None = None, policy: ExecutionPolicy | None = None
+) -> jax.Array:
+    """The dense SwiGLU MLP (also the shared expert): down(swiglu(gate(x), up(x), limit)); policy: how block-FP8
+    weights multiply (`swiglu_ffn`)."""
+    return swiglu_ffn(x, *shared_expert(weights, limit), policy)
 
 
 def routing_rule(config: LingConfig) -> RoutingRule:
@@ -75,9 +77,7 @@ def routed_experts_block(
     experts_TK,
     *,
     limit: float | None,
-    backend: str,
-    capacity_factor: float | None = None,
-    exchange: MoEExchange = MoEExchange.AUTO,
+    policy: ExecutionPolicy,
     shared: SharedExpert | None = None,
 ):
     """The routed experts (`gate_proj` / `up_proj` [E, I, D], `down_proj` [E, D, I]) on the rows routed to them
@@ -98,16 +98,16 @@ def routed_experts_block(
                 *stacked,
                 limit=limit,
                 mesh=mesh,
-                capacity_factor=capacity_factor,
-                backend=backend,
-                exchange=exchange,
+                capacity_factor=policy.moe_capacity_factor,
+                backend=resolve_backend(policy.kernel_backend),
+                exchange=policy.moe_exchange,
             )
         if shared is None:
             return routed, dropped
         with jax.named_scope("shared_expert"):
-            shared_TD = swiglu_ffn(x_TD, *shared)
+            shared_TD = swiglu_ffn(x_TD, *shared, policy)
         return routed + shared_TD, dropped
-    return local_moe(x_TD, weights_TK, experts_TK, *stacked, limit, backend=backend, shared=shared), jnp.int32(0)
+    return local_moe(x_TD, weights_TK, experts_TK, *stacked, limit, policy=policy, shared=shared), jnp.int32(0)
 
 
 def moe_block(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: ExecutionPolicy | None = None):
@@ -136,9 +136,7 @@ def moe_block_with_stats(
         weights_TK,
         experts_TK,
         limit=cfg.swiglu_limit(layer, shared=False),
-        backend=backend,
-        capacity_factor=policy.moe_capacity_factor,
-        exchange=policy.moe_exchange,
+        policy=policy,
         shared=shared,
     )
     stats = {"expert_load": expert_load(experts_TK, cfg.num_experts), "dropped_assignments": dropped}
@@ -197,21 +195,11 @@ class Experts(nnx.Module):
         weights_TK,
         experts_TK,
         *,
-        backend: str = "reference",
-        capacity_factor: float | None = None,
-        exchange: MoEExchange = MoEExchange.AUTO,
+        policy: ExecutionPolicy | None = None,
         shared: SharedExpert | None = None,
     ):
         return routed_experts_block(
-            params_of(self),
-            x_TD,
-            weights_TK,
-            experts_TK,
-            limit=self.limit,
-            backend=backend,
-            capacity_factor=capacity_factor,
-            exchange=exchange,
-            shared=shared,
+            params_of(self), x_TD, weights_TK, experts_TK, limit=self.limit, policy=as_policy(policy), shared=shared
         )
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ling_jax.layers import fp8_matmul_in_scope, project
-from ling_jax.policy import FP8Matmul
+from ling_jax.policy import ExecutionPolicy, FP8Matmul
 from ling_jax.quantized import dequantized
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.moe.ops import (
@@ -57,10 +57,10 @@ class SharedExpert(NamedTuple):
     limit: float | None
 
 
-def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None, *, backend: str = "reference") -> jax.Array:
+def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None, policy: ExecutionPolicy | None = None) -> jax.Array:
     """down(swiglu(gate(x), up(x), limit)), each product a `project` (the weights cast or dequantised to x's dtype,
-    or the FP8 kernels with `backend`): the dense MLP and shared expert."""
-    linear = functools.partial(project, backend=backend)
+    or the FP8 kernels as the policy says): the dense MLP and shared expert."""
+    linear = functools.partial(project, policy=policy)
     return linear(swiglu(linear(x, gate_ID), linear(x, up_ID), limit), down_DI)
 
 
@@ -285,7 +285,7 @@ def local_moe(
     down_EDI,
     limit: float | None,
     *,
-    backend: str,
+    policy: ExecutionPolicy,
     shared: SharedExpert | None = None,
 ):
     """All experts on this device, plus the shared expert when given: `grouped_local_moe` (on token chunks whose
@@ -295,6 +295,7 @@ def local_moe(
     or shared) as the kernels' ops take them: on a GPU the fused path reads them as stored (weight-only, or W8A8
     under a W8A8 scope: `runs_w8a8`, which also keeps every call off the row path); the row path reads block-FP8
     experts as stored and dequantises only the picked MXFP4 ones."""
+    backend = resolve_backend(policy.kernel_backend)
     tokens, top_k = experts_TK.shape
     row_path = (
         _runs_gpu_kernels(backend) and tokens * top_k <= ROW_PATH_MAX_ROWS and not runs_w8a8(gate_EID, up_EID, down_EDI)
@@ -325,5 +326,5 @@ def local_moe(
     if shared is None:
         return routed_TD
     with jax.named_scope("shared_expert"):
-        shared_TD = swiglu_ffn(x_TD, *shared, backend=backend)
+        shared_TD = swiglu_ffn(x_TD, *shared, policy)
     return routed_TD + shared_TD

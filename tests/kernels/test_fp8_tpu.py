@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from tpu_lowering import TPU_KINDS, abstract_tpu, calls_a_kernel, lower_for_tpu
 
 from ling_jax.layers import project
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels import tpu_dequant
 from pallas_kernels.fp8 import fp8_linear
@@ -92,7 +93,9 @@ def test_tpu_backends_run_the_kernel_weight_only():
     on = lambda backend, **mode: lambda x: fp8_linear(x, weight, backend=backend, **mode)
     assert calls_a_kernel(on("interpret_tpu"), x) and calls_a_kernel(on("interpret_tpu"), x.astype(jnp.bfloat16))
     assert not calls_a_kernel(on("interpret_tpu", mode=W8A8), x) and not calls_a_kernel(on("reference"), x)
-    assert calls_a_kernel(lambda x: project(x, weight, backend="interpret_tpu"), x)  # the model's linear layers
+    assert calls_a_kernel(
+        lambda x: project(x, weight, ExecutionPolicy(kernel_backend="interpret_tpu")), x
+    )  # the model's linear layers
     probe = random_x(5, 150, jnp.float32, seed=9)
     loss = lambda backend: lambda x: jnp.sum(probe * on(backend)(x))
     assert rel_error(jax.grad(loss("interpret_tpu"))(x), jax.grad(loss("reference"))(x)) <= 1e-6
