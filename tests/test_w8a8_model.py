@@ -23,7 +23,7 @@ from helpers import REPO_ROOT, gpu_test, rel_error
 from tokenizers import Tokenizer
 
 from ling_jax import ExecutionPolicy, FP8Matmul, load_hf_checkpoint
-from ling_jax.layers import fp8_matmul_in_scope, fp8_matmul_scope, project
+from ling_jax.layers import project
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import w8a8_linear_reference, weight_only_linear_reference
 
@@ -92,9 +92,8 @@ def test_fp8_matmul_policy_is_checked():
         ExecutionPolicy(fp8_matmul="fp8")
 
 
-def test_project_multiplies_as_the_scope_says():
-    """AUTO (outside any scope) on the reference backend: dequantise-then-dot; inside a W8A8 scope: W8A8's
-    reference; the scope ends with its block."""
+def test_project_multiplies_as_the_policy_says():
+    """AUTO (the default policy) on the reference backend: dequantise-then-dot; a W8A8 policy: W8A8's reference."""
     r = np.random.default_rng(4)
     weight = BlockFP8Weight(
         jnp.asarray(r.normal(size=(40, 96)) * 50, jnp.float8_e4m3fn),
@@ -111,7 +110,6 @@ def test_project_multiplies_as_the_scope_says():
     }
     assert rel_error(expected[FP8Matmul.W8A8], expected[FP8Matmul.AUTO]) > 1e-3  # the modes differ measurably
     for mode, y in expected.items():
-        with fp8_matmul_scope(mode):
-            assert fp8_matmul_in_scope() is mode
-            np.testing.assert_array_equal(np.asarray(project(x, weight)).reshape(15, 40), np.asarray(y))
-    assert fp8_matmul_in_scope() is FP8Matmul.AUTO
+        policy = ExecutionPolicy(kernel_backend="reference", fp8_matmul=mode)
+        np.testing.assert_array_equal(np.asarray(project(x, weight, policy)).reshape(15, 40), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(project(x, weight)), np.asarray(project(x, weight, ExecutionPolicy())))
