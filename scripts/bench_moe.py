@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         flops = 2 * tokens * top_k * 3 * hidden * width
         # weights are arguments, never closed over: 13 GB of captured constants would stall the compiler
         unfused = jax.jit(functools.partial(unfused_local_moe, limit=limit, backend=backend))
-        fused = jax.jit(functools.partial(local_moe, limit=limit, backend=backend))
+        fused = jax.jit(functools.partial(local_moe, limit=limit, policy=ExecutionPolicy(kernel_backend=backend)))
         baseline = jax.jit(lambda *a: dense_in_chunks(*a, limit))
         routing = (x_TD, weights_TK, experts_TK, gate, up, down)
         dense = baseline(*routing)

@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 from bench_common import copy_bandwidth, median_seconds, per_call_seconds, rel_error  # noqa: E402
 
 from ling_jax.moe.experts import local_moe, sort_by_expert  # noqa: E402
+from ling_jax.policy import ExecutionPolicy  # noqa: E402
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
 from pallas_kernels.moe import tuned  # noqa: E402
 from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, kernel, routed_experts  # noqa: E402
@@ -163,7 +164,7 @@ def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
         f"\n(a) prefill, {tokens} tokens x top-{top_k}; busiest expert {load.max()} rows (mean "
         f"{load.mean():.0f}), {np.sum(load == 0)} experts empty; ms per call"
     )
-    fused = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
+    fused = jax.jit(functools.partial(local_moe, limit=LIMIT, policy=ExecutionPolicy(kernel_backend=backend)))
     dequantised = jax.jit(functools.partial(dequantised_moe, backend=backend))
     # name: (function, experts, the path it is compared with)
     paths = {
@@ -208,7 +209,7 @@ def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend))
     weight_only = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend, variant=WEIGHT_ONLY))
-    model = jax.jit(functools.partial(local_moe, limit=LIMIT, backend=backend))
+    model = jax.jit(functools.partial(local_moe, limit=LIMIT, policy=ExecutionPolicy(kernel_backend=backend)))
     folded = functools.partial(routed_experts_xla, limit=LIMIT)
     for tokens in sizes["decode"]:
         x = jax.random.normal(jax.random.key(tokens), (tokens, sizes["hidden"]), jnp.bfloat16)

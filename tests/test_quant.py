@@ -15,6 +15,7 @@ from helpers import rel_error
 
 from ling_jax.layers import Linear, linear
 from ling_jax.moe.experts import SharedExpert, local_moe
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight, check_activation_dtype, dequantized
 from ling_jax.sharding import ShardingError, make_mesh, param_specs
@@ -66,7 +67,13 @@ def test_weight_only_linear_and_experts_match_dense(kind):
     def run(proj, stacked, shared):
         y = linear({"weight": proj}, x_TD)
         moe = local_moe(
-            x_TD, weights_TK, experts_TK, *stacked, 7.0, backend="reference", shared=SharedExpert(*shared, 7.0)
+            x_TD,
+            weights_TK,
+            experts_TK,
+            *stacked,
+            7.0,
+            policy=ExecutionPolicy(kernel_backend="reference"),
+            shared=SharedExpert(*shared, 7.0),
         )
         return y, moe
 

@@ -23,6 +23,7 @@ from test_routed_experts import float64_loop
 
 from ling_jax.moe.expert_parallel import moe_parallel
 from ling_jax.moe.experts import ROW_PATH_MAX_ROWS, SharedExpert, local_moe
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from ling_jax.sharding import make_mesh
 from pallas_kernels.compat import widen_triton_offsets
@@ -250,7 +251,7 @@ def test_local_moe_on_gpu_never_dequantizes_the_expert_stack(fmt, tokens):
     shared = SharedExpert(*(jax.tree.map(lambda a: a[0], w) for w in shared_stacks), 0.5)
     args = (jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), gate, up, down)
     run = {
-        b: jax.jit(functools.partial(local_moe, limit=0.9, shared=shared, backend=b))
+        b: jax.jit(functools.partial(local_moe, limit=0.9, shared=shared, policy=ExecutionPolicy(kernel_backend=b)))
         for b in ("interpret_gpu", "reference")
     }
     assert not dense_shapes_in(run["interpret_gpu"].trace(*args).jaxpr)
@@ -281,7 +282,7 @@ def test_expert_parallel_with_quantized_experts():
                 *a, limit=0.9, mesh=mesh, capacity_factor=None, backend="interpret_gpu", exchange="dense"
             )
         )(x, weights, experts, gate, up, down)
-    expected = local_moe(x, weights, experts, gate, up, down, 0.9, backend="reference")
+    expected = local_moe(x, weights, experts, gate, up, down, 0.9, policy=ExecutionPolicy(kernel_backend="reference"))
     assert rel_error(y, expected) <= TOL[jnp.float32]
 
 
@@ -349,7 +350,13 @@ def test_weight_only_kernels_lower_for_cuda_at_ling_flash_size():
         assert "expert_swiglu_rows" in lowered.as_text() and "expert_down_combine" in lowered.as_text()
         assert not int32_offsets_into_large_operands(lowered), (fmt, "rows")
     prefill = (x, shape((8192, 8), jnp.float32), shape((8192, 8), jnp.int32))
-    lowered = lower_for_cuda(functools.partial(local_moe, limit=7.0, backend="pallas_gpu"), *prefill, gate, up, down)
+    lowered = lower_for_cuda(
+        functools.partial(local_moe, limit=7.0, policy=ExecutionPolicy(kernel_backend="pallas_gpu")),
+        *prefill,
+        gate,
+        up,
+        down,
+    )
     assert not int32_offsets_into_large_operands(lowered), "default path"
     assert not pairs_needed(flash_experts("fp8")[0].values)
     odd_k = BlockFP8Weight(shape((512, 1280, 4095), jnp.float8_e4m3fn), shape((512, 10, 32), jnp.float32), (128, 128))

@@ -12,6 +12,7 @@ import pytest
 from helpers import rel_error
 from tpu_lowering import TPU_KINDS, calls_a_kernel, lower_for_tpu
 
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from pallas_kernels.moe import grouped_matmul
 from pallas_kernels.moe.ops import kernel
@@ -186,6 +187,8 @@ def test_the_moe_layer_reaches_the_kernel_with_stored_experts():
     x = random_x(tokens, jnp.float32, seed=7)
     experts = jnp.asarray(r.choice(NUM_GROUPS, (tokens, top_k)), jnp.int32)
     weights = jnp.asarray(r.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
-    on = lambda backend: lambda x: local_moe(x, weights, experts, gate, up, down, 7.0, backend=backend)  # noqa: E731
+    on = lambda backend: (
+        lambda x: local_moe(x, weights, experts, gate, up, down, 7.0, policy=ExecutionPolicy(kernel_backend=backend))
+    )  # noqa: E731
     assert calls_a_kernel(on("interpret_tpu"), x) and not calls_a_kernel(on("reference"), x)
     assert rel_error(on("interpret_tpu")(x), on("reference")(x)) <= 1e-5

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from helpers import fp8_values_paired, gpu_test, int32_offsets_into_large_operands, lower_for_cuda, rel_error
 
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu, w8a8_expert_rows
 from pallas_kernels.moe.w8a8_reference import down_scatter_w8a8_reference, gather_swiglu_w8a8_reference
@@ -305,8 +306,10 @@ def test_w8a8_scope_gives_a_token_the_same_output_in_any_batch():
         for shape in ((num_experts, width, hidden), (num_experts, width, hidden), (num_experts, hidden, width))
     ]
     with fp8_matmul_scope(FP8Matmul.W8A8):
-        whole = local_moe(x, weights, experts, *stacks, limit, backend="interpret_gpu")
-        alone = local_moe(x[:2], weights[:2], experts[:2], *stacks, limit, backend="interpret_gpu")
+        whole = local_moe(x, weights, experts, *stacks, limit, policy=ExecutionPolicy(kernel_backend="interpret_gpu"))
+        alone = local_moe(
+            x[:2], weights[:2], experts[:2], *stacks, limit, policy=ExecutionPolicy(kernel_backend="interpret_gpu")
+        )
     assert rel_error(alone, whole[:2]) <= 1e-6
 
 

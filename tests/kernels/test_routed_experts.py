@@ -13,6 +13,7 @@ import pytest
 from helpers import lower_for_cuda, rel_error
 
 from ling_jax.moe.experts import ROW_PATH_MAX_ROWS, SharedExpert, dense_expert_ffn, local_moe, swiglu_ffn
+from ling_jax.policy import ExecutionPolicy
 from pallas_kernels.moe import routed_experts
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -156,9 +157,13 @@ def test_local_moe_takes_the_row_path_for_few_tokens():
             jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16, jnp.float32, tokens)
         )
         args = (x, weights, experts, gate, up, down)
-        traced = jax.jit(functools.partial(local_moe, limit=2.0, backend="interpret_gpu")).trace(*args)
+        traced = jax.jit(
+            functools.partial(local_moe, limit=2.0, policy=ExecutionPolicy(kernel_backend="interpret_gpu"))
+        ).trace(*args)
         assert ("expert_swiglu_rows" in str(traced.jaxpr)) == (tokens * 4 <= ROW_PATH_MAX_ROWS)
-        grouped = jax.jit(functools.partial(local_moe, limit=2.0, backend="reference"))(*args)
+        grouped = jax.jit(functools.partial(local_moe, limit=2.0, policy=ExecutionPolicy(kernel_backend="reference")))(
+            *args
+        )
         assert rel_error(traced.lower().compile()(*args), grouped) <= 1e-5
 
 
@@ -173,11 +178,11 @@ def test_local_moe_with_the_shared_expert(tokens, shared_width):
     shared = SharedExpert(*(jnp.asarray(a, jnp.float32) for a in random_shared(32, shared_width, seed=7)), 0.6)
     args = (x, weights, experts, gate, up, down)
     run = functools.partial(local_moe, limit=2.0, shared=shared)
-    traced = jax.jit(functools.partial(run, backend="interpret_gpu")).trace(*args)
+    traced = jax.jit(functools.partial(run, policy=ExecutionPolicy(kernel_backend="interpret_gpu"))).trace(*args)
     in_rows = tokens * 4 <= ROW_PATH_MAX_ROWS and shared_width == 16
     assert ("expert_down_combine" in str(traced.jaxpr.eqns[-1])) == in_rows  # the kernels' output is the result
     ours = traced.lower().compile()(*args)
-    reference = jax.jit(functools.partial(run, backend="reference"))(*args)
+    reference = jax.jit(functools.partial(run, policy=ExecutionPolicy(kernel_backend="reference")))(*args)
     expected = dense_expert_ffn(*args, 2.0) + swiglu_ffn(x, *shared)
     assert rel_error(ours, expected) <= 1e-5 and rel_error(reference, expected) <= 1e-5
 

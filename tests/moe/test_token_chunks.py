@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ling_jax.moe import experts as moe_experts
+from ling_jax.policy import ExecutionPolicy
 
 
 def test_local_moe_in_padded_token_chunks_equals_one_piece(monkeypatch):
@@ -26,9 +27,9 @@ def test_local_moe_in_padded_token_chunks_equals_one_piece(monkeypatch):
     ]
 
     def run():
-        return jax.jit(functools.partial(moe_experts.local_moe, limit=7.0, backend="reference"))(
-            x, weights, experts, *stacks
-        )
+        return jax.jit(
+            functools.partial(moe_experts.local_moe, limit=7.0, policy=ExecutionPolicy(kernel_backend="reference"))
+        )(x, weights, experts, *stacks)
 
     whole = run()
     row_bytes = hidden * x.dtype.itemsize
