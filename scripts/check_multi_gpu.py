@@ -9,8 +9,8 @@ a sharded forward and prefill + decode of as many layers as fit, and a logit che
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/check_multi_gpu.py --quick   # CPU
     python scripts/check_multi_gpu.py --dtype float32 --reference-layers 2 --layers 2   # the tight check
 
-The model is `bench_common.flash_slice_config` (hidden 4096, 64 heads, 512 experts, every layer MoE, an MLA
-layer every 8th), its weights created straight into their shardings (`bench_common.init_on_mesh`), so the
+The model is `benchmarks.common.flash_slice_config` (hidden 4096, 64 heads, 512 experts, every layer MoE, an MLA
+layer every 8th), its weights created straight into their shardings (`benchmarks.common.init_on_mesh`), so the
 same seed gives the same weights on one device and on the mesh. Steps:
 1. Layer counts from the parameter bytes per device (`ling_jax.sharding` rules over the mesh) and the device
    memory (bytes_limit, or --device-memory-gib) less --headroom-gib; the arithmetic is printed.
@@ -38,18 +38,15 @@ import argparse
 import dataclasses
 import gc
 import math
-import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import flash_slice_config, init_on_mesh, rel_error  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import flash_slice_config, init_on_mesh, rel_error  # noqa: E402
 from ling_jax import ExecutionPolicy, KernelBackend, LingConfig, LingForCausalLM  # noqa: E402
 from ling_jax.config import KDA, MLA  # noqa: E402
 from ling_jax.generation.memory import format_bytes  # noqa: E402

@@ -28,8 +28,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 # The topology is given below; these only keep libtpu from looking for a TPU VM's metadata.
 for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost")):
     os.environ.setdefault(name, value)

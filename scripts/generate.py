@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ling_jax.generation.cli import script_main  # noqa: E402
 

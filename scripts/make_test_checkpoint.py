@@ -12,8 +12,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from convert.hf_writer import MXFP4_SCALE_FORMATS  # noqa: E402
 from convert.synthetic import write_quantized_copy, write_random_checkpoint  # noqa: E402
 from ling_jax.config import LingConfig  # noqa: E402

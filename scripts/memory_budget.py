@@ -9,11 +9,7 @@ python scripts/memory_budget.py --config /path/to/checkpoint-dir  # or a config.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from memory_plan import positive_int  # noqa: E402
 

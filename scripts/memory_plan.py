@@ -19,9 +19,6 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 from ling_jax.build import load_model_config, text_config_of  # noqa: E402
 from ling_jax.generation.memory_plan import HARDWARE, plan_memory  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402

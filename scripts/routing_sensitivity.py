@@ -6,7 +6,7 @@ round a few activations differently (other matmul shapes), with no fault in eith
     python scripts/routing_sensitivity.py --hidden 4096 --experts 64
     python scripts/routing_sensitivity.py --hidden 512 --experts 512
 
-The model is `bench_common.flash_slice_config(1, quick=True)` (one MLA + MoE layer) with the given hidden size
+The model is `benchmarks.common.flash_slice_config(1, quick=True)` (one MLA + MoE layer) with the given hidden size
 and expert count, the jnp reference path, bf16, on the default device; the prompts are check_multi_gpu's
 (8 x 68 tokens, left-padded). For each fraction p, a fixed random p of the router's input elements are scaled
 by (1 + 2^-7) (about one bf16 ulp) before the router only; the experts see the unchanged input. Printed: the
@@ -16,19 +16,16 @@ rel. error of the real tokens' logits against the unperturbed run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import flash_slice_config, rel_error  # noqa: E402
 from check_multi_gpu import make_inputs  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ling_jax.moe.block as moe  # noqa: E402
+from benchmarks.common import flash_slice_config, rel_error  # noqa: E402
 from ling_jax import ExecutionPolicy, LingForCausalLM  # noqa: E402
 
 FRACTIONS = (1e-4, 1e-3, 1e-2)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a profiled program's device time goes: kernels of a Perfetto trace grouped by name.
 
-    python scripts/bench_generate.py --decode-only --batches 1 --profile /tmp/prof   # on the GPU machine
+    python -m benchmarks.generate --decode-only --batches 1 --profile /tmp/prof   # on the GPU machine
     python scripts/trace_summary.py /tmp/prof --steps 5                              # anywhere
 
 Reads `perfetto_trace.json.gz` (the newest one under the given directory, or the file itself), takes the
@@ -29,7 +29,7 @@ def find_trace(path: pathlib.Path) -> pathlib.Path:
         return path
     traces = sorted(path.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not traces:
-        raise SystemExit(f"error: {path}: no perfetto_trace.json.gz below it (bench_generate.py --profile DIR)")
+        raise SystemExit(f"error: {path}: no perfetto_trace.json.gz below it (benchmarks/generate.py --profile DIR)")
     return traces[-1]
 
 

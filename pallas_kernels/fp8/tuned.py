@@ -144,7 +144,7 @@ W8A8_TC_ACC = _gpu(
     {
         (ANY, ANY): Entry(
             LinearTiles(128, 128, 8, 8, 4),
-            "not measured: scripts/bench_fp8_linear.py --sweep W8A8-tc-acc sweeps it (issue 25)",
+            "not measured: benchmarks/fp8_linear.py --sweep W8A8-tc-acc sweeps it (issue 25)",
         )
     }
 )
@@ -164,7 +164,7 @@ class MosaicTiles:
 W8A8_MOSAIC = _gpu(
     {
         (ANY, ANY): Entry(
-            MosaicTiles(128, 4), "not measured: scripts/bench_fp8_linear.py --sweep W8A8-mosaic sweeps it (issue 25)"
+            MosaicTiles(128, 4), "not measured: benchmarks/fp8_linear.py --sweep W8A8-mosaic sweeps it (issue 25)"
         )
     }
 )

@@ -129,7 +129,7 @@ def _pick_fused(op: str, variant: str | None, backend: str, weights) -> tuple[st
 def _pick_rows(variant: str | None, backend: str, weights) -> tuple[str, bool]:
     """`_pick` for `routed_experts`: unnamed, block-FP8 routed experts on a GPU backend run WEIGHT_ONLY (the
     shared expert, in any format, rides along). On the H200
-    at Ling-3.1-flash width (2026-12-02, `scripts/bench_moe_quantized.py`), the weight-only row kernels took
+    at Ling-3.1-flash width (2026-12-02, `benchmarks/moe_quantized.py`), the weight-only row kernels took
     66.8 / 390.5 us at 1 / 8 tokens against 96.5 / 605.5 us for the picked experts dequantised, then the bf16 row
     kernels; for MXFP4 they took 181.8 / 1048.6 against 100.4 / 604.7, so MXFP4 stays dequantised."""
     name, interpret = _pick("routed_experts", variant, backend)

@@ -1,5 +1,5 @@
 """scripts/generate.py as a run: Ctrl-C, the stats line, the compilation cache and its notice, --interactive,
-scripts/bench_generate_cli.py. Subprocesses where the behaviour is the process's (signals, exit status, env)."""
+benchmarks/generate_cli.py. Subprocesses where the behaviour is the process's (signals, exit status, env)."""
 
 from __future__ import annotations
 
@@ -183,9 +183,8 @@ def test_interactive_refuses_json(capsys):  # in process: test_script_error_has_
 
 
 def test_bench_generate_cli_quick():
-    bench = ROOT / "scripts" / "bench_generate_cli.py"
     result = subprocess.run(
-        [sys.executable, str(bench), "--quick", "--batches", "3"],
+        [sys.executable, "-m", "benchmarks.generate_cli", "--quick", "--batches", "3"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -24,7 +24,7 @@ GPU_VARIANTS = {  # kda_decode_step_gpu keywords at the test shapes (K 16 or 32)
     "narrow_v_blocks": dict(block_v=8),
     "two_warps": dict(block_v=16, num_warps=2),
 }
-FULL_SIZE_GPU_VARIANTS = {  # the same at K = V = 128 (scripts/bench_kda.py's candidates)
+FULL_SIZE_GPU_VARIANTS = {  # the same at K = V = 128 (benchmarks/kda.py's candidates)
     "default": {},
     "v_block_32_two_warps": dict(block_v=32, num_warps=2),
     "v_block_16_one_warp": dict(block_v=16, num_warps=1),

@@ -2,8 +2,8 @@
 """MLA prefill attention on one GPU: the Pallas segment kernel (`flash_expanded_attention_gpu`) vs the jnp
 flash-style path under XLA (`flash_expanded_attention`, the model's prefill today), in one run.
 
-    python scripts/bench_mla_prefill.py           # a 2048-token chunk over 8192 and 32768 cache slots, H=64
-    python scripts/bench_mla_prefill.py --quick   # small sizes
+    python -m benchmarks.mla_prefill           # a 2048-token chunk over 8192 and 32768 cache slots, H=64
+    python -m benchmarks.mla_prefill --quick   # small sizes
 
 Ling widths (nope 128, rope 64, value 128, latent 512), bf16, one sequence whose chunk ends at the last slot
 (causal: the chunk's queries see every earlier slot). Each path is checked against the other on the device,
@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_common import median_seconds, rel_error  # noqa: E402
 
+from benchmarks.common import median_seconds, rel_error  # noqa: E402
 from pallas_kernels.mla.ops import kernel  # noqa: E402
 from pallas_kernels.mla.reference import flash_expanded_attention  # noqa: E402
 

@@ -2,11 +2,11 @@
 """One MoE layer at Ling-3.1-flash width on one GPU: the fused grouped path vs the unfused one vs the dense
 one-hot baseline, and a tile sweep of the fused kernels.
 
-    python scripts/bench_moe.py            # 8192 and 64 tokens, hidden 4096, 512 experts, top-8, bf16
-    python scripts/bench_moe.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
-    python scripts/bench_moe.py --no-sweep # without the tile sweep
-    python scripts/bench_moe.py --no-sweep --profile /tmp/moe  # plus a trace of the fused layer per token count
-    python scripts/bench_moe.py --devices 8  # experts over 8 devices: scripts/bench_expert_parallel.py --devices 8
+    python -m benchmarks.moe            # 8192 and 64 tokens, hidden 4096, 512 experts, top-8, bf16
+    python -m benchmarks.moe --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
+    python -m benchmarks.moe --no-sweep # without the tile sweep
+    python -m benchmarks.moe --no-sweep --profile /tmp/moe  # plus a trace of the fused layer per token count
+    python -m benchmarks.moe --devices 8  # experts over 8 devices: benchmarks/expert_parallel.py --devices 8
 
 For each token count:
 - unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
@@ -33,13 +33,11 @@ import functools
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_common import median_seconds, rel_error  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import median_seconds, rel_error  # noqa: E402
 from ling_jax.moe.block import MoE  # noqa: E402
 from ling_jax.moe.experts import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
 from ling_jax.policy import ExecutionPolicy  # noqa: E402
@@ -203,7 +201,7 @@ def main(argv=None) -> int:
         default=1,
         help="N > 1: the layer with its experts over N devices, split into dispatch all-to-all, "
         "grouped GEMM and combine, plus the sharded decode step (runs "
-        "scripts/bench_expert_parallel.py --devices N with --quick and --iters)",
+        "benchmarks/expert_parallel.py --devices N with --quick and --iters)",
     )
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
     parser.add_argument(
@@ -223,7 +221,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.devices > 1:
-        import bench_expert_parallel
+        from benchmarks import expert_parallel as bench_expert_parallel
 
         return bench_expert_parallel.main(
             ["--devices", str(args.devices), "--iters", str(args.iters)] + (["--quick"] if args.quick else [])

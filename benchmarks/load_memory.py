@@ -1,8 +1,8 @@
 """Host memory of the sharded HF loader: peak RSS of `load_hf_checkpoint(path, mesh=...)` on a multi-GB block-FP8
 checkpoint, beside the checkpoint's size and the bound it must keep (2 GiB plus its largest per-device slice).
 
-    python scripts/bench_load_memory.py --size-gb 2.5 --mesh expert=8 --workdir /tmp/bench_load
-    python scripts/bench_load_memory.py --quick      # a 0.3 GB checkpoint: a smoke test
+    python -m benchmarks.load_memory --size-gb 2.5 --mesh expert=8 --workdir /tmp/bench_load
+    python -m benchmarks.load_memory --quick      # a 0.3 GB checkpoint: a smoke test
 
 It writes a checkpoint of `convert.synthetic.benchmark_config` (random FP8 codes), then loads it in a child process
 (`convert.measure`: the child's own peak RSS) on CPU devices standing in for the mesh. CPU devices keep their arrays
@@ -20,7 +20,6 @@ import shutil
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from convert.measure import run_measured  # noqa: E402
 from convert.synthetic import benchmark_config, write_random_checkpoint  # noqa: E402

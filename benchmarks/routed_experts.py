@@ -5,9 +5,9 @@ plus the shared expert of the same width, as a decode step runs them): the row-b
 `ling_jax.moe.experts.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one
 token, then the expert selection before them (`pallas_kernels.moe.select_experts`: kernel tiles vs the jnp reference).
 
-    python scripts/bench_routed_experts.py              # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
+    python -m benchmarks.routed_experts              # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
 
-Every time is per call of a chain of bench_common.CHAINED_CALLS dependent calls in one jitted program (each call's input
+Every time is per call of a chain of `common.CHAINED_CALLS` dependent calls in one jitted program (each call's input
 nudged by the last output): a lone call of a few-ten-microsecond kernel would time the launch, not the kernel.
 Bandwidth is over the expert weights each path must read (every distinct picked expert once for the grouped
 path; a weight read per token-expert pair for the row path, which is its cost; the shared expert once).
@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import per_call_seconds, rel_error  # noqa: E402
 
+from benchmarks.common import per_call_seconds, rel_error  # noqa: E402
 from ling_jax.moe.experts import grouped_local_moe, swiglu_ffn  # noqa: E402
 from pallas_kernels.moe import tuned  # noqa: E402
 from pallas_kernels.moe.ops import kernel  # noqa: E402

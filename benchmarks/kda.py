@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """KDA on one GPU: our kernels vs fla 0.6.0 (Triton) on the same inputs, in one run.
 
-    python scripts/bench_kda.py                  # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
-    python scripts/bench_kda.py --prefill-only
-    python scripts/bench_kda.py --prefill-only --prefill-size 1 32768 --iters 20   # one size
-    python scripts/bench_kda.py --prefill-only --variant gpu_triton --variant gpu_triton_fused   # some variants
-    python scripts/bench_kda.py --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
+    python -m benchmarks.kda                  # decode B in {1, 64, 256}; prefill B=1 T=32768 and B=8 T=4096
+    python -m benchmarks.kda --prefill-only
+    python -m benchmarks.kda --prefill-only --prefill-size 1 32768 --iters 20   # one size
+    python -m benchmarks.kda --prefill-only --variant gpu_triton --variant gpu_triton_fused   # some variants
+    python -m benchmarks.kda --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: the chunk_kda variants (Pallas, two
@@ -28,15 +28,14 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # fla (torch) runs beside jax on the same GPU: jax takes memory as it needs it rather than a preallocated fraction
 os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 
+from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from pallas_kernels.kda import (
     kda_chunked,  # noqa: E402
     tuned,  # noqa: E402

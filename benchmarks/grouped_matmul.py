@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Tile sweep of the Pallas grouped matmul (`pallas_kernels.moe` grouped_matmul, variant gpu_triton) at MoE shapes.
 
-    python scripts/bench_grouped_matmul.py                    # rows 8, 64, 512; Ling-3.1-flash expert shapes
-    python scripts/bench_grouped_matmul.py --rows 8 --quick   # fewer tile candidates
+    python -m benchmarks.grouped_matmul                    # rows 8, 64, 512; Ling-3.1-flash expert shapes
+    python -m benchmarks.grouped_matmul --rows 8 --quick   # fewer tile candidates
 
 Rows are routed to random experts (E = 512, as in decode: rows = tokens x top-8). For the gate/up shape
 (N = moe_intermediate 1024, K = hidden 4096) and the down shape (N = 4096, K = 1024) it times every
@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import median_seconds, rel_error
 
+from benchmarks.common import median_seconds, rel_error
 from pallas_kernels.moe.gpu_triton import row_tiles
 from pallas_kernels.moe.ops import kernel
 from pallas_kernels.moe.reference import grouped_matmul_reference

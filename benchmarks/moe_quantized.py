@@ -2,8 +2,8 @@
 """Routed experts at Ling-3.1-flash width (hidden 4096, expert width 1280, 512 experts, top-8) with the experts
 stored bf16, block FP8 (128 x 128 blocks, fp32 scales) or MXFP4 (E8M0 scales per 32 inputs) on one GPU.
 
-    python scripts/bench_moe_quantized.py            # prefill at 8192 tokens, decode rows at 1, 8, 64 tokens
-    python scripts/bench_moe_quantized.py --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
+    python -m benchmarks.moe_quantized            # prefill at 8192 tokens, decode rows at 1, 8, 64 tokens
+    python -m benchmarks.moe_quantized --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
 
 (a) Prefill at 8192 tokens, routed by a random router with a realistic imbalance (each expert's popularity drawn
 once, top-8 of noise + popularity; the busiest expert's load is printed): `ling_jax.moe.experts.local_moe` (the
@@ -19,9 +19,9 @@ token-expert rows) at 1, 8 and 64 tokens x top-8: bf16 vs FP8 vs MXFP4 experts b
 row kernels; MXFP4: the picked experts dequantised, then the bf16 kernels) and through the weight-only row kernels
 by name (rel. difference to the default printed), each beside its byte roofline: the bytes of the distinct experts
 the step touches (values and scales) over the copy bandwidth measured in the same run
-(`bench_common.copy_bandwidth`); `local_moe` (what the model runs: the fused path above 64 rows); and, for FP8 up
+(`benchmarks.common.copy_bandwidth`); `local_moe` (what the model runs: the fused path above 64 rows); and, for FP8 up
 to 8 tokens, `pallas_kernels.moe.xla_folded` (XLA's gather + reduction, no Pallas).
-Each time is per call of a chain of dependent calls in one program (`bench_common.per_call_seconds`).
+Each time is per call of a chain of dependent calls in one program (`benchmarks.common.per_call_seconds`).
 
 Then sweeps of the weight-only kernels' launch settings: the fused kernels alone (rows
 already sorted) at the prefill size and at 64 tokens over (block_m, block_n, block_k, num_warps, num_stages,
@@ -36,16 +36,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import copy_bandwidth, median_seconds, per_call_seconds, rel_error  # noqa: E402
 
+from benchmarks.common import copy_bandwidth, median_seconds, per_call_seconds, rel_error  # noqa: E402
 from ling_jax.moe.experts import local_moe, sort_by_expert  # noqa: E402
 from ling_jax.policy import ExecutionPolicy  # noqa: E402
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402

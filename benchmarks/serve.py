@@ -2,10 +2,10 @@
 """ling-serve's continuous batching against static batches of `Generator` (what generate.py runs), on the same
 requests: output tokens/s and time-to-first-token / time-per-output-token p50 and p99 per concurrency.
 
-    python scripts/bench_serve.py            # the full-width 8-layer Ling-3.1-flash slice (7 KDA + 1 MLA,
+    python -m benchmarks.serve            # the full-width 8-layer Ling-3.1-flash slice (7 KDA + 1 MLA,
                                              # 512 experts), random weights stored as the checkpoint stores
                                              # them (block FP8), initialised on the device; concurrency 1, 16, 64
-    python scripts/bench_serve.py --quick    # a narrow 2-layer model, few short requests (CPU smoke test)
+    python -m benchmarks.serve --quick    # a narrow 2-layer model, few short requests (CPU smoke test)
 
 Requests: a synthetic chat mix (seeded): prompt lengths log-uniform in [--min-prompt, --max-prompt], output
 lengths log-uniform in [--min-output, --max-output], greedy, EOS ignored (every request runs its full length).
@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import flash_slice_config  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import flash_slice_config  # noqa: E402
 from ling_jax import LingForCausalLM  # noqa: E402
 from ling_jax.checkpoints.hf import STORED  # noqa: E402
 from ling_jax.generation import cli_runtime  # noqa: E402

@@ -1,6 +1,6 @@
 """Benchmark ling-convert: throughput and peak RSS on synthetic multi-GB block-FP8 checkpoints.
 
-    python scripts/bench_convert.py --sizes-gb 2 6 --workdir /tmp/bench_convert
+    python -m benchmarks.convert --sizes-gb 2 6 --workdir /tmp/bench_convert
 
 For each size it writes a checkpoint of `convert.synthetic.benchmark_config` (random FP8 codes), then runs the
 converter as a child process (`python -m convert.cli`) per --dtype / --workers combination and reports wall
@@ -16,7 +16,6 @@ import shutil
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from convert.measure import run_measured  # noqa: E402
 from convert.synthetic import benchmark_config, write_random_checkpoint  # noqa: E402

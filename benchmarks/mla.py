@@ -2,8 +2,8 @@
 """Absorbed-MLA decode: the Pallas GPU kernels (Triton lowering; Mosaic GPU for Hopper) vs XLA's einsum
 implementation, on one GPU.
 
-    python scripts/bench_mla.py                 # the issue's sizes, H=64, bf16 cache, full lengths
-    python scripts/bench_mla.py --quick         # small sizes (smoke test)
+    python -m benchmarks.mla                 # the issue's sizes, H=64, bf16 cache, full lengths
+    python -m benchmarks.mla --quick         # small sizes (smoke test)
 
 For each size: device correctness of every kernel variant (tiles, warps, stages, splits) against the jnp
 reference (fp32 upcast), then the median time per call of CALLS dependent calls chained in one jitted program
@@ -18,13 +18,11 @@ import functools
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import chained, copy_bandwidth, per_call_seconds, rel_error  # noqa: E402
 
+from benchmarks.common import chained, copy_bandwidth, per_call_seconds, rel_error  # noqa: E402
 from pallas_kernels.mla.gpu_mosaic import default_num_splits as mosaic_num_splits  # noqa: E402
 from pallas_kernels.mla.gpu_triton import default_num_splits  # noqa: E402
 from pallas_kernels.mla.ops import kernel  # noqa: E402

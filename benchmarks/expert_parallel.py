@@ -2,9 +2,9 @@
 """Expert parallelism over N devices (mesh expert=N): one MoE layer split into its stages, and the sharded
 decode step of the full-width Ling-3.1-flash slice.
 
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/bench_expert_parallel.py              # all devices
-    python scripts/bench_expert_parallel.py --devices 2 --capacity-factor 1.25
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench_expert_parallel.py --quick   # CPU
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m benchmarks.expert_parallel              # all devices
+    python -m benchmarks.expert_parallel --devices 2 --capacity-factor 1.25
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.expert_parallel --quick   # CPU
 
 MoE layer (hidden 4096, 512 experts, top-8, random bf16 weights and router) at 64 and 8192 tokens per device,
 both ways of moving rows (`ExecutionPolicy.moe_exchange`), each stage jitted on the mesh as its own shard_map
@@ -21,8 +21,8 @@ over the previous stage's real outputs:
 then the routed experts end to end (`moe_parallel`) both ways, and the whole layer (router + routed + shared
 expert, the model's default exchange). The table gives the bytes a device sends to the others (buffer / the
 assignments that really leave it) and the achieved GB/s.
-Decode: the 8-layer full-width slice (`bench_common.flash_slice_config`) on the mesh, batch 64 over a cache
-of 8192 tokens, steps dispatched back to back as `Generator` runs them (`bench_common.time_decode`).
+Decode: the 8-layer full-width slice (`benchmarks.common.flash_slice_config`) on the mesh, batch 64 over a cache
+of 8192 tokens, steps dispatched back to back as `Generator` runs them (`benchmarks.common.time_decode`).
 """
 
 from __future__ import annotations
@@ -31,15 +31,16 @@ import argparse
 import dataclasses
 import functools
 import gc
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import (
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from benchmarks.common import (
     filled_cache,
     flash_slice_config,
     init_on_mesh,
@@ -47,10 +48,6 @@ from bench_common import (
     rel_error,  # noqa: E402
     time_decode,
 )
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
 from ling_jax import ExecutionPolicy, KernelBackend, LingForCausalLM  # noqa: E402
 from ling_jax.moe.block import MoE, route  # noqa: E402
 from ling_jax.moe.expert_parallel import (

@@ -1,6 +1,6 @@
 """The matrix peaks of this GPU, measured in one run: bf16 and FP8 (e4m3) GEMMs at M = N = K = 8192.
 
-    python scripts/bench_fp8_peak.py [--size 8192] [--iters 20]
+    python -m benchmarks.fp8_peak [--size 8192] [--iters 20]
 
 Rows, each TFLOP/s from the median of `iters` timed calls (2 M N K flops per call):
 - jax bf16: `jnp.dot` of bf16 operands, fp32 accumulation (the baseline every FP8 figure is read against);
@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_common import median_seconds  # noqa: E402
+from benchmarks.common import median_seconds  # noqa: E402
 
 
 def _commit() -> str:

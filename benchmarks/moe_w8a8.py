@@ -1,9 +1,9 @@
 """One MoE layer's routed experts at Ling-3.1-flash width in W8A8 against the bf16 fused path, beside the GPU's
 FP8 and bf16 matmul peaks measured in the same run.
 
-    python scripts/bench_moe_w8a8.py             # 8192 tokens, hidden 4096, width 1280, 512 experts, top-8
-    python scripts/bench_moe_w8a8.py --sweep     # plus a tile sweep of the two W8A8 kernels
-    python scripts/bench_moe_w8a8.py --quick     # small sizes; on a CPU the kernels run in Pallas interpret mode
+    python -m benchmarks.moe_w8a8             # 8192 tokens, hidden 4096, width 1280, 512 experts, top-8
+    python -m benchmarks.moe_w8a8 --sweep     # plus a tile sweep of the two W8A8 kernels
+    python -m benchmarks.moe_w8a8 --quick     # small sizes; on a CPU the kernels run in Pallas interpret mode
 
 Paths, each on the same routing (uniform random top-k, distinct experts per token) and the same weights (the bf16
 experts, and their block-FP8 quantisation, 128 x 128 blocks):
@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_common import median_seconds, rel_error  # noqa: E402
-from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
 
+from benchmarks.common import median_seconds, rel_error  # noqa: E402
+from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
 from ling_jax.moe.experts import sort_by_expert  # noqa: E402
 from ling_jax.quantized import BlockFP8Weight  # noqa: E402
 from pallas_kernels.fp8.reference import E4M3_MAX  # noqa: E402

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Prefill throughput and decode-step time of a full-width Ling-3.1-flash slice on one GPU, vs the roofline.
 
-    python scripts/bench_generate.py            # hidden 4096, one 8-layer group (7 KDA + 1 MLA), all-MoE,
+    python -m benchmarks.generate            # hidden 4096, one 8-layer group (7 KDA + 1 MLA), all-MoE,
                                                 # 512 experts, random bf16 weights; batch 1 and 64, context 8192
-    python scripts/bench_generate.py --quick    # a narrow model (smoke test)
+    python -m benchmarks.generate --quick    # a narrow model (smoke test)
 
-    python scripts/bench_generate.py --weights bf16,stored   # also the block-FP8 weights a checkpoint stores
-    python scripts/bench_generate.py --preset ling-3.0-flash --weights stored --batches 1,8,32
+    python -m benchmarks.generate --weights bf16,stored   # also the block-FP8 weights a checkpoint stores
+    python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1,8,32
                                                 # a whole preset instead of the slice: all its layers, and its
                                                 # MTP layer's weights resident (not run: plain decode steps)
 
@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402

@@ -1,10 +1,10 @@
 """Block-FP8 linear maps at Ling-3.1-flash widths (hidden 4096): the FP8 kernels (`pallas_kernels.fp8`) against
 XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step, then the bf16 dot).
 
-    python scripts/bench_fp8_linear.py --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
-    python scripts/bench_fp8_linear.py --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
-    python scripts/bench_fp8_linear.py --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
-    python scripts/bench_fp8_linear.py --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
+    python -m benchmarks.fp8_linear --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
+    python -m benchmarks.fp8_linear --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
+    python -m benchmarks.fp8_linear --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
+    python -m benchmarks.fp8_linear --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
 
 Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
 output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
@@ -25,18 +25,14 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import os
 import subprocess
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
-from bench_fp8_peak import jax_rows, torch_rows  # noqa: E402
 
+from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
+from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
 from pallas_kernels.fp8 import tuned  # noqa: E402
 from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.gpu_mosaic_weight_only import TILE_KEYWORDS as MOSAIC_WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
@@ -143,7 +139,7 @@ def decode_table(iters: int, copy_bw: float) -> None:
 def print_peaks(iters: int) -> None:
     """The device's bf16 and FP8 matmul peaks at PEAK_SIZE^3 (`bench_fp8_peak`), the ceilings of the W8A8 rows."""
     flops = 2 * PEAK_SIZE**3
-    print(f"\nmatmul peaks at M = N = K = {PEAK_SIZE} (scripts/bench_fp8_peak.py):")
+    print(f"\nmatmul peaks at M = N = K = {PEAK_SIZE} (benchmarks/fp8_peak.py):")
     for name, seconds in {**jax_rows(PEAK_SIZE, iters), **torch_rows(PEAK_SIZE, iters)}.items():
         rate = seconds if isinstance(seconds, str) else f"{flops / seconds / 1e12:.1f} TFLOP/s"
         print(f"  {name:24s} {rate}")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Steady-state decode of `scripts/generate.py`'s code path vs the Generator's bare decode programs, per batch size.
 
-    python scripts/bench_generate_cli.py            # the demo checkpoint, batch 1 and 32, 48 new tokens
-    python scripts/bench_generate_cli.py --quick    # the random tiny preset, batch 1 and 2, 20 new tokens (smoke)
+    python -m benchmarks.generate_cli            # the demo checkpoint, batch 1 and 32, 48 new tokens
+    python -m benchmarks.generate_cli --quick    # the random tiny preset, batch 1 and 2, 20 new tokens (smoke)
 
 CLI: the command `generate.py --max-new-tokens N PROMPT...` is prepared as the script prepares it (flags,
 checkpoint, tokenizer, prompts) and run twice, its stdout thrown away; the second run's steady-state decode
@@ -31,8 +31,6 @@ import dataclasses
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

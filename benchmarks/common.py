@@ -1,4 +1,4 @@
-"""Helpers shared by the scripts/bench_*.py benchmarks and scripts/check_multi_gpu.py: timing, errors, the
+"""Helpers shared by the benchmarks in this package and scripts/check_multi_gpu.py: timing, errors, the
 full-width Ling-3.1-flash slice with random weights (on one device or straight into a mesh's shardings), a
 filled decode cache and the decode-step timer."""
 
