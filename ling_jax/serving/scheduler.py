@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from ling_jax.generation.cli import Completion
+from ling_jax.generation.completion import Completion
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, Tokenizer
 from ling_jax.serving.engine import Engine

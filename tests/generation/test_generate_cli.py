@@ -22,6 +22,7 @@ from ling_jax import ExecutionPolicy, FP8Matmul, KernelBackend, LingConfig
 from ling_jax.config import DENSE, KDA, MLA, MOE
 from ling_jax.generation import cli as generate_cli
 from ling_jax.generation import cli_checks
+from ling_jax.generation.completion import Completion
 from ling_jax.generation.tokenizer import StopChecker, load_tokenizer
 from ling_jax.presets import preset
 
@@ -235,7 +236,7 @@ def test_kernel_backend_flag_builds_the_policy(capsys, hf_dir):
 
 
 def test_completion_holds_back_a_possible_stop_string():
-    completion = generate_cli.Completion(load_tokenizer(None, preset("tiny")), StopChecker(["<END>"]))
+    completion = Completion(load_tokenizer(None, preset("tiny")), StopChecker(["<END>"]))
     assert not completion.add(b"ab<E")
     assert completion.unshown() == "ab"  # "<E" may grow into "<END>"
     assert not completion.add(b"x<")
