@@ -1,0 +1,442 @@
+"""`ling-train` (and `python scripts/train.py`): train a Ling model on a UTF-8 text file, then export it as a
+block-FP8 HF checkpoint.
+
+    ling-train --corpus austen.txt --out runs/demo                # ling-demo, new tokenizer
+    ling-train --corpus austen.txt --out runs/demo --resume       # continue from the last checkpoint
+    ling-train --corpus notes.txt --config my/config.json --tokenizer runs/demo/tokenizer --out runs/x
+
+Without --tokenizer a byte-level BPE is trained on the corpus (OUT/tokenizer). The file is tokenised line by
+line, ended with EOS and cut into a training stream and a held-out tail (--eval-fraction). Each epoch reads
+the training stream as windows of --seq-len tokens, shifted by a random offset and shuffled (seeded, so a
+resumed run sees the same batches). OUT receives Orbax checkpoints (checkpoints/, every --save-every steps),
+log.json, loss_curve.png and, at the end, the HF export (hf/: config.json, safetensors shards, tokenizer.json,
+tokenizer_config.json), which is loaded back with `load_hf_checkpoint` to report its held-out loss and print
+a sample. docs/demo_model.md has the corpus commands and the recommended GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
+
+from convert.hf_writer import TensorEntry, write_sharded
+from convert.synthetic import config_dict, write_quantized_copy
+from ling_jax import LingConfig, LingForCausalLM, load_hf_checkpoint
+from ling_jax.checkpoints.names import source_for
+from ling_jax.generation.generator import Generator
+from ling_jax.generation.sampling import SamplingParams
+from ling_jax.presets import PRESETS
+from ling_jax.training.train import (
+    EXPERT_BIAS,
+    TRAINABLE,
+    Batch,
+    TrainConfig,
+    TrainState,
+    init_train_state,
+    jit_eval_step,
+    jit_train_step,
+    merge_model,
+)
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+DEMO_MTP_LOSS_SCALE = 0.1  # the weight of the MTP draft loss the demo model (docs/demo_model.md) trained with
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="ling-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--corpus", required=True, help="UTF-8 text file")
+    parser.add_argument("--out", required=True, help="run directory (checkpoints, logs, export)")
+    parser.add_argument("--config", default="ling-demo", help="a preset name or a config.json (default ling-demo)")
+    parser.add_argument(
+        "--tokenizer", help="directory with tokenizer.json + tokenizer_config.json (default: train one)"
+    )
+    parser.add_argument("--vocab-size", type=int, help="BPE vocab when training a tokenizer (default: the config's)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="global gradient norm limit")
+    parser.add_argument(
+        "--expert-bias-rate",
+        type=float,
+        default=1e-2,
+        help="router balancing step per training step (DeepSeek-V3 uses 1e-3 over far longer runs; "
+        "short runs need faster balancing)",
+    )
+    parser.add_argument(
+        "--mtp-loss-scale",
+        type=float,
+        help=f"weight of the MTP draft loss (default: {DEMO_MTP_LOSS_SCALE}, the demo's, when the config has an "
+        "MTP layer, else 0 = off)",
+    )
+    parser.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data order")
+    parser.add_argument("--eval-fraction", type=float, default=0.02, help="held-out tail of the corpus")
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation (at most)")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--save-every", type=int, default=200, help="checkpoint interval in steps")
+    parser.add_argument("--keep-checkpoints", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=1, help="safetensors shards of the export")
+    parser.add_argument("--prompt", default="It is a truth universally acknowledged", help="sample prompt")
+    parser.add_argument("--sample-tokens", type=int, default=80, help="tokens sampled from the export (0 = none)")
+    args = parser.parse_args(argv)
+    for flag in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "save_every",
+        "keep_checkpoints",
+        "shards",
+    ):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if not 0 < args.eval_fraction < 1:
+        parser.error("--eval-fraction must be in (0, 1)")
+    if args.mtp_loss_scale is not None and args.mtp_loss_scale < 0:
+        parser.error("--mtp-loss-scale must be >= 0")
+    return args
+
+
+# ---------------------------------------------------------------- tokenizer and data
+def train_tokenizer(lines: list[str], vocab_size: int, directory: str, max_length: int) -> None:
+    """A byte-level BPE with PAD_TOKEN (id 0) and EOS_TOKEN (id 1), saved as tokenizer.json +
+    tokenizer_config.json."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(lines, trainer)
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(settings, f, indent=2)
+
+
+def load_tokenizer(directory: str) -> tuple[Tokenizer, int, int | None]:
+    """-> (tokenizer, EOS id, PAD id or None) from tokenizer.json and tokenizer_config.json."""
+    tokenizer = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json")) as f:
+        settings = json.load(f)
+
+    def special_id(key: str) -> int | None:
+        token = settings.get(key)
+        if isinstance(token, dict):
+            token = token["content"]
+        if token is None:
+            return None
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise SystemExit(f"error: {directory}: {key} {token!r} is not in tokenizer.json")
+        return token_id
+
+    eos = special_id("eos_token")
+    if eos is None:
+        raise SystemExit(f"error: {directory}/tokenizer_config.json names no eos_token")
+    return tokenizer, eos, special_id("pad_token")
+
+
+def tokenize(lines: list[str], tokenizer: Tokenizer, eos_id: int) -> np.ndarray:
+    """The file as one document: every line's ids, then EOS."""
+    ids = [encoding.ids for encoding in tokenizer.encode_batch(lines, add_special_tokens=False)]
+    return np.array([token for line in ids for token in line] + [eos_id], np.int32)
+
+
+def training_starts(step: int, batch_size: int, num_tokens: int, seq_len: int, seed: int) -> np.ndarray:
+    """Window starts of the batch at `step`: each epoch shifts the window grid by a random offset and
+    shuffles it, both drawn from (seed, epoch), so a batch depends only on its step."""
+    per_epoch = (num_tokens - seq_len) // seq_len  # one window's room is left for the shift
+    positions = step * batch_size + np.arange(batch_size)
+    starts = np.empty(batch_size, np.int64)
+    for epoch in np.unique(positions // per_epoch):
+        rng = np.random.default_rng([seed, int(epoch)])
+        shift, order = rng.integers(seq_len), rng.permutation(per_epoch)
+        rows = positions // per_epoch == epoch
+        starts[rows] = shift + order[positions[rows] % per_epoch] * seq_len
+    return starts
+
+
+def make_batch(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
+    tokens = np.stack([stream[start : start + seq_len] for start in starts])
+    return Batch(tokens=jnp.asarray(tokens), mask=jnp.ones(tokens.shape, bool))
+
+
+def evaluate(graphdef, state: TrainState, batches: list[Batch], config: TrainConfig) -> dict[str, float]:
+    """Token-weighted mean of each loss over the held-out batches."""
+    results = [jax.device_get(jit_eval_step(graphdef, state, batch, config)) for batch in batches]
+    tokens = sum(float(r["tokens"]) for r in results)
+    return {
+        key: sum(float(r[key]) * float(r["tokens"]) for r in results) / tokens for key in results[0] if key != "tokens"
+    }
+
+
+# ---------------------------------------------------------------- logging
+def write_json(path: str, value) -> None:
+    """Atomic: a reader never sees a half-written file."""
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(partial, path)
+
+
+def plot_losses(log: list[dict], path: str) -> None:
+    train = [entry for entry in log if "loss" in entry]
+    held_out = [entry for entry in log if "eval_lm_loss" in entry]
+    figure, axes = plt.subplots(figsize=(8, 5))
+    axes.plot([e["step"] for e in train], [e["lm_loss"] for e in train], label="train next-token loss", lw=1)
+    if train and "mtp_loss" in train[0]:
+        axes.plot([e["step"] for e in train], [e["mtp_loss"] for e in train], label="train MTP loss", lw=1)
+    axes.plot(
+        [e["step"] for e in held_out], [e["eval_lm_loss"] for e in held_out], "o-", label="held-out next-token loss"
+    )
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy (nats / token)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------- export
+def export_hf_checkpoint(model: LingForCausalLM, directory: str, tokenizer_dir: str, num_shards: int) -> None:
+    """The model in the original HF layout, block-FP8 like the published checkpoints (spec §6.2): written
+    unquantised to a temporary directory, then quantised by `convert.synthetic.write_quantized_copy`."""
+    config = model.config
+    params = [(path, variable.get_value()) for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    entries = []
+    for path, value in params:
+        source = source_for(path, value.shape, config)
+        entries += [TensorEntry(name, np.dtype(np.float32), tuple(source.shape)) for name in source.names]
+
+    def arrays():
+        for path, value in params:
+            host = np.asarray(value, np.float32)
+            source = source_for(path, host.shape, config)
+            for index, name in enumerate(source.names):
+                yield name, (host[index] if source.stacked else host).reshape(source.shape)
+
+    with tempfile.TemporaryDirectory() as unquantised:
+        write_sharded(unquantised, config_dict(config), entries, arrays(), num_shards=1)
+        write_quantized_copy(unquantised, directory, num_shards=num_shards)
+    for file in TOKENIZER_FILES:
+        shutil.copy(os.path.join(tokenizer_dir, file), os.path.join(directory, file))
+
+
+# ---------------------------------------------------------------- main
+def load_config(name_or_path: str) -> LingConfig:
+    return PRESETS[name_or_path] if name_or_path in PRESETS else LingConfig.from_pretrained(name_or_path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    checkpoint_dir = os.path.join(os.path.abspath(args.out), "checkpoints")
+    if os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir) and not args.resume:
+        sys.exit(f"error: {checkpoint_dir} already holds checkpoints: pass --resume, or choose another --out")
+    config = load_config(args.config)
+    mtp_loss_scale = args.mtp_loss_scale
+    if mtp_loss_scale is None:
+        mtp_loss_scale = DEMO_MTP_LOSS_SCALE if config.num_nextn_predict_layers else 0.0
+    if mtp_loss_scale and not config.num_nextn_predict_layers:
+        sys.exit(
+            f"error: --mtp-loss-scale {mtp_loss_scale}: {args.config} has no MTP layer (num_nextn_predict_layers = 0)"
+        )
+    if args.seq_len > config.max_position_embeddings:
+        sys.exit(f"error: --seq-len {args.seq_len} exceeds max_position_embeddings {config.max_position_embeddings}")
+
+    with open(args.corpus, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    tokenizer_dir = args.tokenizer or os.path.join(args.out, "tokenizer")
+    if not args.tokenizer and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        print(f"training a {args.vocab_size or config.vocab_size}-token byte-level BPE on {args.corpus}")
+        train_tokenizer(lines, args.vocab_size or config.vocab_size, tokenizer_dir, config.max_position_embeddings)
+    tokenizer, eos_id, pad_id = load_tokenizer(tokenizer_dir)
+    if tokenizer.get_vocab_size() > config.vocab_size:
+        sys.exit(
+            f"error: the tokenizer has {tokenizer.get_vocab_size()} tokens, the model's vocab_size is "
+            f"{config.vocab_size}"
+        )
+    config = config.replace(eos_token_ids=(eos_id,), pad_token_id=config.pad_token_id if pad_id is None else pad_id)
+
+    stream = tokenize(lines, tokenizer, eos_id)
+    split = int(len(stream) * (1 - args.eval_fraction))
+    train_stream, held_out = stream[:split], stream[split:]
+    if len(train_stream) < 2 * args.seq_len or len(held_out) < args.seq_len:
+        sys.exit(
+            f"error: {len(stream)} tokens are too few for --seq-len {args.seq_len} with --eval-fraction "
+            f"{args.eval_fraction}: the training part needs 2 windows and the held-out part one"
+        )
+    eval_starts = np.arange(0, len(held_out) - args.seq_len + 1, args.seq_len)
+    eval_rows = min(args.batch_size, len(eval_starts))  # equal batches: one compiled eval step
+    eval_batches = [
+        make_batch(held_out, eval_starts[i : i + eval_rows], args.seq_len)
+        for i in range(0, len(eval_starts) - eval_rows + 1, eval_rows)
+    ][: args.eval_batches]
+    print(
+        f"{len(stream):,} tokens ({len(train_stream):,} train, {len(held_out):,} held out), vocab "
+        f"{tokenizer.get_vocab_size()}; {args.batch_size * args.seq_len:,} tokens per step, "
+        f"{args.steps * args.batch_size * args.seq_len / len(train_stream):.2f} epochs"
+    )
+
+    train_config = TrainConfig(
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        total_steps=args.steps,
+        weight_decay=args.weight_decay,
+        grad_clip_norm=args.grad_clip,
+        expert_bias_rate=args.expert_bias_rate,
+        remat=args.remat,
+        mtp_loss_scale=mtp_loss_scale,
+    )
+    model = LingForCausalLM(config, rngs=nnx.Rngs(args.seed), dtype=jnp.float32)
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    print(
+        f"model: {parameters / 1e6:.1f}M parameters, {config.num_hidden_layers} layers "
+        f"({config.layer_types.count('kda')} KDA, {config.layer_types.count('mla')} MLA), "
+        f"{config.num_experts} experts, MTP loss x {train_config.mtp_loss_scale}; {jax.devices()[0].platform}"
+    )
+    graphdef, state = init_train_state(model, train_config)
+    del model
+
+    log_path = os.path.join(args.out, "log.json")
+    log: list[dict] = []
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=args.keep_checkpoints, create=True, enable_async_checkpointing=False
+    )
+    with ocp.CheckpointManager(checkpoint_dir, options=options) as manager:
+        if args.resume and manager.latest_step() is not None:
+            state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+            if os.path.isfile(log_path):
+                with open(log_path) as f:
+                    log = [entry for entry in json.load(f) if entry["step"] <= manager.latest_step()]
+            print(f"resumed from step {manager.latest_step()}")
+        first_step = int(state.step)
+
+        pending: list[tuple[int, dict]] = []  # metrics still on the device: fetching them every step would sync
+
+        def flush() -> None:
+            for logged_step, values in jax.device_get(pending):
+                log.append({"step": logged_step, **{k: float(v) for k, v in values.items() if k != "tokens"}})
+                if not (np.isfinite(log[-1]["loss"]) and np.isfinite(log[-1]["grad_norm"])):
+                    write_json(log_path, log)
+                    progress.close()
+                    last = manager.latest_step()
+                    sys.exit(
+                        f"error: step {logged_step}: loss {log[-1]['loss']}, gradient norm "
+                        f"{log[-1]['grad_norm']}: training diverged. {log_path} has the steps so far; the last "
+                        f"checkpoint is "
+                        + (f"step {last} (--resume continues from it)" if last is not None else "none")
+                        + ". Try a lower --lr or a longer --warmup."
+                    )
+            pending.clear()
+
+        def save(step: int) -> None:
+            flush()
+            manager.save(step, args=ocp.args.StandardSave(state))
+            write_json(log_path, log)
+
+        progress = tqdm(
+            range(first_step, args.steps),
+            initial=first_step,
+            total=args.steps,
+            desc="training",
+            unit="step",
+            dynamic_ncols=True,
+        )
+        for step in progress:
+            starts = training_starts(step, args.batch_size, len(train_stream), args.seq_len, args.seed)
+            state, metrics = jit_train_step(
+                graphdef, state, make_batch(train_stream, starts, args.seq_len), train_config
+            )
+            done = step + 1
+            pending.append((done, metrics))
+            if done % args.log_every == 0 or done == args.steps:
+                flush()
+                progress.set_postfix(loss=f"{log[-1]['lm_loss']:.3f}", lr=f"{log[-1]['learning_rate']:.1e}")
+            if done % args.eval_every == 0 or done == args.steps:
+                held_out_losses = evaluate(graphdef, state, eval_batches, train_config)
+                log.append({"step": done, **{f"eval_{k}": v for k, v in held_out_losses.items()}})
+                progress.write(f"step {done}: held-out loss {held_out_losses['lm_loss']:.4f}")
+            if done % args.save_every == 0 or done == args.steps:
+                save(done)
+        progress.close()
+
+    plot_losses(log, os.path.join(args.out, "loss_curve.png"))
+    train_entries = [entry for entry in log if "lm_loss" in entry]
+    final_eval = [entry for entry in log if "eval_lm_loss" in entry][-1]
+    export_dir = os.path.join(args.out, "hf")
+    if os.path.isdir(export_dir):
+        shutil.rmtree(export_dir)
+    export_hf_checkpoint(merge_model(graphdef, state), export_dir, tokenizer_dir, args.shards)
+    exported = load_hf_checkpoint(export_dir, dtype=jnp.float32, progress=False)
+    _, exported_bias, exported_params = nnx.split(exported, EXPERT_BIAS, TRAINABLE)
+    export_loss = evaluate(
+        graphdef, state.replace(params=exported_params, expert_bias=exported_bias), eval_batches, train_config
+    )["lm_loss"]
+    wall = time.perf_counter() - started
+    recent = train_entries[-min(len(train_entries), args.log_every) :]
+    print(
+        f"final train loss {np.mean([e['lm_loss'] for e in recent]):.4f} (mean of the last {len(recent)} steps), "
+        f"held-out loss {final_eval['eval_lm_loss']:.4f}, FP8 export held-out loss {export_loss:.4f}; "
+        f"wall time {wall:.0f} s"
+    )
+    print(f"wrote {log_path}, {os.path.join(args.out, 'loss_curve.png')} and {export_dir}")
+    if args.sample_tokens:
+        generator = Generator(exported)
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        new, _ = generator.generate(
+            [prompt],
+            [SamplingParams(temperature=0.8, top_p=0.95, seed=args.seed)],
+            args.sample_tokens,
+            eos_ids=(eos_id,),
+        )
+        print(f"sample (temperature 0.8, top-p 0.95):\n{tokenizer.decode(prompt + new[0])}")
+    return 0
+
+
+def script_main() -> int:
+    """`ling-train` and `scripts/train.py`."""
+    return main()
