@@ -24,11 +24,11 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from ling_jax.cache import LingCache, MTPCache, commit_verified
 from ling_jax.generation.compile_watch import CompileClock
@@ -97,41 +97,98 @@ def _rate(tokens_per_s: float | None) -> str:
     return "n/a" if tokens_per_s is None else f"{tokens_per_s:.1f} tok/s"
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+@struct.dataclass
+class Drafts:
+    """Each row's MTP state (speculative decoding): the MTP layer's cache and the next round's first draft."""
+
+    cache: MTPCache
+    draft_B: jax.Array  # [B] int32: the first draft of the row's next round
+    draft_hidden_BD: jax.Array  # the MTP hidden at that draft, which the round's next drafts chain from
+
+    @classmethod
+    def create(cls, config, batch_size: int, max_length: int, dtype) -> Drafts:
+        return cls(
+            cache=MTPCache.create(config, batch_size, max_length, dtype),
+            draft_B=jnp.zeros((batch_size,), jnp.int32),
+            draft_hidden_BD=jnp.zeros((batch_size, config.hidden_size), dtype),
+        )
+
+
+@struct.dataclass
+class DecodeState:
+    """What each program hands the next one, on the device: a row's cache, sampler history and next input. A
+    `Generator`'s batch and a server's slot batch (`ling_jax.serving.engine`) alike; the programs donate it."""
+
+    cache: LingCache
+    seen_BV: jax.Array  # [B, V] bool: tokens the repetition penalty applies to
+    token_B: jax.Array  # [B] int32: the last sampled token, the next step's input
+    steps_B: jax.Array  # [B] int32: tokens each row has generated so far, its sampler's step
+    drafts: Drafts | None = None  # with MTP speculation
+
+    @classmethod
+    def create(cls, cache: LingCache, seen_BV: jax.Array, drafts: Drafts | None = None) -> DecodeState:
+        """The state before the first token: the prompts' caches and seen tokens; no token generated yet."""
+        batch_size = cache.lengths.shape[0]
+        return cls(cache, seen_BV, jnp.zeros((batch_size,), jnp.int32), jnp.zeros((batch_size,), jnp.int32), drafts)
+
+
+@struct.dataclass
+class NewTokens:
+    """What a program gives each row: its new tokens are tokens_BT[b, :counts_B[b]] (one per decode step, one to
+    K + 1 per speculative round)."""
+
+    tokens_BT: jax.Array  # [B, T] int32
+    counts_B: jax.Array  # [B] int32
+
+
+@functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
 def _prefill_chunk(
-    static, leaves, cache, mtp_cache, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None, positions_BC3=None
+    static, leaves, state: DecodeState, ids_BC, mask_BC, next_ids_BC, mtp_mask_BC, embeds_BCD=None, positions_BC3=None
 ):
-    """embeds_BCD / positions_BC3: a VL prompt's merged embeddings and (t, h, w) positions (None for text)."""
+    """One prompt chunk into the state's caches; -> (hidden [B, D] at the chunk's last column, state).
+    embeds_BCD / positions_BC3: a VL prompt's merged embeddings and (t, h, w) positions (None for text)."""
     model = static.merge(leaves)
     hidden_BCD, cache = model.model(
         ids_BC,
-        cache=cache,
+        cache=state.cache,
         attention_mask=mask_BC,
         positions=positions_BC3,
         policy=model.policy,
         inputs_embeds=embeds_BCD,
     )
-    if mtp_cache is not None:
-        _, mtp_cache = model.draft_hidden(hidden_BCD, next_ids_BC, cache=mtp_cache, attention_mask=mtp_mask_BC)
-    return cache, mtp_cache, hidden_BCD[:, -1]
+    drafts = state.drafts
+    if drafts is not None:
+        _, mtp_cache = model.draft_hidden(hidden_BCD, next_ids_BC, cache=drafts.cache, attention_mask=mtp_mask_BC)
+        drafts = drafts.replace(cache=mtp_cache)
+    return hidden_BCD[:, -1], state.replace(cache=cache, drafts=drafts)
 
 
-def first_draft(model: LingForCausalLM, mtp_cache: MTPCache, hidden_BD, token_B):
-    """The MTP entry of the last prompt position (its hidden, the first new token) and the first draft:
-    -> (MTP cache, draft [B], the MTP hidden at the draft [B, D], which the next drafts chain from)."""
-    out = model.draft_logits(hidden_BD[:, None], token_B[:, None], cache=mtp_cache)
-    return out.cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.hidden[:, 0]
+def first_draft(model: LingForCausalLM, drafts: Drafts, hidden_BD, token_B) -> Drafts:
+    """The MTP entry of the last prompt position (its hidden, the first new token) and the first draft."""
+    out = model.draft_logits(hidden_BD[:, None], token_B[:, None], cache=drafts.cache)
+    draft_B = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+    return drafts.replace(cache=out.cache, draft_B=draft_B, draft_hidden_BD=out.hidden[:, 0])
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _first_token(static, leaves, mtp_cache, seen_BV, hidden_BD, arrays, steps_B):
-    """The first new token from the last prompt position; with MTP, also the first draft."""
-    model = static.merge(leaves)
-    token_B = sample(model.logits(hidden_BD[:, None])[:, 0], arrays, steps_B, seen_BV)
-    seen_BV = update_seen(seen_BV, token_B)
-    if mtp_cache is None:
-        return token_B, seen_BV, None, None, None
-    return token_B, seen_BV, *first_draft(model, mtp_cache, hidden_BD, token_B)
+def first_token(
+    model: LingForCausalLM, state: DecodeState, hidden_BD, arrays: SamplingArrays
+) -> tuple[NewTokens, DecodeState]:
+    """Each row's first new token (its token index 0) from its last prompt position; with MTP, also that
+    position's MTP entry and the first draft (traced inside a jitted program)."""
+    token_B = sample(model.logits(hidden_BD[:, None])[:, 0], arrays, jnp.zeros_like(state.steps_B), state.seen_BV)
+    drafts = None if state.drafts is None else first_draft(model, state.drafts, hidden_BD, token_B)
+    state = state.replace(
+        seen_BV=update_seen(state.seen_BV, token_B),
+        token_B=token_B,
+        steps_B=jnp.ones_like(state.steps_B),
+        drafts=drafts,
+    )
+    return NewTokens(token_B[:, None], jnp.ones_like(token_B)), state
+
+
+@functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
+def _first_token(static, leaves, state: DecodeState, hidden_BD, arrays) -> tuple[NewTokens, DecodeState]:
+    return first_token(static.merge(leaves), state, hidden_BD, arrays)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 6))
@@ -145,80 +202,60 @@ def _media_embeddings(static, leaves, ids_BT, pixel_values, image_grids, pixel_v
     )
 
 
-class DecodeState(NamedTuple):
-    """What a decode step hands the next one, on the device."""
-
-    cache: LingCache
-    seen_BV: jax.Array  # [B, V] bool: tokens the repetition penalty applies to
-    token_B: jax.Array  # [B] int32: the last sampled token, the next step's input
-    steps_B: jax.Array  # [B] int32: tokens each row has generated so far, its sampler's step
-
-
-def _decode_one(static, leaves, arrays, position_offsets_B, state: DecodeState) -> DecodeState:
+def decode_step(
+    model: LingForCausalLM, state: DecodeState, arrays: SamplingArrays, position_offsets_B=None
+) -> tuple[NewTokens, DecodeState]:
+    """One decode step of every row (traced inside a jitted program). position_offsets_B: after media, a token in
+    cache slot s sits at position s + offset (VL prompts)."""
     positions = None if position_offsets_B is None else (state.cache.lengths + position_offsets_B)[:, None]
-    out = static.merge(leaves)(state.token_B[:, None], cache=state.cache, positions=positions)
-    next_B = sample(out.logits[:, 0], arrays, state.steps_B, state.seen_BV)
-    return DecodeState(out.cache, update_seen(state.seen_BV, next_B), next_B, state.steps_B + 1)
+    out = model(state.token_B[:, None], cache=state.cache, positions=positions)
+    token_B = sample(out.logits[:, 0], arrays, state.steps_B, state.seen_BV)
+    state = state.replace(
+        cache=out.cache, seen_BV=update_seen(state.seen_BV, token_B), token_B=token_B, steps_B=state.steps_B + 1
+    )
+    return NewTokens(token_B[:, None], jnp.ones_like(token_B)), state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _decode_group(static, num_steps, leaves, state: DecodeState, arrays, position_offsets_B=None):
+@functools.partial(jax.jit, static_argnames=("static", "num_steps"), donate_argnames="state")
+def _decode_group(
+    static, num_steps, leaves, state: DecodeState, arrays, position_offsets_B=None
+) -> tuple[NewTokens, DecodeState]:
     """num_steps decode steps in one program (a `lax.scan`, each sampled token fed back on the device): their
-    tokens [B, num_steps] and the state after the last. position_offsets_B: after media, a token in cache slot
-    s sits at position s + offset (VL prompts)."""
+    tokens [B, num_steps] and the state after the last."""
+    model = static.merge(leaves)
 
     def step(state, _):
-        state = _decode_one(static, leaves, arrays, position_offsets_B, state)
-        return state, state.token_B
+        new, state = decode_step(model, state, arrays, position_offsets_B)
+        return state, new.tokens_BT[:, 0]
 
     state, tokens_KB = jax.lax.scan(step, state, length=num_steps)
-    return tokens_KB.T, state
-
-
-class Speculation(NamedTuple):
-    """One speculative round's results (`speculative_round`)."""
-
-    targets_BT: jax.Array  # [B, K+1] the target model's draws; the round emits targets[:, :accepted + 1]
-    accepted_B: jax.Array  # [B] drafts accepted
-    cache: LingCache  # committed at the last accepted token
-    mtp_cache: MTPCache
-    seen_BV: jax.Array
-    token_B: jax.Array  # targets[:, accepted]: the next round's pending token
-    draft_B: jax.Array  # the next round's first draft
-    draft_hidden_BD: jax.Array  # the MTP hidden at that draft
+    return NewTokens(tokens_KB.T, jnp.full(tokens_KB.shape[1:], num_steps, jnp.int32)), state
 
 
 def speculative_round(
-    model: LingForCausalLM,
-    num_drafts: int,
-    cache: LingCache,
-    mtp_cache: MTPCache,
-    seen_BV,
-    token_B,
-    draft_B,
-    draft_hidden_BD,
-    arrays: SamplingArrays,
-    steps_B,
-    active_B,
-) -> Speculation:
-    """Draft num_drafts tokens, verify them, commit (traced inside a jitted program). Rows not active keep their
+    model: LingForCausalLM, num_drafts: int, state: DecodeState, arrays: SamplingArrays, active_B
+) -> tuple[NewTokens, DecodeState]:
+    """Draft num_drafts tokens, verify them, commit (traced inside a jitted program): each row emits its targets up
+    to its first rejected draft (tokens_BT: [B, K+1] targets, counts_B: accepted + 1). Rows not active keep their
     cache and MTP cache lengths (finished rows never run past the cache; a server's idle slots stay where they
     are)."""
+    cache, seen_BV, token_B, drafts = state.cache, state.seen_BV, state.token_B, state.drafts
     rows = jnp.arange(token_B.shape[0])
+    mtp_cache, draft_hidden_BD = drafts.cache, drafts.draft_hidden_BD
     mtp_lengths_B = mtp_cache.lengths
-    drafts = [draft_B]
+    chain = [drafts.draft_B]
     for _ in range(num_drafts - 1):
-        out = model.draft_logits(draft_hidden_BD[:, None], drafts[-1][:, None], cache=mtp_cache)
+        out = model.draft_logits(draft_hidden_BD[:, None], chain[-1][:, None], cache=mtp_cache)
         mtp_cache, draft_hidden_BD = out.cache, out.hidden[:, 0]
-        drafts.append(jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32))
-    drafts_BK = jnp.stack(drafts, axis=1)
+        chain.append(jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32))
+    drafts_BK = jnp.stack(chain, axis=1)
     verify_ids = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
     start_lengths_B = cache.lengths
     hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, policy=model.policy)
     logits_BTV = model.logits(hidden_BTD)
     targets, seen = [], seen_BV
     for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)
-        targets.append(sample(logits_BTV[:, i], arrays, steps_B + i, seen))
+        targets.append(sample(logits_BTV[:, i], arrays, state.steps_B + i, seen))
         if i < num_drafts:
             seen = update_seen(seen, drafts_BK[:, i])
     targets_BT = jnp.stack(targets, axis=1)
@@ -229,27 +266,26 @@ def speculative_round(
     cache = cache.replace(lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
     mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=mtp_lengths_B)  # drop the chained drafts' entries
     out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
-    return Speculation(
-        targets_BT,
-        accepted_B,
-        cache,
-        out.cache,
-        seen_BV,
-        targets_BT[rows, accepted_B],
-        jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32),
-        out.hidden[rows, accepted_B],
+    drafts = drafts.replace(
+        cache=out.cache,
+        draft_B=jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32),
+        draft_hidden_BD=out.hidden[rows, accepted_B],
     )
+    state = state.replace(
+        cache=cache,
+        seen_BV=seen_BV,
+        token_B=targets_BT[rows, accepted_B],
+        steps_B=state.steps_B + accepted_B + 1,
+        drafts=drafts,
+    )
+    return NewTokens(targets_BT, accepted_B + 1), state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5))
+@functools.partial(jax.jit, static_argnames=("static", "num_drafts"), donate_argnames="state")
 def _speculative_round(
-    static, num_drafts, leaves, cache, mtp_cache, seen_BV, token_B, draft_B, draft_hidden_BD, arrays, steps_B, active_B
-) -> Speculation:
-    """`speculative_round` over the batch: the round emits targets[:, :accepted + 1]."""
-    model = static.merge(leaves)
-    return speculative_round(
-        model, num_drafts, cache, mtp_cache, seen_BV, token_B, draft_B, draft_hidden_BD, arrays, steps_B, active_B
-    )
+    static, num_drafts, leaves, state: DecodeState, arrays, active_B
+) -> tuple[NewTokens, DecodeState]:
+    return speculative_round(static.merge(leaves), num_drafts, state, arrays, active_B)
 
 
 class _Rows:
@@ -454,10 +490,16 @@ class Generator:
         next_ids = np.concatenate([ids[:, 1:], np.zeros((batch, 1), np.int32)], axis=1)
         mtp_mask = mask & (np.arange(padded) < padded - 1)[None, :]
         max_length = cache_length(padded, max_new_tokens, self.mtp)
-        cache = self._place(LingCache.create(self.config, batch, max_length, self.dtype))
-        mtp_cache = self._place(MTPCache.create(self.config, batch, max_length, self.dtype)) if self.mtp else None
+        drafts = None
+        if self.mtp:
+            drafts = Drafts.create(self.config, batch, max_length, self.dtype)
+            drafts = drafts.replace(cache=self._place(drafts.cache))
+        state = DecodeState.create(
+            self._place(LingCache.create(self.config, batch, max_length, self.dtype)),
+            seen_from_prompts(jnp.asarray(ids), jnp.asarray(mask), self.config.vocab_size),
+            drafts,
+        )
         arrays = SamplingArrays.from_params(sampling)
-        seen = seen_from_prompts(jnp.asarray(ids), jnp.asarray(mask), self.config.vocab_size)
         rows = _Rows(batch, max_new_tokens, eos_ids, on_tokens)
 
         start, compiled_before = time.perf_counter(), clock.seconds
@@ -467,11 +509,10 @@ class Generator:
         offset = 0
         for length in chunks:
             part = slice(offset, offset + length)
-            cache, mtp_cache, last_hidden = _prefill_chunk(
+            last_hidden, state = _prefill_chunk(
                 self.static,
                 self.leaves,
-                cache,
-                mtp_cache,
+                state,
                 ids[:, part],
                 mask[:, part],
                 next_ids[:, part],
@@ -482,13 +523,10 @@ class Generator:
             # no chunk runs during the next call's compilation, so prefill_s less compile time is the prefill's
             jax.block_until_ready(last_hidden)
             offset += length
-        steps = jnp.zeros((batch,), jnp.int32)
-        token, seen, mtp_cache, draft, draft_hidden = _first_token(
-            self.static, self.leaves, mtp_cache, seen, last_hidden, arrays, steps
-        )
-        first = np.asarray(token)
+        first, state = _first_token(self.static, self.leaves, state, last_hidden, arrays)
+        first_BT = np.asarray(first.tokens_BT)
         ttft = time.perf_counter() - start
-        rows.add(first[:, None])
+        rows.add(first_BT)
         stats = GenerationStats(
             prompt_tokens=int(mask.sum()),
             generated_tokens=0,
@@ -500,15 +538,15 @@ class Generator:
         steady = _SteadyClock(rows)
         start = time.perf_counter()
         if self.mtp:
-            self._speculate(rows, stats, steady, cache, mtp_cache, seen, token, draft, draft_hidden, arrays)
+            self._speculate(rows, stats, steady, state, arrays)
         else:
-            self._decode(rows, steady, cache, seen, token, arrays, offsets)
+            self._decode(rows, steady, state, arrays, offsets)
         stats.decode_s = time.perf_counter() - start
         steady.record(stats)
         stats.generated_tokens = rows.generated
         return rows.tokens, stats
 
-    def _decode(self, rows: _Rows, steady: _SteadyClock, cache, seen, token, arrays, position_offsets):
+    def _decode(self, rows: _Rows, steady: _SteadyClock, state: DecodeState, arrays, position_offsets):
         """After the first token, each jitted program runs DECODE_READ_GROUP decode steps on the device and returns
         their tokens [B, K], and the host reads one program's tokens at a time. The next program is dispatched
         before the host reads, so the device computes it while the host does the group's work (bookkeeping,
@@ -520,52 +558,25 @@ class Generator:
         if remaining == 0 or rows.done.all():
             return
         group = functools.partial(_decode_group, self.static, DECODE_READ_GROUP, self.leaves)
-        state = DecodeState(cache, seen, token, jnp.ones((len(rows.tokens),), jnp.int32))
         programs = -(-remaining // DECODE_READ_GROUP)
         queued: list[jax.Array] = []  # [B, K] tokens of programs dispatched, not yet read, oldest first
         for program in range(programs):
             while len(queued) < min(2, programs - program):  # this program and the next one
-                tokens_BK, state = group(state, arrays, position_offsets)
-                tokens_BK.copy_to_host_async()
-                queued.append(tokens_BK)
+                new, state = group(state, arrays, position_offsets)
+                new.tokens_BT.copy_to_host_async()
+                queued.append(new.tokens_BT)
             kept = min(DECODE_READ_GROUP, remaining - program * DECODE_READ_GROUP)
             rows.add(np.asarray(queued.pop(0))[:, :kept])
             steady.tick(DECODE_READ_GROUP)
             if rows.done.all():
                 return
 
-    def _speculate(
-        self,
-        rows: _Rows,
-        stats: GenerationStats,
-        steady: _SteadyClock,
-        cache,
-        mtp_cache,
-        seen,
-        token,
-        draft,
-        draft_hidden,
-        arrays,
-    ):
-        steps = jnp.ones((len(rows.tokens),), jnp.int32)
+    def _speculate(self, rows: _Rows, stats: GenerationStats, steady: _SteadyClock, state: DecodeState, arrays):
         while not rows.done.all():
-            (targets, accepted, cache, mtp_cache, seen, token, draft, draft_hidden) = _speculative_round(
-                self.static,
-                self.mtp,
-                self.leaves,
-                cache,
-                mtp_cache,
-                seen,
-                token,
-                draft,
-                draft_hidden,
-                arrays,
-                steps,
-                jnp.asarray(~rows.done),
-            )
-            steps = steps + accepted + 1
-            host_accepted, active = np.asarray(accepted), ~rows.done
+            active = ~rows.done
+            new, state = _speculative_round(self.static, self.mtp, self.leaves, state, arrays, jnp.asarray(active))
+            counts = np.asarray(new.counts_B)
             stats.drafted += self.mtp * int(active.sum())
-            stats.accepted += int(host_accepted[active].sum())
-            rows.add(np.asarray(targets), host_accepted + 1)
+            stats.accepted += int((counts - 1)[active].sum())
+            rows.add(np.asarray(new.tokens_BT), counts)
             steady.tick()

@@ -6,23 +6,25 @@ penalty's seen-token mask, its last token and its token count. The MLA pages com
 (`PagePool`, reference counted on the host): a request is given pages for its prompt and completion when it is
 admitted, the ones of a cached prefix shared with the prefix cache and the other requests reading them, and
 frees them when it ends. The pool holds every slot's worth of pages plus the prefix cache's, so it never runs
-out. Three programs, each compiled once per shape and run with the slot batch donated:
+out. The slot batch is a `DecodeState` (the `Generator`'s batch state: cache, seen rows, tokens, counts and, with
+MTP, drafts), and a program's tokens are `NewTokens`, both named pytrees. Three programs, each compiled once per
+shape and run with the slot batch donated (by name, `state`):
 
 - `prefill`: one chunk of each of up to `prefill_rows(C)` requests' prompts (chunks of one length C, as many
   as `prefill_budget` tokens allow; a lone chunk runs as one row) into their slots (a first chunk resets
   its slot). A prompt is laid out as `Generator` lays out a prompt run alone (left-padded to a power-of-two
   head chunk, then full chunks of `prefill_chunk`), so each chunk length compiles once or twice (one row;
   the budget's rows) and each row computes what a batch-1 `Generator.generate` computes;
-- `first_token`: the request's first token from its last prompt position;
-- `decode`: one decode step of every slot. Slots that are not decoding run too, with no pages (they read and
-  write only a scratch page), and keep their KDA states, length, token and token count.
+- `first_token`: the request's first token from its last prompt position (`generator.first_token` on its slot);
+- `step`: one decode step of every slot (`generator.decode_step`), or with MTP a speculative round. Slots that
+  are not decoding run too, with no pages (they read and write only a scratch page), and keep their state.
 
 MTP speculation (`mtp` = K > 0, a model with an MTP layer): each slot also holds its MTP state (`SlotDrafts`):
 the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (not paged: one layer, so
 `max_batch` x `max_context` x 576 values; it is gathered per prefill row like the KDA states), the carry (the
 main model's hidden at the last prefilled token, whose MTP entry needs the token after it), and the slot's next
 draft with its MTP hidden. A prefill chunk also writes its MTP entries (`_prefill_drafts`), the first token
-adds the last prompt position's and drafts (`first_draft`), and the decode step becomes a speculative round of
+adds the last prompt position's and drafts (`first_draft`), and the step is a speculative round of
 every slot (`speculative_round`, shared with `Generator`): K drafts chained through the MTP layer, K + 1
 positions verified in one main-model pass whose KDA layers keep every token's state, each slot's targets drawn
 with its own sampler, a draft accepted while it equals its target, and each slot committed at its own accepted
@@ -48,8 +50,17 @@ from flax import struct
 from ling_jax.cache import KDAState, LingCache, MTPCache
 from ling_jax.checkpoints.pieces import one_device_sharding
 from ling_jax.config import MLA
-from ling_jax.generation.generator import MIN_CHUNK, first_draft, prefill_chunks, speculative_round
-from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
+from ling_jax.generation.generator import (
+    MIN_CHUNK,
+    DecodeState,
+    Drafts,
+    NewTokens,
+    decode_step,
+    first_token,
+    prefill_chunks,
+    speculative_round,
+)
+from ling_jax.generation.sampling import SamplingArrays, SamplingParams, seen_from_prompts
 from ling_jax.generation.static_model import split_model
 from ling_jax.model import LingForCausalLM
 from ling_jax.serving.pages import PagePool
@@ -75,22 +86,17 @@ class Snapshot(NamedTuple):
 
 
 @struct.dataclass
-class SlotDrafts:
-    """Each slot's MTP state (an `Engine` with `mtp` > 0)."""
+class SlotDrafts(Drafts):
+    """Each slot's MTP state (an `Engine` with `mtp` > 0): `Drafts` whose MTP cache is a fixed [B, max_context, A]
+    buffer, one row per slot, and the carry."""
 
-    cache: MTPCache  # the MTP layer's latent cache: a fixed [B, max_context, A] buffer, one row per slot
     carry_BD: jax.Array  # the main model's hidden at the slot's last prefilled token (its MTP entry needs the next)
-    draft_B: jax.Array  # [B] int32: the first draft of the slot's next round
-    draft_hidden_BD: jax.Array  # the MTP hidden at that draft, which the round's next drafts chain from
 
     @classmethod
     def create(cls, config, batch_size: int, max_length: int, dtype) -> SlotDrafts:
-        return cls(
-            cache=MTPCache.create(config, batch_size, max_length, dtype),
-            carry_BD=jnp.zeros((batch_size, config.hidden_size), dtype),
-            draft_B=jnp.zeros((batch_size,), jnp.int32),
-            draft_hidden_BD=jnp.zeros((batch_size, config.hidden_size), dtype),
-        )
+        drafts = Drafts.create(config, batch_size, max_length, dtype)
+        carry_BD = jnp.zeros((batch_size, config.hidden_size), dtype)
+        return cls(drafts.cache, drafts.draft_B, drafts.draft_hidden_BD, carry_BD)
 
 
 def _nbytes(tree) -> int:
@@ -200,18 +206,23 @@ def _prefill_drafts(model, drafts: SlotDrafts, hidden_PCD, slots_P, ids_PC, mask
     return drafts.replace(cache=jax.tree.map(put, drafts.cache, rows), carry_BD=put(drafts.carry_BD, last_PD))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
-def _prefill(static, leaves, cache: LingCache, seen_BV, drafts, slots_P, ids_PC, mask_PC, fresh_P, last_P):
+@functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
+def _prefill(static, leaves, state: DecodeState, slots_P, ids_PC, mask_PC, fresh_P, last_P):
     """One prompt chunk per row [P, C] into slots_P (rows whose slot is past the batch are padding: computed,
-    never written); -> (cache, seen, drafts (None without MTP), hidden [P, D] at each row's column last_P)."""
+    never written): their caches, seen rows and (with MTP) MTP entries; -> (hidden [P, D] at each row's column
+    last_P, state)."""
     model = static.merge(leaves)
-    rows = _reset(_gather_rows(cache, slots_P), fresh_P)
+    rows = _reset(_gather_rows(state.cache, slots_P), fresh_P)
     hidden_PCD, rows = model.model(ids_PC, cache=rows, attention_mask=mask_PC, policy=model.policy)
-    cache = _scatter_rows(cache, rows, slots_P)
-    seen_BV = _mark_seen(seen_BV, slots_P, ids_PC, mask_PC, fresh_P)
+    drafts = state.drafts
     if drafts is not None:
         drafts = _prefill_drafts(model, drafts, hidden_PCD, slots_P, ids_PC, mask_PC, fresh_P, last_P)
-    return cache, seen_BV, drafts, hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P]
+    state = state.replace(
+        cache=_scatter_rows(state.cache, rows, slots_P),
+        seen_BV=_mark_seen(state.seen_BV, slots_P, ids_PC, mask_PC, fresh_P),
+        drafts=drafts,
+    )
+    return hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P], state
 
 
 @jax.jit
@@ -220,18 +231,18 @@ def _snapshot(cache: LingCache, slot):
     return tuple(_slot_rows(s, slot) for s in cache.layers if isinstance(s, KDAState))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _restore(cache: LingCache, seen_BV, slot, kda, ids_1L, mask_1L):
+@functools.partial(jax.jit, donate_argnames="state")
+def _restore(state: DecodeState, slot, kda, ids_1L, mask_1L):
     """Resume the slot after a cached prefix (ids_1L where mask_1L; its pages are in the slot's table row): the
     last block's KDA states, the length, the prefix's tokens marked seen."""
-    kda = iter(kda)
+    cache, kda = state.cache, iter(kda)
     layers = tuple(_put_slot_rows(s, next(kda), slot) if isinstance(s, KDAState) else s for s in cache.layers)
     lengths = cache.lengths.at[slot].set(mask_1L.sum(dtype=jnp.int32))
-    seen_BV = _mark_seen(seen_BV, slot[None], ids_1L, mask_1L, jnp.ones((1,), bool))
-    return cache.replace(layers=layers, lengths=lengths), seen_BV
+    seen_BV = _mark_seen(state.seen_BV, slot[None], ids_1L, mask_1L, jnp.ones((1,), bool))
+    return state.replace(cache=cache.replace(layers=layers, lengths=lengths), seen_BV=seen_BV)
 
 
-@functools.partial(jax.jit, static_argnums=3)
+@functools.partial(jax.jit, static_argnames="block")
 def _snapshot_drafts(drafts: SlotDrafts, slot, first, block: int):
     """The slot's MTP entries a prefix block wrote (rows [first, first + block) of its MTP cache, first = the
     block's start - 1, or 0 for a prompt's first block) and its carry: ([1, block, A], [1, D])."""
@@ -239,38 +250,30 @@ def _snapshot_drafts(drafts: SlotDrafts, slot, first, block: int):
     return jax.lax.dynamic_slice_in_dim(latent_1SA, first, block, axis=1), _slot_rows(drafts.carry_BD, slot)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _restore_drafts(drafts: SlotDrafts, slot, first, rows_1KA, carry_1D, length):
+@functools.partial(jax.jit, donate_argnames="state")
+def _restore_drafts(state: DecodeState, slot, first, rows_1KA, carry_1D, length):
     """Put a block's MTP entries (`_snapshot_drafts`) back at row `first` of the slot's MTP cache, its length and
     carry those at the block's end."""
+    drafts = state.drafts
     latent = drafts.cache.layer.latent
     latent_1SA = jax.lax.dynamic_update_slice_in_dim(_slot_rows(latent, slot), rows_1KA, first, axis=1)
     mtp_cache = MTPCache(
         layer=drafts.cache.layer.replace(latent=_put_slot_rows(latent, latent_1SA, slot)),
         lengths=drafts.cache.lengths.at[slot].set(length),
     )
-    return drafts.replace(cache=mtp_cache, carry_BD=_put_slot_rows(drafts.carry_BD, carry_1D, slot))
+    return state.replace(
+        drafts=drafts.replace(cache=mtp_cache, carry_BD=_put_slot_rows(drafts.carry_BD, carry_1D, slot))
+    )
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4, 5))
-def _first_token(static, leaves, seen_BV, token_B, steps_B, drafts, slot, hidden_1D, arrays_1: SamplingArrays):
-    """The request's first token (its token index 0); the slot's token, count and seen row updated; with MTP, the
-    last prompt position's MTP entry and the slot's first draft."""
-    model = static.merge(leaves)
-    logits_1V = model.logits(hidden_1D[:, None])[:, 0]
-    seen_1V = _slot_rows(seen_BV, slot)
-    token_1 = sample(logits_1V, arrays_1, jnp.zeros((1,), jnp.int32), seen_1V)
-    seen_BV = _put_slot_rows(seen_BV, update_seen(seen_1V, token_1), slot)
-    token_B = _put_slot_rows(token_B, token_1, slot)
-    steps_B = _put_slot_rows(steps_B, jnp.ones((1,), jnp.int32), slot)
-    if drafts is not None:
-        mtp_cache, draft_1, draft_hidden_1D = first_draft(model, _slot_rows(drafts.cache, slot), hidden_1D, token_1)
-        drafts = drafts.replace(
-            cache=_put_slot_rows(drafts.cache, mtp_cache, slot),
-            draft_B=_put_slot_rows(drafts.draft_B, draft_1, slot),
-            draft_hidden_BD=_put_slot_rows(drafts.draft_hidden_BD, draft_hidden_1D, slot),
-        )
-    return token_1[0], seen_BV, token_B, steps_B, drafts
+@functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
+def _first_token(static, leaves, state: DecodeState, slot, hidden_1D, arrays_1: SamplingArrays):
+    """The request's first token (`first_token` on the slot's row: its token index 0); the slot's token, count
+    and seen row updated; with MTP, the last prompt position's MTP entry and the slot's first draft. ->
+    (NewTokens [1, 1], state)."""
+    slots = state.replace(cache=None)  # the cache is not per slot (its MLA pages are one pool) and unused here
+    new, row = first_token(static.merge(leaves), _slot_rows(slots, slot), hidden_1D, arrays_1)
+    return new, _put_slot_rows(slots, row, slot).replace(cache=state.cache)
 
 
 def _where_rows(rows_B, new, old):
@@ -293,59 +296,46 @@ def _keep_idle_states(cache: LingCache, stepped: LingCache, active_B) -> LingCac
     return cache.replace(layers=layers, lengths=jnp.where(active_B, stepped.lengths, cache.lengths))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4, 5, 6))
-def _decode(static, rows, leaves, cache: LingCache, seen_BV, token_B, steps_B, arrays: SamplingArrays, active_R):
-    """One decode step of slots [0, rows) (the engine's bucket over its active slots); slots not active have no
-    pages in it and keep their KDA states, length, token and count. -> (tokens [R, 1], cache, seen, token,
-    count)."""
-    before = _first_rows(cache, rows)
-    seen_RV, token_R, steps_R = _first((seen_BV, token_B, steps_B), rows)
-    out = static.merge(leaves)(token_R[:, None], cache=_without_idle_pages(before, active_R))
-    next_R = jnp.where(active_R, sample(out.logits[:, 0], _first(arrays, rows), steps_R, seen_RV), token_R)
-    cache = _put_rows(cache, _keep_idle_states(before, out.cache, active_R), _set_first)
-    seen_RV = jnp.where(active_R[:, None], update_seen(seen_RV, next_R), seen_RV)
-    seen_BV, token_B, steps_B = _put_first((seen_BV, token_B, steps_B), (seen_RV, next_R, steps_R + active_R))
-    return next_R[:, None], cache, seen_BV, token_B, steps_B
+def _without_caches(state: DecodeState) -> DecodeState:
+    """The state's per-slot rows that are not a cache (seen rows, tokens, counts, drafts and carries)."""
+    drafts = None if state.drafts is None else state.drafts.replace(cache=None)
+    return state.replace(cache=None, drafts=drafts)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6, 7, 8))
-def _speculate(
-    static, num_drafts, rows, leaves, cache: LingCache, seen_BV, token_B, steps_B, drafts: SlotDrafts, arrays, active_R
-):
-    """One speculative round of slots [0, rows) (`speculative_round`): -> (targets [R, K+1], accepted [R], cache,
-    seen, token, count, drafts); a slot emits targets[:, :accepted + 1]. Slots not active have no pages in it and
-    keep their KDA states, length, token, count, MTP entries and drafts."""
-    before = _first_rows(cache, rows)
-    seen_RV, token_R, steps_R, drafts_R = _first((seen_BV, token_B, steps_B, drafts), rows)
-    out = speculative_round(
-        static.merge(leaves),
-        num_drafts,
-        _without_idle_pages(before, active_R),
-        drafts_R.cache,
-        seen_RV,
-        token_R,
-        drafts_R.draft_B,
-        drafts_R.draft_hidden_BD,
-        _first(arrays, rows),
-        steps_R,
-        active_R,
+def _first_slots(state: DecodeState, rows: int) -> DecodeState:
+    """Slots [0, rows) of the state (the MLA page pool whole)."""
+    return _first(state.replace(cache=None), rows).replace(cache=_first_rows(state.cache, rows))
+
+
+def _put_first_slots(state: DecodeState, first: DecodeState) -> DecodeState:
+    """`state` with its first slots (and the MLA page pool) from `first` (`_first_slots`)."""
+    put = _put_first(state.replace(cache=None), first.replace(cache=None))
+    return put.replace(cache=_put_rows(state.cache, first.cache, _set_first))
+
+
+def _keep_idle_slots(before: DecodeState, stepped: DecodeState, active_R) -> DecodeState:
+    """`stepped` with the slots not active as they were `before` the step: KDA states, length, seen row, token,
+    count, drafts and carry (the MTP entries a round adds past an idle slot's length are invisible to it)."""
+    kept = jax.tree.map(
+        lambda new, old: _where_rows(active_R, new, old), _without_caches(stepped), _without_caches(before)
     )
-    drafts_R = drafts_R.replace(
-        cache=out.mtp_cache,
-        draft_B=jnp.where(active_R, out.draft_B, drafts_R.draft_B),
-        draft_hidden_BD=_where_rows(active_R, out.draft_hidden_BD, drafts_R.draft_hidden_BD),
-    )
-    cache = _put_rows(cache, _keep_idle_states(before, out.cache, active_R), _set_first)
-    seen_BV, token_B, steps_B, drafts = _put_first(
-        (seen_BV, token_B, steps_B, drafts),
-        (
-            _where_rows(active_R, out.seen_BV, seen_RV),
-            jnp.where(active_R, out.token_B, token_R),
-            steps_R + jnp.where(active_R, out.accepted_B + 1, 0),
-            drafts_R,
-        ),
-    )
-    return out.targets_BT, out.accepted_B, cache, seen_BV, token_B, steps_B, drafts
+    drafts = None if kept.drafts is None else kept.drafts.replace(cache=stepped.drafts.cache)
+    return kept.replace(cache=_keep_idle_states(before.cache, stepped.cache, active_R), drafts=drafts)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "num_drafts", "rows"), donate_argnames="state")
+def _step(static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R):
+    """One decode step (num_drafts = 0: `decode_step`) or speculative round (`speculative_round`) of slots
+    [0, rows) (the engine's bucket over its active slots); slots not active have no pages in it and keep their
+    state. -> (NewTokens over the R slots, meaningful where active; state)."""
+    model = static.merge(leaves)
+    before = _first_slots(state, rows)
+    stepping = before.replace(cache=_without_idle_pages(before.cache, active_R))
+    if num_drafts:
+        new, stepped = speculative_round(model, num_drafts, stepping, _first(arrays, rows), active_R)
+    else:
+        new, stepped = decode_step(model, stepping, _first(arrays, rows))
+    return new, _put_first_slots(state, _keep_idle_slots(before, stepped, active_R))
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -409,23 +399,30 @@ class Engine:
         # the host's copy; num_pages: no page (the device's scratch page)
         self.page_table_BN = np.full((max_batch, self.pages_per_slot), num_pages, np.int32)
         self._table_changed = True  # the device's table (all out of range) becomes the host's at the first program
-        self.cache = self._place(
-            LingCache.create_paged(self.config, max_batch, num_pages + 1, page_size, self.pages_per_slot, model.dtype)
+        self.state = self._place(
+            DecodeState.create(
+                LingCache.create_paged(
+                    self.config, max_batch, num_pages + 1, page_size, self.pages_per_slot, model.dtype
+                ),
+                jnp.zeros((max_batch, self.config.vocab_size), bool),
+                SlotDrafts.create(self.config, max_batch, max_context, model.dtype) if mtp else None,
+            )
         )
-        replicated = one_device_sharding() if mesh is None else jax.sharding.NamedSharding(mesh, jax.P())
-        self.seen_BV = jax.device_put(jnp.zeros((max_batch, self.config.vocab_size), bool), replicated)
-        self.token_B = jax.device_put(jnp.zeros((max_batch,), jnp.int32), replicated)
-        self.steps_B = jax.device_put(jnp.zeros((max_batch,), jnp.int32), replicated)
-        self.drafts = self._place(SlotDrafts.create(self.config, max_batch, max_context, model.dtype)) if mtp else None
         self._params = [GREEDY] * max_batch
         self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
 
-    def _place(self, tree):
-        """`tree` committed where the programs keep it (one device, or the cache's shardings over the mesh): an
-        uncommitted input would compile each program again once its outputs, committed, come back."""
+    def _place(self, state: DecodeState) -> DecodeState:
+        """`state` committed where the programs keep it (one device; over the mesh, the caches in their shardings
+        and the rest replicated): an uncommitted input would compile each program again once its outputs,
+        committed, come back."""
         if self.mesh is None:
-            return jax.device_put(tree, one_device_sharding())
-        return jax.device_put(tree, cache_shardings(tree, self.mesh))
+            return jax.device_put(state, one_device_sharding())
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.P())
+        shardings = jax.tree.map(lambda _: replicated, state).replace(cache=cache_shardings(state.cache, self.mesh))
+        if state.drafts is not None:
+            drafts = shardings.drafts.replace(cache=cache_shardings(state.drafts.cache, self.mesh))
+            shardings = shardings.replace(drafts=drafts)
+        return jax.device_put(state, shardings)
 
     def chunks(self, prompt_length: int) -> list[int]:
         """The chunk lengths a prompt of `prompt_length` tokens is prefilled in (the last chunk ends with it)."""
@@ -477,12 +474,10 @@ class Engine:
         pad = rows - len(slots)
         ids_PC = np.stack([ids for ids, _ in chunks] + [np.zeros(length, np.int32)] * pad)
         mask_PC = np.stack([mask for _, mask in chunks] + [np.ones(length, bool)] * pad)
-        self.cache, self.seen_BV, self.drafts, hidden_PD = _prefill(
+        hidden_PD, self.state = _prefill(
             self.static,
             self.leaves,
             self._synced(),
-            self.seen_BV,
-            self.drafts,
             jnp.asarray(list(slots) + [self.max_batch] * pad, jnp.int32),
             jnp.asarray(ids_PC, jnp.int32),
             jnp.asarray(mask_PC, bool),
@@ -508,12 +503,11 @@ class Engine:
     def snapshot(self, slot: int, start: int) -> Snapshot:
         """The slot's state at the end of its prefix block at token `start`: with the block's pages, a prefix-cache
         node."""
-        kda = _snapshot(self.cache, jnp.int32(slot))
-        if self.drafts is None:
+        kda = _snapshot(self.state.cache, jnp.int32(slot))
+        if self.state.drafts is None:
             return Snapshot(kda, None)
-        return Snapshot(
-            kda, _snapshot_drafts(self.drafts, jnp.int32(slot), jnp.int32(max(start - 1, 0)), self.prefix_block)
-        )
+        first = jnp.int32(max(start - 1, 0))
+        return Snapshot(kda, _snapshot_drafts(self.state.drafts, jnp.int32(slot), first, self.prefix_block))
 
     def restore(self, slot: int, path: list[Snapshot], prefix: list[int]) -> None:
         """Resume `slot` after a cached `prefix` (its pages already the first of the slot's, `assign`) from the
@@ -521,16 +515,14 @@ class Engine:
         MTP, every block's MTP entries and the last one's carry."""
         ids_1L, mask_1L = np.zeros((1, self.max_context), np.int32), np.zeros((1, self.max_context), bool)
         ids_1L[0, : len(prefix)], mask_1L[0, : len(prefix)] = prefix, True
-        self.cache, self.seen_BV = _restore(
-            self._synced(), self.seen_BV, jnp.int32(slot), path[-1].kda, jnp.asarray(ids_1L), jnp.asarray(mask_1L)
-        )
-        if self.drafts is None:
+        self.state = _restore(self._synced(), jnp.int32(slot), path[-1].kda, jnp.asarray(ids_1L), jnp.asarray(mask_1L))
+        if self.state.drafts is None:
             return
         for block, snapshot in enumerate(path):
             start = block * self.prefix_block
             rows_1KA, carry_1D = snapshot.drafts
-            self.drafts = _restore_drafts(
-                self.drafts,
+            self.state = _restore_drafts(
+                self.state,
                 jnp.int32(slot),
                 jnp.int32(max(start - 1, 0)),
                 rows_1KA,
@@ -538,30 +530,22 @@ class Engine:
                 jnp.int32(start + self.prefix_block - 1),
             )
 
-    def _synced(self) -> LingCache:
-        """The cache with the host's page table (sent to the device once after each change)."""
+    def _synced(self) -> DecodeState:
+        """The state with the host's page table in its cache (sent to the device once after each change)."""
         if self._table_changed:
             table_BN = jnp.array(self.page_table_BN, copy=True)  # never a view of the host's table, edited in place
-            self.cache = self._place(self.cache.replace(page_table=table_BN))
+            self.state = self._place(self.state.replace(cache=self.state.cache.replace(page_table=table_BN)))
             self._table_changed = False
-        return self.cache
+        return self.state
 
-    def first_token(self, slot: int, hidden_1D: jax.Array, params: SamplingParams) -> int:
-        """Sample the request's first token and make `slot` ready to decode with `params`."""
+    def first_token(self, slot: int, hidden_1D: jax.Array, params: SamplingParams) -> NewTokens:
+        """Sample the request's first token (tokens [1, 1]) and make `slot` ready to decode with `params`."""
         self._params[slot] = params
         self._arrays = None
-        token, self.seen_BV, self.token_B, self.steps_B, self.drafts = _first_token(
-            self.static,
-            self.leaves,
-            self.seen_BV,
-            self.token_B,
-            self.steps_B,
-            self.drafts,
-            jnp.int32(slot),
-            hidden_1D,
-            SamplingArrays.from_params([params]),
+        first, self.state = _first_token(
+            self.static, self.leaves, self.state, jnp.int32(slot), hidden_1D, SamplingArrays.from_params([params])
         )
-        return int(token)
+        return first
 
     def release(self, slot: int) -> None:
         """The slot's request is gone: its pages go back (those no one else holds are free) and it samples
@@ -578,46 +562,19 @@ class Engine:
         last = int(np.flatnonzero(active_B)[-1]) + 1 if np.any(active_B) else 1
         return next(b for b in decode_buckets(self.max_batch) if b >= last)
 
-    def decode(self, active_B: np.ndarray, rows: int | None = None) -> tuple[jax.Array, jax.Array | None]:
-        """Dispatch one decode step of the slots (with MTP, a speculative round); -> (tokens [R, K+1], counts [R]
-        or None) over slots [0, R), R = `decode_rows`: slot b's new tokens are tokens[b, :counts[b]] (without MTP,
-        tokens[b, :1]), meaningful where active, on their way to the host (the step runs while the caller does
-        other work). rows: the bucket to run instead (`warm_up`)."""
+    def decode(self, active_B: np.ndarray, rows: int | None = None) -> NewTokens:
+        """Dispatch one decode step of the slots (with MTP, a speculative round); -> its `NewTokens` over slots
+        [0, R), R = `decode_rows`: slot b's new tokens are tokens_BT[b, :counts_B[b]], meaningful where active, on
+        their way to the host (the step runs while the caller does other work). rows: the bucket to run instead
+        (`warm_up`)."""
         if self._arrays is None:
             self._arrays = SamplingArrays.from_params(self._params)
         rows = rows or self.decode_rows(active_B)
         active_R = jnp.asarray(active_B[:rows], bool)
-        if self.drafts is None:
-            tokens_R1, self.cache, self.seen_BV, self.token_B, self.steps_B = _decode(
-                self.static,
-                rows,
-                self.leaves,
-                self._synced(),
-                self.seen_BV,
-                self.token_B,
-                self.steps_B,
-                self._arrays,
-                active_R,
-            )
-            tokens_R1.copy_to_host_async()
-            return tokens_R1, None
-        targets_RT, accepted_R, self.cache, self.seen_BV, self.token_B, self.steps_B, self.drafts = _speculate(
-            self.static,
-            self.mtp,
-            rows,
-            self.leaves,
-            self._synced(),
-            self.seen_BV,
-            self.token_B,
-            self.steps_B,
-            self.drafts,
-            self._arrays,
-            active_R,
-        )
-        counts_R = accepted_R + 1
-        for part in (targets_RT, counts_R):
+        new, self.state = _step(self.static, self.mtp, rows, self.leaves, self._synced(), self._arrays, active_R)
+        for part in jax.tree.leaves(new):
             part.copy_to_host_async()
-        return targets_RT, counts_R
+        return new
 
     def warm_up(self) -> None:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, the first
@@ -633,4 +590,4 @@ class Engine:
         for rows in decode_buckets(self.max_batch):
             self.decode(np.zeros(self.max_batch, bool), rows)
         self.release(0)
-        jax.block_until_ready(self.cache)
+        jax.block_until_ready(self.state)

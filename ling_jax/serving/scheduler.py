@@ -31,9 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Collection
 
+import jax
 import numpy as np
 
 from ling_jax.generation.completion import Completion
+from ling_jax.generation.generator import NewTokens
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, Tokenizer
 from ling_jax.serving.engine import Engine
@@ -108,7 +110,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.slots: list[Request | None] = [None] * engine.max_batch
         self.steps = 0  # loop iterations that ran a program
-        self._in_flight: tuple | None = None  # the last decode step dispatched: its tokens and requests
+        self._in_flight: tuple[NewTokens, list[Request]] | None = None  # the last decode step and its requests
         self._lock = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -187,7 +189,7 @@ class Scheduler:
         if decoding:
             active_B = np.zeros(self.engine.max_batch, bool)
             active_B[[r.slot for r in decoding]] = True
-            self._in_flight = (*self.engine.decode(active_B), decoding)
+            self._in_flight = (self.engine.decode(active_B), decoding)
         if previous is not None:
             self._take_step(*previous)
         self.steps += 1
@@ -243,25 +245,31 @@ class Scheduler:
                 request._node = cache.insert(request._node, request.prompt[start : start + real], state, pages)
                 self.metrics.prefix_bytes.set(cache.nbytes)
             if not request._chunks:
-                token = self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling)
+                first = jax.device_get(
+                    self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling)
+                )
                 request.first_token_at = time.perf_counter()
                 self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
-                self._take(request, token)
+                self._take_row(request, first, 0)
 
-    def _take_step(self, tokens_BT, counts_B, decoding: list[Request]) -> None:
+    def _take_step(self, new: NewTokens, decoding: list[Request]) -> None:
         """A decode step's tokens (`Engine.decode`), read once the next step is dispatched: each request still in
         its slot takes its tokens in order, up to the one that ends it (one that ended meanwhile, or whose slot
         was taken since, ignores the step)."""
-        tokens_BT = np.asarray(tokens_BT)
-        counts_B = np.ones(len(tokens_BT), np.int32) if counts_B is None else np.asarray(counts_B)
+        new = jax.device_get(new)
+        drafted = new.tokens_BT.shape[1] - 1
         for request in decoding:
-            if self.slots[request.slot] is request and tokens_BT.shape[1] > 1:
-                self.metrics.mtp_drafted.inc(tokens_BT.shape[1] - 1)
-                self.metrics.mtp_accepted.inc(int(counts_B[request.slot]) - 1)
-            for token in tokens_BT[request.slot, : counts_B[request.slot]]:
-                if self.slots[request.slot] is not request:
-                    break
-                self._take(request, int(token))
+            if self.slots[request.slot] is request and drafted:
+                self.metrics.mtp_drafted.inc(drafted)
+                self.metrics.mtp_accepted.inc(int(new.counts_B[request.slot]) - 1)
+            self._take_row(request, new, request.slot)
+
+    def _take_row(self, request: Request, new: NewTokens, row: int) -> None:
+        """The request's new tokens at `row` of `new` (on the host), in order, while it holds its slot."""
+        for token in new.tokens_BT[row, : new.counts_B[row]]:
+            if self.slots[request.slot] is not request:
+                break
+            self._take(request, int(token))
 
     def _take(self, request: Request, token: int) -> None:
         """The request's next token: emit its text, or end the request."""

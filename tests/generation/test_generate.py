@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from ling_jax import LingForCausalLM
-from ling_jax.generation.generator import DECODE_READ_GROUP, Generator, _prefill_chunk, prefill_chunks
+from ling_jax.generation.generator import DECODE_READ_GROUP, DecodeState, Generator, _prefill_chunk, prefill_chunks
 from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
 from ling_jax.generation.static_model import split_model
 from ling_jax.presets import preset
@@ -219,10 +219,12 @@ def test_prefill_chunk_memory_stays_bounded_up_to_262144_tokens():
     mask = jax.ShapeDtypeStruct((1, 2048), jnp.bool_)
 
     def memory(slots):
-        cache = jax.eval_shape(lambda: model.init_cache(batch_size=1, max_length=slots))
-        analysis = (
-            _prefill_chunk.trace(static, leaves, cache, None, ids, mask, ids, mask).lower().compile().memory_analysis()
+        state = jax.eval_shape(
+            lambda: DecodeState.create(
+                model.init_cache(batch_size=1, max_length=slots), jnp.zeros((1, config.vocab_size), bool)
+            )
         )
+        analysis = _prefill_chunk.trace(static, leaves, state, ids, mask, ids, mask).lower().compile().memory_analysis()
         return analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
 
     (temp_short, args_short), (temp_long, args_long) = memory(8192), memory(262144)

@@ -178,7 +178,7 @@ def test_mtp_each_request_equals_plain_decoding_alone(mtp_scheduler, alone, demo
         assert "".join(d.text for d in sink) == demo_tokenizer.decode(expected)
     assert 0 < _counter(mtp_scheduler, "mtp_accepted_tokens") < _counter(mtp_scheduler, "mtp_draft_tokens")
     engine = mtp_scheduler.engine  # each slot's MTP entries end where its tokens do (prefill chunks ran between steps)
-    np.testing.assert_array_equal(engine.drafts.cache.lengths, engine.cache.lengths)
+    np.testing.assert_array_equal(engine.state.drafts.cache.lengths, engine.state.cache.lengths)
     _assert_mtp_all_free(mtp_scheduler)
 
 
@@ -187,9 +187,9 @@ def test_mtp_cut_inside_an_accepted_run_streams_nothing_past_it(mtp_scheduler, d
     decode = mtp_scheduler.engine.decode
 
     def recording(active_B):
-        tokens_BT, counts_B = decode(active_B)
-        counts.append(counts_B)
-        return tokens_BT, counts_B
+        new = decode(active_B)
+        counts.append(new.counts_B)
+        return new
 
     monkeypatch.setattr(mtp_scheduler.engine, "decode", recording)
     prompt = CASES[0][0]
@@ -209,7 +209,8 @@ def test_mtp_cut_inside_an_accepted_run_streams_nothing_past_it(mtp_scheduler, d
 
 
 def _mtp_entries(engine: Engine, slot: int) -> np.ndarray:
-    return np.asarray(engine.drafts.cache.layer.latent[slot, : int(engine.drafts.cache.lengths[slot])])
+    mtp_cache = engine.state.drafts.cache
+    return np.asarray(mtp_cache.layer.latent[slot, : int(mtp_cache.lengths[slot])])
 
 
 def test_mtp_prefix_hits_equal_cold_requests(mtp_scheduler):
