@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import np_reference as npr  # noqa: E402
+from optional_deps import from_transformers  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -119,7 +120,9 @@ def _randomise(model, seed: int):
 
 def _build(tmp_dir, cfg_kwargs, seed):
     """Run the HF oracle, save it, and return (weights, saved config dict, ids, hf logits, hf hidden)."""
-    from transformers import BailingHybridConfig, BailingHybridForCausalLM
+    BailingHybridConfig, BailingHybridForCausalLM = from_transformers(
+        "transformers", "BailingHybridConfig", "BailingHybridForCausalLM"
+    )
 
     torch.manual_seed(seed)
     cfg = BailingHybridConfig(**copy.deepcopy(cfg_kwargs))

@@ -480,7 +480,6 @@ def test_kda_gate_variants(tmp_path, no_kda_lora, safe_gate):
 @pytest.fixture(scope="module")
 def oracle_dir(tmp_path_factory):
     pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from oracle import build_oracle, save_oracle
 
     return save_oracle(build_oracle("g4_wide", seed=0), tmp_path_factory.mktemp("oracle_g4_wide"))

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from optional_deps import require_serve_extra
 
-from ling_jax.generation.cli import DEMO_DIR
-from ling_jax.serving import cli
-from ling_jax.serving.cli import build_parser, main
+require_serve_extra()
+
+from ling_jax.generation.cli import DEMO_DIR  # noqa: E402
+from ling_jax.serving import cli  # noqa: E402
+from ling_jax.serving.cli import build_parser, main  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -17,14 +17,17 @@ import subprocess
 import sys
 import time
 
-import httpx
-import openai
 import pytest
 from doc_blocks import blocks
 from helpers import REPO_ROOT
+from optional_deps import require_serve_extra
 
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker
+
+require_serve_extra()
+httpx = pytest.importorskip("httpx", reason="the server tests' client (the test extra)")
+openai = pytest.importorskip("openai", reason="the server tests' client (the test extra)")
 
 MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET, MAX_QUEUE = 8, 128, 16, 64, 24
 MODEL = "ling-demo"

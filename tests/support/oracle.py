@@ -21,7 +21,11 @@ import re
 
 import numpy as np
 import torch
-from transformers import BailingHybridConfig, BailingHybridForCausalLM
+from optional_deps import from_transformers
+
+BailingHybridConfig, BailingHybridForCausalLM = from_transformers(
+    "transformers", "BailingHybridConfig", "BailingHybridForCausalLM"
+)
 
 _LIN, _FULL = "linear_attention", "full_attention"
 

@@ -7,8 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
-from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeVisionConfig
-from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+from optional_deps import from_transformers
+
+(Qwen3VLMoeVisionConfig,) = from_transformers(
+    "transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe", "Qwen3VLMoeVisionConfig"
+)
+(Qwen3VLMoeVisionModel,) = from_transformers(
+    "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"
+)
 
 # head_dim 8 (2-D RoPE needs a multiple of 4), a 6 x 6 position table, patches of 3 x 2 x 4 x 4 = 96 values
 TINY_VISION = dict(

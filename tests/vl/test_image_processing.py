@@ -8,13 +8,17 @@ import json
 import numpy as np
 import pytest
 from helpers import rel_error
+from optional_deps import from_transformers
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from vl_oracle import TINY_VISION
 
 from ling_jax.mrope import MediaGrid
 from ling_jax.vl.config import VisionConfig
 from ling_jax.vl.image_processing import ProcessorConfig, patchify, preprocess_image, preprocess_video, video_size
+
+(Qwen2VLImageProcessorPil,) = from_transformers(
+    "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"
+)
 
 CONFIG = ProcessorConfig(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=64 * 64, max_pixels=320 * 320)
 

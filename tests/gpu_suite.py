@@ -1,0 +1,100 @@
+"""The GPU tests (`pytest -m gpu`) in two halves, each one device call of under 5 minutes:
+
+    python -m tests.gpu_suite 1    # the KDA, MLA, RMSNorm and FP8-linear kernels' test files
+    python -m tests.gpu_suite 2    # every other test file: the MoE kernels, the W8A8 model, the scheduler
+
+Group 1 is named by file patterns (they survive a file split or rename within a kernel's tests) and group 2 is the
+rest of tests/, so every GPU test runs in exactly one group. Each test's setup, call and teardown is failed past
+`TEST_TIMEOUT_S`; one stuck in native code past twice that ends the run with every thread's traceback. Arguments
+after the group go to pytest (`-k`, `-x`, ...); the slowest tests' times are printed, to rebalance the groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GROUP_1_PATTERNS = (
+    "tests/kernels/test_kda_*.py",
+    "tests/kernels/test_mla_*.py",
+    "tests/kernels/test_rms_norm*.py",
+    "tests/kernels/test_fp8_*.py",
+)
+TEST_TIMEOUT_S = 120
+
+
+def pytest_args(group: int) -> list[str]:
+    """The files or ignore patterns of one group, with the GPU mark selected and the CPU suite's xdist options off."""
+    common = ["-m", "gpu", "-o", "addopts=-ra", "--durations=15"]
+    if group == 1:
+        return [*common, *map(str, group_1_files())]
+    return [
+        *common,
+        str(REPO_ROOT / "tests"),
+        *(f"--ignore-glob={REPO_ROOT / pattern}" for pattern in GROUP_1_PATTERNS),
+    ]
+
+
+def group_1_files() -> list[Path]:
+    return sorted(path for pattern in GROUP_1_PATTERNS for path in REPO_ROOT.glob(pattern))
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int, what: str) -> Iterator[None]:
+    """Raise TimeoutError in the main thread past `seconds`; past twice that (a native call that never returns to
+    Python), dump every thread's traceback and exit."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    faulthandler.dump_traceback_later(2 * seconds, exit=True)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
+
+
+class PhaseTimeout:
+    """A pytest plugin: `time_limit` around each test's setup, call and teardown (an overrun fails that phase)."""
+
+    def __init__(self, seconds: int):
+        self.seconds = seconds
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item):
+        with time_limit(self.seconds, f"{item.nodeid} setup"):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        with time_limit(self.seconds, item.nodeid):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item):
+        with time_limit(self.seconds, f"{item.nodeid} teardown"):
+            return (yield)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.gpu_suite", description=__doc__.split("\n\n")[0])
+    parser.add_argument("group", type=int, choices=(1, 2))
+    parser.add_argument("--timeout", type=int, default=TEST_TIMEOUT_S, help="seconds per test phase")
+    args, pytest_extra = parser.parse_known_args(argv)
+    return pytest.main([*pytest_args(args.group), *pytest_extra], plugins=[PhaseTimeout(args.timeout)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
