@@ -43,7 +43,7 @@ _FP8_MATMUL = contextvars.ContextVar("fp8_matmul", default=FP8Matmul.AUTO)
 @contextlib.contextmanager
 def fp8_matmul_scope(fp8_matmul: FP8Matmul | str):
     """The routed experts (`ling_jax.moe.experts.runs_w8a8`) run in W8A8 while tracing inside this block when
-    `fp8_matmul` says W8A8 (the model opens it from its policy; `project` reads the policy itself)."""
+    `fp8_matmul` says W8A8 (the model opens none: the policy it passes down carries the FP8 mode)."""
     token = _FP8_MATMUL.set(FP8Matmul(fp8_matmul))
     try:
         yield

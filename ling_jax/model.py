@@ -20,7 +20,6 @@ from ling_jax.layers import (
     RMSNorm,
     Weights,
     add_rms_norm,
-    fp8_matmul_scope,
     normal_param,
     params_of,
     rms_norm,
@@ -166,10 +165,9 @@ class LingModel(nnx.Module):
             states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
         else:
             states = list(cache.layers)
-        with fp8_matmul_scope(ctx.policy.fp8_matmul):
-            for i, layer in enumerate(self.layers):
-                with jax.named_scope(f"decoder_layer_{i}"):
-                    h, states[i] = layer(h, ctx, states[i])
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"decoder_layer_{i}"):
+                h, states[i] = layer(h, ctx, states[i])
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = cache.replace(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
@@ -289,7 +287,7 @@ class LingForCausalLM(nnx.Module):
             max_length=0 if cache is None else cache.layer.latent.shape[1],
             policy=self.policy,
         )
-        with jax.named_scope("mtp"), fp8_matmul_scope(ctx.policy.fp8_matmul):
+        with jax.named_scope("mtp"):
             embeds = self.model.word_embeddings(next_ids_BT)
             hidden, state = self.mtp.draft_hidden(
                 embeds, hidden_BTD.astype(embeds.dtype), ctx, None if cache is None else cache.layer
