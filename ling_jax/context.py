@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ling_jax.config import LingConfig
-from ling_jax.policy import ExecutionPolicy, KDAMode, KernelBackend, MLAMode, as_policy
+from ling_jax.policy import ExecutionPolicy, KDAMode, MLAMode, as_policy
 from ling_jax.rope import rope_cos_sin
 
 
@@ -51,10 +51,6 @@ class TokenContext:
     def mla_mode(self) -> MLAMode:
         return self.policy.mla_mode
 
-    @property
-    def kernel_backend(self) -> KernelBackend:
-        return self.policy.kernel_backend
-
 
 def token_context(
     config: LingConfig,
@@ -67,8 +63,8 @@ def token_context(
     max_length: int = 0,
     page_table=None,
     policy: ExecutionPolicy | None = None,
-    kda_mode=None,
-    mla_mode=None,
+    kda_mode: KDAMode | None = None,
+    mla_mode: MLAMode | None = None,
 ) -> TokenContext:
     """Masks, slots and RoPE tables for a call of T = `length` tokens per row.
 

@@ -21,7 +21,7 @@ from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.context import TokenContext
 from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, param, params_of
-from ling_jax.policy import ExecutionPolicy, KDAMode, as_policy
+from ling_jax.policy import ExecutionPolicy, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
 from pallas_kernels.kda.reference import kda_recurrent
@@ -134,7 +134,7 @@ def _kda(
     policy: ExecutionPolicy,
 ):
     c = config
-    mode, backend = policy.kda_mode, policy.kernel_backend
+    mode = policy.kda_mode
     batch, length, _ = x_BTD.shape
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     mixed = jnp.concatenate([linear(weights[name], x_BTD, policy) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
@@ -154,7 +154,7 @@ def _kda(
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
     if mode == CHUNKED:
         chunked = functools.partial(
-            chunk_kda, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound(c), backend=backend
+            chunk_kda, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound(c), backend=op_backend(policy)
         )
         o, recurrent = per_shard(
             lambda q, k, v, g, beta, s: chunked(q, k, v, g, beta, initial_state=s),
@@ -163,7 +163,7 @@ def _kda(
         )(q, k, v, g, beta, state.recurrent_state)
     elif mode == RECURRENT and length == 1:
         o, recurrent = per_shard(
-            functools.partial(kda_decode_step, backend=backend),
+            functools.partial(kda_decode_step, backend=op_backend(policy)),
             in_axes=(_BHD,) * 4 + (_BH, _BHKV),
             out_axes=(_BHD, _BHKV),
         )(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent_state)
@@ -214,17 +214,17 @@ class KimiDeltaAttention(nnx.Module):
         state: KDAState,
         mask_BT=None,
         *,
-        mode: KDAMode = CHUNKED,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         policy: ExecutionPolicy | None = None,
     ):
         """x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state); `kda_attention` with the
-        mask and mode given directly.
+        mask given directly.
 
-        Chunked mode runs `pallas_kernels.kda.chunk_kda`, a one-token recurrent step
-        `pallas_kernels.kda.kda_decode_step`, both with the policy's kernel backend (None: `ExecutionPolicy()`).
-        Steps mode returns a state per token (conv_window [B, T, K-1, 3C], recurrent_state [B, T, H, d, d]) for
-        speculative verification.
+        The mode is the policy's (None: `ExecutionPolicy()`), or per call if it has none (`ExecutionPolicy.for_call`:
+        recurrent for one token, chunked otherwise). Chunked mode runs `pallas_kernels.kda.chunk_kda`, a one-token
+        recurrent step `pallas_kernels.kda.kda_decode_step`, both with the policy's kernel backend. Steps mode
+        returns a state per token (conv_window [B, T, K-1, 3C], recurrent_state [B, T, H, d, d]) for speculative
+        verification.
         """
         return _kda(
             params_of(self),
@@ -233,5 +233,5 @@ class KimiDeltaAttention(nnx.Module):
             mask_BT,
             self.config,
             chunk_size=chunk_size,
-            policy=as_policy(policy).replace(kda_mode=mode),
+            policy=as_policy(policy).for_call(x_BTD.shape[1], cached=True),
         )

@@ -6,8 +6,7 @@ carries its logical axis names (`out_sharding` metadata, e.g. ("experts", "exper
 mesh axes they map to are chosen once, in `ling_jax.sharding`. A `quantizable` parameter (a projection's
 weight, the routed experts) may hold a quantised weight (`ling_jax.quantized`) that its layer dequantises
 inside the step, or a block-FP8 weight goes to the FP8 kernels (`project`), multiplied as the policy's
-`fp8_matmul` says: the model opens `fp8_matmul_scope` with it around each call, so every projection traced inside,
-in whichever module, sees it.
+`fp8_matmul` says: the layers take the `ExecutionPolicy` and pass it down to every projection.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend, as_policy
+from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend, as_policy, op_backend
 from ling_jax.quantized import BlockFP8Weight, dequantized
 from ling_jax.sharding import per_shard
 from pallas_kernels.fp8 import fp8_linear
@@ -43,8 +42,8 @@ _FP8_MATMUL = contextvars.ContextVar("fp8_matmul", default=FP8Matmul.AUTO)
 
 @contextlib.contextmanager
 def fp8_matmul_scope(fp8_matmul: FP8Matmul | str):
-    """`project` multiplies block-FP8 matrices as `fp8_matmul` says while tracing inside this block (the model
-    opens it from its policy, a static part of every jitted call, so a changed policy retraces)."""
+    """The routed experts (`ling_jax.moe.experts.runs_w8a8`) run in W8A8 while tracing inside this block when
+    `fp8_matmul` says W8A8 (the model opens none: the policy it passes down carries the FP8 mode)."""
     token = _FP8_MATMUL.set(FP8Matmul(fp8_matmul))
     try:
         yield
@@ -66,10 +65,8 @@ def project(x: jax.Array, weight, policy: ExecutionPolicy | None = None) -> jax.
     `ExecutionPolicy()`."""
     if isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2:
         policy = as_policy(policy)
-        on_one_device = jax.sharding.get_abstract_mesh().empty
-        backend = policy.kernel_backend if on_one_device else KernelBackend.REFERENCE
-        mode = None if policy.fp8_matmul == FP8Matmul.AUTO else policy.fp8_matmul
-        return fp8_linear(x, weight, backend=backend, mode=mode)
+        mode = None if policy.fp8_matmul == FP8Matmul.AUTO else policy.fp8_matmul.value
+        return fp8_linear(x, weight, backend=op_backend(policy, reference_on_mesh=True), mode=mode)
     return jnp.einsum("...i,oi->...o", x, dequantized(weight, x.dtype))
 
 
@@ -78,16 +75,24 @@ def linear(weights: Weights, x: jax.Array, policy: ExecutionPolicy | None = None
     return project(x, weights["weight"], policy)
 
 
-def rms_norm(weights: Weights, x: jax.Array, eps: float, *, backend: str = "reference") -> jax.Array:
-    """weight * (x / rms(x)): normalised in fp32, cast back to x's dtype, then scaled (spec §5)."""
-    norm = functools.partial(rms_norm_op, eps=eps, backend=backend)
+def rms_norm(weights: Weights, x: jax.Array, eps: float, policy: ExecutionPolicy | None = None) -> jax.Array:
+    """weight * (x / rms(x)): normalised in fp32, cast back to x's dtype, then scaled (spec §5). policy: run
+    `pallas_kernels.norm.rms_norm` with its kernel backend on one device, the reference under a mesh (the decoder
+    layers' norms); None: the jnp reference."""
+    norm = functools.partial(rms_norm_op, eps=eps, backend=_norm_backend(policy))
     return per_shard(norm, in_axes=(_rows(x), None), out_axes=(_rows(x),))(x, weights["weight"])
 
 
-def add_rms_norm(weights: Weights, x: jax.Array, residual: jax.Array, eps: float, *, backend: str = "reference"):
-    """(x + residual, rms_norm of it), one kernel on a GPU."""
-    norm = functools.partial(add_rms_norm_op, eps=eps, backend=backend)
+def add_rms_norm(
+    weights: Weights, x: jax.Array, residual: jax.Array, eps: float, policy: ExecutionPolicy | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(x + residual, rms_norm of it), one kernel on a GPU; policy as for `rms_norm`."""
+    norm = functools.partial(add_rms_norm_op, eps=eps, backend=_norm_backend(policy))
     return per_shard(norm, in_axes=(_rows(x), _rows(x), None), out_axes=(_rows(x),) * 2)(x, residual, weights["weight"])
+
+
+def _norm_backend(policy: ExecutionPolicy | None) -> str:
+    return KernelBackend.REFERENCE.value if policy is None else op_backend(policy, reference_on_mesh=True)
 
 
 def _rows(x: jax.Array) -> tuple[str | None, ...]:
@@ -133,24 +138,20 @@ class Linear(nnx.Module):
         """axes: logical names of (out_features, in_features)."""
         self.weight = normal_param(rngs, (out_features, in_features), dtype, axes, quantizable=True)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return linear(params_of(self), x)
+    def __call__(self, x: jax.Array, policy: ExecutionPolicy | None = None) -> jax.Array:
+        return linear(params_of(self), x, policy)
 
 
 class RMSNorm(nnx.Module):
-    """weight * (x / rms(x)): normalised in fp32, cast back to the input dtype, then scaled (spec §5).
-    backend: `pallas_kernels.norm` (one kernel per norm on a GPU, the jnp reference elsewhere)."""
+    """weight * (x / rms(x)): normalised in fp32, cast back to the input dtype, then scaled (spec §5); the jnp
+    reference (`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float, *, dtype):
         self.weight = param(jnp.ones((dim,), dtype), ("norm",))
         self.eps = eps
 
-    def __call__(self, x: jax.Array, *, backend: str = "reference") -> jax.Array:
-        return rms_norm(params_of(self), x, self.eps, backend=backend)
-
-    def add_and_normalize(self, x: jax.Array, residual: jax.Array, *, backend: str = "reference"):
-        """(x + residual, this norm of it), one kernel on a GPU."""
-        return add_rms_norm(params_of(self), x, residual, self.eps, backend=backend)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(params_of(self), x, self.eps)
 
 
 class GatedRMSNorm(nnx.Module):

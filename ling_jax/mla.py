@@ -18,7 +18,7 @@ from ling_jax.cache import MLAState, PagedMLAState
 from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext
 from ling_jax.layers import Linear, RMSNorm, Weights, linear, params_of, rms_norm
-from ling_jax.policy import ExecutionPolicy, MLAMode, as_policy
+from ling_jax.policy import ExecutionPolicy, MLAMode, as_policy, op_backend
 from ling_jax.quantized import dequantized
 from ling_jax.rope import apply_rope, softmax_scale
 from ling_jax.sharding import per_shard
@@ -76,22 +76,22 @@ def mla_attend(
     *,
     keys_BSA,
     visibility: KeyVisibility,
-    mode: MLAMode,
     decode_lengths_B,
     policy: ExecutionPolicy,
     page_table_BN=None,
 ) -> jax.Array:
-    """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves).
+    """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves), in the
+    policy's MLA mode (concrete: `ExecutionPolicy.for_call`) with its kernel backend.
 
     cos, sin: [B, T, rope_dim/2] for the queries. Expanded mode is the flash-style prefill path
-    (`pallas_kernels.mla.mla_prefill` with the policy's kernel backend: memory O(block^2), not O(T x S)).
+    (`pallas_kernels.mla.mla_prefill`: memory O(block^2), not O(T x S)).
     decode_lengths_B: for a one-token decode over a cache whose first lengths[b] slots are visible,
     absorbed mode runs `pallas_kernels.mla.mla_decode` with it.
     page_table_BN: keys_BSA is then a paged cache's pages [P, page_size, A] (`ling_jax.cache`): a decode reads
     them in place (`mla_decode_paged`), every other call attends to each sequence's pages gathered in order.
     """
     c = cfg
-    backend = policy.kernel_backend
+    mode, backend = policy.mla_mode, op_backend(policy)
     paged_decode = page_table_BN is not None and mode == ABSORBED and decode_lengths_B is not None
     if page_table_BN is not None and not paged_decode:
         keys_BSA = gather_pages(keys_BSA, page_table_BN)
@@ -174,7 +174,6 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
         cfg,
         keys_BSA=keys_BSA,
         visibility=ctx.visibility,
-        mode=ctx.mla_mode,
         decode_lengths_B=ctx.decode_lengths_B,
         policy=ctx.policy,
         page_table_BN=page_table_BN,
@@ -219,12 +218,12 @@ class MultiLatentAttention(nnx.Module):
         *,
         keys_BSA,
         visibility: KeyVisibility,
-        mode: MLAMode = EXPANDED,
         decode_lengths_B=None,
         policy: ExecutionPolicy | None = None,
     ) -> jax.Array:
-        """`mla_attend` over keys_BSA (the cache, or the tokens themselves) with this layer's parameters and the
-        policy's kernel backend (None: `ExecutionPolicy()`)."""
+        """`mla_attend` over keys_BSA (the cache, or the tokens themselves) with this layer's parameters, in the
+        policy's mode with its kernel backend (None: `ExecutionPolicy()`). A policy without a mode: per call
+        (`ExecutionPolicy.for_call`: absorbed for a one-token decode, given decode_lengths_B; expanded otherwise)."""
         return mla_attend(
             params_of(self),
             x_BTD,
@@ -233,7 +232,6 @@ class MultiLatentAttention(nnx.Module):
             self.config,
             keys_BSA=keys_BSA,
             visibility=visibility,
-            mode=mode,
             decode_lengths_B=decode_lengths_B,
-            policy=as_policy(policy),
+            policy=as_policy(policy).for_call(x_BTD.shape[1], cached=decode_lengths_B is not None),
         )

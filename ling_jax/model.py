@@ -20,14 +20,13 @@ from ling_jax.layers import (
     RMSNorm,
     Weights,
     add_rms_norm,
-    fp8_matmul_scope,
     normal_param,
     params_of,
     rms_norm,
 )
 from ling_jax.mla import MultiLatentAttention, latent_attention
 from ling_jax.moe.block import MLP, MoE, dense_mlp, moe_block_with_stats, sow_moe_stats
-from ling_jax.policy import ExecutionPolicy, KernelBackend, as_policy
+from ling_jax.policy import ExecutionPolicy, KDAMode, MLAMode, as_policy
 from ling_jax.sharding import ACTIVATION_BTD, ACTIVATION_BTV, constrain
 
 __all__ = [
@@ -64,19 +63,16 @@ def decoder_layer(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingCo
 def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
     """`decoder_layer` -> (h, state, the MoE's stats or None for a dense layer; see `moe_block_with_stats`)."""
     # One device: the norms (and the residual add before the second) run as one kernel each on a GPU.
-    norm_backend = ctx.kernel_backend if jax.sharding.get_abstract_mesh().empty else KernelBackend.REFERENCE
     eps = cfg.rms_norm_eps
     h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
-    x = rms_norm(weights["input_layernorm"], h_BTD, eps, backend=norm_backend)
+    x = rms_norm(weights["input_layernorm"], h_BTD, eps, ctx.policy)
     if "kv_b_proj" in weights["attention"]:
         with jax.named_scope("mla"):
             y, state = latent_attention(weights["attention"], x, state, ctx, cfg)
     else:
         with jax.named_scope("kda"):
             y, state = kda_attention(weights["attention"], x, state, ctx, cfg)
-    h_BTD, x = add_rms_norm(
-        weights["post_attention_layernorm"], h_BTD, constrain(y, *ACTIVATION_BTD), eps, backend=norm_backend
-    )
+    h_BTD, x = add_rms_norm(weights["post_attention_layernorm"], h_BTD, constrain(y, *ACTIVATION_BTD), eps, ctx.policy)
     stats = None
     if "gate" in weights["mlp"]:
         with jax.named_scope("moe"):
@@ -140,8 +136,8 @@ class LingModel(nnx.Module):
         positions=None,
         cache: LingCache | None = None,
         attention_mask=None,
-        kda_mode: str | None = None,
-        mla_mode: str | None = None,
+        kda_mode: KDAMode | None = None,
+        mla_mode: MLAMode | None = None,
         policy: ExecutionPolicy | None = None,
         inputs_embeds=None,
     ):
@@ -169,10 +165,9 @@ class LingModel(nnx.Module):
             states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
         else:
             states = list(cache.layers)
-        with fp8_matmul_scope(ctx.policy.fp8_matmul):
-            for i, layer in enumerate(self.layers):
-                with jax.named_scope(f"decoder_layer_{i}"):
-                    h, states[i] = layer(h, ctx, states[i])
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"decoder_layer_{i}"):
+                h, states[i] = layer(h, ctx, states[i])
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = cache.replace(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
@@ -194,7 +189,7 @@ class MTPLayer(DecoderLayer):
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def draft_hidden(self, embeds_BTD, hidden_BTD, ctx: TokenContext, state: MLAState | None):
-        z = self.eh_proj(jnp.concatenate([self.enorm(embeds_BTD), self.hnorm(hidden_BTD)], axis=-1))
+        z = self.eh_proj(jnp.concatenate([self.enorm(embeds_BTD), self.hnorm(hidden_BTD)], axis=-1), ctx.policy)
         z, state = self(z, ctx, state)
         return self.final_layernorm(z), state
 
@@ -235,7 +230,7 @@ class LingForCausalLM(nnx.Module):
                 embedding_VD = self.model.word_embeddings.weight[...].astype(hidden_BTD.dtype)
                 logits_BTV = jnp.einsum("btd,vd->btv", hidden_BTD, embedding_VD)
             else:
-                logits_BTV = self.lm_head(hidden_BTD)
+                logits_BTV = self.lm_head(hidden_BTD, self.policy)
             return constrain(logits_BTV, *ACTIVATION_BTV)
 
     def __call__(
@@ -245,8 +240,8 @@ class LingForCausalLM(nnx.Module):
         positions=None,
         cache: LingCache | None = None,
         attention_mask=None,
-        kda_mode: str | None = None,
-        mla_mode: str | None = None,
+        kda_mode: KDAMode | None = None,
+        mla_mode: MLAMode | None = None,
     ) -> LingOutput:
         hidden, cache = self.model(
             input_ids_BT,
@@ -292,7 +287,7 @@ class LingForCausalLM(nnx.Module):
             max_length=0 if cache is None else cache.layer.latent.shape[1],
             policy=self.policy,
         )
-        with jax.named_scope("mtp"), fp8_matmul_scope(ctx.policy.fp8_matmul):
+        with jax.named_scope("mtp"):
             embeds = self.model.word_embeddings(next_ids_BT)
             hidden, state = self.mtp.draft_hidden(
                 embeds, hidden_BTD.astype(embeds.dtype), ctx, None if cache is None else cache.layer

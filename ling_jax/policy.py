@@ -9,6 +9,9 @@ the layer functions take one as `policy=` (None: `ExecutionPolicy()`); config.js
 
 The KDA / MLA modes may stay None, meaning "chosen per call": recurrent KDA and absorbed MLA for a one-token
 decode over a cache, chunked KDA and expanded MLA otherwise (`ExecutionPolicy.for_call`).
+
+The model core passes the policy down and reads every mode from it; the `pallas_kernels` entry points keep their
+own `backend=` argument, which `op_backend` gives from a policy where the core calls one.
 """
 
 from __future__ import annotations
@@ -17,9 +20,20 @@ import dataclasses
 import enum
 from typing import Any
 
+import jax
+
 from pallas_kernels.backend import FP8Matmul, KernelBackend
 
-__all__ = ["ExecutionPolicy", "FP8Matmul", "KDAMode", "KernelBackend", "MLAMode", "MoEExchange", "as_policy"]
+__all__ = [
+    "ExecutionPolicy",
+    "FP8Matmul",
+    "KDAMode",
+    "KernelBackend",
+    "MLAMode",
+    "MoEExchange",
+    "as_policy",
+    "op_backend",
+]
 
 
 class KDAMode(enum.StrEnum):
@@ -79,7 +93,9 @@ class ExecutionPolicy:
     def replace(self, **fields: Any) -> ExecutionPolicy:
         return dataclasses.replace(self, **fields)
 
-    def for_call(self, length: int, *, cached: bool, kda_mode=None, mla_mode=None) -> ExecutionPolicy:
+    def for_call(
+        self, length: int, *, cached: bool, kda_mode: KDAMode | None = None, mla_mode: MLAMode | None = None
+    ) -> ExecutionPolicy:
         """This policy with both modes concrete for a call of `length` tokens (over a cache or not): the
         arguments first, then the policy's own modes, then the per-call defaults."""
         decode = length == 1
@@ -105,3 +121,12 @@ def as_policy(policy: ExecutionPolicy | None) -> ExecutionPolicy:
             )
         )
     return policy
+
+
+def op_backend(policy: ExecutionPolicy, *, reference_on_mesh: bool = False) -> str:
+    """The `backend=` argument of a `pallas_kernels` op the model core calls under `policy`: the policy's kernel
+    backend, or "reference" under a mesh for an op given `reference_on_mesh` (the block-FP8 linear, whose Pallas
+    call does not split over a mesh, and the decoder layers' norms)."""
+    if reference_on_mesh and not jax.sharding.get_abstract_mesh().empty:
+        return KernelBackend.REFERENCE.value
+    return policy.kernel_backend.value

@@ -11,7 +11,7 @@ from flax import nnx
 from helpers import rel_error
 from np_reference import rope_inv_freq_and_mscale
 
-from ling_jax import LingConfig, LingForCausalLM
+from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.cache import MLAState, PagedMLAState
 from ling_jax.config import MLA
 from ling_jax.context import token_context
@@ -62,8 +62,8 @@ def test_absorbed_equals_expanded(variant, length):
     visibility = KeyVisibility(
         jnp.asarray(r.integers(0, slots, (batch, length)), jnp.int32), jnp.asarray(r.uniform(size=(batch, slots)) < 0.8)
     )
-    expanded = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, mode=EXPANDED)
-    absorbed = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, mode=ABSORBED)
+    expanded = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, policy=ExecutionPolicy(mla_mode=EXPANDED))
+    absorbed = attention(x, cos, sin, keys_BSA=cache, visibility=visibility, policy=ExecutionPolicy(mla_mode=ABSORBED))
     assert rel_error(absorbed, expanded) <= 1e-5
 
 

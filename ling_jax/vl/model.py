@@ -15,7 +15,7 @@ from flax import nnx
 from ling_jax.cache import LingCache
 from ling_jax.model import LingForCausalLM, LingOutput
 from ling_jax.mrope import MediaGrid, batch_mrope_positions
-from ling_jax.policy import ExecutionPolicy
+from ling_jax.policy import ExecutionPolicy, KDAMode, MLAMode
 from ling_jax.vl.config import LingVLConfig
 from ling_jax.vl.vision import VisionTransformer, make_projector, merge_media, project
 
@@ -96,8 +96,8 @@ class LingVLForConditionalGeneration(LingForCausalLM):
         positions=None,
         cache: LingCache | None = None,
         attention_mask=None,
-        kda_mode: str | None = None,
-        mla_mode: str | None = None,
+        kda_mode: KDAMode | None = None,
+        mla_mode: MLAMode | None = None,
     ) -> LingOutput:
         has_media = any(len(row) for row in (*image_grids, *video_grids))
         if not has_media:
