@@ -10,7 +10,7 @@ says which implementation: the op's own choice for that backend and those shapes
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 
 from pallas_kernels.backend import KERNEL_TARGET
 
@@ -33,7 +33,7 @@ class Variant:
         return self.takes is None or self.takes(*args, **kwargs)
 
 
-Registry = Mapping[str, Mapping[str, Variant]]
+Registry = Mapping[str, MutableMapping[str, Variant]]
 
 
 def lookup(registry: Registry, op: str, name: str) -> Variant:
@@ -43,6 +43,14 @@ def lookup(registry: Registry, op: str, name: str) -> Variant:
     if name not in registry[op]:
         raise ValueError(f"unknown variant {name!r} of {op}; known: {', '.join(registry[op])}")
     return registry[op][name]
+
+
+def register(registry: Registry, op: str, name: str, variant: Variant) -> None:
+    """Adds variant `name` of `op` to the registry (an experimental module does, when imported); a name already
+    taken is refused."""
+    if name in registry[op]:
+        raise ValueError(f"variant {name!r} of {op} is already registered")
+    registry[op][name] = variant
 
 
 def pick(registry: Registry, op: str, name: str | None, backend: str, default: str) -> str:

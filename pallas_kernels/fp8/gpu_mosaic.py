@@ -27,11 +27,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.reference import quantize_activations
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 BLOCK_M = 64  # one warpgroup's wgmma rows
 BLOCK_K = 128  # the weight's K block: 128 e4m3 bytes, one 128-byte swizzle row
-TILE_KEYWORDS = ("block_n", "stages")
 
 
 def fp8_transforms():
@@ -104,43 +103,49 @@ def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: in
     y_gmem[pl.ds(m * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)] = acc_MN.astype(y_gmem.dtype)
 
 
-def takes(values_NK, block: tuple[int, int], block_n: int = 128) -> bool:
-    """Whether the kernel runs this weight: 128 x 128 blocks, N a multiple of block_n (which divides 128), K of
-    128."""
+def _fits(values_NK, block: tuple[int, int], block_n: int) -> bool:
+    """128 x 128 blocks, N a multiple of block_n (which divides 128), K of 128."""
     n_dim, k_dim = values_NK.shape
     return tuple(block) == (BLOCK_K, BLOCK_K) and not n_dim % block_n and not k_dim % BLOCK_K and not BLOCK_K % block_n
 
 
+def takes(x, weight) -> bool:
+    """Whether the kernel, at its tuned block_n, runs x @ W^T (the "gpu_mosaic" record's `takes`): a 2-D weight
+    of 128 x 128 blocks, N a multiple of block_n, K of 128."""
+    block_n = lookup(tuned.W8A8_MOSAIC, dtype=x.dtype).block_n
+    return weight.values.ndim == 2 and _fits(weight.values, weight.block, block_n)
+
+
 def _check(values_NK, block: tuple[int, int], block_n: int) -> None:
     n_dim, k_dim = values_NK.shape
-    if not takes(values_NK, block, block_n):
+    if not _fits(values_NK, block, block_n):
         raise ValueError(
             f"w8a8_linear_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({block_n}, which divides 128) "
             f"and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"
         )
 
 
-@functools.partial(jax.jit, static_argnames=("block", *TILE_KEYWORDS, "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
 def w8a8_linear_mgpu(
     x_MK,
     values_NK,
     scales,
     *,
     block: tuple[int, int],
-    block_n: int | None = None,
-    stages: int | None = None,
+    tiles: tuned.MosaicTiles | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """y [M, N] in x's dtype: `w8a8.w8a8_linear_gpu`'s product (module docstring) on Hopper's FP8 wgmma. values
     [N, K] e4m3, scales [N / 128, K / 128]. Tiles: None from `tuned.W8A8_MOSAIC`."""
-    block_n, stages = fill((block_n, stages), lookup(tuned.W8A8_MOSAIC, dtype=x_MK.dtype))
+    tiles = tiles or lookup(tuned.W8A8_MOSAIC, dtype=x_MK.dtype)
+    block_n = tiles.block_n
     _check(values_NK, block, block_n)
     num_rows = x_MK.shape[0]
     x_q_MK, row_scales_MG = quantize_activations(x_MK, BLOCK_K)
     padded_rows = -num_rows % BLOCK_M
     x_q_MK = jnp.pad(x_q_MK, ((0, padded_rows), (0, 0)))
     row_scales_GM = jnp.pad(row_scales_MG, ((0, padded_rows), (0, 0))).T
-    kernel = functools.partial(_kernel, block_n=block_n, stages=stages, cast=layout_cast(interpret))
+    kernel = functools.partial(_kernel, block_n=block_n, stages=tiles.stages, cast=layout_cast(interpret))
     y_MN = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_rows + padded_rows, values_NK.shape[0]), x_MK.dtype),

@@ -1,19 +1,21 @@
 """Block-FP8 linear maps: `fp8_linear` (y = x @ W^T for a block-FP8 weight W), weight-only or W8A8, over the
 variants of each (`weight_only_linear`, `w8a8_linear`).
 
-VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
-block-size overrides, for tests and benchmarks). Without a variant named, a GPU backend runs a kernel where it
-takes the weight (2-D, power-of-two scale blocks of at least 16 rows and 32 inputs, a 16- or 32-bit float
-activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else
-the block-scaled "gpu_triton"; for W8A8 products "gpu_mosaic" (the Mosaic GPU kernel: TMA, e4m3 wgmma) from
-tuned.MOSAIC_MIN_ROWS rows where it takes the weight (128 x 128 blocks), else "gpu_triton_tc_acc" (each K block
-accumulated in the tensor cores). "gpu_mosaic" of `weight_only_linear` (a TMA-fed Mosaic GPU kernel, the weight tile
-dequantised in registers as wgmma's left operand) runs only when named. A TPU backend runs every product
-weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case runs the jnp
-reference.
+VARIANTS lists every implementation by op and name, each record with the weights and activations it `takes`;
+`kernel(op, name)` gives one's entry point (with its tiles override, for tests and benchmarks). Without a variant
+named, a GPU backend runs a kernel where it takes the weight (`kernel_takes`: 2-D, power-of-two scale blocks of at
+least 16 rows and 32 inputs, a 16- or 32-bit float activation): for weight-only products of up to
+tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else the block-scaled "gpu_triton"; for W8A8
+products "gpu_mosaic" (the Mosaic GPU kernel: TMA, e4m3 wgmma) from tuned.MOSAIC_MIN_ROWS rows where it takes the
+weight (128 x 128 blocks), else "gpu_triton_tc_acc" (each K block accumulated in the tensor cores). A TPU backend runs
+every product weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case
+runs the jnp reference. The lab's variants (`pallas_kernels.experimental.fp8_*`: a Mosaic GPU weight-only kernel,
+the XLA scale-folded products) join VARIANTS when their module is imported, and run only when named.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 
@@ -22,7 +24,6 @@ from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_referenc
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_mosaic import takes as mosaic_takes
 from pallas_kernels.fp8.gpu_mosaic import w8a8_linear_mgpu
-from pallas_kernels.fp8.gpu_mosaic_weight_only import weight_only_linear_mgpu
 from pallas_kernels.fp8.gpu_triton import (
     w8a8_linear_gpu,
     w8a8_linear_tc_acc_gpu,
@@ -32,7 +33,6 @@ from pallas_kernels.fp8.gpu_triton import (
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
 from pallas_kernels.fp8.tpu_mosaic import takes as tpu_kernel_takes
 from pallas_kernels.fp8.tpu_mosaic import weight_only_linear_tpu
-from pallas_kernels.tuning import lookup
 from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = ["GEMV", "MODES", "MOSAIC", "TC_ACC", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
@@ -45,35 +45,14 @@ GEMV = "gpu_triton_gemv"
 TC_ACC = "gpu_triton_tc_acc"
 MOSAIC = "gpu_mosaic"
 
-VARIANTS = {
-    "weight_only_linear": {
-        REFERENCE: Variant(None, weight_only_linear_reference),
-        "gpu_triton": Variant("gpu", weight_only_linear_gpu),
-        GEMV: Variant("gpu", weight_only_gemv_gpu),
-        MOSAIC: Variant("gpu", weight_only_linear_mgpu),
-        "tpu_mosaic": Variant("tpu", weight_only_linear_tpu),
-    },
-    "w8a8_linear": {
-        REFERENCE: Variant(None, w8a8_linear_reference),
-        "gpu_triton": Variant("gpu", w8a8_linear_gpu),
-        TC_ACC: Variant("gpu", w8a8_linear_tc_acc_gpu),
-        MOSAIC: Variant("gpu", w8a8_linear_mgpu),
-    },
-}
-
-
-def kernel(op: str, name: str):
-    """The entry point of variant `name` of `op` ("weight_only_linear" or "w8a8_linear")."""
-    return variants.lookup(VARIANTS, op, name).kernel
-
 
 def _power_of_two(n: int, at_least: int) -> bool:
     return n >= at_least and n & (n - 1) == 0
 
 
 def kernel_takes(x, weight) -> bool:
-    """Whether the GPU kernels run this product: a 2-D weight with power-of-two scale blocks of >= 16 rows and
-    >= 32 inputs (the FP8 dot's K), and a bf16, fp16 or fp32 activation."""
+    """Whether the GPU Triton kernels run this product (their records' `takes`): a 2-D weight with power-of-two
+    scale blocks of >= 16 rows and >= 32 inputs (the FP8 dot's K), and a bf16, fp16 or fp32 activation."""
     block_rows, block_cols = weight.block
     return (
         weight.values.ndim == 2
@@ -83,23 +62,43 @@ def kernel_takes(x, weight) -> bool:
     )
 
 
-def _gpu_entry(entry):
-    return lambda x_MK, values_NK, scales, block, interpret: entry(
-        x_MK, values_NK, scales, block=block, interpret=interpret
-    )
+VARIANTS = {
+    "weight_only_linear": {
+        REFERENCE: Variant(None, weight_only_linear_reference),
+        "gpu_triton": Variant("gpu", weight_only_linear_gpu, takes=kernel_takes),
+        GEMV: Variant("gpu", weight_only_gemv_gpu, takes=kernel_takes),
+        "tpu_mosaic": Variant("tpu", weight_only_linear_tpu, takes=tpu_kernel_takes),
+    },
+    "w8a8_linear": {
+        REFERENCE: Variant(None, w8a8_linear_reference),
+        "gpu_triton": Variant("gpu", w8a8_linear_gpu, takes=kernel_takes),
+        TC_ACC: Variant("gpu", w8a8_linear_tc_acc_gpu, takes=kernel_takes),
+        MOSAIC: Variant("gpu", w8a8_linear_mgpu, takes=mosaic_takes),
+    },
+}
+
+
+def kernel(op: str, name: str):
+    """The entry point of variant `name` of `op` ("weight_only_linear" or "w8a8_linear")."""
+    return variants.lookup(VARIANTS, op, name).kernel
 
 
 def _straight_through(x_MK, values_NK, scales, block, interpret):
     return weight_only_linear_reference(x_MK, values_NK, scales, block)
 
 
-# {(op, variant): the kernel}, differentiated as dequantise-then-dot (straight through W8A8's quantisation).
-_KERNEL_OPS = {
-    (op, name): with_reference_vjp(_gpu_entry(variant.kernel), _straight_through, nondiff_argnums=(3, 4))
-    for op, by_name in VARIANTS.items()
-    for name, variant in by_name.items()
-    if variant.platform is not None
-}
+@functools.cache
+def _differentiable(op: str, name: str):
+    """Kernel variant `name` of `op` as f(x, values, scales, block, interpret), differentiated as
+    dequantise-then-dot (straight through W8A8's quantisation)."""
+    entry = kernel(op, name)
+    return with_reference_vjp(
+        lambda x_MK, values_NK, scales, block, interpret: entry(
+            x_MK, values_NK, scales, block=block, interpret=interpret
+        ),
+        _straight_through,
+        nondiff_argnums=(3, 4),
+    )
 
 
 def default_mode(num_rows: int, backend: str) -> str | None:
@@ -120,8 +119,8 @@ def _w8a8_variant(x_MK, weight, *, interpret: bool) -> str:
     """The W8A8 kernel a GPU runs: "gpu_mosaic" from tuned.MOSAIC_MIN_ROWS rows where it takes the weight (128 x
     128 blocks, sides multiples of 128) and compiles (jax 0.10's Mosaic GPU interpreter cannot run it), else
     "gpu_triton_tc_acc"."""
-    block_n = lookup(tuned.W8A8_MOSAIC, dtype=x_MK.dtype).block_n
-    if interpret or x_MK.shape[0] < tuned.MOSAIC_MIN_ROWS or not mosaic_takes(weight.values, weight.block, block_n):
+    mosaic = VARIANTS["w8a8_linear"][MOSAIC]
+    if interpret or x_MK.shape[0] < tuned.MOSAIC_MIN_ROWS or not mosaic.supports(x_MK, weight):
         return TC_ACC
     return MOSAIC
 
@@ -136,7 +135,7 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     FP8 products: `reference` states both), or None: the backend's choice (`default_mode`: by the row count on
     a GPU backend, dequantise-then-dot elsewhere). backend: "auto" (the GPU kernels on a GPU, the reference
     elsewhere), "reference", "pallas_gpu", "interpret_gpu", "pallas_tpu", "interpret_tpu" (weight-only: the
-    "tpu_mosaic" kernel where it takes the weight, `tpu_mosaic.takes`; W8A8 runs the reference). variant: a
+    "tpu_mosaic" kernel where its record takes the weight; W8A8 runs the reference). variant: a
     name of the mode's op in VARIANTS, None: the module docstring's choice. Differentiable in x, as dequantise-then-dot.
     """
     backend = resolve_backend(backend)
@@ -145,11 +144,17 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
         raise ValueError(f"fp8_linear mode must be one of {MODES} or None, got {mode!r}")
     chosen = default_mode(x_MK.shape[0], backend) if mode is None else mode
     op = _OP_OF_MODE[chosen or WEIGHT_ONLY]
-    takes = tpu_kernel_takes if KERNEL_TARGET.get(backend) == "tpu" else kernel_takes
+    platform_kernel = VARIANTS["weight_only_linear"][
+        "tpu_mosaic" if KERNEL_TARGET.get(backend) == "tpu" else "gpu_triton"
+    ]
     # weight-only past the kernels' decode sizes on a GPU: dequantise + XLA's dot (the same products, 6x faster than
     # the block-scaled kernel at 8192 rows of 8192 x 4096 on the H200: docs/benchmarks/matmul.md)
     prefill_weight_only = KERNEL_TARGET.get(backend) == "gpu" and x_MK.shape[0] > tuned.WEIGHT_ONLY_MAX_ROWS
-    use_kernel = chosen is not None and takes(x, weight) and not (chosen == WEIGHT_ONLY and prefill_weight_only)
+    use_kernel = (
+        chosen is not None
+        and platform_kernel.supports(x, weight)
+        and not (chosen == WEIGHT_ONLY and prefill_weight_only)
+    )
     if chosen == W8A8:
         gpu_variant = _w8a8_variant(x_MK, weight, interpret=variants.interpreted(backend))
     else:
@@ -161,5 +166,5 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     if name == REFERENCE:
         y_MN = kernel(op, REFERENCE)(x_MK, weight.values, scales, block)
     else:
-        y_MN = _KERNEL_OPS[op, name](x_MK, weight.values, scales, block, variants.interpreted(backend))
+        y_MN = _differentiable(op, name)(x_MK, weight.values, scales, block, variants.interpreted(backend))
     return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])

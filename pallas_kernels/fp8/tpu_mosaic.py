@@ -6,8 +6,7 @@ tiles of a row tile); the tile is decoded, scaled and cast to x's dtype in VMEM 
 (`pallas_kernels.tpu_dequant`) and multiplied on the MXU with fp32 accumulation. A decode call (a few rows)
 is one row tile of exactly its rows: no padding. W8A8 has no TPU kernel: v5e / v6e have no FP8 matrix unit.
 
-Tiles (`BLOCK_M`, `BLOCK_N`) are not measured (no TPU was available): 256 x 256 halves of the MXU-friendly
-sizes, shrunk to fit `tpu_dequant.TILE_BUDGET_BYTES` for long K.
+Tiles: `tuned.TPU` (not measured: no TPU was available), shrunk to fit `tpu_dequant.TILE_BUDGET_BYTES` for long K.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tpu_dequant
-
-BLOCK_M = 256
-BLOCK_N = 256
+from pallas_kernels.fp8 import tuned
+from pallas_kernels.tuning import lookup
 
 
 def takes(x, weight) -> bool:
@@ -38,15 +36,17 @@ def _kernel(x_ref, w_ref, *rest, fmt: tpu_dequant.TileFormat):
     out_ref[...] = product.astype(out_ref.dtype)
 
 
-def stored_linear(x_MK, stored: tpu_dequant.StoredWeight, *, block_m=None, block_n=None, interpret=False):
-    """y [M, N] in x's dtype = x [M, K] @ W^T for any stored weight W [N, K] (`tpu_dequant.describe`)."""
+def stored_linear(x_MK, stored: tpu_dequant.StoredWeight, *, tiles: tuned.TpuTiles | None = None, interpret=False):
+    """y [M, N] in x's dtype = x [M, K] @ W^T for any stored weight W [N, K] (`tpu_dequant.describe`). Tiles: None
+    from `tuned.TPU`."""
+    tiles = tiles or lookup(tuned.TPU, dtype=x_MK.dtype)
     fmt = stored.fmt
     num_rows, k_dim = x_MK.shape
     if k_dim != stored.in_features:
         raise ValueError(f"x: expected {stored.in_features} input features (the weight's), got {k_dim}")
     out_features, k_stored = stored.out_features, stored.values.shape[-1]
-    block_m = min(block_m or BLOCK_M, num_rows)
-    block_n = tpu_dequant.block_n_for(fmt, block_n or BLOCK_N, out_features)
+    block_m = min(tiles.block_m, num_rows)
+    block_n = tpu_dequant.block_n_for(fmt, tiles.block_n, out_features)
     block_m, block_n = tpu_dequant.fit_tiles(block_m, block_n, stored, x_MK.dtype, x_MK.dtype)
     block_n = tpu_dequant.block_n_for(fmt, block_n, out_features)
     operands = [tpu_dequant.x_parts(x_MK, fmt), stored.values]
@@ -72,15 +72,15 @@ def stored_linear(x_MK, stored: tpu_dequant.StoredWeight, *, block_m=None, block
 
 
 def weight_only_linear_tpu(
-    x_MK, values_NK, scales, *, block: tuple[int, int], block_m=None, block_n=None, interpret=False
+    x_MK, values_NK, scales, *, block: tuple[int, int], tiles: tuned.TpuTiles | None = None, interpret=False
 ):
     """y [M, N] in x's dtype = x [M, K] @ W^T, W [N, K] = e4m3 values [N, K] times fp32 scales
     [ceil(N / block[0]), ceil(K / block[1])] (spec §6.2), dequantised in VMEM; fp32 accumulation.
-    block_m, block_n: tile overrides (None: `BLOCK_M`, `BLOCK_N`, shrunk to fit VMEM)."""
+    Tiles: None from `tuned.TPU`, shrunk to fit VMEM."""
     stored = tpu_dequant.block_fp8(values_NK, scales, tuple(block))
     if not tpu_dequant.kernel_takes(stored):
         raise ValueError(
             f"weight_only_linear_tpu: scale blocks {tuple(block)} are not handled (rows 1 or 8k, "
             "columns dividing or a multiple of 128)"
         )
-    return stored_linear(x_MK, stored, block_m=block_m, block_n=block_n, interpret=interpret)
+    return stored_linear(x_MK, stored, tiles=tiles, interpret=interpret)

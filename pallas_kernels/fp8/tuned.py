@@ -5,7 +5,8 @@ The K step of both kernels is the weight's scale block (128 inputs), so only the
 tuned. WEIGHT_ONLY_GEMV is for decode-sized calls (up to GEMV_MAX_ROWS rows: a stream of the FP8 weight),
 WEIGHT_ONLY for the block-scaled weight-only kernel (any rows), W8A8 and W8A8_TC_ACC for prefill-sized ones (FP8
 tensor cores; the second for the variant that accumulates each K block in the tensor cores), W8A8_MOSAIC for the
-Mosaic GPU W8A8 kernel (`fp8/gpu_mosaic.py`).
+Mosaic GPU W8A8 kernel (`fp8/gpu_mosaic.py`), TPU for the TPU weight-only kernel (`fp8/tpu_mosaic.py`). Every kernel
+entry point takes its tiles as one of the dataclasses here (`tiles=`; None: its table's entry).
 (The W8A8 routed-expert kernels' settings are in `pallas_kernels.moe.tuned`.)
 Entries without a measurement say so.
 """
@@ -171,22 +172,18 @@ W8A8_MOSAIC = _gpu(
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicWeightOnlyTiles:
-    """gpu_mosaic weight-only: stages shared-memory buffers of the TMA pipeline over K, the K blocks cut into
-    k_splits ranges run by separate CTAs (more CTAs for a narrow weight)."""
+class TpuTiles:
+    """tpu_mosaic weight-only: block_m rows x block_n outputs a grid step (cut to the call's rows, to the weight's
+    scale blocks and to fit `tpu_dequant.TILE_BUDGET_BYTES` of VMEM)."""
 
-    stages: int
-    k_splits: int
+    block_m: int
+    block_n: int
 
 
-# A CTA covers 64 weight rows: an 8192-row weight gives 128 CTAs a split, so 2 splits fill the H200's 132 SMs about
-# twice.
-WEIGHT_ONLY_MOSAIC = _gpu(
-    {
-        (ANY, ANY): Entry(
-            MosaicWeightOnlyTiles(4, 2),
-            "docs/benchmarks/matmul.md, 'The Mosaic weight-only kernel on the H200': 8192 x 4096 at 8 / 32 / 64 / 128 "
-            "rows 25.2 / 32.3 / 36.5 / 46.6 us (second run); no setting best at every size",
-        )
-    }
-)
+TPU = {
+    (ANY, ANY, ANY): Entry(
+        TpuTiles(block_m=256, block_n=256),
+        "not measured (no TPU was available): 256 x 256, halves of the MXU-friendly sizes, shrunk to fit VMEM for "
+        "long K",
+    )
+}

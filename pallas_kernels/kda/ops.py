@@ -5,27 +5,19 @@ block-size overrides, for tests and benchmarks). Without a variant named, the ba
 "gpu_triton" on a GPU, "tpu_mosaic" on a TPU, the jnp reference otherwise. The prefill kernels come in two
 forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-5, the safe gate's default
 bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
-log-decay <= 0; `chunk_variant` picks the bounded form only when the caller guarantees the bound.
-"gpu_triton_fused" and "gpu_triton_fused_wy" are bounded GPU forms whose phase-1 programs work on whole chunks,
-in one kernel and in two (named only: not the default until measured faster on the device; their any-gate form
-is gpu_triton_any_gate).
+log-decay <= 0 (a bounded variant's record `takes` a gate bound >= GATE_FLOOR); `chunk_variant` picks the
+bounded form only when the caller guarantees the bound. The lab's forms (`pallas_kernels.experimental`) join
+VARIANTS when their module is imported.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from pallas_kernels import variants
-from pallas_kernels.backend import resolve_backend, with_reference_vjp
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
 from pallas_kernels.kda.chunk_math import GATE_FLOOR
-from pallas_kernels.kda.gpu_triton import (
-    chunk_kda_gpu,
-    chunk_kda_gpu_any_gate,
-    chunk_kda_gpu_fused,
-    kda_decode_step_gpu,
-)
+from pallas_kernels.kda.gpu_triton import chunk_kda_gpu, chunk_kda_gpu_any_gate, kda_decode_step_gpu
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
 from pallas_kernels.variants import REFERENCE, Variant
@@ -51,15 +43,19 @@ def _chunk_reference(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, c
     )
 
 
+def gate_is_bounded(gate_lower_bound: float | None) -> bool:
+    """Whether log-decays >= gate_lower_bound suit the bounded prefill kernels (None: no bound known): what a
+    bounded chunk_kda variant `takes`."""
+    return gate_lower_bound is not None and gate_lower_bound >= GATE_FLOOR
+
+
 VARIANTS = {
     "chunk_kda": {
         REFERENCE: Variant(None, _chunk_reference),
-        "gpu_triton": Variant("gpu", chunk_kda_gpu),
-        "tpu_mosaic": Variant("tpu", chunk_kda_tpu),
+        "gpu_triton": Variant("gpu", chunk_kda_gpu, takes=gate_is_bounded),
+        "tpu_mosaic": Variant("tpu", chunk_kda_tpu, takes=gate_is_bounded),
         "gpu_triton_any_gate": Variant("gpu", chunk_kda_gpu_any_gate),
         "tpu_mosaic_any_gate": Variant("tpu", chunk_kda_tpu_any_gate),
-        "gpu_triton_fused": Variant("gpu", chunk_kda_gpu_fused),
-        "gpu_triton_fused_wy": Variant("gpu", functools.partial(chunk_kda_gpu_fused, one_kernel=False)),
     },
     "kda_decode_step": {
         REFERENCE: Variant(None, _decode_reference),
@@ -68,12 +64,7 @@ VARIANTS = {
     },
 }
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
-_ANY_GATE = {  # bounded -> any-gate form
-    "gpu_triton": "gpu_triton_any_gate",
-    "tpu_mosaic": "tpu_mosaic_any_gate",
-    "gpu_triton_fused": "gpu_triton_any_gate",
-    "gpu_triton_fused_wy": "gpu_triton_any_gate",
-}
+_ANY_GATE = {"gpu": "gpu_triton_any_gate", "tpu": "tpu_mosaic_any_gate"}  # each platform's prefill for any gate
 
 
 def kernel(op: str, name: str):
@@ -112,23 +103,21 @@ def kda_decode_step(
     )
 
 
-def gate_is_bounded(gate_lower_bound: float | None) -> bool:
-    """Whether log-decays >= gate_lower_bound suit the bounded prefill kernels (None: no bound known)."""
-    return gate_lower_bound is not None and gate_lower_bound >= GATE_FLOOR
-
-
 def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: str | None = None) -> str:
     """The chunk_kda variant that runs on `backend` (resolved or not) for gates >= gate_lower_bound (None: of any
     size): `variant` when named, else the platform's bounded kernel when the bound suits it, its any-gate kernel
     otherwise, the reference on a CPU. A bounded kernel named with a bound below its floor is refused."""
     backend = resolve_backend(backend)
     bounded = variants.by_platform(backend, _BY_PLATFORM)
-    default = bounded if gate_is_bounded(gate_lower_bound) else _ANY_GATE.get(bounded, bounded)
+    default = (
+        bounded if VARIANTS["chunk_kda"][bounded].supports(gate_lower_bound) else _ANY_GATE[KERNEL_TARGET[backend]]
+    )
     name = variants.pick(VARIANTS, "chunk_kda", variant, backend, default)
-    if name in _ANY_GATE and gate_lower_bound is not None and not gate_is_bounded(gate_lower_bound):
+    chosen = VARIANTS["chunk_kda"][name]
+    if gate_lower_bound is not None and not chosen.supports(gate_lower_bound):
         raise ValueError(
             f"variant {name!r} of chunk_kda takes log-decays >= {GATE_FLOOR}, but the gates are only bounded by "
-            f"{gate_lower_bound}: use {_ANY_GATE[name]!r}"
+            f"{gate_lower_bound}: use {_ANY_GATE[chosen.platform]!r}"
         )
     return name
 

@@ -24,30 +24,21 @@ class IntraTiles:
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedTiles:
-    """gpu_triton_fused prefill phase 1 (one kernel): key (and value) columns per step, Triton warps."""
-
-    block_k: int
-    num_warps: int
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedWyTiles:
-    """gpu_triton_fused_wy prefill phase 1: key columns per step and warps of the chunk-wide products kernel,
-    warps of the WY-factors kernel."""
-
-    block_k: int
-    num_warps: int
-    factors_num_warps: int
-
-
-@dataclasses.dataclass(frozen=True)
 class InterTiles:
     """gpu_triton prefill phase 2 (the sequential state pass): block_v state columns per program."""
 
     block_v: int
     num_warps: int
     num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTiles:
+    """gpu_triton prefill, both phases: phase 1's tiles (`IntraTiles`, or a lab phase 1's own) and phase 2's; None
+    takes that phase's table (`CHUNK_INTRA` / `CHUNK_INTRA_ANY_GATE` by the gates, `CHUNK_INTER`)."""
+
+    intra: object | None = None
+    inter: InterTiles | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,39 +52,30 @@ class DecodeTpuTiles:
     head_block: int
 
 
-def _gpu(params, source: str) -> dict:
+def h200_and_default(params, source: str) -> dict:
     """The H200's entry, also the default for every other device."""
     entry = Entry(params, source)
     return {(H200, ANY, ANY): entry, (ANY, ANY, ANY): entry}
 
 
-CHUNK_INTRA = _gpu(
+CHUNK_INTRA = h200_and_default(
     IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
     "BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order (2026-11-30)': 2 warps fastest "
     "for the block-row kernel (4 warps 6.0-6.6 ms), num_stages 2 or 3 no change, and the WY factors "
     "with 2 warps against 'The call before (... merge kernel 4 warps)'",
 )
-CHUNK_INTRA_ANY_GATE = _gpu(
+CHUNK_INTRA_ANY_GATE = h200_and_default(
     IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
     "not measured: CHUNK_INTRA's settings (BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order "
     "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
 )
-CHUNK_FUSED = _gpu(
-    FusedTiles(block_k=32, num_warps=4),
-    "not measured: 4 warps for the products' 64 rows (16 a warp); [64, 32] fp32 tiles (16 registers a thread) so "
-    "that the G, q, k tiles and the eight [64, 16] accumulators stay under 255 registers (about 260 at block_k 64)",
-)
-CHUNK_FUSED_WY = _gpu(
-    FusedWyTiles(block_k=32, num_warps=4, factors_num_warps=2),
-    "not measured: CHUNK_FUSED's settings for the products kernel; the WY factors as CHUNK_INTRA's",
-)
-CHUNK_INTER = _gpu(
+CHUNK_INTER = h200_and_default(
     InterTiles(block_v=64, num_warps=4, num_stages=2),
     "BENCHMARKS.md, KDA prefill, 'Phase 1 as three kernels (2026-11-29, night)', row 'phase 2 "
     "block_v 64' (phase 2 1.68 ms against 2.59 at block_v 32); 'The keys kernel: first prefill faster "
     "than fla': block_v 128 / 8 warps slower, the defaults (block_v 64, 4 warps) stay",
 )
-DECODE_GPU = _gpu(
+DECODE_GPU = h200_and_default(
     DecodeGpuTiles(block_v=64, num_warps=4),
     "BENCHMARKS.md, 'KDA decode step', B=64 row and 'Other B=64 tiles: (64, 4) 174.5, ...' (best of 5 "
     "tile variants at B >= 64; B=1 is faster with (16, 2) but launch-bound either way)",

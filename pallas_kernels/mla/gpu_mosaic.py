@@ -37,7 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.mla import tuned
 from pallas_kernels.mla.reference import combine_splits
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 HEADS = 64  # wgmma's M; fewer heads are padded to it
 CONSUMERS = 2
@@ -305,14 +305,12 @@ def _run(
     *,
     max_len: int,
     scale: float,
-    block_k: int,
-    stages: int,
-    pv_chunk: int,
+    tiles: tuned.DecodeMosaicTiles,
     num_splits: int | None,
-    approx_math: bool,
     interpret: bool,
 ):
     """The kernel `body` over (batch, split) CTAs, then the exact combine of the splits: o_latent [B, H, R]."""
+    block_k, stages, pv_chunk = tiles.block_k, tiles.stages, tiles.pv_chunk
     batch, heads, latent_dim = q_latent_BHR.shape
     dtype, width = cache_args[0].dtype, cache_args[0].shape[-1]
     _check(q_latent_BHR, dtype, width, block_k=block_k, pv_chunk=pv_chunk)
@@ -350,19 +348,14 @@ def _run(
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
             reduction_scratch_bytes=0,  # row reductions stay within warps
-            approx_math=approx_math,
+            approx_math=tiles.approx_math,
         ),
         interpret=mosaic_gpu_interpret(interpret),
     )(lengths_B.astype(jnp.int32), q_BHA, *cache_args)
     return combine_splits(o_BSHR, lse_BSH)[:, :heads]
 
 
-def _tiles(dtype, *given):
-    """(block_k, stages, pv_chunk, approx_math): the given ones, None ones from `tuned.DECODE_MOSAIC`."""
-    return fill(given, lookup(tuned.DECODE_MOSAIC, dtype=dtype))
-
-
-_TUNING = ("scale", "block_k", "stages", "pv_chunk", "num_splits", "approx_math", "interpret")
+_TUNING = ("scale", "tiles", "num_splits", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
@@ -373,11 +366,8 @@ def mla_decode_mgpu(
     lengths_B,
     *,
     scale: float,
-    block_k: int | None = None,
-    stages: int | None = None,
-    pv_chunk: int | None = None,
+    tiles: tuned.DecodeMosaicTiles | None = None,
     num_splits: int | None = None,
-    approx_math: bool | None = None,
     interpret: bool = False,
 ):
     """o_latent [B, H, R] fp32 for a bf16 or fp16 cache [B, L, R + P] (R = 512, P = 64 for Ling; R and P
@@ -386,8 +376,9 @@ def mla_decode_mgpu(
     copy: TMA needs whole 8-row tiles). Tiles: `block_k` slots a tile, `stages` ring buffers,
     P·V in `pv_chunk`-column products per consumer (each a fresh accumulator added to the rescaled output:
     fewer live registers than one [64, 256] product). approx_math: the softmax's exp in the
-    fast approximate form (ex2.approx; the same error vs float64). None: `tuned.DECODE_MOSAIC`."""
-    block_k, stages, pv_chunk, approx_math = _tiles(kv_cache_BLA.dtype, block_k, stages, pv_chunk, approx_math)
+    fast approximate form (ex2.approx; the same error vs float64). None: `tuned.DECODE_MOSAIC`. num_splits:
+    sequence splits, None for `default_num_splits`."""
+    tiles = tiles or lookup(tuned.DECODE_MOSAIC, dtype=kv_cache_BLA.dtype)
     max_len = kv_cache_BLA.shape[1]
     if max_len % 8:  # a TMA source dimension must be a multiple of its 8-row tiling: odd lengths are padded
         kv_cache_BLA = jnp.pad(kv_cache_BLA, ((0, 0), (0, -max_len % 8), (0, 0)))
@@ -399,11 +390,8 @@ def mla_decode_mgpu(
         lengths_B,
         max_len=max_len,
         scale=scale,
-        block_k=block_k,
-        stages=stages,
-        pv_chunk=pv_chunk,
+        tiles=tiles,
         num_splits=num_splits,
-        approx_math=approx_math,
         interpret=interpret,
     )
 
@@ -417,22 +405,19 @@ def mla_decode_paged_mgpu(
     lengths_B,
     *,
     scale: float,
-    block_k: int | None = None,
-    stages: int | None = None,
-    pv_chunk: int | None = None,
+    tiles: tuned.DecodeMosaicTiles | None = None,
     num_splits: int | None = None,
-    approx_math: bool | None = None,
     interpret: bool = False,
 ):
     """`mla_decode_mgpu` over a paged cache: kv_pages [P, page_size, R + P_rope] (page_size a multiple of
     block_k), page_table [B, max_pages] int32: slot s of sequence b is row s % page_size of page
     page_table[b, s // page_size]. Pages may be shared between sequences (prefix reuse); entries past a
     sequence's length are never read."""
-    block_k, stages, pv_chunk, approx_math = _tiles(kv_pages_PSA.dtype, block_k, stages, pv_chunk, approx_math)
+    tiles = tiles or lookup(tuned.DECODE_MOSAIC, dtype=kv_pages_PSA.dtype)
     page_size = kv_pages_PSA.shape[1]
-    if page_size % block_k:
+    if page_size % tiles.block_k:
         raise ValueError(
-            f"mla_decode_paged_mgpu needs a page size that is a multiple of block_k {block_k}, got {page_size}"
+            f"mla_decode_paged_mgpu needs a page size that is a multiple of block_k {tiles.block_k}, got {page_size}"
         )
     body = functools.partial(_paged_kernel, page_size=page_size)
     return _run(
@@ -443,10 +428,7 @@ def mla_decode_paged_mgpu(
         lengths_B,
         max_len=page_table_BN.shape[1] * page_size,
         scale=scale,
-        block_k=block_k,
-        stages=stages,
-        pv_chunk=pv_chunk,
+        tiles=tiles,
         num_splits=num_splits,
-        approx_math=approx_math,
         interpret=interpret,
     )

@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.mla import tuned
 from pallas_kernels.mla.reference import combine_splits
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 NEG_INF = -1e30
 
@@ -79,7 +79,7 @@ def _split_kernel(
         lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, weight_sum, 1.0)), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def mla_decode_tpu(
     q_latent_BHR,
     q_rope_BHP,
@@ -87,13 +87,13 @@ def mla_decode_tpu(
     lengths_B,
     *,
     scale: float,
-    block_k: int | None = None,
-    num_splits: int | None = None,
+    tiles: tuned.DecodeTpuTiles | None = None,
     interpret: bool = False,
 ):
     """o_latent [B, H, R] fp32. block_k: cache slots per tile, a multiple of 16; any cache length works (a
     cache shorter than one tile is one tile, a partial last tile is masked). None: `tuned.DECODE_TPU`."""
-    block_k, num_splits = fill((block_k, num_splits), lookup(tuned.DECODE_TPU, dtype=kv_cache_BLA.dtype))
+    tiles = tiles or lookup(tuned.DECODE_TPU, dtype=kv_cache_BLA.dtype)
+    block_k, num_splits = tiles.block_k, tiles.num_splits
     batch, heads, latent_dim = q_latent_BHR.shape
     rope_dim = q_rope_BHP.shape[-1]
     max_len, width = kv_cache_BLA.shape[1:]

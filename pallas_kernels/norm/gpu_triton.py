@@ -38,11 +38,12 @@ def _add_norm_kernel(x_ref, residual_ref, weight_ref, total_ref, out_ref, *, eps
     out_ref[...] = _normalise(total, weight_ref[...], eps, out_ref.dtype)
 
 
-def _row_call(kernel, rows_inputs, weight_D, num_outputs: int, *, num_warps: int | None, interpret: bool, name: str):
-    """Run `kernel` over the rows of [N, D] inputs (D a power of two), one program per row; num_warps None:
+def _row_call(
+    kernel, rows_inputs, weight_D, num_outputs: int, *, tiles: tuned.RowTiles | None, interpret: bool, name: str
+):
+    """Run `kernel` over the rows of [N, D] inputs (D a power of two), one program per row; tiles None:
     `tuned.ROWS`."""
-    if num_warps is None:
-        num_warps = lookup(tuned.ROWS, dtype=rows_inputs[0].dtype).num_warps
+    tiles = tiles or lookup(tuned.ROWS, dtype=rows_inputs[0].dtype)
     rows, dim = rows_inputs[0].shape
     row = pl.BlockSpec((None, dim), lambda i: (i, 0))
     out = jax.ShapeDtypeStruct((rows, dim), rows_inputs[0].dtype)
@@ -52,29 +53,31 @@ def _row_call(kernel, rows_inputs, weight_D, num_outputs: int, *, num_warps: int
         in_specs=[row] * len(rows_inputs) + [pl.BlockSpec((dim,), lambda i: (0,))],
         out_specs=[row] * num_outputs,
         out_shape=[out] * num_outputs,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
         name=name,
     )(*rows_inputs, weight_D)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
-def rms_norm_gpu(x, weight_D, *, eps: float, num_warps: int | None = None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
+def rms_norm_gpu(x, weight_D, *, eps: float, tiles: tuned.RowTiles | None = None, interpret: bool = False):
     """`rms_norm_reference` for x [..., D] with D a power of two."""
     (out,) = _row_call(
         functools.partial(_norm_kernel, eps=eps),
         [x.reshape(-1, x.shape[-1])],
         weight_D,
         1,
-        num_warps=num_warps,
+        tiles=tiles,
         interpret=interpret,
         name="rms_norm",
     )
     return out.reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
-def add_rms_norm_gpu(x, residual, weight_D, *, eps: float, num_warps: int | None = None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
+def add_rms_norm_gpu(
+    x, residual, weight_D, *, eps: float, tiles: tuned.RowTiles | None = None, interpret: bool = False
+):
     """`add_rms_norm_reference` for x, residual [..., D] with D a power of two."""
     flat = [a.reshape(-1, x.shape[-1]) for a in (x, residual)]
     total, out = _row_call(
@@ -82,7 +85,7 @@ def add_rms_norm_gpu(x, residual, weight_D, *, eps: float, num_warps: int | None
         flat,
         weight_D,
         2,
-        num_warps=num_warps,
+        tiles=tiles,
         interpret=interpret,
         name="add_rms_norm",
     )

@@ -4,6 +4,8 @@ lowering for CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,18 +16,20 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
-from pallas_kernels.fp8.reference import dequantize_blocks
 from pallas_kernels.fp8.tuned import (
     GEMV_DEFAULT_ROWS,
     GEMV_MAX_ROWS,
     MOSAIC_MIN_ROWS,
     W8A8_MIN_ROWS,
+    WEIGHT_ONLY_GEMV,
     WEIGHT_ONLY_MAX_ROWS,
+    MosaicTiles,
     weight_only_bucket,
 )
+from pallas_kernels.fp8.tuned import W8A8 as W8A8_TILES
+from pallas_kernels.fp8.tuned import W8A8_TC_ACC as W8A8_TC_ACC_TILES
 from pallas_kernels.fp8.tuned import WEIGHT_ONLY as WEIGHT_ONLY_TILES
-from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce
-from pallas_kernels.tuning import H200
+from pallas_kernels.tuning import H200, lookup
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -77,8 +81,10 @@ def test_weight_only_kernel_matches_float64(dtype, tol, rows):
     assert y.dtype == dtype and y.shape == (rows, 150)
     assert rel_error(y, expected) <= tol
     weight_only = kernel("weight_only_linear", "gpu_triton")
+    tiles = lookup(WEIGHT_ONLY_TILES, dtype=dtype, bucket=weight_only_bucket(rows))
     for weight_left in (False, True):
-        y = weight_only(x, weight.values, weight.scales, block=weight.block, weight_left=weight_left, interpret=True)
+        tiles = dataclasses.replace(tiles, weight_left=weight_left)
+        y = weight_only(x, weight.values, weight.scales, block=weight.block, tiles=tiles, interpret=True)
         assert rel_error(y, expected) <= tol, weight_left
 
 
@@ -104,22 +110,9 @@ def test_gemv_kernel_matches_float64(dtype, tol, rows):
     gemv = kernel("weight_only_linear", GEMV)
     fma = dict(block_o=16, blocks_per_step=1, min_programs=64, dot_min_rows=GEMV_MAX_ROWS + 1)
     for products in (fma, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
-        y = gemv(x, weight.values, weight.scales, block=weight.block, interpret=True, **products)
+        tiles = dataclasses.replace(lookup(WEIGHT_ONLY_GEMV, dtype=dtype), **products)
+        y = gemv(x, weight.values, weight.scales, block=weight.block, tiles=tiles, interpret=True)
         assert rel_error(y, expected) <= tol, products
-
-
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
-def test_xla_folded_product_matches_float64(dtype, tol):
-    """3 rows, 384 outputs over 3 row blocks of 128 with their own scales, 256 inputs over 2 K blocks; a weight
-    whose sides are not multiples of the block is refused."""
-    weight, x = random_weight(384, 256, seed=9), random_x((3, 256), dtype, seed=10)
-    for product in (weight_only_linear_xla, weight_only_linear_xla_reduce):
-        y = product(x, weight.values, weight.scales, block=weight.block)
-        assert y.dtype == dtype and y.shape == (3, 384)
-        assert rel_error(y, f64(x) @ float64_weight(weight).T) <= tol
-    odd = random_weight(150, 256)
-    with pytest.raises(ValueError, match=r"multiples of its block \(128, 128\), got \[150, 256\]"):
-        weight_only_linear_xla(x, odd.values, odd.scales, block=odd.block)
 
 
 @pytest.mark.parametrize("variant", ["gpu_triton", TC_ACC])
@@ -129,7 +122,9 @@ def test_w8a8_kernel_matches_float64(dtype, tol, variant):
     inputs; within a few % of the unquantised-activation product. Both variants of the kernel."""
     weight, x = random_weight(200, 300, seed=2), random_x((37, 300), dtype, seed=3)
     w8a8 = kernel("w8a8_linear", variant)
-    y = w8a8(x, weight.values, weight.scales, block=weight.block, block_m=16, block_n=64, group_m=2, interpret=True)
+    table = {"gpu_triton": W8A8_TILES, TC_ACC: W8A8_TC_ACC_TILES}[variant]
+    tiles = dataclasses.replace(lookup(table, dtype=dtype), block_m=16, block_n=64, group_m=2)
+    y = w8a8(x, weight.values, weight.scales, block=weight.block, tiles=tiles, interpret=True)
     assert y.dtype == dtype and y.shape == (37, 200)
     w_NK = float64_weight(weight)
     assert rel_error(y, float64_quantized_x(f64(x), 128) @ w_NK.T) <= tol
@@ -239,7 +234,7 @@ def test_mosaic_w8a8_kernel_matches_float64(rows):
     weight, x, expected = mosaic_case(rows, jnp.float32, seed=rows)
     mosaic = kernel("w8a8_linear", MOSAIC)
     for block_n in (128, 64):
-        y = mosaic(x, weight.values, weight.scales, block=weight.block, block_n=block_n, stages=2, interpret=True)
+        y = mosaic(x, weight.values, weight.scales, block=weight.block, tiles=MosaicTiles(block_n, 2), interpret=True)
         assert y.shape == (rows, MOSAIC_WEIGHT[0]) and rel_error(y, expected) <= 1e-3, block_n
 
 
@@ -265,33 +260,3 @@ def test_compiled_mosaic_w8a8_kernel_matches_float64(rows, dtype):
     y = fp8_linear(x, weight, backend="pallas_gpu", mode=W8A8, variant=MOSAIC)
     assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
     assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3)
-
-
-def test_mosaic_weight_only_kernel_lowers_for_cuda_and_refuses_other_inputs():
-    """At a decode batch of 64 rows of the 8192 x 4096 projection; fp32 x, more than 128 rows or blocks other than
-    128 x 128 are refused with the shapes named."""
-    shape = jax.ShapeDtypeStruct
-    lowered = lower_for_cuda(
-        lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=WEIGHT_ONLY, variant=MOSAIC),
-        shape((64, 4096), jnp.bfloat16),
-        BlockFP8Weight(shape((8192, 4096), jnp.float8_e4m3fn), shape((64, 32), jnp.float32), (128, 128)),
-    )
-    assert "mosaic_gpu" in lowered.as_text()
-    weight = random_weight(*MOSAIC_WEIGHT)
-    for x in (random_x((5, MOSAIC_WEIGHT[1]), jnp.float32), random_x((129, MOSAIC_WEIGHT[1]), jnp.bfloat16)):
-        with pytest.raises(ValueError, match="weight_only_linear_mgpu takes bf16 / fp16 x of at most 128 rows"):
-            fp8_linear(x, weight, backend="pallas_gpu", mode=WEIGHT_ONLY, variant=MOSAIC)
-
-
-@gpu_test("the compiled Mosaic GPU weight-only kernel")
-@pytest.mark.parametrize("rows", [5, 64, 128])
-def test_compiled_mosaic_weight_only_kernel_matches_float64(rows):
-    """W dequantised to bf16 (the reference's rounding), then the product in float64; 256 outputs (4 CTAs), 384
-    inputs (3 K blocks: k_splits 1 and 3)."""
-    weight, x = random_weight(*MOSAIC_WEIGHT, seed=rows), random_x((rows, MOSAIC_WEIGHT[1]), jnp.bfloat16, seed=rows)
-    w_bf16 = f64(dequantize_blocks(weight.values, weight.scales, weight.block, jnp.bfloat16))
-    mosaic = kernel("weight_only_linear", MOSAIC)
-    for k_splits in (1, 3):
-        y = mosaic(x, weight.values, weight.scales, block=weight.block, k_splits=k_splits)
-        assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y)))
-        assert rel_error(y, f64(x) @ w_bf16.T) <= 1e-2, k_splits

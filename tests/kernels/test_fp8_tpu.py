@@ -22,6 +22,7 @@ from pallas_kernels import tpu_dequant
 from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.fp8.ops import W8A8, WEIGHT_ONLY, default_mode, kernel
 from pallas_kernels.fp8.tpu_mosaic import takes
+from pallas_kernels.fp8.tuned import TpuTiles
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -54,7 +55,7 @@ def test_kernel_matches_float64(rows, dtype):
     """300 outputs (3 row blocks, the last partial, over 2 output tiles), 200 inputs (a partial K block):
     a decode-shaped call (1 row), a few rows and a partial second row tile (130 rows, 128-row tiles)."""
     weight, x = random_weight(300, 200, seed=rows), random_x(rows, 200, dtype, seed=rows + 1)
-    y = tpu_linear(x, weight.values, weight.scales, block=weight.block, block_m=128, interpret=True)
+    y = tpu_linear(x, weight.values, weight.scales, block=weight.block, tiles=TpuTiles(128, 256), interpret=True)
     assert y.dtype == dtype and y.shape == (rows, 300)
     expected = np.asarray(x.astype(jnp.float32), np.float64) @ float64_weight(weight).T
     assert rel_error(y.astype(jnp.float32), expected) <= TOLERANCE[dtype]
@@ -63,7 +64,7 @@ def test_kernel_matches_float64(rows, dtype):
 def test_one_by_32_blocks_and_narrow_output_tiles():
     """The converter's 1 x 32 FP8 blocks (a select per group in a 128-input chunk), 8-row output tiles."""
     weight, x = random_weight(40, 200, block=(1, 32)), random_x(3, 200, jnp.float32)
-    y = tpu_linear(x, weight.values, weight.scales, block=weight.block, block_n=8, interpret=True)
+    y = tpu_linear(x, weight.values, weight.scales, block=weight.block, tiles=TpuTiles(256, 8), interpret=True)
     assert rel_error(y, np.asarray(x, np.float64) @ float64_weight(weight).T) <= 1e-4
 
 

@@ -17,21 +17,17 @@ from helpers import gpu_test, l2, lower_for_cuda, rel_error
 from np_reference import kda_recurrence
 
 from pallas_kernels.kda import chunk_kda, kda_chunked, kda_decode_step, kda_recurrent
-from pallas_kernels.kda.gpu_triton import (
-    fused_intra_chunk,
-    intra_chunk,
-    sub_block_keys,
-    unit_lower_inverse_16,
-    wy_factors,
-)
-from pallas_kernels.kda.ops import chunk_variant, kernel
+from pallas_kernels.kda.gpu_triton import intra_chunk, sub_block_keys, unit_lower_inverse_16, wy_factors
+from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import unit_lower_inverse
+from pallas_kernels.kda.tuned import IntraTiles
 
 BACKENDS = ["interpret_gpu", "interpret_tpu"]
 ANY_GATE_VARIANTS = {"interpret_gpu": "gpu_triton_any_gate", "interpret_tpu": "tpu_mosaic_any_gate"}
 chunk_kda_gpu = kernel("chunk_kda", "gpu_triton")
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 BOUNDED = -5.0  # random_sequence's gates are >= -5: chunk_kda runs the bounded kernels
+INTRA_16 = IntraTiles(block_k=16, num_warps=2, num_stages=1, factors_num_warps=2)  # the table's, 16 key columns
 
 
 def random_sequence(batch, length, heads, key_dim, value_dim, dtype, seed):
@@ -146,53 +142,6 @@ def test_any_gate_kernels_match_float64_recurrence(backend, gates, with_state):
     assert rel_error(s, s_ref) <= 1e-4, rel_error(s, s_ref)
 
 
-FUSED = ["gpu_triton_fused", "gpu_triton_fused_wy"]  # phase 1 over whole chunks: one kernel, two
-
-
-@pytest.mark.parametrize(
-    "name, dtype, l2norm",
-    [
-        ("gpu_triton_fused", jnp.float32, True),
-        ("gpu_triton_fused", jnp.bfloat16, True),
-        ("gpu_triton_fused_wy", jnp.float32, False),
-    ],
-    ids=["fp32", "bf16", "wy-fp32-as-given"],
-)
-def test_fused_kernels_match_float64_recurrence(name, dtype, l2norm):
-    """The chunk-wide forms, interpreted: T = 75 (a chunk and a part), 16 key columns at a time over K = 32, one
-    sequence with an initial state and one without (a zero state); the two-kernel form in fp32 only (its
-    kernels differ from the one kernel's only in where the WY factors are formed), on q, k as given (not
-    normalised in the kernel)."""
-    q, k, v, g, beta, state = random_sequence(2, 75, 2, 32, 32, dtype, seed=41)
-    state[1] = 0.0
-    if not l2norm:
-        q, k = l2(q), 0.7 * l2(k)
-    o_ref, s_ref = kda_recurrence(*((l2(q), l2(k)) if l2norm else (q, k)), v, g, beta, state)
-    o, s = kernel("chunk_kda", name)(
-        *(jnp.asarray(x, dtype) for x in (q, k, v)),
-        jnp.asarray(g),
-        jnp.asarray(beta),
-        jnp.asarray(state),
-        scale=32**-0.5,
-        use_qk_l2norm=l2norm,
-        intra_block_k=16,
-        interpret=True,
-    )
-    assert o.dtype == dtype and np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(np.asarray(s)).all()
-    err_o, err_s = rel_error(o, o_ref), rel_error(s, s_ref)
-    assert err_o <= TOL[dtype] and err_s <= TOL[dtype], (err_o, err_s)
-
-
-def test_fused_variants_are_named_only_and_keep_the_gate_bound():
-    """The chunk-wide forms run when named (the default stays gpu_triton until one is measured faster on the
-    device), and are refused for gates not bounded by -5 (they take the bounded kernels' gates only)."""
-    assert chunk_variant("pallas_gpu", BOUNDED) == "gpu_triton"
-    for name in FUSED:
-        assert chunk_variant("pallas_gpu", BOUNDED, name) == name
-        with pytest.raises(ValueError, match="gpu_triton_any_gate"):
-            chunk_variant("pallas_gpu", -6.0, name)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kernel_without_in_kernel_l2norm(backend):
     q, k, v, g, beta, state = random_sequence(2, 70, 2, 16, 16, jnp.float32, seed=5)
@@ -300,7 +249,12 @@ def test_gpu_sub_block_keys_match_float64(l2norm):
     cumulative gate inside the sub-block, t_j its total), and the totals in log2 units, against float64."""
     _, k, _, g, _, _ = random_sequence(2, 128, 3, 32, 16, jnp.float32, seed=21)
     right, totals = sub_block_keys(
-        jnp.asarray(k), jnp.asarray(g), use_qk_l2norm=l2norm, parts_dtype=jnp.float32, block_k=16, interpret=True
+        jnp.asarray(k),
+        jnp.asarray(g),
+        use_qk_l2norm=l2norm,
+        parts_dtype=jnp.float32,
+        tiles=IntraTiles(block_k=16, num_warps=2, num_stages=1, factors_num_warps=2),
+        interpret=True,
     )
     flat = lambda x: np.moveaxis(np.asarray(x, np.float64), 2, 1).reshape(6, 8, 16, -1)  # noqa: E731
     keys, gates = flat(l2(k) if l2norm else k), flat(g)
@@ -335,7 +289,7 @@ def chunk_parts_float64(q, k, v, g, beta, scale):
     return {name: np.concatenate(x, axis=1) for name, x in parts.items()}
 
 
-def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False, phase1=intra_chunk, **blocks):
+def check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False, phase1=intra_chunk, tiles=None):
     q, k, v, g, beta, _ = random_sequence(1, 128, 2, key_dim, value_dim, dtype, seed=13)
     g[:, :64] *= 0.02  # the first chunk's decay_last far from fp32's underflow (e^-160 for the full range)
     # the second chunk at the gate bound, or for any gate the safe gate mixed with -A softplus(a)
@@ -347,8 +301,8 @@ def _check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False
         scale=key_dim**-0.5,
         parts_dtype=jnp.float32,
         interpret=interpret,
-        **({"any_gate": True} if any_gate else {}),  # fused_intra_chunk: bounded gates only
-        **blocks,
+        tiles=tiles,
+        **({"any_gate": True} if any_gate else {}),  # the lab's phase 1s: bounded gates only
     )
     expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim**-0.5)
     for name, ours in parts._asdict().items():
@@ -363,39 +317,27 @@ def test_gpu_chunk_parts_match_float64(dtype, key_dim, value_dim):
     """Phase 1 alone (its three kernels), each part against the literal float64 form, one chunk of slow decay
     and one at the gate bound: a failing part names the kernel at fault (keys and blocks: a_qk, qg, kg,
     decay_last; WY factors: w, u; the keys kernel also has its own test)."""
-    _check_parts(
+    check_parts(
         dtype,
         key_dim,
         value_dim,
         interpret=True,
         tolerance=1e-6,  # exact fp32 products when interpreted
-        block_k=16,
+        tiles=INTRA_16,
     )  # several column blocks at 64 keys
 
 
 def test_gpu_any_gate_chunk_parts_match_float64():
     """The same for the any-gate kernels, gates far below -5 in the second chunk, over four column blocks."""
-    _check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, any_gate=True, block_k=16)
-
-
-def test_gpu_fused_chunk_parts_match_float64():
-    """The same parts from `fused_intra_chunk` in one kernel, over four 16-column steps of the keys. The left
-    decay factors are exponentials of a 64-gate running sum (fp32 rounding of the exponent: a_qk 1.5e-6 off at the
-    gate bound; the three kernels' sums span 16 gates)."""
-    _check_parts(jnp.float32, 64, 32, interpret=True, tolerance=5e-6, phase1=fused_intra_chunk, block_k=16)
+    check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, any_gate=True, tiles=INTRA_16)
 
 
 @gpu_test("the compiled Triton kernels")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize(
-    "phase1",
-    [intra_chunk, fused_intra_chunk, functools.partial(fused_intra_chunk, one_kernel=False)],
-    ids=["three-kernels", "fused", "fused-wy"],
-)
-def test_compiled_gpu_chunk_parts_full_width(dtype, phase1):
+def test_compiled_gpu_chunk_parts_full_width(dtype, phase1=intra_chunk):
     """The same compiled at K = V = 128: tf32 products for bf16 inputs, IEEE fp32 ones for fp32 inputs."""
     tolerance = TOL[dtype] if dtype == jnp.bfloat16 else 1e-5
-    _check_parts(dtype, 128, 128, interpret=False, tolerance=tolerance, phase1=phase1)
+    check_parts(dtype, 128, 128, interpret=False, tolerance=tolerance, phase1=phase1)
 
 
 @pytest.mark.parametrize("backend", ["reference", "interpret_gpu"])
@@ -424,7 +366,7 @@ def test_correlated_keys_without_decay(backend):
         assert rel_error(a, b) <= 1e-4, f"d/d{name}: {rel_error(a, b):.2e}"
 
 
-def _abstract(batch=1, length=1000, heads=4, dim=128):
+def abstract_inputs(batch=1, length=1000, heads=4, dim=128):
     shape = jax.ShapeDtypeStruct
     return (
         shape((batch, length, heads, dim), jnp.bfloat16),
@@ -439,7 +381,7 @@ def _abstract(batch=1, length=1000, heads=4, dim=128):
 def test_tpu_kernel_lowers_for_tpu(name):
     lowered = (
         jax.jit(functools.partial(kernel("chunk_kda", name), scale=128**-0.5))
-        .trace(*_abstract())
+        .trace(*abstract_inputs())
         .lower(lowering_platforms=("tpu",))
     )
     assert "tpu_custom_call" in lowered.as_text()
@@ -451,18 +393,12 @@ def test_tpu_kernel_lowers_for_tpu(name):
         ("gpu_triton", (1, 1000, 4)),
         ("gpu_triton", (1, 32768, 64)),
         ("gpu_triton_any_gate", (1, 1000, 4)),
-        ("gpu_triton_fused", (1, 32768, 64)),
-        ("gpu_triton_fused_wy", (1, 1000, 4)),
     ],
-    ids=["T1000-H4", "T32768-H64", "any-gate-T1000-H4", "fused-T32768-H64", "fused-wy-T1000-H4"],
+    ids=["T1000-H4", "T32768-H64", "any-gate-T1000-H4"],
 )
-def test_gpu_kernel_lowers_for_cuda(name, shape):
+def test_gpu_kernel_lowers_for_cuda(name, shape, phase1=("intra_blocks", "intra_wy_factors")):
     prefill = functools.partial(kernel("chunk_kda", name), scale=128**-0.5)
-    text = lower_for_cuda(prefill, *_abstract(*shape)).as_text()
-    phase1 = {
-        "gpu_triton_fused": ("fused_intra",),
-        "gpu_triton_fused_wy": ("fused_blocks", "intra_wy_factors_inverting"),
-    }.get(name, ("intra_blocks", "intra_wy_factors"))
+    text = lower_for_cuda(prefill, *abstract_inputs(*shape)).as_text()
     for stage in (*phase1, "inter_chunk"):
         assert f"kda_prefill_{stage}" in text, stage
 
@@ -473,8 +409,7 @@ def test_gpu_kernel_lowers_for_cuda(name, shape):
     reason="the compiled Triton kernel needs a GPU; it runs on the device machine (pytest -m gpu)",
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("variant", [None, *FUSED])
-def test_compiled_gpu_kernel_full_width(dtype, variant):
+def test_compiled_gpu_kernel_full_width(dtype, variant=None):
     q, k, v, g, beta, state = random_sequence(2, 1000, 4, 128, 128, dtype, seed=11)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     o, s = chunk_kda_of(q, k, v, g, beta, state, dtype, gate_lower_bound=BOUNDED, backend="pallas_gpu", variant=variant)
@@ -499,8 +434,7 @@ def test_compiled_gpu_any_gate_kernel_full_width(dtype):
 
 
 @gpu_test("fla's Triton chunk_kda")
-@pytest.mark.parametrize("name", ["gpu_triton", *FUSED])
-def test_compiled_gpu_kernel_matches_fla(name):
+def test_compiled_gpu_kernel_matches_fla(name="gpu_triton"):
     """bf16 inputs at K = V = 128 against fla 0.6.0's chunk_kda (torch, on the same GPU): both round their
     per-chunk factors to bf16, so they agree to ~5e-3 (BENCHMARKS.md), not to fp32 rounding."""
     torch = pytest.importorskip("torch")

@@ -15,19 +15,20 @@ from np_reference import kda_recurrence
 
 from pallas_kernels.kda import kda_chunked, kda_decode_step
 from pallas_kernels.kda.ops import kernel
+from pallas_kernels.kda.tuned import DecodeGpuTiles
 
 BACKENDS = ["interpret_gpu", "interpret_tpu", "reference"]
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 kda_decode_step_gpu = kernel("kda_decode_step", "gpu_triton")
 kda_decode_step_tpu = kernel("kda_decode_step", "tpu_mosaic")
 GPU_VARIANTS = {  # kda_decode_step_gpu keywords at the test shapes (K 16 or 32)
-    "narrow_v_blocks": dict(block_v=8),
-    "two_warps": dict(block_v=16, num_warps=2),
+    "narrow_v_blocks": dict(tiles=DecodeGpuTiles(block_v=8, num_warps=4)),
+    "two_warps": dict(tiles=DecodeGpuTiles(block_v=16, num_warps=2)),
 }
 FULL_SIZE_GPU_VARIANTS = {  # the same at K = V = 128 (benchmarks/kda.py's candidates)
     "default": {},
-    "v_block_32_two_warps": dict(block_v=32, num_warps=2),
-    "v_block_16_one_warp": dict(block_v=16, num_warps=1),
+    "v_block_32_two_warps": dict(tiles=DecodeGpuTiles(block_v=32, num_warps=2)),
+    "v_block_16_one_warp": dict(tiles=DecodeGpuTiles(block_v=16, num_warps=1)),
 }
 
 

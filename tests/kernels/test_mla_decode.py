@@ -7,6 +7,7 @@ CUDA lowering test runs on both versions, and the compiled kernel is tested on t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,7 +22,8 @@ from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode, mla_decode_paged
 from pallas_kernels.mla.ops import kernel
-from pallas_kernels.mla.tuned import MOSAIC_MIN_SLOTS
+from pallas_kernels.mla.tuned import DECODE_MOSAIC, DECODE_TRITON, MOSAIC_MIN_SLOTS, DecodeTpuTiles
+from pallas_kernels.tuning import lookup
 
 mla_decode_gpu, mla_decode_tpu = kernel("mla_decode", "gpu_triton"), kernel("mla_decode", "tpu_mosaic")
 mla_decode_mgpu, mla_decode_paged_mgpu = kernel("mla_decode", "gpu_mosaic"), kernel("mla_decode_paged", "gpu_mosaic")
@@ -57,7 +59,7 @@ def random_case(heads, max_len, dtype, seed):
 
 KERNELS = {
     "gpu": functools.partial(mla_decode_gpu, interpret=True),
-    "tpu": functools.partial(mla_decode_tpu, interpret=True, block_k=128),
+    "tpu": functools.partial(mla_decode_tpu, interpret=True, tiles=DecodeTpuTiles(block_k=128, num_splits=2)),
 }
 
 
@@ -120,7 +122,7 @@ def test_dispatcher_and_many_splits(backend):
         jnp.asarray(lengths),
         scale=0.05,
         num_splits=7,
-        block_k=16,
+        tiles=dataclasses.replace(lookup(DECODE_TRITON, dtype=jnp.float32), block_k=16),
         interpret=True,
     )
     assert rel_error(split, ref) <= 1e-4
@@ -213,7 +215,9 @@ def test_mosaic_kernel_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="bf16 or fp16"):
         mla_decode_mgpu(*args[:2], args[2].astype(jnp.float32), args[3], scale=1.0)
     with pytest.raises(ValueError, match="block_k"):
-        mla_decode_mgpu(*args, scale=1.0, block_k=32)
+        mla_decode_mgpu(
+            *args, scale=1.0, tiles=dataclasses.replace(lookup(DECODE_MOSAIC, dtype=args[2].dtype), block_k=32)
+        )
 
 
 @pytest.mark.parametrize("batch, max_len", [(2, 1000), (64, 32768)])

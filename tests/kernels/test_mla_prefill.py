@@ -3,6 +3,7 @@ expanded keys, Pallas interpret mode on the CPU; CUDA lowering; compiled on the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,6 +18,8 @@ from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_prefill
 from pallas_kernels.mla.ops import kernel
 from pallas_kernels.mla.reference import flash_expanded_attention
+from pallas_kernels.mla.tuned import PREFILL
+from pallas_kernels.tuning import lookup
 
 flash_expanded_attention_gpu = kernel("mla_prefill", "gpu_triton")
 
@@ -82,9 +85,8 @@ def test_flash_prefill_matches_dense_float64(dtype, tol, blocks):
 def test_gpu_kernel_matches_dense_float64(dtype, tol, segment, block_q, block_k):
     """The Pallas (Triton) segment kernel in interpret mode: several segments merged, a padded last segment."""
     args, ref = random_case(dtype, seed=segment + block_k, **KERNEL_DIMS)
-    out = flash_expanded_attention_gpu(
-        *args, scale=0.2, segment=segment, block_q=block_q, block_k=block_k, interpret=True
-    )
+    tiles = dataclasses.replace(lookup(PREFILL, dtype=dtype), segment=segment, block_q=block_q, block_k=block_k)
+    out = flash_expanded_attention_gpu(*args, scale=0.2, tiles=tiles, interpret=True)
     assert_matches(out, ref, dtype, tol, f"segment {segment}, blocks {block_q}x{block_k}")
 
 
@@ -92,7 +94,8 @@ def test_gpu_kernel_over_a_long_cache_stops_at_the_last_visible_slot():
     """A cache of 1000 slots in segments of 32, the last visible slot near 90: the segments past it are skipped
     and the result is still exact."""
     args, ref = random_case(jnp.float32, seed=9, slots=1000, **KERNEL_DIMS)
-    out = flash_expanded_attention_gpu(*args, scale=0.2, segment=32, block_q=16, block_k=16, interpret=True)
+    tiles = dataclasses.replace(lookup(PREFILL, dtype=jnp.float32), segment=32, block_q=16, block_k=16)
+    out = flash_expanded_attention_gpu(*args, scale=0.2, tiles=tiles, interpret=True)
     assert_matches(out, ref, jnp.float32, 1e-4, "long cache")
 
 
@@ -121,7 +124,9 @@ def test_gpu_kernel_lowers_for_cuda_at_ling_width():
 @gpu_test("the compiled Triton kernel")
 def test_compiled_gpu_kernel_matches_dense_float64():
     args, ref = random_case(jnp.bfloat16, seed=5, length=300, slots=700, **KERNEL_DIMS)
-    out = flash_expanded_attention_gpu(*args, scale=0.2, segment=256)
+    out = flash_expanded_attention_gpu(
+        *args, scale=0.2, tiles=dataclasses.replace(lookup(PREFILL, dtype=jnp.bfloat16), segment=256)
+    )
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "compiled")
 
 

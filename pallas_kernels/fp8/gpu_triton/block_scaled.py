@@ -30,8 +30,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.fp8.gpu_triton.fp8_dot import scaled_fp8_product
 from pallas_kernels.fp8.tuned import LinearTiles
 
-TILE_KEYWORDS = tuple(field.name for field in dataclasses.fields(LinearTiles))  # the entry points' tile overrides
-
 
 def _mask(rows_ok, cols_ok):
     """rows_ok[:, None] & cols_ok[None, :]; None stands for all true (both None: no mask)."""

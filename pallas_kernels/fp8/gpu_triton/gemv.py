@@ -26,9 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8 import tuned
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
-TILE_KEYWORDS = tuple(field.name for field in dataclasses.fields(tuned.GemvTiles))  # the entry point's overrides
 DOT_ROWS = 16  # x's rows padded to this for the tensor-core products (Triton's smallest dot)
 
 
@@ -145,19 +144,14 @@ def _layout(num_rows: int, n_dim: int, k_dim: int, block: tuple[int, int], tiles
     return tiles, layout, -(-num_steps // steps_per_split)
 
 
-@functools.partial(jax.jit, static_argnames=("block", *TILE_KEYWORDS, "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
 def weight_only_gemv_gpu(
     x_MK,
     values_NK,
     scales,
     *,
     block: tuple[int, int],
-    block_o: int | None = None,
-    blocks_per_step: int | None = None,
-    min_programs: int | None = None,
-    dot_min_rows: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: tuned.GemvTiles | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """y [M, N] in x's dtype: x [M, K] (M <= tuned.GEMV_MAX_ROWS; bf16, fp16 or fp32) times the block-FP8 weight
@@ -168,8 +162,7 @@ def weight_only_gemv_gpu(
     if num_rows > tuned.GEMV_MAX_ROWS:
         raise ValueError(f"the decode-shaped FP8 kernel takes at most {tuned.GEMV_MAX_ROWS} rows, got {num_rows}")
     n_dim = values_NK.shape[0]
-    given = (block_o, blocks_per_step, min_programs, dot_min_rows, num_warps, num_stages)
-    tiles = tuned.GemvTiles(*fill(given, lookup(tuned.WEIGHT_ONLY_GEMV, dtype=x_MK.dtype)))
+    tiles = tiles or lookup(tuned.WEIGHT_ONLY_GEMV, dtype=x_MK.dtype)
     tiles, layout, k_splits = _layout(num_rows, n_dim, k_dim, tuple(block), tiles)
     out_shape = (k_splits, num_rows, n_dim) if k_splits > 1 else (num_rows, n_dim)
     whole = lambda shape: pl.BlockSpec(shape, lambda strip, split: (0,) * len(shape))  # noqa: E731

@@ -61,7 +61,7 @@ from pallas_kernels.kda import tuned
 from pallas_kernels.kda.exact_decay import pair_products, suffix_sums
 from pallas_kernels.kda.gpu_triton.tril import CHUNK, SUB, SUBS, gpu_dots, iota_16, sub_rows, unit_lower_inverse_16
 from pallas_kernels.kda.reference import L2_EPS
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 LOG2_E = 1.4426950408889634
 SHIFT_UP, SHIFT_DOWN = 2.0**58, 2.0**-58  # ~e^{±40}: half the widest decay across a sub-block (16 gates >= -5)
@@ -237,11 +237,9 @@ def _kernel(
     blocks_ref[:, sub_rows(i)] = unit_lower_inverse_16(strict_U)
 
 
-def _tiles(dtype, any_gate: bool, stages: bool = False) -> tuple[int, ...]:
-    """(block_k, num_warps[, num_stages]) of `tuned.CHUNK_INTRA` (`tuned.CHUNK_INTRA_ANY_GATE` for any gate) for
-    inputs of this dtype."""
-    tiles = lookup(tuned.CHUNK_INTRA_ANY_GATE if any_gate else tuned.CHUNK_INTRA, dtype=dtype)
-    return (tiles.block_k, tiles.num_warps) + ((tiles.num_stages,) if stages else ())
+def intra_tiles(dtype, any_gate: bool) -> tuned.IntraTiles:
+    """Phase 1's tiles for inputs of this dtype: `tuned.CHUNK_INTRA` (`tuned.CHUNK_INTRA_ANY_GATE` for any gate)."""
+    return lookup(tuned.CHUNK_INTRA_ANY_GATE if any_gate else tuned.CHUNK_INTRA, dtype=dtype)
 
 
 def sub_block_keys(
@@ -250,8 +248,7 @@ def sub_block_keys(
     *,
     use_qk_l2norm: bool,
     parts_dtype,
-    block_k: int | None = None,
-    num_warps: int | None = None,
+    tiles: tuned.IntraTiles | None = None,
     any_gate: bool = False,
     interpret: bool = False,
 ):
@@ -259,13 +256,13 @@ def sub_block_keys(
     asked; totals [BH, Tp / SUB, K] fp32: each sub-block's gate total t_j, log2 units) from k [B, Tp, H, K] and
     g [B, Tp, H, K] fp32. Grid (B*H, Tp / SUB): what `decay_blocks` needs of the sub-blocks other than a program's
     own, formed once rather than by each later sub-block's program. any_gate: for gates below -5 (module
-    docstring). Tiles: None from `tuned.CHUNK_INTRA` (`CHUNK_INTRA_ANY_GATE`)."""
-    block_k, num_warps = fill((block_k, num_warps), _tiles(k.dtype, any_gate))
+    docstring). Tiles (block_k, num_warps): None from `intra_tiles`."""
+    tiles = tiles or intra_tiles(k.dtype, any_gate)
     batch, padded, heads, key_dim = k.shape
     flat, sub_blocks = batch * heads, padded // SUB
     rows = pl.BlockSpec((None, SUB, None, key_dim), lambda bh, s: (bh // heads, s, bh % heads, 0))
     return pl.pallas_call(
-        functools.partial(_keys_kernel, l2norm=use_qk_l2norm, block_k=min(block_k, key_dim), any_gate=any_gate),
+        functools.partial(_keys_kernel, l2norm=use_qk_l2norm, block_k=min(tiles.block_k, key_dim), any_gate=any_gate),
         grid=(flat, sub_blocks),
         in_specs=[rows, rows],
         out_specs=[
@@ -276,7 +273,7 @@ def sub_block_keys(
             jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
             jax.ShapeDtypeStruct((flat, sub_blocks, key_dim), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_prefill_intra_keys" + ("_any_gate" if any_gate else ""),
     )(k, g)
@@ -293,18 +290,16 @@ def decay_blocks(
     scale: float,
     use_qk_l2norm: bool,
     parts_dtype,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: tuned.IntraTiles | None = None,
     any_gate: bool = False,
     interpret: bool = False,
 ):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32, kb, kg [BH, Tp, K] in
     parts_dtype, decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32, beta [B, Tp, H, 1]
     fp32 (Tp = N * CHUNK) and `sub_block_keys`' right and totals. Grid (B*H, N, CHUNK / SUB); the keys are worked
-    through block_k columns at a time (a power of two). any_gate: for gates below -5 (module docstring). Tiles:
-    None from `tuned.CHUNK_INTRA` (`CHUNK_INTRA_ANY_GATE`)."""
-    block_k, num_warps, num_stages = fill((block_k, num_warps, num_stages), _tiles(q.dtype, any_gate, stages=True))
+    through block_k columns at a time (a power of two). any_gate: for gates below -5 (module docstring). Tiles
+    (block_k, num_warps, num_stages): None from `intra_tiles`."""
+    tiles = tiles or intra_tiles(q.dtype, any_gate)
     batch, padded, heads, key_dim = q.shape
     flat, num_chunks = batch * heads, padded // CHUNK
     own_rows = lambda width: pl.BlockSpec(  # noqa: E731
@@ -318,7 +313,7 @@ def decay_blocks(
             scale=scale,
             l2norm=use_qk_l2norm,
             input_dtype=q.dtype,
-            block_k=min(block_k, key_dim),
+            block_k=min(tiles.block_k, key_dim),
             any_gate=any_gate,
         ),
         grid=(flat, num_chunks, SUBS),  # axis 0 varies fastest
@@ -346,7 +341,7 @@ def decay_blocks(
             jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
             jax.ShapeDtypeStruct((flat, num_chunks, 1, key_dim), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="kda_prefill_intra_blocks" + ("_any_gate" if any_gate else ""),
     )(q, k, g, beta, right, totals.reshape(flat, num_chunks, SUBS, key_dim))

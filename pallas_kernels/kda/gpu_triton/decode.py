@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.reference import L2_EPS
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 
 def _inverse_norm(x_K, use_qk_l2norm):
@@ -51,7 +51,7 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "use_qk_l2norm", "block_v", "num_warps", "interpret"),
+    static_argnames=("scale", "use_qk_l2norm", "tiles", "interpret"),
     donate_argnames=("state_BHKV",),
 )
 def kda_decode_step_gpu(
@@ -64,16 +64,15 @@ def kda_decode_step_gpu(
     *,
     scale: float,
     use_qk_l2norm: bool = True,
-    block_v: int | None = None,
-    num_warps: int | None = None,
+    tiles: tuned.DecodeGpuTiles | None = None,
     interpret: bool = False,
 ):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
     Tiles: None from `tuned.DECODE_GPU`."""
-    block_v, num_warps = fill((block_v, num_warps), lookup(tuned.DECODE_GPU, dtype=v_BHV.dtype))
+    tiles = tiles or lookup(tuned.DECODE_GPU, dtype=v_BHV.dtype)
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
-    block_v = min(block_v, value_dim)
+    block_v = min(tiles.block_v, value_dim)
     flat = batch * heads
     q, k, g = (x.reshape(flat, key_dim) for x in (q_BHK, k_BHK, g_BHK))
     v, beta = v_BHV.reshape(flat, value_dim), beta_BH.reshape(flat)
@@ -91,7 +90,7 @@ def kda_decode_step_gpu(
             jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32),
         ],
         input_output_aliases={5: 1},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_step",
     )(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32))

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.intra import CHUNK, ChunkParts, gpu_dots
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 
 def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
@@ -41,25 +41,23 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, st
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
 def inter_chunk(
     parts: ChunkParts,
     initial_state,
     *,
     out_dtype,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: tuned.InterTiles | None = None,
     interpret: bool = False,
 ):
     """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts and the
     initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs all Tp / CHUNK chunks.
     Tiles: None from `tuned.CHUNK_INTER`."""
-    block_v, num_warps, num_stages = fill((block_v, num_warps, num_stages), lookup(tuned.CHUNK_INTER, dtype=out_dtype))
+    tiles = tiles or lookup(tuned.CHUNK_INTER, dtype=out_dtype)
     batch, heads, key_dim, value_dim = initial_state.shape
     flat, padded = parts.w.shape[:2]
     num_chunks = padded // CHUNK
-    block_v = min(block_v, value_dim)
+    block_v = min(tiles.block_v, value_dim)
     whole = lambda width: pl.BlockSpec((None, padded, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
     value_part = pl.BlockSpec((None, padded, block_v), lambda j, bh: (bh, 0, j))
     per_chunk_column = pl.BlockSpec((None, num_chunks, key_dim, 1), lambda j, bh: (bh, 0, 0, 0))
@@ -84,7 +82,7 @@ def inter_chunk(
             jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype),
             jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="kda_prefill_inter_chunk",
     )(

@@ -9,8 +9,7 @@ all programs of each independent, handing intermediates over in global memory:
    decayed keys kb = beta e^G k, kg = e^{G_last - G} k, decay_last.
 2. `tril.wy_factors`, grid (B*H, T/64): X = (I + L)^-1 ([64, 64], as 16x16 blocks in registers)
    from the D_i and L_ij, then w = X kb and u = X (beta v), by 16x16 x 16xK products.
-Or, for gates >= -5, programs that own whole chunks (`fused`, the variants gpu_triton_fused and
-gpu_triton_fused_wy): one kernel, or its products then `tril.wy_factors` (`Phase1`).
+(Phase 1 with programs that own whole chunks, for gates >= -5: `pallas_kernels.experimental.kda_fused`.)
 Short programs, many of them: the first single kernel ran one long chain of 16x16 products per chunk (15 of
 them for the forward substitution alone), with few programs resident per SM to hide its latency.
 
@@ -24,19 +23,16 @@ operands that are inputs as given, so none runs on bf16 operands without roundin
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import NamedTuple
 
 import jax
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.gpu_triton.blocks import decay_blocks, sub_block_keys
-from pallas_kernels.kda.gpu_triton.fused import chunk_blocks, one_kernel_parts
+from pallas_kernels.kda.gpu_triton.blocks import decay_blocks, intra_tiles, sub_block_keys
 from pallas_kernels.kda.gpu_triton.tril import CHUNK, gpu_dots, wy_factors
-from pallas_kernels.tuning import fill, lookup
 
-__all__ = ["CHUNK", "ChunkParts", "Phase1", "fused_intra_chunk", "gpu_dots", "intra_chunk"]
+__all__ = ["CHUNK", "ChunkParts", "gpu_dots", "intra_chunk", "intra_chunk_any_gate"]
 
 
 class ChunkParts(NamedTuple):
@@ -50,35 +46,7 @@ class ChunkParts(NamedTuple):
     decay_last: jax.Array  # [BH, N, 1, K] fp32 e^{G_last}
 
 
-class Phase1(enum.Enum):
-    """Phase 1's kernels: three with programs per 16-row sub-block (`blocks`, `tril.wy_factors`; gates of any
-    size with any_gate), or, for gates >= -5, programs per whole chunk (`fused`): one kernel, or two (the
-    chunk's products, then `tril.wy_factors` inverting the diagonal blocks)."""
-
-    THREE_KERNELS = "three"
-    FUSED = "fused"
-    FUSED_WY = "fused_wy"
-
-    @classmethod
-    def fused(cls, one_kernel: bool) -> Phase1:
-        return cls.FUSED if one_kernel else cls.FUSED_WY
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "use_qk_l2norm",
-        "parts_dtype",
-        "block_k",
-        "num_warps",
-        "num_stages",
-        "factors_num_warps",
-        "any_gate",
-        "form",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "any_gate", "interpret"))
 def intra_chunk(
     q,
     k,
@@ -89,60 +57,24 @@ def intra_chunk(
     scale: float,
     use_qk_l2norm: bool = True,
     parts_dtype=None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    factors_num_warps: int | None = None,
+    tiles: tuned.IntraTiles | None = None,
     any_gate: bool = False,
-    form: Phase1 = Phase1.THREE_KERNELS,
     interpret: bool = False,
 ) -> ChunkParts:
     """Phase 1 over whole chunks: q, k [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decay,
     beta [B, Tp, H, 1] fp32, Tp a multiple of CHUNK; parts stored as parts_dtype (default v's).
-    The products work through the keys block_k columns at a time with num_warps Triton warps (the keys and
-    block-row kernels, or the chunk-wide kernel); the WY-factors kernel has factors_num_warps; num_stages is
-    the three kernels' (the chunk-wide kernels run one stage; FUSED_WY's WY kernel takes it). None:
+    The keys and block-row kernels work through the keys block_k columns at a time with num_warps Triton warps
+    and num_stages stages; the WY-factors kernel has factors_num_warps and num_stages. Tiles: None from
     `tuned.CHUNK_INTRA` (`tuned.CHUNK_INTRA_ANY_GATE` with any_gate: gates below -5 allowed, `blocks`' module
-    docstring), `tuned.CHUNK_FUSED`, `tuned.CHUNK_FUSED_WY` by form (FUSED has no WY kernel)."""
-    if any_gate and form is not Phase1.THREE_KERNELS:
-        raise ValueError(f"phase 1 {form.value!r} takes gates >= -5 only; any_gate needs {Phase1.THREE_KERNELS}")
+    docstring)."""
     dtype = v.dtype if parts_dtype is None else parts_dtype
-    options = dict(use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, interpret=interpret)
-    if form is Phase1.FUSED:
-        block_k, num_warps = fill((block_k, num_warps), lookup(tuned.CHUNK_FUSED, dtype=v.dtype))
-        return ChunkParts(
-            *one_kernel_parts(q, k, v, g, beta, scale=scale, block_k=block_k, num_warps=num_warps, **options)
-        )
-    if form is Phase1.FUSED_WY:
-        block_k, num_warps, factors_num_warps = fill(
-            (block_k, num_warps, factors_num_warps), lookup(tuned.CHUNK_FUSED_WY, dtype=v.dtype)
-        )
-        products = chunk_blocks(q, k, g, beta, scale=scale, block_k=block_k, num_warps=num_warps, **options)
-    else:
-        table = tuned.CHUNK_INTRA_ANY_GATE if any_gate else tuned.CHUNK_INTRA
-        block_k, num_warps, num_stages, factors_num_warps = fill(
-            (block_k, num_warps, num_stages, factors_num_warps), lookup(table, dtype=v.dtype)
-        )
-        options.update(block_k=block_k, num_warps=num_warps, any_gate=any_gate)
-        right, totals = sub_block_keys(k, g, **options)
-        products = decay_blocks(q, k, g, beta, right, totals, scale=scale, num_stages=num_stages, **options)
-    qg, a_qk, blocks, kb, kg, decay_last = products
-    w, u = wy_factors(
-        blocks,
-        kb,
-        v,
-        beta,
-        parts_dtype=dtype,
-        input_dtype=v.dtype,
-        num_warps=factors_num_warps,
-        num_stages=num_stages,
-        invert_diagonal=form is Phase1.FUSED_WY,
-        interpret=interpret,
-    )
+    tiles = tiles or intra_tiles(v.dtype, any_gate)
+    options = dict(use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, tiles=tiles, any_gate=any_gate, interpret=interpret)
+    right, totals = sub_block_keys(k, g, **options)
+    qg, a_qk, blocks, kb, kg, decay_last = decay_blocks(q, k, g, beta, right, totals, scale=scale, **options)
+    w, u = wy_factors(blocks, kb, v, beta, parts_dtype=dtype, input_dtype=v.dtype, tiles=tiles, interpret=interpret)
     return ChunkParts(w, u, qg, kg, a_qk, decay_last)
 
 
-def fused_intra_chunk(q, k, v, g, beta, *, one_kernel: bool = True, **options) -> ChunkParts:
-    """`intra_chunk` with programs over whole chunks, for gates >= -5: in one pallas_call, or without one_kernel
-    two (Phase1.FUSED, FUSED_WY); options: its keywords."""
-    return intra_chunk(q, k, v, g, beta, form=Phase1.fused(one_kernel), **options)
+# phase 1 for log-decays of any size (the variant gpu_triton_any_gate); one object, so that jit sees one static value
+intra_chunk_any_gate = functools.partial(intra_chunk, any_gate=True)

@@ -116,8 +116,7 @@ def wy_factors(
     *,
     parts_dtype,
     input_dtype,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: tuned.IntraTiles | None = None,
     invert_diagonal: bool = False,
     interpret: bool = False,
 ):
@@ -125,11 +124,9 @@ def wy_factors(
     from blocks [BH, Tp, CHUNK] fp32 (per chunk: the diagonal blocks' inverses D_i on the diagonal, or with
     invert_diagonal the diagonal blocks L_ii themselves, the blocks L_ij of L below it); kb [BH, Tp, K]
     (beta e^G k, in the parts' dtype), v [B, Tp, H, V], beta [B, Tp, H, 1] fp32; products as
-    `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK). Warps and stages: None from
-    `tuned.CHUNK_INTRA` (factors_num_warps, num_stages)."""
-    tiles = lookup(tuned.CHUNK_INTRA, dtype=input_dtype)
-    num_warps = tiles.factors_num_warps if num_warps is None else num_warps
-    num_stages = tiles.num_stages if num_stages is None else num_stages
+    `gpu_dots(input_dtype)`. Grid (BH, Tp / CHUNK). Tiles (factors_num_warps, num_stages): None from
+    `tuned.CHUNK_INTRA`."""
+    tiles = tiles or lookup(tuned.CHUNK_INTRA, dtype=input_dtype)
     flat, padded, key_dim = kb.shape
     _, _, heads, value_dim = v.shape
     rows = lambda width: pl.BlockSpec((None, CHUNK, width), lambda bh, n: (bh, n, 0))  # noqa: E731
@@ -145,7 +142,7 @@ def wy_factors(
             jax.ShapeDtypeStruct((flat, padded, key_dim), parts_dtype),
             jax.ShapeDtypeStruct((flat, padded, value_dim), parts_dtype),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.factors_num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="kda_prefill_intra_wy_factors" + ("_inverting" if invert_diagonal else ""),
     )(blocks, kb, v, beta)

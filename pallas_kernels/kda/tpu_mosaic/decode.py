@@ -33,7 +33,7 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "use_qk_l2norm", "head_block", "interpret"), donate_argnames=("state_BHKV",)
+    jax.jit, static_argnames=("scale", "use_qk_l2norm", "tiles", "interpret"), donate_argnames=("state_BHKV",)
 )
 def kda_decode_step_tpu(
     q_BHK,
@@ -45,13 +45,12 @@ def kda_decode_step_tpu(
     *,
     scale: float,
     use_qk_l2norm: bool = True,
-    head_block: int | None = None,
+    tiles: tuned.DecodeTpuTiles | None = None,
     interpret: bool = False,
 ):
     """(o [B, H, V] in v's dtype, new state [B, H, K, V] fp32, written in place of the donated state).
-    head_block: None from `tuned.DECODE_TPU`."""
-    if head_block is None:
-        head_block = lookup(tuned.DECODE_TPU, dtype=v_BHV.dtype).head_block
+    Tiles: None from `tuned.DECODE_TPU`."""
+    head_block = (tiles or lookup(tuned.DECODE_TPU, dtype=v_BHV.dtype)).head_block
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
     head_block = head_block if heads % head_block == 0 else heads

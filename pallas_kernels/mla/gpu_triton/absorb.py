@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import tuned
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 ROWS = 8  # the most query rows (batch x tokens) these kernels take
 
@@ -96,14 +96,12 @@ def _per_head_call(
     return out[: vectors_MHX.shape[0]]
 
 
-@functools.partial(jax.jit, static_argnames=("block", "num_warps", "interpret"))
-def absorb_query_gpu(
-    q_nope_MHN, kv_b_HCR, *, block: int | None = None, num_warps: int | None = None, interpret: bool = False
-):
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def absorb_query_gpu(q_nope_MHN, kv_b_HCR, *, tiles: tuned.AbsorbTiles | None = None, interpret: bool = False):
     """`absorb_query_reference` for at most ROWS rows: [M, H, R] fp32. Tiles: None from `tuned.ABSORB_QUERY`."""
-    block, num_warps = fill((block, num_warps), lookup(tuned.ABSORB_QUERY, dtype=kv_b_HCR.dtype))
+    tiles = tiles or lookup(tuned.ABSORB_QUERY, dtype=kv_b_HCR.dtype)
     nope, rank = q_nope_MHN.shape[2], kv_b_HCR.shape[2]
-    block = _column_block(block, rank)
+    block = _column_block(tiles.block, rank)
     return _per_head_call(
         _absorb_kernel,
         q_nope_MHN,
@@ -112,26 +110,20 @@ def absorb_query_gpu(
         lambda h, c: (h, 0, c),
         rank,
         block,
-        num_warps=num_warps,
+        num_warps=tiles.num_warps,
         interpret=interpret,
         name="mla_absorb_query",
     )
 
 
-@functools.partial(jax.jit, static_argnames=("nope", "block", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("nope", "tiles", "interpret"))
 def expand_output_gpu(
-    o_latent_MHR,
-    kv_b_HCR,
-    *,
-    nope: int,
-    block: int | None = None,
-    num_warps: int | None = None,
-    interpret: bool = False,
+    o_latent_MHR, kv_b_HCR, *, nope: int, tiles: tuned.AbsorbTiles | None = None, interpret: bool = False
 ):
     """`expand_output_reference` for at most ROWS rows: [M, H, V] fp32. Tiles: None from `tuned.EXPAND_OUTPUT`."""
-    block, num_warps = fill((block, num_warps), lookup(tuned.EXPAND_OUTPUT, dtype=kv_b_HCR.dtype))
+    tiles = tiles or lookup(tuned.EXPAND_OUTPUT, dtype=kv_b_HCR.dtype)
     rank, value = kv_b_HCR.shape[2], kv_b_HCR.shape[1] - nope
-    block = _column_block(block, nope, value)
+    block = _column_block(tiles.block, nope, value)
     first = nope // block  # W_UV starts `first` blocks into each head's rows
     return _per_head_call(
         _expand_kernel,
@@ -141,7 +133,7 @@ def expand_output_gpu(
         lambda h, c: (h, first + c, 0),
         value,
         block,
-        num_warps=num_warps,
+        num_warps=tiles.num_warps,
         interpret=interpret,
         name="mla_expand_output",
     )

@@ -17,7 +17,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import tuned
 from pallas_kernels.mla.reference import combine_splits
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 
 def _split_kernel(
@@ -80,9 +80,7 @@ def default_num_splits(batch: int, head_blocks: int, max_len: int) -> int:
     return max(1, min(wanted, pl.cdiv(max_len, MIN_SPLIT)))
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "block_k", "num_splits", "head_block", "num_warps", "num_stages", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "num_splits", "interpret"))
 def mla_decode_gpu(
     q_latent_BHR,
     q_rope_BHP,
@@ -90,18 +88,15 @@ def mla_decode_gpu(
     lengths_B,
     *,
     scale: float,
-    block_k: int | None = None,
+    tiles: tuned.DecodeTritonTiles | None = None,
     num_splits: int | None = None,
-    head_block: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
     interpret: bool = False,
 ):
     """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R must be a multiple of P (512 and 64 for Ling).
-    Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it)."""
-    block_k, head_block, num_warps, num_stages = fill(
-        (block_k, head_block, num_warps, num_stages), lookup(tuned.DECODE_TRITON, dtype=kv_cache_BLA.dtype)
-    )
+    Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it).
+    num_splits: sequence splits, None for `default_num_splits`."""
+    tiles = tiles or lookup(tuned.DECODE_TRITON, dtype=kv_cache_BLA.dtype)
+    block_k, head_block = tiles.block_k, tiles.head_block
     batch, heads, latent_dim = q_latent_BHR.shape
     rope_dim = q_rope_BHP.shape[-1]
     max_len = kv_cache_BLA.shape[1]
@@ -134,7 +129,7 @@ def mla_decode_gpu(
             jax.ShapeDtypeStruct((batch, num_splits, padded_heads, latent_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, num_splits, padded_heads), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_decode_split",
     )(lengths_B.astype(jnp.int32), q_latent, q_rope, kv_cache_BLA, kv_cache_BLA)

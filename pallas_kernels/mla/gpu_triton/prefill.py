@@ -17,6 +17,7 @@ and its dot wants 16 or more along each axis.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import tuned
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
 
 
 def kernel_dims_fit(*head_dims: int) -> bool:
@@ -124,14 +125,12 @@ def attention_segment_gpu(
     first_slot,
     *,
     scale: float,
-    block_q: int,
-    block_k: int,
-    num_warps: int,
-    num_stages: int,
+    tiles: tuned.PrefillTiles,
     interpret: bool = False,
 ):
     """Flash attention of every query over the segment's keys (slots first_slot + [0, S); S a power of two):
-    (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible)."""
+    (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible).
+    Tiles: block_q, block_k, num_warps, num_stages (the segment is the keys')."""
     batch, length, heads, nope = q_nope_BTHN.shape
     segment, value_dim, rope = k_nope_BSHN.shape[1], v_BSHV.shape[-1], q_pe_BTHP.shape[-1]
     if not kernel_dims_fit(nope, rope, value_dim):
@@ -139,8 +138,8 @@ def attention_segment_gpu(
             f"the MLA prefill kernel needs nope, rope and value dims that are powers of two >= 16, "
             f"got {nope}, {rope}, {value_dim}"
         )
-    block_q = _query_block(length, block_q)
-    block_k = min(block_k, segment)
+    block_q = _query_block(length, tiles.block_q)
+    block_k = min(tiles.block_k, segment)
     q_nope, q_pe, slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)
     padded = q_nope.shape[1]
     kernel = functools.partial(_segment_kernel, scale=scale, block_k=block_k)
@@ -165,7 +164,7 @@ def attention_segment_gpu(
             jax.ShapeDtypeStruct((batch, padded, heads, value_dim), jnp.float32),
             jax.ShapeDtypeStruct((batch, padded, heads), jnp.float32),
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_prefill_segment",
     )(
@@ -181,9 +180,7 @@ def attention_segment_gpu(
     return o[:, :length], lse[:, :length]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("scale", "segment", "block_q", "block_k", "num_warps", "num_stages", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def flash_expanded_attention_gpu(
     q_nope_BTHN,
     q_pe_BTHP,
@@ -194,37 +191,28 @@ def flash_expanded_attention_gpu(
     w_uv_HVR,
     *,
     scale: float,
-    segment: int | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    tiles: tuned.PrefillTiles | None = None,
     interpret: bool = False,
 ):
     """Expanded MLA attention -> o [B, T, H, V] in q's dtype (arguments as for `flash_expanded_attention`).
     Tiles: None from `tuned.PREFILL`."""
-    segment, block_q, block_k, num_warps, num_stages = fill(
-        (segment, block_q, block_k, num_warps, num_stages), lookup(tuned.PREFILL, dtype=q_nope_BTHN.dtype)
-    )
+    tiles = tiles or lookup(tuned.PREFILL, dtype=q_nope_BTHN.dtype)
     batch, _, heads, _ = q_nope_BTHN.shape
     latent_dim = w_uk_HNR.shape[-1]
     dtype = q_nope_BTHN.dtype
     slots = latent_BSA.shape[1]
-    segment = min(segment, pl.next_power_of_2(slots))  # Triton block shapes are powers of two
+    segment = min(tiles.segment, pl.next_power_of_2(slots))  # Triton block shapes are powers of two
     pad = -slots % segment
     latent = jnp.pad(latent_BSA.astype(dtype), ((0, 0), (0, pad), (0, 0)))
     key_valid = jnp.pad(key_valid_BS, ((0, 0), (0, pad)))
     w_uk, w_uv = w_uk_HNR.astype(dtype), w_uv_HVR.astype(dtype)
     length = q_nope_BTHN.shape[1]
-    block_q = _query_block(length, block_q)
+    block_q = _query_block(length, tiles.block_q)
     q_nope, q_pe, query_slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)  # once
     attend = functools.partial(
         attention_segment_gpu,
         scale=scale,
-        block_q=block_q,
-        block_k=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        tiles=dataclasses.replace(tiles, segment=segment, block_q=block_q),
         interpret=interpret,
     )
 

@@ -1,9 +1,11 @@
-"""Weight-only block-FP8 linear for decode batches on Hopper as a Pallas Mosaic GPU kernel: `weight_only_linear_mgpu`.
+"""A lab variant: weight-only block-FP8 linear for decode batches on Hopper as a Pallas Mosaic GPU kernel,
+`weight_only_linear_mgpu`. Importing this module registers it as "gpu_mosaic" of
+`pallas_kernels.fp8.ops.VARIANTS["weight_only_linear"]` (named only).
 
 Status: written 2026-12-03 from the batch-64 decode profile (the projections' Triton weight-only kernel read ~1
 TB/s); CUDA lowering tested in CI, correct on the H200 (`pytest -m gpu`), and 10-20% faster than the Triton kernel
-at 32-128 rows but still ~1 TB/s at best (docs/benchmarks/matmul.md, 'The Mosaic weight-only kernel on the H200'):
-a named variant only (`fp8.ops`, "gpu_mosaic" of `weight_only_linear`).
+at 32-128 rows but still ~1 TB/s at best (docs/benchmarks/matmul.md, 'The Mosaic weight-only kernel on the H200'),
+which leaves the default with the Triton kernels.
 
 The product of `reference.weight_only_linear_reference` (W dequantised to x's dtype, then x @ W^T with fp32 sums),
 computed transposed so that the weight is wgmma's register operand: one CTA (one warpgroup) per 64 weight rows
@@ -17,6 +19,7 @@ stored; x (M <= MAX_ROWS rows, padded to a multiple of 8: wgmma's N) once per CT
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -26,14 +29,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import variants
 from pallas_kernels.compat import mosaic_gpu_interpret
-from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8 import ops
 from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import ANY, H200, Entry, lookup
+from pallas_kernels.variants import Variant
 
 BLOCK_N = 64  # weight rows a CTA: one warpgroup's wgmma rows
 MAX_ROWS = 128  # x rows (wgmma's N at most 256; shared memory: a stage holds 8 KB of weight and 256 B a row of x)
-TILE_KEYWORDS = ("stages", "k_splits")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicWeightOnlyTiles:
+    """stages shared-memory buffers of the TMA pipeline over K, the K blocks cut into k_splits ranges run by separate
+    CTAs (more CTAs for a narrow weight)."""
+
+    stages: int
+    k_splits: int
+
+
+# A CTA covers 64 weight rows: an 8192-row weight gives 128 CTAs a split, so 2 splits fill the H200's 132 SMs about
+# twice.
+_MEASURED = Entry(
+    MosaicWeightOnlyTiles(4, 2),
+    "docs/benchmarks/matmul.md, 'The Mosaic weight-only kernel on the H200': 8192 x 4096 at 8 / 32 / 64 / 128 rows "
+    "25.2 / 32.3 / 36.5 / 46.6 us (second run); no setting best at every size",
+)
+WEIGHT_ONLY_MOSAIC = {(H200, ANY, ANY): _MEASURED, (ANY, ANY, ANY): _MEASURED}
 
 
 def _x_transforms(dtype):
@@ -75,9 +98,8 @@ def _kernel(values_gmem, x_gmem, scales_gmem, y_gmem, *, steps_per_split: int, s
     y_gmem[split, pl.ds(n * BLOCK_N, BLOCK_N), :] = acc_NM
 
 
-def takes(x_MK, values_NK, block: tuple[int, int]) -> bool:
-    """Whether the kernel runs this product: 16-bit x of at most MAX_ROWS rows, 128 x 128 blocks, N a multiple of
-    64 and K of 128."""
+def _fits(x_MK, values_NK, block: tuple[int, int]) -> bool:
+    """16-bit x of at most MAX_ROWS rows, 128 x 128 blocks, N a multiple of 64 and K of 128."""
     n_dim, k_dim = values_NK.shape
     return (
         jnp.dtype(x_MK.dtype).itemsize == 2
@@ -88,32 +110,36 @@ def takes(x_MK, values_NK, block: tuple[int, int]) -> bool:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block", *TILE_KEYWORDS, "interpret"))
+def takes(x, weight) -> bool:
+    """Whether the kernel runs x @ W^T (its record's `takes`): a 2-D weight, and the shapes of `_fits`."""
+    return weight.values.ndim == 2 and _fits(x.reshape(-1, x.shape[-1]), weight.values, weight.block)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
 def weight_only_linear_mgpu(
     x_MK,
     values_NK,
     scales,
     *,
     block: tuple[int, int],
-    stages: int | None = None,
-    k_splits: int | None = None,
+    tiles: MosaicWeightOnlyTiles | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """y [M, N] in x's dtype (module docstring). values [N, K] e4m3, scales [N / 128, K / 128]. Tiles: None from
-    `tuned.WEIGHT_ONLY_MOSAIC`; k_splits is cut to a divisor of the K blocks."""
-    if not takes(x_MK, values_NK, block):
+    `WEIGHT_ONLY_MOSAIC`; k_splits is cut to a divisor of the K blocks."""
+    if not _fits(x_MK, values_NK, block):
         raise ValueError(
             f"weight_only_linear_mgpu takes bf16 / fp16 x of at most {MAX_ROWS} rows, 128 x 128 weight blocks, N a "
             f"multiple of {BLOCK_N} and K of {BLOCK_K}; got x {x_MK.dtype} {x_MK.shape}, block {tuple(block)}, "
             f"weight {values_NK.shape}"
         )
-    stages, k_splits = fill((stages, k_splits), lookup(tuned.WEIGHT_ONLY_MOSAIC, dtype=x_MK.dtype))
+    tiles = tiles or lookup(WEIGHT_ONLY_MOSAIC, dtype=x_MK.dtype)
     num_rows, k_dim = x_MK.shape
     num_steps = k_dim // BLOCK_K
-    k_splits = math.gcd(num_steps, k_splits)
+    k_splits = math.gcd(num_steps, tiles.k_splits)
     padded_rows = -(-num_rows // 8) * 8
     x_MK_padded = jnp.pad(x_MK, ((0, padded_rows - num_rows), (0, 0)))
-    kernel = functools.partial(_kernel, steps_per_split=num_steps // k_splits, stages=stages)
+    kernel = functools.partial(_kernel, steps_per_split=num_steps // k_splits, stages=tiles.stages)
     partial_SNM = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((k_splits, values_NK.shape[0], padded_rows), jnp.float32),
@@ -123,3 +149,6 @@ def weight_only_linear_mgpu(
         interpret=mosaic_gpu_interpret(interpret),
     )(values_NK, x_MK_padded, scales.astype(jnp.float32))
     return jnp.sum(partial_SNM, axis=0)[:, :num_rows].T.astype(x_MK.dtype)
+
+
+variants.register(ops.VARIANTS, "weight_only_linear", ops.MOSAIC, Variant("gpu", weight_only_linear_mgpu, takes=takes))

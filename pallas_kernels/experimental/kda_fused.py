@@ -1,5 +1,11 @@
-"""KDA prefill on GPU, phase 1 with programs that own whole 64-token chunks (the variants gpu_triton_fused, one
-kernel, and gpu_triton_fused_wy, two), for gates >= -5.
+"""Lab variants of the KDA prefill on GPU: phase 1 with programs that own whole 64-token chunks (the variants
+gpu_triton_fused, one kernel, and gpu_triton_fused_wy, two), for gates >= -5, phase 2 the default's.
+
+Measured slower than the default gpu_triton on the H200 (17.92 and 13.82 ms against 7.59 at B=1 T=32768:
+docs/benchmarks/kda.md, 'Fused phase-1 forms measured (2026-12-02, fifth session)'), so they live here: importing
+this module registers both with `pallas_kernels.kda.ops.VARIANTS["chunk_kda"]` (bounded gates only, like
+gpu_triton; their any-gate form is gpu_triton_any_gate). They reuse the default kernels' building blocks
+(`kda.gpu_triton.blocks`, `tril`, `intra.ChunkParts`, `chunk.chunk_kda_gpu` with this phase 1).
 
 Grid (B*H, T/64), the sequence-head fastest: program (bh, n) owns chunk n of sequence-head bh and forms every
 product of the chunk as [64, 16] column blocks (products [64, block_k] x [block_k, 16], whose 64 rows spread over
@@ -34,6 +40,7 @@ rows decayed to its end times the later totals, as in `blocks` (no difference of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -42,7 +49,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kda import tuned
+from pallas_kernels import variants
+from pallas_kernels.kda import ops
+from pallas_kernels.kda import tuned as kda_tuned
+from pallas_kernels.kda.gpu_triton import ChunkParts, chunk_kda_gpu, wy_factors
 from pallas_kernels.kda.gpu_triton.blocks import LOG2_E, SHIFT_DOWN, SHIFT_UP, inverse_norms, key_column_blocks
 from pallas_kernels.kda.gpu_triton.tril import (
     CHUNK,
@@ -54,7 +64,37 @@ from pallas_kernels.kda.gpu_triton.tril import (
     sub_rows,
     unit_lower_inverse_16,
 )
-from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.tuning import lookup
+from pallas_kernels.variants import Variant
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedTiles:
+    """gpu_triton_fused phase 1 (one kernel): key (and value) columns per step, Triton warps."""
+
+    block_k: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedWyTiles:
+    """gpu_triton_fused_wy phase 1: key columns per step and warps of the chunk-wide products kernel, warps of the
+    WY-factors kernel."""
+
+    block_k: int
+    num_warps: int
+    factors_num_warps: int
+
+
+CHUNK_FUSED = kda_tuned.h200_and_default(
+    FusedTiles(block_k=32, num_warps=4),
+    "not measured: 4 warps for the products' 64 rows (16 a warp); [64, 32] fp32 tiles (16 registers a thread) so "
+    "that the G, q, k tiles and the eight [64, 16] accumulators stay under 255 registers (about 260 at block_k 64)",
+)
+CHUNK_FUSED_WY = kda_tuned.h200_and_default(
+    FusedWyTiles(block_k=32, num_warps=4, factors_num_warps=2),
+    "not measured: CHUNK_FUSED's settings for the products kernel; the WY factors as kda.tuned.CHUNK_INTRA's",
+)
 
 
 def _tiles(ref, columns_list, rows=slice(None)):
@@ -258,35 +298,116 @@ def chunk_blocks(
     scale: float,
     use_qk_l2norm: bool,
     parts_dtype,
-    block_k: int | None = None,
-    num_warps: int | None = None,
+    tiles: FusedWyTiles | None = None,
     interpret: bool = False,
 ):
     """(qg [BH, Tp, K], a_qk [BH, Tp, CHUNK] in parts_dtype, blocks [BH, Tp, CHUNK] fp32: L by column blocks,
     its diagonal blocks not inverted and their upper triangles not masked, kb, kg [BH, Tp, K] in parts_dtype,
     decay_last [BH, N, 1, K] fp32) from q, k [B, Tp, H, K], g [B, Tp, H, K] fp32 (>= -5), beta [B, Tp, H, 1]
     fp32, Tp = N * CHUNK. Grid (B*H, N); block_k key columns at a time (a power of two). Tiles: None from
-    `tuned.CHUNK_FUSED_WY`."""
-    tiles = lookup(tuned.CHUNK_FUSED_WY, dtype=q.dtype)
-    block_k, num_warps = fill((block_k, num_warps), (tiles.block_k, tiles.num_warps))
+    `CHUNK_FUSED_WY`."""
+    tiles = tiles or lookup(CHUNK_FUSED_WY, dtype=q.dtype)
     grid, key_dim = _grid(q, parts_dtype), q.shape[-1]
     kernel = functools.partial(
-        _kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype, block_k=min(block_k, key_dim)
+        _kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=q.dtype, block_k=min(tiles.block_k, key_dim)
     )
     keys_out = grid.rows(key_dim)
     outputs = [keys_out, grid.rows(CHUNK), grid.rows(CHUNK, jnp.float32), keys_out, keys_out, grid.per_chunk(key_dim)]
     in_specs = [grid.inputs(key_dim)] * 3 + [grid.inputs(1)]
-    return _launch(kernel, grid, "kda_prefill_fused_blocks", in_specs, outputs, num_warps, interpret)(q, k, g, beta)
+    launch = _launch(kernel, grid, "kda_prefill_fused_blocks", in_specs, outputs, tiles.num_warps, interpret)
+    return launch(q, k, g, beta)
 
 
-def one_kernel_parts(q, k, v, g, beta, *, scale, use_qk_l2norm, parts_dtype, block_k, num_warps, interpret):
-    """(w, u, qg, kg, a_qk, decay_last): `intra.ChunkParts` from one pallas_call (`_one_kernel`), inputs and
-    grid as `chunk_blocks`'."""
+def one_kernel_parts(q, k, v, g, beta, *, scale, use_qk_l2norm, parts_dtype, tiles: FusedTiles, interpret):
+    """(w, u, qg, kg, a_qk, decay_last): `ChunkParts` from one pallas_call (`_one_kernel`), inputs and grid as
+    `chunk_blocks`'."""
     grid, key_dim, value_dim = _grid(q, parts_dtype), q.shape[-1], v.shape[-1]
     kernel = functools.partial(
-        _one_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype, block_k=min(block_k, key_dim, value_dim)
+        _one_kernel,
+        scale=scale,
+        l2norm=use_qk_l2norm,
+        input_dtype=v.dtype,
+        block_k=min(tiles.block_k, key_dim, value_dim),
     )
     keys_out = grid.rows(key_dim)
     outputs = [keys_out, grid.rows(value_dim), keys_out, keys_out, grid.rows(CHUNK), grid.per_chunk(key_dim)]
     in_specs = [grid.inputs(key_dim)] * 3 + [grid.inputs(value_dim), grid.inputs(1)]
-    return _launch(kernel, grid, "kda_prefill_fused_intra", in_specs, outputs, num_warps, interpret)(q, k, g, v, beta)
+    launch = _launch(kernel, grid, "kda_prefill_fused_intra", in_specs, outputs, tiles.num_warps, interpret)
+    return launch(q, k, g, v, beta)
+
+
+_PHASE1_STATICS = ("scale", "use_qk_l2norm", "parts_dtype", "tiles", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_PHASE1_STATICS)
+def fused_intra_chunk(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale: float,
+    use_qk_l2norm=True,
+    parts_dtype=None,
+    tiles: FusedTiles | None = None,
+    interpret=False,
+) -> ChunkParts:
+    """Phase 1 in one pallas_call (`intra.intra_chunk`'s signature and output, gates >= -5). Tiles: None from
+    `CHUNK_FUSED`."""
+    dtype = v.dtype if parts_dtype is None else parts_dtype
+    tiles = tiles or lookup(CHUNK_FUSED, dtype=v.dtype)
+    parts = one_kernel_parts(
+        q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, tiles=tiles, interpret=interpret
+    )
+    return ChunkParts(*parts)
+
+
+@functools.partial(jax.jit, static_argnames=_PHASE1_STATICS)
+def fused_wy_intra_chunk(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale: float,
+    use_qk_l2norm=True,
+    parts_dtype=None,
+    tiles: FusedWyTiles | None = None,
+    interpret=False,
+) -> ChunkParts:
+    """Phase 1 in two pallas_calls: `chunk_blocks`, then `tril.wy_factors` inverting the diagonal blocks (its
+    stages as `kda.tuned.CHUNK_INTRA`'s). Tiles: None from `CHUNK_FUSED_WY`."""
+    dtype = v.dtype if parts_dtype is None else parts_dtype
+    tiles = tiles or lookup(CHUNK_FUSED_WY, dtype=v.dtype)
+    qg, a_qk, blocks, kb, kg, decay_last = chunk_blocks(
+        q, k, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, parts_dtype=dtype, tiles=tiles, interpret=interpret
+    )
+    factors_tiles = dataclasses.replace(
+        lookup(kda_tuned.CHUNK_INTRA, dtype=v.dtype), factors_num_warps=tiles.factors_num_warps
+    )
+    w, u = wy_factors(
+        blocks,
+        kb,
+        v,
+        beta,
+        parts_dtype=dtype,
+        input_dtype=v.dtype,
+        tiles=factors_tiles,
+        invert_diagonal=True,
+        interpret=interpret,
+    )
+    return ChunkParts(w, u, qg, kg, a_qk, decay_last)
+
+
+# `chunk_kda_gpu` with these phase 1s: its keywords, tiles.intra a FusedTiles / FusedWyTiles
+chunk_kda_gpu_fused = functools.partial(chunk_kda_gpu, phase1=fused_intra_chunk)
+chunk_kda_gpu_fused_wy = functools.partial(chunk_kda_gpu, phase1=fused_wy_intra_chunk)
+
+variants.register(
+    ops.VARIANTS, "chunk_kda", "gpu_triton_fused", Variant("gpu", chunk_kda_gpu_fused, takes=ops.gate_is_bounded)
+)
+variants.register(
+    ops.VARIANTS, "chunk_kda", "gpu_triton_fused_wy", Variant("gpu", chunk_kda_gpu_fused_wy, takes=ops.gate_is_bounded)
+)
