@@ -19,6 +19,7 @@ from ling_jax.policy import ExecutionPolicy
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight, check_activation_dtype, dequantized
 from ling_jax.sharding import ShardingError, make_mesh, param_specs
+from pallas_kernels.moe.ops import ExpertWeights, Routing
 
 TOL_F32 = 1e-4
 RNG = np.random.default_rng(0)
@@ -68,9 +69,8 @@ def test_weight_only_linear_and_experts_match_dense(kind):
         y = linear({"weight": proj}, x_TD)
         moe = local_moe(
             x_TD,
-            weights_TK,
-            experts_TK,
-            *stacked,
+            Routing(weights_TK, experts_TK),
+            ExpertWeights(*stacked),
             7.0,
             policy=ExecutionPolicy(kernel_backend="reference"),
             shared=SharedExpert(*shared, 7.0),

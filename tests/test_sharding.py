@@ -30,6 +30,7 @@ from ling_jax.moe.expert_parallel import (
 )
 from ling_jax.moe.experts import dense_expert_ffn, local_moe
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh, param_shardings, parse_mesh
+from pallas_kernels.moe.ops import ExpertWeights, Routing
 
 TOL = 1e-5
 # Every axis in a mesh with more than one device; expert=8 alone is covered by the expert-parallel MoE tests below
@@ -153,11 +154,17 @@ def test_router_on_a_mesh_matches_the_reference_router_with_ties():
     assert rel_error(np.take_along_axis(np.asarray(weights), order, -1), ref_weights) <= TOL
 
 
+def _reference_policy(exchange, capacity_factor=None):
+    return ExecutionPolicy(kernel_backend="reference", moe_exchange=exchange, moe_capacity_factor=capacity_factor)
+
+
 def _experts(config, rng):
     e, width, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
-    return tuple(
-        jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
-        for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width))
+    return ExpertWeights(
+        *(
+            jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
+            for s in ((e, width, hidden), (e, width, hidden), (e, hidden, width))
+        )
     )
 
 
@@ -256,20 +263,17 @@ def test_native_ragged_exchange_lowers_for_tpu_and_cuda(monkeypatch, platform):
     e, width, hidden, top_k = config.num_experts, config.moe_intermediate_size, config.hidden_size, 4
     args = (
         shape((tokens, hidden), jnp.bfloat16),
-        shape((tokens, top_k), jnp.float32),
-        shape((tokens, top_k), jnp.int32),
-        shape((e, width, hidden), jnp.bfloat16),
-        shape((e, width, hidden), jnp.bfloat16),
-        shape((e, hidden, width), jnp.bfloat16),
+        Routing(shape((tokens, top_k), jnp.float32), shape((tokens, top_k), jnp.int32)),
+        ExpertWeights(
+            shape((e, width, hidden), jnp.bfloat16),
+            shape((e, width, hidden), jnp.bfloat16),
+            shape((e, hidden, width), jnp.bfloat16),
+        ),
     )
     mesh = make_mesh({"expert": 4}, devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
         text = (
-            jax.jit(
-                lambda *a: moe_parallel(
-                    *a, limit=None, mesh=mesh, capacity_factor=None, backend="reference", exchange="ragged"
-                )[0]
-            )
+            jax.jit(lambda *a: moe_parallel(*a, limit=None, mesh=mesh, policy=_reference_policy("ragged"))[0])
             .trace(*args)
             .lower(lowering_platforms=(platform,))
             .as_text()
@@ -287,21 +291,18 @@ def test_expert_parallel_equals_dense_baseline(tokens, exchange):
     rng = np.random.default_rng(1)
     x_TD, weights, experts = _routing(config, rng, tokens)
     params = _experts(config, rng)
-    dense = dense_expert_ffn(x_TD, weights, experts, *params, 7.0)
+    routing = Routing(weights, experts)
+    dense = dense_expert_ffn(x_TD, routing, params, 7.0)
     assert (
-        rel_error(
-            local_moe(x_TD, weights, experts, *params, 7.0, policy=ExecutionPolicy(kernel_backend="reference")), dense
-        )
+        rel_error(local_moe(x_TD, routing, params, 7.0, policy=ExecutionPolicy(kernel_backend="reference")), dense)
         <= TOL
     )
     for shape in ({"expert": 8}, {"tensor": 2, "expert": 4}):
         mesh = make_mesh(shape)
         with jax.set_mesh(mesh):
-            y, dropped = jax.jit(
-                lambda *a: moe_parallel(
-                    *a, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference", exchange=exchange
-                )
-            )(x_TD, weights, experts, *params)
+            y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, policy=_reference_policy(exchange)))(
+                x_TD, routing, params
+            )
         assert int(dropped) == 0
         assert rel_error(y, dense) <= TOL, shape
 
@@ -319,12 +320,12 @@ def test_ragged_exchange_gradients_match_the_dense_exchange():
     def grads(exchange):
         def loss(x, w, *p):
             y, _ = moe_parallel(
-                x, w, experts, *p, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference", exchange=exchange
+                x, Routing(w, experts), ExpertWeights(*p), limit=7.0, mesh=mesh, policy=_reference_policy(exchange)
             )
             return jnp.sum(y * probe)
 
         with jax.set_mesh(mesh):
-            return jax.jit(jax.grad(loss, argnums=range(5)))(x_TD, weights, *params)
+            return jax.jit(jax.grad(loss, argnums=range(5)))(x_TD, weights, *params.stacks)
 
     for name, ragged, dense in zip(["x", "weights", "gate", "up", "down"], grads("ragged"), grads("dense")):
         assert rel_error(ragged, dense) <= TOL, name
@@ -339,11 +340,9 @@ def test_dropless_exchange_in_token_chunks_bounds_the_receive_buffers(monkeypatc
     x_TD, weights, experts, params, mesh = _expert_parallel_case(config, seed=5, tokens=256, ep=ep)
 
     def compiled():
-        step = functools.partial(
-            moe_parallel, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference", exchange=exchange
-        )
+        step = functools.partial(moe_parallel, limit=7.0, mesh=mesh, policy=_reference_policy(exchange))
         with jax.set_mesh(mesh):
-            return jax.jit(step).lower(x_TD, weights, experts, *params).compile()
+            return jax.jit(step).lower(x_TD, Routing(weights, experts), params).compile()
 
     whole = compiled()
     receive_bytes_per_token = ep * config.num_experts_per_tok * config.hidden_size * x_TD.dtype.itemsize
@@ -352,7 +351,7 @@ def test_dropless_exchange_in_token_chunks_bounds_the_receive_buffers(monkeypatc
     temp = {name: c.memory_analysis().temp_size_in_bytes for name, c in (("whole", whole), ("chunked", chunked))}
     assert 4 * temp["chunked"] < temp["whole"], temp
     (y_whole, dropped_whole), (y_chunked, dropped_chunked) = (
-        c(x_TD, weights, experts, *params) for c in (whole, chunked)
+        c(x_TD, Routing(weights, experts), params) for c in (whole, chunked)
     )
     assert int(dropped_whole) == int(dropped_chunked) == 0
     np.testing.assert_array_equal(y_chunked, y_whole)
@@ -365,10 +364,8 @@ def test_capacity_factor_drops_and_reports_exactly_the_overflow(exchange):
     factor = 0.5
     with jax.set_mesh(mesh):
         y, dropped = jax.jit(
-            lambda *a: moe_parallel(
-                *a, limit=None, mesh=mesh, capacity_factor=factor, backend="reference", exchange=exchange
-            )
-        )(x_TD, weights, experts, *params)
+            lambda *a: moe_parallel(*a, limit=None, mesh=mesh, policy=_reference_policy(exchange, factor))
+        )(x_TD, Routing(weights, experts), params)
     local_tokens, local_experts = tokens // ep, config.num_experts // ep
     capacity = rows_per_source(local_tokens, config.num_experts_per_tok, ep, local_experts, factor)
     kept = np.ones(experts.shape, bool)
@@ -378,7 +375,7 @@ def test_capacity_factor_drops_and_reports_exactly_the_overflow(exchange):
         rank = np.array([np.sum(dest[:i] == d) for i, d in enumerate(dest)])
         kept[rows] = (rank < capacity).reshape(local_tokens, -1)
     assert int(dropped) == int((~kept).sum()) > 0
-    expected = dense_expert_ffn(x_TD, jnp.where(kept, weights, 0.0), experts, *params, None)
+    expected = dense_expert_ffn(x_TD, Routing(jnp.where(kept, weights, 0.0), experts), params, None)
     assert rel_error(y, expected) <= TOL
 
 

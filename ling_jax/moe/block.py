@@ -22,7 +22,7 @@ from ling_jax.moe.experts import SharedExpert, expert_load, local_moe, swiglu_ff
 from ling_jax.policy import ExecutionPolicy, as_policy
 from ling_jax.sharding import per_shard
 from pallas_kernels.backend import resolve_backend
-from pallas_kernels.moe.ops import RoutingRule, select_experts
+from pallas_kernels.moe.ops import ExpertWeights, Routing, RoutingRule, select_experts
 
 
 def shared_expert(weights: Weights, limit: float | None) -> SharedExpert:
@@ -51,8 +51,9 @@ def routing_rule(config: LingConfig) -> RoutingRule:
     )
 
 
-def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig, *, backend: str = "reference"):
-    """Group-limited sigmoid routing. Returns (weights [T, k] fp32, expert indices [T, k] int32).
+def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig, *, policy: ExecutionPolicy | None = None):
+    """Group-limited sigmoid routing. Returns (weights [T, k] fp32, expert indices [T, k] int32); policy: the
+    kernel backend of the selection (None: `ExecutionPolicy()`).
 
     The router logits are fp32: products of the inputs as given, accumulated in fp32 (bf16 activations and
     weights run as one bf16 matmul: their products are exact in fp32, and no fp32 copy of x is made). The
@@ -60,21 +61,21 @@ def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig, *, backend:
     selection only; weights are the un-biased sigmoid scores, renormalised and scaled.
     """
     logits_TE = jnp.einsum("td,ed->te", x_TD, router_weight_ED, preferred_element_type=jnp.float32)
+    backend = resolve_backend(as_policy(policy).kernel_backend)
     select = functools.partial(select_experts, rule=routing_rule(config), backend=backend)
     tokens = ("activation_batch", None)
     return per_shard(select, in_axes=(tokens, None), out_axes=(tokens, tokens))(logits_TE, expert_bias_E)
 
 
-def router(weights: Weights, x_TD, cfg: LingConfig, *, backend: str = "reference"):
+def router(weights: Weights, x_TD, cfg: LingConfig, *, policy: ExecutionPolicy | None = None):
     """`route` with the MoE's `gate` parameters (`weight` [E, D], `expert_bias` [E])."""
-    return route(x_TD, weights["weight"], weights["expert_bias"], cfg, backend=backend)
+    return route(x_TD, weights["weight"], weights["expert_bias"], cfg, policy=policy)
 
 
 def routed_experts_block(
     weights: Weights,
     x_TD,
-    weights_TK,
-    experts_TK,
+    routing: Routing,
     *,
     limit: float | None,
     policy: ExecutionPolicy,
@@ -87,27 +88,17 @@ def routed_experts_block(
     Under a mesh that splits the experts or their width (`jax.set_mesh`; the `experts` / `expert_mlp` rules),
     tokens go to the devices that own their experts (`ling_jax.moe.expert_parallel`); otherwise all experts run here
     as one grouped FFN."""
-    stacked = (weights["gate_proj"], weights["up_proj"], weights["down_proj"])
+    experts = ExpertWeights(weights["gate_proj"], weights["up_proj"], weights["down_proj"])
     mesh = jax.sharding.get_abstract_mesh()
     if uses_model_parallelism(mesh):
         with jax.named_scope("routed_experts"):
-            routed, dropped = moe_parallel(
-                x_TD,
-                weights_TK,
-                experts_TK,
-                *stacked,
-                limit=limit,
-                mesh=mesh,
-                capacity_factor=policy.moe_capacity_factor,
-                backend=resolve_backend(policy.kernel_backend),
-                exchange=policy.moe_exchange,
-            )
+            routed, dropped = moe_parallel(x_TD, routing, experts, limit=limit, mesh=mesh, policy=policy)
         if shared is None:
             return routed, dropped
         with jax.named_scope("shared_expert"):
             shared_TD = swiglu_ffn(x_TD, *shared, policy)
         return routed + shared_TD, dropped
-    return local_moe(x_TD, weights_TK, experts_TK, *stacked, limit, policy=policy, shared=shared), jnp.int32(0)
+    return local_moe(x_TD, routing, experts, limit, policy=policy, shared=shared), jnp.int32(0)
 
 
 def moe_block(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: ExecutionPolicy | None = None):
@@ -126,15 +117,13 @@ def moe_block_with_stats(
     """`moe_block` -> (y [B, T, D], {"expert_load": [E] assignments per expert, "dropped_assignments": int32})."""
     policy = as_policy(policy)
     x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
-    backend = resolve_backend(policy.kernel_backend.value)
     with jax.named_scope("moe_router"):
-        weights_TK, experts_TK = router(weights["gate"], x_TD, cfg, backend=backend)
+        weights_TK, experts_TK = router(weights["gate"], x_TD, cfg, policy=policy)
     shared = shared_expert(weights["shared_experts"], cfg.swiglu_limit(layer, shared=True))
     y_TD, dropped = routed_experts_block(
         weights["experts"],
         x_TD,
-        weights_TK,
-        experts_TK,
+        Routing(weights_TK, experts_TK),
         limit=cfg.swiglu_limit(layer, shared=False),
         policy=policy,
         shared=shared,
@@ -170,8 +159,8 @@ class Router(nnx.Module):
         self.weight = normal_param(rngs, (config.num_experts, config.hidden_size), dtype, ("router", "embed"))  # [E, D]
         self.expert_bias = param(jnp.zeros((config.num_experts,), jnp.float32), ("router",))
 
-    def __call__(self, x_TD, *, backend: str = "reference"):
-        return router(params_of(self), x_TD, self.config, backend=backend)
+    def __call__(self, x_TD, *, policy: ExecutionPolicy | None = None):
+        return router(params_of(self), x_TD, self.config, policy=policy)
 
 
 class Experts(nnx.Module):
@@ -190,16 +179,10 @@ class Experts(nnx.Module):
         self.limit = limit
 
     def __call__(
-        self,
-        x_TD,
-        weights_TK,
-        experts_TK,
-        *,
-        policy: ExecutionPolicy | None = None,
-        shared: SharedExpert | None = None,
+        self, x_TD, routing: Routing, *, policy: ExecutionPolicy | None = None, shared: SharedExpert | None = None
     ):
         return routed_experts_block(
-            params_of(self), x_TD, weights_TK, experts_TK, limit=self.limit, policy=as_policy(policy), shared=shared
+            params_of(self), x_TD, routing, limit=self.limit, policy=as_policy(policy), shared=shared
         )
 
 

@@ -21,12 +21,12 @@ the same results:
 - "ragged" (the default on TPU and on the GPUs of one host): `ragged_all_to_all` sends exactly the kept
   rows, each expert's rows as `SLICES_PER_EXPERT` slices, into the receiver's buffer in expert order
   (expert-major, then source), so the receiver runs its experts on contiguous groups without a sort
-  (`ragged_routes`, `ragged_dispatch`, `expert_sorted_ffn`, `ragged_return_and_combine`). XLA:CPU has no
-  ragged all-to-all; there the same collective is emulated with all-gathers (`emulated_ragged_all_to_all`),
-  for tests.
+  (`ragged_routes`, `ragged_dispatch`, `pallas_kernels.moe.ops.expert_sorted_ffn`, `ragged_return_and_combine`).
+  XLA:CPU has no ragged all-to-all; there the same collective is emulated with all-gathers
+  (`emulated_ragged_all_to_all`), for tests.
 - "dense" (the default on a CPU and across GPU hosts, see `resolve_exchange`): every source fills a fixed
   block per destination, so each all-to-all moves the whole reserved buffer, used or not (`dispatch`,
-  `grouped_expert_ffn`, `return_and_combine`).
+  `pallas_kernels.moe.ops.grouped_expert_ffn`, `return_and_combine`).
 Each stage is callable inside a shard_map on its own (benchmarks/expert_parallel.py times them separately).
 """
 
@@ -40,9 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ling_jax.moe.experts import combine, expert_sorted_ffn, grouped_expert_ffn, in_token_chunks, token_chunks
-from ling_jax.policy import MoEExchange
+from ling_jax.moe.experts import in_token_chunks, token_chunks
+from ling_jax.policy import ExecutionPolicy, MoEExchange
 from ling_jax.sharding import axes_size, batch_axes, mesh_axes
+from pallas_kernels.moe.ops import ExpertWeights, Routing, expert_path, expert_sorted_ffn, grouped_expert_ffn
+from pallas_kernels.moe.reference import combine
 
 
 def uses_model_parallelism(mesh) -> bool:
@@ -68,14 +70,12 @@ def _psum_f32(y, axes):
     return jax.lax.psum(y.astype(jnp.float32), axes) if axes else y.astype(jnp.float32)
 
 
-def _replicated_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep_axes, tp_axes):
+def _replicated_tokens(x_TD, weights_TK, experts_TK, experts: ExpertWeights, *, limit, path, ep_axes, tp_axes):
     tokens, top_k = experts_TK.shape
-    first = jax.lax.axis_index(ep_axes) * gate.shape[0] if ep_axes else 0
+    first = jax.lax.axis_index(ep_axes) * experts.num_experts if ep_axes else 0
 
     def routed(x_TD, weights_TK, experts_TK):
-        y_RD = grouped_expert_ffn(
-            jnp.repeat(x_TD, top_k, axis=0), experts_TK.reshape(-1) - first, gate, up, down, limit, backend=backend
-        )
+        y_RD = grouped_expert_ffn(jnp.repeat(x_TD, top_k, axis=0), experts_TK.reshape(-1) - first, experts, limit, path)
         y_TD = combine(y_RD.reshape(x_TD.shape[0], top_k, -1), weights_TK, jnp.float32)
         return _psum_f32(y_TD, ep_axes + tp_axes).astype(x_TD.dtype)
 
@@ -291,14 +291,26 @@ def ragged_return_and_combine(
 
 
 def _exchanged_experts(
-    x_TD, weights_TK, experts_TK, gate, up, down, *, limit, backend, ep, ep_axes, tp_axes, capacity, exchange, native
+    x_TD,
+    weights_TK,
+    experts_TK,
+    experts: ExpertWeights,
+    *,
+    limit,
+    path,
+    ep,
+    ep_axes,
+    tp_axes,
+    capacity,
+    exchange,
+    native,
 ):
     """Inside a shard_map: the all-to-all path on these tokens -> (routed [T, D], kept [T * top_k] bool)."""
-    local_experts = gate.shape[0]
+    local_experts = experts.num_experts
     if exchange == MoEExchange.RAGGED:
         routes = ragged_routes(experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes)
         x_RD = ragged_dispatch(x_TD, routes, rows=ep * capacity, native=native, axes=ep_axes)
-        y_RD = expert_sorted_ffn(x_RD, routes.group_sizes_L, gate, up, down, limit, backend=backend)
+        y_RD = expert_sorted_ffn(x_RD, routes.group_sizes_L, experts, limit, path)
         routed_TD = ragged_return_and_combine(
             y_RD, routes, weights_TK, tp_axes=tp_axes, dtype=x_TD.dtype, native=native, axes=ep_axes
         )
@@ -306,24 +318,24 @@ def _exchanged_experts(
     x_RD, expert_R, slot_A, kept_A = dispatch(
         x_TD, experts_TK, ep=ep, local_experts=local_experts, capacity=capacity, axes=ep_axes
     )
-    y_RD = grouped_expert_ffn(x_RD, expert_R, gate, up, down, limit, backend=backend)
+    y_RD = grouped_expert_ffn(x_RD, expert_R, experts, limit, path)
     routed_TD = return_and_combine(
         y_RD, slot_A, kept_A, weights_TK, ep=ep, tp_axes=tp_axes, dtype=x_TD.dtype, axes=ep_axes
     )
     return routed_TD, kept_A
 
 
-def _all_to_all_tokens(x_TD, weights_TK, experts_TK, gate, up, down, *, ep, capacity_factor, count_axes, **exchanged):
+def _all_to_all_tokens(x_TD, weights_TK, experts_TK, experts, *, ep, capacity_factor, count_axes, **exchanged):
     """Dropless, the tokens go in as many chunks (`token_chunks`) as keep the receive buffer (ep x chunk x
     min(top_k, local experts) rows) within ROW_BUFFER_BYTES; with a capacity factor, in one piece (which rows
     are kept depends on all of them)."""
     tokens, top_k = experts_TK.shape
-    local_experts = gate.shape[0]
+    local_experts = experts.num_experts
     chunks = 1
     if capacity_factor is None:
         chunks = token_chunks(tokens, ep * min(top_k, local_experts), x_TD.shape[1] * x_TD.dtype.itemsize)
     capacity = rows_per_source(tokens // chunks, top_k, ep, local_experts, capacity_factor)
-    run = functools.partial(_exchanged_experts, gate=gate, up=up, down=down, ep=ep, capacity=capacity, **exchanged)
+    run = functools.partial(_exchanged_experts, experts=experts, ep=ep, capacity=capacity, **exchanged)
     routed_TD, kept_A = in_token_chunks(run, chunks, x_TD, weights_TK, experts_TK)
     return routed_TD, jax.lax.psum(jnp.sum(~kept_A, dtype=jnp.int32), count_axes)
 
@@ -349,38 +361,31 @@ def resolve_exchange(exchange: MoEExchange) -> MoEExchange:
 
 
 def moe_parallel(
-    x_TD,
-    weights_TK,
-    experts_TK,
-    gate_EID,
-    up_EID,
-    down_EDI,
-    *,
-    limit: float | None,
-    mesh,
-    capacity_factor: float | None,
-    backend: str,
-    exchange: MoEExchange = MoEExchange.AUTO,
-):
+    x_TD, routing: Routing, experts: ExpertWeights, *, limit: float | None, mesh, policy: ExecutionPolicy
+) -> tuple[jax.Array, jax.Array]:
     """Routed-expert output [T, D] and the number of dropped assignments, experts split over `mesh` as the
-    current rules say; exchange: how the all-to-all path moves rows (`ExecutionPolicy.moe_exchange`, see the
-    module doc)."""
-    exchange = resolve_exchange(exchange)
+    current rules say. policy: the kernel backend and FP8 mode (`expert_path`: the received rows never run row by
+    row), the capacity factor (`moe_capacity_factor`) and how the all-to-all path moves rows (`moe_exchange`, see
+    the module doc)."""
+    exchange = resolve_exchange(policy.moe_exchange)
     ep_axes = mesh_axes("experts", mesh)
     tp_axes = tuple(axis for axis in mesh_axes("expert_mlp", mesh) if axis not in ep_axes)
     ep, tp = axes_size(mesh, ep_axes), axes_size(mesh, tp_axes)
-    num_experts, width = gate_EID.shape[:2]
+    num_experts, width = experts.gate_EID.shape[:2]
     if num_experts % ep:
         raise ValueError(f"{num_experts} experts cannot be split over the expert axes {ep_axes} ({ep} ways)")
     if width % tp:
         raise ValueError(f"moe_intermediate_size {width} cannot be split over the axes {tp_axes} ({tp} ways)")
     axes = batch_axes(mesh, x_TD.shape[0])  # tokens are split like the batch they come from
-    common = {"limit": limit, "backend": backend, "ep_axes": ep_axes, "tp_axes": tp_axes}
-    if set(ep_axes) & set(axes):  # devices of one expert group see different tokens: exchange them
+    all_to_all = bool(set(ep_axes) & set(axes))  # devices of one expert group see different tokens: exchange them
+    sorted_rows = all_to_all and exchange == MoEExchange.RAGGED
+    path = expert_path(policy.kernel_backend, experts, policy.fp8_matmul, sorted_rows=sorted_rows)
+    common = {"limit": limit, "path": path, "ep_axes": ep_axes, "tp_axes": tp_axes}
+    if all_to_all:
         body = functools.partial(
             _all_to_all_tokens,
             ep=ep,
-            capacity_factor=capacity_factor,
+            capacity_factor=policy.moe_capacity_factor,
             count_axes=axes,
             exchange=exchange,
             native=has_ragged_all_to_all(),
@@ -393,9 +398,9 @@ def moe_parallel(
     gate_up = P(expert_entry, width_entry, None)
     down = P(expert_entry, None, width_entry)
     return jax.shard_map(
-        body,
+        lambda x, weights, ids, gate, up, down: body(x, weights, ids, ExpertWeights(gate, up, down)),
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, gate_up, gate_up, down),
         out_specs=(tokens, P()),
         check_vma=False,
-    )(x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI)
+    )(x_TD, routing.weights_TK, routing.experts_TK, *experts.stacks)

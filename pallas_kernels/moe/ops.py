@@ -13,18 +13,26 @@ dequantising the whole layer, and a prefill chunk needs no bf16 copy of the laye
 they dequantise the layer to the activation dtype inside the step and run the dense kernels. `routed_experts`
 runs WEIGHT_ONLY for block-FP8 experts and dequantises only the picked experts for MXFP4 ones (their weight-only
 row kernels were the slower; `_pick_rows`); elsewhere the dequantise-then-reference path.
+
+The routed experts as a whole: `expert_path` is the one place that chooses which of these kernels run them (by the
+backend, the rows of the call, the experts' format and the FP8 mode; thresholds in `tuned`), as an `ExpertPath`;
+`moe_experts` runs a token batch's experts on it (`ExpertWeights`, `Routing`), `grouped_expert_ffn` and
+`expert_sorted_ffn` run rows with an expert each (expert parallelism's received rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import variants
-from pallas_kernels.backend import resolve_backend, with_reference_vjp
-from pallas_kernels.moe.gpu_mosaic import w8a8_expert_rows_mgpu
+from pallas_kernels.backend import KERNEL_TARGET, FP8Matmul, resolve_backend, with_reference_vjp
+from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton import (
     down_scatter_gpu,
     down_scatter_weight_only_gpu,
@@ -40,6 +48,7 @@ from pallas_kernels.moe.gpu_triton.w8a8 import takes_block
 from pallas_kernels.moe.gpu_triton.w8a8 import w8a8_expert_rows as w8a8_expert_rows_gpu
 from pallas_kernels.moe.reference import (
     RoutingRule,
+    combine,
     dense_weight,
     down_scatter_reference,
     gather_swiglu_reference,
@@ -55,22 +64,29 @@ from pallas_kernels.tpu_dequant import as_dense, is_quantized
 from pallas_kernels.variants import REFERENCE, Variant
 
 __all__ = [
-    "MOSAIC",
     "VARIANTS",
     "WEIGHT_ONLY",
+    "ExpertKernel",
+    "ExpertPath",
+    "ExpertWeights",
+    "Routing",
     "RoutingRule",
     "down_scatter",
+    "expert_path",
+    "expert_sorted_ffn",
     "gather_swiglu",
+    "grouped_expert_ffn",
     "grouped_matmul",
     "kernel",
+    "moe_experts",
     "routed_experts",
     "select_experts",
+    "sort_by_expert",
     "w8a8_expert_rows",
     "w8a8_takes",
 ]
 
 WEIGHT_ONLY = "gpu_triton_weight_only"  # the fused and row kernels with quantised experts
-MOSAIC = "gpu_mosaic"  # the W8A8 expert rows as Mosaic GPU kernels
 
 VARIANTS = {
     "grouped_matmul": {
@@ -96,7 +112,6 @@ VARIANTS = {
     "w8a8_expert_rows": {
         REFERENCE: Variant(None, w8a8_expert_rows_reference),
         "gpu_triton": Variant("gpu", w8a8_expert_rows_gpu),
-        MOSAIC: Variant("gpu", w8a8_expert_rows_mgpu),
     },
     "select_experts": {
         REFERENCE: Variant(None, select_experts_reference),
@@ -128,13 +143,11 @@ def _pick_fused(op: str, variant: str | None, backend: str, weights) -> tuple[st
 
 def _pick_rows(variant: str | None, backend: str, weights) -> tuple[str, bool]:
     """`_pick` for `routed_experts`: unnamed, block-FP8 routed experts on a GPU backend run WEIGHT_ONLY (the
-    shared expert, in any format, rides along). On the H200
-    at Ling-3.1-flash width (2026-12-02, `benchmarks/moe_quantized.py`), the weight-only row kernels took
-    66.8 / 390.5 us at 1 / 8 tokens against 96.5 / 605.5 us for the picked experts dequantised, then the bf16 row
-    kernels; for MXFP4 they took 181.8 / 1048.6 against 100.4 / 604.7, so MXFP4 stays dequantised."""
+    shared expert, in any format, rides along), MXFP4 ones too where tuned.ROWS_WEIGHT_ONLY_MXFP4 says so."""
     name, interpret = _pick("routed_experts", variant, backend)
     quantized = [w for w in weights if is_quantized(w)]
-    if variant is None and name == "gpu_triton" and quantized and all(getattr(w, "block", None) for w in quantized):
+    read_as_stored = all(getattr(w, "block", None) or tuned.ROWS_WEIGHT_ONLY_MXFP4 for w in quantized)
+    if variant is None and name == "gpu_triton" and quantized and read_as_stored:
         return WEIGHT_ONLY, interpret
     return name, interpret
 
@@ -471,18 +484,17 @@ def _straight_through_rows(x, source, order, row_weight, sizes, gate, up, down, 
     return down_scatter_reference(h, order, row_weight, sizes, down)
 
 
-def _w8a8_rows_op(kernel):
-    """`kernel` (a W8A8 rows entry point) with the straight-through gradient."""
+@functools.cache
+def _w8a8_rows_op(entry):
+    """`kernel` (a W8A8 rows entry point) with the straight-through gradient (one per entry point, made when first
+    run: a lab variant registers its entry point when imported, `pallas_kernels.experimental`)."""
     return with_reference_vjp(
-        lambda x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret: kernel(
+        lambda x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail, interpret: entry(
             x, source, order, row_weight, sizes, gate, up, down, limit, fill_tail=fill_tail, interpret=interpret
         ),
         _straight_through_rows,
         nondiff_argnums=(8, 9, 10),
     )
-
-
-_W8A8_ROWS = {name: _w8a8_rows_op(entry.kernel) for name, entry in VARIANTS["w8a8_expert_rows"].items()}
 
 
 def w8a8_expert_rows(
@@ -503,16 +515,198 @@ def w8a8_expert_rows(
     """[R, D] in x's dtype: the routed experts' rows in W8A8 (issue 25's prefill form), as
     `gather_swiglu` then `down_scatter` compute them (row order[r] = row_weight[r] * FFN_g(x[source[r]]) for the
     r-th row of the expert order, rows past sum(sizes) 0), with x and h quantised per token in 1 x block[1] groups
-    (scale = amax / 448, e4m3) and FP8 x FP8 products scaled per K block (`gpu_triton.w8a8`; variant MOSAIC:
-    the Mosaic GPU kernels of `gpu_mosaic`, 128 x 128 blocks). gate, up [G, I, D]
-    and down [G, D, I]: block-FP8 stacks with one block (`w8a8_takes`). backend: "auto" (the kernels on a GPU,
-    the jnp reference `w8a8_reference` elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
-    reference. Differentiable in x, the row weights and the experts, straight through the quantisation (the
-    gradient of the weight-only rows)."""
+    (scale = amax / 448, e4m3) and FP8 x FP8 products scaled per K block (`gpu_triton.w8a8`; the lab variant
+    "gpu_mosaic": Mosaic GPU kernels, 128 x 128 blocks, registered by `pallas_kernels.experimental.moe_gpu_mosaic`).
+    gate, up [G, I, D] and down [G, D, I]: block-FP8 stacks with one block (`w8a8_takes`). backend: "auto" (the
+    kernels on a GPU, the jnp reference `w8a8_reference` elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU
+    names run the reference. Differentiable in x, the row weights and the experts, straight through the
+    quantisation (the gradient of the weight-only rows)."""
     if not w8a8_takes(gate, up, down):
         raise ValueError(
             "w8a8_expert_rows: gate, up and down must be block-FP8 stacks with one block whose K side is a power of "
             f"two >= 32 dividing the row side, got blocks {[getattr(w, 'block', None) for w in (gate, up, down)]}"
         )
     name, interpret = _pick("w8a8_expert_rows", variant, backend)
-    return _W8A8_ROWS[name](x_XD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, limit, fill_tail, interpret)
+    return _w8a8_rows_op(kernel("w8a8_expert_rows", name))(
+        x_XD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, limit, fill_tail, interpret
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """The routed experts' SwiGLU stacks in the checkpoint's [out, in] layout, one slice per expert: gate and up
+    [E, I, D], down [E, D, I]; arrays or quantised stacks (block FP8, MXFP4: the module docstring)."""
+
+    gate_EID: Any
+    up_EID: Any
+    down_EDI: Any
+
+    @property
+    def stacks(self) -> tuple:
+        return self.gate_EID, self.up_EID, self.down_EDI
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_EID.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Each token's picked experts: routing weights [T, k] fp32 and expert ids [T, k] int32; an id outside
+    [0, E) contributes nothing."""
+
+    weights_TK: jax.Array
+    experts_TK: jax.Array
+
+
+class ExpertKernel(enum.StrEnum):
+    """Which kernels run the routed experts (`expert_path`)."""
+
+    ROWS = "rows"  # `routed_experts`: each token-expert row streams its expert, no sort (decode on a GPU)
+    FUSED = "fused"  # `gather_swiglu` then `down_scatter` over the rows in expert order (a GPU)
+    W8A8 = "w8a8"  # `w8a8_expert_rows` (the kernels on a GPU, the jnp reference elsewhere)
+    GROUPED = "grouped"  # the rows sorted by expert (a copy), three `grouped_matmul`s, the rows put back in order
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPath:
+    """How the routed experts run: the kernels, on the resolved `backend`; with_shared: the row kernels run the
+    shared expert too (one more row per token)."""
+
+    kernel: ExpertKernel
+    backend: str
+    with_shared: bool = False
+
+
+def expert_path(
+    backend: str,
+    experts: ExpertWeights,
+    fp8_matmul: FP8Matmul = FP8Matmul.AUTO,
+    *,
+    rows: int | None = None,
+    shared=None,
+    sorted_rows: bool = False,
+) -> ExpertPath:
+    """The one place that chooses the routed experts' kernels, for a call of `rows` token-expert rows (None: a
+    call that never runs row by row, expert parallelism's received rows):
+
+    - W8A8 when fp8_matmul is W8A8 and the experts are block-FP8 stacks its kernels take (`w8a8_takes`), on every
+      backend, so that a token's output does not depend on how many rows share its call (the row kernels have no
+      W8A8 form); rows already in expert order (`sorted_rows`: the ragged exchange's receive buffer) take it on a
+      GPU backend only, elsewhere GROUPED. AUTO and WEIGHT_ONLY stay weight-only (the dequantised experts'
+      numerics, as the transformers reference computes them);
+    - else on a GPU backend ROWS up to tuned.ROW_PATH_MAX_ROWS rows, with the shared expert (gate, up, down)
+      inside when it has the routed experts' width, and FUSED above;
+    - else GROUPED.
+    """
+    backend = resolve_backend(backend)
+    gpu = KERNEL_TARGET.get(backend) == "gpu"
+    if FP8Matmul(fp8_matmul) is FP8Matmul.W8A8 and w8a8_takes(*experts.stacks) and (gpu or not sorted_rows):
+        return ExpertPath(ExpertKernel.W8A8, backend)
+    if not gpu:
+        return ExpertPath(ExpertKernel.GROUPED, backend)
+    if rows is not None and rows <= tuned.ROW_PATH_MAX_ROWS:
+        with_shared = shared is not None and shared[0].shape == experts.gate_EID.shape[1:]
+        return ExpertPath(ExpertKernel.ROWS, backend, with_shared)
+    return ExpertPath(ExpertKernel.FUSED, backend)
+
+
+def sort_by_expert(expert_R, num_experts: int):
+    """(order [R]: row indices sorted by expert, stable; sizes [E] int32: rows per expert). Rows whose expert
+    is outside [0, E) sort last and count in no group."""
+    key_R = jnp.where((expert_R >= 0) & (expert_R < num_experts), expert_R, num_experts)
+    order_R = jnp.argsort(key_R, stable=True)
+    sizes_E = jnp.zeros((num_experts + 1,), jnp.int32).at[key_R].add(1)[:num_experts]
+    return order_R, sizes_E
+
+
+def _expert_rows(x_XD, source_R, order_R, row_weight_R, sizes_E, experts, limit, path: ExpertPath, fill_tail=True):
+    """[R, D] in x's dtype: row order[r] of the result = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of
+    the expert order (group g); rows past sum(sizes) are 0, or undefined with fill_tail False (not computed).
+    FUSED: `gather_swiglu` then `down_scatter` (quantised experts read as stored); W8A8: `w8a8_expert_rows`."""
+    if path.kernel is ExpertKernel.W8A8:
+        return w8a8_expert_rows(
+            x_XD,
+            source_R,
+            order_R,
+            row_weight_R,
+            sizes_E,
+            *experts.stacks,
+            limit,
+            backend=path.backend,
+            fill_tail=fill_tail,
+        )
+    fused = {"backend": path.backend, "fill_tail": fill_tail}
+    h_RI = gather_swiglu(x_XD, source_R, sizes_E, experts.gate_EID, experts.up_EID, limit, **fused)
+    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, experts.down_EDI, **fused)
+
+
+def _three_grouped_matmuls(x_RD, sizes_E, experts: ExpertWeights, limit, backend: str):
+    """GROUPED on rows in expert order. Quantised stacks go to `grouped_matmul` as stored (the TPU kernel
+    dequantises each tile in VMEM, the reference one layer inside the step); the GPU grouped-matmul kernel takes
+    dense weights."""
+    gate_EID, up_EID, down_EDI = experts.stacks
+    if KERNEL_TARGET.get(backend) == "gpu":
+        gate_EID, up_EID, down_EDI = (as_dense(w, x_RD.dtype) for w in experts.stacks)
+    hidden_RI = swiglu(
+        grouped_matmul(x_RD, gate_EID, sizes_E, backend=backend),
+        grouped_matmul(x_RD, up_EID, sizes_E, backend=backend),
+        limit,
+    )
+    return grouped_matmul(hidden_RI, down_EDI, sizes_E, backend=backend)
+
+
+def grouped_expert_ffn(x_RD, expert_R, experts: ExpertWeights, limit: float | None, path: ExpertPath) -> jax.Array:
+    """[R, D] in x's dtype: row r through expert expert_R[r] (unweighted), on `path`'s kernels (not ROWS). Rows
+    whose expert is outside [0, E) give 0: expert parallelism marks rows routed to other devices, or unused
+    buffer slots, that way."""
+    order_R, sizes_E = sort_by_expert(expert_R, experts.num_experts)
+    if path.kernel is ExpertKernel.GROUPED:
+        y_sorted = _three_grouped_matmuls(x_RD[order_R], sizes_E, experts, limit, path.backend)
+        return jnp.zeros_like(y_sorted).at[order_R].set(y_sorted)
+    return _expert_rows(x_RD, order_R, order_R, jnp.ones(order_R.shape, jnp.float32), sizes_E, experts, limit, path)
+
+
+def expert_sorted_ffn(x_RD, sizes_E, experts: ExpertWeights, limit: float | None, path: ExpertPath) -> jax.Array:
+    """[R, D] in x's dtype: rows already in expert order, [sum(sizes[:e]), sum(sizes[:e + 1])) through expert e;
+    rows past sum(sizes) are undefined: FUSED and W8A8 neither compute nor write them (identity permutations, no
+    copy; a dropless receive buffer is mostly such rows), GROUPED gives zeros there."""
+    if path.kernel is ExpertKernel.GROUPED:
+        return _three_grouped_matmuls(x_RD, sizes_E, experts, limit, path.backend)
+    identity_R = jnp.arange(x_RD.shape[0], dtype=jnp.int32)
+    ones_R = jnp.ones(identity_R.shape, jnp.float32)
+    return _expert_rows(x_RD, identity_R, identity_R, ones_R, sizes_E, experts, limit, path, fill_tail=False)
+
+
+def moe_experts(
+    x_TD,
+    routing: Routing,
+    experts: ExpertWeights,
+    limit: float | None,
+    path: ExpertPath,
+    *,
+    shared=None,
+    shared_limit: float | None = None,
+) -> jax.Array:
+    """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype, on the kernels `path` names
+    (`expert_path`), plus the shared expert (gate [I, D], up [I, D], down [D, I], clipped at shared_limit) when
+    path.with_shared. ROWS: `routed_experts`; FUSED and W8A8: each token's row read once per assignment straight
+    from x and weighted inside the down kernel, the rows landing in [T, k, D] order, summed over k in fp32;
+    GROUPED: each assignment a row (a copy) through `grouped_expert_ffn`'s sorted matmuls, then the weighted
+    combine."""
+    tokens, top_k = routing.experts_TK.shape
+    if path.kernel is ExpertKernel.ROWS:
+        with_shared = {"shared": shared, "shared_limit": shared_limit} if path.with_shared else {}
+        return routed_experts(
+            x_TD, routing.weights_TK, routing.experts_TK, *experts.stacks, limit, backend=path.backend, **with_shared
+        )
+    if path.kernel is ExpertKernel.GROUPED:
+        rows_RD = jnp.repeat(x_TD, top_k, axis=0)
+        y_RD = grouped_expert_ffn(rows_RD, routing.experts_TK.reshape(-1), experts, limit, path)
+        return combine(y_RD.reshape(tokens, top_k, -1), routing.weights_TK, x_TD.dtype)
+    order_R, sizes_E = sort_by_expert(routing.experts_TK.reshape(-1), experts.num_experts)
+    row_weight_R = routing.weights_TK.reshape(-1)[order_R]
+    y_RD = _expert_rows(x_TD, order_R // top_k, order_R, row_weight_R, sizes_E, experts, limit, path)
+    return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)

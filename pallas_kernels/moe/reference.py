@@ -66,6 +66,11 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
     return jnp.minimum(activated, limit) * jnp.clip(up, -limit, limit)
 
 
+def combine(y_TKD, weights_TK, dtype) -> jax.Array:
+    """sum_k weights[t, k] * y[t, k] in fp32, cast to `dtype`: each token's k expert outputs, weighted."""
+    return jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK.astype(jnp.float32)).astype(dtype)
+
+
 def routed_experts_reference(
     x_TD,
     weights_TK,

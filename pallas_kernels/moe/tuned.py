@@ -1,4 +1,5 @@
-"""Launch settings of the MoE kernels, keyed by (device kind, shape bucket, dtype) (`pallas_kernels.tuning`).
+"""Launch settings of the MoE kernels, keyed by (device kind, shape bucket, dtype) (`pallas_kernels.tuning`), and
+the row count up to which a GPU runs the routed experts row by row (`ops.expert_path`).
 
 The *_QUANTIZED tables are the fused and row kernels' settings for quantised experts (block FP8, MXFP4), read as
 stored. Buckets of the grouped kernels: "few_rows" (decode: the groups average at most FEW_ROWS_PER_GROUP rows, so each
@@ -15,6 +16,14 @@ import dataclasses
 
 from pallas_kernels.tuning import ANY, H200, Entry
 
+# Up to this many token-expert rows (8 tokens at top-8) a GPU runs the routed experts row by row
+# (`ops.routed_experts`: no sort, each row streams its expert), above it the fused grouped kernels.
+ROW_PATH_MAX_ROWS = 64
+# The row kernels read block-FP8 experts as stored (weight-only), but MXFP4 ones only after the picked experts are
+# dequantised (then the bf16 row kernels): on the H200 at Ling-3.1-flash width (2026-12-02,
+# `benchmarks/moe_quantized.py`), the weight-only row kernels took 66.8 / 390.5 us at 1 / 8 tokens against 96.5 /
+# 605.5 us for the picked experts dequantised; for MXFP4 they took 181.8 / 1048.6 against 100.4 / 604.7.
+ROWS_WEIGHT_ONLY_MXFP4 = False
 FEW_ROWS_PER_GROUP = 4
 
 

@@ -1,7 +1,7 @@
 """The fused routed-expert kernels (`gather_swiglu`: rows gathered in the kernel, gate + up + SwiGLU in one pass;
 `down_scatter`: row-weighted down projection stored through the sort permutation): Pallas interpret mode and the
 jnp reference against float64 numpy loops, gradients against the reference path, the GPU grouped FFN
-(`grouped_local_moe`, `grouped_expert_ffn`, expert parallel) against the dense baseline; CUDA lowering at
+(`moe_experts` without the row path, `grouped_expert_ffn`, expert parallel) against the dense baseline; CUDA lowering at
 Ling-3.1-flash size; the compiled kernels on a GPU."""
 
 from __future__ import annotations
@@ -16,16 +16,23 @@ from helpers import lower_for_cuda, rel_error
 
 from ling_jax.moe import expert_parallel
 from ling_jax.moe.expert_parallel import moe_parallel
-from ling_jax.moe.experts import (
-    dense_expert_ffn,
-    grouped_expert_ffn,
-    grouped_local_moe,
-    sort_by_expert,
-    unfused_local_moe,
-)
+from ling_jax.moe.experts import dense_expert_ffn
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.sharding import make_mesh
 from pallas_kernels.moe.gpu_triton import row_tiles
-from pallas_kernels.moe.ops import down_scatter, gather_swiglu, kernel
+from pallas_kernels.moe.ops import (
+    ExpertKernel,
+    ExpertPath,
+    ExpertWeights,
+    Routing,
+    down_scatter,
+    expert_path,
+    gather_swiglu,
+    grouped_expert_ffn,
+    kernel,
+    moe_experts,
+    sort_by_expert,
+)
 from pallas_kernels.moe.reference import swiglu
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -258,6 +265,17 @@ def test_down_scatter_gradients_match_the_reference(case, dtype):
     assert not np.any(np.asarray(got["interpret_gpu"][2][sizes.sum() :])), "d_row_weight of tail rows is not 0"
 
 
+def grouped_moe(x, weights, experts, gate, up, down, limit, *, backend):
+    """`moe_experts` on the path `expert_path` picks for a call that never runs row by row (the fused kernels on a
+    GPU backend, the grouped matmuls elsewhere)."""
+    stacks = ExpertWeights(gate, up, down)
+    return moe_experts(x, Routing(weights, experts), stacks, limit, expert_path(backend, stacks))
+
+
+def dense_moe(x, weights, experts, gate, up, down, limit):
+    return dense_expert_ffn(x, Routing(weights, experts), ExpertWeights(gate, up, down), limit)
+
+
 def moe_args(case, dtype, seed):
     x, weights, experts, gate, up, down = random_case(*CASES[case], dtype, seed)
     return (
@@ -271,14 +289,13 @@ def moe_args(case, dtype, seed):
 @LIMITS
 @pytest.mark.parametrize("case", sorted(CASES))
 @DTYPES
-def test_grouped_local_moe_matches_dense(limit, case, dtype):
+def test_grouped_moe_matches_dense(limit, case, dtype):
     x, weights, experts, gate, up, down = moe_args(case, dtype, seed=11)
-    ours = grouped_local_moe(x, weights, experts, gate, up, down, limit, backend="interpret_gpu")
+    ours = grouped_moe(x, weights, experts, gate, up, down, limit, backend="interpret_gpu")
     dense = dense_expert_ffn(
         x.astype(jnp.float32),
-        jnp.where(experts < 0, 0.0, weights),
-        experts,
-        *(w.astype(jnp.float32) for w in (gate, up, down)),
+        Routing(jnp.where(experts < 0, 0.0, weights), experts),
+        ExpertWeights(*(w.astype(jnp.float32) for w in (gate, up, down))),
         limit,
     )  # -1 wraps around there
     assert ours.dtype == dtype
@@ -286,7 +303,7 @@ def test_grouped_local_moe_matches_dense(limit, case, dtype):
     assert err <= TOL[dtype], f"{case} {jnp.dtype(dtype).name}: rel. error {err:.2e}"
 
 
-def test_grouped_local_moe_gradients_match_dense():
+def test_grouped_moe_gradients_match_dense():
     """d/dx, d/d routing weights, d/d gate, up, down through the fused kernels' custom_vjp, fp32."""
     x, weights, experts, gate, up, down = moe_args("odd", jnp.float32, seed=12)
     experts = jnp.maximum(experts, 0)  # the dense baseline would wrap -1 around
@@ -295,28 +312,28 @@ def test_grouped_local_moe_gradients_match_dense():
         return jnp.sum(jnp.sin(fn(x, weights, experts, gate, up, down, 0.9)))
 
     ours = jax.jit(
-        jax.grad(
-            functools.partial(loss, functools.partial(grouped_local_moe, backend="interpret_gpu")), argnums=range(5)
-        )
+        jax.grad(functools.partial(loss, functools.partial(grouped_moe, backend="interpret_gpu")), argnums=range(5))
     )(x, weights, gate, up, down)
-    dense = jax.jit(jax.grad(functools.partial(loss, dense_expert_ffn), argnums=range(5)))(x, weights, gate, up, down)
+    dense = jax.jit(jax.grad(functools.partial(loss, dense_moe), argnums=range(5)))(x, weights, gate, up, down)
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, dense):
         assert rel_error(a, b) <= TOL[jnp.float32], f"d/d{name}: {rel_error(a, b):.2e}"
 
 
 def test_gpu_backends_run_the_fused_kernels_and_the_reference_keeps_its_path():
     args = moe_args("odd", jnp.float32, seed=13)
-    fused = str(jax.make_jaxpr(functools.partial(grouped_local_moe, limit=None, backend="interpret_gpu"))(*args))
+    fused = str(jax.make_jaxpr(functools.partial(grouped_moe, limit=None, backend="interpret_gpu"))(*args))
     assert "gather_swiglu" in fused and "down_scatter" in fused and "grouped_matmul" not in fused
-    reference = str(jax.make_jaxpr(functools.partial(grouped_local_moe, limit=None, backend="reference"))(*args))
+    reference = str(jax.make_jaxpr(functools.partial(grouped_moe, limit=None, backend="reference"))(*args))
     assert "gather_swiglu" not in reference and "ragged_dot" in reference
 
 
 def test_unfused_path_on_the_gpu_kernels_matches_the_fused_one():
-    """unfused_local_moe (the pre-fusion path bench_moe compares against) with the grouped-matmul kernels."""
-    args = moe_args("odd", jnp.float32, seed=13)
-    fused = grouped_local_moe(*args, 0.9, backend="interpret_gpu")
-    assert rel_error(unfused_local_moe(*args, 0.9, backend="interpret_gpu"), fused) <= TOL[jnp.float32]
+    """The GROUPED path (the pre-fusion path bench_moe compares against) with the grouped-matmul kernels."""
+    x, weights, experts, *stacks = moe_args("odd", jnp.float32, seed=13)
+    fused = grouped_moe(x, weights, experts, *stacks, 0.9, backend="interpret_gpu")
+    unfused_path = ExpertPath(ExpertKernel.GROUPED, "interpret_gpu")
+    unfused = moe_experts(x, Routing(weights, experts), ExpertWeights(*stacks), 0.9, unfused_path)
+    assert rel_error(unfused, fused) <= TOL[jnp.float32]
 
 
 def test_grouped_expert_ffn_skips_rows_of_no_expert():
@@ -324,8 +341,9 @@ def test_grouped_expert_ffn_skips_rows_of_no_expert():
     x, _, experts, gate, up, down = moe_args("odd", jnp.float32, seed=14)
     rows = jnp.repeat(x, experts.shape[1], axis=0)
     expert_R = experts.reshape(-1).at[3].set(gate.shape[0]).at[7].set(-2)
-    ours = grouped_expert_ffn(rows, expert_R, gate, up, down, 0.9, backend="interpret_gpu")
-    reference = grouped_expert_ffn(rows, expert_R, gate, up, down, 0.9, backend="reference")
+    stacks = ExpertWeights(gate, up, down)
+    ours = grouped_expert_ffn(rows, expert_R, stacks, 0.9, expert_path("interpret_gpu", stacks))
+    reference = grouped_expert_ffn(rows, expert_R, stacks, 0.9, expert_path("reference", stacks))
     assert rel_error(ours, reference) <= TOL[jnp.float32]
     assert not np.any(np.asarray(ours[jnp.array([3, 7])]))
 
@@ -343,13 +361,14 @@ def test_expert_parallel_with_the_fused_kernels_matches_dense(tokens, shape, exc
     )
     experts = jnp.maximum(experts, 0)  # the router always picks an expert
     mesh = make_mesh(shape)
+    policy = ExecutionPolicy(kernel_backend="interpret_gpu", moe_exchange=exchange)
     with jax.set_mesh(mesh):
         y, _ = jax.jit(
-            lambda *a: moe_parallel(
-                *a, limit=0.9, mesh=mesh, capacity_factor=None, backend="interpret_gpu", exchange=exchange
+            lambda x, weights, experts, gate, up, down: moe_parallel(
+                x, Routing(weights, experts), ExpertWeights(gate, up, down), limit=0.9, mesh=mesh, policy=policy
             )
         )(x, weights, experts, gate, up, down)
-    assert rel_error(y, dense_expert_ffn(x, weights, experts, gate, up, down, 0.9)) <= TOL[jnp.float32]
+    assert rel_error(y, dense_moe(x, weights, experts, gate, up, down, 0.9)) <= TOL[jnp.float32]
 
 
 def test_gpu_kernels_lower_for_cuda_at_ling_flash_size():
@@ -365,9 +384,7 @@ def test_gpu_kernels_lower_for_cuda_at_ling_flash_size():
     )
 
     def loss(x, weights, experts, gate, up, down):
-        return jnp.sum(
-            grouped_local_moe(x, weights, experts, gate, up, down, 7.0, backend="pallas_gpu").astype(jnp.float32)
-        )
+        return jnp.sum(grouped_moe(x, weights, experts, gate, up, down, 7.0, backend="pallas_gpu").astype(jnp.float32))
 
     text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 3, 4, 5)), *args).as_text()
     for kernel in ("gather_swiglu", "down_scatter", "grouped_matmul", "grouped_weight_grad"):
@@ -446,16 +463,11 @@ def test_native_ragged_exchange_matches_the_dense_one_on_gpus(monkeypatch):
     def loss(exchange, x, weights, gate, up, down):
         y, _ = moe_parallel(
             x,
-            weights,
-            experts,
-            gate,
-            up,
-            down,
+            Routing(weights, experts),
+            ExpertWeights(gate, up, down),
             limit=7.0,
             mesh=mesh,
-            capacity_factor=None,
-            backend="pallas_gpu",
-            exchange=exchange,
+            policy=ExecutionPolicy(kernel_backend="pallas_gpu", moe_exchange=exchange),
         )
         return jnp.sum(y * jnp.cos(jnp.arange(hidden, dtype=jnp.float32))), y
 
@@ -485,13 +497,13 @@ def test_compiled_moe_and_gradients_match_the_reference():
     x, weights, experts, gate, up, down = moe_args_sized(tokens, top_k, num_experts, hidden, width, seed=17)
 
     def loss(backend, x, weights, gate, up, down):
-        y = grouped_local_moe(x, weights, experts, gate, up, down, 7.0, backend=backend)
+        y = grouped_moe(x, weights, experts, gate, up, down, 7.0, backend=backend)
         return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(hidden, dtype=jnp.float32)))
 
     primals = (x, weights, gate, up, down)
     primals_f32 = tuple(a.astype(jnp.float32) for a in primals)
-    y = grouped_local_moe(x, weights, experts, gate, up, down, 7.0, backend="pallas_gpu")
-    y_ref = grouped_local_moe(*primals_f32[:2], experts, *primals_f32[2:], 7.0, backend="reference")
+    y = grouped_moe(x, weights, experts, gate, up, down, 7.0, backend="pallas_gpu")
+    y_ref = grouped_moe(*primals_f32[:2], experts, *primals_f32[2:], 7.0, backend="reference")
     assert device_rel_error(y, y_ref) <= TOL[jnp.bfloat16]
     ours = jax.jit(jax.grad(functools.partial(loss, "pallas_gpu"), argnums=range(5)))(*primals)
     ref = jax.jit(jax.grad(functools.partial(loss, "reference"), argnums=range(5)))(*primals_f32)

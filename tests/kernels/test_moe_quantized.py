@@ -22,13 +22,22 @@ from test_fused_experts import float64_down_scatter, float64_gather_swiglu, rout
 from test_routed_experts import float64_loop
 
 from ling_jax.moe.expert_parallel import moe_parallel
-from ling_jax.moe.experts import ROW_PATH_MAX_ROWS, SharedExpert, local_moe
+from ling_jax.moe.experts import SharedExpert, local_moe
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from ling_jax.sharding import make_mesh
 from pallas_kernels.compat import widen_triton_offsets
 from pallas_kernels.moe.gpu_triton.weight_tiles import pairs_needed
-from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, kernel, routed_experts
+from pallas_kernels.moe.ops import (
+    WEIGHT_ONLY,
+    ExpertWeights,
+    Routing,
+    down_scatter,
+    gather_swiglu,
+    kernel,
+    routed_experts,
+)
+from pallas_kernels.moe.tuned import ROW_PATH_MAX_ROWS
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 TOKENS, TOP_K, EXPERTS, HIDDEN, WIDTH = 29, 3, 5, 200, 136  # 87 rows, D and I off every tile and scale block
@@ -249,7 +258,7 @@ def test_local_moe_on_gpu_never_dequantizes_the_expert_stack(fmt, tokens):
         quantized("fp8", shape, 40 + i) for i, shape in enumerate([(1, WIDTH, HIDDEN)] * 2 + [(1, HIDDEN, WIDTH)])
     ]
     shared = SharedExpert(*(jax.tree.map(lambda a: a[0], w) for w in shared_stacks), 0.5)
-    args = (jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), gate, up, down)
+    args = (jnp.asarray(x), Routing(jnp.asarray(weights), jnp.asarray(experts)), ExpertWeights(gate, up, down))
     run = {
         b: jax.jit(functools.partial(local_moe, limit=0.9, shared=shared, policy=ExecutionPolicy(kernel_backend=b)))
         for b in ("interpret_gpu", "reference")
@@ -257,7 +266,7 @@ def test_local_moe_on_gpu_never_dequantizes_the_expert_stack(fmt, tokens):
     assert not dense_shapes_in(run["interpret_gpu"].trace(*args).jaxpr)
     assert dense_shapes_in(run["reference"].trace(*args).jaxpr), "the check cannot see a dequantised stack"
     for fmt_of_rows, picked in (("fp8", False), ("mxfp4", True)):
-        rows_args = (*args[:3], *decode_case(tokens, fmt_of_rows, jnp.float32, seed=30)[3:])
+        rows_args = (*args[:2], ExpertWeights(*decode_case(tokens, fmt_of_rows, jnp.float32, seed=30)[3:]))
         text = str(run["interpret_gpu"].trace(*rows_args).jaxpr)
         assert (f"f32[{tokens * TOP_K},{WIDTH},{HIDDEN}]" in text) == (picked and tokens == 2), fmt_of_rows
     err = rel_error(run["interpret_gpu"](*args), run["reference"](*args))
@@ -276,13 +285,11 @@ def test_expert_parallel_with_quantized_experts():
     gate, up = (quantized("fp8", (num_experts, WIDTH, HIDDEN), seed) for seed in (52, 53))
     down = quantized("fp8", (num_experts, HIDDEN, WIDTH), 54)
     mesh = make_mesh({"expert": 8})
+    routing, stacks = Routing(weights, experts), ExpertWeights(gate, up, down)
+    policy = ExecutionPolicy(kernel_backend="interpret_gpu", moe_exchange="dense")
     with jax.set_mesh(mesh):
-        y, _ = jax.jit(
-            lambda *a: moe_parallel(
-                *a, limit=0.9, mesh=mesh, capacity_factor=None, backend="interpret_gpu", exchange="dense"
-            )
-        )(x, weights, experts, gate, up, down)
-    expected = local_moe(x, weights, experts, gate, up, down, 0.9, policy=ExecutionPolicy(kernel_backend="reference"))
+        y, _ = jax.jit(lambda *a: moe_parallel(*a, limit=0.9, mesh=mesh, policy=policy))(x, routing, stacks)
+    expected = local_moe(x, routing, stacks, 0.9, policy=ExecutionPolicy(kernel_backend="reference"))
     assert rel_error(y, expected) <= TOL[jnp.float32]
 
 
@@ -350,12 +357,11 @@ def test_weight_only_kernels_lower_for_cuda_at_ling_flash_size():
         assert "expert_swiglu_rows" in lowered.as_text() and "expert_down_combine" in lowered.as_text()
         assert not int32_offsets_into_large_operands(lowered), (fmt, "rows")
     prefill = (x, shape((8192, 8), jnp.float32), shape((8192, 8), jnp.int32))
+    default_path = functools.partial(local_moe, limit=7.0, policy=ExecutionPolicy(kernel_backend="pallas_gpu"))
     lowered = lower_for_cuda(
-        functools.partial(local_moe, limit=7.0, policy=ExecutionPolicy(kernel_backend="pallas_gpu")),
+        lambda x, weights, experts, stacks: default_path(x, Routing(weights, experts), stacks),
         *prefill,
-        gate,
-        up,
-        down,
+        ExpertWeights(gate, up, down),
     )
     assert not int32_offsets_into_large_operands(lowered), "default path"
     assert not pairs_needed(flash_experts("fp8")[0].values)
@@ -493,7 +499,7 @@ def test_compiled_weight_only_kernels_at_ling_flash_size_match_the_dequantised_p
     """hidden 4096, width 1280, top-8 of 512 experts, bf16: the weight-only kernels (the fused ones at 8192
     tokens, the row kernels at 8 tokens) == "gpu_triton" (the experts dequantised to bf16, then the dense
     kernels) on the same weights. Failed for FP8 before the values went as uint16 pairs (int32 offsets)."""
-    from ling_jax.moe.experts import sort_by_expert
+    from pallas_kernels.moe.ops import sort_by_expert
 
     top_k, num_experts = 8, 512
     stacks = flash_stacks(fmt, jax.random.key(1))

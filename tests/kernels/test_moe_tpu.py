@@ -177,6 +177,7 @@ def test_the_moe_layer_reaches_the_kernel_with_stored_experts():
     """`local_moe` on a TPU backend hands quantised experts to the grouped kernel as stored (no dense stack first),
     and equals the reference backend, which dequantises the layer."""
     from ling_jax.moe.experts import local_moe
+    from pallas_kernels.moe.ops import ExpertWeights, Routing
 
     tokens, top_k = 5, 2
     gate, up = fp8_stack(seed=3), fp8_stack(seed=4)
@@ -187,8 +188,10 @@ def test_the_moe_layer_reaches_the_kernel_with_stored_experts():
     x = random_x(tokens, jnp.float32, seed=7)
     experts = jnp.asarray(r.choice(NUM_GROUPS, (tokens, top_k)), jnp.int32)
     weights = jnp.asarray(r.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
-    on = lambda backend: (
-        lambda x: local_moe(x, weights, experts, gate, up, down, 7.0, policy=ExecutionPolicy(kernel_backend=backend))
-    )  # noqa: E731
+    routing, stacks = Routing(weights, experts), ExpertWeights(gate, up, down)
+
+    def on(backend):
+        return lambda x: local_moe(x, routing, stacks, 7.0, policy=ExecutionPolicy(kernel_backend=backend))
+
     assert calls_a_kernel(on("interpret_tpu"), x) and not calls_a_kernel(on("reference"), x)
     assert rel_error(on("interpret_tpu")(x), on("reference")(x)) <= 1e-5

@@ -250,11 +250,10 @@ def test_expert_rows_run_both_kernels_on_block_fp8_weights():
 
 def test_the_op_and_when_the_model_takes_it():
     """`moe.ops.w8a8_expert_rows` on the reference backend == the references in turn, on interpret_gpu the kernels
-    (within TOL), and its gradient is the weight-only rows'; `runs_w8a8`: W8A8 only when the scope names it, for
-    block-FP8 experts."""
-    from ling_jax.layers import fp8_matmul_scope
-    from ling_jax.moe.experts import runs_w8a8
+    (within TOL), and its gradient is the weight-only rows'; `expert_path`: W8A8 only when the policy's FP8 mode
+    names it, for block-FP8 experts."""
     from ling_jax.policy import FP8Matmul
+    from pallas_kernels.moe.ops import ExpertKernel, ExpertWeights, expert_path
     from pallas_kernels.moe.ops import w8a8_expert_rows as op
     from pallas_kernels.moe.reference import down_scatter_reference, gather_swiglu_reference
 
@@ -280,20 +279,21 @@ def test_the_op_and_when_the_model_takes_it():
     grad, weight_only_grad = (jax.grad(loss)(routing[0], flag) for flag in (False, True))
     assert rel_error(grad, weight_only_grad) <= 1e-5
 
-    assert not runs_w8a8(*weights)  # auto: weight-only numerics at every size
-    with fp8_matmul_scope(FP8Matmul.W8A8):
-        assert runs_w8a8(*weights)
-        assert not runs_w8a8(dataclasses.replace(weights[0], block=None), *weights[1:])  # MXFP4: no W8A8 kernels
-    with fp8_matmul_scope(FP8Matmul.WEIGHT_ONLY):
-        assert not runs_w8a8(*weights)
+    def runs_w8a8(fp8_matmul, *stacks):
+        return expert_path("reference", ExpertWeights(*stacks), fp8_matmul).kernel is ExpertKernel.W8A8
+
+    assert not runs_w8a8(FP8Matmul.AUTO, *weights)  # auto: weight-only numerics at every size
+    assert runs_w8a8(FP8Matmul.W8A8, *weights)
+    mxfp4 = dataclasses.replace(weights[0], block=None)
+    assert not runs_w8a8(FP8Matmul.W8A8, mxfp4, *weights[1:])  # MXFP4: no W8A8 kernels
+    assert not runs_w8a8(FP8Matmul.WEIGHT_ONLY, *weights)
 
 
-def test_w8a8_scope_gives_a_token_the_same_output_in_any_batch():
-    """Under a W8A8 scope `local_moe` never takes the (weight-only) decode row path: 2 tokens alone (4 rows, the
+def test_w8a8_policy_gives_a_token_the_same_output_in_any_batch():
+    """Under a W8A8 policy `local_moe` never takes the (weight-only) decode row path: 2 tokens alone (4 rows, the
     row path's size) equal the same tokens inside a batch of 37 (the grouped path), interpreted GPU kernels."""
-    from ling_jax.layers import fp8_matmul_scope
     from ling_jax.moe.experts import local_moe
-    from ling_jax.policy import FP8Matmul
+    from pallas_kernels.moe.ops import ExpertWeights, Routing
 
     case = "blocks_32"
     tokens, top_k, num_experts, hidden, width, block, limit, _ = CASES[case]
@@ -305,11 +305,10 @@ def test_w8a8_scope_gives_a_token_the_same_output_in_any_batch():
         BlockFP8Weight(*map(jnp.asarray, block_fp8(r, shape, block)), block)
         for shape in ((num_experts, width, hidden), (num_experts, width, hidden), (num_experts, hidden, width))
     ]
-    with fp8_matmul_scope(FP8Matmul.W8A8):
-        whole = local_moe(x, weights, experts, *stacks, limit, policy=ExecutionPolicy(kernel_backend="interpret_gpu"))
-        alone = local_moe(
-            x[:2], weights[:2], experts[:2], *stacks, limit, policy=ExecutionPolicy(kernel_backend="interpret_gpu")
-        )
+    policy = ExecutionPolicy(kernel_backend="interpret_gpu", fp8_matmul="w8a8")
+    stacks = ExpertWeights(*stacks)
+    whole = local_moe(x, Routing(weights, experts), stacks, limit, policy=policy)
+    alone = local_moe(x[:2], Routing(weights[:2], experts[:2]), stacks, limit, policy=policy)
     assert rel_error(alone, whole[:2]) <= 1e-6
 
 

@@ -1,9 +1,9 @@
-"""The Mosaic GPU W8A8 routed experts (`pallas_kernels.moe.gpu_mosaic`) against float64 numpy written from the W8A8
-formula (test_moe_w8a8's): the padded expert layout; the XLA around the kernels (gathers, h quantisation, the
-routing weights folded into h's scales, the way back to the caller's order) with a jnp stand-in for the kernel
-that runs the kernels' own epilogues (SwiGLU, h quantised in registers) and leaves the tail tiles NaN (so a row
-read from one fails); CUDA lowering at Ling-3.1-flash size; the compiled
-kernels on a GPU (jax 0.10's Mosaic GPU interpreter cannot run them)."""
+"""The Mosaic GPU W8A8 routed experts (the lab variant `pallas_kernels.experimental.moe_gpu_mosaic`) against
+float64 numpy written from the W8A8 formula (test_moe_w8a8's): the padded expert layout; the XLA around the kernels
+(gathers, h quantisation, the routing weights folded into h's scales, the way back to the caller's order) with a jnp
+stand-in for the kernel that runs the kernels' own epilogues (SwiGLU, h quantised in registers) and leaves the tail
+tiles NaN (so a row read from one fails); CUDA lowering at Ling-3.1-flash size; the compiled kernels on a GPU (jax
+0.10's Mosaic GPU interpreter cannot run them)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from jax.experimental import pallas as pl
 from test_moe_w8a8 import f64_down_scatter, f64_gather_swiglu, f64_weight, routed_rows
 
 from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.experimental import moe_gpu_mosaic as gpu_mosaic
+from pallas_kernels.experimental.moe_gpu_mosaic import BLOCK_M, padded_layout, w8a8_expert_rows_mgpu
 from pallas_kernels.fp8.reference import dequantize_blocks
-from pallas_kernels.moe import gpu_mosaic
-from pallas_kernels.moe.gpu_mosaic import BLOCK_M, padded_layout, w8a8_expert_rows_mgpu
 
 BLOCK = (128, 128)
 

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from ling_jax.moe.experts import ROW_PATH_MAX_ROWS, SharedExpert, dense_expert_ffn, local_moe, swiglu_ffn
+from ling_jax.moe.experts import SharedExpert, dense_expert_ffn, local_moe, swiglu_ffn
 from ling_jax.policy import ExecutionPolicy
 from pallas_kernels.moe import routed_experts
+from pallas_kernels.moe.ops import ExpertWeights, Routing
+from pallas_kernels.moe.tuned import ROW_PATH_MAX_ROWS
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 BACKENDS = ["interpret_gpu", "reference"]
@@ -112,7 +114,8 @@ def test_shared_expert_gradients_match_the_dense_path(backend):
         )
 
     def dense(x, weights, gate, up, down, shared):
-        return dense_expert_ffn(x, weights, experts, gate, up, down, 0.9) + swiglu_ffn(x, *shared, 0.5)
+        routed = dense_expert_ffn(x, Routing(weights, experts), ExpertWeights(gate, up, down), 0.9)
+        return routed + swiglu_ffn(x, *shared, 0.5)
 
     got, expected = (
         jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(6)))(x, weights, gate, up, down, shared)
@@ -141,9 +144,12 @@ def test_gradients_match_the_dense_path(backend):
     def loss(fn, x, weights, gate, up, down):
         return jnp.sum(jnp.sin(fn(x, weights, experts, gate, up, down, 0.9)))
 
+    def dense_path(x, weights, experts, gate, up, down, limit):
+        return dense_expert_ffn(x, Routing(weights, experts), ExpertWeights(gate, up, down), limit)
+
     ours, dense = (
         jax.jit(jax.grad(functools.partial(loss, fn), argnums=range(5)))(x, weights, gate, up, down)
-        for fn in (functools.partial(routed_experts, backend=backend), dense_expert_ffn)
+        for fn in (functools.partial(routed_experts, backend=backend), dense_path)
     )
     for name, a, b in zip(["x", "weights", "gate", "up", "down"], ours, dense):
         assert rel_error(a, b) <= 1e-5, f"d/d{name}: {rel_error(a, b):.2e}"
@@ -156,7 +162,7 @@ def test_local_moe_takes_the_row_path_for_few_tokens():
         x, weights, experts, gate, up, down = (
             jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16, jnp.float32, tokens)
         )
-        args = (x, weights, experts, gate, up, down)
+        args = (x, Routing(weights, experts), ExpertWeights(gate, up, down))
         traced = jax.jit(
             functools.partial(local_moe, limit=2.0, policy=ExecutionPolicy(kernel_backend="interpret_gpu"))
         ).trace(*args)
@@ -176,7 +182,7 @@ def test_local_moe_with_the_shared_expert(tokens, shared_width):
         jnp.asarray(a) for a in random_case(tokens, 4, 8, 32, 16, jnp.float32, tokens)
     )
     shared = SharedExpert(*(jnp.asarray(a, jnp.float32) for a in random_shared(32, shared_width, seed=7)), 0.6)
-    args = (x, weights, experts, gate, up, down)
+    args = (x, Routing(weights, experts), ExpertWeights(gate, up, down))
     run = functools.partial(local_moe, limit=2.0, shared=shared)
     traced = jax.jit(functools.partial(run, policy=ExecutionPolicy(kernel_backend="interpret_gpu"))).trace(*args)
     in_rows = tokens * 4 <= ROW_PATH_MAX_ROWS and shared_width == 16

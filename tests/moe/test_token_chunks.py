@@ -11,6 +11,7 @@ import numpy as np
 
 from ling_jax.moe import experts as moe_experts
 from ling_jax.policy import ExecutionPolicy
+from pallas_kernels.moe.ops import ExpertWeights, Routing
 
 
 def test_local_moe_in_padded_token_chunks_equals_one_piece(monkeypatch):
@@ -29,7 +30,7 @@ def test_local_moe_in_padded_token_chunks_equals_one_piece(monkeypatch):
     def run():
         return jax.jit(
             functools.partial(moe_experts.local_moe, limit=7.0, policy=ExecutionPolicy(kernel_backend="reference"))
-        )(x, weights, experts, *stacks)
+        )(x, Routing(weights, experts), ExpertWeights(*stacks))
 
     whole = run()
     row_bytes = hidden * x.dtype.itemsize

@@ -18,7 +18,8 @@ On the H200 at Ling-3.1-flash width (8192 tokens, 2026-12-03, `benchmarks/moe_w8
 bf16 fused kernels and 0.6x the Triton W8A8 ones (`gpu_triton.w8a8`, the default): 2.5 ms a kernel, plus 1.1 ms of
 XLA gathers. A CTA's K loop is short (32 and 10 steps of 128) and each step waits for its wgmma, so the pipeline's
 fill is paid per 64-row tile; a persistent kernel whose pipeline runs on across tiles is the lead. Named variant
-only (`ops.MOSAIC`).
+only: importing this module registers the entry point as MOSAIC ("gpu_mosaic") of `pallas_kernels.moe.ops`'
+`w8a8_expert_rows`.
 
 Grid order: the column tile n varies fastest, so the CTAs that run together share a row tile and its expert's
 weight tiles in L2. Shapes: 128 x 128 weight blocks, I and D multiples of 128. Like the linear, the kernels run in
@@ -38,8 +39,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, BLOCK_M, block_scaled_products, layout_cast
 from pallas_kernels.fp8.reference import E4M3_MAX, EPS, quantize_activations
-from pallas_kernels.moe import tuned
+from pallas_kernels.moe import ops, tuned
 from pallas_kernels.tuning import fill, lookup
+from pallas_kernels.variants import Variant
+
+MOSAIC = "gpu_mosaic"
 
 TILE_KEYWORDS = ("gate_up_stages", "down_block_n", "down_stages")
 
@@ -219,3 +223,6 @@ def w8a8_expert_rows_mgpu(
     )
     pos_of_out_R = jnp.zeros(num_rows, jnp.int32).at[order_R].set(pos_R)
     return jnp.take(y_PD, pos_of_out_R, axis=0, mode="fill", fill_value=0)
+
+
+ops.VARIANTS["w8a8_expert_rows"][MOSAIC] = Variant("gpu", w8a8_expert_rows_mgpu)
