@@ -53,8 +53,8 @@ class MosaicWeightOnlyTiles:
 # twice.
 _MEASURED = Entry(
     MosaicWeightOnlyTiles(4, 2),
-    "docs/benchmarks/matmul.md, 'The Mosaic weight-only kernel on the H200': 8192 x 4096 at 8 / 32 / 64 / 128 rows "
-    "25.2 / 32.3 / 36.5 / 46.6 us (second run); no setting best at every size",
+    "docs/benchmarks/matmul.md#the-mosaic-weight-only-kernel-on-the-h200-2026-12-03-eighth-session: 8192 x "
+    "4096 at 8 / 32 / 64 / 128 rows 25.2 / 32.3 / 36.5 / 46.6 us (second run); no setting best at every size",
 )
 WEIGHT_ONLY_MOSAIC = {(H200, ANY, ANY): _MEASURED, (ANY, ANY, ANY): _MEASURED}
 

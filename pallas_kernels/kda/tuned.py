@@ -60,25 +60,26 @@ def h200_and_default(params, source: str) -> dict:
 
 CHUNK_INTRA = h200_and_default(
     IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
-    "BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order (2026-11-30)': 2 warps fastest "
+    "docs/benchmarks/kda.md#phase-1-as-two-kernels-grid-order-2026-11-30: 2 warps fastest "
     "for the block-row kernel (4 warps 6.0-6.6 ms), num_stages 2 or 3 no change, and the WY factors "
     "with 2 warps against 'The call before (... merge kernel 4 warps)'",
 )
 CHUNK_INTRA_ANY_GATE = h200_and_default(
     IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
-    "not measured: CHUNK_INTRA's settings (BENCHMARKS.md, KDA prefill, 'Phase 1 as two kernels; grid order "
-    "(2026-11-30)'); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
+    "not measured: CHUNK_INTRA's settings (docs/benchmarks/kda.md#phase-1-as-two-kernels-grid-order-2026-11-30"
+    "); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
 )
 CHUNK_INTER = h200_and_default(
     InterTiles(block_v=64, num_warps=4, num_stages=2),
-    "BENCHMARKS.md, KDA prefill, 'Phase 1 as three kernels (2026-11-29, night)', row 'phase 2 "
-    "block_v 64' (phase 2 1.68 ms against 2.59 at block_v 32); 'The keys kernel: first prefill faster "
-    "than fla': block_v 128 / 8 warps slower, the defaults (block_v 64, 4 warps) stay",
+    "docs/benchmarks/kda.md#phase-1-as-three-kernels-2026-11-29-night, row 'phase 2 "
+    "block_v 64' (phase 2 1.68 ms against 2.59 at block_v 32); "
+    "docs/benchmarks/kda.md#the-keys-kernel-first-prefill-faster-than-fla-2026-11-30-second-session: block_v 128 / "
+    "8 warps slower, the defaults (block_v 64, 4 warps) stay",
 )
 DECODE_GPU = h200_and_default(
     DecodeGpuTiles(block_v=64, num_warps=4),
-    "BENCHMARKS.md, 'KDA decode step', B=64 row and 'Other B=64 tiles: (64, 4) 174.5, ...' (best of 5 "
-    "tile variants at B >= 64; B=1 is faster with (16, 2) but launch-bound either way)",
+    "docs/benchmarks/kda.md#kda-decode-step-benchmarkskdapy---decode-only, B=64 row and 'Other B=64 tiles: "
+    "(64, 4) 174.5, ...' (best of 5 tile variants at B >= 64; B=1 is faster with (16, 2) but launch-bound either way)",
 )
 DECODE_TPU = {
     (ANY, ANY, ANY): Entry(

@@ -63,7 +63,7 @@ def _gpu(entries: dict) -> dict:
 
 
 _TRITON_DECODE = (
-    "BENCHMARKS.md, Absorbed-MLA decode, 'Triton kernel (before the Mosaic GPU kernel)': "
+    "docs/benchmarks/mla.md#triton-kernel-before-the-mosaic-gpu-kernel: "
     "variant (bk, hb, warps, stages) = (64, 64, 8, 2) best at B=64 L=32768 and B=8 L=131072"
 )
 DECODE_TRITON = _gpu(
@@ -80,14 +80,14 @@ DECODE_MOSAIC = _gpu(
     {
         (ANY, ANY): Entry(
             DecodeMosaicTiles(block_k=64, stages=2, pv_chunk=128, approx_math=True),
-            "BENCHMARKS.md, Absorbed-MLA decode, 'Mosaic GPU kernel (2026-11-29, evening)': the B=64 "
+            "docs/benchmarks/mla.md#mosaic-gpu-kernel-2026-11-29-evening: the B=64 "
             "/ 8 / 1 rows, against "
             "'accurate exp 0.703 / 0.357 / 0.173' and the earlier 64-column and one-product P·V runs",
         )
     }
 )
-# `mla_decode` runs gpu_mosaic from this many cache slots in the batch (B x L), gpu_triton below: BENCHMARKS.md,
-# 'Mosaic GPU kernel (2026-11-29, evening)', the ~0.1 ms idle gap per call that only larger caches repay.
+# `mla_decode` runs gpu_mosaic from this many cache slots in the batch (B x L), gpu_triton below: the ~0.1 ms
+# idle gap per call that only larger caches repay (docs/benchmarks/mla.md#mosaic-gpu-kernel-2026-11-29-evening).
 MOSAIC_MIN_SLOTS = 1 << 18
 DECODE_TPU = {
     (ANY, ANY, ANY): Entry(
@@ -99,7 +99,7 @@ PREFILL = _gpu(
     {
         (ANY, ANY): Entry(
             PrefillTiles(segment=4096, block_q=64, block_k=64, num_warps=4, num_stages=2),
-            "BENCHMARKS.md, Absorbed-MLA decode, 'Prefill attention': columns 'Pallas, segment 4096' "
+            "docs/benchmarks/mla.md#mla-prefill-attention-benchmarksmla_prefillpy: columns 'Pallas, segment 4096' "
             "(2.550 / 9.997 ms) "
             "against 'segment 2048'; the flash tiles not swept",
         )
@@ -109,8 +109,8 @@ ABSORB_QUERY = _gpu(
     {
         (ANY, ANY): Entry(
             AbsorbTiles(block=128, num_warps=4),
-            "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, "
-            "evening)': mla_absorb_query "
+            "not swept; docs/benchmarks/generation.md#decode-step-fewer-fused-small-kernels-2026-11-29-evening: "
+            "mla_absorb_query "
             "4.3 us per layer",
         )
     }
@@ -119,8 +119,8 @@ EXPAND_OUTPUT = _gpu(
     {
         (ANY, ANY): Entry(
             AbsorbTiles(block=32, num_warps=4),
-            "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, "
-            "evening)': mla_expand_output "
+            "not swept; docs/benchmarks/generation.md#decode-step-fewer-fused-small-kernels-2026-11-29-evening: "
+            "mla_expand_output "
             "4.6 us per layer",
         )
     }

@@ -76,12 +76,12 @@ GROUPED_MATMUL = _gpu(
     {
         ("many_rows", "16bit"): Entry(
             GroupedTiles(128, 256, 64, 8, 4),
-            "BENCHMARKS.md, 'MoE layer', row '8192 | three grouped GEMMs alone' (128x256x64 "
+            "docs/benchmarks/moe.md#moe-layer-benchmarksmoepy, row '8192 | three grouped GEMMs alone' (128x256x64 "
             "tiles: the best of a small sweep at 65536 rows, 512 groups, K 4096, N 1024)",
         ),
         ("few_rows", "16bit"): Entry(
             GroupedTiles(16, 64, 128, 4, 4),
-            "BENCHMARKS.md, 'Grouped-matmul tiles at decode sizes': the narrow tiles "
+            "docs/benchmarks/moe.md#grouped-matmul-tiles-at-decode-sizes-benchmarksgrouped_matmulpy: the narrow tiles "
             "(16 x 64 x 128) best or near it at 8 and 64 rows for both shapes",
         ),
         ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
@@ -98,7 +98,7 @@ WEIGHT_GRAD = _gpu(
         (ANY, ANY): Entry(GroupedTiles(32, 64, 64, 4, 3), _FP32),
     }
 )
-_FUSED = "BENCHMARKS.md, MoE layer, 'Fused grouped path (2026-11-29)': the best of benchmarks/moe.py's sweep"
+_FUSED = "docs/benchmarks/moe.md#fused-grouped-path-2026-11-29: the best of benchmarks/moe's tile sweep"
 GATHER_SWIGLU = _gpu(
     {  # two accumulators: half the grouped matmul's column tile
         ("many_rows", "16bit"): Entry(GroupedTiles(128, 128, 64, 8, 4), f"{_FUSED} at 8192 tokens"),
@@ -117,12 +117,12 @@ DOWN_SCATTER = _gpu(
 )
 # Quantised experts (block FP8, MXFP4: tiles read as stored and dequantised on chip, `weight_tiles`) move half or a
 # quarter of the bytes a tile: measured on the H200 at Ling-3.1-flash width (hidden 4096, width 1280, 512 experts,
-# top-8; `benchmarks/moe_quantized.py`'s sweep, 2026-12-03, issue 25), the two fused kernels together:
+# top-8; `python -m benchmarks.moe --format fp8 mxfp4`'s sweep, 2026-12-03, issue 25), the two fused kernels together:
 # - 8192 tokens, FP8: (64, 128, 64, 4 warps, 4 stages) 9.068 ms against 10.033 for the bf16 tiles (MXFP4: 15.49
 #   against 15.42, within noise: one entry for both);
 # - 64 tokens: (16, 64, 256, 3 stages, weight tile as the MMA's first operand) FP8 1.523 ms against 2.122 for
 #   the bf16 tiles (MXFP4 2.195 against 3.014).
-_QUANTIZED = "benchmarks/moe_quantized.py's sweep on the H200, 2026-12-03 (docs/benchmarks/moe.md)"
+_QUANTIZED = "docs/benchmarks/moe.md#quantised-experts-their-own-tiles-2026-12-03"
 GATHER_SWIGLU_QUANTIZED = _gpu(
     {
         ("many_rows", "16bit"): Entry(GroupedTiles(64, 128, 64, 4, 4), f"{_QUANTIZED}: FP8 9.068 ms at 8192 tokens"),
@@ -145,13 +145,13 @@ WEIGHT_LEFT_QUANTIZED = ("few_rows",)
 # one 128-column group of h (quantised in its epilogue), so only block_m (and down's block_n, at most the weight's
 # 128-row block) and the launch are free. Same settings for every dtype of x (the products are FP8 either way).
 # Measured on the H200 at Ling-3.1-flash width (8192 tokens, top-8 of 512 experts, hidden 4096, width 1280;
-# `benchmarks/moe_w8a8.py --sweep`, 2026-12-02, FP8 values as stored): gate/up 2.837 ms (484 TFLOP/s) against
+# `benchmarks.moe --fp8-matmul w8a8 --sweep`, 2026-12-02, FP8 values as stored): gate/up 2.837 ms (484 TFLOP/s) against
 # 3.331 for the earlier (64, 8 warps, 4 stages); the best, 2.756 ms, wanted min_block_m 64. down 1.836 ms against
 # 2.033 for (128 x 128, 8 warps). Re-swept 2026-12-03 (10 iterations): gate/up at min_block_m 64 (a group's last
 # tile at least 64 rows) 2.699 ms against 2.925 at 32 (the default until then); down's default stayed the best,
 # 1.766 ms.
 GATHER_SWIGLU_W8A8_MIN_BLOCK_M = 64
-_W8A8_SOURCE = "benchmarks/moe_w8a8.py --sweep on the H200, 2026-12-02 (issue 25)"
+_W8A8_SOURCE = "docs/benchmarks/moe.md#the-w8a8-moe-layer-measured-2026-12-02-fifth-session"
 GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 3), _W8A8_SOURCE)})
 DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _W8A8_SOURCE)})
 
@@ -170,21 +170,21 @@ W8A8_MOSAIC_EXPERTS = _gpu(
     {
         (ANY, ANY): Entry(
             MosaicExpertTiles(4, 128, 4),
-            "benchmarks/moe_w8a8.py --sweep on the H200, 2026-12-03: 7.128 ms (with h quantised by XLA, gate/up "
-            "tiles of 64: 7.365; down tiles of 64: 8.149)",
+            "docs/benchmarks/moe.md#the-w8a8-experts-as-mosaic-gpu-kernels-and-the-triton-w8a8-tiles-re-swept-2026-12-03-"
+            "seventh-session: 7.128 ms (with h quantised by XLA, gate/up tiles of 64: 7.365; down tiles of 64: 8.149)",
         )
     }
 )
 _ROUTED = (
-    "BENCHMARKS.md, 'Routed experts and expert selection at decode sizes, chained-call timing (2026-11-29)', "
+    "docs/benchmarks/generation.md#routed-experts-and-expert-selection-at-decode-sizes-chained-call-timing-2026-11-29, "
     "tile sweep at one token"
 )
 ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 256, 4, 4), f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us")})
 ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the down + combine default stayed")})
-# The row kernels on quantised experts, by `tokens_bucket`: docs/benchmarks/moe.md, 'W8A8 re-timed with min_block_m
-# 64, and the FP8 row kernels' tiles at 1 and 8 tokens' (Ling-3.1-flash width 1280, one call of both kernels with the
-# shared expert, the other kernel at (8, 512, 4, 3), the earlier default of both). MXFP4 experts take the same
-# entries, not measured with them.
+# The row kernels on quantised experts, by `tokens_bucket`:
+# docs/benchmarks/moe.md#fp8-row-kernel-tiles-at-1-and-8-tokens-w8a8-re-timed-2026-12-03-eighth-session
+# (Ling-3.1-flash width 1280, one call of both kernels with the shared expert, the other kernel at (8, 512, 4, 3),
+# the earlier default of both). MXFP4 experts take the same entries, not measured with them.
 _FLASH_ROWS = "FP8 experts at width 1280, both kernels and the shared expert, H200 2026-12-03"
 ROUTED_SWIGLU_QUANTIZED = _gpu(
     {

@@ -17,7 +17,7 @@ class RowTiles:
 ROWS = {
     (ANY, ANY, ANY): Entry(
         RowTiles(num_warps=4),
-        "not swept; BENCHMARKS.md, 'Decode step: fewer, fused small kernels (2026-11-29, "
-        "evening)': add_rms_norm 2.1 us and rms_norm 1.8 us per layer at D = 4096 with it",
+        "not swept; docs/benchmarks/generation.md#decode-step-fewer-fused-small-kernels-2026-11-29-evening: "
+        "add_rms_norm 2.1 us and rms_norm 1.8 us per layer at D = 4096 with it",
     )
 }

@@ -1,4 +1,4 @@
-"""scripts/check_multi_gpu.py and benchmarks/expert_parallel.py (also reached as benchmarks/moe.py --devices) in
+"""scripts/check_multi_gpu.py and benchmarks/moe/expert_parallel.py (run as python -m benchmarks.moe --devices N) in
 their --quick modes on the 8 virtual CPU devices (conftest sets the XLA flag): both succeed, in fp32 the check
 holds at 1e-4, and it fails on a model whose last expert shard is corrupted (so it can fail);
 scripts/routing_sensitivity.py on a small model."""
@@ -15,8 +15,8 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 import check_multi_gpu  # noqa: E402
 import routing_sensitivity  # noqa: E402
 
-from benchmarks import expert_parallel as bench_expert_parallel  # noqa: E402
 from benchmarks import moe as bench_moe  # noqa: E402
+from benchmarks.moe import expert_parallel as bench_expert_parallel  # noqa: E402
 
 # Fewer layers and tokens than --quick's defaults where nothing checks them: the run's cost is mostly compiling
 # and initialising each layer, once on one device and twice on the mesh.

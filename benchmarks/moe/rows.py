@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """Routed experts of a few tokens at hidden 4096, 512 experts, top-8, width 1024 (published Ling-3.1-flash: 1280), bf16,
 plus the shared expert of the same width, as a decode step runs them): the row-by-row decode kernels
 (`pallas_kernels.moe.routed_experts`) against the grouped path (sort, grouped matmuls, combine:
 `ling_jax.moe.experts.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one
 token, then the expert selection before them (`pallas_kernels.moe.select_experts`: kernel tiles vs the jnp reference).
 
-    python -m benchmarks.routed_experts              # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
+    python -m benchmarks.moe --path rows     # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
 
 Every time is per call of a chain of `common.CHAINED_CALLS` dependent calls in one jitted program (each call's input
 nudged by the last output): a lone call of a few-ten-microsecond kernel would time the launch, not the kernel.
@@ -15,37 +14,21 @@ path; a weight read per token-expert pair for the row path, which is its cost; t
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import functools
-import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from benchmarks.common import per_call_seconds, rel_error
+from benchmarks.moe import calls
+from benchmarks.moe.shared import LIMIT, nudge_x, selection_parser
 
-from benchmarks.common import per_call_seconds, rel_error  # noqa: E402
-from ling_jax.moe.experts import grouped_local_moe, swiglu_ffn  # noqa: E402
-from pallas_kernels.moe import tuned  # noqa: E402
-from pallas_kernels.moe.ops import kernel  # noqa: E402
-from pallas_kernels.moe.reference import RoutingRule, select_experts_reference  # noqa: E402
-from pallas_kernels.tuning import lookup  # noqa: E402
-
-routed_experts_gpu, select_experts_gpu = kernel("routed_experts", "gpu_triton"), kernel("select_experts", "gpu_triton")
-SWIGLU_TILES = dataclasses.astuple(lookup(tuned.ROUTED_SWIGLU, dtype=jnp.bfloat16))  # the table's, this device's
-DOWN_TILES = dataclasses.astuple(lookup(tuned.ROUTED_DOWN, dtype=jnp.bfloat16))
-
-HIDDEN, WIDTH, EXPERTS, TOP_K, LIMIT = 4096, 1024, 512, 8, 7.0
-RULE = RoutingRule(top_k=TOP_K, n_group=8, topk_group=4, norm_topk_prob=True, scaling=2.5)
+HIDDEN, WIDTH, EXPERTS, TOP_K = 4096, 1024, 512, 8
+RULE = calls.RoutingRule(top_k=TOP_K, n_group=8, topk_group=4, norm_topk_prob=True, scaling=2.5)
 SELECT_TILES = [(1, 1), (1, 2), (1, 4), (2, 2), (4, 4), (16, 4)]  # (block_t, num_warps)
 
 
 def nudge_logits(logits_TE, selection):
     return logits_TE + 1e-6 * selection[0][:, :1]
-
-
-def nudge_x(x_TD, y_TD):
-    return x_TD + (1e-3 * y_TD).astype(x_TD.dtype)
 
 
 def bench_select_experts(iters: int) -> None:
@@ -56,14 +39,14 @@ def bench_select_experts(iters: int) -> None:
         r = np.random.default_rng(tokens)
         logits = jnp.asarray(r.normal(size=(tokens, EXPERTS)), jnp.float32)
         bias = jnp.asarray(r.normal(size=EXPERTS) * 0.1, jnp.float32)
-        ref_experts = select_experts_reference(logits, bias, RULE)[1]
+        ref_experts = calls.select_experts_reference(logits, bias, RULE)[1]
         cells = [
             per_call_seconds(
-                lambda lg, b: select_experts_reference(lg, b, RULE), nudge_logits, logits, bias, iters=iters
+                lambda lg, b: calls.select_experts_reference(lg, b, RULE), nudge_logits, logits, bias, iters=iters
             )
         ]
         for block_t, warps in SELECT_TILES:
-            select = functools.partial(select_experts_gpu, rule=RULE, block_t=block_t, num_warps=warps)
+            select = calls.select_experts_tiles(RULE, block_t, warps)
             assert (np.asarray(select(logits, bias)[1]) == np.asarray(ref_experts)).all(), (block_t, warps)
             cells.append(per_call_seconds(select, nudge_logits, logits, bias, iters=iters))
         print(f"| {tokens} | " + " | ".join(f"{c * 1e6:.1f}" for c in cells) + " |", flush=True)
@@ -96,31 +79,31 @@ DOWN_SWEEP = [
 
 def sweep_row_tiles(operands, shared, iters: int) -> None:
     """The SwiGLU-rows kernel's tiles with the default down tiles, then the down kernel's with the best."""
+    default = calls.row_kernel_tiles(jnp.bfloat16, quantized=False)  # the table's, this device's
+    swiglu_default, down_default = default["swiglu_tiles"], default["down_tiles"]
 
     def timed(swiglu_tiles, down_tiles):
-        rows = functools.partial(
-            routed_experts_gpu, limit=LIMIT, shared_limit=LIMIT, swiglu_tiles=swiglu_tiles, down_tiles=down_tiles
-        )
+        rows = calls.row_kernels(LIMIT, swiglu_tiles=swiglu_tiles, down_tiles=down_tiles)
         try:
             return per_call_seconds(lambda x, *rest: rows(x, *rest), nudge_x, *operands, shared, iters=iters)
         except Exception as error:  # noqa: BLE001 - a candidate that does not compile is skipped
             print(f"  skip {swiglu_tiles} {down_tiles}: {type(error).__name__}")
             return float("inf")
 
-    swiglu = sorted((timed(t, DOWN_TILES), t) for t in SWIGLU_SWEEP)
+    swiglu = sorted((timed(t, down_default), t) for t in SWIGLU_SWEEP)
     down = sorted((timed(swiglu[0][1], t), t) for t in DOWN_SWEEP)
     print(
         f"\nrow-kernel tiles at 1 token (block_n, block_k, num_warps, num_stages), us per call (default "
-        f"swiglu {SWIGLU_TILES}, down {DOWN_TILES})"
+        f"swiglu {swiglu_default}, down {down_default})"
     )
     for seconds, tiles in swiglu[:5]:
-        print(f"    swiglu {tiles} down {DOWN_TILES}: {seconds * 1e6:.1f}")
+        print(f"    swiglu {tiles} down {down_default}: {seconds * 1e6:.1f}")
     for seconds, tiles in down[:4]:
         print(f"    swiglu {swiglu[0][1]} down {tiles}: {seconds * 1e6:.1f}")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = selection_parser(__doc__)
     parser.add_argument("--tokens", default="1,2,4,8,16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-sweep", action="store_true")
@@ -138,12 +121,7 @@ def main(argv=None) -> int:
     )
     expert_bytes = 3 * HIDDEN * WIDTH * 2
 
-    def rows(x, weights, experts, gate, up, down, shared):
-        return routed_experts_gpu(x, weights, experts, gate, up, down, shared, limit=LIMIT, shared_limit=LIMIT)
-
-    def grouped(x, weights, experts, gate, up, down, shared):
-        routed = grouped_local_moe(x, weights, experts, gate, up, down, LIMIT, backend="pallas_gpu")
-        return routed + swiglu_ffn(x, *shared, LIMIT)
+    rows, grouped = calls.row_kernels(LIMIT), calls.grouped_with_shared(LIMIT)
 
     print("| tokens | row kernels us | TB/s (pair reads) | grouped path us | TB/s (distinct experts) | rel. diff |")
     print("|---|---|---|---|---|---|")
@@ -166,7 +144,3 @@ def main(argv=None) -> int:
             sweep_row_tiles(operands, shared, args.iters)
     bench_select_experts(args.iters)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

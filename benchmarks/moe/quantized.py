@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
 """Routed experts at Ling-3.1-flash width (hidden 4096, expert width 1280, 512 experts, top-8) with the experts
 stored bf16, block FP8 (128 x 128 blocks, fp32 scales) or MXFP4 (E8M0 scales per 32 inputs) on one GPU.
 
-    python -m benchmarks.moe_quantized            # prefill at 8192 tokens, decode rows at 1, 8, 64 tokens
-    python -m benchmarks.moe_quantized --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
+    python -m benchmarks.moe --format fp8 mxfp4          # prefill at 8192 tokens, decode rows at 1, 8, 64 tokens
+    python -m benchmarks.moe --format fp8 --path rows    # FP8 beside bf16, the decode rows (b) and their sweep only
+    python -m benchmarks.moe --format fp8 mxfp4 --quick  # small sizes; on a CPU the kernels run in interpret mode
 
 (a) Prefill at 8192 tokens, routed by a random router with a realistic imbalance (each expert's popularity drawn
 once, top-8 of noise + popularity; the busiest expert's load is printed): `ling_jax.moe.experts.local_moe` (the
@@ -33,26 +33,18 @@ the tuned default for that many tokens. The defaults for quantised experts are `
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import sys
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from benchmarks.common import copy_bandwidth, median_seconds, per_call_seconds, rel_error  # noqa: E402
-from ling_jax.moe.experts import local_moe, sort_by_expert  # noqa: E402
-from ling_jax.policy import ExecutionPolicy  # noqa: E402
-from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
-from pallas_kernels.moe import tuned  # noqa: E402
-from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, kernel, routed_experts  # noqa: E402
-from pallas_kernels.moe.xla_folded import routed_experts_xla  # noqa: E402
-from pallas_kernels.moe.xla_folded import takes as folded_takes  # noqa: E402
-from pallas_kernels.tuning import lookup  # noqa: E402
+from benchmarks.common import copy_bandwidth, median_seconds, per_call_seconds, rel_error
+from benchmarks.moe import calls
+from benchmarks.moe.shared import LIMIT, nudge_x, selection_parser
+from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 
-LIMIT = 7.0
 FP8_BLOCK = (128, 128)
 FULL = {"hidden": 4096, "width": 1280, "experts": 512, "top_k": 8, "prefill": 8192, "decode": (1, 8, 64)}
 QUICK = {"hidden": 256, "width": 192, "experts": 16, "top_k": 4, "prefill": 128, "decode": (1, 2)}
@@ -136,20 +128,12 @@ def routing(tokens: int, num_experts: int, top_k: int, seed: int):
     return weights, experts.astype(jnp.int32)
 
 
-def nudge_x(x_TD, y_TD):
-    return x_TD + (1e-3 * y_TD).astype(x_TD.dtype)
-
-
 def dequantised_moe(x_TD, weights_TK, experts_TK, gate, up, down, *, backend: str):
     """`local_moe`'s fused path with the experts dequantised to bf16 inside the step, then the bf16 kernels (the
     default before the weight-only kernels): rows sorted by expert, gather + gate/up + SwiGLU, down + scatter, the
     sum over the top-k in fp32."""
-    tokens, top_k = experts_TK.shape
-    order, sizes = sort_by_expert(experts_TK.reshape(-1), gate.shape[0])
-    h = gather_swiglu(x_TD, order // top_k, sizes, gate, up, LIMIT, backend=backend, variant="gpu_triton")
-    row_weight = weights_TK.reshape(-1)[order]
-    y = down_scatter(h, order, row_weight, sizes, down, backend=backend, variant="gpu_triton")
-    return y.reshape(tokens, top_k, -1).astype(jnp.float32).sum(axis=1).astype(x_TD.dtype)
+    kernels = functools.partial(calls.fused_kernels, limit=LIMIT, backend=backend, variant="gpu_triton")
+    return calls.routed_by_expert(kernels, x_TD, weights_TK, experts_TK, gate, up, down, num_experts=gate.shape[0])
 
 
 def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
@@ -161,7 +145,7 @@ def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
         f"\n(a) prefill, {tokens} tokens x top-{top_k}; busiest expert {load.max()} rows (mean "
         f"{load.mean():.0f}), {np.sum(load == 0)} experts empty; ms per call"
     )
-    fused = jax.jit(functools.partial(local_moe, limit=LIMIT, policy=ExecutionPolicy(kernel_backend=backend)))
+    fused = calls.fused_routed(LIMIT, backend)
     dequantised = jax.jit(functools.partial(dequantised_moe, backend=backend))
     # name: (function, experts, the path it is compared with)
     paths = {
@@ -171,9 +155,10 @@ def prefill_table(sizes, stacks, backend: str, iters: int) -> None:
         "MXFP4 experts, default: weight-only fused kernels": (fused, "mxfp4", "mxfp4"),
         "MXFP4 experts, dequantised in the step, then bf16 kernels": (dequantised, "mxfp4", "mxfp4"),
     }
+    paths = {name: path for name, path in paths.items() if path[1] in stacks}
     flops = 2 * tokens * top_k * 3 * hidden * width
     references = {"bf16": fused(x, weights, experts, *stacks["bf16"])}
-    references |= {fmt: dequantised(x, weights, experts, *stacks[fmt]) for fmt in ("fp8", "mxfp4")}
+    references |= {fmt: dequantised(x, weights, experts, *stacks[fmt]) for fmt in ("fp8", "mxfp4") if fmt in stacks}
     print("| path | ms | useful TFLOP/s | vs bf16 | rel. diff (vs) |")
     print("|---|---|---|---|---|")
     bf16_seconds = None
@@ -194,7 +179,7 @@ def touched_bytes(experts_TK, stacks) -> int:
     return distinct * sum(nbytes(w) for w in stacks) // stacks[0].shape[0]
 
 
-def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls: int) -> None:
+def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, chain: int) -> None:
     print(
         f"\n(b) decode rows, top-{sizes['top_k']}; us per call (x the byte roofline: touched experts' bytes / "
         f"{copy_bw / 1e12:.2f} TB/s copy bandwidth); weight-only: the opt-in row kernels"
@@ -204,10 +189,10 @@ def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls:
         "| local_moe us | x roofline | XLA folded us | x roofline | rel. diff |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend))
-    weight_only = jax.jit(functools.partial(routed_experts, limit=LIMIT, backend=backend, variant=WEIGHT_ONLY))
-    model = jax.jit(functools.partial(local_moe, limit=LIMIT, policy=ExecutionPolicy(kernel_backend=backend)))
-    folded = functools.partial(routed_experts_xla, limit=LIMIT)
+    rows = calls.routed_rows(LIMIT, backend)
+    weight_only = calls.routed_rows(LIMIT, backend, calls.WEIGHT_ONLY)
+    model = calls.fused_routed(LIMIT, backend)
+    folded = calls.folded_rows(LIMIT)
     for tokens in sizes["decode"]:
         x = jax.random.normal(jax.random.key(tokens), (tokens, sizes["hidden"]), jnp.bfloat16)
         weights, experts = routing(tokens, sizes["experts"], sizes["top_k"], seed=tokens)
@@ -217,11 +202,11 @@ def decode_table(sizes, stacks, backend: str, iters: int, copy_bw: float, calls:
             cells = []
             for fn in (rows, weight_only, model, folded):
                 if (fn is weight_only and fmt == "bf16") or (
-                    fn is folded and (fmt != "fp8" or tokens > 8 or not folded_takes(weight_stacks))
+                    fn is folded and (fmt != "fp8" or tokens > 8 or not calls.folded_takes(weight_stacks))
                 ):
                     cells += ["-", "-", "-"]
                     continue
-                seconds = per_call_seconds(fn, nudge_x, *args, iters=iters, calls=calls)
+                seconds = per_call_seconds(fn, nudge_x, *args, iters=iters, calls=chain)
                 cells += [f"{seconds * 1e6:.1f}", f"{seconds / roofline:.2f}"]
                 if fn in (weight_only, folded):
                     cells.append(f"{rel_error(fn(*args), rows(*args)):.1e}")
@@ -240,17 +225,16 @@ def sweep_fused(sizes, stacks, iters: int, interpret: bool, count: int | None) -
     for tokens, bucket in ((sizes["prefill"], "many rows"), (max(sizes["decode"]), "few rows")):
         x = jax.random.normal(jax.random.key(7), (tokens, hidden), jnp.bfloat16)
         weights, experts = routing(tokens, sizes["experts"], top_k, seed=8)
-        order, group_sizes = jax.jit(sort_by_expert, static_argnums=1)(experts.reshape(-1), sizes["experts"])
-        rows = (x, order // top_k, order, weights.reshape(-1)[order], group_sizes)
+        rows = calls.sorted_rows(x, weights, experts, sizes["experts"])
         flops = 2 * tokens * top_k * 3 * hidden * width
         settings = [("bf16", None)] + [
-            (fmt, tiles) for fmt in ("fp8", "mxfp4") for tiles in FUSED_SWEEP[bucket][:count]
+            (fmt, tiles) for fmt in ("fp8", "mxfp4") if fmt in stacks for tiles in FUSED_SWEEP[bucket][:count]
         ]
         for fmt, tiles in settings:
-            variant = "gpu_triton" if tiles is None else WEIGHT_ONLY
+            gate_up_entry, down_entry = calls.fused_kernel_entries("gpu_triton" if tiles is None else calls.WEIGHT_ONLY)
             given = {} if tiles is None else dict(zip(names, tiles))
-            gate_up = functools.partial(kernel("gather_swiglu", variant), limit=LIMIT, interpret=interpret, **given)
-            down = functools.partial(kernel("down_scatter", variant), interpret=interpret, **given)
+            gate_up = functools.partial(gate_up_entry, limit=LIMIT, interpret=interpret, **given)
+            down = functools.partial(down_entry, interpret=interpret, **given)
 
             def fused(x, source, dest, row_weight, group_sizes, gate, up, down_weight, gate_up=gate_up, down=down):
                 return down(gate_up(x, source, group_sizes, gate, up), dest, row_weight, group_sizes, down_weight)
@@ -269,23 +253,20 @@ def first_expert(stack):
     return dataclasses.replace(stack, values=stack.values[0], scales=stack.scales[0])
 
 
-def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool, count: int | None) -> None:
+def sweep_rows(sizes, stacks, iters: int, chain: int, interpret: bool, count: int | None) -> None:
     print(
         f"\nweight-only row kernels with the shared expert, tile sweep at {ROW_SWEEP_TOKENS} tokens (block_n, block_k, "
         "num_warps, num_stages), each kernel's list against the other at its tuned default; us per call"
     )
     print("| tokens | experts | swiglu tiles | down tiles | us |")
     print("|---|---|---|---|---|")
-    entry = kernel("routed_experts", WEIGHT_ONLY)
     for tokens in ROW_SWEEP_TOKENS:
         x = jax.random.normal(jax.random.key(1), (tokens, sizes["hidden"]), jnp.bfloat16)
         weights, experts = routing(tokens, sizes["experts"], sizes["top_k"], seed=1)
-        bucket = tuned.tokens_bucket(tokens)
-        default = {
-            "swiglu_tiles": dataclasses.astuple(lookup(tuned.ROUTED_SWIGLU_QUANTIZED, dtype=x.dtype, bucket=bucket)),
-            "down_tiles": dataclasses.astuple(lookup(tuned.ROUTED_DOWN_QUANTIZED, dtype=x.dtype, bucket=bucket)),
-        }
+        default = calls.row_kernel_tiles(x.dtype, calls.tuned.tokens_bucket(tokens), quantized=True)
         for fmt in ("fp8", "mxfp4"):
+            if fmt not in stacks:
+                continue
             shared = tuple(first_expert(w) for w in stacks[fmt])
             settings = [default] + [
                 {**default, name: tiles}
@@ -294,11 +275,11 @@ def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool, count: in
                 if tiles != default[name]
             ]
             for setting in settings:
-                fn = functools.partial(entry, limit=LIMIT, shared_limit=LIMIT, interpret=interpret, **setting)
+                fn = calls.row_kernels(LIMIT, calls.WEIGHT_ONLY, interpret=interpret, **setting)
                 operands = (x, weights, experts, *stacks[fmt], shared)
                 cells = f"| {tokens} | {fmt} | {setting['swiglu_tiles']} | {setting['down_tiles']} |"
                 try:
-                    seconds = per_call_seconds(fn, nudge_x, *operands, iters=iters, calls=calls)
+                    seconds = per_call_seconds(fn, nudge_x, *operands, iters=iters, calls=chain)
                 except Exception as error:  # noqa: BLE001 - a setting that does not compile is reported, not fatal
                     print(f"{cells} failed: {str(error)[:120]} |")
                     continue
@@ -306,7 +287,7 @@ def sweep_rows(sizes, stacks, iters: int, calls: int, interpret: bool, count: in
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = selection_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run in interpret mode)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-sweep", action="store_true", help="skip the weight-only kernels' tile sweeps")
@@ -316,7 +297,7 @@ def main(argv=None) -> int:
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); try --quick")
     sizes = QUICK if args.quick else FULL
     backend = "pallas_gpu" if on_gpu else "interpret_gpu"
-    iters, calls = (1, 1) if args.quick and not on_gpu else (args.iters, 32)
+    iters, chain = (1, 1) if args.quick and not on_gpu else (args.iters, 32)
     hidden, width, num_experts = sizes["hidden"], sizes["width"], sizes["experts"]
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}; backend {backend}; hidden {hidden}, width {width}, "
@@ -324,22 +305,23 @@ def main(argv=None) -> int:
     )
     gate_up_shape, down_shape = (num_experts, width, hidden), (num_experts, hidden, width)
     fp8 = [fp8_experts(jax.random.key(i), s) for i, s in enumerate((gate_up_shape, gate_up_shape, down_shape))]
-    stacks = {
-        "bf16": [jax.jit(lambda w: w.dequantize(jnp.bfloat16))(w) for w in fp8],
-        "fp8": fp8,
-        "mxfp4": [mxfp4_experts(10 + i, s) for i, s in enumerate((gate_up_shape, gate_up_shape, down_shape))],
-    }
+    stacks = {"bf16": [jax.jit(lambda w: w.dequantize(jnp.bfloat16))(w) for w in fp8]}
+    if "fp8" in args.format:
+        stacks["fp8"] = fp8
+    if "mxfp4" in args.format:
+        stacks["mxfp4"] = [mxfp4_experts(10 + i, s) for i, s in enumerate((gate_up_shape, gate_up_shape, down_shape))]
     for fmt, weight_stacks in stacks.items():
         print(f"{fmt} experts: {sum(nbytes(w) for w in weight_stacks) / 1e9:.2f} GB")
-    prefill_table(sizes, stacks, backend, iters)
-    copy_bw = copy_bandwidth(iters, nbytes=(1 << 20) if args.quick else (4 << 30))
-    decode_table(sizes, stacks, backend, iters, copy_bw, calls)
+    grouped, rows = args.path != "rows", args.path != "grouped"
+    if grouped:
+        prefill_table(sizes, stacks, backend, iters)
+    if rows:
+        copy_bw = copy_bandwidth(iters, nbytes=(1 << 20) if args.quick else (4 << 30))
+        decode_table(sizes, stacks, backend, iters, copy_bw, chain)
     if not args.no_sweep:
         count = 2 if args.quick else None  # --quick: the first two settings of each sweep
-        sweep_fused(sizes, stacks, iters, interpret=not on_gpu, count=count)
-        sweep_rows(sizes, stacks, iters, calls, interpret=not on_gpu, count=count)
+        if grouped:
+            sweep_fused(sizes, stacks, iters, interpret=not on_gpu, count=count)
+        if rows:
+            sweep_rows(sizes, stacks, iters, chain, interpret=not on_gpu, count=count)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Expert parallelism over N devices (mesh expert=N): one MoE layer split into its stages, and the sharded
 decode step of the full-width Ling-3.1-flash slice.
 
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m benchmarks.expert_parallel              # all devices
-    python -m benchmarks.expert_parallel --devices 2 --capacity-factor 1.25
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.expert_parallel --quick   # CPU
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m benchmarks.moe --devices 8
+    python -m benchmarks.moe --devices 2 --capacity-factor 1.25
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.moe --devices 8 --quick   # CPU
 
 MoE layer (hidden 4096, 512 experts, top-8, random bf16 weights and router) at 64 and 8192 tokens per device,
 both ways of moving rows (`ExecutionPolicy.moe_exchange`), each stage jitted on the mesh as its own shard_map
@@ -27,34 +26,27 @@ of 8192 tokens, steps dispatched back to back as `Generator` runs them (`benchma
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import gc
 import sys
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from benchmarks.common import (
-    filled_cache,
-    flash_slice_config,
-    init_on_mesh,
-    median_seconds,
-    rel_error,  # noqa: E402
-    time_decode,
-)
-from ling_jax import ExecutionPolicy, KernelBackend, LingForCausalLM  # noqa: E402
-from ling_jax.moe.block import MoE, route  # noqa: E402
+from benchmarks.common import filled_cache, flash_slice_config, init_on_mesh, median_seconds, rel_error, time_decode
+from benchmarks.moe.shared import selection_parser
+from ling_jax import ExecutionPolicy, KernelBackend, LingForCausalLM
+from ling_jax.moe.block import MoE, route
 from ling_jax.moe.expert_parallel import (
     SLICES_PER_EXPERT,
     dispatch,
     exchange,
-    has_ragged_all_to_all,  # noqa: E402
+    has_ragged_all_to_all,
     moe_parallel,
     ragged_dispatch,
     ragged_return_and_combine,
@@ -63,9 +55,9 @@ from ling_jax.moe.expert_parallel import (
     return_and_combine,
     rows_per_source,
 )
-from ling_jax.moe.experts import expert_sorted_ffn, grouped_expert_ffn  # noqa: E402
-from ling_jax.sharding import ShardingError, cache_shardings, make_mesh  # noqa: E402
-from pallas_kernels.backend import resolve_backend  # noqa: E402
+from ling_jax.moe.experts import expert_sorted_ffn, grouped_expert_ffn
+from ling_jax.sharding import ShardingError, cache_shardings, make_mesh
+from pallas_kernels.backend import resolve_backend
 
 SPLIT = P("expert")  # leading dimension (tokens, buffer rows, experts) over the expert axis
 FULL = {"tokens_per_device": (64, 8192), "decode_batch": 64, "context": 8192, "iters": 20, "steps": 20}
@@ -409,8 +401,7 @@ def print_table(rows: list[Row], decode: tuple[int, int, float], devices: int) -
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=jax.device_count(), help="N: mesh expert=N (default: all)")
+    parser = selection_parser(__doc__)
     parser.add_argument("--capacity-factor", type=float, help="cap rows per source (default: dropless)")
     parser.add_argument(
         "--kernel-backend",
@@ -475,7 +466,3 @@ def main(argv=None) -> int:
     )
     print_table(rows, (sizes["decode_batch"], sizes["context"], decode_s), args.devices)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,10 @@
-#!/usr/bin/env python3
 """One MoE layer at Ling-3.1-flash width on one GPU: the fused grouped path vs the unfused one vs the dense
-one-hot baseline, and a tile sweep of the fused kernels.
+one-hot baseline, and a tile sweep of the fused kernels (`python -m benchmarks.moe`, bf16 experts).
 
     python -m benchmarks.moe            # 8192 and 64 tokens, hidden 4096, 512 experts, top-8, bf16
     python -m benchmarks.moe --quick    # small sizes; on a CPU the kernels run in Pallas interpret mode
     python -m benchmarks.moe --no-sweep # without the tile sweep
     python -m benchmarks.moe --no-sweep --profile /tmp/moe  # plus a trace of the fused layer per token count
-    python -m benchmarks.moe --devices 8  # experts over 8 devices: benchmarks/expert_parallel.py --devices 8
 
 For each token count:
 - unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
@@ -28,27 +26,19 @@ variants.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
-import sys
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-from benchmarks.common import median_seconds, rel_error  # noqa: E402
-from ling_jax.moe.block import MoE  # noqa: E402
-from ling_jax.moe.experts import dense_expert_ffn, local_moe, sort_by_expert, unfused_local_moe  # noqa: E402
-from ling_jax.policy import ExecutionPolicy  # noqa: E402
+from benchmarks.common import median_seconds, rel_error
+from benchmarks.moe import calls
+from benchmarks.moe.shared import selection_parser
 from ling_jax.presets import preset
-from pallas_kernels.moe.ops import down_scatter, gather_swiglu, grouped_matmul, kernel  # noqa: E402
-from pallas_kernels.moe.reference import swiglu  # noqa: E402
-from pallas_kernels.moe.tuned import FEW_ROWS_PER_GROUP  # noqa: E402
+from pallas_kernels.moe.tuned import FEW_ROWS_PER_GROUP
 
-gather_swiglu_gpu, down_scatter_gpu = kernel("gather_swiglu", "gpu_triton"), kernel("down_scatter", "gpu_triton")
-
-BASELINE_CHUNK = 512  # tokens per dense-baseline chunk: [chunk, E, D] bf16 intermediates stay ~2 GB
 ISSUE_PEAK = 683e12  # the H200 bf16 peak issue 6 states its goal against
 # (block_m, block_n, block_k, num_warps, num_stages, min_block_m) of the sweep; the first of each list is the
 # default. min_block_m: the smallest row tile a group's last, partial tile shrinks to (= block_m: no shrinking).
@@ -88,57 +78,10 @@ def matmul_peak(iters: int, n: int = 8192) -> float:
     return max(2 * n**3 / median_seconds(matmul, a, b, iters=iters) for _ in range(3))
 
 
-def dense_in_chunks(x_TD, weights_TK, experts_TK, gate, up, down, limit):
-    chunks = x_TD.shape[0] // min(BASELINE_CHUNK, x_TD.shape[0])
-
-    def one(args):
-        return dense_expert_ffn(*args, gate, up, down, limit)
-
-    split = [a.reshape(chunks, -1, *a.shape[1:]) for a in (x_TD, weights_TK, experts_TK)]
-    return jax.lax.map(one, split).reshape(x_TD.shape)
-
-
-def unfused_gemms(rows_RD, sizes_E, gate, up, down, *, limit, backend):
-    """The unfused path's kernels alone: three grouped matmuls and the SwiGLU on already repeated rows."""
-    hidden_RI = swiglu(
-        grouped_matmul(rows_RD, gate, sizes_E, backend=backend),
-        grouped_matmul(rows_RD, up, sizes_E, backend=backend),
-        limit,
-    )
-    return grouped_matmul(hidden_RI, down, sizes_E, backend=backend)
-
-
-def fused_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, *, limit, backend):
-    """The fused path's kernels alone, on an already computed permutation."""
-    h_RI = gather_swiglu(x_TD, source_R, sizes_E, gate, up, limit, backend=backend)
-    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down, backend=backend)
-
-
-def unfused_layer(graphdef, limit, backend):
-    """The whole MoE layer (router, routed experts, shared expert) with the unfused routed path, jitted over
-    its split state as the model runs (nnx.jit would also return, i.e. copy, the state)."""
-
-    def run(state, x_TD):
-        moe = nnx.merge(graphdef, state)
-        weights_TK, experts_TK = moe.gate(x_TD, backend=backend)
-        experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
-        return unfused_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend) + moe.shared_experts(
-            x_TD
-        )
-
-    return jax.jit(run)
-
-
-def model_layer(graphdef, backend):
-    """The MoE module itself, as the model calls it (its fused path on a GPU)."""
-    policy = ExecutionPolicy(kernel_backend=backend)
-    return jax.jit(lambda state, x_TD: nnx.merge(graphdef, state)(x_TD, policy=policy))
-
-
-def profile_calls(fn, args, directory: str, *, calls: int) -> None:
+def profile_calls(fn, args, directory: str, *, count: int) -> None:
     jax.block_until_ready(fn(*args))
     with jax.profiler.trace(directory, create_perfetto_trace=True):
-        for _ in range(calls):
+        for _ in range(count):
             out = fn(*args)
         jax.block_until_ready(out)
 
@@ -146,8 +89,9 @@ def profile_calls(fn, args, directory: str, *, calls: int) -> None:
 def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, iters):
     """Rows (kernel, tiles, ms, TFLOP/s) for each fused kernel alone over its tile variants."""
     x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
+    gather_swiglu_gpu, down_scatter_gpu = calls.fused_kernel_entries("gpu_triton")
     h_RI = gather_swiglu_gpu(x_TD, source_R, sizes_E, gate, up, limit=limit, interpret=interpret)
-    calls = {
+    kernel_calls = {
         "gather_swiglu": lambda tiles: (
             functools.partial(gather_swiglu_gpu, limit=limit, interpret=interpret, **tiles),
             (x_TD, source_R, sizes_E, gate, up),
@@ -161,7 +105,7 @@ def sweep_tiles(kernel_args, variants, *, flops_per_kernel, interpret, limit, it
     rows = []
     for kernel, tile_list in variants.items():
         for tiles in tile_list:
-            fn, args = calls[kernel](dict(zip(names, tiles)))
+            fn, args = kernel_calls[kernel](dict(zip(names, tiles)))
             try:
                 seconds = median_seconds(fn, *args, iters=iters)
             except Exception as error:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal
@@ -192,17 +136,9 @@ def print_sweep(tokens, rows):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = selection_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument(
-        "--devices",
-        type=int,
-        default=1,
-        help="N > 1: the layer with its experts over N devices, split into dispatch all-to-all, "
-        "grouped GEMM and combine, plus the sharded decode step (runs "
-        "benchmarks/expert_parallel.py --devices N with --quick and --iters)",
-    )
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep of the fused kernels")
     parser.add_argument(
         "--profile",
@@ -220,12 +156,6 @@ def main(argv=None) -> int:
         "elsewhere), reference (jnp ragged dots, no kernels)",
     )
     args = parser.parse_args(argv)
-    if args.devices > 1:
-        from benchmarks import expert_parallel as bench_expert_parallel
-
-        return bench_expert_parallel.main(
-            ["--devices", str(args.devices), "--iters", str(args.iters)] + (["--quick"] if args.quick else [])
-        )
     on_gpu = jax.default_backend() == "gpu"
     backend = args.backend or ("pallas_gpu" if on_gpu else "interpret_gpu" if args.quick else None)
     if backend is None or (backend == "pallas_gpu" and not on_gpu):
@@ -251,29 +181,28 @@ def main(argv=None) -> int:
     )
     peak = matmul_peak(args.iters, n=1024 if args.quick else 8192)
     print(f"bf16 matmul peak (XLA, best of three medians): {peak / 1e12:.1f} TFLOP/s")
-    moe = MoE(config, clip_layer=8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    gate, up, down = moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...]
-    limit = moe.experts.limit
+    moe = calls.moe_layer(config)
+    (gate, up, down), limit = calls.expert_stacks(moe)
     graphdef, state = nnx.split(moe)
     rows = []
     for tokens in token_counts:
         x_TD = jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16)
-        weights_TK, experts_TK = jax.jit(functools.partial(moe.gate, backend=backend))(x_TD)
+        weights_TK, experts_TK = calls.route_tokens(moe, x_TD, backend)
         flops = 2 * tokens * top_k * 3 * hidden * width
         # weights are arguments, never closed over: 13 GB of captured constants would stall the compiler
-        unfused = jax.jit(functools.partial(unfused_local_moe, limit=limit, backend=backend))
-        fused = jax.jit(functools.partial(local_moe, limit=limit, policy=ExecutionPolicy(kernel_backend=backend)))
-        baseline = jax.jit(lambda *a: dense_in_chunks(*a, limit))
+        unfused = calls.unfused_routed(limit, backend)
+        fused = calls.fused_routed(limit, backend)
+        baseline = jax.jit(lambda *a: calls.dense_in_chunks(*a, limit))
         routing = (x_TD, weights_TK, experts_TK, gate, up, down)
         dense = baseline(*routing)
         errors = {"unfused": rel_error(unfused(*routing), dense), "fused": rel_error(fused(*routing), dense)}
-        order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), config.num_experts)
-        kernel_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E, gate, up, down)
+        kernel_args = (*calls.sorted_rows(x_TD, weights_TK, experts_TK, config.num_experts), gate, up, down)
+        sizes_E = kernel_args[4]
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
-        fused_layer = model_layer(graphdef, backend)
+        fused_layer = calls.model_layer(graphdef, backend)
         times = {
             "unfused: GEMMs only": median_seconds(
-                jax.jit(functools.partial(unfused_gemms, limit=limit, backend=backend)),
+                jax.jit(functools.partial(calls.unfused_gemms, limit=limit, backend=backend)),
                 rows_RD,
                 sizes_E,
                 gate,
@@ -282,18 +211,20 @@ def main(argv=None) -> int:
                 iters=args.iters,
             ),
             "fused: kernels only": median_seconds(
-                jax.jit(functools.partial(fused_kernels, limit=limit, backend=backend)), *kernel_args, iters=args.iters
+                jax.jit(functools.partial(calls.fused_kernels, limit=limit, backend=backend)),
+                *kernel_args,
+                iters=args.iters,
             ),
             "unfused: routed experts": median_seconds(unfused, *routing, iters=args.iters),
             "fused: routed experts": median_seconds(fused, *routing, iters=args.iters),
             "unfused: whole MoE layer": median_seconds(
-                unfused_layer(graphdef, limit, backend), state, x_TD, iters=args.iters
+                calls.unfused_layer(graphdef, limit, backend), state, x_TD, iters=args.iters
             ),
             "fused: whole MoE layer": median_seconds(fused_layer, state, x_TD, iters=args.iters),
             "dense one-hot baseline": median_seconds(baseline, *routing, iters=max(3, args.iters // 5)),
         }
         if args.profile:
-            profile_calls(fused_layer, (state, x_TD), os.path.join(args.profile, f"tokens{tokens}"), calls=3)
+            profile_calls(fused_layer, (state, x_TD), os.path.join(args.profile, f"tokens{tokens}"), count=3)
         layer_flops = flops + 2 * tokens * hidden * (config.num_experts + 3 * config.shared_expert_intermediate_size)
         print(
             f"\ntokens {tokens}: whole fused layer counting all its matmuls (routed top-{top_k}, shared expert, "
@@ -318,7 +249,3 @@ def main(argv=None) -> int:
             print_sweep(tokens, sweep)
     print_table(rows, peak)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Tile sweep of the Pallas grouped matmul (`pallas_kernels.moe` grouped_matmul, variant gpu_triton) at MoE shapes.
 
-    python -m benchmarks.grouped_matmul                    # rows 8, 64, 512; Ling-3.1-flash expert shapes
-    python -m benchmarks.grouped_matmul --rows 8 --quick   # fewer tile candidates
+    python -m benchmarks.moe --grouped-matmul-sweep                    # rows 8, 64, 512; Ling-3.1-flash shapes
+    python -m benchmarks.moe --grouped-matmul-sweep --rows 8 --quick   # fewer tile candidates
 
 Rows are routed to random experts (E = 512, as in decode: rows = tokens x top-8). For the gate/up shape
 (N = moe_intermediate 1024, K = hidden 4096) and the down shape (N = 4096, K = 1024) it times every
@@ -13,20 +12,15 @@ the figure that matters at decode sizes, where the kernel is a stream of expert 
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import median_seconds, rel_error
-from pallas_kernels.moe.gpu_triton import row_tiles
-from pallas_kernels.moe.ops import kernel
-from pallas_kernels.moe.reference import grouped_matmul_reference
-
-grouped_matmul_gpu = kernel("grouped_matmul", "gpu_triton")
+from benchmarks.moe import calls
+from benchmarks.moe.shared import selection_parser
 
 SHAPES = {"gate/up": (1024, 4096), "down": (4096, 1024)}  # (N, K)
 
@@ -52,16 +46,16 @@ def sweep(rows: int, n_dim: int, k_dim: int, num_experts: int, quick: bool, iter
     lhs = jax.random.normal(jax.random.key(0), (rows, k_dim), jnp.bfloat16)
     rhs = jax.random.normal(jax.random.key(1), (num_experts, n_dim, k_dim), jnp.bfloat16)
     sizes_dev = jnp.asarray(sizes)
-    expected = grouped_matmul_reference(lhs, rhs, sizes_dev)
+    expected = calls.grouped_matmul_reference(lhs, rhs, sizes_dev)
 
     def timed(**tiles):
-        fn = jax.jit(lambda a, b, s: grouped_matmul_gpu(a, b, s, **tiles))
+        fn = calls.grouped_matmul_tiles(**tiles)
         error = rel_error(fn(lhs, rhs, sizes_dev), expected)
         if not error < 1e-2:
             raise SystemExit(f"tiles {tiles}: rel. error {error:.2e} against the reference")
         return median_seconds(fn, lhs, rhs, sizes_dev, iters=iters)
 
-    tiling = median_seconds(jax.jit(lambda s: row_tiles(s, rows, 16)), sizes_dev, iters=iters)
+    tiling = median_seconds(jax.jit(lambda s: calls.row_tiles(s, rows, 16)), sizes_dev, iters=iters)
     print(f"  row tiling alone (jnp, before the kernel): {tiling * 1e6:.1f} us")
     results = []
     for tiles in candidates(quick):
@@ -75,7 +69,7 @@ def sweep(rows: int, n_dim: int, k_dim: int, num_experts: int, quick: bool, iter
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = selection_parser(__doc__)
     parser.add_argument("--rows", default="8,64,512", help="comma-separated row counts (tokens x top-k)")
     parser.add_argument("--experts", type=int, default=512)
     parser.add_argument("--iters", type=int, default=30)
@@ -92,7 +86,3 @@ def main(argv=None) -> int:
         for seconds, tiles in results[:5]:
             print(f"    {tiles}: {seconds * 1e6:.1f} us ({weight_bytes / seconds / 1e12:.2f} TB/s)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

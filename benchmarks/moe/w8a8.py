@@ -1,9 +1,9 @@
 """One MoE layer's routed experts at Ling-3.1-flash width in W8A8 against the bf16 fused path, beside the GPU's
 FP8 and bf16 matmul peaks measured in the same run.
 
-    python -m benchmarks.moe_w8a8             # 8192 tokens, hidden 4096, width 1280, 512 experts, top-8
-    python -m benchmarks.moe_w8a8 --sweep     # plus a tile sweep of the two W8A8 kernels
-    python -m benchmarks.moe_w8a8 --quick     # small sizes; on a CPU the kernels run in Pallas interpret mode
+    python -m benchmarks.moe --fp8-matmul w8a8           # 8192 tokens, hidden 4096, width 1280, 512 experts, top-8
+    python -m benchmarks.moe --fp8-matmul w8a8 --sweep   # plus a tile sweep of the two W8A8 kernels
+    python -m benchmarks.moe --fp8-matmul w8a8 --quick   # small sizes; on a CPU the kernels run in interpret mode
 
 Paths, each on the same routing (uniform random top-k, distinct experts per token) and the same weights (the bf16
 experts, and their block-FP8 quantisation, 128 x 128 blocks):
@@ -21,25 +21,18 @@ path, >= 55% of the FP8 peak.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from benchmarks.common import median_seconds, rel_error  # noqa: E402
-from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
-from ling_jax.moe.experts import sort_by_expert  # noqa: E402
-from ling_jax.quantized import BlockFP8Weight  # noqa: E402
-from pallas_kernels.fp8.reference import E4M3_MAX  # noqa: E402
-from pallas_kernels.moe.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
-from pallas_kernels.moe.gpu_mosaic import w8a8_expert_rows_mgpu  # noqa: E402
-from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu  # noqa: E402
-from pallas_kernels.moe.ops import down_scatter, gather_swiglu  # noqa: E402
+from benchmarks.common import median_seconds, rel_error
+from benchmarks.fp8_peak import jax_rows, torch_rows
+from benchmarks.moe import calls
+from benchmarks.moe.shared import LIMIT, selection_parser
+from pallas_kernels.fp8.reference import E4M3_MAX
 
 BLOCK = (128, 128)
-LIMIT = 7.0  # Ling's expert SwiGLU clip
 FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192)
 QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256)
 # (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m)
@@ -90,34 +83,6 @@ def random_problem(tokens: int, hidden: int, width: int, experts: int, top_k: in
     return x_TD, weights_TK, experts_TK, gate, up, down
 
 
-def bf16_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, *, backend):
-    h_RI = gather_swiglu(x_TD, source_R, sizes_E, gate, up, LIMIT, backend=backend)
-    return down_scatter(h_RI, order_R, row_weight_R, sizes_E, down, backend=backend)
-
-
-def w8a8_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, *, interpret):
-    h_q, h_scale = gather_swiglu_w8a8_gpu(
-        x_TD, source_R, sizes_E, *gate, *up, limit=LIMIT, block=BLOCK, interpret=interpret
-    )
-    return down_scatter_w8a8_gpu(
-        h_q, h_scale, order_R, row_weight_R, sizes_E, *down, block=BLOCK, out_dtype=x_TD.dtype, interpret=interpret
-    )
-
-
-def mosaic_kernels(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, **tiles):
-    gate, up, down = (BlockFP8Weight(*weight, BLOCK) for weight in (gate, up, down))
-    return w8a8_expert_rows_mgpu(x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down, LIMIT, **tiles)
-
-
-def routed_experts(kernels, x_TD, weights_TK, experts_TK, gate, up, down, *, num_experts: int):
-    """Sort by expert, the path's kernels, the top-k sum: y [T, D]."""
-    tokens, top_k = experts_TK.shape
-    order_R, sizes_E = sort_by_expert(experts_TK.reshape(-1), num_experts)
-    row_weight_R = weights_TK.reshape(-1)[order_R]
-    y_RD = kernels(x_TD, order_R // top_k, order_R, row_weight_R, sizes_E, gate, up, down)
-    return jnp.sum(y_RD.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1).astype(x_TD.dtype)
-
-
 def peaks(size: int, iters: int) -> tuple[float, float, str]:
     """(bf16 TFLOP/s, FP8 TFLOP/s, which FP8 row) from bench_fp8_peak's rows at size^3; prints every row."""
     flops = 2 * size**3
@@ -136,34 +101,21 @@ def peaks(size: int, iters: int) -> tuple[float, float, str]:
 
 
 def sweep(kernel_args, *, flops: float, interpret: bool, iters: int) -> None:
-    x_TD, source_R, order_R, row_weight_R, sizes_E, gate, up, down = kernel_args
-    h_q, h_scale = gather_swiglu_w8a8_gpu(
-        x_TD, source_R, sizes_E, *gate, *up, limit=LIMIT, block=BLOCK, interpret=interpret
-    )
-    calls = {
-        "gather_swiglu_w8a8": (
-            functools.partial(gather_swiglu_w8a8_gpu, limit=LIMIT, block=BLOCK, interpret=interpret),
-            (x_TD, source_R, sizes_E, *gate, *up),
-            2 * flops / 3,
-        ),
-        "down_scatter_w8a8": (
-            functools.partial(down_scatter_w8a8_gpu, block=BLOCK, interpret=interpret),
-            (h_q, h_scale, order_R, row_weight_R, sizes_E, *down),
-            flops / 3,
-        ),
-    }
+    kernel_calls = calls.w8a8_kernel_calls(kernel_args, limit=LIMIT, block=BLOCK, interpret=interpret)
+    kernel_flops = {"gather_swiglu_w8a8": 2 * flops / 3, "down_scatter_w8a8": flops / 3}
+    mosaic = functools.partial(calls.mosaic_kernels, limit=LIMIT, block=BLOCK)
     print("\n| kernel | tiles | ms | TFLOP/s |")
     print("|---|---|---|---|")
     for tiles in () if interpret else MOSAIC_SWEEP:
-        named = dict(zip(MOSAIC_TILE_KEYWORDS, tiles, strict=True))
+        named = dict(zip(calls.MOSAIC_TILE_KEYWORDS, tiles, strict=True))
         try:
-            seconds = median_seconds(jax.jit(functools.partial(mosaic_kernels, **named)), *kernel_args, iters=iters)
+            seconds = median_seconds(jax.jit(functools.partial(mosaic, **named)), *kernel_args, iters=iters)
         except Exception as error:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal
             print(f"| mosaic experts | {named} | failed: {str(error).splitlines()[0][:160]} | |")
             continue
         print(f"| mosaic experts | {named} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} |", flush=True)
     for kernel, settings in SWEEP.items():
-        entry, args, kernel_flops = calls[kernel]
+        entry, args = kernel_calls[kernel]
         for tiles in settings:
             named = dict(zip(SWEEP_KEYWORDS[kernel], tiles, strict=True))
             try:
@@ -171,11 +123,14 @@ def sweep(kernel_args, *, flops: float, interpret: bool, iters: int) -> None:
             except Exception as error:  # noqa: BLE001 - as above
                 print(f"| {kernel} | {named} | failed: {str(error).splitlines()[0][:160]} | |")
                 continue
-            print(f"| {kernel} | {named} | {seconds * 1e3:.3f} | {kernel_flops / seconds / 1e12:.1f} |", flush=True)
+            print(
+                f"| {kernel} | {named} | {seconds * 1e3:.3f} | {kernel_flops[kernel] / seconds / 1e12:.1f} |",
+                flush=True,
+            )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = selection_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke test)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also sweep the W8A8 kernels' tiles")
@@ -191,24 +146,24 @@ def main(argv=None) -> int:
     backend = "interpret_gpu" if interpret else "pallas_gpu"
     tokens, hidden, width, num_experts, top_k = (sizes[k] for k in ("tokens", "hidden", "width", "experts", "top_k"))
     print(
-        f"# bench_moe_w8a8: jax {jax.__version__}, {jax.devices()[0].device_kind}, backend {backend}; {tokens} tokens, "
-        f"hidden {hidden}, width {width}, {num_experts} experts, top-{top_k}, bf16 activations, {BLOCK} blocks"
+        f"# benchmarks.moe --fp8-matmul w8a8: jax {jax.__version__}, {jax.devices()[0].device_kind}, backend "
+        f"{backend}; {tokens} tokens, hidden {hidden}, width {width}, {num_experts} experts, top-{top_k}, bf16 "
+        f"activations, {BLOCK} blocks"
     )
     bf16_peak, fp8_peak, fp8_name = peaks(sizes["peak_size"], args.iters)
     x_TD, weights_TK, experts_TK, gate, up, down = random_problem(tokens, hidden, width, num_experts, top_k)
     fp8_weights = tuple(block_fp8(w) for w in (gate, up, down))
     paths = {
-        "bf16 fused": (functools.partial(bf16_kernels, backend=backend), (gate, up, down)),
-        "W8A8": (functools.partial(w8a8_kernels, interpret=interpret), fp8_weights),
+        "bf16 fused": (functools.partial(calls.fused_kernels, limit=LIMIT, backend=backend), (gate, up, down)),
+        "W8A8": (functools.partial(calls.w8a8_kernels, limit=LIMIT, block=BLOCK, interpret=interpret), fp8_weights),
     }
     if on_gpu:
-        paths["Mosaic W8A8"] = (mosaic_kernels, fp8_weights)
-    order_R, sizes_E = jax.jit(sort_by_expert, static_argnums=1)(experts_TK.reshape(-1), num_experts)
-    sorted_args = (x_TD, order_R // top_k, order_R, weights_TK.reshape(-1)[order_R], sizes_E)
+        paths["Mosaic W8A8"] = (functools.partial(calls.mosaic_kernels, limit=LIMIT, block=BLOCK), fp8_weights)
+    sorted_args = calls.sorted_rows(x_TD, weights_TK, experts_TK, num_experts)
     flops = 2 * tokens * top_k * 3 * hidden * width
     times, outputs = {}, {}
     for name, (kernels, weights) in paths.items():
-        routed = jax.jit(functools.partial(routed_experts, kernels, num_experts=num_experts))
+        routed = jax.jit(functools.partial(calls.routed_by_expert, kernels, num_experts=num_experts))
         outputs[name] = routed(x_TD, weights_TK, experts_TK, *weights)
         times[f"{name}: kernels only"] = median_seconds(jax.jit(kernels), *sorted_args, *weights, iters=args.iters)
         times[f"{name}: routed experts"] = median_seconds(
@@ -234,7 +189,3 @@ def main(argv=None) -> int:
     if args.sweep:
         sweep((*sorted_args, *fp8_weights), flops=flops, interpret=interpret, iters=args.iters)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

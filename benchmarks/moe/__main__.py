@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.moe import main
+
+sys.exit(main())
