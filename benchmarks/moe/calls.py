@@ -10,6 +10,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from pallas_kernels.moe.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS
+from pallas_kernels.moe.gpu_mosaic import w8a8_expert_rows_mgpu
+from pallas_kernels.moe.xla_folded import routed_experts_xla
+from pallas_kernels.moe.xla_folded import takes as folded_takes
 
 from ling_jax.moe.block import MoE
 from ling_jax.moe.experts import (
@@ -23,8 +27,6 @@ from ling_jax.moe.experts import (
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.moe import tuned
-from pallas_kernels.moe.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS
-from pallas_kernels.moe.gpu_mosaic import w8a8_expert_rows_mgpu
 from pallas_kernels.moe.gpu_triton import row_tiles
 from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu
 from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, grouped_matmul, kernel, routed_experts
@@ -34,8 +36,6 @@ from pallas_kernels.moe.reference import (
     select_experts_reference,
     swiglu,
 )
-from pallas_kernels.moe.xla_folded import routed_experts_xla
-from pallas_kernels.moe.xla_folded import takes as folded_takes
 from pallas_kernels.tuning import lookup
 
 __all__ = [
