@@ -37,7 +37,7 @@ def dense_mlp(
 ) -> jax.Array:
     """The dense SwiGLU MLP (also the shared expert): down(swiglu(gate(x), up(x), limit)); policy: how block-FP8
     weights multiply (`swiglu_ffn`)."""
-    return swiglu_ffn(x, *shared_expert(weights, limit), policy)
+    return swiglu_ffn(x, *shared_expert(weights, limit).weights, limit, policy)
 
 
 def routing_rule(config: LingConfig) -> RoutingRule:
@@ -96,7 +96,7 @@ def routed_experts_block(
         if shared is None:
             return routed, dropped
         with jax.named_scope("shared_expert"):
-            shared_TD = swiglu_ffn(x_TD, *shared, policy)
+            shared_TD = swiglu_ffn(x_TD, *shared.weights, shared.limit, policy)
         return routed + shared_TD, dropped
     return local_moe(x_TD, routing, experts, limit, policy=policy, shared=shared), jnp.int32(0)
 

@@ -1,5 +1,5 @@
-"""The routed experts' maths around the kernels: the weighted combine and the shared expert's sum, the token
-chunks of a large step, the SwiGLU MLP (the dense MLP and the shared expert) and the one-hot dense baseline.
+"""The routed experts' maths around the kernels: the shared expert and its sum, the token chunks of a large step,
+the SwiGLU MLP (the dense MLP and the shared expert) and the one-hot dense baseline.
 
 Which kernels run the routed experts is chosen in one place, `pallas_kernels.moe.ops.expert_path` (by the kernel
 backend, the rows of the call, the experts' format and the policy's FP8 mode), and `pallas_kernels.moe.ops.
@@ -16,8 +16,8 @@ on its tokens in chunks, one after another (`token_chunks`, `in_token_chunks`; e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +33,20 @@ from pallas_kernels.moe.reference import swiglu
 ROW_BUFFER_BYTES = 1 << 30
 
 
-class SharedExpert(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["gate_ID", "up_ID", "down_DI"], meta_fields=["limit"])
+@dataclasses.dataclass(frozen=True)
+class SharedExpert:
     """The MoE's shared expert: SwiGLU weights in the checkpoint's [out, in] layout (arrays or quantised weights)
-    and its clip."""
+    and its clip (static)."""
 
     gate_ID: jax.Array
     up_ID: jax.Array
     down_DI: jax.Array
     limit: float | None
+
+    @property
+    def weights(self) -> tuple:
+        return self.gate_ID, self.up_ID, self.down_DI
 
 
 def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None, policy: ExecutionPolicy | None = None) -> jax.Array:
@@ -108,10 +114,11 @@ def local_moe(
     ROW_BUFFER_BYTES. The shared expert is added here (`swiglu_ffn`, as the policy says), unless the row kernels
     run it (`ExpertPath.with_shared`)."""
     tokens, top_k = routing.experts_TK.shape
-    path = expert_path(policy.kernel_backend, experts, policy.fp8_matmul, rows=tokens * top_k, shared=shared)
+    shared_weights = None if shared is None else shared.weights
+    path = expert_path(policy.kernel_backend, experts, policy.fp8_matmul, rows=tokens * top_k, shared=shared_weights)
     if path.with_shared:
         with jax.named_scope("routed_and_shared_experts"):
-            return moe_experts(x_TD, routing, experts, limit, path, shared=shared[:3], shared_limit=shared.limit)
+            return moe_experts(x_TD, routing, experts, limit, path, shared=shared_weights, shared_limit=shared.limit)
     with jax.named_scope("routed_experts"):
         chunks = token_chunks(tokens, top_k, x_TD.shape[1] * x_TD.dtype.itemsize)
         routed_TD = in_token_chunks(
@@ -124,5 +131,5 @@ def local_moe(
     if shared is None:
         return routed_TD
     with jax.named_scope("shared_expert"):
-        shared_TD = swiglu_ffn(x_TD, *shared, policy)
+        shared_TD = swiglu_ffn(x_TD, *shared.weights, shared.limit, policy)
     return routed_TD + shared_TD

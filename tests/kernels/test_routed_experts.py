@@ -189,7 +189,7 @@ def test_local_moe_with_the_shared_expert(tokens, shared_width):
     assert ("expert_down_combine" in str(traced.jaxpr.eqns[-1])) == in_rows  # the kernels' output is the result
     ours = traced.lower().compile()(*args)
     reference = jax.jit(functools.partial(run, policy=ExecutionPolicy(kernel_backend="reference")))(*args)
-    expected = dense_expert_ffn(*args, 2.0) + swiglu_ffn(x, *shared)
+    expected = dense_expert_ffn(*args, 2.0) + swiglu_ffn(x, *shared.weights, shared.limit)
     assert rel_error(ours, expected) <= 1e-5 and rel_error(reference, expected) <= 1e-5
 
 
