@@ -1,6 +1,7 @@
 """Benchmark ling-convert: throughput and peak RSS on synthetic multi-GB block-FP8 checkpoints.
 
     python -m benchmarks.convert --sizes-gb 2 6 --workdir /tmp/bench_convert
+    python -m benchmarks.convert --quick    # the tiny preset's checkpoint, one fp8 conversion (smoke test)
 
 For each size it writes a checkpoint of `convert.synthetic.benchmark_config` (random FP8 codes), then runs the
 converter as a child process (`python -m convert.cli`) per --dtype / --workers combination and reports wall
@@ -19,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from convert.measure import run_measured  # noqa: E402
 from convert.synthetic import benchmark_config, write_random_checkpoint  # noqa: E402
+from ling_jax.presets import preset  # noqa: E402
 
 
 def directory_bytes(path: str) -> int:
@@ -60,16 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="also time a bf16 conversion with --verify")
     parser.add_argument("--restore", action="store_true", help="also time load_checkpoint of each --dtype result")
     parser.add_argument("--workdir", default="/tmp/bench_convert")
+    parser.add_argument("--quick", action="store_true", help="the tiny preset's checkpoint instead of --sizes-gb")
     args = parser.parse_args(argv)
+    sources = (
+        [("tiny", preset("tiny"), 2)]
+        if args.quick
+        else [(f"{size:g}gb", benchmark_config(size * 1e9), max(2, round(size))) for size in args.sizes_gb]
+    )
     print(
         "| source | dtype | workers | wall s | read GB/s (wall) | write-phase GB/s | written GB | peak RSS MB "
         "| restore s (RSS MB) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for size in args.sizes_gb:
-        src = os.path.join(args.workdir, f"src-{size:g}gb")
+    for name, config, shards in sources:
+        src = os.path.join(args.workdir, f"src-{name}")
         shutil.rmtree(args.workdir, ignore_errors=True)
-        write_random_checkpoint(src, benchmark_config(size * 1e9), num_shards=max(2, round(size)), random_codes=True)
+        write_random_checkpoint(src, config, num_shards=shards, random_codes=True)
         source_bytes = directory_bytes(src)
         runs = [(dtype, workers, False) for dtype in args.dtypes for workers in args.workers]
         runs += [("bf16", args.workers[0], True)] if args.verify else []

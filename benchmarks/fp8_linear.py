@@ -5,6 +5,7 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
     python -m benchmarks.fp8_linear --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
     python -m benchmarks.fp8_linear --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
     python -m benchmarks.fp8_linear --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
+    python -m benchmarks.fp8_linear --quick [--prefill]   # one 256 x 256 weight, 2 calls, no sweep (smoke test)
 
 Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
 output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
@@ -26,6 +27,7 @@ import dataclasses
 import datetime
 import functools
 import subprocess
+import sys
 import time
 
 import jax  # noqa: E402
@@ -48,6 +50,7 @@ DECODE_SHAPES = ((8192, 4096), (4096, 8192), (10240, 4096), (4096, 10240), (576,
 DECODE_ROWS = (1, 8, 16)
 PREFILL_SHAPES = ((8192, 4096), (4096, 8192), (576, 4096), (12288, 4096), (4096, 12288))
 PREFILL_ROWS = (64, 256, 2048, 8192)
+QUICK_SHAPES, QUICK_DECODE_ROWS, QUICK_PREFILL_ROWS = ((256, 256),), (1, 8), (64,)
 MIN_CALLS, MAX_CALLS = 16, 48  # calls (weight copies) a chain: 48 of the 576 x 4096 weight are 113 MB
 CHAIN_BYTES = 192 << 20  # FP8 weight bytes a chain reads at least: ~4x the H200's 50 MB L2
 weight_only_gpu, w8a8_gpu = kernel("weight_only_linear", "gpu_triton"), kernel("w8a8_linear", "gpu_triton")
@@ -114,14 +117,14 @@ DECODE_METHODS = {  # name: (product, whether it reads the bf16 weight)
 }
 
 
-def decode_table(iters: int, copy_bw: float) -> None:
+def decode_table(iters: int, copy_bw: float, shapes=DECODE_SHAPES, rows_list=DECODE_ROWS) -> None:
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; bf16 x, {BLOCK} blocks; us (GB/s, % of copy bandwidth)")
     print(f"{GEMV} defaults: {lookup(tuned.WEIGHT_ONLY_GEMV, dtype=jnp.bfloat16)}")
     print("| O x In | M | " + " | ".join(DECODE_METHODS) + " |")
     print("|---|---|" + "---|" * len(DECODE_METHODS))
-    for out_dim, in_dim in DECODE_SHAPES:
+    for out_dim, in_dim in shapes:
         weights = random_copies(out_dim, in_dim)
-        for rows in DECODE_ROWS:
+        for rows in rows_list:
             x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
             cells = []
             for product, reads_dense in DECODE_METHODS.values():
@@ -136,11 +139,11 @@ def decode_table(iters: int, copy_bw: float) -> None:
             print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
-def print_peaks(iters: int) -> None:
-    """The device's bf16 and FP8 matmul peaks at PEAK_SIZE^3 (`bench_fp8_peak`), the ceilings of the W8A8 rows."""
-    flops = 2 * PEAK_SIZE**3
-    print(f"\nmatmul peaks at M = N = K = {PEAK_SIZE} (benchmarks/fp8_peak.py):")
-    for name, seconds in {**jax_rows(PEAK_SIZE, iters), **torch_rows(PEAK_SIZE, iters)}.items():
+def print_peaks(iters: int, size: int = PEAK_SIZE) -> None:
+    """The device's bf16 and FP8 matmul peaks at size^3 (`bench_fp8_peak`), the ceilings of the W8A8 rows."""
+    flops = 2 * size**3
+    print(f"\nmatmul peaks at M = N = K = {size} (benchmarks/fp8_peak.py):")
+    for name, seconds in {**jax_rows(size, iters), **torch_rows(size, iters)}.items():
         rate = seconds if isinstance(seconds, str) else f"{flops / seconds / 1e12:.1f} TFLOP/s"
         print(f"  {name:24s} {rate}")
 
@@ -164,8 +167,8 @@ def error_cell(entry, x, values, scales, exact) -> str:
         return "n/a"
 
 
-def prefill_table(iters: int) -> None:
-    print_peaks(iters)
+def prefill_table(iters: int, shapes=PREFILL_SHAPES, rows_list=PREFILL_ROWS, peak_size: int = PEAK_SIZE) -> None:
+    print_peaks(iters, peak_size)
     methods = {
         "XLA bf16 dot": (lambda x, w: x @ w.T, True),
         "dequant + dot": DECODE_METHODS["dequant + dot (today)"],
@@ -180,9 +183,9 @@ def prefill_table(iters: int) -> None:
         "| O x In | M | " + " | ".join(methods) + " | " + " | ".join(f"{name} error" for name in W8A8_VARIANTS) + " |"
     )
     print("|---|---|" + "---|" * (len(methods) + len(W8A8_VARIANTS)))
-    for out_dim, in_dim in PREFILL_SHAPES:
+    for out_dim, in_dim in shapes:
         weights = random_copies(out_dim, in_dim)
-        for rows in PREFILL_ROWS:
+        for rows in rows_list:
             x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
             flops = 2 * rows * out_dim * in_dim
             cells = []
@@ -310,15 +313,23 @@ def sweep(iters: int, kernels) -> None:
             print(f"| {tiles} | " + " | ".join(cells) + " |", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode one")
     parser.add_argument("--sweep", nargs="+", choices=list(SWEEPS), help="sweep these kernels' tiles alone")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="one small weight, 2 calls, no sweep (smoke test)")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}): the kernels are Triton's")
     print(f"# bench_fp8_linear {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}")
     start = time.perf_counter()
-    if args.sweep:
+    if args.quick:
+        if args.prefill:
+            prefill_table(2, QUICK_SHAPES, QUICK_PREFILL_ROWS, peak_size=256)
+        else:
+            decode_table(2, copy_bandwidth(2, nbytes=1 << 20), QUICK_SHAPES, QUICK_DECODE_ROWS)
+    elif args.sweep:
         sweep(args.iters, args.sweep)
     elif args.prefill:
         prefill_table(args.iters)
@@ -327,7 +338,8 @@ def main() -> None:
         print(f"\n({time.perf_counter() - start:.0f} s)")
         sweep(args.iters, [GEMV])
     print(f"\n({time.perf_counter() - start:.0f} s in all)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """The matrix peaks of this GPU, measured in one run: bf16 and FP8 (e4m3) GEMMs at M = N = K = 8192.
 
     python -m benchmarks.fp8_peak [--size 8192] [--iters 20]
+    python -m benchmarks.fp8_peak --quick    # 256^3, 2 calls (smoke test; on a CPU the jax rows only)
 
 Rows, each TFLOP/s from the median of `iters` timed calls (2 M N K flops per call):
 - jax bf16: `jnp.dot` of bf16 operands, fp32 accumulation (the baseline every FP8 figure is read against);
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import statistics
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -84,21 +86,24 @@ def torch_rows(size: int, iters: int) -> dict[str, float | str]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
-    flops = 2 * args.size**3
+    parser.add_argument("--quick", action="store_true", help="size 256, 2 calls")
+    args = parser.parse_args(argv)
+    size, iters = (256, 2) if args.quick else (args.size, args.iters)
+    flops = 2 * size**3
     print(f"# bench_fp8_peak {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}")
-    print(f"# M = N = K = {args.size}, median of {args.iters}")
-    rows = {**jax_rows(args.size, args.iters), **torch_rows(args.size, args.iters)}
+    print(f"# M = N = K = {size}, median of {iters}")
+    rows = {**jax_rows(size, iters), **torch_rows(size, iters)}
     for name, seconds in rows.items():
         if isinstance(seconds, str):
             print(f"{name:24s} {seconds}")
         else:
             print(f"{name:24s} {seconds * 1e3:8.3f} ms  {flops / seconds / 1e12:7.1f} TFLOP/s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,7 @@
 
     python -m benchmarks.generate            # hidden 4096, one 8-layer group (7 KDA + 1 MLA), all-MoE,
                                                 # 512 experts, random bf16 weights; batch 1 and 64, context 8192
-    python -m benchmarks.generate --quick    # a narrow model (smoke test)
+    python -m benchmarks.generate --quick    # a narrow 2-layer model (smoke test)
 
     python -m benchmarks.generate --weights bf16,stored   # also the block-FP8 weights a checkpoint stores
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1,8,32
@@ -137,14 +137,14 @@ def main(argv=None) -> int:
     if args.preset:
         config = preset(args.preset)
     else:
-        config = flash_slice_config(8, args.quick)
+        config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer
     context = 512 if args.quick else args.context
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
         f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts",
         flush=True,
     )
-    copy = copy_bandwidth(10)
+    copy = copy_bandwidth(2, nbytes=1 << 20) if args.quick else copy_bandwidth(10)
     print(f"device copy: {copy / 1e12:.2f} TB/s", flush=True)
     rows = []
     for weights in formats:

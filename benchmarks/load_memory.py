@@ -2,7 +2,7 @@
 checkpoint, beside the checkpoint's size and the bound it must keep (2 GiB plus its largest per-device slice).
 
     python -m benchmarks.load_memory --size-gb 2.5 --mesh expert=8 --workdir /tmp/bench_load
-    python -m benchmarks.load_memory --quick      # a 0.3 GB checkpoint: a smoke test
+    python -m benchmarks.load_memory --quick      # the tiny preset's checkpoint: a smoke test
 
 It writes a checkpoint of `convert.synthetic.benchmark_config` (random FP8 codes), then loads it in a child process
 (`convert.measure`: the child's own peak RSS) on CPU devices standing in for the mesh. CPU devices keep their arrays
@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from convert.measure import run_measured  # noqa: E402
 from convert.synthetic import benchmark_config, write_random_checkpoint  # noqa: E402
+from ling_jax.presets import preset  # noqa: E402
 
 GIB = 1 << 30
 BOUND_BYTES = 2 * GIB  # plus one slice
@@ -52,14 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gb", type=float, default=2.5, help="checkpoint size to write (default 2.5)")
     parser.add_argument("--mesh", default="expert=8", help="mesh of CPU devices (default expert=8)")
     parser.add_argument("--workdir", default="/tmp/bench_load_memory")
-    parser.add_argument("--quick", action="store_true", help="a 0.3 GB checkpoint (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="the tiny preset's checkpoint (smoke test)")
     args = parser.parse_args(argv)
-    size = 0.3e9 if args.quick else args.size_gb * 1e9
+    config = preset("tiny") if args.quick else benchmark_config(args.size_gb * 1e9)
     devices = math.prod(int(item.split("=")[1]) for item in args.mesh.split(",") if item)
     src = os.path.join(args.workdir, "hf")
     shutil.rmtree(args.workdir, ignore_errors=True)
     try:
-        write_random_checkpoint(src, benchmark_config(size), num_shards=3, random_codes=True)
+        write_random_checkpoint(src, config, num_shards=3, random_codes=True)
         run = run_measured([sys.executable, "-c", _LOAD, src, args.mesh, str(devices)], cwd=ROOT)
         if run.returncode:
             raise RuntimeError(f"loading failed:\n{run.stderr}")

@@ -157,7 +157,7 @@ def run_prefix(model, args) -> tuple[float, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a narrow model, a few short requests (CPU)")
-    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--concurrency", help="comma-separated client counts (default 1,16,64; --quick 1,3)")
     parser.add_argument("--requests", type=int, default=0, help="requests per concurrency (default 2x it, >= 8)")
     parser.add_argument("--min-prompt", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=2048)
@@ -169,14 +169,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--prefix-tokens",
         type=int,
-        default=8192,
-        help="TTFT of requests sharing a prefix this long, prefix cache off vs on (0: skip)",
+        help="TTFT of requests sharing a prefix this long, prefix cache off vs on (default 8192, --quick 96; 0: skip)",
     )
     args = parser.parse_args(argv)
+    args.concurrency = args.concurrency or ("1,3" if args.quick else "1,16,64")
+    if args.prefix_tokens is None:
+        args.prefix_tokens = 96 if args.quick else 8192
     if args.quick:
-        args.concurrency = "1,3"
         args.min_prompt, args.max_prompt, args.min_output, args.max_output = 8, 40, 2, 12
-        args.prefill_chunk, args.prefill_budget, args.prefix_tokens = 32, 64, 96
+        args.prefill_chunk, args.prefill_budget = 32, 64
     levels = [int(c) for c in args.concurrency.split(",")]
     cache_dir = cli_runtime.enable_compile_cache(False)  # a second run loads its programs instead of compiling
     config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer

@@ -4,7 +4,8 @@ plus the shared expert of the same width, as a decode step runs them): the row-b
 `ling_jax.moe.experts.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one
 token, then the expert selection before them (`pallas_kernels.moe.select_experts`: kernel tiles vs the jnp reference).
 
-    python -m benchmarks.moe --path rows     # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
+    python -m benchmarks.moe --path rows            # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
+    python -m benchmarks.moe --path rows --quick    # 1 token, no sweep (smoke test)
 
 Every time is per call of a chain of `common.CHAINED_CALLS` dependent calls in one jitted program (each call's input
 nudged by the last output): a lone call of a few-ten-microsecond kernel would time the launch, not the kernel.
@@ -31,11 +32,11 @@ def nudge_logits(logits_TE, selection):
     return logits_TE + 1e-6 * selection[0][:, :1]
 
 
-def bench_select_experts(iters: int) -> None:
+def bench_select_experts(iters: int, token_counts=(1, 8, 64, 8192)) -> None:
     print("\nexpert selection, us per call; kernel tiles (block_t, num_warps)")
     print("| tokens | jnp reference (XLA) | " + " | ".join(f"kernel {t}" for t in SELECT_TILES) + " |")
     print("|---|---|" + "---|" * len(SELECT_TILES))
-    for tokens in (1, 8, 64, 8192):
+    for tokens in token_counts:
         r = np.random.default_rng(tokens)
         logits = jnp.asarray(r.normal(size=(tokens, EXPERTS)), jnp.float32)
         bias = jnp.asarray(r.normal(size=EXPERTS) * 0.1, jnp.float32)
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="1,2,4,8,16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="1 token, no tile sweep, selection at 1 and 8 tokens")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
 
     print("| tokens | row kernels us | TB/s (pair reads) | grouped path us | TB/s (distinct experts) | rel. diff |")
     print("|---|---|---|---|---|---|")
-    for tokens in map(int, args.tokens.split(",")):
+    for tokens in (1,) if args.quick else map(int, args.tokens.split(",")):
         r = np.random.default_rng(tokens)
         experts = jnp.asarray(np.stack([r.permutation(EXPERTS)[:TOP_K] for _ in range(tokens)]), jnp.int32)
         weights = jnp.asarray(r.uniform(0.1, 1.0, (tokens, TOP_K)), jnp.float32)
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
             f"{grouped_s * 1e6:.1f} | {distinct * expert_bytes / grouped_s / 1e12:.2f} | {diff:.1e} |",
             flush=True,
         )
-        if tokens == 1 and not args.no_sweep:
+        if tokens == 1 and not (args.no_sweep or args.quick):
             sweep_row_tiles(operands, shared, args.iters)
-    bench_select_experts(args.iters)
+    bench_select_experts(args.iters, (1, 8) if args.quick else (1, 8, 64, 8192))
     return 0

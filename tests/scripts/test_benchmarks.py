@@ -1,0 +1,92 @@
+"""CI's smoke run of the benchmarks (`python -m benchmarks.NAME`): each runs its `--quick` mode in-process, at
+sizes that keep the whole file near a minute on two cores. Those that time only GPU kernels (Triton, Mosaic) stop
+at their arguments on a CPU (they need a GPU, and say so) and run their `--quick` mode on the device machine
+(`pytest -m gpu`). Run elsewhere: benchmarks.generate_cli (tests/generation/test_generate_cli_run.py), the
+expert-parallel measurement (tests/scripts/test_multi_gpu_scripts.py), benchmarks.figures
+(tests/docs/test_figures.py). benchmarks.serve only parses its arguments here: its --quick run compiles the
+serving engine's programs (~45 s of CPU), whose scheduler tests/serving runs."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import pytest
+
+ON_CPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU runs; on a GPU the gpu-marked ones run")
+ON_GPU = pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="times GPU kernels only; runs on the device machine (pytest -m gpu)"
+)
+
+# (module, its arguments, a line of what it prints): the CPU part, smallest sizes
+CPU_RUNS = {
+    "fp8_peak": ("benchmarks.fp8_peak", ["--quick"], "jax fp8"),
+    "moe": (
+        "benchmarks.moe",
+        ["--quick", "--iters", "1", "--no-sweep", "--tokens", "16", "--backend", "reference"],
+        "| 16 | fused: whole MoE layer |",
+    ),
+    "generate": (
+        "benchmarks.generate",
+        ["--quick", "--batches", "1", "--steps", "2", "--weights", "bf16", "--decode-only"],
+        "| bf16 | n/a | 1 | 512 |",
+    ),
+    "kda": ("benchmarks.kda", ["--quick", "--variant", "gpu_triton"], "| prefill | 1 | 192 |"),
+    "convert": ("benchmarks.convert", ["--quick", "--dtypes", "fp8", "--workers", "1"], "| fp8 | 1 |"),
+    "load_memory": ("benchmarks.load_memory", ["--quick", "--mesh", "expert=2"], "within the bound"),
+}
+# (module, its --quick arguments): the GPU kernels only
+GPU_RUNS = {
+    "mla": ("benchmarks.mla", ["--quick", "--iters", "2"]),
+    "mla_prefill": ("benchmarks.mla_prefill", ["--quick", "--iters", "2"]),
+    "fp8_linear": ("benchmarks.fp8_linear", ["--quick"]),
+    "moe": ("benchmarks.moe", ["--quick", "--iters", "2", "--no-sweep"]),
+    "moe --path rows": ("benchmarks.moe", ["--path", "rows", "--quick", "--iters", "2"]),
+    "moe --grouped-matmul-sweep": (
+        "benchmarks.moe",
+        ["--grouped-matmul-sweep", "--rows", "8", "--quick", "--iters", "2"],
+    ),
+    "moe --format fp8 mxfp4": ("benchmarks.moe", ["--format", "fp8", "mxfp4", "--quick", "--iters", "2"]),
+    "moe --fp8-matmul w8a8": ("benchmarks.moe", ["--fp8-matmul", "w8a8", "--quick", "--iters", "2", "--sweep"]),
+}
+
+
+@ON_CPU
+@pytest.mark.parametrize("name", sorted(CPU_RUNS))
+def test_quick_run(name, capsys, tmp_path):
+    module, argv, printed = CPU_RUNS[name]
+    if name in ("convert", "load_memory"):
+        argv = [*argv, "--workdir", str(tmp_path / name)]
+    assert importlib.import_module(module).main(argv) == 0
+    assert printed in capsys.readouterr().out
+
+
+@ON_CPU
+@pytest.mark.parametrize("name", sorted(GPU_RUNS))
+def test_gpu_benchmark_stops_at_its_arguments_without_a_gpu(name, capsys):
+    module, argv = GPU_RUNS[name]
+    with pytest.raises(SystemExit) as stop:  # without --quick: some interpret their kernels on a CPU, for minutes
+        importlib.import_module(module).main([arg for arg in argv if arg != "--quick"])
+    assert stop.value.code == 2
+    assert "needs a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@ON_GPU
+@pytest.mark.parametrize("name", sorted(GPU_RUNS))
+def test_gpu_benchmark_quick_run(name):
+    module, argv = GPU_RUNS[name]
+    assert importlib.import_module(module).main(argv) == 0
+
+
+def test_serve_parses_its_arguments(capsys):
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module("benchmarks.serve").main(["--quick", "--help"])
+    assert stop.value.code == 0 and "--prefix-tokens" in capsys.readouterr().out
+
+
+def test_moe_flags_pick_one_measurement(capsys):
+    benchmarks_moe = importlib.import_module("benchmarks.moe")
+    with pytest.raises(SystemExit):
+        benchmarks_moe.main(["--devices", "2", "--format", "fp8"])
+    assert "drop --format / --path" in capsys.readouterr().err
