@@ -32,17 +32,17 @@ import time
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from pallas_kernels.fp8.gpu_mosaic_weight_only import TILE_KEYWORDS as MOSAIC_WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
+from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 
 from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
 from pallas_kernels.fp8 import tuned  # noqa: E402
 from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
-from pallas_kernels.fp8.gpu_mosaic_weight_only import TILE_KEYWORDS as MOSAIC_WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
 from pallas_kernels.fp8.gpu_triton.weight_only import TILE_KEYWORDS as WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
 from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
-from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
 BLOCK = (128, 128)
