@@ -139,7 +139,7 @@ DOWN_SCATTER_QUANTIZED = _gpu(
         ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
     }
 )
-# the buckets in which the quantised fused kernels put the weight tile first in the MMA (`gmm.tile_products`)
+# the buckets in which the quantised fused kernels put the weight tile first in the MMA (`grouped.Tile.weight_products`)
 WEIGHT_LEFT_QUANTIZED = ("few_rows",)
 # The W8A8 routed-expert kernels: K steps of the weights' 128-input block, and the gate/up kernel's column tile is
 # one 128-column group of h (quantised in its epilogue), so only block_m (and down's block_n, at most the weight's

@@ -7,14 +7,8 @@ else is internal."""
 
 from pallas_kernels.moe.gpu_triton.decode import routed_experts_gpu
 from pallas_kernels.moe.gpu_triton.fused import down_scatter_gpu, gather_swiglu_gpu
-from pallas_kernels.moe.gpu_triton.gmm import (
-    MIN_ROW_TILE,
-    grouped_matmul_gpu,
-    grouped_weight_grad_gpu,
-    max_row_tiles,
-    row_tile_sizes,
-    row_tiles,
-)
+from pallas_kernels.moe.gpu_triton.gmm import grouped_matmul_gpu, grouped_weight_grad_gpu
+from pallas_kernels.moe.gpu_triton.grouped import MIN_ROW_TILE, max_row_tiles, row_tile_sizes, row_tiles
 from pallas_kernels.moe.gpu_triton.routing import select_experts_gpu
 from pallas_kernels.moe.gpu_triton.weight_only import (
     down_scatter_weight_only_gpu,

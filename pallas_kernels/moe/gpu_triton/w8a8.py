@@ -12,9 +12,9 @@ products, as SGLang serves the FP8 checkpoints:
   fp32 and stored to dest[r];
 - `w8a8_expert_rows`: the two in turn on the values and scales of three block-FP8 expert weights.
 
-The row tiling (tiles never cross a group, a group's last tile shrunk, tail tiles storing zeros, dest a
-permutation) is the grouped matmul's (`gmm.call_over_row_tiles`, `output_tile`). `moe.w8a8_reference` is the same
-arithmetic in jnp.
+Both are bodies over the grouped kernels' skeleton (`grouped`: tiles never cross a group, a group's last tile
+shrunk, tail tiles storing zeros, dest a permutation), their K steps FP8 products scaled per block
+(`_scaled_products`). `moe.w8a8_reference` is the same arithmetic in jnp.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.fp8.gpu_triton.fp8_dot import scaled_fp8_product
 from pallas_kernels.fp8.reference import quantize_activations, quantize_groups
 from pallas_kernels.moe import tuned
-from pallas_kernels.moe.gpu_triton.fused import _columns, _row_indices
-from pallas_kernels.moe.gpu_triton.gmm import call_over_row_tiles, output_tile, row_tile_settings
-from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.moe.gpu_triton.grouped import Tile, grouped_call, launch_settings
+from pallas_kernels.moe.gpu_triton.masked import masked_load
 from pallas_kernels.moe.gpu_triton.weight_tiles import (
     BlockFP8,
     StoredWeight,
@@ -45,41 +44,30 @@ from pallas_kernels.moe.reference import swiglu
 _TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
 
 
-def _scaled_products(load_lhs, weights, group, col0, *, block_m, block_n, block_k, cols_ok_N, mask_k):
+def _scaled_products(tile: Tile, load_lhs, weights):
     """One fp32 [block_m, block_n] accumulator per block-FP8 `ExpertTiles` in weights ([G, N, K], the values as
     stored and fp32 scales [G, N blocks, K blocks]): the sum over the K blocks of the lhs block's FP8 product with
     the weight block, times the lhs rows' scales and the weight block's scale. load_lhs(step, k0, k_ok_K) ->
-    (lhs_q [block_m, block_k] e4m3, zeros outside the valid rows and K; row_scale [block_m]). A tail tile
-    (group == G) runs no K steps: zeros."""
-    num_groups, _, k_dim = weights[0].shape
-    scale_row = col0 // weights[0].format.block[0]
+    (lhs_q [block_m, block_k] e4m3, zeros outside the valid rows and K; row_scale [block_m])."""
+    scale_row = tile.col0 // weights[0].format.block[0]
 
-    def k_body(step, accs):
-        k0 = step * block_k
-        k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
+    def step_products(step, k0, k_ok_K):
         lhs_MK, row_scale_M = load_lhs(step, k0, k_ok_K)
-        return tuple(
-            acc_MN
-            + scaled_fp8_product(
+        return (
+            scaled_fp8_product(
                 lhs_MK,
-                tiles.format.load_e4m3(
-                    tiles.refs[0], group, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
-                ),
+                tile.weight_tile(functools.partial(weight.format.load_e4m3, weight.refs[0]), k0, k_ok_K),
                 row_scale_M,
-                tiles.refs[1][group, scale_row, step],
+                weight.refs[1][tile.group, scale_row, step],
             )
-            for acc_MN, tiles in zip(accs, weights)
+            for weight in weights
         )
 
-    num_steps = jnp.clip(num_groups - group, 0, 1) * pl.cdiv(k_dim, block_k)  # a clip: see gmm.tile_products
-    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weights)
-    return jax.lax.fori_loop(0, num_steps, k_body, zeros)
+    return tile.accumulate(step_products, len(weights))
 
 
 def _gather_swiglu_kernel(
-    group_ref,
-    row_start_ref,
-    row_end_ref,
+    tile: Tile,
     source_ref,
     x_q_ref,
     x_scale_ref,
@@ -92,49 +80,25 @@ def _gather_swiglu_kernel(
     *,
     limit: float | None,
     weight_format: BlockFP8,
-    column_tile,
-    block_m: int,
-    block_n: int,
-    block_k: int,
-    mask_n: bool,
-    mask_k: bool,
 ):
-    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
-        group_ref,
-        row_start_ref,
-        row_end_ref,
-        h_q_ref.shape[1],
-        column_tile=column_tile,
-        block_m=block_m,
-        block_n=block_n,
-        mask_n=mask_n,
-    )
-    source_M = _row_indices(source_ref, row0, rows_ok_M, block_m=block_m, fill=x_q_ref.shape[0])
+    source_M = tile.row_indices(source_ref, fill=x_q_ref.shape[0])
 
     def load_lhs(step, k0, k_ok_K):
-        x_q_MK = masked_load(x_q_ref.at[source_M[:, None], _columns(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
-        return x_q_MK, masked_load(x_scale_ref.at[source_M, step], rows_ok_M)
+        x_q_MK = tile.gathered(x_q_ref, source_M[:, None], k0, k_ok_K)
+        return x_q_MK, masked_load(x_scale_ref.at[source_M, step], tile.rows_ok_M)
 
     gate_MN, up_MN = _scaled_products(
+        tile,
         load_lhs,
         expert_tiles((gate_values_ref, gate_scales_ref, up_values_ref, up_scales_ref), (weight_format,) * 2),
-        group,
-        col0,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
-        cols_ok_N=cols_ok_N,
-        mask_k=mask_k,
     )
     h_q_MN, h_scale_M = quantize_groups(swiglu(gate_MN, up_MN, limit))  # masked columns are swiglu(0, 0) = 0
-    plgpu.store(h_q_ref.at[pl.ds(row0, block_m), pl.ds(col0, block_n)], h_q_MN, mask=mask_2d(rows_ok_M, cols_ok_N))
-    plgpu.store(h_scale_ref.at[pl.ds(row0, block_m), column_tile], h_scale_M, mask=rows_ok_M)
+    tile.store(h_q_ref, h_q_MN)
+    plgpu.store(h_scale_ref.at[pl.ds(tile.row0, tile.shape.block_m), tile.column_tile], h_scale_M, mask=tile.rows_ok_M)
 
 
 def _down_scatter_kernel(
-    group_ref,
-    row_start_ref,
-    row_end_ref,
+    tile: Tile,
     dest_ref,
     row_weight_ref,
     h_q_ref,
@@ -144,46 +108,13 @@ def _down_scatter_kernel(
     y_ref,
     *,
     weight_format: BlockFP8,
-    column_tile,
-    block_m: int,
-    block_n: int,
-    block_k: int,
-    mask_n: bool,
-    mask_k: bool,
 ):
-    group, row0, col0, rows_ok_M, cols_ok_N = output_tile(
-        group_ref,
-        row_start_ref,
-        row_end_ref,
-        y_ref.shape[1],
-        column_tile=column_tile,
-        block_m=block_m,
-        block_n=block_n,
-        mask_n=mask_n,
-    )
-
     def load_lhs(step, k0, k_ok_K):
-        h_q_MK = masked_load(h_q_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
-        return h_q_MK, masked_load(h_scale_ref.at[pl.ds(row0, block_m), step], rows_ok_M)
+        h_q_MK = tile.rows(h_q_ref, k0, k_ok_K)
+        return h_q_MK, masked_load(h_scale_ref.at[pl.ds(tile.row0, tile.shape.block_m), step], tile.rows_ok_M)
 
-    (acc_MN,) = _scaled_products(
-        load_lhs,
-        expert_tiles((down_values_ref, down_scales_ref), (weight_format,)),
-        group,
-        col0,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
-        cols_ok_N=cols_ok_N,
-        mask_k=mask_k,
-    )
-    row_weight_M = masked_load(row_weight_ref.at[pl.ds(row0, block_m)], rows_ok_M)
-    dest_M1 = _row_indices(dest_ref, row0, rows_ok_M, block_m=block_m, fill=y_ref.shape[0])[:, None]
-    plgpu.store(
-        y_ref.at[dest_M1, _columns(col0, block_n)],
-        (acc_MN * row_weight_M[:, None]).astype(y_ref.dtype),
-        mask=mask_2d(rows_ok_M, cols_ok_N),
-    )
+    (acc_MN,) = _scaled_products(tile, load_lhs, expert_tiles((down_values_ref, down_scales_ref), (weight_format,)))
+    tile.scatter(y_ref, dest_ref, row_weight_ref, acc_MN)
 
 
 def takes_block(block: tuple[int, int]) -> bool:
@@ -214,22 +145,51 @@ def _weight_operands(name: str, values, scales, block: tuple[int, int]) -> tuple
     return weight_format, kernel_operands(StoredWeight(values, scales), weight_format, name=f"W8A8 experts: {name}")
 
 
-def _tiles(table, given, *, dtype, num_rows: int, num_groups: int, n_dim: int, block: tuple[int, int], gathers: bool):
-    """The launch settings: given (block_m, block_n, num_warps, num_stages), None ones from `table`; the K step is
-    block[1]; the column tile is block[1] for the gate/up kernel (one group of h: `gathers`, block_n not given),
-    at most block[0] otherwise."""
-    block_m, block_n, num_warps, num_stages = given
-    settings = row_tile_settings(
-        dtype,
+def _w8a8_call(
+    body,
+    group_sizes_G,
+    operands,
+    out_shape,
+    table,
+    requested: tuple,
+    *,
+    dtype,
+    block: tuple[int, int],
+    gathers: bool,
+    k_dim: int,
+    min_block_m: int | None,
+    fill_tail: bool,
+    interpret: bool,
+    name: str,
+):
+    """`grouped.grouped_call` of body(tile, *operand_refs, *out_refs) over out_shape (the first output [R, N]) at
+    the requested (block_m, block_n, num_warps, num_stages), None ones from `table` for dtype; the K step is
+    block[1]; the column tile is block[1] for the gate/up kernel (one group of h: `gathers`, block_n not given), at
+    most block[0] otherwise."""
+    block_m, block_n, num_warps, num_stages = requested
+    num_rows, n_dim = jax.tree.leaves(out_shape)[0].shape
+    settings = launch_settings(
+        table,
         (block_m, block_n, None, num_warps, num_stages),
+        dtype=dtype,
         num_rows=num_rows,
-        num_groups=num_groups,
+        num_groups=group_sizes_G.shape[0],
         n_dim=n_dim,
         k_dim=block[1],
-        table=table,
     )
     block_n = block[1] if gathers else min(settings.block_n, block[0])
-    return dataclasses.replace(settings, block_n=block_n, block_k=block[1])
+    return grouped_call(
+        body,
+        group_sizes_G,
+        operands,
+        out_shape,
+        dataclasses.replace(settings, block_n=block_n, block_k=block[1]),
+        k_dim=k_dim,
+        interpret=interpret,
+        name=name,
+        min_block_m=min_block_m,
+        fill_tail=fill_tail,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("limit", "block", *_TILE_ARGS))
@@ -266,35 +226,24 @@ def gather_swiglu_w8a8_gpu(
         jax.ShapeDtypeStruct((num_rows, width), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((num_rows, num_h_groups), jnp.float32),
     )
-    if num_rows == 0:
-        return tuple(jnp.zeros(out.shape, out.dtype) for out in out_shape)
     x_q_XD, x_scale_XG = quantize_activations(x_XD, block[1])
-    tiles = _tiles(
+    weight_format, gate_operands = _weight_operands("gate", gate_values_GID, gate_scales, block)
+    _, up_operands = _weight_operands("up", up_values_GID, up_scales, block)
+    return _w8a8_call(
+        functools.partial(_gather_swiglu_kernel, limit=limit, weight_format=weight_format),
+        group_sizes_G,
+        (source_R.astype(jnp.int32), x_q_XD, x_scale_XG, *gate_operands, *up_operands),
+        out_shape,
         tuned.GATHER_SWIGLU_W8A8,
         (block_m, None, num_warps, num_stages),
         dtype=x_XD.dtype,
-        num_rows=num_rows,
-        num_groups=group_sizes_G.shape[0],
-        n_dim=width,
         block=block,
         gathers=True,
-    )
-    weight_format, gate_operands = _weight_operands("gate", gate_values_GID, gate_scales, block)
-    _, up_operands = _weight_operands("up", up_values_GID, up_scales, block)
-    operands = (source_R.astype(jnp.int32), x_q_XD, x_scale_XG, *gate_operands, *up_operands)
-    return call_over_row_tiles(
-        functools.partial(_gather_swiglu_kernel, limit=limit, weight_format=weight_format),
-        group_sizes_G,
-        operands,
-        out_shape,
-        tiles,
-        num_rows=num_rows,
-        n_dim=width,
         k_dim=hidden,
-        interpret=interpret,
-        name="gather_swiglu_w8a8",
         min_block_m=tuned.GATHER_SWIGLU_W8A8_MIN_BLOCK_M if min_block_m is None else min_block_m,
         fill_tail=fill_tail,
+        interpret=interpret,
+        name="gather_swiglu_w8a8",
     )
 
 
@@ -331,33 +280,23 @@ def down_scatter_w8a8_gpu(
             f"W8A8 experts: h must be float8_e4m3fn [R, I] with scales [R, ceil(I / {block[1]})], got "
             f"{h_q_RI.dtype} {list(h_q_RI.shape)} and {list(h_scale.shape)}"
         )
-    if num_rows == 0:
-        return jnp.zeros((0, hidden), out_dtype)
-    tiles = _tiles(
-        tuned.DOWN_SCATTER_W8A8,
-        (block_m, block_n, num_warps, num_stages),
-        dtype=out_dtype,
-        num_rows=num_rows,
-        num_groups=group_sizes_G.shape[0],
-        n_dim=hidden,
-        block=block,
-        gathers=False,
-    )
     weight_format, down_operands = _weight_operands("down", down_values_GDI, down_scales, block)
     operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_q_RI, h_scale.astype(jnp.float32))
-    return call_over_row_tiles(
+    return _w8a8_call(
         functools.partial(_down_scatter_kernel, weight_format=weight_format),
         group_sizes_G,
         (*operands, *down_operands),
         jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
-        tiles,
-        num_rows=num_rows,
-        n_dim=hidden,
+        tuned.DOWN_SCATTER_W8A8,
+        (block_m, block_n, num_warps, num_stages),
+        dtype=out_dtype,
+        block=block,
+        gathers=False,
         k_dim=width,
-        interpret=interpret,
-        name="down_scatter_w8a8",
         min_block_m=min_block_m,
         fill_tail=fill_tail,
+        interpret=interpret,
+        name="down_scatter_w8a8",
     )
 
 
