@@ -49,6 +49,7 @@ from flax import nnx  # noqa: E402
 from benchmarks.common import flash_slice_config, init_on_mesh, rel_error  # noqa: E402
 from ling_jax import ExecutionPolicy, KernelBackend, LingConfig, LingForCausalLM  # noqa: E402
 from ling_jax.config import KDA, MLA  # noqa: E402
+from ling_jax.generation.flags import add_mesh_flag
 from ling_jax.generation.memory import format_bytes  # noqa: E402
 from ling_jax.generation.sharded import ShardedLM  # noqa: E402
 from ling_jax.moe.block import MoE  # noqa: E402
@@ -244,7 +245,7 @@ QUICK_DEFAULTS = {"batch": 8, "prompt_length": 12, "decode_steps": 2, "device_me
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mesh", help="mesh axes, e.g. expert=8 (default: expert=<all devices>)")
+    add_mesh_flag(parser, default_means="expert=<all devices>")
     parser.add_argument("--layers", type=int, help="layers of the large run (default: the most that fit)")
     parser.add_argument(
         "--reference-layers",

@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memory_plan import positive_int  # noqa: E402
-
 from ling_jax.config import LingConfig  # noqa: E402
+from ling_jax.generation.flags import positive_int
 from ling_jax.generation.memory import cache_budget  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
 

@@ -20,19 +20,10 @@ import os
 import sys
 
 from ling_jax.build import load_model_config, text_config_of  # noqa: E402
+from ling_jax.generation.flags import add_mesh_flag, positive_int
 from ling_jax.generation.memory_plan import HARDWARE, plan_memory  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
 from ling_jax.sharding import ShardingError, parse_mesh  # noqa: E402
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def fraction(text: str) -> float:
@@ -54,7 +45,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a checkpoint")
-    parser.add_argument("--mesh", default="", help="device mesh, e.g. 'expert=8' or 'expert=16,fsdp=4' (default: one)")
+    add_mesh_flag(parser, default="")
     parser.add_argument("--hardware", required=True, choices=sorted(HARDWARE), help="the accelerator of every device")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences generated together (default: 1)")
     parser.add_argument("--context", type=positive_int, default=32768, help="cache length in tokens (default: 32768)")

@@ -24,19 +24,18 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import jinja2
 
 from ling_jax import distributed
-from ling_jax.checkpoints.hf import STORED, WEIGHTS, load_hf_checkpoint
-from ling_jax.checkpoints.orbax import LAYOUT_FILE, load_checkpoint
+from ling_jax.checkpoints.hf import load_hf_checkpoint
+from ling_jax.checkpoints.orbax import load_checkpoint
 from ling_jax.config import LingConfig
-from ling_jax.generation import cli_checks, cli_runtime, interactive
+from ling_jax.generation import cli_checks, cli_runtime, flags, interactive
 from ling_jax.generation.cli_checks import ModelSource
 from ling_jax.generation.completion import Completion
+from ling_jax.generation.flags import DEMO_DIR
 from ling_jax.generation.generator import (
     MIN_CHUNK,
     GenerationStats,
@@ -49,14 +48,12 @@ from ling_jax.generation.random_init import random_model
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, Tokenizer
 from ling_jax.model import LingForCausalLM
-from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend
-from ling_jax.presets import PRESETS
-from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
+from ling_jax.policy import ExecutionPolicy
+from ling_jax.sharding import ShardingError
 from ling_jax.vl.config import LingVLConfig
 from ling_jax.vl.image_processing import ProcessorConfig
 from ling_jax.vl.prompt import PromptMedia, encode_with_media, load_media, media_inputs, with_placeholders
 
-DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "ling-demo"
 FALLBACK_PRESET = "tiny"  # what runs when the demo checkpoint is not installed
 DEFAULT_PROMPT = "It is a truth universally acknowledged"
 EXIT_USAGE = 2
@@ -85,37 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"else {DEFAULT_PROMPT!r})",
     )
 
-    model = parser.add_argument_group("model")
-    source = model.add_mutually_exclusive_group()
-    source.add_argument(
-        "--model",
-        metavar="PATH",
-        help="HF-format checkpoint directory (config.json + *.safetensors) or ling-convert Orbax "
-        f"directory ({LAYOUT_FILE}); default: the demo checkpoint in ling_jax/assets/ling-demo",
-    )
-    source.add_argument(
-        "--preset",
-        metavar="NAME",
-        choices=sorted(PRESETS),
-        help=f"a RANDOMLY initialised model of this preset ({', '.join(sorted(PRESETS))}) instead "
-        "of a checkpoint: its output is noise; text is tokenised as bytes",
-    )
+    model = flags.add_model_flags(parser, default=None, presets=True)
     model.add_argument(
         "--byte-tokenizer",
         action="store_true",
         help="accept a checkpoint without tokenizer.json: text is tokenised as UTF-8 bytes (token id "
         "= byte value), which only a model trained on bytes understands",
-    )
-    model.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float32"),
-        help="parameter and activation dtype (default: float32 on CPU, bfloat16 on GPU / TPU)",
-    )
-    model.add_argument(
-        "--weights",
-        choices=WEIGHTS,
-        default=STORED,
-        help="stored (default): FP8 / MXFP4 weights stay quantised on the device; bf16: dequantise them at load",
     )
 
     sampling = parser.add_argument_group("sampling")
@@ -157,16 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STR",
         help="stop a completion where this string appears, without printing it (repeatable)",
     )
-    sampling.add_argument(
-        "--mtp",
-        type=int,
-        default=0,
-        metavar="K",
-        help="speculative decoding: the model's MTP layer drafts K tokens per step, verified in "
-        "one forward (same output as without; needs an MTP layer; at most "
-        f"{cli_checks.MAX_MTP}; default 0 = off)",
-    )
-
     prompting = parser.add_argument_group("prompts")
     prompting.add_argument(
         "--chat", action="store_true", help="format each prompt as one user message with the tokenizer's chat template"
@@ -199,47 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
         "template when the tokenizer has one); ends at end of input or 'exit'",
     )
 
-    running = parser.add_argument_group("execution")
-    running.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=2048,
-        metavar="N",
-        help=f"prefill long prompts N tokens at a time, N >= {MIN_CHUNK} (default 2048)",
-    )
-    running.add_argument(
-        "--kernel-backend",
-        choices=[backend.value for backend in KernelBackend],
-        default=KernelBackend.AUTO.value,
-        help="kernel implementation (default auto: the Pallas kernels on a GPU / TPU, jnp on a CPU)",
-    )
-    running.add_argument(
-        "--fp8-matmul",
-        choices=[mode.value for mode in FP8Matmul],
-        default=FP8Matmul.AUTO.value,
-        help="how block-FP8 weights kept as stored multiply (default auto: weight-only, the dequantised weights' "
-        "numerics at every size; w8a8: activations quantised per token in 1 x 128 groups, FP8 x FP8 products, "
-        "the checkpoints' activation scheme: ~3x faster prefill on an H200, logits ~3%% from the dequantised model)",
-    )
-    running.add_argument(
-        "--mesh",
-        metavar="AXES",
-        help="device mesh, e.g. 'tensor=2,expert=4' (axes: data, fsdp, tensor, expert); the sizes "
-        "must multiply to the number of devices (default: one device)",
-    )
-    running.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shorthand for --mesh tensor=N")
-    running.add_argument("--ep", type=int, metavar="N", help="expert parallelism: shorthand for --mesh expert=N")
+    running = flags.add_execution_flags(parser, prefill_chunk=2048, kernel_backend=True, mesh_shorthands=True)
     running.add_argument(
         "--no-memory-check",
         action="store_true",
         help="skip the check that the parameters and the cache fit the device's memory on the mesh, done "
         "before loading (it refuses with the figures and a --weights or --mesh that would fit)",
-    )
-    running.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="do not keep compiled programs in the persistent cache (default: on, in "
-        f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)",
     )
 
     distributed.add_arguments(
@@ -381,7 +308,7 @@ def _prepare(args: argparse.Namespace) -> Run:
             seed=args.seed,
         )
         stops = StopChecker(args.stop) if args.stop else None
-        mesh = _build_mesh(args)
+        mesh = flags.build_mesh(args)
         if args.interactive:
             interactive.check_flags(args)
         texts = [] if args.interactive else _read_prompts(args)
@@ -396,7 +323,7 @@ def _prepare(args: argparse.Namespace) -> Run:
         prompts = [_encode(source.tokenizer, text, args, media, source.vl_config) for text in texts]
         job["prompts"] = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()  # from stdin or a file, too
         _check_lengths(prompts, args.max_new_tokens, config)
-        dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+        dtype = flags.dtype_of(args)
         policy = ExecutionPolicy(kernel_backend=args.kernel_backend, fp8_matmul=args.fp8_matmul)
         if not args.no_memory_check:
             try:
@@ -422,7 +349,7 @@ def _prepare(args: argparse.Namespace) -> Run:
 
 
 def _unfit(args: argparse.Namespace, error: ShardingError) -> CLIError:
-    return CLIError(f"{_mesh_flags(args)}: the model does not fit this mesh: {error}")
+    return CLIError(f"{flags.mesh_flags(args)}: the model does not fit this mesh: {error}")
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -436,34 +363,6 @@ def _check_flags(args: argparse.Namespace) -> None:
     cli_checks.check_mtp(args.mtp)
     if args.system is not None and not args.chat:
         raise CLIError("--system needs --chat (the system message goes through the chat template)")
-
-
-def _mesh_flags(args: argparse.Namespace) -> str:
-    given = [
-        f"--mesh {args.mesh!r}" if args.mesh is not None else "",
-        f"--tp {args.tp}" if args.tp else "",
-        f"--ep {args.ep}" if args.ep else "",
-    ]
-    return " ".join(filter(None, given))
-
-
-def _build_mesh(args: argparse.Namespace) -> jax.sharding.Mesh | None:
-    """The mesh --mesh / --tp / --ep ask for, or None (one device) without them."""
-    if args.mesh is None and args.tp is None and args.ep is None:
-        return None
-    shape = parse_mesh(args.mesh) if args.mesh is not None else {}
-    for flag, axis, size in (("--tp", "tensor", args.tp), ("--ep", "expert", args.ep)):
-        if size is None:
-            continue
-        if size < 1:
-            raise CLIError(f"{flag} must be >= 1, got {size}")
-        if shape.get(axis, size) != size:
-            raise CLIError(f"{flag} {size} contradicts --mesh {axis}={shape[axis]}")
-        shape[axis] = size
-    try:
-        return make_mesh(shape)
-    except ShardingError as e:
-        raise CLIError(f"{_mesh_flags(args)}: {e}") from e
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -503,7 +402,7 @@ def _model_source(args: argparse.Namespace, *, verbose: bool) -> ModelSource:
             print(f"NOTE: --preset {args.preset}: a RANDOMLY INITIALISED model; its output is noise.", file=sys.stderr)
         return cli_checks.preset_source(args.preset)
     if args.model is not None:
-        return cli_checks.checkpoint_source(Path(args.model), "--model", byte_tokenizer=args.byte_tokenizer)
+        return cli_checks.checkpoint_source(args.model, "--model", byte_tokenizer=args.byte_tokenizer)
     if DEMO_DIR.is_dir():
         return cli_checks.checkpoint_source(DEMO_DIR, "the demo checkpoint", byte_tokenizer=args.byte_tokenizer)
     if verbose:

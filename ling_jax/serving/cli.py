@@ -12,24 +12,21 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import uvicorn
 
-from ling_jax.checkpoints.hf import STORED, WEIGHTS, load_hf_checkpoint
+from ling_jax.checkpoints.hf import load_hf_checkpoint
 from ling_jax.checkpoints.orbax import load_checkpoint
-from ling_jax.generation import cli_checks, cli_runtime
-from ling_jax.generation.cli import DEMO_DIR
+from ling_jax.generation import cli_checks, cli_runtime, flags
+from ling_jax.generation.flags import DEMO_DIR
 from ling_jax.generation.generator import MIN_CHUNK
-from ling_jax.policy import ExecutionPolicy, FP8Matmul
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.serving.api import Service, create_app
 from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Scheduler
-from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
+from ling_jax.sharding import ShardingError
 
 EXIT_USAGE = 2
 
@@ -41,28 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  ling-serve --port 8000\n  curl http://127.0.0.1:8000/v1/models",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--model",
-        metavar="PATH",
-        type=Path,
-        default=DEMO_DIR,
-        help="HF-format or ling-convert Orbax checkpoint directory (default: the demo checkpoint)",
-    )
-    parser.add_argument(
+    model = flags.add_model_flags(parser, default=DEMO_DIR)
+    model.add_argument(
         "--served-model-name", metavar="NAME", help="the model id clients ask for (default: --model's directory name)"
     )
-    parser.add_argument(
-        "--weights", choices=WEIGHTS, default=STORED, help="stored (default) or bf16 (dequantise at load)"
-    )
-    parser.add_argument(
-        "--fp8-matmul",
-        choices=[mode.value for mode in FP8Matmul],
-        default=FP8Matmul.AUTO.value,
-        help="how block-FP8 weights multiply, as in generate.py (default auto: the dequantised weights' numerics; "
-        "w8a8: FP8 x FP8 products, faster prefill)",
-    )
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: float32 on CPU, bfloat16 elsewhere")
-    parser.add_argument("--mesh", metavar="AXES", help="device mesh, e.g. 'tensor=2,expert=4' (default: one device)")
+    flags.add_execution_flags(parser, prefill_chunk=512, kernel_backend=False, mesh_shorthands=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument(
@@ -74,13 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         metavar="N",
         help="prompt + completion tokens per request (default 2048)",
-    )
-    parser.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        metavar="N",
-        help=f"prompt tokens per prefill step, >= {MIN_CHUNK} (default 512)",
     )
     parser.add_argument(
         "--prefill-budget",
@@ -111,16 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix cache size in GiB (default 0: off): a request resumes from the cached KDA states and shares "
         "the MLA pages of its longest cached prompt prefix (in prefill chunks)",
     )
-    parser.add_argument(
-        "--mtp",
-        type=int,
-        default=0,
-        metavar="K",
-        help="MTP speculative decoding: each decode step the MTP layer drafts K tokens per request and the model "
-        "verifies them in one pass; same output as without (needs a model with an MTP layer; <= "
-        f"{cli_checks.MAX_MTP}; default 0 = off)",
-    )
-    parser.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     return parser
 
 
@@ -152,7 +115,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 def prepare(args: argparse.Namespace) -> Service:
     """Check everything, load the model, compile its programs: the service, ready to start."""
     _check_flags(args)
-    mesh = make_mesh(parse_mesh(args.mesh)) if args.mesh else None
+    mesh = flags.build_mesh(args)
     source = cli_checks.checkpoint_source(args.model, "--model", byte_tokenizer=False)
     config = source.text_config
     if source.vl_config is not None:
@@ -165,7 +128,7 @@ def prepare(args: argparse.Namespace) -> Service:
         raise ValueError(
             f"--mtp {args.mtp} needs a model with an MTP layer; {args.model} has none (num_nextn_predict_layers = 0)"
         )
-    dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    dtype = flags.dtype_of(args)
     prefix_cache_bytes = int(args.prefix_cache_gb * 2**30)
     block_bytes = prefix_block_bytes(config, args.prefill_chunk, dtype, args.mtp)
     if 0 < prefix_cache_bytes < block_bytes:

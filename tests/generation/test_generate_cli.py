@@ -21,7 +21,7 @@ from convert.synthetic import write_random_checkpoint
 from ling_jax import ExecutionPolicy, FP8Matmul, KernelBackend, LingConfig
 from ling_jax.config import DENSE, KDA, MLA, MOE
 from ling_jax.generation import cli as generate_cli
-from ling_jax.generation import cli_checks
+from ling_jax.generation import cli_checks, flags
 from ling_jax.generation.completion import Completion
 from ling_jax.generation.tokenizer import StopChecker, load_tokenizer
 from ling_jax.presets import preset
@@ -208,7 +208,7 @@ def test_errors_after_loading_are_one_line(capsys, tmp_path):
 
 def test_mesh_flags_combine():
     def mesh_of(*argv):
-        mesh = generate_cli._build_mesh(generate_cli.build_parser().parse_args(list(argv)))
+        mesh = flags.build_mesh(generate_cli.build_parser().parse_args(list(argv)))
         return None if mesh is None else dict(mesh.shape)
 
     assert mesh_of() is None  # one device
