@@ -11,8 +11,6 @@ inside the step, or a block-FP8 weight goes to the FP8 kernels (`project`), mult
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -35,25 +33,6 @@ Weights = dict  # a layer's parameters as a nested dict of arrays, keyed like th
 def params_of(module: nnx.Module) -> Weights:
     """The module's parameters as a nested dict of arrays (the `weights` argument of its function)."""
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
-
-
-_FP8_MATMUL = contextvars.ContextVar("fp8_matmul", default=FP8Matmul.AUTO)
-
-
-@contextlib.contextmanager
-def fp8_matmul_scope(fp8_matmul: FP8Matmul | str):
-    """The routed experts (`ling_jax.moe.experts.runs_w8a8`) run in W8A8 while tracing inside this block when
-    `fp8_matmul` says W8A8 (the model opens none: the policy it passes down carries the FP8 mode)."""
-    token = _FP8_MATMUL.set(FP8Matmul(fp8_matmul))
-    try:
-        yield
-    finally:
-        _FP8_MATMUL.reset(token)
-
-
-def fp8_matmul_in_scope() -> FP8Matmul:
-    """How block-FP8 matrices multiply here: the enclosing `fp8_matmul_scope`'s mode (AUTO outside any)."""
-    return _FP8_MATMUL.get()
 
 
 def project(x: jax.Array, weight, policy: ExecutionPolicy | None = None) -> jax.Array:
