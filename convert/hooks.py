@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from convert.source import FP8, MXFP4, PLAIN, SourceRows, SourceTensor
+from convert.source import SourceRows, SourceTensor
+from ling_jax.checkpoints.storage import FP8, MXFP4, PLAIN
 from ling_jax.quant import E2M1_VALUES
 from ling_jax.quantized import dequantize_blocks
 

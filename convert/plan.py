@@ -19,11 +19,12 @@ from flax import nnx
 
 from convert import BF16, FP8_KEPT
 from convert.hooks import FP8_CODE_DTYPE
-from convert.source import FP8, PLAIN, SourceTensor, inspect_source
+from convert.source import SourceTensor, inspect_source
 from ling_jax.build import abstract_model, text_config_of
 from ling_jax.checkpoints.hf import TensorResolver
 from ling_jax.checkpoints.names import source_for
 from ling_jax.checkpoints.orbax import param_name
+from ling_jax.checkpoints.storage import FP8, PLAIN
 from ling_jax.config import LingConfig
 from ling_jax.sharding import logical_to_spec
 from ling_jax.vl.config import LingVLConfig

@@ -16,11 +16,8 @@ import numpy as np
 
 from ling_jax.checkpoints.hf import SCALE_SUFFIX, CheckpointError
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors
+from ling_jax.checkpoints.storage import FP8, MXFP4, PLAIN, stored_kind
 from ling_jax.quant import MXFP4_GROUP, e8m0_to_float, is_float8
-
-PLAIN = "plain"
-FP8 = "fp8"
-MXFP4 = "mxfp4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +72,14 @@ def inspect_source(
     tensors: CheckpointTensors, stored: str | None, name: str, expected: tuple[int, ...], fp8_block: tuple[int, int]
 ) -> SourceTensor:
     """Check the tensor stored as `stored` (None: absent) that fills checkpoint name `name` of logical shape
-    `expected`. A tensor is FP8 iff it is float8 with a `weight_scale_inv` sibling (spec §6.2) and MXFP4 iff it
-    is (u)int8 with one (§6.3); anything else must be a float tensor."""
+    `expected`, stored as `stored_kind` says (spec §6.2, §6.3); a plain tensor must be a float one, and a float8 one
+    without its `weight_scale_inv` is refused."""
     if stored is None:
         raise CheckpointError(f"{tensors.directory}: tensor '{name}' is missing from every shard")
     file, dtype, shape = tensors.file_of(stored), tensors.dtype(stored), tuple(tensors.shape(stored))
     scale = stored + SCALE_SUFFIX
-    if dtype in (np.uint8, np.int8) and scale in tensors:
+    kind = stored_kind(dtype, scaled=scale in tensors)
+    if kind == MXFP4:
         packed = (*expected[:-1], -(-expected[-1] // 2))
         if shape != packed or len(expected) != 2:
             raise _fail_shape(stored, file, shape, packed, "packed MXFP4 ")
@@ -105,9 +103,7 @@ def inspect_source(
         )
     if shape != tuple(expected):
         raise _fail_shape(stored, file, shape, expected, "")
-    if is_float8(dtype):
-        if scale not in tensors:
-            raise CheckpointError(f"{file}: FP8 tensor '{stored}' has no '{scale}' beside it")
+    if kind == FP8:
         if len(expected) != 2:
             raise CheckpointError(f"{file}: FP8 tensor '{stored}' has {len(expected)} dims; block FP8 is 2-D")
         rows, cols = fp8_block
@@ -129,6 +125,8 @@ def inspect_source(
             scale,
             tuple(fp8_block),
         )
+    if is_float8(dtype):
+        raise CheckpointError(f"{file}: FP8 tensor '{stored}' has no '{scale}' beside it")
     if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
         raise CheckpointError(f"{file}: tensor '{stored}' has dtype {dtype}, expected a float type")
     return SourceTensor(stored, file, PLAIN, expected, dtype, _bytes(tensors, stored))

@@ -21,11 +21,11 @@ import numpy as np
 
 from convert.hf_writer import TensorEntry, quantize_fp8_block, quantize_mxfp4, write_sharded
 from convert.plan import model_parameters
-from convert.source import FP8, MXFP4, ShardReader
+from convert.source import ShardReader
 from ling_jax.checkpoints.hf import SCALE_SUFFIX
 from ling_jax.checkpoints.names import source_for
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors
-from ling_jax.checkpoints.storage import BF16, FP32, storage_kind
+from ling_jax.checkpoints.storage import BF16, FP8, FP32, MXFP4, storage_kind
 from ling_jax.config import DENSE, KDA, MLA, MOE, LingConfig
 from ling_jax.presets import preset
 from ling_jax.quant import MXFP4_GROUP, is_float8

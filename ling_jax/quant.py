@@ -26,10 +26,18 @@ def dequantize_fp8_block(weight: np.ndarray, scale: np.ndarray, block: tuple[int
 
 
 def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
-    """E8M0 scales as stored: float8_e8m0fnu, raw uint8 exponents (2^(u-127)), or float powers of two."""
-    if scale.dtype == np.uint8:
-        return np.ldexp(np.float32(1.0), scale.astype(np.int32) - 127).astype(np.float32)
+    """E8M0 scales as stored: float8_e8m0fnu, raw 8-bit exponents u (2^(u-127), uint8 or int8), or float powers
+    of two."""
+    if scale.dtype in (np.uint8, np.int8):
+        return np.ldexp(np.float32(1.0), scale.view(np.uint8).astype(np.int32) - 127).astype(np.float32)
     return scale.astype(np.float32)
+
+
+def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
+    """MXFP4 bytes [..., n] (uint8 or int8; element 2j in the low nibble of byte j, 2j + 1 in the high one) ->
+    E2M1 codes [..., 2n] (uint8 0..15, indices into `E2M1_VALUES`)."""
+    codes = np.asarray(packed).view(np.uint8)
+    return np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
 
 
 def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -39,9 +47,7 @@ def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     expected = (rows, -(-cols // MXFP4_GROUP))  # a partial last group still has its own scale
     if scale.shape != expected:
         raise ValueError(f"MXFP4 scale has shape {scale.shape}, expected {expected} for packed weight {packed.shape}")
-    codes = packed.view(np.uint8)
-    nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(rows, cols)
-    return E2M1_VALUES[nibbles] * np.repeat(e8m0_to_float(scale), MXFP4_GROUP, axis=1)[:, :cols]
+    return E2M1_VALUES[unpack_e2m1(packed)] * np.repeat(e8m0_to_float(scale), MXFP4_GROUP, axis=1)[:, :cols]
 
 
 def is_float8(dtype: np.dtype) -> bool:

@@ -6,20 +6,19 @@ import numpy as np
 import pytest
 import torch
 from checkpoint_factory import (
-    E2M1_VALUES,
     dequantize_fp8_block,
-    dequantize_mxfp4,
     make_quantized_checkpoint,
     quantize_fp8_block,
     quantize_mxfp4,
     read_checkpoint_raw,
     read_checkpoint_tensors,
     read_safetensors,
-    unpack_mxfp4_codes,
     write_safetensors,
 )
 from oracle import build_oracle, save_oracle
 from safetensors import safe_open
+
+from ling_jax.quant import E2M1_VALUES, dequantize_mxfp4, unpack_e2m1
 
 
 def test_write_safetensors_roundtrip(tmp_path):
@@ -108,7 +107,7 @@ def test_mxfp4_pack_known_row():
     assert packed[0, 7] == 0x67  # 5.1 -> 6 = 7 (low), 4.9 -> 4 = 6 (high)
     # group 1 (scale 1/8): 0.75 -> 6 (code 7), -0.125 -> -1 (code 0xA), 0.25 -> 2 (code 4), 0.0625 -> 0.5 (code 1)
     assert packed[0, 16] == 0xA7 and packed[0, 17] == 0x14
-    codes = unpack_mxfp4_codes(packed)
+    codes = unpack_e2m1(packed)
     assert codes[0, 0] == 1 and codes[0, 1] == 0xA
     deq = dequantize_mxfp4(packed, s)
     np.testing.assert_array_equal(deq[0, :12], g0[:12])

@@ -25,18 +25,16 @@ from ling_jax.checkpoints.finite_check import NonFiniteError, check_finite
 from ling_jax.checkpoints.names import TensorSource, canonical, ignored, source_for
 from ling_jax.checkpoints.pieces import assemble, one_device_sharding
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors, Index
+from ling_jax.checkpoints.storage import FP8, MXFP4, PLAIN, stored_kind
 from ling_jax.config import LingConfig
 from ling_jax.layers import Weights
 from ling_jax.model import DecoderLayer, LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
-from ling_jax.quant import E2M1_VALUES, MXFP4_GROUP, is_float8
+from ling_jax.quant import E2M1_VALUES, MXFP4_GROUP, is_float8, unpack_e2m1
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight, QuantizedWeight, check_activation_dtype, is_quantized
 from ling_jax.sharding import param_shardings
 
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight_scale_inv sits beside <module>.weight
-
-# how a checkpoint tensor is stored
-PLAIN, FP8, MXFP4 = "plain", "fp8", "mxfp4"
 
 # `weights=` of the loaders: quantised tensors stay as stored on the device, or are dequantised to the model dtype
 STORED, BF16 = "stored", "bf16"
@@ -84,7 +82,7 @@ class TensorResolver:
         if weight not in self.tensors:
             raise CheckpointError(f"{file}: '{scale_name}' has no '{weight}' to scale")
         dtype = self.tensors.dtype(weight)
-        if not (is_float8(dtype) or dtype in (np.uint8, np.int8)):
+        if stored_kind(dtype, scaled=True) == PLAIN:
             raise CheckpointError(f"{file}: '{scale_name}' scales '{weight}', which is {dtype}, not FP8 or MXFP4")
 
     def _stored(self, name: str) -> str:
@@ -94,12 +92,8 @@ class TensorResolver:
         return stored
 
     def _kind(self, stored: str) -> str:
-        """PLAIN, FP8 or MXFP4: a tensor is quantised iff it is float8 (FP8) or (u)int8 (MXFP4) with a
-        `weight_scale_inv` sibling (spec §6.2)."""
-        if stored + SCALE_SUFFIX not in self.tensors:
-            return PLAIN
-        dtype = self.tensors.dtype(stored)
-        return FP8 if is_float8(dtype) else MXFP4 if dtype in (np.uint8, np.int8) else PLAIN
+        """PLAIN, FP8 or MXFP4 (`stored_kind`)."""
+        return stored_kind(self.tensors.dtype(stored), scaled=stored + SCALE_SUFFIX in self.tensors)
 
     @property
     def block(self) -> tuple[int, int]:
@@ -164,9 +158,7 @@ class TensorResolver:
             elements = self.tensors.read(stored, (*lead, slice(row0, row1), slice(col0, col1))).astype(np.float32)
         else:  # two E2M1 codes a byte: the bytes covering the columns, unpacked, then cut to them
             packed = self.tensors.read(stored, (*lead, slice(row0, row1), slice(col0 // 2, -(-col1 // 2))))
-            codes = packed.view(np.uint8)
-            nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
-            elements = E2M1_VALUES[nibbles][..., col0 % 2 : col0 % 2 + col1 - col0]
+            elements = E2M1_VALUES[unpack_e2m1(packed)][..., col0 % 2 : col0 % 2 + col1 - col0]
         rows, cols = (np.arange(start, stop) // side - start // side for (start, stop), side in zip(bounds[-2:], block))
         return self._refuse_non_finite(stored, elements * scales[..., rows[:, None], cols[None, :]])
 

@@ -1,20 +1,26 @@
-"""How a published Ling checkpoint stores each tensor (spec §6.2, §6.3), by its original name: block FP8 for the
-projections, MLPs, experts and the MTP eh_proj; bfloat16 for what SGLang never quantises (embeddings, lm_head,
-norms, router, the MLA head-wise gate, the KDA b_proj); float32 for A_log, dt_bias, the convs and the expert
-bias; MXFP4 routed experts in the mixed checkpoints.
+"""How a Ling checkpoint stores each tensor (spec §6.2, §6.3).
 
-Loaders never need this (a tensor is FP8 iff it is float8 with a `weight_scale_inv` sibling): it is what a
-checkpoint that is not at hand would hold, for the synthetic test checkpoints (`convert.synthetic`) and the
-memory plan of a preset (`ling_jax.generation.memory_plan`).
+`stored_kind` classifies a tensor at hand, for the loaders (`ling_jax.checkpoints.hf`) and the converter
+(`convert.source`): block FP8 iff float8 with a `weight_scale_inv` sibling, packed MXFP4 iff (u)int8 with one,
+else plain. `storage_kind` is what a published checkpoint that is not at hand holds, by a tensor's original name:
+block FP8 for the projections, MLPs, experts and the MTP eh_proj; bfloat16 for what SGLang never quantises
+(embeddings, lm_head, norms, router, the MLA head-wise gate, the KDA b_proj); float32 for A_log, dt_bias, the convs
+and the expert bias; MXFP4 routed experts in the mixed checkpoints. It serves the synthetic test checkpoints
+(`convert.synthetic`) and the memory plan of a preset (`ling_jax.generation.memory_plan`).
 """
 
 from __future__ import annotations
 
 import re
 
-from ling_jax.checkpoints.hf import FP8, MXFP4
-from ling_jax.config import KDA, LingConfig
+import numpy as np
 
+from ling_jax.config import KDA, LingConfig
+from ling_jax.quant import is_float8
+
+# how a tensor at hand is stored (`stored_kind`)
+PLAIN, FP8, MXFP4 = "plain", "fp8", "mxfp4"
+# what else a published checkpoint holds (`storage_kind`)
 FP32, BF16 = "fp32", "bf16"
 
 _KEEP_FP32 = re.compile(r"\.(A_log|dt_bias|expert_bias|e_score_correction_bias)$|_conv1d\.weight$")
@@ -27,6 +33,15 @@ _FP8_MODULES = re.compile(
     r"\.weight$"
     r"|\.eh_proj\.weight$"
 )
+
+
+def stored_kind(dtype: np.dtype, scaled: bool) -> str:
+    """PLAIN, FP8 or MXFP4 for a tensor stored as `dtype`, with a `weight_scale_inv` sibling iff `scaled`."""
+    if not scaled:
+        return PLAIN
+    if is_float8(dtype):
+        return FP8
+    return MXFP4 if dtype in (np.uint8, np.int8) else PLAIN
 
 
 def storage_kind(name: str, config: LingConfig, mxfp4_experts: bool) -> str:

@@ -13,9 +13,10 @@ from flax import nnx
 
 from convert.pipeline import Cluster, Options, convert
 from convert.plan import ParamPlan, model_parameters, owned_by
-from convert.source import PLAIN, SourceTensor
+from convert.source import SourceTensor
 from convert.synthetic import write_random_checkpoint
 from ling_jax.checkpoints.orbax import load_checkpoint
+from ling_jax.checkpoints.storage import PLAIN
 from ling_jax.presets import preset
 
 

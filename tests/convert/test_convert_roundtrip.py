@@ -14,9 +14,10 @@ from oracle import build_oracle, load_oracle, oracle_logits, save_oracle
 
 from convert.cli import main
 from convert.hooks import to_dense, to_fp8
-from convert.source import FP8, MXFP4, SourceRows, SourceTensor
+from convert.source import SourceRows, SourceTensor
 from ling_jax.checkpoints.hf import SCALE_SUFFIX
 from ling_jax.checkpoints.orbax import load_checkpoint, param_name
+from ling_jax.checkpoints.storage import FP8, MXFP4
 from ling_jax.quant import dequantize_fp8_block, dequantize_mxfp4
 from ling_jax.quantized import BlockFP8Weight, dequantize_blocks
 from ling_jax.sharding import make_mesh, param_shardings

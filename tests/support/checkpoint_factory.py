@@ -4,7 +4,8 @@ Pure numpy + ml_dtypes (the safetensors format is implemented by hand so that BF
 without torch). Main entry points:
 
 * ``quantize_fp8_block`` / ``dequantize_fp8_block``   - 128x128 block FP8 (scale MULTIPLIES; name ``weight_scale_inv``)
-* ``quantize_mxfp4`` / ``dequantize_mxfp4``           - packed E2M1 + E8M0 per-32 scales
+* ``quantize_mxfp4``                                  - packed E2M1 + E8M0 per-32 scales (unpacked and dequantised
+                                                        by ``ling_jax.quant``, as the loaders do)
 * ``write_safetensors`` / ``read_safetensors``        - one .safetensors file <-> dict of numpy arrays (native dtypes)
 * ``read_checkpoint_tensors``                         - (config, name -> float32) from a save_pretrained dir
 * ``write_hf_checkpoint``                             - config.json + N shards + model.safetensors.index.json
@@ -22,11 +23,9 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from ling_jax.quant import E2M1_VALUES, MXFP4_GROUP, dequantize_mxfp4
+
 FP8_MAX = 448.0  # float8_e4m3fn max finite
-MXFP4_GROUP = 32
-E2M1_VALUES = np.array(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32
-)
 
 # ---------------------------------------------------------------------------------------------------------------
 # safetensors (hand-written)
@@ -261,32 +260,6 @@ def quantize_mxfp4(
     else:
         raise ValueError(f"unknown scale_format {scale_format!r}")
     return packed, s
-
-
-def mxfp4_scale_to_float32(scales: np.ndarray) -> np.ndarray:
-    """E8M0 scales in any of the three storage formats -> float32 values (uint8/int8 = raw exponent u -> 2^(u-127))."""
-    scales = np.asarray(scales)
-    if scales.dtype in (np.dtype(np.uint8), np.dtype(np.int8)):
-        return np.exp2(scales.view(np.uint8).astype(np.float64) - 127.0).astype(np.float32)
-    return scales.astype(np.float32)
-
-
-def unpack_mxfp4_codes(packed: np.ndarray) -> np.ndarray:
-    """uint8/int8 [O, In/2] -> nibble codes [O, In] (element 2j = low nibble of byte j)."""
-    p = np.asarray(packed).view(np.uint8)
-    codes = np.empty((p.shape[0], p.shape[1] * 2), np.uint8)
-    codes[:, 0::2] = p & 0xF
-    codes[:, 1::2] = p >> 4
-    return codes
-
-
-def dequantize_mxfp4(packed: np.ndarray, scales: np.ndarray, group: int = MXFP4_GROUP) -> np.ndarray:
-    """W[r, c] = E2M1(nibble[r, c]) * scale[r, c // 32] as float32 [O, In]."""
-    codes = unpack_mxfp4_codes(packed)
-    s = mxfp4_scale_to_float32(scales)
-    In = codes.shape[1]
-    s_full = np.repeat(s, group, axis=1)[:, :In]
-    return E2M1_VALUES[codes] * s_full
 
 
 # ---------------------------------------------------------------------------------------------------------------
