@@ -139,6 +139,28 @@ def _tile(size: int, wanted: int) -> int:
     return min(wanted, pl.next_power_of_2(size))
 
 
+def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim: int, interpret: bool, name: str):
+    """pallas_call of kernel(*operand_refs, out_ref, block_n=, block_k=, mask_n=, mask_k=) over the grid (row of
+    out [rows, N], column tile of N): tiles (block_n, block_k, num_warps, num_stages), the blocks fitted to N and
+    k_dim (`_tile`); per_row_specs: the BlockSpecs of the first operands, the others whole."""
+    rows, n_dim = out_shape.shape
+    block_n, block_k, num_warps, num_stages = tiles
+    block_n, block_k = _tile(n_dim, block_n), _tile(k_dim, block_k)
+    whole = lambda dims: pl.BlockSpec(dims, lambda i, j: (0,) * len(dims))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(
+            kernel, block_n=block_n, block_k=block_k, mask_n=n_dim % block_n != 0, mask_k=k_dim % block_k != 0
+        ),
+        grid=(rows, pl.cdiv(n_dim, block_n)),
+        in_specs=[*per_row_specs, *(whole(a.shape) for a in operands[len(per_row_specs) :])],
+        out_specs=whole(out_shape.shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+
+
 def launch_tiles(dense: bool, tokens: int, dtype, swiglu_tiles: tuple, down_tiles: tuple) -> tuple[tuple, tuple]:
     """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages): the given ones, None ones from
     `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their *_QUANTIZED tables, by
@@ -206,11 +228,7 @@ def routed_experts_gpu(
     swiglu_tiles, down_tiles = launch_tiles(dense, tokens, x_TD.dtype, swiglu_tiles, down_tiles)
     rows = routed_rows + (tokens if shared else 0)
     experts_R = experts_TK.reshape(-1).astype(jnp.int32)
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))  # noqa: E731
-
-    block_n, block_k, num_warps, num_stages = swiglu_tiles
-    block_n, block_k = _tile(width, block_n), _tile(hidden, block_k)
-    h_RI = pl.pallas_call(
+    h_RI = _row_call(
         functools.partial(
             _swiglu_kernel,
             formats=swiglu_formats,
@@ -218,47 +236,27 @@ def routed_experts_gpu(
             routed_rows=routed_rows,
             limit=limit,
             shared_limit=shared_limit,
-            block_n=block_n,
-            block_k=block_k,
-            mask_n=width % block_n != 0,
-            mask_k=hidden % block_k != 0,
         ),
-        grid=(rows, pl.cdiv(width, block_n)),
-        in_specs=[pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),)), whole(x_TD.shape)]
-        + [whole(a.shape) for a in swiglu_weights],
-        out_specs=whole((rows, width)),
-        out_shape=jax.ShapeDtypeStruct((rows, width), x_TD.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        swiglu_tiles,
+        (experts_R, x_TD, *swiglu_weights),
+        [pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),))],
+        jax.ShapeDtypeStruct((rows, width), x_TD.dtype),
+        k_dim=hidden,
         interpret=interpret,
         name="expert_swiglu_rows",
-    )(experts_R, x_TD, *swiglu_weights)
+    )
 
     slots = pl.next_power_of_2(top_k)  # Triton blocks are powers of two: pad the slots with invalid experts
     experts_TS = jnp.pad(experts_TK.astype(jnp.int32), ((0, 0), (0, slots - top_k)), constant_values=-1)
     weights_TS = jnp.pad(weights_TK.astype(jnp.float32), ((0, 0), (0, slots - top_k)))
-    block_n, block_k, num_warps, num_stages = down_tiles
-    block_n, block_k = _tile(hidden, block_n), _tile(width, block_k)
-    return pl.pallas_call(
-        functools.partial(
-            _down_combine_kernel,
-            formats=down_formats,
-            top_k=top_k,
-            routed_rows=routed_rows,
-            block_n=block_n,
-            block_k=block_k,
-            mask_n=hidden % block_n != 0,
-            mask_k=width % block_k != 0,
-        ),
-        grid=(tokens, pl.cdiv(hidden, block_n)),
-        in_specs=[
-            pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
-            pl.BlockSpec((None, slots), lambda t, n: (t, 0)),
-            whole(h_RI.shape),
-        ]
-        + [whole(a.shape) for a in down_weights],
-        out_specs=whole((tokens, hidden)),
-        out_shape=jax.ShapeDtypeStruct((tokens, hidden), x_TD.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    per_token = pl.BlockSpec((None, slots), lambda t, n: (t, 0))
+    return _row_call(
+        functools.partial(_down_combine_kernel, formats=down_formats, top_k=top_k, routed_rows=routed_rows),
+        down_tiles,
+        (experts_TS, weights_TS, h_RI, *down_weights),
+        [per_token, per_token],
+        jax.ShapeDtypeStruct((tokens, hidden), x_TD.dtype),
+        k_dim=width,
         interpret=interpret,
         name="expert_down_combine",
-    )(experts_TS, weights_TS, h_RI, *down_weights)
+    )
