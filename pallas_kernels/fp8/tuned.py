@@ -82,9 +82,9 @@ class GemvTiles:
     num_stages: int
 
 
-_SWEEP = "docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)'"
-_ROWS_SWEEP = "docs/benchmarks/matmul.md, 'Weight-only tiles for 17-255 rows (2026-12-03)'"
-_SIDES_SWEEP = "docs/benchmarks/matmul.md, 'The weight tile on either side of the MMA (2026-12-03)'"
+_SWEEP = "docs/benchmarks/matmul.md#block-fp8-linear-kernels-benchmarksfp8_linearpy-2026-12-02"
+_ROWS_SWEEP = "docs/benchmarks/matmul.md#weight-only-tiles-for-17-255-rows-2026-12-03"
+_SIDES_SWEEP = "docs/benchmarks/matmul.md#the-weight-tile-on-either-side-of-the-mma-2026-12-03"
 # Row buckets of the block-scaled weight-only kernel: up to FEW_ROWS rows ("few_rows", decode of a few sequences),
 # up to MORE_ROWS ("more_rows"), then "many_rows" (a decode batch of up to WEIGHT_ONLY_MAX_ROWS sequences).
 FEW_ROWS = 16
@@ -124,8 +124,8 @@ WEIGHT_ONLY_GEMV = _gpu(
     {
         (ANY, "16bit"): Entry(
             GemvTiles(32, 4, 528, 8, 4, 2),
-            "docs/benchmarks/matmul.md, 'The decode-shaped kernel': the best of a 7-setting sweep at 1 row "
-            "(8192 x 4096: 24.9 us, 1,347 GB/s)",
+            "docs/benchmarks/matmul.md#the-decode-shaped-kernel-gpu_triton_gemv-2026-12-02: the best of a "
+            "7-setting sweep at 1 row (8192 x 4096: 24.9 us, 1,347 GB/s)",
         ),
         (ANY, ANY): Entry(
             GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2), "not measured: the 16-bit tiles, FMA products only"
