@@ -96,8 +96,10 @@ def test_gpu_kernel_lowers_for_cuda(name, shape, phase1):
     chunk_tests.test_gpu_kernel_lowers_for_cuda(name, shape, phase1)
 
 
+# bf16 only, the dtype the model runs (the device's time is the compile, ~50 s a case): the fused forms' fp32 path
+# stays checked at full width by test_compiled_gpu_chunk_parts_full_width and in interpret mode.
 @gpu_test("the compiled Triton kernel")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("variant", FUSED)
 def test_compiled_gpu_kernel_full_width(dtype, variant):
     chunk_tests.test_compiled_gpu_kernel_full_width(dtype, variant)
