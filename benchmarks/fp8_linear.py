@@ -32,15 +32,12 @@ import time
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from pallas_kernels.fp8.gpu_mosaic_weight_only import TILE_KEYWORDS as MOSAIC_WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
-from pallas_kernels.fp8.xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 
 from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
+from pallas_kernels.experimental.fp8_mosaic_weight_only import MosaicWeightOnlyTiles  # noqa: E402
+from pallas_kernels.experimental.fp8_xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 from pallas_kernels.fp8 import tuned  # noqa: E402
-from pallas_kernels.fp8.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS  # noqa: E402
-from pallas_kernels.fp8.gpu_triton import block_scaled, gemv  # noqa: E402
-from pallas_kernels.fp8.gpu_triton.weight_only import TILE_KEYWORDS as WEIGHT_ONLY_TILE_KEYWORDS  # noqa: E402
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
 from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
@@ -198,10 +195,10 @@ def prefill_table(iters: int, shapes=PREFILL_SHAPES, rows_list=PREFILL_ROWS, pea
             print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells + errors) + " |", flush=True)
 
 
-SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
+SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their settings, (out, in), rows)
     GEMV: (
         gemv_gpu,
-        gemv.TILE_KEYWORDS,
+        tuned.GemvTiles,
         [
             (32, 4, 528, 8, 4, 2),
             (64, 2, 528, 8, 4, 2),
@@ -216,7 +213,7 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
     ),
     "weight-only": (
         weight_only_gpu,
-        WEIGHT_ONLY_TILE_KEYWORDS,
+        tuned.WeightOnlyTiles,
         [
             (16, 64, 1, 4, 4, 4, False),
             (16, 64, 1, 4, 4, 4, True),
@@ -229,7 +226,7 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
     ),
     "weight-only-64": (
         weight_only_gpu,
-        WEIGHT_ONLY_TILE_KEYWORDS,
+        tuned.WeightOnlyTiles,
         [
             (64, 64, 1, 4, 4, 2, False),
             (64, 64, 1, 4, 4, 2, True),
@@ -245,29 +242,29 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
     ),
     "weight-only-mosaic": (
         kernel("weight_only_linear", MOSAIC),
-        MOSAIC_WEIGHT_ONLY_TILE_KEYWORDS,
+        MosaicWeightOnlyTiles,
         [(4, 2), (4, 1), (4, 4), (3, 2), (6, 2), (4, 8)],
         (8192, 4096),
         (8, 32, 64, 128),
     ),
-    "xla-folded": (weight_only_linear_xla, (), [()], (8192, 4096), (16, 32, 64)),
+    "xla-folded": (weight_only_linear_xla, None, [()], (8192, 4096), (16, 32, 64)),
     "dequant-dot": (
         lambda x, v, s, block: x @ dequantize_blocks(v, s, block, x.dtype).T,
-        (),
+        None,
         [()],
         (8192, 4096),
         (16, 32, 64),
     ),
     "W8A8": (
         w8a8_gpu,
-        block_scaled.TILE_KEYWORDS,
+        tuned.LinearTiles,
         [(64, 128, 8, 4, 3, 1), (64, 128, 8, 4, 4, 1), (128, 128, 8, 8, 4, 1), (128, 64, 8, 4, 4, 1)],
         (12288, 4096),
         (2048, 8192),
     ),
     "W8A8-tc-acc": (
         w8a8_tc_acc_gpu,
-        block_scaled.TILE_KEYWORDS,
+        tuned.LinearTiles,
         [
             (128, 128, 8, 8, 4, 1),
             (128, 128, 8, 8, 3, 1),
@@ -283,7 +280,7 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
     ),
     "W8A8-mosaic": (
         w8a8_mosaic_gpu,
-        MOSAIC_TILE_KEYWORDS,
+        tuned.MosaicTiles,
         [(128, 4), (128, 3), (128, 5), (128, 6), (64, 4), (64, 6)],
         (12288, 4096),
         (2048, 8192),
@@ -293,13 +290,15 @@ SWEEPS = {  # kernel: (entry, its tile keywords, tile settings, (out, in), rows)
 
 def sweep(iters: int, kernels) -> None:
     for label in kernels:
-        entry, keywords, settings, (out_dim, in_dim), rows_list = SWEEPS[label]
+        entry, tiles_type, settings, (out_dim, in_dim), rows_list = SWEEPS[label]
+        keywords = () if tiles_type is None else tuple(field.name for field in dataclasses.fields(tiles_type))
         weights = random_copies(out_dim, in_dim)
         print(f"\n{label} sweep at {out_dim} x {in_dim}, us per call (GB/s of the FP8 weight, TFLOP/s)")
         print(f"| {', '.join(keywords)} | " + " | ".join(f"M = {r}" for r in rows_list) + " |")
         print("|---|" + "---|" * len(rows_list))
         for tiles in settings:
-            product = functools.partial(entry, block=BLOCK, **dict(zip(keywords, tiles, strict=True)))
+            given = {} if tiles_type is None else {"tiles": tiles_type(*tiles)}
+            product = functools.partial(entry, block=BLOCK, **given)
             cells = []
             for rows in rows_list:
                 x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)

@@ -9,7 +9,8 @@
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: the chunk_kda variants (Pallas, two
-phases: gpu_triton, phase 1 in three pallas_calls; gpu_triton_fused, phase 1 in two) vs fla's `chunk_kda` (and,
+phases: gpu_triton, phase 1 in three pallas_calls; the lab's gpu_triton_fused and gpu_triton_fused_wy, phase 1 in
+one and two, from `pallas_kernels.experimental.kda_fused`) vs fla's `chunk_kda` (and,
 with --jnp-baseline, the jnp chunked form under XLA: ~180 ms a call at T=32768), over a few tile variants of the
 fused kernel and the any-gate variants (for gates below -5, on the same gates); each variant also times its two
 phases alone (phase 1: intra-chunk, parallel, and each of its kernels; phase 2: the
@@ -36,16 +37,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
+from pallas_kernels.experimental import kda_fused  # noqa: E402
 from pallas_kernels.kda import (
     kda_chunked,  # noqa: E402
     tuned,  # noqa: E402
 )
 from pallas_kernels.kda.gpu_triton import (  # noqa: E402
-    Phase1,
-    chunk_blocks,
     decay_blocks,
     inter_chunk,
     intra_chunk,
+    intra_chunk_any_gate,
     sub_block_keys,
     wy_factors,
 )
@@ -92,9 +93,9 @@ def to_torch(*arrays, dtype=None):
     return [torch.from_numpy(np.ascontiguousarray(a)).cuda().to(dtype or torch.float32) for a in arrays]
 
 
-DECODE_TILES = [dict(block_v=64, num_warps=4), dict(block_v=64, num_warps=2), dict(block_v=32, num_warps=4)]
-DECODE_VARIANTS = {  # kda_decode_step_gpu keywords (`tuned.DECODE_GPU` is the default) for B < 64 and for B >= 64
-    "small": DECODE_TILES + [dict(block_v=16, num_warps=2)],
+DECODE_TILES = [tuned.DecodeGpuTiles(64, 4), tuned.DecodeGpuTiles(64, 2), tuned.DecodeGpuTiles(32, 4)]
+DECODE_VARIANTS = {  # kda_decode_step_gpu tiles (`tuned.DECODE_GPU` is the default) for B < 64 and for B >= 64
+    "small": DECODE_TILES + [tuned.DecodeGpuTiles(16, 2)],
     "large": DECODE_TILES,
 }
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
@@ -121,8 +122,8 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     )
     traffic = 2 * 4 * batch * HEADS * DIM * DIM
     best = None
-    for variant in DECODE_VARIANTS["small" if batch < 64 else "large"]:
-        step = functools.partial(kda_decode_step_gpu, scale=DIM**-0.5, **variant)
+    for tiles in DECODE_VARIANTS["small" if batch < 64 else "large"]:
+        step = functools.partial(kda_decode_step_gpu, scale=DIM**-0.5, tiles=tiles)
         o, new_state = jax.jit(step)(jq, jk, jv, jg, jbeta, jnp.asarray(state))
         err_o = rel_error(o, fla_o[:, 0].float().cpu().numpy())
         err_s = rel_error(new_state, fla_state.float().cpu().numpy())
@@ -140,7 +141,7 @@ def bench_decode(batch, iters, copy_bytes_per_s):
             carried = jax.block_until_ready(steps(carried))
             samples.append(time.perf_counter() - start)
         ours_s = statistics.median(samples[2:]) / STEPS_PER_CALL
-        label = " ".join(f"{name}={value}" for name, value in variant.items())
+        label = " ".join(f"{name}={value}" for name, value in dataclasses.asdict(tiles).items())
         print(
             f"decode B={batch} {label}: ours {ours_s * 1e6:.1f} us "
             f"({traffic / ours_s / 1e12:.2f} TB/s), fla {fla_s * 1e6:.1f} us ({traffic / fla_s / 1e12:.2f} TB/s);"
@@ -152,74 +153,69 @@ def bench_decode(batch, iters, copy_bytes_per_s):
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
 
 
-# the tuned tables' settings on this device (`pallas_kernels/kda/tuned.py`), as the prefill entry points' keywords
-PHASE2_DEFAULT = dataclasses.asdict(lookup(tuned.CHUNK_INTER, dtype=jnp.bfloat16))
-
-
-def _intra_defaults(table) -> dict:
-    return {f"intra_{name}": value for name, value in dataclasses.asdict(lookup(table, dtype=jnp.bfloat16)).items()}
-
-
-PHASE1_DEFAULT = {  # per form of phase 1: three kernels (gpu_triton*), over whole chunks in one kernel or two
-    Phase1.THREE_KERNELS: _intra_defaults(tuned.CHUNK_INTRA),
-    Phase1.FUSED: _intra_defaults(tuned.CHUNK_FUSED),
-    Phase1.FUSED_WY: _intra_defaults(tuned.CHUNK_FUSED_WY),
+# the tuned tables' settings on this device (`pallas_kernels/kda/tuned.py`, `experimental.kda_fused`)
+PHASE2_DEFAULT = lookup(tuned.CHUNK_INTER, dtype=jnp.bfloat16)
+PHASE1 = {  # variant of chunk_kda: (its phase 1, that phase 1's default tiles)
+    "gpu_triton": (intra_chunk, lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)),
+    "gpu_triton_fused": (kda_fused.fused_intra_chunk, lookup(kda_fused.CHUNK_FUSED, dtype=jnp.bfloat16)),
+    "gpu_triton_fused_wy": (kda_fused.fused_wy_intra_chunk, lookup(kda_fused.CHUNK_FUSED_WY, dtype=jnp.bfloat16)),
+    "gpu_triton_any_gate": (intra_chunk_any_gate, lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)),
 }
-PREFILL_VARIANTS = [  # (variant of chunk_kda, keywords over its defaults): the default, then the chunk-wide forms
+PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its defaults): the default, then the lab's
     ("gpu_triton", {}),
     ("gpu_triton_fused", {}),
-    ("gpu_triton_fused", {"intra_num_warps": 8}),
+    ("gpu_triton_fused", {"num_warps": 8}),
     ("gpu_triton_fused_wy", {}),
     ("gpu_triton_any_gate", {}),  # for gates below -5, on the same safe gates
 ]
 
 
-def _form(name: str) -> Phase1:
-    """Phase 1 of variant `name`: three kernels, or over whole chunks in one (FUSED) or two (FUSED_WY)."""
-    return {"gpu_triton_fused": Phase1.FUSED, "gpu_triton_fused_wy": Phase1.FUSED_WY}.get(name, Phase1.THREE_KERNELS)
-
-
-def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
+def phase1_kernels(name, q, k, v, g, beta, tiles, interpret):
     """Phase 1's pallas_calls as jitted functions of their own inputs (each timed alone), with the inputs each
     needs: [(name, fn, args)], in order: the keys, block-row and WY-factors kernels of gpu_triton*, the chunk-wide
     products and WY-factors kernels of gpu_triton_fused_wy (none for gpu_triton_fused: one kernel)."""
-    if _form(name) is Phase1.FUSED:
+    if name == "gpu_triton_fused":
         return []  # one kernel: phase 1 itself
-    dtype = knobs["parts_dtype"] or v.dtype
-    stages = dict(num_stages=knobs.get("intra_num_stages"), interpret=interpret)
-    factors_fn = jax.jit(
-        functools.partial(
-            wy_factors,
-            parts_dtype=dtype,
-            input_dtype=v.dtype,
-            num_warps=knobs["intra_factors_num_warps"],
-            invert_diagonal=_form(name) is Phase1.FUSED_WY,
-            **stages,
+    if name == "gpu_triton_fused_wy":
+        factors_tiles = dataclasses.replace(
+            lookup(tuned.CHUNK_INTRA, dtype=v.dtype), factors_num_warps=tiles.factors_num_warps
         )
-    )
-    if _form(name) is Phase1.FUSED_WY:
+        factors_fn = jax.jit(
+            functools.partial(
+                wy_factors,
+                parts_dtype=v.dtype,
+                input_dtype=v.dtype,
+                tiles=factors_tiles,
+                invert_diagonal=True,
+                interpret=interpret,
+            )
+        )
         products_fn = jax.jit(
             functools.partial(
-                chunk_blocks,
+                kda_fused.chunk_blocks,
                 scale=DIM**-0.5,
                 use_qk_l2norm=True,
-                parts_dtype=dtype,
-                block_k=knobs["intra_block_k"],
-                num_warps=knobs["intra_num_warps"],
+                parts_dtype=v.dtype,
+                tiles=tiles,
                 interpret=interpret,
             )
         )
         _, _, blocks, kb, _, _ = products_fn(q, k, g, beta)
         return [("chunk products", products_fn, (q, k, g, beta)), ("wy factors", factors_fn, (blocks, kb, v, beta))]
-    tiles = dict(block_k=knobs["intra_block_k"], num_warps=knobs["intra_num_warps"], any_gate=knobs["any_gate"])
-    keys_fn = jax.jit(
-        functools.partial(sub_block_keys, use_qk_l2norm=True, parts_dtype=dtype, interpret=interpret, **tiles)
+    options = dict(
+        use_qk_l2norm=True,
+        parts_dtype=v.dtype,
+        tiles=tiles,
+        any_gate=name == "gpu_triton_any_gate",
+        interpret=interpret,
     )
+    keys_fn = jax.jit(functools.partial(sub_block_keys, **options))
     right, totals = keys_fn(k, g)
-    blocks_fn = jax.jit(
-        functools.partial(decay_blocks, scale=DIM**-0.5, use_qk_l2norm=True, parts_dtype=dtype, **tiles, **stages)
-    )
+    blocks_fn = jax.jit(functools.partial(decay_blocks, scale=DIM**-0.5, **options))
     _, _, blocks, kb, _, _ = blocks_fn(q, k, g, beta, right, totals)
+    factors_fn = jax.jit(
+        functools.partial(wy_factors, parts_dtype=v.dtype, input_dtype=v.dtype, tiles=tiles, interpret=interpret)
+    )
     return [
         ("keys", keys_fn, (k, g)),
         ("blocks", blocks_fn, (q, k, g, beta, right, totals)),
@@ -227,50 +223,24 @@ def phase1_kernels(name, q, k, v, g, beta, knobs, interpret):
     ]
 
 
-def phase1_function(name: str, knobs: dict, interpret: bool):
-    """Phase 1 of variant `name` (`intra_chunk` in its form) with its knobs, jitted."""
-    tiles = {key.removeprefix("intra_"): value for key, value in knobs.items() if key.startswith("intra_")}
-    return jax.jit(
-        functools.partial(
-            intra_chunk,
-            scale=DIM**-0.5,
-            parts_dtype=knobs["parts_dtype"],
-            any_gate=knobs["any_gate"],
-            form=_form(name),
-            interpret=interpret,
-            **tiles,
-        )
-    )
-
-
-def bench_prefill_phases(inputs, name, variant, iters, phase1_seconds, interpret):
+def bench_prefill_phases(inputs, name, tiles: tuned.ChunkTiles, iters, phase1_seconds, interpret):
     """(phase 1 s, its kernels' s, phase 2 s, bytes each phase moves at least), each pallas_call jitted and
-    timed alone; phase 1's times are kept per its form and knobs in phase1_seconds."""
+    timed alone; phase 1's times are kept per its function and tiles in phase1_seconds."""
     jq, jk, jv, jg, jbeta = inputs
     phase1_args = (jq, jk, jv, jg, jbeta[..., None])
-    knobs = {key: value for key, value in variant.items() if key.startswith("intra_") or key == "parts_dtype"}
-    knobs["any_gate"] = name.endswith("_any_gate")  # gpu_triton_any_gate: intra_chunk(any_gate=True)
-    intra = phase1_function(name, knobs, interpret)
+    phase1, _ = PHASE1[name]
+    intra = jax.jit(functools.partial(phase1, scale=DIM**-0.5, tiles=tiles.intra, interpret=interpret))
     parts = intra(*phase1_args)
-    key = (_form(name), *sorted(knobs.items(), key=lambda item: item[0]))
+    key = (phase1, tiles.intra)
     if key not in phase1_seconds:
-        stages = phase1_kernels(name, *phase1_args, knobs, interpret)
+        stages = phase1_kernels(name, *phase1_args, tiles.intra, interpret)
         phase1_seconds[key] = (
             median_seconds(intra, *phase1_args, iters=iters),
             {stage: median_seconds(fn, *args, iters=iters) for stage, fn, args in stages},
         )
     batch, _, heads, _ = jq.shape
     state = jnp.zeros((batch, heads, DIM, DIM), jnp.float32)
-    inter = jax.jit(
-        functools.partial(
-            inter_chunk,
-            out_dtype=jv.dtype,
-            block_v=variant["block_v"],
-            num_warps=variant["num_warps"],
-            num_stages=variant["num_stages"],
-            interpret=interpret,
-        )
-    )
+    inter = jax.jit(functools.partial(inter_chunk, out_dtype=jv.dtype, tiles=tiles.inter, interpret=interpret))
     inter_s = median_seconds(inter, parts, state, iters=iters)
     parts_bytes = sum(x.nbytes for x in parts)
     phase1_bytes = sum(x.nbytes for x in phase1_args) + parts_bytes
@@ -314,21 +284,15 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
     )
     results, phase1_seconds = [], {}
     for name, overrides in [(name, overrides) for name, overrides in PREFILL_VARIANTS if name in (names or [name])]:
-        variant = {**PHASE2_DEFAULT, **PHASE1_DEFAULT[_form(name)], "parts_dtype": None, **overrides}
-        fn = jax.jit(functools.partial(kernel("chunk_kda", name), scale=DIM**-0.5, interpret=interpret, **variant))
-        label = " ".join(
-            [name]
-            + [
-                f"{key}={jnp.dtype(value).name if key == 'parts_dtype' and value else value}"
-                for key, value in overrides.items()
-            ]
-        )
+        tiles = tuned.ChunkTiles(intra=dataclasses.replace(PHASE1[name][1], **overrides), inter=PHASE2_DEFAULT)
+        fn = jax.jit(functools.partial(kernel("chunk_kda", name), scale=DIM**-0.5, tiles=tiles, interpret=interpret))
+        label = " ".join([name] + [f"intra_{key}={value}" for key, value in overrides.items()])
         try:
             o, state = fn(jq, jk, jv, jg, jbeta)
             err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
             seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
             intra_s, kernel_s, inter_s, intra_bytes, inter_bytes = bench_prefill_phases(
-                (jq, jk, jv, jg, jbeta), name, variant, iters, phase1_seconds, interpret
+                (jq, jk, jv, jg, jbeta), name, tiles, iters, phase1_seconds, interpret
             )
         except Exception as error:  # a variant that fails to compile or run must not end the sweep
             print(f"  Pallas {label}: failed: {type(error).__name__}: {str(error)[:300]}")

@@ -14,6 +14,7 @@ Also measures a device-to-device copy as the bandwidth ceiling. Prints a markdow
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -27,6 +28,8 @@ from pallas_kernels.mla.gpu_mosaic import default_num_splits as mosaic_num_split
 from pallas_kernels.mla.gpu_triton import default_num_splits  # noqa: E402
 from pallas_kernels.mla.ops import kernel  # noqa: E402
 from pallas_kernels.mla.reference import mla_decode_reference  # noqa: E402
+from pallas_kernels.mla.tuned import DECODE_MOSAIC, DecodeTritonTiles  # noqa: E402
+from pallas_kernels.tuning import lookup  # noqa: E402
 
 mla_decode_gpu, mla_decode_mgpu = kernel("mla_decode", "gpu_triton"), kernel("mla_decode", "gpu_mosaic")
 
@@ -57,23 +60,19 @@ def kernel_variants(batch: int, length: int, scale: float):
                 functools.partial(
                     mla_decode_gpu,
                     scale=scale,
-                    block_k=block_k,
-                    head_block=head_block,
-                    num_warps=warps,
-                    num_stages=stages,
+                    tiles=DecodeTritonTiles(block_k, head_block, warps, stages),
                     num_splits=splits,
                 )
             ),
         )
     for pv_chunk, split_factor, approx_math in MOSAIC_VARIANTS:
         splits = split_factor * mosaic_num_splits(batch, length)
+        tiles = dataclasses.replace(
+            lookup(DECODE_MOSAIC, dtype=jnp.bfloat16), pv_chunk=pv_chunk, approx_math=approx_math
+        )
         yield (
             f"mosaic (pv_chunk {pv_chunk}, splits {splits}{', approx. exp' if approx_math else ''})",
-            jax.jit(
-                functools.partial(
-                    mla_decode_mgpu, scale=scale, pv_chunk=pv_chunk, num_splits=splits, approx_math=approx_math
-                )
-            ),
+            jax.jit(functools.partial(mla_decode_mgpu, scale=scale, tiles=tiles, num_splits=splits)),
         )
 
 

@@ -14,6 +14,7 @@ visible keys (2 x visible pairs x H x (nope + rope + value)) and not the key exp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 
@@ -23,11 +24,18 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks.common import median_seconds, rel_error  # noqa: E402
 from pallas_kernels.mla.ops import kernel  # noqa: E402
 from pallas_kernels.mla.reference import flash_expanded_attention  # noqa: E402
+from pallas_kernels.mla.tuned import PREFILL  # noqa: E402
+from pallas_kernels.tuning import lookup  # noqa: E402
 
 flash_expanded_attention_gpu = kernel("mla_prefill", "gpu_triton")
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 64, 128, 64, 128, 512
 SEGMENTS = (2048, 4096)  # the kernel's key segment, swept
+
+
+def segment_tiles(segment: int):
+    """The kernel's tuned bf16 tiles with the key segment replaced."""
+    return dataclasses.replace(lookup(PREFILL, dtype=jnp.bfloat16), segment=segment)
 
 
 def inputs(length: int, slots: int):
@@ -65,7 +73,7 @@ def main(argv=None) -> int:
         paths = [("jnp flash (XLA)", jnp_path)] + [
             (
                 f"Pallas kernel, segment {segment}",
-                jax.jit(functools.partial(flash_expanded_attention_gpu, scale=scale, segment=segment)),
+                jax.jit(functools.partial(flash_expanded_attention_gpu, scale=scale, tiles=segment_tiles(segment))),
             )
             for segment in SEGMENTS
         ]

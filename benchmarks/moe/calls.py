@@ -10,26 +10,34 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from pallas_kernels.moe.gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS
-from pallas_kernels.moe.gpu_mosaic import w8a8_expert_rows_mgpu
-from pallas_kernels.moe.xla_folded import routed_experts_xla
-from pallas_kernels.moe.xla_folded import takes as folded_takes
 
 from ling_jax.moe.block import MoE
-from ling_jax.moe.experts import (
-    dense_expert_ffn,
-    grouped_local_moe,
-    local_moe,
-    sort_by_expert,
-    swiglu_ffn,
-    unfused_local_moe,
-)
+from ling_jax.moe.experts import dense_expert_ffn, local_moe, swiglu_ffn
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.backend import resolve_backend
+from pallas_kernels.experimental.moe_gpu_mosaic import TILE_KEYWORDS as MOSAIC_TILE_KEYWORDS
+from pallas_kernels.experimental.moe_gpu_mosaic import w8a8_expert_rows_mgpu
+from pallas_kernels.experimental.moe_xla_folded import routed_experts_xla
+from pallas_kernels.experimental.moe_xla_folded import takes as folded_takes
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton import row_tiles
 from pallas_kernels.moe.gpu_triton.w8a8 import down_scatter_w8a8_gpu, gather_swiglu_w8a8_gpu
-from pallas_kernels.moe.ops import WEIGHT_ONLY, down_scatter, gather_swiglu, grouped_matmul, kernel, routed_experts
+from pallas_kernels.moe.ops import (
+    WEIGHT_ONLY,
+    ExpertKernel,
+    ExpertPath,
+    ExpertWeights,
+    Routing,
+    down_scatter,
+    expert_path,
+    gather_swiglu,
+    grouped_matmul,
+    kernel,
+    moe_experts,
+    routed_experts,
+    sort_by_expert,
+)
 from pallas_kernels.moe.reference import (
     RoutingRule,
     grouped_matmul_reference,
@@ -67,28 +75,46 @@ def expert_stacks(moe: MoE) -> tuple:
 
 def route_tokens(moe: MoE, x_TD, backend: str):
     """(weights [T, k], experts [T, k]) from the module's router."""
-    return jax.jit(functools.partial(moe.gate, backend=backend))(x_TD)
+    return jax.jit(functools.partial(moe.gate, policy=ExecutionPolicy(kernel_backend=backend)))(x_TD)
 
 
 def dense_in_chunks(x_TD, weights_TK, experts_TK, gate, up, down, limit):
     """The dense one-hot baseline: every expert on every token, in token chunks."""
     chunks = x_TD.shape[0] // min(BASELINE_CHUNK, x_TD.shape[0])
+    experts = ExpertWeights(gate, up, down)
 
     def one(args):
-        return dense_expert_ffn(*args, gate, up, down, limit)
+        x, weights, ids = args
+        return dense_expert_ffn(x, Routing(weights, ids), experts, limit)
 
     split = [a.reshape(chunks, -1, *a.shape[1:]) for a in (x_TD, weights_TK, experts_TK)]
     return jax.lax.map(one, split).reshape(x_TD.shape)
 
 
+def routed_jit(fn):
+    """fn(x, routing, experts) jitted as (x, weights, experts, gate, up, down) -> y."""
+
+    def run(x_TD, weights_TK, experts_TK, gate, up, down):
+        return fn(x_TD, Routing(weights_TK, experts_TK), ExpertWeights(gate, up, down))
+
+    return jax.jit(run)
+
+
+def grouped_path(backend: str) -> ExpertPath:
+    """The unfused path on `backend`: repeat and sort the rows, three grouped matmuls, unsort, combine."""
+    return ExpertPath(ExpertKernel.GROUPED, resolve_backend(backend))
+
+
 def fused_routed(limit, backend: str):
     """`local_moe` jitted (what the model runs): (x, weights, experts, gate, up, down) -> y."""
-    return jax.jit(functools.partial(local_moe, limit=limit, policy=ExecutionPolicy(kernel_backend=backend)))
+    policy = ExecutionPolicy(kernel_backend=backend)
+    return routed_jit(lambda x_TD, routing, experts: local_moe(x_TD, routing, experts, limit, policy=policy))
 
 
 def unfused_routed(limit, backend: str):
-    """`unfused_local_moe` jitted: repeat and sort the rows, three grouped matmuls, unsort, combine."""
-    return jax.jit(functools.partial(unfused_local_moe, limit=limit, backend=backend))
+    """`moe_experts` on the unfused path (`grouped_path`) jitted: (x, weights, experts, gate, up, down) -> y."""
+    path = grouped_path(backend)
+    return routed_jit(lambda x_TD, routing, experts: moe_experts(x_TD, routing, experts, limit, path))
 
 
 def unfused_gemms(rows_RD, sizes_E, gate, up, down, *, limit, backend):
@@ -111,13 +137,13 @@ def unfused_layer(graphdef, limit, backend):
     """The whole MoE layer (router, routed experts, shared expert) with the unfused routed path, jitted over
     its split state as the model runs (nnx.jit would also return, i.e. copy, the state)."""
 
+    policy, path = ExecutionPolicy(kernel_backend=backend), grouped_path(backend)
+
     def run(state, x_TD):
         moe = nnx.merge(graphdef, state)
-        weights_TK, experts_TK = moe.gate(x_TD, backend=backend)
-        experts = (moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
-        return unfused_local_moe(x_TD, weights_TK, experts_TK, *experts, limit, backend=backend) + moe.shared_experts(
-            x_TD
-        )
+        routing = Routing(*moe.gate(x_TD, policy=policy))
+        experts = ExpertWeights(moe.experts.gate_proj[...], moe.experts.up_proj[...], moe.experts.down_proj[...])
+        return moe_experts(x_TD, routing, experts, limit, path) + moe.shared_experts(x_TD)
 
     return jax.jit(run)
 
@@ -186,7 +212,8 @@ def grouped_with_shared(limit):
     """The grouped path (sort, grouped matmuls, combine) then the shared expert, as a decode step ran them."""
 
     def grouped(x, weights, experts, gate, up, down, shared):
-        routed = grouped_local_moe(x, weights, experts, gate, up, down, limit, backend="pallas_gpu")
+        stacks = ExpertWeights(gate, up, down)
+        routed = moe_experts(x, Routing(weights, experts), stacks, limit, expert_path("pallas_gpu", stacks))
         return routed + swiglu_ffn(x, *shared, limit)
 
     return grouped
@@ -203,7 +230,7 @@ def routed_rows(limit, backend: str, variant: str | None = None):
 
 
 def folded_rows(limit):
-    """`pallas_kernels.moe.xla_folded`: XLA's gather + reduction over FP8 experts, no Pallas."""
+    """`pallas_kernels.experimental.moe_xla_folded`: XLA's gather + reduction over FP8 experts, no Pallas."""
     return functools.partial(routed_experts_xla, limit=limit)
 
 

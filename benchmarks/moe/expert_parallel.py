@@ -55,9 +55,9 @@ from ling_jax.moe.expert_parallel import (
     return_and_combine,
     rows_per_source,
 )
-from ling_jax.moe.experts import expert_sorted_ffn, grouped_expert_ffn
 from ling_jax.sharding import ShardingError, cache_shardings, make_mesh
 from pallas_kernels.backend import resolve_backend
+from pallas_kernels.moe.ops import ExpertWeights, Routing, expert_path, expert_sorted_ffn, grouped_expert_ffn
 
 SPLIT = P("expert")  # leading dimension (tokens, buffer rows, experts) over the expert axis
 FULL = {"tokens_per_device": (64, 8192), "decode_batch": 64, "context": 8192, "iters": 20, "steps": 20}
@@ -92,6 +92,16 @@ def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: 
     weights = (P("expert", None, None),) * 3
     native = has_ragged_all_to_all()
     routes_spec = SPLIT  # every field of RaggedRoutes is per device: concatenated over the expert axis
+
+    def grouped_gemm(x, e, g, u, d):
+        experts = ExpertWeights(g, u, d)
+        return grouped_expert_ffn(x, e, experts, limit, expert_path(backend, experts))
+
+    def ragged_grouped_gemm(x, routes, g, u, d):
+        experts = ExpertWeights(g, u, d)
+        path = expert_path(backend, experts, sorted_rows=True)
+        return expert_sorted_ffn(x, routes.group_sizes_L, experts, limit, path)
+
     return {
         "dispatch": on_mesh(
             functools.partial(dispatch, ep=ep, local_experts=local_experts, capacity=capacity),
@@ -103,7 +113,7 @@ def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: 
             lambda x, e: (exchange(x, ep), exchange(e, ep)), mesh, (SPLIT, SPLIT), (SPLIT, SPLIT)
         ),
         "grouped GEMM": on_mesh(
-            lambda x, e, g, u, d: grouped_expert_ffn(x, e, g, u, d, limit, backend=backend),
+            grouped_gemm,
             mesh,
             (SPLIT, SPLIT, *weights),
             SPLIT,
@@ -125,7 +135,7 @@ def stage_functions(mesh, *, local_experts: int, capacity: int, limit, backend: 
             functools.partial(ragged_dispatch, rows=ep * capacity, native=native), mesh, (SPLIT, routes_spec), SPLIT
         ),
         "ragged grouped GEMM": on_mesh(
-            lambda x, routes, g, u, d: expert_sorted_ffn(x, routes.group_sizes_L, g, u, d, limit, backend=backend),
+            ragged_grouped_gemm,
             mesh,
             (SPLIT, routes_spec, *weights),
             SPLIT,
@@ -181,6 +191,16 @@ def layer_inputs(moe: MoE, mesh, tokens_per_device: int, capacity_factor) -> Lay
     )
 
 
+def routed_experts(mesh, limit, policy: ExecutionPolicy):
+    """`moe_parallel` jitted: (x, weights, experts, gate, up, down) -> (y, dropped assignments)."""
+
+    def run(x_TD, weights_TK, experts_TK, gate, up, down):
+        routing, experts = Routing(weights_TK, experts_TK), ExpertWeights(gate, up, down)
+        return moe_parallel(x_TD, routing, experts, limit=limit, mesh=mesh, policy=policy)
+
+    return jax.jit(run)
+
+
 def time_moe_layer(
     moe: MoE, mesh, tokens_per_device: int, *, capacity_factor, backend: str, iters: int, slice_counts: tuple[int, ...]
 ) -> list[Row]:
@@ -194,15 +214,10 @@ def time_moe_layer(
         mesh, local_experts=local_experts, capacity=inputs.capacity, limit=moe.experts.limit, backend=backend
     )
     routed = {
-        exchange_: jax.jit(
-            functools.partial(
-                moe_parallel,
-                limit=moe.experts.limit,
-                mesh=mesh,
-                capacity_factor=capacity_factor,
-                backend=backend,
-                exchange=exchange_,
-            )
+        exchange_: routed_experts(
+            mesh,
+            moe.experts.limit,
+            ExecutionPolicy(kernel_backend=backend, moe_exchange=exchange_, moe_capacity_factor=capacity_factor),
         )
         for exchange_ in ("dense", "ragged")
     }

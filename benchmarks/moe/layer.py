@@ -7,8 +7,8 @@ one-hot baseline, and a tile sweep of the fused kernels (`python -m benchmarks.m
     python -m benchmarks.moe --no-sweep --profile /tmp/moe  # plus a trace of the fused layer per token count
 
 For each token count:
-- unfused (the old path, `unfused_local_moe`): repeat and sort the token-assignments by expert (a copy of the
-  rows), three Pallas grouped matmuls with the SwiGLU between them, unsort, weighted combine;
+- unfused (the old path, `moe_experts` on `ExpertKernel.GROUPED`): repeat and sort the token-assignments by
+  expert (a copy of the rows), three Pallas grouped matmuls with the SwiGLU between them, unsort, weighted combine;
 - fused (`local_moe`, what the model runs): sort the assignment indices only, `gather_swiglu` (rows read from
   x through the permutation inside the kernel, gate + up + SwiGLU in one pass) and `down_scatter` (weighted
   rows stored back through the permutation), a sum over k;

@@ -20,7 +20,7 @@ row kernels; MXFP4: the picked experts dequantised, then the bf16 kernels) and t
 by name (rel. difference to the default printed), each beside its byte roofline: the bytes of the distinct experts
 the step touches (values and scales) over the copy bandwidth measured in the same run
 (`benchmarks.common.copy_bandwidth`); `local_moe` (what the model runs: the fused path above 64 rows); and, for FP8 up
-to 8 tokens, `pallas_kernels.moe.xla_folded` (XLA's gather + reduction, no Pallas).
+to 8 tokens, `pallas_kernels.experimental.moe_xla_folded` (XLA's gather + reduction, no Pallas).
 Each time is per call of a chain of dependent calls in one program (`benchmarks.common.per_call_seconds`).
 
 Then sweeps of the weight-only kernels' launch settings: the fused kernels alone (rows

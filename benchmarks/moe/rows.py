@@ -1,8 +1,9 @@
 """Routed experts of a few tokens at hidden 4096, 512 experts, top-8, width 1024 (published Ling-3.1-flash: 1280), bf16,
 plus the shared expert of the same width, as a decode step runs them): the row-by-row decode kernels
-(`pallas_kernels.moe.routed_experts`) against the grouped path (sort, grouped matmuls, combine:
-`ling_jax.moe.experts.grouped_local_moe`, then the shared expert), then a tile sweep of the row kernels at one
-token, then the expert selection before them (`pallas_kernels.moe.select_experts`: kernel tiles vs the jnp reference).
+(`pallas_kernels.moe.routed_experts`) against the grouped path (sort by expert, the fused grouped kernels, the sum
+over k: `pallas_kernels.moe.ops.moe_experts` on the FUSED path, then the shared expert), then a tile sweep of the row
+kernels at one token, then the expert selection before them (`pallas_kernels.moe.select_experts`: kernel tiles vs
+the jnp reference).
 
     python -m benchmarks.moe --path rows            # 1, 2, 4, 8 and 16 tokens, sweeps at 1 token
     python -m benchmarks.moe --path rows --quick    # 1 token, no sweep (smoke test)

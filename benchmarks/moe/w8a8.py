@@ -10,8 +10,8 @@ experts, and their block-FP8 quantisation, 128 x 128 blocks):
 - bf16 fused: `pallas_kernels.moe.ops.gather_swiglu` + `down_scatter` on bf16 weights (what the model runs today);
 - W8A8: `gather_swiglu_w8a8_gpu` (x quantised per token in 1 x 128 groups, FP8 products, h quantised in the
   epilogue) + `down_scatter_w8a8_gpu` (`pallas_kernels.moe.gpu_triton.w8a8`) on the block-FP8 weights;
-- Mosaic W8A8 (GPU only): `pallas_kernels.moe.gpu_mosaic.w8a8_expert_rows_mgpu`, the same arithmetic in Mosaic GPU
-  kernels (TMA pipelines, FP8 wgmma) over rows padded to 64-row tiles per expert;
+- Mosaic W8A8 (GPU only): `pallas_kernels.experimental.moe_gpu_mosaic.w8a8_expert_rows_mgpu`, the same arithmetic
+  in Mosaic GPU kernels (TMA pipelines, FP8 wgmma) over rows padded to 64-row tiles per expert;
 each as "kernels only" (on a computed sort) and "routed experts" (sort by expert + kernels + the top-k sum).
 Reports ms, TFLOP/s of the routed products (2 T k 3 D I), % of the FP8 peak (the best FP8 row of
 `bench_fp8_peak` at 8192^3: torch._scaled_mm where torch has CUDA, XLA's FP8 dot), the speed-up over bf16, and the

@@ -27,7 +27,7 @@ the same results:
 - "dense" (the default on a CPU and across GPU hosts, see `resolve_exchange`): every source fills a fixed
   block per destination, so each all-to-all moves the whole reserved buffer, used or not (`dispatch`,
   `pallas_kernels.moe.ops.grouped_expert_ffn`, `return_and_combine`).
-Each stage is callable inside a shard_map on its own (benchmarks/expert_parallel.py times them separately).
+Each stage is callable inside a shard_map on its own (benchmarks/moe/expert_parallel.py times them separately).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ rows laid out by expert in 64-row tiles:
 - down kernel: the same pipeline on h_q and the expert's down tiles, storing [P, D] in x's dtype, whose rows XLA
   gathers back to the caller's order.
 
-On the H200 at Ling-3.1-flash width (8192 tokens, 2026-12-03, `benchmarks/moe_w8a8.py`) these ran at 0.76x the
+On the H200 at Ling-3.1-flash width (8192 tokens, 2026-12-03, `benchmarks/moe/w8a8.py`) these ran at 0.76x the
 bf16 fused kernels and 0.6x the Triton W8A8 ones (`gpu_triton.w8a8`, the default): 2.5 ms a kernel, plus 1.1 ms of
 XLA gathers. A CTA's K loop is short (32 and 10 steps of 128) and each step waits for its wgmma, so the pipeline's
 fill is paid per 64-row tile; a persistent kernel whose pipeline runs on across tiles is the lead. Named variant

@@ -4,7 +4,7 @@ values gathered and converted inside that reduction (XLA fuses gather, convert, 
 read are the picked experts' as stored. The weight scales are folded into the row's input, as in
 `fp8.xla_folded`: for the outputs of row block b of expert e, x_s[r, b, i] = x[r, i] * scales[e, b, i // bc].
 
-A lab variant, for `benchmarks/moe_quantized.py`: on the H200 it did not beat the row kernels (docs/benchmarks/
+A lab variant, for `benchmarks/moe/quantized.py`: on the H200 it did not beat the row kernels (docs/benchmarks/
 moe.md), so no path of `pallas_kernels.moe.ops` runs it.
 """
 

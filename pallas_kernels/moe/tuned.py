@@ -21,7 +21,7 @@ from pallas_kernels.tuning import ANY, H200, Entry
 ROW_PATH_MAX_ROWS = 64
 # The row kernels read block-FP8 experts as stored (weight-only), but MXFP4 ones only after the picked experts are
 # dequantised (then the bf16 row kernels): on the H200 at Ling-3.1-flash width (2026-12-02,
-# `benchmarks/moe_quantized.py`), the weight-only row kernels took 66.8 / 390.5 us at 1 / 8 tokens against 96.5 /
+# `benchmarks/moe/quantized.py`), the weight-only row kernels took 66.8 / 390.5 us at 1 / 8 tokens against 96.5 /
 # 605.5 us for the picked experts dequantised; for MXFP4 they took 181.8 / 1048.6 against 100.4 / 604.7.
 ROWS_WEIGHT_ONLY_MXFP4 = False
 FEW_ROWS_PER_GROUP = 4

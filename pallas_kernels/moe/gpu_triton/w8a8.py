@@ -314,10 +314,10 @@ def w8a8_expert_rows(
     fill_tail: bool = True,
     interpret: bool = False,
 ):
-    """[R, D] in x's dtype: both W8A8 kernels, the routed experts' rows as `ling_jax.moe.experts.fused_expert_rows`
-    computes them (row order[r] = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of the expert order), from
-    block-FP8 experts: gate, up [G, I, D] and down [G, D, I], each anything with `values`, `scales` and `block`
-    (`ling_jax.quantized.BlockFP8Weight`), one block for the three."""
+    """[R, D] in x's dtype: both W8A8 kernels, the routed experts' rows as `pallas_kernels.moe.ops.moe_experts`
+    computes them on its FUSED path (row order[r] = row_weight[r] * FFN_g(x[source[r]]) for the r-th row of the
+    expert order), from block-FP8 experts: gate, up [G, I, D] and down [G, D, I], each anything with `values`,
+    `scales` and `block` (`ling_jax.quantized.BlockFP8Weight`), one block for the three."""
     if not gate.block == up.block == down.block:
         raise ValueError(f"W8A8 experts: gate, up and down need one block, got {gate.block}, {up.block}, {down.block}")
     block = tuple(gate.block)

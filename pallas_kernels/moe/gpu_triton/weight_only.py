@@ -17,7 +17,7 @@ H200, and the default since 2026-12-02); now the lowering is patched to index su
 (`compat.widen_triton_offsets`) and they go as stored; the pairs remain for a jax the patch does not fit.
 
 Tiles: the dense variants' tuned tables (the same elements a tile; not measured with quantised weights yet:
-benchmarks/moe_quantized.py sweeps them). At the grouped kernels' block_k of 64 / 128 a tile of a 128 x 128
+benchmarks/moe/quantized.py sweeps them). At the grouped kernels' block_k of 64 / 128 a tile of a 128 x 128
 block-FP8 weight takes one scale.
 """
 
