@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from doc_blocks import blocks
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
 
@@ -51,6 +52,9 @@ def url(tmp_path_factory):
     finally:
         process.kill()
         process.wait()
+
+
+DOC_URL, DOC_KEY = "http://127.0.0.1:8000", "my-key"  # the docs example's
 
 
 def _client(url: str, key: str) -> openai.OpenAI:
@@ -107,14 +111,14 @@ def test_tokenize_and_detokenize_equal_the_tokenizer(url, demo_tokenizer):
 
 def test_an_unsupported_field_is_refused_by_name_and_the_server_keeps_serving(url):
     client = _client(url, KEY)
-    with pytest.raises(openai.BadRequestError, match="logit_bias") as refused:
-        client.completions.create(model=MODEL, prompt="Once", max_tokens=2, logit_bias={"5": 10})
-    assert refused.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError, match="best_of") as refused:
+        client.completions.create(model=MODEL, prompt="Once", max_tokens=2, best_of=2)
+    assert refused.value.body["param"] == "best_of"
     with pytest.raises(openai.BadRequestError, match=r"messages\.0\.name"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi", "name": "Ann"}])
     with pytest.raises(openai.BadRequestError, match="stream_options.continuous_usage_stats"):
         client.completions.create(model=MODEL, prompt="a", stream=True, stream_options={"continuous_usage_stats": True})
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2, "temperature": 0, "logit_bias": None}
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2, "temperature": 0, "best_of": None}
     assert httpx.post(url + "/v1/completions", headers=AUTH, json=body).status_code == 200  # null: as absent
 
 
@@ -125,3 +129,13 @@ def test_a_body_over_the_size_limit_gets_413(url):
     chunked = iter([b'{"model": "ling-demo", "prompt": "', b"a" * MAX_REQUEST_BYTES, b'"}'])  # no Content-Length
     _error(httpx.post(url + "/tokenize", headers=AUTH, content=chunked), 413)
     assert httpx.post(url + "/tokenize", headers=AUTH, json={"prompt": "a" * 100}).json()["count"] > 0
+
+
+def test_the_docs_example_works_as_written(url, capsys):
+    """docs/serving.md's example of these routes, pointed at this server and its key."""
+    page = (REPO_ROOT / "docs" / "serving.md").read_text()
+    example = next(b.code for b in blocks(page, "docs/serving.md") if b.lang == "python" and "/tokenize" in b.code)
+    exec(example.replace(DOC_URL, url).replace(DOC_KEY, KEY), {"__name__": "docs_example"})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == str(MAX_CONTEXT) and printed[1].endswith("It is a truth")
+    assert printed[2].startswith("unsupported field `suffix`")
