@@ -76,6 +76,16 @@ def test_the_flag_wins_over_the_environment(monkeypatch):
     assert cli.api_key(cli.build_parser().parse_args([])) is None
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--api-key", " "], "--api-key must not be empty"), (["--max-request-bytes", "0"], "must be >= 1, got 0")],
+)
+def test_bad_flags_are_one_error_line(flags, message, capsys):
+    assert cli.main(flags) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flags[0]}") and message in err and err.count("\n") == 1
+
+
 def test_every_route_but_health_needs_the_key(url):
     with pytest.raises(openai.AuthenticationError, match="incorrect API key"):
         _client(url, "wrong").models.list()
