@@ -1,5 +1,6 @@
 """The HTTP API: OpenAI's /v1/completions and /v1/chat/completions (streamed as server-sent events or whole),
-/v1/models, /health and /metrics, over a running `Scheduler`.
+/v1/models, /health and /metrics, over a running `Scheduler`; ops.py adds the tokenizer routes, the API key
+and the request-size limit.
 
 A request is checked, tokenised and submitted from the event loop; the scheduler's thread hands its deltas
 back through `loop.call_soon_threadsafe` into the request's asyncio queue. A streaming client that goes away
@@ -16,13 +17,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ling_jax.generation.tokenizer import Tokenizer
+from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES, check_model, mount, render_chat
 from ling_jax.serving.reasoning import THINK_START, ReasoningSplitter, marks_reasoning, split_reasoning
 from ling_jax.serving.scheduler import Delta, Finish, QueueFull, Request, Scheduler
 from ling_jax.serving.schemas import APIError, ChatBody, CompletionBody, parse
@@ -33,12 +34,15 @@ SEED_LIMIT = 2**32
 
 @dataclasses.dataclass
 class Service:
-    """What the routes serve: the scheduler, the tokenizer, the model's name and the context limit."""
+    """What the routes serve: the scheduler, the tokenizer, the model's name and the context limit; the API key
+    (None: none needed) and the request-size limit."""
 
     scheduler: Scheduler
     tokenizer: Tokenizer
     model_name: str
     max_context: int
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -69,7 +73,13 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "ling-jax"}
+        card = {
+            "id": service.model_name,
+            "object": "model",
+            "created": service.created,
+            "owned_by": "ling-jax",
+            "max_model_len": service.max_context,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
@@ -84,17 +94,12 @@ def create_app(service: Service) -> FastAPI:
         prepared = _prepare_chat(service, body)
         return await _respond(service, request, body, prepared, chat=True)
 
+    mount(app, service)
     return app
 
 
 def _check_common(service: Service, body, limit: int | None) -> None:
-    if body.model != service.model_name:
-        raise APIError(
-            404,
-            f"The model `{body.model}` does not exist (this server serves `{service.model_name}`)",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(service, body.model)
     if body.n != 1:
         raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
     if limit is not None and limit <= 0:
@@ -136,13 +141,7 @@ def _prepare_completion(service: Service, body: CompletionBody) -> _Prepared:
 
 def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     _check_common(service, body, body.token_limit)
-    if not body.messages:
-        raise APIError(400, "messages must hold at least one message", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    try:
-        text = service.tokenizer.apply_chat_template(messages)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:  # raise_exception in the template, or no template
-        raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
+    text = render_chat(service.tokenizer, body.messages)
     prompt = service.tokenizer.encode(text, add_special_tokens=False)
     in_reasoning = marks_reasoning(service.tokenizer.chat_template) and text.rstrip().endswith(THINK_START)
     return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning)

@@ -9,6 +9,7 @@ process exits with status 0.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -24,11 +25,13 @@ from ling_jax.policy import ExecutionPolicy
 from ling_jax.serving.api import Service, create_app
 from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes
 from ling_jax.serving.metrics import Metrics
+from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Scheduler
 from ling_jax.sharding import ShardingError
 
 EXIT_USAGE = 2
+API_KEY_ENV = "LING_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefix cache size in GiB (default 0: off): a request resumes from the cached KDA states and shares "
         "the MLA pages of its longest cached prompt prefix (in prefill chunks)",
     )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"require `Authorization: Bearer KEY` on every route but /health (default: ${API_KEY_ENV} if set, "
+        "else none; the variable keeps the key out of the process list)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES}: 16 MiB)",
+    )
     return parser
 
 
@@ -96,6 +112,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--max-queue", args.max_queue, 0),
         ("--mtp", args.mtp, 0),
         ("--port", args.port, 0),
+        ("--max-request-bytes", args.max_request_bytes, 1),
     ):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -104,12 +121,19 @@ def _check_flags(args: argparse.Namespace) -> None:
             f"--prefill-budget must be >= --prefill-chunk ({args.prefill_chunk}), got {args.prefill_budget}"
         )
     cli_checks.check_mtp(args.mtp)
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
     if not args.prefix_cache_gb >= 0:
         raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {args.prefix_cache_gb}")
     if args.prefix_cache_gb and args.prefill_chunk % args.page_size:
         raise ValueError(
             f"--page-size {args.page_size} must divide --prefill-chunk {args.prefill_chunk} with the prefix cache"
         )
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $LING_API_KEY, else None (no key needed)."""
+    return (args.api_key or os.environ.get(API_KEY_ENV, "")).strip() or None
 
 
 def prepare(args: argparse.Namespace) -> Service:
@@ -167,7 +191,14 @@ def prepare(args: argparse.Namespace) -> Service:
         prefix_cache=prefix_cache,
     )
     name = args.served_model_name or args.model.resolve().name
-    return Service(scheduler, source.tokenizer, name, args.max_context)
+    return Service(
+        scheduler,
+        source.tokenizer,
+        name,
+        args.max_context,
+        api_key=api_key(args),
+        max_request_bytes=args.max_request_bytes,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,16 +1,19 @@
 """The OpenAI request bodies the server accepts (pydantic, strict types) and its error responses.
 
-Fields beyond OpenAI's that vLLM / SGLang accept too: `top_k`, `min_p`, `repetition_penalty`. Unknown fields
-are ignored, as OpenAI-compatible servers do. A wrong type or a value out of range is a 400 with OpenAI's
-error object: {"error": {"message", "type", "param", "code"}}.
+Fields beyond OpenAI's that vLLM / SGLang accept too: `top_k`, `min_p`, `repetition_penalty`. Nothing is
+silently dropped: a field the server does not declare is a 400 naming it (a field set to null counts as absent),
+and the fields accepted and ignored on purpose are declared as such (`user`). A wrong type or a value out of
+range is a 400 with OpenAI's error object: {"error": {"message", "type", "param", "code"}}. docs/serving.md
+("Supported fields") lists them per endpoint.
 """
 
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ling_jax.generation.sampling import SamplingParams
 
@@ -35,10 +38,29 @@ class APIError(Exception):
         return JSONResponse({"error": error}, status_code=self.status)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class Strict(BaseModel):
+    """A request object: strict types, and an undeclared field is an error unless it is null."""
 
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_undeclared_nulls(cls, data):
+        if not isinstance(data, dict):
+            return data
+        return {name: value for name, value in data.items() if value is not None or name in cls.model_fields}
+
+
+B = TypeVar("B", bound=Strict)
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = None
+
+
+class _Body(Strict):
     model: str
+    user: str | None = None  # accepted and ignored: OpenAI's end-user id for abuse monitoring
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -48,7 +70,7 @@ class _Body(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     n: int = 1
 
     def sampling(self, default_seed: int) -> SamplingParams:
@@ -74,16 +96,14 @@ class _Body(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 class CompletionBody(_Body):
     prompt: str | list[int]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ChatMessage(Strict):
     role: str
     content: str | list[dict] | None = None
 
@@ -105,8 +125,8 @@ class ChatBody(_Body):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def parse(body_type: type[_Body], raw: bytes) -> _Body:
-    """The request body, or a 400 naming the first field that is wrong."""
+def parse(body_type: type[B], raw: bytes) -> B:
+    """The request body, or a 400 naming the first field that is wrong (or unsupported)."""
     try:
         return body_type.model_validate_json(raw, strict=None)
     except ValidationError as e:
@@ -115,4 +135,12 @@ def parse(body_type: type[_Body], raw: bytes) -> _Body:
             raise APIError(400, f"the request body is not valid JSON: {error['msg']}") from e
         where = ".".join(str(part) for part in error["loc"])
         param = str(error["loc"][0]) if error["loc"] else None
+        if error["type"] == "extra_forbidden":
+            raise APIError(
+                400,
+                f"unsupported field `{where}`: this server does not implement it (docs/serving.md, "
+                "'Supported fields', lists those it does)",
+                param=param,
+                code="unsupported_field",
+            ) from e
         raise APIError(400, f"{where}: {error['msg']}", param=param) from e
