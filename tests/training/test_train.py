@@ -185,40 +185,20 @@ def _corpus(path) -> None:
         f.writelines(" ".join(rng.choice(words, size=12)).capitalize() + ".\n" for _ in range(400))
 
 
-def test_script_trains_resumes_and_exports(tmp_path):
+def _script_command(tmp_path, out, *flags) -> list[str]:
+    """scripts/train.py on a small corpus and config written into tmp_path, batches of 2 x 32 tokens, a log line
+    every step, then `flags`."""
     _corpus(tmp_path / "corpus.txt")
     with open(tmp_path / "config.json", "w") as f:
         json.dump(config_dict(SMALL), f)
+    common = ["--corpus", tmp_path / "corpus.txt", "--out", out, "--config", tmp_path / "config.json"]
+    common += ["--batch-size", "2", "--seq-len", "32", "--log-every", "1", "--warmup", "1", "--eval-fraction", "0.05"]
+    return [str(arg) for arg in (sys.executable, SCRIPT, *common, *flags)]
+
+
+def test_script_trains_resumes_and_exports(tmp_path):
     out = tmp_path / "run"
-    command = [
-        str(arg)
-        for arg in (
-            sys.executable,
-            SCRIPT,
-            "--corpus",
-            tmp_path / "corpus.txt",
-            "--out",
-            out,
-            "--config",
-            tmp_path / "config.json",
-            "--steps",
-            "3",
-            "--batch-size",
-            "2",
-            "--seq-len",
-            "32",
-            "--eval-every",
-            "2",
-            "--save-every",
-            "2",
-            "--log-every",
-            "1",
-            "--warmup",
-            "1",
-            "--eval-fraction",
-            "0.05",
-        )
-    ]
+    command = _script_command(tmp_path, out, "--steps", "3", "--eval-every", "2", "--save-every", "2")
     # compiles dominate these tiny runs: unoptimised code, and the resumed run reuses the first one's
     env = {
         **os.environ,
@@ -260,41 +240,10 @@ def test_script_trains_resumes_and_exports(tmp_path):
 def test_script_stops_when_training_diverges(tmp_path):
     """A learning rate of 1e30 overflows the weights: the run stops at the first non-finite loss or
     gradient norm, says so on one line and keeps the log, instead of training on NaNs."""
-    _corpus(tmp_path / "corpus.txt")
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(config_dict(SMALL), f)
     out = tmp_path / "run"
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"}
     result = subprocess.run(
-        [
-            str(arg)
-            for arg in (
-                sys.executable,
-                SCRIPT,
-                "--corpus",
-                tmp_path / "corpus.txt",
-                "--out",
-                out,
-                "--config",
-                tmp_path / "config.json",
-                "--steps",
-                "20",
-                "--batch-size",
-                "2",
-                "--seq-len",
-                "32",
-                "--log-every",
-                "1",
-                "--warmup",
-                "1",
-                "--lr",
-                "1e30",
-                "--eval-fraction",
-                "0.05",
-                "--sample-tokens",
-                "0",
-            )
-        ],
+        _script_command(tmp_path, out, "--steps", "20", "--lr", "1e30", "--sample-tokens", "0"),
         check=False,
         capture_output=True,
         text=True,
