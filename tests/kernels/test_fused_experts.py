@@ -128,21 +128,19 @@ def random_h(rows, width, dtype, seed):
     return np.asarray(jnp.asarray(r.normal(size=(rows, width)), dtype).astype(jnp.float32))
 
 
+def gathered_swiglu(x, source, sizes, gate, up, limit, dtype, backend):
+    """`gather_swiglu` on the case's numpy arrays, x and the weights cast to `dtype`."""
+    args = (jnp.asarray(x, dtype), jnp.asarray(source), jnp.asarray(sizes), jnp.asarray(gate, dtype))
+    return gather_swiglu(*args, jnp.asarray(up, dtype), limit, backend=backend)
+
+
 @BACKENDS
 @LIMITS
 @pytest.mark.parametrize("case", sorted(CASES))
 @DTYPES
 def test_gather_swiglu_matches_float64(backend, limit, case, dtype):
     x, _, source, _, sizes, gate, up, _ = fused_inputs(case, dtype, seed=len(case))
-    h = gather_swiglu(
-        jnp.asarray(x, dtype),
-        jnp.asarray(source),
-        jnp.asarray(sizes),
-        jnp.asarray(gate, dtype),
-        jnp.asarray(up, dtype),
-        limit,
-        backend=backend,
-    )
+    h = gathered_swiglu(x, source, sizes, gate, up, limit, dtype, backend)
     assert h.dtype == dtype and h.shape == (len(source), gate.shape[1])
     assert not np.any(np.asarray(h[sizes.sum() :], np.float32)), "tail rows are not 0"
     err = rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, limit))
@@ -424,15 +422,7 @@ def moe_args_sized(tokens, top_k, num_experts, hidden, width, seed):
 @DTYPES
 def test_compiled_kernels_match_float64(limit, case, dtype):
     x, row_weight, source, order, sizes, gate, up, down = fused_inputs(case, dtype, seed=16)
-    h = gather_swiglu(
-        jnp.asarray(x, dtype),
-        jnp.asarray(source),
-        jnp.asarray(sizes),
-        jnp.asarray(gate, dtype),
-        jnp.asarray(up, dtype),
-        limit,
-        backend="pallas_gpu",
-    )
+    h = gathered_swiglu(x, source, sizes, gate, up, limit, dtype, "pallas_gpu")
     assert rel_error(h, float64_gather_swiglu(x, source, sizes, gate, up, limit)) <= TOL[dtype]
     y = down_scatter(
         h,
