@@ -25,10 +25,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ling_jax.generation.tokenizer import Tokenizer
 from ling_jax.serving.reasoning import THINK_START, ReasoningSplitter, marks_reasoning, split_reasoning
 from ling_jax.serving.scheduler import Delta, Finish, QueueFull, Request, Scheduler
-from ling_jax.serving.schemas import APIError, ChatBody, CompletionBody, parse
+from ling_jax.serving.schemas import APIError, ChatBody, ChatMessage, CompletionBody, parse
+from ling_jax.serving.tool_calls import (
+    NO_TOOLS,
+    Content,
+    Event,
+    ToolCallName,
+    ToolCallParser,
+    ToolPlan,
+    parse_reply,
+    plan_tools,
+)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 SEED_LIMIT = 2**32
+ROLE_END = "<|role_end|>"  # Ling's end of a turn: the model sometimes spells it out as text
+THINKING_SWITCHES = ("enable_thinking", "thinking")  # chat_template_kwargs names of the thinking switch (vLLM's)
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # set by the server
 
 
 @dataclasses.dataclass
@@ -47,6 +60,8 @@ class _Prepared:
     prompt: list[int]
     max_tokens: int
     in_reasoning: bool = False  # the rendered chat prompt already opened the reasoning
+    tools: ToolPlan = NO_TOOLS
+    stops: tuple[str, ...] = ()  # stop strings beyond the request's (the chat template's end of turn)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -138,14 +153,61 @@ def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     _check_common(service, body, body.token_limit)
     if not body.messages:
         raise APIError(400, "messages must hold at least one message", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    plan = plan_tools(body.tools, body.tool_choice)
+    messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+    template = service.tokenizer.chat_template
     try:
-        text = service.tokenizer.apply_chat_template(messages)
+        text = service.tokenizer.apply_chat_template(
+            messages, tools=plan.tools, **_template_kwargs(body.chat_template_kwargs)
+        )
     except (jinja2.TemplateError, ValueError, TypeError) as e:  # raise_exception in the template, or no template
         raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
-    prompt = service.tokenizer.encode(text, add_special_tokens=False)
-    in_reasoning = marks_reasoning(service.tokenizer.chat_template) and text.rstrip().endswith(THINK_START)
-    return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning)
+    prompt = service.tokenizer.encode(text + plan.prefill, add_special_tokens=False)
+    in_reasoning = marks_reasoning(template) and text.rstrip().endswith(THINK_START)
+    turn_ends = (ROLE_END, service.tokenizer.special_tokens.get("eos_token"))
+    stops = tuple(dict.fromkeys(s for s in turn_ends if s and template and s in template))
+    return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning, plan, stops)
+
+
+def _template_message(message: ChatMessage, i: int) -> dict:
+    """A request message as chat templates take it: an assistant's tool-call arguments as a dict."""
+    rendered = {"role": message.role, "content": message.text()}
+    if message.tool_calls is not None:
+        calls = []
+        for call in message.tool_calls:
+            function = call.get("function")
+            try:
+                arguments = json.loads(function["arguments"])
+            except (TypeError, KeyError, json.JSONDecodeError) as e:
+                raise APIError(
+                    400,
+                    f"messages[{i}].tool_calls: each needs function.arguments, a JSON object string",
+                    param="messages",
+                ) from e
+            calls.append({**call, "function": {**function, "arguments": arguments}})
+        rendered["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            rendered[key] = getattr(message, key)
+    return rendered
+
+
+def _template_kwargs(kwargs: dict | None) -> dict:
+    """chat_template_kwargs checked; either thinking switch sets both names (templates read one or the other)."""
+    kwargs = dict(kwargs or {})
+    reserved = sorted(TEMPLATE_VARIABLES & kwargs.keys())
+    if reserved:
+        raise APIError(
+            400, f"chat_template_kwargs cannot set {reserved}: the server sets them", param="chat_template_kwargs"
+        )
+    switches = {kwargs[name] for name in THINKING_SWITCHES if name in kwargs}
+    if any(not isinstance(value, bool) for value in switches) or len(switches) > 1:
+        raise APIError(
+            400, "chat_template_kwargs enable_thinking / thinking must be one boolean", param="chat_template_kwargs"
+        )
+    if switches:
+        kwargs.update(dict.fromkeys(THINKING_SWITCHES, switches.pop()))
+    return kwargs
 
 
 async def _respond(service: Service, request: HTTPRequest, body, prepared: _Prepared, *, chat: bool) -> Response:
@@ -155,7 +217,7 @@ async def _respond(service: Service, request: HTTPRequest, body, prepared: _Prep
         prompt=prepared.prompt,
         sampling=body.sampling(secrets.randbelow(SEED_LIMIT)),
         max_tokens=prepared.max_tokens,
-        stop=body.stops(),
+        stop=body.stops() + prepared.stops,
         emit=lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta),
     )
     try:
@@ -177,6 +239,8 @@ class _Reply:
         self.object = "chat.completion" if chat else "text_completion"
         self.reasoning = marks_reasoning(service.tokenizer.chat_template) and chat
         self.in_reasoning = prepared.in_reasoning
+        self.tools = prepared.tools
+        self._call_ids: list[str] = []
         self.completion_tokens = 0
 
     def _envelope(self, object_name: str, choice: dict, usage: dict | None = None) -> dict:
@@ -216,13 +280,24 @@ class _Reply:
             raise APIError(500, "the request was cancelled by the server (engine failure or shutdown)")
         text = "".join(text)
         if self.chat:
+            text = self.tools.prefill + text
             reasoning, content = (
                 split_reasoning(text, in_reasoning=self.in_reasoning) if self.reasoning else (None, text)
             )
             message = {"role": "assistant", "content": content}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
-            choice = {"message": message, "finish_reason": str(delta.finish), "logprobs": None}
+            finish = str(delta.finish)
+            if self.tools.parses:
+                parsed = parse_reply(content, self.tools.string_parameters)
+                message["content"] = parsed.content
+                if parsed.tool_calls:
+                    message["tool_calls"] = [
+                        {"id": self._call_id(i), "type": "function", "function": {"name": name, "arguments": args}}
+                        for i, (name, args) in enumerate(parsed.tool_calls)
+                    ]
+                    finish = "tool_calls"
+            choice = {"message": message, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"text": text, "finish_reason": str(delta.finish), "logprobs": None}
         return JSONResponse(self._envelope(self.object, choice, self._usage()))
@@ -230,6 +305,7 @@ class _Reply:
     async def stream(self, deltas: asyncio.Queue[Delta], include_usage: bool) -> AsyncIterator[str]:
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         splitter = ReasoningSplitter(in_reasoning=self.in_reasoning) if self.reasoning else None
+        parser = ToolCallParser(self.tools.string_parameters) if self.chat and self.tools.parses else None
         finish = None
         try:
             if self.chat:
@@ -239,16 +315,19 @@ class _Reply:
                         {"delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None},
                     )
                 )
+                for piece in self._pieces(self.tools.prefill, splitter, parser, last=False):
+                    yield _event(self._envelope(chunk_object, piece | {"finish_reason": None, "logprobs": None}))
             while finish is None:
                 delta = await deltas.get()
                 finish = delta.finish
                 if finish is Finish.CANCELLED:
                     return
-                for piece in self._pieces(delta.text, splitter, last=finish is not None):
+                for piece in self._pieces(delta.text, splitter, parser, last=finish is not None):
                     yield _event(self._envelope(chunk_object, piece | {"finish_reason": None, "logprobs": None}))
                 if finish is not None:
                     last = {"delta": {}} if self.chat else {"text": ""}
-                    yield _event(self._envelope(chunk_object, last | {"finish_reason": str(finish), "logprobs": None}))
+                    reason = "tool_calls" if parser is not None and parser.calls else str(finish)
+                    yield _event(self._envelope(chunk_object, last | {"finish_reason": reason, "logprobs": None}))
             if include_usage:
                 yield _event(self._envelope(chunk_object, {}, self._usage()))
             yield "data: [DONE]\n\n"
@@ -256,18 +335,41 @@ class _Reply:
             if finish is None:  # the client went away (or the server is cancelling this stream)
                 self.service.scheduler.cancel(self.job)
 
-    def _pieces(self, text: str, splitter: ReasoningSplitter | None, *, last: bool) -> list[dict]:
-        """The choice bodies of one delta's text (chat: reasoning and answer apart)."""
+    def _pieces(
+        self, text: str, splitter: ReasoningSplitter | None, parser: ToolCallParser | None, *, last: bool
+    ) -> list[dict]:
+        """The choice bodies of one delta's text (chat: reasoning, answer and tool calls apart)."""
         if not self.chat:
             return [{"text": text}] if text else []
-        if splitter is None:
-            return [{"delta": {"content": text}}] if text else []
-        parts = [splitter.feed(text)]
-        if last:
-            parts.append(splitter.flush())
-        reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+        reasoning, content = "", text
+        if splitter is not None:
+            parts = [splitter.feed(text)]
+            if last:
+                parts.append(splitter.flush())
+            reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
         pieces = [{"delta": {"reasoning_content": reasoning}}] if reasoning else []
-        return pieces + ([{"delta": {"content": content}}] if content else [])
+        if parser is None:
+            return pieces + ([{"delta": {"content": content}}] if content else [])
+        events = parser.feed(content) + (parser.flush() if last else [])
+        return pieces + [{"delta": self._tool_delta(event)} for event in events]
+
+    def _tool_delta(self, event: Event) -> dict:
+        """A streamed answer's event as a chunk's delta: content, a call's id and name, then its arguments."""
+        if isinstance(event, Content):
+            return {"content": event.text}
+        if isinstance(event, ToolCallName):
+            function = {"name": event.name, "arguments": ""}
+            return {
+                "tool_calls": [
+                    {"index": event.index, "id": self._call_id(event.index), "type": "function", "function": function}
+                ]
+            }
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+
+    def _call_id(self, index: int) -> str:
+        while len(self._call_ids) <= index:
+            self._call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return self._call_ids[index]
 
 
 def _event(payload: dict) -> str:
