@@ -200,13 +200,13 @@ def _template_kwargs(kwargs: dict | None) -> dict:
         raise APIError(
             400, f"chat_template_kwargs cannot set {reserved}: the server sets them", param="chat_template_kwargs"
         )
-    switches = {kwargs[name] for name in THINKING_SWITCHES if name in kwargs}
-    if any(not isinstance(value, bool) for value in switches) or len(switches) > 1:
+    switches = [kwargs[name] for name in THINKING_SWITCHES if name in kwargs]
+    if any(not isinstance(value, bool) for value in switches) or len(set(switches)) > 1:
         raise APIError(
             400, "chat_template_kwargs enable_thinking / thinking must be one boolean", param="chat_template_kwargs"
         )
     if switches:
-        kwargs.update(dict.fromkeys(THINKING_SWITCHES, switches.pop()))
+        kwargs.update(dict.fromkeys(THINKING_SWITCHES, switches[0]))
     return kwargs
 
 

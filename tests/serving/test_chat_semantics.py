@@ -222,6 +222,7 @@ def test_a_tool_conversation_renders(client, scheduler, tokenizer):
         ({"tools": [{"type": "function", "function": {}}]}, "tools"),
         ({"extra_body": {"chat_template_kwargs": {"enable_thinking": "no"}}}, "chat_template_kwargs"),
         ({"extra_body": {"chat_template_kwargs": {"messages": []}}}, "chat_template_kwargs"),
+        ({"extra_body": {"chat_template_kwargs": {"thinking": {"on": 1}}}}, "chat_template_kwargs"),
     ],
 )
 def test_bad_tool_fields_get_a_400_naming_them(client, scheduler, extra, param):
