@@ -48,8 +48,17 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences become U+FFFD."""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render the checkpoint's jinja2 chat template over `messages` ([{"role": ..., "content": ...}])."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render the checkpoint's jinja2 chat template over `messages` ([{"role": ..., "content": ...}]), as
+        transformers does: `tools` (OpenAI's function specs) and `template_kwargs` (`enable_thinking`, ...) are
+        the template's variables too."""
         if self.chat_template is None:
             raise ValueError(
                 f"{self.name} has no chat template (looked for chat_template.jinja and "
@@ -57,11 +66,14 @@ class Tokenizer(abc.ABC):
             )
         # transformers passes tools and documents even when there are none; some templates test `is none`
         return _compile_chat_template(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=None,
-            documents=None,
-            **self.special_tokens,
+            **{
+                **self.special_tokens,
+                **template_kwargs,
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "tools": None if tools is None else list(tools),
+                "documents": None,
+            }
         )
 
 

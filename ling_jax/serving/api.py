@@ -23,13 +23,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ling_jax.generation.tokenizer import Tokenizer
-from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES, check_model, mount, render_chat
+from ling_jax.serving.chat import render_chat
+from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES, check_model, mount
 from ling_jax.serving.reasoning import THINK_START, ReasoningSplitter, marks_reasoning, split_reasoning
 from ling_jax.serving.scheduler import Delta, Finish, QueueFull, Request, Scheduler
 from ling_jax.serving.schemas import APIError, ChatBody, CompletionBody, parse
+from ling_jax.serving.tool_calls import (
+    NO_TOOLS,
+    Content,
+    Event,
+    ToolCallName,
+    ToolCallParser,
+    ToolPlan,
+    parse_reply,
+    plan_tools,
+)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 SEED_LIMIT = 2**32
+ROLE_END = "<|role_end|>"  # Ling's end of a turn: the model sometimes spells it out as text
 
 
 @dataclasses.dataclass
@@ -51,6 +63,8 @@ class _Prepared:
     prompt: list[int]
     max_tokens: int
     in_reasoning: bool = False  # the rendered chat prompt already opened the reasoning
+    tools: ToolPlan = NO_TOOLS
+    stops: tuple[str, ...] = ()  # stop strings beyond the request's (the chat template's end of turn)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -141,10 +155,14 @@ def _prepare_completion(service: Service, body: CompletionBody) -> _Prepared:
 
 def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     _check_common(service, body, body.token_limit)
-    text = render_chat(service.tokenizer, body.messages)
-    prompt = service.tokenizer.encode(text, add_special_tokens=False)
-    in_reasoning = marks_reasoning(service.tokenizer.chat_template) and text.rstrip().endswith(THINK_START)
-    return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning)
+    plan = plan_tools(body.tools, body.tool_choice)
+    template = service.tokenizer.chat_template
+    text = render_chat(service.tokenizer, body.messages, tools=plan.tools, template_kwargs=body.chat_template_kwargs)
+    prompt = service.tokenizer.encode(text + plan.prefill, add_special_tokens=False)
+    in_reasoning = marks_reasoning(template) and text.rstrip().endswith(THINK_START)
+    turn_ends = (ROLE_END, service.tokenizer.special_tokens.get("eos_token"))
+    stops = tuple(dict.fromkeys(s for s in turn_ends if s and template and s in template))
+    return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning, plan, stops)
 
 
 async def _respond(service: Service, request: HTTPRequest, body, prepared: _Prepared, *, chat: bool) -> Response:
@@ -154,7 +172,7 @@ async def _respond(service: Service, request: HTTPRequest, body, prepared: _Prep
         prompt=prepared.prompt,
         sampling=body.sampling(secrets.randbelow(SEED_LIMIT)),
         max_tokens=prepared.max_tokens,
-        stop=body.stops(),
+        stop=body.stops() + prepared.stops,
         emit=lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta),
     )
     try:
@@ -176,6 +194,8 @@ class _Reply:
         self.object = "chat.completion" if chat else "text_completion"
         self.reasoning = marks_reasoning(service.tokenizer.chat_template) and chat
         self.in_reasoning = prepared.in_reasoning
+        self.tools = prepared.tools
+        self._call_ids: list[str] = []
         self.completion_tokens = 0
 
     def _envelope(self, object_name: str, choice: dict, usage: dict | None = None) -> dict:
@@ -215,13 +235,24 @@ class _Reply:
             raise APIError(500, "the request was cancelled by the server (engine failure or shutdown)")
         text = "".join(text)
         if self.chat:
+            text = self.tools.prefill + text
             reasoning, content = (
                 split_reasoning(text, in_reasoning=self.in_reasoning) if self.reasoning else (None, text)
             )
             message = {"role": "assistant", "content": content}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
-            choice = {"message": message, "finish_reason": str(delta.finish), "logprobs": None}
+            finish = str(delta.finish)
+            if self.tools.parses:
+                parsed = parse_reply(content, self.tools.string_parameters)
+                message["content"] = parsed.content
+                if parsed.tool_calls:
+                    message["tool_calls"] = [
+                        {"id": self._call_id(i), "type": "function", "function": {"name": name, "arguments": args}}
+                        for i, (name, args) in enumerate(parsed.tool_calls)
+                    ]
+                    finish = "tool_calls"
+            choice = {"message": message, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"text": text, "finish_reason": str(delta.finish), "logprobs": None}
         return JSONResponse(self._envelope(self.object, choice, self._usage()))
@@ -229,6 +260,7 @@ class _Reply:
     async def stream(self, deltas: asyncio.Queue[Delta], include_usage: bool) -> AsyncIterator[str]:
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         splitter = ReasoningSplitter(in_reasoning=self.in_reasoning) if self.reasoning else None
+        parser = ToolCallParser(self.tools.string_parameters) if self.chat and self.tools.parses else None
         finish = None
         try:
             if self.chat:
@@ -238,16 +270,19 @@ class _Reply:
                         {"delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None},
                     )
                 )
+                for piece in self._pieces(self.tools.prefill, splitter, parser, last=False):
+                    yield _event(self._envelope(chunk_object, piece | {"finish_reason": None, "logprobs": None}))
             while finish is None:
                 delta = await deltas.get()
                 finish = delta.finish
                 if finish is Finish.CANCELLED:
                     return
-                for piece in self._pieces(delta.text, splitter, last=finish is not None):
+                for piece in self._pieces(delta.text, splitter, parser, last=finish is not None):
                     yield _event(self._envelope(chunk_object, piece | {"finish_reason": None, "logprobs": None}))
                 if finish is not None:
                     last = {"delta": {}} if self.chat else {"text": ""}
-                    yield _event(self._envelope(chunk_object, last | {"finish_reason": str(finish), "logprobs": None}))
+                    reason = "tool_calls" if parser is not None and parser.calls else str(finish)
+                    yield _event(self._envelope(chunk_object, last | {"finish_reason": reason, "logprobs": None}))
             if include_usage:
                 yield _event(self._envelope(chunk_object, {}, self._usage()))
             yield "data: [DONE]\n\n"
@@ -255,18 +290,41 @@ class _Reply:
             if finish is None:  # the client went away (or the server is cancelling this stream)
                 self.service.scheduler.cancel(self.job)
 
-    def _pieces(self, text: str, splitter: ReasoningSplitter | None, *, last: bool) -> list[dict]:
-        """The choice bodies of one delta's text (chat: reasoning and answer apart)."""
+    def _pieces(
+        self, text: str, splitter: ReasoningSplitter | None, parser: ToolCallParser | None, *, last: bool
+    ) -> list[dict]:
+        """The choice bodies of one delta's text (chat: reasoning, answer and tool calls apart)."""
         if not self.chat:
             return [{"text": text}] if text else []
-        if splitter is None:
-            return [{"delta": {"content": text}}] if text else []
-        parts = [splitter.feed(text)]
-        if last:
-            parts.append(splitter.flush())
-        reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+        reasoning, content = "", text
+        if splitter is not None:
+            parts = [splitter.feed(text)]
+            if last:
+                parts.append(splitter.flush())
+            reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
         pieces = [{"delta": {"reasoning_content": reasoning}}] if reasoning else []
-        return pieces + ([{"delta": {"content": content}}] if content else [])
+        if parser is None:
+            return pieces + ([{"delta": {"content": content}}] if content else [])
+        events = parser.feed(content) + (parser.flush() if last else [])
+        return pieces + [{"delta": self._tool_delta(event)} for event in events]
+
+    def _tool_delta(self, event: Event) -> dict:
+        """A streamed answer's event as a chunk's delta: content, a call's id and name, then its arguments."""
+        if isinstance(event, Content):
+            return {"content": event.text}
+        if isinstance(event, ToolCallName):
+            function = {"name": event.name, "arguments": ""}
+            return {
+                "tool_calls": [
+                    {"index": event.index, "id": self._call_id(event.index), "type": "function", "function": function}
+                ]
+            }
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]}
+
+    def _call_id(self, index: int) -> str:
+        while len(self._call_ids) <= index:
+            self._call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
+        return self._call_ids[index]
 
 
 def _event(payload: dict) -> str:

@@ -13,12 +13,11 @@ import hmac
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-import jinja2
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
-from ling_jax.generation.tokenizer import Tokenizer
+from ling_jax.serving.chat import render_chat
 from ling_jax.serving.schemas import APIError, ChatMessage, Strict, parse
 
 if TYPE_CHECKING:
@@ -111,17 +110,6 @@ def check_model(service: Service, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> str:
-    """The messages through the checkpoint's chat template, as the chat route renders them."""
-    if not messages:
-        raise APIError(400, "messages must hold at least one message", param="messages")
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:  # raise_exception in the template, or no template
-        raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
 
 
 class TokenizeBody(Strict):

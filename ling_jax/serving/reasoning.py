@@ -2,11 +2,14 @@
 
 A chat template marks reasoning when it contains the start marker; the reply is reasoning from the start
 marker to the end marker (or from the start of the reply when the rendered prompt already ends with the start
-marker) and answer after it. `ReasoningSplitter` splits streamed text piece by piece: a tail that could be
-the beginning of a marker is held back until the next piece decides it.
+marker) and answer after it. A tool call (`<tool_call>`) also ends the reasoning, even before the end marker:
+the call is the answer's. `ReasoningSplitter` splits streamed text piece by piece: a tail that could be the
+beginning of a marker is held back until the next piece decides it.
 """
 
 from __future__ import annotations
+
+from ling_jax.serving.tool_calls import TOOL_CALL_START, partial_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -40,12 +43,15 @@ class ReasoningSplitter:
                 return "", text
             self.state, text = _REASONING, opening[len(THINK_START) :]
         if self.state == _REASONING:
-            at = text.find(THINK_END)
-            if at < 0:
-                held = _partial_marker_suffix(text, THINK_END)
+            end, call = text.find(THINK_END), text.find(TOOL_CALL_START)
+            if call >= 0 and (end < 0 or call < end):
+                self.state = _ANSWER
+                return text[:call], text[call:]
+            if end < 0:
+                held = max(partial_suffix(text, THINK_END), partial_suffix(text, TOOL_CALL_START))
                 self._held = text[len(text) - held :]
                 return text[: len(text) - held], ""
-            self.state, reasoning, text = _AFTER_END, text[:at], text[at + len(THINK_END) :]
+            self.state, reasoning, text = _AFTER_END, text[:end], text[end + len(THINK_END) :]
         if self.state == _AFTER_END:
             text = text.lstrip("\n")
             if not text:
@@ -56,14 +62,6 @@ class ReasoningSplitter:
     def flush(self) -> tuple[str, str]:
         held, self._held = self._held, ""
         return (held, "") if self.state == _REASONING else ("", held)
-
-
-def _partial_marker_suffix(text: str, marker: str) -> int:
-    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def split_reasoning(text: str, *, in_reasoning: bool = False) -> tuple[str | None, str]:

@@ -106,6 +106,9 @@ class CompletionBody(_Body):
 class ChatMessage(Strict):
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls: {"id", "type": "function", "function": {...}}
+    tool_call_id: str | None = None  # a tool's reply: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         """The message's text (a list of content parts: their "text" parts joined)."""
@@ -119,6 +122,9 @@ class ChatMessage(Strict):
 class ChatBody(_Body):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    chat_template_kwargs: dict | None = None  # extra variables for the chat template (`enable_thinking`)
 
     @property
     def token_limit(self) -> int | None:

@@ -124,8 +124,8 @@ def test_an_unsupported_field_is_refused_by_name_and_the_server_keeps_serving(ur
     with pytest.raises(openai.BadRequestError, match="best_of") as refused:
         client.completions.create(model=MODEL, prompt="Once", max_tokens=2, best_of=2)
     assert refused.value.body["param"] == "best_of"
-    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.name"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi", "name": "Ann"}])
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.audio"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi", "audio": {"id": "a1"}}])
     with pytest.raises(openai.BadRequestError, match="stream_options.continuous_usage_stats"):
         client.completions.create(model=MODEL, prompt="a", stream=True, stream_options={"continuous_usage_stats": True})
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 2, "temperature": 0, "best_of": None}

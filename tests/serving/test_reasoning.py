@@ -34,3 +34,15 @@ def test_streamed_pieces_add_up_to_the_whole_split(reply, in_reasoning, expected
 def test_a_template_marks_reasoning_with_the_start_marker():
     assert marks_reasoning("{{ '<think>\\n' if add_generation_prompt }}")
     assert not marks_reasoning("User: {{ m }}") and not marks_reasoning(None)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 100])
+def test_a_tool_call_ends_the_reasoning(piece):
+    reply = "I should look it up<tool_call>get_weather\n<arg_key>city</arg_key></tool_call>"
+    splitter = ReasoningSplitter(in_reasoning=True)
+    parts = [splitter.feed(reply[i : i + piece]) for i in range(0, len(reply), piece)] + [splitter.flush()]
+    assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == (
+        "I should look it up",
+        "<tool_call>get_weather\n<arg_key>city</arg_key></tool_call>",
+    )
+    assert split_reasoning("<think>hm</think>a<tool_call>f</tool_call>") == ("hm", "a<tool_call>f</tool_call>")
