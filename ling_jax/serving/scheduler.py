@@ -23,7 +23,7 @@ raises `QueueFull` once `max_queue` requests wait beyond the free slots.
 
 A request whose sampling asks for logprobs gets each token's (`TokenLogprob`) on the delta that carries the token;
 one with `prompt_logprobs` first gets a delta with its prompt's (`Engine.prompt_logprobs`, computed when it is
-admitted), and with `max_tokens` 0 only that: it never takes a slot.
+admitted). A request of `max_tokens` 0 gets only that delta (its last, finish `length`) and never takes a slot.
 """
 
 from __future__ import annotations
@@ -142,11 +142,10 @@ class Scheduler:
         if request.stop:
             StopChecker(request.stop)  # raises on an empty stop string
         room = self.engine.max_context - len(request.prompt)
-        least = 0 if request.prompt_logprobs else 1
-        if not request.prompt or not least <= request.max_tokens <= room or room < 1:
+        if not request.prompt or not 0 <= request.max_tokens <= room or room < 1:
             raise ValueError(
-                f"a request needs 1 to {self.engine.max_context - 1} prompt tokens and {least} <= max_tokens <= the "
-                f"rest of the context; got {len(request.prompt)} prompt tokens and max_tokens {request.max_tokens}"
+                f"a request needs 1 to {self.engine.max_context - 1} prompt tokens and 0 <= max_tokens <= the rest of "
+                f"the context; got {len(request.prompt)} prompt tokens and max_tokens {request.max_tokens}"
             )
         with self._lock:
             if self._stopping or self.error is not None:
@@ -246,18 +245,17 @@ class Scheduler:
         self.metrics.running_batch.set(self.busy_slots())
 
     def _score(self, request: Request) -> None:
-        """Emit the prompt's logprobs (a request of max_tokens 0 ends with them)."""
+        """Emit the prompt's logprobs if the request asks (a request of max_tokens 0 ends here)."""
         if request.cancelled:
             return
-        logprobs = self.engine.prompt_logprobs(request.prompt)
-        rows = [
-            _token_logprob(logprobs, (row,), token, request.sampling.logprobs)
-            for row, token in enumerate(request.prompt[1:])
-        ]
+        rows = None
+        if request.prompt_logprobs:
+            logprobs, k = self.engine.prompt_logprobs(request.prompt), request.sampling.logprobs
+            rows = tuple(_token_logprob(logprobs, (row,), token, k) for row, token in enumerate(request.prompt[1:]))
         finish = None if request.max_tokens else Finish.LENGTH
         if finish is not None:
             self.metrics.requests.labels(str(finish)).inc()
-        self._emit(request, Delta("", (), finish, prompt_logprobs=tuple(rows)))
+        self._emit(request, Delta("", (), finish, prompt_logprobs=rows))
 
     def _resume(self, request: Request) -> None:
         """Give the request's slot its pages, the cached ones of its longest cached prefix first, and restore

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ling_jax.generation.sampling import SamplingParams
+from ling_jax.generation.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -61,6 +61,7 @@ class _Body(BaseModel):
                 min_p=0.0 if self.min_p is None else self.min_p,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=default_seed if self.seed is None else self.seed,
+                logprobs=self.logprob_count,
             )
         except ValueError as e:  # its messages name command-line flags: name the JSON field instead
             message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), str(e))
@@ -76,9 +77,20 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    @property
+    def logprob_count(self) -> int | None:
+        """The alternatives each token reports with its logprob; None: no logprobs."""
+        return None
+
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -99,6 +111,14 @@ class ChatMessage(BaseModel):
 class ChatBody(_Body):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
