@@ -303,7 +303,6 @@ class _Reply:
         echo = self.prepared[index].echo
         if echo is None or self.jobs[index].prompt_logprobs:
             return None
-        self.offsets[index] = len(echo)
         return {"text": echo, "logprobs": None}
 
     def _pieces(self, index: int, delta: Delta, splitter: ReasoningSplitter | None) -> list[dict]:
@@ -312,6 +311,7 @@ class _Reply:
         if not self.chat:
             text = (self.prepared[index].echo if delta.prompt_logprobs is not None else "") + delta.text
             logprobs = self._completion_logprobs(index, [delta])
+            logprobs = logprobs if logprobs is not None and logprobs["tokens"] else None
             return [{"text": text, "logprobs": logprobs}] if text or logprobs else []
         logprobs = self._chat_logprobs(list(delta.logprobs)) if delta.logprobs else None
         if splitter is None:
@@ -338,30 +338,26 @@ class _Reply:
         their text offsets continuing choice `index`'s text; None for a request without logprobs."""
         if not self.logprobs:
             return None
-        tokens, values, tops, offsets = [], [], [], []
+        rows = []
         for delta in parts:
             if delta.prompt_logprobs is not None:
                 prompt = self.jobs[index].prompt
-                entries = [(prompt[0], None), *((e.token, e) for e in delta.prompt_logprobs)]
-                self._add_completion_entries(index, entries, tokens, values, tops, offsets)
-                self.offsets[index] = len(self.prepared[index].echo)
-            self._add_completion_entries(index, [(e.token, e) for e in delta.logprobs], tokens, values, tops, offsets)
-        if not tokens:
-            return None
+                rows += self._legacy_rows(index, [(prompt[0], None), *((e.token, e) for e in delta.prompt_logprobs)])
+                self.offsets[index] = len(self.prepared[index].echo)  # the completion's text follows the prompt's
+            rows += self._legacy_rows(index, [(e.token, e) for e in delta.logprobs])
+        tokens, values, tops, offsets = (list(column) for column in zip(*rows)) if rows else ([], [], [], [])
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    def _add_completion_entries(self, index: int, entries, tokens, values, tops, offsets) -> None:
+    def _legacy_rows(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> list[tuple]:
+        """(token text, logprob, {text: logprob} of the top tokens and the token, text offset) per entry, the
+        offsets running on from choice `index`'s; an entry without a logprob (a prompt's first token) has None."""
+        rows = []
         for token, entry in entries:
             text = self._text(token)
-            tokens.append(text)
-            values.append(None if entry is None else entry.logprob)
-            if entry is None:
-                tops.append(None)
-            else:
-                top = {self._text(t): value for t, value in entry.top}
-                tops.append(top | {text: entry.logprob})
-            offsets.append(self.offsets[index])
+            top = None if entry is None else {self._text(t): value for t, value in entry.top} | {text: entry.logprob}
+            rows.append((text, None if entry is None else entry.logprob, top, self.offsets[index]))
             self.offsets[index] += len(text)
+        return rows
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         """OpenAI's chat logprobs of the tokens; None for a request without logprobs."""

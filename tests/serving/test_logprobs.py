@@ -1,5 +1,6 @@
 """Logprobs, echo and batched prompts through the official `openai` client against `ling-serve` on the demo
-checkpoint (float32): every logprob equals the log-softmax of `LingForCausalLM`'s logits over the same tokens."""
+checkpoint (float32): every logprob equals the log-softmax of `LingForCausalLM`'s logits over the same tokens.
+In-process, the same with MTP speculation and the prefix cache's prompt layout (right-padded chunks)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import numpy as np
 import pytest
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
+
+from ling_jax.generation.sampling import SamplingParams
+from ling_jax.serving.engine import Engine
+from ling_jax.serving.scheduler import Request, Scheduler
 
 require_serve_extra()
 httpx = pytest.importorskip("httpx", reason="the server tests' client (the test extra)")
@@ -166,3 +171,29 @@ def test_out_of_range_logprobs_are_a_400_naming_the_field(client, route, field, 
         else:
             client.completions.create(model=MODEL, prompt="Hi", **{field: value})
     assert error.value.body["param"] == field
+
+
+def test_mtp_and_prefix_layout_logprobs_equal_the_forward_pass(demo_model, demo_tokenizer, greedy, forward):
+    prompt, ids = greedy
+    reference = forward(ids)
+    engine = Engine(
+        demo_model, max_batch=1, max_context=64, prefill_chunk=16, page_size=8, prefix_cache_bytes=1 << 20, mtp=2
+    )
+    scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=1)
+    sink = []
+    sampling = SamplingParams(temperature=0.0, logprobs=2)
+    scheduler.submit(Request(prompt, sampling, MAX_TOKENS, sink.append, prompt_logprobs=True))
+    for _ in range(50):
+        if sink and sink[-1].finish is not None:
+            break
+        scheduler._step()
+    assert [t for delta in sink for t in delta.token_ids] == ids[len(prompt) :]
+    generated = [e for delta in sink for e in delta.logprobs]
+    for first, entries in ((1, sink[0].prompt_logprobs), (len(prompt), generated)):
+        assert [e.token for e in entries] == ids[first : first + len(entries)]
+        assert first + len(entries) == (len(prompt) if first == 1 else len(ids))
+        for position, entry in zip(range(first, len(ids)), entries):
+            row = reference[position - 1]
+            assert _close(entry.logprob, row[entry.token])
+            top_ids, top = zip(*entry.top)
+            assert _close(top, np.sort(row)[::-1][:2]) and _close(top, row[list(top_ids)])
