@@ -33,10 +33,12 @@ from flax import struct
 from ling_jax.cache import LingCache, MTPCache, commit_verified
 from ling_jax.generation.compile_watch import CompileClock
 from ling_jax.generation.sampling import (
+    Logprobs,
     SamplingArrays,
     SamplingParams,
     sample,
     seen_from_prompts,
+    token_logprobs,
     update_seen,
 )
 from ling_jax.generation.static_model import split_model
@@ -135,10 +137,22 @@ class DecodeState:
 @struct.dataclass
 class NewTokens:
     """What a program gives each row: its new tokens are tokens_BT[b, :counts_B[b]] (one per decode step, one to
-    K + 1 per speculative round)."""
+    K + 1 per speculative round), with their logprobs (`sampling.token_logprobs`: [B, T] and [B, T, K])."""
 
     tokens_BT: jax.Array  # [B, T] int32
     counts_B: jax.Array  # [B] int32
+    logprobs: Logprobs
+
+
+def _draw(logits_BV, arrays: SamplingArrays, steps_B, seen_BV) -> tuple[jax.Array, Logprobs]:
+    """Each row's token [B] and its logprobs from the raw logits [B, V]."""
+    token_B = sample(logits_BV, arrays, steps_B, seen_BV)
+    return token_B, token_logprobs(logits_BV, token_B, arrays)
+
+
+def _one_token(token_B, logprobs: Logprobs) -> NewTokens:
+    """One new token per row: a token column [B, 1] and its logprobs."""
+    return NewTokens(token_B[:, None], jnp.ones_like(token_B), jax.tree.map(lambda x: x[:, None], logprobs))
 
 
 @functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
@@ -175,7 +189,9 @@ def first_token(
 ) -> tuple[NewTokens, DecodeState]:
     """Each row's first new token (its token index 0) from its last prompt position; with MTP, also that
     position's MTP entry and the first draft (traced inside a jitted program)."""
-    token_B = sample(model.logits(hidden_BD[:, None])[:, 0], arrays, jnp.zeros_like(state.steps_B), state.seen_BV)
+    token_B, logprobs = _draw(
+        model.logits(hidden_BD[:, None])[:, 0], arrays, jnp.zeros_like(state.steps_B), state.seen_BV
+    )
     drafts = None if state.drafts is None else first_draft(model, state.drafts, hidden_BD, token_B)
     state = state.replace(
         seen_BV=update_seen(state.seen_BV, token_B),
@@ -183,7 +199,7 @@ def first_token(
         steps_B=jnp.ones_like(state.steps_B),
         drafts=drafts,
     )
-    return NewTokens(token_B[:, None], jnp.ones_like(token_B)), state
+    return _one_token(token_B, logprobs), state
 
 
 @functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
@@ -209,11 +225,11 @@ def decode_step(
     cache slot s sits at position s + offset (VL prompts)."""
     positions = None if position_offsets_B is None else (state.cache.lengths + position_offsets_B)[:, None]
     out = model(state.token_B[:, None], cache=state.cache, positions=positions)
-    token_B = sample(out.logits[:, 0], arrays, state.steps_B, state.seen_BV)
+    token_B, logprobs = _draw(out.logits[:, 0], arrays, state.steps_B, state.seen_BV)
     state = state.replace(
         cache=out.cache, seen_BV=update_seen(state.seen_BV, token_B), token_B=token_B, steps_B=state.steps_B + 1
     )
-    return NewTokens(token_B[:, None], jnp.ones_like(token_B)), state
+    return _one_token(token_B, logprobs), state
 
 
 @functools.partial(jax.jit, static_argnames=("static", "num_steps"), donate_argnames="state")
@@ -221,15 +237,16 @@ def _decode_group(
     static, num_steps, leaves, state: DecodeState, arrays, position_offsets_B=None
 ) -> tuple[NewTokens, DecodeState]:
     """num_steps decode steps in one program (a `lax.scan`, each sampled token fed back on the device): their
-    tokens [B, num_steps] and the state after the last."""
+    tokens [B, num_steps] with their logprobs and the state after the last."""
     model = static.merge(leaves)
 
     def step(state, _):
         new, state = decode_step(model, state, arrays, position_offsets_B)
-        return state, new.tokens_BT[:, 0]
+        return state, (new.tokens_BT[:, 0], jax.tree.map(lambda x: x[:, 0], new.logprobs))
 
-    state, tokens_KB = jax.lax.scan(step, state, length=num_steps)
-    return NewTokens(tokens_KB.T, jnp.full(tokens_KB.shape[1:], num_steps, jnp.int32)), state
+    state, steps_K = jax.lax.scan(step, state, length=num_steps)
+    tokens_BK, logprobs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), steps_K)
+    return NewTokens(tokens_BK, jnp.full(tokens_BK.shape[:1], num_steps, jnp.int32), logprobs), state
 
 
 def speculative_round(
@@ -253,12 +270,12 @@ def speculative_round(
     start_lengths_B = cache.lengths
     hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, policy=model.policy)
     logits_BTV = model.logits(hidden_BTD)
-    targets, seen = [], seen_BV
+    drawn, seen = [], seen_BV
     for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)
-        targets.append(sample(logits_BTV[:, i], arrays, state.steps_B + i, seen))
+        drawn.append(_draw(logits_BTV[:, i], arrays, state.steps_B + i, seen))
         if i < num_drafts:
             seen = update_seen(seen, drafts_BK[:, i])
-    targets_BT = jnp.stack(targets, axis=1)
+    targets_BT, logprobs = jax.tree.map(lambda *x: jnp.stack(x, axis=1), *drawn)
     accepted_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
     kept_BT = jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
@@ -278,7 +295,7 @@ def speculative_round(
         steps_B=state.steps_B + accepted_B + 1,
         drafts=drafts,
     )
-    return NewTokens(targets_BT, accepted_B + 1), state
+    return NewTokens(targets_BT, accepted_B + 1, logprobs), state
 
 
 @functools.partial(jax.jit, static_argnames=("static", "num_drafts"), donate_argnames="state")

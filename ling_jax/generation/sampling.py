@@ -23,6 +23,13 @@ skipped with a `lax.cond` when no sampled row of the batch uses either filter, a
 Gumbel noise included) when every row is greedy. Both branches of each cond give the same token for a row
 that does not need the skipped work, so a request's output does not depend on the other rows of its batch:
 its randomness comes from its own key, fold_in(key(seed), step), with `step` its own token count.
+
+Logprobs (`token_logprobs`, OpenAI's `logprobs`): the log-softmax of the raw float32 logits (before the penalty,
+temperature and filters, as vLLM reports them by default) at the drawn token and at the row's MAX_LOGPROBS most
+likely tokens. A row asks with `SamplingParams.logprobs` (how many alternatives it reports, 0 to MAX_LOGPROBS);
+the batch computes them for every row when any row asks (a log-softmax and one top-k of MAX_LOGPROBS over
+[B, V], small next to the model's step; per row they would need a gather of the asking rows, a shape that
+changes with the batch) and is skipped with a `lax.cond` when none does.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 from flax import struct
 
 _SEED_LIMIT = 2**32  # seeds become uint32 key data
+MAX_LOGPROBS = 20  # the most alternatives per token a request can ask for (OpenAI's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +58,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
     seed: int = 0
+    logprobs: int | None = None  # the top alternatives each token reports with its logprob; None = no logprobs
 
     def __post_init__(self):
         self.validate()
@@ -64,6 +73,9 @@ class SamplingParams:
         _check_real("--repetition-penalty", self.repetition_penalty, 0.0 < self.repetition_penalty, "must be > 0")
         if not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < _SEED_LIMIT:
             raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed}")
+        wrong = not isinstance(self.logprobs, numbers.Integral) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        if self.logprobs is not None and wrong:
+            raise ValueError(f"--logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 def _check_real(flag: str, value, in_range: bool, rule: str) -> None:
@@ -81,6 +93,7 @@ class SamplingArrays:
     min_p: jax.Array  # [B] float32
     repetition_penalty: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
+    logprobs: jax.Array  # [B] int32: alternatives the row reports, -1 = no logprobs
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
@@ -97,7 +110,19 @@ class SamplingArrays:
             min_p=column("min_p", np.float32),
             repetition_penalty=column("repetition_penalty", np.float32),
             seed=column("seed", np.uint32),
+            logprobs=jnp.asarray(np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int32)),
         )
+
+
+@struct.dataclass
+class Logprobs:
+    """Each drawn token's logprob and the row's MAX_LOGPROBS most likely tokens with theirs, most likely first
+    ([B] and [B, K] from `token_logprobs`; a program's `NewTokens` holds them per token, [B, T] and [B, T, K]).
+    Zeros in a batch where no row asks."""
+
+    chosen: jax.Array  # float32
+    top_ids: jax.Array  # int32
+    top: jax.Array  # float32
 
 
 def seen_from_prompts(ids_BT: jax.Array, mask_BT: jax.Array, vocab_size: int) -> jax.Array:
@@ -154,6 +179,27 @@ def sample(logits_BV: jax.Array, arrays: SamplingArrays, steps_B: jax.Array, see
 
     tokens_B = jax.lax.cond(jnp.all(greedy_B), lambda: jnp.argmax(penalised_BV, axis=-1), draw)
     return tokens_B.astype(jnp.int32)
+
+
+def token_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, arrays: SamplingArrays) -> Logprobs:
+    """The log-softmax of each row's raw logits at its token `tokens_B` and at its top MAX_LOGPROBS tokens, computed
+    when any row of the batch asks (`arrays.logprobs` >= 0)."""
+    batch, vocab = logits_BV.shape
+    k = min(MAX_LOGPROBS, vocab)
+
+    def skip() -> Logprobs:
+        zeros_BK = jnp.zeros((batch, k), jnp.float32)
+        return Logprobs(jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, k), jnp.int32), zeros_BK)
+
+    return jax.lax.cond(jnp.any(arrays.logprobs >= 0), lambda: logprobs_at(logits_BV, tokens_B), skip)
+
+
+def logprobs_at(logits_BV: jax.Array, tokens_B: jax.Array) -> Logprobs:
+    """The log-softmax of each row's raw logits at its token and at its top MAX_LOGPROBS tokens."""
+    logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    top_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, min(MAX_LOGPROBS, logprobs_BV.shape[-1]))
+    chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return Logprobs(chosen_B, top_ids_BK.astype(jnp.int32), top_BK)
 
 
 def _temperature_and_filters(penalised_BV: jax.Array, arrays: SamplingArrays) -> jax.Array:

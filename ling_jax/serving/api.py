@@ -5,12 +5,14 @@ and the request-size limit.
 A request is checked, tokenised and submitted from the event loop; the scheduler's thread hands its deltas
 back through `loop.call_soon_threadsafe` into the request's asyncio queue. A streaming client that goes away
 cancels its request (the slot is freed at the scheduler's next step); so does one waiting for a whole response.
+A completions request with a list of prompts submits one request per prompt and answers one choice per prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import secrets
 import time
@@ -26,7 +28,7 @@ from ling_jax.generation.tokenizer import Tokenizer
 from ling_jax.serving.chat import render_chat
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES, check_model, mount
 from ling_jax.serving.reasoning import THINK_START, ReasoningSplitter, marks_reasoning, split_reasoning
-from ling_jax.serving.scheduler import Delta, Finish, QueueFull, Request, Scheduler
+from ling_jax.serving.scheduler import Delta, Finish, QueueFull, Request, Scheduler, TokenLogprob
 from ling_jax.serving.schemas import APIError, ChatBody, CompletionBody, parse
 from ling_jax.serving.tool_calls import (
     NO_TOOLS,
@@ -65,6 +67,7 @@ class _Prepared:
     in_reasoning: bool = False  # the rendered chat prompt already opened the reasoning
     tools: ToolPlan = NO_TOOLS
     stops: tuple[str, ...] = ()  # stop strings beyond the request's (the chat template's end of turn)
+    echo: str | None = None  # the prompt's text, which the completion's text starts with (`echo`)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -99,25 +102,24 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest) -> Response:
         body = parse(CompletionBody, await request.body())
-        prepared = _prepare_completion(service, body)
-        return await _respond(service, request, body, prepared, chat=False)
+        return await _respond(service, request, body, _prepare_completion(service, body), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest) -> Response:
         body = parse(ChatBody, await request.body())
-        prepared = _prepare_chat(service, body)
-        return await _respond(service, request, body, prepared, chat=True)
+        return await _respond(service, request, body, [_prepare_chat(service, body)], chat=True)
 
     mount(app, service)
     return app
 
 
-def _check_common(service: Service, body, limit: int | None) -> None:
+def _check_common(service: Service, body, limit: int | None, least: int = 1) -> None:
     check_model(service, body.model)
     if body.n != 1:
         raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
-    if limit is not None and limit <= 0:
-        raise APIError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
+    if limit is not None and limit < least:
+        with_echo = " (0 with echo)" if least < 1 else ""
+        raise APIError(400, f"max_tokens must be >= {least}{with_echo}, got {limit}", param="max_tokens")
 
 
 def _limits(service: Service, prompt: list[int], limit: int | None) -> int:
@@ -147,10 +149,16 @@ def _limits(service: Service, prompt: list[int], limit: int | None) -> int:
     return room if limit is None else limit
 
 
-def _prepare_completion(service: Service, body: CompletionBody) -> _Prepared:
-    _check_common(service, body, body.max_tokens)
-    prompt = body.prompt if isinstance(body.prompt, list) else service.tokenizer.encode(body.prompt)
-    return _Prepared(prompt, _limits(service, prompt, body.max_tokens))
+def _prepare_completion(service: Service, body: CompletionBody) -> list[_Prepared]:
+    """One request per prompt: `prompt` is a string, a list of token ids, or a list of either."""
+    _check_common(service, body, body.max_tokens, least=0 if body.echo else 1)
+    batched = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+    prepared = []
+    for prompt in body.prompt if batched else [body.prompt]:
+        ids = prompt if isinstance(prompt, list) else service.tokenizer.encode(prompt)
+        echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) if body.echo else None
+        prepared.append(_Prepared(ids, _limits(service, ids, body.max_tokens), echo=echo))
+    return prepared
 
 
 def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
@@ -165,137 +173,194 @@ def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning, plan, stops)
 
 
-async def _respond(service: Service, request: HTTPRequest, body, prepared: _Prepared, *, chat: bool) -> Response:
+async def _respond(service: Service, request: HTTPRequest, body, prepared: list[_Prepared], *, chat: bool) -> Response:
     loop = asyncio.get_running_loop()
-    deltas: asyncio.Queue[Delta] = asyncio.Queue()
-    job = Request(
-        prompt=prepared.prompt,
-        sampling=body.sampling(secrets.randbelow(SEED_LIMIT)),
-        max_tokens=prepared.max_tokens,
-        stop=body.stops() + prepared.stops,
-        emit=lambda delta: loop.call_soon_threadsafe(deltas.put_nowait, delta),
-    )
+    deltas: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+    stop = body.stops()
+    jobs = []
+    for index, one in enumerate(prepared):
+        sampling = body.sampling(secrets.randbelow(SEED_LIMIT))
+        jobs.append(
+            Request(
+                prompt=one.prompt,
+                sampling=sampling,
+                max_tokens=one.max_tokens,
+                stop=stop + one.stops,
+                prompt_logprobs=one.echo is not None and sampling.logprobs is not None,
+                emit=functools.partial(_hand_back, loop, deltas, index),
+            )
+        )
     try:
-        service.scheduler.submit(job)
+        for job in jobs:
+            service.scheduler.submit(job)
     except QueueFull as e:
+        for job in jobs:
+            service.scheduler.cancel(job)
         raise APIError(503, f"{e}; retry later", code="overloaded") from e
-    reply = _Reply(service, job, prepared, chat=chat)
+    reply = _Reply(service, jobs, prepared, chat=chat)
     if body.stream:
         return StreamingResponse(reply.stream(deltas, body.include_usage), media_type="text/event-stream")
     return await reply.whole(deltas, request)
 
 
-class _Reply:
-    """Builds the OpenAI objects of one request from its deltas."""
+def _hand_back(loop: asyncio.AbstractEventLoop, deltas: asyncio.Queue, index: int, delta: Delta) -> None:
+    """The scheduler's thread hands choice `index` its delta."""
+    loop.call_soon_threadsafe(deltas.put_nowait, (index, delta))
 
-    def __init__(self, service: Service, job: Request, prepared: _Prepared, *, chat: bool):
-        self.service, self.job, self.chat = service, job, chat
+
+class _Reply:
+    """Builds the OpenAI objects of one HTTP request (one choice per scheduler request) from their deltas."""
+
+    def __init__(self, service: Service, jobs: list[Request], prepared: list[_Prepared], *, chat: bool):
+        self.service, self.jobs, self.prepared, self.chat = service, jobs, prepared, chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
         self.reasoning = marks_reasoning(service.tokenizer.chat_template) and chat
-        self.in_reasoning = prepared.in_reasoning
-        self.tools = prepared.tools
+        self.tools = prepared[0].tools  # chat has one choice; completions have no tools
         self._call_ids: list[str] = []
-        self.completion_tokens = 0
+        self.logprobs = jobs[0].sampling.logprobs is not None
+        self.offsets = [0] * len(jobs)  # completions: each choice's text so far, where its next token's text starts
+        self.texts: dict[int, str] = {}  # token texts decoded so far
 
-    def _envelope(self, object_name: str, choice: dict, usage: dict | None = None) -> dict:
+    def _envelope(self, object_name: str, choices: list[dict], usage: dict | None = None) -> dict:
         reply = {
             "id": self.id,
             "object": object_name,
             "created": int(time.time()),
             "model": self.service.model_name,
-            "choices": [{"index": 0, **choice}] if choice else [],
+            "choices": choices,
         }
         if usage is not None:
             reply["usage"] = usage
         return reply
 
     def _usage(self) -> dict:
-        prompt_tokens, completion_tokens = len(self.job.prompt), len(self.job.tokens)
+        prompt_tokens = sum(len(job.prompt) for job in self.jobs)
+        completion_tokens = sum(len(job.tokens) for job in self.jobs)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
-    async def whole(self, deltas: asyncio.Queue[Delta], request: HTTPRequest) -> Response:
-        text = []
-        while True:
+    def _cancel(self) -> None:
+        for job in self.jobs:
+            self.service.scheduler.cancel(job)
+
+    async def whole(self, deltas: asyncio.Queue[tuple[int, Delta]], request: HTTPRequest) -> Response:
+        received: list[list[Delta]] = [[] for _ in self.jobs]
+        running = len(self.jobs)
+        while running:
             try:
-                delta = await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
+                index, delta = await asyncio.wait_for(deltas.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await request.is_disconnected():
-                    self.service.scheduler.cancel(self.job)
+                    self._cancel()
                     return Response(status_code=499)
                 continue
-            text.append(delta.text)
-            if delta.finish is not None:
-                break
-        if delta.finish is Finish.CANCELLED:
-            raise APIError(500, "the request was cancelled by the server (engine failure or shutdown)")
-        text = "".join(text)
-        if self.chat:
-            text = self.tools.prefill + text
-            reasoning, content = (
-                split_reasoning(text, in_reasoning=self.in_reasoning) if self.reasoning else (None, text)
-            )
-            message = {"role": "assistant", "content": content}
-            if reasoning is not None:
-                message["reasoning_content"] = reasoning
-            finish = str(delta.finish)
-            if self.tools.parses:
-                parsed = parse_reply(content, self.tools.string_parameters)
-                message["content"] = parsed.content
-                if parsed.tool_calls:
-                    message["tool_calls"] = [
-                        {"id": self._call_id(i), "type": "function", "function": {"name": name, "arguments": args}}
-                        for i, (name, args) in enumerate(parsed.tool_calls)
-                    ]
-                    finish = "tool_calls"
-            choice = {"message": message, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"text": text, "finish_reason": str(delta.finish), "logprobs": None}
-        return JSONResponse(self._envelope(self.object, choice, self._usage()))
+            received[index].append(delta)
+            running -= delta.finish is not None
+            if delta.finish is Finish.CANCELLED:
+                self._cancel()
+                raise APIError(500, "the request was cancelled by the server (engine failure or shutdown)")
+        choices = [self._whole_choice(index, parts) for index, parts in enumerate(received)]
+        return JSONResponse(self._envelope(self.object, choices, self._usage()))
 
-    async def stream(self, deltas: asyncio.Queue[Delta], include_usage: bool) -> AsyncIterator[str]:
+    def _whole_choice(self, index: int, parts: list[Delta]) -> dict:
+        text = "".join(delta.text for delta in parts)
+        finish = str(parts[-1].finish)
+        if not self.chat:
+            text = (self.prepared[index].echo or "") + text
+            return {
+                "index": index,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": self._completion_logprobs(index, parts),
+            }
+        text = self.tools.prefill + text
+        in_reasoning = self.prepared[index].in_reasoning
+        reasoning, content = split_reasoning(text, in_reasoning=in_reasoning) if self.reasoning else (None, text)
+        message = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if self.tools.parses:
+            parsed = parse_reply(content, self.tools.string_parameters)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [
+                    {"id": self._call_id(i), "type": "function", "function": {"name": name, "arguments": args}}
+                    for i, (name, args) in enumerate(parsed.tool_calls)
+                ]
+                finish = "tool_calls"
+        logprobs = self._chat_logprobs([entry for delta in parts for entry in delta.logprobs])
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+    async def stream(self, deltas: asyncio.Queue[tuple[int, Delta]], include_usage: bool) -> AsyncIterator[str]:
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
-        splitter = ReasoningSplitter(in_reasoning=self.in_reasoning) if self.reasoning else None
-        parser = ToolCallParser(self.tools.string_parameters) if self.chat and self.tools.parses else None
-        finish = None
+        splitters = [
+            ReasoningSplitter(in_reasoning=one.in_reasoning) if self.reasoning else None for one in self.prepared
+        ]
+        parsers = [ToolCallParser(self.tools.string_parameters) if self.tools.parses else None for _ in self.jobs]
+        running = len(self.jobs)
         try:
-            if self.chat:
-                yield _event(
-                    self._envelope(
-                        chunk_object,
-                        {"delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None},
-                    )
-                )
-                for piece in self._pieces(self.tools.prefill, splitter, parser, last=False):
-                    yield _event(self._envelope(chunk_object, piece | {"finish_reason": None, "logprobs": None}))
-            while finish is None:
-                delta = await deltas.get()
-                finish = delta.finish
-                if finish is Finish.CANCELLED:
+            for index in range(len(self.jobs)):
+                first = self._first_piece(index)
+                if first is not None:
+                    yield _event(self._envelope(chunk_object, [{"index": index, **first, "finish_reason": None}]))
+                if self.chat:
+                    for body in self._chat_bodies(self.tools.prefill, splitters[index], parsers[index], last=False):
+                        choice = {"index": index, **body, "finish_reason": None, "logprobs": None}
+                        yield _event(self._envelope(chunk_object, [choice]))
+            while running:
+                index, delta = await deltas.get()
+                if delta.finish is Finish.CANCELLED:
                     return
-                for piece in self._pieces(delta.text, splitter, parser, last=finish is not None):
-                    yield _event(self._envelope(chunk_object, piece | {"finish_reason": None, "logprobs": None}))
-                if finish is not None:
+                for piece in self._pieces(index, delta, splitters[index], parsers[index]):
+                    yield _event(self._envelope(chunk_object, [{"index": index, **piece, "finish_reason": None}]))
+                if delta.finish is not None:
+                    running -= 1
                     last = {"delta": {}} if self.chat else {"text": ""}
-                    reason = "tool_calls" if parser is not None and parser.calls else str(finish)
-                    yield _event(self._envelope(chunk_object, last | {"finish_reason": reason, "logprobs": None}))
+                    parser = parsers[index]
+                    reason = "tool_calls" if parser is not None and parser.calls else str(delta.finish)
+                    choice = {"index": index, **last, "finish_reason": reason, "logprobs": None}
+                    yield _event(self._envelope(chunk_object, [choice]))
             if include_usage:
-                yield _event(self._envelope(chunk_object, {}, self._usage()))
+                yield _event(self._envelope(chunk_object, [], self._usage()))
             yield "data: [DONE]\n\n"
         finally:
-            if finish is None:  # the client went away (or the server is cancelling this stream)
-                self.service.scheduler.cancel(self.job)
+            if running:  # the client went away (or the server is cancelling this stream)
+                self._cancel()
+
+    def _first_piece(self, index: int) -> dict | None:
+        """What a stream sends of choice `index` before its deltas: chat, the role; an echoed prompt without
+        logprobs, its text (with logprobs, the prompt's text comes with them, on the prompt's delta)."""
+        if self.chat:
+            return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        echo = self.prepared[index].echo
+        if echo is None or self.jobs[index].prompt_logprobs:
+            return None
+        return {"text": echo, "logprobs": None}
 
     def _pieces(
+        self, index: int, delta: Delta, splitter: ReasoningSplitter | None, parser: ToolCallParser | None
+    ) -> list[dict]:
+        """The choice bodies of one delta: its text (chat: reasoning, answer and tool calls apart) and its tokens'
+        logprobs (on the first body; a delta of tokens whose text is held back sends them with empty text)."""
+        if not self.chat:
+            text = (self.prepared[index].echo if delta.prompt_logprobs is not None else "") + delta.text
+            logprobs = self._completion_logprobs(index, [delta])
+            logprobs = logprobs if logprobs is not None and logprobs["tokens"] else None
+            return [{"text": text, "logprobs": logprobs}] if text or logprobs else []
+        logprobs = self._chat_logprobs(list(delta.logprobs)) if delta.logprobs else None
+        pieces = self._chat_bodies(delta.text, splitter, parser, last=delta.finish is not None)
+        if logprobs is not None and not pieces:
+            pieces = [{"delta": {"content": ""}}]
+        return [piece | {"logprobs": logprobs if i == 0 else None} for i, piece in enumerate(pieces)]
+
+    def _chat_bodies(
         self, text: str, splitter: ReasoningSplitter | None, parser: ToolCallParser | None, *, last: bool
     ) -> list[dict]:
-        """The choice bodies of one delta's text (chat: reasoning, answer and tool calls apart)."""
-        if not self.chat:
-            return [{"text": text}] if text else []
+        """A chat stream's bodies for some text: reasoning, answer and tool calls apart."""
         reasoning, content = "", text
         if splitter is not None:
             parts = [splitter.feed(text)]
@@ -325,6 +390,50 @@ class _Reply:
         while len(self._call_ids) <= index:
             self._call_ids.append(f"call_{uuid.uuid4().hex[:24]}")
         return self._call_ids[index]
+
+    def _text(self, token: int) -> str:
+        """One token's text, as the logprobs name it (special tokens included)."""
+        if token not in self.texts:
+            self.texts[token] = self.service.tokenizer.decode([token], skip_special_tokens=False)
+        return self.texts[token]
+
+    def _completion_logprobs(self, index: int, parts: list[Delta]) -> dict | None:
+        """OpenAI's legacy logprobs of the deltas' tokens (the echoed prompt's first, its first token's None),
+        their text offsets continuing choice `index`'s text; None for a request without logprobs."""
+        if not self.logprobs:
+            return None
+        rows = []
+        for delta in parts:
+            if delta.prompt_logprobs is not None:
+                prompt = self.jobs[index].prompt
+                rows += self._legacy_rows(index, [(prompt[0], None), *((e.token, e) for e in delta.prompt_logprobs)])
+                self.offsets[index] = len(self.prepared[index].echo)  # the completion's text follows the prompt's
+            rows += self._legacy_rows(index, [(e.token, e) for e in delta.logprobs])
+        tokens, values, tops, offsets = (list(column) for column in zip(*rows)) if rows else ([], [], [], [])
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _legacy_rows(self, index: int, entries: list[tuple[int, TokenLogprob | None]]) -> list[tuple]:
+        """(token text, logprob, {text: logprob} of the top tokens and the token, text offset) per entry, the
+        offsets running on from choice `index`'s; an entry without a logprob (a prompt's first token) has None."""
+        rows = []
+        for token, entry in entries:
+            text = self._text(token)
+            top = None if entry is None else {self._text(t): value for t, value in entry.top} | {text: entry.logprob}
+            rows.append((text, None if entry is None else entry.logprob, top, self.offsets[index]))
+            self.offsets[index] += len(text)
+        return rows
+
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        """OpenAI's chat logprobs of the tokens; None for a request without logprobs."""
+        if not self.logprobs:
+            return None
+
+        def item(token: int, logprob: float) -> dict:
+            text = self._text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [item(e.token, e.logprob) | {"top_logprobs": [item(t, v) for t, v in e.top]} for e in entries]
+        return {"content": content}
 
 
 def _event(payload: dict) -> str:

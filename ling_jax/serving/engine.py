@@ -19,6 +19,12 @@ shape and run with the slot batch donated (by name, `state`):
 - `step`: one decode step of every slot (`generator.decode_step`), or with MTP a speculative round. Slots that
   are not decoding run too, with no pages (they read and write only a scratch page), and keep their state.
 
+A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
+a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
+prompt is run twice: once for these, once into its slot), each chunk's logits reduced on the device to the
+log-softmax at the next prompt token and the top MAX_LOGPROBS (`sampling.logprobs_at`). It compiles at the first
+such request, once per chunk length.
+
 MTP speculation (`mtp` = K > 0, a model with an MTP layer): each slot also holds its MTP state (`SlotDrafts`):
 the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (not paged: one layer, so
 `max_batch` x `max_context` x 576 values; it is gathered per prefill row like the KDA states), the carry (the
@@ -60,7 +66,7 @@ from ling_jax.generation.generator import (
     prefill_chunks,
     speculative_round,
 )
-from ling_jax.generation.sampling import SamplingArrays, SamplingParams, seen_from_prompts
+from ling_jax.generation.sampling import Logprobs, SamplingArrays, SamplingParams, logprobs_at, seen_from_prompts
 from ling_jax.generation.static_model import split_model
 from ling_jax.model import LingForCausalLM
 from ling_jax.serving.pages import PagePool
@@ -225,6 +231,13 @@ def _prefill(static, leaves, state: DecodeState, slots_P, ids_PC, mask_PC, fresh
     return hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P], state
 
 
+@functools.partial(jax.jit, static_argnames="static", donate_argnames="cache")
+def _prompt_chunk_logprobs(static, leaves, cache: LingCache, ids_1C, mask_1C, next_ids_1C):
+    """One chunk of a prompt through a one-row cache: -> (the logprobs of each position's next token [C], cache)."""
+    out = static.merge(leaves)(ids_1C, cache=cache, attention_mask=mask_1C)
+    return logprobs_at(out.logits[0], next_ids_1C[0]), out.cache
+
+
 @jax.jit
 def _snapshot(cache: LingCache, slot):
     """The slot's KDA states now (per KDA layer, [1, ...] arrays): with its pages, a prefix-cache node."""
@@ -376,6 +389,7 @@ class Engine:
         if not 2 <= max_context <= limit:
             raise ValueError(f"--max-context must be in [2, {limit}] (the model's context), got {max_context}")
         self.config = model.config
+        self.dtype = model.dtype
         self.max_batch = max_batch
         self.max_context = max_context
         self.mtp = mtp
@@ -546,6 +560,29 @@ class Engine:
             self.static, self.leaves, self.state, jnp.int32(slot), hidden_1D, SamplingArrays.from_params([params])
         )
         return first
+
+    def prompt_logprobs(self, prompt: list[int]) -> Logprobs:
+        """The logprobs of the prompt's tokens after its first (on the host, [L - 1] and [L - 1, K]): each token's
+        given the ones before it, and the top MAX_LOGPROBS there. A forward pass of its own, the slots untouched."""
+        cache = LingCache.create(self.config, 1, self.max_context + self.prefill_chunk, self.dtype)
+        if self.mesh is None:
+            cache = jax.device_put(cache, one_device_sharding())
+        else:
+            cache = jax.device_put(cache, cache_shardings(cache, self.mesh))
+        chunks = self.prompt_chunks(prompt)
+        ids = np.concatenate([ids for ids, _ in chunks])
+        mask = np.concatenate([mask for _, mask in chunks])
+        next_ids = np.append(ids[1:], 0).astype(np.int32)
+        parts, first = [], 0
+        for chunk_ids, chunk_mask in chunks:
+            part = slice(first, first + len(chunk_ids))
+            logprobs, cache = _prompt_chunk_logprobs(
+                self.static, self.leaves, cache, chunk_ids[None], chunk_mask[None], next_ids[None, part]
+            )
+            parts.append(logprobs)
+            first += len(chunk_ids)
+        logprobs = jax.tree.map(lambda *x: np.concatenate(x), *jax.device_get(parts))
+        return jax.tree.map(lambda x: x[np.flatnonzero(mask)[:-1]], logprobs)
 
     def release(self, slot: int) -> None:
         """The slot's request is gone: its pages go back (those no one else holds are free) and it samples

@@ -20,6 +20,10 @@ A request's tokens go through its `Completion` (incremental detokenising, stop s
 `emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when
 cancelled, and its slot is free for the next iteration's admission. The waiting queue is bounded: `submit`
 raises `QueueFull` once `max_queue` requests wait beyond the free slots.
+
+A request whose sampling asks for logprobs gets each token's (`TokenLogprob`) on the delta that carries the token;
+one with `prompt_logprobs` first gets a delta with its prompt's (`Engine.prompt_logprobs`, computed when it is
+admitted). A request of `max_tokens` 0 gets only that delta (its last, finish `length`) and never takes a slot.
 """
 
 from __future__ import annotations
@@ -56,12 +60,25 @@ class Finish(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's logprob and the request's `logprobs` most likely tokens at its position, (id, logprob) each."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Delta:
-    """What a request produced in one step: new text, the token ids behind it, and the finish reason once done."""
+    """What a request produced in one step: new text, the token ids behind it (with their logprobs when the
+    request asks), and the finish reason once done; the prompt's logprobs (its tokens after the first) on a
+    delta of their own, the request's first."""
 
     text: str
     token_ids: tuple[int, ...]
     finish: Finish | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,6 +91,7 @@ class Request:
     max_tokens: int
     emit: Callable[[Delta], None]
     stop: tuple[str, ...] = ()
+    prompt_logprobs: bool = False  # emit the prompt's logprobs first (OpenAI's echo with logprobs)
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
@@ -111,6 +129,7 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * engine.max_batch
         self.steps = 0  # loop iterations that ran a program
         self._in_flight: tuple[NewTokens, list[Request]] | None = None  # the last decode step and its requests
+        self._scoring: list[Request] = []  # admitted requests whose prompt logprobs are due
         self._lock = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -123,9 +142,9 @@ class Scheduler:
         if request.stop:
             StopChecker(request.stop)  # raises on an empty stop string
         room = self.engine.max_context - len(request.prompt)
-        if not request.prompt or not 1 <= request.max_tokens <= room:
+        if not request.prompt or not 0 <= request.max_tokens <= room or room < 1:
             raise ValueError(
-                f"a request needs 1 to {self.engine.max_context} prompt tokens and 1 <= max_tokens <= the rest of "
+                f"a request needs 1 to {self.engine.max_context - 1} prompt tokens and 0 <= max_tokens <= the rest of "
                 f"the context; got {len(request.prompt)} prompt tokens and max_tokens {request.max_tokens}"
             )
         with self._lock:
@@ -174,11 +193,14 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled()
             self._admit()
-            if not any(self.slots) and self._in_flight is None:
+            scoring, self._scoring = self._scoring, []
+            if not any(self.slots) and self._in_flight is None and not scoring:
                 if self._stopping:
                     return False
                 self._lock.wait(IDLE_WAIT_S)
                 return True
+        for request in scoring:
+            self._score(request)
         prefilling = sorted((r for r in self.slots if r is not None and r._chunks), key=lambda r: r.submitted_at)
         if prefilling:
             length = len(prefilling[0]._chunks[0][0])  # the oldest request's next chunk, and others of its length
@@ -205,6 +227,9 @@ class Scheduler:
         self.metrics.queue_depth.set(len(self.waiting))
 
     def _admit(self) -> None:
+        for request in [r for r in self.waiting if not r.max_tokens]:  # prompt logprobs only: no slot
+            self.waiting.remove(request)
+            self._scoring.append(request)
         for slot, occupant in enumerate(self.slots):
             if occupant is None and self.waiting:
                 request = self.waiting.popleft()
@@ -214,8 +239,23 @@ class Scheduler:
                 self.metrics.prompt_tokens.inc(len(request.prompt))
                 request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
                 self.slots[slot] = request
+                if request.prompt_logprobs:
+                    self._scoring.append(request)
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.running_batch.set(self.busy_slots())
+
+    def _score(self, request: Request) -> None:
+        """Emit the prompt's logprobs if the request asks (a request of max_tokens 0 ends here)."""
+        if request.cancelled:
+            return
+        rows = None
+        if request.prompt_logprobs:
+            logprobs, k = self.engine.prompt_logprobs(request.prompt), request.sampling.logprobs
+            rows = tuple(_token_logprob(logprobs, (row,), token, k) for row, token in enumerate(request.prompt[1:]))
+        finish = None if request.max_tokens else Finish.LENGTH
+        if finish is not None:
+            self.metrics.requests.labels(str(finish)).inc()
+        self._emit(request, Delta("", (), finish, prompt_logprobs=rows))
 
     def _resume(self, request: Request) -> None:
         """Give the request's slot its pages, the cached ones of its longest cached prefix first, and restore
@@ -266,24 +306,27 @@ class Scheduler:
 
     def _take_row(self, request: Request, new: NewTokens, row: int) -> None:
         """The request's new tokens at `row` of `new` (on the host), in order, while it holds its slot."""
-        for token in new.tokens_BT[row, : new.counts_B[row]]:
+        for column, token in enumerate(new.tokens_BT[row, : new.counts_B[row]]):
             if self.slots[request.slot] is not request:
                 break
-            self._take(request, int(token))
+            k = request.sampling.logprobs
+            logprob = None if k is None else _token_logprob(new.logprobs, (row, column), int(token), k)
+            self._take(request, int(token), logprob)
 
-    def _take(self, request: Request, token: int) -> None:
-        """The request's next token: emit its text, or end the request."""
+    def _take(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        """The request's next token (with its logprob, if it asks): emit its text, or end the request."""
         self.metrics.count_tokens(1)
         if token in self.eos_ids:
             self._finish(request, Finish.STOP)
             return
         request.tokens.append(token)
+        logprobs = () if logprob is None else (logprob,)
         if request._completion.add([token]):
-            self._finish(request, Finish.STOP, token)
+            self._finish(request, Finish.STOP, token, logprobs)
         elif len(request.tokens) >= request.max_tokens:
-            self._finish(request, Finish.LENGTH, token)
+            self._finish(request, Finish.LENGTH, token, logprobs)
         else:
-            self._emit(request, Delta(request._completion.unshown(), (token,)))
+            self._emit(request, Delta(request._completion.unshown(), (token,), logprobs=logprobs))
 
     @staticmethod
     def _emit(request: Request, delta: Delta) -> None:
@@ -293,9 +336,11 @@ class Scheduler:
         except Exception:
             request.cancelled = True
 
-    def _finish(self, request: Request, finish: Finish, token: int | None = None) -> None:
-        """End the request and free its slot now; the last delta carries `token` (not emitted yet) and the rest
-        of the text."""
+    def _finish(
+        self, request: Request, finish: Finish, token: int | None = None, logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> None:
+        """End the request and free its slot now; the last delta carries `token` (not emitted yet) with its
+        `logprobs` and the rest of the text."""
         self.engine.release(request.slot)
         self.slots[request.slot] = None
         self.metrics.running_batch.set(self.busy_slots())
@@ -306,4 +351,11 @@ class Scheduler:
         request._completion.finish(request.tokens)
         if len(request.tokens) > 1:
             self.metrics.tpot.observe((time.perf_counter() - request.first_token_at) / (len(request.tokens) - 1))
-        self._emit(request, Delta(request._completion.unshown(), () if token is None else (token,), finish))
+        token_ids = () if token is None else (token,)
+        self._emit(request, Delta(request._completion.unshown(), token_ids, finish, logprobs))
+
+
+def _token_logprob(logprobs, at: tuple[int, ...], token: int, k: int) -> TokenLogprob:
+    """The `TokenLogprob` of `token` at index `at` of host `Logprobs` ([B, T] / [L] arrays), with its top k."""
+    top = zip(logprobs.top_ids[at][:k].tolist(), logprobs.top[at][:k].tolist())
+    return TokenLogprob(token, float(logprobs.chosen[at]), tuple(top))

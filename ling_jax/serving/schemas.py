@@ -13,9 +13,9 @@ import re
 from typing import TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ling_jax.generation.sampling import SamplingParams
+from ling_jax.generation.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -83,6 +83,7 @@ class _Body(Strict):
                 min_p=0.0 if self.min_p is None else self.min_p,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=default_seed if self.seed is None else self.seed,
+                logprobs=self.logprob_count,
             )
         except ValueError as e:  # its messages name command-line flags: name the JSON field instead
             message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), str(e))
@@ -98,9 +99,20 @@ class _Body(Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
+    @property
+    def logprob_count(self) -> int | None:
+        """The alternatives each token reports with its logprob; None: no logprobs."""
+        return None
+
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(Strict):
@@ -125,6 +137,14 @@ class ChatBody(_Body):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     chat_template_kwargs: dict | None = None  # extra variables for the chat template (`enable_thinking`)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:

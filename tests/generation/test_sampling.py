@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from ling_jax.generation.sampling import (
+    MAX_LOGPROBS,
     SamplingArrays,
     SamplingParams,
     apply_repetition_penalty,
     process_logits,
     sample,
     seen_from_prompts,
+    token_logprobs,
     update_seen,
 )
 
@@ -231,6 +233,8 @@ def test_new_values_do_not_recompile():
         (dict(repetition_penalty=0), "--repetition-penalty must be > 0"),
         (dict(seed=-1), r"--seed must be an integer in \[0, 2\*\*32\)"),
         (dict(seed=2**32), "--seed"),
+        (dict(logprobs=-1), r"--logprobs must be an integer in \[0, 20\], got -1"),
+        (dict(logprobs=21), "--logprobs"),
     ],
 )
 def test_validate_names_the_flag(params, message):
@@ -242,3 +246,23 @@ def test_validate_accepts_edges():
     SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=1.0, repetition_penalty=0.5, seed=2**32 - 1).validate()
     with pytest.raises(ValueError, match="at least one request"):
         SamplingArrays.from_params([])
+
+
+def test_logprobs_are_the_raw_log_softmax_and_skipped_when_no_row_asks():
+    """Whatever a row samples with (penalty, temperature, filters), its logprobs are the raw logits'."""
+    logits = jax.random.normal(jax.random.key(0), (3, VOCAB)) * 3
+    params = [
+        SamplingParams(temperature=0.5, top_k=5, repetition_penalty=1.5, seed=1),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=1.3, top_p=0.5, min_p=0.1, seed=2, logprobs=MAX_LOGPROBS),
+    ]
+    arrays = SamplingArrays.from_params(params)
+    seen = update_seen(jnp.zeros((3, VOCAB), bool), jnp.array([1, 2, 3]))
+    tokens = sample_jit(logits, arrays, 0, seen)
+    logprobs = jax.jit(token_logprobs)(logits, tokens, arrays)
+    expected = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(logprobs.chosen, expected[np.arange(3), tokens], rtol=1e-6)
+    np.testing.assert_allclose(logprobs.top, -np.sort(-expected, axis=-1)[:, :MAX_LOGPROBS], rtol=1e-6)
+    np.testing.assert_array_equal(np.take_along_axis(expected, np.asarray(logprobs.top_ids), 1), logprobs.top)
+    none = token_logprobs(logits, tokens, SamplingArrays.from_params([SamplingParams()] * 3))
+    assert not np.any(none.chosen) and not np.any(none.top) and none.top.shape == (3, MAX_LOGPROBS)
