@@ -20,6 +20,7 @@ from ling_jax.generation.sharded import ShardedLM
 from ling_jax.moe.block import route
 from ling_jax.moe.expert_parallel import moe_parallel
 from ling_jax.moe.experts import dense_expert_ffn
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.presets import preset
 from ling_jax.sharding import (
     ACTIVATION_BTD,
@@ -30,6 +31,7 @@ from ling_jax.sharding import (
     make_mesh,
     use_rules,
 )
+from pallas_kernels.moe.ops import ExpertWeights, Routing
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ling_jax", "convert", "pallas_kernels")
@@ -228,11 +230,11 @@ def test_experts_over_two_axes_match_the_dense_baseline(tokens):
     )
     x_TD = jnp.asarray(rng.normal(size=(tokens, hidden)).astype(np.float32))
     router_ED = jnp.asarray(rng.normal(size=(e, hidden)).astype(np.float32))
-    weights, experts = route(x_TD, router_ED, jnp.zeros(e), config)
+    policy = ExecutionPolicy(kernel_backend="reference")
+    routing = Routing(*route(x_TD, router_ED, jnp.zeros(e), config, policy=policy))
+    stacks = ExpertWeights(gate, up, down)
     mesh = make_mesh({"data": 2, "expert": 4})
     with jax.set_mesh(mesh), use_rules(EXPERTS_OVER_EXPERT_AND_DATA):
-        y, dropped = jax.jit(
-            lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, capacity_factor=None, backend="reference")
-        )(x_TD, weights, experts, gate, up, down)
+        y, dropped = jax.jit(lambda *a: moe_parallel(*a, limit=7.0, mesh=mesh, policy=policy))(x_TD, routing, stacks)
     assert int(dropped) == 0
-    assert rel_error(y, dense_expert_ffn(x_TD, weights, experts, gate, up, down, 7.0)) <= 1e-5
+    assert rel_error(y, dense_expert_ffn(x_TD, routing, stacks, 7.0)) <= 1e-5
