@@ -7,6 +7,11 @@ Group 1 is named by file patterns (they survive a file split or rename within a 
 rest of tests/, so every GPU test runs in exactly one group. Each test's setup, call and teardown is failed past
 `TEST_TIMEOUT_S`; one stuck in native code past twice that ends the run with every thread's traceback. Arguments
 after the group go to pytest (`-k`, `-x`, ...); the slowest tests' times are printed, to rebalance the groups.
+
+Most of the suite's time is compiling (XLA and Triton, single-threaded per program), so the tests run in
+`--workers` pytest-xdist processes (default 4) sharing the GPU, each allocating GPU memory as it needs it
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false`); this module is loaded as a plugin in every worker (`-p tests.gpu_suite`),
+where its hooks apply the time limit.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -29,11 +35,15 @@ GROUP_1_PATTERNS = (
     "tests/kernels/test_fp8_*.py",
 )
 TEST_TIMEOUT_S = 120
+WORKERS = 4
+TIMEOUT_ENV = "LING_GPU_TEST_TIMEOUT_S"  # set by `main` for the workers' hooks below
 
 
-def pytest_args(group: int) -> list[str]:
-    """The files or ignore patterns of one group, with the GPU mark selected and the CPU suite's xdist options off."""
-    common = ["-m", "gpu", "-o", "addopts=-ra", "--durations=15"]
+def group_args(group: int, workers: int = WORKERS) -> list[str]:
+    """The files or ignore patterns of one group, with the GPU mark selected, this module as the workers' plugin and
+    `workers` xdist processes (0: none) handed tests one by one (a kernel's test file takes longer than a group)."""
+    parallel = ["-n", str(workers), "--dist", "load"] if workers else ["-p", "no:xdist"]
+    common = ["-m", "gpu", "-o", "addopts=-ra", "--durations=15", "-p", "tests.gpu_suite", *parallel]
     if group == 1:
         return [*common, *map(str, group_1_files())]
     return [
@@ -66,34 +76,38 @@ def time_limit(seconds: int, what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-class PhaseTimeout:
-    """A pytest plugin: `time_limit` around each test's setup, call and teardown (an overrun fails that phase)."""
+def _limit(what: str):
+    seconds = int(os.environ.get(TIMEOUT_ENV, "0"))
+    return time_limit(seconds, what) if seconds else contextlib.nullcontext()
 
-    def __init__(self, seconds: int):
-        self.seconds = seconds
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item):
-        with time_limit(self.seconds, f"{item.nodeid} setup"):
-            return (yield)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _limit(f"{item.nodeid} setup"):
+        return (yield)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item):
-        with time_limit(self.seconds, item.nodeid):
-            return (yield)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item):
-        with time_limit(self.seconds, f"{item.nodeid} teardown"):
-            return (yield)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _limit(item.nodeid):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    with _limit(f"{item.nodeid} teardown"):
+        return (yield)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.gpu_suite", description=__doc__.split("\n\n")[0])
     parser.add_argument("group", type=int, choices=(1, 2))
     parser.add_argument("--timeout", type=int, default=TEST_TIMEOUT_S, help="seconds per test phase")
+    parser.add_argument("--workers", type=int, default=WORKERS, help="pytest-xdist processes sharing the GPU (0: none)")
     args, pytest_extra = parser.parse_known_args(argv)
-    return pytest.main([*pytest_args(args.group), *pytest_extra], plugins=[PhaseTimeout(args.timeout)])
+    os.environ[TIMEOUT_ENV] = str(args.timeout)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return pytest.main([*group_args(args.group, args.workers), *pytest_extra])
 
 
 if __name__ == "__main__":
