@@ -9,9 +9,10 @@ rest of tests/, so every GPU test runs in exactly one group. Each test's setup, 
 after the group go to pytest (`-k`, `-x`, ...); the slowest tests' times are printed, to rebalance the groups.
 
 Most of the suite's time is compiling (XLA and Triton, single-threaded per program), so the tests run in
-`--workers` pytest-xdist processes (default 4) sharing the GPU, each allocating GPU memory as it needs it
-(`XLA_PYTHON_CLIENT_PREALLOCATE=false`); this module is loaded as a plugin in every worker (`-p tests.gpu_suite`),
-where its hooks apply the time limit.
+`--workers` pytest-xdist processes (default 4) sharing the GPU, each allocating GPU memory as it needs it and
+freeing it when done (`XLA_PYTHON_CLIENT_ALLOCATOR=platform`: with XLA's default pool, the first workers' pools
+kept what the next needed and tests ran out of memory); this module is loaded as a plugin in every worker
+(`-p tests.gpu_suite`), where its hooks apply the time limit.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=WORKERS, help="pytest-xdist processes sharing the GPU (0: none)")
     args, pytest_extra = parser.parse_known_args(argv)
     os.environ[TIMEOUT_ENV] = str(args.timeout)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     return pytest.main([*group_args(args.group, args.workers), *pytest_extra])
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from optional_deps import require_serve_extra
 
-from ling_jax.serving.reasoning import ReasoningSplitter, marks_reasoning, split_reasoning
+require_serve_extra()  # the parser raises the server's APIError (ling_jax.serving.schemas imports fastapi)
+
+from ling_jax.serving.reasoning import ReasoningSplitter, marks_reasoning, split_reasoning  # noqa: E402
 
 REPLIES = [  # (reply, in_reasoning: the prompt opened the reasoning, expected (reasoning, answer))
     ("<think>Mr. Darcy is proud.</think>\n\nHe is proud.", False, ("Mr. Darcy is proud.", "He is proud.")),

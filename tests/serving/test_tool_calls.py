@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from optional_deps import require_serve_extra
 
-from ling_jax.serving.schemas import APIError
-from ling_jax.serving.tool_calls import (
+require_serve_extra()  # the parser raises the server's APIError (ling_jax.serving.schemas imports fastapi)
+
+from ling_jax.serving.schemas import APIError  # noqa: E402
+from ling_jax.serving.tool_calls import (  # noqa: E402
     Content,
     ToolCallArguments,
     ToolCallName,
