@@ -1,4 +1,4 @@
-from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
+from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent, l2_normalize
 
-__all__ = ["chunk_kda", "kda_chunked", "kda_decode_step", "kda_recurrent", "l2_normalize"]
+__all__ = ["chunk_kda", "kda_chunked", "kda_decode_fused", "kda_decode_step", "kda_recurrent", "l2_normalize"]

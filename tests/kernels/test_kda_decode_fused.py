@@ -1,0 +1,132 @@
+"""The fused KDA decode step (convs, gates, recurrence and gated norm in one GPU kernel, Pallas interpret mode on
+the CPU) vs its jnp reference, and lowering for CUDA from the CPU. The model under
+`ExecutionPolicy(kda_decode="fused")` against its separate ops: test_model_kernels.py."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import gpu_test, lower_for_cuda, rel_error
+
+from ling_jax import ExecutionPolicy, KDAState, LingConfig
+from ling_jax.kda import KimiDeltaAttention
+from ling_jax.presets import TINY
+from pallas_kernels.kda import kda_decode_fused
+from pallas_kernels.kda.ops import kernel
+from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
+from pallas_kernels.kda.reference import kda_log_decay
+from pallas_kernels.kda.tuned import DecodeGpuTiles
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+EPS = 1e-6
+kda_decode_fused_gpu = kernel("kda_decode_fused", "gpu_triton")
+
+
+def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
+    """The fused op's arrays: pre-conv q/k/v, gate pre-activations f / b / output gate, conv window, state, then
+    the weights (conv [H, d, taps], dt_bias, A_log in the model's init range, norm weight). gate_scale widens f:
+    with -A softplus(f) the log-decays then reach far below the safe gate's bound of -5."""
+    r = np.random.default_rng(seed)
+
+    def normal(*shape, scale=1.0, to=dtype):
+        return jnp.asarray(scale * r.normal(size=shape), jnp.float32).astype(to)
+
+    return (
+        normal(batch, heads, dim),
+        normal(batch, heads, dim),
+        normal(batch, heads, dim),
+        normal(batch, heads, dim, scale=gate_scale),
+        normal(batch, heads),
+        normal(batch, heads, dim),
+        normal(batch, taps - 1, 3, heads, dim),
+        normal(batch, heads, dim, dim, to=jnp.float32),
+        normal(heads, dim, taps, scale=0.5, to=jnp.float32),
+        normal(heads, dim, taps, scale=0.5, to=jnp.float32),
+        normal(heads, dim, taps, scale=0.5, to=jnp.float32),
+        normal(heads, dim, scale=0.1, to=jnp.float32),
+        jnp.log(jnp.asarray(r.uniform(1.0, 16.0, heads), jnp.float32)),
+        1.0 + normal(dim, scale=0.1),
+    )
+
+
+def assert_matches_reference(step, arrays, dtype, lower_bound):
+    """step(*arrays) -> (o, window, state) against the jnp reference (run first: the kernels donate the state)."""
+    want = fused_reference(*arrays, scale=arrays[0].shape[-1] ** -0.5, lower_bound=lower_bound, eps=EPS)
+    got = step(*arrays)
+    assert [x.dtype for x in got] == [dtype, dtype, jnp.float32]
+    o, window, state = got
+    assert rel_error(o, want[0]) <= TOL[dtype], rel_error(o, want[0])
+    np.testing.assert_array_equal(np.asarray(window, np.float32), np.asarray(want[1], np.float32))
+    assert rel_error(state, want[2]) <= 1e-5, rel_error(state, want[2])
+
+
+GATES = {  # lower_bound, gate_scale: the safe gate near its bound; -A softplus(f), log-decays far below -5
+    "safe_gate": (-5.0, 1.0),
+    "unbounded_gate": (None, 4.0),
+}
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 5, 16, 4), (2, 3, 32, 3)], ids=["B3_H5_d16_taps4", "B2_H3_d32_taps3"])
+def test_kernel_matches_reference(gate, dtype, shape):
+    lower_bound, gate_scale = GATES[gate]
+    arrays = random_step(*shape, dtype, gate_scale=gate_scale, seed=sum(shape))
+    g = kda_log_decay(arrays[3], *arrays[11:13], lower_bound)
+    assert float(g.min()) < (-4.0 if lower_bound else -20.0)  # at the safe bound; far below it
+    step = functools.partial(kda_decode_fused, lower_bound=lower_bound, eps=EPS, backend="interpret_gpu")
+    assert_matches_reference(step, arrays, dtype, lower_bound)
+
+
+@pytest.mark.parametrize("tiles", [DecodeGpuTiles(block_v=8, num_warps=2), DecodeGpuTiles(block_v=32, num_warps=8)])
+def test_kernel_tiles_match_reference(tiles):
+    """A program walking its state 8 columns at a time (4 steps) and one taking all of V at once."""
+    arrays = random_step(2, 3, 32, 4, jnp.bfloat16, seed=5)
+    step = functools.partial(
+        kda_decode_fused_gpu, scale=32**-0.5, lower_bound=-5.0, eps=EPS, tiles=tiles, interpret=True
+    )
+    assert_matches_reference(step, arrays, jnp.bfloat16, -5.0)
+
+
+def test_padded_tokens_keep_the_separate_path():
+    """A one-token call with a padding mask (a prompt chunk of one token) is not fused: the layer's mask handling
+    stays in the separate ops."""
+    config = LingConfig.from_dict(TINY)
+    layer = KimiDeltaAttention(config, dtype=jnp.float32, rngs=nnx.Rngs(4))
+    token = jnp.ones((2, 1, config.hidden_size), jnp.float32)
+    fused = ExecutionPolicy(kernel_backend="interpret_gpu", kda_decode="fused")
+    traced = jax.jit(lambda x, s, m: layer(x, s, m, policy=fused)).trace(
+        token, KDAState.zeros(config, 2, jnp.float32), jnp.asarray([[True], [False]])
+    )
+    names = set(re.findall(r"name=(\w+)", str(traced.jaxpr)))
+    assert "kda_decode_step_gpu" in names and "kda_decode_fused_gpu" not in names
+
+
+def _abstract_step(batch, heads=64, dim=128, taps=4):
+    shape, bf16, fp32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    rows = [shape((batch, heads, dim), bf16)] * 4 + [shape((batch, heads), bf16), shape((batch, heads, dim), bf16)]
+    weights = [shape((heads, dim, taps), fp32)] * 3 + [shape((heads, dim), fp32), shape((heads,), fp32)]
+    window = shape((batch, taps - 1, 3, heads, dim), bf16)
+    return rows + [window, shape((batch, heads, dim, dim), fp32)] + weights + [shape((dim,), bf16)]
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
+def test_kernel_lowers_for_cuda(lower_bound):
+    step = functools.partial(kda_decode_fused_gpu, scale=128**-0.5, lower_bound=lower_bound, eps=EPS)
+    lowered = lower_for_cuda(step, *_abstract_step(batch=64))
+    assert "kda_decode_fused" in lowered.as_text()
+
+
+@gpu_test("the compiled Triton kernel")
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
+def test_compiled_kernel_full_size(batch, lower_bound):
+    arrays = random_step(batch, 64, 128, 4, jnp.bfloat16, gate_scale=1.0 if lower_bound else 4.0, seed=batch)
+    step = functools.partial(kda_decode_fused, lower_bound=lower_bound, eps=EPS, backend="pallas_gpu")
+    assert_matches_reference(step, arrays, jnp.bfloat16, lower_bound)
