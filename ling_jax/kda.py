@@ -24,7 +24,7 @@ from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linea
 from ling_jax.policy import ExecutionPolicy, KDADecode, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
-from pallas_kernels.kda.reference import kda_log_decay, kda_recurrent
+from pallas_kernels.kda.reference import DecodeWeights, kda_log_decay, kda_recurrent
 
 CHUNKED = KDAMode.CHUNKED
 RECURRENT = KDAMode.RECURRENT
@@ -195,15 +195,22 @@ def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, config: LingCon
     b = linear(weights["b_proj"], x_BTD, policy)[:, 0]
     window = state.conv_window.reshape(batch, c.short_conv_kernel_size - 1, 3, heads, head_dim)
     conv = [weights[name].reshape(heads, head_dim, -1) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
-    dt_bias, a_log, norm_weight = weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], weights["o_norm"]
-    fused = functools.partial(
-        kda_decode_fused, lower_bound=gate_lower_bound(c), eps=c.rms_norm_eps, backend=op_backend(policy)
-    )
+    layer = (*conv, weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], weights["o_norm"]["weight"])
+
+    def fused(*arrays):
+        return kda_decode_fused(
+            *arrays[:8],
+            DecodeWeights(*arrays[8:]),
+            lower_bound=gate_lower_bound(c),
+            eps=c.rms_norm_eps,
+            backend=op_backend(policy),
+        )
+
     o, window, recurrent = per_shard(
         fused,
         in_axes=(_BHD,) * 4 + (_BH, _BHD, _WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None),
         out_axes=(_BHD, _WINDOW, _BHKV),
-    )(q, k, v, per_head(f), b, per_head(r), window, state.recurrent_state, *conv, dt_bias, a_log, norm_weight["weight"])
+    )(q, k, v, per_head(f), b, per_head(r), window, state.recurrent_state, *layer)
     y = linear(weights["dense"], o.reshape(batch, 1, c.kda_dim), policy)
     return y, KDAState(conv_window=window.reshape(state.conv_window.shape), recurrent_state=recurrent)
 

@@ -124,12 +124,7 @@ def kda_decode_fused(
     gate_BHV,
     conv_window_BW3HK,
     state_BHKV,
-    conv_q_HKT,
-    conv_k_HKT,
-    conv_v_HKT,
-    dt_bias_HK,
-    a_log_H,
-    norm_weight_V,
+    weights: reference.DecodeWeights,
     *,
     scale=None,
     lower_bound: float | None,
@@ -148,12 +143,11 @@ def kda_decode_fused(
     backend = resolve_backend(backend)
     name = variants.pick(VARIANTS, "kda_decode_fused", variant, backend, variants.by_platform(backend, _FUSED))
     scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
-    args = (q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV)
-    weights = (conv_q_HKT, conv_k_HKT, conv_v_HKT, dt_bias_HK, a_log_H, norm_weight_V)
+    args = (q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV, weights)
     keywords = dict(scale=scale, lower_bound=lower_bound, eps=eps)
     if name == REFERENCE:
-        return reference.kda_decode_fused(*args, *weights, **keywords)
-    return kernel("kda_decode_fused", name)(*args, *weights, **keywords, interpret=variants.interpreted(backend))
+        return reference.kda_decode_fused(*args, **keywords)
+    return kernel("kda_decode_fused", name)(*args, **keywords, interpret=variants.interpreted(backend))
 
 
 def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: str | None = None) -> str:

@@ -7,6 +7,8 @@ A token with g = 0 and beta = 0 leaves the state unchanged, which is how padding
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -172,46 +174,43 @@ def gated_output_norm(o, gate, weight, eps: float) -> jax.Array:
     return (normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeWeights:
+    """The weights of a KDA layer that its fused decode step reads (`kda_decode_fused`): the short convs' [H, K, T]
+    (q, k, v), the forget gate's dt_bias [H, K] and A_log [H], the output norm's weight [V]."""
+
+    conv_q_HKT: jax.Array
+    conv_k_HKT: jax.Array
+    conv_v_HKT: jax.Array
+    dt_bias_HK: jax.Array
+    a_log_H: jax.Array
+    norm_weight_V: jax.Array
+
+
 def kda_decode_fused(
-    q_BHK,
-    k_BHK,
-    v_BHV,
-    f_BHK,
-    b_BH,
-    gate_BHV,
-    conv_window_BW3HK,
-    state_BHKV,
-    conv_q_HKT,
-    conv_k_HKT,
-    conv_v_HKT,
-    dt_bias_HK,
-    a_log_H,
-    norm_weight_V,
-    *,
-    scale=None,
-    lower_bound: float | None,
-    eps: float,
+    q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV, weights, *, scale=None, lower_bound, eps
 ):
     """A KDA layer's decode step between its projections, one token per sequence: (o [B, H, V] in v's dtype,
     new conv window, new state [B, H, K, V] fp32).
 
     q, k, v: the projections before the short convs (V == K); conv_window [B, T-1, 3, H, K]: the last T-1 of
-    them ([q; k; v], oldest first), conv weights [H, K, T]; f: the forget gate's pre-activation (g =
-    `kda_log_decay`); b: beta's (beta = sigmoid(b)); gate: the output gate's (`gated_output_norm`, weight
-    norm_weight [V], eps). Each short conv's output is SiLU'd and rounded to v's dtype, then q and k are
-    L2-normalised and the step runs as `kda_recurrent`, its output rounded to v's dtype before the norm: the
-    model's separate ops, in order.
+    them ([q; k; v], oldest first); f: the forget gate's pre-activation (g = `kda_log_decay`, lower_bound: the
+    safe gate's bound, None for -A softplus); b: beta's (beta = sigmoid(b)); gate: the output gate's
+    (`gated_output_norm` with eps); weights: `DecodeWeights`; scale: of q (None: K^-1/2). Each short conv's
+    output is SiLU'd and rounded to v's dtype, then q and k are L2-normalised and the step runs as
+    `kda_recurrent`, its output rounded to v's dtype before the norm: the model's separate ops, in order.
     """
     u_B3HK = jnp.stack([q_BHK, k_BHK, v_BHV], axis=1)
     full_BT3HK = jnp.concatenate([conv_window_BW3HK.astype(u_B3HK.dtype), u_B3HK[:, None]], axis=1)
-    weight_3HKT = jnp.stack([conv_q_HKT, conv_k_HKT, conv_v_HKT]).astype(jnp.float32)
+    weight_3HKT = jnp.stack([weights.conv_q_HKT, weights.conv_k_HKT, weights.conv_v_HKT]).astype(jnp.float32)
     taps = weight_3HKT.shape[-1]
     conv_B3HK = sum(full_BT3HK[:, j].astype(jnp.float32) * weight_3HKT[..., j] for j in range(taps))
     q, k, v = jnp.unstack(jax.nn.silu(conv_B3HK).astype(u_B3HK.dtype), axis=1)
-    g = kda_log_decay(f_BHK, dt_bias_HK, a_log_H, lower_bound)
+    g = kda_log_decay(f_BHK, weights.dt_bias_HK, weights.a_log_H, lower_bound)
     beta = jax.nn.sigmoid(b_BH.astype(jnp.float32))
     o, state = kda_recurrent(
         q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale, initial_state=state_BHKV
     )
     new_window = full_BT3HK[:, 1:].astype(conv_window_BW3HK.dtype)
-    return gated_output_norm(o[:, 0], gate_BHV, norm_weight_V, eps), new_window, state
+    return gated_output_norm(o[:, 0], gate_BHV, weights.norm_weight_V, eps), new_window, state

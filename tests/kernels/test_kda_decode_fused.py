@@ -17,7 +17,7 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 from ling_jax import ExecutionPolicy, KDAState, LingConfig
 from ling_jax.kda import KimiDeltaAttention
 from ling_jax.presets import TINY
-from pallas_kernels.kda import kda_decode_fused
+from pallas_kernels.kda import DecodeWeights, kda_decode_fused
 from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
 from pallas_kernels.kda.reference import kda_log_decay
@@ -29,7 +29,7 @@ kda_decode_fused_gpu = kernel("kda_decode_fused", "gpu_triton")
 
 
 def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
-    """The fused op's arrays: pre-conv q/k/v, gate pre-activations f / b / output gate, conv window, state, then
+    """The fused op's arguments: pre-conv q/k/v, gate pre-activations f / b / output gate, conv window, state and
     the weights (conv [H, d, taps], dt_bias, A_log in the model's init range, norm weight). gate_scale widens f:
     with -A softplus(f) the log-decays then reach far below the safe gate's bound of -5."""
     r = np.random.default_rng(seed)
@@ -37,7 +37,7 @@ def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
     def normal(*shape, scale=1.0, to=dtype):
         return jnp.asarray(scale * r.normal(size=shape), jnp.float32).astype(to)
 
-    return (
+    arrays = (
         normal(batch, heads, dim),
         normal(batch, heads, dim),
         normal(batch, heads, dim),
@@ -46,6 +46,8 @@ def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
         normal(batch, heads, dim),
         normal(batch, taps - 1, 3, heads, dim),
         normal(batch, heads, dim, dim, to=jnp.float32),
+    )
+    weights = DecodeWeights(
         normal(heads, dim, taps, scale=0.5, to=jnp.float32),
         normal(heads, dim, taps, scale=0.5, to=jnp.float32),
         normal(heads, dim, taps, scale=0.5, to=jnp.float32),
@@ -53,6 +55,7 @@ def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
         jnp.log(jnp.asarray(r.uniform(1.0, 16.0, heads), jnp.float32)),
         1.0 + normal(dim, scale=0.1),
     )
+    return (*arrays, weights)
 
 
 def assert_matches_reference(step, arrays, dtype, lower_bound):
@@ -78,7 +81,7 @@ GATES = {  # lower_bound, gate_scale: the safe gate near its bound; -A softplus(
 def test_kernel_matches_reference(gate, dtype, shape):
     lower_bound, gate_scale = GATES[gate]
     arrays = random_step(*shape, dtype, gate_scale=gate_scale, seed=sum(shape))
-    g = kda_log_decay(arrays[3], *arrays[11:13], lower_bound)
+    g = kda_log_decay(arrays[3], arrays[-1].dt_bias_HK, arrays[-1].a_log_H, lower_bound)
     assert float(g.min()) < (-4.0 if lower_bound else -20.0)  # at the safe bound; far below it
     step = functools.partial(kda_decode_fused, lower_bound=lower_bound, eps=EPS, backend="interpret_gpu")
     assert_matches_reference(step, arrays, dtype, lower_bound)
@@ -111,9 +114,10 @@ def test_padded_tokens_keep_the_separate_path():
 def _abstract_step(batch, heads=64, dim=128, taps=4):
     shape, bf16, fp32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     rows = [shape((batch, heads, dim), bf16)] * 4 + [shape((batch, heads), bf16), shape((batch, heads, dim), bf16)]
-    weights = [shape((heads, dim, taps), fp32)] * 3 + [shape((heads, dim), fp32), shape((heads,), fp32)]
+    conv = [shape((heads, dim, taps), fp32)] * 3
+    weights = DecodeWeights(*conv, shape((heads, dim), fp32), shape((heads,), fp32), shape((dim,), bf16))
     window = shape((batch, taps - 1, 3, heads, dim), bf16)
-    return rows + [window, shape((batch, heads, dim, dim), fp32)] + weights + [shape((dim,), bf16)]
+    return rows + [window, shape((batch, heads, dim, dim), fp32), weights]
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
@@ -130,3 +134,8 @@ def test_compiled_kernel_full_size(batch, lower_bound):
     arrays = random_step(batch, 64, 128, 4, jnp.bfloat16, gate_scale=1.0 if lower_bound else 4.0, seed=batch)
     step = functools.partial(kda_decode_fused, lower_bound=lower_bound, eps=EPS, backend="pallas_gpu")
     assert_matches_reference(step, arrays, jnp.bfloat16, lower_bound)
+
+
+def test_policy_names_a_misspelt_mode():
+    with pytest.raises(ValueError, match=r"ExecutionPolicy.kda_decode: 'fuse' is not one of 'separate', 'fused'"):
+        ExecutionPolicy(kda_decode="fuse")

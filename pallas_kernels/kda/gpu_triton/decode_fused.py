@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.reference import L2_EPS
+from pallas_kernels.kda.reference import L2_EPS, DecodeWeights
 from pallas_kernels.tuning import lookup
 
 Q, K, V = 0, 1, 2  # the conv window's [q; k; v] rows
@@ -42,30 +42,11 @@ def _l2_normalized(x_K):
 
 
 def _fused_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    f_ref,
-    b_ref,
-    gate_ref,
-    window_ref,
-    state_ref,
-    conv_q_ref,
-    conv_k_ref,
-    conv_v_ref,
-    dt_bias_ref,
-    a_log_ref,
-    norm_weight_ref,
-    o_ref,
-    new_window_ref,
-    new_state_ref,
-    *,
-    scale,
-    lower_bound,
-    eps,
-    block_v,
+    q_ref, k_ref, v_ref, f_ref, b_ref, gate_ref, window_ref, state_ref, *refs, scale, lower_bound, eps, block_v
 ):
     """One sequence-head: its convs, gates, state update and normed output."""
+    conv_q_ref, conv_k_ref, conv_v_ref, dt_bias_ref, a_log_ref, norm_weight_ref = refs[:6]  # `DecodeWeights`' order
+    o_ref, new_window_ref, new_state_ref = refs[6:]
     dtype = v_ref.dtype
     key_dim, value_dim = state_ref.shape
     keys = pl.ds(0, key_dim)
@@ -111,12 +92,7 @@ def kda_decode_fused_gpu(
     gate_BHV,
     conv_window_BW3HK,
     state_BHKV,
-    conv_q_HKT,
-    conv_k_HKT,
-    conv_v_HKT,
-    dt_bias_HK,
-    a_log_H,
-    norm_weight_V,
+    weights: DecodeWeights,
     *,
     scale: float,
     lower_bound: float | None,
@@ -134,23 +110,13 @@ def kda_decode_fused_gpu(
         raise ValueError(f"kda_decode_fused: the conv window holds q, k and v rows alike: V {value_dim} != K {key_dim}")
     block_v = min(tiles.block_v, value_dim)
     window = conv_window_BW3HK.shape[1]
-    taps = conv_q_HKT.shape[-1]
+    taps = weights.conv_q_HKT.shape[-1]
     row = pl.BlockSpec((None, None, key_dim), lambda h, b: (b, h, 0))
     per_head = pl.BlockSpec((None, key_dim, taps), lambda h, b: (h, 0, 0))
     window_block = pl.BlockSpec((None, window, 3, None, key_dim), lambda h, b: (b, 0, 0, h, 0))
     state_block = pl.BlockSpec((None, None, key_dim, value_dim), lambda h, b: (b, h, 0, 0))
-    in_specs = [
-        row,
-        row,
-        row,
-        row,
-        pl.BlockSpec((None, None), lambda h, b: (b, h)),
-        row,
-        window_block,
-        state_block,
-        per_head,
-        per_head,
-        per_head,
+    scalar = pl.BlockSpec((None, None), lambda h, b: (b, h))
+    weight_specs = [per_head] * 3 + [
         pl.BlockSpec((None, key_dim), lambda h, b: (h, 0)),
         pl.BlockSpec((None,), lambda h, b: (h,)),
         pl.BlockSpec((value_dim,), lambda h, b: (0,)),
@@ -159,7 +125,7 @@ def kda_decode_fused_gpu(
     return pl.pallas_call(
         kernel,
         grid=(heads, batch),
-        in_specs=in_specs,
+        in_specs=[row] * 4 + [scalar, row, window_block, state_block] + weight_specs,
         out_specs=[row, window_block, state_block],
         out_shape=[
             jax.ShapeDtypeStruct(v_BHV.shape, v_BHV.dtype),
@@ -179,10 +145,5 @@ def kda_decode_fused_gpu(
         gate_BHV,
         conv_window_BW3HK,
         state_BHKV.astype(jnp.float32),
-        conv_q_HKT,
-        conv_k_HKT,
-        conv_v_HKT,
-        dt_bias_HK.astype(jnp.float32),
-        a_log_H.astype(jnp.float32),
-        norm_weight_V,
+        *jax.tree.leaves(weights),
     )
