@@ -134,8 +134,8 @@ def _kda(
     c = config
     mode = policy.kda_mode
     batch, length, _ = x_BTD.shape
-    if mode == RECURRENT and length == 1 and mask_BT is None and policy.kda_decode == KDADecode.FUSED:
-        return _fused_decode_step(weights, x_BTD, state, c, policy)
+    if mode == RECURRENT and length == 1 and policy.kda_decode == KDADecode.FUSED:
+        return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     mixed = jnp.concatenate([linear(weights[name], x_BTD, policy) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
     conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
@@ -181,8 +181,8 @@ def _kda(
     return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
 
 
-def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, config: LingConfig, policy: ExecutionPolicy):
-    """`_kda` for one real token per sequence in recurrent mode, everything between the projections in one op
+def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, mask_BT, config: LingConfig, policy: ExecutionPolicy):
+    """`_kda` for one token per sequence in recurrent mode, everything between the projections in one op
     (`pallas_kernels.kda.kda_decode_fused`: one kernel on a GPU), as `ExecutionPolicy(kda_decode="fused")` asks."""
     c = config
     batch, heads, head_dim = x_BTD.shape[0], c.num_attention_heads, c.head_dim
@@ -197,10 +197,13 @@ def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, config: LingCon
     conv = [weights[name].reshape(heads, head_dim, -1) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
     layer = (*conv, weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], weights["o_norm"]["weight"])
 
+    real_B = jnp.ones(batch, bool) if mask_BT is None else mask_BT[:, 0]
+
     def fused(*arrays):
         return kda_decode_fused(
             *arrays[:8],
-            DecodeWeights(*arrays[8:]),
+            DecodeWeights(*arrays[8:14]),
+            real_B=arrays[14],
             lower_bound=gate_lower_bound(c),
             eps=c.rms_norm_eps,
             backend=op_backend(policy),
@@ -208,9 +211,9 @@ def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, config: LingCon
 
     o, window, recurrent = per_shard(
         fused,
-        in_axes=(_BHD,) * 4 + (_BH, _BHD, _WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None),
+        in_axes=(_BHD,) * 4 + (_BH, _BHD, _WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None, _BH[:1]),
         out_axes=(_BHD, _WINDOW, _BHKV),
-    )(q, k, v, per_head(f), b, per_head(r), window, state.recurrent_state, *layer)
+    )(q, k, v, per_head(f), b, per_head(r), window, state.recurrent_state, *layer, real_B)
     y = linear(weights["dense"], o.reshape(batch, 1, c.kda_dim), policy)
     return y, KDAState(conv_window=window.reshape(state.conv_window.shape), recurrent_state=recurrent)
 

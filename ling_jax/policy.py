@@ -44,7 +44,7 @@ class KDAMode(enum.StrEnum):
 
 
 class KDADecode(enum.StrEnum):
-    """How a recurrent KDA layer's one-token step (no padding) runs between its projections."""
+    """How a recurrent KDA layer's one-token step runs between its projections."""
 
     SEPARATE = "separate"  # the convs, gates and norm as XLA ops around the recurrence kernel (`kda_decode_step`)
     FUSED = "fused"  # one op, one kernel on a GPU (`pallas_kernels.kda.kda_decode_fused`; the reference elsewhere)

@@ -126,6 +126,7 @@ def kda_decode_fused(
     state_BHKV,
     weights: reference.DecodeWeights,
     *,
+    real_B=None,
     scale=None,
     lower_bound: float | None,
     eps: float,
@@ -134,7 +135,8 @@ def kda_decode_fused(
 ):
     """A KDA layer's decode step from its projections to its gated output norm, one token per sequence: (o
     [B, H, V] in v's dtype, new conv window [B, T-1, 3, H, K], new state [B, H, K, V] fp32); the arrays and
-    keywords are `reference.kda_decode_fused`'s (lower_bound: the safe gate's bound, None for -A softplus).
+    keywords are `reference.kda_decode_fused`'s (real_B: the padding mask, None for none; lower_bound: the safe
+    gate's bound, None for -A softplus).
 
     One kernel on a GPU ("gpu_triton", the state updated in place when the caller donates it); the reference
     elsewhere, a TPU included (it has no fused kernel: `kda_decode_step` runs its recurrence kernel).
@@ -144,7 +146,7 @@ def kda_decode_fused(
     name = variants.pick(VARIANTS, "kda_decode_fused", variant, backend, variants.by_platform(backend, _FUSED))
     scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
     args = (q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV, weights)
-    keywords = dict(scale=scale, lower_bound=lower_bound, eps=eps)
+    keywords = dict(real_B=real_B, scale=scale, lower_bound=lower_bound, eps=eps)
     if name == REFERENCE:
         return reference.kda_decode_fused(*args, **keywords)
     return kernel("kda_decode_fused", name)(*args, **keywords, interpret=variants.interpreted(backend))

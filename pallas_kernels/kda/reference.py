@@ -189,7 +189,20 @@ class DecodeWeights:
 
 
 def kda_decode_fused(
-    q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV, weights, *, scale=None, lower_bound, eps
+    q_BHK,
+    k_BHK,
+    v_BHV,
+    f_BHK,
+    b_BH,
+    gate_BHV,
+    conv_window_BW3HK,
+    state_BHKV,
+    weights,
+    *,
+    real_B=None,
+    scale=None,
+    lower_bound,
+    eps,
 ):
     """A KDA layer's decode step between its projections, one token per sequence: (o [B, H, V] in v's dtype,
     new conv window, new state [B, H, K, V] fp32).
@@ -197,20 +210,24 @@ def kda_decode_fused(
     q, k, v: the projections before the short convs (V == K); conv_window [B, T-1, 3, H, K]: the last T-1 of
     them ([q; k; v], oldest first); f: the forget gate's pre-activation (g = `kda_log_decay`, lower_bound: the
     safe gate's bound, None for -A softplus); b: beta's (beta = sigmoid(b)); gate: the output gate's
-    (`gated_output_norm` with eps); weights: `DecodeWeights`; scale: of q (None: K^-1/2). Each short conv's
-    output is SiLU'd and rounded to v's dtype, then q and k are L2-normalised and the step runs as
-    `kda_recurrent`, its output rounded to v's dtype before the norm: the model's separate ops, in order.
+    (`gated_output_norm` with eps); weights: `DecodeWeights`; real_B [B] bool: False for a pad token (None: all
+    real), whose convs give 0 and whose g and beta are 0, so that its o is 0 and its window and state stay as they
+    were; scale: of q (None: K^-1/2). Each short conv's output is SiLU'd and rounded to v's dtype, then q and k
+    are L2-normalised and the step runs as `kda_recurrent`, its output rounded to v's dtype before the norm: the
+    model's separate ops, in order, a padding mask included.
     """
+    real_B = jnp.ones(q_BHK.shape[0], bool) if real_B is None else real_B
+    real_B11, real_B111 = real_B[:, None, None], real_B[:, None, None, None]
     u_B3HK = jnp.stack([q_BHK, k_BHK, v_BHV], axis=1)
     full_BT3HK = jnp.concatenate([conv_window_BW3HK.astype(u_B3HK.dtype), u_B3HK[:, None]], axis=1)
     weight_3HKT = jnp.stack([weights.conv_q_HKT, weights.conv_k_HKT, weights.conv_v_HKT]).astype(jnp.float32)
     taps = weight_3HKT.shape[-1]
     conv_B3HK = sum(full_BT3HK[:, j].astype(jnp.float32) * weight_3HKT[..., j] for j in range(taps))
-    q, k, v = jnp.unstack(jax.nn.silu(conv_B3HK).astype(u_B3HK.dtype), axis=1)
-    g = kda_log_decay(f_BHK, weights.dt_bias_HK, weights.a_log_H, lower_bound)
-    beta = jax.nn.sigmoid(b_BH.astype(jnp.float32))
+    q, k, v = jnp.unstack(jnp.where(real_B111, jax.nn.silu(conv_B3HK), 0).astype(u_B3HK.dtype), axis=1)
+    g = jnp.where(real_B11, kda_log_decay(f_BHK, weights.dt_bias_HK, weights.a_log_H, lower_bound), 0.0)
+    beta = jnp.where(real_B[:, None], jax.nn.sigmoid(b_BH.astype(jnp.float32)), 0.0)
     o, state = kda_recurrent(
         q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale, initial_state=state_BHKV
     )
-    new_window = full_BT3HK[:, 1:].astype(conv_window_BW3HK.dtype)
+    new_window = jnp.where(real_B111[..., None], full_BT3HK[:, 1:], full_BT3HK[:, :-1]).astype(conv_window_BW3HK.dtype)
     return gated_output_norm(o[:, 0], gate_BHV, weights.norm_weight_V, eps), new_window, state

@@ -1,6 +1,7 @@
 """The fused KDA decode step (convs, gates, recurrence and gated norm in one GPU kernel, Pallas interpret mode on
-the CPU) vs its jnp reference, and lowering for CUDA from the CPU. The model under
-`ExecutionPolicy(kda_decode="fused")` against its separate ops: test_model_kernels.py."""
+the CPU) vs its jnp reference, pad tokens included, and lowering for CUDA from the CPU; the KDA layer with a
+padding mask under `ExecutionPolicy(kda_decode="fused")` vs its separate ops (the whole model without one:
+test_model_kernels.py)."""
 
 from __future__ import annotations
 
@@ -58,10 +59,12 @@ def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
     return (*arrays, weights)
 
 
-def assert_matches_reference(step, arrays, dtype, lower_bound):
-    """step(*arrays) -> (o, window, state) against the jnp reference (run first: the kernels donate the state)."""
-    want = fused_reference(*arrays, scale=arrays[0].shape[-1] ** -0.5, lower_bound=lower_bound, eps=EPS)
-    got = step(*arrays)
+def assert_matches_reference(step, arrays, dtype, lower_bound, real_B=None):
+    """step(*arrays, real_B=) -> (o, window, state) against the jnp reference (run first: the kernels donate the
+    state)."""
+    scale = arrays[0].shape[-1] ** -0.5
+    want = fused_reference(*arrays, real_B=real_B, scale=scale, lower_bound=lower_bound, eps=EPS)
+    got = step(*arrays, real_B=real_B)
     assert [x.dtype for x in got] == [dtype, dtype, jnp.float32]
     o, window, state = got
     assert rel_error(o, want[0]) <= TOL[dtype], rel_error(o, want[0])
@@ -88,27 +91,46 @@ def test_kernel_matches_reference(gate, dtype, shape):
 
 
 @pytest.mark.parametrize("tiles", [DecodeGpuTiles(block_v=8, num_warps=2), DecodeGpuTiles(block_v=32, num_warps=8)])
-def test_kernel_tiles_match_reference(tiles):
-    """A program walking its state 8 columns at a time (4 steps) and one taking all of V at once."""
+def test_kernel_tiles_and_pad_tokens_match_reference(tiles):
+    """A program walking its state 8 columns at a time (4 steps) and one taking all of V at once; the second
+    sequence's token is a pad."""
     arrays = random_step(2, 3, 32, 4, jnp.bfloat16, seed=5)
     step = functools.partial(
         kda_decode_fused_gpu, scale=32**-0.5, lower_bound=-5.0, eps=EPS, tiles=tiles, interpret=True
     )
-    assert_matches_reference(step, arrays, jnp.bfloat16, -5.0)
+    assert_matches_reference(step, arrays, jnp.bfloat16, -5.0, real_B=jnp.asarray([True, False]))
 
 
-def test_padded_tokens_keep_the_separate_path():
-    """A one-token call with a padding mask (a prompt chunk of one token) is not fused: the layer's mask handling
-    stays in the separate ops."""
+def test_pad_tokens_give_zero_and_keep_window_and_state():
+    *arrays, weights = random_step(2, 3, 16, 4, jnp.float32, seed=1)
+    o, window, state = fused_reference(*arrays, weights, real_B=jnp.asarray([False, True]), lower_bound=-5.0, eps=EPS)
+    assert not np.asarray(o[0]).any() and np.asarray(o[1]).any()
+    np.testing.assert_array_equal(window[0], arrays[6][0])
+    np.testing.assert_array_equal(state[0], arrays[7][0])
+    np.testing.assert_array_equal(window[1, :-1], arrays[6][1, 1:])
+
+
+def test_masked_layer_step_fused_equals_separate_ops():
+    """The KDA layer's one-token step with a padding mask under ExecutionPolicy(kda_decode="fused"), the kernel in
+    interpret mode, equals its separate ops on the reference path: output, conv window and state, from a state a
+    prefill left. The traced step holds the fused kernel and not the recurrence kernel. (Without a mask:
+    test_model_kernels.py, the whole model.)"""
     config = LingConfig.from_dict(TINY)
     layer = KimiDeltaAttention(config, dtype=jnp.float32, rngs=nnx.Rngs(4))
-    token = jnp.ones((2, 1, config.hidden_size), jnp.float32)
+    r = np.random.default_rng(6)
+    prompt, token = (jnp.asarray(r.normal(size=(3, n, config.hidden_size)), jnp.float32) for n in (7, 1))
+    mask = jnp.asarray([[True], [False], [True]])
+    reference = ExecutionPolicy(kernel_backend="reference")
+    _, state = layer(prompt, KDAState.zeros(config, 3, jnp.float32), policy=reference)
     fused = ExecutionPolicy(kernel_backend="interpret_gpu", kda_decode="fused")
-    traced = jax.jit(lambda x, s, m: layer(x, s, m, policy=fused)).trace(
-        token, KDAState.zeros(config, 2, jnp.float32), jnp.asarray([[True], [False]])
-    )
+    traced = jax.jit(lambda x, s, m: layer(x, s, m, policy=fused)).trace(token, state, mask)
     names = set(re.findall(r"name=(\w+)", str(traced.jaxpr)))
-    assert "kda_decode_step_gpu" in names and "kda_decode_fused_gpu" not in names
+    assert "kda_decode_fused_gpu" in names and "kda_decode_step_gpu" not in names
+    got = traced.lower().compile()(token, state, mask)
+    want = layer(token, state, mask, policy=reference)
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def _abstract_step(batch, heads=64, dim=128, taps=4):
@@ -133,7 +155,7 @@ def test_kernel_lowers_for_cuda(lower_bound):
 def test_compiled_kernel_full_size(batch, lower_bound):
     arrays = random_step(batch, 64, 128, 4, jnp.bfloat16, gate_scale=1.0 if lower_bound else 4.0, seed=batch)
     step = functools.partial(kda_decode_fused, lower_bound=lower_bound, eps=EPS, backend="pallas_gpu")
-    assert_matches_reference(step, arrays, jnp.bfloat16, lower_bound)
+    assert_matches_reference(step, arrays, jnp.bfloat16, lower_bound, real_B=jnp.arange(batch) % 5 != 3)
 
 
 def test_policy_names_a_misspelt_mode():

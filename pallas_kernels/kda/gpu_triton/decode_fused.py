@@ -26,15 +26,15 @@ from pallas_kernels.tuning import lookup
 Q, K, V = 0, 1, 2  # the conv window's [q; k; v] rows
 
 
-def _conv_silu(window_ref, new_window_ref, u_ref, weight_ref, which, columns, dtype):
-    """The short conv + SiLU of one of q, k, v over `columns`, rounded to dtype then fp32 as the model's ops are;
-    the shifted window written to new_window_ref."""
+def _conv_silu(window_ref, new_window_ref, u_ref, weight_ref, which, columns, dtype, real):
+    """The short conv + SiLU of one of q, k, v over `columns`, rounded to dtype then fp32 as the model's ops are
+    (0 for a pad token); the window, shifted (not for a pad), written to new_window_ref."""
     taps = weight_ref.shape[-1]
     rows = [window_ref[j, which, columns].astype(dtype) for j in range(taps - 1)] + [u_ref[columns].astype(dtype)]
     conv = sum(row.astype(jnp.float32) * weight_ref[columns, j].astype(jnp.float32) for j, row in enumerate(rows))
-    for j, row in enumerate(rows[1:]):
-        new_window_ref[j, which, columns] = row.astype(new_window_ref.dtype)
-    return jax.nn.silu(conv).astype(dtype).astype(jnp.float32)
+    for j in range(taps - 1):
+        new_window_ref[j, which, columns] = jnp.where(real, rows[j + 1], rows[j]).astype(new_window_ref.dtype)
+    return jnp.where(real, jax.nn.silu(conv).astype(dtype).astype(jnp.float32), 0.0)
 
 
 def _l2_normalized(x_K):
@@ -46,24 +46,26 @@ def _fused_kernel(
 ):
     """One sequence-head: its convs, gates, state update and normed output."""
     conv_q_ref, conv_k_ref, conv_v_ref, dt_bias_ref, a_log_ref, norm_weight_ref = refs[:6]  # `DecodeWeights`' order
-    o_ref, new_window_ref, new_state_ref = refs[6:]
+    real_ref, o_ref, new_window_ref, new_state_ref = refs[6:]
     dtype = v_ref.dtype
     key_dim, value_dim = state_ref.shape
     keys = pl.ds(0, key_dim)
-    q_K = _l2_normalized(_conv_silu(window_ref, new_window_ref, q_ref, conv_q_ref, Q, keys, dtype)) * scale
-    k_K = _l2_normalized(_conv_silu(window_ref, new_window_ref, k_ref, conv_k_ref, K, keys, dtype))
+    real = real_ref[...] != 0
+    conv_silu = functools.partial(_conv_silu, window_ref, new_window_ref, dtype=dtype, real=real)
+    q_K = _l2_normalized(conv_silu(q_ref, conv_q_ref, Q, keys)) * scale
+    k_K = _l2_normalized(conv_silu(k_ref, conv_k_ref, K, keys))
     a_K = f_ref[...].astype(jnp.float32) + dt_bias_ref[...]
     decay_rate = jnp.exp(a_log_ref[...])
     if lower_bound is None:
         g_K = -decay_rate * jax.nn.softplus(a_K)
     else:
         g_K = lower_bound * jax.nn.sigmoid(decay_rate * a_K)
-    decay_K = jnp.exp(g_K)
-    beta = jax.nn.sigmoid(b_ref[...].astype(jnp.float32))
+    decay_K = jnp.where(real, jnp.exp(g_K), 1.0)
+    beta = jnp.where(real, jax.nn.sigmoid(b_ref[...].astype(jnp.float32)), 0.0)
     outputs = []
     for start in range(0, value_dim, block_v):
         columns = pl.ds(start, block_v)
-        v_V = _conv_silu(window_ref, new_window_ref, v_ref, conv_v_ref, V, columns, dtype)
+        v_V = conv_silu(v_ref, conv_v_ref, V, columns)
         state_KV = state_ref[:, columns] * decay_K[:, None]
         delta_V = beta * (v_V - jnp.sum(k_K[:, None] * state_KV, axis=0))
         state_KV = state_KV + k_K[:, None] * delta_V[None, :]
@@ -94,6 +96,7 @@ def kda_decode_fused_gpu(
     state_BHKV,
     weights: DecodeWeights,
     *,
+    real_B=None,
     scale: float,
     lower_bound: float | None,
     eps: float,
@@ -116,6 +119,7 @@ def kda_decode_fused_gpu(
     window_block = pl.BlockSpec((None, window, 3, None, key_dim), lambda h, b: (b, 0, 0, h, 0))
     state_block = pl.BlockSpec((None, None, key_dim, value_dim), lambda h, b: (b, h, 0, 0))
     scalar = pl.BlockSpec((None, None), lambda h, b: (b, h))
+    per_sequence = pl.BlockSpec((None,), lambda h, b: (b,))
     weight_specs = [per_head] * 3 + [
         pl.BlockSpec((None, key_dim), lambda h, b: (h, 0)),
         pl.BlockSpec((None,), lambda h, b: (h,)),
@@ -125,7 +129,7 @@ def kda_decode_fused_gpu(
     return pl.pallas_call(
         kernel,
         grid=(heads, batch),
-        in_specs=[row] * 4 + [scalar, row, window_block, state_block] + weight_specs,
+        in_specs=[row] * 4 + [scalar, row, window_block, state_block] + weight_specs + [per_sequence],
         out_specs=[row, window_block, state_block],
         out_shape=[
             jax.ShapeDtypeStruct(v_BHV.shape, v_BHV.dtype),
@@ -146,4 +150,5 @@ def kda_decode_fused_gpu(
         conv_window_BW3HK,
         state_BHKV.astype(jnp.float32),
         *jax.tree.leaves(weights),
+        jnp.ones(batch, jnp.int32) if real_B is None else real_B.astype(jnp.int32),
     )
