@@ -9,6 +9,7 @@
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1,8,32
                                                 # a whole preset instead of the slice: all its layers, and its
                                                 # MTP layer's weights resident (not run: plain decode steps)
+    python -m benchmarks.generate --decode-only --kda-decode fused   # the KDA decode step as one kernel a layer
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
@@ -38,7 +39,7 @@ from benchmarks.common import copy_bandwidth, filled_cache, flash_slice_config, 
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
-from ling_jax.policy import ExecutionPolicy, FP8Matmul  # noqa: E402
+from ling_jax.policy import ExecutionPolicy, FP8Matmul, KDADecode  # noqa: E402
 from ling_jax.presets import preset  # noqa: E402
 
 
@@ -128,6 +129,12 @@ def main(argv=None) -> int:
         "weight-only kernels, dequantise + dot past 255 rows), weight_only (the same), w8a8",
     )
     parser.add_argument(
+        "--kda-decode",
+        default="separate",
+        choices=[mode.value for mode in KDADecode],
+        help="ExecutionPolicy.kda_decode: the KDA layers' decode step as separate ops or one fused kernel",
+    )
+    parser.add_argument(
         "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"
     )
     args = parser.parse_args(argv)
@@ -167,7 +174,7 @@ def device_memory_gb(key: str = "bytes_in_use") -> str:
 def bench_format(config, weights: str, args, context: int, copy: float) -> list[tuple]:
     """Rows (weights, device memory, batch, prefill tok/s, decode s, roofline s) of one weight format."""
     start = time.perf_counter()
-    policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul)
+    policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul, kda_decode=args.kda_decode)
     model = random_model(config, weights=weights, dtype=jnp.bfloat16, policy=policy)
     params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
     memory = device_memory_gb()

@@ -6,6 +6,8 @@
     python -m benchmarks.kda --prefill-only --prefill-size 1 32768 --iters 20   # one size
     python -m benchmarks.kda --prefill-only --variant gpu_triton --variant gpu_triton_fused   # some variants
     python -m benchmarks.kda --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
+    python -m benchmarks.kda --decode-fused   # a KDA layer's decode step, separate ops vs one fused kernel
+    python -m benchmarks.kda --decode-fused --quick   # on a CPU: interpreted, a tiny layer (wiring only)
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: the chunk_kda variants (Pallas, two
@@ -17,6 +19,13 @@ phases alone (phase 1: intra-chunk, parallel, and each of its kernels; phase 2: 
 sequential state pass), with the bytes each must move at least; the fastest (safe-gate) variant is named. Each
 kernel is checked against fla on the device before it is timed. H=64, K=V=128.
 fla must be importable (carry its wheel: pip install --no-deps fla_core-0.6.0-py3-none-any.whl).
+
+--decode-fused (no fla needed): one KDA layer of a preset (--preset, default ling-3.0-flash: H=32, K=V=128,
+hidden 2560, bf16 weights) stepping one token per sequence, B in {1, 8, 32, 64, 256}, under
+`ExecutionPolicy(kda_decode="separate")` (the convs, gates and norm as XLA ops around `kda_decode_step`) and
+`kda_decode="fused"` (`kda_decode_fused`: one kernel between the projections); then the fused kernel alone over
+a few tiles (`tuned.DECODE_FUSED_GPU` first) beside the recurrence kernel alone, against the state traffic.
+Layer outputs and states of the two are compared on the device first.
 """
 
 from __future__ import annotations
@@ -35,12 +44,17 @@ os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
+from ling_jax import ExecutionPolicy, KDAState  # noqa: E402
+from ling_jax.kda import KimiDeltaAttention  # noqa: E402
+from ling_jax.presets import preset  # noqa: E402
 from pallas_kernels.experimental import kda_fused  # noqa: E402
-from pallas_kernels.kda import (
-    kda_chunked,  # noqa: E402
-    tuned,  # noqa: E402
+from pallas_kernels.kda import (  # noqa: E402
+    DecodeWeights,
+    kda_chunked,
+    tuned,
 )
 from pallas_kernels.kda.gpu_triton import (  # noqa: E402
     decay_blocks,
@@ -54,6 +68,7 @@ from pallas_kernels.kda.ops import kernel  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
 kda_decode_step_gpu = kernel("kda_decode_step", "gpu_triton")
+kda_decode_fused_gpu = kernel("kda_decode_fused", "gpu_triton")
 
 HEADS, DIM = 64, 128
 CPU_HEADS = 2  # the interpreted smoke run's
@@ -101,6 +116,25 @@ DECODE_VARIANTS = {  # kda_decode_step_gpu tiles (`tuned.DECODE_GPU` is the defa
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 
 
+def seconds_per_step(advance, carried, *rest, iters: int, steps_per_call: int = STEPS_PER_CALL) -> float:
+    """Median seconds of one `advance(carried, *rest) -> carried`, steps_per_call of them unrolled in one jitted
+    program (an XLA while loop adds a host round trip per iteration on a GPU) whose carried input is donated, each
+    call fed the last one's output, after two warm-up calls."""
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def steps(carried, *rest):
+        for _ in range(steps_per_call):
+            carried = advance(carried, *rest)
+        return carried
+
+    samples = []
+    for _ in range(iters + 2):
+        start = time.perf_counter()
+        carried = jax.block_until_ready(steps(carried, *rest))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[2:]) / steps_per_call
+
+
 def bench_decode(batch, iters, copy_bytes_per_s):
     import torch
     from fla.ops.kda import fused_recurrent_kda
@@ -128,19 +162,9 @@ def bench_decode(batch, iters, copy_bytes_per_s):
         err_o = rel_error(o, fla_o[:, 0].float().cpu().numpy())
         err_s = rel_error(new_state, fla_state.float().cpu().numpy())
 
-        @functools.partial(jax.jit, donate_argnums=0)
-        def steps(s, step=step):  # unrolled: an XLA while loop adds a host round trip per iteration on a GPU
-            for _ in range(STEPS_PER_CALL):
-                s = step(jq, jk, jv, jg, jbeta, s)[1]
-            return s
-
-        carried = jnp.asarray(state)
-        samples = []
-        for i in range(iters + 2):  # the state is donated: feed each call's output to the next
-            start = time.perf_counter()
-            carried = jax.block_until_ready(steps(carried))
-            samples.append(time.perf_counter() - start)
-        ours_s = statistics.median(samples[2:]) / STEPS_PER_CALL
+        ours_s = seconds_per_step(
+            lambda s, step=step: step(jq, jk, jv, jg, jbeta, s)[1], jnp.asarray(state), iters=iters
+        )
         label = " ".join(f"{name}={value}" for name, value in dataclasses.asdict(tiles).items())
         print(
             f"decode B={batch} {label}: ours {ours_s * 1e6:.1f} us "
@@ -151,6 +175,121 @@ def bench_decode(batch, iters, copy_bytes_per_s):
             best = (ours_s, err_o)
     ours_s, err_o = best
     return ("decode", batch, 1, ours_s, fla_s, traffic / ours_s / copy_bytes_per_s, err_o)
+
+
+FUSED_DECODE_BATCHES = {"full": (1, 8, 32, 64, 256), "quick": (1, 64), "cpu": (3,)}
+FUSED_DECODE_TILES = [  # kda_decode_fused_gpu tiles: the table's first (`tuned.DECODE_FUSED_GPU`)
+    lookup(tuned.DECODE_FUSED_GPU, dtype=jnp.bfloat16),
+    tuned.DecodeGpuTiles(32, 4),
+    tuned.DecodeGpuTiles(64, 8),
+    tuned.DecodeGpuTiles(128, 8),
+    tuned.DecodeGpuTiles(32, 2),
+]
+
+
+def random_kda_state(config, batch, seed) -> KDAState:
+    """A conv window and recurrent state of random values, as a prefill leaves them (bf16 window)."""
+    r = np.random.default_rng(seed)
+    zeros = KDAState.zeros(config, batch, jnp.bfloat16)
+    return KDAState(
+        conv_window=jnp.asarray(r.normal(size=zeros.conv_window.shape), jnp.bfloat16),
+        recurrent_state=jnp.asarray(0.1 * r.normal(size=zeros.recurrent_state.shape), jnp.float32),
+    )
+
+
+def fused_kernel_inputs(config, batch, seed):
+    """kda_decode_fused's arrays (pre-conv rows, gate pre-activations, window, state) and random DecodeWeights."""
+    heads, dim, taps = config.num_attention_heads, config.head_dim, config.short_conv_kernel_size
+    r = np.random.default_rng(seed)
+
+    def normal(*shape, dtype=jnp.bfloat16):
+        return jnp.asarray(r.normal(size=shape), jnp.float32).astype(dtype)
+
+    rows = [normal(batch, heads, dim) for _ in range(4)] + [normal(batch, heads), normal(batch, heads, dim)]
+    state = random_kda_state(config, batch, seed)
+    window = state.conv_window.reshape(batch, taps - 1, 3, heads, dim)
+    conv = [normal(heads, dim, taps, dtype=jnp.float32) for _ in range(3)]
+    weights = DecodeWeights(*conv, normal(heads, dim, dtype=jnp.float32), jnp.zeros((heads,), jnp.float32), normal(dim))
+    return rows, window, state.recurrent_state, weights
+
+
+def bench_decode_fused(config, batch, iters, copy_bytes_per_s, backend, tiles_list, steps_per_call):
+    """One KDA layer's decode step under both kda_decode policies, then the fused kernel alone over tiles_list
+    and the recurrence kernel alone: a row of the table."""
+    graph, params = nnx.split(KimiDeltaAttention(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    x = jnp.asarray(np.random.default_rng(batch).normal(size=(batch, 1, config.hidden_size)), jnp.bfloat16)
+
+    def layer_step(mode):
+        policy = ExecutionPolicy(kernel_backend=backend, kda_mode="recurrent", kda_decode=mode)
+
+        def advance(carried, x, params):  # carried: (state, the outputs' sum, which keeps every output alive)
+            y, state = nnx.merge(graph, params)(x, carried[0], policy=policy)
+            return state, carried[1] + y
+
+        return advance
+
+    def fresh():
+        return random_kda_state(config, batch, seed=batch), jnp.zeros_like(x)
+
+    once = {mode: jax.jit(layer_step(mode))(fresh(), x, params) for mode in ("separate", "fused")}
+    err_y = rel_error(once["fused"][1].astype(jnp.float32), once["separate"][1].astype(jnp.float32))
+    err_s = rel_error(once["fused"][0].recurrent_state, once["separate"][0].recurrent_state)
+    layer_s = {
+        mode: seconds_per_step(layer_step(mode), fresh(), x, params, iters=iters, steps_per_call=steps_per_call)
+        for mode in ("separate", "fused")
+    }
+    rows, window, state, weights = fused_kernel_inputs(config, batch, seed=batch)
+    interpret = backend.startswith("interpret")
+    kernel_s = {}
+    for tiles in tiles_list:
+        fused = functools.partial(
+            kda_decode_fused_gpu,
+            scale=config.head_dim**-0.5,
+            lower_bound=config.kda_lower_bound if config.kda_safe_gate else None,
+            eps=config.rms_norm_eps,
+            tiles=tiles,
+            interpret=interpret,
+        )
+        kernel_s[tiles] = seconds_per_step(
+            lambda s, fused=fused: fused(*rows, window, s, weights)[2],
+            jnp.copy(state),
+            iters=iters,
+            steps_per_call=steps_per_call,
+        )
+    q, k, v, f, b, _ = rows
+    step = functools.partial(kda_decode_step_gpu, scale=config.head_dim**-0.5, interpret=interpret)
+    g, beta = f.astype(jnp.float32) - 1.0, jax.nn.sigmoid(b.astype(jnp.float32))
+    step_s = seconds_per_step(
+        lambda s: step(q, k, v, g, beta, s)[1], jnp.copy(state), iters=iters, steps_per_call=steps_per_call
+    )
+    traffic = 2 * state.nbytes
+    for tiles, seconds in kernel_s.items():
+        print(
+            f"decode-fused B={batch} block_v={tiles.block_v} num_warps={tiles.num_warps}: kernel "
+            f"{seconds * 1e6:.1f} us ({traffic / seconds / 1e12:.2f} TB/s)"
+        )
+    best = min(kernel_s, key=kernel_s.get)
+    print(
+        f"decode-fused B={batch}: layer step separate {layer_s['separate'] * 1e6:.1f} us, fused "
+        f"{layer_s['fused'] * 1e6:.1f} us; recurrence kernel alone {step_s * 1e6:.1f} us; fused vs separate: "
+        f"y {err_y:.1e}, state {err_s:.1e}"
+    )
+    share = traffic / kernel_s[best] / copy_bytes_per_s
+    label = f"({best.block_v}, {best.num_warps})"
+    return batch, layer_s["separate"], layer_s["fused"], step_s, kernel_s[best], label, share, err_y
+
+
+def print_decode_fused_table(rows) -> None:
+    print(
+        "\n| B | layer step, separate | layer step, fused | separate / fused | recurrence kernel alone "
+        "| fused kernel alone (block_v, warps) | fused kernel % of copy | rel. err y |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    for batch, separate_s, fused_s, step_s, kernel_s, label, share, err in rows:
+        print(
+            f"| {batch} | {separate_s * 1e6:.1f} us | {fused_s * 1e6:.1f} us | {separate_s / fused_s:.2f}x | "
+            f"{step_s * 1e6:.1f} us | {kernel_s * 1e6:.1f} us {label} | {100 * share:.0f}% | {err:.1e} |"
+        )
 
 
 # the tuned tables' settings on this device (`pallas_kernels/kda/tuned.py`, `experimental.kda_fused`)
@@ -335,11 +474,19 @@ def main(argv=None) -> int:
         help="prefill: time only this chunk_kda variant's rows (repeatable; default all)",
     )
     parser.add_argument(
+        "--decode-fused",
+        action="store_true",
+        help="only a KDA layer's decode step: separate ops vs the fused kernel (no fla needed)",
+    )
+    parser.add_argument("--preset", default="ling-3.0-flash", help="--decode-fused: the preset whose KDA layer runs")
+    parser.add_argument(
         "--jnp-baseline",
         action="store_true",
         help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)",
     )
     args = parser.parse_args(argv)
+    if args.decode_fused:
+        return decode_fused_main(parser, args)
     if jax.default_backend() != "gpu":
         if not args.quick or args.decode_only:
             parser.error(
@@ -370,6 +517,25 @@ def main(argv=None) -> int:
             f"| {op} | {batch} | {length} | {ours_s * scale:.1f} {unit} | {fla_s * scale:.1f} {unit} | "
             f"{fla_s / ours_s:.2f}x | {share} | {err:.1e} |"
         )
+    return 0
+
+
+def decode_fused_main(parser, args) -> int:
+    if jax.default_backend() == "gpu":
+        config, backend, steps_per_call = preset(args.preset), "pallas_gpu", STEPS_PER_CALL
+        batches, tiles = FUSED_DECODE_BATCHES["quick" if args.quick else "full"], FUSED_DECODE_TILES
+        copy = copy_bandwidth(args.iters)
+        print(f"jax {jax.__version__}; {args.preset}'s KDA layer; device copy {copy / 1e12:.2f} TB/s (read + write)")
+    elif args.quick:
+        config, backend, steps_per_call = preset("tiny"), "interpret_gpu", 1
+        batches, tiles, copy = FUSED_DECODE_BATCHES["cpu"], FUSED_DECODE_TILES[:1], float("nan")
+        print(f"jax {jax.__version__}; no GPU: the tiny preset's KDA layer, interpreted (times meaningless)")
+    else:
+        parser.error(f"--decode-fused needs a GPU (jax.default_backend() is {jax.default_backend()!r}) or --quick")
+    iters = 1 if backend == "interpret_gpu" else args.iters
+    print_decode_fused_table(
+        [bench_decode_fused(config, b, iters, copy, backend, tiles, steps_per_call) for b in batches]
+    )
     return 0
 
 

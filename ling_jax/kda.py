@@ -21,10 +21,10 @@ from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.context import TokenContext
 from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, param, params_of
-from ling_jax.policy import ExecutionPolicy, KDAMode, as_policy, op_backend
+from ling_jax.policy import ExecutionPolicy, KDADecode, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
-from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
-from pallas_kernels.kda.reference import kda_recurrent
+from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
+from pallas_kernels.kda.reference import DecodeWeights, kda_log_decay, kda_recurrent
 
 CHUNKED = KDAMode.CHUNKED
 RECURRENT = KDAMode.RECURRENT
@@ -37,6 +37,8 @@ _BTH = ("activation_batch", None, "heads")
 _BHD = ("activation_batch", "heads", None)
 _BH = ("activation_batch", "heads")
 _BHKV = ("activation_batch", "heads", None, None)
+_WINDOW = ("activation_batch", None, None, "heads", None)  # the conv window [B, K-1, 3, H, d]
+_HDK = ("heads", None, None)  # a conv weight [H, d, K]; its first two axes: dt_bias [H, d]; its first: A_log [H]
 
 
 def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
@@ -80,13 +82,9 @@ def _gate_inputs(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionP
 
 def log_decay(weights: Weights, f_BTC, cfg: LingConfig) -> jax.Array:
     """g [B, T, H, d] fp32: the safe gate lower_bound * sigmoid(A a) or -A softplus(a), a = f + dt_bias."""
-    c = cfg
-    a = f_BTC.astype(jnp.float32) + weights["dt_bias"]
-    a = a.reshape(*a.shape[:2], c.num_attention_heads, c.head_dim)
-    decay_rate = jnp.exp(weights["A_log"])[:, None]
-    if c.kda_safe_gate:
-        return c.kda_lower_bound * jax.nn.sigmoid(decay_rate * a)
-    return -decay_rate * jax.nn.softplus(a)
+    heads, head_dim = cfg.num_attention_heads, cfg.head_dim
+    f_BTHD = f_BTC.reshape(*f_BTC.shape[:2], heads, head_dim)
+    return kda_log_decay(f_BTHD, weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], gate_lower_bound(cfg))
 
 
 def gate_lower_bound(cfg: LingConfig) -> float | None:
@@ -136,6 +134,8 @@ def _kda(
     c = config
     mode = policy.kda_mode
     batch, length, _ = x_BTD.shape
+    if mode == RECURRENT and length == 1 and policy.kda_decode == KDADecode.FUSED:
+        return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     mixed = jnp.concatenate([linear(weights[name], x_BTD, policy) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
     conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
@@ -179,6 +179,43 @@ def _kda(
     o = gated_rms_norm(weights["o_norm"], o, r.reshape(batch, length, heads, head_dim), c.rms_norm_eps)
     y = linear(weights["dense"], o.reshape(batch, length, width), policy)
     return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
+
+
+def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, mask_BT, config: LingConfig, policy: ExecutionPolicy):
+    """`_kda` for one token per sequence in recurrent mode, everything between the projections in one op
+    (`pallas_kernels.kda.kda_decode_fused`: one kernel on a GPU), as `ExecutionPolicy(kda_decode="fused")` asks."""
+    c = config
+    batch, heads, head_dim = x_BTD.shape[0], c.num_attention_heads, c.head_dim
+
+    def per_head(t):
+        return t.reshape(batch, heads, head_dim)
+
+    q, k, v = (per_head(linear(weights[name], x_BTD, policy)) for name in ("q_proj", "k_proj", "v_proj"))
+    f, r = _gate_inputs(weights, x_BTD, c, policy)
+    b = linear(weights["b_proj"], x_BTD, policy)[:, 0]
+    window = state.conv_window.reshape(batch, c.short_conv_kernel_size - 1, 3, heads, head_dim)
+    conv = [weights[name].reshape(heads, head_dim, -1) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
+    layer = (*conv, weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], weights["o_norm"]["weight"])
+
+    real_B = jnp.ones(batch, bool) if mask_BT is None else mask_BT[:, 0]
+
+    def fused(*arrays):
+        return kda_decode_fused(
+            *arrays[:8],
+            DecodeWeights(*arrays[8:14]),
+            real_B=arrays[14],
+            lower_bound=gate_lower_bound(c),
+            eps=c.rms_norm_eps,
+            backend=op_backend(policy),
+        )
+
+    o, window, recurrent = per_shard(
+        fused,
+        in_axes=(_BHD,) * 4 + (_BH, _BHD, _WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None, _BH[:1]),
+        out_axes=(_BHD, _WINDOW, _BHKV),
+    )(q, k, v, per_head(f), b, per_head(r), window, state.recurrent_state, *layer, real_B)
+    y = linear(weights["dense"], o.reshape(batch, 1, c.kda_dim), policy)
+    return y, KDAState(conv_window=window.reshape(state.conv_window.shape), recurrent_state=recurrent)
 
 
 class KimiDeltaAttention(nnx.Module):

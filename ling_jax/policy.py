@@ -1,7 +1,7 @@
 """How a model runs, as opposed to what it computes: the execution policy, one frozen object built once.
 
-`ExecutionPolicy` holds the kernel backend, the KDA and MLA modes, the MoE exchange and capacity and how block-FP8
-linears multiply. Every field
+`ExecutionPolicy` holds the kernel backend, the KDA and MLA modes (and whether the KDA decode step is fused), the
+MoE exchange and capacity and how block-FP8 linears multiply. Every field
 is an enum (or a checked number), so a misspelt value fails when the policy is built, naming the field and the
 valid values, instead of deep inside a traced call. Strings are accepted and converted: `"reference"` and
 `KernelBackend.REFERENCE` are the same value (the enums are `StrEnum`s). The models, the checkpoint loaders and
@@ -27,6 +27,7 @@ from pallas_kernels.backend import FP8Matmul, KernelBackend
 __all__ = [
     "ExecutionPolicy",
     "FP8Matmul",
+    "KDADecode",
     "KDAMode",
     "KernelBackend",
     "MLAMode",
@@ -40,6 +41,13 @@ class KDAMode(enum.StrEnum):
     CHUNKED = "chunked"
     RECURRENT = "recurrent"
     STEPS = "steps"  # recurrent, keeping the state after every token (speculative-decoding verification)
+
+
+class KDADecode(enum.StrEnum):
+    """How a recurrent KDA layer's one-token step runs between its projections."""
+
+    SEPARATE = "separate"  # the convs, gates and norm as XLA ops around the recurrence kernel (`kda_decode_step`)
+    FUSED = "fused"  # one op, one kernel on a GPU (`pallas_kernels.kda.kda_decode_fused`; the reference elsewhere)
 
 
 class MLAMode(enum.StrEnum):
@@ -73,6 +81,7 @@ class ExecutionPolicy:
     moe_exchange: MoEExchange = MoEExchange.AUTO
     moe_capacity_factor: float | None = None  # None: dropless; a number caps each device's rows per source
     fp8_matmul: FP8Matmul = FP8Matmul.AUTO
+    kda_decode: KDADecode = KDADecode.SEPARATE
 
     def __post_init__(self):
         converted = {
@@ -81,6 +90,7 @@ class ExecutionPolicy:
             "mla_mode": _member(MLAMode, self.mla_mode, "mla_mode", optional=True),
             "moe_exchange": _member(MoEExchange, self.moe_exchange, "moe_exchange"),
             "fp8_matmul": _member(FP8Matmul, self.fp8_matmul, "fp8_matmul"),
+            "kda_decode": _member(KDADecode, self.kda_decode, "kda_decode"),
         }
         for field, value in converted.items():
             object.__setattr__(self, field, value)

@@ -1,4 +1,12 @@
-from pallas_kernels.kda.ops import chunk_kda, kda_decode_step
-from pallas_kernels.kda.reference import kda_chunked, kda_recurrent, l2_normalize
+from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
+from pallas_kernels.kda.reference import DecodeWeights, kda_chunked, kda_recurrent, l2_normalize
 
-__all__ = ["chunk_kda", "kda_chunked", "kda_decode_step", "kda_recurrent", "l2_normalize"]
+__all__ = [
+    "DecodeWeights",
+    "chunk_kda",
+    "kda_chunked",
+    "kda_decode_fused",
+    "kda_decode_step",
+    "kda_recurrent",
+    "l2_normalize",
+]

@@ -1,4 +1,5 @@
-"""KDA entry points: `chunk_kda` (a whole sequence) and `kda_decode_step` (one token), each over its variants.
+"""KDA entry points: `chunk_kda` (a whole sequence), `kda_decode_step` (one token) and `kda_decode_fused` (one token
+from the projections to the gated norm: convs, gates, step, norm), each over its variants.
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, the backend's platform picks:
@@ -16,8 +17,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
+from pallas_kernels.kda import reference
 from pallas_kernels.kda.chunk_math import GATE_FLOOR
-from pallas_kernels.kda.gpu_triton import chunk_kda_gpu, chunk_kda_gpu_any_gate, kda_decode_step_gpu
+from pallas_kernels.kda.gpu_triton import (
+    chunk_kda_gpu,
+    chunk_kda_gpu_any_gate,
+    kda_decode_fused_gpu,
+    kda_decode_step_gpu,
+)
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
 from pallas_kernels.variants import REFERENCE, Variant
@@ -62,13 +69,18 @@ VARIANTS = {
         "gpu_triton": Variant("gpu", kda_decode_step_gpu),
         "tpu_mosaic": Variant("tpu", kda_decode_step_tpu),
     },
+    "kda_decode_fused": {
+        REFERENCE: Variant(None, reference.kda_decode_fused),
+        "gpu_triton": Variant("gpu", kda_decode_fused_gpu),
+    },
 }
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
+_FUSED = {"gpu": "gpu_triton"}  # each platform's fused decode kernel (none on a TPU)
 _ANY_GATE = {"gpu": "gpu_triton_any_gate", "tpu": "tpu_mosaic_any_gate"}  # each platform's prefill for any gate
 
 
 def kernel(op: str, name: str):
-    """The entry point of variant `name` of `op` ("chunk_kda" or "kda_decode_step")."""
+    """The entry point of variant `name` of `op` ("chunk_kda", "kda_decode_step" or "kda_decode_fused")."""
     return variants.lookup(VARIANTS, op, name).kernel
 
 
@@ -101,6 +113,43 @@ def kda_decode_step(
     return kernel("kda_decode_step", name)(
         *args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=variants.interpreted(backend)
     )
+
+
+def kda_decode_fused(
+    q_BHK,
+    k_BHK,
+    v_BHV,
+    f_BHK,
+    b_BH,
+    gate_BHV,
+    conv_window_BW3HK,
+    state_BHKV,
+    weights: reference.DecodeWeights,
+    *,
+    real_B=None,
+    scale=None,
+    lower_bound: float | None,
+    eps: float,
+    backend: str = "auto",
+    variant: str | None = None,
+):
+    """A KDA layer's decode step from its projections to its gated output norm, one token per sequence: (o
+    [B, H, V] in v's dtype, new conv window [B, T-1, 3, H, K], new state [B, H, K, V] fp32); the arrays and
+    keywords are `reference.kda_decode_fused`'s (real_B: the padding mask, None for none; lower_bound: the safe
+    gate's bound, None for -A softplus).
+
+    One kernel on a GPU ("gpu_triton", the state updated in place when the caller donates it); the reference
+    elsewhere, a TPU included (it has no fused kernel: `kda_decode_step` runs its recurrence kernel).
+    backend, variant: as for `kda_decode_step` (variant: a name of VARIANTS["kda_decode_fused"]).
+    """
+    backend = resolve_backend(backend)
+    name = variants.pick(VARIANTS, "kda_decode_fused", variant, backend, variants.by_platform(backend, _FUSED))
+    scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
+    args = (q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV, weights)
+    keywords = dict(real_B=real_B, scale=scale, lower_bound=lower_bound, eps=eps)
+    if name == REFERENCE:
+        return reference.kda_decode_fused(*args, **keywords)
+    return kernel("kda_decode_fused", name)(*args, **keywords, interpret=variants.interpreted(backend))
 
 
 def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: str | None = None) -> str:

@@ -7,8 +7,12 @@ A token with g = 0 and beta = 0 leaves the state unchanged, which is how padding
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.norm.reference import rms_normalize
 
 L2_EPS = 1e-6
 
@@ -152,3 +156,78 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2no
     o = jnp.moveaxis(o_NBHCV, 0, 1)  # [B, N, H, C, V]
     o = jnp.moveaxis(o, 2, 3).reshape(batch, num_chunks * chunk_size, heads, -1)[:, :length]
     return o.astype(out_dtype), state
+
+
+def kda_log_decay(f_BHK, dt_bias_HK, a_log_H, lower_bound: float | None) -> jax.Array:
+    """g fp32 from the forget gate's pre-activation f [..., H, K]: the safe gate lower_bound * sigmoid(e^A_log a),
+    or -e^A_log softplus(a) for lower_bound None, a = f + dt_bias."""
+    a = f_BHK.astype(jnp.float32) + dt_bias_HK
+    decay_rate_H1 = jnp.exp(a_log_H)[:, None]
+    if lower_bound is not None:
+        return lower_bound * jax.nn.sigmoid(decay_rate_H1 * a)
+    return -decay_rate_H1 * jax.nn.softplus(a)
+
+
+def gated_output_norm(o, gate, weight, eps: float) -> jax.Array:
+    """KDA's output norm over the last axis: (o / rms(o)) * weight * sigmoid(gate), in fp32, cast to o's dtype."""
+    normed = rms_normalize(o.astype(jnp.float32), eps) * weight.astype(jnp.float32)
+    return (normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeWeights:
+    """The weights of a KDA layer that its fused decode step reads (`kda_decode_fused`): the short convs' [H, K, T]
+    (q, k, v), the forget gate's dt_bias [H, K] and A_log [H], the output norm's weight [V]."""
+
+    conv_q_HKT: jax.Array
+    conv_k_HKT: jax.Array
+    conv_v_HKT: jax.Array
+    dt_bias_HK: jax.Array
+    a_log_H: jax.Array
+    norm_weight_V: jax.Array
+
+
+def kda_decode_fused(
+    q_BHK,
+    k_BHK,
+    v_BHV,
+    f_BHK,
+    b_BH,
+    gate_BHV,
+    conv_window_BW3HK,
+    state_BHKV,
+    weights,
+    *,
+    real_B=None,
+    scale=None,
+    lower_bound,
+    eps,
+):
+    """A KDA layer's decode step between its projections, one token per sequence: (o [B, H, V] in v's dtype,
+    new conv window, new state [B, H, K, V] fp32).
+
+    q, k, v: the projections before the short convs (V == K); conv_window [B, T-1, 3, H, K]: the last T-1 of
+    them ([q; k; v], oldest first); f: the forget gate's pre-activation (g = `kda_log_decay`, lower_bound: the
+    safe gate's bound, None for -A softplus); b: beta's (beta = sigmoid(b)); gate: the output gate's
+    (`gated_output_norm` with eps); weights: `DecodeWeights`; real_B [B] bool: False for a pad token (None: all
+    real), whose convs give 0 and whose g and beta are 0, so that its o is 0 and its window and state stay as they
+    were; scale: of q (None: K^-1/2). Each short conv's output is SiLU'd and rounded to v's dtype, then q and k
+    are L2-normalised and the step runs as `kda_recurrent`, its output rounded to v's dtype before the norm: the
+    model's separate ops, in order, a padding mask included.
+    """
+    real_B = jnp.ones(q_BHK.shape[0], bool) if real_B is None else real_B
+    real_B11, real_B111 = real_B[:, None, None], real_B[:, None, None, None]
+    u_B3HK = jnp.stack([q_BHK, k_BHK, v_BHV], axis=1)
+    full_BT3HK = jnp.concatenate([conv_window_BW3HK.astype(u_B3HK.dtype), u_B3HK[:, None]], axis=1)
+    weight_3HKT = jnp.stack([weights.conv_q_HKT, weights.conv_k_HKT, weights.conv_v_HKT]).astype(jnp.float32)
+    taps = weight_3HKT.shape[-1]
+    conv_B3HK = sum(full_BT3HK[:, j].astype(jnp.float32) * weight_3HKT[..., j] for j in range(taps))
+    q, k, v = jnp.unstack(jnp.where(real_B111, jax.nn.silu(conv_B3HK), 0).astype(u_B3HK.dtype), axis=1)
+    g = jnp.where(real_B11, kda_log_decay(f_BHK, weights.dt_bias_HK, weights.a_log_H, lower_bound), 0.0)
+    beta = jnp.where(real_B[:, None], jax.nn.sigmoid(b_BH.astype(jnp.float32)), 0.0)
+    o, state = kda_recurrent(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale, initial_state=state_BHKV
+    )
+    new_window = jnp.where(real_B111[..., None], full_BT3HK[:, 1:], full_BT3HK[:, :-1]).astype(conv_window_BW3HK.dtype)
+    return gated_output_norm(o[:, 0], gate_BHV, weights.norm_weight_V, eps), new_window, state

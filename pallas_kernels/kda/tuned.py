@@ -81,6 +81,11 @@ DECODE_GPU = h200_and_default(
     "docs/benchmarks/kda.md#kda-decode-step-benchmarkskdapy---decode-only, B=64 row and 'Other B=64 tiles: "
     "(64, 4) 174.5, ...' (best of 5 tile variants at B >= 64; B=1 is faster with (16, 2) but launch-bound either way)",
 )
+DECODE_FUSED_GPU = h200_and_default(
+    DecodeGpuTiles(block_v=64, num_warps=4),
+    "not measured: DECODE_GPU's tile (a [K, 64] state slice, 4 warps), walked over V by one program a head "
+    "(benchmarks/kda.py --decode-fused times it)",
+)
 DECODE_TPU = {
     (ANY, ANY, ANY): Entry(
         DecodeTpuTiles(head_block=8), "not measured: 8 heads' [K, V] fp32 states (512 KiB at K = V = 128) in VMEM"

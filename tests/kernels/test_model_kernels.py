@@ -32,6 +32,7 @@ KERNELS = {  # named calls in each backend's program (and none of them in the re
     "interpret_gpu": {"chunk_kda_gpu", "kda_decode_step_gpu", "mla_prefill_segment", "mla_decode_gpu"},
     "interpret_tpu": {"kda_chunk_prefill", "kda_decode_step_tpu", "mla_decode_tpu"},
 }
+FUSED_KDA_DECODE = {"chunk_kda_gpu", "kda_decode_fused_gpu", "mla_prefill_segment", "mla_decode_gpu"}
 
 
 def prefill_then_steps(graph, params, ids, mask, decode_mla_mode):
@@ -46,21 +47,24 @@ def prefill_then_steps(graph, params, ids, mask, decode_mla_mode):
     return prefill.logits, prefill.cache, jnp.concatenate(steps, axis=1), cache
 
 
-@pytest.mark.parametrize("backend", ["interpret_gpu", "interpret_tpu"])
-def test_model_prefill_and_decode_with_kernels_equal_reference(backend):
-    """The kernels' decode (absorbed MLA, recurrent KDA step) is checked against the reference's expanded MLA
-    decode; the GPU backend's prefill goes through the MLA prefill kernel. The kernels' presence is checked in
-    the traced program."""
+@pytest.mark.parametrize(
+    "backend, kda_decode", [("interpret_gpu", "separate"), ("interpret_tpu", "separate"), ("interpret_gpu", "fused")]
+)
+def test_model_prefill_and_decode_with_kernels_equal_reference(backend, kda_decode):
+    """The kernels' decode (absorbed MLA, recurrent KDA step, or the KDA layer's fused decode step) is checked
+    against the reference's expanded MLA decode; the GPU backend's prefill goes through the MLA prefill kernel.
+    The kernels' presence is checked in the traced program."""
     config = LingConfig.from_dict(KERNEL_TINY)
     ids = jnp.asarray(np.random.default_rng(8).integers(2, config.vocab_size, (2, PREFILL + STEPS)))
     mask = jnp.asarray(np.r_[[[0, 0] + [1] * (PREFILL - 2)], [[1] * PREFILL]].astype(bool))  # row 0 left-padded
     results = {}
+    kernels = FUSED_KDA_DECODE if kda_decode == "fused" else KERNELS[backend]
     for name, mla_mode in ((backend, None), ("reference", EXPANDED)):
-        policy = ExecutionPolicy(kernel_backend=name)
+        policy = ExecutionPolicy(kernel_backend=name, kda_decode=kda_decode if name == backend else "separate")
         model = LingForCausalLM(config, rngs=nnx.Rngs(3), dtype=jnp.float32, policy=policy)
         traced = jax.jit(prefill_then_steps, static_argnums=(0, 4)).trace(*nnx.split(model), ids, mask, mla_mode)
         names = set(re.findall(r"name=(\w+)", str(traced.jaxpr)))
-        assert names & KERNELS[backend] == (KERNELS[backend] if name == backend else set()), name
+        assert names & (kernels | KERNELS[backend]) == (kernels if name == backend else set()), name
         results[name] = traced.lower().compile()(*nnx.split(model)[1:], ids, mask)
     for got, want in zip(jax.tree.leaves(results[backend]), jax.tree.leaves(results["reference"]), strict=True):
         assert rel_error(got, want) <= 1e-5

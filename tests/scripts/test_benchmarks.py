@@ -32,6 +32,7 @@ CPU_RUNS = {
         "| bf16 | n/a | 1 | 512 |",
     ),
     "kda": ("benchmarks.kda", ["--quick", "--variant", "gpu_triton"], "| prefill | 1 | 192 |"),
+    "kda --decode-fused": ("benchmarks.kda", ["--decode-fused", "--quick"], "| 3 | "),
     "convert": ("benchmarks.convert", ["--quick", "--dtypes", "fp8", "--workers", "1"], "| fp8 | 1 |"),
     "load_memory": ("benchmarks.load_memory", ["--quick", "--mesh", "expert=2"], "within the bound"),
 }

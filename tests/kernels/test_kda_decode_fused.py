@@ -1,0 +1,163 @@
+"""The fused KDA decode step (convs, gates, recurrence and gated norm in one GPU kernel, Pallas interpret mode on
+the CPU) vs its jnp reference, pad tokens included, and lowering for CUDA from the CPU; the KDA layer with a
+padding mask under `ExecutionPolicy(kda_decode="fused")` vs its separate ops (the whole model without one:
+test_model_kernels.py)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import gpu_test, lower_for_cuda, rel_error
+
+from ling_jax import ExecutionPolicy, KDAState, LingConfig
+from ling_jax.kda import KimiDeltaAttention
+from ling_jax.presets import TINY
+from pallas_kernels.kda import DecodeWeights, kda_decode_fused
+from pallas_kernels.kda.ops import kernel
+from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
+from pallas_kernels.kda.reference import kda_log_decay
+from pallas_kernels.kda.tuned import DecodeGpuTiles
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+EPS = 1e-6
+kda_decode_fused_gpu = kernel("kda_decode_fused", "gpu_triton")
+
+
+def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
+    """The fused op's arguments: pre-conv q/k/v, gate pre-activations f / b / output gate, conv window, state and
+    the weights (conv [H, d, taps], dt_bias, A_log in the model's init range, norm weight). gate_scale widens f:
+    with -A softplus(f) the log-decays then reach far below the safe gate's bound of -5."""
+    r = np.random.default_rng(seed)
+
+    def normal(*shape, scale=1.0, to=dtype):
+        return jnp.asarray(scale * r.normal(size=shape), jnp.float32).astype(to)
+
+    arrays = (
+        normal(batch, heads, dim),
+        normal(batch, heads, dim),
+        normal(batch, heads, dim),
+        normal(batch, heads, dim, scale=gate_scale),
+        normal(batch, heads),
+        normal(batch, heads, dim),
+        normal(batch, taps - 1, 3, heads, dim),
+        normal(batch, heads, dim, dim, to=jnp.float32),
+    )
+    weights = DecodeWeights(
+        normal(heads, dim, taps, scale=0.5, to=jnp.float32),
+        normal(heads, dim, taps, scale=0.5, to=jnp.float32),
+        normal(heads, dim, taps, scale=0.5, to=jnp.float32),
+        normal(heads, dim, scale=0.1, to=jnp.float32),
+        jnp.log(jnp.asarray(r.uniform(1.0, 16.0, heads), jnp.float32)),
+        1.0 + normal(dim, scale=0.1),
+    )
+    return (*arrays, weights)
+
+
+def assert_matches_reference(step, arrays, dtype, lower_bound, real_B=None):
+    """step(*arrays, real_B=) -> (o, window, state) against the jnp reference (run first: the kernels donate the
+    state)."""
+    scale = arrays[0].shape[-1] ** -0.5
+    want = fused_reference(*arrays, real_B=real_B, scale=scale, lower_bound=lower_bound, eps=EPS)
+    got = step(*arrays, real_B=real_B)
+    assert [x.dtype for x in got] == [dtype, dtype, jnp.float32]
+    o, window, state = got
+    assert rel_error(o, want[0]) <= TOL[dtype], rel_error(o, want[0])
+    np.testing.assert_array_equal(np.asarray(window, np.float32), np.asarray(want[1], np.float32))
+    assert rel_error(state, want[2]) <= 1e-5, rel_error(state, want[2])
+
+
+GATES = {  # lower_bound, gate_scale: the safe gate near its bound; -A softplus(f), log-decays far below -5
+    "safe_gate": (-5.0, 1.0),
+    "unbounded_gate": (None, 4.0),
+}
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(3, 5, 16, 4), (2, 3, 32, 3)], ids=["B3_H5_d16_taps4", "B2_H3_d32_taps3"])
+def test_kernel_matches_reference(gate, dtype, shape):
+    lower_bound, gate_scale = GATES[gate]
+    arrays = random_step(*shape, dtype, gate_scale=gate_scale, seed=sum(shape))
+    g = kda_log_decay(arrays[3], arrays[-1].dt_bias_HK, arrays[-1].a_log_H, lower_bound)
+    assert float(g.min()) < (-4.0 if lower_bound else -20.0)  # at the safe bound; far below it
+    step = functools.partial(kda_decode_fused, lower_bound=lower_bound, eps=EPS, backend="interpret_gpu")
+    assert_matches_reference(step, arrays, dtype, lower_bound)
+
+
+@pytest.mark.parametrize("tiles", [DecodeGpuTiles(block_v=8, num_warps=2), DecodeGpuTiles(block_v=32, num_warps=8)])
+def test_kernel_tiles_and_pad_tokens_match_reference(tiles):
+    """A program walking its state 8 columns at a time (4 steps) and one taking all of V at once; the second
+    sequence's token is a pad."""
+    arrays = random_step(2, 3, 32, 4, jnp.bfloat16, seed=5)
+    step = functools.partial(
+        kda_decode_fused_gpu, scale=32**-0.5, lower_bound=-5.0, eps=EPS, tiles=tiles, interpret=True
+    )
+    assert_matches_reference(step, arrays, jnp.bfloat16, -5.0, real_B=jnp.asarray([True, False]))
+
+
+def test_pad_tokens_give_zero_and_keep_window_and_state():
+    *arrays, weights = random_step(2, 3, 16, 4, jnp.float32, seed=1)
+    o, window, state = fused_reference(*arrays, weights, real_B=jnp.asarray([False, True]), lower_bound=-5.0, eps=EPS)
+    assert not np.asarray(o[0]).any() and np.asarray(o[1]).any()
+    np.testing.assert_array_equal(window[0], arrays[6][0])
+    np.testing.assert_array_equal(state[0], arrays[7][0])
+    np.testing.assert_array_equal(window[1, :-1], arrays[6][1, 1:])
+
+
+def test_masked_layer_step_fused_equals_separate_ops():
+    """The KDA layer's one-token step with a padding mask under ExecutionPolicy(kda_decode="fused"), the kernel in
+    interpret mode, equals its separate ops on the reference path: output, conv window and state, from a state a
+    prefill left. The traced step holds the fused kernel and not the recurrence kernel. (Without a mask:
+    test_model_kernels.py, the whole model.)"""
+    config = LingConfig.from_dict(TINY)
+    layer = KimiDeltaAttention(config, dtype=jnp.float32, rngs=nnx.Rngs(4))
+    r = np.random.default_rng(6)
+    prompt, token = (jnp.asarray(r.normal(size=(3, n, config.hidden_size)), jnp.float32) for n in (7, 1))
+    mask = jnp.asarray([[True], [False], [True]])
+    reference = ExecutionPolicy(kernel_backend="reference")
+    _, state = layer(prompt, KDAState.zeros(config, 3, jnp.float32), policy=reference)
+    fused = ExecutionPolicy(kernel_backend="interpret_gpu", kda_decode="fused")
+    traced = jax.jit(lambda x, s, m: layer(x, s, m, policy=fused)).trace(token, state, mask)
+    names = set(re.findall(r"name=(\w+)", str(traced.jaxpr)))
+    assert "kda_decode_fused_gpu" in names and "kda_decode_step_gpu" not in names
+    got = traced.lower().compile()(token, state, mask)
+    want = layer(token, state, mask, policy=reference)
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _abstract_step(batch, heads=64, dim=128, taps=4):
+    shape, bf16, fp32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    rows = [shape((batch, heads, dim), bf16)] * 4 + [shape((batch, heads), bf16), shape((batch, heads, dim), bf16)]
+    conv = [shape((heads, dim, taps), fp32)] * 3
+    weights = DecodeWeights(*conv, shape((heads, dim), fp32), shape((heads,), fp32), shape((dim,), bf16))
+    window = shape((batch, taps - 1, 3, heads, dim), bf16)
+    return rows + [window, shape((batch, heads, dim, dim), fp32), weights]
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
+def test_kernel_lowers_for_cuda(lower_bound):
+    step = functools.partial(kda_decode_fused_gpu, scale=128**-0.5, lower_bound=lower_bound, eps=EPS)
+    lowered = lower_for_cuda(step, *_abstract_step(batch=64))
+    assert "kda_decode_fused" in lowered.as_text()
+
+
+@gpu_test("the compiled Triton kernel")
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
+def test_compiled_kernel_full_size(batch, lower_bound):
+    arrays = random_step(batch, 64, 128, 4, jnp.bfloat16, gate_scale=1.0 if lower_bound else 4.0, seed=batch)
+    step = functools.partial(kda_decode_fused, lower_bound=lower_bound, eps=EPS, backend="pallas_gpu")
+    assert_matches_reference(step, arrays, jnp.bfloat16, lower_bound, real_B=jnp.arange(batch) % 5 != 3)
+
+
+def test_policy_names_a_misspelt_mode():
+    with pytest.raises(ValueError, match=r"ExecutionPolicy.kda_decode: 'fuse' is not one of 'separate', 'fused'"):
+        ExecutionPolicy(kda_decode="fuse")
