@@ -78,10 +78,18 @@ GATES = {  # lower_bound, gate_scale: the safe gate near its bound; -A softplus(
 }
 
 
-@pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(3, 5, 16, 4), (2, 3, 32, 3)], ids=["B3_H5_d16_taps4", "B2_H3_d32_taps3"])
-def test_kernel_matches_reference(gate, dtype, shape):
+SHAPES = {"B3_H5_d16_taps4": (3, 5, 16, 4), "B2_H3_d32_taps3": (2, 3, 32, 3)}
+CASES = [  # each shape, dtype and gate twice, each pair of them once (a compile per case in interpret mode)
+    ("B3_H5_d16_taps4", jnp.float32, "safe_gate"),
+    ("B2_H3_d32_taps3", jnp.bfloat16, "safe_gate"),
+    ("B3_H5_d16_taps4", jnp.bfloat16, "unbounded_gate"),
+    ("B2_H3_d32_taps3", jnp.float32, "unbounded_gate"),
+]
+
+
+@pytest.mark.parametrize("shape_name, dtype, gate", CASES, ids=[f"{s}-{jnp.dtype(d).name}-{g}" for s, d, g in CASES])
+def test_kernel_matches_reference(shape_name, dtype, gate):
+    shape = SHAPES[shape_name]
     lower_bound, gate_scale = GATES[gate]
     arrays = random_step(*shape, dtype, gate_scale=gate_scale, seed=sum(shape))
     g = kda_log_decay(arrays[3], arrays[-1].dt_bias_HK, arrays[-1].a_log_H, lower_bound)
