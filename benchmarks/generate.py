@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -36,6 +37,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
+from ling_jax import xla_flags  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
@@ -138,6 +140,7 @@ def main(argv=None) -> int:
         "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"
     )
     args = parser.parse_args(argv)
+    xla_flags.set_gpu_flags()  # as generate.py and ling-serve run (LING_JAX_XLA_FLAGS=0: XLA's own defaults)
     formats = args.weights.split(",")
     if not formats or set(formats) - {BF16, STORED}:
         parser.error(f"--weights: expected bf16 and/or stored, comma-separated, got {args.weights!r}")
@@ -148,7 +151,8 @@ def main(argv=None) -> int:
     context = 512 if args.quick else args.context
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
-        f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts",
+        f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts; "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         flush=True,
     )
     copy = copy_bandwidth(2, nbytes=1 << 20) if args.quick else copy_bandwidth(10)

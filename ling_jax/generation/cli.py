@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import jax
 import jinja2
 
-from ling_jax import distributed
+from ling_jax import distributed, xla_flags
 from ling_jax.checkpoints.hf import load_hf_checkpoint
 from ling_jax.checkpoints.orbax import load_checkpoint
 from ling_jax.config import LingConfig
@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    xla_flags.set_gpu_flags()
     cached = cli_runtime.enable_compile_cache(args.no_compile_cache) is not None
     with cli_runtime.CompileNotice(cached) as notice:
         try:
