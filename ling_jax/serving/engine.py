@@ -39,6 +39,10 @@ MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]:
 decoding gives, greedy or sampled. A prefix-cache snapshot then also holds the block's MTP entries and the
 carry, so a resumed request drafts as a cold one does.
 
+A VL model's request with images (`media_prefill`) gets its prompt's embeddings with the vision tower's output
+merged in and its (t, h, w) mRoPE positions, cut into its chunks, which `prefill` runs one row at a time; its
+slot then decodes at cache length + the slot's position offset (`position_offsets_B`, zero for text prompts).
+
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
 request's tokens depend on its own seed and position only, never on the other slots.
 """

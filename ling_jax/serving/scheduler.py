@@ -24,6 +24,11 @@ raises `QueueFull` once `max_queue` requests wait beyond the free slots.
 A request whose sampling asks for logprobs gets each token's (`TokenLogprob`) on the delta that carries the token;
 one with `prompt_logprobs` first gets a delta with its prompt's (`Engine.prompt_logprobs`, computed when it is
 admitted). A request of `max_tokens` 0 gets only that delta (its last, finish `length`) and never takes a slot.
+
+A request with images (`media`, a VL model) runs them through the vision tower when it is admitted
+(`Engine.media_prefill`: its chunks' merged embeddings and mRoPE positions, and its slot's decode offset); each of
+its chunks is a prefill step of its own, and it neither reads nor writes the prefix cache (its ids do not tell
+which image its pad tokens stand for).
 """
 
 from __future__ import annotations
