@@ -33,6 +33,7 @@ from vl_checkpoint import write_byte_tokenizer, write_text_checkpoint, write_vl_
 
 from ling_jax import load_model_config  # noqa: E402
 from ling_jax.generation.cli import main as generate_main  # noqa: E402
+from ling_jax.serving.cli import main as serve_main  # noqa: E402
 from ling_jax.serving.media import MediaReader  # noqa: E402
 from ling_jax.serving.schemas import APIError  # noqa: E402
 
@@ -77,11 +78,13 @@ def server(root):
 
 @pytest.fixture(scope="module")
 def references(server, root):
-    """generate.py --chat --image's greedy completion of QUESTION for each image (run while the server starts)."""
+    """generate.py --chat --image's greedy completion of QUESTION for each image, and --chat's without one (run
+    while the server starts)."""
     found = {}
-    for name in ("cat.png", "dog.jpg"):
-        argv = ["--model", str(root / "vl"), "--chat", "--image", str(root / "images" / name), "--temperature", "0"]
-        argv += ["--max-new-tokens", str(MAX_TOKENS), "--prefill-chunk", str(CHUNK), "--json", QUESTION]
+    for name in ("cat.png", "dog.jpg", None):  # None: the question alone
+        argv = ["--model", str(root / "vl"), "--chat", "--temperature", "0", "--max-new-tokens", str(MAX_TOKENS)]
+        argv += ["--prefill-chunk", str(CHUNK), "--json", QUESTION]
+        argv += [] if name is None else ["--image", str(root / "images" / name)]
         with contextlib.redirect_stdout(io.StringIO()) as out:
             assert generate_main(argv) == 0
         found[name] = json.loads(out.getvalue())
@@ -129,12 +132,18 @@ def test_the_docs_example_equals_generate_with_the_image(client, root, reference
 
 
 def test_two_images_in_one_batch_each_equal_their_own(client, root, references):
-    """A PNG (whole reply) and a JPEG (streamed) at once: decoded together, each is its image's completion."""
+    """A PNG (whole reply), a JPEG (streamed) and the question without an image at once: decoded together, each is
+    its own completion."""
     cat, dog = (_data_url(root / "images" / name) for name in ("cat.png", "dog.jpg"))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    text_only = [{"role": "user", "content": QUESTION}]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
         whole = pool.submit(_ask, client, cat)
         streamed = pool.submit(_streamed, client, dog)
+        text = pool.submit(
+            client.chat.completions.create, model=MODEL, messages=text_only, max_tokens=MAX_TOKENS, temperature=0
+        )
         reply, (dog_text, dog_tokens) = whole.result(), streamed.result()
+    assert text.result().choices[0].message.content == references[None]["completion"]
     assert (reply.choices[0].message.content, reply.usage.completion_tokens) == (
         references["cat.png"]["completion"],
         references["cat.png"]["completion_tokens"],
@@ -173,3 +182,21 @@ def test_local_files_need_the_flag(root):
     for url in (str(root / "images" / "cat.png"), (root / "images" / "cat.png").as_uri()):
         with pytest.raises(APIError, match="local files are refused: start ling-serve with --allowed-local-media-path"):
             reader.image(url, "messages.0.content.0.image_url.url")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mtp", "1"], "is a VL checkpoint, whose MTP layer is not wired up"),
+        (["--allowed-local-media-path", "/nonexistent"], "--allowed-local-media-path /nonexistent: not a directory"),
+    ],
+)
+def test_bad_media_flags_are_one_error_line(root, flags, message, capsys):
+    assert serve_main(["--model", str(root / "vl"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.endswith("\n") and err.count("\n") == 1 and message in err
+
+
+def test_a_text_model_takes_no_local_media_path(root, capsys):
+    assert serve_main(["--allowed-local-media-path", str(root / "images")]) == 2
+    assert "--allowed-local-media-path: --model" in capsys.readouterr().err
