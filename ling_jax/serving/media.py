@@ -62,9 +62,12 @@ class MediaReader:
         try:
             with Image.open(source) as image:
                 image.load()
-                return preprocess_image(image, self.processor)
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
+        except (OSError, Image.DecompressionBombError) as e:
             raise _refused(where, f"not an image Pillow can read ({e})") from e
+        try:
+            return preprocess_image(image, self.processor)
+        except ValueError as e:  # an aspect ratio the processor refuses
+            raise _refused(where, str(e)) from e
 
     def _source(self, url: str, where: str) -> io.BytesIO | Path:
         if url.startswith("data:"):

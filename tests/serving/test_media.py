@@ -109,6 +109,13 @@ def _data_url(path) -> str:
     return f"data:image/{kind};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
+def _png_url(height: int, width: int) -> str:
+    """A grey PNG of height x width pixels as a data: URL."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (128, 128, 128)).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
 def _ask(client, url: str, **kwargs):
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
     return client.chat.completions.create(
@@ -166,6 +173,7 @@ def test_a_local_file_in_the_allowed_directory_equals_it_inline(client, root, re
         ("missing.png", "no such file"),
         ("data:image/png;base64,@@@", "not valid base64"),
         ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not an image Pillow can read"),
+        (_png_url(1, 250), "the aspect ratio must be below 200"),
     ],
 )
 def test_refused_urls_are_a_400_naming_the_part(client, url, message):
