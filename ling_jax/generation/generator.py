@@ -391,6 +391,28 @@ class MediaInputs:
     pixel_values_videos: np.ndarray | None = None
 
 
+def media_prefill_inputs(static, leaves, vl_config, ids_BT, mask_BT, media: MediaInputs):
+    """A VL batch's merged embeddings [B, T, D], (t, h, w) positions [B, T, 3] and per-row position offsets [B]
+    for its (padded) prompt ids and mask (host arrays); the model is `static.merge(leaves)`. Shared by
+    `Generator` and the server's engine."""
+    batch = ids_BT.shape[0]
+    image_grids = media.image_grids or ((),) * batch
+    video_grids = media.video_grids or ((),) * batch
+    positions, deltas = batch_mrope_positions(
+        ids_BT,
+        mask_BT,
+        image_grids,
+        video_grids,
+        image_token_id=vl_config.image_token_id,
+        video_token_id=vl_config.video_token_id,
+        spatial_merge_size=vl_config.vision.spatial_merge_size,
+    )
+    embeds = _media_embeddings(
+        static, leaves, jnp.asarray(ids_BT), media.pixel_values, image_grids, media.pixel_values_videos, video_grids
+    )
+    return embeds, jnp.asarray(positions, jnp.int32), jnp.asarray(deltas, jnp.int32)
+
+
 class Generator:
     """Generates continuations of token-id prompts with `model` (optionally sharded over `mesh`); a VL model
     also takes images and videos (`MediaInputs`)."""
@@ -469,32 +491,6 @@ class Generator:
             if grids and len(grids) != batch:
                 raise ValueError(f"{what} grids are given for {len(grids)} rows, there are {batch} prompts")
 
-    def _media_prefill_inputs(self, ids, mask, media: MediaInputs):
-        """Merged embeddings [B, T, D], (t, h, w) positions [B, T, 3] and per-row position offsets [B]."""
-        c = self.vl_config
-        batch = ids.shape[0]
-        image_grids = media.image_grids or ((),) * batch
-        video_grids = media.video_grids or ((),) * batch
-        positions, deltas = batch_mrope_positions(
-            ids,
-            mask,
-            image_grids,
-            video_grids,
-            image_token_id=c.image_token_id,
-            video_token_id=c.video_token_id,
-            spatial_merge_size=c.vision.spatial_merge_size,
-        )
-        embeds = _media_embeddings(
-            self.static,
-            self.leaves,
-            jnp.asarray(ids),
-            media.pixel_values,
-            image_grids,
-            media.pixel_values_videos,
-            video_grids,
-        )
-        return embeds, jnp.asarray(positions, jnp.int32), jnp.asarray(deltas, jnp.int32)
-
     def _generate(self, prompts, sampling, max_new_tokens, eos_ids, on_tokens, media, clock: CompileClock):
         batch = len(prompts)
         chunks = prefill_chunks(max(len(p) for p in prompts), self.prefill_chunk)
@@ -522,7 +518,8 @@ class Generator:
         start, compiled_before = time.perf_counter(), clock.seconds
         embeds = positions = offsets = None
         if media is not None:
-            embeds, positions, offsets = self._media_prefill_inputs(ids, mask, media)
+            inputs = media_prefill_inputs(self.static, self.leaves, self.vl_config, ids, mask, media)
+            embeds, positions, offsets = inputs
         offset = 0
         for length in chunks:
             part = slice(offset, offset + length)

@@ -24,8 +24,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ling_jax.generation.generator import MediaInputs
 from ling_jax.generation.tokenizer import Tokenizer
 from ling_jax.serving.chat import render_chat
+from ling_jax.serving.media import MediaReader, encode_with_images, split_images
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES, check_model, mount
 from ling_jax.serving.reasoning import THINK_START, ReasoningSplitter, marks_reasoning, split_reasoning
 from ling_jax.serving.scheduler import Delta, Finish, QueueFull, Request, Scheduler, TokenLogprob
@@ -57,6 +59,7 @@ class Service:
     max_context: int
     api_key: str | None = dataclasses.field(default=None, repr=False)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    media: MediaReader | None = None  # a VL model's image reader (None: a text model, image parts refused)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -68,6 +71,7 @@ class _Prepared:
     tools: ToolPlan = NO_TOOLS
     stops: tuple[str, ...] = ()  # stop strings beyond the request's (the chat template's end of turn)
     echo: str | None = None  # the prompt's text, which the completion's text starts with (`echo`)
+    media: MediaInputs | None = None  # the chat prompt's images
 
 
 def create_app(service: Service) -> FastAPI:
@@ -165,12 +169,13 @@ def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     _check_common(service, body, body.token_limit)
     plan = plan_tools(body.tools, body.tool_choice)
     template = service.tokenizer.chat_template
-    text = render_chat(service.tokenizer, body.messages, tools=plan.tools, template_kwargs=body.chat_template_kwargs)
-    prompt = service.tokenizer.encode(text + plan.prefill, add_special_tokens=False)
+    messages, images = split_images(body.messages, service.media)
+    text = render_chat(service.tokenizer, messages, tools=plan.tools, template_kwargs=body.chat_template_kwargs)
+    prompt, media = encode_with_images(service.tokenizer, text + plan.prefill, images, service.media)
     in_reasoning = marks_reasoning(template) and text.rstrip().endswith(THINK_START)
     turn_ends = (ROLE_END, service.tokenizer.special_tokens.get("eos_token"))
     stops = tuple(dict.fromkeys(s for s in turn_ends if s and template and s in template))
-    return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning, plan, stops)
+    return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning, plan, stops, media=media)
 
 
 async def _respond(service: Service, request: HTTPRequest, body, prepared: list[_Prepared], *, chat: bool) -> Response:
@@ -187,6 +192,7 @@ async def _respond(service: Service, request: HTTPRequest, body, prepared: list[
                 max_tokens=one.max_tokens,
                 stop=stop + one.stops,
                 prompt_logprobs=one.echo is not None and sampling.logprobs is not None,
+                media=one.media,
                 emit=functools.partial(_hand_back, loop, deltas, index),
             )
         )

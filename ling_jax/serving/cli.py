@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import uvicorn
 
@@ -24,6 +25,7 @@ from ling_jax.generation.generator import MIN_CHUNK
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.serving.api import Service, create_app
 from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes
+from ling_jax.serving.media import LOCAL_MEDIA_FLAG, MediaReader
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES
 from ling_jax.serving.prefix_cache import PrefixCache
@@ -100,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES}: 16 MiB)",
     )
+    parser.add_argument(
+        LOCAL_MEDIA_FLAG,
+        type=Path,
+        metavar="DIR",
+        help="a VL checkpoint's chat requests may name image files under DIR (file:// URLs or paths; default: "
+        "none, only data: URLs; nothing is ever fetched from the network)",
+    )
     return parser
 
 
@@ -142,8 +151,12 @@ def prepare(args: argparse.Namespace) -> Service:
     mesh = flags.build_mesh(args)
     source = cli_checks.checkpoint_source(args.model, "--model", byte_tokenizer=False)
     config = source.text_config
-    if source.vl_config is not None:
-        raise ValueError(f"--model {args.model}: a VL checkpoint; ling-serve serves text models")
+    local_dir = args.allowed_local_media_path
+    if source.vl_config is None and local_dir is not None:
+        raise ValueError(f"{LOCAL_MEDIA_FLAG}: --model {args.model} is a text model (it takes no images)")
+    if source.vl_config is not None and args.mtp:
+        raise ValueError(f"--mtp: --model {args.model} is a VL checkpoint, whose MTP layer is not wired up")
+    media = None if source.vl_config is None else MediaReader.for_checkpoint(args.model, source.vl_config, local_dir)
     if args.max_context > config.max_position_embeddings:
         raise ValueError(
             f"--max-context {args.max_context} exceeds the model's context of {config.max_position_embeddings} tokens"
@@ -198,6 +211,7 @@ def prepare(args: argparse.Namespace) -> Service:
         args.max_context,
         api_key=api_key(args),
         max_request_bytes=args.max_request_bytes,
+        media=media,
     )
 
 

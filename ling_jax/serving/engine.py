@@ -39,6 +39,10 @@ MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]:
 decoding gives, greedy or sampled. A prefix-cache snapshot then also holds the block's MTP entries and the
 carry, so a resumed request drafts as a cold one does.
 
+A VL model's request with images (`media_prefill`) gets its prompt's embeddings with the vision tower's output
+merged in and its (t, h, w) mRoPE positions, cut into its chunks, which `prefill` runs one row at a time; its
+slot then decodes at cache length + the slot's position offset (`position_offsets_B`, zero for text prompts).
+
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
 request's tokens depend on its own seed and position only, never on the other slots.
 """
@@ -60,9 +64,11 @@ from ling_jax.generation.generator import (
     MIN_CHUNK,
     DecodeState,
     Drafts,
+    MediaInputs,
     NewTokens,
     decode_step,
     first_token,
+    media_prefill_inputs,
     prefill_chunks,
     speculative_round,
 )
@@ -213,13 +219,23 @@ def _prefill_drafts(model, drafts: SlotDrafts, hidden_PCD, slots_P, ids_PC, mask
 
 
 @functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
-def _prefill(static, leaves, state: DecodeState, slots_P, ids_PC, mask_PC, fresh_P, last_P):
+def _prefill(
+    static, leaves, state: DecodeState, slots_P, ids_PC, mask_PC, fresh_P, last_P, embeds_PCD=None, positions_PC3=None
+):
     """One prompt chunk per row [P, C] into slots_P (rows whose slot is past the batch are padding: computed,
     never written): their caches, seen rows and (with MTP) MTP entries; -> (hidden [P, D] at each row's column
-    last_P, state)."""
+    last_P, state). embeds_PCD / positions_PC3: a VL prompt's merged embeddings and (t, h, w) positions (None
+    for text)."""
     model = static.merge(leaves)
     rows = _reset(_gather_rows(state.cache, slots_P), fresh_P)
-    hidden_PCD, rows = model.model(ids_PC, cache=rows, attention_mask=mask_PC, policy=model.policy)
+    hidden_PCD, rows = model.model(
+        ids_PC,
+        cache=rows,
+        attention_mask=mask_PC,
+        positions=positions_PC3,
+        policy=model.policy,
+        inputs_embeds=embeds_PCD,
+    )
     drafts = state.drafts
     if drafts is not None:
         drafts = _prefill_drafts(model, drafts, hidden_PCD, slots_P, ids_PC, mask_PC, fresh_P, last_P)
@@ -337,17 +353,18 @@ def _keep_idle_slots(before: DecodeState, stepped: DecodeState, active_R) -> Dec
 
 
 @functools.partial(jax.jit, static_argnames=("static", "num_drafts", "rows"), donate_argnames="state")
-def _step(static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R):
+def _step(static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R, offsets_R=None):
     """One decode step (num_drafts = 0: `decode_step`) or speculative round (`speculative_round`) of slots
     [0, rows) (the engine's bucket over its active slots); slots not active have no pages in it and keep their
-    state. -> (NewTokens over the R slots, meaningful where active; state)."""
+    state. offsets_R: a VL engine's per-slot mRoPE position offsets (None for a text model). -> (NewTokens over
+    the R slots, meaningful where active; state)."""
     model = static.merge(leaves)
     before = _first_slots(state, rows)
     stepping = before.replace(cache=_without_idle_pages(before.cache, active_R))
     if num_drafts:
         new, stepped = speculative_round(model, num_drafts, stepping, _first(arrays, rows), active_R)
     else:
-        new, stepped = decode_step(model, stepping, _first(arrays, rows))
+        new, stepped = decode_step(model, stepping, _first(arrays, rows), offsets_R)
     return new, _put_first_slots(state, _keep_idle_slots(before, stepped, active_R))
 
 
@@ -389,6 +406,7 @@ class Engine:
         if not 2 <= max_context <= limit:
             raise ValueError(f"--max-context must be in [2, {limit}] (the model's context), got {max_context}")
         self.config = model.config
+        self.vl_config = getattr(model, "vl_config", None)
         self.dtype = model.dtype
         self.max_batch = max_batch
         self.max_context = max_context
@@ -424,6 +442,8 @@ class Engine:
         )
         self._params = [GREEDY] * max_batch
         self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
+        # a VL model's decode positions: a token in cache slot s of slot b sits at s + offsets_B[b] (after images)
+        self.position_offsets_B = None if self.vl_config is None else np.zeros(max_batch, np.int32)
 
     def _place(self, state: DecodeState) -> DecodeState:
         """`state` committed where the programs keep it (one device; over the mesh, the caches in their shardings
@@ -477,14 +497,23 @@ class Engine:
         """How many prompts' chunks of `length` tokens one prefill step runs: the token budget's worth."""
         return max(1, min(self.max_batch, self.prefill_budget // length))
 
-    def prefill(self, slots: list[int], chunks: list[tuple[np.ndarray, np.ndarray]], fresh: list[bool]) -> jax.Array:
+    def prefill(
+        self,
+        slots: list[int],
+        chunks: list[tuple[np.ndarray, np.ndarray]],
+        fresh: list[bool],
+        media: tuple[jax.Array, jax.Array] | None = None,
+    ) -> jax.Array:
         """Run one chunk [C] (ids, mask: false on pads) of each slot's prompt, all of one length, as one step of
         `prefill_rows(C)` rows (unused rows are padding; one chunk alone runs as one row); fresh: the slot's
-        first chunk. -> hidden [P, D] at each row's last real token."""
+        first chunk; media: a lone VL chunk's embeddings and positions (`media_prefill`). -> hidden [P, D] at
+        each row's last real token."""
         length = len(chunks[0][0])
         rows = 1 if len(slots) == 1 else self.prefill_rows(length)  # a lone prompt runs alone: no padding rows
-        if len(slots) > rows or any(len(ids) != length for ids, _ in chunks):
-            raise ValueError(f"a prefill step takes up to {rows} chunks of one length, got {len(slots)}")
+        if len(slots) > rows or any(len(ids) != length for ids, _ in chunks) or (media is not None and len(slots) > 1):
+            raise ValueError(
+                f"a prefill step takes up to {rows} chunks of one length (with media, one), got {len(slots)}"
+            )
         pad = rows - len(slots)
         ids_PC = np.stack([ids for ids, _ in chunks] + [np.zeros(length, np.int32)] * pad)
         mask_PC = np.stack([mask for _, mask in chunks] + [np.ones(length, bool)] * pad)
@@ -497,8 +526,24 @@ class Engine:
             jnp.asarray(mask_PC, bool),
             jnp.asarray(list(fresh) + [True] * pad, bool),
             jnp.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], jnp.int32),
+            *(media or ()),
         )
         return hidden_PD
+
+    def media_prefill(
+        self, slot: int, chunks: list[tuple[np.ndarray, np.ndarray]], media: MediaInputs
+    ) -> list[tuple[jax.Array, jax.Array]]:
+        """A VL prompt's images through the vision tower: per chunk of its `prompt_chunks`, the merged embeddings
+        [1, C, D] and (t, h, w) positions [1, C, 3] that `prefill` takes with it; the slot decodes at the
+        positions after them."""
+        ids_1T = np.concatenate([ids for ids, _ in chunks])[None]
+        mask_1T = np.concatenate([mask for _, mask in chunks])[None]
+        embeds_1TD, positions_1T3, offsets_1 = media_prefill_inputs(
+            self.static, self.leaves, self.vl_config, ids_1T, mask_1T, media
+        )
+        self.position_offsets_B[slot] = int(offsets_1[0])
+        bounds = np.cumsum([0, *(len(ids) for ids, _ in chunks)])
+        return [(embeds_1TD[:, a:b], positions_1T3[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def assign(self, slot: int, shared: list[int], tokens: int) -> None:
         """Give `slot` the pages of `tokens` slots: `shared` (a cached prefix's pages, in order) first, then pages
@@ -590,6 +635,8 @@ class Engine:
         self.pages.release(int(p) for p in self.page_table_BN[slot] if p < self.pages.num_pages)
         self.page_table_BN[slot] = self.pages.num_pages
         self._table_changed = True
+        if self.position_offsets_B is not None:
+            self.position_offsets_B[slot] = 0
         if self._params[slot] is not GREEDY:
             self._params[slot] = GREEDY
             self._arrays = None
@@ -608,7 +655,10 @@ class Engine:
             self._arrays = SamplingArrays.from_params(self._params)
         rows = rows or self.decode_rows(active_B)
         active_R = jnp.asarray(active_B[:rows], bool)
-        new, self.state = _step(self.static, self.mtp, rows, self.leaves, self._synced(), self._arrays, active_R)
+        offsets_R = None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows])
+        new, self.state = _step(
+            self.static, self.mtp, rows, self.leaves, self._synced(), self._arrays, active_R, offsets_R
+        )
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new

@@ -24,6 +24,11 @@ raises `QueueFull` once `max_queue` requests wait beyond the free slots.
 A request whose sampling asks for logprobs gets each token's (`TokenLogprob`) on the delta that carries the token;
 one with `prompt_logprobs` first gets a delta with its prompt's (`Engine.prompt_logprobs`, computed when it is
 admitted). A request of `max_tokens` 0 gets only that delta (its last, finish `length`) and never takes a slot.
+
+A request with images (`media`, a VL model) runs them through the vision tower when it is admitted
+(`Engine.media_prefill`: its chunks' merged embeddings and mRoPE positions, and its slot's decode offset); each of
+its chunks is a prefill step of its own, and it neither reads nor writes the prefix cache (its ids do not tell
+which image its pad tokens stand for).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import jax
 import numpy as np
 
 from ling_jax.generation.completion import Completion
-from ling_jax.generation.generator import NewTokens
+from ling_jax.generation.generator import MediaInputs, NewTokens
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker, Tokenizer
 from ling_jax.serving.engine import Engine
@@ -92,12 +97,14 @@ class Request:
     emit: Callable[[Delta], None]
     stop: tuple[str, ...] = ()
     prompt_logprobs: bool = False  # emit the prompt's logprobs first (OpenAI's echo with logprobs)
+    media: MediaInputs | None = None  # a VL prompt's images (one row; `ling_jax.serving.media`)
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     _chunks: list = dataclasses.field(default_factory=list)  # prompt chunks not prefilled yet
+    _media_chunks: list = dataclasses.field(default_factory=list)  # their embeddings and positions (media)
     _position: int = 0  # prompt tokens in the slot so far
     _node: Node | None = None  # the prefix-cache node of the prompt's blocks so far
     _completion: Completion | None = None
@@ -204,7 +211,9 @@ class Scheduler:
         prefilling = sorted((r for r in self.slots if r is not None and r._chunks), key=lambda r: r.submitted_at)
         if prefilling:
             length = len(prefilling[0]._chunks[0][0])  # the oldest request's next chunk, and others of its length
-            group = [r for r in prefilling if len(r._chunks[0][0]) == length]
+            group = [r for r in prefilling if len(r._chunks[0][0]) == length and r.media is None]
+            if prefilling[0].media is not None:  # a prompt with images prefills alone
+                group = prefilling[:1]
             self._prefill_step(group[: self.engine.prefill_rows(length)])
         decoding = [r for r in self.slots if r is not None and not r._chunks and r.tokens]
         previous, self._in_flight = self._in_flight, None
@@ -236,6 +245,8 @@ class Scheduler:
                 request.slot = slot
                 self._resume(request)
                 request._chunks = self.engine.prompt_chunks(request.prompt, request._position)
+                if request.media is not None:
+                    request._media_chunks = self.engine.media_prefill(slot, request._chunks, request.media)
                 self.metrics.prompt_tokens.inc(len(request.prompt))
                 request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
                 self.slots[slot] = request
@@ -260,10 +271,11 @@ class Scheduler:
     def _resume(self, request: Request) -> None:
         """Give the request's slot its pages, the cached ones of its longest cached prefix first, and restore
         that prefix's end into the slot now (a later insert may evict it)."""
-        path = [] if self.prefix_cache is None else self.prefix_cache.match(request.prompt)
+        caching = self.prefix_cache is not None and request.media is None  # images: neither read nor cached
+        path = self.prefix_cache.match(request.prompt) if caching else []
         shared = [page for node in path for page in node.pages]
         self.engine.assign(request.slot, shared, len(request.prompt) + request.max_tokens)
-        if self.prefix_cache is not None:
+        if caching:
             request._node = path[-1] if path else self.prefix_cache.root
         if path:
             request._position = len(path) * self.prefix_cache.block
@@ -275,7 +287,8 @@ class Scheduler:
         """One prefill chunk of each of `requests` (chunks of one length) in one program."""
         chunks = [r._chunks.pop(0) for r in requests]
         starts = [r._position for r in requests]
-        hidden_PD = self.engine.prefill([r.slot for r in requests], chunks, [start == 0 for start in starts])
+        media = requests[0]._media_chunks.pop(0) if requests[0].media is not None else None
+        hidden_PD = self.engine.prefill([r.slot for r in requests], chunks, [start == 0 for start in starts], media)
         for row, (request, (_, mask_C), start) in enumerate(zip(requests, chunks, starts)):
             real = int(mask_C.sum())
             request._position += real

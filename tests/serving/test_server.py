@@ -268,6 +268,16 @@ def test_official_client_raises_on_bad_input(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=-1)
 
 
+def test_a_text_model_refuses_image_parts(client):
+    """An image_url part (here a data: URL) on the text model: a 400 naming the part, nothing generated."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert error.value.body["param"] == "messages"
+    assert error.value.body["message"].startswith("messages.0.content.1: image_url parts need a VL checkpoint")
+
+
 def test_full_queue_is_refused_and_the_rest_served(url):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1, "temperature": 0}
 

@@ -112,3 +112,19 @@ def projector_weights(directory: str, prefix: str = "model.") -> dict[str, np.nd
             for name in f.keys()
             if name.startswith(prefix + "linear_proj.")
         }
+
+
+def write_byte_tokenizer(directory: str, chat_template: str) -> None:
+    """A tokenizer.json whose ids are UTF-8 byte values (what the byte-level fallback gives, so ids 250-253, never
+    in UTF-8 text, stay the media tokens), and a tokenizer_config.json with `chat_template`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]  # GPT-2's byte-to-character map: the rest from U+0100
+    chars = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+    backend = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": chat_template}, f)
