@@ -1,7 +1,8 @@
 """Per-request sampling for a jitted decode step.
 
 Every row of a batch carries its own parameters (`SamplingArrays`, [B] arrays), so changing them never
-recompiles. `sample` processes the logits in float32, in the order of transformers' `generate`:
+recompiles. `sample` processes the logits in float32, in the order of transformers' `generate`, after a grammar's token
+bitmask (`grammar_mask.mask_logits`: -inf on the tokens a row's grammar forbids; ling-serve's structured outputs):
 
 1. repetition penalty on every token already seen (prompt or output), the CTRL / transformers rule: a
    positive logit is divided by the penalty, a negative one multiplied;
@@ -43,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from ling_jax.generation.grammar_mask import mask_logits, unconstrained
 
 _SEED_LIMIT = 2**32  # seeds become uint32 key data
 MAX_LOGPROBS = 20  # the most alternatives per token a request can ask for (OpenAI's limit)
@@ -94,9 +97,12 @@ class SamplingArrays:
     repetition_penalty: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
     logprobs: jax.Array  # [B] int32: alternatives the row reports, -1 = no logprobs
+    # [B, ceil(V / 32)] int32: each row's allowed tokens (`grammar_mask`; all bits set: any), or None: no grammars
+    token_bitmask_BW: jax.Array | None = None
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
+    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int | None = None) -> SamplingArrays:
+        """vocab_size: give the batch token bitmasks (every token allowed), for grammars (ling-serve)."""
         if not params:
             raise ValueError("SamplingArrays needs the parameters of at least one request")
 
@@ -111,6 +117,7 @@ class SamplingArrays:
             repetition_penalty=column("repetition_penalty", np.float32),
             seed=column("seed", np.uint32),
             logprobs=jnp.asarray(np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int32)),
+            token_bitmask_BW=None if vocab_size is None else jnp.asarray(unconstrained(len(params), vocab_size)),
         )
 
 
@@ -157,6 +164,7 @@ def process_logits(logits_BV: jax.Array, arrays: SamplingArrays, seen_BV: jax.Ar
 
     Greedy rows get their penalised logits, unscaled and unfiltered (their argmax is their token).
     """
+    logits_BV = mask_logits(logits_BV, arrays.token_bitmask_BW)
     penalised_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV, arrays.repetition_penalty)
     return _temperature_and_filters(penalised_BV, arrays)
 
@@ -167,6 +175,7 @@ def sample(logits_BV: jax.Array, arrays: SamplingArrays, steps_B: jax.Array, see
     steps_B: [B] (or a scalar) int, how many tokens each request has generated so far; with the row's seed it
     makes the row's key. seen_BV: [B, V] bool, the tokens the repetition penalty applies to.
     """
+    logits_BV = mask_logits(logits_BV, arrays.token_bitmask_BW)
     penalised_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV, arrays.repetition_penalty)
     greedy_B = arrays.temperature == 0
 

@@ -32,6 +32,7 @@ from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES, check_model, mount
 from ling_jax.serving.reasoning import THINK_START, ReasoningSplitter, marks_reasoning, split_reasoning
 from ling_jax.serving.scheduler import Delta, Finish, QueueFull, Request, Scheduler, TokenLogprob
 from ling_jax.serving.schemas import APIError, ChatBody, CompletionBody, parse
+from ling_jax.serving.structured import grammar_of
 from ling_jax.serving.tool_calls import (
     NO_TOOLS,
     Content,
@@ -182,6 +183,7 @@ async def _respond(service: Service, request: HTTPRequest, body, prepared: list[
     loop = asyncio.get_running_loop()
     deltas: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
     stop = body.stops()
+    grammar = grammar_of(body, service.tokenizer, service.scheduler.engine)
     jobs = []
     for index, one in enumerate(prepared):
         sampling = body.sampling(secrets.randbelow(SEED_LIMIT))
@@ -193,6 +195,7 @@ async def _respond(service: Service, request: HTTPRequest, body, prepared: list[
                 stop=stop + one.stops,
                 prompt_logprobs=one.echo is not None and sampling.logprobs is not None,
                 media=one.media,
+                grammar=None if grammar is None else grammar.matcher(),
                 emit=functools.partial(_hand_back, loop, deltas, index),
             )
         )

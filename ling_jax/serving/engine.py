@@ -44,7 +44,9 @@ merged in and its (t, h, w) mRoPE positions, cut into its chunks, which `prefill
 slot then decodes at cache length + the slot's position offset (`position_offsets_B`, zero for text prompts).
 
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
-request's tokens depend on its own seed and position only, never on the other slots.
+request's tokens depend on its own seed and position only, never on the other slots. A request with a grammar
+(structured outputs) gives `first_token` and each `decode` its bitmask of allowed tokens, the step's
+`SamplingArrays.token_bitmask_BW` row (every other row allows every token).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from ling_jax.generation.generator import (
     prefill_chunks,
     speculative_round,
 )
+from ling_jax.generation.grammar_mask import unconstrained
 from ling_jax.generation.sampling import Logprobs, SamplingArrays, SamplingParams, logprobs_at, seen_from_prompts
 from ling_jax.generation.static_model import split_model
 from ling_jax.model import LingForCausalLM
@@ -597,13 +600,17 @@ class Engine:
             self._table_changed = False
         return self.state
 
-    def first_token(self, slot: int, hidden_1D: jax.Array, params: SamplingParams) -> NewTokens:
-        """Sample the request's first token (tokens [1, 1]) and make `slot` ready to decode with `params`."""
+    def first_token(
+        self, slot: int, hidden_1D: jax.Array, params: SamplingParams, bitmask_W: np.ndarray | None = None
+    ) -> NewTokens:
+        """Sample the request's first token (tokens [1, 1]) and make `slot` ready to decode with `params`.
+        bitmask_W: the tokens its grammar allows (`grammar_mask`), if it has one."""
         self._params[slot] = params
         self._arrays = None
-        first, self.state = _first_token(
-            self.static, self.leaves, self.state, jnp.int32(slot), hidden_1D, SamplingArrays.from_params([params])
-        )
+        arrays = SamplingArrays.from_params([params], self.config.vocab_size)
+        if bitmask_W is not None:
+            arrays = arrays.replace(token_bitmask_BW=jnp.asarray(bitmask_W[None]))
+        first, self.state = _first_token(self.static, self.leaves, self.state, jnp.int32(slot), hidden_1D, arrays)
         return first
 
     def prompt_logprobs(self, prompt: list[int]) -> Logprobs:
@@ -646,19 +653,26 @@ class Engine:
         last = int(np.flatnonzero(active_B)[-1]) + 1 if np.any(active_B) else 1
         return next(b for b in decode_buckets(self.max_batch) if b >= last)
 
-    def decode(self, active_B: np.ndarray, rows: int | None = None) -> NewTokens:
+    def decode(
+        self, active_B: np.ndarray, rows: int | None = None, bitmasks: dict[int, np.ndarray] | None = None
+    ) -> NewTokens:
         """Dispatch one decode step of the slots (with MTP, a speculative round); -> its `NewTokens` over slots
         [0, R), R = `decode_rows`: slot b's new tokens are tokens_BT[b, :counts_B[b]], meaningful where active, on
         their way to the host (the step runs while the caller does other work). rows: the bucket to run instead
-        (`warm_up`)."""
+        (`warm_up`). bitmasks: {slot: [W] int32} the tokens each grammar allows this step (`grammar_mask`; a plain
+        decode step only, not MTP's)."""
         if self._arrays is None:
-            self._arrays = SamplingArrays.from_params(self._params)
+            self._arrays = SamplingArrays.from_params(self._params, self.config.vocab_size)
+        arrays = self._arrays
+        if bitmasks:
+            bitmask_BW = unconstrained(self.max_batch, self.config.vocab_size)
+            for slot, bitmask_W in bitmasks.items():
+                bitmask_BW[slot] = bitmask_W
+            arrays = arrays.replace(token_bitmask_BW=jnp.asarray(bitmask_BW))
         rows = rows or self.decode_rows(active_B)
         active_R = jnp.asarray(active_B[:rows], bool)
         offsets_R = None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows])
-        new, self.state = _step(
-            self.static, self.mtp, rows, self.leaves, self._synced(), self._arrays, active_R, offsets_R
-        )
+        new, self.state = _step(self.static, self.mtp, rows, self.leaves, self._synced(), arrays, active_R, offsets_R)
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new

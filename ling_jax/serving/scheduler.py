@@ -21,6 +21,11 @@ A request's tokens go through its `Completion` (incremental detokenising, stop s
 cancelled, and its slot is free for the next iteration's admission. The waiting queue is bounded: `submit`
 raises `QueueFull` once `max_queue` requests wait beyond the free slots.
 
+A request with a grammar (structured outputs) hands each decode step the bitmask of the tokens its grammar allows
+next, computed from its matcher once the step before's token is taken: while one decodes, a step's tokens are read
+before the next step is dispatched (the batch gives up the host / device overlap) and the request ends, finish
+`stop`, once its grammar is complete.
+
 A request whose sampling asks for logprobs gets each token's (`TokenLogprob`) on the delta that carries the token;
 one with `prompt_logprobs` first gets a delta with its prompt's (`Engine.prompt_logprobs`, computed when it is
 admitted). A request of `max_tokens` 0 gets only that delta (its last, finish `length`) and never takes a slot.
@@ -39,6 +44,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -50,6 +56,9 @@ from ling_jax.generation.tokenizer import StopChecker, Tokenizer
 from ling_jax.serving.engine import Engine
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.prefix_cache import Node, PrefixCache
+
+if TYPE_CHECKING:
+    from ling_jax.serving.structured import Matcher
 
 IDLE_WAIT_S = 0.05  # how long the loop sleeps when there is nothing to run (a submit wakes it at once)
 
@@ -98,6 +107,7 @@ class Request:
     stop: tuple[str, ...] = ()
     prompt_logprobs: bool = False  # emit the prompt's logprobs first (OpenAI's echo with logprobs)
     media: MediaInputs | None = None  # a VL prompt's images (one row; `ling_jax.serving.media`)
+    grammar: Matcher | None = None  # structured outputs: the grammar its tokens follow, ending it when complete
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
@@ -217,10 +227,14 @@ class Scheduler:
             self._prefill_step(group[: self.engine.prefill_rows(length)])
         decoding = [r for r in self.slots if r is not None and not r._chunks and r.tokens]
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and any(r.grammar is not None for r in decoding):
+            self._take_step(*previous)  # a grammar's next bitmask needs its last token: this step waits for it
+            previous, decoding = None, [r for r in decoding if self.slots[r.slot] is r]
         if decoding:
             active_B = np.zeros(self.engine.max_batch, bool)
             active_B[[r.slot for r in decoding]] = True
-            self._in_flight = (self.engine.decode(active_B), decoding)
+            bitmasks = {r.slot: r.grammar.bitmask() for r in decoding if r.grammar is not None}
+            self._in_flight = (self.engine.decode(active_B, bitmasks=bitmasks), decoding)
         if previous is not None:
             self._take_step(*previous)
         self.steps += 1
@@ -298,8 +312,9 @@ class Scheduler:
                 request._node = cache.insert(request._node, request.prompt[start : start + real], state, pages)
                 self.metrics.prefix_bytes.set(cache.nbytes)
             if not request._chunks:
+                bitmask_W = None if request.grammar is None else request.grammar.bitmask()
                 first = jax.device_get(
-                    self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling)
+                    self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling, bitmask_W)
                 )
                 request.first_token_at = time.perf_counter()
                 self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
@@ -332,9 +347,11 @@ class Scheduler:
         if token in self.eos_ids:
             self._finish(request, Finish.STOP)
             return
+        if request.grammar is not None:
+            request.grammar.accept(token)
         request.tokens.append(token)
         logprobs = () if logprob is None else (logprob,)
-        if request._completion.add([token]):
+        if request._completion.add([token]) or (request.grammar is not None and request.grammar.done):
             self._finish(request, Finish.STOP, token, logprobs)
         elif len(request.tokens) >= request.max_tokens:
             self._finish(request, Finish.LENGTH, token, logprobs)

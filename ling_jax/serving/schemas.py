@@ -1,6 +1,7 @@
 """The OpenAI request bodies the server accepts (pydantic, strict types) and its error responses.
 
-Fields beyond OpenAI's that vLLM / SGLang accept too: `top_k`, `min_p`, `repetition_penalty`. Nothing is
+Fields beyond OpenAI's that vLLM / SGLang accept too: `top_k`, `min_p`, `repetition_penalty`, and vLLM's structured
+outputs (`structured_outputs`, `guided_*`: `structured.py`). Nothing is
 silently dropped: a field the server does not declare is a 400 naming it (a field set to null counts as absent),
 and the fields accepted and ignored on purpose are declared as such (`user`). A wrong type or a value out of
 range is a 400 with OpenAI's error object: {"error": {"message", "type", "param", "code"}}. docs/serving.md
@@ -10,7 +11,7 @@ range is a 400 with OpenAI's error object: {"error": {"message", "type", "param"
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -58,6 +59,30 @@ class StreamOptions(Strict):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's `response_format` (`structured.py` turns it into a grammar)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a list of choices, a grammar, any JSON object."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Body(Strict):
     model: str
     user: str | None = None  # accepted and ignored: OpenAI's end-user id for abuse monitoring
@@ -72,6 +97,12 @@ class _Body(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None  # vLLM's older names of structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling(self, default_seed: int) -> SamplingParams:
         """The request's sampling parameters (OpenAI's defaults: temperature 1, no filter)."""

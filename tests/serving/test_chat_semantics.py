@@ -6,14 +6,11 @@ text), so the server here is the API layer alone, on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 from doc_blocks import blocks
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, serve_in_thread
 from optional_deps import require_serve_extra
 
 from ling_jax import load_model_config
@@ -109,20 +106,8 @@ def scheduler(tokenizer):
 
 @pytest.fixture(scope="module")
 def client(scheduler, tokenizer):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(Service(scheduler, tokenizer, MODEL, max_context=4096))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30, max_retries=0)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(create_app(Service(scheduler, tokenizer, MODEL, max_context=4096))) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=30, max_retries=0)
 
 
 def _prompt(scheduler, tokenizer) -> str:

@@ -186,8 +186,8 @@ def test_mtp_cut_inside_an_accepted_run_streams_nothing_past_it(mtp_scheduler, d
     counts = []  # each decode step's tokens per slot
     decode = mtp_scheduler.engine.decode
 
-    def recording(active_B):
-        new = decode(active_B)
+    def recording(active_B, **kwargs):
+        new = decode(active_B, **kwargs)
         counts.append(new.counts_B)
         return new
 

@@ -113,3 +113,29 @@ def gpu_test(what: str):
         jax.default_backend() != "gpu", reason=f"{what} needs a GPU; it runs on the device machine (pytest -m gpu)"
     )
     return lambda test: pytest.mark.gpu(skip(test))
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, timeout_s: float = 30.0):
+    """Run the ASGI `app` on uvicorn (a thread, a free port of 127.0.0.1); yields its base URL, then stops it."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
