@@ -71,6 +71,13 @@ def _watch(read_fd: int, message: str) -> None:
         os._exit(EXIT_INTERRUPTED)
 
 
+def silence_stray_errors() -> None:
+    """Before exiting on a load error: reads still in flight when it happened (Orbax's, of a damaged checkpoint)
+    report their own errors as they end, after the event loop that awaited them has closed (`RuntimeError: Event
+    loop is closed` tracebacks); the one `error:` line is what matters, so they are dropped."""
+    sys.unraisablehook = lambda _: None
+
+
 def compile_cache_dir() -> Path:
     """$XDG_CACHE_HOME/ling-jax/jax_cache, else ~/.cache/ling-jax/jax_cache."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -309,9 +309,7 @@ def _load(args, source, mesh, gate: Loading, server: uvicorn.Server, url: str, s
 
 
 def _fail(start: _Start, server: uvicorn.Server, status: int, message: str) -> None:
-    # reads still in flight when a load failed (Orbax's, of a damaged checkpoint) report their own errors as
-    # they end, after the event loop awaiting them has closed: the message below is the one that matters
-    sys.unraisablehook = lambda _: None
+    cli_runtime.silence_stray_errors()
     print(message, file=sys.stderr, flush=True)
     start.status = status
     server.should_exit = True
