@@ -10,15 +10,16 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from flax import nnx
 from helpers import REPO_ROOT
 from jax import monitoring
 
 from ling_jax import LingForCausalLM
-from ling_jax.generation import cli_runtime
+from ling_jax.generation import cli_runtime, generator
 from ling_jax.generation.cli import DEMO_DIR, main
-from ling_jax.generation.compile_watch import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, CACHE_LOOKUP_EVENT
+from ling_jax.generation.compile_watch import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, CACHE_LOOKUP_EVENT, CompileClock
 from ling_jax.generation.generator import DECODE_READ_GROUP, GenerationStats, Generator
 from ling_jax.generation.interactive import Conversation
 from ling_jax.generation.sampling import SamplingParams
@@ -105,6 +106,19 @@ def test_stats_rates_count_steady_state_steps_only():
         GenerationStats(3, 1, prefill_s=0.5, decode_s=0.0, ttft_s=0.5, prefill_compile_s=0.5).prefill_tokens_per_s
         is None
     )
+
+
+def test_steady_state_time_excludes_a_compilation_between_its_programs():
+    rows, clock = generator._Rows(1, 20, (), None), CompileClock()
+    steady = generator._SteadyClock(rows, clock)
+    steady.tick(DECODE_READ_GROUP)  # the first program: starts the clock
+    time.sleep(0.3)
+    clock.seconds += 0.25  # a program compiled again in between, as a recompiled decode step would be
+    rows.add(np.zeros((1, DECODE_READ_GROUP), np.int32))
+    steady.tick(DECODE_READ_GROUP)
+    stats = GenerationStats(1, 9, prefill_s=0.1, decode_s=0.4, ttft_s=0.1)
+    steady.record(stats)
+    assert stats.steady_tokens == DECODE_READ_GROUP and 0.05 <= stats.steady_s < 0.25
 
 
 def run_script(*argv: str, **env: str) -> subprocess.CompletedProcess:
