@@ -13,7 +13,6 @@ once, status 0).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import errno
 import os
 import signal
@@ -34,7 +33,6 @@ from ling_jax.generation.cli import load_model
 from ling_jax.generation.cli_checks import ModelSource
 from ling_jax.generation.flags import DEMO_DIR
 from ling_jax.generation.generator import MIN_CHUNK
-from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.serving.api import Service, create_app
 from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes
@@ -190,21 +188,14 @@ def _prefix_cache_bytes(args: argparse.Namespace) -> int:
     return int(args.prefix_cache_gb * 2**30)
 
 
-def prepare(
-    args: argparse.Namespace,
-    source: ModelSource,
-    mesh: jax.sharding.Mesh | None,
-    model: LingForCausalLM | None = None,
-) -> Service:
-    """Load the model (unless given one), compile its programs: the service, ready to start. Each phase says
-    so on stderr, flushed (a pipe too)."""
-    if model is None:
-        what = "initialising random weights" if source.path is None else "loading"
-        _say(f"{what}: {source.name}")
-        start = time.perf_counter()
-        policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul)
-        model = load_model(source, flags.dtype_of(args), mesh, policy, args.weights, verbose=True)
-        _say(f"loaded in {time.perf_counter() - start:.1f} s")
+def prepare(args: argparse.Namespace, source: ModelSource, mesh: jax.sharding.Mesh | None) -> Service:
+    """Load the model, compile its programs: the service, ready to start. Each phase says so on stderr, flushed
+    (a pipe too)."""
+    _say(f"{'initialising random weights' if source.path is None else 'loading'}: {source.name}")
+    start = time.perf_counter()
+    policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul)
+    model = load_model(source, flags.dtype_of(args), mesh, policy, args.weights, verbose=True)
+    _say(f"loaded in {time.perf_counter() - start:.1f} s")
     prefix_cache_bytes = _prefix_cache_bytes(args)
     engine = Engine(
         model,
@@ -280,39 +271,39 @@ class Loading:
         return await response(scope, receive, send)
 
 
-@dataclasses.dataclass
-class _Start:
-    """What the loading thread hands back: the service once ready, else the exit status of its failure."""
-
-    service: Service | None = None
-    status: int | None = None
-
-
-def _load(args, source, mesh, gate: Loading, server: uvicorn.Server, url: str, start: _Start) -> None:
+class _Loader(threading.Thread):
     """The loading thread: load, compile, start the scheduler and hand the gate the app; `ready` once the server
-    accepts. A failure stops the server with its exit status (a user error: its one `error:` line, status 2)."""
-    try:
-        service = prepare(args, source, mesh)
-    except (ValueError, OSError, ShardingError) as e:
-        _fail(start, server, EXIT_USAGE, f"error: {e}")
-        return
-    except Exception:
-        _fail(start, server, EXIT_FAILURE, traceback.format_exc().rstrip())
-        return
-    service.scheduler.start()
-    start.service = service
-    gate.app = create_app(service)
-    while not (server.started or server.should_exit):
-        time.sleep(READY_POLL_S)
-    if server.started:
-        _say(f"ready: {service.model_name} on {url}/v1")
+    accepts. A failure stops the server: `status` is then its exit status (a user error: its one `error:` line,
+    status 2); `service` is the service once loaded."""
 
+    def __init__(self, args, source: ModelSource, mesh, gate: Loading, server: uvicorn.Server, url: str):
+        super().__init__(name="ling-serve-load", daemon=True)
+        self.args, self.source, self.mesh, self.gate, self.server, self.url = args, source, mesh, gate, server, url
+        self.service: Service | None = None
+        self.status: int | None = None
 
-def _fail(start: _Start, server: uvicorn.Server, status: int, message: str) -> None:
-    cli_runtime.silence_stray_errors()
-    print(message, file=sys.stderr, flush=True)
-    start.status = status
-    server.should_exit = True
+    def run(self) -> None:
+        try:
+            service = prepare(self.args, self.source, self.mesh)
+        except (ValueError, OSError, ShardingError) as e:
+            self._fail(EXIT_USAGE, f"error: {e}")
+            return
+        except Exception:
+            self._fail(EXIT_FAILURE, traceback.format_exc().rstrip())
+            return
+        service.scheduler.start()
+        self.service = service
+        self.gate.app = create_app(service)
+        while not (self.server.started or self.server.should_exit):
+            time.sleep(READY_POLL_S)
+        if self.server.started:
+            _say(f"ready: {service.model_name} on {self.url}/v1")
+
+    def _fail(self, status: int, message: str) -> None:
+        cli_runtime.silence_stray_errors()
+        print(message, file=sys.stderr, flush=True)
+        self.status = status
+        self.server.should_exit = True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -332,22 +323,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     # that a no-op, so a graceful stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    start = _Start()
-    loader = threading.Thread(
-        target=_load, args=(args, source, mesh, gate, server, url, start), name="ling-serve-load", daemon=True
-    )
+    loader = _Loader(args, source, mesh, gate, server, url)
     _say(f"listening on {url} (/health answers 503 until the model is loaded and compiled)")
     loader.start()
     server.run(sockets=[sock])
-    if start.service is not None:
-        start.service.scheduler.stop()
+    if loader.service is not None:
+        loader.service.scheduler.stop()
+    if loader.status is not None:  # set before the loader stopped the server
+        return loader.status
     if loader.is_alive():  # stopped while loading: an XLA compilation cannot be interrupted, nor waited for
         _say("stopped while loading")
         sys.stdout.flush()
         os._exit(0)
-    if start.status is not None:
-        return start.status
-    return 0 if start.service.scheduler.error is None else EXIT_FAILURE
+    return 0 if loader.service.scheduler.error is None else EXIT_FAILURE
 
 
 def script_main() -> int:
