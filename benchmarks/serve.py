@@ -226,18 +226,18 @@ def main(argv=None) -> int:
             run_static(generator, requests, level)  # warm-up: compiles every batch's shapes
             static = run_static(generator, requests, level)
         rows.append((level, len(requests), served, static))
-        print(f"concurrency {level}: served {_line(served)}; static {_line(static)}", flush=True)
+        print(f"concurrency {level}: served {result_line(served)}; static {result_line(static)}", flush=True)
     scheduler.stop()
     print("\n| concurrency | requests | mode | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |")
     print("|---|---|---|---|---|---|")
     for level, count, served, static in rows:
         for mode, result in (("ling-serve", served), ("static Generator", static)):
             if result is not None:
-                print(f"| {level} | {count} | {mode} | {_cells(result)} |")
+                print(f"| {level} | {count} | {mode} | {result_cells(result)} |")
     return 0
 
 
-def _line(result: dict | None) -> str:
+def result_line(result: dict | None) -> str:
     if result is None:
         return "skipped"
     return (
@@ -247,7 +247,7 @@ def _line(result: dict | None) -> str:
     )
 
 
-def _cells(result: dict) -> str:
+def result_cells(result: dict) -> str:
     ttft, tpot = result["ttft"], result["tpot"]
     return (
         f"{result['tokens_per_s']:,.1f} | {ttft[0] * 1e3:.1f} / {ttft[1] * 1e3:.1f} | "

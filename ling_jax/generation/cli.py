@@ -332,7 +332,7 @@ def _prepare(args: argparse.Namespace) -> Run:
             except ShardingError as e:
                 raise _unfit(args, e) from e
     try:
-        model = _load_model(source, dtype, mesh, policy, args.weights, verbose=is_main)
+        model = load_model(source, dtype, mesh, policy, args.weights, verbose=is_main)
         generator = Generator(model, mesh=mesh, prefill_chunk=args.prefill_chunk, mtp=args.mtp)
     except ShardingError as e:
         raise _unfit(args, e) from e
@@ -432,7 +432,7 @@ def _check_memory(args: argparse.Namespace, source: ModelSource, mesh, dtype, pr
     )
 
 
-def _load_model(
+def load_model(
     source: ModelSource, dtype, mesh, policy: ExecutionPolicy, weights: str, *, verbose: bool
 ) -> LingForCausalLM:
     """The model, every parameter straight into its sharding over `mesh` (or on one device): a preset initialised

@@ -59,9 +59,10 @@ def preset_source(name: str) -> ModelSource:
     return ModelSource(config, load_tokenizer(None, config), f"the random '{name}' preset")
 
 
-def checkpoint_source(path: Path, what: str, *, byte_tokenizer: bool) -> ModelSource:
+def checkpoint_source(path: Path, what: str, *, byte_tokenizer: bool | None) -> ModelSource:
     """Check a HF or ling-convert checkpoint directory as far as it can be without reading weights: its
-    layout file or safetensors index and shard headers, config.json, and the tokenizer."""
+    layout file or safetensors index and shard headers, config.json, and the tokenizer. byte_tokenizer: the
+    command's --byte-tokenizer flag; None for a command without one (a tokenizer.json is required)."""
     label = f"{what} {path}" if what.startswith("--") else f"{what} ({path})"
     if not path.is_dir():
         raise ValueError(f"{label}: not a directory (expected a HF checkpoint or ling-convert directory)")
@@ -80,15 +81,19 @@ def checkpoint_source(path: Path, what: str, *, byte_tokenizer: bool) -> ModelSo
     return ModelSource(config, tokenizer, str(path), path, orbax)
 
 
-def _checkpoint_tokenizer(path: Path, config: LingConfig, byte_tokenizer: bool) -> Tokenizer:
+def _checkpoint_tokenizer(path: Path, config: LingConfig, byte_tokenizer: bool | None) -> Tokenizer:
     has_file = (path / TOKENIZER_FILE).is_file()
     if has_file and byte_tokenizer:
         raise ValueError(f"--byte-tokenizer: {path} has a {TOKENIZER_FILE}; drop the flag to use it")
     if not has_file and not byte_tokenizer:
+        bytes_flag = (
+            ""
+            if byte_tokenizer is None
+            else (", or pass --byte-tokenizer for a model trained on UTF-8 bytes (token id = byte value)")
+        )
         raise ValueError(
             f"{path / TOKENIZER_FILE}: missing; a trained model's token ids are not bytes, so its "
-            f"output would be noise. Put the checkpoint's {TOKENIZER_FILE} there, or pass "
-            "--byte-tokenizer for a model trained on UTF-8 bytes (token id = byte value)"
+            f"output would be noise. Put the checkpoint's {TOKENIZER_FILE} there{bytes_flag}"
         )
     return load_tokenizer(path, config)
 

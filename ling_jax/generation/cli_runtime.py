@@ -17,12 +17,14 @@ import threading
 from pathlib import Path
 
 import jax
+from jax import monitoring
 
-from ling_jax.generation.compile_watch import CompileHooks
+from ling_jax.generation.compile_watch import CACHE_HIT_EVENT, CACHE_LOOKUP_EVENT, CompileHooks
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 NO_CACHE_ENV = "LING_JAX_NO_COMPILE_CACHE"
 NOTICE_AFTER_S = 1.0  # a compilation this long gets the notice: jax caches those of >= 1 s (its default)
+CACHE_READ_ALLOWANCE_S = 4.0  # more, while the persistent cache is being read (a hit is no compilation)
 
 _output_lock = threading.Lock()
 _line_open = False  # stdout's last character was not a newline
@@ -69,6 +71,13 @@ def _watch(read_fd: int, message: str) -> None:
         os._exit(EXIT_INTERRUPTED)
 
 
+def silence_stray_errors() -> None:
+    """Before exiting on a load error: reads still in flight when it happened (Orbax's, of a damaged checkpoint)
+    report their own errors as they end, after the event loop that awaited them has closed (`RuntimeError: Event
+    loop is closed` tracebacks); the one `error:` line is what matters, so they are dropped."""
+    sys.unraisablehook = lambda _: None
+
+
 def compile_cache_dir() -> Path:
     """$XDG_CACHE_HOME/ling-jax/jax_cache, else ~/.cache/ling-jax/jax_cache."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -99,7 +108,9 @@ def enable_compile_cache(disabled: bool) -> Path | None:
 
 class CompileNotice:
     """Context manager: the first time an XLA compilation runs for NOTICE_AFTER_S, print one line on stderr
-    saying so; later ones stay quiet. Loads from the persistent cache are quick, so a cached run stays quiet."""
+    saying so; later ones stay quiet. A program read from the persistent cache is no compilation: while its
+    cache lookup has not hit, the notice waits CACHE_READ_ALLOWANCE_S longer (a large program's read takes a
+    while), so a warm run stays quiet. The line never lands inside a streamed line of stdout."""
 
     def __init__(self, cached: bool):
         self.line = (
@@ -110,28 +121,54 @@ class CompileNotice:
         self.shown = False
         self.quiet = False  # e.g. on a process other than the first of a multi-host run
         self._timer: threading.Timer | None = None
+        self._looking_up = False  # this compilation asked the persistent cache, which has not answered with a hit
+        self._thread = threading.get_ident()
         self._hooks = CompileHooks(self._started, self._ended)
 
     def _started(self) -> None:
         if not (self.shown or self.quiet) and self._timer is None:
-            self._timer = threading.Timer(NOTICE_AFTER_S, self._show)
-            self._timer.daemon = True
-            self._timer.start()
+            self._looking_up = False
+            self._arm(NOTICE_AFTER_S)
+
+    def _arm(self, seconds: float) -> None:
+        self._timer = threading.Timer(seconds, self._due)
+        self._timer.daemon = True
+        self._timer.start()
 
     def _ended(self, _seconds: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
+    def _cache_event(self, event: str, **_) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        if event == CACHE_LOOKUP_EVENT:
+            self._looking_up = True
+        elif event == CACHE_HIT_EVENT:
+            self._ended(0.0)
+
+    def _due(self) -> None:
+        if self._looking_up:  # a read from the cache, or a compilation after a miss: give the read its time
+            self._looking_up = False
+            self._arm(CACHE_READ_ALLOWANCE_S)
+        else:
+            self._show()
+
     def _show(self) -> None:
-        if not self.shown:
-            self.shown = True
-            print(self.line, file=sys.stderr, flush=True)
+        if self.shown:
+            return
+        self.shown = True
+        with _output_lock:
+            print(("\n" if _line_open else "") + self.line, file=sys.stderr, flush=True)
 
     def __enter__(self) -> CompileNotice:
+        self._thread = threading.get_ident()
+        monitoring.register_event_listener(self._cache_event)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._ended(0.0)
         self._hooks.__exit__(*exc)
+        monitoring.unregister_event_listener(self._cache_event)

@@ -16,6 +16,8 @@ TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 COMPILE_EVENTS = frozenset({TRACE_EVENT, LOWER_EVENT, BACKEND_COMPILE_EVENT})
+CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"  # inside a backend compile: a cache read
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # ... that found the program (none after a miss)
 
 
 class CompileClock:

@@ -69,7 +69,7 @@ class GenerationStats:
     prefill_compile_s: float = 0.0  # the part of compile_s before the first token
     steady_steps: int = 0  # decode steps the device ran (whole programs) after the first program; MTP: rounds
     steady_tokens: int = 0  # the tokens they emitted (none past max_new_tokens or a row's end)
-    steady_s: float = 0.0  # their time: from the first program's tokens on the host to the last program's
+    steady_s: float = 0.0  # their time: first program's tokens on the host to the last's, less compiling between
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -341,28 +341,30 @@ class _Rows:
 
 class _SteadyClock:
     """Times the decode after its first program (which compiles on a first call): `tick(steps)` once a
-    program's tokens are on the host. The first tick starts the clock; the steps of later ticks are timed."""
+    program's tokens are on the host. The first tick starts the clock; the steps of later ticks are timed, less
+    any compilation between them (`compile_clock`: a program compiled again, e.g. for a new input layout)."""
 
-    def __init__(self, rows: _Rows):
-        self.rows = rows
+    def __init__(self, rows: _Rows, compile_clock: CompileClock):
+        self.rows, self.compile_clock = rows, compile_clock
         self.ticked = False
         self.steps = 0
         self.start = self.end = 0.0
         self.start_tokens = self.end_tokens = 0
+        self.compiled_start = self.compiled_end = 0.0
 
     def tick(self, steps: int = 1) -> None:
         """A program of `steps` decode steps (or one MTP round) has just brought its tokens to the host."""
-        now, tokens = time.perf_counter(), self.rows.generated
+        now, tokens, compiled = time.perf_counter(), self.rows.generated, self.compile_clock.seconds
         if self.ticked:
             self.steps += steps
         else:
-            self.ticked, self.start, self.start_tokens = True, now, tokens
-        self.end, self.end_tokens = now, tokens
+            self.ticked, self.start, self.start_tokens, self.compiled_start = True, now, tokens, compiled
+        self.end, self.end_tokens, self.compiled_end = now, tokens, compiled
 
     def record(self, stats: GenerationStats) -> None:
         stats.steady_steps = self.steps
         stats.steady_tokens = self.end_tokens - self.start_tokens
-        stats.steady_s = self.end - self.start
+        stats.steady_s = self.end - self.start - (self.compiled_end - self.compiled_start)
 
 
 def cache_length(prompt_slots: int, max_new_tokens: int, mtp: int) -> int:
@@ -549,7 +551,7 @@ class Generator:
             ttft_s=ttft,
             prefill_compile_s=clock.seconds - compiled_before,
         )
-        steady = _SteadyClock(rows)
+        steady = _SteadyClock(rows, clock)
         start = time.perf_counter()
         if self.mtp:
             self._speculate(rows, stats, steady, state, arrays)

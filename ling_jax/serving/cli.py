@@ -1,25 +1,38 @@
 """`ling-serve` (and `python -m ling_jax.serving`): load a model, compile its programs, serve the OpenAI API.
 
-Every flag is checked, and the checkpoint's config and tokenizer read, before the weights load; a mistake is
-one `error: ...` line on stderr and exit status 2. The server is ready once it prints "ling-serve: ready";
-SIGTERM (or Ctrl-C) stops it gracefully: it takes no new connections, the requests in flight finish, and the
-process exits with status 0.
+Every flag is checked, the checkpoint's config and tokenizer read, and the port bound, before the weights load; a
+mistake is one `error: ...` line on stderr and exit status 2. The server listens from the start: while the model
+loads and compiles, /health answers 503 {"status": "loading"} and every other route 503 in OpenAI's error schema.
+Each phase prints a line on stderr (loading, each warm-up program compiled), and "ling-serve: ready" comes once the
+model is compiled and the socket accepts. --preset NAME serves random weights of a preset in the stored format,
+initialised on the devices (benchmarks only: its output is noise). SIGTERM (or Ctrl-C) stops it gracefully: it
+takes no new connections, the requests in flight finish, and the process exits with status 0 (while loading: at
+once, status 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
-from ling_jax.checkpoints.hf import load_hf_checkpoint
-from ling_jax.checkpoints.orbax import load_checkpoint
+from ling_jax import xla_flags
 from ling_jax.generation import cli_checks, cli_runtime, flags
+from ling_jax.generation.cli import load_model
+from ling_jax.generation.cli_checks import ModelSource
 from ling_jax.generation.flags import DEMO_DIR
 from ling_jax.generation.generator import MIN_CHUNK
 from ling_jax.policy import ExecutionPolicy
@@ -30,9 +43,14 @@ from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Scheduler
+from ling_jax.serving.schemas import APIError
 from ling_jax.sharding import ShardingError
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
+MAX_PORT = 65535
+BACKLOG = 2048  # uvicorn's default
+READY_POLL_S = 0.01
 API_KEY_ENV = "LING_API_KEY"
 
 
@@ -40,16 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ling-serve",
         description="An OpenAI-compatible HTTP server (continuous batching) for a Ling checkpoint.",
-        epilog="example:\n  ling-serve --port 8000\n  curl http://127.0.0.1:8000/v1/models",
+        epilog="examples:\n  ling-serve --port 8000\n  curl http://127.0.0.1:8000/v1/models\n"
+        "  ling-serve --preset ling-3.0-flash --max-batch 32   # random weights, for benchmarks",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    model = flags.add_model_flags(parser, default=DEMO_DIR)
+    model = flags.add_model_flags(parser, default=DEMO_DIR, presets=True)
     model.add_argument(
         "--served-model-name", metavar="NAME", help="the model id clients ask for (default: --model's directory name)"
     )
     flags.add_execution_flags(parser, prefill_chunk=512, kernel_backend=False, mesh_shorthands=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed on the `listening` line)"
+    )
     parser.add_argument(
         "--max-batch", type=int, default=16, metavar="N", help="slots: requests decoded together (default 16)"
     )
@@ -120,7 +141,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--page-size", args.page_size, 1),
         ("--max-queue", args.max_queue, 0),
         ("--mtp", args.mtp, 0),
-        ("--port", args.port, 0),
         ("--max-request-bytes", args.max_request_bytes, 1),
     ):
         if value < low:
@@ -145,11 +165,15 @@ def api_key(args: argparse.Namespace) -> str | None:
     return (args.api_key or os.environ.get(API_KEY_ENV, "")).strip() or None
 
 
-def prepare(args: argparse.Namespace) -> Service:
-    """Check everything, load the model, compile its programs: the service, ready to start."""
+def check(args: argparse.Namespace) -> tuple[ModelSource, jax.sharding.Mesh | None, MediaReader | None]:
+    """Every flag, the checkpoint's config and tokenizer (or the preset's), the mesh, a VL model's image reader:
+    nothing is loaded."""
     _check_flags(args)
     mesh = flags.build_mesh(args)
-    source = cli_checks.checkpoint_source(args.model, "--model", byte_tokenizer=False)
+    if args.preset is not None:
+        source = cli_checks.preset_source(args.preset)
+    else:
+        source = cli_checks.checkpoint_source(args.model, "--model", byte_tokenizer=None)
     config = source.text_config
     local_dir = args.allowed_local_media_path
     if source.vl_config is None and local_dir is not None:
@@ -163,25 +187,33 @@ def prepare(args: argparse.Namespace) -> Service:
         )
     if args.mtp and not config.num_nextn_predict_layers:
         raise ValueError(
-            f"--mtp {args.mtp} needs a model with an MTP layer; {args.model} has none (num_nextn_predict_layers = 0)"
+            f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none (num_nextn_predict_layers = 0)"
         )
-    dtype = flags.dtype_of(args)
-    prefix_cache_bytes = int(args.prefix_cache_gb * 2**30)
-    block_bytes = prefix_block_bytes(config, args.prefill_chunk, dtype, args.mtp)
-    if 0 < prefix_cache_bytes < block_bytes:
+    block_bytes = prefix_block_bytes(config, args.prefill_chunk, flags.dtype_of(args), args.mtp)
+    if 0 < _prefix_cache_bytes(args) < block_bytes:
         raise ValueError(
             f"--prefix-cache-gb {args.prefix_cache_gb} cannot hold one prefix block: a block of --prefill-chunk "
             f"{args.prefill_chunk} tokens takes {block_bytes / 2**20:,.1f} MiB for this model (its KDA states, MLA "
             f"pages{' and MTP entries' if args.mtp else ''}); give at least {block_bytes / 2**30:.3f}"
         )
-    progress = sys.stderr.isatty()
+    return source, mesh, media
+
+
+def _prefix_cache_bytes(args: argparse.Namespace) -> int:
+    return int(args.prefix_cache_gb * 2**30)
+
+
+def prepare(
+    args: argparse.Namespace, source: ModelSource, mesh: jax.sharding.Mesh | None, media: MediaReader | None = None
+) -> Service:
+    """Load the model, compile its programs: the service, ready to start. Each phase says so on stderr, flushed
+    (a pipe too)."""
+    _say(f"{'initialising random weights' if source.path is None else 'loading'}: {source.name}")
+    start = time.perf_counter()
     policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul)
-    if source.orbax:
-        model = load_checkpoint(
-            args.model, mesh=mesh, dtype=dtype, weights=args.weights, progress=progress, policy=policy
-        )
-    else:
-        model = load_hf_checkpoint(args.model, dtype=dtype, weights=args.weights, progress=progress, policy=policy)
+    model = load_model(source, flags.dtype_of(args), mesh, policy, args.weights, verbose=True)
+    _say(f"loaded in {time.perf_counter() - start:.1f} s")
+    prefix_cache_bytes = _prefix_cache_bytes(args)
     engine = Engine(
         model,
         max_batch=args.max_batch,
@@ -194,7 +226,10 @@ def prepare(args: argparse.Namespace) -> Service:
         mtp=args.mtp,
     )
     prefix_cache = PrefixCache(engine.pages, args.prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
-    engine.warm_up()
+    start = time.perf_counter()
+    engine.warm_up(
+        lambda done, total: _say(f"warm-up: compiled {done} of {total} programs ({time.perf_counter() - start:.1f} s)")
+    )
     scheduler = Scheduler(
         engine,
         source.tokenizer,
@@ -203,7 +238,7 @@ def prepare(args: argparse.Namespace) -> Service:
         metrics=Metrics(),
         prefix_cache=prefix_cache,
     )
-    name = args.served_model_name or args.model.resolve().name
+    name = args.served_model_name or (args.preset if source.path is None else args.model.resolve().name)
     return Service(
         scheduler,
         source.tokenizer,
@@ -215,26 +250,111 @@ def prepare(args: argparse.Namespace) -> Service:
     )
 
 
+def _say(line: str) -> None:
+    print(f"ling-serve: {line}", file=sys.stderr, flush=True)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening (port 0: one the system picks), or a ValueError naming the flag."""
+    if not 0 <= port <= MAX_PORT:
+        raise ValueError(f"--port must be in 0..{MAX_PORT}, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=BACKLOG)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address of this machine ({e.strerror})") from e
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is in use (another server?); pick another --port") from e
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from e
+
+
+class Loading:
+    """The ASGI app served from the start: until `app` is set, /health answers 503 {"status": "loading"} and
+    every other route 503 in OpenAI's error schema (as vLLM and SGLang do while they load); then `app` serves."""
+
+    def __init__(self):
+        self.app: FastAPI | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return None
+        if scope["path"] == "/health":
+            response = JSONResponse({"status": "loading"}, status_code=503)
+        else:
+            response = APIError(503, "the model is loading; retry once /health answers 200", code="loading").response()
+        response.headers["Retry-After"] = "5"
+        return await response(scope, receive, send)
+
+
+class _Loader(threading.Thread):
+    """The loading thread: load, compile, start the scheduler and hand the gate the app; `ready` once the server
+    accepts. A failure stops the server: `status` is then its exit status (a user error: its one `error:` line,
+    status 2); `service` is the service once loaded."""
+
+    def __init__(self, args, checked: tuple, gate: Loading, server: uvicorn.Server, url: str):
+        super().__init__(name="ling-serve-load", daemon=True)
+        self.args, self.checked, self.gate, self.server, self.url = args, checked, gate, server, url
+        self.service: Service | None = None
+        self.status: int | None = None
+
+    def run(self) -> None:
+        try:
+            service = prepare(self.args, *self.checked)
+        except (ValueError, OSError, ShardingError) as e:
+            self._fail(EXIT_USAGE, f"error: {e}")
+            return
+        except Exception:
+            self._fail(EXIT_FAILURE, traceback.format_exc().rstrip())
+            return
+        service.scheduler.start()
+        self.service = service
+        self.gate.app = create_app(service)
+        while not (self.server.started or self.server.should_exit):
+            time.sleep(READY_POLL_S)
+        if self.server.started:
+            _say(f"ready: {service.model_name} on {self.url}/v1")
+
+    def _fail(self, status: int, message: str) -> None:
+        cli_runtime.silence_stray_errors()
+        print(message, file=sys.stderr, flush=True)
+        self.status = status
+        self.server.should_exit = True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    xla_flags.set_gpu_flags()
     cli_runtime.enable_compile_cache(args.no_compile_cache)
     try:
-        service = prepare(args)
+        checked = check(args)
+        sock = listen(args.host, args.port)
     except (ValueError, OSError, ShardingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning", access_log=False)
-    )
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    gate = Loading()
+    server = uvicorn.Server(uvicorn.Config(gate, log_level="warning", access_log=False, lifespan="off"))
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler that does nothing makes
     # that a no-op, so a graceful stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    service.scheduler.start()
-    print(f"ling-serve: ready: {service.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    server.run()
-    service.scheduler.stop()
-    return 0 if service.scheduler.error is None else 1
+    loader = _Loader(args, checked, gate, server, url)
+    _say(f"listening on {url} (/health answers 503 until the model is loaded and compiled)")
+    loader.start()
+    server.run(sockets=[sock])
+    if loader.service is not None:
+        loader.service.scheduler.stop()
+    if loader.status is not None:  # set before the loader stopped the server
+        return loader.status
+    if loader.is_alive():  # stopped while loading: an XLA compilation cannot be interrupted, nor waited for
+        _say("stopped while loading")
+        sys.stdout.flush()
+        os._exit(0)
+    return 0 if loader.service.scheduler.error is None else EXIT_FAILURE
 
 
 def script_main() -> int:

@@ -52,6 +52,7 @@ request's tokens depend on its own seed and position only, never on the other sl
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -677,18 +678,30 @@ class Engine:
             part.copy_to_host_async()
         return new
 
-    def warm_up(self) -> None:
+    def warm_up(self, on_program: Callable[[int, int], None] = lambda done, total: None) -> None:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, the first
-        token, the decode step of each bucket) on slot 0 (no pages: nothing is written)."""
-        for length in self.chunk_lengths():
+        token, the decode step of each bucket) on slot 0 (no pages: nothing is written); on_program(done, total)
+        after each (ling-serve's progress lines)."""
+        lengths, buckets = self.chunk_lengths(), decode_buckets(self.max_batch)
+        total = sum(1 + (self.prefill_rows(n) > 1) for n in lengths) + 2 * (self.prefix_block is not None)
+        total += 1 + len(buckets)
+        done = iter(range(1, total + 1))
+        for length in lengths:
             chunk = (np.ones(length, np.int32), np.ones(length, bool))
             if self.prefill_rows(length) > 1:  # the step of several rows; then the lone one
                 self.prefill([0, 1], [chunk, chunk], [True, True])
+                on_program(next(done), total)
             hidden_1D = self.prefill([0], [chunk], [True])
+            on_program(next(done), total)
         if self.prefix_block is not None:
-            self.restore(0, [self.snapshot(0, 0)], [1] * self.prefix_block)
+            snapshot = self.snapshot(0, 0)
+            on_program(next(done), total)
+            self.restore(0, [snapshot], [1] * self.prefix_block)
+            on_program(next(done), total)
         self.first_token(0, hidden_1D, GREEDY)
-        for rows in decode_buckets(self.max_batch):
+        on_program(next(done), total)
+        for rows in buckets:
             self.decode(np.zeros(self.max_batch, bool), rows)
+            on_program(next(done), total)
         self.release(0)
         jax.block_until_ready(self.state)

@@ -111,7 +111,7 @@ def test_generate_cli_weights_flag_reaches_the_loader(checkpoints, capsys):
     source = cli_checks.ModelSource(LingConfig.from_pretrained(directory), None, "--model", path=directory)
     for flag, kept in (([], True), (["--weights", "bf16"], False)):
         args = cli.build_parser().parse_args([*flag, "x"])
-        model = cli._load_model(source, jnp.float32, None, ExecutionPolicy(), args.weights, verbose=False)
+        model = cli.load_model(source, jnp.float32, None, ExecutionPolicy(), args.weights, verbose=False)
         assert isinstance(model.model.layers[1].mlp.experts.up_proj.get_value(), BlockFP8Weight) is kept
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--weights", "fp4", "x"])

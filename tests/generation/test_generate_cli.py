@@ -231,7 +231,7 @@ def test_kernel_backend_flag_builds_the_policy(capsys, hf_dir):
     assert policy.fp8_matmul is FP8Matmul.W8A8
     assert generate_cli.build_parser().parse_args(["x"]).fp8_matmul == "auto"
     source = cli_checks.checkpoint_source(hf_dir, "--model", byte_tokenizer=False)
-    model = generate_cli._load_model(source, jnp.float32, None, policy, "stored", verbose=False)
+    model = generate_cli.load_model(source, jnp.float32, None, policy, "stored", verbose=False)
     assert model.policy is policy and model.policy.kernel_backend is KernelBackend.REFERENCE
 
 

@@ -10,13 +10,16 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from flax import nnx
 from helpers import REPO_ROOT
+from jax import monitoring
 
 from ling_jax import LingForCausalLM
-from ling_jax.generation import cli_runtime
+from ling_jax.generation import cli_runtime, generator
 from ling_jax.generation.cli import DEMO_DIR, main
+from ling_jax.generation.compile_watch import BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, CACHE_LOOKUP_EVENT, CompileClock
 from ling_jax.generation.generator import DECODE_READ_GROUP, GenerationStats, Generator
 from ling_jax.generation.interactive import Conversation
 from ling_jax.generation.sampling import SamplingParams
@@ -105,6 +108,19 @@ def test_stats_rates_count_steady_state_steps_only():
     )
 
 
+def test_steady_state_time_excludes_a_compilation_between_its_programs():
+    rows, clock = generator._Rows(1, 20, (), None), CompileClock()
+    steady = generator._SteadyClock(rows, clock)
+    steady.tick(DECODE_READ_GROUP)  # the first program: starts the clock
+    time.sleep(0.3)
+    clock.seconds += 0.25  # a program compiled again in between, as a recompiled decode step would be
+    rows.add(np.zeros((1, DECODE_READ_GROUP), np.int32))
+    steady.tick(DECODE_READ_GROUP)
+    stats = GenerationStats(1, 9, prefill_s=0.1, decode_s=0.4, ttft_s=0.1)
+    steady.record(stats)
+    assert stats.steady_tokens == DECODE_READ_GROUP and 0.05 <= stats.steady_s < 0.25
+
+
 def run_script(*argv: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *argv],
@@ -129,8 +145,29 @@ def test_compile_cache_on_by_default_in_the_user_cache_dir(tmp_path):
     assert result.returncode == 0, result.stderr
     cache = tmp_path / "xdg" / "ling-jax" / "jax_cache"
     assert any(cache.glob("jit__decode_step-*")) or any(cache.glob("jit__prefill_chunk-*")), list(cache.iterdir())
-    assert "compiling (first run; cached afterwards)\n" in result.stderr
     assert json.loads(result.stdout)["stats"]["compile_s"] > 0
+    warm = run_script(*argv, **on)  # every program read from the cache: no notice
+    assert warm.returncode == 0 and "compiling" not in warm.stderr, warm.stderr
+
+
+def test_compile_notice_waits_out_cache_reads_and_keeps_off_a_streamed_line(monkeypatch, capsys):
+    monkeypatch.setattr(cli_runtime, "NOTICE_AFTER_S", 0.05)
+    monkeypatch.setattr(cli_runtime, "CACHE_READ_ALLOWANCE_S", 0.1)
+    with cli_runtime.CompileNotice(cached=True) as notice:
+        monitoring.record_scalar(BACKEND_COMPILE_EVENT, 0.0)  # a long read from the persistent cache: a hit
+        monitoring.record_event(CACHE_LOOKUP_EVENT)
+        time.sleep(0.1)
+        monitoring.record_event(CACHE_HIT_EVENT)
+        monitoring.record_event_duration_secs(BACKEND_COMPILE_EVENT, 0.1)
+        time.sleep(0.2)
+        assert not notice.shown
+        cli_runtime.write_stdout("a streamed li")
+        monitoring.record_scalar(BACKEND_COMPILE_EVENT, 0.0)  # a miss: compiled past the read's allowance
+        monitoring.record_event(CACHE_LOOKUP_EVENT)
+        time.sleep(0.4)
+        monitoring.record_event_duration_secs(BACKEND_COMPILE_EVENT, 0.4)
+    cli_runtime.write_stdout("ne\n")
+    assert capsys.readouterr() == ("a streamed line\n", "\ncompiling (first run; cached afterwards)\n")
 
 
 def test_compile_cache_off_by_flag_or_env(monkeypatch, tmp_path):

@@ -4,7 +4,8 @@ at their arguments on a CPU (they need a GPU, and say so) and run their `--quick
 (`pytest -m gpu`). Run elsewhere: benchmarks.generate_cli (tests/generation/test_generate_cli_run.py), the
 expert-parallel measurement (tests/scripts/test_multi_gpu_scripts.py), benchmarks.figures
 (tests/docs/test_figures.py). benchmarks.serve only parses its arguments here: its --quick run compiles the
-serving engine's programs (~45 s of CPU), whose scheduler tests/serving runs."""
+serving engine's programs (~45 s of CPU), whose scheduler tests/serving runs; benchmarks.serve_http's --quick run
+(the served path over real HTTP, which no other benchmark runs) starts `ling-serve --preset tiny` (~30 s of CPU)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ CPU_RUNS = {
     "kda --decode-fused": ("benchmarks.kda", ["--decode-fused", "--quick"], "| 3 | "),
     "convert": ("benchmarks.convert", ["--quick", "--dtypes", "fp8", "--workers", "1"], "| fp8 | 1 |"),
     "load_memory": ("benchmarks.load_memory", ["--quick", "--mesh", "expert=2"], "within the bound"),
+    "serve_http": ("benchmarks.serve_http", ["--quick"], "| 2 | 3 | "),  # a ling-serve --preset tiny subprocess
 }
 # (module, its --quick arguments): the GPU kernels only
 GPU_RUNS = {

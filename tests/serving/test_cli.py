@@ -43,7 +43,7 @@ def test_mtp_needs_a_model_with_an_mtp_layer(tmp_path, capsys, monkeypatch):
     config = json.loads((DEMO_DIR / "config.json").read_text())
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
-    monkeypatch.setattr(cli, "load_hf_checkpoint", lambda *a, **k: pytest.fail("weights loaded before the checks"))
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("weights loaded before the checks"))
     assert main(["--model", str(tmp_path), "--mtp", "1"]) == 2
     message = f"--mtp 1 needs a model with an MTP layer; {tmp_path} has none (num_nextn_predict_layers = 0)"
     assert capsys.readouterr().err == f"error: {message}\n"
