@@ -48,7 +48,7 @@ from flax import struct
 
 from ling_jax.generation.logit_controls import LogitControls, apply_logit_controls, check_controls
 
-_SEED_LIMIT = 2**32  # seeds become uint32 key data
+SEED_LIMIT = 2**32  # seeds become uint32 key data
 MAX_LOGPROBS = 20  # the most alternatives per token a request can ask for (OpenAI's limit)
 
 
@@ -80,7 +80,7 @@ class SamplingParams:
         _check_real("--top-p", self.top_p, 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
         _check_real("--min-p", self.min_p, 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
         _check_real("--repetition-penalty", self.repetition_penalty, 0.0 < self.repetition_penalty, "must be > 0")
-        if not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < _SEED_LIMIT:
+        if not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed}")
         wrong = not isinstance(self.logprobs, numbers.Integral) or not 0 <= self.logprobs <= MAX_LOGPROBS
         if self.logprobs is not None and wrong:
