@@ -1,11 +1,10 @@
 """The OpenAI request bodies the server accepts (pydantic, strict types) and its error responses.
 
 Fields beyond OpenAI's that vLLM / SGLang accept too: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids`. Nothing is
-silently dropped: a field the server does not declare is a 400 naming it (a field set to null counts as absent),
-and the fields accepted and ignored on purpose are declared as such (`user`). A wrong type or a value out of
-range is a 400 with OpenAI's error object: {"error": {"message", "type", "param", "code"}}. docs/serving.md
-("Supported fields") lists them per endpoint.
+`min_tokens`, `stop_token_ids`. Nothing is silently dropped: a field the server does not declare is a 400 naming
+it (a field set to null counts as absent), and the fields accepted and ignored on purpose are declared as such
+(`user`). A wrong type or a value out of range is a 400 with OpenAI's error object: {"error": {"message", "type",
+"param", "code"}}. docs/serving.md ("Supported fields") lists them per endpoint.
 """
 
 from __future__ import annotations

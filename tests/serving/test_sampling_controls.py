@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+from doc_blocks import blocks
+from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
 from served import served
 
@@ -23,11 +25,16 @@ LONG_PROMPT = PROMPT + " in possession of a good fortune must be in want of a wi
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def url(tmp_path_factory):
     flags = ["--max-batch", str(MAX_BATCH), "--max-context", "64", "--prefill-chunk", "16"]
     flags += ["--page-size", "8", "--prefix-cache-gb", "0.01"]
     with served(tmp_path_factory.mktemp("serve"), flags) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -131,19 +138,33 @@ def test_bad_values_are_a_400_naming_the_field(client, field, value):
     assert _complete(client, temperature=0, max_tokens=1).usage.completion_tokens == 1  # still serving
 
 
-@pytest.mark.parametrize("mtp", [0, 2])
-def test_forked_choices_equal_the_request_alone(demo_model, demo_tokenizer, alone, mtp):
-    """Three greedy choices of one prompt (left-padded layout, two forks, a partial page each) equal `Generator`."""
-    engine = Engine(demo_model, max_batch=3, max_context=64, prefill_chunk=16, page_size=8, mtp=mtp)
+def test_the_docs_example_works_as_written(url, capsys):
+    page = (REPO_ROOT / "docs" / "serving.md").read_text()
+    example = next(b.code for b in blocks(page, "docs/serving.md") if "stop_token_ids" in b.code)
+    exec(example.replace("http://127.0.0.1:8000", url), {"__name__": "docs_example"})
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed[:3]] == ["0", "1", "2"]
+    completion_tokens, cached_tokens = map(int, printed[3].split())
+    assert 12 <= completion_tokens <= 24 and cached_tokens == 0
+
+
+def test_forked_choices_with_mtp_equal_the_request_alone(demo_model, demo_tokenizer):
+    """Greedy, three choices of one prompt (the left-padded layout, two forks with a partial page each, MTP drafts)
+    equal the prompt run as one choice."""
+    engine = Engine(demo_model, max_batch=3, max_context=64, prefill_chunk=16, page_size=8, mtp=2)
     scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=1)
     prompt, greedy = demo_tokenizer.encode(PROMPT), SamplingParams(temperature=0.0)
-    sinks = [[], [], []]
-    choices = [Request(prompt, greedy, MAX_TOKENS, sink.append) for sink in sinks]
-    choices[0].siblings = choices[1:]
-    scheduler.submit(choices[0])
-    for _ in range(50):
-        if all(sink and sink[-1].finish is not None for sink in sinks):
-            break
-        scheduler._step()
-    expected = alone(16)(prompt, greedy, MAX_TOKENS)
-    assert [[t for delta in sink for t in delta.token_ids] for sink in sinks] == [expected] * 3
+
+    def run(choices: int) -> list[list[int]]:
+        sinks = [[] for _ in range(choices)]
+        requests = [Request(prompt, greedy, MAX_TOKENS, sink.append) for sink in sinks]
+        requests[0].siblings = requests[1:]
+        scheduler.submit(requests[0])
+        for _ in range(50):
+            if all(sink and sink[-1].finish is not None for sink in sinks):
+                break
+            scheduler._step()
+        return [[t for delta in sink for t in delta.token_ids] for sink in sinks]
+
+    (alone,) = run(1)
+    assert len(alone) == MAX_TOKENS and run(3) == [alone] * 3
