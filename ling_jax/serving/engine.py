@@ -2,7 +2,8 @@
 
 Each slot holds one request: its rows of a paged `LingCache` (KDA recurrent state and conv window, length, and
 its page-table row: the pages of every MLA layer's latent cache that hold its tokens), its row of the repetition
-penalty's seen-token mask, its last token and its token count. The MLA pages come from one pool
+penalty's seen-token mask, its generated tokens' counts (presence / frequency penalties), its last token and its
+token count. The MLA pages come from one pool
 (`PagePool`, reference counted on the host): a request is given pages for its prompt and completion when it is
 admitted, the ones of a cached prefix shared with the prefix cache and the other requests reading them, and
 frees them when it ends. The pool holds every slot's worth of pages plus the prefix cache's, so it never runs
