@@ -123,7 +123,7 @@ def bare_step_seconds(run: generate_cli.Run, program_steps: int) -> tuple[float,
     cache = LingCache.create(generator.config, batch, cache_length(padded, new_tokens, 0), generator.dtype)
     cache = LingCache(layers=cache.layers, lengths=jnp.full((batch,), padded, jnp.int32))
     seen = jnp.zeros((batch, generator.config.vocab_size), bool)
-    state = DecodeState(cache, seen, jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.int32))
+    state = DecodeState.create(cache, seen).replace(steps_B=jnp.ones((batch,), jnp.int32))
     arrays = SamplingArrays.from_params([run.sampling] * batch)
     # the CLI's steady programs fill at most N - 1 slots; one program of warm-up fits in its cache's slack
     timed = (new_tokens - 1) // DECODE_READ_GROUP * DECODE_READ_GROUP

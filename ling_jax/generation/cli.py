@@ -121,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R",
         help="penalise tokens already in the prompt or output (CTRL rule); 1 = off (default)",
     )
+    sampling.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="subtract P from the logit of every token already generated (OpenAI's), in [-2, 2]; 0 = off (default)",
+    )
+    sampling.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="subtract F times its count from each generated token's logit (OpenAI's), in [-2, 2]; 0 = off (default)",
+    )
     sampling.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every prompt (default 0)")
     sampling.add_argument(
         "--stop",
@@ -307,6 +321,8 @@ def _prepare(args: argparse.Namespace) -> Run:
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
             seed=args.seed,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
         )
         stops = StopChecker(args.stop) if args.stop else None
         mesh = flags.build_mesh(args)

@@ -32,6 +32,7 @@ from flax import struct
 
 from ling_jax.cache import LingCache, MTPCache, commit_verified
 from ling_jax.generation.compile_watch import CompileClock
+from ling_jax.generation.logit_controls import count_tokens
 from ling_jax.generation.sampling import (
     Logprobs,
     SamplingArrays,
@@ -123,6 +124,7 @@ class DecodeState:
 
     cache: LingCache
     seen_BV: jax.Array  # [B, V] bool: tokens the repetition penalty applies to
+    counts_BV: jax.Array  # [B, V] int32: how often each row generated each token (presence / frequency penalties)
     token_B: jax.Array  # [B] int32: the last sampled token, the next step's input
     steps_B: jax.Array  # [B] int32: tokens each row has generated so far, its sampler's step
     drafts: Drafts | None = None  # with MTP speculation
@@ -131,7 +133,10 @@ class DecodeState:
     def create(cls, cache: LingCache, seen_BV: jax.Array, drafts: Drafts | None = None) -> DecodeState:
         """The state before the first token: the prompts' caches and seen tokens; no token generated yet."""
         batch_size = cache.lengths.shape[0]
-        return cls(cache, seen_BV, jnp.zeros((batch_size,), jnp.int32), jnp.zeros((batch_size,), jnp.int32), drafts)
+        counts_BV = jnp.zeros(seen_BV.shape, jnp.int32)
+        return cls(
+            cache, seen_BV, counts_BV, jnp.zeros((batch_size,), jnp.int32), jnp.zeros((batch_size,), jnp.int32), drafts
+        )
 
 
 @struct.dataclass
@@ -144,9 +149,9 @@ class NewTokens:
     logprobs: Logprobs
 
 
-def _draw(logits_BV, arrays: SamplingArrays, steps_B, seen_BV) -> tuple[jax.Array, Logprobs]:
+def _draw(logits_BV, arrays: SamplingArrays, steps_B, seen_BV, counts_BV) -> tuple[jax.Array, Logprobs]:
     """Each row's token [B] and its logprobs from the raw logits [B, V]."""
-    token_B = sample(logits_BV, arrays, steps_B, seen_BV)
+    token_B = sample(logits_BV, arrays, steps_B, seen_BV, counts_BV)
     return token_B, token_logprobs(logits_BV, token_B, arrays)
 
 
@@ -189,12 +194,14 @@ def first_token(
 ) -> tuple[NewTokens, DecodeState]:
     """Each row's first new token (its token index 0) from its last prompt position; with MTP, also that
     position's MTP entry and the first draft (traced inside a jitted program)."""
+    counts_BV = jnp.zeros_like(state.counts_BV)  # a row's first token: none generated before it
     token_B, logprobs = _draw(
-        model.logits(hidden_BD[:, None])[:, 0], arrays, jnp.zeros_like(state.steps_B), state.seen_BV
+        model.logits(hidden_BD[:, None])[:, 0], arrays, jnp.zeros_like(state.steps_B), state.seen_BV, counts_BV
     )
     drafts = None if state.drafts is None else first_draft(model, state.drafts, hidden_BD, token_B)
     state = state.replace(
         seen_BV=update_seen(state.seen_BV, token_B),
+        counts_BV=count_tokens(counts_BV, token_B),
         token_B=token_B,
         steps_B=jnp.ones_like(state.steps_B),
         drafts=drafts,
@@ -225,9 +232,13 @@ def decode_step(
     cache slot s sits at position s + offset (VL prompts)."""
     positions = None if position_offsets_B is None else (state.cache.lengths + position_offsets_B)[:, None]
     out = model(state.token_B[:, None], cache=state.cache, positions=positions)
-    token_B, logprobs = _draw(out.logits[:, 0], arrays, state.steps_B, state.seen_BV)
+    token_B, logprobs = _draw(out.logits[:, 0], arrays, state.steps_B, state.seen_BV, state.counts_BV)
     state = state.replace(
-        cache=out.cache, seen_BV=update_seen(state.seen_BV, token_B), token_B=token_B, steps_B=state.steps_B + 1
+        cache=out.cache,
+        seen_BV=update_seen(state.seen_BV, token_B),
+        counts_BV=count_tokens(state.counts_BV, token_B),
+        token_B=token_B,
+        steps_B=state.steps_B + 1,
     )
     return _one_token(token_B, logprobs), state
 
@@ -270,15 +281,16 @@ def speculative_round(
     start_lengths_B = cache.lengths
     hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, policy=model.policy)
     logits_BTV = model.logits(hidden_BTD)
-    drawn, seen = [], seen_BV
+    drawn, seen, counts = [], seen_BV, state.counts_BV
     for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)
-        drawn.append(_draw(logits_BTV[:, i], arrays, state.steps_B + i, seen))
+        drawn.append(_draw(logits_BTV[:, i], arrays, state.steps_B + i, seen, counts))
         if i < num_drafts:
-            seen = update_seen(seen, drafts_BK[:, i])
+            seen, counts = update_seen(seen, drafts_BK[:, i]), count_tokens(counts, drafts_BK[:, i])
     targets_BT, logprobs = jax.tree.map(lambda *x: jnp.stack(x, axis=1), *drawn)
     accepted_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
     kept_BT = jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
+    counts_BV = state.counts_BV.at[rows[:, None], targets_BT].add(kept_BT.astype(jnp.int32))
     cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
     cache = cache.replace(lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
     mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=mtp_lengths_B)  # drop the chained drafts' entries
@@ -291,6 +303,7 @@ def speculative_round(
     state = state.replace(
         cache=cache,
         seen_BV=seen_BV,
+        counts_BV=counts_BV,
         token_B=targets_BT[rows, accepted_B],
         steps_B=state.steps_B + accepted_B + 1,
         drafts=drafts,

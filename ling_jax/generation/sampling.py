@@ -6,13 +6,15 @@ bitmask (`grammar_mask.mask_logits`: -inf on the tokens a row's grammar forbids;
 
 1. repetition penalty on every token already seen (prompt or output), the CTRL / transformers rule: a
    positive logit is divided by the penalty, a negative one multiplied;
-2. temperature (0 = greedy: the row takes the argmax of the penalised logits and ignores its key and
+2. OpenAI's logit controls (`logit_controls.py`): presence / frequency penalties over the generated tokens'
+   counts, logit bias, and the end tokens held back until `min_tokens`;
+3. temperature (0 = greedy: the row takes the argmax of the logits after steps 1-2 and ignores its key and
    every filter below);
-3. top-k: keep the tokens whose logit is >= the k-th largest;
-4. top-p: over the softmax of what top-k kept, keep the smallest prefix of the sorted probabilities whose
+4. top-k: keep the tokens whose logit is >= the k-th largest;
+5. top-p: over the softmax of what top-k kept, keep the smallest prefix of the sorted probabilities whose
    sum reaches p (the top token always stays);
-5. min-p: drop tokens whose probability is below min_p times the largest one;
-6. a categorical draw (Gumbel-max) from the softmax of what is left.
+6. min-p: drop tokens whose probability is below min_p times the largest one;
+7. a categorical draw (Gumbel-max) from the softmax of what is left.
 
 vLLM applies min-p before top-k / top-p; since min-p compares ratios to the top probability, the two orders
 differ only in which probabilities top-p sums. Top-k and top-p are applied as a per-row logit threshold, so
@@ -46,8 +48,9 @@ import numpy as np
 from flax import struct
 
 from ling_jax.generation.grammar_mask import mask_logits, unconstrained
+from ling_jax.generation.logit_controls import LogitControls, apply_logit_controls, check_controls
 
-_SEED_LIMIT = 2**32  # seeds become uint32 key data
+SEED_LIMIT = 2**32  # seeds become uint32 key data
 MAX_LOGPROBS = 20  # the most alternatives per token a request can ask for (OpenAI's limit)
 
 
@@ -62,6 +65,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     seed: int = 0
     logprobs: int | None = None  # the top alternatives each token reports with its logprob; None = no logprobs
+    presence_penalty: float = 0.0  # 0 = off (OpenAI's, over the generated tokens)
+    frequency_penalty: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # the end tokens (`end_ids`) are held back until this many tokens are generated
+    end_ids: tuple[int, ...] = ()  # EOS and stop token ids: what min_tokens holds back
 
     def __post_init__(self):
         self.validate()
@@ -74,11 +82,12 @@ class SamplingParams:
         _check_real("--top-p", self.top_p, 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
         _check_real("--min-p", self.min_p, 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
         _check_real("--repetition-penalty", self.repetition_penalty, 0.0 < self.repetition_penalty, "must be > 0")
-        if not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < _SEED_LIMIT:
+        if not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed}")
         wrong = not isinstance(self.logprobs, numbers.Integral) or not 0 <= self.logprobs <= MAX_LOGPROBS
         if self.logprobs is not None and wrong:
             raise ValueError(f"--logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_controls(self)
 
 
 def _check_real(flag: str, value, in_range: bool, rule: str) -> None:
@@ -97,6 +106,7 @@ class SamplingArrays:
     repetition_penalty: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
     logprobs: jax.Array  # [B] int32: alternatives the row reports, -1 = no logprobs
+    controls: LogitControls
     # [B, ceil(V / 32)] int32: each row's allowed tokens (`grammar_mask`; all bits set: any), or None: no grammars
     token_bitmask_BW: jax.Array | None = None
 
@@ -117,6 +127,7 @@ class SamplingArrays:
             repetition_penalty=column("repetition_penalty", np.float32),
             seed=column("seed", np.uint32),
             logprobs=jnp.asarray(np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int32)),
+            controls=LogitControls.from_params(params),
             token_bitmask_BW=None if vocab_size is None else jnp.asarray(unconstrained(len(params), vocab_size)),
         )
 
@@ -159,24 +170,37 @@ def request_keys(seed_B: jax.Array, steps_B: jax.Array) -> jax.Array:
     return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seed_B, steps_B)
 
 
-def process_logits(logits_BV: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array) -> jax.Array:
-    """The float32 logits each row draws from (steps 1-5 of the module doc), -inf where filtered out.
+def process_logits(
+    logits_BV: jax.Array, arrays: SamplingArrays, seen_BV: jax.Array, counts_BV: jax.Array | None = None, steps_B=0
+) -> jax.Array:
+    """The float32 logits each row draws from (steps 1-6 of the module doc), -inf where filtered out.
 
     Greedy rows get their penalised logits, unscaled and unfiltered (their argmax is their token).
     """
+    return _temperature_and_filters(_penalised(logits_BV, arrays, steps_B, seen_BV, counts_BV), arrays)
+
+
+def _penalised(logits_BV, arrays: SamplingArrays, steps_B, seen_BV, counts_BV) -> jax.Array:
+    """The grammar's bitmask, then steps 1-2 of the module doc, in float32."""
     logits_BV = mask_logits(logits_BV, arrays.token_bitmask_BW)
     penalised_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV, arrays.repetition_penalty)
-    return _temperature_and_filters(penalised_BV, arrays)
+    return apply_logit_controls(penalised_BV, arrays.controls, steps_B, counts_BV)
 
 
-def sample(logits_BV: jax.Array, arrays: SamplingArrays, steps_B: jax.Array, seen_BV: jax.Array) -> jax.Array:
+def sample(
+    logits_BV: jax.Array,
+    arrays: SamplingArrays,
+    steps_B: jax.Array,
+    seen_BV: jax.Array,
+    counts_BV: jax.Array | None = None,
+) -> jax.Array:
     """Next token of every row, int32 [B]. Pure jnp, jit-able.
 
     steps_B: [B] (or a scalar) int, how many tokens each request has generated so far; with the row's seed it
-    makes the row's key. seen_BV: [B, V] bool, the tokens the repetition penalty applies to.
+    makes the row's key. seen_BV: [B, V] bool, the tokens the repetition penalty applies to. counts_BV: [B, V]
+    int32, how often each row generated each token (the presence / frequency penalties'; None: no token yet).
     """
-    logits_BV = mask_logits(logits_BV, arrays.token_bitmask_BW)
-    penalised_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV, arrays.repetition_penalty)
+    penalised_BV = _penalised(logits_BV, arrays, steps_B, seen_BV, counts_BV)
     greedy_B = arrays.temperature == 0
 
     def draw():

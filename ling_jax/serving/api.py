@@ -5,7 +5,9 @@ and the request-size limit.
 A request is checked, tokenised and submitted from the event loop; the scheduler's thread hands its deltas
 back through `loop.call_soon_threadsafe` into the request's asyncio queue. A streaming client that goes away
 cancels its request (the slot is freed at the scheduler's next step); so does one waiting for a whole response.
-A completions request with a list of prompts submits one request per prompt and answers one choice per prompt.
+A completions request with a list of prompts submits one request per prompt and answers one choice per prompt;
+with `n` > 1, each prompt's request carries its other choices as siblings (decoded from its one prefill), and
+choice i of prompt p has `index` p * n + i, as OpenAI and vLLM number them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ling_jax.generation.generator import MediaInputs
+from ling_jax.generation.sampling import SEED_LIMIT
 from ling_jax.generation.tokenizer import Tokenizer
 from ling_jax.serving.chat import render_chat
 from ling_jax.serving.media import MediaReader, encode_with_images, split_images
@@ -45,7 +48,6 @@ from ling_jax.serving.tool_calls import (
 )
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
-SEED_LIMIT = 2**32
 ROLE_END = "<|role_end|>"  # Ling's end of a turn: the model sometimes spells it out as text
 
 
@@ -120,8 +122,11 @@ def create_app(service: Service) -> FastAPI:
 
 def _check_common(service: Service, body, limit: int | None, least: int = 1) -> None:
     check_model(service, body.model)
-    if body.n != 1:
-        raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
+    slots = service.scheduler.engine.max_batch
+    if body.n > slots:
+        raise APIError(
+            400, f"n must be in [1, {slots}] (--max-batch: the choices decode together), got {body.n}", param="n"
+        )
     if limit is not None and limit < least:
         with_echo = " (0 with echo)" if least < 1 else ""
         raise APIError(400, f"max_tokens must be >= {least}{with_echo}, got {limit}", param="max_tokens")
@@ -154,6 +159,11 @@ def _limits(service: Service, prompt: list[int], limit: int | None) -> int:
     return room if limit is None else limit
 
 
+def _check_min_tokens(body, max_tokens: int) -> None:
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
+
+
 def _prepare_completion(service: Service, body: CompletionBody) -> list[_Prepared]:
     """One request per prompt: `prompt` is a string, a list of token ids, or a list of either."""
     _check_common(service, body, body.max_tokens, least=0 if body.echo else 1)
@@ -163,6 +173,7 @@ def _prepare_completion(service: Service, body: CompletionBody) -> list[_Prepare
         ids = prompt if isinstance(prompt, list) else service.tokenizer.encode(prompt)
         echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) if body.echo else None
         prepared.append(_Prepared(ids, _limits(service, ids, body.max_tokens), echo=echo))
+        _check_min_tokens(body, prepared[-1].max_tokens)
     return prepared
 
 
@@ -176,37 +187,52 @@ def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     in_reasoning = marks_reasoning(template) and text.rstrip().endswith(THINK_START)
     turn_ends = (ROLE_END, service.tokenizer.special_tokens.get("eos_token"))
     stops = tuple(dict.fromkeys(s for s in turn_ends if s and template and s in template))
-    return _Prepared(prompt, _limits(service, prompt, body.token_limit), in_reasoning, plan, stops, media=media)
+    max_tokens = _limits(service, prompt, body.token_limit)
+    _check_min_tokens(body, max_tokens)
+    return _Prepared(prompt, max_tokens, in_reasoning, plan, stops, media=media)
 
 
 async def _respond(service: Service, request: HTTPRequest, body, prepared: list[_Prepared], *, chat: bool) -> Response:
     loop = asyncio.get_running_loop()
     deltas: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
     stop = body.stops()
+    if body.n > 1 and any(one.media is not None for one in prepared):
+        raise APIError(400, "n > 1 with images is not supported yet: send the request n times", param="n")
     grammar = grammar_of(body, service.tokenizer, service.scheduler.engine)
+    vocab = service.scheduler.engine.config.vocab_size
+    stop_ids = frozenset(body.stop_token_ids or ())
+    eos_ids = () if body.ignore_eos else sorted(service.scheduler.eos_ids)
+    end_ids = tuple(dict.fromkeys([*eos_ids, *(body.stop_token_ids or ())]))
     jobs = []
-    for index, one in enumerate(prepared):
-        sampling = body.sampling(secrets.randbelow(SEED_LIMIT))
-        jobs.append(
-            Request(
-                prompt=one.prompt,
-                sampling=sampling,
-                max_tokens=one.max_tokens,
-                stop=stop + one.stops,
-                prompt_logprobs=one.echo is not None and sampling.logprobs is not None,
-                media=one.media,
-                grammar=None if grammar is None else grammar.matcher(),
-                emit=functools.partial(_hand_back, loop, deltas, index),
+    for one in prepared:
+        seed = secrets.randbelow(SEED_LIMIT)
+        for choice in range(body.n):
+            sampling = body.sampling(seed, vocab, end_ids, choice)
+            jobs.append(
+                Request(
+                    prompt=one.prompt,
+                    sampling=sampling,
+                    max_tokens=one.max_tokens,
+                    stop=stop + one.stops,
+                    prompt_logprobs=one.echo is not None and sampling.logprobs is not None,
+                    media=one.media,
+                    grammar=None if grammar is None else grammar.matcher(),
+                    emit=functools.partial(_hand_back, loop, deltas, len(jobs)),
+                    ignore_eos=body.ignore_eos,
+                    stop_ids=stop_ids,
+                )
             )
-        )
+    groups = jobs[:: body.n]  # each prompt's first choice, with the others as its siblings
+    for first, group in enumerate(groups):
+        group.siblings = jobs[first * body.n + 1 : (first + 1) * body.n]
     try:
-        for job in jobs:
+        for job in groups:
             service.scheduler.submit(job)
     except QueueFull as e:
         for job in jobs:
             service.scheduler.cancel(job)
         raise APIError(503, f"{e}; retry later", code="overloaded") from e
-    reply = _Reply(service, jobs, prepared, chat=chat)
+    reply = _Reply(service, jobs, prepared, chat=chat, n=body.n)
     if body.stream:
         return StreamingResponse(reply.stream(deltas, body.include_usage), media_type="text/event-stream")
     return await reply.whole(deltas, request)
@@ -220,8 +246,10 @@ def _hand_back(loop: asyncio.AbstractEventLoop, deltas: asyncio.Queue, index: in
 class _Reply:
     """Builds the OpenAI objects of one HTTP request (one choice per scheduler request) from their deltas."""
 
-    def __init__(self, service: Service, jobs: list[Request], prepared: list[_Prepared], *, chat: bool):
-        self.service, self.jobs, self.prepared, self.chat = service, jobs, prepared, chat
+    def __init__(self, service: Service, jobs: list[Request], prepared: list[_Prepared], *, chat: bool, n: int = 1):
+        """jobs: n choices per prompt of `prepared`, in order."""
+        self.service, self.jobs, self.chat, self.n = service, jobs, chat, n
+        self.prepared = [one for one in prepared for _ in range(n)]  # each choice's
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
         self.reasoning = marks_reasoning(service.tokenizer.chat_template) and chat
@@ -244,12 +272,15 @@ class _Reply:
         return reply
 
     def _usage(self) -> dict:
-        prompt_tokens = sum(len(job.prompt) for job in self.jobs)
+        """Every choice's completion tokens; each prompt's tokens (and prefix-cache hit) once, however many choices."""
+        firsts = self.jobs[:: self.n]
+        prompt_tokens = sum(len(job.prompt) for job in firsts)
         completion_tokens = sum(len(job.tokens) for job in self.jobs)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(job.cached_tokens for job in firsts)},
         }
 
     def _cancel(self) -> None:

@@ -2,7 +2,8 @@
 
 Each slot holds one request: its rows of a paged `LingCache` (KDA recurrent state and conv window, length, and
 its page-table row: the pages of every MLA layer's latent cache that hold its tokens), its row of the repetition
-penalty's seen-token mask, its last token and its token count. The MLA pages come from one pool
+penalty's seen-token mask, its generated tokens' counts (presence / frequency penalties), its last token and its
+token count. The MLA pages come from one pool
 (`PagePool`, reference counted on the host): a request is given pages for its prompt and completion when it is
 admitted, the ones of a cached prefix shared with the prefix cache and the other requests reading them, and
 frees them when it ends. The pool holds every slot's worth of pages plus the prefix cache's, so it never runs
@@ -24,6 +25,11 @@ a forward pass of its own over the prompt, in the prefill's chunks, on a one-row
 prompt is run twice: once for these, once into its slot), each chunk's logits reduced on the device to the
 log-softmax at the next prompt token and the top MAX_LOGPROBS (`sampling.logprobs_at`). It compiles at the first
 such request, once per chunk length.
+
+A request's other choices (OpenAI's `n`) are forks of its slot after its prompt's prefill (`fork`): each
+sibling slot gets the prompt's whole pages shared (by reference count, never written: decoding writes past the
+prompt) and a copy of its last, partial page, and a copy of every per-slot row (KDA states, length, seen
+tokens, MTP state); then it draws its own first token from the same hidden state.
 
 MTP speculation (`mtp` = K > 0, a model with an MTP layer): each slot also holds its MTP state (`SlotDrafts`):
 the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (not paged: one layer, so
@@ -297,6 +303,25 @@ def _restore_drafts(state: DecodeState, slot, first, rows_1KA, carry_1D, length)
     return state.replace(
         drafts=drafts.replace(cache=mtp_cache, carry_BD=_put_slot_rows(drafts.carry_BD, carry_1D, slot))
     )
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def _fork(state: DecodeState, parent, child, from_page, to_page) -> DecodeState:
+    """`child`'s per-slot rows a copy of `parent`'s (KDA states, length, seen tokens, counts, MTP state), and page
+    `to_page` of every MLA layer a copy of page `from_page`."""
+
+    def copy_row(x):
+        return _put_slot_rows(x, _slot_rows(x, parent), child)
+
+    cache = state.cache
+    layers = tuple(
+        jax.tree.map(copy_row, s)
+        if isinstance(s, KDAState)
+        else s.replace(latent_pages=s.latent_pages.at[to_page].set(s.latent_pages[from_page]))
+        for s in cache.layers
+    )
+    rows = jax.tree.map(copy_row, state.replace(cache=None))
+    return rows.replace(cache=cache.replace(layers=layers, lengths=copy_row(cache.lengths)))
 
 
 @functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
@@ -593,6 +618,20 @@ class Engine:
                 jnp.int32(start + self.prefix_block - 1),
             )
 
+    def fork(self, parent: int, child: int, prompt_length: int, tokens: int) -> None:
+        """Make `child` (no pages yet) the copy of `parent` after its `prompt_length`-token prompt's prefill (before
+        its first token), with pages for `tokens` slots: the prompt's whole pages shared, its partial last page
+        copied into the first of the child's own."""
+        page_size = self.pages.page_size
+        whole = prompt_length // page_size
+        self.assign(child, [int(p) for p in self.page_table_BN[parent, :whole]], tokens)
+        from_page = to_page = self.pages.num_pages  # no partial page: the scratch page onto itself
+        if prompt_length % page_size:
+            from_page, to_page = self.page_table_BN[parent, whole], self.page_table_BN[child, whole]
+        self.state = _fork(
+            self._synced(), jnp.int32(parent), jnp.int32(child), jnp.int32(from_page), jnp.int32(to_page)
+        )
+
     def _synced(self) -> DecodeState:
         """The state with the host's page table in its cache (sent to the device once after each change)."""
         if self._table_changed:
@@ -679,12 +718,13 @@ class Engine:
         return new
 
     def warm_up(self, on_program: Callable[[int, int], None] = lambda done, total: None) -> None:
-        """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, the first
-        token, the decode step of each bucket) on slot 0 (no pages: nothing is written); on_program(done, total)
-        after each (ling-serve's progress lines)."""
+        """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, a fork, the
+        first token, the decode step of each bucket) on slot 0 (no pages: nothing is written) and, for the fork,
+        slot 1 (whose rows a new request resets); on_program(done, total) after each (ling-serve's progress
+        lines)."""
         lengths, buckets = self.chunk_lengths(), decode_buckets(self.max_batch)
         total = sum(1 + (self.prefill_rows(n) > 1) for n in lengths) + 2 * (self.prefix_block is not None)
-        total += 1 + len(buckets)
+        total += (self.max_batch > 1) + 1 + len(buckets)
         done = iter(range(1, total + 1))
         for length in lengths:
             chunk = (np.ones(length, np.int32), np.ones(length, bool))
@@ -697,6 +737,10 @@ class Engine:
             snapshot = self.snapshot(0, 0)
             on_program(next(done), total)
             self.restore(0, [snapshot], [1] * self.prefix_block)
+            on_program(next(done), total)
+        if self.max_batch > 1:
+            self.fork(0, 1, 1, 1)
+            self.release(1)
             on_program(next(done), total)
         self.first_token(0, hidden_1D, GREEDY)
         on_program(next(done), total)

@@ -26,6 +26,12 @@ next, computed from its matcher once the step before's token is taken: while one
 before the next step is dispatched (the batch gives up the host / device overlap) and the request ends, finish
 `stop`, once its grammar is complete.
 
+A request with `siblings` (the other choices of an OpenAI request's `n`) is admitted with a slot for each of them
+and prefilled once: after its last chunk each sibling's slot becomes a copy of its slot (`Engine.fork`: the
+prompt's whole pages shared, the rest copied) and draws its own first token, then they decode as rows of their own.
+A request ends at EOS unless it has `ignore_eos`, and at any of its `stop_ids`; its `cached_tokens` are the prompt
+tokens its prefix-cache hit skipped.
+
 A request whose sampling asks for logprobs gets each token's (`TokenLogprob`) on the delta that carries the token;
 one with `prompt_logprobs` first gets a delta with its prompt's (`Engine.prompt_logprobs`, computed when it is
 admitted). A request of `max_tokens` 0 gets only that delta (its last, finish `length`) and never takes a slot.
@@ -108,6 +114,10 @@ class Request:
     prompt_logprobs: bool = False  # emit the prompt's logprobs first (OpenAI's echo with logprobs)
     media: MediaInputs | None = None  # a VL prompt's images (one row; `ling_jax.serving.media`)
     grammar: Matcher | None = None  # structured outputs: the grammar its tokens follow, ending it when complete
+    ignore_eos: bool = False  # EOS is a token like any other
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the request as EOS does
+    siblings: list[Request] = dataclasses.field(default_factory=list)  # more choices, forked after the prefill
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     cancelled: bool = False
@@ -158,6 +168,8 @@ class Scheduler:
         """Queue a request; ValueError for one that cannot run, QueueFull when the queue is full."""
         if request.stop:
             StopChecker(request.stop)  # raises on an empty stop string
+        if len(request.siblings) >= self.engine.max_batch:
+            raise ValueError(f"a request's choices decode together: at most {self.engine.max_batch} (the slots)")
         room = self.engine.max_context - len(request.prompt)
         if not request.prompt or not 0 <= request.max_tokens <= room or room < 1:
             raise ValueError(
@@ -252,20 +264,22 @@ class Scheduler:
     def _admit(self) -> None:
         for request in [r for r in self.waiting if not r.max_tokens]:  # prompt logprobs only: no slot
             self.waiting.remove(request)
-            self._scoring.append(request)
-        for slot, occupant in enumerate(self.slots):
-            if occupant is None and self.waiting:
-                request = self.waiting.popleft()
-                request.slot = slot
-                self._resume(request)
-                request._chunks = self.engine.prompt_chunks(request.prompt, request._position)
-                if request.media is not None:
-                    request._media_chunks = self.engine.media_prefill(slot, request._chunks, request.media)
-                self.metrics.prompt_tokens.inc(len(request.prompt))
-                request._completion = Completion(self.tokenizer, StopChecker(request.stop) if request.stop else None)
-                self.slots[slot] = request
-                if request.prompt_logprobs:
-                    self._scoring.append(request)
+            self._scoring += [request, *request.siblings]
+        free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
+        while self.waiting and len(self.waiting[0].siblings) < len(free):  # a slot for every choice
+            request = self.waiting.popleft()
+            for member in (request, *request.siblings):
+                member.slot = free.pop(0)
+                member._completion = Completion(self.tokenizer, StopChecker(member.stop) if member.stop else None)
+                self.slots[member.slot] = member
+                if member.prompt_logprobs:
+                    self._scoring.append(member)
+            self._resume(request)
+            request.cached_tokens = request._position
+            request._chunks = self.engine.prompt_chunks(request.prompt, request._position)
+            if request.media is not None:
+                request._media_chunks = self.engine.media_prefill(request.slot, request._chunks, request.media)
+            self.metrics.prompt_tokens.inc(len(request.prompt))
         self.metrics.queue_depth.set(len(self.waiting))
         self.metrics.running_batch.set(self.busy_slots())
 
@@ -312,13 +326,23 @@ class Scheduler:
                 request._node = cache.insert(request._node, request.prompt[start : start + real], state, pages)
                 self.metrics.prefix_bytes.set(cache.nbytes)
             if not request._chunks:
-                bitmask_W = None if request.grammar is None else request.grammar.bitmask()
-                first = jax.device_get(
-                    self.engine.first_token(request.slot, hidden_PD[row : row + 1], request.sampling, bitmask_W)
-                )
-                request.first_token_at = time.perf_counter()
-                self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
-                self._take_row(request, first, 0)
+                siblings, request.siblings = request.siblings, []
+                for sibling in siblings:  # before the request's first token changes its slot
+                    if self.slots[sibling.slot] is sibling:
+                        tokens = len(request.prompt) + sibling.max_tokens
+                        self.engine.fork(request.slot, sibling.slot, len(request.prompt), tokens)
+                        sibling._position = request._position
+                for member in (request, *siblings):
+                    if self.slots[member.slot] is member:
+                        self._first_token(member, hidden_PD[row : row + 1])
+
+    def _first_token(self, request: Request, hidden_1D: jax.Array) -> None:
+        """Draw the request's first token from its prompt's last hidden state (within its grammar) and take it."""
+        bitmask_W = None if request.grammar is None else request.grammar.bitmask()
+        first = jax.device_get(self.engine.first_token(request.slot, hidden_1D, request.sampling, bitmask_W))
+        request.first_token_at = time.perf_counter()
+        self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
+        self._take_row(request, first, 0)
 
     def _take_step(self, new: NewTokens, decoding: list[Request]) -> None:
         """A decode step's tokens (`Engine.decode`), read once the next step is dispatched: each request still in
@@ -344,7 +368,7 @@ class Scheduler:
     def _take(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """The request's next token (with its logprob, if it asks): emit its text, or end the request."""
         self.metrics.count_tokens(1)
-        if token in self.eos_ids:
+        if (token in self.eos_ids and not request.ignore_eos) or token in request.stop_ids:
             self._finish(request, Finish.STOP)
             return
         if request.grammar is not None:
@@ -373,6 +397,9 @@ class Scheduler:
         `logprobs` and the rest of the text."""
         self.engine.release(request.slot)
         self.slots[request.slot] = None
+        for sibling in request.siblings:  # choices not forked yet: they never will be
+            if self.slots[sibling.slot] is sibling:
+                self._finish(sibling, Finish.CANCELLED)
         self.metrics.running_batch.set(self.busy_slots())
         self.metrics.requests.labels(str(finish)).inc()
         if finish is Finish.CANCELLED:

@@ -1,10 +1,10 @@
 """The OpenAI request bodies the server accepts (pydantic, strict types) and its error responses.
 
-Fields beyond OpenAI's that vLLM / SGLang accept too: `top_k`, `min_p`, `repetition_penalty`, and vLLM's structured
-outputs (`structured_outputs`, `guided_*`: `structured.py`). Nothing is
-silently dropped: a field the server does not declare is a 400 naming it (a field set to null counts as absent),
-and the fields accepted and ignored on purpose are declared as such (`user`). A wrong type or a value out of
-range is a 400 with OpenAI's error object: {"error": {"message", "type", "param", "code"}}. docs/serving.md
+Fields beyond OpenAI's that vLLM / SGLang accept too: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`min_tokens`, `stop_token_ids`, and vLLM's structured outputs (`structured_outputs`, `guided_*`: `structured.py`).
+Nothing is silently dropped: a field the server does not declare is a 400 naming it (a field set to null counts as
+absent), and the fields accepted and ignored on purpose are declared as such (`user`). A wrong type or a value out
+of range is a 400 with OpenAI's error object: {"error": {"message", "type", "param", "code"}}. docs/serving.md
 ("Supported fields") lists them per endpoint.
 """
 
@@ -14,9 +14,11 @@ import re
 from typing import Literal, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, model_validator
 
-from ling_jax.generation.sampling import MAX_LOGPROBS, SamplingParams
+from ling_jax.generation.sampling import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
+
+MAX_STOP_TOKEN_IDS = 32  # stop_token_ids per request
 
 
 class APIError(Exception):
@@ -96,7 +98,13 @@ class _Body(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1)  # at most --max-batch (api.py): a request's choices decode together
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias added to its logit
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[NonNegativeInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None  # vLLM's older names of structured_outputs' fields
@@ -104,8 +112,11 @@ class _Body(Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def sampling(self, default_seed: int) -> SamplingParams:
-        """The request's sampling parameters (OpenAI's defaults: temperature 1, no filter)."""
+    def sampling(self, default_seed: int, vocab_size: int, end_ids: tuple[int, ...], choice: int = 0) -> SamplingParams:
+        """The sampling parameters of the request's choice `choice` (OpenAI's defaults: temperature 1, no filter;
+        choice i samples with seed + i, as vLLM's). end_ids: the tokens that end it (EOS unless ignored, stop
+        token ids), which `min_tokens` holds back."""
+        seed = default_seed if self.seed is None else self.seed
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -113,12 +124,27 @@ class _Body(Strict):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 min_p=0.0 if self.min_p is None else self.min_p,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                seed=default_seed if self.seed is None else self.seed,
+                seed=(seed + choice) % SEED_LIMIT if choice else seed,
                 logprobs=self.logprob_count,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias=self._bias(vocab_size),
+                min_tokens=self.min_tokens,
+                end_ids=end_ids if self.min_tokens else (),
             )
         except ValueError as e:  # its messages name command-line flags: name the JSON field instead
             message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), str(e))
             raise APIError(400, message, param=message.split()[0]) from e
+
+    def _bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise APIError(
+                    400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
+                )
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -153,8 +153,10 @@ def test_mtp_greedy_is_token_identical_and_reports_acceptance(two_token_model, d
 
 
 def test_mtp_sampling_is_identical_to_plain_sampling(model):
+    """Sampled and greedy, with the penalties: each verified position sees the drafts before it as generated."""
     prompts = _prompts(model.config)
-    settings = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, repetition_penalty=1.2) for s in range(3)]
+    penalties = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 1.5}
+    settings = [SamplingParams(temperature=0.9 * s, top_p=0.9, seed=s, **penalties) for s in range(3)]
     plain, _ = Generator(model, prefill_chunk=16).generate(prompts, settings, 8)
     speculative, _ = Generator(model, prefill_chunk=16, mtp=2).generate(prompts, settings, 8)
     assert speculative == plain

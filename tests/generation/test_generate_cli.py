@@ -171,6 +171,7 @@ def test_chat_template_and_system_message(capsys, hf_dir, tokenizer):
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--top-p", "0"], "--top-p must be in (0, 1]"),
         (["--min-p", "2"], "--min-p"),
+        (["--frequency-penalty", "3"], "--frequency-penalty must be in [-2, 2], got 3.0"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--system", "x"], "--system needs --chat"),
         (["--stop", "END", "--stop", ""], "--stop strings must be non-empty"),

@@ -76,7 +76,8 @@ class ScriptedScheduler:
     """Replies to every request with `pieces` (one delta each), recording the requests."""
 
     def __init__(self, vocab_size: int):
-        self.engine = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
+        self.engine = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size), max_batch=1)
+        self.eos_ids = frozenset()
         self.error = None
         self.metrics = Metrics()
         self.pieces: list[str] = []

@@ -4,18 +4,12 @@ In-process, the same with MTP speculation and the prefix cache's prompt layout (
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
+from served import served
 
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import Engine
@@ -26,7 +20,6 @@ httpx = pytest.importorskip("httpx", reason="the server tests' client (the test 
 openai = pytest.importorskip("openai", reason="the server tests' client (the test extra)")
 
 MODEL = "ling-demo"
-START_TIMEOUT_S = 240
 PROMPT = "It is a truth universally acknowledged, that a single man"  # two prefill chunks of 16
 MAX_TOKENS = 4
 TOLERANCE = 1e-4  # relative or absolute, per value
@@ -34,33 +27,9 @@ TOLERANCE = 1e-4  # relative or absolute, per value
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [sys.executable, "-m", "ling_jax.serving", "--port", str(port), "--max-batch", "4"]
-    command += ["--max-context", "64", "--prefill-chunk", "16", "--prefill-budget", "32"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    with open(log, "w") as out:
-        server = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"ling-serve did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    flags = ["--max-batch", "4", "--max-context", "64", "--prefill-chunk", "16", "--prefill-budget", "32"]
+    with served(tmp_path_factory.mktemp("serve"), flags) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    finally:
-        server.kill()
-        server.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 @pytest.fixture(scope="module")
