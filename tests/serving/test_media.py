@@ -184,6 +184,12 @@ def test_refused_urls_are_a_400_naming_the_part(client, url, message):
     assert message in body["message"]
 
 
+def test_n_choices_with_images_are_a_400_naming_n(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        _ask(client, _png_url(8, 8), n=2)
+    assert error.value.body["param"] == "n"
+
+
 def test_local_files_need_the_flag(root):
     """Without --allowed-local-media-path (the reader the server builds then) a path or file:// URL is refused."""
     reader = MediaReader.for_checkpoint(root / "vl", load_model_config(root / "vl"), None)
