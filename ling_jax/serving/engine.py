@@ -63,8 +63,10 @@ from ling_jax.generation.generator import (
     NewTokens,
     decode_step,
     first_token,
+    keep_idle_rows,
     prefill_chunks,
-    speculative_round,
+    speculative_rounds,
+    where_rows,
 )
 from ling_jax.generation.sampling import Logprobs, SamplingArrays, SamplingParams, logprobs_at, seen_from_prompts
 from ling_jax.generation.static_model import split_model
@@ -179,7 +181,7 @@ def _reset(rows: LingCache, fresh_P) -> LingCache:
     """Slot rows as a new request finds them where fresh_P: KDA states zero, length 0 (its pages' old contents
     lie past the length, invisible)."""
     layers = tuple(
-        jax.tree.map(lambda x: _where_rows(fresh_P, jnp.zeros_like(x), x), s) if isinstance(s, KDAState) else s
+        jax.tree.map(lambda x: where_rows(fresh_P, jnp.zeros_like(x), x), s) if isinstance(s, KDAState) else s
         for s in rows.layers
     )
     return rows.replace(layers=layers, lengths=jnp.where(fresh_P, 0, rows.lengths))
@@ -289,30 +291,11 @@ def _first_token(static, leaves, state: DecodeState, slot, hidden_1D, arrays_1: 
     return new, _put_slot_rows(slots, row, slot).replace(cache=state.cache)
 
 
-def _where_rows(rows_B, new, old):
-    return jnp.where(rows_B.reshape(-1, *([1] * (new.ndim - 1))), new, old)
-
-
 def _without_idle_pages(cache: LingCache, active_B) -> LingCache:
     """The cache as a step sees it: slots not active have no pages (they touch only the scratch page: a new
     request's slot may list shared pages before its first prefill)."""
     no_pages_BN = jnp.full_like(cache.page_table, _no_page(cache))
     return cache.replace(page_table=jnp.where(active_B[:, None], cache.page_table, no_pages_BN))
-
-
-def _keep_idle_states(cache: LingCache, stepped: LingCache, active_B) -> LingCache:
-    """`cache` after a step: the stepped MLA pages and lengths, the stepped KDA states of active slots only."""
-    layers = tuple(
-        jax.tree.map(lambda new, old: _where_rows(active_B, new, old), s, before) if isinstance(s, KDAState) else s
-        for s, before in zip(stepped.layers, cache.layers)
-    )
-    return cache.replace(layers=layers, lengths=jnp.where(active_B, stepped.lengths, cache.lengths))
-
-
-def _without_caches(state: DecodeState) -> DecodeState:
-    """The state's per-slot rows that are not a cache (seen rows, tokens, counts, drafts and carries)."""
-    drafts = None if state.drafts is None else state.drafts.replace(cache=None)
-    return state.replace(cache=None, drafts=drafts)
 
 
 def _first_slots(state: DecodeState, rows: int) -> DecodeState:
@@ -326,29 +309,26 @@ def _put_first_slots(state: DecodeState, first: DecodeState) -> DecodeState:
     return put.replace(cache=_put_rows(state.cache, first.cache, _set_first))
 
 
-def _keep_idle_slots(before: DecodeState, stepped: DecodeState, active_R) -> DecodeState:
-    """`stepped` with the slots not active as they were `before` the step: KDA states, length, seen row, token,
-    count, drafts and carry (the MTP entries a round adds past an idle slot's length are invisible to it)."""
-    kept = jax.tree.map(
-        lambda new, old: _where_rows(active_R, new, old), _without_caches(stepped), _without_caches(before)
-    )
-    drafts = None if kept.drafts is None else kept.drafts.replace(cache=stepped.drafts.cache)
-    return kept.replace(cache=_keep_idle_states(before.cache, stepped.cache, active_R), drafts=drafts)
-
-
 @functools.partial(jax.jit, static_argnames=("static", "num_drafts", "rows"), donate_argnames="state")
-def _step(static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R):
-    """One decode step (num_drafts = 0: `decode_step`) or speculative round (`speculative_round`) of slots
-    [0, rows) (the engine's bucket over its active slots); slots not active have no pages in it and keep their
-    state. -> (NewTokens over the R slots, meaningful where active; state)."""
+def _step(static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R, capacity_R):
+    """One decode step (num_drafts = 0: `decode_step`) or speculative round (`speculative_rounds`, the program
+    `Generator` runs, here of one round) of slots [0, rows) (the engine's bucket over its active slots); slots not
+    active have no pages in it and keep their state. A speculative round stops each slot at its capacity
+    (capacity_R: the tokens its pages were assigned for, `Engine.assign`), so every token it keeps read its own
+    pages only, never the scratch page (its EOS is the scheduler's to see). -> (NewTokens over the R slots,
+    meaningful where active; state)."""
     model = static.merge(leaves)
     before = _first_slots(state, rows)
     stepping = before.replace(cache=_without_idle_pages(before.cache, active_R))
-    if num_drafts:
-        new, stepped = speculative_round(model, num_drafts, stepping, _first(arrays, rows), active_R)
+    if num_drafts:  # slots that do not run a round keep their state
+        no_eos_V = jnp.zeros(state.seen_BV.shape[1], bool)
+        new, stepped = speculative_rounds(
+            model, num_drafts, 1, stepping, _first(arrays, rows), active_R, capacity_R, no_eos_V
+        )
     else:
         new, stepped = decode_step(model, stepping, _first(arrays, rows))
-    return new, _put_first_slots(state, _keep_idle_slots(before, stepped, active_R))
+        stepped = keep_idle_rows(before, stepped, active_R)
+    return new, _put_first_slots(state, stepped)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -424,6 +404,7 @@ class Engine:
         )
         self._params = [GREEDY] * max_batch
         self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
+        self.capacity_B = np.zeros(max_batch, np.int32)  # the tokens each slot's pages were assigned for
 
     def _place(self, state: DecodeState) -> DecodeState:
         """`state` committed where the programs keep it (one device; over the mesh, the caches in their shardings
@@ -501,12 +482,13 @@ class Engine:
         return hidden_PD
 
     def assign(self, slot: int, shared: list[int], tokens: int) -> None:
-        """Give `slot` the pages of `tokens` slots: `shared` (a cached prefix's pages, in order) first, then pages
-        of its own."""
+        """Give `slot` the pages of `tokens` slots (its prompt and completion: it decodes no further), `shared` (a
+        cached prefix's pages, in order) first, then pages of its own."""
         own = self.pages.allocate(self.pages.pages_for(tokens) - len(shared))
         self.pages.share(shared)
         self.page_table_BN[slot] = self.pages.num_pages
         self.page_table_BN[slot, : len(shared) + len(own)] = shared + own
+        self.capacity_B[slot] = tokens
         self._table_changed = True
 
     def block_pages(self, slot: int, start: int) -> tuple[int, ...]:
@@ -608,7 +590,10 @@ class Engine:
             self._arrays = SamplingArrays.from_params(self._params)
         rows = rows or self.decode_rows(active_B)
         active_R = jnp.asarray(active_B[:rows], bool)
-        new, self.state = _step(self.static, self.mtp, rows, self.leaves, self._synced(), self._arrays, active_R)
+        capacity_R = jnp.array(self.capacity_B[:rows], copy=True)  # never a view of the host's, edited in place
+        new, self.state = _step(
+            self.static, self.mtp, rows, self.leaves, self._synced(), self._arrays, active_R, capacity_R
+        )
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new
