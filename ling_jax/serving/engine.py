@@ -30,14 +30,15 @@ the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (n
 `max_batch` x `max_context` x 576 values; it is gathered per prefill row like the KDA states), the carry (the
 main model's hidden at the last prefilled token, whose MTP entry needs the token after it), and the slot's next
 draft with its MTP hidden. A prefill chunk also writes its MTP entries (`_prefill_drafts`), the first token
-adds the last prompt position's and drafts (`first_draft`), and the step is a speculative round of
-every slot (`speculative_round`, shared with `Generator`): K drafts chained through the MTP layer, K + 1
+adds the last prompt position's and drafts (`first_draft`), and the step is a speculative round of every slot
+(`speculative_rounds` of one round, the program `Generator` runs): K drafts chained through the MTP layer, K + 1
 positions verified in one main-model pass whose KDA layers keep every token's state, each slot's targets drawn
 with its own sampler, a draft accepted while it equals its target, and each slot committed at its own accepted
 boundary (KDA state and conv window of the last accepted token, length; MLA rows past it lie beyond the length,
 MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]: exactly the tokens plain
-decoding gives, greedy or sampled. A prefix-cache snapshot then also holds the block's MTP entries and the
-carry, so a resumed request drafts as a cold one does.
+decoding gives, greedy or sampled, and no more than its request's max_tokens (`Engine.assign`'s capacity): the
+step already dispatched when a request ends leaves its slot as it is. A prefix-cache snapshot then also holds the
+block's MTP entries and the carry, so a resumed request drafts as a cold one does.
 
 Sampling is `ling_jax.generation.sampling.sample`: a row's key is fold_in(key(seed), token index), so a
 request's tokens depend on its own seed and position only, never on the other slots.
