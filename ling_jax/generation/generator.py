@@ -1,5 +1,5 @@
-"""Batched generation: chunked prefill, then fixed-shape jitted decode programs of DECODE_READ_GROUP steps each
-(or MTP speculative rounds) over donated caches, with per-request sampling and streaming callbacks.
+"""Batched generation: chunked prefill, then fixed-shape jitted decode programs of DECODE_READ_GROUP steps (or MTP
+speculative rounds) each over donated caches, with per-request sampling and streaming callbacks.
 
 Prompts are left-padded so that every row's last prompt token sits in the last column; the attention mask
 keeps pads out of every KDA state and MLA cache. The padded prompt is cut into chunks of `prefill_chunk`
@@ -15,6 +15,9 @@ position's target token is drawn with the request's own sampler and key, a draft
 the target, and the caches are committed at the last accepted token (KDA: the kept per-token state; MLA:
 the cache length; the MTP cache is rolled back and re-run on the accepted tokens). Every emitted token is
 the target model's own draw, so the output is exactly the non-speculative output, with greedy or sampling.
+A program runs DECODE_READ_GROUP rounds with no host in between: each round's accepted tokens go to the row's
+next columns of a [B, DECODE_READ_GROUP * (K + 1)] buffer, a row stops (emits nothing more, keeps its state) at
+an EOS or its length limit, and the host reads the buffer and the per-row counts once per program.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ling_jax.cache import LingCache, MTPCache, commit_verified
+from ling_jax.cache import KDAState, LingCache, MTPCache, commit_verified
 from ling_jax.generation.compile_watch import CompileClock
 from ling_jax.generation.logit_controls import count_tokens
 from ling_jax.generation.sampling import (
@@ -49,7 +52,7 @@ from ling_jax.mrope import MediaGrid, batch_mrope_positions
 from ling_jax.sharding import cache_shardings, shard_model
 
 MIN_CHUNK = 16
-DECODE_READ_GROUP = 8  # decode steps per program and host read; the next program runs on the device meanwhile
+DECODE_READ_GROUP = 8  # decode steps (MTP rounds) per program and host read; the next one runs meanwhile
 CACHE_BUCKET = 256  # cache lengths are rounded up to this, so nearby prompt lengths share compiled steps
 
 
@@ -141,12 +144,13 @@ class DecodeState:
 
 @struct.dataclass
 class NewTokens:
-    """What a program gives each row: its new tokens are tokens_BT[b, :counts_B[b]] (one per decode step, one to
+    """What a program gives each row: its new tokens are tokens_BT[b, :counts_B[b]] (one per decode step, none to
     K + 1 per speculative round), with their logprobs (`sampling.token_logprobs`: [B, T] and [B, T, K])."""
 
     tokens_BT: jax.Array  # [B, T] int32
     counts_B: jax.Array  # [B] int32
     logprobs: Logprobs
+    rounds_B: jax.Array | None = None  # [B] int32, speculation: the rounds each row ran (K drafts each)
 
 
 def _draw(logits_BV, arrays: SamplingArrays, steps_B, seen_BV, counts_BV) -> tuple[jax.Array, Logprobs]:
@@ -260,13 +264,62 @@ def _decode_group(
     return NewTokens(tokens_BK, jnp.full(tokens_BK.shape[:1], num_steps, jnp.int32), logprobs), state
 
 
+def where_rows(rows_B, new, old):
+    """`new` in the rows where rows_B [B] holds, `old` elsewhere (arrays of one leading batch axis)."""
+    return jnp.where(rows_B.reshape(-1, *([1] * (new.ndim - 1))), new, old)
+
+
+def _without_caches(state: DecodeState) -> DecodeState:
+    """The state's per-row arrays that are not a cache (seen rows, tokens, counts, drafts and carries)."""
+    drafts = None if state.drafts is None else state.drafts.replace(cache=None)
+    return state.replace(cache=None, drafts=drafts)
+
+
+def keep_idle_rows(before: DecodeState, stepped: DecodeState, active_B) -> DecodeState:
+    """`stepped` with the rows not active as they were `before` the step: KDA states, length, seen row, token,
+    count, drafts and carry. The MLA caches (and the MTP cache) are `stepped`'s: what a step writes past an idle
+    row's length is invisible to it."""
+    kept = jax.tree.map(
+        lambda new, old: where_rows(active_B, new, old), _without_caches(stepped), _without_caches(before)
+    )
+    layers = tuple(
+        jax.tree.map(lambda new, old: where_rows(active_B, new, old), s, b) if isinstance(s, KDAState) else s
+        for s, b in zip(stepped.cache.layers, before.cache.layers)
+    )
+    cache = stepped.cache.replace(
+        layers=layers, lengths=jnp.where(active_B, stepped.cache.lengths, before.cache.lengths)
+    )
+    drafts = None if kept.drafts is None else kept.drafts.replace(cache=stepped.drafts.cache)
+    return kept.replace(cache=cache, drafts=drafts)
+
+
+def _draw_verified(logits_BTV, arrays: SamplingArrays, state: DecodeState, drafts_BK) -> tuple[jax.Array, Logprobs]:
+    """The target token [B, T] at each of a verify pass's T = K + 1 positions, with its logprobs, in one `sample`
+    call over B * T rows: position i draws with the row's sampler at step steps + i, drafts[:i] seen (they matter
+    only if accepted, as seen tokens and as generated-token counts)."""
+    batch, positions, vocab = logits_BTV.shape
+    seen, counts = [state.seen_BV], [state.counts_BV]
+    for i in range(positions - 1):
+        seen.append(update_seen(seen[-1], drafts_BK[:, i]))
+        counts.append(count_tokens(counts[-1], drafts_BK[:, i]))
+    steps_BT = state.steps_B[:, None] + jnp.arange(positions, dtype=state.steps_B.dtype)
+    token_N, logprobs = _draw(
+        logits_BTV.reshape(batch * positions, vocab),
+        jax.tree.map(lambda x: jnp.repeat(x, positions, axis=0), arrays),
+        steps_BT.reshape(-1),
+        jnp.stack(seen, axis=1).reshape(batch * positions, vocab),
+        jnp.stack(counts, axis=1).reshape(batch * positions, vocab),
+    )
+    return jax.tree.map(lambda x: x.reshape(batch, positions, *x.shape[1:]), (token_N, logprobs))
+
+
 def speculative_round(
-    model: LingForCausalLM, num_drafts: int, state: DecodeState, arrays: SamplingArrays, active_B
+    model: LingForCausalLM, num_drafts: int, state: DecodeState, arrays: SamplingArrays, active_B, capacity_B, eos_V
 ) -> tuple[NewTokens, DecodeState]:
-    """Draft num_drafts tokens, verify them, commit (traced inside a jitted program): each row emits its targets up
-    to its first rejected draft (tokens_BT: [B, K+1] targets, counts_B: accepted + 1). Rows not active keep their
-    cache and MTP cache lengths (finished rows never run past the cache; a server's idle slots stay where they
-    are)."""
+    """Draft num_drafts tokens, verify them, commit (traced inside a jitted program): each active row emits its
+    targets up to its first rejected draft (tokens_BT: [B, K+1] targets, counts_B: accepted + 1), and no further
+    than its first EOS (eos_V [V]: which tokens are one) or its capacity (capacity_B [B]: the prompt and generated
+    tokens it may hold). Rows not active emit nothing and keep their state (`keep_idle_rows`)."""
     cache, seen_BV, token_B, drafts = state.cache, state.seen_BV, state.token_B, state.drafts
     rows = jnp.arange(token_B.shape[0])
     mtp_cache, draft_hidden_BD = drafts.cache, drafts.draft_hidden_BD
@@ -278,21 +331,17 @@ def speculative_round(
         chain.append(jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32))
     drafts_BK = jnp.stack(chain, axis=1)
     verify_ids = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
-    start_lengths_B = cache.lengths
     hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, policy=model.policy)
-    logits_BTV = model.logits(hidden_BTD)
-    drawn, seen, counts = [], seen_BV, state.counts_BV
-    for i in range(num_drafts + 1):  # position i sees drafts[:i] as history (they matter only if accepted)
-        drawn.append(_draw(logits_BTV[:, i], arrays, state.steps_B + i, seen, counts))
-        if i < num_drafts:
-            seen, counts = update_seen(seen, drafts_BK[:, i]), count_tokens(counts, drafts_BK[:, i])
-    targets_BT, logprobs = jax.tree.map(lambda *x: jnp.stack(x, axis=1), *drawn)
-    accepted_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
+    targets_BT, logprobs = _draw_verified(model.logits(hidden_BTD), arrays, state, drafts_BK)
+    matched_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
+    eos_BK = eos_V[targets_BT[:, :num_drafts]]
+    first_eos_B = jnp.where(eos_BK.any(axis=1), eos_BK.argmax(axis=1), num_drafts)
+    room_B = capacity_B - cache.lengths - 1  # tokens the row may still emit
+    accepted_B = jnp.clip(jnp.minimum(matched_B, jnp.minimum(first_eos_B, room_B - 1)), 0)
     kept_BT = jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
     counts_BV = state.counts_BV.at[rows[:, None], targets_BT].add(kept_BT.astype(jnp.int32))
     cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
-    cache = cache.replace(lengths=jnp.where(active_B, cache.lengths, start_lengths_B))
     mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=mtp_lengths_B)  # drop the chained drafts' entries
     out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
     drafts = drafts.replace(
@@ -300,7 +349,7 @@ def speculative_round(
         draft_B=jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32),
         draft_hidden_BD=out.hidden[rows, accepted_B],
     )
-    state = state.replace(
+    stepped = state.replace(
         cache=cache,
         seen_BV=seen_BV,
         counts_BV=counts_BV,
@@ -308,14 +357,62 @@ def speculative_round(
         steps_B=state.steps_B + accepted_B + 1,
         drafts=drafts,
     )
-    return NewTokens(targets_BT, accepted_B + 1, logprobs), state
+    counts_B = jnp.where(active_B, accepted_B + 1, 0)
+    new = NewTokens(targets_BT, counts_B, logprobs, rounds_B=active_B.astype(jnp.int32))
+    return new, keep_idle_rows(state, stepped, active_B)
 
 
-@functools.partial(jax.jit, static_argnames=("static", "num_drafts"), donate_argnames="state")
-def _speculative_round(
-    static, num_drafts, leaves, state: DecodeState, arrays, active_B
+def speculative_rounds(
+    model: LingForCausalLM,
+    num_drafts: int,
+    num_rounds: int,
+    state: DecodeState,
+    arrays: SamplingArrays,
+    active_B,
+    capacity_B,
+    eos_V,
 ) -> tuple[NewTokens, DecodeState]:
-    return speculative_round(static.merge(leaves), num_drafts, state, arrays, active_B)
+    """num_rounds speculative rounds in one program (a `lax.fori_loop` of a fixed trip count, traced inside a jitted
+    program), with no host in between: each round's accepted tokens go to the row's next columns of a [B,
+    num_rounds * (K + 1)] buffer (NewTokens.counts_B: how many each row has; rounds_B: the rounds it ran). A row
+    runs a round while active_B, below its capacity (capacity_B: the prompt and generated tokens it may hold) and
+    its last token not an EOS (eos_V [V]: which tokens are one); a row that stops keeps its state
+    (`speculative_round`)."""
+    batch, width = state.token_B.shape[0], num_rounds * (num_drafts + 1)
+    rows_B1 = jnp.arange(batch)[:, None]
+
+    def round_(_, carry):
+        state, out = carry
+        running_B = active_B & (state.cache.lengths + 1 < capacity_B) & ~eos_V[state.token_B]
+        new, state = speculative_round(model, num_drafts, state, arrays, running_B, capacity_B, eos_V)
+        columns_BT = out.counts_B[:, None] + jnp.arange(num_drafts + 1)
+        columns_BT = jnp.where(columns_BT < (out.counts_B + new.counts_B)[:, None], columns_BT, width)  # width: dropped
+        tokens_BN, logprobs = jax.tree.map(
+            lambda buffer, x: buffer.at[rows_B1, columns_BT].set(x, mode="drop"),
+            (out.tokens_BT, out.logprobs),
+            (new.tokens_BT, new.logprobs),
+        )
+        out = NewTokens(tokens_BN, out.counts_B + new.counts_B, logprobs, out.rounds_B + new.rounds_B)
+        return state, out
+
+    logits_BV = jax.ShapeDtypeStruct((batch, state.seen_BV.shape[1]), jnp.float32)
+    logprobs = jax.eval_shape(token_logprobs, logits_BV, state.token_B, arrays)
+    no_rows_B = jnp.zeros((batch,), jnp.int32)
+    out = NewTokens(
+        jnp.zeros((batch, width), jnp.int32),
+        no_rows_B,
+        jax.tree.map(lambda x: jnp.zeros((batch, width, *x.shape[1:]), x.dtype), logprobs),
+        rounds_B=no_rows_B,
+    )
+    state, out = jax.lax.fori_loop(0, num_rounds, round_, (state, out))
+    return out, state
+
+
+@functools.partial(jax.jit, static_argnames=("static", "num_drafts", "num_rounds"), donate_argnames="state")
+def _speculative_group(
+    static, num_drafts, num_rounds, leaves, state: DecodeState, arrays, active_B, capacity_B, eos_V
+) -> tuple[NewTokens, DecodeState]:
+    return speculative_rounds(static.merge(leaves), num_drafts, num_rounds, state, arrays, active_B, capacity_B, eos_V)
 
 
 class _Rows:
@@ -350,6 +447,10 @@ class _Rows:
     @property
     def generated(self) -> int:
         return int(self.counts.sum())
+
+    def room(self) -> np.ndarray:
+        """The tokens each row not done may still take (0 for rows done)."""
+        return np.where(self.done, 0, self.max_new_tokens - self.counts)
 
 
 class _SteadyClock:
@@ -601,11 +702,25 @@ class Generator:
                 return
 
     def _speculate(self, rows: _Rows, stats: GenerationStats, steady: _SteadyClock, state: DecodeState, arrays):
+        """After the first token, each jitted program runs DECODE_READ_GROUP speculative rounds on the device
+        (`speculative_rounds`: rows stop at their EOS or length limit there) and the host reads one program's
+        tokens at a time, as `_decode` does: the next program is dispatched before the host reads, unless the ones
+        dispatched surely end every row (each round gives a running row at least one token). A row the host stops
+        (a stop string) stops at the next program dispatched."""
+        if rows.done.all():
+            return
+        group = functools.partial(_speculative_group, self.static, self.mtp, DECODE_READ_GROUP, self.leaves)
+        capacity_B = state.cache.lengths + rows.max_new_tokens  # each row's prompt and first token hold lengths + 1
+        eos_V = jnp.zeros(self.config.vocab_size, bool).at[rows.eos_ids].set(True, mode="drop")
+        queued: list[NewTokens] = []  # programs dispatched, not yet read, oldest first
         while not rows.done.all():
-            active = ~rows.done
-            new, state = _speculative_round(self.static, self.mtp, self.leaves, state, arrays, jnp.asarray(active))
-            counts = np.asarray(new.counts_B)
-            stats.drafted += self.mtp * int(active.sum())
-            stats.accepted += int((counts - 1)[active].sum())
-            rows.add(np.asarray(new.tokens_BT), counts)
-            steady.tick()
+            while len(queued) < 2 and not (queued and rows.room().max() <= DECODE_READ_GROUP * len(queued)):
+                new, state = group(state, arrays, jnp.asarray(~rows.done), capacity_B, eos_V)
+                for part in jax.tree.leaves(new):
+                    part.copy_to_host_async()
+                queued.append(new)
+            new = jax.device_get(queued.pop(0))
+            stats.drafted += self.mtp * int(new.rounds_B.sum())
+            stats.accepted += int((new.counts_B - new.rounds_B).sum())
+            rows.add(new.tokens_BT, new.counts_B)
+            steady.tick(int(new.rounds_B.max()))

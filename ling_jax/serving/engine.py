@@ -36,14 +36,15 @@ the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (n
 `max_batch` x `max_context` x 576 values; it is gathered per prefill row like the KDA states), the carry (the
 main model's hidden at the last prefilled token, whose MTP entry needs the token after it), and the slot's next
 draft with its MTP hidden. A prefill chunk also writes its MTP entries (`_prefill_drafts`), the first token
-adds the last prompt position's and drafts (`first_draft`), and the step is a speculative round of
-every slot (`speculative_round`, shared with `Generator`): K drafts chained through the MTP layer, K + 1
+adds the last prompt position's and drafts (`first_draft`), and the step is a speculative round of every slot
+(`speculative_rounds` of one round, the program `Generator` runs): K drafts chained through the MTP layer, K + 1
 positions verified in one main-model pass whose KDA layers keep every token's state, each slot's targets drawn
 with its own sampler, a draft accepted while it equals its target, and each slot committed at its own accepted
 boundary (KDA state and conv window of the last accepted token, length; MLA rows past it lie beyond the length,
 MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]: exactly the tokens plain
-decoding gives, greedy or sampled. A prefix-cache snapshot then also holds the block's MTP entries and the
-carry, so a resumed request drafts as a cold one does.
+decoding gives, greedy or sampled, and no more than its request's max_tokens (`Engine.assign`'s capacity): the
+step already dispatched when a request ends leaves its slot as it is. A prefix-cache snapshot then also holds the
+block's MTP entries and the carry, so a resumed request drafts as a cold one does.
 
 A VL model's request with images (`media_prefill`) gets its prompt's embeddings with the vision tower's output
 merged in and its (t, h, w) mRoPE positions, cut into its chunks, which `prefill` runs one row at a time; its
@@ -77,9 +78,11 @@ from ling_jax.generation.generator import (
     NewTokens,
     decode_step,
     first_token,
+    keep_idle_rows,
     media_prefill_inputs,
     prefill_chunks,
-    speculative_round,
+    speculative_rounds,
+    where_rows,
 )
 from ling_jax.generation.grammar_mask import unconstrained
 from ling_jax.generation.sampling import Logprobs, SamplingArrays, SamplingParams, logprobs_at, seen_from_prompts
@@ -195,7 +198,7 @@ def _reset(rows: LingCache, fresh_P) -> LingCache:
     """Slot rows as a new request finds them where fresh_P: KDA states zero, length 0 (its pages' old contents
     lie past the length, invisible)."""
     layers = tuple(
-        jax.tree.map(lambda x: _where_rows(fresh_P, jnp.zeros_like(x), x), s) if isinstance(s, KDAState) else s
+        jax.tree.map(lambda x: where_rows(fresh_P, jnp.zeros_like(x), x), s) if isinstance(s, KDAState) else s
         for s in rows.layers
     )
     return rows.replace(layers=layers, lengths=jnp.where(fresh_P, 0, rows.lengths))
@@ -334,30 +337,11 @@ def _first_token(static, leaves, state: DecodeState, slot, hidden_1D, arrays_1: 
     return new, _put_slot_rows(slots, row, slot).replace(cache=state.cache)
 
 
-def _where_rows(rows_B, new, old):
-    return jnp.where(rows_B.reshape(-1, *([1] * (new.ndim - 1))), new, old)
-
-
 def _without_idle_pages(cache: LingCache, active_B) -> LingCache:
     """The cache as a step sees it: slots not active have no pages (they touch only the scratch page: a new
     request's slot may list shared pages before its first prefill)."""
     no_pages_BN = jnp.full_like(cache.page_table, _no_page(cache))
     return cache.replace(page_table=jnp.where(active_B[:, None], cache.page_table, no_pages_BN))
-
-
-def _keep_idle_states(cache: LingCache, stepped: LingCache, active_B) -> LingCache:
-    """`cache` after a step: the stepped MLA pages and lengths, the stepped KDA states of active slots only."""
-    layers = tuple(
-        jax.tree.map(lambda new, old: _where_rows(active_B, new, old), s, before) if isinstance(s, KDAState) else s
-        for s, before in zip(stepped.layers, cache.layers)
-    )
-    return cache.replace(layers=layers, lengths=jnp.where(active_B, stepped.lengths, cache.lengths))
-
-
-def _without_caches(state: DecodeState) -> DecodeState:
-    """The state's per-slot rows that are not a cache (seen rows, tokens, counts, drafts and carries)."""
-    drafts = None if state.drafts is None else state.drafts.replace(cache=None)
-    return state.replace(cache=None, drafts=drafts)
 
 
 def _first_slots(state: DecodeState, rows: int) -> DecodeState:
@@ -371,30 +355,29 @@ def _put_first_slots(state: DecodeState, first: DecodeState) -> DecodeState:
     return put.replace(cache=_put_rows(state.cache, first.cache, _set_first))
 
 
-def _keep_idle_slots(before: DecodeState, stepped: DecodeState, active_R) -> DecodeState:
-    """`stepped` with the slots not active as they were `before` the step: KDA states, length, seen row, token,
-    count, drafts and carry (the MTP entries a round adds past an idle slot's length are invisible to it)."""
-    kept = jax.tree.map(
-        lambda new, old: _where_rows(active_R, new, old), _without_caches(stepped), _without_caches(before)
-    )
-    drafts = None if kept.drafts is None else kept.drafts.replace(cache=stepped.drafts.cache)
-    return kept.replace(cache=_keep_idle_states(before.cache, stepped.cache, active_R), drafts=drafts)
-
-
 @functools.partial(jax.jit, static_argnames=("static", "num_drafts", "rows"), donate_argnames="state")
-def _step(static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R, offsets_R=None):
-    """One decode step (num_drafts = 0: `decode_step`) or speculative round (`speculative_round`) of slots
-    [0, rows) (the engine's bucket over its active slots); slots not active have no pages in it and keep their
-    state. offsets_R: a VL engine's per-slot mRoPE position offsets (None for a text model). -> (NewTokens over
-    the R slots, meaningful where active; state)."""
+def _step(
+    static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R, capacity_R, offsets_R=None
+):
+    """One decode step (num_drafts = 0: `decode_step`) or speculative round (`speculative_rounds`, the program
+    `Generator` runs, here of one round) of slots [0, rows) (the engine's bucket over its active slots); slots not
+    active have no pages in it and keep their state. A speculative round stops each slot at its capacity
+    (capacity_R: the tokens its pages were assigned for, `Engine.assign`), so every token it keeps read its own
+    pages only, never the scratch page (its EOS is the scheduler's to see). offsets_R: a VL engine's per-slot mRoPE
+    position offsets (None for a text model; a VL model has no MTP here). -> (NewTokens over the R slots,
+    meaningful where active; state)."""
     model = static.merge(leaves)
     before = _first_slots(state, rows)
     stepping = before.replace(cache=_without_idle_pages(before.cache, active_R))
-    if num_drafts:
-        new, stepped = speculative_round(model, num_drafts, stepping, _first(arrays, rows), active_R)
+    if num_drafts:  # slots that do not run a round keep their state
+        no_eos_V = jnp.zeros(state.seen_BV.shape[1], bool)
+        new, stepped = speculative_rounds(
+            model, num_drafts, 1, stepping, _first(arrays, rows), active_R, capacity_R, no_eos_V
+        )
     else:
         new, stepped = decode_step(model, stepping, _first(arrays, rows), offsets_R)
-    return new, _put_first_slots(state, _keep_idle_slots(before, stepped, active_R))
+        stepped = keep_idle_rows(before, stepped, active_R)
+    return new, _put_first_slots(state, stepped)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -473,6 +456,7 @@ class Engine:
         self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
         # a VL model's decode positions: a token in cache slot s of slot b sits at s + offsets_B[b] (after images)
         self.position_offsets_B = None if self.vl_config is None else np.zeros(max_batch, np.int32)
+        self.capacity_B = np.zeros(max_batch, np.int32)  # the tokens each slot's pages were assigned for
 
     def _place(self, state: DecodeState) -> DecodeState:
         """`state` committed where the programs keep it (one device; over the mesh, the caches in their shardings
@@ -575,12 +559,13 @@ class Engine:
         return [(embeds_1TD[:, a:b], positions_1T3[:, a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def assign(self, slot: int, shared: list[int], tokens: int) -> None:
-        """Give `slot` the pages of `tokens` slots: `shared` (a cached prefix's pages, in order) first, then pages
-        of its own."""
+        """Give `slot` the pages of `tokens` slots (its prompt and completion: it decodes no further), `shared` (a
+        cached prefix's pages, in order) first, then pages of its own."""
         own = self.pages.allocate(self.pages.pages_for(tokens) - len(shared))
         self.pages.share(shared)
         self.page_table_BN[slot] = self.pages.num_pages
         self.page_table_BN[slot, : len(shared) + len(own)] = shared + own
+        self.capacity_B[slot] = tokens
         self._table_changed = True
 
     def block_pages(self, slot: int, start: int) -> tuple[int, ...]:
@@ -712,7 +697,10 @@ class Engine:
         rows = rows or self.decode_rows(active_B)
         active_R = jnp.asarray(active_B[:rows], bool)
         offsets_R = None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows])
-        new, self.state = _step(self.static, self.mtp, rows, self.leaves, self._synced(), arrays, active_R, offsets_R)
+        capacity_R = jnp.array(self.capacity_B[:rows], copy=True)  # never a view of the host's, edited in place
+        new, self.state = _step(
+            self.static, self.mtp, rows, self.leaves, self._synced(), arrays, active_R, capacity_R, offsets_R
+        )
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new

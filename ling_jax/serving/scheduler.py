@@ -349,11 +349,11 @@ class Scheduler:
         its slot takes its tokens in order, up to the one that ends it (one that ended meanwhile, or whose slot
         was taken since, ignores the step)."""
         new = jax.device_get(new)
-        drafted = new.tokens_BT.shape[1] - 1
         for request in decoding:
-            if self.slots[request.slot] is request and drafted:
-                self.metrics.mtp_drafted.inc(drafted)
-                self.metrics.mtp_accepted.inc(int(new.counts_B[request.slot]) - 1)
+            if self.slots[request.slot] is request and new.rounds_B is not None:
+                rounds = int(new.rounds_B[request.slot])
+                self.metrics.mtp_drafted.inc(self.engine.mtp * rounds)
+                self.metrics.mtp_accepted.inc(int(new.counts_B[request.slot]) - rounds)
             self._take_row(request, new, request.slot)
 
     def _take_row(self, request: Request, new: NewTokens, row: int) -> None:

@@ -1,5 +1,6 @@
 """The shipped demo checkpoint (ling_jax/assets/ling-demo): block-FP8 in the original HF layout, every
-architectural feature, a held-out loss below the stated threshold, deterministic greedy generation."""
+architectural feature, a held-out loss below the stated threshold, deterministic greedy generation (on the GPU,
+with MTP speculation too)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, gpu_test
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
@@ -106,3 +107,14 @@ def test_greedy_generation_is_deterministic_english(model, tokenizer):
     assert runs[0] == runs[1] and len(runs[0]) == 40
     words = tokenizer.decode(runs[0]).lower().replace('"', " ").split()
     assert sum(word.strip(".,;:!?") in COMMON_WORDS for word in words) >= 8, words
+
+
+@gpu_test("MTP speculation over the GPU kernels (the verify pass's KDA steps and MLA, the MTP layer)")
+def test_on_the_gpu_mtp_greedy_equals_plain(model, tokenizer):
+    """Programs of several speculative rounds on the device give the plain decode's tokens, drafts accepted."""
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    greedy = [SamplingParams(temperature=0.0)]
+    plain = Generator(model).generate([prompt], greedy, 64)[0]
+    for drafts in (1, 2):
+        speculative, stats = Generator(model, mtp=drafts).generate([prompt], greedy, 64)
+        assert speculative == plain and stats.accepted > 0, drafts

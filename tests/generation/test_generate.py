@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from ling_jax import LingForCausalLM
+from ling_jax.generation import generator as generator_module
 from ling_jax.generation.generator import DECODE_READ_GROUP, DecodeState, Generator, _prefill_chunk, prefill_chunks
 from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
 from ling_jax.generation.static_model import split_model
@@ -150,6 +151,31 @@ def test_mtp_greedy_is_token_identical_and_reports_acceptance(two_token_model, d
     print(f"K={drafts}: {stats.summary()}")
     assert speculative == plain
     assert 0 < stats.accepted < stats.drafted  # both accepted and rejected drafts were exercised
+
+
+def test_mtp_rows_stop_on_the_device(two_token_model, monkeypatch):
+    """Programs of several rounds stop each row on the device at its EOS or its max_new_tokens: the tokens a row's
+    programs hand the host run exactly to its EOS (included) or its last token, none past it, and their drafts
+    are the rounds it ran; the output is the plain decode's up to the EOS."""
+    prompts = _prompts(two_token_model.config)
+    plain, _ = Generator(two_token_model, prefill_chunk=16).generate(prompts, [GREEDY] * 3, 16)
+    eos = plain[0][5]
+    programs = []
+    group = generator_module._speculative_group
+
+    def recording(*args):
+        new, state = group(*args)
+        programs.append(jax.device_get(new))
+        return new, state
+
+    monkeypatch.setattr(generator_module, "_speculative_group", recording)
+    out, stats = Generator(two_token_model, prefill_chunk=16, mtp=3).generate(prompts, [GREEDY] * 3, 16, eos_ids=[eos])
+    assert out == [r[: r.index(eos)] if eos in r else r for r in plain]
+    from_device = [[t for p in programs for t in p.tokens_BT[row, : p.counts_B[row]].tolist()] for row in range(3)]
+    assert from_device == [r[1 : r.index(eos) + 1] if eos in r else r[1:] for r in plain]
+    assert stats.drafted == 3 * sum(int(p.rounds_B.sum()) for p in programs)
+    # a program gives a running row at least one token a round: none is dispatched once those in flight end every row
+    assert len(programs) <= -(-(16 - 1) // DECODE_READ_GROUP)
 
 
 def test_mtp_sampling_is_identical_to_plain_sampling(model):

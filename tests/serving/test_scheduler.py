@@ -201,6 +201,9 @@ def test_mtp_cut_inside_an_accepted_run_streams_nothing_past_it(mtp_scheduler, d
     sink = []
     (limited,) = _run(mtp_scheduler, [(prompt, GREEDY, cut)], [sink])
     assert limited.tokens == [t for d in sink for t in d.token_ids] == full[:cut] and sink[-1].finish is Finish.LENGTH
+    # the slot stopped on the device at max_tokens: the step dispatched before its end was seen left it there
+    state = mtp_scheduler.engine.state
+    assert state.cache.lengths[limited.slot] == state.drafts.cache.lengths[limited.slot] == len(prompt) + cut - 1
     eos = Scheduler(mtp_scheduler.engine, demo_tokenizer, eos_ids=[full[cut]], max_queue=8)
     sink = []
     (stopped,) = _run(eos, [(prompt, GREEDY, 24)], [sink])
