@@ -127,8 +127,8 @@ def main(argv=None) -> int:
         "--fp8-matmul",
         default="auto",
         choices=[mode.value for mode in FP8Matmul],
-        help="how block-FP8 weights multiply (ExecutionPolicy.fp8_matmul): auto (weight-only numerics: the "
-        "weight-only kernels, dequantise + dot past 255 rows), weight_only (the same), w8a8",
+        help="how block-FP8 weights multiply (ExecutionPolicy.fp8_matmul): auto (W8A8 from 256 rows, the "
+        "weight-only kernels below), weight_only (the weight-only kernels, dequantise + dot past 255 rows), w8a8",
     )
     parser.add_argument(
         "--kda-decode",

@@ -211,11 +211,12 @@ class LingForCausalLM(nnx.Module):
         policy: ExecutionPolicy | None = None,
     ):
         """policy: how the model runs (`ling_jax.policy.ExecutionPolicy`: kernel backend, KDA / MLA modes, MoE
-        exchange and capacity; None: `ExecutionPolicy()`, whose "auto" backend runs the GPU / TPU kernels on
-        those platforms and jnp on a CPU)."""
+        exchange and capacity, FP8 matmul; None: `ExecutionPolicy()`, whose "auto" backend runs the GPU / TPU kernels
+        on those platforms and jnp on a CPU), as `ExecutionPolicy.for_checkpoint` makes it for config's
+        quantization."""
         self.config = config
         self.dtype = dtype
-        self.policy = as_policy(policy)
+        self.policy = as_policy(policy).for_checkpoint(config.quantization)
         self.model = LingModel(config, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(

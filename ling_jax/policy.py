@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from pallas_kernels.backend import FP8Matmul, KernelBackend
+
+if TYPE_CHECKING:
+    from ling_jax.config import QuantizationConfig
 
 __all__ = [
     "ExecutionPolicy",
@@ -102,6 +105,15 @@ class ExecutionPolicy:
 
     def replace(self, **fields: Any) -> ExecutionPolicy:
         return dataclasses.replace(self, **fields)
+
+    def for_checkpoint(self, quantization: QuantizationConfig | None) -> ExecutionPolicy:
+        """This policy for a model of the checkpoint whose `quantization_config` is `quantization`: fp8_matmul AUTO
+        (W8A8 for prefill-sized products on a GPU) stays where the checkpoint declares dynamic activation
+        quantisation (`activation_scheme: dynamic`, the published block-FP8 checkpoints) or declares none (a preset
+        is taken as published, as `memory_plan.stored_format` takes it), and becomes WEIGHT_ONLY elsewhere."""
+        if self.fp8_matmul is not FP8Matmul.AUTO or quantization is None or quantization.activation_scheme == "dynamic":
+            return self
+        return self.replace(fp8_matmul=FP8Matmul.WEIGHT_ONLY)
 
     def for_call(
         self, length: int, *, cached: bool, kda_mode: KDAMode | None = None, mla_mode: MLAMode | None = None

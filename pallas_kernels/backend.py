@@ -24,8 +24,14 @@ class KernelBackend(enum.StrEnum):
 class FP8Matmul(enum.StrEnum):
     """How a block-FP8 linear multiplies (`pallas_kernels.fp8.fp8_linear`'s modes, the policy's `fp8_matmul`)."""
 
-    AUTO = "auto"  # weight-only numerics at every size: on a GPU the kernels by the call's rows (`fp8.tuned`)
-    WEIGHT_ONLY = "weight_only"  # the FP8 weight dequantised on chip, products in the activations' dtype
+    # the checkpoint's scheme by the product's size: on a GPU, W8A8 for prefill-sized products (`fp8.tuned.
+    # W8A8_MIN_ROWS` rows, `moe.tuned.rows_bucket` "many_rows" experts) and the weight-only kernels for decode-sized
+    # ones; weight-only numerics (dequantise-then-dot) on a CPU. A model whose checkpoint declares no dynamic
+    # activation quantisation runs it as WEIGHT_ONLY (`ExecutionPolicy.for_checkpoint`)
+    AUTO = "auto"
+    # the FP8 weight dequantised on chip, products in the activations' dtype, at every size: the batch-invariant
+    # mode (a token's output never depends on how many rows share its call)
+    WEIGHT_ONLY = "weight_only"
     W8A8 = "w8a8"  # activations quantised per token in 1 x 128 groups to e4m3, FP8 x FP8 products, every size
 
 

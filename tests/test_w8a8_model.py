@@ -14,18 +14,23 @@ bits, ~3% per product), not the kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import REPO_ROOT, gpu_test, rel_error
+from tiny_fp8 import write_tiny_fp8_checkpoint
 from tokenizers import Tokenizer
 
-from ling_jax import ExecutionPolicy, FP8Matmul, load_hf_checkpoint
+from ling_jax import ExecutionPolicy, FP8Matmul, load_hf_checkpoint, load_model_config
+from ling_jax.generation import cli as generate_cli
 from ling_jax.layers import project
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import w8a8_linear_reference, weight_only_linear_reference
+from pallas_kernels.fp8.tuned import W8A8_MIN_ROWS
 
 DEMO = REPO_ROOT / "ling_jax" / "assets" / "ling-demo"
 PROMPTS, LENGTH = 6, 64
@@ -113,3 +118,46 @@ def test_project_multiplies_as_the_policy_says():
         policy = ExecutionPolicy(kernel_backend="reference", fp8_matmul=mode)
         np.testing.assert_array_equal(np.asarray(project(x, weight, policy)).reshape(15, 40), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(project(x, weight)), np.asarray(project(x, weight, ExecutionPolicy())))
+
+
+def test_a_dynamic_checkpoint_prefills_in_w8a8_unless_weight_only(tmp_path):
+    """A block-FP8 checkpoint whose quantization_config declares `activation_scheme: dynamic` (tests/support/
+    tiny_fp8.py, 16 x 16 blocks), loaded with the default `fp8_matmul` (auto): a GPU backend multiplies a
+    prefill-sized call (W8A8_MIN_ROWS rows) in W8A8 and a decode-sized one weight-only; `--fp8-matmul weight_only`
+    gives the dequantised weights' products at every size; on a CPU ("auto" backend) auto is weight-only too."""
+    config = write_tiny_fp8_checkpoint(tmp_path)
+    quantization = load_model_config(tmp_path).quantization
+    assert quantization.activation_scheme == "dynamic"
+    weight_only_flag = generate_cli.build_parser().parse_args(["--fp8-matmul", "weight_only", "x"]).fp8_matmul
+    gpu = ExecutionPolicy(kernel_backend="interpret_gpu")
+    models = {
+        flag: load_hf_checkpoint(tmp_path, dtype=jnp.float32, progress=False, policy=gpu.replace(fp8_matmul=flag))
+        for flag in (generate_cli.build_parser().parse_args(["x"]).fp8_matmul, weight_only_flag)
+    }
+    default, pinned = models.values()
+    weight = default.model.layers[0].attention.q_proj.weight.get_value()
+    assert isinstance(weight, BlockFP8Weight)
+    r = np.random.default_rng(5)
+    prefill_x, decode_x = (jnp.asarray(r.normal(size=(rows, config.hidden_size)), jnp.float32) for rows in (256, 1))
+    assert prefill_x.shape[0] == W8A8_MIN_ROWS
+    reference = {
+        mode: {len(x): op(x, weight.values, weight.scales, weight.block) for x in (prefill_x, decode_x)}
+        for mode, op in ((FP8Matmul.W8A8, w8a8_linear_reference), (FP8Matmul.WEIGHT_ONLY, weight_only_linear_reference))
+    }
+    modes_apart = rel_error(reference[FP8Matmul.W8A8][256], reference[FP8Matmul.WEIGHT_ONLY][256])
+    assert modes_apart > 1e-3
+
+    def mode_of(x, policy) -> FP8Matmul:
+        y = project(x, weight, policy)
+        errors = {mode: rel_error(y, reference[mode][len(x)]) for mode in reference}
+        closest = min(errors, key=errors.get)
+        assert errors[closest] <= modes_apart / 100, errors
+        return closest
+
+    assert default.policy.fp8_matmul is FP8Matmul.AUTO and pinned.policy.fp8_matmul is FP8Matmul.WEIGHT_ONLY
+    assert mode_of(prefill_x, default.policy) is FP8Matmul.W8A8
+    assert mode_of(decode_x, default.policy) is FP8Matmul.WEIGHT_ONLY
+    assert mode_of(prefill_x, pinned.policy) is FP8Matmul.WEIGHT_ONLY
+    assert mode_of(prefill_x, default.policy.replace(kernel_backend="auto")) is FP8Matmul.WEIGHT_ONLY  # a CPU
+    static = dataclasses.replace(quantization, activation_scheme="static")
+    assert ExecutionPolicy().for_checkpoint(static).fp8_matmul is FP8Matmul.WEIGHT_ONLY

@@ -107,9 +107,11 @@ def add_execution_flags(
         "--fp8-matmul",
         choices=[mode.value for mode in FP8Matmul],
         default=FP8Matmul.AUTO.value,
-        help="how block-FP8 weights kept as stored multiply (default auto: weight-only, the dequantised weights' "
-        "numerics at every size; w8a8: activations quantised per token in 1 x 128 groups, FP8 x FP8 products, "
-        "the checkpoints' activation scheme: ~3x faster prefill on an H200, logits ~3%% from the dequantised model)",
+        help="how block-FP8 weights kept as stored multiply (default auto: the checkpoint's activation scheme by "
+        "size: on a GPU, prefill-sized products (256+ rows) in W8A8 (activations quantised per token in 1 x 128 "
+        "groups, FP8 x FP8: ~3x faster prefill on an H200, logits ~3%% from the dequantised model) and decode-sized "
+        "ones weight-only; weight_only: the dequantised weights' numerics at every size, batch-invariant (a "
+        "request's output never depends on what shares its batch); w8a8: FP8 x FP8 at every size)",
     )
     group.add_argument(
         "--mtp",

@@ -5,9 +5,9 @@ Which kernels run the routed experts is chosen in one place, `pallas_kernels.moe
 backend, the rows of the call, the experts' format and the policy's FP8 mode), and `pallas_kernels.moe.ops.
 moe_experts` runs them: on a GPU the row-by-row decode kernels for a few rows, else the two fused kernels (rows read
 from the unsorted activations through the sort permutation and written back through it); W8A8 kernels for
-block-FP8 experts under `ExecutionPolicy(fp8_matmul="w8a8")`; elsewhere three grouped matmuls over rows sorted by
-expert. Quantised experts (`ling_jax.quantized`, block FP8 or MXFP4, stacked [E, ...] with per-expert scales) go to
-the kernels as stored.
+block-FP8 experts under `ExecutionPolicy(fp8_matmul="w8a8")`, and under "auto" for a prefill-sized call on a GPU;
+elsewhere three grouped matmuls over rows sorted by expert. Quantised experts (`ling_jax.quantized`, block FP8 or
+MXFP4, stacked [E, ...] with per-expert scales) go to the kernels as stored.
 
 A step whose [rows, hidden] buffers would exceed ROW_BUFFER_BYTES (a large prefill chunk) runs the routed experts
 on its tokens in chunks, one after another (`token_chunks`, `in_token_chunks`; expert-parallel, see

@@ -17,11 +17,15 @@ import dataclasses
 
 from pallas_kernels.tuning import ANY, H200, Entry
 
-# `fp8_linear` on a GPU without a mode named: the weight-only kernels up to WEIGHT_ONLY_MAX_ROWS rows (tokens), W8A8
-# from W8A8_MIN_ROWS (None: never), XLA's dot on the dequantised weight in between: weight-only numerics at every
-# size, so that a token's output never depends on how many rows share its call (a serving batch, a prefill chunk,
-# an MTP verify pass) and equals the transformers reference's (which dequantises). W8A8 (the checkpoints'
-# `activation_scheme: dynamic`, as SGLang serves them) is `mode="w8a8"` / `ExecutionPolicy(fp8_matmul="w8a8")`.
+# `fp8_linear` on a GPU without a mode named (`ExecutionPolicy(fp8_matmul="auto")` for a checkpoint that declares
+# `activation_scheme: dynamic`, as every published one does): the weight-only kernels up to WEIGHT_ONLY_MAX_ROWS rows
+# (tokens), W8A8 from W8A8_MIN_ROWS (None: never), XLA's dot on the dequantised weight in between. So a decode step
+# keeps the weight-only kernels (faster there) and a prefill chunk runs FP8 x FP8, the checkpoint's own numerics:
+# a token's output then depends on how many rows share its call (a serving batch, a prefill chunk, an MTP verify
+# pass); `mode="weight_only"` / `ExecutionPolicy(fp8_matmul="weight_only")` is the batch-invariant mode (the
+# dequantised weights' numerics at every size, as the transformers reference computes them). W8A8 at every size is
+# `mode="w8a8"`. The 8-layer Ling-3.1-flash slice prefilled one 8192-token chunk at 73,849 tok/s with W8A8 from 256
+# rows against 23,094 weight-only (docs/benchmarks/generation.md, 2026-12-03).
 # Measured on the H200 (docs/benchmarks/matmul.md, 'Block-FP8 linear kernels (2026-12-02)', 'The decode-shaped
 # kernel', 'Decode rows again, the XLA scale-folded product, and the Mosaic W8A8 kernel measured (2026-12-03)' and
 # 'Weight-only tiles for 17-255 rows (2026-12-03)'): the block-scaled weight-only kernel took 29-46 us at 8 and 16
@@ -32,7 +36,7 @@ from pallas_kernels.tuning import ANY, H200, Entry
 # MOSAIC_MIN_ROWS rows where it takes the weight (the tensor-core-accumulated Triton kernel below that and
 # elsewhere: 41.5 against 56.2 us at 64 rows).
 WEIGHT_ONLY_MAX_ROWS = 255
-W8A8_MIN_ROWS = None
+W8A8_MIN_ROWS = 256
 MOSAIC_MIN_ROWS = 256
 GEMV_MAX_ROWS = 16
 GEMV_DEFAULT_ROWS = 2

@@ -133,8 +133,8 @@ def test_w8a8_kernel_matches_float64(dtype, tol, variant):
 
 def test_dispatch_by_rows_and_weight():
     assert default_mode(WEIGHT_ONLY_MAX_ROWS, "pallas_gpu") == WEIGHT_ONLY
-    assert default_mode(WEIGHT_ONLY_MAX_ROWS + 1, "pallas_gpu") is None  # dequantise, XLA's dot: never W8A8 unasked
-    assert W8A8_MIN_ROWS is None
+    assert W8A8_MIN_ROWS == WEIGHT_ONLY_MAX_ROWS + 1  # prefill-sized products: the checkpoint's W8A8
+    assert default_mode(W8A8_MIN_ROWS, "pallas_gpu") == W8A8
     assert default_mode(1, "reference") is None
     x = random_x((2, 3, 64), jnp.float32)
     assert kernel_takes(x, random_weight(32, 64, (32, 32)))
@@ -170,7 +170,7 @@ def test_kernels_lower_for_cuda():
         (W8A8, 300, None, "w8a8_linear"),  # 576 rows: no Mosaic kernel, the Triton one
         (W8A8, 300, "gpu_triton", "w8a8_linear"),
         (None, WEIGHT_ONLY_MAX_ROWS, None, "weight_only_linear"),  # no mode named: the weight-only kernels
-        (None, WEIGHT_ONLY_MAX_ROWS + 1, None, "dot_general"),  # then dequantise + dot (W8A8_MIN_ROWS is None)
+        (None, W8A8_MIN_ROWS, None, "w8a8_linear"),  # then W8A8
         (WEIGHT_ONLY, WEIGHT_ONLY_MAX_ROWS + 1, None, "dot_general"),  # weight-only at prefill: dequantise + dot
     ):
         lowered = lower_for_cuda(

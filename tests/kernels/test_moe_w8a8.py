@@ -282,7 +282,7 @@ def test_the_op_and_when_the_model_takes_it():
     def runs_w8a8(fp8_matmul, *stacks):
         return expert_path("reference", ExpertWeights(*stacks), fp8_matmul).kernel is ExpertKernel.W8A8
 
-    assert not runs_w8a8(FP8Matmul.AUTO, *weights)  # auto: weight-only numerics at every size
+    assert not runs_w8a8(FP8Matmul.AUTO, *weights)  # auto on the reference backend: weight-only numerics
     assert runs_w8a8(FP8Matmul.W8A8, *weights)
     mxfp4 = dataclasses.replace(weights[0], block=None)
     assert not runs_w8a8(FP8Matmul.W8A8, mxfp4, *weights[1:])  # MXFP4: no W8A8 kernels

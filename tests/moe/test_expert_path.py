@@ -52,6 +52,12 @@ CASES = [
     ("interpret_gpu", 8, "mxfp4", "w8a8", False, ExpertKernel.ROWS),
     ("pallas_gpu", 4096, "mxfp4", "w8a8", False, ExpertKernel.FUSED),
     ("pallas_gpu", None, "bf16", "auto", False, ExpertKernel.FUSED),
+    ("pallas_gpu", ROW_PATH_MAX_ROWS, "fp8", "auto", False, ExpertKernel.ROWS),  # decode-sized: weight-only
+    ("pallas_gpu", ROW_PATH_MAX_ROWS + 1, "fp8", "auto", False, ExpertKernel.W8A8),  # prefill-sized (> 4 an expert)
+    ("pallas_gpu", ROW_PATH_MAX_ROWS + 1, "mxfp4", "auto", False, ExpertKernel.FUSED),
+    ("pallas_gpu", 4096, "fp8", "weight_only", False, ExpertKernel.FUSED),
+    ("reference", 4096, "fp8", "auto", False, ExpertKernel.GROUPED),  # a CPU: weight-only numerics
+    ("pallas_gpu", None, "fp8", "auto", True, ExpertKernel.FUSED),  # a receive buffer's size tells no prefill
     ("pallas_gpu", None, "fp8", "w8a8", True, ExpertKernel.W8A8),
 ]
 

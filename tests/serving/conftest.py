@@ -10,11 +10,17 @@ from ling_jax.generation.cli import DEMO_DIR
 from ling_jax.generation.generator import Generator
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import load_tokenizer
+from ling_jax.policy import ExecutionPolicy, FP8Matmul
+
+BATCH_INVARIANT = ExecutionPolicy(fp8_matmul=FP8Matmul.WEIGHT_ONLY)
 
 
 @pytest.fixture(scope="module")
 def demo_model():
-    return load_hf_checkpoint(DEMO_DIR, dtype=jnp.float32, progress=False)
+    """The demo checkpoint in the batch-invariant mode (`fp8_matmul="weight_only"`, ling-serve's `--fp8-matmul
+    weight_only`), in which a served request equals the request run alone on every backend: under the default
+    (auto) a GPU multiplies prefill-sized calls in W8A8, so a token's output depends on its call's rows."""
+    return load_hf_checkpoint(DEMO_DIR, dtype=jnp.float32, progress=False, policy=BATCH_INVARIANT)
 
 
 @pytest.fixture(scope="module")
