@@ -4,6 +4,7 @@ filled decode cache and the decode-step timer."""
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from benchmarks import trace
 from ling_jax import LingConfig
 from ling_jax.cache import KDAState, LingCache, MLAState
 from ling_jax.config import KDA, MLA, MOE
@@ -34,6 +36,7 @@ def median_seconds(fn, *args, iters: int) -> float:
     return statistics.median(samples)
 
 
+PROFILE_STEPS = 5  # decode steps `time_decode` profiles
 CHAINED_CALLS = 32
 
 
@@ -125,12 +128,14 @@ def filled_cache(model, batch: int, context: int, extra: int) -> LingCache:
 def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = None) -> float:
     """Seconds per decode step, as `Generator` runs them: each step is dispatched before the previous one
     finishes (its token feeds the next step on the device), so host dispatch overlaps device work. With
-    profile_dir, 5 more steps run under the JAX profiler, which writes a Perfetto trace there."""
+    profile_dir, PROFILE_STEPS more steps run under the JAX profiler, which writes a Perfetto trace there, and the
+    step's compiled HLO text goes to profile_dir/trace.HLO_FILE (`benchmarks.trace.layer_kind_report` reads both)."""
     graphdef, params = nnx.split(model)
 
     def step(params, cache, token_B):
         out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache)
-        return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
+        with jax.named_scope("sampling"):
+            return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
 
     step = jax.jit(step, donate_argnums=1)
     token = jnp.zeros((cache.lengths.shape[0],), jnp.int32)
@@ -143,8 +148,11 @@ def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = N
     token.block_until_ready()
     seconds = (time.perf_counter() - start) / steps
     if profile_dir:
+        pathlib.Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        # the program the profiled steps run (these arguments' shardings); compiled again, once
+        (pathlib.Path(profile_dir) / trace.HLO_FILE).write_text(step.lower(params, cache, token).compile().as_text())
         with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
-            for _ in range(5):
+            for _ in range(PROFILE_STEPS):
                 token, cache = step(params, cache, token)
             token.block_until_ready()
     return seconds

@@ -17,7 +17,8 @@ format's device memory after init is read from `memory_stats`, and the peak afte
 Prefill: the prompt goes through the cache in chunks (as `Generator` does), timed after a warm-up. Decode:
 one jitted, cache-donating step (the model's Pallas KDA / MLA decode kernels and grouped-matmul experts)
 over a cache holding `context` tokens, the steps dispatched back to back as `Generator` runs them (mean
-per step; `--profile DIR` adds a Perfetto trace of 5 steps). Roofline: the bytes a step must read, i.e. every
+per step; `--profile DIR` adds a Perfetto trace of 5 steps, and prints from it the kernels per step and the device
+time per layer kind: `benchmarks.trace`). Roofline: the bytes a step must read, i.e. every
 non-expert weight, the routed experts this step's tokens actually picked (counted from the routing), the
 KDA states (read and written) and the MLA latent cache, divided by the device copy bandwidth measured in the
 same run. At batch 1 the prefill time of the whole `--context`-token prompt is printed as the time to first token.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pathlib
 import sys
 import time
 
@@ -36,7 +38,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.common import copy_bandwidth, filled_cache, flash_slice_config, time_decode  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    PROFILE_STEPS,
+    copy_bandwidth,
+    filled_cache,
+    flash_slice_config,
+    time_decode,
+)
+from benchmarks.trace import layer_kind_report  # noqa: E402
 from ling_jax import xla_flags  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
@@ -119,7 +128,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
-    parser.add_argument("--profile", metavar="DIR", help="write a Perfetto trace of 5 decode steps of the first batch")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a Perfetto trace of 5 decode steps of the first batch and print, from it, the kernels per step "
+        "and the device time per layer kind (KDA, MLA, MoE / dense FFN, lm_head / sampling, other)",
+    )
     parser.add_argument(
         "--weights", default="bf16,stored", help="comma-separated weight formats: bf16 and/or stored (block FP8)"
     )
@@ -208,6 +222,9 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
         )
         if batch == 1 and not args.decode_only:
             print(f"{weights}: time to first token of a {context}-token prompt {prefill_s:.2f} s", flush=True)
+        if args.profile and len(rows) == 1:
+            report = layer_kind_report(pathlib.Path(args.profile), PROFILE_STEPS)
+            print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
         del cache
     return rows
 

@@ -39,9 +39,9 @@ def project(x: jax.Array, weight, policy: ExecutionPolicy | None = None) -> jax.
     """x @ weight.T, weight [out, in] (checkpoint layout). A block-FP8 matrix runs `pallas_kernels.fp8.fp8_linear`
     with the policy's kernel backend on one device, and as the reference under a mesh (a Pallas call does not split
     over one), in the policy's `fp8_matmul` mode: AUTO by the row count (on a GPU: weight-only FP8 kernels for a few
-    tokens), WEIGHT_ONLY or W8A8 always (W8A8's reference quantises the activations too). The reference, like any
-    other weight, is the weight cast (or dequantised) to x's dtype, then the product. policy None:
-    `ExecutionPolicy()`."""
+    tokens, W8A8 for prefill-sized calls; dequantise-then-dot elsewhere), WEIGHT_ONLY or W8A8 always (W8A8's
+    reference quantises the activations too). The reference, like any other weight, is the weight cast (or
+    dequantised) to x's dtype, then the product. policy None: `ExecutionPolicy()`."""
     if isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2:
         policy = as_policy(policy)
         mode = None if policy.fp8_matmul == FP8Matmul.AUTO else policy.fp8_matmul.value

@@ -1,18 +1,25 @@
 """CI's smoke run of the benchmarks (`python -m benchmarks.NAME`): each runs its `--quick` mode in-process, at
 sizes that keep the whole file near a minute on two cores. Those that time only GPU kernels (Triton, Mosaic) stop
 at their arguments on a CPU (they need a GPU, and say so) and run their `--quick` mode on the device machine
-(`pytest -m gpu`). Run elsewhere: benchmarks.generate_cli (tests/generation/test_generate_cli_run.py), the
-expert-parallel measurement (tests/scripts/test_multi_gpu_scripts.py), benchmarks.figures
-(tests/docs/test_figures.py). benchmarks.serve only parses its arguments here: its --quick run compiles the
-serving engine's programs (~45 s of CPU), whose scheduler tests/serving runs; benchmarks.serve_http's --quick run
-(the served path over real HTTP, which no other benchmark runs) starts `ling-serve --preset tiny` (~30 s of CPU)."""
+(`pytest -m gpu`). benchmarks.generate's run profiles its decode steps (`--profile`, its own test). Run elsewhere:
+benchmarks.generate_cli (tests/generation/test_generate_cli_run.py), the expert-parallel measurement
+(tests/scripts/test_multi_gpu_scripts.py), benchmarks.figures (tests/docs/test_figures.py). benchmarks.serve only parses
+its arguments here: its --quick run compiles the serving engine's programs (~45 s of CPU), whose scheduler tests/serving
+runs; benchmarks.serve_http's --quick run (the served path over real HTTP, which no other benchmark runs) starts
+`ling-serve --preset tiny` (~30 s of CPU)."""
 
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import jax
 import pytest
+from helpers import REPO_ROOT
+
+from benchmarks import trace
+from benchmarks.common import PROFILE_STEPS
 
 ON_CPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU runs; on a GPU the gpu-marked ones run")
 ON_GPU = pytest.mark.skipif(
@@ -26,11 +33,6 @@ CPU_RUNS = {
         "benchmarks.moe",
         ["--quick", "--iters", "1", "--no-sweep", "--tokens", "16", "--backend", "reference"],
         "| 16 | fused: whole MoE layer |",
-    ),
-    "generate": (
-        "benchmarks.generate",
-        ["--quick", "--batches", "1", "--steps", "2", "--weights", "bf16", "--decode-only"],
-        "| bf16 | n/a | 1 | 512 |",
     ),
     "kda": ("benchmarks.kda", ["--quick", "--variant", "gpu_triton"], "| prefill | 1 | 192 |"),
     "kda --decode-fused": ("benchmarks.kda", ["--decode-fused", "--quick"], "| 3 | "),
@@ -62,6 +64,29 @@ def test_quick_run(name, capsys, tmp_path):
         argv = [*argv, "--workdir", str(tmp_path / name)]
     assert importlib.import_module(module).main(argv) == 0
     assert printed in capsys.readouterr().out
+
+
+@ON_CPU
+def test_generate_quick_run_profiles_its_decode_steps_by_layer_kind(capsys, tmp_path):
+    """benchmarks.generate's smoke run with --profile prints, from the trace of its decode steps (on a CPU the XLA
+    ops the host runs), the kernels per step and the device time per layer kind, every kernel counted once; and
+    scripts/trace_summary.py prints the same table from the same directory (one parser: benchmarks.trace)."""
+    profile = tmp_path / "prof"
+    argv = ["--quick", "--batches", "1", "--steps", "2", "--weights", "bf16", "--decode-only"]
+    argv += ["--profile", str(profile)]
+    assert importlib.import_module("benchmarks.generate").main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| bf16 | n/a | 1 | 512 |" in out
+    hlo_text = (profile / trace.HLO_FILE).read_text()
+    kernels = trace.kernels(trace.load_trace(trace.find_trace(profile)), trace.hlo_module_name(hlo_text))
+    scopes = trace.hlo_scopes(hlo_text)
+    by_kind = trace.time_by_layer_kind(kernels, scopes)
+    assert sum(count for count, _ in by_kind.values()) == len(kernels) > 0
+    assert all(by_kind[kind][0] > 0 for kind in ("KDA layer", "MLA layer", "MoE / dense FFN", "lm_head / sampling"))
+    table = trace.layer_kind_table(kernels, scopes, PROFILE_STEPS)
+    assert f"{len(kernels) / PROFILE_STEPS:.0f} kernels and" in table and table in out
+    script = [sys.executable, str(REPO_ROOT / "scripts" / "trace_summary.py"), str(profile), "--steps", "5"]
+    assert table in subprocess.run(script, capture_output=True, text=True, check=True).stdout
 
 
 @ON_CPU

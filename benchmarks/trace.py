@@ -1,0 +1,206 @@
+"""Reading a JAX profiler trace (`perfetto_trace.json.gz`): its kernels, and the device time per layer kind.
+
+One parser for `scripts/trace_summary.py` and the benchmarks that profile (`python -m benchmarks.generate --profile
+DIR`). The kernels of a trace are the complete events of its device processes (`/device:GPU:0`, ...); a CPU trace
+has none, and its kernels are the XLA ops the host runs (events carrying an `hlo_op`), the same structure.
+
+Attribution: each kernel names its HLO instruction (`hlo_op`, or on a GPU its kernel name, the instruction's with
+'.' and '-' as '_'), and the compiled program's HLO text gives that instruction's `op_name`, the `jax.named_scope`
+path it was traced under (`jit(step)/decoder_layer_3/kda/...`; a weight's, its layer's). An instruction without one
+(a copy or layout change XLA added) takes its called computation's, else an operand's (`hlo_scopes`). The path's
+first layer scope names the kind:
+`kda`, `mla`, `moe` / `mlp`, `lm_head` / `sampling` (`LAYER_KINDS`); anything else is "other" (embedding, the
+decoder layers' norms, the final norm, unscoped ops).
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import pathlib
+import re
+
+TRACE_FILE = "perfetto_trace.json.gz"
+HLO_FILE = "program.hlo.txt"  # the profiled program's compiled HLO text, beside the trace's plugins/ folder
+LAYER_KINDS = {
+    "kda": "KDA layer",
+    "mla": "MLA layer",
+    "moe": "MoE / dense FFN",
+    "mlp": "MoE / dense FFN",
+    "lm_head": "lm_head / sampling",
+    "sampling": "lm_head / sampling",
+}
+OTHER = "other"
+KIND_ORDER = (*dict.fromkeys(LAYER_KINDS.values()), OTHER)
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_OP_NAME = re.compile(r'op_name="(?P<op_name>(?:[^"\\]|\\.)*)"')
+_REFERENCE = re.compile(r"%(?P<name>[\w.\-]+)")
+_SCOPE_PARTS = re.compile(r"[/\[\]\\'.]+")
+_MIXER = re.compile(r"decoder_layer_(\d+)/(kda|mla)/")
+_LAYER_PARAMETER = re.compile(r"params\[\\?'model\\?'\]\[\\?'layers\\?'\]\[(?P<layer>\d+)\]\[\\?'(?P<module>\w+)\\?'\]")
+_MODULE = re.compile(r"^HloModule\s+(?P<name>[^\s,]+)")
+
+
+def find_trace(path: pathlib.Path) -> pathlib.Path:
+    """`path` itself (a file), or the newest TRACE_FILE below it; SystemExit naming the path otherwise."""
+    if not path.exists():
+        raise SystemExit(f"error: {path} does not exist")
+    if path.is_file():
+        return path
+    traces = sorted(path.rglob(TRACE_FILE), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise SystemExit(f"error: {path}: no {TRACE_FILE} below it (benchmarks/generate.py --profile DIR)")
+    return traces[-1]
+
+
+def load_trace(path: pathlib.Path) -> dict:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def kernels(trace: dict, module: str | None = None) -> list[dict]:
+    """The trace's kernels (module docstring), sorted by start; with `module`, those of that HLO module only (events
+    that name none are kept)."""
+    events = [event for event in trace["traceEvents"] if event.get("ph") == "X"]
+    devices = {
+        event["pid"]
+        for event in trace["traceEvents"]
+        if event.get("ph") == "M"
+        and event.get("name") == "process_name"
+        and event["args"].get("name", "").startswith("/device:")
+    }
+    if devices:
+        chosen = [event for event in events if event["pid"] in devices]
+    else:
+        chosen = [event for event in events if "hlo_op" in event.get("args", {})]
+    if module is not None:
+        chosen = [event for event in chosen if event.get("args", {}).get("hlo_module", module) == module]
+    return sorted(chosen, key=lambda event: event["ts"])
+
+
+def summarize(kernels: list[dict], steps: int, top: int, small_us: float, by_kind: bool = False) -> str:
+    """Per step: the kernel count and busy time, the `top` kernels by time (repeated launches of one name are one
+    row; with by_kind every numbered variant too) and the tail of kernels averaging under small_us."""
+    suffix = re.compile(r"[._]\d+$" if by_kind else r"\.\d+$")
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for kernel in kernels:
+        by_name[suffix.sub("", kernel["name"])].append(kernel["dur"])
+    busy = sum(kernel["dur"] for kernel in kernels)
+    lines = [
+        f"{len(kernels) / steps:.0f} kernels and {busy / steps:.1f} us of device time per step ({steps} steps)",
+        "",
+        "| us / step | calls / step | us / call | kernel |",
+        "|---|---|---|---|",
+    ]
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
+    for name, durations in ranked[:top]:
+        lines.append(
+            f"| {sum(durations) / steps:.1f} | {len(durations) / steps:.1f} | "
+            f"{sum(durations) / len(durations):.1f} | {name} |"
+        )
+    small = [d for durations in by_name.values() for d in durations if sum(durations) / len(durations) < small_us]
+    lines += [
+        "",
+        f"kernels averaging under {small_us:g} us: {len(small) / steps:.0f} per step, "
+        f"{sum(small) / steps:.1f} us per step",
+    ]
+    return "\n".join(lines)
+
+
+def hlo_module_name(hlo_text: str) -> str:
+    match = _MODULE.match(hlo_text)
+    if match is None:
+        raise ValueError("not an HLO module's text: its first line does not start with 'HloModule NAME'")
+    return match["name"]
+
+
+def hlo_scopes(hlo_text: str) -> dict[str, str]:
+    """{instruction name: its op_name} for every instruction of a compiled program's HLO text (`compiled.
+    as_text()`) that has one or inherits one (module docstring); also each computation's, under its name. A
+    parameter's op_name (`params['model']['layers'][1]['attention'][...]`, which a weight's conversion or layout
+    copy inherits) becomes its layer's scope (`decoder_layer_1/mla`, the layer's mixer as the program's own op_names
+    name it). An instruction without one inherits from its called computations first, then its operands, the first
+    that names a layer kind, else the first that has one (a dot XLA rewrote takes its weight's layer)."""
+    mixers = dict(_MIXER.findall(hlo_text))
+    scopes: dict[str, str] = {}
+    computations: set[str] = set()
+    computation = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header["name"]
+            computations.add(computation)
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None:
+            continue
+        own = _OP_NAME.search(instruction["rest"])
+        if own:
+            scope = _parameter_scope(own["op_name"], mixers)
+        else:
+            refs = [ref["name"] for ref in _REFERENCE.finditer(instruction["rest"])]
+            refs.sort(key=lambda name: name not in computations)  # stable: the operands in order
+            inherited = [scopes[name] for name in refs if name in scopes]
+            scope = next((s for s in inherited if layer_kind(s) != OTHER), next(iter(inherited), None))
+        if scope:
+            scopes[instruction["name"]] = scope
+            if computation is not None:
+                scopes.setdefault(computation, scope)
+    return scopes
+
+
+def _parameter_scope(op_name: str, mixers: dict[str, str]) -> str:
+    """`op_name`, or for a decoder layer's parameter its layer's scope (`hlo_scopes`)."""
+    parameter = _LAYER_PARAMETER.match(op_name)
+    if parameter is None:
+        return op_name
+    layer, module = parameter["layer"], parameter["module"]
+    return f"decoder_layer_{layer}/{mixers.get(layer, module) if module == 'attention' else module}"
+
+
+def layer_kind(scope: str | None) -> str:
+    """The LAYER_KINDS entry of the first layer scope in an op_name path (`lm_head` of a parameter's too), else
+    OTHER."""
+    for part in _SCOPE_PARTS.split(scope or ""):
+        if part in LAYER_KINDS:
+            return LAYER_KINDS[part]
+    return OTHER
+
+
+def time_by_layer_kind(kernels: list[dict], scopes: dict[str, str]) -> dict[str, tuple[int, float]]:
+    """{kind: (kernels, device time in us)} over KIND_ORDER."""
+    totals = {kind: [0, 0.0] for kind in KIND_ORDER}
+    by_kernel_name = {re.sub(r"[.\-]", "_", name): scope for name, scope in scopes.items()}
+    for kernel in kernels:
+        op = kernel.get("args", {}).get("hlo_op")
+        scope = scopes.get(op) if op is not None else by_kernel_name.get(kernel["name"])
+        total = totals[layer_kind(scope)]
+        total[0] += 1
+        total[1] += kernel["dur"]
+    return {kind: (count, us) for kind, (count, us) in totals.items()}
+
+
+def layer_kind_table(kernels: list[dict], scopes: dict[str, str], steps: int) -> str:
+    """Per step: the kernel count and device time, then a row per layer kind (`time_by_layer_kind`)."""
+    by_kind = time_by_layer_kind(kernels, scopes)
+    busy = sum(us for _, us in by_kind.values())
+    lines = [
+        f"{len(kernels) / steps:.0f} kernels and {busy / steps:.1f} us of device time per step ({steps} steps)",
+        "",
+        "| layer kind | us / step | share | kernels / step |",
+        "|---|---|---|---|",
+    ]
+    for kind, (count, us) in by_kind.items():
+        lines.append(f"| {kind} | {us / steps:.1f} | {us / busy if busy else 0:.1%} | {count / steps:.1f} |")
+    return "\n".join(lines)
+
+
+def layer_kind_report(directory: pathlib.Path, steps: int) -> str:
+    """`layer_kind_table` of the newest trace below `directory`, attributed by the HLO text in directory/HLO_FILE
+    (the profiled program's: `benchmarks.common.time_decode` writes both), its kernels only."""
+    hlo_text = (directory / HLO_FILE).read_text()
+    trace = load_trace(find_trace(directory))
+    return layer_kind_table(kernels(trace, hlo_module_name(hlo_text)), hlo_scopes(hlo_text), steps)
