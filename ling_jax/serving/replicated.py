@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import threading
 import time
@@ -41,7 +42,7 @@ from ling_jax.serving.pages import PagePool
 
 COMMANDS = "ling-serve/command/"
 ALIVE = "ling-serve/alive/"
-KEPT_COMMANDS = 4096  # process 0 deletes command n - KEPT_COMMANDS when it publishes command n
+KEPT_COMMANDS = 256  # process 0 deletes command n - KEPT_COMMANDS when it publishes command n
 HEARTBEAT_S = 1.0
 WAIT_MS = 1000  # a follower's wait for the next command, between checks that process 0 is still there
 
@@ -68,11 +69,8 @@ def decode(data: bytes) -> tuple[str, dict]:
     return fields.pop("op"), fields
 
 
-def params_fields(params: SamplingParams) -> dict:
-    return dataclasses.asdict(params)
-
-
 def params_of(fields: dict) -> SamplingParams:
+    """The `SamplingParams` of `dataclasses.asdict`'s fields after a JSON round trip (lists for tuples)."""
     bias = tuple((int(token), float(value)) for token, value in fields["logit_bias"])
     return SamplingParams(**{**fields, "logit_bias": bias, "end_ids": tuple(fields["end_ids"])})
 
@@ -122,7 +120,7 @@ class LeaderEngine(_Replica):
         super().__init__(*args, **kwargs)
         self.send = send
         self._snapshots: dict[int, weakref.ref] = {}  # number -> the snapshot's first array, while it lives
-        self._numbers = iter(range(2**62))
+        self._numbers = itertools.count()
 
     def assign(self, slot: int, shared: list[int], tokens: int) -> None:
         super().assign(slot, shared, tokens)
@@ -139,7 +137,7 @@ class LeaderEngine(_Replica):
     def first_token(self, slot, hidden, params, bitmask_W=None):
         row = hidden.row if isinstance(hidden, _HiddenRow) else None
         fields = {} if bitmask_W is None else {"bitmask_W": np.asarray(bitmask_W)}
-        self.send("first_token", slot=slot, row=row, params=params_fields(params), **fields)
+        self.send("first_token", slot=slot, row=row, params=dataclasses.asdict(params), **fields)
         hidden_1D = hidden.hidden_1D if isinstance(hidden, _HiddenRow) else hidden.hidden_PD
         return super().first_token(slot, hidden_1D, params, bitmask_W)
 

@@ -2,7 +2,8 @@
 across both (--mesh expert=4), with a prefix cache; process 0 serves HTTP. Through the official `openai` client:
 greedy and seeded completions, whole and streamed, and concurrent ones, equal each prompt run alone through
 `Generator` (what the one-process server gives, tests/serving/test_server.py); a prefix-cache hit; then (last: it
-ends the job) a killed process 1 makes the front end answer 503 and exit with status 1 within the timeout."""
+ends the job) a killed process 1 makes the front end answer 503 and exit with status 1 within the timeout. And
+a command's encoding round-trips its arrays and sampling parameters."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
@@ -22,6 +24,7 @@ from ling_jax import load_hf_checkpoint, load_model_config
 from ling_jax.generation.cli import DEMO_DIR
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import load_tokenizer
+from ling_jax.serving.replicated import decode, encode, params_of
 from tests.multiprocess.conftest import environment, free_port
 from tests.serving.conftest import Alone
 
@@ -109,6 +112,15 @@ def _complete(client, case: int, stream: bool = False) -> str:
         model=MODEL, prompt=text, max_tokens=MAX_TOKENS, stream=stream, extra_body={"top_k": sampling.top_k}, **args
     )
     return "".join(chunk.choices[0].text for chunk in reply) if stream else reply.choices[0].text
+
+
+def test_a_command_round_trips_with_its_arrays_and_sampling_parameters():
+    params = SamplingParams(temperature=0.7, seed=5, logprobs=2, logit_bias=((3, -1.5),), end_ids=(1, 2))
+    bitmask_W = np.arange(4, dtype=np.int32)
+    command = encode("first_token", slot=1, row=None, params=dataclasses.asdict(params), bitmask_W=bitmask_W)
+    op, fields = decode(command)
+    assert (op, fields["slot"], fields["row"], params_of(fields["params"])) == ("first_token", 1, None, params)
+    np.testing.assert_array_equal(fields["bitmask_W"], bitmask_W)
 
 
 def test_completions_whole_streamed_and_concurrent_equal_each_run_alone(client, references, tokenizer):
