@@ -7,7 +7,8 @@ Each phase prints a line on stderr (loading, each warm-up program compiled), and
 model is compiled and the socket accepts. --preset NAME serves random weights of a preset in the stored format,
 initialised on the devices (benchmarks only: its output is noise). SIGTERM (or Ctrl-C) stops it gracefully: it
 takes no new connections, the requests in flight finish, and the process exits with status 0 (while loading: at
-once, status 0).
+once, status 0). --distributed: every process of a `jax.distributed` job runs the same command; process 0 serves
+HTTP and every other process makes process 0's engine calls (`replicated`, docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ EXIT_USAGE = 2
 EXIT_FAILURE = 1
 MAX_PORT = 65535
 BACKLOG = 2048  # uvicorn's default
-HEARTBEAT_MARGIN_S = 30
+HEARTBEAT_MARGIN_S = 30  # --distributed: jax's heartbeat timeout past ours (`Watch`), so our error line comes first
 GONE_GRACE_S = 2.0  # --distributed: how long /health answers 503 once a process is gone, before the front end exits
 READY_POLL_S = 0.01
 API_KEY_ENV = "LING_API_KEY"
