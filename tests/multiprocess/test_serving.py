@@ -1,6 +1,6 @@
 """`ling-serve --distributed` on the demo checkpoint: two processes of two CPU devices each, the experts sharded
 across both (--mesh expert=4), with a prefix cache; process 0 serves HTTP. Through the official `openai` client:
-greedy and seeded completions, whole and streamed, and concurrent ones, equal each prompt run alone through
+greedy and seeded completions, whole and streamed, concurrent ones and a chat, equal each prompt run alone through
 `Generator` (what the one-process server gives, tests/serving/test_server.py); a prefix-cache hit; then (last: it
 ends the job) a killed process 1 makes the front end answer 503 and exit with status 1 within the timeout. And
 a command's encoding round-trips its arrays and sampling parameters."""
@@ -82,9 +82,13 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def references(job, tokenizer):
+def alone(job, tokenizer):
+    return Alone(load_hf_checkpoint(DEMO_DIR, dtype=jnp.float32, progress=False), tokenizer, CHUNK)
+
+
+@pytest.fixture(scope="module")
+def references(alone, tokenizer):
     """Each case's completion run alone (computed while the job starts)."""
-    alone = Alone(load_hf_checkpoint(DEMO_DIR, dtype=jnp.float32, progress=False), tokenizer, CHUNK)
     return [alone(tokenizer.encode(text), sampling, MAX_TOKENS) for text, sampling in CASES]
 
 
@@ -131,6 +135,16 @@ def test_completions_whole_streamed_and_concurrent_equal_each_run_alone(client, 
         whole = pool.map(_complete, [client] * len(CASES), range(len(CASES)))
         streamed = pool.map(_complete, [client] * len(CASES), range(len(CASES)), [True] * len(CASES))
         assert list(whole) == list(streamed) == expected
+
+
+def test_chat_whole_and_streamed_equals_the_chat_template_run_alone(client, alone, tokenizer):
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    expected = tokenizer.decode(alone(prompt, SamplingParams(temperature=0.6, seed=21), MAX_TOKENS))
+    args = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.6, "seed": 21}
+    assert client.chat.completions.create(**args).choices[0].message.content == expected
+    chunks = client.chat.completions.create(stream=True, **args)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
 
 
 def test_a_prefix_cache_hit_gives_the_same_tokens(client, references, tokenizer):
