@@ -69,9 +69,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DistributedError(f"--distributed-timeout must be >= 1, got {args.distributed_timeout}")
 
 
-def join(args: argparse.Namespace, prefix: str = "") -> None:
+def join(args: argparse.Namespace, prefix: str = "", heartbeat_timeout_s: int | None = None) -> None:
     """`jax.distributed.initialize` with the flags' values (checked by `check_arguments`); see the module docstring
-    for a process that cannot join. `prefix` starts the error line (`ling-convert: `)."""
+    for a process that cannot join. `prefix` starts the error line (`ling-convert: `). heartbeat_timeout_s: how
+    long jax's coordination service waits for a silent process before it ends the job (default: jax's, 100 s)."""
     timeout_s = args.distributed_timeout
     where = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or "the detected coordinator"
     who = "this process" if args.process_id is None else f"process {args.process_id}"
@@ -98,6 +99,7 @@ def join(args: argparse.Namespace, prefix: str = "") -> None:
             num_processes=args.num_processes,
             process_id=args.process_id,
             initialization_timeout=timeout_s + _JAX_MARGIN_S,
+            **({} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds": heartbeat_timeout_s}),
         )
     except (ValueError, TypeError, RuntimeError) as e:  # values jax refuses, or could not detect
         raise DistributedError(f"--distributed: {e}") from e

@@ -7,13 +7,16 @@ Each phase prints a line on stderr (loading, each warm-up program compiled), and
 model is compiled and the socket accepts. --preset NAME serves random weights of a preset in the stored format,
 initialised on the devices (benchmarks only: its output is noise). SIGTERM (or Ctrl-C) stops it gracefully: it
 takes no new connections, the requests in flight finish, and the process exits with status 0 (while loading: at
-once, status 0).
+once, status 0). --distributed: every process of a `jax.distributed` job runs the same command; process 0 serves
+HTTP and every other process makes process 0's engine calls (`replicated`, docs/multihost.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import functools
 import os
 import signal
 import socket
@@ -29,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from ling_jax import xla_flags
+from ling_jax import distributed, xla_flags
 from ling_jax.generation import cli_checks, cli_runtime, flags
 from ling_jax.generation.cli import load_model
 from ling_jax.generation.cli_checks import ModelSource
@@ -42,6 +45,7 @@ from ling_jax.serving.media import LOCAL_MEDIA_FLAG, MediaReader
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES
 from ling_jax.serving.prefix_cache import PrefixCache
+from ling_jax.serving.replicated import FollowerEngine, LeaderEngine, ProcessGone, Publisher, Subscriber, Watch, follow
 from ling_jax.serving.scheduler import Scheduler
 from ling_jax.serving.schemas import APIError
 from ling_jax.sharding import ShardingError
@@ -50,6 +54,8 @@ EXIT_USAGE = 2
 EXIT_FAILURE = 1
 MAX_PORT = 65535
 BACKLOG = 2048  # uvicorn's default
+HEARTBEAT_MARGIN_S = 30  # --distributed: jax's heartbeat timeout past ours (`Watch`), so our error line comes first
+GONE_GRACE_S = 2.0  # --distributed: how long /health answers 503 once a process is gone, before the front end exits
 READY_POLL_S = 0.01
 API_KEY_ENV = "LING_API_KEY"
 
@@ -130,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a VL checkpoint's chat requests may name image files under DIR (file:// URLs or paths; default: "
         "none, only data: URLs; nothing is ever fetched from the network)",
     )
+    distributed.add_arguments(
+        parser,
+        "multi-process (TPU pod, several GPU hosts): every process runs the same command; process 0 serves HTTP "
+        "and schedules, every other process runs the same programs on its shards (docs/multihost.md). "
+        "--distributed-timeout also bounds how long a silent process is waited for while serving",
+    )
     return parser
 
 
@@ -170,6 +182,11 @@ def check(args: argparse.Namespace) -> tuple[ModelSource, jax.sharding.Mesh | No
     nothing is loaded."""
     _check_flags(args)
     mesh = flags.build_mesh(args)
+    if args.distributed and (mesh is None or mesh.devices.size != jax.device_count()):
+        raise ValueError(
+            f"--distributed: --mesh must span the {jax.device_count()} devices of every process "
+            f"(got {flags.mesh_flags(args) or 'none: one device'})"
+        )
     if args.preset is not None:
         source = cli_checks.preset_source(args.preset)
     else:
@@ -178,6 +195,8 @@ def check(args: argparse.Namespace) -> tuple[ModelSource, jax.sharding.Mesh | No
     local_dir = args.allowed_local_media_path
     if source.vl_config is None and local_dir is not None:
         raise ValueError(f"{LOCAL_MEDIA_FLAG}: --model {args.model} is a text model (it takes no images)")
+    if source.vl_config is not None and args.distributed:
+        raise ValueError(f"--distributed: --model {args.model} is a VL checkpoint, served by one process only")
     if source.vl_config is not None and args.mtp:
         raise ValueError(f"--mtp: --model {args.model} is a VL checkpoint, whose MTP layer is not wired up")
     media = None if source.vl_config is None else MediaReader.for_checkpoint(args.model, source.vl_config, local_dir)
@@ -203,18 +222,17 @@ def _prefix_cache_bytes(args: argparse.Namespace) -> int:
     return int(args.prefix_cache_gb * 2**30)
 
 
-def prepare(
-    args: argparse.Namespace, source: ModelSource, mesh: jax.sharding.Mesh | None, media: MediaReader | None = None
-) -> Service:
-    """Load the model, compile its programs: the service, ready to start. Each phase says so on stderr, flushed
-    (a pipe too)."""
+def load_engine(
+    args: argparse.Namespace, source: ModelSource, mesh: jax.sharding.Mesh | None, engine_class=Engine
+) -> Engine:
+    """Load the model into an `engine_class` (`Engine`, or with --distributed process 0's `LeaderEngine` and the
+    others' `FollowerEngine`). Each phase says so on stderr, flushed (a pipe too)."""
     _say(f"{'initialising random weights' if source.path is None else 'loading'}: {source.name}")
     start = time.perf_counter()
     policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul)
     model = load_model(source, flags.dtype_of(args), mesh, policy, args.weights, verbose=True)
     _say(f"loaded in {time.perf_counter() - start:.1f} s")
-    prefix_cache_bytes = _prefix_cache_bytes(args)
-    engine = Engine(
+    return engine_class(
         model,
         max_batch=args.max_batch,
         max_context=args.max_context,
@@ -222,9 +240,19 @@ def prepare(
         mesh=mesh,
         prefill_budget=args.prefill_budget,
         page_size=args.page_size,
-        prefix_cache_bytes=prefix_cache_bytes,
+        prefix_cache_bytes=_prefix_cache_bytes(args),
         mtp=args.mtp,
     )
+
+
+def prepare(
+    args: argparse.Namespace, source: ModelSource, mesh: jax.sharding.Mesh | None, media: MediaReader | None = None
+) -> Service:
+    """Load the model, compile its programs: the service, ready to start (with --distributed, process 0's: its
+    engine publishes every call to the other processes, `replicated`)."""
+    engine_class = functools.partial(LeaderEngine, send=Publisher()) if args.distributed else Engine
+    engine = load_engine(args, source, mesh, engine_class)
+    prefix_cache_bytes = _prefix_cache_bytes(args)
     prefix_cache = PrefixCache(engine.pages, args.prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
     start = time.perf_counter()
     engine.warm_up(
@@ -311,11 +339,22 @@ class _Loader(threading.Thread):
             return
         service.scheduler.start()
         self.service = service
+        if self.args.distributed:
+            Watch(self.args.distributed_timeout, self._gone).start()
         self.gate.app = create_app(service)
         while not (self.server.started or self.server.should_exit):
             time.sleep(READY_POLL_S)
         if self.server.started:
             _say(f"ready: {service.model_name} on {self.url}/v1")
+
+    def _gone(self, message: str) -> None:
+        """--distributed: another process failed or left (`Watch`): /health answers 503 for GONE_GRACE_S, then
+        the front end exits with status 1."""
+        self.service.scheduler.error = ProcessGone(message)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        time.sleep(GONE_GRACE_S)
+        self.status = EXIT_FAILURE
+        self.server.should_exit = True
 
     def _fail(self, status: int, message: str) -> None:
         cli_runtime.silence_stray_errors()
@@ -329,11 +368,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     xla_flags.set_gpu_flags()
     cli_runtime.enable_compile_cache(args.no_compile_cache)
     try:
-        checked = check(args)
-        sock = listen(args.host, args.port)
+        distributed.check_arguments(args)
+        if args.distributed:  # jax's heartbeat outlasts the followers' (`Watch`), whose error line comes first
+            distributed.join(args, heartbeat_timeout_s=args.distributed_timeout + HEARTBEAT_MARGIN_S)
+        leads = jax.process_index() == 0
+        checks = contextlib.nullcontext()
+        if args.distributed:
+            checks = distributed.agreement("serve", distributed.job_of(args), args.distributed_timeout)
+        with checks:
+            checked = check(args)
+            sock = listen(args.host, args.port) if leads else None
     except (ValueError, OSError, ShardingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if not leads:
+        return _follow(args, checked)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     gate = Loading()
@@ -346,15 +395,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     _say(f"listening on {url} (/health answers 503 until the model is loaded and compiled)")
     loader.start()
     server.run(sockets=[sock])
+    if loader.service is not None and isinstance(loader.service.scheduler.error, ProcessGone):
+        _exit_now(EXIT_FAILURE)  # the scheduler may wait in a collective with the process that is gone
     if loader.service is not None:
         loader.service.scheduler.stop()
+        if args.distributed:
+            loader.service.scheduler.engine.stop()
     if loader.status is not None:  # set before the loader stopped the server
         return loader.status
     if loader.is_alive():  # stopped while loading: an XLA compilation cannot be interrupted, nor waited for
         _say("stopped while loading")
-        sys.stdout.flush()
-        os._exit(0)
+        _exit_now(0)
     return 0 if loader.service.scheduler.error is None else EXIT_FAILURE
+
+
+def _follow(args: argparse.Namespace, checked: tuple) -> int:
+    """--distributed, a process other than 0: load its shards, then make process 0's engine calls until it stops."""
+    source, mesh, _ = checked
+    try:
+        follow(load_engine(args, source, mesh, functools.partial(FollowerEngine, receive=Subscriber())))
+    except (ValueError, OSError, ShardingError) as e:  # what process 0 names too: it loads the same
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        _exit_now(EXIT_USAGE)  # jax's shutdown would wait for process 0
+    except ProcessGone as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        _exit_now(EXIT_FAILURE)
+    return 0
+
+
+def _exit_now(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def script_main() -> int:

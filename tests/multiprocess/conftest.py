@@ -26,22 +26,27 @@ class Finished:
     stderr: str
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _launch(
-    command: Callable[[int, str], list[str]], processes: int = 2, devices: int = 2, timeout_s: float = LAUNCH_TIMEOUT_S
-) -> list[Finished]:
-    coordinator = f"127.0.0.1:{_free_port()}"
-    env = {
+def environment(devices: int) -> dict[str, str]:
+    """A process's environment: `devices` CPU devices, the repository and tests/support importable."""
+    return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]),
     }
+
+
+def _launch(
+    command: Callable[[int, str], list[str]], processes: int = 2, devices: int = 2, timeout_s: float = LAUNCH_TIMEOUT_S
+) -> list[Finished]:
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = environment(devices)
     children: list[subprocess.Popen] = []
     timed_out = False
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as files:

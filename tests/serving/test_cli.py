@@ -28,6 +28,7 @@ from ling_jax.serving.cli import build_parser, main  # noqa: E402
         (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt: not a directory"),
         (["--mesh", "tensor"], "--mesh expects axis=size pairs"),
         (["--prefix-cache-gb", "1e-6"], "--prefix-cache-gb 1e-06 cannot hold one prefix block: a block of"),
+        (["--process-id", "1"], "--process-id: only with --distributed"),
     ],
 )
 def test_bad_flags_are_one_error_line(flags, message, capsys):
