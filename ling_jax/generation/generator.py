@@ -230,12 +230,14 @@ def _media_embeddings(static, leaves, ids_BT, pixel_values, image_grids, pixel_v
 
 
 def decode_step(
-    model: LingForCausalLM, state: DecodeState, arrays: SamplingArrays, position_offsets_B=None
+    model: LingForCausalLM, state: DecodeState, arrays: SamplingArrays, position_offsets_B=None, real_B=None
 ) -> tuple[NewTokens, DecodeState]:
     """One decode step of every row (traced inside a jitted program). position_offsets_B: after media, a token in
-    cache slot s sits at position s + offset (VL prompts)."""
+    cache slot s sits at position s + offset (VL prompts). real_B: the rows whose token is real (None: all); the
+    others' input is a pad, which leaves their cache (KDA state, conv window, length) as it was, in place."""
     positions = None if position_offsets_B is None else (state.cache.lengths + position_offsets_B)[:, None]
-    out = model(state.token_B[:, None], cache=state.cache, positions=positions)
+    mask_B1 = None if real_B is None else real_B[:, None]
+    out = model(state.token_B[:, None], cache=state.cache, positions=positions, attention_mask=mask_B1)
     token_B, logprobs = _draw(out.logits[:, 0], arrays, state.steps_B, state.seen_BV, state.counts_BV)
     state = state.replace(
         cache=out.cache,
