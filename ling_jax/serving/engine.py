@@ -20,8 +20,8 @@ shape and run with the slot batch donated (by name, `state`):
 - `step`: one decode step of every slot (`generator.decode_step`), or with MTP a speculative round, or
   `decode_steps` of them in one program (the scheduler's choice when nothing else waits), a slot stopping on the
   device at its capacity. Slots that are not decoding run too, with no pages (they read and write only a scratch
-  page) and a pad token as input (the attention mask), which leaves their KDA states and length as they were:
-  every slot's state is read and written in place, never copied or selected.
+  page) and a pad token as input (`decode_step`'s real_B), which leaves their state (KDA states, length, seen
+  and counted tokens) as it was: every slot's state is read and written in place, never copied or selected.
 
 A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
 a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
@@ -358,15 +358,6 @@ def _put_first_slots(state: DecodeState, first: DecodeState) -> DecodeState:
     return put.replace(cache=_put_rows(state.cache, first.cache, _set_first))
 
 
-def _keep_idle_slots(before: DecodeState, stepped: DecodeState, running_R) -> DecodeState:
-    """`stepped` with the per-slot arrays of the slots not running as they were `before`, but for the cache: a step
-    whose input is a pad where a slot does not run leaves its KDA states and length as they were, in place."""
-    kept = jax.tree.map(
-        lambda new, old: where_rows(running_R, new, old), stepped.replace(cache=None), before.replace(cache=None)
-    )
-    return kept.replace(cache=stepped.cache)
-
-
 def _decode_steps(model, num_steps: int, state: DecodeState, arrays: SamplingArrays, active_R, capacity_R, offsets_R):
     """num_steps decode steps (a `lax.scan`, each token fed back on the device) of the active slots; a slot runs a
     step while below its capacity (its last token then fills its pages), else it stops where it is. -> (NewTokens
@@ -374,9 +365,8 @@ def _decode_steps(model, num_steps: int, state: DecodeState, arrays: SamplingArr
 
     def step(state, _):
         running_R = active_R & (state.cache.lengths + 1 < capacity_R)
-        new, stepped = decode_step(model, state, arrays, offsets_R, running_R)
-        column = jax.tree.map(lambda x: x[:, 0], (new.tokens_BT, new.logprobs))
-        return _keep_idle_slots(state, stepped, running_R), (*column, running_R)
+        new, state = decode_step(model, state, arrays, offsets_R, running_R)
+        return state, (*jax.tree.map(lambda x: x[:, 0], (new.tokens_BT, new.logprobs)), running_R)
 
     state, (tokens_GR, logprobs, ran_GR) = jax.lax.scan(step, state, length=num_steps)
     tokens_RG, logprobs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (tokens_GR, logprobs))
