@@ -40,7 +40,7 @@ from ling_jax.generation.generator import Generator  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.generation.sampling import SamplingParams  # noqa: E402
 from ling_jax.generation.tokenizer import load_tokenizer  # noqa: E402
-from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes  # noqa: E402
+from ling_jax.serving.engine import DECODE_STEPS, PAGE_SIZE, Engine, prefix_block_bytes  # noqa: E402
 from ling_jax.serving.prefix_cache import PrefixCache  # noqa: E402
 from ling_jax.serving.scheduler import Request, Scheduler  # noqa: E402
 
@@ -165,6 +165,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefill-budget", type=int, default=2048, help="served: prompt tokens per prefill step")
+    parser.add_argument(
+        "--decode-steps", type=int, default=DECODE_STEPS, help="served: decode steps per program when nothing waits"
+    )
     parser.add_argument("--skip-static", action="store_true", help="the served runs only")
     parser.add_argument(
         "--prefix-tokens",
@@ -208,6 +211,7 @@ def main(argv=None) -> int:
         max_context=max_context,
         prefill_chunk=args.prefill_chunk,
         prefill_budget=args.prefill_budget,
+        decode_steps=args.decode_steps,
     )
     start = time.perf_counter()
     engine.warm_up()

@@ -53,6 +53,8 @@ def start_server(args, max_context: int) -> tuple[subprocess.Popen, str, float]:
     command += [args.weights, "--max-batch", str(args.max_batch), "--max-context", str(max_context)]
     command += ["--prefill-chunk", str(args.prefill_chunk), "--prefill-budget", str(args.prefill_budget)]
     command += ["--max-queue", str(1 << 16)]
+    if args.decode_steps is not None:
+        command += ["--decode-steps", str(args.decode_steps)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -146,6 +148,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--prefill-chunk", type=int, default=512, help="ling-serve's --prefill-chunk")
     parser.add_argument("--prefill-budget", type=int, default=1024, help="ling-serve's --prefill-budget")
+    parser.add_argument("--decode-steps", type=int, help="ling-serve's --decode-steps (default: its own)")
     parser.add_argument("--steps", type=int, default=20, help="static: timed decode steps per batch")
     parser.add_argument(
         "--static-context",

@@ -230,19 +230,26 @@ def _media_embeddings(static, leaves, ids_BT, pixel_values, image_grids, pixel_v
 
 
 def decode_step(
-    model: LingForCausalLM, state: DecodeState, arrays: SamplingArrays, position_offsets_B=None
+    model: LingForCausalLM, state: DecodeState, arrays: SamplingArrays, position_offsets_B=None, real_B=None
 ) -> tuple[NewTokens, DecodeState]:
     """One decode step of every row (traced inside a jitted program). position_offsets_B: after media, a token in
-    cache slot s sits at position s + offset (VL prompts)."""
+    cache slot s sits at position s + offset (VL prompts). real_B: the rows that step (None: all); the others'
+    input is a pad, which leaves their state (KDA state, conv window, length, seen and counted tokens, token,
+    step) as it was, in place: no copy of a row's old state is kept to select from."""
     positions = None if position_offsets_B is None else (state.cache.lengths + position_offsets_B)[:, None]
-    out = model(state.token_B[:, None], cache=state.cache, positions=positions)
+    mask_B1 = None if real_B is None else real_B[:, None]
+    out = model(state.token_B[:, None], cache=state.cache, positions=positions, attention_mask=mask_B1)
     token_B, logprobs = _draw(out.logits[:, 0], arrays, state.steps_B, state.seen_BV, state.counts_BV)
+    counted_B, stepped_B = token_B, state.steps_B + 1
+    if real_B is not None:  # a pad's token is counted nowhere (past the vocabulary: dropped)
+        counted_B = jnp.where(real_B, token_B, state.seen_BV.shape[1])
+        stepped_B = jnp.where(real_B, stepped_B, state.steps_B)
     state = state.replace(
         cache=out.cache,
-        seen_BV=update_seen(state.seen_BV, token_B),
-        counts_BV=count_tokens(state.counts_BV, token_B),
-        token_B=token_B,
-        steps_B=state.steps_B + 1,
+        seen_BV=update_seen(state.seen_BV, counted_B),
+        counts_BV=count_tokens(state.counts_BV, counted_B),
+        token_B=token_B if real_B is None else jnp.where(real_B, token_B, state.token_B),
+        steps_B=stepped_B,
     )
     return _one_token(token_B, logprobs), state
 

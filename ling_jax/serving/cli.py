@@ -40,7 +40,7 @@ from ling_jax.generation.flags import DEMO_DIR
 from ling_jax.generation.generator import MIN_CHUNK
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.serving.api import Service, create_app
-from ling_jax.serving.engine import PAGE_SIZE, Engine, prefix_block_bytes
+from ling_jax.serving.engine import DECODE_STEPS, PAGE_SIZE, Engine, prefix_block_bytes
 from ling_jax.serving.media import LOCAL_MEDIA_FLAG, MediaReader
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES
@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prompt tokens per prefill step (default: --prefill-chunk): up to N / C requests' chunks of C "
         "tokens are prefilled together",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=DECODE_STEPS,
+        metavar="N",
+        help=f"decode steps (with --mtp, speculative rounds) per program while no request waits for admission or "
+        f"prefill (default {DECODE_STEPS}): fewer host round trips, up to N - 1 steps' delay before a new request "
+        "is admitted",
     )
     parser.add_argument(
         "--page-size",
@@ -153,6 +162,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         ("--page-size", args.page_size, 1),
         ("--max-queue", args.max_queue, 0),
         ("--mtp", args.mtp, 0),
+        ("--decode-steps", args.decode_steps, 1),
         ("--max-request-bytes", args.max_request_bytes, 1),
     ):
         if value < low:
@@ -242,6 +252,7 @@ def load_engine(
         page_size=args.page_size,
         prefix_cache_bytes=_prefix_cache_bytes(args),
         mtp=args.mtp,
+        decode_steps=args.decode_steps,
     )
 
 

@@ -17,8 +17,11 @@ shape and run with the slot batch donated (by name, `state`):
   head chunk, then full chunks of `prefill_chunk`), so each chunk length compiles once or twice (one row;
   the budget's rows) and each row computes what a batch-1 `Generator.generate` computes;
 - `first_token`: the request's first token from its last prompt position (`generator.first_token` on its slot);
-- `step`: one decode step of every slot (`generator.decode_step`), or with MTP a speculative round. Slots that
-  are not decoding run too, with no pages (they read and write only a scratch page), and keep their state.
+- `step`: one decode step of every slot (`generator.decode_step`), or with MTP a speculative round, or
+  `decode_steps` of them in one program (the scheduler's choice when nothing else waits), a slot stopping on the
+  device at its capacity. Slots that are not decoding run too, with no pages (they read and write only a scratch
+  page) and a pad token as input (`decode_step`'s real_B), which leaves their state (KDA states, length, seen
+  and counted tokens) as it was: every slot's state is read and written in place, never copied or selected.
 
 A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
 a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
@@ -37,14 +40,14 @@ the MTP layer's latent cache as a fixed buffer of `max_context` rows per slot (n
 main model's hidden at the last prefilled token, whose MTP entry needs the token after it), and the slot's next
 draft with its MTP hidden. A prefill chunk also writes its MTP entries (`_prefill_drafts`), the first token
 adds the last prompt position's and drafts (`first_draft`), and the step is a speculative round of every slot
-(`speculative_rounds` of one round, the program `Generator` runs): K drafts chained through the MTP layer, K + 1
-positions verified in one main-model pass whose KDA layers keep every token's state, each slot's targets drawn
-with its own sampler, a draft accepted while it equals its target, and each slot committed at its own accepted
-boundary (KDA state and conv window of the last accepted token, length; MLA rows past it lie beyond the length,
-MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]: exactly the tokens plain
-decoding gives, greedy or sampled, and no more than its request's max_tokens (`Engine.assign`'s capacity): the
-step already dispatched when a request ends leaves its slot as it is. A prefix-cache snapshot then also holds the
-block's MTP entries and the carry, so a resumed request drafts as a cold one does.
+(`speculative_rounds` of one round or `decode_steps`, the program `Generator` runs): K drafts chained through
+the MTP layer, K + 1 positions verified in one main-model pass whose KDA layers keep every token's state, each
+slot's targets drawn with its own sampler, a draft accepted while it equals its target, and each slot committed
+at its own accepted boundary (KDA state and conv window of the last accepted token, length; MLA rows past it
+lie beyond the length, MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]: exactly
+the tokens plain decoding gives, greedy or sampled, and no more than its request's max_tokens (`Engine.assign`'s
+capacity): the step already dispatched when a request ends leaves its slot as it is. A prefix-cache snapshot
+then also holds the block's MTP entries and the carry, so a resumed request drafts as a cold one does.
 
 A VL model's request with images (`media_prefill`) gets its prompt's embeddings with the vision tower's output
 merged in and its (t, h, w) mRoPE positions, cut into its chunks, which `prefill` runs one row at a time; its
@@ -78,7 +81,6 @@ from ling_jax.generation.generator import (
     NewTokens,
     decode_step,
     first_token,
-    keep_idle_rows,
     media_prefill_inputs,
     prefill_chunks,
     speculative_rounds,
@@ -92,6 +94,7 @@ from ling_jax.serving.pages import PagePool
 from ling_jax.sharding import cache_shardings, shard_model
 
 GREEDY = SamplingParams(temperature=0.0)  # what an idle slot "samples" with: the cheapest branch of `sample`
+DECODE_STEPS = 4  # ling-serve's --decode-steps: decode steps per program when nothing else waits
 PAGE_SIZE = 64  # MLA cache slots per page: the Hopper paged decode kernel reads pages of a multiple of 64 in place
 
 
@@ -355,28 +358,50 @@ def _put_first_slots(state: DecodeState, first: DecodeState) -> DecodeState:
     return put.replace(cache=_put_rows(state.cache, first.cache, _set_first))
 
 
-@functools.partial(jax.jit, static_argnames=("static", "num_drafts", "rows"), donate_argnames="state")
+def _decode_steps(model, num_steps: int, state: DecodeState, arrays: SamplingArrays, active_R, capacity_R, offsets_R):
+    """num_steps decode steps (a `lax.scan`, each token fed back on the device) of the active slots; a slot runs a
+    step while below its capacity (its last token then fills its pages), else it stops where it is. -> (NewTokens
+    [R, num_steps]: slot r's are tokens_BT[r, :counts_B[r]]; state)."""
+
+    def step(state, _):
+        running_R = active_R & (state.cache.lengths + 1 < capacity_R)
+        new, state = decode_step(model, state, arrays, offsets_R, running_R)
+        return state, (*jax.tree.map(lambda x: x[:, 0], (new.tokens_BT, new.logprobs)), running_R)
+
+    state, (tokens_GR, logprobs, ran_GR) = jax.lax.scan(step, state, length=num_steps)
+    tokens_RG, logprobs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (tokens_GR, logprobs))
+    return NewTokens(tokens_RG, ran_GR.sum(axis=0, dtype=jnp.int32), logprobs), state
+
+
+@functools.partial(jax.jit, static_argnames=("static", "num_drafts", "rows", "num_steps"), donate_argnames="state")
 def _step(
-    static, num_drafts, rows, leaves, state: DecodeState, arrays: SamplingArrays, active_R, capacity_R, offsets_R=None
+    static,
+    num_drafts,
+    rows,
+    num_steps,
+    leaves,
+    state: DecodeState,
+    arrays: SamplingArrays,
+    active_R,
+    capacity_R,
+    offsets_R=None,
 ):
-    """One decode step (num_drafts = 0: `decode_step`) or speculative round (`speculative_rounds`, the program
-    `Generator` runs, here of one round) of slots [0, rows) (the engine's bucket over its active slots); slots not
-    active have no pages in it and keep their state. A speculative round stops each slot at its capacity
-    (capacity_R: the tokens its pages were assigned for, `Engine.assign`), so every token it keeps read its own
-    pages only, never the scratch page (its EOS is the scheduler's to see). offsets_R: a VL engine's per-slot mRoPE
-    position offsets (None for a text model; a VL model has no MTP here). -> (NewTokens over the R slots,
-    meaningful where active; state)."""
+    """num_steps decode steps (num_drafts = 0: `_decode_steps`) or speculative rounds (`speculative_rounds`, the
+    program `Generator` runs) of slots [0, rows) (the engine's bucket over its active slots); slots not active have
+    no pages in it and keep their state. A slot stops at its capacity (capacity_R: the tokens its pages were
+    assigned for, `Engine.assign`), so every token it keeps read its own pages only, never the scratch page (its
+    EOS is the scheduler's to see). offsets_R: a VL engine's per-slot mRoPE position offsets (None for a text
+    model; a VL model has no MTP here). -> (NewTokens over the R slots, meaningful where active; state)."""
     model = static.merge(leaves)
     before = _first_slots(state, rows)
     stepping = before.replace(cache=_without_idle_pages(before.cache, active_R))
     if num_drafts:  # slots that do not run a round keep their state
         no_eos_V = jnp.zeros(state.seen_BV.shape[1], bool)
         new, stepped = speculative_rounds(
-            model, num_drafts, 1, stepping, _first(arrays, rows), active_R, capacity_R, no_eos_V
+            model, num_drafts, num_steps, stepping, _first(arrays, rows), active_R, capacity_R, no_eos_V
         )
     else:
-        new, stepped = decode_step(model, stepping, _first(arrays, rows), offsets_R)
-        stepped = keep_idle_rows(before, stepped, active_R)
+        new, stepped = _decode_steps(model, num_steps, stepping, _first(arrays, rows), active_R, capacity_R, offsets_R)
     return new, _put_first_slots(state, stepped)
 
 
@@ -402,12 +427,16 @@ class Engine:
         page_size: int = PAGE_SIZE,
         prefix_cache_bytes: int = 0,
         mtp: int = 0,
+        decode_steps: int = 1,
     ):
         """prefix_cache_bytes: the prefix cache's size (0: none); the pool gets that many bytes of pages more, and
         prompts are chunked on prefix blocks (prefill chunks, whole pages). mtp: MTP drafts per decode step (0:
-        plain decoding; needs a model with an MTP layer)."""
+        plain decoding; needs a model with an MTP layer). decode_steps: the decode steps (with MTP, speculative
+        rounds) of one program when the scheduler has nothing else to run (`decode`'s steps)."""
         if mtp < 0:
             raise ValueError(f"--mtp must be >= 0, got {mtp}")
+        if decode_steps < 1:
+            raise ValueError(f"--decode-steps must be >= 1, got {decode_steps}")
         if mtp and not model.config.num_nextn_predict_layers:
             raise ValueError(f"--mtp {mtp} needs a model with an MTP layer (num_nextn_predict_layers = 0 here)")
         if max_batch < 1:
@@ -423,6 +452,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_context = max_context
         self.mtp = mtp
+        self.decode_steps = decode_steps
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
         if self.prefill_budget < prefill_chunk:
@@ -679,13 +709,19 @@ class Engine:
         return next(b for b in decode_buckets(self.max_batch) if b >= last)
 
     def decode(
-        self, active_B: np.ndarray, rows: int | None = None, bitmasks: dict[int, np.ndarray] | None = None
+        self,
+        active_B: np.ndarray,
+        rows: int | None = None,
+        bitmasks: dict[int, np.ndarray] | None = None,
+        steps: int = 1,
     ) -> NewTokens:
-        """Dispatch one decode step of the slots (with MTP, a speculative round); -> its `NewTokens` over slots
-        [0, R), R = `decode_rows`: slot b's new tokens are tokens_BT[b, :counts_B[b]], meaningful where active, on
-        their way to the host (the step runs while the caller does other work). rows: the bucket to run instead
-        (`warm_up`). bitmasks: {slot: [W] int32} the tokens each grammar allows this step (`grammar_mask`; a plain
-        decode step only, not MTP's)."""
+        """Dispatch `steps` decode steps of the slots (with MTP, speculative rounds) in one program, each slot
+        stopping at its capacity; -> its `NewTokens` over slots [0, R), R = `decode_rows`: slot b's new tokens are
+        tokens_BT[b, :counts_B[b]], meaningful where active, on their way to the host (the program runs while the
+        caller does other work). rows: the bucket to run instead (`warm_up`). bitmasks: {slot: [W] int32} the
+        tokens each grammar allows (`grammar_mask`; a plain decode step only, not MTP's: one step)."""
+        if bitmasks and steps > 1:
+            raise ValueError("a grammar's bitmask holds for one decode step")
         if self._arrays is None:
             self._arrays = SamplingArrays.from_params(self._params, self.config.vocab_size)
         arrays = self._arrays
@@ -699,7 +735,7 @@ class Engine:
         offsets_R = None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows])
         capacity_R = jnp.array(self.capacity_B[:rows], copy=True)  # never a view of the host's, edited in place
         new, self.state = _step(
-            self.static, self.mtp, rows, self.leaves, self._synced(), arrays, active_R, capacity_R, offsets_R
+            self.static, self.mtp, rows, steps, self.leaves, self._synced(), arrays, active_R, capacity_R, offsets_R
         )
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
@@ -707,12 +743,12 @@ class Engine:
 
     def warm_up(self, on_program: Callable[[int, int], None] = lambda done, total: None) -> None:
         """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, a fork, the
-        first token, the decode step of each bucket) on slot 0 (no pages: nothing is written) and, for the fork,
-        slot 1 (whose rows a new request resets); on_program(done, total) after each (ling-serve's progress
-        lines)."""
+        first token, the decode programs of each bucket: one step and `decode_steps`) on slot 0 (no pages: nothing
+        is written) and, for the fork, slot 1 (whose rows a new request resets); on_program(done, total) after each
+        (ling-serve's progress lines)."""
         lengths, buckets = self.chunk_lengths(), decode_buckets(self.max_batch)
         total = sum(1 + (self.prefill_rows(n) > 1) for n in lengths) + 2 * (self.prefix_block is not None)
-        total += (self.max_batch > 1) + 1 + len(buckets)
+        total += (self.max_batch > 1) + 1 + len(buckets) * len({1, self.decode_steps})
         done = iter(range(1, total + 1))
         for length in lengths:
             chunk = (np.ones(length, np.int32), np.ones(length, bool))
@@ -733,7 +769,8 @@ class Engine:
         self.first_token(0, hidden_1D, GREEDY)
         on_program(next(done), total)
         for rows in buckets:
-            self.decode(np.zeros(self.max_batch, bool), rows)
-            on_program(next(done), total)
+            for steps in sorted({1, self.decode_steps}):
+                self.decode(np.zeros(self.max_batch, bool), rows, steps=steps)
+                on_program(next(done), total)
         self.release(0)
         jax.block_until_ready(self.state)

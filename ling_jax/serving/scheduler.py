@@ -8,13 +8,16 @@ Each iteration of the loop
    request's first token), so a long prompt delays the running requests by one step per chunk; with a
    prefix cache, a request is admitted with the pages of its longest cached prefix shared into its page
    table and resumes after it, and each whole block it prefills is cached (its pages shared, not copied);
-4. dispatches one decode step of every decoding slot, then hands each request its token of the step before
-   (read while this one runs on the device, so the host's work overlaps the device's); with MTP a step gives
-   each request one to K + 1 tokens, taken in order up to the one that ends the request (EOS, a stop string,
-   max_tokens): none past it is streamed.
+4. dispatches one decode program of every decoding slot, then hands each request its tokens of the program
+   before (read while this one runs on the device, so the host's work overlaps the device's): one decode step
+   while anything else waits (a request to admit, a prompt chunk, a prompt's logprobs) or a grammar request
+   decodes, else the engine's `decode_steps` steps in one program, each slot stopping on the device at its
+   max_tokens; with MTP a step (a speculative round) gives each request one to K + 1 tokens. A request takes
+   its tokens in order up to the one that ends it (EOS, a stop string, max_tokens): none past it is streamed.
 
-A request that ends at step k still runs in step k + 1, already dispatched; that step's token is dropped and
-the slot is free at the next iteration's admission (the next request's prefill runs after it on the device).
+A request that ends in program k still runs in program k + 1, already dispatched (within its pages: it stops at
+its max_tokens); those tokens are dropped and the slot is free at the next iteration's admission (the next
+request's prefill runs after it on the device).
 
 A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
 `emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when
@@ -246,12 +249,18 @@ class Scheduler:
             active_B = np.zeros(self.engine.max_batch, bool)
             active_B[[r.slot for r in decoding]] = True
             bitmasks = {r.slot: r.grammar.bitmask() for r in decoding if r.grammar is not None}
-            self._in_flight = (self.engine.decode(active_B, bitmasks=bitmasks), decoding)
+            steps = 1 if bitmasks or self._pending() else self.engine.decode_steps
+            self._in_flight = (self.engine.decode(active_B, bitmasks=bitmasks, steps=steps), decoding)
         if previous is not None:
             self._take_step(*previous)
         self.steps += 1
         self.metrics.steps.inc()
         return True
+
+    def _pending(self) -> bool:
+        """Whether anything but decoding waits for the next step boundary: a request to admit, a prompt chunk, a
+        prompt's logprobs."""
+        return bool(self.waiting or self._scoring or any(r is not None and r._chunks for r in self.slots))
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.waiting if r.cancelled]:

@@ -20,6 +20,7 @@ from ling_jax.serving.cli import build_parser, main  # noqa: E402
         (["--mtp", "-1"], "--mtp must be >= 0, got -1"),
         (["--mtp", "5"], "--mtp must be <= 4"),
         (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--decode-steps", "0"], "--decode-steps must be >= 1, got 0"),
         (["--prefill-chunk", "8"], "--prefill-chunk must be >= 16, got 8"),
         (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be >= 0"),
         (["--prefix-cache-gb", "1", "--page-size", "48"], "--page-size 48 must divide --prefill-chunk 512"),

@@ -233,3 +233,39 @@ def test_mtp_prefix_hits_equal_cold_requests(mtp_scheduler):
     for request, entries in zip(warm[1:], cold_entries[1:]):
         np.testing.assert_allclose(_mtp_entries(mtp_scheduler.engine, request.slot), entries, atol=1e-4)
     _assert_mtp_all_free(mtp_scheduler)
+
+
+def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkeypatch):
+    """Several decode steps per program (`decode_steps`) once nothing else waits: each request still equals itself
+    run alone; one ending inside a program at max_tokens or at EOS streams nothing past it, and the slot stopped on
+    the device at its max_tokens (the program dispatched before its end was seen left it there)."""
+    engine, steps = scheduler.engine, []
+    decode = engine.decode
+
+    def recording(active_B, **kwargs):
+        new = decode(active_B, **kwargs)
+        steps.append((kwargs["steps"], np.asarray(new.counts_B)))
+        return new
+
+    monkeypatch.setattr(engine, "decode_steps", 4)
+    monkeypatch.setattr(engine, "decode", recording)
+    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    assert {s for s, _ in steps} == {1, 4}
+    prompt = CASES[0][0]
+    first = len(steps)
+    (request,) = _run(scheduler, [(prompt, GREEDY, 24)])
+    full = request.tokens
+    # the first token, then programs of 4 (token i in the program of tokens 4k + 1 to 4k + 4), then the program
+    # dispatched before the end was seen: it runs no step (the slot is at its max_tokens)
+    assert [int(c[request.slot]) for _, c in steps[first:]] == [4, 4, 4, 4, 4, 3, 0]
+    cut = 7  # inside the second program
+    sink = []
+    (limited,) = _run(scheduler, [(prompt, GREEDY, cut)], [sink])
+    assert limited.tokens == [t for d in sink for t in d.token_ids] == full[:cut] and sink[-1].finish is Finish.LENGTH
+    assert scheduler.engine.state.cache.lengths[limited.slot] == len(prompt) + cut - 1
+    cut = next(i for i in range(2, len(full)) if i % 4 not in (0, 1) and full.index(full[i]) == i)
+    eos = Scheduler(engine, demo_tokenizer, eos_ids=[full[cut]], max_queue=8)
+    sink = []
+    (stopped,) = _run(eos, [(prompt, GREEDY, 24)], [sink])
+    assert stopped.tokens == [t for d in sink for t in d.token_ids] == full[:cut] and sink[-1].finish is Finish.STOP
+    assert scheduler.slots == eos.slots == [None] * MAX_BATCH
