@@ -105,8 +105,8 @@ class _Replica(Engine):
     def first_token(self, slot, hidden_1D, params, bitmask_W=None) -> NewTokens:
         return self._everywhere(super().first_token(slot, hidden_1D, params, bitmask_W))
 
-    def decode(self, active_B, rows=None, bitmasks=None) -> NewTokens:
-        new = self._everywhere(super().decode(active_B, rows, bitmasks))
+    def decode(self, active_B, rows=None, bitmasks=None, steps=1) -> NewTokens:
+        new = self._everywhere(super().decode(active_B, rows, bitmasks, steps))
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new
@@ -173,12 +173,12 @@ class LeaderEngine(_Replica):
         self.send("release", slot=slot)
         super().release(slot)
 
-    def decode(self, active_B, rows=None, bitmasks=None):
+    def decode(self, active_B, rows=None, bitmasks=None, steps=1):
         fields = {}
         if bitmasks:
             fields = {"bitmask_slots": list(bitmasks), "bitmasks": np.stack(list(bitmasks.values()))}
-        self.send("decode", active_B=np.asarray(active_B), rows=rows, **fields)
-        return super().decode(active_B, rows, bitmasks)
+        self.send("decode", active_B=np.asarray(active_B), rows=rows, steps=steps, **fields)
+        return super().decode(active_B, rows, bitmasks, steps)
 
     def stop(self) -> None:
         """The followers return from `follow`."""
@@ -246,7 +246,7 @@ class FollowerEngine(_Replica):
             self.release(fields["slot"])
         elif op == "decode":
             bitmasks = dict(zip(fields.get("bitmask_slots", ()), fields.get("bitmasks", ())))
-            self.decode(fields["active_B"], fields["rows"], bitmasks)
+            self.decode(fields["active_B"], fields["rows"], bitmasks, fields["steps"])
         else:
             raise RuntimeError(f"out of step with process 0: unknown command {op!r}")
         return True
