@@ -19,6 +19,10 @@ shape and run with the slot batch donated (by name, `state`):
 - `step`: one decode step of every slot (`generator.decode_step`), or with MTP a speculative round. Slots that
   are not decoding run too, with no pages (they read and write only a scratch page), and keep their state.
 
+`warm_up` compiles them before the first request, the prefill and decode programs from their arguments' shapes
+in worker threads (`ling_jax.serving.programs`); with `background`, the several-row prefill steps and the smaller
+decode buckets compile on after it returns, and `prefill` / `decode_rows` run around them until they are done.
+
 A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
 a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
 prompt is run twice: once for these, once into its slot), each chunk's logits reduced on the device to the
@@ -671,15 +675,12 @@ class Engine:
             b for b in decode_buckets(self.max_batch) if b >= last and usable(self._background.get(("step", b)))
         )
 
-    def decode(
-        self, active_B: np.ndarray, rows: int | None = None, bitmasks: dict[int, np.ndarray] | None = None
-    ) -> NewTokens:
+    def decode(self, active_B: np.ndarray, bitmasks: dict[int, np.ndarray] | None = None) -> NewTokens:
         """Dispatch one decode step of the slots (with MTP, a speculative round); -> its `NewTokens` over slots
         [0, R), R = `decode_rows`: slot b's new tokens are tokens_BT[b, :counts_B[b]], meaningful where active, on
-        their way to the host (the step runs while the caller does other work). rows: the bucket to run instead
-        (`warm_up`). bitmasks: {slot: [W] int32} the tokens each grammar allows this step (`grammar_mask`; a plain
-        decode step only, not MTP's)."""
-        new, self.state = _step(*self._step_args(active_B, rows or self.decode_rows(active_B), bitmasks))
+        their way to the host (the step runs while the caller does other work). bitmasks: {slot: [W] int32} the
+        tokens each grammar allows this step (`grammar_mask`; a plain decode step only, not MTP's)."""
+        new, self.state = _step(*self._step_args(active_B, self.decode_rows(active_B), bitmasks))
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new
