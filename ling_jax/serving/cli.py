@@ -228,8 +228,7 @@ def prepare(
     prefix_cache = PrefixCache(engine.pages, args.prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
     start = time.perf_counter()
     engine.warm_up(
-        lambda done, total: _say(f"warm-up: compiled {done} of {total} programs ({time.perf_counter() - start:.1f} s)"),
-        background=True,  # ready once every request can run; the rest compile on (rarer prefill rows, small batches)
+        lambda done, total: _say(f"warm-up: compiled {done} of {total} programs ({time.perf_counter() - start:.1f} s)")
     )
     scheduler = Scheduler(
         engine,
@@ -355,11 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say("stopped while loading")
         sys.stdout.flush()
         os._exit(0)
-    status = 0 if loader.service.scheduler.error is None else EXIT_FAILURE
-    if loader.service.scheduler.engine.compiling():  # nor can the ones still running in the background
-        sys.stdout.flush()
-        os._exit(status)
-    return status
+    return 0 if loader.service.scheduler.error is None else EXIT_FAILURE
 
 
 def script_main() -> int:
