@@ -23,6 +23,7 @@ from ling_jax.generation.compile_watch import CACHE_HIT_EVENT, CACHE_LOOKUP_EVEN
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 NO_CACHE_ENV = "LING_JAX_NO_COMPILE_CACHE"
+MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # jax's: programs compiled faster are not kept
 NOTICE_AFTER_S = 1.0  # a compilation this long gets the notice: jax caches those of >= 1 s (its default)
 CACHE_READ_ALLOWANCE_S = 4.0  # more, while the persistent cache is being read (a hit is no compilation)
 
@@ -89,11 +90,15 @@ def cache_disabled_by_env() -> bool:
 
 
 def enable_compile_cache(disabled: bool) -> Path | None:
-    """Turn JAX's persistent compilation cache on in `compile_cache_dir()` (call before anything compiles).
-    A directory the user configured (JAX_COMPILATION_CACHE_DIR) wins. None when disabled (the flag or
-    $LING_JAX_NO_COMPILE_CACHE) or when the directory cannot be made."""
+    """Turn JAX's persistent compilation cache on in `compile_cache_dir()` (call before anything compiles), for
+    every program however quickly it compiles (jax's default keeps only those of >= 1 s: a warm start would
+    compile the others again; $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, if set, wins). A directory the user
+    configured (JAX_COMPILATION_CACHE_DIR) wins. None when disabled (the flag or $LING_JAX_NO_COMPILE_CACHE) or
+    when the directory cannot be made."""
     if disabled or cache_disabled_by_env():
         return None
+    if MIN_COMPILE_TIME_ENV not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     configured = jax.config.jax_compilation_cache_dir
     if configured:
         return Path(configured)

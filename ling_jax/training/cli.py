@@ -37,6 +37,7 @@ from convert.hf_writer import TensorEntry, write_sharded
 from convert.synthetic import config_dict, write_quantized_copy
 from ling_jax import LingConfig, LingForCausalLM, load_hf_checkpoint
 from ling_jax.checkpoints.names import source_for
+from ling_jax.generation import cli_runtime
 from ling_jax.generation.generator import Generator
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.presets import PRESETS
@@ -104,6 +105,12 @@ def parse_args(argv=None):
     parser.add_argument("--shards", type=int, default=1, help="safetensors shards of the export")
     parser.add_argument("--prompt", default="It is a truth universally acknowledged", help="sample prompt")
     parser.add_argument("--sample-tokens", type=int, default=80, help="tokens sampled from the export (0 = none)")
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not keep compiled programs in the persistent cache (default: on, in "
+        f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)",
+    )
     args = parser.parse_args(argv)
     for flag in (
         "steps",
@@ -271,6 +278,7 @@ def load_config(name_or_path: str) -> LingConfig:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cli_runtime.enable_compile_cache(args.no_compile_cache)
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     checkpoint_dir = os.path.join(os.path.abspath(args.out), "checkpoints")
