@@ -79,6 +79,7 @@ def test_health_is_503_while_loading_and_200_once_ready():
             "prompt_tokens": 3,
             "completion_tokens": 2,
             "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         process.terminate()
         assert process.wait(timeout=60) == 0
