@@ -27,6 +27,7 @@ same run. At batch 1 the prefill time of the whole `--context`-token prompt is p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import pathlib
@@ -147,8 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--kda-decode",
         default="separate",
-        choices=[mode.value for mode in KDADecode],
-        help="ExecutionPolicy.kda_decode: the KDA layers' decode step as separate ops or one fused kernel",
+        help="ExecutionPolicy.kda_decode, comma-separated (separate and/or fused): the KDA layers' decode step as "
+        "separate ops or one fused kernel; each is timed on the same weights and cache contents",
     )
     parser.add_argument(
         "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"
@@ -158,6 +159,11 @@ def main(argv=None) -> int:
     formats = args.weights.split(",")
     if not formats or set(formats) - {BF16, STORED}:
         parser.error(f"--weights: expected bf16 and/or stored, comma-separated, got {args.weights!r}")
+    kda_modes = {mode.value for mode in KDADecode}
+    if set(args.kda_decode.split(",")) - kda_modes:
+        parser.error(
+            f"--kda-decode: expected {' and/or '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}"
+        )
     if args.preset:
         config = preset(args.preset)
     else:
@@ -174,12 +180,15 @@ def main(argv=None) -> int:
     rows = []
     for weights in formats:
         rows += bench_format(config, weights, args, context, copy)
-    print("\n| weights | device memory GB | batch | context | prefill tok/s | decode step ms | roofline ms | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for weights, memory, batch, prefill_tps, decode_s, roofline_s in rows:
+    print(
+        "\n| weights | KDA decode | device memory GB | batch | context | prefill tok/s | decode step ms | roofline ms "
+        "| ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for weights, kda_decode, memory, batch, prefill_tps, decode_s, roofline_s in rows:
         print(
-            f"| {weights} | {memory} | {batch} | {context} | {prefill_tps:,.0f} | {decode_s * 1e3:.2f} | "
-            f"{roofline_s * 1e3:.2f} | {decode_s / roofline_s:.2f}x |"
+            f"| {weights} | {kda_decode} | {memory} | {batch} | {context} | {prefill_tps:,.0f} | "
+            f"{decode_s * 1e3:.2f} | {roofline_s * 1e3:.2f} | {decode_s / roofline_s:.2f}x |"
         )
     return 0
 
@@ -190,9 +199,11 @@ def device_memory_gb(key: str = "bytes_in_use") -> str:
 
 
 def bench_format(config, weights: str, args, context: int, copy: float) -> list[tuple]:
-    """Rows (weights, device memory, batch, prefill tok/s, decode s, roofline s) of one weight format."""
+    """Rows (weights, KDA decode, device memory, batch, prefill tok/s, decode s, roofline s) of one weight format,
+    a row per batch and KDA decode mode."""
     start = time.perf_counter()
-    policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul, kda_decode=args.kda_decode)
+    kda_modes = args.kda_decode.split(",")
+    policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul, kda_decode=kda_modes[0])
     model = random_model(config, weights=weights, dtype=jnp.bfloat16, policy=policy)
     params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
     memory = device_memory_gb()
@@ -205,27 +216,29 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     for batch in (int(b) for b in args.batches.split(",")):
         chunk = max(64, min(context, args.prefill_tokens // batch))
         prefill_s = math.nan if args.decode_only else time_prefill(model, batch, context, chunk)
-        cache = filled_cache(model, batch, context, args.steps + 16)
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
-        nbytes, parts = step_bytes(model, cache, token)
-        decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
+        nbytes, parts = step_bytes(model, filled_cache(model, batch, context, args.steps + 16), token)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
-        rows.append((weights, memory, batch, batch * context / prefill_s, decode_s, roofline_s))
-        print(
-            f"{weights} batch {batch}: prefill {batch * context / prefill_s:,.0f} tok/s (chunk {chunk}); decode step "
-            f"{decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms ({nbytes / 1e9:.2f} GB: "
-            f"weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, MLA "
-            f"{parts['mla_cache'] / 1e9:.2f}; experts touched per layer {parts['experts_touched_per_layer']}); "
-            f"{decode_s / roofline_s:.2f}x roofline; device memory peak so far "
-            f"{device_memory_gb('peak_bytes_in_use')} GB",
-            flush=True,
-        )
+        for kda_decode in kda_modes:
+            model.policy = dataclasses.replace(model.policy, kda_decode=kda_decode)
+            cache = filled_cache(model, batch, context, args.steps + 16)  # the same contents for every mode
+            decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
+            del cache
+            rows.append((weights, kda_decode, memory, batch, batch * context / prefill_s, decode_s, roofline_s))
+            print(
+                f"{weights} batch {batch}, KDA decode {kda_decode}: prefill {batch * context / prefill_s:,.0f} tok/s "
+                f"(chunk {chunk}); decode step {decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms "
+                f"({nbytes / 1e9:.2f} GB: weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, "
+                f"MLA {parts['mla_cache'] / 1e9:.2f}; experts touched per layer "
+                f"{parts['experts_touched_per_layer']}); {decode_s / roofline_s:.2f}x roofline; device memory peak "
+                f"so far {device_memory_gb('peak_bytes_in_use')} GB",
+                flush=True,
+            )
+            if args.profile and len(rows) == 1:
+                report = layer_kind_report(pathlib.Path(args.profile), PROFILE_STEPS)
+                print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
         if batch == 1 and not args.decode_only:
             print(f"{weights}: time to first token of a {context}-token prompt {prefill_s:.2f} s", flush=True)
-        if args.profile and len(rows) == 1:
-            report = layer_kind_report(pathlib.Path(args.profile), PROFILE_STEPS)
-            print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
-        del cache
     return rows
 
 
