@@ -46,7 +46,7 @@ from benchmarks.common import (  # noqa: E402
     flash_slice_config,
     time_decode,
 )
-from benchmarks.trace import layer_kind_report  # noqa: E402
+from benchmarks.trace import profile_report  # noqa: E402
 from ling_jax import xla_flags  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
@@ -235,7 +235,7 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
                 flush=True,
             )
             if args.profile and len(rows) == 1:
-                report = layer_kind_report(pathlib.Path(args.profile), PROFILE_STEPS)
+                report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
         if batch == 1 and not args.decode_only:
             print(f"{weights}: time to first token of a {context}-token prompt {prefill_s:.2f} s", flush=True)

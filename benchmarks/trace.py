@@ -204,3 +204,9 @@ def layer_kind_report(directory: pathlib.Path, steps: int) -> str:
     hlo_text = (directory / HLO_FILE).read_text()
     trace = load_trace(find_trace(directory))
     return layer_kind_table(kernels(trace, hlo_module_name(hlo_text)), hlo_scopes(hlo_text), steps)
+
+
+def profile_report(directory: pathlib.Path, steps: int, top: int = 25, small_us: float = 5.0) -> str:
+    """`layer_kind_report`, then the `top` kernels by time (`summarize`): what a benchmark's --profile prints."""
+    chosen = kernels(load_trace(find_trace(directory)), hlo_module_name((directory / HLO_FILE).read_text()))
+    return f"{layer_kind_report(directory, steps)}\n\n{summarize(chosen, steps, top, small_us)}"
