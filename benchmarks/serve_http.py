@@ -151,6 +151,11 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-steps", type=int, help="ling-serve's --decode-steps (default: its own)")
     parser.add_argument("--steps", type=int, default=20, help="static: timed decode steps per batch")
     parser.add_argument(
+        "--no-static",
+        action="store_true",
+        help="skip the static baseline (a second random init at full size: `benchmarks.generate` times the same steps)",
+    )
+    parser.add_argument(
         "--static-context",
         type=int,
         help="static: the cache's tokens (default: the requests' mean prompt + half their mean output)",
@@ -184,15 +189,15 @@ def main(argv=None) -> int:
     finally:
         process.terminate()
         process.wait(timeout=120)
-    steps = static_steps(args, levels, context)
+    steps = {} if args.no_static else static_steps(args, levels, context)
     print(
         "\n| concurrency | requests | served output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | static step ms "
         "| static tok/s |"
     )
     print("|---|---|---|---|---|---|---|")
     for level in levels:
-        step = steps[level]
-        static = f"{step * 1e3:.2f} | {level / step:,.1f}"
+        step = steps.get(level)
+        static = "- | -" if step is None else f"{step * 1e3:.2f} | {level / step:,.1f}"
         print(f"| {level} | {len(loads[level])} | {result_cells(served[level])} | {static} |")
     return 0
 
