@@ -4,6 +4,7 @@ filled decode cache and the decode-step timer."""
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import statistics
 import time
@@ -19,7 +20,16 @@ from benchmarks import trace
 from ling_jax import LingConfig
 from ling_jax.cache import KDAState, LingCache, MLAState
 from ling_jax.config import KDA, MLA, MOE
-from ling_jax.generation.generator import cache_length
+from ling_jax.generation.generator import (
+    DECODE_READ_GROUP,
+    DecodeState,
+    Drafts,
+    _decode_group,
+    _speculative_group,
+    cache_length,
+)
+from ling_jax.generation.sampling import SamplingArrays, SamplingParams
+from ling_jax.generation.static_model import split_model
 from ling_jax.presets import preset
 from ling_jax.sharding import param_shardings
 
@@ -156,3 +166,41 @@ def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = N
                 token, cache = step(params, cache, token)
             token.block_until_ready()
     return seconds
+
+
+def time_speculation(model, batch: int, context: int, num_drafts: int, programs: int = 4) -> tuple[float, float]:
+    """(seconds per decode step, seconds per speculative round of num_drafts drafts) of `Generator`'s own programs
+    (`_decode_group`, `_speculative_group`: DECODE_READ_GROUP steps or rounds a program, greedy, every row running,
+    no EOS), each dispatched back to back over a cache of `context` tokens (`filled_cache`; the MTP layer's cache as
+    long, zeros). With random weights hardly a draft is accepted: a round costs what a round of any acceptance
+    does, and the break-even acceptance is round / step - 1 tokens a round."""
+    config = model.config
+    static, leaves = split_model(model)
+    extra = programs * DECODE_READ_GROUP * (num_drafts + 1) + 16
+    arrays = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * batch)
+    decode = functools.partial(_decode_group, static, DECODE_READ_GROUP, leaves)
+    plain = DecodeState.create(filled_cache(model, batch, context, extra), jnp.zeros((batch, config.vocab_size), bool))
+    step_s = _per_call(lambda state: decode(state, arrays)[1], plain, programs) / DECODE_READ_GROUP
+    cache = filled_cache(model, batch, context, extra)
+    drafts = Drafts.create(config, batch, cache_length(context, extra, mtp=0), model.dtype)
+    drafts = drafts.replace(cache=drafts.cache.replace(lengths=jnp.copy(cache.lengths)))  # each donated once
+    state = DecodeState.create(cache, jnp.zeros((batch, config.vocab_size), bool), drafts)
+    capacity_B = cache.lengths + extra
+    eos_V = jnp.zeros((config.vocab_size,), bool)
+    active_B = jnp.ones((batch,), bool)
+    speculate = functools.partial(_speculative_group, static, num_drafts, DECODE_READ_GROUP, leaves)
+    round_s = _per_call(lambda state: speculate(state, arrays, active_B, capacity_B, eos_V)[1], state, programs)
+    return step_s, round_s / DECODE_READ_GROUP
+
+
+def _per_call(program: Callable, state, calls: int) -> float:
+    """Seconds per call of `program` (state -> next state, donated), after two untimed calls (the first state's
+    arrays and the program's outputs may differ in weak types or placement: each compiles once)."""
+    for _ in range(2):
+        state = program(state)
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for _ in range(calls):
+        state = program(state)
+    jax.block_until_ready(state)
+    return (time.perf_counter() - start) / calls

@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     filled_cache,
     flash_slice_config,
     time_decode,
+    time_speculation,
 )
 from benchmarks.trace import profile_report  # noqa: E402
 from ling_jax import xla_flags  # noqa: E402
@@ -152,6 +153,14 @@ def main(argv=None) -> int:
         "separate ops or one fused kernel; each is timed on the same weights and cache contents",
     )
     parser.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time generate.py's speculative rounds of K drafts against its decode steps, per batch (a preset "
+        "with an MTP layer): the time per round and the break-even acceptance",
+    )
+    parser.add_argument(
         "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"
     )
     args = parser.parse_args(argv)
@@ -164,6 +173,10 @@ def main(argv=None) -> int:
         parser.error(
             f"--kda-decode: expected {' and/or '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}"
         )
+    if args.mtp < 0:
+        parser.error(f"--mtp must be >= 0, got {args.mtp}")
+    if args.mtp and not args.preset:
+        parser.error("--mtp needs --preset (the slice has no MTP layer)")
     if args.preset:
         config = preset(args.preset)
     else:
@@ -237,6 +250,15 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             if args.profile and len(rows) == 1:
                 report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
+        if args.mtp:
+            step_s, round_s = time_speculation(model, batch, context, args.mtp)
+            print(
+                f"{weights} batch {batch}, MTP {args.mtp} draft(s): generate.py's decode step {step_s * 1e3:.2f} ms, "
+                f"speculative round {round_s * 1e3:.2f} ms ({round_s / step_s:.2f} steps): it pays from "
+                f"{round_s / step_s - 1:.2f} accepted drafts a round ({(round_s / step_s - 1) / args.mtp:.0%} of "
+                f"{args.mtp})",
+                flush=True,
+            )
         if batch == 1 and not args.decode_only:
             print(f"{weights}: time to first token of a {context}-token prompt {prefill_s:.2f} s", flush=True)
     return rows

@@ -38,7 +38,12 @@ CPU_RUNS = {
     "kda --decode-fused": ("benchmarks.kda", ["--decode-fused", "--quick"], "| 3 | "),
     "convert": ("benchmarks.convert", ["--quick", "--dtypes", "fp8", "--workers", "1"], "| fp8 | 1 |"),
     "load_memory": ("benchmarks.load_memory", ["--quick", "--mesh", "expert=2"], "within the bound"),
-    "serve_http": ("benchmarks.serve_http", ["--quick"], "| 2 | 3 | "),  # a ling-serve --preset tiny subprocess
+    "serve_http": ("benchmarks.serve_http", ["--quick"], "| 2 | 3 | "),
+    "generate --mtp": (
+        "benchmarks.generate",
+        ["--quick", "--preset", "tiny", "--weights", "stored", "--batches", "1", "--decode-only", "--mtp", "1"],
+        "MTP 1 draft(s): generate.py's decode step",
+    ),  # a ling-serve --preset tiny subprocess
 }
 # (module, its --quick arguments): the GPU kernels only
 GPU_RUNS = {
