@@ -9,7 +9,10 @@
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1,8,32
                                                 # a whole preset instead of the slice: all its layers, and its
                                                 # MTP layer's weights resident (not run: plain decode steps)
-    python -m benchmarks.generate --decode-only --kda-decode fused   # the KDA decode step as one kernel a layer
+    python -m benchmarks.generate --decode-only --kda-decode separate,fused   # the KDA decode step as separate ops
+                                                # and as one kernel a layer, on the same weights
+    python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --decode-only --mtp 1
+                                                # also generate.py's speculative round against its decode step
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
