@@ -53,6 +53,12 @@ class KDADecode(enum.StrEnum):
     FUSED = "fused"  # one op, one kernel on a GPU (`pallas_kernels.kda.kda_decode_fused`; the reference elsewhere)
 
 
+# Calls over a cache of up to this many tokens a row (a decode step, an MTP verify or draft pass, a short prompt
+# chunk) attend to the latent cache in absorbed form: expanding every cached key and value per head costs
+# O(cache x heads x 256 x 512) whatever the call's length, the absorbed queries O(tokens x cache x heads x 1088).
+ABSORBED_MAX_TOKENS = 16
+
+
 class MLAMode(enum.StrEnum):
     EXPANDED = "expanded"  # flash-style prefill over expanded keys and values
     ABSORBED = "absorbed"  # W_UK / W_UV folded into the query and output: attention over the latent cache
@@ -119,10 +125,12 @@ class ExecutionPolicy:
         self, length: int, *, cached: bool, kda_mode: KDAMode | None = None, mla_mode: MLAMode | None = None
     ) -> ExecutionPolicy:
         """This policy with both modes concrete for a call of `length` tokens (over a cache or not): the
-        arguments first, then the policy's own modes, then the per-call defaults."""
+        arguments first, then the policy's own modes, then the per-call defaults (MLA absorbed over a cache up to
+        ABSORBED_MAX_TOKENS tokens, expanded otherwise)."""
         decode = length == 1
         kda = kda_mode or self.kda_mode or (KDAMode.RECURRENT if decode else KDAMode.CHUNKED)
-        mla = mla_mode or self.mla_mode or (MLAMode.ABSORBED if decode and cached else MLAMode.EXPANDED)
+        absorbed = cached and length <= ABSORBED_MAX_TOKENS
+        mla = mla_mode or self.mla_mode or (MLAMode.ABSORBED if absorbed else MLAMode.EXPANDED)
         if kda == self.kda_mode and mla == self.mla_mode:
             return self
         return self.replace(kda_mode=kda, mla_mode=mla)

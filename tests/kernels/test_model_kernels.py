@@ -15,6 +15,7 @@ from helpers import rel_error
 
 from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
+from ling_jax.policy import ABSORBED_MAX_TOKENS
 from ling_jax.presets import TINY
 
 # MLA head dims the GPU prefill kernel takes (powers of two >= 16); two layers: KDA + dense MLP, MLA + MoE
@@ -27,7 +28,7 @@ KERNEL_TINY = {
     "expert_swiglu_limit_list": [0, 7.0],
     "share_expert_swiglu_limit_list": [0, 7.0],
 }
-PREFILL, STEPS = 11, 2
+PREFILL, STEPS = ABSORBED_MAX_TOKENS + 1, 2  # a prefill long enough for the expanded MLA path (its kernel)
 KERNELS = {  # named calls in each backend's program (and none of them in the reference's)
     "interpret_gpu": {"chunk_kda_gpu", "kda_decode_step_gpu", "mla_prefill_segment", "mla_decode_gpu"},
     "interpret_tpu": {"kda_chunk_prefill", "kda_decode_step_tpu", "mla_decode_tpu"},
@@ -38,7 +39,7 @@ FUSED_KDA_DECODE = {"chunk_kda_gpu", "kda_decode_fused_gpu", "mla_prefill_segmen
 def prefill_then_steps(graph, params, ids, mask, decode_mla_mode):
     """Logits and cache of a masked prefill of PREFILL tokens, then the logits and cache after STEPS decode steps."""
     model = nnx.merge(graph, params)
-    prefill = model(ids[:, :PREFILL], cache=model.init_cache(2, 20), attention_mask=mask)
+    prefill = model(ids[:, :PREFILL], cache=model.init_cache(2, PREFILL + STEPS + 1), attention_mask=mask)
     cache, steps = prefill.cache, []
     for t in range(PREFILL, PREFILL + STEPS):
         out = model(ids[:, t : t + 1], cache=cache, mla_mode=decode_mla_mode)
@@ -68,3 +69,13 @@ def test_model_prefill_and_decode_with_kernels_equal_reference(backend, kda_deco
         results[name] = traced.lower().compile()(*nnx.split(model)[1:], ids, mask)
     for got, want in zip(jax.tree.leaves(results[backend]), jax.tree.leaves(results["reference"]), strict=True):
         assert rel_error(got, want) <= 1e-5
+
+
+def test_short_calls_over_a_cache_attend_absorbed():
+    """A decode step, an MTP verify or draft pass and a short chunk over a cache take the absorbed MLA form (no
+    per-call expansion of every cached key); longer calls and calls without a cache the expanded one."""
+    policy = ExecutionPolicy()
+    assert policy.for_call(1, cached=True).mla_mode == policy.for_call(ABSORBED_MAX_TOKENS, cached=True).mla_mode
+    assert policy.for_call(ABSORBED_MAX_TOKENS, cached=True).mla_mode == "absorbed"
+    assert policy.for_call(ABSORBED_MAX_TOKENS + 1, cached=True).mla_mode == "expanded"
+    assert policy.for_call(3, cached=False).mla_mode == "expanded"
