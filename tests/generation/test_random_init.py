@@ -1,6 +1,6 @@
-"""`random_model`: a random preset initialised by one jitted program straight into its shardings (each device
-computes its own slice; nothing whole on device 0), with the model's own initial values, FP8 where a published
-checkpoint stores FP8."""
+"""`random_model`: a random preset initialised by jitted programs straight into its shardings (each device computes
+its own slice; nothing whole on device 0), with the model's own initial values, FP8 where a published checkpoint
+stores FP8; one program per kind of layer, run once per layer of that kind."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ from ling_jax.quantized import BlockFP8Weight
 
 
 def test_random_fp8_preset_comes_out_sharded_with_the_models_initial_values():
-    config = sharding_test_config()
+    # layer 2 is initialised by layer 1's program, started at its own count of the model's random stream
+    config = sharding_test_config().replace(
+        num_hidden_layers=3, layer_types=("kda", "mla", "mla"), mlp_layer_types=("dense", "moe", "moe")
+    )
     mesh = make_mesh({"expert": 8})
     model = random_model(config, mesh=mesh, weights="stored", dtype=jnp.float32, seed=2)
     assert_each_device_holds_its_fraction(model, mesh)
