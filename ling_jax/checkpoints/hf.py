@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -256,11 +257,11 @@ def stored_struct(
 Reader = Callable[[Index], np.ndarray]
 
 
-def _stacked_reader(source: TensorSource, read_one: Callable[..., np.ndarray]) -> Reader:
+def _stacked_reader(source: TensorSource, read_one: Callable[..., np.ndarray], workers: int = 1) -> Reader:
     """read(index) of the parameter `source` fills: its one tensor's slice, or for stacked experts the slices of
-    the experts index[0] selects (only those are read), stacked: read_one(name, index, out) reads each expert
-    after the first straight into its place `out` where it can (returning `out`), else returns what is copied
-    there."""
+    the experts index[0] selects (only those are read), stacked, by `workers` threads: read_one(name, index, out)
+    reads each expert after the first straight into its place `out` where it can (returning `out`), else returns
+    what is copied there."""
     if not source.stacked:
         return lambda index: read_one(source.names[0], index)
 
@@ -269,10 +270,14 @@ def _stacked_reader(source: TensorSource, read_one: Callable[..., np.ndarray]) -
         first = read_one(source.names[experts[0]], index[1:])
         stacked = np.empty((len(experts), *first.shape), first.dtype)
         stacked[0] = first
-        for place, e in zip(stacked[1:], experts[1:]):
-            value = read_one(source.names[e], index[1:], place)
+
+        def fill(place: np.ndarray, expert: int) -> None:
+            value = read_one(source.names[expert], index[1:], place)
             if value is not place:
                 place[...] = value
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(fill, stacked[1:], experts[1:]))
         return stacked
 
     return read
@@ -294,16 +299,18 @@ def _tensor_index(index: Index, shape: tuple[int, ...], source_shape: tuple[int,
     return tuple(mapped)
 
 
-def _dense_reader(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...], dtype) -> Reader:
+def _dense_reader(
+    resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...], dtype, workers: int = 1
+) -> Reader:
     """read(index) of a parameter of `shape` in `dtype`, dequantised from the tensors `source` names (a plain tensor
-    converted once, from its stored dtype)."""
+    converted once, from its stored dtype); stacked experts by `workers` threads."""
     tensor_shape = shape[1:] if source.stacked else shape
 
     def read_one(name: str, index: Index, _out=None) -> np.ndarray:
         value = resolver.read(name, source.shape, _tensor_index(index, tensor_shape, source.shape))
         return value.astype(dtype, copy=False)
 
-    return _stacked_reader(source, read_one)
+    return _stacked_reader(source, read_one, workers)
 
 
 def _check_fills(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...]) -> None:
@@ -328,16 +335,17 @@ def _target(resolver: TensorResolver, variable: nnx.Variable, source: TensorSour
     return resolver.stored_weight(source.names[0], source.shape, len(source.names) if source.stacked else None)
 
 
-def _load_parameter(resolver: TensorResolver, source: TensorSource, target, sharding):
-    """The parameter `target` describes, placed with `sharding`, from its devices' slices of the checkpoint."""
+def _load_parameter(resolver: TensorResolver, source: TensorSource, target, sharding, workers: int):
+    """The parameter `target` describes, placed with `sharding`, from its devices' slices of the checkpoint (stacked
+    experts read by `workers` threads)."""
     if not is_quantized(target):
-        read = _dense_reader(resolver, source, target.shape, target.dtype)
+        read = _dense_reader(resolver, source, target.shape, target.dtype, workers)
         return assemble(target.shape, target.dtype, sharding, read)
     parts = {}
     for part in ("values", "scales"):
         leaf = getattr(target, part)
         read = _stacked_reader(
-            source, lambda name, index, out=None, part=part: resolver.read_stored(name, part, index, out)
+            source, lambda name, index, out=None, part=part: resolver.read_stored(name, part, index, out), workers
         )
         parts[part] = assemble(leaf.shape, leaf.dtype, getattr(sharding, part), read)
     return dataclasses.replace(target, **parts)
@@ -371,7 +379,8 @@ def load_hf_checkpoint(
     float16 or float32; an FP8 dtype is refused). A missing, unknown or mis-shaped tensor raises
     `CheckpointError` naming it and its file. policy: how the model runs, as for `LingForCausalLM`
     (None: `ExecutionPolicy()`). workers: parameters read at once, in threads (`pieces.load_all`: at most
-    `LOAD_BUFFER_BYTES` of host data in flight, or one larger parameter); progress: a bar of the bytes read on
+    `LOAD_BUFFER_BYTES` of host data in flight, or one larger parameter), and the threads reading the experts of
+    one stacked parameter; progress: a bar of the bytes read on
     stderr, then one line with the bytes, seconds and GB/s.
     """
     path = os.fspath(path)
@@ -394,7 +403,7 @@ def load_hf_checkpoint(
         placed = nnx.to_flat_state(param_shardings(nnx.from_flat_state(targets), mesh))
         shardings = {p: v.get_value() for p, v in placed}
     jobs = [
-        functools.partial(_load_parameter, resolver, sources[p], variable.get_value(), shardings[p])
+        functools.partial(_load_parameter, resolver, sources[p], variable.get_value(), shardings[p], workers)
         for p, variable in targets
     ]
     nbytes = [_host_bytes(variable.get_value(), shardings[p]) for p, variable in targets]

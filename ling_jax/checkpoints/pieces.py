@@ -5,6 +5,7 @@ host bytes in flight (`load_all`)."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ import numpy as np
 from ling_jax.checkpoints.safetensors_io import Index
 
 T = TypeVar("T")
-LOAD_WORKERS = 8  # arrays read at once: pread, numpy copies and the copies to the devices release the GIL
+LOAD_WORKERS = min(8, os.cpu_count() or 1)  # reading threads: pread, numpy copies and device_put release the GIL
 LOAD_BUFFER_BYTES = 1 << 30  # host bytes read and not yet released at once (a larger array goes alone)
 
 
