@@ -414,7 +414,7 @@ def load_hf_checkpoint(
         seconds = time.perf_counter() - start
         print(
             f"read {sum(nbytes) / 2**30:.2f} GiB of parameters in {seconds:.1f} s "
-            f"({sum(nbytes) / 1e9 / max(seconds, 1e-9):.2f} GB/s, {workers} workers)",
+            f"({sum(nbytes) / 1e9 / max(seconds, 1e-9):.2f} GB/s, workers={workers})",
             file=sys.stderr,
         )
     loaded = [(p, variable.replace(value)) for (p, variable), value in zip(targets, values)]
