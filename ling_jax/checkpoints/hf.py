@@ -4,14 +4,19 @@
 
 Loading is sharded: an abstract model first (shapes only), every tensor checked from the shard headers, then
 each parameter built from the slices this process's devices hold (`ling_jax.checkpoints.pieces.assemble`), read
-with pread (`CheckpointTensors.read`) and dequantised slice by slice: a full-size checkpoint never sits whole on
-one host or one device."""
+with pread (`CheckpointTensors.read`) and dequantised slice by slice, several parameters at once in threads
+(`pieces.load_all`, within a bound on the host bytes in flight): a full-size checkpoint never sits whole on one host
+or one device."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import sys
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +28,7 @@ from tqdm.auto import tqdm
 from ling_jax.build import abstract_model, load_model_config, model_rngs, text_config_of
 from ling_jax.checkpoints.finite_check import NonFiniteError, check_finite
 from ling_jax.checkpoints.names import TensorSource, canonical, ignored, source_for
-from ling_jax.checkpoints.pieces import assemble, one_device_sharding
+from ling_jax.checkpoints.pieces import LOAD_WORKERS, assemble, host_bytes, load_all, one_device_sharding
 from ling_jax.checkpoints.safetensors_io import CheckpointTensors, Index
 from ling_jax.checkpoints.storage import FP8, MXFP4, PLAIN, stored_kind
 from ling_jax.config import LingConfig
@@ -141,12 +146,13 @@ class TensorResolver:
         )
 
     def read(self, name: str, expected: tuple[int, ...], index: Index = ()) -> np.ndarray:
-        """The slice `index` of the tensor `name` (dense shape `expected`) as float32, dequantised from the
-        values and scales covering that slice only; NaN or Inf in it raises CheckpointError."""
+        """The slice `index` of the tensor `name` (dense shape `expected`): a quantised one as float32, dequantised
+        from the values and scales covering that slice only; a plain one as stored (the caller converts it once,
+        to the parameter's dtype); NaN or Inf in it raises CheckpointError."""
         stored = self._stored(name)
         kind = self._kind(stored)
         if kind == PLAIN:
-            return self._refuse_non_finite(stored, np.asarray(self.tensors.read(stored, index), np.float32))
+            return self._refuse_non_finite(stored, self.tensors.read(stored, index))
         bounds = [entry.indices(size)[:2] for entry, size in zip((*index, *_whole(expected, index)), expected)]
         block = self.scale_block(kind)
         lead = tuple(slice(*b) for b in bounds[:-2])
@@ -162,13 +168,16 @@ class TensorResolver:
         rows, cols = (np.arange(start, stop) // side - start // side for (start, stop), side in zip(bounds[-2:], block))
         return self._refuse_non_finite(stored, elements * scales[..., rows[:, None], cols[None, :]])
 
-    def read_stored(self, name: str, part: str, index: Index = ()) -> np.ndarray:
+    def read_stored(self, name: str, part: str, index: Index = (), out: np.ndarray | None = None) -> np.ndarray:
         """The slice `index` of the quantised tensor `name`'s stored "values" (MXFP4 packed bytes as uint8) or
-        "scales" (float32; E8M0 exponents as float8_e8m0fnu); NaN or Inf in it raises CheckpointError."""
+        "scales" (float32; E8M0 exponents as float8_e8m0fnu); NaN or Inf in it raises CheckpointError. out: where
+        FP8 values are read straight into (returned), when it has their shape and dtype; else a new array."""
         stored = self._stored(name)
         if part == "values":
-            values = self.tensors.read(stored, index)
-            return self._refuse_non_finite(stored, values.view(np.uint8) if self._kind(stored) == MXFP4 else values)
+            if self._kind(stored) == MXFP4:
+                return self._refuse_non_finite(stored, self.tensors.read(stored, index).view(np.uint8))
+            fits = out is not None and out.dtype == self.tensors.dtype(stored)
+            return self._refuse_non_finite(stored, self.tensors.read(stored, index, out if fits else None))
         scales = self.tensors.read(stored + SCALE_SUFFIX, index)
         if scales.dtype == np.uint8:  # raw E8M0 exponents: the same bits as float8_e8m0fnu
             scales = scales.view(ml_dtypes.float8_e8m0fnu)
@@ -248,15 +257,28 @@ def stored_struct(
 Reader = Callable[[Index], np.ndarray]
 
 
-def _stacked_reader(source: TensorSource, read_one: Callable[[str, Index], np.ndarray]) -> Reader:
+def _stacked_reader(source: TensorSource, read_one: Callable[..., np.ndarray], workers: int = 1) -> Reader:
     """read(index) of the parameter `source` fills: its one tensor's slice, or for stacked experts the slices of
-    the experts index[0] selects (only those are read), stacked."""
+    the experts index[0] selects (only those are read), stacked, by `workers` threads: read_one(name, index, out)
+    reads each expert after the first straight into its place `out` where it can (returning `out`), else returns
+    what is copied there."""
     if not source.stacked:
         return lambda index: read_one(source.names[0], index)
 
     def read(index: Index) -> np.ndarray:
         experts = range(*index[0].indices(len(source.names)))
-        return np.stack([read_one(source.names[e], index[1:]) for e in experts])
+        first = read_one(source.names[experts[0]], index[1:])
+        stacked = np.empty((len(experts), *first.shape), first.dtype)
+        stacked[0] = first
+
+        def fill(place: np.ndarray, expert: int) -> None:
+            value = read_one(source.names[expert], index[1:], place)
+            if value is not place:
+                place[...] = value
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(fill, stacked[1:], experts[1:]))
+        return stacked
 
     return read
 
@@ -277,12 +299,18 @@ def _tensor_index(index: Index, shape: tuple[int, ...], source_shape: tuple[int,
     return tuple(mapped)
 
 
-def _dense_reader(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...]) -> Reader:
-    """read(index) of a parameter of `shape` as float32, dequantised from the tensors `source` names."""
+def _dense_reader(
+    resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...], dtype, workers: int = 1
+) -> Reader:
+    """read(index) of a parameter of `shape` in `dtype`, dequantised from the tensors `source` names (a plain tensor
+    converted once, from its stored dtype); stacked experts by `workers` threads."""
     tensor_shape = shape[1:] if source.stacked else shape
-    return _stacked_reader(
-        source, lambda name, index: resolver.read(name, source.shape, _tensor_index(index, tensor_shape, source.shape))
-    )
+
+    def read_one(name: str, index: Index, _out=None) -> np.ndarray:
+        value = resolver.read(name, source.shape, _tensor_index(index, tensor_shape, source.shape))
+        return value.astype(dtype, copy=False)
+
+    return _stacked_reader(source, read_one, workers)
 
 
 def _check_fills(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...]) -> None:
@@ -307,14 +335,18 @@ def _target(resolver: TensorResolver, variable: nnx.Variable, source: TensorSour
     return resolver.stored_weight(source.names[0], source.shape, len(source.names) if source.stacked else None)
 
 
-def _load_parameter(resolver: TensorResolver, source: TensorSource, target, sharding):
-    """The parameter `target` describes, placed with `sharding`, from its devices' slices of the checkpoint."""
+def _load_parameter(resolver: TensorResolver, source: TensorSource, target, sharding, workers: int):
+    """The parameter `target` describes, placed with `sharding`, from its devices' slices of the checkpoint (stacked
+    experts read by `workers` threads)."""
     if not is_quantized(target):
-        return assemble(target.shape, target.dtype, sharding, _dense_reader(resolver, source, target.shape))
+        read = _dense_reader(resolver, source, target.shape, target.dtype, workers)
+        return assemble(target.shape, target.dtype, sharding, read)
     parts = {}
     for part in ("values", "scales"):
         leaf = getattr(target, part)
-        read = _stacked_reader(source, lambda name, index, part=part: resolver.read_stored(name, part, index))
+        read = _stacked_reader(
+            source, lambda name, index, out=None, part=part: resolver.read_stored(name, part, index, out), workers
+        )
         parts[part] = assemble(leaf.shape, leaf.dtype, getattr(sharding, part), read)
     return dataclasses.replace(target, **parts)
 
@@ -327,6 +359,7 @@ def load_hf_checkpoint(
     weights: str = STORED,
     progress: bool = True,
     policy: ExecutionPolicy | None = None,
+    workers: int = LOAD_WORKERS,
 ) -> LingForCausalLM:
     """Build `LingForCausalLM` (or, for a VL checkpoint, `LingVLForConditionalGeneration`) from a HF-format
     checkpoint directory, every parameter straight into its sharding over `mesh` (from the logical axis rules of
@@ -345,7 +378,10 @@ def load_hf_checkpoint(
     conv weights and the expert bias stay fp32, the rest becomes `dtype` (the activation dtype: bfloat16,
     float16 or float32; an FP8 dtype is refused). A missing, unknown or mis-shaped tensor raises
     `CheckpointError` naming it and its file. policy: how the model runs, as for `LingForCausalLM`
-    (None: `ExecutionPolicy()`).
+    (None: `ExecutionPolicy()`). workers: parameters read at once, in threads (`pieces.load_all`: at most
+    `LOAD_BUFFER_BYTES` of host data in flight, or one larger parameter), and the threads reading the experts of
+    one stacked parameter; progress: a bar of the bytes read on
+    stderr, then one line with the bytes, seconds and GB/s.
     """
     path = os.fspath(path)
     check_weights(weights, "load_hf_checkpoint")
@@ -366,11 +402,28 @@ def load_hf_checkpoint(
     else:
         placed = nnx.to_flat_state(param_shardings(nnx.from_flat_state(targets), mesh))
         shardings = {p: v.get_value() for p, v in placed}
-    loaded = []
-    for p, variable in tqdm(targets, desc="loading checkpoint", unit="tensor", disable=not progress):
-        value = _load_parameter(resolver, sources[p], variable.get_value(), shardings[p])
-        loaded.append((p, variable.replace(value)))
+    jobs = [
+        functools.partial(_load_parameter, resolver, sources[p], variable.get_value(), shardings[p], workers)
+        for p, variable in targets
+    ]
+    nbytes = [_host_bytes(variable.get_value(), shardings[p]) for p, variable in targets]
+    start = time.perf_counter()
+    with tqdm(total=sum(nbytes), desc="reading checkpoint", unit="B", unit_scale=True, disable=not progress) as bar:
+        values = load_all(jobs, nbytes, workers=workers, done=bar.update)
+    if progress:
+        seconds = time.perf_counter() - start
+        print(
+            f"read {sum(nbytes) / 2**30:.2f} GiB of parameters in {seconds:.1f} s "
+            f"({sum(nbytes) / 1e9 / max(seconds, 1e-9):.2f} GB/s, workers={workers})",
+            file=sys.stderr,
+        )
+    loaded = [(p, variable.replace(value)) for (p, variable), value in zip(targets, values)]
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _host_bytes(target, sharding) -> int:
+    """The host bytes this process reads for the parameter `target` (values and scales of a quantised one)."""
+    return sum(jax.tree.leaves(jax.tree.map(lambda leaf, s: host_bytes(leaf.shape, leaf.dtype, s), target, sharding)))
 
 
 def checkpoint_layer_weights(path: str | os.PathLike, index: int, *, dtype=jnp.float32) -> Weights:
@@ -404,6 +457,6 @@ def checkpoint_layer_weights(path: str | os.PathLike, index: int, *, dtype=jnp.f
         for name in source.names:
             resolver.check(name, source.shape)
         _check_fills(resolver, source, like.shape)
-        value = _dense_reader(resolver, source, like.shape)(tuple(slice(0, n) for n in like.shape))
+        value = _dense_reader(resolver, source, like.shape, like.dtype)(tuple(slice(0, n) for n in like.shape))
         loaded.append((p, jnp.asarray(value.reshape(like.shape), like.dtype)))
     return nnx.to_pure_dict(nnx.from_flat_state(loaded))

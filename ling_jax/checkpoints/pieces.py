@@ -1,14 +1,24 @@
 """Global arrays built from per-device pieces: each process reads the slices its own devices hold, once per
-distinct slice, and never the whole array (the sharded checkpoint loaders)."""
+distinct slice, and never the whole array (the sharded checkpoint loaders); many arrays at once under a bound on the
+host bytes in flight (`load_all`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import jax
 import numpy as np
 
 from ling_jax.checkpoints.safetensors_io import Index
+
+T = TypeVar("T")
+LOAD_WORKERS = min(8, os.cpu_count() or 1)  # reading threads: pread, numpy copies and device_put release the GIL
+LOAD_BUFFER_BYTES = 1 << 30  # host bytes read and not yet released at once (a larger array goes alone)
 
 
 def one_device_sharding() -> jax.sharding.Sharding:
@@ -24,13 +34,77 @@ def assemble(
     (devices holding the same slice share the read), each copied to its devices before the next is read."""
     dtype = np.dtype(dtype)
     indices = sharding.addressable_devices_indices_map(shape)  # in the sharding's device order
-    devices_of: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}  # (start, stop) per dimension -> devices
-    for device, index in indices.items():
-        bounds = tuple(entry.indices(size)[:2] for entry, size in zip(index, shape))
-        devices_of.setdefault(bounds, []).append(device)
     pieces = {}
-    for bounds, devices in devices_of.items():
+    for bounds, devices in _devices_of_slices(shape, sharding).items():
         piece_shape = tuple(stop - start for start, stop in bounds)
         host = np.asarray(read(tuple(slice(*b) for b in bounds))).astype(dtype, copy=False).reshape(piece_shape)
         pieces.update((device, jax.device_put(host, device)) for device in devices)
     return jax.make_array_from_single_device_arrays(shape, sharding, [pieces[device] for device in indices])
+
+
+def host_bytes(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding) -> int:
+    """The bytes `assemble` reads for this process: one copy of each distinct slice its devices hold."""
+    sizes = (math.prod(stop - start for start, stop in bounds) for bounds in _devices_of_slices(shape, sharding))
+    return sum(sizes) * np.dtype(dtype).itemsize
+
+
+def _devices_of_slices(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> dict[tuple, list[jax.Device]]:
+    """(start, stop) per dimension of each distinct slice this process's devices hold -> the devices holding it."""
+    devices_of: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(entry.indices(size)[:2] for entry, size in zip(index, shape))
+        devices_of.setdefault(bounds, []).append(device)
+    return devices_of
+
+
+class _HostBudget:
+    """Host bytes in flight: `take(n)` waits until n more fit under `limit` (or nothing is in flight), and raises
+    the first error a job reported (`fail`) instead of waiting on."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held, self.error = limit, 0, None
+        self.changed = threading.Condition()
+
+    def take(self, n: int) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: self.error or not self.held or self.held + n <= self.limit)
+            if self.error:
+                raise self.error
+            self.held += n
+
+    def give(self, n: int, error: BaseException | None = None) -> None:
+        with self.changed:
+            self.held -= n
+            self.error = self.error or error
+            self.changed.notify_all()
+
+
+def load_all(
+    jobs: Sequence[Callable[[], T]],
+    nbytes: Sequence[int],
+    *,
+    workers: int = LOAD_WORKERS,
+    buffer_bytes: int = LOAD_BUFFER_BYTES,
+    done: Callable[[int], None] = lambda n: None,
+) -> list[T]:
+    """Each of `jobs` run in a pool of `workers` threads, in order, started while the host bytes of the running
+    ones (`nbytes`, one per job) stay within `buffer_bytes` (a larger job runs alone); done(n) after each job of n
+    bytes. The first failure stops the start of further jobs and is raised."""
+    budget = _HostBudget(buffer_bytes)
+
+    def run(job: Callable[[], T], n: int) -> T:
+        try:
+            value = job()
+        except BaseException as e:
+            budget.give(n, e)
+            raise
+        budget.give(n)
+        done(n)
+        return value
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = []
+        for job, n in zip(jobs, nbytes, strict=True):
+            budget.take(n)
+            futures.append(pool.submit(run, job, n))
+        return [future.result() for future in futures]

@@ -89,12 +89,18 @@ class SafetensorsFile:
         raw = self._mmap[self._data_start + begin : self._data_start + end]
         return raw.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
-    def read(self, name: str, index: Index = ()) -> np.ndarray:
+    def read(self, name: str, index: Index = (), out: np.ndarray | None = None) -> np.ndarray:
         """A copy of tensor[index], read with pread: only the rows (of dimension 0) the slice covers; when it cuts
-        the inner dimensions too, those rows pass through a buffer of at most READ_CHUNK_BYTES (or one row)."""
+        the inner dimensions too, those rows pass through a buffer of at most READ_CHUNK_BYTES (or one row).
+        out: the array to read into (the slice's shape and the tensor's dtype), returned; None: a new one."""
         shape, dtype = self.shape(name), self.dtype(name)
         bounds = _bounds(index, shape, f"{self.path}: tensor '{name}'")
-        out = np.empty(tuple(stop - start for start, stop in bounds), dtype)
+        sliced = tuple(stop - start for start, stop in bounds)
+        if out is None:
+            out = np.empty(sliced, dtype)
+        elif out.shape != sliced or out.dtype != dtype:
+            wanted = f"{dtype}{list(sliced)}"
+            raise ValueError(f"{self.path}: tensor '{name}'[{index}] is {wanted}, not {out.dtype}{list(out.shape)}")
         if not shape or out.size == 0:
             return self._pread(name, 0, out) if shape == () else out
         row_elements = math.prod(shape[1:])
@@ -204,9 +210,9 @@ class CheckpointTensors:
     def get(self, name: str) -> np.ndarray:
         return self.reader(name).get(name)
 
-    def read(self, name: str, index: Index = ()) -> np.ndarray:
-        """A copy of tensor[index] (`SafetensorsFile.read`)."""
-        return self.reader(name).read(name, index)
+    def read(self, name: str, index: Index = (), out: np.ndarray | None = None) -> np.ndarray:
+        """A copy of tensor[index], into `out` if given (`SafetensorsFile.read`)."""
+        return self.reader(name).read(name, index, out)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.reader(name).shape(name)

@@ -1,11 +1,15 @@
 """`load_hf_checkpoint(mesh=...)` builds every parameter from per-device slices: the sharded model equals the
 unsharded one bit for bit (FP8 kept, MXFP4 kept, and dequantised on a mesh that cuts the scale blocks), every
-device holds exactly its fraction, and no read of an expert tensor asks for more than one device's slice."""
+device holds exactly its fraction, and no read of an expert tensor asks for more than one device's slice. The
+parameters are read by parallel workers (`pieces.load_all`) within a bound on the host bytes in flight; one worker
+or many load the same model."""
 
 from __future__ import annotations
 
 import math
 import re
+import threading
+import time
 from collections import defaultdict
 
 import jax.numpy as jnp
@@ -15,6 +19,7 @@ from shard_checks import assert_each_device_holds_its_fraction, leaves
 from tiny_fp8 import write_tiny_fp8_checkpoint
 
 from ling_jax import load_hf_checkpoint, make_mesh
+from ling_jax.checkpoints.pieces import load_all
 from ling_jax.checkpoints.safetensors_io import SafetensorsFile
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from ling_jax.sharding import ShardingError
@@ -92,8 +97,8 @@ def test_no_read_asks_for_more_than_one_devices_slice_of_an_expert(checkpoints, 
     reads = defaultdict(list)
     read = SafetensorsFile.read
 
-    def recording_read(self, name, index=()):
-        piece = read(self, name, index)
+    def recording_read(self, name, index=(), out=None):
+        piece = read(self, name, index, out)
         reads[name].append(piece.size / math.prod(self.shape(name)))
         return piece
 
@@ -103,3 +108,43 @@ def test_no_read_asks_for_more_than_one_devices_slice_of_an_expert(checkpoints, 
     assert len(expert_reads) == 2 * 32 * 3 * 2  # layer 1 and the MTP layer: each expert's gate, up, down and scales
     for name, fractions in expert_reads.items():
         assert fractions == [0.5, 0.5], f"{name}: read {fractions} of it"
+
+
+def test_one_worker_or_many_load_the_same_model_and_say_how_fast(checkpoints, capsys):
+    one = load_hf_checkpoint(checkpoints["fp8"], dtype=jnp.float32, progress=True, workers=1)
+    line = r"read \d+\.\d\d GiB of parameters in [\d.]+ s \([\d.]+ GB/s, workers=1\)"
+    assert re.search(line, capsys.readouterr().err)
+    _assert_bitwise_equal(_load(checkpoints["fp8"]), one)
+
+
+def test_parallel_loads_keep_their_host_bytes_within_the_buffer_and_stop_at_the_first_failure():
+    held, peak, lock = [0], [0], threading.Lock()
+
+    def job(i: int, n: int):
+        def run():
+            with lock:
+                held[0] += n
+                peak[0] = max(peak[0], held[0])
+            time.sleep(0.01)
+            with lock:
+                held[0] -= n
+            return i
+
+        return run
+
+    sizes = [3, 3, 3, 9, 1, 1, 1, 1]
+    assert load_all([job(i, n) for i, n in enumerate(sizes)], sizes, workers=4, buffer_bytes=6) == list(range(8))
+    assert peak[0] == 9  # the larger job alone; the others at most 6 at once
+
+    started = []
+
+    def failing():
+        raise RuntimeError("damaged")
+
+    def later():
+        time.sleep(0.05)
+        started.append(1)
+
+    with pytest.raises(RuntimeError, match="damaged"):
+        load_all([failing, *[later] * 20], [1] * 21, workers=2, buffer_bytes=1)
+    assert not started  # a buffer of one job: none started after the failure

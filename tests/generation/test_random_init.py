@@ -1,6 +1,6 @@
-"""`random_model`: a random preset initialised by one jitted program straight into its shardings (each device
-computes its own slice; nothing whole on device 0), with the model's own initial values, FP8 where a published
-checkpoint stores FP8."""
+"""`random_model`: a random preset initialised by jitted programs straight into its shardings (each device computes
+its own slice; nothing whole on device 0), with the model's own initial values, FP8 where a published checkpoint
+stores FP8; one program per kind of layer, run once per layer of that kind."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ from ling_jax.generation.random_init import FP8_INIT_RANGE, random_model
 from ling_jax.quantized import BlockFP8Weight
 
 
-def test_random_fp8_preset_comes_out_sharded_with_the_models_initial_values():
-    config = sharding_test_config()
+def test_random_fp8_preset_comes_out_sharded_with_the_models_initial_values(capsys):
+    # layer 2 is initialised by layer 1's program, started at its own count of the model's random stream
+    config = sharding_test_config().replace(
+        num_hidden_layers=3, layer_types=("kda", "mla", "mla"), mlp_layer_types=("dense", "moe", "moe")
+    )
     mesh = make_mesh({"expert": 8})
-    model = random_model(config, mesh=mesh, weights="stored", dtype=jnp.float32, seed=2)
+    model = random_model(config, mesh=mesh, weights="stored", dtype=jnp.float32, seed=2, progress=True)
+    assert ": 3 programs lowered in" in capsys.readouterr().err  # 2 kinds of layer and the rest
     assert_each_device_holds_its_fraction(model, mesh)
     up = model.model.layers[1].mlp.experts.up_proj.get_value()
     assert isinstance(up, BlockFP8Weight) and up.values.dtype == jnp.float8_e4m3fn

@@ -38,12 +38,14 @@ CPU_RUNS = {
     "kda --decode-fused": ("benchmarks.kda", ["--decode-fused", "--quick"], "| 3 | "),
     "convert": ("benchmarks.convert", ["--quick", "--dtypes", "fp8", "--workers", "1"], "| fp8 | 1 |"),
     "load_memory": ("benchmarks.load_memory", ["--quick", "--mesh", "expert=2"], "within the bound"),
-    "serve_http": ("benchmarks.serve_http", ["--quick"], "| 2 | 3 | "),
     "generate --mtp": (
         "benchmarks.generate",
         ["--quick", "--preset", "tiny", "--weights", "stored", "--batches", "1", "--decode-only", "--mtp", "1"],
         "MTP 1 draft(s): generate.py's decode step",
-    ),  # a ling-serve --preset tiny subprocess
+    ),
+    "load_rate": ("benchmarks.load_rate", ["--quick", "--workers", "1,2"], "load_hf_checkpoint (2 workers)"),
+    "random_init": ("benchmarks.random_init", ["--preset", "tiny", "--compile-only"], "4 programs for 5"),
+    "serve_http": ("benchmarks.serve_http", ["--quick"], "| 2 | 3 | "),  # a ling-serve --preset tiny subprocess
 }
 # (module, its --quick arguments): the GPU kernels only
 GPU_RUNS = {
@@ -65,7 +67,7 @@ GPU_RUNS = {
 @pytest.mark.parametrize("name", sorted(CPU_RUNS))
 def test_quick_run(name, capsys, tmp_path):
     module, argv, printed = CPU_RUNS[name]
-    if name in ("convert", "load_memory"):
+    if name in ("convert", "load_memory", "load_rate"):
         argv = [*argv, "--workdir", str(tmp_path / name)]
     assert importlib.import_module(module).main(argv) == 0
     assert printed in capsys.readouterr().out
