@@ -1,11 +1,11 @@
-"""`ling-serve --distributed` as 2 and 4 `jax.distributed` CPU processes, one job each for the whole module: the
-demo checkpoint on two processes of two devices, and the random `tiny` preset on four processes of one device; both
-shard the experts across every process (`--mesh expert=4`) and keep a prefix cache; process 0 serves HTTP. Through
-the official `openai` client: 16 concurrent completions, greedy and seeded, whole and streamed, and (the demo's
-tokenizer has a chat template) greedy and seeded chats, equal each prompt run alone on one process (`Generator`
-over the model one-process `ling-serve` loads, what its server gives: tests/serving/test_server.py); a prefix-cache
-hit; then (last: it ends the job) a killed process makes the front end answer 503 and exit with status 1 within
-the timeout. And a command's encoding round-trips its arrays and sampling parameters."""
+"""`ling-serve --distributed` as 2 and 4 `jax.distributed` CPU processes, one job each for the whole module: the demo
+checkpoint on two processes of two devices, and the random `tiny` preset on four processes of one device; both shard the
+experts across every process (`--mesh expert=4`) and keep a prefix cache; process 0 serves HTTP. Through the official
+`openai` client: 16 concurrent completions, greedy and seeded, whole and streamed, and (the demo's tokenizer has a chat
+template) greedy and seeded chats, equal each prompt run alone through `Generator` on the model one-process `ling-serve`
+loads (what its server gives: tests/serving/test_server.py); a prefix-cache hit; then (last: it ends the job) a killed
+process makes the front end answer 503 and exit with status 1 within the timeout. And a command's encoding round-trips
+its arrays and sampling parameters."""
 
 from __future__ import annotations
 
