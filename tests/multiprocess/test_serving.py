@@ -1,9 +1,11 @@
-"""`ling-serve --distributed` on the demo checkpoint: two processes of two CPU devices each, the experts sharded
-across both (--mesh expert=4), with a prefix cache; process 0 serves HTTP. Through the official `openai` client:
-greedy and seeded completions, whole and streamed, concurrent ones and a chat, equal each prompt run alone through
-`Generator` (what the one-process server gives, tests/serving/test_server.py); a prefix-cache hit; then (last: it
-ends the job) a killed process 1 makes the front end answer 503 and exit with status 1 within the timeout. And
-a command's encoding round-trips its arrays and sampling parameters."""
+"""`ling-serve --distributed` as 2 and 4 `jax.distributed` CPU processes, one job each for the whole module: the demo
+checkpoint on two processes of two devices, and the random `tiny` preset on four processes of one device; both shard the
+experts across every process (`--mesh expert=4`) and keep a prefix cache; process 0 serves HTTP. Through the official
+`openai` client: 16 concurrent completions, greedy and seeded, whole and streamed, and (the demo's tokenizer has a chat
+template) greedy and seeded chats, equal each prompt run alone through `Generator` on the model one-process `ling-serve`
+loads (what its server gives: tests/serving/test_server.py); a prefix-cache hit; then (last: it ends the job) a killed
+process makes the front end answer 503 and exit with status 1 within the timeout. And a command's encoding round-trips
+its arrays and sampling parameters."""
 
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ import pytest
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
 
-from ling_jax import load_hf_checkpoint, load_model_config
-from ling_jax.generation.cli import DEMO_DIR
+from ling_jax.checkpoints.hf import STORED
+from ling_jax.generation import cli_checks
+from ling_jax.generation.cli import DEMO_DIR, load_model
 from ling_jax.generation.sampling import SamplingParams
-from ling_jax.generation.tokenizer import load_tokenizer
+from ling_jax.policy import ExecutionPolicy
 from ling_jax.serving.replicated import decode, encode, params_of
 from tests.multiprocess.conftest import environment, free_port
 from tests.serving.conftest import Alone
@@ -32,10 +35,9 @@ require_serve_extra()
 httpx = pytest.importorskip("httpx", reason="the server tests' client (the test extra)")
 openai = pytest.importorskip("openai", reason="the server tests' client (the test extra)")
 
-MODEL, CHUNK, MAX_TOKENS, TIMEOUT_S = "ling-demo", 16, 6, 15
-FLAGS = ["--mesh", "expert=4", "--max-batch", "4", "--max-context", "64", "--prefill-chunk", str(CHUNK)]
-FLAGS += ["--page-size", "8", "--prefix-cache-gb", "0.01", "--distributed-timeout", str(TIMEOUT_S)]
-START_TIMEOUT_S = 400
+CHUNK, MAX_TOKENS, TIMEOUT_S, START_TIMEOUT_S = 16, 6, 10, 400
+FLAGS = ["--mesh", "expert=4", "--prefill-chunk", str(CHUNK), "--page-size", "8", "--prefix-cache-gb", "0.01"]
+FLAGS += ["--distributed-timeout", str(TIMEOUT_S)]
 LONG_PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"  # > 1 block
 CASES = [  # (prompt, sampling)
     ("Once upon a time", SamplingParams(temperature=0.0)),
@@ -43,10 +45,39 @@ CASES = [  # (prompt, sampling)
     ("The letter was", SamplingParams(temperature=1.0, top_k=40, seed=7)),
     (LONG_PROMPT, SamplingParams(temperature=0.0)),
 ]
+CHAT = [{"role": "user", "content": "Hi"}]
+CHAT_SAMPLING = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, seed=21)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A served job: `processes` processes of `devices` CPU devices each, serving the demo checkpoint or a preset."""
+
+    processes: int
+    devices: int
+    preset: str | None  # None: the demo checkpoint
+    flags: tuple[str, ...]  # besides FLAGS
+
+    @property
+    def model(self) -> str:
+        """The name the server answers to."""
+        return self.preset or DEMO_DIR.name
+
+    def source(self) -> cli_checks.ModelSource:
+        if self.preset is None:
+            return cli_checks.checkpoint_source(DEMO_DIR, "--model", byte_tokenizer=None)
+        return cli_checks.preset_source(self.preset)
+
+
+# the demo: several decode steps a program (the default) over batch buckets 1 and 2; the preset (prompts are bytes,
+# hence the longer context): batch buckets 1, 2 and 4, one step a program
+DEMO = Setup(2, 2, None, ("--max-batch", "2", "--max-context", "64"))
+TINY = Setup(4, 1, "tiny", ("--preset", "tiny", "--max-batch", "4", "--decode-steps", "1", "--max-context", "128"))
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
+    setup: Setup
     processes: list[subprocess.Popen]
     url: str
     logs: Path
@@ -55,21 +86,27 @@ class Job:
         return (self.logs / f"{process}.log").read_text()
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
+@pytest.fixture(scope="module", params=[DEMO, TINY], ids=["2-processes-demo", "4-processes-tiny"])
+def job(request, tmp_path_factory):
+    setup = request.param
     logs = tmp_path_factory.mktemp("job")
     port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
     processes = []
-    for i in range(2):
-        joining = ["--distributed", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)]
-        command = [sys.executable, "-m", "ling_jax.serving", "--port", str(port), *FLAGS, *joining]
+    for i in range(setup.processes):
+        joining = ["--distributed", "--coordinator", coordinator, "--num-processes", str(setup.processes)]
+        command = [sys.executable, "-m", "ling_jax.serving", "--port", str(port), *FLAGS, *setup.flags, *joining]
         with open(logs / f"{i}.log", "w") as out:
             processes.append(
                 subprocess.Popen(
-                    command, cwd=REPO_ROOT, env=environment(2), stdin=subprocess.DEVNULL, stdout=out, stderr=out
+                    [*command, "--process-id", str(i)],
+                    cwd=REPO_ROOT,
+                    env=environment(setup.devices),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
                 )
             )
-    yield Job(processes, f"http://127.0.0.1:{port}", logs)
+    yield Job(setup, processes, f"http://127.0.0.1:{port}", logs)
     for process in processes:
         if process.poll() is None:
             process.kill()
@@ -77,19 +114,21 @@ def job(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DEMO_DIR, load_model_config(DEMO_DIR))
+def source(job):
+    return job.setup.source()
 
 
 @pytest.fixture(scope="module")
-def alone(job, tokenizer):
-    return Alone(load_hf_checkpoint(DEMO_DIR, dtype=jnp.float32, progress=False), tokenizer, CHUNK)
+def alone(job, source):
+    """The job's model as one-process `ling-serve` loads it, each request run alone (loaded while the job starts)."""
+    model = load_model(source, jnp.float32, None, ExecutionPolicy(), STORED, verbose=False)
+    return Alone(model, source.tokenizer, CHUNK)
 
 
 @pytest.fixture(scope="module")
-def references(alone, tokenizer):
+def references(alone, source):
     """Each case's completion run alone (computed while the job starts)."""
-    return [alone(tokenizer.encode(text), sampling, MAX_TOKENS) for text, sampling in CASES]
+    return [source.tokenizer.decode(alone(source.tokenizer.encode(text), s, MAX_TOKENS)) for text, s in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +136,8 @@ def client(job, references):
     deadline = time.monotonic() + START_TIMEOUT_S
     while _health(job.url) != 200:
         if any(p.poll() is not None for p in job.processes) or time.monotonic() > deadline:
-            pytest.fail(f"the job did not start:\n{job.log(0)[-3000:]}\n{job.log(1)[-3000:]}")
+            logs = "\n".join(job.log(i)[-3000:] for i in range(len(job.processes)))
+            pytest.fail(f"the job did not start:\n{logs}")
         time.sleep(0.5)
     return openai.OpenAI(base_url=job.url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
@@ -109,13 +149,21 @@ def _health(url: str) -> int | None:
         return None
 
 
-def _complete(client, case: int, stream: bool = False) -> str:
+def _complete(client, model: str, case: int, stream: bool) -> str:
     text, sampling = CASES[case]
     args = {"temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed}
     reply = client.completions.create(
-        model=MODEL, prompt=text, max_tokens=MAX_TOKENS, stream=stream, extra_body={"top_k": sampling.top_k}, **args
+        model=model, prompt=text, max_tokens=MAX_TOKENS, stream=stream, extra_body={"top_k": sampling.top_k}, **args
     )
     return "".join(chunk.choices[0].text for chunk in reply) if stream else reply.choices[0].text
+
+
+def _chat(client, model: str, sampling: SamplingParams, stream: bool) -> str:
+    args = {"temperature": sampling.temperature, "seed": sampling.seed}
+    reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=MAX_TOKENS, stream=stream, **args)
+    if stream:
+        return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+    return reply.choices[0].message.content
 
 
 def test_a_command_round_trips_with_its_arrays_and_sampling_parameters():
@@ -127,38 +175,36 @@ def test_a_command_round_trips_with_its_arrays_and_sampling_parameters():
     np.testing.assert_array_equal(fields["bitmask_W"], bitmask_W)
 
 
-def test_completions_whole_streamed_and_concurrent_equal_each_run_alone(client, references, tokenizer):
-    expected = [tokenizer.decode(ids) for ids in references]
-    assert [_complete(client, case) for case in range(2)] == expected[:2]
-    assert [_complete(client, case, stream=True) for case in range(2)] == expected[:2]
-    with concurrent.futures.ThreadPoolExecutor(2 * len(CASES)) as pool:
-        whole = pool.map(_complete, [client] * len(CASES), range(len(CASES)))
-        streamed = pool.map(_complete, [client] * len(CASES), range(len(CASES)), [True] * len(CASES))
-        assert list(whole) == list(streamed) == expected
+def test_16_concurrent_completions_whole_and_streamed_equal_each_run_alone(job, client, references):
+    requests = [(case, stream) for case in range(len(CASES)) for stream in (False, True)] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        texts = pool.map(lambda request: _complete(client, job.setup.model, *request), requests)
+        assert list(texts) == [references[case] for case, _ in requests]
 
 
-def test_chat_whole_and_streamed_equals_the_chat_template_run_alone(client, alone, tokenizer):
-    messages = [{"role": "user", "content": "Hi"}]
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-    expected = tokenizer.decode(alone(prompt, SamplingParams(temperature=0.6, seed=21), MAX_TOKENS))
-    args = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0.6, "seed": 21}
-    assert client.chat.completions.create(**args).choices[0].message.content == expected
-    chunks = client.chat.completions.create(stream=True, **args)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+@pytest.mark.parametrize("job", [DEMO], indirect=True, ids=["2-processes-demo"])
+def test_greedy_and_seeded_chats_whole_and_streamed_equal_the_chat_template_run_alone(job, client, alone, source):
+    prompt = source.tokenizer.encode(source.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
+    expected = [source.tokenizer.decode(alone(prompt, sampling, MAX_TOKENS)) for sampling in CHAT_SAMPLING]
+    requests = [(sampling, stream) for sampling in CHAT_SAMPLING for stream in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        texts = pool.map(lambda request: _chat(client, job.setup.model, *request), requests)
+        assert list(texts) == [expected[i // 2] for i in range(len(requests))]
 
 
-def test_a_prefix_cache_hit_gives_the_same_tokens(client, references, tokenizer):
-    again = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+def test_a_prefix_cache_hit_gives_the_same_tokens(job, client, references):
+    again = client.completions.create(model=job.setup.model, prompt=LONG_PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= CHUNK  # the case's earlier runs cached its blocks
-    assert again.choices[0].text == tokenizer.decode(references[-1])
+    assert again.choices[0].text == references[-1]
 
 
 def test_a_killed_process_makes_the_front_end_answer_503_and_exit_1(job, client):
-    front, follower = job.processes
-    follower.kill()
+    front, last = job.processes[0], job.processes[-1]
+    last.kill()
     start = time.monotonic()
     while _health(job.url) != 503:
         assert time.monotonic() - start < TIMEOUT_S + 10 and front.poll() is None, job.log(0)[-3000:]
         time.sleep(0.2)
     assert front.wait(timeout=30) == 1
-    assert f"error: process 1 stopped answering for --distributed-timeout {TIMEOUT_S} s" in job.log(0)
+    gone = len(job.processes) - 1
+    assert f"error: process {gone} stopped answering for --distributed-timeout {TIMEOUT_S} s" in job.log(0)
