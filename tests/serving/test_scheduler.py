@@ -7,10 +7,12 @@ prefix cache on, here too so that the `Generator` reference compiles once: the s
 outputs as without MTP (as `Generator(mtp=K)` does, tests/generation/test_generate.py), drafts both accepted and
 rejected; a max_tokens or EOS cut inside a step's accepted run streams no token past it; requests resumed from
 cached prefixes (KDA states, MLA pages and MTP entries) give the tokens and MTP entries they give with an empty
-cache; no slot or page is left taken."""
+cache, whatever their slots held before; no slot or page is left taken."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import gpu_test
@@ -216,17 +218,31 @@ def _mtp_entries(engine: Engine, slot: int) -> np.ndarray:
     return np.asarray(mtp_cache.layer.latent[slot, : int(mtp_cache.lengths[slot])])
 
 
+def _scramble(engine: Engine, seed: int) -> None:
+    """Every float the slots hold (KDA states, MLA pages, MTP entries, carries, draft hiddens) noise, as if other
+    requests had left it there (no slot or page in use)."""
+    leaves, treedef = jax.tree.flatten(engine.state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noise = [
+        jax.random.normal(key, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        for key, x in zip(keys, leaves)
+    ]
+    engine.state = engine._place(jax.tree.unflatten(treedef, noise))
+
+
 def test_mtp_prefix_hits_equal_cold_requests(mtp_scheduler):
     """Tokens, and each request's MTP entries at its end: the resumed ones (cached blocks' entries restored) are
-    the cold ones."""
+    the cold ones, whatever their slots held before (each run starts from other leftovers)."""
     cases = [(prompt, sampling, 6) for prompt, sampling, _ in PREFIX_CASES]
     cold, cold_entries = [], []
-    for case in cases:
+    for seed, case in enumerate(cases):
         mtp_scheduler.prefix_cache.clear()
+        _scramble(mtp_scheduler.engine, seed)
         (request,) = _run(mtp_scheduler, [case])
         cold.append(request.tokens)
         cold_entries.append(_mtp_entries(mtp_scheduler.engine, request.slot))
     mtp_scheduler.prefix_cache.clear()
+    _scramble(mtp_scheduler.engine, len(cases))
     hits = _counter(mtp_scheduler, "prefix_cache_hits")
     warm = _run(mtp_scheduler, cases[:1]) + _run(mtp_scheduler, cases[1:])
     assert [r.tokens for r in warm] == cold and _counter(mtp_scheduler, "prefix_cache_hits") == hits + 3
