@@ -267,7 +267,10 @@ def prepare(
     prefix_cache = PrefixCache(engine.pages, args.prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
     start = time.perf_counter()
     engine.warm_up(
-        lambda done, total: _say(f"warm-up: compiled {done} of {total} programs ({time.perf_counter() - start:.1f} s)")
+        lambda done, total: _say(f"warm-up: compiled {done} of {total} programs ({time.perf_counter() - start:.1f} s)"),
+        # ready once every request can run, the rest compiling on (rarer prefill rows, small batches, decode_steps);
+        # with --distributed every process runs the same programs: all compiled first
+        background=not args.distributed,
     )
     scheduler = Scheduler(
         engine,
@@ -417,7 +420,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if loader.is_alive():  # stopped while loading: an XLA compilation cannot be interrupted, nor waited for
         _say("stopped while loading")
         _exit_now(0)
-    return 0 if loader.service.scheduler.error is None else EXIT_FAILURE
+    status = 0 if loader.service.scheduler.error is None else EXIT_FAILURE
+    if loader.service.scheduler.engine.compiling():  # nor can the ones still running in the background
+        _exit_now(status)
+    return status
 
 
 def _follow(args: argparse.Namespace, checked: tuple) -> int:

@@ -23,6 +23,11 @@ shape and run with the slot batch donated (by name, `state`):
   page) and a pad token as input (`decode_step`'s real_B), which leaves their state (KDA states, length, seen
   and counted tokens) as it was: every slot's state is read and written in place, never copied or selected.
 
+`warm_up` compiles them before the first request, the prefill and decode programs from their arguments' shapes
+in worker threads (`ling_jax.serving.programs`); with `background`, the several-row prefill steps, the smaller
+decode buckets and the programs of `decode_steps` steps compile on after it returns, and `prefill`,
+`decode_rows` and `decode` run around them until they are done (rows one at a time, a larger bucket, one step).
+
 A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
 a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
 prompt is run twice: once for these, once into its slot), each chunk's logits reduced on the device to the
@@ -62,7 +67,9 @@ request's tokens depend on its own seed and position only, never on the other sl
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import jax
@@ -91,6 +98,7 @@ from ling_jax.generation.sampling import Logprobs, SamplingArrays, SamplingParam
 from ling_jax.generation.static_model import split_model
 from ling_jax.model import LingForCausalLM
 from ling_jax.serving.pages import PagePool
+from ling_jax.serving.programs import ProgramCompiler, usable
 from ling_jax.sharding import cache_shardings, shard_model
 
 GREEDY = SamplingParams(temperature=0.0)  # what an idle slot "samples" with: the cheapest branch of `sample`
@@ -487,6 +495,9 @@ class Engine:
         # a VL model's decode positions: a token in cache slot s of slot b sits at s + offsets_B[b] (after images)
         self.position_offsets_B = None if self.vl_config is None else np.zeros(max_batch, np.int32)
         self.capacity_B = np.zeros(max_batch, np.int32)  # the tokens each slot's pages were assigned for
+        # programs compiling in the background (`warm_up`): {("prefill", length, rows) or ("step", rows, steps):
+        # the compilation's future}
+        self._background: dict[tuple, Future] = {}
 
     def _place(self, state: DecodeState) -> DecodeState:
         """`state` committed where the programs keep it (one device; over the mesh, the caches in their shardings
@@ -557,10 +568,20 @@ class Engine:
             raise ValueError(
                 f"a prefill step takes up to {rows} chunks of one length (with media, one), got {len(slots)}"
             )
+        if rows > 1 and not usable(self._background.get(("prefill", length, rows))):
+            # its program still compiles (`warm_up`): one row at a time, each computing the same
+            hidden = [self.prefill([slot], [chunk], [first]) for slot, chunk, first in zip(slots, chunks, fresh)]
+            return jnp.concatenate(hidden)
+        hidden_PD, self.state = _prefill(*self._prefill_args(slots, chunks, fresh, media, rows))
+        return hidden_PD
+
+    def _prefill_args(self, slots, chunks, fresh, media, rows: int) -> tuple:
+        """`_prefill`'s arguments for `prefill`: the chunks as `rows` rows."""
+        length = len(chunks[0][0])
         pad = rows - len(slots)
         ids_PC = np.stack([ids for ids, _ in chunks] + [np.zeros(length, np.int32)] * pad)
         mask_PC = np.stack([mask for _, mask in chunks] + [np.ones(length, bool)] * pad)
-        hidden_PD, self.state = _prefill(
+        return (
             self.static,
             self.leaves,
             self._synced(),
@@ -571,7 +592,6 @@ class Engine:
             jnp.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], jnp.int32),
             *(media or ()),
         )
-        return hidden_PD
 
     def media_prefill(
         self, slot: int, chunks: list[tuple[np.ndarray, np.ndarray]], media: MediaInputs
@@ -706,7 +726,10 @@ class Engine:
     def decode_rows(self, active_B: np.ndarray) -> int:
         """The decode bucket of a step over the `active_B` slots."""
         last = int(np.flatnonzero(active_B)[-1]) + 1 if np.any(active_B) else 1
-        return next(b for b in decode_buckets(self.max_batch) if b >= last)
+        # a bucket whose program still compiles (`warm_up`) is run around: the next larger one computes the same
+        return next(
+            b for b in decode_buckets(self.max_batch) if b >= last and usable(self._background.get(("step", b, 1)))
+        )
 
     def decode(
         self,
@@ -718,10 +741,21 @@ class Engine:
         """Dispatch `steps` decode steps of the slots (with MTP, speculative rounds) in one program, each slot
         stopping at its capacity; -> its `NewTokens` over slots [0, R), R = `decode_rows`: slot b's new tokens are
         tokens_BT[b, :counts_B[b]], meaningful where active, on their way to the host (the program runs while the
-        caller does other work). rows: the bucket to run instead (`warm_up`). bitmasks: {slot: [W] int32} the
-        tokens each grammar allows (`grammar_mask`; a plain decode step only, not MTP's: one step)."""
+        caller does other work). While the program of `steps` still compiles (`warm_up`), one step runs instead.
+        rows: the bucket to run instead (process 0's choice, `replicated`). bitmasks: {slot: [W] int32} the tokens
+        each grammar allows (`grammar_mask`; a plain decode step only, not MTP's: one step)."""
         if bitmasks and steps > 1:
             raise ValueError("a grammar's bitmask holds for one decode step")
+        rows = rows or self.decode_rows(active_B)
+        if not usable(self._background.get(("step", rows, steps))):
+            steps = 1
+        new, self.state = _step(*self._step_args(active_B, rows, steps, bitmasks))
+        for part in jax.tree.leaves(new):
+            part.copy_to_host_async()
+        return new
+
+    def _step_args(self, active_B: np.ndarray, rows: int, steps: int, bitmasks: dict | None = None) -> tuple:
+        """`_step`'s arguments for `decode`: `steps` steps of bucket `rows`."""
         if self._arrays is None:
             self._arrays = SamplingArrays.from_params(self._params, self.config.vocab_size)
         arrays = self._arrays
@@ -730,47 +764,76 @@ class Engine:
             for slot, bitmask_W in bitmasks.items():
                 bitmask_BW[slot] = bitmask_W
             arrays = arrays.replace(token_bitmask_BW=jnp.asarray(bitmask_BW))
-        rows = rows or self.decode_rows(active_B)
         active_R = jnp.asarray(active_B[:rows], bool)
         offsets_R = None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows])
         capacity_R = jnp.array(self.capacity_B[:rows], copy=True)  # never a view of the host's, edited in place
-        new, self.state = _step(
-            self.static, self.mtp, rows, steps, self.leaves, self._synced(), arrays, active_R, capacity_R, offsets_R
-        )
-        for part in jax.tree.leaves(new):
-            part.copy_to_host_async()
-        return new
+        return self.static, self.mtp, rows, steps, self.leaves, self._synced(), arrays, active_R, capacity_R, offsets_R
 
-    def warm_up(self, on_program: Callable[[int, int], None] = lambda done, total: None) -> None:
-        """Compile every program (each prefill chunk length, the prefix cache's snapshot and restore, a fork, the
-        first token, the decode programs of each bucket: one step and `decode_steps`) on slot 0 (no pages: nothing
-        is written) and, for the fork, slot 1 (whose rows a new request resets); on_program(done, total) after each
-        (ling-serve's progress lines)."""
+    def compiling(self) -> bool:
+        """Whether programs still compile in the background (`warm_up`)."""
+        return not all(future.done() for future in self._background.values())
+
+    def warm_up(
+        self, on_program: Callable[[int, int], None] = lambda done, total: None, *, background: bool = False
+    ) -> None:
+        """Compile every program: each prefill chunk length's step of one row and (where the budget holds several)
+        of several, the prefix cache's snapshot and restore, a fork, the first token, the decode programs of each
+        bucket (one step and `decode_steps`). The prefill and decode programs compile from their arguments' shapes
+        in worker threads, several at once (`ProgramCompiler`); the others by running on slot 0 (no pages: nothing
+        is written) and, for the fork, slot 1 (whose rows a new request resets). on_program(done, total) after
+        each (ling-serve's progress lines; from the workers too).
+
+        background: return once the programs every request needs are compiled (one row's prefill step of each
+        chunk length, the one-step program of the largest decode bucket), the others compiling on in the
+        background: until one is done, `prefill` runs its rows one at a time, `decode` the next larger compiled
+        bucket, and one step where it was asked for `decode_steps`; each row computes what it computes in the
+        program it stands in for."""
         lengths, buckets = self.chunk_lengths(), decode_buckets(self.max_batch)
-        total = sum(1 + (self.prefill_rows(n) > 1) for n in lengths) + 2 * (self.prefix_block is not None)
-        total += (self.max_batch > 1) + 1 + len(buckets) * len({1, self.decode_steps})
-        done = iter(range(1, total + 1))
+        idle_B = np.zeros(self.max_batch, bool)
+
+        def chunks(length: int, rows: int):
+            return [(np.ones(length, np.int32), np.ones(length, bool))] * rows
+
+        first = {  # the shortest chunk first: the runs below wait for it
+            ("prefill", length, 1): (_prefill, self._prefill_args([0], chunks(length, 1), [True], None, 1))
+            for length in lengths
+        }
+        first[("step", buckets[-1], 1)] = (_step, self._step_args(idle_B, buckets[-1], 1))
+        later = {
+            ("step", rows, steps): (_step, self._step_args(idle_B, rows, steps))
+            for rows in reversed(buckets)
+            for steps in sorted({1, self.decode_steps})
+            if (rows, steps) != (buckets[-1], 1)
+        }
         for length in lengths:
-            chunk = (np.ones(length, np.int32), np.ones(length, bool))
-            if self.prefill_rows(length) > 1:  # the step of several rows; then the lone one
-                self.prefill([0, 1], [chunk, chunk], [True, True])
+            if (rows := self.prefill_rows(length)) > 1:
+                args = self._prefill_args(list(range(rows)), chunks(length, rows), [True] * rows, None, rows)
+                later[("prefill", length, rows)] = (_prefill, args)
+        total = len(first) + len(later) + 1 + 2 * (self.prefix_block is not None) + (self.max_batch > 1)
+        done, lock = iter(range(1, total + 1)), threading.Lock()
+
+        def compiled() -> None:
+            with lock:
                 on_program(next(done), total)
-            hidden_1D = self.prefill([0], [chunk], [True])
-            on_program(next(done), total)
+
+        compiler = ProgramCompiler(compiled)
+        futures = {key: compiler.submit(*program) for key, program in first.items()}
+        self._background = {key: compiler.submit(*program) for key, program in later.items()}
+        compiler.close()
+        futures[("prefill", lengths[0], 1)].result()
+        hidden_1D = self.prefill([0], chunks(lengths[0], 1), [True])
         if self.prefix_block is not None:
             snapshot = self.snapshot(0, 0)
-            on_program(next(done), total)
+            compiled()
             self.restore(0, [snapshot], [1] * self.prefix_block)
-            on_program(next(done), total)
+            compiled()
         if self.max_batch > 1:
             self.fork(0, 1, 1, 1)
             self.release(1)
-            on_program(next(done), total)
+            compiled()
         self.first_token(0, hidden_1D, GREEDY)
-        on_program(next(done), total)
-        for rows in buckets:
-            for steps in sorted({1, self.decode_steps}):
-                self.decode(np.zeros(self.max_batch, bool), rows, steps=steps)
-                on_program(next(done), total)
+        compiled()
         self.release(0)
         jax.block_until_ready(self.state)
+        for future in [*futures.values(), *([] if background else self._background.values())]:
+            future.result()

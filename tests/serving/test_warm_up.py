@@ -1,12 +1,15 @@
 """The engine's warm-up on the tiny preset: a second start reads every program from the persistent compilation
-cache (jax's cache statistics: no miss)."""
+cache (jax's cache statistics: no miss), and a program still compiling in the background is run around with the
+same output (several prompts' prefill rows one at a time; a larger decode bucket; one decode step for several)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import monitoring
 from jax.experimental.compilation_cache import compilation_cache
@@ -61,3 +64,24 @@ def test_a_warm_restart_reads_every_program_from_the_cache(tiny_model, compile_c
     finally:
         monitoring.unregister_event_listener(count)
     assert events[CACHE_MISS] == 0 and events[CACHE_HIT] >= 5, events
+
+
+def test_programs_compiling_in_the_background_are_run_around(tiny_model):
+    engine = _engine(tiny_model)
+    engine.warm_up()
+    rng = np.random.default_rng(0)
+    chunks = [
+        (rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32), np.ones(CHUNK, bool)) for _ in "ab"
+    ]
+    for slot in (0, 1):
+        engine.assign(slot, [], CHUNK + 4)  # room for a decode step after the chunk
+    together_PD = engine.prefill([0, 1], chunks, [True, True])
+    engine._background[("prefill", CHUNK, 2)] = Future()  # still compiling: one row at a time
+    apart_PD = engine.prefill([0, 1], chunks, [True, True])
+    np.testing.assert_allclose(np.asarray(apart_PD), np.asarray(together_PD), rtol=1e-5, atol=1e-5)
+    active_B = np.array([True, False])
+    assert engine.decode_rows(active_B) == 1
+    engine._background[("step", 1, 1)] = Future()
+    assert engine.compiling() and engine.decode_rows(active_B) == 2
+    engine._background[("step", 2, 3)] = Future()  # several steps per program: one step until compiled
+    assert np.asarray(engine.decode(active_B, steps=3).counts_B).tolist() == [1, 0]
