@@ -292,8 +292,12 @@ def prepare(
     )
 
 
+_SAYING = threading.Lock()  # whole lines: the warm-up's workers print theirs while the server starts
+
+
 def _say(line: str) -> None:
-    print(f"ling-serve: {line}", file=sys.stderr, flush=True)
+    with _SAYING:
+        print(f"ling-serve: {line}", file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int) -> socket.socket:
