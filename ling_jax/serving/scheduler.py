@@ -348,7 +348,8 @@ class Scheduler:
     def _first_token(self, request: Request, hidden_1D: jax.Array) -> None:
         """Draw the request's first token from its prompt's last hidden state (within its grammar) and take it."""
         bitmask_W = None if request.grammar is None else request.grammar.bitmask()
-        first = jax.device_get(self.engine.first_token(request.slot, hidden_1D, request.sampling, bitmask_W))
+        end_ids = self._end_ids(request)
+        first = jax.device_get(self.engine.first_token(request.slot, hidden_1D, request.sampling, bitmask_W, end_ids))
         request.first_token_at = time.perf_counter()
         self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
         self._take_row(request, first, 0)
@@ -377,7 +378,7 @@ class Scheduler:
     def _take(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """The request's next token (with its logprob, if it asks): emit its text, or end the request."""
         self.metrics.count_tokens(1)
-        if (token in self.eos_ids and not request.ignore_eos) or token in request.stop_ids:
+        if token in self._end_ids(request):
             self._finish(request, Finish.STOP)
             return
         if request.grammar is not None:
@@ -390,6 +391,10 @@ class Scheduler:
             self._finish(request, Finish.LENGTH, token, logprobs)
         else:
             self._emit(request, Delta(request._completion.unshown(), (token,), logprobs=logprobs))
+
+    def _end_ids(self, request: Request) -> frozenset[int]:
+        """The tokens that end the request: EOS unless it ignores it, and its stop token ids."""
+        return request.stop_ids if request.ignore_eos else request.stop_ids | self.eos_ids
 
     @staticmethod
     def _emit(request: Request, delta: Delta) -> None:
