@@ -12,12 +12,14 @@ Each iteration of the loop
    before (read while this one runs on the device, so the host's work overlaps the device's): one decode step
    while anything else waits (a request to admit, a prompt chunk, a prompt's logprobs) or a grammar request
    decodes, else the engine's `decode_steps` steps in one program, each slot stopping on the device at its
-   max_tokens; with MTP a step (a speculative round) gives each request one to K + 1 tokens. A request takes
+   max_tokens or its end token (EOS unless ignored, its stop token ids: handed to the engine with its first
+   token); with MTP a step (a speculative round) gives each request one to K + 1 tokens. A request takes
    its tokens in order up to the one that ends it (EOS, a stop string, max_tokens): none past it is streamed.
 
 A request that ends in program k still runs in program k + 1, already dispatched (within its pages: it stops at
-its max_tokens); those tokens are dropped and the slot is free at the next iteration's admission (the next
-request's prefill runs after it on the device).
+its max_tokens; after an EOS or stop token it runs no step at all, but after a stop string it runs); those tokens
+are dropped and the slot is free at the next iteration's admission (the next request's prefill runs after it on
+the device).
 
 A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
 `emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when

@@ -291,9 +291,13 @@ def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkey
     _check_each_equals_alone(scheduler, alone, demo_tokenizer)
     assert {s for s, _ in steps} == {1, 4}
     prompt = CASES[0][0]
+    monkeypatch.setattr(engine, "decode_steps", 1)
+    (one_step,) = _run(scheduler, [(prompt, GREEDY, 24)])
+    monkeypatch.setattr(engine, "decode_steps", 4)
     first = len(steps)
     (request,) = _run(scheduler, [(prompt, GREEDY, 24)])
     full = request.tokens
+    assert full == one_step.tokens  # so each cut below is where --decode-steps 1 ends too
     # the first token, then programs of 4 (token i in the program of tokens 4k + 1 to 4k + 4), then the program
     # dispatched before the end was seen: it runs no step (the slot is at its max_tokens)
     assert [int(c[request.slot]) for _, c in steps[first:]] == [4, 4, 4, 4, 4, 3, 0]
