@@ -20,6 +20,7 @@ from benchmarks import trace
 from ling_jax import LingConfig
 from ling_jax.cache import KDAState, LingCache, MLAState
 from ling_jax.config import KDA, MLA, MOE
+from ling_jax.generation.end_tokens import end_bitmask
 from ling_jax.generation.generator import (
     DECODE_READ_GROUP,
     DecodeState,
@@ -186,10 +187,10 @@ def time_speculation(model, batch: int, context: int, num_drafts: int, programs:
     drafts = drafts.replace(cache=drafts.cache.replace(lengths=jnp.copy(cache.lengths)))  # each donated once
     state = DecodeState.create(cache, jnp.zeros((batch, config.vocab_size), bool), drafts)
     capacity_B = cache.lengths + extra
-    eos_V = jnp.zeros((config.vocab_size,), bool)
+    no_end_BW = jnp.asarray(end_bitmask([()] * batch, config.vocab_size))
     active_B = jnp.ones((batch,), bool)
     speculate = functools.partial(_speculative_group, static, num_drafts, DECODE_READ_GROUP, leaves)
-    round_s = _per_call(lambda state: speculate(state, arrays, active_B, capacity_B, eos_V)[1], state, programs)
+    round_s = _per_call(lambda state: speculate(state, arrays, active_B, capacity_B, no_end_BW)[1], state, programs)
     return step_s, round_s / DECODE_READ_GROUP
 
 

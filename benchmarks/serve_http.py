@@ -5,6 +5,9 @@ output tokens/s, TTFT and TPOT p50 / p99 per concurrency.
     python -m benchmarks.serve_http --preset ling-3.0-flash --max-batch 32 --concurrency 1,8,32
                                           # full size, random FP8 weights as the checkpoint stores them
     python -m benchmarks.serve_http --quick   # the tiny preset, a few short requests (CPU smoke test)
+    python -m benchmarks.serve_http --preset ling-3.0-flash --max-batch 8 --concurrency 1,8 --mtp 2
+                                          # the served MTP round: random drafts are rarely accepted, so its
+                                          # TPOT is about one round's time (one or two tokens a round)
 
 Served: `ling-serve --preset NAME` started as a subprocess on 127.0.0.1 (random weights in the stored format,
 initialised on the device; its time to ready is printed), then `concurrency` closed-loop clients (httpx, async),
@@ -55,6 +58,8 @@ def start_server(args, max_context: int) -> tuple[subprocess.Popen, str, float]:
     command += ["--max-queue", str(1 << 16)]
     if args.decode_steps is not None:
         command += ["--decode-steps", str(args.decode_steps)]
+    if args.mtp:
+        command += ["--mtp", str(args.mtp)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -149,6 +154,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=512, help="ling-serve's --prefill-chunk")
     parser.add_argument("--prefill-budget", type=int, default=1024, help="ling-serve's --prefill-budget")
     parser.add_argument("--decode-steps", type=int, help="ling-serve's --decode-steps (default: its own)")
+    parser.add_argument(
+        "--mtp", type=int, default=0, help="ling-serve's --mtp K (default 0: off; random weights accept few drafts)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="static: timed decode steps per batch")
     parser.add_argument(
         "--no-static",
@@ -172,9 +180,9 @@ def main(argv=None) -> int:
     every = [request for requests in loads.values() for request in requests]
     context = args.static_context or round(np.mean([len(p) + o / 2 for p, o in every]))
     print(
-        f"ling-serve --preset {args.preset} --weights {args.weights} --max-batch {args.max_batch}; prompts "
-        f"{args.min_prompt}-{args.max_prompt}, outputs {args.min_output}-{args.max_output} tokens; static cache "
-        f"{context} tokens",
+        f"ling-serve --preset {args.preset} --weights {args.weights} --max-batch {args.max_batch} --mtp {args.mtp}; "
+        f"prompts {args.min_prompt}-{args.max_prompt}, outputs {args.min_output}-{args.max_output} tokens; "
+        f"static cache {context} tokens",
         flush=True,
     )
     # the server first: this process touches no device until it is gone (the server gets all device memory)

@@ -98,11 +98,13 @@ class LingCache:
         )
 
 
-def commit_verified(cache: LingCache, accepted_B: jax.Array, num_verified: int) -> LingCache:
+def commit_verified(cache: LingCache, accepted_B: jax.Array, num_verified: int, real_B=None) -> LingCache:
     """Keep the first accepted_B[b] + 1 of the `num_verified` tokens a steps-mode call appended.
 
     The call left one KDA state per verified token; the state after the last kept token is taken (no
     recomputation). MLA slots past the new lengths stay in the buffer, invisible, and are overwritten later.
+    real_B: the rows whose tokens were real (None: all); the others' were pads (masked), which left every state
+    and the length as they were, so they stay so.
     """
     rows = jnp.arange(accepted_B.shape[0])
     layers = tuple(
@@ -111,7 +113,10 @@ def commit_verified(cache: LingCache, accepted_B: jax.Array, num_verified: int) 
         else s
         for s in cache.layers
     )
-    return cache.replace(layers=layers, lengths=cache.lengths - num_verified + accepted_B + 1)
+    dropped_B = num_verified - accepted_B - 1
+    if real_B is not None:
+        dropped_B = jnp.where(real_B, dropped_B, 0)
+    return cache.replace(layers=layers, lengths=cache.lengths - dropped_B)
 
 
 @struct.dataclass

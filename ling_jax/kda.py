@@ -5,7 +5,7 @@ the parameters and calls it.
 
 Padding: a token whose mask is 0 contributes nothing. Its gate is forced to 0 and beta to 0 (an identity
 state update), and the short convs run over each row's real tokens only (pads are moved out of the way, so
-pads may sit anywhere, not just on the left).
+pads may sit anywhere, not just on the left); in steps mode the state after a pad is the one before it.
 """
 
 from __future__ import annotations
@@ -62,11 +62,16 @@ def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
     return y[:, -length:], full[:, full.shape[1] - (taps - 1) :]
 
 
-def step_windows(window_BWC, u_BTC):
-    """[B, T, K-1, C]: the conv window (newest K-1 inputs) after each of the T tokens, all real."""
-    taps_minus_one = window_BWC.shape[1]
-    full = jnp.concatenate([window_BWC.astype(u_BTC.dtype), u_BTC], axis=1)
-    return jnp.stack([full[:, t + 1 : t + 1 + taps_minus_one] for t in range(u_BTC.shape[1])], axis=1)
+def step_windows(window_BWC, u_BTC, mask_BT=None):
+    """[B, T, K-1, C]: the conv window (newest K-1 real inputs) after each of the T tokens; a pad (mask_BT false)
+    leaves it as it was."""
+    window_BWC = window_BWC.astype(u_BTC.dtype)
+    windows = []
+    for t in range(u_BTC.shape[1]):
+        shifted_BWC = jnp.concatenate([window_BWC[:, 1:], u_BTC[:, t : t + 1]], axis=1)
+        window_BWC = shifted_BWC if mask_BT is None else jnp.where(mask_BT[:, t, None, None], shifted_BWC, window_BWC)
+        windows.append(window_BWC)
+    return jnp.stack(windows, axis=1)
 
 
 def _gate_inputs(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionPolicy):
@@ -141,8 +146,6 @@ def _kda(
     conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
     if mask_BT is not None:
         mixed = jnp.where(mask_BT[..., None], mixed, 0)
-    if mode == STEPS and mask_BT is not None:
-        raise ValueError(f"KDA mode {STEPS.value!r} takes no padding mask: every verified token is real")
     conv_inputs_BTC = mixed
     mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
     q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
@@ -172,7 +175,7 @@ def _kda(
         o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)
     elif mode == STEPS:
         o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state, return_all_states=True)
-        window = step_windows(state.conv_window, conv_inputs_BTC)
+        window = step_windows(state.conv_window, conv_inputs_BTC, mask_BT)
     else:
         valid = ", ".join(repr(m.value) for m in KDAMode)
         raise ValueError(f"KDA mode must be one of {valid}, got {mode!r}")

@@ -165,6 +165,30 @@ def test_latent_attention_alone_over_a_cache_equals_one_full_call():
     assert rel_error(jnp.concatenate(steps, axis=1), full) <= 1e-5
 
 
+def test_kda_steps_mode_pads_keep_the_state():
+    """Steps mode (speculative verification) with a padding mask: the state after a pad is the one before it, bit for
+    bit (a row of pads keeps its initial state at every token), and the real tokens' states and outputs are those of
+    the call without the pad."""
+    config = preset("tiny")
+    model = LingForCausalLM(config, rngs=nnx.Rngs(1), dtype=jnp.float32, policy=POLICY)
+    weights = F.layer_weights(model, config.layer_types.index("kda"))["attention"]
+    x = jax.random.normal(jax.random.key(3), (BATCH, 9, config.hidden_size))
+    kda = jitted(F.kda_attention)
+    _, start = kda(weights, x[:, :5], None, F.token_context(config, BATCH, 5, policy=POLICY), cfg=config)
+    mask = jnp.array([[True, False, True, True], [False] * 4])
+    ctx = F.token_context(config, BATCH, 4, attention_mask=mask, policy=POLICY, kda_mode=F.KDAMode.STEPS)
+    y, steps = kda(weights, x[:, 5:], start, ctx, cfg=config)
+    real = np.array([5, 7, 8])
+    unpadded = F.token_context(config, BATCH, 3, policy=POLICY, kda_mode=F.KDAMode.STEPS)
+    y_real, steps_real = kda(weights, x[:, real], start, unpadded, cfg=config)
+    for name in ("recurrent_state", "conv_window"):
+        padded, plain, before = (np.asarray(getattr(s, name)) for s in (steps, steps_real, start))
+        assert padded[0, 1].tobytes() == padded[0, 0].tobytes()
+        assert all(padded[1, t].tobytes() == before[1].tobytes() for t in range(4))
+        assert rel_error(padded[0, [0, 2, 3]], plain[0]) <= 1e-6
+    assert rel_error(y[0, [0, 2, 3]], y_real[0]) <= 1e-6
+
+
 def test_policy_rejects_typos_at_construction():
     with pytest.raises(ValueError, match=r"kernel_backend: 'pallas-gpu' is not one of 'auto', 'reference'"):
         F.ExecutionPolicy(kernel_backend="pallas-gpu")

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ling_jax.cache import KDAState, LingCache, MTPCache, commit_verified
+from ling_jax.cache import LingCache, MTPCache, commit_verified
 from ling_jax.generation.compile_watch import CompileClock
+from ling_jax.generation.end_tokens import end_bitmask, is_end
 from ling_jax.generation.logit_controls import count_tokens
 from ling_jax.generation.sampling import (
     Logprobs,
@@ -276,97 +277,89 @@ def where_rows(rows_B, new, old):
     return jnp.where(rows_B.reshape(-1, *([1] * (new.ndim - 1))), new, old)
 
 
-def _without_caches(state: DecodeState) -> DecodeState:
-    """The state's per-row arrays that are not a cache (seen rows, tokens, counts, drafts and carries)."""
-    drafts = None if state.drafts is None else state.drafts.replace(cache=None)
-    return state.replace(cache=None, drafts=drafts)
-
-
-def keep_idle_rows(before: DecodeState, stepped: DecodeState, active_B) -> DecodeState:
-    """`stepped` with the rows not active as they were `before` the step: KDA states, length, seen row, token,
-    count, drafts and carry. The MLA caches (and the MTP cache) are `stepped`'s: what a step writes past an idle
-    row's length is invisible to it."""
-    kept = jax.tree.map(
-        lambda new, old: where_rows(active_B, new, old), _without_caches(stepped), _without_caches(before)
-    )
-    layers = tuple(
-        jax.tree.map(lambda new, old: where_rows(active_B, new, old), s, b) if isinstance(s, KDAState) else s
-        for s, b in zip(stepped.cache.layers, before.cache.layers)
-    )
-    cache = stepped.cache.replace(
-        layers=layers, lengths=jnp.where(active_B, stepped.cache.lengths, before.cache.lengths)
-    )
-    drafts = None if kept.drafts is None else kept.drafts.replace(cache=stepped.drafts.cache)
-    return kept.replace(cache=cache, drafts=drafts)
-
-
 def _draw_verified(logits_BTV, arrays: SamplingArrays, state: DecodeState, drafts_BK) -> tuple[jax.Array, Logprobs]:
     """The target token [B, T] at each of a verify pass's T = K + 1 positions, with its logprobs, in one `sample`
     call over B * T rows: position i draws with the row's sampler at step steps + i, drafts[:i] seen (they matter
-    only if accepted, as seen tokens and as generated-token counts)."""
+    only if accepted, as seen tokens and as generated-token counts). The drafts are counted into a buffer of
+    their own, which the row's seen and counted tokens are added to (they are read, never copied)."""
     batch, positions, vocab = logits_BTV.shape
-    seen, counts = [state.seen_BV], [state.counts_BV]
-    for i in range(positions - 1):
-        seen.append(update_seen(seen[-1], drafts_BK[:, i]))
-        counts.append(count_tokens(counts[-1], drafts_BK[:, i]))
+    before_TK = jnp.arange(drafts_BK.shape[1])[None, :] < jnp.arange(positions)[:, None]  # draft k precedes position t
+    rows_B11, positions_1T1 = jnp.arange(batch)[:, None, None], jnp.arange(positions)[None, :, None]
+    drafted_BTV = jnp.zeros((batch, positions, vocab), jnp.int32)
+    drafted_BTV = drafted_BTV.at[rows_B11, positions_1T1, drafts_BK[:, None, :]].add(before_TK.astype(jnp.int32))
     steps_BT = state.steps_B[:, None] + jnp.arange(positions, dtype=state.steps_B.dtype)
     token_N, logprobs = _draw(
         logits_BTV.reshape(batch * positions, vocab),
         jax.tree.map(lambda x: jnp.repeat(x, positions, axis=0), arrays),
         steps_BT.reshape(-1),
-        jnp.stack(seen, axis=1).reshape(batch * positions, vocab),
-        jnp.stack(counts, axis=1).reshape(batch * positions, vocab),
+        (state.seen_BV[:, None] | (drafted_BTV > 0)).reshape(batch * positions, vocab),
+        (state.counts_BV[:, None] + drafted_BTV).reshape(batch * positions, vocab),
     )
     return jax.tree.map(lambda x: x.reshape(batch, positions, *x.shape[1:]), (token_N, logprobs))
 
 
 def speculative_round(
-    model: LingForCausalLM, num_drafts: int, state: DecodeState, arrays: SamplingArrays, active_B, capacity_B, eos_V
+    model: LingForCausalLM,
+    num_drafts: int,
+    state: DecodeState,
+    arrays: SamplingArrays,
+    active_B,
+    capacity_B,
+    end_bits_BW,
 ) -> tuple[NewTokens, DecodeState]:
     """Draft num_drafts tokens, verify them, commit (traced inside a jitted program): each active row emits its
     targets up to its first rejected draft (tokens_BT: [B, K+1] targets, counts_B: accepted + 1), and no further
-    than its first EOS (eos_V [V]: which tokens are one) or its capacity (capacity_B [B]: the prompt and generated
-    tokens it may hold). Rows not active emit nothing and keep their state (`keep_idle_rows`)."""
+    than its first end token (end_bits_BW [B, W]: each row's, `end_tokens`) or its capacity (capacity_B [B]: the
+    prompt and generated tokens it may hold). Rows not active emit nothing and keep their state in place: their
+    drafts and verified tokens are pads (the attention mask), which leave their KDA states, caches and lengths as
+    they were, and their other rows (seen and counted tokens, token, step, next draft) take no update; no copy of a
+    row's old state is kept to select from."""
     cache, seen_BV, token_B, drafts = state.cache, state.seen_BV, state.token_B, state.drafts
     rows = jnp.arange(token_B.shape[0])
+    active_B1 = active_B[:, None]
     mtp_cache, draft_hidden_BD = drafts.cache, drafts.draft_hidden_BD
     mtp_lengths_B = mtp_cache.lengths
     chain = [drafts.draft_B]
     for _ in range(num_drafts - 1):
-        out = model.draft_logits(draft_hidden_BD[:, None], chain[-1][:, None], cache=mtp_cache)
+        out = model.draft_logits(
+            draft_hidden_BD[:, None], chain[-1][:, None], cache=mtp_cache, attention_mask=active_B1
+        )
         mtp_cache, draft_hidden_BD = out.cache, out.hidden[:, 0]
         chain.append(jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32))
     drafts_BK = jnp.stack(chain, axis=1)
     verify_ids = jnp.concatenate([token_B[:, None], drafts_BK], axis=1)
-    hidden_BTD, steps_cache = model.model(verify_ids, cache=cache, kda_mode=STEPS, policy=model.policy)
+    real_BT = jnp.broadcast_to(active_B1, verify_ids.shape)
+    hidden_BTD, steps_cache = model.model(
+        verify_ids, cache=cache, attention_mask=real_BT, kda_mode=STEPS, policy=model.policy
+    )
     targets_BT, logprobs = _draw_verified(model.logits(hidden_BTD), arrays, state, drafts_BK)
     matched_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
-    eos_BK = eos_V[targets_BT[:, :num_drafts]]
-    first_eos_B = jnp.where(eos_BK.any(axis=1), eos_BK.argmax(axis=1), num_drafts)
+    end_BK = is_end(end_bits_BW, targets_BT[:, :num_drafts])
+    first_end_B = jnp.where(end_BK.any(axis=1), end_BK.argmax(axis=1), num_drafts)
     room_B = capacity_B - cache.lengths - 1  # tokens the row may still emit
-    accepted_B = jnp.clip(jnp.minimum(matched_B, jnp.minimum(first_eos_B, room_B - 1)), 0)
-    kept_BT = jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]
+    accepted_B = jnp.clip(jnp.minimum(matched_B, jnp.minimum(first_end_B, room_B - 1)), 0)
+    kept_BT = (jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]) & active_B1
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
     counts_BV = state.counts_BV.at[rows[:, None], targets_BT].add(kept_BT.astype(jnp.int32))
-    cache = commit_verified(steps_cache, accepted_B, num_drafts + 1)
+    cache = commit_verified(steps_cache, accepted_B, num_drafts + 1, active_B)
     mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=mtp_lengths_B)  # drop the chained drafts' entries
-    out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT & active_B[:, None])
+    out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT)
+    draft_B = jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32)
     drafts = drafts.replace(
         cache=out.cache,
-        draft_B=jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32),
-        draft_hidden_BD=out.hidden[rows, accepted_B],
+        draft_B=jnp.where(active_B, draft_B, drafts.draft_B),
+        draft_hidden_BD=jnp.where(active_B1, out.hidden[rows, accepted_B], drafts.draft_hidden_BD),
     )
     stepped = state.replace(
         cache=cache,
         seen_BV=seen_BV,
         counts_BV=counts_BV,
-        token_B=targets_BT[rows, accepted_B],
-        steps_B=state.steps_B + accepted_B + 1,
+        token_B=jnp.where(active_B, targets_BT[rows, accepted_B], token_B),
+        steps_B=state.steps_B + kept_BT.sum(axis=1, dtype=jnp.int32),
         drafts=drafts,
     )
-    counts_B = jnp.where(active_B, accepted_B + 1, 0)
-    new = NewTokens(targets_BT, counts_B, logprobs, rounds_B=active_B.astype(jnp.int32))
-    return new, keep_idle_rows(state, stepped, active_B)
+    counts_B = kept_BT.sum(axis=1, dtype=jnp.int32)
+    return NewTokens(targets_BT, counts_B, logprobs, rounds_B=active_B.astype(jnp.int32)), stepped
 
 
 def speculative_rounds(
@@ -377,21 +370,22 @@ def speculative_rounds(
     arrays: SamplingArrays,
     active_B,
     capacity_B,
-    eos_V,
+    end_bits_BW,
 ) -> tuple[NewTokens, DecodeState]:
     """num_rounds speculative rounds in one program (a `lax.fori_loop` of a fixed trip count, traced inside a jitted
     program), with no host in between: each round's accepted tokens go to the row's next columns of a [B,
     num_rounds * (K + 1)] buffer (NewTokens.counts_B: how many each row has; rounds_B: the rounds it ran). A row
     runs a round while active_B, below its capacity (capacity_B: the prompt and generated tokens it may hold) and
-    its last token not an EOS (eos_V [V]: which tokens are one); a row that stops keeps its state
-    (`speculative_round`)."""
+    its last token not one of its end tokens (end_bits_BW [B, W], `end_tokens`); a row that stops keeps its state,
+    in place (`speculative_round`)."""
     batch, width = state.token_B.shape[0], num_rounds * (num_drafts + 1)
     rows_B1 = jnp.arange(batch)[:, None]
 
     def round_(_, carry):
         state, out = carry
-        running_B = active_B & (state.cache.lengths + 1 < capacity_B) & ~eos_V[state.token_B]
-        new, state = speculative_round(model, num_drafts, state, arrays, running_B, capacity_B, eos_V)
+        ended_B = is_end(end_bits_BW, state.token_B[:, None])[:, 0]
+        running_B = active_B & (state.cache.lengths + 1 < capacity_B) & ~ended_B
+        new, state = speculative_round(model, num_drafts, state, arrays, running_B, capacity_B, end_bits_BW)
         columns_BT = out.counts_B[:, None] + jnp.arange(num_drafts + 1)
         columns_BT = jnp.where(columns_BT < (out.counts_B + new.counts_B)[:, None], columns_BT, width)  # width: dropped
         tokens_BN, logprobs = jax.tree.map(
@@ -417,9 +411,10 @@ def speculative_rounds(
 
 @functools.partial(jax.jit, static_argnames=("static", "num_drafts", "num_rounds"), donate_argnames="state")
 def _speculative_group(
-    static, num_drafts, num_rounds, leaves, state: DecodeState, arrays, active_B, capacity_B, eos_V
+    static, num_drafts, num_rounds, leaves, state: DecodeState, arrays, active_B, capacity_B, end_bits_BW
 ) -> tuple[NewTokens, DecodeState]:
-    return speculative_rounds(static.merge(leaves), num_drafts, num_rounds, state, arrays, active_B, capacity_B, eos_V)
+    model = static.merge(leaves)
+    return speculative_rounds(model, num_drafts, num_rounds, state, arrays, active_B, capacity_B, end_bits_BW)
 
 
 class _Rows:
@@ -718,11 +713,11 @@ class Generator:
             return
         group = functools.partial(_speculative_group, self.static, self.mtp, DECODE_READ_GROUP, self.leaves)
         capacity_B = state.cache.lengths + rows.max_new_tokens  # each row's prompt and first token hold lengths + 1
-        eos_V = jnp.zeros(self.config.vocab_size, bool).at[rows.eos_ids].set(True, mode="drop")
+        end_bits_BW = jnp.asarray(end_bitmask([rows.eos_ids] * len(rows.done), self.config.vocab_size))
         queued: list[NewTokens] = []  # programs dispatched, not yet read, oldest first
         while not rows.done.all():
             while len(queued) < 2 and not (queued and rows.room().max() <= DECODE_READ_GROUP * len(queued)):
-                new, state = group(state, arrays, jnp.asarray(~rows.done), capacity_B, eos_V)
+                new, state = group(state, arrays, jnp.asarray(~rows.done), capacity_B, end_bits_BW)
                 for part in jax.tree.leaves(new):
                     part.copy_to_host_async()
                 queued.append(new)

@@ -19,9 +19,10 @@ shape and run with the slot batch donated (by name, `state`):
 - `first_token`: the request's first token from its last prompt position (`generator.first_token` on its slot);
 - `step`: one decode step of every slot (`generator.decode_step`), or with MTP a speculative round, or
   `decode_steps` of them in one program (the scheduler's choice when nothing else waits), a slot stopping on the
-  device at its capacity. Slots that are not decoding run too, with no pages (they read and write only a scratch
-  page) and a pad token as input (`decode_step`'s real_B), which leaves their state (KDA states, length, seen
-  and counted tokens) as it was: every slot's state is read and written in place, never copied or selected.
+  device at its capacity or its end token (EOS, stop token ids: `first_token`'s end_ids, never fed back). Slots
+  that are not decoding run too, with no pages (they read and write only a scratch page) and a pad token as input
+  (`decode_step`'s real_B), which leaves their state (KDA states, length, seen and counted tokens) as it was:
+  every slot's state is read and written in place, never copied or selected.
 
 `warm_up` compiles them before the first request, the prefill and decode programs from their arguments' shapes
 in worker threads (`ling_jax.serving.programs`); with `background`, the several-row prefill steps, the smaller
@@ -51,8 +52,10 @@ slot's targets drawn with its own sampler, a draft accepted while it equals its 
 at its own accepted boundary (KDA state and conv window of the last accepted token, length; MLA rows past it
 lie beyond the length, MTP entries re-run on the accepted tokens). A slot emits targets[:accepted + 1]: exactly
 the tokens plain decoding gives, greedy or sampled, and no more than its request's max_tokens (`Engine.assign`'s
-capacity): the step already dispatched when a request ends leaves its slot as it is. A prefix-cache snapshot
-then also holds the block's MTP entries and the carry, so a resumed request drafts as a cold one does.
+capacity) or past its end token: the step already dispatched when a request ends leaves its slot as it is. A slot
+that runs no round keeps its state in place, as in the plain step: its drafts and verified tokens are pads. A
+prefix-cache snapshot then also holds the block's MTP entries and the carry, so a resumed request drafts as a cold
+one does.
 
 A VL model's request with images (`media_prefill`) gets its prompt's embeddings with the vision tower's output
 merged in and its (t, h, w) mRoPE positions, cut into its chunks, which `prefill` runs one row at a time; its
@@ -68,7 +71,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -80,6 +83,7 @@ from flax import struct
 from ling_jax.cache import KDAState, LingCache, MTPCache
 from ling_jax.checkpoints.pieces import one_device_sharding
 from ling_jax.config import MLA
+from ling_jax.generation.end_tokens import end_bitmask, is_end
 from ling_jax.generation.generator import (
     MIN_CHUNK,
     DecodeState,
@@ -366,13 +370,17 @@ def _put_first_slots(state: DecodeState, first: DecodeState) -> DecodeState:
     return put.replace(cache=_put_rows(state.cache, first.cache, _set_first))
 
 
-def _decode_steps(model, num_steps: int, state: DecodeState, arrays: SamplingArrays, active_R, capacity_R, offsets_R):
+def _decode_steps(
+    model, num_steps: int, state: DecodeState, arrays: SamplingArrays, active_R, capacity_R, end_bits_RW, offsets_R
+):
     """num_steps decode steps (a `lax.scan`, each token fed back on the device) of the active slots; a slot runs a
-    step while below its capacity (its last token then fills its pages), else it stops where it is. -> (NewTokens
+    step while below its capacity (its last token then fills its pages) and its last token is not one of its end
+    tokens (end_bits_RW, `end_tokens`), else it stops where it is (the end token is never fed back). -> (NewTokens
     [R, num_steps]: slot r's are tokens_BT[r, :counts_B[r]]; state)."""
 
     def step(state, _):
-        running_R = active_R & (state.cache.lengths + 1 < capacity_R)
+        ended_R = is_end(end_bits_RW, state.token_B[:, None])[:, 0]
+        running_R = active_R & (state.cache.lengths + 1 < capacity_R) & ~ended_R
         new, state = decode_step(model, state, arrays, offsets_R, running_R)
         return state, (*jax.tree.map(lambda x: x[:, 0], (new.tokens_BT, new.logprobs)), running_R)
 
@@ -392,24 +400,27 @@ def _step(
     arrays: SamplingArrays,
     active_R,
     capacity_R,
+    end_bits_BW,
     offsets_R=None,
 ):
     """num_steps decode steps (num_drafts = 0: `_decode_steps`) or speculative rounds (`speculative_rounds`, the
     program `Generator` runs) of slots [0, rows) (the engine's bucket over its active slots); slots not active have
-    no pages in it and keep their state. A slot stops at its capacity (capacity_R: the tokens its pages were
-    assigned for, `Engine.assign`), so every token it keeps read its own pages only, never the scratch page (its
-    EOS is the scheduler's to see). offsets_R: a VL engine's per-slot mRoPE position offsets (None for a text
-    model; a VL model has no MTP here). -> (NewTokens over the R slots, meaningful where active; state)."""
+    no pages in it and keep their state, in place. A slot stops at its capacity (capacity_R: the tokens its pages
+    were assigned for, `Engine.assign`), so every token it keeps read its own pages only, never the scratch page,
+    and at its end token (end_bits_BW: each slot's EOS and stop token ids, `end_tokens`; the scheduler still sees
+    the end, the device only stops feeding the slot). offsets_R: a VL engine's per-slot mRoPE position offsets
+    (None for a text model; a VL model has no MTP here). -> (NewTokens over the R slots, meaningful where active;
+    state)."""
     model = static.merge(leaves)
     before = _first_slots(state, rows)
     stepping = before.replace(cache=_without_idle_pages(before.cache, active_R))
-    if num_drafts:  # slots that do not run a round keep their state
-        no_eos_V = jnp.zeros(state.seen_BV.shape[1], bool)
+    arrays, end_bits_RW = _first(arrays, rows), end_bits_BW[:rows]
+    if num_drafts:
         new, stepped = speculative_rounds(
-            model, num_drafts, num_steps, stepping, _first(arrays, rows), active_R, capacity_R, no_eos_V
+            model, num_drafts, num_steps, stepping, arrays, active_R, capacity_R, end_bits_RW
         )
     else:
-        new, stepped = _decode_steps(model, num_steps, stepping, _first(arrays, rows), active_R, capacity_R, offsets_R)
+        new, stepped = _decode_steps(model, num_steps, stepping, arrays, active_R, capacity_R, end_bits_RW, offsets_R)
     return new, _put_first_slots(state, stepped)
 
 
@@ -498,6 +509,9 @@ class Engine:
         # programs compiling in the background (`warm_up`): {("prefill", length, rows) or ("step", rows, steps):
         # the compilation's future}
         self._background: dict[tuple, Future] = {}
+        # each slot's end tokens (`first_token`'s end_ids), where a multi-step program stops it; its device copy
+        self.end_bits_BW = end_bitmask([()] * max_batch, self.config.vocab_size)
+        self._end_bits: jax.Array | None = None
 
     def _place(self, state: DecodeState) -> DecodeState:
         """`state` committed where the programs keep it (one device; over the mesh, the caches in their shardings
@@ -676,12 +690,22 @@ class Engine:
         return self.state
 
     def first_token(
-        self, slot: int, hidden_1D: jax.Array, params: SamplingParams, bitmask_W: np.ndarray | None = None
+        self,
+        slot: int,
+        hidden_1D: jax.Array,
+        params: SamplingParams,
+        bitmask_W: np.ndarray | None = None,
+        end_ids: Collection[int] = (),
     ) -> NewTokens:
         """Sample the request's first token (tokens [1, 1]) and make `slot` ready to decode with `params`.
-        bitmask_W: the tokens its grammar allows (`grammar_mask`), if it has one."""
+        bitmask_W: the tokens its grammar allows (`grammar_mask`), if it has one. end_ids: the tokens that end the
+        request (EOS, stop token ids): `decode` stops the slot on the device after one."""
         self._params[slot] = params
         self._arrays = None
+        end_bits_W = end_bitmask([end_ids], self.config.vocab_size)[0]
+        if not np.array_equal(end_bits_W, self.end_bits_BW[slot]):
+            self.end_bits_BW[slot] = end_bits_W
+            self._end_bits = None
         arrays = SamplingArrays.from_params([params], self.config.vocab_size)
         if bitmask_W is not None:
             arrays = arrays.replace(token_bitmask_BW=jnp.asarray(bitmask_W[None]))
@@ -767,7 +791,21 @@ class Engine:
         active_R = jnp.asarray(active_B[:rows], bool)
         offsets_R = None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows])
         capacity_R = jnp.array(self.capacity_B[:rows], copy=True)  # never a view of the host's, edited in place
-        return self.static, self.mtp, rows, steps, self.leaves, self._synced(), arrays, active_R, capacity_R, offsets_R
+        if self._end_bits is None:
+            self._end_bits = jnp.array(self.end_bits_BW, copy=True)
+        return (
+            self.static,
+            self.mtp,
+            rows,
+            steps,
+            self.leaves,
+            self._synced(),
+            arrays,
+            active_R,
+            capacity_R,
+            self._end_bits,
+            offsets_R,
+        )
 
     def compiling(self) -> bool:
         """Whether programs still compile in the background (`warm_up`)."""

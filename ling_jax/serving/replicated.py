@@ -102,8 +102,8 @@ class _Replica(Engine):
     """An engine of the job: the tokens its programs give are replicated on every device (the scheduler reads
     them on process 0; every process runs the gather)."""
 
-    def first_token(self, slot, hidden_1D, params, bitmask_W=None) -> NewTokens:
-        return self._everywhere(super().first_token(slot, hidden_1D, params, bitmask_W))
+    def first_token(self, slot, hidden_1D, params, bitmask_W=None, end_ids=()) -> NewTokens:
+        return self._everywhere(super().first_token(slot, hidden_1D, params, bitmask_W, end_ids))
 
     def decode(self, active_B, rows=None, bitmasks=None, steps=1) -> NewTokens:
         new = self._everywhere(super().decode(active_B, rows, bitmasks, steps))
@@ -136,12 +136,13 @@ class LeaderEngine(_Replica):
         self.send("prefill", slots=list(slots), ids=ids, mask=mask, fresh=[bool(f) for f in fresh])
         return _HiddenRows(super().prefill(slots, chunks, fresh))
 
-    def first_token(self, slot, hidden, params, bitmask_W=None):
+    def first_token(self, slot, hidden, params, bitmask_W=None, end_ids=()):
         row = hidden.row if isinstance(hidden, _HiddenRow) else None
         fields = {} if bitmask_W is None else {"bitmask_W": np.asarray(bitmask_W)}
-        self.send("first_token", slot=slot, row=row, params=dataclasses.asdict(params), **fields)
+        params_fields = dataclasses.asdict(params)
+        self.send("first_token", slot=slot, row=row, params=params_fields, end_ids=sorted(end_ids), **fields)
         hidden_1D = hidden.hidden_1D if isinstance(hidden, _HiddenRow) else hidden.hidden_PD
-        return super().first_token(slot, hidden_1D, params, bitmask_W)
+        return super().first_token(slot, hidden_1D, params, bitmask_W, end_ids)
 
     def snapshot(self, slot: int, start: int) -> Snapshot:
         gone = [number for number, first in self._snapshots.items() if first() is None]
@@ -230,7 +231,8 @@ class FollowerEngine(_Replica):
         elif op == "first_token":
             row = fields["row"]
             hidden_1D = self._hidden_PD if row is None else self._hidden_PD[row : row + 1]
-            self.first_token(fields["slot"], hidden_1D, params_of(fields["params"]), fields.get("bitmask_W"))
+            params = params_of(fields["params"])
+            self.first_token(fields["slot"], hidden_1D, params, fields.get("bitmask_W"), fields["end_ids"])
         elif op == "snapshot":
             self._snapshots[fields["number"]] = self.snapshot(fields["slot"], fields["start"])
         elif op == "forget":

@@ -12,12 +12,14 @@ Each iteration of the loop
    before (read while this one runs on the device, so the host's work overlaps the device's): one decode step
    while anything else waits (a request to admit, a prompt chunk, a prompt's logprobs) or a grammar request
    decodes, else the engine's `decode_steps` steps in one program, each slot stopping on the device at its
-   max_tokens; with MTP a step (a speculative round) gives each request one to K + 1 tokens. A request takes
+   max_tokens or its end token (EOS unless ignored, its stop token ids: handed to the engine with its first
+   token); with MTP a step (a speculative round) gives each request one to K + 1 tokens. A request takes
    its tokens in order up to the one that ends it (EOS, a stop string, max_tokens): none past it is streamed.
 
 A request that ends in program k still runs in program k + 1, already dispatched (within its pages: it stops at
-its max_tokens); those tokens are dropped and the slot is free at the next iteration's admission (the next
-request's prefill runs after it on the device).
+its max_tokens; after an EOS or stop token it runs no step at all, but after a stop string it runs); those tokens
+are dropped and the slot is free at the next iteration's admission (the next request's prefill runs after it on
+the device).
 
 A request's tokens go through its `Completion` (incremental detokenising, stop strings) and out through its
 `emit` callback as `Delta`s; the request ends at EOS (not emitted), at a stop string, at `max_tokens` or when
@@ -348,7 +350,8 @@ class Scheduler:
     def _first_token(self, request: Request, hidden_1D: jax.Array) -> None:
         """Draw the request's first token from its prompt's last hidden state (within its grammar) and take it."""
         bitmask_W = None if request.grammar is None else request.grammar.bitmask()
-        first = jax.device_get(self.engine.first_token(request.slot, hidden_1D, request.sampling, bitmask_W))
+        end_ids = self._end_ids(request)
+        first = jax.device_get(self.engine.first_token(request.slot, hidden_1D, request.sampling, bitmask_W, end_ids))
         request.first_token_at = time.perf_counter()
         self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
         self._take_row(request, first, 0)
@@ -377,7 +380,7 @@ class Scheduler:
     def _take(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         """The request's next token (with its logprob, if it asks): emit its text, or end the request."""
         self.metrics.count_tokens(1)
-        if (token in self.eos_ids and not request.ignore_eos) or token in request.stop_ids:
+        if token in self._end_ids(request):
             self._finish(request, Finish.STOP)
             return
         if request.grammar is not None:
@@ -390,6 +393,10 @@ class Scheduler:
             self._finish(request, Finish.LENGTH, token, logprobs)
         else:
             self._emit(request, Delta(request._completion.unshown(), (token,), logprobs=logprobs))
+
+    def _end_ids(self, request: Request) -> frozenset[int]:
+        """The tokens that end the request: EOS unless it ignores it, and its stop token ids."""
+        return request.stop_ids if request.ignore_eos else request.stop_ids | self.eos_ids
 
     @staticmethod
     def _emit(request: Request, delta: Delta) -> None:

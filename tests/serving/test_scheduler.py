@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import gpu_test
 
+from ling_jax.cache import KDAState
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import GREEDY, Engine, decode_buckets
 from ling_jax.serving.prefix_cache import PrefixCache
@@ -210,6 +211,43 @@ def test_mtp_cut_inside_an_accepted_run_streams_nothing_past_it(mtp_scheduler, d
     sink = []
     (stopped,) = _run(eos, [(prompt, GREEDY, 24)], [sink])
     assert stopped.tokens == [t for d in sink for t in d.token_ids] == full[:cut] and sink[-1].finish is Finish.STOP
+    # and on the device at its EOS (never fed back): the step dispatched before its end was seen left it there
+    state = mtp_scheduler.engine.state
+    assert state.cache.lengths[stopped.slot] == state.drafts.cache.lengths[stopped.slot] == len(prompt) + cut
+    _assert_mtp_all_free(mtp_scheduler)
+
+
+def _slot_state(engine: Engine, slot: int) -> list[np.ndarray]:
+    """Every array of the slot's state on the host: KDA states, MLA pages, length, seen and counted tokens, token,
+    step, and the MTP state (its whole cache row, the next draft, hidden and carry)."""
+    state, drafts = engine.state, engine.state.drafts
+    pages = np.array([p for p in engine.page_table_BN[slot] if p < engine.pages.num_pages])
+    arrays = []
+    for s in state.cache.layers:
+        arrays += [s.recurrent_state[slot], s.conv_window[slot]] if isinstance(s, KDAState) else [s.latent_pages[pages]]
+    rows = [state.cache.lengths, state.seen_BV, state.counts_BV, state.token_B, state.steps_B]
+    rows += [drafts.cache.layer.latent, drafts.cache.lengths, drafts.draft_B, drafts.draft_hidden_BD, drafts.carry_BD]
+    return [np.asarray(x) for x in arrays + [r[slot] for r in rows]]
+
+
+def test_mtp_step_leaves_an_idle_slot_bit_for_bit(mtp_scheduler):
+    """A speculative round of slot 1 leaves slot 0 (a request mid-decode, not in the step but in its bucket) bit for
+    bit as it was: KDA states, MLA pages, length, seen and counted tokens, token, step, MTP cache and drafts."""
+    engine = mtp_scheduler.engine
+    prompt = CASES[0][0]
+    for slot in (0, 1):
+        engine.assign(slot, [], len(prompt) + 12)
+        hidden_1D = engine.prefill([slot], engine.prompt_chunks(prompt), [True])
+        engine.first_token(slot, hidden_1D, GREEDY)
+    engine.decode(np.array([True, True, False]))
+    idle = _slot_state(engine, 0)
+    stepped = _slot_state(engine, 1)
+    new = engine.decode(np.array([False, True, False]))
+    assert int(new.counts_B[0]) == 0 and int(new.counts_B[1]) >= 1
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(_slot_state(engine, 0), idle))
+    assert _slot_state(engine, 1)[0].tobytes() != stepped[0].tobytes()  # slot 1's first KDA state moved on
+    engine.release(0)
+    engine.release(1)
     _assert_mtp_all_free(mtp_scheduler)
 
 
@@ -253,8 +291,9 @@ def test_mtp_prefix_hits_equal_cold_requests(mtp_scheduler):
 
 def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkeypatch):
     """Several decode steps per program (`decode_steps`) once nothing else waits: each request still equals itself
-    run alone; one ending inside a program at max_tokens or at EOS streams nothing past it, and the slot stopped on
-    the device at its max_tokens (the program dispatched before its end was seen left it there)."""
+    run alone; one ending inside a program at max_tokens, at EOS or at a stop token id streams nothing past it, and
+    the slot stopped on the device at its max_tokens or its end token (the program dispatched before its end was
+    seen left it there)."""
     engine, steps = scheduler.engine, []
     decode = engine.decode
 
@@ -268,9 +307,13 @@ def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkey
     _check_each_equals_alone(scheduler, alone, demo_tokenizer)
     assert {s for s, _ in steps} == {1, 4}
     prompt = CASES[0][0]
+    monkeypatch.setattr(engine, "decode_steps", 1)
+    (one_step,) = _run(scheduler, [(prompt, GREEDY, 24)])
+    monkeypatch.setattr(engine, "decode_steps", 4)
     first = len(steps)
     (request,) = _run(scheduler, [(prompt, GREEDY, 24)])
     full = request.tokens
+    assert full == one_step.tokens  # so each cut below is where --decode-steps 1 ends too
     # the first token, then programs of 4 (token i in the program of tokens 4k + 1 to 4k + 4), then the program
     # dispatched before the end was seen: it runs no step (the slot is at its max_tokens)
     assert [int(c[request.slot]) for _, c in steps[first:]] == [4, 4, 4, 4, 4, 3, 0]
@@ -281,7 +324,14 @@ def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkey
     assert scheduler.engine.state.cache.lengths[limited.slot] == len(prompt) + cut - 1
     cut = next(i for i in range(2, len(full)) if i % 4 not in (0, 1) and full.index(full[i]) == i)
     eos = Scheduler(engine, demo_tokenizer, eos_ids=[full[cut]], max_queue=8)
-    sink = []
-    (stopped,) = _run(eos, [(prompt, GREEDY, 24)], [sink])
-    assert stopped.tokens == [t for d in sink for t in d.token_ids] == full[:cut] and sink[-1].finish is Finish.STOP
+    for ends, stop_ids in ((eos, frozenset()), (scheduler, frozenset({full[cut]}))):  # EOS; a stop token id
+        sink, first = [], len(steps)
+        stopped = Request(prompt=prompt, sampling=GREEDY, max_tokens=24, emit=sink.append, stop_ids=stop_ids)
+        ends.submit(stopped)
+        _run_until_idle(ends)
+        assert stopped.tokens == [t for d in sink for t in d.token_ids] == full[:cut]
+        assert sink[-1].finish is Finish.STOP
+        # the slot stopped on the device at its end token (never fed back), inside the program that drew it
+        assert sum(int(c[stopped.slot]) for _, c in steps[first:]) == cut
+        assert scheduler.engine.state.cache.lengths[stopped.slot] == len(prompt) + cut
     assert scheduler.slots == eos.slots == [None] * MAX_BATCH
