@@ -262,7 +262,10 @@ def prepare(
     """Load the model, compile its programs: the service, ready to start (with --distributed, process 0's: its
     engine publishes every call to the other processes, `replicated`)."""
     engine_class = functools.partial(LeaderEngine, send=Publisher()) if args.distributed else Engine
+    start = time.perf_counter()
     engine = load_engine(args, source, mesh, engine_class)
+    metrics = Metrics()
+    metrics.startup_seconds.labels("load").set(time.perf_counter() - start)
     prefix_cache_bytes = _prefix_cache_bytes(args)
     prefix_cache = PrefixCache(engine.pages, args.prefill_chunk, prefix_cache_bytes) if prefix_cache_bytes else None
     start = time.perf_counter()
@@ -272,12 +275,14 @@ def prepare(
         # with --distributed every process runs the same programs: all compiled first
         background=not args.distributed,
     )
+    metrics.startup_seconds.labels("warm_up").set(time.perf_counter() - start)
+    metrics.background_programs.set_function(engine.background_programs)
     scheduler = Scheduler(
         engine,
         source.tokenizer,
         eos_ids=source.tokenizer.eos_ids,
         max_queue=args.max_queue,
-        metrics=Metrics(),
+        metrics=metrics,
         prefix_cache=prefix_cache,
     )
     name = args.served_model_name or (args.preset if source.path is None else args.model.resolve().name)
@@ -340,9 +345,10 @@ class _Loader(threading.Thread):
     accepts. A failure stops the server: `status` is then its exit status (a user error: its one `error:` line,
     status 2); `service` is the service once loaded."""
 
-    def __init__(self, args, checked: tuple, gate: Loading, server: uvicorn.Server, url: str):
+    def __init__(self, args, checked: tuple, gate: Loading, server: uvicorn.Server, url: str, started: float):
         super().__init__(name="ling-serve-load", daemon=True)
         self.args, self.checked, self.gate, self.server, self.url = args, checked, gate, server, url
+        self.started = started  # the process's start (`time.perf_counter`): ready's phase counts from it
         self.service: Service | None = None
         self.status: int | None = None
 
@@ -363,6 +369,7 @@ class _Loader(threading.Thread):
         while not (self.server.started or self.server.should_exit):
             time.sleep(READY_POLL_S)
         if self.server.started:
+            service.scheduler.metrics.startup_seconds.labels("ready").set(time.perf_counter() - self.started)
             _say(f"ready: {service.model_name} on {self.url}/v1")
 
     def _gone(self, message: str) -> None:
@@ -382,6 +389,7 @@ class _Loader(threading.Thread):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     xla_flags.set_gpu_flags()
     cli_runtime.enable_compile_cache(args.no_compile_cache)
@@ -409,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # that a no-op, so a graceful stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    loader = _Loader(args, checked, gate, server, url)
+    loader = _Loader(args, checked, gate, server, url, started)
     _say(f"listening on {url} (/health answers 503 until the model is loaded and compiled)")
     loader.start()
     server.run(sockets=[sock])

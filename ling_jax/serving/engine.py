@@ -809,7 +809,11 @@ class Engine:
 
     def compiling(self) -> bool:
         """Whether programs still compile in the background (`warm_up`)."""
-        return not all(future.done() for future in self._background.values())
+        return self.background_programs() > 0
+
+    def background_programs(self) -> int:
+        """How many programs still compile in the background (`warm_up`)."""
+        return sum(not future.done() for future in self._background.values())
 
     def warm_up(
         self, on_program: Callable[[int, int], None] = lambda done, total: None, *, background: bool = False

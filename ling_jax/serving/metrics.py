@@ -44,6 +44,16 @@ class Metrics:
         self.mtp_drafted = Counter("ling_serve_mtp_draft_tokens", "MTP draft tokens verified", registry=r)
         self.mtp_accepted = Counter("ling_serve_mtp_accepted_tokens", "MTP draft tokens accepted", registry=r)
         self.prefix_bytes = Gauge("ling_serve_prefix_cache_bytes", "bytes held by the prefix cache", registry=r)
+        self.startup_seconds = Gauge(
+            "ling_serve_startup_seconds",
+            "seconds of each start-up phase: load (reading or initialising the weights), warm_up (compiling the "
+            "programs every request needs), ready (from ling-serve's start, after its imports, to ready)",
+            ["phase"],
+            registry=r,
+        )
+        self.background_programs = Gauge(
+            "ling_serve_background_programs", "programs still compiling in the background after ready", registry=r
+        )
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -74,6 +75,10 @@ def test_health_is_503_while_loading_and_200_once_ready():
         assert lines[-1] == f"ling-serve: ready: tiny on {url}/v1\n", "".join(lines)
         assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}  # at once, no retry
         assert any("warm-up: compiled 1 of " in line for line in lines)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        phases = dict(re.findall(r'^ling_serve_startup_seconds\{phase="(\w+)"\} (\S+)$', metrics, re.M))
+        load, warm_up, ready = (float(phases[phase]) for phase in ("load", "warm_up", "ready"))
+        assert 0 < load and 0 < warm_up and load + warm_up < ready, phases  # the metrics time the start's phases
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}
         assert json.loads(httpx.post(url + "/v1/completions", json=body, timeout=60).text)["usage"] == {
             "prompt_tokens": 3,
