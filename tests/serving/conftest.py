@@ -1,9 +1,14 @@
-"""The demo checkpoint in-process and `Generator` references: what a request gives when run alone."""
+"""The demo checkpoint in-process and `Generator` references: what a request gives when run alone; `ling-serve` on
+the demo checkpoint, one server shared by the test files of a pytest process, and more servers that compile nothing
+twice (a persistent compilation cache shared by every server of the run)."""
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import pytest
+from served import DEMO_SERVER_ENV, DEMO_SERVER_FLAGS, started
 
 from ling_jax import load_hf_checkpoint, load_model_config
 from ling_jax.generation.cli import DEMO_DIR
@@ -44,3 +49,29 @@ class Alone:
 def alone(demo_model, demo_tokenizer):
     """alone(prefill_chunk) -> the `Alone` reference with that chunk (the served engine's)."""
     return lambda prefill_chunk: Alone(demo_model, demo_tokenizer, prefill_chunk)
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """The run's persistent compilation cache for the servers: one directory for all pytest-xdist workers (their
+    base temp directories' parent), so a program one server compiled is read by the next with the same flags."""
+    base = tmp_path_factory.getbasetemp()
+    directory = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "jax-compile-cache"
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory, compile_cache):
+    """start_server(flags, env=None): a context manager starting `ling-serve` with `flags` (served.started) on the
+    run's compile cache; the `Server` it gives answers once `ready()`."""
+    return lambda flags, env=None: started(tmp_path_factory.mktemp("serve"), flags, env, compile_cache)
+
+
+@pytest.fixture(scope="session")
+def demo_server(start_server):
+    """`ling-serve` on the demo checkpoint with DEMO_SERVER_FLAGS, started once for every test file of this pytest
+    process that asks for it (not yet ready: `demo_server.ready()` waits); stopped at the session's end. Tests
+    leave it as they found it: idle, and running (a test that stops a server starts its own)."""
+    with start_server(DEMO_SERVER_FLAGS, DEMO_SERVER_ENV) as server:
+        yield server

@@ -1,6 +1,7 @@
 """Logprobs, echo and batched prompts through the official `openai` client against `ling-serve` on the demo
-checkpoint (float32): every logprob equals the log-softmax of `LingForCausalLM`'s logits over the same tokens.
-In-process, the same with MTP speculation and the prefix cache's prompt layout (right-padded chunks)."""
+checkpoint (float32; the serving tests' shared demo server, tests/serving/conftest.py): every logprob equals the
+log-softmax of `LingForCausalLM`'s logits over the same tokens. In-process, the same with MTP speculation and the
+prefix cache's prompt layout (right-padded chunks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from optional_deps import require_serve_extra
-from served import served
 
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import Engine
@@ -26,10 +26,9 @@ TOLERANCE = 1e-4  # relative or absolute, per value
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    flags = ["--max-batch", "4", "--max-context", "64", "--prefill-chunk", "16", "--prefill-budget", "32"]
-    with served(tmp_path_factory.mktemp("serve"), flags) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
+def client(demo_server, greedy):
+    """The shared demo server's client (the greedy reference is computed first, while the server starts)."""
+    return openai.OpenAI(base_url=demo_server.ready() + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 @pytest.fixture(scope="module")

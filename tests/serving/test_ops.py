@@ -4,16 +4,11 @@ with a key (from $LING_API_KEY) and a small size limit, driven with the official
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 from doc_blocks import blocks
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
+from served import DEMO_MAX_CONTEXT, DEMO_SERVER_ENV, DEMO_SERVER_FLAGS
 
 require_serve_extra()
 httpx = pytest.importorskip("httpx", reason="the server tests' client (the test extra)")
@@ -21,37 +16,18 @@ openai = pytest.importorskip("openai", reason="the server tests' client (the tes
 
 from ling_jax.serving import cli  # noqa: E402
 
-MODEL, KEY, MAX_CONTEXT, MAX_REQUEST_BYTES = "ling-demo", "test-key-0123", 64, 4096
-START_TIMEOUT_S, REQUEST_TIMEOUT_S = 240, 60
+MODEL, KEY, MAX_CONTEXT, MAX_REQUEST_BYTES = "ling-demo", "test-key-0123", DEMO_MAX_CONTEXT, 4096
+REQUEST_TIMEOUT_S = 60
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [sys.executable, "-m", "ling_jax.serving", "--port", str(port), "--max-batch", "1"]
-    command += ["--max-context", str(MAX_CONTEXT), "--prefill-chunk", "16"]
-    command += ["--max-request-bytes", str(MAX_REQUEST_BYTES)]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), cli.API_KEY_ENV: KEY}
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + START_TIMEOUT_S
-        while process.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:  # /health needs no key
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"ling-serve did not start (exit {process.poll()}):\n{log.read_text()[-3000:]}")
-        yield base
-    finally:
-        process.kill()
-        process.wait()
+def url(start_server):
+    """A server of this module's own (a key, a size limit) with the demo server's other flags: it compiles nothing
+    that the demo server compiled in this run (the compile cache)."""
+    flags = [*DEMO_SERVER_FLAGS, "--max-request-bytes", str(MAX_REQUEST_BYTES)]
+    with start_server(flags, DEMO_SERVER_ENV | {cli.API_KEY_ENV: KEY}) as server:
+        yield server.ready()  # /health needs no key
 
 
 DOC_URL, DOC_KEY = "http://127.0.0.1:8000", "my-key"  # the docs example's

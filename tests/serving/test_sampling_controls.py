@@ -10,7 +10,6 @@ import pytest
 from doc_blocks import blocks
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
-from served import served
 
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import Engine
@@ -25,11 +24,12 @@ LONG_PROMPT = PROMPT + " in possession of a good fortune must be in want of a wi
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def url(start_server):
+    """A server of this module's own: the demo server has no prefix cache."""
     flags = ["--max-batch", str(MAX_BATCH), "--max-context", "64", "--prefill-chunk", "16"]
     flags += ["--page-size", "8", "--prefix-cache-gb", "0.01"]
-    with served(tmp_path_factory.mktemp("serve"), flags) as url:
-        yield url
+    with start_server(flags) as server:
+        yield server.ready()
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,24 @@
-"""`ling-serve` on the demo checkpoint, started on 127.0.0.1 (a free port) once for the module, driven with the
-official `openai` client and httpx: completions and chat, streamed and whole, equal to `Generator` run alone;
-32 concurrent streaming clients; a client disconnecting; bad input; a full queue; SIGTERM (last: it stops the
-server). Every load is bounded in requests and time."""
+"""`ling-serve` on the demo checkpoint (the serving tests' shared demo server, tests/serving/conftest.py, on a free
+port of 127.0.0.1), driven with the official `openai` client and httpx: completions and chat, streamed and whole,
+equal to `Generator` run alone; 32 concurrent streaming clients; a client disconnecting; bad input; a full queue;
+SIGTERM (on a server of its own with the same flags). Every load is bounded in requests and time."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import json
-import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 from doc_blocks import blocks
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
+from served import DEMO_CHUNK, DEMO_MAX_BATCH, DEMO_MAX_QUEUE, DEMO_SERVER_ENV, DEMO_SERVER_FLAGS
 
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.generation.tokenizer import StopChecker
@@ -29,10 +27,8 @@ require_serve_extra()
 httpx = pytest.importorskip("httpx", reason="the server tests' client (the test extra)")
 openai = pytest.importorskip("openai", reason="the server tests' client (the test extra)")
 
-MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET, MAX_QUEUE = 8, 128, 16, 64, 24
 MODEL = "ling-demo"
 README_URL = "http://127.0.0.1:8000"
-START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 60
 MAX_TOKENS = 8
 LONG_PROMPT = (
@@ -51,46 +47,10 @@ CASES = [  # (prompt, sampling); every request asks for at most MAX_TOKENS token
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [sys.executable, "-m", "ling_jax.serving", "--port", str(port), "--max-batch", str(MAX_BATCH)]
-    command += ["--max-context", str(MAX_CONTEXT), "--prefill-chunk", str(CHUNK), "--prefill-budget", str(BUDGET)]
-    command += ["--max-queue", str(MAX_QUEUE), "--fp8-matmul", "weight_only"]  # the batch-invariant mode
-    # XLA's full optimisation: the server runs each program hundreds of times (3x faster prefill, 2x decode)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    process.url = f"http://127.0.0.1:{port}"
-    process.log = log
-    yield process
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-
-
-@pytest.fixture(scope="module")
-def url(server, references):
-    """The server's URL once /health answers (the model is loaded and compiled by then); the references are
-    computed first, while the server starts."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"ling-serve exited with {server.returncode}:\n{server.log.read_text()[-3000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server.url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"ling-serve did not start in {START_TIMEOUT_S} s:\n{server.log.read_text()[-3000:]}")
+def url(demo_server, references):
+    """The demo server's URL once /health answers; the references are computed first, while it starts."""
+    return demo_server.ready()
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +59,9 @@ def client(url):
 
 
 @pytest.fixture(scope="module")
-def references(server, alone, demo_tokenizer):
+def references(demo_server, alone, demo_tokenizer):
     """Each case's prompt ids and its MAX_TOKENS-token completion run alone (computed while the server starts)."""
-    reference = alone(CHUNK)
+    reference = alone(DEMO_CHUNK)
     prompts = [demo_tokenizer.encode(text) for text, _ in CASES]
     return [(ids, reference(ids, sampling, MAX_TOKENS)) for ids, (_, sampling) in zip(prompts, CASES)]
 
@@ -167,7 +127,7 @@ def test_chat_equals_generator_on_the_chat_template(client, alone, demo_tokenize
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi! Who are you?"}]
     prompt = demo_tokenizer.encode(demo_tokenizer.apply_chat_template(messages), add_special_tokens=False)
     sampling = SamplingParams(temperature=0.6, top_p=0.95, seed=21)
-    text, count, finish = _expected(demo_tokenizer, alone(CHUNK)(prompt, sampling, MAX_TOKENS), MAX_TOKENS)
+    text, count, finish = _expected(demo_tokenizer, alone(DEMO_CHUNK)(prompt, sampling, MAX_TOKENS), MAX_TOKENS)
     args = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, **_sampling_args(sampling)}
     reply = client.chat.completions.create(**args)
     assert reply.choices[0].message.content == text and reply.choices[0].message.role == "assistant"
@@ -281,15 +241,17 @@ def test_a_text_model_refuses_image_parts(client):
 def test_full_queue_is_refused_and_the_rest_served(url):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1, "temperature": 0}
 
+    total = DEMO_MAX_BATCH + DEMO_MAX_QUEUE + 12
+
     async def run_all():
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http:
-            requests = [http.post(url + "/v1/completions", json=body) for _ in range(MAX_BATCH + MAX_QUEUE + 12)]
+            requests = [http.post(url + "/v1/completions", json=body) for _ in range(total)]
             return await asyncio.gather(*requests)
 
     responses = asyncio.run(run_all())
     statuses = [r.status_code for r in responses]
     assert set(statuses) == {200, 503}, statuses
-    assert statuses.count(200) >= MAX_BATCH + MAX_QUEUE - 4  # a few may finish before the last ones arrive
+    assert statuses.count(200) >= DEMO_MAX_BATCH + DEMO_MAX_QUEUE - 4  # a few may finish before the last ones arrive
     assert all(r.json()["error"]["type"] for r in responses if r.status_code == 503)
     texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
     assert len(texts) == 1  # the same greedy request: the same answer in every slot
@@ -309,15 +271,18 @@ def test_readme_examples_work_as_written(url, capsys):
     assert capsys.readouterr().out.strip()
 
 
-def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(server, url):
+def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(start_server):
+    """On a demo server of its own (the test stops it), which reads every program from the run's compile cache."""
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "stream": True, "temperature": 0}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-        server.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
-        with pytest.raises(httpx.TransportError):
-            httpx.get(url + "/health", timeout=5)
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
-    assert server.wait(timeout=60) == 0
+    with start_server(DEMO_SERVER_FLAGS, DEMO_SERVER_ENV) as server:
+        url = server.ready()
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            with pytest.raises(httpx.TransportError):
+                httpx.get(url + "/health", timeout=5)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        assert server.process.wait(timeout=60) == 0

@@ -1,8 +1,8 @@
-"""Structured outputs through the official `openai` client against ling-serve's API over a real engine on the demo
-checkpoint (in-process, on 127.0.0.1): `response_format` (json_schema, json_object) and vLLM's `structured_outputs`
-/ `guided_*` give text that parses and validates under sampling at temperature 1 (several seeds, batched together,
-streamed and whole) and greedily; a bad schema or regex is a 400 naming the field and the server keeps serving.
-The device-side mask against numpy on random logits."""
+"""Structured outputs through the official `openai` client against `ling-serve` on the demo checkpoint (the serving
+tests' shared demo server, tests/serving/conftest.py): `response_format` (json_schema, json_object) and vLLM's
+`structured_outputs` / `guided_*` give text that parses and validates under sampling at temperature 1 (several
+seeds, batched together, streamed and whole) and greedily; a bad schema or regex is a 400 naming the field and the
+server keeps serving. The device-side mask against numpy on random logits."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from doc_blocks import blocks
-from helpers import REPO_ROOT, serve_in_thread
+from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
 
 from ling_jax.generation.grammar_mask import mask_logits, unconstrained
@@ -25,9 +25,6 @@ require_serve_extra()
 openai = pytest.importorskip("openai", reason="the server tests' client (the test extra)")
 
 from ling_jax.serving import structured  # noqa: E402  (needs the serve extra)
-from ling_jax.serving.api import Service, create_app  # noqa: E402
-from ling_jax.serving.engine import Engine  # noqa: E402
-from ling_jax.serving.scheduler import Scheduler  # noqa: E402
 from ling_jax.serving.schemas import APIError, ChatBody, parse  # noqa: E402
 
 MODEL = "ling-demo"
@@ -86,14 +83,9 @@ def test_a_grammar_with_mtp_is_a_400(demo_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def client(demo_model, demo_tokenizer):
+def client(demo_server):
     _needs_llguidance()
-    engine = Engine(demo_model, max_batch=4, max_context=128, prefill_chunk=16)
-    scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
-    scheduler.start()
-    with serve_in_thread(create_app(Service(scheduler, demo_tokenizer, MODEL, max_context=128))) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
-    scheduler.stop(timeout=30)
+    return openai.OpenAI(base_url=demo_server.ready() + "/v1", api_key="unused", timeout=300, max_retries=0)
 
 
 def _validate(text: str) -> None:
