@@ -43,10 +43,10 @@ def run() -> int:
     experts_read = set()
     read = SafetensorsFile.read
 
-    def recording_read(self, name, index=()):
+    def recording_read(self, name, index=(), out=None):
         if match := EXPERT.search(name):
             experts_read.add(int(match.group(1)))
-        return read(self, name, index)
+        return read(self, name, index, out)
 
     SafetensorsFile.read = recording_read
     mesh = make_mesh({"expert": 4})
