@@ -45,6 +45,7 @@ from ling_jax.serving.media import LOCAL_MEDIA_FLAG, MediaReader
 from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES
 from ling_jax.serving.prefix_cache import PrefixCache
+from ling_jax.serving.programs import ProgramStore
 from ling_jax.serving.replicated import FollowerEngine, LeaderEngine, ProcessGone, Publisher, Subscriber, Watch, follow
 from ling_jax.serving.scheduler import Scheduler
 from ling_jax.serving.schemas import APIError
@@ -57,6 +58,7 @@ BACKLOG = 2048  # uvicorn's default
 HEARTBEAT_MARGIN_S = 30  # --distributed: jax's heartbeat timeout past ours (`Watch`), so our error line comes first
 GONE_GRACE_S = 2.0  # --distributed: how long /health answers 503 once a process is gone, before the front end exits
 READY_POLL_S = 0.01
+PROGRAM_STORE = "ling-serve-programs"  # `program_store`'s folder inside the compilation cache's
 API_KEY_ENV = "LING_API_KEY"
 
 
@@ -256,6 +258,15 @@ def load_engine(
     )
 
 
+def program_store(args: argparse.Namespace) -> ProgramStore | None:
+    """Where ling-serve keeps its prefill and decode programs as serialised executables: `PROGRAM_STORE` inside
+    the persistent compilation cache's directory (none where that cache is off, or with --distributed)."""
+    directory = jax.config.jax_compilation_cache_dir
+    if args.no_compile_cache or cli_runtime.cache_disabled_by_env() or args.distributed or not directory:
+        return None
+    return ProgramStore(Path(directory) / PROGRAM_STORE)
+
+
 def prepare(
     args: argparse.Namespace, source: ModelSource, mesh: jax.sharding.Mesh | None, media: MediaReader | None = None
 ) -> Service:
@@ -274,6 +285,7 @@ def prepare(
         # ready once every request can run, the rest compiling on (rarer prefill rows, small batches, decode_steps);
         # with --distributed every process runs the same programs: all compiled first
         background=not args.distributed,
+        store=program_store(args),
     )
     metrics.startup_seconds.labels("warm_up").set(time.perf_counter() - start)
     metrics.background_programs.set_function(engine.background_programs)

@@ -102,7 +102,7 @@ from ling_jax.generation.sampling import Logprobs, SamplingArrays, SamplingParam
 from ling_jax.generation.static_model import split_model
 from ling_jax.model import LingForCausalLM
 from ling_jax.serving.pages import PagePool
-from ling_jax.serving.programs import ProgramCompiler, usable
+from ling_jax.serving.programs import ProgramCompiler, ProgramStore, StoredProgram, usable
 from ling_jax.sharding import cache_shardings, shard_model
 
 GREEDY = SamplingParams(temperature=0.0)  # what an idle slot "samples" with: the cheapest branch of `sample`
@@ -509,6 +509,8 @@ class Engine:
         # programs compiling in the background (`warm_up`): {("prefill", length, rows) or ("step", rows, steps):
         # the compilation's future}
         self._background: dict[tuple, Future] = {}
+        # every program `warm_up` compiled or loaded from its store, by the same keys: a loaded one is called itself
+        self._programs: dict[tuple, Future] = {}
         # each slot's end tokens (`first_token`'s end_ids), where a multi-step program stops it; its device copy
         self.end_bits_BW = end_bitmask([()] * max_batch, self.config.vocab_size)
         self._end_bits: jax.Array | None = None
@@ -586,7 +588,8 @@ class Engine:
             # its program still compiles (`warm_up`): one row at a time, each computing the same
             hidden = [self.prefill([slot], [chunk], [first]) for slot, chunk, first in zip(slots, chunks, fresh)]
             return jnp.concatenate(hidden)
-        hidden_PD, self.state = _prefill(*self._prefill_args(slots, chunks, fresh, media, rows))
+        args = self._prefill_args(slots, chunks, fresh, media, rows)
+        hidden_PD, self.state = self._run(("prefill", length, rows), _prefill, args)
         return hidden_PD
 
     def _prefill_args(self, slots, chunks, fresh, media, rows: int) -> tuple:
@@ -773,7 +776,7 @@ class Engine:
         rows = rows or self.decode_rows(active_B)
         if not usable(self._background.get(("step", rows, steps))):
             steps = 1
-        new, self.state = _step(*self._step_args(active_B, rows, steps, bitmasks))
+        new, self.state = self._run(("step", rows, steps), _step, self._step_args(active_B, rows, steps, bitmasks))
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new
@@ -807,6 +810,16 @@ class Engine:
             offsets_R,
         )
 
+    def _run(self, key: tuple, fn, args: tuple):
+        """The jitted `fn` on `args`, or the program `warm_up` loaded for `key` from its store where it takes them
+        (a jitted function does not know a loaded program: it would trace and lower again)."""
+        future = self._programs.get(key)
+        if future is not None and future.done() and future.exception() is None:
+            program = future.result()
+            if isinstance(program, StoredProgram) and program.accepts(args):
+                return program(*args)
+        return fn(*args)
+
     def compiling(self) -> bool:
         """Whether programs still compile in the background (`warm_up`)."""
         return self.background_programs() > 0
@@ -816,7 +829,11 @@ class Engine:
         return sum(not future.done() for future in self._background.values())
 
     def warm_up(
-        self, on_program: Callable[[int, int], None] = lambda done, total: None, *, background: bool = False
+        self,
+        on_program: Callable[[int, int], None] = lambda done, total: None,
+        *,
+        background: bool = False,
+        store: ProgramStore | None = None,
     ) -> None:
         """Compile every program: each prefill chunk length's step of one row and (where the budget holds several)
         of several, the prefix cache's snapshot and restore, a fork, the first token, the decode programs of each
@@ -829,7 +846,10 @@ class Engine:
         chunk length, the one-step program of the largest decode bucket), the others compiling on in the
         background: until one is done, `prefill` runs its rows one at a time, `decode` the next larger compiled
         bucket, and one step where it was asked for `decode_steps`; each row computes what it computes in the
-        program it stands in for."""
+        program it stands in for.
+
+        store: where the prefill and decode programs are kept as serialised executables (`ProgramStore`): one
+        stored by an earlier start is loaded instead of compiled, and then called without tracing."""
         lengths, buckets = self.chunk_lengths(), decode_buckets(self.max_batch)
         idle_B = np.zeros(self.max_batch, bool)
 
@@ -858,9 +878,10 @@ class Engine:
             with lock:
                 on_program(next(done), total)
 
-        compiler = ProgramCompiler(compiled)
+        compiler = ProgramCompiler(compiled, store=store)
         futures = {key: compiler.submit(*program) for key, program in first.items()}
         self._background = {key: compiler.submit(*program) for key, program in later.items()}
+        self._programs = {**futures, **self._background}
         compiler.close()
         futures[("prefill", lengths[0], 1)].result()
         hidden_1D = self.prefill([0], chunks(lengths[0], 1), [True])

@@ -1,6 +1,8 @@
 """The engine's warm-up on the tiny preset: a second start reads every program from the persistent compilation
-cache (jax's cache statistics: no miss), and a program still compiling in the background is run around with the
-same output (several prompts' prefill rows one at a time; a larger decode bucket; one decode step for several)."""
+cache (jax's cache statistics: no miss) or, with a program store, loads the prefill and decode programs without
+tracing them (same outputs; another engine's shapes are another key), and a program still compiling in the
+background is run around with the same output (several prompts' prefill rows one at a time; a larger decode
+bucket; one decode step for several)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ from jax.experimental.compilation_cache import compilation_cache
 from ling_jax.generation import cli_runtime
 from ling_jax.generation.random_init import random_model
 from ling_jax.presets import PRESETS
-from ling_jax.serving.engine import Engine
+from ling_jax.serving.engine import Engine, _step
+from ling_jax.serving.programs import ProgramStore, StoredProgram, spec
 
 CHUNK = 16
 CACHE_HIT, CACHE_MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+TRACE = "/jax/core/compile/jaxpr_trace_duration"
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +68,43 @@ def test_a_warm_restart_reads_every_program_from_the_cache(tiny_model, compile_c
     finally:
         monitoring.unregister_event_listener(count)
     assert events[CACHE_MISS] == 0 and events[CACHE_HIT] >= 5, events
+
+
+def _prefill_and_decode(engine: Engine, ids_C: np.ndarray):
+    engine.assign(0, [], CHUNK + 4)
+    hidden_1D = engine.prefill([0], [(ids_C, np.ones(CHUNK, bool))], [True])
+    new = engine.decode(np.array([True, False]))
+    return np.asarray(hidden_1D), np.asarray(new.tokens_BT)
+
+
+def test_a_warm_restart_loads_the_stored_programs_without_tracing(tiny_model, tmp_path):
+    jax.clear_caches()  # XLA:CPU cannot serialise a program with a sort once it has run (an earlier test's)
+    store = ProgramStore(tmp_path)
+    first = _engine(tiny_model)
+    first.warm_up(store=store)
+    assert len(list(tmp_path.glob("*.program"))) == len(first._programs)
+    jax.clear_caches()  # a new process: a program not loaded would be traced again
+    traced = Counter()
+
+    def count(event: str, duration: float, fun_name: str = "", **_) -> None:
+        traced[fun_name] += event == TRACE
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        second = _engine(tiny_model)
+        second.warm_up(store=store)
+        ids_C = np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32)
+        loaded = _prefill_and_decode(second, ids_C)
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert traced["_prefill"] == traced["_step"] == 0, traced
+    assert all(isinstance(future.result(), StoredProgram) for future in second._programs.values())
+    for compiled, stored in zip(_prefill_and_decode(first, ids_C), loaded, strict=True):
+        np.testing.assert_array_equal(stored, compiled)
+    other = Engine(tiny_model, max_batch=3, max_context=64, prefill_chunk=CHUNK, prefill_budget=2 * CHUNK)
+    idle_B = np.zeros(2, bool)  # the largest bucket's step program, each engine's: another key, nothing loaded
+    assert store.path(_step, jax.tree.map(spec, first._step_args(idle_B, 2, 1))).exists()
+    assert not store.path(_step, jax.tree.map(spec, other._step_args(np.zeros(3, bool), 3, 1))).exists()
 
 
 def test_programs_compiling_in_the_background_are_run_around(tiny_model):
