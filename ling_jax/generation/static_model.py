@@ -34,6 +34,9 @@ class StaticModel:
             and self.treedef == other.treedef
         )
 
+    def __repr__(self) -> str:  # what a stored program's key reads (`ProgramStore`): the same in every process
+        return f"StaticModel({self.graphdef!r}, {self.treedef})"
+
     def merge(self, leaves: list[jax.Array]) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 

@@ -104,14 +104,18 @@ class ProgramStore:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
 
-    def path(self, fn, specs: tuple) -> Path:
-        """The file of the jitted `fn`'s program for arguments `specs` (`spec`)."""
+    def path(self, fn, specs: tuple) -> Path | None:
+        """The file of the jitted `fn`'s program for arguments `specs` (`spec`); None where a static argument's repr
+        names its address (another in every process: such a program is not stored)."""
+        leaves = list(map(repr, jax.tree.leaves(specs)))
+        if any(" at 0x" in leaf for leaf in leaves):
+            return None
         backend = jax.devices()[0].client
         parts = [
             fn.__module__,
             fn.__qualname__,
             str(jax.tree.structure(specs)),
-            *map(repr, jax.tree.leaves(specs)),
+            *leaves,
             jax.__version__,
             jaxlib.__version__,
             backend.platform,
@@ -191,6 +195,8 @@ class ProgramCompiler:
         if self._store is None:
             return compile_program(fn, specs)
         path = self._store.path(fn, specs)
+        if path is None:
+            return compile_program(fn, specs)
         if (stored := self._store.load(fn, path)) is not None:
             return stored
         compiled = compile_program(fn, specs)

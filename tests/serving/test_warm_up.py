@@ -18,6 +18,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from ling_jax.generation import cli_runtime
 from ling_jax.generation.random_init import random_model
+from ling_jax.generation.static_model import StaticModel
 from ling_jax.presets import PRESETS
 from ling_jax.serving.engine import Engine, _step
 from ling_jax.serving.programs import ProgramStore, StoredProgram, spec
@@ -102,8 +103,10 @@ def test_a_warm_restart_loads_the_stored_programs_without_tracing(tiny_model, tm
     for compiled, stored in zip(_prefill_and_decode(first, ids_C), loaded, strict=True):
         np.testing.assert_array_equal(stored, compiled)
     other = Engine(tiny_model, max_batch=3, max_context=64, prefill_chunk=CHUNK, prefill_budget=2 * CHUNK)
-    idle_B = np.zeros(2, bool)  # the largest bucket's step program, each engine's: another key, nothing loaded
-    assert store.path(_step, jax.tree.map(spec, first._step_args(idle_B, 2, 1))).exists()
+    specs = jax.tree.map(spec, first._step_args(np.zeros(2, bool), 2, 1))  # the largest bucket's step program
+    twin = StaticModel(first.static.graphdef, first.static.treedef)  # as another process's model: the same key
+    assert store.path(_step, (twin, *specs[1:])) == store.path(_step, specs) and store.path(_step, specs).exists()
+    # another engine's: another key, nothing loaded
     assert not store.path(_step, jax.tree.map(spec, other._step_args(np.zeros(3, bool), 3, 1))).exists()
 
 
