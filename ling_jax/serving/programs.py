@@ -32,6 +32,7 @@ from pathlib import Path
 import jax
 import jaxlib
 import numpy as np
+from jax._src import config as jax_config
 from jax.experimental import serialize_executable
 
 import ling_jax
@@ -199,7 +200,10 @@ class ProgramCompiler:
             return compile_program(fn, specs)
         if (stored := self._store.load(fn, path)) is not None:
             return stored
-        compiled = compile_program(fn, specs)
+        # compiled here, not read from jax's persistent cache: XLA:CPU serialises an executable it read from there
+        # without its kernels (loaded again, it fails with "Function ... not found"); this thread only
+        with jax_config.enable_compilation_cache(False):
+            compiled = compile_program(fn, specs)
         try:
             self._store.save(path, compiled)
         except Exception as e:  # not serialisable (or the disk is full): this program compiles on every start
