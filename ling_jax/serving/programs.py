@@ -98,9 +98,9 @@ class ProgramStore:
     """Compiled programs as serialised executables (`jax.experimental.serialize_executable`), a file each in
     `directory`, named by the sha256 of everything that makes a program differ: the jitted function's module and
     name, its arguments' pytree, shapes, dtypes and shardings, its static arguments' reprs, the jax and jaxlib
-    versions, the backend (platform and version) and its devices, and the source of ling_jax and pallas_kernels.
-    Written atomically (a temporary file renamed); a file that does not load is compiled again (one line on
-    stderr says so)."""
+    versions, jax's configuration and $XLA_FLAGS, the backend (platform and version) and its devices, and the source
+    of ling_jax and pallas_kernels. Written atomically (a temporary file renamed); a file that does not load is
+    compiled again (one line on stderr says so)."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -119,6 +119,8 @@ class ProgramStore:
             *leaves,
             jax.__version__,
             jaxlib.__version__,
+            repr(sorted(jax.config.values.items())),  # e.g. jax_disable_most_optimizations: other XLA options
+            os.environ.get("XLA_FLAGS", ""),
             backend.platform,
             backend.platform_version,
             repr([(device.id, device.device_kind) for device in jax.devices()]),
