@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 import jaxlib
 import numpy as np
-from jax._src import config as jax_config
+from jax import monitoring
 from jax.experimental import serialize_executable
 
 import ling_jax
@@ -60,6 +60,20 @@ def usable(future: Future | None) -> bool:
     """Whether a program (its compilation's future; None: not compiled ahead) can run without a compile here: not
     compiled ahead (it compiles at its first call, as any jitted function), or compiled without error."""
     return future is None or (future.done() and future.exception() is None)
+
+
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_hits = threading.local()  # this thread's compilations read from jax's persistent cache
+
+
+def _count_cache_hit(event: str, **_) -> None:
+    if event == CACHE_HIT_EVENT:  # recorded on the thread that compiles
+        _cache_hits.count = getattr(_cache_hits, "count", 0) + 1
+
+
+@functools.cache
+def _watch_cache_hits() -> None:
+    monitoring.register_event_listener(_count_cache_hit)
 
 
 @functools.cache
@@ -202,10 +216,13 @@ class ProgramCompiler:
             return compile_program(fn, specs)
         if (stored := self._store.load(fn, path)) is not None:
             return stored
-        # compiled here, not read from jax's persistent cache: XLA:CPU serialises an executable it read from there
-        # without its kernels (loaded again, it fails with "Function ... not found"); this thread only
-        with jax_config.enable_compilation_cache(False):
-            compiled = compile_program(fn, specs)
+        _watch_cache_hits()
+        hits = getattr(_cache_hits, "count", 0)
+        compiled = compile_program(fn, specs)
+        if getattr(_cache_hits, "count", 0) > hits:
+            # read from jax's persistent cache: XLA:CPU serialises such an executable without its kernels (loaded
+            # again, it fails with "Function ... not found"), so only a program compiled here is stored
+            return compiled
         try:
             self._store.save(path, compiled)
         except Exception as e:  # not serialisable (or the disk is full): this program compiles on every start
