@@ -856,21 +856,32 @@ class Engine:
         def chunks(length: int, rows: int):
             return [(np.ones(length, np.int32), np.ones(length, bool))] * rows
 
+        multi = jax.process_count() > 1  # a job's processes compile each program at its first call, in step
+
+        def program(fn, make_args):
+            return fn, (None if multi else make_args())
+
         first = {  # the shortest chunk first: the runs below wait for it
-            ("prefill", length, 1): (_prefill, self._prefill_args([0], chunks(length, 1), [True], None, 1))
+            ("prefill", length, 1): program(
+                _prefill, lambda length=length: self._prefill_args([0], chunks(length, 1), [True], None, 1)
+            )
             for length in lengths
         }
-        first[("step", buckets[-1], 1)] = (_step, self._step_args(idle_B, buckets[-1], 1))
+        first[("step", buckets[-1], 1)] = program(_step, lambda: self._step_args(idle_B, buckets[-1], 1))
         later = {
-            ("step", rows, steps): (_step, self._step_args(idle_B, rows, steps))
+            ("step", rows, steps): program(_step, lambda rows=rows, steps=steps: self._step_args(idle_B, rows, steps))
             for rows in reversed(buckets)
             for steps in sorted({1, self.decode_steps})
             if (rows, steps) != (buckets[-1], 1)
         }
         for length in lengths:
             if (rows := self.prefill_rows(length)) > 1:
-                args = self._prefill_args(list(range(rows)), chunks(length, rows), [True] * rows, None, rows)
-                later[("prefill", length, rows)] = (_prefill, args)
+                later[("prefill", length, rows)] = program(
+                    _prefill,
+                    lambda length=length, rows=rows: self._prefill_args(
+                        list(range(rows)), chunks(length, rows), [True] * rows, None, rows
+                    ),
+                )
         total = len(first) + len(later) + 1 + 2 * (self.prefix_block is not None) + (self.max_batch > 1)
         done, lock = iter(range(1, total + 1)), threading.Lock()
 
