@@ -157,7 +157,11 @@ def _kda(
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
     if mode == CHUNKED:
         chunked = functools.partial(
-            chunk_kda, chunk_size=chunk_size, gate_lower_bound=gate_lower_bound(c), backend=op_backend(policy)
+            chunk_kda,
+            chunk_size=chunk_size,
+            gate_lower_bound=gate_lower_bound(c),
+            backend=op_backend(policy),
+            segments=policy.kda_segments,
         )
         o, recurrent = per_shard(
             lambda q, k, v, g, beta, s: chunked(q, k, v, g, beta, initial_state=s),

@@ -1,11 +1,12 @@
 """How a model runs, as opposed to what it computes: the execution policy, one frozen object built once.
 
-`ExecutionPolicy` holds the kernel backend, the KDA and MLA modes (and whether the KDA decode step is fused), the
-MoE exchange and capacity and how block-FP8 linears multiply. Every field
-is an enum (or a checked number), so a misspelt value fails when the policy is built, naming the field and the
-valid values, instead of deep inside a traced call. Strings are accepted and converted: `"reference"` and
-`KernelBackend.REFERENCE` are the same value (the enums are `StrEnum`s). The models, the checkpoint loaders and
-the layer functions take one as `policy=` (None: `ExecutionPolicy()`); config.json holds none of it.
+`ExecutionPolicy` holds the kernel backend, the KDA and MLA modes (and whether the KDA decode step is fused, how
+many segments a KDA prefill splits a sequence into), the MoE exchange and capacity and how block-FP8 linears
+multiply. Every field is an enum (or a checked number), so a misspelt value fails when the policy is built, naming
+the field and the valid values, instead of deep inside a traced call. Strings are accepted and converted:
+`"reference"` and `KernelBackend.REFERENCE` are the same value (the enums are `StrEnum`s). The models, the
+checkpoint loaders and the layer functions take one as `policy=` (None: `ExecutionPolicy()`); config.json holds
+none of it.
 
 The KDA / MLA modes may stay None, meaning "chosen per call": recurrent KDA and absorbed MLA for a one-token
 decode over a cache, chunked KDA and expanded MLA otherwise (`ExecutionPolicy.for_call`).
@@ -91,6 +92,9 @@ class ExecutionPolicy:
     moe_capacity_factor: float | None = None  # None: dropless; a number caps each device's rows per source
     fp8_matmul: FP8Matmul = FP8Matmul.AUTO
     kda_decode: KDADecode = KDADecode.SEPARATE
+    # chunked KDA's segments a sequence (`pallas_kernels.kda.segments`): None by its rule (split on a GPU for few
+    # sequence-heads and long prompts, B=1 prefill under tensor parallelism), 1 never, n >= 2 always n
+    kda_segments: int | None = None
 
     def __post_init__(self):
         converted = {
@@ -103,6 +107,11 @@ class ExecutionPolicy:
         }
         for field, value in converted.items():
             object.__setattr__(self, field, value)
+        segments = self.kda_segments
+        if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+            raise ValueError(
+                f"ExecutionPolicy.kda_segments: must be None (the rule) or a positive int, got {segments!r}"
+            )
         factor = self.moe_capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
             raise ValueError(

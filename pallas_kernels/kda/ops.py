@@ -26,6 +26,7 @@ from pallas_kernels.kda.gpu_triton import (
     kda_decode_step_gpu,
 )
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
+from pallas_kernels.kda.segments import device_cores, segment_count, segmented_chunk_kda
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
 from pallas_kernels.variants import REFERENCE, Variant
 
@@ -202,6 +203,7 @@ def chunk_kda(
     gate_lower_bound: float | None = None,
     backend: str = "auto",
     variant: str | None = None,
+    segments: int | None = 1,
 ):
     """Chunked KDA over a whole sequence: (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32).
 
@@ -211,25 +213,27 @@ def chunk_kda(
     overflow fp32. gate_lower_bound: a bound the caller guarantees, every g >= it (the safe gate's
     kda_lower_bound), None for none: the faster bounded kernels run only when it is >= GATE_FLOOR (-5),
     the any-gate ones otherwise (`chunk_variant`). variant: a name of VARIANTS["chunk_kda"], None for that
-    choice.
+    choice. segments: each sequence split into this many pieces run as a batch, then combined
+    (`pallas_kernels.kda.segments`: fills a GPU's SMs when B x H is small); 1 unsplit, None by
+    `segments.segment_count`'s rule (on a GPU only, for few sequence-heads and long T).
     Differentiable: the backward pass is the autodiff of the jnp chunked reference (recomputed from the
     inputs), whichever variant ran the forward.
     """
     backend = resolve_backend(backend)
     name = chunk_variant(backend, gate_lower_bound, variant)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    batch, length, heads, key_dim = q.shape
     if initial_state is None:
-        initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-    return _chunk_kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state.astype(jnp.float32),
-        scale,
-        use_qk_l2norm,
-        chunk_size,
-        name,
-        variants.interpreted(backend),
-    )
+        initial_state = jnp.zeros((batch, heads, key_dim, v.shape[3]), jnp.float32)
+    if segments is None:
+        segments = segment_count(batch, heads, length, device_cores(backend))
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"chunk_kda: segments must be a positive int or None (the rule), got {segments!r}")
+
+    def chunk(q, k, v, g, beta, initial_state):
+        statics = (scale, use_qk_l2norm, chunk_size, name, variants.interpreted(backend))
+        return _chunk_kda(q, k, v, g, beta, initial_state, *statics)
+
+    if segments == 1:
+        return chunk(q, k, v, g, beta, initial_state.astype(jnp.float32))
+    return segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state.astype(jnp.float32), segments)
