@@ -8,6 +8,8 @@
     python -m benchmarks.kda --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
     python -m benchmarks.kda --decode-fused   # a KDA layer's decode step, separate ops vs one fused kernel
     python -m benchmarks.kda --decode-fused --quick   # on a CPU: interpreted, a tiny layer (wiring only)
+    python -m benchmarks.kda --segmented --prefill-size 1 32768 --heads 8 --heads 64   # split over segments
+    python -m benchmarks.kda --segmented --quick      # on a CPU: interpreted, small (wiring only)
 
 Decode: `kda_decode_step` (Pallas GPU, state donated and updated in place) vs fla's `fused_recurrent_kda`
 with T=1; the state traffic is 2 x 4 B x B x H x K x V per step. Prefill: the chunk_kda variants (Pallas, two
@@ -26,6 +28,11 @@ hidden 2560, bf16 weights) stepping one token per sequence, B in {1, 8, 32, 64, 
 `kda_decode="fused"` (`kda_decode_fused`: one kernel between the projections); then the fused kernel alone over
 a few tiles (`tuned.DECODE_FUSED_GPU` first) beside the recurrence kernel alone, against the state traffic.
 Layer outputs and states of the two are compared on the device first.
+
+--segmented: the safe-gate prefill of one long sequence split over segments (`chunk_kda(segments=n)`,
+`pallas_kernels.kda.segments`) against the same kernel unsplit and fla, same inputs, same run, per size and per
+--heads (default 8, one GPU's share of H=64 under tensor=8, and 64): unsplit, the segment count of
+`segments.segment_count`'s rule, and each count of SEGMENT_SWEEP, each checked against fla first.
 """
 
 from __future__ import annotations
@@ -64,7 +71,8 @@ from pallas_kernels.kda.gpu_triton import (  # noqa: E402
     sub_block_keys,
     wy_factors,
 )
-from pallas_kernels.kda.ops import kernel  # noqa: E402
+from pallas_kernels.kda.ops import chunk_kda, kernel  # noqa: E402
+from pallas_kernels.kda.segments import device_cores, segment_count  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
 kda_decode_step_gpu = kernel("kda_decode_step", "gpu_triton")
@@ -453,6 +461,42 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
     return ("prefill", batch, length, seconds, ref_s, None, err)
 
 
+SEGMENT_SWEEP = (4, 8, 16, 32)  # segment counts --segmented times beside the rule's
+SEGMENTED_HEADS = (8, 64)
+
+
+def bench_segmented(batch, length, heads, iters, interpret: bool = False, sweep=SEGMENT_SWEEP):
+    """chunk_kda (safe gates, bf16) unsplit and split over each segment count of the rule and `sweep`, vs fla on
+    the GPU or, interpreted on the CPU, vs the jnp chunked form (wiring only): the table's rows."""
+    q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
+    jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
+    if interpret:
+        ref_o, ref_state = (np.asarray(x, np.float32) for x in jax.jit(kda_chunked)(jq, jk, jv, jg, jbeta))
+        ref_s, ref_name, backend = float("nan"), "jnp chunked", "interpret_gpu"
+    else:
+        ref_o, ref_state, ref_s = fla_prefill(q, k, v, g, beta, iters)
+        ref_name, backend = "fla", "pallas_gpu"
+    rule = segment_count(batch, heads, length, device_cores(backend))
+    print(
+        f"prefill B={batch} T={length} H={heads}: {ref_name} {ref_s * 1e3:.2f} ms; the rule's segments: {rule} "
+        f"({device_cores(backend)} cores)"
+    )
+    rows = []
+    for count in dict.fromkeys((1, rule, *sweep)):
+        fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=-5.0, backend=backend, segments=count))
+        o, state = fn(jq, jk, jv, jg, jbeta)
+        err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
+        seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
+        label = "unsplit" if count == 1 else f"{count} segments" + (" (the rule)" if count == rule else "")
+        print(
+            f"  {label}: {seconds * 1e3:.2f} ms ({batch * length / seconds / 1e6:.2f} Mtok/s, "
+            f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}"
+        )
+        rows.append((f"prefill H={heads} {label}", batch, length, seconds, ref_s, None, err_o))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -480,6 +524,17 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--preset", default="ling-3.0-flash", help="--decode-fused: the preset whose KDA layer runs")
     parser.add_argument(
+        "--segmented",
+        action="store_true",
+        help="only the prefill split over sequence segments vs unsplit vs fla (B=1 long prompts)",
+    )
+    parser.add_argument(
+        "--heads",
+        type=int,
+        action="append",
+        help=f"--segmented: heads to time (repeatable; default {' and '.join(map(str, SEGMENTED_HEADS))})",
+    )
+    parser.add_argument(
         "--jnp-baseline",
         action="store_true",
         help="also time the jnp chunked prefill under XLA (slow: ~180 ms a call at T=32768)",
@@ -487,6 +542,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.decode_fused:
         return decode_fused_main(parser, args)
+    if args.segmented:
+        return segmented_main(parser, args)
     if jax.default_backend() != "gpu":
         if not args.quick or args.decode_only:
             parser.error(
@@ -506,6 +563,11 @@ def main(argv=None) -> int:
         sizes = args.prefill_size or (((1, 4096),) if args.quick else ((1, 32768), (8, 4096)))
         for batch, length in () if args.decode_only else sizes:
             rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline, names=args.variant))
+    print_table(rows)
+    return 0
+
+
+def print_table(rows) -> None:
     print(
         "\n| op | B | T | ours | fla | fla / ours | % of copy bandwidth | rel. err vs fla |\n"
         "|---|---|---|---|---|---|---|---|"
@@ -517,6 +579,26 @@ def main(argv=None) -> int:
             f"| {op} | {batch} | {length} | {ours_s * scale:.1f} {unit} | {fla_s * scale:.1f} {unit} | "
             f"{fla_s / ours_s:.2f}x | {share} | {err:.1e} |"
         )
+
+
+def segmented_main(parser, args) -> int:
+    if jax.default_backend() == "gpu":
+        sizes, heads_list = args.prefill_size or ((1, 32768),), args.heads or SEGMENTED_HEADS
+        iters, interpret, sweep = max(5, args.iters // 10), False, SEGMENT_SWEEP
+        print(f"jax {jax.__version__}; {jax.devices()[0].device_kind}")
+    elif args.quick:
+        sizes, heads_list, iters, interpret, sweep = ((1, 4 * 64 + 37),), (CPU_HEADS,), 1, True, (2, 4)
+        print(f"jax {jax.__version__}; no GPU: interpreted, H={CPU_HEADS} (times meaningless)")
+    else:
+        parser.error(f"--segmented needs a GPU (jax.default_backend() is {jax.default_backend()!r}) or --quick")
+    print_table(
+        [
+            row
+            for batch, length in sizes
+            for heads in heads_list
+            for row in bench_segmented(batch, length, heads, iters, interpret, sweep)
+        ]
+    )
     return 0
 
 

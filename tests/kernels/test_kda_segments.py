@@ -131,8 +131,11 @@ def test_segmented_gpu_kernel_lowers_for_cuda():
 
 
 @gpu_test("the compiled Triton kernels")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("beyond_bound", [False, True], ids=["bounded-gates", "gates-beyond-the-bound"])
+@pytest.mark.parametrize(
+    "dtype, beyond_bound",
+    [(jnp.bfloat16, False), (jnp.float32, True)],
+    ids=["bf16-bounded-gates", "fp32-gates-beyond-the-bound"],
+)
 def test_compiled_gpu_segments_full_width(dtype, beyond_bound):
     q, k, v, g, beta, state = long_memory_sequence(1, 5000, 4, 128, 128, dtype, beyond_bound=beyond_bound, seed=11)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
