@@ -8,7 +8,8 @@ forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-
 bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
 log-decay <= 0 (a bounded variant's record `takes` a gate bound >= GATE_FLOOR); `chunk_variant` picks the
 bounded form only when the caller guarantees the bound. The lab's forms (`pallas_kernels.experimental`) join
-VARIANTS when their module is imported.
+VARIANTS when their module is imported. `chunk_kda(segments=n)` runs any of them over n segments of each sequence
+at once (`segments.py`: a GPU's SMs filled when B x H is small).
 """
 
 from __future__ import annotations
