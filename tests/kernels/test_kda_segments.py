@@ -122,6 +122,13 @@ def test_layer_under_policy_segments_equals_unsplit():
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
+def test_rule_lowers_for_cuda_without_a_gpu():
+    """segments=None with the GPU kernels on a CPU (a program lowered for CUDA): no GPU to count, unsplit."""
+    prefill = functools.partial(chunk_kda, backend="pallas_gpu", gate_lower_bound=-5.0, segments=None)
+    text = lower_for_cuda(prefill, *abstract_inputs(1, 8192, 2)).as_text()
+    assert "kda_prefill_inter_chunk" in text and "128x256" not in text  # no state [K, K + V] of a segment
+
+
 def test_segmented_gpu_kernel_lowers_for_cuda():
     """B=1, T=32768, H=8 in 16 segments: one batch of 16 x 8 sequence-heads through both phases."""
     prefill = functools.partial(chunk_kda, backend="pallas_gpu", gate_lower_bound=-5.0, segments=16)
