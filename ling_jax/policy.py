@@ -92,8 +92,8 @@ class ExecutionPolicy:
     moe_capacity_factor: float | None = None  # None: dropless; a number caps each device's rows per source
     fp8_matmul: FP8Matmul = FP8Matmul.AUTO
     kda_decode: KDADecode = KDADecode.SEPARATE
-    # chunked KDA's segments a sequence (`pallas_kernels.kda.segments`): None by its rule (split on a GPU for few
-    # sequence-heads and long prompts, B=1 prefill under tensor parallelism), 1 never, n >= 2 always n
+    # how many segments a chunked KDA call splits each sequence into (`pallas_kernels.kda.segments`): None by its
+    # rule (on a GPU, for few sequence-heads and long prompts: B=1 prefill under tensor parallelism), 1 never, n always
     kda_segments: int | None = None
 
     def __post_init__(self):
