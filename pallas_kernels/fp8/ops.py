@@ -28,6 +28,7 @@ from pallas_kernels.fp8.gpu_triton import (
     w8a8_linear_gpu,
     w8a8_linear_tc_acc_gpu,
     weight_only_gemv_gpu,
+    weight_only_gemv_many_gpu,
     weight_only_linear_gpu,
 )
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
@@ -35,7 +36,18 @@ from pallas_kernels.fp8.tpu_mosaic import takes as tpu_kernel_takes
 from pallas_kernels.fp8.tpu_mosaic import weight_only_linear_tpu
 from pallas_kernels.variants import REFERENCE, Variant
 
-__all__ = ["GEMV", "MODES", "MOSAIC", "TC_ACC", "VARIANTS", "W8A8", "WEIGHT_ONLY", "fp8_linear", "kernel"]
+__all__ = [
+    "GEMV",
+    "MODES",
+    "MOSAIC",
+    "TC_ACC",
+    "VARIANTS",
+    "W8A8",
+    "WEIGHT_ONLY",
+    "fp8_linear",
+    "fp8_linear_many",
+    "kernel",
+]
 
 WEIGHT_ONLY = "weight_only"
 W8A8 = "w8a8"
@@ -168,3 +180,46 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     else:
         y_MN = _differentiable(op, name)(x_MK, weight.values, scales, block, variants.interpreted(backend))
     return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])
+
+
+def _many_reference(x_MK, values, scales, blocks, interpret):
+    return tuple(weight_only_linear_reference(x_MK, v, s, b) for v, s, b in zip(values, scales, blocks))
+
+
+_grouped_gemv = with_reference_vjp(
+    lambda x_MK, values, scales, blocks, interpret: weight_only_gemv_many_gpu(
+        x_MK, values, scales, blocks=blocks, interpret=interpret
+    ),
+    _many_reference,
+    nondiff_argnums=(3, 4),
+)
+
+
+def fp8_linear_many(x, weights, *, backend: str = "auto", mode: str | None = None) -> list:
+    """[fp8_linear(x, W, backend=backend, mode=mode) for W in weights], the weights sharing x (a layer's input
+    projections). Where each of them would run the decode-shaped weight-only kernel ("gpu_triton_gemv": a GPU
+    backend, at most tuned.GEMV_DEFAULT_ROWS rows, weight-only) and they share the scale block's K size, one launch
+    computes them all (`weight_only_gemv_many_gpu`: each product as the single-weight kernel's within fp32
+    rounding); every other case runs `fp8_linear` per weight. Differentiable in x, as dequantise-then-dot."""
+    resolved = resolve_backend(backend)
+    x_MK = x.reshape(-1, x.shape[-1])
+    chosen = default_mode(x_MK.shape[0], resolved) if mode is None else mode
+    gemv = VARIANTS["weight_only_linear"][GEMV]
+    grouped = (
+        len(weights) > 1
+        and KERNEL_TARGET.get(resolved) == "gpu"
+        and chosen == WEIGHT_ONLY
+        and x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS
+        and all(gemv.supports(x, w) for w in weights)
+        and len({w.block[1] for w in weights}) == 1
+    )
+    if not grouped:
+        return [fp8_linear(x, w, backend=backend, mode=mode) for w in weights]
+    ys = _grouped_gemv(
+        x_MK,
+        tuple(w.values for w in weights),
+        tuple(w.scales.astype(jnp.float32) for w in weights),
+        tuple(tuple(w.block) for w in weights),
+        variants.interpreted(resolved),
+    )
+    return [y_MN.reshape(*x.shape[:-1], y_MN.shape[-1]) for y_MN in ys]

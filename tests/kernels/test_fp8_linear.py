@@ -5,6 +5,7 @@ lowering for CUDA."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,21 @@ import numpy as np
 import pytest
 from helpers import gpu_test, lower_for_cuda, rel_error
 
+from benchmarks.kernel_census import kernel_census
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
-from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, W8A8, WEIGHT_ONLY, default_mode, kernel, kernel_takes
+from pallas_kernels.fp8.gpu_triton import weight_only_gemv_many_gpu
+from pallas_kernels.fp8.ops import (
+    GEMV,
+    MOSAIC,
+    TC_ACC,
+    W8A8,
+    WEIGHT_ONLY,
+    default_mode,
+    fp8_linear_many,
+    kernel,
+    kernel_takes,
+)
 from pallas_kernels.fp8.tuned import (
     GEMV_DEFAULT_ROWS,
     GEMV_MAX_ROWS,
@@ -115,6 +128,51 @@ def test_gemv_kernel_matches_float64(dtype, tol, rows):
         assert rel_error(y, expected) <= tol, products
 
 
+@pytest.mark.parametrize("rows, products", [(1, "fma"), (5, "dot")])
+def test_grouped_gemv_matches_float64_and_the_single_weight_kernel(rows, products):
+    """Three weights sharing x (150, 40 and 7 outputs: partial strips, a row block of 16 for the last; 200
+    inputs: 2 K steps), one launch. Where the launch splits K as each weight alone does (never; both in 2) each
+    output is the single-weight kernel's, bit for bit; where the group's strips alone reach min_programs (14 with
+    the FMA tiles, 8 with the dot's) and a weight alone would split, the same sums regrouped, within fp32 rounding."""
+    weights = [random_weight(150, 200, seed=1), random_weight(40, 200, seed=2), random_weight(7, 200, (16, 128), 3)]
+    x = random_x((rows, 200), jnp.float32, seed=4)
+    single, many = kernel("weight_only_linear", GEMV), weight_only_gemv_many_gpu
+    base = lookup(WEIGHT_ONLY_GEMV, dtype=jnp.float32)
+    shape = dict(block_o=16 if products == "fma" else 32, blocks_per_step=1)
+    shape["dot_min_rows"] = GEMV_MAX_ROWS + 1 if products == "fma" else 1
+    group_strips = 14 if products == "fma" else 8
+    values, scales, blocks = (tuple(getattr(w, name) for w in weights) for name in ("values", "scales", "block"))
+    for min_programs in (1, group_strips, 64):
+        tiles = dataclasses.replace(base, min_programs=min_programs, **shape)
+        ys = many(x, values, scales, blocks=blocks, tiles=tiles, interpret=True)
+        for y, weight in zip(ys, weights, strict=True):
+            assert y.shape == (rows, weight.shape[0]) and y.dtype == x.dtype
+            assert rel_error(y, f64(x) @ float64_weight(weight).T) <= 1e-4
+            alone = single(x, weight.values, weight.scales, block=weight.block, tiles=tiles, interpret=True)
+            if min_programs == group_strips:
+                assert rel_error(y, alone) <= 1e-5
+            else:
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
+    traced = jax.make_jaxpr(functools.partial(many, blocks=blocks, interpret=True))(x, values, scales)
+    assert kernel_census(traced) == {"weight_only_gemv_many": 1}
+
+
+def test_grouped_fp8_linear_falls_back_per_weight():
+    """`fp8_linear_many` groups only what the grouped kernel takes: decode-sized rows on a GPU backend, weights
+    of one K block; otherwise (the reference backend, more rows, a dense weight) each product is `fp8_linear`'s."""
+    weights = [random_weight(48, 64, (16, 32), seed=5), random_weight(16, 64, (16, 32), seed=6)]
+    for rows, backend, launches in (
+        (1, "interpret_gpu", 1),
+        (GEMV_DEFAULT_ROWS + 1, "interpret_gpu", 0),
+        (1, "reference", 0),
+    ):
+        x = random_x((rows, 64), jnp.float32, seed=7)
+        grouped = jax.make_jaxpr(lambda x: fp8_linear_many(x, weights, backend=backend))(x)
+        assert kernel_census(grouped)["weight_only_gemv_many"] == launches
+        for y, weight in zip(fp8_linear_many(x, weights, backend=backend), weights, strict=True):
+            assert rel_error(y, fp8_linear(x, weight, backend=backend)) <= 1e-6
+
+
 @pytest.mark.parametrize("variant", ["gpu_triton", TC_ACC])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_w8a8_kernel_matches_float64(dtype, tol, variant):
@@ -189,6 +247,35 @@ def test_kernels_lower_for_cuda():
             weight,
         )
         assert ("mosaic_gpu" in lowered.as_text()) == mosaic  # 128 x 128 blocks, sides multiples of 128
+
+
+def grouped_case(rows: int, dtype):
+    """x [rows, 1000] and MLA's q_a / kv_a shapes (1536 and 576 outputs: 4.5 row blocks) as the grouped kernel's
+    operands."""
+    weights = [random_weight(1536, 1000, seed=rows), random_weight(576, 1000, seed=rows + 1)]
+    values, scales, blocks = (tuple(getattr(w, name) for w in weights) for name in ("values", "scales", "block"))
+    return random_x((rows, 1000), dtype, seed=rows + 2), weights, values, scales, blocks
+
+
+def test_grouped_gemv_lowers_for_cuda():
+    """FMA products at 1 row, through `fp8_linear_many`; tensor-core dots at GEMV_MAX_ROWS, the kernel by name."""
+    _, weights, values, scales, blocks = grouped_case(1, jnp.bfloat16)
+    for rows, fn, args in (
+        (1, lambda x, ws: fp8_linear_many(x, ws, backend="pallas_gpu"), (weights,)),
+        (GEMV_MAX_ROWS, functools.partial(weight_only_gemv_many_gpu, blocks=blocks), (values, scales)),
+    ):
+        lowered = lower_for_cuda(fn, jax.ShapeDtypeStruct((rows, 1000), jnp.bfloat16), *args)
+        assert "weight_only_gemv_many" in lowered.as_text(), rows
+
+
+@gpu_test("the compiled grouped FP8 gemv")
+@pytest.mark.parametrize("rows", [1, 13])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+def test_compiled_grouped_gemv_matches_float64(rows, dtype, tol):
+    x, weights, values, scales, blocks = grouped_case(rows, dtype)
+    ys = weight_only_gemv_many_gpu(x, values, scales, blocks=blocks)
+    for y, weight in zip(ys, weights, strict=True):
+        assert y.dtype == dtype and rel_error(y, f64(x) @ float64_weight(weight).T) <= tol
 
 
 @gpu_test("the compiled FP8 kernels")

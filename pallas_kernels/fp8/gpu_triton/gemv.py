@@ -13,12 +13,18 @@ block, so a tile takes one weight scale, folded into x's K block rather than int
 
 The K steps are split over programs until there are min_programs of them (a decode-sized product has few output
 strips); each split stores fp32 partial sums [splits, M, O], added after the kernel.
+
+`weight_only_gemv_many_gpu` runs several weights that multiply the same x (a layer's input projections) in one
+launch: its grid is the union of their output strips, each program picking its weight by static strip ranges, so
+the strips together fill the GPU with fewer (often no) K splits, and the splits left are added in one reduction for
+the whole group rather than one a weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +58,21 @@ def _load(ref, mask, **kwargs):
 
 
 def _kernel(x_ref, values_ref, scales_ref, y_ref, *, tiles: tuned.GemvTiles, layout: _Layout):
+    _strip(
+        x_ref, values_ref, scales_ref, y_ref, pl.program_id(0), pl.program_id(1), tiles=tiles, layout=layout, y_col0=0
+    )
+
+
+def _strip(x_ref, values_ref, scales_ref, y_ref, strip, split, *, tiles: tuned.GemvTiles, layout: _Layout, y_col0: int):
+    """One program's work: outputs [strip * block_o, + block_o) of the weight over the K steps of `split`, stored
+    in y's columns from y_col0 + strip * block_o (y [M, N], or fp32 partial sums [splits, M, N])."""
     block_rows, block_k = layout.block
     block_o, per_step = tiles.block_o, tiles.blocks_per_step
     num_k_blocks = pl.cdiv(layout.k_dim, block_k)
-    col0 = pl.program_id(0) * block_o
+    col0 = strip * block_o
     cols_ok_O = col0 + jnp.arange(block_o) < layout.n_dim if layout.mask_n else None
     scale_row = col0 // block_rows
-    first_step = pl.program_id(1) * layout.steps_per_split
+    first_step = split * layout.steps_per_split
     last_step = jnp.minimum(first_step + layout.steps_per_split, layout.num_steps)
 
     def weight_tiles(step):
@@ -97,11 +111,11 @@ def _kernel(x_ref, values_ref, scales_ref, y_ref, *, tiles: tuned.GemvTiles, lay
             acc_OM = acc_OM + partial_OM * scale
         return acc_OM
 
-    split = (pl.program_id(1),) if y_ref.ndim == 3 else ()
+    split_at = (split,) if y_ref.ndim == 3 else ()
     if layout.use_dot:
         acc_OM = jax.lax.fori_loop(first_step, last_step, dot_step, jnp.zeros((block_o, DOT_ROWS), jnp.float32))
         plgpu.store(
-            y_ref.at[(*split, pl.ds(0, DOT_ROWS), pl.ds(col0, block_o))],
+            y_ref.at[(*split_at, pl.ds(0, DOT_ROWS), pl.ds(y_col0 + col0, block_o))],
             acc_OM.T.astype(y_ref.dtype),
             mask=_mask(rows_ok_M, cols_ok_O),
         )
@@ -109,7 +123,11 @@ def _kernel(x_ref, values_ref, scales_ref, y_ref, *, tiles: tuned.GemvTiles, lay
     zeros = tuple(jnp.zeros((block_o,), jnp.float32) for _ in range(layout.num_rows))
     acc_rows = jax.lax.fori_loop(first_step, last_step, fma_step, zeros)
     for row, acc_O in enumerate(acc_rows):
-        plgpu.store(y_ref.at[(*split, jnp.int32(row), pl.ds(col0, block_o))], acc_O.astype(y_ref.dtype), mask=cols_ok_O)
+        plgpu.store(
+            y_ref.at[(*split_at, jnp.int32(row), pl.ds(y_col0 + col0, block_o))],
+            acc_O.astype(y_ref.dtype),
+            mask=cols_ok_O,
+        )
 
 
 def _mask(rows_ok, cols_ok):
@@ -119,16 +137,24 @@ def _mask(rows_ok, cols_ok):
     return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok[None, :]
 
 
-def _layout(num_rows: int, n_dim: int, k_dim: int, block: tuple[int, int], tiles: tuned.GemvTiles):
-    """(tiles with block_o cut to the weight's row block and the outputs, the launch's _Layout, the splits)."""
-    block_rows, block_k = block
+def _strip_tiles(num_rows: int, n_dim: int, block: tuple[int, int], tiles: tuned.GemvTiles) -> tuned.GemvTiles:
+    """tiles with block_o cut to the weight's row block and its outputs."""
     use_dot = num_rows >= tiles.dot_min_rows
-    block_o = max(DOT_ROWS if use_dot else 1, min(tiles.block_o, block_rows, pl.next_power_of_2(n_dim)))
-    tiles = dataclasses.replace(tiles, block_o=block_o)
+    block_o = max(DOT_ROWS if use_dot else 1, min(tiles.block_o, block[0], pl.next_power_of_2(n_dim)))
+    return dataclasses.replace(tiles, block_o=block_o)
+
+
+def _num_strips(n_dim: int, tiles: tuned.GemvTiles) -> int:
+    return -(-n_dim // tiles.block_o)
+
+
+def _layout(num_rows: int, n_dim: int, k_dim: int, block: tuple[int, int], tiles: tuned.GemvTiles, strips: int):
+    """(the launch's _Layout for one weight, the K splits) with `tiles` from `_strip_tiles`: the K steps split until
+    the launch's `strips` output strips times the splits reach tiles.min_programs."""
+    block_k = block[1]
     num_k_blocks = -(-k_dim // block_k)
     num_steps = -(-num_k_blocks // tiles.blocks_per_step)
-    num_strips = -(-n_dim // block_o)
-    wanted_splits = max(1, min(num_steps, -(-tiles.min_programs // num_strips)))
+    wanted_splits = max(1, min(num_steps, -(-tiles.min_programs // strips)))
     steps_per_split = -(-num_steps // wanted_splits)
     layout = _Layout(
         num_rows=num_rows,
@@ -137,11 +163,22 @@ def _layout(num_rows: int, n_dim: int, k_dim: int, block: tuple[int, int], tiles
         block=block,
         num_steps=num_steps,
         steps_per_split=steps_per_split,
-        mask_n=n_dim % block_o != 0,
+        mask_n=n_dim % tiles.block_o != 0,
         mask_k=num_steps * tiles.blocks_per_step * block_k != k_dim,
-        use_dot=use_dot,
+        use_dot=num_rows >= tiles.dot_min_rows,
     )
-    return tiles, layout, -(-num_steps // steps_per_split)
+    return layout, -(-num_steps // steps_per_split)
+
+
+def _whole(shape):
+    """The BlockSpec of an operand every program sees whole (the kernel indexes it itself)."""
+    return pl.BlockSpec(shape, lambda strip, split: (0,) * len(shape))
+
+
+def _checked_tiles(x_MK, tiles: tuned.GemvTiles | None) -> tuned.GemvTiles:
+    if x_MK.shape[0] > tuned.GEMV_MAX_ROWS:
+        raise ValueError(f"the decode-shaped FP8 kernel takes at most {tuned.GEMV_MAX_ROWS} rows, got {x_MK.shape[0]}")
+    return tiles or lookup(tuned.WEIGHT_ONLY_GEMV, dtype=x_MK.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
@@ -159,21 +196,102 @@ def weight_only_gemv_gpu(
     accumulation, each K block's partial sums times its weight scale (module docstring). Tiles: None from
     `tuned.WEIGHT_ONLY_GEMV`."""
     num_rows, k_dim = x_MK.shape
-    if num_rows > tuned.GEMV_MAX_ROWS:
-        raise ValueError(f"the decode-shaped FP8 kernel takes at most {tuned.GEMV_MAX_ROWS} rows, got {num_rows}")
     n_dim = values_NK.shape[0]
-    tiles = tiles or lookup(tuned.WEIGHT_ONLY_GEMV, dtype=x_MK.dtype)
-    tiles, layout, k_splits = _layout(num_rows, n_dim, k_dim, tuple(block), tiles)
+    tiles = _strip_tiles(num_rows, n_dim, tuple(block), _checked_tiles(x_MK, tiles))
+    layout, k_splits = _layout(num_rows, n_dim, k_dim, tuple(block), tiles, _num_strips(n_dim, tiles))
     out_shape = (k_splits, num_rows, n_dim) if k_splits > 1 else (num_rows, n_dim)
-    whole = lambda shape: pl.BlockSpec(shape, lambda strip, split: (0,) * len(shape))  # noqa: E731
     y = pl.pallas_call(
         functools.partial(_kernel, tiles=tiles, layout=layout),
-        grid=(-(-n_dim // tiles.block_o), k_splits),
-        in_specs=[whole(x_MK.shape), whole(values_NK.shape), whole(scales.shape)],
-        out_specs=whole(out_shape),
+        grid=(_num_strips(n_dim, tiles), k_splits),
+        in_specs=[_whole(x_MK.shape), _whole(values_NK.shape), _whole(scales.shape)],
+        out_specs=_whole(out_shape),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if k_splits > 1 else x_MK.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="weight_only_gemv",
     )(x_MK, values_NK, scales.astype(jnp.float32))
     return jnp.sum(y, axis=0).astype(x_MK.dtype) if k_splits > 1 else y
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One weight of a grouped launch: its tiles and layout, its first strip in the launch's grid, its strips, and
+    its first column in the partial sums' [splits, M, sum of N]."""
+
+    tiles: tuned.GemvTiles
+    layout: _Layout
+    first_strip: int
+    num_strips: int
+    y_col0: int
+
+
+def _many_kernel(x_ref, *refs, parts: tuple[_Part, ...]):
+    """Each program runs the strip of the weight whose static strip range holds program_id(0)."""
+    count = len(parts)
+    values_refs, scales_refs, y_refs = refs[:count], refs[count : 2 * count], refs[2 * count :]
+    strip, split = pl.program_id(0), pl.program_id(1)  # read here: interpret mode has none inside a branch
+    for i, part in enumerate(parts):
+        y_ref, y_col0 = (y_refs[0], part.y_col0) if len(y_refs) == 1 else (y_refs[i], 0)
+
+        @pl.when((strip >= part.first_strip) & (strip < part.first_strip + part.num_strips))
+        def _(i=i, part=part, y_ref=y_ref, y_col0=y_col0):
+            local = strip - part.first_strip
+            _strip(
+                x_ref,
+                values_refs[i],
+                scales_refs[i],
+                y_ref,
+                local,
+                split,
+                tiles=part.tiles,
+                layout=part.layout,
+                y_col0=y_col0,
+            )
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "tiles", "interpret"))
+def weight_only_gemv_many_gpu(
+    x_MK,
+    values,
+    scales,
+    *,
+    blocks: tuple[tuple[int, int], ...],
+    tiles: tuned.GemvTiles | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """(x @ W_i^T for each block-FP8 weight W_i: values[i] [N_i, K], scales[i], blocks[i]) in one launch: the grid
+    runs over the union of the weights' output strips (weight after weight), so together they fill the GPU with
+    fewer K splits than each alone. Where splits remain, every weight's fp32 partial sums land in one
+    [splits, M, sum of N] array, added once after the kernel (one reduction for the group, a fixed order). Each y_i
+    is `weight_only_gemv_gpu`'s product with the launch's split count: bit-identical where that equals the weight's
+    own, else the same sums regrouped over K. The weights share K and the scale block's K size (blocks[i][1])."""
+    num_rows, k_dim = x_MK.shape
+    tiles = _checked_tiles(x_MK, tiles)
+    if len({block[1] for block in blocks}) != 1 or any(v.shape[1] != k_dim for v in values):
+        raise ValueError(f"grouped FP8 gemv: the weights must share K {k_dim} and the K block, got blocks {blocks}")
+    part_tiles = [_strip_tiles(num_rows, v.shape[0], tuple(b), tiles) for v, b in zip(values, blocks)]
+    strips = [_num_strips(v.shape[0], t) for v, t in zip(values, part_tiles)]
+    parts, first_strip, y_col0, k_splits = [], 0, 0, 1
+    for v, b, t, n_strips in zip(values, blocks, part_tiles, strips):
+        layout, k_splits = _layout(num_rows, v.shape[0], k_dim, tuple(b), t, sum(strips))
+        parts.append(_Part(t, layout, first_strip, n_strips, y_col0))
+        first_strip, y_col0 = first_strip + n_strips, y_col0 + v.shape[0]
+    n_dims = [v.shape[0] for v in values]
+    if k_splits > 1:
+        out_shapes = [jax.ShapeDtypeStruct((k_splits, num_rows, sum(n_dims)), jnp.float32)]
+    else:
+        out_shapes = [jax.ShapeDtypeStruct((num_rows, n), x_MK.dtype) for n in n_dims]
+    ys = pl.pallas_call(
+        functools.partial(_many_kernel, parts=tuple(parts)),
+        grid=(first_strip, k_splits),
+        in_specs=[_whole(x_MK.shape), *(_whole(v.shape) for v in values), *(_whole(s.shape) for s in scales)],
+        out_specs=[_whole(shape.shape) for shape in out_shapes],
+        out_shape=out_shapes,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="weight_only_gemv_many",
+    )(x_MK, *values, *(s.astype(jnp.float32) for s in scales))
+    if k_splits == 1:
+        return tuple(ys)
+    y_MN = jnp.sum(ys[0], axis=0).astype(x_MK.dtype)
+    return tuple(jnp.split(y_MN, list(itertools.accumulate(n_dims[:-1])), axis=1))
