@@ -20,7 +20,7 @@ from flax import nnx
 from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.context import TokenContext
-from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, param, params_of
+from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, linear_many, param, params_of
 from ling_jax.policy import ExecutionPolicy, KDADecode, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
@@ -74,15 +74,16 @@ def step_windows(window_BWC, u_BTC, mask_BT=None):
     return jnp.stack(windows, axis=1)
 
 
-def _gate_inputs(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionPolicy):
-    """The forget-gate and output-gate pre-activations [B, T, C] (full-rank or low-rank projections)."""
-    proj = functools.partial(linear, policy=policy)
-    if config.no_kda_lora:
-        return proj(weights["f_proj"], x_BTD), proj(weights["g_proj"], x_BTD)
-    return (
-        proj(weights["f_b_proj"], proj(weights["f_a_proj"], x_BTD)),
-        proj(weights["g_b_proj"], proj(weights["g_a_proj"], x_BTD)),
-    )
+def _projections(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionPolicy):
+    """(q, k, v [B, T, C], the beta logits [B, T, H], the forget-gate and output-gate pre-activations [B, T, C]):
+    the projections of x in one `linear_many` (the block-FP8 ones in one kernel on a GPU decode step), then the
+    gates' low-rank second halves where the layer has them."""
+    gates = ("f_proj", "g_proj") if config.no_kda_lora else ("f_a_proj", "g_a_proj")
+    names = ("q_proj", "k_proj", "v_proj", "b_proj", *gates)
+    q, k, v, b, f, r = linear_many([weights[name] for name in names], x_BTD, policy)
+    if not config.no_kda_lora:
+        f, r = linear(weights["f_b_proj"], f, policy), linear(weights["g_b_proj"], r, policy)
+    return q, k, v, b, f, r
 
 
 def log_decay(weights: Weights, f_BTC, cfg: LingConfig) -> jax.Array:
@@ -142,16 +143,16 @@ def _kda(
     if mode == RECURRENT and length == 1 and policy.kda_decode == KDADecode.FUSED:
         return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
-    mixed = jnp.concatenate([linear(weights[name], x_BTD, policy) for name in ("q_proj", "k_proj", "v_proj")], axis=-1)
+    *qkv, b, f, r = _projections(weights, x_BTD, c, policy)
+    mixed = jnp.concatenate(qkv, axis=-1)
     conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
     if mask_BT is not None:
         mixed = jnp.where(mask_BT[..., None], mixed, 0)
     conv_inputs_BTC = mixed
     mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
     q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
-    f, r = _gate_inputs(weights, x_BTD, c, policy)
     g = log_decay(weights, f, c)
-    beta = jax.nn.sigmoid(linear(weights["b_proj"], x_BTD, policy).astype(jnp.float32))
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
     if mask_BT is not None:
         g = jnp.where(mask_BT[..., None, None], g, 0.0)
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
@@ -197,9 +198,8 @@ def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, mask_BT, config
     def per_head(t):
         return t.reshape(batch, heads, head_dim)
 
-    q, k, v = (per_head(linear(weights[name], x_BTD, policy)) for name in ("q_proj", "k_proj", "v_proj"))
-    f, r = _gate_inputs(weights, x_BTD, c, policy)
-    b = linear(weights["b_proj"], x_BTD, policy)[:, 0]
+    q, k, v, b, f, r = _projections(weights, x_BTD, c, policy)
+    q, k, v, b = per_head(q), per_head(k), per_head(v), b[:, 0]
     window = state.conv_window.reshape(batch, c.short_conv_kernel_size - 1, 3, heads, head_dim)
     conv = [weights[name].reshape(heads, head_dim, -1) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
     layer = (*conv, weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], weights["o_norm"]["weight"])

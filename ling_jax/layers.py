@@ -1,5 +1,5 @@
 """Primitive layers shared by every block: a bias-free linear map and the two RMSNorms, each a pure function of
-its weights (`linear`, `rms_norm`, `add_rms_norm`, `gated_rms_norm`) and a module that calls it.
+its weights (`linear`, `linear_many`, `rms_norm`, `add_rms_norm`, `gated_rms_norm`) and a module that calls it.
 
 Weights keep the checkpoint's [out, in] layout, so loading a tensor never transposes it. Every parameter
 carries its logical axis names (`out_sharding` metadata, e.g. ("experts", "expert_mlp", "embed")); the
@@ -12,6 +12,7 @@ inside the step, or a block-FP8 weight goes to the FP8 kernels (`project`), mult
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import nnx
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend, as_policy, op_backend
 from ling_jax.quantized import BlockFP8Weight, dequantized
 from ling_jax.sharding import per_shard
-from pallas_kernels.fp8 import fp8_linear
+from pallas_kernels.fp8 import fp8_linear, fp8_linear_many
 from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
 from pallas_kernels.norm.ops import rms_norm as rms_norm_op
 from pallas_kernels.norm.reference import rms_normalize
@@ -42,16 +43,36 @@ def project(x: jax.Array, weight, policy: ExecutionPolicy | None = None) -> jax.
     tokens, W8A8 for prefill-sized calls; dequantise-then-dot elsewhere), WEIGHT_ONLY or W8A8 always (W8A8's
     reference quantises the activations too). The reference, like any other weight, is the weight cast (or
     dequantised) to x's dtype, then the product. policy None: `ExecutionPolicy()`."""
-    if isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2:
-        policy = as_policy(policy)
-        mode = None if policy.fp8_matmul == FP8Matmul.AUTO else policy.fp8_matmul.value
-        return fp8_linear(x, weight, backend=op_backend(policy, reference_on_mesh=True), mode=mode)
+    if _fp8_matrix(weight):
+        return fp8_linear(x, weight, **_fp8_call(policy))
     return jnp.einsum("...i,oi->...o", x, dequantized(weight, x.dtype))
+
+
+def _fp8_matrix(weight) -> bool:
+    return isinstance(weight, BlockFP8Weight) and weight.values.ndim == 2
+
+
+def _fp8_call(policy: ExecutionPolicy | None) -> dict:
+    """The backend and mode arguments of the FP8 linear ops under `policy` (`project`)."""
+    policy = as_policy(policy)
+    mode = None if policy.fp8_matmul == FP8Matmul.AUTO else policy.fp8_matmul.value
+    return {"backend": op_backend(policy, reference_on_mesh=True), "mode": mode}
 
 
 def linear(weights: Weights, x: jax.Array, policy: ExecutionPolicy | None = None) -> jax.Array:
     """x @ weight.T (`project`)."""
     return project(x, weights["weight"], policy)
+
+
+def linear_many(weights: Sequence[Weights], x: jax.Array, policy: ExecutionPolicy | None = None) -> list[jax.Array]:
+    """[linear(w, x, policy) for w in weights]: the projections of one x (a layer's inputs). The block-FP8 matrices
+    among them go together to `pallas_kernels.fp8.fp8_linear_many`, one kernel for all on a GPU at decode sizes
+    (`project`'s backend and mode: under a mesh each runs the reference, as in `linear`); every other weight, and
+    every other size, is `linear`'s product."""
+    matrices = [w["weight"] for w in weights]
+    grouped = [i for i, m in enumerate(matrices) if _fp8_matrix(m)]
+    ys = dict(zip(grouped, fp8_linear_many(x, [matrices[i] for i in grouped], **_fp8_call(policy)), strict=True))
+    return [ys[i] if i in ys else project(x, m, policy) for i, m in enumerate(matrices)]
 
 
 def rms_norm(weights: Weights, x: jax.Array, eps: float, policy: ExecutionPolicy | None = None) -> jax.Array:

@@ -17,7 +17,7 @@ from flax import nnx
 from ling_jax.cache import MLAState, PagedMLAState
 from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext
-from ling_jax.layers import Linear, RMSNorm, Weights, linear, params_of, rms_norm
+from ling_jax.layers import Linear, RMSNorm, Weights, linear, linear_many, params_of, rms_norm
 from ling_jax.policy import ExecutionPolicy, MLAMode, as_policy, op_backend
 from ling_jax.quantized import dequantized
 from ling_jax.rope import apply_rope, softmax_scale
@@ -37,22 +37,30 @@ _BN = ("activation_batch", None)
 _HCR = ("heads", None, None)
 
 
-def _queries(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, policy: ExecutionPolicy):
+def _first_query_proj(cfg: LingConfig) -> str:
+    """The query's projection of x: q_proj, or q-LoRA's down projection q_a_proj."""
+    return "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
+
+
+def _queries(weights: Weights, q_first, cos, sin, cfg: LingConfig, policy: ExecutionPolicy):
+    """(q_nope, q_pe after RoPE) [B, T, H, *] from q_first, x's `_first_query_proj` product."""
     c = cfg
-    if c.q_lora_rank is None:
-        q = linear(weights["q_proj"], x_BTD, policy)
-    else:
-        q_a = rms_norm(weights["q_a_layernorm"], linear(weights["q_a_proj"], x_BTD, policy), c.rms_norm_eps)
-        q = linear(weights["q_b_proj"], q_a, policy)
-    q_BTHQ = q.reshape(*x_BTD.shape[:2], c.num_attention_heads, c.qk_head_dim)
+    q = q_first
+    if c.q_lora_rank is not None:
+        q = linear(weights["q_b_proj"], rms_norm(weights["q_a_layernorm"], q_first, c.rms_norm_eps), policy)
+    q_BTHQ = q.reshape(*q_first.shape[:2], c.num_attention_heads, c.qk_head_dim)
     q_nope, q_pe = q_BTHQ[..., : c.qk_nope_head_dim], q_BTHQ[..., c.qk_nope_head_dim :]
     return q_nope, apply_rope(q_pe, cos, sin, interleave=c.rope.interleave)
 
 
 def mla_latent(weights: Weights, x_BTD, cos, sin, cfg: LingConfig, policy: ExecutionPolicy | None = None) -> jax.Array:
     """The per-token cache entry [c_kv after kv_a_layernorm ; k_pe after RoPE], [B, T, latent_dim]."""
+    return _latent(weights, linear(weights["kv_a_proj_with_mqa"], x_BTD, policy), cos, sin, cfg)
+
+
+def _latent(weights: Weights, kv, cos, sin, cfg: LingConfig) -> jax.Array:
+    """`mla_latent` from kv, x's kv_a_proj_with_mqa product."""
     c = cfg
-    kv = linear(weights["kv_a_proj_with_mqa"], x_BTD, policy)
     c_kv = rms_norm(weights["kv_a_layernorm"], kv[..., : c.kv_lora_rank], c.rms_norm_eps)
     k_pe = apply_rope(kv[..., c.kv_lora_rank :], cos, sin, interleave=c.rope.interleave)
     return jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)
@@ -79,6 +87,7 @@ def mla_attend(
     decode_lengths_B,
     policy: ExecutionPolicy,
     page_table_BN=None,
+    q_first=None,
 ) -> jax.Array:
     """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves), in the
     policy's MLA mode (concrete: `ExecutionPolicy.for_call`) with its kernel backend.
@@ -89,6 +98,8 @@ def mla_attend(
     absorbed mode runs `pallas_kernels.mla.mla_decode` with it.
     page_table_BN: keys_BSA is then a paged cache's pages [P, page_size, A] (`ling_jax.cache`): a decode reads
     them in place (`mla_decode_paged`), every other call attends to each sequence's pages gathered in order.
+    q_first: x's `_first_query_proj` product when the caller made it (`latent_attention`, with the latent's
+    projection in one `linear_many`); None: projected here.
     """
     c = cfg
     mode, backend = policy.mla_mode, op_backend(policy)
@@ -96,7 +107,9 @@ def mla_attend(
     if page_table_BN is not None and not paged_decode:
         keys_BSA = gather_pages(keys_BSA, page_table_BN)
     scale = softmax_scale(c)
-    q_nope, q_pe = _queries(weights, x_BTD, cos, sin, c, policy)
+    if q_first is None:
+        q_first = linear(weights[_first_query_proj(c)], x_BTD, policy)
+    q_nope, q_pe = _queries(weights, q_first, cos, sin, c, policy)
     kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
@@ -148,7 +161,8 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
     cache's visible slots (`ctx.visibility`), so a prefill then decodes over the returned cache equal one full
     call. Mode and kernel backend: `ctx.policy`.
     """
-    latent_BTA = mla_latent(weights, x_BTD, ctx.cos, ctx.sin, cfg, ctx.policy)
+    q_first, kv = linear_many([weights[_first_query_proj(cfg)], weights["kv_a_proj_with_mqa"]], x_BTD, ctx.policy)
+    latent_BTA = _latent(weights, kv, ctx.cos, ctx.sin, cfg)
     page_table_BN = None
     if cache is None:
         keys_BSA = latent_BTA
@@ -177,6 +191,7 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
         decode_lengths_B=ctx.decode_lengths_B,
         policy=ctx.policy,
         page_table_BN=page_table_BN,
+        q_first=q_first,
     )
     return y, cache
 

@@ -1,0 +1,39 @@
+"""The Pallas kernels of one full-size decode step, counted from its jaxpr (`benchmarks.kernel_census`: abstract
+weights, nothing allocated): a change in these counts is a change in the GPU step's launches
+(docs/benchmarks/generation.md, 'Kernels in the decode step')."""
+
+from __future__ import annotations
+
+from benchmarks.common import flash_slice_config
+from benchmarks.kernel_census import decode_step_census, main
+
+
+def test_slice_decode_step_kernels_per_layer():
+    """The 8-layer Ling-3.1-flash slice (7 KDA + 1 MLA, block FP8 as stored) at batch 1. A KDA layer's five FP8
+    input projections run in one grouped gemv with no K split (1,280 output strips fill the GPU), MLA's q_a and
+    kv_a in one with a single reduction of its K splits; each output projection is a split-K gemv (its reduce);
+    per layer also the two norms and the three MoE kernels."""
+    layers, kda_layers, mla_layers = 8, 7, 1
+    assert decode_step_census(flash_slice_config(layers, False), batch=1) == {
+        "weight_only_gemv_many": kda_layers + mla_layers,
+        "weight_only_gemv_many -> reduce": mla_layers,
+        "weight_only_gemv": layers + mla_layers,  # the output projections; MLA's q_b_proj
+        "weight_only_gemv -> reduce": layers + mla_layers,
+        "kda_decode_step": kda_layers,
+        "mla_absorb_query": mla_layers,
+        "mla_decode_split": mla_layers,
+        "mla_decode_split -> reduce": mla_layers,
+        "mla_expand_output": mla_layers,
+        "rms_norm": layers,
+        "add_rms_norm": layers,
+        "select_experts": layers,
+        "expert_swiglu_rows": layers,
+        "expert_down_combine": layers,
+    }
+
+
+def test_census_command_prints_the_counts(capsys):
+    assert main(["--preset", "tiny", "--batch", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "4 layers (2 KDA + 2 MLA), batch 2: 38 pallas_calls" in printed
+    assert "| weight_only_gemv_many | 4 |" in printed  # each layer's input projections (two rows: still grouped)
