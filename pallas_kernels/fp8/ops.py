@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import variants
@@ -29,6 +30,7 @@ from pallas_kernels.fp8.gpu_triton import (
     w8a8_linear_tc_acc_gpu,
     weight_only_gemv_gpu,
     weight_only_gemv_many_gpu,
+    weight_only_gemv_partials_gpu,
     weight_only_linear_gpu,
 )
 from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
@@ -46,6 +48,7 @@ __all__ = [
     "WEIGHT_ONLY",
     "fp8_linear",
     "fp8_linear_many",
+    "fp8_linear_partials",
     "kernel",
 ]
 
@@ -182,6 +185,51 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])
 
 
+def _gemv_runs(x, weight, resolved: str, mode: str | None) -> bool:
+    """Whether `fp8_linear` (no variant named) runs the decode-shaped weight-only kernel "gpu_triton_gemv" for x
+    and weight on the resolved backend: a GPU, weight-only, at most tuned.GEMV_DEFAULT_ROWS rows, a weight it takes."""
+    num_rows = x.size // x.shape[-1]
+    chosen = default_mode(num_rows, resolved) if mode is None else mode
+    return (
+        KERNEL_TARGET.get(resolved) == "gpu"
+        and chosen == WEIGHT_ONLY
+        and num_rows <= tuned.GEMV_DEFAULT_ROWS
+        and VARIANTS["weight_only_linear"][GEMV].supports(x, weight)
+    )
+
+
+def _first_partial(x_MK, values_NK, scales, block, interpret):
+    """The partial sums' reference: the whole product in the first, zeros in the others (their sum is the product,
+    and a sum's cotangent is the same for every partial, so this differentiates as the product)."""
+    splits = jax.eval_shape(
+        lambda: weight_only_gemv_partials_gpu(x_MK, values_NK, scales, block=block, interpret=interpret)
+    ).shape[0]
+    y_1MN = weight_only_linear_reference(x_MK, values_NK, scales, block).astype(jnp.float32)[None]
+    return jnp.concatenate([y_1MN, jnp.zeros((splits - 1, *y_1MN.shape[1:]), jnp.float32)])
+
+
+_gemv_partials = with_reference_vjp(
+    lambda x_MK, values_NK, scales, block, interpret: weight_only_gemv_partials_gpu(
+        x_MK, values_NK, scales, block=block, interpret=interpret
+    ),
+    _first_partial,
+    nondiff_argnums=(3, 4),
+)
+
+
+def fp8_linear_partials(x, weight, *, backend: str = "auto", mode: str | None = None) -> jax.Array | None:
+    """Where `fp8_linear(x, weight, backend=backend, mode=mode)` runs the decode-shaped gemv ("gpu_triton_gemv"),
+    its fp32 partial sums [splits, M, O] over K, unreduced (`weight_only_gemv_partials_gpu`: their jnp.sum over the
+    first axis, cast to x's dtype, is fp8_linear's y [M, O], x's rows flattened), for the next kernel to add
+    (`pallas_kernels.norm.add_partials_rms_norm`); None everywhere else. Differentiable in x, as the product."""
+    resolved = resolve_backend(backend)
+    if not _gemv_runs(x, weight, resolved, mode):
+        return None
+    x_MK = x.reshape(-1, x.shape[-1])
+    scales = weight.scales.astype(jnp.float32)
+    return _gemv_partials(x_MK, weight.values, scales, tuple(weight.block), variants.interpreted(resolved))
+
+
 def _many_reference(x_MK, values, scales, blocks, interpret):
     return tuple(weight_only_linear_reference(x_MK, v, s, b) for v, s, b in zip(values, scales, blocks))
 
@@ -203,14 +251,9 @@ def fp8_linear_many(x, weights, *, backend: str = "auto", mode: str | None = Non
     rounding); every other case runs `fp8_linear` per weight. Differentiable in x, as dequantise-then-dot."""
     resolved = resolve_backend(backend)
     x_MK = x.reshape(-1, x.shape[-1])
-    chosen = default_mode(x_MK.shape[0], resolved) if mode is None else mode
-    gemv = VARIANTS["weight_only_linear"][GEMV]
     grouped = (
         len(weights) > 1
-        and KERNEL_TARGET.get(resolved) == "gpu"
-        and chosen == WEIGHT_ONLY
-        and x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS
-        and all(gemv.supports(x, w) for w in weights)
+        and all(_gemv_runs(x, w, resolved, mode) for w in weights)
         and len({w.block[1] for w in weights}) == 1
     )
     if not grouped:

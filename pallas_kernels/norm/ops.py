@@ -1,4 +1,5 @@
-"""RMSNorm entry points: `rms_norm` and `add_rms_norm` (the residual add and the norm after it), each over its
+"""RMSNorm entry points: `rms_norm`, `add_rms_norm` (the residual add and the norm after it) and
+`add_partials_rms_norm` (the same add of a split-K product given as its fp32 partial sums), each over its
 variants (VARIANTS; `kernel(op, name)` gives one's entry point). Without a variant named, a GPU backend runs
 "gpu_triton" for power-of-two rows (its block is the whole row), every other case the jnp reference."""
 
@@ -6,18 +7,26 @@ from __future__ import annotations
 
 from pallas_kernels import variants
 from pallas_kernels.backend import resolve_backend, with_reference_vjp
-from pallas_kernels.norm.gpu_triton import add_rms_norm_gpu, rms_norm_gpu
-from pallas_kernels.norm.reference import add_rms_norm_reference, rms_norm_reference
+from pallas_kernels.norm.gpu_triton import add_partials_rms_norm_gpu, add_rms_norm_gpu, rms_norm_gpu
+from pallas_kernels.norm.reference import (
+    add_partials_rms_norm_reference,
+    add_rms_norm_reference,
+    rms_norm_reference,
+)
 from pallas_kernels.variants import REFERENCE, Variant
 
 VARIANTS = {
     "rms_norm": {REFERENCE: Variant(None, rms_norm_reference), "gpu_triton": Variant("gpu", rms_norm_gpu)},
     "add_rms_norm": {REFERENCE: Variant(None, add_rms_norm_reference), "gpu_triton": Variant("gpu", add_rms_norm_gpu)},
+    "add_partials_rms_norm": {
+        REFERENCE: Variant(None, add_partials_rms_norm_reference),
+        "gpu_triton": Variant("gpu", add_partials_rms_norm_gpu),
+    },
 }
 
 
 def kernel(op: str, name: str):
-    """The entry point of variant `name` of `op` ("rms_norm" or "add_rms_norm")."""
+    """The entry point of variant `name` of `op` ("rms_norm", "add_rms_norm" or "add_partials_rms_norm")."""
     return variants.lookup(VARIANTS, op, name).kernel
 
 
@@ -40,6 +49,14 @@ _add_rms_norm_gpu = with_reference_vjp(
     nondiff_argnums=(3, 4),
 )
 
+_add_partials_rms_norm_gpu = with_reference_vjp(
+    lambda x, partials_SND, weight_D, eps, interpret: add_partials_rms_norm_gpu(
+        x, partials_SND, weight_D, eps=eps, interpret=interpret
+    ),
+    lambda x, partials_SND, weight_D, eps, interpret: add_partials_rms_norm_reference(x, partials_SND, weight_D, eps),
+    nondiff_argnums=(3, 4),
+)
+
 
 def rms_norm(x, weight_D, eps: float, *, backend: str = "auto", variant: str | None = None):
     """weight * (x / rms(x)) over the last axis, in x's dtype (`rms_norm_reference`). backend: "auto" (the GPU
@@ -57,3 +74,14 @@ def add_rms_norm(x, residual, weight_D, eps: float, *, backend: str = "auto", va
     if name == "gpu_triton":
         return _add_rms_norm_gpu(x, residual, weight_D, eps, interpret)
     return add_rms_norm_reference(x, residual, weight_D, eps)
+
+
+def add_partials_rms_norm(x, partials_SND, weight_D, eps: float, *, backend: str = "auto", variant: str | None = None):
+    """`add_rms_norm(x, y)` where y is given as the fp32 partial sums [S, N, D] of a split-K product (N: x's rows;
+    y = their sum cast to x's dtype, `pallas_kernels.fp8.fp8_linear_partials`): one kernel on a GPU, adding the
+    partials in split order (deterministic, the same for every row count) before the residual add; backends as
+    for `rms_norm`."""
+    name, interpret = _pick("add_partials_rms_norm", variant, backend, x)
+    if name == "gpu_triton":
+        return _add_partials_rms_norm_gpu(x, partials_SND, weight_D, eps, interpret)
+    return add_partials_rms_norm_reference(x, partials_SND, weight_D, eps)

@@ -1,5 +1,6 @@
 """RMSNorm in pure jnp, the spec in code (spec §5): weight * (x / rms(x)), normalised in fp32, cast back to
-the input dtype, then scaled in that dtype; and the residual add in front of it."""
+the input dtype, then scaled in that dtype; and the residual add in front of it (of a product, or of a split-K
+product's partial sums)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,10 @@ def add_rms_norm_reference(x, residual, weight, eps: float):
     after it."""
     total = x + residual.astype(x.dtype)
     return total, rms_norm_reference(total, weight, eps)
+
+
+def add_partials_rms_norm_reference(x, partials_SND, weight, eps: float):
+    """`add_rms_norm_reference` of x [..., D] and the sum of fp32 partial sums [S, N, D] (N = x's rows, a split-K
+    product's partials) cast to x's dtype."""
+    y = jnp.sum(partials_SND, axis=0).astype(x.dtype).reshape(x.shape)
+    return add_rms_norm_reference(x, y, weight, eps)

@@ -1,4 +1,5 @@
-"""RMSNorm and residual add + RMSNorm (`pallas_kernels.norm`): the GPU kernel (Pallas interpret mode on the CPU,
+"""RMSNorm, residual add + RMSNorm, and the add of a split-K product's partial sums + RMSNorm (`pallas_kernels.norm`):
+the GPU kernel (Pallas interpret mode on the CPU,
 compiled on the device machine) and the jnp reference against float64 numpy; gradients; lowering for CUDA."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
-from pallas_kernels.norm import add_rms_norm, rms_norm
+from pallas_kernels.norm import add_partials_rms_norm, add_rms_norm, rms_norm
 
 BACKENDS = ["interpret_gpu", "reference"]
 EPS = 1e-6
@@ -43,6 +44,25 @@ def test_matches_float64(shape, dtype, tol, backend):
     expected_total = f32(x).astype(np.float64) + f32(residual)
     assert rel_error(total, expected_total) <= tol
     assert rel_error(normed, float64_norm(f32(total), f32(weight))) <= tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "splits, shape", [(1, (1, 1, 64)), (3, (5, 256)), (7, (3, 1, 128))], ids=["one", "three", "seven"]
+)
+def test_partials_match_float64(splits, shape, backend):
+    """x + (the fp32 partial sums added, cast to x's dtype), then the norm; the kernel adds the splits in order."""
+    x, _, weight = random_rows(shape, jnp.float32, seed=splits)
+    rows = x.size // shape[-1]
+    partials_SND = jnp.asarray(np.random.default_rng(splits).normal(size=(splits, rows, shape[-1])), jnp.float32)
+    total, normed = add_partials_rms_norm(x, partials_SND, weight, EPS, backend=backend)
+    assert total.shape == normed.shape == x.shape
+    expected_total = np.asarray(x, np.float64) + np.sum(np.asarray(partials_SND, np.float64), axis=0).reshape(shape)
+    assert rel_error(total, expected_total) <= 1e-6
+    assert rel_error(normed, float64_norm(expected_total, weight)) <= 1e-6
+    same_path = add_rms_norm(x, jnp.sum(partials_SND, axis=0).reshape(shape), weight, EPS, backend=backend)
+    for a, b in zip((total, normed), same_path):
+        assert rel_error(a, b) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -93,6 +113,9 @@ def test_gpu_kernels_lower_for_cuda():
             functools.partial(add_rms_norm, eps=EPS, backend="pallas_gpu"), row, row, weight
         ).as_text()
         assert "add_rms_norm" in text
+        partials = jax.ShapeDtypeStruct((3, rows, 4096), jnp.float32)
+        norm = functools.partial(add_partials_rms_norm, eps=EPS, backend="pallas_gpu")
+        assert "add_partials_rms_norm" in lower_for_cuda(norm, row, partials, weight).as_text()
         assert (
             "rms_norm"
             in lower_for_cuda(functools.partial(rms_norm, eps=EPS, backend="pallas_gpu"), row, weight).as_text()

@@ -12,7 +12,8 @@ block, so a tile takes one weight scale, folded into x's K block rather than int
   cores, the rows of x padded to 16 (the weight tile is the dot's left operand, so its rows fill the MMA).
 
 The K steps are split over programs until there are min_programs of them (a decode-sized product has few output
-strips); each split stores fp32 partial sums [splits, M, O], added after the kernel.
+strips); each split stores fp32 partial sums [splits, M, O], added after the kernel, or by the next kernel
+(`weight_only_gemv_partials_gpu` returns them unreduced: the output projection's residual add + RMSNorm adds them).
 
 `weight_only_gemv_many_gpu` runs several weights that multiply the same x (a layer's input projections) in one
 launch: its grid is the union of their output strips, each program picking its weight by static strip ranges, so
@@ -181,6 +182,29 @@ def _checked_tiles(x_MK, tiles: tuned.GemvTiles | None) -> tuned.GemvTiles:
     return tiles or lookup(tuned.WEIGHT_ONLY_GEMV, dtype=x_MK.dtype)
 
 
+def _gemv_call(
+    x_MK, values_NK, scales, block: tuple[int, int], tiles: tuned.GemvTiles | None, interpret: bool, *, partials: bool
+):
+    """The single-weight launch: y [M, N] in x's dtype where it runs one K split and partials is False, else the
+    fp32 partial sums [splits, M, N] (one split: [1, M, N])."""
+    num_rows, k_dim = x_MK.shape
+    n_dim = values_NK.shape[0]
+    tiles = _strip_tiles(num_rows, n_dim, tuple(block), _checked_tiles(x_MK, tiles))
+    layout, k_splits = _layout(num_rows, n_dim, k_dim, tuple(block), tiles, _num_strips(n_dim, tiles))
+    split = partials or k_splits > 1
+    out_shape = (k_splits, num_rows, n_dim) if split else (num_rows, n_dim)
+    return pl.pallas_call(
+        functools.partial(_kernel, tiles=tiles, layout=layout),
+        grid=(_num_strips(n_dim, tiles), k_splits),
+        in_specs=[_whole(x_MK.shape), _whole(values_NK.shape), _whole(scales.shape)],
+        out_specs=_whole(out_shape),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split else x_MK.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="weight_only_gemv",
+    )(x_MK, values_NK, scales.astype(jnp.float32))
+
+
 @functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
 def weight_only_gemv_gpu(
     x_MK,
@@ -195,22 +219,24 @@ def weight_only_gemv_gpu(
     (values [N, K] e4m3, scales [ceil(N / block[0]), ceil(K / block[1])], block powers of two) transposed, fp32
     accumulation, each K block's partial sums times its weight scale (module docstring). Tiles: None from
     `tuned.WEIGHT_ONLY_GEMV`."""
-    num_rows, k_dim = x_MK.shape
-    n_dim = values_NK.shape[0]
-    tiles = _strip_tiles(num_rows, n_dim, tuple(block), _checked_tiles(x_MK, tiles))
-    layout, k_splits = _layout(num_rows, n_dim, k_dim, tuple(block), tiles, _num_strips(n_dim, tiles))
-    out_shape = (k_splits, num_rows, n_dim) if k_splits > 1 else (num_rows, n_dim)
-    y = pl.pallas_call(
-        functools.partial(_kernel, tiles=tiles, layout=layout),
-        grid=(_num_strips(n_dim, tiles), k_splits),
-        in_specs=[_whole(x_MK.shape), _whole(values_NK.shape), _whole(scales.shape)],
-        out_specs=_whole(out_shape),
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if k_splits > 1 else x_MK.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=interpret,
-        name="weight_only_gemv",
-    )(x_MK, values_NK, scales.astype(jnp.float32))
-    return jnp.sum(y, axis=0).astype(x_MK.dtype) if k_splits > 1 else y
+    y = _gemv_call(x_MK, values_NK, scales, tuple(block), tiles, interpret, partials=False)
+    return jnp.sum(y, axis=0).astype(x_MK.dtype) if y.ndim == 3 else y
+
+
+@functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
+def weight_only_gemv_partials_gpu(
+    x_MK,
+    values_NK,
+    scales,
+    *,
+    block: tuple[int, int],
+    tiles: tuned.GemvTiles | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """`weight_only_gemv_gpu`'s fp32 partial sums [splits, M, N], left unreduced for the next kernel to add
+    (`pallas_kernels.norm.add_partials_rms_norm`): jnp.sum(partials, axis=0) cast to x's dtype is
+    `weight_only_gemv_gpu`'s y. One K split: [1, M, N]."""
+    return _gemv_call(x_MK, values_NK, scales, tuple(block), tiles, interpret, partials=True)
 
 
 @dataclasses.dataclass(frozen=True)
