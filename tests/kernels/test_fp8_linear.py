@@ -17,7 +17,7 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 from benchmarks.kernel_census import kernel_census
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear
-from pallas_kernels.fp8.gpu_triton import weight_only_gemv_many_gpu
+from pallas_kernels.fp8.gpu_triton import weight_only_gemv_many_gpu, weight_only_gemv_partials_gpu
 from pallas_kernels.fp8.ops import (
     GEMV,
     MOSAIC,
@@ -26,6 +26,7 @@ from pallas_kernels.fp8.ops import (
     WEIGHT_ONLY,
     default_mode,
     fp8_linear_many,
+    fp8_linear_partials,
     kernel,
     kernel_takes,
 )
@@ -155,6 +156,24 @@ def test_grouped_gemv_matches_float64_and_the_single_weight_kernel(rows, product
                 np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
     traced = jax.make_jaxpr(functools.partial(many, blocks=blocks, interpret=True))(x, values, scales)
     assert kernel_census(traced) == {"weight_only_gemv_many": 1}
+
+
+def test_gemv_partials_sum_to_the_gemv():
+    """The unreduced form: fp32 partial sums [splits, 1, 150] (200 inputs, 2 K steps: 1 or 2 splits) whose sum,
+    cast to x's dtype, is the gemv's y bit for bit; `fp8_linear_partials` only where fp8_linear runs the gemv."""
+    weight, x = random_weight(150, 200, seed=8), random_x((1, 200), jnp.bfloat16, seed=9)
+    base = dataclasses.replace(lookup(WEIGHT_ONLY_GEMV, dtype=x.dtype), block_o=16, blocks_per_step=1)
+    for min_programs, splits in ((1, 1), (64, 2)):
+        tiles = dataclasses.replace(base, min_programs=min_programs)
+        args = (x, weight.values, weight.scales)
+        partials = weight_only_gemv_partials_gpu(*args, block=weight.block, tiles=tiles, interpret=True)
+        assert partials.shape == (splits, 1, 150) and partials.dtype == jnp.float32
+        y = kernel("weight_only_linear", GEMV)(*args, block=weight.block, tiles=tiles, interpret=True)
+        np.testing.assert_array_equal(np.asarray(jnp.sum(partials, axis=0).astype(x.dtype)), np.asarray(y))
+    partials = fp8_linear_partials(x[None], weight, backend="interpret_gpu")
+    assert rel_error(jnp.sum(partials, axis=0), f64(x) @ float64_weight(weight).T) <= 1e-2
+    assert fp8_linear_partials(x, weight, backend="reference") is None
+    assert fp8_linear_partials(jnp.tile(x, (GEMV_DEFAULT_ROWS + 1, 1)), weight, backend="interpret_gpu") is None
 
 
 def test_grouped_fp8_linear_falls_back_per_weight():
