@@ -108,11 +108,13 @@ def kda_attention(
     cfg: LingConfig,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    project_output: bool = True,
 ):
     """The KDA layer: x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated state).
 
     weights: the layer's `attention` parameters (`q_proj`, `q_conv1d`, `A_log`, ...); state None starts from
-    zeros. ctx gives the padding mask, the mode and the kernel backend (`ctx.policy`).
+    zeros. ctx gives the padding mask, the mode and the kernel backend (`ctx.policy`). project_output False: the
+    output projection's input o [B, T, C] in y's place, for the caller to project (`layers.linear_add_rms_norm`).
     """
     if state is None:
         state = KDAState.zeros(cfg, x_BTD.shape[0], x_BTD.dtype)
@@ -124,6 +126,7 @@ def kda_attention(
         cfg,
         chunk_size=chunk_size,
         policy=ctx.policy,
+        project_output=project_output,
     )
 
 
@@ -136,12 +139,13 @@ def _kda(
     *,
     chunk_size: int,
     policy: ExecutionPolicy,
+    project_output: bool = True,
 ):
     c = config
     mode = policy.kda_mode
     batch, length, _ = x_BTD.shape
     if mode == RECURRENT and length == 1 and policy.kda_decode == KDADecode.FUSED:
-        return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy)
+        return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy, project_output)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     *qkv, b, f, r = _projections(weights, x_BTD, c, policy)
     mixed = jnp.concatenate(qkv, axis=-1)
@@ -185,11 +189,20 @@ def _kda(
         valid = ", ".join(repr(m.value) for m in KDAMode)
         raise ValueError(f"KDA mode must be one of {valid}, got {mode!r}")
     o = gated_rms_norm(weights["o_norm"], o, r.reshape(batch, length, heads, head_dim), c.rms_norm_eps)
-    y = linear(weights["dense"], o.reshape(batch, length, width), policy)
+    o_BTC = o.reshape(batch, length, width)
+    y = linear(weights["dense"], o_BTC, policy) if project_output else o_BTC
     return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
 
 
-def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, mask_BT, config: LingConfig, policy: ExecutionPolicy):
+def _fused_decode_step(
+    weights: Weights,
+    x_BTD,
+    state: KDAState,
+    mask_BT,
+    config: LingConfig,
+    policy: ExecutionPolicy,
+    project_output: bool,
+):
     """`_kda` for one token per sequence in recurrent mode, everything between the projections in one op
     (`pallas_kernels.kda.kda_decode_fused`: one kernel on a GPU), as `ExecutionPolicy(kda_decode="fused")` asks."""
     c = config
@@ -221,7 +234,8 @@ def _fused_decode_step(weights: Weights, x_BTD, state: KDAState, mask_BT, config
         in_axes=(_BHD,) * 4 + (_BH, _BHD, _WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None, _BH[:1]),
         out_axes=(_BHD, _WINDOW, _BHKV),
     )(q, k, v, per_head(f), b, per_head(r), window, state.recurrent_state, *layer, real_B)
-    y = linear(weights["dense"], o.reshape(batch, 1, c.kda_dim), policy)
+    o_BTC = o.reshape(batch, 1, c.kda_dim)
+    y = linear(weights["dense"], o_BTC, policy) if project_output else o_BTC
     return y, KDAState(conv_window=window.reshape(state.conv_window.shape), recurrent_state=recurrent)
 
 

@@ -1,5 +1,6 @@
 """Primitive layers shared by every block: a bias-free linear map and the two RMSNorms, each a pure function of
-its weights (`linear`, `linear_many`, `rms_norm`, `add_rms_norm`, `gated_rms_norm`) and a module that calls it.
+its weights (`linear`, `linear_many`, `rms_norm`, `add_rms_norm`, `linear_add_rms_norm`, `gated_rms_norm`) and a
+module that calls it.
 
 Weights keep the checkpoint's [out, in] layout, so loading a tensor never transposes it. Every parameter
 carries its logical axis names (`out_sharding` metadata, e.g. ("experts", "expert_mlp", "embed")); the
@@ -20,8 +21,9 @@ from flax import nnx
 
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend, as_policy, op_backend
 from ling_jax.quantized import BlockFP8Weight, dequantized
-from ling_jax.sharding import per_shard
-from pallas_kernels.fp8 import fp8_linear, fp8_linear_many
+from ling_jax.sharding import ACTIVATION_BTD, constrain, per_shard
+from pallas_kernels.fp8 import fp8_linear, fp8_linear_many, fp8_linear_partials
+from pallas_kernels.norm.ops import add_partials_rms_norm as add_partials_rms_norm_op
 from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
 from pallas_kernels.norm.ops import rms_norm as rms_norm_op
 from pallas_kernels.norm.reference import rms_normalize
@@ -89,6 +91,32 @@ def add_rms_norm(
     """(x + residual, rms_norm of it), one kernel on a GPU; policy as for `rms_norm`."""
     norm = functools.partial(add_rms_norm_op, eps=eps, backend=_norm_backend(policy))
     return per_shard(norm, in_axes=(_rows(x), _rows(x), None), out_axes=(_rows(x),) * 2)(x, residual, weights["weight"])
+
+
+def linear_add_rms_norm(
+    weights: Weights,
+    o_BTC: jax.Array,
+    residual_BTD: jax.Array,
+    norm_weights: Weights,
+    eps: float,
+    policy: ExecutionPolicy | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """add_rms_norm(norm_weights, residual, y, eps, policy) of the projection y = linear(weights, o, policy) (an
+    output projection, y [B, T, D] constrained as the layer's activations): a decoder layer's attention output, its
+    residual add and the norm after it. Where y's product is the decode gemv (`fp8_linear_partials`: a block-FP8
+    weight on one GPU, a few rows) and o has the residual's dtype, the gemv's split-K partial sums go unreduced to
+    the norm's kernel, which adds them (`pallas_kernels.norm.add_partials_rms_norm`: y as the gemv's reduction
+    gives it, within fp32 rounding of the order of the sum); policy None: the unfused path, as `add_rms_norm`."""
+    weight = weights["weight"]
+    partials_SND = None
+    if policy is not None and _fp8_matrix(weight) and o_BTC.dtype == residual_BTD.dtype:
+        partials_SND = fp8_linear_partials(o_BTC, weight, **_fp8_call(policy))
+    if partials_SND is None:
+        y_BTD = constrain(linear(weights, o_BTC, policy), *ACTIVATION_BTD)
+        return add_rms_norm(norm_weights, residual_BTD, y_BTD, eps, policy)
+    return add_partials_rms_norm_op(
+        residual_BTD, partials_SND, norm_weights["weight"], eps, backend=_norm_backend(policy)
+    )
 
 
 def _norm_backend(policy: ExecutionPolicy | None) -> str:

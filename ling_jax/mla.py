@@ -88,6 +88,7 @@ def mla_attend(
     policy: ExecutionPolicy,
     page_table_BN=None,
     q_first=None,
+    project_output: bool = True,
 ) -> jax.Array:
     """Attend from the T tokens of x to the S latent entries keys_BSA (the cache, or the tokens themselves), in the
     policy's MLA mode (concrete: `ExecutionPolicy.for_call`) with its kernel backend.
@@ -100,6 +101,8 @@ def mla_attend(
     them in place (`mla_decode_paged`), every other call attends to each sequence's pages gathered in order.
     q_first: x's `_first_query_proj` product when the caller made it (`latent_attention`, with the latent's
     projection in one `linear_many`); None: projected here.
+    project_output False: the output projection's input [B, T, H*V] in place of y, for the caller to project
+    (`layers.linear_add_rms_norm`).
     """
     c = cfg
     mode, backend = policy.mla_mode, op_backend(policy)
@@ -149,17 +152,20 @@ def mla_attend(
         raise ValueError(f"MLA mode must be one of {valid}, got {mode!r}")
     gate_BTH = jax.nn.sigmoid(linear(weights["g_proj"], x_BTD, policy).astype(jnp.float32))
     o_BTHV = o_BTHV * gate_BTH.astype(x_BTD.dtype)[..., None]
-    return linear(weights["dense"], o_BTHV.reshape(*x_BTD.shape[:2], -1), policy)
+    o_BTC = o_BTHV.reshape(*x_BTD.shape[:2], -1)
+    return linear(weights["dense"], o_BTC, policy) if project_output else o_BTC
 
 
-def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: TokenContext, cfg: LingConfig):
+def latent_attention(
+    weights: Weights, x_BTD, cache: MLAState | None, ctx: TokenContext, cfg: LingConfig, *, project_output: bool = True
+):
     """The MLA layer: x [B, T, D] (the input_layernorm output) -> (y [B, T, D], updated cache).
 
     weights: the layer's `attention` parameters. Without a cache (None) the tokens attend to themselves; with
     one (an MLAState, or a PagedMLAState through ctx.page_table_BN), their latents are written to slots
     ctx.slots_BT first (pads are dropped) and the tokens attend to the
     cache's visible slots (`ctx.visibility`), so a prefill then decodes over the returned cache equal one full
-    call. Mode and kernel backend: `ctx.policy`.
+    call. Mode and kernel backend: `ctx.policy`. project_output: as in `mla_attend`.
     """
     q_first, kv = linear_many([weights[_first_query_proj(cfg)], weights["kv_a_proj_with_mqa"]], x_BTD, ctx.policy)
     latent_BTA = _latent(weights, kv, ctx.cos, ctx.sin, cfg)
@@ -192,6 +198,7 @@ def latent_attention(weights: Weights, x_BTD, cache: MLAState | None, ctx: Token
         policy=ctx.policy,
         page_table_BN=page_table_BN,
         q_first=q_first,
+        project_output=project_output,
     )
     return y, cache
 

@@ -19,7 +19,7 @@ from ling_jax.layers import (
     Linear,
     RMSNorm,
     Weights,
-    add_rms_norm,
+    linear_add_rms_norm,
     normal_param,
     params_of,
     rms_norm,
@@ -68,11 +68,14 @@ def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, 
     x = rms_norm(weights["input_layernorm"], h_BTD, eps, ctx.policy)
     if "kv_b_proj" in weights["attention"]:
         with jax.named_scope("mla"):
-            y, state = latent_attention(weights["attention"], x, state, ctx, cfg)
+            o_BTC, state = latent_attention(weights["attention"], x, state, ctx, cfg, project_output=False)
     else:
         with jax.named_scope("kda"):
-            y, state = kda_attention(weights["attention"], x, state, ctx, cfg)
-    h_BTD, x = add_rms_norm(weights["post_attention_layernorm"], h_BTD, constrain(y, *ACTIVATION_BTD), eps, ctx.policy)
+            o_BTC, state = kda_attention(weights["attention"], x, state, ctx, cfg, project_output=False)
+    # the output projection with the residual add and norm after it: at decode sizes its split-K sums added there
+    h_BTD, x = linear_add_rms_norm(
+        weights["attention"]["dense"], o_BTC, h_BTD, weights["post_attention_layernorm"], eps, ctx.policy
+    )
     stats = None
     if "gate" in weights["mlp"]:
         with jax.named_scope("moe"):

@@ -11,21 +11,22 @@ from benchmarks.kernel_census import decode_step_census, main
 def test_slice_decode_step_kernels_per_layer():
     """The 8-layer Ling-3.1-flash slice (7 KDA + 1 MLA, block FP8 as stored) at batch 1. A KDA layer's five FP8
     input projections run in one grouped gemv with no K split (1,280 output strips fill the GPU), MLA's q_a and
-    kv_a in one with a single reduction of its K splits; each output projection is a split-K gemv (its reduce);
+    kv_a in one with a single reduction of its K splits; each output projection is a split-K gemv whose partial
+    sums the residual add + norm after it adds (no reduce of its own); MLA's q_b_proj a split-K gemv and its reduce;
     per layer also the two norms and the three MoE kernels."""
     layers, kda_layers, mla_layers = 8, 7, 1
     assert decode_step_census(flash_slice_config(layers, False), batch=1) == {
         "weight_only_gemv_many": kda_layers + mla_layers,
         "weight_only_gemv_many -> reduce": mla_layers,
         "weight_only_gemv": layers + mla_layers,  # the output projections; MLA's q_b_proj
-        "weight_only_gemv -> reduce": layers + mla_layers,
+        "weight_only_gemv -> reduce": mla_layers,  # q_b_proj's
         "kda_decode_step": kda_layers,
         "mla_absorb_query": mla_layers,
         "mla_decode_split": mla_layers,
         "mla_decode_split -> reduce": mla_layers,
         "mla_expand_output": mla_layers,
         "rms_norm": layers,
-        "add_rms_norm": layers,
+        "add_partials_rms_norm": layers,
         "select_experts": layers,
         "expert_swiglu_rows": layers,
         "expert_down_combine": layers,
