@@ -1,7 +1,8 @@
 """RMSNorm entry points: `rms_norm`, `add_rms_norm` (the residual add and the norm after it) and
 `add_partials_rms_norm` (the same add of a split-K product given as its fp32 partial sums), each over its
 variants (VARIANTS; `kernel(op, name)` gives one's entry point). Without a variant named, a GPU backend runs
-"gpu_triton" for power-of-two rows (its block is the whole row), every other case the jnp reference."""
+"gpu_triton" for power-of-two rows (its block is the whole row; `add_partials_rms_norm`'s for rows of any width, masked
+past D), every other case the jnp reference."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _pick(op: str, variant: str | None, backend: str, x) -> tuple[str, bool]:
     """(variant name, interpret)."""
     backend = resolve_backend(backend)
     dim = x.shape[-1]
-    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if dim & (dim - 1) == 0 else REFERENCE
+    any_width = op == "add_partials_rms_norm"
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if any_width or dim & (dim - 1) == 0 else REFERENCE
     return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
 
 

@@ -173,6 +173,15 @@ def test_gemv_partials_sum_to_the_gemv():
     partials = fp8_linear_partials(x[None], weight, backend="interpret_gpu")
     assert rel_error(jnp.sum(partials, axis=0), f64(x) @ float64_weight(weight).T) <= 1e-2
     assert fp8_linear_partials(x, weight, backend="reference") is None
+    x32 = x.astype(jnp.float32)
+    grads = [
+        jax.grad(lambda x: jnp.sum(jnp.sin(product(x))))(x32)
+        for product in (
+            lambda x: jnp.sum(fp8_linear_partials(x, weight, backend="interpret_gpu"), axis=0),
+            lambda x: fp8_linear(x, weight, backend="reference"),
+        )
+    ]
+    assert rel_error(*grads) <= 1e-5  # differentiated as the product
     assert fp8_linear_partials(jnp.tile(x, (GEMV_DEFAULT_ROWS + 1, 1)), weight, backend="interpret_gpu") is None
 
 

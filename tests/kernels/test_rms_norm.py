@@ -48,10 +48,11 @@ def test_matches_float64(shape, dtype, tol, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "splits, shape", [(1, (1, 1, 64)), (3, (5, 256)), (7, (3, 1, 128))], ids=["one", "three", "seven"]
+    "splits, shape", [(1, (1, 1, 64)), (3, (5, 160)), (7, (3, 1, 128))], ids=["one", "three-width-160", "seven"]
 )
 def test_partials_match_float64(splits, shape, backend):
-    """x + (the fp32 partial sums added, cast to x's dtype), then the norm; the kernel adds the splits in order."""
+    """x + (the fp32 partial sums added, cast to x's dtype), then the norm; the kernel adds the splits in order, on
+    rows of any width (160: 256 loaded, 96 masked)."""
     x, _, weight = random_rows(shape, jnp.float32, seed=splits)
     rows = x.size // shape[-1]
     partials_SND = jnp.asarray(np.random.default_rng(splits).normal(size=(splits, rows, shape[-1])), jnp.float32)
@@ -113,9 +114,11 @@ def test_gpu_kernels_lower_for_cuda():
             functools.partial(add_rms_norm, eps=EPS, backend="pallas_gpu"), row, row, weight
         ).as_text()
         assert "add_rms_norm" in text
-        partials = jax.ShapeDtypeStruct((3, rows, 4096), jnp.float32)
         norm = functools.partial(add_partials_rms_norm, eps=EPS, backend="pallas_gpu")
-        assert "add_partials_rms_norm" in lower_for_cuda(norm, row, partials, weight).as_text()
+        for dim in (4096, 2560):  # Ling-3.0-flash's rows: masked past 2,560
+            row_d, weight_d = (jax.ShapeDtypeStruct((*a.shape[:-1], dim), a.dtype) for a in (row, weight))
+            partials = jax.ShapeDtypeStruct((3, rows, dim), jnp.float32)
+            assert "add_partials_rms_norm" in lower_for_cuda(norm, row_d, partials, weight_d).as_text()
         assert (
             "rms_norm"
             in lower_for_cuda(functools.partial(rms_norm, eps=EPS, backend="pallas_gpu"), row, weight).as_text()
