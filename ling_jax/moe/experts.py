@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ling_jax.layers import project
+from ling_jax.layers import linear_many, project
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.quantized import dequantized
 from pallas_kernels.moe.ops import ExpertWeights, Routing, expert_path, moe_experts
@@ -51,9 +51,10 @@ class SharedExpert:
 
 def swiglu_ffn(x, gate_ID, up_ID, down_DI, limit: float | None, policy: ExecutionPolicy | None = None) -> jax.Array:
     """down(swiglu(gate(x), up(x), limit)), each product a `project` (the weights cast or dequantised to x's dtype,
-    or the FP8 kernels as the policy says): the dense MLP and shared expert."""
-    linear = functools.partial(project, policy=policy)
-    return linear(swiglu(linear(x, gate_ID), linear(x, up_ID), limit), down_DI)
+    or the FP8 kernels as the policy says; gate and up through `linear_many`: block-FP8 ones in one grouped gemv at
+    decode sizes on a GPU): the dense MLP and shared expert."""
+    gate, up = linear_many([{"weight": gate_ID}, {"weight": up_ID}], x, policy)
+    return project(swiglu(gate, up, limit), down_DI, policy)
 
 
 def expert_load(experts_TK, num_experts: int) -> jax.Array:

@@ -36,5 +36,7 @@ def test_slice_decode_step_kernels_per_layer():
 def test_census_command_prints_the_counts(capsys):
     assert main(["--preset", "tiny", "--batch", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "4 layers (2 KDA + 2 MLA), batch 2: 38 pallas_calls" in printed
-    assert "| weight_only_gemv_many | 4 |" in printed  # each layer's input projections (two rows: still grouped)
+    assert "4 layers (2 KDA + 2 MLA), batch 2: 37 pallas_calls" in printed
+    # each layer's input projections and the dense MLP's gate + up (two rows: still grouped)
+    assert "| weight_only_gemv_many | 5 |" in printed
+    assert "| add_partials_rms_norm | 4 |" in printed

@@ -1,8 +1,8 @@
 """The model's decode step with its input projections grouped (`ling_jax.layers.linear_many`: a layer's block-FP8
-projections of one x in one grouped gemv) and its output projections' split-K sums added in the residual add + norm
-kernel (`ling_jax.layers.linear_add_rms_norm`) equals the same step with each projection its own gemv and its own
-reduction, the GPU kernels in Pallas interpret mode on random block-FP8 weights (128 x 128 blocks, as a checkpoint
-stores them)."""
+projections of one x in one grouped gemv, the dense MLP's gate and up too) and its output projections' split-K sums
+added in the residual add + norm kernel (`ling_jax.layers.linear_add_rms_norm`) equals the same step with each
+projection its own gemv and its own reduction, the GPU kernels in Pallas interpret mode on random block-FP8 weights
+(128 x 128 blocks, as a checkpoint stores them)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_grouped_and_folded_decode_projections_equal_separate_gemvs(monkeypatch)
             state, ids_BT
         )  # a fresh trace
         census = kernel_census(traced.jaxpr)
-        assert census["weight_only_gemv_many"] == (2 * STEPS if grouped else 0)  # KDA's q/k/v/f_a/g_a, MLA's q_a/kv_a
+        # KDA's q/k/v/f_a/g_a, MLA's q_a/kv_a, each dense MLP's gate/up
+        assert census["weight_only_gemv_many"] == (4 * STEPS if grouped else 0)
         assert census["add_partials_rms_norm"] == (2 * STEPS if grouped else 0)  # after each layer's dense
         assert census["add_rms_norm"] == (0 if grouped else 2 * STEPS)
         assert census["weight_only_gemv -> reduce"] == (0 if grouped else 2 * STEPS)  # the dense gemvs' K splits
