@@ -100,19 +100,24 @@ def linear_add_rms_norm(
     norm_weights: Weights,
     eps: float,
     policy: ExecutionPolicy | None = None,
+    *,
+    product_scope: str = "output_projection",
 ) -> tuple[jax.Array, jax.Array]:
     """add_rms_norm(norm_weights, residual, y, eps, policy) of the projection y = linear(weights, o, policy) (an
     output projection, y [B, T, D] constrained as the layer's activations): a decoder layer's attention output, its
     residual add and the norm after it. Where y's product is the decode gemv (`fp8_linear_partials`: a block-FP8
     weight on one GPU, a few rows) and o has the residual's dtype, the gemv's split-K partial sums go unreduced to
     the norm's kernel, which adds them (`pallas_kernels.norm.add_partials_rms_norm`: y as the gemv's reduction
-    gives it, within fp32 rounding of the order of the sum); policy None: the unfused path, as `add_rms_norm`."""
+    gives it, within fp32 rounding of the order of the sum); policy None: the unfused path, as `add_rms_norm`.
+    product_scope: the product's named scope (a decoder layer's mixer, where a profile counts it); the norm's is
+    the caller's."""
     weight = weights["weight"]
-    partials_SND = None
-    if policy is not None and _fp8_matrix(weight) and o_BTC.dtype == residual_BTD.dtype:
-        partials_SND = fp8_linear_partials(o_BTC, weight, **_fp8_call(policy))
-    if partials_SND is None:
-        y_BTD = constrain(linear(weights, o_BTC, policy), *ACTIVATION_BTD)
+    with jax.named_scope(product_scope):
+        partials_SND = None
+        if policy is not None and _fp8_matrix(weight) and o_BTC.dtype == residual_BTD.dtype:
+            partials_SND = fp8_linear_partials(o_BTC, weight, **_fp8_call(policy))
+        y_BTD = None if partials_SND is not None else constrain(linear(weights, o_BTC, policy), *ACTIVATION_BTD)
+    if y_BTD is not None:
         return add_rms_norm(norm_weights, residual_BTD, y_BTD, eps, policy)
     return add_partials_rms_norm_op(
         residual_BTD, partials_SND, norm_weights["weight"], eps, backend=_norm_backend(policy)

@@ -66,15 +66,18 @@ def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, 
     eps = cfg.rms_norm_eps
     h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
     x = rms_norm(weights["input_layernorm"], h_BTD, eps, ctx.policy)
-    if "kv_b_proj" in weights["attention"]:
-        with jax.named_scope("mla"):
-            o_BTC, state = latent_attention(weights["attention"], x, state, ctx, cfg, project_output=False)
-    else:
-        with jax.named_scope("kda"):
-            o_BTC, state = kda_attention(weights["attention"], x, state, ctx, cfg, project_output=False)
+    mixer, attention = ("mla", latent_attention) if "kv_b_proj" in weights["attention"] else ("kda", kda_attention)
+    with jax.named_scope(mixer):
+        o_BTC, state = attention(weights["attention"], x, state, ctx, cfg, project_output=False)
     # the output projection with the residual add and norm after it: at decode sizes its split-K sums added there
     h_BTD, x = linear_add_rms_norm(
-        weights["attention"]["dense"], o_BTC, h_BTD, weights["post_attention_layernorm"], eps, ctx.policy
+        weights["attention"]["dense"],
+        o_BTC,
+        h_BTD,
+        weights["post_attention_layernorm"],
+        eps,
+        ctx.policy,
+        product_scope=mixer,
     )
     stats = None
     if "gate" in weights["mlp"]:
