@@ -138,3 +138,8 @@ def test_compiled_gpu_kernels(rows):
     assert rel_error(total, f32(x).astype(np.float64) + f32(residual)) <= 1e-2
     assert rel_error(normed, float64_norm(f32(total), f32(weight))) <= 1e-2
     assert rel_error(rms_norm(x, weight, EPS, backend="pallas_gpu"), float64_norm(f32(x), f32(weight))) <= 1e-2
+    for dim in (4096, 2560):  # Ling-3.1-flash's rows, Ling-3.0-flash's (masked past 2,560)
+        partials = jnp.asarray(np.random.default_rng(dim).normal(size=(4, rows, dim)), jnp.float32)
+        ours = add_partials_rms_norm(x[:, :dim], partials, weight[:dim], EPS, backend="pallas_gpu")
+        for a, b in zip(ours, add_partials_rms_norm(x[:, :dim], partials, weight[:dim], EPS, backend="reference")):
+            assert rel_error(a, b) <= 1e-2
