@@ -917,9 +917,7 @@ class Engine:
 
         compiler = ProgramCompiler(compiled, store=store)
         futures = {key: compiler.submit(*program) for key, program in first.items()}
-        self._background = {key: compiler.submit(*program) for key, program in later.items()}
-        self._programs = {**futures, **self._background}
-        compiler.close()
+        self._programs = dict(futures)
         futures[("prefill", lengths[0], 1)].result()
         hidden_1D = self.prefill([0], chunks(lengths[0], 1), [True])
         if self.prefix_block is not None:
@@ -935,5 +933,12 @@ class Engine:
         compiled()
         self.release(0)
         jax.block_until_ready(self.state)
-        for future in [*futures.values(), *([] if background else self._background.values())]:
+        for future in futures.values():
             future.result()
+        # the others only now: compiling alongside, they would take the CPU from the programs above
+        self._background = {key: compiler.submit(*program) for key, program in later.items()}
+        self._programs |= self._background
+        compiler.close()
+        if not background:
+            for future in self._background.values():
+                future.result()
