@@ -25,9 +25,10 @@ shape and run with the slot batch donated (by name, `state`):
   every slot's state is read and written in place, never copied or selected.
 
 `warm_up` compiles them before the first request, the prefill and decode programs from their arguments' shapes
-in worker threads (`ling_jax.serving.programs`); with `background`, the several-row prefill steps, the smaller
-decode buckets and the programs of `decode_steps` steps compile on after it returns, and `prefill`,
-`decode_rows` and `decode` run around them until they are done (rows one at a time, a larger bucket, one step).
+in worker threads (`ling_jax.serving.programs`); with `background`, the longer chunk lengths, the several-row
+prefill steps, the smaller decode buckets and the programs of `decode_steps` steps compile on after it returns,
+and `prefill`, `decode_rows` and `decode` run around them until they are done (a chunk in pieces of a compiled
+length, rows one at a time, a larger bucket, one step).
 
 A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
 a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
@@ -588,9 +589,30 @@ class Engine:
             # its program still compiles (`warm_up`): one row at a time, each computing the same
             hidden = [self.prefill([slot], [chunk], [first]) for slot, chunk, first in zip(slots, chunks, fresh)]
             return jnp.concatenate(hidden)
+        if media is None and not usable(self._background.get(("prefill", length, 1))):
+            return self._prefill_in_pieces(slots[0], chunks[0], fresh[0])
         args = self._prefill_args(slots, chunks, fresh, media, rows)
         hidden_PD, self.state = self._run(("prefill", length, rows), _prefill, args)
         return hidden_PD
+
+    def _prefill_in_pieces(self, slot: int, chunk: tuple[np.ndarray, np.ndarray], fresh: bool) -> jax.Array:
+        """One slot's chunk whose program still compiles (`warm_up`) as consecutive shorter chunks of the longest
+        compiled length that divides it (the shortest length always does), those of padding alone skipped; each
+        piece computes what the chunk computes there. -> hidden [1, D] at its last real token."""
+        ids_C, mask_C = chunk
+        length = len(ids_C)
+        piece = max(
+            c
+            for c in self.chunk_lengths()
+            if c < length and length % c == 0 and usable(self._background.get(("prefill", c, 1)))
+        )
+        hidden_1D = None
+        for first in range(0, length, piece):
+            part = slice(first, first + piece)
+            if mask_C[part].any():
+                hidden_1D = self.prefill([slot], [(ids_C[part], mask_C[part])], [fresh])
+                fresh = False
+        return hidden_1D
 
     def _prefill_args(self, slots, chunks, fresh, media, rows: int) -> tuple:
         """`_prefill`'s arguments for `prefill`: the chunks as `rows` rows."""
@@ -842,11 +864,12 @@ class Engine:
         is written) and, for the fork, slot 1 (whose rows a new request resets). on_program(done, total) after
         each (ling-serve's progress lines; from the workers too).
 
-        background: return once the programs every request needs are compiled (one row's prefill step of each
-        chunk length, the one-step program of the largest decode bucket), the others compiling on in the
-        background: until one is done, `prefill` runs its rows one at a time, `decode` the next larger compiled
-        bucket, and one step where it was asked for `decode_steps`; each row computes what it computes in the
-        program it stands in for.
+        background: return once the programs every request needs are compiled (one row's prefill step of the
+        shortest chunk length and of any length it does not divide, the one-step program of the largest decode
+        bucket), the others compiling on in the background: until one is done, `prefill` runs a chunk in pieces
+        of the longest compiled length that divides it and its rows one at a time, `decode` the next larger
+        compiled bucket, and one step where it was asked for `decode_steps`; each computes what the program it
+        stands in for computes.
 
         store: where the prefill and decode programs are kept as serialised executables (`ProgramStore`): one
         stored by an earlier start is loaded instead of compiled, and then called without tracing."""
@@ -861,14 +884,17 @@ class Engine:
         def program(fn, make_args):
             return fn, (None if multi else make_args())
 
-        first = {  # the shortest chunk first: the runs below wait for it
+        one_row = {
             ("prefill", length, 1): program(
                 _prefill, lambda length=length: self._prefill_args([0], chunks(length, 1), [True], None, 1)
             )
             for length in lengths
         }
+        # the shortest chunk first (the runs below wait for it), then any length it does not divide; the others
+        # are prefilled in pieces of a shorter length until their own program is compiled (`prefill`)
+        first = {key: one_row.pop(key) for key in list(one_row) if key[1] == lengths[0] or key[1] % lengths[0]}
         first[("step", buckets[-1], 1)] = program(_step, lambda: self._step_args(idle_B, buckets[-1], 1))
-        later = {
+        later = one_row | {
             ("step", rows, steps): program(_step, lambda rows=rows, steps=steps: self._step_args(idle_B, rows, steps))
             for rows in reversed(buckets)
             for steps in sorted({1, self.decode_steps})
@@ -891,9 +917,7 @@ class Engine:
 
         compiler = ProgramCompiler(compiled, store=store)
         futures = {key: compiler.submit(*program) for key, program in first.items()}
-        self._background = {key: compiler.submit(*program) for key, program in later.items()}
-        self._programs = {**futures, **self._background}
-        compiler.close()
+        self._programs = dict(futures)
         futures[("prefill", lengths[0], 1)].result()
         hidden_1D = self.prefill([0], chunks(lengths[0], 1), [True])
         if self.prefix_block is not None:
@@ -909,5 +933,12 @@ class Engine:
         compiled()
         self.release(0)
         jax.block_until_ready(self.state)
-        for future in [*futures.values(), *([] if background else self._background.values())]:
+        for future in futures.values():
             future.result()
+        # the others only now: compiling alongside, they would take the CPU from the programs above
+        self._background = {key: compiler.submit(*program) for key, program in later.items()}
+        self._programs |= self._background
+        compiler.close()
+        if not background:
+            for future in self._background.values():
+                future.result()

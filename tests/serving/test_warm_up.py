@@ -2,7 +2,7 @@
 (jax's cache statistics: no miss; none of them stored in a program store) or, with a filled one, loads the prefill
 and decode programs without tracing them (same outputs; another engine's shapes are another key), and a program
 still compiling in the background is run around with the same output (several prompts' prefill rows one at a time;
-a larger decode bucket; one decode step for several)."""
+a larger decode bucket; one decode step for several; a long chunk in shorter pieces)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ling_jax.generation import cli_runtime
 from ling_jax.generation.random_init import random_model
 from ling_jax.generation.static_model import StaticModel
 from ling_jax.presets import PRESETS
-from ling_jax.serving.engine import Engine, _step
+from ling_jax.serving.engine import GREEDY, Engine, _step
 from ling_jax.serving.programs import ProgramStore, StoredProgram, spec
 
 CHUNK = 16
@@ -132,3 +132,22 @@ def test_programs_compiling_in_the_background_are_run_around(tiny_model):
     assert engine.compiling() and engine.decode_rows(active_B) == 2
     engine._background[("step", 2, 3)] = Future()  # several steps per program: one step until compiled
     assert np.asarray(engine.decode(active_B, steps=3).counts_B).tolist() == [1, 0]
+
+
+def test_a_chunk_whose_program_still_compiles_is_prefilled_in_shorter_pieces(tiny_model):
+    engine = Engine(tiny_model, max_batch=2, max_context=128, prefill_chunk=4 * CHUNK)  # chunk lengths 16, 32, 64
+    prompt = np.random.default_rng(1).integers(0, tiny_model.config.vocab_size, 104).tolist()
+    assert [len(ids) for ids, _ in engine.prompt_chunks(prompt)] == [64, 64]  # the head: 24 pads, then 40 tokens
+    served = []
+    for compiling in ({}, {("prefill", 2 * CHUNK, 1): Future(), ("prefill", 4 * CHUNK, 1): Future()}):
+        engine._background = compiling  # 32 and 64 still compiling: each chunk in pieces of 16, a pad-only one skipped
+        engine.assign(0, [], len(prompt) + 4)
+        for index, chunk in enumerate(engine.prompt_chunks(prompt)):
+            hidden_1D = engine.prefill([0], [chunk], [index == 0])
+        first = engine.first_token(0, hidden_1D, GREEDY)
+        second = engine.decode(np.array([True, False]))
+        served.append((np.asarray(hidden_1D), [int(first.tokens_BT[0, 0]), int(second.tokens_BT[0, 0])]))
+        engine.release(0)
+    (whole_1D, whole_tokens), (pieces_1D, pieces_tokens) = served
+    np.testing.assert_allclose(pieces_1D, whole_1D, rtol=1e-4, atol=1e-4)
+    assert pieces_tokens == whole_tokens
