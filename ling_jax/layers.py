@@ -113,11 +113,11 @@ def linear_add_rms_norm(
     the caller's."""
     weight = weights["weight"]
     with jax.named_scope(product_scope):
-        partials_SND = None
-        if policy is not None and _fp8_matrix(weight) and o_BTC.dtype == residual_BTD.dtype:
-            partials_SND = fp8_linear_partials(o_BTC, weight, **_fp8_call(policy))
-        y_BTD = None if partials_SND is not None else constrain(linear(weights, o_BTC, policy), *ACTIVATION_BTD)
-    if y_BTD is not None:
+        fusable = policy is not None and _fp8_matrix(weight) and o_BTC.dtype == residual_BTD.dtype
+        partials_SND = fp8_linear_partials(o_BTC, weight, **_fp8_call(policy)) if fusable else None
+        if partials_SND is None:
+            y_BTD = constrain(linear(weights, o_BTC, policy), *ACTIVATION_BTD)
+    if partials_SND is None:
         return add_rms_norm(norm_weights, residual_BTD, y_BTD, eps, policy)
     return add_partials_rms_norm_op(
         residual_BTD, partials_SND, norm_weights["weight"], eps, backend=_norm_backend(policy)
