@@ -4,11 +4,17 @@ One parser for `scripts/trace_summary.py` and the benchmarks that profile (`pyth
 DIR`). The kernels of a trace are the complete events of its device processes (`/device:GPU:0`, ...); a CPU trace
 has none, and its kernels are the XLA ops the host runs (events carrying an `hlo_op`), the same structure.
 
-Attribution: each kernel names its HLO instruction (`hlo_op`, or on a GPU its kernel name, the instruction's with
-'.' and '-' as '_'), and the compiled program's HLO text gives that instruction's `op_name`, the `jax.named_scope`
-path it was traced under (`jit(step)/decoder_layer_3/kda/...`; a weight's, its layer's). An instruction without one
-(a copy or layout change XLA added) takes its called computation's, else an operand's (`hlo_scopes`). The path's
-first layer scope names the kind:
+Attribution: each kernel is matched to its HLO instruction, and the compiled program's HLO text gives that
+instruction's `op_name`, the `jax.named_scope` path it was traced under (`jit(step)/decoder_layer_3/kda/...`; a
+weight's or a cache's, its layer's). An instruction without one (a copy or layout change XLA added) takes its called
+computation's, else an operand's (`hlo_scopes`). A kernel's instruction is its `hlo_op` where that names one (a CPU
+trace). On a GPU with XLA command buffers (CUDA graphs) every kernel's `hlo_op` is the command buffer
+(`command_buffer_1`), so the kernel's name and its place in the trace give it instead (`hlo_launches`): a fusion's
+kernel is named like its instruction ('.' and '-' as '_'), one kernel for all the instructions XLA deduplicated into
+it (their `deduplicated_name`); a Pallas kernel like the kernel function (`weight_only_gemv`, variants
+`weight_only_gemv__1`, ...); a top-level copy is a `memcpy...` kernel. The k-th kernel of a launch name in the trace
+is the (k mod n)-th of its n instructions in the program's schedule order (the HLO text is scheduled). Anything
+else falls back to the kernel name read as an instruction's. The path's first layer scope names the kind:
 `kda`, `mla`, `moe` / `mlp`, `lm_head` / `sampling` (`LAYER_KINDS`); anything else is "other" (embedding, the
 decoder layers' norms, the final norm, unscoped ops).
 """
@@ -41,7 +47,14 @@ _REFERENCE = re.compile(r"%(?P<name>[\w.\-]+)")
 _SCOPE_PARTS = re.compile(r"[/\[\]\\'.]+")
 _MIXER = re.compile(r"decoder_layer_(\d+)/(kda|mla)/")
 _LAYER_PARAMETER = re.compile(r"params\[\\?'model\\?'\]\[\\?'layers\\?'\]\[(?P<layer>\d+)\]\[\\?'(?P<module>\w+)\\?'\]")
+_CACHE_PARAMETER = re.compile(r"cache\.layers\[(?P<layer>\d+)\]")
 _MODULE = re.compile(r"^HloModule\s+(?P<name>[^\s,]+)")
+_OPCODE = re.compile(r"(?:^|\s)(?P<opcode>[a-z][\w\-]*)\(")
+_FUSED_COMPUTATION = re.compile(r"calls=%(?P<name>[\w.\-]+)")
+_DEDUPLICATED_NAME = re.compile(r'deduplicated_name="(?P<name>[\w.\-]+)"')
+_PALLAS_KERNEL = re.compile(r"/(?P<kernel>\w+)/pallas_call$")
+_KERNEL_VARIANT = re.compile(r"__\d+$")
+MEMCPY = "memcpy"  # the launch name of a top-level copy: its kernel is the driver's memcpy32_post, ...
 
 
 def find_trace(path: pathlib.Path) -> pathlib.Path:
@@ -119,11 +132,13 @@ def hlo_module_name(hlo_text: str) -> str:
 
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
     """{instruction name: its op_name} for every instruction of a compiled program's HLO text (`compiled.
-    as_text()`) that has one or inherits one (module docstring); also each computation's, under its name. A
-    parameter's op_name (`params['model']['layers'][1]['attention'][...]`, which a weight's conversion or layout
-    copy inherits) becomes its layer's scope (`decoder_layer_1/mla`, the layer's mixer as the program's own op_names
-    name it). An instruction without one inherits from its called computations first, then its operands, the first
-    that names a layer kind, else the first that has one (a dot XLA rewrote takes its weight's layer)."""
+    as_text()`) that has one or inherits one (module docstring); also each computation's, under its name (its
+    instructions' first that names a layer kind, else their first; no constant's). A parameter's op_name
+    (`params['model']['layers'][1]['attention'][...]`, which a weight's conversion or layout copy inherits) becomes
+    its layer's scope (`decoder_layer_1/mla`, the layer's mixer as the program's own op_names name it), and so does
+    a cache's (`cache.layers[1].latent`, which its copy inherits). An instruction without one inherits from its
+    called computations first, then its operands, the first that names a layer kind, else the first that has one (a
+    dot XLA rewrote takes its weight's layer)."""
     mixers = dict(_MIXER.findall(hlo_text))
     scopes: dict[str, str] = {}
     computations: set[str] = set()
@@ -147,18 +162,78 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
             scope = next((s for s in inherited if layer_kind(s) != OTHER), next(iter(inherited), None))
         if scope:
             scopes[instruction["name"]] = scope
-            if computation is not None:
-                scopes.setdefault(computation, scope)
+            if computation is not None and _names_its_computation(scope, scopes.get(computation), instruction["rest"]):
+                scopes[computation] = scope
     return scopes
 
 
+def _names_its_computation(scope: str, computation_scope: str | None, rest: str) -> bool:
+    """Whether an instruction's scope becomes its computation's (`hlo_scopes`); never a constant's: XLA shares one
+    constant among scopes."""
+    opcode = _OPCODE.search(rest)
+    if opcode is not None and opcode["opcode"] == "constant":
+        return False
+    return computation_scope is None or (layer_kind(computation_scope) == OTHER and layer_kind(scope) != OTHER)
+
+
 def _parameter_scope(op_name: str, mixers: dict[str, str]) -> str:
-    """`op_name`, or for a decoder layer's parameter its layer's scope (`hlo_scopes`)."""
+    """`op_name`, or for a decoder layer's parameter or cache its layer's scope (`hlo_scopes`)."""
+    cache = _CACHE_PARAMETER.match(op_name)
+    if cache is not None and cache["layer"] in mixers:
+        return f"decoder_layer_{cache['layer']}/{mixers[cache['layer']]}"
     parameter = _LAYER_PARAMETER.match(op_name)
     if parameter is None:
         return op_name
     layer, module = parameter["layer"], parameter["module"]
     return f"decoder_layer_{layer}/{mixers.get(layer, module) if module == 'attention' else module}"
+
+
+def hlo_launches(hlo_text: str) -> dict[str, tuple[str, ...]]:
+    """{kernel name: the names of its launch group's instructions in schedule order} for the instructions of a
+    compiled GPU program's HLO text that launch a kernel the trace names (module docstring), those of the
+    computations that are not a fusion's. A fusion's group is the fusions of its `deduplicated_name` (else itself):
+    XLA compiles a group into one kernel or a few, each named like one member ('.' and '-' as '_'). A Pallas call's
+    group is its kernel's (the op_name's scope before `pallas_call`), a copy's MEMCPY."""
+    fused = {match["name"] for match in _FUSED_COMPUTATION.finditer(hlo_text)}
+    groups: dict[str, list[str]] = collections.defaultdict(list)
+    kernel_groups: dict[str, str] = {}
+    computation = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header["name"]
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None or computation in fused:
+            continue
+        launch = _launch(instruction["name"], instruction["rest"])
+        if launch is not None:
+            kernel, group = launch
+            groups[group].append(instruction["name"])
+            kernel_groups[kernel] = group
+    return {kernel: tuple(groups[group]) for kernel, group in kernel_groups.items()}
+
+
+def _launch(name: str, rest: str) -> tuple[str, str] | None:
+    """(the kernel name, the launch group) of an instruction (`hlo_launches`), None for one that launches no kernel
+    the trace names."""
+    opcode = _OPCODE.search(rest)
+    if opcode is None:
+        return None
+    if opcode["opcode"] == "fusion":
+        deduplicated = _DEDUPLICATED_NAME.search(rest)
+        return re.sub(r"[.\-]", "_", name), deduplicated["name"] if deduplicated else name
+    if opcode["opcode"] == "copy":
+        return MEMCPY, MEMCPY
+    op_name = _OP_NAME.search(rest)
+    kernel = _PALLAS_KERNEL.search(op_name["op_name"]) if opcode["opcode"] == "custom-call" and op_name else None
+    return (kernel["kernel"], kernel["kernel"]) if kernel else None
+
+
+def kernel_launch_name(kernel_name: str) -> str:
+    """A trace kernel's launch name (`hlo_launches`): MEMCPY for a memcpy, a Pallas kernel's variant suffix
+    (`__1`) dropped."""
+    return MEMCPY if kernel_name.startswith(MEMCPY) else _KERNEL_VARIANT.sub("", kernel_name)
 
 
 def layer_kind(scope: str | None) -> str:
@@ -170,22 +245,46 @@ def layer_kind(scope: str | None) -> str:
     return OTHER
 
 
-def time_by_layer_kind(kernels: list[dict], scopes: dict[str, str]) -> dict[str, tuple[int, float]]:
-    """{kind: (kernels, device time in us)} over KIND_ORDER."""
-    totals = {kind: [0, 0.0] for kind in KIND_ORDER}
+def kernel_scopes(
+    kernels: list[dict], scopes: dict[str, str], launches: dict[str, tuple[str, ...]] | None = None
+) -> list[str | None]:
+    """Each kernel's scope (module docstring): its `hlo_op`'s where that has one; else, given the program's
+    `hlo_launches`, the k-th kernel of a launch group in time order takes the (k mod n)-th of its n instructions';
+    else its name's read as an instruction's."""
     by_kernel_name = {re.sub(r"[.\-]", "_", name): scope for name, scope in scopes.items()}
+    launched = collections.Counter()
+    chosen = []
     for kernel in kernels:
         op = kernel.get("args", {}).get("hlo_op")
-        scope = scopes.get(op) if op is not None else by_kernel_name.get(kernel["name"])
+        launch = kernel_launch_name(kernel["name"])
+        instructions = (launches or {}).get(launch)
+        if op in scopes:
+            chosen.append(scopes[op])
+        elif instructions:
+            chosen.append(scopes.get(instructions[launched[instructions] % len(instructions)]))
+            launched[instructions] += 1
+        else:
+            chosen.append(by_kernel_name.get(kernel["name"]))
+    return chosen
+
+
+def time_by_layer_kind(
+    kernels: list[dict], scopes: dict[str, str], launches: dict[str, tuple[str, ...]] | None = None
+) -> dict[str, tuple[int, float]]:
+    """{kind: (kernels, device time in us)} over KIND_ORDER (`kernel_scopes`)."""
+    totals = {kind: [0, 0.0] for kind in KIND_ORDER}
+    for kernel, scope in zip(kernels, kernel_scopes(kernels, scopes, launches), strict=True):
         total = totals[layer_kind(scope)]
         total[0] += 1
         total[1] += kernel["dur"]
     return {kind: (count, us) for kind, (count, us) in totals.items()}
 
 
-def layer_kind_table(kernels: list[dict], scopes: dict[str, str], steps: int) -> str:
+def layer_kind_table(
+    kernels: list[dict], scopes: dict[str, str], steps: int, launches: dict[str, tuple[str, ...]] | None = None
+) -> str:
     """Per step: the kernel count and device time, then a row per layer kind (`time_by_layer_kind`)."""
-    by_kind = time_by_layer_kind(kernels, scopes)
+    by_kind = time_by_layer_kind(kernels, scopes, launches)
     busy = sum(us for _, us in by_kind.values())
     lines = [
         f"{len(kernels) / steps:.0f} kernels and {busy / steps:.1f} us of device time per step ({steps} steps)",
@@ -203,7 +302,8 @@ def layer_kind_report(directory: pathlib.Path, steps: int) -> str:
     (the profiled program's: `benchmarks.common.time_decode` writes both), its kernels only."""
     hlo_text = (directory / HLO_FILE).read_text()
     trace = load_trace(find_trace(directory))
-    return layer_kind_table(kernels(trace, hlo_module_name(hlo_text)), hlo_scopes(hlo_text), steps)
+    chosen = kernels(trace, hlo_module_name(hlo_text))
+    return layer_kind_table(chosen, hlo_scopes(hlo_text), steps, hlo_launches(hlo_text))
 
 
 def profile_report(directory: pathlib.Path, steps: int, top: int = 25, small_us: float = 5.0) -> str:
