@@ -111,3 +111,66 @@ def test_kernels_by_layer_kind_from_the_hlo_scopes(tmp_path):
     _write_trace(tmp_path)
     (tmp_path / trace.HLO_FILE).write_text(HLO)
     assert "| other | 306.0 | 100.0% | 3.0 |" in _run(tmp_path, "--steps", 2).stdout  # names outside the program
+
+
+GPU_HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_negate (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %negate.1 = f32[4]{0} negate(%a)
+}
+
+%fused_multiply (b: f32[4]) -> f32[4] {
+  %b = f32[4]{0} parameter(0)
+  %constant.2 = f32[] constant(2), metadata={op_name="jit(step)/sampling/mul"}
+  %nested_fusion.1 = f32[4]{0} fusion(%b), kind=kLoop, calls=%fused_negate
+  ROOT %multiply.3 = f32[4]{0} multiply(%nested_fusion.1, %b), metadata={op_name="jit(step)/decoder_layer_2/moe/mul"}
+}
+
+ENTRY %main.1 (c: f32[4]) -> f32[4] {
+  %c = f32[4]{0} parameter(0), metadata={op_name="cache.layers[1].latent"}
+  %loop_multiply_fusion.4 = f32[4]{0} fusion(%c), kind=kLoop, calls=%fused_multiply, \
+metadata={op_name="jit(step)/decoder_layer_0/kda/mul" deduplicated_name="loop_multiply_fusion.1"}
+  %pallas_call.5 = f32[4]{0} custom-call(%loop_multiply_fusion.4), custom_call_target="__gpu$xla.gpu.triton", \
+metadata={op_name="jit(step)/decoder_layer_0/kda/jit(gemv)/weight_only_gemv/pallas_call"}
+  %loop_multiply_fusion.2 = f32[4]{0} fusion(%pallas_call.5), kind=kLoop, calls=%fused_multiply, \
+metadata={op_name="jit(step)/decoder_layer_1/mla/mul" deduplicated_name="loop_multiply_fusion.1"}
+  %copy.6 = f32[4]{0} copy(%c)
+  %loop_multiply_fusion.7 = f32[4]{0} fusion(%copy.6), kind=kLoop, calls=%fused_multiply, \
+metadata={deduplicated_name="loop_multiply_fusion.1"}
+  ROOT %pallas_call.8 = f32[4]{0} custom-call(%loop_multiply_fusion.7), custom_call_target="__gpu$xla.gpu.triton", \
+metadata={op_name="jit(step)/decoder_layer_2/moe/jit(gemv)/weight_only_gemv/pallas_call"}
+}
+"""
+
+
+def test_command_buffer_kernels_by_launch_group_and_schedule_order():
+    """A GPU trace with XLA command buffers: every kernel's hlo_op is the command buffer, so each kernel is matched by
+    its name and its place in the trace to an instruction of its launch group (the fusions XLA deduplicated into one
+    kernel or a few named like a member, a Pallas kernel and its variants, the copies' memcpy), in schedule order."""
+    launches = trace.hlo_launches(GPU_HLO)
+    group = ("loop_multiply_fusion.4", "loop_multiply_fusion.2", "loop_multiply_fusion.7")
+    assert launches["loop_multiply_fusion_4"] == launches["loop_multiply_fusion_2"] == group
+    assert launches["weight_only_gemv"] == ("pallas_call.5", "pallas_call.8")
+    assert launches[trace.MEMCPY] == ("copy.6",)
+    assert "nested_fusion_1" not in launches  # inside a fusion: no kernel of its own
+    scopes = trace.hlo_scopes(GPU_HLO)
+    assert scopes["fused_multiply"] == "jit(step)/decoder_layer_2/moe/mul"  # not its constant's
+    assert scopes["copy.6"] == "decoder_layer_1/mla"  # layer 1's cache: its mixer is MLA
+    names = ["loop_multiply_fusion_4", "weight_only_gemv", "loop_multiply_fusion_2", "memcpy32_post"]
+    names += ["loop_multiply_fusion_2", "weight_only_gemv__1"]
+    command_buffer = {"hlo_op": "command_buffer_1", "hlo_module": "jit_step"}
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}}]
+    for step in range(2):
+        events += [
+            {"ph": "X", "pid": 1, "ts": 10 * step + i, "dur": i + 1.0, "name": name, "args": command_buffer}
+            for i, name in enumerate(names)
+        ]
+    kernels = trace.kernels({"traceEvents": events}, "jit_step")
+    assert trace.time_by_layer_kind(kernels, scopes, launches) == {
+        "KDA layer": (4, 6.0),
+        "MLA layer": (4, 14.0),
+        "MoE / dense FFN": (4, 22.0),
+        "lm_head / sampling": (0, 0.0),
+        "other": (0, 0.0),
+    }
