@@ -11,7 +11,8 @@ name (repeated launches of one kernel are one row; with --by-kind every numbered
 trace holds) the busy time, the kernel count, the largest kernels and the tail of small ones, the launch-bound part
 of a decode step. Given a directory that also holds the program's HLO text (`program.hlo.txt`, written by
 `benchmarks.generate --profile`), it prints the device time per layer kind too (KDA, MLA, MoE / dense FFN,
-lm_head / sampling, other: the named scopes of the kernels' HLO ops). The parser is `benchmarks.trace`.
+lm_head / sampling, other: the named scopes of the kernels' HLO ops; with XLA command buffers, of the instructions
+each kernel's name and place in the trace match). The parser is `benchmarks.trace`.
 """
 
 from __future__ import annotations
