@@ -9,11 +9,11 @@ instruction's `op_name`, the `jax.named_scope` path it was traced under (`jit(st
 weight's or a cache's, its layer's). An instruction without one (a copy or layout change XLA added) takes its called
 computation's, else an operand's (`hlo_scopes`). A kernel's instruction is its `hlo_op` where that names one (a CPU
 trace). On a GPU with XLA command buffers (CUDA graphs) every kernel's `hlo_op` is the command buffer
-(`command_buffer_1`), so the kernel's name and its place in the trace give it instead (`hlo_launches`): a fusion's
-kernel is named like its instruction ('.' and '-' as '_'), one kernel for all the instructions XLA deduplicated into
-it (their `deduplicated_name`); a Pallas kernel like the kernel function (`weight_only_gemv`, variants
-`weight_only_gemv__1`, ...); a top-level copy is a `memcpy...` kernel. The k-th kernel of a launch name in the trace
-is the (k mod n)-th of its n instructions in the program's schedule order (the HLO text is scheduled). Anything
+(`command_buffer_1`), so the kernel's name and its place in the trace give it instead (`hlo_launches`). The name
+gives the launch group: the fusions of one `deduplicated_name` (XLA compiles them into one kernel or a few, each
+named like a member, '.' and '-' as '_'), the Pallas calls of one kernel (`weight_only_gemv`, variants
+`weight_only_gemv__1`, ...), the top-level copies (`memcpy...` kernels). The k-th kernel of a group in the trace is
+the group's (k mod n)-th of n instructions in the program's schedule order (the HLO text is scheduled). Anything
 else falls back to the kernel name read as an instruction's. The path's first layer scope names the kind:
 `kda`, `mla`, `moe` / `mlp`, `lm_head` / `sampling` (`LAYER_KINDS`); anything else is "other" (embedding, the
 decoder layers' norms, the final norm, unscoped ops).
@@ -222,12 +222,17 @@ def _launch(name: str, rest: str) -> tuple[str, str] | None:
         return None
     if opcode["opcode"] == "fusion":
         deduplicated = _DEDUPLICATED_NAME.search(rest)
-        return re.sub(r"[.\-]", "_", name), deduplicated["name"] if deduplicated else name
+        return _kernel_name(name), deduplicated["name"] if deduplicated else name
     if opcode["opcode"] == "copy":
         return MEMCPY, MEMCPY
     op_name = _OP_NAME.search(rest)
     kernel = _PALLAS_KERNEL.search(op_name["op_name"]) if opcode["opcode"] == "custom-call" and op_name else None
     return (kernel["kernel"], kernel["kernel"]) if kernel else None
+
+
+def _kernel_name(instruction: str) -> str:
+    """The name a GPU trace gives the kernel of an XLA instruction: '.' and '-' as '_'."""
+    return re.sub(r"[.\-]", "_", instruction)
 
 
 def kernel_launch_name(kernel_name: str) -> str:
@@ -251,7 +256,7 @@ def kernel_scopes(
     """Each kernel's scope (module docstring): its `hlo_op`'s where that has one; else, given the program's
     `hlo_launches`, the k-th kernel of a launch group in time order takes the (k mod n)-th of its n instructions';
     else its name's read as an instruction's."""
-    by_kernel_name = {re.sub(r"[.\-]", "_", name): scope for name, scope in scopes.items()}
+    by_kernel_name = {_kernel_name(name): scope for name, scope in scopes.items()}
     launched = collections.Counter()
     chosen = []
     for kernel in kernels:
