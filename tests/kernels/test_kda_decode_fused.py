@@ -19,10 +19,11 @@ from ling_jax import ExecutionPolicy, KDAState, LingConfig
 from ling_jax.kda import KimiDeltaAttention
 from ling_jax.presets import TINY
 from pallas_kernels.kda import DecodeWeights, kda_decode_fused
+from pallas_kernels.kda.gpu_triton.decode_fused import value_splits
 from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
 from pallas_kernels.kda.reference import kda_log_decay
-from pallas_kernels.kda.tuned import DecodeGpuTiles
+from pallas_kernels.kda.tuned import DecodeFusedGpuTiles
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 EPS = 1e-6
@@ -98,10 +99,18 @@ def test_kernel_matches_reference(shape_name, dtype, gate):
     assert_matches_reference(step, arrays, dtype, lower_bound)
 
 
-@pytest.mark.parametrize("tiles", [DecodeGpuTiles(block_v=8, num_warps=2), DecodeGpuTiles(block_v=32, num_warps=8)])
+FUSED_TILES = [
+    DecodeFusedGpuTiles(block_v=8, num_warps=2, value_splits=1),
+    DecodeFusedGpuTiles(block_v=8, num_warps=4, value_splits=2),
+    DecodeFusedGpuTiles(block_v=32, num_warps=8, value_splits=4),
+]
+
+
+@pytest.mark.parametrize("tiles", FUSED_TILES, ids=["one_program_4_steps", "2_programs_2_steps", "4_programs"])
 def test_kernel_tiles_and_pad_tokens_match_reference(tiles):
-    """A program walking its state 8 columns at a time (4 steps) and one taking all of V at once; the second
-    sequence's token is a pad."""
+    """One program a sequence-head walking its state 8 columns at a time (4 steps, the norm in the kernel), two
+    programs walking their 16 columns in 2 steps, four taking their 8 columns at once (the norm after the kernel);
+    the second sequence's token is a pad."""
     arrays = random_step(2, 3, 32, 4, jnp.bfloat16, seed=5)
     step = functools.partial(
         kda_decode_fused_gpu, scale=32**-0.5, lower_bound=-5.0, eps=EPS, tiles=tiles, interpret=True
@@ -150,10 +159,17 @@ def _abstract_step(batch, heads=64, dim=128, taps=4):
     return rows + [window, shape((batch, heads, dim, dim), fp32), weights]
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
-def test_kernel_lowers_for_cuda(lower_bound):
+def test_value_splits_fill_the_sms():
+    """Ling-3.0-flash's 32 heads: 4 programs a head at batch 1 (128 on 132 SMs), 2 at batch 2, 1 from batch 8;
+    no program owns fewer than 16 value columns."""
+    assert [value_splits(32 * batch, 128, 132) for batch in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert value_splits(1, 128, 132) == 8 and value_splits(1, 16, 132) == 1
+
+
+@pytest.mark.parametrize("lower_bound, batch", [(-5.0, 1), (None, 64)], ids=["safe_gate-split", "unbounded_gate"])
+def test_kernel_lowers_for_cuda(lower_bound, batch):
     step = functools.partial(kda_decode_fused_gpu, scale=128**-0.5, lower_bound=lower_bound, eps=EPS)
-    lowered = lower_for_cuda(step, *_abstract_step(batch=64))
+    lowered = lower_for_cuda(step, *_abstract_step(batch=batch))
     assert "kda_decode_fused" in lowered.as_text()
 
 
