@@ -23,6 +23,7 @@ from ling_jax.context import TokenContext
 from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, linear_many, param, params_of
 from ling_jax.policy import ExecutionPolicy, KDADecode, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
 from pallas_kernels.kda.reference import DecodeWeights, kda_log_decay, kda_recurrent
 
@@ -100,6 +101,15 @@ def gate_lower_bound(cfg: LingConfig) -> float | None:
     return cfg.kda_lower_bound if cfg.kda_safe_gate else None
 
 
+def fused_decode(policy: ExecutionPolicy) -> bool:
+    """Whether a recurrent one-token step runs fused (`pallas_kernels.kda.kda_decode_fused`): kda_decode FUSED, or
+    AUTO with a GPU's kernels (one kernel a layer: the convs, gates, recurrence and, at batches that fill the SMs,
+    the gated norm; the separate ops launch about seven)."""
+    if policy.kda_decode == KDADecode.AUTO:
+        return KERNEL_TARGET.get(resolve_backend(op_backend(policy))) == "gpu"
+    return policy.kda_decode == KDADecode.FUSED
+
+
 def kda_attention(
     weights: Weights,
     x_BTD,
@@ -144,7 +154,7 @@ def _kda(
     c = config
     mode = policy.kda_mode
     batch, length, _ = x_BTD.shape
-    if mode == RECURRENT and length == 1 and policy.kda_decode == KDADecode.FUSED:
+    if mode == RECURRENT and length == 1 and fused_decode(policy):
         return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy, project_output)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     *qkv, b, f, r = _projections(weights, x_BTD, c, policy)

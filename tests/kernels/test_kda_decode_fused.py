@@ -16,8 +16,9 @@ from flax import nnx
 from helpers import gpu_test, lower_for_cuda, rel_error
 
 from ling_jax import ExecutionPolicy, KDAState, LingConfig
-from ling_jax.kda import KimiDeltaAttention
+from ling_jax.kda import KimiDeltaAttention, fused_decode
 from ling_jax.presets import TINY
+from pallas_kernels.backend import BACKENDS
 from pallas_kernels.kda import DecodeWeights, kda_decode_fused
 from pallas_kernels.kda.gpu_triton.decode_fused import value_splits
 from pallas_kernels.kda.ops import kernel
@@ -183,5 +184,24 @@ def test_compiled_kernel_full_size(batch, lower_bound):
 
 
 def test_policy_names_a_misspelt_mode():
-    with pytest.raises(ValueError, match=r"ExecutionPolicy.kda_decode: 'fuse' is not one of 'separate', 'fused'"):
+    with pytest.raises(
+        ValueError, match=r"ExecutionPolicy.kda_decode: 'fuse' is not one of 'auto', 'separate', 'fused'"
+    ):
         ExecutionPolicy(kda_decode="fuse")
+
+
+def test_auto_fuses_the_decode_step_on_the_gpu_path_only():
+    """The default (kda_decode AUTO) runs the fused step with a GPU's kernels, interpreted or not, and the separate
+    ops with a TPU's kernels (no fused TPU kernel) and the reference."""
+    fused = {
+        backend: fused_decode(ExecutionPolicy(kernel_backend=backend)) for backend in BACKENDS if backend != "auto"
+    }
+    assert fused == {
+        "reference": False,
+        "pallas_gpu": True,
+        "pallas_tpu": False,
+        "interpret_gpu": True,
+        "interpret_tpu": False,
+        "interpret": False,
+    }
+    assert not fused_decode(ExecutionPolicy(kernel_backend="interpret_gpu", kda_decode="separate"))
