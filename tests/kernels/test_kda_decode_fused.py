@@ -19,7 +19,7 @@ from ling_jax import ExecutionPolicy, KDAState, LingConfig
 from ling_jax.kda import KimiDeltaAttention, fused_decode
 from ling_jax.presets import TINY
 from pallas_kernels.backend import BACKENDS
-from pallas_kernels.kda import DecodeWeights, kda_decode_fused
+from pallas_kernels.kda import BetaProjection, DecodeWeights, kda_decode_fused
 from pallas_kernels.kda.gpu_triton.decode_fused import value_splits
 from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
@@ -100,19 +100,25 @@ def test_kernel_matches_reference(shape_name, dtype, gate):
     assert_matches_reference(step, arrays, dtype, lower_bound)
 
 
-FUSED_TILES = [
-    DecodeFusedGpuTiles(block_v=8, num_warps=2, value_splits=1),
-    DecodeFusedGpuTiles(block_v=8, num_warps=4, value_splits=2),
-    DecodeFusedGpuTiles(block_v=32, num_warps=8, value_splits=4),
-]
+FUSED_TILES = {  # tiles, whether beta's pre-activation comes as its projection
+    "one_program_4_steps": (DecodeFusedGpuTiles(block_v=8, num_warps=2, value_splits=1), False),
+    "2_programs_2_steps": (DecodeFusedGpuTiles(block_v=8, num_warps=4, value_splits=2), False),
+    "4_programs_beta_projected": (DecodeFusedGpuTiles(block_v=32, num_warps=8, value_splits=4), True),
+}
 
 
-@pytest.mark.parametrize("tiles", FUSED_TILES, ids=["one_program_4_steps", "2_programs_2_steps", "4_programs"])
-def test_kernel_tiles_and_pad_tokens_match_reference(tiles):
+@pytest.mark.parametrize("case", FUSED_TILES)
+def test_kernel_tiles_and_pad_tokens_match_reference(case):
     """One program a sequence-head walking its state 8 columns at a time (4 steps, the norm in the kernel), two
-    programs walking their 16 columns in 2 steps, four taking their 8 columns at once (the norm after the kernel);
-    the second sequence's token is a pad."""
+    programs walking their 16 columns in 2 steps, four taking their 8 columns at once (the norm after the kernel),
+    these forming beta's pre-activation from a 48-wide input row and b_proj's weight (`BetaProjection`, summed 16
+    columns at a time); the second sequence's token is a pad."""
+    tiles, project_beta = FUSED_TILES[case]
     arrays = random_step(2, 3, 32, 4, jnp.bfloat16, seed=5)
+    if project_beta:
+        r = np.random.default_rng(7)
+        x_BD, weight_HD = (jnp.asarray(r.normal(size=shape), jnp.bfloat16) for shape in ((2, 48), (3, 48)))
+        arrays = (*arrays[:4], BetaProjection(x_BD, weight_HD), *arrays[5:])
     step = functools.partial(
         kda_decode_fused_gpu, scale=32**-0.5, lower_bound=-5.0, eps=EPS, tiles=tiles, interpret=True
     )
@@ -151,9 +157,15 @@ def test_masked_layer_step_fused_equals_separate_ops():
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def _abstract_step(batch, heads=64, dim=128, taps=4):
+def _abstract_step(batch, heads=64, dim=128, taps=4, hidden=None):
+    """The fused op's abstract arguments; hidden: beta's pre-activation as a `BetaProjection` from that width."""
     shape, bf16, fp32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    rows = [shape((batch, heads, dim), bf16)] * 4 + [shape((batch, heads), bf16), shape((batch, heads, dim), bf16)]
+    b = (
+        shape((batch, heads), bf16)
+        if hidden is None
+        else BetaProjection(shape((batch, hidden), bf16), shape((heads, hidden), bf16))
+    )
+    rows = [shape((batch, heads, dim), bf16)] * 4 + [b, shape((batch, heads, dim), bf16)]
     conv = [shape((heads, dim, taps), fp32)] * 3
     weights = DecodeWeights(*conv, shape((heads, dim), fp32), shape((heads,), fp32), shape((dim,), bf16))
     window = shape((batch, taps - 1, 3, heads, dim), bf16)
@@ -167,10 +179,15 @@ def test_value_splits_fill_the_sms():
     assert value_splits(1, 128, 132) == 8 and value_splits(1, 16, 132) == 1
 
 
-@pytest.mark.parametrize("lower_bound, batch", [(-5.0, 1), (None, 64)], ids=["safe_gate-split", "unbounded_gate"])
-def test_kernel_lowers_for_cuda(lower_bound, batch):
+@pytest.mark.parametrize(
+    "lower_bound, batch, hidden",
+    [(-5.0, 1, 2560), (None, 64, None)],
+    ids=["safe_gate-split-beta_projected", "unbounded_gate"],
+)
+def test_kernel_lowers_for_cuda(lower_bound, batch, hidden):
+    """Ling-3.0-flash's 2560-wide input row (beta's projection in 5 pieces of 512) at batch 1 (2 programs a head)."""
     step = functools.partial(kda_decode_fused_gpu, scale=128**-0.5, lower_bound=lower_bound, eps=EPS)
-    lowered = lower_for_cuda(step, *_abstract_step(batch=batch))
+    lowered = lower_for_cuda(step, *_abstract_step(batch=batch, hidden=hidden))
     assert "kda_decode_fused" in lowered.as_text()
 
 

@@ -27,12 +27,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.reference import L2_EPS, DecodeWeights, gated_output_norm
+from pallas_kernels.kda.reference import L2_EPS, BetaProjection, DecodeWeights, gated_output_norm
 from pallas_kernels.tuning import lookup
 
 Q, K, V = 0, 1, 2  # the conv window's [q; k; v] rows
 H200_SMS = 132  # the SMs `value_splits` fills where no GPU is attached (a program lowered for CUDA on a CPU)
 MIN_SPLIT_COLUMNS = 16  # the narrowest state slice a program owns
+MAX_DOT_COLUMNS = 1024  # beta's projection: x and the weight row this many columns at a time at most
 
 
 def value_splits(sequence_heads: int, value_dim: int, cores: int) -> int:
@@ -62,6 +63,21 @@ def _shift_window(window_ref, new_window_ref, u_refs, real):
             new_window_ref[j, which, :] = jnp.where(real, rows[j + 1], rows[j]).astype(new_window_ref.dtype)
 
 
+def _beta_logit(b_refs):
+    """Beta's pre-activation in fp32: b's element, or x . weight row (`BetaProjection`: the weight in x's dtype, the
+    products summed in fp32, rounded to x's dtype) over D in power-of-two pieces."""
+    if len(b_refs) == 1:
+        return b_refs[0][...].astype(jnp.float32)
+    x_ref, weight_ref = b_refs
+    width = x_ref.shape[0]
+    piece = min(width & -width, MAX_DOT_COLUMNS)  # the largest power of two dividing D
+    total = sum(
+        jnp.sum(x_ref[pl.ds(start, piece)].astype(jnp.float32) * weight_ref[pl.ds(start, piece)].astype(x_ref.dtype))
+        for start in range(0, width, piece)
+    )
+    return total.astype(x_ref.dtype).astype(jnp.float32)
+
+
 def _l2_normalized(x_K):
     return x_K * jax.lax.rsqrt(jnp.sum(x_K * x_K) + L2_EPS)
 
@@ -71,7 +87,6 @@ def _fused_kernel(
     k_ref,
     v_ref,
     f_ref,
-    b_ref,
     gate_ref,
     window_ref,
     own_window_ref,
@@ -84,10 +99,14 @@ def _fused_kernel(
     eps,
     block_v,
     normalize,
+    beta_inputs,
 ):
-    """Program (split, head, sequence): its convs, gates, state columns and output columns (module docstring)."""
-    conv_q_ref, conv_k_ref, conv_v_ref, dt_bias_ref, a_log_ref, norm_weight_ref = refs[:6]  # `DecodeWeights`' order
-    real_ref, o_ref, new_window_ref, new_state_ref = refs[6:]
+    """Program (split, head, sequence): its convs, gates, state columns and output columns (module docstring).
+    refs: the `DecodeWeights`, real, beta's inputs (b, or x and b_proj's weight row: beta_inputs of them), then
+    the outputs."""
+    conv_q_ref, conv_k_ref, conv_v_ref, dt_bias_ref, a_log_ref, norm_weight_ref, real_ref = refs[:7]
+    b_refs = refs[7 : 7 + beta_inputs]
+    o_ref, new_window_ref, new_state_ref = refs[7 + beta_inputs :]
     dtype = v_ref.dtype
     value_dim = state_ref.shape[1]  # the program's columns
     real = real_ref[...] != 0
@@ -102,7 +121,7 @@ def _fused_kernel(
     else:
         g_K = lower_bound * jax.nn.sigmoid(decay_rate * a_K)
     decay_K = jnp.where(real, jnp.exp(g_K), 1.0)
-    beta = jnp.where(real, jax.nn.sigmoid(b_ref[...].astype(jnp.float32)), 0.0)
+    beta = jnp.where(real, jax.nn.sigmoid(_beta_logit(b_refs)), 0.0)
     outputs = []
     for start in range(0, value_dim, block_v):
         columns = pl.ds(start, block_v)
@@ -155,7 +174,8 @@ def kda_decode_fused_gpu(
     interpret: bool = False,
 ):
     """(o [B, H, V] in v's dtype, new conv window [B, T-1, 3, H, K], new state [B, H, K, V] fp32 in place of the
-    donated state): `reference.kda_decode_fused`. Tiles: None from `tuned.DECODE_FUSED_GPU` (value_splits: the
+    donated state): `reference.kda_decode_fused` (b_BH: beta's pre-activation, or a `BetaProjection` that each
+    program forms its element of). Tiles: None from `tuned.DECODE_FUSED_GPU` (value_splits: the
     programs a sequence-head, None for `value_splits`' rule; block_v: the value columns of one step of a
     program's walk over its state slice)."""
     tiles = tiles or lookup(tuned.DECODE_FUSED_GPU, dtype=v_BHV.dtype)
@@ -187,12 +207,26 @@ def kda_decode_fused_gpu(
         pl.BlockSpec((None,), lambda s, h, b: (h,)),
         pl.BlockSpec((split_dim,), lambda s, h, b: (s,)),
     ]
-    in_specs = [row, row, own_row, row, pl.BlockSpec((None, None), lambda s, h, b: (b, h)), own_row]
-    in_specs += [window_block, own_window, own_row, own_row, own_state, *weight_specs]
-    in_specs += [pl.BlockSpec((None,), lambda s, h, b: (b,))]
+    if isinstance(b_BH, BetaProjection):
+        width = b_BH.x_BD.shape[-1]
+        beta_inputs = [b_BH.x_BD, b_BH.weight_HD]
+        beta_specs = [
+            pl.BlockSpec((None, width), lambda s, h, b: (b, 0)),
+            pl.BlockSpec((None, width), lambda s, h, b: (h, 0)),
+        ]
+    else:
+        beta_inputs, beta_specs = [b_BH], [pl.BlockSpec((None, None), lambda s, h, b: (b, h))]
+    in_specs = [row, row, own_row, row, own_row, window_block, own_window, own_row, own_row, own_state]
+    in_specs += [*weight_specs, pl.BlockSpec((None,), lambda s, h, b: (b,)), *beta_specs]
     normalize = splits == 1
     kernel = functools.partial(
-        _fused_kernel, scale=scale, lower_bound=lower_bound, eps=eps, block_v=block_v, normalize=normalize
+        _fused_kernel,
+        scale=scale,
+        lower_bound=lower_bound,
+        eps=eps,
+        block_v=block_v,
+        normalize=normalize,
+        beta_inputs=len(beta_inputs),
     )
     o, new_window, new_state = pl.pallas_call(
         kernel,
@@ -204,7 +238,7 @@ def kda_decode_fused_gpu(
             jax.ShapeDtypeStruct(conv_window_BW3HK.shape, conv_window_BW3HK.dtype),
             jax.ShapeDtypeStruct(state_BHKV.shape, jnp.float32),
         ],
-        input_output_aliases={10: 2},
+        input_output_aliases={9: 2},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_fused",
@@ -213,7 +247,6 @@ def kda_decode_fused_gpu(
         k_BHK,
         v_BHV,
         f_BHK,
-        b_BH,
         gate_BHV,
         conv_window_BW3HK,
         conv_window_BW3HK,
@@ -222,6 +255,7 @@ def kda_decode_fused_gpu(
         state_BHKV.astype(jnp.float32),
         *jax.tree.leaves(weights),
         jnp.ones(batch, jnp.int32) if real_B is None else real_B.astype(jnp.int32),
+        *beta_inputs,
     )
     if not normalize:
         o = gated_output_norm(o, gate_BHV, weights.norm_weight_V, eps)
