@@ -8,7 +8,9 @@ program of the head does: the rows are tiny), and its own columns of v; forms g 
 pre-activations; walks its [K, BV] slice of the head's fp32 state block_v columns at a time (S <- diag(e^g) S;
 S <- S + k beta (v - S^T k)^T; o = S^T q), writing it back over the input (aliased: no program reads another's
 columns); and writes its columns of the shifted conv windows. Splitting V fills the SMs at small batch (32
-sequence-heads at batch 1 on 132 SMs: `value_splits`), each program streaming a quarter of a state.
+sequence-heads at batch 1 on 132 SMs: `value_splits`), each program streaming a quarter of a state. Beta's
+pre-activation comes as b [B, H], or as the layer's input row and b_proj's weight (`BetaProjection`), whose dot
+each program forms over D in power-of-two pieces (the model's b_proj, without an XLA kernel of its own).
 
 The gated output norm needs the head's whole output row: with one split the program normalises it itself (the
 step is one kernel); with more the kernel writes o before the norm (rounded to v's dtype, as the model's ops
