@@ -192,7 +192,9 @@ FUSED_DECODE_TILES = [  # kda_decode_fused_gpu tiles: the table's first (`tuned.
     tuned.DecodeFusedGpuTiles(64, 8),
     tuned.DecodeFusedGpuTiles(128, 8),
     tuned.DecodeFusedGpuTiles(32, 2),
+    tuned.DecodeFusedGpuTiles(64, 4, value_splits=1),  # one program a head, the norm in the kernel at any batch
     tuned.DecodeFusedGpuTiles(32, 4, value_splits=2),
+    tuned.DecodeFusedGpuTiles(32, 4, value_splits=4),
     tuned.DecodeFusedGpuTiles(16, 2, value_splits=8),
 ]
 
