@@ -151,9 +151,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--kda-decode",
-        default="separate",
-        help="ExecutionPolicy.kda_decode, comma-separated (separate and/or fused): the KDA layers' decode step as "
-        "separate ops or one fused kernel; each is timed on the same weights and cache contents",
+        default="auto",
+        help="ExecutionPolicy.kda_decode, comma-separated (auto, separate, fused): the KDA layers' decode step as "
+        "separate ops or one fused kernel (auto, the default: fused on a GPU); each is timed on the same weights and "
+        "cache contents",
     )
     parser.add_argument(
         "--mtp",
@@ -173,9 +174,7 @@ def main(argv=None) -> int:
         parser.error(f"--weights: expected bf16 and/or stored, comma-separated, got {args.weights!r}")
     kda_modes = {mode.value for mode in KDADecode}
     if set(args.kda_decode.split(",")) - kda_modes:
-        parser.error(
-            f"--kda-decode: expected {' and/or '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}"
-        )
+        parser.error(f"--kda-decode: expected {', '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}")
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if args.mtp and not args.preset:

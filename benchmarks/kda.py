@@ -188,10 +188,14 @@ def bench_decode(batch, iters, copy_bytes_per_s):
 FUSED_DECODE_BATCHES = {"full": (1, 8, 32, 64, 256), "quick": (1, 64), "cpu": (3,)}
 FUSED_DECODE_TILES = [  # kda_decode_fused_gpu tiles: the table's first (`tuned.DECODE_FUSED_GPU`)
     lookup(tuned.DECODE_FUSED_GPU, dtype=jnp.bfloat16),
-    tuned.DecodeGpuTiles(32, 4),
-    tuned.DecodeGpuTiles(64, 8),
-    tuned.DecodeGpuTiles(128, 8),
-    tuned.DecodeGpuTiles(32, 2),
+    tuned.DecodeFusedGpuTiles(32, 4),
+    tuned.DecodeFusedGpuTiles(64, 8),
+    tuned.DecodeFusedGpuTiles(128, 8),
+    tuned.DecodeFusedGpuTiles(32, 2),
+    tuned.DecodeFusedGpuTiles(64, 4, value_splits=1),  # one program a head, the norm in the kernel at any batch
+    tuned.DecodeFusedGpuTiles(32, 4, value_splits=2),
+    tuned.DecodeFusedGpuTiles(32, 4, value_splits=4),
+    tuned.DecodeFusedGpuTiles(16, 2, value_splits=8),
 ]
 
 
@@ -273,7 +277,8 @@ def bench_decode_fused(config, batch, iters, copy_bytes_per_s, backend, tiles_li
     traffic = 2 * state.nbytes
     for tiles, seconds in kernel_s.items():
         print(
-            f"decode-fused B={batch} block_v={tiles.block_v} num_warps={tiles.num_warps}: kernel "
+            f"decode-fused B={batch} block_v={tiles.block_v} num_warps={tiles.num_warps} "
+            f"value_splits={tiles.value_splits or 'rule'}: kernel "
             f"{seconds * 1e6:.1f} us ({traffic / seconds / 1e12:.2f} TB/s)"
         )
     best = min(kernel_s, key=kernel_s.get)
@@ -283,14 +288,14 @@ def bench_decode_fused(config, batch, iters, copy_bytes_per_s, backend, tiles_li
         f"y {err_y:.1e}, state {err_s:.1e}"
     )
     share = traffic / kernel_s[best] / copy_bytes_per_s
-    label = f"({best.block_v}, {best.num_warps})"
+    label = f"({best.block_v}, {best.num_warps}, {best.value_splits or 'rule'})"
     return batch, layer_s["separate"], layer_s["fused"], step_s, kernel_s[best], label, share, err_y
 
 
 def print_decode_fused_table(rows) -> None:
     print(
         "\n| B | layer step, separate | layer step, fused | separate / fused | recurrence kernel alone "
-        "| fused kernel alone (block_v, warps) | fused kernel % of copy | rel. err y |\n"
+        "| fused kernel alone (block_v, warps, value splits) | fused kernel % of copy | rel. err y |\n"
         "|---|---|---|---|---|---|---|---|"
     )
     for batch, separate_s, fused_s, step_s, kernel_s, label, share, err in rows:

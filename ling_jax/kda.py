@@ -23,8 +23,9 @@ from ling_jax.context import TokenContext
 from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, linear_many, param, params_of
 from ling_jax.policy import ExecutionPolicy, KDADecode, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
+from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
-from pallas_kernels.kda.reference import DecodeWeights, kda_log_decay, kda_recurrent
+from pallas_kernels.kda.reference import BetaProjection, DecodeWeights, kda_log_decay, kda_recurrent
 
 CHUNKED = KDAMode.CHUNKED
 RECURRENT = KDAMode.RECURRENT
@@ -38,6 +39,8 @@ _BHD = ("activation_batch", "heads", None)
 _BH = ("activation_batch", "heads")
 _BHKV = ("activation_batch", "heads", None, None)
 _WINDOW = ("activation_batch", None, None, "heads", None)  # the conv window [B, K-1, 3, H, d]
+_BD = ("activation_batch", None)  # the layer input row [B, D]
+_HD = ("heads", None)  # b_proj's weight [H, D]
 _HDK = ("heads", None, None)  # a conv weight [H, d, K]; its first two axes: dt_bias [H, d]; its first: A_log [H]
 
 
@@ -74,13 +77,15 @@ def step_windows(window_BWC, u_BTC, mask_BT=None):
     return jnp.stack(windows, axis=1)
 
 
-def _projections(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionPolicy):
-    """(q, k, v [B, T, C], the beta logits [B, T, H], the forget-gate and output-gate pre-activations [B, T, C]):
-    the projections of x in one `linear_many` (the block-FP8 ones in one kernel on a GPU decode step), then the
-    gates' low-rank second halves where the layer has them."""
+def _projections(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionPolicy, *, beta: bool = True):
+    """(q, k, v [B, T, C], the beta logits [B, T, H] (None when not `beta`), the forget-gate and output-gate
+    pre-activations [B, T, C]): the projections of x in one `linear_many` (the block-FP8 ones in one kernel on a
+    GPU decode step), then the gates' low-rank second halves where the layer has them."""
     gates = ("f_proj", "g_proj") if config.no_kda_lora else ("f_a_proj", "g_a_proj")
-    names = ("q_proj", "k_proj", "v_proj", "b_proj", *gates)
-    q, k, v, b, f, r = linear_many([weights[name] for name in names], x_BTD, policy)
+    names = ("q_proj", "k_proj", "v_proj", *(("b_proj",) if beta else ()), *gates)
+    q, k, v, *rest = linear_many([weights[name] for name in names], x_BTD, policy)
+    b = rest.pop(0) if beta else None
+    f, r = rest
     if not config.no_kda_lora:
         f, r = linear(weights["f_b_proj"], f, policy), linear(weights["g_b_proj"], r, policy)
     return q, k, v, b, f, r
@@ -98,6 +103,15 @@ def gate_lower_bound(cfg: LingConfig) -> float | None:
     safe gate (-A softplus(a) has none). The prefill picks its kernel by it (`pallas_kernels.kda.ops.chunk_variant`:
     the bounded kernels from -5 up, the any-gate ones below or without a bound)."""
     return cfg.kda_lower_bound if cfg.kda_safe_gate else None
+
+
+def fused_decode(policy: ExecutionPolicy) -> bool:
+    """Whether a recurrent one-token step runs fused (`pallas_kernels.kda.kda_decode_fused`): kda_decode FUSED, or
+    AUTO with a GPU's kernels (one kernel a layer: the convs, gates, recurrence and, at batches that fill the SMs,
+    the gated norm; the separate ops launch about seven)."""
+    if policy.kda_decode == KDADecode.AUTO:
+        return KERNEL_TARGET.get(resolve_backend(op_backend(policy))) == "gpu"
+    return policy.kda_decode == KDADecode.FUSED
 
 
 def kda_attention(
@@ -144,7 +158,7 @@ def _kda(
     c = config
     mode = policy.kda_mode
     batch, length, _ = x_BTD.shape
-    if mode == RECURRENT and length == 1 and policy.kda_decode == KDADecode.FUSED:
+    if mode == RECURRENT and length == 1 and fused_decode(policy):
         return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy, project_output)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     *qkv, b, f, r = _projections(weights, x_BTD, c, policy)
@@ -211,19 +225,25 @@ def _fused_decode_step(
     def per_head(t):
         return t.reshape(batch, heads, head_dim)
 
-    q, k, v, b, f, r = _projections(weights, x_BTD, c, policy)
-    q, k, v, b = per_head(q), per_head(k), per_head(v), b[:, 0]
+    b_weight = weights["b_proj"]["weight"]
+    project_beta = isinstance(b_weight, jax.Array) and jax.sharding.get_abstract_mesh().empty
+    q, k, v, b, f, r = _projections(weights, x_BTD, c, policy, beta=not project_beta)
+    q, k, v = per_head(q), per_head(k), per_head(v)
     window = state.conv_window.reshape(batch, c.short_conv_kernel_size - 1, 3, heads, head_dim)
     conv = [weights[name].reshape(heads, head_dim, -1) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
     layer = (*conv, weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], weights["o_norm"]["weight"])
-
     real_B = jnp.ones(batch, bool) if mask_BT is None else mask_BT[:, 0]
+    # beta's logits, or (a plain b_proj on one device) the layer input and b_proj for the kernel to project
+    beta_inputs, beta_axes = ((x_BTD[:, 0], b_weight), (_BD, _HD)) if project_beta else ((b[:, 0],), (_BH,))
 
     def fused(*arrays):
+        b = BetaProjection(*arrays[14:]) if project_beta else arrays[14]
         return kda_decode_fused(
-            *arrays[:8],
-            DecodeWeights(*arrays[8:14]),
-            real_B=arrays[14],
+            *arrays[:4],
+            b,
+            *arrays[4:7],
+            DecodeWeights(*arrays[7:13]),
+            real_B=arrays[13],
             lower_bound=gate_lower_bound(c),
             eps=c.rms_norm_eps,
             backend=op_backend(policy),
@@ -231,9 +251,9 @@ def _fused_decode_step(
 
     o, window, recurrent = per_shard(
         fused,
-        in_axes=(_BHD,) * 4 + (_BH, _BHD, _WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None, _BH[:1]),
+        in_axes=(_BHD,) * 5 + (_WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None, _BH[:1]) + beta_axes,
         out_axes=(_BHD, _WINDOW, _BHKV),
-    )(q, k, v, per_head(f), b, per_head(r), window, state.recurrent_state, *layer, real_B)
+    )(q, k, v, per_head(f), per_head(r), window, state.recurrent_state, *layer, real_B, *beta_inputs)
     o_BTC = o.reshape(batch, 1, c.kda_dim)
     y = linear(weights["dense"], o_BTC, policy) if project_output else o_BTC
     return y, KDAState(conv_window=window.reshape(state.conv_window.shape), recurrent_state=recurrent)

@@ -50,6 +50,7 @@ class KDAMode(enum.StrEnum):
 class KDADecode(enum.StrEnum):
     """How a recurrent KDA layer's one-token step runs between its projections."""
 
+    AUTO = "auto"  # FUSED where the kernel backend is a GPU's (pallas_gpu, interpret_gpu), SEPARATE elsewhere
     SEPARATE = "separate"  # the convs, gates and norm as XLA ops around the recurrence kernel (`kda_decode_step`)
     FUSED = "fused"  # one op, one kernel on a GPU (`pallas_kernels.kda.kda_decode_fused`; the reference elsewhere)
 
@@ -91,7 +92,7 @@ class ExecutionPolicy:
     moe_exchange: MoEExchange = MoEExchange.AUTO
     moe_capacity_factor: float | None = None  # None: dropless; a number caps each device's rows per source
     fp8_matmul: FP8Matmul = FP8Matmul.AUTO
-    kda_decode: KDADecode = KDADecode.SEPARATE
+    kda_decode: KDADecode = KDADecode.AUTO
     # how many segments a chunked KDA call splits each sequence into (`pallas_kernels.kda.segments`): None by its
     # rule (on a GPU, for few sequence-heads and long prompts: B=1 prefill under tensor parallelism), 1 never, n always
     kda_segments: int | None = None

@@ -1,7 +1,8 @@
 from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
-from pallas_kernels.kda.reference import DecodeWeights, kda_chunked, kda_recurrent, l2_normalize
+from pallas_kernels.kda.reference import BetaProjection, DecodeWeights, kda_chunked, kda_recurrent, l2_normalize
 
 __all__ = [
+    "BetaProjection",
     "DecodeWeights",
     "chunk_kda",
     "kda_chunked",

@@ -137,8 +137,8 @@ def kda_decode_fused(
 ):
     """A KDA layer's decode step from its projections to its gated output norm, one token per sequence: (o
     [B, H, V] in v's dtype, new conv window [B, T-1, 3, H, K], new state [B, H, K, V] fp32); the arrays and
-    keywords are `reference.kda_decode_fused`'s (real_B: the padding mask, None for none; lower_bound: the safe
-    gate's bound, None for -A softplus).
+    keywords are `reference.kda_decode_fused`'s (b_BH: beta's pre-activation or a `reference.BetaProjection`;
+    real_B: the padding mask, None for none; lower_bound: the safe gate's bound, None for -A softplus).
 
     One kernel on a GPU ("gpu_triton", the state updated in place when the caller donates it); the reference
     elsewhere, a TPU included (it has no fused kernel: `kda_decode_step` runs its recurrence kernel).

@@ -188,6 +188,25 @@ class DecodeWeights:
     norm_weight_V: jax.Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BetaProjection:
+    """Beta's pre-activation as the projection that forms it (the model's b_proj), for `kda_decode_fused` to form
+    itself: b [B, H] = x [B, D] @ weight [H, D]^T, the weight cast to x's dtype, the products summed in fp32 and
+    rounded to x's dtype."""
+
+    x_BD: jax.Array
+    weight_HD: jax.Array
+
+
+def beta_logits(b) -> jax.Array:
+    """b [B, H]: as given, or formed from a `BetaProjection`."""
+    if isinstance(b, BetaProjection):
+        x_BD, weight_HD = b.x_BD, b.weight_HD.astype(b.x_BD.dtype)
+        return jnp.einsum("bd,hd->bh", x_BD, weight_HD, preferred_element_type=jnp.float32).astype(x_BD.dtype)
+    return b
+
+
 def kda_decode_fused(
     q_BHK,
     k_BHK,
@@ -207,14 +226,14 @@ def kda_decode_fused(
     """A KDA layer's decode step between its projections, one token per sequence: (o [B, H, V] in v's dtype,
     new conv window, new state [B, H, K, V] fp32).
 
-    q, k, v: the projections before the short convs (V == K); conv_window [B, T-1, 3, H, K]: the last T-1 of
-    them ([q; k; v], oldest first); f: the forget gate's pre-activation (g = `kda_log_decay`, lower_bound: the
-    safe gate's bound, None for -A softplus); b: beta's (beta = sigmoid(b)); gate: the output gate's
-    (`gated_output_norm` with eps); weights: `DecodeWeights`; real_B [B] bool: False for a pad token (None: all
-    real), whose convs give 0 and whose g and beta are 0, so that its o is 0 and its window and state stay as they
-    were; scale: of q (None: K^-1/2). Each short conv's output is SiLU'd and rounded to v's dtype, then q and k
-    are L2-normalised and the step runs as `kda_recurrent`, its output rounded to v's dtype before the norm: the
-    model's separate ops, in order, a padding mask included.
+    q, k, v: the projections before the short convs (V == K); conv_window [B, T-1, 3, H, K]: the last T-1 of them ([q;
+    k; v], oldest first); f: the forget gate's pre-activation (g = `kda_log_decay`, lower_bound: the safe gate's bound,
+    None for -A softplus); b: beta's (beta = sigmoid(b)), or a `BetaProjection` forming it; gate: the output gate's
+    (`gated_output_norm` with eps); weights: `DecodeWeights`; real_B [B] bool: False for a pad token (None: all real),
+    whose convs give 0 and whose g and beta are 0, so that its o is 0 and its window and state stay as they were; scale:
+    of q (None: K^-1/2). Each short conv's output is SiLU'd and rounded to v's dtype, then q and k are L2-normalised and
+    the step runs as `kda_recurrent`, its output rounded to v's dtype before the norm: the model's separate ops, in
+    order, a padding mask included.
     """
     real_B = jnp.ones(q_BHK.shape[0], bool) if real_B is None else real_B
     real_B11, real_B111 = real_B[:, None, None], real_B[:, None, None, None]
@@ -225,7 +244,7 @@ def kda_decode_fused(
     conv_B3HK = sum(full_BT3HK[:, j].astype(jnp.float32) * weight_3HKT[..., j] for j in range(taps))
     q, k, v = jnp.unstack(jnp.where(real_B111, jax.nn.silu(conv_B3HK), 0).astype(u_B3HK.dtype), axis=1)
     g = jnp.where(real_B11, kda_log_decay(f_BHK, weights.dt_bias_HK, weights.a_log_H, lower_bound), 0.0)
-    beta = jnp.where(real_B[:, None], jax.nn.sigmoid(b_BH.astype(jnp.float32)), 0.0)
+    beta = jnp.where(real_B[:, None], jax.nn.sigmoid(beta_logits(b_BH).astype(jnp.float32)), 0.0)
     o, state = kda_recurrent(
         q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale, initial_state=state_BHKV
     )

@@ -48,6 +48,16 @@ class DecodeGpuTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeFusedGpuTiles:
+    """The fused decode step: value_splits programs a sequence-head (each owning V / value_splits columns of its
+    state; None: `gpu_triton.decode_fused.value_splits`' rule by the SMs), walked block_v columns at a time."""
+
+    block_v: int
+    num_warps: int
+    value_splits: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeTpuTiles:
     head_block: int
 
@@ -82,9 +92,9 @@ DECODE_GPU = h200_and_default(
     "(64, 4) 174.5, ...' (best of 5 tile variants at B >= 64; B=1 is faster with (16, 2) but launch-bound either way)",
 )
 DECODE_FUSED_GPU = h200_and_default(
-    DecodeGpuTiles(block_v=64, num_warps=4),
-    "not measured: DECODE_GPU's tile (a [K, 64] state slice, 4 warps), walked over V by one program a head "
-    "(benchmarks/kda.py --decode-fused times it)",
+    DecodeFusedGpuTiles(block_v=64, num_warps=4),
+    "not measured: DECODE_GPU's tile (a [K, 64] state slice, 4 warps), the value columns split over programs by "
+    "the SMs (benchmarks/kda.py --decode-fused and benchmarks.generate --kda-decode separate,fused time it)",
 )
 DECODE_TPU = {
     (ANY, ANY, ANY): Entry(

@@ -20,7 +20,7 @@ def test_slice_decode_step_kernels_per_layer():
         "weight_only_gemv_many -> reduce": mla_layers,
         "weight_only_gemv": layers + mla_layers,  # the output projections; MLA's q_b_proj
         "weight_only_gemv -> reduce": mla_layers,  # q_b_proj's
-        "kda_decode_step": kda_layers,
+        "kda_decode_fused": kda_layers,  # a KDA layer's convs, gates, recurrence (and norm) between its gemvs
         "mla_absorb_query": mla_layers,
         "mla_decode_split": mla_layers,
         "mla_decode_split -> reduce": mla_layers,

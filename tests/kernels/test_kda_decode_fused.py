@@ -16,13 +16,15 @@ from flax import nnx
 from helpers import gpu_test, lower_for_cuda, rel_error
 
 from ling_jax import ExecutionPolicy, KDAState, LingConfig
-from ling_jax.kda import KimiDeltaAttention
+from ling_jax.kda import KimiDeltaAttention, fused_decode
 from ling_jax.presets import TINY
-from pallas_kernels.kda import DecodeWeights, kda_decode_fused
+from pallas_kernels.backend import BACKENDS
+from pallas_kernels.kda import BetaProjection, DecodeWeights, kda_decode_fused
+from pallas_kernels.kda.gpu_triton.decode_fused import value_splits
 from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
 from pallas_kernels.kda.reference import kda_log_decay
-from pallas_kernels.kda.tuned import DecodeGpuTiles
+from pallas_kernels.kda.tuned import DecodeFusedGpuTiles
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 EPS = 1e-6
@@ -98,11 +100,25 @@ def test_kernel_matches_reference(shape_name, dtype, gate):
     assert_matches_reference(step, arrays, dtype, lower_bound)
 
 
-@pytest.mark.parametrize("tiles", [DecodeGpuTiles(block_v=8, num_warps=2), DecodeGpuTiles(block_v=32, num_warps=8)])
-def test_kernel_tiles_and_pad_tokens_match_reference(tiles):
-    """A program walking its state 8 columns at a time (4 steps) and one taking all of V at once; the second
-    sequence's token is a pad."""
+FUSED_TILES = {  # tiles, whether beta's pre-activation comes as its projection
+    "one_program_4_steps": (DecodeFusedGpuTiles(block_v=8, num_warps=2, value_splits=1), False),
+    "2_programs_2_steps": (DecodeFusedGpuTiles(block_v=8, num_warps=4, value_splits=2), False),
+    "4_programs_beta_projected": (DecodeFusedGpuTiles(block_v=32, num_warps=8, value_splits=4), True),
+}
+
+
+@pytest.mark.parametrize("case", FUSED_TILES)
+def test_kernel_tiles_and_pad_tokens_match_reference(case):
+    """One program a sequence-head walking its state 8 columns at a time (4 steps, the norm in the kernel), two
+    programs walking their 16 columns in 2 steps, four taking their 8 columns at once (the norm after the kernel),
+    these forming beta's pre-activation from a 48-wide input row and b_proj's weight (`BetaProjection`, summed 16
+    columns at a time); the second sequence's token is a pad."""
+    tiles, project_beta = FUSED_TILES[case]
     arrays = random_step(2, 3, 32, 4, jnp.bfloat16, seed=5)
+    if project_beta:
+        r = np.random.default_rng(7)
+        x_BD, weight_HD = (jnp.asarray(r.normal(size=shape), jnp.bfloat16) for shape in ((2, 48), (3, 48)))
+        arrays = (*arrays[:4], BetaProjection(x_BD, weight_HD), *arrays[5:])
     step = functools.partial(
         kda_decode_fused_gpu, scale=32**-0.5, lower_bound=-5.0, eps=EPS, tiles=tiles, interpret=True
     )
@@ -141,19 +157,37 @@ def test_masked_layer_step_fused_equals_separate_ops():
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def _abstract_step(batch, heads=64, dim=128, taps=4):
+def _abstract_step(batch, heads=64, dim=128, taps=4, hidden=None):
+    """The fused op's abstract arguments; hidden: beta's pre-activation as a `BetaProjection` from that width."""
     shape, bf16, fp32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    rows = [shape((batch, heads, dim), bf16)] * 4 + [shape((batch, heads), bf16), shape((batch, heads, dim), bf16)]
+    b = (
+        shape((batch, heads), bf16)
+        if hidden is None
+        else BetaProjection(shape((batch, hidden), bf16), shape((heads, hidden), bf16))
+    )
+    rows = [shape((batch, heads, dim), bf16)] * 4 + [b, shape((batch, heads, dim), bf16)]
     conv = [shape((heads, dim, taps), fp32)] * 3
     weights = DecodeWeights(*conv, shape((heads, dim), fp32), shape((heads,), fp32), shape((dim,), bf16))
     window = shape((batch, taps - 1, 3, heads, dim), bf16)
     return rows + [window, shape((batch, heads, dim, dim), fp32), weights]
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
-def test_kernel_lowers_for_cuda(lower_bound):
+def test_value_splits_fill_the_sms():
+    """Ling-3.0-flash's 32 heads: 4 programs a head at batch 1 (128 on 132 SMs), 2 at batch 2, 1 from batch 8;
+    no program owns fewer than 16 value columns."""
+    assert [value_splits(32 * batch, 128, 132) for batch in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert value_splits(1, 128, 132) == 8 and value_splits(1, 16, 132) == 1
+
+
+@pytest.mark.parametrize(
+    "lower_bound, batch, hidden",
+    [(-5.0, 1, 2560), (None, 64, None)],
+    ids=["safe_gate-split-beta_projected", "unbounded_gate"],
+)
+def test_kernel_lowers_for_cuda(lower_bound, batch, hidden):
+    """Ling-3.0-flash's 2560-wide input row (beta's projection in 5 pieces of 512) at batch 1 (2 programs a head)."""
     step = functools.partial(kda_decode_fused_gpu, scale=128**-0.5, lower_bound=lower_bound, eps=EPS)
-    lowered = lower_for_cuda(step, *_abstract_step(batch=64))
+    lowered = lower_for_cuda(step, *_abstract_step(batch=batch, hidden=hidden))
     assert "kda_decode_fused" in lowered.as_text()
 
 
@@ -167,5 +201,24 @@ def test_compiled_kernel_full_size(batch, lower_bound):
 
 
 def test_policy_names_a_misspelt_mode():
-    with pytest.raises(ValueError, match=r"ExecutionPolicy.kda_decode: 'fuse' is not one of 'separate', 'fused'"):
+    with pytest.raises(
+        ValueError, match=r"ExecutionPolicy.kda_decode: 'fuse' is not one of 'auto', 'separate', 'fused'"
+    ):
         ExecutionPolicy(kda_decode="fuse")
+
+
+def test_auto_fuses_the_decode_step_on_the_gpu_path_only():
+    """The default (kda_decode AUTO) runs the fused step with a GPU's kernels, interpreted or not, and the separate
+    ops with a TPU's kernels (no fused TPU kernel) and the reference."""
+    fused = {
+        backend: fused_decode(ExecutionPolicy(kernel_backend=backend)) for backend in BACKENDS if backend != "auto"
+    }
+    assert fused == {
+        "reference": False,
+        "pallas_gpu": True,
+        "pallas_tpu": False,
+        "interpret_gpu": True,
+        "interpret_tpu": False,
+        "interpret": False,
+    }
+    assert not fused_decode(ExecutionPolicy(kernel_backend="interpret_gpu", kda_decode="separate"))

@@ -83,7 +83,7 @@ def test_generate_quick_run_profiles_its_decode_steps_by_layer_kind(capsys, tmp_
     argv += ["--profile", str(profile)]
     assert importlib.import_module("benchmarks.generate").main(argv) == 0
     out = capsys.readouterr().out
-    assert "| bf16 | separate | n/a | 1 | 512 |" in out
+    assert "| bf16 | auto | n/a | 1 | 512 |" in out
     hlo_text = (profile / trace.HLO_FILE).read_text()
     kernels = trace.kernels(trace.load_trace(trace.find_trace(profile)), trace.hlo_module_name(hlo_text))
     scopes = trace.hlo_scopes(hlo_text)

@@ -2,12 +2,21 @@
 L2 norms, the recurrence and the gated output norm (`reference.kda_decode_fused`, in the same order and
 roundings).
 
-One program per sequence-head: it convolves the head's q, k and v rows with their conv windows (and writes the
-shifted windows out), forms g and beta from their pre-activations, then walks the head's [K, V] fp32 state
-block_v value columns at a time (S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q, the state written
-back over the input: aliased), and last normalises the head's whole output row, which is why a program holds all
-of V (the value-blocked `decode.py` cannot: its programs see a block_v slice of the row each). The windows are
-written out of place: a program's shifted rows would overwrite rows that another warp of it may not have read.
+Grid (value splits, heads, batch), the splits fastest: program (s, h, b) owns value columns [s BV, (s + 1) BV) of
+sequence-head (b, h), BV = V / splits. It convolves the head's whole q and k rows with their conv windows (every
+program of the head does: the rows are tiny), and its own columns of v; forms g and beta from their
+pre-activations; walks its [K, BV] slice of the head's fp32 state block_v columns at a time (S <- diag(e^g) S;
+S <- S + k beta (v - S^T k)^T; o = S^T q), writing it back over the input (aliased: no program reads another's
+columns); and writes its columns of the shifted conv windows. Splitting V fills the SMs at small batch (32
+sequence-heads at batch 1 on 132 SMs: `value_splits`), each program streaming a quarter of a state. Beta's
+pre-activation comes as b [B, H], or as the layer's input row and b_proj's weight (`BetaProjection`), whose dot
+each program forms over D in power-of-two pieces (the model's b_proj, without an XLA kernel of its own).
+
+The gated output norm needs the head's whole output row: with one split the program normalises it itself (the
+step is one kernel); with more the kernel writes o before the norm (rounded to v's dtype, as the model's ops
+round it) and `reference.gated_output_norm` follows in XLA (one small fusion). The windows are written out of
+place: every program of a head reads the head's whole q and k window rows, which another program's shifted
+columns would overwrite.
 """
 
 from __future__ import annotations
@@ -20,21 +29,55 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.reference import L2_EPS, DecodeWeights
+from pallas_kernels.kda.reference import L2_EPS, BetaProjection, DecodeWeights, gated_output_norm
 from pallas_kernels.tuning import lookup
 
 Q, K, V = 0, 1, 2  # the conv window's [q; k; v] rows
+H200_SMS = 132  # the SMs `value_splits` fills where no GPU is attached (a program lowered for CUDA on a CPU)
+MIN_SPLIT_COLUMNS = 16  # the narrowest state slice a program owns
+MAX_DOT_COLUMNS = 1024  # beta's projection: x and the weight row this many columns at a time at most
 
 
-def _conv_silu(window_ref, new_window_ref, u_ref, weight_ref, which, columns, dtype, real):
-    """The short conv + SiLU of one of q, k, v over `columns`, rounded to dtype then fp32 as the model's ops are
-    (0 for a pad token); the window, shifted (not for a pad), written to new_window_ref."""
+def value_splits(sequence_heads: int, value_dim: int, cores: int) -> int:
+    """Programs a sequence-head: the largest power of two whose programs (sequence_heads x splits) still fit on
+    `cores` SMs at once, each owning >= MIN_SPLIT_COLUMNS value columns (1 when the sequence-heads fill the SMs)."""
+    splits = 1
+    while sequence_heads * splits * 2 <= cores and value_dim % (splits * 2 * MIN_SPLIT_COLUMNS) == 0:
+        splits *= 2
+    return splits
+
+
+def _conv_silu(window_ref, u_ref, weight_ref, which, columns, dtype, real):
+    """The short conv + SiLU of one of q, k, v over `columns` of the refs, rounded to dtype then fp32 as the
+    model's ops are (0 for a pad token)."""
     taps = weight_ref.shape[-1]
     rows = [window_ref[j, which, columns].astype(dtype) for j in range(taps - 1)] + [u_ref[columns].astype(dtype)]
     conv = sum(row.astype(jnp.float32) * weight_ref[columns, j].astype(jnp.float32) for j, row in enumerate(rows))
-    for j in range(taps - 1):
-        new_window_ref[j, which, columns] = jnp.where(real, rows[j + 1], rows[j]).astype(new_window_ref.dtype)
     return jnp.where(real, jax.nn.silu(conv).astype(dtype).astype(jnp.float32), 0.0)
+
+
+def _shift_window(window_ref, new_window_ref, u_refs, real):
+    """The program's columns of the conv windows, shifted by the new q, k, v rows (unchanged for a pad)."""
+    taps = new_window_ref.shape[0] + 1
+    for which, u_ref in zip((Q, K, V), u_refs):
+        rows = [window_ref[j, which, :] for j in range(taps - 1)] + [u_ref[...].astype(window_ref.dtype)]
+        for j in range(taps - 1):
+            new_window_ref[j, which, :] = jnp.where(real, rows[j + 1], rows[j]).astype(new_window_ref.dtype)
+
+
+def _beta_logit(b_refs):
+    """Beta's pre-activation in fp32: b's element, or x . weight row (`BetaProjection`: the weight in x's dtype, the
+    products summed in fp32, rounded to x's dtype) over D in power-of-two pieces."""
+    if len(b_refs) == 1:
+        return b_refs[0][...].astype(jnp.float32)
+    x_ref, weight_ref = b_refs
+    width = x_ref.shape[0]
+    piece = min(width & -width, MAX_DOT_COLUMNS)  # the largest power of two dividing D
+    total = sum(
+        jnp.sum(x_ref[pl.ds(start, piece)].astype(jnp.float32) * weight_ref[pl.ds(start, piece)].astype(x_ref.dtype))
+        for start in range(0, width, piece)
+    )
+    return total.astype(x_ref.dtype).astype(jnp.float32)
 
 
 def _l2_normalized(x_K):
@@ -42,18 +85,37 @@ def _l2_normalized(x_K):
 
 
 def _fused_kernel(
-    q_ref, k_ref, v_ref, f_ref, b_ref, gate_ref, window_ref, state_ref, *refs, scale, lower_bound, eps, block_v
+    q_ref,
+    k_ref,
+    v_ref,
+    f_ref,
+    gate_ref,
+    window_ref,
+    own_window_ref,
+    q_own_ref,
+    k_own_ref,
+    state_ref,
+    *refs,
+    scale,
+    lower_bound,
+    eps,
+    block_v,
+    normalize,
+    beta_inputs,
 ):
-    """One sequence-head: its convs, gates, state update and normed output."""
-    conv_q_ref, conv_k_ref, conv_v_ref, dt_bias_ref, a_log_ref, norm_weight_ref = refs[:6]  # `DecodeWeights`' order
-    real_ref, o_ref, new_window_ref, new_state_ref = refs[6:]
+    """Program (split, head, sequence): its convs, gates, state columns and output columns (module docstring).
+    refs: the `DecodeWeights`, real, beta's inputs (b, or x and b_proj's weight row: beta_inputs of them), then
+    the outputs."""
+    conv_q_ref, conv_k_ref, conv_v_ref, dt_bias_ref, a_log_ref, norm_weight_ref, real_ref = refs[:7]
+    b_refs = refs[7 : 7 + beta_inputs]
+    o_ref, new_window_ref, new_state_ref = refs[7 + beta_inputs :]
     dtype = v_ref.dtype
-    key_dim, value_dim = state_ref.shape
-    keys = pl.ds(0, key_dim)
+    value_dim = state_ref.shape[1]  # the program's columns
     real = real_ref[...] != 0
-    conv_silu = functools.partial(_conv_silu, window_ref, new_window_ref, dtype=dtype, real=real)
-    q_K = _l2_normalized(conv_silu(q_ref, conv_q_ref, Q, keys)) * scale
-    k_K = _l2_normalized(conv_silu(k_ref, conv_k_ref, K, keys))
+    conv_silu = functools.partial(_conv_silu, dtype=dtype, real=real)
+    q_K = _l2_normalized(conv_silu(window_ref, q_ref, conv_q_ref, Q, slice(None))) * scale
+    k_K = _l2_normalized(conv_silu(window_ref, k_ref, conv_k_ref, K, slice(None)))
+    _shift_window(own_window_ref, new_window_ref, (q_own_ref, k_own_ref, v_ref), real)
     a_K = f_ref[...].astype(jnp.float32) + dt_bias_ref[...]
     decay_rate = jnp.exp(a_log_ref[...])
     if lower_bound is None:
@@ -61,23 +123,33 @@ def _fused_kernel(
     else:
         g_K = lower_bound * jax.nn.sigmoid(decay_rate * a_K)
     decay_K = jnp.where(real, jnp.exp(g_K), 1.0)
-    beta = jnp.where(real, jax.nn.sigmoid(b_ref[...].astype(jnp.float32)), 0.0)
+    beta = jnp.where(real, jax.nn.sigmoid(_beta_logit(b_refs)), 0.0)
     outputs = []
     for start in range(0, value_dim, block_v):
         columns = pl.ds(start, block_v)
-        v_V = conv_silu(v_ref, conv_v_ref, V, columns)
+        v_V = conv_silu(own_window_ref, v_ref, conv_v_ref, V, columns)
         state_KV = state_ref[:, columns] * decay_K[:, None]
         delta_V = beta * (v_V - jnp.sum(k_K[:, None] * state_KV, axis=0))
         state_KV = state_KV + k_K[:, None] * delta_V[None, :]
         new_state_ref[:, columns] = state_KV
-        outputs.append(jnp.sum(q_K[:, None] * state_KV, axis=0).astype(dtype).astype(jnp.float32))
-    mean_square = sum(jnp.sum(o_V * o_V) for o_V in outputs) / value_dim
-    inverse_rms = jax.lax.rsqrt(mean_square + eps)
+        outputs.append(jnp.sum(q_K[:, None] * state_KV, axis=0).astype(dtype))
+    if not normalize:
+        for start, o_V in zip(range(0, value_dim, block_v), outputs):
+            o_ref[pl.ds(start, block_v)] = o_V.astype(o_ref.dtype)
+        return
+    outputs = [o_V.astype(jnp.float32) for o_V in outputs]
+    inverse_rms = jax.lax.rsqrt(sum(jnp.sum(o_V * o_V) for o_V in outputs) / value_dim + eps)
     for start, o_V in zip(range(0, value_dim, block_v), outputs):
         columns = pl.ds(start, block_v)
         weight_V = norm_weight_ref[columns].astype(jnp.float32)
         gate_V = jax.nn.sigmoid(gate_ref[columns].astype(jnp.float32))
         o_ref[columns] = (o_V * inverse_rms * weight_V * gate_V).astype(o_ref.dtype)
+
+
+def _cores(interpret: bool) -> int:
+    if not interpret and jax.default_backend() == "gpu":
+        return getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    return H200_SMS
 
 
 @functools.partial(
@@ -100,43 +172,75 @@ def kda_decode_fused_gpu(
     scale: float,
     lower_bound: float | None,
     eps: float,
-    tiles: tuned.DecodeGpuTiles | None = None,
+    tiles: tuned.DecodeFusedGpuTiles | None = None,
     interpret: bool = False,
 ):
     """(o [B, H, V] in v's dtype, new conv window [B, T-1, 3, H, K], new state [B, H, K, V] fp32 in place of the
-    donated state): `reference.kda_decode_fused`. Tiles: None from `tuned.DECODE_FUSED_GPU` (block_v: the value
-    columns of one step of a program's walk over its state)."""
+    donated state): `reference.kda_decode_fused` (b_BH: beta's pre-activation, or a `BetaProjection` that each
+    program forms its element of). Tiles: None from `tuned.DECODE_FUSED_GPU` (value_splits: the
+    programs a sequence-head, None for `value_splits`' rule; block_v: the value columns of one step of a
+    program's walk over its state slice)."""
     tiles = tiles or lookup(tuned.DECODE_FUSED_GPU, dtype=v_BHV.dtype)
     batch, heads, key_dim = q_BHK.shape
     value_dim = v_BHV.shape[-1]
     if value_dim != key_dim:
         raise ValueError(f"kda_decode_fused: the conv window holds q, k and v rows alike: V {value_dim} != K {key_dim}")
-    block_v = min(tiles.block_v, value_dim)
+    splits = tiles.value_splits or value_splits(batch * heads, value_dim, _cores(interpret))
+    if value_dim % splits:
+        raise ValueError(f"kda_decode_fused: tiles.value_splits {splits} does not divide V {value_dim}")
+    split_dim = value_dim // splits
+    block_v = min(tiles.block_v, split_dim)
+    if split_dim % block_v:
+        raise ValueError(f"kda_decode_fused: tiles.block_v {block_v} does not divide V / value_splits {split_dim}")
     window = conv_window_BW3HK.shape[1]
     taps = weights.conv_q_HKT.shape[-1]
-    row = pl.BlockSpec((None, None, key_dim), lambda h, b: (b, h, 0))
-    per_head = pl.BlockSpec((None, key_dim, taps), lambda h, b: (h, 0, 0))
-    window_block = pl.BlockSpec((None, window, 3, None, key_dim), lambda h, b: (b, 0, 0, h, 0))
-    state_block = pl.BlockSpec((None, None, key_dim, value_dim), lambda h, b: (b, h, 0, 0))
-    scalar = pl.BlockSpec((None, None), lambda h, b: (b, h))
-    per_sequence = pl.BlockSpec((None,), lambda h, b: (b,))
-    weight_specs = [per_head] * 3 + [
-        pl.BlockSpec((None, key_dim), lambda h, b: (h, 0)),
-        pl.BlockSpec((None,), lambda h, b: (h,)),
-        pl.BlockSpec((value_dim,), lambda h, b: (0,)),
+    row = pl.BlockSpec((None, None, key_dim), lambda s, h, b: (b, h, 0))
+    own_row = pl.BlockSpec((None, None, split_dim), lambda s, h, b: (b, h, s))
+    conv = pl.BlockSpec((None, key_dim, taps), lambda s, h, b: (h, 0, 0))
+    own_conv = pl.BlockSpec((None, split_dim, taps), lambda s, h, b: (h, s, 0))
+    window_block = pl.BlockSpec((None, window, 3, None, key_dim), lambda s, h, b: (b, 0, 0, h, 0))
+    own_window = pl.BlockSpec((None, window, 3, None, split_dim), lambda s, h, b: (b, 0, 0, h, s))
+    own_state = pl.BlockSpec((None, None, key_dim, split_dim), lambda s, h, b: (b, h, 0, s))
+    weight_specs = [
+        conv,
+        conv,
+        own_conv,
+        pl.BlockSpec((None, key_dim), lambda s, h, b: (h, 0)),
+        pl.BlockSpec((None,), lambda s, h, b: (h,)),
+        pl.BlockSpec((split_dim,), lambda s, h, b: (s,)),
     ]
-    kernel = functools.partial(_fused_kernel, scale=scale, lower_bound=lower_bound, eps=eps, block_v=block_v)
-    return pl.pallas_call(
+    if isinstance(b_BH, BetaProjection):
+        width = b_BH.x_BD.shape[-1]
+        beta_inputs = [b_BH.x_BD, b_BH.weight_HD]
+        beta_specs = [
+            pl.BlockSpec((None, width), lambda s, h, b: (b, 0)),
+            pl.BlockSpec((None, width), lambda s, h, b: (h, 0)),
+        ]
+    else:
+        beta_inputs, beta_specs = [b_BH], [pl.BlockSpec((None, None), lambda s, h, b: (b, h))]
+    in_specs = [row, row, own_row, row, own_row, window_block, own_window, own_row, own_row, own_state]
+    in_specs += [*weight_specs, pl.BlockSpec((None,), lambda s, h, b: (b,)), *beta_specs]
+    normalize = splits == 1
+    kernel = functools.partial(
+        _fused_kernel,
+        scale=scale,
+        lower_bound=lower_bound,
+        eps=eps,
+        block_v=block_v,
+        normalize=normalize,
+        beta_inputs=len(beta_inputs),
+    )
+    o, new_window, new_state = pl.pallas_call(
         kernel,
-        grid=(heads, batch),
-        in_specs=[row] * 4 + [scalar, row, window_block, state_block] + weight_specs + [per_sequence],
-        out_specs=[row, window_block, state_block],
+        grid=(splits, heads, batch),  # axis 0 varies fastest: a head's programs run together
+        in_specs=in_specs,
+        out_specs=[own_row, own_window, own_state],
         out_shape=[
             jax.ShapeDtypeStruct(v_BHV.shape, v_BHV.dtype),
             jax.ShapeDtypeStruct(conv_window_BW3HK.shape, conv_window_BW3HK.dtype),
             jax.ShapeDtypeStruct(state_BHKV.shape, jnp.float32),
         ],
-        input_output_aliases={7: 2},
+        input_output_aliases={9: 2},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode_fused",
@@ -145,10 +249,16 @@ def kda_decode_fused_gpu(
         k_BHK,
         v_BHV,
         f_BHK,
-        b_BH,
         gate_BHV,
         conv_window_BW3HK,
+        conv_window_BW3HK,
+        q_BHK,
+        k_BHK,
         state_BHKV.astype(jnp.float32),
         *jax.tree.leaves(weights),
         jnp.ones(batch, jnp.int32) if real_B is None else real_B.astype(jnp.int32),
+        *beta_inputs,
     )
+    if not normalize:
+        o = gated_output_norm(o, gate_BHV, weights.norm_weight_V, eps)
+    return o, new_window, new_state
