@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,13 @@ def test_gpu_kernel_lowers_for_cuda(batch, max_len):
         functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args(batch=batch, max_len=max_len)
     )
     assert "mla_decode_split" in lowered.as_text()
+
+
+def test_gpu_kernel_blocks_no_more_heads_than_a_model_has():
+    """Ling-3.0-flash's 32 heads at one decode token: one 32-head block (the table's 64 would compute and write 32
+    padded heads), so the query goes in unpadded and the fp32 partial outputs are [1, splits, 32, 512]."""
+    text = lower_for_cuda(functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args(1, 32, 8192)).as_text()
+    assert "_pad" not in text and re.search(r"tensor<1x\d+x32x512xf32>", text)
 
 
 MGPU_INTERPRET_OK = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)

@@ -93,11 +93,13 @@ def mla_decode_gpu(
     interpret: bool = False,
 ):
     """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R must be a multiple of P (512 and 64 for Ling).
-    Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it).
+    Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it), and
+    at most the heads' next power of two (Ling-3.0-flash's 32 heads: 32, not the table's 64, so that no padded
+    head is computed and no padded head's fp32 partial output is written and combined).
     num_splits: sequence splits, None for `default_num_splits`."""
     tiles = tiles or lookup(tuned.DECODE_TRITON, dtype=kv_cache_BLA.dtype)
-    block_k, head_block = tiles.block_k, tiles.head_block
     batch, heads, latent_dim = q_latent_BHR.shape
+    block_k, head_block = tiles.block_k, min(tiles.head_block, max(16, pl.next_power_of_2(heads)))
     rope_dim = q_rope_BHP.shape[-1]
     max_len = kv_cache_BLA.shape[1]
     if latent_dim % rope_dim:
@@ -106,9 +108,10 @@ def mla_decode_gpu(
         num_splits = default_num_splits(batch, pl.cdiv(heads, head_block), max_len)
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
     padded_heads = pl.cdiv(heads, head_block) * head_block
-    pad = ((0, 0), (0, padded_heads - heads), (0, 0))
-    q_latent = jnp.pad(q_latent_BHR.astype(kv_cache_BLA.dtype), pad)
-    q_rope = jnp.pad(q_rope_BHP.astype(kv_cache_BLA.dtype), pad)
+    q_latent, q_rope = q_latent_BHR.astype(kv_cache_BLA.dtype), q_rope_BHP.astype(kv_cache_BLA.dtype)
+    if padded_heads > heads:
+        pad = ((0, 0), (0, padded_heads - heads), (0, 0))
+        q_latent, q_rope = jnp.pad(q_latent, pad), jnp.pad(q_rope, pad)
     grid = (padded_heads // head_block, num_splits, batch)
     kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, split_len=split_len)
     o_BSHR, lse_BSH = pl.pallas_call(
