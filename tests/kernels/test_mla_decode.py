@@ -22,7 +22,9 @@ from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode, mla_decode_paged
+from pallas_kernels.mla.gpu_triton.decode import combine_splits_gpu
 from pallas_kernels.mla.ops import kernel
+from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.mla.tuned import DECODE_MOSAIC, DECODE_TRITON, MOSAIC_MIN_SLOTS, DecodeTpuTiles
 from pallas_kernels.tuning import lookup
 
@@ -169,6 +171,18 @@ def test_gpu_kernel_lowers_for_cuda(batch, max_len):
         functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args(batch=batch, max_len=max_len)
     )
     assert "mla_decode_split" in lowered.as_text()
+
+
+def test_split_combine_kernel_equals_the_reference():
+    """Splits not a power of two, splits that saw no key (lse -inf) and a sequence with none at all (zeros)."""
+    r = np.random.default_rng(0)
+    o_BSHR = jnp.asarray(r.normal(size=(3, 5, 4, 256)), jnp.float32)
+    lse_BSH = np.asarray(r.normal(size=(3, 5, 4)) * 3, np.float32)
+    lse_BSH[0, 1:3] = -np.inf
+    lse_BSH[2] = -np.inf
+    got = combine_splits_gpu(o_BSHR, jnp.asarray(lse_BSH), interpret=True)
+    assert rel_error(got, combine_splits(o_BSHR, jnp.asarray(lse_BSH))) <= 1e-6
+    assert not np.asarray(got[2]).any()
 
 
 def test_gpu_kernel_blocks_no_more_heads_than_a_model_has():

@@ -2,7 +2,8 @@
 
 Program (head block, split, batch) walks its split of one sequence's latent cache in blocks of `block_k`
 slots, all heads of the block sharing each loaded [c_kv ; k_pe] tile (the attention is MQA), and writes
-its softmax-normalised partial output plus log-sum-exp; `combine_splits` merges the splits exactly.
+its softmax-normalised partial output plus log-sum-exp; a second kernel merges the splits exactly
+(`combine_splits_gpu`, program (sequence, head): `reference.combine_splits` in one launch where XLA runs four).
 Head blocks vary fastest in the grid so the programs that share a cache tile run together (L2 reuse).
 """
 
@@ -16,7 +17,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import tuned
-from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.tuning import lookup
 
 
@@ -70,6 +70,44 @@ def _split_kernel(
 
 
 MIN_SPLIT = 256  # slots: four 64-slot blocks per program at least
+COMBINE_COLUMNS = 128  # latent columns a step of the combine: [splits, 128] fp32 partials in registers
+
+
+def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int):
+    """out[b, h] = sum_s softmax_s(lse[b, :, h]) * o[b, s, h] (`reference.combine_splits`): the splits padded to a
+    power of two (weight 0), the latent columns COMBINE_COLUMNS at a time."""
+    sequence, head = pl.program_id(0), pl.program_id(1)
+    padded = pl.next_power_of_2(splits)
+    split_ok_S = jnp.arange(padded) < splits
+    lse_S = plgpu.load(lse_ref.at[sequence, pl.ds(0, padded), head], mask=split_ok_S, other=-jnp.inf)
+    lse_max = jnp.max(lse_S)
+    weights_S = jnp.exp(lse_S - jnp.where(lse_max > -jnp.inf, lse_max, 0.0))
+    total = jnp.sum(weights_S)
+    weights_S = weights_S / jnp.where(total > 0, total, 1.0)
+    latent_dim = out_ref.shape[2]
+    columns = min(COMBINE_COLUMNS, latent_dim)
+    for col0 in range(0, latent_dim, columns):
+        cols = pl.ds(col0, columns)
+        o_SC = plgpu.load(o_ref.at[sequence, pl.ds(0, padded), head, cols], mask=split_ok_S[:, None], other=0.0)
+        out_ref[sequence, head, cols] = jnp.sum(weights_S[:, None] * o_SC, axis=0)
+
+
+def combine_splits_gpu(o_BSHR, lse_BSH, *, interpret: bool = False):
+    """`reference.combine_splits` as one Pallas kernel, program (sequence, head): [B, H, R] fp32. R a multiple of
+    COMBINE_COLUMNS or a power of two below it."""
+    batch, splits, heads, latent_dim = o_BSHR.shape
+    whole = lambda array: pl.BlockSpec(array.shape, lambda b, h: (0,) * array.ndim)  # noqa: E731
+    out_shape = jax.ShapeDtypeStruct((batch, heads, latent_dim), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits),
+        grid=(batch, heads),
+        in_specs=[whole(o_BSHR), whole(lse_BSH)],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_combine_splits",
+    )(o_BSHR, lse_BSH)
 
 
 def default_num_splits(batch: int, head_blocks: int, max_len: int) -> int:
@@ -136,4 +174,4 @@ def mla_decode_gpu(
         interpret=interpret,
         name="mla_decode_split",
     )(lengths_B.astype(jnp.int32), q_latent, q_rope, kv_cache_BLA, kv_cache_BLA)
-    return combine_splits(o_BSHR, lse_BSH)[:, :heads]
+    return combine_splits_gpu(o_BSHR, lse_BSH, interpret=interpret)[:, :heads]
