@@ -24,6 +24,7 @@ from pallas_kernels.mla.gpu_triton import (
     expand_output_gpu,
     flash_expanded_attention_gpu,
     kernel_dims_fit,
+    kv_b_dtype,
     mla_decode_gpu,
 )
 from pallas_kernels.mla.reference import (
@@ -181,7 +182,7 @@ _expand_output_gpu = with_reference_vjp(
 
 def _dense_kv_b(kv_b_HCR, dtype):
     """kv_b as an array: a quantised weight dequantised to `dtype` (the reference's form)."""
-    return kv_b_HCR.dequantize(dtype) if is_quantized(kv_b_HCR) else kv_b_HCR
+    return kv_b_HCR.dequantize(kv_b_dtype(kv_b_HCR, dtype)) if is_quantized(kv_b_HCR) else kv_b_HCR
 
 
 def absorb_query(q_nope_MHN, kv_b_HCR, *, dtype=None, backend: str = "auto", variant: str | None = None):

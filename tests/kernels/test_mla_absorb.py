@@ -81,8 +81,9 @@ def test_block_fp8_kv_b_is_dequantised_tile_by_tile(rows):
 
 def test_quantised_kv_b_needs_the_model_dtype():
     kv_b = random_fp8_weight(2, 32, 64, (16, 32), seed=0)
-    with pytest.raises(ValueError, match="quantised kv_b_proj needs dtype"):
-        absorb_query(jnp.zeros((1, 2, 16), jnp.bfloat16), kv_b, backend="interpret_gpu")
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="quantised kv_b_proj needs dtype"):
+            absorb_query(jnp.zeros((1, 2, 16), jnp.bfloat16), kv_b, backend=backend)
 
 
 def test_kernels_run_for_few_rows_only():

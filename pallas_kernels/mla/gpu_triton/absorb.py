@@ -75,8 +75,8 @@ def _column_block(wanted: int, *widths: int) -> int:
     return block
 
 
-def _weight_dtype(kv_b_HCR, dtype):
-    """The dtype a tile of kv_b is computed in: a dense weight's own, a quantised one's `dtype` (required)."""
+def kv_b_dtype(kv_b_HCR, dtype):
+    """The dtype kv_b's products read it in: a dense weight's own, a quantised one's `dtype` (required)."""
     if not is_quantized(kv_b_HCR):
         return kv_b_HCR.dtype
     if dtype is None:
@@ -118,7 +118,7 @@ def absorb_query_gpu(
     """`absorb_query_reference` for at most ROWS rows: [M, H, R] fp32. kv_b: an array, or a quantised weight
     [H, nope + v, R] (scales split per head) dequantised tile by tile to `dtype`. Tiles: None from
     `tuned.ABSORB_QUERY`."""
-    dtype = _weight_dtype(kv_b_HCR, dtype)
+    dtype = kv_b_dtype(kv_b_HCR, dtype)
     tiles = tiles or lookup(tuned.ABSORB_QUERY, dtype=dtype)
     nope, rank = q_nope_MHN.shape[2], kv_b_HCR.shape[2]
     block = _column_block(tiles.block, rank)
@@ -142,7 +142,7 @@ def expand_output_gpu(
 ):
     """`expand_output_reference` for at most ROWS rows: [M, H, V] fp32; kv_b and dtype as for `absorb_query_gpu`.
     Tiles: None from `tuned.EXPAND_OUTPUT`."""
-    dtype = _weight_dtype(kv_b_HCR, dtype)
+    dtype = kv_b_dtype(kv_b_HCR, dtype)
     tiles = tiles or lookup(tuned.EXPAND_OUTPUT, dtype=dtype)
     value = kv_b_HCR.shape[1] - nope
     block = _column_block(tiles.block, nope, value)
