@@ -8,6 +8,7 @@ Both forms read and write the same latent cache, [c_kv (kv_lora_rank) ; k_pe (qk
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,7 +20,7 @@ from ling_jax.config import LingConfig
 from ling_jax.context import KeyVisibility, TokenContext
 from ling_jax.layers import Linear, RMSNorm, Weights, linear, linear_many, params_of, rms_norm
 from ling_jax.policy import ExecutionPolicy, MLAMode, as_policy, op_backend
-from ling_jax.quantized import dequantized
+from ling_jax.quantized import dequantized, is_quantized
 from ling_jax.rope import apply_rope, softmax_scale
 from ling_jax.sharding import per_shard
 from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_decode_paged, mla_prefill
@@ -75,6 +76,35 @@ def _kv_b_per_head(weights: Weights, cfg: LingConfig, dtype):
     )
 
 
+def _kv_b_stored_per_head(weights: Weights, cfg: LingConfig, dtype):
+    """`_kv_b_per_head` as stored where it can be: a quantised weight whose scale blocks do not straddle two heads
+    stays quantised, its values and scales each split per head ([H, nope + v, R] and [H, rows / block, ...]), for
+    the absorbed products to dequantise tile by tile (`pallas_kernels.mla.absorb_query`); otherwise dense."""
+    c = cfg
+    weight = weights["kv_b_proj"]["weight"]
+    head_rows = c.qk_nope_head_dim + c.v_head_dim
+    if not is_quantized(weight) or head_rows % weight.scale_block[0]:
+        return _kv_b_per_head(weights, c, dtype)
+    heads = c.num_attention_heads
+    return dataclasses.replace(
+        weight,
+        values=weight.values.reshape(heads, head_rows, -1),
+        scales=weight.scales.reshape(heads, head_rows // weight.scale_block[0], -1),
+    )
+
+
+def _per_head_product(op, kv_b_HCR, **kwargs):
+    """x [M, H, *] -> op(x, kv_b, **kwargs) on each device's heads: x and every array of kv_b (dense or
+    quantised) split by head."""
+    parts, tree = jax.tree.flatten(kv_b_HCR)
+    run = per_shard(
+        lambda x_MHX, *parts: op(x_MHX, jax.tree.unflatten(tree, parts), **kwargs),
+        (_BHD, *[_HCR] * len(parts)),
+        (_BHD,),
+    )
+    return lambda x_MHX: run(x_MHX, *parts)
+
+
 def mla_attend(
     weights: Weights,
     x_BTD,
@@ -113,11 +143,11 @@ def mla_attend(
     if q_first is None:
         q_first = linear(weights[_first_query_proj(c)], x_BTD, policy)
     q_nope, q_pe = _queries(weights, q_first, cos, sin, c, policy)
-    kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
     if mode == ABSORBED:
         batch, length = x_BTD.shape[:2]
-        absorb = per_shard(functools.partial(absorb_query, backend=backend), (_BHD, _HCR), (_BHD,))
-        q_latent = absorb(q_nope.reshape(batch * length, *q_nope.shape[2:]), kv_b_HCR).reshape(*q_nope.shape[:3], -1)
+        kv_b_HCR = _kv_b_stored_per_head(weights, c, x_BTD.dtype)
+        absorb = _per_head_product(absorb_query, kv_b_HCR, dtype=x_BTD.dtype, backend=backend)
+        q_latent = absorb(q_nope.reshape(batch * length, *q_nope.shape[2:])).reshape(*q_nope.shape[:3], -1)
         if decode_lengths_B is None:
             o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=scale)
         elif paged_decode:
@@ -134,12 +164,11 @@ def mla_attend(
                 out_axes=(_BHD,),
             )
             o_latent = decode(q_latent[:, 0], q_pe[:, 0], keys_BSA, decode_lengths_B)[:, None]
-        expand = per_shard(
-            functools.partial(expand_output, nope=c.qk_nope_head_dim, backend=backend), (_BHD, _HCR), (_BHD,)
-        )
-        o_BTHV = expand(o_latent.reshape(batch * length, *o_latent.shape[2:]), kv_b_HCR)
+        expand = _per_head_product(expand_output, kv_b_HCR, nope=c.qk_nope_head_dim, dtype=x_BTD.dtype, backend=backend)
+        o_BTHV = expand(o_latent.reshape(batch * length, *o_latent.shape[2:]))
         o_BTHV = o_BTHV.reshape(batch, length, *o_BTHV.shape[1:]).astype(x_BTD.dtype)
     elif mode == EXPANDED:
+        kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
         w_uk, w_uv = kv_b_HCR[:, : c.qk_nope_head_dim], kv_b_HCR[:, c.qk_nope_head_dim :]
         prefill = per_shard(
             functools.partial(mla_prefill, scale=scale, backend=backend),

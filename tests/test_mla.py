@@ -3,6 +3,8 @@ vs np_reference."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,14 +12,16 @@ import pytest
 from flax import nnx
 from helpers import rel_error
 from np_reference import rope_inv_freq_and_mscale
+from tiny_fp8 import write_tiny_fp8_checkpoint
 
-from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
+from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM, load_hf_checkpoint
 from ling_jax.cache import MLAState, PagedMLAState
 from ling_jax.config import MLA
 from ling_jax.context import token_context
 from ling_jax.layers import params_of
 from ling_jax.mla import ABSORBED, EXPANDED, KeyVisibility, MultiLatentAttention, latent_attention
 from ling_jax.presets import TINY, preset
+from ling_jax.quantized import BlockFP8Weight
 from ling_jax.rope import cos_sin_factor, inv_frequencies, rope_cos_sin, softmax_scale
 from pallas_kernels.mla.reference import gather_pages
 
@@ -98,6 +102,27 @@ def test_model_decode_absorbed_equals_expanded(variant):
     ids = jnp.asarray(np.random.default_rng(3).integers(2, c.vocab_size, (2, 12)))
     logits = decode_steps_both_modes(model, ids)
     assert MLA in c.layer_types
+    assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
+
+
+def test_block_fp8_kv_b_decodes_absorbed_as_stored(tmp_path):
+    """A block-FP8 checkpoint kept as stored, on the GPU kernels in interpret mode: the absorbed decode steps give
+    kv_b_proj's e4m3 values and scales (split per head) to the absorbed products' kernels
+    (tests/kernels/test_mla_absorb.py: no dense copy) and equal the expanded ones, which attend with it
+    dequantised."""
+    write_tiny_fp8_checkpoint(tmp_path)
+    model = load_hf_checkpoint(
+        tmp_path, dtype=jnp.float32, policy=ExecutionPolicy(kernel_backend="interpret_gpu"), progress=False
+    )
+    mla_layer = model.model.layers[model.config.layer_types.index(MLA)]
+    kv_b = mla_layer.attention.kv_b_proj.weight.get_value()
+    assert isinstance(kv_b, BlockFP8Weight)
+    ids = jnp.asarray(np.random.default_rng(4).integers(2, model.config.vocab_size, (2, 9)))
+    graph, state = nnx.split(model)
+    text = str(jax.make_jaxpr(lambda state, ids: decode_steps_both_modes(nnx.merge(graph, state), ids))(state, ids))
+    kernel_operands = dict(re.findall(r"(absorb_query_gpu|expand_output_gpu)\S* = \{ lambda ; ([^.]*)\.", text))
+    assert len(kernel_operands) == 2 and all("f8_e4m3fn[4,32,32] " in o for o in kernel_operands.values())
+    logits = decode_steps_both_modes(model, ids)
     assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
 
 

@@ -219,9 +219,9 @@ def grouped_with_shared(limit):
     return grouped
 
 
-def select_experts_tiles(rule, block_t: int, num_warps: int):
-    """The expert-selection kernel at (block_t, num_warps): (logits, bias) -> (weights, experts)."""
-    return functools.partial(kernel("select_experts", "gpu_triton"), rule=rule, block_t=block_t, num_warps=num_warps)
+def select_experts_tiles(rule, num_warps: int):
+    """The expert-selection kernel (one token a program) at num_warps: (logits, bias) -> (weights, experts)."""
+    return functools.partial(kernel("select_experts", "gpu_triton"), rule=rule, num_warps=num_warps)
 
 
 def routed_rows(limit, backend: str, variant: str | None = None):

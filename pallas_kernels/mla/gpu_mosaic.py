@@ -17,8 +17,9 @@ consumer's P·V of tile t. Shared memory: the query 72 KiB, two 64-slot cache ti
 needs K = block_k to be a multiple of 64, so three stages do not fit the 227 KiB).
 
 Each consumer writes its softmax-normalised half of the split's output and the scores consumer the split's
-log-sum-exp; `combine_splits` merges the splits exactly, as for the Triton kernel (`gpu_triton/decode.py`). The query
-and P go to the tensor cores in the cache dtype (bf16 or fp16) with fp32 accumulation.
+log-sum-exp; `combine_splits` merges the splits exactly (in XLA; the Triton kernel's splits are merged by a kernel,
+`gpu_triton/decode.py`). The query and P go to the tensor cores in the cache dtype (bf16 or fp16) with fp32
+accumulation.
 
 The cache is contiguous ([B, L, 576], `mla_decode_mgpu`) or paged ([P, page_size, 576] with a page table,
 `mla_decode_paged_mgpu`); only the producer's view of tile i differs. Tiles: None from `tuned.DECODE_MOSAIC`.

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import variants
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
+from pallas_kernels.fp8.reference import is_quantized
 from pallas_kernels.mla.gpu_mosaic import HEADS as MOSAIC_MAX_HEADS
 from pallas_kernels.mla.gpu_mosaic import mla_decode_mgpu, mla_decode_paged_mgpu
 from pallas_kernels.mla.gpu_triton import (
@@ -23,6 +24,7 @@ from pallas_kernels.mla.gpu_triton import (
     expand_output_gpu,
     flash_expanded_attention_gpu,
     kernel_dims_fit,
+    kv_b_dtype,
     mla_decode_gpu,
 )
 from pallas_kernels.mla.reference import (
@@ -178,23 +180,34 @@ _expand_output_gpu = with_reference_vjp(
 )
 
 
-def absorb_query(q_nope_MHN, kv_b_HCR, *, backend: str = "auto", variant: str | None = None):
-    """q_latent [M, H, R] fp32 = q_nope @ W_UK per head; kv_b [H, nope + v, R] is kv_b_proj's per-head view.
+def _dense_kv_b(kv_b_HCR, dtype):
+    """kv_b as an array: a quantised weight dequantised to `dtype` (the reference's form)."""
+    return kv_b_HCR.dequantize(kv_b_dtype(kv_b_HCR, dtype)) if is_quantized(kv_b_HCR) else kv_b_HCR
+
+
+def absorb_query(q_nope_MHN, kv_b_HCR, *, dtype=None, backend: str = "auto", variant: str | None = None):
+    """q_latent [M, H, R] fp32 = q_nope @ W_UK per head; kv_b [H, nope + v, R] is kv_b_proj's per-head view: an
+    array, or a quantised weight (`ling_jax.quantized`: values and scales both split per head) that is
+    dequantised to `dtype` (the model's), tile by tile inside the GPU kernel (the weight is never written dense).
     On a GPU backend, up to ROWS query rows run the Pallas kernel; otherwise (and above) the jnp reference.
-    Differentiable (the kernel's backward pass is the reference's)."""
+    Differentiable for a dense kv_b (the kernel's backward pass is the reference's)."""
     name, interpret = _few_rows_variant("absorb_query", variant, q_nope_MHN, backend)
+    if name == "gpu_triton" and is_quantized(kv_b_HCR):
+        return absorb_query_gpu(q_nope_MHN, kv_b_HCR, dtype=dtype, interpret=interpret)
     if name == "gpu_triton":
         return _absorb_query_gpu(q_nope_MHN, kv_b_HCR, interpret)
-    return absorb_query_reference(q_nope_MHN, kv_b_HCR)
+    return absorb_query_reference(q_nope_MHN, _dense_kv_b(kv_b_HCR, dtype))
 
 
-def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, backend: str = "auto", variant: str | None = None):
-    """[M, H, V] fp32 = o_latent @ W_UV^T per head (W_UV: each head's rows after the first `nope`); backends
-    and variants as for `absorb_query`."""
+def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, dtype=None, backend: str = "auto", variant: str | None = None):
+    """[M, H, V] fp32 = o_latent @ W_UV^T per head (W_UV: each head's rows after the first `nope`); kv_b, dtype,
+    backends and variants as for `absorb_query`."""
     name, interpret = _few_rows_variant("expand_output", variant, o_latent_MHR, backend)
+    if name == "gpu_triton" and is_quantized(kv_b_HCR):
+        return expand_output_gpu(o_latent_MHR, kv_b_HCR, nope=nope, dtype=dtype, interpret=interpret)
     if name == "gpu_triton":
         return _expand_output_gpu(o_latent_MHR, kv_b_HCR, nope, interpret)
-    return expand_output_reference(o_latent_MHR, kv_b_HCR, nope)
+    return expand_output_reference(o_latent_MHR, _dense_kv_b(kv_b_HCR, dtype), nope)
 
 
 # Arguments: the seven arrays of `mla_prefill`, then scale and interpret (static).

@@ -60,9 +60,8 @@ class RowTiles:
 
 @dataclasses.dataclass(frozen=True)
 class SelectTiles:
-    """gpu_triton expert selection: block_t tokens a program."""
+    """gpu_triton expert selection (one token a program): warps a program."""
 
-    block_t: int
     num_warps: int
 
 
@@ -208,7 +207,9 @@ ROUTED_DOWN_QUANTIZED = _gpu(
 SELECT_EXPERTS = _gpu(
     {
         (ANY, ANY): Entry(
-            SelectTiles(block_t=1, num_warps=1), f"{_ROUTED}: expert selection, column 'kernel (1 token, 1 warp)'"
+            SelectTiles(num_warps=1),
+            f"{_ROUTED}: expert selection, column 'kernel (1 token, 1 warp)' (the row-kernel before the [G, P] "
+            "one of 2026-12-05, which is not swept yet)",
         )
     }
 )

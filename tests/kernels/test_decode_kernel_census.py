@@ -12,8 +12,8 @@ def test_slice_decode_step_kernels_per_layer():
     """The 8-layer Ling-3.1-flash slice (7 KDA + 1 MLA, block FP8 as stored) at batch 1. A KDA layer's five FP8
     input projections run in one grouped gemv with no K split (1,280 output strips fill the GPU), MLA's q_a and
     kv_a in one with a single reduction of its K splits; each output projection is a split-K gemv whose partial
-    sums the residual add + norm after it adds (no reduce of its own); MLA's q_b_proj a split-K gemv and its reduce;
-    per layer also the two norms and the three MoE kernels."""
+    sums the residual add + norm after it adds (no reduce of its own); MLA's q_b_proj a split-K gemv and its reduce,
+    its decode's sequence splits merged by a kernel; per layer also the two norms and the three MoE kernels."""
     layers, kda_layers, mla_layers = 8, 7, 1
     assert decode_step_census(flash_slice_config(layers, False), batch=1) == {
         "weight_only_gemv_many": kda_layers + mla_layers,
@@ -23,7 +23,7 @@ def test_slice_decode_step_kernels_per_layer():
         "kda_decode_fused": kda_layers,  # a KDA layer's convs, gates, recurrence (and norm) between its gemvs
         "mla_absorb_query": mla_layers,
         "mla_decode_split": mla_layers,
-        "mla_decode_split -> reduce": mla_layers,
+        "mla_combine_splits": mla_layers,
         "mla_expand_output": mla_layers,
         "rms_norm": layers,
         "add_partials_rms_norm": layers,
@@ -36,7 +36,7 @@ def test_slice_decode_step_kernels_per_layer():
 def test_census_command_prints_the_counts(capsys):
     assert main(["--preset", "tiny", "--batch", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "4 layers (2 KDA + 2 MLA), batch 2: 37 pallas_calls" in printed
+    assert "4 layers (2 KDA + 2 MLA), batch 2: 39 pallas_calls" in printed
     # each layer's input projections and the dense MLP's gate + up (two rows: still grouped)
     assert "| weight_only_gemv_many | 5 |" in printed
     assert "| add_partials_rms_norm | 4 |" in printed

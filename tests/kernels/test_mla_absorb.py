@@ -1,6 +1,7 @@
 """The absorbed-MLA weight products (`pallas_kernels.mla.absorb_query`, `expand_output`): the GPU kernels for a
 few query rows (Pallas interpret mode on the CPU, compiled on the device machine) and the jnp reference against
-float64 numpy; gradients; lowering for CUDA at Ling-3.1-flash size."""
+float64 numpy, for a dense and a block-FP8 kv_b_proj (read as stored); gradients; lowering for CUDA at
+Ling-3.1-flash size."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
+from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.mla.gpu_triton import ROWS
 from pallas_kernels.mla.ops import absorb_query, expand_output
 
@@ -40,6 +43,47 @@ def test_matches_float64(rows, dtype, backend):
     assert out.dtype == jnp.float32 and out.shape == (rows, heads, value)
     assert rel_error(q_latent, np.einsum("mhn,hnr->mhr", f64(q_nope), f64(kv_b)[:, :nope])) <= 1e-6
     assert rel_error(out, np.einsum("mhr,hvr->mhv", f64(o_latent), f64(kv_b)[:, nope:])) <= 1e-6
+
+
+def random_fp8_weight(heads, head_rows, rank, block, seed) -> BlockFP8Weight:
+    """A per-head block-FP8 kv_b [H, nope + v, R] (scales [H, head_rows / br, ceil(R / bc)]) of about unit-size
+    elements."""
+    r = np.random.default_rng(seed)
+    values = np.asarray(r.normal(size=(heads, head_rows, rank)) * 60.0, ml_dtypes.float8_e4m3fn)
+    scales = r.uniform(0.5, 1.5, (heads, head_rows // block[0], -(-rank // block[1]))) / 60.0
+    return BlockFP8Weight(jnp.asarray(values), jnp.asarray(scales, jnp.float32), block)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_block_fp8_kv_b_is_dequantised_tile_by_tile(rows):
+    """Scale blocks smaller than the tiles (16 x 32: several a tile, a row block straddling W_UK / W_UV) and a
+    partial last column block: the kernels equal the reference on the weight dequantised to bf16, and never
+    convert the whole weight."""
+    heads, nope, value, rank = 3, 32, 16, 80
+    kv_b = random_fp8_weight(heads, nope + value, rank, (16, 32), seed=rows)
+    r = np.random.default_rng(rows)
+    q_nope = jnp.asarray(r.normal(size=(rows, heads, nope)), jnp.bfloat16)
+    o_latent = jnp.asarray(r.normal(size=(rows, heads, rank)), jnp.float32)
+    dense = f64(kv_b.dequantize(jnp.bfloat16))
+    products = {
+        "absorb": (functools.partial(absorb_query, q_nope), np.einsum("mhn,hnr->mhr", f64(q_nope), dense[:, :nope])),
+        "expand": (
+            functools.partial(expand_output, o_latent, nope=nope),
+            np.einsum("mhr,hvr->mhv", f64(o_latent), dense[:, nope:]),
+        ),
+    }
+    for product, expected in products.values():
+        for backend in BACKENDS:
+            assert rel_error(product(kv_b, dtype=jnp.bfloat16, backend=backend), expected) <= 1e-6
+        text = str(jax.make_jaxpr(functools.partial(product, dtype=jnp.bfloat16, backend="interpret_gpu"))(kv_b))
+        assert f"[{heads},{nope + value},{rank}]" not in text.replace("f8_e4m3fn[", "")
+
+
+def test_quantised_kv_b_needs_the_model_dtype():
+    kv_b = random_fp8_weight(2, 32, 64, (16, 32), seed=0)
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="quantised kv_b_proj needs dtype"):
+            absorb_query(jnp.zeros((1, 2, 16), jnp.bfloat16), kv_b, backend=backend)
 
 
 def test_kernels_run_for_few_rows_only():
@@ -81,6 +125,24 @@ def test_gpu_kernels_lower_for_cuda():
         kv_b,
     ).as_text()
     assert "mla_expand_output" in text
+
+
+def test_gpu_kernels_lower_for_cuda_from_block_fp8():
+    """Ling-3.0-flash's kv_b_proj as stored: e4m3 [32 heads x 256, 512] in 128 x 128 blocks, split per head."""
+    kv_b = BlockFP8Weight(
+        jax.ShapeDtypeStruct((32, 256, 512), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((32, 2, 4), jnp.float32),
+        (128, 128),
+    )
+    for product, vectors in (
+        (functools.partial(absorb_query, dtype=jnp.bfloat16, backend="pallas_gpu"), (1, 32, 128, jnp.bfloat16)),
+        (
+            functools.partial(expand_output, nope=128, dtype=jnp.bfloat16, backend="pallas_gpu"),
+            (8, 32, 512, jnp.float32),
+        ),
+    ):
+        text = lower_for_cuda(product, jax.ShapeDtypeStruct(vectors[:3], vectors[3]), kv_b).as_text()
+        assert "tensor<32x256x512xf8E4M3FN>" in text and "32x256x512xbf16" not in text
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,9 @@ from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
 from pallas_kernels.mla import mla_decode, mla_decode_paged
+from pallas_kernels.mla.gpu_triton.decode import combine_splits_gpu
 from pallas_kernels.mla.ops import kernel
+from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.mla.tuned import DECODE_MOSAIC, DECODE_TRITON, MOSAIC_MIN_SLOTS, DecodeTpuTiles
 from pallas_kernels.tuning import lookup
 
@@ -168,6 +171,25 @@ def test_gpu_kernel_lowers_for_cuda(batch, max_len):
         functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args(batch=batch, max_len=max_len)
     )
     assert "mla_decode_split" in lowered.as_text()
+
+
+def test_split_combine_kernel_equals_the_reference():
+    """Splits not a power of two, splits that saw no key (lse -inf) and a sequence with none at all (zeros)."""
+    r = np.random.default_rng(0)
+    o_BSHR = jnp.asarray(r.normal(size=(3, 5, 4, 256)), jnp.float32)
+    lse_BSH = np.asarray(r.normal(size=(3, 5, 4)) * 3, np.float32)
+    lse_BSH[0, 1:3] = -np.inf
+    lse_BSH[2] = -np.inf
+    got = combine_splits_gpu(o_BSHR, jnp.asarray(lse_BSH), interpret=True)
+    assert rel_error(got, combine_splits(o_BSHR, jnp.asarray(lse_BSH))) <= 1e-6
+    assert not np.asarray(got[2]).any()
+
+
+def test_gpu_kernel_blocks_no_more_heads_than_a_model_has():
+    """Ling-3.0-flash's 32 heads at one decode token: one 32-head block (the table's 64 would compute and write 32
+    padded heads), so the query goes in unpadded and the fp32 partial outputs are [1, splits, 32, 512]."""
+    text = lower_for_cuda(functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args(1, 32, 8192)).as_text()
+    assert "_pad" not in text and re.search(r"tensor<1x\d+x32x512xf32>", text)
 
 
 MGPU_INTERPRET_OK = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)

@@ -2,7 +2,8 @@
 
 Program (head block, split, batch) walks its split of one sequence's latent cache in blocks of `block_k`
 slots, all heads of the block sharing each loaded [c_kv ; k_pe] tile (the attention is MQA), and writes
-its softmax-normalised partial output plus log-sum-exp; `combine_splits` merges the splits exactly.
+its softmax-normalised partial output plus log-sum-exp; a second kernel merges the splits exactly
+(`combine_splits_gpu`, program (sequence, head): `reference.combine_splits` in one launch where XLA runs four).
 Head blocks vary fastest in the grid so the programs that share a cache tile run together (L2 reuse).
 """
 
@@ -16,7 +17,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import tuned
-from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.tuning import lookup
 
 
@@ -70,6 +70,44 @@ def _split_kernel(
 
 
 MIN_SPLIT = 256  # slots: four 64-slot blocks per program at least
+COMBINE_COLUMNS = 128  # latent columns a step of the combine: [splits, 128] fp32 partials in registers
+
+
+def _combine_kernel(o_ref, lse_ref, out_ref, *, splits: int):
+    """out[b, h] = sum_s softmax_s(lse[b, :, h]) * o[b, s, h] (`reference.combine_splits`): the splits padded to a
+    power of two (weight 0), the latent columns COMBINE_COLUMNS at a time."""
+    sequence, head = pl.program_id(0), pl.program_id(1)
+    padded = pl.next_power_of_2(splits)
+    split_ok_S = jnp.arange(padded) < splits
+    lse_S = plgpu.load(lse_ref.at[sequence, pl.ds(0, padded), head], mask=split_ok_S, other=-jnp.inf)
+    lse_max = jnp.max(lse_S)
+    weights_S = jnp.exp(lse_S - jnp.where(lse_max > -jnp.inf, lse_max, 0.0))
+    total = jnp.sum(weights_S)
+    weights_S = weights_S / jnp.where(total > 0, total, 1.0)
+    latent_dim = out_ref.shape[2]
+    columns = min(COMBINE_COLUMNS, latent_dim)
+    for col0 in range(0, latent_dim, columns):
+        cols = pl.ds(col0, columns)
+        o_SC = plgpu.load(o_ref.at[sequence, pl.ds(0, padded), head, cols], mask=split_ok_S[:, None], other=0.0)
+        out_ref[sequence, head, cols] = jnp.sum(weights_S[:, None] * o_SC, axis=0)
+
+
+def combine_splits_gpu(o_BSHR, lse_BSH, *, interpret: bool = False):
+    """`reference.combine_splits` as one Pallas kernel, program (sequence, head): [B, H, R] fp32. R a multiple of
+    COMBINE_COLUMNS or a power of two below it."""
+    batch, splits, heads, latent_dim = o_BSHR.shape
+    whole = lambda array: pl.BlockSpec(array.shape, lambda b, h: (0,) * array.ndim)  # noqa: E731
+    out_shape = jax.ShapeDtypeStruct((batch, heads, latent_dim), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits),
+        grid=(batch, heads),
+        in_specs=[whole(o_BSHR), whole(lse_BSH)],
+        out_specs=whole(out_shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_combine_splits",
+    )(o_BSHR, lse_BSH)
 
 
 def default_num_splits(batch: int, head_blocks: int, max_len: int) -> int:
@@ -93,11 +131,13 @@ def mla_decode_gpu(
     interpret: bool = False,
 ):
     """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R must be a multiple of P (512 and 64 for Ling).
-    Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it).
+    Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it), and
+    at most the heads' next power of two (Ling-3.0-flash's 32 heads: 32, not the table's 64, so that no padded
+    head is computed and no padded head's fp32 partial output is written and combined).
     num_splits: sequence splits, None for `default_num_splits`."""
     tiles = tiles or lookup(tuned.DECODE_TRITON, dtype=kv_cache_BLA.dtype)
-    block_k, head_block = tiles.block_k, tiles.head_block
     batch, heads, latent_dim = q_latent_BHR.shape
+    block_k, head_block = tiles.block_k, min(tiles.head_block, max(16, pl.next_power_of_2(heads)))
     rope_dim = q_rope_BHP.shape[-1]
     max_len = kv_cache_BLA.shape[1]
     if latent_dim % rope_dim:
@@ -106,9 +146,10 @@ def mla_decode_gpu(
         num_splits = default_num_splits(batch, pl.cdiv(heads, head_block), max_len)
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
     padded_heads = pl.cdiv(heads, head_block) * head_block
-    pad = ((0, 0), (0, padded_heads - heads), (0, 0))
-    q_latent = jnp.pad(q_latent_BHR.astype(kv_cache_BLA.dtype), pad)
-    q_rope = jnp.pad(q_rope_BHP.astype(kv_cache_BLA.dtype), pad)
+    q_latent, q_rope = q_latent_BHR.astype(kv_cache_BLA.dtype), q_rope_BHP.astype(kv_cache_BLA.dtype)
+    if padded_heads > heads:
+        pad = ((0, 0), (0, padded_heads - heads), (0, 0))
+        q_latent, q_rope = jnp.pad(q_latent, pad), jnp.pad(q_rope, pad)
     grid = (padded_heads // head_block, num_splits, batch)
     kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, split_len=split_len)
     o_BSHR, lse_BSH = pl.pallas_call(
@@ -133,4 +174,4 @@ def mla_decode_gpu(
         interpret=interpret,
         name="mla_decode_split",
     )(lengths_B.astype(jnp.int32), q_latent, q_rope, kv_cache_BLA, kv_cache_BLA)
-    return combine_splits(o_BSHR, lse_BSH)[:, :heads]
+    return combine_splits_gpu(o_BSHR, lse_BSH, interpret=interpret)[:, :heads]
