@@ -22,8 +22,10 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 
-from ling_jax import LingConfig
+from benchmarks.kernel_census import kernel_census
+from ling_jax import ExecutionPolicy, LingConfig
 from ling_jax.cache import LingCache
 from ling_jax.generation.end_tokens import end_bitmask
 from ling_jax.generation.flags import DEMO_DIR
@@ -122,10 +124,11 @@ def demo_config() -> LingConfig:
     return LingConfig.from_pretrained(DEMO_DIR)
 
 
-def _programs(config: LingConfig, batch: int, mtp: int, context: int):
+def _programs(config: LingConfig, batch: int, mtp: int, context: int, policy: ExecutionPolicy | None = None):
     """(jitted program, its arguments) of one plain step (mtp = 0) or one speculative round of `mtp` drafts, greedy,
-    every row running, on a randomly initialised model of `config` with a cache of `context` slots."""
-    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    every row running, on a randomly initialised model of `config` with a cache of `context` slots. float32: a CPU
+    program of bfloat16 weights converts every weight on each call."""
+    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32, policy=policy)
     static, leaves = split_model(model)
     drafts = Drafts.create(config, batch, context, jnp.float32) if mtp else None
     state = DecodeState.create(
@@ -151,6 +154,28 @@ def op_census(config: LingConfig, *, batch: int = 1, mtp: int = 0, context: int 
     """`hlo_op_census` of one plain step (mtp = 0) or one speculative round of `mtp` drafts on the CPU."""
     program, args = _programs(config, batch, mtp, context)
     return hlo_op_census(program.lower(*args).compile().as_text())
+
+
+def gpu_path_census(config: LingConfig, *, batch: int = 1, mtp: int = 0, context: int = 256) -> collections.Counter:
+    """What the GPU path of one plain step (mtp = 0) or one speculative round runs, from its jaxpr (traced with the
+    GPU kernels in interpret mode, nothing compiled): {kernel name: pallas_calls} (`kernel_census`) and {"loop in
+    SCOPE": jnp loops} for the scans and while loops outside the kernels (each trip a host round trip, and its body's
+    ops more launches)."""
+    program, args = _programs(config, batch, mtp, context, ExecutionPolicy(kernel_backend="interpret_gpu"))
+    jaxpr = jax.make_jaxpr(program)(*args)
+    counts = collections.Counter({name: n for name, n in kernel_census(jaxpr).items() if " -> " not in name})
+
+    def loops(jaxpr) -> None:
+        for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+            if eqn.primitive.name in ("scan", "while"):
+                named = f'op_name="jit/{eqn.source_info.name_stack}"'
+                counts[f"loop in {_scope([named])}"] += 1
+            elif eqn.primitive.name != "pallas_call":
+                for inner in jaxprs_in_params(eqn.params):
+                    loops(inner)
+
+    loops(jaxpr)
+    return counts
 
 
 def seconds_per_call(config: LingConfig, *, batch: int = 1, mtp: int = 0, context: int = 256, calls: int = 50):
@@ -189,8 +214,13 @@ def main(argv=None) -> int:
         print(f"| {scope} | " + " | ".join(str(n) for n in row) + " |")
     ratio = [f"{launches(counts[m]) / launches(counts[0]):.2f}" for m in programs]
     print("| total / plain step | " + " | ".join(ratio) + " |")
+    kernels = {m: gpu_path_census(config, batch=args.batch, mtp=m) for m in programs}
+    print("\nthe GPU path: kernels (pallas_calls) and jnp loops a program\n")
+    print("| kernel | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for name in sorted({name for c in kernels.values() for name in c}):
+        print(f"| {name} | " + " | ".join(str(kernels[m][name]) for m in programs) + " |")
     if times:
-        print("| CPU ms | " + " | ".join(f"{times[m] * 1e3:.2f}" for m in programs) + " |")
+        print("\n| CPU ms | " + " | ".join(f"{times[m] * 1e3:.2f}" for m in programs) + " |")
         print("| CPU time / plain step | " + " | ".join(f"{times[m] / times[0]:.2f}" for m in programs) + " |")
     return 0
 
