@@ -126,8 +126,9 @@ def demo_config() -> LingConfig:
 
 def _programs(config: LingConfig, batch: int, mtp: int, context: int, policy: ExecutionPolicy | None = None):
     """(jitted program, its arguments) of one plain step (mtp = 0) or one speculative round of `mtp` drafts, greedy,
-    every row running, on a randomly initialised model of `config` with a cache of `context` slots. float32: a CPU
-    program of bfloat16 weights converts every weight on each call."""
+    every row running, on a randomly initialised model of `config` with a cache of `context` slots; the sampler's
+    and the round's inputs are arguments, as in the generator's programs (not constants XLA would fold conditionals
+    of). float32: a CPU program of bfloat16 weights converts every weight on each call."""
     model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.float32, policy=policy)
     static, leaves = split_model(model)
     drafts = Drafts.create(config, batch, context, jnp.float32) if mtp else None
@@ -138,16 +139,16 @@ def _programs(config: LingConfig, batch: int, mtp: int, context: int, policy: Ex
     )
     arrays = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * batch)
     if not mtp:
-        step = jax.jit(lambda leaves, state: decode_step(static.merge(leaves), state, arrays), donate_argnums=1)
-        return step, (leaves, state)
+        step = jax.jit(lambda leaves, state, arrays: decode_step(static.merge(leaves), state, arrays), donate_argnums=1)
+        return step, (leaves, state, arrays)
     running_B = jnp.ones((batch,), bool)
     capacity_B = jnp.full((batch,), context - mtp - 1, jnp.int32)
     end_bits_BW = jnp.asarray(end_bitmask([()] * batch, config.vocab_size))
 
-    def round_(leaves, state):
-        return speculative_round(static.merge(leaves), mtp, state, arrays, running_B, capacity_B, end_bits_BW)
+    def round_(leaves, state, inputs):
+        return speculative_round(static.merge(leaves), mtp, state, *inputs)
 
-    return jax.jit(round_, donate_argnums=1), (leaves, state)
+    return jax.jit(round_, donate_argnums=1), (leaves, state, (arrays, running_B, capacity_B, end_bits_BW))
 
 
 def op_census(config: LingConfig, *, batch: int = 1, mtp: int = 0, context: int = 256) -> collections.Counter:
@@ -181,12 +182,12 @@ def gpu_path_census(config: LingConfig, *, batch: int = 1, mtp: int = 0, context
 def seconds_per_call(config: LingConfig, *, batch: int = 1, mtp: int = 0, context: int = 256, calls: int = 50):
     """The median CPU time of one plain step (mtp = 0) or one speculative round, compiled, over `calls` calls, each
     from the state the one before left (`context` must hold their tokens)."""
-    program, (leaves, state) = _programs(config, batch, mtp, context)
-    _, state = jax.block_until_ready(program(leaves, state))
+    program, (leaves, state, inputs) = _programs(config, batch, mtp, context)
+    _, state = jax.block_until_ready(program(leaves, state, inputs))
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        _, state = jax.block_until_ready(program(leaves, state))
+        _, state = jax.block_until_ready(program(leaves, state, inputs))
         times.append(time.perf_counter() - start)
     return sorted(times)[calls // 2]
 

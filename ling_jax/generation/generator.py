@@ -333,11 +333,14 @@ def speculative_round(
         verify_ids, cache=cache, attention_mask=real_BT, kda_mode=STEPS, policy=model.policy
     )
     targets_BT, logprobs = _draw_verified(model.logits(hidden_BTD), arrays, state, drafts_BK)
-    matched_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
-    end_BK = is_end(end_bits_BW, targets_BT[:, :num_drafts])
-    first_end_B = jnp.where(end_BK.any(axis=1), end_BK.argmax(axis=1), num_drafts)
+    # draft k is accepted while drafts [0, k] match their targets, none of those targets is an end token and the
+    # row has room for target k + 1 too: the first draft that breaks one of these (or K: none) is the count
     room_B = capacity_B - cache.lengths - 1  # tokens the row may still emit
-    accepted_B = jnp.clip(jnp.minimum(matched_B, jnp.minimum(first_end_B, room_B - 1)), 0)
+    targets_BK = targets_BT[:, :num_drafts]
+    stops_BK = (
+        (drafts_BK != targets_BK) | is_end(end_bits_BW, targets_BK) | (jnp.arange(num_drafts) >= room_B[:, None] - 1)
+    )
+    accepted_B = jnp.argmax(jnp.pad(stops_BK, ((0, 0), (0, 1)), constant_values=True), axis=1).astype(jnp.int32)
     kept_BT = (jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]) & active_B1
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
     counts_BV = state.counts_BV.at[rows[:, None], targets_BT].add(kept_BT.astype(jnp.int32))
