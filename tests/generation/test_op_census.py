@@ -3,8 +3,10 @@ decode step on the demo checkpoint's shape (compiled on the CPU)."""
 
 import jax
 import jax.numpy as jnp
+import pytest
 
-from benchmarks.op_census import SYNCS, demo_config, hlo_op_census, launches, op_census
+from benchmarks.op_census import SYNCS, demo_config, gpu_path_census, hlo_op_census, launches, main, op_census
+from ling_jax.config import MOE
 
 
 def test_census_counts_loop_trips_and_the_smallest_branch():
@@ -30,3 +32,16 @@ def test_one_mtp_round_launches_at_most_one_and_a_half_plain_steps():
     step, round_ = op_census(config), op_census(config, mtp=1)
     assert round_["mtp"] > 0 and step["mtp"] == 0
     assert launches(round_) <= 1.5 * launches(step), (launches(round_), launches(step))
+
+
+def test_the_gpu_path_of_a_round_runs_each_moe_kernel_once_a_layer_and_once_for_the_mtp_layer():
+    config = demo_config()
+    step, round_ = gpu_path_census(config), gpu_path_census(config, mtp=1)
+    moe_layers = config.mlp_layer_types.count(MOE)
+    assert step["select_experts"] == moe_layers and round_["select_experts"] == moe_layers + 1
+
+
+def test_bad_draft_count_is_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["--mtp", "0"])
+    assert "--mtp must be >= 1, got 0" in capsys.readouterr().err
