@@ -36,7 +36,7 @@ from ling_jax.model import LingForCausalLM
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier"}
 SCOPES = ("mtp", "decoder_layer", "lm_head", "embed", "final_norm")  # op_name parts that say which part of the model
-SYNCS = "conditionals and loop trips"  # each a host round trip on a GPU (its predicate read): kept out of launches
+SYNCS = "conditionals and loop trips"  # on a GPU each reads its predicate on the host (outside command buffers)
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .*?([a-z][\w\-]*)\((.*)$")
 
