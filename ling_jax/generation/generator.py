@@ -280,13 +280,13 @@ def where_rows(rows_B, new, old):
 def _draw_verified(logits_BTV, arrays: SamplingArrays, state: DecodeState, drafts_BK) -> tuple[jax.Array, Logprobs]:
     """The target token [B, T] at each of a verify pass's T = K + 1 positions, with its logprobs, in one `sample`
     call over B * T rows: position i draws with the row's sampler at step steps + i, drafts[:i] seen (they matter
-    only if accepted, as seen tokens and as generated-token counts). The drafts are counted into a buffer of
-    their own, which the row's seen and counted tokens are added to (they are read, never copied)."""
+    only if accepted, as seen tokens and as generated-token counts). The drafts before each position are counted
+    by comparison with the vocabulary (elementwise: it fuses with the reads of the row's seen and counted tokens,
+    no scatter into a buffer of its own)."""
     batch, positions, vocab = logits_BTV.shape
     before_TK = jnp.arange(drafts_BK.shape[1])[None, :] < jnp.arange(positions)[:, None]  # draft k precedes position t
-    rows_B11, positions_1T1 = jnp.arange(batch)[:, None, None], jnp.arange(positions)[None, :, None]
-    drafted_BTV = jnp.zeros((batch, positions, vocab), jnp.int32)
-    drafted_BTV = drafted_BTV.at[rows_B11, positions_1T1, drafts_BK[:, None, :]].add(before_TK.astype(jnp.int32))
+    drafted_BTKV = (drafts_BK[:, None, :, None] == jnp.arange(vocab)) & before_TK[None, :, :, None]
+    drafted_BTV = drafted_BTKV.sum(axis=2, dtype=jnp.int32)
     steps_BT = state.steps_B[:, None] + jnp.arange(positions, dtype=state.steps_B.dtype)
     token_N, logprobs = _draw(
         logits_BTV.reshape(batch * positions, vocab),
@@ -333,22 +333,26 @@ def speculative_round(
         verify_ids, cache=cache, attention_mask=real_BT, kda_mode=STEPS, policy=model.policy
     )
     targets_BT, logprobs = _draw_verified(model.logits(hidden_BTD), arrays, state, drafts_BK)
-    matched_B = jnp.cumprod(drafts_BK == targets_BT[:, :num_drafts], axis=1).sum(axis=1, dtype=jnp.int32)
-    end_BK = is_end(end_bits_BW, targets_BT[:, :num_drafts])
-    first_end_B = jnp.where(end_BK.any(axis=1), end_BK.argmax(axis=1), num_drafts)
+    # draft k is accepted while drafts [0, k] match their targets, none of those targets is an end token and the
+    # row has room for target k + 1 too: the first draft that breaks one of these (or K: none) is the count
     room_B = capacity_B - cache.lengths - 1  # tokens the row may still emit
-    accepted_B = jnp.clip(jnp.minimum(matched_B, jnp.minimum(first_end_B, room_B - 1)), 0)
+    targets_BK = targets_BT[:, :num_drafts]
+    stops_BK = (
+        (drafts_BK != targets_BK) | is_end(end_bits_BW, targets_BK) | (jnp.arange(num_drafts) >= room_B[:, None] - 1)
+    )
+    accepted_B = jnp.argmax(jnp.pad(stops_BK, ((0, 0), (0, 1)), constant_values=True), axis=1).astype(jnp.int32)
     kept_BT = (jnp.arange(num_drafts + 1)[None, :] <= accepted_B[:, None]) & active_B1
     seen_BV = seen_BV.at[rows[:, None], targets_BT].max(kept_BT)
     counts_BV = state.counts_BV.at[rows[:, None], targets_BT].add(kept_BT.astype(jnp.int32))
     cache = commit_verified(steps_cache, accepted_B, num_drafts + 1, active_B)
     mtp_cache = MTPCache(layer=mtp_cache.layer, lengths=mtp_lengths_B)  # drop the chained drafts' entries
-    out = model.draft_logits(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT)
-    draft_B = jnp.argmax(out.logits[rows, accepted_B], axis=-1).astype(jnp.int32)
+    mtp_hidden_BTD, mtp_cache = model.draft_hidden(hidden_BTD, targets_BT, cache=mtp_cache, attention_mask=kept_BT)
+    mtp_hidden_BD = mtp_hidden_BTD[rows, accepted_B]  # the accepted position's: the lm_head runs on it alone
+    draft_B = jnp.argmax(model.logits(mtp_hidden_BD[:, None])[:, 0], axis=-1).astype(jnp.int32)
     drafts = drafts.replace(
-        cache=out.cache,
+        cache=mtp_cache,
         draft_B=jnp.where(active_B, draft_B, drafts.draft_B),
-        draft_hidden_BD=jnp.where(active_B1, out.hidden[rows, accepted_B], drafts.draft_hidden_BD),
+        draft_hidden_BD=jnp.where(active_B1, mtp_hidden_BD, drafts.draft_hidden_BD),
     )
     stepped = state.replace(
         cache=cache,
