@@ -38,7 +38,8 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2
     """One token at a time: S <- diag(e^g) S; S <- S + k beta (v - S^T k)^T; o = S^T q. Returns (o, S).
 
     return_all_states: S is then [B, T, H, K, V], the state after each token (for speculative decoding,
-    which commits the state at the last accepted draft token).
+    which commits the state at the last accepted draft token). Its loop is unrolled: the verify pass's few
+    positions then run as straight-line code, no loop trips in the decode program (benchmarks.op_census).
     """
     out_dtype = v.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
@@ -52,7 +53,7 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, use_qk_l2
         return S_BHKV, (o_BHV, S_BHKV) if return_all_states else o_BHV
 
     time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
-    state, per_step = jax.lax.scan(step, state, time_major)
+    state, per_step = jax.lax.scan(step, state, time_major, unroll=return_all_states)
     if return_all_states:
         o_TBHV, states_TBHKV = per_step
         return jnp.moveaxis(o_TBHV, 0, 1).astype(out_dtype), jnp.moveaxis(states_TBHKV, 0, 1)

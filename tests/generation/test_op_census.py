@@ -24,14 +24,14 @@ def test_census_counts_loop_trips_and_the_smallest_branch():
     assert launches(counts) >= counts["lm_head"] + 3 * launches(once)
 
 
-def test_one_mtp_round_launches_at_most_one_and_a_half_plain_steps():
+def test_one_mtp_round_launches_at_most_1_35_plain_steps():
     """A --mtp 1 round (verify two tokens, sample, commit, one MTP layer) against one plain decode step: the bound
-    is what the round costs today (1.45 plain steps) and a margin: a change that adds a layer's worth of launches to the
-    round fails here."""
+    is what the round costs today (1.29 plain steps, the verify pass's KDA recurrence unrolled: no loop trips) and a
+    margin: a change that adds a layer's worth of launches to the round fails here."""
     config = demo_config()
     step, round_ = op_census(config), op_census(config, mtp=1)
     assert round_["mtp"] > 0 and step["mtp"] == 0
-    assert launches(round_) <= 1.5 * launches(step), (launches(round_), launches(step))
+    assert launches(round_) <= 1.35 * launches(step), (launches(round_), launches(step))
 
 
 def test_the_gpu_path_of_a_round_runs_each_moe_kernel_once_a_layer_and_once_for_the_mtp_layer():
