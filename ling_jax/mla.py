@@ -23,7 +23,14 @@ from ling_jax.policy import ExecutionPolicy, MLAMode, as_policy, op_backend
 from ling_jax.quantized import dequantized, is_quantized
 from ling_jax.rope import apply_rope, softmax_scale
 from ling_jax.sharding import per_shard
-from pallas_kernels.mla.ops import absorb_query, expand_output, mla_decode, mla_decode_paged, mla_prefill
+from pallas_kernels.mla.ops import (
+    absorb_query,
+    expand_output,
+    mla_decode,
+    mla_decode_paged,
+    mla_decode_tokens,
+    mla_prefill,
+)
 from pallas_kernels.mla.reference import absorbed_attention, gather_pages
 
 EXPANDED = MLAMode.EXPANDED
@@ -117,6 +124,7 @@ def mla_attend(
     decode_lengths_B,
     policy: ExecutionPolicy,
     page_table_BN=None,
+    query_lengths_BT=None,
     q_first=None,
     project_output: bool = True,
 ) -> jax.Array:
@@ -129,6 +137,9 @@ def mla_attend(
     absorbed mode runs `pallas_kernels.mla.mla_decode` with it.
     page_table_BN: keys_BSA is then a paged cache's pages [P, page_size, A] (`ling_jax.cache`): a decode reads
     them in place (`mla_decode_paged`), every other call attends to each sequence's pages gathered in order.
+    query_lengths_BT: for T tokens over a cache where token t sees exactly its first query_lengths[b, t] slots
+    (the MTP verify pass), absorbed mode runs `pallas_kernels.mla.mla_decode_tokens` with it (one pass over the
+    cache for the T tokens); None: the dense [B, T, S] mask of `visibility`.
     q_first: x's `_first_query_proj` product when the caller made it (`latent_attention`, with the latent's
     projection in one `linear_many`); None: projected here.
     project_output False: the output projection's input [B, T, H*V] in place of y, for the caller to project
@@ -148,7 +159,14 @@ def mla_attend(
         kv_b_HCR = _kv_b_stored_per_head(weights, c, x_BTD.dtype)
         absorb = _per_head_product(absorb_query, kv_b_HCR, dtype=x_BTD.dtype, backend=backend)
         q_latent = absorb(q_nope.reshape(batch * length, *q_nope.shape[2:])).reshape(*q_nope.shape[:3], -1)
-        if decode_lengths_B is None:
+        if decode_lengths_B is None and query_lengths_BT is not None:
+            decode = per_shard(
+                functools.partial(mla_decode_tokens, scale=scale, backend=backend),
+                in_axes=(_BTHD, _BTHD, _BSA, _BN),
+                out_axes=(_BTHD,),
+            )
+            o_latent = decode(q_latent, q_pe, keys_BSA, query_lengths_BT)
+        elif decode_lengths_B is None:
             o_latent = absorbed_attention(q_latent, q_pe, keys_BSA, visibility.dense(), scale=scale)
         elif paged_decode:
             decode = per_shard(
@@ -199,6 +217,9 @@ def latent_attention(
     q_first, kv = linear_many([weights[_first_query_proj(cfg)], weights["kv_a_proj_with_mqa"]], x_BTD, ctx.policy)
     latent_BTA = _latent(weights, kv, ctx.cos, ctx.sin, cfg)
     page_table_BN = None
+    # over a cache (`token_context`: key_valid the first new_lengths[b] slots, query slots below it) query t sees
+    # exactly its first query_slots[b, t] + 1 slots (a pad's -1: none)
+    query_lengths_BT = None if cache is None else ctx.visibility.query_slots_BT + 1
     if cache is None:
         keys_BSA = latent_BTA
     elif isinstance(cache, PagedMLAState):
@@ -226,6 +247,7 @@ def latent_attention(
         decode_lengths_B=ctx.decode_lengths_B,
         policy=ctx.policy,
         page_table_BN=page_table_BN,
+        query_lengths_BT=query_lengths_BT,
         q_first=q_first,
         project_output=project_output,
     )

@@ -1,6 +1,7 @@
-"""MLA ops: `mla_decode` (attention of one query token per sequence over a ragged latent cache) and
-`mla_decode_paged`, the weight products around it (`absorb_query`, `expand_output`), and `mla_prefill`
-(attention over the expanded heads, flash style), each over its variants.
+"""MLA ops: `mla_decode` (attention of one query token per sequence over a ragged latent cache),
+`mla_decode_paged` and `mla_decode_tokens` (a few query tokens per sequence), the weight products around them
+(`absorb_query`, `expand_output`), and `mla_prefill` (attention over the expanded heads, flash style), each over
+its variants.
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, the backend and the shapes pick (see
@@ -26,6 +27,7 @@ from pallas_kernels.mla.gpu_triton import (
     kernel_dims_fit,
     kv_b_dtype,
     mla_decode_gpu,
+    mla_decode_tokens_gpu,
 )
 from pallas_kernels.mla.reference import (
     absorb_query_reference,
@@ -33,6 +35,7 @@ from pallas_kernels.mla.reference import (
     flash_expanded_attention,
     gather_pages,
     mla_decode_reference,
+    mla_decode_tokens_reference,
 )
 from pallas_kernels.mla.tpu_mosaic import mla_decode_tpu
 from pallas_kernels.mla.tuned import MOSAIC_MIN_SLOTS
@@ -46,6 +49,10 @@ VARIANTS = {
         "tpu_mosaic": Variant("tpu", mla_decode_tpu),
     },
     "mla_decode_paged": {"gpu_mosaic": Variant("gpu", mla_decode_paged_mgpu)},
+    "mla_decode_tokens": {
+        REFERENCE: Variant(None, mla_decode_tokens_reference),
+        "gpu_triton": Variant("gpu", mla_decode_tokens_gpu),
+    },
     "absorb_query": {REFERENCE: Variant(None, absorb_query_reference), "gpu_triton": Variant("gpu", absorb_query_gpu)},
     "expand_output": {
         REFERENCE: Variant(None, expand_output_reference),
@@ -145,6 +152,30 @@ def mla_decode_paged(
         backend=backend,
         variant=variant,
     )
+
+
+def mla_decode_tokens(
+    q_latent_BTHR,
+    q_rope_BTHP,
+    kv_cache_BLA,
+    lengths_BT,
+    *,
+    scale: float,
+    backend: str = "auto",
+    variant: str | None = None,
+):
+    """`mla_decode` for T query tokens a sequence (the MTP verify pass): q_latent [B, T, H, R], q_rope
+    [B, T, H, P], lengths [B, T] int32 (token t attends to the first lengths[b, t] slots; 0: zeros) ->
+    o_latent [B, T, H, R] fp32. A GPU backend ("pallas_gpu", or "interpret_gpu" in Pallas interpret mode) runs
+    "gpu_triton" (`gpu_triton/decode.py`: the tokens' heads in one head axis, the cache read once per head block
+    for all of them); every other backend the jnp reference over a [B, T, L] mask."""
+    backend = resolve_backend(backend)
+    args = (q_latent_BTHR, q_rope_BTHP, kv_cache_BLA, lengths_BT)
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"})
+    name = variants.pick(VARIANTS, "mla_decode_tokens", variant, backend, default)
+    if name == REFERENCE:
+        return mla_decode_tokens_reference(*args, scale=scale)
+    return kernel("mla_decode_tokens", name)(*args, scale=scale, interpret=variants.interpreted(backend))
 
 
 def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:

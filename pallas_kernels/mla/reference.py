@@ -51,6 +51,13 @@ def mla_decode_reference(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, *, s
     return o[:, 0]
 
 
+def mla_decode_tokens_reference(q_latent_BTHR, q_rope_BTHP, kv_cache_BLA, lengths_BT, *, scale: float) -> jax.Array:
+    """T query tokens per sequence, token t over the first lengths[b, t] cache slots; o_latent [B, T, H, R] fp32."""
+    slots = jnp.arange(kv_cache_BLA.shape[1])
+    visible_BTL = slots[None, None, :] < lengths_BT[:, :, None]
+    return absorbed_attention(q_latent_BTHR, q_rope_BTHP, kv_cache_BLA, visible_BTL, scale=scale)
+
+
 def gather_pages(kv_pages_PSA: jax.Array, page_table_BN: jax.Array) -> jax.Array:
     """A paged latent cache as a contiguous one: [B, max_pages * page_size, A], sequence b's pages in table
     order (entries outside [0, P), e.g. unused ones, are clipped to a valid page: callers mask them by length)."""

@@ -21,10 +21,10 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 from ling_jax import LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
 from ling_jax.presets import TINY
-from pallas_kernels.mla import mla_decode, mla_decode_paged
+from pallas_kernels.mla import mla_decode, mla_decode_paged, mla_decode_tokens
 from pallas_kernels.mla.gpu_triton.decode import combine_splits_gpu
 from pallas_kernels.mla.ops import kernel
-from pallas_kernels.mla.reference import combine_splits
+from pallas_kernels.mla.reference import combine_splits, mla_decode_tokens_reference
 from pallas_kernels.mla.tuned import DECODE_MOSAIC, DECODE_TRITON, MOSAIC_MIN_SLOTS, DecodeTpuTiles
 from pallas_kernels.tuning import lookup
 
@@ -171,6 +171,44 @@ def test_gpu_kernel_lowers_for_cuda(batch, max_len):
         functools.partial(mla_decode_gpu, scale=0.07), *_abstract_args(batch=batch, max_len=max_len)
     )
     assert "mla_decode_split" in lowered.as_text()
+
+
+@pytest.mark.parametrize("tokens, heads, max_len", [(2, 5, 37), (3, 4, 300)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_tokens_kernel_matches_the_masked_reference(tokens, heads, max_len, dtype):
+    """T query tokens a row (the MTP verify pass) on the Triton kernel, interpreted: rows of different lengths,
+    token t one slot past token t - 1, a pad token that sees nothing (zeros), heads not filling the head block;
+    against the jnp path over the [B, T, L] mask (the model's path before the kernel) and float64."""
+    r = np.random.default_rng(tokens * 100 + heads)
+    batch = 3
+    first_BT = np.array([[1], [max_len // 2], [max_len - tokens + 1]]) + np.arange(tokens)  # the last row: all slots
+    lengths_BT = jnp.asarray(first_BT, jnp.int32).at[1, -1].set(0)  # row 1's last token a pad
+    q_latent, q_rope = (jnp.asarray(r.normal(size=(batch, tokens, heads, d)) * 0.3, dtype) for d in (LATENT, ROPE))
+    cache = jnp.asarray(r.normal(size=(batch, max_len, LATENT + ROPE)), dtype)
+    scale = 1 / np.sqrt(192)
+    out = mla_decode_tokens(q_latent, q_rope, cache, lengths_BT, scale=scale, backend="interpret_gpu")
+    masked = mla_decode_tokens_reference(q_latent, q_rope, cache, lengths_BT, scale=scale)
+    assert out.shape == (batch, tokens, heads, LATENT) and out.dtype == jnp.float32
+    assert rel_error(out, masked) <= TOL[dtype] and not np.asarray(out[1, -1]).any()
+    f32 = [np.asarray(x.astype(jnp.float32)) for x in (q_latent, q_rope, cache)]
+    for t in range(tokens):
+        lengths = np.maximum(np.asarray(lengths_BT[:, t]), 1)  # float64_attention needs a key: the pad row skipped
+        ref = float64_attention(f32[0][:, t], f32[1][:, t], f32[2], lengths, scale)
+        rows = [0, 2] if t == tokens - 1 else [0, 1, 2]
+        assert rel_error(np.asarray(out[rows, t]), ref[rows]) <= TOL[dtype]
+
+
+def test_tokens_kernel_lowers_for_cuda():
+    """Ling's 64 heads, 2 tokens: one Triton program per (64-head block, split, row), the lengths per head."""
+    batch, tokens, heads, max_len = 2, 2, 64, 4096
+    args = (
+        jax.ShapeDtypeStruct((batch, tokens, heads, LATENT), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, tokens, heads, ROPE), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, max_len, LATENT + ROPE), jnp.bfloat16),
+        jax.ShapeDtypeStruct((batch, tokens), jnp.int32),
+    )
+    text = lower_for_cuda(functools.partial(kernel("mla_decode_tokens", "gpu_triton"), scale=0.07), *args).as_text()
+    assert "mla_decode_split" in text and "mla_combine_splits" in text
 
 
 def test_split_combine_kernel_equals_the_reference():

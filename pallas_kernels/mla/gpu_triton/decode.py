@@ -1,4 +1,5 @@
-"""Absorbed-MLA decode on GPU: a Pallas kernel (Triton lowering), flash-decoding over sequence splits.
+"""Absorbed-MLA decode on GPU: a Pallas kernel (Triton lowering), flash-decoding over sequence splits, for one
+query token a sequence (`mla_decode_gpu`) or a few (`mla_decode_tokens_gpu`, the MTP verify pass).
 
 Program (head block, split, batch) walks its split of one sequence's latent cache in blocks of `block_k`
 slots, all heads of the block sharing each loaded [c_kv ; k_pe] tile (the attention is MQA), and writes
@@ -32,9 +33,11 @@ def _split_kernel(
     scale: float,
     block_k: int,
     split_len: int,
+    per_head: bool,
 ):
     split = pl.program_id(1)
-    length = lengths_ref[...]
+    length = lengths_ref[...]  # the row's visible slots, or per_head: each head's [hb]
+    row_length = jnp.max(length) if per_head else length
     start = split * split_len
     q_latent = q_latent_ref[...]  # [hb, R]
     q_rope = q_rope_ref[...]  # [hb, P]
@@ -45,19 +48,20 @@ def _split_kernel(
     def body(i, carry):
         acc_HR, m_H, l_H = carry
         first = start + i * block_k
-        valid_K = first + offsets < length
+        valid_K = first + offsets < row_length
         rows = pl.ds(first, block_k)
         k_latent = plgpu.load(kv_latent_ref.at[rows, :], mask=valid_K[:, None], other=0.0)
         k_rope = plgpu.load(kv_rope_ref.at[rows, :], mask=valid_K[:, None], other=0.0)
         scores = (dot(q_latent, k_latent, trans_b=True) + dot(q_rope, k_rope, trans_b=True)) * scale
-        scores = jnp.where(valid_K[None, :], scores, -jnp.inf)
+        visible = (first + offsets)[None, :] < length[:, None] if per_head else valid_K[None, :]
+        scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m_H, jnp.max(scores, axis=1))
         p = jnp.exp(scores - m_new[:, None])
         correction = jnp.exp(m_H - m_new)
         acc_HR = acc_HR * correction[:, None] + dot(p.astype(k_latent.dtype), k_latent)
         return acc_HR, m_new, l_H * correction + jnp.sum(p, axis=1)
 
-    num_blocks = jnp.clip(pl.cdiv(length - start, block_k), 0, split_len // block_k)
+    num_blocks = jnp.clip(pl.cdiv(row_length - start, block_k), 0, split_len // block_k)
     init = (
         jnp.zeros((heads, latent_dim), jnp.float32),
         jnp.full((heads,), -1e30, jnp.float32),
@@ -131,6 +135,7 @@ def mla_decode_gpu(
     interpret: bool = False,
 ):
     """o_latent [B, H, R] fp32. kv_cache [B, L, R + P]; R must be a multiple of P (512 and 64 for Ling).
+    lengths: [B], each sequence's visible slots, or [B, H], each head's (`mla_decode_tokens_gpu`'s folded tokens).
     Tiles: None from `tuned.DECODE_TRITON` for the cache dtype; head_block >= 16 (heads are padded to it), and
     at most the heads' next power of two (Ling-3.0-flash's 32 heads: 32, not the table's 64, so that no padded
     head is computed and no padded head's fp32 partial output is written and combined).
@@ -147,16 +152,25 @@ def mla_decode_gpu(
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
     padded_heads = pl.cdiv(heads, head_block) * head_block
     q_latent, q_rope = q_latent_BHR.astype(kv_cache_BLA.dtype), q_rope_BHP.astype(kv_cache_BLA.dtype)
+    lengths = lengths_B.astype(jnp.int32)
+    per_head = lengths.ndim == 2
     if padded_heads > heads:
         pad = ((0, 0), (0, padded_heads - heads), (0, 0))
         q_latent, q_rope = jnp.pad(q_latent, pad), jnp.pad(q_rope, pad)
+        if per_head:  # padded heads see no slot
+            lengths = jnp.pad(lengths, pad[:2])
+    lengths_spec = (
+        pl.BlockSpec((None, head_block), lambda h, s, b: (b, h))
+        if per_head
+        else pl.BlockSpec((None,), lambda h, s, b: (b,))
+    )
     grid = (padded_heads // head_block, num_splits, batch)
-    kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, split_len=split_len)
+    kernel = functools.partial(_split_kernel, scale=scale, block_k=block_k, split_len=split_len, per_head=per_head)
     o_BSHR, lse_BSH = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[
-            pl.BlockSpec((None,), lambda h, s, b: (b,)),
+            lengths_spec,
             pl.BlockSpec((None, head_block, latent_dim), lambda h, s, b: (b, h, 0)),
             pl.BlockSpec((None, head_block, rope_dim), lambda h, s, b: (b, h, 0)),
             pl.BlockSpec((None, max_len, latent_dim), lambda h, s, b: (b, 0, 0)),
@@ -173,5 +187,33 @@ def mla_decode_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_decode_split",
-    )(lengths_B.astype(jnp.int32), q_latent, q_rope, kv_cache_BLA, kv_cache_BLA)
+    )(lengths, q_latent, q_rope, kv_cache_BLA, kv_cache_BLA)
     return combine_splits_gpu(o_BSHR, lse_BSH, interpret=interpret)[:, :heads]
+
+
+def mla_decode_tokens_gpu(
+    q_latent_BTHR,
+    q_rope_BTHP,
+    kv_cache_BLA,
+    lengths_BT,
+    *,
+    scale: float,
+    tiles: tuned.DecodeTritonTiles | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+):
+    """o_latent [B, T, H, R] fp32 for T query tokens a sequence, token t over the first lengths[b, t] slots: the
+    tokens' heads folded into one axis of T x H heads with per-head lengths (`mla_decode_gpu`), so a program
+    reads each cache tile once for every token and head of its head block."""
+    batch, tokens, heads, latent_dim = q_latent_BTHR.shape
+    o_BMR = mla_decode_gpu(
+        q_latent_BTHR.reshape(batch, tokens * heads, latent_dim),
+        q_rope_BTHP.reshape(batch, tokens * heads, -1),
+        kv_cache_BLA,
+        jnp.repeat(lengths_BT, heads, axis=1),
+        scale=scale,
+        tiles=tiles,
+        num_splits=num_splits,
+        interpret=interpret,
+    )
+    return o_BMR.reshape(batch, tokens, heads, latent_dim)
