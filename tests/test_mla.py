@@ -126,6 +126,37 @@ def test_block_fp8_kv_b_decodes_absorbed_as_stored(tmp_path):
     assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
 
 
+MODES = (EXPANDED, ABSORBED)
+
+
+@nnx.jit
+def verify_step_both_modes(model, ids):
+    """Prefill all but the last 3 ids (expanded; row 1 two tokens shorter), then those 3 in one call over the cache
+    (the MTP verify pass's shape; row 1's last a pad) in each MLA mode: {mode: logits of the real tokens}."""
+    prompt_mask = jnp.arange(ids.shape[1] - 3) < jnp.asarray([[ids.shape[1] - 3], [ids.shape[1] - 5]])
+    prefill = model(ids[:, :-3], cache=model.init_cache(2, 16), attention_mask=prompt_mask, mla_mode=EXPANDED).cache
+    step_mask = jnp.asarray([[True, True, True], [True, True, False]])
+    logits = {mode: model(ids[:, -3:], cache=prefill, attention_mask=step_mask, mla_mode=mode).logits for mode in MODES}
+    return {mode: jnp.where(step_mask[..., None], value, 0.0) for mode, value in logits.items()}
+
+
+def test_verify_tokens_absorbed_on_the_decode_kernel(tmp_path):
+    """Three tokens a row over a cache, rows of different lengths, the block-FP8 kv_b as stored, on the GPU
+    kernels in interpret mode: the absorbed call attends with `mla_decode_tokens`' Triton kernel (one
+    mla_decode_split launch for all the tokens) and equals the expanded call."""
+    write_tiny_fp8_checkpoint(tmp_path)
+    model = load_hf_checkpoint(
+        tmp_path, dtype=jnp.float32, policy=ExecutionPolicy(kernel_backend="interpret_gpu"), progress=False
+    )
+    ids = jnp.asarray(np.random.default_rng(5).integers(2, model.config.vocab_size, (2, 10)))
+    graph, state = nnx.split(model)
+    text = str(jax.make_jaxpr(lambda state, ids: verify_step_both_modes(nnx.merge(graph, state), ids))(state, ids))
+    mla_layers = model.config.layer_types.count(MLA)
+    assert text.count("name=mla_decode_split") == mla_layers
+    logits = verify_step_both_modes(model, ids)
+    assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
+
+
 def test_paged_cache_equals_contiguous():
     """A prefill then a decode step through a paged cache (pages out of order, an empty table entry past each
     sequence) give the contiguous cache's outputs, with the same latents in each sequence's slots."""
