@@ -173,12 +173,10 @@ def test_gpu_kernel_lowers_for_cuda(batch, max_len):
     assert "mla_decode_split" in lowered.as_text()
 
 
-@pytest.mark.parametrize("tokens, heads, max_len", [(2, 5, 37), (3, 4, 300)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_tokens_kernel_matches_the_masked_reference(tokens, heads, max_len, dtype):
-    """T query tokens a row (the MTP verify pass) on the Triton kernel, interpreted: rows of different lengths,
-    token t one slot past token t - 1, a pad token that sees nothing (zeros), heads not filling the head block;
-    against the jnp path over the [B, T, L] mask (the model's path before the kernel) and float64."""
+def check_tokens_kernel(tokens, heads, max_len, dtype, backend):
+    """T query tokens a row (the MTP verify pass) on the Triton kernel: rows of different lengths, token t one
+    slot past token t - 1, a pad token that sees nothing (zeros); against the jnp path over the [B, T, L] mask
+    (the model's path before the kernel) and float64."""
     r = np.random.default_rng(tokens * 100 + heads)
     batch = 3
     first_BT = np.array([[1], [max_len // 2], [max_len - tokens + 1]]) + np.arange(tokens)  # the last row: all slots
@@ -186,7 +184,7 @@ def test_tokens_kernel_matches_the_masked_reference(tokens, heads, max_len, dtyp
     q_latent, q_rope = (jnp.asarray(r.normal(size=(batch, tokens, heads, d)) * 0.3, dtype) for d in (LATENT, ROPE))
     cache = jnp.asarray(r.normal(size=(batch, max_len, LATENT + ROPE)), dtype)
     scale = 1 / np.sqrt(192)
-    out = mla_decode_tokens(q_latent, q_rope, cache, lengths_BT, scale=scale, backend="interpret_gpu")
+    out = mla_decode_tokens(q_latent, q_rope, cache, lengths_BT, scale=scale, backend=backend)
     masked = mla_decode_tokens_reference(q_latent, q_rope, cache, lengths_BT, scale=scale)
     assert out.shape == (batch, tokens, heads, LATENT) and out.dtype == jnp.float32
     assert rel_error(out, masked) <= TOL[dtype] and not np.asarray(out[1, -1]).any()
@@ -196,6 +194,20 @@ def test_tokens_kernel_matches_the_masked_reference(tokens, heads, max_len, dtyp
         ref = float64_attention(f32[0][:, t], f32[1][:, t], f32[2], lengths, scale)
         rows = [0, 2] if t == tokens - 1 else [0, 1, 2]
         assert rel_error(np.asarray(out[rows, t]), ref[rows]) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("tokens, heads, max_len", [(2, 5, 37), (3, 4, 300)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_tokens_kernel_matches_the_masked_reference(tokens, heads, max_len, dtype):
+    """Interpreted, at odd sizes: heads not filling the 16-head block (padded heads see no slot)."""
+    check_tokens_kernel(tokens, heads, max_len, dtype, "interpret_gpu")
+
+
+@gpu_test("the compiled Triton kernel for a few tokens a row")
+@pytest.mark.parametrize("tokens, heads", [(2, 64), (3, 32)])
+def test_compiled_tokens_kernel_matches_the_masked_reference(tokens, heads):
+    """Ling's head counts at a 40,000-slot cache: 2 tokens of 64 heads (two 64-head blocks), 3 of 32."""
+    check_tokens_kernel(tokens, heads, 40000, jnp.bfloat16, "pallas_gpu")
 
 
 def test_tokens_kernel_lowers_for_cuda():
