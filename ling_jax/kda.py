@@ -24,7 +24,7 @@ from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linea
 from ling_jax.policy import ExecutionPolicy, KDADecode, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
-from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step
+from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step, kda_verify_fused
 from pallas_kernels.kda.reference import BetaProjection, DecodeWeights, kda_log_decay, kda_recurrent
 
 CHUNKED = KDAMode.CHUNKED
@@ -39,7 +39,9 @@ _BHD = ("activation_batch", "heads", None)
 _BH = ("activation_batch", "heads")
 _BHKV = ("activation_batch", "heads", None, None)
 _WINDOW = ("activation_batch", None, None, "heads", None)  # the conv window [B, K-1, 3, H, d]
-_BD = ("activation_batch", None)  # the layer input row [B, D]
+_STEP_WINDOWS = ("activation_batch", None, None, None, "heads", None)  # steps mode's windows [B, T, K-1, 3, H, d]
+_STEP_STATES = ("activation_batch", None, "heads", None, None)  # steps mode's states [B, T, H, d, d]
+_BTD = ("activation_batch", None, None)  # the layer input [B, T, D]
 _HD = ("heads", None)  # b_proj's weight [H, D]
 _HDK = ("heads", None, None)  # a conv weight [H, d, K]; its first two axes: dt_bias [H, d]; its first: A_log [H]
 
@@ -106,9 +108,10 @@ def gate_lower_bound(cfg: LingConfig) -> float | None:
 
 
 def fused_decode(policy: ExecutionPolicy) -> bool:
-    """Whether a recurrent one-token step runs fused (`pallas_kernels.kda.kda_decode_fused`): kda_decode FUSED, or
-    AUTO with a GPU's kernels (one kernel a layer: the convs, gates, recurrence and, at batches that fill the SMs,
-    the gated norm; the separate ops launch about seven)."""
+    """Whether a recurrent one-token step runs fused (`pallas_kernels.kda.kda_decode_fused`), and steps mode too
+    (`kda_verify_fused`, the same over a verify pass's tokens): kda_decode FUSED, or AUTO with a GPU's kernels (one
+    kernel a layer: the convs, gates, recurrence and, at batches that fill the SMs, the gated norm; the separate ops
+    launch about seven, steps mode's jnp ones many more)."""
     if policy.kda_decode == KDADecode.AUTO:
         return KERNEL_TARGET.get(resolve_backend(op_backend(policy))) == "gpu"
     return policy.kda_decode == KDADecode.FUSED
@@ -158,8 +161,8 @@ def _kda(
     c = config
     mode = policy.kda_mode
     batch, length, _ = x_BTD.shape
-    if mode == RECURRENT and length == 1 and fused_decode(policy):
-        return _fused_decode_step(weights, x_BTD, state, mask_BT, c, policy, project_output)
+    if (mode == STEPS or mode == RECURRENT and length == 1) and fused_decode(policy):
+        return _fused(weights, x_BTD, state, mask_BT, c, policy, project_output)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     *qkv, b, f, r = _projections(weights, x_BTD, c, policy)
     mixed = jnp.concatenate(qkv, axis=-1)
@@ -208,7 +211,7 @@ def _kda(
     return y, KDAState(conv_window=window.astype(state.conv_window.dtype), recurrent_state=recurrent)
 
 
-def _fused_decode_step(
+def _fused(
     weights: Weights,
     x_BTD,
     state: KDAState,
@@ -217,46 +220,50 @@ def _fused_decode_step(
     policy: ExecutionPolicy,
     project_output: bool,
 ):
-    """`_kda` for one token per sequence in recurrent mode, everything between the projections in one op
-    (`pallas_kernels.kda.kda_decode_fused`: one kernel on a GPU), as `ExecutionPolicy(kda_decode="fused")` asks."""
+    """`_kda` for one token per sequence in recurrent mode, or steps mode's few tokens, everything between the
+    projections in one op (`pallas_kernels.kda.kda_decode_fused`, `kda_verify_fused`: one kernel on a GPU), as
+    `fused_decode` asks."""
     c = config
-    batch, heads, head_dim = x_BTD.shape[0], c.num_attention_heads, c.head_dim
+    steps = policy.kda_mode == STEPS
+    batch, length, _ = x_BTD.shape
+    heads, head_dim = c.num_attention_heads, c.head_dim
 
     def per_head(t):
-        return t.reshape(batch, heads, head_dim)
+        return t.reshape(batch, length, heads, head_dim)
 
     b_weight = weights["b_proj"]["weight"]
     project_beta = isinstance(b_weight, jax.Array) and jax.sharding.get_abstract_mesh().empty
     q, k, v, b, f, r = _projections(weights, x_BTD, c, policy, beta=not project_beta)
-    q, k, v = per_head(q), per_head(k), per_head(v)
     window = state.conv_window.reshape(batch, c.short_conv_kernel_size - 1, 3, heads, head_dim)
     conv = [weights[name].reshape(heads, head_dim, -1) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
     layer = (*conv, weights["dt_bias"].reshape(heads, head_dim), weights["A_log"], weights["o_norm"]["weight"])
-    real_B = jnp.ones(batch, bool) if mask_BT is None else mask_BT[:, 0]
+    real_BT = jnp.ones((batch, length), bool) if mask_BT is None else mask_BT
     # beta's logits, or (a plain b_proj on one device) the layer input and b_proj for the kernel to project
-    beta_inputs, beta_axes = ((x_BTD[:, 0], b_weight), (_BD, _HD)) if project_beta else ((b[:, 0],), (_BH,))
+    beta_inputs, beta_axes = ((x_BTD, b_weight), (_BTD, _HD)) if project_beta else ((b,), (_BTH,))
 
-    def fused(*arrays):
-        b = BetaProjection(*arrays[14:]) if project_beta else arrays[14]
-        return kda_decode_fused(
-            *arrays[:4],
-            b,
-            *arrays[4:7],
-            DecodeWeights(*arrays[7:13]),
-            real_B=arrays[13],
-            lower_bound=gate_lower_bound(c),
-            eps=c.rms_norm_eps,
-            backend=op_backend(policy),
+    def fused(q, k, v, f, r, window, recurrent, *arrays):
+        b = BetaProjection(*arrays[7:]) if project_beta else arrays[7]
+        keywords = dict(lower_bound=gate_lower_bound(c), eps=c.rms_norm_eps, backend=op_backend(policy))
+        if steps:
+            return kda_verify_fused(
+                q, k, v, f, b, r, window, recurrent, DecodeWeights(*arrays[:6]), real_BT=arrays[6], **keywords
+            )
+        b = BetaProjection(b.x_BD[:, 0], b.weight_HD) if project_beta else b[:, 0]
+        one_token = (x[:, 0] for x in (q, k, v, f))
+        o, window, recurrent = kda_decode_fused(
+            *one_token, b, r[:, 0], window, recurrent, DecodeWeights(*arrays[:6]), real_B=arrays[6][:, 0], **keywords
         )
+        return o[:, None], window, recurrent
 
     o, window, recurrent = per_shard(
         fused,
-        in_axes=(_BHD,) * 5 + (_WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None, _BH[:1]) + beta_axes,
-        out_axes=(_BHD, _WINDOW, _BHKV),
-    )(q, k, v, per_head(f), per_head(r), window, state.recurrent_state, *layer, real_B, *beta_inputs)
-    o_BTC = o.reshape(batch, 1, c.kda_dim)
+        in_axes=(_BTHD,) * 5 + (_WINDOW, _BHKV) + (_HDK,) * 3 + (_HDK[:2], _HDK[:1], None, _BTH[:2]) + beta_axes,
+        out_axes=(_BTHD, _STEP_WINDOWS, _STEP_STATES) if steps else (_BTHD, _WINDOW, _BHKV),
+    )(*(per_head(t) for t in (q, k, v, f, r)), window, state.recurrent_state, *layer, real_BT, *beta_inputs)
+    o_BTC = o.reshape(batch, length, c.kda_dim)
     y = linear(weights["dense"], o_BTC, policy) if project_output else o_BTC
-    return y, KDAState(conv_window=window.reshape(state.conv_window.shape), recurrent_state=recurrent)
+    window_shape = (batch, length, *state.conv_window.shape[1:]) if steps else state.conv_window.shape
+    return y, KDAState(conv_window=window.reshape(window_shape), recurrent_state=recurrent)
 
 
 class KimiDeltaAttention(nnx.Module):

@@ -1,5 +1,6 @@
-"""KDA entry points: `chunk_kda` (a whole sequence), `kda_decode_step` (one token) and `kda_decode_fused` (one token
-from the projections to the gated norm: convs, gates, step, norm), each over its variants.
+"""KDA entry points: `chunk_kda` (a whole sequence), `kda_decode_step` (one token), `kda_decode_fused` (one token
+from the projections to the gated norm: convs, gates, step, norm) and `kda_verify_fused` (the same over a speculative
+verify pass's few tokens, keeping each token's state), each over its variants.
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, the backend's platform picks:
@@ -25,6 +26,7 @@ from pallas_kernels.kda.gpu_triton import (
     chunk_kda_gpu_any_gate,
     kda_decode_fused_gpu,
     kda_decode_step_gpu,
+    kda_verify_fused_gpu,
 )
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 from pallas_kernels.kda.segments import device_cores, segment_count, segmented_chunk_kda
@@ -75,14 +77,19 @@ VARIANTS = {
         REFERENCE: Variant(None, reference.kda_decode_fused),
         "gpu_triton": Variant("gpu", kda_decode_fused_gpu),
     },
+    "kda_verify_fused": {
+        REFERENCE: Variant(None, reference.kda_verify_fused),
+        "gpu_triton": Variant("gpu", kda_verify_fused_gpu),
+    },
 }
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
-_FUSED = {"gpu": "gpu_triton"}  # each platform's fused decode kernel (none on a TPU)
+_FUSED = {"gpu": "gpu_triton"}  # each platform's fused decode (and verify) kernel (none on a TPU)
 _ANY_GATE = {"gpu": "gpu_triton_any_gate", "tpu": "tpu_mosaic_any_gate"}  # each platform's prefill for any gate
 
 
 def kernel(op: str, name: str):
-    """The entry point of variant `name` of `op` ("chunk_kda", "kda_decode_step" or "kda_decode_fused")."""
+    """The entry point of variant `name` of `op` ("chunk_kda", "kda_decode_step", "kda_decode_fused" or
+    "kda_verify_fused")."""
     return variants.lookup(VARIANTS, op, name).kernel
 
 
@@ -152,6 +159,41 @@ def kda_decode_fused(
     if name == REFERENCE:
         return reference.kda_decode_fused(*args, **keywords)
     return kernel("kda_decode_fused", name)(*args, **keywords, interpret=variants.interpreted(backend))
+
+
+def kda_verify_fused(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    f_BTHK,
+    b_BTH,
+    gate_BTHV,
+    conv_window_BW3HK,
+    state_BHKV,
+    weights: reference.DecodeWeights,
+    *,
+    real_BT=None,
+    scale=None,
+    lower_bound: float | None,
+    eps: float,
+    backend: str = "auto",
+    variant: str | None = None,
+):
+    """`kda_decode_fused` over T tokens a row (a speculative verify pass: T = drafts + 1, a few): (o [B, T, H, V] in
+    v's dtype, the conv window [B, T, W, 3, H, K] and state [B, T, H, K, V] fp32 after each token); the arrays and
+    keywords are `reference.kda_verify_fused`'s (real_BT: the padding mask, None for none).
+
+    One kernel on a GPU ("gpu_triton": each program walks the T tokens with its state columns on chip); the
+    reference elsewhere. backend, variant: as for `kda_decode_fused` (variant: a name of VARIANTS["kda_verify_fused"]).
+    """
+    backend = resolve_backend(backend)
+    name = variants.pick(VARIANTS, "kda_verify_fused", variant, backend, variants.by_platform(backend, _FUSED))
+    scale = q_BTHK.shape[-1] ** -0.5 if scale is None else scale
+    args = (q_BTHK, k_BTHK, v_BTHV, f_BTHK, b_BTH, gate_BTHV, conv_window_BW3HK, state_BHKV, weights)
+    keywords = dict(real_BT=real_BT, scale=scale, lower_bound=lower_bound, eps=eps)
+    if name == REFERENCE:
+        return reference.kda_verify_fused(*args, **keywords)
+    return kernel("kda_verify_fused", name)(*args, **keywords, interpret=variants.interpreted(backend))
 
 
 def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: str | None = None) -> str:

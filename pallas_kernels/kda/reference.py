@@ -251,3 +251,44 @@ def kda_decode_fused(
     )
     new_window = jnp.where(real_B111[..., None], full_BT3HK[:, 1:], full_BT3HK[:, :-1]).astype(conv_window_BW3HK.dtype)
     return gated_output_norm(o[:, 0], gate_BHV, weights.norm_weight_V, eps), new_window, state
+
+
+def kda_verify_fused(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    f_BTHK,
+    b_BTH,
+    gate_BTHV,
+    conv_window_BW3HK,
+    state_BHKV,
+    weights,
+    *,
+    real_BT=None,
+    scale=None,
+    lower_bound,
+    eps,
+):
+    """`kda_decode_fused` over T tokens a row in turn, keeping what each leaves (speculative verification): (o [B, T,
+    H, V] in v's dtype, the conv window [B, T, W, 3, H, K] and state [B, T, H, K, V] fp32 after each token). The
+    arrays are `kda_decode_fused`'s with a token axis after the batch's (b_BTH: beta's pre-activations or a
+    `BetaProjection` of x [B, T, D]); real_BT [B, T] bool: False for a pad token (None: all real)."""
+    outputs, windows, states = [], [], []
+    for t in range(q_BTHK.shape[1]):
+        b_BH = BetaProjection(b_BTH.x_BD[:, t], b_BTH.weight_HD) if isinstance(b_BTH, BetaProjection) else b_BTH[:, t]
+        o_BHV, conv_window_BW3HK, state_BHKV = kda_decode_fused(
+            *(x[:, t] for x in (q_BTHK, k_BTHK, v_BTHV, f_BTHK)),
+            b_BH,
+            gate_BTHV[:, t],
+            conv_window_BW3HK,
+            state_BHKV,
+            weights,
+            real_B=None if real_BT is None else real_BT[:, t],
+            scale=scale,
+            lower_bound=lower_bound,
+            eps=eps,
+        )
+        outputs.append(o_BHV)
+        windows.append(conv_window_BW3HK)
+        states.append(state_BHKV)
+    return jnp.stack(outputs, axis=1), jnp.stack(windows, axis=1), jnp.stack(states, axis=1)

@@ -1,7 +1,8 @@
 """The fused KDA decode step (convs, gates, recurrence and gated norm in one GPU kernel, Pallas interpret mode on
 the CPU) vs its jnp reference, pad tokens included, and lowering for CUDA from the CPU; the KDA layer with a
 padding mask under `ExecutionPolicy(kda_decode="fused")` vs its separate ops (the whole model without one:
-test_model_kernels.py)."""
+test_model_kernels.py). The same for the fused verify pass (`kda_verify_fused`: T tokens a row, each token's
+state kept) against its reference and the layer's steps mode on the jnp path."""
 
 from __future__ import annotations
 
@@ -19,34 +20,38 @@ from ling_jax import ExecutionPolicy, KDAState, LingConfig
 from ling_jax.kda import KimiDeltaAttention, fused_decode
 from ling_jax.presets import TINY
 from pallas_kernels.backend import BACKENDS
-from pallas_kernels.kda import BetaProjection, DecodeWeights, kda_decode_fused
+from pallas_kernels.kda import BetaProjection, DecodeWeights, kda_decode_fused, kda_verify_fused
 from pallas_kernels.kda.gpu_triton.decode_fused import value_splits
 from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
 from pallas_kernels.kda.reference import kda_log_decay
+from pallas_kernels.kda.reference import kda_verify_fused as verify_reference
 from pallas_kernels.kda.tuned import DecodeFusedGpuTiles
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 EPS = 1e-6
 kda_decode_fused_gpu = kernel("kda_decode_fused", "gpu_triton")
+kda_verify_fused_gpu = kernel("kda_verify_fused", "gpu_triton")
 
 
-def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0):
+def random_step(batch, heads, dim, taps, dtype, *, gate_scale=1.0, seed=0, tokens=None):
     """The fused op's arguments: pre-conv q/k/v, gate pre-activations f / b / output gate, conv window, state and
     the weights (conv [H, d, taps], dt_bias, A_log in the model's init range, norm weight). gate_scale widens f:
-    with -A softplus(f) the log-decays then reach far below the safe gate's bound of -5."""
+    with -A softplus(f) the log-decays then reach far below the safe gate's bound of -5. tokens: the verify op's
+    arguments, T tokens a row (a token axis after the batch's)."""
     r = np.random.default_rng(seed)
+    rows = (batch,) if tokens is None else (batch, tokens)
 
     def normal(*shape, scale=1.0, to=dtype):
         return jnp.asarray(scale * r.normal(size=shape), jnp.float32).astype(to)
 
     arrays = (
-        normal(batch, heads, dim),
-        normal(batch, heads, dim),
-        normal(batch, heads, dim),
-        normal(batch, heads, dim, scale=gate_scale),
-        normal(batch, heads),
-        normal(batch, heads, dim),
+        normal(*rows, heads, dim),
+        normal(*rows, heads, dim),
+        normal(*rows, heads, dim),
+        normal(*rows, heads, dim, scale=gate_scale),
+        normal(*rows, heads),
+        normal(*rows, heads, dim),
         normal(batch, taps - 1, 3, heads, dim),
         normal(batch, heads, dim, dim, to=jnp.float32),
     )
@@ -157,15 +162,17 @@ def test_masked_layer_step_fused_equals_separate_ops():
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-def _abstract_step(batch, heads=64, dim=128, taps=4, hidden=None):
-    """The fused op's abstract arguments; hidden: beta's pre-activation as a `BetaProjection` from that width."""
+def _abstract_step(batch, heads=64, dim=128, taps=4, hidden=None, tokens=None):
+    """The fused op's abstract arguments; hidden: beta's pre-activation as a `BetaProjection` from that width;
+    tokens: the verify op's, T tokens a row."""
     shape, bf16, fp32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    row = (batch,) if tokens is None else (batch, tokens)
     b = (
-        shape((batch, heads), bf16)
+        shape((*row, heads), bf16)
         if hidden is None
-        else BetaProjection(shape((batch, hidden), bf16), shape((heads, hidden), bf16))
+        else BetaProjection(shape((*row, hidden), bf16), shape((heads, hidden), bf16))
     )
-    rows = [shape((batch, heads, dim), bf16)] * 4 + [b, shape((batch, heads, dim), bf16)]
+    rows = [shape((*row, heads, dim), bf16)] * 4 + [b, shape((*row, heads, dim), bf16)]
     conv = [shape((heads, dim, taps), fp32)] * 3
     weights = DecodeWeights(*conv, shape((heads, dim), fp32), shape((heads,), fp32), shape((dim,), bf16))
     window = shape((batch, taps - 1, 3, heads, dim), bf16)
@@ -222,3 +229,102 @@ def test_auto_fuses_the_decode_step_on_the_gpu_path_only():
         "interpret": False,
     }
     assert not fused_decode(ExecutionPolicy(kernel_backend="interpret_gpu", kda_decode="separate"))
+
+
+VERIFY_CASES = {  # B, H, d, taps, T, dtype, gate, tiles, whether beta comes as its projection
+    "B3_H5_d16_taps4_T2-fp32-safe_gate-one_program": (
+        (3, 5, 16, 4, 2),
+        jnp.float32,
+        "safe_gate",
+        DecodeFusedGpuTiles(block_v=8, num_warps=2, value_splits=1),
+        False,
+    ),
+    "B2_H3_d32_taps3_T3-bf16-unbounded_gate-2_programs_beta_projected": (
+        (2, 3, 32, 3, 3),
+        jnp.bfloat16,
+        "unbounded_gate",
+        DecodeFusedGpuTiles(block_v=8, num_warps=4, value_splits=2),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES)
+def test_verify_kernel_matches_reference(case):
+    """T tokens a row in one kernel against T reference decode steps: each token's output, window and state. One
+    program walking 8 columns at a time (the norm in the kernel); two programs forming beta's pre-activation from a
+    48-wide input row (the norm after the kernel). Pad tokens: a row's first, another's middle one."""
+    shape, dtype, gate, tiles, project_beta = VERIFY_CASES[case]
+    batch, heads, dim, taps, tokens = shape
+    lower_bound, gate_scale = GATES[gate]
+    arrays = random_step(batch, heads, dim, taps, dtype, gate_scale=gate_scale, seed=sum(shape), tokens=tokens)
+    if project_beta:
+        r = np.random.default_rng(3)
+        x_BTD, weight_HD = (jnp.asarray(r.normal(size=s), dtype) for s in ((batch, tokens, 48), (heads, 48)))
+        arrays = (*arrays[:4], BetaProjection(x_BTD, weight_HD), *arrays[5:])
+    real_BT = np.ones((batch, tokens), bool)
+    real_BT[0, 0] = real_BT[1, tokens // 2] = False
+    real_BT = jnp.asarray(real_BT)
+    keywords = dict(real_BT=real_BT, scale=dim**-0.5, lower_bound=lower_bound, eps=EPS)
+    want = verify_reference(*arrays, **keywords)
+    got = kda_verify_fused_gpu(*arrays, **keywords, tiles=tiles, interpret=True)
+    assert [x.shape for x in got] == [
+        (batch, tokens, heads, dim),
+        (batch, tokens, taps - 1, 3, heads, dim),
+        (batch, tokens, heads, dim, dim),
+    ]
+    assert [x.dtype for x in got] == [dtype, dtype, jnp.float32]
+    assert rel_error(got[0], want[0]) <= TOL[dtype], rel_error(got[0], want[0])
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
+    assert rel_error(got[2], want[2]) <= 1e-5, rel_error(got[2], want[2])
+    assert not np.asarray(got[0][0, 0], np.float32).any()  # a pad's output
+    np.testing.assert_array_equal(got[2][0, 0], arrays[7][0])  # the state after a first pad: the one before it
+
+
+def test_masked_layer_steps_fused_equals_jnp_steps():
+    """The KDA layer's steps mode (a speculative verify pass) over 3 tokens with pads under the default policy on the
+    GPU path (the verify kernel interpreted) equals the jnp steps path: output, each token's conv window and state,
+    from a state a prefill left. The traced pass holds the verify kernel and no recurrence."""
+    config = LingConfig.from_dict(TINY)
+    layer = KimiDeltaAttention(config, dtype=jnp.float32, rngs=nnx.Rngs(5))
+    r = np.random.default_rng(8)
+    prompt, drafts = (jnp.asarray(r.normal(size=(3, n, config.hidden_size)), jnp.float32) for n in (5, 3))
+    mask = jnp.asarray([[True, True, True], [True, False, True], [False, False, False]])
+    reference = ExecutionPolicy(kernel_backend="reference")
+    _, state = layer(prompt, KDAState.zeros(config, 3, jnp.float32), policy=reference)
+    fused = ExecutionPolicy(kernel_backend="interpret_gpu", kda_mode="steps")
+    traced = jax.jit(lambda x, s, m: layer(x, s, m, policy=fused)).trace(drafts, state, mask)
+    names = set(re.findall(r"name=(\w+)", str(traced.jaxpr)))
+    assert "kda_verify_fused_gpu" in names and "scan" not in str(traced.jaxpr)
+    got = traced.lower().compile()(drafts, state, mask)
+    want = layer(drafts, state, mask, policy=reference.replace(kda_mode="steps"))
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "lower_bound, batch, tokens, hidden",
+    [(-5.0, 1, 2, 2560), (None, 64, 3, None)],
+    ids=["safe_gate-T2-split-beta_projected", "unbounded_gate-T3"],
+)
+def test_verify_kernel_lowers_for_cuda(lower_bound, batch, tokens, hidden):
+    step = functools.partial(kda_verify_fused_gpu, scale=128**-0.5, lower_bound=lower_bound, eps=EPS)
+    lowered = lower_for_cuda(step, *_abstract_step(batch=batch, hidden=hidden, tokens=tokens))
+    assert "kda_verify_fused" in lowered.as_text()
+
+
+@gpu_test("the compiled Triton kernel")
+@pytest.mark.parametrize("batch, tokens", [(1, 2), (64, 3)])
+@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["safe_gate", "unbounded_gate"])
+def test_compiled_verify_kernel_full_size(batch, tokens, lower_bound):
+    arrays = random_step(
+        batch, 64, 128, 4, jnp.bfloat16, gate_scale=1.0 if lower_bound else 4.0, seed=batch, tokens=tokens
+    )
+    real_BT = (jnp.arange(batch * tokens) % 5 != 3).reshape(batch, tokens)
+    keywords = dict(real_BT=real_BT, lower_bound=lower_bound, eps=EPS)
+    want = verify_reference(*arrays, **keywords)
+    got = kda_verify_fused(*arrays, **keywords, backend="pallas_gpu")
+    assert rel_error(got[0], want[0]) <= TOL[jnp.bfloat16], rel_error(got[0], want[0])
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
+    assert rel_error(got[2], want[2]) <= 1e-5, rel_error(got[2], want[2])

@@ -47,34 +47,36 @@ def value_splits(sequence_heads: int, value_dim: int, cores: int) -> int:
     return splits
 
 
-def _conv_silu(window_ref, u_ref, weight_ref, which, columns, dtype, real):
-    """The short conv + SiLU of one of q, k, v over `columns` of the refs, rounded to dtype then fp32 as the
-    model's ops are (0 for a pad token)."""
-    taps = weight_ref.shape[-1]
-    rows = [window_ref[j, which, columns].astype(dtype) for j in range(taps - 1)] + [u_ref[columns].astype(dtype)]
+def _conv_inputs(window_rows, inputs, reals):
+    """(for each token, its short conv's inputs: the window before it, oldest first, then its own row; the window
+    after each token, a pad's as it was)."""
+    conv_inputs, windows = [], []
+    for u, real in zip(inputs, reals):
+        conv_inputs.append([*window_rows, u])
+        window_rows = [jnp.where(real, new, old) for new, old in zip([*window_rows[1:], u], window_rows)]
+        windows.append(window_rows)
+    return conv_inputs, windows
+
+
+def _conv_silu(rows, weight_ref, columns, real):
+    """The short conv + SiLU of one token's conv inputs (`_conv_inputs`) over `columns` of the weight, rounded to
+    the rows' dtype then fp32 as the model's ops are (0 for a pad token)."""
     conv = sum(row.astype(jnp.float32) * weight_ref[columns, j].astype(jnp.float32) for j, row in enumerate(rows))
-    return jnp.where(real, jax.nn.silu(conv).astype(dtype).astype(jnp.float32), 0.0)
+    return jnp.where(real, jax.nn.silu(conv).astype(rows[-1].dtype).astype(jnp.float32), 0.0)
 
 
-def _shift_window(window_ref, new_window_ref, u_refs, real):
-    """The program's columns of the conv windows, shifted by the new q, k, v rows (unchanged for a pad)."""
-    taps = new_window_ref.shape[0] + 1
-    for which, u_ref in zip((Q, K, V), u_refs):
-        rows = [window_ref[j, which, :] for j in range(taps - 1)] + [u_ref[...].astype(window_ref.dtype)]
-        for j in range(taps - 1):
-            new_window_ref[j, which, :] = jnp.where(real, rows[j + 1], rows[j]).astype(new_window_ref.dtype)
-
-
-def _beta_logit(b_refs):
-    """Beta's pre-activation in fp32: b's element, or x . weight row (`BetaProjection`: the weight in x's dtype, the
-    products summed in fp32, rounded to x's dtype) over D in power-of-two pieces."""
+def _beta_logit(b_refs, token):
+    """Beta's pre-activation in fp32 for one token: b's element, or x . weight row (`BetaProjection`: the weight in
+    x's dtype, the products summed in fp32, rounded to x's dtype) over D in power-of-two pieces."""
     if len(b_refs) == 1:
-        return b_refs[0][...].astype(jnp.float32)
+        return b_refs[0][token].astype(jnp.float32)
     x_ref, weight_ref = b_refs
-    width = x_ref.shape[0]
+    width = x_ref.shape[-1]
     piece = min(width & -width, MAX_DOT_COLUMNS)  # the largest power of two dividing D
     total = sum(
-        jnp.sum(x_ref[pl.ds(start, piece)].astype(jnp.float32) * weight_ref[pl.ds(start, piece)].astype(x_ref.dtype))
+        jnp.sum(
+            x_ref[token, pl.ds(start, piece)].astype(jnp.float32) * weight_ref[pl.ds(start, piece)].astype(x_ref.dtype)
+        )
         for start in range(0, width, piece)
     )
     return total.astype(x_ref.dtype).astype(jnp.float32)
@@ -102,54 +104,191 @@ def _fused_kernel(
     block_v,
     normalize,
     beta_inputs,
+    all_states,
 ):
-    """Program (split, head, sequence): its convs, gates, state columns and output columns (module docstring).
-    refs: the `DecodeWeights`, real, beta's inputs (b, or x and b_proj's weight row: beta_inputs of them), then
-    the outputs."""
+    """Program (split, head, sequence): its convs, gates, state columns and output columns (module docstring) for
+    each of the row's T tokens in turn (the token rows' first axis). refs: the `DecodeWeights`, real, beta's inputs
+    (b, or x and b_proj's weight row: beta_inputs of them), then the outputs: o, and the window and state after each
+    token (all_states: their first axis the token's) or after the last."""
     conv_q_ref, conv_k_ref, conv_v_ref, dt_bias_ref, a_log_ref, norm_weight_ref, real_ref = refs[:7]
     b_refs = refs[7 : 7 + beta_inputs]
     o_ref, new_window_ref, new_state_ref = refs[7 + beta_inputs :]
     dtype = v_ref.dtype
+    tokens, window = q_ref.shape[0], own_window_ref.shape[0]
     value_dim = state_ref.shape[1]  # the program's columns
-    real = real_ref[...] != 0
-    conv_silu = functools.partial(_conv_silu, dtype=dtype, real=real)
-    q_K = _l2_normalized(conv_silu(window_ref, q_ref, conv_q_ref, Q, slice(None))) * scale
-    k_K = _l2_normalized(conv_silu(window_ref, k_ref, conv_k_ref, K, slice(None)))
-    _shift_window(own_window_ref, new_window_ref, (q_own_ref, k_own_ref, v_ref), real)
-    a_K = f_ref[...].astype(jnp.float32) + dt_bias_ref[...]
+    reals = [real_ref[t] != 0 for t in range(tokens)]
+    stored = range(tokens) if all_states else (tokens - 1,)  # the tokens whose window and state are written
+
+    def at(t):  # where token t's window and state go in the outputs
+        return (t,) if all_states else ()
+
+    def conv_inputs(window_ref, which, u_ref, columns):
+        rows = [window_ref[j, which, columns].astype(dtype) for j in range(window)]
+        return _conv_inputs(rows, [u_ref[t, columns].astype(dtype) for t in range(tokens)], reals)
+
+    q_inputs, _ = conv_inputs(window_ref, Q, q_ref, slice(None))
+    k_inputs, _ = conv_inputs(window_ref, K, k_ref, slice(None))
+    qs = [_l2_normalized(_conv_silu(rows, conv_q_ref, slice(None), r)) * scale for rows, r in zip(q_inputs, reals)]
+    ks = [_l2_normalized(_conv_silu(rows, conv_k_ref, slice(None), r)) for rows, r in zip(k_inputs, reals)]
+    for which, u_ref in zip((Q, K, V), (q_own_ref, k_own_ref, v_ref)):
+        _, windows = conv_inputs(own_window_ref, which, u_ref, slice(None))
+        for t in stored:
+            for j, row in enumerate(windows[t]):
+                new_window_ref[(*at(t), j, which, slice(None))] = row.astype(new_window_ref.dtype)
     decay_rate = jnp.exp(a_log_ref[...])
-    if lower_bound is None:
-        g_K = -decay_rate * jax.nn.softplus(a_K)
-    else:
-        g_K = lower_bound * jax.nn.sigmoid(decay_rate * a_K)
-    decay_K = jnp.where(real, jnp.exp(g_K), 1.0)
-    beta = jnp.where(real, jax.nn.sigmoid(_beta_logit(b_refs)), 0.0)
-    outputs = []
+    decays, betas = [], []
+    for t, real in enumerate(reals):
+        a_K = f_ref[t, :].astype(jnp.float32) + dt_bias_ref[...]
+        if lower_bound is None:
+            g_K = -decay_rate * jax.nn.softplus(a_K)
+        else:
+            g_K = lower_bound * jax.nn.sigmoid(decay_rate * a_K)
+        decays.append(jnp.where(real, jnp.exp(g_K), 1.0))
+        betas.append(jnp.where(real, jax.nn.sigmoid(_beta_logit(b_refs, t)), 0.0))
+    outputs = [[] for _ in range(tokens)]
     for start in range(0, value_dim, block_v):
         columns = pl.ds(start, block_v)
-        v_V = conv_silu(own_window_ref, v_ref, conv_v_ref, V, columns)
-        state_KV = state_ref[:, columns] * decay_K[:, None]
-        delta_V = beta * (v_V - jnp.sum(k_K[:, None] * state_KV, axis=0))
-        state_KV = state_KV + k_K[:, None] * delta_V[None, :]
-        new_state_ref[:, columns] = state_KV
-        outputs.append(jnp.sum(q_K[:, None] * state_KV, axis=0).astype(dtype))
-    if not normalize:
-        for start, o_V in zip(range(0, value_dim, block_v), outputs):
-            o_ref[pl.ds(start, block_v)] = o_V.astype(o_ref.dtype)
-        return
-    outputs = [o_V.astype(jnp.float32) for o_V in outputs]
-    inverse_rms = jax.lax.rsqrt(sum(jnp.sum(o_V * o_V) for o_V in outputs) / value_dim + eps)
-    for start, o_V in zip(range(0, value_dim, block_v), outputs):
-        columns = pl.ds(start, block_v)
-        weight_V = norm_weight_ref[columns].astype(jnp.float32)
-        gate_V = jax.nn.sigmoid(gate_ref[columns].astype(jnp.float32))
-        o_ref[columns] = (o_V * inverse_rms * weight_V * gate_V).astype(o_ref.dtype)
+        v_inputs, _ = conv_inputs(own_window_ref, V, v_ref, columns)
+        state_KV = state_ref[:, columns]
+        for t in range(tokens):
+            v_V = _conv_silu(v_inputs[t], conv_v_ref, columns, reals[t])
+            state_KV = state_KV * decays[t][:, None]
+            delta_V = betas[t] * (v_V - jnp.sum(ks[t][:, None] * state_KV, axis=0))
+            state_KV = state_KV + ks[t][:, None] * delta_V[None, :]
+            outputs[t].append(jnp.sum(qs[t][:, None] * state_KV, axis=0).astype(dtype))
+            if t in stored:
+                new_state_ref[(*at(t), slice(None), columns)] = state_KV
+    for t, token_outputs in enumerate(outputs):
+        if not normalize:
+            for start, o_V in zip(range(0, value_dim, block_v), token_outputs):
+                o_ref[t, pl.ds(start, block_v)] = o_V.astype(o_ref.dtype)
+            continue
+        token_outputs = [o_V.astype(jnp.float32) for o_V in token_outputs]
+        inverse_rms = jax.lax.rsqrt(sum(jnp.sum(o_V * o_V) for o_V in token_outputs) / value_dim + eps)
+        for start, o_V in zip(range(0, value_dim, block_v), token_outputs):
+            columns = pl.ds(start, block_v)
+            weight_V = norm_weight_ref[columns].astype(jnp.float32)
+            gate_V = jax.nn.sigmoid(gate_ref[t, columns].astype(jnp.float32))
+            o_ref[t, columns] = (o_V * inverse_rms * weight_V * gate_V).astype(o_ref.dtype)
 
 
 def _cores(interpret: bool) -> int:
     if not interpret and jax.default_backend() == "gpu":
         return getattr(jax.devices()[0], "core_count", None) or H200_SMS
     return H200_SMS
+
+
+def _fused_call(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    f_BTHK,
+    b_BTH,
+    gate_BTHV,
+    conv_window_BW3HK,
+    state_BHKV,
+    weights: DecodeWeights,
+    real_BT,
+    *,
+    scale: float,
+    lower_bound: float | None,
+    eps: float,
+    tiles: tuned.DecodeFusedGpuTiles | None,
+    interpret: bool,
+    all_states: bool,
+):
+    """The kernel over T tokens a row: (o [B, T, H, V], the windows and states after each token (all_states: [B, T,
+    W, 3, H, K], [B, T, H, K, V] fp32) or after the last ([B, W, 3, H, K], [B, H, K, V] fp32 in place of the
+    state))."""
+    tiles = tiles or lookup(tuned.DECODE_FUSED_GPU, dtype=v_BTHV.dtype)
+    batch, tokens, heads, key_dim = q_BTHK.shape
+    value_dim = v_BTHV.shape[-1]
+    if value_dim != key_dim:
+        raise ValueError(f"kda_decode_fused: the conv window holds q, k and v rows alike: V {value_dim} != K {key_dim}")
+    splits = tiles.value_splits or value_splits(batch * heads, value_dim, _cores(interpret))
+    if value_dim % splits:
+        raise ValueError(f"kda_decode_fused: tiles.value_splits {splits} does not divide V {value_dim}")
+    split_dim = value_dim // splits
+    block_v = min(tiles.block_v, split_dim)
+    if split_dim % block_v:
+        raise ValueError(f"kda_decode_fused: tiles.block_v {block_v} does not divide V / value_splits {split_dim}")
+    window = conv_window_BW3HK.shape[1]
+    taps = weights.conv_q_HKT.shape[-1]
+    row = pl.BlockSpec((None, tokens, None, key_dim), lambda s, h, b: (b, 0, h, 0))
+    own_row = pl.BlockSpec((None, tokens, None, split_dim), lambda s, h, b: (b, 0, h, s))
+    conv = pl.BlockSpec((None, key_dim, taps), lambda s, h, b: (h, 0, 0))
+    own_conv = pl.BlockSpec((None, split_dim, taps), lambda s, h, b: (h, s, 0))
+    window_block = pl.BlockSpec((None, window, 3, None, key_dim), lambda s, h, b: (b, 0, 0, h, 0))
+    own_window = pl.BlockSpec((None, window, 3, None, split_dim), lambda s, h, b: (b, 0, 0, h, s))
+    own_state = pl.BlockSpec((None, None, key_dim, split_dim), lambda s, h, b: (b, h, 0, s))
+    weight_specs = [
+        conv,
+        conv,
+        own_conv,
+        pl.BlockSpec((None, key_dim), lambda s, h, b: (h, 0)),
+        pl.BlockSpec((None,), lambda s, h, b: (h,)),
+        pl.BlockSpec((split_dim,), lambda s, h, b: (s,)),
+    ]
+    if isinstance(b_BTH, BetaProjection):
+        width = b_BTH.x_BD.shape[-1]
+        beta_inputs = [b_BTH.x_BD, b_BTH.weight_HD]
+        beta_specs = [
+            pl.BlockSpec((None, tokens, width), lambda s, h, b: (b, 0, 0)),
+            pl.BlockSpec((None, width), lambda s, h, b: (h, 0)),
+        ]
+    else:
+        beta_inputs, beta_specs = [b_BTH], [pl.BlockSpec((None, tokens, None), lambda s, h, b: (b, 0, h))]
+    in_specs = [row, row, own_row, row, own_row, window_block, own_window, own_row, own_row, own_state]
+    in_specs += [*weight_specs, pl.BlockSpec((None, tokens), lambda s, h, b: (b, 0)), *beta_specs]
+    window_shape, state_shape = conv_window_BW3HK.shape, state_BHKV.shape
+    if all_states:
+        own_window = pl.BlockSpec((None, tokens, window, 3, None, split_dim), lambda s, h, b: (b, 0, 0, 0, h, s))
+        own_state = pl.BlockSpec((None, tokens, None, key_dim, split_dim), lambda s, h, b: (b, 0, h, 0, s))
+        window_shape = (batch, tokens, *window_shape[1:])
+        state_shape = (batch, tokens, *state_shape[1:])
+    normalize = splits == 1
+    kernel = functools.partial(
+        _fused_kernel,
+        scale=scale,
+        lower_bound=lower_bound,
+        eps=eps,
+        block_v=block_v,
+        normalize=normalize,
+        beta_inputs=len(beta_inputs),
+        all_states=all_states,
+    )
+    o, new_window, new_state = pl.pallas_call(
+        kernel,
+        grid=(splits, heads, batch),  # axis 0 varies fastest: a head's programs run together
+        in_specs=in_specs,
+        out_specs=[own_row, own_window, own_state],
+        out_shape=[
+            jax.ShapeDtypeStruct(v_BTHV.shape, v_BTHV.dtype),
+            jax.ShapeDtypeStruct(window_shape, conv_window_BW3HK.dtype),
+            jax.ShapeDtypeStruct(state_shape, jnp.float32),
+        ],
+        input_output_aliases={} if all_states else {9: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_verify_fused" if all_states else "kda_decode_fused",
+    )(
+        q_BTHK,
+        k_BTHK,
+        v_BTHV,
+        f_BTHK,
+        gate_BTHV,
+        conv_window_BW3HK,
+        conv_window_BW3HK,
+        q_BTHK,
+        k_BTHK,
+        state_BHKV.astype(jnp.float32),
+        *jax.tree.leaves(weights),
+        jnp.ones((batch, tokens), jnp.int32) if real_BT is None else real_BT.astype(jnp.int32),
+        *beta_inputs,
+    )
+    if not normalize:
+        o = gated_output_norm(o, gate_BTHV, weights.norm_weight_V, eps)
+    return o, new_window, new_state
 
 
 @functools.partial(
@@ -180,85 +319,67 @@ def kda_decode_fused_gpu(
     program forms its element of). Tiles: None from `tuned.DECODE_FUSED_GPU` (value_splits: the
     programs a sequence-head, None for `value_splits`' rule; block_v: the value columns of one step of a
     program's walk over its state slice)."""
-    tiles = tiles or lookup(tuned.DECODE_FUSED_GPU, dtype=v_BHV.dtype)
-    batch, heads, key_dim = q_BHK.shape
-    value_dim = v_BHV.shape[-1]
-    if value_dim != key_dim:
-        raise ValueError(f"kda_decode_fused: the conv window holds q, k and v rows alike: V {value_dim} != K {key_dim}")
-    splits = tiles.value_splits or value_splits(batch * heads, value_dim, _cores(interpret))
-    if value_dim % splits:
-        raise ValueError(f"kda_decode_fused: tiles.value_splits {splits} does not divide V {value_dim}")
-    split_dim = value_dim // splits
-    block_v = min(tiles.block_v, split_dim)
-    if split_dim % block_v:
-        raise ValueError(f"kda_decode_fused: tiles.block_v {block_v} does not divide V / value_splits {split_dim}")
-    window = conv_window_BW3HK.shape[1]
-    taps = weights.conv_q_HKT.shape[-1]
-    row = pl.BlockSpec((None, None, key_dim), lambda s, h, b: (b, h, 0))
-    own_row = pl.BlockSpec((None, None, split_dim), lambda s, h, b: (b, h, s))
-    conv = pl.BlockSpec((None, key_dim, taps), lambda s, h, b: (h, 0, 0))
-    own_conv = pl.BlockSpec((None, split_dim, taps), lambda s, h, b: (h, s, 0))
-    window_block = pl.BlockSpec((None, window, 3, None, key_dim), lambda s, h, b: (b, 0, 0, h, 0))
-    own_window = pl.BlockSpec((None, window, 3, None, split_dim), lambda s, h, b: (b, 0, 0, h, s))
-    own_state = pl.BlockSpec((None, None, key_dim, split_dim), lambda s, h, b: (b, h, 0, s))
-    weight_specs = [
-        conv,
-        conv,
-        own_conv,
-        pl.BlockSpec((None, key_dim), lambda s, h, b: (h, 0)),
-        pl.BlockSpec((None,), lambda s, h, b: (h,)),
-        pl.BlockSpec((split_dim,), lambda s, h, b: (s,)),
-    ]
+    one_token = [x[:, None] for x in (q_BHK, k_BHK, v_BHV, f_BHK)]
     if isinstance(b_BH, BetaProjection):
-        width = b_BH.x_BD.shape[-1]
-        beta_inputs = [b_BH.x_BD, b_BH.weight_HD]
-        beta_specs = [
-            pl.BlockSpec((None, width), lambda s, h, b: (b, 0)),
-            pl.BlockSpec((None, width), lambda s, h, b: (h, 0)),
-        ]
+        b_BTH = BetaProjection(b_BH.x_BD[:, None], b_BH.weight_HD)
     else:
-        beta_inputs, beta_specs = [b_BH], [pl.BlockSpec((None, None), lambda s, h, b: (b, h))]
-    in_specs = [row, row, own_row, row, own_row, window_block, own_window, own_row, own_row, own_state]
-    in_specs += [*weight_specs, pl.BlockSpec((None,), lambda s, h, b: (b,)), *beta_specs]
-    normalize = splits == 1
-    kernel = functools.partial(
-        _fused_kernel,
+        b_BTH = b_BH[:, None]
+    o_BTHV, window, state = _fused_call(
+        *one_token,
+        b_BTH,
+        gate_BHV[:, None],
+        conv_window_BW3HK,
+        state_BHKV,
+        weights,
+        None if real_B is None else real_B[:, None],
         scale=scale,
         lower_bound=lower_bound,
         eps=eps,
-        block_v=block_v,
-        normalize=normalize,
-        beta_inputs=len(beta_inputs),
-    )
-    o, new_window, new_state = pl.pallas_call(
-        kernel,
-        grid=(splits, heads, batch),  # axis 0 varies fastest: a head's programs run together
-        in_specs=in_specs,
-        out_specs=[own_row, own_window, own_state],
-        out_shape=[
-            jax.ShapeDtypeStruct(v_BHV.shape, v_BHV.dtype),
-            jax.ShapeDtypeStruct(conv_window_BW3HK.shape, conv_window_BW3HK.dtype),
-            jax.ShapeDtypeStruct(state_BHKV.shape, jnp.float32),
-        ],
-        input_output_aliases={9: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        tiles=tiles,
         interpret=interpret,
-        name="kda_decode_fused",
-    )(
-        q_BHK,
-        k_BHK,
-        v_BHV,
-        f_BHK,
-        gate_BHV,
-        conv_window_BW3HK,
-        conv_window_BW3HK,
-        q_BHK,
-        k_BHK,
-        state_BHKV.astype(jnp.float32),
-        *jax.tree.leaves(weights),
-        jnp.ones(batch, jnp.int32) if real_B is None else real_B.astype(jnp.int32),
-        *beta_inputs,
+        all_states=False,
     )
-    if not normalize:
-        o = gated_output_norm(o, gate_BHV, weights.norm_weight_V, eps)
-    return o, new_window, new_state
+    return o_BTHV[:, 0], window, state
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "eps", "tiles", "interpret"))
+def kda_verify_fused_gpu(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    f_BTHK,
+    b_BTH,
+    gate_BTHV,
+    conv_window_BW3HK,
+    state_BHKV,
+    weights: DecodeWeights,
+    *,
+    real_BT=None,
+    scale: float,
+    lower_bound: float | None,
+    eps: float,
+    tiles: tuned.DecodeFusedGpuTiles | None = None,
+    interpret: bool = False,
+):
+    """(o [B, T, H, V] in v's dtype, the conv window [B, T, W, 3, H, K] and state [B, T, H, K, V] fp32 after each
+    token): `reference.kda_verify_fused`, T decode steps in one kernel (each program keeps its state columns on chip
+    over the T tokens); b_BTH: beta's pre-activations, or a `BetaProjection` of x [B, T, D]. Tiles as for
+    `kda_decode_fused_gpu`."""
+    return _fused_call(
+        q_BTHK,
+        k_BTHK,
+        v_BTHV,
+        f_BTHK,
+        b_BTH,
+        gate_BTHV,
+        conv_window_BW3HK,
+        state_BHKV,
+        weights,
+        real_BT,
+        scale=scale,
+        lower_bound=lower_bound,
+        eps=eps,
+        tiles=tiles,
+        interpret=interpret,
+        all_states=True,
+    )
