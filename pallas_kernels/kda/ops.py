@@ -124,6 +124,17 @@ def kda_decode_step(
     )
 
 
+def _fused_op(op: str, args, keywords: dict, backend: str, variant: str | None):
+    """Fused `op` ("kda_decode_fused" or "kda_verify_fused") on the variant that `backend` and `variant` pick (the
+    platform's fused kernel, the reference elsewhere), q's scale None for K^-1/2."""
+    backend = resolve_backend(backend)
+    name = variants.pick(VARIANTS, op, variant, backend, variants.by_platform(backend, _FUSED))
+    keywords = dict(keywords, scale=args[0].shape[-1] ** -0.5 if keywords["scale"] is None else keywords["scale"])
+    if name != REFERENCE:
+        keywords["interpret"] = variants.interpreted(backend)
+    return kernel(op, name)(*args, **keywords)
+
+
 def kda_decode_fused(
     q_BHK,
     k_BHK,
@@ -151,14 +162,9 @@ def kda_decode_fused(
     elsewhere, a TPU included (it has no fused kernel: `kda_decode_step` runs its recurrence kernel).
     backend, variant: as for `kda_decode_step` (variant: a name of VARIANTS["kda_decode_fused"]).
     """
-    backend = resolve_backend(backend)
-    name = variants.pick(VARIANTS, "kda_decode_fused", variant, backend, variants.by_platform(backend, _FUSED))
-    scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
     args = (q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV, weights)
     keywords = dict(real_B=real_B, scale=scale, lower_bound=lower_bound, eps=eps)
-    if name == REFERENCE:
-        return reference.kda_decode_fused(*args, **keywords)
-    return kernel("kda_decode_fused", name)(*args, **keywords, interpret=variants.interpreted(backend))
+    return _fused_op("kda_decode_fused", args, keywords, backend, variant)
 
 
 def kda_verify_fused(
@@ -186,14 +192,9 @@ def kda_verify_fused(
     One kernel on a GPU ("gpu_triton": each program walks the T tokens with its state columns on chip); the
     reference elsewhere. backend, variant: as for `kda_decode_fused` (variant: a name of VARIANTS["kda_verify_fused"]).
     """
-    backend = resolve_backend(backend)
-    name = variants.pick(VARIANTS, "kda_verify_fused", variant, backend, variants.by_platform(backend, _FUSED))
-    scale = q_BTHK.shape[-1] ** -0.5 if scale is None else scale
     args = (q_BTHK, k_BTHK, v_BTHV, f_BTHK, b_BTH, gate_BTHV, conv_window_BW3HK, state_BHKV, weights)
     keywords = dict(real_BT=real_BT, scale=scale, lower_bound=lower_bound, eps=eps)
-    if name == REFERENCE:
-        return reference.kda_verify_fused(*args, **keywords)
-    return kernel("kda_verify_fused", name)(*args, **keywords, interpret=variants.interpreted(backend))
+    return _fused_op("kda_verify_fused", args, keywords, backend, variant)
 
 
 def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: str | None = None) -> str:

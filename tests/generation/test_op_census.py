@@ -39,6 +39,7 @@ def test_the_gpu_path_of_a_round_runs_each_moe_kernel_once_a_layer_and_once_for_
     step, round_ = gpu_path_census(config), gpu_path_census(config, mtp=1)
     moe_layers = config.mlp_layer_types.count(MOE)
     assert step["select_experts"] == moe_layers and round_["select_experts"] == moe_layers + 1
+    assert round_["kda_verify_fused"] == step["kda_decode_fused"] > 0  # the verify pass: one kernel a KDA layer
 
 
 def test_bad_draft_count_is_one_line_naming_the_flag(capsys):
