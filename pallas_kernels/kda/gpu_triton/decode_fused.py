@@ -17,6 +17,12 @@ step is one kernel); with more the kernel writes o before the norm (rounded to v
 round it) and `reference.gated_output_norm` follows in XLA (one small fusion). The windows are written out of
 place: every program of a head reads the head's whole q and k window rows, which another program's shifted
 columns would overwrite.
+
+The same kernel runs a speculative verify pass's T tokens a row (`kda_verify_fused_gpu`, `reference.
+kda_verify_fused`): each program takes the row's tokens in turn, its conv window rows rolled in registers (a pad's
+leaves them), each [K, block_v] state block loaded once and updated T times, and writes each token's output,
+window and state ([B, T, H, K, V] fp32: fresh outputs, the input state kept). A decode step is its T = 1 with the
+last state only, written over the input.
 """
 
 from __future__ import annotations
