@@ -249,7 +249,9 @@ class LingForCausalLM(nnx.Module):
         attention_mask=None,
         kda_mode: KDAMode | None = None,
         mla_mode: MLAMode | None = None,
+        inputs_embeds=None,
     ) -> LingOutput:
+        """inputs_embeds [B, T, D]: replaces the embedding lookup (`LingModel`; the VL model's merged embeddings)."""
         hidden, cache = self.model(
             input_ids_BT,
             positions=positions,
@@ -258,6 +260,7 @@ class LingForCausalLM(nnx.Module):
             kda_mode=kda_mode,
             mla_mode=mla_mode,
             policy=self.policy,
+            inputs_embeds=inputs_embeds,
         )
         return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
 

@@ -99,40 +99,30 @@ class LingVLForConditionalGeneration(LingForCausalLM):
         kda_mode: KDAMode | None = None,
         mla_mode: MLAMode | None = None,
     ) -> LingOutput:
-        has_media = any(len(row) for row in (*image_grids, *video_grids))
-        if not has_media:
-            return super().__call__(
-                input_ids_BT,
-                positions=positions,
-                cache=cache,
-                attention_mask=attention_mask,
-                kda_mode=kda_mode,
-                mla_mode=mla_mode,
-            )
-        if positions is None:
-            if isinstance(input_ids_BT, jax.core.Tracer):
-                raise ValueError(
-                    "with media under jit, pass positions (model.positions(input_ids, ...)): they are "
-                    "computed on the host from concrete token ids"
+        embeds = None
+        if any(len(row) for row in (*image_grids, *video_grids)):
+            if positions is None:
+                if isinstance(input_ids_BT, jax.core.Tracer):
+                    raise ValueError(
+                        "with media under jit, pass positions (model.positions(input_ids, ...)): they are "
+                        "computed on the host from concrete token ids"
+                    )
+                positions, _ = self.positions(
+                    input_ids_BT, attention_mask, image_grids=image_grids, video_grids=video_grids
                 )
-            positions, _ = self.positions(
-                input_ids_BT, attention_mask, image_grids=image_grids, video_grids=video_grids
+            embeds = self.embed(
+                input_ids_BT,
+                pixel_values=pixel_values,
+                image_grids=image_grids,
+                pixel_values_videos=pixel_values_videos,
+                video_grids=video_grids,
             )
-        embeds = self.embed(
-            input_ids_BT,
-            pixel_values=pixel_values,
-            image_grids=image_grids,
-            pixel_values_videos=pixel_values_videos,
-            video_grids=video_grids,
-        )
-        hidden, cache = self.model(
+        return super().__call__(
             input_ids_BT,
             positions=positions,
             cache=cache,
             attention_mask=attention_mask,
             kda_mode=kda_mode,
             mla_mode=mla_mode,
-            policy=self.policy,
             inputs_embeds=embeds,
         )
-        return LingOutput(logits=self.logits(hidden), hidden=hidden, cache=cache)
