@@ -74,3 +74,12 @@ def by_platform(backend: str, kernels: Mapping[str, str]) -> str:
 
 def interpreted(backend: str) -> bool:
     return backend.startswith("interpret")
+
+
+def run(registry: Registry, op: str, name: str, backend: str, *args, **keywords):
+    """Variant `name` of `op` on the op's arrays and keywords: a kernel variant's entry point with `interpret` for the
+    resolved `backend` added (Pallas interpret mode on an "interpret_*" backend), the reference's as given."""
+    variant = lookup(registry, op, name)
+    if variant.platform is not None:
+        keywords["interpret"] = interpreted(backend)
+    return variant.kernel(*args, **keywords)

@@ -117,11 +117,7 @@ def kda_decode_step(
     name = variants.pick(VARIANTS, "kda_decode_step", variant, backend, variants.by_platform(backend, _BY_PLATFORM))
     scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
     args = (q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV)
-    if name == REFERENCE:
-        return _decode_reference(*args, scale=scale, use_qk_l2norm=use_qk_l2norm)
-    return kernel("kda_decode_step", name)(
-        *args, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=variants.interpreted(backend)
-    )
+    return variants.run(VARIANTS, "kda_decode_step", name, backend, *args, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
 
 def _fused_op(op: str, args, keywords: dict, backend: str, variant: str | None):
@@ -130,9 +126,7 @@ def _fused_op(op: str, args, keywords: dict, backend: str, variant: str | None):
     backend = resolve_backend(backend)
     name = variants.pick(VARIANTS, op, variant, backend, variants.by_platform(backend, _FUSED))
     keywords = dict(keywords, scale=args[0].shape[-1] ** -0.5 if keywords["scale"] is None else keywords["scale"])
-    if name != REFERENCE:
-        keywords["interpret"] = variants.interpreted(backend)
-    return kernel(op, name)(*args, **keywords)
+    return variants.run(VARIANTS, op, name, backend, *args, **keywords)
 
 
 def kda_decode_fused(

@@ -105,9 +105,7 @@ def mla_decode(
     backend = resolve_backend(backend)
     args = (q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B)
     name = variants.pick(VARIANTS, "mla_decode", variant, backend, _decode_default(backend, q_latent_BHR, kv_cache_BLA))
-    if name == REFERENCE:
-        return mla_decode_reference(*args, scale=scale)
-    return kernel("mla_decode", name)(*args, scale=scale, interpret=variants.interpreted(backend))
+    return variants.run(VARIANTS, "mla_decode", name, backend, *args, scale=scale)
 
 
 def mla_decode_paged(
@@ -134,24 +132,10 @@ def mla_decode_paged(
     )
     if variant == "gpu_mosaic" or (variant is None and fits):
         name = variants.pick(VARIANTS, "mla_decode_paged", "gpu_mosaic", backend, "gpu_mosaic")
-        return kernel("mla_decode_paged", name)(
-            q_latent_BHR,
-            q_rope_BHP,
-            kv_pages_PSA,
-            page_table_BN,
-            lengths_B,
-            scale=scale,
-            interpret=variants.interpreted(backend),
-        )
-    return mla_decode(
-        q_latent_BHR,
-        q_rope_BHP,
-        gather_pages(kv_pages_PSA, page_table_BN),
-        lengths_B,
-        scale=scale,
-        backend=backend,
-        variant=variant,
-    )
+        args = (q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B)
+        return variants.run(VARIANTS, "mla_decode_paged", name, backend, *args, scale=scale)
+    kv_cache_BLA = gather_pages(kv_pages_PSA, page_table_BN)
+    return mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, scale=scale, backend=backend, variant=variant)
 
 
 def mla_decode_tokens(
@@ -173,9 +157,7 @@ def mla_decode_tokens(
     args = (q_latent_BTHR, q_rope_BTHP, kv_cache_BLA, lengths_BT)
     default = variants.by_platform(backend, {"gpu": "gpu_triton"})
     name = variants.pick(VARIANTS, "mla_decode_tokens", variant, backend, default)
-    if name == REFERENCE:
-        return mla_decode_tokens_reference(*args, scale=scale)
-    return kernel("mla_decode_tokens", name)(*args, scale=scale, interpret=variants.interpreted(backend))
+    return variants.run(VARIANTS, "mla_decode_tokens", name, backend, *args, scale=scale)
 
 
 def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:
