@@ -15,11 +15,26 @@ import jax
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_triton.block_scaled import block_scaled_matmul, fit_tiles
 from pallas_kernels.fp8.reference import quantize_activations
-from pallas_kernels.tuning import Table, lookup
+from pallas_kernels.tuning import lookup
 
 
-def _w8a8(x_MK, values_NK, scales, *, block, tiles, table: Table, tc_accumulated: bool, interpret: bool):
-    tiles = tiles or lookup(table, dtype=x_MK.dtype)
+@functools.partial(jax.jit, static_argnames=("block", "tiles", "tc_accumulated", "interpret"))
+def w8a8_linear_gpu(
+    x_MK,
+    values_NK,
+    scales,
+    *,
+    block: tuple[int, int],
+    tiles: tuned.LinearTiles | None = None,
+    tc_accumulated: bool = False,
+    interpret: bool = False,
+) -> jax.Array:
+    """y [M, N] in x's dtype: x [M, K] quantised to e4m3 per token in groups of block[1] inputs, times the
+    block-FP8 weight (values [N, K] e4m3, scales [ceil(N / block[0]), ceil(K / block[1])]) transposed, fp32
+    accumulation (`reference.w8a8_linear_reference` is the same sum). tc_accumulated: each K block's FP8 products
+    accumulated in the tensor cores (module docstring: `w8a8_linear_tc_acc_gpu`). Tiles: None from `tuned.W8A8`
+    (tc_accumulated: `tuned.W8A8_TC_ACC`)."""
+    tiles = tiles or lookup(tuned.W8A8_TC_ACC if tc_accumulated else tuned.W8A8, dtype=x_MK.dtype)
     num_k_steps = -(-x_MK.shape[1] // block[1])
     tiles = fit_tiles(
         tiles, num_rows=x_MK.shape[0], n_dim=values_NK.shape[0], block_rows=block[0], num_k_steps=num_k_steps
@@ -38,43 +53,5 @@ def _w8a8(x_MK, values_NK, scales, *, block, tiles, table: Table, tc_accumulated
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
-def w8a8_linear_gpu(
-    x_MK,
-    values_NK,
-    scales,
-    *,
-    block: tuple[int, int],
-    tiles: tuned.LinearTiles | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """y [M, N] in x's dtype: x [M, K] quantised to e4m3 per token in groups of block[1] inputs, times the
-    block-FP8 weight (values [N, K] e4m3, scales [ceil(N / block[0]), ceil(K / block[1])]) transposed, fp32
-    accumulation (`reference.w8a8_linear_reference` is the same sum). Tiles: None from `tuned.W8A8`."""
-    return _w8a8(
-        x_MK, values_NK, scales, block=block, tiles=tiles, table=tuned.W8A8, tc_accumulated=False, interpret=interpret
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
-def w8a8_linear_tc_acc_gpu(
-    x_MK,
-    values_NK,
-    scales,
-    *,
-    block: tuple[int, int],
-    tiles: tuned.LinearTiles | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """`w8a8_linear_gpu` with each K block's FP8 products accumulated in the tensor cores (module docstring).
-    Tiles: None from `tuned.W8A8_TC_ACC`."""
-    return _w8a8(
-        x_MK,
-        values_NK,
-        scales,
-        block=block,
-        tiles=tiles,
-        table=tuned.W8A8_TC_ACC,
-        tc_accumulated=True,
-        interpret=interpret,
-    )
+# "gpu_triton_tc_acc": the same kernel with its own tiles, each K block accumulated in the tensor cores
+w8a8_linear_tc_acc_gpu = functools.partial(w8a8_linear_gpu, tc_accumulated=True)
