@@ -105,23 +105,10 @@ PREFILL = _gpu(
         )
     }
 )
+_SMALL_KERNELS = "not swept; docs/benchmarks/generation.md#decode-step-fewer-fused-small-kernels-2026-11-29-evening"
 ABSORB_QUERY = _gpu(
-    {
-        (ANY, ANY): Entry(
-            AbsorbTiles(block=128, num_warps=4),
-            "not swept; docs/benchmarks/generation.md#decode-step-fewer-fused-small-kernels-2026-11-29-evening: "
-            "mla_absorb_query "
-            "4.3 us per layer",
-        )
-    }
+    {(ANY, ANY): Entry(AbsorbTiles(block=128, num_warps=4), f"{_SMALL_KERNELS}: mla_absorb_query 4.3 us per layer")}
 )
 EXPAND_OUTPUT = _gpu(
-    {
-        (ANY, ANY): Entry(
-            AbsorbTiles(block=32, num_warps=4),
-            "not swept; docs/benchmarks/generation.md#decode-step-fewer-fused-small-kernels-2026-11-29-evening: "
-            "mla_expand_output "
-            "4.6 us per layer",
-        )
-    }
+    {(ANY, ANY): Entry(AbsorbTiles(block=32, num_warps=4), f"{_SMALL_KERNELS}: mla_expand_output 4.6 us per layer")}
 )
