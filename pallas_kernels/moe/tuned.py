@@ -71,6 +71,16 @@ def _gpu(entries: dict) -> dict:
 
 
 _FP32 = "fp32 untuned (IEEE products, no tensor cores): smaller tiles, not measured"
+
+
+def _fp32_entries(many_rows_block_n: int) -> dict:
+    """The untuned fp32 entries of a grouped kernel (both row buckets), its many-rows column tile given."""
+    return {
+        ("many_rows", ANY): Entry(GroupedTiles(64, many_rows_block_n, 32, 4, 3), _FP32),
+        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+    }
+
+
 GROUPED_MATMUL = _gpu(
     {
         ("many_rows", "16bit"): Entry(
@@ -83,8 +93,7 @@ GROUPED_MATMUL = _gpu(
             "docs/benchmarks/moe.md#grouped-matmul-tiles-at-decode-sizes-benchmarksgrouped_matmulpy: the narrow tiles "
             "(16 x 64 x 128) best or near it at 8 and 64 rows for both shapes",
         ),
-        ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
-        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+        **_fp32_entries(64),
     }
 )
 WEIGHT_GRAD = _gpu(
@@ -102,16 +111,14 @@ GATHER_SWIGLU = _gpu(
     {  # two accumulators: half the grouped matmul's column tile
         ("many_rows", "16bit"): Entry(GroupedTiles(128, 128, 64, 8, 4), f"{_FUSED} at 8192 tokens"),
         ("few_rows", "16bit"): Entry(GroupedTiles(32, 64, 128, 4, 4), f"{_FUSED} at 64 tokens"),
-        ("many_rows", ANY): Entry(GroupedTiles(64, 32, 32, 4, 3), _FP32),
-        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+        **_fp32_entries(32),
     }
 )
 DOWN_SCATTER = _gpu(
     {
         ("many_rows", "16bit"): Entry(GroupedTiles(128, 256, 64, 8, 4), f"{_FUSED} at 8192 tokens"),
         ("few_rows", "16bit"): Entry(GroupedTiles(32, 64, 128, 4, 4), f"{_FUSED} at 64 tokens"),
-        ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
-        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+        **_fp32_entries(64),
     }
 )
 # Quantised experts (block FP8, MXFP4: tiles read as stored and dequantised on chip, `weight_tiles`) move half or a
@@ -126,16 +133,14 @@ GATHER_SWIGLU_QUANTIZED = _gpu(
     {
         ("many_rows", "16bit"): Entry(GroupedTiles(64, 128, 64, 4, 4), f"{_QUANTIZED}: FP8 9.068 ms at 8192 tokens"),
         ("few_rows", "16bit"): Entry(GroupedTiles(16, 64, 256, 4, 3), f"{_QUANTIZED}: FP8 1.523 ms at 64 tokens"),
-        ("many_rows", ANY): Entry(GroupedTiles(64, 32, 32, 4, 3), _FP32),
-        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+        **_fp32_entries(32),  # two accumulators: half the column tile
     }
 )
 DOWN_SCATTER_QUANTIZED = _gpu(
     {
         ("many_rows", "16bit"): Entry(GroupedTiles(64, 128, 64, 4, 4), f"{_QUANTIZED}: with GATHER_SWIGLU_QUANTIZED"),
         ("few_rows", "16bit"): Entry(GroupedTiles(16, 64, 256, 4, 3), f"{_QUANTIZED}: with GATHER_SWIGLU_QUANTIZED"),
-        ("many_rows", ANY): Entry(GroupedTiles(64, 64, 32, 4, 3), _FP32),
-        ("few_rows", ANY): Entry(GroupedTiles(16, 32, 64, 4, 3), _FP32),
+        **_fp32_entries(64),
     }
 )
 # the buckets in which the quantised fused kernels put the weight tile first in the MMA (`grouped.Tile.weight_products`)
