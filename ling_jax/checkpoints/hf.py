@@ -145,15 +145,18 @@ class TensorResolver:
             (*lead, *expected), kind, self.scale_block(kind), values_dtype=values_dtype, scale_dtype=scale_dtype
         )
 
-    def read(self, name: str, expected: tuple[int, ...], index: Index = ()) -> np.ndarray:
-        """The slice `index` of the tensor `name` (dense shape `expected`): a quantised one as float32, dequantised
-        from the values and scales covering that slice only; a plain one as stored (the caller converts it once,
-        to the parameter's dtype); NaN or Inf in it raises CheckpointError."""
+    def read(self, name: str, expected: tuple[int, ...], index: Index, out: np.ndarray) -> None:
+        """Fill `out` (any shape of as many elements, any float dtype) with the slice `index` of the tensor `name`
+        (dense shape `expected`): a quantised one dequantised in float32 from the values and scales covering that
+        slice only, then converted; a plain one read straight into `out` when stored in its dtype, else converted
+        once; NaN or Inf in it raises CheckpointError."""
         stored = self._stored(name)
         kind = self._kind(stored)
-        if kind == PLAIN:
-            return self._refuse_non_finite(stored, self.tensors.read(stored, index))
         bounds = [entry.indices(size)[:2] for entry, size in zip((*index, *_whole(expected, index)), expected)]
+        target = np.reshape(out, [stop - start for start, stop in bounds], copy=False)
+        if kind == PLAIN:
+            self._read_into(stored, index, target)
+            return
         block = self.scale_block(kind)
         lead = tuple(slice(*b) for b in bounds[:-2])
         (row0, row1), (col0, col1) = bounds[-2:]
@@ -166,22 +169,25 @@ class TensorResolver:
             packed = self.tensors.read(stored, (*lead, slice(row0, row1), slice(col0 // 2, -(-col1 // 2))))
             elements = E2M1_VALUES[unpack_e2m1(packed)][..., col0 % 2 : col0 % 2 + col1 - col0]
         rows, cols = (np.arange(start, stop) // side - start // side for (start, stop), side in zip(bounds[-2:], block))
-        return self._refuse_non_finite(stored, elements * scales[..., rows[:, None], cols[None, :]])
+        target[...] = self._refuse_non_finite(stored, elements * scales[..., rows[:, None], cols[None, :]])
 
-    def read_stored(self, name: str, part: str, index: Index = (), out: np.ndarray | None = None) -> np.ndarray:
-        """The slice `index` of the quantised tensor `name`'s stored "values" (MXFP4 packed bytes as uint8) or
-        "scales" (float32; E8M0 exponents as float8_e8m0fnu); NaN or Inf in it raises CheckpointError. out: where
-        FP8 values are read straight into (returned), when it has their shape and dtype; else a new array."""
+    def read_stored(self, name: str, part: str, index: Index, out: np.ndarray) -> None:
+        """Fill `out` with the slice `index` of the quantised tensor `name`'s stored "values" (MXFP4 packed bytes as
+        uint8) or "scales" (float32; E8M0 exponents as float8_e8m0fnu), in the dtype `stored_weight` gives them;
+        NaN or Inf in it raises CheckpointError."""
         stored = self._stored(name)
-        if part == "values":
-            if self._kind(stored) == MXFP4:
-                return self._refuse_non_finite(stored, self.tensors.read(stored, index).view(np.uint8))
-            fits = out is not None and out.dtype == self.tensors.dtype(stored)
-            return self._refuse_non_finite(stored, self.tensors.read(stored, index, out if fits else None))
-        scales = self.tensors.read(stored + SCALE_SUFFIX, index)
-        if scales.dtype == np.uint8:  # raw E8M0 exponents: the same bits as float8_e8m0fnu
-            scales = scales.view(ml_dtypes.float8_e8m0fnu)
-        return self._refuse_non_finite(stored + SCALE_SUFFIX, scales.astype(_scale_dtype(scales.dtype), copy=False))
+        self._read_into(stored if part == "values" else stored + SCALE_SUFFIX, index, out)
+
+    def _read_into(self, stored: str, index: Index, out: np.ndarray) -> None:
+        """Fill `out` with the slice `index` of the tensor `stored`: read straight into it when it holds the same bits
+        (the same dtype, or byte codes into a one-byte dtype: MXFP4 bytes, raw E8M0 exponents), else read and
+        converted once; NaN or Inf in it raises CheckpointError."""
+        dtype = self.tensors.dtype(stored)
+        if dtype == out.dtype or (dtype.kind in "iu" and dtype.itemsize == out.dtype.itemsize == 1):
+            self.tensors.read(stored, index, out.view(dtype))
+            self._refuse_non_finite(stored, out)
+        else:
+            out[...] = self._refuse_non_finite(stored, self.tensors.read(stored, index))
 
     def _refuse_non_finite(self, stored: str, value: np.ndarray) -> np.ndarray:
         """`value`, a slice of the tensor `stored`, after checking it on its bits (`finite_check`: FP8 and bf16
@@ -254,31 +260,21 @@ def stored_struct(
     return MXFP4Weight(jax.ShapeDtypeStruct(values, np.uint8), scales)
 
 
-Reader = Callable[[Index], np.ndarray]
+Reader = Callable[[Index, np.ndarray], None]  # read(index, out): fills out with the slice index of a parameter
+ReadOne = Callable[[str, Index, np.ndarray], None]  # read_one(name, index, out): the same for one tensor
 
 
-def _stacked_reader(source: TensorSource, read_one: Callable[..., np.ndarray], workers: int = 1) -> Reader:
-    """read(index) of the parameter `source` fills: its one tensor's slice, or for stacked experts the slices of
-    the experts index[0] selects (only those are read), stacked, by `workers` threads: read_one(name, index, out)
-    reads each expert after the first straight into its place `out` where it can (returning `out`), else returns
-    what is copied there."""
+def _stacked_reader(source: TensorSource, read_one: ReadOne, workers: int = 1) -> Reader:
+    """read(index, out) of the parameter `source` fills: its one tensor's slice, or for stacked experts the slices
+    of the experts index[0] selects (only those are read), each straight into its place out[i], by `workers`
+    threads."""
     if not source.stacked:
-        return lambda index: read_one(source.names[0], index)
+        return lambda index, out: read_one(source.names[0], index, out)
 
-    def read(index: Index) -> np.ndarray:
-        experts = range(*index[0].indices(len(source.names)))
-        first = read_one(source.names[experts[0]], index[1:])
-        stacked = np.empty((len(experts), *first.shape), first.dtype)
-        stacked[0] = first
-
-        def fill(place: np.ndarray, expert: int) -> None:
-            value = read_one(source.names[expert], index[1:], place)
-            if value is not place:
-                place[...] = value
-
+    def read(index: Index, out: np.ndarray) -> None:
+        names = source.names[index[0]]
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(fill, stacked[1:], experts[1:]))
-        return stacked
+            list(pool.map(lambda name, place: read_one(name, index[1:], place), names, out))
 
     return read
 
@@ -299,16 +295,13 @@ def _tensor_index(index: Index, shape: tuple[int, ...], source_shape: tuple[int,
     return tuple(mapped)
 
 
-def _dense_reader(
-    resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...], dtype, workers: int = 1
-) -> Reader:
-    """read(index) of a parameter of `shape` in `dtype`, dequantised from the tensors `source` names (a plain tensor
-    converted once, from its stored dtype); stacked experts by `workers` threads."""
+def _dense_reader(resolver: TensorResolver, source: TensorSource, shape: tuple[int, ...], workers: int = 1) -> Reader:
+    """read(index, out) of a parameter of `shape` in out's dtype, dequantised from the tensors `source` names (a
+    plain tensor converted once, from its stored dtype); stacked experts by `workers` threads."""
     tensor_shape = shape[1:] if source.stacked else shape
 
-    def read_one(name: str, index: Index, _out=None) -> np.ndarray:
-        value = resolver.read(name, source.shape, _tensor_index(index, tensor_shape, source.shape))
-        return value.astype(dtype, copy=False)
+    def read_one(name: str, index: Index, out: np.ndarray) -> None:
+        resolver.read(name, source.shape, _tensor_index(index, tensor_shape, source.shape), out)
 
     return _stacked_reader(source, read_one, workers)
 
@@ -339,13 +332,12 @@ def _load_parameter(resolver: TensorResolver, source: TensorSource, target, shar
     """The parameter `target` describes, placed with `sharding`, from its devices' slices of the checkpoint (stacked
     experts read by `workers` threads)."""
     if not is_quantized(target):
-        read = _dense_reader(resolver, source, target.shape, target.dtype, workers)
-        return assemble(target.shape, target.dtype, sharding, read)
+        return assemble(target.shape, target.dtype, sharding, _dense_reader(resolver, source, target.shape, workers))
     parts = {}
     for part in ("values", "scales"):
         leaf = getattr(target, part)
         read = _stacked_reader(
-            source, lambda name, index, out=None, part=part: resolver.read_stored(name, part, index, out), workers
+            source, lambda name, index, out, part=part: resolver.read_stored(name, part, index, out), workers
         )
         parts[part] = assemble(leaf.shape, leaf.dtype, getattr(sharding, part), read)
     return dataclasses.replace(target, **parts)
@@ -457,6 +449,7 @@ def checkpoint_layer_weights(path: str | os.PathLike, index: int, *, dtype=jnp.f
         for name in source.names:
             resolver.check(name, source.shape)
         _check_fills(resolver, source, like.shape)
-        value = _dense_reader(resolver, source, like.shape, like.dtype)(tuple(slice(0, n) for n in like.shape))
-        loaded.append((p, jnp.asarray(value.reshape(like.shape), like.dtype)))
+        value = np.empty(like.shape, like.dtype)
+        _dense_reader(resolver, source, like.shape)(tuple(slice(0, n) for n in like.shape), value)
+        loaded.append((p, jnp.asarray(value)))
     return nnx.to_pure_dict(nnx.from_flat_state(loaded))

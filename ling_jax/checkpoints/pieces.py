@@ -5,6 +5,7 @@ host bytes in flight (`load_all`)."""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -19,6 +20,8 @@ from ling_jax.checkpoints.safetensors_io import Index
 T = TypeVar("T")
 LOAD_WORKERS = min(8, os.cpu_count() or 1)  # reading threads: pread, numpy copies and device_put release the GIL
 LOAD_BUFFER_BYTES = 1 << 30  # host bytes read and not yet released at once (a larger array goes alone)
+HOST_ALIGNMENT = 64  # bytes: jax's CPU client uses a numpy array aligned so in place, without copying it
+MAPPED_BYTES = 1 << 20  # host buffers this large are mapped on their own (`host_buffer`)
 
 
 def one_device_sharding() -> jax.sharding.Sharding:
@@ -26,18 +29,34 @@ def one_device_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
-def assemble(
-    shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, read: Callable[[Index], np.ndarray]
-) -> jax.Array:
-    """The global array of `shape` and `dtype` placed with `sharding`, from `read(index)`: the host data of the slice
-    `index` (a tuple of slices, one per dimension), asked for once per distinct slice this process's devices hold
-    (devices holding the same slice share the read), each copied to its devices before the next is read."""
+def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised host array of `shape` and `dtype` starting on a HOST_ALIGNMENT boundary. One of at least
+    MAPPED_BYTES is an anonymous mapping of its own with every page faulted in by the one mmap call (MAP_POPULATE)
+    and no transparent huge pages (numpy asks for those past 4 MB; their first touch costs ~3x as much on a VM);
+    smaller ones come from the heap."""
     dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= MAPPED_BYTES:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype).reshape(shape)
+    raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def assemble(
+    shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding, read: Callable[[Index, np.ndarray], None]
+) -> jax.Array:
+    """The global array of `shape` and `dtype` placed with `sharding`, from `read(index, out)`, which fills `out`
+    (a `host_buffer` of the slice's shape and `dtype`) with the slice `index` (a tuple of slices, one per
+    dimension): called once per distinct slice this process's devices hold (devices holding the same slice share
+    the read), each put on its devices before the next is read; on CPU devices jax keeps `out` as the device buffer
+    (no copy)."""
     indices = sharding.addressable_devices_indices_map(shape)  # in the sharding's device order
     pieces = {}
     for bounds, devices in _devices_of_slices(shape, sharding).items():
-        piece_shape = tuple(stop - start for start, stop in bounds)
-        host = np.asarray(read(tuple(slice(*b) for b in bounds))).astype(dtype, copy=False).reshape(piece_shape)
+        host = host_buffer(tuple(stop - start for start, stop in bounds), dtype)
+        read(tuple(slice(*b) for b in bounds), host)
         pieces.update((device, jax.device_put(host, device)) for device in devices)
     return jax.make_array_from_single_device_arrays(shape, sharding, [pieces[device] for device in indices])
 
