@@ -2,7 +2,8 @@
 unsharded one bit for bit (FP8 kept, MXFP4 kept, and dequantised on a mesh that cuts the scale blocks), every
 device holds exactly its fraction, and no read of an expert tensor asks for more than one device's slice. The
 parameters are read by parallel workers (`pieces.load_all`) within a bound on the host bytes in flight; one worker
-or many load the same model."""
+or many load the same model. The host buffers slices are read into (`pieces.host_buffer`) are aligned so that jax
+keeps them as the CPU device buffer, without a copy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 from collections import defaultdict
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from shard_checks import assert_each_device_holds_its_fraction, leaves
 from tiny_fp8 import write_tiny_fp8_checkpoint
 
 from ling_jax import load_hf_checkpoint, make_mesh
-from ling_jax.checkpoints.pieces import load_all
+from ling_jax.checkpoints.pieces import HOST_ALIGNMENT, MAPPED_BYTES, host_buffer, load_all
 from ling_jax.checkpoints.safetensors_io import SafetensorsFile
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
 from ling_jax.sharding import ShardingError
@@ -148,3 +150,14 @@ def test_parallel_loads_keep_their_host_bytes_within_the_buffer_and_stop_at_the_
     with pytest.raises(RuntimeError, match="damaged"):
         load_all([failing, *[later] * 20], [1] * 21, workers=2, buffer_bytes=1)
     assert not started  # a buffer of one job: none started after the failure
+
+
+@pytest.mark.parametrize("nbytes", [3, MAPPED_BYTES], ids=["heap", "mapped"])
+def test_host_buffers_are_aligned_and_become_the_cpu_device_buffer_without_a_copy(nbytes):
+    buffer = host_buffer((nbytes // 2, 2), jnp.float8_e4m3fn)
+    assert buffer.shape == (nbytes // 2, 2) and buffer.dtype == jnp.float8_e4m3fn and buffer.flags.writeable
+    assert buffer.ctypes.data % HOST_ALIGNMENT == 0
+    buffer[...] = 1.5
+    on_device = jax.device_put(buffer, jax.devices("cpu")[0])
+    assert on_device.unsafe_buffer_pointer() == buffer.ctypes.data
+    assert np.array_equal(np.asarray(on_device, np.float32), np.full(buffer.shape, 1.5, np.float32))
