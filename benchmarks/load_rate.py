@@ -1,7 +1,9 @@
 """The HF block-FP8 loader's rate against the disk's, in the same run: a random checkpoint of about --size-gb
 written to --workdir, its files read raw (threads of preads, each byte once) and then loaded by
 `load_hf_checkpoint(weights="stored")` once per --workers count, each from a cold page cache (the files' cached
-pages dropped with posix_fadvise before every read: no root needed; on a tmpfs nothing is dropped).
+pages dropped with posix_fadvise before every read: no root needed; on a tmpfs nothing is dropped). Each line gives
+the seconds, the GB/s and the CPU seconds this process spent (user + system, all threads): on a shared machine the
+CPU seconds move less than the wall time.
 
     python -m benchmarks.load_rate --size-gb 8 --workers 1,8 --workdir /tmp/bench_load_rate
     python -m benchmarks.load_rate --quick     # the tiny preset's checkpoint: a smoke test
@@ -14,11 +16,13 @@ deleted afterwards.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -63,6 +67,23 @@ def read_raw(files: list[str], workers: int) -> int:
         return sum(pool.map(read_chunk, chunks))
 
 
+def timed(label: str, size: int, run: Callable[[], object]) -> None:
+    """run(), then `label` with the seconds it took, `size` bytes over them in GB/s and the CPU seconds of this
+    process meanwhile (user + system, all threads); what run() returns is dropped."""
+    start, cpu = time.perf_counter(), os.times()
+    run()
+    seconds, end = time.perf_counter() - start, os.times()
+    cpu_seconds = end.user - cpu.user + end.system - cpu.system
+    print(f"{label:<34} {seconds:7.2f} s {size / 1e9 / seconds:6.2f} GB/s {cpu_seconds:7.2f} s CPU")
+
+
+def load_ready(src: str, mesh, workers: int):
+    """The model loaded with `workers`, every parameter in place on its devices."""
+    model = load_hf_checkpoint(src, mesh=mesh, weights="stored", progress=False, workers=workers)
+    jax.block_until_ready(jax.tree.leaves(model))
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=8.0, help="checkpoint size to write (default 8)")
@@ -82,20 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(os.path.getsize(path) for path in files)
         print(f"checkpoint: {size / 2**30:.2f} GiB in {len(files)} files, {jax.devices()[0].platform} devices")
         drop_cached_pages(files)
-        start = time.perf_counter()
-        read_raw(files, max(counts))
-        seconds = time.perf_counter() - start
-        print(f"{f'raw read ({max(counts)} threads)':<34} {seconds:7.2f} s {size / 1e9 / seconds:6.2f} GB/s")
+        timed(f"raw read ({max(counts)} threads)", size, functools.partial(read_raw, files, max(counts)))
         for workers in counts:
             drop_cached_pages(files)
-            start = time.perf_counter()
-            model = load_hf_checkpoint(src, mesh=mesh, weights="stored", progress=False, workers=workers)
-            jax.block_until_ready(jax.tree.leaves(model))
-            seconds = time.perf_counter() - start
-            label = f"load_hf_checkpoint ({workers} workers)"
-            print(f"{label:<34} {seconds:7.2f} s {size / 1e9 / seconds:6.2f} GB/s")
-            del model
-            gc.collect()
+            timed(f"load_hf_checkpoint ({workers} workers)", size, functools.partial(load_ready, src, mesh, workers))
+            gc.collect()  # the model just loaded is freed before the next load
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     return 0
