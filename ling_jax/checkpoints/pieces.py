@@ -32,8 +32,8 @@ def one_device_sharding() -> jax.sharding.Sharding:
 def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialised host array of `shape` and `dtype` starting on a HOST_ALIGNMENT boundary. One of at least
     MAPPED_BYTES is an anonymous mapping of its own with every page faulted in by the one mmap call (MAP_POPULATE)
-    and no transparent huge pages (numpy asks for those past 4 MB; their first touch costs ~3x as much on a VM);
-    smaller ones come from the heap."""
+    and no transparent huge pages (numpy asks for those past 4 MB; their first touch cost 3-10x as much on the
+    2-core VM); smaller ones come from the heap."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= MAPPED_BYTES:
