@@ -33,11 +33,12 @@ def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialised host array of `shape` and `dtype` starting on a HOST_ALIGNMENT boundary. One of at least
     MAPPED_BYTES is an anonymous mapping of its own with every page faulted in by the one mmap call (MAP_POPULATE)
     and no transparent huge pages (numpy asks for those past 4 MB; their first touch cost 3-10x as much on the
-    2-core VM); smaller ones come from the heap."""
+    2-core VM; where MAP_POPULATE does not exist, as on macOS, the pages fault in as they are read); smaller ones
+    come from the heap."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= MAPPED_BYTES:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)  # Linux only
         return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype).reshape(shape)
     raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % HOST_ALIGNMENT
