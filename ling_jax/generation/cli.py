@@ -147,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompting.add_argument(
         "--chat", action="store_true", help="format each prompt as one user message with the tokenizer's chat template"
     )
-    prompting.add_argument("--system", metavar="TEXT", help="a system message before each prompt (with --chat)")
+    prompting.add_argument(
+        "--system",
+        metavar="TEXT",
+        help="a system message before each prompt (with --chat) or the conversation (with --interactive)",
+    )
     prompting.add_argument(
         "--image",
         action="append",
@@ -331,6 +335,11 @@ def _prepare(args: argparse.Namespace) -> Run:
         texts = [] if args.interactive else _read_prompts(args)
         source = _model_source(args, verbose=is_main)  # config and tokenizer: checked before any weight is read
         config = source.text_config
+        if args.interactive and args.system is not None and source.tokenizer.chat_template is None:
+            raise CLIError(
+                f"--system: {source.name} has no chat template, so --interactive runs the conversation as plain "
+                "text, with no place for a system message"
+            )
         if args.mtp and not config.num_nextn_predict_layers:
             raise CLIError(
                 f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none "
@@ -378,8 +387,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         if value < low:
             raise CLIError(f"{flag} must be >= {low}, got {value}")
     cli_checks.check_mtp(args.mtp)
-    if args.system is not None and not args.chat:
-        raise CLIError("--system needs --chat (the system message goes through the chat template)")
+    if args.system is not None and not (args.chat or args.interactive):
+        raise CLIError("--system needs --chat or --interactive (the system message goes through the chat template)")
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:

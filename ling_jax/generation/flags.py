@@ -126,13 +126,18 @@ def add_execution_flags(
     if mesh_shorthands:
         group.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shorthand for --mesh tensor=N")
         group.add_argument("--ep", type=int, metavar="N", help="expert parallelism: shorthand for --mesh expert=N")
+    add_compile_cache_flag(group)
+    return group
+
+
+def add_compile_cache_flag(group) -> None:
+    """--no-compile-cache (every command that compiles: `cli_runtime.enable_compile_cache` reads it)."""
     group.add_argument(
         "--no-compile-cache",
         action="store_true",
         help="do not keep compiled programs in the persistent cache (default: on, in "
         f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)",
     )
-    return group
 
 
 def mesh_flags(args: argparse.Namespace) -> str:

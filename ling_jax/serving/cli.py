@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import errno
 import functools
+import math
 import os
 import signal
 import socket
@@ -176,8 +177,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     cli_checks.check_mtp(args.mtp)
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
-    if not args.prefix_cache_gb >= 0:
-        raise ValueError(f"--prefix-cache-gb must be >= 0 (0 = off), got {args.prefix_cache_gb}")
+    if not 0 <= args.prefix_cache_gb < math.inf:
+        raise ValueError(f"--prefix-cache-gb must be >= 0 and finite (0 = off), got {args.prefix_cache_gb}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty (it is the model id clients ask for)")
     if args.prefix_cache_gb and args.prefill_chunk % args.page_size:
         raise ValueError(
             f"--page-size {args.page_size} must divide --prefill-chunk {args.prefill_chunk} with the prefix cache"

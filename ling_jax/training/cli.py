@@ -17,6 +17,7 @@ a sample. docs/demo_model.md has the corpus commands and the recommended GPU run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -37,7 +38,7 @@ from convert.hf_writer import TensorEntry, write_sharded
 from convert.synthetic import config_dict, write_quantized_copy
 from ling_jax import LingConfig, LingForCausalLM, load_hf_checkpoint
 from ling_jax.checkpoints.names import source_for
-from ling_jax.generation import cli_runtime
+from ling_jax.generation import cli_checks, cli_runtime, flags
 from ling_jax.generation.generator import Generator
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.presets import PRESETS
@@ -60,57 +61,95 @@ PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DEMO_MTP_LOSS_SCALE = 0.1  # the weight of the MTP draft loss the demo model (docs/demo_model.md) trained with
+MIN_VOCAB = 258  # a trained byte-level BPE: the 256 byte tokens, PAD_TOKEN and EOS_TOKEN
+EXPORT_DIR = "hf"  # OUT's HF export
+EXPORT_INDEX = "model.safetensors.index.json"
+EXIT_USAGE = 2
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ling-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--corpus", required=True, help="UTF-8 text file")
-    parser.add_argument("--out", required=True, help="run directory (checkpoints, logs, export)")
-    parser.add_argument("--config", default="ling-demo", help="a preset name or a config.json (default ling-demo)")
+    parser.add_argument("--corpus", required=True, metavar="FILE", help="UTF-8 text file")
+    parser.add_argument("--out", required=True, metavar="DIR", help="run directory (checkpoints, logs, export)")
     parser.add_argument(
-        "--tokenizer", help="directory with tokenizer.json + tokenizer_config.json (default: train one)"
+        "--config", default="ling-demo", metavar="NAME|PATH", help="a preset name or a config.json (default ling-demo)"
     )
-    parser.add_argument("--vocab-size", type=int, help="BPE vocab when training a tokenizer (default: the config's)")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="directory with tokenizer.json + tokenizer_config.json (default: train one)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help=f"BPE vocab when training a tokenizer, {MIN_VOCAB} to the config's (default: the config's)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--grad-clip", type=float, default=1.0, help="global gradient norm limit")
+    parser.add_argument("--steps", type=int, default=1000, metavar="N", help="training steps (default 1000)")
+    parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="sequences per step (default 32)")
+    parser.add_argument("--seq-len", type=int, default=512, metavar="N", help="tokens per sequence (default 512)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    parser.add_argument("--warmup", type=int, default=100, metavar="N", help="linear warmup steps (default 100)")
+    parser.add_argument("--weight-decay", type=float, default=0.1, metavar="W", help="AdamW weight decay (default 0.1)")
+    parser.add_argument(
+        "--grad-clip", type=float, default=1.0, metavar="NORM", help="global gradient norm limit (default 1.0)"
+    )
     parser.add_argument(
         "--expert-bias-rate",
         type=float,
         default=1e-2,
-        help="router balancing step per training step (DeepSeek-V3 uses 1e-3 over far longer runs; "
+        metavar="R",
+        help="router balancing step per training step (default 1e-2; DeepSeek-V3 uses 1e-3 over far longer runs; "
         "short runs need faster balancing)",
     )
     parser.add_argument(
         "--mtp-loss-scale",
         type=float,
+        metavar="S",
         help=f"weight of the MTP draft loss (default: {DEMO_MTP_LOSS_SCALE}, the demo's, when the config has an "
         "MTP layer, else 0 = off)",
     )
     parser.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation and data order")
-    parser.add_argument("--eval-fraction", type=float, default=0.02, help="held-out tail of the corpus")
-    parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation (at most)")
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--save-every", type=int, default=200, help="checkpoint interval in steps")
-    parser.add_argument("--keep-checkpoints", type=int, default=2)
-    parser.add_argument("--shards", type=int, default=1, help="safetensors shards of the export")
-    parser.add_argument("--prompt", default="It is a truth universally acknowledged", help="sample prompt")
-    parser.add_argument("--sample-tokens", type=int, default=80, help="tokens sampled from the export (0 = none)")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data order (default 0)")
     parser.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="do not keep compiled programs in the persistent cache (default: on, in "
-        f"{cli_runtime.compile_cache_dir()}; also off with {cli_runtime.NO_CACHE_ENV}=1)",
+        "--eval-fraction", type=float, default=0.02, metavar="F", help="held-out tail of the corpus (default 0.02)"
     )
+    parser.add_argument(
+        "--eval-every", type=int, default=100, metavar="N", help="held-out evaluation interval in steps (default 100)"
+    )
+    parser.add_argument(
+        "--eval-batches", type=int, default=8, metavar="N", help="held-out batches per evaluation, at most (default 8)"
+    )
+    parser.add_argument("--log-every", type=int, default=10, metavar="N", help="log interval in steps (default 10)")
+    parser.add_argument(
+        "--save-every", type=int, default=200, metavar="N", help="checkpoint interval in steps (default 200)"
+    )
+    parser.add_argument(
+        "--keep-checkpoints", type=int, default=2, metavar="N", help="checkpoints kept, the latest (default 2)"
+    )
+    parser.add_argument(
+        "--shards", type=int, default=1, metavar="N", help="safetensors shards of the export (default 1)"
+    )
+    parser.add_argument(
+        "--prompt", default="It is a truth universally acknowledged", help="sample prompt (default: %(default)r)"
+    )
+    parser.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=80,
+        metavar="N",
+        help="tokens sampled from the export (default 80; 0 = none)",
+    )
+    flags.add_compile_cache_flag(parser)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, each bound checked (argparse's usage error, status 2)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     for flag in (
         "steps",
@@ -125,9 +164,19 @@ def parse_args(argv=None):
     ):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag, value, positive in (
+        ("--lr", args.lr, True),
+        ("--grad-clip", args.grad_clip, True),
+        ("--warmup", args.warmup, False),
+        ("--weight-decay", args.weight_decay, False),
+        ("--expert-bias-rate", args.expert_bias_rate, False),
+        ("--sample-tokens", args.sample_tokens, False),
+    ):
+        if not (value > 0 if positive else value >= 0):  # NaN fails both
+            parser.error(f"{flag} must be {'> 0' if positive else '>= 0'}, got {value}")
     if not 0 < args.eval_fraction < 1:
         parser.error("--eval-fraction must be in (0, 1)")
-    if args.mtp_loss_scale is not None and args.mtp_loss_scale < 0:
+    if args.mtp_loss_scale is not None and not args.mtp_loss_scale >= 0:
         parser.error("--mtp-loss-scale must be >= 0")
     return args
 
@@ -276,29 +325,113 @@ def load_config(name_or_path: str) -> LingConfig:
     return PRESETS[name_or_path] if name_or_path in PRESETS else LingConfig.from_pretrained(name_or_path)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    cli_runtime.enable_compile_cache(args.no_compile_cache)
-    started = time.perf_counter()
-    os.makedirs(args.out, exist_ok=True)
-    checkpoint_dir = os.path.join(os.path.abspath(args.out), "checkpoints")
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What a run reads, checked before anything is written, tokenised or compiled (`check_inputs`)."""
+
+    config: LingConfig
+    lines: list[str]  # the corpus, line by line, line ends kept
+    tokenizer_dir: str
+    train_tokenizer: bool  # no --tokenizer and none in OUT yet: one is trained on the corpus
+    mtp_loss_scale: float
+
+
+def check_inputs(args: argparse.Namespace) -> Inputs:
+    """Every file and flag a run needs, checked before OUT is touched: a refusal is a ValueError naming the flag
+    or file, printed as one `error: ...` line (exit status 2)."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out}: exists and is not a directory")
+    checkpoint_dir = os.path.join(args.out, "checkpoints")
     if os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir) and not args.resume:
-        sys.exit(f"error: {checkpoint_dir} already holds checkpoints: pass --resume, or choose another --out")
-    config = load_config(args.config)
+        raise ValueError(
+            f"--out {args.out}: {checkpoint_dir} already holds checkpoints: pass --resume, or choose another --out"
+        )
+    export_dir = os.path.join(args.out, EXPORT_DIR)
+    if os.path.exists(export_dir) and not is_export(export_dir):
+        raise ValueError(
+            f"--out {args.out}: {export_dir} is not a ling-train export (no config.json and {EXPORT_INDEX}), and the "
+            "export would replace it: move it away or choose another --out"
+        )
+    if args.config not in PRESETS and not os.path.exists(args.config):
+        raise ValueError(
+            f"--config {args.config}: not a preset ({', '.join(sorted(PRESETS))}) nor a config.json or checkpoint "
+            "directory"
+        )
+    try:
+        config = load_config(args.config)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--config: {e}") from e
     mtp_loss_scale = args.mtp_loss_scale
     if mtp_loss_scale is None:
         mtp_loss_scale = DEMO_MTP_LOSS_SCALE if config.num_nextn_predict_layers else 0.0
     if mtp_loss_scale and not config.num_nextn_predict_layers:
-        sys.exit(
-            f"error: --mtp-loss-scale {mtp_loss_scale}: {args.config} has no MTP layer (num_nextn_predict_layers = 0)"
+        raise ValueError(
+            f"--mtp-loss-scale {mtp_loss_scale}: {args.config} has no MTP layer (num_nextn_predict_layers = 0)"
         )
     if args.seq_len > config.max_position_embeddings:
-        sys.exit(f"error: --seq-len {args.seq_len} exceeds max_position_embeddings {config.max_position_embeddings}")
-
-    with open(args.corpus, encoding="utf-8") as f:
-        lines = f.read().splitlines(keepends=True)
+        raise ValueError(
+            f"--seq-len {args.seq_len} exceeds the config's max_position_embeddings {config.max_position_embeddings}"
+        )
     tokenizer_dir = args.tokenizer or os.path.join(args.out, "tokenizer")
-    if not args.tokenizer and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+    if args.tokenizer is not None:
+        missing = [name for name in TOKENIZER_FILES if not os.path.isfile(os.path.join(tokenizer_dir, name))]
+        if missing:
+            raise ValueError(
+                f"--tokenizer {tokenizer_dir}: {' and '.join(missing)} missing (expected a directory holding "
+                f"{' and '.join(TOKENIZER_FILES)})"
+            )
+    trains_tokenizer = args.tokenizer is None and not os.path.isfile(os.path.join(tokenizer_dir, TOKENIZER_FILES[0]))
+    vocab_size = args.vocab_size or config.vocab_size
+    if trains_tokenizer and not MIN_VOCAB <= vocab_size <= config.vocab_size:
+        raise ValueError(
+            f"--vocab-size {vocab_size}: a trained byte-level BPE needs {MIN_VOCAB} tokens at least (256 bytes, "
+            f"{PAD_TOKEN} and {EOS_TOKEN}) and {args.config}'s vocab_size ({config.vocab_size}) at most"
+        )
+    try:
+        text = cli_checks.read_text_file(args.corpus, f"--corpus {args.corpus}")
+    except OSError as e:
+        raise ValueError(f"--corpus {args.corpus}: {e.strerror or e}") from e
+    if not text.strip():
+        raise ValueError(f"--corpus {args.corpus}: empty (no text to train on)")
+    return Inputs(config, text.splitlines(keepends=True), tokenizer_dir, trains_tokenizer, mtp_loss_scale)
+
+
+def is_export(directory: str) -> bool:
+    """Whether `directory` looks like what `export_hf_checkpoint` writes (the only directory it replaces)."""
+    return all(os.path.isfile(os.path.join(directory, name)) for name in ("config.json", EXPORT_INDEX))
+
+
+def publish_export(model: LingForCausalLM, export_dir: str, tokenizer_dir: str, num_shards: int) -> None:
+    """The export, written beside `export_dir` and renamed into place once whole: an interrupted export leaves the
+    previous one (or none) at `export_dir`, never a part of one."""
+    partial = tempfile.mkdtemp(prefix=f".{EXPORT_DIR}.partial-", dir=os.path.dirname(export_dir))
+    try:
+        export_hf_checkpoint(model, partial, tokenizer_dir, num_shards)
+    except BaseException:
+        shutil.rmtree(partial)
+        raise
+    if os.path.isdir(export_dir):  # an earlier export (`check_inputs` refused anything else)
+        previous = f"{partial}.previous"
+        os.rename(export_dir, previous)
+        os.rename(partial, export_dir)
+        shutil.rmtree(previous)
+    else:
+        os.rename(partial, export_dir)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        inputs = check_inputs(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    cli_runtime.enable_compile_cache(args.no_compile_cache)
+    started = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    checkpoint_dir = os.path.join(os.path.abspath(args.out), "checkpoints")
+    config, lines, tokenizer_dir = inputs.config, inputs.lines, inputs.tokenizer_dir
+    if inputs.train_tokenizer:
         print(f"training a {args.vocab_size or config.vocab_size}-token byte-level BPE on {args.corpus}")
         train_tokenizer(lines, args.vocab_size or config.vocab_size, tokenizer_dir, config.max_position_embeddings)
     tokenizer, eos_id, pad_id = load_tokenizer(tokenizer_dir)
@@ -337,7 +470,7 @@ def main(argv=None) -> int:
         grad_clip_norm=args.grad_clip,
         expert_bias_rate=args.expert_bias_rate,
         remat=args.remat,
-        mtp_loss_scale=mtp_loss_scale,
+        mtp_loss_scale=inputs.mtp_loss_scale,
     )
     model = LingForCausalLM(config, rngs=nnx.Rngs(args.seed), dtype=jnp.float32)
     parameters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -415,10 +548,8 @@ def main(argv=None) -> int:
     plot_losses(log, os.path.join(args.out, "loss_curve.png"))
     train_entries = [entry for entry in log if "lm_loss" in entry]
     final_eval = [entry for entry in log if "eval_lm_loss" in entry][-1]
-    export_dir = os.path.join(args.out, "hf")
-    if os.path.isdir(export_dir):
-        shutil.rmtree(export_dir)
-    export_hf_checkpoint(merge_model(graphdef, state), export_dir, tokenizer_dir, args.shards)
+    export_dir = os.path.join(args.out, EXPORT_DIR)
+    publish_export(merge_model(graphdef, state), export_dir, tokenizer_dir, args.shards)
     exported = load_hf_checkpoint(export_dir, dtype=jnp.float32, progress=False)
     _, exported_bias, exported_params = nnx.split(exported, EXPERT_BIAS, TRAINABLE)
     export_loss = evaluate(

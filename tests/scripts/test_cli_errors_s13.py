@@ -1,0 +1,111 @@
+"""The commands' refusals of bad input: one `error: ...` line naming the flag or file, before anything slow runs
+and before anything is written. Every case calls a command's `main(argv)` (or its checking function) in process
+and fails before a model is built or a weight read."""
+
+from __future__ import annotations
+
+import pytest
+from optional_deps import require_serve_extra
+
+from ling_jax.generation import cli as generate_cli
+from ling_jax.training import cli as train_cli
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("It is a truth universally acknowledged.\n")
+    return path
+
+
+def _refusal(capsys, main, argv) -> str:
+    """`main(argv)`'s one `error:` line, the last on stderr (a preset's NOTE may come first; a traceback would end
+    in another line); it must exit with status 2."""
+    assert main([str(arg) for arg in argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.startswith("error: ") for line in lines] == [False] * (len(lines) - 1) + [True], lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--corpus", "{tmp}/missing.txt"], "--corpus {tmp}/missing.txt: No such file or directory"),
+        (["--corpus", "{tmp}"], "--corpus {tmp}: Is a directory"),
+        (["--config", "no-such-preset"], "--config no-such-preset: not a preset ("),
+        (["--config", "{tmp}/corpus.txt"], "--config: {tmp}/corpus.txt: not valid JSON"),
+        (["--tokenizer", "{tmp}"], "--tokenizer {tmp}: tokenizer.json and tokenizer_config.json missing"),
+        (["--vocab-size", "100"], "--vocab-size 100: a trained byte-level BPE needs 258 tokens at least"),
+        (["--vocab-size", "5000"], "ling-demo's vocab_size (4096) at most"),
+        (["--seq-len", "4096"], "--seq-len 4096 exceeds the config's max_position_embeddings 2048"),
+    ],
+)
+def test_train_refuses_bad_input_before_writing(tmp_path, corpus, capsys, flags, expected):
+    out = tmp_path / "run"
+    argv = ["--corpus", corpus, "--out", out, *(flag.format(tmp=tmp_path) for flag in flags)]
+    assert expected.format(tmp=tmp_path) in _refusal(capsys, train_cli.main, argv)
+    assert not out.exists()
+
+
+def test_train_refuses_a_corpus_that_is_not_text(tmp_path, capsys):
+    corpus = tmp_path / "corpus.bin"
+    corpus.write_bytes(b"\xff\xfe text")
+    argv = ["--corpus", corpus, "--out", tmp_path / "run"]
+    assert f"--corpus {corpus}: not UTF-8 text (byte 0xff at offset 0)" in _refusal(capsys, train_cli.main, argv)
+
+
+def test_train_never_replaces_an_export_dir_it_did_not_write(tmp_path, corpus, capsys):
+    """OUT/hf is replaced by a finished export; a directory there that is not one is refused, and kept."""
+    out = tmp_path / "run"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "notes.txt").write_text("mine")
+    line = _refusal(capsys, train_cli.main, ["--corpus", corpus, "--out", out])
+    assert f"{out / 'hf'} is not a ling-train export" in line
+    assert (out / "hf" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--lr", "0", "--lr must be > 0, got 0.0"),
+        ("--lr", "nan", "--lr must be > 0, got nan"),
+        ("--grad-clip", "-1", "--grad-clip must be > 0, got -1.0"),
+        ("--warmup", "-1", "--warmup must be >= 0, got -1"),
+        ("--weight-decay", "-0.1", "--weight-decay must be >= 0, got -0.1"),
+        ("--sample-tokens", "-1", "--sample-tokens must be >= 0, got -1"),
+    ],
+)
+def test_train_flag_bounds(capsys, flag, value, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        train_cli.parse_args(["--corpus", "c.txt", "--out", "run", flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"ling-train: error: {expected}"
+
+
+def test_train_help_states_every_default():
+    """Every ling-train flag that has a default says it in its --help line."""
+    parser = train_cli.build_parser()
+    for action in parser._actions:
+        if action.default not in (None, False, "==SUPPRESS==") and action.help is not None:
+            assert "default" in action.help, action.option_strings
+
+
+def test_generate_system_message_with_interactive_needs_a_chat_template(capsys):
+    """--system goes with --interactive as with --chat; a model without a chat template (a preset's byte
+    tokenizer) has no place for it, refused before the model is built."""
+    argv = ["--interactive", "--system", "Be brief.", "--preset", "tiny"]
+    assert "--system: the random 'tiny' preset has no chat template" in _refusal(capsys, generate_cli.main, argv)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--prefix-cache-gb", "inf"], "--prefix-cache-gb must be >= 0 and finite (0 = off), got inf"),
+        (["--served-model-name", " "], "--served-model-name must not be empty (it is the model id clients ask for)"),
+    ],
+)
+def test_serve_refuses_bad_flags(capsys, flags, expected):
+    require_serve_extra()
+    from ling_jax.serving import cli as serve_cli
+
+    assert _refusal(capsys, serve_cli.main, flags) == f"error: {expected}"
