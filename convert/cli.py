@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     from convert.pipeline import Cluster, Options, convert
-    from ling_jax.sharding import parse_mesh
+    from ling_jax.generation.flags import parse_mesh_flag
 
     try:
         distributed.check_arguments(args)
@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.distributed:
             distributed.join(args, "ling-convert: ")
             cluster = Cluster.jax_distributed(args.distributed_timeout)
-        mesh = parse_mesh(args.mesh) if args.mesh else None
+        mesh = parse_mesh_flag(args.mesh) if args.mesh else None
         options = Options(
             dtype=args.dtype,
             workers=args.workers,

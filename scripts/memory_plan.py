@@ -20,10 +20,9 @@ import os
 import sys
 
 from ling_jax.build import load_model_config, text_config_of  # noqa: E402
-from ling_jax.generation.flags import add_mesh_flag, positive_int
+from ling_jax.generation.flags import add_mesh_flag, parse_mesh_flag, positive_int
 from ling_jax.generation.memory_plan import HARDWARE, plan_memory  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
-from ling_jax.sharding import ShardingError, parse_mesh  # noqa: E402
 
 
 def fraction(text: str) -> float:
@@ -78,9 +77,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        mesh_shape = parse_mesh(args.mesh)
-    except ShardingError as e:
-        parser.error(f"--mesh {args.mesh}: {e}")
+        mesh_shape = parse_mesh_flag(args.mesh)
+    except ValueError as e:
+        parser.error(str(e))
     if args.prefill_chunk > args.context:
         parser.error(f"--prefill-chunk {args.prefill_chunk} exceeds --context {args.context}")
     config = model_config(parser, args.model)
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
             model_name=args.model,
             whole_model=args.whole_model,
         )
-    except (ShardingError, ValueError) as e:
+    except ValueError as e:  # ShardingError too
         parser.error(f"--mesh {args.mesh or '(one device)'}: {e}")
     print(plan.report())
     return 0 if plan.fits else 1

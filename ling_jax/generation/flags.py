@@ -140,6 +140,18 @@ def add_compile_cache_flag(group) -> None:
     )
 
 
+def parse_mesh_flag(text: str) -> dict[str, int]:
+    """--mesh AXES as a mesh shape, or a ValueError naming the flag and its value (an axis given twice too)."""
+    names = [item.partition("=")[0].strip() for item in text.split(",") if item.strip()]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--mesh {text!r}: each axis at most once, got {', '.join(repeated)} more than once")
+    try:
+        return parse_mesh(text)
+    except ShardingError as e:  # its syntax error names the flag already; the others do not
+        raise ValueError(str(e) if str(e).startswith("--mesh ") else f"--mesh {text!r}: {e}") from e
+
+
 def mesh_flags(args: argparse.Namespace) -> str:
     """The mesh flags given, as typed (for messages)."""
     given = [
@@ -155,7 +167,7 @@ def build_mesh(args: argparse.Namespace) -> jax.sharding.Mesh | None:
     shorthands = (("--tp", "tensor", getattr(args, "tp", None)), ("--ep", "expert", getattr(args, "ep", None)))
     if args.mesh is None and all(size is None for _, _, size in shorthands):
         return None
-    shape = parse_mesh(args.mesh) if args.mesh is not None else {}
+    shape = parse_mesh_flag(args.mesh) if args.mesh is not None else {}
     for flag, axis, size in shorthands:
         if size is None:
             continue

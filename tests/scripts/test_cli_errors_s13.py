@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from optional_deps import require_serve_extra
 
+from convert import cli as convert_cli
 from ling_jax.generation import cli as generate_cli
 from ling_jax.training import cli as train_cli
 
@@ -109,3 +110,21 @@ def test_serve_refuses_bad_flags(capsys, flags, expected):
     from ling_jax.serving import cli as serve_cli
 
     assert _refusal(capsys, serve_cli.main, flags) == f"error: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("main", "positional", "prefix"),
+    [(generate_cli.main, [], "error: "), (convert_cli.main, ["src", "dst"], "ling-convert: error: ")],
+    ids=["generate", "convert"],
+)
+@pytest.mark.parametrize(
+    ("mesh", "expected"),
+    [
+        ("tensor=0", "--mesh 'tensor=0': mesh axis sizes must be positive integers"),
+        ("tensor=1,tensor=1", "--mesh 'tensor=1,tensor=1': each axis at most once, got tensor more than once"),
+    ],
+)
+def test_mesh_errors_name_the_flag(tmp_path, capsys, main, positional, prefix, mesh, expected):
+    """Every command's --mesh goes through `flags.parse_mesh_flag`: its refusals name the flag and the value."""
+    assert main([str(tmp_path / name) for name in positional] + ["--mesh", mesh]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(prefix + expected)
