@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from ling_jax.config import LingConfig  # noqa: E402
-from ling_jax.generation.flags import positive_int
+from ling_jax.generation.flags import CommandParser, positive_int
 from ling_jax.generation.memory import cache_budget  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
 
@@ -20,7 +20,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in config (default: ling-3.1-flash)")
     source.add_argument("--config", help="a checkpoint directory or its config.json")

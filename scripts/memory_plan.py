@@ -20,7 +20,7 @@ import os
 import sys
 
 from ling_jax.build import load_model_config, text_config_of  # noqa: E402
-from ling_jax.generation.flags import add_mesh_flag, parse_mesh_flag, positive_int
+from ling_jax.generation.flags import CommandParser, add_mesh_flag, parse_mesh_flag, positive_int
 from ling_jax.generation.memory_plan import HARDWARE, plan_memory  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
 
@@ -35,14 +35,8 @@ def fraction(text: str) -> float:
     return value
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """One line naming the flag, exit status 2 (argparse would add its usage first)."""
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(PRESETS))}) or a checkpoint")
     add_mesh_flag(parser, default="")
     parser.add_argument("--hardware", required=True, choices=sorted(HARDWARE), help="the accelerator of every device")

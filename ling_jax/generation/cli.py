@@ -64,7 +64,7 @@ class CLIError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = flags.CommandParser(
         prog="generate.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Generate text with a Ling 3.x model (greedy by default).",

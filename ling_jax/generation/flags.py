@@ -25,6 +25,14 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "ling-demo"
 DTYPES = ("bfloat16", "float32")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The commands' parser: a usage error is one line naming the flag, exit status 2, like every other refusal
+    (argparse prints its whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer > 0."""
     try:

@@ -120,7 +120,7 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-def _check_common(service: Service, body, limit: int | None, least: int = 1) -> None:
+def _check_common(service: Service, body, limit: int | None, least: int = 1, field: str = "max_tokens") -> None:
     check_model(service, body.model)
     slots = service.scheduler.engine.max_batch
     if body.n > slots:
@@ -129,10 +129,16 @@ def _check_common(service: Service, body, limit: int | None, least: int = 1) -> 
         )
     if limit is not None and limit < least:
         with_echo = " (0 with echo)" if least < 1 else ""
-        raise APIError(400, f"max_tokens must be >= {least}{with_echo}, got {limit}", param="max_tokens")
+        raise APIError(400, f"{field} must be >= {least}{with_echo}, got {limit}", param=field)
+    vocab = service.scheduler.engine.config.vocab_size
+    unknown = [token for token in body.stop_token_ids or () if token >= vocab]
+    if unknown:
+        raise APIError(
+            400, f"stop_token_ids must be token ids in [0, {vocab}), got {unknown[:5]}", param="stop_token_ids"
+        )
 
 
-def _limits(service: Service, prompt: list[int], limit: int | None) -> int:
+def _limits(service: Service, prompt: list[int], limit: int | None, field: str = "max_tokens") -> int:
     vocab = service.scheduler.engine.config.vocab_size
     if not prompt:
         raise APIError(400, "the prompt is empty (it has no tokens)", param="prompt")
@@ -151,9 +157,9 @@ def _limits(service: Service, prompt: list[int], limit: int | None) -> int:
     if limit is not None and limit > room:
         raise APIError(
             400,
-            f"the prompt has {len(prompt)} tokens; with max_tokens {limit} that exceeds this "
+            f"the prompt has {len(prompt)} tokens; with {field} {limit} that exceeds this "
             f"server's --max-context of {service.max_context}",
-            param="max_tokens",
+            param=field,
             code="context_length_exceeded",
         )
     return room if limit is None else limit
@@ -178,7 +184,7 @@ def _prepare_completion(service: Service, body: CompletionBody) -> list[_Prepare
 
 
 def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
-    _check_common(service, body, body.token_limit)
+    _check_common(service, body, body.token_limit, field=body.token_limit_field)
     plan = plan_tools(body.tools, body.tool_choice)
     template = service.tokenizer.chat_template
     messages, images = split_images(body.messages, service.media)
@@ -187,7 +193,7 @@ def _prepare_chat(service: Service, body: ChatBody) -> _Prepared:
     in_reasoning = marks_reasoning(template) and text.rstrip().endswith(THINK_START)
     turn_ends = (ROLE_END, service.tokenizer.special_tokens.get("eos_token"))
     stops = tuple(dict.fromkeys(s for s in turn_ends if s and template and s in template))
-    max_tokens = _limits(service, prompt, body.token_limit)
+    max_tokens = _limits(service, prompt, body.token_limit, body.token_limit_field)
     _check_min_tokens(body, max_tokens)
     return _Prepared(prompt, max_tokens, in_reasoning, plan, stops, media=media)
 

@@ -64,7 +64,7 @@ API_KEY_ENV = "LING_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = flags.CommandParser(
         prog="ling-serve",
         description="An OpenAI-compatible HTTP server (continuous batching) for a Ling checkpoint.",
         epilog="examples:\n  ling-serve --port 8000\n  curl http://127.0.0.1:8000/v1/models\n"

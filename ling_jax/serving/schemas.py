@@ -19,6 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationErr
 from ling_jax.generation.sampling import MAX_LOGPROBS, SEED_LIMIT, SamplingParams
 
 MAX_STOP_TOKEN_IDS = 32  # stop_token_ids per request
+JSON_KINDS = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 class APIError(Exception):
@@ -173,7 +181,7 @@ class CompletionBody(_Body):
 
 
 class ChatMessage(Strict):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: str | list[dict] | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls: {"id", "type": "function", "function": {...}}
     tool_call_id: str | None = None  # a tool's reply: the call it answers
@@ -184,7 +192,9 @@ class ChatMessage(Strict):
         if isinstance(self.content, list):
             if any(part.get("type") != "text" for part in self.content):
                 raise APIError(400, "only text content parts are supported", param="messages")
-            return "".join(str(part.get("text", "")) for part in self.content)
+            if any(not isinstance(part.get("text"), str) for part in self.content):
+                raise APIError(400, 'a text content part needs a string "text"', param="messages")
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 
@@ -207,6 +217,11 @@ class ChatBody(_Body):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def token_limit_field(self) -> str:
+        """The field `token_limit` comes from, for messages."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 def parse(body_type: type[B], raw: bytes) -> B:
     """The request body, or a 400 naming the first field that is wrong (or unsupported)."""
@@ -216,6 +231,9 @@ def parse(body_type: type[B], raw: bytes) -> B:
         error = e.errors()[0]
         if error["type"] == "json_invalid":
             raise APIError(400, f"the request body is not valid JSON: {error['msg']}") from e
+        if not error["loc"]:
+            kind = JSON_KINDS.get(type(error["input"]), "a value of another kind")
+            raise APIError(400, f"the request body must be a JSON object, got {kind}") from e
         where = ".".join(str(part) for part in error["loc"])
         param = str(error["loc"][0]) if error["loc"] else None
         if error["type"] == "extra_forbidden":

@@ -68,7 +68,7 @@ EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = flags.CommandParser(
         prog="ling-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--corpus", required=True, metavar="FILE", help="UTF-8 text file")

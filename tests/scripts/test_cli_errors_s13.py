@@ -4,11 +4,15 @@ and fails before a model is built or a weight read."""
 
 from __future__ import annotations
 
+import json
+import types
+
 import pytest
 from optional_deps import require_serve_extra
 
 from convert import cli as convert_cli
 from ling_jax.generation import cli as generate_cli
+from ling_jax.presets import preset
 from ling_jax.training import cli as train_cli
 
 
@@ -128,3 +132,70 @@ def test_mesh_errors_name_the_flag(tmp_path, capsys, main, positional, prefix, m
     """Every command's --mesh goes through `flags.parse_mesh_flag`: its refusals name the flag and the value."""
     assert main([str(tmp_path / name) for name in positional] + ["--mesh", mesh]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(prefix + expected)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (b"[1, 2]", None, "the request body must be a JSON object, got an array"),
+        (b"null", None, "the request body must be a JSON object, got null"),
+        (
+            {"messages": [{"role": "wizard", "content": "Hi"}]},
+            "messages",
+            "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant', 'tool' or 'function'",
+        ),
+    ],
+)
+def test_serve_refuses_malformed_chat_bodies(body, param, message):
+    require_serve_extra()
+    from ling_jax.serving.schemas import APIError, ChatBody, parse
+
+    raw = body if isinstance(body, bytes) else json.dumps({"model": "m", **body}).encode()
+    with pytest.raises(APIError) as refusal:
+        parse(ChatBody, raw)
+    assert (refusal.value.status, refusal.value.param, refusal.value.message) == (400, param, message)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"max_completion_tokens": -3}, "max_completion_tokens", "max_completion_tokens must be >= 1, got -3"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, got 0"),
+        ({"stop_token_ids": [5, 259]}, "stop_token_ids", "stop_token_ids must be token ids in [0, 259), got [259]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages",
+            'a text content part needs a string "text"',
+        ),
+    ],
+)
+def test_serve_names_the_field_it_refuses(fields, param, message):
+    """The chat route's checks before a request is queued, on a server of the tiny preset (vocabulary 259)."""
+    require_serve_extra()
+    from ling_jax.serving import api
+    from ling_jax.serving.schemas import APIError, ChatBody, parse
+
+    engine = types.SimpleNamespace(max_batch=2, config=preset("tiny"))
+    service = types.SimpleNamespace(model_name="m", scheduler=types.SimpleNamespace(engine=engine))
+    body = parse(ChatBody, json.dumps({"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}))
+    with pytest.raises(APIError) as refusal:
+        api._check_common(service, body, body.token_limit, field=body.token_limit_field)
+        body.messages[0].text()
+    assert (refusal.value.status, refusal.value.param, refusal.value.message) == (400, param, message)
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "expected"),
+    [
+        (generate_cli.main, ["--dtype", "float16"], "generate.py: error: argument --dtype: invalid choice: 'float16'"),
+        (train_cli.main, ["--corpus", "c.txt"], "ling-train: error: the following arguments are required: --out"),
+    ],
+    ids=["generate", "train"],
+)
+def test_usage_errors_are_one_line(capsys, main, argv, expected):
+    """argparse's own refusals too: one line naming the flag (`flags.CommandParser`), not the usage block."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(expected)
