@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=min(4, os.cpu_count() or 1),
+        metavar="N",
         help="slices read, converted and written in parallel (default: min(4, CPUs))",
     )
     parser.add_argument("--resume", action="store_true", help="continue a killed conversion to DST")
@@ -64,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow-nonfinite", action="store_true", help="convert tensors holding NaN or Inf instead of refusing them"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (default: on stderr)")
     distributed.add_arguments(
         parser,
         "multi-host: join the jax.distributed job first; each process converts the tensors it owns, process 0 "

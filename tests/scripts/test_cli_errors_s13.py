@@ -4,10 +4,13 @@ and fails before a model is built or a weight read."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import types
 
 import pytest
+from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
 
 from convert import cli as convert_cli
@@ -199,3 +202,22 @@ def test_usage_errors_are_one_line(capsys, main, argv, expected):
     assert exit_info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("module", "builder", "doc"),
+    [
+        ("ling_jax.generation.cli", "build_parser", "generation.md"),
+        ("ling_jax.serving.cli", "build_parser", "serving.md"),
+        ("convert.cli", "_parser", "conversion.md"),
+        ("ling_jax.training.cli", "build_parser", "training.md"),
+    ],
+)
+def test_every_flag_is_documented(module, builder, doc):
+    """Each command's flags, every one, appear in its page of docs/ (as `--flag`)."""
+    if module == "ling_jax.serving.cli":
+        require_serve_extra()
+    parser = getattr(importlib.import_module(module), builder)()
+    text = (REPO_ROOT / "docs" / doc).read_text()
+    flags = {option for action in parser._actions for option in action.option_strings if option.startswith("--")}
+    assert not sorted(f for f in flags - {"--help"} if not re.search(rf"`{f}(?![\w-])", text)), doc
