@@ -123,15 +123,15 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a narrow model and short context")
-    parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes (default 1,8,64)")
+    parser.add_argument("--context", type=int, default=8192, help="tokens in the cache per row (default 8192)")
     parser.add_argument(
         "--prefill-tokens",
         type=int,
         default=32768,
-        help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk",
+        help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk (default 32768)",
     )
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch (default 20)")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
     parser.add_argument(
         "--profile",
@@ -140,13 +140,15 @@ def main(argv=None) -> int:
         "and the device time per layer kind (KDA, MLA, MoE / dense FFN, lm_head / sampling, other)",
     )
     parser.add_argument(
-        "--weights", default="bf16,stored", help="comma-separated weight formats: bf16 and/or stored (block FP8)"
+        "--weights",
+        default="bf16,stored",
+        help="comma-separated weight formats: bf16 and/or stored (block FP8) (default: both)",
     )
     parser.add_argument(
         "--fp8-matmul",
         default="auto",
         choices=[mode.value for mode in FP8Matmul],
-        help="how block-FP8 weights multiply (ExecutionPolicy.fp8_matmul): auto (W8A8 from 256 rows, the "
+        help="how block-FP8 weights multiply (ExecutionPolicy.fp8_matmul): auto (the default: W8A8 from 256 rows, the "
         "weight-only kernels below), weight_only (the weight-only kernels, dequantise + dot past 255 rows), w8a8",
     )
     parser.add_argument(

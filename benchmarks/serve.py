@@ -45,6 +45,14 @@ from ling_jax.serving.prefix_cache import PrefixCache  # noqa: E402
 from ling_jax.serving.scheduler import Request, Scheduler  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
+QUICK_DEFAULTS = {  # flag: ((default, with --quick), meaning)
+    "--min-prompt": ((64, 8), "shortest prompt, tokens"),
+    "--max-prompt": ((2048, 40), "longest prompt, tokens"),
+    "--min-output": ((16, 2), "shortest output, tokens"),
+    "--max-output": ((256, 12), "longest output, tokens"),
+    "--prefill-chunk": ((512, 32), "prefill chunk"),
+    "--prefill-budget": ((2048, 64), "served: prompt tokens per prefill step"),
+}
 
 
 def workload(count: int, args, seed: int) -> list[tuple[list[int], int]]:
@@ -154,19 +162,19 @@ def run_prefix(model, args) -> tuple[float, float]:
     return medians[0], medians[1]
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, with --quick's values where a flag is not given; a bad value is argparse's usage error."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a narrow model, a few short requests (CPU)")
     parser.add_argument("--concurrency", help="comma-separated client counts (default 1,16,64; --quick 1,3)")
     parser.add_argument("--requests", type=int, default=0, help="requests per concurrency (default 2x it, >= 8)")
-    parser.add_argument("--min-prompt", type=int, default=64)
-    parser.add_argument("--max-prompt", type=int, default=2048)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--prefill-chunk", type=int, default=512)
-    parser.add_argument("--prefill-budget", type=int, default=2048, help="served: prompt tokens per prefill step")
+    for flag, ((default, quick), meaning) in QUICK_DEFAULTS.items():
+        parser.add_argument(flag, type=int, help=f"{meaning} (default {default}; --quick {quick})")
     parser.add_argument(
-        "--decode-steps", type=int, default=DECODE_STEPS, help="served: decode steps per program when nothing waits"
+        "--decode-steps",
+        type=int,
+        default=DECODE_STEPS,
+        help=f"served: decode steps per program when nothing waits (default {DECODE_STEPS})",
     )
     parser.add_argument("--skip-static", action="store_true", help="the served runs only")
     parser.add_argument(
@@ -178,9 +186,21 @@ def main(argv=None) -> int:
     args.concurrency = args.concurrency or ("1,3" if args.quick else "1,16,64")
     if args.prefix_tokens is None:
         args.prefix_tokens = 96 if args.quick else 8192
-    if args.quick:
-        args.min_prompt, args.max_prompt, args.min_output, args.max_output = 8, 40, 2, 12
-        args.prefill_chunk, args.prefill_budget = 32, 64
+    for flag, (defaults, _) in QUICK_DEFAULTS.items():  # a flag given wins over --quick's value
+        name = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[args.quick])
+    if not all(level.strip().isdigit() and int(level) > 0 for level in args.concurrency.split(",")):
+        parser.error(f"--concurrency: expected positive integers, comma-separated, got {args.concurrency!r}")
+    for low, high in (("--min-prompt", "--max-prompt"), ("--min-output", "--max-output")):
+        low_value, high_value = (getattr(args, flag.removeprefix("--").replace("-", "_")) for flag in (low, high))
+        if not 0 < low_value <= high_value:
+            parser.error(f"{low} {low_value} and {high} {high_value}: expected 0 < {low} <= {high}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     cache_dir = cli_runtime.enable_compile_cache(False)  # a second run loads its programs instead of compiling
     config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer

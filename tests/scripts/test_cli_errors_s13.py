@@ -221,3 +221,27 @@ def test_every_flag_is_documented(module, builder, doc):
     text = (REPO_ROOT / "docs" / doc).read_text()
     flags = {option for action in parser._actions for option in action.option_strings if option.startswith("--")}
     assert not sorted(f for f in flags - {"--help"} if not re.search(rf"`{f}(?![\w-])", text)), doc
+
+
+def test_bench_serve_quick_keeps_the_flags_given():
+    """benchmarks.serve --quick sets its small sizes only where no flag is given."""
+    from benchmarks import serve
+
+    args = serve.parse_args(["--quick", "--max-output", "20"])
+    assert (args.min_prompt, args.max_prompt, args.min_output, args.max_output) == (8, 40, 2, 20)
+    assert (serve.parse_args([]).prefill_chunk, serve.parse_args(["--quick"]).prefill_chunk) == (512, 32)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--concurrency", "1,x"], "--concurrency: expected positive integers, comma-separated, got '1,x'"),
+        (["--quick", "--min-output", "50"], "--min-output 50 and --max-output 12: expected 0 < --min-output <="),
+    ],
+)
+def test_bench_serve_refuses_bad_sizes(capsys, argv, expected):
+    from benchmarks import serve
+
+    with pytest.raises(SystemExit) as exit_info:
+        serve.parse_args(argv)
+    assert exit_info.value.code == 2 and expected in capsys.readouterr().err.splitlines()[-1]
