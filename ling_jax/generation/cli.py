@@ -499,8 +499,9 @@ def _load_media(args: argparse.Namespace, source: ModelSource) -> PromptMedia:
     """--image / --video, preprocessed as the checkpoint's preprocessor_config.json (or the defaults) says."""
     vl_config = source.vl_config
     if vl_config is None:
+        what = "a text model" if source.path else "a text model (every preset is, a -vl one too: the VL's text part)"
         raise CLIError(
-            f"--image / --video need a VL checkpoint (config.json with a vision_config); {source.name} is a text model"
+            f"--image / --video need a VL checkpoint (config.json with a vision_config); {source.name} is {what}"
         )
     if args.mtp:
         raise CLIError("--mtp is not supported with --image / --video (the VL model's MTP layer is not wired up)")

@@ -549,6 +549,7 @@ def main(argv=None) -> int:
     train_entries = [entry for entry in log if "lm_loss" in entry]
     final_eval = [entry for entry in log if "eval_lm_loss" in entry][-1]
     export_dir = os.path.join(args.out, EXPORT_DIR)
+    print(f"exporting the block-FP8 HF checkpoint to {export_dir}, then its held-out loss", flush=True)
     publish_export(merge_model(graphdef, state), export_dir, tokenizer_dir, args.shards)
     exported = load_hf_checkpoint(export_dir, dtype=jnp.float32, progress=False)
     _, exported_bias, exported_params = nnx.split(exported, EXPERT_BIAS, TRAINABLE)

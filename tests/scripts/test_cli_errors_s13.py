@@ -245,3 +245,9 @@ def test_bench_serve_refuses_bad_sizes(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_info:
         serve.parse_args(argv)
     assert exit_info.value.code == 2 and expected in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_generate_images_on_a_vl_named_preset_say_presets_are_text_models(tmp_path, capsys):
+    argv = ["--preset", "ling-3.0-flash-vl", "--image", tmp_path / "cat.png", "Describe it."]
+    line = _refusal(capsys, generate_cli.main, argv)
+    assert line.endswith("is a text model (every preset is, a -vl one too: the VL's text part)")
