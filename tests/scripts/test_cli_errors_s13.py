@@ -213,14 +213,24 @@ def test_usage_errors_are_one_line(capsys, main, argv, expected):
         ("ling_jax.training.cli", "build_parser", "training.md"),
     ],
 )
-def test_every_flag_is_documented(module, builder, doc):
-    """Each command's flags, every one, appear in its page of docs/ (as `--flag`)."""
+def test_every_flag_is_documented_with_its_default(module, builder, doc):
+    """Each command's flags, every one, appear in its page of docs/ (as `--flag`); every flag of the page's table
+    (rows `| `--flag ...` | default | meaning |`) exists, and a default the table states as a number or `off` is
+    the parser's."""
     if module == "ling_jax.serving.cli":
         require_serve_extra()
     parser = getattr(importlib.import_module(module), builder)()
     text = (REPO_ROOT / "docs" / doc).read_text()
-    flags = {option for action in parser._actions for option in action.option_strings if option.startswith("--")}
-    assert not sorted(f for f in flags - {"--help"} if not re.search(rf"`{f}(?![\w-])", text)), doc
+    defaults = {option: action.default for action in parser._actions for option in action.option_strings}
+    assert not sorted(f for f in defaults.keys() - {"-h", "--help"} if not re.search(rf"`{f}(?![\w-])", text)), doc
+    table = dict(re.findall(r"^\| `(--[\w-]+)[^`]*` \| ([^|]*) \|", text, re.MULTILINE))
+    assert table.keys() <= defaults.keys(), sorted(table.keys() - defaults.keys())
+    for flag, cell in table.items():
+        stated = re.fullmatch(r"\s*(off|[\d.e-]+)\s*(\(.*\))?\s*", cell)  # "off", "64", "0 (off)"; not "0.1 with ..."
+        if stated is not None and stated[1] == "off":
+            assert defaults[flag] is False, flag
+        elif stated is not None:
+            assert defaults[flag] == float(stated[1]), (flag, stated[1], defaults[flag])
 
 
 def test_bench_serve_quick_keeps_the_flags_given():
