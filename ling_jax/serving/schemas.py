@@ -244,4 +244,29 @@ def parse(body_type: type[B], raw: bytes) -> B:
                 param=param,
                 code="unsupported_field",
             ) from e
+        branch = next((i for i, part in enumerate(error["loc"]) if _is_union_branch(part)), None)
+        if branch is not None:  # a field of several accepted forms (`str | list[str]`) matched none of them
+            field = error["loc"][:branch]
+            tags = [other["loc"][branch] for other in e.errors() if other["loc"][:branch] == field]
+            forms = [_json_form(tag) for tag in dict.fromkeys(tags)]
+            expected = forms[0] if len(forms) == 1 else f"{', '.join(forms[:-1])} or {forms[-1]}"
+            raise APIError(400, f"{'.'.join(map(str, field))}: expected {expected}", param=param) from e
         raise APIError(400, f"{where}: {error['msg']}", param=param) from e
+
+
+def _is_union_branch(part) -> bool:
+    """Whether a pydantic error location's part names the branch of a union (`str`, `list[int]`), not a field."""
+    return isinstance(part, str) and re.fullmatch(r"(str|int|float|bool|dict|list)(\[.*\])?", part) is not None
+
+
+def _json_form(tag: str, plural: bool = False) -> str:
+    """A union branch's type in JSON words: 'list[list[int]]' -> 'an array of arrays of integers'."""
+    if tag.startswith("list["):
+        return ("arrays of " if plural else "an array of ") + _json_form(tag[len("list[") : -1], plural=True)
+    singular, several = {
+        "str": ("a string", "strings"),
+        "int": ("an integer", "integers"),
+        "float": ("a number", "numbers"),
+        "bool": ("a boolean", "booleans"),
+    }.get(tag, ("an object", "objects"))  # dict[...]
+    return several if plural else singular

@@ -142,6 +142,12 @@ def test_mesh_errors_name_the_flag(tmp_path, capsys, main, positional, prefix, m
     [
         (b"[1, 2]", None, "the request body must be a JSON object, got an array"),
         (b"null", None, "the request body must be a JSON object, got null"),
+        ({"stop": [5]}, "stop", "stop: expected a string or an array of strings"),
+        (
+            {"messages": [{"role": "user", "content": [1]}]},
+            "messages",
+            "messages.0.content: expected a string or an array of objects",
+        ),
         (
             {"messages": [{"role": "wizard", "content": "Hi"}]},
             "messages",
@@ -153,7 +159,8 @@ def test_serve_refuses_malformed_chat_bodies(body, param, message):
     require_serve_extra()
     from ling_jax.serving.schemas import APIError, ChatBody, parse
 
-    raw = body if isinstance(body, bytes) else json.dumps({"model": "m", **body}).encode()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+    raw = body if isinstance(body, bytes) else json.dumps({**chat, **body}).encode()
     with pytest.raises(APIError) as refusal:
         parse(ChatBody, raw)
     assert (refusal.value.status, refusal.value.param, refusal.value.message) == (400, param, message)
@@ -261,3 +268,13 @@ def test_generate_images_on_a_vl_named_preset_say_presets_are_text_models(tmp_pa
     argv = ["--preset", "ling-3.0-flash-vl", "--image", tmp_path / "cat.png", "Describe it."]
     line = _refusal(capsys, generate_cli.main, argv)
     assert line.endswith("is a text model (every preset is, a -vl one too: the VL's text part)")
+
+
+def test_serve_names_the_forms_a_completion_prompt_takes():
+    require_serve_extra()
+    from ling_jax.serving.schemas import APIError, CompletionBody, parse
+
+    with pytest.raises(APIError) as refusal:
+        parse(CompletionBody, json.dumps({"model": "m", "prompt": [1.5]}).encode())
+    expected = "prompt: expected a string, an array of strings, an array of integers or an array of arrays of integers"
+    assert (refusal.value.param, refusal.value.message) == ("prompt", expected)
