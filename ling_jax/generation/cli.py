@@ -379,13 +379,13 @@ def _unfit(args: argparse.Namespace, error: ShardingError) -> CLIError:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag, value, low in (
-        ("--max-new-tokens", args.max_new_tokens, 1),
-        ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
-        ("--mtp", args.mtp, 0),
-    ):
-        if value < low:
-            raise CLIError(f"{flag} must be >= {low}, got {value}")
+    flags.check_at_least(
+        (
+            ("--max-new-tokens", args.max_new_tokens, 1),
+            ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
+            ("--mtp", args.mtp, 0),
+        )
+    )
     cli_checks.check_mtp(args.mtp)
     if args.system is not None and not (args.chat or args.interactive):
         raise CLIError("--system needs --chat or --interactive (the system message goes through the chat template)")

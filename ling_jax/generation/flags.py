@@ -7,6 +7,7 @@ A refusal is a ValueError naming the flag; the commands print it as one `error: 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from pathlib import Path
 
 import jax
@@ -31,6 +32,13 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def check_at_least(bounds: Iterable[tuple[str, float, float]]) -> None:
+    """Refuse the first (flag, value, least allowed) whose value is below its bound (NaN too), naming the flag."""
+    for flag, value, least in bounds:
+        if not value >= least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
 
 
 def positive_int(text: str) -> int:

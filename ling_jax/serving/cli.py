@@ -158,18 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag, value, low in (
-        ("--max-batch", args.max_batch, 1),
-        ("--max-context", args.max_context, 2),
-        ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
-        ("--page-size", args.page_size, 1),
-        ("--max-queue", args.max_queue, 0),
-        ("--mtp", args.mtp, 0),
-        ("--decode-steps", args.decode_steps, 1),
-        ("--max-request-bytes", args.max_request_bytes, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    flags.check_at_least(
+        (
+            ("--max-batch", args.max_batch, 1),
+            ("--max-context", args.max_context, 2),
+            ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
+            ("--page-size", args.page_size, 1),
+            ("--max-queue", args.max_queue, 0),
+            ("--mtp", args.mtp, 0),
+            ("--decode-steps", args.decode_steps, 1),
+            ("--max-request-bytes", args.max_request_bytes, 1),
+            ("--prefix-cache-gb", args.prefix_cache_gb, 0),
+        )
+    )
     if args.prefill_budget is not None and args.prefill_budget < args.prefill_chunk:
         raise ValueError(
             f"--prefill-budget must be >= --prefill-chunk ({args.prefill_chunk}), got {args.prefill_budget}"
@@ -177,7 +178,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     cli_checks.check_mtp(args.mtp)
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
-    if not 0 <= args.prefix_cache_gb < math.inf:
+    if args.prefix_cache_gb == math.inf:
         raise ValueError(f"--prefix-cache-gb must be >= 0 and finite (0 = off), got {args.prefix_cache_gb}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty (it is the model id clients ask for)")

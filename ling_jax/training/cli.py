@@ -65,6 +65,32 @@ MIN_VOCAB = 258  # a trained byte-level BPE: the 256 byte tokens, PAD_TOKEN and 
 EXPORT_DIR = "hf"  # OUT's HF export
 EXPORT_INDEX = "model.safetensors.index.json"
 EXIT_USAGE = 2
+NUMBER_FLAGS = (  # flag, type, default, metavar, meaning: the help says the default
+    ("--steps", int, 1000, "N", "training steps"),
+    ("--batch-size", int, 32, "N", "sequences per step"),
+    ("--seq-len", int, 512, "N", "tokens per sequence"),
+    ("--lr", float, 3e-3, "LR", "peak learning rate"),
+    ("--warmup", int, 100, "N", "linear warmup steps"),
+    ("--weight-decay", float, 0.1, "W", "AdamW weight decay"),
+    ("--grad-clip", float, 1.0, "NORM", "global gradient norm limit"),
+    (
+        "--expert-bias-rate",
+        float,
+        1e-2,
+        "R",
+        "router balancing step per training step (DeepSeek-V3 uses 1e-3 over far longer runs; short runs need "
+        "faster balancing)",
+    ),
+    ("--seed", int, 0, "S", "initialisation and data order"),
+    ("--eval-fraction", float, 0.02, "F", "held-out tail of the corpus"),
+    ("--eval-every", int, 100, "N", "held-out evaluation interval in steps"),
+    ("--eval-batches", int, 8, "N", "held-out batches per evaluation, at most"),
+    ("--log-every", int, 10, "N", "log interval in steps"),
+    ("--save-every", int, 200, "N", "checkpoint interval in steps"),
+    ("--keep-checkpoints", int, 2, "N", "checkpoints kept, the latest"),
+    ("--shards", int, 1, "N", "safetensors shards of the export"),
+    ("--sample-tokens", int, 80, "N", "tokens sampled from the export, 0 = none"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,23 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"BPE vocab when training a tokenizer, {MIN_VOCAB} to the config's (default: the config's)",
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
-    parser.add_argument("--steps", type=int, default=1000, metavar="N", help="training steps (default 1000)")
-    parser.add_argument("--batch-size", type=int, default=32, metavar="N", help="sequences per step (default 32)")
-    parser.add_argument("--seq-len", type=int, default=512, metavar="N", help="tokens per sequence (default 512)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    parser.add_argument("--warmup", type=int, default=100, metavar="N", help="linear warmup steps (default 100)")
-    parser.add_argument("--weight-decay", type=float, default=0.1, metavar="W", help="AdamW weight decay (default 0.1)")
-    parser.add_argument(
-        "--grad-clip", type=float, default=1.0, metavar="NORM", help="global gradient norm limit (default 1.0)"
-    )
-    parser.add_argument(
-        "--expert-bias-rate",
-        type=float,
-        default=1e-2,
-        metavar="R",
-        help="router balancing step per training step (default 1e-2; DeepSeek-V3 uses 1e-3 over far longer runs; "
-        "short runs need faster balancing)",
-    )
+    for flag, kind, default, metavar, meaning in NUMBER_FLAGS:
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{meaning} (default {default})")
     parser.add_argument(
         "--mtp-loss-scale",
         type=float,
@@ -113,35 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "MTP layer, else 0 = off)",
     )
     parser.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation and data order (default 0)")
-    parser.add_argument(
-        "--eval-fraction", type=float, default=0.02, metavar="F", help="held-out tail of the corpus (default 0.02)"
-    )
-    parser.add_argument(
-        "--eval-every", type=int, default=100, metavar="N", help="held-out evaluation interval in steps (default 100)"
-    )
-    parser.add_argument(
-        "--eval-batches", type=int, default=8, metavar="N", help="held-out batches per evaluation, at most (default 8)"
-    )
-    parser.add_argument("--log-every", type=int, default=10, metavar="N", help="log interval in steps (default 10)")
-    parser.add_argument(
-        "--save-every", type=int, default=200, metavar="N", help="checkpoint interval in steps (default 200)"
-    )
-    parser.add_argument(
-        "--keep-checkpoints", type=int, default=2, metavar="N", help="checkpoints kept, the latest (default 2)"
-    )
-    parser.add_argument(
-        "--shards", type=int, default=1, metavar="N", help="safetensors shards of the export (default 1)"
-    )
     parser.add_argument(
         "--prompt", default="It is a truth universally acknowledged", help="sample prompt (default: %(default)r)"
-    )
-    parser.add_argument(
-        "--sample-tokens",
-        type=int,
-        default=80,
-        metavar="N",
-        help="tokens sampled from the export (default 80; 0 = none)",
     )
     flags.add_compile_cache_flag(parser)
     return parser
@@ -151,33 +135,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The flags, each bound checked (argparse's usage error, status 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag in (
-        "steps",
-        "batch_size",
-        "seq_len",
-        "eval_every",
-        "eval_batches",
-        "log_every",
-        "save_every",
-        "keep_checkpoints",
-        "shards",
-    ):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag, value, positive in (
-        ("--lr", args.lr, True),
-        ("--grad-clip", args.grad_clip, True),
-        ("--warmup", args.warmup, False),
-        ("--weight-decay", args.weight_decay, False),
-        ("--expert-bias-rate", args.expert_bias_rate, False),
-        ("--sample-tokens", args.sample_tokens, False),
-    ):
-        if not (value > 0 if positive else value >= 0):  # NaN fails both
-            parser.error(f"{flag} must be {'> 0' if positive else '>= 0'}, got {value}")
+    counts = ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "save_every")
+    counts += ("keep_checkpoints", "shards")
+    rates = ("warmup", "weight_decay", "expert_bias_rate", "sample_tokens")
+    bounds = [(f"--{name.replace('_', '-')}", getattr(args, name), 1) for name in counts]
+    bounds += [(f"--{name.replace('_', '-')}", getattr(args, name), 0) for name in rates]
+    if args.mtp_loss_scale is not None:
+        bounds.append(("--mtp-loss-scale", args.mtp_loss_scale, 0))
+    try:
+        flags.check_at_least(bounds)
+    except ValueError as e:
+        parser.error(str(e))
+    for flag, value in (("--lr", args.lr), ("--grad-clip", args.grad_clip)):
+        if not value > 0:  # NaN too
+            parser.error(f"{flag} must be > 0, got {value}")
     if not 0 < args.eval_fraction < 1:
         parser.error("--eval-fraction must be in (0, 1)")
-    if args.mtp_loss_scale is not None and not args.mtp_loss_scale >= 0:
-        parser.error("--mtp-loss-scale must be >= 0")
     return args
 
 
