@@ -387,6 +387,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     )
     cli_checks.check_mtp(args.mtp)
+    flags.check_kernel_backend(args.kernel_backend)
     if args.system is not None and not (args.chat or args.interactive):
         raise CLIError("--system needs --chat or --interactive (the system message goes through the chat template)")
 

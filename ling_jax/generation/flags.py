@@ -168,6 +168,17 @@ def parse_mesh_flag(text: str) -> dict[str, int]:
         raise ValueError(str(e) if str(e).startswith("--mesh ") else f"--mesh {text!r}: {e}") from e
 
 
+def check_kernel_backend(backend: str) -> None:
+    """Refuse --kernel-backend pallas_gpu / pallas_tpu off their platform: it would fail at the first compilation,
+    once the weights are loaded."""
+    platform = {KernelBackend.PALLAS_GPU: "gpu", KernelBackend.PALLAS_TPU: "tpu"}.get(backend)
+    if platform is not None and jax.default_backend() != platform:
+        raise ValueError(
+            f"--kernel-backend {backend} compiles {platform.upper()} kernels, and JAX runs on {jax.default_backend()} "
+            f"here: use auto, reference or interpret_{platform} (the same kernels interpreted, slowly)"
+        )
+
+
 def mesh_flags(args: argparse.Namespace) -> str:
     """The mesh flags given, as typed (for messages)."""
     given = [

@@ -9,6 +9,7 @@ import json
 import re
 import types
 
+import jax
 import pytest
 from helpers import REPO_ROOT
 from optional_deps import require_serve_extra
@@ -278,3 +279,13 @@ def test_serve_names_the_forms_a_completion_prompt_takes():
         parse(CompletionBody, json.dumps({"model": "m", "prompt": [1.5]}).encode())
     expected = "prompt: expected a string, an array of strings, an array of integers or an array of arrays of integers"
     assert (refusal.value.param, refusal.value.message) == ("prompt", expected)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the refusal of GPU kernels on a CPU")
+def test_generate_refuses_compiled_kernels_of_another_platform(capsys):
+    """On this CPU machine pallas_gpu would fail at the first compilation, after loading: refused before."""
+    line = _refusal(capsys, generate_cli.main, ["--kernel-backend", "pallas_gpu", "Hi"])
+    assert line == (
+        "error: --kernel-backend pallas_gpu compiles GPU kernels, and JAX runs on cpu here: use auto, reference or "
+        "interpret_gpu (the same kernels interpreted, slowly)"
+    )
