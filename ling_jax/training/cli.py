@@ -156,8 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- tokenizer and data
 def train_tokenizer(lines: list[str], vocab_size: int, directory: str, max_length: int) -> None:
-    """A byte-level BPE with PAD_TOKEN (id 0) and EOS_TOKEN (id 1), saved as tokenizer.json +
-    tokenizer_config.json."""
+    """A byte-level BPE with PAD_TOKEN (id 0) and EOS_TOKEN (id 1), saved as tokenizer_config.json, then
+    tokenizer.json renamed into place: a run finds tokenizer.json (and reuses the pair) only once both are whole."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -169,7 +169,6 @@ def train_tokenizer(lines: list[str], vocab_size: int, directory: str, max_lengt
     )
     tokenizer.train_from_iterator(lines, trainer)
     os.makedirs(directory, exist_ok=True)
-    tokenizer.save(os.path.join(directory, "tokenizer.json"))
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -179,8 +178,10 @@ def train_tokenizer(lines: list[str], vocab_size: int, directory: str, max_lengt
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
     }
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump(settings, f, indent=2)
+    write_json(os.path.join(directory, "tokenizer_config.json"), settings)
+    partial = os.path.join(directory, "tokenizer.json.partial")
+    tokenizer.save(partial)
+    os.replace(partial, os.path.join(directory, "tokenizer.json"))
 
 
 def load_tokenizer(directory: str) -> tuple[Tokenizer, int, int | None]:
@@ -264,7 +265,8 @@ def plot_losses(log: list[dict], path: str) -> None:
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path + ".partial", dpi=120, format="png")
+    os.replace(path + ".partial", path)
     plt.close(figure)
 
 

@@ -289,3 +289,12 @@ def test_generate_refuses_compiled_kernels_of_another_platform(capsys):
         "error: --kernel-backend pallas_gpu compiles GPU kernels, and JAX runs on cpu here: use auto, reference or "
         "interpret_gpu (the same kernels interpreted, slowly)"
     )
+
+
+def test_train_tokenizer_leaves_no_partial_file(tmp_path):
+    """tokenizer.json, the file a later run reuses the pair by, is renamed into place last."""
+    directory = tmp_path / "tokenizer"
+    train_cli.train_tokenizer(["It is a truth universally acknowledged.\n"] * 4, 300, str(directory), 64)
+    assert sorted(p.name for p in directory.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    _, eos_id, pad_id = train_cli.load_tokenizer(str(directory))
+    assert (pad_id, eos_id) == (0, 1)
