@@ -179,13 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "template when the tokenizer has one); ends at end of input or 'exit'",
     )
 
-    running = flags.add_execution_flags(parser, prefill_chunk=2048, kernel_backend=True, mesh_shorthands=True)
-    running.add_argument(
-        "--no-memory-check",
-        action="store_true",
-        help="skip the check that the parameters and the cache fit the device's memory on the mesh, done "
-        "before loading (it refuses with the figures and a --weights or --mesh that would fit)",
-    )
+    flags.add_execution_flags(parser, prefill_chunk=2048, kernel_backend=True, mesh_shorthands=True)
 
     distributed.add_arguments(
         parser,

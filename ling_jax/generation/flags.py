@@ -102,7 +102,8 @@ def add_execution_flags(
     parser: argparse.ArgumentParser, *, prefill_chunk: int, kernel_backend: bool, mesh_shorthands: bool
 ):
     """The "execution" group: --prefill-chunk (its default `prefill_chunk`), --kernel-backend (where the command
-    picks kernels), --fp8-matmul, --mtp, --mesh (with `mesh_shorthands`, --tp and --ep too), --no-compile-cache.
+    picks kernels), --fp8-matmul, --mtp, --mesh (with `mesh_shorthands`, --tp and --ep too), --no-memory-check,
+    --no-compile-cache.
     -> the group, for a command's own execution flags."""
     group = parser.add_argument_group("execution")
     group.add_argument(
@@ -142,6 +143,12 @@ def add_execution_flags(
     if mesh_shorthands:
         group.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shorthand for --mesh tensor=N")
         group.add_argument("--ep", type=int, metavar="N", help="expert parallelism: shorthand for --mesh expert=N")
+    group.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="skip the check that the parameters and the cache fit the device's memory on the mesh, done "
+        "before loading (it refuses with the figures and a --weights or --mesh that would fit)",
+    )
     add_compile_cache_flag(group)
     return group
 

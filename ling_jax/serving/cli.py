@@ -224,6 +224,17 @@ def check(args: argparse.Namespace) -> tuple[ModelSource, jax.sharding.Mesh | No
         raise ValueError(
             f"--mtp {args.mtp} needs a model with an MTP layer; {source.name} has none (num_nextn_predict_layers = 0)"
         )
+    if not args.no_memory_check:  # every slot's cache at --max-context: the prefix cache is not counted
+        cli_checks.check_memory(
+            source,
+            {} if mesh is None else dict(mesh.shape),
+            args.weights,
+            flags.dtype_of(args),
+            batch=args.max_batch,
+            context=args.max_context,
+            mtp=bool(args.mtp),
+            devices=jax.device_count(),
+        )
     block_bytes = prefix_block_bytes(config, args.prefill_chunk, flags.dtype_of(args), args.mtp)
     if 0 < _prefix_cache_bytes(args) < block_bytes:
         raise ValueError(

@@ -298,3 +298,20 @@ def test_train_tokenizer_leaves_no_partial_file(tmp_path):
     assert sorted(p.name for p in directory.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
     _, eos_id, pad_id = train_cli.load_tokenizer(str(directory))
     assert (pad_id, eos_id) == (0, 1)
+
+
+def test_serve_refuses_a_model_that_cannot_fit_before_loading(capsys, monkeypatch):
+    """ling-serve runs generate.py's memory check for --max-batch slots of --max-context tokens: on a chip of
+    1 MiB the demo checkpoint is one refusal naming the figures; --no-memory-check skips it (the port check after
+    it refuses instead: nothing is loaded or served either way)."""
+    require_serve_extra()
+    from ling_jax.generation import cli_checks
+    from ling_jax.generation.memory_plan import Hardware
+    from ling_jax.serving import cli as serve_cli
+
+    monkeypatch.setattr(cli_checks, "device_memory", lambda: Hardware("test-chip", 2**20, 1.0, "a test"))
+    line = _refusal(capsys, serve_cli.main, ["--max-batch", "2", "--max-context", "256", "--port", "-1"])
+    assert "does not fit:" in line and "(mesh one device, --weights stored, batch 2, context 256)" in line
+    assert "usable on test-chip" in line and "--no-memory-check skips this check" in line
+    flags = ["--max-batch", "2", "--max-context", "256", "--port", "-1", "--no-memory-check"]
+    assert _refusal(capsys, serve_cli.main, flags) == "error: --port must be in 0..65535, got -1"
