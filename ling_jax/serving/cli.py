@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model = flags.add_model_flags(parser, default=DEMO_DIR, presets=True)
     model.add_argument(
-        "--served-model-name", metavar="NAME", help="the model id clients ask for (default: --model's directory name)"
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id clients ask for (default: --model's directory name, or the --preset's name)",
     )
     flags.add_execution_flags(parser, prefill_chunk=512, kernel_backend=False, mesh_shorthands=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
