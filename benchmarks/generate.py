@@ -54,9 +54,10 @@ from benchmarks.trace import profile_report  # noqa: E402
 from ling_jax import xla_flags  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
+from ling_jax.generation.flags import positive_int  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KDADecode  # noqa: E402
-from ling_jax.presets import preset  # noqa: E402
+from ling_jax.presets import PRESETS, preset  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -124,14 +125,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a narrow model and short context")
     parser.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes (default 1,8,64)")
-    parser.add_argument("--context", type=int, default=8192, help="tokens in the cache per row (default 8192)")
+    parser.add_argument("--context", type=positive_int, help="tokens in the cache per row (default 8192; --quick 512)")
     parser.add_argument(
         "--prefill-tokens",
-        type=int,
+        type=positive_int,
         default=32768,
         help="tokens per prefill call (batch x chunk), like Generator's --prefill-chunk (default 32768)",
     )
-    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch (default 20)")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed decode steps per batch (default 20)")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
     parser.add_argument(
         "--profile",
@@ -167,7 +168,9 @@ def main(argv=None) -> int:
         "with an MTP layer): the time per round and the break-even acceptance",
     )
     parser.add_argument(
-        "--preset", help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice"
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice",
     )
     args = parser.parse_args(argv)
     xla_flags.set_gpu_flags()  # as generate.py and ling-serve run (LING_JAX_XLA_FLAGS=0: XLA's own defaults)
@@ -177,6 +180,8 @@ def main(argv=None) -> int:
     kda_modes = {mode.value for mode in KDADecode}
     if set(args.kda_decode.split(",")) - kda_modes:
         parser.error(f"--kda-decode: expected {', '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}")
+    if not all(batch.strip().isdigit() and int(batch) > 0 for batch in args.batches.split(",")):
+        parser.error(f"--batches: expected positive integers, comma-separated, got {args.batches!r}")
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if args.mtp and not args.preset:
@@ -185,7 +190,7 @@ def main(argv=None) -> int:
         config = preset(args.preset)
     else:
         config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer
-    context = 512 if args.quick else args.context
+    context = args.context or (512 if args.quick else 8192)
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
         f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts; "

@@ -315,3 +315,19 @@ def test_serve_refuses_a_model_that_cannot_fit_before_loading(capsys, monkeypatc
     assert "usable on test-chip" in line and "--no-memory-check skips this check" in line
     flags = ["--max-batch", "2", "--max-context", "256", "--port", "-1", "--no-memory-check"]
     assert _refusal(capsys, serve_cli.main, flags) == "error: --port must be in 0..65535, got -1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--batches", "1,x"], "--batches: expected positive integers, comma-separated, got '1,x'"),
+        (["--steps", "0"], "argument --steps: must be positive, got 0"),
+        (["--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+    ],
+)
+def test_bench_generate_refuses_bad_flags_before_building_a_model(capsys, argv, expected):
+    from benchmarks import generate
+
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--quick", *argv])
+    assert exit_info.value.code == 2 and expected in capsys.readouterr().err.splitlines()[-1]
