@@ -36,6 +36,14 @@ def _refusal(capsys, main, argv) -> str:
     return lines[-1]
 
 
+def _usage_error(capsys, parse, argv) -> list[str]:
+    """`parse(argv)`'s argparse refusal (exit status 2): its stderr lines."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
@@ -85,10 +93,8 @@ def test_train_never_replaces_an_export_dir_it_did_not_write(tmp_path, corpus, c
     ],
 )
 def test_train_flag_bounds(capsys, flag, value, expected):
-    with pytest.raises(SystemExit) as exit_info:
-        train_cli.parse_args(["--corpus", "c.txt", "--out", "run", flag, value])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"ling-train: error: {expected}"
+    argv = ["--corpus", "c.txt", "--out", "run", flag, value]
+    assert _usage_error(capsys, train_cli.parse_args, argv) == [f"ling-train: error: {expected}"]
 
 
 def test_train_help_states_every_default():
@@ -205,10 +211,7 @@ def test_serve_names_the_field_it_refuses(fields, param, message):
 )
 def test_usage_errors_are_one_line(capsys, main, argv, expected):
     """argparse's own refusals too: one line naming the flag (`flags.CommandParser`), not the usage block."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    (line,) = _usage_error(capsys, main, argv)
     assert line.startswith(expected)
 
 
@@ -260,9 +263,7 @@ def test_bench_serve_quick_keeps_the_flags_given():
 def test_bench_serve_refuses_bad_sizes(capsys, argv, expected):
     from benchmarks import serve
 
-    with pytest.raises(SystemExit) as exit_info:
-        serve.parse_args(argv)
-    assert exit_info.value.code == 2 and expected in capsys.readouterr().err.splitlines()[-1]
+    assert expected in _usage_error(capsys, serve.parse_args, argv)[-1]
 
 
 def test_generate_images_on_a_vl_named_preset_say_presets_are_text_models(tmp_path, capsys):
@@ -328,6 +329,4 @@ def test_serve_refuses_a_model_that_cannot_fit_before_loading(capsys, monkeypatc
 def test_bench_generate_refuses_bad_flags_before_building_a_model(capsys, argv, expected):
     from benchmarks import generate
 
-    with pytest.raises(SystemExit) as exit_info:
-        generate.main(["--quick", *argv])
-    assert exit_info.value.code == 2 and expected in capsys.readouterr().err.splitlines()[-1]
+    assert expected in _usage_error(capsys, generate.main, ["--quick", *argv])[-1]
