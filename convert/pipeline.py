@@ -182,6 +182,8 @@ def convert(src: str, dst: str, options: Options = Options(), cluster: Cluster =
     command = {**job, "destination": dst, "mesh": options.mesh, "resume": options.resume, "verify": options.verify}
     with cluster.stage("ling-convert:checked", command):
         workspace = Workspace(dst)
+        if os.path.exists(src) and not os.path.isdir(src):
+            raise ConvertError(f"{src}: is a file; the source is a checkpoint directory (config.json, safetensors)")
         if not os.path.isdir(src):
             raise ConvertError(f"{src}: source checkpoint directory not found")
         check_apart(src, dst, workspace.path, named_dst)

@@ -175,3 +175,7 @@ def test_bad_flags(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--workers" in capsys.readouterr().err
     err = _refused(capsys, tmp_path, tmp_path / "no_such_checkpoint")
     assert str(tmp_path / "no_such_checkpoint") in err
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"not a directory")
+    err = _refused(capsys, tmp_path, a_file)
+    assert f"{a_file}: is a file" in err and "checkpoint directory" in err
