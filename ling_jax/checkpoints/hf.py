@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from ling_jax.build import abstract_model, load_model_config, model_rngs, text_config_of
 from ling_jax.checkpoints.finite_check import NonFiniteError, check_finite
@@ -35,6 +34,7 @@ from ling_jax.config import LingConfig
 from ling_jax.layers import Weights
 from ling_jax.model import DecoderLayer, LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
+from ling_jax.progress import progress_bar
 from ling_jax.quant import E2M1_VALUES, MXFP4_GROUP, is_float8, unpack_e2m1
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight, QuantizedWeight, check_activation_dtype, is_quantized
 from ling_jax.sharding import param_shardings
@@ -372,8 +372,8 @@ def load_hf_checkpoint(
     `CheckpointError` naming it and its file. policy: how the model runs, as for `LingForCausalLM`
     (None: `ExecutionPolicy()`). workers: parameters read at once, in threads (`pieces.load_all`: at most
     `LOAD_BUFFER_BYTES` of host data in flight, or one larger parameter), and the threads reading the experts of
-    one stacked parameter; progress: a bar of the bytes read on
-    stderr, then one line with the bytes, seconds and GB/s.
+    one stacked parameter; progress: the bytes read on stderr (`ling_jax.progress`: a bar on a terminal, a line
+    every few seconds on a pipe), then one line with the bytes, seconds and GB/s.
     """
     path = os.fspath(path)
     check_weights(weights, "load_hf_checkpoint")
@@ -400,7 +400,8 @@ def load_hf_checkpoint(
     ]
     nbytes = [_host_bytes(variable.get_value(), shardings[p]) for p, variable in targets]
     start = time.perf_counter()
-    with tqdm(total=sum(nbytes), desc="reading checkpoint", unit="B", unit_scale=True, disable=not progress) as bar:
+    bar = progress_bar(total=sum(nbytes), desc="reading checkpoint", unit="B", unit_scale=True, enabled=progress)
+    with bar:
         values = load_all(jobs, nbytes, workers=workers, done=bar.update)
     if progress:
         seconds = time.perf_counter() - start

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from tqdm.auto import tqdm
 
 from ling_jax.build import abstract_model, load_model_config
 from ling_jax.checkpoints.finite_check import all_finite_numpy
@@ -33,6 +32,7 @@ from ling_jax.checkpoints.hf import SCALE_SUFFIX, STORED, check_weights
 from ling_jax.checkpoints.pieces import one_device_sharding
 from ling_jax.model import LingForCausalLM
 from ling_jax.policy import ExecutionPolicy
+from ling_jax.progress import progress_bar
 from ling_jax.quantized import BlockFP8Weight, check_activation_dtype, dequantize_blocks, is_quantized
 from ling_jax.sharding import param_shardings
 from pallas_kernels.compat import checkpoint_tree_metadata
@@ -202,7 +202,7 @@ def _restore(path: str, target: dict[tuple, jax.ShapeDtypeStruct], progress: boo
         groups.setdefault(_restore_group(p), {})[p] = struct
     restored = {}
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        for group in tqdm(groups.values(), desc="loading checkpoint", unit="group", disable=not progress):
+        for group in progress_bar(groups.values(), desc="loading checkpoint", unit="group", enabled=progress):
             # asked for by the keys as stored, all strings (layer indices too): orbax 0.11.20 matches keys exactly
             paths = {tuple(str(key) for key in p): p for p in group}
             tree = _nested({keys: group[p] for keys, p in paths.items()})

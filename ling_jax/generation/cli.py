@@ -457,12 +457,11 @@ def load_model(
 ) -> LingForCausalLM:
     """The model, every parameter straight into its sharding over `mesh` (or on one device): a preset initialised
     at random there, a checkpoint read slice by slice."""
-    progress = verbose and sys.stderr.isatty()
     if source.path is None:
-        return random_model(source.config, mesh=mesh, weights=weights, dtype=dtype, policy=policy, progress=progress)
+        return random_model(source.config, mesh=mesh, weights=weights, dtype=dtype, policy=policy, progress=verbose)
     if source.orbax:
-        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, weights=weights, progress=progress, policy=policy)
-    return load_hf_checkpoint(source.path, mesh=mesh, dtype=dtype, weights=weights, progress=progress, policy=policy)
+        return load_checkpoint(source.path, mesh=mesh, dtype=dtype, weights=weights, progress=verbose, policy=policy)
+    return load_hf_checkpoint(source.path, mesh=mesh, dtype=dtype, weights=weights, progress=verbose, policy=policy)
 
 
 def _encode(

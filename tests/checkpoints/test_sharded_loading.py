@@ -115,7 +115,9 @@ def test_no_read_asks_for_more_than_one_devices_slice_of_an_expert(checkpoints, 
 def test_one_worker_or_many_load_the_same_model_and_say_how_fast(checkpoints, capsys):
     one = load_hf_checkpoint(checkpoints["fp8"], dtype=jnp.float32, progress=True, workers=1)
     line = r"read \d+\.\d\d GiB of parameters in [\d.]+ s \([\d.]+ GB/s, workers=1\)"
-    assert re.search(line, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.search(line, err)
+    assert "\r" not in err and re.search(r"^reading checkpoint: 100%", err, flags=re.M), err  # a pipe: whole lines
     _assert_bitwise_equal(_load(checkpoints["fp8"]), one)
 
 
