@@ -102,7 +102,14 @@ def join(args: argparse.Namespace, prefix: str = "", heartbeat_timeout_s: int | 
             **({} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds": heartbeat_timeout_s}),
         )
     except (ValueError, TypeError, RuntimeError) as e:  # values jax refuses, or could not detect
-        raise DistributedError(f"--distributed: {e}") from e
+        undetected = args.coordinator is None and "JAX_COORDINATOR_ADDRESS" not in os.environ
+        hint = (
+            " (no --coordinator given and none detected: outside a TPU pod, SLURM or Open MPI job give --coordinator "
+            "HOST:PORT, --num-processes N and --process-id I)"
+            if undetected
+            else ""
+        )
+        raise DistributedError(f"--distributed: {e}{hint}") from e
     finally:
         watchdog.cancel()
 

@@ -330,3 +330,16 @@ def test_bench_generate_refuses_bad_flags_before_building_a_model(capsys, argv, 
     from benchmarks import generate
 
     assert expected in _usage_error(capsys, generate.main, ["--quick", *argv])[-1]
+
+
+def test_distributed_without_a_coordinator_says_which_flags_join(monkeypatch):
+    from ling_jax import distributed
+
+    def undetected(**_):
+        raise ValueError("coordinator_address should be defined.")
+
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.setattr(jax.distributed, "initialize", undetected)
+    args = types.SimpleNamespace(coordinator=None, num_processes=None, process_id=None, distributed_timeout=5)
+    with pytest.raises(distributed.DistributedError, match="give --coordinator HOST:PORT, --num-processes N and --pr"):
+        distributed.join(args)
