@@ -177,23 +177,24 @@ def test_saved_checkpoint_uses_original_names(oracle_a):
     assert c["layer_types"] == CFG_A["layer_types"]
 
 
+def _check_forward(ref, oracle, label: str) -> None:
+    """The reference's logits and last hidden states within TOL of the oracle's."""
+    e_logits = rel_err(ref["logits"], oracle["logits"])
+    e_hidden = rel_err(ref["hidden"], oracle["hidden"])
+    print(f"\n[{label}] logits rel err {e_logits:.3e}, hidden rel err {e_hidden:.3e}")
+    assert e_logits <= TOL
+    assert e_hidden <= TOL
+
+
 def test_forward_matches_hf(oracle_a, ref_a):
     assert ref_a["logits"].shape == (B, T, 97) and ref_a["logits"].dtype == np.float64
     assert ref_a["hidden"].shape == (B, T, 64) and ref_a["hidden"].dtype == np.float64
-    e_logits = rel_err(ref_a["logits"], oracle_a["logits"])
-    e_hidden = rel_err(ref_a["hidden"], oracle_a["hidden"])
-    print(f"\n[config A] logits rel err {e_logits:.3e}, hidden rel err {e_hidden:.3e}")
-    assert e_logits <= TOL
-    assert e_hidden <= TOL
+    _check_forward(ref_a, oracle_a, "config A")
 
 
 def test_forward_matches_hf_yarn_softplus_gate_no_renorm(oracle_b):
     ref = npr.forward(oracle_b["weights"], oracle_b["config"], oracle_b["ids"])
-    e_logits = rel_err(ref["logits"], oracle_b["logits"])
-    e_hidden = rel_err(ref["hidden"], oracle_b["hidden"])
-    print(f"\n[config B: yarn, softplus gate, no renorm] logits rel err {e_logits:.3e}, hidden {e_hidden:.3e}")
-    assert e_logits <= TOL
-    assert e_hidden <= TOL
+    _check_forward(ref, oracle_b, "config B: yarn, softplus gate, no renorm")
 
 
 def test_yarn_params_match_hf(oracle_b):

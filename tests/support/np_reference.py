@@ -66,21 +66,21 @@ def _num_layers(config: Mapping) -> int:
     return int(_require(config, "num_hidden_layers"))
 
 
+def _is_first_kind(types, first: str, second: str, what: str) -> list[bool]:
+    """True where a layer's type is `first`, False where `second`; any other type is an error naming `what`."""
+    unknown = [t for t in types if t not in (first, second)]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown[0]!r}")
+    return [t == first for t in types]
+
+
 def _layer_is_kda(config: Mapping) -> list[bool]:
     """True for KDA (linear attention) layers, False for MLA layers."""
     n = _num_layers(config)
     lt = config.get("layer_types")
     if lt is not None:  # explicit list wins
         assert len(lt) >= n, "layer_types shorter than num_hidden_layers"
-        out = []
-        for t in lt[:n]:
-            if t == "linear_attention":
-                out.append(True)
-            elif t == "full_attention":
-                out.append(False)
-            else:
-                raise ValueError(f"unknown layer type {t!r}")
-        return out
+        return _is_first_kind(lt[:n], "linear_attention", "full_attention", "layer type")
     g = _require(config, "layer_group_size")
     if isinstance(g, (list, tuple)):
         assert len(g) >= n, "layer_group_size list shorter than num_hidden_layers"
@@ -95,15 +95,7 @@ def _layer_is_dense_mlp(config: Mapping) -> list[bool]:
     n = _num_layers(config)
     mt = config.get("mlp_layer_types")
     if mt is not None:
-        out = []
-        for t in mt[:n]:
-            if t == "dense":
-                out.append(True)
-            elif t == "sparse":
-                out.append(False)
-            else:
-                raise ValueError(f"unknown mlp layer type {t!r}")
-        return out
+        return _is_first_kind(mt[:n], "dense", "sparse", "mlp layer type")
     if int(_get(config, "num_experts", "num_local_experts", default=0)) == 1:
         return [True] * n
     k = int(_get(config, "first_k_dense_replace", default=0))

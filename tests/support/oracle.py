@@ -64,19 +64,20 @@ def _cfg(**kw) -> dict:
     return d
 
 
+# the two group-size-2 configs: [KDA, MLA, KDA, MLA], a dense MLP at layer 0 only
+_G2 = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    layer_group_size=2,
+    first_k_dense_replace=1,
+    rope_theta=10000.0,
+)
+
 ORACLE_CONFIGS: dict[str, dict] = {
-    # layer_group_size=2 -> [KDA, MLA, KDA, MLA]; dense MLP at layer 0 only.
-    "g2_dense1": _cfg(
-        vocab_size=103,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        layer_group_size=2,
-        first_k_dense_replace=1,
-        rope_theta=10000.0,
-    ),
+    "g2_dense1": _cfg(vocab_size=103, **_G2),
     # Explicit layer_types that do NOT follow layer_group_size (g=3 would give [lin, lin, full, lin, lin, full]);
     # the explicit list must win.
     "g3_list_dense2": _cfg(
@@ -107,18 +108,7 @@ ORACLE_CONFIGS: dict[str, dict] = {
         rope_theta=5000.0,
     ),
     # Extra: the non-"safe" KDA gate (g = -A * softplus(f + dt_bias)).
-    "g2_unsafe_gate": _cfg(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        layer_group_size=2,
-        first_k_dense_replace=1,
-        rope_theta=10000.0,
-        kda_safe_gate=False,
-    ),
+    "g2_unsafe_gate": _cfg(vocab_size=101, kda_safe_gate=False, **_G2),
 }
 
 # Parameters HF keeps in fp32 regardless of the model dtype (``_keep_in_fp32_modules_strict``).
