@@ -1,9 +1,10 @@
 """`ling-serve --distributed` as 2 and 4 `jax.distributed` CPU processes, one job each for the whole module: the demo
 checkpoint on two processes of two devices, and the random `tiny` preset on four processes of one device; both shard the
 experts across every process (`--mesh expert=4`) and keep a prefix cache; process 0 serves HTTP. Through the official
-`openai` client: 16 concurrent completions, greedy and seeded, whole and streamed, and (the demo's tokenizer has a chat
-template) greedy and seeded chats, equal each prompt run alone through `Generator` on the model one-process `ling-serve`
-loads (what its server gives: tests/serving/test_server.py); a prefix-cache hit; then (last: it ends the job) a killed
+`openai` client: 8 concurrent completions (more than the slots), greedy and seeded, each prompt whole and streamed at
+once (the same prompt twice in flight), and (the demo's tokenizer has a chat template) greedy and seeded chats, equal
+each prompt run alone through `Generator` on the model one-process `ling-serve` loads (what its server gives:
+tests/serving/test_server.py); a prefix-cache hit; then (last: it ends the job) a killed
 process makes the front end answer 503 and exit with status 1 within the timeout. And a command's encoding round-trips
 its arrays and sampling parameters."""
 
@@ -175,8 +176,9 @@ def test_a_command_round_trips_with_its_arrays_and_sampling_parameters():
     np.testing.assert_array_equal(fields["bitmask_W"], bitmask_W)
 
 
-def test_16_concurrent_completions_whole_and_streamed_equal_each_run_alone(job, client, references):
-    requests = [(case, stream) for case in range(len(CASES)) for stream in (False, True)] * 2
+def test_8_concurrent_completions_whole_and_streamed_equal_each_run_alone(job, client, references):
+    # twice the slots of the larger job (--max-batch 4): requests wait for a slot; each prompt twice in flight
+    requests = [(case, stream) for case in range(len(CASES)) for stream in (False, True)]
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         texts = pool.map(lambda request: _complete(client, job.setup.model, *request), requests)
         assert list(texts) == [references[case] for case, _ in requests]
