@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from served import DEMO_SERVER_ENV, DEMO_SERVER_FLAGS, started
 
 from ling_jax import load_hf_checkpoint, load_model_config
@@ -26,6 +29,18 @@ def demo_model():
     weight_only`), in which a served request equals the request run alone on every backend: under the default
     (auto) a GPU multiplies prefill-sized calls in W8A8, so a token's output depends on its call's rows."""
     return load_hf_checkpoint(DEMO_DIR, dtype=jnp.float32, progress=False, policy=BATCH_INVARIANT)
+
+
+@nnx.jit
+def _log_softmax_T(model, ids_T):
+    return jax.nn.log_softmax(model(ids_T[None]).logits[0].astype(jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def demo_forward(demo_model):
+    """demo_forward(ids) -> [L, V] float32 log-softmax of the demo model's logits at each position: one compiled
+    forward pass per length (the model run op by op compiled each op anew for every length, ~5x the time)."""
+    return lambda ids: np.asarray(_log_softmax_T(demo_model, jnp.asarray(ids, jnp.int32)))
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ prefix cache's prompt layout (right-padded chunks)."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from optional_deps import require_serve_extra
@@ -32,20 +30,20 @@ def client(demo_server, greedy):
 
 
 @pytest.fixture(scope="module")
-def forward(demo_model):
-    """forward(ids) -> [L, V] float32 log-softmax of the model's logits at each position."""
-    return lambda ids: np.asarray(jax.nn.log_softmax(demo_model(jnp.asarray([ids])).logits[0].astype(jnp.float32)))
-
-
-@pytest.fixture(scope="module")
-def greedy(demo_tokenizer, forward):
+def greedy(demo_tokenizer, demo_forward):
     """The prompt's ids and its MAX_TOKENS greedy tokens (none is EOS), from forward passes."""
     ids = demo_tokenizer.encode(PROMPT)
     prompt_length = len(ids)
     for _ in range(MAX_TOKENS):
-        ids.append(int(forward(ids)[-1].argmax()))
+        ids.append(int(demo_forward(ids)[-1].argmax()))
     assert not set(ids[prompt_length:]) & set(demo_tokenizer.eos_ids)
     return ids[:prompt_length], ids
+
+
+@pytest.fixture(scope="module")
+def reference(greedy, demo_forward):
+    """[L, V] log-softmax at each position of the prompt and its greedy tokens, from one forward pass."""
+    return demo_forward(greedy[1])
 
 
 def _close(got, expected) -> bool:
@@ -69,9 +67,8 @@ def _check_legacy(logprobs, ids: list[int], first: int, reference: np.ndarray, k
         assert _close([top[t] for t in expected], list(expected.values()))
 
 
-def test_completion_logprobs_and_echo_equal_the_forward_pass(client, greedy, forward, demo_tokenizer):
+def test_completion_logprobs_and_echo_equal_the_forward_pass(client, greedy, reference, demo_tokenizer):
     prompt, ids = greedy
-    reference = forward(ids)
     args = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}
     plain = client.completions.create(**args).choices[0]
     assert plain.text == demo_tokenizer.decode(ids[len(prompt) :])
@@ -141,9 +138,8 @@ def test_out_of_range_logprobs_are_a_400_naming_the_field(client, route, field, 
     assert error.value.body["param"] == field
 
 
-def test_mtp_and_prefix_layout_logprobs_equal_the_forward_pass(demo_model, demo_tokenizer, greedy, forward):
+def test_mtp_and_prefix_layout_logprobs_equal_the_forward_pass(demo_model, demo_tokenizer, greedy, reference):
     prompt, ids = greedy
-    reference = forward(ids)
     engine = Engine(
         demo_model, max_batch=1, max_context=64, prefill_chunk=16, page_size=8, prefix_cache_bytes=1 << 20, mtp=2
     )

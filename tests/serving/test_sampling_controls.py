@@ -5,7 +5,6 @@ layout and with MTP equal the request run alone."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import pytest
 from doc_blocks import blocks
 from helpers import REPO_ROOT
@@ -80,11 +79,11 @@ def test_n_choices_greedy_equal_one_and_sampled_differ(client):
 
 
 @pytest.mark.parametrize("temperature", [0, 1])
-def test_logit_bias_forces_and_bans_a_token(client, token, demo_model, demo_tokenizer, temperature):
+def test_logit_bias_forces_and_bans_a_token(client, token, demo_forward, demo_tokenizer, temperature):
     the, text = token
     forced = _complete(client, temperature=temperature, logit_bias={str(the): 100})
     assert forced.choices[0].text == text * MAX_TOKENS
-    best = int(demo_model(jnp.asarray([demo_tokenizer.encode(PROMPT)])).logits[0, -1].argmax())
+    best = int(demo_forward(demo_tokenizer.encode(PROMPT))[-1].argmax())
     assert _complete(client, temperature=0, max_tokens=1).choices[0].text == demo_tokenizer.decode([best])
     for seed in range(3):
         banned = _complete(client, temperature=temperature, max_tokens=1, logit_bias={str(best): -100}, seed=seed)
