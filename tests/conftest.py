@@ -25,6 +25,26 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 
+# The test files that use one pytest process's demo server (tests/serving/conftest.py's `demo_server`): one work unit
+# of `--dist loadfile`, so that one pytest-xdist worker starts the server, not each.
+DEMO_SERVER_FILES = {f"tests/serving/{name}.py" for name in ("test_server", "test_logprobs", "test_structured")}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pyproject.toml) with DEMO_SERVER_FILES as one file; other modes as pytest-xdist has them."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class DemoServerFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "the demo server's files" if file in DEMO_SERVER_FILES else file
+
+    return DemoServerFilesTogether(config, log)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module: one process runs the whole suite, and CPU
