@@ -4,13 +4,12 @@ twice (a persistent compilation cache shared by every server of the run)."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import run_wide_directory
 from served import DEMO_SERVER_ENV, DEMO_SERVER_FLAGS, started
 
 from ling_jax import load_hf_checkpoint, load_model_config
@@ -70,10 +69,7 @@ def alone(demo_model, demo_tokenizer):
 def compile_cache(tmp_path_factory):
     """The run's persistent compilation cache for the servers: one directory for all pytest-xdist workers (their
     base temp directories' parent), so a program one server compiled is read by the next with the same flags."""
-    base = tmp_path_factory.getbasetemp()
-    directory = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "jax-compile-cache"
-    directory.mkdir(exist_ok=True)
-    return directory
+    return run_wide_directory(tmp_path_factory, "jax-compile-cache")
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import re
 
 import numpy as np
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository's root directory
+
+
+def run_wide_directory(tmp_path_factory, name: str) -> pathlib.Path:
+    """A directory shared by every pytest-xdist worker of the run (their base temp directories' parent; the base
+    temp directory itself without xdist): what one worker writes there, another reads."""
+    base = tmp_path_factory.getbasetemp()
+    directory = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / name
+    directory.mkdir(exist_ok=True)
+    return directory
 
 
 def rel_error(ours, ref) -> float:
