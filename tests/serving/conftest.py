@@ -31,7 +31,7 @@ def demo_model():
 
 
 @nnx.jit
-def _log_softmax_T(model, ids_T):
+def _log_probs_TV(model, ids_T):
     return jax.nn.log_softmax(model(ids_T[None]).logits[0].astype(jnp.float32))
 
 
@@ -39,7 +39,7 @@ def _log_softmax_T(model, ids_T):
 def demo_forward(demo_model):
     """demo_forward(ids) -> [L, V] float32 log-softmax of the demo model's logits at each position: one compiled
     forward pass per length (the model run op by op compiled each op anew for every length, ~5x the time)."""
-    return lambda ids: np.asarray(_log_softmax_T(demo_model, jnp.asarray(ids, jnp.int32)))
+    return lambda ids: np.asarray(_log_probs_TV(demo_model, jnp.asarray(ids, jnp.int32)))
 
 
 @pytest.fixture(scope="module")
