@@ -20,7 +20,7 @@ import pytest
 from shard_checks import assert_each_device_holds_its_fraction, leaves
 from tiny_fp8 import write_tiny_fp8_checkpoint
 
-from ling_jax import load_hf_checkpoint, make_mesh
+from ling_jax import load_hf_checkpoint, make_mesh, progress
 from ling_jax.checkpoints.pieces import HOST_ALIGNMENT, MAPPED_BYTES, host_buffer, load_all
 from ling_jax.checkpoints.safetensors_io import SafetensorsFile
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight
@@ -112,7 +112,8 @@ def test_no_read_asks_for_more_than_one_devices_slice_of_an_expert(checkpoints, 
         assert fractions == [0.5, 0.5], f"{name}: read {fractions} of it"
 
 
-def test_one_worker_or_many_load_the_same_model_and_say_how_fast(checkpoints, capsys):
+def test_one_worker_or_many_load_the_same_model_and_say_how_fast(checkpoints, capsys, monkeypatch):
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)  # a pipe's lines from the start (else after 15 s)
     one = load_hf_checkpoint(checkpoints["fp8"], dtype=jnp.float32, progress=True, workers=1)
     line = r"read \d+\.\d\d GiB of parameters in [\d.]+ s \([\d.]+ GB/s, workers=1\)"
     err = capsys.readouterr().err
