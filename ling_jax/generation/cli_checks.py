@@ -154,7 +154,15 @@ def check_memory(
         quantized=stores_quantized(source),
     )
     if refusal:
-        raise ValueError(f"{source.name} {refusal}")
+        raise ValueError(f"{source.name} {refusal}{memory_fraction_hint(jax.local_devices()[0].platform)}")
+
+
+def memory_fraction_hint(platform: str) -> str:
+    """The tail of a memory refusal on a GPU where jax keeps its default share of the memory (75%, preallocated):
+    the variable that gives it more; empty elsewhere or once the variable is set."""
+    if platform != "gpu" or "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
+        return ""
+    return "; jax takes 75% of a GPU's memory by default: XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 gives it more"
 
 
 def stdin_is_input() -> bool:

@@ -343,3 +343,13 @@ def test_distributed_without_a_coordinator_says_which_flags_join(monkeypatch):
     args = types.SimpleNamespace(coordinator=None, num_processes=None, process_id=None, distributed_timeout=5)
     with pytest.raises(distributed.DistributedError, match="give --coordinator HOST:PORT, --num-processes N and --pr"):
         distributed.join(args)
+
+
+def test_a_memory_refusal_on_a_gpu_names_jax_s_memory_fraction(monkeypatch):
+    from ling_jax.generation.cli_checks import memory_fraction_hint
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in memory_fraction_hint("gpu")
+    assert memory_fraction_hint("cpu") == memory_fraction_hint("tpu") == ""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert memory_fraction_hint("gpu") == ""
