@@ -1,8 +1,8 @@
 """RMSNorm entry points: `rms_norm`, `add_rms_norm` (the residual add and the norm after it) and
 `add_partials_rms_norm` (the same add of a split-K product given as its fp32 partial sums), each over its
 variants (VARIANTS; `kernel(op, name)` gives one's entry point). Without a variant named, a GPU backend runs
-"gpu_triton" for power-of-two rows (its block is the whole row; `add_partials_rms_norm`'s for rows of any width, masked
-past D), every other case the jnp reference."""
+"gpu_triton" (a program a row, of any width: loaded as the next power of two of values, masked past D), every other
+case the jnp reference."""
 
 from __future__ import annotations
 
@@ -31,12 +31,10 @@ def kernel(op: str, name: str):
     return variants.lookup(VARIANTS, op, name).kernel
 
 
-def _pick(op: str, variant: str | None, backend: str, x) -> tuple[str, bool]:
+def _pick(op: str, variant: str | None, backend: str) -> tuple[str, bool]:
     """(variant name, interpret)."""
     backend = resolve_backend(backend)
-    dim = x.shape[-1]
-    any_width = op == "add_partials_rms_norm"
-    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if any_width or dim & (dim - 1) == 0 else REFERENCE
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"})
     return variants.pick(VARIANTS, op, variant, backend, default), variants.interpreted(backend)
 
 
@@ -64,7 +62,7 @@ def rms_norm(x, weight_D, eps: float, *, backend: str = "auto", variant: str | N
     """weight * (x / rms(x)) over the last axis, in x's dtype (`rms_norm_reference`). backend: "auto" (the GPU
     kernel on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names run the
     reference. Differentiable; the GPU backward pass is the reference's."""
-    name, interpret = _pick("rms_norm", variant, backend, x)
+    name, interpret = _pick("rms_norm", variant, backend)
     if name == "gpu_triton":
         return _rms_norm_gpu(x, weight_D, eps, interpret)
     return rms_norm_reference(x, weight_D, eps)
@@ -72,7 +70,7 @@ def rms_norm(x, weight_D, eps: float, *, backend: str = "auto", variant: str | N
 
 def add_rms_norm(x, residual, weight_D, eps: float, *, backend: str = "auto", variant: str | None = None):
     """(x + residual, rms_norm(x + residual)) in x's dtype, one kernel on a GPU; backends as for `rms_norm`."""
-    name, interpret = _pick("add_rms_norm", variant, backend, x)
+    name, interpret = _pick("add_rms_norm", variant, backend)
     if name == "gpu_triton":
         return _add_rms_norm_gpu(x, residual, weight_D, eps, interpret)
     return add_rms_norm_reference(x, residual, weight_D, eps)
@@ -83,7 +81,7 @@ def add_partials_rms_norm(x, partials_SND, weight_D, eps: float, *, backend: str
     y = their sum cast to x's dtype, `pallas_kernels.fp8.fp8_linear_partials`): one kernel on a GPU, adding the
     partials in split order (deterministic, the same for every row count) before the residual add; backends as
     for `rms_norm`."""
-    name, interpret = _pick("add_partials_rms_norm", variant, backend, x)
+    name, interpret = _pick("add_partials_rms_norm", variant, backend)
     if name == "gpu_triton":
         return _add_partials_rms_norm_gpu(x, partials_SND, weight_D, eps, interpret)
     return add_partials_rms_norm_reference(x, partials_SND, weight_D, eps)
