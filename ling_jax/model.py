@@ -19,6 +19,7 @@ from ling_jax.layers import (
     Linear,
     RMSNorm,
     Weights,
+    add_rms_norm,
     linear_add_rms_norm,
     normal_param,
     params_of,
@@ -62,10 +63,18 @@ def decoder_layer(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingCo
 
 def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
     """`decoder_layer` -> (h, state, the MoE's stats or None for a dense layer; see `moe_block_with_stats`)."""
-    # One device: the norms (and the residual add before the second) run as one kernel each on a GPU.
+    h_BTD, y_BTD, state, stats = decoder_layer_deferred(weights, h_BTD, None, state, ctx, cfg, layer=layer)
+    return constrain(h_BTD + y_BTD, *ACTIVATION_BTD), state, stats
+
+
+def decoder_layer_deferred(weights: Weights, h_BTD, y_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
+    """`decoder_layer_with_stats` with the residual adds at its ends left to the norms after them: the layer's input
+    is h + y (y: the previous layer's feed-forward output, not yet added; None: h itself), its output h + y of the
+    returned (h, y, state, stats), y the feed-forward's output. A layer loop passes each layer's (h, y) to the next
+    and the last to the final norm, so every residual add runs with the norm after it (`residual_norm`)."""
+    # One device: the norms and the residual adds before them run as one kernel each on a GPU.
     eps = cfg.rms_norm_eps
-    h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
-    x = rms_norm(weights["input_layernorm"], h_BTD, eps, ctx.policy)
+    h_BTD, x = residual_norm(weights["input_layernorm"], h_BTD, y_BTD, eps, ctx.policy)
     mixer, attention = ("mla", latent_attention) if "kv_b_proj" in weights["attention"] else ("kda", kda_attention)
     with jax.named_scope(mixer):
         o_BTC, state = attention(weights["attention"], x, state, ctx, cfg, project_output=False)
@@ -86,7 +95,17 @@ def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, 
     else:
         with jax.named_scope("mlp"):
             y = dense_mlp(weights["mlp"], x, policy=ctx.policy)  # never clipped (spec §4)
-    return constrain(h_BTD + constrain(y, *ACTIVATION_BTD), *ACTIVATION_BTD), state, stats
+    return h_BTD, constrain(y, *ACTIVATION_BTD), state, stats
+
+
+def residual_norm(weights: Weights, h_BTD, y_BTD, eps: float, policy: ExecutionPolicy) -> tuple[jax.Array, jax.Array]:
+    """(h + y, rms_norm of it): a residual add and the norm after it, one kernel on a GPU (`add_rms_norm`); y None:
+    (h, rms_norm(h))."""
+    h_BTD = constrain(h_BTD, *ACTIVATION_BTD)
+    if y_BTD is None:
+        return h_BTD, rms_norm(weights, h_BTD, eps, policy)
+    h_BTD, x = add_rms_norm(weights, h_BTD, y_BTD, eps, policy)
+    return constrain(h_BTD, *ACTIVATION_BTD), x
 
 
 class DecoderLayer(nnx.Module):
@@ -107,12 +126,18 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, h_BTD, ctx: TokenContext, state):
         """`decoder_layer` with this layer's parameters; the MoE's stats are sown on `self.mlp`."""
-        h_BTD, state, stats = decoder_layer_with_stats(
-            params_of(self), h_BTD, state, ctx, self.config, layer=self.clip_layer
+        h_BTD, y_BTD, state = self.deferred(h_BTD, None, ctx, state)
+        return constrain(h_BTD + y_BTD, *ACTIVATION_BTD), state
+
+    def deferred(self, h_BTD, y_BTD, ctx: TokenContext, state):
+        """`decoder_layer_deferred` with this layer's parameters -> (h, y, state): the layer's input is h + y (y None:
+        h), its output the returned h + y; the MoE's stats are sown on `self.mlp`."""
+        h_BTD, y_BTD, state, stats = decoder_layer_deferred(
+            params_of(self), h_BTD, y_BTD, state, ctx, self.config, layer=self.clip_layer
         )
         if stats is not None:
             sow_moe_stats(self.mlp, stats)
-        return h_BTD, state
+        return h_BTD, y_BTD, state
 
 
 class Embedding(nnx.Module):
@@ -171,14 +196,15 @@ class LingModel(nnx.Module):
             states = [KDAState.zeros(c, batch, h.dtype) if kind == KDA else None for kind in c.layer_types]
         else:
             states = list(cache.layers)
+        y = None  # each layer's feed-forward output, added with the next norm (`decoder_layer_deferred`)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"decoder_layer_{i}"):
-                h, states[i] = layer(h, ctx, states[i])
+                h, y, states[i] = layer.deferred(h, y, ctx, states[i])
         if cache is not None:
             real = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
             cache = cache.replace(layers=tuple(states), lengths=cache.lengths + real.sum(axis=1, dtype=jnp.int32))
         with jax.named_scope("final_norm"):
-            return self.norm(h), cache
+            return residual_norm(params_of(self.norm), h, y, c.rms_norm_eps, ctx.policy)[1], cache
 
 
 class MTPLayer(DecoderLayer):
@@ -196,8 +222,8 @@ class MTPLayer(DecoderLayer):
 
     def draft_hidden(self, embeds_BTD, hidden_BTD, ctx: TokenContext, state: MLAState | None):
         z = self.eh_proj(jnp.concatenate([self.enorm(embeds_BTD), self.hnorm(hidden_BTD)], axis=-1), ctx.policy)
-        z, state = self(z, ctx, state)
-        return self.final_layernorm(z), state
+        z, y, state = self.deferred(z, None, ctx, state)
+        return residual_norm(params_of(self.final_layernorm), z, y, self.config.rms_norm_eps, ctx.policy)[1], state
 
 
 class LingForCausalLM(nnx.Module):
