@@ -20,11 +20,28 @@ from flax import nnx
 from ling_jax.cache import KDAState
 from ling_jax.config import LingConfig
 from ling_jax.context import TokenContext
-from ling_jax.layers import GatedRMSNorm, Linear, Weights, gated_rms_norm, linear, linear_many, param, params_of
+from ling_jax.layers import (
+    GatedNormInput,
+    GatedRMSNorm,
+    Linear,
+    Weights,
+    gated_rms_norm,
+    linear,
+    linear_many,
+    param,
+    params_of,
+)
 from ling_jax.policy import ExecutionPolicy, KDADecode, KDAMode, as_policy, op_backend
 from ling_jax.sharding import per_shard
 from pallas_kernels.backend import KERNEL_TARGET, resolve_backend
-from pallas_kernels.kda.ops import chunk_kda, kda_decode_fused, kda_decode_step, kda_verify_fused
+from pallas_kernels.fp8 import GatedHeadNorm
+from pallas_kernels.kda.ops import (
+    chunk_kda,
+    fused_decode_leaves_norm,
+    kda_decode_fused,
+    kda_decode_step,
+    kda_verify_fused,
+)
 from pallas_kernels.kda.reference import BetaProjection, DecodeWeights, kda_log_decay, kda_recurrent
 
 CHUNKED = KDAMode.CHUNKED
@@ -131,7 +148,9 @@ def kda_attention(
 
     weights: the layer's `attention` parameters (`q_proj`, `q_conv1d`, `A_log`, ...); state None starts from
     zeros. ctx gives the padding mask, the mode and the kernel backend (`ctx.policy`). project_output False: the
-    output projection's input o [B, T, C] in y's place, for the caller to project (`layers.linear_add_rms_norm`).
+    output projection's input o [B, T, C] in y's place, for the caller to project (`layers.linear_add_rms_norm`):
+    where the fused decode step on one device leaves the gated output norm to a kernel of its own, o before the norm
+    with it (`layers.GatedNormInput`), for the projection's gemv to form as it reads o.
     """
     if state is None:
         state = KDAState.zeros(cfg, x_BTD.shape[0], x_BTD.dtype)
@@ -222,17 +241,23 @@ def _fused(
 ):
     """`_kda` for one token per sequence in recurrent mode, or steps mode's few tokens, everything between the
     projections in one op (`pallas_kernels.kda.kda_decode_fused`, `kda_verify_fused`: one kernel on a GPU), as
-    `fused_decode` asks."""
+    `fused_decode` asks; a decode step's o left unnormalised for the caller (`kda_attention`'s project_output)."""
     c = config
     steps = policy.kda_mode == STEPS
     batch, length, _ = x_BTD.shape
     heads, head_dim = c.num_attention_heads, c.head_dim
+    one_device = jax.sharding.get_abstract_mesh().empty
+    defer_norm = (
+        not (steps or project_output)
+        and one_device
+        and fused_decode_leaves_norm(batch, heads, head_dim, x_BTD.dtype, backend=op_backend(policy))
+    )
 
     def per_head(t):
         return t.reshape(batch, length, heads, head_dim)
 
     b_weight = weights["b_proj"]["weight"]
-    project_beta = isinstance(b_weight, jax.Array) and jax.sharding.get_abstract_mesh().empty
+    project_beta = isinstance(b_weight, jax.Array) and one_device
     q, k, v, b, f, r = _projections(weights, x_BTD, c, policy, beta=not project_beta)
     window = state.conv_window.reshape(batch, c.short_conv_kernel_size - 1, 3, heads, head_dim)
     conv = [weights[name].reshape(heads, head_dim, -1) for name in ("q_conv1d", "k_conv1d", "v_conv1d")]
@@ -251,7 +276,15 @@ def _fused(
         b = BetaProjection(b.x_BD[:, 0], b.weight_HD) if project_beta else b[:, 0]
         one_token = (x[:, 0] for x in (q, k, v, f))
         o, window, recurrent = kda_decode_fused(
-            *one_token, b, r[:, 0], window, recurrent, DecodeWeights(*arrays[:6]), real_B=arrays[6][:, 0], **keywords
+            *one_token,
+            b,
+            r[:, 0],
+            window,
+            recurrent,
+            DecodeWeights(*arrays[:6]),
+            real_B=arrays[6][:, 0],
+            output_norm=not defer_norm,
+            **keywords,
         )
         return o[:, None], window, recurrent
 
@@ -261,6 +294,8 @@ def _fused(
         out_axes=(_BTHD, _STEP_WINDOWS, _STEP_STATES) if steps else (_BTHD, _WINDOW, _BHKV),
     )(*(per_head(t) for t in (q, k, v, f, r)), window, state.recurrent_state, *layer, real_BT, *beta_inputs)
     o_BTC = o.reshape(batch, length, c.kda_dim)
+    if defer_norm:
+        o_BTC = GatedNormInput(o_BTC, GatedHeadNorm(r, weights["o_norm"]["weight"], c.rms_norm_eps))
     y = linear(weights["dense"], o_BTC, policy) if project_output else o_BTC
     window_shape = (batch, length, *state.conv_window.shape[1:]) if steps else state.conv_window.shape
     return y, KDAState(conv_window=window.reshape(window_shape), recurrent_state=recurrent)

@@ -12,6 +12,7 @@ inside the step, or a block-FP8 weight goes to the FP8 kernels (`project`), mult
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -22,7 +23,8 @@ from flax import nnx
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KernelBackend, as_policy, op_backend
 from ling_jax.quantized import BlockFP8Weight, dequantized
 from ling_jax.sharding import ACTIVATION_BTD, constrain, per_shard
-from pallas_kernels.fp8 import fp8_linear, fp8_linear_many, fp8_linear_partials
+from pallas_kernels.fp8 import GatedHeadNorm, fp8_linear, fp8_linear_many, fp8_linear_partials
+from pallas_kernels.fp8.reference import gated_head_norm
 from pallas_kernels.norm.ops import add_partials_rms_norm as add_partials_rms_norm_op
 from pallas_kernels.norm.ops import add_rms_norm as add_rms_norm_op
 from pallas_kernels.norm.ops import rms_norm as rms_norm_op
@@ -93,9 +95,22 @@ def add_rms_norm(
     return per_shard(norm, in_axes=(_rows(x), _rows(x), None), out_axes=(_rows(x),) * 2)(x, residual, weights["weight"])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatedNormInput:
+    """An output projection's input before KDA's gated output norm: o [B, T, C] and the norm (its gate [B, T, C],
+    weight and eps), for `linear_add_rms_norm` to apply where it is cheapest (`normalized`: the norm alone)."""
+
+    o_BTC: jax.Array
+    norm: GatedHeadNorm
+
+    def normalized(self) -> jax.Array:
+        return gated_head_norm(self.o_BTC, self.norm)
+
+
 def linear_add_rms_norm(
     weights: Weights,
-    o_BTC: jax.Array,
+    o_BTC: jax.Array | GatedNormInput,
     residual_BTD: jax.Array,
     norm_weights: Weights,
     eps: float,
@@ -110,12 +125,17 @@ def linear_add_rms_norm(
     the norm's kernel, which adds them (`pallas_kernels.norm.add_partials_rms_norm`: y as the gemv's reduction
     gives it, within fp32 rounding of the order of the sum); policy None: the unfused path, as `add_rms_norm`.
     product_scope: the product's named scope (a decoder layer's mixer, where a profile counts it); the norm's is
-    the caller's."""
+    the caller's. o a `GatedNormInput`: its norm runs in the gemv as it reads o where the partial sums come from it
+    (`fp8_linear_partials`' norm), else before the projection, as `GatedNormInput.normalized`."""
     weight = weights["weight"]
+    pending = o_BTC if isinstance(o_BTC, GatedNormInput) else None
+    o_BTC = o_BTC if pending is None else pending.o_BTC
     with jax.named_scope(product_scope):
         fusable = policy is not None and _fp8_matrix(weight) and o_BTC.dtype == residual_BTD.dtype
-        partials_SND = fp8_linear_partials(o_BTC, weight, **_fp8_call(policy)) if fusable else None
+        norm = None if pending is None else pending.norm
+        partials_SND = fp8_linear_partials(o_BTC, weight, norm=norm, **_fp8_call(policy)) if fusable else None
         if partials_SND is None:
+            o_BTC = o_BTC if pending is None else pending.normalized()
             y_BTD = constrain(linear(weights, o_BTC, policy), *ACTIVATION_BTD)
     if partials_SND is None:
         return add_rms_norm(norm_weights, residual_BTD, y_BTD, eps, policy)

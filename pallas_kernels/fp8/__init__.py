@@ -2,6 +2,7 @@
 
 from pallas_kernels.fp8.ops import fp8_linear, fp8_linear_many, fp8_linear_partials
 from pallas_kernels.fp8.reference import (
+    GatedHeadNorm,
     dequantize_blocks,
     quantize_activations,
     w8a8_linear_reference,
@@ -9,6 +10,7 @@ from pallas_kernels.fp8.reference import (
 )
 
 __all__ = [
+    "GatedHeadNorm",
     "dequantize_blocks",
     "fp8_linear",
     "fp8_linear_many",

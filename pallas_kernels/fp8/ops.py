@@ -15,6 +15,7 @@ the XLA scale-folded products) join VARIANTS when their module is imported, and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,7 +34,12 @@ from pallas_kernels.fp8.gpu_triton import (
     weight_only_gemv_partials_gpu,
     weight_only_linear_gpu,
 )
-from pallas_kernels.fp8.reference import w8a8_linear_reference, weight_only_linear_reference
+from pallas_kernels.fp8.reference import (
+    GatedHeadNorm,
+    gated_head_norm,
+    w8a8_linear_reference,
+    weight_only_linear_reference,
+)
 from pallas_kernels.fp8.tpu_mosaic import takes as tpu_kernel_takes
 from pallas_kernels.fp8.tpu_mosaic import weight_only_linear_tpu
 from pallas_kernels.variants import REFERENCE, Variant
@@ -198,36 +204,47 @@ def _gemv_runs(x, weight, resolved: str, mode: str | None) -> bool:
     )
 
 
-def _first_partial(x_MK, values_NK, scales, block, interpret):
-    """The partial sums' reference: the whole product in the first, zeros in the others (their sum is the product,
-    and a sum's cotangent is the same for every partial, so this differentiates as the product)."""
+def _first_partial(x_MK, values_NK, scales, norm, block, interpret):
+    """The partial sums' reference: the whole product (of x normalised where norm is given) in the first, zeros in
+    the others (their sum is the product, and a sum's cotangent is the same for every partial, so this
+    differentiates as the product)."""
     splits = jax.eval_shape(
         lambda: weight_only_gemv_partials_gpu(x_MK, values_NK, scales, block=block, interpret=interpret)
     ).shape[0]
+    x_MK = x_MK if norm is None else gated_head_norm(x_MK, norm)
     y_1MN = weight_only_linear_reference(x_MK, values_NK, scales, block).astype(jnp.float32)[None]
     return jnp.concatenate([y_1MN, jnp.zeros((splits - 1, *y_1MN.shape[1:]), jnp.float32)])
 
 
 _gemv_partials = with_reference_vjp(
-    lambda x_MK, values_NK, scales, block, interpret: weight_only_gemv_partials_gpu(
-        x_MK, values_NK, scales, block=block, interpret=interpret
+    lambda x_MK, values_NK, scales, norm, block, interpret: weight_only_gemv_partials_gpu(
+        x_MK, values_NK, scales, block=block, interpret=interpret, norm=norm
     ),
     _first_partial,
-    nondiff_argnums=(3, 4),
+    nondiff_argnums=(4, 5),
 )
 
 
-def fp8_linear_partials(x, weight, *, backend: str = "auto", mode: str | None = None) -> jax.Array | None:
+def fp8_linear_partials(
+    x, weight, *, backend: str = "auto", mode: str | None = None, norm: GatedHeadNorm | None = None
+) -> jax.Array | None:
     """Where `fp8_linear(x, weight, backend=backend, mode=mode)` runs the decode-shaped gemv ("gpu_triton_gemv"),
     its fp32 partial sums [splits, M, O] over K, unreduced (`weight_only_gemv_partials_gpu`: their jnp.sum over the
     first axis, cast to x's dtype, is fp8_linear's y [M, O], x's rows flattened), for the next kernel to add
-    (`pallas_kernels.norm.add_partials_rms_norm`); None everywhere else. Differentiable in x, as the product."""
+    (`pallas_kernels.norm.add_partials_rms_norm`); None everywhere else. norm: the product's x is
+    `reference.gated_head_norm(x, norm)` (norm.gate shaped like x), formed in the gemv as it reads x where heads are
+    whole K blocks of the weight, else by XLA before it. Differentiable in x (and the norm's gate and weight), as the
+    product."""
     resolved = resolve_backend(backend)
     if not _gemv_runs(x, weight, resolved, mode):
         return None
     x_MK = x.reshape(-1, x.shape[-1])
+    if norm is not None:
+        norm = dataclasses.replace(norm, gate=norm.gate.reshape(x_MK.shape))
+        if norm.weight_D.shape[0] % weight.block[1]:
+            x_MK, norm = gated_head_norm(x_MK, norm), None
     scales = weight.scales.astype(jnp.float32)
-    return _gemv_partials(x_MK, weight.values, scales, tuple(weight.block), variants.interpreted(resolved))
+    return _gemv_partials(x_MK, weight.values, scales, norm, tuple(weight.block), variants.interpreted(resolved))
 
 
 def _many_reference(x_MK, values, scales, blocks, interpret):

@@ -9,12 +9,20 @@ blocks of br x bc weights: W[o, i] = values[o, i] * scales[o // br, i // bc] (th
   over the group's inputs (at least EPS / 448, so an all-zero group has a finite scale), x_q = e4m3(x / a_scale)
   (round to nearest even, clipped to +-448), then y[m, o] = sum_g (x_q[m, g] . values[o, g]) * a_scale[m, g] *
   scales[o // br, g], accumulated in fp32.
+
+The decode gemv's prologue (`GatedHeadNorm`): x's rows normalised head by head before the product, KDA's gated
+output norm (`gated_head_norm`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.kda.reference import gated_output_norm
 
 E4M3_MAX = 448.0
 EPS = 1e-10  # the smallest group amax a scale is taken from (an all-zero group quantises to zeros)
@@ -63,6 +71,25 @@ def w8a8_linear_reference(x_MK, values_NK, scales, block: tuple[int, int]) -> ja
     w_NK = dequantize_blocks(values_NK, scales, block, jnp.float32)
     y_MN = jnp.dot(x_MK_dequantized, w_NK.T, precision=jax.lax.Precision.HIGHEST)
     return y_MN.astype(x_MK.dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("gate", "weight_D"), meta_fields=("eps",))
+@dataclasses.dataclass(frozen=True)
+class GatedHeadNorm:
+    """KDA's gated output norm of a product's input x [..., K], heads of D = weight_D's size side by side along K:
+    the gate's pre-activation (x's shape), the norm weight [D] (every head's), the norm's eps (`gated_head_norm`)."""
+
+    gate: jax.Array
+    weight_D: jax.Array
+    eps: float
+
+
+def gated_head_norm(x, norm: GatedHeadNorm) -> jax.Array:
+    """x [..., K] normalised head by head (`pallas_kernels.kda.reference.gated_output_norm` over each D values:
+    fp32, cast to x's dtype)."""
+    head_dim = norm.weight_D.shape[0]
+    x_HD, gate_HD = (a.reshape(*a.shape[:-1], -1, head_dim) for a in (x, norm.gate))
+    return gated_output_norm(x_HD, gate_HD, norm.weight_D, norm.eps).reshape(x.shape)
 
 
 def is_quantized(weight) -> bool:

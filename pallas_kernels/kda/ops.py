@@ -28,6 +28,7 @@ from pallas_kernels.kda.gpu_triton import (
     kda_decode_step_gpu,
     kda_verify_fused_gpu,
 )
+from pallas_kernels.kda.gpu_triton.decode_fused import leaves_norm
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 from pallas_kernels.kda.segments import device_cores, segment_count, segmented_chunk_kda
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
@@ -120,11 +121,16 @@ def kda_decode_step(
     return variants.run(VARIANTS, "kda_decode_step", name, backend, *args, scale=scale, use_qk_l2norm=use_qk_l2norm)
 
 
+def _fused_variant(op: str, backend: str, variant: str | None) -> str:
+    """The variant of fused `op` that the resolved `backend` and `variant` pick (the platform's fused kernel, the
+    reference elsewhere)."""
+    return variants.pick(VARIANTS, op, variant, backend, variants.by_platform(backend, _FUSED))
+
+
 def _fused_op(op: str, args, keywords: dict, backend: str, variant: str | None):
-    """Fused `op` ("kda_decode_fused" or "kda_verify_fused") on the variant that `backend` and `variant` pick (the
-    platform's fused kernel, the reference elsewhere), q's scale None for K^-1/2."""
+    """Fused `op` ("kda_decode_fused" or "kda_verify_fused") on `_fused_variant`, q's scale None for K^-1/2."""
     backend = resolve_backend(backend)
-    name = variants.pick(VARIANTS, op, variant, backend, variants.by_platform(backend, _FUSED))
+    name = _fused_variant(op, backend, variant)
     keywords = dict(keywords, scale=args[0].shape[-1] ** -0.5 if keywords["scale"] is None else keywords["scale"])
     return variants.run(VARIANTS, op, name, backend, *args, **keywords)
 
@@ -144,21 +150,36 @@ def kda_decode_fused(
     scale=None,
     lower_bound: float | None,
     eps: float,
+    output_norm: bool = True,
     backend: str = "auto",
     variant: str | None = None,
 ):
     """A KDA layer's decode step from its projections to its gated output norm, one token per sequence: (o
     [B, H, V] in v's dtype, new conv window [B, T-1, 3, H, K], new state [B, H, K, V] fp32); the arrays and
     keywords are `reference.kda_decode_fused`'s (b_BH: beta's pre-activation or a `reference.BetaProjection`;
-    real_B: the padding mask, None for none; lower_bound: the safe gate's bound, None for -A softplus).
+    real_B: the padding mask, None for none; lower_bound: the safe gate's bound, None for -A softplus; output_norm
+    False: o before the gated output norm, for the caller to fuse where `fused_decode_leaves_norm`).
 
     One kernel on a GPU ("gpu_triton", the state updated in place when the caller donates it); the reference
     elsewhere, a TPU included (it has no fused kernel: `kda_decode_step` runs its recurrence kernel).
     backend, variant: as for `kda_decode_step` (variant: a name of VARIANTS["kda_decode_fused"]).
     """
     args = (q_BHK, k_BHK, v_BHV, f_BHK, b_BH, gate_BHV, conv_window_BW3HK, state_BHKV, weights)
-    keywords = dict(real_B=real_B, scale=scale, lower_bound=lower_bound, eps=eps)
+    keywords = dict(real_B=real_B, scale=scale, lower_bound=lower_bound, eps=eps, output_norm=output_norm)
     return _fused_op("kda_decode_fused", args, keywords, backend, variant)
+
+
+def fused_decode_leaves_norm(
+    batch: int, heads: int, value_dim: int, dtype, *, backend: str = "auto", variant: str | None = None
+) -> bool:
+    """Whether `kda_decode_fused` on `backend` (variant: as there) runs its gated output norm as a kernel of its own
+    after the step's (the GPU kernel splitting each head's values over programs: `gpu_triton.decode_fused.
+    leaves_norm`), one the caller saves by asking for o without it (output_norm False) and fusing the norm into its
+    next kernel; False where the step's kernel normalises o itself, or the reference runs."""
+    backend = resolve_backend(backend)
+    if _fused_variant("kda_decode_fused", backend, variant) != "gpu_triton":
+        return False
+    return leaves_norm(batch, heads, value_dim, dtype, interpret=variants.interpreted(backend))
 
 
 def kda_verify_fused(

@@ -223,9 +223,11 @@ def kda_decode_fused(
     scale=None,
     lower_bound,
     eps,
+    output_norm=True,
 ):
     """A KDA layer's decode step between its projections, one token per sequence: (o [B, H, V] in v's dtype,
-    new conv window, new state [B, H, K, V] fp32).
+    new conv window, new state [B, H, K, V] fp32); output_norm False: o before the gated output norm, for the caller
+    to apply (`gated_output_norm`) or fuse into its next kernel.
 
     q, k, v: the projections before the short convs (V == K); conv_window [B, T-1, 3, H, K]: the last T-1 of them ([q;
     k; v], oldest first); f: the forget gate's pre-activation (g = `kda_log_decay`, lower_bound: the safe gate's bound,
@@ -250,7 +252,8 @@ def kda_decode_fused(
         q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale, initial_state=state_BHKV
     )
     new_window = jnp.where(real_B111[..., None], full_BT3HK[:, 1:], full_BT3HK[:, :-1]).astype(conv_window_BW3HK.dtype)
-    return gated_output_norm(o[:, 0], gate_BHV, weights.norm_weight_V, eps), new_window, state
+    o_BHV = gated_output_norm(o[:, 0], gate_BHV, weights.norm_weight_V, eps) if output_norm else o[:, 0]
+    return o_BHV, new_window, state
 
 
 def kda_verify_fused(

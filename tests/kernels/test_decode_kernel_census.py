@@ -5,6 +5,7 @@ weights, nothing allocated): a change in these counts is a change in the GPU ste
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 from helpers import lower_for_cuda
@@ -20,15 +21,18 @@ def test_slice_decode_step_kernels_per_layer():
     kv_a in one with a single reduction of its K splits; each output projection is a split-K gemv whose partial
     sums the residual add + norm after it adds (no reduce of its own); MLA's q_b_proj a split-K gemv and its reduce,
     its decode's sequence splits merged by a kernel; per layer also the three MoE kernels and the input norm, with
-    the previous layer's residual add in front (`add_rms_norm`; the last layer's add goes with the final norm). The
-    norms left to XLA: KDA's gated output norm (its decode splits the values at batch 1), MLA's q_a and kv_a norms."""
+    the previous layer's residual add in front (`add_rms_norm`; the last layer's add goes with the final norm). A KDA
+    layer's gated output norm (its decode splits the values at batch 1, so cannot normalise a head's row) runs in its
+    output projection's gemv, as the gemv reads o (weight_only_gemv_gated_norm). The norms left to XLA: MLA's q_a
+    and kv_a norms."""
     layers, kda_layers, mla_layers = 8, 7, 1
     assert decode_step_census(flash_slice_config(layers, False), batch=1) == {
         "weight_only_gemv_many": kda_layers + mla_layers,
         "weight_only_gemv_many -> reduce": mla_layers,
-        "weight_only_gemv": layers + mla_layers,  # the output projections; MLA's q_b_proj
+        "weight_only_gemv": 2 * mla_layers,  # MLA's output projection and q_b_proj
         "weight_only_gemv -> reduce": mla_layers,  # q_b_proj's
-        "kda_decode_fused": kda_layers,  # a KDA layer's convs, gates, recurrence (and norm) between its gemvs
+        "weight_only_gemv_gated_norm": kda_layers,  # KDA's output projection, its gated output norm in front
+        "kda_decode_fused": kda_layers,  # a KDA layer's convs, gates, recurrence between its gemvs
         "mla_absorb_query": mla_layers,
         "mla_decode_split": mla_layers,
         "mla_combine_splits": mla_layers,
@@ -36,7 +40,7 @@ def test_slice_decode_step_kernels_per_layer():
         "rms_norm": 1,  # the first layer's input norm: no residual add in front
         "add_rms_norm": layers,  # the previous layer's residual add and the input norm; the last add and final norm
         "add_partials_rms_norm": layers,
-        XLA_NORMS: kda_layers + 2 * mla_layers,
+        XLA_NORMS: 2 * mla_layers,
         "select_experts": layers,
         "expert_swiglu_rows": layers,
         "expert_down_combine": layers,
@@ -47,7 +51,7 @@ def test_census_command_prints_the_counts(capsys):
     assert main(["--preset", "tiny", "--batch", "2"]) == 0
     printed = capsys.readouterr().out
     assert "4 layers (2 KDA + 2 MLA), batch 2: 40 pallas_calls" in printed
-    assert "4 norms left to XLA (1.0 a layer)" in printed  # each KDA layer's output norm, each MLA layer's kv_a norm
+    assert "4 norms left to XLA (1.0 a layer)" in printed  # each MLA layer's q_a and kv_a norms
     assert "| add_rms_norm | 4 |" in printed
     # each layer's input projections and the dense MLP's gate + up (two rows: still grouped)
     assert "| weight_only_gemv_many | 5 |" in printed
@@ -56,8 +60,11 @@ def test_census_command_prints_the_counts(capsys):
 
 def test_decode_step_lowers_for_cuda():
     """The tiny model's decode step with the GPU kernels lowers for CUDA (traced without a mesh: under one the
-    norms run the reference), each residual add with the norm after it as one Triton kernel."""
-    text = lower_for_cuda(decode_step(preset("tiny"), backend="pallas_gpu")).as_text()
+    norms run the reference), each residual add with the norm after it as one Triton kernel; with KDA heads of 128
+    (the fused step splits their values), each KDA layer's gated output norm in its output projection's gemv."""
+    config = dataclasses.replace(preset("tiny"), head_dim=128)
+    text = lower_for_cuda(decode_step(config, backend="pallas_gpu")).as_text()
     calls = collections.Counter(re.findall(r"call @((?:add_|add_partials_)?rms_norm)_gpu(?:_\d+)?\(", text))
     assert calls == {"rms_norm": 1, "add_rms_norm": 4, "add_partials_rms_norm": 4}
     assert 'name = "add_rms_norm"' in text  # the Triton kernel's
+    assert 'name = "weight_only_gemv_gated_norm"' in text

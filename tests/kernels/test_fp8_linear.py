@@ -16,7 +16,7 @@ from helpers import gpu_test, lower_for_cuda, rel_error
 
 from benchmarks.kernel_census import kernel_census
 from ling_jax.quantized import BlockFP8Weight
-from pallas_kernels.fp8 import fp8_linear
+from pallas_kernels.fp8 import GatedHeadNorm, fp8_linear
 from pallas_kernels.fp8.gpu_triton import weight_only_gemv_many_gpu, weight_only_gemv_partials_gpu
 from pallas_kernels.fp8.ops import (
     GEMV,
@@ -30,6 +30,7 @@ from pallas_kernels.fp8.ops import (
     kernel,
     kernel_takes,
 )
+from pallas_kernels.fp8.reference import gated_head_norm, weight_only_linear_reference
 from pallas_kernels.fp8.tuned import (
     GEMV_DEFAULT_ROWS,
     GEMV_MAX_ROWS,
@@ -37,6 +38,7 @@ from pallas_kernels.fp8.tuned import (
     W8A8_MIN_ROWS,
     WEIGHT_ONLY_GEMV,
     WEIGHT_ONLY_MAX_ROWS,
+    GemvTiles,
     MosaicTiles,
     weight_only_bucket,
 )
@@ -185,6 +187,59 @@ def test_gemv_partials_sum_to_the_gemv():
     assert fp8_linear_partials(jnp.tile(x, (GEMV_DEFAULT_ROWS + 1, 1)), weight, backend="interpret_gpu") is None
 
 
+def gated_norm_case(rows: int, heads: int, head_dim: int, dtype, seed: int):
+    """(x [rows, heads * head_dim], its `GatedHeadNorm`: a gate like x, a norm weight near 1, eps 1e-6)."""
+    width = heads * head_dim
+    x, gate = random_x((rows, width), dtype, seed=seed), random_x((rows, width), dtype, seed=seed + 1)
+    weight_D = 1.0 + 0.1 * random_x((head_dim,), jnp.float32, seed=seed + 2)
+    return x, GatedHeadNorm(gate, weight_D.astype(dtype), 1e-6)
+
+
+@pytest.mark.parametrize("products", ["fma", "dot"])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_gemv_gated_norm_prologue_matches_reference(dtype, tol, products):
+    """The gemv's partial sums with KDA's gated output norm formed as it reads x, against the jnp reference (the
+    norm, then the product): 3 rows, 5 heads, 150 outputs, heads of one K block of 32 and of two (each program's
+    sum of squares over both), the K steps split over programs, the last step's second block past K (masked)."""
+    tiles = GemvTiles(16, 2, 64, 3 if products == "dot" else 4, 4, 2)
+    for head_dim in (32, 64):
+        x, norm = gated_norm_case(3, 5, head_dim, dtype, seed=head_dim)
+        weight = random_weight(150, x.shape[1], block=(32, 32), seed=head_dim + 3)
+        args = (x, weight.values, weight.scales)
+        partials = weight_only_gemv_partials_gpu(*args, block=weight.block, tiles=tiles, interpret=True, norm=norm)
+        assert partials.shape[0] > 1
+        want = weight_only_linear_reference(gated_head_norm(x, norm), *args[1:], weight.block)
+        assert rel_error(jnp.sum(partials, axis=0), want) <= tol, (head_dim, rel_error(jnp.sum(partials, 0), want))
+
+
+def test_fp8_linear_partials_with_the_gated_norm():
+    """`fp8_linear_partials` with a norm: in the gemv where heads are whole K blocks (the launch named
+    weight_only_gemv_gated_norm, no norm outside it), by XLA before the plain gemv where a head is a part of one;
+    the same product either way, differentiated as the reference; a gate unlike x is refused."""
+    x, norm = gated_norm_case(1, 3, 32, jnp.float32, seed=11)
+    x_11K, norm = x[None], dataclasses.replace(norm, gate=norm.gate[None])
+    for block, launch in (((32, 32), "weight_only_gemv_gated_norm"), ((32, 64), "weight_only_gemv")):
+        weight = random_weight(40, x.shape[1], block=block, seed=12)
+        partials = functools.partial(fp8_linear_partials, weight=weight, backend="interpret_gpu")
+        want = fp8_linear(gated_head_norm(x_11K, norm), weight, backend="reference")[0]
+        assert rel_error(jnp.sum(partials(x_11K, norm=norm), axis=0), want) <= 1e-5
+        census = kernel_census(jax.make_jaxpr(lambda x: partials(x, norm=norm))(x_11K))
+        assert census == ({launch: 1} if launch != "weight_only_gemv" else {launch: 1, "rsqrt outside kernels": 1})
+    grads = [
+        jax.grad(lambda x, n: jnp.sum(jnp.sin(product(x, n))), argnums=(0, 1))(x_11K, norm)
+        for product in (
+            lambda x, n: jnp.sum(fp8_linear_partials(x, weight, backend="interpret_gpu", norm=n), axis=0),
+            lambda x, n: fp8_linear(gated_head_norm(x, n), weight, backend="reference"),
+        )
+    ]
+    for ours, theirs in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+        assert rel_error(ours, theirs) <= 1e-5
+    with pytest.raises(ValueError, match="gate shaped like x"):
+        weight_only_gemv_partials_gpu(
+            x, weight.values, weight.scales, block=(32, 32), interpret=True, norm=dataclasses.replace(norm, gate=x.T)
+        )
+
+
 def test_grouped_fp8_linear_falls_back_per_weight():
     """`fp8_linear_many` groups only what the grouped kernel takes: decode-sized rows on a GPU backend, weights
     of one K block; otherwise (the reference backend, more rows, a dense weight) each product is `fp8_linear`'s."""
@@ -275,6 +330,19 @@ def test_kernels_lower_for_cuda():
             weight,
         )
         assert ("mosaic_gpu" in lowered.as_text()) == mosaic  # 128 x 128 blocks, sides multiples of 128
+
+
+@pytest.mark.parametrize("rows, head_dim", [(1, 128), (GEMV_MAX_ROWS, 256)], ids=["fma", "dot-heads_of_2_blocks"])
+def test_gemv_gated_norm_prologue_lowers_for_cuda(rows, head_dim):
+    """The gemv with its gated-norm prologue at Ling-3.0-flash's output projection (4,096 inputs, 2,560 outputs,
+    128 x 128 blocks), its heads of 128 in FMA products; heads of two K blocks in tensor-core products."""
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    x = shape((rows, 4096), bf16)
+    weight = (shape((2560, 4096), jnp.float8_e4m3fn), shape((20, 32), jnp.float32))
+    norm = GatedHeadNorm(x, shape((head_dim,), bf16), 1e-6)
+    gemv = functools.partial(weight_only_gemv_partials_gpu, block=(128, 128))
+    lowered = lower_for_cuda(lambda x, values, scales, norm: gemv(x, values, scales, norm=norm), x, *weight, norm)
+    assert "weight_only_gemv_gated_norm" in lowered.as_text()
 
 
 def grouped_case(rows: int, dtype):

@@ -16,13 +16,18 @@ import pytest
 from flax import nnx
 from helpers import gpu_test, lower_for_cuda, rel_error
 
+from benchmarks.kernel_census import XLA_NORMS, kernel_census
 from ling_jax import ExecutionPolicy, KDAState, LingConfig
-from ling_jax.kda import KimiDeltaAttention, fused_decode
+from ling_jax.context import token_context
+from ling_jax.kda import KimiDeltaAttention, fused_decode, kda_attention
+from ling_jax.layers import GatedNormInput, linear_add_rms_norm, params_of
+from ling_jax.policy import KDAMode
 from ling_jax.presets import TINY
+from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.backend import BACKENDS
 from pallas_kernels.kda import BetaProjection, DecodeWeights, kda_decode_fused, kda_verify_fused
 from pallas_kernels.kda.gpu_triton.decode_fused import value_splits
-from pallas_kernels.kda.ops import kernel
+from pallas_kernels.kda.ops import fused_decode_leaves_norm, kernel
 from pallas_kernels.kda.reference import kda_decode_fused as fused_reference
 from pallas_kernels.kda.reference import kda_log_decay
 from pallas_kernels.kda.reference import kda_verify_fused as verify_reference
@@ -160,6 +165,54 @@ def test_masked_layer_step_fused_equals_separate_ops():
     for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert ours.shape == theirs.shape
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_output_before_the_norm_and_where_the_kernel_leaves_it():
+    """output_norm False: o before the gated output norm, the kernel's (2 programs a head) as the reference's. The
+    GPU kernel runs the norm as a kernel of its own where it splits the values (Ling-3.0-flash's 32 heads of 128 at
+    batch 1 and 2, not at 8: `fused_decode_leaves_norm`), the reference never."""
+    arrays = random_step(3, 5, 32, 4, jnp.float32, seed=3)
+    keywords = dict(scale=32**-0.5, lower_bound=-5.0, eps=EPS, output_norm=False)
+    want = fused_reference(*arrays, **keywords)
+    tiles = DecodeFusedGpuTiles(block_v=8, num_warps=4, value_splits=2)
+    got = kda_decode_fused_gpu(*arrays, tiles=tiles, interpret=True, **keywords)
+    assert rel_error(got[0], want[0]) <= TOL[jnp.float32]
+    leaves = [fused_decode_leaves_norm(batch, 32, 128, jnp.bfloat16, backend="interpret_gpu") for batch in (1, 2, 8)]
+    assert leaves == [True, True, False]
+    assert not fused_decode_leaves_norm(1, 32, 128, jnp.bfloat16, backend="reference")
+
+
+def test_layer_step_leaves_the_norm_to_the_output_projection():
+    """Where the fused step splits the values (heads of 32 at batch 2: 2 programs a head), the KDA layer's decode step
+    for the caller to project gives o before its gated norm, with the norm (`GatedNormInput`); the output projection (a
+    block-FP8 weight, the decode gemv) forms the norm as it reads o, then the residual add + RMSNorm: as the reference
+    path's, whose step normalises o itself. No norm runs outside the kernels."""
+    config = LingConfig.from_dict({**TINY, "head_dim": 32})
+    layer = KimiDeltaAttention(config, dtype=jnp.float32, rngs=nnx.Rngs(8))
+    weights = params_of(layer)
+    r = np.random.default_rng(9)
+    values = jnp.asarray(r.normal(size=(config.hidden_size, config.kda_dim)) * 60.0, jnp.float8_e4m3fn)
+    scales = jnp.asarray(r.uniform(1e-3, 1e-2, (config.hidden_size // 32, config.kda_dim // 32)), jnp.float32)
+    weights["dense"]["weight"] = BlockFP8Weight(values, scales, (32, 32))
+    x_BTD, residual_BTD = (jnp.asarray(r.normal(size=(2, 1, config.hidden_size)), jnp.float32) for _ in range(2))
+    state = KDAState(
+        conv_window=jnp.asarray(r.normal(size=(2, 3, 3 * config.kda_dim)), jnp.float32),
+        recurrent_state=jnp.asarray(r.normal(size=(2, 4, 32, 32)) * 0.1, jnp.float32),
+    )
+    norm_weights = {"weight": jnp.asarray(1.0 + 0.1 * r.normal(size=config.hidden_size), jnp.float32)}
+
+    def step(x_BTD, residual_BTD, policy):
+        ctx = token_context(config, 2, 1, policy=policy, kda_mode=KDAMode.RECURRENT)
+        o_BTC, _ = kda_attention(weights, x_BTD, state, ctx, config, project_output=False)
+        assert isinstance(o_BTC, GatedNormInput) == (policy.kernel_backend == "interpret_gpu")
+        return linear_add_rms_norm(weights["dense"], o_BTC, residual_BTD, norm_weights, config.rms_norm_eps, policy)
+
+    fused, reference = (ExecutionPolicy(kernel_backend=backend) for backend in ("interpret_gpu", "reference"))
+    census = kernel_census(jax.make_jaxpr(functools.partial(step, policy=fused))(x_BTD, residual_BTD))
+    assert census["weight_only_gemv_gated_norm"] == 1 and XLA_NORMS not in census
+    want = step(x_BTD, residual_BTD, reference)  # first: the kernel donates the state
+    for ours, theirs in zip(step(x_BTD, residual_BTD, fused), want, strict=True):
+        assert rel_error(ours, theirs) <= 1e-4, rel_error(ours, theirs)
 
 
 def _abstract_step(batch, heads=64, dim=128, taps=4, hidden=None, tokens=None):

@@ -15,6 +15,12 @@ The K steps are split over programs until there are min_programs of them (a deco
 strips); each split stores fp32 partial sums [splits, M, O], added after the kernel, or by the next kernel
 (`weight_only_gemv_partials_gpu` returns them unreduced: the output projection's residual add + RMSNorm adds them).
 
+`weight_only_gemv_partials_gpu` may normalise x first (`reference.GatedHeadNorm`, KDA's gated output norm, as its
+next kernel would have): each program reads x in K blocks, and where a head's D values are whole K blocks (D a
+multiple of the weight's K block), the program forms the norm of the heads it reads itself (the head's sum of squares
+from the D values, rsqrt, the norm weight, the gate's sigmoid, rounded to x's dtype) before the products; the norm
+then needs no kernel of its own.
+
 `weight_only_gemv_many_gpu` runs several weights that multiply the same x (a layer's input projections) in one
 launch: its grid is the union of their output strips, each program picking its weight by static strip ranges, so
 the strips together fill the GPU with fewer (often no) K splits, and the splits left are added in one reduction for
@@ -33,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8 import tuned
+from pallas_kernels.fp8.reference import GatedHeadNorm
 from pallas_kernels.tuning import lookup
 
 DOT_ROWS = 16  # x's rows padded to this for the tensor-core products (Triton's smallest dot)
@@ -58,15 +65,70 @@ def _load(ref, mask, **kwargs):
     return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0, **kwargs)
 
 
-def _kernel(x_ref, values_ref, scales_ref, y_ref, *, tiles: tuned.GemvTiles, layout: _Layout):
+@dataclasses.dataclass(frozen=True)
+class _HeadNorm:
+    """The gated head norm in a program: the gate's and the norm weight's refs, the head size D, eps."""
+
+    gate_ref: object
+    weight_ref: object
+    head_dim: int
+    eps: float
+
+    def apply(self, x, x_ref, rows, k0, mask):
+        """x's K block at k0 (x_ref's `rows`: one row [block_k], or DOT_ROWS [DOT_ROWS, block_k]; `mask` its load's)
+        normalised over its head (`reference.gated_head_norm`), in x's dtype: a head of several K blocks has its
+        sum of squares from all of them."""
+        block_k, head_dim = x.shape[-1], self.head_dim
+        x_f32 = x.astype(jnp.float32)
+        if head_dim == block_k:
+            squares = jnp.sum(x_f32 * x_f32, axis=-1, keepdims=True)
+        else:
+            head0 = k0 - k0 % head_dim
+            pieces = [
+                _load(x_ref.at[rows, pl.ds(head0 + start, block_k)], mask).astype(jnp.float32)
+                for start in range(0, head_dim, block_k)
+            ]
+            squares = sum(jnp.sum(piece * piece, axis=-1, keepdims=True) for piece in pieces)
+        inverse_rms = jax.lax.rsqrt(squares / head_dim + self.eps)
+        weight_K = self.weight_ref[pl.ds(k0 % head_dim, block_k)].astype(jnp.float32)
+        gate = jax.nn.sigmoid(_load(self.gate_ref.at[rows, pl.ds(k0, block_k)], mask).astype(jnp.float32))
+        return (x_f32 * inverse_rms * weight_K * gate).astype(x.dtype)
+
+
+def _kernel(x_ref, values_ref, scales_ref, *refs, tiles: tuned.GemvTiles, layout: _Layout, eps: float | None):
+    """refs: the gated head norm's gate and weight where eps is given, then y."""
+    *norm_refs, y_ref = refs
+    norm = None if eps is None else _HeadNorm(*norm_refs, head_dim=norm_refs[1].shape[0], eps=eps)
     _strip(
-        x_ref, values_ref, scales_ref, y_ref, pl.program_id(0), pl.program_id(1), tiles=tiles, layout=layout, y_col0=0
+        x_ref,
+        values_ref,
+        scales_ref,
+        y_ref,
+        pl.program_id(0),
+        pl.program_id(1),
+        tiles=tiles,
+        layout=layout,
+        y_col0=0,
+        norm=norm,
     )
 
 
-def _strip(x_ref, values_ref, scales_ref, y_ref, strip, split, *, tiles: tuned.GemvTiles, layout: _Layout, y_col0: int):
+def _strip(
+    x_ref,
+    values_ref,
+    scales_ref,
+    y_ref,
+    strip,
+    split,
+    *,
+    tiles: tuned.GemvTiles,
+    layout: _Layout,
+    y_col0: int,
+    norm: _HeadNorm | None = None,
+):
     """One program's work: outputs [strip * block_o, + block_o) of the weight over the K steps of `split`, stored
-    in y's columns from y_col0 + strip * block_o (y [M, N], or fp32 partial sums [splits, M, N])."""
+    in y's columns from y_col0 + strip * block_o (y [M, N], or fp32 partial sums [splits, M, N]); norm: x's blocks
+    normalised as they are read."""
     block_rows, block_k = layout.block
     block_o, per_step = tiles.block_o, tiles.blocks_per_step
     num_k_blocks = pl.cdiv(layout.k_dim, block_k)
@@ -75,6 +137,10 @@ def _strip(x_ref, values_ref, scales_ref, y_ref, strip, split, *, tiles: tuned.G
     scale_row = col0 // block_rows
     first_step = split * layout.steps_per_split
     last_step = jnp.minimum(first_step + layout.steps_per_split, layout.num_steps)
+
+    def x_block(rows, k0, mask):
+        x = _load(x_ref.at[rows, pl.ds(k0, block_k)], mask)
+        return x if norm is None else norm.apply(x, x_ref, rows, k0, mask)
 
     def weight_tiles(step):
         """[(k0, k_ok_K, w_OK e4m3, scale)] of the step's K blocks, all loads issued before any use."""
@@ -98,7 +164,7 @@ def _strip(x_ref, values_ref, scales_ref, y_ref, strip, split, *, tiles: tuned.G
         for row, acc_O in enumerate(acc_rows):
             sum_OK = jnp.zeros((block_o, block_k), jnp.float32)
             for k0, k_ok_K, w_OK, scale in found:
-                x_K = _load(x_ref.at[jnp.int32(row), pl.ds(k0, block_k)], k_ok_K).astype(jnp.float32) * scale
+                x_K = x_block(jnp.int32(row), k0, k_ok_K).astype(jnp.float32) * scale
                 sum_OK = sum_OK + w_OK.astype(jnp.float32) * x_K[None, :]
             new_rows.append(acc_O + jnp.sum(sum_OK, axis=1))
         return tuple(new_rows)
@@ -107,7 +173,7 @@ def _strip(x_ref, values_ref, scales_ref, y_ref, strip, split, *, tiles: tuned.G
 
     def dot_step(step, acc_OM):
         for k0, k_ok_K, w_OK, scale in weight_tiles(step):
-            x_MK = _load(x_ref.at[pl.ds(0, DOT_ROWS), pl.ds(k0, block_k)], _mask(rows_ok_M, k_ok_K))
+            x_MK = x_block(pl.ds(0, DOT_ROWS), k0, _mask(rows_ok_M, k_ok_K))
             partial_OM = plgpu.dot(w_OK.astype(x_MK.dtype), x_MK, trans_b=True, allow_tf32=x_MK.dtype != jnp.float32)
             acc_OM = acc_OM + partial_OM * scale
         return acc_OM
@@ -183,26 +249,44 @@ def _checked_tiles(x_MK, tiles: tuned.GemvTiles | None) -> tuned.GemvTiles:
 
 
 def _gemv_call(
-    x_MK, values_NK, scales, block: tuple[int, int], tiles: tuned.GemvTiles | None, interpret: bool, *, partials: bool
+    x_MK,
+    values_NK,
+    scales,
+    block: tuple[int, int],
+    tiles: tuned.GemvTiles | None,
+    interpret: bool,
+    *,
+    partials: bool,
+    norm: GatedHeadNorm | None = None,
 ):
     """The single-weight launch: y [M, N] in x's dtype where it runs one K split and partials is False, else the
-    fp32 partial sums [splits, M, N] (one split: [1, M, N])."""
+    fp32 partial sums [splits, M, N] (one split: [1, M, N]); norm: x normalised head by head first."""
     num_rows, k_dim = x_MK.shape
     n_dim = values_NK.shape[0]
+    norm_inputs = []
+    if norm is not None:
+        head_dim = norm.weight_D.shape[0]
+        if norm.gate.shape != x_MK.shape or k_dim % head_dim or head_dim % block[1]:
+            raise ValueError(
+                f"FP8 gemv's gated head norm: the gate shaped like x {x_MK.shape}, heads that tile K in whole K blocks "
+                f"of {block[1]}; got the gate {norm.gate.shape}, heads of {head_dim}"
+            )
+        norm_inputs = [norm.gate, norm.weight_D]
     tiles = _strip_tiles(num_rows, n_dim, tuple(block), _checked_tiles(x_MK, tiles))
     layout, k_splits = _layout(num_rows, n_dim, k_dim, tuple(block), tiles, _num_strips(n_dim, tiles))
     split = partials or k_splits > 1
     out_shape = (k_splits, num_rows, n_dim) if split else (num_rows, n_dim)
     return pl.pallas_call(
-        functools.partial(_kernel, tiles=tiles, layout=layout),
+        functools.partial(_kernel, tiles=tiles, layout=layout, eps=None if norm is None else norm.eps),
         grid=(_num_strips(n_dim, tiles), k_splits),
-        in_specs=[_whole(x_MK.shape), _whole(values_NK.shape), _whole(scales.shape)],
+        in_specs=[_whole(x_MK.shape), _whole(values_NK.shape), _whole(scales.shape)]
+        + [_whole(a.shape) for a in norm_inputs],
         out_specs=_whole(out_shape),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split else x_MK.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="weight_only_gemv",
-    )(x_MK, values_NK, scales.astype(jnp.float32))
+        name="weight_only_gemv" if norm is None else "weight_only_gemv_gated_norm",
+    )(x_MK, values_NK, scales.astype(jnp.float32), *norm_inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
@@ -232,11 +316,14 @@ def weight_only_gemv_partials_gpu(
     block: tuple[int, int],
     tiles: tuned.GemvTiles | None = None,
     interpret: bool = False,
+    norm: GatedHeadNorm | None = None,
 ) -> jax.Array:
     """`weight_only_gemv_gpu`'s fp32 partial sums [splits, M, N], left unreduced for the next kernel to add
     (`pallas_kernels.norm.add_partials_rms_norm`): jnp.sum(partials, axis=0) cast to x's dtype is
-    `weight_only_gemv_gpu`'s y. One K split: [1, M, N]."""
-    return _gemv_call(x_MK, values_NK, scales, tuple(block), tiles, interpret, partials=True)
+    `weight_only_gemv_gpu`'s y. One K split: [1, M, N]. norm: the product's x is `reference.gated_head_norm(x,
+    norm)`, formed in the kernel as it reads x (module docstring: heads of whole K blocks tiling K, the gate [M, K],
+    norm.weight_D [D]); None: x as it is, the plain gemv."""
+    return _gemv_call(x_MK, values_NK, scales, tuple(block), tiles, interpret, partials=True, norm=norm)
 
 
 @dataclasses.dataclass(frozen=True)

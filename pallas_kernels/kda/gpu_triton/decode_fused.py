@@ -14,7 +14,9 @@ each program forms over D in power-of-two pieces (the model's b_proj, without an
 
 The gated output norm needs the head's whole output row: with one split the program normalises it itself (the
 step is one kernel); with more the kernel writes o before the norm (rounded to v's dtype, as the model's ops
-round it) and `reference.gated_output_norm` follows in XLA (one small fusion). The windows are written out of
+round it) and `reference.gated_output_norm` follows in XLA (one small fusion), or, asked for o without its norm
+(output_norm False: `leaves_norm` says where), in the caller's next kernel (the output projection's gemv prologue,
+`pallas_kernels.fp8.GatedHeadNorm`). The windows are written out of
 place: every program of a head reads the head's whole q and k window rows, which another program's shifted
 columns would overwrite.
 
@@ -184,6 +186,18 @@ def _cores(interpret: bool) -> int:
     return H200_SMS
 
 
+def _splits(batch: int, heads: int, value_dim: int, tiles: tuned.DecodeFusedGpuTiles, interpret: bool) -> int:
+    return tiles.value_splits or value_splits(batch * heads, value_dim, _cores(interpret))
+
+
+def leaves_norm(
+    batch: int, heads: int, value_dim: int, dtype, *, tiles: tuned.DecodeFusedGpuTiles | None = None, interpret: bool
+) -> bool:
+    """Whether the kernel, for batch x heads sequence-heads of value_dim values in dtype, splits the values (tiles:
+    None from `tuned.DECODE_FUSED_GPU`) and so leaves the gated output norm to a kernel after it."""
+    return _splits(batch, heads, value_dim, tiles or lookup(tuned.DECODE_FUSED_GPU, dtype=dtype), interpret) > 1
+
+
 def _fused_call(
     q_BTHK,
     k_BTHK,
@@ -202,16 +216,17 @@ def _fused_call(
     tiles: tuned.DecodeFusedGpuTiles | None,
     interpret: bool,
     all_states: bool,
+    output_norm: bool = True,
 ):
     """The kernel over T tokens a row: (o [B, T, H, V], the windows and states after each token (all_states: [B, T,
     W, 3, H, K], [B, T, H, K, V] fp32) or after the last ([B, W, 3, H, K], [B, H, K, V] fp32 in place of the
-    state))."""
+    state)); output_norm False: o before the gated output norm."""
     tiles = tiles or lookup(tuned.DECODE_FUSED_GPU, dtype=v_BTHV.dtype)
     batch, tokens, heads, key_dim = q_BTHK.shape
     value_dim = v_BTHV.shape[-1]
     if value_dim != key_dim:
         raise ValueError(f"kda_decode_fused: the conv window holds q, k and v rows alike: V {value_dim} != K {key_dim}")
-    splits = tiles.value_splits or value_splits(batch * heads, value_dim, _cores(interpret))
+    splits = _splits(batch, heads, value_dim, tiles, interpret)
     if value_dim % splits:
         raise ValueError(f"kda_decode_fused: tiles.value_splits {splits} does not divide V {value_dim}")
     split_dim = value_dim // splits
@@ -252,7 +267,7 @@ def _fused_call(
         own_state = pl.BlockSpec((None, tokens, None, key_dim, split_dim), lambda s, h, b: (b, 0, h, 0, s))
         window_shape = (batch, tokens, *window_shape[1:])
         state_shape = (batch, tokens, *state_shape[1:])
-    normalize = splits == 1
+    normalize = splits == 1 and output_norm
     kernel = functools.partial(
         _fused_kernel,
         scale=scale,
@@ -292,14 +307,14 @@ def _fused_call(
         jnp.ones((batch, tokens), jnp.int32) if real_BT is None else real_BT.astype(jnp.int32),
         *beta_inputs,
     )
-    if not normalize:
+    if output_norm and not normalize:
         o = gated_output_norm(o, gate_BTHV, weights.norm_weight_V, eps)
     return o, new_window, new_state
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "lower_bound", "eps", "tiles", "interpret"),
+    static_argnames=("scale", "lower_bound", "eps", "tiles", "interpret", "output_norm"),
     donate_argnames=("state_BHKV",),
 )
 def kda_decode_fused_gpu(
@@ -319,12 +334,13 @@ def kda_decode_fused_gpu(
     eps: float,
     tiles: tuned.DecodeFusedGpuTiles | None = None,
     interpret: bool = False,
+    output_norm: bool = True,
 ):
     """(o [B, H, V] in v's dtype, new conv window [B, T-1, 3, H, K], new state [B, H, K, V] fp32 in place of the
     donated state): `reference.kda_decode_fused` (b_BH: beta's pre-activation, or a `BetaProjection` that each
-    program forms its element of). Tiles: None from `tuned.DECODE_FUSED_GPU` (value_splits: the
-    programs a sequence-head, None for `value_splits`' rule; block_v: the value columns of one step of a
-    program's walk over its state slice)."""
+    program forms its element of; output_norm False: o before the gated output norm). Tiles: None from
+    `tuned.DECODE_FUSED_GPU` (value_splits: the programs a sequence-head, None for `value_splits`' rule; block_v: the
+    value columns of one step of a program's walk over its state slice)."""
     one_token = [x[:, None] for x in (q_BHK, k_BHK, v_BHV, f_BHK)]
     if isinstance(b_BH, BetaProjection):
         b_BTH = BetaProjection(b_BH.x_BD[:, None], b_BH.weight_HD)
@@ -344,6 +360,7 @@ def kda_decode_fused_gpu(
         tiles=tiles,
         interpret=interpret,
         all_states=False,
+        output_norm=output_norm,
     )
     return o_BTHV[:, 0], window, state
 
