@@ -149,8 +149,8 @@ def kda_attention(
     weights: the layer's `attention` parameters (`q_proj`, `q_conv1d`, `A_log`, ...); state None starts from
     zeros. ctx gives the padding mask, the mode and the kernel backend (`ctx.policy`). project_output False: the
     output projection's input o [B, T, C] in y's place, for the caller to project (`layers.linear_add_rms_norm`):
-    where the fused decode step on one device leaves the gated output norm to a kernel of its own, o before the norm
-    with it (`layers.GatedNormInput`), for the projection's gemv to form as it reads o.
+    where the fused decode (or verify) step on one device leaves the gated output norm to a kernel of its own, o
+    before the norm with it (`layers.GatedNormInput`), for the projection's gemv to form as it reads o.
     """
     if state is None:
         state = KDAState.zeros(cfg, x_BTD.shape[0], x_BTD.dtype)
@@ -241,14 +241,15 @@ def _fused(
 ):
     """`_kda` for one token per sequence in recurrent mode, or steps mode's few tokens, everything between the
     projections in one op (`pallas_kernels.kda.kda_decode_fused`, `kda_verify_fused`: one kernel on a GPU), as
-    `fused_decode` asks; a decode step's o left unnormalised for the caller (`kda_attention`'s project_output)."""
+    `fused_decode` asks; o left unnormalised for the caller where that saves a kernel (`kda_attention`'s
+    project_output)."""
     c = config
     steps = policy.kda_mode == STEPS
     batch, length, _ = x_BTD.shape
     heads, head_dim = c.num_attention_heads, c.head_dim
     one_device = jax.sharding.get_abstract_mesh().empty
     defer_norm = (
-        not (steps or project_output)
+        not project_output
         and one_device
         and fused_decode_leaves_norm(batch, heads, head_dim, x_BTD.dtype, backend=op_backend(policy))
     )
@@ -268,7 +269,9 @@ def _fused(
 
     def fused(q, k, v, f, r, window, recurrent, *arrays):
         b = BetaProjection(*arrays[7:]) if project_beta else arrays[7]
-        keywords = dict(lower_bound=gate_lower_bound(c), eps=c.rms_norm_eps, backend=op_backend(policy))
+        keywords = dict(
+            lower_bound=gate_lower_bound(c), eps=c.rms_norm_eps, output_norm=not defer_norm, backend=op_backend(policy)
+        )
         if steps:
             return kda_verify_fused(
                 q, k, v, f, b, r, window, recurrent, DecodeWeights(*arrays[:6]), real_BT=arrays[6], **keywords
@@ -283,7 +286,6 @@ def _fused(
             recurrent,
             DecodeWeights(*arrays[:6]),
             real_B=arrays[6][:, 0],
-            output_norm=not defer_norm,
             **keywords,
         )
         return o[:, None], window, recurrent

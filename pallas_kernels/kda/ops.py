@@ -172,10 +172,11 @@ def kda_decode_fused(
 def fused_decode_leaves_norm(
     batch: int, heads: int, value_dim: int, dtype, *, backend: str = "auto", variant: str | None = None
 ) -> bool:
-    """Whether `kda_decode_fused` on `backend` (variant: as there) runs its gated output norm as a kernel of its own
-    after the step's (the GPU kernel splitting each head's values over programs: `gpu_triton.decode_fused.
-    leaves_norm`), one the caller saves by asking for o without it (output_norm False) and fusing the norm into its
-    next kernel; False where the step's kernel normalises o itself, or the reference runs."""
+    """Whether `kda_decode_fused` (and `kda_verify_fused`, the same kernel) on `backend` (variant: as there) runs its
+    gated output norm as a kernel of its own after the step's (the GPU kernel splitting each head's values over
+    programs: `gpu_triton.decode_fused.leaves_norm`), one the caller saves by asking for o without it (output_norm
+    False) and fusing the norm into its next kernel; False where the step's kernel normalises o itself, or the
+    reference runs."""
     backend = resolve_backend(backend)
     if _fused_variant("kda_decode_fused", backend, variant) != "gpu_triton":
         return False
@@ -197,18 +198,20 @@ def kda_verify_fused(
     scale=None,
     lower_bound: float | None,
     eps: float,
+    output_norm: bool = True,
     backend: str = "auto",
     variant: str | None = None,
 ):
     """`kda_decode_fused` over T tokens a row (a speculative verify pass: T = drafts + 1, a few): (o [B, T, H, V] in
     v's dtype, the conv window [B, T, W, 3, H, K] and state [B, T, H, K, V] fp32 after each token); the arrays and
-    keywords are `reference.kda_verify_fused`'s (real_BT: the padding mask, None for none).
+    keywords are `reference.kda_verify_fused`'s (real_BT: the padding mask, None for none; output_norm as in
+    `kda_decode_fused`).
 
     One kernel on a GPU ("gpu_triton": each program walks the T tokens with its state columns on chip); the
     reference elsewhere. backend, variant: as for `kda_decode_fused` (variant: a name of VARIANTS["kda_verify_fused"]).
     """
     args = (q_BTHK, k_BTHK, v_BTHV, f_BTHK, b_BTH, gate_BTHV, conv_window_BW3HK, state_BHKV, weights)
-    keywords = dict(real_BT=real_BT, scale=scale, lower_bound=lower_bound, eps=eps)
+    keywords = dict(real_BT=real_BT, scale=scale, lower_bound=lower_bound, eps=eps, output_norm=output_norm)
     return _fused_op("kda_verify_fused", args, keywords, backend, variant)
 
 

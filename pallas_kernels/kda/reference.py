@@ -271,11 +271,13 @@ def kda_verify_fused(
     scale=None,
     lower_bound,
     eps,
+    output_norm=True,
 ):
     """`kda_decode_fused` over T tokens a row in turn, keeping what each leaves (speculative verification): (o [B, T,
     H, V] in v's dtype, the conv window [B, T, W, 3, H, K] and state [B, T, H, K, V] fp32 after each token). The
     arrays are `kda_decode_fused`'s with a token axis after the batch's (b_BTH: beta's pre-activations or a
-    `BetaProjection` of x [B, T, D]); real_BT [B, T] bool: False for a pad token (None: all real)."""
+    `BetaProjection` of x [B, T, D]); real_BT [B, T] bool: False for a pad token (None: all real); output_norm as
+    there."""
     outputs, windows, states = [], [], []
     for t in range(q_BTHK.shape[1]):
         b_BH = BetaProjection(b_BTH.x_BD[:, t], b_BTH.weight_HD) if isinstance(b_BTH, BetaProjection) else b_BTH[:, t]
@@ -290,6 +292,7 @@ def kda_verify_fused(
             scale=scale,
             lower_bound=lower_bound,
             eps=eps,
+            output_norm=output_norm,
         )
         outputs.append(o_BHV)
         windows.append(conv_window_BW3HK)

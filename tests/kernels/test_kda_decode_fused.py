@@ -168,25 +168,34 @@ def test_masked_layer_step_fused_equals_separate_ops():
 
 
 def test_output_before_the_norm_and_where_the_kernel_leaves_it():
-    """output_norm False: o before the gated output norm, the kernel's (2 programs a head) as the reference's. The
-    GPU kernel runs the norm as a kernel of its own where it splits the values (Ling-3.0-flash's 32 heads of 128 at
-    batch 1 and 2, not at 8: `fused_decode_leaves_norm`), the reference never."""
-    arrays = random_step(3, 5, 32, 4, jnp.float32, seed=3)
+    """output_norm False: o before the gated output norm, the kernel's (2 programs a head) as the reference's, for
+    one token a row and for a verify pass's 2. The GPU kernel runs the norm as a kernel of its own where it splits
+    the values (Ling-3.0-flash's 32 heads of 128 at batch 1 and 2, not at 8: `fused_decode_leaves_norm`), the
+    reference never."""
     keywords = dict(scale=32**-0.5, lower_bound=-5.0, eps=EPS, output_norm=False)
-    want = fused_reference(*arrays, **keywords)
     tiles = DecodeFusedGpuTiles(block_v=8, num_warps=4, value_splits=2)
-    got = kda_decode_fused_gpu(*arrays, tiles=tiles, interpret=True, **keywords)
-    assert rel_error(got[0], want[0]) <= TOL[jnp.float32]
+    for tokens, reference, fused in (
+        (None, fused_reference, kda_decode_fused_gpu),
+        (2, verify_reference, kda_verify_fused_gpu),
+    ):
+        arrays = random_step(3, 5, 32, 4, jnp.float32, seed=3, tokens=tokens)
+        want = reference(*arrays, **keywords)
+        got = fused(*arrays, tiles=tiles, interpret=True, **keywords)
+        assert rel_error(got[0], want[0]) <= TOL[jnp.float32]
     leaves = [fused_decode_leaves_norm(batch, 32, 128, jnp.bfloat16, backend="interpret_gpu") for batch in (1, 2, 8)]
     assert leaves == [True, True, False]
     assert not fused_decode_leaves_norm(1, 32, 128, jnp.bfloat16, backend="reference")
 
 
-def test_layer_step_leaves_the_norm_to_the_output_projection():
-    """Where the fused step splits the values (heads of 32 at batch 2: 2 programs a head), the KDA layer's decode step
-    for the caller to project gives o before its gated norm, with the norm (`GatedNormInput`); the output projection (a
-    block-FP8 weight, the decode gemv) forms the norm as it reads o, then the residual add + RMSNorm: as the reference
-    path's, whose step normalises o itself. No norm runs outside the kernels."""
+@pytest.mark.parametrize(
+    "batch, tokens, mode", [(2, 1, KDAMode.RECURRENT), (1, 2, KDAMode.STEPS)], ids=["decode_batch_2", "verify_2_tokens"]
+)
+def test_layer_step_leaves_the_norm_to_the_output_projection(batch, tokens, mode):
+    """Where the fused step splits the values (heads of 32 at batch 1 or 2: 2 programs a head), the KDA layer's decode
+    step (or a verify pass's) for the caller to project gives o before its gated norm, with the norm
+    (`GatedNormInput`); the output projection (a block-FP8 weight, the decode gemv: 2 rows) forms the norm as it reads
+    o, then the residual add + RMSNorm: as the reference path's, whose step normalises o itself. No norm runs outside
+    the kernels."""
     config = LingConfig.from_dict({**TINY, "head_dim": 32})
     layer = KimiDeltaAttention(config, dtype=jnp.float32, rngs=nnx.Rngs(8))
     weights = params_of(layer)
@@ -194,15 +203,17 @@ def test_layer_step_leaves_the_norm_to_the_output_projection():
     values = jnp.asarray(r.normal(size=(config.hidden_size, config.kda_dim)) * 60.0, jnp.float8_e4m3fn)
     scales = jnp.asarray(r.uniform(1e-3, 1e-2, (config.hidden_size // 32, config.kda_dim // 32)), jnp.float32)
     weights["dense"]["weight"] = BlockFP8Weight(values, scales, (32, 32))
-    x_BTD, residual_BTD = (jnp.asarray(r.normal(size=(2, 1, config.hidden_size)), jnp.float32) for _ in range(2))
+    x_BTD, residual_BTD = (
+        jnp.asarray(r.normal(size=(batch, tokens, config.hidden_size)), jnp.float32) for _ in range(2)
+    )
     state = KDAState(
-        conv_window=jnp.asarray(r.normal(size=(2, 3, 3 * config.kda_dim)), jnp.float32),
-        recurrent_state=jnp.asarray(r.normal(size=(2, 4, 32, 32)) * 0.1, jnp.float32),
+        conv_window=jnp.asarray(r.normal(size=(batch, 3, 3 * config.kda_dim)), jnp.float32),
+        recurrent_state=jnp.asarray(r.normal(size=(batch, 4, 32, 32)) * 0.1, jnp.float32),
     )
     norm_weights = {"weight": jnp.asarray(1.0 + 0.1 * r.normal(size=config.hidden_size), jnp.float32)}
 
     def step(x_BTD, residual_BTD, policy):
-        ctx = token_context(config, 2, 1, policy=policy, kda_mode=KDAMode.RECURRENT)
+        ctx = token_context(config, batch, tokens, policy=policy, kda_mode=mode)
         o_BTC, _ = kda_attention(weights, x_BTD, state, ctx, config, project_output=False)
         assert isinstance(o_BTC, GatedNormInput) == (policy.kernel_backend == "interpret_gpu")
         return linear_add_rms_norm(weights["dense"], o_BTC, residual_BTD, norm_weights, config.rms_norm_eps, policy)

@@ -365,7 +365,7 @@ def kda_decode_fused_gpu(
     return o_BTHV[:, 0], window, state
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "eps", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "eps", "tiles", "interpret", "output_norm"))
 def kda_verify_fused_gpu(
     q_BTHK,
     k_BTHK,
@@ -383,11 +383,12 @@ def kda_verify_fused_gpu(
     eps: float,
     tiles: tuned.DecodeFusedGpuTiles | None = None,
     interpret: bool = False,
+    output_norm: bool = True,
 ):
     """(o [B, T, H, V] in v's dtype, the conv window [B, T, W, 3, H, K] and state [B, T, H, K, V] fp32 after each
     token): `reference.kda_verify_fused`, T decode steps in one kernel (each program keeps its state columns on chip
-    over the T tokens); b_BTH: beta's pre-activations, or a `BetaProjection` of x [B, T, D]. Tiles as for
-    `kda_decode_fused_gpu`."""
+    over the T tokens); b_BTH: beta's pre-activations, or a `BetaProjection` of x [B, T, D]. Tiles and output_norm as
+    for `kda_decode_fused_gpu`."""
     return _fused_call(
         q_BTHK,
         k_BTHK,
@@ -405,4 +406,5 @@ def kda_verify_fused_gpu(
         tiles=tiles,
         interpret=interpret,
         all_states=True,
+        output_norm=output_norm,
     )
