@@ -374,6 +374,19 @@ def test_compiled_grouped_gemv_matches_float64(rows, dtype, tol):
         assert y.dtype == dtype and rel_error(y, f64(x) @ float64_weight(weight).T) <= tol
 
 
+@gpu_test("the compiled FP8 gemv with its gated-norm prologue")
+@pytest.mark.parametrize("rows", [1, 2, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_compiled_gemv_gated_norm_prologue_matches_reference(rows, dtype, tol):
+    """Ling-3.0-flash's KDA output projection (32 heads of 128 in, 2,560 out, 128 x 128 blocks) with the tuned tiles:
+    the decode batches' FMA products and GEMV_MAX_ROWS' tensor-core ones, against the norm then the product (jnp)."""
+    x, norm = gated_norm_case(rows, 32, 128, dtype, seed=rows)
+    weight = random_weight(2560, 4096, seed=rows + 1)
+    partials = weight_only_gemv_partials_gpu(x, weight.values, weight.scales, block=weight.block, norm=norm)
+    want = weight_only_linear_reference(gated_head_norm(x, norm), weight.values, weight.scales, weight.block)
+    assert rel_error(jnp.sum(partials, axis=0), want) <= tol
+
+
 @gpu_test("the compiled FP8 kernels")
 @pytest.mark.parametrize("rows", [1, 13, 300])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
