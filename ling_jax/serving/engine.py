@@ -247,14 +247,41 @@ def _prefill_drafts(model, drafts: SlotDrafts, hidden_PCD, slots_P, ids_PC, mask
     return drafts.replace(cache=jax.tree.map(put, drafts.cache, rows), carry_BD=put(drafts.carry_BD, last_PD))
 
 
-@functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
+def _state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
+    """Where the slot batch lives over the mesh: the caches in their shardings (`cache_shardings`), the rest
+    replicated (a pytree of `NamedSharding`s like `state`)."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.P())
+    shardings = jax.tree.map(lambda _: replicated, state).replace(cache=cache_shardings(state.cache, mesh))
+    if state.drafts is not None:
+        shardings = shardings.replace(drafts=shardings.drafts.replace(cache=cache_shardings(state.drafts.cache, mesh)))
+    return shardings
+
+
+def _pinned(state: DecodeState, mesh: jax.sharding.Mesh | None) -> DecodeState:
+    """A program's output state laid out over the mesh as its input was (`_state_shardings`, `Engine._place`),
+    not as XLA would pick for it: the next program then takes the state as the warm-up compiled it, never in
+    another layout (another program to compile). As it is without a mesh (one device)."""
+    return state if mesh is None else jax.lax.with_sharding_constraint(state, _state_shardings(state, mesh))
+
+
+@functools.partial(jax.jit, static_argnames=("static", "mesh"), donate_argnames="state")
 def _prefill(
-    static, leaves, state: DecodeState, slots_P, ids_PC, mask_PC, fresh_P, last_P, embeds_PCD=None, positions_PC3=None
+    static,
+    leaves,
+    state: DecodeState,
+    slots_P,
+    ids_PC,
+    mask_PC,
+    fresh_P,
+    last_P,
+    embeds_PCD=None,
+    positions_PC3=None,
+    mesh=None,
 ):
     """One prompt chunk per row [P, C] into slots_P (rows whose slot is past the batch are padding: computed,
     never written): their caches, seen rows and (with MTP) MTP entries; -> (hidden [P, D] at each row's column
     last_P, state). embeds_PCD / positions_PC3: a VL prompt's merged embeddings and (t, h, w) positions (None
-    for text)."""
+    for text). mesh: the engine's (`_pinned`), as every program's here."""
     model = static.merge(leaves)
     rows = _reset(_gather_rows(state.cache, slots_P), fresh_P)
     hidden_PCD, rows = model.model(
@@ -273,7 +300,7 @@ def _prefill(
         seen_BV=_mark_seen(state.seen_BV, slots_P, ids_PC, mask_PC, fresh_P),
         drafts=drafts,
     )
-    return hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P], state
+    return hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P], _pinned(state, mesh)
 
 
 @functools.partial(jax.jit, static_argnames="static", donate_argnames="cache")
@@ -289,15 +316,15 @@ def _snapshot(cache: LingCache, slot):
     return tuple(_slot_rows(s, slot) for s in cache.layers if isinstance(s, KDAState))
 
 
-@functools.partial(jax.jit, donate_argnames="state")
-def _restore(state: DecodeState, slot, kda, ids_1L, mask_1L):
+@functools.partial(jax.jit, static_argnames="mesh", donate_argnames="state")
+def _restore(state: DecodeState, slot, kda, ids_1L, mask_1L, mesh=None):
     """Resume the slot after a cached prefix (ids_1L where mask_1L; its pages are in the slot's table row): the
     last block's KDA states, the length, the prefix's tokens marked seen."""
     cache, kda = state.cache, iter(kda)
     layers = tuple(_put_slot_rows(s, next(kda), slot) if isinstance(s, KDAState) else s for s in cache.layers)
     lengths = cache.lengths.at[slot].set(mask_1L.sum(dtype=jnp.int32))
     seen_BV = _mark_seen(state.seen_BV, slot[None], ids_1L, mask_1L, jnp.ones((1,), bool))
-    return state.replace(cache=cache.replace(layers=layers, lengths=lengths), seen_BV=seen_BV)
+    return _pinned(state.replace(cache=cache.replace(layers=layers, lengths=lengths), seen_BV=seen_BV), mesh)
 
 
 @functools.partial(jax.jit, static_argnames="block")
@@ -308,8 +335,8 @@ def _snapshot_drafts(drafts: SlotDrafts, slot, first, block: int):
     return jax.lax.dynamic_slice_in_dim(latent_1SA, first, block, axis=1), _slot_rows(drafts.carry_BD, slot)
 
 
-@functools.partial(jax.jit, donate_argnames="state")
-def _restore_drafts(state: DecodeState, slot, first, rows_1KA, carry_1D, length):
+@functools.partial(jax.jit, static_argnames="mesh", donate_argnames="state")
+def _restore_drafts(state: DecodeState, slot, first, rows_1KA, carry_1D, length, mesh=None):
     """Put a block's MTP entries (`_snapshot_drafts`) back at row `first` of the slot's MTP cache, its length and
     carry those at the block's end."""
     drafts = state.drafts
@@ -319,13 +346,12 @@ def _restore_drafts(state: DecodeState, slot, first, rows_1KA, carry_1D, length)
         layer=drafts.cache.layer.replace(latent=_put_slot_rows(latent, latent_1SA, slot)),
         lengths=drafts.cache.lengths.at[slot].set(length),
     )
-    return state.replace(
-        drafts=drafts.replace(cache=mtp_cache, carry_BD=_put_slot_rows(drafts.carry_BD, carry_1D, slot))
-    )
+    drafts = drafts.replace(cache=mtp_cache, carry_BD=_put_slot_rows(drafts.carry_BD, carry_1D, slot))
+    return _pinned(state.replace(drafts=drafts), mesh)
 
 
-@functools.partial(jax.jit, donate_argnames="state")
-def _fork(state: DecodeState, parent, child, from_page, to_page) -> DecodeState:
+@functools.partial(jax.jit, static_argnames="mesh", donate_argnames="state")
+def _fork(state: DecodeState, parent, child, from_page, to_page, mesh=None) -> DecodeState:
     """`child`'s per-slot rows a copy of `parent`'s (KDA states, length, seen tokens, counts, MTP state), and page
     `to_page` of every MLA layer a copy of page `from_page`."""
 
@@ -340,17 +366,17 @@ def _fork(state: DecodeState, parent, child, from_page, to_page) -> DecodeState:
         for s in cache.layers
     )
     rows = jax.tree.map(copy_row, state.replace(cache=None))
-    return rows.replace(cache=cache.replace(layers=layers, lengths=copy_row(cache.lengths)))
+    return _pinned(rows.replace(cache=cache.replace(layers=layers, lengths=copy_row(cache.lengths))), mesh)
 
 
-@functools.partial(jax.jit, static_argnames="static", donate_argnames="state")
-def _first_token(static, leaves, state: DecodeState, slot, hidden_1D, arrays_1: SamplingArrays):
+@functools.partial(jax.jit, static_argnames=("static", "mesh"), donate_argnames="state")
+def _first_token(static, leaves, state: DecodeState, slot, hidden_1D, arrays_1: SamplingArrays, mesh=None):
     """The request's first token (`first_token` on the slot's row: its token index 0); the slot's token, count
     and seen row updated; with MTP, the last prompt position's MTP entry and the slot's first draft. ->
     (NewTokens [1, 1], state)."""
     slots = state.replace(cache=None)  # the cache is not per slot (its MLA pages are one pool) and unused here
     new, row = first_token(static.merge(leaves), _slot_rows(slots, slot), hidden_1D, arrays_1)
-    return new, _put_slot_rows(slots, row, slot).replace(cache=state.cache)
+    return new, _pinned(_put_slot_rows(slots, row, slot).replace(cache=state.cache), mesh)
 
 
 def _without_idle_pages(cache: LingCache, active_B) -> LingCache:
@@ -390,7 +416,9 @@ def _decode_steps(
     return NewTokens(tokens_RG, ran_GR.sum(axis=0, dtype=jnp.int32), logprobs), state
 
 
-@functools.partial(jax.jit, static_argnames=("static", "num_drafts", "rows", "num_steps"), donate_argnames="state")
+@functools.partial(
+    jax.jit, static_argnames=("static", "num_drafts", "rows", "num_steps", "mesh"), donate_argnames="state"
+)
 def _step(
     static,
     num_drafts,
@@ -403,6 +431,7 @@ def _step(
     capacity_R,
     end_bits_BW,
     offsets_R=None,
+    mesh=None,
 ):
     """num_steps decode steps (num_drafts = 0: `_decode_steps`) or speculative rounds (`speculative_rounds`, the
     program `Generator` runs) of slots [0, rows) (the engine's bucket over its active slots); slots not active have
@@ -422,7 +451,7 @@ def _step(
         )
     else:
         new, stepped = _decode_steps(model, num_steps, stepping, arrays, active_R, capacity_R, end_bits_RW, offsets_R)
-    return new, _put_first_slots(state, stepped)
+    return new, _pinned(_put_first_slots(state, stepped), mesh)
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -430,6 +459,11 @@ def decode_buckets(max_batch: int) -> list[int]:
     the smallest that holds every active slot (slots are taken lowest first), so a lone request does not pay for
     a full batch."""
     return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+
+
+def _warm_up_chunks(length: int, rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`rows` chunks of `length` real tokens (`Engine.warm_up`'s prefills)."""
+    return [(np.ones(length, np.int32), np.ones(length, bool))] * rows
 
 
 class Engine:
@@ -522,12 +556,7 @@ class Engine:
         committed, come back."""
         if self.mesh is None:
             return jax.device_put(state, one_device_sharding())
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.P())
-        shardings = jax.tree.map(lambda _: replicated, state).replace(cache=cache_shardings(state.cache, self.mesh))
-        if state.drafts is not None:
-            drafts = shardings.drafts.replace(cache=cache_shardings(state.drafts.cache, self.mesh))
-            shardings = shardings.replace(drafts=drafts)
-        return jax.device_put(state, shardings)
+        return jax.device_put(state, _state_shardings(state, self.mesh))
 
     def chunks(self, prompt_length: int) -> list[int]:
         """The chunk lengths a prompt of `prompt_length` tokens is prefilled in (the last chunk ends with it)."""
@@ -629,7 +658,8 @@ class Engine:
             jnp.asarray(mask_PC, bool),
             jnp.asarray(list(fresh) + [True] * pad, bool),
             jnp.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], jnp.int32),
-            *(media or ()),
+            *(media or (None, None)),
+            self.mesh,
         )
 
     def media_prefill(
@@ -677,7 +707,8 @@ class Engine:
         MTP, every block's MTP entries and the last one's carry."""
         ids_1L, mask_1L = np.zeros((1, self.max_context), np.int32), np.zeros((1, self.max_context), bool)
         ids_1L[0, : len(prefix)], mask_1L[0, : len(prefix)] = prefix, True
-        self.state = _restore(self._synced(), jnp.int32(slot), path[-1].kda, jnp.asarray(ids_1L), jnp.asarray(mask_1L))
+        ids_1L, mask_1L = jnp.asarray(ids_1L), jnp.asarray(mask_1L)
+        self.state = _restore(self._synced(), jnp.int32(slot), path[-1].kda, ids_1L, mask_1L, mesh=self.mesh)
         if self.state.drafts is None:
             return
         for block, snapshot in enumerate(path):
@@ -690,6 +721,7 @@ class Engine:
                 rows_1KA,
                 carry_1D,
                 jnp.int32(start + self.prefix_block - 1),
+                mesh=self.mesh,
             )
 
     def fork(self, parent: int, child: int, prompt_length: int, tokens: int) -> None:
@@ -702,15 +734,19 @@ class Engine:
         from_page = to_page = self.pages.num_pages  # no partial page: the scratch page onto itself
         if prompt_length % page_size:
             from_page, to_page = self.page_table_BN[parent, whole], self.page_table_BN[child, whole]
-        self.state = _fork(
-            self._synced(), jnp.int32(parent), jnp.int32(child), jnp.int32(from_page), jnp.int32(to_page)
-        )
+        pages = jnp.int32(from_page), jnp.int32(to_page)
+        self.state = _fork(self._synced(), jnp.int32(parent), jnp.int32(child), *pages, mesh=self.mesh)
 
     def _synced(self) -> DecodeState:
-        """The state with the host's page table in its cache (sent to the device once after each change)."""
+        """The state with the host's page table in its cache (sent to the device once after each change, where the
+        programs keep it; the rest of the state stays as the last program left it: laid out as `_place` lays it, but
+        a device_put there, seeing its spec spelled otherwise, would copy it and, in a job of several processes,
+        compile that copy)."""
         if self._table_changed:
-            table_BN = jnp.array(self.page_table_BN, copy=True)  # never a view of the host's table, edited in place
-            self.state = self._place(self.state.replace(cache=self.state.cache.replace(page_table=table_BN)))
+            cache = self.state.cache
+            # a copy: never a view of the host's table, edited in place
+            table_BN = jax.device_put(self.page_table_BN.copy(), cache.page_table.sharding)
+            self.state = self.state.replace(cache=cache.replace(page_table=table_BN))
             self._table_changed = False
         return self.state
 
@@ -734,7 +770,9 @@ class Engine:
         arrays = SamplingArrays.from_params([params], self.config.vocab_size)
         if bitmask_W is not None:
             arrays = arrays.replace(token_bitmask_BW=jnp.asarray(bitmask_W[None]))
-        first, self.state = _first_token(self.static, self.leaves, self.state, jnp.int32(slot), hidden_1D, arrays)
+        first, self.state = _first_token(
+            self.static, self.leaves, self.state, jnp.int32(slot), hidden_1D, arrays, mesh=self.mesh
+        )
         return first
 
     def prompt_logprobs(self, prompt: list[int]) -> Logprobs:
@@ -830,6 +868,7 @@ class Engine:
             capacity_R,
             self._end_bits,
             offsets_R,
+            self.mesh,
         )
 
     def _run(self, key: tuple, fn, args: tuple):
@@ -872,42 +911,25 @@ class Engine:
         stands in for computes.
 
         store: where the prefill and decode programs are kept as serialised executables (`ProgramStore`): one
-        stored by an earlier start is loaded instead of compiled, and then called without tracing."""
+        stored by an earlier start is loaded instead of compiled, and then called without tracing.
+
+        In a job of several processes (`--distributed`) a program compiles at its first call, which every process
+        makes in step, so each one is run instead (`_run_each_program`), through the engine's own calls (process
+        0's are published to the others, `replicated`); background and store do not apply."""
         lengths, buckets = self.chunk_lengths(), decode_buckets(self.max_batch)
         idle_B = np.zeros(self.max_batch, bool)
-
-        def chunks(length: int, rows: int):
-            return [(np.ones(length, np.int32), np.ones(length, bool))] * rows
-
-        multi = jax.process_count() > 1  # a job's processes compile each program at its first call, in step
-
-        def program(fn, make_args):
-            return fn, (None if multi else make_args())
-
-        one_row = {
-            ("prefill", length, 1): program(
-                _prefill, lambda length=length: self._prefill_args([0], chunks(length, 1), [True], None, 1)
-            )
-            for length in lengths
-        }
+        one_row = [("prefill", length, 1) for length in lengths]
         # the shortest chunk first (the runs below wait for it), then any length it does not divide; the others
         # are prefilled in pieces of a shorter length until their own program is compiled (`prefill`)
-        first = {key: one_row.pop(key) for key in list(one_row) if key[1] == lengths[0] or key[1] % lengths[0]}
-        first[("step", buckets[-1], 1)] = program(_step, lambda: self._step_args(idle_B, buckets[-1], 1))
-        later = one_row | {
-            ("step", rows, steps): program(_step, lambda rows=rows, steps=steps: self._step_args(idle_B, rows, steps))
+        first = [key for key in one_row if key[1] == lengths[0] or key[1] % lengths[0]] + [("step", buckets[-1], 1)]
+        later = [key for key in one_row if key not in first]
+        later += [
+            ("step", rows, steps)
             for rows in reversed(buckets)
             for steps in sorted({1, self.decode_steps})
             if (rows, steps) != (buckets[-1], 1)
-        }
-        for length in lengths:
-            if (rows := self.prefill_rows(length)) > 1:
-                later[("prefill", length, rows)] = program(
-                    _prefill,
-                    lambda length=length, rows=rows: self._prefill_args(
-                        list(range(rows)), chunks(length, rows), [True] * rows, None, rows
-                    ),
-                )
+        ]
+        later += [("prefill", length, self.prefill_rows(length)) for length in lengths if self.prefill_rows(length) > 1]
         total = len(first) + len(later) + 1 + 2 * (self.prefix_block is not None) + (self.max_batch > 1)
         done, lock = iter(range(1, total + 1)), threading.Lock()
 
@@ -915,11 +937,40 @@ class Engine:
             with lock:
                 on_program(next(done), total)
 
+        if jax.process_count() > 1:
+            self._run_each_program(first + later, compiled)
+            return
+
+        def program(key: tuple) -> tuple:
+            """The key's jitted function and its arguments (idle rows: only their shapes matter here)."""
+            kind, size, count = key
+            if kind == "prefill":
+                return _prefill, self._prefill_args(
+                    list(range(count)), _warm_up_chunks(size, count), [True] * count, None, count
+                )
+            return _step, self._step_args(idle_B, size, count)
+
+        programs = {key: program(key) for key in first + later}
         compiler = ProgramCompiler(compiled, store=store)
-        futures = {key: compiler.submit(*program) for key, program in first.items()}
+        futures = {key: compiler.submit(*programs[key]) for key in first}
         self._programs = dict(futures)
         futures[("prefill", lengths[0], 1)].result()
-        hidden_1D = self.prefill([0], chunks(lengths[0], 1), [True])
+        self._run_on_slot_0(compiled)
+        for future in futures.values():
+            future.result()
+        # the others only now: compiling alongside, they would take the CPU from the programs above
+        self._background = {key: compiler.submit(*programs[key]) for key in later}
+        self._programs |= self._background
+        compiler.close()
+        if not background:
+            for future in self._background.values():
+                future.result()
+
+    def _run_on_slot_0(self, compiled: Callable[[], None]) -> None:
+        """`warm_up`'s programs run on slot 0 (no pages: nothing is written) after a prefill of the shortest chunk:
+        the prefix cache's snapshot and restore, a fork into slot 1 (whose rows a new request resets) and the first
+        token; compiled() after each."""
+        hidden_1D = self.prefill([0], _warm_up_chunks(self.chunk_lengths()[0], 1), [True])
         if self.prefix_block is not None:
             snapshot = self.snapshot(0, 0)
             compiled()
@@ -933,12 +984,22 @@ class Engine:
         compiled()
         self.release(0)
         jax.block_until_ready(self.state)
-        for future in futures.values():
-            future.result()
-        # the others only now: compiling alongside, they would take the CPU from the programs above
-        self._background = {key: compiler.submit(*program) for key, program in later.items()}
-        self._programs |= self._background
-        compiler.close()
-        if not background:
-            for future in self._background.values():
-                future.result()
+
+    def _run_each_program(self, keys: list[tuple], compiled: Callable[[], None]) -> None:
+        """`warm_up` in a job of several processes: each program (`keys`, as `warm_up` names them) run once through
+        the engine's calls, every process making the same ones in the same order, so `ready` means that every
+        program a request can use exists. A prefill step runs its rows' chunks into slots [0, rows), whose rows a
+        new request resets, and its last row's first token (the scheduler's slice of its hidden states); a decode
+        step runs with every slot idle (their states kept). compiled() after each."""
+        for kind, size, count in keys:
+            if kind == "prefill":
+                hidden_PD = self.prefill(list(range(count)), _warm_up_chunks(size, count), [True] * count)
+                self.first_token(0, hidden_PD[count - 1 : count], GREEDY)
+                compiled()
+        self._run_on_slot_0(compiled)
+        idle_B = np.zeros(self.max_batch, bool)
+        for kind, size, count in keys:
+            if kind == "step":
+                self.decode(idle_B, rows=size, steps=count)
+                compiled()
+        jax.block_until_ready(self.state)

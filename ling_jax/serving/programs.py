@@ -187,14 +187,8 @@ class ProgramCompiler:
             threading.Thread(target=self._work, name=f"ling-compile-{index}", daemon=True).start()
 
     def submit(self, fn, args: tuple) -> Future:
-        """Compile the jitted `fn` for `args` (`compile_program`); the Future gives the compiled program. args
-        None (a multi-process job, `Engine.warm_up`): nothing compiles ahead, the program compiles at its first
-        call, which every process makes in step (its Future is done, with None)."""
+        """Compile the jitted `fn` for `args` (`compile_program`); the Future gives the compiled program."""
         future: Future = Future()
-        if args is None:
-            future.set_result(None)
-            self._on_done()
-            return future
         self._jobs.put((future, fn, jax.tree.map(spec, args)))
         return future
 

@@ -29,6 +29,7 @@ import functools
 import io
 import itertools
 import json
+import sys
 import threading
 import time
 import weakref
@@ -36,6 +37,7 @@ from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
+from jax import monitoring
 
 from ling_jax.generation.generator import NewTokens
 from ling_jax.generation.sampling import SamplingParams
@@ -47,6 +49,7 @@ ALIVE = "ling-serve/alive/"
 KEPT_COMMANDS = 256  # process 0 deletes command n - KEPT_COMMANDS when it publishes command n
 HEARTBEAT_S = 1.0
 WAIT_MS = 1000  # a follower's wait for the next command, between checks that process 0 is still there
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event: an XLA compilation
 
 
 def _client():
@@ -75,6 +78,20 @@ def params_of(fields: dict) -> SamplingParams:
     """The `SamplingParams` of `dataclasses.asdict`'s fields after a JSON round trip (lists for tuples)."""
     bias = tuple((int(token), float(value)) for token, value in fields["logit_bias"])
     return SamplingParams(**{**fields, "logit_bias": bias, "end_ids": tuple(fields["end_ids"])})
+
+
+@functools.cache
+def report_compiles() -> None:
+    """From now on (the warm-up done), each XLA compilation in this process prints one line on stderr, `ling-serve:
+    process I compiled NAME while serving (S s)`: the warm-up ran every program a request can use but the prompt
+    logprobs' (compiled at their first request), and a compilation holds every process up."""
+
+    def on_duration(event: str, duration_s: float, **fields) -> None:
+        if event == BACKEND_COMPILE:
+            line = f"process {jax.process_index()} compiled {fields.get('fun_name', '?')} while serving"
+            print(f"ling-serve: {line} ({duration_s:.1f} s)", file=sys.stderr, flush=True)
+
+    monitoring.register_event_duration_secs_listener(on_duration)
 
 
 class _HiddenRows:
@@ -123,6 +140,13 @@ class LeaderEngine(_Replica):
         self.send = send
         self._snapshots: dict[int, weakref.ref] = {}  # number -> the snapshot's first array, while it lives
         self._numbers = itertools.count()
+
+    def warm_up(self, on_program=lambda done, total: None, **kwargs) -> None:
+        """The engine's warm-up (every call published), then every process reports its compilations from there on
+        (`report_compiles`)."""
+        super().warm_up(on_program, **kwargs)
+        self.send("warmed_up")
+        report_compiles()
 
     def assign(self, slot: int, shared: list[int], tokens: int) -> None:
         super().assign(slot, shared, tokens)
@@ -225,6 +249,8 @@ class FollowerEngine(_Replica):
             return False
         if op == "assign":
             self._assigned(fields)
+        elif op == "warmed_up":
+            report_compiles()
         elif op == "prefill":
             chunks = list(zip(fields["ids"], fields["mask"]))
             self._hidden_PD = self.prefill(fields["slots"], chunks, fields["fresh"])

@@ -4,9 +4,10 @@ experts across every process (`--mesh expert=4`) and keep a prefix cache; proces
 `openai` client: 8 concurrent completions (more than the slots), greedy and seeded, each prompt whole and streamed at
 once (the same prompt twice in flight), and (the demo's tokenizer has a chat template) greedy and seeded chats, equal
 each prompt run alone through `Generator` on the model one-process `ling-serve` loads (what its server gives:
-tests/serving/test_server.py); a prefix-cache hit; then (last: it ends the job) a killed
-process makes the front end answer 503 and exit with status 1 within the timeout. And a command's encoding round-trips
-its arrays and sampling parameters."""
+tests/serving/test_server.py), the first of them compiling nothing in any process (`ready` came after every program a
+request can use; each process reports a compilation after its warm-up, as the prompt logprobs' at their first request
+show); a prefix-cache hit; then (last: it ends the job) a killed process makes the front end answer 503 and exit with
+status 1 within the timeout. And a command's encoding round-trips its arrays and sampling parameters."""
 
 from __future__ import annotations
 
@@ -167,6 +168,11 @@ def _chat(client, model: str, sampling: SamplingParams, stream: bool) -> str:
     return reply.choices[0].message.content
 
 
+def _compiled_while_serving(job: Job) -> list[list[str]]:
+    """Each process's lines reporting an XLA compilation after its warm-up (`replicated.report_compiles`)."""
+    return [[line for line in job.log(i).splitlines() if "while serving" in line] for i in range(len(job.processes))]
+
+
 def test_a_command_round_trips_with_its_arrays_and_sampling_parameters():
     params = SamplingParams(temperature=0.7, seed=5, logprobs=2, logit_bias=((3, -1.5),), end_ids=(1, 2))
     bitmask_W = np.arange(4, dtype=np.int32)
@@ -182,6 +188,8 @@ def test_8_concurrent_completions_whole_and_streamed_equal_each_run_alone(job, c
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         texts = pool.map(lambda request: _complete(client, job.setup.model, *request), requests)
         assert list(texts) == [references[case] for case, _ in requests]
+    # the job's first batch: every program it ran was run by the warm-up, in every process
+    assert _compiled_while_serving(job) == [[]] * len(job.processes)
 
 
 @pytest.mark.parametrize("job", [DEMO], indirect=True, ids=["2-processes-demo"])
@@ -198,6 +206,15 @@ def test_a_prefix_cache_hit_gives_the_same_tokens(job, client, references):
     again = client.completions.create(model=job.setup.model, prompt=LONG_PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= CHUNK  # the case's earlier runs cached its blocks
     assert again.choices[0].text == references[-1]
+
+
+@pytest.mark.parametrize("job", [TINY], indirect=True, ids=["4-processes-tiny"])
+def test_a_program_compiled_while_serving_is_reported_by_every_process(job, client):
+    # a prompt's logprobs compile at their first request (the warm-up leaves them): the report the first batch's
+    # test reads names them
+    client.completions.create(model=job.setup.model, prompt=CASES[0][0], max_tokens=0, logprobs=1, echo=True)
+    for lines in _compiled_while_serving(job):
+        assert any("compiled jit(_prompt_chunk_logprobs) while serving" in line for line in lines), lines
 
 
 def test_a_killed_process_makes_the_front_end_answer_503_and_exit_1(job, client):
