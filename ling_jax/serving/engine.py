@@ -28,7 +28,10 @@ shape and run with the slot batch donated (by name, `state`):
 in worker threads (`ling_jax.serving.programs`); with `background`, the longer chunk lengths, the several-row
 prefill steps, the smaller decode buckets and the programs of `decode_steps` steps compile on after it returns,
 and `prefill`, `decode_rows` and `decode` run around them until they are done (a chunk in pieces of a compiled
-length, rows one at a time, a larger bucket, one step).
+length, rows one at a time, a larger bucket, one step). In a job of several processes (`--distributed`) it runs
+each program once instead, through the calls process 0 publishes (`ling_jax.serving.replicated`). Over a mesh,
+every program gives the slot batch back laid out as it took it (`_pinned`): a program's input in another layout
+would be another program to compile.
 
 A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
 a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
