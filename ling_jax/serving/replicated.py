@@ -9,8 +9,9 @@ the same arguments. What process 0 decides on the host (which pages a slot gets,
 evictions) travels as its outcome: a slot's page-table row and capacity (`assign`). The prefix cache's snapshots
 are device arrays every process holds its shards of: they are numbered, and a follower drops its copy once
 process 0's is gone (the cache evicted it). Process 0's warm-up is published like any other calls, so the
-followers compile the same programs in the same order; the tokens a program gives are gathered onto every device
-(`_Replica`), for process 0's scheduler to read.
+followers compile the same programs in the same order (it runs every one, `Engine.warm_up`), then a `warmed_up`
+command, after which every process reports each compilation on stderr (`report_compiles`);
+the tokens a program gives are gathered onto every device (`_Replica`), for process 0's scheduler to read.
 
 Commands go through the `jax.distributed` coordination service's key-value store (`ling-serve/command/<n>`, an
 `.npz` of small int / float arrays and a JSON header; no pickles): it takes any size (a grammar's bitmask, a
