@@ -741,10 +741,10 @@ class Engine:
         self.state = _fork(self._synced(), jnp.int32(parent), jnp.int32(child), *pages, mesh=self.mesh)
 
     def _synced(self) -> DecodeState:
-        """The state with the host's page table in its cache (sent to the device once after each change, where the
-        programs keep it; the rest of the state stays as the last program left it: laid out as `_place` lays it, but
-        a device_put there, seeing its spec spelled otherwise, would copy it and, in a job of several processes,
-        compile that copy)."""
+        """The state with the host's page table in its cache (put on the device once after each change, in the
+        table's sharding). The rest stays as the last program gave it (`_pinned`): a device_put of it would find
+        its shardings spelled otherwise than `_place`'s and copy it, in a job of several processes compiling a
+        program for the copy."""
         if self._table_changed:
             cache = self.state.cache
             # a copy: never a view of the host's table, edited in place
