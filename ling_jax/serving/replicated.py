@@ -10,8 +10,8 @@ evictions) travels as its outcome: a slot's page-table row and capacity (`assign
 are device arrays every process holds its shards of: they are numbered, and a follower drops its copy once
 process 0's is gone (the cache evicted it). Process 0's warm-up is published like any other calls, so the
 followers compile the same programs in the same order (it runs every one, `Engine.warm_up`), then a `warmed_up`
-command, after which every process reports each compilation on stderr (`report_compiles`);
-the tokens a program gives are gathered onto every device (`_Replica`), for process 0's scheduler to read.
+command, after which every process reports each compilation on stderr (`report_compiles`); the tokens a program
+gives are gathered onto every device (`_Replica`), for process 0's scheduler to read.
 
 Commands go through the `jax.distributed` coordination service's key-value store (`ling-serve/command/<n>`, an
 `.npz` of small int / float arrays and a JSON header; no pickles): it takes any size (a grammar's bitmask, a
@@ -84,7 +84,7 @@ def params_of(fields: dict) -> SamplingParams:
 @functools.cache
 def report_compiles() -> None:
     """From now on (the warm-up done), each XLA compilation in this process prints one line on stderr, `ling-serve:
-    process I compiled NAME while serving (S s)`: the warm-up ran every program a request can use but the prompt
+    process I compiled jit(NAME) while serving (S s)`: the warm-up ran every program a request can use but the prompt
     logprobs' (compiled at their first request), and a compilation holds every process up."""
 
     def on_duration(event: str, duration_s: float, **fields) -> None:
