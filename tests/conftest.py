@@ -45,6 +45,23 @@ def pytest_xdist_make_scheduler(config, log):
     return DemoServerFilesTogether(config, log)
 
 
+@pytest.fixture(scope="module")
+def full_xla_optimisation():
+    """XLA's full optimiser for the rest of a test module, in this process and in the subprocesses it starts: for
+    tests whose programs run long enough that the cheap level's slower code costs more than it saves in compiling
+    (Pallas kernels in interpret mode: each grid step a loop iteration of unoptimised code)."""
+    saved = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
+    saved_flag = jax.config.read("jax_disable_most_optimizations")
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", saved_flag)
+    if saved is None:
+        del os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"]
+    else:
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = saved
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop JAX's compiled programs after each test module: one process runs the whole suite, and CPU
