@@ -30,19 +30,46 @@ if _TESTS_DIR not in sys.path:
 DEMO_SERVER_FILES = {f"tests/serving/{name}.py" for name in ("test_server", "test_logprobs", "test_structured")}
 
 
+DEMO_SERVER_UNIT = "the demo server's files"
+
+# The work units that take a worker longest (over ~60 CPU-s each on the 2-core CI machine), longest first: handed out
+# before the rest, so the run ends on short files. pytest-xdist hands out files by their test count, largest first,
+# which left these few-test files (a W8A8 model check, a training script, multi-process jobs) for the end, where one
+# worker ran them while the other had nothing left.
+LONGEST_UNITS = (
+    "tests/scripts/test_multi_gpu_scripts.py",
+    DEMO_SERVER_UNIT,
+    "tests/multiprocess/test_serving.py",
+    "tests/serving/test_scheduler.py",
+    "tests/training/test_train.py",
+    "tests/generation/test_generate_cli_run.py",
+    "tests/scripts/test_benchmarks.py",
+    "tests/test_w8a8_model.py",
+    "tests/convert/test_convert_memory.py",
+    "tests/multiprocess/test_multiprocess.py",
+)
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (pyproject.toml) with DEMO_SERVER_FILES as one file; other modes as pytest-xdist has them."""
+    """`--dist loadfile` (pyproject.toml) with DEMO_SERVER_FILES as one file and LONGEST_UNITS handed out first;
+    other modes as pytest-xdist has them."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class DemoServerFilesTogether(LoadFileScheduling):
+    class LongestFirstDemoServerFilesTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = super()._split_scope(nodeid)
-            return "the demo server's files" if file in DEMO_SERVER_FILES else file
+            return DEMO_SERVER_UNIT if file in DEMO_SERVER_FILES else file
 
-    return DemoServerFilesTogether(config, log)
+        def _assign_work_unit(self, node) -> None:
+            longest = next((unit for unit in LONGEST_UNITS if unit in self.workqueue), None)
+            if longest is not None:
+                self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFirstDemoServerFilesTogether(config, log)
 
 
 @pytest.fixture(scope="module")
