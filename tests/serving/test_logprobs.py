@@ -31,13 +31,14 @@ def client(demo_server, greedy):
 
 @pytest.fixture(scope="module")
 def greedy(demo_tokenizer, demo_forward):
-    """The prompt's ids and its MAX_TOKENS greedy tokens (none is EOS), from forward passes."""
-    ids = demo_tokenizer.encode(PROMPT)
-    prompt_length = len(ids)
-    for _ in range(MAX_TOKENS):
-        ids.append(int(demo_forward(ids)[-1].argmax()))
-    assert not set(ids[prompt_length:]) & set(demo_tokenizer.eos_ids)
-    return ids[:prompt_length], ids
+    """The prompt's ids and its MAX_TOKENS greedy tokens (none is EOS), from forward passes over the final length
+    (one compiled program): a position's logits do not depend on the placeholder tokens after it."""
+    prompt = demo_tokenizer.encode(PROMPT)
+    ids = prompt + [0] * MAX_TOKENS
+    for position in range(len(prompt), len(ids)):
+        ids[position] = int(demo_forward(ids)[position - 1].argmax())
+    assert not set(ids[len(prompt) :]) & set(demo_tokenizer.eos_ids)
+    return prompt, ids
 
 
 @pytest.fixture(scope="module")
