@@ -32,10 +32,10 @@ DEMO_SERVER_FILES = {f"tests/serving/{name}.py" for name in ("test_server", "tes
 
 DEMO_SERVER_UNIT = "the demo server's files"
 
-# The work units that take a worker longest (over ~60 CPU-s each on the 2-core CI machine), longest first: handed out
-# before the rest, so the run ends on short files. pytest-xdist hands out files by their test count, largest first,
-# which left these few-test files (a W8A8 model check, a training script, multi-process jobs) for the end, where one
-# worker ran them while the other had nothing left.
+# The work units that take a worker longest (about 40 s or more each in the 2026-12-05 CI run), longest first: handed
+# out before the rest, so that the run ends on short files. pytest-xdist hands out files by their test count, largest
+# first, which left these few-test files (a W8A8 model check, a training script, multi-process jobs) for the end, where
+# one worker ran them while the other had nothing left.
 LONGEST_UNITS = (
     "tests/scripts/test_multi_gpu_scripts.py",
     DEMO_SERVER_UNIT,
