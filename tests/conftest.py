@@ -37,9 +37,9 @@ DEMO_SERVER_UNIT = "the demo server's files"
 # first, which left these few-test files (a W8A8 model check, a training script, multi-process jobs) for the end, where
 # one worker ran them while the other had nothing left.
 LONGEST_UNITS = (
+    "tests/multiprocess/test_serving.py",  # ~180 s, and its 4-process job's warm-up now compiles every program
     "tests/scripts/test_multi_gpu_scripts.py",
     DEMO_SERVER_UNIT,
-    "tests/multiprocess/test_serving.py",
     "tests/serving/test_scheduler.py",
     "tests/training/test_train.py",
     "tests/generation/test_generate_cli_run.py",
