@@ -47,7 +47,16 @@ from ling_jax.serving.metrics import Metrics
 from ling_jax.serving.ops import DEFAULT_MAX_REQUEST_BYTES
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.programs import ProgramStore
-from ling_jax.serving.replicated import FollowerEngine, LeaderEngine, ProcessGone, Publisher, Subscriber, Watch, follow
+from ling_jax.serving.replicated import (
+    FollowerEngine,
+    LeaderEngine,
+    ProcessGone,
+    Publisher,
+    Subscriber,
+    Watch,
+    follow,
+    report_compiles,
+)
 from ling_jax.serving.scheduler import Scheduler
 from ling_jax.serving.schemas import APIError
 from ling_jax.sharding import ShardingError
@@ -304,6 +313,7 @@ def prepare(
         background=not args.distributed,
         store=program_store(args),
     )
+    report_compiles()  # from here on: every program a request can use is compiled, or compiling in the background
     metrics.startup_seconds.labels("warm_up").set(time.perf_counter() - start)
     metrics.background_programs.set_function(engine.background_programs)
     scheduler = Scheduler(

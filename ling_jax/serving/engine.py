@@ -561,6 +561,17 @@ class Engine:
             return jax.device_put(state, one_device_sharding())
         return jax.device_put(state, _state_shardings(state, self.mesh))
 
+    def _replicated(self, inputs):
+        """A program's small inputs built on the host (a step's rows, the sampling arrays) committed replicated over
+        the mesh: an uncommitted input is moved at each call into the layout XLA gave the program's parameter (the
+        rows over the expert axis), by a program of jax's own (`_multi_slice`) compiled at the first call, after
+        `ready` where the warm-up compiled without calling. As they are without a mesh, and in a job of several
+        processes: there a device_put of host values checks them equal on every process (a collective), and the
+        warm-up calls every program (`_run_each_program`)."""
+        if self.mesh is None or jax.process_count() > 1:
+            return inputs
+        return jax.device_put(inputs, jax.sharding.NamedSharding(self.mesh, jax.P()))
+
     def chunks(self, prompt_length: int) -> list[int]:
         """The chunk lengths a prompt of `prompt_length` tokens is prefilled in (the last chunk ends with it)."""
         return prefill_chunks(prompt_length, self.prefill_chunk)
@@ -652,15 +663,20 @@ class Engine:
         pad = rows - len(slots)
         ids_PC = np.stack([ids for ids, _ in chunks] + [np.zeros(length, np.int32)] * pad)
         mask_PC = np.stack([mask for _, mask in chunks] + [np.ones(length, bool)] * pad)
+        rows_P = self._replicated(
+            (
+                jnp.asarray(list(slots) + [self.max_batch] * pad, jnp.int32),
+                jnp.asarray(ids_PC, jnp.int32),
+                jnp.asarray(mask_PC, bool),
+                jnp.asarray(list(fresh) + [True] * pad, bool),
+                jnp.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], jnp.int32),
+            )
+        )
         return (
             self.static,
             self.leaves,
             self._synced(),
-            jnp.asarray(list(slots) + [self.max_batch] * pad, jnp.int32),
-            jnp.asarray(ids_PC, jnp.int32),
-            jnp.asarray(mask_PC, bool),
-            jnp.asarray(list(fresh) + [True] * pad, bool),
-            jnp.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], jnp.int32),
+            *rows_P,
             *(media or (None, None)),
             self.mesh,
         )
@@ -847,18 +863,22 @@ class Engine:
     def _step_args(self, active_B: np.ndarray, rows: int, steps: int, bitmasks: dict | None = None) -> tuple:
         """`_step`'s arguments for `decode`: `steps` steps of bucket `rows`."""
         if self._arrays is None:
-            self._arrays = SamplingArrays.from_params(self._params, self.config.vocab_size)
+            self._arrays = self._replicated(SamplingArrays.from_params(self._params, self.config.vocab_size))
         arrays = self._arrays
         if bitmasks:
             bitmask_BW = unconstrained(self.max_batch, self.config.vocab_size)
             for slot, bitmask_W in bitmasks.items():
                 bitmask_BW[slot] = bitmask_W
-            arrays = arrays.replace(token_bitmask_BW=jnp.asarray(bitmask_BW))
-        active_R = jnp.asarray(active_B[:rows], bool)
-        offsets_R = None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows])
-        capacity_R = jnp.array(self.capacity_B[:rows], copy=True)  # never a view of the host's, edited in place
+            arrays = arrays.replace(token_bitmask_BW=self._replicated(jnp.asarray(bitmask_BW)))
+        active_R, capacity_R, offsets_R = self._replicated(
+            (
+                jnp.asarray(active_B[:rows], bool),
+                jnp.array(self.capacity_B[:rows], copy=True),  # never a view of the host's, edited in place
+                None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows]),
+            )
+        )
         if self._end_bits is None:
-            self._end_bits = jnp.array(self.end_bits_BW, copy=True)
+            self._end_bits = self._replicated(jnp.array(self.end_bits_BW, copy=True))
         return (
             self.static,
             self.mtp,

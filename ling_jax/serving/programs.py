@@ -63,6 +63,7 @@ def usable(future: Future | None) -> bool:
 
 
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+COMPILER_THREAD = "ling-compile"  # the name of `ProgramCompiler`'s worker threads (and a number)
 _cache_hits = threading.local()  # this thread's compilations read from jax's persistent cache
 
 
@@ -184,7 +185,7 @@ class ProgramCompiler:
         self._store = store
         self._workers = workers or os.cpu_count() or 1
         for index in range(self._workers):
-            threading.Thread(target=self._work, name=f"ling-compile-{index}", daemon=True).start()
+            threading.Thread(target=self._work, name=f"{COMPILER_THREAD}-{index}", daemon=True).start()
 
     def submit(self, fn, args: tuple) -> Future:
         """Compile the jitted `fn` for `args` (`compile_program`); the Future gives the compiled program."""

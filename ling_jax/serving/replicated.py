@@ -44,6 +44,7 @@ from ling_jax.generation.generator import NewTokens
 from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import Engine, Snapshot
 from ling_jax.serving.pages import PagePool
+from ling_jax.serving.programs import COMPILER_THREAD
 
 COMMANDS = "ling-serve/command/"
 ALIVE = "ling-serve/alive/"
@@ -81,18 +82,21 @@ def params_of(fields: dict) -> SamplingParams:
     return SamplingParams(**{**fields, "logit_bias": bias, "end_ids": tuple(fields["end_ids"])})
 
 
+def report_compile(event: str, duration_s: float, **fields) -> None:
+    """A jax.monitoring listener: an XLA compilation as one line on stderr, `ling-serve: process I compiled jit(NAME)
+    while serving (S s)`, but one of the warm-up's in `ProgramCompiler`'s threads (compiling on after `ready`,
+    its own progress lines)."""
+    if event == BACKEND_COMPILE and not threading.current_thread().name.startswith(COMPILER_THREAD):
+        line = f"process {jax.process_index()} compiled {fields.get('fun_name', '?')} while serving"
+        print(f"ling-serve: {line} ({duration_s:.1f} s)", file=sys.stderr, flush=True)
+
+
 @functools.cache
 def report_compiles() -> None:
-    """From now on (the warm-up done), each XLA compilation in this process prints one line on stderr, `ling-serve:
-    process I compiled jit(NAME) while serving (S s)`: the warm-up ran every program a request can use but the prompt
-    logprobs' (compiled at their first request), and a compilation holds every process up."""
-
-    def on_duration(event: str, duration_s: float, **fields) -> None:
-        if event == BACKEND_COMPILE:
-            line = f"process {jax.process_index()} compiled {fields.get('fun_name', '?')} while serving"
-            print(f"ling-serve: {line} ({duration_s:.1f} s)", file=sys.stderr, flush=True)
-
-    monitoring.register_event_duration_secs_listener(on_duration)
+    """From now on (the warm-up done), each XLA compilation in this process is reported (`report_compile`): the
+    warm-up compiled every program a request can use but the prompt logprobs' (compiled at their first request),
+    and a compilation holds every request up (in a job, every process)."""
+    monitoring.register_event_duration_secs_listener(report_compile)
 
 
 class _HiddenRows:
@@ -143,11 +147,10 @@ class LeaderEngine(_Replica):
         self._numbers = itertools.count()
 
     def warm_up(self, on_program=lambda done, total: None, **kwargs) -> None:
-        """The engine's warm-up (every call published), then every process reports its compilations from there on
-        (`report_compiles`)."""
+        """The engine's warm-up (every call published), then the other processes report their compilations from
+        there on (`report_compiles`; this one: ling-serve's `prepare`)."""
         super().warm_up(on_program, **kwargs)
         self.send("warmed_up")
-        report_compiles()
 
     def assign(self, slot: int, shared: list[int], tokens: int) -> None:
         super().assign(slot, shared, tokens)
