@@ -303,7 +303,10 @@ def _prefill(
         seen_BV=_mark_seen(state.seen_BV, slots_P, ids_PC, mask_PC, fresh_P),
         drafts=drafts,
     )
-    return hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P], _pinned(state, mesh)
+    hidden_PD = hidden_PCD[jnp.arange(ids_PC.shape[0]), last_P]
+    if mesh is not None:  # replicated, as the warm-up takes its rows apart and puts them together (`_warm_up_rows`)
+        hidden_PD = jax.lax.with_sharding_constraint(hidden_PD, jax.sharding.NamedSharding(mesh, jax.P()))
+    return hidden_PD, _pinned(state, mesh)
 
 
 @functools.partial(jax.jit, static_argnames="static", donate_argnames="cache")
@@ -979,6 +982,7 @@ class Engine:
         self._programs = dict(futures)
         futures[("prefill", lengths[0], 1)].result()
         self._run_on_slot_0(compiled)
+        self._warm_up_rows()
         for future in futures.values():
             future.result()
         # the others only now: compiling alongside, they would take the CPU from the programs above
@@ -1007,6 +1011,16 @@ class Engine:
         compiled()
         self.release(0)
         jax.block_until_ready(self.state)
+
+    def _warm_up_rows(self) -> None:
+        """What the host does with a several-row prefill step's hidden states [P, D] compiled before `ready` (on
+        one process, where the warm-up never runs that step): the one-row slice a first token takes (the
+        scheduler's), and the rows of one-row steps put together (`prefill`, while the step's program compiles in
+        the background). On a stand-in laid out as `_prefill` gives them (replicated over the mesh)."""
+        where = one_device_sharding() if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.P())
+        row_1D = jnp.zeros((1, self.config.hidden_size), self.dtype, device=where)
+        for rows in {self.prefill_rows(length) for length in self.chunk_lengths()} - {1}:
+            jnp.concatenate([row_1D] * rows)[rows - 1 : rows].block_until_ready()
 
     def _run_each_program(self, keys: list[tuple], compiled: Callable[[], None]) -> None:
         """`warm_up` in a job of several processes: each program (`keys`, as `warm_up` names them) run once through

@@ -164,20 +164,27 @@ def test_over_a_mesh_the_first_requests_compile_nothing(tiny_model, capsys):
     # buckets 1, 2, 4: XLA lays a bucket's rows over the expert axis, where an uncommitted input would be moved by a
     # program of jax's own at the first call (the warm-up compiled the decode programs without calling them)
     mesh = make_mesh({"expert": 4}, devices=jax.devices()[:4])
-    engine = Engine(nnx.clone(tiny_model), max_batch=4, max_context=64, prefill_chunk=CHUNK, mesh=mesh)
+    engine = Engine(
+        nnx.clone(tiny_model), max_batch=4, max_context=64, prefill_chunk=CHUNK, prefill_budget=2 * CHUNK, mesh=mesh
+    )
     engine.warm_up()
     rng = np.random.default_rng(2)
+    chunks = [
+        (rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32), np.ones(CHUNK, bool)) for _ in "abcd"
+    ]
     monitoring.register_event_duration_secs_listener(report_compile)
     try:
-        for slot in range(3):
+        for slot in range(4):
             engine.assign(slot, [], CHUNK + 4)
-            ids_C = rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32)
-            hidden_1D = engine.prefill([slot], [(ids_C, np.ones(CHUNK, bool))], [True])
-            engine.first_token(slot, hidden_1D, SamplingParams(temperature=0.8, seed=slot))
-        for active_B in ([True, True, True, False], [True, False, False, False]):  # buckets 4 and 1
+        together_PD = engine.prefill([0, 1], chunks[:2], [True, True])  # the two-row step, its rows taken apart
+        engine._background[("prefill", CHUNK, 2)] = Future()  # as while it compiles: one row at a time, put together
+        apart_PD = engine.prefill([2, 3], chunks[2:], [True, True])
+        for slot, hidden_PD in enumerate([together_PD, together_PD, apart_PD, apart_PD]):
+            engine.first_token(slot, hidden_PD[slot % 2 : slot % 2 + 1], SamplingParams(temperature=0.8, seed=slot))
+        for active_B in ([True] * 4, [True, False, False, False]):  # buckets 4 and 1
             jax.device_get(engine.decode(np.array(active_B)))
         assert capsys.readouterr().err == ""
-        engine.prompt_logprobs(ids_C.tolist())  # by design, compiled at its first request
+        engine.prompt_logprobs(chunks[0][0].tolist())  # by design, compiled at its first request
     finally:
         monitoring.unregister_event_duration_listener(report_compile)
     assert "ling-serve: process 0 compiled jit(_prompt_chunk_logprobs) while serving" in capsys.readouterr().err
