@@ -31,7 +31,9 @@ and `prefill`, `decode_rows` and `decode` run around them until they are done (a
 length, rows one at a time, a larger bucket, one step). In a job of several processes (`--distributed`) it runs
 each program once instead, through the calls process 0 publishes (`ling_jax.serving.replicated`). Over a mesh,
 every program gives the slot batch back laid out as it took it (`_pinned`): a program's input in another layout
-would be another program to compile.
+would be another program to compile; on one process, its small inputs built on the host are committed replicated
+(`_replicated`), and the host's work on a several-row prefill step's hidden states is compiled by the warm-up too
+(`_warm_up_rows`), so the first requests compile nothing.
 
 A request that asks for its prompt's logprobs (OpenAI's `echo` with `logprobs`) gets them from `prompt_logprobs`:
 a forward pass of its own over the prompt, in the prefill's chunks, on a one-row cache outside the slots (so the
