@@ -568,7 +568,7 @@ class Engine:
 
     def _replicated(self, inputs):
         """A program's small inputs built on the host (a step's rows, the sampling arrays) committed replicated over
-        the mesh: an uncommitted input is moved at each call into the layout XLA gave the program's parameter (the
+        the mesh: an uncommitted input is moved at each call into the layout XLA gave the program's parameter (e.g. the
         rows over the expert axis), by a program of jax's own (`_multi_slice`) compiled at the first call, after
         `ready` where the warm-up compiled without calling. As they are without a mesh, and in a job of several
         processes: there a device_put of host values checks them equal on every process (a collective), and the
