@@ -567,14 +567,14 @@ class Engine:
         return jax.device_put(state, _state_shardings(state, self.mesh))
 
     def _replicated(self, inputs):
-        """A program's small inputs built on the host (a step's rows, the sampling arrays) committed replicated over
-        the mesh: an uncommitted input is moved at each call into the layout XLA gave the program's parameter (e.g. the
-        rows over the expert axis), by a program of jax's own (`_multi_slice`) compiled at the first call, after
-        `ready` where the warm-up compiled without calling. As they are without a mesh, and in a job of several
-        processes: there a device_put of host values checks them equal on every process (a collective), and the
-        warm-up calls every program (`_run_each_program`)."""
+        """A program's small inputs built on the host (a step's rows, the sampling arrays; numpy) as device arrays
+        in one transfer, committed replicated over the mesh: an uncommitted input is moved at each call into the
+        layout XLA gave the program's parameter (e.g. the rows over the expert axis), by a program of jax's own
+        (`_multi_slice`) compiled at the first call, after `ready` where the warm-up compiled without calling.
+        Uncommitted without a mesh, and in a job of several processes: there a device_put of host values checks them
+        equal on every process (a collective), and the warm-up calls every program (`_run_each_program`)."""
         if self.mesh is None or jax.process_count() > 1:
-            return inputs
+            return jax.tree.map(jnp.asarray, inputs)
         return jax.device_put(inputs, jax.sharding.NamedSharding(self.mesh, jax.P()))
 
     def chunks(self, prompt_length: int) -> list[int]:
@@ -670,11 +670,11 @@ class Engine:
         mask_PC = np.stack([mask for _, mask in chunks] + [np.ones(length, bool)] * pad)
         rows_P = self._replicated(
             (
-                jnp.asarray(list(slots) + [self.max_batch] * pad, jnp.int32),
-                jnp.asarray(ids_PC, jnp.int32),
-                jnp.asarray(mask_PC, bool),
-                jnp.asarray(list(fresh) + [True] * pad, bool),
-                jnp.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], jnp.int32),
+                np.asarray(list(slots) + [self.max_batch] * pad, np.int32),
+                ids_PC.astype(np.int32),
+                mask_PC.astype(bool),
+                np.asarray(list(fresh) + [True] * pad, bool),
+                np.asarray([np.flatnonzero(mask)[-1] for mask in mask_PC], np.int32),
             )
         )
         return (
@@ -874,16 +874,16 @@ class Engine:
             bitmask_BW = unconstrained(self.max_batch, self.config.vocab_size)
             for slot, bitmask_W in bitmasks.items():
                 bitmask_BW[slot] = bitmask_W
-            arrays = arrays.replace(token_bitmask_BW=self._replicated(jnp.asarray(bitmask_BW)))
+            arrays = arrays.replace(token_bitmask_BW=self._replicated(bitmask_BW))
         active_R, capacity_R, offsets_R = self._replicated(
             (
-                jnp.asarray(active_B[:rows], bool),
-                jnp.array(self.capacity_B[:rows], copy=True),  # never a view of the host's, edited in place
-                None if self.position_offsets_B is None else jnp.asarray(self.position_offsets_B[:rows]),
+                np.array(active_B[:rows], bool),  # copies: never a view of the host's arrays, edited in place
+                np.array(self.capacity_B[:rows], copy=True),
+                None if self.position_offsets_B is None else np.array(self.position_offsets_B[:rows], copy=True),
             )
         )
         if self._end_bits is None:
-            self._end_bits = self._replicated(jnp.array(self.end_bits_BW, copy=True))
+            self._end_bits = self._replicated(np.array(self.end_bits_BW, copy=True))
         return (
             self.static,
             self.mtp,
