@@ -252,6 +252,13 @@ def _prefill_drafts(model, drafts: SlotDrafts, hidden_PCD, slots_P, ids_PC, mask
     return drafts.replace(cache=jax.tree.map(put, drafts.cache, rows), carry_BD=put(drafts.carry_BD, last_PD))
 
 
+def _from_each_process(value, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """A global array laid out by the replicated `sharding`, each process's devices given their copies of its own
+    `value` (the same on every process)."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: np.asarray(host[index]))
+
+
 def _state_shardings(state: DecodeState, mesh: jax.sharding.Mesh) -> DecodeState:
     """Where the slot batch lives over the mesh: the caches in their shardings (`cache_shardings`), the rest
     replicated (a pytree of `NamedSharding`s like `state`)."""
@@ -570,12 +577,16 @@ class Engine:
         """A program's small inputs built on the host (a step's rows, the sampling arrays; numpy) as device arrays
         in one transfer, committed replicated over the mesh: an uncommitted input is moved at each call into the
         layout XLA gave the program's parameter (e.g. the rows over the expert axis), by a program of jax's own
-        (`_multi_slice`) compiled at the first call, after `ready` where the warm-up compiled without calling.
-        Uncommitted without a mesh, and in a job of several processes: there a device_put of host values checks them
-        equal on every process (a collective), and the warm-up calls every program (`_run_each_program`)."""
-        if self.mesh is None or jax.process_count() > 1:
+        (`_multi_slice`) run at every call and compiled at the first, after `ready` where the warm-up compiled
+        without calling. Uncommitted without a mesh. In a job of several processes every process passes the same
+        values (the followers repeat process 0's calls): each builds its devices' copies from its own (no
+        device_put, which would check them equal on every process, a collective)."""
+        if self.mesh is None:
             return jax.tree.map(jnp.asarray, inputs)
-        return jax.device_put(inputs, jax.sharding.NamedSharding(self.mesh, jax.P()))
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.P())
+        if jax.process_count() == 1:
+            return jax.device_put(inputs, replicated)
+        return jax.tree.map(functools.partial(_from_each_process, sharding=replicated), inputs)
 
     def chunks(self, prompt_length: int) -> list[int]:
         """The chunk lengths a prompt of `prompt_length` tokens is prefilled in (the last chunk ends with it)."""
