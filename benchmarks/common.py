@@ -1,12 +1,14 @@
 """Helpers shared by the benchmarks in this package and scripts/check_multi_gpu.py: timing, errors, the
 full-width Ling-3.1-flash slice with random weights (on one device or straight into a mesh's shardings), a
-filled decode cache and the decode-step timer."""
+filled decode cache, the decode-step timer and the header line saying what ran where."""
 
 from __future__ import annotations
 
+import datetime
 import functools
 import pathlib
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -33,6 +35,18 @@ from ling_jax.generation.sampling import SamplingArrays, SamplingParams
 from ling_jax.generation.static_model import split_model
 from ling_jax.presets import preset
 from ling_jax.sharding import param_shardings
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def run_header(name: str) -> str:
+    """'# bench_NAME <date> commit <HEAD's short hash> on <device kind>': a benchmark's first output line."""
+    return f"# bench_{name} {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}"
 
 
 def median_seconds(fn, *args, iters: int) -> float:

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import subprocess
 import sys
 import time
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
+from benchmarks.common import copy_bandwidth, median_seconds, rel_error, run_header  # noqa: E402
 from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
 from pallas_kernels.experimental.fp8_mosaic_weight_only import MosaicWeightOnlyTiles  # noqa: E402
 from pallas_kernels.experimental.fp8_xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
@@ -55,13 +53,6 @@ gemv_gpu = kernel("weight_only_linear", GEMV)
 w8a8_tc_acc_gpu = kernel("w8a8_linear", TC_ACC)
 w8a8_mosaic_gpu = kernel("w8a8_linear", MOSAIC)
 PEAK_SIZE = 8192
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 @dataclasses.dataclass
@@ -321,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}): the kernels are Triton's")
-    print(f"# bench_fp8_linear {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}")
+    print(run_header("fp8_linear"))
     start = time.perf_counter()
     if args.quick:
         if args.prefill:

@@ -14,22 +14,13 @@ The FP8 rows are the ceilings issue 25's W8A8 kernels are measured against (">= 
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import median_seconds  # noqa: E402
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
+from benchmarks.common import median_seconds, run_header  # noqa: E402
 
 
 def jax_rows(size: int, iters: int) -> dict[str, float]:
@@ -94,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size, iters = (256, 2) if args.quick else (args.size, args.iters)
     flops = 2 * size**3
-    print(f"# bench_fp8_peak {datetime.date.today()} commit {_commit()} on {jax.devices()[0].device_kind}")
+    print(run_header("fp8_peak"))
     print(f"# M = N = K = {size}, median of {iters}")
     rows = {**jax_rows(size, iters), **torch_rows(size, iters)}
     for name, seconds in rows.items():

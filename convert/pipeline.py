@@ -25,14 +25,12 @@ from contextlib import AbstractContextManager
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from tqdm.auto import tqdm
 
 from convert import BF16, ConvertError
 from convert.destination import SIDE_FILES, check_apart, check_destination
-from convert.hooks import to_dense, to_fp8
 from convert.inputs import open_source
-from convert.parallel import run_bounded
 from convert.plan import COMPUTE_DTYPE, ParamPlan, Slice, build_plan, owned_by
+from convert.slices import over_slices, slice_values
 from convert.source import ShardReader
 from convert.store import ArrayStore, finalize, sync_to_disk
 from convert.verify import verify_params
@@ -129,42 +127,26 @@ def _write_params(
     def convert_slice(item: tuple[ParamPlan, Slice]) -> int:
         plan, piece = item
         values_array, scale_array = param_arrays(plan)
-        source = plan.sources[piece.expert or 0]
-        rows = reader.read_rows(source, piece.start, piece.stop)
-        if scale_array is None:
-            writes = [(values_array[plan.index(piece)], to_dense(rows, source, plan.dtype), source.name)]
-        else:
-            values, scale = to_fp8(rows, source)
-            writes = [
-                (values_array[plan.index(piece)], values, source.name),
-                (scale_array[plan.scale_index(piece)], scale, source.scale),
-            ]
+        derived = slice_values(plan, piece, reader)
+        writes = [(values_array[plan.index(piece)], derived.values, derived.source.name)]
+        if scale_array is not None:
+            writes.append((scale_array[plan.scale_index(piece)], derived.scale, derived.source.scale))
         if not options.allow_nonfinite:
             for _, value, name in writes:
-                _check_finite(value, name, source.file, piece)
+                _check_finite(value, name, derived.source.file, piece)
         for target, value, _ in writes:
             target.write(value.reshape(target.shape)).result()
-        return rows.nbytes
+        return derived.nbytes
 
     def finished(item: tuple[ParamPlan, Slice], nbytes: int) -> None:
         plan = item[0]
-        bar.update(nbytes)
         slices_left[plan.name] -= 1
         if not slices_left[plan.name]:
             journal.record(plan.name)
             with lock:
                 del arrays[plan.name]
 
-    items = ((plan, piece) for plan in plans for piece in plan.slices())
-    with tqdm(
-        total=sum(plan.nbytes for plan in plans),
-        desc="converting",
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=not options.progress,
-    ) as bar:
-        run_bounded(items, convert_slice, options.workers, finished)
+    over_slices(plans, convert_slice, options.workers, desc="converting", progress=options.progress, on_done=finished)
 
 
 def copy_side_files(src: str, dst: str) -> None:

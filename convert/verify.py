@@ -8,12 +8,10 @@ import threading
 
 import jax
 import jax.numpy as jnp
-from tqdm.auto import tqdm
 
 from convert import ConvertError
-from convert.hooks import to_dense, to_fp8
-from convert.parallel import run_bounded
 from convert.plan import ParamPlan, Slice
+from convert.slices import over_slices, slice_values
 from convert.source import ShardReader
 from convert.store import ArrayStore
 from ling_jax.checkpoints.orbax import scale_name
@@ -44,13 +42,11 @@ def verify_params(
 
     def check(item: tuple[ParamPlan, Slice]) -> int:
         plan, piece = item
-        source = plan.sources[piece.expert or 0]
-        rows = reader.read_rows(source, piece.start, piece.stop)
-        if plan.scale_block is None:
-            expected = [(to_dense(rows, source, plan.dtype), plan.name, plan.index(piece))]
-        else:
-            values, scale = to_fp8(rows, source)
-            expected = [(values, plan.name, plan.index(piece)), (scale, scale_name(plan.name), plan.scale_index(piece))]
+        derived = slice_values(plan, piece, reader)
+        source = derived.source
+        expected = [(derived.values, plan.name, plan.index(piece))]
+        if derived.scale is not None:
+            expected.append((derived.scale, scale_name(plan.name), plan.scale_index(piece)))
         for want, name, index in expected:
             got = array(name)[index].read().result()
             equal, finite = _equal_and_finite(want.reshape(got.shape), got)
@@ -61,15 +57,6 @@ def verify_params(
                 raise ConvertError(
                     f"{store.directory}: array '{name}' differs from '{source.name}' ({source.file}) in {where}"
                 )
-        return rows.nbytes
+        return derived.nbytes
 
-    items = ((plan, piece) for plan in plans for piece in plan.slices())
-    with tqdm(
-        total=sum(p.nbytes for p in plans),
-        desc="verifying",
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=not progress,
-    ) as bar:
-        run_bounded(items, check, workers, lambda item, nbytes: bar.update(nbytes))
+    over_slices(plans, check, workers, desc="verifying", progress=progress)

@@ -64,7 +64,7 @@ def decoder_layer(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingCo
 def decoder_layer_with_stats(weights: Weights, h_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
     """`decoder_layer` -> (h, state, the MoE's stats or None for a dense layer; see `moe_block_with_stats`)."""
     h_BTD, y_BTD, state, stats = decoder_layer_deferred(weights, h_BTD, None, state, ctx, cfg, layer=layer)
-    return constrain(h_BTD + y_BTD, *ACTIVATION_BTD), state, stats
+    return residual_add(h_BTD, y_BTD), state, stats
 
 
 def decoder_layer_deferred(weights: Weights, h_BTD, y_BTD, state, ctx: TokenContext, cfg: LingConfig, *, layer: int):
@@ -98,6 +98,12 @@ def decoder_layer_deferred(weights: Weights, h_BTD, y_BTD, state, ctx: TokenCont
     return h_BTD, constrain(y, *ACTIVATION_BTD), state, stats
 
 
+def residual_add(h_BTD, y_BTD) -> jax.Array:
+    """h + y, laid out as the activations: a deferred layer's output (`decoder_layer_deferred`) where no norm follows
+    to take the add."""
+    return constrain(h_BTD + y_BTD, *ACTIVATION_BTD)
+
+
 def residual_norm(weights: Weights, h_BTD, y_BTD, eps: float, policy: ExecutionPolicy) -> tuple[jax.Array, jax.Array]:
     """(h + y, rms_norm of it): a residual add and the norm after it, one kernel on a GPU (`add_rms_norm`); y None:
     (h, rms_norm(h))."""
@@ -127,7 +133,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, h_BTD, ctx: TokenContext, state):
         """`decoder_layer` with this layer's parameters; the MoE's stats are sown on `self.mlp`."""
         h_BTD, y_BTD, state = self.deferred(h_BTD, None, ctx, state)
-        return constrain(h_BTD + y_BTD, *ACTIVATION_BTD), state
+        return residual_add(h_BTD, y_BTD), state
 
     def deferred(self, h_BTD, y_BTD, ctx: TokenContext, state):
         """`decoder_layer_deferred` with this layer's parameters -> (h, y, state): the layer's input is h + y (y None:

@@ -29,18 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8.gpu_triton.fp8_dot import scaled_fp8_product
 from pallas_kernels.fp8.tuned import LinearTiles
-
-
-def _mask(rows_ok, cols_ok):
-    """rows_ok[:, None] & cols_ok[None, :]; None stands for all true (both None: no mask)."""
-    if rows_ok is None:
-        return None if cols_ok is None else cols_ok[None, :]
-    return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok[None, :]
-
-
-def _load(ref, mask):
-    """ref's tile with zeros where mask is false (mask None: a plain load)."""
-    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
+from pallas_kernels.triton_masked import mask_2d, masked_load
 
 
 def _tile_origin(num_row_tiles: int, num_col_tiles: int, group_m: int):
@@ -86,11 +75,11 @@ def _kernel(
         """acc: [block_m, block_n], or [block_n, block_m] with weight_left."""
         k0 = step * block_k
         k_ok_K = k0 + jnp.arange(block_k) < k_dim if mask_k else None
-        lhs_MK = _load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], _mask(rows_ok_M, k_ok_K))
-        w_NK = _load(values_ref.at[pl.ds(col0, block_n), pl.ds(k0, block_k)], _mask(cols_ok_N, k_ok_K))
+        lhs_MK = masked_load(lhs_ref.at[pl.ds(row0, block_m), pl.ds(k0, block_k)], mask_2d(rows_ok_M, k_ok_K))
+        w_NK = masked_load(values_ref.at[pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
         scale = scales_ref[scale_row, step]
         if row_scales_ref:
-            row_scale_M = _load(row_scales_ref[0].at[pl.ds(row0, block_m), step], rows_ok_M)
+            row_scale_M = masked_load(row_scales_ref[0].at[pl.ds(row0, block_m), step], rows_ok_M)
             if tc_accumulated:
                 return acc + scaled_fp8_product(lhs_MK, w_NK, row_scale_M, scale)
         allow_tf32 = compute_dtype != jnp.float32
@@ -108,7 +97,7 @@ def _kernel(
     plgpu.store(
         y_ref.at[(*split, pl.ds(row0, block_m), pl.ds(col0, block_n))],
         acc_MN.astype(y_ref.dtype),
-        mask=_mask(rows_ok_M, cols_ok_N),
+        mask=mask_2d(rows_ok_M, cols_ok_N),
     )
 
 

@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.reference import GatedHeadNorm
+from pallas_kernels.triton_masked import mask_2d, masked_load
 from pallas_kernels.tuning import lookup
 
 DOT_ROWS = 16  # x's rows padded to this for the tensor-core products (Triton's smallest dot)
@@ -59,10 +60,6 @@ class _Layout:
     mask_n: bool
     mask_k: bool
     use_dot: bool
-
-
-def _load(ref, mask, **kwargs):
-    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +82,13 @@ class _HeadNorm:
         else:
             head0 = k0 - k0 % head_dim
             pieces = [
-                _load(x_ref.at[rows, pl.ds(head0 + start, block_k)], mask).astype(jnp.float32)
+                masked_load(x_ref.at[rows, pl.ds(head0 + start, block_k)], mask).astype(jnp.float32)
                 for start in range(0, head_dim, block_k)
             ]
             squares = sum(jnp.sum(piece * piece, axis=-1, keepdims=True) for piece in pieces)
         inverse_rms = jax.lax.rsqrt(squares / head_dim + self.eps)
         weight_K = self.weight_ref[pl.ds(k0 % head_dim, block_k)].astype(jnp.float32)
-        gate = jax.nn.sigmoid(_load(self.gate_ref.at[rows, pl.ds(k0, block_k)], mask).astype(jnp.float32))
+        gate = jax.nn.sigmoid(masked_load(self.gate_ref.at[rows, pl.ds(k0, block_k)], mask).astype(jnp.float32))
         return (x_f32 * inverse_rms * weight_K * gate).astype(x.dtype)
 
 
@@ -139,7 +136,7 @@ def _strip(
     last_step = jnp.minimum(first_step + layout.steps_per_split, layout.num_steps)
 
     def x_block(rows, k0, mask):
-        x = _load(x_ref.at[rows, pl.ds(k0, block_k)], mask)
+        x = masked_load(x_ref.at[rows, pl.ds(k0, block_k)], mask)
         return x if norm is None else norm.apply(x, x_ref, rows, k0, mask)
 
     def weight_tiles(step):
@@ -149,9 +146,9 @@ def _strip(
             k_block = step * per_step + sub
             k0 = k_block * block_k
             k_ok_K = k0 + jnp.arange(block_k) < layout.k_dim if layout.mask_k else None
-            w_OK = _load(
+            w_OK = masked_load(
                 values_ref.at[pl.ds(col0, block_o), pl.ds(k0, block_k)],
-                _mask(cols_ok_O, k_ok_K),
+                mask_2d(cols_ok_O, k_ok_K),
                 eviction_policy="evict_first",
             )
             scale = scales_ref[scale_row, jnp.minimum(k_block, num_k_blocks - 1)]  # past the end: a zero tile
@@ -173,7 +170,7 @@ def _strip(
 
     def dot_step(step, acc_OM):
         for k0, k_ok_K, w_OK, scale in weight_tiles(step):
-            x_MK = x_block(pl.ds(0, DOT_ROWS), k0, _mask(rows_ok_M, k_ok_K))
+            x_MK = x_block(pl.ds(0, DOT_ROWS), k0, mask_2d(rows_ok_M, k_ok_K))
             partial_OM = plgpu.dot(w_OK.astype(x_MK.dtype), x_MK, trans_b=True, allow_tf32=x_MK.dtype != jnp.float32)
             acc_OM = acc_OM + partial_OM * scale
         return acc_OM
@@ -184,7 +181,7 @@ def _strip(
         plgpu.store(
             y_ref.at[(*split_at, pl.ds(0, DOT_ROWS), pl.ds(y_col0 + col0, block_o))],
             acc_OM.T.astype(y_ref.dtype),
-            mask=_mask(rows_ok_M, cols_ok_O),
+            mask=mask_2d(rows_ok_M, cols_ok_O),
         )
         return
     zeros = tuple(jnp.zeros((block_o,), jnp.float32) for _ in range(layout.num_rows))
@@ -195,13 +192,6 @@ def _strip(
             acc_O.astype(y_ref.dtype),
             mask=cols_ok_O,
         )
-
-
-def _mask(rows_ok, cols_ok):
-    """rows_ok[:, None] & cols_ok[None, :]; None stands for all true (both None: no mask)."""
-    if rows_ok is None:
-        return None if cols_ok is None else cols_ok[None, :]
-    return rows_ok[:, None] if cols_ok is None else rows_ok[:, None] & cols_ok[None, :]
 
 
 def _strip_tiles(num_rows: int, n_dim: int, block: tuple[int, int], tiles: tuned.GemvTiles) -> tuned.GemvTiles:

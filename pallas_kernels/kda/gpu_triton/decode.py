@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.reference import L2_EPS
+from pallas_kernels.kda.step_math import delta_rule_update
 from pallas_kernels.tuning import lookup
 
 
@@ -41,8 +42,7 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
     q_K, k_K = _normalized(q_ref, use_qk_l2norm), _normalized(k_ref, use_qk_l2norm)
     state_KV = state_KV * jnp.exp(plgpu.load(g_ref, eviction_policy="evict_last"))[:, None]
     v_V = plgpu.load(v_ref, eviction_policy="evict_first").astype(jnp.float32)
-    delta_V = beta_ref[...] * (v_V - jnp.sum(k_K[:, None] * state_KV, 0))
-    state_KV = state_KV + k_K[:, None] * delta_V[None, :]
+    state_KV = delta_rule_update(state_KV, k_K, v_V, beta_ref[...])
     new_state_ref[...] = state_KV
     plgpu.store(
         o_ref, jnp.sum((q_K * scale)[:, None] * state_KV, axis=0).astype(o_ref.dtype), eviction_policy="evict_first"

@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.reference import L2_EPS, BetaProjection, DecodeWeights, gated_output_norm
+from pallas_kernels.kda.step_math import delta_rule_update
 from pallas_kernels.tuning import lookup
 
 Q, K, V = 0, 1, 2  # the conv window's [q; k; v] rows
@@ -161,8 +162,7 @@ def _fused_kernel(
         for t in range(tokens):
             v_V = _conv_silu(v_inputs[t], conv_v_ref, columns, reals[t])
             state_KV = state_KV * decays[t][:, None]
-            delta_V = betas[t] * (v_V - jnp.sum(ks[t][:, None] * state_KV, axis=0))
-            state_KV = state_KV + ks[t][:, None] * delta_V[None, :]
+            state_KV = delta_rule_update(state_KV, ks[t], v_V, betas[t])
             outputs[t].append(jnp.sum(qs[t][:, None] * state_KV, axis=0).astype(dtype))
             if t in stored:
                 new_state_ref[(*at(t), slice(None), columns)] = state_KV

@@ -15,6 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.reference import L2_EPS
+from pallas_kernels.kda.step_math import delta_rule_update
 from pallas_kernels.tuning import lookup
 
 
@@ -25,9 +26,8 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_sta
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + L2_EPS)
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + L2_EPS)
     state = state_ref[...] * jnp.exp(g_ref[...].astype(jnp.float32))[:, :, None]  # [hb, K, V]
-    predicted = jnp.sum(k[:, :, None] * state, axis=1)  # S^T k, [hb, V]
-    delta = beta_ref[...].astype(jnp.float32) * (v_ref[...].astype(jnp.float32) - predicted)  # beta [hb, 1]
-    state = state + k[:, :, None] * delta[:, None, :]
+    beta = beta_ref[...].astype(jnp.float32)  # [hb, 1]
+    state = delta_rule_update(state, k, v_ref[...].astype(jnp.float32), beta)
     new_state_ref[...] = state
     o_ref[...] = jnp.sum((q * scale)[:, :, None] * state, axis=1).astype(o_ref.dtype)
 

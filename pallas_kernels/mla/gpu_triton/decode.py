@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import tuned
+from pallas_kernels.mla.gpu_triton import online_softmax
 from pallas_kernels.tuning import lookup
 
 
@@ -46,7 +47,6 @@ def _split_kernel(
     dot = functools.partial(plgpu.dot, allow_tf32=q_latent.dtype != jnp.float32)  # fp32 caches stay exact
 
     def body(i, carry):
-        acc_HR, m_H, l_H = carry
         first = start + i * block_k
         valid_K = first + offsets < row_length
         rows = pl.ds(first, block_k)
@@ -54,23 +54,11 @@ def _split_kernel(
         k_rope = plgpu.load(kv_rope_ref.at[rows, :], mask=valid_K[:, None], other=0.0)
         scores = (dot(q_latent, k_latent, trans_b=True) + dot(q_rope, k_rope, trans_b=True)) * scale
         visible = (first + offsets)[None, :] < length[:, None] if per_head else valid_K[None, :]
-        scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m_H, jnp.max(scores, axis=1))
-        p = jnp.exp(scores - m_new[:, None])
-        correction = jnp.exp(m_H - m_new)
-        acc_HR = acc_HR * correction[:, None] + dot(p.astype(k_latent.dtype), k_latent)
-        return acc_HR, m_new, l_H * correction + jnp.sum(p, axis=1)
+        return online_softmax.add_block(carry, scores, visible, k_latent, dot)
 
     num_blocks = jnp.clip(pl.cdiv(row_length - start, block_k), 0, split_len // block_k)
-    init = (
-        jnp.zeros((heads, latent_dim), jnp.float32),
-        jnp.full((heads,), -1e30, jnp.float32),
-        jnp.zeros((heads,), jnp.float32),
-    )
-    acc_HR, m_H, l_H = jax.lax.fori_loop(0, num_blocks, body, init)
-    seen = l_H > 0
-    o_ref[...] = (acc_HR / jnp.where(seen, l_H, 1.0)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m_H + jnp.log(jnp.where(seen, l_H, 1.0)), -jnp.inf)
+    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax.start(heads, latent_dim))
+    online_softmax.store(o_ref, lse_ref, carry)
 
 
 MIN_SPLIT = 256  # slots: four 64-slot blocks per program at least

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.mla import tuned
+from pallas_kernels.mla.gpu_triton import online_softmax
 from pallas_kernels.tuning import lookup
 
 
@@ -57,7 +58,6 @@ def _segment_kernel(
     offsets = jnp.arange(block_k)
 
     def body(i, carry):
-        acc_QV, m_Q, l_Q = carry
         keys = pl.ds(i * block_k, block_k)
         in_segment_K = i * block_k + offsets < num_keys
         rows_K1 = in_segment_K[:, None]
@@ -67,24 +67,12 @@ def _segment_kernel(
         valid_K = plgpu.load(valid_ref.at[keys], mask=in_segment_K, other=0) != 0
         scores = (dot(q_nope, k_nope, trans_b=True) + dot(q_pe, k_pe, trans_b=True)) * scale
         visible = (first + i * block_k + offsets[None, :] <= slots_Q[:, None]) & valid_K[None, :]
-        scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m_Q, jnp.max(scores, axis=1))
-        p = jnp.exp(scores - m_new[:, None])
-        correction = jnp.exp(m_Q - m_new)
-        acc_QV = acc_QV * correction[:, None] + dot(p.astype(v.dtype), v)
-        return acc_QV, m_new, l_Q * correction + jnp.sum(p, axis=1)
+        return online_softmax.add_block(carry, scores, visible, v, dot)
 
     frontier = jnp.max(slots_Q) - first + 1  # keys past the block's last visible slot are never loaded
     num_blocks = jnp.clip(pl.cdiv(jnp.minimum(frontier, num_keys), block_k), 0, pl.cdiv(num_keys, block_k))
-    init = (
-        jnp.zeros(o_ref.shape, jnp.float32),
-        jnp.full(slots_Q.shape, -1e30, jnp.float32),
-        jnp.zeros(slots_Q.shape, jnp.float32),
-    )
-    acc_QV, m_Q, l_Q = jax.lax.fori_loop(0, num_blocks, body, init)
-    seen = l_Q > 0
-    o_ref[...] = acc_QV / jnp.where(seen, l_Q, 1.0)[:, None]
-    lse_ref[...] = jnp.where(seen, m_Q + jnp.log(jnp.where(seen, l_Q, 1.0)), -jnp.inf)
+    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax.start(*o_ref.shape))
+    online_softmax.store(o_ref, lse_ref, carry)
 
 
 def _merge(o_a, lse_a, o_b, lse_b):

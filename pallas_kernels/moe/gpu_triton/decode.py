@@ -29,9 +29,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe import tuned
-from pallas_kernels.moe.gpu_triton.masked import masked_load
 from pallas_kernels.moe.gpu_triton.weight_tiles import Dense, ExpertTiles, expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
+from pallas_kernels.triton_masked import masked_load
 from pallas_kernels.tuning import fill, lookup
 
 

@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.grouped import Tile, TileShape, grouped_call, launch_settings
-from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.triton_masked import mask_2d, masked_load
 
 
 def _kernel(tile: Tile, lhs_ref, rhs_ref, out_ref, *, rhs_transposed: bool):

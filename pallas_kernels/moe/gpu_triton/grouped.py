@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe import tuned
-from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
 from pallas_kernels.moe.gpu_triton.weight_tiles import DENSE, ExpertTiles
+from pallas_kernels.triton_masked import mask_2d, masked_load
 from pallas_kernels.tuning import fill, lookup
 
 # The smallest row tile a group's last, partial tile shrinks to (`row_tile_sizes`).

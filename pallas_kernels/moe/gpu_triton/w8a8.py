@@ -31,7 +31,6 @@ from pallas_kernels.fp8.gpu_triton.fp8_dot import scaled_fp8_product
 from pallas_kernels.fp8.reference import quantize_activations, quantize_groups
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.grouped import Tile, grouped_call, launch_settings
-from pallas_kernels.moe.gpu_triton.masked import masked_load
 from pallas_kernels.moe.gpu_triton.weight_tiles import (
     BlockFP8,
     StoredWeight,
@@ -40,6 +39,7 @@ from pallas_kernels.moe.gpu_triton.weight_tiles import (
     pairs_needed,
 )
 from pallas_kernels.moe.reference import swiglu
+from pallas_kernels.triton_masked import masked_load
 
 _TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
 

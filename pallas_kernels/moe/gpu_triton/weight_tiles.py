@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.compat import widen_triton_offsets
 from pallas_kernels.fp8.reference import is_quantized
-from pallas_kernels.moe.gpu_triton.masked import mask_2d, masked_load
+from pallas_kernels.triton_masked import mask_2d, masked_load
 
 MXFP4_GROUP = 32  # inputs per E8M0 scale
 _FP32_MANTISSA_BITS = 23
