@@ -57,7 +57,7 @@ def route(x_TD, router_weight_ED, expert_bias_E, config: LingConfig, *, policy: 
 
     The router logits are fp32: products of the inputs as given, accumulated in fp32 (bf16 activations and
     weights run as one bf16 matmul: their products are exact in fp32, and no fp32 copy of x is made). The
-    selection is `pallas_kernels.moe.routing.select_experts` (one kernel on a GPU). The expert bias steers
+    selection is `pallas_kernels.moe.select_experts` (one kernel on a GPU). The expert bias steers
     selection only; weights are the un-biased sigmoid scores, renormalised and scaled.
     """
     logits_TE = jnp.einsum("td,ed->te", x_TD, router_weight_ED, preferred_element_type=jnp.float32)
