@@ -126,9 +126,9 @@ def add_execution_flags(
         default=FP8Matmul.AUTO.value,
         help="how block-FP8 weights kept as stored multiply (default auto: the checkpoint's activation scheme by "
         "size: on a GPU, prefill-sized products (256+ rows) in W8A8 (activations quantised per token in 1 x 128 "
-        "groups, FP8 x FP8: ~3x faster prefill on an H200, logits ~3%% from the dequantised model) and decode-sized "
-        "ones weight-only; weight_only: the dequantised weights' numerics at every size, batch-invariant (a "
-        "request's output never depends on what shares its batch); w8a8: FP8 x FP8 at every size)",
+        "groups, FP8 x FP8: 1.25x the weight_only prefill on an H200, logits ~3%% from the dequantised model) and "
+        "decode-sized ones weight-only; weight_only: the dequantised weights' numerics at every size, batch-invariant "
+        "(a request's output never depends on what shares its batch); w8a8: FP8 x FP8 at every size)",
     )
     group.add_argument(
         "--mtp",
