@@ -270,7 +270,8 @@ def _check_scale_blocks(name: str, weight: QuantizedWeight, spec: PartitionSpec,
             raise ShardingError(
                 f"{name}: mesh axes {axes} split dimension {len(weight.shape) + dim} (size {size}) of this quantised "
                 f"weight {ways} ways, {size // ways} per device, which cuts its {block}-element scale blocks; use a "
-                "mesh whose shards hold whole blocks, or load the checkpoint with weights='bf16'"
+                "mesh whose shards hold whole blocks, or load the checkpoint with weights='bf16' (generate.py, "
+                "ling-serve: --weights bf16)"
             )
 
 
