@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=(BF16, FP8_KEPT),
         default=BF16,
-        help="bf16: dequantise everything (A_log, dt_bias, convs, expert bias stay fp32); "
+        help="bf16 (default): dequantise everything (A_log, dt_bias, convs, expert bias stay fp32); "
         "fp8: keep FP8 weights and MXFP4 experts (as FP8 codes) with their block scales",
     )
     parser.add_argument(
