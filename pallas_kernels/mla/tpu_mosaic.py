@@ -15,6 +15,7 @@ SMEM, so the pages are read in place, never gathered).
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +70,7 @@ def _split_kernel(
         contract = (((1,), (1,)), ((), ()))
         latents, scores = [], []
         for i, kv_ref in enumerate(kv_refs):
-            start = first + i * rows
+            start = first + i * rows if i else first
             kv = kv_ref[...]  # [rows, R + P]; rows past the cache end (a partial tile, a page past it) are garbage
             valid_K1 = start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < length
             kv = jnp.where(valid_K1, kv, jnp.zeros_like(kv))
@@ -84,10 +85,10 @@ def _split_kernel(
         m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1, keepdims=True) for s in scores], m_prev)
         probs = [jnp.exp(s - m_new) for s in scores]
         correction = jnp.exp(m_prev - m_new)
-        l_ref[...] = l_ref[...] * correction + sum(jnp.sum(p, axis=1, keepdims=True) for p in probs)
-        acc_ref[...] = acc_ref[...] * correction + sum(
-            jnp.dot(p.astype(k.dtype), k, preferred_element_type=jnp.float32) for p, k in zip(probs, latents)
-        )
+        weight_sums = [jnp.sum(p, axis=1, keepdims=True) for p in probs]
+        values = [jnp.dot(p.astype(k.dtype), k, preferred_element_type=jnp.float32) for p, k in zip(probs, latents)]
+        l_ref[...] = l_ref[...] * correction + functools.reduce(operator.add, weight_sums)
+        acc_ref[...] = acc_ref[...] * correction + functools.reduce(operator.add, values)
         m_ref[...] = m_new
 
     @pl.when(block == blocks_per_split - 1)
@@ -200,6 +201,16 @@ def mla_decode_tpu(
     )
 
 
+def page_column(block, i, length, *, page_size: int, pages_per_block: int, max_pages: int):
+    """The page-table column that operand i (page i of each block) reads at `block` of a sequence of `length`
+    slots: block * pages_per_block + i while that page holds some of the sequence; past it, the last column of
+    operand i that does (the same page as the step before: the pipeline issues no DMA), or column i where
+    operand i has none (its page, whatever the table holds there, is read once and masked). In [0, max_pages)."""
+    last_page = jnp.clip(pl.cdiv(length, page_size) - 1, 0, max_pages - 1)
+    own_last = i + lax.div(jnp.maximum(last_page - i, 0), pages_per_block) * pages_per_block
+    return jnp.minimum(block * pages_per_block + i, own_last)
+
+
 def paged_kernel_fits(kv_pages_PSA, page_table_BN) -> bool:
     """Whether `mla_decode_paged_tpu` takes this cache: pages of whole sublane tiles (`page_rows`: a multiple of
     16 slots for a bf16 cache, 8 for fp32) and a page table of at most PAGE_TABLE_MAX_BYTES (SMEM)."""
@@ -238,15 +249,15 @@ def mla_decode_paged_tpu(
     blocks_per_split = pl.cdiv(total_blocks, num_splits)
 
     def page_index(i):
-        """Operand i holds page i of each block: table column (block * pages_per_block + i), but never past the
-        sequence's last page (past it, operand i keeps its last page within the length, the same block index
-        as the step before: no DMA), and the page id clipped to the pool (a sequence without any page for
-        operand i reads some page, masked)."""
-
         def index(b, s, j, lengths_ref, table_ref):
-            last_page = jnp.clip(pl.cdiv(lengths_ref[b], page_size) - 1, 0, max_pages - 1)
-            own_last = i + lax.div(jnp.maximum(last_page - i, 0), pages_per_block) * pages_per_block
-            column = jnp.minimum((s * blocks_per_split + j) * pages_per_block + i, own_last)
+            column = page_column(
+                s * blocks_per_split + j,
+                i,
+                lengths_ref[b],
+                page_size=page_size,
+                pages_per_block=pages_per_block,
+                max_pages=max_pages,
+            )
             return jnp.clip(table_ref[b * max_pages + column], 0, num_pages - 1), 0, 0
 
         return index

@@ -18,6 +18,7 @@ from tpu_lowering import TPU_KINDS, lower_for_tpu
 from ling_jax.serving.engine import PAGE_SIZE
 from pallas_kernels.mla import mla_decode_paged, mla_decode_paged_reference
 from pallas_kernels.mla.ops import kernel
+from pallas_kernels.mla.tpu_mosaic import page_column
 from pallas_kernels.mla.tuned import DecodeTpuTiles
 
 mla_decode_paged_tpu = kernel("mla_decode_paged", "tpu_mosaic")
@@ -82,6 +83,21 @@ def check_paged_kernel(heads, page_size, dtype, tiles, seed=0):
 )
 def test_paged_kernel_matches_float64_attention(heads, page_size, dtype, tiles):
     check_paged_kernel(heads, page_size, dtype, tiles)
+
+
+def test_pages_past_the_length_are_not_fetched():
+    """Operand i of a block reads its own page while the sequence has one there, then keeps the page it read last
+    (the same block index as the step before: no DMA); an operand with no page in the sequence stays on one
+    column. Pages of 16 slots, 3 a block, 7 table columns (a partial last block)."""
+    column = functools.partial(page_column, page_size=16, pages_per_block=3, max_pages=7)
+    for length in (0, 1, 15, 16, 17, 47, 48, 49, 100, 112):
+        used = -(-length // 16)
+        for i in range(3):
+            columns = [int(column(block, i, length)) for block in range(3)]
+            for block, col in enumerate(columns):
+                own = block * 3 + i
+                expected = own if own < used else (columns[block - 1] if block else i)
+                assert col == expected and 0 <= col < 7, (length, i, columns)
 
 
 def test_dispatcher_reads_tiled_pages_in_place_and_gathers_the_others():
