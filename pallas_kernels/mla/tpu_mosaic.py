@@ -15,7 +15,6 @@ SMEM, so the pages are read in place, never gathered).
 from __future__ import annotations
 
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -67,28 +66,25 @@ def _split_kernel(
 
     @pl.when(first < length)
     def _accumulate():
+        # [num_kv * rows, R + P]; rows past the cache end (a partial tile, a page past it) are garbage
+        kv = kv_refs[0][...] if num_kv == 1 else jnp.concatenate([ref[...] for ref in kv_refs], axis=0)
+        valid_K1 = first + lax.broadcasted_iota(jnp.int32, (kv.shape[0], 1), 0) < length
+        kv = jnp.where(valid_K1, kv, jnp.zeros_like(kv))
+        k_latent, k_rope = kv[:, :latent_dim], kv[:, latent_dim:]
         contract = (((1,), (1,)), ((), ()))
-        latents, scores = [], []
-        for i, kv_ref in enumerate(kv_refs):
-            start = first + i * rows if i else first
-            kv = kv_ref[...]  # [rows, R + P]; rows past the cache end (a partial tile, a page past it) are garbage
-            valid_K1 = start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < length
-            kv = jnp.where(valid_K1, kv, jnp.zeros_like(kv))
-            k_latent, k_rope = kv[:, :latent_dim], kv[:, latent_dim:]
-            tile_scores = lax.dot_general(
-                q_latent_ref[...], k_latent, contract, preferred_element_type=jnp.float32
-            ) + lax.dot_general(q_rope_ref[...], k_rope, contract, preferred_element_type=jnp.float32)
-            slots = start + lax.broadcasted_iota(jnp.int32, tile_scores.shape, 1)
-            scores.append(jnp.where(slots < length, tile_scores * scale, NEG_INF))  # [H, rows]
-            latents.append(k_latent)
+        scores = lax.dot_general(
+            q_latent_ref[...], k_latent, contract, preferred_element_type=jnp.float32
+        ) + lax.dot_general(q_rope_ref[...], k_rope, contract, preferred_element_type=jnp.float32)
+        slots = first + lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+        scores = jnp.where(slots < length, scores * scale, NEG_INF)  # [H, block]
         m_prev = m_ref[...]  # [H, 1]
-        m_new = functools.reduce(jnp.maximum, [jnp.max(s, axis=1, keepdims=True) for s in scores], m_prev)
-        probs = [jnp.exp(s - m_new) for s in scores]
+        m_new = jnp.maximum(m_prev, jnp.max(scores, axis=1, keepdims=True))
+        p = jnp.exp(scores - m_new)
         correction = jnp.exp(m_prev - m_new)
-        weight_sums = [jnp.sum(p, axis=1, keepdims=True) for p in probs]
-        values = [jnp.dot(p.astype(k.dtype), k, preferred_element_type=jnp.float32) for p, k in zip(probs, latents)]
-        l_ref[...] = l_ref[...] * correction + functools.reduce(operator.add, weight_sums)
-        acc_ref[...] = acc_ref[...] * correction + functools.reduce(operator.add, values)
+        l_ref[...] = l_ref[...] * correction + jnp.sum(p, axis=1, keepdims=True)
+        acc_ref[...] = acc_ref[...] * correction + jnp.dot(
+            p.astype(k_latent.dtype), k_latent, preferred_element_type=jnp.float32
+        )
         m_ref[...] = m_new
 
     @pl.when(block == blocks_per_split - 1)
@@ -201,20 +197,39 @@ def mla_decode_tpu(
     )
 
 
-def page_column(block, i, length, *, page_size: int, pages_per_block: int, max_pages: int):
-    """The page-table column that operand i (page i of each block) reads at `block` of a sequence of `length`
-    slots: block * pages_per_block + i while that page holds some of the sequence; past it, the last column of
-    operand i that does (the same page as the step before: the pipeline issues no DMA), or column i where
-    operand i has none (its page, whatever the table holds there, is read once and masked). In [0, max_pages)."""
-    last_page = jnp.clip(pl.cdiv(length, page_size) - 1, 0, max_pages - 1)
-    own_last = i + lax.div(jnp.maximum(last_page - i, 0), pages_per_block) * pages_per_block
-    return jnp.minimum(block * pages_per_block + i, own_last)
+def block_pages(page_table_BN, lengths_B, *, num_pages: int, page_size: int, pages_per_block: int, num_blocks: int):
+    """The page each kernel operand reads at each block: [B, num_blocks * pages_per_block] int32, entry
+    (b, block * pages_per_block + i) for operand i (page i of a block). That is table column block *
+    pages_per_block + i while that page holds some of sequence b; past it, the last column of operand i that does
+    (the same page as the step before: the pipeline issues no DMA), or column i where operand i has none (its
+    page, whatever the table holds there, is read once and masked); the id clipped to [0, num_pages). Computed
+    by XLA on the table (a few KB), so that each operand's index map is one SMEM read."""
+    max_pages = page_table_BN.shape[1]
+    i = jnp.arange(pages_per_block)
+    last_page_B11 = jnp.clip(pl.cdiv(lengths_B, page_size) - 1, 0, max_pages - 1)[:, None, None]
+    own_last_B1I = i + jnp.maximum(last_page_B11 - i, 0) // pages_per_block * pages_per_block
+    columns_BGI = jnp.minimum(jnp.arange(num_blocks)[:, None] * pages_per_block + i, own_last_B1I)
+    pages = jnp.take_along_axis(page_table_BN, columns_BGI.reshape(len(lengths_B), -1), axis=1)
+    return jnp.clip(pages, 0, num_pages - 1).astype(jnp.int32)
 
 
-def paged_kernel_fits(kv_pages_PSA, page_table_BN) -> bool:
+def _paged_grid(page_size: int, max_pages: int, tiles: tuned.DecodeTpuTiles) -> tuple[int, int, int]:
+    """(pages a block, splits, blocks a split) of the paged kernel's grid."""
+    pages_per_block = max(1, min(tiles.block_k // page_size, max_pages))
+    total_blocks = pl.cdiv(max_pages, pages_per_block)
+    num_splits = min(tiles.num_splits, total_blocks)
+    return pages_per_block, num_splits, pl.cdiv(total_blocks, num_splits)
+
+
+def paged_kernel_fits(kv_pages_PSA, page_table_BN, tiles: tuned.DecodeTpuTiles | None = None) -> bool:
     """Whether `mla_decode_paged_tpu` takes this cache: pages of whole sublane tiles (`page_rows`: a multiple of
-    16 slots for a bf16 cache, 8 for fp32) and a page table of at most PAGE_TABLE_MAX_BYTES (SMEM)."""
-    return kv_pages_PSA.shape[1] % page_rows(kv_pages_PSA.dtype) == 0 and page_table_BN.size * 4 <= PAGE_TABLE_MAX_BYTES
+    16 slots for a bf16 cache, 8 for fp32) and its per-block page ids (`block_pages`: about the table's size) in
+    at most PAGE_TABLE_MAX_BYTES of SMEM. tiles None: `tuned.DECODE_PAGED_TPU`'s."""
+    tiles = tiles or lookup(tuned.DECODE_PAGED_TPU, dtype=kv_pages_PSA.dtype)
+    batch, max_pages = page_table_BN.shape
+    pages_per_block, num_splits, blocks_per_split = _paged_grid(kv_pages_PSA.shape[1], max_pages, tiles)
+    ids = batch * num_splits * blocks_per_split * pages_per_block
+    return kv_pages_PSA.shape[1] % page_rows(kv_pages_PSA.dtype) == 0 and ids * 4 <= PAGE_TABLE_MAX_BYTES
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
@@ -237,33 +252,31 @@ def mla_decode_paged_tpu(
     tiles = tiles or lookup(tuned.DECODE_PAGED_TPU, dtype=kv_pages_PSA.dtype)
     num_pages, page_size, width = kv_pages_PSA.shape
     batch, max_pages = page_table_BN.shape
-    if not paged_kernel_fits(kv_pages_PSA, page_table_BN):
+    if not paged_kernel_fits(kv_pages_PSA, page_table_BN, tiles):
         raise ValueError(
             f"mla_decode_paged_tpu needs pages of a multiple of {page_rows(kv_pages_PSA.dtype)} slots "
-            f"({kv_pages_PSA.dtype.name}) and a page table of at most {PAGE_TABLE_MAX_BYTES} bytes, got page_size "
+            f"({kv_pages_PSA.dtype.name}) and at most {PAGE_TABLE_MAX_BYTES} bytes of page ids, got page_size "
             f"{page_size} and a [{batch}, {max_pages}] table"
         )
-    pages_per_block = max(1, min(tiles.block_k // page_size, max_pages))
-    total_blocks = pl.cdiv(max_pages, pages_per_block)
-    num_splits = min(tiles.num_splits, total_blocks)
-    blocks_per_split = pl.cdiv(total_blocks, num_splits)
+    pages_per_block, num_splits, blocks_per_split = _paged_grid(page_size, max_pages, tiles)
+    num_blocks = num_splits * blocks_per_split  # the grid's: past the table's last block too
+    pages_BX = block_pages(
+        page_table_BN,
+        lengths_B,
+        num_pages=num_pages,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        num_blocks=num_blocks,
+    )
 
     def page_index(i):
-        def index(b, s, j, lengths_ref, table_ref):
-            column = page_column(
-                s * blocks_per_split + j,
-                i,
-                lengths_ref[b],
-                page_size=page_size,
-                pages_per_block=pages_per_block,
-                max_pages=max_pages,
-            )
-            return jnp.clip(table_ref[b * max_pages + column], 0, num_pages - 1), 0, 0
+        def index(b, s, j, lengths_ref, pages_ref):
+            return pages_ref[(b * num_blocks + s * blocks_per_split + j) * pages_per_block + i], 0, 0
 
         return index
 
     return _split_call(
-        (lengths_B.astype(jnp.int32), page_table_BN.astype(jnp.int32).reshape(-1)),
+        (lengths_B.astype(jnp.int32), pages_BX.reshape(-1)),
         q_latent_BHR,
         q_rope_BHP,
         (kv_pages_PSA,) * pages_per_block,

@@ -98,8 +98,10 @@ DECODE_TPU = {
 # tpu_mosaic paged decode: block_k // page_size whole pages a block (at least one), each page its own DMA.
 DECODE_PAGED_TPU = {
     (ANY, ANY, ANY): Entry(
-        DecodeTpuTiles(block_k=256, num_splits=2),
-        "not measured: DECODE_TPU's 256-slot blocks (4 of ling-serve's 64-slot pages), a split per core",
+        DecodeTpuTiles(block_k=512, num_splits=2),
+        "not measured (no TPU): 8 of ling-serve's 64-slot pages a block, a split per core; libtpu's schedule "
+        "(docs/kernels.md#paged-mla-decode-on-tpu) gives a grid step of 4 pages 751 / 936 bundles (32 / 64 heads), "
+        "of 8 pages 1,284 / 1,529: fewer per slot, near the contiguous kernel's 631 / 804 for 256 slots",
     )
 }
 PREFILL = _gpu(
