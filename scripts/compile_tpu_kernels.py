@@ -1,7 +1,8 @@
-"""Compile the weight-only TPU kernels (`fp8/tpu_mosaic.py`, `moe/tpu_mosaic.py`) for TPU v5e / v6e on a machine
-without a TPU: libtpu's compile-only client (`jax.experimental.topologies`) runs the whole XLA TPU compilation,
-Mosaic included, which rejects what a Pallas lowering alone lets through (unaligned accesses, layouts). Nothing
-runs: compiled means the kernel is a TPU program, not that it is fast.
+"""Compile the weight-only TPU kernels (`fp8/tpu_mosaic.py`, `moe/tpu_mosaic.py`) and the MLA decode kernels
+(`mla/tpu_mosaic.py`, contiguous and paged) for TPU v5e / v6e on a machine without a TPU: libtpu's compile-only
+client (`jax.experimental.topologies`) runs the whole XLA TPU compilation, Mosaic included, which rejects what a
+Pallas lowering alone lets through (unaligned accesses, layouts). Nothing runs: compiled means the kernel is a TPU
+program, not that it is fast.
 
     pip install --no-deps --target /tmp/libtpu 'libtpu==0.0.42.*'     # jax[tpu]==0.10.2's libtpu, kept apart
     PYTHONPATH=/tmp/libtpu python scripts/compile_tpu_kernels.py          # Ling-3.1-flash shapes and the test sizes
@@ -12,7 +13,8 @@ Prints a table and exits 1 if anything failed. Columns: the compile time (or the
 bundles as libtpu scheduled them (from its LLO dump): the kernel's whole static code, which is one grid step's
 body (the K loop is unrolled) plus the pipeline's prologue, so about the cycles a grid step takes where no DMA
 waits. A static count, not a timing: compare it with the HBM time of the step's weight tile (at 8 rows and the
-default 256-row tiles: 1 MB of FP8 for the 8192 x 4096 linear, 512 KB of MXFP4 for a 1280 x 4096 expert).
+default 256-row tiles: 1 MB of FP8 for the 8192 x 4096 linear, 512 KB of MXFP4 for a 1280 x 4096 expert) or
+cache block (576 bf16 values a slot: 288 KB for 256 slots).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ data, so the pipeline re-uses the buffer instead of issuing a DMA).
 
 Two caches, one kernel body (`_split_kernel`): contiguous ([B, L, R + P], `mla_decode_tpu`: a block is one
 `block_k`-slot tile) or paged ([num_pages, page_size, R + P] with a page table, `mla_decode_paged_tpu`: a block
-is `pages_per_block` whole pages, each its own kernel operand whose index map reads page_table[b, page] from
-SMEM, so the pages are read in place, never gathered).
+is `pages_per_block` whole pages, each its own kernel operand (the pool passed once per page of a block) whose
+index map reads its page id from SMEM, so the pages are DMA'd from the pool in place, never gathered; the
+block's pages are joined in VMEM into one tile for the same math).
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.tuning import lookup
 
 NEG_INF = -1e30
-# The paged kernel's page table lives in SMEM (1 MiB a core from TPU v4 on), beside the lengths.
+# The paged kernel's page ids (`block_pages`) live in SMEM (1 MiB a core from TPU v4 on), beside the lengths.
 PAGE_TABLE_MAX_BYTES = 512 * 1024
 
 
 def page_rows(dtype) -> int:
     """The sublane tile of `dtype` (8 rows of 32-bit values, 16 of 16-bit, 32 of 8-bit): a page must be whole
-    tiles of it for its [page_size, R + P] block to sit on the TPU's (rows, 128) memory tiling."""
+    tiles of it for its [page_size, R + P] block to sit on the TPU's (rows, 128) memory tiling, and for a block's
+    pages to join into one tile without moving rows."""
     return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
@@ -48,8 +50,8 @@ def _split_kernel(
 ):
     """One grid step (b, split, block). refs: the scalar-prefetched lengths [B] (then `num_scalars` - 1 more
     prefetched operands, used only by the index maps), q_latent [H, R], q_rope [H, P], `num_kv` cache tiles of
-    `rows` consecutive slots each [rows, R + P] (the block's slots in order), the outputs o [H, R] and lse [H, 1],
-    and the scratch acc [H, R], m [H, 1], l [H, 1]."""
+    `rows` consecutive slots each [rows, R + P] (the block's slots in order, joined into one tile), the outputs
+    o [H, R] and lse [H, 1], and the scratch acc [H, R], m [H, 1], l [H, 1]."""
     lengths_ref = refs[0]
     q_latent_ref, q_rope_ref = refs[num_scalars : num_scalars + 2]
     kv_refs = refs[num_scalars + 2 : num_scalars + 2 + num_kv]
