@@ -134,7 +134,7 @@ def mla_decode_cases(s, quick: bool):
         for page_size, block_k in ((16, 16), (16, 48)):
             yield (
                 "mla decode paged",
-                f"3x5 heads x4 pages of {page_size}, {block_k // page_size} a block, {name}",
+                f"3x5 heads x4 pages of {page_size}, {block_k}-slot blocks, {name}",
                 functools.partial(mla_decode_paged_tpu, scale=0.07, tiles=DecodeTpuTiles(block_k, 2)),
                 paged(3, 5, 4 * page_size, page_size, dtype),
             )
@@ -147,7 +147,7 @@ def mla_decode_cases(s, quick: bool):
         for block_k in (64, 256, 512):
             yield (
                 "mla decode paged",
-                f"{shape}, {block_k // 64} pages of 64 a block",
+                f"{shape}, {block_k}-slot blocks of 64-slot pages",
                 functools.partial(mla_decode_paged_tpu, scale=0.07, tiles=DecodeTpuTiles(block_k, 2)),
                 paged(32, heads, 8192, 64, jnp.bfloat16),
             )
