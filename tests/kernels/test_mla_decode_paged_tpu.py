@@ -74,7 +74,7 @@ def check_paged_kernel(heads, page_size, dtype, tiles, seed=0):
 @pytest.mark.parametrize(
     "heads, page_size, dtype, tiles",
     [
-        (4, 8, jnp.float32, DecodeTpuTiles(block_k=8, num_splits=2)),  # a page a block, splits past short rows
+        (4, 8, jnp.float32, DecodeTpuTiles(block_k=8, num_splits=3)),  # a page a block, 3 splits of 2 over 4 pages
         (5, 16, jnp.bfloat16, DecodeTpuTiles(block_k=48, num_splits=2)),  # 3 pages a block: 4 pages, a partial block
         (32, 16, jnp.bfloat16, DecodeTpuTiles(block_k=32, num_splits=1)),  # Ling-3.0-flash's heads, 2 pages a block
         (64, 8, jnp.float32, None),  # Ling-3.1-flash's heads, the table's tiles (every page in one block)
