@@ -35,7 +35,7 @@ PAGE_TABLE_MAX_BYTES = 512 * 1024
 def page_rows(dtype) -> int:
     """The sublane tile of `dtype` (8 rows of 32-bit values, 16 of 16-bit, 32 of 8-bit): a page must be whole
     tiles of it for its [page_size, R + P] block to sit on the TPU's (rows, 128) memory tiling, and for a block's
-    pages to join into one tile without moving rows."""
+    pages to join into one tile without a relayout."""
     return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
