@@ -1,7 +1,8 @@
-"""Compile the weight-only TPU kernels (`fp8/tpu_mosaic.py`, `moe/tpu_mosaic.py`) for TPU v5e / v6e on a machine
-without a TPU: libtpu's compile-only client (`jax.experimental.topologies`) runs the whole XLA TPU compilation,
-Mosaic included, which rejects what a Pallas lowering alone lets through (unaligned accesses, layouts). Nothing
-runs: compiled means the kernel is a TPU program, not that it is fast.
+"""Compile the weight-only TPU kernels (`fp8/tpu_mosaic.py`, `moe/tpu_mosaic.py`) and the MLA decode kernels
+(`mla/tpu_mosaic.py`, contiguous and paged) for TPU v5e / v6e on a machine without a TPU: libtpu's compile-only
+client (`jax.experimental.topologies`) runs the whole XLA TPU compilation, Mosaic included, which rejects what a
+Pallas lowering alone lets through (unaligned accesses, layouts). Nothing runs: compiled means the kernel is a TPU
+program, not that it is fast.
 
     pip install --no-deps --target /tmp/libtpu 'libtpu==0.0.42.*'     # jax[tpu]==0.10.2's libtpu, kept apart
     PYTHONPATH=/tmp/libtpu python scripts/compile_tpu_kernels.py          # Ling-3.1-flash shapes and the test sizes
@@ -12,7 +13,8 @@ Prints a table and exits 1 if anything failed. Columns: the compile time (or the
 bundles as libtpu scheduled them (from its LLO dump): the kernel's whole static code, which is one grid step's
 body (the K loop is unrolled) plus the pipeline's prologue, so about the cycles a grid step takes where no DMA
 waits. A static count, not a timing: compare it with the HBM time of the step's weight tile (at 8 rows and the
-default 256-row tiles: 1 MB of FP8 for the 8192 x 4096 linear, 512 KB of MXFP4 for a 1280 x 4096 expert).
+default 256-row tiles: 1 MB of FP8 for the 8192 x 4096 linear, 512 KB of MXFP4 for a 1280 x 4096 expert) or
+cache block (576 bf16 values a slot: 288 KB for 256 slots).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from ling_jax.quantized import BlockFP8Weight, MXFP4Weight  # noqa: E402
 from pallas_kernels.fp8.tpu_mosaic import weight_only_linear_tpu  # noqa: E402
+from pallas_kernels.mla.tpu_mosaic import mla_decode_paged_tpu, mla_decode_tpu  # noqa: E402
+from pallas_kernels.mla.tuned import DecodeTpuTiles  # noqa: E402
 from pallas_kernels.moe.tpu_mosaic import grouped_matmul_tpu  # noqa: E402
 
 TOPOLOGIES = {"v5e": ("v5e:1x1", "v5litepod-1"), "v6e": ("v6e:1x1", "v6e-1")}
@@ -95,6 +99,7 @@ def cases(s, quick: bool):
                     grouped_matmul_tpu,
                     (s((rows, 200), dtype), weight, s((4,), jnp.int32)),
                 )
+    yield from mla_decode_cases(s, quick)
     if quick:
         return
     for rows in (1, 8, 256):
@@ -109,6 +114,43 @@ def cases(s, quick: bool):
             for rows in (64, 2048):
                 args = (s((rows, in_dim), jnp.bfloat16), weight, s((16,), jnp.int32))
                 yield f"grouped {stack}", f"16x{out_dim}x{in_dim}, bf16, {rows} rows", grouped_matmul_tpu, args
+
+
+def mla_decode_cases(s, quick: bool):
+    """The absorbed-MLA decode kernels (`mla/tpu_mosaic.py`), contiguous and paged: the test sizes (odd heads,
+    lengths off the tile, 1 to 3 pages a block), then ling-serve's decode at B=32 over 8,192 slots (Ling's 32
+    and 64 heads, bf16, 64-slot pages at 1, 4 and 8 pages a block)."""
+    latent = lambda batch, heads, dtype: (s((batch, heads, 512), dtype), s((batch, heads, 64), dtype))  # noqa: E731
+
+    def paged(batch, heads, context, page_size, dtype):
+        pages = context // page_size
+        table = (s((batch * pages + 1, page_size, 576), dtype), s((batch, pages), jnp.int32))
+        return (*latent(batch, heads, dtype), *table, s((batch,), jnp.int32))
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        name = jnp.dtype(dtype).name
+        contiguous = (*latent(3, 4, dtype), s((3, 300, 576), dtype), s((3,), jnp.int32))
+        yield "mla decode", f"3x4 heads x300, {name}", functools.partial(mla_decode_tpu, scale=0.07), contiguous
+        for page_size, block_k in ((16, 16), (16, 48)):
+            yield (
+                "mla decode paged",
+                f"3x5 heads x4 pages of {page_size}, {block_k}-slot blocks, {name}",
+                functools.partial(mla_decode_paged_tpu, scale=0.07, tiles=DecodeTpuTiles(block_k, 2)),
+                paged(3, 5, 4 * page_size, page_size, dtype),
+            )
+    if quick:
+        return
+    for heads in (32, 64):
+        shape = f"32x{heads} heads x8192, bf16"
+        contiguous = (*latent(32, heads, jnp.bfloat16), s((32, 8192, 576), jnp.bfloat16), s((32,), jnp.int32))
+        yield "mla decode", f"{shape}, 256-slot tiles", functools.partial(mla_decode_tpu, scale=0.07), contiguous
+        for block_k in (64, 256, 512):
+            yield (
+                "mla decode paged",
+                f"{shape}, {block_k}-slot blocks of 64-slot pages",
+                functools.partial(mla_decode_paged_tpu, scale=0.07, tiles=DecodeTpuTiles(block_k, 2)),
+                paged(32, heads, 8192, 64, jnp.bfloat16),
+            )
 
 
 def kernel_bundles() -> str:

@@ -157,28 +157,56 @@ def test_verify_tokens_absorbed_on_the_decode_kernel(tmp_path):
     assert rel_error(logits[ABSORBED], logits[EXPANDED]) <= 1e-5
 
 
+def prefill_then_step(c, weights, inputs, state, page_table, max_length, policy=None):
+    """latent_attention over each [B, T, D] input in turn, a cache of `max_length` slots: (outputs, state)."""
+    outputs, lengths = [], jnp.zeros((2,), jnp.int32)
+    for x_BTD in inputs:
+        ctx = token_context(
+            c, 2, x_BTD.shape[1], lengths=lengths, max_length=max_length, page_table=page_table, policy=policy
+        )
+        y_BTD, state = latent_attention(weights, x_BTD, state, ctx, c)
+        outputs.append(y_BTD)
+        lengths = lengths + x_BTD.shape[1]
+    return jnp.concatenate(outputs, axis=1), state
+
+
 def test_paged_cache_equals_contiguous():
     """A prefill then a decode step through a paged cache (pages out of order, an empty table entry past each
     sequence) give the contiguous cache's outputs, with the same latents in each sequence's slots."""
     c = config("qlora-interleaved")
     weights = params_of(MultiLatentAttention(c, dtype=jnp.float32, rngs=nnx.Rngs(1)))
     r = np.random.default_rng(4)
-    prompt_BTD, step_B1D = (jnp.asarray(r.normal(size=(2, n, c.hidden_size)), jnp.float32) for n in (7, 1))
+    inputs = [jnp.asarray(r.normal(size=(2, n, c.hidden_size)), jnp.float32) for n in (7, 1)]
     page_table_BN = jnp.asarray([[5, 0, 3, 7], [1, 6, 2, 7]], jnp.int32)  # 7 = no page: a pool of 7 pages of 4
-
-    def run(state, page_table):
-        outputs, lengths = [], jnp.zeros((2,), jnp.int32)
-        for x_BTD in (prompt_BTD, step_B1D):
-            ctx = token_context(c, 2, x_BTD.shape[1], lengths=lengths, max_length=16, page_table=page_table)
-            y_BTD, state = latent_attention(weights, x_BTD, state, ctx, c)
-            outputs.append(y_BTD)
-            lengths = lengths + x_BTD.shape[1]
-        return jnp.concatenate(outputs, axis=1), state
-
-    expected, contiguous = run(MLAState(latent=jnp.zeros((2, 16, c.latent_dim))), None)
-    paged, pages = run(PagedMLAState(latent_pages=jnp.zeros((7, 4, c.latent_dim))), page_table_BN)
+    expected, contiguous = prefill_then_step(
+        c, weights, inputs, MLAState(latent=jnp.zeros((2, 16, c.latent_dim))), None, 16
+    )
+    paged, pages = prefill_then_step(
+        c, weights, inputs, PagedMLAState(latent_pages=jnp.zeros((7, 4, c.latent_dim))), page_table_BN, 16
+    )
     assert rel_error(paged, expected) <= 1e-6
     np.testing.assert_array_equal(gather_pages(pages.latent_pages, page_table_BN)[:, :8], contiguous.latent[:, :8])
+
+
+def test_paged_decode_on_the_tpu_kernel_reads_the_pages_in_place():
+    """With the TPU kernels (interpret mode), the decode step over fp32 pages of 8 slots (a sequence's two pages
+    out of order, the empty entry past them) attends with the paged kernel (`mla_decode_paged_tpu`: the pool's
+    values are never gathered, only page ids) and equals the contiguous cache's decode on the jnp reference."""
+    c = config("qlora-interleaved")
+    weights = params_of(MultiLatentAttention(c, dtype=jnp.float32, rngs=nnx.Rngs(2)))
+    r = np.random.default_rng(6)
+    inputs = [jnp.asarray(r.normal(size=(2, n, c.hidden_size)), jnp.float32) for n in (10, 1)]
+    page_table_BN = jnp.asarray([[3, 0, 5], [1, 4, 5]], jnp.int32)  # 5 = no page: a pool of 5 pages of 8
+    tpu = ExecutionPolicy(kernel_backend="interpret_tpu")
+    expected, _ = prefill_then_step(c, weights, inputs, MLAState(latent=jnp.zeros((2, 24, c.latent_dim))), None, 24)
+    pool = PagedMLAState(latent_pages=jnp.zeros((5, 8, c.latent_dim)))
+    paged, pages = prefill_then_step(c, weights, inputs[:1], pool, page_table_BN, 24, tpu)
+    ctx = token_context(c, 2, 1, lengths=jnp.full((2,), 10), max_length=24, page_table=page_table_BN, policy=tpu)
+    step = jax.make_jaxpr(lambda x, state: latent_attention(weights, x, state, ctx, c))(inputs[1], pages)
+    gathers = [line for line in str(step).splitlines() if " = gather[" in line]  # of int32 page ids only
+    assert "name=mla_decode_paged_tpu" in str(step) and not any(":f32[" in line for line in gathers)
+    y_B1D, _ = latent_attention(weights, inputs[1], pages, ctx, c)
+    assert rel_error(jnp.concatenate([paged, y_B1D], axis=1), expected) <= 1e-5
 
 
 @pytest.mark.parametrize(

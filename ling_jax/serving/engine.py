@@ -113,7 +113,9 @@ from ling_jax.sharding import cache_shardings, shard_model
 
 GREEDY = SamplingParams(temperature=0.0)  # what an idle slot "samples" with: the cheapest branch of `sample`
 DECODE_STEPS = 4  # ling-serve's --decode-steps: decode steps per program when nothing else waits
-PAGE_SIZE = 64  # MLA cache slots per page: the Hopper paged decode kernel reads pages of a multiple of 64 in place
+# MLA cache slots per page: the Hopper paged decode kernel reads pages of a multiple of 64 in place, the TPU one
+# pages of a multiple of 16 (bf16; 8 for fp32)
+PAGE_SIZE = 64
 
 
 def _slot_rows(tree, slot):

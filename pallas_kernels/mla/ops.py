@@ -5,8 +5,8 @@ its variants.
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, the backend and the shapes pick (see
-each op); `mla_decode_paged` takes `mla_decode`'s names ("gpu_mosaic" reads the pages in place, every other
-variant runs on the pages gathered into a contiguous cache).
+each op); `mla_decode_paged` takes `mla_decode`'s names ("gpu_mosaic" and "tpu_mosaic" read the pages in place,
+every other variant runs on the pages gathered into a contiguous cache).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pallas_kernels.mla.reference import (
     mla_decode_reference,
     mla_decode_tokens_reference,
 )
-from pallas_kernels.mla.tpu_mosaic import mla_decode_tpu
+from pallas_kernels.mla.tpu_mosaic import mla_decode_paged_tpu, mla_decode_tpu, paged_kernel_fits
 from pallas_kernels.mla.tuned import MOSAIC_MIN_SLOTS
 from pallas_kernels.variants import REFERENCE, Variant
 
@@ -48,7 +48,10 @@ VARIANTS = {
         "gpu_mosaic": Variant("gpu", mla_decode_mgpu),
         "tpu_mosaic": Variant("tpu", mla_decode_tpu),
     },
-    "mla_decode_paged": {"gpu_mosaic": Variant("gpu", mla_decode_paged_mgpu)},
+    "mla_decode_paged": {
+        "gpu_mosaic": Variant("gpu", mla_decode_paged_mgpu),
+        "tpu_mosaic": Variant("tpu", mla_decode_paged_tpu),
+    },
     "mla_decode_tokens": {
         REFERENCE: Variant(None, mla_decode_tokens_reference),
         "gpu_triton": Variant("gpu", mla_decode_tokens_gpu),
@@ -121,21 +124,31 @@ def mla_decode_paged(
 ):
     """`mla_decode` over a paged latent cache (what prefix reuse needs): kv_pages [P, page_size, R + P_rope],
     page_table [B, max_pages] int32 (slot s of sequence b is row s % page_size of page
-    page_table[b, s // page_size]; sequences may share pages). On a Hopper GPU ("pallas_gpu", a 16-bit cache,
-    pages of a multiple of 64 slots), or with variant "gpu_mosaic", the Mosaic GPU kernel reads the pages in
-    place; every other case first gathers each sequence's pages into a contiguous cache (a copy of B x max_pages
-    pages) and runs `mla_decode` with the same backend and variant.
+    page_table[b, s // page_size]; sequences may share pages, entries past a sequence's length may hold anything).
+    Read in place by: on a Hopper GPU ("pallas_gpu", a 16-bit cache, pages of a multiple of 64 slots), or with
+    variant "gpu_mosaic", the Mosaic GPU kernel; on a TPU backend ("pallas_tpu", or "interpret_tpu" in Pallas
+    interpret mode) for pages of whole sublane tiles (a multiple of 16 slots for a 16-bit cache, 8 for fp32) and a
+    page table of at most `tpu_mosaic.PAGE_TABLE_MAX_BYTES` (it goes to SMEM), or with variant "tpu_mosaic", the
+    Mosaic TPU kernel. Every other case first gathers each sequence's pages into a contiguous cache (a copy of
+    B x max_pages pages) and runs `mla_decode` with the same backend and variant.
     """
     backend = resolve_backend(backend)
-    fits = (
-        backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_pages_PSA) and kv_pages_PSA.shape[1] % 64 == 0
-    )
-    if variant == "gpu_mosaic" or (variant is None and fits):
-        name = variants.pick(VARIANTS, "mla_decode_paged", "gpu_mosaic", backend, "gpu_mosaic")
+    name = _paged_default(backend, q_latent_BHR, kv_pages_PSA, page_table_BN) if variant is None else variant
+    if name in VARIANTS["mla_decode_paged"]:
+        name = variants.pick(VARIANTS, "mla_decode_paged", name, backend, name)
         args = (q_latent_BHR, q_rope_BHP, kv_pages_PSA, page_table_BN, lengths_B)
         return variants.run(VARIANTS, "mla_decode_paged", name, backend, *args, scale=scale)
     kv_cache_BLA = gather_pages(kv_pages_PSA, page_table_BN)
     return mla_decode(q_latent_BHR, q_rope_BHP, kv_cache_BLA, lengths_B, scale=scale, backend=backend, variant=variant)
+
+
+def _paged_default(backend: str, q_latent_BHR, kv_pages_PSA, page_table_BN) -> str | None:
+    """The in-place kernel `mla_decode_paged` runs without a variant named, None for the gathered pages."""
+    if backend == "pallas_gpu" and _mosaic_kernel_fits(q_latent_BHR, kv_pages_PSA) and kv_pages_PSA.shape[1] % 64 == 0:
+        return "gpu_mosaic"
+    if KERNEL_TARGET.get(backend) == "tpu" and paged_kernel_fits(kv_pages_PSA, page_table_BN):
+        return "tpu_mosaic"
+    return None
 
 
 def mla_decode_tokens(

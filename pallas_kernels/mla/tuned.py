@@ -34,7 +34,7 @@ class DecodeMosaicTiles:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTpuTiles:
-    block_k: int  # cache slots a tile, a multiple of 16
+    block_k: int  # cache slots a tile, a multiple of 16 (paged: slots a block, rounded down to whole pages)
     num_splits: int  # sequence splits (parallel: both cores of a megacore chip on one sequence)
 
 
@@ -93,6 +93,15 @@ DECODE_TPU = {
     (ANY, ANY, ANY): Entry(
         DecodeTpuTiles(block_k=256, num_splits=2),
         "not measured: 256-slot tiles (288 KiB of bf16 cache), a split per core",
+    )
+}
+# tpu_mosaic paged decode: block_k // page_size whole pages a block (at least one), each page its own DMA.
+DECODE_PAGED_TPU = {
+    (ANY, ANY, ANY): Entry(
+        DecodeTpuTiles(block_k=512, num_splits=2),
+        "not measured (no TPU): 8 of ling-serve's 64-slot pages a block, a split per core; libtpu's schedule "
+        "(docs/kernels.md#paged-mla-decode-on-tpu) gives a grid step of 4 pages 751 / 936 bundles (32 / 64 heads), "
+        "of 8 pages 1,284 / 1,529: fewer per slot, near the contiguous kernel's 631 / 804 for 256 slots",
     )
 }
 PREFILL = _gpu(

@@ -1,6 +1,6 @@
-"""scripts/compile_tpu_kernels.py: the weight-only TPU kernels compiled by libtpu (Mosaic included) for v5e at
-the test sizes. libtpu stays out of the project's environment: the test runs where LING_LIBTPU_DIR names a
-directory holding it (`pip install --no-deps --target DIR 'libtpu==0.0.42.*'`), and is skipped elsewhere."""
+"""scripts/compile_tpu_kernels.py: the weight-only and MLA decode TPU kernels compiled by libtpu (Mosaic included)
+for v5e at the test sizes. libtpu stays out of the project's environment: the test runs where LING_LIBTPU_DIR
+names a directory holding it (`pip install --no-deps --target DIR 'libtpu==0.0.42.*'`), and is skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -22,4 +22,4 @@ def test_kernels_compile_for_v5e():
         [sys.executable, str(script), "--quick", "--chips", "v5e"], env=env, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert run.stdout.count("TPU v5 lite") == 36 and "FAILED" not in run.stdout
+    assert run.stdout.count("TPU v5 lite") == 42 and "FAILED" not in run.stdout
