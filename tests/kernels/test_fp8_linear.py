@@ -383,7 +383,8 @@ def test_compiled_gemv_gated_norm_prologue_matches_reference(rows, dtype, tol):
     x, norm = gated_norm_case(rows, 32, 128, dtype, seed=rows)
     weight = random_weight(2560, 4096, seed=rows + 1)
     partials = weight_only_gemv_partials_gpu(x, weight.values, weight.scales, block=weight.block, norm=norm)
-    want = weight_only_linear_reference(gated_head_norm(x, norm), weight.values, weight.scales, weight.block)
+    with jax.default_matmul_precision("highest"):  # XLA's default fp32 dot on a GPU is TF32: 2.9e-4 off here
+        want = weight_only_linear_reference(gated_head_norm(x, norm), weight.values, weight.scales, weight.block)
     assert rel_error(jnp.sum(partials, axis=0), want) <= tol
 
 
