@@ -23,6 +23,7 @@ from benchmarks.moe import expert_parallel as bench_expert_parallel  # noqa: E40
 QUICK_CHECK = ["--quick", "--mesh", "expert=8", "--layers", "1", "--prompt-length", "8"]
 
 
+@pytest.mark.usefixtures("module_compile_cache")
 def test_check_passes_on_the_mesh(capsys):
     assert check_multi_gpu.main(QUICK_CHECK) == 0
     out = capsys.readouterr().out
@@ -30,6 +31,7 @@ def test_check_passes_on_the_mesh(capsys):
     assert "PASS" in out
 
 
+@pytest.mark.usefixtures("module_compile_cache")
 def test_check_in_float32_holds_at_1e_4(capsys):
     flags = ["--quick", "--mesh", "expert=2", "--dtype", "float32", "--reference-layers", "2", "--layers", "1"]
     flags += ["--prompt-length", "8"]
@@ -38,6 +40,7 @@ def test_check_in_float32_holds_at_1e_4(capsys):
     assert "float32 parameters" in out and "within 1e-04" in out
 
 
+@pytest.mark.usefixtures("module_compile_cache")
 def test_check_fails_when_the_last_expert_shard_is_corrupted(capsys):
     # one layer (MLA + MoE) shows the corrupted experts; the run stops before the large model
     assert check_multi_gpu.main(QUICK_CHECK + ["--reference-layers", "1", "--corrupt-last-shard"]) == 1
