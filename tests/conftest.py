@@ -39,6 +39,7 @@ DEMO_SERVER_UNIT = "the demo server's files"
 # one worker ran them while the other had nothing left.
 LONGEST_UNITS = (
     "tests/multiprocess/test_serving.py",  # ~180 s, and its 4-process job's warm-up now compiles every program
+    "tests/scripts/test_check_multi_gpu.py",
     "tests/scripts/test_multi_gpu_scripts.py",
     DEMO_SERVER_UNIT,
     "tests/serving/test_scheduler.py",
