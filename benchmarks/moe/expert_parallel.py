@@ -20,8 +20,9 @@ over the previous stage's real outputs:
 then the routed experts end to end (`moe_parallel`) both ways, and the whole layer (router + routed + shared
 expert, the model's default exchange). The table gives the bytes a device sends to the others (buffer / the
 assignments that really leave it) and the achieved GB/s.
-Decode: the 8-layer full-width slice (`benchmarks.common.flash_slice_config`) on the mesh, batch 64 over a cache
-of 8192 tokens, steps dispatched back to back as `Generator` runs them (`benchmarks.common.time_decode`).
+Decode: the 8-layer full-width slice (`benchmarks.common.flash_slice_config`; --quick: 2 layers, one KDA and one
+MLA) on the mesh, batch 64 over a cache of 8192 tokens, steps dispatched back to back as `Generator` runs them
+(`benchmarks.common.time_decode`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from pallas_kernels.moe.ops import ExpertWeights, Routing, expert_path, expert_s
 SPLIT = P("expert")  # leading dimension (tokens, buffer rows, experts) over the expert axis
 FULL = {"tokens_per_device": (64, 8192), "decode_batch": 64, "context": 8192, "iters": 20, "steps": 20}
 QUICK = {"tokens_per_device": (8,), "decode_batch": 8, "context": 64, "iters": 1, "steps": 2}
+DECODE_LAYERS = {False: 8, True: 2}  # quick: one KDA and one MLA layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,8 +390,8 @@ def slice_count_rows(
 
 
 def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: int, policy: ExecutionPolicy) -> float:
-    """Seconds per decode step of the 8-layer full-width slice on `mesh`, batch over the expert axis."""
-    config = flash_slice_config(8, quick)
+    """Seconds per decode step of the full-width slice (`DECODE_LAYERS`) on `mesh`, batch over the expert axis."""
+    config = flash_slice_config(DECODE_LAYERS[quick], quick)
     model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=policy), mesh)
     cache = filled_cache(model, batch, context, steps + 8)
     cache = jax.device_put(cache, cache_shardings(cache, mesh))
@@ -397,7 +399,7 @@ def time_sharded_decode(mesh, *, quick: bool, batch: int, context: int, steps: i
         return time_decode(model, cache, steps)
 
 
-def print_table(rows: list[Row], decode: tuple[int, int, float], devices: int) -> None:
+def print_table(rows: list[Row], decode: tuple[int, int, int, float], devices: int) -> None:
     print(
         f"\n| tokens/device | stage (mesh expert={devices}) | ms | all-to-all MB sent per device "
         f"(buffer / useful) | GB/s per device (buffer / useful) |"
@@ -410,9 +412,9 @@ def print_table(rows: list[Row], decode: tuple[int, int, float], devices: int) -
         else:
             moved = rate = ""
         print(f"| {row.tokens} | {row.stage} | {row.seconds * 1e3:.3f} | {moved} | {rate} |")
-    batch, context, seconds = decode
+    layers, batch, context, seconds = decode
     print(f"\n| decode step (mesh expert={devices}) | batch | context | ms |\n|---|---|---|---|")
-    print(f"| 8-layer full-width slice | {batch} | {context} | {seconds * 1e3:.2f} |")
+    print(f"| {layers}-layer full-width slice | {batch} | {context} | {seconds * 1e3:.2f} |")
 
 
 def main(argv=None) -> int:
@@ -479,5 +481,6 @@ def main(argv=None) -> int:
         steps=steps,
         policy=policy,
     )
-    print_table(rows, (sizes["decode_batch"], sizes["context"], decode_s), args.devices)
+    decode = (DECODE_LAYERS[args.quick], sizes["decode_batch"], sizes["context"], decode_s)
+    print_table(rows, decode, args.devices)
     return 0
