@@ -46,6 +46,7 @@ from ling_jax.generation.generator import DecodeState, Drafts, speculative_round
 from ling_jax.generation.memory_plan import abstract_model  # noqa: E402
 from ling_jax.generation.sampling import SamplingArrays, SamplingParams  # noqa: E402
 from ling_jax.generation.static_model import split_model  # noqa: E402
+from pallas_kernels.compat import lower_for_cuda  # noqa: E402
 
 SHARED_LIMIT = 232_448  # bytes of shared memory one block may take on an H100 / H200 (227 KiB)
 CONTEXT = 8192
@@ -64,15 +65,6 @@ class Kernel:
     @property
     def key(self) -> str:
         return hashlib.sha1(f"{self.ir}{self.num_warps}{self.num_stages}".encode()).hexdigest()[:12]
-
-
-def lower_for_h200(traced: jax.stages.Traced) -> jax.stages.Lowered:
-    """`traced` lowered for CUDA against an abstract H200 (jax >= 0.11 asks for the target GPU when none is attached;
-    older jax ignores the abstract mesh)."""
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return traced.lower(lowering_platforms=("cuda",))
 
 
 def custom_calls(lowered: jax.stages.Lowered) -> tuple[list[Kernel], collections.Counter]:
@@ -208,7 +200,7 @@ def main(argv=None) -> int:
     kernels, found_in, calls, others = {}, collections.defaultdict(list), collections.Counter(), collections.Counter()
     for label, traced in traced_programs(config, programs, batches):
         start = time.perf_counter()
-        found, not_triton = custom_calls(lower_for_h200(traced))
+        found, not_triton = custom_calls(lower_for_cuda(traced))
         others.update(not_triton)
         for kernel in found:
             kernels.setdefault(kernel.key, kernel)

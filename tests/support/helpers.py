@@ -9,6 +9,8 @@ import re
 
 import numpy as np
 
+from pallas_kernels.compat import lower_for_cuda  # noqa: F401  (re-exported: the tests import it from here)
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository's root directory
 
 
@@ -44,20 +46,6 @@ def train_byte_bpe(path, sentences, vocab_size: int, special_tokens) -> None:
     )
     backend.train_from_iterator(sentences, trainer)
     backend.save(str(path))
-
-
-def lower_for_cuda(fn, *abstract_args):
-    """jax.jit(fn) lowered for CUDA from any machine: jax >= 0.11 asks for the target GPU when none is
-    attached, so an abstract H200 is supplied through an abstract mesh (older jax ignores it). fn may be a
-    `jax.stages.Traced` instead (traced outside the mesh, where the model's norms run as their kernels), lowered
-    as it is."""
-    import jax
-
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        traced = fn if isinstance(fn, jax.stages.Traced) else jax.jit(fn).trace(*abstract_args)
-        return traced.lower(lowering_platforms=("cuda",))
 
 
 def _triton_calls(lowered):
