@@ -121,6 +121,16 @@ def flash_slice_config(layers: int, quick: bool) -> LingConfig:
     return config
 
 
+def first_layers(config: LingConfig, layers: int) -> LingConfig:
+    """`config` with only its first `layers` decoder layers (every per-layer list cut to them; the MTP layer kept):
+    a whole preset's layers at full width on a GPU too small for all of them."""
+    if not 0 < layers <= config.num_hidden_layers:
+        raise ValueError(f"--layers: expected 1 to {config.num_hidden_layers} (the preset's layers), got {layers}")
+    per_layer = ("layer_types", "mlp_layer_types", "expert_swiglu_limit_list", "share_expert_swiglu_limit_list")
+    cut = {name: getattr(config, name)[:layers] for name in per_layer if len(getattr(config, name))}
+    return config.replace(num_hidden_layers=layers, **cut)
+
+
 def init_on_mesh(build: Callable[[], nnx.Module], mesh: Mesh) -> nnx.Module:
     """The module `build()` makes (random init), its parameters created straight into their shardings on `mesh`
     (`ling_jax.sharding` rules), so nothing full-size lands on one device. The random values do not depend on

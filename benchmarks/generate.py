@@ -46,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     PROFILE_STEPS,
     copy_bandwidth,
     filled_cache,
+    first_layers,
     flash_slice_config,
     time_decode,
     time_speculation,
@@ -172,6 +173,12 @@ def main(argv=None) -> int:
         choices=sorted(PRESETS),
         help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice",
     )
+    parser.add_argument(
+        "--layers",
+        type=positive_int,
+        help="with --preset: only its first N decoder layers (a GPU too small for the whole model: the layers' "
+        "costs at full width, not the whole model's step)",
+    )
     args = parser.parse_args(argv)
     xla_flags.set_gpu_flags()  # as generate.py and ling-serve run (LING_JAX_XLA_FLAGS=0: XLA's own defaults)
     formats = args.weights.split(",")
@@ -186,8 +193,15 @@ def main(argv=None) -> int:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if args.mtp and not args.preset:
         parser.error("--mtp needs --preset (the slice has no MTP layer)")
+    if args.layers and not args.preset:
+        parser.error("--layers needs --preset (the slice's layers are fixed)")
     if args.preset:
         config = preset(args.preset)
+        if args.layers:
+            try:
+                config = first_layers(config, args.layers)
+            except ValueError as error:
+                parser.error(str(error))
     else:
         config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer
     context = args.context or (512 if args.quick else 8192)
