@@ -151,9 +151,9 @@ WEIGHT_ONLY_GEMV = _gpu(
         ),
         ("fma_rows", "16bit"): Entry(
             GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, reduce_each_block=True),
-            f"not measured on a GPU: the 1-row tiles summed after each K block, 72-80 registers a thread at 2 rows, "
-            f"96 at 3-4, 96-128 at 5-7, no spills ({_GEMV_REGISTERS}); benchmarks/fp8_linear.py --sweep "
-            "gpu_triton_gemv --rows 1,2,3,4 times them",
+            f"not measured on a GPU: the 1-row tiles summed after each K block, 72-96 registers a thread at 2-4 rows "
+            f"and 96-128 at 5-7 against 136-255 held over the step, no spills ({_GEMV_REGISTERS}); "
+            "benchmarks/fp8_linear.py --sweep gpu_triton_gemv --rows 1,2,3,4 times them",
         ),
         (ANY, ANY): Entry(
             GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2), "not measured: the 16-bit tiles, FMA products only"
