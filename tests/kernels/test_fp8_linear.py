@@ -382,7 +382,7 @@ def test_grouped_gemv_lowers_for_cuda():
 
 
 @gpu_test("the compiled grouped FP8 gemv")
-@pytest.mark.parametrize("rows", [1, 13])
+@pytest.mark.parametrize("rows", [1, 2, 13])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_compiled_grouped_gemv_matches_float64(rows, dtype, tol):
     x, weights, values, scales, blocks = grouped_case(rows, dtype)
@@ -406,11 +406,12 @@ def test_compiled_gemv_gated_norm_prologue_matches_reference(rows, dtype, tol):
 
 
 @gpu_test("the compiled FP8 kernels")
-@pytest.mark.parametrize("rows", [1, 13, 300])
+@pytest.mark.parametrize("rows", [1, 3, 13, 300])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_kernels_match_float64(rows, dtype):
     """576 outputs (kv_a_proj's 4.5 row blocks), 1000 inputs; both modes at every row count, weight-only by
-    both kernels where the decode-shaped one takes the rows (13 rows in bf16: its dot products)."""
+    both kernels where the decode-shaped one takes the rows (3 rows: its fma_rows tiles, summed after each K block;
+    13 rows in bf16: its dot products)."""
     weight, x = random_weight(576, 1000, seed=rows), random_x((rows, 1000), dtype, seed=rows + 1)
     w_NK = float64_weight(weight)
     bf16 = dtype == jnp.bfloat16
