@@ -78,8 +78,9 @@ class GemvTiles:
     programs until there are min_programs (fp32 partial sums added after the kernel), tensor-core products from
     dot_min_rows rows (below: FMA products, no padded rows). reduce_each_block: the FMA products summed along K
     after every K block, into a [block_o] accumulator a row, rather than held [block_o, block_k] a row over the
-    step and summed once (fewer cross-thread sums; block_o * block_k / threads fp32 registers a row: at 2+ rows
-    with the 1-row tiles, 136-255 registers a thread against 72-128 summed after each block, Triton 3.6 for sm_90)."""
+    step and summed once (fewer cross-thread sums, but block_o * block_k / threads fp32 registers a row: at 2-7
+    rows with the 1-row tiles, 136-255 registers a thread against 72-128 summed after each block, Triton 3.6 for
+    sm_90)."""
 
     block_o: int
     blocks_per_step: int
@@ -130,8 +131,9 @@ WEIGHT_ONLY = _gpu(
 # takes the dot (an IEEE fp32 dot is FMAs too, with padded rows).
 # Row buckets (`gemv_bucket`): "one_row", "fma_rows" (2 to GEMV_DOT_ROWS - 1: the 16-bit tiles' FMA products over
 # several rows), "dot_rows". Each extra row of FMA products holds its own sums: the 1-row tiles, held over the step,
-# took 136-255 registers a thread at 2-7 rows (Triton 3.6 for sm_90, scripts/compile_gpu_kernels.py; 229-242 in
-# Ling-3.0-flash's MTP verify pass), over the 128 that let 4 programs of 4 warps share an SM.
+# took 168-255 registers a thread at 2-7 rows (136-255 once the products went tile by tile; Triton 3.6 for sm_90,
+# scripts/compile_gpu_kernels.py; 227-255 in Ling-3.0-flash's MTP verify pass), over the 128 that let 4 programs of
+# 4 warps share an SM.
 GEMV_DOT_ROWS = 8
 
 
