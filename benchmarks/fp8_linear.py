@@ -5,7 +5,9 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
     python -m benchmarks.fp8_linear --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
     python -m benchmarks.fp8_linear --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
     python -m benchmarks.fp8_linear --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
+    python -m benchmarks.fp8_linear --sweep gpu_triton_gemv --rows 1,2,3,4   # the decode kernel's tiles by rows
     python -m benchmarks.fp8_linear --quick [--prefill]   # one 256 x 256 weight, 2 calls, no sweep (smoke test)
+    python -m benchmarks.fp8_linear --quick --sweep gpu_triton_gemv --rows 2   # a sweep on the 256 x 256 weight
 
 Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
 output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
@@ -107,7 +109,8 @@ DECODE_METHODS = {  # name: (product, whether it reads the bf16 weight)
 
 def decode_table(iters: int, copy_bw: float, shapes=DECODE_SHAPES, rows_list=DECODE_ROWS) -> None:
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; bf16 x, {BLOCK} blocks; us (GB/s, % of copy bandwidth)")
-    print(f"{GEMV} defaults: {lookup(tuned.WEIGHT_ONLY_GEMV, dtype=jnp.bfloat16)}")
+    for bucket in ("one_row", "fma_rows", "dot_rows"):
+        print(f"{GEMV} defaults, {bucket}: {lookup(tuned.WEIGHT_ONLY_GEMV, dtype=jnp.bfloat16, bucket=bucket)}")
     print("| O x In | M | " + " | ".join(DECODE_METHODS) + " |")
     print("|---|---|" + "---|" * len(DECODE_METHODS))
     for out_dim, in_dim in shapes:
@@ -187,20 +190,19 @@ def prefill_table(iters: int, shapes=PREFILL_SHAPES, rows_list=PREFILL_ROWS, pea
 
 
 SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their settings, (out, in), rows)
-    GEMV: (
+    GEMV: (  # the 1-row default, then candidates for 2-7 rows (FMA products) under 128 registers a thread
         gemv_gpu,
         tuned.GemvTiles,
         [
-            (32, 4, 528, 8, 4, 2),
-            (64, 2, 528, 8, 4, 2),
-            (32, 4, 1056, 8, 4, 2),
-            (32, 8, 264, 8, 8, 2),
-            (16, 4, 1056, 8, 4, 3),
-            (32, 4, 528, 17, 4, 2),
-            (64, 4, 528, 1, 4, 2),
+            (32, 4, 528, 8, 4, 2, False),
+            (32, 4, 528, 8, 4, 2, True),
+            (32, 4, 528, 8, 8, 2, True),
+            (64, 4, 264, 8, 8, 2, True),
+            (16, 4, 1056, 8, 4, 2, True),
+            (32, 2, 528, 8, 4, 2, False),
         ],
         (8192, 4096),
-        DECODE_ROWS,
+        (1, 2, 3, 4),
     ),
     "weight-only": (
         weight_only_gpu,
@@ -279,9 +281,12 @@ SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their setti
 }
 
 
-def sweep(iters: int, kernels) -> None:
+def sweep(iters: int, kernels, rows: tuple[int, ...] | None = None, shape: tuple[int, int] | None = None) -> None:
+    """Each kernel's tiles at its SWEEPS shape and rows, or at `rows` / `shape` where given."""
     for label in kernels:
         entry, tiles_type, settings, (out_dim, in_dim), rows_list = SWEEPS[label]
+        out_dim, in_dim = shape or (out_dim, in_dim)
+        rows_list = rows or rows_list
         keywords = () if tiles_type is None else tuple(field.name for field in dataclasses.fields(tiles_type))
         weights = random_copies(out_dim, in_dim)
         print(f"\n{label} sweep at {out_dim} x {in_dim}, us per call (GB/s of the FP8 weight, TFLOP/s)")
@@ -308,25 +313,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode one")
     parser.add_argument("--sweep", nargs="+", choices=list(SWEEPS), help="sweep these kernels' tiles alone")
-    parser.add_argument("--quick", action="store_true", help="one small weight, 2 calls, no sweep (smoke test)")
+    parser.add_argument("--rows", help="the sweeps' row counts, comma-separated (default: each sweep's own)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one small weight, 2 calls (smoke test); a sweep only where named"
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}): the kernels are Triton's")
     print(run_header("fp8_linear"))
     start = time.perf_counter()
-    if args.quick:
+    rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else None
+    if args.quick and args.sweep:
+        sweep(2, args.sweep, rows, QUICK_SHAPES[0])
+    elif args.quick:
         if args.prefill:
             prefill_table(2, QUICK_SHAPES, QUICK_PREFILL_ROWS, peak_size=256)
         else:
             decode_table(2, copy_bandwidth(2, nbytes=1 << 20), QUICK_SHAPES, QUICK_DECODE_ROWS)
     elif args.sweep:
-        sweep(args.iters, args.sweep)
+        sweep(args.iters, args.sweep, rows)
     elif args.prefill:
         prefill_table(args.iters)
     else:
         decode_table(args.iters, copy_bandwidth(args.iters))
         print(f"\n({time.perf_counter() - start:.0f} s)")
-        sweep(args.iters, [GEMV])
+        sweep(args.iters, [GEMV], rows)
     print(f"\n({time.perf_counter() - start:.0f} s in all)")
     return 0
 

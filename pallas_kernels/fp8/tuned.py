@@ -76,7 +76,11 @@ class GemvTiles:
     """gpu_triton_gemv: block_o outputs a program (at most the weight's row block), blocks_per_step K blocks of
     weight loaded a loop step (all issued before any is used: the bytes in flight), the K steps split over
     programs until there are min_programs (fp32 partial sums added after the kernel), tensor-core products from
-    dot_min_rows rows (below: FMA products, no padded rows)."""
+    dot_min_rows rows (below: FMA products, no padded rows). reduce_each_block: the FMA products summed along K
+    after every K block, into a [block_o] accumulator a row, rather than held [block_o, block_k] a row over the
+    step and summed once (fewer cross-thread sums, but block_o * block_k / threads fp32 registers a row: at 2-7
+    rows with the 1-row tiles, 136-255 registers a thread against 72-128 summed after each block, Triton 3.6 for
+    sm_90)."""
 
     block_o: int
     blocks_per_step: int
@@ -84,6 +88,7 @@ class GemvTiles:
     dot_min_rows: int
     num_warps: int
     num_stages: int
+    reduce_each_block: bool = False
 
 
 _SWEEP = "docs/benchmarks/matmul.md#block-fp8-linear-kernels-benchmarksfp8_linearpy-2026-12-02"
@@ -124,15 +129,40 @@ WEIGHT_ONLY = _gpu(
 # in 16-byte loads (4 warps: 8 a thread); K splits until 4 programs an SM. FMA products cost M multiply-adds a weight
 # byte, about the H200's fp32 rate against its bandwidth at 8 rows, hence tensor cores from 8 rows. fp32 x never
 # takes the dot (an IEEE fp32 dot is FMAs too, with padded rows).
+# Row buckets (`gemv_bucket`): "one_row", "fma_rows" (2 to GEMV_DOT_ROWS - 1: the 16-bit tiles' FMA products over
+# several rows), "dot_rows". Each extra row of FMA products holds its own sums: the 1-row tiles, held over the step,
+# took 168-255 registers a thread at 2-7 rows (136-255 once the products went tile by tile; Triton 3.6 for sm_90,
+# scripts/compile_gpu_kernels.py; 227-255 in Ling-3.0-flash's MTP verify pass), over the 128 that let 4 programs of
+# 4 warps share an SM.
+GEMV_DOT_ROWS = 8
+
+
+def gemv_bucket(num_rows: int) -> str:
+    if num_rows == 1:
+        return "one_row"
+    return "fma_rows" if num_rows < GEMV_DOT_ROWS else "dot_rows"
+
+
+_GEMV_REGISTERS = "docs/benchmarks/matmul.md#decode-gemv-tiles-for-2-7-rows-2026-12-05"
 WEIGHT_ONLY_GEMV = _gpu(
     {
         (ANY, "16bit"): Entry(
-            GemvTiles(32, 4, 528, 8, 4, 2),
+            GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2),
             "docs/benchmarks/matmul.md#the-decode-shaped-kernel-gpu_triton_gemv-2026-12-02: the best of a "
             "7-setting sweep at 1 row (8192 x 4096: 24.9 us, 1,347 GB/s)",
         ),
+        ("fma_rows", "16bit"): Entry(
+            GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, reduce_each_block=True),
+            f"not measured on a GPU: the 1-row tiles summed after each K block, 72-96 registers a thread at 2-4 rows "
+            f"and 96-128 at 5-7 against 136-255 held over the step, no spills ({_GEMV_REGISTERS}); "
+            "benchmarks/fp8_linear.py --sweep gpu_triton_gemv --rows 1,2,3,4 times them",
+        ),
         (ANY, ANY): Entry(
             GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2), "not measured: the 16-bit tiles, FMA products only"
+        ),
+        ("fma_rows", ANY): Entry(
+            GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2, reduce_each_block=True),
+            "not measured: the 16-bit fma_rows tiles, FMA products only",
         ),
     }
 )

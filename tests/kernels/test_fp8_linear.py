@@ -33,6 +33,7 @@ from pallas_kernels.fp8.ops import (
 from pallas_kernels.fp8.reference import gated_head_norm, weight_only_linear_reference
 from pallas_kernels.fp8.tuned import (
     GEMV_DEFAULT_ROWS,
+    GEMV_DOT_ROWS,
     GEMV_MAX_ROWS,
     MOSAIC_MIN_ROWS,
     W8A8_MIN_ROWS,
@@ -40,6 +41,7 @@ from pallas_kernels.fp8.tuned import (
     WEIGHT_ONLY_MAX_ROWS,
     GemvTiles,
     MosaicTiles,
+    gemv_bucket,
     weight_only_bucket,
 )
 from pallas_kernels.fp8.tuned import W8A8 as W8A8_TILES
@@ -104,6 +106,18 @@ def test_weight_only_kernel_matches_float64(dtype, tol, rows):
         assert rel_error(y, expected) <= tol, weight_left
 
 
+def test_gemv_row_buckets_keep_the_measured_one_row_tiles():
+    """1 row keeps the tiles measured at 1 row (docs/benchmarks/matmul.md, 'The decode-shaped kernel'); 2 to
+    GEMV_DOT_ROWS - 1 rows (FMA products over several rows) sum after each K block, whose registers fit 4 programs
+    an SM; the tensor-core rows keep the 1-row tiles."""
+    buckets = {rows: gemv_bucket(rows) for rows in (1, 2, GEMV_DOT_ROWS - 1, GEMV_DOT_ROWS, GEMV_MAX_ROWS)}
+    assert buckets == {1: "one_row", 2: "fma_rows", 7: "fma_rows", 8: "dot_rows", 16: "dot_rows"}
+    tiles = {rows: lookup(WEIGHT_ONLY_GEMV, dtype=jnp.bfloat16, bucket=b, device=H200) for rows, b in buckets.items()}
+    assert tiles[1] == tiles[GEMV_DOT_ROWS] == GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2)
+    assert tiles[2] == dataclasses.replace(tiles[1], reduce_each_block=True)
+    assert all(t.dot_min_rows == GEMV_DOT_ROWS for t in tiles.values())
+
+
 def test_weight_only_row_buckets_and_their_h200_tiles():
     """The buckets' edges, and which side of the MMA the weight tile takes in each (docs/benchmarks/matmul.md,
     'The weight tile on either side of the MMA')."""
@@ -113,11 +127,13 @@ def test_weight_only_row_buckets_and_their_h200_tiles():
     assert left == {"few_rows": False, "more_rows": True, "many_rows": True}
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_gemv_kernel_matches_float64(dtype, tol, rows):
-    """150 outputs (2 partial row blocks), 200 inputs (2 partial K blocks). FMA products in strips of 16 outputs,
-    one K block a step, the 2 steps split over programs; dot products, 4 K blocks a step (2 past the end)."""
+    """150 outputs (2 partial row blocks), 200 inputs (2 partial K blocks). The default variant (the gemv with its
+    row bucket's tiles up to GEMV_DEFAULT_ROWS rows); FMA products in strips of 16 outputs, one K block a step, the
+    2 steps split over programs; the same summed after each K block, 2 a step; dot products, 4 K blocks a step (2
+    past the end)."""
     weight, x = random_weight(150, 200, seed=rows), random_x((rows, 200), dtype, seed=rows + 1)
     expected = f64(x) @ float64_weight(weight).T
     y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY)  # the default variant at few rows
@@ -125,8 +141,9 @@ def test_gemv_kernel_matches_float64(dtype, tol, rows):
     assert rel_error(y, expected) <= tol
     gemv = kernel("weight_only_linear", GEMV)
     fma = dict(block_o=16, blocks_per_step=1, min_programs=64, dot_min_rows=GEMV_MAX_ROWS + 1)
-    for products in (fma, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
-        tiles = dataclasses.replace(lookup(WEIGHT_ONLY_GEMV, dtype=dtype), **products)
+    each_block = dict(fma, blocks_per_step=2, reduce_each_block=True)
+    for products in (fma, each_block, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
+        tiles = dataclasses.replace(lookup(WEIGHT_ONLY_GEMV, dtype=dtype, bucket=gemv_bucket(rows)), **products)
         y = gemv(x, weight.values, weight.scales, block=weight.block, tiles=tiles, interpret=True)
         assert rel_error(y, expected) <= tol, products
 
@@ -365,7 +382,7 @@ def test_grouped_gemv_lowers_for_cuda():
 
 
 @gpu_test("the compiled grouped FP8 gemv")
-@pytest.mark.parametrize("rows", [1, 13])
+@pytest.mark.parametrize("rows", [1, 2, 13])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_compiled_grouped_gemv_matches_float64(rows, dtype, tol):
     x, weights, values, scales, blocks = grouped_case(rows, dtype)
@@ -389,11 +406,12 @@ def test_compiled_gemv_gated_norm_prologue_matches_reference(rows, dtype, tol):
 
 
 @gpu_test("the compiled FP8 kernels")
-@pytest.mark.parametrize("rows", [1, 13, 300])
+@pytest.mark.parametrize("rows", [1, 3, 13, 300])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_kernels_match_float64(rows, dtype):
     """576 outputs (kv_a_proj's 4.5 row blocks), 1000 inputs; both modes at every row count, weight-only by
-    both kernels where the decode-shaped one takes the rows (13 rows in bf16: its dot products)."""
+    both kernels where the decode-shaped one takes the rows (3 rows: its fma_rows tiles, summed after each K block;
+    13 rows in bf16: its dot products)."""
     weight, x = random_weight(576, 1000, seed=rows), random_x((rows, 1000), dtype, seed=rows + 1)
     w_NK = float64_weight(weight)
     bf16 = dtype == jnp.bfloat16

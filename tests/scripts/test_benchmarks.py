@@ -53,6 +53,10 @@ GPU_RUNS = {
     "mla": ("benchmarks.mla", ["--quick", "--iters", "2"]),
     "mla_prefill": ("benchmarks.mla_prefill", ["--quick", "--iters", "2"]),
     "fp8_linear": ("benchmarks.fp8_linear", ["--quick"]),
+    "fp8_linear --sweep gpu_triton_gemv": (
+        "benchmarks.fp8_linear",
+        ["--quick", "--sweep", "gpu_triton_gemv", "--rows", "1,3"],
+    ),
     "moe": ("benchmarks.moe", ["--quick", "--iters", "2", "--no-sweep"]),
     "moe --path rows": ("benchmarks.moe", ["--path", "rows", "--quick", "--iters", "2"]),
     "moe --grouped-matmul-sweep": (

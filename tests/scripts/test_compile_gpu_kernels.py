@@ -1,6 +1,7 @@
 """scripts/compile_gpu_kernels.py: every Triton kernel of full-size Ling-3.0-flash's decode step (batch 1) and MTP
 speculative round, lowered for CUDA on the CPU, compiles for Hopper (sm_90) with Triton's own compiler within the
-SM's shared memory (the test extra pins the device image's Triton). Skipped where Triton is not importable."""
+SM's shared memory (the test extra pins the device image's Triton), the round's FP8 gemvs within 128 registers a
+thread, unspilled. Skipped where Triton is not importable."""
 
 from __future__ import annotations
 
@@ -29,3 +30,6 @@ def test_decode_and_verify_kernels_compile_for_hopper(capsys):
     names = {row.split(" | ")[0].removeprefix("| ") for row in rows}
     assert {"kda_decode_fused", "kda_verify_fused", "select_experts", "mla_decode_split"} <= names, out
     assert "FAILED" not in out and " OVER" not in out, out
+    # the verify pass's gemvs run 2 rows (FMA products): their row bucket's tiles keep 4 programs an SM, no spills
+    cells = [row.split(" | ") for row in rows if row.startswith("| weight_only_gemv") and "verify" in row]
+    assert cells and all(int(cell[4]) <= 128 and cell[5] == "0" for cell in cells), out

@@ -6,8 +6,10 @@ inputs) before using any of them: rows of contiguous e4m3 (1 byte an element, th
 multiples of 16, so Triton issues 16-byte vector loads), read once (evict-first). block_o divides the weight's row
 block, so a tile takes one weight scale, folded into x's K block rather than into the weight. The products:
 
-- FMA (fewer than dot_min_rows rows): per row of x, the tiles times x's K blocks (fp32, elementwise), summed along
-  K once a step: M multiply-adds a weight byte on the CUDA cores, no padded rows;
+- FMA (fewer than dot_min_rows rows): tile by tile (its e4m3 widened to fp32 once for every row), per row of x the
+  tile times x's K block (elementwise), summed along K once a step, or after every K block where
+  tiles.reduce_each_block (each row then holds a [block_o] accumulator, not [block_o, block_k] sums: the registers
+  that several rows need): M multiply-adds a weight byte on the CUDA cores, no padded rows;
 - dot (dot_min_rows rows and more): each tile (cast to x's dtype, exact) times x^T [block_k, 16] on the tensor
   cores, the rows of x padded to 16 (the weight tile is the dot's left operand, so its rows fill the MMA).
 
@@ -156,15 +158,19 @@ def _strip(
         return found
 
     def fma_step(step, acc_rows):
+        """Each K block's products, tile by tile (its e4m3 values widened once for every row), summed along K after
+        each block (tiles.reduce_each_block) or held [block_o, block_k] a row and summed once the step is done."""
         found = weight_tiles(step)
-        new_rows = []
-        for row, acc_O in enumerate(acc_rows):
-            sum_OK = jnp.zeros((block_o, block_k), jnp.float32)
-            for k0, k_ok_K, w_OK, scale in found:
-                x_K = x_block(jnp.int32(row), k0, k_ok_K).astype(jnp.float32) * scale
-                sum_OK = sum_OK + w_OK.astype(jnp.float32) * x_K[None, :]
-            new_rows.append(acc_O + jnp.sum(sum_OK, axis=1))
-        return tuple(new_rows)
+        each_block = tiles.reduce_each_block
+        sums = list(acc_rows) if each_block else [jnp.zeros((block_o, block_k), jnp.float32) for _ in acc_rows]
+        for k0, k_ok_K, w_OK, scale in found:
+            x_rows_K = [x_block(jnp.int32(row), k0, k_ok_K).astype(jnp.float32) * scale for row in range(len(sums))]
+            w_f32_OK = w_OK.astype(jnp.float32)
+            products = (w_f32_OK * x_K[None, :] for x_K in x_rows_K)
+            sums = [total + (jnp.sum(p_OK, axis=1) if each_block else p_OK) for total, p_OK in zip(sums, products)]
+        if each_block:
+            return tuple(sums)
+        return tuple(acc_O + jnp.sum(sum_OK, axis=1) for acc_O, sum_OK in zip(acc_rows, sums))
 
     rows_ok_M = jnp.arange(DOT_ROWS) < layout.num_rows if layout.num_rows < DOT_ROWS else None
 
@@ -235,7 +241,7 @@ def _whole(shape):
 def _checked_tiles(x_MK, tiles: tuned.GemvTiles | None) -> tuned.GemvTiles:
     if x_MK.shape[0] > tuned.GEMV_MAX_ROWS:
         raise ValueError(f"the decode-shaped FP8 kernel takes at most {tuned.GEMV_MAX_ROWS} rows, got {x_MK.shape[0]}")
-    return tiles or lookup(tuned.WEIGHT_ONLY_GEMV, dtype=x_MK.dtype)
+    return tiles or lookup(tuned.WEIGHT_ONLY_GEMV, dtype=x_MK.dtype, bucket=tuned.gemv_bucket(x_MK.shape[0]))
 
 
 def _gemv_call(
