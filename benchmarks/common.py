@@ -193,19 +193,31 @@ def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = N
     return seconds
 
 
-def time_speculation(model, batch: int, context: int, num_drafts: int, programs: int = 4) -> tuple[float, float]:
+def time_speculation(
+    model, batch: int, context: int, num_drafts: int, programs: int = 4, profile_dir: pathlib.Path | None = None
+) -> tuple[float, float]:
     """(seconds per decode step, seconds per speculative round of num_drafts drafts) of `Generator`'s own programs
     (`_decode_group`, `_speculative_group`: DECODE_READ_GROUP steps or rounds a program, greedy, every row running,
     no EOS), each dispatched back to back over a cache of `context` tokens (`filled_cache`; the MTP layer's cache as
     long, zeros). With random weights hardly a draft is accepted: a round costs what a round of any acceptance
-    does, and the break-even acceptance is round / step - 1 tokens a round."""
+    does, and the break-even acceptance is round / step - 1 tokens a round. With profile_dir, one more call of each
+    program runs under the profiler: profile_dir/decode_group and profile_dir/speculative_group each get its trace
+    and compiled HLO (`scripts/trace_summary.py DIR --steps DECODE_READ_GROUP` reads one)."""
     config = model.config
     static, leaves = split_model(model)
     extra = programs * DECODE_READ_GROUP * (num_drafts + 1) + 16
     arrays = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * batch)
     decode = functools.partial(_decode_group, static, DECODE_READ_GROUP, leaves)
     plain = DecodeState.create(filled_cache(model, batch, context, extra), jnp.zeros((batch, config.vocab_size), bool))
-    step_s = _per_call(lambda state: decode(state, arrays)[1], plain, programs) / DECODE_READ_GROUP
+    step_s = _per_call(
+        lambda state: decode(state, arrays)[1],
+        plain,
+        programs,
+        profile_dir,
+        "decode_group",
+        lambda state: decode.func.lower(*decode.args, state, arrays),
+    )
+    step_s /= DECODE_READ_GROUP
     cache = filled_cache(model, batch, context, extra)
     drafts = Drafts.create(config, batch, cache_length(context, extra, mtp=0), model.dtype)
     drafts = drafts.replace(cache=drafts.cache.replace(lengths=jnp.copy(cache.lengths)))  # each donated once
@@ -214,13 +226,28 @@ def time_speculation(model, batch: int, context: int, num_drafts: int, programs:
     no_end_BW = jnp.asarray(end_bitmask([()] * batch, config.vocab_size))
     active_B = jnp.ones((batch,), bool)
     speculate = functools.partial(_speculative_group, static, num_drafts, DECODE_READ_GROUP, leaves)
-    round_s = _per_call(lambda state: speculate(state, arrays, active_B, capacity_B, no_end_BW)[1], state, programs)
+    round_s = _per_call(
+        lambda state: speculate(state, arrays, active_B, capacity_B, no_end_BW)[1],
+        state,
+        programs,
+        profile_dir,
+        "speculative_group",
+        lambda state: speculate.func.lower(*speculate.args, state, arrays, active_B, capacity_B, no_end_BW),
+    )
     return step_s, round_s / DECODE_READ_GROUP
 
 
-def _per_call(program: Callable, state, calls: int) -> float:
+def _per_call(
+    program: Callable,
+    state,
+    calls: int,
+    profile_dir: pathlib.Path | None = None,
+    name: str = "",
+    lower: Callable | None = None,
+) -> float:
     """Seconds per call of `program` (state -> next state, donated), after two untimed calls (the first state's
-    arrays and the program's outputs may differ in weak types or placement: each compiles once)."""
+    arrays and the program's outputs may differ in weak types or placement: each compiles once). With profile_dir,
+    one more call under the profiler: its trace and `lower(state)`'s compiled HLO in profile_dir/name."""
     for _ in range(2):
         state = program(state)
     jax.block_until_ready(state)
@@ -228,4 +255,11 @@ def _per_call(program: Callable, state, calls: int) -> float:
     for _ in range(calls):
         state = program(state)
     jax.block_until_ready(state)
-    return (time.perf_counter() - start) / calls
+    seconds = (time.perf_counter() - start) / calls
+    if profile_dir is not None:
+        directory = pathlib.Path(profile_dir) / name
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / trace.HLO_FILE).write_text(lower(state).compile().as_text())
+        with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+            jax.block_until_ready(program(state))
+    return seconds

@@ -56,6 +56,7 @@ from ling_jax import xla_flags  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
 from ling_jax.generation.flags import positive_int  # noqa: E402
+from ling_jax.generation.generator import DECODE_READ_GROUP  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KDADecode  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
@@ -139,7 +140,9 @@ def main(argv=None) -> int:
         "--profile",
         metavar="DIR",
         help="write a Perfetto trace of 5 decode steps of the first batch and print, from it, the kernels per step "
-        "and the device time per layer kind (KDA, MLA, MoE / dense FFN, lm_head / sampling, other)",
+        "and the device time per layer kind (KDA, MLA, MoE / dense FFN, lm_head / sampling, other); with --mtp also "
+        "one call of generate.py's programs of decode steps and of speculative rounds (DIR/decode_group, "
+        "DIR/speculative_group)",
     )
     parser.add_argument(
         "--weights",
@@ -249,7 +252,9 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
         flush=True,
     )
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
+    batches = [int(b) for b in args.batches.split(",")]
+    first_batch = batches[0]
+    for batch in batches:
         chunk = max(64, min(context, args.prefill_tokens // batch))
         prefill_s = math.nan if args.decode_only else time_prefill(model, batch, context, chunk)
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
@@ -274,7 +279,8 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
                 report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
         if args.mtp:
-            step_s, round_s = time_speculation(model, batch, context, args.mtp)
+            profile = args.profile if batch == first_batch else None  # the programs of the profiled batch
+            step_s, round_s = time_speculation(model, batch, context, args.mtp, profile_dir=profile)
             print(
                 f"{weights} batch {batch}, MTP {args.mtp} draft(s): generate.py's decode step {step_s * 1e3:.2f} ms, "
                 f"speculative round {round_s * 1e3:.2f} ms ({round_s / step_s:.2f} steps): it pays from "
@@ -282,6 +288,10 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
                 f"{args.mtp})",
                 flush=True,
             )
+            for name, what in (("decode_group", "decode steps"), ("speculative_group", "speculative rounds")):
+                if profile:
+                    report = profile_report(pathlib.Path(profile) / name, DECODE_READ_GROUP)
+                    print(f"{weights} batch {batch}, generate.py's program of {what}:\n{report}\n", flush=True)
         if batch == 1 and not args.decode_only:
             print(f"{weights}: time to first token of a {context}-token prompt {prefill_s:.2f} s", flush=True)
     return rows

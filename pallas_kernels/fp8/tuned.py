@@ -153,9 +153,11 @@ WEIGHT_ONLY_GEMV = _gpu(
         ),
         ("fma_rows", "16bit"): Entry(
             GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, reduce_each_block=True),
-            f"not measured on a GPU: the 1-row tiles summed after each K block, 72-96 registers a thread at 2-4 rows "
-            f"and 96-128 at 5-7 against 136-255 held over the step, no spills ({_GEMV_REGISTERS}); "
-            "benchmarks/fp8_linear.py --sweep gpu_triton_gemv --rows 1,2,3,4 times them",
+            "docs/benchmarks/matmul.md#decode-gemv-tiles-for-2-7-rows-2026-12-05: the 1-row tiles summed after each "
+            "K block; on an H100 (8192 x 4096) 30.3 / 38.1 / 37.5 us at 2 / 3 / 4 rows against 32.3 / 46.0 / 41.1 held "
+            "over the step; (64, 4, 264, 8 warps) was faster at 2-3 rows (27.9 / 31.6) but takes 170 registers in "
+            f"the gated-norm form; 72-128 registers at 2-7 rows, no spills ({_GEMV_REGISTERS}); not yet swept on an "
+            "H200",
         ),
         (ANY, ANY): Entry(
             GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2), "not measured: the 16-bit tiles, FMA products only"

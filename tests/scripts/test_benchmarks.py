@@ -42,7 +42,11 @@ CPU_RUNS = {
         "benchmarks.generate",
         ["--quick", "--preset", "tiny", "--weights", "stored", "--batches", "1", "--decode-only", "--mtp", "1"]
         + ["--layers", "3"],  # the preset's first 3 of its 4 layers
-        ("3 layers ('kda', 'mla', 'kda')", "MTP 1 draft(s): generate.py's decode step"),
+        (
+            "3 layers ('kda', 'mla', 'kda')",
+            "MTP 1 draft(s): generate.py's decode step",
+            "program of speculative rounds:",
+        ),
     ),
     "load_rate": ("benchmarks.load_rate", ["--quick", "--workers", "1,2"], "load_hf_checkpoint (2 workers)"),
     "random_init": ("benchmarks.random_init", ["--preset", "tiny", "--compile-only"], "4 programs for 5"),
@@ -74,6 +78,8 @@ def test_quick_run(name, capsys, tmp_path):
     module, argv, printed = CPU_RUNS[name]
     if name in ("convert", "load_memory", "load_rate"):
         argv = [*argv, "--workdir", str(tmp_path / name)]
+    if name == "generate --mtp":  # also traces generate.py's programs of decode steps and speculative rounds
+        argv = [*argv, "--steps", "2", "--profile", str(tmp_path / "prof")]
     assert importlib.import_module(module).main(argv) == 0
     out = capsys.readouterr().out
     assert all(text in out for text in ((printed,) if isinstance(printed, str) else printed))
