@@ -194,7 +194,13 @@ def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = N
 
 
 def time_speculation(
-    model, batch: int, context: int, num_drafts: int, programs: int = 4, profile_dir: pathlib.Path | None = None
+    model,
+    batch: int,
+    context: int,
+    num_drafts: int,
+    programs: int = 4,
+    profile_dir: pathlib.Path | None = None,
+    specialise: bool = False,
 ) -> tuple[float, float]:
     """(seconds per decode step, seconds per speculative round of num_drafts drafts) of `Generator`'s own programs
     (`_decode_group`, `_speculative_group`: DECODE_READ_GROUP steps or rounds a program, greedy, every row running,
@@ -202,11 +208,12 @@ def time_speculation(
     long, zeros). With random weights hardly a draft is accepted: a round costs what a round of any acceptance
     does, and the break-even acceptance is round / step - 1 tokens a round. With profile_dir, one more call of each
     program runs under the profiler: profile_dir/decode_group and profile_dir/speculative_group each get its trace
-    and compiled HLO (`scripts/trace_summary.py DIR --steps DECODE_READ_GROUP` reads one)."""
+    and compiled HLO (`scripts/trace_summary.py DIR --steps DECODE_READ_GROUP` reads one). specialise: the
+    programs traced for greedy sampling alone (`SamplingArrays.from_params(specialise=True)`: no `lax.cond`)."""
     config = model.config
     static, leaves = split_model(model)
     extra = programs * DECODE_READ_GROUP * (num_drafts + 1) + 16
-    arrays = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * batch)
+    arrays = SamplingArrays.from_params([SamplingParams(temperature=0.0)] * batch, specialise=specialise)
     decode = functools.partial(_decode_group, static, DECODE_READ_GROUP, leaves)
     plain = DecodeState.create(filled_cache(model, batch, context, extra), jnp.zeros((batch, config.vocab_size), bool))
     step_s = _per_call(

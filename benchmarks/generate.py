@@ -172,6 +172,13 @@ def main(argv=None) -> int:
         "with an MTP layer): the time per round and the break-even acceptance",
     )
     parser.add_argument(
+        "--sampling",
+        default="general",
+        help="with --mtp, how generate.py's programs are traced for their greedy rows, comma-separated, each timed: "
+        "general (every optional sampling step behind its lax.cond, one program for any parameters) and/or "
+        "specialised (the steps no row uses left out: SamplingArrays.from_params(specialise=True))",
+    )
+    parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         help="a whole preset's model (its MTP layer's weights resident, not run) instead of the slice",
@@ -194,6 +201,8 @@ def main(argv=None) -> int:
         parser.error(f"--batches: expected positive integers, comma-separated, got {args.batches!r}")
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
+    if set(args.sampling.split(",")) - {"general", "specialised"}:
+        parser.error(f"--sampling: expected general and/or specialised, comma-separated, got {args.sampling!r}")
     if args.mtp and not args.preset:
         parser.error("--mtp needs --preset (the slice has no MTP layer)")
     if args.layers and not args.preset:
@@ -278,14 +287,17 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             if args.profile and len(rows) == 1:
                 report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
-        if args.mtp:
-            profile = args.profile if batch == first_batch else None  # the programs of the profiled batch
-            step_s, round_s = time_speculation(model, batch, context, args.mtp, profile_dir=profile)
+        for sampling in args.sampling.split(",") if args.mtp else ():
+            # the first mode's programs of the profiled batch are traced
+            profile = args.profile if batch == first_batch and sampling == args.sampling.split(",")[0] else None
+            step_s, round_s = time_speculation(
+                model, batch, context, args.mtp, profile_dir=profile, specialise=sampling == "specialised"
+            )
             print(
-                f"{weights} batch {batch}, MTP {args.mtp} draft(s): generate.py's decode step {step_s * 1e3:.2f} ms, "
-                f"speculative round {round_s * 1e3:.2f} ms ({round_s / step_s:.2f} steps): it pays from "
-                f"{round_s / step_s - 1:.2f} accepted drafts a round ({(round_s / step_s - 1) / args.mtp:.0%} of "
-                f"{args.mtp})",
+                f"{weights} batch {batch}, MTP {args.mtp} draft(s), {sampling} sampling: generate.py's decode step "
+                f"{step_s * 1e3:.2f} ms, speculative round {round_s * 1e3:.2f} ms ({round_s / step_s:.2f} steps): it "
+                f"pays from {round_s / step_s - 1:.2f} accepted drafts a round "
+                f"({(round_s / step_s - 1) / args.mtp:.0%} of {args.mtp})",
                 flush=True,
             )
             for name, what in (("decode_group", "decode steps"), ("speculative_group", "speculative rounds")):

@@ -33,10 +33,10 @@ def allowed_tokens(bitmask_BW: jax.Array, vocab_size: int) -> jax.Array:
     return bits_BWK.reshape(bitmask_BW.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
-def mask_logits(logits_BV: jax.Array, bitmask_BW: jax.Array | None) -> jax.Array:
-    """`logits_BV` with -inf where a row's bitmask clears the token; unchanged without bitmasks (None) and, through a
-    `lax.cond`, when every bit of the batch is set."""
-    if bitmask_BW is None:
+def mask_logits(logits_BV: jax.Array, bitmask_BW: jax.Array | None, used: bool = True) -> jax.Array:
+    """`logits_BV` with -inf where a row's bitmask clears the token; unchanged without bitmasks (None or `used`
+    False: no row has a grammar) and, through a `lax.cond`, when every bit of the batch is set."""
+    if bitmask_BW is None or not used:
         return logits_BV
     return jax.lax.cond(
         jnp.any(bitmask_BW != ALL_ALLOWED),

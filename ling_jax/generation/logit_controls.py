@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ling_jax.generation.sampling_features import GENERAL, SamplingFeatures, when_used
+
 if TYPE_CHECKING:
     from ling_jax.generation.sampling import SamplingParams
 
@@ -99,27 +101,35 @@ def apply_penalties(logits_BV: jax.Array, counts_BV: jax.Array, presence_B: jax.
 
 
 def apply_logit_controls(
-    logits_BV: jax.Array, controls: LogitControls, steps_B: jax.Array, counts_BV: jax.Array | None
+    logits_BV: jax.Array,
+    controls: LogitControls,
+    steps_B: jax.Array,
+    counts_BV: jax.Array | None,
+    features: SamplingFeatures = GENERAL,
 ) -> jax.Array:
     """The float32 logits with the rows' controls applied (steps 1-3 of the module doc). steps_B: [B] (or a
-    scalar) tokens each row has generated; counts_BV: [B, V] int32 counts of those tokens (None: none yet)."""
+    scalar) tokens each row has generated; counts_BV: [B, V] int32 counts of those tokens (None: none yet);
+    features: the controls the batch may use (the others left out at trace time)."""
     batch = logits_BV.shape[0]
     rows_B1 = jnp.arange(batch)[:, None]
     if counts_BV is not None:
         penalised = (controls.presence_B != 0) | (controls.frequency_B != 0)
-        logits_BV = jax.lax.cond(
+        logits_BV = when_used(
+            features.penalties,
             jnp.any(penalised),
             lambda: apply_penalties(logits_BV, counts_BV, controls.presence_B, controls.frequency_B),
             lambda: logits_BV,
         )
-    logits_BV = jax.lax.cond(
+    logits_BV = when_used(
+        features.logit_bias,
         jnp.any(controls.bias_ids_BK != _NO_ID),
         lambda: logits_BV.at[rows_B1, controls.bias_ids_BK].add(controls.bias_BK, mode="drop"),
         lambda: logits_BV,
     )
     holding_B = jnp.broadcast_to(steps_B, (batch,)) < controls.min_tokens_B
     held_ids_BE = jnp.where(holding_B[:, None], controls.end_ids_BE, _NO_ID)
-    return jax.lax.cond(
+    return when_used(
+        features.min_tokens,
         jnp.any(held_ids_BE != _NO_ID),
         lambda: logits_BV.at[rows_B1, held_ids_BE].set(-jnp.inf, mode="drop"),
         lambda: logits_BV,

@@ -49,6 +49,7 @@ from flax import struct
 
 from ling_jax.generation.grammar_mask import mask_logits, unconstrained
 from ling_jax.generation.logit_controls import LogitControls, apply_logit_controls, check_controls
+from ling_jax.generation.sampling_features import GENERAL, SamplingFeatures, when_used
 
 SEED_LIMIT = 2**32  # seeds become uint32 key data
 MAX_LOGPROBS = 20  # the most alternatives per token a request can ask for (OpenAI's limit)
@@ -109,10 +110,16 @@ class SamplingArrays:
     controls: LogitControls
     # [B, ceil(V / 32)] int32: each row's allowed tokens (`grammar_mask`; all bits set: any), or None: no grammars
     token_bitmask_BW: jax.Array | None = None
+    # the steps a program traced with these arrays keeps (static: part of the program's identity)
+    features: SamplingFeatures = struct.field(pytree_node=False, default=GENERAL)
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int | None = None) -> SamplingArrays:
-        """vocab_size: give the batch token bitmasks (every token allowed), for grammars (ling-serve)."""
+    def from_params(
+        cls, params: Sequence[SamplingParams], vocab_size: int | None = None, specialise: bool = False
+    ) -> SamplingArrays:
+        """vocab_size: give the batch token bitmasks (every token allowed), for grammars (ling-serve). specialise:
+        a program traced with these arrays leaves out the steps no row of `params` uses (`SamplingFeatures.of`; a
+        program per mix of steps); otherwise it keeps each behind its `lax.cond` (one program for any parameters)."""
         if not params:
             raise ValueError("SamplingArrays needs the parameters of at least one request")
 
@@ -129,6 +136,7 @@ class SamplingArrays:
             logprobs=jnp.asarray(np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int32)),
             controls=LogitControls.from_params(params),
             token_bitmask_BW=None if vocab_size is None else jnp.asarray(unconstrained(len(params), vocab_size)),
+            features=SamplingFeatures.of(params, grammar=vocab_size is not None) if specialise else GENERAL,
         )
 
 
@@ -182,9 +190,9 @@ def process_logits(
 
 def _penalised(logits_BV, arrays: SamplingArrays, steps_B, seen_BV, counts_BV) -> jax.Array:
     """The grammar's bitmask, then steps 1-2 of the module doc, in float32."""
-    logits_BV = mask_logits(logits_BV, arrays.token_bitmask_BW)
+    logits_BV = mask_logits(logits_BV, arrays.token_bitmask_BW, arrays.features.grammar)
     penalised_BV = apply_repetition_penalty(logits_BV.astype(jnp.float32), seen_BV, arrays.repetition_penalty)
-    return apply_logit_controls(penalised_BV, arrays.controls, steps_B, counts_BV)
+    return apply_logit_controls(penalised_BV, arrays.controls, steps_B, counts_BV, arrays.features)
 
 
 def sample(
@@ -210,7 +218,7 @@ def sample(
         gumbel_BV = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys_B)
         return jnp.argmax(jnp.where(greedy_B[:, None], processed_BV, processed_BV + gumbel_BV), axis=-1)
 
-    tokens_B = jax.lax.cond(jnp.all(greedy_B), lambda: jnp.argmax(penalised_BV, axis=-1), draw)
+    tokens_B = when_used(arrays.features.sampled, ~jnp.all(greedy_B), draw, lambda: jnp.argmax(penalised_BV, axis=-1))
     return tokens_B.astype(jnp.int32)
 
 
@@ -224,7 +232,9 @@ def token_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, arrays: SamplingAr
         zeros_BK = jnp.zeros((batch, k), jnp.float32)
         return Logprobs(jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, k), jnp.int32), zeros_BK)
 
-    return jax.lax.cond(jnp.any(arrays.logprobs >= 0), lambda: logprobs_at(logits_BV, tokens_B), skip)
+    return when_used(
+        arrays.features.logprobs, jnp.any(arrays.logprobs >= 0), lambda: logprobs_at(logits_BV, tokens_B), skip
+    )
 
 
 def logprobs_at(logits_BV: jax.Array, tokens_B: jax.Array) -> Logprobs:
@@ -239,7 +249,8 @@ def _temperature_and_filters(penalised_BV: jax.Array, arrays: SamplingArrays) ->
     greedy_B = arrays.temperature == 0
     scaled_BV = penalised_BV / jnp.where(greedy_B, 1.0, arrays.temperature)[:, None]
     truncated_B = ~greedy_B & ((arrays.top_k > 0) | (arrays.top_p < 1))
-    cutoff_B1 = jax.lax.cond(
+    cutoff_B1 = when_used(
+        arrays.features.truncated,
         jnp.any(truncated_B),
         lambda: _top_k_top_p_cutoff(scaled_BV, arrays.top_k, arrays.top_p),
         lambda: jnp.full((scaled_BV.shape[0], 1), -jnp.inf, jnp.float32),

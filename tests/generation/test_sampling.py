@@ -266,3 +266,36 @@ def test_logprobs_are_the_raw_log_softmax_and_skipped_when_no_row_asks():
     np.testing.assert_array_equal(np.take_along_axis(expected, np.asarray(logprobs.top_ids), 1), logprobs.top)
     none = token_logprobs(logits, tokens, SamplingArrays.from_params([SamplingParams()] * 3))
     assert not np.any(none.chosen) and not np.any(none.top) and none.top.shape == (3, MAX_LOGPROBS)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(temperature=0)] * 3,
+        [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)],
+        [SamplingParams(temperature=0), SamplingParams(top_k=5, seed=4), SamplingParams(top_p=0.7, seed=9)],
+        [SamplingParams(temperature=0.8, seed=2), SamplingParams(temperature=0, presence_penalty=0.5)],
+        [SamplingParams(temperature=0, logit_bias=((5, 30.0),)), SamplingParams(min_tokens=4, end_ids=(3, 11))],
+    ],
+    ids=["greedy", "greedy-logprobs", "sampled-filters", "sampled-penalties", "bias-min-tokens"],
+)
+def test_specialised_programs_give_the_general_tokens_and_leave_out_unused_steps(params):
+    """`SamplingArrays.from_params(specialise=True)` traces only the steps some row uses: the same tokens and
+    logprobs as the general program (every step behind its lax.cond), on random logits, seen and counted tokens;
+    an all-greedy batch without logprobs traces no conditional at all."""
+    batch = len(params)
+    logits = random_logits(batch, seed=batch)
+    seen = jax.random.bernoulli(jax.random.key(1), 0.05, (batch, VOCAB))
+    counts = jax.random.poisson(jax.random.key(2), 0.05, (batch, VOCAB)).astype(jnp.int32)
+    steps = jnp.arange(batch, dtype=jnp.int32) + 1
+
+    def draw(logits, arrays, steps, seen, counts):
+        tokens = sample(logits, arrays, steps, seen, counts)
+        return tokens, token_logprobs(logits, tokens, arrays)
+
+    general = SamplingArrays.from_params(params)
+    specialised = SamplingArrays.from_params(params, specialise=True)
+    expected, got = (jax.jit(draw)(logits, a, steps, seen, counts) for a in (general, specialised))
+    jax.tree.map(np.testing.assert_array_equal, got, expected)
+    conds = str(jax.make_jaxpr(draw)(logits, specialised, steps, seen, counts)).count("cond[")
+    assert (conds == 0) == all(p.temperature == 0 and p.logprobs is None and not p.logit_bias for p in params)

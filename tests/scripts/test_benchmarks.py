@@ -44,7 +44,7 @@ CPU_RUNS = {
         + ["--layers", "3"],  # the preset's first 3 of its 4 layers
         (
             "3 layers ('kda', 'mla', 'kda')",
-            "MTP 1 draft(s): generate.py's decode step",
+            "MTP 1 draft(s), specialised sampling: generate.py's decode step",
             "program of speculative rounds:",
         ),
     ),
@@ -79,7 +79,7 @@ def test_quick_run(name, capsys, tmp_path):
     if name in ("convert", "load_memory", "load_rate"):
         argv = [*argv, "--workdir", str(tmp_path / name)]
     if name == "generate --mtp":  # also traces generate.py's programs of decode steps and speculative rounds
-        argv = [*argv, "--steps", "2", "--profile", str(tmp_path / "prof")]
+        argv = [*argv, "--steps", "2", "--profile", str(tmp_path / "prof"), "--sampling", "general,specialised"]
     assert importlib.import_module(module).main(argv) == 0
     out = capsys.readouterr().out
     assert all(text in out for text in ((printed,) if isinstance(printed, str) else printed))
