@@ -634,7 +634,7 @@ class Generator:
             seen_from_prompts(jnp.asarray(ids), jnp.asarray(mask), self.config.vocab_size),
             drafts,
         )
-        arrays = SamplingArrays.from_params(sampling)
+        arrays = SamplingArrays.from_params(sampling, specialise=True)  # a program per mix of sampling steps used
         rows = _Rows(batch, max_new_tokens, eos_ids, on_tokens)
 
         start, compiled_before = time.perf_counter(), clock.seconds
