@@ -50,6 +50,8 @@ class SamplingFeatures:
 
 
 GENERAL = SamplingFeatures()
+# greedy rows and nothing else (no grammar, control or logprobs): a program without any conditional
+PLAIN_GREEDY = SamplingFeatures(**{field.name: False for field in dataclasses.fields(SamplingFeatures)})
 
 
 def when_used(used: bool, predicate: jax.Array, taken: Callable, skipped: Callable):

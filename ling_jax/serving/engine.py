@@ -105,6 +105,7 @@ from ling_jax.generation.generator import (
 )
 from ling_jax.generation.grammar_mask import unconstrained
 from ling_jax.generation.sampling import Logprobs, SamplingArrays, SamplingParams, logprobs_at, seen_from_prompts
+from ling_jax.generation.sampling_features import PLAIN_GREEDY, SamplingFeatures
 from ling_jax.generation.static_model import split_model
 from ling_jax.model import LingForCausalLM
 from ling_jax.serving.pages import PagePool
@@ -499,11 +500,15 @@ class Engine:
         prefix_cache_bytes: int = 0,
         mtp: int = 0,
         decode_steps: int = 1,
+        plain_greedy_programs: bool | None = None,
     ):
         """prefix_cache_bytes: the prefix cache's size (0: none); the pool gets that many bytes of pages more, and
         prompts are chunked on prefix blocks (prefill chunks, whole pages). mtp: MTP drafts per decode step (0:
         plain decoding; needs a model with an MTP layer). decode_steps: the decode steps (with MTP, speculative
-        rounds) of one program when the scheduler has nothing else to run (`decode`'s steps)."""
+        rounds) of one program when the scheduler has nothing else to run (`decode`'s steps).
+        plain_greedy_programs: `warm_up` also compiles each decode program traced for plain greedy sampling, which
+        `decode` runs while every slot samples so (`_plain_program_ready`); None: on a GPU (where the general
+        program's conditionals cost more than their predicates: `sampling_features`), one process only."""
         if mtp < 0:
             raise ValueError(f"--mtp must be >= 0, got {mtp}")
         if decode_steps < 1:
@@ -524,6 +529,9 @@ class Engine:
         self.max_context = max_context
         self.mtp = mtp
         self.decode_steps = decode_steps
+        if plain_greedy_programs is None:
+            plain_greedy_programs = jax.default_backend() == "gpu" and jax.process_count() == 1
+        self.plain_greedy_programs = plain_greedy_programs
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_chunk if prefill_budget is None else prefill_budget
         if self.prefill_budget < prefill_chunk:
@@ -555,11 +563,12 @@ class Engine:
         )
         self._params = [GREEDY] * max_batch
         self._arrays: SamplingArrays | None = None  # the device copy of _params, rebuilt after a change
+        self._plain: bool | None = None  # whether every slot samples plainly greedily (PLAIN_GREEDY), after a change
         # a VL model's decode positions: a token in cache slot s of slot b sits at s + offsets_B[b] (after images)
         self.position_offsets_B = None if self.vl_config is None else np.zeros(max_batch, np.int32)
         self.capacity_B = np.zeros(max_batch, np.int32)  # the tokens each slot's pages were assigned for
-        # programs compiling in the background (`warm_up`): {("prefill", length, rows) or ("step", rows, steps):
-        # the compilation's future}
+        # programs compiling in the background (`warm_up`): {("prefill", length, rows), ("step", rows, steps) or
+        # ("plain", rows, steps) (`_plain_program_ready`): the compilation's future}
         self._background: dict[tuple, Future] = {}
         # every program `warm_up` compiled or loaded from its store, by the same keys: a loaded one is called itself
         self._programs: dict[tuple, Future] = {}
@@ -799,7 +808,7 @@ class Engine:
         bitmask_W: the tokens its grammar allows (`grammar_mask`), if it has one. end_ids: the tokens that end the
         request (EOS, stop token ids): `decode` stops the slot on the device after one."""
         self._params[slot] = params
-        self._arrays = None
+        self._arrays = self._plain = None
         end_bits_W = end_bitmask([end_ids], self.config.vocab_size)[0]
         if not np.array_equal(end_bits_W, self.end_bits_BW[slot]):
             self.end_bits_BW[slot] = end_bits_W
@@ -845,7 +854,7 @@ class Engine:
             self.position_offsets_B[slot] = 0
         if self._params[slot] is not GREEDY:
             self._params[slot] = GREEDY
-            self._arrays = None
+            self._arrays = self._plain = None
 
     def decode_rows(self, active_B: np.ndarray) -> int:
         """The decode bucket of a step over the `active_B` slots."""
@@ -873,16 +882,31 @@ class Engine:
         rows = rows or self.decode_rows(active_B)
         if not usable(self._background.get(("step", rows, steps))):
             steps = 1
-        new, self.state = self._run(("step", rows, steps), _step, self._step_args(active_B, rows, steps, bitmasks))
+        plain = not bitmasks and self._plain_program_ready(rows, steps)
+        key = ("plain" if plain else "step", rows, steps)
+        new, self.state = self._run(key, _step, self._step_args(active_B, rows, steps, bitmasks, plain))
         for part in jax.tree.leaves(new):
             part.copy_to_host_async()
         return new
 
-    def _step_args(self, active_B: np.ndarray, rows: int, steps: int, bitmasks: dict | None = None) -> tuple:
-        """`_step`'s arguments for `decode`: `steps` steps of bucket `rows`."""
+    def _plain_program_ready(self, rows: int, steps: int) -> bool:
+        """Whether `decode` runs the plain-greedy program of bucket `rows` and `steps` steps: every slot samples
+        greedily with no control, logprobs or grammar (an idle slot does: GREEDY), and that program has compiled
+        in the background (`warm_up`; one process only). It is the general program's tokens without its
+        conditionals, which cost a GPU program more than their predicates (`sampling_features`)."""
+        if self._plain is None:
+            self._plain = SamplingFeatures.of(self._params) == PLAIN_GREEDY
+        future = self._background.get(("plain", rows, steps))
+        return self._plain and future is not None and usable(future)
+
+    def _step_args(
+        self, active_B: np.ndarray, rows: int, steps: int, bitmasks: dict | None = None, plain: bool = False
+    ) -> tuple:
+        """`_step`'s arguments for `decode`: `steps` steps of bucket `rows`; plain: for the program traced for
+        plain greedy sampling (`_plain_program_ready`)."""
         if self._arrays is None:
             self._arrays = self._replicated(SamplingArrays.from_params(self._params, self.config.vocab_size))
-        arrays = self._arrays
+        arrays = self._arrays.replace(features=PLAIN_GREEDY) if plain else self._arrays
         if bitmasks:
             bitmask_BW = unconstrained(self.max_batch, self.config.vocab_size)
             for slot, bitmask_W in bitmasks.items():
@@ -939,7 +963,8 @@ class Engine:
     ) -> None:
         """Compile every program: each prefill chunk length's step of one row and (where the budget holds several)
         of several, the prefix cache's snapshot and restore, a fork, the first token, the decode programs of each
-        bucket (one step and `decode_steps`). The prefill and decode programs compile from their arguments' shapes
+        bucket (one step and `decode_steps`; last, with `plain_greedy_programs`, the same traced for plain greedy
+        sampling). The prefill and decode programs compile from their arguments' shapes
         in worker threads, several at once (`ProgramCompiler`); the others by running on slot 0 (no pages: nothing
         is written) and, for the fork, slot 1 (whose rows a new request resets). on_program(done, total) after
         each (ling-serve's progress lines; from the workers too).
@@ -971,6 +996,8 @@ class Engine:
             if (rows, steps) != (buckets[-1], 1)
         ]
         later += [("prefill", length, self.prefill_rows(length)) for length in lengths if self.prefill_rows(length) > 1]
+        if self.plain_greedy_programs and jax.process_count() == 1:  # last, taken over when done (`decode`)
+            later += [("plain", rows, steps) for rows in reversed(buckets) for steps in sorted({1, self.decode_steps})]
         total = len(first) + len(later) + 1 + 2 * (self.prefix_block is not None) + (self.max_batch > 1)
         done, lock = iter(range(1, total + 1)), threading.Lock()
 
@@ -989,7 +1016,7 @@ class Engine:
                 return _prefill, self._prefill_args(
                     list(range(count)), _warm_up_chunks(size, count), [True] * count, None, count
                 )
-            return _step, self._step_args(idle_B, size, count)
+            return _step, self._step_args(idle_B, size, count, plain=kind == "plain")
 
         programs = {key: program(key) for key in first + later}
         compiler = ProgramCompiler(compiled, store=store)

@@ -188,3 +188,40 @@ def test_over_a_mesh_the_first_requests_compile_nothing(tiny_model, capsys):
     finally:
         monitoring.unregister_event_duration_listener(report_compile)
     assert "ling-serve: process 0 compiled jit(_prompt_chunk_logprobs) while serving" in capsys.readouterr().err
+
+
+def test_plain_greedy_programs_take_over_while_every_slot_is_greedy(tiny_model, monkeypatch):
+    """With `plain_greedy_programs` (a GPU's default) the warm-up also compiles each decode program traced for plain
+    greedy sampling (no conditional); `decode` runs it while every slot samples greedily and gives the general
+    program's tokens, and the general one as soon as a slot samples otherwise."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32) for _ in "ab"]
+    served, keys = [], []
+    for plain in (True, False):
+        engine = Engine(tiny_model, max_batch=2, max_context=64, prefill_chunk=CHUNK, plain_greedy_programs=plain)
+        if plain:
+            engine.warm_up()
+            assert {("plain", 1, 1), ("plain", 2, 1)} <= set(engine._background)
+        run = engine._run
+        monkeypatch.setattr(engine, "_run", lambda key, fn, args: keys.append((plain, key[0])) or run(key, fn, args))
+        for slot, ids_C in enumerate(prompts):
+            engine.assign(slot, [], CHUNK + 8)
+            engine.first_token(slot, engine.prefill([slot], [(ids_C, np.ones(CHUNK, bool))], [True]), GREEDY)
+        served.append([np.asarray(engine.decode(np.array([True, True])).tokens_BT) for _ in range(3)])
+    np.testing.assert_array_equal(*served)
+    assert [kind for plain, kind in keys if plain and kind != "prefill"] == ["plain"] * 3
+    assert [kind for plain, kind in keys if not plain and kind != "prefill"] == ["step"] * 3
+    engine.release(1)  # the general engine's slot 1 now samples: then the plain engine's would run the general program
+    engine.plain_greedy_programs = True
+    engine._background = {("plain", 2, 1): Future()}
+    engine._background[("plain", 2, 1)].set_result(None)
+    engine.assign(1, [], CHUNK + 8)
+    sampled = SamplingParams(temperature=0.7, seed=3)
+    engine.first_token(1, engine.prefill([1], [(prompts[1], np.ones(CHUNK, bool))], [True]), sampled)
+    keys.clear()
+    engine.decode(np.array([True, True]))
+    assert keys == [(False, "step")]
+    engine.release(1)  # every slot greedy again: the plain program
+    keys.clear()
+    engine.decode(np.array([True, False]), rows=2)
+    assert keys == [(False, "plain")]
