@@ -165,10 +165,10 @@ def time_decode(model, cache: LingCache, steps: int, profile_dir: str | None = N
     finishes (its token feeds the next step on the device), so host dispatch overlaps device work. With
     profile_dir, PROFILE_STEPS more steps run under the JAX profiler, which writes a Perfetto trace there, and the
     step's compiled HLO text goes to profile_dir/trace.HLO_FILE (`benchmarks.trace.layer_kind_report` reads both)."""
-    graphdef, params = nnx.split(model)
+    static, params = split_model(model)  # a flat list: an nnx.State's flattening costs ~1 ms of host time a call
 
     def step(params, cache, token_B):
-        out = nnx.merge(graphdef, params)(token_B[:, None], cache=cache)
+        out = static.merge(params)(token_B[:, None], cache=cache)
         with jax.named_scope("sampling"):
             return jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), out.cache
 
