@@ -176,6 +176,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=DECODE_STEPS,
         help=f"served: decode steps per program when nothing waits (default {DECODE_STEPS})",
     )
+    parser.add_argument(
+        "--general-sampling",
+        action="store_true",
+        help="served: decode with the programs for any sampling parameters only (Engine(plain_greedy_programs="
+        "False)), not the plain-greedy ones a GPU's warm-up adds",
+    )
     parser.add_argument("--skip-static", action="store_true", help="the served runs only")
     parser.add_argument(
         "--prefix-tokens",
@@ -232,6 +238,7 @@ def main(argv=None) -> int:
         prefill_chunk=args.prefill_chunk,
         prefill_budget=args.prefill_budget,
         decode_steps=args.decode_steps,
+        plain_greedy_programs=False if args.general_sampling else None,
     )
     start = time.perf_counter()
     engine.warm_up()
