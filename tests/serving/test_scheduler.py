@@ -7,7 +7,9 @@ prefix cache on, here too so that the `Generator` reference compiles once: the s
 outputs as without MTP (as `Generator(mtp=K)` does, tests/generation/test_generate.py), drafts both accepted and
 rejected; a max_tokens or EOS cut inside a step's accepted run streams no token past it; requests resumed from
 cached prefixes (KDA states, MLA pages and MTP entries) give the tokens and MTP entries they give with an empty
-cache, whatever their slots held before; no slot or page is left taken."""
+cache, whatever their slots held before; a prompt's and its greedy tokens' logprobs (the prefix cache's prompt
+layout: right-padded chunks) equal the log-softmax of the model's logits over the same tokens; no slot or page is
+left taken."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import GREEDY, Engine, decode_buckets
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler
+from tests.serving.conftest import LOGPROBS_MAX_TOKENS, logprobs_close
 from tests.serving.test_prefix_cache import CASES as PREFIX_CASES
 
 MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET = 3, 96, 16, 32  # two prompts' chunks per prefill step
@@ -286,6 +289,26 @@ def test_mtp_prefix_hits_equal_cold_requests(mtp_scheduler):
     assert [r.tokens for r in warm] == cold and _counter(mtp_scheduler, "prefix_cache_hits") == hits + 3
     for request, entries in zip(warm[1:], cold_entries[1:]):
         np.testing.assert_allclose(_mtp_entries(mtp_scheduler.engine, request.slot), entries, atol=1e-4)
+    _assert_mtp_all_free(mtp_scheduler)
+
+
+def test_mtp_and_prefix_layout_logprobs_equal_the_forward_pass(mtp_scheduler, greedy, greedy_log_probs):
+    prompt, ids = greedy
+    mtp_scheduler.prefix_cache.clear()
+    sink = []
+    sampling = SamplingParams(temperature=0.0, logprobs=2)
+    mtp_scheduler.submit(Request(prompt, sampling, LOGPROBS_MAX_TOKENS, sink.append, prompt_logprobs=True))
+    _run_until_idle(mtp_scheduler)
+    assert [t for delta in sink for t in delta.token_ids] == ids[len(prompt) :]
+    generated = [e for delta in sink for e in delta.logprobs]
+    for first, entries in ((1, sink[0].prompt_logprobs), (len(prompt), generated)):
+        assert [e.token for e in entries] == ids[first : first + len(entries)]
+        assert first + len(entries) == (len(prompt) if first == 1 else len(ids))
+        for position, entry in zip(range(first, len(ids)), entries):
+            row = greedy_log_probs[position - 1]
+            assert logprobs_close(entry.logprob, row[entry.token])
+            top_ids, top = zip(*entry.top)
+            assert logprobs_close(top, np.sort(row)[::-1][:2]) and logprobs_close(top, row[list(top_ids)])
     _assert_mtp_all_free(mtp_scheduler)
 
 
