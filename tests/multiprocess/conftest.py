@@ -16,6 +16,8 @@ from collections.abc import Callable
 import pytest
 from helpers import REPO_ROOT
 
+from pallas_kernels.compat import fast_cpu_compile_flags
+
 LAUNCH_TIMEOUT_S = 400  # the whole launch; every process is killed past it
 
 
@@ -33,11 +35,12 @@ def free_port() -> int:
 
 
 def environment(devices: int) -> dict[str, str]:
-    """A process's environment: `devices` CPU devices, the repository and tests/support importable."""
+    """A process's environment: `devices` CPU devices (and the suite's faster-compiling XLA:CPU emitters), the
+    repository and tests/support importable."""
     return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={devices}", *fast_cpu_compile_flags()]),
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]),
     }
 
