@@ -66,6 +66,13 @@ def fast_cpu_compile_flags() -> list[str]:
     return [_ELEMENTAL_EMITTERS_FLAG] if low <= _jaxlib_version() < high else []
 
 
+def fusion_emitters_options() -> dict[str, bool]:
+    """Compile options (`Lowered.compile(options)`) giving one program the fusion emitters back where
+    fast_cpu_compile_flags() turned them off: for a program that runs long (an interpreted kernel's loop ran
+    2.5x slower with the elemental emitters' code)."""
+    return {"xla_cpu_use_fusion_emitters": True} if fast_cpu_compile_flags() else {}
+
+
 def mosaic_gpu_interpret(enabled: bool):
     """The `interpret` argument of `plgpu.kernel` (Pallas Mosaic GPU) that runs a kernel on the CPU with
     simulated shared memory, TMA, barriers and wgmma (jax >= 0.10.2, where the class is not public yet), or
