@@ -53,9 +53,10 @@ def _disable_ynn_fusions() -> None:
 _disable_ynn_fusions()
 
 # XLA:CPU's fusion emitters (its default) against its older elemental emitters, jaxlib 0.10.2: the test suite's
-# programs compile in 20-40% less CPU time with the older ones (the serving engine's, a random initialisation's),
-# with the same bits out on the demo model. tests/conftest.py adds the flag for the suite and its subprocesses
-# where the jaxlib is one it was measured on (XLA aborts on a flag it does not know).
+# subprocesses (multi-process jobs, CLI and training runs) took 20-40% less CPU time with the older ones, the same
+# bits out on the demo model; in process, files of bf16 or long-running programs took up to 2.5x more (their code
+# is slower). The tests' helpers add the flag to those subprocesses' XLA_FLAGS where the jaxlib is one it was
+# measured on (XLA aborts on a flag it does not know).
 _ELEMENTAL_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
 _ELEMENTAL_EMITTERS_MEASURED = ((0, 10, 2), (0, 11, 0))
 
@@ -64,13 +65,6 @@ def fast_cpu_compile_flags() -> list[str]:
     """XLA_FLAGS entries that make XLA:CPU compile faster on this jaxlib (none where not measured)."""
     low, high = _ELEMENTAL_EMITTERS_MEASURED
     return [_ELEMENTAL_EMITTERS_FLAG] if low <= _jaxlib_version() < high else []
-
-
-def fusion_emitters_options() -> dict[str, bool]:
-    """Compile options (`Lowered.compile(options)`) giving one program the fusion emitters back where
-    fast_cpu_compile_flags() turned them off: for a program that runs long (an interpreted kernel's loop ran
-    2.5x slower with the elemental emitters' code)."""
-    return {"xla_cpu_use_fusion_emitters": True} if fast_cpu_compile_flags() else {}
 
 
 def mosaic_gpu_interpret(enabled: bool):

@@ -3,13 +3,10 @@ import sys
 
 import pytest
 
-from pallas_kernels.compat import fast_cpu_compile_flags  # no backend yet: jax reads XLA_FLAGS when it makes one
-
-# Multi-device code is tested on 8 virtual CPU devices, and XLA:CPU compiles with its faster-compiling emitters
-# (inherited by the subprocesses); this must be set before jax initialises a backend. A flag already named stays.
-for _flag in ["--xla_force_host_platform_device_count=8", *fast_cpu_compile_flags()]:
-    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+# Multi-device code is tested on 8 virtual CPU devices; this must be set before jax initialises a backend.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICES_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}".strip()
 
 # generate.py's persistent compilation cache stays off in tests (and their subprocesses): nothing in ~/.cache
 os.environ.setdefault("LING_JAX_NO_COMPILE_CACHE", "1")

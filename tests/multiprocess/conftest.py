@@ -14,9 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers import REPO_ROOT
-
-from pallas_kernels.compat import fast_cpu_compile_flags
+from helpers import REPO_ROOT, SUBPROCESS_XLA_FLAGS
 
 LAUNCH_TIMEOUT_S = 400  # the whole launch; every process is killed past it
 
@@ -40,7 +38,7 @@ def environment(devices: int) -> dict[str, str]:
     return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={devices}", *fast_cpu_compile_flags()]),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {SUBPROCESS_XLA_FLAGS}",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]),
     }
 

@@ -11,15 +11,14 @@ import numpy as np
 
 from pallas_kernels.compat import (
     fast_cpu_compile_flags,
-    fusion_emitters_options,
     lower_for_cuda,  # noqa: F401  (re-exported: the tests import it from here)
 )
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository's root directory
-# A CLI subprocess's XLA_FLAGS: one device, as a user's CPU run has, compiled as the suite compiles (tests/conftest.py)
-ONE_DEVICE_XLA_FLAGS = " ".join(fast_cpu_compile_flags())
-# `compile` options for a program that runs long rather than compiles long: XLA:CPU's default emitters' faster code
-RUN_HEAVY_COMPILER_OPTIONS = fusion_emitters_options()
+# XLA:CPU's faster-compiling emitters for the tests' subprocesses (pallas_kernels/compat.py, docs/testing.md)
+SUBPROCESS_XLA_FLAGS = " ".join(fast_cpu_compile_flags())
+# A CLI subprocess's XLA_FLAGS: one device, as a user's CPU run has
+ONE_DEVICE_XLA_FLAGS = SUBPROCESS_XLA_FLAGS
 
 
 def run_wide_directory(tmp_path_factory, name: str) -> pathlib.Path:
