@@ -52,6 +52,20 @@ def _disable_ynn_fusions() -> None:
 
 _disable_ynn_fusions()
 
+# XLA:CPU's fusion emitters (its default) against its older elemental emitters, jaxlib 0.10.2: the test suite's
+# subprocesses (multi-process jobs, CLI and training runs) took 20-40% less CPU time with the older ones, the same
+# bits out on the demo model; in process, files of bf16 or long-running programs took up to 2.5x more (their code
+# is slower). The tests' helpers add the flag to those subprocesses' XLA_FLAGS where the jaxlib is one it was
+# measured on (XLA aborts on a flag it does not know).
+_ELEMENTAL_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
+_ELEMENTAL_EMITTERS_MEASURED = ((0, 10, 2), (0, 11, 0))
+
+
+def fast_cpu_compile_flags() -> list[str]:
+    """XLA_FLAGS entries that make XLA:CPU compile faster on this jaxlib (none where not measured)."""
+    low, high = _ELEMENTAL_EMITTERS_MEASURED
+    return [_ELEMENTAL_EMITTERS_FLAG] if low <= _jaxlib_version() < high else []
+
 
 def mosaic_gpu_interpret(enabled: bool):
     """The `interpret` argument of `plgpu.kernel` (Pallas Mosaic GPU) that runs a kernel on the CPU with

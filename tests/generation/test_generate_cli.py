@@ -15,7 +15,7 @@ import sys
 
 import jax.numpy as jnp
 import pytest
-from helpers import REPO_ROOT, train_byte_bpe
+from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT, train_byte_bpe
 
 from convert.synthetic import write_random_checkpoint
 from ling_jax import ExecutionPolicy, FP8Matmul, KernelBackend, LingConfig
@@ -249,7 +249,7 @@ def test_completion_holds_back_a_possible_stop_string():
 
 def run_script(*argv, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-    env.pop("XLA_FLAGS", None)  # one device, as a user's CPU run has
+    env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS
     stdin_source = {"stdin": subprocess.DEVNULL} if stdin is None else {"input": stdin}  # /dev/null: no prompts
     return subprocess.run(
         [sys.executable, str(SCRIPT), *map(str, argv)],

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import ONE_DEVICE_XLA_FLAGS
 
 from convert.pipeline import Options, convert
 from ling_jax.generation import cli as generate_cli
@@ -240,7 +241,7 @@ def test_damaged_orbax_checkpoint_is_one_line(capsys, tmp_path, orbax_dir, damag
 
 def cli_process(*argv, stdin):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS
     return subprocess.Popen(
         [sys.executable, *map(str, argv)],
         stdin=stdin,

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO_ROOT
+from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 from jax import monitoring
 
 from ling_jax import LingForCausalLM
@@ -33,7 +33,7 @@ needs_demo = pytest.mark.skipif(not DEMO_DIR.is_dir(), reason="the demo checkpoi
 
 def script_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), **extra}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ONE_DEVICE_XLA_FLAGS
     return env
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, SUBPROCESS_XLA_FLAGS
 
 LAUNCH_TIMEOUT_S = 400  # the whole launch; every process is killed past it
 
@@ -33,11 +33,12 @@ def free_port() -> int:
 
 
 def environment(devices: int) -> dict[str, str]:
-    """A process's environment: `devices` CPU devices, the repository and tests/support importable."""
+    """A process's environment: `devices` CPU devices (and the suite's faster-compiling XLA:CPU emitters), the
+    repository and tests/support importable."""
     return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {SUBPROCESS_XLA_FLAGS}",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")]),
     }
 

@@ -42,6 +42,35 @@ def demo_forward(demo_model):
     return lambda ids: np.asarray(_log_probs_TV(demo_model, jnp.asarray(ids, jnp.int32)))
 
 
+# A prompt of two prefill chunks of 16 and its greedy continuation's length, for the logprobs checks
+LOGPROBS_PROMPT = "It is a truth universally acknowledged, that a single man"
+LOGPROBS_MAX_TOKENS = 4
+LOGPROBS_TOLERANCE = 1e-4  # relative or absolute, per value
+
+
+def logprobs_close(got, expected) -> bool:
+    return np.allclose(got, expected, rtol=LOGPROBS_TOLERANCE, atol=LOGPROBS_TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def greedy(demo_tokenizer, demo_forward):
+    """LOGPROBS_PROMPT's ids and those plus its LOGPROBS_MAX_TOKENS greedy tokens (none is EOS), from forward passes
+    over the final length (one compiled program): a position's logits do not depend on the placeholder tokens
+    after it."""
+    prompt = demo_tokenizer.encode(LOGPROBS_PROMPT)
+    ids = prompt + [0] * LOGPROBS_MAX_TOKENS
+    for position in range(len(prompt), len(ids)):
+        ids[position] = int(demo_forward(ids)[position - 1].argmax())
+    assert not set(ids[len(prompt) :]) & set(demo_tokenizer.eos_ids)
+    return prompt, ids
+
+
+@pytest.fixture(scope="module")
+def greedy_log_probs(greedy, demo_forward):
+    """[L, V] log-softmax at each position of the prompt and its greedy tokens, from one forward pass."""
+    return demo_forward(greedy[1])
+
+
 @pytest.fixture(scope="module")
 def demo_tokenizer():
     return load_tokenizer(DEMO_DIR, load_model_config(DEMO_DIR))

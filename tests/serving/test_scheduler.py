@@ -7,7 +7,9 @@ prefix cache on, here too so that the `Generator` reference compiles once: the s
 outputs as without MTP (as `Generator(mtp=K)` does, tests/generation/test_generate.py), drafts both accepted and
 rejected; a max_tokens or EOS cut inside a step's accepted run streams no token past it; requests resumed from
 cached prefixes (KDA states, MLA pages and MTP entries) give the tokens and MTP entries they give with an empty
-cache, whatever their slots held before; no slot or page is left taken."""
+cache, whatever their slots held before; a prompt's and its greedy tokens' logprobs (the prefix cache's prompt
+layout: right-padded chunks) equal the log-softmax of the model's logits over the same tokens; no slot or page is
+left taken."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from ling_jax.generation.sampling import SamplingParams
 from ling_jax.serving.engine import GREEDY, Engine, decode_buckets
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler
+from tests.serving.conftest import LOGPROBS_MAX_TOKENS, logprobs_close
 from tests.serving.test_prefix_cache import CASES as PREFIX_CASES
 
-MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET = 3, 96, 16, 32  # two prompts' chunks per prefill step
+MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET = 2, 96, 16, 32  # two prompts' chunks per prefill step
 CASES = [  # (prompt ids, sampling, max_tokens)
     ([5, 17, 300, 42, 9, 1000, 77], GREEDY, 9),
     (list(range(100, 141)), SamplingParams(temperature=0.8, top_p=0.9, seed=3), 7),  # three chunks: 16 + 16 + 16
@@ -239,10 +242,10 @@ def test_mtp_step_leaves_an_idle_slot_bit_for_bit(mtp_scheduler):
         engine.assign(slot, [], len(prompt) + 12)
         hidden_1D = engine.prefill([slot], engine.prompt_chunks(prompt), [True])
         engine.first_token(slot, hidden_1D, GREEDY)
-    engine.decode(np.array([True, True, False]))
+    engine.decode(np.array([True, True]))
     idle = _slot_state(engine, 0)
     stepped = _slot_state(engine, 1)
-    new = engine.decode(np.array([False, True, False]))
+    new = engine.decode(np.array([False, True]))
     assert int(new.counts_B[0]) == 0 and int(new.counts_B[1]) >= 1
     assert all(a.tobytes() == b.tobytes() for a, b in zip(_slot_state(engine, 0), idle))
     assert _slot_state(engine, 1)[0].tobytes() != stepped[0].tobytes()  # slot 1's first KDA state moved on
@@ -282,10 +285,33 @@ def test_mtp_prefix_hits_equal_cold_requests(mtp_scheduler):
     mtp_scheduler.prefix_cache.clear()
     _scramble(mtp_scheduler.engine, len(cases))
     hits = _counter(mtp_scheduler, "prefix_cache_hits")
-    warm = _run(mtp_scheduler, cases[:1]) + _run(mtp_scheduler, cases[1:])
+    warm, warm_entries = [], []  # the first one, then the others resumed side by side, a slot each
+    for group in [cases[:1]] + [cases[i : i + MAX_BATCH] for i in range(1, len(cases), MAX_BATCH)]:
+        warm += _run(mtp_scheduler, group)
+        warm_entries += [_mtp_entries(mtp_scheduler.engine, request.slot) for request in warm[-len(group) :]]
     assert [r.tokens for r in warm] == cold and _counter(mtp_scheduler, "prefix_cache_hits") == hits + 3
-    for request, entries in zip(warm[1:], cold_entries[1:]):
-        np.testing.assert_allclose(_mtp_entries(mtp_scheduler.engine, request.slot), entries, atol=1e-4)
+    for entries, cold_ones in zip(warm_entries[1:], cold_entries[1:]):
+        np.testing.assert_allclose(entries, cold_ones, atol=1e-4)
+    _assert_mtp_all_free(mtp_scheduler)
+
+
+def test_mtp_and_prefix_layout_logprobs_equal_the_forward_pass(mtp_scheduler, greedy, greedy_log_probs):
+    prompt, ids = greedy
+    mtp_scheduler.prefix_cache.clear()
+    sink = []
+    sampling = SamplingParams(temperature=0.0, logprobs=2)
+    mtp_scheduler.submit(Request(prompt, sampling, LOGPROBS_MAX_TOKENS, sink.append, prompt_logprobs=True))
+    _run_until_idle(mtp_scheduler)
+    assert [t for delta in sink for t in delta.token_ids] == ids[len(prompt) :]
+    generated = [e for delta in sink for e in delta.logprobs]
+    for first, entries in ((1, sink[0].prompt_logprobs), (len(prompt), generated)):
+        assert [e.token for e in entries] == ids[first : first + len(entries)]
+        assert first + len(entries) == (len(prompt) if first == 1 else len(ids))
+        for position, entry in zip(range(first, len(ids)), entries):
+            row = greedy_log_probs[position - 1]
+            assert logprobs_close(entry.logprob, row[entry.token])
+            top_ids, top = zip(*entry.top)
+            assert logprobs_close(top, np.sort(row)[::-1][:2]) and logprobs_close(top, row[list(top_ids)])
     _assert_mtp_all_free(mtp_scheduler)
 
 

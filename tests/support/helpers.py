@@ -9,9 +9,16 @@ import re
 
 import numpy as np
 
-from pallas_kernels.compat import lower_for_cuda  # noqa: F401  (re-exported: the tests import it from here)
+from pallas_kernels.compat import (
+    fast_cpu_compile_flags,
+    lower_for_cuda,  # noqa: F401  (re-exported: the tests import it from here)
+)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository's root directory
+# XLA:CPU's faster-compiling emitters for the tests' subprocesses (pallas_kernels/compat.py, docs/testing.md)
+SUBPROCESS_XLA_FLAGS = " ".join(fast_cpu_compile_flags())
+# A CLI subprocess's XLA_FLAGS: one device, as a user's CPU run has
+ONE_DEVICE_XLA_FLAGS = SUBPROCESS_XLA_FLAGS
 
 
 def run_wide_directory(tmp_path_factory, name: str) -> pathlib.Path:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, SUBPROCESS_XLA_FLAGS
 
 from convert.synthetic import config_dict
 from ling_jax import LingConfig, LingForCausalLM, load_hf_checkpoint
@@ -196,13 +196,17 @@ def _script_command(tmp_path, out, *flags) -> list[str]:
     return [str(arg) for arg in (sys.executable, SCRIPT, *common, *flags)]
 
 
+# compiles dominate the script's tiny runs: unoptimised code, compiled with the faster-compiling emitters
+_SCRIPT_XLA_FLAGS = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0 {SUBPROCESS_XLA_FLAGS}"
+
+
 def test_script_trains_resumes_and_exports(tmp_path):
     out = tmp_path / "run"
     command = _script_command(tmp_path, out, "--steps", "3", "--eval-every", "2", "--save-every", "2")
     # compiles dominate these tiny runs: unoptimised code, and the resumed run reuses the first one's
     env = {
         **os.environ,
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0",
+        "XLA_FLAGS": _SCRIPT_XLA_FLAGS,
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
@@ -241,7 +245,7 @@ def test_script_stops_when_training_diverges(tmp_path):
     """A learning rate of 1e30 overflows the weights: the run stops at the first non-finite loss or
     gradient norm, says so on one line and keeps the log, instead of training on NaNs."""
     out = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"}
+    env = {**os.environ, "XLA_FLAGS": _SCRIPT_XLA_FLAGS}
     result = subprocess.run(
         _script_command(tmp_path, out, "--steps", "20", "--lr", "1e30", "--sample-tokens", "0"),
         check=False,
