@@ -287,9 +287,9 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             if args.profile and len(rows) == 1:
                 report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
-        for sampling in args.sampling.split(",") if args.mtp else ():
+        for index, sampling in enumerate(args.sampling.split(",") if args.mtp else ()):
             # the first mode's programs of the profiled batch are traced
-            profile = args.profile if batch == first_batch and sampling == args.sampling.split(",")[0] else None
+            profile = args.profile if batch == first_batch and index == 0 else None
             step_s, round_s = time_speculation(
                 model, batch, context, args.mtp, profile_dir=profile, specialise=sampling == "specialised"
             )

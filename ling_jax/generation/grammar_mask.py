@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ling_jax.generation.sampling_features import when_used
+
 BITS = 32  # tokens per bitmask word
 ALL_ALLOWED = -1  # a word with every bit set
 
@@ -36,9 +38,10 @@ def allowed_tokens(bitmask_BW: jax.Array, vocab_size: int) -> jax.Array:
 def mask_logits(logits_BV: jax.Array, bitmask_BW: jax.Array | None, used: bool = True) -> jax.Array:
     """`logits_BV` with -inf where a row's bitmask clears the token; unchanged without bitmasks (None or `used`
     False: no row has a grammar) and, through a `lax.cond`, when every bit of the batch is set."""
-    if bitmask_BW is None or not used:
+    if bitmask_BW is None:
         return logits_BV
-    return jax.lax.cond(
+    return when_used(
+        used,
         jnp.any(bitmask_BW != ALL_ALLOWED),
         lambda: jnp.where(allowed_tokens(bitmask_BW, logits_BV.shape[-1]), logits_BV, -jnp.inf).astype(logits_BV.dtype),
         lambda: logits_BV,
