@@ -130,6 +130,22 @@ def hlo_module_name(hlo_text: str) -> str:
     return match["name"]
 
 
+def hlo_computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
+    """{computation name: [(instruction name, the rest of its line after '='), ...] in text order} of an HLO
+    module's text."""
+    computations: dict[str, list[tuple[str, str]]] = {}
+    instructions: list[tuple[str, str]] = []
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            instructions = computations.setdefault(header["name"], [])
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction is not None:
+            instructions.append((instruction["name"], instruction["rest"]))
+    return computations
+
+
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
     """{instruction name: its op_name} for every instruction of a compiled program's HLO text (`compiled.
     as_text()`) that has one or inherits one (module docstring); also each computation's, under its name (its
