@@ -31,7 +31,6 @@ from ling_jax import xla_flags
 if __name__ == "__main__":
     xla_flags.set_gpu_flags()
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.trace import hlo_computations  # noqa: E402

@@ -15,12 +15,12 @@ HLO = """HloModule jit__decode_group, entry_computation_layout={()->f32[]}
   ROOT %loop_add_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_add
 }
 
-%branch_sort (b: f32[4]) -> f32[4] {
+%sort (b: f32[4]) -> f32[4] {
   %b = f32[4]{0} parameter(0)
   ROOT %custom-call.3 = f32[4]{0} custom-call(%b), custom_call_target="__cub$DeviceRadixSort"
 }
 
-%branch_skip (s: f32[4]) -> f32[4] {
+%skip (s: f32[4]) -> f32[4] {
   %s = f32[4]{0} parameter(0)
   ROOT %call.9 = f32[4]{0} call(%s), to_apply=%command_buffer
 }
@@ -30,7 +30,7 @@ HLO = """HloModule jit__decode_group, entry_computation_layout={()->f32[]}
   %x = f32[4]{0} get-tuple-element(%state), index=1
   %call.1 = f32[4]{0} call(%x), to_apply=%command_buffer
   %pred.1 = pred[] constant(true)
-  %conditional.2 = f32[4]{0} conditional(%pred.1, %call.1, %call.1), true_computation=%branch_sort, false_computation=%branch_skip
+  %conditional.2 = f32[4]{0} conditional(%pred.1, %call.1, %call.1), true_computation=%sort, false_computation=%skip
   %i = s32[] get-tuple-element(%state), index=0
   ROOT %tuple.1 = (s32[], f32[4]{0}) tuple(%i, %conditional.2)
 }
