@@ -6,6 +6,7 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
     python -m benchmarks.fp8_linear --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
     python -m benchmarks.fp8_linear --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
     python -m benchmarks.fp8_linear --sweep gpu_triton_gemv --rows 1,2,3,4   # the decode kernel's tiles by rows
+    python -m benchmarks.fp8_linear --sweep gemv-gated-norm   # its tiles with KDA's gated output norm in it
     python -m benchmarks.fp8_linear --quick [--prefill]   # one 256 x 256 weight, 2 calls, no sweep (smoke test)
     python -m benchmarks.fp8_linear --quick --sweep gpu_triton_gemv --rows 2   # a sweep on the 256 x 256 weight
 
@@ -38,8 +39,9 @@ from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
 from pallas_kernels.experimental.fp8_mosaic_weight_only import MosaicWeightOnlyTiles  # noqa: E402
 from pallas_kernels.experimental.fp8_xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 from pallas_kernels.fp8 import tuned  # noqa: E402
+from pallas_kernels.fp8.gpu_triton.gemv import weight_only_gemv_partials_gpu  # noqa: E402
 from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
-from pallas_kernels.fp8.reference import dequantize_blocks  # noqa: E402
+from pallas_kernels.fp8.reference import GatedHeadNorm, dequantize_blocks  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
 BLOCK = (128, 128)
@@ -189,6 +191,14 @@ def prefill_table(iters: int, shapes=PREFILL_SHAPES, rows_list=PREFILL_ROWS, pea
             print(f"| {out_dim} x {in_dim} | {rows} | " + " | ".join(cells + errors) + " |", flush=True)
 
 
+def gated_norm_gemv(x_MK, values, scales, block, tiles=None):
+    """KDA's output projection at decode: x normalised head by head in the gemv (its own x as the gate, a norm
+    weight of ones), the K splits' partial sums added by XLA (in the model the next add-norm kernel adds them)."""
+    norm = GatedHeadNorm(gate=x_MK, weight_D=jnp.ones((128,), jnp.float32), eps=1e-6)
+    partials = weight_only_gemv_partials_gpu(x_MK, values, scales, block=block, tiles=tiles, norm=norm)
+    return jnp.sum(partials, axis=0).astype(x_MK.dtype)
+
+
 SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their settings, (out, in), rows)
     GEMV: (  # the 1-row default, then candidates for 2-7 rows (FMA products) under 128 registers a thread
         gemv_gpu,
@@ -203,6 +213,23 @@ SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their setti
         ],
         (8192, 4096),
         (1, 2, 3, 4),
+    ),
+    "gemv-gated-norm": (  # Ling-3.0-flash's KDA output projection (4096 -> 2560), its gated norm in the kernel
+        gated_norm_gemv,
+        tuned.GemvTiles,
+        [
+            (32, 4, 528, 8, 4, 2, False),
+            (32, 4, 264, 8, 4, 2, False),
+            (32, 8, 528, 8, 4, 2, False),
+            (64, 4, 264, 8, 4, 2, False),
+            (64, 2, 528, 8, 4, 2, False),
+            (128, 2, 264, 8, 4, 2, False),
+            (128, 2, 264, 8, 8, 2, False),
+            (16, 4, 1056, 8, 4, 2, False),
+            (32, 4, 528, 8, 4, 2, True),
+        ],
+        (2560, 4096),
+        (1, 2),
     ),
     "weight-only": (
         weight_only_gpu,

@@ -61,6 +61,7 @@ GPU_RUNS = {
         "benchmarks.fp8_linear",
         ["--quick", "--sweep", "gpu_triton_gemv", "--rows", "1,3"],
     ),
+    "fp8_linear --sweep gemv-gated-norm": ("benchmarks.fp8_linear", ["--quick", "--sweep", "gemv-gated-norm"]),
     "moe": ("benchmarks.moe", ["--quick", "--iters", "2", "--no-sweep"]),
     "moe --path rows": ("benchmarks.moe", ["--path", "rows", "--quick", "--iters", "2"]),
     "moe --grouped-matmul-sweep": (
