@@ -6,6 +6,8 @@ requests: output tokens/s and time-to-first-token / time-per-output-token p50 an
                                              # 512 experts), random weights stored as the checkpoint stores
                                              # them (block FP8), initialised on the device; concurrency 1, 16, 64
     python -m benchmarks.serve --quick    # a narrow 2-layer model, few short requests (CPU smoke test)
+    python -m benchmarks.serve --concurrency 16 --skip-static --profile /tmp/sp   # then:
+    python scripts/trace_summary.py /tmp/sp --by-program  # device time per program (decode, prefill, ...), idle time
 
 Requests: a synthetic chat mix (seeded): prompt lengths log-uniform in [--min-prompt, --max-prompt], output
 lengths log-uniform in [--min-output, --max-output], greedy, EOS ignored (every request runs its full length).
@@ -184,6 +186,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--skip-static", action="store_true", help="the served runs only")
     parser.add_argument(
+        "--profile",
+        help="trace the last concurrency's timed served run with the JAX profiler into this directory "
+        "(`scripts/trace_summary.py DIR --by-program`: device time per program and the idle time)",
+    )
+    parser.add_argument(
         "--prefix-tokens",
         type=int,
         help="TTFT of requests sharing a prefix this long, prefix cache off vs on (default 8192, --quick 96; 0: skip)",
@@ -251,7 +258,11 @@ def main(argv=None) -> int:
     for level in levels:
         requests = workload(args.requests or max(8, 2 * level), args, seed=level)
         run_served(scheduler, requests[: min(len(requests), level)], level)  # warm-up: nothing left to compile
-        served = run_served(scheduler, requests, level)
+        if args.profile and level == levels[-1]:
+            with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+                served = run_served(scheduler, requests, level)
+        else:
+            served = run_served(scheduler, requests, level)
         static = None
         if not args.skip_static:
             run_static(generator, requests, level)  # warm-up: compiles every batch's shapes

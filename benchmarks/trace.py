@@ -123,6 +123,32 @@ def summarize(kernels: list[dict], steps: int, top: int, small_us: float, by_kin
     return "\n".join(lines)
 
 
+def module_table(kernels: list[dict]) -> str:
+    """The device time of each program (the kernels' `hlo_module`; "?" for kernels that name none) over the
+    trace's span, and the span's idle part (no kernel running): where a served run's time goes, program by
+    program."""
+    by_module: dict[str, list[float]] = collections.defaultdict(list)
+    for kernel in kernels:
+        by_module[kernel.get("args", {}).get("hlo_module", "?")].append(kernel["dur"])
+    start = kernels[0]["ts"]
+    span = max(kernel["ts"] + kernel["dur"] for kernel in kernels) - start
+    busy, reach = 0.0, start  # the union of the kernels' intervals (sorted by start)
+    for kernel in kernels:
+        end = kernel["ts"] + kernel["dur"]
+        busy += max(0.0, end - max(reach, kernel["ts"]))
+        reach = max(reach, end)
+    lines = [
+        f"span {span / 1e3:.1f} ms: busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+        f"({(span - busy) / span:.0%})",
+        "",
+        "| program | kernels | device ms | % of span |",
+        "|---|---|---|---|",
+    ]
+    for module, durations in sorted(by_module.items(), key=lambda item: -sum(item[1])):
+        lines.append(f"| {module} | {len(durations)} | {sum(durations) / 1e3:.1f} | {sum(durations) / span:.0%} |")
+    return "\n".join(lines)
+
+
 def hlo_module_name(hlo_text: str) -> str:
     match = _MODULE.match(hlo_text)
     if match is None:

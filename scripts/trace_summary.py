@@ -12,7 +12,9 @@ trace holds) the busy time, the kernel count, the largest kernels and the tail o
 of a decode step. Given a directory that also holds the program's HLO text (`program.hlo.txt`, written by
 `benchmarks.generate --profile`), it prints the device time per layer kind too (KDA, MLA, MoE / dense FFN,
 lm_head / sampling, other: the named scopes of the kernels' HLO ops; with XLA command buffers, of the instructions
-each kernel's name and place in the trace match). The parser is `benchmarks.trace`.
+each kernel's name and place in the trace match). --by-program: the device time of each program (the kernels' HLO
+module) and the time no kernel runs, over the trace's span (a served run: `benchmarks.serve --profile DIR`). The
+parser is `benchmarks.trace`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15, help="kernel rows to print")
     parser.add_argument("--small-us", type=float, default=8.0, help="what counts as a small kernel")
     parser.add_argument("--by-kind", action="store_true", help="merge numbered variants of a kernel name")
+    parser.add_argument(
+        "--by-program", action="store_true", help="also the device time per program (HLO module) and the idle time"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
@@ -39,6 +44,8 @@ def main(argv=None) -> int:
     if not kernels:
         raise SystemExit(f"error: {path}: no device kernels in the trace")
     print(f"{path}\n{trace.summarize(kernels, args.steps, args.top, args.small_us, args.by_kind)}")
+    if args.by_program:
+        print(f"\nby program:\n{trace.module_table(kernels)}")
     if (args.trace / trace.HLO_FILE).is_file():
         print(f"\nby layer kind ({args.trace / trace.HLO_FILE}):\n{trace.layer_kind_report(args.trace, args.steps)}")
     return 0

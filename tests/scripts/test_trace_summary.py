@@ -51,6 +51,19 @@ def test_per_step_device_time_and_small_kernel_tail(tmp_path):
     assert "| 6.0 | 2.0 | 3.0 | loop_add_fusion |" in merged.stdout
 
 
+def test_device_time_per_program_and_idle():
+    kernels = [
+        {"ts": 0.0, "dur": 600.0, "args": {"hlo_module": "jit__decode_group"}},
+        {"ts": 500.0, "dur": 200.0, "args": {"hlo_module": "jit__prefill"}},  # overlaps the first by 100 us
+        {"ts": 1700.0, "dur": 300.0, "args": {"hlo_module": "jit__decode_group"}},
+        {"ts": 1900.0, "dur": 20.0},
+    ]
+    table = trace.module_table(kernels)
+    assert table.splitlines()[0] == "span 2.0 ms: busy 1.0 ms, idle 1.0 ms (50%)"
+    assert "| jit__decode_group | 2 | 0.9 | 45% |" in table and "| jit__prefill | 1 | 0.2 | 10% |" in table
+    assert "| ? | 1 | 0.0 | 1% |" in table
+
+
 def test_errors_name_the_path(tmp_path):
     result = _run(tmp_path / "missing")
     assert result.returncode == 1 and result.stderr.strip() == f"error: {tmp_path / 'missing'} does not exist"
