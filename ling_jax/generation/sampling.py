@@ -21,18 +21,20 @@ differ only in which probabilities top-p sums. Top-k and top-p are applied as a 
 tokens tied with the last kept one are kept too: which of equal logits survive never depends on token ids
 (transformers' top-k does the same; its top-p cuts ties in sort order, which matters only for exact ties).
 
-Cost: top-k / top-p need one sort of the [B, V] logits (values only, no indices and no scatter back). It is
-skipped with a `lax.cond` when no sampled row of the batch uses either filter, and the whole draw (the [B, V]
-Gumbel noise included) when every row is greedy. Both branches of each cond give the same token for a row
-that does not need the skipped work, so a request's output does not depend on the other rows of its batch:
-its randomness comes from its own key, fold_in(key(seed), step), with `step` its own token count.
+Cost: top-k / top-p need the row's k-th largest logit and top-p's cutoff, each a search over the row
+(`order_stats`: 11 fused passes over the [B, V] logits, no sort, which on a GPU would keep a decode program's
+loop out of XLA's command buffers). It is skipped with a `lax.cond` when no sampled row of the batch uses either
+filter, and the whole draw (the [B, V] Gumbel noise included) when every row is greedy. Both branches of each
+cond give the same token for a row that does not need the skipped work, so a request's output does not depend on
+the other rows of its batch: its randomness comes from its own key, fold_in(key(seed), step), with `step` its own
+token count.
 
 Logprobs (`token_logprobs`, OpenAI's `logprobs`): the log-softmax of the raw float32 logits (before the penalty,
 temperature and filters, as vLLM reports them by default) at the drawn token and at the row's MAX_LOGPROBS most
 likely tokens. A row asks with `SamplingParams.logprobs` (how many alternatives it reports, 0 to MAX_LOGPROBS);
 the batch computes them for every row when any row asks (a log-softmax and one top-k of MAX_LOGPROBS over
-[B, V], small next to the model's step; per row they would need a gather of the asking rows, a shape that
-changes with the batch) and is skipped with a `lax.cond` when none does.
+[B, V], by search as above, small next to the model's step; per row they would need a gather of the asking rows,
+a shape that changes with the batch) and is skipped with a `lax.cond` when none does.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from ling_jax.generation import order_stats
 from ling_jax.generation.grammar_mask import mask_logits, unconstrained
 from ling_jax.generation.logit_controls import LogitControls, apply_logit_controls, check_controls
 from ling_jax.generation.sampling_features import GENERAL, SamplingFeatures, when_used
@@ -237,10 +240,11 @@ def token_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, arrays: SamplingAr
     )
 
 
-def logprobs_at(logits_BV: jax.Array, tokens_B: jax.Array) -> Logprobs:
-    """The log-softmax of each row's raw logits at its token and at its top MAX_LOGPROBS tokens."""
+def logprobs_at(logits_BV: jax.Array, tokens_B: jax.Array, top_k=order_stats.top_k) -> Logprobs:
+    """The log-softmax of each row's raw logits at its token and at its top MAX_LOGPROBS tokens. top_k: how they
+    are found (`order_stats.top_k`, no sort: a decode step's few rows; `jax.lax.top_k` for a prompt's many)."""
     logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
-    top_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, min(MAX_LOGPROBS, logprobs_BV.shape[-1]))
+    top_BK, top_ids_BK = top_k(logprobs_BV, min(MAX_LOGPROBS, logprobs_BV.shape[-1]))
     chosen_B = jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
     return Logprobs(chosen_B, top_ids_BK.astype(jnp.int32), top_BK)
 
@@ -263,13 +267,6 @@ def _temperature_and_filters(penalised_BV: jax.Array, arrays: SamplingArrays) ->
 def _top_k_top_p_cutoff(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
     """[B, 1]: the smallest logit top-k then top-p keep; rows with both off keep everything."""
     vocab = scaled_BV.shape[-1]
-    sorted_BV = -jnp.sort(-scaled_BV, axis=-1)  # descending
     k_B = jnp.where((top_k_B > 0) & (top_k_B < vocab), top_k_B, vocab)
-    kth_largest_B1 = jnp.take_along_axis(sorted_BV, k_B[:, None] - 1, axis=-1)
-    in_top_k_BV = sorted_BV >= kth_largest_B1
-    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    # top_p = 1 must keep the whole tail even where rounding lets the cumulative sum reach 1 early
-    in_top_p_BV = (mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1)
-    kept_B = jnp.sum(in_top_k_BV & in_top_p_BV, axis=-1)  # both are prefixes of the sorted row
-    return jnp.take_along_axis(sorted_BV, kept_B[:, None] - 1, axis=-1)
+    kth_largest_B = order_stats.kth_largest(scaled_BV, k_B)
+    return order_stats.top_p_cutoff(scaled_BV, kth_largest_B, top_p_B)[:, None]

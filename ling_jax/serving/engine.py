@@ -325,7 +325,7 @@ def _prefill(
 def _prompt_chunk_logprobs(static, leaves, cache: LingCache, ids_1C, mask_1C, next_ids_1C):
     """One chunk of a prompt through a one-row cache: -> (the logprobs of each position's next token [C], cache)."""
     out = static.merge(leaves)(ids_1C, cache=cache, attention_mask=mask_1C)
-    return logprobs_at(out.logits[0], next_ids_1C[0]), out.cache
+    return logprobs_at(out.logits[0], next_ids_1C[0], top_k=jax.lax.top_k), out.cache
 
 
 @jax.jit

@@ -162,6 +162,7 @@ class Scheduler:
         self.steps = 0  # loop iterations that ran a program
         self._in_flight: tuple[NewTokens, list[Request]] | None = None  # the last decode step and its requests
         self._scoring: list[Request] = []  # admitted requests whose prompt logprobs are due
+        self._firsts: list[tuple[Request, NewTokens]] = []  # first tokens drawn on the device, not read yet
         self._lock = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -242,7 +243,8 @@ class Scheduler:
             if prefilling[0].media is not None:  # a prompt with images prefills alone
                 group = prefilling[:1]
             self._prefill_step(group[: self.engine.prefill_rows(length)])
-        decoding = [r for r in self.slots if r is not None and not r._chunks and r.tokens]
+        drawn = {id(r) for r, _ in self._firsts}  # their first token is on the device: they decode this step
+        decoding = [r for r in self.slots if r is not None and not r._chunks and (r.tokens or id(r) in drawn)]
         previous, self._in_flight = self._in_flight, None
         if previous is not None and any(r.grammar is not None for r in decoding):
             self._take_step(*previous)  # a grammar's next bitmask needs its last token: this step waits for it
@@ -253,6 +255,7 @@ class Scheduler:
             bitmasks = {r.slot: r.grammar.bitmask() for r in decoding if r.grammar is not None}
             steps = 1 if bitmasks or self._pending() else self.engine.decode_steps
             self._in_flight = (self.engine.decode(active_B, bitmasks=bitmasks, steps=steps), decoding)
+        self._take_firsts()
         if previous is not None:
             self._take_step(*previous)
         self.steps += 1
@@ -348,13 +351,28 @@ class Scheduler:
                         self._first_token(member, hidden_PD[row : row + 1])
 
     def _first_token(self, request: Request, hidden_1D: jax.Array) -> None:
-        """Draw the request's first token from its prompt's last hidden state (within its grammar) and take it."""
+        """Draw the request's first token from its prompt's last hidden state (within its grammar). It is read once
+        this step's decode program is dispatched (`_take_firsts`), which already decodes the request: the device
+        runs the prefill, the first token and the decode back to back while the host waits for the token. A request
+        with a grammar takes it now (its next bitmask needs it)."""
         bitmask_W = None if request.grammar is None else request.grammar.bitmask()
         end_ids = self._end_ids(request)
-        first = jax.device_get(self.engine.first_token(request.slot, hidden_1D, request.sampling, bitmask_W, end_ids))
-        request.first_token_at = time.perf_counter()
-        self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
-        self._take_row(request, first, 0)
+        self._firsts.append(
+            (request, self.engine.first_token(request.slot, hidden_1D, request.sampling, bitmask_W, end_ids))
+        )
+        if request.grammar is not None:
+            self._take_firsts()
+
+    def _take_firsts(self) -> None:
+        """Read and take the first tokens drawn since the last call (`_first_token`). One that ends its request
+        (an end token, a stop string, max_tokens 1) frees the slot; a decode program dispatched with the slot
+        stops it on the device at its end token or capacity, and its tokens for the slot are ignored."""
+        firsts, self._firsts = self._firsts, []
+        for request, first in firsts:
+            first = jax.device_get(first)
+            request.first_token_at = time.perf_counter()
+            self.metrics.ttft.observe(request.first_token_at - request.submitted_at)
+            self._take_row(request, first, 0)
 
     def _take_step(self, new: NewTokens, decoding: list[Request]) -> None:
         """A decode step's tokens (`Engine.decode`), read once the next step is dispatched: each request still in
