@@ -1,25 +1,26 @@
-"""Which parts of generate.py's decode programs XLA runs as command buffers (CUDA graphs), and what keeps the rest out.
+"""Which `while` loops and `lax.cond`s of generate.py's decode programs hold custom calls that an XLA command buffer
+(CUDA graph) cannot record, the reason a loop runs from the host.
 
-A multi-step decode program is a `while` loop; with `ling_jax.xla_flags` XLA can record the whole loop, its
-`lax.cond`s included, as one command buffer, but only when every instruction of the loop's body (and of the
-conds' branches) can be a command. One that cannot leaves the `while` to the host: each iteration's predicate is
-copied to the host and the body's command buffers relaunched, hundreds of microseconds between steps on an H100
-(docs/benchmarks/generation.md). This reads a compiled GPU program's HLO text (`compiled.as_text()`, after XLA's
-command-buffer scheduling outlined its runs of commands into `command_buffer` computations) and reports each
-`while` and `conditional`: inside a command buffer or not, and for one that is not, the instructions of its called
-computations that run outside any command buffer (the reason, or the ones it contains).
+A multi-step decode program is a `while` loop; with `ling_jax.xla_flags` XLA records the whole loop, its
+`lax.cond`s included, as one command buffer, but only when every thunk of the loop's body (and of the conds'
+branches) can be a command. One that cannot leaves the `while` to the host: each iteration's predicate is copied
+to the host and the body relaunched, 450-620 us between steps of Ling-3.0-flash's first 24 layers on an H100
+(docs/benchmarks/generation.md). XLA forms command buffers from the compiled thunks, after the HLO, so the HLO text
+(`compiled.as_text()`) does not show them; it does show the custom calls, and the ones outside COMMAND_CUSTOM_CALLS
+(the Pallas kernels' Triton calls, cuBLAS and cuDNN) are what keeps a loop out: on 2026-12-05 the one-row sorts of
+the sampling filters and the logprobs' top-k (`xla.gpu.ext.cub_sort_pairs`, XLA's CUB sort for a single row;
+a sort of two rows or more stays an XLA kernel). This reports each `while` and `conditional` with those calls.
 
     python -m benchmarks.command_buffers --preset ling-3.0-flash --layers 2 --batch 1 --mtp 1
 
 compiles the decode group (DECODE_READ_GROUP steps) for several sampling mixes, generally traced (every optional
 step behind its cond) and specialised (`SamplingArrays.from_params(specialise=True)`), and the speculative group,
-and prints a report for each. On a CPU nothing is a command buffer; the report then lists every loop.
+and prints a report for each (on any backend; the custom calls are the backend's).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import functools
 import pathlib
@@ -35,23 +36,22 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.trace import hlo_computations  # noqa: E402
 
-COMMAND_BUFFER = "command_buffer"  # the name prefix XLA gives an outlined command buffer's computation
+# custom-call targets a command buffer records (XLA's Triton calls carry the Pallas GPU kernels)
+COMMAND_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "__cublas$gemm", "__cublas$lt$matmul", "__cudnn$")
 _CALLED = re.compile(r"(?:to_apply|body|condition|calls|branch_computations|true_computation|false_computation)=")
 _COMPUTATION_REF = re.compile(r"%(?P<name>[\w.\-]+)")
 _OPCODE = re.compile(r"(?:^|\s)(?P<opcode>[a-z][\w\-]*)\(")
 _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
-_BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "opt-barrier"}
 
 
 @dataclasses.dataclass(frozen=True)
 class ControlFlow:
-    """One `while` or `conditional` of a compiled program: captured (inside a command buffer) or, if not, the
-    instructions of its called computations that run outside command buffers (`outside`: 'name: opcode[ target]')."""
+    """One `while` or `conditional` of a compiled program and the custom calls under it (its called computations,
+    nested ones included) that no command buffer records: 'instruction: target'."""
 
     name: str
     opcode: str
-    captured: bool
-    outside: tuple[str, ...]
+    blocking: tuple[str, ...]
 
 
 def _called(rest: str) -> list[str]:
@@ -64,67 +64,37 @@ def _called(rest: str) -> list[str]:
     return names
 
 
-def _describe(name: str, rest: str) -> str:
-    opcode = _OPCODE.search(rest)
-    target = _CUSTOM_CALL_TARGET.search(rest)
-    return f"{name}: {opcode['opcode'] if opcode else '?'}" + (f" {target['target']}" if target else "")
-
-
 def control_flow(hlo_text: str) -> list[ControlFlow]:
     """Every `while` and `conditional` of a compiled program's HLO text, in text order (module docstring)."""
     computations = hlo_computations(hlo_text)
-    parents: dict[str, set[str]] = collections.defaultdict(set)  # computation -> the computations that call it
-    for computation, instructions in computations.items():
-        for _, rest in instructions:
-            for called in _called(rest):
-                parents[called].add(computation)
 
     @functools.cache
-    def in_command_buffer(computation: str) -> bool:
-        if computation.startswith(COMMAND_BUFFER):
-            return True
-        callers = parents.get(computation, set())
-        return bool(callers) and all(in_command_buffer(caller) for caller in callers)
-
-    def outside(computation: str, seen: set[str]) -> list[str]:
-        if computation in seen or computation not in computations or in_command_buffer(computation):
-            return []
-        seen.add(computation)
+    def blocking(computation: str) -> tuple[str, ...]:
         found = []
-        for name, rest in computations[computation]:
-            opcode = _OPCODE.search(rest)
-            opcode = opcode["opcode"] if opcode else ""
-            called = _called(rest)
-            if opcode in _BOOKKEEPING or (opcode == "call" and all(c.startswith(COMMAND_BUFFER) for c in called)):
-                continue
-            if opcode in ("while", "conditional"):
-                for inner in called:
-                    found += outside(inner, seen)
-            else:
-                found.append(_describe(name, rest))
-        return found
+        for name, rest in computations.get(computation, ()):
+            target = _CUSTOM_CALL_TARGET.search(rest)
+            if target and not target["target"].startswith(COMMAND_CUSTOM_CALLS):
+                found.append(f"{name}: {target['target']}")
+            for called in _called(rest):
+                found += blocking(called)
+        return tuple(dict.fromkeys(found))
 
     flows = []
-    for computation, instructions in computations.items():
+    for instructions in computations.values():
         for name, rest in instructions:
             opcode = _OPCODE.search(rest)
-            if opcode is None or opcode["opcode"] not in ("while", "conditional"):
-                continue
-            captured = in_command_buffer(computation)
-            missing = () if captured else tuple(dict.fromkeys(m for c in _called(rest) for m in outside(c, set())))
-            flows.append(ControlFlow(name, opcode["opcode"], captured, missing))
+            if opcode is not None and opcode["opcode"] in ("while", "conditional"):
+                inner = tuple(dict.fromkeys(b for c in _called(rest) for b in blocking(c)))
+                flows.append(ControlFlow(name, opcode["opcode"], inner))
     return flows
 
 
-def report(hlo_text: str, limit: int = 12) -> str:
-    """One line per `while` / `conditional` (`control_flow`), with up to `limit` of the instructions outside."""
+def report(hlo_text: str) -> str:
+    """One line per `while` / `conditional` (`control_flow`): 'recordable' or the custom calls that are not."""
     lines = []
     for flow in control_flow(hlo_text):
-        state = "in a command buffer" if flow.captured else "on the host"
-        lines.append(f"  {flow.opcode} {flow.name}: {state}")
-        lines += [f"      outside: {item}" for item in flow.outside[:limit]]
-        if len(flow.outside) > limit:
-            lines.append(f"      ... {len(flow.outside) - limit} more")
+        verdict = "recordable" if not flow.blocking else "holds " + ", ".join(flow.blocking)
+        lines.append(f"  {flow.opcode} {flow.name}: {verdict}")
     return "\n".join(lines) or "  no while or conditional"
 
 

@@ -1,5 +1,5 @@
-"""benchmarks.command_buffers reads which `while` / `conditional` a compiled GPU program runs inside a command
-buffer, and names what keeps the others on the host (a synthetic program's HLO text in XLA's printed form)."""
+"""benchmarks.command_buffers names the custom calls under each `while` / `conditional` of a compiled program that
+an XLA command buffer cannot record (a synthetic program's HLO text in XLA's printed form)."""
 
 from benchmarks.command_buffers import control_flow, report
 
@@ -10,27 +10,22 @@ HLO = """HloModule jit__decode_group, entry_computation_layout={()->f32[]}
   ROOT %add.0 = f32[4]{0} add(%p0, %p0)
 }
 
-%command_buffer (p: f32[4]) -> f32[4] {
-  %p = f32[4]{0} parameter(0)
-  ROOT %loop_add_fusion = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_add
-}
-
 %sort (b: f32[4]) -> f32[4] {
   %b = f32[4]{0} parameter(0)
-  ROOT %custom-call.3 = f32[4]{0} custom-call(%b), custom_call_target="__cub$DeviceRadixSort"
+  ROOT %custom-call.3 = f32[4]{0} custom-call(%b), custom_call_target="xla.gpu.ext.cub_sort_pairs"
 }
 
 %skip (s: f32[4]) -> f32[4] {
   %s = f32[4]{0} parameter(0)
-  ROOT %call.9 = f32[4]{0} call(%s), to_apply=%command_buffer
+  ROOT %pallas_call.9 = f32[4]{0} custom-call(%s), custom_call_target="__gpu$xla.gpu.triton"
 }
 
 %body (state: (s32[], f32[4])) -> (s32[], f32[4]) {
   %state = (s32[], f32[4]{0}) parameter(0)
   %x = f32[4]{0} get-tuple-element(%state), index=1
-  %call.1 = f32[4]{0} call(%x), to_apply=%command_buffer
+  %loop_add_fusion = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_add
   %pred.1 = pred[] constant(true)
-  %conditional.2 = f32[4]{0} conditional(%pred.1, %call.1, %call.1), true_computation=%sort, false_computation=%skip
+  %conditional.2 = f32[4]{0} conditional(%pred.1, %x, %x), true_computation=%sort, false_computation=%skip
   %i = s32[] get-tuple-element(%state), index=0
   ROOT %tuple.1 = (s32[], f32[4]{0}) tuple(%i, %conditional.2)
 }
@@ -40,25 +35,20 @@ HLO = """HloModule jit__decode_group, entry_computation_layout={()->f32[]}
   ROOT %t = pred[] constant(true)
 }
 
-%command_buffer.1 (q: (s32[], f32[4])) -> (s32[], f32[4]) {
-  %q = (s32[], f32[4]{0}) parameter(0)
-  ROOT %while.7 = (s32[], f32[4]{0}) while(%q), condition=%cond, body=%body
-}
-
 ENTRY %main (a: (s32[], f32[4])) -> (s32[], f32[4]) {
   %a = (s32[], f32[4]{0}) parameter(0)
   %while.5 = (s32[], f32[4]{0}) while(%a), condition=%cond, body=%body
-  ROOT %call.2 = (s32[], f32[4]{0}) call(%while.5), to_apply=%command_buffer.1
+  %conditional.7 = f32[4]{0} conditional(%pred.1, %x, %x), branch_computations={%skip, %skip}
+  ROOT %tuple.8 = (s32[], f32[4]{0}) tuple(%while.5)
 }
 """
 
 
-def test_names_what_keeps_a_loop_on_the_host():
+def test_names_the_custom_calls_that_keep_a_loop_on_the_host():
     flows = {flow.name: flow for flow in control_flow(HLO)}
-    # %body is called from the entry's while.5 as well as from a command buffer's while.7: it runs on the host
-    assert not flows["while.5"].captured and not flows["conditional.2"].captured
-    assert flows["while.5"].outside == ("custom-call.3: custom-call __cub$DeviceRadixSort",)
-    assert flows["conditional.2"].outside == ("custom-call.3: custom-call __cub$DeviceRadixSort",)
-    assert flows["while.7"].captured and flows["while.7"].outside == ()
+    assert flows["while.5"].blocking == ("custom-call.3: xla.gpu.ext.cub_sort_pairs",)  # through its conditional
+    assert flows["conditional.2"].blocking == ("custom-call.3: xla.gpu.ext.cub_sort_pairs",)
+    assert flows["conditional.7"].blocking == ()  # Triton calls only
     text = report(HLO)
-    assert "while while.7: in a command buffer" in text and "outside: custom-call.3" in text
+    assert "conditional conditional.7: recordable" in text
+    assert "while while.5: holds custom-call.3: xla.gpu.ext.cub_sort_pairs" in text
