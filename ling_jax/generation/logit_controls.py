@@ -59,11 +59,11 @@ def check_controls(params: SamplingParams) -> None:
         raise ValueError(f"--stop-token-ids takes at most {MAX_END_IDS} token ids >= 0, got {list(params.end_ids)}")
 
 
-def _padded(rows: Sequence[Sequence], width: int, fill, dtype) -> jax.Array:
+def _padded(rows: Sequence[Sequence], width: int, fill, dtype) -> np.ndarray:
     table = np.full((len(rows), width), fill, dtype)
     for row, values in enumerate(rows):
         table[row, : len(values)] = values
-    return jnp.asarray(table)
+    return table
 
 
 @struct.dataclass
@@ -78,15 +78,17 @@ class LogitControls:
     end_ids_BE: jax.Array  # [B, MAX_END_IDS] int32: the tokens held back before min_tokens, padded with _NO_ID
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams]) -> LogitControls:
-        return cls(
-            presence_B=jnp.asarray(np.array([p.presence_penalty for p in params], np.float32)),
-            frequency_B=jnp.asarray(np.array([p.frequency_penalty for p in params], np.float32)),
+    def from_params(cls, params: Sequence[SamplingParams], host: bool = False) -> LogitControls:
+        """The batch's controls, on the device in one transfer (host: as numpy arrays)."""
+        controls = cls(
+            presence_B=np.array([p.presence_penalty for p in params], np.float32),
+            frequency_B=np.array([p.frequency_penalty for p in params], np.float32),
             bias_ids_BK=_padded([[t for t, _ in p.logit_bias] for p in params], MAX_LOGIT_BIAS, _NO_ID, np.int32),
             bias_BK=_padded([[b for _, b in p.logit_bias] for p in params], MAX_LOGIT_BIAS, 0.0, np.float32),
-            min_tokens_B=jnp.asarray(np.array([p.min_tokens for p in params], np.int32)),
+            min_tokens_B=np.array([p.min_tokens for p in params], np.int32),
             end_ids_BE=_padded([p.end_ids if p.min_tokens else () for p in params], MAX_END_IDS, _NO_ID, np.int32),
         )
+        return controls if host else jax.device_put(controls)
 
 
 def count_tokens(counts_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:

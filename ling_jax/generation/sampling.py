@@ -118,29 +118,35 @@ class SamplingArrays:
 
     @classmethod
     def from_params(
-        cls, params: Sequence[SamplingParams], vocab_size: int | None = None, specialise: bool = False
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int | None = None,
+        specialise: bool = False,
+        host: bool = False,
     ) -> SamplingArrays:
         """vocab_size: give the batch token bitmasks (every token allowed), for grammars (ling-serve). specialise:
         a program traced with these arrays leaves out the steps no row of `params` uses (`SamplingFeatures.of`; a
-        program per mix of steps); otherwise it keeps each behind its `lax.cond` (one program for any parameters)."""
+        program per mix of steps); otherwise it keeps each behind its `lax.cond` (one program for any parameters).
+        The arrays go to the device in one transfer; host: left as numpy arrays (the caller places them)."""
         if not params:
             raise ValueError("SamplingArrays needs the parameters of at least one request")
 
-        def column(name: str, dtype) -> jax.Array:
-            return jnp.asarray(np.array([getattr(p, name) for p in params], dtype))
+        def column(name: str, dtype) -> np.ndarray:
+            return np.array([getattr(p, name) for p in params], dtype)
 
-        return cls(
+        arrays = cls(
             temperature=column("temperature", np.float32),
             top_k=column("top_k", np.int32),
             top_p=column("top_p", np.float32),
             min_p=column("min_p", np.float32),
             repetition_penalty=column("repetition_penalty", np.float32),
             seed=column("seed", np.uint32),
-            logprobs=jnp.asarray(np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int32)),
-            controls=LogitControls.from_params(params),
-            token_bitmask_BW=None if vocab_size is None else jnp.asarray(unconstrained(len(params), vocab_size)),
+            logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int32),
+            controls=LogitControls.from_params(params, host=True),
+            token_bitmask_BW=None if vocab_size is None else unconstrained(len(params), vocab_size),
             features=SamplingFeatures.of(params, grammar=vocab_size is not None) if specialise else GENERAL,
         )
+        return arrays if host else jax.device_put(arrays)
 
 
 @struct.dataclass

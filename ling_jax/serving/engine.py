@@ -593,7 +593,7 @@ class Engine:
         values (the followers repeat process 0's calls): each builds its devices' copies from its own (no
         device_put, which would check them equal on every process, a collective)."""
         if self.mesh is None:
-            return jax.tree.map(jnp.asarray, inputs)
+            return jax.device_put(inputs)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.P())
         if jax.process_count() == 1:
             return jax.device_put(inputs, replicated)
@@ -813,12 +813,11 @@ class Engine:
         if not np.array_equal(end_bits_W, self.end_bits_BW[slot]):
             self.end_bits_BW[slot] = end_bits_W
             self._end_bits = None
-        arrays = SamplingArrays.from_params([params], self.config.vocab_size)
+        arrays = SamplingArrays.from_params([params], self.config.vocab_size, host=True)
         if bitmask_W is not None:
-            arrays = arrays.replace(token_bitmask_BW=jnp.asarray(bitmask_W[None]))
-        first, self.state = _first_token(
-            self.static, self.leaves, self.state, jnp.int32(slot), hidden_1D, arrays, mesh=self.mesh
-        )
+            arrays = arrays.replace(token_bitmask_BW=bitmask_W[None])
+        slot_, arrays = jax.device_put((np.int32(slot), arrays))  # one transfer
+        first, self.state = _first_token(self.static, self.leaves, self.state, slot_, hidden_1D, arrays, mesh=self.mesh)
         return first
 
     def prompt_logprobs(self, prompt: list[int]) -> Logprobs:
@@ -905,7 +904,7 @@ class Engine:
         """`_step`'s arguments for `decode`: `steps` steps of bucket `rows`; plain: for the program traced for
         plain greedy sampling (`_plain_program_ready`)."""
         if self._arrays is None:
-            self._arrays = self._replicated(SamplingArrays.from_params(self._params, self.config.vocab_size))
+            self._arrays = self._replicated(SamplingArrays.from_params(self._params, self.config.vocab_size, host=True))
         arrays = self._arrays.replace(features=PLAIN_GREEDY) if plain else self._arrays
         if bitmasks:
             bitmask_BW = unconstrained(self.max_batch, self.config.vocab_size)
