@@ -19,10 +19,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DIGIT_BITS = 3  # bits of the key found a pass: 11 passes for 32 bits, 7 candidates each
 _CANDIDATES = 2**DIGIT_BITS - 1
-_SIGN = jnp.uint32(0x80000000)
+_SIGN = np.uint32(0x80000000)  # numpy: importing this module must not start a jax backend
 
 
 def float_keys(x: jax.Array) -> jax.Array:
