@@ -184,7 +184,18 @@ _ROUTED = (
     "tile sweep at one token"
 )
 ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 256, 4, 4), f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us")})
-ROUTED_DOWN = _gpu({(ANY, ANY): Entry(RowTiles(8, 1024, 4, 3), f"{_ROUTED}: the down + combine default stayed")})
+# The down + combine kernel loads every expert's tile of a K step before using any (2026-12-05): its tiles are
+# bounded by the registers the top_k + 1 tiles in flight take (Triton 3.6, sm_90: (8, 256, 4, 3) 168 a thread,
+# (16, 128, 4, 3) 149, the earlier (8, 512, 4, 3) 255), not yet re-timed on a GPU in that form.
+_DOWN_IN_FLIGHT = "the K-step-major down kernel's register bound (scripts/compile_gpu_kernels.py); not yet timed"
+ROUTED_DOWN = _gpu(
+    {
+        (ANY, ANY): Entry(
+            RowTiles(8, 256, 4, 3),
+            f"{_DOWN_IN_FLIGHT}; the per-expert loop before it kept {_ROUTED}'s (8, 1024, 4, 3)",
+        )
+    }
+)
 # The row kernels on quantised experts, by `tokens_bucket`:
 # docs/benchmarks/moe.md#fp8-row-kernel-tiles-at-1-and-8-tokens-w8a8-re-timed-2026-12-03-eighth-session
 # (Ling-3.1-flash width 1280, one call of both kernels with the shared expert, the other kernel at (8, 512, 4, 3),
@@ -201,11 +212,14 @@ ROUTED_SWIGLU_QUANTIZED = _gpu(
 ROUTED_DOWN_QUANTIZED = _gpu(
     {
         ("one_token", ANY): Entry(
-            RowTiles(8, 512, 4, 3), f"{_FLASH_ROWS}: 78.9 us at 1 token; (32, 256, 8, 3) 88.4, (4, 256, 2, 4) 78.8"
+            RowTiles(8, 256, 4, 3),
+            f"{_DOWN_IN_FLIGHT}; the per-expert loop before it: {_FLASH_ROWS}: (8, 512, 4, 3) 78.9 us at 1 token, "
+            "(32, 256, 8, 3) 88.4, (4, 256, 2, 4) 78.8",
         ),
         (ANY, ANY): Entry(
             RowTiles(32, 256, 8, 3),
-            f"{_FLASH_ROWS}: 329.1 us at 8 tokens against 384.8 for (8, 512, 4, 3); 2-7 tokens not measured",
+            f"{_FLASH_ROWS}, the per-expert loop: 329.1 us at 8 tokens against 384.8 for (8, 512, 4, 3); 2-7 tokens "
+            "not measured; the K-step-major kernel takes 198 registers a thread at these tiles, not yet timed",
         ),
     }
 )

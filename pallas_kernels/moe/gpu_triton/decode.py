@@ -4,9 +4,12 @@ At decode sizes each token-expert pair is its own group, so the grouped path's s
 scatter cost more than the arithmetic. Here every row r = (token t, slot k) reads its expert's weights directly:
 
 - `_swiglu_kernel`, program (row, column tile of the expert width I): gate and up tiles of expert e_r times
-  x[t] (products summed over the hidden size in chunks, fp32), SwiGLU with the optional clip, stored to h[r];
-- `_down_combine_kernel`, program (token, column tile of the hidden size D): for each slot k, the down tile of
-  expert e_(t,k) times h[(t,k)], weighted by the routing weight and summed over k (the combine) in fp32.
+  x[t] (products summed over the hidden size in chunks, fp32, both tiles of a chunk loaded before either is
+  used), SwiGLU with the optional clip, stored to h[r];
+- `_down_combine_kernel`, program (token, column tile of the hidden size D): the down tiles of the token's
+  experts e_(t,k) times h[(t,k)], weighted by the routing weights and summed over k (the combine) in fp32, every
+  expert's tile of a K step loaded before any is used (one memory round trip a step, not one an expert: at one
+  token the kernel is a chain of such round trips).
 
 Both are streams of expert weights (tokens x top_k x 3 x D x I elements), read once per row: the right
 choice while rows rarely share an expert, i.e. for a few tokens; the grouped path reads each expert once.
@@ -29,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.moe import tuned
-from pallas_kernels.moe.gpu_triton.weight_tiles import Dense, ExpertTiles, expert_tiles, kernel_operands, weight_format
+from pallas_kernels.moe.gpu_triton.weight_tiles import Dense, expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
 from pallas_kernels.triton_masked import masked_load
 from pallas_kernels.tuning import fill, lookup
@@ -41,22 +44,29 @@ def _valid(expert, num_experts: int):
     return jnp.clip(expert + 1, 0, 1) * jnp.clip(num_experts - expert, 0, 1)
 
 
-def _row_times_tile(weight: ExpertTiles, expert, col0, vector_ref, vector_row, *, block_n, block_k, cols_ok, mask_k):
-    """sum_j weight[expert, col0 + n, j] * vector[vector_row, j] for n < block_n, fp32 [block_n] (a quantised
-    weight's tiles dequantised on chip); no reads when the expert is invalid (the loop runs zero times)."""
-    num_experts, _, k_dim = weight.shape
+def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool):
+    """[sum_j weight[expert, col0 + n, j] * vector[row, j] for n < block_n] (fp32 [block_n]) for each term (weight
+    tiles, expert, rows_ok_N: the rows read (None: all), vector ref, its row), over `steps` K steps (0: no reads).
+    Each step loads every term's tile and vector chunk before using any: one memory round trip a step for all of
+    them (a quantised weight's tiles dequantised on chip)."""
 
-    def body(step, acc_N):
+    def body(step, accs):
         k0 = step * block_k
         k_ok = k0 + jnp.arange(block_k) < k_dim if mask_k else None
-        tile_NK = weight.load(
-            expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok, k_ok_K=k_ok, dtype=jnp.float32
+        tiles = [
+            weight.load(
+                expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=rows_ok, k_ok_K=k_ok, dtype=jnp.float32
+            )
+            for weight, expert, rows_ok, _, _ in terms
+        ]
+        chunks = [masked_load(ref.at[row, pl.ds(k0, block_k)], k_ok) for _, _, _, ref, row in terms]
+        return tuple(
+            acc_N + jnp.sum(tile_NK * chunk_K.astype(jnp.float32)[None, :], axis=1)
+            for acc_N, tile_NK, chunk_K in zip(accs, tiles, chunks)
         )
-        chunk_K = masked_load(vector_ref.at[vector_row, pl.ds(k0, block_k)], k_ok)
-        return acc_N + jnp.sum(tile_NK * chunk_K.astype(jnp.float32)[None, :], axis=1)
 
-    steps = _valid(expert, num_experts) * pl.cdiv(k_dim, block_k)
-    return jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), jnp.float32))
+    zeros = tuple(jnp.zeros((block_n,), jnp.float32) for _ in terms)
+    return jax.lax.fori_loop(0, steps, body, zeros)
 
 
 def _swiglu_kernel(
@@ -81,24 +91,22 @@ def _swiglu_kernel(
     cols_ok = col0 + jnp.arange(block_n) < gate.shape[1] if mask_n else None
     is_shared = jnp.clip(row - routed_rows + 1, 0, 1)  # int 0 / 1 (see _valid)
     token = row // top_k + is_shared * (row - routed_rows - row // top_k)
-    product = functools.partial(
-        _row_times_tile,
-        col0=col0,
-        vector_ref=x_ref,
-        vector_row=token,
-        block_n=block_n,
-        block_k=block_k,
-        cols_ok=cols_ok,
-        mask_k=mask_k,
+    steps = pl.cdiv(gate.shape[2], block_k)
+    products = functools.partial(
+        _tile_products, col0=col0, block_n=block_n, block_k=block_k, k_dim=gate.shape[2], mask_k=mask_k
     )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
-    gate_N, up_N = product(gate, expert), product(up, expert)
+    routed_steps = _valid(expert, gate.shape[0]) * steps  # 0: a shared row reads no routed weights
+    gate_N, up_N = products([(gate, expert, cols_ok, x_ref, token), (up, expert, cols_ok, x_ref, token)], routed_steps)
     hidden = swiglu(gate_N, up_N, limit)
     if shared:
         shared_gate, shared_up = shared
-        shared_index = is_shared - 1  # 0 on a shared row, -1 (no reads) on a routed one
-        gate_N += product(shared_gate, shared_index)
-        up_N += product(shared_up, shared_index)
+        shared_terms = [
+            (shared_gate, jnp.int32(0), cols_ok, x_ref, token),
+            (shared_up, jnp.int32(0), cols_ok, x_ref, token),
+        ]
+        shared_gate_N, shared_up_N = products(shared_terms, is_shared * steps)  # 0 steps on a routed row
+        gate_N, up_N = gate_N + shared_gate_N, up_N + shared_up_N
         hidden = jnp.where(is_shared == 1, swiglu(gate_N, up_N, shared_limit), swiglu(gate_N, up_N, limit))
     plgpu.store(h_ref.at[row, pl.ds(col0, block_n)], hidden.astype(h_ref.dtype), mask=cols_ok)
 
@@ -116,22 +124,38 @@ def _down_combine_kernel(
     mask_n: bool,
     mask_k: bool,
 ):
+    """Program (token, column tile): one loop over the width I whose every step loads the tile of each of the
+    token's experts (its top_k slots, then the shared expert's) before using any: the experts' bytes in flight
+    together, one memory round trip a step rather than one an expert. An invalid slot's rows are masked (no
+    reads) and its routing weight zeroed."""
+    del mask_n  # the rows are masked anyway: by the weight's edge and by the slot's validity
     *weight_refs, y_ref = refs
     down, *shared = expert_tiles(weight_refs, formats)
+    num_experts, n_dim, k_dim = down.shape
     token, col0 = pl.program_id(0), pl.program_id(1) * block_n
-    cols_ok = col0 + jnp.arange(block_n) < down.shape[1] if mask_n else None
-    product = functools.partial(
-        _row_times_tile, col0=col0, vector_ref=h_ref, block_n=block_n, block_k=block_k, cols_ok=cols_ok, mask_k=mask_k
-    )
+    cols_ok = col0 + jnp.arange(block_n) < n_dim
     experts_K, weights_K = expert_ref[...], weight_ref[...].astype(jnp.float32)
     slot_K = jnp.arange(experts_K.shape[0])
-    acc_N = jnp.zeros((block_n,), jnp.float32)
+    terms = []  # (weight tiles, expert read (in range), its rows' mask, h's row, routing weight)
     for slot in range(top_k):
         expert = jnp.sum(jnp.where(slot_K == slot, experts_K, 0))
-        weight = jnp.sum(jnp.where(slot_K == slot, weights_K, 0.0))
-        acc_N += weight * product(down, expert, vector_row=token * top_k + slot)
+        valid = _valid(expert, num_experts)
+        weight = jnp.sum(jnp.where(slot_K == slot, weights_K, 0.0)) * valid.astype(jnp.float32)
+        in_range = jnp.clip(expert, 0, num_experts - 1)
+        terms.append((down, in_range, cols_ok & (valid == 1), token * top_k + slot, weight))
     if shared:
-        acc_N += product(shared[0], jnp.int32(0), vector_row=routed_rows + token)
+        terms.append((shared[0], jnp.int32(0), cols_ok, routed_rows + token, jnp.float32(1.0)))
+
+    products = _tile_products(
+        [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms],
+        pl.cdiv(k_dim, block_k),
+        col0=col0,
+        block_n=block_n,
+        block_k=block_k,
+        k_dim=k_dim,
+        mask_k=mask_k,
+    )
+    acc_N = sum(weight * product_N for (*_, weight), product_N in zip(terms, products))
     plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=cols_ok)
 
 
