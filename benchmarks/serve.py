@@ -10,7 +10,8 @@ requests: output tokens/s and time-to-first-token / time-per-output-token p50 an
     python scripts/trace_summary.py /tmp/sp --by-program  # device time per program (decode, prefill, ...), idle time
 
 Requests: a synthetic chat mix (seeded): prompt lengths log-uniform in [--min-prompt, --max-prompt], output
-lengths log-uniform in [--min-output, --max-output], greedy, EOS ignored (every request runs its full length).
+lengths log-uniform in [--min-output, --max-output], greedy (or sampled: --temperature, --top-p), EOS ignored
+(every request runs its full length).
 Served: the scheduler in-process (no HTTP), `concurrency` closed-loop clients, each submitting its next request
 when its previous one ends; TTFT from submission to the first token, TPOT over the rest of the request.
 Prefix reuse (`--prefix-tokens`): TTFT of requests sharing a long prefix, one at a time, prefix cache off vs on.
@@ -73,8 +74,9 @@ def percentiles(values: list[float]) -> tuple[float, float]:
     return (float(np.percentile(values, 50)), float(np.percentile(values, 99))) if values else (np.nan, np.nan)
 
 
-def run_served(scheduler: Scheduler, requests, concurrency: int) -> dict:
-    """Closed loop: `concurrency` clients, each sending its next request when the last one ends."""
+def run_served(scheduler: Scheduler, requests, concurrency: int, sampling: SamplingParams = GREEDY) -> dict:
+    """Closed loop: `concurrency` clients, each sending its next request (with `sampling`) when the last one
+    ends."""
     pending = list(reversed(requests))
     lock, all_done = threading.Lock(), threading.Event()
     ttft, tpot, tokens, live = [], [], [0], [0]
@@ -102,7 +104,7 @@ def run_served(scheduler: Scheduler, requests, concurrency: int) -> dict:
                     elif live[0] == 0:
                         all_done.set()
 
-        scheduler.submit(Request(prompt=prompt, sampling=GREEDY, max_tokens=max_tokens, emit=emit))
+        scheduler.submit(Request(prompt=prompt, sampling=sampling, max_tokens=max_tokens, emit=emit))
 
     start = time.perf_counter()
     with lock:
@@ -114,13 +116,13 @@ def run_served(scheduler: Scheduler, requests, concurrency: int) -> dict:
     return {"tokens_per_s": tokens[0] / wall, "ttft": percentiles(ttft), "tpot": percentiles(tpot), "wall": wall}
 
 
-def run_static(generator: Generator, requests, batch: int) -> dict:
+def run_static(generator: Generator, requests, batch: int, sampling: SamplingParams = GREEDY) -> dict:
     ttft, tpot, useful = [], [], 0
     start = time.perf_counter()
     for first in range(0, len(requests), batch):
         group = requests[first : first + batch]
         longest = max(o for _, o in group)
-        _, stats = generator.generate([p for p, _ in group], [GREEDY] * len(group), longest)
+        _, stats = generator.generate([p for p, _ in group], [sampling] * len(group), longest)
         useful += sum(o for _, o in group)
         ttft += [stats.ttft_s] * len(group)
         if longest > 1:
@@ -184,6 +186,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="served: decode with the programs for any sampling parameters only (Engine(plain_greedy_programs="
         "False)), not the plain-greedy ones a GPU's warm-up adds",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature (default 0: greedy; above 0 the requests sample, seeded, and the "
+        "server runs its decode programs for any sampling parameters)",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (default 1: off)")
     parser.add_argument("--skip-static", action="store_true", help="the served runs only")
     parser.add_argument(
         "--profile",
@@ -203,6 +213,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         name = flag.removeprefix("--").replace("-", "_")
         if getattr(args, name) is None:
             setattr(args, name, defaults[args.quick])
+    try:  # before any slow work
+        SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    except ValueError as error:
+        parser.error(str(error))
     if not all(level.strip().isdigit() and int(level) > 0 for level in args.concurrency.split(",")):
         parser.error(f"--concurrency: expected positive integers, comma-separated, got {args.concurrency!r}")
     for low, high in (("--min-prompt", "--max-prompt"), ("--min-output", "--max-output")):
@@ -254,19 +268,20 @@ def main(argv=None) -> int:
     scheduler = Scheduler(engine, tokenizer, eos_ids=(), max_queue=1 << 20)
     scheduler.start()
     generator = Generator(model, prefill_chunk=args.prefill_chunk)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=1) if args.temperature else GREEDY
     rows = []
     for level in levels:
         requests = workload(args.requests or max(8, 2 * level), args, seed=level)
-        run_served(scheduler, requests[: min(len(requests), level)], level)  # warm-up: nothing left to compile
+        run_served(scheduler, requests[: min(len(requests), level)], level, sampling)  # warm-up: no compiles left
         if args.profile and level == levels[-1]:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
-                served = run_served(scheduler, requests, level)
+                served = run_served(scheduler, requests, level, sampling)
         else:
-            served = run_served(scheduler, requests, level)
+            served = run_served(scheduler, requests, level, sampling)
         static = None
         if not args.skip_static:
-            run_static(generator, requests, level)  # warm-up: compiles every batch's shapes
-            static = run_static(generator, requests, level)
+            run_static(generator, requests, level, sampling)  # warm-up: compiles every batch's shapes
+            static = run_static(generator, requests, level, sampling)
         rows.append((level, len(requests), served, static))
         print(f"concurrency {level}: served {result_line(served)}; static {result_line(static)}", flush=True)
     scheduler.stop()
