@@ -58,12 +58,15 @@ MEMCPY = "memcpy"  # the launch name of a top-level copy: its kernel is the driv
 
 
 def find_trace(path: pathlib.Path) -> pathlib.Path:
-    """`path` itself (a file), or the newest TRACE_FILE below it; SystemExit naming the path otherwise."""
+    """`path` itself (a file), or the newest TRACE_FILE of the profile written into it (under its `plugins/`
+    folder; a profile directory may hold other programs' profiles in folders of their own, `benchmarks.generate
+    --profile DIR --mtp K`'s DIR/decode_group), else the newest below it; SystemExit naming the path otherwise."""
     if not path.exists():
         raise SystemExit(f"error: {path} does not exist")
     if path.is_file():
         return path
-    traces = sorted(path.rglob(TRACE_FILE), key=lambda p: p.stat().st_mtime)
+    own = path / "plugins"
+    traces = sorted((own if own.is_dir() else path).rglob(TRACE_FILE), key=lambda p: p.stat().st_mtime)
     if not traces:
         raise SystemExit(f"error: {path}: no {TRACE_FILE} below it (benchmarks/generate.py --profile DIR)")
     return traces[-1]

@@ -51,6 +51,15 @@ def test_per_step_device_time_and_small_kernel_tail(tmp_path):
     assert "| 6.0 | 2.0 | 3.0 | loop_add_fusion |" in merged.stdout
 
 
+def test_a_directory_reads_its_own_profile_not_a_newer_one_in_a_subfolder(tmp_path):
+    _write_trace(tmp_path)
+    _write_trace(tmp_path / "decode_group")  # written later: the newest trace below tmp_path
+    with gzip.open(next((tmp_path / "decode_group").rglob("perfetto_trace.json.gz")), "wt") as f:
+        json.dump({"traceEvents": []}, f)
+    assert trace.find_trace(tmp_path).parent.parent.parent == tmp_path / "plugins"
+    assert "decode_group" in str(trace.find_trace(tmp_path / "decode_group"))
+
+
 def test_device_time_per_program_and_idle():
     kernels = [
         {"ts": 0.0, "dur": 600.0, "args": {"hlo_module": "jit__decode_group"}},
