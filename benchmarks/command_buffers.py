@@ -34,13 +34,26 @@ if __name__ == "__main__":
 
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.trace import hlo_computations  # noqa: E402
+from benchmarks.common import filled_cache, first_layers, run_header  # noqa: E402
+from benchmarks.trace import hlo_computations, opcode  # noqa: E402
+from ling_jax.generation.end_tokens import end_bitmask  # noqa: E402
+from ling_jax.generation.generator import (  # noqa: E402
+    DECODE_READ_GROUP,
+    DecodeState,
+    Drafts,
+    _decode_group,
+    _speculative_group,
+    cache_length,
+)
+from ling_jax.generation.random_init import random_model  # noqa: E402
+from ling_jax.generation.sampling import SamplingArrays, SamplingParams  # noqa: E402
+from ling_jax.generation.static_model import split_model  # noqa: E402
+from ling_jax.presets import PRESETS, preset  # noqa: E402
 
 # custom-call targets a command buffer records (XLA's Triton calls carry the Pallas GPU kernels)
 COMMAND_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "__cublas$gemm", "__cublas$lt$matmul", "__cudnn$")
 _CALLED = re.compile(r"(?:to_apply|body|condition|calls|branch_computations|true_computation|false_computation)=")
 _COMPUTATION_REF = re.compile(r"%(?P<name>[\w.\-]+)")
-_OPCODE = re.compile(r"(?:^|\s)(?P<opcode>[a-z][\w\-]*)\(")
 _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="(?P<target>[^"]+)"')
 
 
@@ -82,10 +95,10 @@ def control_flow(hlo_text: str) -> list[ControlFlow]:
     flows = []
     for instructions in computations.values():
         for name, rest in instructions:
-            opcode = _OPCODE.search(rest)
-            if opcode is not None and opcode["opcode"] in ("while", "conditional"):
+            kind = opcode(rest)
+            if kind in ("while", "conditional"):
                 inner = tuple(dict.fromkeys(b for c in _called(rest) for b in blocking(c)))
-                flows.append(ControlFlow(name, opcode["opcode"], inner))
+                flows.append(ControlFlow(name, kind, inner))
     return flows
 
 
@@ -100,18 +113,6 @@ def report(hlo_text: str) -> str:
 
 def _programs(model, batch: int, num_drafts: int):
     """(label, lowered program) of the decode and speculative groups for several sampling mixes."""
-    from benchmarks.common import filled_cache
-    from ling_jax.generation.end_tokens import end_bitmask
-    from ling_jax.generation.generator import (
-        DECODE_READ_GROUP,
-        DecodeState,
-        Drafts,
-        _decode_group,
-        _speculative_group,
-        cache_length,
-    )
-    from ling_jax.generation.sampling import SamplingArrays, SamplingParams
-    from ling_jax.generation.static_model import split_model
 
     config = model.config
     static, leaves = split_model(model)
@@ -144,10 +145,6 @@ def _programs(model, batch: int, num_drafts: int):
 
 
 def main(argv=None) -> int:
-    from benchmarks.common import first_layers, run_header
-    from ling_jax.generation.random_init import random_model
-    from ling_jax.presets import PRESETS, preset
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, default=2, help="the preset's first N decoder layers (default 2)")

@@ -175,6 +175,12 @@ def hlo_computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
     return computations
 
 
+def opcode(rest: str) -> str | None:
+    """The opcode of an instruction from the rest of its line after '=' (`hlo_computations`), None if none."""
+    match = _OPCODE.search(rest)
+    return None if match is None else match["opcode"]
+
+
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
     """{instruction name: its op_name} for every instruction of a compiled program's HLO text (`compiled.
     as_text()`) that has one or inherits one (module docstring); also each computation's, under its name (its
