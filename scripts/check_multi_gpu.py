@@ -10,16 +10,16 @@ a sharded forward and prefill + decode of as many layers as fit, and a logit che
     python scripts/check_multi_gpu.py --dtype float32 --reference-layers 2 --layers 2   # the tight check
 
 The model is `benchmarks.common.flash_slice_config` (hidden 4096, 64 heads, 512 experts, every layer MoE, an MLA
-layer every 8th), its weights created straight into their shardings (`benchmarks.common.init_on_mesh`), so the
-same seed gives the same weights on one device and on the mesh. Steps:
+layer every 8th), its weights created straight into their shardings (`benchmarks.common.init_on_mesh`). Steps:
 1. Layer counts from the parameter bytes per device (`ling_jax.sharding` rules over the mesh) and the device
    memory (bytes_limit, or --device-memory-gib) less --headroom-gib; the arithmetic is printed.
 2. Reference: --reference-layers (default: the most that fit on one device) on device 0: a forward over a
    batch of left-padded prompts followed by teacher-forced tokens, and a prefill of the prompts plus decode
    steps over those tokens (the cache path).
-3. The same reduced model on the mesh: both logit sets compared with the reference (rel. error, pass at <=
-   2e-2 in bf16, 1e-4 in fp32). Then a self-test of that comparison: the routed experts the last device holds
-   scaled by 2 in place and the same compiled programs run again; their logits must fail it.
+3. The same reduced model moved to the mesh (its weights, one parameter at a time): both logit sets compared
+   with the reference (rel. error, pass at <= 2e-2 in bf16, 1e-4 in fp32). Then a self-test of that
+   comparison: the routed experts the last device holds scaled by 2 in place and the same compiled programs run
+   again; their logits must fail it.
 4. Only if step 3 passed: --layers (default: the most that fit on the mesh) on the mesh: forward, prefill and
    decode; their logits must be finite, and the cached logits are compared with the forward's (reported, not
    judged). Where --layers equals the reference layers, step 3's mesh logits are that run's.
@@ -54,7 +54,7 @@ from ling_jax.generation.memory import format_bytes  # noqa: E402
 from ling_jax.generation.sharded import ShardedLM  # noqa: E402
 from ling_jax.moe.block import MoE  # noqa: E402
 from ling_jax.presets import preset
-from ling_jax.sharding import ShardingError, make_mesh, param_specs, parse_mesh  # noqa: E402
+from ling_jax.sharding import ShardingError, make_mesh, param_shardings, param_specs, parse_mesh  # noqa: E402
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # logits rel. error, mesh vs one device
 MAX_LAYERS = preset("ling-3.1-flash").num_hidden_layers
@@ -189,6 +189,17 @@ def run_logits(sharded: ShardedLM, inputs: Inputs) -> Logits:
     steps = inputs.ids_BL.shape[1] - inputs.prompt_length
     print(f"    prefill + {steps} decode steps {time.perf_counter() - start:.1f} s", flush=True)
     return Logits(forward=forward, cached=cached)
+
+
+def move_to_mesh(model: LingForCausalLM, mesh) -> None:
+    """Each parameter of `model` to its sharding on `mesh` (`ling_jax.sharding` rules), in place, one at a time
+    (the old copy is freed when its variable lets go of it): a model on one device moves holding no more than one
+    parameter twice."""
+    state = nnx.state(model)
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    shardings = jax.tree.leaves(param_shardings(state, mesh), is_leaf=is_variable)
+    for variable, sharding in zip(jax.tree.leaves(state, is_leaf=is_variable), shardings):
+        variable.set_value(jax.device_put(variable.get_value(), sharding.get_value()))
 
 
 def run_model(config: LingConfig, mesh, inputs: Inputs, *, dtype, policy: ExecutionPolicy) -> Logits:
@@ -357,9 +368,11 @@ def check(args) -> int:
         )
         reduced = flash_slice_config(reference_layers, args.quick)
         print(f"\n{reference_layers} layers on one device (reference):", flush=True)
-        reference = run_model(reduced, one_device, inputs, dtype=dtype, policy=policy)
-        print(f"{reference_layers} layers on the mesh:", flush=True)
-        model, sharded = build_model(reduced, mesh, dtype=dtype, policy=policy)
+        model, sharded = build_model(reduced, one_device, dtype=dtype, policy=policy)
+        reference = run_logits(sharded, inputs)
+        print(f"{reference_layers} layers on the mesh (the same weights, moved):", flush=True)
+        move_to_mesh(model, mesh)
+        sharded = ShardedLM(model, mesh)
         on_mesh = run_logits(sharded, inputs)
         matches = compare_with_reference(reference, on_mesh, inputs, tolerance)
         can_fail = self_test(model, sharded, reference, inputs, tolerance)
