@@ -8,14 +8,11 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import pytest
 from helpers import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 import check_multi_gpu  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("full_xla_optimisation")
 
 # Fewer layers and tokens than --quick's defaults where nothing checks them: the run's cost is mostly compiling
 # each model's programs, once on one device and once on the mesh; --layers equal to the reference's 2 (one KDA,
