@@ -191,15 +191,16 @@ def run_logits(sharded: ShardedLM, inputs: Inputs) -> Logits:
     return Logits(forward=forward, cached=cached)
 
 
-def move_to_mesh(model: LingForCausalLM, mesh) -> None:
+def move_to_mesh(model: LingForCausalLM, mesh) -> ShardedLM:
     """Each parameter of `model` to its sharding on `mesh` (`ling_jax.sharding` rules), in place, one at a time
     (the old copy is freed when its variable lets go of it): a model on one device moves holding no more than one
-    parameter twice."""
+    parameter twice. -> the model's ShardedLM on `mesh`."""
     state = nnx.state(model)
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     shardings = jax.tree.leaves(param_shardings(state, mesh), is_leaf=is_variable)
     for variable, sharding in zip(jax.tree.leaves(state, is_leaf=is_variable), shardings):
         variable.set_value(jax.device_put(variable.get_value(), sharding.get_value()))
+    return ShardedLM(model, mesh)
 
 
 def run_model(config: LingConfig, mesh, inputs: Inputs, *, dtype, policy: ExecutionPolicy) -> Logits:
@@ -371,8 +372,7 @@ def check(args) -> int:
         model, sharded = build_model(reduced, one_device, dtype=dtype, policy=policy)
         reference = run_logits(sharded, inputs)
         print(f"{reference_layers} layers on the mesh (the same weights, moved):", flush=True)
-        move_to_mesh(model, mesh)
-        sharded = ShardedLM(model, mesh)
+        sharded = move_to_mesh(model, mesh)
         on_mesh = run_logits(sharded, inputs)
         matches = compare_with_reference(reference, on_mesh, inputs, tolerance)
         can_fail = self_test(model, sharded, reference, inputs, tolerance)

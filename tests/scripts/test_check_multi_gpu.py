@@ -42,20 +42,19 @@ def test_check_in_float32_holds_at_1e_4(capsys):
 def test_check_fails_when_the_mesh_differs_or_the_self_test_is_not_caught(monkeypatch, capsys):
     # the control flow alone, on made-up logits: no model is built
     inputs = check_multi_gpu.make_inputs(64, 2, 4, 1)
-    reference = check_multi_gpu.Logits(
-        forward=np.random.default_rng(0).normal(size=(2, 5, 64)),
-        cached=np.random.default_rng(1).normal(size=(2, 2, 64)),
-    )
+    rng = np.random.default_rng(0)
+    reference = check_multi_gpu.Logits(forward=rng.normal(size=(2, 5, 64)), cached=rng.normal(size=(2, 2, 64)))
     far = check_multi_gpu.Logits(forward=2 * reference.forward, cached=2 * reference.cached)
     monkeypatch.setattr(check_multi_gpu, "make_inputs", lambda *args: inputs)
-    monkeypatch.setattr(check_multi_gpu, "run_model", lambda *args, **kwargs: reference)
     monkeypatch.setattr(check_multi_gpu, "build_model", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(check_multi_gpu, "move_to_mesh", lambda *args: None)
     flags = ["--quick", "--layers", "2", "--reference-layers", "2"]
     for on_mesh, caught, message in (
         (far, True, "differ from one device by more than 2e-02"),
         (reference, False, "corrupted do not fail the check at 2e-02"),
     ):
-        monkeypatch.setattr(check_multi_gpu, "run_logits", lambda *args, on_mesh=on_mesh: on_mesh)
+        runs = iter((reference, on_mesh))  # one device, then the mesh
+        monkeypatch.setattr(check_multi_gpu, "run_logits", lambda *args, runs=runs: next(runs))
         monkeypatch.setattr(check_multi_gpu, "self_test", lambda *args, caught=caught: caught)
         assert check_multi_gpu.main(flags) == 1
         out = capsys.readouterr().out
