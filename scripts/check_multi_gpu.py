@@ -10,26 +10,26 @@ a sharded forward and prefill + decode of as many layers as fit, and a logit che
     python scripts/check_multi_gpu.py --dtype float32 --reference-layers 2 --layers 2   # the tight check
 
 The model is `benchmarks.common.flash_slice_config` (hidden 4096, 64 heads, 512 experts, every layer MoE, an MLA
-layer every 8th), its weights created straight into their shardings (`benchmarks.common.init_on_mesh`), so the
-same seed gives the same weights on one device and on the mesh. Steps:
+layer every 8th), its weights created straight into their shardings (`benchmarks.common.init_on_mesh`). Steps:
 1. Layer counts from the parameter bytes per device (`ling_jax.sharding` rules over the mesh) and the device
    memory (bytes_limit, or --device-memory-gib) less --headroom-gib; the arithmetic is printed.
 2. Reference: --reference-layers (default: the most that fit on one device) on device 0: a forward over a
    batch of left-padded prompts followed by teacher-forced tokens, and a prefill of the prompts plus decode
    steps over those tokens (the cache path).
-3. The same reduced model on the mesh: both logit sets compared with the reference (rel. error, pass at <=
-   2e-2 in bf16, 1e-4 in fp32).
+3. The same reduced model moved to the mesh (its weights, one parameter at a time): both logit sets compared
+   with the reference (rel. error, pass at <= 2e-2 in bf16, 1e-4 in fp32). Then a self-test of that
+   comparison: the routed experts the last device holds scaled by 2 in place and the same compiled programs run
+   again; their logits must fail it.
 4. Only if step 3 passed: --layers (default: the most that fit on the mesh) on the mesh: forward, prefill and
    decode; their logits must be finite, and the cached logits are compared with the forward's (reported, not
-   judged).
+   judged). Where --layers equals the reference layers, step 3's mesh logits are that run's.
 In bf16 the two runs round differently (the mesh's matmuls have other shapes), and a token whose 8th and 9th
 expert scores are that close can switch experts: random-weight layers amplify this with depth (on a CPU, hidden
 512: 2.6e-4 at 1 layer, 1.0e-2 at 4, with 64 experts), and at full width 0.1% of the router inputs one ulp off
 already moves one layer's logits by 1.4e-2 (scripts/routing_sensitivity.py), so a bf16 pass at 2e-2 is
 indicative only. `--dtype float32` (matmuls at full fp32 precision) is the tight check, at 1e-4: the same CPU
 runs gave 4e-7 to 1e-6.
-Exit code 0 when every check passes, 1 otherwise, 2 for a bad mesh or flags. --corrupt-last-shard scales
-the routed experts that the last device holds in the mesh copy, a self-test of step 3 (it must then fail).
+Exit code 0 when every check passes (the self-test included), 1 otherwise, 2 for a bad mesh or flags.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from ling_jax.generation.memory import format_bytes  # noqa: E402
 from ling_jax.generation.sharded import ShardedLM  # noqa: E402
 from ling_jax.moe.block import MoE  # noqa: E402
 from ling_jax.presets import preset
-from ling_jax.sharding import ShardingError, make_mesh, param_specs, parse_mesh  # noqa: E402
+from ling_jax.sharding import ShardingError, make_mesh, param_shardings, param_specs, parse_mesh  # noqa: E402
 
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}  # logits rel. error, mesh vs one device
 MAX_LAYERS = preset("ling-3.1-flash").num_hidden_layers
@@ -166,30 +166,50 @@ class Logits:
     cached: np.ndarray  # [B, steps + 1, V] fp32: the prefill's last position, then one per decode step
 
 
-def run_model(
-    config: LingConfig, mesh, inputs: Inputs, *, dtype, policy: ExecutionPolicy, corrupt: bool = False
-) -> Logits:
-    """Builds the model on `mesh` (seed 0), runs the forward and the prefill + decode steps; frees it after."""
+def build_model(config: LingConfig, mesh, *, dtype, policy: ExecutionPolicy) -> tuple[LingForCausalLM, ShardedLM]:
+    """The model on `mesh` (seed 0) and its ShardedLM, which holds the model's parameter variables (an in-place
+    change to the model reaches the compiled programs)."""
     start = time.perf_counter()
     model = init_on_mesh(lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, policy=policy), mesh)
-    if corrupt:
-        corrupt_last_shard(model, mesh.shape.get("expert", 1))
     sharded = ShardedLM(model, mesh)
     print(f"    init {time.perf_counter() - start:.1f} s", flush=True)
+    return model, sharded
+
+
+def run_logits(sharded: ShardedLM, inputs: Inputs) -> Logits:
+    """The forward, then the prefill + decode steps (compiled on a ShardedLM's first call)."""
     start = time.perf_counter()
     forward = np.asarray(sharded(inputs.ids_BL, attention_mask=inputs.mask_BL), np.float32)
     print(
-        f"    forward [{inputs.ids_BL.shape[0]}, {inputs.ids_BL.shape[1]}] {time.perf_counter() - start:.1f} s "
-        f"(with compilation)",
+        f"    forward [{inputs.ids_BL.shape[0]}, {inputs.ids_BL.shape[1]}] {time.perf_counter() - start:.1f} s",
         flush=True,
     )
     start = time.perf_counter()
     cached = prefill_and_decode(sharded, inputs)
     steps = inputs.ids_BL.shape[1] - inputs.prompt_length
-    print(f"    prefill + {steps} decode steps {time.perf_counter() - start:.1f} s (with compilation)", flush=True)
+    print(f"    prefill + {steps} decode steps {time.perf_counter() - start:.1f} s", flush=True)
+    return Logits(forward=forward, cached=cached)
+
+
+def move_to_mesh(model: LingForCausalLM, mesh) -> ShardedLM:
+    """Each parameter of `model` to its sharding on `mesh` (`ling_jax.sharding` rules), in place, one at a time
+    (the old copy is freed when its variable lets go of it): a model on one device moves holding no more than one
+    parameter twice. -> the model's ShardedLM on `mesh`."""
+    state = nnx.state(model)
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    shardings = jax.tree.leaves(param_shardings(state, mesh), is_leaf=is_variable)
+    for variable, sharding in zip(jax.tree.leaves(state, is_leaf=is_variable), shardings):
+        variable.set_value(jax.device_put(variable.get_value(), sharding.get_value()))
+    return ShardedLM(model, mesh)
+
+
+def run_model(config: LingConfig, mesh, inputs: Inputs, *, dtype, policy: ExecutionPolicy) -> Logits:
+    """Builds the model on `mesh`, runs it (`run_logits`) and frees it."""
+    model, sharded = build_model(config, mesh, dtype=dtype, policy=policy)
+    logits = run_logits(sharded, inputs)
     del sharded, model
     gc.collect()
-    return Logits(forward=forward, cached=cached)
+    return logits
 
 
 def prefill_and_decode(sharded: ShardedLM, inputs: Inputs) -> np.ndarray:
@@ -206,26 +226,45 @@ def prefill_and_decode(sharded: ShardedLM, inputs: Inputs) -> np.ndarray:
 
 def corrupt_last_shard(model: LingForCausalLM, expert_ways: int) -> None:
     """Scales down_proj of the routed experts the last device on the expert axis holds (all of them without an
-    expert axis), in every MoE layer."""
+    expert axis), in every MoE layer, in place (each array keeps its sharding)."""
     for layer in model.model.layers:
         if isinstance(layer.mlp, MoE):
             down = layer.mlp.experts.down_proj
             local = down.shape[0] // expert_ways
-            down[...] = down[...].at[-local:].multiply(CORRUPT_SCALE)
+            down[...] = jax.device_put(down[...].at[-local:].multiply(CORRUPT_SCALE), down[...].sharding)
 
 
-def compare_with_reference(ref: Logits, ours: Logits, inputs: Inputs, tolerance: float) -> bool:
+def errors_vs_reference(ref: Logits, ours: Logits, inputs: Inputs) -> dict[str, float]:
     """Rel. errors of the forward logits at real tokens (pads' logits are not outputs) and the cached ones."""
-    errors = {
+    return {
         "forward": rel_error(ours.forward[inputs.mask_BL], ref.forward[inputs.mask_BL]),
         "prefill + decode": rel_error(ours.cached, ref.cached),
     }
+
+
+def compare_with_reference(ref: Logits, ours: Logits, inputs: Inputs, tolerance: float) -> bool:
+    """Every rel. error within `tolerance`; prints them."""
+    errors = errors_vs_reference(ref, ours, inputs)
     for name, err in errors.items():
         print(
             f"    {name} logits rel. error vs one device: {err:.2e} "
             f"({'pass' if err <= tolerance else 'FAIL'} at {tolerance:.0e})"
         )
     return all(err <= tolerance for err in errors.values())
+
+
+def self_test(model, sharded: ShardedLM, ref: Logits, inputs: Inputs, tolerance: float) -> bool:
+    """Step 3 can fail: with the last expert shard corrupted in place, the same programs' logits must differ from
+    the reference by more than `tolerance`."""
+    corrupt_last_shard(model, sharded.mesh.shape.get("expert", 1))
+    errors = errors_vs_reference(ref, run_logits(sharded, inputs), inputs)
+    caught = any(err > tolerance for err in errors.values())
+    print(
+        f"    self-test, the last expert shard scaled by {CORRUPT_SCALE}: rel. error vs one device "
+        + ", ".join(f"{name} {err:.2e}" for name, err in errors.items())
+        + f" ({'caught' if caught else 'FAIL: not caught'} at {tolerance:.0e})"
+    )
+    return caught
 
 
 def check_large_run(logits: Logits, inputs: Inputs) -> bool:
@@ -277,11 +316,6 @@ def parse_args(argv):
         help="auto: the Pallas kernels on a GPU, jnp on a CPU; reference: jnp everywhere",
     )
     parser.add_argument("--plan-only", action="store_true", help="print the layer arithmetic and stop")
-    parser.add_argument(
-        "--corrupt-last-shard",
-        action="store_true",
-        help=f"self-test: scale the last device's routed experts by {CORRUPT_SCALE} on the mesh",
-    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -335,26 +369,28 @@ def check(args) -> int:
         )
         reduced = flash_slice_config(reference_layers, args.quick)
         print(f"\n{reference_layers} layers on one device (reference):", flush=True)
-        reference = run_model(reduced, one_device, inputs, dtype=dtype, policy=policy)
-        print(
-            f"{reference_layers} layers on the mesh{' (last shard corrupted)' if args.corrupt_last_shard else ''}:",
-            flush=True,
-        )
-        matches = compare_with_reference(
-            reference,
-            run_model(reduced, mesh, inputs, dtype=dtype, policy=policy, corrupt=args.corrupt_last_shard),
-            inputs,
-            tolerance,
-        )
-        del reference
-        if not matches:
+        model, sharded = build_model(reduced, one_device, dtype=dtype, policy=policy)
+        reference = run_logits(sharded, inputs)
+        print(f"{reference_layers} layers on the mesh (the same weights, moved):", flush=True)
+        sharded = move_to_mesh(model, mesh)
+        on_mesh = run_logits(sharded, inputs)
+        matches = compare_with_reference(reference, on_mesh, inputs, tolerance)
+        can_fail = self_test(model, sharded, reference, inputs, tolerance)
+        del reference, sharded, model
+        gc.collect()
+        if not (matches and can_fail):
             print(
-                f"\nFAIL: {reference_layers}-layer logits on mesh {mesh_sizes} differ from one device by more than "
-                f"{tolerance:.0e}; the {layers}-layer run is skipped"
+                f"\nFAIL: {reference_layers}-layer logits on mesh {mesh_sizes} "
+                + ("differ from one device by more than" if not matches else "corrupted do not fail the check at")
+                + f" {tolerance:.0e}; the {layers}-layer run is skipped"
             )
             return 1
-        print(f"{layers} layers on the mesh:", flush=True)
-        large = run_model(flash_slice_config(layers, args.quick), mesh, inputs, dtype=dtype, policy=policy)
+        if layers == reference_layers:
+            print(f"{layers} layers on the mesh: the run above", flush=True)
+            large = on_mesh
+        else:
+            print(f"{layers} layers on the mesh:", flush=True)
+            large = run_model(flash_slice_config(layers, args.quick), mesh, inputs, dtype=dtype, policy=policy)
         large_ok = check_large_run(large, inputs)
     except ShardingError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -10,7 +10,8 @@ The model is `benchmarks.common.flash_slice_config(1, quick=True)` (one MLA + Mo
 and expert count, the jnp reference path, bf16, on the default device; the prompts are check_multi_gpu's
 (8 x 68 tokens, left-padded). For each fraction p, a fixed random p of the router's input elements are scaled
 by (1 + 2^-7) (about one bf16 ulp) before the router only; the experts see the unchanged input. Printed: the
-rel. error of the real tokens' logits against the unperturbed run.
+rel. error of the real tokens' logits against the unperturbed run (p = 0: no element nudged). One compiled
+program runs every p (an argument), and the weights are made by one jitted initialisation.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from check_multi_gpu import make_inputs  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import ling_jax.moe.block as moe  # noqa: E402
-from benchmarks.common import flash_slice_config, rel_error  # noqa: E402
+from benchmarks.common import flash_slice_config, init_on_mesh, rel_error  # noqa: E402
 from ling_jax import ExecutionPolicy, LingForCausalLM  # noqa: E402
+from ling_jax.sharding import make_mesh  # noqa: E402
 
 FRACTIONS = (1e-4, 1e-3, 1e-2)
 
 
-def perturbing_route(fraction: float):
-    """moe.route with `fraction` of its input elements nudged up by 2^-7 (relative)."""
+def perturbing_route(fraction):
+    """moe.route with `fraction` (traced) of its input elements nudged up by 2^-7 (relative); none at 0."""
     route = moe.route
 
     def nudged(x_TD, *args, **kwargs):
@@ -49,23 +51,28 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", type=int, default=64)
     args = parser.parse_args(argv)
     config = flash_slice_config(1, True).replace(hidden_size=args.hidden, num_experts=args.experts)
-    model = LingForCausalLM(
-        config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=ExecutionPolicy(kernel_backend="reference")
+    policy = ExecutionPolicy(kernel_backend="reference")
+    model = init_on_mesh(
+        lambda: LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=policy),
+        make_mesh({}, devices=jax.devices()[:1]),
     )
     inputs = make_inputs(config.vocab_size, 8, 64, 4)
+    graphdef, state = nnx.split(model)
 
-    def logits():
-        out = jax.jit(lambda ids, mask: model(ids, attention_mask=mask).logits)(inputs.ids_BL, inputs.mask_BL)
-        return np.asarray(out, np.float32)[inputs.mask_BL]
-
-    reference, route = logits(), moe.route
-    errors = []
-    for fraction in FRACTIONS:
-        moe.route = perturbing_route(fraction)
+    @jax.jit
+    def logits_at(state, ids, mask, fraction):
+        route, moe.route = moe.route, perturbing_route(fraction)  # for this trace only
         try:
-            errors.append(rel_error(logits(), reference))
+            return nnx.merge(graphdef, state)(ids, attention_mask=mask).logits
         finally:
             moe.route = route
+
+    def logits(fraction: float):
+        out = logits_at(state, inputs.ids_BL, inputs.mask_BL, jnp.float32(fraction))
+        return np.asarray(out, np.float32)[inputs.mask_BL]
+
+    reference = logits(0.0)
+    errors = [rel_error(logits(fraction), reference) for fraction in FRACTIONS]
     print(
         f"hidden {args.hidden}, {args.experts} experts, one MLA + MoE layer, bf16: logits rel. error with p of the "
         "router inputs one ulp off: " + ", ".join(f"p {p:g}: {e:.2e}" for p, e in zip(FRACTIONS, errors))

@@ -17,6 +17,17 @@ from benchmarks import moe as bench_moe  # noqa: E402
 from benchmarks.moe import expert_parallel as bench_expert_parallel  # noqa: E402
 
 
+def test_routing_sensitivity_reports_each_fraction(capsys):
+    assert routing_sensitivity.main(["--hidden", "256", "--experts", "16"]) == 0
+    out = capsys.readouterr().out
+    errors = [float(part.split(": ")[1]) for part in out.strip().split("off: ")[1].split(", ")]
+    assert len(errors) == 3 and errors[-1] > 0
+
+
+# XLA's full optimiser from here to the end of the module (a module fixture): the bench's decode steps and stages
+# run several times each (35 CPU-s against 41 at the cheap level); the routing test above compiles more than it
+# runs (10 CPU-s cheap, 13 optimised), so it comes first.
+@pytest.mark.usefixtures("full_xla_optimisation")
 def test_bench_expert_parallel_quick(capsys):
     assert bench_expert_parallel.main(["--quick", "--devices", "8", "--slices-per-expert", "16"]) == 0
     out = capsys.readouterr().out
@@ -46,10 +57,3 @@ def test_bench_moe_devices_runs_the_expert_parallel_bench(monkeypatch):
     monkeypatch.setattr(bench_expert_parallel, "main", lambda argv: forwarded.append(argv) or 0)
     assert bench_moe.main(["--devices", "8", "--iters", "5"]) == 0
     assert forwarded == [["--devices", "8", "--iters", "5"]]
-
-
-def test_routing_sensitivity_reports_each_fraction(capsys):
-    assert routing_sensitivity.main(["--hidden", "256", "--experts", "16"]) == 0
-    out = capsys.readouterr().out
-    errors = [float(part.split(": ")[1]) for part in out.strip().split("off: ")[1].split(", ")]
-    assert len(errors) == 3 and errors[-1] > 0
