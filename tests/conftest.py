@@ -17,7 +17,6 @@ os.environ.setdefault("LING_JAX_NO_COMPILE_CACHE", "1")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
-from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 import pallas_kernels  # noqa: E402,F401  (adds its XLA:CPU workaround flag before any test makes a backend)
 
@@ -89,22 +88,6 @@ def full_xla_optimisation():
         del os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"]
     else:
         os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = saved
-
-
-@pytest.fixture(scope="module")
-def module_compile_cache(tmp_path_factory):
-    """JAX's persistent compilation cache, in a fresh directory, for the rest of a test module (off elsewhere in
-    the suite): for tests that build the same program through distinct jitted functions (a script's `main` run
-    again with other flags), which jax's in-memory caches key by function and this one by program: the later
-    ones load it instead of compiling."""
-    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_compilation_cache_dir", saved[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
-    compilation_cache.reset_cache()
 
 
 @pytest.fixture(autouse=True, scope="module")
