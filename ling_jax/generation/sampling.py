@@ -274,5 +274,14 @@ def _top_k_top_p_cutoff(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.A
     """[B, 1]: the smallest logit top-k then top-p keep; rows with both off keep everything."""
     vocab = scaled_BV.shape[-1]
     k_B = jnp.where((top_k_B > 0) & (top_k_B < vocab), top_k_B, vocab)
-    kth_largest_B = order_stats.kth_largest(scaled_BV, k_B)
-    return order_stats.top_p_cutoff(scaled_BV, kth_largest_B, top_p_B)[:, None]
+    # each search only where some row filters by it (top-k off: its k-th largest is the row's smallest)
+    kth_largest_B = jax.lax.cond(
+        jnp.any(k_B < vocab),
+        lambda: order_stats.kth_largest(scaled_BV, k_B),
+        lambda: jnp.min(scaled_BV, axis=-1).astype(jnp.float32),
+    )
+    return jax.lax.cond(
+        jnp.any(top_p_B < 1),
+        lambda: order_stats.top_p_cutoff(scaled_BV, kth_largest_B, top_p_B),
+        lambda: kth_largest_B,
+    )[:, None]
