@@ -7,11 +7,13 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
     python -m benchmarks.fp8_linear --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
     python -m benchmarks.fp8_linear --sweep gpu_triton_gemv --rows 1,2,3,4   # the decode kernel's tiles by rows
     python -m benchmarks.fp8_linear --sweep gemv-gated-norm   # its tiles with KDA's gated output norm in it
+    python -m benchmarks.fp8_linear --sweep gemv-kda-in       # its tiles (K splits too) at KDA's input projections
     python -m benchmarks.fp8_linear --quick [--prefill]   # one 256 x 256 weight, 2 calls, no sweep (smoke test)
     python -m benchmarks.fp8_linear --quick --sweep gpu_triton_gemv --rows 2   # a sweep on the 256 x 256 weight
 
 Every time is per call of a chain of dependent calls in one jitted program (each call's input nudged by the last
-output, a small XLA op the time includes), each call reading its own copy of the weight (a separate argument, so
+output, a small XLA op the time includes; XLA's command buffers on as the model runs them, `ling_jax.xla_flags`,
+from 2026-12-05), each call reading its own copy of the weight (a separate argument, so
 no slice of a stacked weight is copied first: the bench before 2026-12 sliced one, which XLA may copy), the chain
 MIN_CALLS to MAX_CALLS long, reading CHAIN_BYTES of FP8 weight where that cap allows: the copies never fit the L2
 together. Decode cells: us, GB/s of the weight bytes the method must read (FP8 values and
@@ -36,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import copy_bandwidth, median_seconds, rel_error, run_header  # noqa: E402
 from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
+from ling_jax import xla_flags  # noqa: E402
 from pallas_kernels.experimental.fp8_mosaic_weight_only import MosaicWeightOnlyTiles  # noqa: E402
 from pallas_kernels.experimental.fp8_xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 from pallas_kernels.fp8 import tuned  # noqa: E402
@@ -231,6 +234,26 @@ SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their setti
         (2560, 4096),
         (1, 2),
     ),
+    "gemv-kda-in": (  # Ling-3.0-flash's KDA input projections q, k, v, f (4 x 4096 -> 2560: 512 strips of 32), as
+        # one weight: the grouped launch's geometry (min_programs 528 splits K in two, then an XLA sum)
+        gemv_gpu,
+        tuned.GemvTiles,
+        [
+            (32, 4, 528, 8, 4, 2, False),
+            (32, 4, 512, 8, 4, 2, False),
+            (32, 5, 512, 8, 4, 2, False),
+            (32, 2, 512, 8, 4, 2, False),
+            (32, 4, 512, 8, 4, 3, False),
+            (32, 4, 512, 8, 8, 2, False),
+            (16, 4, 1024, 8, 4, 2, False),
+            (16, 5, 1024, 8, 2, 2, False),
+            (64, 4, 256, 8, 4, 2, False),
+            (64, 4, 512, 8, 8, 2, False),
+            (32, 4, 1056, 8, 4, 2, False),
+        ],
+        (16384, 2560),
+        (1, 2),
+    ),
     "weight-only": (
         weight_only_gpu,
         tuned.WeightOnlyTiles,
@@ -345,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="one small weight, 2 calls (smoke test); a sweep only where named"
     )
     args = parser.parse_args(argv)
+    xla_flags.set_gpu_flags()
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}): the kernels are Triton's")
     print(run_header("fp8_linear"))
