@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import pathlib
@@ -60,6 +61,7 @@ from ling_jax.generation.generator import DECODE_READ_GROUP  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KDADecode  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
+from pallas_kernels.fp8 import tuned as fp8_tuned  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -164,6 +166,12 @@ def main(argv=None) -> int:
         "cache contents",
     )
     parser.add_argument(
+        "--gemv-min-programs",
+        help="comma-separated: the decode gemv's min_programs (the K splits of `pallas_kernels.fp8.tuned."
+        "WEIGHT_ONLY_GEMV`'s tiles: splits until strips x splits reach it), each timed on the same weights and cache "
+        "contents after the table's own (default: the table's only)",
+    )
+    parser.add_argument(
         "--mtp",
         type=int,
         default=0,
@@ -199,6 +207,8 @@ def main(argv=None) -> int:
         parser.error(f"--kda-decode: expected {', '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}")
     if not all(batch.strip().isdigit() and int(batch) > 0 for batch in args.batches.split(",")):
         parser.error(f"--batches: expected positive integers, comma-separated, got {args.batches!r}")
+    if args.gemv_min_programs and not all(v.strip().isdigit() for v in args.gemv_min_programs.split(",")):
+        parser.error(f"--gemv-min-programs: expected integers, comma-separated, got {args.gemv_min_programs!r}")
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if set(args.sampling.split(",")) - {"general", "specialised"}:
@@ -241,6 +251,19 @@ def main(argv=None) -> int:
     return 0
 
 
+GEMV_TABLE = dict(fp8_tuned.WEIGHT_ONLY_GEMV)
+
+
+def set_gemv_min_programs(min_programs: int | None) -> str:
+    """Every WEIGHT_ONLY_GEMV entry with this min_programs (None: the table's own), jax's trace caches cleared
+    (the kernels look their tiles up when traced); a label for the rows."""
+    for key, entry in GEMV_TABLE.items():
+        params = entry.params if min_programs is None else dataclasses.replace(entry.params, min_programs=min_programs)
+        fp8_tuned.WEIGHT_ONLY_GEMV[key] = dataclasses.replace(entry, params=params)
+    jax.clear_caches()
+    return "" if min_programs is None else f", gemv min_programs {min_programs}"
+
+
 def device_memory_gb(key: str = "bytes_in_use") -> str:
     stats = jax.devices()[0].memory_stats()
     return f"{stats[key] / 1e9:.1f}" if stats else "n/a"
@@ -251,6 +274,7 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     a row per batch and KDA decode mode."""
     start = time.perf_counter()
     kda_modes = args.kda_decode.split(",")
+    min_programs_list = [None, *(int(v) for v in (args.gemv_min_programs or "").split(",") if v)]
     policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul, kda_decode=kda_modes[0])
     model = random_model(config, weights=weights, dtype=jnp.bfloat16, policy=policy)
     params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
@@ -269,14 +293,15 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
         nbytes, parts = step_bytes(model, filled_cache(model, batch, context, args.steps + 16), token)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
-        for kda_decode in kda_modes:
+        for kda_decode, min_programs in itertools.product(kda_modes, min_programs_list):
             model.policy = dataclasses.replace(model.policy, kda_decode=kda_decode)
+            variant = kda_decode + set_gemv_min_programs(min_programs)
             cache = filled_cache(model, batch, context, args.steps + 16)  # the same contents for every mode
             decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
             del cache
-            rows.append((weights, kda_decode, memory, batch, batch * context / prefill_s, decode_s, roofline_s))
+            rows.append((weights, variant, memory, batch, batch * context / prefill_s, decode_s, roofline_s))
             print(
-                f"{weights} batch {batch}, KDA decode {kda_decode}: prefill {batch * context / prefill_s:,.0f} tok/s "
+                f"{weights} batch {batch}, KDA decode {variant}: prefill {batch * context / prefill_s:,.0f} tok/s "
                 f"(chunk {chunk}); decode step {decode_s * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms "
                 f"({nbytes / 1e9:.2f} GB: weights {parts['weights'] / 1e9:.2f}, KDA {parts['kda_states'] / 1e9:.2f}, "
                 f"MLA {parts['mla_cache'] / 1e9:.2f}; experts touched per layer "
@@ -287,6 +312,7 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             if args.profile and len(rows) == 1:
                 report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
+        set_gemv_min_programs(None)
         for index, sampling in enumerate(args.sampling.split(",") if args.mtp else ()):
             # the first mode's programs of the profiled batch are traced
             profile = args.profile if batch == first_batch and index == 0 else None
