@@ -234,24 +234,25 @@ SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their setti
         (2560, 4096),
         (1, 2),
     ),
-    "gemv-kda-in": (  # Ling-3.0-flash's KDA input projections q, k, v, f (4 x 4096 -> 2560: 512 strips of 32), as
-        # one weight: the grouped launch's geometry (min_programs 528 splits K in two, then an XLA sum)
+    "gemv-kda-in": (  # Ling-3.0-flash's KDA input projections q, k, v, f, g (5 x 4096 -> 2560: 640 strips of 32, no K
+        # split at min_programs 528, 1.2 waves of 4 programs an SM) as one weight: the grouped launch's geometry
         gemv_gpu,
         tuned.GemvTiles,
         [
             (32, 4, 528, 8, 4, 2, False),
-            (32, 4, 512, 8, 4, 2, False),
-            (32, 5, 512, 8, 4, 2, False),
-            (32, 2, 512, 8, 4, 2, False),
-            (32, 4, 512, 8, 4, 3, False),
-            (32, 4, 512, 8, 8, 2, False),
-            (16, 4, 1024, 8, 4, 2, False),
-            (16, 5, 1024, 8, 2, 2, False),
-            (64, 4, 256, 8, 4, 2, False),
-            (64, 4, 512, 8, 8, 2, False),
             (32, 4, 1056, 8, 4, 2, False),
+            (32, 5, 528, 8, 4, 2, False),
+            (32, 2, 528, 8, 4, 2, False),
+            (32, 4, 528, 8, 4, 3, False),
+            (32, 4, 528, 8, 8, 2, False),
+            (16, 4, 1056, 8, 4, 2, False),
+            (16, 5, 1056, 8, 2, 2, False),
+            (64, 4, 264, 8, 4, 2, False),
+            (64, 4, 528, 8, 4, 2, False),
+            (64, 5, 264, 8, 8, 2, False),
+            (128, 4, 528, 8, 8, 2, False),
         ],
-        (16384, 2560),
+        (20480, 2560),
         (1, 2),
     ),
     "weight-only": (
