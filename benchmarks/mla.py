@@ -4,6 +4,8 @@ implementation, on one GPU.
 
     python -m benchmarks.mla                 # the issue's sizes, H=64, bf16 cache, full lengths
     python -m benchmarks.mla --quick         # small sizes (smoke test)
+    python -m benchmarks.mla --decode-step   # Ling-3.0-flash's decode step: H=32, L=8192 at B=1 and 8, Triton
+                                             # splits from its default to 4x, 64 and 32 slots a block
 
 For each size: device correctness of every kernel variant (tiles, warps, stages, splits) against the jnp
 reference (fp32 upcast), then the median time per call of CALLS dependent calls chained in one jitted program
@@ -39,6 +41,11 @@ QUICK_SIZES = [(4, 4096), (1, 8192)]
 # Triton kernel (block_k, head_block, num_warps, num_stages): the last runs' best two. Mosaic GPU kernel
 # (pv_chunk, splits relative to its default, approx_math): the default, twice the splits, accurate exp.
 TRITON_VARIANTS = [(64, 64, 8, 2), (32, 64, 8, 4)]
+# --decode-step: Ling-3.0-flash's MLA layers in a decode step (32 heads, one head block of 32; at B=1 the default
+# splits give 33 programs of 256 slots on 132 SMs): (block_k, num_warps, num_stages, splits as a multiple of the
+# default), the default first
+DECODE_STEP_HEADS, DECODE_STEP_SIZES = 32, [(1, 8192), (8, 8192)]
+DECODE_STEP_VARIANTS = [(64, 8, 2, 1), (64, 8, 2, 2), (64, 8, 2, 4), (32, 4, 2, 4), (32, 4, 3, 8), (64, 4, 2, 2)]
 MOSAIC_VARIANTS = [(128, 1, True), (128, 2, True), (128, 1, False)]
 
 
@@ -50,10 +57,16 @@ def nudge_query(q_latent_BHR, o_latent_BHR):
     return q_latent_BHR + (1e-3 * o_latent_BHR).astype(q_latent_BHR.dtype)
 
 
-def kernel_variants(batch: int, length: int, scale: float):
-    """(label, jitted kernel) pairs for one size."""
-    for block_k, head_block, warps, stages in TRITON_VARIANTS:
-        splits = default_num_splits(batch, -(-HEADS // head_block), length)
+def kernel_variants(batch: int, length: int, scale: float, heads: int = HEADS, decode_step: bool = False):
+    """(label, jitted kernel) pairs for one size: the Triton and Mosaic variants, or (decode_step) the Triton
+    kernel's DECODE_STEP_VARIANTS."""
+    triton = (
+        [(block_k, heads, warps, stages, factor) for block_k, warps, stages, factor in DECODE_STEP_VARIANTS]
+        if decode_step
+        else [(*variant, 1) for variant in TRITON_VARIANTS]
+    )
+    for block_k, head_block, warps, stages, factor in triton:
+        splits = factor * default_num_splits(batch, -(-heads // head_block), length)
         yield (
             f"triton (bk {block_k}, hb {head_block}, warps {warps}, stages {stages}, splits {splits})",
             jax.jit(
@@ -65,7 +78,7 @@ def kernel_variants(batch: int, length: int, scale: float):
                 )
             ),
         )
-    for pv_chunk, split_factor, approx_math in MOSAIC_VARIANTS:
+    for pv_chunk, split_factor, approx_math in () if decode_step else MOSAIC_VARIANTS:
         splits = split_factor * mosaic_num_splits(batch, length)
         tiles = dataclasses.replace(
             lookup(DECODE_MOSAIC, dtype=jnp.bfloat16), pv_chunk=pv_chunk, approx_math=approx_math
@@ -93,6 +106,11 @@ def main(argv=None) -> int:
         help="write a Perfetto trace of the default Mosaic kernel's "
         "chained calls at each size under DIR/B<batch>_L<length> (read it with trace_summary.py)",
     )
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="Ling-3.0-flash's decode step (H=32, L=8192, B=1 and 8): the Triton kernel's splits and blocks",
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
@@ -101,20 +119,21 @@ def main(argv=None) -> int:
     ceiling = copy_bandwidth(args.iters)
     print(f"device copy: {ceiling / 1e12:.2f} TB/s (bytes read + written)")
     rows = []
-    for batch, length in QUICK_SIZES if args.quick else SIZES:
+    heads = DECODE_STEP_HEADS if args.decode_step else HEADS
+    for batch, length in DECODE_STEP_SIZES if args.decode_step else QUICK_SIZES if args.quick else SIZES:
         keys = jax.random.split(jax.random.key(batch * length), 3)
-        q_latent = 0.2 * jax.random.normal(keys[0], (batch, HEADS, LATENT), jnp.bfloat16)
-        q_rope = jax.random.normal(keys[1], (batch, HEADS, ROPE), jnp.bfloat16)
+        q_latent = 0.2 * jax.random.normal(keys[0], (batch, heads, LATENT), jnp.bfloat16)
+        q_rope = jax.random.normal(keys[1], (batch, heads, ROPE), jnp.bfloat16)
         cache = jax.random.normal(keys[2], (batch, length, LATENT + ROPE), jnp.bfloat16)
         lengths = jnp.full((batch,), length, jnp.int32)
         cache_bytes = cache.size * cache.dtype.itemsize
-        flops = 2 * batch * HEADS * length * (LATENT + ROPE + LATENT)
+        flops = 2 * batch * heads * length * (LATENT + ROPE + LATENT)
         xla = jax.jit(functools.partial(mla_decode_reference, scale=scale))
         ref = xla(q_latent.astype(jnp.float32), q_rope.astype(jnp.float32), cache.astype(jnp.float32), lengths)
         xla_s = per_call_seconds(xla, nudge_query, q_latent, q_rope, cache, lengths, iters=args.iters, calls=CALLS)
         print(f"B={batch} L={length}: XLA einsum {xla_s * 1e3:.3f} ms, {cache_bytes / xla_s / 1e12:.2f} TB/s")
         best = None
-        for variant, fn in kernel_variants(batch, length, scale):
+        for variant, fn in kernel_variants(batch, length, scale, heads, args.decode_step):
             try:
                 err = rel_error(fn(q_latent, q_rope, cache, lengths), ref)
                 seconds = per_call_seconds(
