@@ -347,14 +347,14 @@ def sweep(iters: int, kernels, rows: tuple[int, ...] | None = None, shape: tuple
             given = {} if tiles_type is None else {"tiles": tiles_type(*tiles)}
             product = functools.partial(entry, block=BLOCK, **given)
             cells = []
-            for rows in rows_list:
-                x = jax.random.normal(jax.random.key(rows), (rows, in_dim), jnp.bfloat16)
+            for num_rows in rows_list:
+                x = jax.random.normal(jax.random.key(num_rows), (num_rows, in_dim), jnp.bfloat16)
                 try:
                     seconds = chain_seconds(product, x, fp8_copies(weights), iters)
                 except Exception as error:  # noqa: BLE001 - a setting that does not fit (shared memory) is skipped
                     cells.append(f"skipped: {type(error).__name__}")
                     continue
-                rate = 2 * rows * out_dim * in_dim / seconds / 1e12
+                rate = 2 * num_rows * out_dim * in_dim / seconds / 1e12
                 cells.append(f"{seconds * 1e6:.1f} ({weights.fp8_bytes / seconds / 1e9:.0f}, {rate:.1f})")
             print(f"| {tiles} | " + " | ".join(cells) + " |", flush=True)
 
