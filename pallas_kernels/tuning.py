@@ -55,7 +55,10 @@ def lookup(table: Table, *, dtype, bucket: str = ANY, device: str | None = None)
 
 
 def fill(given: tuple, defaults) -> tuple:
-    """The given launch settings, None ones taken from the defaults (a tuple, or a params dataclass in field
-    order)."""
+    """The given launch settings, None ones and any trailing ones not given taken from the defaults (a tuple, or a
+    params dataclass in field order)."""
     defaults = defaults if isinstance(defaults, tuple) else dataclasses.astuple(defaults)
+    if len(given) > len(defaults):
+        raise ValueError(f"launch settings {given}: at most {len(defaults)} expected (defaults {defaults})")
+    given = (*given, *(None,) * (len(defaults) - len(given)))
     return tuple(default if value is None else value for value, default in zip(given, defaults, strict=True))

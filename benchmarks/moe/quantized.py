@@ -68,12 +68,25 @@ FUSED_SWEEP = {
         (16, 64, 256, 8, 3, True),
     ],
 }
-# (block_n, block_k, num_warps, num_stages) of the weight-only row kernels, swept at ROW_SWEEP_TOKENS tokens, each
-# list against the other kernel at its tuned default for that many tokens (`tuned.ROUTED_SWIGLU_QUANTIZED`,
-# `tuned.ROUTED_DOWN_QUANTIZED`: buckets by `tuned.tokens_bucket`)
+# (block_n, block_k, num_warps, num_stages[, in_flight]) of the weight-only row kernels, swept at ROW_SWEEP_TOKENS
+# tokens, each list against the other kernel at its tuned default for that many tokens (`tuned.ROUTED_SWIGLU_QUANTIZED`,
+# `tuned.ROUTED_DOWN_QUANTIZED`: buckets by `tuned.tokens_bucket`; in_flight not given: the table's)
 ROW_SWEEP = {
-    "swiglu_tiles": [(8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (4, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 4)],
+    "swiglu_tiles": [
+        (16, 512, 4, 3, 0),
+        (16, 512, 4, 3, 1),
+        (8, 512, 4, 3),
+        (16, 512, 4, 3),
+        (8, 256, 4, 4),
+        (4, 512, 4, 3),
+        (8, 1024, 4, 3),
+        (16, 256, 4, 4),
+    ],
     "down_tiles": [
+        (8, 256, 4, 3, 1),
+        (32, 256, 8, 3, 0),
+        (8, 512, 4, 3, 1),
+        (16, 256, 4, 3, 3),
         (8, 512, 4, 3),
         (32, 256, 8, 3),
         (16, 256, 4, 3),

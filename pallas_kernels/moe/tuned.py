@@ -50,12 +50,15 @@ class GroupedTiles:
 
 @dataclasses.dataclass(frozen=True)
 class RowTiles:
-    """gpu_triton routed-experts row kernels: block_n output columns a program, block_k a step."""
+    """gpu_triton routed-experts row kernels: block_n output columns a program, block_k a step; in_flight: the
+    weights whose tiles a K step loads before using any (SwiGLU: gate and up of a row, 2, or one after the other, 1;
+    down + combine: the token's top_k + shared experts', in groups of in_flight, one loop a group), 0 for all."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    in_flight: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,43 +186,61 @@ _ROUTED = (
     "docs/benchmarks/generation.md#routed-experts-and-expert-selection-at-decode-sizes-chained-call-timing-2026-11-29, "
     "tile sweep at one token"
 )
-ROUTED_SWIGLU = _gpu({(ANY, ANY): Entry(RowTiles(8, 256, 4, 4), f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us")})
-# The down + combine kernel loads every expert's tile of a K step before using any (2026-12-05): its tiles are
-# bounded by the registers the top_k + 1 tiles in flight take (Triton 3.6, sm_90: (8, 256, 4, 3) 168 a thread,
-# (16, 128, 4, 3) 149, the earlier (8, 512, 4, 3) 255), not yet re-timed on a GPU in that form.
-_DOWN_IN_FLIGHT = "the K-step-major down kernel's register bound (scripts/compile_gpu_kernels.py); not yet timed"
+# Weights in flight (`RowTiles.in_flight`, 2026-12-05): each K step loads the tiles of several weights before using
+# any (SwiGLU's gate and up; the down kernel's top_k + shared experts), one memory round trip a step for them all,
+# or one weight's loop after the other (1). Tiles are bounded by the registers the tiles in flight take (Triton
+# 3.6, sm_90: down (8, 256, 4, 3) all in flight 168 a thread, (32, 256, 8, 3) 198).
+_IN_FLIGHT = "docs/benchmarks/moe.md#decode-row-kernels-weights-in-flight-2026-12-05 (H100)"
+ROUTED_SWIGLU = _gpu(
+    {
+        (ANY, ANY): Entry(
+            RowTiles(8, 256, 4, 4, in_flight=0),
+            f"{_ROUTED}: SwiGLU rows (8, 256, 4, 4) 74.5 us; {_IN_FLIGHT}: both bf16 kernels with all in flight "
+            "109.3 / 583.8 us at 1 / 8 tokens (width 1280) against 119.3 / 616.1 one weight after the other",
+        )
+    }
+)
 ROUTED_DOWN = _gpu(
     {
         (ANY, ANY): Entry(
-            RowTiles(8, 256, 4, 3),
-            f"{_DOWN_IN_FLIGHT}; the per-expert loop before it kept {_ROUTED}'s (8, 1024, 4, 3)",
+            RowTiles(8, 256, 4, 3, in_flight=0),
+            f"{_IN_FLIGHT}: with ROUTED_SWIGLU's, all in flight; the per-expert loop before it kept {_ROUTED}'s "
+            "(8, 1024, 4, 3)",
         )
     }
 )
 # The row kernels on quantised experts, by `tokens_bucket`:
 # docs/benchmarks/moe.md#fp8-row-kernel-tiles-at-1-and-8-tokens-w8a8-re-timed-2026-12-03-eighth-session
 # (Ling-3.1-flash width 1280, one call of both kernels with the shared expert, the other kernel at (8, 512, 4, 3),
-# the earlier default of both). MXFP4 experts take the same entries, not measured with them.
+# the earlier default of both). MXFP4 experts take the same entries, not measured with them. All weights in flight
+# won at one token in the model (Ling-3.0-flash's first 24 layers on an H100: decode step 2.52 -> 2.42 ms) and lost
+# at 8 tokens (5.89 -> 6.22 ms; the FP8 rows alone at width 1280: 308.8 -> 376.7 us), so above one token the
+# weights go one after the other as before.
 _FLASH_ROWS = "FP8 experts at width 1280, both kernels and the shared expert, H200 2026-12-03"
 ROUTED_SWIGLU_QUANTIZED = _gpu(
     {
+        ("one_token", ANY): Entry(
+            RowTiles(16, 512, 4, 3, in_flight=0),
+            f"{_FLASH_ROWS}: 71.4 us at 1 token against 78.9 for (8, 512, 4, 3); {_IN_FLIGHT}: gate and up in flight",
+        ),
         (ANY, ANY): Entry(
-            RowTiles(16, 512, 4, 3),
-            f"{_FLASH_ROWS}: 71.4 / 375.2 us at 1 / 8 tokens against 78.9 / 384.8 for (8, 512, 4, 3)",
-        )
+            RowTiles(16, 512, 4, 3, in_flight=1),
+            f"{_FLASH_ROWS}: 375.2 us at 8 tokens against 384.8 for (8, 512, 4, 3); {_IN_FLIGHT}: one weight after "
+            "the other",
+        ),
     }
 )
 ROUTED_DOWN_QUANTIZED = _gpu(
     {
         ("one_token", ANY): Entry(
-            RowTiles(8, 256, 4, 3),
-            f"{_DOWN_IN_FLIGHT}; the per-expert loop before it: {_FLASH_ROWS}: (8, 512, 4, 3) 78.9 us at 1 token, "
-            "(32, 256, 8, 3) 88.4, (4, 256, 2, 4) 78.8",
+            RowTiles(8, 256, 4, 3, in_flight=0),
+            f"{_IN_FLIGHT}: every expert in flight (the per-expert loop before it: {_FLASH_ROWS}: (8, 512, 4, 3) "
+            "78.9 us at 1 token, (32, 256, 8, 3) 88.4, (4, 256, 2, 4) 78.8)",
         ),
         (ANY, ANY): Entry(
-            RowTiles(32, 256, 8, 3),
+            RowTiles(32, 256, 8, 3, in_flight=1),
             f"{_FLASH_ROWS}, the per-expert loop: 329.1 us at 8 tokens against 384.8 for (8, 512, 4, 3); 2-7 tokens "
-            "not measured; the K-step-major kernel takes 198 registers a thread at these tiles, not yet timed",
+            f"not measured; {_IN_FLIGHT}: one expert after the other",
         ),
     }
 )

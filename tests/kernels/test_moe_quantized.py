@@ -220,6 +220,37 @@ def test_routed_experts_match_float64(fmt, shared_fmt, dtype, variant):
     assert err <= TOL[dtype]
 
 
+@pytest.mark.parametrize("in_flight", [0, 3])
+def test_row_kernels_with_weights_in_flight_match_float64(in_flight):
+    """The row kernels with `in_flight` weights loaded a K step (0: all; 3: the down kernel's top_k + shared
+    experts in groups of 3 and 1, SwiGLU's gate and up together), at 2 tokens where the table loads them one after
+    the other: the same products, an invalid slot included."""
+    from pallas_kernels.moe.gpu_triton.decode import routed_experts_gpu
+
+    x, weights, experts, gate, up, down = decode_case(2, "fp8", jnp.float32, seed=17)
+    shared = tuple(
+        jax.tree.map(lambda a: a[0], quantized("fp8", shape, 30 + i))
+        for i, shape in enumerate([(1, WIDTH, HIDDEN)] * 2 + [(1, HIDDEN, WIDTH)])
+    )
+    ours = routed_experts_gpu(
+        jnp.asarray(x),
+        jnp.asarray(weights),
+        jnp.asarray(experts),
+        gate,
+        up,
+        down,
+        shared,
+        limit=0.9,
+        shared_limit=0.5,
+        interpret=True,
+        swiglu_tiles=(None,) * 4 + (in_flight,),
+        down_tiles=(None,) * 4 + (in_flight,),
+    )
+    dense = [float64_dense(w) for w in (gate, up, down)]
+    shared64 = tuple(float64_dense(w) for w in shared)
+    assert rel_error(ours, float64_loop(x, weights, experts, *dense, 0.9, shared64, 0.5)) <= TOL[jnp.float32]
+
+
 def test_refused_weights():
     """The weight-only kernels given dense weights, FP8 values that are not e4m3: one clear error each, before any
     kernel runs."""
@@ -549,8 +580,8 @@ def test_quantised_experts_take_their_own_launch_defaults():
 
 def test_row_kernels_take_tiles_by_format_and_tokens():
     """The routed-experts row kernels' defaults: the bf16 tables for dense experts; for quantised ones SwiGLU
-    (16, 512, 4, 3) and down (8, 256, 4, 3) at one token (its experts' tiles in flight within the registers),
-    (32, 256, 8, 3) above (the H200 sweep); given ones win."""
+    (16, 512, 4, 3) and down (8, 256, 4, 3) at one token, every weight in flight, (32, 256, 8, 3) above, one weight
+    after the other; given ones win, trailing ones not given from the table."""
     from pallas_kernels.moe import tuned
     from pallas_kernels.moe.gpu_triton.decode import launch_tiles
     from pallas_kernels.tuning import lookup
@@ -559,6 +590,7 @@ def test_row_kernels_take_tiles_by_format_and_tokens():
     assert launch_tiles(True, 8, jnp.bfloat16, unset, unset) == tuple(
         dataclasses.astuple(lookup(table, dtype=jnp.bfloat16)) for table in (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
     )
-    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3), (8, 256, 4, 3))
-    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3), (32, 256, 8, 3))
-    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3)
+    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 0), (8, 256, 4, 3, 0))
+    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 1), (32, 256, 8, 3, 1))
+    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3, 1)
+    assert launch_tiles(False, 1, jnp.bfloat16, (8, 256, 4, 3, 1), ())[0] == (8, 256, 4, 3, 1)

@@ -69,6 +69,12 @@ def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int
     return jax.lax.fori_loop(0, steps, body, zeros)
 
 
+def _grouped_products(terms, steps, in_flight: int, **keywords) -> list:
+    """`_tile_products` of `terms` in groups of in_flight (0: all together), one loop a group after the other."""
+    size = in_flight or len(terms)
+    return [p for i in range(0, len(terms), size) for p in _tile_products(terms[i : i + size], steps, **keywords)]
+
+
 def _swiglu_kernel(
     expert_ref,
     x_ref,
@@ -78,6 +84,7 @@ def _swiglu_kernel(
     routed_rows: int,
     limit: float | None,
     shared_limit: float | None,
+    in_flight: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -93,7 +100,13 @@ def _swiglu_kernel(
     token = row // top_k + is_shared * (row - routed_rows - row // top_k)
     steps = pl.cdiv(gate.shape[2], block_k)
     products = functools.partial(
-        _tile_products, col0=col0, block_n=block_n, block_k=block_k, k_dim=gate.shape[2], mask_k=mask_k
+        _grouped_products,
+        in_flight=in_flight,
+        col0=col0,
+        block_n=block_n,
+        block_k=block_k,
+        k_dim=gate.shape[2],
+        mask_k=mask_k,
     )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
     routed_steps = _valid(expert, gate.shape[0]) * steps  # 0: a shared row reads no routed weights
@@ -119,15 +132,16 @@ def _down_combine_kernel(
     formats,
     top_k: int,
     routed_rows: int,
+    in_flight: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
     mask_k: bool,
 ):
-    """Program (token, column tile): one loop over the width I whose every step loads the tile of each of the
-    token's experts (its top_k slots, then the shared expert's) before using any: the experts' bytes in flight
-    together, one memory round trip a step rather than one an expert. An invalid slot's rows are masked (no
-    reads) and its routing weight zeroed."""
+    """Program (token, column tile): loops over the width I whose every step loads the tile of each of in_flight
+    of the token's experts (its top_k slots, then the shared expert's; 0: all in one loop) before using any: the
+    experts' bytes in flight together, one memory round trip a step for the group rather than one an expert. An
+    invalid slot's rows are masked (no reads) and its routing weight zeroed."""
     del mask_n  # the rows are masked anyway: by the weight's edge and by the slot's validity
     *weight_refs, y_ref = refs
     down, *shared = expert_tiles(weight_refs, formats)
@@ -146,9 +160,10 @@ def _down_combine_kernel(
     if shared:
         terms.append((shared[0], jnp.int32(0), cols_ok, routed_rows + token, jnp.float32(1.0)))
 
-    products = _tile_products(
+    products = _grouped_products(
         [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms],
         pl.cdiv(k_dim, block_k),
+        in_flight,
         col0=col0,
         block_n=block_n,
         block_k=block_k,
@@ -164,16 +179,22 @@ def _tile(size: int, wanted: int) -> int:
 
 
 def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim: int, interpret: bool, name: str):
-    """pallas_call of kernel(*operand_refs, out_ref, block_n=, block_k=, mask_n=, mask_k=) over the grid (row of
-    out [rows, N], column tile of N): tiles (block_n, block_k, num_warps, num_stages), the blocks fitted to N and
-    k_dim (`_tile`); per_row_specs: the BlockSpecs of the first operands, the others whole."""
+    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, block_n=, block_k=, mask_n=, mask_k=) over the grid
+    (row of out [rows, N], column tile of N): tiles (block_n, block_k, num_warps, num_stages, in_flight), the
+    blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of the first operands, the others
+    whole."""
     rows, n_dim = out_shape.shape
-    block_n, block_k, num_warps, num_stages = tiles
+    block_n, block_k, num_warps, num_stages, in_flight = tiles
     block_n, block_k = _tile(n_dim, block_n), _tile(k_dim, block_k)
     whole = lambda dims: pl.BlockSpec(dims, lambda i, j: (0,) * len(dims))  # noqa: E731
     return pl.pallas_call(
         functools.partial(
-            kernel, block_n=block_n, block_k=block_k, mask_n=n_dim % block_n != 0, mask_k=k_dim % block_k != 0
+            kernel,
+            in_flight=in_flight,
+            block_n=block_n,
+            block_k=block_k,
+            mask_n=n_dim % block_n != 0,
+            mask_k=k_dim % block_k != 0,
         ),
         grid=(rows, pl.cdiv(n_dim, block_n)),
         in_specs=[*per_row_specs, *(whole(a.shape) for a in operands[len(per_row_specs) :])],
@@ -186,7 +207,8 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
 
 
 def launch_tiles(dense: bool, tokens: int, dtype, swiglu_tiles: tuple, down_tiles: tuple) -> tuple[tuple, tuple]:
-    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages): the given ones, None ones from
+    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight): the given ones, None ones
+    and those not given from
     `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their *_QUANTIZED tables, by
     `tuned.tokens_bucket`."""
     swiglu_table, down_table = (
@@ -225,15 +247,15 @@ def routed_experts_gpu(
     limit: float | None,
     shared_limit: float | None = None,
     interpret: bool = False,
-    swiglu_tiles: tuple[int | None, ...] = (None,) * 4,
-    down_tiles: tuple[int | None, ...] = (None,) * 4,
+    swiglu_tiles: tuple[int | None, ...] = (),
+    down_tiles: tuple[int | None, ...] = (),
 ):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
     is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
-    Tiles: (block_n, block_k, num_warps, num_stages) of each kernel, powers of two; None ones from the tuned
-    tables (`launch_tiles`)."""
+    Tiles: (block_n, block_k, num_warps, num_stages, in_flight) of each kernel (`tuned.RowTiles`), the blocks
+    powers of two; None ones and those not given from the tuned tables (`launch_tiles`)."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]
