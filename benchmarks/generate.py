@@ -166,10 +166,10 @@ def main(argv=None) -> int:
         "cache contents",
     )
     parser.add_argument(
-        "--gemv-min-programs",
-        help="comma-separated: the decode gemv's min_programs (the K splits of `pallas_kernels.fp8.tuned."
-        "WEIGHT_ONLY_GEMV`'s tiles: splits until strips x splits reach it), each timed on the same weights and cache "
-        "contents after the table's own (default: the table's only)",
+        "--gemv-tiles",
+        help="comma-separated variants of the decode gemv's tiles (`pallas_kernels.fp8.tuned.GemvTiles`), each "
+        "FIELD=VALUE[:FIELD=VALUE...] over every WEIGHT_ONLY_GEMV entry (e.g. min_programs=1056,blocks_per_step=2), "
+        "each timed on the same weights and cache contents after the table's own (default: the table's only)",
     )
     parser.add_argument(
         "--mtp",
@@ -207,8 +207,11 @@ def main(argv=None) -> int:
         parser.error(f"--kda-decode: expected {', '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}")
     if not all(batch.strip().isdigit() and int(batch) > 0 for batch in args.batches.split(",")):
         parser.error(f"--batches: expected positive integers, comma-separated, got {args.batches!r}")
-    if args.gemv_min_programs and not all(v.strip().isdigit() for v in args.gemv_min_programs.split(",")):
-        parser.error(f"--gemv-min-programs: expected integers, comma-separated, got {args.gemv_min_programs!r}")
+    try:
+        for text in args.gemv_tiles.split(",") if args.gemv_tiles else ():
+            gemv_variant(text)
+    except ValueError as error:
+        parser.error(f"--gemv-tiles: {error}")
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if set(args.sampling.split(",")) - {"general", "specialised"}:
@@ -254,14 +257,25 @@ def main(argv=None) -> int:
 GEMV_TABLE = dict(fp8_tuned.WEIGHT_ONLY_GEMV)
 
 
-def set_gemv_min_programs(min_programs: int | None) -> str:
-    """Every WEIGHT_ONLY_GEMV entry with this min_programs (None: the table's own), jax's trace caches cleared
+def gemv_variant(text: str) -> dict[str, int]:
+    """{field: value} of FIELD=VALUE[:FIELD=VALUE...], fields of `GemvTiles` taking integers."""
+    fields = {field.name for field in dataclasses.fields(fp8_tuned.GemvTiles)} - {"reduce_each_block"}
+    variant = {}
+    for item in text.split(":"):
+        name, _, value = item.partition("=")
+        if name not in fields or not value.isdigit():
+            raise ValueError(f"expected FIELD=INTEGER with FIELD one of {', '.join(sorted(fields))}, got {item!r}")
+        variant[name] = int(value)
+    return variant
+
+
+def set_gemv_tiles(fields: dict[str, int]) -> str:
+    """Every WEIGHT_ONLY_GEMV entry with these fields replaced ({}: the table's own), jax's trace caches cleared
     (the kernels look their tiles up when traced); a label for the rows."""
     for key, entry in GEMV_TABLE.items():
-        params = entry.params if min_programs is None else dataclasses.replace(entry.params, min_programs=min_programs)
-        fp8_tuned.WEIGHT_ONLY_GEMV[key] = dataclasses.replace(entry, params=params)
+        fp8_tuned.WEIGHT_ONLY_GEMV[key] = dataclasses.replace(entry, params=dataclasses.replace(entry.params, **fields))
     jax.clear_caches()
-    return "" if min_programs is None else f", gemv min_programs {min_programs}"
+    return "".join(f", gemv {name} {value}" for name, value in fields.items())
 
 
 def device_memory_gb(key: str = "bytes_in_use") -> str:
@@ -274,7 +288,7 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     a row per batch and KDA decode mode."""
     start = time.perf_counter()
     kda_modes = args.kda_decode.split(",")
-    min_programs_list = [None, *(int(v) for v in (args.gemv_min_programs or "").split(",") if v)]
+    gemv_variants = [{}, *(gemv_variant(v) for v in args.gemv_tiles.split(","))] if args.gemv_tiles else [{}]
     policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul, kda_decode=kda_modes[0])
     model = random_model(config, weights=weights, dtype=jnp.bfloat16, policy=policy)
     params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
@@ -293,9 +307,9 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
         nbytes, parts = step_bytes(model, filled_cache(model, batch, context, args.steps + 16), token)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
-        for kda_decode, min_programs in itertools.product(kda_modes, min_programs_list):
+        for kda_decode, gemv_fields in itertools.product(kda_modes, gemv_variants):
             model.policy = dataclasses.replace(model.policy, kda_decode=kda_decode)
-            variant = kda_decode + set_gemv_min_programs(min_programs)
+            variant = kda_decode + set_gemv_tiles(gemv_fields)
             cache = filled_cache(model, batch, context, args.steps + 16)  # the same contents for every mode
             decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
             del cache
@@ -312,7 +326,7 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             if args.profile and len(rows) == 1:
                 report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
-        set_gemv_min_programs(None)
+        set_gemv_tiles({})
         for index, sampling in enumerate(args.sampling.split(",") if args.mtp else ()):
             # the first mode's programs of the profiled batch are traced
             profile = args.profile if batch == first_batch and index == 0 else None
