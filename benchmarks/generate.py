@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import variants  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     PROFILE_STEPS,
     copy_bandwidth,
@@ -61,7 +62,6 @@ from ling_jax.generation.generator import DECODE_READ_GROUP  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KDADecode  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
-from pallas_kernels.fp8 import tuned as fp8_tuned  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -166,10 +166,10 @@ def main(argv=None) -> int:
         "cache contents",
     )
     parser.add_argument(
-        "--gemv-tiles",
-        help="comma-separated variants of the decode gemv's tiles (`pallas_kernels.fp8.tuned.GemvTiles`), each "
-        "FIELD=VALUE[:FIELD=VALUE...] over every WEIGHT_ONLY_GEMV entry (e.g. min_programs=1056,blocks_per_step=2), "
-        "each timed on the same weights and cache contents after the table's own (default: the table's only)",
+        "--variants",
+        help="comma-separated launch-setting variants, each TARGET.FIELD=VALUE[:TARGET.FIELD=VALUE...] "
+        "(`benchmarks.variants`: gemv.min_programs=1056, mla.min_split=64, ...), each timed on the same weights "
+        "and cache contents after the shipped settings (default: those only)",
     )
     parser.add_argument(
         "--mtp",
@@ -208,10 +208,10 @@ def main(argv=None) -> int:
     if not all(batch.strip().isdigit() and int(batch) > 0 for batch in args.batches.split(",")):
         parser.error(f"--batches: expected positive integers, comma-separated, got {args.batches!r}")
     try:
-        for text in args.gemv_tiles.split(",") if args.gemv_tiles else ():
-            gemv_variant(text)
+        for text in args.variants.split(",") if args.variants else ():
+            variants.parse(text)
     except ValueError as error:
-        parser.error(f"--gemv-tiles: {error}")
+        parser.error(f"--variants: {error}")
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if set(args.sampling.split(",")) - {"general", "specialised"}:
@@ -254,30 +254,6 @@ def main(argv=None) -> int:
     return 0
 
 
-GEMV_TABLE = dict(fp8_tuned.WEIGHT_ONLY_GEMV)
-
-
-def gemv_variant(text: str) -> dict[str, int]:
-    """{field: value} of FIELD=VALUE[:FIELD=VALUE...], fields of `GemvTiles` taking integers."""
-    fields = {field.name for field in dataclasses.fields(fp8_tuned.GemvTiles)} - {"reduce_each_block"}
-    variant = {}
-    for item in text.split(":"):
-        name, _, value = item.partition("=")
-        if name not in fields or not value.isdigit():
-            raise ValueError(f"expected FIELD=INTEGER with FIELD one of {', '.join(sorted(fields))}, got {item!r}")
-        variant[name] = int(value)
-    return variant
-
-
-def set_gemv_tiles(fields: dict[str, int]) -> str:
-    """Every WEIGHT_ONLY_GEMV entry with these fields replaced ({}: the table's own), jax's trace caches cleared
-    (the kernels look their tiles up when traced); a label for the rows."""
-    for key, entry in GEMV_TABLE.items():
-        fp8_tuned.WEIGHT_ONLY_GEMV[key] = dataclasses.replace(entry, params=dataclasses.replace(entry.params, **fields))
-    jax.clear_caches()
-    return "".join(f", gemv {name} {value}" for name, value in fields.items())
-
-
 def device_memory_gb(key: str = "bytes_in_use") -> str:
     stats = jax.devices()[0].memory_stats()
     return f"{stats[key] / 1e9:.1f}" if stats else "n/a"
@@ -288,7 +264,7 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     a row per batch and KDA decode mode."""
     start = time.perf_counter()
     kda_modes = args.kda_decode.split(",")
-    gemv_variants = [{}, *(gemv_variant(v) for v in args.gemv_tiles.split(","))] if args.gemv_tiles else [{}]
+    patch_sets = [{}, *(variants.parse(v) for v in args.variants.split(","))] if args.variants else [{}]
     policy = ExecutionPolicy(fp8_matmul=args.fp8_matmul, kda_decode=kda_modes[0])
     model = random_model(config, weights=weights, dtype=jnp.bfloat16, policy=policy)
     params_gb = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model))) / 1e9
@@ -307,9 +283,9 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
         nbytes, parts = step_bytes(model, filled_cache(model, batch, context, args.steps + 16), token)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)
-        for kda_decode, gemv_fields in itertools.product(kda_modes, gemv_variants):
+        for kda_decode, patches in itertools.product(kda_modes, patch_sets):
             model.policy = dataclasses.replace(model.policy, kda_decode=kda_decode)
-            variant = kda_decode + set_gemv_tiles(gemv_fields)
+            variant = kda_decode + variants.apply(patches)
             cache = filled_cache(model, batch, context, args.steps + 16)  # the same contents for every mode
             decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
             del cache
@@ -326,7 +302,7 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             if args.profile and len(rows) == 1:
                 report = profile_report(pathlib.Path(args.profile), PROFILE_STEPS)
                 print(f"{weights} batch {batch}, the profiled decode steps by layer kind:\n{report}\n", flush=True)
-        set_gemv_tiles({})
+        variants.apply({})
         for index, sampling in enumerate(args.sampling.split(",") if args.mtp else ()):
             # the first mode's programs of the profiled batch are traced
             profile = args.profile if batch == first_batch and index == 0 else None

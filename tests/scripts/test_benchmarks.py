@@ -42,10 +42,10 @@ CPU_RUNS = {
         "benchmarks.generate",
         ["--quick", "--preset", "tiny", "--weights", "stored", "--batches", "1", "--decode-only", "--mtp", "1"]
         + ["--layers", "3"]  # the preset's first 3 of its 4 layers
-        + ["--gemv-tiles", "min_programs=16:blocks_per_step=2"],
+        + ["--variants", "gemv.min_programs=16:mla.min_split=64"],
         (
             "3 layers ('kda', 'mla', 'kda')",
-            "KDA decode auto, gemv min_programs 16, gemv blocks_per_step 2: prefill",
+            "KDA decode auto, gemv.min_programs 16, mla.min_split 64: prefill",
             "MTP 1 draft(s), specialised sampling: generate.py's decode step",
             "program of speculative rounds:",
         ),
