@@ -13,6 +13,8 @@
                                                 # and as one kernel a layer, on the same weights
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --decode-only --mtp 1
                                                 # also generate.py's speculative round against its decode step
+    python -m benchmarks.generate --preset ling-3.0-flash --weights stored --decode-only \
+        --variants gemv.min_programs=1056,mla.min_split=64   # launch settings timed in the model, same weights
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
