@@ -147,9 +147,11 @@ _GEMV_REGISTERS = "docs/benchmarks/matmul.md#decode-gemv-tiles-for-2-7-rows-2026
 WEIGHT_ONLY_GEMV = _gpu(
     {
         (ANY, "16bit"): Entry(
-            GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2),
-            "docs/benchmarks/matmul.md#the-decode-shaped-kernel-gpu_triton_gemv-2026-12-02: the best of a "
-            "7-setting sweep at 1 row (8192 x 4096: 24.9 us, 1,347 GB/s)",
+            GemvTiles(32, 2, 528, GEMV_DOT_ROWS, 4, 2),
+            "docs/benchmarks/generation.md#decode-launch-settings-timed-in-the-model-2026-12-05-eighteenth-session: "
+            "2 K blocks a step (4 before), in the model (Ling-3.0-flash's first 24 layers, H100): decode step 2.45 -> "
+            "2.33 ms at batch 1, 6.21 -> 6.23 ms at batch 8; (32, 4, 528) was the best of a 7-setting sweep at 1 row "
+            "(docs/benchmarks/matmul.md#the-decode-shaped-kernel-gpu_triton_gemv-2026-12-02: 8192 x 4096 24.9 us)",
         ),
         ("fma_rows", "16bit"): Entry(
             GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, reduce_each_block=True),

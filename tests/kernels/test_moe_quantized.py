@@ -220,11 +220,11 @@ def test_routed_experts_match_float64(fmt, shared_fmt, dtype, variant):
     assert err <= TOL[dtype]
 
 
-@pytest.mark.parametrize("in_flight", [0, 3])
+@pytest.mark.parametrize("in_flight", [0, 1, 3])
 def test_row_kernels_with_weights_in_flight_match_float64(in_flight):
-    """The row kernels with `in_flight` weights loaded a K step (0: all; 3: the down kernel's top_k + shared
-    experts in groups of 3 and 1, SwiGLU's gate and up together), at 2 tokens where the table loads them one after
-    the other: the same products, an invalid slot included."""
+    """The row kernels with `in_flight` weights loaded a K step (0: all; 1: one after the other, an invalid slot's
+    loop empty; 3: the down kernel's top_k + shared experts in groups of 3 and 1, SwiGLU's gate and up together):
+    the same products, an invalid slot included."""
     from pallas_kernels.moe.gpu_triton.decode import routed_experts_gpu
 
     x, weights, experts, gate, up, down = decode_case(2, "fp8", jnp.float32, seed=17)
