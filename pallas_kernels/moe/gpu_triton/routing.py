@@ -7,7 +7,7 @@ so it is written for few of them. The E logits come as a [G, P] tile, expert g *
 and P experts a group each padded to a power of two, padding masked): the group scores (each group's two best)
 are three reductions along P for all groups at once, their ranking one over a [G, G] comparison, and each of the
 top_k picks one argmax (Triton's (value, index) reduction: the largest choice and its lowest index, i.e. the
-lowest expert among equals) plus one sum for its score.
+lowest expert among equals); the picks' scores come after the loop, in one [slots, E] reduction.
 """
 
 from __future__ import annotations
@@ -57,18 +57,17 @@ def _kernel(logits_ref, bias_ref, weights_ref, experts_ref, *, rule: RoutingRule
         choice_GP = jnp.where(_kept_groups(choice_GP, rule.topk_group), choice_GP, -jnp.inf)
     position_E = jnp.arange(padded_groups * padded_per_group)
     choice_E = choice_GP.reshape(-1)
-    scores_E = scores_GP.reshape(-1)
     slot_S = jnp.arange(slots)
-    weights_S = jnp.zeros((slots,), jnp.float32)
-    experts_S = jnp.zeros((slots,), jnp.int32)
+    positions_S = jnp.full((slots,), -1, jnp.int32)  # padded slots pick nothing
     for slot in range(rule.top_k):
         position = jnp.argmax(choice_E)
-        picked_E = position_E == position
-        score = jnp.sum(jnp.where(picked_E, scores_E, 0.0))
-        expert = (position // padded_per_group) * per_group + position % padded_per_group
-        weights_S = jnp.where(slot_S == slot, score, weights_S)
-        experts_S = jnp.where(slot_S == slot, expert.astype(jnp.int32), experts_S)
-        choice_E = jnp.where(picked_E, -jnp.inf, choice_E)
+        positions_S = jnp.where(slot_S == slot, position.astype(jnp.int32), positions_S)
+        choice_E = jnp.where(position_E == position, -jnp.inf, choice_E)
+    # the picks' scores in one [slots, E] reduction after the loop, not one reduction a pick inside it
+    picked_SE = position_E[None, :] == positions_S[:, None]
+    weights_S = jnp.sum(jnp.where(picked_SE, scores_GP.reshape(-1)[None, :], 0.0), axis=1)
+    experts_S = (positions_S // padded_per_group) * per_group + positions_S % padded_per_group
+    experts_S = jnp.where(slot_S < rule.top_k, experts_S, 0)
     if rule.norm_topk_prob:
         weights_S = weights_S / (jnp.sum(weights_S) + 1e-20)
     weights_ref[...] = weights_S * rule.scaling
