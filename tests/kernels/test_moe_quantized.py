@@ -224,10 +224,10 @@ def test_routed_experts_match_float64(fmt, shared_fmt, dtype, variant):
 def test_row_kernels_with_weights_in_flight_match_float64(in_flight):
     """The row kernels with `in_flight` weights loaded a K step (0: all; 1: one after the other, an invalid slot's
     loop empty; 3: the down kernel's top_k + shared experts in groups of 3 and 1, SwiGLU's gate and up together):
-    the same products, an invalid slot included."""
+    the same products, for tokens with an invalid slot (masked rows) and one without (unmasked loads)."""
     from pallas_kernels.moe.gpu_triton.decode import routed_experts_gpu
 
-    x, weights, experts, gate, up, down = decode_case(2, "fp8", jnp.float32, seed=17)
+    x, weights, experts, gate, up, down = decode_case(3, "fp8", jnp.float32, seed=17)
     shared = tuple(
         jax.tree.map(lambda a: a[0], quantized("fp8", shape, 30 + i))
         for i, shape in enumerate([(1, WIDTH, HIDDEN)] * 2 + [(1, HIDDEN, WIDTH)])

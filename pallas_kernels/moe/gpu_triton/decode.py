@@ -141,7 +141,8 @@ def _down_combine_kernel(
     """Program (token, column tile): loops over the width I whose every step loads the tile of each of in_flight
     of the token's experts (its top_k slots, then the shared expert's; 0: all in one loop) before using any: the
     experts' bytes in flight together, one memory round trip a step for the group rather than one an expert. In a
-    group an invalid slot's rows are masked (no reads) and its routing weight zeroed; one expert at a time
+    group an invalid slot's rows are masked (no reads) and its routing weight zeroed, the loads of a program whose
+    slots are all valid left unmasked (a second form of the loop, picked by a branch); one expert at a time
     (in_flight 1), an invalid slot's loop runs no steps and the rows are masked only at the weight's edge (row
     masks on every load cost ~20% at 8 tokens on an H100)."""
     *weight_refs, y_ref = refs
@@ -170,8 +171,14 @@ def _down_combine_kernel(
     reads = [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms]
     if in_flight == 1:
         products = [_tile_products([read], n, **keywords)[0] for read, n in zip(reads, term_steps)]
-    else:
-        products = _grouped_products(reads, steps, in_flight, **keywords)
+    else:  # the row masks only where a slot is invalid (expert-parallel shards): unmasked loads are faster
+        unmasked = [(tiles_of, expert, edge_ok, ref, row) for tiles_of, expert, _, ref, row in reads]
+        all_valid = functools.reduce(jnp.minimum, term_steps) > 0
+        products = jax.lax.cond(
+            all_valid,
+            lambda: tuple(_grouped_products(unmasked, steps, in_flight, **keywords)),
+            lambda: tuple(_grouped_products(reads, steps, in_flight, **keywords)),
+        )
     acc_N = sum(weight * product_N for (*_, weight), product_N in zip(terms, products))
     plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=edge_ok)
 
