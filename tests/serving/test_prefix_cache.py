@@ -13,7 +13,7 @@ from ling_jax.serving.pages import PagePool
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Request, Scheduler
 
-BLOCK, PAGE, MAX_TOKENS, CACHE_BYTES = 16, 8, 6, 1 << 22
+BLOCK, PAGE, MAX_TOKENS, CACHE_BYTES, SLOTS = 16, 8, 6, 1 << 22, 2
 SYSTEM = list(range(300, 340))  # 40 tokens: two whole blocks and 8 more
 CASES = [  # (prompt, sampling, cached tokens it can resume after once the first one ran)
     (SYSTEM + [5, 6, 7, 8, 9], GREEDY, 0),
@@ -26,7 +26,7 @@ CASES = [  # (prompt, sampling, cached tokens it can resume after once the first
 @pytest.fixture(scope="module")
 def scheduler(demo_model, demo_tokenizer):
     engine = Engine(
-        demo_model, max_batch=3, max_context=64, prefill_chunk=BLOCK, page_size=PAGE, prefix_cache_bytes=CACHE_BYTES
+        demo_model, max_batch=SLOTS, max_context=64, prefill_chunk=BLOCK, page_size=PAGE, prefix_cache_bytes=CACHE_BYTES
     )
     engine.warm_up()
     cache = PrefixCache(engine.pages, BLOCK, CACHE_BYTES)
@@ -71,7 +71,7 @@ def test_resumed_requests_equal_cold_ones_and_hits_count(scheduler, cold, demo_m
     assert _counter(scheduler, "hits") == 3
     assert _counter(scheduler, "hit_tokens") == sum(c[2] for c in CASES)
     assert len(scheduler.prefix_cache) == 2  # the system prompt's two whole blocks (the others end in part blocks)
-    assert scheduler.slots == [None] * 3
+    assert scheduler.slots == [None] * SLOTS
     # what ling-serve's --prefix-cache-gb check counts a block at
     assert scheduler.prefix_cache.nbytes == 2 * prefix_block_bytes(demo_model.config, BLOCK, demo_model.dtype, mtp=0)
 

@@ -46,6 +46,13 @@ def scheduler(demo_model, demo_tokenizer):
     return Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
 
 
+@pytest.fixture(scope="module")
+def references(alone) -> list[list[int]]:
+    """Each case's tokens run alone through `Generator` (computed once: three tests compare with them)."""
+    reference = alone(CHUNK)
+    return [reference(*case) for case in CASES]
+
+
 def _request(case, sink: list) -> Request:
     prompt, sampling, max_tokens = case
     return Request(prompt=prompt, sampling=sampling, max_tokens=max_tokens, emit=sink.append)
@@ -59,7 +66,7 @@ def _run_until_idle(scheduler: Scheduler, limit: int = 200) -> int:
     raise AssertionError(f"still busy after {limit} steps")
 
 
-def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokenizer, monkeypatch):
+def test_more_requests_than_slots_each_equal_alone(scheduler, references, demo_tokenizer, monkeypatch):
     """Also: each decode step ran the smallest bucket holding its active slots, and the steps ran buckets both
     below --max-batch and with an idle slot under an active one."""
     engine, steps = scheduler.engine, []
@@ -70,7 +77,7 @@ def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokeni
         return steps[-1][1]
 
     monkeypatch.setattr(engine, "decode_rows", recording)
-    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    _check_each_equals_alone(scheduler, references, demo_tokenizer)
     assert all(rows == max(np.flatnonzero(active)) + 1 for active, rows in steps)
     assert any(rows < MAX_BATCH for _, rows in steps)
     assert any(not all(active[:rows]) for active, rows in steps)
@@ -82,24 +89,22 @@ def test_decode_buckets():
 
 
 @gpu_test("the serving engine over the GPU kernels (Pallas KDA / MLA decode, fused MoE)")
-def test_on_the_gpu_each_equals_alone(demo_model, demo_tokenizer, alone):
+def test_on_the_gpu_each_equals_alone(demo_model, demo_tokenizer, references):
     engine = Engine(
         demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK, prefill_budget=BUDGET
     )
     engine.warm_up()
     scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
-    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    _check_each_equals_alone(scheduler, references, demo_tokenizer)
 
 
-def _check_each_equals_alone(scheduler, alone, demo_tokenizer):
+def _check_each_equals_alone(scheduler, references, demo_tokenizer):
     sinks = [[] for _ in CASES]
     requests = [_request(case, sink) for case, sink in zip(CASES, sinks)]
     for request in requests:
         scheduler.submit(request)
     _run_until_idle(scheduler)
-    reference = alone(CHUNK)
-    for case, request, sink in zip(CASES, requests, sinks):
-        expected = reference(*case)
+    for case, request, sink, expected in zip(CASES, requests, sinks, references):
         assert request.tokens == expected, case
         assert [t for d in sink for t in d.token_ids] == expected
         assert sink[-1].finish in (Finish.LENGTH, Finish.STOP) and all(d.finish is None for d in sink[:-1])
@@ -173,12 +178,10 @@ def _counter(scheduler: Scheduler, name: str) -> float:
     return scheduler.metrics.registry.get_sample_value(f"ling_serve_{name}_total")
 
 
-def test_mtp_each_request_equals_plain_decoding_alone(mtp_scheduler, alone, demo_tokenizer):
+def test_mtp_each_request_equals_plain_decoding_alone(mtp_scheduler, references, demo_tokenizer):
     sinks = [[] for _ in CASES]
     requests = _run(mtp_scheduler, CASES, sinks)
-    reference = alone(CHUNK)
-    for case, request, sink in zip(CASES, requests, sinks):
-        expected = reference(*case)
+    for case, request, sink, expected in zip(CASES, requests, sinks, references):
         assert request.tokens == expected, case
         assert [t for d in sink for t in d.token_ids] == expected
         assert "".join(d.text for d in sink) == demo_tokenizer.decode(expected)
@@ -315,7 +318,7 @@ def test_mtp_and_prefix_layout_logprobs_equal_the_forward_pass(mtp_scheduler, gr
     _assert_mtp_all_free(mtp_scheduler)
 
 
-def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkeypatch):
+def test_decode_groups_each_equal_alone(scheduler, references, demo_tokenizer, monkeypatch):
     """Several decode steps per program (`decode_steps`) once nothing else waits: each request still equals itself
     run alone; one ending inside a program at max_tokens, at EOS or at a stop token id streams nothing past it, and
     the slot stopped on the device at its max_tokens or its end token (the program dispatched before its end was
@@ -330,7 +333,7 @@ def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkey
 
     monkeypatch.setattr(engine, "decode_steps", 4)
     monkeypatch.setattr(engine, "decode", recording)
-    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    _check_each_equals_alone(scheduler, references, demo_tokenizer)
     assert {s for s, _ in steps} == {1, 4}
     prompt = CASES[0][0]
     monkeypatch.setattr(engine, "decode_steps", 1)
