@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from doc_blocks import blocks
-from helpers import REPO_ROOT
+from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 from optional_deps import require_serve_extra
 
 from ling_jax.generation.sampling import SamplingParams
@@ -24,10 +24,11 @@ LONG_PROMPT = PROMPT + " in possession of a good fortune must be in want of a wi
 
 @pytest.fixture(scope="module")
 def url(start_server):
-    """A server of this module's own: the demo server has no prefix cache."""
+    """A server of this module's own: the demo server has no prefix cache. At XLA's cheap level, with the faster-
+    compiling emitters of the suite's subprocesses (its programs compile far longer than its requests run)."""
     flags = ["--max-batch", str(MAX_BATCH), "--max-context", "64", "--prefill-chunk", "16"]
     flags += ["--page-size", "8", "--prefix-cache-gb", "0.01"]
-    with start_server(flags) as server:
+    with start_server(flags, {"XLA_FLAGS": ONE_DEVICE_XLA_FLAGS}) as server:
         yield server.ready()
 
 
