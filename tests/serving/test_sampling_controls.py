@@ -148,10 +148,12 @@ def test_the_docs_example_works_as_written(url, capsys):
     assert 12 <= completion_tokens <= 24 and cached_tokens == 0
 
 
-def test_forked_choices_with_mtp_equal_the_request_alone(demo_model, demo_tokenizer):
+def test_forked_choices_with_mtp_equal_the_request_alone(demo_model, demo_tokenizer, monkeypatch):
     """Greedy, three choices of one prompt (the left-padded layout, two forks with a partial page each, MTP drafts)
-    equal the prompt run as one choice."""
+    equal the prompt run as one choice. Every step over all three slots: one speculative program to compile, not one
+    per bucket (a request equals itself in any bucket: tests/serving/test_scheduler.py)."""
     engine = Engine(demo_model, max_batch=3, max_context=64, prefill_chunk=16, page_size=8, mtp=2)
+    monkeypatch.setattr(engine, "decode_rows", lambda active_B: engine.max_batch)
     scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=1)
     prompt, greedy = demo_tokenizer.encode(PROMPT), SamplingParams(temperature=0.0)
 
