@@ -9,8 +9,8 @@ page of the second block, one ending on a block boundary) resume from cached KDA
 shared in place, and give exactly the tokens they give with an empty cache; no page is leaked; a cache smaller than
 the prompts evicts and changes no token (the radix tree's LRU eviction alone: tests/serving/test_prefix_cache.py).
 
-MTP speculation per slot (`Engine(mtp=2)`, `ling-serve --mtp 2`; the demo checkpoint has an MTP layer), with the
-prefix cache on, here too so that the `Generator` reference compiles once: the same requests give the same
+MTP speculation per slot (`Engine(mtp=2)`, `ling-serve --mtp 2`; the demo checkpoint has an MTP layer), on an
+engine of its own with the same prefix cache, against the same `Generator` references: the same requests give the same
 outputs as without MTP (as `Generator(mtp=K)` does, tests/generation/test_generate.py), drafts both accepted and
 rejected; a max_tokens or EOS cut inside a step's accepted run streams no token past it; requests resumed from
 cached prefixes (KDA states, MLA pages and MTP entries) give the tokens and MTP entries they give with an empty
