@@ -71,10 +71,11 @@ class Setup:
         return cli_checks.preset_source(self.preset)
 
 
-# the demo: several decode steps a program (the default) over batch buckets 1 and 2; the preset (prompts are bytes,
-# hence the longer context): batch buckets 1, 2 and 4, one step a program
-DEMO = Setup(2, 2, None, ("--max-batch", "2", "--max-context", "64"))
-TINY = Setup(4, 1, "tiny", ("--preset", "tiny", "--max-batch", "4", "--decode-steps", "1", "--max-context", "128"))
+# the demo: one slot (requests wait for it), several decode steps a program (the default); the preset (prompts are
+# bytes, hence the longer context): batch buckets 1 and 2 (a bucket below --max-batch, an idle slot under an active
+# one), one step a program. Each decode bucket is a program every process compiles before `ready`.
+DEMO = Setup(2, 2, None, ("--max-batch", "1", "--max-context", "64"))
+TINY = Setup(4, 1, "tiny", ("--preset", "tiny", "--max-batch", "2", "--decode-steps", "1", "--max-context", "128"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,7 @@ def test_a_command_round_trips_with_its_arrays_and_sampling_parameters():
 
 
 def test_8_concurrent_completions_whole_and_streamed_equal_each_run_alone(job, client, references):
-    # twice the slots of the larger job (--max-batch 4): requests wait for a slot; each prompt twice in flight
+    # more than the slots (--max-batch 1 and 2): requests wait for a slot; each prompt twice in flight
     requests = [(case, stream) for case in range(len(CASES)) for stream in (False, True)]
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         texts = pool.map(lambda request: _complete(client, job.setup.model, *request), requests)

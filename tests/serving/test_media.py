@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 from doc_blocks import blocks
-from helpers import REPO_ROOT
+from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 from optional_deps import require_serve_extra
 
 require_serve_extra()
@@ -66,7 +66,7 @@ def server(root):
     command = [sys.executable, "-m", "ling_jax.serving", "--model", str(root / "vl"), "--port", str(port)]
     command += ["--served-model-name", MODEL, "--max-batch", "4", "--max-context", str(MAX_CONTEXT)]
     command += ["--prefill-chunk", str(CHUNK), "--allowed-local-media-path", str(root / "images")]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": ONE_DEVICE_XLA_FLAGS}  # faster-compiling emitters
     log = root / "server.log"
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from doc_blocks import blocks
-from helpers import REPO_ROOT
+from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 from optional_deps import require_serve_extra
 
 from ling_jax.generation.sampling import SamplingParams
@@ -24,10 +24,11 @@ LONG_PROMPT = PROMPT + " in possession of a good fortune must be in want of a wi
 
 @pytest.fixture(scope="module")
 def url(start_server):
-    """A server of this module's own: the demo server has no prefix cache."""
+    """A server of this module's own: the demo server has no prefix cache. At XLA's cheap level, with the faster-
+    compiling emitters of the suite's subprocesses (its programs compile far longer than its requests run)."""
     flags = ["--max-batch", str(MAX_BATCH), "--max-context", "64", "--prefill-chunk", "16"]
     flags += ["--page-size", "8", "--prefix-cache-gb", "0.01"]
-    with start_server(flags) as server:
+    with start_server(flags, {"XLA_FLAGS": ONE_DEVICE_XLA_FLAGS}) as server:
         yield server.ready()
 
 
@@ -147,10 +148,12 @@ def test_the_docs_example_works_as_written(url, capsys):
     assert 12 <= completion_tokens <= 24 and cached_tokens == 0
 
 
-def test_forked_choices_with_mtp_equal_the_request_alone(demo_model, demo_tokenizer):
+def test_forked_choices_with_mtp_equal_the_request_alone(demo_model, demo_tokenizer, monkeypatch):
     """Greedy, three choices of one prompt (the left-padded layout, two forks with a partial page each, MTP drafts)
-    equal the prompt run as one choice."""
+    equal the prompt run as one choice. Every step over all three slots: one speculative program to compile, not one
+    per bucket (a request equals itself in any bucket: tests/serving/test_scheduler.py)."""
     engine = Engine(demo_model, max_batch=3, max_context=64, prefill_chunk=16, page_size=8, mtp=2)
+    monkeypatch.setattr(engine, "decode_rows", lambda active_B: engine.max_batch)
     scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=1)
     prompt, greedy = demo_tokenizer.encode(PROMPT), SamplingParams(temperature=0.0)
 

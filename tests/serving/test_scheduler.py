@@ -1,9 +1,16 @@
-"""The scheduler and engine in-process on the demo checkpoint: more requests than slots, mixed prompt lengths
-(one and several prefill chunks), greedy and seeded sampling; each output equals the request run alone through
-`Generator`, no slot is left taken, and a cancelled request frees its slot at the next step.
+"""The scheduler and engine in-process on the demo checkpoint, with the prefix cache (prompts chunked on blocks; the
+left-padded layout without it: tests/serving/test_server.py's demo server, test_sampling_controls.py's forks): more
+requests than slots, mixed prompt lengths (one and several prefill chunks), greedy and seeded sampling; each output
+equals the request run alone through `Generator`, no slot is left taken, and a cancelled request frees its slot at
+the next step.
 
-MTP speculation per slot (`Engine(mtp=2)`, `ling-serve --mtp 2`; the demo checkpoint has an MTP layer), with the
-prefix cache on, here too so that the `Generator` reference compiles once: the same requests give the same
+Prefix reuse of hybrid state: requests sharing a system prompt (one diverging inside a cached block, one inside a
+page of the second block, one ending on a block boundary) resume from cached KDA states and the cached MLA pages,
+shared in place, and give exactly the tokens they give with an empty cache; no page is leaked; a cache smaller than
+the prompts evicts and changes no token (the radix tree's LRU eviction alone: tests/serving/test_prefix_cache.py).
+
+MTP speculation per slot (`Engine(mtp=2)`, `ling-serve --mtp 2`; the demo checkpoint has an MTP layer), on an
+engine of its own with the same prefix cache, against the same `Generator` references: the same requests give the same
 outputs as without MTP (as `Generator(mtp=K)` does, tests/generation/test_generate.py), drafts both accepted and
 rejected; a max_tokens or EOS cut inside a step's accepted run streams no token past it; requests resumed from
 cached prefixes (KDA states, MLA pages and MTP entries) give the tokens and MTP entries they give with an empty
@@ -21,13 +28,13 @@ from helpers import gpu_test
 
 from ling_jax.cache import KDAState
 from ling_jax.generation.sampling import SamplingParams
-from ling_jax.serving.engine import GREEDY, Engine, decode_buckets
+from ling_jax.serving.engine import GREEDY, Engine, decode_buckets, prefix_block_bytes
 from ling_jax.serving.prefix_cache import PrefixCache
 from ling_jax.serving.scheduler import Finish, QueueFull, Request, Scheduler
 from tests.serving.conftest import LOGPROBS_MAX_TOKENS, logprobs_close
-from tests.serving.test_prefix_cache import CASES as PREFIX_CASES
 
 MAX_BATCH, MAX_CONTEXT, CHUNK, BUDGET = 2, 96, 16, 32  # two prompts' chunks per prefill step
+MTP, PAGE, CACHE_BYTES = 2, 8, 1 << 22  # prefix blocks of CHUNK tokens: two pages each
 CASES = [  # (prompt ids, sampling, max_tokens)
     ([5, 17, 300, 42, 9, 1000, 77], GREEDY, 9),
     (list(range(100, 141)), SamplingParams(temperature=0.8, top_p=0.9, seed=3), 7),  # three chunks: 16 + 16 + 16
@@ -35,15 +42,44 @@ CASES = [  # (prompt ids, sampling, max_tokens)
     (list(range(2000, 2019)), SamplingParams(temperature=0.7, min_p=0.05, seed=5), 8),  # two chunks
     ([33, 34], GREEDY, 3),
 ]
+SYSTEM = list(range(300, 340))  # 40 tokens: two whole blocks and 8 more
+PREFIX_CASES = [  # (prompt, sampling, cached tokens it can resume after once the first one ran)
+    (SYSTEM + [5, 6, 7, 8, 9], GREEDY, 0),
+    (SYSTEM + [11, 12, 13], SamplingParams(temperature=0.8, top_p=0.9, seed=4), 32),  # diverges inside block 3
+    (SYSTEM[:20] + [50] * 10, SamplingParams(temperature=1.0, top_k=30, seed=9), 16),  # in block 2's first page
+    (SYSTEM[:32], SamplingParams(temperature=0.0, repetition_penalty=1.3), 16),  # ends on a block boundary
+]
+PREFIX_MAX_TOKENS = 6
+
+
+def _scheduler(model, tokenizer, mtp: int) -> Scheduler:
+    """A warmed-up engine with the prefix cache (prompts chunked on blocks) and its scheduler."""
+    engine = Engine(
+        model,
+        max_batch=MAX_BATCH,
+        max_context=MAX_CONTEXT,
+        prefill_chunk=CHUNK,
+        prefill_budget=BUDGET,
+        page_size=PAGE,
+        prefix_cache_bytes=CACHE_BYTES,
+        mtp=mtp,
+    )
+    engine.warm_up()
+    cache = PrefixCache(engine.pages, CHUNK, CACHE_BYTES)
+    return Scheduler(engine, tokenizer, eos_ids=tokenizer.eos_ids, max_queue=8, prefix_cache=cache)
 
 
 @pytest.fixture(scope="module")
 def scheduler(demo_model, demo_tokenizer):
-    engine = Engine(
-        demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK, prefill_budget=BUDGET
-    )
-    engine.warm_up()
-    return Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
+    """Plain decoding; one engine for the scheduler's and the prefix cache's tests, so it compiles once."""
+    return _scheduler(demo_model, demo_tokenizer, mtp=0)
+
+
+@pytest.fixture(scope="module")
+def references(alone) -> list[list[int]]:
+    """Each case's tokens run alone through `Generator` (computed once: three tests compare with them)."""
+    reference = alone(CHUNK)
+    return [reference(*case) for case in CASES]
 
 
 def _request(case, sink: list) -> Request:
@@ -59,7 +95,7 @@ def _run_until_idle(scheduler: Scheduler, limit: int = 200) -> int:
     raise AssertionError(f"still busy after {limit} steps")
 
 
-def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokenizer, monkeypatch):
+def test_more_requests_than_slots_each_equal_alone(scheduler, references, demo_tokenizer, monkeypatch):
     """Also: each decode step ran the smallest bucket holding its active slots, and the steps ran buckets both
     below --max-batch and with an idle slot under an active one."""
     engine, steps = scheduler.engine, []
@@ -70,7 +106,7 @@ def test_more_requests_than_slots_each_equal_alone(scheduler, alone, demo_tokeni
         return steps[-1][1]
 
     monkeypatch.setattr(engine, "decode_rows", recording)
-    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    _check_each_equals_alone(scheduler, references, demo_tokenizer)
     assert all(rows == max(np.flatnonzero(active)) + 1 for active, rows in steps)
     assert any(rows < MAX_BATCH for _, rows in steps)
     assert any(not all(active[:rows]) for active, rows in steps)
@@ -82,24 +118,22 @@ def test_decode_buckets():
 
 
 @gpu_test("the serving engine over the GPU kernels (Pallas KDA / MLA decode, fused MoE)")
-def test_on_the_gpu_each_equals_alone(demo_model, demo_tokenizer, alone):
+def test_on_the_gpu_each_equals_alone(demo_model, demo_tokenizer, references):
     engine = Engine(
         demo_model, max_batch=MAX_BATCH, max_context=MAX_CONTEXT, prefill_chunk=CHUNK, prefill_budget=BUDGET
     )
     engine.warm_up()
     scheduler = Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8)
-    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    _check_each_equals_alone(scheduler, references, demo_tokenizer)
 
 
-def _check_each_equals_alone(scheduler, alone, demo_tokenizer):
+def _check_each_equals_alone(scheduler, references, demo_tokenizer):
     sinks = [[] for _ in CASES]
     requests = [_request(case, sink) for case, sink in zip(CASES, sinks)]
     for request in requests:
         scheduler.submit(request)
     _run_until_idle(scheduler)
-    reference = alone(CHUNK)
-    for case, request, sink in zip(CASES, requests, sinks):
-        expected = reference(*case)
+    for case, request, sink, expected in zip(CASES, requests, sinks, references):
         assert request.tokens == expected, case
         assert [t for d in sink for t in d.token_ids] == expected
         assert sink[-1].finish in (Finish.LENGTH, Finish.STOP) and all(d.finish is None for d in sink[:-1])
@@ -132,25 +166,10 @@ def test_full_queue_is_refused(scheduler):
     assert all(len(r.tokens) == 1 for r in requests)
 
 
-MTP, PAGE, CACHE_BYTES = 2, 8, 1 << 22
-
-
 @pytest.fixture(scope="module")
 def mtp_scheduler(demo_model, demo_tokenizer):
-    """An engine with MTP drafts and the prefix cache (prompts chunked on blocks); one, so it compiles once."""
-    engine = Engine(
-        demo_model,
-        max_batch=MAX_BATCH,
-        max_context=MAX_CONTEXT,
-        prefill_chunk=CHUNK,
-        prefill_budget=BUDGET,
-        page_size=PAGE,
-        prefix_cache_bytes=CACHE_BYTES,
-        mtp=MTP,
-    )
-    engine.warm_up()
-    cache = PrefixCache(engine.pages, CHUNK, CACHE_BYTES)
-    return Scheduler(engine, demo_tokenizer, eos_ids=demo_tokenizer.eos_ids, max_queue=8, prefix_cache=cache)
+    """MTP drafts; one engine, so it compiles once."""
+    return _scheduler(demo_model, demo_tokenizer, mtp=MTP)
 
 
 def _run(scheduler: Scheduler, cases, sinks=None) -> list[Request]:
@@ -173,12 +192,10 @@ def _counter(scheduler: Scheduler, name: str) -> float:
     return scheduler.metrics.registry.get_sample_value(f"ling_serve_{name}_total")
 
 
-def test_mtp_each_request_equals_plain_decoding_alone(mtp_scheduler, alone, demo_tokenizer):
+def test_mtp_each_request_equals_plain_decoding_alone(mtp_scheduler, references, demo_tokenizer):
     sinks = [[] for _ in CASES]
     requests = _run(mtp_scheduler, CASES, sinks)
-    reference = alone(CHUNK)
-    for case, request, sink in zip(CASES, requests, sinks):
-        expected = reference(*case)
+    for case, request, sink, expected in zip(CASES, requests, sinks, references):
         assert request.tokens == expected, case
         assert [t for d in sink for t in d.token_ids] == expected
         assert "".join(d.text for d in sink) == demo_tokenizer.decode(expected)
@@ -274,7 +291,7 @@ def _scramble(engine: Engine, seed: int) -> None:
 def test_mtp_prefix_hits_equal_cold_requests(mtp_scheduler):
     """Tokens, and each request's MTP entries at its end: the resumed ones (cached blocks' entries restored) are
     the cold ones, whatever their slots held before (each run starts from other leftovers)."""
-    cases = [(prompt, sampling, 6) for prompt, sampling, _ in PREFIX_CASES]
+    cases = [(prompt, sampling, PREFIX_MAX_TOKENS) for prompt, sampling, _ in PREFIX_CASES]
     cold, cold_entries = [], []
     for seed, case in enumerate(cases):
         mtp_scheduler.prefix_cache.clear()
@@ -315,7 +332,7 @@ def test_mtp_and_prefix_layout_logprobs_equal_the_forward_pass(mtp_scheduler, gr
     _assert_mtp_all_free(mtp_scheduler)
 
 
-def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkeypatch):
+def test_decode_groups_each_equal_alone(scheduler, references, demo_tokenizer, monkeypatch):
     """Several decode steps per program (`decode_steps`) once nothing else waits: each request still equals itself
     run alone; one ending inside a program at max_tokens, at EOS or at a stop token id streams nothing past it, and
     the slot stopped on the device at its max_tokens or its end token (the program dispatched before its end was
@@ -330,7 +347,7 @@ def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkey
 
     monkeypatch.setattr(engine, "decode_steps", 4)
     monkeypatch.setattr(engine, "decode", recording)
-    _check_each_equals_alone(scheduler, alone, demo_tokenizer)
+    _check_each_equals_alone(scheduler, references, demo_tokenizer)
     assert {s for s, _ in steps} == {1, 4}
     prompt = CASES[0][0]
     monkeypatch.setattr(engine, "decode_steps", 1)
@@ -361,3 +378,64 @@ def test_decode_groups_each_equal_alone(scheduler, alone, demo_tokenizer, monkey
         assert sum(int(c[stopped.slot]) for _, c in steps[first:]) == cut
         assert scheduler.engine.state.cache.lengths[stopped.slot] == len(prompt) + cut
     assert scheduler.slots == eos.slots == [None] * MAX_BATCH
+
+
+def _prefix_hits(scheduler: Scheduler) -> tuple[float, float]:
+    return _counter(scheduler, "prefix_cache_hits"), _counter(scheduler, "prefix_cache_hit_tokens")
+
+
+def _prefix_tokens(scheduler: Scheduler, cases) -> list[list[int]]:
+    return [r.tokens for r in _run(scheduler, [(prompt, sampling, PREFIX_MAX_TOKENS) for prompt, sampling, _ in cases])]
+
+
+@pytest.fixture(scope="module")
+def cold(scheduler) -> list[list[int]]:
+    """Each prefix case's tokens with an empty cache."""
+    hits = _prefix_hits(scheduler)
+    tokens = []
+    for case in PREFIX_CASES:
+        scheduler.prefix_cache.clear()
+        tokens += _prefix_tokens(scheduler, [case])
+    assert _prefix_hits(scheduler) == hits
+    return tokens
+
+
+def test_prefix_resumed_requests_equal_cold_ones_and_hits_count(scheduler, cold, demo_model):
+    scheduler.prefix_cache.clear()
+    hits, hit_tokens = _prefix_hits(scheduler)
+    warm = _prefix_tokens(scheduler, PREFIX_CASES[:1]) + _prefix_tokens(scheduler, PREFIX_CASES[1:])
+    assert warm == cold
+    assert _prefix_hits(scheduler) == (hits + 3, hit_tokens + sum(c[2] for c in PREFIX_CASES))
+    assert len(scheduler.prefix_cache) == 2  # the system prompt's two whole blocks (the others end in part blocks)
+    assert scheduler.slots == [None] * MAX_BATCH
+    # what ling-serve's --prefix-cache-gb check counts a block at
+    assert scheduler.prefix_cache.nbytes == 2 * prefix_block_bytes(demo_model.config, CHUNK, demo_model.dtype, mtp=0)
+
+
+def test_a_prefix_hit_shares_the_cached_pages_in_place_and_no_page_leaks(scheduler, cold):
+    pool = scheduler.engine.pages
+    scheduler.prefix_cache.clear()
+    assert pool.free == pool.num_pages
+    _prefix_tokens(scheduler, PREFIX_CASES[:1])
+    cached = [page for node in scheduler.prefix_cache.match(SYSTEM + [0]) for page in node.pages]
+    assert len(cached) == 2 * CHUNK // PAGE and pool.free == pool.num_pages - len(cached)
+    prompt, sampling, _ = PREFIX_CASES[1]
+    request = _request((prompt, sampling, PREFIX_MAX_TOKENS), [])
+    scheduler.submit(request)
+    scheduler._step()  # admitted: the cached pages head its page table, held by the cache and by it
+    row = scheduler.engine.page_table_BN[request.slot]
+    assert row[: len(cached)].tolist() == cached and all(pool.holders(p) == 2 for p in cached)
+    assert len(set(row.tolist()) - {pool.num_pages}) == -(-(len(request.prompt) + PREFIX_MAX_TOKENS) // PAGE)
+    _run_until_idle(scheduler)
+    assert all(pool.holders(p) == 1 for p in cached) and pool.free == pool.num_pages - len(cached)
+
+
+def test_a_prefix_cache_smaller_than_the_prompts_evicts_and_changes_no_token(scheduler, cold, demo_model, monkeypatch):
+    block_bytes = prefix_block_bytes(demo_model.config, CHUNK, demo_model.dtype, mtp=0)
+    scheduler.prefix_cache.clear()
+    small = PrefixCache(scheduler.engine.pages, CHUNK, block_bytes + 1)  # one block: inserts evict
+    monkeypatch.setattr(scheduler, "prefix_cache", small)
+    assert _prefix_tokens(scheduler, PREFIX_CASES) == cold  # all at once: resumes and inserts interleave with evictions
+    assert len(small) == 1 and small.nbytes == block_bytes
+    small.clear()
+    assert scheduler.engine.pages.free == scheduler.engine.pages.num_pages  # no page leaked

@@ -13,7 +13,7 @@ import sys
 import threading
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 from optional_deps import require_serve_extra
 
 require_serve_extra()
@@ -53,9 +53,11 @@ def test_missing_tokenizer_names_no_flag_ling_serve_lacks(tmp_path, capsys):
 
 
 def test_health_is_503_while_loading_and_200_once_ready():
-    command = [sys.executable, "-m", "ling_jax.serving", "--preset", "tiny", "--port", "0", "--max-batch", "2"]
-    command += ["--max-context", "64", "--prefill-chunk", "16"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    # one slot and one decode step a program: three programs (a prefill chunk, a decode step, the first token), none
+    # left compiling in the background after `ready`; one device and the faster-compiling emitters, as a CLI run
+    command = [sys.executable, "-m", "ling_jax.serving", "--preset", "tiny", "--port", "0", "--max-batch", "1"]
+    command += ["--max-context", "64", "--prefill-chunk", "16", "--decode-steps", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "XLA_FLAGS": ONE_DEVICE_XLA_FLAGS}
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True)
     watchdog = threading.Timer(START_TIMEOUT_S, process.kill)  # a hung start ends the pipe, and the test
     watchdog.start()

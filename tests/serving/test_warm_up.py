@@ -40,6 +40,9 @@ def tiny_model():
     return random_model(PRESETS["tiny"], dtype=jnp.float32)
 
 
+# The tests run in this order so that the tiny engine's programs compile as few times as they can: the first test's
+# second warm-up reads them from the persistent cache into jax's in-memory caches, where the next two tests' engines
+# (the same shapes) find them; the stored-program test then clears those caches (a new process) and compiles anew.
 def _engine(model) -> Engine:  # two prompts' chunks per prefill step, decode buckets 1 and 2
     return Engine(model, max_batch=2, max_context=64, prefill_chunk=CHUNK, prefill_budget=2 * CHUNK)
 
@@ -81,6 +84,64 @@ def test_a_warm_restart_reads_every_program_from_the_cache(tiny_model, compile_c
     assert not store.directory.exists() or not list(store.directory.iterdir())
 
 
+def test_programs_compiling_in_the_background_are_run_around(tiny_model):
+    engine = _engine(tiny_model)
+    engine.warm_up()
+    rng = np.random.default_rng(0)
+    chunks = [
+        (rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32), np.ones(CHUNK, bool)) for _ in "ab"
+    ]
+    for slot in (0, 1):
+        engine.assign(slot, [], CHUNK + 4)  # room for a decode step after the chunk
+    together_PD = engine.prefill([0, 1], chunks, [True, True])
+    engine._background[("prefill", CHUNK, 2)] = Future()  # still compiling: one row at a time
+    apart_PD = engine.prefill([0, 1], chunks, [True, True])
+    np.testing.assert_allclose(np.asarray(apart_PD), np.asarray(together_PD), rtol=1e-5, atol=1e-5)
+    active_B = np.array([True, False])
+    assert engine.decode_rows(active_B) == 1
+    engine._background[("step", 1, 1)] = Future()
+    assert engine.compiling() and engine.decode_rows(active_B) == 2
+    engine._background[("step", 2, 3)] = Future()  # several steps per program: one step until compiled
+    assert np.asarray(engine.decode(active_B, steps=3).counts_B).tolist() == [1, 0]
+
+
+def test_plain_greedy_programs_take_over_while_every_slot_is_greedy(tiny_model, monkeypatch):
+    """With `plain_greedy_programs` (a GPU's default) the warm-up also compiles each decode program traced for plain
+    greedy sampling (no conditional); `decode` runs it while every slot samples greedily and gives the general
+    program's tokens, and the general one as soon as a slot samples otherwise."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32) for _ in "ab"]
+    served, keys = [], []
+    for plain in (True, False):
+        engine = Engine(tiny_model, max_batch=2, max_context=64, prefill_chunk=CHUNK, plain_greedy_programs=plain)
+        if plain:
+            engine.warm_up()
+            assert {("plain", 1, 1), ("plain", 2, 1)} <= set(engine._background)
+        run = engine._run
+        monkeypatch.setattr(engine, "_run", lambda key, fn, args: keys.append((plain, key[0])) or run(key, fn, args))
+        for slot, ids_C in enumerate(prompts):
+            engine.assign(slot, [], CHUNK + 8)
+            engine.first_token(slot, engine.prefill([slot], [(ids_C, np.ones(CHUNK, bool))], [True]), GREEDY)
+        served.append([np.asarray(engine.decode(np.array([True, True])).tokens_BT) for _ in range(3)])
+    np.testing.assert_array_equal(*served)
+    assert [kind for plain, kind in keys if plain and kind != "prefill"] == ["plain"] * 3
+    assert [kind for plain, kind in keys if not plain and kind != "prefill"] == ["step"] * 3
+    engine.release(1)  # the general engine's slot 1 now samples: then the plain engine's would run the general program
+    engine.plain_greedy_programs = True
+    engine._background = {("plain", 2, 1): Future()}
+    engine._background[("plain", 2, 1)].set_result(None)
+    engine.assign(1, [], CHUNK + 8)
+    sampled = SamplingParams(temperature=0.7, seed=3)
+    engine.first_token(1, engine.prefill([1], [(prompts[1], np.ones(CHUNK, bool))], [True]), sampled)
+    keys.clear()
+    engine.decode(np.array([True, True]))
+    assert keys == [(False, "step")]
+    engine.release(1)  # every slot greedy again: the plain program
+    keys.clear()
+    engine.decode(np.array([True, False]), rows=2)
+    assert keys == [(False, "plain")]
+
+
 def _prefill_and_decode(engine: Engine, ids_C: np.ndarray):
     engine.assign(0, [], CHUNK + 4)
     hidden_1D = engine.prefill([0], [(ids_C, np.ones(CHUNK, bool))], [True])
@@ -118,27 +179,6 @@ def test_a_warm_restart_loads_the_stored_programs_without_tracing(tiny_model, tm
     assert store.path(_step, (twin, *specs[1:])) == store.path(_step, specs) and store.path(_step, specs).exists()
     # another engine's: another key, nothing loaded
     assert not store.path(_step, jax.tree.map(spec, other._step_args(np.zeros(3, bool), 3, 1))).exists()
-
-
-def test_programs_compiling_in_the_background_are_run_around(tiny_model):
-    engine = _engine(tiny_model)
-    engine.warm_up()
-    rng = np.random.default_rng(0)
-    chunks = [
-        (rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32), np.ones(CHUNK, bool)) for _ in "ab"
-    ]
-    for slot in (0, 1):
-        engine.assign(slot, [], CHUNK + 4)  # room for a decode step after the chunk
-    together_PD = engine.prefill([0, 1], chunks, [True, True])
-    engine._background[("prefill", CHUNK, 2)] = Future()  # still compiling: one row at a time
-    apart_PD = engine.prefill([0, 1], chunks, [True, True])
-    np.testing.assert_allclose(np.asarray(apart_PD), np.asarray(together_PD), rtol=1e-5, atol=1e-5)
-    active_B = np.array([True, False])
-    assert engine.decode_rows(active_B) == 1
-    engine._background[("step", 1, 1)] = Future()
-    assert engine.compiling() and engine.decode_rows(active_B) == 2
-    engine._background[("step", 2, 3)] = Future()  # several steps per program: one step until compiled
-    assert np.asarray(engine.decode(active_B, steps=3).counts_B).tolist() == [1, 0]
 
 
 def test_a_chunk_whose_program_still_compiles_is_prefilled_in_shorter_pieces(tiny_model):
@@ -188,40 +228,3 @@ def test_over_a_mesh_the_first_requests_compile_nothing(tiny_model, capsys):
     finally:
         monitoring.unregister_event_duration_listener(report_compile)
     assert "ling-serve: process 0 compiled jit(_prompt_chunk_logprobs) while serving" in capsys.readouterr().err
-
-
-def test_plain_greedy_programs_take_over_while_every_slot_is_greedy(tiny_model, monkeypatch):
-    """With `plain_greedy_programs` (a GPU's default) the warm-up also compiles each decode program traced for plain
-    greedy sampling (no conditional); `decode` runs it while every slot samples greedily and gives the general
-    program's tokens, and the general one as soon as a slot samples otherwise."""
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, tiny_model.config.vocab_size, CHUNK, dtype=np.int32) for _ in "ab"]
-    served, keys = [], []
-    for plain in (True, False):
-        engine = Engine(tiny_model, max_batch=2, max_context=64, prefill_chunk=CHUNK, plain_greedy_programs=plain)
-        if plain:
-            engine.warm_up()
-            assert {("plain", 1, 1), ("plain", 2, 1)} <= set(engine._background)
-        run = engine._run
-        monkeypatch.setattr(engine, "_run", lambda key, fn, args: keys.append((plain, key[0])) or run(key, fn, args))
-        for slot, ids_C in enumerate(prompts):
-            engine.assign(slot, [], CHUNK + 8)
-            engine.first_token(slot, engine.prefill([slot], [(ids_C, np.ones(CHUNK, bool))], [True]), GREEDY)
-        served.append([np.asarray(engine.decode(np.array([True, True])).tokens_BT) for _ in range(3)])
-    np.testing.assert_array_equal(*served)
-    assert [kind for plain, kind in keys if plain and kind != "prefill"] == ["plain"] * 3
-    assert [kind for plain, kind in keys if not plain and kind != "prefill"] == ["step"] * 3
-    engine.release(1)  # the general engine's slot 1 now samples: then the plain engine's would run the general program
-    engine.plain_greedy_programs = True
-    engine._background = {("plain", 2, 1): Future()}
-    engine._background[("plain", 2, 1)].set_result(None)
-    engine.assign(1, [], CHUNK + 8)
-    sampled = SamplingParams(temperature=0.7, seed=3)
-    engine.first_token(1, engine.prefill([1], [(prompts[1], np.ones(CHUNK, bool))], [True]), sampled)
-    keys.clear()
-    engine.decode(np.array([True, True]))
-    assert keys == [(False, "step")]
-    engine.release(1)  # every slot greedy again: the plain program
-    keys.clear()
-    engine.decode(np.array([True, False]), rows=2)
-    assert keys == [(False, "plain")]

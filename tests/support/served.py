@@ -19,10 +19,11 @@ from ling_jax.generation.cli_runtime import NO_CACHE_ENV
 
 START_TIMEOUT_S = 600  # generous: a run of the suite compiles in other processes meanwhile
 
-# The shared demo server's flags: 8 slots and a queue of 24 over a context of 128 in prefill chunks of 16 (up to 4 a
-# step), in the batch-invariant mode (tests/serving/conftest.py's `demo_model`): a served request equals the request run
-# alone.
-DEMO_MAX_BATCH, DEMO_MAX_CONTEXT, DEMO_CHUNK, DEMO_BUDGET, DEMO_MAX_QUEUE = 8, 128, 16, 64, 24
+# The shared demo server's flags: 4 slots (decode buckets 1, 2 and 4: 8 slots' bucket 8 was two more programs to
+# compile, a quarter of the warm-up) and a queue of 28 (32 requests at once) over a context of 128 in prefill chunks
+# of 16 (up to 4 a step), in the batch-invariant mode (tests/serving/conftest.py's `demo_model`): a served request
+# equals the request run alone.
+DEMO_MAX_BATCH, DEMO_MAX_CONTEXT, DEMO_CHUNK, DEMO_BUDGET, DEMO_MAX_QUEUE = 4, 128, 16, 64, 28
 DEMO_SERVER_FLAGS = (
     *("--max-batch", str(DEMO_MAX_BATCH), "--max-context", str(DEMO_MAX_CONTEXT)),
     *("--prefill-chunk", str(DEMO_CHUNK), "--prefill-budget", str(DEMO_BUDGET), "--max-queue", str(DEMO_MAX_QUEUE)),
