@@ -289,8 +289,15 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             model.policy = dataclasses.replace(model.policy, kda_decode=kda_decode)
             variant = kda_decode + variants.apply(patches)
             cache = filled_cache(model, batch, context, args.steps + 16)  # the same contents for every mode
-            decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
-            del cache
+            try:
+                decode_s = time_decode(model, cache, args.steps, args.profile if not rows else None)
+            except Exception as error:  # a variant that fails to compile or run: the others still run
+                if not patches:
+                    raise
+                print(f"{weights} batch {batch}, KDA decode {variant}: failed: {str(error).splitlines()[0][:300]}")
+                continue
+            finally:
+                del cache
             rows.append((weights, variant, memory, batch, batch * context / prefill_s, decode_s, roofline_s))
             print(
                 f"{weights} batch {batch}, KDA decode {variant}: prefill {batch * context / prefill_s:,.0f} tok/s "

@@ -76,11 +76,12 @@ class GemvTiles:
     """gpu_triton_gemv: block_o outputs a program (at most the weight's row block), blocks_per_step K blocks of
     weight loaded a loop step (all issued before any is used: the bytes in flight), the K steps split over
     programs until there are min_programs (fp32 partial sums added after the kernel), tensor-core products from
-    dot_min_rows rows (below: FMA products, no padded rows). reduce_each_block: the FMA products summed along K
-    after every K block, into a [block_o] accumulator a row, rather than held [block_o, block_k] a row over the
-    step and summed once (fewer cross-thread sums, but block_o * block_k / threads fp32 registers a row: at 2-7
-    rows with the 1-row tiles, 136-255 registers a thread against 72-128 summed after each block, Triton 3.6 for
-    sm_90)."""
+    dot_min_rows rows (below: FMA products, no padded rows). sum_k: where the FMA products are summed along K
+    (cross-thread sums): SUM_EACH_STEP, held [block_o, block_k] a row over a loop step and summed once it is done;
+    SUM_EACH_BLOCK, after every K block into a [block_o] accumulator a row (fewer registers: at 2-7 rows with the
+    1-row tiles, 72-128 a thread against 136-255 held over the step, Triton 3.6 for sm_90); SUM_AFTER_LOOP, held
+    [block_o, block_k] a row over the whole loop and summed once after it (no cross-thread sums in the loop, the
+    same registers as SUM_EACH_STEP)."""
 
     block_o: int
     blocks_per_step: int
@@ -88,8 +89,10 @@ class GemvTiles:
     dot_min_rows: int
     num_warps: int
     num_stages: int
-    reduce_each_block: bool = False
+    sum_k: int = 0
 
+
+SUM_EACH_STEP, SUM_EACH_BLOCK, SUM_AFTER_LOOP = 0, 1, 2
 
 _SWEEP = "docs/benchmarks/matmul.md#block-fp8-linear-kernels-benchmarksfp8_linearpy-2026-12-02"
 _ROWS_SWEEP = "docs/benchmarks/matmul.md#weight-only-tiles-for-17-255-rows-2026-12-03"
@@ -154,7 +157,7 @@ WEIGHT_ONLY_GEMV = _gpu(
             "(docs/benchmarks/matmul.md#the-decode-shaped-kernel-gpu_triton_gemv-2026-12-02: 8192 x 4096 24.9 us)",
         ),
         ("fma_rows", "16bit"): Entry(
-            GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, reduce_each_block=True),
+            GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, sum_k=SUM_EACH_BLOCK),
             "docs/benchmarks/matmul.md#decode-gemv-tiles-for-2-7-rows-2026-12-05: the 1-row tiles summed after each "
             "K block; on an H100 (8192 x 4096) 30.3 / 38.1 / 37.5 us at 2 / 3 / 4 rows against 32.3 / 46.0 / 41.1 held "
             "over the step; (64, 4, 264, 8 warps) was faster at 2-3 rows (27.9 / 31.6) but takes 170 registers in "
@@ -165,7 +168,7 @@ WEIGHT_ONLY_GEMV = _gpu(
             GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2), "not measured: the 16-bit tiles, FMA products only"
         ),
         ("fma_rows", ANY): Entry(
-            GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2, reduce_each_block=True),
+            GemvTiles(32, 4, 528, GEMV_MAX_ROWS + 1, 4, 2, sum_k=SUM_EACH_BLOCK),
             "not measured: the 16-bit fma_rows tiles, FMA products only",
         ),
     }

@@ -52,13 +52,17 @@ class GroupedTiles:
 class RowTiles:
     """gpu_triton routed-experts row kernels: block_n output columns a program, block_k a step; in_flight: the
     weights whose tiles a K step loads before using any (SwiGLU: gate and up of a row, 2, or one after the other, 1;
-    down + combine: the token's top_k + shared experts', in groups of in_flight, one loop a group), 0 for all."""
+    down + combine: the token's top_k + shared experts', in groups of in_flight, one loop a group), 0 for all;
+    sum_after_loop: 0, each weight's products summed along K (cross-thread sums) every step into [block_n]; 1,
+    held [block_n, block_k] a weight over the whole loop and summed once after it (block_n * block_k / threads fp32
+    registers a weight in flight)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     in_flight: int = 0
+    sum_after_loop: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

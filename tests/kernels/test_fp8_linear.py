@@ -36,6 +36,8 @@ from pallas_kernels.fp8.tuned import (
     GEMV_DOT_ROWS,
     GEMV_MAX_ROWS,
     MOSAIC_MIN_ROWS,
+    SUM_AFTER_LOOP,
+    SUM_EACH_BLOCK,
     W8A8_MIN_ROWS,
     WEIGHT_ONLY_GEMV,
     WEIGHT_ONLY_MAX_ROWS,
@@ -114,7 +116,7 @@ def test_gemv_row_buckets_keep_the_measured_one_row_tiles():
     assert buckets == {1: "one_row", 2: "fma_rows", 7: "fma_rows", 8: "dot_rows", 16: "dot_rows"}
     tiles = {rows: lookup(WEIGHT_ONLY_GEMV, dtype=jnp.bfloat16, bucket=b, device=H200) for rows, b in buckets.items()}
     assert tiles[1] == tiles[GEMV_DOT_ROWS] == GemvTiles(32, 2, 528, GEMV_DOT_ROWS, 4, 2)
-    assert tiles[2] == GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, reduce_each_block=True)
+    assert tiles[2] == GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, sum_k=SUM_EACH_BLOCK)
     assert all(t.dot_min_rows == GEMV_DOT_ROWS for t in tiles.values())
 
 
@@ -132,8 +134,8 @@ def test_weight_only_row_buckets_and_their_h200_tiles():
 def test_gemv_kernel_matches_float64(dtype, tol, rows):
     """150 outputs (2 partial row blocks), 200 inputs (2 partial K blocks). The default variant (the gemv with its
     row bucket's tiles up to GEMV_DEFAULT_ROWS rows); FMA products in strips of 16 outputs, one K block a step, the
-    2 steps split over programs; the same summed after each K block, 2 a step; dot products, 4 K blocks a step (2
-    past the end)."""
+    2 steps split over programs; the same summed after each K block, 2 a step, and once after the loop; dot
+    products, 4 K blocks a step (2 past the end)."""
     weight, x = random_weight(150, 200, seed=rows), random_x((rows, 200), dtype, seed=rows + 1)
     expected = f64(x) @ float64_weight(weight).T
     y = fp8_linear(x, weight, backend="interpret_gpu", mode=WEIGHT_ONLY)  # the default variant at few rows
@@ -141,8 +143,9 @@ def test_gemv_kernel_matches_float64(dtype, tol, rows):
     assert rel_error(y, expected) <= tol
     gemv = kernel("weight_only_linear", GEMV)
     fma = dict(block_o=16, blocks_per_step=1, min_programs=64, dot_min_rows=GEMV_MAX_ROWS + 1)
-    each_block = dict(fma, blocks_per_step=2, reduce_each_block=True)
-    for products in (fma, each_block, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
+    each_block = dict(fma, blocks_per_step=2, sum_k=SUM_EACH_BLOCK)
+    after_loop = dict(fma, blocks_per_step=2, sum_k=SUM_AFTER_LOOP)
+    for products in (fma, each_block, after_loop, dict(block_o=32, blocks_per_step=4, dot_min_rows=1)):
         tiles = dataclasses.replace(lookup(WEIGHT_ONLY_GEMV, dtype=dtype, bucket=gemv_bucket(rows)), **products)
         y = gemv(x, weight.values, weight.scales, block=weight.block, tiles=tiles, interpret=True)
         assert rel_error(y, expected) <= tol, products

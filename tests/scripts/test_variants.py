@@ -43,7 +43,7 @@ def test_a_variant_patches_every_entry_of_its_tables_and_the_mla_splits_until_re
     assert mla_decode.MIN_SPLIT == shipped_min_split
 
 
-@pytest.mark.parametrize("text", ["gemv.reduce_each_block=1", "gemv.min_programs=x", "mla.block_k=6", "min_programs=8"])
+@pytest.mark.parametrize("text", ["gemv.sum_k=-1", "gemv.min_programs=x", "mla.block_k=6", "min_programs=8"])
 def test_a_bad_variant_names_what_is_expected(text):
     with pytest.raises(ValueError, match=r"expected TARGET\.FIELD=INTEGER with TARGET\.FIELD one of gemv\.block_o"):
         variants.parse(text)

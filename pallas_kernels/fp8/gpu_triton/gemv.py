@@ -7,9 +7,10 @@ multiples of 16, so Triton issues 16-byte vector loads), read once (evict-first)
 block, so a tile takes one weight scale, folded into x's K block rather than into the weight. The products:
 
 - FMA (fewer than dot_min_rows rows): tile by tile (its e4m3 widened to fp32 once for every row), per row of x the
-  tile times x's K block (elementwise), summed along K once a step, or after every K block where
-  tiles.reduce_each_block (each row then holds a [block_o] accumulator, not [block_o, block_k] sums: the registers
-  that several rows need): M multiply-adds a weight byte on the CUDA cores, no padded rows;
+  tile times x's K block (elementwise), summed along K once a step, after every K block, or once after the loop
+  (tiles.sum_k: a [block_o] accumulator a row summed each block takes fewer registers than [block_o, block_k] sums
+  held, which several rows need; held over the loop, the loop has no cross-thread sums): M multiply-adds a weight
+  byte on the CUDA cores, no padded rows;
 - dot (dot_min_rows rows and more): each tile (cast to x's dtype, exact) times x^T [block_k, 16] on the tensor
   cores, the rows of x padded to 16 (the weight tile is the dot's left operand, so its rows fill the MMA).
 
@@ -158,19 +159,21 @@ def _strip(
         return found
 
     def fma_step(step, acc_rows):
-        """Each K block's products, tile by tile (its e4m3 values widened once for every row), summed along K after
-        each block (tiles.reduce_each_block) or held [block_o, block_k] a row and summed once the step is done."""
+        """Each K block's products, tile by tile (its e4m3 values widened once for every row), summed along K as
+        tiles.sum_k says: after each block into [block_o] accumulators, or held [block_o, block_k] a row and summed
+        once the step is done (SUM_EACH_STEP) or once the loop is (SUM_AFTER_LOOP: acc_rows are the held sums)."""
         found = weight_tiles(step)
-        each_block = tiles.reduce_each_block
-        sums = list(acc_rows) if each_block else [jnp.zeros((block_o, block_k), jnp.float32) for _ in acc_rows]
+        each_block = tiles.sum_k == tuned.SUM_EACH_BLOCK
+        each_step = tiles.sum_k == tuned.SUM_EACH_STEP
+        sums = [jnp.zeros((block_o, block_k), jnp.float32) for _ in acc_rows] if each_step else list(acc_rows)
         for k0, k_ok_K, w_OK, scale in found:
             x_rows_K = [x_block(jnp.int32(row), k0, k_ok_K).astype(jnp.float32) * scale for row in range(len(sums))]
             w_f32_OK = w_OK.astype(jnp.float32)
             products = (w_f32_OK * x_K[None, :] for x_K in x_rows_K)
             sums = [total + (jnp.sum(p_OK, axis=1) if each_block else p_OK) for total, p_OK in zip(sums, products)]
-        if each_block:
-            return tuple(sums)
-        return tuple(acc_O + jnp.sum(sum_OK, axis=1) for acc_O, sum_OK in zip(acc_rows, sums))
+        if each_step:
+            return tuple(acc_O + jnp.sum(sum_OK, axis=1) for acc_O, sum_OK in zip(acc_rows, sums))
+        return tuple(sums)
 
     rows_ok_M = jnp.arange(DOT_ROWS) < layout.num_rows if layout.num_rows < DOT_ROWS else None
 
@@ -190,8 +193,12 @@ def _strip(
             mask=mask_2d(rows_ok_M, cols_ok_O),
         )
         return
-    zeros = tuple(jnp.zeros((block_o,), jnp.float32) for _ in range(layout.num_rows))
+    after_loop = tiles.sum_k == tuned.SUM_AFTER_LOOP
+    acc_shape = (block_o, block_k) if after_loop else (block_o,)
+    zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(layout.num_rows))
     acc_rows = jax.lax.fori_loop(first_step, last_step, fma_step, zeros)
+    if after_loop:
+        acc_rows = tuple(jnp.sum(acc_OK, axis=1) for acc_OK in acc_rows)
     for row, acc_O in enumerate(acc_rows):
         plgpu.store(
             y_ref.at[(*split_at, jnp.int32(row), pl.ds(y_col0 + col0, block_o))],
