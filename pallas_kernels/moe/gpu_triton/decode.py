@@ -154,14 +154,12 @@ def _down_combine_kernel(
     token, col0 = pl.program_id(0), pl.program_id(1) * block_n
     edge_ok = col0 + jnp.arange(block_n) < n_dim if mask_n else None
     cols_ok = col0 + jnp.arange(block_n) < n_dim
-    experts_K, weights_K = expert_ref[...], weight_ref[...].astype(jnp.float32)
-    slot_K = jnp.arange(experts_K.shape[0])
     steps = pl.cdiv(k_dim, block_k)
     terms, term_steps = [], []  # (weight tiles, expert read (in range), its rows' mask, h's row, routing weight)
     for slot in range(top_k):
-        expert = jnp.sum(jnp.where(slot_K == slot, experts_K, 0))
+        expert = expert_ref[slot]  # scalar loads, all issued together: no cross-thread sums before the weights
         valid = _valid(expert, num_experts)
-        weight = jnp.sum(jnp.where(slot_K == slot, weights_K, 0.0)) * valid.astype(jnp.float32)
+        weight = weight_ref[slot].astype(jnp.float32) * valid.astype(jnp.float32)
         in_range = jnp.clip(expert, 0, num_experts - 1)
         rows_ok = edge_ok if in_flight == 1 else cols_ok & (valid == 1)
         terms.append((down, in_range, rows_ok, token * top_k + slot, weight))
