@@ -74,21 +74,25 @@ def _conv_silu(rows, weight_ref, columns, real):
     return jnp.where(real, jax.nn.silu(conv).astype(rows[-1].dtype).astype(jnp.float32), 0.0)
 
 
-def _beta_logit(b_refs, token):
-    """Beta's pre-activation in fp32 for one token: b's element, or x . weight row (`BetaProjection`: the weight in
-    x's dtype, the products summed in fp32, rounded to x's dtype) over D in power-of-two pieces."""
+def _beta_inputs(b_refs, token):
+    """The loads of beta's pre-activation for one token (`_beta_logit` reduces them): b's element, or the pieces of
+    x and the weight row (`BetaProjection`) over D in power-of-two pieces."""
     if len(b_refs) == 1:
-        return b_refs[0][token].astype(jnp.float32)
+        return [(b_refs[0][token], None)]
     x_ref, weight_ref = b_refs
     width = x_ref.shape[-1]
     piece = min(width & -width, MAX_DOT_COLUMNS)  # the largest power of two dividing D
-    total = sum(
-        jnp.sum(
-            x_ref[token, pl.ds(start, piece)].astype(jnp.float32) * weight_ref[pl.ds(start, piece)].astype(x_ref.dtype)
-        )
-        for start in range(0, width, piece)
-    )
-    return total.astype(x_ref.dtype).astype(jnp.float32)
+    return [(x_ref[token, pl.ds(start, piece)], weight_ref[pl.ds(start, piece)]) for start in range(0, width, piece)]
+
+
+def _beta_logit(inputs):
+    """Beta's pre-activation in fp32 from `_beta_inputs`: b's element, or x . weight row (the weight in x's dtype,
+    the products summed in fp32, rounded to x's dtype)."""
+    (b, weight), *_ = inputs
+    if weight is None:
+        return b.astype(jnp.float32)
+    total = sum(jnp.sum(x.astype(jnp.float32) * w.astype(x.dtype)) for x, w in inputs)
+    return total.astype(b.dtype).astype(jnp.float32)
 
 
 def _l2_normalized(x_K):
@@ -135,8 +139,18 @@ def _fused_kernel(
         rows = [window_ref[j, which, columns].astype(dtype) for j in range(window)]
         return _conv_inputs(rows, [u_ref[t, columns].astype(dtype) for t in range(tokens)], reals)
 
+    def column_block(start):
+        """The loads of one block of the program's value columns: its state slice and its values' conv inputs."""
+        columns = pl.ds(start, block_v)
+        return state_ref[:, columns], conv_inputs(own_window_ref, V, v_ref, columns)[0]
+
+    # Every load the first column block needs is issued before the first cross-thread sum (a barrier, which loads
+    # are not moved across): the state slice first, the longest wait.
+    first_block = column_block(0)
     q_inputs, _ = conv_inputs(window_ref, Q, q_ref, slice(None))
     k_inputs, _ = conv_inputs(window_ref, K, k_ref, slice(None))
+    a_rows = [f_ref[t, :].astype(jnp.float32) for t in range(tokens)]
+    beta_inputs = [_beta_inputs(b_refs, t) for t in range(tokens)]
     qs = [_l2_normalized(_conv_silu(rows, conv_q_ref, slice(None), r)) * scale for rows, r in zip(q_inputs, reals)]
     ks = [_l2_normalized(_conv_silu(rows, conv_k_ref, slice(None), r)) for rows, r in zip(k_inputs, reals)]
     for which, u_ref in zip((Q, K, V), (q_own_ref, k_own_ref, v_ref)):
@@ -147,18 +161,17 @@ def _fused_kernel(
     decay_rate = jnp.exp(a_log_ref[...])
     decays, betas = [], []
     for t, real in enumerate(reals):
-        a_K = f_ref[t, :].astype(jnp.float32) + dt_bias_ref[...]
+        a_K = a_rows[t] + dt_bias_ref[...]
         if lower_bound is None:
             g_K = -decay_rate * jax.nn.softplus(a_K)
         else:
             g_K = lower_bound * jax.nn.sigmoid(decay_rate * a_K)
         decays.append(jnp.where(real, jnp.exp(g_K), 1.0))
-        betas.append(jnp.where(real, jax.nn.sigmoid(_beta_logit(b_refs, t)), 0.0))
+        betas.append(jnp.where(real, jax.nn.sigmoid(_beta_logit(beta_inputs[t])), 0.0))
     outputs = [[] for _ in range(tokens)]
     for start in range(0, value_dim, block_v):
         columns = pl.ds(start, block_v)
-        v_inputs, _ = conv_inputs(own_window_ref, V, v_ref, columns)
-        state_KV = state_ref[:, columns]
+        state_KV, v_inputs = first_block if start == 0 else column_block(start)
         for t in range(tokens):
             v_V = _conv_silu(v_inputs[t], conv_v_ref, columns, reals[t])
             state_KV = state_KV * decays[t][:, None]
