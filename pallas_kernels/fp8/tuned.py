@@ -81,9 +81,7 @@ class GemvTiles:
     SUM_EACH_BLOCK, after every K block into a [block_o] accumulator a row (fewer registers: at 2-7 rows with the
     1-row tiles, 72-128 a thread against 136-255 held over the step, Triton 3.6 for sm_90); SUM_AFTER_LOOP, held
     [block_o, block_k] a row over the whole loop and summed once after it (no cross-thread sums in the loop, the
-    same registers as SUM_EACH_STEP). prefetch: 1, each loop step's weight tiles loaded during the step before
-    (`pallas_kernels.triton_loops`: held in registers, e4m3, blocks_per_step x block_o x 128 bytes a program); 0,
-    loaded at the step."""
+    same registers as SUM_EACH_STEP)."""
 
     block_o: int
     blocks_per_step: int
@@ -92,7 +90,6 @@ class GemvTiles:
     num_warps: int
     num_stages: int
     sum_k: int = 0
-    prefetch: int = 0
 
 
 SUM_EACH_STEP, SUM_EACH_BLOCK, SUM_AFTER_LOOP = 0, 1, 2

@@ -55,8 +55,7 @@ class RowTiles:
     down + combine: the token's top_k + shared experts', in groups of in_flight, one loop a group), 0 for all;
     sum_after_loop: 0, each weight's products summed along K (cross-thread sums) every step into [block_n]; 1,
     held [block_n, block_k] a weight over the whole loop and summed once after it (block_n * block_k / threads fp32
-    registers a weight in flight); prefetch: 1, each step's tiles loaded during the step before
-    (`pallas_kernels.triton_loops`), 0 at the step."""
+    registers a weight in flight)."""
 
     block_n: int
     block_k: int
@@ -64,7 +63,6 @@ class RowTiles:
     num_stages: int
     in_flight: int = 0
     sum_after_loop: int = 0
-    prefetch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

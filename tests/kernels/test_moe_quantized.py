@@ -220,13 +220,12 @@ def test_routed_experts_match_float64(fmt, shared_fmt, dtype, variant):
     assert err <= TOL[dtype]
 
 
-@pytest.mark.parametrize("in_flight, sum_after_loop, prefetch", [(0, 0, 1), (1, 1, 1), (3, 1, 0)])
-def test_row_kernels_with_weights_in_flight_match_float64(in_flight, sum_after_loop, prefetch):
+@pytest.mark.parametrize("in_flight, sum_after_loop", [(0, 0), (1, 1), (3, 1)])
+def test_row_kernels_with_weights_in_flight_match_float64(in_flight, sum_after_loop):
     """The row kernels with `in_flight` weights loaded a K step (0: all; 1: one after the other, an invalid slot's
     loop empty; 3: the down kernel's top_k + shared experts in groups of 3 and 1, SwiGLU's gate and up together),
-    the products summed along K every step or once after the loop, each step's tiles loaded at the step or during
-    the one before (prefetch): the same products, for tokens with an invalid slot (masked rows, an empty loop) and
-    one without (unmasked loads)."""
+    the products summed along K every step or once after the loop: the same products, for tokens with an invalid
+    slot (masked rows) and one without (unmasked loads)."""
     from pallas_kernels.moe.gpu_triton.decode import routed_experts_gpu
 
     x, weights, experts, gate, up, down = decode_case(3, "fp8", jnp.float32, seed=17)
@@ -245,8 +244,8 @@ def test_row_kernels_with_weights_in_flight_match_float64(in_flight, sum_after_l
         limit=0.9,
         shared_limit=0.5,
         interpret=True,
-        swiglu_tiles=(None, 64, None, None, in_flight, sum_after_loop, prefetch),  # 4 K steps (the last masked)
-        down_tiles=(None, 64, None, None, in_flight, sum_after_loop, prefetch),  # 3
+        swiglu_tiles=(None,) * 4 + (in_flight, sum_after_loop),
+        down_tiles=(None,) * 4 + (in_flight, sum_after_loop),
     )
     dense = [float64_dense(w) for w in (gate, up, down)]
     shared64 = tuple(float64_dense(w) for w in shared)
@@ -592,7 +591,7 @@ def test_row_kernels_take_tiles_by_format_and_tokens():
     assert launch_tiles(True, 8, jnp.bfloat16, unset, unset) == tuple(
         dataclasses.astuple(lookup(table, dtype=jnp.bfloat16)) for table in (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
     )
-    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 0, 0, 0), (8, 256, 4, 3, 0, 0, 0))
-    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 1, 0, 0), (32, 256, 8, 3, 1, 0, 0))
-    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3, 1, 0, 0)
-    assert launch_tiles(False, 1, jnp.bfloat16, (8, 256, 4, 3, 1), ())[0] == (8, 256, 4, 3, 1, 0, 0)
+    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 0, 0), (8, 256, 4, 3, 0, 0))
+    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 1, 0), (32, 256, 8, 3, 1, 0))
+    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3, 1, 0)
+    assert launch_tiles(False, 1, jnp.bfloat16, (8, 256, 4, 3, 1), ())[0] == (8, 256, 4, 3, 1, 0)

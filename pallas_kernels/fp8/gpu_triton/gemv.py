@@ -41,7 +41,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_loops
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.reference import GatedHeadNorm
 from pallas_kernels.triton_masked import mask_2d, masked_load
@@ -143,35 +142,31 @@ def _strip(
         x = masked_load(x_ref.at[rows, pl.ds(k0, block_k)], mask)
         return x if norm is None else norm.apply(x, x_ref, rows, k0, mask)
 
-    def k_block_at(step, sub):
-        """(K block index, its first column, its columns' mask) of the step's sub-th K block."""
-        k_block = step * per_step + sub
-        k0 = k_block * block_k
-        return k_block, k0, (k0 + jnp.arange(block_k) < layout.k_dim if layout.mask_k else None)
-
     def weight_tiles(step):
-        """[(w_OK e4m3, scale)] of the step's K blocks, all loads issued before any use."""
+        """[(k0, k_ok_K, w_OK e4m3, scale)] of the step's K blocks, all loads issued before any use."""
         found = []
         for sub in range(per_step):
-            k_block, k0, k_ok_K = k_block_at(step, sub)
+            k_block = step * per_step + sub
+            k0 = k_block * block_k
+            k_ok_K = k0 + jnp.arange(block_k) < layout.k_dim if layout.mask_k else None
             w_OK = masked_load(
                 values_ref.at[pl.ds(col0, block_o), pl.ds(k0, block_k)],
                 mask_2d(cols_ok_O, k_ok_K),
                 eviction_policy="evict_first",
             )
             scale = scales_ref[scale_row, jnp.minimum(k_block, num_k_blocks - 1)]  # past the end: a zero tile
-            found.append((w_OK, scale))
+            found.append((k0, k_ok_K, w_OK, scale))
         return found
 
-    def fma_step(step, found, acc_rows):
+    def fma_step(step, acc_rows):
         """Each K block's products, tile by tile (its e4m3 values widened once for every row), summed along K as
         tiles.sum_k says: after each block into [block_o] accumulators, or held [block_o, block_k] a row and summed
         once the step is done (SUM_EACH_STEP) or once the loop is (SUM_AFTER_LOOP: acc_rows are the held sums)."""
+        found = weight_tiles(step)
         each_block = tiles.sum_k == tuned.SUM_EACH_BLOCK
         each_step = tiles.sum_k == tuned.SUM_EACH_STEP
         sums = [jnp.zeros((block_o, block_k), jnp.float32) for _ in acc_rows] if each_step else list(acc_rows)
-        for sub, (w_OK, scale) in enumerate(found):
-            _, k0, k_ok_K = k_block_at(step, sub)
+        for k0, k_ok_K, w_OK, scale in found:
             x_rows_K = [x_block(jnp.int32(row), k0, k_ok_K).astype(jnp.float32) * scale for row in range(len(sums))]
             w_f32_OK = w_OK.astype(jnp.float32)
             products = (w_f32_OK * x_K[None, :] for x_K in x_rows_K)
@@ -182,18 +177,16 @@ def _strip(
 
     rows_ok_M = jnp.arange(DOT_ROWS) < layout.num_rows if layout.num_rows < DOT_ROWS else None
 
-    def dot_step(step, found, acc_OM):
-        for sub, (w_OK, scale) in enumerate(found):
-            _, k0, k_ok_K = k_block_at(step, sub)
+    def dot_step(step, acc_OM):
+        for k0, k_ok_K, w_OK, scale in weight_tiles(step):
             x_MK = x_block(pl.ds(0, DOT_ROWS), k0, mask_2d(rows_ok_M, k_ok_K))
             partial_OM = plgpu.dot(w_OK.astype(x_MK.dtype), x_MK, trans_b=True, allow_tf32=x_MK.dtype != jnp.float32)
             acc_OM = acc_OM + partial_OM * scale
         return acc_OM
 
-    loop = functools.partial(triton_loops.fori_loop, first_step, last_step, weight_tiles, prefetch=tiles.prefetch == 1)
     split_at = (split,) if y_ref.ndim == 3 else ()
     if layout.use_dot:
-        acc_OM = loop(dot_step, jnp.zeros((block_o, DOT_ROWS), jnp.float32))
+        acc_OM = jax.lax.fori_loop(first_step, last_step, dot_step, jnp.zeros((block_o, DOT_ROWS), jnp.float32))
         plgpu.store(
             y_ref.at[(*split_at, pl.ds(0, DOT_ROWS), pl.ds(y_col0 + col0, block_o))],
             acc_OM.T.astype(y_ref.dtype),
@@ -203,7 +196,7 @@ def _strip(
     after_loop = tiles.sum_k == tuned.SUM_AFTER_LOOP
     acc_shape = (block_o, block_k) if after_loop else (block_o,)
     zeros = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(layout.num_rows))
-    acc_rows = loop(fma_step, zeros)
+    acc_rows = jax.lax.fori_loop(first_step, last_step, fma_step, zeros)
     if after_loop:
         acc_rows = tuple(jnp.sum(acc_OK, axis=1) for acc_OK in acc_rows)
     for row, acc_O in enumerate(acc_rows):

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import triton_loops
 from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.weight_tiles import Dense, expert_tiles, kernel_operands, weight_format
 from pallas_kernels.moe.reference import swiglu
@@ -45,45 +44,28 @@ def _valid(expert, num_experts: int):
     return jnp.clip(expert + 1, 0, 1) * jnp.clip(num_experts - expert, 0, 1)
 
 
-def _tile_products(
-    terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool, after_loop: bool, prefetch: bool
-):
+def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool, after_loop: bool):
     """[sum_j weight[expert, col0 + n, j] * vector[row, j] for n < block_n] (fp32 [block_n]) for each term (weight
     tiles, expert, rows_ok_N: the rows read (None: all), vector ref, its row), over `steps` K steps (0: no reads).
     Each step loads every term's tile and vector chunk before using any: one memory round trip a step for all of
-    them (a quantised weight's tiles dequantised on chip); prefetch: a step's loads issued during the step before
-    (`triton_loops`). The products are summed along K every step, or held [block_n, block_k] a term and summed
-    once after the loop (after_loop)."""
+    them (a quantised weight's tiles dequantised on chip). The products are summed along K every step, or held
+    [block_n, block_k] a term and summed once after the loop (after_loop)."""
 
-    def k_block(step):
+    def body(step, accs):
         k0 = step * block_k
-        return k0, (k0 + jnp.arange(block_k) < k_dim if mask_k else None)
-
-    def fetch(step):
-        k0, k_ok = k_block(step)
+        k_ok = k0 + jnp.arange(block_k) < k_dim if mask_k else None
         tiles = [
-            weight.fetch(expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=rows_ok, k_ok_K=k_ok)
+            weight.load(
+                expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=rows_ok, k_ok_K=k_ok, dtype=jnp.float32
+            )
             for weight, expert, rows_ok, _, _ in terms
         ]
-        return tiles, [masked_load(ref.at[row, pl.ds(k0, block_k)], k_ok) for _, _, _, ref, row in terms]
-
-    def compute(step, fetched, accs):
-        tiles, chunks = fetched
-        products = (
-            weight.decode(tile, dtype=jnp.float32) * chunk_K.astype(jnp.float32)[None, :]
-            for (weight, *_), tile, chunk_K in zip(terms, tiles, chunks)
-        )
+        chunks = [masked_load(ref.at[row, pl.ds(k0, block_k)], k_ok) for _, _, _, ref, row in terms]
+        products = (tile_NK * chunk_K.astype(jnp.float32)[None, :] for tile_NK, chunk_K in zip(tiles, chunks))
         return tuple(acc + (p_NK if after_loop else jnp.sum(p_NK, axis=1)) for acc, p_NK in zip(accs, products))
 
     shape = (block_n, block_k) if after_loop else (block_n,)
-    zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in terms)
-    loop = functools.partial(triton_loops.fori_loop, 0, steps, fetch, compute, zeros, prefetch=prefetch)
-    if not prefetch:
-        accs = loop()
-    elif isinstance(steps, int):
-        accs = loop() if steps else zeros
-    else:  # a prefetched loop loads its first step before it: none where the term reads nothing
-        accs = jax.lax.cond(steps > 0, loop, lambda: zeros)
+    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros(shape, jnp.float32) for _ in terms))
     return tuple(jnp.sum(acc_NK, axis=1) for acc_NK in accs) if after_loop else accs
 
 
@@ -104,7 +86,6 @@ def _swiglu_kernel(
     shared_limit: float | None,
     in_flight: int,
     sum_after_loop: int,
-    prefetch: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -128,7 +109,6 @@ def _swiglu_kernel(
         k_dim=gate.shape[2],
         mask_k=mask_k,
         after_loop=sum_after_loop == 1,
-        prefetch=prefetch == 1,
     )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
     routed_steps = _valid(expert, gate.shape[0]) * steps  # 0: a shared row reads no routed weights
@@ -156,7 +136,6 @@ def _down_combine_kernel(
     routed_rows: int,
     in_flight: int,
     sum_after_loop: int,
-    prefetch: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -190,13 +169,7 @@ def _down_combine_kernel(
         term_steps.append(steps)
 
     keywords = dict(
-        col0=col0,
-        block_n=block_n,
-        block_k=block_k,
-        k_dim=k_dim,
-        mask_k=mask_k,
-        after_loop=sum_after_loop == 1,
-        prefetch=prefetch == 1,
+        col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, after_loop=sum_after_loop == 1
     )
     reads = [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms]
     if in_flight == 1:
@@ -218,12 +191,12 @@ def _tile(size: int, wanted: int) -> int:
 
 
 def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim: int, interpret: bool, name: str):
-    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, sum_after_loop=, prefetch=, block_n=, block_k=,
-    mask_n=, mask_k=) over the grid (row of out [rows, N], column tile of N): tiles (`tuned.RowTiles`' fields in
-    order), the blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of the first operands, the
-    others whole."""
+    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, sum_after_loop=, block_n=, block_k=, mask_n=,
+    mask_k=) over the grid (row of out [rows, N], column tile of N): tiles (block_n, block_k, num_warps, num_stages,
+    in_flight, sum_after_loop), the blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of the
+    first operands, the others whole."""
     rows, n_dim = out_shape.shape
-    block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop, prefetch = tiles
+    block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop = tiles
     block_n, block_k = _tile(n_dim, block_n), _tile(k_dim, block_k)
     whole = lambda dims: pl.BlockSpec(dims, lambda i, j: (0,) * len(dims))  # noqa: E731
     return pl.pallas_call(
@@ -231,7 +204,6 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
             kernel,
             in_flight=in_flight,
             sum_after_loop=sum_after_loop,
-            prefetch=prefetch,
             block_n=block_n,
             block_k=block_k,
             mask_n=n_dim % block_n != 0,
@@ -248,8 +220,8 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
 
 
 def launch_tiles(dense: bool, tokens: int, dtype, swiglu_tiles: tuple, down_tiles: tuple) -> tuple[tuple, tuple]:
-    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop, prefetch): the
-    given ones, None ones and those not given from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their
+    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop): the given
+    ones, None ones and those not given from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their
     *_QUANTIZED tables, by `tuned.tokens_bucket`."""
     swiglu_table, down_table = (
         (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
@@ -294,9 +266,8 @@ def routed_experts_gpu(
     is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
-    Tiles: `tuned.RowTiles`' fields in order (block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop,
-    prefetch) of each kernel, the blocks powers of two; None ones and those not given from the tuned tables
-    (`launch_tiles`)."""
+    Tiles: (block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop) of each kernel (`tuned.RowTiles`),
+    the blocks powers of two; None ones and those not given from the tuned tables (`launch_tiles`)."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]

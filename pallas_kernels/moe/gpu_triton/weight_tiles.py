@@ -1,8 +1,7 @@
 """How the MoE Triton kernels read a tile of a stacked expert weight [E, N, K]: dense, block FP8 or MXFP4.
 
 A kernel is written once against `ExpertTiles.load`, the [block_n, block_k] tile of expert e's rows
-[col0, col0 + block_n) and inputs [k0, k0 + block_k), zeros outside the weight, in the compute dtype (or its two
-halves: `fetch`, the loads as stored, which a kernel may issue a loop step ahead, and `decode`, the numbers). The format
+[col0, col0 + block_n) and inputs [k0, k0 + block_k), zeros outside the weight, in the compute dtype. The format
 says what is in HBM and how a tile becomes numbers on chip (weight-only: nothing dense is ever written):
 
 - `Dense`: the weight itself, [E, N, K] (the kernels' original operand);
@@ -106,12 +105,8 @@ class Dense:
     def shape(self, refs) -> tuple[int, int, int]:
         return tuple(refs[0].shape)
 
-    def fetch(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
-        tile = refs[0].at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)]
-        return (masked_load(tile, mask_2d(cols_ok_N, k_ok_K)),)
-
-    def decode(self, fetched, *, dtype):
-        (tile_NK,) = fetched
+    def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
+        tile_NK = masked_load(refs[0].at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
         return tile_NK.astype(dtype)
 
 
@@ -169,34 +164,24 @@ class BlockFP8:
     def load_e4m3(self, values_ref, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
         """The stored e4m3 values of the [block_n, block_k] tile at (col0, k0), zeros outside the masks (what the
         W8A8 kernels' FP8 products take)."""
-        return self._e4m3(self._fetch_values(values_ref, expert, col0, k0, block_n, block_k, cols_ok_N, k_ok_K))
-
-    def _fetch_values(self, values_ref, expert, col0, k0, block_n, block_k, cols_ok_N, k_ok_K):
-        """The tile as stored: e4m3 [block_n, block_k], or (paired) int32 words [block_n, block_k / 2]."""
         if not self.paired:
             tile = values_ref.at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)]
             return masked_load(tile, mask_2d(cols_ok_N, k_ok_K))
-        return _load_pairs(
+        pairs_NH = _load_pairs(
             values_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
         )
-
-    def _e4m3(self, stored):
-        if not self.paired:
-            return stored
-        bytes_NK = _interleave(stored & 0xFF, stored >> 8).astype(jnp.uint8)
+        bytes_NK = _interleave(pairs_NH & 0xFF, pairs_NH >> 8).astype(jnp.uint8)
         return jax.lax.bitcast_convert_type(bytes_NK, jnp.float8_e4m3fn)
 
-    def fetch(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
+    def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
         values_ref, scales_ref = refs
-        values = self._fetch_values(values_ref, expert, col0, k0, block_n, block_k, cols_ok_N, k_ok_K)
+        values_NK = self.load_e4m3(
+            values_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
+        ).astype(jnp.float32)
         block_rows, block_cols = self.block
         rows = _scale_rows(col0, block_n, block_rows, scales_ref.shape[1])
         scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=block_cols, to_float=_as_float32)
-        return values, scales
-
-    def decode(self, fetched, *, dtype):
-        values, scales = fetched
-        return (self._e4m3(values).astype(jnp.float32) * scales).astype(dtype)
+        return (values_NK * scales).astype(dtype)
 
 
 def _e2m1_values(codes):
@@ -224,19 +209,15 @@ class MXFP4:
         experts, rows, half = refs[0].shape
         return experts, rows, 2 * half
 
-    def fetch(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
+    def load(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
         codes_ref, scales_ref = refs
         packed_NH = _load_pairs(
             codes_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
         )
+        codes_NK = _interleave(packed_NH & 0x0F, packed_NH >> 4)
         rows = _scale_rows(col0, block_n, 1, codes_ref.shape[1])
         to_float = _e8m0_values if self.exponent_scales else _as_float32
         scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=MXFP4_GROUP, to_float=to_float)
-        return packed_NH, scales
-
-    def decode(self, fetched, *, dtype):
-        packed_NH, scales = fetched
-        codes_NK = _interleave(packed_NH & 0x0F, packed_NH >> 4)
         return (_e2m1_values(codes_NK) * scales).astype(dtype)
 
 
@@ -299,21 +280,19 @@ class ExpertTiles:
         """The dense weight's [E, N, K]."""
         return self.format.shape(self.refs)
 
-    def fetch(self, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K):
-        """The loads of the [block_n, block_k] tile of expert `expert` at (col0, k0), as stored (arrays for
-        `decode`; zeros outside the masks): a kernel may issue them a loop step ahead."""
-        return self.format.fetch(
-            self.refs, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
-        )
-
-    def decode(self, fetched, *, dtype):
-        """`fetch`'s arrays as the tile's numbers in dtype."""
-        return self.format.decode(fetched, dtype=dtype)
-
     def load(self, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
         """[block_n, block_k] of expert `expert` at (col0, k0) in dtype, zeros outside the masks."""
-        fetched = self.fetch(expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K)
-        return self.decode(fetched, dtype=dtype)
+        return self.format.load(
+            self.refs,
+            expert,
+            col0,
+            k0,
+            block_n=block_n,
+            block_k=block_k,
+            cols_ok_N=cols_ok_N,
+            k_ok_K=k_ok_K,
+            dtype=dtype,
+        )
 
 
 def expert_tiles(refs, formats) -> list[ExpertTiles]:
