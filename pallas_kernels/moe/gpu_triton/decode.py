@@ -44,12 +44,11 @@ def _valid(expert, num_experts: int):
     return jnp.clip(expert + 1, 0, 1) * jnp.clip(num_experts - expert, 0, 1)
 
 
-def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool, after_loop: bool):
+def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool):
     """[sum_j weight[expert, col0 + n, j] * vector[row, j] for n < block_n] (fp32 [block_n]) for each term (weight
     tiles, expert, rows_ok_N: the rows read (None: all), vector ref, its row), over `steps` K steps (0: no reads).
     Each step loads every term's tile and vector chunk before using any: one memory round trip a step for all of
-    them (a quantised weight's tiles dequantised on chip). The products are summed along K every step, or held
-    [block_n, block_k] a term and summed once after the loop (after_loop)."""
+    them (a quantised weight's tiles dequantised on chip)."""
 
     def body(step, accs):
         k0 = step * block_k
@@ -61,12 +60,13 @@ def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int
             for weight, expert, rows_ok, _, _ in terms
         ]
         chunks = [masked_load(ref.at[row, pl.ds(k0, block_k)], k_ok) for _, _, _, ref, row in terms]
-        products = (tile_NK * chunk_K.astype(jnp.float32)[None, :] for tile_NK, chunk_K in zip(tiles, chunks))
-        return tuple(acc + (p_NK if after_loop else jnp.sum(p_NK, axis=1)) for acc, p_NK in zip(accs, products))
+        return tuple(
+            acc_N + jnp.sum(tile_NK * chunk_K.astype(jnp.float32)[None, :], axis=1)
+            for acc_N, tile_NK, chunk_K in zip(accs, tiles, chunks)
+        )
 
-    shape = (block_n, block_k) if after_loop else (block_n,)
-    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros(shape, jnp.float32) for _ in terms))
-    return tuple(jnp.sum(acc_NK, axis=1) for acc_NK in accs) if after_loop else accs
+    zeros = tuple(jnp.zeros((block_n,), jnp.float32) for _ in terms)
+    return jax.lax.fori_loop(0, steps, body, zeros)
 
 
 def _grouped_products(terms, steps, in_flight: int, **keywords) -> list:
@@ -85,7 +85,6 @@ def _swiglu_kernel(
     limit: float | None,
     shared_limit: float | None,
     in_flight: int,
-    sum_after_loop: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -108,7 +107,6 @@ def _swiglu_kernel(
         block_k=block_k,
         k_dim=gate.shape[2],
         mask_k=mask_k,
-        after_loop=sum_after_loop == 1,
     )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
     routed_steps = _valid(expert, gate.shape[0]) * steps  # 0: a shared row reads no routed weights
@@ -135,7 +133,6 @@ def _down_combine_kernel(
     top_k: int,
     routed_rows: int,
     in_flight: int,
-    sum_after_loop: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -168,9 +165,7 @@ def _down_combine_kernel(
         terms.append((shared[0], jnp.int32(0), edge_ok if in_flight == 1 else cols_ok, routed_rows + token, 1.0))
         term_steps.append(steps)
 
-    keywords = dict(
-        col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, after_loop=sum_after_loop == 1
-    )
+    keywords = dict(col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k)
     reads = [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms]
     if in_flight == 1:
         products = [_tile_products([read], n, **keywords)[0] for read, n in zip(reads, term_steps)]
@@ -191,19 +186,18 @@ def _tile(size: int, wanted: int) -> int:
 
 
 def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim: int, interpret: bool, name: str):
-    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, sum_after_loop=, block_n=, block_k=, mask_n=,
-    mask_k=) over the grid (row of out [rows, N], column tile of N): tiles (block_n, block_k, num_warps, num_stages,
-    in_flight, sum_after_loop), the blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of the
-    first operands, the others whole."""
+    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, block_n=, block_k=, mask_n=, mask_k=) over the grid
+    (row of out [rows, N], column tile of N): tiles (block_n, block_k, num_warps, num_stages, in_flight), the
+    blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of the first operands, the others
+    whole."""
     rows, n_dim = out_shape.shape
-    block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop = tiles
+    block_n, block_k, num_warps, num_stages, in_flight = tiles
     block_n, block_k = _tile(n_dim, block_n), _tile(k_dim, block_k)
     whole = lambda dims: pl.BlockSpec(dims, lambda i, j: (0,) * len(dims))  # noqa: E731
     return pl.pallas_call(
         functools.partial(
             kernel,
             in_flight=in_flight,
-            sum_after_loop=sum_after_loop,
             block_n=block_n,
             block_k=block_k,
             mask_n=n_dim % block_n != 0,
@@ -220,9 +214,9 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
 
 
 def launch_tiles(dense: bool, tokens: int, dtype, swiglu_tiles: tuple, down_tiles: tuple) -> tuple[tuple, tuple]:
-    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop): the given
-    ones, None ones and those not given from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their
-    *_QUANTIZED tables, by `tuned.tokens_bucket`."""
+    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight): the given ones, None ones and
+    those not given from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their *_QUANTIZED tables, by
+    `tuned.tokens_bucket`."""
     swiglu_table, down_table = (
         (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
         if dense
@@ -266,8 +260,8 @@ def routed_experts_gpu(
     is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
-    Tiles: (block_n, block_k, num_warps, num_stages, in_flight, sum_after_loop) of each kernel (`tuned.RowTiles`),
-    the blocks powers of two; None ones and those not given from the tuned tables (`launch_tiles`)."""
+    Tiles: (block_n, block_k, num_warps, num_stages, in_flight) of each kernel (`tuned.RowTiles`), the blocks
+    powers of two; None ones and those not given from the tuned tables (`launch_tiles`)."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]
