@@ -41,10 +41,10 @@ CPU_RUNS = {
     "generate --mtp": (
         "benchmarks.generate",
         ["--quick", "--preset", "tiny", "--weights", "stored", "--batches", "1", "--decode-only", "--mtp", "1"]
-        + ["--layers", "3"]  # the preset's first 3 of its 4 layers
+        + ["--layers", "2"]  # the preset's first 2 of its 4 layers: a KDA + dense MLP, an MLA + MoE layer
         + ["--variants", "gemv.min_programs=16:mla.min_split=64"],
         (
-            "3 layers ('kda', 'mla', 'kda')",
+            "2 layers ('kda', 'mla')",
             "KDA decode auto, gemv.min_programs 16, mla.min_split 64: prefill",
             "MTP 1 draft(s), specialised sampling: generate.py's decode step",
             "program of speculative rounds:",
