@@ -25,6 +25,7 @@ from ling_jax.vl.model import LingVLForConditionalGeneration
 from tests.test_mrope import spec_positions
 
 IMAGE, VIDEO = MediaGrid(1, 4, 6), MediaGrid(2, 4, 4)  # 6 and 8 merged tokens
+MEDIA_GRIDS = ("image_grids", "video_grids")  # the model's keyword arguments that are host-side structure
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +64,6 @@ def forward(model, ids, **kwargs):
     graphdef, state = nnx.split(model)
     logits, cache = _compiled_forward(graphdef, grids, state, jnp.asarray(ids), kwargs)
     return np.asarray(logits), cache
-
-
-MEDIA_GRIDS = ("image_grids", "video_grids")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
