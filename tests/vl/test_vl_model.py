@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import rel_error
+from helpers import FAST_COMPILE_OPTIONS, rel_error
 from scipy.special import erf
 from vl_checkpoint import IMAGE_TOKEN, VIDEO_TOKEN, projector_weights, write_text_checkpoint, write_vl_checkpoint
 from vl_oracle import vision_oracle_output
@@ -66,7 +66,7 @@ def forward(model, ids, **kwargs):
     return np.asarray(logits), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=FAST_COMPILE_OPTIONS)
 def _compiled_forward(graphdef, grids, state, ids, kwargs):
     out = nnx.merge(graphdef, state)(ids, **kwargs, **dict(grids))
     return out.logits, out.cache
