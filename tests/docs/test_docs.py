@@ -1,6 +1,7 @@
 """The docs are tested like the README: every python block of docs/**/*.md runs on the tiny preset unless marked
 `<!-- not tested: REASON -->`, every fence names its language, and every relative link in README.md,
-BENCHMARKS.md and docs/ resolves to a file, folder or heading. (tests/docs/test_readme.py runs the README's blocks.)"""
+BENCHMARKS.md and docs/ resolves to a file, folder or heading. The README's python blocks run here too, after the
+docs' (one module: the README's eager ops find many of those the docs' blocks compiled)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,15 @@ def test_every_fence_names_its_language_and_every_marker_a_python_block():
 @pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(path):
     run_python_blocks(path)
+
+
+def test_readme_python_examples_run():
+    readme = ROOT / "README.md"
+    assert sum(b.lang == "python" and b.skip_reason is None for b in blocks(readme.read_text(), "README.md")) >= 1
+    namespace = run_python_blocks(readme)
+    assert namespace["cache"].lengths.tolist() == [6, 4]
+    assert namespace["draft"].logits.shape[:2] == (2, 4)
+    assert namespace["h_BTD"].shape == namespace["kda_y_BTD"].shape == namespace["x_BTD"].shape
 
 
 def test_relative_links_resolve():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import rel_error
+from helpers import FAST_COMPILE_OPTIONS, rel_error
 
 from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.mla import EXPANDED
@@ -66,7 +66,7 @@ def test_model_prefill_and_decode_with_kernels_equal_reference(backend, kda_deco
         traced = jax.jit(prefill_then_steps, static_argnums=(0, 4)).trace(*nnx.split(model), ids, mask, mla_mode)
         names = set(re.findall(r"name=(\w+)", str(traced.jaxpr)))
         assert names & (kernels | KERNELS[backend]) == (kernels if name == backend else set()), name
-        results[name] = traced.lower().compile()(*nnx.split(model)[1:], ids, mask)
+        results[name] = traced.lower().compile(FAST_COMPILE_OPTIONS)(*nnx.split(model)[1:], ids, mask)
     for got, want in zip(jax.tree.leaves(results[backend]), jax.tree.leaves(results["reference"]), strict=True):
         assert rel_error(got, want) <= 1e-5
 

@@ -6,7 +6,7 @@ benchmarks.generate_cli (tests/generation/test_generate_cli_run.py), the expert-
 (tests/scripts/test_multi_gpu_scripts.py), benchmarks.figures (tests/docs/test_figures.py). benchmarks.serve only parses
 its arguments here: its --quick run compiles the serving engine's programs (~45 s of CPU), whose scheduler tests/serving
 runs; benchmarks.serve_http's --quick run (the served path over real HTTP, which no other benchmark runs) starts
-`ling-serve --preset tiny` (~30 s of CPU)."""
+`ling-serve --preset tiny` on one device (~30 s of CPU with its static steps)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 
 import jax
 import pytest
-from helpers import REPO_ROOT
+from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 
 from benchmarks import trace
 from benchmarks.common import PROFILE_STEPS
@@ -41,10 +41,10 @@ CPU_RUNS = {
     "generate --mtp": (
         "benchmarks.generate",
         ["--quick", "--preset", "tiny", "--weights", "stored", "--batches", "1", "--decode-only", "--mtp", "1"]
-        + ["--layers", "3"]  # the preset's first 3 of its 4 layers
+        + ["--layers", "2"]  # the preset's first 2 of its 4 layers: a KDA + dense MLP, an MLA + MoE layer
         + ["--variants", "gemv.min_programs=16:mla.min_split=64"],
         (
-            "3 layers ('kda', 'mla', 'kda')",
+            "2 layers ('kda', 'mla')",
             "KDA decode auto, gemv.min_programs 16, mla.min_split 64: prefill",
             "MTP 1 draft(s), specialised sampling: generate.py's decode step",
             "program of speculative rounds:",
@@ -52,7 +52,9 @@ CPU_RUNS = {
     ),
     "load_rate": ("benchmarks.load_rate", ["--quick", "--workers", "1,2"], "load_hf_checkpoint (2 workers)"),
     "random_init": ("benchmarks.random_init", ["--preset", "tiny", "--compile-only"], "4 programs for 5"),
-    "serve_http": ("benchmarks.serve_http", ["--quick"], "| 2 | 3 | "),  # a ling-serve --preset tiny subprocess
+    # a ling-serve --preset tiny subprocess (its untimed first request a closed loop of one client), then the static
+    # Generator step at the one concurrency
+    "serve_http": ("benchmarks.serve_http", ["--quick", "--concurrency", "2"], "| 2 | 3 | "),
 }
 # (module, its --quick arguments): the GPU kernels only
 GPU_RUNS = {
@@ -77,8 +79,10 @@ GPU_RUNS = {
 
 @ON_CPU
 @pytest.mark.parametrize("name", sorted(CPU_RUNS))
-def test_quick_run(name, capsys, tmp_path):
+def test_quick_run(name, capsys, tmp_path, monkeypatch):
     module, argv, printed = CPU_RUNS[name]
+    if name == "serve_http":  # its server on one device with the faster-compiling emitters, as a user's CPU run
+        monkeypatch.setenv("XLA_FLAGS", ONE_DEVICE_XLA_FLAGS)
     if name in ("convert", "load_memory", "load_rate"):
         argv = [*argv, "--workdir", str(tmp_path / name)]
     if name == "generate --mtp":  # also traces generate.py's programs of decode steps and speculative rounds

@@ -19,6 +19,11 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository's root
 SUBPROCESS_XLA_FLAGS = " ".join(fast_cpu_compile_flags())
 # A CLI subprocess's XLA_FLAGS: one device, as a user's CPU run has
 ONE_DEVICE_XLA_FLAGS = SUBPROCESS_XLA_FLAGS
+# the same emitters for one jitted function in process (`jax.jit(..., compiler_options=FAST_COMPILE_OPTIONS)`)
+FAST_COMPILE_OPTIONS = {
+    name: {"false": False, "true": True}.get(value, value)
+    for name, value in (flag.removeprefix("--").split("=") for flag in fast_cpu_compile_flags())
+}
 
 
 def run_wide_directory(tmp_path_factory, name: str) -> pathlib.Path:

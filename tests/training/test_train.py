@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO_ROOT, SUBPROCESS_XLA_FLAGS
+from helpers import FAST_COMPILE_OPTIONS, REPO_ROOT, SUBPROCESS_XLA_FLAGS
 
 from convert.synthetic import config_dict
 from ling_jax import LingConfig, LingForCausalLM, load_hf_checkpoint
@@ -27,9 +27,9 @@ from ling_jax.training.train import (
     balanced_expert_bias,
     init_train_state,
     jit_eval_step,
-    jit_train_step,
     loss_and_expert_loads,
     merge_model,
+    train_step,
 )
 
 ROOT = str(REPO_ROOT)
@@ -57,6 +57,14 @@ SMALL = preset("tiny").replace(
     moe_intermediate_size=8,
     shared_expert_intermediate_size=8,
 )
+# `jit_train_step` (the script's runs below use it) compiled with XLA:CPU's faster-compiling emitters: the tests'
+# programs run a few steps each
+fast_train_step = jax.jit(
+    train_step,
+    static_argnames=("graphdef", "config"),
+    donate_argnames=("state",),
+    compiler_options=FAST_COMPILE_OPTIONS,
+)
 STEP_CONFIG = TrainConfig(learning_rate=1e-2, warmup_steps=1, total_steps=8, expert_bias_rate=0.125, mtp_loss_scale=0.3)
 
 
@@ -70,7 +78,7 @@ def test_train_steps_reduce_the_loss_on_a_fixed_batch():
     batch = random_batch(SMALL, 2, 24)
     history = []
     for _ in range(8):
-        state, metrics = jit_train_step(graphdef, state, batch, STEP_CONFIG)
+        state, metrics = fast_train_step(graphdef, state, batch, STEP_CONFIG)
         history.append(jax.device_get(metrics))
     assert int(state.step) == 8
     assert history[-1]["lm_loss"] < history[0]["lm_loss"] - 1.0
@@ -87,7 +95,7 @@ def test_mtp_loss_scale_is_checked():
 def test_train_step_updates_the_bias_by_the_rule_only():
     graphdef, state = init_train_state(LingForCausalLM(SMALL, rngs=nnx.Rngs(0), dtype=jnp.float32), STEP_CONFIG)
     assert not any("expert_bias" in path for path, _ in nnx.to_flat_state(state.params))  # no gradient, no decay
-    state, _ = jit_train_step(graphdef, state, random_batch(SMALL, 2, 24), STEP_CONFIG)
+    state, _ = fast_train_step(graphdef, state, random_batch(SMALL, 2, 24), STEP_CONFIG)
     for path, variable in nnx.to_flat_state(state.expert_bias):
         steps = np.asarray(variable.get_value()) / STEP_CONFIG.expert_bias_rate  # from zero: -1, 0 or +1
         assert set(np.unique(steps)) <= {-1.0, 0.0, 1.0}, path
@@ -123,7 +131,8 @@ def test_gradients_match_central_finite_differences():
                 params, state.expert_bias, graphdef, batch, STEP_CONFIG.mtp_loss_scale
             ),
             has_aux=True,
-        )
+        ),
+        compiler_options=FAST_COMPILE_OPTIONS,
     )
     (_, (_, loads)), grads = value_and_grad(state.params)
     grads = dict(nnx.to_flat_state(grads))
@@ -269,11 +278,11 @@ def test_sharded_train_step_equals_unsharded():
         model = LingForCausalLM(SMALL, rngs=nnx.Rngs(0), dtype=jnp.float32)
         if mesh is None:
             graphdef, state = init_train_state(model, STEP_CONFIG)
-            return jax.device_get(jit_train_step(graphdef, state, batch, STEP_CONFIG))
+            return jax.device_get(fast_train_step(graphdef, state, batch, STEP_CONFIG))
         shard_model(model, mesh)
         graphdef, state = init_train_state(model, STEP_CONFIG)
         with jax.set_mesh(mesh):
-            new_state, metrics = jit_train_step(graphdef, state, batch, STEP_CONFIG)
+            new_state, metrics = fast_train_step(graphdef, state, batch, STEP_CONFIG)
         experts = merge_model(graphdef, new_state).model.layers[1].mlp.experts.gate_proj[...]
         assert experts.addressable_shards[0].data.shape[0] == SMALL.num_experts // 4  # still expert-parallel
         return jax.device_get((new_state, metrics))

@@ -4,12 +4,14 @@ cached prefill + decode."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import rel_error
+from helpers import FAST_COMPILE_OPTIONS, rel_error
 from scipy.special import erf
 from vl_checkpoint import IMAGE_TOKEN, VIDEO_TOKEN, projector_weights, write_text_checkpoint, write_vl_checkpoint
 from vl_oracle import vision_oracle_output
@@ -23,6 +25,7 @@ from ling_jax.vl.model import LingVLForConditionalGeneration
 from tests.test_mrope import spec_positions
 
 IMAGE, VIDEO = MediaGrid(1, 4, 6), MediaGrid(2, 4, 4)  # 6 and 8 merged tokens
+MEDIA_GRIDS = ("image_grids", "video_grids")  # the model's keyword arguments that are host-side structure
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +50,26 @@ def _media(image_seed=3, video_seed=4):
 
 @pytest.fixture(scope="module")
 def media_logits(checkpoints):
-    """The loaded VL model's logits for _prompt() with _media(): one eager forward shared by the tests."""
-    return np.asarray(checkpoints[3](jnp.asarray(_prompt()), **_media()).logits)
+    """The loaded VL model's logits for _prompt() with _media(): one forward shared by the tests."""
+    return forward(checkpoints[3], _prompt(), **_media())[0]
+
+
+def forward(model, ids, **kwargs):
+    """(logits as numpy, cache) of `model(ids, **kwargs)` in one compiled program (`_compiled_forward`): run op by
+    op, each of the forward's ops compiles again at every new length (5-15 s a call). With media and no
+    `positions`, the model's host-side mRoPE positions, as its eager call computes them."""
+    grids = tuple((name, tuple(map(tuple, kwargs.pop(name)))) for name in MEDIA_GRIDS if name in kwargs)
+    if grids and "positions" not in kwargs:
+        kwargs["positions"] = model.positions(ids, kwargs.get("attention_mask"), **dict(grids))[0]
+    graphdef, state = nnx.split(model)
+    logits, cache = _compiled_forward(graphdef, grids, state, jnp.asarray(ids), kwargs)
+    return np.asarray(logits), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=FAST_COMPILE_OPTIONS)
+def _compiled_forward(graphdef, grids, state, ids, kwargs):
+    out = nnx.merge(graphdef, state)(ids, **kwargs, **dict(grids))
+    return out.logits, out.cache
 
 
 def _pixels(grids, seed):
@@ -89,10 +110,14 @@ def test_media_prompt_matches_reference_composition(checkpoints, media_logits):
     embeds[ids == IMAGE_TOKEN] = _numpy_projector(weights, vision_oracle_output(oracle, image_pixels, (IMAGE,)))
     embeds[ids == VIDEO_TOKEN] = _numpy_projector(weights, vision_oracle_output(oracle, video_pixels, (VIDEO,)))
     positions = spec_positions(ids[0], [IMAGE.merged(2), VIDEO.merged(2)], (IMAGE_TOKEN, VIDEO_TOKEN))[None]
-    hidden, _ = text_model.model(
-        jnp.asarray(ids), positions=jnp.asarray(positions), inputs_embeds=jnp.asarray(embeds, jnp.float32)
-    )
-    err = rel_error(media_logits, text_model.logits(hidden))
+    graphdef, state = nnx.split(text_model)
+
+    @jax.jit
+    def composed(state, ids, positions, embeds):
+        model = nnx.merge(graphdef, state)
+        return model.logits(model.model(ids, positions=positions, inputs_embeds=embeds)[0])
+
+    err = rel_error(media_logits, composed(state, jnp.asarray(ids), positions, jnp.asarray(embeds, jnp.float32)))
     print(f"VL logits vs reference composition: fp32 rel. error {err:.2e}")
     assert err <= 1e-4
 
@@ -101,10 +126,10 @@ def test_image_changes_the_logits_after_it_only(checkpoints, media_logits):
     _, _, _, model = checkpoints
     ids = _prompt()
     a = media_logits
-    b = np.asarray(model(jnp.asarray(ids), **_media(image_seed=5)).logits)
+    b = forward(model, ids, **_media(image_seed=5))[0]
     np.testing.assert_allclose(a[:, :3], b[:, :3], rtol=1e-5, atol=1e-5)
     assert rel_error(a[:, 3:], b[:, 3:]) > 1e-2
-    plain = np.asarray(model(jnp.asarray(ids)).logits)  # pad tokens embedded as text, 1-D positions
+    plain = forward(model, ids)[0]  # pad tokens embedded as text, 1-D positions
     assert rel_error(a[:, 3:], plain[:, 3:]) > 1e-2
 
 
@@ -113,10 +138,10 @@ def test_text_only_equals_the_text_model(checkpoints):
     assert type(text_model) is LingForCausalLM
     ids = jnp.asarray(np.random.default_rng(0).integers(2, 240, size=(2, 13)))
     mask = jnp.asarray(np.arange(13)[None] >= np.array([[0], [4]]))
-    ref = np.asarray(text_model(ids, attention_mask=mask).logits)
-    np.testing.assert_array_equal(np.asarray(model(ids, attention_mask=mask).logits), ref)
+    ref = forward(text_model, ids, attention_mask=mask)[0]
+    np.testing.assert_array_equal(forward(model, ids, attention_mask=mask)[0], ref)
     equal_axes = jnp.repeat(jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)[..., None], 3, axis=-1)
-    three_axis = np.asarray(model(ids, attention_mask=mask, positions=equal_axes).logits)
+    three_axis = forward(model, ids, attention_mask=mask, positions=equal_axes)[0]
     assert rel_error(three_axis[np.asarray(mask)], ref[np.asarray(mask)]) <= 1e-6
 
 
@@ -131,18 +156,16 @@ def test_cached_prefill_and_decode_continue_after_media(checkpoints):
         pixel_values_videos=jnp.asarray(_pixels((VIDEO,), 4)),
         video_grids=[[VIDEO]],
     )
-    full = np.asarray(model(jnp.asarray(ids), **media).logits)
+    full = forward(model, ids, **media)[0]
     prompt = ids[:, :-2]
     positions, deltas = model.positions(prompt, image_grids=[[IMAGE]], video_grids=[[VIDEO]])
     cache = model.init_cache(1, 40, dtype=jnp.float32)
-    out = model(jnp.asarray(prompt), positions=jnp.asarray(positions), cache=cache, **media)
-    steps = [np.asarray(out.logits)]
-    cache = out.cache
+    logits, cache = forward(model, prompt, positions=jnp.asarray(positions), cache=cache, **media)
+    steps = [logits]
     for token in ids[0, -2:]:
         step_positions = (cache.lengths + jnp.asarray(deltas))[:, None]
-        out = model(jnp.asarray([[token]]), positions=step_positions, cache=cache)
-        steps.append(np.asarray(out.logits))
-        cache = out.cache
+        logits, cache = forward(model, [[token]], positions=step_positions, cache=cache)
+        steps.append(logits)
     assert rel_error(np.concatenate(steps, axis=1), full) <= 1e-4
 
 
@@ -223,7 +246,7 @@ def test_generator_with_media_equals_full_forward_greedy(checkpoints):
         (text_prompt, outputs[1], {}),
     ):
         assert len(output) == 3
-        logits = np.asarray(model(jnp.asarray([list(prompt) + output]), **row_media).logits)[0]
+        logits = forward(model, [list(prompt) + output], **row_media)[0][0]
         assert output == [int(t) for t in np.argmax(logits[len(prompt) - 1 : -1], axis=-1)]
 
 
@@ -275,8 +298,8 @@ def test_generate_cli_with_an_image(tmp_path, checkpoints, capsys):
     assert record["prompt_tokens"] == len(ids) and len(record["completion_ids"]) == 2
     # one forward over prompt + completion gives each step's greedy pick (the model is causal)
     full = [*ids, *record["completion_ids"]]
-    logits = model(jnp.asarray([full]), pixel_values=jnp.asarray(patches), image_grids=[[grid]]).logits
-    assert record["completion_ids"] == [int(t) for t in np.argmax(np.asarray(logits)[0, len(ids) - 1 : -1], -1)]
+    logits = forward(model, [full], pixel_values=jnp.asarray(patches), image_grids=[[grid]])[0]
+    assert record["completion_ids"] == [int(t) for t in np.argmax(logits[0, len(ids) - 1 : -1], -1)]
 
 
 def test_generate_cli_media_errors(tmp_path, checkpoints, capsys):
