@@ -261,8 +261,8 @@ def _per_call(
 ) -> float:
     """Seconds per call of `program` (state -> next state, donated), after two untimed calls (the state committed
     first, as the program's outputs are, so that one compile serves both; weak types may still differ). With
-    profile_dir,
-    one more call under the profiler: its trace and `lower(state)`'s compiled HLO in profile_dir/name."""
+    profile_dir, one more call under the profiler: its trace and `lower(state)`'s compiled HLO in
+    profile_dir/name."""
     state = committed(state)
     for _ in range(2):
         state = program(state)
