@@ -52,13 +52,16 @@ class GroupedTiles:
 class RowTiles:
     """gpu_triton routed-experts row kernels: block_n output columns a program, block_k a step; in_flight: the
     weights whose tiles a K step loads before using any (SwiGLU: gate and up of a row, 2, or one after the other, 1;
-    down + combine: the token's top_k + shared experts', in groups of in_flight, one loop a group), 0 for all."""
+    down + combine: the token's top_k + shared experts', in groups of in_flight, one loop a group), 0 for all;
+    splits: the down kernel's K steps split over that many programs a column tile, their fp32 partial sums added
+    after it (the SwiGLU kernel takes 1 only: its nonlinearity needs the whole sum)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     in_flight: int = 0
+    splits: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -220,11 +220,12 @@ def test_routed_experts_match_float64(fmt, shared_fmt, dtype, variant):
     assert err <= TOL[dtype]
 
 
-@pytest.mark.parametrize("in_flight", [0, 1, 3])
-def test_row_kernels_with_weights_in_flight_match_float64(in_flight):
+@pytest.mark.parametrize(("in_flight", "splits"), [(0, 1), (1, 1), (3, 1), (0, 2), (1, 3)])
+def test_row_kernels_with_weights_in_flight_match_float64(in_flight, splits):
     """The row kernels with `in_flight` weights loaded a K step (0: all; 1: one after the other, an invalid slot's
     loop empty; 3: the down kernel's top_k + shared experts in groups of 3 and 1, SwiGLU's gate and up together):
-    the same products, for tokens with an invalid slot (masked rows) and one without (unmasked loads)."""
+    the same products, for tokens with an invalid slot (masked rows) and one without (unmasked loads). Splits > 1:
+    the down kernel's 5 K steps of 32 (the last masked) over 2 programs (3 + 2 steps) or 3 (2 + 2 + 1)."""
     from pallas_kernels.moe.gpu_triton.decode import routed_experts_gpu
 
     x, weights, experts, gate, up, down = decode_case(3, "fp8", jnp.float32, seed=17)
@@ -244,7 +245,7 @@ def test_row_kernels_with_weights_in_flight_match_float64(in_flight):
         shared_limit=0.5,
         interpret=True,
         swiglu_tiles=(None,) * 4 + (in_flight,),
-        down_tiles=(None,) * 4 + (in_flight,),
+        down_tiles=(None, 32 if splits > 1 else None, None, None, in_flight, splits),
     )
     dense = [float64_dense(w) for w in (gate, up, down)]
     shared64 = tuple(float64_dense(w) for w in shared)

@@ -44,14 +44,14 @@ def _valid(expert, num_experts: int):
     return jnp.clip(expert + 1, 0, 1) * jnp.clip(num_experts - expert, 0, 1)
 
 
-def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool):
+def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool, first=0):
     """[sum_j weight[expert, col0 + n, j] * vector[row, j] for n < block_n] (fp32 [block_n]) for each term (weight
-    tiles, expert, rows_ok_N: the rows read (None: all), vector ref, its row), over `steps` K steps (0: no reads).
-    Each step loads every term's tile and vector chunk before using any: one memory round trip a step for all of
-    them (a quantised weight's tiles dequantised on chip)."""
+    tiles, expert, rows_ok_N: the rows read (None: all), vector ref, its row), over `steps` K steps (0: no reads)
+    from step `first`. Each step loads every term's tile and vector chunk before using any: one memory round trip a
+    step for all of them (a quantised weight's tiles dequantised on chip)."""
 
     def body(step, accs):
-        k0 = step * block_k
+        k0 = (first + step) * block_k
         k_ok = k0 + jnp.arange(block_k) < k_dim if mask_k else None
         tiles = [
             weight.load(
@@ -85,6 +85,7 @@ def _swiglu_kernel(
     limit: float | None,
     shared_limit: float | None,
     in_flight: int,
+    splits: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -93,6 +94,8 @@ def _swiglu_kernel(
     """Row r < routed_rows is (token r // top_k, its expert); with shared refs, row routed_rows + t is token t's
     shared-expert row (its routed expert index is -1: no routed reads)."""
     *weight_refs, h_ref = refs
+    if splits != 1:
+        raise ValueError(f"the SwiGLU row kernel sums its whole K range in one program (splits 1), got {splits}")
     gate, up, *shared = expert_tiles(weight_refs, formats)
     row, col0 = pl.program_id(0), pl.program_id(1) * block_n
     cols_ok = col0 + jnp.arange(block_n) < gate.shape[1] if mask_n else None
@@ -133,25 +136,31 @@ def _down_combine_kernel(
     top_k: int,
     routed_rows: int,
     in_flight: int,
+    splits: int,
     block_n: int,
     block_k: int,
     mask_n: bool,
     mask_k: bool,
 ):
-    """Program (token, column tile): loops over the width I whose every step loads the tile of each of in_flight
-    of the token's experts (its top_k slots, then the shared expert's; 0: all in one loop) before using any: the
-    experts' bytes in flight together, one memory round trip a step for the group rather than one an expert. In a
-    group an invalid slot's rows are masked (no reads) and its routing weight zeroed, the loads of a program whose
-    slots are all valid left unmasked (a second form of the loop, picked by a branch); one expert at a time
-    (in_flight 1), an invalid slot's loop runs no steps and the rows are masked only at the weight's edge (row
-    masks on every load cost ~13% at 8 tokens on an H100)."""
+    """Program (token, column tile, split): loops over its split of the width I whose every step loads the tile of each
+    of in_flight of the token's experts (its top_k slots, then the shared expert's; 0: all in one loop) before using
+    any: the experts' bytes in flight together, one memory round trip a step for the group rather than one an expert.
+    In a group an invalid slot's rows are masked (no reads) and its routing weight zeroed, the loads of a program
+    whose slots are all valid left unmasked (a second form of the loop, picked by a branch); one expert at a time
+    (in_flight 1), an invalid slot's loop runs no steps and the rows are masked only at the weight's edge (row masks
+    on every load cost ~13% at 8 tokens on an H100). Splits > 1: the split's fp32 partial sums, stored to y [splits,
+    tokens, D] for the caller to add in split order."""
     *weight_refs, y_ref = refs
     down, *shared = expert_tiles(weight_refs, formats)
     num_experts, n_dim, k_dim = down.shape
-    token, col0 = pl.program_id(0), pl.program_id(1) * block_n
+    token, col0, split = pl.program_id(0), pl.program_id(1) * block_n, pl.program_id(2)
     edge_ok = col0 + jnp.arange(block_n) < n_dim if mask_n else None
     cols_ok = col0 + jnp.arange(block_n) < n_dim
-    steps = pl.cdiv(k_dim, block_k)
+    all_steps = pl.cdiv(k_dim, block_k)
+    split_steps = pl.cdiv(all_steps, splits)
+    first = split * split_steps
+    # a split's K steps: a constant where they divide evenly (the one-split kernel's loop as before)
+    steps = split_steps if all_steps % splits == 0 else jnp.clip(all_steps - first, 0, split_steps)
     terms, term_steps = [], []  # (weight tiles, expert read (in range), its rows' mask, h's row, routing weight)
     for slot in range(top_k):
         expert = expert_ref[slot]  # scalar loads, all issued together: no cross-thread sums before the weights
@@ -165,7 +174,7 @@ def _down_combine_kernel(
         terms.append((shared[0], jnp.int32(0), edge_ok if in_flight == 1 else cols_ok, routed_rows + token, 1.0))
         term_steps.append(steps)
 
-    keywords = dict(col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k)
+    keywords = dict(col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, first=first)
     reads = [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms]
     if in_flight == 1:
         products = [_tile_products([read], n, **keywords)[0] for read, n in zip(reads, term_steps)]
@@ -178,7 +187,8 @@ def _down_combine_kernel(
             lambda: tuple(_grouped_products(reads, steps, in_flight, **keywords)),
         )
     acc_N = sum(weight * product_N for (*_, weight), product_N in zip(terms, products))
-    plgpu.store(y_ref.at[token, pl.ds(col0, block_n)], acc_N.astype(y_ref.dtype), mask=edge_ok)
+    at = (token, pl.ds(col0, block_n)) if splits == 1 else (split, token, pl.ds(col0, block_n))
+    plgpu.store(y_ref.at[at], acc_N.astype(y_ref.dtype), mask=edge_ok)
 
 
 def _tile(size: int, wanted: int) -> int:
@@ -186,24 +196,25 @@ def _tile(size: int, wanted: int) -> int:
 
 
 def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim: int, interpret: bool, name: str):
-    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, block_n=, block_k=, mask_n=, mask_k=) over the grid
-    (row of out [rows, N], column tile of N): tiles (block_n, block_k, num_warps, num_stages, in_flight), the
-    blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of the first operands, the others
-    whole."""
-    rows, n_dim = out_shape.shape
-    block_n, block_k, num_warps, num_stages, in_flight = tiles
+    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, splits=, block_n=, block_k=, mask_n=, mask_k=) over
+    the grid (row of out [..., rows, N], column tile of N, split of K): tiles (block_n, block_k, num_warps,
+    num_stages, in_flight, splits), the blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of
+    the first operands (indexed by row and column tile), the others whole."""
+    rows, n_dim = out_shape.shape[-2:]
+    block_n, block_k, num_warps, num_stages, in_flight, splits = tiles
     block_n, block_k = _tile(n_dim, block_n), _tile(k_dim, block_k)
-    whole = lambda dims: pl.BlockSpec(dims, lambda i, j: (0,) * len(dims))  # noqa: E731
+    whole = lambda dims: pl.BlockSpec(dims, lambda *_: (0,) * len(dims))  # noqa: E731
     return pl.pallas_call(
         functools.partial(
             kernel,
             in_flight=in_flight,
+            splits=splits,
             block_n=block_n,
             block_k=block_k,
             mask_n=n_dim % block_n != 0,
             mask_k=k_dim % block_k != 0,
         ),
-        grid=(rows, pl.cdiv(n_dim, block_n)),
+        grid=(rows, pl.cdiv(n_dim, block_n), splits),
         in_specs=[*per_row_specs, *(whole(a.shape) for a in operands[len(per_row_specs) :])],
         out_specs=whole(out_shape.shape),
         out_shape=out_shape,
@@ -214,9 +225,9 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
 
 
 def launch_tiles(dense: bool, tokens: int, dtype, swiglu_tiles: tuple, down_tiles: tuple) -> tuple[tuple, tuple]:
-    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight): the given ones, None ones and
-    those not given from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their *_QUANTIZED tables, by
-    `tuned.tokens_bucket`."""
+    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight, splits): the given ones, None
+    ones and those not given from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their *_QUANTIZED
+    tables, by `tuned.tokens_bucket`."""
     swiglu_table, down_table = (
         (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
         if dense
@@ -260,7 +271,7 @@ def routed_experts_gpu(
     is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
-    Tiles: (block_n, block_k, num_warps, num_stages, in_flight) of each kernel (`tuned.RowTiles`), the blocks
+    Tiles: (block_n, block_k, num_warps, num_stages, in_flight, splits) of each kernel (`tuned.RowTiles`), the blocks
     powers of two; None ones and those not given from the tuned tables (`launch_tiles`)."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
@@ -291,7 +302,7 @@ def routed_experts_gpu(
         ),
         swiglu_tiles,
         (experts_R, x_TD, *swiglu_weights),
-        [pl.BlockSpec((None,), lambda r, n: (jnp.minimum(r, routed_rows - 1),))],
+        [pl.BlockSpec((None,), lambda r, n, s: (jnp.minimum(r, routed_rows - 1),))],
         jax.ShapeDtypeStruct((rows, width), x_TD.dtype),
         k_dim=hidden,
         interpret=interpret,
@@ -301,14 +312,17 @@ def routed_experts_gpu(
     slots = pl.next_power_of_2(top_k)  # Triton blocks are powers of two: pad the slots with invalid experts
     experts_TS = jnp.pad(experts_TK.astype(jnp.int32), ((0, 0), (0, slots - top_k)), constant_values=-1)
     weights_TS = jnp.pad(weights_TK.astype(jnp.float32), ((0, 0), (0, slots - top_k)))
-    per_token = pl.BlockSpec((None, slots), lambda t, n: (t, 0))
-    return _row_call(
+    per_token = pl.BlockSpec((None, slots), lambda t, n, s: (t, 0))
+    splits = down_tiles[5]
+    out_shape = (tokens, hidden) if splits == 1 else (splits, tokens, hidden)
+    y = _row_call(
         functools.partial(_down_combine_kernel, formats=down_formats, top_k=top_k, routed_rows=routed_rows),
         down_tiles,
         (experts_TS, weights_TS, h_RI, *down_weights),
         [per_token, per_token],
-        jax.ShapeDtypeStruct((tokens, hidden), x_TD.dtype),
+        jax.ShapeDtypeStruct(out_shape, x_TD.dtype if splits == 1 else jnp.float32),
         k_dim=width,
         interpret=interpret,
         name="expert_down_combine",
     )
+    return y if splits == 1 else jnp.sum(y, axis=0).astype(x_TD.dtype)
