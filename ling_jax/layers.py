@@ -87,10 +87,28 @@ def rms_norm(weights: Weights, x: jax.Array, eps: float, policy: ExecutionPolicy
     return per_shard(norm, in_axes=(_rows(x), None), out_axes=(_rows(x),))(x, weights["weight"])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitSum:
+    """A layer's output left as partial sums [S, N, D] (N: its tokens; fp32, or the activations' dtype for one
+    split) that add up to it in split order: a kernel's splits of a product's K range, for the norm after the layer
+    to add (`add_rms_norm`) rather than a launch of their own. One device only."""
+
+    partials_SND: jax.Array
+
+    def total(self, like: jax.Array) -> jax.Array:
+        """The sum, in like's dtype and shape."""
+        return jnp.sum(self.partials_SND, axis=0).astype(like.dtype).reshape(like.shape)
+
+
 def add_rms_norm(
-    weights: Weights, x: jax.Array, residual: jax.Array, eps: float, policy: ExecutionPolicy | None = None
+    weights: Weights, x: jax.Array, residual: jax.Array | SplitSum, eps: float, policy: ExecutionPolicy | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """(x + residual, rms_norm of it), one kernel on a GPU; policy as for `rms_norm`."""
+    """(x + residual, rms_norm of it), one kernel on a GPU; policy as for `rms_norm`. residual a `SplitSum`: its
+    partial sums added first, split after split (`add_partials_rms_norm`)."""
+    if isinstance(residual, SplitSum):
+        weight = weights["weight"]
+        return add_partials_rms_norm_op(x, residual.partials_SND, weight, eps, backend=_norm_backend(policy))
     norm = functools.partial(add_rms_norm_op, eps=eps, backend=_norm_backend(policy))
     return per_shard(norm, in_axes=(_rows(x), _rows(x), None), out_axes=(_rows(x),) * 2)(x, residual, weights["weight"])
 

@@ -18,6 +18,7 @@ from ling_jax.kda import KimiDeltaAttention, kda_attention
 from ling_jax.layers import (
     Linear,
     RMSNorm,
+    SplitSum,
     Weights,
     add_rms_norm,
     linear_add_rms_norm,
@@ -71,7 +72,8 @@ def decoder_layer_deferred(weights: Weights, h_BTD, y_BTD, state, ctx: TokenCont
     """`decoder_layer_with_stats` with the residual adds at its ends left to the norms after them: the layer's input
     is h + y (y: the previous layer's feed-forward output, not yet added; None: h itself), its output h + y of the
     returned (h, y, state, stats), y the feed-forward's output. A layer loop passes each layer's (h, y) to the next
-    and the last to the final norm, so every residual add runs with the norm after it (`residual_norm`)."""
+    and the last to the final norm, so every residual add runs with the norm after it (`residual_norm`). A one-token
+    decode on one device leaves an MoE's y as its kernels' partial sums (`SplitSum`), which that norm adds."""
     # One device: the norms and the residual adds before them run as one kernel each on a GPU.
     eps = cfg.rms_norm_eps
     h_BTD, x = residual_norm(weights["input_layernorm"], h_BTD, y_BTD, eps, ctx.policy)
@@ -90,8 +92,13 @@ def decoder_layer_deferred(weights: Weights, h_BTD, y_BTD, state, ctx: TokenCont
     )
     stats = None
     if "gate" in weights["mlp"]:
+        split_sums = ctx.decode_lengths_B is not None and jax.sharding.get_abstract_mesh().empty
         with jax.named_scope("moe"):
-            y, stats = moe_block_with_stats(weights["mlp"], x, cfg, layer=layer, policy=ctx.policy)
+            y, stats = moe_block_with_stats(
+                weights["mlp"], x, cfg, layer=layer, policy=ctx.policy, split_sums=split_sums
+            )
+        if split_sums:
+            return h_BTD, SplitSum(y), state, stats
     else:
         with jax.named_scope("mlp"):
             y = dense_mlp(weights["mlp"], x, policy=ctx.policy)  # never clipped (spec §4)
@@ -101,6 +108,7 @@ def decoder_layer_deferred(weights: Weights, h_BTD, y_BTD, state, ctx: TokenCont
 def residual_add(h_BTD, y_BTD) -> jax.Array:
     """h + y, laid out as the activations: a deferred layer's output (`decoder_layer_deferred`) where no norm follows
     to take the add."""
+    y_BTD = y_BTD.total(h_BTD) if isinstance(y_BTD, SplitSum) else y_BTD
     return constrain(h_BTD + y_BTD, *ACTIVATION_BTD)
 
 

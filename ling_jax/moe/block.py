@@ -80,10 +80,12 @@ def routed_experts_block(
     limit: float | None,
     policy: ExecutionPolicy,
     shared: SharedExpert | None = None,
+    split_sums: bool = False,
 ):
     """The routed experts (`gate_proj` / `up_proj` [E, I, D], `down_proj` [E, D, I]) on the rows routed to them
     -> (y [T, D], dropped token-assignments: int32 scalar, 0 when dropless). With `shared`, y includes the
     shared expert's output (on one device a GPU decode step runs it inside the routed experts' kernels).
+    split_sums: y as [S, T, D] partial sums (`local_moe`'s; one split under expert parallelism).
 
     Under a mesh that splits the experts or their width (`jax.set_mesh`; the `experts` / `expert_mlp` rules),
     tokens go to the devices that own their experts (`ling_jax.moe.expert_parallel`); otherwise all experts run here
@@ -97,8 +99,8 @@ def routed_experts_block(
             return routed, dropped
         with jax.named_scope("shared_expert"):
             shared_TD = swiglu_ffn(x_TD, *shared.weights, shared.limit, policy)
-        return routed + shared_TD, dropped
-    return local_moe(x_TD, routing, experts, limit, policy=policy, shared=shared), jnp.int32(0)
+        return ((routed + shared_TD)[None] if split_sums else routed + shared_TD), dropped
+    return local_moe(x_TD, routing, experts, limit, policy=policy, shared=shared, split_sums=split_sums), jnp.int32(0)
 
 
 def moe_block(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: ExecutionPolicy | None = None):
@@ -112,9 +114,17 @@ def moe_block(weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: E
 
 
 def moe_block_with_stats(
-    weights: Weights, x_BTD, cfg: LingConfig, *, layer: int, policy: ExecutionPolicy | None = None
+    weights: Weights,
+    x_BTD,
+    cfg: LingConfig,
+    *,
+    layer: int,
+    policy: ExecutionPolicy | None = None,
+    split_sums: bool = False,
 ):
-    """`moe_block` -> (y [B, T, D], {"expert_load": [E] assignments per expert, "dropped_assignments": int32})."""
+    """`moe_block` -> (y [B, T, D], {"expert_load": [E] assignments per expert, "dropped_assignments": int32}).
+    split_sums: y as partial sums [S, B x T, D] that add up to it (`routed_experts_block`'s), for the norm after
+    the layer to add (`ling_jax.layers.SplitSum`)."""
     policy = as_policy(policy)
     x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
     with jax.named_scope("moe_router"):
@@ -127,9 +137,10 @@ def moe_block_with_stats(
         limit=cfg.swiglu_limit(layer, shared=False),
         policy=policy,
         shared=shared,
+        split_sums=split_sums,
     )
     stats = {"expert_load": expert_load(experts_TK, cfg.num_experts), "dropped_assignments": dropped}
-    return y_TD.reshape(x_BTD.shape), stats
+    return (y_TD if split_sums else y_TD.reshape(x_BTD.shape)), stats
 
 
 def sow_moe_stats(module: nnx.Module, stats) -> None:

@@ -109,17 +109,22 @@ def local_moe(
     *,
     policy: ExecutionPolicy,
     shared: SharedExpert | None = None,
+    split_sums: bool = False,
 ):
     """All experts on this device, plus the shared expert when given: `moe_experts` on the kernels `expert_path`
     picks for the policy's backend and FP8 mode and the call's T x top_k rows, on token chunks whose rows fit in
     ROW_BUFFER_BYTES. The shared expert is added here (`swiglu_ffn`, as the policy says), unless the row kernels
-    run it (`ExpertPath.with_shared`)."""
+    run it (`ExpertPath.with_shared`). split_sums: the output as [S, T, D] partial sums (the row kernels' splits,
+    else one)."""
     tokens, top_k = routing.experts_TK.shape
     shared_weights = None if shared is None else shared.weights
     path = expert_path(policy.kernel_backend, experts, policy.fp8_matmul, rows=tokens * top_k, shared=shared_weights)
     if path.with_shared:
         with jax.named_scope("routed_and_shared_experts"):
-            return moe_experts(x_TD, routing, experts, limit, path, shared=shared_weights, shared_limit=shared.limit)
+            shared_args = {"shared": shared_weights, "shared_limit": shared.limit, "split_sums": split_sums}
+            return moe_experts(x_TD, routing, experts, limit, path, **shared_args)
+    if split_sums:
+        return local_moe(x_TD, routing, experts, limit, policy=policy, shared=shared)[None]
     with jax.named_scope("routed_experts"):
         chunks = token_chunks(tokens, top_k, x_TD.shape[1] * x_TD.dtype.itemsize)
         routed_TD = in_token_chunks(

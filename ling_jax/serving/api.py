@@ -391,15 +391,17 @@ class _Reply:
         self, index: int, delta: Delta, splitter: ReasoningSplitter | None, parser: ToolCallParser | None
     ) -> list[dict]:
         """The choice bodies of one delta: its text (chat: reasoning, answer and tool calls apart) and its tokens'
-        logprobs (on the first body; a delta of tokens whose text is held back sends them with empty text)."""
+        logprobs (on the first body). A delta of tokens whose text is held back (an incomplete character, a
+        possible stop string, a tool call being parsed) is one body of empty text: every decoded token reaches
+        the client when it is decoded, as streaming clients time it."""
         if not self.chat:
             text = (self.prepared[index].echo if delta.prompt_logprobs is not None else "") + delta.text
             logprobs = self._completion_logprobs(index, [delta])
             logprobs = logprobs if logprobs is not None and logprobs["tokens"] else None
-            return [{"text": text, "logprobs": logprobs}] if text or logprobs else []
+            return [{"text": text, "logprobs": logprobs}] if text or logprobs or delta.token_ids else []
         logprobs = self._chat_logprobs(list(delta.logprobs)) if delta.logprobs else None
         pieces = self._chat_bodies(delta.text, splitter, parser, last=delta.finish is not None)
-        if logprobs is not None and not pieces:
+        if (logprobs is not None or delta.token_ids) and not pieces:
             pieces = [{"delta": {"content": ""}}]
         return [piece | {"logprobs": logprobs if i == 0 else None} for i, piece in enumerate(pieces)]
 

@@ -384,10 +384,11 @@ def _routed_reference(x, weights, experts, gate, up, down, shared, limit, shared
     return routed_experts_reference(x, weights, experts, gate, up, down, limit, shared, shared_limit)
 
 
+_ROUTED_GPU_ENTRIES = {"gpu_triton": routed_experts_gpu, WEIGHT_ONLY: routed_experts_weight_only_gpu}
 # {variant: the GPU kernels}, differentiated as the reference (a quantised weight: dequantise-then-reference)
 _ROUTED_GPU_KERNELS = {
     name: with_reference_vjp(_routed_entry(entry), _routed_reference, nondiff_argnums=(7, 8, 9))
-    for name, entry in (("gpu_triton", routed_experts_gpu), (WEIGHT_ONLY, routed_experts_weight_only_gpu))
+    for name, entry in _ROUTED_GPU_ENTRIES.items()
 }
 
 
@@ -404,6 +405,7 @@ def routed_experts(
     shared_limit: float | None = None,
     backend: str = "auto",
     variant: str | None = None,
+    split_sums: bool = False,
 ) -> jax.Array:
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation); FFN_e is
     expert e's SwiGLU, min(SiLU(x W_gate), limit) * clip(x W_up, +-limit) W_down with a limit. Weights
@@ -417,20 +419,23 @@ def routed_experts(
     only the picked ones dequantised first, unless WEIGHT_ONLY is named); the shared expert is one more row per
     token. backend: "auto"
     (the GPU kernels on a GPU, the reference elsewhere), "reference", "pallas_gpu", "interpret_gpu"; TPU names
-    run the reference. Differentiable (the backward pass is the reference's).
+    run the reference. Differentiable (the backward pass is the reference's), except with split_sums: the sum as
+    partial sums [S, T, D] that add up to it in split order (the GPU kernels' splits of the down product's
+    width, `tuned.RowTiles.splits`; one split, the sum itself, elsewhere), for the norm after the layer to add.
     """
     shared = None if shared is None else tuple(shared)
     name, interpret = _pick_rows(variant, backend, (gate_EID, up_EID, down_EDI))
     if name == "gpu_triton":
         experts_TK, (gate_EID, up_EID, down_EDI) = _picked_dense(experts_TK, (gate_EID, up_EID, down_EDI), x_TD.dtype)
         shared = None if shared is None else _dense(shared, x_TD.dtype)
+    arrays = (x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared)
+    if name in _ROUTED_GPU_KERNELS and split_sums:
+        entry = _ROUTED_GPU_ENTRIES[name]
+        return entry(*arrays, limit=limit, shared_limit=shared_limit, interpret=interpret, split_sums=True)
     if name in _ROUTED_GPU_KERNELS:
-        return _ROUTED_GPU_KERNELS[name](
-            x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, shared, limit, shared_limit, interpret
-        )
-    return routed_experts_reference(
-        x_TD, weights_TK, experts_TK, gate_EID, up_EID, down_EDI, limit, shared, shared_limit
-    )
+        return _ROUTED_GPU_KERNELS[name](*arrays, limit, shared_limit, interpret)
+    y_TD = routed_experts_reference(*arrays[:6], limit, shared, shared_limit)
+    return y_TD[None] if split_sums else y_TD
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -700,19 +705,21 @@ def moe_experts(
     *,
     shared=None,
     shared_limit: float | None = None,
+    split_sums: bool = False,
 ) -> jax.Array:
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype, on the kernels `path` names
     (`expert_path`), plus the shared expert (gate [I, D], up [I, D], down [D, I], clipped at shared_limit) when
     path.with_shared. ROWS: `routed_experts`; FUSED and W8A8: each token's row read once per assignment straight
     from x and weighted inside the down kernel, the rows landing in [T, k, D] order, summed over k in fp32;
     GROUPED: each assignment a row (a copy) through `grouped_expert_ffn`'s sorted matmuls, then the weighted
-    combine."""
+    combine. split_sums: the sum as [S, T, D] partial sums (`routed_experts`' on ROWS, one split elsewhere)."""
     tokens, top_k = routing.experts_TK.shape
     if path.kernel is ExpertKernel.ROWS:
         with_shared = {"shared": shared, "shared_limit": shared_limit} if path.with_shared else {}
-        return routed_experts(
-            x_TD, routing.weights_TK, routing.experts_TK, *experts.stacks, limit, backend=path.backend, **with_shared
-        )
+        weights = (routing.weights_TK, routing.experts_TK, *experts.stacks)
+        return routed_experts(x_TD, *weights, limit, backend=path.backend, split_sums=split_sums, **with_shared)
+    if split_sums:
+        return moe_experts(x_TD, routing, experts, limit, path, shared=shared, shared_limit=shared_limit)[None]
     if path.kernel is ExpertKernel.GROUPED:
         rows_RD = jnp.repeat(x_TD, top_k, axis=0)
         y_RD = grouped_expert_ffn(rows_RD, routing.experts_TK.reshape(-1), experts, limit, path)

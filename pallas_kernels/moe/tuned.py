@@ -237,17 +237,22 @@ ROUTED_SWIGLU_QUANTIZED = _gpu(
         ),
     }
 )
+# The width split over 3 programs a column tile (`RowTiles.splits`; their partial sums added by XLA then, by the next
+# norm now): full-size Ling-3.0-flash decode steps on an H200, 2026-12-06.
+_SPLITS = "docs/benchmarks/generation.md#ling-30-flash-at-full-size-on-an-h200-2026-12-06-twentieth-session"
 ROUTED_DOWN_QUANTIZED = _gpu(
     {
         ("one_token", ANY): Entry(
-            RowTiles(8, 128, 4, 3, in_flight=0),
+            RowTiles(8, 128, 4, 3, in_flight=0, splits=3),
+            f"{_SPLITS}: 3.34 -> 3.23 ms at batch 1 (2 splits 3.36); "
             f"{_IN_MODEL}: K steps of 128 (256 before) in Ling-3.0-flash's first 24 layers on an H100, decode step "
             "at batch 1 2.33 -> 2.26 ms and 2.35 -> 2.29 in a second run (steps of 64: 3.02; of 128 with 16 columns "
             f"2.31); {_IN_FLIGHT}: every expert in flight (the per-expert loop before it: {_FLASH_ROWS}: "
             "(8, 512, 4, 3) 78.9 us at 1 token, (32, 256, 8, 3) 88.4, (4, 256, 2, 4) 78.8)",
         ),
         (ANY, ANY): Entry(
-            RowTiles(32, 256, 8, 3, in_flight=1),
+            RowTiles(32, 256, 8, 3, in_flight=1, splits=3),
+            f"{_SPLITS}: 8.97 -> 8.79 ms at batch 8, 24.69 -> 24.65 at 32 (2 splits 8.92 / 24.72); "
             f"{_FLASH_ROWS}, the per-expert loop: 329.1 us at 8 tokens against 384.8 for (8, 512, 4, 3); 2-7 tokens "
             f"not measured; {_IN_FLIGHT}: one expert after the other",
         ),

@@ -582,7 +582,7 @@ def test_quantised_experts_take_their_own_launch_defaults():
 def test_row_kernels_take_tiles_by_format_and_tokens():
     """The routed-experts row kernels' defaults: the bf16 tables for dense experts; for quantised ones SwiGLU
     (16, 512, 4, 3) and down (8, 128, 4, 3) at one token, every weight in flight, (32, 256, 8, 3) above, one weight
-    after the other; given ones win, trailing ones not given from the table."""
+    after the other, the down kernel's width in 3 splits; given ones win, trailing ones not given from the table."""
     from pallas_kernels.moe import tuned
     from pallas_kernels.moe.gpu_triton.decode import launch_tiles
     from pallas_kernels.tuning import lookup
@@ -591,7 +591,7 @@ def test_row_kernels_take_tiles_by_format_and_tokens():
     assert launch_tiles(True, 8, jnp.bfloat16, unset, unset) == tuple(
         dataclasses.astuple(lookup(table, dtype=jnp.bfloat16)) for table in (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
     )
-    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 0), (8, 128, 4, 3, 0))
-    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 1), (32, 256, 8, 3, 1))
-    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3, 1)
-    assert launch_tiles(False, 1, jnp.bfloat16, (8, 256, 4, 3, 1), ())[0] == (8, 256, 4, 3, 1)
+    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 0, 1), (8, 128, 4, 3, 0, 3))
+    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 1, 1), (32, 256, 8, 3, 1, 3))
+    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3, 1, 1)
+    assert launch_tiles(False, 1, jnp.bfloat16, (8, 256, 4, 3, 1), ())[0] == (8, 256, 4, 3, 1, 1)

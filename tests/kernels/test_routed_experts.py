@@ -4,6 +4,7 @@ slots; gradients; the decode dispatch in `local_moe`; lowering for CUDA from the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -191,6 +192,44 @@ def test_local_moe_with_the_shared_expert(tokens, shared_width):
     reference = jax.jit(functools.partial(run, policy=ExecutionPolicy(kernel_backend="reference")))(*args)
     expected = dense_expert_ffn(*args, 2.0) + swiglu_ffn(x, *shared.weights, shared.limit)
     assert rel_error(ours, expected) <= 1e-5 and rel_error(reference, expected) <= 1e-5
+
+
+def test_local_moe_split_sums_add_up_in_the_next_norm(monkeypatch):
+    """split_sums: the down kernel's 3 splits of the width (K steps of 8 over 24: one each) come back unsummed, [3,
+    T, D] fp32, and the norm after the layer adds them (`layers.add_rms_norm` of a `SplitSum`, the norm kernel's
+    partials form): the reference's output and norm; the reference path gives its sum as one split."""
+    from ling_jax.layers import SplitSum, add_rms_norm
+    from pallas_kernels.moe import tuned
+
+    table = {
+        key: dataclasses.replace(entry, params=dataclasses.replace(entry.params, block_k=8, splits=3))
+        for key, entry in tuned.ROUTED_DOWN.items()
+    }
+    monkeypatch.setattr(tuned, "ROUTED_DOWN", table)
+    jax.clear_caches()
+    x, weights, experts, gate, up, down = (jnp.asarray(a) for a in random_case(2, 4, 8, 32, 24, jnp.float32, 4))
+    shared = SharedExpert(*(jnp.asarray(a, jnp.float32) for a in random_shared(32, 24, seed=5)), 0.6)
+    args = (x, Routing(weights, experts), ExpertWeights(gate, up, down))
+    outs = {
+        backend: jax.jit(
+            functools.partial(
+                local_moe, limit=2.0, shared=shared, split_sums=True, policy=ExecutionPolicy(kernel_backend=backend)
+            )
+        )(*args)
+        for backend in ("interpret_gpu", "reference")
+    }
+    jax.clear_caches()
+    assert outs["interpret_gpu"].shape == (3, 2, 32) and outs["interpret_gpu"].dtype == jnp.float32
+    assert outs["reference"].shape == (1, 2, 32)
+    expected = dense_expert_ffn(*args, 2.0) + swiglu_ffn(x, *shared.weights, shared.limit)
+    assert rel_error(jnp.sum(outs["interpret_gpu"], axis=0), expected) <= 1e-5
+    residual = jnp.asarray(np.random.default_rng(6).normal(size=(2, 32)), jnp.float32)
+    norm = {"weight": jnp.asarray(np.random.default_rng(7).uniform(0.5, 1.5, 32), jnp.float32)}
+    want = add_rms_norm(norm, residual, expected, 1e-6)
+    for backend, out in outs.items():
+        policy = ExecutionPolicy(kernel_backend=backend)
+        for ours, theirs in zip(add_rms_norm(norm, residual, SplitSum(out), 1e-6, policy), want, strict=True):
+            assert rel_error(ours, theirs) <= 1e-5, backend
 
 
 def test_gpu_kernels_lower_for_cuda():

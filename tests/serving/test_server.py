@@ -121,6 +121,8 @@ def test_completions_equal_generator_whole_and_streamed(client, references, demo
     for (text, _), (_, ids), chunks in zip(CASES, references, streams):
         assert "".join(c.choices[0].text for c in chunks) == demo_tokenizer.decode(ids), text
         assert chunks[-1].choices[0].finish_reason == _expected(demo_tokenizer, ids, MAX_TOKENS)[2]
+        # a chunk a token as it is decoded (empty text where the token's is held back), then the finish's
+        assert len(chunks) == len(ids[:MAX_TOKENS]) + 1, text
 
 
 def test_chat_equals_generator_on_the_chat_template(client, alone, demo_tokenizer):

@@ -251,7 +251,9 @@ def _kernel_weights(weights, names):
     return tuple(formats), operands
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles"))
+@functools.partial(
+    jax.jit, static_argnames=("limit", "shared_limit", "interpret", "swiglu_tiles", "down_tiles", "split_sums")
+)
 def routed_experts_gpu(
     x_TD,
     weights_TK,
@@ -266,13 +268,16 @@ def routed_experts_gpu(
     interpret: bool = False,
     swiglu_tiles: tuple[int | None, ...] = (),
     down_tiles: tuple[int | None, ...] = (),
+    split_sums: bool = False,
 ):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) -> [T, D] in x's dtype (fp32 accumulation), where FFN_e
     is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
     Tiles: (block_n, block_k, num_warps, num_stages, in_flight, splits) of each kernel (`tuned.RowTiles`), the blocks
-    powers of two; None ones and those not given from the tuned tables (`launch_tiles`)."""
+    powers of two; None ones and those not given from the tuned tables (`launch_tiles`). split_sums: the down
+    kernel's splits of the width unsummed, [S, T, D] (fp32 where S > 1, else x's dtype), for the norm after the
+    layer to add (`pallas_kernels.norm.add_partials_rms_norm`)."""
     tokens, hidden = x_TD.shape
     top_k = experts_TK.shape[1]
     width = gate_EID.shape[1]
@@ -325,4 +330,6 @@ def routed_experts_gpu(
         interpret=interpret,
         name="expert_down_combine",
     )
+    if split_sums:
+        return y if splits > 1 else y[None]
     return y if splits == 1 else jnp.sum(y, axis=0).astype(x_TD.dtype)
