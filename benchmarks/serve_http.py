@@ -10,7 +10,8 @@ output tokens/s, TTFT and TPOT p50 / p99 per concurrency.
                                           # TPOT is about one round's time (one or two tokens a round)
 
 Served: `ling-serve --preset NAME` started as a subprocess on 127.0.0.1 (random weights in the stored format,
-initialised on the device; its time to ready is printed), then `concurrency` closed-loop clients (httpx, async),
+initialised on the device; its time to ready is printed, then the wait until the programs it compiles in the
+background after ready are done: steady state is timed), then `concurrency` closed-loop clients (httpx, async),
 each streaming /v1/completions and sending its next request when the previous one ends. Requests (seeded, as
 `benchmarks.serve` draws them): prompts of random token ids, lengths log-uniform in [--min-prompt, --max-prompt],
 max_tokens log-uniform in [--min-output, --max-output], greedy. TTFT: from sending to the first streamed chunk;
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -75,6 +77,17 @@ def start_server(args, max_context: int) -> tuple[subprocess.Popen, str, float]:
             break
     process.kill()
     raise RuntimeError(f"ling-serve did not get ready (exit status {process.wait()})")
+
+
+def wait_compiled(url: str) -> float:
+    """Seconds until the server's background compilation is done (its `ling_serve_background_programs` gauge at 0)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < READY_TIMEOUT_S:
+        found = re.search(r"^ling_serve_background_programs (\S+)$", httpx.get(url + "/metrics").text, re.MULTILINE)
+        if found is None or float(found.group(1)) == 0:
+            return time.perf_counter() - start
+        time.sleep(1.0)
+    raise RuntimeError(f"ling-serve still compiled in the background {READY_TIMEOUT_S} s after ready")
 
 
 def _drain(process: subprocess.Popen) -> None:
@@ -190,6 +203,7 @@ def main(argv=None) -> int:
     print(f"ling-serve ready in {ready_s:.1f} s", flush=True)
     served = {}
     try:
+        print(f"every program compiled {wait_compiled(url):.1f} s after ready", flush=True)
         asyncio.run(closed_loop(url, args.preset, every[:1], 1))  # untimed: the first request's host-side setup
         for level in levels:
             served[level] = asyncio.run(closed_loop(url, args.preset, loads[level], level))
