@@ -151,10 +151,13 @@ def test_stop_string_ends_the_completion_before_it(client, references, demo_toke
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
     cut = StopChecker([stop]).find(full)
-    reply = client.completions.create(
-        model=MODEL, prompt=text, max_tokens=MAX_TOKENS, stop=[stop], **_sampling_args(sampling)
-    )
+    args = {"model": MODEL, "prompt": text, "max_tokens": MAX_TOKENS, "stop": [stop], **_sampling_args(sampling)}
+    reply = client.completions.create(**args)
     assert (reply.choices[0].text, reply.choices[0].finish_reason) == (full[:cut], "stop")
+    # streamed: a chunk for every token, those whose text is held back (a possible start of the stop) empty
+    chunks = list(client.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == full[:cut]
+    assert len(chunks) == reply.usage.completion_tokens + 1 and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_32_concurrent_streaming_clients_each_equal_alone(url, references, demo_tokenizer):
