@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from helpers import lower_for_cuda, rel_error
 
+from ling_jax.layers import SplitSum, add_rms_norm
 from ling_jax.moe.experts import SharedExpert, dense_expert_ffn, local_moe, swiglu_ffn
 from ling_jax.policy import ExecutionPolicy
-from pallas_kernels.moe import routed_experts
+from pallas_kernels.moe import routed_experts, tuned
 from pallas_kernels.moe.ops import ExpertWeights, Routing
 from pallas_kernels.moe.tuned import ROW_PATH_MAX_ROWS
 
@@ -198,9 +199,6 @@ def test_local_moe_split_sums_add_up_in_the_next_norm(monkeypatch):
     """split_sums: the down kernel's 3 splits of the width (K steps of 8 over 24: one each) come back unsummed, [3,
     T, D] fp32, and the norm after the layer adds them (`layers.add_rms_norm` of a `SplitSum`, the norm kernel's
     partials form): the reference's output and norm; the reference path gives its sum as one split."""
-    from ling_jax.layers import SplitSum, add_rms_norm
-    from pallas_kernels.moe import tuned
-
     table = {
         key: dataclasses.replace(entry, params=dataclasses.replace(entry.params, block_k=8, splits=3))
         for key, entry in tuned.ROUTED_DOWN.items()
