@@ -12,6 +12,8 @@ one-token buckets run, at batch 8 the others); the integer fields of each table'
     kda_decode  `pallas_kernels.kda.tuned.DECODE_FUSED_GPU` (the fused KDA decode step)
     mla_decode  `pallas_kernels.mla.tuned.DECODE_TRITON`
     mla.min_split  `pallas_kernels.mla.gpu_triton.decode.MIN_SPLIT`: the MLA decode's fewest slots a split
+    fp8.gemv_rows  `pallas_kernels.fp8.tuned.GEMV_DEFAULT_ROWS`: the most rows a weight-only product runs the
+                   decode gemv (its many-weight and gated-norm forms too) rather than the block-scaled kernel
 
     python -m benchmarks.generate ... --variants gemv.min_programs=1056,mla.min_split=64:moe_down.in_flight=1
 """
@@ -36,7 +38,10 @@ TABLES = {
     "kda_decode": kda_tuned.DECODE_FUSED_GPU,
     "mla_decode": mla_tuned.DECODE_TRITON,
 }
-CONSTANTS = {"mla.min_split": (mla_decode, "MIN_SPLIT")}
+CONSTANTS = {
+    "mla.min_split": (mla_decode, "MIN_SPLIT"),
+    "fp8.gemv_rows": (fp8_tuned, "GEMV_DEFAULT_ROWS"),
+}
 _SHIPPED_TABLES = {name: dict(table) for name, table in TABLES.items()}
 _SHIPPED_CONSTANTS = {name: getattr(module, attr) for name, (module, attr) in CONSTANTS.items()}
 
