@@ -38,12 +38,8 @@ from pallas_kernels.tuning import ANY, H200, Entry
 WEIGHT_ONLY_MAX_ROWS = 255
 W8A8_MIN_ROWS = 256
 MOSAIC_MIN_ROWS = 256
-GEMV_MAX_ROWS = 32
-# The decode gemv up to GEMV_DEFAULT_ROWS rows (its tensor-core products from GEMV_DOT_ROWS): at 8 rows its
-# many-weight, gated-norm and partial-sum forms leave a Ling-3.0-flash decode step 356 kernels and 11 reductions
-# where the block-scaled kernel's 237 products, each with its own split-K reduction, left 505 and 237
-# (`python -m benchmarks.kernel_census --preset ling-3.0-flash --batch 8`).
-GEMV_DEFAULT_ROWS = 8
+GEMV_MAX_ROWS = 16
+GEMV_DEFAULT_ROWS = 2
 
 
 @dataclasses.dataclass(frozen=True)

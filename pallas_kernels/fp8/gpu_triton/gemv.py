@@ -11,9 +11,8 @@ block, so a tile takes one weight scale, folded into x's K block rather than int
   (tiles.sum_k: a [block_o] accumulator a row summed each block takes fewer registers than [block_o, block_k] sums
   held, which several rows need; held over the loop, the loop has no cross-thread sums): M multiply-adds a weight
   byte on the CUDA cores, no padded rows;
-- dot (dot_min_rows rows and more): each tile (cast to x's dtype, exact) times x^T [block_k, R] on the tensor
-  cores, the rows of x padded to R, 16 or 32 (`dot_rows`; the weight tile is the dot's left operand, so its rows
-  fill the MMA).
+- dot (dot_min_rows rows and more): each tile (cast to x's dtype, exact) times x^T [block_k, 16] on the tensor
+  cores, the rows of x padded to 16 (the weight tile is the dot's left operand, so its rows fill the MMA).
 
 The K steps are split over programs until there are min_programs of them (a decode-sized product has few output
 strips); each split stores fp32 partial sums [splits, M, O], added after the kernel, or by the next kernel
@@ -47,19 +46,13 @@ from pallas_kernels.fp8.reference import GatedHeadNorm
 from pallas_kernels.triton_masked import mask_2d, masked_load
 from pallas_kernels.tuning import lookup
 
-MIN_DOT_ROWS = 16  # Triton's smallest dot side: x's rows are padded to it, or to 32 past it (`dot_rows`)
-
-
-def dot_rows(num_rows: int) -> int:
-    """The rows of x a tensor-core product takes: num_rows padded to 16 or to the next power of two."""
-    return max(MIN_DOT_ROWS, pl.next_power_of_2(num_rows))
+DOT_ROWS = 16  # x's rows padded to this for the tensor-core products (Triton's smallest dot)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """The static shape of one launch: rows, outputs, inputs, the weight's (row, K) block, the loop steps, the
-    steps a split runs, whether output and K edges are masked, and whether the products are dots (of x's rows
-    padded to `dot_rows`)."""
+    steps a split runs, whether output and K edges are masked, and whether the products are dots."""
 
     num_rows: int
     n_dim: int
@@ -82,8 +75,8 @@ class _HeadNorm:
     eps: float
 
     def apply(self, x, x_ref, rows, k0, mask):
-        """x's K block at k0 (x_ref's `rows`: one row [block_k], or the dot's padded rows [R, block_k]; `mask` its
-        load's) normalised over its head (`reference.gated_head_norm`), in x's dtype: a head of several K blocks has its
+        """x's K block at k0 (x_ref's `rows`: one row [block_k], or DOT_ROWS [DOT_ROWS, block_k]; `mask` its load's)
+        normalised over its head (`reference.gated_head_norm`), in x's dtype: a head of several K blocks has its
         sum of squares from all of them."""
         block_k, head_dim = x.shape[-1], self.head_dim
         x_f32 = x.astype(jnp.float32)
@@ -182,21 +175,20 @@ def _strip(
             return tuple(acc_O + jnp.sum(sum_OK, axis=1) for acc_O, sum_OK in zip(acc_rows, sums))
         return tuple(sums)
 
-    padded_rows = dot_rows(layout.num_rows)
-    rows_ok_M = jnp.arange(padded_rows) < layout.num_rows if layout.num_rows < padded_rows else None
+    rows_ok_M = jnp.arange(DOT_ROWS) < layout.num_rows if layout.num_rows < DOT_ROWS else None
 
     def dot_step(step, acc_OM):
         for k0, k_ok_K, w_OK, scale in weight_tiles(step):
-            x_MK = x_block(pl.ds(0, padded_rows), k0, mask_2d(rows_ok_M, k_ok_K))
+            x_MK = x_block(pl.ds(0, DOT_ROWS), k0, mask_2d(rows_ok_M, k_ok_K))
             partial_OM = plgpu.dot(w_OK.astype(x_MK.dtype), x_MK, trans_b=True, allow_tf32=x_MK.dtype != jnp.float32)
             acc_OM = acc_OM + partial_OM * scale
         return acc_OM
 
     split_at = (split,) if y_ref.ndim == 3 else ()
     if layout.use_dot:
-        acc_OM = jax.lax.fori_loop(first_step, last_step, dot_step, jnp.zeros((block_o, padded_rows), jnp.float32))
+        acc_OM = jax.lax.fori_loop(first_step, last_step, dot_step, jnp.zeros((block_o, DOT_ROWS), jnp.float32))
         plgpu.store(
-            y_ref.at[(*split_at, pl.ds(0, padded_rows), pl.ds(y_col0 + col0, block_o))],
+            y_ref.at[(*split_at, pl.ds(0, DOT_ROWS), pl.ds(y_col0 + col0, block_o))],
             acc_OM.T.astype(y_ref.dtype),
             mask=mask_2d(rows_ok_M, cols_ok_O),
         )
@@ -218,7 +210,7 @@ def _strip(
 def _strip_tiles(num_rows: int, n_dim: int, block: tuple[int, int], tiles: tuned.GemvTiles) -> tuned.GemvTiles:
     """tiles with block_o cut to the weight's row block and its outputs."""
     use_dot = num_rows >= tiles.dot_min_rows
-    block_o = max(MIN_DOT_ROWS if use_dot else 1, min(tiles.block_o, block[0], pl.next_power_of_2(n_dim)))
+    block_o = max(DOT_ROWS if use_dot else 1, min(tiles.block_o, block[0], pl.next_power_of_2(n_dim)))
     return dataclasses.replace(tiles, block_o=block_o)
 
 
