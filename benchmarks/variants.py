@@ -14,6 +14,8 @@ one-token buckets run, at batch 8 the others); the integer fields of each table'
     mla.min_split  `pallas_kernels.mla.gpu_triton.decode.MIN_SPLIT`: the MLA decode's fewest slots a split
     fp8.gemv_rows  `pallas_kernels.fp8.tuned.GEMV_DEFAULT_ROWS`: the most rows a weight-only product runs the
                    decode gemv (its many-weight and gated-norm forms too) rather than the block-scaled kernel
+    fp8.gemv_dot_rows  `pallas_kernels.fp8.tuned.GEMV_DOT_DEFAULT_ROWS`: the same for its tensor-core rows (from
+                   GEMV_DOT_ROWS; 0: none)
 
     python -m benchmarks.generate ... --variants gemv.min_programs=1056,mla.min_split=64:moe_down.in_flight=1
 """
@@ -41,6 +43,7 @@ TABLES = {
 CONSTANTS = {
     "mla.min_split": (mla_decode, "MIN_SPLIT"),
     "fp8.gemv_rows": (fp8_tuned, "GEMV_DEFAULT_ROWS"),
+    "fp8.gemv_dot_rows": (fp8_tuned, "GEMV_DOT_DEFAULT_ROWS"),
 }
 _SHIPPED_TABLES = {name: dict(table) for name, table in TABLES.items()}
 _SHIPPED_CONSTANTS = {name: getattr(module, attr) for name, (module, attr) in CONSTANTS.items()}

@@ -5,7 +5,8 @@ VARIANTS lists every implementation by op and name, each record with the weights
 `kernel(op, name)` gives one's entry point (with its tiles override, for tests and benchmarks). Without a variant
 named, a GPU backend runs a kernel where it takes the weight (`kernel_takes`: 2-D, power-of-two scale blocks of at
 least 16 rows and 32 inputs, a 16- or 32-bit float activation): for weight-only products of up to
-tuned.GEMV_DEFAULT_ROWS rows the decode-shaped "gpu_triton_gemv", else the block-scaled "gpu_triton"; for W8A8
+tuned.GEMV_DEFAULT_ROWS rows and from tuned.GEMV_DOT_ROWS to tuned.GEMV_DOT_DEFAULT_ROWS (`tuned.gemv_by_default`) the
+decode-shaped "gpu_triton_gemv", else the block-scaled "gpu_triton"; for W8A8
 products "gpu_mosaic" (the Mosaic GPU kernel: TMA, e4m3 wgmma) from tuned.MOSAIC_MIN_ROWS rows where it takes the
 weight (128 x 128 blocks), else "gpu_triton_tc_acc" (each K block accumulated in the tensor cores). A TPU backend runs
 every product weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case
@@ -179,7 +180,7 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     if chosen == W8A8:
         gpu_variant = _w8a8_variant(x_MK, weight, interpret=variants.interpreted(backend))
     else:
-        gpu_variant = GEMV if x_MK.shape[0] <= tuned.GEMV_DEFAULT_ROWS else "gpu_triton"
+        gpu_variant = GEMV if tuned.gemv_by_default(x_MK.shape[0]) else "gpu_triton"
     kernels = {"gpu": gpu_variant, "tpu": "tpu_mosaic" if chosen == WEIGHT_ONLY else REFERENCE}
     default = variants.by_platform(backend, kernels) if use_kernel else REFERENCE
     name = variants.pick(VARIANTS, op, variant, backend, default)
@@ -193,13 +194,13 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
 
 def _gemv_runs(x, weight, resolved: str, mode: str | None) -> bool:
     """Whether `fp8_linear` (no variant named) runs the decode-shaped weight-only kernel "gpu_triton_gemv" for x
-    and weight on the resolved backend: a GPU, weight-only, at most tuned.GEMV_DEFAULT_ROWS rows, a weight it takes."""
+    and weight on the resolved backend: a GPU, weight-only, rows `tuned.gemv_by_default` gives it, a weight it takes."""
     num_rows = x.size // x.shape[-1]
     chosen = default_mode(num_rows, resolved) if mode is None else mode
     return (
         KERNEL_TARGET.get(resolved) == "gpu"
         and chosen == WEIGHT_ONLY
-        and num_rows <= tuned.GEMV_DEFAULT_ROWS
+        and tuned.gemv_by_default(num_rows)
         and VARIANTS["weight_only_linear"][GEMV].supports(x, weight)
     )
 
@@ -263,7 +264,7 @@ _grouped_gemv = with_reference_vjp(
 def fp8_linear_many(x, weights, *, backend: str = "auto", mode: str | None = None) -> list:
     """[fp8_linear(x, W, backend=backend, mode=mode) for W in weights], the weights sharing x (a layer's input
     projections). Where each of them would run the decode-shaped weight-only kernel ("gpu_triton_gemv": a GPU
-    backend, at most tuned.GEMV_DEFAULT_ROWS rows, weight-only) and they share the scale block's K size, one launch
+    backend, rows `tuned.gemv_by_default` gives it, weight-only) and they share the scale block's K size, one launch
     computes them all (`weight_only_gemv_many_gpu`: each product as the single-weight kernel's within fp32
     rounding); every other case runs `fp8_linear` per weight. Differentiable in x, as dequantise-then-dot."""
     resolved = resolve_backend(backend)

@@ -40,6 +40,19 @@ W8A8_MIN_ROWS = 256
 MOSAIC_MIN_ROWS = 256
 GEMV_MAX_ROWS = 16
 GEMV_DEFAULT_ROWS = 2
+# The decode gemv's tensor-core form by default from GEMV_DOT_ROWS rows up to GEMV_DOT_DEFAULT_ROWS (its "dot_rows"
+# tiles): at 8 rows its many-weight, gated-norm and partial-sum forms leave a Ling-3.0-flash decode step 356 kernels
+# and 11 split-K sums where the block-scaled products left 505 and 237 (`python -m benchmarks.kernel_census --preset
+# ling-3.0-flash --batch 8`); Ling-3.0-flash's first 24 layers on an H100 at batch 8: 5.61 -> 5.44 ms
+# (docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-where-the-step-goes-the-decode-gemv-at-8-rows-the-mla-
+# splits-2026-12-06-twenty-first-session). 3-7 rows keep the block-scaled kernel (the gemv's FMA products there not
+# timed in the model).
+GEMV_DOT_DEFAULT_ROWS = 8
+
+
+def gemv_by_default(num_rows: int) -> bool:
+    """Whether a weight-only product of num_rows rows runs the decode gemv when no variant is named."""
+    return num_rows <= GEMV_DEFAULT_ROWS or GEMV_DOT_ROWS <= num_rows <= GEMV_DOT_DEFAULT_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +171,14 @@ WEIGHT_ONLY_GEMV = _gpu(
             "summed after the loop: docs/benchmarks/generation.md#decode-launch-settings-timed-in-the-model-again-"
             "2026-12-06-nineteenth-session (2.33 -> 2.29 ms at batch 1; with the down kernel's K steps of 128, 2.29 -> "
             "2.28; the next step's tiles loaded during a step (prefetch) 2.45-2.70, tensor-core dots at 1 row 3.06)",
+        ),
+        ("dot_rows", "16bit"): Entry(
+            GemvTiles(64, 2, 528, GEMV_DOT_ROWS, 4, 3, sum_k=SUM_AFTER_LOOP),
+            "docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-where-the-step-goes-the-decode-gemv-at-8-rows-"
+            "the-mla-splits-2026-12-06-twenty-first-session: in Ling-3.0-flash's first 24 layers at batch 8 (H100), "
+            "5.72 ms with the 1-row tiles, 5.59 with 3 stages (the cp.async pipeline then keeps a step's tiles in "
+            "flight during the products: 2 stages wait for every load first), 5.64 with 4, 5.67 with 4 K blocks a "
+            "step, 5.44 with strips of 64 outputs and 3 stages; FMA products at 8 rows 6.91",
         ),
         ("fma_rows", "16bit"): Entry(
             GemvTiles(32, 4, 528, GEMV_DOT_ROWS, 4, 2, sum_k=SUM_EACH_BLOCK),
