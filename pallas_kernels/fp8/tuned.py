@@ -44,9 +44,8 @@ GEMV_DEFAULT_ROWS = 2
 # tiles): at 8 rows its many-weight, gated-norm and partial-sum forms leave a Ling-3.0-flash decode step 356 kernels
 # and 11 split-K sums where the block-scaled products left 505 and 237 (`python -m benchmarks.kernel_census --preset
 # ling-3.0-flash --batch 8`); Ling-3.0-flash's first 24 layers on an H100 at batch 8: 5.61 -> 5.44 ms
-# (docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-where-the-step-goes-the-decode-gemv-at-8-rows-the-mla-
-# splits-2026-12-06-twenty-first-session). 3-7 rows keep the block-scaled kernel (the gemv's FMA products there not
-# timed in the model).
+# (docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-the-gemv-at-8-rows-2026-12-06-twenty-first-session).
+# 3-7 rows keep the block-scaled kernel (at 4 rows the gemv's tensor-core form tied, 4.00 against 4.02 ms).
 GEMV_DOT_DEFAULT_ROWS = 8
 
 
@@ -160,6 +159,7 @@ def gemv_bucket(num_rows: int) -> str:
 
 
 _GEMV_REGISTERS = "docs/benchmarks/matmul.md#decode-gemv-tiles-for-2-7-rows-2026-12-05"
+_DOT_ROWS = "decode-at-batch-8-on-an-h100-the-gemv-at-8-rows-2026-12-06-twenty-first-session"
 WEIGHT_ONLY_GEMV = _gpu(
     {
         (ANY, "16bit"): Entry(
@@ -174,8 +174,7 @@ WEIGHT_ONLY_GEMV = _gpu(
         ),
         ("dot_rows", "16bit"): Entry(
             GemvTiles(64, 2, 528, GEMV_DOT_ROWS, 4, 3, sum_k=SUM_AFTER_LOOP),
-            "docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-where-the-step-goes-the-decode-gemv-at-8-rows-"
-            "the-mla-splits-2026-12-06-twenty-first-session: in Ling-3.0-flash's first 24 layers at batch 8 (H100), "
+            f"docs/benchmarks/generation.md#{_DOT_ROWS}: in Ling-3.0-flash's first 24 layers at batch 8 (H100), "
             "5.72 ms with the 1-row tiles, 5.59 with 3 stages (the cp.async pipeline then keeps a step's tiles in "
             "flight during the products: 2 stages wait for every load first), 5.64 with 4, 5.67 with 4 K blocks a "
             "step, 5.44 with strips of 64 outputs and 3 stages; FMA products at 8 rows 6.91",

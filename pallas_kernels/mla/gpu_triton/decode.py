@@ -62,8 +62,8 @@ def _split_kernel(
 
 
 # slots: two 64-slot blocks a program at least (256 before: Ling-3.0-flash's first 24 layers on two H100s, decode at
-# batch 1 2.21 -> 2.16 and 2.18 -> 2.15 ms, batches 8 and 32 unchanged: docs/benchmarks/generation.md#decode-at-
-# batch-8-on-an-h100-where-the-step-goes-the-decode-gemv-at-8-rows-the-mla-splits-2026-12-06-twenty-first-session)
+# batch 1 2.21 -> 2.16 and 2.18 -> 2.15 ms, batches 8 and 32 unchanged:
+# docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-the-gemv-at-8-rows-2026-12-06-twenty-first-session)
 MIN_SPLIT = 128
 COMBINE_COLUMNS = 128  # latent columns a step of the combine: [splits, 128] fp32 partials in registers
 
