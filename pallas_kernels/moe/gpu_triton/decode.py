@@ -82,13 +82,13 @@ def _tile_products(
     def body(step, accs):
         k0 = (first + step) * block_k
         k_ok = k0 + jnp.arange(block_k) < k_dim if mask_k else None
-        chunks = [masked_load(ref.at[row, pl.ds(k0, block_k)], k_ok) for _, _, _, ref, row in terms]
         tiles = [
             weight.load(
                 expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=rows_ok, k_ok_K=k_ok, dtype=jnp.float32
             )
             for weight, expert, rows_ok, _, _ in terms
         ]
+        chunks = [masked_load(ref.at[row, pl.ds(k0, block_k)], k_ok) for _, _, _, ref, row in terms]
         return tuple(
             acc_N + jnp.sum(tile_NK * chunk_K.astype(jnp.float32)[None, :], axis=1)
             for acc_N, tile_NK, chunk_K in zip(accs, tiles, chunks)
