@@ -252,8 +252,7 @@ def test_row_kernels_with_weights_in_flight_match_float64(in_flight, splits):
     assert rel_error(ours, float64_loop(x, weights, experts, *dense, 0.9, shared64, 0.5)) <= TOL[jnp.float32]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_row_kernels_tensor_core_products_match_float64(dtype):
+def check_tensor_core_rows(dtype, interpret: bool):
     """The row kernels' tensor-core form (`RowTiles.dot`): each block-FP8 tile's e4m3 values times the vector padded
     to 16 rows, the scale after the product: SwiGLU tiles of 16 x 256 cut into two pieces of one 128 x 128 scale
     block each (the second past the hidden size: masked), down tiles of 16 x 32 in 2 splits; a shared expert, an
@@ -272,7 +271,7 @@ def test_row_kernels_tensor_core_products_match_float64(dtype):
         jnp.asarray(experts),
         limit=0.9,
         shared_limit=0.5,
-        interpret=True,
+        interpret=interpret,
         swiglu_tiles=(16, 256, None, None, 0, 1, 1),
         down_tiles=(16, 32, None, None, 0, 2, 1),
     )
@@ -284,6 +283,17 @@ def test_row_kernels_tensor_core_products_match_float64(dtype):
     _, _, _, *mxfp4 = decode_case(3, "mxfp4", dtype, seed=23)
     with pytest.raises(ValueError, match="tensor-core row products take dense or block-FP8 weights, not MXFP4"):
         run(*mxfp4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_row_kernels_tensor_core_products_match_float64(dtype):
+    check_tensor_core_rows(dtype, interpret=True)
+
+
+@gpu_test("the row kernels' compiled tensor-core form")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_row_kernels_tensor_core_products_match_float64(dtype):
+    check_tensor_core_rows(dtype, interpret=False)
 
 
 def test_refused_weights():
