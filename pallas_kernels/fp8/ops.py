@@ -5,8 +5,8 @@ VARIANTS lists every implementation by op and name, each record with the weights
 `kernel(op, name)` gives one's entry point (with its tiles override, for tests and benchmarks). Without a variant
 named, a GPU backend runs a kernel where it takes the weight (`kernel_takes`: 2-D, power-of-two scale blocks of at
 least 16 rows and 32 inputs, a 16- or 32-bit float activation): for weight-only products of up to
-tuned.GEMV_DEFAULT_ROWS rows and from tuned.GEMV_DOT_ROWS to tuned.GEMV_DOT_DEFAULT_ROWS (`tuned.gemv_by_default`) the
-decode-shaped "gpu_triton_gemv", else the block-scaled "gpu_triton"; for W8A8
+tuned.GEMV_DEFAULT_ROWS rows and (16-bit x) from tuned.GEMV_DOT_ROWS to tuned.GEMV_DOT_DEFAULT_ROWS
+(`tuned.gemv_by_default`) the decode-shaped "gpu_triton_gemv", else the block-scaled "gpu_triton"; for W8A8
 products "gpu_mosaic" (the Mosaic GPU kernel: TMA, e4m3 wgmma) from tuned.MOSAIC_MIN_ROWS rows where it takes the
 weight (128 x 128 blocks), else "gpu_triton_tc_acc" (each K block accumulated in the tensor cores). A TPU backend runs
 every product weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case
@@ -180,7 +180,7 @@ def fp8_linear(x, weight, *, backend: str = "auto", mode: str | None = None, var
     if chosen == W8A8:
         gpu_variant = _w8a8_variant(x_MK, weight, interpret=variants.interpreted(backend))
     else:
-        gpu_variant = GEMV if tuned.gemv_by_default(x_MK.shape[0]) else "gpu_triton"
+        gpu_variant = GEMV if tuned.gemv_by_default(x_MK.shape[0], x.dtype) else "gpu_triton"
     kernels = {"gpu": gpu_variant, "tpu": "tpu_mosaic" if chosen == WEIGHT_ONLY else REFERENCE}
     default = variants.by_platform(backend, kernels) if use_kernel else REFERENCE
     name = variants.pick(VARIANTS, op, variant, backend, default)
@@ -200,7 +200,7 @@ def _gemv_runs(x, weight, resolved: str, mode: str | None) -> bool:
     return (
         KERNEL_TARGET.get(resolved) == "gpu"
         and chosen == WEIGHT_ONLY
-        and tuned.gemv_by_default(num_rows)
+        and tuned.gemv_by_default(num_rows, x.dtype)
         and VARIANTS["weight_only_linear"][GEMV].supports(x, weight)
     )
 

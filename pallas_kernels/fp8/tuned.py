@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pallas_kernels.tuning import ANY, H200, Entry
 
 # `fp8_linear` on a GPU without a mode named (`ExecutionPolicy(fp8_matmul="auto")` for a checkpoint that declares
@@ -40,18 +42,6 @@ W8A8_MIN_ROWS = 256
 MOSAIC_MIN_ROWS = 256
 GEMV_MAX_ROWS = 16
 GEMV_DEFAULT_ROWS = 2
-# The decode gemv's tensor-core form by default from GEMV_DOT_ROWS rows up to GEMV_DOT_DEFAULT_ROWS (its "dot_rows"
-# tiles): at 8 rows its many-weight, gated-norm and partial-sum forms leave a Ling-3.0-flash decode step 356 kernels
-# and 11 split-K sums where the block-scaled products left 505 and 237 (`python -m benchmarks.kernel_census --preset
-# ling-3.0-flash --batch 8`); Ling-3.0-flash's first 24 layers on an H100 at batch 8: 5.61 -> 5.44 ms
-# (docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-the-gemv-at-8-rows-2026-12-06-twenty-first-session).
-# 3-7 rows keep the block-scaled kernel (at 4 rows the gemv's tensor-core form tied, 4.00 against 4.02 ms).
-GEMV_DOT_DEFAULT_ROWS = 8
-
-
-def gemv_by_default(num_rows: int) -> bool:
-    """Whether a weight-only product of num_rows rows runs the decode gemv when no variant is named."""
-    return num_rows <= GEMV_DEFAULT_ROWS or GEMV_DOT_ROWS <= num_rows <= GEMV_DOT_DEFAULT_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +140,22 @@ WEIGHT_ONLY = _gpu(
 # scripts/compile_gpu_kernels.py; 227-255 in Ling-3.0-flash's MTP verify pass), over the 128 that let 4 programs of
 # 4 warps share an SM.
 GEMV_DOT_ROWS = 8
+# The decode gemv's tensor-core form by default (16-bit x; fp32 x never takes the dot) from GEMV_DOT_ROWS rows up to
+# GEMV_DOT_DEFAULT_ROWS, with its "dot_rows" tiles: at 8 rows its many-weight, gated-norm and partial-sum forms leave
+# a Ling-3.0-flash decode step 356 kernels and 11 split-K sums where the block-scaled products left 505 and 237
+# (`python -m benchmarks.kernel_census --preset ling-3.0-flash --batch 8`); Ling-3.0-flash's first 24 layers on an
+# H100 at batch 8: 5.61 -> 5.44 ms
+# (docs/benchmarks/generation.md#decode-at-batch-8-on-an-h100-the-gemv-at-8-rows-2026-12-06-twenty-first-session).
+# 3-7 rows keep the block-scaled kernel (at 4 rows the gemv's tensor-core form tied, 4.00 against 4.02 ms).
+GEMV_DOT_DEFAULT_ROWS = 8
+
+
+def gemv_by_default(num_rows: int, dtype) -> bool:
+    """Whether a weight-only product of num_rows rows of x in dtype runs the decode gemv when no variant is named:
+    its FMA form up to GEMV_DEFAULT_ROWS rows, its tensor-core form (16-bit x) from GEMV_DOT_ROWS to
+    GEMV_DOT_DEFAULT_ROWS."""
+    dot_rows = GEMV_DOT_ROWS <= num_rows <= GEMV_DOT_DEFAULT_ROWS and jnp.dtype(dtype).itemsize == 2
+    return num_rows <= GEMV_DEFAULT_ROWS or dot_rows
 
 
 def gemv_bucket(num_rows: int) -> str:
