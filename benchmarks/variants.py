@@ -11,6 +11,7 @@ one-token buckets run, at batch 8 the others); the integer fields of each table'
     select      `pallas_kernels.moe.tuned.SELECT_EXPERTS`
     kda_decode  `pallas_kernels.kda.tuned.DECODE_FUSED_GPU` (the fused KDA decode step)
     mla_decode  `pallas_kernels.mla.tuned.DECODE_TRITON`
+    mla_absorb  `pallas_kernels.mla.tuned.ABSORB_QUERY` (the absorbed query product), mla_expand `EXPAND_OUTPUT`
     mla.min_split  `pallas_kernels.mla.gpu_triton.decode.MIN_SPLIT`: the MLA decode's fewest slots a split
     fp8.gemv_rows  `pallas_kernels.fp8.tuned.GEMV_DEFAULT_ROWS`: the most rows a weight-only product runs the
                    decode gemv (its many-weight and gated-norm forms too) rather than the block-scaled kernel
@@ -39,6 +40,8 @@ TABLES = {
     "select": moe_tuned.SELECT_EXPERTS,
     "kda_decode": kda_tuned.DECODE_FUSED_GPU,
     "mla_decode": mla_tuned.DECODE_TRITON,
+    "mla_absorb": mla_tuned.ABSORB_QUERY,
+    "mla_expand": mla_tuned.EXPAND_OUTPUT,
 }
 CONSTANTS = {
     "mla.min_split": (mla_decode, "MIN_SPLIT"),
