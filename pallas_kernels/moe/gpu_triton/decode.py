@@ -116,7 +116,7 @@ def _swiglu_kernel(
     shared_limit: float | None,
     in_flight: int,
     splits: int,
-    dot: int,
+    dot: bool,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -141,7 +141,7 @@ def _swiglu_kernel(
         block_k=block_k,
         k_dim=gate.shape[2],
         mask_k=mask_k,
-        dot=bool(dot),
+        dot=dot,
     )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
     routed_steps = _valid(expert, gate.shape[0]) * steps  # 0: a shared row reads no routed weights
@@ -169,7 +169,7 @@ def _down_combine_kernel(
     routed_rows: int,
     in_flight: int,
     splits: int,
-    dot: int,
+    dot: bool,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -207,7 +207,7 @@ def _down_combine_kernel(
         terms.append((shared[0], jnp.int32(0), edge_ok if in_flight == 1 else cols_ok, routed_rows + token, 1.0))
         term_steps.append(steps)
 
-    keywords = dict(col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, first=first, dot=bool(dot))
+    keywords = dict(col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, first=first, dot=dot)
     reads = [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms]
     if in_flight == 1:
         products = [_tile_products([read], n, **keywords)[0] for read, n in zip(reads, term_steps)]
@@ -241,7 +241,7 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
             kernel,
             in_flight=in_flight,
             splits=splits,
-            dot=dot,
+            dot=bool(dot),
             block_n=block_n,
             block_k=block_k,
             mask_n=n_dim % block_n != 0,
