@@ -54,10 +54,7 @@ class RowTiles:
     weights whose tiles a K step loads before using any (SwiGLU: gate and up of a row, 2, or one after the other, 1;
     down + combine: the token's top_k + shared experts', in groups of in_flight, one loop a group), 0 for all;
     splits: the down kernel's K steps split over that many programs a column tile, their fp32 partial sums added
-    after it (the SwiGLU kernel takes 1 only: its nonlinearity needs the whole sum); dot: 1 for tensor-core
-    products (the vector padded to 16 rows; block_n and block_k >= 16, the tile in one scale block; dense and
-    block-FP8 experts), whose loads Triton pipelines through shared memory num_stages deep, 0 for FMA products on
-    register loads."""
+    after it (the SwiGLU kernel takes 1 only: its nonlinearity needs the whole sum)."""
 
     block_n: int
     block_k: int
@@ -65,7 +62,6 @@ class RowTiles:
     num_stages: int
     in_flight: int = 0
     splits: int = 1
-    dot: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

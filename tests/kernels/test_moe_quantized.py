@@ -252,50 +252,6 @@ def test_row_kernels_with_weights_in_flight_match_float64(in_flight, splits):
     assert rel_error(ours, float64_loop(x, weights, experts, *dense, 0.9, shared64, 0.5)) <= TOL[jnp.float32]
 
 
-def check_tensor_core_rows(dtype, interpret: bool):
-    """The row kernels' tensor-core form (`RowTiles.dot`): each block-FP8 tile's e4m3 values times the vector padded
-    to 16 rows, the scale after the product: SwiGLU tiles of 16 x 256 cut into two pieces of one 128 x 128 scale
-    block each (the second past the hidden size: masked), down tiles of 16 x 32 in 2 splits; a shared expert, an
-    invalid slot (no reads). MXFP4 experts are refused with the reason."""
-    from pallas_kernels.moe.gpu_triton.decode import routed_experts_gpu
-
-    x, weights, experts, gate, up, down = decode_case(3, "fp8", dtype, seed=23)
-    shared = tuple(
-        jax.tree.map(lambda a: a[0], quantized("fp8", shape, 40 + i))
-        for i, shape in enumerate([(1, WIDTH, HIDDEN)] * 2 + [(1, HIDDEN, WIDTH)])
-    )
-    run = functools.partial(
-        routed_experts_gpu,
-        jnp.asarray(x, dtype),
-        jnp.asarray(weights),
-        jnp.asarray(experts),
-        limit=0.9,
-        shared_limit=0.5,
-        interpret=interpret,
-        swiglu_tiles=(16, 256, None, None, 0, 1, 1),
-        down_tiles=(16, 32, None, None, 0, 2, 1),
-    )
-    ours = run(gate, up, down, shared)
-    assert ours.dtype == dtype
-    dense = [float64_dense(w) for w in (gate, up, down)]
-    shared64 = tuple(float64_dense(w) for w in shared)
-    assert rel_error(ours, float64_loop(x, weights, experts, *dense, 0.9, shared64, 0.5)) <= TOL[dtype]
-    _, _, _, *mxfp4 = decode_case(3, "mxfp4", dtype, seed=23)
-    with pytest.raises(ValueError, match="tensor-core row products take dense or block-FP8 weights, not MXFP4"):
-        run(*mxfp4)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_row_kernels_tensor_core_products_match_float64(dtype):
-    check_tensor_core_rows(dtype, interpret=True)
-
-
-@gpu_test("the row kernels' compiled tensor-core form")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_compiled_row_kernels_tensor_core_products_match_float64(dtype):
-    check_tensor_core_rows(dtype, interpret=False)
-
-
 def test_refused_weights():
     """The weight-only kernels given dense weights, FP8 values that are not e4m3: one clear error each, before any
     kernel runs."""
@@ -635,7 +591,7 @@ def test_row_kernels_take_tiles_by_format_and_tokens():
     assert launch_tiles(True, 8, jnp.bfloat16, unset, unset) == tuple(
         dataclasses.astuple(lookup(table, dtype=jnp.bfloat16)) for table in (tuned.ROUTED_SWIGLU, tuned.ROUTED_DOWN)
     )
-    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 0, 1, 0), (8, 128, 4, 3, 0, 3, 0))
-    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 1, 1, 0), (32, 256, 8, 3, 1, 3, 0))
-    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3, 1, 1, 0)
-    assert launch_tiles(False, 1, jnp.bfloat16, (8, 256, 4, 3, 1), ())[0] == (8, 256, 4, 3, 1, 1, 0)
+    assert launch_tiles(False, 1, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 0, 1), (8, 128, 4, 3, 0, 3))
+    assert launch_tiles(False, 8, jnp.bfloat16, unset, unset) == ((16, 512, 4, 3, 1, 1), (32, 256, 8, 3, 1, 3))
+    assert launch_tiles(False, 8, jnp.bfloat16, (8, None, None, None), unset)[0] == (8, 512, 4, 3, 1, 1)
+    assert launch_tiles(False, 1, jnp.bfloat16, (8, 256, 4, 3, 1), ())[0] == (8, 256, 4, 3, 1, 1)

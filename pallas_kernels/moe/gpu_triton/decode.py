@@ -44,40 +44,11 @@ def _valid(expert, num_experts: int):
     return jnp.clip(expert + 1, 0, 1) * jnp.clip(num_experts - expert, 0, 1)
 
 
-DOT_ROWS = 16  # the tensor-core products' vector padded to this many rows (Triton's smallest dot side)
-
-
-def _tile_products(
-    terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool, first=0, dot: bool = False
-):
+def _tile_products(terms, steps, *, col0, block_n: int, block_k: int, k_dim: int, mask_k: bool, first=0):
     """[sum_j weight[expert, col0 + n, j] * vector[row, j] for n < block_n] (fp32 [block_n]) for each term (weight
     tiles, expert, rows_ok_N: the rows read (None: all), vector ref, its row), over `steps` K steps (0: no reads)
     from step `first`. Each step loads every term's tile and vector chunk before using any: one memory round trip a
-    step for all of them (a quantised weight's tiles dequantised on chip).
-
-    dot: the products on the tensor cores, each tile's values (a block-FP8 tile's e4m3, exact in the vector's
-    dtype; cut along K into pieces of one scale block) times the vector chunk as the first of DOT_ROWS rows (the
-    others zero), each piece's scale applied to its product: loads that feed a dot go through Triton's cp.async
-    pipeline (`num_stages` deep) into shared memory, so more bytes are in flight than registers hold. Else FMA
-    products of the dequantised fp32 tile."""
-
-    def dot_body(step, accs):
-        k0 = (first + step) * block_k
-        first_row = (jnp.arange(DOT_ROWS) == 0)[:, None]
-        dtype = terms[0][3].dtype
-        keywords = dict(block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, dtype=dtype)
-        pieces = [
-            weight.scaled_pieces(expert, col0, k0, cols_ok_N=ok, **keywords) for weight, expert, ok, _, _ in terms
-        ]
-        sums = []
-        for acc_NR, (*_, ref, row), term_pieces in zip(accs, terms, pieces):
-            for start, k_ok_K, values_NK, scale in term_pieces:
-                chunk_K = masked_load(ref.at[row, pl.ds(start, values_NK.shape[1])], k_ok_K)
-                vector_RK = jnp.where(first_row, chunk_K[None, :], jnp.zeros((), dtype))
-                product_NR = plgpu.dot(values_NK, vector_RK, trans_b=True, allow_tf32=dtype != jnp.float32)
-                acc_NR = acc_NR + product_NR * scale
-            sums.append(acc_NR)
-        return tuple(sums)
+    step for all of them (a quantised weight's tiles dequantised on chip)."""
 
     def body(step, accs):
         k0 = (first + step) * block_k
@@ -94,9 +65,8 @@ def _tile_products(
             for acc_N, tile_NK, chunk_K in zip(accs, tiles, chunks)
         )
 
-    shape = (block_n, DOT_ROWS) if dot else (block_n,)
-    sums = jax.lax.fori_loop(0, steps, dot_body if dot else body, tuple(jnp.zeros(shape, jnp.float32) for _ in terms))
-    return tuple(jnp.sum(sum_NR, axis=1) for sum_NR in sums) if dot else sums
+    zeros = tuple(jnp.zeros((block_n,), jnp.float32) for _ in terms)
+    return jax.lax.fori_loop(0, steps, body, zeros)
 
 
 def _grouped_products(terms, steps, in_flight: int, **keywords) -> list:
@@ -116,7 +86,6 @@ def _swiglu_kernel(
     shared_limit: float | None,
     in_flight: int,
     splits: int,
-    dot: bool,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -141,7 +110,6 @@ def _swiglu_kernel(
         block_k=block_k,
         k_dim=gate.shape[2],
         mask_k=mask_k,
-        dot=dot,
     )
     expert = expert_ref[...] * (1 - is_shared) - is_shared  # a shared row read the last routed slot: -1 instead
     routed_steps = _valid(expert, gate.shape[0]) * steps  # 0: a shared row reads no routed weights
@@ -169,7 +137,6 @@ def _down_combine_kernel(
     routed_rows: int,
     in_flight: int,
     splits: int,
-    dot: bool,
     block_n: int,
     block_k: int,
     mask_n: bool,
@@ -207,7 +174,7 @@ def _down_combine_kernel(
         terms.append((shared[0], jnp.int32(0), edge_ok if in_flight == 1 else cols_ok, routed_rows + token, 1.0))
         term_steps.append(steps)
 
-    keywords = dict(col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, first=first, dot=dot)
+    keywords = dict(col0=col0, block_n=block_n, block_k=block_k, k_dim=k_dim, mask_k=mask_k, first=first)
     reads = [(tiles_of, expert, rows_ok, h_ref, row) for tiles_of, expert, rows_ok, row, _ in terms]
     if in_flight == 1:
         products = [_tile_products([read], n, **keywords)[0] for read, n in zip(reads, term_steps)]
@@ -228,12 +195,12 @@ def _tile(size: int, wanted: int) -> int:
 
 
 def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim: int, interpret: bool, name: str):
-    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, splits=, dot=, block_n=, block_k=, mask_n=, mask_k=)
-    over the grid (row of out [..., rows, N], column tile of N, split of K): tiles (block_n, block_k, num_warps,
-    num_stages, in_flight, splits, dot), the blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs
-    of the first operands (indexed by row and column tile), the others whole."""
+    """pallas_call of kernel(*operand_refs, out_ref, in_flight=, splits=, block_n=, block_k=, mask_n=, mask_k=) over
+    the grid (row of out [..., rows, N], column tile of N, split of K): tiles (block_n, block_k, num_warps,
+    num_stages, in_flight, splits), the blocks fitted to N and k_dim (`_tile`); per_row_specs: the BlockSpecs of
+    the first operands (indexed by row and column tile), the others whole."""
     rows, n_dim = out_shape.shape[-2:]
-    block_n, block_k, num_warps, num_stages, in_flight, splits, dot = tiles
+    block_n, block_k, num_warps, num_stages, in_flight, splits = tiles
     block_n, block_k = _tile(n_dim, block_n), _tile(k_dim, block_k)
     whole = lambda dims: pl.BlockSpec(dims, lambda *_: (0,) * len(dims))  # noqa: E731
     return pl.pallas_call(
@@ -241,7 +208,6 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
             kernel,
             in_flight=in_flight,
             splits=splits,
-            dot=bool(dot),
             block_n=block_n,
             block_k=block_k,
             mask_n=n_dim % block_n != 0,
@@ -258,7 +224,7 @@ def _row_call(kernel, tiles: tuple, operands, per_row_specs, out_shape, *, k_dim
 
 
 def launch_tiles(dense: bool, tokens: int, dtype, swiglu_tiles: tuple, down_tiles: tuple) -> tuple[tuple, tuple]:
-    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight, splits, dot): the given ones, None
+    """(SwiGLU, down) kernels' (block_n, block_k, num_warps, num_stages, in_flight, splits): the given ones, None
     ones and those not given from `tuned.ROUTED_SWIGLU` / `tuned.ROUTED_DOWN` (dense experts) or their *_QUANTIZED
     tables, by `tuned.tokens_bucket`."""
     swiglu_table, down_table = (
@@ -307,8 +273,8 @@ def routed_experts_gpu(
     is expert e's SwiGLU (clipped at `limit`). Weights are read as stored (`weight_tiles`: a quantised tile
     dequantised on chip); experts outside [0, E) contribute nothing. shared: None, or the shared expert's (gate
     [I, D], up [I, D], down [D, I], in a format of its own), clipped at `shared_limit`, added with weight 1.
-    Tiles: (block_n, block_k, num_warps, num_stages, in_flight, splits, dot) of each kernel (`tuned.RowTiles`), the
-    blocks powers of two; None ones and those not given from the tuned tables (`launch_tiles`). split_sums: the down
+    Tiles: (block_n, block_k, num_warps, num_stages, in_flight, splits) of each kernel (`tuned.RowTiles`), the blocks
+    powers of two; None ones and those not given from the tuned tables (`launch_tiles`). split_sums: the down
     kernel's splits of the width unsummed, [S, T, D] (fp32 where S > 1, else x's dtype), for the norm after the
     layer to add (`pallas_kernels.norm.add_partials_rms_norm`)."""
     tokens, hidden = x_TD.shape

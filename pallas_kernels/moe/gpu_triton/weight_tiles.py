@@ -109,15 +109,6 @@ class Dense:
         tile_NK = masked_load(refs[0].at[expert, pl.ds(col0, block_n), pl.ds(k0, block_k)], mask_2d(cols_ok_N, k_ok_K))
         return tile_NK.astype(dtype)
 
-    def piece_width(self, block_n: int, block_k: int) -> int:
-        """The K width of the pieces `ExpertTiles.scaled_pieces` cuts a tile into: the whole tile."""
-        return block_k
-
-    def load_scaled_later(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
-        """(the tile in dtype, its scale 1.0): `BlockFP8.load_scaled_later`'s form of `load`."""
-        keywords = dict(block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K, dtype=dtype)
-        return self.load(refs, expert, col0, k0, **keywords), 1.0
-
 
 def _scale_rows(col0, block_n: int, block_rows: int, count: int):
     """The scale row of each of a tile's rows [col0, col0 + block_n): a scalar when they lie in one row block (col0
@@ -192,26 +183,6 @@ class BlockFP8:
         scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=block_cols, to_float=_as_float32)
         return (values_NK * scales).astype(dtype)
 
-    def piece_width(self, block_n: int, block_k: int) -> int:
-        """The K width of the pieces `ExpertTiles.scaled_pieces` cuts a [block_n, block_k] tile into: one scale
-        block's inputs at most, so that each piece has one scale (block_n must divide the block's rows)."""
-        block_rows, block_cols = self.block
-        width = min(block_k, block_cols)
-        if block_rows % block_n or block_cols % width or block_k % width:
-            raise ValueError(f"a [{block_n}, {block_k}] tile does not cut into pieces of one {self.block} scale block")
-        return width
-
-    def load_scaled_later(self, refs, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_ok_K, dtype):
-        """(the tile's e4m3 values in dtype, exact in bf16, fp16 and fp32; the tile's one fp32 scale), for a product
-        scaled after it (a tensor-core dot of the values): the tile lies in one scale block (`piece_width`)."""
-        values_ref, scales_ref = refs
-        block_rows, block_cols = self.block
-        values_NK = self.load_e4m3(
-            values_ref, expert, col0, k0, block_n=block_n, block_k=block_k, cols_ok_N=cols_ok_N, k_ok_K=k_ok_K
-        )
-        scale = _scale_tile(scales_ref, expert, col0 // block_rows, k0 // block_cols).astype(jnp.float32)
-        return values_NK.astype(dtype), scale
-
 
 def _e2m1_values(codes):
     """float32 values of E2M1 codes (int32, 0..15): the sign bit to fp16's bit 15, the 3 magnitude bits to bits
@@ -248,12 +219,6 @@ class MXFP4:
         to_float = _e8m0_values if self.exponent_scales else _as_float32
         scales = _tile_scales(scales_ref, expert, rows, k0, block_k=block_k, group=MXFP4_GROUP, to_float=to_float)
         return (_e2m1_values(codes_NK) * scales).astype(dtype)
-
-    def piece_width(self, block_n: int, block_k: int) -> int:
-        raise ValueError(
-            "the experts' tensor-core row products take dense or block-FP8 weights, not MXFP4 (its scales vary "
-            "along K in a tile)"
-        )
 
 
 DENSE = Dense()
@@ -328,30 +293,6 @@ class ExpertTiles:
             k_ok_K=k_ok_K,
             dtype=dtype,
         )
-
-    def scaled_pieces(
-        self, expert, col0, k0, *, block_n: int, block_k: int, cols_ok_N, k_dim: int, mask_k: bool, dtype
-    ):
-        """`load`'s tile cut along K into pieces of one scale each: [(the piece's first input, its inputs' mask or
-        None, its values in dtype, the scale to multiply their product by)], every piece's load issued before any
-        is used. Dense and block-FP8 weights only (`piece_width`): MXFP4's scales vary along K inside a piece."""
-        width = self.format.piece_width(block_n, block_k)
-        pieces = []
-        for start in (k0 + offset for offset in range(0, block_k, width)):
-            k_ok_K = start + jnp.arange(width) < k_dim if mask_k else None
-            values, scale = self.format.load_scaled_later(
-                self.refs,
-                expert,
-                col0,
-                start,
-                block_n=block_n,
-                block_k=width,
-                cols_ok_N=cols_ok_N,
-                k_ok_K=k_ok_K,
-                dtype=dtype,
-            )
-            pieces.append((start, k_ok_K, values, scale))
-        return pieces
 
 
 def expert_tiles(refs, formats) -> list[ExpertTiles]:
