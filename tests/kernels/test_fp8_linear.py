@@ -113,7 +113,8 @@ def test_gemv_row_buckets_keep_the_measured_one_row_tiles():
     """1 row takes the tiles timed in the model (2 K blocks a step, summed after the loop,
     docs/benchmarks/generation.md); 2 to GEMV_DOT_ROWS - 1 rows (FMA products over several rows) 4 K blocks a step,
     summed after each K block, whose registers fit 4 programs an SM; the tensor-core rows strips of 64 outputs, one K
-    block a step, in a 3-stage pipeline. The gemv runs by default at 1-2 rows and, for 16-bit x, at 8 (else the block-scaled kernel)."""
+    block a step, in a 3-stage pipeline. The gemv runs by default at 1-2 rows and, for 16-bit x, at 8 (else the
+    block-scaled kernel)."""
     buckets = {rows: gemv_bucket(rows) for rows in (1, 2, GEMV_DOT_ROWS - 1, GEMV_DOT_ROWS, GEMV_MAX_ROWS)}
     assert buckets == {1: "one_row", 2: "fma_rows", 7: "fma_rows", 8: "dot_rows", 16: "dot_rows"}
     tiles = {rows: lookup(WEIGHT_ONLY_GEMV, dtype=jnp.bfloat16, bucket=b, device=H200) for rows, b in buckets.items()}
