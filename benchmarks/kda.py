@@ -71,6 +71,7 @@ from pallas_kernels.kda.gpu_triton import (  # noqa: E402
     sub_block_keys,
     wy_factors,
 )
+from pallas_kernels.kda.gpu_triton.short_chunks import short_chunk_parts  # noqa: E402
 from pallas_kernels.kda.ops import chunk_kda, kernel  # noqa: E402
 from pallas_kernels.kda.segments import device_cores, segment_count  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
@@ -312,6 +313,7 @@ PHASE1 = {  # variant of chunk_kda: (its phase 1, that phase 1's default tiles)
     "gpu_triton_fused": (kda_fused.fused_intra_chunk, lookup(kda_fused.CHUNK_FUSED, dtype=jnp.bfloat16)),
     "gpu_triton_fused_wy": (kda_fused.fused_wy_intra_chunk, lookup(kda_fused.CHUNK_FUSED_WY, dtype=jnp.bfloat16)),
     "gpu_triton_any_gate": (intra_chunk_any_gate, lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)),
+    "gpu_triton_short": (short_chunk_parts, lookup(tuned.CHUNK_SHORT, dtype=jnp.bfloat16)),
 }
 PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its defaults): the default, then the lab's
     ("gpu_triton", {}),
@@ -319,14 +321,18 @@ PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its
     ("gpu_triton_fused", {"num_warps": 8}),
     ("gpu_triton_fused_wy", {}),
     ("gpu_triton_any_gate", {}),  # for gates below -5, on the same safe gates
+    ("gpu_triton_short", {}),
+    ("gpu_triton_short", {"chunks": 1}),
+    ("gpu_triton_short", {"num_warps": 2}),
 ]
 
 
 def phase1_kernels(name, q, k, v, g, beta, tiles, interpret):
     """Phase 1's pallas_calls as jitted functions of their own inputs (each timed alone), with the inputs each
     needs: [(name, fn, args)], in order: the keys, block-row and WY-factors kernels of gpu_triton*, the chunk-wide
-    products and WY-factors kernels of gpu_triton_fused_wy (none for gpu_triton_fused: one kernel)."""
-    if name == "gpu_triton_fused":
+    products and WY-factors kernels of gpu_triton_fused_wy (none for gpu_triton_fused and gpu_triton_short: one
+    kernel)."""
+    if name in ("gpu_triton_fused", "gpu_triton_short"):
         return []  # one kernel: phase 1 itself
     if name == "gpu_triton_fused_wy":
         factors_tiles = dataclasses.replace(

@@ -8,9 +8,10 @@ block-size overrides, for tests and benchmarks). Without a variant named, the ba
 forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-5, the safe gate's default
 bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
 log-decay <= 0 (a bounded variant's record `takes` a gate bound >= GATE_FLOOR); `chunk_variant` picks the
-bounded form only when the caller guarantees the bound. The lab's forms (`pallas_kernels.experimental`) join
-VARIANTS when their module is imported. `chunk_kda(segments=n)` runs any of them over n segments of each sequence
-at once (`segments.py`: a GPU's SMs filled when B x H is small).
+bounded form only when the caller guarantees the bound. "gpu_triton_short" is the bounded GPU form over 16-token
+chunks (`gpu_triton.short_chunks`), a named variant until it is timed. The lab's forms
+(`pallas_kernels.experimental`) join VARIANTS when their module is imported. `chunk_kda(segments=n)` runs any of
+them over n segments of each sequence at once (`segments.py`: a GPU's SMs filled when B x H is small).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pallas_kernels.kda.gpu_triton import (
     kda_verify_fused_gpu,
 )
 from pallas_kernels.kda.gpu_triton.decode_fused import leaves_norm
+from pallas_kernels.kda.gpu_triton.short_chunks import chunk_kda_gpu_short
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
 from pallas_kernels.kda.segments import device_cores, segment_count, segmented_chunk_kda
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
@@ -67,6 +69,7 @@ VARIANTS = {
         "gpu_triton": Variant("gpu", chunk_kda_gpu, takes=gate_is_bounded),
         "tpu_mosaic": Variant("tpu", chunk_kda_tpu, takes=gate_is_bounded),
         "gpu_triton_any_gate": Variant("gpu", chunk_kda_gpu_any_gate),
+        "gpu_triton_short": Variant("gpu", chunk_kda_gpu_short, takes=gate_is_bounded),
         "tpu_mosaic_any_gate": Variant("tpu", chunk_kda_tpu_any_gate),
     },
     "kda_decode_step": {

@@ -33,6 +33,14 @@ class InterTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShortChunkTiles:
+    """gpu_triton_short prefill phase 1 (16-token chunks): chunks a program, Triton warps."""
+
+    chunks: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ChunkTiles:
     """gpu_triton prefill, both phases: phase 1's tiles (`IntraTiles`, or a lab phase 1's own) and phase 2's; None
     takes that phase's table (`CHUNK_INTRA` / `CHUNK_INTRA_ANY_GATE` by the gates, `CHUNK_INTER`)."""
@@ -78,6 +86,10 @@ CHUNK_INTRA_ANY_GATE = h200_and_default(
     IntraTiles(block_k=128, num_warps=2, num_stages=1, factors_num_warps=2),
     "not measured: CHUNK_INTRA's settings (docs/benchmarks/kda.md#phase-1-as-two-kernels-grid-order-2026-11-30"
     "); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
+)
+CHUNK_SHORT = h200_and_default(
+    ShortChunkTiles(chunks=4, num_warps=4),
+    "not measured: 4 chunks of 16 a program (the default's 64-token chunk), one warpgroup",
 )
 CHUNK_INTER = h200_and_default(
     InterTiles(block_v=64, num_warps=4, num_stages=2),

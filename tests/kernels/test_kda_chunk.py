@@ -265,21 +265,23 @@ def test_gpu_sub_block_keys_match_float64(l2norm):
     assert rel_error(np.asarray(totals).reshape(6, 8, 32), total[:, :, 0] / np.log(2.0)) <= 1e-6
 
 
-def chunk_parts_float64(q, k, v, g, beta, scale):
+def chunk_parts_float64(q, k, v, g, beta, scale, chunk=64):
     """Phase 1's parts (`ChunkParts`, as [B*H, T, ...] float64) from q, k [B, T, H, K] (normalised), v, g, beta
-    [B, T, H] with T a multiple of 64, literally: per chunk G = cumsum(g), decays e^{G_c - G_s} in float64."""
+    [B, T, H] with T a multiple of the chunk, literally: per chunk G = cumsum(g), decays e^{G_c - G_s} in
+    float64."""
     batch, length, heads, _ = q.shape
     flat = lambda x: np.moveaxis(np.asarray(x, np.float64), 2, 1).reshape(batch * heads, length, -1)  # noqa: E731
     q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
     parts = {name: [] for name in ("w", "u", "qg", "kg", "a_qk", "decay_last")}
-    lower = np.tril(np.ones((64, 64)))
-    for rows in (slice(start, start + 64) for start in range(0, length, 64)):
+    lower = np.tril(np.ones((chunk, chunk)))
+    for rows in (slice(start, start + chunk) for start in range(0, length, chunk)):
         G = np.cumsum(g[:, rows], axis=1)  # [BH, 64, K]
         with np.errstate(over="ignore", invalid="ignore"):
             decay = np.exp(G[:, :, None, :] - G[:, None, :, :])  # [BH, c, s, K]; overflows only where masked
-            a_kk = np.nan_to_num(np.einsum("bck,bsk,bcsk->bcs", k[:, rows], k[:, rows], decay) * (lower - np.eye(64)))
+            a_kk = np.einsum("bck,bsk,bcsk->bcs", k[:, rows], k[:, rows], decay)
+            a_kk = np.nan_to_num(a_kk * (lower - np.eye(chunk)))
             a_qk = np.nan_to_num(np.einsum("bck,bsk,bcsk->bcs", q[:, rows], k[:, rows], decay) * lower)
-        transform = np.linalg.inv(np.eye(64) + beta[:, rows] * a_kk) * beta[:, rows, 0][:, None, :]  # T
+        transform = np.linalg.inv(np.eye(chunk) + beta[:, rows] * a_kk) * beta[:, rows, 0][:, None, :]  # T
         parts["w"].append(transform @ (np.exp(G) * k[:, rows]))
         parts["u"].append(transform @ v[:, rows])
         parts["qg"].append(np.exp(G) * q[:, rows] * scale)
@@ -289,7 +291,9 @@ def chunk_parts_float64(q, k, v, g, beta, scale):
     return {name: np.concatenate(x, axis=1) for name, x in parts.items()}
 
 
-def check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False, phase1=intra_chunk, tiles=None):
+def check_parts(
+    dtype, key_dim, value_dim, interpret, tolerance, any_gate=False, phase1=intra_chunk, tiles=None, chunk=64
+):
     q, k, v, g, beta, _ = random_sequence(1, 128, 2, key_dim, value_dim, dtype, seed=13)
     g[:, :64] *= 0.02  # the first chunk's decay_last far from fp32's underflow (e^-160 for the full range)
     # the second chunk at the gate bound, or for any gate the safe gate mixed with -A softplus(a)
@@ -304,7 +308,7 @@ def check_parts(dtype, key_dim, value_dim, interpret, tolerance, any_gate=False,
         tiles=tiles,
         **({"any_gate": True} if any_gate else {}),  # the lab's phase 1s: bounded gates only
     )
-    expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim**-0.5)
+    expected = chunk_parts_float64(l2(q), l2(k), v, g, beta[..., None], key_dim**-0.5, chunk)
     for name, ours in parts._asdict().items():
         ours = np.asarray(ours).reshape(expected[name].shape)
         error = rel_error(ours, expected[name])

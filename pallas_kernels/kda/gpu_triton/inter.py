@@ -1,4 +1,5 @@
-"""KDA prefill on GPU, phase 2 of 2: the state carried across 64-token chunks, a Pallas kernel (Triton lowering).
+"""KDA prefill on GPU, phase 2 of 2: the state carried across chunks (64 tokens, or 16 for `short_chunks`), a Pallas
+kernel (Triton lowering).
 
 Program (value block, sequence-head) keeps its [K, block_v] slice of the fp32 state S in registers and walks
 the chunks in order, using phase 1's per-chunk parts (`intra.ChunkParts`):
@@ -22,17 +23,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.gpu_triton.intra import CHUNK, ChunkParts, gpu_dots
+from pallas_kernels.kda.gpu_triton.intra import ChunkParts, gpu_dots
 from pallas_kernels.tuning import lookup
 
 
 def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
     dots = gpu_dots(o_ref.dtype)
+    size = a_ref.shape[-1]  # tokens a chunk
 
     def chunk(n, state_KV):
-        rows = pl.ds(n * CHUNK, CHUNK)
+        rows = pl.ds(n * size, size)
         state_operand = state_KV.astype(w_ref.dtype)
-        v_new = u_ref[rows, :].astype(jnp.float32) - dots.nn(w_ref[rows, :], state_operand)  # [CHUNK, block_v]
+        v_new = u_ref[rows, :].astype(jnp.float32) - dots.nn(w_ref[rows, :], state_operand)  # [size, block_v]
         v_new_operand = v_new.astype(w_ref.dtype)
         o = dots.nn(qg_ref[rows, :], state_operand) + dots.nn(a_ref[rows, :], v_new_operand)
         o_ref[rows, :] = o.astype(o_ref.dtype)
@@ -50,13 +52,14 @@ def inter_chunk(
     tiles: tuned.InterTiles | None = None,
     interpret: bool = False,
 ):
-    """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts and the
-    initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs all Tp / CHUNK chunks.
-    Tiles: None from `tuned.CHUNK_INTER`."""
+    """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts (chunks of
+    a_qk's last dimension: CHUNK, or 16 for `short_chunks`) and the initial state [B, H, K, V] fp32. Grid
+    (V / block_v, B*H); each program runs all the chunks. Tiles: None from `tuned.CHUNK_INTER`."""
     tiles = tiles or lookup(tuned.CHUNK_INTER, dtype=out_dtype)
     batch, heads, key_dim, value_dim = initial_state.shape
     flat, padded = parts.w.shape[:2]
-    num_chunks = padded // CHUNK
+    size = parts.a_qk.shape[-1]
+    num_chunks = padded // size
     block_v = min(tiles.block_v, value_dim)
     whole = lambda width: pl.BlockSpec((None, padded, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
     value_part = pl.BlockSpec((None, padded, block_v), lambda j, bh: (bh, 0, j))
@@ -70,7 +73,7 @@ def inter_chunk(
             value_part,
             whole(key_dim),
             whole(key_dim),
-            whole(CHUNK),
+            whole(size),
             per_chunk_column,
             state_part,
         ],

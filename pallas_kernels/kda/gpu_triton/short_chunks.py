@@ -1,0 +1,147 @@
+"""KDA prefill on GPU over 16-token chunks: phase 1 as one token-parallel Pallas kernel (Triton lowering), the
+variant gpu_triton_short (gates >= -5), phase 2 the default's state pass (`inter.inter_chunk`) over 16-token chunks.
+
+The default works in 64-token chunks, whose phase 1 needs the inverse of a 64 x 64 unit lower-triangular matrix
+(three kernels, latency-bound: docs/benchmarks/kda.md). With 16-token chunks, as FlashKDA does, each chunk's
+parts come from its own 16 rows, a few [16, K] x [K, 16] and 16 x 16 products in one program:
+
+- G = the chunk's cumulative log-decay (row c: the sum of its gates up to c), R = G at row 7 (the reference);
+  A_kk = (k e^{G - R}) (k e^{R - G})^T below the diagonal, a_qk = (q e^{G - R}) (k e^{R - G})^T on and below it.
+  Each factor's exponent lies within 8 gates of 0 on one side and 9 on the other: for gates >= -5 within
+  [-45, 45], where fp32 neither overflows nor underflows (above the diagonal the products reach e^80, still
+  finite, and are masked).
+- X = (I + L)^-1 for L = diag(beta) A_kk, strictly lower-triangular (nilpotent: L^16 = 0), as the Neumann
+  product (I - L)(I + L^2)(I + L^4)(I + L^8): three squarings and three products, IEEE fp32.
+- w = X (beta e^G k), u = X (beta v), qg = e^G q, kg = e^{G_last - G} k, decay_last = e^{G_last}: the parts of
+  `intra.ChunkParts` at 16 rows a chunk (a_qk [BH, Tp, 16]).
+
+Program (sequence-head, group) owns `chunks` consecutive chunks (tiles: `tuned.CHUNK_SHORT`), taken in turn.
+Phase 2 then walks 4x as many chunks, each step a quarter of the default's work. Products as `tril.gpu_dots`:
+tf32 for bf16 / fp16 inputs, IEEE fp32 for fp32 inputs (the gate sums and the inverse always IEEE fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kda import tuned
+from pallas_kernels.kda.gpu_triton.blocks import EXACT_DOT, inverse_norms
+from pallas_kernels.kda.gpu_triton.chunk import chunk_kda_gpu
+from pallas_kernels.kda.gpu_triton.intra import ChunkParts
+from pallas_kernels.kda.gpu_triton.tril import gpu_dots
+from pallas_kernels.tuning import lookup
+
+SHORT_CHUNK = 16
+REFERENCE_ROW = SHORT_CHUNK // 2 - 1  # the row whose cumulative log-decay every decay product is taken against
+
+
+def neumann_inverse(strict_L):
+    """(I + L)^-1 for L [16, 16] strictly lower-triangular fp32: (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+    size = strict_L.shape[0]
+    identity = (
+        jax.lax.broadcasted_iota(jnp.int32, (size, size), 0) == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    ).astype(jnp.float32)
+    inverse, power = identity - strict_L, EXACT_DOT(strict_L, strict_L)
+    for _ in range(3):
+        inverse = inverse + EXACT_DOT(inverse, power)
+        power = EXACT_DOT(power, power)
+    return inverse
+
+
+def _kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
+):
+    dots = gpu_dots(input_dtype)
+    rows_CC = jax.lax.broadcasted_iota(jnp.int32, (SHORT_CHUNK, SHORT_CHUNK), 0)
+    cols_CC = jax.lax.broadcasted_iota(jnp.int32, (SHORT_CHUNK, SHORT_CHUNK), 1)
+    for c in range(decay_ref.shape[0]):
+        rows = pl.ds(c * SHORT_CHUNK, SHORT_CHUNK)
+        q_CK, k_CK = q_ref[rows, :].astype(jnp.float32), k_ref[rows, :].astype(jnp.float32)
+        q_CK = q_CK * (inverse_norms([q_CK], l2norm) * scale)
+        k_CK = k_CK * inverse_norms([k_CK], l2norm)
+        g_CK = g_ref[rows, :]
+        row_CK = jax.lax.broadcasted_iota(jnp.int32, g_CK.shape, 0)
+        G_CK = jnp.cumsum(g_CK, axis=0)
+        total_1K = jnp.sum(g_CK, axis=0, keepdims=True)
+        reference_1K = jnp.sum(jnp.where(row_CK <= REFERENCE_ROW, g_CK, 0.0), axis=0, keepdims=True)
+        right_CK = k_CK * jnp.exp(reference_1K - G_CK)
+        a_kk_CC = dots.nt(k_CK * jnp.exp(G_CK - reference_1K), right_CK)
+        a_qk_CC = dots.nt(q_CK * jnp.exp(G_CK - reference_1K), right_CK)
+        beta_C1 = beta_ref[rows, :]
+        inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
+        decay_CK = jnp.exp(G_CK)
+        w_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * decay_CK * k_CK).astype(w_ref.dtype)
+        u_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
+        qg_ref[rows, :] = (decay_CK * q_CK).astype(qg_ref.dtype)
+        kg_ref[rows, :] = (jnp.exp(total_1K - G_CK) * k_CK).astype(kg_ref.dtype)
+        a_ref[rows, :] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
+        decay_ref[c] = jnp.exp(total_1K)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "interpret"))
+def short_chunk_parts(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    parts_dtype=None,
+    tiles: tuned.ShortChunkTiles | None = None,
+    interpret: bool = False,
+) -> ChunkParts:
+    """Phase 1 over 16-token chunks (module docstring), `intra.intra_chunk`'s signature: q, k [B, Tp, H, K],
+    v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decays >= -5, beta [B, Tp, H, 1] fp32, Tp a multiple of 16; parts
+    in parts_dtype (default v's), a_qk [BH, Tp, 16], decay_last [BH, Tp / 16, 1, K]. Grid (B*H, Tp / (16 x
+    chunks)), chunks the largest power of two <= tiles.chunks dividing Tp / 16. Tiles: None from
+    `tuned.CHUNK_SHORT`."""
+    tiles = tiles or lookup(tuned.CHUNK_SHORT, dtype=v.dtype)
+    dtype = v.dtype if parts_dtype is None else parts_dtype
+    batch, padded, heads, key_dim = q.shape
+    if padded % SHORT_CHUNK:
+        raise ValueError(f"short_chunk_parts: {padded} tokens, expected a multiple of {SHORT_CHUNK}")
+    chunks = tiles.chunks
+    while (padded // SHORT_CHUNK) % chunks:
+        chunks //= 2
+    value_dim, flat, span = v.shape[-1], batch * heads, SHORT_CHUNK * chunks
+    rows = lambda width: pl.BlockSpec((None, span, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))  # noqa: E731
+    out_rows = lambda width: pl.BlockSpec((None, span, width), lambda bh, n: (bh, n, 0))  # noqa: E731
+    parts = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype),
+        grid=(flat, padded // span),
+        in_specs=[rows(key_dim), rows(key_dim), rows(value_dim), rows(key_dim), rows(1)],
+        out_specs=[
+            out_rows(key_dim),
+            out_rows(value_dim),
+            out_rows(key_dim),
+            out_rows(key_dim),
+            out_rows(SHORT_CHUNK),
+            pl.BlockSpec((None, chunks, 1, key_dim), lambda bh, n: (bh, n, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((flat, padded, key_dim), dtype),
+            jax.ShapeDtypeStruct((flat, padded, value_dim), dtype),
+            jax.ShapeDtypeStruct((flat, padded, key_dim), dtype),
+            jax.ShapeDtypeStruct((flat, padded, key_dim), dtype),
+            jax.ShapeDtypeStruct((flat, padded, SHORT_CHUNK), dtype),
+            jax.ShapeDtypeStruct((flat, padded // SHORT_CHUNK, 1, key_dim), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_short_chunks",
+    )(q, k, v, g, beta)
+    return ChunkParts(*parts)
+
+
+def chunk_kda_gpu_short(q, k, v, g, beta, initial_state=None, **options):
+    """`chunk_kda_gpu` over 16-token chunks (the variant gpu_triton_short, gates >= -5): phase 1
+    `short_chunk_parts`, phase 2 `inter.inter_chunk`. options: chunk_kda_gpu's keywords (tiles.intra a
+    `tuned.ShortChunkTiles`)."""
+    return chunk_kda_gpu(q, k, v, g, beta, initial_state, phase1=short_chunk_parts, **options)

@@ -1,0 +1,78 @@
+"""The KDA prefill over 16-token chunks (`gpu_triton_short`, Pallas interpret mode on the CPU): its phase 1 part by
+part against the literal float64 form at 16 rows a chunk, the whole prefill against the float64 recurrence (odd
+lengths, an initial state, bf16), its Neumann inverse, and its lowering for CUDA."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_kda_chunk as chunk_tests
+from helpers import gpu_test, l2, lower_for_cuda, rel_error
+from np_reference import kda_recurrence
+from test_kda_chunk import BOUNDED, TOL, abstract_inputs, check_parts, chunk_kda_of, random_sequence
+
+from pallas_kernels.kda.gpu_triton.short_chunks import SHORT_CHUNK, neumann_inverse, short_chunk_parts
+from pallas_kernels.kda.ops import kernel
+from pallas_kernels.kda.tuned import ShortChunkTiles
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_parts_match_float64(chunks):
+    """One 64-token chunk of slow decay, one at the gate bound (-5 a token: e^{+-45} factors), four column
+    blocks of keys; one chunk a program or four."""
+    tiles = ShortChunkTiles(chunks=chunks, num_warps=4)
+    check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, phase1=short_chunk_parts, tiles=tiles, chunk=16)
+
+
+def test_neumann_inverse_is_the_inverse():
+    r = np.random.default_rng(5)
+    strict = np.tril(r.normal(scale=0.5, size=(SHORT_CHUNK, SHORT_CHUNK)), -1).astype(np.float32)
+    expected = np.linalg.inv(np.eye(SHORT_CHUNK) + strict.astype(np.float64))
+    assert rel_error(neumann_inverse(jnp.asarray(strict)), expected) <= 1e-6
+
+
+@pytest.mark.parametrize("length, with_state", [(200, True), (17, False)])
+def test_prefill_matches_float64_recurrence(length, with_state):
+    q, k, v, g, beta, state = random_sequence(1, length, 2, 16, 32, jnp.float32, seed=length)
+    initial = state if with_state else None
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, initial)
+    o, s = chunk_kda_of(
+        q, k, v, g, beta, initial, gate_lower_bound=BOUNDED, backend="interpret_gpu", variant="gpu_triton_short"
+    )
+    assert o.shape == o_ref.shape and rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+
+def test_prefill_bf16_at_the_gate_bound():
+    q, k, v, g, beta, state = random_sequence(1, 96, 3, 32, 16, jnp.bfloat16, seed=7)
+    g[:, 40:] = -5.0
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    options = dict(gate_lower_bound=BOUNDED, backend="interpret_gpu", variant="gpu_triton_short")
+    o, s = chunk_kda_of(q, k, v, g, beta, state, jnp.bfloat16, **options)
+    assert o.dtype == jnp.bfloat16 and np.isfinite(np.asarray(o, np.float32)).all()
+    assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]
+
+
+def test_lowers_for_cuda():
+    prefill = functools.partial(kernel("chunk_kda", "gpu_triton_short"), scale=128**-0.5)
+    text = lower_for_cuda(prefill, *abstract_inputs(1, 1000, 4)).as_text()
+    assert "kda_prefill_short_chunks" in text and "kda_prefill_inter_chunk" in text
+
+
+@gpu_test("the compiled short-chunk Triton kernels")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_compiled_full_width(dtype):
+    """At K = V = 128 compiled: phase 1's parts (tf32 products for bf16 inputs, IEEE fp32 for fp32 ones), then the
+    whole prefill against the float64 recurrence."""
+    check_parts(
+        dtype,
+        128,
+        128,
+        interpret=False,
+        tolerance=TOL[dtype] if dtype == jnp.bfloat16 else 1e-5,
+        phase1=short_chunk_parts,
+        chunk=16,
+    )
+    chunk_tests.test_compiled_gpu_kernel_full_width(dtype, "gpu_triton_short")
