@@ -69,9 +69,8 @@ def _kernel(
         G_CK = jnp.cumsum(g_CK, axis=0)
         total_1K = jnp.sum(g_CK, axis=0, keepdims=True)
         reference_1K = jnp.sum(jnp.where(row_CK <= REFERENCE_ROW, g_CK, 0.0), axis=0, keepdims=True)
-        right_CK = k_CK * jnp.exp(reference_1K - G_CK)
-        a_kk_CC = dots.nt(k_CK * jnp.exp(G_CK - reference_1K), right_CK)
-        a_qk_CC = dots.nt(q_CK * jnp.exp(G_CK - reference_1K), right_CK)
+        left_CK, right_CK = jnp.exp(G_CK - reference_1K), k_CK * jnp.exp(reference_1K - G_CK)
+        a_kk_CC, a_qk_CC = dots.nt(k_CK * left_CK, right_CK), dots.nt(q_CK * left_CK, right_CK)
         beta_C1 = beta_ref[rows, :]
         inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
         decay_CK = jnp.exp(G_CK)
