@@ -1,6 +1,6 @@
 """The KDA prefill over 16-token chunks (`gpu_triton_short`, Pallas interpret mode on the CPU): its phase 1 part by
 part against the literal float64 form at 16 rows a chunk, the whole prefill against the float64 recurrence (odd
-lengths, an initial state, bf16), its Neumann inverse, and its lowering for CUDA."""
+lengths, an initial state, bf16, over segments), its Neumann inverse, and its lowering for CUDA."""
 
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ def test_prefill_matches_float64_recurrence(length, with_state):
         q, k, v, g, beta, initial, gate_lower_bound=BOUNDED, backend="interpret_gpu", variant="gpu_triton_short"
     )
     assert o.shape == o_ref.shape and rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+
+def test_segments_match_float64():
+    """Over 3 segments (`chunk_kda(segments=...)`, values widened to K + V), an initial state, T = 150."""
+    q, k, v, g, beta, state = random_sequence(1, 150, 2, 16, 24, jnp.float32, seed=9)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    options = dict(gate_lower_bound=BOUNDED, backend="interpret_gpu", variant="gpu_triton_short", segments=3)
+    o, s = chunk_kda_of(q, k, v, g, beta, state, **options)
+    assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
 
 def test_prefill_bf16_at_the_gate_bound():
