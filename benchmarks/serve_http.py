@@ -16,7 +16,8 @@ each streaming /v1/completions and sending its next request when the previous on
 `benchmarks.serve` draws them): prompts of random token ids, lengths log-uniform in [--min-prompt, --max-prompt],
 max_tokens log-uniform in [--min-output, --max-output], greedy. TTFT: from sending to the first streamed chunk;
 TPOT: the rest of the request's time over its further tokens (usage counts them); output tok/s: completion
-tokens over the level's wall time. One request runs first, untimed.
+tokens over the level's wall time; with it, the level's prefill steps a request and their chunks' tokens (pads
+included) over the prompts' own, from the server's counters. One request runs first, untimed.
 Static: once the server has exited (its device memory freed), the same preset's random weights in this process
 and the model's jitted decode step at batch C over a cache of --static-context tokens (`benchmarks.common`
 `time_decode`, as `benchmarks.generate` times it): its step is the TPOT a static batch of C gets, C / step its
@@ -88,6 +89,28 @@ def wait_compiled(url: str) -> float:
             return time.perf_counter() - start
         time.sleep(1.0)
     raise RuntimeError(f"ling-serve still compiled in the background {READY_TIMEOUT_S} s after ready")
+
+
+PREFILL_COUNTERS = ("prefill_steps", "prefill_tokens", "prompt_tokens")
+
+
+def prefill_counters(url: str) -> dict[str, float]:
+    """The server's prefill counters (`ling_serve_<name>_total`) now."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        name: float(re.search(rf"^ling_serve_{name}_total (\S+)$", text, re.MULTILINE).group(1))
+        for name in PREFILL_COUNTERS
+    }
+
+
+def prefill_line(before: dict[str, float], after: dict[str, float], requests: int) -> str:
+    """What a level's prompts cost in prefill steps: steps a request, and the chunks' tokens (pads included) over
+    the prompts' own."""
+    ran = {name: after[name] - before[name] for name in PREFILL_COUNTERS}
+    return (
+        f"prefill {ran['prefill_steps']:.0f} steps ({ran['prefill_steps'] / requests:.2f} a request), chunk tokens "
+        f"{ran['prefill_tokens'] / max(ran['prompt_tokens'], 1):.2f}x the prompts'"
+    )
 
 
 def _drain(process: subprocess.Popen) -> None:
@@ -206,8 +229,10 @@ def main(argv=None) -> int:
         print(f"every program compiled {wait_compiled(url):.1f} s after ready", flush=True)
         asyncio.run(closed_loop(url, args.preset, every[:1], 1))  # untimed: the first request's host-side setup
         for level in levels:
+            before = prefill_counters(url)
             served[level] = asyncio.run(closed_loop(url, args.preset, loads[level], level))
-            print(f"concurrency {level}: served {result_line(served[level])}", flush=True)
+            prefill = prefill_line(before, prefill_counters(url), len(loads[level]))
+            print(f"concurrency {level}: served {result_line(served[level])}; {prefill}", flush=True)
     finally:
         process.terminate()
         process.wait(timeout=120)

@@ -36,6 +36,12 @@ class Metrics:
             registry=r,
         )
         self.steps = Counter("ling_serve_steps", "scheduler steps that ran a program", registry=r)
+        self.prefill_steps = Counter(
+            "ling_serve_prefill_steps", "prefill steps (a chunk of each prompt of a group)", registry=r
+        )
+        self.prefill_tokens = Counter(
+            "ling_serve_prefill_tokens", "tokens of the chunks prefill steps ran, their padding included", registry=r
+        )
         self.requests = Counter("ling_serve_requests", "finished requests", ["finish_reason"], registry=r)
         self.prefix_hits = Counter("ling_serve_prefix_cache_hits", "requests resumed from a cached prefix", registry=r)
         self.prefix_hit_tokens = Counter(

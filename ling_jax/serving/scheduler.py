@@ -331,6 +331,8 @@ class Scheduler:
         starts = [r._position for r in requests]
         media = requests[0]._media_chunks.pop(0) if requests[0].media is not None else None
         hidden_PD = self.engine.prefill([r.slot for r in requests], chunks, [start == 0 for start in starts], media)
+        self.metrics.prefill_steps.inc()
+        self.metrics.prefill_tokens.inc(sum(len(ids) for ids, _ in chunks))
         for row, (request, (_, mask_C), start) in enumerate(zip(requests, chunks, starts)):
             real = int(mask_C.sum())
             request._position += real

@@ -106,7 +106,10 @@ def test_more_requests_than_slots_each_equal_alone(scheduler, references, demo_t
         return steps[-1][1]
 
     monkeypatch.setattr(engine, "decode_rows", recording)
+    before = {name: _counter(scheduler, name) for name in ("prefill_steps", "prefill_tokens", "prompt_tokens")}
     _check_each_equals_alone(scheduler, references, demo_tokenizer)
+    ran = {name: _counter(scheduler, name) - value for name, value in before.items()}
+    assert 0 < ran["prefill_steps"] and 0 < ran["prompt_tokens"] <= ran["prefill_tokens"]  # chunks with their pads
     assert all(rows == max(np.flatnonzero(active)) + 1 for active, rows in steps)
     assert any(rows < MAX_BATCH for _, rows in steps)
     assert any(not all(active[:rows]) for active, rows in steps)
