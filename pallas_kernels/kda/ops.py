@@ -69,8 +69,8 @@ VARIANTS = {
         "gpu_triton": Variant("gpu", chunk_kda_gpu, takes=gate_is_bounded),
         "tpu_mosaic": Variant("tpu", chunk_kda_tpu, takes=gate_is_bounded),
         "gpu_triton_any_gate": Variant("gpu", chunk_kda_gpu_any_gate),
-        "gpu_triton_short": Variant("gpu", chunk_kda_gpu_short, takes=gate_is_bounded),
         "tpu_mosaic_any_gate": Variant("tpu", chunk_kda_tpu_any_gate),
+        "gpu_triton_short": Variant("gpu", chunk_kda_gpu_short, takes=gate_is_bounded),
     },
     "kda_decode_step": {
         REFERENCE: Variant(None, _decode_reference),

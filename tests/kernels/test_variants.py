@@ -45,7 +45,7 @@ def test_every_variant_is_reachable_by_name():
 
 
 def test_unknown_variant_lists_the_known_ones():
-    known = "reference, gpu_triton, tpu_mosaic, gpu_triton_any_gate, tpu_mosaic_any_gate"
+    known = "reference, gpu_triton, tpu_mosaic, gpu_triton_any_gate, tpu_mosaic_any_gate, gpu_triton_short"
     with pytest.raises(ValueError, match=f"unknown variant 'gpu' of chunk_kda; known: {known}"):
         kda_ops.kernel("chunk_kda", "gpu")
     with pytest.raises(ValueError, match="unknown op 'chunk'; known: chunk_kda, kda_decode_step"):
