@@ -33,23 +33,19 @@ from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.blocks import EXACT_DOT, inverse_norms
 from pallas_kernels.kda.gpu_triton.chunk import chunk_kda_gpu
 from pallas_kernels.kda.gpu_triton.intra import ChunkParts
-from pallas_kernels.kda.gpu_triton.tril import gpu_dots
+from pallas_kernels.kda.gpu_triton.tril import SUB, gpu_dots, iota_16
 from pallas_kernels.tuning import lookup
 
-SHORT_CHUNK = 16
+SHORT_CHUNK = SUB  # tril's 16-row blocks: its helpers' shapes
 REFERENCE_ROW = SHORT_CHUNK // 2 - 1  # the row whose cumulative log-decay every decay product is taken against
 
 
 def neumann_inverse(strict_L):
     """(I + L)^-1 for L [16, 16] strictly lower-triangular fp32: (I - L)(I + L^2)(I + L^4)(I + L^8)."""
-    size = strict_L.shape[0]
-    identity = (
-        jax.lax.broadcasted_iota(jnp.int32, (size, size), 0) == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
-    ).astype(jnp.float32)
-    inverse, power = identity - strict_L, EXACT_DOT(strict_L, strict_L)
+    inverse, power = (iota_16(0) == iota_16(1)).astype(jnp.float32) - strict_L, strict_L
     for _ in range(3):
-        inverse = inverse + EXACT_DOT(inverse, power)
         power = EXACT_DOT(power, power)
+        inverse = inverse + EXACT_DOT(inverse, power)
     return inverse
 
 
@@ -57,8 +53,7 @@ def _kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
 ):
     dots = gpu_dots(input_dtype)
-    rows_CC = jax.lax.broadcasted_iota(jnp.int32, (SHORT_CHUNK, SHORT_CHUNK), 0)
-    cols_CC = jax.lax.broadcasted_iota(jnp.int32, (SHORT_CHUNK, SHORT_CHUNK), 1)
+    rows_CC, cols_CC = iota_16(0), iota_16(1)
     for c in range(decay_ref.shape[0]):
         rows = pl.ds(c * SHORT_CHUNK, SHORT_CHUNK)
         q_CK, k_CK = q_ref[rows, :].astype(jnp.float32), k_ref[rows, :].astype(jnp.float32)
