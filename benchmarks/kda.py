@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import statistics
 import sys
@@ -315,7 +316,8 @@ PHASE1 = {  # variant of chunk_kda: (its phase 1, that phase 1's default tiles)
     "gpu_triton_any_gate": (intra_chunk_any_gate, lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)),
     "gpu_triton_short": (short_chunk_parts, lookup(tuned.CHUNK_SHORT, dtype=jnp.bfloat16)),
 }
-PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its defaults): the default, then the lab's
+PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its defaults[, phase 2's]): the default,
+    # then the lab's
     ("gpu_triton", {}),
     ("gpu_triton_fused", {}),
     ("gpu_triton_fused", {"num_warps": 8}),
@@ -324,6 +326,9 @@ PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its
     ("gpu_triton_short", {}),
     ("gpu_triton_short", {"chunks": 1}),
     ("gpu_triton_short", {"num_warps": 2}),
+    ("gpu_triton_short", {}, {"block_v": 32}),  # phase 2 steps over 4x the chunks, each a quarter of the work
+    ("gpu_triton_short", {}, {"block_v": 32, "num_warps": 2}),
+    ("gpu_triton_short", {}, {"num_stages": 3}),
 ]
 
 
@@ -441,10 +446,17 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
         f"prefill B={batch} T={length}: {ref_name} {ref_s * 1e3:.2f} ms ({tokens / ref_s / 1e6:.2f} Mtok/s){baseline}"
     )
     results, phase1_seconds = [], {}
-    for name, overrides in [(name, overrides) for name, overrides in PREFILL_VARIANTS if name in (names or [name])]:
-        tiles = tuned.ChunkTiles(intra=dataclasses.replace(PHASE1[name][1], **overrides), inter=PHASE2_DEFAULT)
+    for name, overrides, *inter in [row for row in PREFILL_VARIANTS if row[0] in (names or [row[0]])]:
+        inter = inter[0] if inter else {}
+        tiles = tuned.ChunkTiles(
+            intra=dataclasses.replace(PHASE1[name][1], **overrides), inter=dataclasses.replace(PHASE2_DEFAULT, **inter)
+        )
         fn = jax.jit(functools.partial(kernel("chunk_kda", name), scale=DIM**-0.5, tiles=tiles, interpret=interpret))
-        label = " ".join([name] + [f"intra_{key}={value}" for key, value in overrides.items()])
+        label = " ".join(
+            [name]
+            + [f"intra_{key}={value}" for key, value in overrides.items()]
+            + [f"inter_{key}={value}" for key, value in inter.items()]
+        )
         try:
             o, state = fn(jq, jk, jv, jg, jbeta)
             err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
@@ -476,9 +488,10 @@ SEGMENT_SWEEP = (4, 8, 16, 32)  # segment counts --segmented times beside the ru
 SEGMENTED_HEADS = (8, 64)
 
 
-def bench_segmented(batch, length, heads, iters, interpret: bool = False, sweep=SEGMENT_SWEEP):
-    """chunk_kda (safe gates, bf16) unsplit and split over each segment count of the rule and `sweep`, vs fla on
-    the GPU or, interpreted on the CPU, vs the jnp chunked form (wiring only): the table's rows."""
+def bench_segmented(batch, length, heads, iters, interpret: bool = False, sweep=SEGMENT_SWEEP, names=None):
+    """chunk_kda (safe gates, bf16; each variant of `names`, None: the platform's) unsplit and split over each
+    segment count of the rule and `sweep`, vs fla on the GPU or, interpreted on the CPU, vs the jnp chunked form
+    (wiring only): the table's rows."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
@@ -494,12 +507,15 @@ def bench_segmented(batch, length, heads, iters, interpret: bool = False, sweep=
         f"({device_cores(backend)} cores)"
     )
     rows = []
-    for count in dict.fromkeys((1, rule, *sweep)):
-        fn = jax.jit(functools.partial(chunk_kda, gate_lower_bound=-5.0, backend=backend, segments=count))
+    for variant, count in itertools.product(names or [None], dict.fromkeys((1, rule, *sweep))):
+        fn = jax.jit(
+            functools.partial(chunk_kda, gate_lower_bound=-5.0, backend=backend, variant=variant, segments=count)
+        )
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
         label = "unsplit" if count == 1 else f"{count} segments" + (" (the rule)" if count == rule else "")
+        label = f"{variant or 'default'} {label}"
         print(
             f"  {label}: {seconds * 1e3:.2f} ms ({batch * length / seconds / 1e6:.2f} Mtok/s, "
             f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}"
@@ -525,8 +541,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--variant",
         action="append",
-        choices=sorted({name for name, _ in PREFILL_VARIANTS}),
-        help="prefill: time only this chunk_kda variant's rows (repeatable; default all)",
+        choices=sorted({row[0] for row in PREFILL_VARIANTS}),
+        help="prefill: time only this chunk_kda variant's rows (repeatable; default all); --segmented: split this "
+        "variant (repeatable; default the platform's)",
     )
     parser.add_argument(
         "--decode-fused",
@@ -607,7 +624,7 @@ def segmented_main(parser, args) -> int:
             row
             for batch, length in sizes
             for heads in heads_list
-            for row in bench_segmented(batch, length, heads, iters, interpret, sweep)
+            for row in bench_segmented(batch, length, heads, iters, interpret, sweep, args.variant)
         ]
     )
     return 0
