@@ -15,6 +15,8 @@
                                                 # also generate.py's speculative round against its decode step
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --decode-only \
         --variants gemv.min_programs=1056,mla.min_split=64   # launch settings timed in the model, same weights
+    python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --context 32768 \
+        --prefill-tokens 8192 --kda-prefill default,gpu_triton_short   # the prefill under each KDA kernel
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
@@ -64,6 +66,7 @@ from ling_jax.generation.generator import DECODE_READ_GROUP  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KDADecode  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
+from pallas_kernels.kda import ops as kda_ops  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -168,6 +171,13 @@ def main(argv=None) -> int:
         "cache contents",
     )
     parser.add_argument(
+        "--kda-prefill",
+        default="default",
+        help="ExecutionPolicy.kda_prefill, comma-separated: default (the platform's chunk_kda kernel) and/or "
+        "chunk_kda variant names (gpu_triton_short, ...); the prefill is timed under each on the same weights, the "
+        "decode rows carry the first's",
+    )
+    parser.add_argument(
         "--variants",
         help="comma-separated launch-setting variants, each TARGET.FIELD=VALUE[:TARGET.FIELD=VALUE...] "
         "(`benchmarks.variants`: gemv.min_programs=1056, mla.min_split=64, ...), each timed on the same weights "
@@ -207,6 +217,10 @@ def main(argv=None) -> int:
     kda_modes = {mode.value for mode in KDADecode}
     if set(args.kda_decode.split(",")) - kda_modes:
         parser.error(f"--kda-decode: expected {', '.join(sorted(kda_modes))}, comma-separated, got {args.kda_decode!r}")
+    unknown = set(args.kda_prefill.split(",")) - {"default", *kda_ops.VARIANTS["chunk_kda"]}
+    if unknown:
+        known = ", ".join(["default", *kda_ops.VARIANTS["chunk_kda"]])
+        parser.error(f"--kda-prefill: expected names among {known}, comma-separated, got {args.kda_prefill!r}")
     if not all(batch.strip().isdigit() and int(batch) > 0 for batch in args.batches.split(",")):
         parser.error(f"--batches: expected positive integers, comma-separated, got {args.batches!r}")
     try:
@@ -281,7 +295,17 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     first_batch = batches[0]
     for batch in batches:
         chunk = max(64, min(context, args.prefill_tokens // batch))
-        prefill_s = math.nan if args.decode_only else time_prefill(model, batch, context, chunk)
+        prefill = {}
+        for name in () if args.decode_only else args.kda_prefill.split(","):
+            model.policy = dataclasses.replace(model.policy, kda_prefill=None if name == "default" else name)
+            prefill[name] = time_prefill(model, batch, context, chunk)
+            print(
+                f"{weights} batch {batch}, KDA prefill {name}: {batch * context / prefill[name]:,.0f} tok/s "
+                f"(chunk {chunk}; {prefill[name]:.3f} s for {context} tokens a row)",
+                flush=True,
+            )
+        model.policy = dataclasses.replace(model.policy, kda_prefill=None)
+        prefill_s = next(iter(prefill.values()), math.nan)
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
         nbytes, parts = step_bytes(model, filled_cache(model, batch, context, args.steps + 16), token)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)

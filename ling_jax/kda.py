@@ -200,8 +200,10 @@ def _kda(
         chunked = functools.partial(
             chunk_kda,
             chunk_size=chunk_size,
-            gate_lower_bound=gate_lower_bound(c),
+            # unbounded gates as a bound of -inf: a bounded kernel named by policy.kda_prefill is refused
+            gate_lower_bound=-math.inf if gate_lower_bound(c) is None else gate_lower_bound(c),
             backend=op_backend(policy),
+            variant=policy.kda_prefill,
             segments=policy.kda_segments,
         )
         o, recurrent = per_shard(

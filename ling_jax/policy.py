@@ -96,6 +96,10 @@ class ExecutionPolicy:
     # how many segments a chunked KDA call splits each sequence into (`pallas_kernels.kda.segments`): None by its
     # rule (on a GPU, for few sequence-heads and long prompts: B=1 prefill under tensor parallelism), 1 never, n always
     kda_segments: int | None = None
+    # the chunk_kda variant a chunked KDA call runs (a name of `pallas_kernels.kda.ops.VARIANTS["chunk_kda"]`, such
+    # as "gpu_triton_short"); None: the platform's bounded kernel where the gates' bound suits it, its any-gate one
+    # otherwise (`ops.chunk_variant`, which refuses a bounded kernel for unbounded gates)
+    kda_prefill: str | None = None
 
     def __post_init__(self):
         converted = {
@@ -112,6 +116,11 @@ class ExecutionPolicy:
         if segments is not None and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
             raise ValueError(
                 f"ExecutionPolicy.kda_segments: must be None (the rule) or a positive int, got {segments!r}"
+            )
+        if self.kda_prefill is not None and not isinstance(self.kda_prefill, str):
+            raise ValueError(
+                f"ExecutionPolicy.kda_prefill: must be None (the platform's) or a chunk_kda variant name, got "
+                f"{self.kda_prefill!r}"
             )
         factor = self.moe_capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_kda_chunk as chunk_tests
+from flax import nnx
 from helpers import gpu_test, l2, lower_for_cuda, rel_error
 from np_reference import kda_recurrence
 from test_kda_chunk import BOUNDED, TOL, abstract_inputs, check_parts, chunk_kda_of, random_sequence
 
+from ling_jax import ExecutionPolicy, KDAState, LingConfig
+from ling_jax.kda import KimiDeltaAttention
+from ling_jax.presets import TINY
 from pallas_kernels.kda.gpu_triton.short_chunks import SHORT_CHUNK, neumann_inverse, short_chunk_parts
 from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.tuned import ShortChunkTiles
@@ -62,6 +67,30 @@ def test_prefill_bf16_at_the_gate_bound():
     o, s = chunk_kda_of(q, k, v, g, beta, state, jnp.bfloat16, **options)
     assert o.dtype == jnp.bfloat16 and np.isfinite(np.asarray(o, np.float32)).all()
     assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]
+
+
+def test_layer_under_policy_kda_prefill():
+    """The KDA layer's chunked prefill under ExecutionPolicy(kda_prefill="gpu_triton_short") (interpreted) equals
+    the reference policy's; a bounded kernel named for gates without the bound, or a name of another type, is
+    refused with the field named."""
+    config = LingConfig.from_dict(TINY)
+    layer = KimiDeltaAttention(config, dtype=jnp.float32, rngs=nnx.Rngs(4))
+    prompt = jnp.asarray(np.random.default_rng(6).normal(size=(1, 37, config.hidden_size)), jnp.float32)
+    state = KDAState.zeros(config, 1, jnp.float32)
+    policies = [
+        ExecutionPolicy(kernel_backend="interpret_gpu", kda_prefill="gpu_triton_short"),
+        ExecutionPolicy(kernel_backend="reference"),
+    ]
+    outputs = [layer(prompt, state, policy=policy) for policy in policies]
+    for ours, theirs in zip(*(jax.tree.leaves(out) for out in outputs), strict=True):
+        assert rel_error(ours, theirs) <= 1e-4
+    unbounded = KimiDeltaAttention(
+        LingConfig.from_dict({**TINY, "kda_safe_gate": False}), dtype=jnp.float32, rngs=nnx.Rngs(4)
+    )
+    with pytest.raises(ValueError, match="variant 'gpu_triton_short' of chunk_kda takes log-decays >= -5"):
+        unbounded(prompt, state, policy=policies[0])
+    with pytest.raises(ValueError, match="ExecutionPolicy.kda_prefill: must be None"):
+        ExecutionPolicy(kda_prefill=1)
 
 
 def test_lowers_for_cuda():

@@ -324,6 +324,7 @@ def test_serve_refuses_a_model_that_cannot_fit_before_loading(capsys, monkeypatc
         (["--batches", "1,x"], "--batches: expected positive integers, comma-separated, got '1,x'"),
         (["--steps", "0"], "argument --steps: must be positive, got 0"),
         (["--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+        (["--kda-prefill", "default,short"], "--kda-prefill: expected names among default, reference, gpu_triton"),
     ],
 )
 def test_bench_generate_refuses_bad_flags_before_building_a_model(capsys, argv, expected):
