@@ -327,8 +327,10 @@ PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its
     ("gpu_triton_short", {"chunks": 1}),
     ("gpu_triton_short", {"num_warps": 2}),
     ("gpu_triton_short", {}, {"block_v": 32}),  # phase 2 steps over 4x the chunks, each a quarter of the work
-    ("gpu_triton_short", {}, {"block_v": 32, "num_warps": 2}),
-    ("gpu_triton_short", {}, {"num_stages": 3}),
+    ("gpu_triton_short", {}, {"state_rows": True}),  # the state transposed: block_v rows a product (wgmma's M)
+    ("gpu_triton_short", {}, {"state_rows": True, "num_stages": 3}),
+    ("gpu_triton_short", {}, {"state_rows": True, "block_v": 128, "num_warps": 8}),
+    ("gpu_triton", {}, {"state_rows": True}),
 ]
 
 

@@ -25,11 +25,13 @@ class IntraTiles:
 
 @dataclasses.dataclass(frozen=True)
 class InterTiles:
-    """gpu_triton prefill phase 2 (the sequential state pass): block_v state columns per program."""
+    """gpu_triton prefill phase 2 (the sequential state pass): block_v state columns per program; state_rows: the
+    state held transposed, so that each product's M side is block_v rows rather than a chunk's tokens."""
 
     block_v: int
     num_warps: int
     num_stages: int
+    state_rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,25 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, st
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
+def _kernel_state_rows(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
+    """`_kernel` with the state held transposed, S^T [block_v, K], so that every product of the step has the
+    state's block_v rows (or v_new^T's) as its M side: at 16-token chunks M = 16 otherwise, too few rows for a
+    Hopper warpgroup's tensor-core instruction (M = 64)."""
+    dots = gpu_dots(o_ref.dtype)
+    size = a_ref.shape[-1]
+
+    def chunk(n, state_VK):
+        rows = pl.ds(n * size, size)
+        state_operand = state_VK.astype(w_ref.dtype)
+        v_new_VC = u_ref[rows, :].astype(jnp.float32).T - dots.nt(state_operand, w_ref[rows, :])
+        v_new_operand = v_new_VC.astype(w_ref.dtype)
+        o_VC = dots.nt(state_operand, qg_ref[rows, :]) + dots.nt(v_new_operand, a_ref[rows, :])
+        o_ref[rows, :] = o_VC.T.astype(o_ref.dtype)
+        return decay_ref[n] * state_VK + dots.nn(v_new_operand, kg_ref[rows, :])
+
+    state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
 def inter_chunk(
     parts: ChunkParts,
@@ -54,7 +73,8 @@ def inter_chunk(
 ):
     """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts (chunks of
     a_qk's last dimension: CHUNK, or 16 for `short_chunks`) and the initial state [B, H, K, V] fp32. Grid
-    (V / block_v, B*H); each program runs all the chunks. Tiles: None from `tuned.CHUNK_INTER`."""
+    (V / block_v, B*H); each program runs all the chunks, holding its state slice as [K, block_v] or, with
+    tiles.state_rows, transposed as [block_v, K]. Tiles: None from `tuned.CHUNK_INTER`."""
     tiles = tiles or lookup(tuned.CHUNK_INTER, dtype=out_dtype)
     batch, heads, key_dim, value_dim = initial_state.shape
     flat, padded = parts.w.shape[:2]
@@ -63,38 +83,34 @@ def inter_chunk(
     block_v = min(tiles.block_v, value_dim)
     whole = lambda width: pl.BlockSpec((None, padded, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
     value_part = pl.BlockSpec((None, padded, block_v), lambda j, bh: (bh, 0, j))
-    per_chunk_column = pl.BlockSpec((None, num_chunks, key_dim, 1), lambda j, bh: (bh, 0, 0, 0))
-    state_part = pl.BlockSpec((None, key_dim, block_v), lambda j, bh: (bh, 0, j))
+    if tiles.state_rows:  # the state as S^T [V, K], its value rows split; the chunk decays as [1, K] rows
+        kernel = _kernel_state_rows
+        decay = parts.decay_last
+        per_chunk = pl.BlockSpec((None, num_chunks, 1, key_dim), lambda j, bh: (bh, 0, 0, 0))
+        state_part = pl.BlockSpec((None, block_v, key_dim), lambda j, bh: (bh, j, 0))
+        state_in, state_shape = initial_state.reshape(flat, key_dim, value_dim).swapaxes(1, 2), (value_dim, key_dim)
+    else:
+        kernel = _kernel
+        decay = parts.decay_last.reshape(flat, num_chunks, key_dim, 1)
+        per_chunk = pl.BlockSpec((None, num_chunks, key_dim, 1), lambda j, bh: (bh, 0, 0, 0))
+        state_part = pl.BlockSpec((None, key_dim, block_v), lambda j, bh: (bh, 0, j))
+        state_in, state_shape = initial_state.reshape(flat, key_dim, value_dim), (key_dim, value_dim)
     o, state = pl.pallas_call(
-        functools.partial(_kernel, num_chunks=num_chunks),
+        functools.partial(kernel, num_chunks=num_chunks),
         grid=(pl.cdiv(value_dim, block_v), flat),
-        in_specs=[
-            whole(key_dim),
-            value_part,
-            whole(key_dim),
-            whole(key_dim),
-            whole(size),
-            per_chunk_column,
-            state_part,
-        ],
+        in_specs=[whole(key_dim), value_part, whole(key_dim), whole(key_dim), whole(size), per_chunk, state_part],
         out_specs=[
             pl.BlockSpec((None, padded, None, block_v), lambda j, bh: (bh // heads, 0, bh % heads, j)),
             state_part,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, padded, heads, value_dim), out_dtype),
-            jax.ShapeDtypeStruct((flat, key_dim, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((flat, *state_shape), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="kda_prefill_inter_chunk",
-    )(
-        parts.w,
-        parts.u,
-        parts.qg,
-        parts.kg,
-        parts.a_qk,
-        parts.decay_last.reshape(flat, num_chunks, key_dim, 1),
-        initial_state.reshape(flat, key_dim, value_dim),
-    )
+    )(parts.w, parts.u, parts.qg, parts.kg, parts.a_qk, decay, state_in)
+    if tiles.state_rows:
+        state = state.swapaxes(1, 2)
     return o, state.reshape(batch, heads, key_dim, value_dim)
