@@ -21,7 +21,7 @@ from ling_jax.kda import KimiDeltaAttention
 from ling_jax.presets import TINY
 from pallas_kernels.kda.gpu_triton.short_chunks import SHORT_CHUNK, neumann_inverse, short_chunk_parts
 from pallas_kernels.kda.ops import kernel
-from pallas_kernels.kda.tuned import ShortChunkTiles
+from pallas_kernels.kda.tuned import ChunkTiles, InterTiles, ShortChunkTiles
 
 
 @pytest.mark.parametrize("chunks", [1, 4])
@@ -48,6 +48,18 @@ def test_prefill_matches_float64_recurrence(length, with_state):
         q, k, v, g, beta, initial, gate_lower_bound=BOUNDED, backend="interpret_gpu", variant="gpu_triton_short"
     )
     assert o.shape == o_ref.shape and rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["gpu_triton_short", "gpu_triton"])
+def test_state_rows_phase2_matches_float64(name):
+    """Phase 2 with the state held transposed (`InterTiles.state_rows`) after either phase 1, an initial state,
+    T = 83."""
+    q, k, v, g, beta, state = random_sequence(1, 83, 2, 16, 32, jnp.float32, seed=3)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    tiles = ChunkTiles(inter=InterTiles(block_v=16, num_warps=4, num_stages=2, state_rows=True))
+    arrays = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
+    o, s = kernel("chunk_kda", name)(*arrays, scale=16**-0.5, tiles=tiles, interpret=True)
+    assert rel_error(o, o_ref) <= 1e-5 and rel_error(s, s_ref) <= 1e-5
 
 
 def test_segments_match_float64():
