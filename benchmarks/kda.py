@@ -309,6 +309,7 @@ def print_decode_fused_table(rows) -> None:
 
 # the tuned tables' settings on this device (`pallas_kernels/kda/tuned.py`, `experimental.kda_fused`)
 PHASE2_DEFAULT = lookup(tuned.CHUNK_INTER, dtype=jnp.bfloat16)
+PHASE2 = {"gpu_triton_short": lookup(tuned.CHUNK_INTER_SHORT, dtype=jnp.bfloat16)}  # the others': PHASE2_DEFAULT
 PHASE1 = {  # variant of chunk_kda: (its phase 1, that phase 1's default tiles)
     "gpu_triton": (intra_chunk, lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)),
     "gpu_triton_fused": (kda_fused.fused_intra_chunk, lookup(kda_fused.CHUNK_FUSED, dtype=jnp.bfloat16)),
@@ -316,21 +317,21 @@ PHASE1 = {  # variant of chunk_kda: (its phase 1, that phase 1's default tiles)
     "gpu_triton_any_gate": (intra_chunk_any_gate, lookup(tuned.CHUNK_INTRA, dtype=jnp.bfloat16)),
     "gpu_triton_short": (short_chunk_parts, lookup(tuned.CHUNK_SHORT, dtype=jnp.bfloat16)),
 }
-PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its defaults[, phase 2's]): the default,
-    # then the lab's
+PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its defaults[, phase 2's]): the GPU's
+    # default first, the 64-token kernel, then the lab's
+    ("gpu_triton_short", {}),
     ("gpu_triton", {}),
     ("gpu_triton_fused", {}),
     ("gpu_triton_fused", {"num_warps": 8}),
     ("gpu_triton_fused_wy", {}),
     ("gpu_triton_any_gate", {}),  # for gates below -5, on the same safe gates
-    ("gpu_triton_short", {}),
-    ("gpu_triton_short", {"chunks": 1}),
+    ("gpu_triton_short", {"chunks": 2}),
     ("gpu_triton_short", {"num_warps": 2}),
-    ("gpu_triton_short", {}, {"block_v": 32}),  # phase 2 steps over 4x the chunks, each a quarter of the work
-    ("gpu_triton_short", {}, {"state_rows": True}),  # the state transposed: block_v rows a product (wgmma's M)
-    ("gpu_triton_short", {}, {"state_rows": True, "num_stages": 3}),
-    ("gpu_triton_short", {}, {"state_rows": True, "block_v": 128, "num_warps": 8}),
-    ("gpu_triton", {}, {"state_rows": True}),
+    ("gpu_triton_short", {"num_warps": 8}),
+    ("gpu_triton_short", {}, {"state_rows": False, "num_stages": 2}),  # phase 2 as the 64-token kernel's
+    ("gpu_triton_short", {}, {"num_stages": 4}),
+    ("gpu_triton_short", {}, {"block_v": 32}),  # twice the programs, 32 state rows a product
+    ("gpu_triton", {}, {"state_rows": True, "num_stages": 3}),
 ]
 
 
@@ -451,7 +452,8 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
     for name, overrides, *inter in [row for row in PREFILL_VARIANTS if row[0] in (names or [row[0]])]:
         inter = inter[0] if inter else {}
         tiles = tuned.ChunkTiles(
-            intra=dataclasses.replace(PHASE1[name][1], **overrides), inter=dataclasses.replace(PHASE2_DEFAULT, **inter)
+            intra=dataclasses.replace(PHASE1[name][1], **overrides),
+            inter=dataclasses.replace(PHASE2.get(name, PHASE2_DEFAULT), **inter),
         )
         fn = jax.jit(functools.partial(kernel("chunk_kda", name), scale=DIM**-0.5, tiles=tiles, interpret=interpret))
         label = " ".join(

@@ -5,11 +5,13 @@ verify pass's few tokens, keeping each token's state), each over its variants.
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
 block-size overrides, for tests and benchmarks). Without a variant named, the backend's platform picks:
 "gpu_triton" on a GPU, "tpu_mosaic" on a TPU, the jnp reference otherwise. The prefill kernels come in two
-forms per platform: "gpu_triton" / "tpu_mosaic" take log-decays >= GATE_FLOOR (-5, the safe gate's default
-bound) and fail below it (NaN from 16 gates of -6), "gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any
-log-decay <= 0 (a bounded variant's record `takes` a gate bound >= GATE_FLOOR); `chunk_variant` picks the
-bounded form only when the caller guarantees the bound. "gpu_triton_short" is the bounded GPU form over 16-token
-chunks (`gpu_triton.short_chunks`), a named variant until it is timed. The lab's forms
+forms per platform: bounded ones take log-decays >= GATE_FLOOR (-5, the safe gate's default bound) and fail
+below it (NaN from 16 gates of -6): "gpu_triton_short" (16-token chunks, `gpu_triton.short_chunks`: the GPU's
+default, faster than "gpu_triton" on an H100: docs/benchmarks/kda.md) and "gpu_triton" (64-token chunks),
+"tpu_mosaic";
+"gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any log-decay <= 0 (a bounded variant's record `takes` a
+gate bound >= GATE_FLOOR); `chunk_variant` picks the bounded form only when the caller guarantees the bound.
+The lab's forms
 (`pallas_kernels.experimental`) join VARIANTS when their module is imported. `chunk_kda(segments=n)` runs any of
 them over n segments of each sequence at once (`segments.py`: a GPU's SMs filled when B x H is small).
 """
@@ -89,6 +91,7 @@ VARIANTS = {
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
 _FUSED = {"gpu": "gpu_triton"}  # each platform's fused decode (and verify) kernel (none on a TPU)
 _ANY_GATE = {"gpu": "gpu_triton_any_gate", "tpu": "tpu_mosaic_any_gate"}  # each platform's prefill for any gate
+_BOUNDED = {"gpu": "gpu_triton_short", "tpu": "tpu_mosaic"}  # each platform's prefill for gates >= GATE_FLOOR
 
 
 def kernel(op: str, name: str):
@@ -223,7 +226,7 @@ def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: 
     size): `variant` when named, else the platform's bounded kernel when the bound suits it, its any-gate kernel
     otherwise, the reference on a CPU. A bounded kernel named with a bound below its floor is refused."""
     backend = resolve_backend(backend)
-    bounded = variants.by_platform(backend, _BY_PLATFORM)
+    bounded = variants.by_platform(backend, _BOUNDED)
     default = (
         bounded if VARIANTS["chunk_kda"][bounded].supports(gate_lower_bound) else _ANY_GATE[KERNEL_TARGET[backend]]
     )

@@ -89,9 +89,10 @@ CHUNK_INTRA_ANY_GATE = h200_and_default(
     "not measured: CHUNK_INTRA's settings (docs/benchmarks/kda.md#phase-1-as-two-kernels-grid-order-2026-11-30"
     "); the any-gate variant differs only in its diagonal 16x16 blocks (gpu_triton/blocks.py)",
 )
+_SHORT_SOURCE = "docs/benchmarks/kda.md#16-token-chunks-gpu_triton_short-measured-2026-12-06-twenty-third-session"
 CHUNK_SHORT = h200_and_default(
-    ShortChunkTiles(chunks=4, num_warps=4),
-    "not measured: 4 chunks of 16 a program (the default's 64-token chunk), one warpgroup",
+    ShortChunkTiles(chunks=1, num_warps=4),
+    f"{_SHORT_SOURCE} (H100): phase 1 3.03 ms at B=1 T=32768 H=64 with one chunk a program, 10.11 ms with 4",
 )
 CHUNK_INTER = h200_and_default(
     InterTiles(block_v=64, num_warps=4, num_stages=2),
@@ -99,6 +100,11 @@ CHUNK_INTER = h200_and_default(
     "block_v 64' (phase 2 1.68 ms against 2.59 at block_v 32); "
     "docs/benchmarks/kda.md#the-keys-kernel-first-prefill-faster-than-fla-2026-11-30-second-session: block_v 128 / "
     "8 warps slower, the defaults (block_v 64, 4 warps) stay",
+)
+CHUNK_INTER_SHORT = h200_and_default(
+    InterTiles(block_v=64, num_warps=4, num_stages=3, state_rows=True),
+    f"{_SHORT_SOURCE} (H100): phase 2 after gpu_triton_short's phase 1, B=1 T=32768 H=64, 2.70 ms with the state "
+    "transposed and 3 stages against 3.79 as CHUNK_INTER (B=8 T=4096: 1.54 against 2.28)",
 )
 DECODE_GPU = h200_and_default(
     DecodeGpuTiles(block_v=64, num_warps=4),

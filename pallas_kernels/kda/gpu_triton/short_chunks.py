@@ -16,12 +16,15 @@ parts come from its own 16 rows, a few [16, K] x [K, 16] and 16 x 16 products in
   `intra.ChunkParts` at 16 rows a chunk (a_qk [BH, Tp, 16]).
 
 Program (sequence-head, group) owns `chunks` consecutive chunks (tiles: `tuned.CHUNK_SHORT`), taken in turn.
-Phase 2 then walks 4x as many chunks, each step a quarter of the default's work. Products as `tril.gpu_dots`:
+Phase 2 then walks 4x as many chunks, each step a quarter of the default's work, with the state held
+transposed (`tuned.CHUNK_INTER_SHORT`: state_rows), so that its products keep 64 state rows on the tensor cores'
+M side rather than a chunk's 16 tokens. Products as `tril.gpu_dots`:
 tf32 for bf16 / fp16 inputs, IEEE fp32 for fp32 inputs (the gate sums and the inverse always IEEE fp32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -134,8 +137,11 @@ def short_chunk_parts(
     return ChunkParts(*parts)
 
 
-def chunk_kda_gpu_short(q, k, v, g, beta, initial_state=None, **options):
+def chunk_kda_gpu_short(q, k, v, g, beta, initial_state=None, *, tiles: tuned.ChunkTiles | None = None, **options):
     """`chunk_kda_gpu` over 16-token chunks (the variant gpu_triton_short, gates >= -5): phase 1
     `short_chunk_parts`, phase 2 `inter.inter_chunk`. options: chunk_kda_gpu's keywords (tiles.intra a
-    `tuned.ShortChunkTiles`)."""
-    return chunk_kda_gpu(q, k, v, g, beta, initial_state, phase1=short_chunk_parts, **options)
+    `tuned.ShortChunkTiles`, None from `tuned.CHUNK_SHORT`; tiles.inter None from `tuned.CHUNK_INTER_SHORT`)."""
+    tiles = tiles or tuned.ChunkTiles()
+    if tiles.inter is None:
+        tiles = dataclasses.replace(tiles, inter=lookup(tuned.CHUNK_INTER_SHORT, dtype=v.dtype))
+    return chunk_kda_gpu(q, k, v, g, beta, initial_state, phase1=short_chunk_parts, tiles=tiles, **options)
