@@ -19,7 +19,12 @@ from ling_jax.layers import params_of
 from ling_jax.presets import preset
 from pallas_kernels.kda.ops import chunk_variant
 
-BOUNDED = {"pallas_gpu": "gpu_triton", "interpret_gpu": "gpu_triton", "pallas_tpu": "tpu_mosaic", "reference": None}
+PREFILL = {  # backend -> (its bounded prefill kernel, its any-gate one)
+    "pallas_gpu": ("gpu_triton_short", "gpu_triton_any_gate"),
+    "interpret_gpu": ("gpu_triton_short", "gpu_triton_any_gate"),
+    "pallas_tpu": ("tpu_mosaic", "tpu_mosaic_any_gate"),
+    "reference": ("reference", "reference"),
+}
 GATE_SETTINGS = {  # name -> (kda_safe_gate, kda_lower_bound, whether the bounded kernels may run)
     "safe-5": (True, -5.0, True),
     "safe-3": (True, -3.0, True),
@@ -37,8 +42,8 @@ def gate_config(setting: str):
 @pytest.mark.parametrize("setting", sorted(GATE_SETTINGS))
 def test_each_gate_setting_picks_its_prefill_kernel(setting):
     bounded = GATE_SETTINGS[setting][2]
-    for backend, kernel in BOUNDED.items():
-        expected = "reference" if kernel is None else kernel if bounded else f"{kernel}_any_gate"
+    for backend, kernels in PREFILL.items():
+        expected = kernels[0] if bounded else kernels[1]
         assert chunk_variant(backend, gate_lower_bound(gate_config(setting))) == expected, backend
 
 

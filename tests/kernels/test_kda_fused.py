@@ -58,9 +58,9 @@ def test_fused_kernels_match_float64_recurrence(name, dtype, l2norm):
 
 
 def test_fused_variants_are_named_only_and_keep_the_gate_bound():
-    """The chunk-wide forms run when named (the default stays gpu_triton until one is measured faster on the
-    device), and are refused for gates not bounded by -5 (they take the bounded kernels' gates only)."""
-    assert chunk_variant("pallas_gpu", BOUNDED) == "gpu_triton"
+    """The chunk-wide forms run when named (the default is gpu_triton_short, measured faster on the device), and
+    are refused for gates not bounded by -5 (they take the bounded kernels' gates only)."""
+    assert chunk_variant("pallas_gpu", BOUNDED) == "gpu_triton_short"
     for name in FUSED:
         assert chunk_variant("pallas_gpu", BOUNDED, name) == name
         with pytest.raises(ValueError, match="gpu_triton_any_gate"):

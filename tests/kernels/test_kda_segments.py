@@ -133,7 +133,7 @@ def test_segmented_gpu_kernel_lowers_for_cuda():
     """B=1, T=32768, H=8 in 16 segments: one batch of 16 x 8 sequence-heads through both phases."""
     prefill = functools.partial(chunk_kda, backend="pallas_gpu", gate_lower_bound=-5.0, segments=16)
     text = lower_for_cuda(prefill, *abstract_inputs(1, 32768, 8)).as_text()
-    for stage in ("intra_blocks", "intra_wy_factors", "inter_chunk"):
+    for stage in ("short_chunks", "inter_chunk"):
         assert f"kda_prefill_{stage}" in text, stage
 
 
