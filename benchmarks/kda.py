@@ -428,9 +428,12 @@ def fla_prefill(q, k, v, g, beta, iters):
     return fla_o.float().cpu().numpy(), fla_state.float().cpu().numpy(), fla_s
 
 
-def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = False, heads: int = HEADS, names=None):
-    """Every PREFILL_VARIANTS entry (of the variants `names`, None: all) vs fla (on the GPU) or, interpreted on
-    the CPU, vs the jnp chunked form (a smoke run of the wiring: its times say nothing)."""
+def bench_prefill(
+    batch, length, iters, jnp_baseline: bool, interpret: bool = False, heads: int = HEADS, names=None, sweep=True
+):
+    """Every PREFILL_VARIANTS entry (of the variants `names`, None: all; without `sweep` only their default tiles)
+    vs fla (on the GPU) or, interpreted on the CPU, vs the jnp chunked form (a smoke run of the wiring: its times
+    say nothing)."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
@@ -449,7 +452,8 @@ def bench_prefill(batch, length, iters, jnp_baseline: bool, interpret: bool = Fa
         f"prefill B={batch} T={length}: {ref_name} {ref_s * 1e3:.2f} ms ({tokens / ref_s / 1e6:.2f} Mtok/s){baseline}"
     )
     results, phase1_seconds = [], {}
-    for name, overrides, *inter in [row for row in PREFILL_VARIANTS if row[0] in (names or [row[0]])]:
+    rows = [row for row in PREFILL_VARIANTS if row[0] in (names or [row[0]]) and (sweep or row[1:] == ({},))]
+    for name, overrides, *inter in rows:
         inter = inter[0] if inter else {}
         tiles = tuned.ChunkTiles(
             intra=dataclasses.replace(PHASE1[name][1], **overrides),
@@ -550,6 +554,11 @@ def main(argv=None) -> int:
         "variant (repeatable; default the platform's)",
     )
     parser.add_argument(
+        "--default-tiles",
+        action="store_true",
+        help="prefill: only each variant's row at its default tiles (no tile sweep)",
+    )
+    parser.add_argument(
         "--decode-fused",
         action="store_true",
         help="only a KDA layer's decode step: separate ops vs the fused kernel (no fla needed)",
@@ -583,7 +592,11 @@ def main(argv=None) -> int:
                 "--quick runs the prefill variants interpreted at a small size (a check of the wiring)"
             )
         print(f"jax {jax.__version__}; no GPU: prefill variants in interpret mode, H={CPU_HEADS} (times meaningless)")
-        rows = [bench_prefill(1, 3 * 64, 1, False, interpret=True, heads=CPU_HEADS, names=args.variant)]
+        rows = [
+            bench_prefill(
+                1, 3 * 64, 1, False, interpret=True, heads=CPU_HEADS, names=args.variant, sweep=not args.default_tiles
+            )
+        ]
     else:
         copy = max(copy_bandwidth(args.iters), 0.0 if args.prefill_only else torch_copy_bandwidth(args.iters))
         print(
@@ -594,7 +607,9 @@ def main(argv=None) -> int:
         rows = [bench_decode(b, args.iters, copy) for b in decode_batches]
         sizes = args.prefill_size or (((1, 4096),) if args.quick else ((1, 32768), (8, 4096)))
         for batch, length in () if args.decode_only else sizes:
-            rows.append(bench_prefill(batch, length, max(5, args.iters // 10), args.jnp_baseline, names=args.variant))
+            iters = max(5, args.iters // 10)
+            sweep = not args.default_tiles
+            rows.append(bench_prefill(batch, length, iters, args.jnp_baseline, names=args.variant, sweep=sweep))
     print_table(rows)
     return 0
 
