@@ -16,7 +16,7 @@
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --decode-only \
         --variants gemv.min_programs=1056,mla.min_split=64   # launch settings timed in the model, same weights
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --context 32768 \
-        --prefill-tokens 8192 --kda-prefill default,gpu_triton_short   # the prefill under each KDA kernel
+        --prefill-tokens 8192 --prefill-only --kda-prefill default,gpu_triton   # the prefill under each KDA kernel
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
@@ -144,6 +144,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=positive_int, default=20, help="timed decode steps per batch (default 20)")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill measurement")
     parser.add_argument(
+        "--prefill-only", action="store_true", help="skip the decode steps (the prefill and time to first token only)"
+    )
+    parser.add_argument(
         "--profile",
         metavar="DIR",
         help="write a Perfetto trace of 5 decode steps of the first batch and print, from it, the kernels per step "
@@ -228,6 +231,10 @@ def main(argv=None) -> int:
             variants.parse(text)
     except ValueError as error:
         parser.error(f"--variants: {error}")
+    if args.prefill_only and (args.decode_only or args.mtp or args.profile or args.variants):
+        parser.error(
+            "--prefill-only times no decode step: it takes none of --decode-only, --mtp, --profile, --variants"
+        )
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if set(args.sampling.split(",")) - {"general", "specialised"}:
@@ -306,6 +313,11 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
             )
         model.policy = dataclasses.replace(model.policy, kda_prefill=None)
         prefill_s = next(iter(prefill.values()), math.nan)
+        if args.prefill_only:
+            rows.append((weights, "-", memory, batch, batch * context / prefill_s, math.nan, math.nan))
+            if batch == 1:
+                print(f"{weights}: time to first token of a {context}-token prompt {prefill_s:.2f} s", flush=True)
+            continue
         token = jax.random.randint(jax.random.key(2), (batch,), 0, config.vocab_size)
         nbytes, parts = step_bytes(model, filled_cache(model, batch, context, args.steps + 16), token)
         roofline_s = nbytes / copy  # copy bandwidth counts every byte moved (read + written)

@@ -324,6 +324,7 @@ def test_serve_refuses_a_model_that_cannot_fit_before_loading(capsys, monkeypatc
         (["--batches", "1,x"], "--batches: expected positive integers, comma-separated, got '1,x'"),
         (["--steps", "0"], "argument --steps: must be positive, got 0"),
         (["--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
+        (["--prefill-only", "--mtp", "1"], "--prefill-only times no decode step: it takes none of --decode-only"),
         (["--kda-prefill", "default,short"], "--kda-prefill: expected names among default, reference, gpu_triton"),
     ],
 )
