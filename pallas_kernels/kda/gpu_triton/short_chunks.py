@@ -67,15 +67,17 @@ def _kernel(
         G_CK = jnp.cumsum(g_CK, axis=0)
         total_1K = jnp.sum(g_CK, axis=0, keepdims=True)
         reference_1K = jnp.sum(jnp.where(row_CK <= REFERENCE_ROW, g_CK, 0.0), axis=0, keepdims=True)
-        left_CK, right_CK = jnp.exp(G_CK - reference_1K), k_CK * jnp.exp(reference_1K - G_CK)
+        # two exponentials a token-channel; e^G and e^{G_last - G} as them times a per-channel factor
+        left_CK, inverse_left_CK = jnp.exp(G_CK - reference_1K), jnp.exp(reference_1K - G_CK)
+        right_CK = k_CK * inverse_left_CK
         a_kk_CC, a_qk_CC = dots.nt(k_CK * left_CK, right_CK), dots.nt(q_CK * left_CK, right_CK)
         beta_C1 = beta_ref[rows, :]
         inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
-        decay_CK = jnp.exp(G_CK)
+        decay_CK = left_CK * jnp.exp(reference_1K)
         w_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * decay_CK * k_CK).astype(w_ref.dtype)
         u_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
         qg_ref[rows, :] = (decay_CK * q_CK).astype(qg_ref.dtype)
-        kg_ref[rows, :] = (jnp.exp(total_1K - G_CK) * k_CK).astype(kg_ref.dtype)
+        kg_ref[rows, :] = (jnp.exp(total_1K - reference_1K) * right_CK).astype(kg_ref.dtype)
         a_ref[rows, :] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
         decay_ref[c] = jnp.exp(total_1K)
 
