@@ -5,6 +5,7 @@
     python -m benchmarks.kda --prefill-only
     python -m benchmarks.kda --prefill-only --prefill-size 1 32768 --iters 20   # one size
     python -m benchmarks.kda --prefill-only --variant gpu_triton --variant gpu_triton_fused   # some variants
+    python -m benchmarks.kda --prefill-only --no-fla --default-tiles   # our variants against each other only
     python -m benchmarks.kda --quick          # on a CPU: the prefill variants interpreted, small (wiring only)
     python -m benchmarks.kda --decode-fused   # a KDA layer's decode step, separate ops vs one fused kernel
     python -m benchmarks.kda --decode-fused --quick   # on a CPU: interpreted, a tiny layer (wiring only)
@@ -429,16 +430,24 @@ def fla_prefill(q, k, v, g, beta, iters):
 
 
 def bench_prefill(
-    batch, length, iters, jnp_baseline: bool, interpret: bool = False, heads: int = HEADS, names=None, sweep=True
+    batch,
+    length,
+    iters,
+    jnp_baseline: bool,
+    interpret: bool = False,
+    heads: int = HEADS,
+    names=None,
+    sweep=True,
+    fla=True,
 ):
     """Every PREFILL_VARIANTS entry (of the variants `names`, None: all; without `sweep` only their default tiles)
-    vs fla (on the GPU) or, interpreted on the CPU, vs the jnp chunked form (a smoke run of the wiring: its times
-    say nothing)."""
+    vs fla (on the GPU) or, interpreted on the CPU or without `fla`, checked against the jnp chunked form (its time
+    not taken; interpreted, a smoke run of the wiring: the times say nothing)."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
     tokens = batch * length
-    if interpret:
+    if interpret or not fla:
         ref_o, ref_state = (np.asarray(x, np.float32) for x in jax.jit(kda_chunked)(jq, jk, jv, jg, jbeta))
         ref_s, ref_name = float("nan"), "jnp chunked"
     else:
@@ -554,6 +563,12 @@ def main(argv=None) -> int:
         "variant (repeatable; default the platform's)",
     )
     parser.add_argument(
+        "--no-fla",
+        action="store_true",
+        help="prefill: no fla (its autotuning at T=32768 takes minutes on a fresh machine): the variants checked "
+        "against the jnp chunked form and timed against each other only",
+    )
+    parser.add_argument(
         "--default-tiles",
         action="store_true",
         help="prefill: only each variant's row at its default tiles (no tile sweep)",
@@ -585,6 +600,8 @@ def main(argv=None) -> int:
         return decode_fused_main(parser, args)
     if args.segmented:
         return segmented_main(parser, args)
+    if args.no_fla and not args.prefill_only:
+        parser.error("--no-fla needs --prefill-only (the decode rows time fla's recurrent kernel beside ours)")
     if jax.default_backend() != "gpu":
         if not args.quick or args.decode_only:
             parser.error(
@@ -609,7 +626,11 @@ def main(argv=None) -> int:
         for batch, length in () if args.decode_only else sizes:
             iters = max(5, args.iters // 10)
             sweep = not args.default_tiles
-            rows.append(bench_prefill(batch, length, iters, args.jnp_baseline, names=args.variant, sweep=sweep))
+            rows.append(
+                bench_prefill(
+                    batch, length, iters, args.jnp_baseline, names=args.variant, sweep=sweep, fla=not args.no_fla
+                )
+            )
     print_table(rows)
     return 0
 
