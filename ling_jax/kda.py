@@ -197,11 +197,12 @@ def _kda(
         g = jnp.where(mask_BT[..., None, None], g, 0.0)
         beta = jnp.where(mask_BT[..., None], beta, 0.0)
     if mode == CHUNKED:
+        bound = gate_lower_bound(c)
         chunked = functools.partial(
             chunk_kda,
             chunk_size=chunk_size,
             # unbounded gates as a bound of -inf: a bounded kernel named by policy.kda_prefill is refused
-            gate_lower_bound=-math.inf if gate_lower_bound(c) is None else gate_lower_bound(c),
+            gate_lower_bound=-math.inf if bound is None else bound,
             backend=op_backend(policy),
             variant=policy.kda_prefill,
             segments=policy.kda_segments,

@@ -3,16 +3,14 @@ from the projections to the gated norm: convs, gates, step, norm) and `kda_verif
 verify pass's few tokens, keeping each token's state), each over its variants.
 
 VARIANTS lists every implementation by op and name; `kernel(op, name)` gives one's entry point (with its
-block-size overrides, for tests and benchmarks). Without a variant named, the backend's platform picks:
-"gpu_triton" on a GPU, "tpu_mosaic" on a TPU, the jnp reference otherwise. The prefill kernels come in two
-forms per platform: bounded ones take log-decays >= GATE_FLOOR (-5, the safe gate's default bound) and fail
-below it (NaN from 16 gates of -6): "gpu_triton_short" (16-token chunks, `gpu_triton.short_chunks`: the GPU's
-default, faster than "gpu_triton" on an H100: docs/benchmarks/kda.md) and "gpu_triton" (64-token chunks),
-"tpu_mosaic";
-"gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any log-decay <= 0 (a bounded variant's record `takes` a
-gate bound >= GATE_FLOOR); `chunk_variant` picks the bounded form only when the caller guarantees the bound.
-The lab's forms
-(`pallas_kernels.experimental`) join VARIANTS when their module is imported. `chunk_kda(segments=n)` runs any of
+block-size overrides, for tests and benchmarks). Without a variant named, the backend's platform picks: the
+GPU's kernels on a GPU, "tpu_mosaic" on a TPU, the jnp reference otherwise. The prefill kernels come in two forms
+per platform: bounded ones take log-decays >= GATE_FLOOR (-5, the safe gate's default bound) and fail below it
+(NaN from 16 gates of -6): "gpu_triton_short" (16-token chunks, `gpu_triton.short_chunks`, the GPU's default:
+faster than "gpu_triton" on an H100, docs/benchmarks/kda.md), "gpu_triton" (64-token chunks) and "tpu_mosaic";
+"gpu_triton_any_gate" / "tpu_mosaic_any_gate" take any log-decay <= 0 (a bounded variant's record `takes` a gate
+bound >= GATE_FLOOR). `chunk_variant` picks the bounded form only when the caller guarantees the bound. The lab's
+forms (`pallas_kernels.experimental`) join VARIANTS when their module is imported. `chunk_kda(segments=n)` runs any of
 them over n segments of each sequence at once (`segments.py`: a GPU's SMs filled when B x H is small).
 """
 
