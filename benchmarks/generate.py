@@ -25,10 +25,10 @@ Prefill: the prompt goes through the cache in chunks (as `Generator` does), time
 one jitted, cache-donating step (the model's Pallas KDA / MLA decode kernels and grouped-matmul experts)
 over a cache holding `context` tokens, the steps dispatched back to back as `Generator` runs them (mean
 per step; `--profile DIR` adds a Perfetto trace of 5 steps, and prints from it the kernels per step and the device
-time per layer kind: `benchmarks.trace`). Roofline: the bytes a step must read, i.e. every
-non-expert weight, the routed experts this step's tokens actually picked (counted from the routing), the
-KDA states (read and written) and the MLA latent cache, divided by the device copy bandwidth measured in the
-same run. At batch 1 the prefill time of the whole `--context`-token prompt is printed as the time to first token.
+time per layer kind: `benchmarks.trace`; with `--prefill-only`, of one more prefill, per prefill call). Roofline:
+the bytes a step must read, i.e. every non-expert weight, the routed experts this step's tokens actually picked
+(counted from the routing), the KDA states (read and written) and the MLA latent cache, divided by the device copy
+bandwidth measured in the same run. At batch 1 the prefill time of the whole `--context`-token prompt is printed as the time to first token.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks import variants  # noqa: E402
+from benchmarks import trace, variants  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     PROFILE_STEPS,
     copy_bandwidth,
@@ -108,7 +108,10 @@ def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
     return weights + kda + mla, parts
 
 
-def time_prefill(model, batch: int, context: int, chunk: int) -> float:
+def time_prefill(model, batch: int, context: int, chunk: int, profile_dir: pathlib.Path | None = None) -> float:
+    """Seconds to prefill `context` tokens a row in `chunk`-token calls, timed after a compiling pass. With
+    profile_dir, one more prefill runs under the JAX profiler (a Perfetto trace there) and the chunk's compiled
+    HLO text goes to profile_dir/trace.HLO_FILE (`benchmarks.trace.profile_report` reads both)."""
     graphdef, params = nnx.split(model)
 
     @jax.jit
@@ -127,6 +130,15 @@ def time_prefill(model, batch: int, context: int, chunk: int) -> float:
             _, cache = prefill(params, cache, ids[:, offset : offset + chunk])
         jax.block_until_ready(cache)
         elapsed.append(time.perf_counter() - start)
+    if profile_dir:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        cache = model.init_cache(batch, context + 8)
+        hlo_text = prefill.lower(params, cache, ids[:, :chunk]).compile().as_text()
+        (profile_dir / trace.HLO_FILE).write_text(hlo_text)
+        with jax.profiler.trace(str(profile_dir), create_perfetto_trace=True):
+            for offset in range(0, context, chunk):
+                _, cache = prefill(params, cache, ids[:, offset : offset + chunk])
+            jax.block_until_ready(cache)
     return elapsed[-1]
 
 
@@ -152,7 +164,8 @@ def main(argv=None) -> int:
         help="write a Perfetto trace of 5 decode steps of the first batch and print, from it, the kernels per step "
         "and the device time per layer kind (KDA, MLA, MoE / dense FFN, lm_head / sampling, other); with --mtp also "
         "one call of generate.py's programs of decode steps and of speculative rounds (DIR/decode_group, "
-        "DIR/speculative_group)",
+        "DIR/speculative_group); with --prefill-only instead the first batch's prefill under each --kda-prefill "
+        "kernel (DIR/prefill_NAME), per prefill call (chunk)",
     )
     parser.add_argument(
         "--weights",
@@ -231,10 +244,8 @@ def main(argv=None) -> int:
             variants.parse(text)
     except ValueError as error:
         parser.error(f"--variants: {error}")
-    if args.prefill_only and (args.decode_only or args.mtp or args.profile or args.variants):
-        parser.error(
-            "--prefill-only times no decode step: it takes none of --decode-only, --mtp, --profile, --variants"
-        )
+    if args.prefill_only and (args.decode_only or args.mtp or args.variants):
+        parser.error("--prefill-only times no decode step: it takes none of --decode-only, --mtp, --variants")
     if args.mtp < 0:
         parser.error(f"--mtp must be >= 0, got {args.mtp}")
     if set(args.sampling.split(",")) - {"general", "specialised"}:
@@ -305,12 +316,18 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
         prefill = {}
         for name in () if args.decode_only else args.kda_prefill.split(","):
             model.policy = dataclasses.replace(model.policy, kda_prefill=None if name == "default" else name)
-            prefill[name] = time_prefill(model, batch, context, chunk)
+            profile = None
+            if args.profile and args.prefill_only and batch == first_batch:
+                profile = pathlib.Path(args.profile) / f"prefill_{name}"
+            prefill[name] = time_prefill(model, batch, context, chunk, profile)
             print(
                 f"{weights} batch {batch}, KDA prefill {name}: {batch * context / prefill[name]:,.0f} tok/s "
                 f"(chunk {chunk}; {prefill[name]:.3f} s for {context} tokens a row)",
                 flush=True,
             )
+            if profile:
+                report = profile_report(profile, -(-context // chunk))
+                print(f"{weights} batch {batch}, KDA prefill {name}, a prefill call by layer kind:\n{report}\n")
         model.policy = dataclasses.replace(model.policy, kda_prefill=None)
         prefill_s = next(iter(prefill.values()), math.nan)
         if args.prefill_only:

@@ -116,6 +116,23 @@ def test_generate_quick_run_profiles_its_decode_steps_by_layer_kind(capsys, tmp_
 
 
 @ON_CPU
+def test_generate_prefill_only_profiles_a_prefill_call_by_layer_kind(capsys, tmp_path):
+    """With --prefill-only, --profile traces one more prefill of the prompt under each --kda-prefill kernel
+    (DIR/prefill_NAME) and prints its table per prefill call: here 2 calls of 64 tokens."""
+    argv = ["--quick", "--batches", "1", "--weights", "bf16", "--prefill-only", "--context", "128"]
+    argv += ["--prefill-tokens", "64", "--profile", str(tmp_path / "prof")]
+    assert importlib.import_module("benchmarks.generate").main(argv) == 0
+    out = capsys.readouterr().out
+    profile = tmp_path / "prof" / "prefill_default"
+    hlo_text = (profile / trace.HLO_FILE).read_text()
+    kernels = trace.kernels(trace.load_trace(trace.find_trace(profile)), trace.hlo_module_name(hlo_text))
+    by_kind = trace.time_by_layer_kind(kernels, trace.hlo_scopes(hlo_text))
+    assert all(by_kind[kind][0] > 0 for kind in ("KDA layer", "MLA layer", "MoE / dense FFN"))
+    assert "KDA prefill default, a prefill call by layer kind:" in out
+    assert trace.layer_kind_table(kernels, trace.hlo_scopes(hlo_text), 2) in out
+
+
+@ON_CPU
 @pytest.mark.parametrize("name", sorted(GPU_RUNS))
 def test_gpu_benchmark_stops_at_its_arguments_without_a_gpu(name, capsys):
     module, argv = GPU_RUNS[name]
