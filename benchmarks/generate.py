@@ -28,7 +28,8 @@ per step; `--profile DIR` adds a Perfetto trace of 5 steps, and prints from it t
 time per layer kind: `benchmarks.trace`; with `--prefill-only`, of one more prefill, per prefill call). Roofline:
 the bytes a step must read, i.e. every non-expert weight, the routed experts this step's tokens actually picked
 (counted from the routing), the KDA states (read and written) and the MLA latent cache, divided by the device copy
-bandwidth measured in the same run. At batch 1 the prefill time of the whole `--context`-token prompt is printed as the time to first token.
+bandwidth measured in the same run. At batch 1 the prefill time of the whole `--context`-token prompt is printed
+as the time to first token.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
         help="write a Perfetto trace of 5 decode steps of the first batch and print, from it, the kernels per step "
         "and the device time per layer kind (KDA, MLA, MoE / dense FFN, lm_head / sampling, other); with --mtp also "
         "one call of generate.py's programs of decode steps and of speculative rounds (DIR/decode_group, "
-        "DIR/speculative_group); with --prefill-only instead the first batch's prefill under each --kda-prefill "
+        "DIR/speculative_group); with --prefill-only instead the first batch's prefill under the first --kda-prefill "
         "kernel (DIR/prefill_NAME), per prefill call (chunk)",
     )
     parser.add_argument(
@@ -314,10 +315,10 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     for batch in batches:
         chunk = max(64, min(context, args.prefill_tokens // batch))
         prefill = {}
-        for name in () if args.decode_only else args.kda_prefill.split(","):
+        for index, name in enumerate(() if args.decode_only else args.kda_prefill.split(",")):
             model.policy = dataclasses.replace(model.policy, kda_prefill=None if name == "default" else name)
             profile = None
-            if args.profile and args.prefill_only and batch == first_batch:
+            if args.profile and args.prefill_only and batch == first_batch and index == 0:
                 profile = pathlib.Path(args.profile) / f"prefill_{name}"
             prefill[name] = time_prefill(model, batch, context, chunk, profile)
             print(

@@ -117,7 +117,7 @@ def test_generate_quick_run_profiles_its_decode_steps_by_layer_kind(capsys, tmp_
 
 @ON_CPU
 def test_generate_prefill_only_profiles_a_prefill_call_by_layer_kind(capsys, tmp_path):
-    """With --prefill-only, --profile traces one more prefill of the prompt under each --kda-prefill kernel
+    """With --prefill-only, --profile traces one more prefill of the prompt under the first --kda-prefill kernel
     (DIR/prefill_NAME) and prints its table per prefill call: here 2 calls of 64 tokens."""
     argv = ["--quick", "--batches", "1", "--weights", "bf16", "--prefill-only", "--context", "128"]
     argv += ["--prefill-tokens", "64", "--profile", str(tmp_path / "prof")]
