@@ -36,10 +36,13 @@ class InterTiles:
 
 @dataclasses.dataclass(frozen=True)
 class ShortChunkTiles:
-    """gpu_triton_short prefill phase 1 (16-token chunks): chunks a program, Triton warps."""
+    """gpu_triton_short prefill phase 1 (16-token chunks): chunks a program, Triton warps; folded: the query's
+    factor handed over folded (`gpu_triton.intra.FoldedChunkParts`), so that phase 2's output does not wait for
+    the chunk's new values."""
 
     chunks: int
     num_warps: int
+    folded: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

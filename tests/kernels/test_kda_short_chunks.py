@@ -24,11 +24,11 @@ from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.tuned import ChunkTiles, InterTiles, ShortChunkTiles
 
 
-@pytest.mark.parametrize("chunks", [1, 4])
-def test_parts_match_float64(chunks):
+@pytest.mark.parametrize("chunks, folded", [(1, False), (4, True)])
+def test_parts_match_float64(chunks, folded):
     """One 64-token chunk of slow decay, one at the gate bound (-5 a token: e^{+-45} factors), four column
-    blocks of keys; one chunk a program or four."""
-    tiles = ShortChunkTiles(chunks=chunks, num_warps=4)
+    blocks of keys; one chunk a program or four; the query's factor as is or folded (`FoldedChunkParts`)."""
+    tiles = ShortChunkTiles(chunks=chunks, num_warps=4, folded=folded)
     check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, phase1=short_chunk_parts, tiles=tiles, chunk=16)
 
 
@@ -50,13 +50,20 @@ def test_prefill_matches_float64_recurrence(length, with_state):
     assert o.shape == o_ref.shape and rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["gpu_triton_short", "gpu_triton"])
-def test_state_rows_phase2_matches_float64(name):
-    """Phase 2 with the state held transposed (`InterTiles.state_rows`) after either phase 1, an initial state,
-    T = 83."""
+@pytest.mark.parametrize(
+    "name, folded, state_rows",
+    [("gpu_triton_short", False, True), ("gpu_triton", False, True), ("gpu_triton_short", True, True)]
+    + [("gpu_triton_short", True, False)],
+)
+def test_phase2_forms_match_float64(name, folded, state_rows):
+    """Phase 2 with the state held transposed (`InterTiles.state_rows`) after either phase 1, and either form
+    after the short phase 1's folded parts (`FoldedChunkParts`), an initial state, T = 83."""
     q, k, v, g, beta, state = random_sequence(1, 83, 2, 16, 32, jnp.float32, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    tiles = ChunkTiles(inter=InterTiles(block_v=16, num_warps=4, num_stages=2, state_rows=True))
+    tiles = ChunkTiles(
+        intra=ShortChunkTiles(chunks=1, num_warps=4, folded=True) if folded else None,
+        inter=InterTiles(block_v=16, num_warps=4, num_stages=2, state_rows=state_rows),
+    )
     arrays = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
     o, s = kernel("chunk_kda", name)(*arrays, scale=16**-0.5, tiles=tiles, interpret=True)
     assert rel_error(o, o_ref) <= 1e-5 and rel_error(s, s_ref) <= 1e-5

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.blocks import EXACT_DOT, inverse_norms
 from pallas_kernels.kda.gpu_triton.chunk import chunk_kda_gpu
-from pallas_kernels.kda.gpu_triton.intra import ChunkParts
+from pallas_kernels.kda.gpu_triton.intra import ChunkParts, FoldedChunkParts
 from pallas_kernels.kda.gpu_triton.tril import SUB, gpu_dots, iota_16
 from pallas_kernels.tuning import lookup
 
@@ -53,7 +53,22 @@ def neumann_inverse(strict_L):
 
 
 def _kernel(
-    q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    w_ref,
+    u_ref,
+    qg_ref,
+    kg_ref,
+    a_ref,
+    decay_ref,
+    *,
+    scale,
+    l2norm,
+    input_dtype,
+    folded,
 ):
     dots = gpu_dots(input_dtype)
     rows_CC, cols_CC = iota_16(0), iota_16(1)
@@ -74,11 +89,14 @@ def _kernel(
         beta_C1 = beta_ref[rows, :]
         inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
         decay_CK = left_CK * jnp.exp(reference_1K)
-        w_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * decay_CK * k_CK).astype(w_ref.dtype)
+        w_CK = dots.nn(inverse_CC, beta_C1 * decay_CK * k_CK)
+        w_ref[rows, :] = w_CK.astype(w_ref.dtype)
         u_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
-        qg_ref[rows, :] = (decay_CK * q_CK).astype(qg_ref.dtype)
+        a_qk_CC = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0)
+        qg_CK = decay_CK * q_CK
+        qg_ref[rows, :] = (qg_CK - dots.nn(a_qk_CC, w_CK) if folded else qg_CK).astype(qg_ref.dtype)
         kg_ref[rows, :] = (jnp.exp(total_1K - reference_1K) * right_CK).astype(kg_ref.dtype)
-        a_ref[rows, :] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
+        a_ref[rows, :] = a_qk_CC.astype(a_ref.dtype)
         decay_ref[c] = jnp.exp(total_1K)
 
 
@@ -95,7 +113,7 @@ def short_chunk_parts(
     parts_dtype=None,
     tiles: tuned.ShortChunkTiles | None = None,
     interpret: bool = False,
-) -> ChunkParts:
+) -> ChunkParts | FoldedChunkParts:
     """Phase 1 over 16-token chunks (module docstring), `intra.intra_chunk`'s signature: q, k [B, Tp, H, K],
     v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decays >= -5, beta [B, Tp, H, 1] fp32, Tp a multiple of 16; parts
     in parts_dtype (default v's), a_qk [BH, Tp, 16], decay_last [BH, Tp / 16, 1, K]. Grid (B*H, Tp / (16 x
@@ -113,7 +131,7 @@ def short_chunk_parts(
     rows = lambda width: pl.BlockSpec((None, span, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))  # noqa: E731
     out_rows = lambda width: pl.BlockSpec((None, span, width), lambda bh, n: (bh, n, 0))  # noqa: E731
     parts = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype),
+        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype, folded=tiles.folded),
         grid=(flat, padded // span),
         in_specs=[rows(key_dim), rows(key_dim), rows(value_dim), rows(key_dim), rows(1)],
         out_specs=[
@@ -136,7 +154,7 @@ def short_chunk_parts(
         interpret=interpret,
         name="kda_prefill_short_chunks",
     )(q, k, v, g, beta)
-    return ChunkParts(*parts)
+    return (FoldedChunkParts if tiles.folded else ChunkParts)(*parts)
 
 
 def chunk_kda_gpu_short(q, k, v, g, beta, initial_state=None, *, tiles: tuned.ChunkTiles | None = None, **options):
