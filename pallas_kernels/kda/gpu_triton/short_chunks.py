@@ -72,32 +72,37 @@ def _kernel(
 ):
     dots = gpu_dots(input_dtype)
     rows_CC, cols_CC = iota_16(0), iota_16(1)
-    for c in range(decay_ref.shape[0]):
+    for c in range(decay_ref.shape[0]):  # each part stored once formed, so that few tiles are alive at once
         rows = pl.ds(c * SHORT_CHUNK, SHORT_CHUNK)
-        q_CK, k_CK = q_ref[rows, :].astype(jnp.float32), k_ref[rows, :].astype(jnp.float32)
-        q_CK = q_CK * (inverse_norms([q_CK], l2norm) * scale)
-        k_CK = k_CK * inverse_norms([k_CK], l2norm)
         g_CK = g_ref[rows, :]
         row_CK = jax.lax.broadcasted_iota(jnp.int32, g_CK.shape, 0)
         G_CK = jnp.cumsum(g_CK, axis=0)
         total_1K = jnp.sum(g_CK, axis=0, keepdims=True)
         reference_1K = jnp.sum(jnp.where(row_CK <= REFERENCE_ROW, g_CK, 0.0), axis=0, keepdims=True)
+        decay_ref[c] = jnp.exp(total_1K)
         # two exponentials a token-channel; e^G and e^{G_last - G} as them times a per-channel factor
         left_CK, inverse_left_CK = jnp.exp(G_CK - reference_1K), jnp.exp(reference_1K - G_CK)
+        k_CK = k_ref[rows, :].astype(jnp.float32)
+        k_CK = k_CK * inverse_norms([k_CK], l2norm)
         right_CK = k_CK * inverse_left_CK
-        a_kk_CC, a_qk_CC = dots.nt(k_CK * left_CK, right_CK), dots.nt(q_CK * left_CK, right_CK)
-        beta_C1 = beta_ref[rows, :]
-        inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
+        kg_ref[rows, :] = (jnp.exp(total_1K - reference_1K) * right_CK).astype(kg_ref.dtype)
+        a_kk_CC = dots.nt(k_CK * left_CK, right_CK)
         decay_CK = left_CK * jnp.exp(reference_1K)
-        w_CK = dots.nn(inverse_CC, beta_C1 * decay_CK * k_CK)
+        beta_C1 = beta_ref[rows, :]
+        decayed_keys_CK = beta_C1 * decay_CK * k_CK
+        q_CK = q_ref[rows, :].astype(jnp.float32)
+        q_CK = q_CK * (inverse_norms([q_CK], l2norm) * scale)
+        a_qk_CC = jnp.where(cols_CC <= rows_CC, dots.nt(q_CK * left_CK, right_CK), 0.0)
+        a_ref[rows, :] = a_qk_CC.astype(a_ref.dtype)
+        qg_CK = decay_CK * q_CK
+        if not folded:
+            qg_ref[rows, :] = qg_CK.astype(qg_ref.dtype)
+        inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
+        w_CK = dots.nn(inverse_CC, decayed_keys_CK)
         w_ref[rows, :] = w_CK.astype(w_ref.dtype)
         u_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
-        a_qk_CC = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0)
-        qg_CK = decay_CK * q_CK
-        qg_ref[rows, :] = (qg_CK - dots.nn(a_qk_CC, w_CK) if folded else qg_CK).astype(qg_ref.dtype)
-        kg_ref[rows, :] = (jnp.exp(total_1K - reference_1K) * right_CK).astype(kg_ref.dtype)
-        a_ref[rows, :] = a_qk_CC.astype(a_ref.dtype)
-        decay_ref[c] = jnp.exp(total_1K)
+        if folded:
+            qg_ref[rows, :] = (qg_CK - dots.nn(a_qk_CC, w_CK)).astype(qg_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "interpret"))
