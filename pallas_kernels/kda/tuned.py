@@ -36,13 +36,14 @@ class InterTiles:
 
 @dataclasses.dataclass(frozen=True)
 class ShortChunkTiles:
-    """gpu_triton_short prefill phase 1 (16-token chunks): chunks a program, Triton warps; folded: the query's
-    factor handed over folded (`gpu_triton.intra.FoldedChunkParts`), so that phase 2's output does not wait for
-    the chunk's new values."""
+    """gpu_triton_short prefill phase 1: chunks a program, Triton warps; folded: the query's factor handed over
+    folded (`gpu_triton.intra.FoldedChunkParts`), so that phase 2's output does not wait for the chunk's new
+    values; chunk: tokens a chunk (16 or 32; phase 2 then walks T / chunk steps)."""
 
     chunks: int
     num_warps: int
     folded: bool = False
+    chunk: int = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,18 +24,20 @@ from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.tuned import ChunkTiles, InterTiles, ShortChunkTiles
 
 
-@pytest.mark.parametrize("chunks, folded", [(1, False), (4, True)])
-def test_parts_match_float64(chunks, folded):
-    """One 64-token chunk of slow decay, one at the gate bound (-5 a token: e^{+-45} factors), four column
-    blocks of keys; one chunk a program or four; the query's factor as is or folded (`FoldedChunkParts`)."""
-    tiles = ShortChunkTiles(chunks=chunks, num_warps=4, folded=folded)
-    check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, phase1=short_chunk_parts, tiles=tiles, chunk=16)
+@pytest.mark.parametrize("chunks, folded, chunk", [(1, False, 16), (4, True, 16), (2, False, 32)])
+def test_parts_match_float64(chunks, folded, chunk):
+    """One 64-token stretch of slow decay, one at the gate bound (-5 a token: e^{+-45} factors at 16-token
+    chunks, e^{+-80} at 32), four column blocks of keys; one chunk a program or more; the query's factor as is or
+    folded (`FoldedChunkParts`)."""
+    tiles = ShortChunkTiles(chunks=chunks, num_warps=4, folded=folded, chunk=chunk)
+    check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, phase1=short_chunk_parts, tiles=tiles, chunk=chunk)
 
 
-def test_neumann_inverse_is_the_inverse():
+@pytest.mark.parametrize("size", [SHORT_CHUNK, 32])
+def test_neumann_inverse_is_the_inverse(size):
     r = np.random.default_rng(5)
-    strict = np.tril(r.normal(scale=0.5, size=(SHORT_CHUNK, SHORT_CHUNK)), -1).astype(np.float32)
-    expected = np.linalg.inv(np.eye(SHORT_CHUNK) + strict.astype(np.float64))
+    strict = np.tril(r.normal(scale=0.3, size=(size, size)), -1).astype(np.float32)
+    expected = np.linalg.inv(np.eye(size) + strict.astype(np.float64))
     assert rel_error(neumann_inverse(jnp.asarray(strict)), expected) <= 1e-6
 
 
@@ -51,17 +53,19 @@ def test_prefill_matches_float64_recurrence(length, with_state):
 
 
 @pytest.mark.parametrize(
-    "name, folded, state_rows",
-    [("gpu_triton_short", False, True), ("gpu_triton", False, True), ("gpu_triton_short", True, True)]
-    + [("gpu_triton_short", True, False)],
+    "name, folded, state_rows, chunk",
+    [("gpu_triton_short", False, True, 16), ("gpu_triton", False, True, 16), ("gpu_triton_short", True, True, 16)]
+    + [("gpu_triton_short", True, False, 16), ("gpu_triton_short", True, True, 32)],
 )
-def test_phase2_forms_match_float64(name, folded, state_rows):
+def test_phase2_forms_match_float64(name, folded, state_rows, chunk):
     """Phase 2 with the state held transposed (`InterTiles.state_rows`) after either phase 1, and either form
-    after the short phase 1's folded parts (`FoldedChunkParts`), an initial state, T = 83."""
+    after the short phase 1's folded parts (`FoldedChunkParts`), at 16- and 32-token chunks, an initial state,
+    T = 83."""
     q, k, v, g, beta, state = random_sequence(1, 83, 2, 16, 32, jnp.float32, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    short = name == "gpu_triton_short"
     tiles = ChunkTiles(
-        intra=ShortChunkTiles(chunks=1, num_warps=4, folded=True) if folded else None,
+        intra=ShortChunkTiles(chunks=1, num_warps=4, folded=folded, chunk=chunk) if short else None,
         inter=InterTiles(block_v=16, num_warps=4, num_stages=2, state_rows=state_rows),
     )
     arrays = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
@@ -78,12 +82,14 @@ def test_segments_match_float64():
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
 
-def test_prefill_bf16_at_the_gate_bound():
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_prefill_bf16_at_the_gate_bound(chunk):
     q, k, v, g, beta, state = random_sequence(1, 96, 3, 32, 16, jnp.bfloat16, seed=7)
     g[:, 40:] = -5.0
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    options = dict(gate_lower_bound=BOUNDED, backend="interpret_gpu", variant="gpu_triton_short")
-    o, s = chunk_kda_of(q, k, v, g, beta, state, jnp.bfloat16, **options)
+    tiles = ChunkTiles(intra=ShortChunkTiles(chunks=1, num_warps=4, chunk=chunk))
+    arrays = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(x) for x in (g, beta, state)]
+    o, s = kernel("chunk_kda", "gpu_triton_short")(*arrays, scale=32**-0.5, tiles=tiles, interpret=True)
     assert o.dtype == jnp.bfloat16 and np.isfinite(np.asarray(o, np.float32)).all()
     assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]
 
