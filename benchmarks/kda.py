@@ -327,16 +327,13 @@ PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its
     ("gpu_triton_fused_wy", {}),
     ("gpu_triton_any_gate", {}),  # for gates below -5, on the same safe gates
     ("gpu_triton_short", {"chunks": 2}),
-    ("gpu_triton_short", {"num_warps": 2}),
+    ("gpu_triton_short", {"num_warps": 4}),
     ("gpu_triton_short", {"num_warps": 8}),
     ("gpu_triton_short", {}, {"state_rows": False, "num_stages": 2}),  # phase 2 as the 64-token kernel's
     ("gpu_triton_short", {}, {"num_stages": 4}),
     ("gpu_triton_short", {}, {"block_v": 32}),  # twice the programs, 32 state rows a product
-    ("gpu_triton_short", {"folded": True}),  # the output's products off the state's chain
-    ("gpu_triton_short", {"folded": True}, {"num_stages": 4}),
     ("gpu_triton_short", {"chunk": 32}),  # half the state pass's steps, twice the work a step
     ("gpu_triton_short", {"chunk": 32, "num_warps": 8}),
-    ("gpu_triton_short", {"chunk": 32, "folded": True}),
     ("gpu_triton", {}, {"state_rows": True, "num_stages": 3}),
 ]
 

@@ -36,13 +36,11 @@ class InterTiles:
 
 @dataclasses.dataclass(frozen=True)
 class ShortChunkTiles:
-    """gpu_triton_short prefill phase 1: chunks a program, Triton warps; folded: the query's factor handed over
-    folded (`gpu_triton.intra.FoldedChunkParts`), so that phase 2's output does not wait for the chunk's new
-    values; chunk: tokens a chunk (16 or 32; phase 2 then walks T / chunk steps)."""
+    """gpu_triton_short prefill phase 1: chunks a program, Triton warps; chunk: tokens a chunk (16 or 32; phase 2
+    then walks T / chunk steps)."""
 
     chunks: int
     num_warps: int
-    folded: bool = False
     chunk: int = 16
 
 
@@ -95,8 +93,10 @@ CHUNK_INTRA_ANY_GATE = h200_and_default(
 )
 _SHORT_SOURCE = "docs/benchmarks/kda.md#16-token-chunks-gpu_triton_short-measured-2026-12-06-twenty-third-session"
 CHUNK_SHORT = h200_and_default(
-    ShortChunkTiles(chunks=1, num_warps=4),
-    f"{_SHORT_SOURCE} (H100): phase 1 3.03 ms at B=1 T=32768 H=64 with one chunk a program, 10.11 ms with 4",
+    ShortChunkTiles(chunks=1, num_warps=2),
+    f"{_SHORT_SOURCE} (H100): phase 1 3.03 ms at B=1 T=32768 H=64 with one chunk a program, 10.11 ms with 4; "
+    "docs/benchmarks/kda.md#two-warps-a-program-for-phase-1-2026-12-06-twenty-fourth-session (H100): 2 warps 5.33 / "
+    "5.65 ms the whole prefill against 6.47 / 6.45 at 4 warps, 8.57-9.72 at 8, same runs",
 )
 CHUNK_INTER = h200_and_default(
     InterTiles(block_v=64, num_warps=4, num_stages=2),

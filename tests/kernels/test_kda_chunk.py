@@ -266,13 +266,13 @@ def test_gpu_sub_block_keys_match_float64(l2norm):
 
 
 def chunk_parts_float64(q, k, v, g, beta, scale, chunk=64):
-    """Phase 1's parts (`ChunkParts`, and `FoldedChunkParts`' q_folded, as [B*H, T, ...] float64) from q, k
-    [B, T, H, K] (normalised), v, g, beta [B, T, H] with T a multiple of the chunk, literally: per chunk
-    G = cumsum(g), decays e^{G_c - G_s} in float64."""
+    """Phase 1's parts (`ChunkParts`, as [B*H, T, ...] float64) from q, k [B, T, H, K] (normalised), v, g, beta
+    [B, T, H] with T a multiple of the chunk, literally: per chunk G = cumsum(g), decays e^{G_c - G_s} in
+    float64."""
     batch, length, heads, _ = q.shape
     flat = lambda x: np.moveaxis(np.asarray(x, np.float64), 2, 1).reshape(batch * heads, length, -1)  # noqa: E731
     q, k, v, g, beta = (flat(x) for x in (q, k, v, g, beta))
-    parts = {name: [] for name in ("w", "u", "qg", "q_folded", "kg", "a_qk", "decay_last")}
+    parts = {name: [] for name in ("w", "u", "qg", "kg", "a_qk", "decay_last")}
     lower = np.tril(np.ones((chunk, chunk)))
     for rows in (slice(start, start + chunk) for start in range(0, length, chunk)):
         G = np.cumsum(g[:, rows], axis=1)  # [BH, 64, K]
@@ -285,7 +285,6 @@ def chunk_parts_float64(q, k, v, g, beta, scale, chunk=64):
         parts["w"].append(transform @ (np.exp(G) * k[:, rows]))
         parts["u"].append(transform @ v[:, rows])
         parts["qg"].append(np.exp(G) * q[:, rows] * scale)
-        parts["q_folded"].append(parts["qg"][-1] - a_qk * scale @ parts["w"][-1])  # `FoldedChunkParts`
         parts["kg"].append(np.exp(G[:, -1:] - G) * k[:, rows])
         parts["a_qk"].append(a_qk * scale)
         parts["decay_last"].append(np.exp(G[:, -1:]))

@@ -24,12 +24,11 @@ from pallas_kernels.kda.ops import kernel
 from pallas_kernels.kda.tuned import ChunkTiles, InterTiles, ShortChunkTiles
 
 
-@pytest.mark.parametrize("chunks, folded, chunk", [(1, False, 16), (4, True, 16), (2, False, 32)])
-def test_parts_match_float64(chunks, folded, chunk):
-    """One 64-token stretch of slow decay, one at the gate bound (-5 a token: e^{+-45} factors at 16-token
-    chunks, e^{+-80} at 32), four column blocks of keys; one chunk a program or more; the query's factor as is or
-    folded (`FoldedChunkParts`)."""
-    tiles = ShortChunkTiles(chunks=chunks, num_warps=4, folded=folded, chunk=chunk)
+@pytest.mark.parametrize("chunks, chunk", [(1, 16), (4, 16), (2, 32)])
+def test_parts_match_float64(chunks, chunk):
+    """One 64-token stretch of slow decay, one at the gate bound (-5 a token), four column blocks of keys; one
+    chunk a program or more; 16- and 32-token chunks (two 16-row blocks of decay factors)."""
+    tiles = ShortChunkTiles(chunks=chunks, num_warps=4, chunk=chunk)
     check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, phase1=short_chunk_parts, tiles=tiles, chunk=chunk)
 
 
@@ -53,19 +52,18 @@ def test_prefill_matches_float64_recurrence(length, with_state):
 
 
 @pytest.mark.parametrize(
-    "name, folded, state_rows, chunk",
-    [("gpu_triton_short", False, True, 16), ("gpu_triton", False, True, 16), ("gpu_triton_short", True, True, 16)]
-    + [("gpu_triton_short", True, False, 16), ("gpu_triton_short", True, True, 32)],
+    "name, state_rows, chunk",
+    [("gpu_triton_short", True, 16), ("gpu_triton", True, 16), ("gpu_triton_short", False, 16)]
+    + [("gpu_triton_short", True, 32)],
 )
-def test_phase2_forms_match_float64(name, folded, state_rows, chunk):
+def test_phase2_forms_match_float64(name, state_rows, chunk):
     """Phase 2 with the state held transposed (`InterTiles.state_rows`) after either phase 1, and either form
-    after the short phase 1's folded parts (`FoldedChunkParts`), at 16- and 32-token chunks, an initial state,
-    T = 83."""
+    after the short phase 1 at 16- and 32-token chunks, an initial state, T = 83."""
     q, k, v, g, beta, state = random_sequence(1, 83, 2, 16, 32, jnp.float32, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     short = name == "gpu_triton_short"
     tiles = ChunkTiles(
-        intra=ShortChunkTiles(chunks=1, num_warps=4, folded=folded, chunk=chunk) if short else None,
+        intra=ShortChunkTiles(chunks=1, num_warps=4, chunk=chunk) if short else None,
         inter=InterTiles(block_v=16, num_warps=4, num_stages=2, state_rows=state_rows),
     )
     arrays = (jnp.asarray(x) for x in (q, k, v, g, beta, state))

@@ -23,13 +23,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.gpu_triton.intra import ChunkParts, FoldedChunkParts, gpu_dots
-from pallas_kernels.triton_dot import dot_into
+from pallas_kernels.kda.gpu_triton.intra import ChunkParts, gpu_dots
 from pallas_kernels.tuning import lookup
 
 
-def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks, folded):
-    """folded: qg_ref holds `FoldedChunkParts.q_folded`, and o = q_folded S + a_qk u."""
+def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
     dots = gpu_dots(o_ref.dtype)
     size = a_ref.shape[-1]  # tokens a chunk
 
@@ -38,45 +36,35 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, st
         state_operand = state_KV.astype(w_ref.dtype)
         v_new = u_ref[rows, :].astype(jnp.float32) - dots.nn(w_ref[rows, :], state_operand)  # [size, block_v]
         v_new_operand = v_new.astype(w_ref.dtype)
-        intra = u_ref[rows, :] if folded else v_new_operand  # a_qk's right factor
-        o = dots.nn(qg_ref[rows, :], state_operand) + dots.nn(a_ref[rows, :], intra)
+        o = dots.nn(qg_ref[rows, :], state_operand) + dots.nn(a_ref[rows, :], v_new_operand)
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return decay_ref[n] * state_KV + dots.tn(kg_ref[rows, :], v_new_operand)
 
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
-def _kernel_state_rows(
-    w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks, folded
-):
+def _kernel_state_rows(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
     """`_kernel` with the state held transposed, S^T [block_v, K], so that every product of the step has the
     state's block_v rows (or v_new^T's) as its M side: at 16-token chunks M = 16 otherwise, too few rows for a
-    Hopper warpgroup's tensor-core instruction (M = 64). The sums of products accumulate in the tensor cores
-    (`triton_dot.dot_into`): the output's two products one wgmma chain, the state update added into the decayed
-    state."""
-    allow_tf32 = o_ref.dtype != jnp.float32
+    Hopper warpgroup's tensor-core instruction (M = 64)."""
     dots = gpu_dots(o_ref.dtype)
     size = a_ref.shape[-1]
 
     def chunk(n, state_VK):
         rows = pl.ds(n * size, size)
         state_operand = state_VK.astype(w_ref.dtype)
-        u_VC = u_ref[rows, :].T
-        v_new_VC = u_VC.astype(jnp.float32) - dots.nt(state_operand, w_ref[rows, :])
+        v_new_VC = u_ref[rows, :].astype(jnp.float32).T - dots.nt(state_operand, w_ref[rows, :])
         v_new_operand = v_new_VC.astype(w_ref.dtype)
-        intra_VC = u_VC if folded else v_new_operand  # a_qk's right factor (transposed)
-        o_VC = dot_into(
-            dots.nt(state_operand, qg_ref[rows, :]), intra_VC, a_ref[rows, :], trans_rhs=True, allow_tf32=allow_tf32
-        )
+        o_VC = dots.nt(state_operand, qg_ref[rows, :]) + dots.nt(v_new_operand, a_ref[rows, :])
         o_ref[rows, :] = o_VC.T.astype(o_ref.dtype)
-        return dot_into(decay_ref[n] * state_VK, v_new_operand, kg_ref[rows, :], allow_tf32=allow_tf32)
+        return decay_ref[n] * state_VK + dots.nn(v_new_operand, kg_ref[rows, :])
 
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
 def inter_chunk(
-    parts: ChunkParts | FoldedChunkParts,
+    parts: ChunkParts,
     initial_state,
     *,
     out_dtype,
@@ -108,7 +96,7 @@ def inter_chunk(
         state_part = pl.BlockSpec((None, key_dim, block_v), lambda j, bh: (bh, 0, j))
         state_in, state_shape = initial_state.reshape(flat, key_dim, value_dim), (key_dim, value_dim)
     o, state = pl.pallas_call(
-        functools.partial(kernel, num_chunks=num_chunks, folded=isinstance(parts, FoldedChunkParts)),
+        functools.partial(kernel, num_chunks=num_chunks),
         grid=(pl.cdiv(value_dim, block_v), flat),
         in_specs=[whole(key_dim), value_part, whole(key_dim), whole(key_dim), whole(size), per_chunk, state_part],
         out_specs=[
@@ -122,7 +110,7 @@ def inter_chunk(
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="kda_prefill_inter_chunk",
-    )(parts.w, parts.u, parts[2], parts.kg, parts.a_qk, decay, state_in)
+    )(parts.w, parts.u, parts.qg, parts.kg, parts.a_qk, decay, state_in)
     if tiles.state_rows:
         state = state.swapaxes(1, 2)
     return o, state.reshape(batch, heads, key_dim, value_dim)

@@ -46,18 +46,6 @@ class ChunkParts(NamedTuple):
     decay_last: jax.Array  # [BH, N, 1, K] fp32 e^{G_last}
 
 
-class FoldedChunkParts(NamedTuple):
-    """`ChunkParts` with the query's factor folded: q_folded = qg - a_qk w, so that phase 2's output
-    o = qg S + a_qk (u - w S) = q_folded S + a_qk u does not wait for v_new (`inter.inter_chunk`)."""
-
-    w: jax.Array
-    u: jax.Array
-    q_folded: jax.Array  # [BH, Tp, K] e^G q - a_qk w
-    kg: jax.Array
-    a_qk: jax.Array
-    decay_last: jax.Array
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "any_gate", "interpret"))
 def intra_chunk(
     q,

@@ -16,7 +16,7 @@ parts come from its own C rows, a few [C, K] x [K, C] and C x C products in one 
 - X = (I + L)^-1 for L = diag(beta) A_kk, strictly lower-triangular (nilpotent: L^C = 0), as the Neumann
   product (I - L)(I + L^2)(I + L^4)(I + L^8) (and (I + L^16) at C = 32): squarings and products in IEEE fp32.
 - w = X (beta e^G k), u = X (beta v), qg = e^G q, kg = e^{G_last - G} k, decay_last = e^{G_last}: the parts of
-  `intra.ChunkParts` at C rows a chunk (a_qk [BH, Tp, C]); with `folded`, `intra.FoldedChunkParts`.
+  `intra.ChunkParts` at C rows a chunk (a_qk [BH, Tp, C]).
 
 Program (sequence-head, group) owns `chunks` consecutive chunks (tiles: `tuned.CHUNK_SHORT`), taken in turn.
 Phase 2 then walks 64 / C times as many chunks as the default, each step that much less work, with the state held
@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.blocks import EXACT_DOT, inverse_norms
 from pallas_kernels.kda.gpu_triton.chunk import chunk_kda_gpu
-from pallas_kernels.kda.gpu_triton.intra import ChunkParts, FoldedChunkParts
+from pallas_kernels.kda.gpu_triton.intra import ChunkParts
 from pallas_kernels.kda.gpu_triton.tril import SUB, gpu_dots
 from pallas_kernels.tuning import lookup
 
@@ -77,7 +77,6 @@ def _kernel(
     scale,
     l2norm,
     input_dtype,
-    folded,
 ):
     dots = gpu_dots(input_dtype)
     size = a_ref.shape[-1]  # tokens a chunk
@@ -120,15 +119,10 @@ def _kernel(
         decayed_keys_CK = beta_C1 * decay_CK * k_CK
         a_qk_CC = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0)
         a_ref[rows, :] = a_qk_CC.astype(a_ref.dtype)
-        qg_CK = decay_CK * q_CK
-        if not folded:
-            qg_ref[rows, :] = qg_CK.astype(qg_ref.dtype)
+        qg_ref[rows, :] = (decay_CK * q_CK).astype(qg_ref.dtype)
         inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
-        w_CK = dots.nn(inverse_CC, decayed_keys_CK)
-        w_ref[rows, :] = w_CK.astype(w_ref.dtype)
+        w_ref[rows, :] = dots.nn(inverse_CC, decayed_keys_CK).astype(w_ref.dtype)
         u_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
-        if folded:
-            qg_ref[rows, :] = (qg_CK - dots.nn(a_qk_CC, w_CK)).astype(qg_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "interpret"))
@@ -144,7 +138,7 @@ def short_chunk_parts(
     parts_dtype=None,
     tiles: tuned.ShortChunkTiles | None = None,
     interpret: bool = False,
-) -> ChunkParts | FoldedChunkParts:
+) -> ChunkParts:
     """Phase 1 over C-token chunks (module docstring; C = tiles.chunk), `intra.intra_chunk`'s signature: q, k
     [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decays >= -5, beta [B, Tp, H, 1] fp32, Tp a multiple
     of C; parts in parts_dtype (default v's), a_qk [BH, Tp, C], decay_last [BH, Tp / C, 1, K]. Grid (B*H, Tp /
@@ -165,7 +159,7 @@ def short_chunk_parts(
     rows = lambda width: pl.BlockSpec((None, span, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))  # noqa: E731
     out_rows = lambda width: pl.BlockSpec((None, span, width), lambda bh, n: (bh, n, 0))  # noqa: E731
     parts = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype, folded=tiles.folded),
+        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype),
         grid=(flat, padded // span),
         in_specs=[rows(key_dim), rows(key_dim), rows(value_dim), rows(key_dim), rows(1)],
         out_specs=[
@@ -188,7 +182,7 @@ def short_chunk_parts(
         interpret=interpret,
         name="kda_prefill_short_chunks",
     )(q, k, v, g, beta)
-    return (FoldedChunkParts if tiles.folded else ChunkParts)(*parts)
+    return ChunkParts(*parts)
 
 
 def chunk_kda_gpu_short(q, k, v, g, beta, initial_state=None, *, tiles: tuned.ChunkTiles | None = None, **options):
