@@ -62,21 +62,7 @@ def neumann_inverse(strict_L):
 
 
 def _kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    g_ref,
-    beta_ref,
-    w_ref,
-    u_ref,
-    qg_ref,
-    kg_ref,
-    a_ref,
-    decay_ref,
-    *,
-    scale,
-    l2norm,
-    input_dtype,
+    q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
 ):
     dots = gpu_dots(input_dtype)
     size = a_ref.shape[-1]  # tokens a chunk
