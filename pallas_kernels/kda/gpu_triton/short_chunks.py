@@ -97,7 +97,9 @@ def _kernel(
         a_kk_CC, a_qk_CC = dots.nt(k_CK * left_CK, right_CK), dots.nt(q_CK * left_CK, right_CK)
         if size > SUB:  # the second block's rows against the first's columns: both factors decays, against row 15
             boundary_1K = cumulative_at(SUB - 1)
-            cross_left_CK, cross_right_CK = jnp.exp(G_CK - boundary_1K), k_CK * jnp.exp(boundary_1K - G_CK)
+            # e^{G - G_15} and e^{G_15 - G} as the blocks' factors times a per-block one (no more exponentials)
+            cross_left_CK = left_CK * by_block(lambda j: jnp.exp(references[j] - boundary_1K))
+            cross_right_CK = right_CK * by_block(lambda j: jnp.exp(boundary_1K - references[j]))
             a_kk_CC = jnp.where(same_block_CC, a_kk_CC, dots.nt(k_CK * cross_left_CK, cross_right_CK))
             a_qk_CC = jnp.where(same_block_CC, a_qk_CC, dots.nt(q_CK * cross_left_CK, cross_right_CK))
         decay_CK = left_CK * by_block(lambda j: jnp.exp(references[j]))
