@@ -32,11 +32,10 @@ def test_parts_match_float64(chunks, chunk):
     check_parts(jnp.float32, 64, 32, interpret=True, tolerance=1e-6, phase1=short_chunk_parts, tiles=tiles, chunk=chunk)
 
 
-@pytest.mark.parametrize("size", [SHORT_CHUNK, 32])
-def test_neumann_inverse_is_the_inverse(size):
+def test_neumann_inverse_is_the_inverse():
     r = np.random.default_rng(5)
-    strict = np.tril(r.normal(scale=0.3, size=(size, size)), -1).astype(np.float32)
-    expected = np.linalg.inv(np.eye(size) + strict.astype(np.float64))
+    strict = np.tril(r.normal(scale=0.5, size=(SHORT_CHUNK, SHORT_CHUNK)), -1).astype(np.float32)
+    expected = np.linalg.inv(np.eye(SHORT_CHUNK) + strict.astype(np.float64))
     assert rel_error(neumann_inverse(jnp.asarray(strict)), expected) <= 1e-6
 
 

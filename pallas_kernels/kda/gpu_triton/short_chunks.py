@@ -13,8 +13,9 @@ parts come from its own C rows, a few [C, K] x [K, C] and C x C products in one 
   diagonal the products reach e^80, still finite, and are masked). At C = 32 the second block's rows against the
   first's columns are taken against row 15, both factors decays (<= 1): one reference for 32 rows would put
   factors of e^{-80} against e^{+80}, whose small side a flush of denormals to zero loses.
-- X = (I + L)^-1 for L = diag(beta) A_kk, strictly lower-triangular (nilpotent: L^C = 0), as the Neumann
-  product (I - L)(I + L^2)(I + L^4)(I + L^8) (and (I + L^16) at C = 32): squarings and products in IEEE fp32.
+- X = (I + L)^-1 for L = diag(beta) A_kk, strictly lower-triangular (nilpotent: L^16 = 0), as the Neumann
+  product (I - L)(I + L^2)(I + L^4)(I + L^8): three squarings and three products, IEEE fp32; at C = 32 per
+  16-row block, and X_10 = -X_11 L_10 X_00 below them.
 - w = X (beta e^G k), u = X (beta v), qg = e^G q, kg = e^{G_last - G} k, decay_last = e^{G_last}: the parts of
   `intra.ChunkParts` at C rows a chunk (a_qk [BH, Tp, C]).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,78 +41,109 @@ from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.blocks import EXACT_DOT, inverse_norms
 from pallas_kernels.kda.gpu_triton.chunk import chunk_kda_gpu
 from pallas_kernels.kda.gpu_triton.intra import ChunkParts
-from pallas_kernels.kda.gpu_triton.tril import SUB, gpu_dots
+from pallas_kernels.kda.gpu_triton.tril import SUB, gpu_dots, iota_16
 from pallas_kernels.tuning import lookup
 
 SHORT_CHUNK = SUB  # the default chunk: tril's 16-row blocks
 CHUNK_SIZES = (16, 32)  # `tuned.ShortChunkTiles.chunk`: one or two 16-row blocks of decay factors
 
 
-def _iota(size: int, axis: int):
-    return jax.lax.broadcasted_iota(jnp.int32, (size, size), axis)
-
-
 def neumann_inverse(strict_L):
-    """(I + L)^-1 for L [C, C] strictly lower-triangular fp32, C a power of two: (I - L)(I + L^2)(I + L^4)...
-    (I + L^{C/2}) (L^C = 0)."""
-    size = strict_L.shape[0]
-    inverse, power = (_iota(size, 0) == _iota(size, 1)).astype(jnp.float32) - strict_L, strict_L
-    for _ in range(size.bit_length() - 2):
+    """(I + L)^-1 for L [16, 16] strictly lower-triangular fp32: (I - L)(I + L^2)(I + L^4)(I + L^8)."""
+    inverse, power = (iota_16(0) == iota_16(1)).astype(jnp.float32) - strict_L, strict_L
+    for _ in range(3):
         power = EXACT_DOT(power, power)
         inverse = inverse + EXACT_DOT(inverse, power)
     return inverse
 
 
+class _Block(NamedTuple):
+    """A 16-row block's factors: R its cumulative log-decay at its row 7 from the chunk's start [1, K] (the
+    reference), total its gates' sum [1, K], left = e^{G - R}, right = k e^{R - G} (G the cumulative log-decays),
+    q and k normalised (q scaled), beta [16, 1]."""
+
+    R: jax.Array
+    total: jax.Array
+    left: jax.Array
+    right: jax.Array
+    q: jax.Array
+    k: jax.Array
+    beta: jax.Array
+
+
+def _block(q_ref, k_ref, g_ref, beta_ref, rows, offset_1K=None, *, scale, l2norm) -> _Block:
+    """The block of `rows` (16), offset_1K the log-decay summed over the chunk's rows before it (None: none):
+    factors within e^{+-45} for gates >= -5 (two exponentials a token-channel)."""
+    g_CK = g_ref[rows, :]
+    row_CK = jax.lax.broadcasted_iota(jnp.int32, g_CK.shape, 0)
+    G_CK = jnp.cumsum(g_CK, axis=0)
+    reference_1K = jnp.sum(jnp.where(row_CK <= SUB // 2 - 1, g_CK, 0.0), axis=0, keepdims=True)
+    left_CK, inverse_left_CK = jnp.exp(G_CK - reference_1K), jnp.exp(reference_1K - G_CK)
+    k_CK = k_ref[rows, :].astype(jnp.float32)
+    k_CK = k_CK * inverse_norms([k_CK], l2norm)
+    q_CK = q_ref[rows, :].astype(jnp.float32)
+    q_CK = q_CK * (inverse_norms([q_CK], l2norm) * scale)
+    total_1K = jnp.sum(g_CK, axis=0, keepdims=True)
+    if offset_1K is not None:
+        reference_1K = reference_1K + offset_1K
+    return _Block(reference_1K, total_1K, left_CK, k_CK * inverse_left_CK, q_CK, k_CK, beta_ref[rows, :])
+
+
 def _kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
 ):
+    """16-token chunks: one block a chunk."""
     dots = gpu_dots(input_dtype)
-    size = a_ref.shape[-1]  # tokens a chunk
-    rows_CC, cols_CC = _iota(size, 0), _iota(size, 1)
-    same_block_CC = rows_CC // SUB == cols_CC // SUB
+    rows_CC, cols_CC = iota_16(0), iota_16(1)
     for c in range(decay_ref.shape[0]):  # each part stored once formed, so that few tiles are alive at once
-        rows = pl.ds(c * size, size)
-        g_CK = g_ref[rows, :]
-        row_CK = jax.lax.broadcasted_iota(jnp.int32, g_CK.shape, 0)
-        G_CK = jnp.cumsum(g_CK, axis=0)
-        total_1K = jnp.sum(g_CK, axis=0, keepdims=True)
+        rows = pl.ds(c * SUB, SUB)
+        b = _block(q_ref, k_ref, g_ref, beta_ref, rows, scale=scale, l2norm=l2norm)
+        decay_ref[c] = jnp.exp(b.total)
+        kg_ref[rows, :] = (jnp.exp(b.total - b.R) * b.right).astype(kg_ref.dtype)
+        a_kk_CC, a_qk_CC = dots.nt(b.k * b.left, b.right), dots.nt(b.q * b.left, b.right)
+        decay_CK = b.left * jnp.exp(b.R)
+        a_ref[rows, :] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
+        qg_ref[rows, :] = (decay_CK * b.q).astype(qg_ref.dtype)
+        inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, b.beta * a_kk_CC, 0.0))
+        w_ref[rows, :] = dots.nn(inverse_CC, b.beta * decay_CK * b.k).astype(w_ref.dtype)
+        u_ref[rows, :] = dots.nn(inverse_CC, b.beta * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
+
+
+def _kernel_pairs(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
+):
+    """32-token chunks as two 16-row blocks (loaded apart): each block's own products and inverse X_jj as the
+    16-token kernel's; block 1's rows against block 0's columns taken against row 15 (both factors decays: the
+    blocks' factors times per-block ones); X = (I + L)^-1 by blocks, X_10 = -X_11 L_10 X_00."""
+    dots = gpu_dots(input_dtype)
+    rows_CC, cols_CC = iota_16(0), iota_16(1)
+    for c in range(decay_ref.shape[0]):
+        rows = [pl.ds(c * 2 * SUB + j * SUB, SUB) for j in range(2)]
+        first = _block(q_ref, k_ref, g_ref, beta_ref, rows[0], scale=scale, l2norm=l2norm)
+        first_total_1K = first.total  # G at row 15
+        blocks = [first, _block(q_ref, k_ref, g_ref, beta_ref, rows[1], first_total_1K, scale=scale, l2norm=l2norm)]
+        total_1K = first_total_1K + blocks[1].total
         decay_ref[c] = jnp.exp(total_1K)
-
-        def cumulative_at(row):  # [1, K]: G at a row
-            return jnp.sum(jnp.where(row_CK <= row, g_CK, 0.0), axis=0, keepdims=True)
-
-        def by_block(per_block):  # [C, K]: per_block(j) [1, K] on the rows of 16-row block j
-            values = [per_block(j) for j in range(size // SUB)]
-            return values[0] if len(values) == 1 else jnp.where(row_CK < SUB, values[0], values[1])
-
-        # each 16-row block's decay products against its own row 7 (factors within e^{+-40}): two exponentials a
-        # token-channel; e^G and e^{G_last - G} as them times a per-block factor
-        references = [cumulative_at(SUB * j + SUB // 2 - 1) for j in range(size // SUB)]
-        reference_CK = by_block(lambda j: references[j])
-        left_CK, inverse_left_CK = jnp.exp(G_CK - reference_CK), jnp.exp(reference_CK - G_CK)
-        k_CK = k_ref[rows, :].astype(jnp.float32)
-        k_CK = k_CK * inverse_norms([k_CK], l2norm)
-        right_CK = k_CK * inverse_left_CK
-        kg_ref[rows, :] = (by_block(lambda j: jnp.exp(total_1K - references[j])) * right_CK).astype(kg_ref.dtype)
-        q_CK = q_ref[rows, :].astype(jnp.float32)
-        q_CK = q_CK * (inverse_norms([q_CK], l2norm) * scale)
-        a_kk_CC, a_qk_CC = dots.nt(k_CK * left_CK, right_CK), dots.nt(q_CK * left_CK, right_CK)
-        if size > SUB:  # the second block's rows against the first's columns: both factors decays, against row 15
-            boundary_1K = cumulative_at(SUB - 1)
-            # e^{G - G_15} and e^{G_15 - G} as the blocks' factors times a per-block one (no more exponentials)
-            cross_left_CK = left_CK * by_block(lambda j: jnp.exp(references[j] - boundary_1K))
-            cross_right_CK = right_CK * by_block(lambda j: jnp.exp(boundary_1K - references[j]))
-            a_kk_CC = jnp.where(same_block_CC, a_kk_CC, dots.nt(k_CK * cross_left_CK, cross_right_CK))
-            a_qk_CC = jnp.where(same_block_CC, a_qk_CC, dots.nt(q_CK * cross_left_CK, cross_right_CK))
-        decay_CK = left_CK * by_block(lambda j: jnp.exp(references[j]))
-        beta_C1 = beta_ref[rows, :]
-        decayed_keys_CK = beta_C1 * decay_CK * k_CK
-        a_qk_CC = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0)
-        a_ref[rows, :] = a_qk_CC.astype(a_ref.dtype)
-        qg_ref[rows, :] = (decay_CK * q_CK).astype(qg_ref.dtype)
-        inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, beta_C1 * a_kk_CC, 0.0))
-        w_ref[rows, :] = dots.nn(inverse_CC, decayed_keys_CK).astype(w_ref.dtype)
-        u_ref[rows, :] = dots.nn(inverse_CC, beta_C1 * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
+        cross_left_CK = blocks[1].left * jnp.exp(blocks[1].R - first_total_1K)  # e^{G - G_15}, block 1
+        cross_right_CK = blocks[0].right * jnp.exp(first_total_1K - blocks[0].R)  # k e^{G_15 - G}, block 0
+        cross_kk_CC = dots.nt(blocks[1].k * cross_left_CK, cross_right_CK)
+        cross_qk_CC = dots.nt(blocks[1].q * cross_left_CK, cross_right_CK)
+        inverses, decayed_keys, values = [], [], []
+        for j, b in enumerate(blocks):
+            kg_ref[rows[j], :] = (jnp.exp(total_1K - b.R) * b.right).astype(kg_ref.dtype)
+            a_kk_CC, a_qk_CC = dots.nt(b.k * b.left, b.right), dots.nt(b.q * b.left, b.right)
+            a_ref[rows[j], pl.ds(j * SUB, SUB)] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
+            decay_CK = b.left * jnp.exp(b.R)
+            qg_ref[rows[j], :] = (decay_CK * b.q).astype(qg_ref.dtype)
+            inverses.append(neumann_inverse(jnp.where(cols_CC < rows_CC, b.beta * a_kk_CC, 0.0)))
+            decayed_keys.append(b.beta * decay_CK * b.k)
+            values.append(b.beta * v_ref[rows[j], :].astype(jnp.float32))
+        a_ref[rows[0], pl.ds(SUB, SUB)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+        a_ref[rows[1], pl.ds(0, SUB)] = cross_qk_CC.astype(a_ref.dtype)
+        below_CC = -EXACT_DOT(inverses[1], EXACT_DOT(blocks[1].beta * cross_kk_CC, inverses[0]))  # X_10
+        for out_ref, parts in ((w_ref, decayed_keys), (u_ref, values)):
+            out_ref[rows[0], :] = dots.nn(inverses[0], parts[0]).astype(out_ref.dtype)
+            out_ref[rows[1], :] = (dots.nn(below_CC, parts[0]) + dots.nn(inverses[1], parts[1])).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "interpret"))
@@ -147,7 +180,9 @@ def short_chunk_parts(
     rows = lambda width: pl.BlockSpec((None, span, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))  # noqa: E731
     out_rows = lambda width: pl.BlockSpec((None, span, width), lambda bh, n: (bh, n, 0))  # noqa: E731
     parts = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype),
+        functools.partial(
+            _kernel if size == SUB else _kernel_pairs, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype
+        ),
         grid=(flat, padded // span),
         in_specs=[rows(key_dim), rows(key_dim), rows(value_dim), rows(key_dim), rows(1)],
         out_specs=[
