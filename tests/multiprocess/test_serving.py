@@ -31,7 +31,7 @@ from ling_jax.generation.sampling import SamplingParams
 from ling_jax.policy import ExecutionPolicy
 from ling_jax.serving.replicated import decode, encode, params_of
 from tests.multiprocess.conftest import environment, free_port
-from tests.serving.conftest import Alone
+from tests.serving.conftest import Alone, reference_compile_cache
 
 require_serve_extra()
 httpx = pytest.importorskip("httpx", reason="the server tests' client (the test extra)")
@@ -122,10 +122,10 @@ def source(job):
 
 
 @pytest.fixture(scope="module")
-def alone(job, source):
+def alone(job, source, tmp_path_factory):
     """The job's model as one-process `ling-serve` loads it, each request run alone (loaded while the job starts)."""
     model = load_model(source, jnp.float32, None, ExecutionPolicy(), STORED, verbose=False)
-    return Alone(model, source.tokenizer, CHUNK)
+    return Alone(model, source.tokenizer, CHUNK, reference_compile_cache(tmp_path_factory))
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,16 @@ twice (a persistent compilation cache shared by every server of the run)."""
 
 from __future__ import annotations
 
+import contextlib
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from helpers import run_wide_directory
+from jax.experimental.compilation_cache import compilation_cache
 from served import DEMO_SERVER_ENV, DEMO_SERVER_FLAGS, started
 
 from ling_jax import load_hf_checkpoint, load_model_config
@@ -36,10 +40,17 @@ def _log_probs_TV(model, ids_T):
 
 
 @pytest.fixture(scope="module")
-def demo_forward(demo_model):
+def demo_forward(demo_model, tmp_path_factory):
     """demo_forward(ids) -> [L, V] float32 log-softmax of the demo model's logits at each position: one compiled
-    forward pass per length (the model run op by op compiled each op anew for every length, ~5x the time)."""
-    return lambda ids: np.asarray(_log_probs_TV(demo_model, jnp.asarray(ids, jnp.int32)))
+    forward pass per length (the model run op by op compiled each op anew for every length, ~5x the time), once a
+    run (`reference_compile_cache`: `greedy`'s length is the same in each file)."""
+    compile_cache = reference_compile_cache(tmp_path_factory)
+
+    def forward(ids) -> np.ndarray:
+        with persistent_compile_cache(compile_cache):
+            return np.asarray(_log_probs_TV(demo_model, jnp.asarray(ids, jnp.int32)))
+
+    return forward
 
 
 # A prompt of two prefill chunks of 16 and its greedy continuation's length, for the logprobs checks
@@ -76,22 +87,51 @@ def demo_tokenizer():
     return load_tokenizer(DEMO_DIR, load_model_config(DEMO_DIR))
 
 
-class Alone:
-    """Each request run alone through `Generator` (batch 1), the reference a served request must equal."""
+def reference_compile_cache(tmp_path_factory) -> pathlib.Path:
+    """The persistent compilation cache of the references (`Alone`, `demo_forward`), one directory for every
+    pytest-xdist worker: the demo model's `Generator` programs (a prefill chunk, the first token, a decode group, per
+    sampling features) are the same in each test file that runs requests alone, whatever their prompts and
+    max_tokens, and jax drops its compiled programs after each file (tests/conftest.py): a later file (this worker's
+    or the other's) reads them instead of compiling them again (the same executables: the same tokens)."""
+    return run_wide_directory(tmp_path_factory, "reference-compile-cache")
 
-    def __init__(self, model, tokenizer, prefill_chunk: int):
+
+@contextlib.contextmanager
+def persistent_compile_cache(directory: pathlib.Path):
+    """JAX's persistent compilation cache in `directory` for the block, every program however quickly it compiled
+    (the suite's processes run without one, tests/conftest.py); as it was afterwards."""
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        compilation_cache.reset_cache()
+
+
+class Alone:
+    """Each request run alone through `Generator` (batch 1), the reference a served request must equal; its
+    programs compiled once a run (`reference_compile_cache`)."""
+
+    def __init__(self, model, tokenizer, prefill_chunk: int, compile_cache: pathlib.Path):
         self.generator = Generator(model, prefill_chunk=prefill_chunk)
         self.eos_ids = tokenizer.eos_ids
+        self.compile_cache = compile_cache
 
     def __call__(self, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> list[int]:
-        outputs, _ = self.generator.generate([prompt], [sampling], max_tokens, eos_ids=self.eos_ids)
+        with persistent_compile_cache(self.compile_cache):
+            outputs, _ = self.generator.generate([prompt], [sampling], max_tokens, eos_ids=self.eos_ids)
         return outputs[0]
 
 
 @pytest.fixture(scope="module")
-def alone(demo_model, demo_tokenizer):
+def alone(demo_model, demo_tokenizer, tmp_path_factory):
     """alone(prefill_chunk) -> the `Alone` reference with that chunk (the served engine's)."""
-    return lambda prefill_chunk: Alone(demo_model, demo_tokenizer, prefill_chunk)
+    compile_cache = reference_compile_cache(tmp_path_factory)
+    return lambda prefill_chunk: Alone(demo_model, demo_tokenizer, prefill_chunk, compile_cache)
 
 
 @pytest.fixture(scope="session")
