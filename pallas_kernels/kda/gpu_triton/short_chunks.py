@@ -89,61 +89,60 @@ def _block(q_ref, k_ref, g_ref, beta_ref, rows, offset_1K=None, *, scale, l2norm
     return _Block(reference_1K, total_1K, left_CK, k_CK * inverse_left_CK, q_CK, k_CK, beta_ref[rows, :])
 
 
+def _block_parts(b: _Block, rows, total_1K, dots, kg_ref, qg_ref, a_ref, a_columns):
+    """A block's own parts: kg, qg and its a_qk block (at `a_columns` of a_ref) stored; (X_jj = (I + L_jj)^-1,
+    beta e^G k) returned."""
+    rows_CC, cols_CC = iota_16(0), iota_16(1)
+    kg_ref[rows, :] = (jnp.exp(total_1K - b.R) * b.right).astype(kg_ref.dtype)
+    a_kk_CC, a_qk_CC = dots.nt(b.k * b.left, b.right), dots.nt(b.q * b.left, b.right)
+    decay_CK = b.left * jnp.exp(b.R)
+    a_ref[rows, a_columns] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
+    qg_ref[rows, :] = (decay_CK * b.q).astype(qg_ref.dtype)
+    inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, b.beta * a_kk_CC, 0.0))
+    return inverse_CC, b.beta * decay_CK * b.k
+
+
 def _kernel(
     q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
 ):
     """16-token chunks: one block a chunk."""
     dots = gpu_dots(input_dtype)
-    rows_CC, cols_CC = iota_16(0), iota_16(1)
     for c in range(decay_ref.shape[0]):  # each part stored once formed, so that few tiles are alive at once
         rows = pl.ds(c * SUB, SUB)
         b = _block(q_ref, k_ref, g_ref, beta_ref, rows, scale=scale, l2norm=l2norm)
         decay_ref[c] = jnp.exp(b.total)
-        kg_ref[rows, :] = (jnp.exp(b.total - b.R) * b.right).astype(kg_ref.dtype)
-        a_kk_CC, a_qk_CC = dots.nt(b.k * b.left, b.right), dots.nt(b.q * b.left, b.right)
-        decay_CK = b.left * jnp.exp(b.R)
-        a_ref[rows, :] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
-        qg_ref[rows, :] = (decay_CK * b.q).astype(qg_ref.dtype)
-        inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, b.beta * a_kk_CC, 0.0))
-        w_ref[rows, :] = dots.nn(inverse_CC, b.beta * decay_CK * b.k).astype(w_ref.dtype)
+        inverse_CC, decayed_keys_CK = _block_parts(b, rows, b.total, dots, kg_ref, qg_ref, a_ref, slice(None))
+        w_ref[rows, :] = dots.nn(inverse_CC, decayed_keys_CK).astype(w_ref.dtype)
         u_ref[rows, :] = dots.nn(inverse_CC, b.beta * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
 
 
 def _kernel_pairs(
     q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, *, scale, l2norm, input_dtype
 ):
-    """32-token chunks as two 16-row blocks (loaded apart): each block's own products and inverse X_jj as the
-    16-token kernel's; block 1's rows against block 0's columns taken against row 15 (both factors decays: the
-    blocks' factors times per-block ones); X = (I + L)^-1 by blocks, X_10 = -X_11 L_10 X_00."""
+    """32-token chunks as two 16-row blocks (loaded apart): each block's own parts as the 16-token kernel's;
+    block 1's rows against block 0's columns taken against row 15 (both factors decays: the blocks' factors
+    times per-block ones); X = (I + L)^-1 by blocks, X_10 = -X_11 L_10 X_00."""
     dots = gpu_dots(input_dtype)
-    rows_CC, cols_CC = iota_16(0), iota_16(1)
     for c in range(decay_ref.shape[0]):
         rows = [pl.ds(c * 2 * SUB + j * SUB, SUB) for j in range(2)]
-        first = _block(q_ref, k_ref, g_ref, beta_ref, rows[0], scale=scale, l2norm=l2norm)
-        first_total_1K = first.total  # G at row 15
-        blocks = [first, _block(q_ref, k_ref, g_ref, beta_ref, rows[1], first_total_1K, scale=scale, l2norm=l2norm)]
-        total_1K = first_total_1K + blocks[1].total
+        first = _block(q_ref, k_ref, g_ref, beta_ref, rows[0], scale=scale, l2norm=l2norm)  # first.total: G at row 15
+        second = _block(q_ref, k_ref, g_ref, beta_ref, rows[1], first.total, scale=scale, l2norm=l2norm)
+        total_1K = first.total + second.total
         decay_ref[c] = jnp.exp(total_1K)
-        cross_left_CK = blocks[1].left * jnp.exp(blocks[1].R - first_total_1K)  # e^{G - G_15}, block 1
-        cross_right_CK = blocks[0].right * jnp.exp(first_total_1K - blocks[0].R)  # k e^{G_15 - G}, block 0
-        cross_kk_CC = dots.nt(blocks[1].k * cross_left_CK, cross_right_CK)
-        cross_qk_CC = dots.nt(blocks[1].q * cross_left_CK, cross_right_CK)
-        inverses, decayed_keys, values = [], [], []
-        for j, b in enumerate(blocks):
-            kg_ref[rows[j], :] = (jnp.exp(total_1K - b.R) * b.right).astype(kg_ref.dtype)
-            a_kk_CC, a_qk_CC = dots.nt(b.k * b.left, b.right), dots.nt(b.q * b.left, b.right)
-            a_ref[rows[j], pl.ds(j * SUB, SUB)] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
-            decay_CK = b.left * jnp.exp(b.R)
-            qg_ref[rows[j], :] = (decay_CK * b.q).astype(qg_ref.dtype)
-            inverses.append(neumann_inverse(jnp.where(cols_CC < rows_CC, b.beta * a_kk_CC, 0.0)))
-            decayed_keys.append(b.beta * decay_CK * b.k)
-            values.append(b.beta * v_ref[rows[j], :].astype(jnp.float32))
+        cross_left_CK = second.left * jnp.exp(second.R - first.total)  # e^{G - G_15}, block 1
+        cross_right_CK = first.right * jnp.exp(first.total - first.R)  # k e^{G_15 - G}, block 0
+        cross_kk_CC = dots.nt(second.k * cross_left_CK, cross_right_CK)
+        a_ref[rows[1], pl.ds(0, SUB)] = dots.nt(second.q * cross_left_CK, cross_right_CK).astype(a_ref.dtype)
         a_ref[rows[0], pl.ds(SUB, SUB)] = jnp.zeros((SUB, SUB), a_ref.dtype)
-        a_ref[rows[1], pl.ds(0, SUB)] = cross_qk_CC.astype(a_ref.dtype)
-        below_CC = -EXACT_DOT(inverses[1], EXACT_DOT(blocks[1].beta * cross_kk_CC, inverses[0]))  # X_10
-        for out_ref, parts in ((w_ref, decayed_keys), (u_ref, values)):
-            out_ref[rows[0], :] = dots.nn(inverses[0], parts[0]).astype(out_ref.dtype)
-            out_ref[rows[1], :] = (dots.nn(below_CC, parts[0]) + dots.nn(inverses[1], parts[1])).astype(out_ref.dtype)
+        (inverse_0, keys_0), (inverse_1, keys_1) = (
+            _block_parts(b, rows[j], total_1K, dots, kg_ref, qg_ref, a_ref, pl.ds(j * SUB, SUB))
+            for j, b in enumerate((first, second))
+        )
+        below_CC = -EXACT_DOT(inverse_1, EXACT_DOT(second.beta * cross_kk_CC, inverse_0))  # X_10
+        values_0, values_1 = (b.beta * v_ref[rows[j], :].astype(jnp.float32) for j, b in enumerate((first, second)))
+        for out_ref, part_0, part_1 in ((w_ref, keys_0, keys_1), (u_ref, values_0, values_1)):
+            out_ref[rows[0], :] = dots.nn(inverse_0, part_0).astype(out_ref.dtype)
+            out_ref[rows[1], :] = (dots.nn(below_CC, part_0) + dots.nn(inverse_1, part_1)).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "interpret"))
