@@ -1,29 +1,35 @@
-"""The routed-expert FFN in W8A8 on Hopper as Pallas Mosaic GPU kernels (TMA, e4m3 wgmma): `w8a8_expert_rows_mgpu`.
+"""The routed-expert FFN in W8A8 on Hopper as persistent, warp-specialised Pallas Mosaic GPU kernels (TMA, e4m3
+wgmma): `w8a8_expert_rows_mgpu`.
 
 The arithmetic of `moe.w8a8_reference` (x and h quantised per token in 1 x 128 groups, FP8 products scaled per
-128-input block, fp32 sums) on the pipeline of the W8A8 linear (`fp8.gpu_mosaic.block_scaled_products`), over
-rows laid out by expert in 64-row tiles:
+128-input block, fp32 sums), over the rows sorted by expert in 128-row tiles:
 
-- XLA quantises x once per token and gathers x_q's rows (one byte an input) into the padded expert order: each
-  expert's rows start on a 64-row tile, a tile belongs to one expert (`padded_layout`: tile_group[t], the
-  expert of tile t, or G for the tiles past the last expert's, which the kernels skip);
-- gate/up kernel: CTA (n, t) multiplies tile t's x_q by its expert's gate and up tiles [128, K] in one TMA
-  pipeline (two accumulators), then SwiGLU in fp32 and h quantised in registers (the column tile is one 1 x 128
-  group of h), storing h_q [P, I] e4m3 and its scales transposed [I / 128, P];
+- XLA quantises x once per token and gathers x_q's rows (one byte an input) into the expert order; the tiles are
+  laid out padded (`padded_layout`: each expert's rows start on a tile, tile_group[t] the expert of tile t or G
+  past the last expert's tile, tile_start[t] the expert-order row of its first row), but x is not copied into that
+  layout: a tile's TMA reads the 128 rows from tile_start[t] of the sorted x_q, the rows past its expert's (the next
+  expert's, or zeros past the end) computed and never read back;
+- one CTA per SM loops over the (tile, column tile) items (`plgpu.nd_loop`, the column tile fastest: the items in
+  flight share a tile's x and an expert's weights in L2); per item a warp-specialised pipeline: one warpgroup
+  issues the TMA copies of the x tile, the weight tiles [block_n, 128] and the tile's activation scales of each K
+  block, two compute warpgroups take 64 rows each: per K block a wgmma in a fresh accumulator, waited for, scaled
+  by the rows' activation scales and the weight block's scale and added to the fp32 accumulators in registers (one
+  warpgroup's promotion overlaps the other's wgmma);
+- gate/up kernel: two weights (gate and up, two accumulators), then SwiGLU in fp32 and h quantised in registers
+  (the column tile is one 1 x 128 group of h), storing h_q [P, I] e4m3 in the padded layout and its scales
+  transposed [I / 128, P];
 - XLA folds each row's routing weight into h's scales (the down product is linear in them);
-- down kernel: the same pipeline on h_q and the expert's down tiles, storing [P, D] in x's dtype, whose rows XLA
-  gathers back to the caller's order.
+- down kernel: the same loop on h_q's tiles (aligned) and the expert's down tiles, storing [P, D] in x's dtype,
+  whose rows XLA gathers back to the caller's order.
 
-On the H200 at Ling-3.1-flash width (8192 tokens, 2026-12-03, `benchmarks/moe/w8a8.py`) these ran at 0.76x the
-bf16 fused kernels and 0.6x the Triton W8A8 ones (`gpu_triton.w8a8`, the default): 2.5 ms a kernel, plus 1.1 ms of
-XLA gathers. A CTA's K loop is short (32 and 10 steps of 128) and each step waits for its wgmma, so the pipeline's
-fill is paid per 64-row tile; a persistent kernel whose pipeline runs on across tiles is the lead. Named variant
+On the H200 at Ling-3.1-flash width (8192 tokens, 2026-12-03, `benchmarks/moe/w8a8.py`) the first form of these
+kernels (one warpgroup a CTA, a CTA per (tile of 64 padded rows, column tile), x gathered into the padded layout)
+ran at 0.76x the bf16 fused kernels (the Triton W8A8 ones, `gpu_triton.w8a8`, the default: 1.27x). Named variant
 only: importing this module registers the entry point as MOSAIC ("gpu_mosaic") of `pallas_kernels.moe.ops`'
 `w8a8_expert_rows`.
 
-Grid order: the column tile n varies fastest, so the CTAs that run together share a row tile and its expert's
-weight tiles in L2. Shapes: 128 x 128 weight blocks, I and D multiples of 128. Like the linear, the kernels run in
-interpret mode only on jax >= 0.11 (`interpret=True`).
+Shapes: 128 x 128 weight blocks, I and D multiples of 128. GPU only (the CPU lowers it for CUDA; the Mosaic GPU
+interpreter does not run warp-specialised pipelines).
 """
 
 from __future__ import annotations
@@ -36,8 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.compat import mosaic_gpu_interpret
-from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, BLOCK_M, block_scaled_products, layout_cast
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms, promoted_product
 from pallas_kernels.fp8.reference import E4M3_MAX, EPS, quantize_activations
 from pallas_kernels.moe import ops, tuned
 from pallas_kernels.tuning import fill, lookup
@@ -46,13 +51,23 @@ from pallas_kernels.variants import Variant
 MOSAIC = "gpu_mosaic"
 
 TILE_KEYWORDS = ("gate_up_stages", "down_block_n", "down_stages")
+BLOCK_M = 128  # a tile's rows: 64 for each of the two compute warpgroups
+WG_ROWS = 64  # one warpgroup's wgmma rows
+MEMORY_REGISTERS = 40  # the TMA warpgroup's registers a thread (the compute warpgroups get the rest)
+HOPPER_SMS = 132  # the persistent grid when lowering without a GPU
+ALIGN = 8  # an expert's first row in the aligned x: a TMA of (8, 128)-tiled shared memory starts on a tile row
 
 
-def padded_layout(sizes_G, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """(pos_R, tile_group_T): where row r of the expert order (rows grouped by expert, sizes_G of them in turn,
-    rows past their sum a tail) lies in the padded layout, whose every expert starts on a BLOCK_M-row tile (the
-    tail rows' pos is P = T * BLOCK_M, out of range), and the expert of each of the T tiles (G past the last
-    expert's). T = ceil(R / BLOCK_M) + min(G, R) covers any sizes."""
+def padded_layout(sizes_G, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(pos_R, aligned_R, tile_group_T, tile_start_T) of the rows of the expert order (rows grouped by expert,
+    sizes_G of them in turn, rows past their sum a tail):
+    - pos_R: where row r lies in the padded layout, whose every expert starts on a BLOCK_M-row tile (the tail
+      rows' pos is P = T * BLOCK_M, out of range);
+    - aligned_R: where it lies in the aligned layout, whose every expert starts on a row that is a multiple of
+      ALIGN (the tail rows' is past every expert's rows; sum(ceil(sizes / ALIGN)) * ALIGN rows);
+    - tile_group_T: the expert of each of the T tiles (G past the last expert's);
+    - tile_start_T: the aligned row of each tile's first row (0 past the last expert's tile).
+    T = ceil(R / BLOCK_M) + min(G, R) covers any sizes."""
     num_groups = sizes_G.shape[0]
     num_tiles = -(-num_rows // BLOCK_M) + min(num_groups, num_rows)
     sizes_G = sizes_G.astype(jnp.int32)
@@ -60,11 +75,27 @@ def padded_layout(sizes_G, num_rows: int) -> tuple[jax.Array, jax.Array]:
     tile_end_G = jnp.cumsum(tiles_G)
     tile_group_T = jnp.searchsorted(tile_end_G, jnp.arange(num_tiles), side="right").astype(jnp.int32)
     row_end_G = jnp.cumsum(sizes_G)
+    aligned_sizes_G = -(-sizes_G // ALIGN) * ALIGN
+    aligned_end_G = jnp.cumsum(aligned_sizes_G)
     rows_R = jnp.arange(num_rows, dtype=jnp.int32)
     group_R = jnp.searchsorted(row_end_G, rows_R, side="right")
-    offset_G = (tile_end_G - tiles_G) * BLOCK_M - (row_end_G - sizes_G)  # padded start - start
-    pos_R = rows_R + jnp.take(offset_G, group_R, mode="clip")
-    return jnp.where(group_R < num_groups, pos_R, num_tiles * BLOCK_M).astype(jnp.int32), tile_group_T
+    # per group and one past the last (the tail rows' group G): where its rows start in each layout
+    row_start_g = jnp.append(row_end_G - sizes_G, row_end_G[-1])
+    tile_row_g = jnp.append(tile_end_G - tiles_G, num_tiles) * BLOCK_M
+    aligned_start_g = jnp.append(aligned_end_G - aligned_sizes_G, aligned_end_G[-1])
+    within_R = rows_R - row_start_g[group_R]
+    tile_start_R = tile_row_g[group_R]
+    aligned_R = aligned_start_g[group_R]
+    tile_start_T = (
+        aligned_start_g[tile_group_T] + jnp.arange(num_tiles, dtype=jnp.int32) * BLOCK_M - tile_row_g[tile_group_T]
+    )
+    real_T = tile_group_T < num_groups
+    return (
+        jnp.where(group_R < num_groups, tile_start_R + within_R, num_tiles * BLOCK_M).astype(jnp.int32),
+        (aligned_R + within_R).astype(jnp.int32),
+        tile_group_T,
+        jnp.where(real_T, tile_start_T, 0).astype(jnp.int32),
+    )
 
 
 def _swiglu(gate_MN, up_MN, limit: float | None):
@@ -77,7 +108,7 @@ def _swiglu(gate_MN, up_MN, limit: float | None):
 
 def _store_h_quantized(accs, rows, cols, h_q_gmem, h_scale_gmem, *, limit):
     """h quantised in registers: the column tile is one 1 x 128 group (`fp8.reference.quantize_groups`), its scales
-    stored transposed ([I / 128, P]: a tile's are one row of 64), as the down kernel reads them."""
+    stored transposed ([I / 128, P]: a warpgroup's are 64 of one row), as the down kernel reads them."""
     h_MN = _swiglu(*accs, limit)
     scale_M = jnp.maximum(jnp.max(jnp.abs(h_MN), axis=1), EPS) / E4M3_MAX
     h_q_gmem[rows, cols] = jnp.clip(h_MN / lax.broadcast_in_dim(scale_M, h_MN.shape, [0]), -E4M3_MAX, E4M3_MAX).astype(
@@ -92,54 +123,98 @@ def _store_rows(accs, rows, cols, y_gmem):
 
 
 def _grouped_kernel(
-    tile_group_gmem, x_gmem, row_scales_gmem, *refs, num_weights: int, block_n: int, stages: int, cast, store
+    tile_group_gmem, tile_start_gmem, x_gmem, row_scales_gmem, *refs, num_weights, block_n, stages, store
 ):
-    """CTA (n, t): store(accumulators, tile t's 64 rows, column tile n, *outputs), one accumulator per (values
-    [G, N, K], scales [G, N / 128, K / 128]) pair of the first 2 num_weights refs (the outputs follow), for tile t's
-    expert; tiles past the last expert's store nothing."""
+    """One CTA per SM over the (tile t, column tile n) items: store(accumulators, the warpgroup's 64 rows of tile
+    t in the padded layout, column tile n, *outputs), one accumulator per (values [G, N, K], scales [G, N / 128,
+    K / 128]) pair of the first 2 num_weights refs (the outputs follow), for tile t's expert, from x's 128 rows
+    starting at tile_start[t]; tiles past the last expert's are skipped."""
     weight_refs, out_refs = refs[: 2 * num_weights], refs[2 * num_weights :]
-    n, t = lax.axis_index("n"), lax.axis_index("t")
-    group = tile_group_gmem[t]
-    scale_row = n * block_n // BLOCK_K
+    values_refs, scales_refs = weight_refs[0::2], weight_refs[1::2]
+    num_groups, n_dim, k_dim = values_refs[0].shape
+    num_tiles, num_cols = tile_group_gmem.shape[0], n_dim // block_n
+    wg = lax.axis_index("wg")
+    half = pl.ds(wg * WG_ROWS, WG_ROWS)
+    weight_spec = plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms())
 
-    @pl.when(group < weight_refs[0].shape[0])
-    def _():
-        weights = tuple(
-            (values.at[group, pl.ds(n * block_n, block_n)], lambda k, scales=scales: scales[group, scale_row, k])
-            for values, scales in zip(weight_refs[0::2], weight_refs[1::2])
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_dim // BLOCK_K,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms()),
+                *(weight_spec for _ in values_refs),
+                plgpu.BlockSpec((1, BLOCK_M), lambda k: (k, 0)),
+            ],
+            max_concurrent_steps=stages,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            compute_context=context,
         )
-        accs = block_scaled_products(
-            x_gmem.at[pl.ds(t * BLOCK_M, BLOCK_M)],
-            row_scales_gmem.at[:, pl.ds(t * BLOCK_M, BLOCK_M)],
-            weights,
-            block_n=block_n,
-            stages=stages,
-            cast=cast,
+
+    def operands(tile_start, group, n):
+        return (
+            x_gmem.at[pl.ds(tile_start, BLOCK_M)],
+            *(values.at[group, pl.ds(n * block_n, block_n)] for values in values_refs),
+            row_scales_gmem.at[:, pl.ds(tile_start, BLOCK_M)],
         )
-        store(accs, pl.ds(t * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n), *out_refs)
 
+    def ignore(*_, **__):
+        return None
 
-def _grouped_call(tile_group_T, x_q_PK, row_scales_GP, weights, *, out_type, block_n, stages, store, interpret):
-    """`_grouped_kernel` over the padded rows, weights a tuple of block-FP8 stacks; out_type that of store's
-    outputs."""
-    n_dim = weights[0].values.shape[1]
-    kernel = functools.partial(
-        _grouped_kernel,
-        num_weights=len(weights),
-        block_n=block_n,
-        stages=stages,
-        cast=layout_cast(interpret),
-        store=store,
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
+        collective_axes="wg",
     )
+    def _scope(allocations):
+        @plgpu.nd_loop((num_tiles * num_cols,), collective_axes="sm")
+        def _item(info):
+            (item,) = info.index
+            t, n = lax.div(item, num_cols), lax.rem(item, num_cols)
+            group = tile_group_gmem[t]
+            scale_row = n * block_n // BLOCK_K
+
+            def k_step(indices, x_smem, *rest):
+                (k_block,) = indices
+                w_smems, row_scales_smem, accs = rest[:num_weights], rest[num_weights], rest[-1]
+                row_scale_M = plgpu.layout_cast(row_scales_smem[0, half], plgpu.Layout.WGMMA.reduce(1))
+                return tuple(
+                    promoted_product(acc_MN, x_smem.at[half], w_smem, row_scale_M * scales[group, scale_row, k_block])
+                    for w_smem, scales, acc_MN in zip(w_smems, scales_refs, accs)
+                )
+
+            def context(run):
+                zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
+                accs = run(tuple(zeros for _ in values_refs))
+                store(accs, pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS), pl.ds(n * block_n, block_n), *out_refs)
+
+            @pl.when(group < num_groups)
+            def _():
+                tile_start = pl.multiple_of(tile_start_gmem[t], ALIGN)
+                pipeline(k_step, context)(*operands(tile_start, group, n), allocations=allocations)
+
+
+def _num_sms() -> int:
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else HOPPER_SMS
+
+
+def _grouped_call(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, stages, store):
+    """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs.
+    x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them) reach BLOCK_M past every tile_start."""
+    kernel = functools.partial(_grouped_kernel, num_weights=len(weights), block_n=block_n, stages=stages, store=store)
     operands = [array for w in weights for array in (w.values, w.scales.astype(jnp.float32))]
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(n_dim // block_n, x_q_PK.shape[0] // BLOCK_M),
-        grid_names=("n", "t"),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=mosaic_gpu_interpret(interpret),
-    )(tile_group_T, x_q_PK, row_scales_GP, *operands)
+    )(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, *operands)
 
 
 def takes(gate, up, down, down_block_n: int = BLOCK_K) -> bool:
@@ -163,7 +238,7 @@ def _check(gate, up, down, down_block_n: int) -> None:
         )
 
 
-@functools.partial(jax.jit, static_argnames=("limit", *TILE_KEYWORDS, "fill_tail", "interpret"))
+@functools.partial(jax.jit, static_argnames=("limit", *TILE_KEYWORDS, "fill_tail"))
 def w8a8_expert_rows_mgpu(
     x_XD,
     source_R,
@@ -184,21 +259,29 @@ def w8a8_expert_rows_mgpu(
     """[R, D] in x's dtype, as `gpu_triton.w8a8.w8a8_expert_rows`: row order[r] = row_weight[r] *
     FFN_g(x[source[r]]) for the r-th row of the expert order (rows past sum(sizes) zeros), from block-FP8 gate, up
     [G, I, D] and down [G, D, I] (module docstring). fill_tail is the Triton kernels' (the tail rows are always
-    zeros here). Tiles: None from `tuned.W8A8_MOSAIC_EXPERTS`."""
+    zeros here); interpret is refused (GPU only). Tiles: None from `tuned.W8A8_MOSAIC_EXPERTS`."""
     del fill_tail
+    if interpret:
+        raise ValueError("w8a8_expert_rows_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
     gate_up_stages, down_block_n, down_stages = fill(
         (gate_up_stages, down_block_n, down_stages), lookup(tuned.W8A8_MOSAIC_EXPERTS, dtype=x_XD.dtype)
     )
     _check(gate, up, down, down_block_n)
     num_rows = source_R.shape[0]
-    pos_R, tile_group_T = padded_layout(sizes_E, num_rows)
-    padded_rows = tile_group_T.shape[0] * BLOCK_M
-    token_P = jnp.zeros(padded_rows, jnp.int32).at[pos_R].set(source_R.astype(jnp.int32), mode="drop")
+    pos_R, aligned_R, tile_group_T, tile_start_T = padded_layout(sizes_E, num_rows)
+    num_tiles = tile_group_T.shape[0]
+    padded_rows = num_tiles * BLOCK_M
+    # x's rows in the aligned layout and BLOCK_M more (a tile's TMA reads 128 rows from its start); the scales'
+    # rows 16-byte aligned
+    aligned_rows = num_rows + min(sizes_E.shape[0], num_rows) * (ALIGN - 1) + BLOCK_M
+    aligned_rows += -aligned_rows % 4
+    token_S = jnp.zeros(aligned_rows, jnp.int32).at[aligned_R].set(source_R.astype(jnp.int32))
     x_q_XD, x_scale_XG = quantize_activations(x_XD, BLOCK_K)
     h_q_PI, h_scale_GP = _grouped_call(
         tile_group_T,
-        x_q_XD[token_P],
-        x_scale_XG[token_P].T,
+        tile_start_T,
+        x_q_XD[token_S],
+        x_scale_XG[token_S].T,
         (gate, up),
         out_type=(
             jax.ShapeDtypeStruct((padded_rows, gate.values.shape[1]), jnp.float8_e4m3fn),
@@ -207,11 +290,11 @@ def w8a8_expert_rows_mgpu(
         block_n=BLOCK_K,
         stages=gate_up_stages,
         store=functools.partial(_store_h_quantized, limit=limit),
-        interpret=interpret,
     )
     row_weight_P = jnp.zeros(padded_rows, jnp.float32).at[pos_R].set(row_weight_R.astype(jnp.float32), mode="drop")
     y_PD = _grouped_call(
         tile_group_T,
+        jnp.arange(num_tiles, dtype=jnp.int32) * BLOCK_M,
         h_q_PI,
         h_scale_GP * row_weight_P,
         (down,),
@@ -219,7 +302,6 @@ def w8a8_expert_rows_mgpu(
         block_n=down_block_n,
         stages=down_stages,
         store=_store_rows,
-        interpret=interpret,
     )
     pos_of_out_R = jnp.zeros(num_rows, jnp.int32).at[order_R].set(pos_R)
     return jnp.take(y_PD, pos_of_out_R, axis=0, mode="fill", fill_value=0)

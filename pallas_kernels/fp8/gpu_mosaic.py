@@ -49,6 +49,19 @@ def layout_cast(interpret: bool):
     return _keep_layout if interpret else plgpu.layout_cast
 
 
+def promoted_product(acc_MN, x_smem, w_smem, scale_M):
+    """acc + (x_smem @ w_smem^T) * scale_M[:, None]: one K block's FP8 wgmma in a fresh accumulator, scaled per row
+    and added to the fp32 accumulator in registers (DeepSeek-V3's promotion once per 128 inputs). x_smem [M, 128]
+    e4m3, w_smem [N, 128] e4m3 (K-major), scale_M [M] in the WGMMA row layout."""
+
+    def block_product(partial_ref):
+        plgpu.wgmma(partial_ref, x_smem, w_smem.T)
+        return partial_ref[...]
+
+    partial_MN = pl.run_scoped(block_product, plgpu.ACC(acc_MN.shape, jnp.float32))
+    return acc_MN + partial_MN * lax.broadcast_in_dim(scale_M, partial_MN.shape, [0])
+
+
 def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, stages: int, cast) -> tuple:
     """One fp32 [BLOCK_M, block_n] accumulator in registers per (w_gmem, scale_at) of weights: the sum over the K
     blocks of the x tile's FP8 wgmma with the weight tile, times the rows' activation scales of that K block and the
@@ -61,17 +74,10 @@ def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, sta
         (k_block,) = indices
         w_smems, row_scales_smem, accs = refs[:num_weights], refs[num_weights], refs[-1]
         row_scale_M = cast(row_scales_smem[0, :], plgpu.Layout.WGMMA.reduce(1))
-        updated = []
-        for w_smem, (_, scale_at), acc_MN in zip(w_smems, weights, accs):
-
-            def block_product(acc_ref, w_smem=w_smem):
-                plgpu.wgmma(acc_ref, x_smem, w_smem.T)
-                return acc_ref[...]
-
-            partial_MN = pl.run_scoped(block_product, plgpu.ACC((BLOCK_M, block_n), jnp.float32))
-            scale_M = row_scale_M * scale_at(k_block)
-            updated.append(acc_MN + partial_MN * lax.broadcast_in_dim(scale_M, partial_MN.shape, [0]))
-        return tuple(updated)
+        return tuple(
+            promoted_product(acc_MN, x_smem, w_smem, row_scale_M * scale_at(k_block))
+            for w_smem, (_, scale_at), acc_MN in zip(w_smems, weights, accs)
+        )
 
     tile = plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms())
     zeros = cast(jnp.zeros((BLOCK_M, block_n), jnp.float32), plgpu.Layout.WGMMA)

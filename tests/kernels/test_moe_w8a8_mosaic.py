@@ -17,27 +17,34 @@ from test_moe_w8a8 import f64_down_scatter, f64_gather_swiglu, f64_weight, route
 
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.experimental import moe_gpu_mosaic as gpu_mosaic
-from pallas_kernels.experimental.moe_gpu_mosaic import BLOCK_M, padded_layout, w8a8_expert_rows_mgpu
+from pallas_kernels.experimental.moe_gpu_mosaic import ALIGN, BLOCK_M, padded_layout, w8a8_expert_rows_mgpu
 from pallas_kernels.fp8.reference import dequantize_blocks
 
 BLOCK = (128, 128)
 
 
-def test_padded_layout_starts_every_expert_on_a_tile():
-    """Empty experts, one of 64 rows exactly, one of 65, a tail of rows of no expert."""
-    sizes = np.array([0, 3, 64, 0, 65, 1, 0], np.int32)
+def test_padded_layout_starts_every_expert_on_a_tile_and_an_aligned_row():
+    """Empty experts, experts of 128 rows exactly, of 129 and of 300, one of one row, a tail of rows of no
+    expert: the padded layout (tiles), the aligned one (x's rows) and each tile's first aligned row."""
+    sizes = np.array([0, 3, 128, 0, 129, 1, 0, 300], np.int32)
     num_rows = int(sizes.sum()) + 5
-    pos, tile_group = map(np.asarray, padded_layout(jnp.asarray(sizes), num_rows))
-    expected_pos, expected_tiles, tile = [], [], 0
+    pos, aligned, tile_group, tile_start = map(np.asarray, padded_layout(jnp.asarray(sizes), num_rows))
+    expected_pos, expected_aligned, expected_tiles, expected_starts, tile, row = [], [], [], [], 0, 0
     for group, size in enumerate(sizes):
         expected_pos += [tile * BLOCK_M + j for j in range(size)]
+        expected_aligned += [row + j for j in range(size)]
         tiles = -(-size // BLOCK_M)
         expected_tiles += [group] * tiles
+        expected_starts += [row + j * BLOCK_M for j in range(tiles)]
         tile += tiles
+        row += -(-size // ALIGN) * ALIGN
     num_tiles = -(-num_rows // BLOCK_M) + len(sizes)
-    assert tile_group.shape == (num_tiles,) and pos.shape == (num_rows,)
-    np.testing.assert_array_equal(tile_group, expected_tiles + [len(sizes)] * (num_tiles - len(expected_tiles)))
+    assert tile_group.shape == tile_start.shape == (num_tiles,) and pos.shape == aligned.shape == (num_rows,)
+    padding = num_tiles - len(expected_tiles)
+    np.testing.assert_array_equal(tile_group, expected_tiles + [len(sizes)] * padding)
+    np.testing.assert_array_equal(tile_start, expected_starts + [0] * padding)
     np.testing.assert_array_equal(pos, expected_pos + [num_tiles * BLOCK_M] * 5)
+    np.testing.assert_array_equal(aligned, expected_aligned + [row + j for j in range(5)])
 
 
 class Buffer:
@@ -51,22 +58,23 @@ class Buffer:
         self.value = self.value.at[index].set(jnp.asarray(value, self.dtype).astype(jnp.float32))
 
 
-def stand_in_call(tile_group_T, x_q_PK, row_scales_GP, weights, *, out_type, block_n, store, **_):
-    """`_grouped_call` with the products in jnp (each tile's rows, dequantised by their row scales, times its
-    expert's dequantised weights, at HIGHEST precision) and the kernels' own stores, tile by tile."""
-    x_PK = dequantize_blocks(x_q_PK, row_scales_GP.T, (1, BLOCK[1]), jnp.float32)
+def stand_in_call(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, store, **_):
+    """`_grouped_call` with the products in jnp (each tile's 128 rows from its start, dequantised by their row
+    scales, times its expert's dequantised weights, at HIGHEST precision) and the kernels' own stores, tile by
+    tile."""
+    x_SK = dequantize_blocks(x_q_SK, row_scales_GS.T, (1, BLOCK[1]), jnp.float32)
     dense = [dequantize_blocks(w.values, w.scales, BLOCK, jnp.float32) for w in weights]
     outputs = [Buffer(t) for t in (out_type if isinstance(out_type, tuple) else (out_type,))]
-    for tile, group in enumerate(np.asarray(tile_group_T)):
+    for tile, (group, start) in enumerate(zip(np.asarray(tile_group_T), np.asarray(tile_start_T), strict=True)):
         if group >= len(dense[0]):
             continue
-        rows = pl.ds(tile * BLOCK_M, BLOCK_M)
+        assert start + BLOCK_M <= len(x_SK) and not start % ALIGN
         for col in range(0, dense[0].shape[1], block_n):
             accs = [
-                jnp.dot(x_PK[rows.start : rows.start + BLOCK_M], w[group, col : col + block_n].T, precision="highest")
+                jnp.dot(x_SK[start : start + BLOCK_M], w[group, col : col + block_n].T, precision="highest")
                 for w in dense
             ]
-            store(accs, rows, pl.ds(col, block_n), *outputs)
+            store(accs, pl.ds(tile * BLOCK_M, BLOCK_M), pl.ds(col, block_n), *outputs)
     values = tuple(b.value.astype(b.dtype) for b in outputs)
     return values if isinstance(out_type, tuple) else values[0]
 
