@@ -181,7 +181,7 @@ def _grouped_kernel(
                 w_smems, row_scales_smem, accs = rest[:num_weights], rest[num_weights], rest[-1]
                 row_scale_M = plgpu.layout_cast(row_scales_smem[0, half], plgpu.Layout.WGMMA.reduce(1))
                 return tuple(
-                    promoted_product(acc_MN, x_smem.at[half], w_smem, row_scale_M * scales[group, scale_row, k_block])
+                    promoted_product(acc_MN, x_smem.at[half], w_smem, row_scale_M, scales[group, scale_row, k_block])
                     for w_smem, scales, acc_MN in zip(w_smems, scales_refs, accs)
                 )
 

@@ -49,17 +49,19 @@ def layout_cast(interpret: bool):
     return _keep_layout if interpret else plgpu.layout_cast
 
 
-def promoted_product(acc_MN, x_smem, w_smem, scale_M):
-    """acc + (x_smem @ w_smem^T) * scale_M[:, None]: one K block's FP8 wgmma in a fresh accumulator, scaled per row
-    and added to the fp32 accumulator in registers (DeepSeek-V3's promotion once per 128 inputs). x_smem [M, 128]
-    e4m3, w_smem [N, 128] e4m3 (K-major), scale_M [M] in the WGMMA row layout."""
+def promoted_product(acc_MN, x_smem, w_smem, row_scale_M, block_scale):
+    """acc + (x_smem @ w_smem^T) * row_scale_M[:, None] * block_scale: one K block's FP8 wgmma in a fresh
+    accumulator, scaled per row and by the weight block's scale, and added to the fp32 accumulator in registers
+    (DeepSeek-V3's promotion once per 128 inputs; the scales are multiplied after the wgmma is issued, so their
+    loads wait behind it). x_smem [M, 128] e4m3, w_smem [N, 128] e4m3 (K-major), row_scale_M [M] in the WGMMA row
+    layout, block_scale a scalar."""
 
     def block_product(partial_ref):
         plgpu.wgmma(partial_ref, x_smem, w_smem.T)
         return partial_ref[...]
 
     partial_MN = pl.run_scoped(block_product, plgpu.ACC(acc_MN.shape, jnp.float32))
-    return acc_MN + partial_MN * lax.broadcast_in_dim(scale_M, partial_MN.shape, [0])
+    return acc_MN + partial_MN * lax.broadcast_in_dim(row_scale_M * block_scale, partial_MN.shape, [0])
 
 
 def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, stages: int, cast) -> tuple:
@@ -75,7 +77,7 @@ def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, sta
         w_smems, row_scales_smem, accs = refs[:num_weights], refs[num_weights], refs[-1]
         row_scale_M = cast(row_scales_smem[0, :], plgpu.Layout.WGMMA.reduce(1))
         return tuple(
-            promoted_product(acc_MN, x_smem, w_smem, row_scale_M * scale_at(k_block))
+            promoted_product(acc_MN, x_smem, w_smem, row_scale_M, scale_at(k_block))
             for w_smem, (_, scale_at), acc_MN in zip(w_smems, weights, accs)
         )
 
