@@ -54,8 +54,8 @@ SWEEP = {
         (64, 128, 4, 4, 64),
     ],
 }
-# (gate_up_stages, down_block_n, down_stages) of the Mosaic kernels; the first is the default
-MOSAIC_SWEEP = [(4, 128, 4), (3, 128, 4), (4, 128, 6), (4, 64, 6)]
+# (gate_up_stages, down_block_n, down_stages, down_columns) of the Mosaic kernels; the first is the default
+MOSAIC_SWEEP = [(4, 128, 5, 4), (3, 128, 5, 4), (4, 128, 5, 8), (4, 128, 5, 1), (4, 128, 2, 4), (4, 64, 6, 4)]
 SWEEP_KEYWORDS = {
     "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m"),

@@ -35,6 +35,7 @@ interpreter does not run warp-specialised pipelines).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ from pallas_kernels.variants import Variant
 
 MOSAIC = "gpu_mosaic"
 
-TILE_KEYWORDS = ("gate_up_stages", "down_block_n", "down_stages")
+TILE_KEYWORDS = ("gate_up_stages", "down_block_n", "down_stages", "down_columns")
 BLOCK_M = 128  # a tile's rows: 64 for each of the two compute warpgroups
 WG_ROWS = 64  # one warpgroup's wgmma rows
 MEMORY_REGISTERS = 40  # the TMA warpgroup's registers a thread (the compute warpgroups get the rest)
@@ -123,29 +124,32 @@ def _store_rows(accs, rows, cols, y_gmem):
 
 
 def _grouped_kernel(
-    tile_group_gmem, tile_start_gmem, x_gmem, row_scales_gmem, *refs, num_weights, block_n, stages, store
+    tile_group_gmem, tile_start_gmem, x_gmem, row_scales_gmem, *refs, num_weights, block_n, columns, stages, store
 ):
-    """One CTA per SM over the (tile t, column tile n) items: store(accumulators, the warpgroup's 64 rows of tile
-    t in the padded layout, column tile n, *outputs), one accumulator per (values [G, N, K], scales [G, N / 128,
-    K / 128]) pair of the first 2 num_weights refs (the outputs follow), for tile t's expert, from x's 128 rows
-    starting at tile_start[t]; tiles past the last expert's are skipped."""
+    """One CTA per SM over the (tile t, column group c) items, a column group `columns` column tiles of block_n:
+    store(accumulators, the warpgroup's 64 rows of tile t in the padded layout, column tile, *outputs) for each
+    column tile of the group in turn, one accumulator per (values [G, N, K], scales [G, N / 128, K / 128]) pair of
+    the first 2 num_weights refs (the outputs follow), for tile t's expert, from x's 128 rows starting at
+    tile_start[t]; tiles past the last expert's are skipped. One pipeline an item walks its column tiles' K blocks
+    (a longer pipeline than one column tile's: one fill an item)."""
     weight_refs, out_refs = refs[: 2 * num_weights], refs[2 * num_weights :]
     values_refs, scales_refs = weight_refs[0::2], weight_refs[1::2]
     num_groups, n_dim, k_dim = values_refs[0].shape
-    num_tiles, num_cols = tile_group_gmem.shape[0], n_dim // block_n
+    k_steps, item_n = k_dim // BLOCK_K, columns * block_n
+    num_tiles, num_items_n = tile_group_gmem.shape[0], n_dim // item_n
     wg = lax.axis_index("wg")
     half = pl.ds(wg * WG_ROWS, WG_ROWS)
-    weight_spec = plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms())
+    weight_spec = plgpu.BlockSpec((block_n, BLOCK_K), lambda j, k: (j, k), transforms=fp8_transforms())
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_dim // BLOCK_K,),
+            grid=(columns, k_steps),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda k: (0, k), transforms=fp8_transforms()),
+                plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda j, k: (0, k), transforms=fp8_transforms()),
                 *(weight_spec for _ in values_refs),
-                plgpu.BlockSpec((1, BLOCK_M), lambda k: (k, 0)),
+                plgpu.BlockSpec((1, BLOCK_M), lambda j, k: (k, 0)),
             ],
             max_concurrent_steps=stages,
             wg_axis="wg",
@@ -153,10 +157,10 @@ def _grouped_kernel(
             compute_context=context,
         )
 
-    def operands(tile_start, group, n):
+    def operands(tile_start, group, c):
         return (
             x_gmem.at[pl.ds(tile_start, BLOCK_M)],
-            *(values.at[group, pl.ds(n * block_n, block_n)] for values in values_refs),
+            *(values.at[group, pl.ds(c * item_n, item_n)] for values in values_refs),
             row_scales_gmem.at[:, pl.ds(tile_start, BLOCK_M)],
         )
 
@@ -169,31 +173,40 @@ def _grouped_kernel(
         collective_axes="wg",
     )
     def _scope(allocations):
-        @plgpu.nd_loop((num_tiles * num_cols,), collective_axes="sm")
+        @plgpu.nd_loop((num_tiles * num_items_n,), collective_axes="sm")
         def _item(info):
             (item,) = info.index
-            t, n = lax.div(item, num_cols), lax.rem(item, num_cols)
+            t, c = lax.div(item, num_items_n), lax.rem(item, num_items_n)
             group = tile_group_gmem[t]
-            scale_row = n * block_n // BLOCK_K
 
-            def k_step(indices, x_smem, *rest):
-                (k_block,) = indices
+            def step(indices, x_smem, *rest):
+                j, k_block = indices
                 w_smems, row_scales_smem, accs = rest[:num_weights], rest[num_weights], rest[-1]
                 row_scale_M = plgpu.layout_cast(row_scales_smem[0, half], plgpu.Layout.WGMMA.reduce(1))
-                return tuple(
-                    promoted_product(acc_MN, x_smem.at[half], w_smem, row_scale_M, scales[group, scale_row, k_block])
+                col0 = c * item_n + j * block_n
+                accs = tuple(
+                    promoted_product(
+                        acc_MN, x_smem.at[half], w_smem, row_scale_M, scales[group, col0 // BLOCK_K, k_block]
+                    )
                     for w_smem, scales, acc_MN in zip(w_smems, scales_refs, accs)
                 )
+                last = k_block == k_steps - 1
+
+                @pl.when(last)
+                def _():
+                    store(accs, pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS), pl.ds(col0, block_n), *out_refs)
+
+                keep = jnp.where(last, 0.0, 1.0)  # the next column tile starts from zeros (the sums are finite)
+                return tuple(acc_MN * keep for acc_MN in accs)
 
             def context(run):
                 zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
-                accs = run(tuple(zeros for _ in values_refs))
-                store(accs, pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS), pl.ds(n * block_n, block_n), *out_refs)
+                run(tuple(zeros for _ in values_refs))
 
             @pl.when(group < num_groups)
             def _():
                 tile_start = pl.multiple_of(tile_start_gmem[t], ALIGN)
-                pipeline(k_step, context)(*operands(tile_start, group, n), allocations=allocations)
+                pipeline(step, context)(*operands(tile_start, group, c), allocations=allocations)
 
 
 def _num_sms() -> int:
@@ -201,10 +214,14 @@ def _num_sms() -> int:
     return device.core_count if device.platform == "gpu" else HOPPER_SMS
 
 
-def _grouped_call(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, stages, store):
+def _grouped_call(
+    tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, columns, stages, store
+):
     """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs.
     x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them) reach BLOCK_M past every tile_start."""
-    kernel = functools.partial(_grouped_kernel, num_weights=len(weights), block_n=block_n, stages=stages, store=store)
+    kernel = functools.partial(
+        _grouped_kernel, num_weights=len(weights), block_n=block_n, columns=columns, stages=stages, store=store
+    )
     operands = [array for w in weights for array in (w.values, w.scales.astype(jnp.float32))]
     return plgpu.kernel(
         kernel,
@@ -253,6 +270,7 @@ def w8a8_expert_rows_mgpu(
     gate_up_stages: int | None = None,
     down_block_n: int | None = None,
     down_stages: int | None = None,
+    down_columns: int | None = None,
     fill_tail: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
@@ -263,8 +281,8 @@ def w8a8_expert_rows_mgpu(
     del fill_tail
     if interpret:
         raise ValueError("w8a8_expert_rows_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
-    gate_up_stages, down_block_n, down_stages = fill(
-        (gate_up_stages, down_block_n, down_stages), lookup(tuned.W8A8_MOSAIC_EXPERTS, dtype=x_XD.dtype)
+    gate_up_stages, down_block_n, down_stages, down_columns = fill(
+        (gate_up_stages, down_block_n, down_stages, down_columns), lookup(tuned.W8A8_MOSAIC_EXPERTS, dtype=x_XD.dtype)
     )
     _check(gate, up, down, down_block_n)
     num_rows = source_R.shape[0]
@@ -288,6 +306,7 @@ def w8a8_expert_rows_mgpu(
             jax.ShapeDtypeStruct((gate.values.shape[1] // BLOCK_K, padded_rows), jnp.float32),
         ),
         block_n=BLOCK_K,
+        columns=1,
         stages=gate_up_stages,
         store=functools.partial(_store_h_quantized, limit=limit),
     )
@@ -300,6 +319,7 @@ def w8a8_expert_rows_mgpu(
         (down,),
         out_type=jax.ShapeDtypeStruct((padded_rows, down.values.shape[1]), x_XD.dtype),
         block_n=down_block_n,
+        columns=math.gcd(down_columns, down.values.shape[1] // down_block_n),
         stages=down_stages,
         store=_store_rows,
     )

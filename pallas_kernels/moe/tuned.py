@@ -169,17 +169,19 @@ DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _W
 @dataclasses.dataclass(frozen=True)
 class MosaicExpertTiles:
     """gpu_mosaic W8A8 experts: the gate/up kernel's pipeline stages (its column tile is one 128-column group of
-    h), the down kernel's column tile and stages."""
+    h), the down kernel's column tile, stages and column tiles a work item (its largest divisor of D's column
+    tiles that divides them)."""
 
     gate_up_stages: int
     down_block_n: int
     down_stages: int
+    down_columns: int
 
 
 W8A8_MOSAIC_EXPERTS = _gpu(
     {
         (ANY, ANY): Entry(
-            MosaicExpertTiles(4, 128, 4),
+            MosaicExpertTiles(4, 128, 5, 4),
             "docs/benchmarks/moe.md#the-w8a8-experts-as-mosaic-gpu-kernels-and-the-triton-w8a8-tiles-re-swept-2026-12-03-"
             "seventh-session: 7.128 ms (with h quantised by XLA, gate/up tiles of 64: 7.365; down tiles of 64: 8.149)",
         )

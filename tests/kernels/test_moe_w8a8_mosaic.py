@@ -158,7 +158,7 @@ def test_compiled_kernels_match_float64(dtype):
     x, rows, row_weight, weights = problem(300, 4, 11, 384, 256, seed=7)
     x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
     expected = float64_rows(x, rows, row_weight, weights, 7.0)
-    for tiles in ((4, 128, 4), (3, 64, 2)):
+    for tiles in ((4, 128, 5, 4), (3, 64, 2, 2)):
         named = dict(zip(gpu_mosaic.TILE_KEYWORDS, tiles, strict=True))
         y = run(x, rows, row_weight, weights, 7.0, dtype, **named)
         assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
