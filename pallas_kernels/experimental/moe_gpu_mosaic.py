@@ -179,34 +179,29 @@ def _grouped_kernel(
             t, c = lax.div(item, num_items_n), lax.rem(item, num_items_n)
             group = tile_group_gmem[t]
 
-            def block_scales(j, k_block):
-                """The weights' scales of column tile j's K block k_block (each a scalar in global memory)."""
-                row = (c * item_n + j * block_n) // BLOCK_K
-                return tuple(scales[group, row, k_block] for scales in scales_refs)
-
             def step(indices, x_smem, *rest):
                 j, k_block = indices
-                w_smems, row_scales_smem, (accs, scales_now) = rest[:num_weights], rest[num_weights], rest[-1]
-                following = j * k_steps + k_block + 1  # the next step's scales read a step ahead (their latency)
-                scales_next = block_scales(jnp.minimum(following // k_steps, columns - 1), following % k_steps)
+                w_smems, row_scales_smem, accs = rest[:num_weights], rest[num_weights], rest[-1]
                 row_scale_M = plgpu.layout_cast(row_scales_smem[0, half], plgpu.Layout.WGMMA.reduce(1))
+                col0 = c * item_n + j * block_n
                 accs = tuple(
-                    promoted_product(acc_MN, x_smem.at[half], w_smem, row_scale_M, block_scale)
-                    for w_smem, block_scale, acc_MN in zip(w_smems, scales_now, accs)
+                    promoted_product(
+                        acc_MN, x_smem.at[half], w_smem, row_scale_M, scales[group, col0 // BLOCK_K, k_block]
+                    )
+                    for w_smem, scales, acc_MN in zip(w_smems, scales_refs, accs)
                 )
                 last = k_block == k_steps - 1
 
                 @pl.when(last)
                 def _():
-                    cols = pl.ds(c * item_n + j * block_n, block_n)
-                    store(accs, pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS), cols, *out_refs)
+                    store(accs, pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS), pl.ds(col0, block_n), *out_refs)
 
                 keep = jnp.where(last, 0.0, 1.0)  # the next column tile starts from zeros (the sums are finite)
-                return tuple(acc_MN * keep for acc_MN in accs), scales_next
+                return tuple(acc_MN * keep for acc_MN in accs)
 
             def context(run):
                 zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
-                run((tuple(zeros for _ in values_refs), block_scales(0, 0)))
+                run(tuple(zeros for _ in values_refs))
 
             @pl.when(group < num_groups)
             def _():
