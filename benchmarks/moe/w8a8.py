@@ -39,19 +39,19 @@ QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256
 # of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
 SWEEP = {
     "gather_swiglu_w8a8": [
-        (128, 8, 3, 64),
-        (128, 8, 3, 32),
         (128, 8, 4, 64),
-        (128, 8, 3, 128),
+        (128, 8, 3, 64),
+        (128, 8, 4, 32),
+        (128, 8, 4, 128),
         (64, 8, 4, 64),
     ],
     "down_scatter_w8a8": [
-        (64, 128, 4, 4, 32),
-        (128, 64, 4, 4, 32),
-        (128, 64, 4, 4, 64),
-        (64, 64, 4, 4, 32),
-        (128, 64, 8, 4, 32),
         (64, 128, 4, 4, 64),
+        (64, 128, 4, 4, 32),
+        (128, 64, 4, 4, 64),
+        (64, 64, 4, 4, 64),
+        (128, 64, 8, 4, 64),
+        (64, 128, 4, 3, 64),
     ],
 }
 # (gate_up_stages, down_block_n, down_stages, down_columns) of the Mosaic kernels; the first is the default

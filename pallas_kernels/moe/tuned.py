@@ -160,9 +160,15 @@ WEIGHT_LEFT_QUANTIZED = ("few_rows",)
 # 2.033 for (128 x 128, 8 warps). Re-swept 2026-12-03 (10 iterations): gate/up at min_block_m 64 (a group's last
 # tile at least 64 rows) 2.699 ms against 2.925 at 32 (the default until then); down's default stayed the best,
 # 1.766 ms.
+# the smallest row tile of an expert's last tile (a power of two)
 GATHER_SWIGLU_W8A8_MIN_BLOCK_M = 64
-_W8A8_SOURCE = "docs/benchmarks/moe.md#the-w8a8-moe-layer-measured-2026-12-02-fifth-session"
-GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 3), _W8A8_SOURCE)})
+DOWN_SCATTER_W8A8_MIN_BLOCK_M = 64
+_W8A8_SOURCE = (
+    "docs/benchmarks/moe.md#the-w8a8-experts-as-persistent-warp-specialised-mosaic-gpu-kernels-and-the-triton-w8a8-"
+    "tiles-on-the-h100-2026-12-06-twenty-fifth-session: on an H100 gate/up 4 stages 2.831 ms against 3 stages 3.183, "
+    "down min_block_m 64 1.877 against 32 2.129; equal on the H200 (2026-12-03: 2.711 / 2.699, 1.783 / 1.766)"
+)
+GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 4), _W8A8_SOURCE)})
 DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _W8A8_SOURCE)})
 
 

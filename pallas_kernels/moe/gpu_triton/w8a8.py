@@ -272,7 +272,7 @@ def down_scatter_w8a8_gpu(
     [R, I] e4m3, h_scale [R, ceil(I / block[1])]), FP8 products scaled per K block, accumulated and weighted in
     fp32; rows past the sum store zeros (fill_tail) or nothing. dest [R] int32 must be a permutation of [0, R);
     row_weight [R] fp32. down: block-FP8 [G, D, I] (values e4m3, scales [G, ceil(D / block[0]), ceil(I /
-    block[1])]). Tiles: None from `moe.tuned.DOWN_SCATTER_W8A8`."""
+    block[1])]). Tiles: None from `moe.tuned.DOWN_SCATTER_W8A8` (min_block_m: `DOWN_SCATTER_W8A8_MIN_BLOCK_M`)."""
     _check_weight("down", down_values_GDI, down_scales, block)
     num_rows, (hidden, width) = h_q_RI.shape[0], down_values_GDI.shape[1:]
     if h_q_RI.dtype != jnp.float8_e4m3fn or h_scale.shape != (num_rows, -(-width // block[1])):
@@ -293,7 +293,7 @@ def down_scatter_w8a8_gpu(
         block=block,
         gathers=False,
         k_dim=width,
-        min_block_m=min_block_m,
+        min_block_m=tuned.DOWN_SCATTER_W8A8_MIN_BLOCK_M if min_block_m is None else min_block_m,
         fill_tail=fill_tail,
         interpret=interpret,
         name="down_scatter_w8a8",
