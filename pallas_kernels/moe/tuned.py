@@ -188,8 +188,9 @@ W8A8_MOSAIC_EXPERTS = _gpu(
     {
         (ANY, ANY): Entry(
             MosaicExpertTiles(4, 128, 5, 4),
-            "docs/benchmarks/moe.md#the-w8a8-experts-as-mosaic-gpu-kernels-and-the-triton-w8a8-tiles-re-swept-2026-12-03-"
-            "seventh-session: 7.128 ms (with h quantised by XLA, gate/up tiles of 64: 7.365; down tiles of 64: 8.149)",
+            "docs/benchmarks/moe.md#the-w8a8-experts-as-persistent-warp-specialised-mosaic-gpu-kernels-and-the-triton-"
+            "w8a8-tiles-on-the-h100-2026-12-06-twenty-fifth-session: H100 5.655 ms (gate/up 3 stages 5.727; down 8 / 1 "
+            "column tiles an item 5.747 / 5.848; down 2 stages 6.277; down tiles of 64 at 6 stages 6.143)",
         )
     }
 )
