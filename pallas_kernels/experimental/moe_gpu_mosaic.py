@@ -215,13 +215,16 @@ def _num_sms() -> int:
 
 
 def _grouped_call(
-    tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, columns, stages, store
+    tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, columns, stages, store, name
 ):
-    """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs.
-    x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them) reach BLOCK_M past every tile_start."""
-    kernel = functools.partial(
-        _grouped_kernel, num_weights=len(weights), block_n=block_n, columns=columns, stages=stages, store=store
-    )
+    """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs;
+    name the kernel's (what a profile shows). x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them)
+    reach BLOCK_M past every tile_start."""
+
+    def kernel(*refs):
+        _grouped_kernel(*refs, num_weights=len(weights), block_n=block_n, columns=columns, stages=stages, store=store)
+
+    kernel.__name__ = kernel.__qualname__ = name
     operands = [array for w in weights for array in (w.values, w.scales.astype(jnp.float32))]
     return plgpu.kernel(
         kernel,
@@ -309,6 +312,7 @@ def w8a8_expert_rows_mgpu(
         columns=1,
         stages=gate_up_stages,
         store=functools.partial(_store_h_quantized, limit=limit),
+        name="w8a8_gate_up_mgpu",
     )
     row_weight_P = jnp.zeros(padded_rows, jnp.float32).at[pos_R].set(row_weight_R.astype(jnp.float32), mode="drop")
     y_PD = _grouped_call(
@@ -322,6 +326,7 @@ def w8a8_expert_rows_mgpu(
         columns=math.gcd(down_columns, down.values.shape[1] // down_block_n),
         stages=down_stages,
         store=_store_rows,
+        name="w8a8_down_mgpu",
     )
     pos_of_out_R = jnp.zeros(num_rows, jnp.int32).at[order_R].set(pos_R)
     return jnp.take(y_PD, pos_of_out_R, axis=0, mode="fill", fill_value=0)
