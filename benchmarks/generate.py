@@ -20,7 +20,9 @@
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
-format's device memory after init is read from `memory_stats`, and the peak after each batch's runs.
+format's device memory after init is read from `memory_stats`, and the peak after each batch's runs. A model whose
+parameters and largest batch's cache cannot fit the device (`ling_jax.generation.fit_check`) is refused with one
+line before any weight is initialised.
 Prefill: the prompt goes through the cache in chunks (as `Generator` does), timed after a warm-up. Decode:
 one jitted, cache-donating step (the model's Pallas KDA / MLA decode kernels and grouped-matmul experts)
 over a cache holding `context` tokens, the steps dispatched back to back as `Generator` runs them (mean
@@ -62,6 +64,8 @@ from benchmarks.trace import profile_report  # noqa: E402
 from ling_jax import xla_flags  # noqa: E402
 from ling_jax.cache import KDAState, LingCache, MLAState  # noqa: E402
 from ling_jax.checkpoints.hf import BF16, STORED  # noqa: E402
+from ling_jax.generation.cli_checks import device_memory  # noqa: E402
+from ling_jax.generation.fit_check import check_fit  # noqa: E402
 from ling_jax.generation.flags import positive_int  # noqa: E402
 from ling_jax.generation.generator import DECODE_READ_GROUP  # noqa: E402
 from ling_jax.generation.random_init import random_model  # noqa: E402
@@ -265,6 +269,9 @@ def main(argv=None) -> int:
     else:
         config = flash_slice_config(2 if args.quick else 8, args.quick)  # quick: one KDA and one MLA layer
     context = args.context or (512 if args.quick else 8192)
+    refusal = too_big(config, formats, context, max(int(batch) for batch in args.batches.split(",")), args.mtp > 0)
+    if refusal:
+        parser.error(refusal)
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}: {config.num_hidden_layers} layers "
         f"{config.layer_types}, hidden {config.hidden_size}, {config.num_experts} experts; "
@@ -287,6 +294,22 @@ def main(argv=None) -> int:
             f"{decode_s * 1e3:.2f} | {roofline_s * 1e3:.2f} | {decode_s / roofline_s:.2f}x |"
         )
     return 0
+
+
+def too_big(config, formats: list[str], context: int, batch: int, mtp: bool) -> str | None:
+    """Why the model cannot fit the first device's memory in one of `formats` (its parameters and the largest
+    batch's cache: `ling_jax.generation.fit_check`), checked before any weight is initialised; None when it fits
+    or the device reports no memory limit (a CPU)."""
+    hardware = device_memory()
+    if hardware is None:
+        return None
+    for weights in formats:
+        refusal = check_fit(
+            config, {}, hardware, weights=weights, batch=batch, context=context, mtp=mtp, skip_flag=None
+        )
+        if refusal:
+            return f"--weights {weights}: the model {refusal}"
+    return None
 
 
 def device_memory_gb(key: str = "bytes_in_use") -> str:

@@ -118,12 +118,14 @@ def check_fit(
     mtp: bool = False,
     devices: int = 1,
     quantized: bool = True,
+    skip_flag: str | None = "--no-memory-check",
 ) -> str | None:
     """None when the parameters and the decode cache (the MTP draft cache too with `mtp`) fit `hardware`'s usable
     memory per device on a mesh of `mesh_shape` with `weights`; else one line: the per-device figures and a
     `--weights` or `--mesh` that would fit (over `devices` devices, or the fewest more). quantized: whether
     weights="stored" keeps FP8 (the checkpoint is quantised, or a preset: published FP8); otherwise stored is
-    dense too. ShardingError if the model does not divide over the mesh."""
+    dense too. skip_flag: the caller's flag that skips the check, named at the end of the line (None: none).
+    ShardingError if the model does not divide over the mesh."""
     check = FitCheck(config, dtype=dtype, batch=batch, context=context, mtp=mtp)
     priced = weights if quantized else BF16
     footprint = check.footprint(mesh_shape, priced)
@@ -134,7 +136,8 @@ def check_fit(
     return (
         f"does not fit: {format_bytes(footprint.param_bytes)} of parameters + {format_bytes(footprint.cache_bytes)} "
         f"of cache per device (mesh {_mesh_text(mesh_shape)}, --weights {weights}, batch {batch}, context {context:,}) "
-        f"exceed the {format_bytes(usable)} usable on {hardware.name}; {way} (--no-memory-check skips this check)"
+        f"exceed the {format_bytes(usable)} usable on {hardware.name}; {way}"
+        + (f" ({skip_flag} skips this check)" if skip_flag else "")
     )
 
 

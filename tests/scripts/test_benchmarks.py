@@ -20,6 +20,7 @@ from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 
 from benchmarks import trace
 from benchmarks.common import PROFILE_STEPS
+from ling_jax.generation.memory_plan import Hardware
 
 ON_CPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU runs; on a GPU the gpu-marked ones run")
 ON_GPU = pytest.mark.skipif(
@@ -75,6 +76,21 @@ GPU_RUNS = {
     "moe --format fp8 mxfp4": ("benchmarks.moe", ["--format", "fp8", "mxfp4", "--quick", "--iters", "2"]),
     "moe --fp8-matmul w8a8": ("benchmarks.moe", ["--fp8-matmul", "w8a8", "--quick", "--iters", "2", "--sweep"]),
 }
+
+
+def test_generate_refuses_a_model_the_device_cannot_hold_before_initialising_it(capsys, monkeypatch):
+    """A full preset on a device of 80 GB (as an H100 reports it): one line naming the weights, the per-device
+    figures and what would fit, before any weight is initialised."""
+    module = importlib.import_module("benchmarks.generate")
+    monkeypatch.setattr(module, "device_memory", lambda: Hardware("NVIDIA H100 80GB HBM3", 80 * 10**9, 1.0, "test"))
+    monkeypatch.setattr(module, "random_model", lambda *a, **k: pytest.fail("initialised a model that cannot fit"))
+    argv = ["--preset", "ling-3.0-flash", "--weights", "stored", "--batches", "1", "--context", "32768"]
+    with pytest.raises(SystemExit) as stopped:
+        module.main([*argv, "--prefill-only"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--weights stored: the model does not fit:" in err and "on NVIDIA H100 80GB HBM3" in err
+    assert "--no-memory-check" not in err and "--mesh" in err
 
 
 @ON_CPU
