@@ -33,12 +33,13 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, st
 
     def chunk(n, state_KV):
         rows = pl.ds(n * size, size)
+        decay_K1 = decay_ref[n]  # loaded first, as in `_kernel_state_rows`
         state_operand = state_KV.astype(w_ref.dtype)
         v_new = u_ref[rows, :].astype(jnp.float32) - dots.nn(w_ref[rows, :], state_operand)  # [size, block_v]
         v_new_operand = v_new.astype(w_ref.dtype)
         o = dots.nn(qg_ref[rows, :], state_operand) + dots.nn(a_ref[rows, :], v_new_operand)
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        return decay_ref[n] * state_KV + dots.tn(kg_ref[rows, :], v_new_operand)
+        return decay_K1 * state_KV + dots.tn(kg_ref[rows, :], v_new_operand)
 
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
@@ -52,12 +53,13 @@ def _kernel_state_rows(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref
 
     def chunk(n, state_VK):
         rows = pl.ds(n * size, size)
+        decay_1K = decay_ref[n]  # loaded first: its latency passes under the products (after o's store it did not)
         state_operand = state_VK.astype(w_ref.dtype)
         v_new_VC = u_ref[rows, :].astype(jnp.float32).T - dots.nt(state_operand, w_ref[rows, :])
         v_new_operand = v_new_VC.astype(w_ref.dtype)
         o_VC = dots.nt(state_operand, qg_ref[rows, :]) + dots.nt(v_new_operand, a_ref[rows, :])
         o_ref[rows, :] = o_VC.T.astype(o_ref.dtype)
-        return decay_ref[n] * state_VK + dots.nn(v_new_operand, kg_ref[rows, :])
+        return decay_1K * state_VK + dots.nn(v_new_operand, kg_ref[rows, :])
 
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
