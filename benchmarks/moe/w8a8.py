@@ -4,6 +4,7 @@ FP8 and bf16 matmul peaks measured in the same run.
     python -m benchmarks.moe --fp8-matmul w8a8           # 8192 tokens, hidden 4096, width 1280, 512 experts, top-8
     python -m benchmarks.moe --fp8-matmul w8a8 --sweep   # plus a tile sweep of the two W8A8 kernels
     python -m benchmarks.moe --fp8-matmul w8a8 --quick   # small sizes; on a CPU the kernels run in interpret mode
+    python -m benchmarks.moe --fp8-matmul w8a8 --balanced  # every expert exactly 128 rows (one row tile each)
 
 Paths, each on the same routing (uniform random top-k, distinct experts per token) and the same weights (the bf16
 experts, and their block-FP8 quantisation, 128 x 128 blocks):
@@ -72,10 +73,14 @@ def block_fp8(w_GNK):
     return values.reshape(w_GNK.shape), scales
 
 
-def random_problem(tokens: int, hidden: int, width: int, experts: int, top_k: int):
-    """(x, routing weights [T, k], experts [T, k], gate, up, down bf16) drawn on the device."""
+def random_problem(tokens: int, hidden: int, width: int, experts: int, top_k: int, balanced: bool = False):
+    """(x, routing weights [T, k], experts [T, k], gate, up, down bf16) drawn on the device; balanced: token t's
+    j-th expert (t k + j) mod E, so every expert gets T k / E rows (distinct experts a token while k <= E)."""
     keys = jax.random.split(jax.random.key(0), 6)
-    experts_TK = jax.lax.top_k(jax.random.uniform(keys[0], (tokens, experts)), top_k)[1].astype(jnp.int32)
+    if balanced:
+        experts_TK = (jnp.arange(tokens * top_k, dtype=jnp.int32) % experts).reshape(tokens, top_k)
+    else:
+        experts_TK = jax.lax.top_k(jax.random.uniform(keys[0], (tokens, experts)), top_k)[1].astype(jnp.int32)
     weights_TK = jax.random.uniform(keys[1], (tokens, top_k), jnp.float32, 0.1, 1.0)
     x_TD = jax.random.normal(keys[2], (tokens, hidden), jnp.bfloat16)
     gate, up = (jax.random.normal(k, (experts, width, hidden), jnp.bfloat16) * hidden**-0.5 for k in keys[3:5])
@@ -135,6 +140,12 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="also sweep the W8A8 kernels' tiles")
     parser.add_argument(
+        "--balanced",
+        action="store_true",
+        help="route every expert exactly tokens x k / experts rows (no expert's rows spill into a second tile) "
+        "instead of uniform random top-k",
+    )
+    parser.add_argument(
         "--profile", metavar="DIR", help="write a Perfetto trace of 3 calls of each path (scripts/trace_summary.py)"
     )
     args = parser.parse_args(argv)
@@ -148,10 +159,12 @@ def main(argv=None) -> int:
     print(
         f"# benchmarks.moe --fp8-matmul w8a8: jax {jax.__version__}, {jax.devices()[0].device_kind}, backend "
         f"{backend}; {tokens} tokens, hidden {hidden}, width {width}, {num_experts} experts, top-{top_k}, bf16 "
-        f"activations, {BLOCK} blocks"
+        f"activations, {BLOCK} blocks, {'balanced' if args.balanced else 'uniform random'} routing"
     )
     bf16_peak, fp8_peak, fp8_name = peaks(sizes["peak_size"], args.iters)
-    x_TD, weights_TK, experts_TK, gate, up, down = random_problem(tokens, hidden, width, num_experts, top_k)
+    x_TD, weights_TK, experts_TK, gate, up, down = random_problem(
+        tokens, hidden, width, num_experts, top_k, args.balanced
+    )
     fp8_weights = tuple(block_fp8(w) for w in (gate, up, down))
     paths = {
         "bf16 fused": (functools.partial(calls.fused_kernels, limit=LIMIT, backend=backend), (gate, up, down)),

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from helpers import ONE_DEVICE_XLA_FLAGS, REPO_ROOT
 
@@ -177,3 +178,12 @@ def test_moe_flags_pick_one_measurement(capsys):
     with pytest.raises(SystemExit):
         benchmarks_moe.main(["--devices", "2", "--format", "fp8"])
     assert "drop --format / --path" in capsys.readouterr().err
+
+
+def test_w8a8_balanced_routing_gives_every_expert_the_same_rows():
+    """`benchmarks.moe --fp8-matmul w8a8 --balanced`: 24 tokens, top-4 of 12 experts: 8 rows each, a token's
+    experts distinct."""
+    random_problem = importlib.import_module("benchmarks.moe.w8a8").random_problem
+    experts_TK = np.asarray(random_problem(24, 8, 8, 12, 4, balanced=True)[2])
+    assert np.array_equal(np.bincount(experts_TK.ravel(), minlength=12), np.full(12, 8))
+    assert all(len(set(row)) == 4 for row in experts_TK.tolist())
