@@ -334,6 +334,7 @@ PREFILL_VARIANTS = [  # (variant of chunk_kda, phase 1's tiles replaced over its
     ("gpu_triton_short", {}, {"block_v": 32}),  # twice the programs, 32 state rows a product
     ("gpu_triton_short", {"chunk": 32}),  # half the state pass's steps, twice the work a step
     ("gpu_triton_short", {"chunk": 32, "num_warps": 8}),
+    ("gpu_triton_short", {"paired": True}),  # the state pass's w and folded-q products as one, no a_qk product
     ("gpu_triton", {}, {"state_rows": True, "num_stages": 3}),
 ]
 

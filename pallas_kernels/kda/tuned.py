@@ -37,11 +37,14 @@ class InterTiles:
 @dataclasses.dataclass(frozen=True)
 class ShortChunkTiles:
     """gpu_triton_short prefill phase 1: chunks a program, Triton warps; chunk: tokens a chunk (16 or 32; phase 2
-    then walks T / chunk steps)."""
+    then walks T / chunk steps); paired (16-token chunks, a state pass with state_rows): the parts as
+    `intra.PairedParts`, so that the state pass makes one product with the state a step where it made two, and
+    none with a_qk."""
 
     chunks: int
     num_warps: int
     chunk: int = 16
+    paired: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

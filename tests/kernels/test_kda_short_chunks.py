@@ -51,18 +51,18 @@ def test_prefill_matches_float64_recurrence(length, with_state):
 
 
 @pytest.mark.parametrize(
-    "name, state_rows, chunk",
-    [("gpu_triton_short", True, 16), ("gpu_triton", True, 16), ("gpu_triton_short", False, 16)]
-    + [("gpu_triton_short", True, 32)],
+    "name, state_rows, chunk, paired",
+    [("gpu_triton_short", True, 16, False), ("gpu_triton", True, 16, False), ("gpu_triton_short", False, 16, False)]
+    + [("gpu_triton_short", True, 32, False), ("gpu_triton_short", True, 16, True)],
 )
-def test_phase2_forms_match_float64(name, state_rows, chunk):
+def test_phase2_forms_match_float64(name, state_rows, chunk, paired):
     """Phase 2 with the state held transposed (`InterTiles.state_rows`) after either phase 1, and either form
-    after the short phase 1 at 16- and 32-token chunks, an initial state, T = 83."""
+    after the short phase 1 at 16- and 32-token chunks, the paired parts' state pass, an initial state, T = 83."""
     q, k, v, g, beta, state = random_sequence(1, 83, 2, 16, 32, jnp.float32, seed=3)
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
     short = name == "gpu_triton_short"
     tiles = ChunkTiles(
-        intra=ShortChunkTiles(chunks=1, num_warps=4, chunk=chunk) if short else None,
+        intra=ShortChunkTiles(chunks=1, num_warps=4, chunk=chunk, paired=paired) if short else None,
         inter=InterTiles(block_v=16, num_warps=4, num_stages=2, state_rows=state_rows),
     )
     arrays = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
@@ -79,12 +79,12 @@ def test_segments_match_float64():
     assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
-def test_prefill_bf16_at_the_gate_bound(chunk):
+@pytest.mark.parametrize("chunk, paired", [(16, False), (32, False), (16, True)])
+def test_prefill_bf16_at_the_gate_bound(chunk, paired):
     q, k, v, g, beta, state = random_sequence(1, 96, 3, 32, 16, jnp.bfloat16, seed=7)
     g[:, 40:] = -5.0
     o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
-    tiles = ChunkTiles(intra=ShortChunkTiles(chunks=1, num_warps=4, chunk=chunk))
+    tiles = ChunkTiles(intra=ShortChunkTiles(chunks=1, num_warps=4, chunk=chunk, paired=paired))
     arrays = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(x) for x in (g, beta, state)]
     o, s = kernel("chunk_kda", "gpu_triton_short")(*arrays, scale=32**-0.5, tiles=tiles, interpret=True)
     assert o.dtype == jnp.bfloat16 and np.isfinite(np.asarray(o, np.float32)).all()
@@ -115,10 +115,22 @@ def test_layer_under_policy_kda_prefill():
         ExecutionPolicy(kda_prefill=1)
 
 
-def test_lowers_for_cuda():
-    prefill = functools.partial(kernel("chunk_kda", "gpu_triton_short"), scale=128**-0.5)
+@pytest.mark.parametrize("paired", [False, True])
+def test_lowers_for_cuda(paired):
+    tiles = ChunkTiles(intra=ShortChunkTiles(chunks=1, num_warps=2, paired=paired))
+    prefill = functools.partial(kernel("chunk_kda", "gpu_triton_short"), scale=128**-0.5, tiles=tiles)
     text = lower_for_cuda(prefill, *abstract_inputs(1, 1000, 4)).as_text()
     assert "kda_prefill_short_chunks" in text and "kda_prefill_inter_chunk" in text
+
+
+def test_paired_parts_need_16_token_chunks_and_the_transposed_state():
+    q, k, v, g, beta, state = (jnp.asarray(x) for x in random_sequence(1, 64, 1, 16, 16, jnp.float32, seed=1))
+    prefill = functools.partial(kernel("chunk_kda", "gpu_triton_short"), scale=0.25, interpret=True)
+    with pytest.raises(ValueError, match="paired parts take 16-token chunks, got 32"):
+        prefill(q, k, v, g, beta, state, tiles=ChunkTiles(intra=ShortChunkTiles(1, 4, chunk=32, paired=True)))
+    untransposed = InterTiles(block_v=16, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="paired parts need the state held transposed"):
+        prefill(q, k, v, g, beta, state, tiles=ChunkTiles(ShortChunkTiles(1, 4, paired=True), untransposed))
 
 
 @gpu_test("the compiled short-chunk Triton kernels")
@@ -136,3 +148,16 @@ def test_compiled_full_width(dtype):
         chunk=16,
     )
     chunk_tests.test_compiled_gpu_kernel_full_width(dtype, "gpu_triton_short")
+
+
+@gpu_test("the compiled short-chunk Triton kernels")
+def test_compiled_paired_parts_at_full_width():
+    """The paired parts' phase 1 and state pass compiled at K = V = 128, bf16, at the gate bound from token 90,
+    an initial state, T = 200, against the float64 recurrence."""
+    q, k, v, g, beta, state = random_sequence(1, 200, 2, 128, 128, jnp.bfloat16, seed=11)
+    g[:, 90:] = -5.0
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+    tiles = ChunkTiles(intra=ShortChunkTiles(chunks=1, num_warps=2, paired=True))
+    arrays = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [jnp.asarray(x) for x in (g, beta, state)]
+    o, s = kernel("chunk_kda", "gpu_triton_short")(*arrays, scale=128**-0.5, tiles=tiles)
+    assert rel_error(o, o_ref) <= TOL[jnp.bfloat16] and rel_error(s, s_ref) <= TOL[jnp.bfloat16]

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kda import tuned
-from pallas_kernels.kda.gpu_triton.intra import ChunkParts, gpu_dots
+from pallas_kernels.kda.gpu_triton.intra import ChunkParts, PairedParts, gpu_dots
 from pallas_kernels.tuning import lookup
 
 
@@ -64,9 +64,29 @@ def _kernel_state_rows(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
+def _kernel_paired(wq_ref, ua_ref, kg_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
+    """`_kernel_state_rows` on `intra.PairedParts`: one product of the state with a chunk's 2C rows of wq gives
+    S w^T and S (qg - a_qk w)^T with their columns interleaved; adding ua^T's (u, a_qk u) columns, the first negated,
+    gives v_new^T and o^T at once (split by column parity, within each thread's registers)."""
+    dots = gpu_dots(o_ref.dtype)
+    size = kg_ref.shape[0] // num_chunks
+    signs_1P = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (1, 2 * size), 1) % 2 == 0, -1.0, 1.0)
+
+    def chunk(n, state_VK):
+        rows, pair_rows = pl.ds(n * size, size), pl.ds(n * 2 * size, 2 * size)
+        decay_1K = decay_ref[n]  # loaded first, as in `_kernel_state_rows`
+        state_operand = state_VK.astype(wq_ref.dtype)
+        sums_VP = ua_ref[pair_rows, :].astype(jnp.float32).T + signs_1P * dots.nt(state_operand, wq_ref[pair_rows, :])
+        v_new_VC, o_VC = jnp.unstack(sums_VP.reshape(sums_VP.shape[0], size, 2), axis=-1)
+        o_ref[rows, :] = o_VC.T.astype(o_ref.dtype)
+        return decay_1K * state_VK + dots.nn(v_new_VC.astype(wq_ref.dtype), kg_ref[rows, :])
+
+    state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
 def inter_chunk(
-    parts: ChunkParts,
+    parts: ChunkParts | PairedParts,
     initial_state,
     *,
     out_dtype,
@@ -74,33 +94,49 @@ def inter_chunk(
     interpret: bool = False,
 ):
     """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts (chunks of
-    a_qk's last dimension: CHUNK, or 16 for `short_chunks`) and the initial state [B, H, K, V] fp32. Grid
-    (V / block_v, B*H); each program runs all the chunks, holding its state slice as [K, block_v] or, with
-    tiles.state_rows, transposed as [block_v, K]. Tiles: None from `tuned.CHUNK_INTER`."""
+    a_qk's last dimension: CHUNK, or 16 for `short_chunks`; `intra.PairedParts` from its paired phase 1, which
+    needs tiles.state_rows) and the initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs
+    all the chunks, holding its state slice as [K, block_v] or, with tiles.state_rows, transposed as [block_v,
+    K]. Tiles: None from `tuned.CHUNK_INTER`."""
     tiles = tiles or lookup(tuned.CHUNK_INTER, dtype=out_dtype)
     batch, heads, key_dim, value_dim = initial_state.shape
-    flat, padded = parts.w.shape[:2]
-    size = parts.a_qk.shape[-1]
-    num_chunks = padded // size
+    paired = isinstance(parts, PairedParts)
+    if paired and not tiles.state_rows:
+        raise ValueError("inter_chunk: paired parts need the state held transposed (tiles.state_rows)")
+    flat, padded = parts.kg.shape[:2]
+    num_chunks = parts.decay_last.shape[1]
+    size = padded // num_chunks
     block_v = min(tiles.block_v, value_dim)
-    whole = lambda width: pl.BlockSpec((None, padded, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
-    value_part = pl.BlockSpec((None, padded, block_v), lambda j, bh: (bh, 0, j))
+    whole = lambda length, width: pl.BlockSpec((None, length, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
+    value_part = lambda length: pl.BlockSpec((None, length, block_v), lambda j, bh: (bh, 0, j))  # noqa: E731
     if tiles.state_rows:  # the state as S^T [V, K], its value rows split; the chunk decays as [1, K] rows
-        kernel = _kernel_state_rows
         decay = parts.decay_last
         per_chunk = pl.BlockSpec((None, num_chunks, 1, key_dim), lambda j, bh: (bh, 0, 0, 0))
         state_part = pl.BlockSpec((None, block_v, key_dim), lambda j, bh: (bh, j, 0))
         state_in, state_shape = initial_state.reshape(flat, key_dim, value_dim).swapaxes(1, 2), (value_dim, key_dim)
     else:
-        kernel = _kernel
         decay = parts.decay_last.reshape(flat, num_chunks, key_dim, 1)
         per_chunk = pl.BlockSpec((None, num_chunks, key_dim, 1), lambda j, bh: (bh, 0, 0, 0))
         state_part = pl.BlockSpec((None, key_dim, block_v), lambda j, bh: (bh, 0, j))
         state_in, state_shape = initial_state.reshape(flat, key_dim, value_dim), (key_dim, value_dim)
+    if paired:
+        kernel = _kernel_paired
+        operands = (parts.wq, parts.ua, parts.kg)
+        in_specs = [whole(2 * padded, key_dim), value_part(2 * padded), whole(padded, key_dim)]
+    else:
+        kernel = _kernel_state_rows if tiles.state_rows else _kernel
+        operands = (parts.w, parts.u, parts.qg, parts.kg, parts.a_qk)
+        in_specs = [
+            whole(padded, key_dim),
+            value_part(padded),
+            whole(padded, key_dim),
+            whole(padded, key_dim),
+            whole(padded, size),
+        ]
     o, state = pl.pallas_call(
         functools.partial(kernel, num_chunks=num_chunks),
         grid=(pl.cdiv(value_dim, block_v), flat),
-        in_specs=[whole(key_dim), value_part, whole(key_dim), whole(key_dim), whole(size), per_chunk, state_part],
+        in_specs=[*in_specs, per_chunk, state_part],
         out_specs=[
             pl.BlockSpec((None, padded, None, block_v), lambda j, bh: (bh // heads, 0, bh % heads, j)),
             state_part,
@@ -112,7 +148,7 @@ def inter_chunk(
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="kda_prefill_inter_chunk",
-    )(parts.w, parts.u, parts.qg, parts.kg, parts.a_qk, decay, state_in)
+    )(*operands, decay, state_in)
     if tiles.state_rows:
         state = state.swapaxes(1, 2)
     return o, state.reshape(batch, heads, key_dim, value_dim)

@@ -32,7 +32,7 @@ from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.blocks import decay_blocks, intra_tiles, sub_block_keys
 from pallas_kernels.kda.gpu_triton.tril import CHUNK, gpu_dots, wy_factors
 
-__all__ = ["CHUNK", "ChunkParts", "gpu_dots", "intra_chunk", "intra_chunk_any_gate"]
+__all__ = ["CHUNK", "ChunkParts", "PairedParts", "gpu_dots", "intra_chunk", "intra_chunk_any_gate"]
 
 
 class ChunkParts(NamedTuple):
@@ -43,6 +43,18 @@ class ChunkParts(NamedTuple):
     qg: jax.Array  # [BH, Tp, K] e^G q
     kg: jax.Array  # [BH, Tp, K] e^{G_last - G} k
     a_qk: jax.Array  # [BH, Tp, CHUNK] sum_i q_c k_s e^{G_c - G_s} for s <= c, else 0
+    decay_last: jax.Array  # [BH, N, 1, K] fp32 e^{G_last}
+
+
+class PairedParts(NamedTuple):
+    """Phase 1's output for the paired state pass (`short_chunks`, `tuned.ShortChunkTiles.paired`): the output's
+    product with the state folded into one with w, o = qg S + a_qk (u - w S) = (qg - a_qk w) S + a_qk u, and the
+    rows of each pair interleaved (row 2r of a chunk's 2C rows its row r of the first, 2r + 1 of the second), so
+    that one product of the state with a chunk's wq gives both, and adding ua takes both sums at once."""
+
+    wq: jax.Array  # [BH, 2 Tp, K] (w, qg - a_qk w), rows interleaved
+    ua: jax.Array  # [BH, 2 Tp, V] (u, a_qk u), rows interleaved
+    kg: jax.Array  # [BH, Tp, K] e^{G_last - G} k
     decay_last: jax.Array  # [BH, N, 1, K] fp32 e^{G_last}
 
 

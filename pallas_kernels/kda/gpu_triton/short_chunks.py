@@ -19,6 +19,11 @@ parts come from its own C rows, a few [C, K] x [K, C] and C x C products in one 
 - w = X (beta e^G k), u = X (beta v), qg = e^G q, kg = e^{G_last - G} k, decay_last = e^{G_last}: the parts of
   `intra.ChunkParts` at C rows a chunk (a_qk [BH, Tp, C]).
 
+With tiles.paired (16-token chunks; lab) the parts are `intra.PairedParts`: o's product with the state folded into
+w's (qg - a_qk w; a_qk u formed here), the pairs' rows interleaved, so that the state pass makes two products a
+step where it made four (sm_90: 8 m64n32k16 + 1 m64n128k16 wgmma in 2 waited groups, against 17 m64n16k16 + 1 in
+4), and phase 1 two more [16, 16] x [16, K] products a chunk.
+
 Program (sequence-head, group) owns `chunks` consecutive chunks (tiles: `tuned.CHUNK_SHORT`), taken in turn.
 Phase 2 then walks 64 / C times as many chunks as the default, each step that much less work, with the state held
 transposed (`tuned.CHUNK_INTER_SHORT`: state_rows), so that its products keep 64 state rows on the tensor cores'
@@ -40,7 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.kda import tuned
 from pallas_kernels.kda.gpu_triton.blocks import EXACT_DOT, inverse_norms
 from pallas_kernels.kda.gpu_triton.chunk import chunk_kda_gpu
-from pallas_kernels.kda.gpu_triton.intra import ChunkParts
+from pallas_kernels.kda.gpu_triton.intra import ChunkParts, PairedParts
 from pallas_kernels.kda.gpu_triton.tril import SUB, gpu_dots, iota_16
 from pallas_kernels.tuning import lookup
 
@@ -89,17 +94,27 @@ def _block(q_ref, k_ref, g_ref, beta_ref, rows, offset_1K=None, *, scale, l2norm
     return _Block(reference_1K, total_1K, left_CK, k_CK * inverse_left_CK, q_CK, k_CK, beta_ref[rows, :])
 
 
-def _block_parts(b: _Block, rows, total_1K, dots, kg_ref, qg_ref, a_ref, a_columns):
-    """A block's own parts: kg, qg and its a_qk block (at `a_columns` of a_ref) stored; (X_jj = (I + L_jj)^-1,
-    beta e^G k) returned."""
+def _block_parts(b: _Block, rows, total_1K, dots, kg_ref, put):
+    """A block's own parts: kg stored, put(a_qk block, qg) (as formed: the callers store them), (X_jj = (I +
+    L_jj)^-1, beta e^G k) returned."""
     rows_CC, cols_CC = iota_16(0), iota_16(1)
     kg_ref[rows, :] = (jnp.exp(total_1K - b.R) * b.right).astype(kg_ref.dtype)
     a_kk_CC, a_qk_CC = dots.nt(b.k * b.left, b.right), dots.nt(b.q * b.left, b.right)
     decay_CK = b.left * jnp.exp(b.R)
-    a_ref[rows, a_columns] = jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0).astype(a_ref.dtype)
-    qg_ref[rows, :] = (decay_CK * b.q).astype(qg_ref.dtype)
+    put(jnp.where(cols_CC <= rows_CC, a_qk_CC, 0.0), decay_CK * b.q)
     inverse_CC = neumann_inverse(jnp.where(cols_CC < rows_CC, b.beta * a_kk_CC, 0.0))
     return inverse_CC, b.beta * decay_CK * b.k
+
+
+def _storer(rows, qg_ref, a_ref, a_columns):
+    """`_block_parts`' put for the parts as `intra.ChunkParts` holds them: the a_qk block at `a_columns` of a_ref,
+    qg at its rows."""
+
+    def put(a_qk_CC, qg_CK):
+        a_ref[rows, a_columns] = a_qk_CC.astype(a_ref.dtype)
+        qg_ref[rows, :] = qg_CK.astype(qg_ref.dtype)
+
+    return put
 
 
 def _kernel(
@@ -111,9 +126,32 @@ def _kernel(
         rows = pl.ds(c * SUB, SUB)
         b = _block(q_ref, k_ref, g_ref, beta_ref, rows, scale=scale, l2norm=l2norm)
         decay_ref[c] = jnp.exp(b.total)
-        inverse_CC, decayed_keys_CK = _block_parts(b, rows, b.total, dots, kg_ref, qg_ref, a_ref, slice(None))
+        inverse_CC, decayed_keys_CK = _block_parts(
+            b, rows, b.total, dots, kg_ref, _storer(rows, qg_ref, a_ref, slice(None))
+        )
         w_ref[rows, :] = dots.nn(inverse_CC, decayed_keys_CK).astype(w_ref.dtype)
         u_ref[rows, :] = dots.nn(inverse_CC, b.beta * v_ref[rows, :].astype(jnp.float32)).astype(u_ref.dtype)
+
+
+def _kernel_paired(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, wq_ref, ua_ref, kg_ref, decay_ref, *, scale, l2norm, input_dtype
+):
+    """16-token chunks, the parts as `intra.PairedParts`: wq [C, 2, K] holds (w, qg - a_qk w), ua [C, 2, V]
+    (u, a_qk u), both products in fp32 from w and u before they are rounded."""
+    dots = gpu_dots(input_dtype)
+    for c in range(decay_ref.shape[0]):
+        rows = pl.ds(c * SUB, SUB)
+        b = _block(q_ref, k_ref, g_ref, beta_ref, rows, scale=scale, l2norm=l2norm)
+        decay_ref[c] = jnp.exp(b.total)
+        formed = []
+        inverse_CC, decayed_keys_CK = _block_parts(b, rows, b.total, dots, kg_ref, lambda *parts: formed.extend(parts))
+        a_qk_CC, qg_CK = formed
+        w_CK = dots.nn(inverse_CC, decayed_keys_CK)
+        wq_ref[rows, 0, :] = w_CK.astype(wq_ref.dtype)
+        wq_ref[rows, 1, :] = (qg_CK - dots.nn(a_qk_CC, w_CK)).astype(wq_ref.dtype)
+        u_CV = dots.nn(inverse_CC, b.beta * v_ref[rows, :].astype(jnp.float32))
+        ua_ref[rows, 0, :] = u_CV.astype(ua_ref.dtype)
+        ua_ref[rows, 1, :] = dots.nn(a_qk_CC, u_CV).astype(ua_ref.dtype)
 
 
 def _kernel_pairs(
@@ -135,7 +173,7 @@ def _kernel_pairs(
         a_ref[rows[1], pl.ds(0, SUB)] = dots.nt(second.q * cross_left_CK, cross_right_CK).astype(a_ref.dtype)
         a_ref[rows[0], pl.ds(SUB, SUB)] = jnp.zeros((SUB, SUB), a_ref.dtype)
         (inverse_0, keys_0), (inverse_1, keys_1) = (
-            _block_parts(b, rows[j], total_1K, dots, kg_ref, qg_ref, a_ref, pl.ds(j * SUB, SUB))
+            _block_parts(b, rows[j], total_1K, dots, kg_ref, _storer(rows[j], qg_ref, a_ref, pl.ds(j * SUB, SUB)))
             for j, b in enumerate((first, second))
         )
         below_CC = -EXACT_DOT(inverse_1, EXACT_DOT(second.beta * cross_kk_CC, inverse_0))  # X_10
@@ -158,12 +196,12 @@ def short_chunk_parts(
     parts_dtype=None,
     tiles: tuned.ShortChunkTiles | None = None,
     interpret: bool = False,
-) -> ChunkParts:
+) -> ChunkParts | PairedParts:
     """Phase 1 over C-token chunks (module docstring; C = tiles.chunk), `intra.intra_chunk`'s signature: q, k
     [B, Tp, H, K], v [B, Tp, H, V], g [B, Tp, H, K] fp32 log-decays >= -5, beta [B, Tp, H, 1] fp32, Tp a multiple
-    of C; parts in parts_dtype (default v's), a_qk [BH, Tp, C], decay_last [BH, Tp / C, 1, K]. Grid (B*H, Tp /
-    (C x chunks)), chunks the largest power of two <= tiles.chunks dividing Tp / C. Tiles: None from
-    `tuned.CHUNK_SHORT`."""
+    of C; parts in parts_dtype (default v's), a_qk [BH, Tp, C], decay_last [BH, Tp / C, 1, K]; with tiles.paired
+    (16-token chunks) as `intra.PairedParts`. Grid (B*H, Tp / (C x chunks)), chunks the largest power of two <=
+    tiles.chunks dividing Tp / C. Tiles: None from `tuned.CHUNK_SHORT`."""
     tiles = tiles or lookup(tuned.CHUNK_SHORT, dtype=v.dtype)
     dtype = v.dtype if parts_dtype is None else parts_dtype
     batch, padded, heads, key_dim = q.shape
@@ -172,25 +210,50 @@ def short_chunk_parts(
         raise ValueError(f"short_chunk_parts: chunks of {size} tokens, expected one of {CHUNK_SIZES}")
     if padded % size:
         raise ValueError(f"short_chunk_parts: {padded} tokens, expected a multiple of {size}")
+    if tiles.paired and size != SUB:
+        raise ValueError(f"short_chunk_parts: paired parts take {SUB}-token chunks, got {size}")
     chunks = tiles.chunks
     while (padded // size) % chunks:
         chunks //= 2
     value_dim, flat, span = v.shape[-1], batch * heads, size * chunks
     rows = lambda width: pl.BlockSpec((None, span, None, width), lambda bh, n: (bh // heads, n, bh % heads, 0))  # noqa: E731
     out_rows = lambda width: pl.BlockSpec((None, span, width), lambda bh, n: (bh, n, 0))  # noqa: E731
-    parts = pl.pallas_call(
-        functools.partial(
-            _kernel if size == SUB else _kernel_pairs, scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype
-        ),
+    inputs = [rows(key_dim), rows(key_dim), rows(value_dim), rows(key_dim), rows(1)]
+    decay_spec = pl.BlockSpec((None, chunks, 1, key_dim), lambda bh, n: (bh, n, 0, 0))
+    decay_shape = jax.ShapeDtypeStruct((flat, padded // size, 1, key_dim), jnp.float32)
+    call = functools.partial(
+        pl.pallas_call,
         grid=(flat, padded // span),
-        in_specs=[rows(key_dim), rows(key_dim), rows(value_dim), rows(key_dim), rows(1)],
+        in_specs=inputs,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_prefill_short_chunks",
+    )
+    options = dict(scale=scale, l2norm=use_qk_l2norm, input_dtype=v.dtype)
+    if tiles.paired:
+        pairs = lambda width: pl.BlockSpec((None, span, 2, width), lambda bh, n: (bh, n, 0, 0))  # noqa: E731
+        wq, ua, kg, decay_last = call(
+            functools.partial(_kernel_paired, **options),
+            out_specs=[pairs(key_dim), pairs(value_dim), out_rows(key_dim), decay_spec],
+            out_shape=[
+                jax.ShapeDtypeStruct((flat, padded, 2, key_dim), dtype),
+                jax.ShapeDtypeStruct((flat, padded, 2, value_dim), dtype),
+                jax.ShapeDtypeStruct((flat, padded, key_dim), dtype),
+                decay_shape,
+            ],
+        )(q, k, v, g, beta)
+        return PairedParts(
+            wq.reshape(flat, 2 * padded, key_dim), ua.reshape(flat, 2 * padded, value_dim), kg, decay_last
+        )
+    parts = call(
+        functools.partial(_kernel if size == SUB else _kernel_pairs, **options),
         out_specs=[
             out_rows(key_dim),
             out_rows(value_dim),
             out_rows(key_dim),
             out_rows(key_dim),
             out_rows(size),
-            pl.BlockSpec((None, chunks, 1, key_dim), lambda bh, n: (bh, n, 0, 0)),
+            decay_spec,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((flat, padded, key_dim), dtype),
@@ -198,11 +261,8 @@ def short_chunk_parts(
             jax.ShapeDtypeStruct((flat, padded, key_dim), dtype),
             jax.ShapeDtypeStruct((flat, padded, key_dim), dtype),
             jax.ShapeDtypeStruct((flat, padded, size), dtype),
-            jax.ShapeDtypeStruct((flat, padded // size, 1, key_dim), jnp.float32),
+            decay_shape,
         ],
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
-        interpret=interpret,
-        name="kda_prefill_short_chunks",
     )(q, k, v, g, beta)
     return ChunkParts(*parts)
 
