@@ -508,10 +508,13 @@ SEGMENT_SWEEP = (4, 8, 16, 32)  # segment counts --segmented times beside the ru
 SEGMENTED_HEADS = (8, 64)
 
 
-def bench_segmented(batch, length, heads, iters, interpret: bool = False, sweep=SEGMENT_SWEEP, names=None):
+def bench_segmented(
+    batch, length, heads, iters, interpret: bool = False, sweep=SEGMENT_SWEEP, names=None, profile_dir=None
+):
     """chunk_kda (safe gates, bf16; each variant of `names`, None: the platform's) unsplit and split over each
     segment count of the rule and `sweep`, vs fla on the GPU or, interpreted on the CPU, vs the jnp chunked form
-    (wiring only): the table's rows."""
+    (wiring only): the table's rows. profile_dir: a Perfetto trace of 3 calls of each row in
+    profile_dir/H{heads}_{variant}_{count} (scripts/trace_summary.py DIR --steps 3)."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
@@ -534,6 +537,12 @@ def bench_segmented(batch, length, heads, iters, interpret: bool = False, sweep=
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
+        if profile_dir is not None:
+            with jax.profiler.trace(
+                f"{profile_dir}/H{heads}_{variant or 'default'}_{count}", create_perfetto_trace=True
+            ):
+                for _ in range(3):
+                    jax.block_until_ready(fn(jq, jk, jv, jg, jbeta))
         label = "unsplit" if count == 1 else f"{count} segments" + (" (the rule)" if count == rule else "")
         label = f"{variant or 'default'} {label}"
         print(
@@ -592,6 +601,11 @@ def main(argv=None) -> int:
         type=int,
         action="append",
         help=f"--segmented: heads to time (repeatable; default {' and '.join(map(str, SEGMENTED_HEADS))})",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="--segmented: a Perfetto trace of 3 calls of each row under DIR (scripts/trace_summary.py)",
     )
     parser.add_argument(
         "--jnp-baseline",
@@ -667,7 +681,7 @@ def segmented_main(parser, args) -> int:
             row
             for batch, length in sizes
             for heads in heads_list
-            for row in bench_segmented(batch, length, heads, iters, interpret, sweep, args.variant)
+            for row in bench_segmented(batch, length, heads, iters, interpret, sweep, args.variant, args.profile)
         ]
     )
     return 0
