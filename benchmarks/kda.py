@@ -509,21 +509,30 @@ SEGMENTED_HEADS = (8, 64)
 
 
 def bench_segmented(
-    batch, length, heads, iters, interpret: bool = False, sweep=SEGMENT_SWEEP, names=None, profile_dir=None
+    batch,
+    length,
+    heads,
+    iters,
+    interpret: bool = False,
+    sweep=SEGMENT_SWEEP,
+    names=None,
+    profile_dir=None,
+    fla: bool = True,
 ):
     """chunk_kda (safe gates, bf16; each variant of `names`, None: the platform's) unsplit and split over each
-    segment count of the rule and `sweep`, vs fla on the GPU or, interpreted on the CPU, vs the jnp chunked form
-    (wiring only): the table's rows. profile_dir: a Perfetto trace of 3 calls of each row in
+    segment count of the rule and `sweep`, vs fla on the GPU or, interpreted on the CPU or without `fla`, vs the
+    jnp chunked form (untimed): the table's rows. profile_dir: a Perfetto trace of 3 calls of each row in
     profile_dir/H{heads}_{variant}_{count} (scripts/trace_summary.py DIR --steps 3)."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
-    if interpret:
+    backend = "interpret_gpu" if interpret else "pallas_gpu"
+    if interpret or not fla:
         ref_o, ref_state = (np.asarray(x, np.float32) for x in jax.jit(kda_chunked)(jq, jk, jv, jg, jbeta))
-        ref_s, ref_name, backend = float("nan"), "jnp chunked", "interpret_gpu"
+        ref_s, ref_name = float("nan"), "jnp chunked"
     else:
         ref_o, ref_state, ref_s = fla_prefill(q, k, v, g, beta, iters)
-        ref_name, backend = "fla", "pallas_gpu"
+        ref_name = "fla"
     rule = segment_count(batch, heads, length, device_cores(backend))
     print(
         f"prefill B={batch} T={length} H={heads}: {ref_name} {ref_s * 1e3:.2f} ms; the rule's segments: {rule} "
@@ -578,7 +587,7 @@ def main(argv=None) -> int:
         "--no-fla",
         action="store_true",
         help="prefill: no fla (its autotuning at T=32768 takes minutes on a fresh machine): the variants checked "
-        "against the jnp chunked form and timed against each other only",
+        "against the jnp chunked form and timed against each other only (--segmented too)",
     )
     parser.add_argument(
         "--default-tiles",
@@ -618,7 +627,9 @@ def main(argv=None) -> int:
     if args.segmented:
         return segmented_main(parser, args)
     if args.no_fla and not args.prefill_only:
-        parser.error("--no-fla needs --prefill-only (the decode rows time fla's recurrent kernel beside ours)")
+        parser.error(
+            "--no-fla needs --prefill-only or --segmented (the decode rows time fla's recurrent kernel beside ours)"
+        )
     if jax.default_backend() != "gpu":
         if not args.quick or args.decode_only:
             parser.error(
@@ -681,7 +692,9 @@ def segmented_main(parser, args) -> int:
             row
             for batch, length in sizes
             for heads in heads_list
-            for row in bench_segmented(batch, length, heads, iters, interpret, sweep, args.variant, args.profile)
+            for row in bench_segmented(
+                batch, length, heads, iters, interpret, sweep, args.variant, args.profile, not args.no_fla
+            )
         ]
     )
     return 0
