@@ -84,7 +84,8 @@ def segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state, segments: int):
         after_BHKV = jnp.einsum("bhij,bhjv->bhiv", transition_BHKK, state_BHKV, precision=jax.lax.Precision.HIGHEST)
         return after_BHKV + local_BHKV, state_BHKV
 
-    final_BHKV, incoming_SBHKV = jax.lax.scan(advance, initial_state, (transition_SBHKK, local_SBHKV))
+    # unrolled: a few small products, where a GPU while loop would wait on the host each step
+    final_BHKV, incoming_SBHKV = jax.lax.scan(advance, initial_state, (transition_SBHKK, local_SBHKV), unroll=True)
     o_BSLHW = o_NLHW.reshape(batch, count, size, heads, -1)
     exact = v.dtype == jnp.float32  # bf16 outputs: the products at the device's default (tf32) precision
     carried_BSLHV = jnp.einsum(
