@@ -533,7 +533,7 @@ def bench_segmented(
     else:
         ref_o, ref_state, ref_s = fla_prefill(q, k, v, g, beta, iters)
         ref_name = "fla"
-    rule = segment_count(batch, heads, length, device_cores(backend))
+    rule = segment_count(batch, heads, length, device_cores(backend), q.shape[-1] + v.shape[-1])
     print(
         f"prefill B={batch} T={length} H={heads}: {ref_name} {ref_s * 1e3:.2f} ms; the rule's segments: {rule} "
         f"({device_cores(backend)} cores)"

@@ -292,7 +292,7 @@ def chunk_kda(
     if initial_state is None:
         initial_state = jnp.zeros((batch, heads, key_dim, v.shape[3]), jnp.float32)
     if segments is None:
-        segments = segment_count(batch, heads, length, device_cores(backend))
+        segments = segment_count(batch, heads, length, device_cores(backend), key_dim + v.shape[3])
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"chunk_kda: segments must be a positive int or None (the rule), got {segments!r}")
 

@@ -24,16 +24,22 @@ import jax.numpy as jnp
 SEGMENT_ALIGN = 64  # segment lengths are whole 64-token chunks: the GPU kernels' chunk (the TPU's 16 divides it)
 MIN_SEGMENT_TOKENS = 2048  # shorter segments: the per-call cost (phase 1, the scan, the product) outweighs the split
 MIN_SEGMENTS = 4  # fewer: the kernel's twice-wide values (V' = K + V) eat the gain
+STATE_COLUMNS = 64  # value columns of the state a program of the GPU state pass holds (tuned.CHUNK_INTER_SHORT)
+PROGRAMS_PER_CORE = 2  # state-pass programs resident on an SM at once (239 registers x 128 threads, 40 KiB smem)
 
 
-def segment_count(batch: int, heads: int, length: int, cores: int | None) -> int:
-    """How many segments `chunk_kda(segments=None)` splits a sequence into: the sequence-heads times segments
-    fill the device's cores once (cores // (B x H)), each segment of at least MIN_SEGMENT_TOKENS tokens, and 1
-    (unsplit) below MIN_SEGMENTS, where the kernel's doubled value width eats the gain, and where `cores` is None
-    (no GPU: a TPU runs the kernel's grid in order, a CPU the reference)."""
+def segment_count(batch: int, heads: int, length: int, cores: int | None, width: int = 256) -> int:
+    """How many segments `chunk_kda(segments=None)` splits a sequence into: the state pass's programs (B x H x
+    segments x width / STATE_COLUMNS, width = K + V the augmented values' columns) fill the device's cores once,
+    PROGRAMS_PER_CORE to a core, each segment of at least MIN_SEGMENT_TOKENS tokens; 1 (unsplit) below
+    MIN_SEGMENTS, where the kernel's doubled value width eats the gain, and where `cores` is None (no GPU: a TPU
+    runs the kernel's grid in order, a CPU the reference). On an H100 (132 SMs) at B=1 T=32768 H=8, 8 segments
+    took 1.39 ms against 1.49 at 16 (the SMs once over by sequence-heads alone, the rule before), 1.62 at 4
+    (docs/benchmarks/kda.md#two-warps-a-program-for-phase-1-2026-12-06-twenty-fourth-session)."""
     if cores is None:
         return 1
-    count = min(cores // (batch * heads), length // MIN_SEGMENT_TOKENS)
+    programs = batch * heads * -(-width // STATE_COLUMNS)
+    count = min(PROGRAMS_PER_CORE * cores // programs, length // MIN_SEGMENT_TOKENS)
     return count if count >= MIN_SEGMENTS else 1
 
 

@@ -86,9 +86,9 @@ def test_segments_gradient_matches_unsplit():
 @pytest.mark.parametrize(
     "batch, heads, length, cores, want",
     [
-        (1, 8, 32768, 132, 16),  # H=8 (tensor=8): the SMs once over, 2048-token segments
-        (1, 16, 32768, 132, 8),
-        (1, 8, 8192, 132, 4),  # as many 2048-token segments as the sequence holds
+        (1, 8, 32768, 132, 8),  # H=8 (tensor=8): 8 x 8 x 4 state-pass programs, two to each of 132 SMs
+        (1, 16, 32768, 132, 4),
+        (1, 8, 4 * 2048, 132, 4),  # as many 2048-token segments as the sequence holds
         (1, 8, 6000, 132, 1),  # fewer than MIN_SEGMENTS: unsplit
         (1, 64, 32768, 132, 1),  # H=64 fills the SMs already
         (8, 8, 32768, 132, 1),
@@ -97,6 +97,10 @@ def test_segments_gradient_matches_unsplit():
 )
 def test_segment_count_rule(batch, heads, length, cores, want):
     assert segment_count(batch, heads, length, cores) == want
+
+
+def test_segment_count_counts_the_value_columns():
+    assert segment_count(1, 8, 32768, 132, width=64 + 64) == 16  # half the programs a segment: twice the segments
 
 
 def test_segment_length_is_whole_chunks():
