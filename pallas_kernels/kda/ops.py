@@ -238,21 +238,44 @@ def chunk_variant(backend: str, gate_lower_bound: float | None = None, variant: 
     return name
 
 
-def _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret):
+def _with_zero_columns(v, columns: int):
+    """v [B, T, H, V] as [0 | v]: `columns` zero value columns first (`segments`' transition columns)."""
+    return jnp.concatenate([jnp.zeros((*v.shape[:-1], columns), v.dtype), v], axis=-1) if columns else v
+
+
+def _chunk_kda_reference(
+    q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret, identity_columns
+):
     return _chunk_reference(
-        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
+        q,
+        k,
+        _with_zero_columns(v, identity_columns),
+        g,
+        beta,
+        initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+        chunk_size=chunk_size,
     )
 
 
-def _chunk_kda_variant(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret):
+def _chunk_kda_variant(
+    q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret, identity_columns
+):
+    """Variant `name` on the values [0_identity_columns | v]: every GPU variant (`chunk_kda_gpu` with its phase 1)
+    takes the zero columns itself, forming none of them in phase 1; the others are given them."""
+    statics = (scale, use_qk_l2norm, chunk_size, name, interpret, identity_columns)
     if name == REFERENCE:
-        return _chunk_kda_reference(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size, name, interpret)
-    return kernel("chunk_kda", name)(
-        q, k, v, g, beta, initial_state, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret
-    )
+        return _chunk_kda_reference(q, k, v, g, beta, initial_state, *statics)
+    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret)
+    if VARIANTS["chunk_kda"][name].platform == "gpu":
+        options["identity_columns"] = identity_columns
+    else:
+        v = _with_zero_columns(v, identity_columns)
+    return kernel("chunk_kda", name)(q, k, v, g, beta, initial_state, **options)
 
 
-_chunk_kda = with_reference_vjp(_chunk_kda_variant, _chunk_kda_reference, nondiff_argnums=(6, 7, 8, 9, 10))
+_chunk_kda = with_reference_vjp(_chunk_kda_variant, _chunk_kda_reference, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 
 
 def chunk_kda(
@@ -296,8 +319,8 @@ def chunk_kda(
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"chunk_kda: segments must be a positive int or None (the rule), got {segments!r}")
 
-    def chunk(q, k, v, g, beta, initial_state):
-        statics = (scale, use_qk_l2norm, chunk_size, name, variants.interpreted(backend))
+    def chunk(q, k, v, g, beta, initial_state, identity_columns=0):
+        statics = (scale, use_qk_l2norm, chunk_size, name, variants.interpreted(backend), identity_columns)
         return _chunk_kda(q, k, v, g, beta, initial_state, *statics)
 
     if segments == 1:

@@ -7,10 +7,12 @@ segment's state transition) and S_local [K, V] (its state from a zero start), bo
 g, beta; every state inside it is S_t = A_t S_before + S_local,t (A_t: the transition up to token t) and so
 every output o_t = S_t^T q_t = S_before^T (A_t^T q_t) + o_local,t. Values enter linearly, so the chunk kernel
 run on the augmented values [0_K | v] (V' = K + V) from the state [I_K | 0] returns [A_t^T q_t | o_local,t] as its
-output and [A | S_local] as its final state. One run of the unchanged kernel over the segments as a batch gives
-all of them; a serial scan over the few segments gives each one's incoming state (S_in(s+1) = A_s S_in(s) +
-S_local_s, from the call's initial state; the last is the sequence's final state) and one batched product adds
-S_in^T (A_t^T q_t) to every output. Every variant of `chunk_kda` (bounded, any-gate, GPU, TPU, reference) runs it.
+output and [A | S_local] as its final state (the GPU kernels take the zero columns as such: their phase 1, which
+does not depend on the state, forms v's columns only; the others are given them). One run of the kernel over
+the segments as a batch gives all of them; a serial scan over the few segments gives each one's incoming state
+(S_in(s+1) = A_s S_in(s) + S_local_s, from the call's initial state; the last is the sequence's final state) and
+one batched product adds S_in^T (A_t^T q_t) to every output. Every variant of `chunk_kda` (bounded, any-gate, GPU,
+TPU, reference) runs it.
 
 The sequence is padded to `segments` x a whole number of 64-token chunks with identity tokens (q = k = v = 0,
 g = 0, beta = 0: the kernels' own chunk padding, and l2norm(0) = 0), which leave the state as it is.
@@ -66,22 +68,21 @@ def _as_segments(x, count: int, size: int):
 
 def segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state, segments: int):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32): `chunk` over `segments` pieces of each
-    sequence at once (the module's docstring). chunk(q, k, v, g, beta, initial_state) -> (o, final state): a
-    chunk_kda variant with its keywords bound. Arrays as `chunk_kda`'s, initial_state [B, H, K, V] fp32; the
-    segments are whole 64-token chunks (`segment_length`), so fewer run where T is short."""
+    sequence at once (the module's docstring). chunk(q, k, v, g, beta, initial_state, identity_columns=0) -> (o,
+    final state): a chunk_kda variant with its keywords bound, on the values [0_identity_columns | v]. Arrays as
+    `chunk_kda`'s, initial_state [B, H, K, V] fp32; the segments are whole 64-token chunks (`segment_length`), so
+    fewer run where T is short."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     size = segment_length(length, segments)
     count = -(-length // size)
     if count == 1:
         return chunk(q, k, v, g, beta, initial_state)
-    zero_keys_BTHK = jnp.zeros((batch, length, heads, key_dim), v.dtype)
-    augmented_BTHW = jnp.concatenate([zero_keys_BTHK, v], axis=-1)  # W = K + V
-    q_NLHK, k_NLHK, vw_NLHW, g_NLHK, beta_NLH = (_as_segments(x, count, size) for x in (q, k, augmented_BTHW, g, beta))
-    identity_NHKW = jnp.broadcast_to(
+    q_NLHK, k_NLHK, v_NLHV, g_NLHK, beta_NLH = (_as_segments(x, count, size) for x in (q, k, v, g, beta))
+    identity_NHKW = jnp.broadcast_to(  # W = K + V: the values [0_K | v]
         jnp.eye(key_dim, key_dim + value_dim, dtype=jnp.float32), (batch * count, heads, key_dim, key_dim + value_dim)
     )
-    o_NLHW, state_NHKW = chunk(q_NLHK, k_NLHK, vw_NLHW, g_NLHK, beta_NLH, identity_NHKW)
+    o_NLHW, state_NHKW = chunk(q_NLHK, k_NLHK, v_NLHV, g_NLHK, beta_NLH, identity_NHKW, identity_columns=key_dim)
     state_SBHKW = jnp.moveaxis(state_NHKW.reshape(batch, count, heads, key_dim, -1), 1, 0)
     transition_SBHKK, local_SBHKV = state_SBHKW[..., :key_dim], state_SBHKW[..., key_dim:]
 

@@ -70,6 +70,24 @@ def test_phase2_forms_match_float64(name, state_rows, chunk, paired):
     assert rel_error(o, o_ref) <= 1e-5 and rel_error(s, s_ref) <= 1e-5
 
 
+@pytest.mark.parametrize("state_rows, paired, block_v", [(False, False, 16), (True, False, 32), (True, True, 16)])
+def test_identity_columns_match_float64(state_rows, paired, block_v):
+    """`identity_columns=K`: the values [0_K | v] from a state [K, K + V] (how `segments` carries a segment's
+    transition), the zero columns never stored (block_v 32 over K = 16: the blocks shrunk to 16), T = 83."""
+    q, k, v, g, beta, state = random_sequence(1, 83, 2, 16, 24, jnp.float32, seed=4)
+    state_W = np.concatenate([np.eye(16, dtype=np.float32)[None, None].repeat(2, 1), state], axis=-1)
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), np.concatenate([np.zeros_like(q), v], -1), g, beta, state_W)
+    tiles = ChunkTiles(
+        intra=ShortChunkTiles(chunks=1, num_warps=4, paired=paired),
+        inter=InterTiles(block_v=block_v, num_warps=4, num_stages=2, state_rows=state_rows),
+    )
+    arrays = (jnp.asarray(x) for x in (q, k, v, g, beta, state_W))
+    run = kernel("chunk_kda", "gpu_triton_short")
+    o, s = run(*arrays, scale=16**-0.5, tiles=tiles, identity_columns=16, interpret=True)
+    assert o.shape == (1, 83, 2, 40) and s.shape == (1, 2, 16, 40)
+    assert rel_error(o, o_ref) <= 1e-5 and rel_error(s, s_ref) <= 1e-5
+
+
 def test_segments_match_float64():
     """Over 3 segments (`chunk_kda(segments=...)`, values widened to K + V), an initial state, T = 150."""
     q, k, v, g, beta, state = random_sequence(1, 150, 2, 16, 24, jnp.float32, seed=9)

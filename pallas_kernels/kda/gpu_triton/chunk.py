@@ -27,7 +27,10 @@ def _pad_time(x, pad: int):
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "phase1", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "use_qk_l2norm", "parts_dtype", "tiles", "phase1", "identity_columns", "interpret"),
+)
 def chunk_kda_gpu(
     q,
     k,
@@ -41,6 +44,7 @@ def chunk_kda_gpu(
     parts_dtype=None,
     tiles: tuned.ChunkTiles | None = None,
     phase1=intra_chunk,
+    identity_columns: int = 0,
     interpret: bool = False,
 ):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32) for log-decays g >= -5
@@ -50,6 +54,9 @@ def chunk_kda_gpu(
     gives their `ChunkParts`, phase 2 (`inter_chunk`, tiles.inter) carries the state. parts_dtype: how phase 1
     hands its per-chunk factors to phase 2 (default v's dtype; jnp.float32 with bf16 inputs keeps tf32 precision
     in phase 2 for twice the memory traffic). Tiles: None (or a phase's None) from that phase's table.
+    identity_columns: the values as [0 | v], that many zero columns before v's (o [B, T, H, identity_columns + V],
+    the state's last dimension identity_columns + V): how `segments` carries a segment's transition; phase 1
+    forms only v's columns, phase 2 reads the zero ones as zeros (`inter_chunk`'s zero_columns).
     """
     batch, length, heads, key_dim = q.shape
     pad = -length % CHUNK
@@ -57,7 +64,7 @@ def chunk_kda_gpu(
         _pad_time(x, pad) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32)[..., None])
     )
     if initial_state is None:
-        initial_state = jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
+        initial_state = jnp.zeros((batch, heads, key_dim, identity_columns + v.shape[-1]), jnp.float32)
     tiles = tiles or tuned.ChunkTiles()
     parts = phase1(
         q,
@@ -72,7 +79,12 @@ def chunk_kda_gpu(
         interpret=interpret,
     )
     o, state = inter_chunk(
-        parts, initial_state.astype(jnp.float32), out_dtype=v.dtype, tiles=tiles.inter, interpret=interpret
+        parts,
+        initial_state.astype(jnp.float32),
+        out_dtype=v.dtype,
+        tiles=tiles.inter,
+        zero_columns=identity_columns,
+        interpret=interpret,
     )
     return o[:, :length], state
 

@@ -16,6 +16,7 @@ traffic of fp32 ones) give bf16 tensor-core products, the state and v_new rounde
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +28,31 @@ from pallas_kernels.kda.gpu_triton.intra import ChunkParts, PairedParts, gpu_dot
 from pallas_kernels.tuning import lookup
 
 
-def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
+def _live(zero_blocks: int):
+    """Whether this program's values are stored ones: False in the programs of the first zero_blocks value blocks
+    (`inter_chunk`'s zero_columns: those values are zero and not stored; such a program reads the first stored
+    block and zeroes it); None where there are none. Read at the kernel's top, outside its loop."""
+    return pl.program_id(0) >= zero_blocks if zero_blocks else None
+
+
+def _values(ref, rows, live):
+    """ref's rows in fp32, zeros where `live` (`_live`) is False."""
+    values = ref[rows, :].astype(jnp.float32)
+    return values if live is None else jnp.where(live, values, 0.0)
+
+
+def _kernel(
+    w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks, zero_blocks
+):
     dots = gpu_dots(o_ref.dtype)
+    live = _live(zero_blocks)
     size = a_ref.shape[-1]  # tokens a chunk
 
     def chunk(n, state_KV):
         rows = pl.ds(n * size, size)
         decay_K1 = decay_ref[n]  # loaded first, as in `_kernel_state_rows`
         state_operand = state_KV.astype(w_ref.dtype)
-        v_new = u_ref[rows, :].astype(jnp.float32) - dots.nn(w_ref[rows, :], state_operand)  # [size, block_v]
+        v_new = _values(u_ref, rows, live) - dots.nn(w_ref[rows, :], state_operand)  # [size, block_v]
         v_new_operand = v_new.astype(w_ref.dtype)
         o = dots.nn(qg_ref[rows, :], state_operand) + dots.nn(a_ref[rows, :], v_new_operand)
         o_ref[rows, :] = o.astype(o_ref.dtype)
@@ -44,18 +61,21 @@ def _kernel(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, st
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
-def _kernel_state_rows(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
+def _kernel_state_rows(
+    w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks, zero_blocks
+):
     """`_kernel` with the state held transposed, S^T [block_v, K], so that every product of the step has the
     state's block_v rows (or v_new^T's) as its M side: at 16-token chunks M = 16 otherwise, too few rows for a
     Hopper warpgroup's tensor-core instruction (M = 64)."""
     dots = gpu_dots(o_ref.dtype)
+    live = _live(zero_blocks)
     size = a_ref.shape[-1]
 
     def chunk(n, state_VK):
         rows = pl.ds(n * size, size)
         decay_1K = decay_ref[n]  # loaded first: its latency passes under the products (after o's store it did not)
         state_operand = state_VK.astype(w_ref.dtype)
-        v_new_VC = u_ref[rows, :].astype(jnp.float32).T - dots.nt(state_operand, w_ref[rows, :])
+        v_new_VC = _values(u_ref, rows, live).T - dots.nt(state_operand, w_ref[rows, :])
         v_new_operand = v_new_VC.astype(w_ref.dtype)
         o_VC = dots.nt(state_operand, qg_ref[rows, :]) + dots.nt(v_new_operand, a_ref[rows, :])
         o_ref[rows, :] = o_VC.T.astype(o_ref.dtype)
@@ -64,11 +84,12 @@ def _kernel_state_rows(w_ref, u_ref, qg_ref, kg_ref, a_ref, decay_ref, state_ref
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
-def _kernel_paired(wq_ref, ua_ref, kg_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks):
+def _kernel_paired(wq_ref, ua_ref, kg_ref, decay_ref, state_ref, o_ref, state_out_ref, *, num_chunks, zero_blocks):
     """`_kernel_state_rows` on `intra.PairedParts`: one product of the state with a chunk's 2C rows of wq gives
     S w^T and S (qg - a_qk w)^T with their columns interleaved; adding ua^T's (u, a_qk u) columns, the first negated,
     gives v_new^T and o^T at once (split by column parity, within each thread's registers)."""
     dots = gpu_dots(o_ref.dtype)
+    live = _live(zero_blocks)
     size = kg_ref.shape[0] // num_chunks
     signs_1P = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (1, 2 * size), 1) % 2 == 0, -1.0, 1.0)
 
@@ -76,7 +97,7 @@ def _kernel_paired(wq_ref, ua_ref, kg_ref, decay_ref, state_ref, o_ref, state_ou
         rows, pair_rows = pl.ds(n * size, size), pl.ds(n * 2 * size, 2 * size)
         decay_1K = decay_ref[n]  # loaded first, as in `_kernel_state_rows`
         state_operand = state_VK.astype(wq_ref.dtype)
-        sums_VP = ua_ref[pair_rows, :].astype(jnp.float32).T + signs_1P * dots.nt(state_operand, wq_ref[pair_rows, :])
+        sums_VP = _values(ua_ref, pair_rows, live).T + signs_1P * dots.nt(state_operand, wq_ref[pair_rows, :])
         v_new_VC, o_VC = jnp.unstack(sums_VP.reshape(sums_VP.shape[0], size, 2), axis=-1)
         o_ref[rows, :] = o_VC.T.astype(o_ref.dtype)
         return decay_1K * state_VK + dots.nn(v_new_VC.astype(wq_ref.dtype), kg_ref[rows, :])
@@ -84,22 +105,30 @@ def _kernel_paired(wq_ref, ua_ref, kg_ref, decay_ref, state_ref, o_ref, state_ou
     state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, chunk, state_ref[...])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "zero_columns", "interpret"))
 def inter_chunk(
     parts: ChunkParts | PairedParts,
     initial_state,
     *,
     out_dtype,
     tiles: tuned.InterTiles | None = None,
+    zero_columns: int = 0,
     interpret: bool = False,
 ):
     """Phase 2: (o [B, Tp, H, V] in out_dtype, final state [B, H, K, V] fp32) from phase 1's parts (chunks of
     a_qk's last dimension: CHUNK, or 16 for `short_chunks`; `intra.PairedParts` from its paired phase 1, which
     needs tiles.state_rows) and the initial state [B, H, K, V] fp32. Grid (V / block_v, B*H); each program runs
     all the chunks, holding its state slice as [K, block_v] or, with tiles.state_rows, transposed as [block_v,
-    K]. Tiles: None from `tuned.CHUNK_INTER`."""
+    K]. zero_columns: the values' first zero_columns columns are zero and not in the parts (u's V -
+    zero_columns columns are the rest): the segment-parallel prefill's transition columns (`segments`), which
+    phase 1 then never forms. Tiles: None from `tuned.CHUNK_INTER`."""
     tiles = tiles or lookup(tuned.CHUNK_INTER, dtype=out_dtype)
     batch, heads, key_dim, value_dim = initial_state.shape
+    stored = (parts.ua if isinstance(parts, PairedParts) else parts.u).shape[-1]
+    if stored + zero_columns != value_dim:
+        raise ValueError(
+            f"inter_chunk: {stored} stored value columns and {zero_columns} zero ones, but the state has {value_dim}"
+        )
     paired = isinstance(parts, PairedParts)
     if paired and not tiles.state_rows:
         raise ValueError("inter_chunk: paired parts need the state held transposed (tiles.state_rows)")
@@ -107,8 +136,13 @@ def inter_chunk(
     num_chunks = parts.decay_last.shape[1]
     size = padded // num_chunks
     block_v = min(tiles.block_v, value_dim)
+    if zero_columns % block_v:
+        block_v = math.gcd(block_v, zero_columns)  # whole blocks of zeros (a power of two's share for K = 128)
+    zero_blocks = zero_columns // block_v
     whole = lambda length, width: pl.BlockSpec((None, length, width), lambda j, bh: (bh, 0, 0))  # noqa: E731
-    value_part = lambda length: pl.BlockSpec((None, length, block_v), lambda j, bh: (bh, 0, j))  # noqa: E731
+    value_part = lambda length: pl.BlockSpec(  # noqa: E731
+        (None, length, block_v), lambda j, bh: (bh, 0, jnp.maximum(j - zero_blocks, 0))
+    )
     if tiles.state_rows:  # the state as S^T [V, K], its value rows split; the chunk decays as [1, K] rows
         decay = parts.decay_last
         per_chunk = pl.BlockSpec((None, num_chunks, 1, key_dim), lambda j, bh: (bh, 0, 0, 0))
@@ -134,7 +168,7 @@ def inter_chunk(
             whole(padded, size),
         ]
     o, state = pl.pallas_call(
-        functools.partial(kernel, num_chunks=num_chunks),
+        functools.partial(kernel, num_chunks=num_chunks, zero_blocks=zero_blocks),
         grid=(pl.cdiv(value_dim, block_v), flat),
         in_specs=[*in_specs, per_chunk, state_part],
         out_specs=[
