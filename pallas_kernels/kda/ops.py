@@ -16,6 +16,8 @@ them over n segments of each sequence at once (`segments.py`: a GPU's SMs filled
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from pallas_kernels import variants
@@ -29,10 +31,11 @@ from pallas_kernels.kda.gpu_triton import (
     kda_decode_step_gpu,
     kda_verify_fused_gpu,
 )
+from pallas_kernels.kda.gpu_triton.combine import combine_segments_gpu
 from pallas_kernels.kda.gpu_triton.decode_fused import leaves_norm
 from pallas_kernels.kda.gpu_triton.short_chunks import chunk_kda_gpu_short
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
-from pallas_kernels.kda.segments import device_cores, segment_count, segmented_chunk_kda
+from pallas_kernels.kda.segments import combine_reference, device_cores, segment_count, segmented_chunk_kda
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
 from pallas_kernels.variants import REFERENCE, Variant
 
@@ -325,4 +328,12 @@ def chunk_kda(
 
     if segments == 1:
         return chunk(q, k, v, g, beta, initial_state.astype(jnp.float32))
-    return segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state.astype(jnp.float32), segments)
+    combine = combine_reference
+    if VARIANTS["chunk_kda"][name].platform == "gpu" and _power_of_two(key_dim) and _power_of_two(v.shape[3]):
+        kernel_combine = functools.partial(combine_segments_gpu, interpret=variants.interpreted(backend))
+        combine = with_reference_vjp(kernel_combine, combine_reference)
+    return segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state.astype(jnp.float32), segments, combine)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)

@@ -66,12 +66,12 @@ def _as_segments(x, count: int, size: int):
     return padded.reshape(batch * count, size, *x.shape[2:])
 
 
-def segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state, segments: int):
+def segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state, segments: int, combine=None):
     """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32): `chunk` over `segments` pieces of each
     sequence at once (the module's docstring). chunk(q, k, v, g, beta, initial_state, identity_columns=0) -> (o,
     final state): a chunk_kda variant with its keywords bound, on the values [0_identity_columns | v]. Arrays as
     `chunk_kda`'s, initial_state [B, H, K, V] fp32; the segments are whole 64-token chunks (`segment_length`), so
-    fewer run where T is short."""
+    fewer run where T is short. combine: `combine_reference`'s signature (None: it), the last step's kernel."""
     batch, length, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     size = segment_length(length, segments)
@@ -93,13 +93,22 @@ def segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state, segments: int):
 
     # unrolled: a few small products, where a GPU while loop would wait on the host each step
     final_BHKV, incoming_SBHKV = jax.lax.scan(advance, initial_state, (transition_SBHKK, local_SBHKV), unroll=True)
-    o_BSLHW = o_NLHW.reshape(batch, count, size, heads, -1)
-    exact = v.dtype == jnp.float32  # bf16 outputs: the products at the device's default (tf32) precision
-    carried_BSLHV = jnp.einsum(
-        "bslhk,sbhkv->bslhv",
-        o_BSLHW[..., :key_dim].astype(jnp.float32),
-        incoming_SBHKV,
+    incoming_NHKV = jnp.moveaxis(incoming_SBHKV, 0, 1).reshape(batch * count, heads, key_dim, value_dim)
+    o_NLHV = (combine or combine_reference)(o_NLHW, incoming_NHKV)
+    return o_NLHV.reshape(batch, count * size, heads, value_dim)[:, :length], final_BHKV
+
+
+def combine_reference(o_NLHW, incoming_NHKV):
+    """o [N, L, H, V] in o's dtype, o_local,t + S_in^T (A_t^T q_t), from the chunk kernel's [A_t^T q_t | o_local,t]
+    [N, L, H, K + V] and each piece's incoming state [N, H, K, V] fp32, under XLA (products at the device's
+    default precision for 16-bit outputs, exact for fp32 ones); the GPU's kernel is
+    `gpu_triton.combine.combine_segments_gpu`."""
+    key_dim = incoming_NHKV.shape[-2]
+    exact = o_NLHW.dtype == jnp.float32
+    carried_NLHV = jnp.einsum(
+        "nlhk,nhkv->nlhv",
+        o_NLHW[..., :key_dim].astype(jnp.float32),
+        incoming_NHKV,
         precision=jax.lax.Precision.HIGHEST if exact else None,
     )
-    o_BSLHV = o_BSLHW[..., key_dim:].astype(jnp.float32) + carried_BSLHV
-    return o_BSLHV.reshape(batch, count * size, heads, value_dim)[:, :length].astype(v.dtype), final_BHKV
+    return (o_NLHW[..., key_dim:].astype(jnp.float32) + carried_NLHV).astype(o_NLHW.dtype)

@@ -22,7 +22,8 @@ from ling_jax import ExecutionPolicy, KDAState, LingConfig
 from ling_jax.kda import KimiDeltaAttention
 from ling_jax.presets import TINY
 from pallas_kernels.kda import chunk_kda
-from pallas_kernels.kda.segments import segment_count, segment_length
+from pallas_kernels.kda.gpu_triton.combine import combine_segments_gpu
+from pallas_kernels.kda.segments import combine_reference, segment_count, segment_length
 
 BACKENDS = ["reference", "interpret_gpu", "interpret_tpu"]
 LENGTH = 150  # 3 segments of 64 tokens (segment_length), the last one 22 real tokens
@@ -79,6 +80,43 @@ def test_segments_gradient_matches_unsplit():
     argnums = tuple(range(6))
     ours = jax.jit(jax.grad(functools.partial(loss, 2), argnums))(q, k, v, g, beta, state)
     want = jax.jit(jax.grad(functools.partial(loss, 1), argnums))(q, k, v, g, beta, state)
+    for d_ours, d_want in zip(ours, want, strict=True):
+        assert rel_error(d_ours, d_want) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_combine_matches_xla(dtype):
+    """`combine_segments_gpu` (interpreted) against `combine_reference`: N = 3 pieces of 128 tokens, H = 2."""
+    r = np.random.default_rng(12)
+    o_NLHW = jnp.asarray(r.normal(size=(3, 128, 2, 16 + 32)), dtype)
+    incoming_NHKV = jnp.asarray(r.normal(size=(3, 2, 16, 32)), jnp.float32)
+    ours = combine_segments_gpu(o_NLHW, incoming_NHKV, interpret=True)
+    want = combine_reference(o_NLHW, incoming_NHKV)
+    assert ours.shape == (3, 128, 2, 32) and ours.dtype == dtype
+    assert rel_error(ours, want) <= (1e-6 if dtype == jnp.float32 else TOL[jnp.bfloat16])
+
+
+def test_gpu_segments_with_the_combine_kernel_and_its_gradient():
+    """K and V powers of two: the interpreted GPU kernels combine the segments; outputs vs float64, the gradient
+    (the kernel's is the XLA combine's) vs the unsplit reference's."""
+    q, k, v, g, beta, state = (
+        jnp.asarray(x) for x in long_memory_sequence(1, 150, 2, 16, 32, jnp.float32, beyond_bound=False, seed=13)
+    )
+    o_ref, s_ref = kda_recurrence(l2(q), l2(k), v, g, beta, state)
+
+    def run(segments, backend, *arrays):
+        options = dict(gate_lower_bound=-5.0, backend=backend, segments=segments)
+        return chunk_kda(*arrays[:5], initial_state=arrays[5], **options)
+
+    o, s = run(3, "interpret_gpu", q, k, v, g, beta, state)
+    assert rel_error(o, o_ref) <= 1e-4 and rel_error(s, s_ref) <= 1e-4
+
+    def loss(segments, backend, *arrays):
+        o, s = run(segments, backend, *arrays)
+        return jnp.sum(o * o) + jnp.sum(s * s)
+
+    ours = jax.grad(functools.partial(loss, 3, "interpret_gpu"), argnums=(0, 2, 5))(q, k, v, g, beta, state)
+    want = jax.grad(functools.partial(loss, 1, "reference"), argnums=(0, 2, 5))(q, k, v, g, beta, state)
     for d_ours, d_want in zip(ours, want, strict=True):
         assert rel_error(d_ours, d_want) <= 1e-4
 
