@@ -86,13 +86,14 @@ def test_segments_gradient_matches_unsplit():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_combine_matches_xla(dtype):
-    """`combine_segments_gpu` (interpreted) against `combine_reference`: N = 3 pieces of 128 tokens, H = 2."""
+    """`combine_segments_gpu` (interpreted) against `combine_reference`: N = 3 pieces of 384 tokens (programs of
+    2 x 64 tokens: the largest power of two of steps dividing 6), H = 2."""
     r = np.random.default_rng(12)
-    o_NLHW = jnp.asarray(r.normal(size=(3, 128, 2, 16 + 32)), dtype)
+    o_NLHW = jnp.asarray(r.normal(size=(3, 384, 2, 16 + 32)), dtype)
     incoming_NHKV = jnp.asarray(r.normal(size=(3, 2, 16, 32)), jnp.float32)
     ours = combine_segments_gpu(o_NLHW, incoming_NHKV, interpret=True)
     want = combine_reference(o_NLHW, incoming_NHKV)
-    assert ours.shape == (3, 128, 2, 32) and ours.dtype == dtype
+    assert ours.shape == (3, 384, 2, 32) and ours.dtype == dtype
     assert rel_error(ours, want) <= (1e-6 if dtype == jnp.float32 else TOL[jnp.bfloat16])
 
 
