@@ -27,11 +27,11 @@ from pallas_kernels.kda.chunk_math import GATE_FLOOR
 from pallas_kernels.kda.gpu_triton import (
     chunk_kda_gpu,
     chunk_kda_gpu_any_gate,
+    combine,
     kda_decode_fused_gpu,
     kda_decode_step_gpu,
     kda_verify_fused_gpu,
 )
-from pallas_kernels.kda.gpu_triton.combine import combine_segments_gpu
 from pallas_kernels.kda.gpu_triton.decode_fused import leaves_norm
 from pallas_kernels.kda.gpu_triton.short_chunks import chunk_kda_gpu_short
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
@@ -328,12 +328,8 @@ def chunk_kda(
 
     if segments == 1:
         return chunk(q, k, v, g, beta, initial_state.astype(jnp.float32))
-    combine = combine_reference
-    if VARIANTS["chunk_kda"][name].platform == "gpu" and _power_of_two(key_dim) and _power_of_two(v.shape[3]):
-        kernel_combine = functools.partial(combine_segments_gpu, interpret=variants.interpreted(backend))
-        combine = with_reference_vjp(kernel_combine, combine_reference)
-    return segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state.astype(jnp.float32), segments, combine)
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and not n & (n - 1)
+    last_step = combine_reference
+    if VARIANTS["chunk_kda"][name].platform == "gpu" and combine.takes(key_dim, v.shape[3]):
+        kernel_combine = functools.partial(combine.combine_segments_gpu, interpret=variants.interpreted(backend))
+        last_step = with_reference_vjp(kernel_combine, combine_reference)
+    return segmented_chunk_kda(chunk, q, k, v, g, beta, initial_state.astype(jnp.float32), segments, last_step)

@@ -35,12 +35,17 @@ def _kernel(o_ref, state_ref, out_ref, *, key_dim, steps):
     jax.lax.fori_loop(0, steps, step, 0)
 
 
+def takes(key_dim: int, value_dim: int) -> bool:
+    """Whether the kernel takes these widths: K and V powers of two (Triton's blocks)."""
+    return all(n > 0 and not n & (n - 1) for n in (key_dim, value_dim))
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def combine_segments_gpu(o_NLHW, incoming_NHKV, *, interpret: bool = False):
     """o [N, L, H, V] in o's dtype from the chunk kernel's o [N, L, H, K + V] ([A_t^T q_t | o_local,t] of N =
     B x segments pieces of L tokens, L a multiple of BLOCK_L) and each piece's incoming state [N, H, K, V] fp32.
     Grid (N x H, L / span): span = steps x BLOCK_L tokens, steps the largest power of two up to MAX_STEPS dividing
-    L / BLOCK_L, walked BLOCK_L at a time with the state loaded once; K and V powers of two (Triton's blocks)."""
+    L / BLOCK_L, walked BLOCK_L at a time with the state loaded once; K and V as `takes` allows."""
     pieces, length, heads, width = o_NLHW.shape
     key_dim, value_dim = incoming_NHKV.shape[-2:]
     if width != key_dim + value_dim or length % BLOCK_L:

@@ -124,12 +124,12 @@ def inter_chunk(
     phase 1 then never forms. Tiles: None from `tuned.CHUNK_INTER`."""
     tiles = tiles or lookup(tuned.CHUNK_INTER, dtype=out_dtype)
     batch, heads, key_dim, value_dim = initial_state.shape
-    stored = (parts.ua if isinstance(parts, PairedParts) else parts.u).shape[-1]
+    paired = isinstance(parts, PairedParts)
+    stored = (parts.ua if paired else parts.u).shape[-1]
     if stored + zero_columns != value_dim:
         raise ValueError(
             f"inter_chunk: {stored} stored value columns and {zero_columns} zero ones, but the state has {value_dim}"
         )
-    paired = isinstance(parts, PairedParts)
     if paired and not tiles.state_rows:
         raise ValueError("inter_chunk: paired parts need the state held transposed (tiles.state_rows)")
     flat, padded = parts.kg.shape[:2]
