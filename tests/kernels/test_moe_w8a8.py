@@ -181,6 +181,23 @@ def test_down_scatter_w8a8_matches_float64(case, implementation):
     assert err <= TOL, f"{case} {implementation}: rel. error {err:.2e}"
 
 
+@pytest.mark.parametrize("fill_tail", [True, False])
+def test_down_scatter_w8a8_walking_columns_matches_float64(fill_tail):
+    """A program walking 3 column tiles in one loop (`columns`): 4 column tiles of 32 (the last partial, D = 100),
+    so one program walks 3 and another 1; K in 3 steps, the last partial; tail rows store zeros (fill_tail)."""
+    case = "blocks_32"
+    _, rows, row_weight, _, _, down = case_inputs(case, seed=11)
+    h_q, h_scale, h = random_h(case, seed=3)
+    kernel_args = dict(block_m=16, columns=3, fill_tail=fill_tail, out_dtype=jnp.float32, interpret=True)
+    y = run_down_scatter(down_scatter_w8a8_gpu, case, h_q, h_scale, rows, row_weight, down, **kernel_args)
+    _, dest, sizes = rows
+    expected = f64_down_scatter(h, dest, row_weight, sizes, f64_weight(*down, CASES[case][5]))
+    used = dest[: sizes.sum()]
+    assert rel_error(np.asarray(y, np.float64)[used], expected[used]) <= TOL
+    if fill_tail:
+        assert not np.any(np.asarray(y[dest[sizes.sum() :]], np.float32)), "tail rows of y are not 0"
+
+
 def dequantized_h(h_q, h_scale, group: int) -> np.ndarray:
     return np.asarray(h_q, np.float64) * np.repeat(np.asarray(h_scale, np.float64), group, 1)[:, : h_q.shape[1]]
 

@@ -143,10 +143,15 @@ class Tile:
     @classmethod
     def of_program(cls, shape: TileShape, column_tile, group_ref, row_start_ref, row_end_ref) -> Tile:
         """The tile of program (column_tile, row tile), read from its row tile's group, start and end refs."""
-        row0, col0 = row_start_ref[...], column_tile * shape.block_n
+        row0 = row_start_ref[...]
         rows_ok_M = row0 + jnp.arange(shape.block_m) < row_end_ref[...]
-        cols_ok_N = col0 + jnp.arange(shape.block_n) < shape.n_dim if shape.mask_n else None
-        return cls(shape, column_tile, group_ref[...], row0, col0, rows_ok_M, cols_ok_N)
+        return cls(shape, column_tile, group_ref[...], row0, None, rows_ok_M, None).at_column(column_tile)
+
+    def at_column(self, column_tile) -> Tile:
+        """The same rows at column tile `column_tile`."""
+        col0 = column_tile * self.shape.block_n
+        cols_ok_N = col0 + jnp.arange(self.shape.block_n) < self.shape.n_dim if self.shape.mask_n else None
+        return dataclasses.replace(self, column_tile=column_tile, col0=col0, cols_ok_N=cols_ok_N)
 
     def rows(self, ref, k0, k_ok_K):
         """ref[row0 : row0 + block_m, k0 : k0 + block_k], zeros outside the tile's rows and k_ok_K."""
@@ -178,6 +183,41 @@ class Tile:
         num_steps = jnp.clip(shape.num_groups - self.group, 0, 1) * pl.cdiv(shape.k_dim, shape.block_k)
         acc_shape = (shape.block_n, shape.block_m) if transposed else (shape.block_m, shape.block_n)
         return jax.lax.fori_loop(0, num_steps, k_body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(count)))
+
+    def walk_columns(self, columns: int, step_products, count: int, emit) -> None:
+        """`accumulate` over up to `columns` column tiles from this one, as one loop of (column tile, K step), so
+        that the loads run ahead across column tiles (a pipeline filled once a program, not once a column tile):
+        step_products(tile, step, k0, k_ok_K) gives the step's products for `tile` (that column tile's Tile);
+        emit(tile, accumulators) takes each column tile's sums after its last K step. A tail tile emits zeros."""
+        if columns == 1:
+            emit(self, self.accumulate(functools.partial(step_products, self), count))
+            return
+        shape = self.shape
+        k_steps = pl.cdiv(shape.k_dim, shape.block_k)
+        here = jnp.minimum(columns, pl.cdiv(shape.n_dim, shape.block_n) - self.column_tile)
+        real = jnp.clip(shape.num_groups - self.group, 0, 1)  # a clip: see accumulate
+        zeros = tuple(jnp.zeros((shape.block_m, shape.block_n), jnp.float32) for _ in range(count))
+
+        def step_body(index, accs):
+            step = jax.lax.rem(index, k_steps)  # lax's: jnp's % and // lower to Triton with an i1 operand
+            tile = self.at_column(self.column_tile + jax.lax.div(index, k_steps))
+            k0 = step * shape.block_k
+            k_ok_K = k0 + jnp.arange(shape.block_k) < shape.k_dim if shape.mask_k else None
+            accs = tuple(acc + product for acc, product in zip(accs, step_products(tile, step, k0, k_ok_K)))
+
+            def flush():
+                emit(tile, accs)
+                return zeros
+
+            return jax.lax.cond(step == k_steps - 1, flush, lambda: accs)
+
+        jax.lax.fori_loop(0, real * here * k_steps, step_body, zeros)
+
+        def tail_body(column, carry):
+            emit(self.at_column(self.column_tile + column), zeros)
+            return carry
+
+        jax.lax.fori_loop(0, (1 - real) * here, tail_body, 0)
 
     def weight_tile(self, load, k0, k_ok_K, **options):
         """load(group, col0, k0, block_n=, block_k=, cols_ok_N=, k_ok_K=, **options): the [block_n, block_k] tile
@@ -258,12 +298,15 @@ def grouped_call(
     name: str,
     min_block_m: int | None = None,
     fill_tail: bool = True,
+    columns: int = 1,
 ):
     """pallas_call of body(tile, *operand_refs, *out_refs) over the grid (column tile, row tile of `row_tiles`):
     `tile` the program's `Tile`, the operands and outputs whole. out_shape: a ShapeDtypeStruct [R, N] (R rows
     sorted by group, N the columns the grid covers), or a tuple of outputs of R rows, the first [R, N]; zeros for
     R = 0. A tile of fewer rows runs the body at the smallest of `row_tile_sizes(tiles.block_m, min_block_m)`
-    that holds them. fill_tail False: the outputs' rows past sum(group_sizes) are left unwritten (undefined)."""
+    that holds them. fill_tail False: the outputs' rows past sum(group_sizes) are left unwritten (undefined).
+    columns > 1: a program owns that many consecutive column tiles (a body that walks them: `Tile.walk_columns`);
+    its tile is the first of them."""
     num_rows, n_dim = jax.tree.leaves(out_shape)[0].shape
     if num_rows == 0:
         return jax.tree.map(lambda out: jnp.zeros(out.shape, out.dtype), out_shape)
@@ -272,7 +315,7 @@ def grouped_call(
     sizes = row_tile_sizes(tiles.block_m, min_block_m)
 
     def kernel(group_ref, row_start_ref, row_end_ref, *refs):
-        column_tile = pl.program_id(0)  # read outside the branches (Pallas's interpret mode needs that)
+        column_tile = pl.program_id(0) * columns  # read outside the branches (Pallas's interpret mode needs that)
 
         def run(block_m: int):
             sized = dataclasses.replace(shape, block_m=block_m)
@@ -288,7 +331,7 @@ def grouped_call(
     per_row_tile = pl.BlockSpec((None,), lambda n, t: (t,))
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(n_dim, tiles.block_n), group_T.shape[0]),
+        grid=(pl.cdiv(pl.cdiv(n_dim, tiles.block_n), columns), group_T.shape[0]),
         in_specs=[per_row_tile, per_row_tile, per_row_tile, *(whole(op.shape) for op in operands)],
         out_specs=jax.tree.map(lambda out: whole(out.shape), out_shape),
         out_shape=out_shape,

@@ -14,7 +14,7 @@ products, as SGLang serves the FP8 checkpoints:
 
 Both are bodies over the grouped kernels' skeleton (`grouped`: tiles never cross a group, a group's last tile
 shrunk, tail tiles storing zeros, dest a permutation), their K steps FP8 products scaled per block
-(`_scaled_products`). `moe.w8a8_reference` is the same arithmetic in jnp.
+(`_scaled_step`); the down kernel's program may walk several column tiles in one pipelined loop (`columns`). `moe.w8a8_reference` is the same arithmetic in jnp.
 """
 
 from __future__ import annotations
@@ -44,15 +44,16 @@ from pallas_kernels.triton_masked import masked_load
 _TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
 
 
-def _scaled_products(tile: Tile, load_lhs, weights):
-    """One fp32 [block_m, block_n] accumulator per block-FP8 `ExpertTiles` in weights ([G, N, K], the values as
-    stored and fp32 scales [G, N blocks, K blocks]): the sum over the K blocks of the lhs block's FP8 product with
-    the weight block, times the lhs rows' scales and the weight block's scale. load_lhs(step, k0, k_ok_K) ->
-    (lhs_q [block_m, block_k] e4m3, zeros outside the valid rows and K; row_scale [block_m])."""
-    scale_row = tile.col0 // weights[0].format.block[0]
+def _scaled_step(load_lhs, weights):
+    """step_products(tile, step, k0, k_ok_K) for `Tile.accumulate` / `Tile.walk_columns`: one product a block-FP8
+    `ExpertTiles` in weights ([G, N, K], the values as stored and fp32 scales [G, N blocks, K blocks]), the FP8
+    product of the lhs block with the tile's weight block, times the lhs rows' scales and the weight block's scale.
+    load_lhs(tile, step, k0, k_ok_K) -> (lhs_q [block_m, block_k] e4m3, zeros outside the valid rows and K;
+    row_scale [block_m])."""
 
-    def step_products(step, k0, k_ok_K):
-        lhs_MK, row_scale_M = load_lhs(step, k0, k_ok_K)
+    def step_products(tile: Tile, step, k0, k_ok_K):
+        lhs_MK, row_scale_M = load_lhs(tile, step, k0, k_ok_K)
+        scale_row = tile.col0 // weights[0].format.block[0]
         return (
             scaled_fp8_product(
                 lhs_MK,
@@ -63,7 +64,7 @@ def _scaled_products(tile: Tile, load_lhs, weights):
             for weight in weights
         )
 
-    return tile.accumulate(step_products, len(weights))
+    return step_products
 
 
 def _gather_swiglu_kernel(
@@ -83,15 +84,13 @@ def _gather_swiglu_kernel(
 ):
     source_M = tile.row_indices(source_ref, fill=x_q_ref.shape[0])
 
-    def load_lhs(step, k0, k_ok_K):
+    def load_lhs(tile, step, k0, k_ok_K):
         x_q_MK = tile.gathered(x_q_ref, source_M[:, None], k0, k_ok_K)
         return x_q_MK, masked_load(x_scale_ref.at[source_M, step], tile.rows_ok_M)
 
-    gate_MN, up_MN = _scaled_products(
-        tile,
-        load_lhs,
-        expert_tiles((gate_values_ref, gate_scales_ref, up_values_ref, up_scales_ref), (weight_format,) * 2),
-    )
+    weights = expert_tiles((gate_values_ref, gate_scales_ref, up_values_ref, up_scales_ref), (weight_format,) * 2)
+    step_products = _scaled_step(load_lhs, weights)
+    gate_MN, up_MN = tile.accumulate(functools.partial(step_products, tile), 2)
     h_q_MN, h_scale_M = quantize_groups(swiglu(gate_MN, up_MN, limit))  # masked columns are swiglu(0, 0) = 0
     tile.store(h_q_ref, h_q_MN)
     plgpu.store(h_scale_ref.at[pl.ds(tile.row0, tile.shape.block_m), tile.column_tile], h_scale_M, mask=tile.rows_ok_M)
@@ -108,13 +107,16 @@ def _down_scatter_kernel(
     y_ref,
     *,
     weight_format: BlockFP8,
+    columns: int,
 ):
-    def load_lhs(step, k0, k_ok_K):
+    def load_lhs(tile, step, k0, k_ok_K):
         h_q_MK = tile.rows(h_q_ref, k0, k_ok_K)
         return h_q_MK, masked_load(h_scale_ref.at[pl.ds(tile.row0, tile.shape.block_m), step], tile.rows_ok_M)
 
-    (acc_MN,) = _scaled_products(tile, load_lhs, expert_tiles((down_values_ref, down_scales_ref), (weight_format,)))
-    tile.scatter(y_ref, dest_ref, row_weight_ref, acc_MN)
+    step_products = _scaled_step(load_lhs, expert_tiles((down_values_ref, down_scales_ref), (weight_format,)))
+    tile.walk_columns(
+        columns, step_products, 1, lambda column_tile, accs: column_tile.scatter(y_ref, dest_ref, row_weight_ref, *accs)
+    )
 
 
 def takes_block(block: tuple[int, int]) -> bool:
@@ -161,6 +163,7 @@ def _w8a8_call(
     fill_tail: bool,
     interpret: bool,
     name: str,
+    columns: int = 1,
 ):
     """`grouped.grouped_call` of body(tile, *operand_refs, *out_refs) over out_shape (the first output [R, N]) at
     the requested (block_m, block_n, num_warps, num_stages), None ones from `table` for dtype; the K step is
@@ -189,6 +192,7 @@ def _w8a8_call(
         name=name,
         min_block_m=min_block_m,
         fill_tail=fill_tail,
+        columns=columns,
     )
 
 
@@ -247,7 +251,7 @@ def gather_swiglu_w8a8_gpu(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("block", "out_dtype", "block_n", *_TILE_ARGS))
+@functools.partial(jax.jit, static_argnames=("block", "out_dtype", "block_n", "columns", *_TILE_ARGS))
 def down_scatter_w8a8_gpu(
     h_q_RI,
     h_scale,
@@ -264,6 +268,7 @@ def down_scatter_w8a8_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
+    columns: int | None = None,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
@@ -272,7 +277,8 @@ def down_scatter_w8a8_gpu(
     [R, I] e4m3, h_scale [R, ceil(I / block[1])]), FP8 products scaled per K block, accumulated and weighted in
     fp32; rows past the sum store zeros (fill_tail) or nothing. dest [R] int32 must be a permutation of [0, R);
     row_weight [R] fp32. down: block-FP8 [G, D, I] (values e4m3, scales [G, ceil(D / block[0]), ceil(I /
-    block[1])]). Tiles: None from `moe.tuned.DOWN_SCATTER_W8A8` (min_block_m: `DOWN_SCATTER_W8A8_MIN_BLOCK_M`)."""
+    block[1])]). Tiles: None from `moe.tuned.DOWN_SCATTER_W8A8` (min_block_m: `DOWN_SCATTER_W8A8_MIN_BLOCK_M`); columns:
+    the column tiles a program walks in one loop (`grouped.Tile.walk_columns`; None: `DOWN_SCATTER_W8A8_COLUMNS`)."""
     _check_weight("down", down_values_GDI, down_scales, block)
     num_rows, (hidden, width) = h_q_RI.shape[0], down_values_GDI.shape[1:]
     if h_q_RI.dtype != jnp.float8_e4m3fn or h_scale.shape != (num_rows, -(-width // block[1])):
@@ -283,7 +289,11 @@ def down_scatter_w8a8_gpu(
     weight_format, down_operands = _weight_operands("down", down_values_GDI, down_scales, block)
     operands = (dest_R.astype(jnp.int32), row_weight_R.astype(jnp.float32), h_q_RI, h_scale.astype(jnp.float32))
     return _w8a8_call(
-        functools.partial(_down_scatter_kernel, weight_format=weight_format),
+        functools.partial(
+            _down_scatter_kernel,
+            weight_format=weight_format,
+            columns=tuned.DOWN_SCATTER_W8A8_COLUMNS if columns is None else columns,
+        ),
         group_sizes_G,
         (*operands, *down_operands),
         jax.ShapeDtypeStruct((num_rows, hidden), out_dtype),
@@ -297,6 +307,7 @@ def down_scatter_w8a8_gpu(
         fill_tail=fill_tail,
         interpret=interpret,
         name="down_scatter_w8a8",
+        columns=tuned.DOWN_SCATTER_W8A8_COLUMNS if columns is None else columns,
     )
 
 
