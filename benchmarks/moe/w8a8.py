@@ -2,7 +2,8 @@
 FP8 and bf16 matmul peaks measured in the same run.
 
     python -m benchmarks.moe --fp8-matmul w8a8           # 8192 tokens, hidden 4096, width 1280, 512 experts, top-8
-    python -m benchmarks.moe --fp8-matmul w8a8 --sweep   # plus a tile sweep of the two W8A8 kernels
+    python -m benchmarks.moe --fp8-matmul w8a8 --sweep   # plus a tile sweep of the W8A8 kernels (Mosaic too)
+    python -m benchmarks.moe --fp8-matmul w8a8 --sweep down_scatter_w8a8   # the sweep of one kernel only
     python -m benchmarks.moe --fp8-matmul w8a8 --quick   # small sizes; on a CPU the kernels run in interpret mode
     python -m benchmarks.moe --fp8-matmul w8a8 --balanced  # every expert exactly 128 rows (one row tile each)
 
@@ -36,8 +37,8 @@ from pallas_kernels.fp8.reference import E4M3_MAX
 BLOCK = (128, 128)
 FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192)
 QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256)
-# (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m)
-# of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
+# (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m,
+# columns) of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
 SWEEP = {
     "gather_swiglu_w8a8": [
         (128, 8, 4, 64),
@@ -47,20 +48,22 @@ SWEEP = {
         (64, 8, 4, 64),
     ],
     "down_scatter_w8a8": [
-        (64, 128, 4, 4, 64),
-        (64, 128, 4, 4, 32),
-        (128, 64, 4, 4, 64),
-        (64, 64, 4, 4, 64),
-        (128, 64, 8, 4, 64),
-        (64, 128, 4, 3, 64),
+        (64, 128, 4, 4, 64, 1),
+        (64, 128, 4, 4, 64, 2),
+        (64, 128, 4, 4, 64, 4),
+        (64, 128, 4, 4, 64, 8),
+        (64, 128, 4, 3, 64, 4),
+        (128, 128, 8, 4, 64, 4),
+        (64, 64, 4, 4, 64, 8),
     ],
 }
 # (gate_up_stages, down_block_n, down_stages, down_columns) of the Mosaic kernels; the first is the default
 MOSAIC_SWEEP = [(4, 128, 5, 4), (3, 128, 5, 4), (4, 128, 5, 8), (4, 128, 5, 1), (4, 128, 2, 4), (4, 64, 6, 4)]
 SWEEP_KEYWORDS = {
     "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
-    "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m"),
+    "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m", "columns"),
 }
+MOSAIC = "mosaic"
 
 
 @jax.jit
@@ -105,13 +108,15 @@ def peaks(size: int, iters: int) -> tuple[float, float, str]:
     return bf16, rates[fp8_name], fp8_name
 
 
-def sweep(kernel_args, *, flops: float, interpret: bool, iters: int) -> None:
+def sweep(kernel_args, kernels, *, flops: float, interpret: bool, iters: int) -> None:
+    """Time each setting of `kernels` (names of SWEEP and MOSAIC; empty: all) alone."""
+    kernels = set(kernels) or {MOSAIC, *SWEEP}
     kernel_calls = calls.w8a8_kernel_calls(kernel_args, limit=LIMIT, block=BLOCK, interpret=interpret)
     kernel_flops = {"gather_swiglu_w8a8": 2 * flops / 3, "down_scatter_w8a8": flops / 3}
     mosaic = functools.partial(calls.mosaic_kernels, limit=LIMIT, block=BLOCK)
     print("\n| kernel | tiles | ms | TFLOP/s |")
     print("|---|---|---|---|")
-    for tiles in () if interpret else MOSAIC_SWEEP:
+    for tiles in () if interpret or MOSAIC not in kernels else MOSAIC_SWEEP:
         named = dict(zip(calls.MOSAIC_TILE_KEYWORDS, tiles, strict=True))
         try:
             seconds = median_seconds(jax.jit(functools.partial(mosaic, **named)), *kernel_args, iters=iters)
@@ -120,6 +125,8 @@ def sweep(kernel_args, *, flops: float, interpret: bool, iters: int) -> None:
             continue
         print(f"| mosaic experts | {named} | {seconds * 1e3:.3f} | {flops / seconds / 1e12:.1f} |", flush=True)
     for kernel, settings in SWEEP.items():
+        if kernel not in kernels:
+            continue
         entry, args = kernel_calls[kernel]
         for tiles in settings:
             named = dict(zip(SWEEP_KEYWORDS[kernel], tiles, strict=True))
@@ -138,7 +145,13 @@ def main(argv=None) -> int:
     parser = selection_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke test)")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--sweep", action="store_true", help="also sweep the W8A8 kernels' tiles")
+    parser.add_argument(
+        "--sweep",
+        nargs="*",
+        choices=(MOSAIC, *SWEEP),
+        metavar="KERNEL",
+        help=f"also sweep the tiles of these kernels ({', '.join((MOSAIC, *SWEEP))}; none named: all)",
+    )
     parser.add_argument(
         "--balanced",
         action="store_true",
@@ -199,6 +212,6 @@ def main(argv=None) -> int:
             f"| {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops / fp8_peak:.1%} | {tflops / bf16_peak:.1%} | "
             f"{bf16_seconds / seconds:.2f}x |"
         )
-    if args.sweep:
-        sweep((*sorted_args, *fp8_weights), flops=flops, interpret=interpret, iters=args.iters)
+    if args.sweep is not None:
+        sweep((*sorted_args, *fp8_weights), args.sweep, flops=flops, interpret=interpret, iters=args.iters)
     return 0

@@ -364,7 +364,8 @@ def test_kernels_lower_for_cuda_at_ling_flash_size():
 
 @gpu_test("the compiled W8A8 expert kernels")
 def test_compiled_kernels_match_the_reference():
-    """512 tokens, top-8 of 64 experts, hidden 1024, width 384 (3 groups of h), bf16 x, 128 x 128 blocks."""
+    """512 tokens, top-8 of 64 experts, hidden 1024, width 384 (3 groups of h), bf16 x, 128 x 128 blocks; the down
+    kernel also walking 3 column tiles a program."""
     tokens, top_k, num_experts, hidden, width, block = 512, 8, 64, 1024, 384, (128, 128)
     r = np.random.default_rng(0)
     x = jnp.asarray(r.normal(size=(tokens, hidden)), jnp.bfloat16)
@@ -383,3 +384,7 @@ def test_compiled_kernels_match_the_reference():
         h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32
     )
     assert bool(jnp.all(jnp.isfinite(y))) and rel_error(y, ref_y) <= TOL
+    walked = down_scatter_w8a8_gpu(
+        h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32, columns=3
+    )  # 8 column tiles: programs walking 3, 3 and 2
+    assert rel_error(walked, ref_y) <= TOL

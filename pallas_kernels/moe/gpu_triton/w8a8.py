@@ -14,7 +14,8 @@ products, as SGLang serves the FP8 checkpoints:
 
 Both are bodies over the grouped kernels' skeleton (`grouped`: tiles never cross a group, a group's last tile
 shrunk, tail tiles storing zeros, dest a permutation), their K steps FP8 products scaled per block
-(`_scaled_step`); the down kernel's program may walk several column tiles in one pipelined loop (`columns`). `moe.w8a8_reference` is the same arithmetic in jnp.
+(`_scaled_step`); the down kernel's program may walk several column tiles in one pipelined loop (`columns`).
+`moe.w8a8_reference` is the same arithmetic in jnp.
 """
 
 from __future__ import annotations
