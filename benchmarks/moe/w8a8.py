@@ -37,15 +37,15 @@ from pallas_kernels.fp8.reference import E4M3_MAX
 BLOCK = (128, 128)
 FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192)
 QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256)
-# (block_m, num_warps, num_stages, min_block_m, columns) of gate/up; (block_m, block_n, num_warps, num_stages,
-# min_block_m, columns) of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
+# (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m,
+# columns) of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
 SWEEP = {
     "gather_swiglu_w8a8": [
-        (128, 8, 4, 64, 1),
-        (128, 8, 4, 64, 2),
-        (128, 8, 4, 64, 5),
-        (128, 8, 3, 64, 5),
-        (128, 8, 4, 128, 2),
+        (128, 8, 4, 64),
+        (128, 8, 3, 64),
+        (128, 8, 4, 32),
+        (128, 8, 4, 128),
+        (64, 8, 4, 64),
     ],
     "down_scatter_w8a8": [
         (64, 128, 4, 4, 64, 1),
@@ -60,7 +60,7 @@ SWEEP = {
 # (gate_up_stages, down_block_n, down_stages, down_columns) of the Mosaic kernels; the first is the default
 MOSAIC_SWEEP = [(4, 128, 5, 4), (3, 128, 5, 4), (4, 128, 5, 8), (4, 128, 5, 1), (4, 128, 2, 4), (4, 64, 6, 4)]
 SWEEP_KEYWORDS = {
-    "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m", "columns"),
+    "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m", "columns"),
 }
 MOSAIC = "mosaic"

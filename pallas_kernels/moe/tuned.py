@@ -163,8 +163,7 @@ WEIGHT_LEFT_QUANTIZED = ("few_rows",)
 # the smallest row tile of an expert's last tile (a power of two)
 GATHER_SWIGLU_W8A8_MIN_BLOCK_M = 64
 DOWN_SCATTER_W8A8_MIN_BLOCK_M = 64
-# The column tiles a program of the W8A8 kernels walks in one loop (`grouped.Tile.walk_columns`): untimed
-GATHER_SWIGLU_W8A8_COLUMNS = 1
+# The column tiles a program of the W8A8 down kernel walks in one loop (`grouped.Tile.walk_columns`): untimed
 DOWN_SCATTER_W8A8_COLUMNS = 1
 _W8A8_SOURCE = (
     "docs/benchmarks/moe.md#the-w8a8-experts-as-persistent-warp-specialised-mosaic-gpu-kernels-and-the-triton-w8a8-"

@@ -14,7 +14,7 @@ products, as SGLang serves the FP8 checkpoints:
 
 Both are bodies over the grouped kernels' skeleton (`grouped`: tiles never cross a group, a group's last tile
 shrunk, tail tiles storing zeros, dest a permutation), their K steps FP8 products scaled per block
-(`_scaled_step`); a program may walk several column tiles in one pipelined loop (`columns`).
+(`_scaled_step`); the down kernel's program may walk several column tiles in one pipelined loop (`columns`).
 `moe.w8a8_reference` is the same arithmetic in jnp.
 """
 
@@ -82,7 +82,6 @@ def _gather_swiglu_kernel(
     *,
     limit: float | None,
     weight_format: BlockFP8,
-    columns: int,
 ):
     source_M = tile.row_indices(source_ref, fill=x_q_ref.shape[0])
 
@@ -91,17 +90,11 @@ def _gather_swiglu_kernel(
         return x_q_MK, masked_load(x_scale_ref.at[source_M, step], tile.rows_ok_M)
 
     weights = expert_tiles((gate_values_ref, gate_scales_ref, up_values_ref, up_scales_ref), (weight_format,) * 2)
-
-    def store_h(column_tile: Tile, accs):
-        h_q_MN, h_scale_M = quantize_groups(swiglu(*accs, limit))  # masked columns are swiglu(0, 0) = 0
-        column_tile.store(h_q_ref, h_q_MN)
-        plgpu.store(
-            h_scale_ref.at[pl.ds(column_tile.row0, column_tile.shape.block_m), column_tile.column_tile],
-            h_scale_M,
-            mask=column_tile.rows_ok_M,
-        )
-
-    tile.walk_columns(columns, _scaled_step(load_lhs, weights), 2, store_h)
+    step_products = _scaled_step(load_lhs, weights)
+    gate_MN, up_MN = tile.accumulate(functools.partial(step_products, tile), 2)
+    h_q_MN, h_scale_M = quantize_groups(swiglu(gate_MN, up_MN, limit))  # masked columns are swiglu(0, 0) = 0
+    tile.store(h_q_ref, h_q_MN)
+    plgpu.store(h_scale_ref.at[pl.ds(tile.row0, tile.shape.block_m), tile.column_tile], h_scale_M, mask=tile.rows_ok_M)
 
 
 def _down_scatter_kernel(
@@ -204,7 +197,7 @@ def _w8a8_call(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "block", "columns", *_TILE_ARGS))
+@functools.partial(jax.jit, static_argnames=("limit", "block", *_TILE_ARGS))
 def gather_swiglu_w8a8_gpu(
     x_XD,
     source_R,
@@ -220,7 +213,6 @@ def gather_swiglu_w8a8_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
-    columns: int | None = None,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
@@ -230,8 +222,7 @@ def gather_swiglu_w8a8_gpu(
     h_q[r, i] * h_scale[r, i // block[1]]. Rows past the sum get h = 0 (fill_tail) or are not written. source [R]
     int32 indexes x's rows (x [X, D], any float dtype). gate and up: block-FP8 [G, I, D] (values e4m3, scales
     [G, ceil(I / block[0]), ceil(D / block[1])]). The column tile is block[1] (one group of h); the other tiles:
-    None from `moe.tuned.GATHER_SWIGLU_W8A8` (min_block_m: `GATHER_SWIGLU_W8A8_MIN_BLOCK_M`); columns: the column
-    tiles a program walks in one loop (`grouped.Tile.walk_columns`; None: `GATHER_SWIGLU_W8A8_COLUMNS`)."""
+    None from `moe.tuned.GATHER_SWIGLU_W8A8` (min_block_m: `GATHER_SWIGLU_W8A8_MIN_BLOCK_M`)."""
     for name, values, scales in (("gate", gate_values_GID, gate_scales), ("up", up_values_GID, up_scales)):
         _check_weight(name, values, scales, block)
     num_rows, (width, hidden) = source_R.shape[0], gate_values_GID.shape[1:]
@@ -244,12 +235,7 @@ def gather_swiglu_w8a8_gpu(
     weight_format, gate_operands = _weight_operands("gate", gate_values_GID, gate_scales, block)
     _, up_operands = _weight_operands("up", up_values_GID, up_scales, block)
     return _w8a8_call(
-        functools.partial(
-            _gather_swiglu_kernel,
-            limit=limit,
-            weight_format=weight_format,
-            columns=tuned.GATHER_SWIGLU_W8A8_COLUMNS if columns is None else columns,
-        ),
+        functools.partial(_gather_swiglu_kernel, limit=limit, weight_format=weight_format),
         group_sizes_G,
         (source_R.astype(jnp.int32), x_q_XD, x_scale_XG, *gate_operands, *up_operands),
         out_shape,
@@ -263,7 +249,6 @@ def gather_swiglu_w8a8_gpu(
         fill_tail=fill_tail,
         interpret=interpret,
         name="gather_swiglu_w8a8",
-        columns=tuned.GATHER_SWIGLU_W8A8_COLUMNS if columns is None else columns,
     )
 
 
