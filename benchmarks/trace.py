@@ -97,6 +97,12 @@ def kernels(trace: dict, module: str | None = None) -> list[dict]:
     return sorted(chosen, key=lambda event: event["ts"])
 
 
+def device_seconds(path: pathlib.Path, calls: int) -> float:
+    """Seconds of kernel time a call in the trace at `path` (`find_trace`) of `calls` calls: the kernels'
+    durations summed (overlapping kernels count twice)."""
+    return sum(event["dur"] for event in kernels(load_trace(find_trace(path)))) / calls * 1e-6
+
+
 def summarize(kernels: list[dict], steps: int, top: int, small_us: float, by_kind: bool = False) -> str:
     """Per step: the kernel count and busy time, the `top` kernels by time (repeated launches of one name are one
     row; with by_kind every numbered variant too) and the tail of kernels averaging under small_us."""

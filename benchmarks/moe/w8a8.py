@@ -24,10 +24,12 @@ path, >= 55% of the FP8 peak.
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import trace
 from benchmarks.common import median_seconds, rel_error
 from benchmarks.fp8_peak import jax_rows, torch_rows
 from benchmarks.moe import calls
@@ -64,6 +66,7 @@ SWEEP_KEYWORDS = {
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m", "columns"),
 }
 MOSAIC = "mosaic"
+PROFILED_CALLS = 3
 
 
 @jax.jit
@@ -159,7 +162,11 @@ def main(argv=None) -> int:
         "instead of uniform random top-k",
     )
     parser.add_argument(
-        "--profile", metavar="DIR", help="write a Perfetto trace of 3 calls of each path (scripts/trace_summary.py)"
+        "--profile",
+        metavar="DIR",
+        help=f"write a Perfetto trace of {PROFILED_CALLS} calls of each path into DIR/<path> "
+        "(scripts/trace_summary.py) and print each path's kernel device time a call (a lone call's wall time also "
+        "holds its dispatch)",
     )
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
@@ -195,11 +202,13 @@ def main(argv=None) -> int:
         times[f"{name}: routed experts"] = median_seconds(
             routed, x_TD, weights_TK, experts_TK, *weights, iters=args.iters
         )
-    if args.profile:
-        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
-            for kernels, weights in paths.values():
-                for _ in range(3):
-                    jax.block_until_ready(jax.jit(kernels)(*sorted_args, *weights))
+    device_seconds = {}
+    for name, (kernels, weights) in paths.items() if args.profile else ():
+        directory = pathlib.Path(args.profile) / name.replace(" ", "_")
+        with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+            for _ in range(PROFILED_CALLS):
+                jax.block_until_ready(jax.jit(kernels)(*sorted_args, *weights))
+        device_seconds[name] = trace.device_seconds(directory, PROFILED_CALLS)
     for name in paths:
         if name != "bf16 fused":
             print(f"\n{name} routed experts vs bf16: rel. error {rel_error(outputs[name], outputs['bf16 fused']):.2e}")
@@ -212,6 +221,11 @@ def main(argv=None) -> int:
             f"| {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops / fp8_peak:.1%} | {tflops / bf16_peak:.1%} | "
             f"{bf16_seconds / seconds:.2f}x |"
         )
+    if device_seconds:
+        print(f"\n| path: kernels only | device time a call, ms (profile of {PROFILED_CALLS}) | speed-up over bf16 |")
+        print("|---|---|---|")
+        for name, seconds in device_seconds.items():
+            print(f"| {name} | {seconds * 1e3:.3f} | {device_seconds['bf16 fused'] / seconds:.2f}x |")
     if args.sweep is not None:
         sweep((*sorted_args, *fp8_weights), args.sweep, flops=flops, interpret=interpret, iters=args.iters)
     return 0

@@ -51,6 +51,11 @@ def test_per_step_device_time_and_small_kernel_tail(tmp_path):
     assert "| 6.0 | 2.0 | 3.0 | loop_add_fusion |" in merged.stdout
 
 
+def test_device_seconds_a_call(tmp_path):
+    _write_trace(tmp_path)
+    assert abs(trace.device_seconds(tmp_path, 2) - 306e-6) < 1e-12  # device kernels only, the host event left out
+
+
 def test_a_directory_reads_its_own_profile_not_a_newer_one_in_a_subfolder(tmp_path):
     _write_trace(tmp_path)
     _write_trace(tmp_path / "decode_group")  # written later: the newest trace below tmp_path
