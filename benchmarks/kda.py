@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -55,6 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import trace  # noqa: E402
 from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
 from ling_jax import ExecutionPolicy, KDAState  # noqa: E402
 from ling_jax.kda import KimiDeltaAttention  # noqa: E402
@@ -125,6 +127,7 @@ DECODE_VARIANTS = {  # kda_decode_step_gpu tiles (`tuned.DECODE_GPU` is the defa
     "large": DECODE_TILES,
 }
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
+PROFILED_CALLS = 3  # calls of a --segmented row under the profiler
 
 
 def seconds_per_step(advance, carried, *rest, iters: int, steps_per_call: int = STEPS_PER_CALL) -> float:
@@ -522,7 +525,8 @@ def bench_segmented(
     """chunk_kda (safe gates, bf16; each variant of `names`, None: the platform's) unsplit and split over each
     segment count of the rule and `sweep`, vs fla on the GPU or, interpreted on the CPU or without `fla`, vs the
     jnp chunked form (untimed): the table's rows. profile_dir: a Perfetto trace of 3 calls of each row in
-    profile_dir/H{heads}_{variant}_{count} (scripts/trace_summary.py DIR --steps 3)."""
+    profile_dir/H{heads}_{variant}_{count} (scripts/trace_summary.py DIR --steps 3), and the row's kernel device
+    time a call printed beside its wall time (a lone call's wall time also holds its dispatch)."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
@@ -546,16 +550,17 @@ def bench_segmented(
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
+        device = ""
         if profile_dir is not None:
-            with jax.profiler.trace(
-                f"{profile_dir}/H{heads}_{variant or 'default'}_{count}", create_perfetto_trace=True
-            ):
-                for _ in range(3):
+            directory = pathlib.Path(profile_dir) / f"H{heads}_{variant or 'default'}_{count}"
+            with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+                for _ in range(PROFILED_CALLS):
                     jax.block_until_ready(fn(jq, jk, jv, jg, jbeta))
+            device = f", device {trace.device_seconds(directory, PROFILED_CALLS) * 1e3:.2f} ms"
         label = "unsplit" if count == 1 else f"{count} segments" + (" (the rule)" if count == rule else "")
         label = f"{variant or 'default'} {label}"
         print(
-            f"  {label}: {seconds * 1e3:.2f} ms ({batch * length / seconds / 1e6:.2f} Mtok/s, "
+            f"  {label}: {seconds * 1e3:.2f} ms{device} ({batch * length / seconds / 1e6:.2f} Mtok/s, "
             f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}"
         )
         rows.append((f"prefill H={heads} {label}", batch, length, seconds, ref_s, None, err_o))
@@ -614,7 +619,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--profile",
         metavar="DIR",
-        help="--segmented: a Perfetto trace of 3 calls of each row under DIR (scripts/trace_summary.py)",
+        help="--segmented: a Perfetto trace of 3 calls of each row under DIR (scripts/trace_summary.py), and each "
+        "row's kernel device time a call",
     )
     parser.add_argument(
         "--jnp-baseline",
