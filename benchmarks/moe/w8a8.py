@@ -14,7 +14,9 @@ experts, and their block-FP8 quantisation, 128 x 128 blocks):
   epilogue) + `down_scatter_w8a8_gpu` (`pallas_kernels.moe.gpu_triton.w8a8`) on the block-FP8 weights;
 - Mosaic W8A8 (GPU only): `pallas_kernels.experimental.moe_gpu_mosaic.w8a8_expert_rows_mgpu`, the same arithmetic
   in Mosaic GPU kernels (TMA pipelines, FP8 wgmma) over rows padded to 64-row tiles per expert;
-each as "kernels only" (on a computed sort) and "routed experts" (sort by expert + kernels + the top-k sum).
+each as "kernels only" (on a computed sort, a lone call), "kernels, 8 chained" (8 calls in one program, each x
+nudged by the last output, as a prefill chains its layers: a call's time without a lone call's dispatch) and
+"routed experts" (sort by expert + kernels + the top-k sum).
 Reports ms, TFLOP/s of the routed products (2 T k 3 D I), % of the FP8 peak (the best FP8 row of
 `bench_fp8_peak` at 8192^3: torch._scaled_mm where torch has CUDA, XLA's FP8 dot), the speed-up over bf16, and the
 W8A8 layer's rel. error against the bf16 one (activation quantisation: a few %). Issue 25's goals: >= 1.6x the bf16
@@ -30,10 +32,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import trace
-from benchmarks.common import median_seconds, rel_error
+from benchmarks.common import median_seconds, per_call_seconds, rel_error
 from benchmarks.fp8_peak import jax_rows, torch_rows
 from benchmarks.moe import calls
-from benchmarks.moe.shared import LIMIT, selection_parser
+from benchmarks.moe.shared import LIMIT, nudge_x, selection_parser
 from pallas_kernels.fp8.reference import E4M3_MAX
 
 BLOCK = (128, 128)
@@ -48,6 +50,7 @@ SWEEP = {
         (128, 8, 4, 32),
         (128, 8, 4, 128),
         (64, 8, 4, 64),
+        (64, 4, 2, 64),
     ],
     "down_scatter_w8a8": [
         (64, 128, 4, 4, 64, 1),
@@ -67,6 +70,7 @@ SWEEP_KEYWORDS = {
 }
 MOSAIC = "mosaic"
 PROFILED_CALLS = 3
+CHAINED = 8  # calls in one program (each x nudged by the last output), as a prefill chains its layers
 
 
 @jax.jit
@@ -92,6 +96,11 @@ def random_problem(tokens: int, hidden: int, width: int, experts: int, top_k: in
     gate, up = (jax.random.normal(k, (experts, width, hidden), jnp.bfloat16) * hidden**-0.5 for k in keys[3:5])
     down = jax.random.normal(keys[5], (experts, hidden, width), jnp.bfloat16) * width**-0.5
     return x_TD, weights_TK, experts_TK, gate, up, down
+
+
+def nudge_rows(x_TD, y_RD):
+    """x nudged by the kernels' first T output rows (they store rows [T k, D], not the top-k sum)."""
+    return nudge_x(x_TD, y_RD[: x_TD.shape[0]])
 
 
 def peaks(size: int, iters: int) -> tuple[float, float, str]:
@@ -199,6 +208,9 @@ def main(argv=None) -> int:
         routed = jax.jit(functools.partial(calls.routed_by_expert, kernels, num_experts=num_experts))
         outputs[name] = routed(x_TD, weights_TK, experts_TK, *weights)
         times[f"{name}: kernels only"] = median_seconds(jax.jit(kernels), *sorted_args, *weights, iters=args.iters)
+        times[f"{name}: kernels, {CHAINED} chained"] = per_call_seconds(
+            kernels, nudge_rows, *sorted_args, *weights, iters=args.iters, calls=CHAINED
+        )
         times[f"{name}: routed experts"] = median_seconds(
             routed, x_TD, weights_TK, experts_TK, *weights, iters=args.iters
         )
