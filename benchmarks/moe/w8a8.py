@@ -17,7 +17,9 @@ experts, and their block-FP8 quantisation, 128 x 128 blocks):
 each as "kernels only" (on a computed sort, a lone call), "kernels, 8 chained" (8 calls in one program, each x
 nudged by the last output, as a prefill chains its layers: a call's time without a lone call's dispatch) and
 "routed experts" (sort by expert + kernels + the top-k sum).
-Reports ms, TFLOP/s of the routed products (2 T k 3 D I), % of the FP8 peak (the best FP8 row of
+Reports ms, TFLOP/s of the routed products (2 T k 3 D I), the kernels' byte floor over the time (operands read
+once and the output rows written once, at the same-run copy bandwidth: at 8192 tokens each expert gets ~128 rows, so
+the products are bound by reading the weights), % of the FP8 peak (the best FP8 row of
 `bench_fp8_peak` at 8192^3: torch._scaled_mm where torch has CUDA, XLA's FP8 dot), the speed-up over bf16, and the
 W8A8 layer's rel. error against the bf16 one (activation quantisation: a few %). Issue 25's goals: >= 1.6x the bf16
 path, >= 55% of the FP8 peak.
@@ -32,15 +34,15 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import trace
-from benchmarks.common import median_seconds, per_call_seconds, rel_error
+from benchmarks.common import copy_bandwidth, median_seconds, per_call_seconds, rel_error
 from benchmarks.fp8_peak import jax_rows, torch_rows
 from benchmarks.moe import calls
 from benchmarks.moe.shared import LIMIT, nudge_x, selection_parser
 from pallas_kernels.fp8.reference import E4M3_MAX
 
 BLOCK = (128, 128)
-FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192)
-QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256)
+FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192, copy_bytes=4 << 30)
+QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256, copy_bytes=1 << 20)
 # (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m,
 # columns) of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
 SWEEP = {
@@ -101,6 +103,13 @@ def random_problem(tokens: int, hidden: int, width: int, experts: int, top_k: in
 def nudge_rows(x_TD, y_RD):
     """x nudged by the kernels' first T output rows (they store rows [T k, D], not the top-k sum)."""
     return nudge_x(x_TD, y_RD[: x_TD.shape[0]])
+
+
+def floor_bytes(kernels, *operands) -> int:
+    """The fewest bytes the kernels move: every operand read once, their output written once (h, the hidden
+    activations between the two kernels, not counted)."""
+    out = jax.eval_shape(kernels, *operands)
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves((operands, out)))
 
 
 def peaks(size: int, iters: int) -> tuple[float, float, str]:
@@ -202,6 +211,13 @@ def main(argv=None) -> int:
     if on_gpu:
         paths["Mosaic W8A8"] = (functools.partial(calls.mosaic_kernels, limit=LIMIT, block=BLOCK), fp8_weights)
     sorted_args = calls.sorted_rows(x_TD, weights_TK, experts_TK, num_experts)
+    copy = copy_bandwidth(args.iters, sizes["copy_bytes"])
+    floors = {name: floor_bytes(kernels, *sorted_args, *weights) / copy for name, (kernels, weights) in paths.items()}
+    print(
+        f"\nbyte floor of the kernels (operands read once, the rows [T k, D] written once; h not counted) at the "
+        f"same-run copy {copy / 1e12:.2f} TB/s: "
+        + ", ".join(f"{name} {floor * copy / 1e9:.2f} GB = {floor * 1e3:.3f} ms" for name, floor in floors.items())
+    )
     flops = 2 * tokens * top_k * 3 * hidden * width
     times, outputs = {}, {}
     for name, (kernels, weights) in paths.items():
@@ -224,20 +240,30 @@ def main(argv=None) -> int:
     for name in paths:
         if name != "bf16 fused":
             print(f"\n{name} routed experts vs bf16: rel. error {rel_error(outputs[name], outputs['bf16 fused']):.2e}")
-    print(f"\n| path | ms | TFLOP/s | % of FP8 peak ({fp8_name}) | % of bf16 peak | speed-up over bf16 |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"\n| path | ms | TFLOP/s | % of FP8 peak ({fp8_name}) | % of bf16 peak | byte floor / time | "
+        "speed-up over bf16 |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, seconds in times.items():
         tflops = flops / seconds / 1e12
-        bf16_seconds = times["bf16 fused:" + name.split(":", 1)[1]]
+        path, timing = name.split(":", 1)
+        bf16_seconds = times["bf16 fused:" + timing]
         print(
             f"| {name} | {seconds * 1e3:.3f} | {tflops:.1f} | {tflops / fp8_peak:.1%} | {tflops / bf16_peak:.1%} | "
-            f"{bf16_seconds / seconds:.2f}x |"
+            f"{floors[path] / seconds:.1%} | {bf16_seconds / seconds:.2f}x |"
         )
     if device_seconds:
-        print(f"\n| path: kernels only | device time a call, ms (profile of {PROFILED_CALLS}) | speed-up over bf16 |")
-        print("|---|---|---|")
+        print(
+            f"\n| path: kernels only | device time a call, ms (profile of {PROFILED_CALLS}) | byte floor / time | "
+            "speed-up over bf16 |"
+        )
+        print("|---|---|---|---|")
         for name, seconds in device_seconds.items():
-            print(f"| {name} | {seconds * 1e3:.3f} | {device_seconds['bf16 fused'] / seconds:.2f}x |")
+            print(
+                f"| {name} | {seconds * 1e3:.3f} | {floors[name] / seconds:.1%} | "
+                f"{device_seconds['bf16 fused'] / seconds:.2f}x |"
+            )
     if args.sweep is not None:
         sweep((*sorted_args, *fp8_weights), args.sweep, flops=flops, interpret=interpret, iters=args.iters)
     return 0
