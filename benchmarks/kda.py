@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import trace  # noqa: E402
-from benchmarks.common import copy_bandwidth, median_seconds, rel_error  # noqa: E402
+from benchmarks.common import copy_bandwidth, median_seconds, per_call_seconds, rel_error  # noqa: E402
 from ling_jax import ExecutionPolicy, KDAState  # noqa: E402
 from ling_jax.kda import KimiDeltaAttention  # noqa: E402
 from ling_jax.presets import preset  # noqa: E402
@@ -128,6 +128,7 @@ DECODE_VARIANTS = {  # kda_decode_step_gpu tiles (`tuned.DECODE_GPU` is the defa
 }
 STEPS_PER_CALL = 50  # decode steps chained in one jitted program, so host dispatch is not what gets timed
 PROFILED_CALLS = 3  # calls of a --segmented row under the profiler
+CHAINED = 4  # calls in one program for a --segmented row's chained time
 
 
 def seconds_per_step(advance, carried, *rest, iters: int, steps_per_call: int = STEPS_PER_CALL) -> float:
@@ -511,6 +512,11 @@ SEGMENT_SWEEP = (4, 8, 16, 32)  # segment counts --segmented times beside the ru
 SEGMENTED_HEADS = (8, 64)
 
 
+def nudge_query(q_BTHK, outputs):
+    """q nudged by the last call's output o [B, T, H, V] (V = K here)."""
+    return q_BTHK + (1e-3 * outputs[0]).astype(q_BTHK.dtype)
+
+
 def bench_segmented(
     batch,
     length,
@@ -526,7 +532,8 @@ def bench_segmented(
     segment count of the rule and `sweep`, vs fla on the GPU or, interpreted on the CPU or without `fla`, vs the
     jnp chunked form (untimed): the table's rows. profile_dir: a Perfetto trace of 3 calls of each row in
     profile_dir/H{heads}_{variant}_{count} (scripts/trace_summary.py DIR --steps 3), and the row's kernel device
-    time a call printed beside its wall time (a lone call's wall time also holds its dispatch)."""
+    time a call printed beside its wall time (a lone call's wall time also holds its dispatch); each row also timed
+    as CHAINED calls in one program (q nudged by the last output, as a prefill chains its layers)."""
     q, k, v, g, beta = random_inputs(batch, length, seed=length, heads=heads)
     jq, jk, jv = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     jg, jbeta = jnp.asarray(g), jnp.asarray(beta)
@@ -550,6 +557,7 @@ def bench_segmented(
         o, state = fn(jq, jk, jv, jg, jbeta)
         err_o, err_s = rel_error(o.astype(jnp.float32), ref_o), rel_error(state, ref_state)
         seconds = median_seconds(fn, jq, jk, jv, jg, jbeta, iters=iters)
+        chained_s = per_call_seconds(fn, nudge_query, jq, jk, jv, jg, jbeta, iters=iters, calls=CHAINED)
         device = ""
         if profile_dir is not None:
             directory = pathlib.Path(profile_dir) / f"H{heads}_{variant or 'default'}_{count}"
@@ -560,7 +568,8 @@ def bench_segmented(
         label = "unsplit" if count == 1 else f"{count} segments" + (" (the rule)" if count == rule else "")
         label = f"{variant or 'default'} {label}"
         print(
-            f"  {label}: {seconds * 1e3:.2f} ms{device} ({batch * length / seconds / 1e6:.2f} Mtok/s, "
+            f"  {label}: {seconds * 1e3:.2f} ms{device}, {CHAINED} chained {chained_s * 1e3:.2f} ms a call "
+            f"({batch * length / seconds / 1e6:.2f} Mtok/s, "
             f"{ref_name} / ours {ref_s / seconds:.2f}x); vs {ref_name}: o {err_o:.1e}, state {err_s:.1e}"
         )
         rows.append((f"prefill H={heads} {label}", batch, length, seconds, ref_s, None, err_o))
