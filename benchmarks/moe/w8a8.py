@@ -43,17 +43,16 @@ from pallas_kernels.fp8.reference import E4M3_MAX
 BLOCK = (128, 128)
 FULL = dict(tokens=8192, hidden=4096, width=1280, experts=512, top_k=8, peak_size=8192, copy_bytes=4 << 30)
 QUICK = dict(tokens=64, hidden=256, width=256, experts=8, top_k=2, peak_size=256, copy_bytes=1 << 20)
-# (block_m, num_warps, num_stages, min_block_m, joined) of gate/up; (block_m, block_n, num_warps, num_stages,
-# min_block_m, columns) of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
+# (block_m, num_warps, num_stages, min_block_m) of gate/up; (block_m, block_n, num_warps, num_stages, min_block_m,
+# columns) of down; the first of each is the tuned default (pallas_kernels/moe/tuned.py).
 SWEEP = {
     "gather_swiglu_w8a8": [
-        (128, 8, 4, 64, False),
-        (128, 8, 3, 64, False),
-        (64, 8, 4, 64, False),
-        (64, 4, 2, 64, False),
-        (128, 8, 4, 64, True),
-        (128, 8, 3, 64, True),
-        (64, 4, 2, 64, True),
+        (128, 8, 4, 64),
+        (128, 8, 3, 64),
+        (128, 8, 4, 32),
+        (128, 8, 4, 128),
+        (64, 8, 4, 64),
+        (64, 4, 2, 64),
     ],
     "down_scatter_w8a8": [
         (64, 128, 4, 4, 64, 1),
@@ -68,7 +67,7 @@ SWEEP = {
 # (gate_up_stages, down_block_n, down_stages, down_columns) of the Mosaic kernels; the first is the default
 MOSAIC_SWEEP = [(4, 128, 5, 4), (3, 128, 5, 4), (4, 128, 5, 8), (4, 128, 5, 1), (4, 128, 2, 4), (4, 64, 6, 4)]
 SWEEP_KEYWORDS = {
-    "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m", "joined"),
+    "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m", "columns"),
 }
 MOSAIC = "mosaic"

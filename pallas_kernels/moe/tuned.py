@@ -166,10 +166,6 @@ DOWN_SCATTER_W8A8_MIN_BLOCK_M = 64
 # The column tiles a program of the W8A8 down kernel walks in one loop (`grouped.Tile.walk_columns`): on an H100
 # (2026-12-07, alone) 1: 1.994 ms, 2: 2.301, 4: 2.378, 8: 1.853 -- no setting clearly ahead, so 1
 DOWN_SCATTER_W8A8_COLUMNS = 1
-# Whether the W8A8 gate/up kernel multiplies gate and up as one joined product of twice the width a K step
-# (`gpu_triton.w8a8._joined_step`): not yet timed on a GPU (sm_90 PTX: one 64 x 256 wgmma chain and one wait a step
-# instead of two, the joined tile taking a trip through registers and back to shared memory)
-GATHER_SWIGLU_W8A8_JOINED = False
 _W8A8_SOURCE = (
     "docs/benchmarks/moe.md#the-w8a8-experts-as-persistent-warp-specialised-mosaic-gpu-kernels-and-the-triton-w8a8-"
     "tiles-on-the-h100-2026-12-06-twenty-fifth-session: on an H100 gate/up 4 stages 2.831 ms against 3 stages 3.183, "

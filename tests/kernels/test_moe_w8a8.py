@@ -142,22 +142,14 @@ IMPLEMENTATIONS = {
     ),
     "reference": (lambda case: {}, gather_swiglu_w8a8_reference, down_scatter_w8a8_reference),
 }
-# the gate/up kernel's other form: gate and up as one joined product a K step
-GATHER_SWIGLU_FORMS = {
-    **{name: (options, gather_swiglu) for name, (options, gather_swiglu, _) in IMPLEMENTATIONS.items()},
-    "interpret_gpu_joined": (
-        lambda case: dict(block_m=CASES[case][7], joined=True, interpret=True),
-        gather_swiglu_w8a8_gpu,
-    ),
-}
 
 
-@pytest.mark.parametrize("implementation", sorted(GATHER_SWIGLU_FORMS))
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_gather_swiglu_w8a8_matches_float64(case, implementation):
     x, rows, _, gate, up, _ = case_inputs(case, seed=len(case))
     block = CASES[case][5]
-    options, gather_swiglu = GATHER_SWIGLU_FORMS[implementation]
+    options, gather_swiglu, _ = IMPLEMENTATIONS[implementation]
     args = (gather_swiglu, case, x, rows, gate, up)
     h_q, h_scale = run_gather_swiglu(*args, **options(case))
     assert h_q.dtype == jnp.float8_e4m3fn and h_q.shape == (len(rows[0]), gate[0].shape[1])
@@ -365,10 +357,6 @@ def test_kernels_lower_for_cuda_at_ling_flash_size():
     gather_args, down_args = ling_flash_shapes()
     gather = lower_for_cuda(lambda *a: gather_swiglu_w8a8_gpu(*a, limit=7.0, block=(128, 128)), *gather_args)
     assert "gather_swiglu_w8a8" in gather.as_text()
-    joined = lower_for_cuda(
-        lambda *a: gather_swiglu_w8a8_gpu(*a, limit=7.0, block=(128, 128), joined=True), *gather_args
-    )
-    assert "gather_swiglu_w8a8" in joined.as_text() and not int32_offsets_into_large_operands(joined)
     down = lower_for_cuda(lambda *a: down_scatter_w8a8_gpu(*a, block=(128, 128)), *down_args)
     assert "down_scatter_w8a8" in down.as_text()
     assert not int32_offsets_into_large_operands(gather) and not int32_offsets_into_large_operands(down)
@@ -376,8 +364,8 @@ def test_kernels_lower_for_cuda_at_ling_flash_size():
 
 @gpu_test("the compiled W8A8 expert kernels")
 def test_compiled_kernels_match_the_reference():
-    """512 tokens, top-8 of 64 experts, hidden 1024, width 384 (3 groups of h), bf16 x, 128 x 128 blocks; the
-    gate/up kernel also with its joined product, the down kernel also walking 3 column tiles a program."""
+    """512 tokens, top-8 of 64 experts, hidden 1024, width 384 (3 groups of h), bf16 x, 128 x 128 blocks; the down
+    kernel also walking 3 column tiles a program."""
     tokens, top_k, num_experts, hidden, width, block = 512, 8, 64, 1024, 384, (128, 128)
     r = np.random.default_rng(0)
     x = jnp.asarray(r.normal(size=(tokens, hidden)), jnp.bfloat16)
@@ -391,8 +379,6 @@ def test_compiled_kernels_match_the_reference():
     h_q, h_scale = gather_swiglu_w8a8_gpu(x, source, sizes, *gate, *up, limit=7.0, block=block)
     ref_q, ref_scale = gather_swiglu_w8a8_reference(x, source, sizes, *gate, *up, 7.0, block=block)
     assert_requantized_h_close(h_q, h_scale, ref_q, ref_scale)
-    joined_q, joined_scale = gather_swiglu_w8a8_gpu(x, source, sizes, *gate, *up, limit=7.0, block=block, joined=True)
-    assert_requantized_h_close(joined_q, joined_scale, ref_q, ref_scale)
     y = down_scatter_w8a8_gpu(h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32)
     ref_y = down_scatter_w8a8_reference(
         h_q, h_scale, dest, row_weight, sizes, *down, block=block, out_dtype=jnp.float32

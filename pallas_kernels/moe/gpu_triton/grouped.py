@@ -168,13 +168,11 @@ class Tile:
         zeros outside the tile's rows and k_ok_K."""
         return masked_load(ref.at[index_M1, _columns(k0, self.shape.block_k)], mask_2d(self.rows_ok_M, k_ok_K))
 
-    def accumulate(self, step_products, count: int, *, transposed: bool = False, width: int | None = None):
-        """`count` fp32 accumulators [block_m, block_n] ([block_n, block_m] transposed; `width` columns instead of
-        block_n where given): the sums over the K steps of step_products(step, k0, k_ok_K), the step's products in
-        order of the accumulators (k_ok_K None when no step is partial). A tail tile (group == num_groups) runs no
-        K steps: zeros."""
+    def accumulate(self, step_products, count: int, *, transposed: bool = False):
+        """`count` fp32 accumulators [block_m, block_n] ([block_n, block_m] transposed): the sums over the K steps
+        of step_products(step, k0, k_ok_K), the step's products in order of the accumulators (k_ok_K None when
+        no step is partial). A tail tile (group == num_groups) runs no K steps: zeros."""
         shape = self.shape
-        columns = shape.block_n if width is None else width
 
         def k_body(step, accs):
             k0 = step * shape.block_k
@@ -183,7 +181,7 @@ class Tile:
 
         # A clip, as Triton's lowering turns a jnp.where of two constants into i1.
         num_steps = jnp.clip(shape.num_groups - self.group, 0, 1) * pl.cdiv(shape.k_dim, shape.block_k)
-        acc_shape = (columns, shape.block_m) if transposed else (shape.block_m, columns)
+        acc_shape = (shape.block_n, shape.block_m) if transposed else (shape.block_m, shape.block_n)
         return jax.lax.fori_loop(0, num_steps, k_body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(count)))
 
     def walk_columns(self, columns: int, step_products, count: int, emit) -> None:

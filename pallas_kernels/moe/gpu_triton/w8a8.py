@@ -7,9 +7,7 @@ products, as SGLang serves the FP8 checkpoints:
   x_q[source[r]] and its group scales; each K step (one weight block) adds the FP8 products with the expert's gate
   and up blocks, times the row's activation scale and the block's weight scale, to two fp32 accumulators
   (`fp8_dot.scaled_fp8_product`); then SwiGLU in fp32, and h quantised in the epilogue: a program's column tile is
-  exactly one 1 x block[1] group, so it stores h_q [R, I] e4m3 and h_scale [R, ceil(I / block[1])]; with
-  `joined`, each K step joins the gate and up tiles into one operand of twice the width (one FP8 product and one
-  wait for the tensor cores a step instead of two);
+  exactly one 1 x block[1] group, so it stores h_q [R, I] e4m3 and h_scale [R, ceil(I / block[1])];
 - `down_scatter_w8a8_gpu`: h_q's sorted rows times the expert's down blocks the same way, weighted per row in
   fp32 and stored to dest[r];
 - `w8a8_expert_rows`: the two in turn on the values and scales of three block-FP8 expert weights.
@@ -36,7 +34,6 @@ from pallas_kernels.moe import tuned
 from pallas_kernels.moe.gpu_triton.grouped import Tile, grouped_call, launch_settings
 from pallas_kernels.moe.gpu_triton.weight_tiles import (
     BlockFP8,
-    ExpertTiles,
     StoredWeight,
     expert_tiles,
     kernel_operands,
@@ -46,27 +43,6 @@ from pallas_kernels.moe.reference import swiglu
 from pallas_kernels.triton_masked import masked_load
 
 _TILE_ARGS = ("block_m", "num_warps", "num_stages", "min_block_m", "fill_tail", "interpret")
-
-
-def _joined_step(load_lhs, gate: ExpertTiles, up: ExpertTiles):
-    """step_products(tile, step, k0, k_ok_K) for `Tile.accumulate` with one [block_m, 2 block_n] accumulator: the
-    gate and up tiles joined into one [2 block_n, block_k] operand, row 2j gate's row j and row 2j + 1 up's (one
-    FP8 product of twice the width a K step, so one wait for the tensor cores instead of two), times the lhs rows'
-    scales and each row's weight block scale."""
-
-    def step_products(tile: Tile, step, k0, k_ok_K):
-        lhs_MK, row_scale_M = load_lhs(tile, step, k0, k_ok_K)
-        scale_row = tile.col0 // gate.format.block[0]
-        block_n = tile.shape.block_n
-        gate_NK, up_NK = (
-            tile.weight_tile(functools.partial(weight.format.load_e4m3, weight.refs[0]), k0, k_ok_K)
-            for weight in (gate, up)
-        )
-        joined_JK = jnp.stack([gate_NK, up_NK], axis=-1).transpose(0, 2, 1).reshape(2 * block_n, gate_NK.shape[1])
-        scales_N2 = [jnp.full((block_n,), weight.refs[1][tile.group, scale_row, step]) for weight in (gate, up)]
-        return (scaled_fp8_product(lhs_MK, joined_JK, row_scale_M, jnp.stack(scales_N2, axis=-1).reshape(-1)),)
-
-    return step_products
 
 
 def _scaled_step(load_lhs, weights):
@@ -106,7 +82,6 @@ def _gather_swiglu_kernel(
     *,
     limit: float | None,
     weight_format: BlockFP8,
-    joined: bool,
 ):
     source_M = tile.row_indices(source_ref, fill=x_q_ref.shape[0])
 
@@ -115,12 +90,8 @@ def _gather_swiglu_kernel(
         return x_q_MK, masked_load(x_scale_ref.at[source_M, step], tile.rows_ok_M)
 
     weights = expert_tiles((gate_values_ref, gate_scales_ref, up_values_ref, up_scales_ref), (weight_format,) * 2)
-    if joined:
-        step_products = _joined_step(load_lhs, *weights)
-        (acc_MJ,) = tile.accumulate(functools.partial(step_products, tile), 1, width=2 * tile.shape.block_n)
-        gate_MN, up_MN = jnp.unstack(acc_MJ.reshape(acc_MJ.shape[0], -1, 2), axis=-1)
-    else:
-        gate_MN, up_MN = tile.accumulate(functools.partial(_scaled_step(load_lhs, weights), tile), 2)
+    step_products = _scaled_step(load_lhs, weights)
+    gate_MN, up_MN = tile.accumulate(functools.partial(step_products, tile), 2)
     h_q_MN, h_scale_M = quantize_groups(swiglu(gate_MN, up_MN, limit))  # masked columns are swiglu(0, 0) = 0
     tile.store(h_q_ref, h_q_MN)
     plgpu.store(h_scale_ref.at[pl.ds(tile.row0, tile.shape.block_m), tile.column_tile], h_scale_M, mask=tile.rows_ok_M)
@@ -226,7 +197,7 @@ def _w8a8_call(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("limit", "block", "joined", *_TILE_ARGS))
+@functools.partial(jax.jit, static_argnames=("limit", "block", *_TILE_ARGS))
 def gather_swiglu_w8a8_gpu(
     x_XD,
     source_R,
@@ -242,7 +213,6 @@ def gather_swiglu_w8a8_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_block_m: int | None = None,
-    joined: bool | None = None,
     fill_tail: bool = True,
     interpret: bool = False,
 ):
@@ -252,8 +222,7 @@ def gather_swiglu_w8a8_gpu(
     h_q[r, i] * h_scale[r, i // block[1]]. Rows past the sum get h = 0 (fill_tail) or are not written. source [R]
     int32 indexes x's rows (x [X, D], any float dtype). gate and up: block-FP8 [G, I, D] (values e4m3, scales
     [G, ceil(I / block[0]), ceil(D / block[1])]). The column tile is block[1] (one group of h); the other tiles:
-    None from `moe.tuned.GATHER_SWIGLU_W8A8` (min_block_m: `GATHER_SWIGLU_W8A8_MIN_BLOCK_M`). joined: gate and up
-    as one product of twice the width a K step (`_joined_step`; None: `GATHER_SWIGLU_W8A8_JOINED`)."""
+    None from `moe.tuned.GATHER_SWIGLU_W8A8` (min_block_m: `GATHER_SWIGLU_W8A8_MIN_BLOCK_M`)."""
     for name, values, scales in (("gate", gate_values_GID, gate_scales), ("up", up_values_GID, up_scales)):
         _check_weight(name, values, scales, block)
     num_rows, (width, hidden) = source_R.shape[0], gate_values_GID.shape[1:]
@@ -266,12 +235,7 @@ def gather_swiglu_w8a8_gpu(
     weight_format, gate_operands = _weight_operands("gate", gate_values_GID, gate_scales, block)
     _, up_operands = _weight_operands("up", up_values_GID, up_scales, block)
     return _w8a8_call(
-        functools.partial(
-            _gather_swiglu_kernel,
-            limit=limit,
-            weight_format=weight_format,
-            joined=tuned.GATHER_SWIGLU_W8A8_JOINED if joined is None else joined,
-        ),
+        functools.partial(_gather_swiglu_kernel, limit=limit, weight_format=weight_format),
         group_sizes_G,
         (source_R.astype(jnp.int32), x_q_XD, x_scale_XG, *gate_operands, *up_operands),
         out_shape,
