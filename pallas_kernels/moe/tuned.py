@@ -159,20 +159,26 @@ WEIGHT_LEFT_QUANTIZED = ("few_rows",)
 # 3.331 for the earlier (64, 8 warps, 4 stages); the best, 2.756 ms, wanted min_block_m 64. down 1.836 ms against
 # 2.033 for (128 x 128, 8 warps). Re-swept 2026-12-03 (10 iterations): gate/up at min_block_m 64 (a group's last
 # tile at least 64 rows) 2.699 ms against 2.925 at 32 (the default until then); down's default stayed the best,
-# 1.766 ms.
+# 1.766 ms. 2026-12-07 on the H200: down at 3 stages (three programs an SM) 1.582 ms against 1.890 at 4, and 547.8
+# against 642.8 us a call in the full-size Ling-3.0-flash prefill: down takes 3 stages.
 # the smallest row tile of an expert's last tile (a power of two)
 GATHER_SWIGLU_W8A8_MIN_BLOCK_M = 64
 DOWN_SCATTER_W8A8_MIN_BLOCK_M = 64
 # The column tiles a program of the W8A8 down kernel walks in one loop (`grouped.Tile.walk_columns`): on an H100
 # (2026-12-07, alone) 1: 1.994 ms, 2: 2.301, 4: 2.378, 8: 1.853 -- no setting clearly ahead, so 1
 DOWN_SCATTER_W8A8_COLUMNS = 1
+_DOWN_W8A8_SOURCE = (
+    "docs/benchmarks/moe.md#the-w8a8-experts-on-an-h200-chained-calls-the-byte-floor-a-joined-gateup-product-down-at-"
+    "3-stages-2026-12-07-twenty-eighth-session: on the H200 down at 3 stages 1.582 ms against 4 stages 1.890 alone, "
+    "547.8 against 642.8 us a call in the full-size Ling-3.0-flash prefill"
+)
 _W8A8_SOURCE = (
     "docs/benchmarks/moe.md#the-w8a8-experts-as-persistent-warp-specialised-mosaic-gpu-kernels-and-the-triton-w8a8-"
     "tiles-on-the-h100-2026-12-06-twenty-fifth-session: on an H100 gate/up 4 stages 2.831 ms against 3 stages 3.183, "
     "down min_block_m 64 1.877 against 32 2.129; equal on the H200 (2026-12-03: 2.711 / 2.699, 1.783 / 1.766)"
 )
 GATHER_SWIGLU_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(128, 128, 128, 8, 4), _W8A8_SOURCE)})
-DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 4), _W8A8_SOURCE)})
+DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 3), _DOWN_W8A8_SOURCE)})
 
 
 @dataclasses.dataclass(frozen=True)
