@@ -153,9 +153,13 @@ def w8a8_linear_mgpu(
     padded_rows = -num_rows % BLOCK_M
     x_q_MK = jnp.pad(x_q_MK, ((0, padded_rows), (0, 0)))
     row_scales_GM = jnp.pad(row_scales_MG, ((0, padded_rows), (0, 0))).T
-    kernel = functools.partial(_kernel, block_n=block_n, stages=tiles.stages, cast=layout_cast(interpret))
+    cast = layout_cast(interpret)
+
+    def w8a8_linear_mgpu(*refs):  # the kernel's name in a profile
+        _kernel(*refs, block_n=block_n, stages=tiles.stages, cast=cast)
+
     y_MN = plgpu.kernel(
-        kernel,
+        w8a8_linear_mgpu,
         out_type=jax.ShapeDtypeStruct((num_rows + padded_rows, values_NK.shape[0]), x_MK.dtype),
         grid=((num_rows + padded_rows) // BLOCK_M, values_NK.shape[0] // block_n),
         grid_names=("m", "n"),
