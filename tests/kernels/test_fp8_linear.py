@@ -357,7 +357,7 @@ def test_kernels_lower_for_cuda():
             weight,
         )
         assert ("mosaic_gpu" in lowered.as_text()) == mosaic  # 128 x 128 blocks, sides multiples of 128
-        assert ("w8a8_linear_mgpu" in lowered.as_text()) == mosaic  # named in a profile
+        assert ("w8a8_linear_mgpu_kernel" in lowered.as_text()) == mosaic  # named in a profile
 
 
 @pytest.mark.parametrize("rows, head_dim", [(1, 128), (GEMV_MAX_ROWS, 256)], ids=["fma", "dot-heads_of_2_blocks"])
