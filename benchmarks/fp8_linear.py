@@ -4,6 +4,7 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
     python -m benchmarks.fp8_linear --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
     python -m benchmarks.fp8_linear --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
     python -m benchmarks.fp8_linear --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
+    python -m benchmarks.fp8_linear --sweep W8A8-mosaic --shape 4096x2560 --shape 128x2560 --rows 8192   # at shapes
     python -m benchmarks.fp8_linear --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
     python -m benchmarks.fp8_linear --sweep gpu_triton_gemv --rows 1,2,3,4   # the decode kernel's tiles by rows
     python -m benchmarks.fp8_linear --sweep gemv-gated-norm   # its tiles with KDA's gated output norm in it
@@ -359,12 +360,25 @@ def sweep(iters: int, kernels, rows: tuple[int, ...] | None = None, shape: tuple
             print(f"| {tiles} | " + " | ".join(cells) + " |", flush=True)
 
 
+def _shape(text: str) -> tuple[int, int]:
+    out_dim, _, in_dim = text.partition("x")
+    if not (out_dim.isdigit() and in_dim.isdigit() and int(out_dim) and int(in_dim)):
+        raise argparse.ArgumentTypeError(f"a weight shape is OUTxIN (positive integers, like 4096x2560), not {text!r}")
+    return int(out_dim), int(in_dim)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode one")
     parser.add_argument("--sweep", nargs="+", choices=list(SWEEPS), help="sweep these kernels' tiles alone")
     parser.add_argument("--rows", help="the sweeps' row counts, comma-separated (default: each sweep's own)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        type=_shape,
+        help="a sweep's weight OUTxIN (repeatable: each sweep at each shape; default: each sweep's own)",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="one small weight, 2 calls (smoke test); a sweep only where named"
     )
@@ -383,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             decode_table(2, copy_bandwidth(2, nbytes=1 << 20), QUICK_SHAPES, QUICK_DECODE_ROWS)
     elif args.sweep:
-        sweep(args.iters, args.sweep, rows)
+        for shape in args.shape or [None]:
+            sweep(args.iters, args.sweep, rows, shape)
     elif args.prefill:
         prefill_table(args.iters)
     else:

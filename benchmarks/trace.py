@@ -132,6 +132,29 @@ def summarize(kernels: list[dict], steps: int, top: int, small_us: float, by_kin
     return "\n".join(lines)
 
 
+def idle_table(kernels: list[dict], steps: int, top: int = 10) -> str:
+    """Per step: the span from the first kernel's start to the last one's end, the idle part of it (no kernel
+    running), and the `top` kernels by the idle time just before them (repeated launches of one name are one row):
+    which launches the device waits for (a kernel after a host sync, a program's first kernel)."""
+    suffix = re.compile(r"\.\d+$")
+    idle_before: dict[str, list[float]] = collections.defaultdict(list)
+    reach = kernels[0]["ts"]
+    for kernel in kernels:  # sorted by start
+        idle_before[suffix.sub("", kernel["name"])].append(max(0.0, kernel["ts"] - reach))
+        reach = max(reach, kernel["ts"] + kernel["dur"])
+    span = reach - kernels[0]["ts"]
+    idle = sum(sum(gaps) for gaps in idle_before.values())
+    lines = [
+        f"span {span / steps:.1f} us per step: idle {idle / steps:.1f} us ({idle / span:.0%})",
+        "",
+        "| idle us before, per step | launches / step | idle us before, per launch | kernel |",
+        "|---|---|---|---|",
+    ]
+    for name, gaps in sorted(idle_before.items(), key=lambda item: -sum(item[1]))[:top]:
+        lines.append(f"| {sum(gaps) / steps:.1f} | {len(gaps) / steps:.1f} | {sum(gaps) / len(gaps):.1f} | {name} |")
+    return "\n".join(lines)
+
+
 def module_table(kernels: list[dict]) -> str:
     """The device time of each program (the kernels' `hlo_module`; "?" for kernels that name none) over the
     trace's span, and the span's idle part (no kernel running): where a served run's time goes, program by
@@ -369,6 +392,8 @@ def layer_kind_report(directory: pathlib.Path, steps: int) -> str:
 
 
 def profile_report(directory: pathlib.Path, steps: int, top: int = 25, small_us: float = 5.0) -> str:
-    """`layer_kind_report`, then the `top` kernels by time (`summarize`): what a benchmark's --profile prints."""
+    """`layer_kind_report`, the `top` kernels by time (`summarize`), then where the device idles (`idle_table`):
+    what a benchmark's --profile prints."""
     chosen = kernels(load_trace(find_trace(directory)), hlo_module_name((directory / HLO_FILE).read_text()))
-    return f"{layer_kind_report(directory, steps)}\n\n{summarize(chosen, steps, top, small_us)}"
+    report = [layer_kind_report(directory, steps), summarize(chosen, steps, top, small_us), idle_table(chosen, steps)]
+    return "\n\n".join(report)

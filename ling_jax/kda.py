@@ -63,25 +63,58 @@ _HD = ("heads", None)  # b_proj's weight [H, D]
 _HDK = ("heads", None, None)  # a conv weight [H, d, K]; its first two axes: dt_bias [H, d]; its first: A_log [H]
 
 
-def causal_conv_silu(u_BTC, window_BWC, weight_CK, mask_BT):
-    """Depthwise causal conv (no bias) + SiLU over [window ; u], skipping masked tokens.
+def _real_sources(mask_BT, lag: int) -> tuple[list[jax.Array], jax.Array]:
+    """Where each token's conv inputs sit, as positions in [window ; tokens] (the window's `lag` entries at
+    0..lag-1, all real; token t at lag+t): ([B, T] int32 per lag 1..lag: each token's lag-th latest real input
+    before it; [B, lag] the new window's, oldest first: the latest `lag` real inputs of all)."""
+    batch, length = mask_BT.shape
+    real_BF = jnp.concatenate([jnp.ones((batch, lag), bool), mask_BT.astype(bool)], axis=1)
+    latest_BF = jax.lax.cummax(jnp.where(real_BF, jnp.arange(lag + length), -1), axis=1)  # newest real at or before
+    before_BF = jnp.concatenate([jnp.full((batch, 1), -1, latest_BF.dtype), latest_BF[:, :-1]], axis=1)
+    lags, newest = [before_BF[:, lag:]], [latest_BF[:, -1:]]
+    for _ in range(lag - 1):
+        lags.append(jnp.take_along_axis(before_BF, lags[-1], axis=1))
+        newest.append(jnp.take_along_axis(before_BF, newest[-1], axis=1))
+    return lags, jnp.concatenate(newest[::-1], axis=1)
 
-    Returns (y [B, T, C] in u's dtype, new window [B, K-1, C]: the newest K-1 real inputs).
-    """
-    taps = weight_CK.shape[-1]
-    length = u_BTC.shape[1]
-    full = jnp.concatenate([window_BWC.astype(u_BTC.dtype), u_BTC], axis=1)  # [B, K-1+T, C]
-    if mask_BT is not None:
-        # stable-sort pads to the front: [pads, window, real tokens], so each real token sees real history
-        real = jnp.concatenate([jnp.ones(window_BWC.shape[:2], bool), mask_BT.astype(bool)], axis=1)
-        order = jnp.argsort(real, axis=1, stable=True)
-        full = jnp.take_along_axis(full, order[..., None], axis=1)
-    padded = jnp.pad(full.astype(jnp.float32), ((0, 0), (taps - 1, 0), (0, 0)))
-    y = sum(padded[:, j : j + full.shape[1]] * weight_CK[:, j].astype(jnp.float32) for j in range(taps))
-    y = jax.nn.silu(y).astype(u_BTC.dtype)
-    if mask_BT is not None:
-        y = jnp.take_along_axis(y, jnp.argsort(order, axis=1)[..., None], axis=1)
-    return y[:, -length:], full[:, full.shape[1] - (taps - 1) :]
+
+def _at(u_BTC, window_BWC, position_BT):
+    """[B, T, C]: the inputs at positions of [window ; u] (`_real_sources`), gathered from each without joining them."""
+    lag = window_BWC.shape[1]
+    from_u = jnp.take_along_axis(u_BTC, jnp.maximum(position_BT - lag, 0)[..., None], axis=1)
+    from_window = jnp.take_along_axis(window_BWC, jnp.minimum(position_BT, lag - 1)[..., None], axis=1)
+    return jnp.where((position_BT < lag)[..., None], from_window, from_u)
+
+
+def causal_conv_silu(parts_BTC, window_BWC, weight_CK, mask_BT):
+    """Depthwise causal conv (no bias) + SiLU of each part over [window ; part] (the parts' channels side by side in
+    window and weight: q, k, v), skipping masked tokens: a real token's conv sees its K-1 latest real inputs (the
+    window's all counting as real), a pad's output is 0. Each part is read where it lies (no joined copy).
+
+    Returns ([y [B, T, C_i] in the parts' dtype for each part], the new window [B, K-1, sum C_i]: the newest K-1 real
+    inputs)."""
+    lag = weight_CK.shape[-1] - 1
+    dtype, length = parts_BTC[0].dtype, parts_BTC[0].shape[1]
+    window_BWC = window_BWC.astype(dtype)
+    sources = None if mask_BT is None else _real_sources(mask_BT, lag)
+    ys, windows, start = [], [], 0
+    for u_BTC in parts_BTC:
+        part = slice(start, start + u_BTC.shape[-1])
+        start = part.stop
+        window_part_BWC, weight_part_CK = window_BWC[..., part], weight_CK[part].astype(jnp.float32)
+        if sources is None:
+            full_BFC = jnp.concatenate([window_part_BWC, u_BTC], axis=1)
+            inputs = [full_BFC[:, tap : tap + length] for tap in range(lag)]
+            windows.append(full_BFC[:, length:])
+        else:
+            lags_BT, newest_BW = sources
+            inputs = [_at(u_BTC, window_part_BWC, lags_BT[lag - 1 - tap]) for tap in range(lag)]
+            windows.append(_at(u_BTC, window_part_BWC, newest_BW))
+        # oldest input first: tap j weighs the input lag - j tokens back
+        y = sum(x.astype(jnp.float32) * weight_part_CK[:, tap] for tap, x in enumerate([*inputs, u_BTC]))
+        y = jax.nn.silu(y).astype(dtype)
+        ys.append(y if mask_BT is None else jnp.where(mask_BT[..., None], y, 0))
+    return ys, jnp.concatenate(windows, axis=-1)
 
 
 def step_windows(window_BWC, u_BTC, mask_BT=None):
@@ -184,13 +217,9 @@ def _kda(
         return _fused(weights, x_BTD, state, mask_BT, c, policy, project_output)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     *qkv, b, f, r = _projections(weights, x_BTD, c, policy)
-    mixed = jnp.concatenate(qkv, axis=-1)
     conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
-    if mask_BT is not None:
-        mixed = jnp.where(mask_BT[..., None], mixed, 0)
-    conv_inputs_BTC = mixed
-    mixed, window = causal_conv_silu(conv_inputs_BTC, state.conv_window, conv_w, mask_BT)
-    q, k, v = (t.reshape(batch, length, heads, head_dim) for t in jnp.split(mixed, 3, axis=-1))
+    convolved, window = causal_conv_silu(qkv, state.conv_window, conv_w, mask_BT)
+    q, k, v = (t.reshape(batch, length, heads, head_dim) for t in convolved)
     g = log_decay(weights, f, c)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     if mask_BT is not None:
@@ -223,7 +252,7 @@ def _kda(
         o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state)
     elif mode == STEPS:
         o, recurrent = kda_recurrent(q, k, v, g, beta, initial_state=state.recurrent_state, return_all_states=True)
-        window = step_windows(state.conv_window, conv_inputs_BTC, mask_BT)
+        window = step_windows(state.conv_window, jnp.concatenate(qkv, axis=-1), mask_BT)
     else:
         valid = ", ".join(repr(m.value) for m in KDAMode)
         raise ValueError(f"KDA mode must be one of {valid}, got {mode!r}")

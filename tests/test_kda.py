@@ -95,3 +95,41 @@ def test_identity_tokens_leave_the_state_alone():
     keep = np.r_[0:3, 6:9]
     _, s_skip = kda_chunked(*(x[:, keep] for x in args), initial_state=jnp.asarray(state, jnp.float32))
     assert rel_error(s_full, s_skip) <= 1e-6
+
+
+def _conv_silu_float64(parts, window, weight, mask):
+    """Per row: the real inputs in order ([window ; real tokens]), each real token's conv over its K-1 latest real
+    predecessors and itself, SiLU; pads 0; the new window the last K-1 real inputs."""
+    joined = np.concatenate(parts, axis=-1)
+    lag = weight.shape[1] - 1
+    ys, windows = np.zeros_like(joined), []
+    for row in range(joined.shape[0]):
+        history = list(window[row])
+        for t in np.flatnonzero(mask[row]):
+            history.append(joined[row, t])
+            conv = sum(weight[:, tap] * history[-1 - lag + tap] for tap in range(lag + 1))
+            ys[row, t] = conv / (1.0 + np.exp(-conv))
+        windows.append(history[-lag:])
+    return np.split(ys, np.cumsum([p.shape[-1] for p in parts])[:-1], axis=-1), np.asarray(windows)
+
+
+@pytest.mark.parametrize("length", [1, 2, 13])
+def test_causal_conv_silu_skips_pads_anywhere(length):
+    """The short conv reads each part where it lies: pads at the left, in the middle, at the end, a row of pads (its
+    window kept), a row fewer real tokens than the conv's lag, against a float64 per-row loop; no mask = all real."""
+    from ling_jax.kda import causal_conv_silu
+
+    r = np.random.default_rng(length)
+    widths, taps, batch = (5, 3, 6), 4, 5
+    parts = [r.normal(size=(batch, length, w)) for w in widths]
+    window = r.normal(size=(batch, taps - 1, sum(widths)))
+    weight = r.normal(size=(sum(widths), taps))
+    mask = r.uniform(size=(batch, length)) < 0.6
+    mask[0], mask[1] = True, False
+    conv = jax.jit(causal_conv_silu)
+    for m in (mask, None):
+        ys, new_window = conv([jnp.asarray(p, jnp.float32) for p in parts], jnp.asarray(window), weight, m)
+        ref_ys, ref_window = _conv_silu_float64(parts, window, weight, np.ones_like(mask) if m is None else m)
+        for y, ref in zip(ys, ref_ys, strict=True):
+            assert rel_error(y, ref) <= 1e-6
+        assert rel_error(new_window, ref_window) <= 1e-6

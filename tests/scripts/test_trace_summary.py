@@ -201,3 +201,17 @@ def test_command_buffer_kernels_by_launch_group_and_schedule_order():
         "lm_head / sampling": (0, 0.0),
         "other": (0, 0.0),
     }
+
+
+def test_idle_time_before_each_kernel():
+    kernels = [
+        {"ts": 0.0, "dur": 100.0, "name": "gemm.1"},
+        {"ts": 130.0, "dur": 50.0, "name": "mosaic"},  # 30 us idle before it
+        {"ts": 150.0, "dur": 10.0, "name": "copy"},  # overlaps: none
+        {"ts": 200.0, "dur": 100.0, "name": "gemm.2"},  # 20 us
+        {"ts": 340.0, "dur": 60.0, "name": "mosaic"},  # 40 us
+    ]
+    table = trace.idle_table(kernels, steps=2)
+    assert table.splitlines()[0] == "span 200.0 us per step: idle 45.0 us (22%)"
+    assert "| 35.0 | 1.0 | 35.0 | mosaic |" in table.splitlines()[4]
+    assert "| 10.0 | 1.0 | 10.0 | gemm |" in table
