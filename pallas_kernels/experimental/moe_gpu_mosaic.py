@@ -118,7 +118,7 @@ def _store_h_quantized(accs, rows, cols, h_q_gmem, h_scale_gmem, *, limit):
     h_scale_gmem[cols.start // BLOCK_K, rows] = scale_M
 
 
-def _store_rows(accs, rows, cols, y_gmem):
+def store_rows(accs, rows, cols, y_gmem):
     (acc_MN,) = accs
     y_gmem[rows, cols] = acc_MN.astype(y_gmem.dtype)
 
@@ -214,7 +214,7 @@ def _num_sms() -> int:
     return device.core_count if device.platform == "gpu" else HOPPER_SMS
 
 
-def _grouped_call(
+def grouped_call(
     tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, columns, stages, store, name
 ):
     """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs;
@@ -298,7 +298,7 @@ def w8a8_expert_rows_mgpu(
     aligned_rows += -aligned_rows % 4
     token_S = jnp.zeros(aligned_rows, jnp.int32).at[aligned_R].set(source_R.astype(jnp.int32))
     x_q_XD, x_scale_XG = quantize_activations(x_XD, BLOCK_K)
-    h_q_PI, h_scale_GP = _grouped_call(
+    h_q_PI, h_scale_GP = grouped_call(
         tile_group_T,
         tile_start_T,
         x_q_XD[token_S],
@@ -315,7 +315,7 @@ def w8a8_expert_rows_mgpu(
         name="w8a8_gate_up_mgpu",
     )
     row_weight_P = jnp.zeros(padded_rows, jnp.float32).at[pos_R].set(row_weight_R.astype(jnp.float32), mode="drop")
-    y_PD = _grouped_call(
+    y_PD = grouped_call(
         tile_group_T,
         jnp.arange(num_tiles, dtype=jnp.int32) * BLOCK_M,
         h_q_PI,
@@ -325,7 +325,7 @@ def w8a8_expert_rows_mgpu(
         block_n=down_block_n,
         columns=math.gcd(down_columns, down.values.shape[1] // down_block_n),
         stages=down_stages,
-        store=_store_rows,
+        store=store_rows,
         name="w8a8_down_mgpu",
     )
     pos_of_out_R = jnp.zeros(num_rows, jnp.int32).at[order_R].set(pos_R)

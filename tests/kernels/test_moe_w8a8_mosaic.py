@@ -59,7 +59,7 @@ class Buffer:
 
 
 def stand_in_call(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, store, **_):
-    """`_grouped_call` with the products in jnp (each tile's 128 rows from its start, dequantised by their row
+    """`grouped_call` with the products in jnp (each tile's 128 rows from its start, dequantised by their row
     scales, times its expert's dequantised weights, at HIGHEST precision) and the kernels' own stores, tile by
     tile."""
     x_SK = dequantize_blocks(x_q_SK, row_scales_GS.T, (1, BLOCK[1]), jnp.float32)
@@ -112,7 +112,7 @@ def run(x, rows, row_weight, weights, limit, dtype=jnp.float32, **kwargs):
 def test_the_layout_and_quantisation_around_the_kernels_match_float64(monkeypatch):
     """37 tokens, top-3 of 9 experts (110 rows, experts of up to ~16 rows: every expert on its own tile),
     hidden 256, width 384 (3 groups of h), the SwiGLU clip."""
-    monkeypatch.setattr(gpu_mosaic, "_grouped_call", stand_in_call)
+    monkeypatch.setattr(gpu_mosaic, "grouped_call", stand_in_call)
     x, rows, row_weight, weights = problem(37, 3, 9, 256, 384, seed=3)
     expected = float64_rows(x, rows, row_weight, weights, 0.9)
     for down_block_n in (128, 64):

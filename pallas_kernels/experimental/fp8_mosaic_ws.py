@@ -1,0 +1,101 @@
+"""The block-FP8 W8A8 linear as the routed experts' persistent, warp-specialised Mosaic GPU kernel
+(`moe_gpu_mosaic.grouped_call`) with one expert whose rows are all of x: `w8a8_linear_ws_mgpu`.
+
+Against "gpu_mosaic" (`pallas_kernels.fp8.gpu_mosaic`: a CTA per 64 x block_n output tile, one warpgroup, each K
+block's wgmma waited for and promoted in turn) this kernel runs one CTA an SM over the (128-row tile, column group)
+items: a TMA warpgroup feeds two compute warpgroups of 64 rows that share each weight tile read from L2 (half the
+weight traffic a row), one's promotion overlapping the other's wgmma. The arithmetic is the same: x quantised per
+token in 1 x 128 groups (XLA, before the kernel), FP8 products of each 128-input block scaled by both scales and
+summed in fp32.
+
+Importing this module registers it as "gpu_mosaic_ws" of `pallas_kernels.fp8.ops.VARIANTS["w8a8_linear"]` (named
+only). GPU only: the Mosaic GPU interpreter does not run warp-specialised pipelines; the CPU lowers it for CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import variants
+from pallas_kernels.experimental.moe_gpu_mosaic import BLOCK_M, grouped_call, store_rows
+from pallas_kernels.fp8 import ops
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K
+from pallas_kernels.fp8.reference import quantize_activations
+from pallas_kernels.variants import Variant
+
+WARP_SPECIALISED = "gpu_mosaic_ws"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpSpecialisedTiles:
+    """block_n outputs a column tile (dividing the weight's 128-row block), stages TMA buffers, columns column
+    tiles an item (one pipeline walks their K blocks in turn; cut to a divisor of the weight's column tiles)."""
+
+    block_n: int = 128
+    stages: int = 4
+    columns: int = 1
+
+
+class _OneExpert(NamedTuple):
+    values: jax.Array  # [1, N, K] e4m3
+    scales: jax.Array  # [1, N / 128, K / 128]
+
+
+def _fits(values_NK, block: tuple[int, int], block_n: int) -> bool:
+    n_dim, k_dim = values_NK.shape
+    return tuple(block) == (BLOCK_K, BLOCK_K) and not n_dim % block_n and not k_dim % BLOCK_K and not BLOCK_K % block_n
+
+
+def takes(x, weight) -> bool:
+    """A 2-D weight of 128 x 128 blocks, N a multiple of 128 and K of 128 (the default tiles')."""
+    return weight.values.ndim == 2 and _fits(weight.values, weight.block, WarpSpecialisedTiles().block_n)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
+def w8a8_linear_ws_mgpu(
+    x_MK,
+    values_NK,
+    scales,
+    *,
+    block: tuple[int, int],
+    tiles: WarpSpecialisedTiles | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """y [M, N] in x's dtype: `fp8.reference.w8a8_linear_reference`'s product (module docstring). values [N, K]
+    e4m3, scales [N / 128, K / 128]. Tiles: None for `WarpSpecialisedTiles()`."""
+    tiles = tiles or WarpSpecialisedTiles()
+    if interpret:
+        raise ValueError("w8a8_linear_ws_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
+    n_dim, k_dim = values_NK.shape
+    if not _fits(values_NK, block, tiles.block_n):
+        raise ValueError(
+            f"w8a8_linear_ws_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({tiles.block_n}, which "
+            f"divides 128) and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"
+        )
+    num_rows = x_MK.shape[0]
+    num_tiles = -(-num_rows // BLOCK_M)
+    padded_rows = num_tiles * BLOCK_M
+    x_q_MK, row_scales_MG = quantize_activations(x_MK, BLOCK_K)
+    y_PN = grouped_call(
+        jnp.zeros(num_tiles, jnp.int32),
+        jnp.arange(num_tiles, dtype=jnp.int32) * BLOCK_M,
+        jnp.pad(x_q_MK, ((0, padded_rows - num_rows), (0, 0))),
+        jnp.pad(row_scales_MG, ((0, padded_rows - num_rows), (0, 0))).T,
+        (_OneExpert(values_NK[None], scales[None]),),
+        out_type=jax.ShapeDtypeStruct((padded_rows, n_dim), x_MK.dtype),
+        block_n=tiles.block_n,
+        columns=math.gcd(tiles.columns, n_dim // tiles.block_n),
+        stages=tiles.stages,
+        store=store_rows,
+        name="w8a8_linear_ws_mgpu",
+    )
+    return y_PN[:num_rows]
+
+
+variants.register(ops.VARIANTS, "w8a8_linear", WARP_SPECIALISED, Variant("gpu", w8a8_linear_ws_mgpu, takes=takes))
