@@ -96,20 +96,17 @@ def causal_conv_silu(parts_BTC, window_BWC, weight_CK, mask_BT):
     lag = weight_CK.shape[-1] - 1
     dtype, length = parts_BTC[0].dtype, parts_BTC[0].shape[1]
     window_BWC = window_BWC.astype(dtype)
-    sources = None if mask_BT is None else _real_sources(mask_BT, lag)
+    # every token real without a mask: the same gathers (XLA's fusion of shifted slices of [window ; u] ran 2x
+    # slower on an H100, docs/benchmarks/kda.md)
+    real_BT = jnp.ones((window_BWC.shape[0], length), bool) if mask_BT is None else mask_BT
+    lags_BT, newest_BW = _real_sources(real_BT, lag)
     ys, windows, start = [], [], 0
     for u_BTC in parts_BTC:
         part = slice(start, start + u_BTC.shape[-1])
         start = part.stop
         window_part_BWC, weight_part_CK = window_BWC[..., part], weight_CK[part].astype(jnp.float32)
-        if sources is None:
-            full_BFC = jnp.concatenate([window_part_BWC, u_BTC], axis=1)
-            inputs = [full_BFC[:, tap : tap + length] for tap in range(lag)]
-            windows.append(full_BFC[:, length:])
-        else:
-            lags_BT, newest_BW = sources
-            inputs = [_at(u_BTC, window_part_BWC, lags_BT[lag - 1 - tap]) for tap in range(lag)]
-            windows.append(_at(u_BTC, window_part_BWC, newest_BW))
+        inputs = [_at(u_BTC, window_part_BWC, lags_BT[lag - 1 - tap]) for tap in range(lag)]
+        windows.append(_at(u_BTC, window_part_BWC, newest_BW))
         # oldest input first: tap j weighs the input lag - j tokens back
         y = sum(x.astype(jnp.float32) * weight_part_CK[:, tap] for tap, x in enumerate([*inputs, u_BTC]))
         y = jax.nn.silu(y).astype(dtype)

@@ -97,4 +97,4 @@ def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
     for tiles in (WarpSpecialisedTiles(), WarpSpecialisedTiles(64, 3, 2)):
         y = fp8_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, tiles=tiles)
         assert y.dtype == dtype and y.shape == (rows, MOSAIC_WEIGHT[0]) and bool(jnp.all(jnp.isfinite(y)))
-        assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-4), tiles
+        assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3), tiles
