@@ -41,6 +41,7 @@ from pallas_kernels.kda.ops import (
     kda_decode_fused,
     kda_decode_step,
     kda_verify_fused,
+    short_conv_silu,
 )
 from pallas_kernels.kda.reference import BetaProjection, DecodeWeights, kda_log_decay, kda_recurrent
 
@@ -59,59 +60,11 @@ _WINDOW = ("activation_batch", None, None, "heads", None)  # the conv window [B,
 _STEP_WINDOWS = ("activation_batch", None, None, None, "heads", None)  # steps mode's windows [B, T, K-1, 3, H, d]
 _STEP_STATES = ("activation_batch", None, "heads", None, None)  # steps mode's states [B, T, H, d, d]
 _BTD = ("activation_batch", None, None)  # the layer input [B, T, D]
+_BTC = ("activation_batch", None, "heads")  # q, k or v before the conv [B, T, C]
+_WINDOW_PARTS = ("activation_batch", None, None, "heads")  # the conv window as [B, K-1, 3, C]
+_CONV_WEIGHTS = (None, "heads", None)  # the q, k, v conv weights [3, C, K]
 _HD = ("heads", None)  # b_proj's weight [H, D]
 _HDK = ("heads", None, None)  # a conv weight [H, d, K]; its first two axes: dt_bias [H, d]; its first: A_log [H]
-
-
-def _real_sources(mask_BT, lag: int) -> tuple[list[jax.Array], jax.Array]:
-    """Where each token's conv inputs sit, as positions in [window ; tokens] (the window's `lag` entries at
-    0..lag-1, all real; token t at lag+t): ([B, T] int32 per lag 1..lag: each token's lag-th latest real input
-    before it; [B, lag] the new window's, oldest first: the latest `lag` real inputs of all)."""
-    batch, length = mask_BT.shape
-    real_BF = jnp.concatenate([jnp.ones((batch, lag), bool), mask_BT.astype(bool)], axis=1)
-    latest_BF = jax.lax.cummax(jnp.where(real_BF, jnp.arange(lag + length), -1), axis=1)  # newest real at or before
-    before_BF = jnp.concatenate([jnp.full((batch, 1), -1, latest_BF.dtype), latest_BF[:, :-1]], axis=1)
-    lags, newest = [before_BF[:, lag:]], [latest_BF[:, -1:]]
-    for _ in range(lag - 1):
-        lags.append(jnp.take_along_axis(before_BF, lags[-1], axis=1))
-        newest.append(jnp.take_along_axis(before_BF, newest[-1], axis=1))
-    return lags, jnp.concatenate(newest[::-1], axis=1)
-
-
-def _at(u_BTC, window_BWC, position_BT):
-    """[B, T, C]: the inputs at positions of [window ; u] (`_real_sources`), gathered from each without joining them."""
-    lag = window_BWC.shape[1]
-    from_u = jnp.take_along_axis(u_BTC, jnp.maximum(position_BT - lag, 0)[..., None], axis=1)
-    from_window = jnp.take_along_axis(window_BWC, jnp.minimum(position_BT, lag - 1)[..., None], axis=1)
-    return jnp.where((position_BT < lag)[..., None], from_window, from_u)
-
-
-def causal_conv_silu(parts_BTC, window_BWC, weight_CK, mask_BT):
-    """Depthwise causal conv (no bias) + SiLU of each part over [window ; part] (the parts' channels side by side in
-    window and weight: q, k, v), skipping masked tokens: a real token's conv sees its K-1 latest real inputs (the
-    window's all counting as real), a pad's output is 0. Each part is read where it lies (no joined copy).
-
-    Returns ([y [B, T, C_i] in the parts' dtype for each part], the new window [B, K-1, sum C_i]: the newest K-1 real
-    inputs)."""
-    lag = weight_CK.shape[-1] - 1
-    dtype, length = parts_BTC[0].dtype, parts_BTC[0].shape[1]
-    window_BWC = window_BWC.astype(dtype)
-    # every token real without a mask: the same gathers (XLA's fusion of shifted slices of [window ; u] ran 2x
-    # slower on an H100, docs/benchmarks/kda.md)
-    real_BT = jnp.ones((window_BWC.shape[0], length), bool) if mask_BT is None else mask_BT
-    lags_BT, newest_BW = _real_sources(real_BT, lag)
-    ys, windows, start = [], [], 0
-    for u_BTC in parts_BTC:
-        part = slice(start, start + u_BTC.shape[-1])
-        start = part.stop
-        window_part_BWC, weight_part_CK = window_BWC[..., part], weight_CK[part].astype(jnp.float32)
-        inputs = [_at(u_BTC, window_part_BWC, lags_BT[lag - 1 - tap]) for tap in range(lag)]
-        windows.append(_at(u_BTC, window_part_BWC, newest_BW))
-        # oldest input first: tap j weighs the input lag - j tokens back
-        y = sum(x.astype(jnp.float32) * weight_part_CK[:, tap] for tap, x in enumerate([*inputs, u_BTC]))
-        y = jax.nn.silu(y).astype(dtype)
-        ys.append(y if mask_BT is None else jnp.where(mask_BT[..., None], y, 0))
-    return ys, jnp.concatenate(windows, axis=-1)
 
 
 def step_windows(window_BWC, u_BTC, mask_BT=None):
@@ -214,8 +167,26 @@ def _kda(
         return _fused(weights, x_BTD, state, mask_BT, c, policy, project_output)
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     *qkv, b, f, r = _projections(weights, x_BTD, c, policy)
-    conv_w = jnp.concatenate([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]], axis=0)
-    convolved, window = causal_conv_silu(qkv, state.conv_window, conv_w, mask_BT)
+    conv_w = jnp.stack([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]])
+    taps = c.short_conv_kernel_size
+    real_BT = jnp.ones((batch, length), bool) if mask_BT is None else mask_BT
+
+    def conv(q, k, v, window_BW3C, weight_3CK, real_BT):  # one device's heads
+        ys, window = short_conv_silu(
+            [q, k, v],
+            window_BW3C.reshape(*window_BW3C.shape[:2], -1),
+            weight_3CK.reshape(-1, taps),
+            real_BT,
+            backend=op_backend(policy),
+        )
+        return (*ys, window.reshape(window_BW3C.shape))
+
+    *convolved, window = per_shard(
+        conv,
+        in_axes=(_BTC,) * 3 + (_WINDOW_PARTS, _CONV_WEIGHTS, _BTH[:2]),
+        out_axes=(_BTC,) * 3 + (_WINDOW_PARTS,),
+    )(*qkv, state.conv_window.reshape(batch, taps - 1, 3, width), conv_w, real_BT)
+    window = window.reshape(state.conv_window.shape)
     q, k, v = (t.reshape(batch, length, heads, head_dim) for t in convolved)
     g = log_decay(weights, f, c)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))

@@ -32,6 +32,7 @@ from pallas_kernels.kda.gpu_triton import (
     kda_decode_step_gpu,
     kda_verify_fused_gpu,
 )
+from pallas_kernels.kda.gpu_triton.conv import short_conv_silu_gpu
 from pallas_kernels.kda.gpu_triton.decode_fused import leaves_norm
 from pallas_kernels.kda.gpu_triton.short_chunks import chunk_kda_gpu_short
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
@@ -58,6 +59,11 @@ def _chunk_reference(q, k, v, g, beta, initial_state, *, scale, use_qk_l2norm, c
     return kda_chunked(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size
     )
+
+
+def _parts_alike(parts_BTC, *_) -> bool:
+    """Whether the conv kernel takes these parts: one shape and dtype."""
+    return all(u.shape == parts_BTC[0].shape and u.dtype == parts_BTC[0].dtype for u in parts_BTC)
 
 
 def gate_is_bounded(gate_lower_bound: float | None) -> bool:
@@ -88,6 +94,10 @@ VARIANTS = {
         REFERENCE: Variant(None, reference.kda_verify_fused),
         "gpu_triton": Variant("gpu", kda_verify_fused_gpu),
     },
+    "short_conv_silu": {
+        REFERENCE: Variant(None, reference.short_conv_silu),
+        "gpu_triton": Variant("gpu", short_conv_silu_gpu, takes=_parts_alike),
+    },
 }
 _BY_PLATFORM = {"gpu": "gpu_triton", "tpu": "tpu_mosaic"}
 _FUSED = {"gpu": "gpu_triton"}  # each platform's fused decode (and verify) kernel (none on a TPU)
@@ -96,8 +106,8 @@ _BOUNDED = {"gpu": "gpu_triton_short", "tpu": "tpu_mosaic"}  # each platform's p
 
 
 def kernel(op: str, name: str):
-    """The entry point of variant `name` of `op` ("chunk_kda", "kda_decode_step", "kda_decode_fused" or
-    "kda_verify_fused")."""
+    """The entry point of variant `name` of `op` ("chunk_kda", "kda_decode_step", "kda_decode_fused",
+    "kda_verify_fused" or "short_conv_silu")."""
     return variants.lookup(VARIANTS, op, name).kernel
 
 
@@ -126,6 +136,38 @@ def kda_decode_step(
     scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
     args = (q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV)
     return variants.run(VARIANTS, "kda_decode_step", name, backend, *args, scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
+_short_conv_gpu = with_reference_vjp(
+    lambda parts, window, weight, real, positions, interpret: tuple(
+        short_conv_silu_gpu(parts, window, weight, real, positions, interpret=interpret)
+    ),
+    lambda parts, window, weight, real, positions, interpret: tuple(
+        reference.short_conv_silu(parts, window, weight, real, positions)
+    ),
+    nondiff_argnums=(5,),
+)
+
+
+def short_conv_silu(parts_BTC, window_BWC, weight_CK, mask_BT=None, *, backend: str = "auto", variant=None):
+    """A KDA layer's short causal convs + SiLU over its q, k and v (`reference.short_conv_silu`: each real token's
+    conv over its K-1 latest real inputs, pads skipped, their outputs 0; mask_BT None: every token real): ([y [B, T,
+    C_i] in the parts' dtype for each part], the new window [B, K-1, sum C_i]: the newest K-1 real inputs). backend
+    as for `kda_decode_step`; a GPU's kernel ("gpu_triton", parts of one shape) is differentiated as the reference."""
+    backend = resolve_backend(backend)
+    batch, length = parts_BTC[0].shape[:2]
+    real_BT = jnp.ones((batch, length), bool) if mask_BT is None else mask_BT.astype(bool)
+    positions_LBT, newest_BW = reference.conv_sources(real_BT, weight_CK.shape[-1] - 1)
+    args = (list(parts_BTC), window_BWC, weight_CK, real_BT, positions_LBT)
+    default = variants.by_platform(backend, {"gpu": "gpu_triton"})
+    if default != REFERENCE and not VARIANTS["short_conv_silu"][default].supports(*args):
+        default = REFERENCE
+    name = variants.pick(VARIANTS, "short_conv_silu", variant, backend, default)
+    if name == REFERENCE:
+        ys = reference.short_conv_silu(*args)
+    else:
+        ys = list(_short_conv_gpu(*args, variants.interpreted(backend)))
+    return ys, reference.conv_windows(parts_BTC, window_BWC, newest_BW)
 
 
 def _fused_variant(op: str, backend: str, variant: str | None) -> str:

@@ -169,6 +169,57 @@ def kda_log_decay(f_BHK, dt_bias_HK, a_log_H, lower_bound: float | None) -> jax.
     return -decay_rate_H1 * jax.nn.softplus(a)
 
 
+def conv_sources(real_BT, lag: int) -> tuple[jax.Array, jax.Array]:
+    """Where each token's short-conv inputs sit, as positions in [window ; tokens] (the window's `lag` entries at
+    0..lag-1, all real; token t at lag+t; pads skipped): ([lag, B, T] int32: row l, each token's (l+1)-th latest real
+    input before it; [B, lag] the new window's, oldest first: the latest `lag` real inputs of all)."""
+    batch, length = real_BT.shape
+    real_BF = jnp.concatenate([jnp.ones((batch, lag), bool), real_BT.astype(bool)], axis=1)
+    latest_BF = jax.lax.cummax(jnp.where(real_BF, jnp.arange(lag + length), -1), axis=1)  # newest real at or before
+    before_BF = jnp.concatenate([jnp.full((batch, 1), -1, latest_BF.dtype), latest_BF[:, :-1]], axis=1)
+    lags, newest = [before_BF[:, lag:]], [latest_BF[:, -1:]]
+    for _ in range(lag - 1):
+        lags.append(jnp.take_along_axis(before_BF, lags[-1], axis=1))
+        newest.append(jnp.take_along_axis(before_BF, newest[-1], axis=1))
+    return jnp.stack(lags).astype(jnp.int32), jnp.concatenate(newest[::-1], axis=1).astype(jnp.int32)
+
+
+def conv_inputs_at(u_BTC, window_BWC, position_BT):
+    """[B, T, C]: the inputs at positions of [window ; u] (`conv_sources`), gathered from each without joining them."""
+    lag = window_BWC.shape[1]
+    from_u = jnp.take_along_axis(u_BTC, jnp.maximum(position_BT - lag, 0)[..., None], axis=1)
+    from_window = jnp.take_along_axis(window_BWC, jnp.minimum(position_BT, lag - 1)[..., None], axis=1)
+    return jnp.where((position_BT < lag)[..., None], from_window, from_u)
+
+
+def conv_windows(parts_BTC, window_BWC, newest_BW) -> jax.Array:
+    """The new conv window [B, K-1, sum C_i] in the parts' dtype: each part's inputs at the newest_BW positions
+    (`conv_sources`), side by side."""
+    window_BWC, start, windows = window_BWC.astype(parts_BTC[0].dtype), 0, []
+    for u_BTC in parts_BTC:
+        windows.append(conv_inputs_at(u_BTC, window_BWC[..., start : start + u_BTC.shape[-1]], newest_BW))
+        start += u_BTC.shape[-1]
+    return jnp.concatenate(windows, axis=-1)
+
+
+def short_conv_silu(parts_BTC, window_BWC, weight_CK, real_BT, positions_LBT) -> list[jax.Array]:
+    """KDA's depthwise causal convs (no bias) + SiLU of each part (q, k, v: [B, T, C_i]) over [window ; part], the
+    parts' channels side by side in window [B, K-1, sum C_i] and weight [sum C_i, K]: a real token's conv sees its K-1
+    latest real inputs (positions_LBT from `conv_sources(real_BT)`), in fp32; a pad's output is 0. Returns [y
+    [B, T, C_i] in the parts' dtype for each part]. Each part is read where it lies (no joined copy)."""
+    lag = weight_CK.shape[-1] - 1
+    window_BWC, ys, start = window_BWC.astype(parts_BTC[0].dtype), [], 0
+    for u_BTC in parts_BTC:
+        part = slice(start, start + u_BTC.shape[-1])
+        start = part.stop
+        window_part_BWC, weight_part_CK = window_BWC[..., part], weight_CK[part].astype(jnp.float32)
+        inputs = [conv_inputs_at(u_BTC, window_part_BWC, positions_LBT[lag - 1 - tap]) for tap in range(lag)]
+        # oldest input first: tap j weighs the input lag - j real tokens back
+        y = sum(x.astype(jnp.float32) * weight_part_CK[:, tap] for tap, x in enumerate([*inputs, u_BTC]))
+        ys.append(jnp.where(real_BT[..., None], jax.nn.silu(y).astype(u_BTC.dtype), 0))
+    return ys
+
+
 def gated_output_norm(o, gate, weight, eps: float) -> jax.Array:
     """KDA's output norm over the last axis: (o / rms(o)) * weight * sigmoid(gate), in fp32, cast to o's dtype."""
     normed = rms_normalize(o.astype(jnp.float32), eps) * weight.astype(jnp.float32)

@@ -1,0 +1,101 @@
+"""KDA's short causal convs + SiLU on GPU (`reference.short_conv_silu`), one Pallas kernel (Triton lowering) for all
+the parts (q, k and v): a program takes block_t tokens x block_c channels of each part, reads each token's K-1
+earlier inputs where they lie (rows of the part, or of the conv window before it, at the positions
+`reference.conv_sources` gives: pads skipped) and writes the part's output once. Under XLA the same ran as fusions
+at 0.4-0.8 TB/s on an H100 (docs/benchmarks/kda.md); the kernel's inputs mostly come from L1 / L2 after the first
+tap (the taps' rows overlap)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvTiles:
+    """block_t tokens x block_c channels a program (powers of two), num_warps warps."""
+
+    block_t: int = 64
+    block_c: int = 128
+    num_warps: int = 4
+
+
+def _kernel(positions_ref, real_ref, window_ref, weight_ref, *refs, lag: int, block_t: int, block_c: int):
+    """positions [lag, B, T] int32 (lag l+1's input of each token in [window ; part]), real [B, T] int32, window
+    [B, lag, P x C] in the parts' dtype, weight [lag + 1, P x C] fp32 (tap-major), then the P parts [B, T, C] and
+    their P outputs."""
+    parts, outputs = refs[: len(refs) // 2], refs[len(refs) // 2 :]
+    length, width = parts[0].shape[1:]
+    b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
+    rows_T, cols_C = t0 + jnp.arange(block_t), c0 + jnp.arange(block_c)
+    row_ok_T, col_ok_C = rows_T < length, cols_C < width
+    ok_TC = row_ok_T[:, None] & col_ok_C[None, :]
+    tokens = pl.ds(t0, block_t)
+    sources = [plgpu.load(positions_ref.at[jnp.int32(l), b, tokens], mask=row_ok_T, other=lag) for l in range(lag)]
+    real_T = plgpu.load(real_ref.at[b, tokens], mask=row_ok_T, other=0)
+    for p, (u_ref, y_ref) in enumerate(zip(parts, outputs, strict=True)):
+        channels = pl.ds(p * width + c0, block_c)
+        acc_TC = jnp.zeros((block_t, block_c), jnp.float32)
+        for tap in range(lag + 1):
+            weight_C = plgpu.load(weight_ref.at[jnp.int32(tap), channels], mask=col_ok_C, other=0.0)
+            if tap == lag:
+                x_TC = plgpu.load(u_ref.at[b, tokens, pl.ds(c0, block_c)], mask=ok_TC, other=0.0)
+            else:
+                position_T = sources[lag - 1 - tap]  # tap j weighs the input lag - j real tokens back
+                in_part_T = position_T >= lag
+                # gathers: every index an array (a row of the part or the window per token, the block's columns)
+                from_part = plgpu.load(
+                    u_ref.at[b, jnp.maximum(position_T - lag, 0)[:, None], cols_C[None, :]],
+                    mask=in_part_T[:, None] & ok_TC,
+                    other=0.0,
+                )
+                from_window = plgpu.load(
+                    window_ref.at[b, jnp.minimum(position_T, lag - 1)[:, None], p * width + cols_C[None, :]],
+                    mask=~in_part_T[:, None] & ok_TC,
+                    other=0.0,
+                )
+                x_TC = jnp.where(in_part_T[:, None], from_part, from_window)
+            acc_TC = acc_TC + x_TC.astype(jnp.float32) * weight_C[None, :]
+        y_TC = acc_TC / (1.0 + jnp.exp(-acc_TC))
+        y_TC = jnp.where(real_T[:, None] != 0, y_TC, 0.0)
+        plgpu.store(y_ref.at[b, tokens, pl.ds(c0, block_c)], y_TC.astype(y_ref.dtype), mask=ok_TC)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def short_conv_silu_gpu(
+    parts_BTC, window_BWC, weight_CK, real_BT, positions_LBT, *, tiles: ConvTiles | None = None, interpret=False
+):
+    """[y [B, T, C] in the parts' dtype for each part] (`reference.short_conv_silu`'s): the parts all C wide, the
+    window [B, K-1, P x C] and weight [P x C, K] holding theirs side by side, real [B, T] (pads' outputs 0),
+    positions [K-1, B, T] from `reference.conv_sources`. Grid (B, T / block_t, C / block_c), masked at the edges."""
+    tiles = tiles or ConvTiles()
+    batch, length, width = parts_BTC[0].shape
+    dtype = parts_BTC[0].dtype
+    if any(u.shape != parts_BTC[0].shape or u.dtype != dtype for u in parts_BTC):
+        raise ValueError(f"short_conv_silu_gpu takes parts of one shape and dtype, got {[u.shape for u in parts_BTC]}")
+    lag = weight_CK.shape[1] - 1
+    kernel = functools.partial(_kernel, lag=lag, block_t=tiles.block_t, block_c=tiles.block_c)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)  # noqa: E731 - the kernel indexes
+    inputs = (
+        positions_LBT.astype(jnp.int32),
+        real_BT.astype(jnp.int32),
+        window_BWC.astype(dtype),
+        weight_CK.astype(jnp.float32).T,
+        *parts_BTC,
+    )
+    out_shape = [jax.ShapeDtypeStruct(u.shape, dtype) for u in parts_BTC]
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, pl.cdiv(length, tiles.block_t), pl.cdiv(width, tiles.block_c)),
+        in_specs=[whole(a) for a in inputs],
+        out_specs=[whole(o) for o in out_shape],
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_short_conv_silu",
+    )(*inputs)
