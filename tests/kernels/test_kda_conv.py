@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import lower_for_cuda, rel_error
+from helpers import gpu_test, lower_for_cuda, rel_error
 
 from pallas_kernels.kda.gpu_triton.conv import ConvTiles
 from pallas_kernels.kda.ops import kernel, short_conv_silu
@@ -114,3 +114,12 @@ def test_gpu_kernel_differentiates_as_the_reference():
 
     for ours, ref in zip(grads("interpret_gpu"), grads("reference"), strict=True):
         assert rel_error(ours, ref) <= 1e-6
+
+
+@gpu_test("the compiled KDA short-conv kernel")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_gpu_kernel_matches_float64(dtype):
+    """The default tiles: 3 parts of 160 channels (a partial 128-channel block), 150 tokens (a partial block), pads
+    anywhere."""
+    parts, window, weight, mask = problem(150, (160, 160, 160), seed=11)
+    check("pallas_gpu", parts, window, weight, mask, tol=1e-2 if dtype == jnp.bfloat16 else 1e-5, dtype=dtype)
