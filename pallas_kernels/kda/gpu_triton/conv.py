@@ -20,22 +20,26 @@ from jax.experimental.pallas import triton as plgpu
 class ConvTiles:
     """block_t tokens x block_c channels a program (powers of two), num_warps warps."""
 
-    block_t: int = 64
+    block_t: int = 32
     block_c: int = 128
     num_warps: int = 4
 
 
-def _kernel(positions_ref, real_ref, window_ref, weight_ref, *refs, lag: int, block_t: int, block_c: int):
+def _kernel(
+    positions_ref, real_ref, window_ref, weight_ref, *refs, lag: int, block_t: int, block_c: int, interpret: bool
+):
     """positions [lag, B, T] int32 (lag l+1's input of each token in [window ; part]), real [B, T] int32, window
     [B, lag, P x C] in the parts' dtype, weight [lag + 1, P x C] fp32 (tap-major), then the P parts [B, T, C] and
-    their P outputs."""
+    their P outputs. Each earlier input is read as the block of rows `lag - tap` back (contiguous, vector loads);
+    tokens whose input is elsewhere (a pad in between, or the window) take it by a gather, masked off for the
+    rest."""
     parts, outputs = refs[: len(refs) // 2], refs[len(refs) // 2 :]
     length, width = parts[0].shape[1:]
     b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
     rows_T, cols_C = t0 + jnp.arange(block_t), c0 + jnp.arange(block_c)
     row_ok_T, col_ok_C = rows_T < length, cols_C < width
     ok_TC = row_ok_T[:, None] & col_ok_C[None, :]
-    tokens = pl.ds(t0, block_t)
+    tokens, columns = pl.ds(t0, block_t), pl.ds(c0, block_c)
     sources = [plgpu.load(positions_ref.at[jnp.int32(l), b, tokens], mask=row_ok_T, other=lag) for l in range(lag)]
     real_T = plgpu.load(real_ref.at[b, tokens], mask=row_ok_T, other=0)
     for p, (u_ref, y_ref) in enumerate(zip(parts, outputs, strict=True)):
@@ -43,27 +47,38 @@ def _kernel(positions_ref, real_ref, window_ref, weight_ref, *refs, lag: int, bl
         acc_TC = jnp.zeros((block_t, block_c), jnp.float32)
         for tap in range(lag + 1):
             weight_C = plgpu.load(weight_ref.at[jnp.int32(tap), channels], mask=col_ok_C, other=0.0)
-            if tap == lag:
-                x_TC = plgpu.load(u_ref.at[b, tokens, pl.ds(c0, block_c)], mask=ok_TC, other=0.0)
+            back = lag - tap  # tap j weighs the input lag - j real tokens back
+            if back == 0:
+                x_TC = plgpu.load(u_ref.at[b, tokens, columns], mask=ok_TC, other=0.0)
             else:
-                position_T = sources[lag - 1 - tap]  # tap j weighs the input lag - j real tokens back
+                position_T = sources[back - 1]
+                shifted_T = rows_T - back
+                gather_T = (position_T != shifted_T + lag) | (shifted_T < 0)
+                # the first block's rows before 0 are masked; the interpreter clamps a slice's start, so there the
+                # rows go as an index array
+                shifted = shifted_T[:, None] if interpret else pl.ds(t0 - back, block_t)
+                x_TC = plgpu.load(
+                    u_ref.at[b, shifted, cols_C[None, :] if interpret else columns],
+                    mask=(~gather_T)[:, None] & ok_TC,
+                    other=0.0,
+                )
+                # gathers (every index an array): a row of the part or the window per token, the block's columns
                 in_part_T = position_T >= lag
-                # gathers: every index an array (a row of the part or the window per token, the block's columns)
                 from_part = plgpu.load(
                     u_ref.at[b, jnp.maximum(position_T - lag, 0)[:, None], cols_C[None, :]],
-                    mask=in_part_T[:, None] & ok_TC,
+                    mask=(gather_T & in_part_T)[:, None] & ok_TC,
                     other=0.0,
                 )
                 from_window = plgpu.load(
                     window_ref.at[b, jnp.minimum(position_T, lag - 1)[:, None], p * width + cols_C[None, :]],
-                    mask=~in_part_T[:, None] & ok_TC,
+                    mask=(gather_T & ~in_part_T)[:, None] & ok_TC,
                     other=0.0,
                 )
-                x_TC = jnp.where(in_part_T[:, None], from_part, from_window)
+                x_TC = jnp.where(gather_T[:, None], jnp.where(in_part_T[:, None], from_part, from_window), x_TC)
             acc_TC = acc_TC + x_TC.astype(jnp.float32) * weight_C[None, :]
         y_TC = acc_TC / (1.0 + jnp.exp(-acc_TC))
         y_TC = jnp.where(real_T[:, None] != 0, y_TC, 0.0)
-        plgpu.store(y_ref.at[b, tokens, pl.ds(c0, block_c)], y_TC.astype(y_ref.dtype), mask=ok_TC)
+        plgpu.store(y_ref.at[b, tokens, columns], y_TC.astype(y_ref.dtype), mask=ok_TC)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -79,7 +94,7 @@ def short_conv_silu_gpu(
     if any(u.shape != parts_BTC[0].shape or u.dtype != dtype for u in parts_BTC):
         raise ValueError(f"short_conv_silu_gpu takes parts of one shape and dtype, got {[u.shape for u in parts_BTC]}")
     lag = weight_CK.shape[1] - 1
-    kernel = functools.partial(_kernel, lag=lag, block_t=tiles.block_t, block_c=tiles.block_c)
+    kernel = functools.partial(_kernel, lag=lag, block_t=tiles.block_t, block_c=tiles.block_c, interpret=interpret)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_, n=a.ndim: (0,) * n)  # noqa: E731 - the kernel indexes
     inputs = (
         positions_LBT.astype(jnp.int32),
