@@ -23,8 +23,8 @@ us (TFLOP/s, 2 M O In over the time) and each W8A8 variant's error against the f
 matmul peaks of the device measured in the same run (`bench_fp8_peak`'s rows at 8192^3). The W8A8 variants:
 "gpu_triton" (Pallas's FP8 dot, which Triton splits into one CUDA-core add per wgmma), "gpu_triton_tc_acc"
 (each 128-input K block accumulated in the tensor cores, `pallas_kernels/fp8/gpu_triton/fp8_dot.py`) and
-"gpu_mosaic" (Mosaic GPU: TMA pipeline, e4m3 wgmma; N and K multiples of 128 only, "n/a" elsewhere) and the lab's
-"gpu_mosaic_ws" (`pallas_kernels.experimental.fp8_mosaic_ws`: persistent, warp-specialised, 128-row tiles).
+"gpu_mosaic" (Mosaic GPU: TMA pipeline, e4m3 wgmma; N and K multiples of 128 only, "n/a" elsewhere) and
+"gpu_mosaic_ws" (the same products persistent and warp-specialised, 128-row tiles: the default from K = 1024).
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ from benchmarks.common import copy_bandwidth, median_seconds, rel_error, run_hea
 from benchmarks.fp8_peak import jax_rows, torch_rows  # noqa: E402
 from ling_jax import xla_flags  # noqa: E402
 from pallas_kernels.experimental.fp8_mosaic_weight_only import MosaicWeightOnlyTiles  # noqa: E402
-from pallas_kernels.experimental.fp8_mosaic_ws import WARP_SPECIALISED, WarpSpecialisedTiles  # noqa: E402
 from pallas_kernels.experimental.fp8_xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce  # noqa: E402
 from pallas_kernels.fp8 import tuned  # noqa: E402
 from pallas_kernels.fp8.gpu_triton.gemv import weight_only_gemv_partials_gpu  # noqa: E402
-from pallas_kernels.fp8.ops import GEMV, MOSAIC, TC_ACC, kernel  # noqa: E402
+from pallas_kernels.fp8.ops import GEMV, MOSAIC, MOSAIC_WS, TC_ACC, kernel  # noqa: E402
 from pallas_kernels.fp8.reference import GatedHeadNorm, dequantize_blocks  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
@@ -62,7 +61,7 @@ weight_only_gpu, w8a8_gpu = kernel("weight_only_linear", "gpu_triton"), kernel("
 gemv_gpu = kernel("weight_only_linear", GEMV)
 w8a8_tc_acc_gpu = kernel("w8a8_linear", TC_ACC)
 w8a8_mosaic_gpu = kernel("w8a8_linear", MOSAIC)
-w8a8_mosaic_ws_gpu = kernel("w8a8_linear", WARP_SPECIALISED)
+w8a8_mosaic_ws_gpu = kernel("w8a8_linear", MOSAIC_WS)
 PEAK_SIZE = 8192
 
 
@@ -152,7 +151,7 @@ W8A8_VARIANTS = {
     "W8A8 gpu_triton": w8a8_gpu,
     f"W8A8 {TC_ACC}": w8a8_tc_acc_gpu,
     f"W8A8 {MOSAIC}": w8a8_mosaic_gpu,
-    f"W8A8 {WARP_SPECIALISED}": w8a8_mosaic_ws_gpu,
+    f"W8A8 {MOSAIC_WS}": w8a8_mosaic_ws_gpu,
 }
 
 
@@ -340,7 +339,7 @@ SWEEPS = {  # kernel: (entry, its tiles' dataclass (None: no tiles), their setti
     ),
     "W8A8-mosaic-ws": (
         w8a8_mosaic_ws_gpu,
-        WarpSpecialisedTiles,
+        tuned.WarpSpecialisedTiles,
         [(128, 4, 1), (128, 3, 1), (128, 5, 1), (128, 4, 2), (128, 4, 4), (64, 4, 1), (64, 6, 2)],
         (12288, 4096),
         (2048, 8192),

@@ -95,4 +95,3 @@ def test_identity_tokens_leave_the_state_alone():
     keep = np.r_[0:3, 6:9]
     _, s_skip = kda_chunked(*(x[:, keep] for x in args), initial_state=jnp.asarray(state, jnp.float32))
     assert rel_error(s_full, s_skip) <= 1e-6
-

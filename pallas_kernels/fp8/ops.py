@@ -2,16 +2,17 @@
 variants of each (`weight_only_linear`, `w8a8_linear`).
 
 VARIANTS lists every implementation by op and name, each record with the weights and activations it `takes`;
-`kernel(op, name)` gives one's entry point (with its tiles override, for tests and benchmarks). Without a variant
-named, a GPU backend runs a kernel where it takes the weight (`kernel_takes`: 2-D, power-of-two scale blocks of at
-least 16 rows and 32 inputs, a 16- or 32-bit float activation): for weight-only products of up to
-tuned.GEMV_DEFAULT_ROWS rows and (16-bit x) from tuned.GEMV_DOT_ROWS to tuned.GEMV_DOT_DEFAULT_ROWS
-(`tuned.gemv_by_default`) the decode-shaped "gpu_triton_gemv", else the block-scaled "gpu_triton"; for W8A8
-products "gpu_mosaic" (the Mosaic GPU kernel: TMA, e4m3 wgmma) from tuned.MOSAIC_MIN_ROWS rows where it takes the
-weight (128 x 128 blocks), else "gpu_triton_tc_acc" (each K block accumulated in the tensor cores). A TPU backend runs
-every product weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case
-runs the jnp reference. The lab's variants (`pallas_kernels.experimental.fp8_*`: a Mosaic GPU weight-only kernel,
-the XLA scale-folded products) join VARIANTS when their module is imported, and run only when named.
+`kernel(op, name)` gives one's entry point (with its tiles override, for tests and benchmarks). Without a variant named,
+a GPU backend runs a kernel where it takes the weight (`kernel_takes`: 2-D, power-of-two scale blocks of at least 16
+rows and 32 inputs, a 16- or 32-bit float activation): for weight-only products of up to tuned.GEMV_DEFAULT_ROWS rows
+and (16-bit x) from tuned.GEMV_DOT_ROWS to tuned.GEMV_DOT_DEFAULT_ROWS (`tuned.gemv_by_default`) the decode-shaped
+"gpu_triton_gemv", else the block-scaled "gpu_triton"; for W8A8 products the Mosaic GPU kernels (TMA, e4m3 wgmma) from
+tuned.MOSAIC_MIN_ROWS rows where they take the weight (128 x 128 blocks): "gpu_mosaic_ws" (persistent, warp-specialised,
+128-row tiles) from tuned.MOSAIC_WS_MIN_ROWS rows and K = tuned.MOSAIC_WS_MIN_K, "gpu_mosaic" (a CTA per 64-row output
+tile) below; else "gpu_triton_tc_acc" (each K block accumulated in the tensor cores). A TPU backend runs every product
+weight-only, in "tpu_mosaic" (the FP8 tile dequantised in VMEM, bf16 MXU products). Every other case runs the jnp
+reference. The lab's variants (`pallas_kernels.experimental.fp8_*`: a Mosaic GPU weight-only kernel, the XLA scale-
+folded products) join VARIANTS when their module is imported, and run only when named.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_referenc
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_mosaic import takes as mosaic_takes
 from pallas_kernels.fp8.gpu_mosaic import w8a8_linear_mgpu
+from pallas_kernels.fp8.gpu_mosaic_ws import takes as mosaic_ws_takes
+from pallas_kernels.fp8.gpu_mosaic_ws import w8a8_linear_ws_mgpu
 from pallas_kernels.fp8.gpu_triton import (
     w8a8_linear_gpu,
     w8a8_linear_tc_acc_gpu,
@@ -49,6 +52,7 @@ __all__ = [
     "GEMV",
     "MODES",
     "MOSAIC",
+    "MOSAIC_WS",
     "TC_ACC",
     "VARIANTS",
     "W8A8",
@@ -66,6 +70,7 @@ _OP_OF_MODE = {WEIGHT_ONLY: "weight_only_linear", W8A8: "w8a8_linear"}
 GEMV = "gpu_triton_gemv"
 TC_ACC = "gpu_triton_tc_acc"
 MOSAIC = "gpu_mosaic"
+MOSAIC_WS = "gpu_mosaic_ws"
 
 
 def _power_of_two(n: int, at_least: int) -> bool:
@@ -96,6 +101,7 @@ VARIANTS = {
         "gpu_triton": Variant("gpu", w8a8_linear_gpu, takes=kernel_takes),
         TC_ACC: Variant("gpu", w8a8_linear_tc_acc_gpu, takes=kernel_takes),
         MOSAIC: Variant("gpu", w8a8_linear_mgpu, takes=mosaic_takes),
+        MOSAIC_WS: Variant("gpu", w8a8_linear_ws_mgpu, takes=mosaic_ws_takes),
     },
 }
 
@@ -138,12 +144,16 @@ def default_mode(num_rows: int, backend: str) -> str | None:
 
 
 def _w8a8_variant(x_MK, weight, *, interpret: bool) -> str:
-    """The W8A8 kernel a GPU runs: "gpu_mosaic" from tuned.MOSAIC_MIN_ROWS rows where it takes the weight (128 x
-    128 blocks, sides multiples of 128) and compiles (jax 0.10's Mosaic GPU interpreter cannot run it), else
-    "gpu_triton_tc_acc"."""
+    """The W8A8 kernel a GPU runs: from tuned.MOSAIC_MIN_ROWS rows where they take the weight (128 x 128 blocks, sides
+    multiples of 128) and compile (jax 0.10's Mosaic GPU interpreter cannot run them) "gpu_mosaic_ws" from
+    tuned.MOSAIC_WS_MIN_ROWS rows and K = tuned.MOSAIC_WS_MIN_K, "gpu_mosaic" below; else "gpu_triton_tc_acc"."""
     mosaic = VARIANTS["w8a8_linear"][MOSAIC]
     if interpret or x_MK.shape[0] < tuned.MOSAIC_MIN_ROWS or not mosaic.supports(x_MK, weight):
         return TC_ACC
+    num_rows, k_dim = x_MK.shape
+    at_ws_size = num_rows >= tuned.MOSAIC_WS_MIN_ROWS and k_dim >= tuned.MOSAIC_WS_MIN_K
+    if at_ws_size and VARIANTS["w8a8_linear"][MOSAIC_WS].supports(x_MK, weight):
+        return MOSAIC_WS
     return MOSAIC
 
 

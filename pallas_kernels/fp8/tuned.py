@@ -244,6 +244,34 @@ W8A8_MOSAIC = _gpu(
 
 
 @dataclasses.dataclass(frozen=True)
+class WarpSpecialisedTiles:
+    """gpu_mosaic_ws W8A8: block_n outputs a column tile (dividing the weight's 128-row block), stages TMA buffers,
+    columns column tiles an item (one pipeline walks their K blocks in turn; cut to a divisor of the weight's column
+    tiles). A tile is 128 rows (two compute warpgroups of 64)."""
+
+    block_n: int = 128
+    stages: int = 4
+    columns: int = 1
+
+
+W8A8_MOSAIC_WS = _gpu(
+    {
+        (ANY, ANY): Entry(
+            WarpSpecialisedTiles(128, 4, 2),
+            "docs/benchmarks/matmul.md#the-w8a8-linear-as-a-persistent-warp-specialised-kernel-2026-12-07-twenty-ninth-"
+            "session: H100, 8192 rows: 279.4 / 291.2 / 382.6 us at 4096x2560 / 2560x4096 / 6144x2560 (1 column "
+            "tile an item 287.4 / 292.4 / 400.4; 4 tiles 279.4 / 318.3 / 386.1; 5 stages 300.8 / 298.4 / 408.2)",
+        )
+    }
+)
+# the W8A8 products run gpu_mosaic_ws from this K and this many rows: at K = 512 (8192 x 512) it was no faster than
+# gpu_mosaic (191.0-212.0 us against 187.5-195.3 on an H100), from K = 2560 at 8192 rows 1.11-1.17x; fewer rows
+# fill fewer SMs (an item is 128 rows x 256 columns)
+MOSAIC_WS_MIN_K = 1024
+MOSAIC_WS_MIN_ROWS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
 class TpuTiles:
     """tpu_mosaic weight-only: block_m rows x block_n outputs a grid step (cut to the call's rows, to the weight's
     scale blocks and to fit `tpu_dequant.TILE_BUDGET_BYTES` of VMEM)."""

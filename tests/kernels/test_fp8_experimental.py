@@ -1,6 +1,5 @@
-"""The lab's block-FP8 linear variants (`pallas_kernels.experimental`): the XLA scale-folded products, the Mosaic
-GPU weight-only kernel and the warp-specialised Mosaic GPU W8A8 kernel, against float64 numpy; named only (importing
-their modules registers them)."""
+"""The lab's block-FP8 linear variants (`pallas_kernels.experimental`): the XLA scale-folded products and the Mosaic
+GPU weight-only kernel, against float64 numpy; named only (importing their modules registers them)."""
 
 from __future__ import annotations
 
@@ -8,16 +7,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import gpu_test, lower_for_cuda, rel_error
-from test_fp8_linear import MOSAIC_WEIGHT, f64, float64_weight, mosaic_case, random_weight, random_x
-from test_moe_w8a8_mosaic import stand_in_call
+from test_fp8_linear import MOSAIC_WEIGHT, f64, float64_weight, random_weight, random_x
 
 from ling_jax.quantized import BlockFP8Weight
-from pallas_kernels.experimental import fp8_mosaic_ws
 from pallas_kernels.experimental.fp8_mosaic_weight_only import MosaicWeightOnlyTiles
-from pallas_kernels.experimental.fp8_mosaic_ws import WARP_SPECIALISED, WarpSpecialisedTiles
 from pallas_kernels.experimental.fp8_xla_folded import weight_only_linear_xla, weight_only_linear_xla_reduce
 from pallas_kernels.fp8 import fp8_linear
-from pallas_kernels.fp8.ops import MOSAIC, W8A8, WEIGHT_ONLY, kernel
+from pallas_kernels.fp8.ops import MOSAIC, WEIGHT_ONLY, kernel
 from pallas_kernels.fp8.reference import dequantize_blocks
 
 
@@ -63,38 +59,3 @@ def test_compiled_mosaic_weight_only_kernel_matches_float64(rows):
         y = mosaic(x, weight.values, weight.scales, block=weight.block, tiles=MosaicWeightOnlyTiles(4, k_splits))
         assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y)))
         assert rel_error(y, f64(x) @ w_bf16.T) <= 1e-2, k_splits
-
-
-def test_warp_specialised_w8a8_wraps_the_grouped_kernel_as_one_expert(monkeypatch):
-    """The dense product as the experts' kernel with one expert (rows padded to whole 128-row tiles, cut back),
-    the kernel a jnp stand-in; it lowers for CUDA at Ling-3.0-flash's q projection over 8192 rows, and refuses
-    other blocks and the interpreter."""
-    monkeypatch.setattr(fp8_mosaic_ws, "grouped_call", stand_in_call)
-    weight, x, expected = mosaic_case(131, jnp.float32, seed=4)
-    with jax.disable_jit():  # the stand-in walks the tiles in Python
-        y = fp8_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block)
-    assert y.shape == (131, MOSAIC_WEIGHT[0]) and rel_error(y, expected) <= 1e-4
-    monkeypatch.undo()
-    shape = jax.ShapeDtypeStruct
-    lowered = lower_for_cuda(
-        lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=W8A8, variant=WARP_SPECIALISED),
-        shape((8192, 2560), jnp.bfloat16),
-        BlockFP8Weight(shape((4096, 2560), jnp.float8_e4m3fn), shape((32, 20), jnp.float32), (128, 128)),
-    )
-    assert "w8a8_linear_ws_mgpu" in lowered.as_text()
-    odd = BlockFP8Weight(weight.values, weight.scales, (128, 64))
-    with pytest.raises(ValueError, match="w8a8_linear_ws_mgpu takes 128 x 128 weight blocks"):
-        fp8_mosaic_ws.w8a8_linear_ws_mgpu(x, odd.values, odd.scales, block=odd.block)
-    with pytest.raises(ValueError, match="runs on a GPU only"):
-        fp8_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, interpret=True)
-
-
-@gpu_test("the compiled warp-specialised Mosaic GPU W8A8 kernel")
-@pytest.mark.parametrize("dtype, rows", [(jnp.float32, 131), (jnp.bfloat16, 64), (jnp.bfloat16, 300)])
-def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
-    """x quantised per token, FP8 products; a partial row tile, one tile, three; 64-column tiles, two an item."""
-    weight, x, expected = mosaic_case(rows, dtype, seed=rows)
-    for tiles in (WarpSpecialisedTiles(), WarpSpecialisedTiles(64, 3, 2)):
-        y = fp8_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, tiles=tiles)
-        assert y.dtype == dtype and y.shape == (rows, MOSAIC_WEIGHT[0]) and bool(jnp.all(jnp.isfinite(y)))
-        assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3), tiles

@@ -1,5 +1,5 @@
-"""The block-FP8 W8A8 linear as the routed experts' persistent, warp-specialised Mosaic GPU kernel
-(`moe_gpu_mosaic.grouped_call`) with one expert whose rows are all of x: `w8a8_linear_ws_mgpu`.
+"""The block-FP8 W8A8 linear as a persistent, warp-specialised Mosaic GPU kernel (`gpu_mosaic_grouped.grouped_call`
+with one weight, every 128-row tile of x its own): `w8a8_linear_ws_mgpu`.
 
 Against "gpu_mosaic" (`pallas_kernels.fp8.gpu_mosaic`: a CTA per 64 x block_n output tile, one warpgroup, each K
 block's wgmma waited for and promoted in turn) this kernel runs one CTA an SM over the (128-row tile, column group)
@@ -8,13 +8,14 @@ weight traffic a row), one's promotion overlapping the other's wgmma. The arithm
 token in 1 x 128 groups (XLA, before the kernel), FP8 products of each 128-input block scaled by both scales and
 summed in fp32.
 
-Importing this module registers it as "gpu_mosaic_ws" of `pallas_kernels.fp8.ops.VARIANTS["w8a8_linear"]` (named
-only). GPU only: the Mosaic GPU interpreter does not run warp-specialised pipelines; the CPU lowers it for CUDA.
+It is "gpu_mosaic_ws" of `pallas_kernels.fp8.ops.VARIANTS["w8a8_linear"]`, a GPU's W8A8 kernel where it takes the
+weight and K is at least tuned.MOSAIC_WS_MIN_K (1.11-1.17x "gpu_mosaic" at Ling-3.0-flash's prefill projections on
+an H100, docs/benchmarks/matmul.md). GPU only: the Mosaic GPU interpreter does not run warp-specialised
+pipelines; the CPU lowers it for CUDA.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -22,24 +23,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import variants
-from pallas_kernels.experimental.moe_gpu_mosaic import BLOCK_M, grouped_call, store_rows
-from pallas_kernels.fp8 import ops
+from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_mosaic import BLOCK_K
+from pallas_kernels.fp8.gpu_mosaic_grouped import BLOCK_M, grouped_call, store_rows
 from pallas_kernels.fp8.reference import quantize_activations
-from pallas_kernels.variants import Variant
-
-WARP_SPECIALISED = "gpu_mosaic_ws"
-
-
-@dataclasses.dataclass(frozen=True)
-class WarpSpecialisedTiles:
-    """block_n outputs a column tile (dividing the weight's 128-row block), stages TMA buffers, columns column
-    tiles an item (one pipeline walks their K blocks in turn; cut to a divisor of the weight's column tiles)."""
-
-    block_n: int = 128
-    stages: int = 4
-    columns: int = 1
+from pallas_kernels.fp8.tuned import WarpSpecialisedTiles
+from pallas_kernels.tuning import lookup
 
 
 class _OneExpert(NamedTuple):
@@ -53,8 +42,9 @@ def _fits(values_NK, block: tuple[int, int], block_n: int) -> bool:
 
 
 def takes(x, weight) -> bool:
-    """A 2-D weight of 128 x 128 blocks, N a multiple of 128 and K of 128 (the default tiles')."""
-    return weight.values.ndim == 2 and _fits(weight.values, weight.block, WarpSpecialisedTiles().block_n)
+    """A 2-D weight of 128 x 128 blocks, N a multiple of the tuned block_n and K of 128."""
+    block_n = lookup(tuned.W8A8_MOSAIC_WS, dtype=x.dtype).block_n
+    return weight.values.ndim == 2 and _fits(weight.values, weight.block, block_n)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
@@ -68,8 +58,8 @@ def w8a8_linear_ws_mgpu(
     interpret: bool = False,
 ) -> jax.Array:
     """y [M, N] in x's dtype: `fp8.reference.w8a8_linear_reference`'s product (module docstring). values [N, K]
-    e4m3, scales [N / 128, K / 128]. Tiles: None for `WarpSpecialisedTiles()`."""
-    tiles = tiles or WarpSpecialisedTiles()
+    e4m3, scales [N / 128, K / 128]. Tiles: None from `tuned.W8A8_MOSAIC_WS`."""
+    tiles = tiles or lookup(tuned.W8A8_MOSAIC_WS, dtype=x_MK.dtype)
     if interpret:
         raise ValueError("w8a8_linear_ws_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
     n_dim, k_dim = values_NK.shape
@@ -96,6 +86,3 @@ def w8a8_linear_ws_mgpu(
         name="w8a8_linear_ws_mgpu",
     )
     return y_PN[:num_rows]
-
-
-variants.register(ops.VARIANTS, "w8a8_linear", WARP_SPECIALISED, Variant("gpu", w8a8_linear_ws_mgpu, takes=takes))

@@ -1,0 +1,150 @@
+"""The persistent, warp-specialised Pallas Mosaic GPU kernel of block-FP8 W8A8 products over row tiles that each
+take one of G weights (TMA, e4m3 wgmma): `grouped_call`. The dense W8A8 linear (`gpu_mosaic_ws`: one weight, every
+tile its own rows of x) and the lab's routed experts (`pallas_kernels.experimental.moe_gpu_mosaic`: a weight an
+expert, tiles of each expert's rows) run it.
+
+One CTA per SM loops over the (tile, column group) items (`plgpu.nd_loop`, the column group fastest: the items in
+flight share a tile's x and a weight in L2); per item a warp-specialised pipeline: one warpgroup issues the TMA
+copies of the x tile (128 rows of x_q from the tile's start row), the weight tiles [block_n, 128] and the tile's
+activation scales of each K block, two compute warpgroups take 64 rows each: per K block a wgmma in a fresh
+accumulator, waited for, scaled by the rows' activation scales and the weight block's scale and added to the fp32
+accumulators in registers (one warpgroup's promotion overlaps the other's wgmma); at a column tile's last K block
+`store` writes the accumulators (`store_rows`: cast to the output's dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms, promoted_product
+
+BLOCK_M = 128  # a tile's rows: 64 for each of the two compute warpgroups
+WG_ROWS = 64  # one warpgroup's wgmma rows
+MEMORY_REGISTERS = 40  # the TMA warpgroup's registers a thread (the compute warpgroups get the rest)
+HOPPER_SMS = 132  # the persistent grid when lowering without a GPU
+ALIGN = 8  # an expert's first row in the aligned x: a TMA of (8, 128)-tiled shared memory starts on a tile row
+
+
+def store_rows(accs, rows, cols, y_gmem):
+    (acc_MN,) = accs
+    y_gmem[rows, cols] = acc_MN.astype(y_gmem.dtype)
+
+
+def _grouped_kernel(
+    tile_group_gmem, tile_start_gmem, x_gmem, row_scales_gmem, *refs, num_weights, block_n, columns, stages, store
+):
+    """One CTA per SM over the (tile t, column group c) items, a column group `columns` column tiles of block_n:
+    store(accumulators, the warpgroup's 64 rows of tile t in the padded layout, column tile, *outputs) for each
+    column tile of the group in turn, one accumulator per (values [G, N, K], scales [G, N / 128, K / 128]) pair of
+    the first 2 num_weights refs (the outputs follow), for tile t's expert, from x's 128 rows starting at
+    tile_start[t]; tiles past the last expert's are skipped. One pipeline an item walks its column tiles' K blocks
+    (a longer pipeline than one column tile's: one fill an item)."""
+    weight_refs, out_refs = refs[: 2 * num_weights], refs[2 * num_weights :]
+    values_refs, scales_refs = weight_refs[0::2], weight_refs[1::2]
+    num_groups, n_dim, k_dim = values_refs[0].shape
+    k_steps, item_n = k_dim // BLOCK_K, columns * block_n
+    num_tiles, num_items_n = tile_group_gmem.shape[0], n_dim // item_n
+    wg = lax.axis_index("wg")
+    half = pl.ds(wg * WG_ROWS, WG_ROWS)
+    weight_spec = plgpu.BlockSpec((block_n, BLOCK_K), lambda j, k: (j, k), transforms=fp8_transforms())
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(columns, k_steps),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda j, k: (0, k), transforms=fp8_transforms()),
+                *(weight_spec for _ in values_refs),
+                plgpu.BlockSpec((1, BLOCK_M), lambda j, k: (k, 0)),
+            ],
+            max_concurrent_steps=stages,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            compute_context=context,
+        )
+
+    def operands(tile_start, group, c):
+        return (
+            x_gmem.at[pl.ds(tile_start, BLOCK_M)],
+            *(values.at[group, pl.ds(c * item_n, item_n)] for values in values_refs),
+            row_scales_gmem.at[:, pl.ds(tile_start, BLOCK_M)],
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
+        collective_axes="wg",
+    )
+    def _scope(allocations):
+        @plgpu.nd_loop((num_tiles * num_items_n,), collective_axes="sm")
+        def _item(info):
+            (item,) = info.index
+            t, c = lax.div(item, num_items_n), lax.rem(item, num_items_n)
+            group = tile_group_gmem[t]
+
+            def step(indices, x_smem, *rest):
+                j, k_block = indices
+                w_smems, row_scales_smem, accs = rest[:num_weights], rest[num_weights], rest[-1]
+                row_scale_M = plgpu.layout_cast(row_scales_smem[0, half], plgpu.Layout.WGMMA.reduce(1))
+                col0 = c * item_n + j * block_n
+                accs = tuple(
+                    promoted_product(
+                        acc_MN, x_smem.at[half], w_smem, row_scale_M, scales[group, col0 // BLOCK_K, k_block]
+                    )
+                    for w_smem, scales, acc_MN in zip(w_smems, scales_refs, accs)
+                )
+                last = k_block == k_steps - 1
+
+                @pl.when(last)
+                def _():
+                    store(accs, pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS), pl.ds(col0, block_n), *out_refs)
+
+                keep = jnp.where(last, 0.0, 1.0)  # the next column tile starts from zeros (the sums are finite)
+                return tuple(acc_MN * keep for acc_MN in accs)
+
+            def context(run):
+                zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
+                run(tuple(zeros for _ in values_refs))
+
+            @pl.when(group < num_groups)
+            def _():
+                tile_start = pl.multiple_of(tile_start_gmem[t], ALIGN)
+                pipeline(step, context)(*operands(tile_start, group, c), allocations=allocations)
+
+
+def _num_sms() -> int:
+    device = jax.devices()[0]
+    return device.core_count if device.platform == "gpu" else HOPPER_SMS
+
+
+def grouped_call(
+    tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, columns, stages, store, name
+):
+    """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs;
+    name the kernel's (what a profile shows). x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them)
+    reach BLOCK_M past every tile_start."""
+
+    def kernel(*refs):
+        _grouped_kernel(*refs, num_weights=len(weights), block_n=block_n, columns=columns, stages=stages, store=store)
+
+    kernel.__name__ = kernel.__qualname__ = name
+    operands = [array for w in weights for array in (w.values, w.scales.astype(jnp.float32))]
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, *operands)

@@ -1,0 +1,71 @@
+"""The persistent, warp-specialised Mosaic GPU W8A8 linear (`pallas_kernels.fp8.gpu_mosaic_ws`) against float64
+numpy written from the W8A8 formula (test_fp8_linear's): the wrapper around the grouped kernel with a jnp stand-in
+for it, CUDA lowering, the default choice by K, the compiled kernel on a GPU (jax 0.10's Mosaic GPU interpreter cannot
+run it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import gpu_test, lower_for_cuda, rel_error
+from test_fp8_linear import MOSAIC_WEIGHT, mosaic_case
+from test_moe_w8a8_mosaic import stand_in_call
+
+from ling_jax.quantized import BlockFP8Weight
+from pallas_kernels.fp8 import fp8_linear, gpu_mosaic_ws, tuned
+from pallas_kernels.fp8.ops import MOSAIC_WS, W8A8
+
+
+def test_warp_specialised_w8a8_wraps_the_grouped_kernel_as_one_expert(monkeypatch):
+    """The dense product as the experts' kernel with one expert (rows padded to whole 128-row tiles, cut back),
+    the kernel a jnp stand-in; it lowers for CUDA at Ling-3.0-flash's q projection over 8192 rows, and refuses
+    other blocks and the interpreter."""
+    monkeypatch.setattr(gpu_mosaic_ws, "grouped_call", stand_in_call)
+    weight, x, expected = mosaic_case(131, jnp.float32, seed=4)
+    with jax.disable_jit():  # the stand-in walks the tiles in Python
+        y = gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block)
+    assert y.shape == (131, MOSAIC_WEIGHT[0]) and rel_error(y, expected) <= 1e-4
+    monkeypatch.undo()
+    shape = jax.ShapeDtypeStruct
+    lowered = lower_for_cuda(
+        lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=W8A8, variant=MOSAIC_WS),
+        shape((8192, 2560), jnp.bfloat16),
+        BlockFP8Weight(shape((4096, 2560), jnp.float8_e4m3fn), shape((32, 20), jnp.float32), (128, 128)),
+    )
+    assert "w8a8_linear_ws_mgpu" in lowered.as_text()
+    odd = BlockFP8Weight(weight.values, weight.scales, (128, 64))
+    with pytest.raises(ValueError, match="w8a8_linear_ws_mgpu takes 128 x 128 weight blocks"):
+        gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, odd.values, odd.scales, block=odd.block)
+    with pytest.raises(ValueError, match="runs on a GPU only"):
+        gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, interpret=True)
+
+
+@gpu_test("the compiled warp-specialised Mosaic GPU W8A8 kernel")
+@pytest.mark.parametrize("dtype, rows", [(jnp.float32, 131), (jnp.bfloat16, 64), (jnp.bfloat16, 300)])
+def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
+    """x quantised per token, FP8 products; a partial row tile, one tile, three; 64-column tiles, two an item."""
+    weight, x, expected = mosaic_case(rows, dtype, seed=rows)
+    for tiles in (None, tuned.WarpSpecialisedTiles(64, 3, 2)):
+        y = gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, tiles=tiles)
+        assert y.dtype == dtype and y.shape == (rows, MOSAIC_WEIGHT[0]) and bool(jnp.all(jnp.isfinite(y)))
+        assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3), tiles
+
+
+def test_default_w8a8_kernel_by_k():
+    """From tuned.MOSAIC_WS_MIN_K inputs and MOSAIC_WS_MIN_ROWS rows the warp-specialised kernel, below either
+    gpu_mosaic (4096 outputs)."""
+    shape = jax.ShapeDtypeStruct
+    least, fewer = (tuned.MOSAIC_WS_MIN_ROWS, tuned.MOSAIC_WS_MIN_K), (tuned.MOSAIC_WS_MIN_ROWS - 64, 4096)
+    for (rows, k_dim), name in (
+        (least, "w8a8_linear_ws_mgpu"),
+        ((least[0], least[1] - 128), "w8a8_linear_mgpu"),
+        (fewer, "w8a8_linear_mgpu"),
+    ):
+        weight = BlockFP8Weight(
+            shape((4096, k_dim), jnp.float8_e4m3fn), shape((32, k_dim // 128), jnp.float32), (128, 128)
+        )
+        text = lower_for_cuda(
+            lambda x, w: fp8_linear(x, w, backend="pallas_gpu", mode=W8A8), shape((rows, k_dim), jnp.bfloat16), weight
+        ).as_text()
+        assert name in text and ("w8a8_linear_ws_mgpu" in text) == (name == "w8a8_linear_ws_mgpu"), (rows, k_dim)
