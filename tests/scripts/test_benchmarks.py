@@ -38,6 +38,7 @@ CPU_RUNS = {
     ),
     "kda": ("benchmarks.kda", ["--quick", "--variant", "gpu_triton"], "| prefill | 1 | 192 |"),
     "kda --decode-fused": ("benchmarks.kda", ["--decode-fused", "--quick"], "| 3 | "),
+    "kda_conv": ("benchmarks.kda_conv", ["--quick"], "| 10 left pads | "),
     "convert": ("benchmarks.convert", ["--quick", "--dtypes", "fp8", "--workers", "1"], "| fp8 | 1 |"),
     "load_memory": ("benchmarks.load_memory", ["--quick", "--mesh", "expert=2"], "within the bound"),
     "generate --mtp": (
