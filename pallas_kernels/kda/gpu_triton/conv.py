@@ -7,7 +7,8 @@ token's real inputs) or in the conv window.
 On an H100 (2026-12-07, q, k and v of 4096 channels over 8192 tokens, docs/benchmarks/kda.md): 472 us with every
 token real, 431 us with 100 pads, against 478 / 712 us for the jnp gathers and 813 / 909 us for the form before
 (the window joined to a copy of q, k and v, pads sorted out); 16 x 128 blocks at 4 warps were the fastest of seven
-tile settings (32 x 128: 682 / 634 us)."""
+tile settings (32 x 128: 682 / 634 us). A second H100 run (`benchmarks.kda_conv`) found the kernel and the jnp
+gathers even (468 / 441 us against 432 / 441)."""
 
 from __future__ import annotations
 
