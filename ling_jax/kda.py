@@ -49,6 +49,7 @@ CHUNKED = KDAMode.CHUNKED
 RECURRENT = KDAMode.RECURRENT
 STEPS = KDAMode.STEPS  # recurrent, keeping the state after every token (speculative-decoding verification)
 DEFAULT_CHUNK_SIZE = 64
+JOINED_CONV_TOKENS = 8  # up to this many tokens a call the short convs run over a joined copy (`_joined_conv`)
 
 # logical axes of the kernels' arrays: each sequence and each head is independent (`per_shard`)
 _BTHD = ("activation_batch", None, "heads", None)
@@ -77,6 +78,54 @@ def step_windows(window_BWC, u_BTC, mask_BT=None):
         window_BWC = shifted_BWC if mask_BT is None else jnp.where(mask_BT[:, t, None, None], shifted_BWC, window_BWC)
         windows.append(window_BWC)
     return jnp.stack(windows, axis=1)
+
+
+def _conv(qkv, window_BWC, conv_w_3CK, mask_BT, policy: ExecutionPolicy):
+    """(q, k, v [B, T, C] after the short convs + SiLU, the new window [B, K-1, 3C]) over a chunk: the parts read
+    where they lie (`pallas_kernels.kda.ops.short_conv_silu`, on a GPU one kernel), each device its own heads."""
+    batch, length, width = qkv[0].shape
+    taps = conv_w_3CK.shape[-1]
+    real_BT = jnp.ones((batch, length), bool) if mask_BT is None else mask_BT
+
+    def conv(q, k, v, window_BW3C, weight_3CK, real_BT):  # one device's heads
+        ys, window = short_conv_silu(
+            [q, k, v],
+            window_BW3C.reshape(*window_BW3C.shape[:2], -1),
+            weight_3CK.reshape(-1, taps),
+            real_BT,
+            backend=op_backend(policy),
+        )
+        return (*ys, window.reshape(window_BW3C.shape))
+
+    *convolved, window = per_shard(
+        conv,
+        in_axes=(_BTC,) * 3 + (_WINDOW_PARTS, _CONV_WEIGHTS, _BTH[:2]),
+        out_axes=(_BTC,) * 3 + (_WINDOW_PARTS,),
+    )(*qkv, window_BWC.reshape(batch, taps - 1, 3, width), conv_w_3CK, real_BT)
+    return convolved, window.reshape(window_BWC.shape)
+
+
+def _joined_conv(qkv, window_BWC, conv_w_3CK, mask_BT):
+    """`_conv`'s outputs for a few tokens (a decode step, a verify pass): over one joined copy [B, K-1+T, 3C] of
+    the window and q, k, v, the pads stably sorted to its front, then shifted slices. The copy (a gather when pads
+    are possible) is what lets XLA update a donated window in place: a fusion reading the window shifted while
+    writing it would need a copy of it first."""
+    joined_BTC = jnp.concatenate(qkv, axis=-1)
+    weight_CK = conv_w_3CK.reshape(-1, conv_w_3CK.shape[-1])
+    taps, length = weight_CK.shape[-1], joined_BTC.shape[1]
+    full_BFC = jnp.concatenate([window_BWC.astype(joined_BTC.dtype), joined_BTC], axis=1)
+    if mask_BT is not None:  # [pads (zeroed), window, real tokens]: each real token sees real history
+        full_BFC = jnp.where(jnp.pad(mask_BT, ((0, 0), (taps - 1, 0)), constant_values=True)[..., None], full_BFC, 0)
+        real_BF = jnp.concatenate([jnp.ones(window_BWC.shape[:2], bool), mask_BT.astype(bool)], axis=1)
+        order_BF = jnp.argsort(real_BF, axis=1, stable=True)
+        full_BFC = jnp.take_along_axis(full_BFC, order_BF[..., None], axis=1)
+    padded_BFC = jnp.pad(full_BFC.astype(jnp.float32), ((0, 0), (taps - 1, 0), (0, 0)))
+    width = full_BFC.shape[1]
+    y = sum(padded_BFC[:, tap : tap + width] * weight_CK[:, tap].astype(jnp.float32) for tap in range(taps))
+    y = jax.nn.silu(y).astype(joined_BTC.dtype)
+    if mask_BT is not None:  # back to the tokens' order; the pads' outputs (over pads and zeros) are 0
+        y = jnp.take_along_axis(y, jnp.argsort(order_BF, axis=1)[..., None], axis=1)
+    return jnp.split(y[:, -length:], 3, axis=-1), full_BFC[:, width - (taps - 1) :]
 
 
 def _projections(weights: Weights, x_BTD, config: LingConfig, policy: ExecutionPolicy, *, beta: bool = True):
@@ -168,25 +217,10 @@ def _kda(
     heads, head_dim, width = c.num_attention_heads, c.head_dim, c.kda_dim
     *qkv, b, f, r = _projections(weights, x_BTD, c, policy)
     conv_w = jnp.stack([weights["q_conv1d"], weights["k_conv1d"], weights["v_conv1d"]])
-    taps = c.short_conv_kernel_size
-    real_BT = jnp.ones((batch, length), bool) if mask_BT is None else mask_BT
-
-    def conv(q, k, v, window_BW3C, weight_3CK, real_BT):  # one device's heads
-        ys, window = short_conv_silu(
-            [q, k, v],
-            window_BW3C.reshape(*window_BW3C.shape[:2], -1),
-            weight_3CK.reshape(-1, taps),
-            real_BT,
-            backend=op_backend(policy),
-        )
-        return (*ys, window.reshape(window_BW3C.shape))
-
-    *convolved, window = per_shard(
-        conv,
-        in_axes=(_BTC,) * 3 + (_WINDOW_PARTS, _CONV_WEIGHTS, _BTH[:2]),
-        out_axes=(_BTC,) * 3 + (_WINDOW_PARTS,),
-    )(*qkv, state.conv_window.reshape(batch, taps - 1, 3, width), conv_w, real_BT)
-    window = window.reshape(state.conv_window.shape)
+    if mode == STEPS or length <= JOINED_CONV_TOKENS:
+        convolved, window = _joined_conv(qkv, state.conv_window, conv_w, mask_BT)
+    else:
+        convolved, window = _conv(qkv, state.conv_window, conv_w, mask_BT, policy)
     q, k, v = (t.reshape(batch, length, heads, head_dim) for t in convolved)
     g = log_decay(weights, f, c)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))

@@ -95,3 +95,23 @@ def test_identity_tokens_leave_the_state_alone():
     keep = np.r_[0:3, 6:9]
     _, s_skip = kda_chunked(*(x[:, keep] for x in args), initial_state=jnp.asarray(state, jnp.float32))
     assert rel_error(s_full, s_skip) <= 1e-6
+
+
+def test_few_tokens_conv_matches_the_chunk_form():
+    """A decode step's or verify pass's short convs (over one joined copy, `kda._joined_conv`) equal the chunk form's
+    (`kda._conv`: each part read where it lies), pads anywhere, a row of pads, the new window too."""
+    from ling_jax import kda as layer
+    from ling_jax.policy import ExecutionPolicy
+
+    r = np.random.default_rng(7)
+    batch, length, width, taps = 4, 5, 6, 4
+    qkv = [jnp.asarray(r.normal(size=(batch, length, width)), jnp.float32) for _ in range(3)]
+    window = jnp.asarray(r.normal(size=(batch, taps - 1, 3 * width)), jnp.float32)
+    weight = jnp.asarray(r.normal(size=(3, width, taps)), jnp.float32)
+    mask = jnp.asarray(r.uniform(size=(batch, length)) < 0.6).at[0].set(True).at[1].set(False)
+    policy = ExecutionPolicy(kernel_backend="reference")
+    for m in (mask, None):
+        joined, joined_window = layer._joined_conv(qkv, window, weight, m)
+        chunked, chunked_window = layer._conv(qkv, window, weight, m, policy)
+        for a, b in zip([*joined, joined_window], [*chunked, chunked_window], strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
