@@ -9,12 +9,12 @@ The arithmetic of `moe.w8a8_reference` (x and h quantised per token in 1 x 128 g
   past the last expert's tile, tile_start[t] the expert-order row of its first row), but x is not copied into that
   layout: a tile's TMA reads the 128 rows from tile_start[t] of the sorted x_q, the rows past its expert's (the next
   expert's, or zeros past the end) computed and never read back;
-- one CTA per SM loops over the (tile, column tile) items (`plgpu.nd_loop`, the column tile fastest: the items in
-  flight share a tile's x and an expert's weights in L2); per item a warp-specialised pipeline: one warpgroup
-  issues the TMA copies of the x tile, the weight tiles [block_n, 128] and the tile's activation scales of each K
-  block, two compute warpgroups take 64 rows each: per K block a wgmma in a fresh accumulator, waited for, scaled
-  by the rows' activation scales and the weight block's scale and added to the fp32 accumulators in registers (one
-  warpgroup's promotion overlaps the other's wgmma);
+- `fp8.gpu_mosaic_grouped.grouped_call`: one CTA per SM loops over the (tile, column tile) items (`plgpu.nd_loop`, the
+  column tile fastest: the items in flight share a tile's x and an expert's weights in L2); per item a warp-
+  specialised pipeline: one warpgroup issues the TMA copies of the x tile, the weight tiles [block_n, 128] and the
+  tile's activation scales of each K block, two compute warpgroups take 64 rows each: per K block a wgmma in a fresh
+  accumulator, waited for, scaled by the rows' activation scales and the weight block's scale and added to the fp32
+  accumulators in registers (one warpgroup's promotion overlaps the other's wgmma);
 - gate/up kernel: two weights (gate and up, two accumulators), then SwiGLU in fp32 and h quantised in registers
   (the column tile is one 1 x 128 group of h), storing h_q [P, I] e4m3 in the padded layout and its scales
   transposed [I / 128, P];
