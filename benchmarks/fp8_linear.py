@@ -24,7 +24,8 @@ matmul peaks of the device measured in the same run (`bench_fp8_peak`'s rows at 
 "gpu_triton" (Pallas's FP8 dot, which Triton splits into one CUDA-core add per wgmma), "gpu_triton_tc_acc"
 (each 128-input K block accumulated in the tensor cores, `pallas_kernels/fp8/gpu_triton/fp8_dot.py`) and
 "gpu_mosaic" (Mosaic GPU: TMA pipeline, e4m3 wgmma; N and K multiples of 128 only, "n/a" elsewhere) and
-"gpu_mosaic_ws" (the same products persistent and warp-specialised, 128-row tiles: the default from K = 1024).
+"gpu_mosaic_ws" (the same products persistent and warp-specialised, 128-row tiles: the default from 2048 rows and
+K = 1024).
 """
 
 from __future__ import annotations
