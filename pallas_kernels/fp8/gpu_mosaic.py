@@ -111,7 +111,18 @@ def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: in
     y_gmem[pl.ds(m * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)] = acc_MN.astype(y_gmem.dtype)
 
 
-def _fits(values_NK, block: tuple[int, int], block_n: int) -> bool:
+def quantized_rows(x_MK, tile_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(x_q [P, K] e4m3, its row scales transposed [K / 128, P]): x quantised per token in 1 x 128 groups, its rows
+    padded with zeros to P, a multiple of tile_rows (the kernels' TMA reads whole row tiles)."""
+    x_q_MK, row_scales_MG = quantize_activations(x_MK, BLOCK_K)
+    padded_rows = -x_MK.shape[0] % tile_rows
+    return (
+        jnp.pad(x_q_MK, ((0, padded_rows), (0, 0))),
+        jnp.pad(row_scales_MG, ((0, padded_rows), (0, 0))).T,
+    )
+
+
+def fits(values_NK, block: tuple[int, int], block_n: int) -> bool:
     """128 x 128 blocks, N a multiple of block_n (which divides 128), K of 128."""
     n_dim, k_dim = values_NK.shape
     return tuple(block) == (BLOCK_K, BLOCK_K) and not n_dim % block_n and not k_dim % BLOCK_K and not BLOCK_K % block_n
@@ -121,12 +132,12 @@ def takes(x, weight) -> bool:
     """Whether the kernel, at its tuned block_n, runs x @ W^T (the "gpu_mosaic" record's `takes`): a 2-D weight
     of 128 x 128 blocks, N a multiple of block_n, K of 128."""
     block_n = lookup(tuned.W8A8_MOSAIC, dtype=x.dtype).block_n
-    return weight.values.ndim == 2 and _fits(weight.values, weight.block, block_n)
+    return weight.values.ndim == 2 and fits(weight.values, weight.block, block_n)
 
 
 def _check(values_NK, block: tuple[int, int], block_n: int) -> None:
     n_dim, k_dim = values_NK.shape
-    if not _fits(values_NK, block, block_n):
+    if not fits(values_NK, block, block_n):
         raise ValueError(
             f"w8a8_linear_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({block_n}, which divides 128) "
             f"and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"
@@ -148,11 +159,8 @@ def w8a8_linear_mgpu(
     tiles = tiles or lookup(tuned.W8A8_MOSAIC, dtype=x_MK.dtype)
     block_n = tiles.block_n
     _check(values_NK, block, block_n)
-    num_rows = x_MK.shape[0]
-    x_q_MK, row_scales_MG = quantize_activations(x_MK, BLOCK_K)
-    padded_rows = -num_rows % BLOCK_M
-    x_q_MK = jnp.pad(x_q_MK, ((0, padded_rows), (0, 0)))
-    row_scales_GM = jnp.pad(row_scales_MG, ((0, padded_rows), (0, 0))).T
+    x_q_PK, row_scales_GP = quantized_rows(x_MK, BLOCK_M)
+    padded_rows = x_q_PK.shape[0]
     cast = layout_cast(interpret)
 
     def w8a8_linear_mgpu_kernel(*refs):  # the name a profile shows
@@ -160,10 +168,10 @@ def w8a8_linear_mgpu(
 
     y_MN = plgpu.kernel(
         w8a8_linear_mgpu_kernel,
-        out_type=jax.ShapeDtypeStruct((num_rows + padded_rows, values_NK.shape[0]), x_MK.dtype),
-        grid=((num_rows + padded_rows) // BLOCK_M, values_NK.shape[0] // block_n),
+        out_type=jax.ShapeDtypeStruct((padded_rows, values_NK.shape[0]), x_MK.dtype),
+        grid=(padded_rows // BLOCK_M, values_NK.shape[0] // block_n),
         grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mosaic_gpu_interpret(interpret),
-    )(x_q_MK, values_NK, row_scales_GM, scales.astype(jnp.float32))
-    return y_MN[:num_rows]
+    )(x_q_PK, values_NK, row_scales_GP, scales.astype(jnp.float32))
+    return y_MN[: x_MK.shape[0]]

@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8 import tuned
-from pallas_kernels.fp8.gpu_mosaic import BLOCK_K
+from pallas_kernels.fp8.gpu_mosaic import fits, quantized_rows
 from pallas_kernels.fp8.gpu_mosaic_grouped import BLOCK_M, grouped_call, store_rows
-from pallas_kernels.fp8.reference import quantize_activations
 from pallas_kernels.fp8.tuned import WarpSpecialisedTiles
 from pallas_kernels.tuning import lookup
 
@@ -36,15 +35,10 @@ class _OneExpert(NamedTuple):
     scales: jax.Array  # [1, N / 128, K / 128]
 
 
-def _fits(values_NK, block: tuple[int, int], block_n: int) -> bool:
-    n_dim, k_dim = values_NK.shape
-    return tuple(block) == (BLOCK_K, BLOCK_K) and not n_dim % block_n and not k_dim % BLOCK_K and not BLOCK_K % block_n
-
-
 def takes(x, weight) -> bool:
     """A 2-D weight of 128 x 128 blocks, N a multiple of the tuned block_n and K of 128."""
     block_n = lookup(tuned.W8A8_MOSAIC_WS, dtype=x.dtype).block_n
-    return weight.values.ndim == 2 and _fits(weight.values, weight.block, block_n)
+    return weight.values.ndim == 2 and fits(weight.values, weight.block, block_n)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
@@ -63,26 +57,24 @@ def w8a8_linear_ws_mgpu(
     if interpret:
         raise ValueError("w8a8_linear_ws_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
     n_dim, k_dim = values_NK.shape
-    if not _fits(values_NK, block, tiles.block_n):
+    if not fits(values_NK, block, tiles.block_n):
         raise ValueError(
             f"w8a8_linear_ws_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({tiles.block_n}, which "
             f"divides 128) and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"
         )
-    num_rows = x_MK.shape[0]
-    num_tiles = -(-num_rows // BLOCK_M)
-    padded_rows = num_tiles * BLOCK_M
-    x_q_MK, row_scales_MG = quantize_activations(x_MK, BLOCK_K)
+    x_q_PK, row_scales_GP = quantized_rows(x_MK, BLOCK_M)
+    num_tiles = x_q_PK.shape[0] // BLOCK_M
     y_PN = grouped_call(
         jnp.zeros(num_tiles, jnp.int32),
         jnp.arange(num_tiles, dtype=jnp.int32) * BLOCK_M,
-        jnp.pad(x_q_MK, ((0, padded_rows - num_rows), (0, 0))),
-        jnp.pad(row_scales_MG, ((0, padded_rows - num_rows), (0, 0))).T,
+        x_q_PK,
+        row_scales_GP,
         (_OneExpert(values_NK[None], scales[None]),),
-        out_type=jax.ShapeDtypeStruct((padded_rows, n_dim), x_MK.dtype),
+        out_type=jax.ShapeDtypeStruct((x_q_PK.shape[0], n_dim), x_MK.dtype),
         block_n=tiles.block_n,
         columns=math.gcd(tiles.columns, n_dim // tiles.block_n),
         stages=tiles.stages,
         store=store_rows,
         name="w8a8_linear_ws_mgpu",
     )
-    return y_PN[:num_rows]
+    return y_PN[: x_MK.shape[0]]
