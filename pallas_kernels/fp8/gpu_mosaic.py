@@ -38,6 +38,22 @@ def fp8_transforms():
     return (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(BLOCK_K))
 
 
+def out_transforms(dtype, block_n: int):
+    """Tiling and swizzle of a [rows, block_n] output tile of dtype in shared memory (the TMA store's source)."""
+    swizzle = plgpu.find_swizzle(block_n * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def tma_store(acc_MN, out_smem, y_gmem_tile) -> None:
+    """acc_MN cast to out_smem's dtype, written to shared memory and copied to y_gmem_tile by TMA (whole rows
+    written by the copy engine, where a store from registers in the WGMMA layout writes 4 bytes a thread). Waits
+    first until out_smem's previous copy has read it; the caller waits for the last copy before the kernel exits."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[...] = acc_MN.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, y_gmem_tile)
+
+
 def _keep_layout(x, layout):
     """Interpret mode's stand-in for plgpu.layout_cast (register layouts do not exist there)."""
     del layout
@@ -96,8 +112,9 @@ def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, sta
     )(x_gmem, *(w_gmem for w_gmem, _ in weights), row_scales_gmem)
 
 
-def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: int, stages: int, cast):
-    """The CTA of output tile (m, n): y[64 rows, block_n columns]. row_scales [K blocks, M]."""
+def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: int, stages: int, tma: bool, cast):
+    """The CTA of output tile (m, n): y[64 rows, block_n columns]. row_scales [K blocks, M]. tma: y written through
+    shared memory by TMA (the pipeline's buffers are free by then), else from registers."""
     m, n = lax.axis_index("m"), lax.axis_index("n")
     scale_row = n * block_n // BLOCK_K
     (acc_MN,) = block_scaled_products(
@@ -108,7 +125,16 @@ def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: in
         stages=stages,
         cast=cast,
     )
-    y_gmem[pl.ds(m * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)] = acc_MN.astype(y_gmem.dtype)
+    y_tile = y_gmem.at[pl.ds(m * BLOCK_M, BLOCK_M), pl.ds(n * block_n, block_n)]
+    if not tma:
+        y_tile[...] = acc_MN.astype(y_gmem.dtype)
+        return
+
+    def store(out_smem):
+        tma_store(acc_MN, out_smem, y_tile)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(store, plgpu.SMEM((BLOCK_M, block_n), y_gmem.dtype, transforms=out_transforms(y_gmem.dtype, block_n)))
 
 
 def quantized_rows(x_MK, tile_rows: int) -> tuple[jax.Array, jax.Array]:
@@ -164,7 +190,7 @@ def w8a8_linear_mgpu(
     cast = layout_cast(interpret)
 
     def w8a8_linear_mgpu_kernel(*refs):  # the name a profile shows
-        _kernel(*refs, block_n=block_n, stages=tiles.stages, cast=cast)
+        _kernel(*refs, block_n=block_n, stages=tiles.stages, tma=tiles.tma_store, cast=cast)
 
     y_MN = plgpu.kernel(
         w8a8_linear_mgpu_kernel,

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms, promoted_product
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms, out_transforms, promoted_product, tma_store
 
 BLOCK_M = 128  # a tile's rows: 64 for each of the two compute warpgroups
 WG_ROWS = 64  # one warpgroup's wgmma rows
@@ -31,16 +31,32 @@ HOPPER_SMS = 132  # the persistent grid when lowering without a GPU
 ALIGN = 8  # an expert's first row in the aligned x: a TMA of (8, 128)-tiled shared memory starts on a tile row
 
 
-def store_rows(accs, rows, cols, y_gmem):
+def store_rows(accs, rows, cols, out_smem, y_gmem):
+    """The accumulator cast to y's dtype: through the warpgroup's shared-memory buffer by TMA where there is one,
+    else from registers."""
     (acc_MN,) = accs
-    y_gmem[rows, cols] = acc_MN.astype(y_gmem.dtype)
+    if out_smem is None:
+        y_gmem[rows, cols] = acc_MN.astype(y_gmem.dtype)
+    else:
+        tma_store(acc_MN, out_smem, y_gmem.at[rows, cols])
 
 
 def _grouped_kernel(
-    tile_group_gmem, tile_start_gmem, x_gmem, row_scales_gmem, *refs, num_weights, block_n, columns, stages, store
+    tile_group_gmem,
+    tile_start_gmem,
+    x_gmem,
+    row_scales_gmem,
+    *refs,
+    num_weights,
+    block_n,
+    columns,
+    stages,
+    store,
+    tma_dtype,
 ):
     """One CTA per SM over the (tile t, column group c) items, a column group `columns` column tiles of block_n:
-    store(accumulators, the warpgroup's 64 rows of tile t in the padded layout, column tile, *outputs) for each
+    store(accumulators, the warpgroup's 64 rows of tile t in the padded layout, column tile, the warpgroup's
+    [64, block_n] shared-memory buffer of tma_dtype (None where tma_dtype is None), *outputs) for each
     column tile of the group in turn, one accumulator per (values [G, N, K], scales [G, N / 128, K / 128]) pair of
     the first 2 num_weights refs (the outputs follow), for tile t's expert, from x's 128 rows starting at
     tile_start[t]; tiles past the last expert's are skipped. One pipeline an item walks its column tiles' K blocks
@@ -83,9 +99,12 @@ def _grouped_kernel(
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
+        out_smem=None
+        if tma_dtype is None
+        else plgpu.SMEM((2, WG_ROWS, block_n), tma_dtype, transforms=out_transforms(tma_dtype, block_n)),
         collective_axes="wg",
     )
-    def _scope(allocations):
+    def _scope(allocations, out_smem):
         @plgpu.nd_loop((num_tiles * num_items_n,), collective_axes="sm")
         def _item(info):
             (item,) = info.index
@@ -107,7 +126,13 @@ def _grouped_kernel(
 
                 @pl.when(last)
                 def _():
-                    store(accs, pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS), pl.ds(col0, block_n), *out_refs)
+                    store(
+                        accs,
+                        pl.ds(t * BLOCK_M + wg * WG_ROWS, WG_ROWS),
+                        pl.ds(col0, block_n),
+                        None if out_smem is None else out_smem.at[wg],
+                        *out_refs,
+                    )
 
                 keep = jnp.where(last, 0.0, 1.0)  # the next column tile starts from zeros (the sums are finite)
                 return tuple(acc_MN * keep for acc_MN in accs)
@@ -121,6 +146,9 @@ def _grouped_kernel(
                 tile_start = pl.multiple_of(tile_start_gmem[t], ALIGN)
                 pipeline(step, context)(*operands(tile_start, group, c), allocations=allocations)
 
+        if out_smem is not None:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last TMA stores have read their buffers
+
 
 def _num_sms() -> int:
     device = jax.devices()[0]
@@ -128,14 +156,35 @@ def _num_sms() -> int:
 
 
 def grouped_call(
-    tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, columns, stages, store, name
+    tile_group_T,
+    tile_start_T,
+    x_q_SK,
+    row_scales_GS,
+    weights,
+    *,
+    out_type,
+    block_n,
+    columns,
+    stages,
+    store,
+    name,
+    tma_dtype=None,
 ):
     """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs;
-    name the kernel's (what a profile shows). x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them)
-    reach BLOCK_M past every tile_start."""
+    name the kernel's (what a profile shows); tma_dtype that of the warpgroups' output buffers for TMA stores (None:
+    none). x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them) reach BLOCK_M past every
+    tile_start."""
 
     def kernel(*refs):
-        _grouped_kernel(*refs, num_weights=len(weights), block_n=block_n, columns=columns, stages=stages, store=store)
+        _grouped_kernel(
+            *refs,
+            num_weights=len(weights),
+            block_n=block_n,
+            columns=columns,
+            stages=stages,
+            store=store,
+            tma_dtype=tma_dtype,
+        )
 
     kernel.__name__ = kernel.__qualname__ = name
     operands = [array for w in weights for array in (w.values, w.scales.astype(jnp.float32))]

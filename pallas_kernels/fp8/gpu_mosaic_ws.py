@@ -76,5 +76,6 @@ def w8a8_linear_ws_mgpu(
         stages=tiles.stages,
         store=store_rows,
         name="w8a8_linear_ws_mgpu",
+        tma_dtype=x_MK.dtype if tiles.tma_store else None,
     )
     return y_PN[: x_MK.shape[0]]

@@ -226,10 +226,12 @@ W8A8_TC_ACC = _gpu(
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
     """gpu_mosaic W8A8: block_n outputs a CTA (64 rows, one warpgroup; block_n divides the weight's 128-row block),
-    stages shared-memory buffers of the TMA pipeline over K."""
+    stages shared-memory buffers of the TMA pipeline over K; tma_store: the output tile written through shared
+    memory by TMA, else from registers."""
 
     block_n: int
     stages: int
+    tma_store: bool = False
 
 
 # 64 x 128 fp32 accumulator and K block partial product: 64 registers a thread each; a stage holds 8 + 16 KB of
@@ -247,11 +249,13 @@ W8A8_MOSAIC = _gpu(
 class WarpSpecialisedTiles:
     """gpu_mosaic_ws W8A8: block_n outputs a column tile (dividing the weight's 128-row block), stages TMA buffers,
     columns column tiles an item (one pipeline walks their K blocks in turn; cut to a divisor of the weight's column
-    tiles). A tile is 128 rows (two compute warpgroups of 64)."""
+    tiles). A tile is 128 rows (two compute warpgroups of 64). tma_store: each output tile written through shared
+    memory by TMA (a buffer a compute warpgroup), else from registers."""
 
     block_n: int = 128
     stages: int = 4
     columns: int = 1
+    tma_store: bool = False
 
 
 W8A8_MOSAIC_WS = _gpu(

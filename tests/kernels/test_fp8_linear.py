@@ -482,7 +482,12 @@ def test_mosaic_w8a8_kernel_lowers_for_cuda_and_refuses_other_shapes():
 @pytest.mark.parametrize("rows", [13, 300])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_compiled_mosaic_w8a8_kernel_matches_float64(rows, dtype):
+    """The default tiles and the output written by TMA through shared memory (64-column tiles)."""
     weight, x, expected = mosaic_case(rows, dtype, seed=rows)
     y = fp8_linear(x, weight, backend="pallas_gpu", mode=W8A8, variant=MOSAIC)
     assert y.dtype == dtype and bool(jnp.all(jnp.isfinite(y)))
     assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3)
+    mosaic = kernel("w8a8_linear", MOSAIC)
+    for tiles in (MosaicTiles(128, 4, tma_store=True), MosaicTiles(64, 3, tma_store=True)):
+        y = mosaic(x, weight.values, weight.scales, block=weight.block, tiles=tiles)
+        assert y.dtype == dtype and rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3), tiles
