@@ -102,11 +102,12 @@ def _swiglu(gate_MN, up_MN, limit: float | None):
 
 
 def _store_h_quantized(accs, rows, cols, out_smem, h_q_gmem, h_scale_gmem, *, limit):
-    """h quantised in registers: the column tile is one 1 x 128 group (`fp8.reference.quantize_groups`), its scales
-    stored transposed ([I / 128, P]: a warpgroup's are 64 of one row), as the down kernel reads them (from
-    registers: out_smem is None)."""
+    """h quantised in registers: the column tile (128 wide, one sub-tile a weight) is one 1 x 128 group
+    (`fp8.reference.quantize_groups`), its scales stored transposed ([I / 128, P]: a warpgroup's are 64 of one row),
+    as the down kernel reads them (from registers: out_smem is None)."""
     del out_smem
-    h_MN = _swiglu(*accs, limit)
+    ((gate_MN,), (up_MN,)) = accs
+    h_MN = _swiglu(gate_MN, up_MN, limit)
     scale_M = jnp.maximum(jnp.max(jnp.abs(h_MN), axis=1), EPS) / E4M3_MAX
     h_q_gmem[rows, cols] = jnp.clip(h_MN / lax.broadcast_in_dim(scale_M, h_MN.shape, [0]), -E4M3_MAX, E4M3_MAX).astype(
         h_q_gmem.dtype

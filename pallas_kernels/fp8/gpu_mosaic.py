@@ -44,14 +44,17 @@ def out_transforms(dtype, block_n: int):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def tma_store(acc_MN, out_smem, y_gmem_tile) -> None:
-    """acc_MN cast to out_smem's dtype, written to shared memory and copied to y_gmem_tile by TMA (whole rows
-    written by the copy engine, where a store from registers in the WGMMA layout writes 4 bytes a thread). Waits
-    first until out_smem's previous copy has read it; the caller waits for the last copy before the kernel exits."""
+def tma_store(accs, out_smems, y_tiles) -> None:
+    """Each acc_MN of accs cast to its out_smem's dtype, written to that shared-memory buffer and copied to its
+    y_tile by TMA (whole rows written by the copy engine, where a store from registers in the WGMMA layout writes 4
+    bytes a thread). Waits first until the buffers' previous copies have read them; the caller waits for the last
+    copies before the kernel exits."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    out_smem[...] = acc_MN.astype(out_smem.dtype)
+    for acc_MN, out_smem in zip(accs, out_smems, strict=True):
+        out_smem[...] = acc_MN.astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, y_gmem_tile)
+    for out_smem, y_tile in zip(out_smems, y_tiles, strict=True):
+        plgpu.copy_smem_to_gmem(out_smem, y_tile)
 
 
 def _keep_layout(x, layout):
@@ -131,7 +134,7 @@ def _kernel(x_gmem, w_gmem, row_scales_gmem, scales_gmem, y_gmem, *, block_n: in
         return
 
     def store(out_smem):
-        tma_store(acc_MN, out_smem, y_tile)
+        tma_store((acc_MN,), (out_smem,), (y_tile,))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.run_scoped(store, plgpu.SMEM((BLOCK_M, block_n), y_gmem.dtype, transforms=out_transforms(y_gmem.dtype, block_n)))
@@ -149,9 +152,14 @@ def quantized_rows(x_MK, tile_rows: int) -> tuple[jax.Array, jax.Array]:
 
 
 def fits(values_NK, block: tuple[int, int], block_n: int) -> bool:
-    """128 x 128 blocks, N a multiple of block_n (which divides 128), K of 128."""
+    """128 x 128 blocks, N a multiple of block_n (which divides 128 or is a multiple of it), K of 128."""
     n_dim, k_dim = values_NK.shape
-    return tuple(block) == (BLOCK_K, BLOCK_K) and not n_dim % block_n and not k_dim % BLOCK_K and not BLOCK_K % block_n
+    return (
+        tuple(block) == (BLOCK_K, BLOCK_K)
+        and not n_dim % block_n
+        and not k_dim % BLOCK_K
+        and not (BLOCK_K % block_n and block_n % BLOCK_K)
+    )
 
 
 def takes(x, weight) -> bool:
@@ -163,7 +171,7 @@ def takes(x, weight) -> bool:
 
 def _check(values_NK, block: tuple[int, int], block_n: int) -> None:
     n_dim, k_dim = values_NK.shape
-    if not fits(values_NK, block, block_n):
+    if not fits(values_NK, block, block_n) or block_n > BLOCK_K:
         raise ValueError(
             f"w8a8_linear_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({block_n}, which divides 128) "
             f"and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"

@@ -32,13 +32,17 @@ ALIGN = 8  # an expert's first row in the aligned x: a TMA of (8, 128)-tiled sha
 
 
 def store_rows(accs, rows, cols, out_smem, y_gmem):
-    """The accumulator cast to y's dtype: through the warpgroup's shared-memory buffer by TMA where there is one,
-    else from registers."""
-    (acc_MN,) = accs
+    """The accumulator's sub-tiles cast to y's dtype: through the warpgroup's shared-memory buffers by TMA where there
+    are some, else from registers."""
+    (subtiles,) = accs
+    width = cols.size // len(subtiles)
+    y_cols = [pl.ds(cols.start + i * width, width) for i in range(len(subtiles))]
     if out_smem is None:
-        y_gmem[rows, cols] = acc_MN.astype(y_gmem.dtype)
+        for acc_MN, sub_cols in zip(subtiles, y_cols):
+            y_gmem[rows, sub_cols] = acc_MN.astype(y_gmem.dtype)
     else:
-        tma_store(acc_MN, out_smem, y_gmem.at[rows, cols])
+        out_smems = [out_smem.at[i] for i in range(len(subtiles))]
+        tma_store(subtiles, out_smems, [y_gmem.at[rows, sub_cols] for sub_cols in y_cols])
 
 
 def _grouped_kernel(
@@ -56,15 +60,19 @@ def _grouped_kernel(
 ):
     """One CTA per SM over the (tile t, column group c) items, a column group `columns` column tiles of block_n:
     store(accumulators, the warpgroup's 64 rows of tile t in the padded layout, column tile, the warpgroup's
-    [64, block_n] shared-memory buffer of tma_dtype (None where tma_dtype is None), *outputs) for each
-    column tile of the group in turn, one accumulator per (values [G, N, K], scales [G, N / 128, K / 128]) pair of
-    the first 2 num_weights refs (the outputs follow), for tile t's expert, from x's 128 rows starting at
-    tile_start[t]; tiles past the last expert's are skipped. One pipeline an item walks its column tiles' K blocks
-    (a longer pipeline than one column tile's: one fill an item)."""
+    shared-memory buffers [block_n / sub_n, 64, sub_n] of tma_dtype (None where tma_dtype is None), *outputs) for
+    each column tile of the group in turn, the accumulators a tuple per (values [G, N, K], scales [G, N / 128,
+    K / 128]) pair of the first 2 num_weights refs (the outputs follow) of its [64, sub_n] sub-tiles (sub_n =
+    min(block_n, 128): a column tile wider than a weight block is one TMA tile, its 128-column halves products of
+    their own, each with its block's scale), for tile t's expert, from x's 128 rows starting at tile_start[t]; tiles
+    past the last expert's are skipped. One pipeline an item walks its column tiles' K blocks (a longer pipeline
+    than one column tile's: one fill an item)."""
     weight_refs, out_refs = refs[: 2 * num_weights], refs[2 * num_weights :]
     values_refs, scales_refs = weight_refs[0::2], weight_refs[1::2]
     num_groups, n_dim, k_dim = values_refs[0].shape
     k_steps, item_n = k_dim // BLOCK_K, columns * block_n
+    sub_n = min(block_n, BLOCK_K)
+    subtiles = block_n // sub_n
     num_tiles, num_items_n = tile_group_gmem.shape[0], n_dim // item_n
     wg = lax.axis_index("wg")
     half = pl.ds(wg * WG_ROWS, WG_ROWS)
@@ -101,7 +109,7 @@ def _grouped_kernel(
         allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
         out_smem=None
         if tma_dtype is None
-        else plgpu.SMEM((2, WG_ROWS, block_n), tma_dtype, transforms=out_transforms(tma_dtype, block_n)),
+        else plgpu.SMEM((2, subtiles, WG_ROWS, sub_n), tma_dtype, transforms=out_transforms(tma_dtype, sub_n)),
         collective_axes="wg",
     )
     def _scope(allocations, out_smem):
@@ -117,10 +125,17 @@ def _grouped_kernel(
                 row_scale_M = plgpu.layout_cast(row_scales_smem[0, half], plgpu.Layout.WGMMA.reduce(1))
                 col0 = c * item_n + j * block_n
                 accs = tuple(
-                    promoted_product(
-                        acc_MN, x_smem.at[half], w_smem, row_scale_M, scales[group, col0 // BLOCK_K, k_block]
+                    tuple(
+                        promoted_product(
+                            acc_MN,
+                            x_smem.at[half],
+                            w_smem.at[pl.ds(i * sub_n, sub_n)],
+                            row_scale_M,
+                            scales[group, (col0 + i * sub_n) // BLOCK_K, k_block],
+                        )
+                        for i, acc_MN in enumerate(weight_accs)
                     )
-                    for w_smem, scales, acc_MN in zip(w_smems, scales_refs, accs)
+                    for w_smem, scales, weight_accs in zip(w_smems, scales_refs, accs)
                 )
                 last = k_block == k_steps - 1
 
@@ -135,11 +150,11 @@ def _grouped_kernel(
                     )
 
                 keep = jnp.where(last, 0.0, 1.0)  # the next column tile starts from zeros (the sums are finite)
-                return tuple(acc_MN * keep for acc_MN in accs)
+                return tuple(tuple(acc_MN * keep for acc_MN in weight_accs) for weight_accs in accs)
 
             def context(run):
-                zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
-                run(tuple(zeros for _ in values_refs))
+                zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, sub_n), jnp.float32), plgpu.Layout.WGMMA)
+                run(tuple(tuple(zeros for _ in range(subtiles)) for _ in values_refs))
 
             @pl.when(group < num_groups)
             def _():

@@ -60,7 +60,8 @@ def w8a8_linear_ws_mgpu(
     if not fits(values_NK, block, tiles.block_n):
         raise ValueError(
             f"w8a8_linear_ws_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({tiles.block_n}, which "
-            f"divides 128) and K a multiple of 128; got block {tuple(block)} and a weight of {n_dim} x {k_dim}"
+            f"divides 128 or is a multiple of it) and K a multiple of 128; got block {tuple(block)} and a weight of "
+            f"{n_dim} x {k_dim}"
         )
     x_q_PK, row_scales_GP = quantized_rows(x_MK, BLOCK_M)
     num_tiles = x_q_PK.shape[0] // BLOCK_M

@@ -247,7 +247,9 @@ W8A8_MOSAIC = _gpu(
 
 @dataclasses.dataclass(frozen=True)
 class WarpSpecialisedTiles:
-    """gpu_mosaic_ws W8A8: block_n outputs a column tile (dividing the weight's 128-row block), stages TMA buffers,
+    """gpu_mosaic_ws W8A8: block_n outputs a column tile (dividing the weight's 128-row block, or a multiple of it:
+    one TMA tile whose 128-column halves are products of their own, each with its weight block's scale: fewer
+    bytes from L2 a product), stages TMA buffers,
     columns column tiles an item (one pipeline walks their K blocks in turn; cut to a divisor of the weight's column
     tiles). A tile is 128 rows (two compute warpgroups of 64). tma_store: each output tile written through shared
     memory by TMA (a buffer a compute warpgroup), else from registers."""

@@ -448,8 +448,8 @@ needs_mgpu_interpreter = pytest.mark.skipif(
 MOSAIC_WEIGHT = (256, 384)  # N, K: multiples of the kernel's 128
 
 
-def mosaic_case(rows: int, dtype, seed: int):
-    weight, x = random_weight(*MOSAIC_WEIGHT, seed=seed), random_x((rows, MOSAIC_WEIGHT[1]), dtype, seed=seed + 1)
+def mosaic_case(rows: int, dtype, seed: int, shape: tuple[int, int] = MOSAIC_WEIGHT):
+    weight, x = random_weight(*shape, seed=seed), random_x((rows, shape[1]), dtype, seed=seed + 1)
     return weight, x, float64_quantized_x(f64(x), 128) @ float64_weight(weight).T
 
 

@@ -44,17 +44,21 @@ def test_warp_specialised_w8a8_wraps_the_grouped_kernel_as_one_expert(monkeypatc
 @gpu_test("the compiled warp-specialised Mosaic GPU W8A8 kernel")
 @pytest.mark.parametrize("dtype, rows", [(jnp.float32, 131), (jnp.bfloat16, 64), (jnp.bfloat16, 300)])
 def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
-    """x quantised per token, FP8 products; a partial row tile, one tile, three; 64-column tiles, two an item; the
-    outputs written from registers and by TMA through shared memory."""
-    weight, x, expected = mosaic_case(rows, dtype, seed=rows)
+    """x quantised per token, FP8 products; a partial row tile, one tile, three; 64-, 128- and 256-column tiles (the
+    last two weight blocks wide), one or two an item; the outputs written from registers and by TMA through shared
+    memory."""
+    out_dim = 2 * MOSAIC_WEIGHT[0]
+    weight, x, expected = mosaic_case(rows, dtype, seed=rows, shape=(out_dim, MOSAIC_WEIGHT[1]))
     for tiles in (
         None,
         tuned.WarpSpecialisedTiles(64, 3, 2),
         tuned.WarpSpecialisedTiles(128, 4, 2, tma_store=True),
         tuned.WarpSpecialisedTiles(64, 3, 2, tma_store=True),
+        tuned.WarpSpecialisedTiles(256, 3, 2),
+        tuned.WarpSpecialisedTiles(256, 3, 1, tma_store=True),
     ):
         y = gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, tiles=tiles)
-        assert y.dtype == dtype and y.shape == (rows, MOSAIC_WEIGHT[0]) and bool(jnp.all(jnp.isfinite(y)))
+        assert y.dtype == dtype and y.shape == (rows, out_dim) and bool(jnp.all(jnp.isfinite(y)))
         assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3), tiles
 
 

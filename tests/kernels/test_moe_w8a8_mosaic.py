@@ -61,7 +61,7 @@ class Buffer:
 def stand_in_call(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *, out_type, block_n, store, **_):
     """`grouped_call` with the products in jnp (each tile's 128 rows from its start, dequantised by their row
     scales, times its expert's dequantised weights, at HIGHEST precision) and the kernels' own stores, tile by
-    tile (from registers: no shared-memory buffer)."""
+    tile (one sub-tile a weight, from registers: no shared-memory buffer)."""
     x_SK = dequantize_blocks(x_q_SK, row_scales_GS.T, (1, BLOCK[1]), jnp.float32)
     dense = [dequantize_blocks(w.values, w.scales, BLOCK, jnp.float32) for w in weights]
     outputs = [Buffer(t) for t in (out_type if isinstance(out_type, tuple) else (out_type,))]
@@ -71,7 +71,7 @@ def stand_in_call(tile_group_T, tile_start_T, x_q_SK, row_scales_GS, weights, *,
         assert start + BLOCK_M <= len(x_SK) and not start % ALIGN
         for col in range(0, dense[0].shape[1], block_n):
             accs = [
-                jnp.dot(x_SK[start : start + BLOCK_M], w[group, col : col + block_n].T, precision="highest")
+                (jnp.dot(x_SK[start : start + BLOCK_M], w[group, col : col + block_n].T, precision="highest"),)
                 for w in dense
             ]
             store(accs, pl.ds(tile * BLOCK_M, BLOCK_M), pl.ds(col, block_n), None, *outputs)
