@@ -74,13 +74,28 @@ def promoted_product(acc_MN, x_smem, w_smem, row_scale_M, block_scale):
     (DeepSeek-V3's promotion once per 128 inputs; the scales are multiplied after the wgmma is issued, so their
     loads wait behind it). x_smem [M, 128] e4m3, w_smem [N, 128] e4m3 (K-major), row_scale_M [M] in the WGMMA row
     layout, block_scale a scalar."""
+    return promoted_products(acc_MN, (x_smem,), (w_smem,), (row_scale_M,), (block_scale,))
 
-    def block_product(partial_ref):
-        plgpu.wgmma(partial_ref, x_smem, w_smem.T)
-        return partial_ref[...]
 
-    partial_MN = pl.run_scoped(block_product, plgpu.ACC(acc_MN.shape, jnp.float32))
-    return acc_MN + partial_MN * lax.broadcast_in_dim(row_scale_M * block_scale, partial_MN.shape, [0])
+def promoted_products(acc_MN, x_smems, w_smems, row_scales, block_scales):
+    """`promoted_product` over several K blocks in turn (the same sums in the same order): every block's wgmma is
+    issued, each into a fresh accumulator, before the first is read, so each promotion overlaps the later blocks'
+    wgmmas (one more fp32 accumulator in registers a block)."""
+    count = len(x_smems)
+
+    def block_products(*partial_refs):
+        for partial_ref, x_smem, w_smem in zip(partial_refs, x_smems, w_smems, strict=True):
+            plgpu.wgmma(partial_ref, x_smem, w_smem.T)
+        total_MN = acc_MN
+        for i, (partial_ref, row_scale_M, block_scale) in enumerate(zip(partial_refs, row_scales, block_scales)):
+            # the last block's read waits for every wgmma; the earlier ones for theirs only
+            partial_MN = (
+                partial_ref[...] if i == count - 1 else plgpu.wgmma_accumulator_load(partial_ref, wait_n=count - 1 - i)
+            )
+            total_MN = total_MN + partial_MN * lax.broadcast_in_dim(row_scale_M * block_scale, partial_MN.shape, [0])
+        return total_MN
+
+    return pl.run_scoped(block_products, *(plgpu.ACC(acc_MN.shape, jnp.float32) for _ in x_smems))
 
 
 def block_scaled_products(x_gmem, row_scales_gmem, weights, *, block_n: int, stages: int, cast) -> tuple:

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms, out_transforms, promoted_product, tma_store
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fp8_transforms, out_transforms, promoted_products, tma_store
 
 BLOCK_M = 128  # a tile's rows: 64 for each of the two compute warpgroups
 WG_ROWS = 64  # one warpgroup's wgmma rows
@@ -57,6 +57,7 @@ def _grouped_kernel(
     stages,
     store,
     tma_dtype,
+    step_blocks,
 ):
     """One CTA per SM over the (tile t, column group c) items, a column group `columns` column tiles of block_n:
     store(accumulators, the warpgroup's 64 rows of tile t in the padded layout, column tile, the warpgroup's
@@ -66,17 +67,25 @@ def _grouped_kernel(
     min(block_n, 128): a column tile wider than a weight block is one TMA tile, its 128-column halves products of
     their own, each with its block's scale), for tile t's expert, from x's 128 rows starting at tile_start[t]; tiles
     past the last expert's are skipped. One pipeline an item walks its column tiles' K blocks (a longer pipeline
-    than one column tile's: one fill an item)."""
+    than one column tile's: one fill an item), step_blocks K blocks a step (`promoted_products`: 2 overlaps a
+    block's promotion with the next block's wgmma; K blocks a multiple of it)."""
     weight_refs, out_refs = refs[: 2 * num_weights], refs[2 * num_weights :]
     values_refs, scales_refs = weight_refs[0::2], weight_refs[1::2]
     num_groups, n_dim, k_dim = values_refs[0].shape
-    k_steps, item_n = k_dim // BLOCK_K, columns * block_n
+    k_steps, item_n = k_dim // (BLOCK_K * step_blocks), columns * block_n
     sub_n = min(block_n, BLOCK_K)
     subtiles = block_n // sub_n
     num_tiles, num_items_n = tile_group_gmem.shape[0], n_dim // item_n
     wg = lax.axis_index("wg")
     half = pl.ds(wg * WG_ROWS, WG_ROWS)
-    weight_spec = plgpu.BlockSpec((block_n, BLOCK_K), lambda j, k: (j, k), transforms=fp8_transforms())
+    x_specs = [
+        plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda j, k, b=b: (0, step_blocks * k + b), transforms=fp8_transforms())
+        for b in range(step_blocks)
+    ]
+    weight_specs = [
+        plgpu.BlockSpec((block_n, BLOCK_K), lambda j, k, b=b: (j, step_blocks * k + b), transforms=fp8_transforms())
+        for b in range(step_blocks)
+    ]
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -84,9 +93,9 @@ def _grouped_kernel(
             grid=(columns, k_steps),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda j, k: (0, k), transforms=fp8_transforms()),
-                *(weight_spec for _ in values_refs),
-                plgpu.BlockSpec((1, BLOCK_M), lambda j, k: (k, 0)),
+                *x_specs,
+                *(spec for _ in values_refs for spec in weight_specs),
+                plgpu.BlockSpec((step_blocks, BLOCK_M), lambda j, k: (k, 0)),
             ],
             max_concurrent_steps=stages,
             wg_axis="wg",
@@ -96,8 +105,8 @@ def _grouped_kernel(
 
     def operands(tile_start, group, c):
         return (
-            x_gmem.at[pl.ds(tile_start, BLOCK_M)],
-            *(values.at[group, pl.ds(c * item_n, item_n)] for values in values_refs),
+            *(x_gmem.at[pl.ds(tile_start, BLOCK_M)] for _ in range(step_blocks)),
+            *(values.at[group, pl.ds(c * item_n, item_n)] for values in values_refs for _ in range(step_blocks)),
             row_scales_gmem.at[:, pl.ds(tile_start, BLOCK_M)],
         )
 
@@ -119,25 +128,32 @@ def _grouped_kernel(
             t, c = lax.div(item, num_items_n), lax.rem(item, num_items_n)
             group = tile_group_gmem[t]
 
-            def step(indices, x_smem, *rest):
-                j, k_block = indices
-                w_smems, row_scales_smem, accs = rest[:num_weights], rest[num_weights], rest[-1]
-                row_scale_M = plgpu.layout_cast(row_scales_smem[0, half], plgpu.Layout.WGMMA.reduce(1))
+            def step(indices, *step_refs):
+                j, k_step = indices
+                x_smems = [x_smem.at[half] for x_smem in step_refs[:step_blocks]]
+                w_smems = step_refs[step_blocks : step_blocks * (1 + num_weights)]
+                row_scales_smem, accs = step_refs[-2], step_refs[-1]
+                row_scales = [
+                    plgpu.layout_cast(row_scales_smem[b, half], plgpu.Layout.WGMMA.reduce(1))
+                    for b in range(step_blocks)
+                ]
+                k_blocks = [step_blocks * k_step + b for b in range(step_blocks)]
                 col0 = c * item_n + j * block_n
                 accs = tuple(
                     tuple(
-                        promoted_product(
+                        promoted_products(
                             acc_MN,
-                            x_smem.at[half],
-                            w_smem.at[pl.ds(i * sub_n, sub_n)],
-                            row_scale_M,
-                            scales[group, (col0 + i * sub_n) // BLOCK_K, k_block],
+                            x_smems,
+                            [w_smem.at[pl.ds(i * sub_n, sub_n)] for w_smem in weight_smems],
+                            row_scales,
+                            [scales[group, (col0 + i * sub_n) // BLOCK_K, k_block] for k_block in k_blocks],
                         )
                         for i, acc_MN in enumerate(weight_accs)
                     )
-                    for w_smem, scales, weight_accs in zip(w_smems, scales_refs, accs)
+                    for w, (scales, weight_accs) in enumerate(zip(scales_refs, accs))
+                    for weight_smems in [w_smems[w * step_blocks : (w + 1) * step_blocks]]
                 )
-                last = k_block == k_steps - 1
+                last = k_step == k_steps - 1
 
                 @pl.when(last)
                 def _():
@@ -184,11 +200,12 @@ def grouped_call(
     store,
     name,
     tma_dtype=None,
+    step_blocks=1,
 ):
     """`_grouped_kernel` over the tiles, weights a tuple of block-FP8 stacks; out_type that of store's outputs;
-    name the kernel's (what a profile shows); tma_dtype that of the warpgroups' output buffers for TMA stores (None:
-    none). x_q_SK's rows (and row_scales_GS's columns, a multiple of 4 of them) reach BLOCK_M past every
-    tile_start."""
+    name the kernel's (what a profile shows); step_blocks K blocks a pipeline step; tma_dtype that of the
+    warpgroups' output buffers for TMA stores (None: none). x_q_SK's rows (and row_scales_GS's columns, a multiple
+    of 4 of them) reach BLOCK_M past every tile_start."""
 
     def kernel(*refs):
         _grouped_kernel(
@@ -199,6 +216,7 @@ def grouped_call(
             stages=stages,
             store=store,
             tma_dtype=tma_dtype,
+            step_blocks=step_blocks,
         )
 
     kernel.__name__ = kernel.__qualname__ = name

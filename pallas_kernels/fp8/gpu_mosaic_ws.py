@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8 import tuned
-from pallas_kernels.fp8.gpu_mosaic import fits, quantized_rows
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fits, quantized_rows
 from pallas_kernels.fp8.gpu_mosaic_grouped import BLOCK_M, grouped_call, store_rows
 from pallas_kernels.fp8.tuned import WarpSpecialisedTiles
 from pallas_kernels.tuning import lookup
@@ -78,5 +78,6 @@ def w8a8_linear_ws_mgpu(
         store=store_rows,
         name="w8a8_linear_ws_mgpu",
         tma_dtype=x_MK.dtype if tiles.tma_store else None,
+        step_blocks=math.gcd(tiles.step_blocks, k_dim // BLOCK_K),
     )
     return y_PN[: x_MK.shape[0]]

@@ -252,12 +252,15 @@ class WarpSpecialisedTiles:
     bytes from L2 a product), stages TMA buffers,
     columns column tiles an item (one pipeline walks their K blocks in turn; cut to a divisor of the weight's column
     tiles). A tile is 128 rows (two compute warpgroups of 64). tma_store: each output tile written through shared
-    memory by TMA (a buffer a compute warpgroup), else from registers."""
+    memory by TMA (a buffer a compute warpgroup), else from registers. step_blocks: K blocks a pipeline step (2: a
+    block's promotion overlaps the next block's wgmma, one more accumulator in registers; where the weight's K
+    blocks are a multiple of it, else 1)."""
 
     block_n: int = 128
     stages: int = 4
     columns: int = 1
     tma_store: bool = False
+    step_blocks: int = 1
 
 
 W8A8_MOSAIC_WS = _gpu(
