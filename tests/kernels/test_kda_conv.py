@@ -66,7 +66,8 @@ def test_reference_skips_pads_anywhere(length):
 @pytest.mark.parametrize("length, dtype", [(13, jnp.float32), (70, jnp.bfloat16)])
 def test_gpu_kernel_matches_float64(length, dtype):
     """Interpret mode: 3 parts of 40 channels (masked past them in a 32-channel block), 16-token blocks (70 tokens:
-    a partial last block), pads anywhere."""
+    a partial last block), pads anywhere (the all-real row's blocks past the first take the kernel's path without
+    gathers)."""
     parts, window, weight, mask = problem(length, (40, 40, 40), seed=length)
     tiles = ConvTiles(block_t=16, block_c=32)
     entry = kernel("short_conv_silu", "gpu_triton")

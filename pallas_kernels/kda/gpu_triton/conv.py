@@ -35,9 +35,10 @@ def _kernel(
 ):
     """positions [lag, B, T] int32 (lag l+1's input of each token in [window ; part]), real [B, T] int32, window
     [B, lag, P x C] in the parts' dtype, weight [lag + 1, P x C] fp32 (tap-major), then the P parts [B, T, C] and
-    their P outputs. Each earlier input is read as the block of rows `lag - tap` back (contiguous, vector loads);
-    tokens whose input is elsewhere (a pad in between, or the window) take it by a gather, masked off for the
-    rest."""
+    their P outputs. Each earlier input is read as the block of rows `lag - tap` back (contiguous, vector loads). A
+    block whose tokens are all real and past the first `lag` (a prefill chunk's blocks but the first) takes nothing
+    else; in the others the tokens whose input is elsewhere (a pad in between, or the window) take it by a gather,
+    masked off for the rest."""
     parts, outputs = refs[: len(refs) // 2], refs[len(refs) // 2 :]
     length, width = parts[0].shape[1:]
     b, t0, c0 = pl.program_id(0), pl.program_id(1) * block_t, pl.program_id(2) * block_c
@@ -47,43 +48,57 @@ def _kernel(
     tokens, columns = pl.ds(t0, block_t), pl.ds(c0, block_c)
     sources = [plgpu.load(positions_ref.at[jnp.int32(l), b, tokens], mask=row_ok_T, other=lag) for l in range(lag)]
     real_T = plgpu.load(real_ref.at[b, tokens], mask=row_ok_T, other=0)
-    for p, (u_ref, y_ref) in enumerate(zip(parts, outputs, strict=True)):
-        channels = pl.ds(p * width + c0, block_c)
-        acc_TC = jnp.zeros((block_t, block_c), jnp.float32)
-        for tap in range(lag + 1):
-            weight_C = plgpu.load(weight_ref.at[jnp.int32(tap), channels], mask=col_ok_C, other=0.0)
-            back = lag - tap  # tap j weighs the input lag - j real tokens back
-            if back == 0:
-                x_TC = plgpu.load(u_ref.at[b, tokens, columns], mask=ok_TC, other=0.0)
-            else:
-                position_T = sources[back - 1]
-                shifted_T = rows_T - back
-                gather_T = (position_T != shifted_T + lag) | (shifted_T < 0)
-                # the first block's rows before 0 are masked; the interpreter clamps a slice's start, so there the
-                # rows go as an index array
-                shifted = shifted_T[:, None] if interpret else pl.ds(t0 - back, block_t)
-                x_TC = plgpu.load(
-                    u_ref.at[b, shifted, cols_C[None, :] if interpret else columns],
-                    mask=(~gather_T)[:, None] & ok_TC,
-                    other=0.0,
-                )
-                # gathers (every index an array): a row of the part or the window per token, the block's columns
-                in_part_T = position_T >= lag
-                from_part = plgpu.load(
-                    u_ref.at[b, jnp.maximum(position_T - lag, 0)[:, None], cols_C[None, :]],
-                    mask=(gather_T & in_part_T)[:, None] & ok_TC,
-                    other=0.0,
-                )
-                from_window = plgpu.load(
-                    window_ref.at[b, jnp.minimum(position_T, lag - 1)[:, None], p * width + cols_C[None, :]],
-                    mask=(gather_T & ~in_part_T)[:, None] & ok_TC,
-                    other=0.0,
-                )
-                x_TC = jnp.where(gather_T[:, None], jnp.where(in_part_T[:, None], from_part, from_window), x_TC)
-            acc_TC = acc_TC + x_TC.astype(jnp.float32) * weight_C[None, :]
-        y_TC = acc_TC / (1.0 + jnp.exp(-acc_TC))
-        y_TC = jnp.where(real_T[:, None] != 0, y_TC, 0.0)
-        plgpu.store(y_ref.at[b, tokens, columns], y_TC.astype(y_ref.dtype), mask=ok_TC)
+    gathers = [(position_T != rows_T - back + lag) & row_ok_T for back, position_T in enumerate(sources, start=1)]
+    regular = t0 >= lag
+    for gather_T in gathers:  # (Triton lowers no boolean reduction)
+        regular = regular & (jnp.max(gather_T.astype(jnp.int32)) == 0)
+
+    def shifted_rows(back: int):
+        """The block's rows `back` earlier: a slice, or (the interpreter clamps a slice's start into range) an index
+        array."""
+        return (rows_T - back)[:, None] if interpret else pl.ds(t0 - back, block_t)
+
+    def load_shifted(u_ref, back: int, mask_TC):
+        at = u_ref.at[b, shifted_rows(back), cols_C[None, :] if interpret else columns]
+        return plgpu.load(at, mask=mask_TC, other=0.0)
+
+    def gathered(u_ref, p: int, back: int):
+        """The inputs `back` real tokens earlier: the shifted block where that is each token's, gathers (every
+        index an array) from the part or the window where not."""
+        position_T, gather_T = sources[back - 1], gathers[back - 1] | (rows_T < back)
+        x_TC = load_shifted(u_ref, back, (~gather_T)[:, None] & ok_TC)
+        in_part_T = position_T >= lag
+        from_part = plgpu.load(
+            u_ref.at[b, jnp.maximum(position_T - lag, 0)[:, None], cols_C[None, :]],
+            mask=(gather_T & in_part_T)[:, None] & ok_TC,
+            other=0.0,
+        )
+        from_window = plgpu.load(
+            window_ref.at[b, jnp.minimum(position_T, lag - 1)[:, None], p * width + cols_C[None, :]],
+            mask=(gather_T & ~in_part_T)[:, None] & ok_TC,
+            other=0.0,
+        )
+        return jnp.where(gather_T[:, None], jnp.where(in_part_T[:, None], from_part, from_window), x_TC)
+
+    def convs(earlier):
+        """Each part's conv + SiLU with earlier(u_ref, p, back) its inputs `back` tokens earlier, stored."""
+        for p, (u_ref, y_ref) in enumerate(zip(parts, outputs, strict=True)):
+            channels = pl.ds(p * width + c0, block_c)
+            acc_TC = jnp.zeros((block_t, block_c), jnp.float32)
+            for tap in range(lag + 1):
+                weight_C = plgpu.load(weight_ref.at[jnp.int32(tap), channels], mask=col_ok_C, other=0.0)
+                back = lag - tap  # tap j weighs the input lag - j real tokens back
+                if back == 0:
+                    x_TC = plgpu.load(u_ref.at[b, tokens, columns], mask=ok_TC, other=0.0)
+                else:
+                    x_TC = earlier(u_ref, p, back)
+                acc_TC = acc_TC + x_TC.astype(jnp.float32) * weight_C[None, :]
+            y_TC = acc_TC / (1.0 + jnp.exp(-acc_TC))
+            y_TC = jnp.where(real_T[:, None] != 0, y_TC, 0.0)
+            plgpu.store(y_ref.at[b, tokens, columns], y_TC.astype(y_ref.dtype), mask=ok_TC)
+
+    pl.when(regular)(lambda: convs(lambda u_ref, p, back: load_shifted(u_ref, back, ok_TC)))
+    pl.when(~regular)(lambda: convs(gathered))
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
