@@ -64,8 +64,21 @@ SWEEP = {
         (64, 64, 4, 4, 64, 8),
     ],
 }
-# (gate_up_stages, down_block_n, down_stages, down_columns) of the Mosaic kernels; the first is the default
-MOSAIC_SWEEP = [(4, 128, 5, 4), (3, 128, 5, 4), (4, 128, 5, 8), (4, 128, 5, 1), (4, 128, 2, 4), (4, 64, 6, 4)]
+# (gate_up_stages, down_block_n, down_stages, down_columns[, gate_up_tma_store, down_tma_store, down_step_blocks])
+# of the Mosaic kernels; the first is the default
+MOSAIC_SWEEP = [
+    (4, 128, 5, 4),
+    (3, 128, 5, 4),
+    (4, 128, 5, 8),
+    (4, 128, 5, 1),
+    (4, 128, 2, 4),
+    (4, 64, 6, 4),
+    (4, 128, 5, 4, True, False),
+    (4, 128, 5, 4, False, True),
+    (4, 128, 3, 4, False, False, 2),
+    (4, 256, 4, 2),
+    (4, 256, 3, 2, True, True),
+]
 SWEEP_KEYWORDS = {
     "gather_swiglu_w8a8": ("block_m", "num_warps", "num_stages", "min_block_m"),
     "down_scatter_w8a8": ("block_m", "block_n", "num_warps", "num_stages", "min_block_m", "columns"),
@@ -138,7 +151,7 @@ def sweep(kernel_args, kernels, *, flops: float, interpret: bool, iters: int) ->
     print("\n| kernel | tiles | ms | TFLOP/s |")
     print("|---|---|---|---|")
     for tiles in () if interpret or MOSAIC not in kernels else MOSAIC_SWEEP:
-        named = dict(zip(calls.MOSAIC_TILE_KEYWORDS, tiles, strict=True))
+        named = dict(zip(calls.MOSAIC_TILE_KEYWORDS, tiles))
         try:
             seconds = median_seconds(jax.jit(functools.partial(mosaic, **named)), *kernel_args, iters=iters)
         except Exception as error:  # noqa: BLE001 - a tile that does not fit (shared memory) is reported, not fatal

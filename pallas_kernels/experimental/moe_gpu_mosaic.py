@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.fp8.gpu_mosaic import BLOCK_K
+from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, tma_store
 from pallas_kernels.fp8.gpu_mosaic_grouped import ALIGN, BLOCK_M, grouped_call, store_rows
 from pallas_kernels.fp8.reference import E4M3_MAX, EPS, quantize_activations
 from pallas_kernels.moe import ops, tuned
@@ -50,7 +50,15 @@ from pallas_kernels.variants import Variant
 
 MOSAIC = "gpu_mosaic"
 
-TILE_KEYWORDS = ("gate_up_stages", "down_block_n", "down_stages", "down_columns")
+TILE_KEYWORDS = (
+    "gate_up_stages",
+    "down_block_n",
+    "down_stages",
+    "down_columns",
+    "gate_up_tma_store",
+    "down_tma_store",
+    "down_step_blocks",
+)
 
 
 def padded_layout(sizes_G, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -104,26 +112,29 @@ def _swiglu(gate_MN, up_MN, limit: float | None):
 def _store_h_quantized(accs, rows, cols, out_smem, h_q_gmem, h_scale_gmem, *, limit):
     """h quantised in registers: the column tile (128 wide, one sub-tile a weight) is one 1 x 128 group
     (`fp8.reference.quantize_groups`), its scales stored transposed ([I / 128, P]: a warpgroup's are 64 of one row),
-    as the down kernel reads them (from registers: out_smem is None)."""
-    del out_smem
+    as the down kernel reads them; h_q through the warpgroup's shared-memory buffer by TMA where there is one, else
+    from registers."""
     ((gate_MN,), (up_MN,)) = accs
     h_MN = _swiglu(gate_MN, up_MN, limit)
     scale_M = jnp.maximum(jnp.max(jnp.abs(h_MN), axis=1), EPS) / E4M3_MAX
-    h_q_gmem[rows, cols] = jnp.clip(h_MN / lax.broadcast_in_dim(scale_M, h_MN.shape, [0]), -E4M3_MAX, E4M3_MAX).astype(
-        h_q_gmem.dtype
-    )
+    h_q_MN = jnp.clip(h_MN / lax.broadcast_in_dim(scale_M, h_MN.shape, [0]), -E4M3_MAX, E4M3_MAX)
+    if out_smem is None:
+        h_q_gmem[rows, cols] = h_q_MN.astype(h_q_gmem.dtype)
+    else:
+        tma_store((h_q_MN,), (out_smem.at[0],), (h_q_gmem.at[rows, cols],))
     h_scale_gmem[cols.start // BLOCK_K, rows] = scale_M
 
 
 def takes(gate, up, down, down_block_n: int = BLOCK_K) -> bool:
     """Whether the kernels run these block-FP8 experts: 128 x 128 blocks, I and D multiples of 128, D of down's
-    column tile (which divides 128)."""
+    column tile (which divides 128 or is a multiple of it)."""
     width, hidden = gate.values.shape[1:]
     return (
         all(tuple(w.block) == (BLOCK_K, BLOCK_K) for w in (gate, up, down))
         and not width % BLOCK_K
         and not hidden % BLOCK_K
-        and not BLOCK_K % down_block_n
+        and not hidden % down_block_n
+        and not (BLOCK_K % down_block_n and down_block_n % BLOCK_K)
     )
 
 
@@ -131,7 +142,7 @@ def _check(gate, up, down, down_block_n: int) -> None:
     if not takes(gate, up, down, down_block_n):
         raise ValueError(
             "w8a8_expert_rows_mgpu takes 128 x 128 weight blocks and an expert width and hidden size that are "
-            f"multiples of 128 (down's column tile {down_block_n} dividing 128); got blocks "
+            f"multiples of 128 (down's column tile {down_block_n} dividing 128 or a multiple of it, and D); got blocks "
             f"{[tuple(w.block) for w in (gate, up, down)]}, gate {gate.values.shape}, down {down.values.shape}"
         )
 
@@ -152,6 +163,9 @@ def w8a8_expert_rows_mgpu(
     down_block_n: int | None = None,
     down_stages: int | None = None,
     down_columns: int | None = None,
+    gate_up_tma_store: bool | None = None,
+    down_tma_store: bool | None = None,
+    down_step_blocks: int | None = None,
     fill_tail: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
@@ -162,8 +176,9 @@ def w8a8_expert_rows_mgpu(
     del fill_tail
     if interpret:
         raise ValueError("w8a8_expert_rows_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
-    gate_up_stages, down_block_n, down_stages, down_columns = fill(
-        (gate_up_stages, down_block_n, down_stages, down_columns), lookup(tuned.W8A8_MOSAIC_EXPERTS, dtype=x_XD.dtype)
+    gate_up_stages, down_block_n, down_stages, down_columns, gate_up_tma_store, down_tma_store, down_step_blocks = fill(
+        (gate_up_stages, down_block_n, down_stages, down_columns, gate_up_tma_store, down_tma_store, down_step_blocks),
+        lookup(tuned.W8A8_MOSAIC_EXPERTS, dtype=x_XD.dtype),
     )
     _check(gate, up, down, down_block_n)
     num_rows = source_R.shape[0]
@@ -191,6 +206,7 @@ def w8a8_expert_rows_mgpu(
         stages=gate_up_stages,
         store=functools.partial(_store_h_quantized, limit=limit),
         name="w8a8_gate_up_mgpu",
+        tma_dtype=jnp.float8_e4m3fn if gate_up_tma_store else None,
     )
     row_weight_P = jnp.zeros(padded_rows, jnp.float32).at[pos_R].set(row_weight_R.astype(jnp.float32), mode="drop")
     y_PD = grouped_call(
@@ -205,6 +221,8 @@ def w8a8_expert_rows_mgpu(
         stages=down_stages,
         store=store_rows,
         name="w8a8_down_mgpu",
+        tma_dtype=x_XD.dtype if down_tma_store else None,
+        step_blocks=math.gcd(down_step_blocks, gate.values.shape[1] // BLOCK_K),
     )
     pos_of_out_R = jnp.zeros(num_rows, jnp.int32).at[order_R].set(pos_R)
     return jnp.take(y_PD, pos_of_out_R, axis=0, mode="fill", fill_value=0)

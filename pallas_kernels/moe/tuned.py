@@ -184,13 +184,17 @@ DOWN_SCATTER_W8A8 = _gpu({(ANY, ANY): Entry(GroupedTiles(64, 128, 128, 4, 3), _D
 @dataclasses.dataclass(frozen=True)
 class MosaicExpertTiles:
     """gpu_mosaic W8A8 experts: the gate/up kernel's pipeline stages (its column tile is one 128-column group of
-    h), the down kernel's column tile, stages and column tiles a work item (its largest divisor of D's column
-    tiles that divides them)."""
+    h), the down kernel's column tile (256: two 128-column products a TMA tile), stages and column tiles a work
+    item (its largest divisor of D's column tiles that divides them); whether each kernel writes its output (h_q,
+    y) through shared memory by TMA; the down kernel's K blocks a pipeline step (`fp8.gpu_mosaic_grouped`)."""
 
     gate_up_stages: int
     down_block_n: int
     down_stages: int
     down_columns: int
+    gate_up_tma_store: bool = False
+    down_tma_store: bool = False
+    down_step_blocks: int = 1
 
 
 W8A8_MOSAIC_EXPERTS = _gpu(
