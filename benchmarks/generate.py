@@ -17,6 +17,8 @@
         --variants gemv.min_programs=1056,mla.min_split=64   # launch settings timed in the model, same weights
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --context 32768 \
         --prefill-tokens 8192 --prefill-only --kda-prefill default,gpu_triton   # the prefill under each KDA kernel
+    python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --context 32768 \
+        --prefill-tokens 8192 --prefill-only --prefill-command-buffers on,off   # with and without command buffers
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept
 FP8 on the device), random, initialised straight on the device (`ling_jax.generation.random_init`); each
@@ -114,13 +116,25 @@ def step_bytes(model, cache: LingCache, token_B) -> tuple[int, dict]:
     return weights + kda + mla, parts
 
 
-def time_prefill(model, batch: int, context: int, chunk: int, profile_dir: pathlib.Path | None = None) -> float:
+COMMAND_BUFFERS_OFF = {"xla_gpu_enable_command_buffer": ""}  # one program's compile option: XLA's command buffers off
+
+
+def time_prefill(
+    model,
+    batch: int,
+    context: int,
+    chunk: int,
+    profile_dir: pathlib.Path | None = None,
+    compiler_options: dict | None = None,
+) -> float:
     """Seconds to prefill `context` tokens a row in `chunk`-token calls, timed after a compiling pass. With
     profile_dir, one more prefill runs under the JAX profiler (a Perfetto trace there) and the chunk's compiled
-    HLO text goes to profile_dir/trace.HLO_FILE (`benchmarks.trace.profile_report` reads both)."""
+    HLO text goes to profile_dir/trace.HLO_FILE (`benchmarks.trace.profile_report` reads both). compiler_options:
+    the chunk program's XLA options (COMMAND_BUFFERS_OFF: that program without command buffers)."""
     graphdef, params = nnx.split(model)
 
-    @functools.partial(jax.jit, donate_argnums=1)  # the cache updated in place, as Generator's prefill does
+    # the cache updated in place, as Generator's prefill does
+    @functools.partial(jax.jit, donate_argnums=1, compiler_options=compiler_options)
     def prefill(params, cache, ids_BC):  # hidden states only: the lm_head runs on the last position alone
         model = nnx.merge(graphdef, params)
         hidden_BCD, cache = model.model(ids_BC, cache=cache, policy=model.policy)
@@ -203,6 +217,12 @@ def main(argv=None) -> int:
         "decode rows carry the first's",
     )
     parser.add_argument(
+        "--prefill-command-buffers",
+        default="on",
+        help="on and/or off, comma-separated: the prefill program compiled with XLA's command buffers as the process "
+        "sets them (ling_jax.xla_flags) or without them (its own compile option), each timed on the same weights",
+    )
+    parser.add_argument(
         "--variants",
         help="comma-separated launch-setting variants, each TARGET.FIELD=VALUE[:TARGET.FIELD=VALUE...] "
         "(`benchmarks.variants`: gemv.min_programs=1056, mla.min_split=64, ...), each timed on the same weights "
@@ -246,6 +266,8 @@ def main(argv=None) -> int:
     if unknown:
         known = ", ".join(["default", *kda_ops.VARIANTS["chunk_kda"]])
         parser.error(f"--kda-prefill: expected names among {known}, comma-separated, got {args.kda_prefill!r}")
+    if not set(args.prefill_command_buffers.split(",")) <= {"on", "off"}:
+        parser.error(f"--prefill-command-buffers: expected on and/or off, got {args.prefill_command_buffers!r}")
     if not all(batch.strip().isdigit() and int(batch) > 0 for batch in args.batches.split(",")):
         parser.error(f"--batches: expected positive integers, comma-separated, got {args.batches!r}")
     try:
@@ -342,15 +364,18 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     for batch in batches:
         chunk = max(64, min(context, args.prefill_tokens // batch))
         prefill = {}
-        for index, name in enumerate(() if args.decode_only else args.kda_prefill.split(",")):
+        prefills = itertools.product(args.kda_prefill.split(","), args.prefill_command_buffers.split(","))
+        for index, (name, buffers) in enumerate(() if args.decode_only else prefills):
             model.policy = dataclasses.replace(model.policy, kda_prefill=None if name == "default" else name)
             profile = None
             if args.profile and args.prefill_only and batch == first_batch and index == 0:
                 profile = pathlib.Path(args.profile) / f"prefill_{name}"
-            prefill[name] = time_prefill(model, batch, context, chunk, profile)
+            options = COMMAND_BUFFERS_OFF if buffers == "off" else None
+            prefill[name, buffers] = time_prefill(model, batch, context, chunk, profile, options)
             print(
-                f"{weights} batch {batch}, KDA prefill {name}: {batch * context / prefill[name]:,.0f} tok/s "
-                f"(chunk {chunk}; {prefill[name]:.3f} s for {context} tokens a row)",
+                f"{weights} batch {batch}, KDA prefill {name}, command buffers {buffers}: "
+                f"{batch * context / prefill[name, buffers]:,.0f} tok/s "
+                f"(chunk {chunk}; {prefill[name, buffers]:.3f} s for {context} tokens a row)",
                 flush=True,
             )
             if profile:
