@@ -88,10 +88,8 @@ def promoted_products(acc_MN, x_smems, w_smems, row_scales, block_scales):
             plgpu.wgmma(partial_ref, x_smem, w_smem.T)
         total_MN = acc_MN
         for i, (partial_ref, row_scale_M, block_scale) in enumerate(zip(partial_refs, row_scales, block_scales)):
-            # the last block's read waits for every wgmma; the earlier ones for theirs only
-            partial_MN = (
-                partial_ref[...] if i == count - 1 else plgpu.wgmma_accumulator_load(partial_ref, wait_n=count - 1 - i)
-            )
+            # each read waits for its block's wgmma only (the last one's for all)
+            partial_MN = plgpu.wgmma_accumulator_load(partial_ref, wait_n=count - 1 - i)
             total_MN = total_MN + partial_MN * lax.broadcast_in_dim(row_scale_M * block_scale, partial_MN.shape, [0])
         return total_MN
 

@@ -131,7 +131,9 @@ def _grouped_kernel(
             def step(indices, *step_refs):
                 j, k_step = indices
                 x_smems = [x_smem.at[half] for x_smem in step_refs[:step_blocks]]
-                w_smems = step_refs[step_blocks : step_blocks * (1 + num_weights)]
+                weight_smems = [  # each weight's tiles of the step's K blocks
+                    step_refs[step_blocks * (1 + w) : step_blocks * (2 + w)] for w in range(num_weights)
+                ]
                 row_scales_smem, accs = step_refs[-2], step_refs[-1]
                 row_scales = [
                     plgpu.layout_cast(row_scales_smem[b, half], plgpu.Layout.WGMMA.reduce(1))
@@ -144,14 +146,13 @@ def _grouped_kernel(
                         promoted_products(
                             acc_MN,
                             x_smems,
-                            [w_smem.at[pl.ds(i * sub_n, sub_n)] for w_smem in weight_smems],
+                            [w_smem.at[pl.ds(i * sub_n, sub_n)] for w_smem in w_smems],
                             row_scales,
                             [scales[group, (col0 + i * sub_n) // BLOCK_K, k_block] for k_block in k_blocks],
                         )
                         for i, acc_MN in enumerate(weight_accs)
                     )
-                    for w, (scales, weight_accs) in enumerate(zip(scales_refs, accs))
-                    for weight_smems in [w_smems[w * step_blocks : (w + 1) * step_blocks]]
+                    for w_smems, scales, weight_accs in zip(weight_smems, scales_refs, accs, strict=True)
                 )
                 last = k_step == k_steps - 1
 
