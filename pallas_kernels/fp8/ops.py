@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -271,12 +272,57 @@ _grouped_gemv = with_reference_vjp(
 )
 
 
+def _join_key(x, weight, resolved: str, mode: str | None):
+    """What a W8A8 product on a GPU must share with others of x to join them (`fp8_linear_many`): the weight's
+    block, K and dtypes, for a dataclass weight at most tuned.JOIN_MAX_OUTPUTS wide in whole row blocks (so each
+    keeps its own scales); None where it runs alone."""
+    num_rows = x.size // x.shape[-1]
+    chosen = default_mode(num_rows, resolved) if mode is None else mode
+    out_dim = weight.values.shape[0]
+    joins = (
+        KERNEL_TARGET.get(resolved) == "gpu"
+        and chosen == W8A8
+        and dataclasses.is_dataclass(weight)
+        and weight.values.ndim == 2
+        and out_dim <= tuned.JOIN_MAX_OUTPUTS
+        and out_dim % weight.block[0] == 0
+    )
+    return (tuple(weight.block), weight.values.shape[1], weight.values.dtype, weight.scales.dtype) if joins else None
+
+
+def _joined_products(x, weights, backend: str, mode: str | None) -> list:
+    """`fp8_linear_many` outside the grouped gemv: the narrow W8A8 products of one `_join_key` as one product on
+    their weights joined by rows, its output split back (each column the same arithmetic as its product alone);
+    every other weight `fp8_linear`'s."""
+    resolved = resolve_backend(backend)
+    by_key: dict = {}
+    for i, weight in enumerate(weights):
+        by_key.setdefault(_join_key(x, weight, resolved, mode), []).append(i)
+    ys = {}
+    for key, members in by_key.items():
+        if key is None or len(members) == 1:
+            ys.update((i, fp8_linear(x, weights[i], backend=backend, mode=mode)) for i in members)
+            continue
+        parts = [weights[i] for i in members]
+        joined = dataclasses.replace(
+            parts[0],
+            values=jnp.concatenate([w.values for w in parts]),
+            scales=jnp.concatenate([w.scales for w in parts]),
+        )
+        y = fp8_linear(x, joined, backend=backend, mode=mode)
+        starts = itertools.accumulate((w.values.shape[0] for w in parts[:-1]), initial=0)
+        ys.update((i, y[..., s : s + w.values.shape[0]]) for i, s, w in zip(members, starts, parts, strict=True))
+    return [ys[i] for i in range(len(weights))]
+
+
 def fp8_linear_many(x, weights, *, backend: str = "auto", mode: str | None = None) -> list:
     """[fp8_linear(x, W, backend=backend, mode=mode) for W in weights], the weights sharing x (a layer's input
     projections). Where each of them would run the decode-shaped weight-only kernel ("gpu_triton_gemv": a GPU
     backend, rows `tuned.gemv_by_default` gives it, weight-only) and they share the scale block's K size, one launch
     computes them all (`weight_only_gemv_many_gpu`: each product as the single-weight kernel's within fp32
-    rounding); every other case runs `fp8_linear` per weight. Differentiable in x, as dequantise-then-dot."""
+    rounding); W8A8 products on a GPU at most tuned.JOIN_MAX_OUTPUTS wide run as one product of their weights
+    joined (`_joined_products`); every other case runs `fp8_linear` per weight. Differentiable in x, as
+    dequantise-then-dot."""
     resolved = resolve_backend(backend)
     x_MK = x.reshape(-1, x.shape[-1])
     grouped = (
@@ -285,7 +331,7 @@ def fp8_linear_many(x, weights, *, backend: str = "auto", mode: str | None = Non
         and len({w.block[1] for w in weights}) == 1
     )
     if not grouped:
-        return [fp8_linear(x, w, backend=backend, mode=mode) for w in weights]
+        return _joined_products(x, weights, backend, mode)
     ys = _grouped_gemv(
         x_MK,
         tuple(w.values for w in weights),

@@ -278,6 +278,9 @@ W8A8_MOSAIC_WS = _gpu(
 # fill fewer SMs (an item is 128 rows x 256 columns)
 MOSAIC_WS_MIN_K = 1024
 MOSAIC_WS_MIN_ROWS = 2048
+# `fp8_linear_many` joins the W8A8 products of one x whose outputs are at most this wide (KDA's f_a / g_a: 128 each)
+# into one product: a 128-wide product of 8192 rows is 64 row tiles, half a GPU's SMs, and every product reads all of x
+JOIN_MAX_OUTPUTS = 256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -283,6 +283,24 @@ def test_grouped_fp8_linear_falls_back_per_weight():
             assert rel_error(y, fp8_linear(x, weight, backend=backend)) <= 1e-6
 
 
+def test_narrow_w8a8_products_join():
+    """`fp8_linear_many` in W8A8 on a GPU backend runs the narrow products of one block and K as one product (KDA's
+    f_a / g_a): two of 32 and 48 outputs join (3 kernels for 4 weights), one wider than JOIN_MAX_OUTPUTS and one of
+    another K block run alone; each output as its product alone (per-column arithmetic, scales kept by row block)."""
+    weights = [
+        random_weight(32, 64, (16, 32), seed=8),
+        random_weight(300, 64, (16, 32), seed=9),
+        random_weight(48, 64, (16, 32), seed=10),
+        random_weight(32, 64, (16, 64), seed=11),
+    ]
+    x = random_x((37, 64), jnp.float32, seed=12)
+    many = functools.partial(fp8_linear_many, weights=weights, backend="interpret_gpu", mode="w8a8")
+    assert sum(kernel_census(jax.make_jaxpr(lambda x: many(x))(x)).values()) == 3
+    for y, weight in zip(many(x), weights, strict=True):
+        assert y.shape == (37, weight.values.shape[0])
+        assert rel_error(y, fp8_linear(x, weight, backend="interpret_gpu", mode="w8a8")) <= 1e-6
+
+
 @pytest.mark.parametrize("variant", ["gpu_triton", TC_ACC])
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 def test_w8a8_kernel_matches_float64(dtype, tol, variant):
