@@ -61,6 +61,7 @@ from benchmarks.common import copy_bandwidth, median_seconds, per_call_seconds, 
 from ling_jax import ExecutionPolicy, KDAState  # noqa: E402
 from ling_jax.kda import KimiDeltaAttention  # noqa: E402
 from ling_jax.presets import preset  # noqa: E402
+from pallas_kernels.backend import device_cores  # noqa: E402
 from pallas_kernels.experimental import kda_fused  # noqa: E402
 from pallas_kernels.kda import (  # noqa: E402
     DecodeWeights,
@@ -77,7 +78,7 @@ from pallas_kernels.kda.gpu_triton import (  # noqa: E402
 )
 from pallas_kernels.kda.gpu_triton.short_chunks import short_chunk_parts  # noqa: E402
 from pallas_kernels.kda.ops import chunk_kda, kernel  # noqa: E402
-from pallas_kernels.kda.segments import device_cores, segment_count  # noqa: E402
+from pallas_kernels.kda.segments import segment_count  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
 kda_decode_step_gpu = kernel("kda_decode_step", "gpu_triton")

@@ -81,3 +81,12 @@ def with_reference_vjp(kernel: Callable, reference: Callable, nondiff_argnums: t
 
     op.defvjp(forward, backward)
     return op
+
+
+def device_cores(backend: str) -> int | None:
+    """The streaming multiprocessors of the GPU that a resolved `backend` of "pallas_gpu" compiles for; None for
+    every other backend (the interpreted kernels and the reference run on a CPU, a TPU's grid runs in order) and
+    where no GPU is attached (a program lowered for CUDA on a CPU)."""
+    if backend != "pallas_gpu" or jax.default_backend() != "gpu":
+        return None
+    return getattr(jax.devices()[0], "core_count", None)

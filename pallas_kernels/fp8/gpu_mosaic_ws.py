@@ -23,11 +23,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.backend import device_cores
 from pallas_kernels.fp8 import tuned
 from pallas_kernels.fp8.gpu_mosaic import BLOCK_K, fits, quantized_rows
 from pallas_kernels.fp8.gpu_mosaic_grouped import BLOCK_M, grouped_call, store_rows
 from pallas_kernels.fp8.tuned import WarpSpecialisedTiles
 from pallas_kernels.tuning import lookup
+
+FALLBACK_CORES = 132  # an H100's / H200's SMs, for a program lowered for CUDA where no GPU is attached
 
 
 class _OneExpert(NamedTuple):
@@ -65,6 +68,10 @@ def w8a8_linear_ws_mgpu(
         )
     x_q_PK, row_scales_GP = quantized_rows(x_MK, BLOCK_M)
     num_tiles = x_q_PK.shape[0] // BLOCK_M
+    column_tiles = n_dim // tiles.block_n
+    columns = math.gcd(tiles.columns, column_tiles)
+    if num_tiles * column_tiles // columns < (device_cores("pallas_gpu") or FALLBACK_CORES):
+        columns = 1  # more items than a column group each where the groups would leave SMs idle (narrow products)
     y_PN = grouped_call(
         jnp.zeros(num_tiles, jnp.int32),
         jnp.arange(num_tiles, dtype=jnp.int32) * BLOCK_M,
@@ -73,7 +80,7 @@ def w8a8_linear_ws_mgpu(
         (_OneExpert(values_NK[None], scales[None]),),
         out_type=jax.ShapeDtypeStruct((x_q_PK.shape[0], n_dim), x_MK.dtype),
         block_n=tiles.block_n,
-        columns=math.gcd(tiles.columns, n_dim // tiles.block_n),
+        columns=columns,
         stages=tiles.stages,
         store=store_rows,
         name="w8a8_linear_ws_mgpu",

@@ -21,7 +21,7 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels import variants
-from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_reference_vjp
+from pallas_kernels.backend import KERNEL_TARGET, device_cores, resolve_backend, with_reference_vjp
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.chunk_math import GATE_FLOOR
 from pallas_kernels.kda.gpu_triton import (
@@ -36,7 +36,7 @@ from pallas_kernels.kda.gpu_triton.conv import short_conv_silu_gpu
 from pallas_kernels.kda.gpu_triton.decode_fused import leaves_norm
 from pallas_kernels.kda.gpu_triton.short_chunks import chunk_kda_gpu_short
 from pallas_kernels.kda.reference import kda_chunked, kda_recurrent
-from pallas_kernels.kda.segments import combine_reference, device_cores, segment_count, segmented_chunk_kda
+from pallas_kernels.kda.segments import combine_reference, segment_count, segmented_chunk_kda
 from pallas_kernels.kda.tpu_mosaic import chunk_kda_tpu, chunk_kda_tpu_any_gate, kda_decode_step_tpu
 from pallas_kernels.variants import REFERENCE, Variant
 

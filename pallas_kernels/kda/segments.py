@@ -45,15 +45,6 @@ def segment_count(batch: int, heads: int, length: int, cores: int | None, width:
     return count if count >= MIN_SEGMENTS else 1
 
 
-def device_cores(backend: str) -> int | None:
-    """The streaming multiprocessors of the GPU that a resolved `backend` of "pallas_gpu" compiles for; None for
-    every other backend (the interpreted kernels and the reference run on a CPU, a TPU's grid runs in order) and
-    where no GPU is attached (a program lowered for CUDA on a CPU)."""
-    if backend != "pallas_gpu" or jax.default_backend() != "gpu":
-        return None
-    return getattr(jax.devices()[0], "core_count", None)
-
-
 def segment_length(length: int, segments: int) -> int:
     """The tokens of each segment: length / segments rounded up to whole SEGMENT_ALIGN-token chunks."""
     return -(-length // (segments * SEGMENT_ALIGN)) * SEGMENT_ALIGN
