@@ -3,6 +3,7 @@ XLA's bf16 dot on a bf16 weight and today's jnp path (dequantise inside the step
 
     python -m benchmarks.fp8_linear --iters 5             # decode: 1, 8, 16 rows, then the decode kernel's tiles
     python -m benchmarks.fp8_linear --prefill             # 64 to 8192 rows: weight-only, both W8A8, XLA
+    python -m benchmarks.fp8_linear --prefill --shape 4096x128 --rows 8192   # the prefill table at a shape
     python -m benchmarks.fp8_linear --sweep W8A8 W8A8-tc-acc W8A8-mosaic   # those kernels' tile sweeps alone
     python -m benchmarks.fp8_linear --sweep W8A8-mosaic --shape 4096x2560 --shape 128x2560 --rows 8192   # at shapes
     python -m benchmarks.fp8_linear --sweep weight-only-64 weight-only-mosaic   # decode batches, both kernels
@@ -406,12 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode one")
     parser.add_argument("--sweep", nargs="+", choices=list(SWEEPS), help="sweep these kernels' tiles alone")
-    parser.add_argument("--rows", help="the sweeps' row counts, comma-separated (default: each sweep's own)")
+    parser.add_argument(
+        "--rows", help="the sweeps' or the prefill table's row counts, comma-separated (default: each sweep's own)"
+    )
     parser.add_argument(
         "--shape",
         action="append",
         type=_shape,
-        help="a sweep's weight OUTxIN (repeatable: each sweep at each shape; default: each sweep's own)",
+        help="a sweep's weight OUTxIN, or the prefill table's (repeatable: each sweep at each shape; default: each "
+        "sweep's own, the table's PREFILL_SHAPES)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="one small weight, 2 calls (smoke test); a sweep only where named"
@@ -434,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shape or [None]:
             sweep(args.iters, args.sweep, rows, shape)
     elif args.prefill:
-        prefill_table(args.iters)
+        prefill_table(args.iters, tuple(args.shape or PREFILL_SHAPES), rows or PREFILL_ROWS)
     else:
         decode_table(args.iters, copy_bandwidth(args.iters))
         print(f"\n({time.perf_counter() - start:.0f} s)")
