@@ -6,6 +6,8 @@ FP8 and bf16 matmul peaks measured in the same run.
     python -m benchmarks.moe --fp8-matmul w8a8 --sweep down_scatter_w8a8   # the sweep of one kernel only
     python -m benchmarks.moe --fp8-matmul w8a8 --quick   # small sizes; on a CPU the kernels run in interpret mode
     python -m benchmarks.moe --fp8-matmul w8a8 --balanced  # every expert exactly 128 rows (one row tile each)
+    python -m benchmarks.moe --fp8-matmul w8a8 --width-of ling-3.0-flash   # another preset's experts (hidden 2560,
+                                                                            # width 768, 512 experts, top-8)
 
 Paths, each on the same routing (uniform random top-k, distinct experts per token) and the same weights (the bf16
 experts, and their block-FP8 quantisation, 128 x 128 blocks):
@@ -38,6 +40,7 @@ from benchmarks.common import copy_bandwidth, median_seconds, per_call_seconds, 
 from benchmarks.fp8_peak import jax_rows, torch_rows
 from benchmarks.moe import calls
 from benchmarks.moe.shared import LIMIT, nudge_x, selection_parser
+from ling_jax.presets import PRESETS
 from pallas_kernels.fp8.reference import E4M3_MAX
 
 BLOCK = (128, 128)
@@ -199,11 +202,29 @@ def main(argv=None) -> int:
         "(scripts/trace_summary.py) and print each path's kernel device time a call (a lone call's wall time also "
         "holds its dispatch)",
     )
+    parser.add_argument(
+        "--width-of",
+        metavar="PRESET",
+        choices=sorted(PRESETS),
+        help="the experts of this preset (its hidden size, expert width, experts and top-k) instead of "
+        "Ling-3.1-flash's; 8192 tokens",
+    )
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     if not (on_gpu or args.quick):
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r}); try --quick")
+    if args.quick and args.width_of:
+        parser.error("--quick runs its own small sizes; --width-of names a preset's full ones")
     sizes = QUICK if args.quick else FULL
+    if args.width_of:
+        config = PRESETS[args.width_of]
+        sizes = dict(
+            FULL,
+            hidden=config.hidden_size,
+            width=config.moe_intermediate_size,
+            experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+        )
     interpret = not on_gpu
     backend = "interpret_gpu" if interpret else "pallas_gpu"
     tokens, hidden, width, num_experts, top_k = (sizes[k] for k in ("tokens", "hidden", "width", "experts", "top_k"))

@@ -356,3 +356,11 @@ def test_a_memory_refusal_on_a_gpu_names_jax_s_memory_fraction(monkeypatch):
     assert memory_fraction_hint("cpu") == memory_fraction_hint("tpu") == ""
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     assert memory_fraction_hint("gpu") == ""
+
+
+def test_w8a8_moe_bench_refuses_quick_with_a_preset_width(capsys):
+    """`benchmarks.moe --fp8-matmul w8a8`: --width-of names a preset's full sizes, --quick its own small ones."""
+    from benchmarks.moe import w8a8
+
+    argv = ["--quick", "--width-of", "ling-3.0-flash"]
+    assert "--quick runs its own small sizes" in _usage_error(capsys, w8a8.main, argv)[-1]
