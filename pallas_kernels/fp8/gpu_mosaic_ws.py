@@ -16,6 +16,7 @@ pipelines; the CPU lowers it for CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -38,10 +39,28 @@ class _OneExpert(NamedTuple):
     scales: jax.Array  # [1, N / 128, K / 128]
 
 
+def fitted_tiles(tiles: WarpSpecialisedTiles, num_rows: int, n_dim: int) -> WarpSpecialisedTiles:
+    """The tuned tiles fitted to a product of num_rows x n_dim outputs: a column tile wider than the weight's
+    128-row block becomes one block where it does not divide n_dim or would make fewer items than the GPU has SMs
+    (`device_cores`; FALLBACK_CORES lowering without a GPU), and the items hold one column tile where column
+    groups would leave SMs idle (narrow products: KDA's joined f_a / g_a, 256 x 2560 over 8192 rows, 76.5 us at
+    128 columns against 86.6 at 256); columns otherwise a divisor of the column tiles."""
+    cores = device_cores("pallas_gpu") or FALLBACK_CORES
+    row_tiles = -(-num_rows // BLOCK_M)
+    if tiles.block_n > BLOCK_K and (n_dim % tiles.block_n or row_tiles * (n_dim // tiles.block_n) < cores):
+        tiles = dataclasses.replace(tiles, block_n=BLOCK_K)
+    column_tiles = max(1, n_dim // tiles.block_n)
+    columns = math.gcd(tiles.columns, column_tiles)
+    if row_tiles * column_tiles // columns < cores:
+        columns = 1
+    return dataclasses.replace(tiles, columns=columns)
+
+
 def takes(x, weight) -> bool:
-    """A 2-D weight of 128 x 128 blocks, N a multiple of the tuned block_n and K of 128."""
-    block_n = lookup(tuned.W8A8_MOSAIC_WS, dtype=x.dtype).block_n
-    return weight.values.ndim == 2 and fits(weight.values, weight.block, block_n)
+    """A 2-D weight of 128 x 128 blocks, N a multiple of the tuned block_n (`fitted_tiles`) and K of 128."""
+    num_rows = x.size // x.shape[-1]
+    tiles = fitted_tiles(lookup(tuned.W8A8_MOSAIC_WS, dtype=x.dtype), num_rows, weight.values.shape[0])
+    return weight.values.ndim == 2 and fits(weight.values, weight.block, tiles.block_n)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "tiles", "interpret"))
@@ -55,11 +74,15 @@ def w8a8_linear_ws_mgpu(
     interpret: bool = False,
 ) -> jax.Array:
     """y [M, N] in x's dtype: `fp8.reference.w8a8_linear_reference`'s product (module docstring). values [N, K]
-    e4m3, scales [N / 128, K / 128]. Tiles: None from `tuned.W8A8_MOSAIC_WS`."""
-    tiles = tiles or lookup(tuned.W8A8_MOSAIC_WS, dtype=x_MK.dtype)
+    e4m3, scales [N / 128, K / 128]. Tiles: None from `tuned.W8A8_MOSAIC_WS`, fitted to the product
+    (`fitted_tiles`); given ones as they are (their column groups cut to a divisor of the column tiles)."""
+    n_dim, k_dim = values_NK.shape
+    if tiles is None:
+        tiles = fitted_tiles(lookup(tuned.W8A8_MOSAIC_WS, dtype=x_MK.dtype), x_MK.shape[0], n_dim)
+    else:
+        tiles = dataclasses.replace(tiles, columns=math.gcd(tiles.columns, max(1, n_dim // tiles.block_n)))
     if interpret:
         raise ValueError("w8a8_linear_ws_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
-    n_dim, k_dim = values_NK.shape
     if not fits(values_NK, block, tiles.block_n):
         raise ValueError(
             f"w8a8_linear_ws_mgpu takes 128 x 128 weight blocks, N a multiple of block_n ({tiles.block_n}, which "
@@ -68,10 +91,6 @@ def w8a8_linear_ws_mgpu(
         )
     x_q_PK, row_scales_GP = quantized_rows(x_MK, BLOCK_M)
     num_tiles = x_q_PK.shape[0] // BLOCK_M
-    column_tiles = n_dim // tiles.block_n
-    columns = math.gcd(tiles.columns, column_tiles)
-    if num_tiles * column_tiles // columns < (device_cores("pallas_gpu") or FALLBACK_CORES):
-        columns = 1  # more items than a column group each where the groups would leave SMs idle (narrow products)
     y_PN = grouped_call(
         jnp.zeros(num_tiles, jnp.int32),
         jnp.arange(num_tiles, dtype=jnp.int32) * BLOCK_M,
@@ -80,7 +99,7 @@ def w8a8_linear_ws_mgpu(
         (_OneExpert(values_NK[None], scales[None]),),
         out_type=jax.ShapeDtypeStruct((x_q_PK.shape[0], n_dim), x_MK.dtype),
         block_n=tiles.block_n,
-        columns=columns,
+        columns=tiles.columns,
         stages=tiles.stages,
         store=store_rows,
         name="w8a8_linear_ws_mgpu",

@@ -235,11 +235,15 @@ class MosaicTiles:
 
 
 # 64 x 128 fp32 accumulator and K block partial product: 64 registers a thread each; a stage holds 8 + 16 KB of
-# e4m3 tiles and 256 B of scales, so 4 stages leave room for two CTAs an SM.
+# e4m3 tiles and 256 B of scales, so 4 stages leave room for two CTAs an SM. The output through shared memory and
+# TMA: KDA's f_b / g_b (4096 x 128, one K block, the product bound by its 64 MB of output) 2.2x faster
 W8A8_MOSAIC = _gpu(
     {
         (ANY, ANY): Entry(
-            MosaicTiles(128, 4), "not measured: benchmarks/fp8_linear.py --sweep W8A8-mosaic sweeps it (issue 25)"
+            MosaicTiles(128, 4, tma_store=True),
+            "docs/benchmarks/matmul.md#the-w8a8-linears-output-through-tma-2026-12-07-thirty-first-session: H100, "
+            "8192 rows of 4096 x 128: 46.5 us against 100.9 from registers (64-column tiles 51.4 / 89.7; "
+            "dequantise + XLA's dot 46.2)",
         )
     }
 )
@@ -263,14 +267,18 @@ class WarpSpecialisedTiles:
     step_blocks: int = 1
 
 
+_WS_SWEEP = (
+    "docs/benchmarks/matmul.md#the-w8a8-linears-output-through-tma-2026-12-07-thirty-first-session: H100, 8192 "
+    "rows at 4096x2560 / 2560x4096 / 6144x2560: 256-column tiles, 3 stages, TMA stores 246.1 / 301.9 / 326.5 us; "
+    "128-column tiles, 4 stages, TMA stores 260.2 / 271.0 / 359.4; from registers (the default before) 297.3 / "
+    "307.0 / 408.6"
+)
+# 16-bit outputs: 256-column tiles (N a multiple of 256, else 128: `gpu_mosaic_ws.fitted_tiles`); fp32 outputs
+# keep 128 (a 256-column fp32 tile a compute warpgroup and 3 stages exceed the 227 KB of shared memory)
 W8A8_MOSAIC_WS = _gpu(
     {
-        (ANY, ANY): Entry(
-            WarpSpecialisedTiles(128, 4, 2),
-            "docs/benchmarks/matmul.md#the-w8a8-linear-as-a-persistent-warp-specialised-kernel-2026-12-07-twenty-ninth-"
-            "session: H100, 8192 rows: 279.4 / 291.2 / 382.6 us at 4096x2560 / 2560x4096 / 6144x2560 (1 column "
-            "tile an item 287.4 / 292.4 / 400.4; 4 tiles 279.4 / 318.3 / 386.1; 5 stages 300.8 / 298.4 / 408.2)",
-        )
+        (ANY, "16bit"): Entry(WarpSpecialisedTiles(256, 3, 2, tma_store=True), _WS_SWEEP),
+        (ANY, ANY): Entry(WarpSpecialisedTiles(128, 4, 2, tma_store=True), _WS_SWEEP),
     }
 )
 # the W8A8 products run gpu_mosaic_ws from this K and this many rows: at K = 512 (8192 x 512) it was no faster than

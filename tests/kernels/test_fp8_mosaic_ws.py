@@ -5,6 +5,8 @@ run it)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -15,6 +17,22 @@ from test_moe_w8a8_mosaic import stand_in_call
 from ling_jax.quantized import BlockFP8Weight
 from pallas_kernels.fp8 import fp8_linear, gpu_mosaic_ws, tuned
 from pallas_kernels.fp8.ops import MOSAIC_WS, W8A8
+from pallas_kernels.tuning import lookup
+
+
+def test_tuned_tiles_fit_the_product():
+    """The 16-bit default's 256-column tiles where they divide N and fill the SMs (FALLBACK_CORES on a CPU); 128
+    columns for a 384-wide weight, for the joined gate halves (256 wide: 64 items of 8192 rows) and for fp32
+    outputs; one column tile an item where column groups would leave SMs idle."""
+    default = lookup(tuned.W8A8_MOSAIC_WS, dtype=jnp.bfloat16)
+    assert (default.block_n, default.tma_store) == (256, True)
+    fitted = functools.partial(gpu_mosaic_ws.fitted_tiles, default)
+    assert (fitted(8192, 4096).block_n, fitted(8192, 4096).columns) == (256, 2)
+    assert (fitted(8192, 384).block_n, fitted(8192, 384).columns) == (128, 1)  # 3 column tiles: no group of 2
+    assert (fitted(8192, 768).block_n, fitted(8192, 768).columns) == (256, 1)
+    assert (fitted(8192, 256).block_n, fitted(8192, 256).columns) == (128, 1)
+    assert (fitted(2048, 4096).block_n, fitted(2048, 4096).columns) == (256, 1)  # 16 x 16 items
+    assert lookup(tuned.W8A8_MOSAIC_WS, dtype=jnp.float32).block_n == 128
 
 
 def test_warp_specialised_w8a8_wraps_the_grouped_kernel_as_one_expert(monkeypatch):
@@ -55,7 +73,7 @@ def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
         tuned.WarpSpecialisedTiles(128, 4, 2, tma_store=True),
         tuned.WarpSpecialisedTiles(64, 3, 2, tma_store=True),
         tuned.WarpSpecialisedTiles(256, 3, 2),
-        tuned.WarpSpecialisedTiles(256, 3, 1, tma_store=True),
+        tuned.WarpSpecialisedTiles(256, 2, 1, tma_store=True),  # 3 stages of it exceed shared memory in fp32
         tuned.WarpSpecialisedTiles(128, 3, 2, step_blocks=2),  # K = 384: 3 blocks, one a step
         tuned.WarpSpecialisedTiles(128, 3, 2, tma_store=True, step_blocks=3),
     ):
