@@ -64,7 +64,7 @@ def test_warp_specialised_w8a8_wraps_the_grouped_kernel_as_one_expert(monkeypatc
 def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
     """x quantised per token, FP8 products; a partial row tile, one tile, three; 64-, 128- and 256-column tiles (the
     last two weight blocks wide), one or two an item; the outputs written from registers and by TMA through shared
-    memory; one K block a pipeline step and three."""
+    memory; one K block a pipeline step and three; the 16-bit default's 256-column TMA-stored tiles unfitted."""
     out_dim = 2 * MOSAIC_WEIGHT[0]
     weight, x, expected = mosaic_case(rows, dtype, seed=rows, shape=(out_dim, MOSAIC_WEIGHT[1]))
     for tiles in (
@@ -76,6 +76,8 @@ def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
         tuned.WarpSpecialisedTiles(256, 2, 1, tma_store=True),  # 3 stages of it exceed shared memory in fp32
         tuned.WarpSpecialisedTiles(128, 3, 2, step_blocks=2),  # K = 384: 3 blocks, one a step
         tuned.WarpSpecialisedTiles(128, 3, 2, tma_store=True, step_blocks=3),
+        # the 16-bit default at full size (the small products here fit it to 128 columns)
+        *((tuned.WarpSpecialisedTiles(256, 3, 2, tma_store=True),) if dtype == jnp.bfloat16 else ()),
     ):
         y = gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, tiles=tiles)
         assert y.dtype == dtype and y.shape == (rows, out_dim) and bool(jnp.all(jnp.isfinite(y)))
