@@ -49,11 +49,15 @@ def fitted_tiles(tiles: WarpSpecialisedTiles, num_rows: int, n_dim: int) -> Warp
     row_tiles = -(-num_rows // BLOCK_M)
     if tiles.block_n > BLOCK_K and (n_dim % tiles.block_n or row_tiles * (n_dim // tiles.block_n) < cores):
         tiles = dataclasses.replace(tiles, block_n=BLOCK_K)
-    column_tiles = max(1, n_dim // tiles.block_n)
-    columns = math.gcd(tiles.columns, column_tiles)
-    if row_tiles * column_tiles // columns < cores:
-        columns = 1
-    return dataclasses.replace(tiles, columns=columns)
+    tiles = _whole_groups(tiles, n_dim)
+    if row_tiles * max(1, n_dim // tiles.block_n) // tiles.columns < cores:
+        tiles = dataclasses.replace(tiles, columns=1)
+    return tiles
+
+
+def _whole_groups(tiles: WarpSpecialisedTiles, n_dim: int) -> WarpSpecialisedTiles:
+    """tiles with columns cut to a divisor of the product's column tiles."""
+    return dataclasses.replace(tiles, columns=math.gcd(tiles.columns, max(1, n_dim // tiles.block_n)))
 
 
 def takes(x, weight) -> bool:
@@ -80,7 +84,7 @@ def w8a8_linear_ws_mgpu(
     if tiles is None:
         tiles = fitted_tiles(lookup(tuned.W8A8_MOSAIC_WS, dtype=x_MK.dtype), x_MK.shape[0], n_dim)
     else:
-        tiles = dataclasses.replace(tiles, columns=math.gcd(tiles.columns, max(1, n_dim // tiles.block_n)))
+        tiles = _whole_groups(tiles, n_dim)
     if interpret:
         raise ValueError("w8a8_linear_ws_mgpu runs on a GPU only (the Mosaic GPU interpreter lacks its pipeline)")
     if not fits(values_NK, block, tiles.block_n):

@@ -283,7 +283,7 @@ W8A8_MOSAIC_WS = _gpu(
 )
 # the W8A8 products run gpu_mosaic_ws from this K and this many rows: at K = 512 (8192 x 512) it was no faster than
 # gpu_mosaic (191.0-212.0 us against 187.5-195.3 on an H100), from K = 2560 at 8192 rows 1.11-1.17x; fewer rows
-# fill fewer SMs (an item is 128 rows x 256 columns)
+# fill fewer SMs (an item is 128 rows x a group of column tiles)
 MOSAIC_WS_MIN_K = 1024
 MOSAIC_WS_MIN_ROWS = 2048
 # `fp8_linear_many` joins the W8A8 products of one x whose outputs are at most this wide (KDA's f_a / g_a: 128 each)
