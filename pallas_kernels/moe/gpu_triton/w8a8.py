@@ -55,14 +55,17 @@ def _scaled_step(load_lhs, weights):
     def step_products(tile: Tile, step, k0, k_ok_K):
         lhs_MK, row_scale_M = load_lhs(tile, step, k0, k_ok_K)
         scale_row = tile.col0 // weights[0].format.block[0]
-        return (
+        # every weight's scale read before the first product: Triton keeps the order, so a scale read after a
+        # product's wait would hold the next product until its load returns
+        weight_scales = [weight.refs[1][tile.group, scale_row, step] for weight in weights]
+        return tuple(
             scaled_fp8_product(
                 lhs_MK,
                 tile.weight_tile(functools.partial(weight.format.load_e4m3, weight.refs[0]), k0, k_ok_K),
                 row_scale_M,
-                weight.refs[1][tile.group, scale_row, step],
+                weight_scale,
             )
-            for weight in weights
+            for weight, weight_scale in zip(weights, weight_scales)
         )
 
     return step_products
