@@ -59,15 +59,11 @@ def test_warp_specialised_w8a8_wraps_the_grouped_kernel_as_one_expert(monkeypatc
         gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, interpret=True)
 
 
-@gpu_test("the compiled warp-specialised Mosaic GPU W8A8 kernel")
-@pytest.mark.parametrize("dtype, rows", [(jnp.float32, 131), (jnp.bfloat16, 64), (jnp.bfloat16, 300)])
-def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
-    """x quantised per token, FP8 products; a partial row tile, one tile, three; 64-, 128- and 256-column tiles (the
-    last two weight blocks wide), one or two an item; the outputs written from registers and by TMA through shared
-    memory; one K block a pipeline step and three; the 16-bit default's 256-column TMA-stored tiles unfitted."""
-    out_dim = 2 * MOSAIC_WEIGHT[0]
-    weight, x, expected = mosaic_case(rows, dtype, seed=rows, shape=(out_dim, MOSAIC_WEIGHT[1]))
-    for tiles in (
+def compiled_tiles(dtype) -> tuple:
+    """The tile settings the GPU test compiles: 64-, 128- and 256-column tiles (the last two weight blocks wide), one
+    or two an item; the outputs written from registers and by TMA through shared memory; one K block a pipeline
+    step and three; for 16-bit outputs the default's 256-column TMA-stored tiles unfitted."""
+    return (
         None,
         tuned.WarpSpecialisedTiles(64, 3, 2),
         tuned.WarpSpecialisedTiles(128, 4, 2, tma_store=True),
@@ -75,10 +71,35 @@ def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
         tuned.WarpSpecialisedTiles(256, 3, 2),
         tuned.WarpSpecialisedTiles(256, 2, 1, tma_store=True),  # 3 stages of it exceed shared memory in fp32
         tuned.WarpSpecialisedTiles(128, 3, 2, step_blocks=2),  # K = 384: 3 blocks, one a step
-        tuned.WarpSpecialisedTiles(128, 3, 2, tma_store=True, step_blocks=3),
+        # three blocks a step: 64 columns (128 with a TMA store exceed shared memory, in bf16 by 32 bytes)
+        tuned.WarpSpecialisedTiles(64, 3, 2, tma_store=True, step_blocks=3),
         # the 16-bit default at full size (the small products here fit it to 128 columns)
         *((tuned.WarpSpecialisedTiles(256, 3, 2, tma_store=True),) if dtype == jnp.bfloat16 else ()),
-    ):
+    )
+
+
+def test_compiled_tiles_fit_shared_memory():
+    """Every setting of the GPU test below lowers for CUDA at its shape (300 rows, 512 x 384) in fp32 and bf16: the
+    lowering refuses a kernel past an SM's 227 KiB of shared memory, which the GPU would only tell on the device."""
+    shape = jax.ShapeDtypeStruct
+    weight = (shape((2 * MOSAIC_WEIGHT[0], MOSAIC_WEIGHT[1]), jnp.float8_e4m3fn), shape((4, 3), jnp.float32))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for tiles in compiled_tiles(dtype):
+            lower_for_cuda(
+                functools.partial(gpu_mosaic_ws.w8a8_linear_ws_mgpu, block=(128, 128), tiles=tiles),
+                shape((300, MOSAIC_WEIGHT[1]), dtype),
+                *weight,
+            )
+
+
+@gpu_test("the compiled warp-specialised Mosaic GPU W8A8 kernel")
+@pytest.mark.parametrize("dtype, rows", [(jnp.float32, 131), (jnp.bfloat16, 64), (jnp.bfloat16, 300)])
+def test_compiled_warp_specialised_w8a8_matches_float64(dtype, rows):
+    """x quantised per token, FP8 products, at every setting of `compiled_tiles`; a partial row tile, one tile,
+    three."""
+    out_dim = 2 * MOSAIC_WEIGHT[0]
+    weight, x, expected = mosaic_case(rows, dtype, seed=rows, shape=(out_dim, MOSAIC_WEIGHT[1]))
+    for tiles in compiled_tiles(dtype):
         y = gpu_mosaic_ws.w8a8_linear_ws_mgpu(x, weight.values, weight.scales, block=weight.block, tiles=tiles)
         assert y.dtype == dtype and y.shape == (rows, out_dim) and bool(jnp.all(jnp.isfinite(y)))
         assert rel_error(y, expected) <= (1e-2 if dtype == jnp.bfloat16 else 1e-3), tiles
