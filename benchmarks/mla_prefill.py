@@ -4,6 +4,8 @@ flash-style path under XLA (`flash_expanded_attention`, the model's prefill toda
 
     python -m benchmarks.mla_prefill           # a 2048-token chunk over 8192 and 32768 cache slots, H=64
     python -m benchmarks.mla_prefill --quick   # small sizes
+    python -m benchmarks.mla_prefill --heads 32 --sizes 8192x32768 --sweep   # Ling-3.0-flash's last chunk of a 32k
+                                               # prompt, and the flash tiles of SWEEP at segment 4096
 
 Ling widths (nope 128, rope 64, value 128, latent 512), bf16, one sequence whose chunk ends at the last slot
 (causal: the chunk's queries see every earlier slot). Each path is checked against the other on the device,
@@ -24,13 +26,23 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks.common import median_seconds, rel_error  # noqa: E402
 from pallas_kernels.mla.ops import kernel  # noqa: E402
 from pallas_kernels.mla.reference import flash_expanded_attention  # noqa: E402
-from pallas_kernels.mla.tuned import PREFILL  # noqa: E402
+from pallas_kernels.mla.tuned import PREFILL, PrefillTiles  # noqa: E402
 from pallas_kernels.tuning import lookup  # noqa: E402
 
 flash_expanded_attention_gpu = kernel("mla_prefill", "gpu_triton")
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 64, 128, 64, 128, 512
 SEGMENTS = (2048, 4096)  # the kernel's key segment, swept
+# (block_q, block_k, num_warps, num_stages) at segment 4096 for --sweep; the first is the tuned default
+SWEEP = [
+    (64, 64, 4, 2),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 128, 4, 2),
+    (128, 64, 4, 2),
+    (64, 64, 4, 3),
+]
 
 
 def segment_tiles(segment: int):
@@ -38,18 +50,18 @@ def segment_tiles(segment: int):
     return dataclasses.replace(lookup(PREFILL, dtype=jnp.bfloat16), segment=segment)
 
 
-def inputs(length: int, slots: int):
+def inputs(length: int, slots: int, heads: int = HEADS):
     keys = jax.random.split(jax.random.key(slots), 5)
     normal = lambda key, shape, s=1.0: (s * jax.random.normal(key, shape)).astype(jnp.bfloat16)  # noqa: E731
     first = slots - length
     return (
-        normal(keys[0], (1, length, HEADS, NOPE)),
-        normal(keys[1], (1, length, HEADS, ROPE)),
+        normal(keys[0], (1, length, heads, NOPE)),
+        normal(keys[1], (1, length, heads, ROPE)),
         normal(keys[2], (1, slots, LATENT + ROPE)),
         (first + jnp.arange(length))[None].astype(jnp.int32),
         jnp.ones((1, slots), bool),
-        normal(keys[3], (HEADS, NOPE, LATENT), LATENT**-0.5),
-        normal(keys[4], (HEADS, VALUE, LATENT), LATENT**-0.5),
+        normal(keys[3], (heads, NOPE, LATENT), LATENT**-0.5),
+        normal(keys[4], (heads, VALUE, LATENT), LATENT**-0.5),
     )
 
 
@@ -57,17 +69,29 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--heads", type=int, default=HEADS, help=f"query heads (default {HEADS}: Ling-3.1-flash's)")
+    parser.add_argument(
+        "--sizes", help="comma-separated CHUNKxSLOTS, the chunk ending at the last slot (default 2048x8192,2048x32768)"
+    )
+    parser.add_argument("--sweep", action="store_true", help="also the flash tiles of SWEEP at segment 4096")
     args = parser.parse_args(argv)
+    try:
+        sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
+    except ValueError:
+        parser.error(f"--sizes: expected CHUNKxSLOTS[,CHUNKxSLOTS...], got {args.sizes!r}")
+    if sizes and any(len(size) != 2 or not 0 < size[0] <= size[1] for size in sizes):
+        parser.error(f"--sizes: each CHUNKxSLOTS needs 0 < CHUNK <= SLOTS, got {args.sizes!r}")
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")
     scale = (NOPE + ROPE) ** -0.5
-    sizes = [(256, 1024)] if args.quick else [(2048, 8192), (2048, 32768)]
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    sizes = sizes or ([(256, 1024)] if args.quick else [(2048, 8192), (2048, 32768)])
+    sweep = [PrefillTiles(4096, *tiles) for tiles in SWEEP] if args.sweep else []
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.heads} heads")
     print("| chunk | cache slots | path | ms | TFLOP/s | rel. err vs jnp |\n|---|---|---|---|---|---|")
     for length, slots in sizes:
-        case = inputs(length, slots)
+        case = inputs(length, slots, args.heads)
         visible_pairs = length * (slots - length) + length * (length + 1) // 2
-        flops = 2 * visible_pairs * HEADS * (NOPE + ROPE + VALUE)
+        flops = 2 * visible_pairs * args.heads * (NOPE + ROPE + VALUE)
         jnp_path = jax.jit(functools.partial(flash_expanded_attention, scale=scale))
         ref = jnp_path(*case)
         paths = [("jnp flash (XLA)", jnp_path)] + [
@@ -76,6 +100,13 @@ def main(argv=None) -> int:
                 jax.jit(functools.partial(flash_expanded_attention_gpu, scale=scale, tiles=segment_tiles(segment))),
             )
             for segment in SEGMENTS
+        ]
+        paths += [
+            (
+                f"Pallas kernel, tiles {tiles.block_q, tiles.block_k, tiles.num_warps, tiles.num_stages}",
+                jax.jit(functools.partial(flash_expanded_attention_gpu, scale=scale, tiles=tiles)),
+            )
+            for tiles in sweep
         ]
         for name, fn in paths:
             err = rel_error(fn(*case), ref)
