@@ -78,8 +78,10 @@ def main(argv=None) -> int:
     try:
         sizes = [tuple(int(n) for n in size.split("x")) for size in args.sizes.split(",")] if args.sizes else None
     except ValueError:
+        sizes = [()]
+    if sizes and any(len(size) != 2 for size in sizes):
         parser.error(f"--sizes: expected CHUNKxSLOTS[,CHUNKxSLOTS...], got {args.sizes!r}")
-    if sizes and any(len(size) != 2 or not 0 < size[0] <= size[1] for size in sizes):
+    if sizes and any(not 0 < chunk <= slots for chunk, slots in sizes):
         parser.error(f"--sizes: each CHUNKxSLOTS needs 0 < CHUNK <= SLOTS, got {args.sizes!r}")
     if jax.default_backend() != "gpu":
         parser.error(f"needs a GPU (jax.default_backend() is {jax.default_backend()!r})")

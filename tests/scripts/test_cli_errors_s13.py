@@ -364,3 +364,12 @@ def test_w8a8_moe_bench_refuses_quick_with_a_preset_width(capsys):
 
     argv = ["--quick", "--width-of", "ling-3.0-flash"]
     assert "--quick runs its own small sizes" in _usage_error(capsys, w8a8.main, argv)[-1]
+
+
+def test_mla_prefill_bench_refuses_bad_sizes(capsys):
+    """`benchmarks.mla_prefill --sizes`: CHUNKxSLOTS pairs with the chunk inside the cache, refused before the GPU
+    check."""
+    from benchmarks import mla_prefill
+
+    assert "expected CHUNKxSLOTS" in _usage_error(capsys, mla_prefill.main, ["--sizes", "8192"])[-1]
+    assert "0 < CHUNK <= SLOTS" in _usage_error(capsys, mla_prefill.main, ["--sizes", "4096x2048"])[-1]
