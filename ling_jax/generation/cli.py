@@ -42,6 +42,7 @@ from ling_jax.generation.generator import (
     Generator,
     MediaInputs,
     cache_length,
+    default_prefill_chunk,
     prefill_chunks,
 )
 from ling_jax.generation.random_init import random_model
@@ -179,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "template when the tokenizer has one); ends at end of input or 'exit'",
     )
 
-    flags.add_execution_flags(parser, prefill_chunk=2048, kernel_backend=True, mesh_shorthands=True)
+    flags.add_execution_flags(parser, prefill_chunk=None, kernel_backend=True, mesh_shorthands=True)
 
     distributed.add_arguments(
         parser,
@@ -327,6 +328,8 @@ def _prepare(args: argparse.Namespace) -> Run:
         if args.interactive:
             interactive.check_flags(args)
         texts = [] if args.interactive else _read_prompts(args)
+        if args.prefill_chunk is None:
+            args.prefill_chunk = default_prefill_chunk(len(texts))
         source = _model_source(args, verbose=is_main)  # config and tokenizer: checked before any weight is read
         config = source.text_config
         if args.interactive and args.system is not None and source.tokenizer.chat_template is None:
@@ -376,7 +379,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     flags.check_at_least(
         (
             ("--max-new-tokens", args.max_new_tokens, 1),
-            ("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),
+            *((("--prefill-chunk", args.prefill_chunk, MIN_CHUNK),) if args.prefill_chunk is not None else ()),
             ("--mtp", args.mtp, 0),
         )
     )

@@ -17,7 +17,7 @@ from ling_jax.checkpoints.hf import STORED, WEIGHTS
 from ling_jax.checkpoints.orbax import LAYOUT_FILE
 from ling_jax.generation import cli_runtime
 from ling_jax.generation.cli_checks import MAX_MTP
-from ling_jax.generation.generator import MIN_CHUNK
+from ling_jax.generation.generator import LEAST_DEFAULT_CHUNK, MIN_CHUNK, PREFILL_TOKENS
 from ling_jax.policy import FP8Matmul, KernelBackend
 from ling_jax.presets import PRESETS
 from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
@@ -99,9 +99,10 @@ def add_mesh_flag(group, *, default: str | None = None, default_means: str = "on
 
 
 def add_execution_flags(
-    parser: argparse.ArgumentParser, *, prefill_chunk: int, kernel_backend: bool, mesh_shorthands: bool
+    parser: argparse.ArgumentParser, *, prefill_chunk: int | None, kernel_backend: bool, mesh_shorthands: bool
 ):
-    """The "execution" group: --prefill-chunk (its default `prefill_chunk`), --kernel-backend (where the command
+    """The "execution" group: --prefill-chunk (its default `prefill_chunk`; None: by the prompts,
+    `generator.default_prefill_chunk`, for the command to fill in), --kernel-backend (where the command
     picks kernels), --fp8-matmul, --mtp, --mesh (with `mesh_shorthands`, --tp and --ep too), --no-memory-check,
     --no-compile-cache.
     -> the group, for a command's own execution flags."""
@@ -111,7 +112,13 @@ def add_execution_flags(
         type=int,
         default=prefill_chunk,
         metavar="N",
-        help=f"prefill long prompts N tokens at a time, N >= {MIN_CHUNK} (default {prefill_chunk})",
+        help=f"prefill long prompts N tokens at a time, N >= {MIN_CHUNK} (default "
+        + (
+            f"{prefill_chunk})"
+            if prefill_chunk is not None
+            else f"{PREFILL_TOKENS} tokens a call over the prompts, at least {LEAST_DEFAULT_CHUNK} a prompt: 8192 "
+            "for one prompt, 4096 for two, 2048 from three)"
+        ),
     )
     if kernel_backend:
         group.add_argument(

@@ -13,7 +13,14 @@ from flax import nnx
 
 from ling_jax import LingForCausalLM
 from ling_jax.generation import generator as generator_module
-from ling_jax.generation.generator import DECODE_READ_GROUP, DecodeState, Generator, _prefill_chunk, prefill_chunks
+from ling_jax.generation.generator import (
+    DECODE_READ_GROUP,
+    DecodeState,
+    Generator,
+    _prefill_chunk,
+    default_prefill_chunk,
+    prefill_chunks,
+)
 from ling_jax.generation.sampling import SamplingArrays, SamplingParams, sample, seen_from_prompts, update_seen
 from ling_jax.generation.static_model import split_model
 from ling_jax.presets import preset
@@ -94,6 +101,20 @@ def _one_step_loop(model, prompts, sampling, max_new_tokens):
         )
         columns.append(np.asarray(token))
     return np.stack(columns, axis=1).tolist()
+
+
+def test_default_prefill_chunk_splits_8192_tokens_over_the_prompts():
+    """generate.py's --prefill-chunk default: 8192 tokens a call for one prompt (and --interactive's none yet), 4096 a
+    row for two, never below the fixed 2048 of before."""
+    assert [default_prefill_chunk(rows) for rows in (0, 1, 2, 3, 4, 5, 64)] == [
+        8192,
+        8192,
+        4096,
+        2048,
+        2048,
+        2048,
+        2048,
+    ]
 
 
 def test_prefill_chunks_cover_the_prompt_with_few_shapes():
