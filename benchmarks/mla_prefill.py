@@ -32,7 +32,7 @@ from pallas_kernels.tuning import lookup  # noqa: E402
 flash_expanded_attention_gpu = kernel("mla_prefill", "gpu_triton")
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 64, 128, 64, 128, 512
-SEGMENTS = (2048, 4096)  # the kernel's key segment, swept
+SEGMENTS = (2048, 4096, 8192)  # the kernel's key segment, swept
 # (block_q, block_k, num_warps, num_stages) at segment 4096 for --sweep; the first is the tuned default
 SWEEP = [
     (64, 64, 4, 2),
