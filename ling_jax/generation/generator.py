@@ -507,9 +507,18 @@ def default_prefill_chunk(rows: int) -> int:
 
 
 def prefill_chunks(longest: int, chunk: int) -> list[int]:
-    """Chunk lengths covering a left-padded prompt of >= `longest` tokens: a power-of-two head, then full chunks."""
+    """Chunk lengths covering a left-padded prompt of >= `longest` tokens: a head of powers of two for the tokens
+    past the whole chunks (few compiled shapes), then full chunks. The head is one power of two, or, past
+    LEAST_DEFAULT_CHUNK, two where two pad less (5,000 tokens: 4096 + 1024 rather than 8192; a call costs a read of
+    every weight and a shorter head a compile of its own, so never three, nor two for short heads)."""
     full, rest = divmod(longest, chunk)
-    head = [min(chunk, max(MIN_CHUNK, 1 << (rest - 1).bit_length()))] if rest else []
+    if not rest:
+        return [chunk] * full
+    one = min(chunk, max(MIN_CHUNK, 1 << (rest - 1).bit_length()))
+    low = 1 << (rest.bit_length() - 1)  # the largest power of two <= rest
+    split = one > LEAST_DEFAULT_CHUNK and low < rest
+    two = [low, max(MIN_CHUNK, 1 << (rest - low - 1).bit_length())] if split else []
+    head = two if two and sum(two) < one else [one]
     return head + [chunk] * full
 
 

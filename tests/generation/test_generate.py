@@ -122,6 +122,17 @@ def test_prefill_chunks_cover_the_prompt_with_few_shapes():
     assert prefill_chunks(100, 2048) == [128]
     assert prefill_chunks(4096, 2048) == [2048, 2048]
     assert prefill_chunks(4100, 2048) == [16, 2048, 2048]
+    # past 2048 tokens, two head pieces where they pad less than one: 5,000 tokens in 5,120 slots, not 8,192
+    assert prefill_chunks(5000, 8192) == [4096, 1024]
+    assert prefill_chunks(8192 + 3000, 8192) == [2048, 1024, 8192]
+    assert prefill_chunks(6500, 8192) == [8192]  # 4096 + 4096 pads as much
+    assert prefill_chunks(1500, 8192) == [2048]  # a short head stays one compiled shape
+    for longest in (1, 17, 999, 2049, 4097, 6143, 8191, 12289, 40000):
+        chunks = prefill_chunks(longest, 8192)
+        assert sum(chunks) >= longest and len(chunks) <= 2 + longest // 8192
+        assert all(c & (c - 1) == 0 and 16 <= c <= 8192 for c in chunks)
+        head = longest % 8192
+        assert head <= 2048 or sum(chunks) - longest < head // 2  # a long head pads under half its tokens
 
 
 def test_cached_greedy_equals_recomputed_argmax_for_ragged_prompts(model):
