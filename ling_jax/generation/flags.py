@@ -17,7 +17,7 @@ from ling_jax.checkpoints.hf import STORED, WEIGHTS
 from ling_jax.checkpoints.orbax import LAYOUT_FILE
 from ling_jax.generation import cli_runtime
 from ling_jax.generation.cli_checks import MAX_MTP
-from ling_jax.generation.generator import LEAST_DEFAULT_CHUNK, MIN_CHUNK, PREFILL_TOKENS
+from ling_jax.generation.generator import LEAST_DEFAULT_CHUNK, MIN_CHUNK, PREFILL_TOKENS, default_prefill_chunk
 from ling_jax.policy import FP8Matmul, KernelBackend
 from ling_jax.presets import PRESETS
 from ling_jax.sharding import ShardingError, make_mesh, parse_mesh
@@ -116,8 +116,9 @@ def add_execution_flags(
         + (
             f"{prefill_chunk})"
             if prefill_chunk is not None
-            else f"{PREFILL_TOKENS} tokens a call over the prompts, at least {LEAST_DEFAULT_CHUNK} a prompt: 8192 "
-            "for one prompt, 4096 for two, 2048 from three)"
+            else f"{PREFILL_TOKENS} tokens a call over the prompts, at least {LEAST_DEFAULT_CHUNK} a prompt: "
+            f"{default_prefill_chunk(1)} for one prompt, {default_prefill_chunk(2)} for two, "
+            f"{default_prefill_chunk(3)} from three)"
         ),
     )
     if kernel_backend:

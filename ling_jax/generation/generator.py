@@ -503,7 +503,12 @@ def default_prefill_chunk(rows: int) -> int:
     """generate.py's --prefill-chunk for `rows` prompts: PREFILL_TOKENS a call split over the rows (rounded up to a
     power of two), at least LEAST_DEFAULT_CHUNK a row. Each call re-reads every weight, so on a large model fewer,
     longer calls prefill faster; at 4+ rows the chunk stays 2048, whose memory the earlier default already took."""
-    return max(LEAST_DEFAULT_CHUNK, PREFILL_TOKENS // (1 << (max(rows, 1) - 1).bit_length()))
+    return max(LEAST_DEFAULT_CHUNK, PREFILL_TOKENS // _power_of_two_at_least(rows))
+
+
+def _power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def prefill_chunks(longest: int, chunk: int) -> list[int]:
@@ -514,10 +519,10 @@ def prefill_chunks(longest: int, chunk: int) -> list[int]:
     full, rest = divmod(longest, chunk)
     if not rest:
         return [chunk] * full
-    one = min(chunk, max(MIN_CHUNK, 1 << (rest - 1).bit_length()))
+    one = min(chunk, max(MIN_CHUNK, _power_of_two_at_least(rest)))
     low = 1 << (rest.bit_length() - 1)  # the largest power of two <= rest
     split = one > LEAST_DEFAULT_CHUNK and low < rest
-    two = [low, max(MIN_CHUNK, 1 << (rest - low - 1).bit_length())] if split else []
+    two = [low, max(MIN_CHUNK, _power_of_two_at_least(rest - low))] if split else []
     head = two if two and sum(two) < one else [one]
     return head + [chunk] * full
 
