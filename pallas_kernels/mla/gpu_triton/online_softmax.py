@@ -16,6 +16,14 @@ def start(rows: int, width: int):
     )
 
 
+def resume(o_RW, lse_R):
+    """The running state equal to an attention already normalised with its log-sum-exp (o [rows, width] fp32, zeros
+    and lse -inf where no key was seen): with the max at lse the sum is 1 and the accumulator is o, so adding
+    blocks to it merges exactly, as `start` where nothing was seen."""
+    seen = lse_R > -jnp.inf
+    return o_RW, jnp.where(seen, lse_R, -1e30), seen.astype(jnp.float32)
+
+
 def add_block(carry, scores_RK, visible_RK, values_KW, dot):
     """The running state after a key block: its scores [rows, keys] (-inf where not visible) folded into the max,
     the accumulator and sums rescaled to it, plus softmax weights (in the values' dtype) @ values [keys, width] with

@@ -5,11 +5,11 @@ expanded keys, and the exact merge of segments.
 t sees key slot s iff s <= query_slots[b, t] and key_valid[b, s]. It walks the latent cache in segments of
 `segment` slots; per segment XLA expands the keys once for all queries (k_nope [B, S, H, N] and v
 [B, S, H, V] from c_kv with W_UK, W_UV; the rope key k_pe [B, S, P] is shared by the heads), and the kernel
-runs flash attention over it: program (query block, head, sequence) keeps its [block_q, V] fp32 accumulator
-and online softmax over key blocks, stops at the last key block any of its queries can see, and writes its
-normalised output and log-sum-exp. Each segment merges exactly into a running (output, log-sum-exp) pair, so
-the expanded keys never exceed one segment (at 4096 slots, B x 4096 x H x 256 values) and the partial outputs
-one [B, T, H, V] fp32 array; segments past the last visible slot (the rest of a long cache) are skipped.
+runs flash attention over it: program (query block, head, sequence) resumes its online softmax from the running
+(output, log-sum-exp) pair of the segments before (`online_softmax.resume`: an exact merge, in place), walks the
+key blocks, stops at the last one any of its queries can see, and writes the pair back. So the expanded keys
+never exceed one segment (at 4096 slots, B x 4096 x H x 256 values) and the partial outputs one [B, T, H, V]
+fp32 array; segments past the last visible slot (the rest of a long cache) are skipped.
 
 N, P, V must be powers of two of at least 16 (Ling: 128, 64, 128): Triton's block shapes are powers of two
 and its dot wants 16 or more along each axis.
@@ -44,6 +44,8 @@ def _segment_kernel(
     k_nope_ref,
     k_pe_ref,
     v_ref,
+    o_in_ref,
+    lse_in_ref,
     o_ref,
     lse_ref,
     *,
@@ -71,34 +73,32 @@ def _segment_kernel(
 
     frontier = jnp.max(slots_Q) - first + 1  # keys past the block's last visible slot are never loaded
     num_blocks = jnp.clip(pl.cdiv(jnp.minimum(frontier, num_keys), block_k), 0, pl.cdiv(num_keys, block_k))
-    carry = jax.lax.fori_loop(0, num_blocks, body, online_softmax.start(*o_ref.shape))
-    online_softmax.store(o_ref, lse_ref, carry)
-
-
-def _merge(o_a, lse_a, o_b, lse_b):
-    """The exact union of two softmax attentions over disjoint keys, each normalised with its log-sum-exp
-    (-inf and zeros where it saw no key): (o [B, T, H, V], lse [B, T, H])."""
-    peak = jnp.maximum(lse_a, lse_b)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weight_a, weight_b = jnp.exp(lse_a - peak), jnp.exp(lse_b - peak)
-    total = weight_a + weight_b
-    seen = total > 0
-    scale = 1.0 / jnp.where(seen, total, 1.0)
-    o = o_a * (weight_a * scale)[..., None] + o_b * (weight_b * scale)[..., None]
-    return o, jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    running = online_softmax.resume(o_in_ref[...], lse_in_ref[...])
+    online_softmax.store(o_ref, lse_ref, jax.lax.fori_loop(0, num_blocks, body, running))
 
 
 def _query_block(length: int, block_q: int) -> int:
     return min(block_q, pl.next_power_of_2(length))
 
 
-def _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q: int):
-    """The queries padded to whole query blocks (pad queries see no key: slot -1); no copy when they are."""
+def _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, o_BTHV, lse_BTH, block_q: int):
+    """The queries and their running attention padded to whole query blocks (pad queries see no key: slot -1,
+    zeros and lse -inf); no copy when they are."""
     pad = ((0, 0), (0, -q_nope_BTHN.shape[1] % block_q))
     return (
         jnp.pad(q_nope_BTHN, pad + ((0, 0), (0, 0))),
         jnp.pad(q_pe_BTHP, pad + ((0, 0), (0, 0))),
         jnp.pad(query_slots_BT.astype(jnp.int32), pad, constant_values=-1),
+        jnp.pad(o_BTHV, pad + ((0, 0), (0, 0))),
+        jnp.pad(lse_BTH, pad + ((0, 0),), constant_values=-jnp.inf),
+    )
+
+
+def nothing_seen(batch: int, length: int, heads: int, value_dim: int):
+    """The running attention before any key: (o zeros [B, T, H, V] fp32, lse -inf [B, T, H])."""
+    return (
+        jnp.zeros((batch, length, heads, value_dim), jnp.float32),
+        jnp.full((batch, length, heads), -jnp.inf, jnp.float32),
     )
 
 
@@ -111,14 +111,17 @@ def attention_segment_gpu(
     query_slots_BT,
     key_valid_BS,
     first_slot,
+    o_BTHV,
+    lse_BTH,
     *,
     scale: float,
     tiles: tuned.PrefillTiles,
     interpret: bool = False,
 ):
-    """Flash attention of every query over the segment's keys (slots first_slot + [0, S); S a power of two):
-    (o [B, T, H, V] fp32, normalised within the segment, lse [B, T, H]; -inf and zeros where no key is visible).
-    Tiles: block_q, block_k, num_warps, num_stages (the segment is the keys')."""
+    """The running attention (o [B, T, H, V] fp32, normalised, lse [B, T, H]; zeros and -inf where no key was
+    seen, as `nothing_seen`) with the segment's keys (slots first_slot + [0, S); S a power of two) merged in
+    exactly, inside the kernel (the running arrays are updated in place). Tiles: block_q, block_k, num_warps,
+    num_stages (the segment is the keys')."""
     batch, length, heads, nope = q_nope_BTHN.shape
     segment, value_dim, rope = k_nope_BSHN.shape[1], v_BSHV.shape[-1], q_pe_BTHP.shape[-1]
     if not kernel_dims_fit(nope, rope, value_dim):
@@ -128,8 +131,14 @@ def attention_segment_gpu(
         )
     block_q = _query_block(length, tiles.block_q)
     block_k = min(tiles.block_k, segment)
-    q_nope, q_pe, slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)
+    q_nope, q_pe, slots, o_in, lse_in = _padded_queries(
+        q_nope_BTHN, q_pe_BTHP, query_slots_BT, o_BTHV, lse_BTH, block_q
+    )
     padded = q_nope.shape[1]
+    running_specs = [
+        pl.BlockSpec((None, block_q, None, value_dim), lambda i, h, b: (b, i, h, 0)),
+        pl.BlockSpec((None, block_q, None), lambda i, h, b: (b, i, h)),
+    ]
     kernel = functools.partial(_segment_kernel, scale=scale, block_k=block_k)
     o, lse = pl.pallas_call(
         kernel,
@@ -143,15 +152,11 @@ def attention_segment_gpu(
             pl.BlockSpec((None, segment, None, nope), lambda i, h, b: (b, 0, h, 0)),
             pl.BlockSpec((None, segment, rope), lambda i, h, b: (b, 0, 0)),
             pl.BlockSpec((None, segment, None, value_dim), lambda i, h, b: (b, 0, h, 0)),
+            *running_specs,
         ],
-        out_specs=[
-            pl.BlockSpec((None, block_q, None, value_dim), lambda i, h, b: (b, i, h, 0)),
-            pl.BlockSpec((None, block_q, None), lambda i, h, b: (b, i, h)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, padded, heads, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, padded, heads), jnp.float32),
-        ],
+        out_specs=running_specs,
+        out_shape=[jax.ShapeDtypeStruct(o_in.shape, jnp.float32), jax.ShapeDtypeStruct(lse_in.shape, jnp.float32)],
+        input_output_aliases={8: 0, 9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="mla_prefill_segment",
@@ -164,6 +169,8 @@ def attention_segment_gpu(
         k_nope_BSHN,
         k_pe_BSP,
         v_BSHV,
+        o_in.astype(jnp.float32),
+        lse_in.astype(jnp.float32),
     )
     return o[:, :length], lse[:, :length]
 
@@ -196,15 +203,17 @@ def flash_expanded_attention_gpu(
     w_uk, w_uv = w_uk_HNR.astype(dtype), w_uv_HVR.astype(dtype)
     length = q_nope_BTHN.shape[1]
     block_q = _query_block(length, tiles.block_q)
-    q_nope, q_pe, query_slots = _padded_queries(q_nope_BTHN, q_pe_BTHP, query_slots_BT, block_q)  # once
+    value_dim = w_uv_HVR.shape[1]
+    # padded once: the segments then update the running attention in place
+    q_nope, q_pe, query_slots, *running = _padded_queries(
+        q_nope_BTHN, q_pe_BTHP, query_slots_BT, *nothing_seen(batch, length, heads, value_dim), block_q
+    )
     attend = functools.partial(
         attention_segment_gpu,
         scale=scale,
         tiles=dataclasses.replace(tiles, segment=segment, block_q=block_q),
         interpret=interpret,
     )
-
-    value_dim = w_uv_HVR.shape[1]
 
     def add_segment(index, carry):
         first = index * segment
@@ -213,14 +222,9 @@ def flash_expanded_attention_gpu(
         k_nope = jnp.einsum("bsr,hnr->bshn", c_kv, w_uk)
         v = jnp.einsum("bsr,hvr->bshv", c_kv, w_uv)
         valid = jax.lax.dynamic_slice_in_dim(key_valid, first, segment, axis=1)
-        return _merge(*carry, *attend(q_nope, q_pe, k_nope, k_pe, v, query_slots, valid, first))
+        return attend(q_nope, q_pe, k_nope, k_pe, v, query_slots, valid, first, *carry)
 
     # segments past the last visible slot are neither expanded nor attended
     needed = jnp.clip(jnp.max(query_slots) // segment + 1, 0, (slots + pad) // segment)
-    padded = q_nope.shape[1]
-    nothing_seen = (
-        jnp.zeros((batch, padded, heads, value_dim), jnp.float32),
-        jnp.full((batch, padded, heads), -jnp.inf, jnp.float32),
-    )
-    o, _ = jax.lax.fori_loop(0, needed, add_segment, nothing_seen)
+    o, _ = jax.lax.fori_loop(0, needed, add_segment, tuple(running))
     return o[:, :length].astype(dtype)
