@@ -36,24 +36,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.compat import mosaic_gpu_interpret
-from pallas_kernels.mla import tuned
+from pallas_kernels.mla import mosaic_parts, tuned
 from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.tuning import lookup
 
 HEADS = 64  # wgmma's M; fewer heads are padded to it
 CONSUMERS = 2
-SWIZZLE = 128  # bytes: 64 bf16 columns per swizzle tile
-
-
-def _smem_layout():
-    """Tiling and swizzle of a bf16 wgmma operand in shared memory (rows of 64 or more columns)."""
-    return (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
-
-
-def _keep_layout(x, layout):
-    """Interpret mode's stand-in for plgpu.layout_cast (register layouts do not exist there)."""
-    del layout
-    return x
 
 
 def _rescaled_plus_values(acc_chunks, correction_H, p_smem, values_smem, chunk_cols):
@@ -164,18 +152,7 @@ def _producer(
     def load_tile(t, slot):
         plgpu.copy_gmem_to_smem(cache_tile(first_tile + t), kv_smem.at[slot], kv_ready.at[slot])
 
-    for t in range(stages):
-        pl.when(t < num_tiles)(functools.partial(load_tile, t, t))
-
-    @pl.loop(stages, jnp.maximum(num_tiles, stages))
-    def _refill(t):
-        slot = lax.rem(t, stages)
-        plgpu.barrier_wait(kv_free.at[slot])
-        load_tile(t, slot)
-
-    @pl.loop(jnp.maximum(num_tiles - stages, 0), num_tiles)
-    def _drain(t):  # the last tiles' releases: every barrier phase is observed before the barriers go away
-        plgpu.barrier_wait(kv_free.at[lax.rem(t, stages)])
+    mosaic_parts.fill_ring(num_tiles, stages, load_tile, kv_free)
 
 
 def _kernel(
@@ -218,7 +195,7 @@ def _kernel(
         o_gmem.at[batch, split],
         lse_gmem.at[batch, split],
     )
-    cast = _keep_layout if interpret else plgpu.layout_cast
+    cast = mosaic_parts.keep_layout if interpret else plgpu.layout_cast
     pl.when(warpgroup == 0)(
         functools.partial(
             _scores_consumer,
@@ -320,7 +297,7 @@ def _run(
     split_len = pl.cdiv(pl.cdiv(max_len, num_splits), block_k) * block_k
     q_BHA = jnp.concatenate([q_latent_BHR, q_rope_BHP], axis=-1).astype(dtype)
     q_BHA = jnp.pad(q_BHA, ((0, 0), (0, HEADS - heads), (0, 0)))
-    layout = _smem_layout()
+    layout = mosaic_parts.operand_layout()
     kernel = functools.partial(
         body, scale=scale, block_k=block_k, split_len=split_len, stages=stages, pv_chunk=pv_chunk, interpret=interpret
     )

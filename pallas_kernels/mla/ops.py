@@ -19,6 +19,7 @@ from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_referenc
 from pallas_kernels.fp8.reference import is_quantized
 from pallas_kernels.mla.gpu_mosaic import HEADS as MOSAIC_MAX_HEADS
 from pallas_kernels.mla.gpu_mosaic import mla_decode_mgpu, mla_decode_paged_mgpu
+from pallas_kernels.mla.gpu_mosaic_prefill import flash_expanded_attention_mgpu
 from pallas_kernels.mla.gpu_triton import (
     ROWS,
     absorb_query_gpu,
@@ -64,6 +65,7 @@ VARIANTS = {
     "mla_prefill": {
         REFERENCE: Variant(None, flash_expanded_attention),
         "gpu_triton": Variant("gpu", flash_expanded_attention_gpu),
+        "gpu_mosaic": Variant("gpu", flash_expanded_attention_mgpu),
     },
 }
 
@@ -236,12 +238,20 @@ def expand_output(o_latent_MHR, kv_b_HCR, nope: int, *, dtype=None, backend: str
     return expand_output_reference(o_latent_MHR, _dense_kv_b(kv_b_HCR, dtype), nope)
 
 
-# Arguments: the seven arrays of `mla_prefill`, then scale and interpret (static).
-_prefill_gpu = with_reference_vjp(
-    lambda *a: flash_expanded_attention_gpu(*a[:7], scale=a[7], interpret=a[8]),
-    lambda *a: flash_expanded_attention(*a[:7], scale=a[7]),
-    nondiff_argnums=(7, 8),
-)
+def _with_flash_vjp(kernel_fn):
+    """The kernel with the jnp flash path's backward pass. Arguments: the seven arrays of `mla_prefill`, then
+    scale and interpret (static)."""
+    return with_reference_vjp(
+        lambda *a: kernel_fn(*a[:7], scale=a[7], interpret=a[8]),
+        lambda *a: flash_expanded_attention(*a[:7], scale=a[7]),
+        nondiff_argnums=(7, 8),
+    )
+
+
+_PREFILL_KERNELS = {
+    "gpu_triton": _with_flash_vjp(flash_expanded_attention_gpu),
+    "gpu_mosaic": _with_flash_vjp(flash_expanded_attention_mgpu),
+}
 
 
 def mla_prefill(
@@ -264,12 +274,14 @@ def mla_prefill(
     Without a variant named, a GPU backend ("pallas_gpu", or "interpret_gpu" in Pallas interpret mode) runs the
     Triton flash kernel ("gpu_triton", `gpu_triton/prefill.py`) when the nope, rope and value head dims are
     powers of two of at least 16 (Ling: 128, 64, 128); every other case runs the jnp flash path ("reference").
-    Differentiable: the kernel's backward pass is the jnp path's.
+    "gpu_mosaic" (`gpu_mosaic_prefill.py`, Hopper, 16-bit queries) runs when named. Differentiable: the
+    kernels' backward pass is the jnp path's.
     """
     args = (q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR)
     backend = resolve_backend(backend)
     fits = kernel_dims_fit(q_nope_BTHN.shape[-1], q_pe_BTHP.shape[-1], w_uv_HVR.shape[1])
     default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if fits else REFERENCE
-    if variants.pick(VARIANTS, "mla_prefill", variant, backend, default) == "gpu_triton":
-        return _prefill_gpu(*args, scale, variants.interpreted(backend))
+    name = variants.pick(VARIANTS, "mla_prefill", variant, backend, default)
+    if name in _PREFILL_KERNELS:
+        return _PREFILL_KERNELS[name](*args, scale, variants.interpreted(backend))
     return flash_expanded_attention(*args, scale=scale)

@@ -50,6 +50,17 @@ class PrefillTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefillMosaicTiles:
+    """gpu_mosaic prefill: keys expanded `segment` slots at a time, block_k keys a tile through `stages` ring
+    buffers; approx_math: the softmax's exp as ex2.approx."""
+
+    segment: int
+    block_k: int
+    stages: int
+    approx_math: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class AbsorbTiles:
     """gpu_triton absorbed products: output columns a program (a power of two dividing the widths)."""
 
@@ -111,6 +122,15 @@ PREFILL = _gpu(
             "docs/benchmarks/mla.md#mla-prefill-attention-benchmarksmla_prefillpy: columns 'Pallas, segment 4096' "
             "(2.550 / 9.997 ms) "
             "against 'segment 2048'; the flash tiles not swept",
+        )
+    }
+)
+PREFILL_MOSAIC = _gpu(
+    {
+        (ANY, ANY): Entry(
+            PrefillMosaicTiles(segment=4096, block_k=64, stages=2, approx_math=True),
+            "not measured: the Triton kernel's segment; 64-key tiles in two stages, the most that fits 227 KiB "
+            "of shared memory beside the consumers' queries and running outputs",
         )
     }
 )

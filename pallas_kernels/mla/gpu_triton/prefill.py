@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.mla import tuned
+from pallas_kernels.mla import key_segments, tuned
 from pallas_kernels.mla.gpu_triton import online_softmax
 from pallas_kernels.tuning import lookup
 
@@ -192,18 +192,12 @@ def flash_expanded_attention_gpu(
     """Expanded MLA attention -> o [B, T, H, V] in q's dtype (arguments as for `flash_expanded_attention`).
     Tiles: None from `tuned.PREFILL`."""
     tiles = tiles or lookup(tuned.PREFILL, dtype=q_nope_BTHN.dtype)
-    batch, _, heads, _ = q_nope_BTHN.shape
-    latent_dim = w_uk_HNR.shape[-1]
+    batch, length, heads, _ = q_nope_BTHN.shape
+    latent_dim, value_dim = w_uk_HNR.shape[-1], w_uv_HVR.shape[1]
     dtype = q_nope_BTHN.dtype
-    slots = latent_BSA.shape[1]
-    segment = min(tiles.segment, pl.next_power_of_2(slots))  # Triton block shapes are powers of two
-    pad = -slots % segment
-    latent = jnp.pad(latent_BSA.astype(dtype), ((0, 0), (0, pad), (0, 0)))
-    key_valid = jnp.pad(key_valid_BS, ((0, 0), (0, pad)))
+    segment = min(tiles.segment, pl.next_power_of_2(latent_BSA.shape[1]))  # Triton block shapes are powers of two
     w_uk, w_uv = w_uk_HNR.astype(dtype), w_uv_HVR.astype(dtype)
-    length = q_nope_BTHN.shape[1]
     block_q = _query_block(length, tiles.block_q)
-    value_dim = w_uv_HVR.shape[1]
     # padded once: the segments then update the running attention in place
     q_nope, q_pe, query_slots, *running = _padded_queries(
         q_nope_BTHN, q_pe_BTHP, query_slots_BT, *nothing_seen(batch, length, heads, value_dim), block_q
@@ -215,16 +209,12 @@ def flash_expanded_attention_gpu(
         interpret=interpret,
     )
 
-    def add_segment(index, carry):
-        first = index * segment
-        block_BSA = jax.lax.dynamic_slice_in_dim(latent, first, segment, axis=1)
+    def add_segment(first, block_BSA, valid_BS, carry):
         c_kv, k_pe = block_BSA[..., :latent_dim], block_BSA[..., latent_dim:]
         k_nope = jnp.einsum("bsr,hnr->bshn", c_kv, w_uk)
         v = jnp.einsum("bsr,hvr->bshv", c_kv, w_uv)
-        valid = jax.lax.dynamic_slice_in_dim(key_valid, first, segment, axis=1)
-        return attend(q_nope, q_pe, k_nope, k_pe, v, query_slots, valid, first, *carry)
+        return attend(q_nope, q_pe, k_nope, k_pe, v, query_slots, valid_BS, first, *carry)
 
-    # segments past the last visible slot are neither expanded nor attended
-    needed = jnp.clip(jnp.max(query_slots) // segment + 1, 0, (slots + pad) // segment)
-    o, _ = jax.lax.fori_loop(0, needed, add_segment, tuple(running))
+    latent = latent_BSA.astype(dtype)
+    o, _ = key_segments.walk(latent, key_valid_BS, query_slots, segment, add_segment, tuple(running))
     return o[:, :length].astype(dtype)

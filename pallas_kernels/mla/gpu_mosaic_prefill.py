@@ -1,0 +1,322 @@
+"""MLA prefill attention on Hopper: a Pallas Mosaic GPU flash-attention kernel (wgmma, TMA, a producer warpgroup
+and two consumer warpgroups) over segments of expanded keys.
+
+`flash_expanded_attention_mgpu` has the semantics of `flash_expanded_attention` (`mla/reference.py`) and walks
+the latent cache in segments as the Triton kernel does (`gpu_triton/prefill.py`): per segment XLA expands the
+keys once, laid out for wgmma without transposes, K^T [B, H, N + P, S] (the rope key repeated for each head)
+and V [B, H, S, V], and the kernel merges the segment into the running (output, log-sum-exp) pair.
+
+A CTA serves 128 queries of one head and sequence with three warpgroups:
+
+- the producer loads each consumer's 64 queries [64, N + P], running output [64, V] fp32, log-sum-exp and
+  query slots once, then streams key tiles (K^T [N + P, block_k], V [block_k, V] and the keys' validity)
+  through a ring of `stages` shared-memory buffers with TMA, refilling a buffer when both consumers release it;
+- each consumer resumes the online softmax from its rows' running pair (`online_softmax.resume`'s rule: the max
+  at the log-sum-exp, a sum of 1), forms S = Q K^T for a tile, masks it (key slot <= query slot, key valid),
+  writes P (16-bit) to shared memory and adds P V to its [64, V] fp32 accumulator; at the end it writes the
+  pair back through shared memory with TMA.
+
+The CTA walks the key tiles up to the last one its queries can see (counted by XLA per segment). Queries go in
+padded to whole 128-row blocks (pad rows see no key). P V is a fresh wgmma product added to the rescaled
+accumulator in registers: jax 0.10's Mosaic GPU interpreter cannot accumulate into a pre-initialised
+accumulator, nor its warpgroup lowering lower one inside the key loop. No operand is transposed, so the kernel
+runs in that interpreter on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.compat import mosaic_gpu_interpret
+from pallas_kernels.mla import key_segments, mosaic_parts, tuned
+from pallas_kernels.tuning import lookup
+
+ROWS = 64  # queries a consumer warpgroup: wgmma's M
+CONSUMERS = 2
+QUERY_BLOCK = CONSUMERS * ROWS
+PRODUCER_LOADS = 4  # a consumer's queries, running output, log-sum-exp, query slots
+TILE_LOADS = 3  # a key tile's K^T, V, validity
+
+
+def kernel_dims_fit(*head_dims: int) -> bool:
+    """Whether the kernel takes these nope, rope and value dims: nope + rope and value multiples of 64 (whole
+    128-byte swizzle tiles of 16-bit values)."""
+    nope, rope, value = head_dims
+    return (nope + rope) % 64 == 0 and value % 64 == 0
+
+
+def _operand(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=mosaic_parts.operand_layout())
+
+
+def _product(a_smem, b_smem, rows: int, cols: int):
+    """a [rows, K] @ b [K, cols] from shared memory, fp32, in a fresh accumulator."""
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
+
+
+def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, block_k, stages, interpret):
+    """One consumer warpgroup: its 64 queries' attention over the segment's first num_tiles key tiles, merged
+    into their running pair, written to `out` (its GMEM views of the output and log-sum-exp)."""
+    q_smem, k_smem, v_smem, p_smem, valid_smem, slots_smem, o_smem, lse_smem = smem
+    kv_ready, kv_free, start_ready = barriers
+    cast = mosaic_parts.keep_layout if interpret else plgpu.layout_cast
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    plgpu.set_max_registers(232, action="increase")
+    plgpu.barrier_wait(start_ready.at[consumer])
+    slots_R = cast(slots_smem.at[consumer][...], row_layout)
+    lse_R = cast(lse_smem.at[consumer][...], row_layout)
+    seen_R = lse_R > -jnp.inf
+    running = (
+        cast(o_smem.at[consumer][...], plgpu.Layout.WGMMA),
+        jnp.where(seen_R, lse_R, -1e30),
+        seen_R.astype(jnp.float32),
+    )
+    shape, value_dim = (ROWS, block_k), o_smem.shape[-1]
+    column_RK = cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
+    query_slots_RK = lax.broadcast_in_dim(slots_R, shape, [0])
+
+    def tile_step(t, carry):
+        acc_RV, m_R, l_R = carry
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(kv_ready.at[slot])
+        scores_RK = _product(q_smem.at[consumer], k_smem.at[slot], *shape)
+        valid_RK = lax.broadcast_in_dim(cast(valid_smem.at[slot][...], col_layout), shape, [1]) != 0
+        visible_RK = (first_slot + t * block_k + column_RK <= query_slots_RK) & valid_RK
+        scores_RK = jnp.where(visible_RK, scores_RK * scale, -jnp.inf)
+        m_new = jnp.maximum(m_R, scores_RK.max(axis=1))
+        correction_R = jnp.exp(m_R - m_new)
+        p_RK = jnp.exp(scores_RK - lax.broadcast_in_dim(m_new, shape, [0]))
+        l_R = l_R * correction_R + p_RK.sum(axis=1)
+        p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
+        plgpu.commit_smem()
+        rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
+        acc_RV = rescaled_RV + _product(p_smem.at[consumer], v_smem.at[slot], ROWS, value_dim)
+        plgpu.barrier_arrive(kv_free.at[slot])
+        return acc_RV, m_new, l_R
+
+    acc_RV, m_R, l_R = lax.fori_loop(0, num_tiles, tile_step, running)
+    seen_R = l_R > 0
+    total_R = jnp.where(seen_R, l_R, 1.0)
+    o_smem.at[consumer][...] = acc_RV / lax.broadcast_in_dim(total_R, acc_RV.shape, [0])
+    lse_smem.at[consumer][...] = jnp.where(seen_R, m_R + jnp.log(total_R), -jnp.inf)
+    plgpu.commit_smem()
+    o_gmem, lse_gmem = out
+    plgpu.copy_smem_to_gmem(o_smem.at[consumer], o_gmem)
+    plgpu.copy_smem_to_gmem(lse_smem.at[consumer], lse_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _producer(num_tiles, starts, tile, smem, barriers, *, stages):
+    """The producer warpgroup: each consumer's start (starts(c): (GMEM, SMEM) pairs), then the key tiles
+    through the ring (tile(t): (GMEM, SMEM-of-a-slot) pairs)."""
+    kv_ready, kv_free, start_ready = barriers
+    plgpu.set_max_registers(40, action="decrease")
+    for consumer in range(CONSUMERS):
+        for src, dst in starts(consumer):
+            plgpu.copy_gmem_to_smem(src, dst, start_ready.at[consumer])
+
+    def load_tile(t, slot):
+        for src, dst in tile(t, slot):
+            plgpu.copy_gmem_to_smem(src, dst, kv_ready.at[slot])
+
+    mosaic_parts.fill_ring(num_tiles, stages, load_tile, kv_free)
+
+
+def _kernel(
+    first_gmem,
+    tiles_gmem,
+    slots_gmem,
+    valid_gmem,
+    q_gmem,
+    k_gmem,
+    v_gmem,
+    o_in_gmem,
+    lse_in_gmem,
+    o_gmem,
+    lse_gmem,
+    *scratch,
+    scale: float,
+    block_k: int,
+    stages: int,
+    interpret: bool,
+):
+    """The CTA of (query block, head, sequence): its warpgroups' roles."""
+    smem, barriers = scratch[:8], scratch[8:]
+    q_smem, k_smem, v_smem, _, valid_smem, slots_smem, o_smem, lse_smem = smem
+    block, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
+    warpgroup = lax.axis_index("wg")
+    num_tiles = tiles_gmem[batch, block]
+
+    def rows(consumer):
+        return pl.ds(block * QUERY_BLOCK + consumer * ROWS, ROWS)
+
+    def starts(consumer):
+        return (
+            (q_gmem.at[batch, rows(consumer), head], q_smem.at[consumer]),
+            (o_in_gmem.at[batch, rows(consumer), head], o_smem.at[consumer]),
+            (lse_in_gmem.at[batch, head, rows(consumer)], lse_smem.at[consumer]),
+            (slots_gmem.at[batch, rows(consumer)], slots_smem.at[consumer]),
+        )
+
+    def tile(t, slot):
+        keys = pl.ds(t * block_k, block_k)
+        return (
+            (k_gmem.at[batch, head, :, keys], k_smem.at[slot]),
+            (v_gmem.at[batch, head, keys], v_smem.at[slot]),
+            (valid_gmem.at[batch, keys], valid_smem.at[slot]),
+        )
+
+    for consumer in range(CONSUMERS):
+        out = (o_gmem.at[batch, rows(consumer), head], lse_gmem.at[batch, head, rows(consumer)])
+        pl.when(warpgroup == consumer)(
+            functools.partial(
+                _consumer,
+                consumer,
+                first_gmem[0],
+                num_tiles,
+                smem,
+                barriers,
+                out,
+                scale=scale,
+                block_k=block_k,
+                stages=stages,
+                interpret=interpret,
+            )
+        )
+    pl.when(warpgroup == CONSUMERS)(
+        functools.partial(_producer, num_tiles, starts, tile, smem, barriers, stages=stages)
+    )
+
+
+def attention_segment_mgpu(
+    q_BTHD,
+    k_BHDS,
+    v_BHSV,
+    query_slots_BT,
+    key_valid_BS,
+    first_slot,
+    o_BTHV,
+    lse_BHT,
+    *,
+    scale: float,
+    tiles: tuned.PrefillMosaicTiles,
+    interpret: bool = False,
+):
+    """The running attention (o [B, T, H, V] fp32, normalised, lse [B, H, T]; zeros and -inf where no key was
+    seen) with the segment's keys (slots first_slot + [0, S)) merged in. q [B, T, H, D] (nope then rope
+    columns), K^T [B, H, D, S], V [B, H, S, V], 16-bit; T a multiple of 128, S of block_k."""
+    batch, length, heads, width = q_BTHD.shape
+    segment, value_dim = k_BHDS.shape[-1], v_BHSV.shape[-1]
+    block_k, stages = tiles.block_k, tiles.stages
+    dtype = q_BTHD.dtype
+    # key tiles a query block needs: up to its last visible slot
+    last_slot_BQ = query_slots_BT.reshape(batch, length // QUERY_BLOCK, QUERY_BLOCK).max(axis=-1)
+    tiles_BQ = jnp.clip((last_slot_BQ - first_slot) // block_k + 1, 0, segment // block_k).astype(jnp.int32)
+    kernel = functools.partial(_kernel, scale=scale, block_k=block_k, stages=stages, interpret=interpret)
+    return plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((batch, length, heads, value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, length), jnp.float32),
+        ),
+        scratch_types=(
+            _operand((CONSUMERS, ROWS, width), dtype),
+            _operand((stages, width, block_k), dtype),
+            _operand((stages, block_k, value_dim), dtype),
+            _operand((CONSUMERS, ROWS, block_k), dtype),
+            plgpu.SMEM((stages, block_k), jnp.int32),
+            plgpu.SMEM((CONSUMERS, ROWS), jnp.int32),
+            plgpu.SMEM((CONSUMERS, ROWS, value_dim), jnp.float32),
+            plgpu.SMEM((CONSUMERS, ROWS), jnp.float32),
+            plgpu.Barrier(num_arrivals=TILE_LOADS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=PRODUCER_LOADS, num_barriers=CONSUMERS),
+        ),
+        grid=(length // QUERY_BLOCK, heads, batch),
+        grid_names=("q", "heads", "batch"),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            reduction_scratch_bytes=0,  # row reductions stay within warps
+            approx_math=tiles.approx_math,
+        ),
+        interpret=mosaic_gpu_interpret(interpret),
+    )(
+        jnp.asarray(first_slot, jnp.int32).reshape(1),
+        tiles_BQ,
+        query_slots_BT.astype(jnp.int32),
+        key_valid_BS.astype(jnp.int32),
+        q_BTHD,
+        k_BHDS,
+        v_BHSV,
+        o_BTHV,
+        lse_BHT,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def flash_expanded_attention_mgpu(
+    q_nope_BTHN,
+    q_pe_BTHP,
+    latent_BSA,
+    query_slots_BT,
+    key_valid_BS,
+    w_uk_HNR,
+    w_uv_HVR,
+    *,
+    scale: float,
+    tiles: tuned.PrefillMosaicTiles | None = None,
+    interpret: bool = False,
+):
+    """Expanded MLA attention -> o [B, T, H, V] in q's dtype (arguments as for `flash_expanded_attention`), q
+    bf16 or fp16. Tiles: None from `tuned.PREFILL_MOSAIC`."""
+    dtype = q_nope_BTHN.dtype
+    batch, length, heads, nope = q_nope_BTHN.shape
+    rope, value_dim, latent_dim = q_pe_BTHP.shape[-1], w_uv_HVR.shape[1], w_uk_HNR.shape[-1]
+    if dtype not in (jnp.bfloat16, jnp.float16) or not kernel_dims_fit(nope, rope, value_dim):
+        raise ValueError(
+            "the Mosaic GPU MLA prefill kernel takes bf16 or fp16 queries, nope + rope and value dims that are "
+            f"multiples of 64; got {jnp.dtype(dtype).name}, nope {nope}, rope {rope}, value {value_dim}"
+        )
+    tiles = tiles or lookup(tuned.PREFILL_MOSAIC, dtype=dtype)
+    segment = min(tiles.segment, pl.cdiv(latent_BSA.shape[1], tiles.block_k) * tiles.block_k)
+    w_uk, w_uv = w_uk_HNR.astype(dtype), w_uv_HVR.astype(dtype)
+    query_pad = ((0, 0), (0, -length % QUERY_BLOCK))
+    q_BTHD = jnp.pad(jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1), query_pad + ((0, 0), (0, 0)))
+    query_slots = jnp.pad(query_slots_BT.astype(jnp.int32), query_pad, constant_values=-1)
+    padded = q_BTHD.shape[1]
+    attend = functools.partial(
+        attention_segment_mgpu,
+        scale=scale,
+        tiles=dataclasses.replace(tiles, segment=segment),
+        interpret=interpret,
+    )
+
+    def add_segment(first, block_BSA, valid_BS, carry):
+        c_kv, k_pe_BSP = block_BSA[..., :latent_dim], block_BSA[..., latent_dim:]
+        k_nope_BHNS = jnp.einsum("bsr,hnr->bhns", c_kv, w_uk)
+        k_pe_BHPS = jnp.broadcast_to(k_pe_BSP.transpose(0, 2, 1)[:, None], (batch, heads, rope, segment))
+        k_BHDS = jnp.concatenate([k_nope_BHNS, k_pe_BHPS], axis=2)
+        v_BHSV = jnp.einsum("bsr,hvr->bhsv", c_kv, w_uv)
+        return attend(q_BTHD, k_BHDS, v_BHSV, query_slots, valid_BS, first, *carry)
+
+    nothing_seen = (
+        jnp.zeros((batch, padded, heads, value_dim), jnp.float32),
+        jnp.full((batch, heads, padded), -jnp.inf, jnp.float32),
+    )
+    latent = latent_BSA.astype(dtype)
+    o, _ = key_segments.walk(latent, key_valid_BS, query_slots, segment, add_segment, nothing_seen)
+    return o[:, :length].astype(dtype)

@@ -1,0 +1,43 @@
+"""Pieces the Mosaic GPU MLA kernels share (`gpu_mosaic.py`: decode, `gpu_mosaic_prefill.py`): the layout of a
+16-bit wgmma operand in shared memory, interpret mode's stand-in for layout casts, and the producer's side of a
+ring of shared-memory buffers filled by TMA. Called while a kernel is traced."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+SWIZZLE = 128  # bytes: 64 16-bit columns per swizzle tile
+
+
+def operand_layout():
+    """Tiling and swizzle of a 16-bit wgmma operand in shared memory (rows of 64 or more columns)."""
+    return (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def keep_layout(x, layout):
+    """Interpret mode's stand-in for plgpu.layout_cast (register layouts do not exist there)."""
+    del layout
+    return x
+
+
+def fill_ring(num_tiles, stages: int, load_tile, free_barriers) -> None:
+    """Tiles 0 .. num_tiles - 1 through `stages` buffers: load_tile(t, slot) issues tile t's copies into buffer
+    slot (t as a traced int32: its slices are not bounds-checked at trace time, where tiles past num_tiles
+    would be), tile t >= stages once the consumers released its buffer (free_barriers.at[slot]); then every
+    release of the last tiles is awaited, so each barrier phase is observed before the barriers go away."""
+    for t in range(stages):
+        tile = jnp.int32(t)
+        pl.when(tile < num_tiles)(lambda tile=tile: load_tile(tile, tile))
+
+    @pl.loop(stages, jnp.maximum(num_tiles, stages))
+    def _refill(t):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(free_barriers.at[slot])
+        load_tile(t, slot)
+
+    @pl.loop(jnp.maximum(num_tiles - stages, 0), num_tiles)
+    def _drain(t):
+        plgpu.barrier_wait(free_barriers.at[lax.rem(t, stages)])

@@ -1,0 +1,75 @@
+"""The Mosaic GPU (Hopper) MLA prefill kernel (`pallas_kernels.mla.gpu_mosaic_prefill`) against a float64 dense
+softmax (test_mla_prefill's cases: a chunk after cached tokens, a ragged row with a pad query): in jax's Mosaic
+GPU interpreter on the CPU, its CUDA lowering at Ling width (layouts and the 227 KiB of shared memory are checked
+there), and compiled on the GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import gpu_test, lower_for_cuda
+from test_mla_prefill import assert_matches, random_case
+
+from pallas_kernels.mla.ops import kernel, mla_prefill
+from pallas_kernels.mla.tuned import PREFILL_MOSAIC
+from pallas_kernels.tuning import lookup
+
+flash_expanded_attention_mgpu = kernel("mla_prefill", "gpu_mosaic")
+MOSAIC_DIMS = dict(nope=48, rope=16, value=64)  # nope + rope and value: multiples of 64
+
+
+def test_mosaic_kernel_matches_dense_float64_in_the_interpreter():
+    """Two 128-query blocks, two 256-slot segments (the second padded) of four 64-key tiles through three
+    ring buffers: the segments merged in the kernel, tiles past a block's last visible slot skipped."""
+    args, ref = random_case(jnp.bfloat16, seed=5, length=150, slots=300, **MOSAIC_DIMS)
+    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256, stages=3)
+    out = flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles, interpret=True)
+    assert_matches(out, ref, jnp.bfloat16, 2e-2, "Mosaic GPU interpreter")
+
+
+def test_mosaic_kernel_refuses_what_it_cannot_run():
+    args, _ = random_case(jnp.float32, seed=1, **MOSAIC_DIMS)
+    with pytest.raises(ValueError, match="bf16 or fp16 queries.*got float32"):
+        flash_expanded_attention_mgpu(*args, scale=0.2)
+    args, _ = random_case(jnp.bfloat16, seed=1, nope=32, rope=16, value=64)
+    with pytest.raises(ValueError, match="multiples of 64; got bfloat16, nope 32, rope 16, value 64"):
+        mla_prefill(*args, scale=0.2, backend="interpret_gpu", variant="gpu_mosaic")
+
+
+def _ling_args(heads: int, length: int, slots: int):
+    shape = jax.ShapeDtypeStruct
+    return (
+        shape((1, length, heads, 128), jnp.bfloat16),
+        shape((1, length, heads, 64), jnp.bfloat16),
+        shape((1, slots, 576), jnp.bfloat16),
+        shape((1, length), jnp.int32),
+        shape((1, slots), jnp.bool_),
+        shape((heads, 128, 512), jnp.bfloat16),
+        shape((heads, 128, 512), jnp.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+def test_mosaic_kernel_lowers_for_cuda_at_ling_width(heads):
+    """Ling-3.0-flash's (32 heads) and Ling-3.1-flash's (64) last 8192-token chunk of a 32k prompt; 64-key tiles
+    in three stages would exceed shared memory, which the lowering refuses."""
+    args = _ling_args(heads, 8192, 32768)
+    lowered = lower_for_cuda(functools.partial(flash_expanded_attention_mgpu, scale=0.07), *args)
+    assert "mosaic_gpu" in lowered.as_text()
+    too_deep = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), stages=3)
+    with pytest.raises(Exception, match="exceeds available shared memory"):
+        lower_for_cuda(functools.partial(flash_expanded_attention_mgpu, scale=0.07, tiles=too_deep), *args)
+
+
+@gpu_test("the compiled Mosaic GPU prefill kernel (Hopper)")
+@pytest.mark.parametrize("dims", [MOSAIC_DIMS, dict(nope=128, rope=64, value=128)], ids=["small", "ling"])
+def test_compiled_mosaic_kernel_matches_dense_float64(dims):
+    args, ref = random_case(jnp.bfloat16, seed=7, length=300, slots=700, **dims)
+    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256)
+    assert_matches(flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles), ref, jnp.bfloat16, 2e-2, "compiled")
+    out = mla_prefill(*args, scale=0.2, backend="pallas_gpu", variant="gpu_mosaic")
+    assert_matches(out, ref, jnp.bfloat16, 2e-2, "mla_prefill, gpu_mosaic")
