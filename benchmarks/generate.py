@@ -75,6 +75,7 @@ from ling_jax.generation.random_init import random_model  # noqa: E402
 from ling_jax.policy import ExecutionPolicy, FP8Matmul, KDADecode  # noqa: E402
 from ling_jax.presets import PRESETS, preset  # noqa: E402
 from pallas_kernels.kda import ops as kda_ops  # noqa: E402
+from pallas_kernels.mla import ops as mla_ops  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
         "and the device time per layer kind (KDA, MLA, MoE / dense FFN, lm_head / sampling, other); with --mtp also "
         "one call of generate.py's programs of decode steps and of speculative rounds (DIR/decode_group, "
         "DIR/speculative_group); with --prefill-only instead the first batch's prefill under the first --kda-prefill "
-        "kernel (DIR/prefill_NAME), per prefill call (chunk)",
+        "and --mla-prefill kernels (DIR/prefill_KDA_MLA), per prefill call (chunk)",
     )
     parser.add_argument(
         "--weights",
@@ -215,6 +216,12 @@ def main(argv=None) -> int:
         help="ExecutionPolicy.kda_prefill, comma-separated: default (the platform's chunk_kda kernel) and/or "
         "chunk_kda variant names (gpu_triton_short, ...); the prefill is timed under each on the same weights, the "
         "decode rows carry the first's",
+    )
+    parser.add_argument(
+        "--mla-prefill",
+        default="default",
+        help="ExecutionPolicy.mla_prefill, comma-separated: default (the op's mla_prefill kernel) and/or mla_prefill "
+        "variant names (gpu_mosaic, ...); the prefill is timed under each, after each --kda-prefill",
     )
     parser.add_argument(
         "--prefill-command-buffers",
@@ -266,6 +273,10 @@ def main(argv=None) -> int:
     if unknown:
         known = ", ".join(["default", *kda_ops.VARIANTS["chunk_kda"]])
         parser.error(f"--kda-prefill: expected names among {known}, comma-separated, got {args.kda_prefill!r}")
+    unknown = set(args.mla_prefill.split(",")) - {"default", *mla_ops.VARIANTS["mla_prefill"]}
+    if unknown:
+        known = ", ".join(["default", *mla_ops.VARIANTS["mla_prefill"]])
+        parser.error(f"--mla-prefill: expected names among {known}, comma-separated, got {args.mla_prefill!r}")
     if not set(args.prefill_command_buffers.split(",")) <= {"on", "off"}:
         parser.error(f"--prefill-command-buffers: expected on and/or off, got {args.prefill_command_buffers!r}")
     if not all(batch.strip().isdigit() and int(batch) > 0 for batch in args.batches.split(",")):
@@ -364,24 +375,31 @@ def bench_format(config, weights: str, args, context: int, copy: float) -> list[
     for batch in batches:
         chunk = max(64, min(context, args.prefill_tokens // batch))
         prefill = {}
-        prefills = itertools.product(args.kda_prefill.split(","), args.prefill_command_buffers.split(","))
-        for index, (name, buffers) in enumerate(() if args.decode_only else prefills):
-            model.policy = dataclasses.replace(model.policy, kda_prefill=None if name == "default" else name)
+        prefills = itertools.product(
+            args.kda_prefill.split(","), args.mla_prefill.split(","), args.prefill_command_buffers.split(",")
+        )
+        for index, (kda_name, mla_name, buffers) in enumerate(() if args.decode_only else prefills):
+            model.policy = dataclasses.replace(
+                model.policy,
+                kda_prefill=None if kda_name == "default" else kda_name,
+                mla_prefill=None if mla_name == "default" else mla_name,
+            )
+            name = f"KDA prefill {kda_name}, MLA prefill {mla_name}"
             profile = None
             if args.profile and args.prefill_only and batch == first_batch and index == 0:
-                profile = pathlib.Path(args.profile) / f"prefill_{name}"
+                profile = pathlib.Path(args.profile) / f"prefill_{kda_name}_{mla_name}"
             options = COMMAND_BUFFERS_OFF if buffers == "off" else None
             prefill[name, buffers] = time_prefill(model, batch, context, chunk, profile, options)
             print(
-                f"{weights} batch {batch}, KDA prefill {name}, command buffers {buffers}: "
+                f"{weights} batch {batch}, {name}, command buffers {buffers}: "
                 f"{batch * context / prefill[name, buffers]:,.0f} tok/s "
                 f"(chunk {chunk}; {prefill[name, buffers]:.3f} s for {context} tokens a row)",
                 flush=True,
             )
             if profile:
                 report = profile_report(profile, -(-context // chunk))
-                print(f"{weights} batch {batch}, KDA prefill {name}, a prefill call by layer kind:\n{report}\n")
-        model.policy = dataclasses.replace(model.policy, kda_prefill=None)
+                print(f"{weights} batch {batch}, {name}, a prefill call by layer kind:\n{report}\n")
+        model.policy = dataclasses.replace(model.policy, kda_prefill=None, mla_prefill=None)
         prefill_s = next(iter(prefill.values()), math.nan)
         if args.prefill_only:
             rows.append((weights, "-", memory, batch, batch * context / prefill_s, math.nan, math.nan))

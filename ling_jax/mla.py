@@ -189,7 +189,7 @@ def mla_attend(
         kv_b_HCR = _kv_b_per_head(weights, c, x_BTD.dtype)
         w_uk, w_uv = kv_b_HCR[:, : c.qk_nope_head_dim], kv_b_HCR[:, c.qk_nope_head_dim :]
         prefill = per_shard(
-            functools.partial(mla_prefill, scale=scale, backend=backend),
+            functools.partial(mla_prefill, scale=scale, backend=backend, variant=policy.mla_prefill),
             in_axes=(_BTHD, _BTHD, _BSA, ("activation_batch", None), ("activation_batch", None), _HCR, _HCR),
             out_axes=(_BTHD,),
         )

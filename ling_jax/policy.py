@@ -100,6 +100,9 @@ class ExecutionPolicy:
     # as "gpu_triton_short"); None: the platform's bounded kernel where the gates' bound suits it, its any-gate one
     # otherwise (`ops.chunk_variant`, which refuses a bounded kernel for unbounded gates)
     kda_prefill: str | None = None
+    # the mla_prefill variant an expanded MLA call runs (a name of `pallas_kernels.mla.ops.VARIANTS["mla_prefill"]`,
+    # such as "gpu_mosaic"); None: the op's choice (`pallas_kernels.mla.mla_prefill`)
+    mla_prefill: str | None = None
 
     def __post_init__(self):
         converted = {
@@ -117,11 +120,12 @@ class ExecutionPolicy:
             raise ValueError(
                 f"ExecutionPolicy.kda_segments: must be None (the rule) or a positive int, got {segments!r}"
             )
-        if self.kda_prefill is not None and not isinstance(self.kda_prefill, str):
-            raise ValueError(
-                f"ExecutionPolicy.kda_prefill: must be None (the platform's) or a chunk_kda variant name, got "
-                f"{self.kda_prefill!r}"
-            )
+        for field, op in (("kda_prefill", "chunk_kda"), ("mla_prefill", "mla_prefill")):
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(
+                    f"ExecutionPolicy.{field}: must be None (the platform's) or a {op} variant name, got {value!r}"
+                )
         factor = self.moe_capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0):
             raise ValueError(

@@ -10,10 +10,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from helpers import gpu_test, lower_for_cuda
 from test_mla_prefill import assert_matches, random_case
 
+from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
+from ling_jax.presets import TINY
 from pallas_kernels.mla.ops import kernel, mla_prefill
 from pallas_kernels.mla.tuned import PREFILL_MOSAIC
 from pallas_kernels.tuning import lookup
@@ -73,3 +77,17 @@ def test_compiled_mosaic_kernel_matches_dense_float64(dims):
     assert_matches(flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles), ref, jnp.bfloat16, 2e-2, "compiled")
     out = mla_prefill(*args, scale=0.2, backend="pallas_gpu", variant="gpu_mosaic")
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "mla_prefill, gpu_mosaic")
+
+
+@pytest.mark.parametrize("named, kernel_name", [(None, "mla_prefill_segment"), ("gpu_mosaic", "mla_prefill_mgpu")])
+def test_policy_names_the_models_mla_prefill_kernel(named, kernel_name):
+    """ExecutionPolicy.mla_prefill: the model's prefill traces the named kernel (None: the op's, Triton's)."""
+    config = LingConfig.from_dict({**TINY, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64})
+    policy = ExecutionPolicy(kernel_backend="interpret_gpu", mla_mode="expanded", mla_prefill=named)
+    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=policy)
+    ids = jnp.asarray(np.random.default_rng(1).integers(2, config.vocab_size, (1, 9)))
+    text = str(jax.make_jaxpr(lambda ids: model(ids, cache=model.init_cache(1, 16)).logits)(ids))
+    kernels = {"mla_prefill_segment", "mla_prefill_mgpu"}
+    assert {name for name in kernels if name in text} == {kernel_name}
+    with pytest.raises(ValueError, match="ExecutionPolicy.mla_prefill: must be None"):
+        ExecutionPolicy(mla_prefill=1)

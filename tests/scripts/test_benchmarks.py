@@ -135,20 +135,21 @@ def test_generate_quick_run_profiles_its_decode_steps_by_layer_kind(capsys, tmp_
 
 @ON_CPU
 def test_generate_prefill_only_profiles_a_prefill_call_by_layer_kind(capsys, tmp_path):
-    """With --prefill-only, --profile traces one more prefill of the prompt under the first --kda-prefill kernel
-    (DIR/prefill_NAME) and prints its table per prefill call: here 2 calls of 64 tokens; the prefill is timed with
-    and without command buffers."""
+    """With --prefill-only, --profile traces one more prefill of the prompt under the first --kda-prefill and
+    --mla-prefill kernels (DIR/prefill_KDA_MLA) and prints its table per prefill call: here 2 calls of 64 tokens;
+    the prefill is timed with and without command buffers."""
     argv = ["--quick", "--batches", "1", "--weights", "bf16", "--prefill-only", "--context", "128"]
     argv += ["--prefill-tokens", "64", "--profile", str(tmp_path / "prof"), "--prefill-command-buffers", "on,off"]
     assert importlib.import_module("benchmarks.generate").main(argv) == 0
     out = capsys.readouterr().out
-    assert "KDA prefill default, command buffers on:" in out and "KDA prefill default, command buffers off:" in out
-    profile = tmp_path / "prof" / "prefill_default"
+    names = "KDA prefill default, MLA prefill default"
+    assert f"{names}, command buffers on:" in out and f"{names}, command buffers off:" in out
+    profile = tmp_path / "prof" / "prefill_default_default"
     hlo_text = (profile / trace.HLO_FILE).read_text()
     kernels = trace.kernels(trace.load_trace(trace.find_trace(profile)), trace.hlo_module_name(hlo_text))
     by_kind = trace.time_by_layer_kind(kernels, trace.hlo_scopes(hlo_text))
     assert all(by_kind[kind][0] > 0 for kind in ("KDA layer", "MLA layer", "MoE / dense FFN"))
-    assert "KDA prefill default, a prefill call by layer kind:" in out
+    assert f"{names}, a prefill call by layer kind:" in out
     assert trace.layer_kind_table(kernels, trace.hlo_scopes(hlo_text), 2) in out
 
 

@@ -326,6 +326,7 @@ def test_serve_refuses_a_model_that_cannot_fit_before_loading(capsys, monkeypatc
         (["--preset", "nope"], "argument --preset: invalid choice: 'nope'"),
         (["--prefill-only", "--mtp", "1"], "--prefill-only times no decode step: it takes none of --decode-only"),
         (["--kda-prefill", "default,short"], "--kda-prefill: expected names among default, reference, gpu_triton"),
+        (["--mla-prefill", "mosaic"], "--mla-prefill: expected names among default, reference, gpu_triton, gpu_mosaic"),
         (["--prefill-command-buffers", "on,no"], "--prefill-command-buffers: expected on and/or off, got 'on,no'"),
     ],
 )
