@@ -52,9 +52,9 @@ def segment_tiles(segment: int):
     return dataclasses.replace(lookup(PREFILL, dtype=jnp.bfloat16), segment=segment)
 
 
-def mosaic_tiles(segment: int):
-    """The Mosaic GPU kernel's tuned bf16 tiles with the key segment replaced."""
-    return dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=segment)
+def mosaic_tiles(segment: int, **fields):
+    """The Mosaic GPU kernel's tuned bf16 tiles with the key segment (and `fields`) replaced."""
+    return dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=segment, **fields)
 
 
 def inputs(length: int, slots: int, heads: int = HEADS):
@@ -120,10 +120,15 @@ def main(argv=None) -> int:
         ]
         paths += [
             (
-                f"Mosaic GPU kernel, segment {segment}",
-                jax.jit(functools.partial(flash_expanded_attention_mgpu, scale=scale, tiles=mosaic_tiles(segment))),
+                f"Mosaic GPU kernel, segment {segment}{', ping-pong' if ping_pong else ''}",
+                jax.jit(
+                    functools.partial(
+                        flash_expanded_attention_mgpu, scale=scale, tiles=mosaic_tiles(segment, ping_pong=ping_pong)
+                    )
+                ),
             )
             for segment in SEGMENTS[1:]
+            for ping_pong in (False, True)
         ]
         for name, fn in paths:
             try:

@@ -56,21 +56,32 @@ def _operand(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=mosaic_parts.operand_layout())
 
 
-def _product(a_smem, b_smem, rows: int, cols: int):
-    """a [rows, K] @ b [K, cols] from shared memory, fp32, in a fresh accumulator."""
+def _product(a_smem, b_smem, rows: int, cols: int, after_issue=lambda: None):
+    """a [rows, K] @ b [K, cols] from shared memory, fp32, in a fresh accumulator; after_issue() runs while the
+    tensor cores work on it."""
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a_smem, b_smem)
+        after_issue()
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
 
 
-def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, block_k, stages, interpret):
+def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, block_k, stages, ping_pong, interpret):
     """One consumer warpgroup: its 64 queries' attention over the segment's first num_tiles key tiles, merged
-    into their running pair, written to `out` (its GMEM views of the output and log-sum-exp)."""
+    into their running pair, written to `out` (its GMEM views of the output and log-sum-exp).
+
+    ping_pong: the two consumers meet at two points a tile (after issuing the scores' product, after the softmax),
+    consumer 1 one meeting behind, so that one's softmax runs while the other's products occupy the tensor cores."""
     q_smem, k_smem, v_smem, p_smem, valid_smem, slots_smem, o_smem, lse_smem = smem
-    kv_ready, kv_free, start_ready = barriers
+    kv_ready, kv_free, start_ready, schedule = barriers
+
+    def meet():
+        if ping_pong:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
     cast = mosaic_parts.keep_layout if interpret else plgpu.layout_cast
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     plgpu.set_max_registers(232, action="increase")
@@ -91,7 +102,7 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, bl
         acc_RV, m_R, l_R = carry
         slot = lax.rem(t, stages)
         plgpu.barrier_wait(kv_ready.at[slot])
-        scores_RK = _product(q_smem.at[consumer], k_smem.at[slot], *shape)
+        scores_RK = _product(q_smem.at[consumer], k_smem.at[slot], *shape, after_issue=meet)
         valid_RK = lax.broadcast_in_dim(cast(valid_smem.at[slot][...], col_layout), shape, [1]) != 0
         visible_RK = (first_slot + t * block_k + column_RK <= query_slots_RK) & valid_RK
         scores_RK = jnp.where(visible_RK, scores_RK * scale, -jnp.inf)
@@ -101,12 +112,17 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, bl
         l_R = l_R * correction_R + p_RK.sum(axis=1)
         p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
         plgpu.commit_smem()
+        meet()
         rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
         acc_RV = rescaled_RV + _product(p_smem.at[consumer], v_smem.at[slot], ROWS, value_dim)
         plgpu.barrier_arrive(kv_free.at[slot])
         return acc_RV, m_new, l_R
 
+    if consumer == 1:
+        meet()
     acc_RV, m_R, l_R = lax.fori_loop(0, num_tiles, tile_step, running)
+    if consumer == 0:
+        meet()
     seen_R = l_R > 0
     total_R = jnp.where(seen_R, l_R, 1.0)
     o_smem.at[consumer][...] = acc_RV / lax.broadcast_in_dim(total_R, acc_RV.shape, [0])
@@ -121,7 +137,7 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, bl
 def _producer(num_tiles, starts, tile, smem, barriers, *, stages):
     """The producer warpgroup: each consumer's start (starts(c): (GMEM, SMEM) pairs), then the key tiles
     through the ring (tile(t): (GMEM, SMEM-of-a-slot) pairs)."""
-    kv_ready, kv_free, start_ready = barriers
+    kv_ready, kv_free, start_ready, _ = barriers
     plgpu.set_max_registers(40, action="decrease")
     for consumer in range(CONSUMERS):
         for src, dst in starts(consumer):
@@ -148,11 +164,11 @@ def _kernel(
     lse_gmem,
     *scratch,
     scale: float,
-    block_k: int,
-    stages: int,
+    tiles: tuned.PrefillMosaicTiles,
     interpret: bool,
 ):
     """The CTA of (query block, head, sequence): its warpgroups' roles."""
+    block_k, stages = tiles.block_k, tiles.stages
     smem, barriers = scratch[:8], scratch[8:]
     q_smem, k_smem, v_smem, _, valid_smem, slots_smem, o_smem, lse_smem = smem
     block, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
@@ -192,6 +208,7 @@ def _kernel(
                 scale=scale,
                 block_k=block_k,
                 stages=stages,
+                ping_pong=tiles.ping_pong,
                 interpret=interpret,
             )
         )
@@ -226,7 +243,7 @@ def attention_segment_mgpu(
     tiles_BQ = jnp.clip((last_slot_BQ - first_slot) // block_k + 1, 0, segment // block_k).astype(jnp.int32)
 
     def mla_prefill_mgpu(*refs):  # the kernel's name in jaxprs and profiles
-        _kernel(*refs, scale=scale, block_k=block_k, stages=stages, interpret=interpret)
+        _kernel(*refs, scale=scale, tiles=tiles, interpret=interpret)
 
     return plgpu.kernel(
         mla_prefill_mgpu,
@@ -246,6 +263,7 @@ def attention_segment_mgpu(
             plgpu.Barrier(num_arrivals=TILE_LOADS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=PRODUCER_LOADS, num_barriers=CONSUMERS),
+            plgpu.Barrier(num_arrivals=CONSUMERS),
         ),
         grid=(length // QUERY_BLOCK, heads, batch),
         grid_names=("q", "heads", "batch"),

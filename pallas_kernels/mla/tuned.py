@@ -52,12 +52,14 @@ class PrefillTiles:
 @dataclasses.dataclass(frozen=True)
 class PrefillMosaicTiles:
     """gpu_mosaic prefill: keys expanded `segment` slots at a time, block_k keys a tile through `stages` ring
-    buffers; approx_math: the softmax's exp as ex2.approx."""
+    buffers; approx_math: the softmax's exp as ex2.approx; ping_pong: the consumers' softmax and products
+    alternate (`gpu_mosaic_prefill._consumer`)."""
 
     segment: int
     block_k: int
     stages: int
     approx_math: bool
+    ping_pong: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +130,9 @@ PREFILL = _gpu(
 PREFILL_MOSAIC = _gpu(
     {
         (ANY, ANY): Entry(
-            PrefillMosaicTiles(segment=4096, block_k=64, stages=2, approx_math=True),
+            PrefillMosaicTiles(segment=4096, block_k=64, stages=2, approx_math=True, ping_pong=False),
             "not measured: the Triton kernel's segment; 64-key tiles in two stages, the most that fits 227 KiB "
-            "of shared memory beside the consumers' queries and running outputs",
+            "of shared memory beside the consumers' queries and running outputs; the consumers unscheduled",
         )
     }
 )

@@ -59,12 +59,16 @@ def _ling_args(heads: int, length: int, slots: int):
 
 @pytest.mark.parametrize("heads", [32, 64])
 def test_mosaic_kernel_lowers_for_cuda_at_ling_width(heads):
-    """Ling-3.0-flash's (32 heads) and Ling-3.1-flash's (64) last 8192-token chunk of a 32k prompt; 64-key tiles
-    in three stages would exceed shared memory, which the lowering refuses."""
+    """Ling-3.0-flash's (32 heads) and Ling-3.1-flash's (64) last 8192-token chunk of a 32k prompt, the consumers
+    unscheduled and ping-ponged; 64-key tiles in three stages would exceed shared memory, which the lowering
+    refuses."""
     args = _ling_args(heads, 8192, 32768)
-    lowered = lower_for_cuda(functools.partial(flash_expanded_attention_mgpu, scale=0.07), *args)
-    assert "mosaic_gpu" in lowered.as_text()
-    too_deep = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), stages=3)
+    tiles = lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16)
+    for ping_pong in (False, True):
+        scheduled = dataclasses.replace(tiles, ping_pong=ping_pong)
+        lowered = lower_for_cuda(functools.partial(flash_expanded_attention_mgpu, scale=0.07, tiles=scheduled), *args)
+        assert "mosaic_gpu" in lowered.as_text()
+    too_deep = dataclasses.replace(tiles, stages=3)
     with pytest.raises(Exception, match="exceeds available shared memory"):
         lower_for_cuda(functools.partial(flash_expanded_attention_mgpu, scale=0.07, tiles=too_deep), *args)
 
