@@ -19,7 +19,9 @@ from pallas_kernels.backend import KERNEL_TARGET, resolve_backend, with_referenc
 from pallas_kernels.fp8.reference import is_quantized
 from pallas_kernels.mla.gpu_mosaic import HEADS as MOSAIC_MAX_HEADS
 from pallas_kernels.mla.gpu_mosaic import mla_decode_mgpu, mla_decode_paged_mgpu
+from pallas_kernels.mla.gpu_mosaic_prefill import QUERY_BLOCK as MOSAIC_QUERY_BLOCK
 from pallas_kernels.mla.gpu_mosaic_prefill import flash_expanded_attention_mgpu
+from pallas_kernels.mla.gpu_mosaic_prefill import kernel_dims_fit as mosaic_prefill_dims_fit
 from pallas_kernels.mla.gpu_triton import (
     ROWS,
     absorb_query_gpu,
@@ -175,12 +177,16 @@ def mla_decode_tokens(
     return variants.run(VARIANTS, "mla_decode_tokens", name, backend, *args, scale=scale)
 
 
+def _on_hopper() -> bool:
+    """Whether the first device is a Hopper GPU (wgmma and TMA: compute capability 9.x)."""
+    return getattr(jax.devices()[0], "compute_capability", "").startswith("9.")
+
+
 def _mosaic_kernel_fits(q_latent_BHR, kv_cache_BLA) -> bool:
-    """A Hopper GPU (wgmma and TMA: compute capability 9.x), a 16-bit cache, <= 64 heads, 64-column tiles, and
-    a cache length that is a multiple of 8 (the kernel would otherwise pad, i.e. copy, the cache every step)."""
-    device = jax.devices()[0]
+    """A Hopper GPU, a 16-bit cache, <= 64 heads, 64-column tiles, and a cache length that is a multiple of 8 (the
+    kernel would otherwise pad, i.e. copy, the cache every step)."""
     return (
-        getattr(device, "compute_capability", "").startswith("9.")
+        _on_hopper()
         and kv_cache_BLA.dtype in (jnp.bfloat16, jnp.float16)
         and q_latent_BHR.shape[1] <= MOSAIC_MAX_HEADS
         and kv_cache_BLA.shape[-1] % 64 == 0
@@ -254,6 +260,20 @@ _PREFILL_KERNELS = {
 }
 
 
+def _prefill_default(backend: str, q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk, w_uv):
+    """`mla_prefill`'s variant when none is named (its docstring says which)."""
+    dims = (q_nope_BTHN.shape[-1], q_pe_BTHP.shape[-1], w_uv.shape[1])
+    if (
+        backend == "pallas_gpu"
+        and _on_hopper()
+        and q_nope_BTHN.dtype in (jnp.bfloat16, jnp.float16)
+        and q_nope_BTHN.shape[1] >= MOSAIC_QUERY_BLOCK
+        and mosaic_prefill_dims_fit(*dims)
+    ):
+        return "gpu_mosaic"
+    return variants.by_platform(backend, {"gpu": "gpu_triton"}) if kernel_dims_fit(*dims) else REFERENCE
+
+
 def mla_prefill(
     q_nope_BTHN,
     q_pe_BTHP,
@@ -274,14 +294,14 @@ def mla_prefill(
     Without a variant named, a GPU backend ("pallas_gpu", or "interpret_gpu" in Pallas interpret mode) runs the
     Triton flash kernel ("gpu_triton", `gpu_triton/prefill.py`) when the nope, rope and value head dims are
     powers of two of at least 16 (Ling: 128, 64, 128); every other case runs the jnp flash path ("reference").
-    "gpu_mosaic" (`gpu_mosaic_prefill.py`, Hopper, 16-bit queries) runs when named. Differentiable: the
-    kernels' backward pass is the jnp path's.
+    Compiled on a Hopper GPU ("pallas_gpu"), 16-bit queries of at least 128 tokens a row run the Mosaic GPU kernel
+    ("gpu_mosaic", `gpu_mosaic_prefill.py`) where its dims fit (1.19x the Triton kernel at Ling-3.0-flash's 32
+    heads, 1.03x at 64, on an H100: docs/benchmarks/mla.md). Differentiable: the kernels' backward pass is the jnp
+    path's.
     """
     args = (q_nope_BTHN, q_pe_BTHP, latent_BSA, query_slots_BT, key_valid_BS, w_uk_HNR, w_uv_HVR)
     backend = resolve_backend(backend)
-    fits = kernel_dims_fit(q_nope_BTHN.shape[-1], q_pe_BTHP.shape[-1], w_uv_HVR.shape[1])
-    default = variants.by_platform(backend, {"gpu": "gpu_triton"}) if fits else REFERENCE
-    name = variants.pick(VARIANTS, "mla_prefill", variant, backend, default)
+    name = variants.pick(VARIANTS, "mla_prefill", variant, backend, _prefill_default(backend, *args))
     if name in _PREFILL_KERNELS:
         return _PREFILL_KERNELS[name](*args, scale, variants.interpreted(backend))
     return flash_expanded_attention(*args, scale=scale)

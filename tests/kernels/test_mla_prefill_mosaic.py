@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import gpu_test, lower_for_cuda
+from helpers import gpu_test, lower_for_cuda, rel_error
 from test_mla_prefill import assert_matches, random_case
 
 from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
+from pallas_kernels.mla import ops
 from pallas_kernels.mla.ops import kernel, mla_prefill
 from pallas_kernels.mla.tuned import PREFILL_MOSAIC
 from pallas_kernels.tuning import lookup
@@ -83,15 +84,67 @@ def test_compiled_mosaic_kernel_matches_dense_float64(dims):
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "mla_prefill, gpu_mosaic")
 
 
+MOSAIC_TINY = {**TINY, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64}  # both kernels' dims
+
+
+def _tiny_model(backend: str, named: str | None):
+    policy = ExecutionPolicy(kernel_backend=backend, mla_mode="expanded", mla_prefill=named)
+    return LingForCausalLM(LingConfig.from_dict(MOSAIC_TINY), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=policy)
+
+
+def _prompt(length: int):
+    return jnp.asarray(np.random.default_rng(1).integers(2, MOSAIC_TINY["vocab_size"], (2, length)))
+
+
 @pytest.mark.parametrize("named, kernel_name", [(None, "mla_prefill_segment"), ("gpu_mosaic", "mla_prefill_mgpu")])
 def test_policy_names_the_models_mla_prefill_kernel(named, kernel_name):
-    """ExecutionPolicy.mla_prefill: the model's prefill traces the named kernel (None: the op's, Triton's)."""
-    config = LingConfig.from_dict({**TINY, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 64})
-    policy = ExecutionPolicy(kernel_backend="interpret_gpu", mla_mode="expanded", mla_prefill=named)
-    model = LingForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, policy=policy)
-    ids = jnp.asarray(np.random.default_rng(1).integers(2, config.vocab_size, (1, 9)))
-    text = str(jax.make_jaxpr(lambda ids: model(ids, cache=model.init_cache(1, 16)).logits)(ids))
+    """ExecutionPolicy.mla_prefill: the model's prefill traces the named kernel (None: the op's, interpreted
+    Triton's)."""
+    model = _tiny_model("interpret_gpu", named)
+    text = str(jax.make_jaxpr(lambda ids: model(ids, cache=model.init_cache(2, 16)).logits)(_prompt(9)))
     kernels = {"mla_prefill_segment", "mla_prefill_mgpu"}
     assert {name for name in kernels if name in text} == {kernel_name}
     with pytest.raises(ValueError, match="ExecutionPolicy.mla_prefill: must be None"):
         ExecutionPolicy(mla_prefill=1)
+
+
+@pytest.mark.parametrize(
+    "backend, hopper, dtype, length, dims, expected",
+    [
+        ("pallas_gpu", True, jnp.bfloat16, 128, (128, 64, 128), "gpu_mosaic"),
+        ("pallas_gpu", True, jnp.float32, 128, (128, 64, 128), "gpu_triton"),  # 16-bit queries only
+        ("pallas_gpu", True, jnp.bfloat16, 127, (128, 64, 128), "gpu_triton"),  # less than one query block
+        ("pallas_gpu", False, jnp.bfloat16, 4096, (128, 64, 128), "gpu_triton"),  # not a Hopper GPU
+        ("pallas_gpu", True, jnp.bfloat16, 4096, (48, 16, 64), "gpu_mosaic"),
+        ("pallas_gpu", True, jnp.bfloat16, 4096, (32, 16, 32), "gpu_triton"),
+        ("interpret_gpu", True, jnp.bfloat16, 4096, (128, 64, 128), "gpu_triton"),  # interpreted: Triton's
+        ("pallas_gpu", True, jnp.bfloat16, 4096, (48, 16, 32), "reference"),
+    ],
+)
+def test_default_prefill_kernel(monkeypatch, backend, hopper, dtype, length, dims, expected):
+    """Compiled on a Hopper GPU the Mosaic kernel for 16-bit queries of at least 128 tokens where its dims fit,
+    else the Triton kernel where its dims fit, else the jnp path."""
+    monkeypatch.setattr(ops, "_on_hopper", lambda: hopper)
+    nope, rope, value = dims
+    shape = jax.ShapeDtypeStruct
+    args = (
+        shape((1, length, 4, nope), dtype),
+        shape((1, length, 4, rope), dtype),
+        shape((1, 8192, 512 + rope), dtype),
+        shape((1, length), jnp.int32),
+        shape((1, 8192), jnp.bool_),
+        shape((4, nope, 512), dtype),
+        shape((4, value, 512), dtype),
+    )
+    assert ops._prefill_default(backend, *args) == expected
+
+
+@gpu_test("the compiled Mosaic GPU prefill kernel in the model (Hopper)")
+def test_compiled_model_prefill_mosaic_equals_triton():
+    """A bf16 prefill of 150 tokens a row under the default (the Mosaic kernel on a Hopper GPU) and under the Triton
+    kernel named: the same logits up to bf16 rounding."""
+    logits = {}
+    for named in (None, "gpu_triton"):
+        model = _tiny_model("pallas_gpu", named)
+        logits[named] = model(_prompt(150), cache=model.init_cache(2, 160)).logits
+    assert rel_error(logits[None], logits["gpu_triton"]) <= 2e-2
