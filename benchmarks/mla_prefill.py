@@ -34,7 +34,16 @@ flash_expanded_attention_gpu = kernel("mla_prefill", "gpu_triton")
 flash_expanded_attention_mgpu = kernel("mla_prefill", "gpu_mosaic")
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 64, 128, 64, 128, 512
-SEGMENTS = (2048, 4096, 8192)  # the kernel's key segment, swept
+SEGMENTS = (2048, 4096, 8192)  # the Triton kernel's key segment, swept
+# the Mosaic GPU kernel's (segment, ping_pong, p_in_registers), all timed; the third is the tuned default
+MOSAIC_SWEEP = [
+    (4096, False, False),
+    (8192, False, False),
+    (8192, True, False),
+    (8192, True, True),
+    (32768, True, False),
+    (32768, True, True),
+]
 # (block_q, block_k, num_warps, num_stages) at segment 4096 for --sweep; the first is the tuned default
 SWEEP = [
     (64, 64, 4, 2),
@@ -120,15 +129,19 @@ def main(argv=None) -> int:
         ]
         paths += [
             (
-                f"Mosaic GPU kernel, segment {segment}{', ping-pong' if ping_pong else ''}",
+                f"Mosaic GPU kernel, segment {segment}"
+                + "".join(
+                    f", {label}" for label, on in (("ping-pong", ping_pong), ("P in registers", registers)) if on
+                ),
                 jax.jit(
                     functools.partial(
-                        flash_expanded_attention_mgpu, scale=scale, tiles=mosaic_tiles(segment, ping_pong=ping_pong)
+                        flash_expanded_attention_mgpu,
+                        scale=scale,
+                        tiles=mosaic_tiles(segment, ping_pong=ping_pong, p_in_registers=registers),
                     )
                 ),
             )
-            for segment in SEGMENTS[1:]
-            for ping_pong in (False, True)
+            for segment, ping_pong, registers in MOSAIC_SWEEP
         ]
         for name, fn in paths:
             try:

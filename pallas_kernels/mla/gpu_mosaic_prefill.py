@@ -56,29 +56,33 @@ def _operand(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=mosaic_parts.operand_layout())
 
 
-def _product(a_smem, b_smem, rows: int, cols: int, after_issue=lambda: None):
-    """a [rows, K] @ b [K, cols] from shared memory, fp32, in a fresh accumulator; after_issue() runs while the
-    tensor cores work on it."""
+def _product(a, b_smem, rows: int, cols: int, after_issue=lambda: None):
+    """a [rows, K] (shared memory or registers) @ b [K, cols] from shared memory, fp32, in a fresh accumulator;
+    after_issue() runs while the tensor cores work on it."""
 
     def run(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem)
+        plgpu.wgmma(acc_ref, a, b_smem)
         after_issue()
         return acc_ref[...]
 
     return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
 
 
-def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, block_k, stages, ping_pong, interpret):
+def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, tiles, interpret):
     """One consumer warpgroup: its 64 queries' attention over the segment's first num_tiles key tiles, merged
     into their running pair, written to `out` (its GMEM views of the output and log-sum-exp).
 
     ping_pong: the two consumers meet at two points a tile (after issuing the scores' product, after the softmax),
-    consumer 1 one meeting behind, so that one's softmax runs while the other's products occupy the tensor cores."""
+    consumer 1 one meeting behind, so that one's softmax runs while the other's products occupy the tensor cores.
+    p_in_registers (compiled only: jax 0.10's interpreter takes no register operand): P goes to wgmma from
+    registers, not through shared memory."""
+    block_k, stages = tiles.block_k, tiles.stages
+    p_in_registers = tiles.p_in_registers and not interpret
     q_smem, k_smem, v_smem, p_smem, valid_smem, slots_smem, o_smem, lse_smem = smem
     kv_ready, kv_free, start_ready, schedule = barriers
 
     def meet():
-        if ping_pong:
+        if tiles.ping_pong:
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(schedule)
 
@@ -110,11 +114,15 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, bl
         correction_R = jnp.exp(m_R - m_new)
         p_RK = jnp.exp(scores_RK - lax.broadcast_in_dim(m_new, shape, [0]))
         l_R = l_R * correction_R + p_RK.sum(axis=1)
-        p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
-        plgpu.commit_smem()
+        if p_in_registers:
+            p_operand = p_RK.astype(p_smem.dtype)
+        else:
+            p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            p_operand = p_smem.at[consumer]
         meet()
         rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
-        acc_RV = rescaled_RV + _product(p_smem.at[consumer], v_smem.at[slot], ROWS, value_dim)
+        acc_RV = rescaled_RV + _product(p_operand, v_smem.at[slot], ROWS, value_dim)
         plgpu.barrier_arrive(kv_free.at[slot])
         return acc_RV, m_new, l_R
 
@@ -206,9 +214,7 @@ def _kernel(
                 barriers,
                 out,
                 scale=scale,
-                block_k=block_k,
-                stages=stages,
-                ping_pong=tiles.ping_pong,
+                tiles=tiles,
                 interpret=interpret,
             )
         )

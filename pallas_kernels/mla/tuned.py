@@ -53,13 +53,14 @@ class PrefillTiles:
 class PrefillMosaicTiles:
     """gpu_mosaic prefill: keys expanded `segment` slots at a time, block_k keys a tile through `stages` ring
     buffers; approx_math: the softmax's exp as ex2.approx; ping_pong: the consumers' softmax and products
-    alternate (`gpu_mosaic_prefill._consumer`)."""
+    alternate; p_in_registers: P to wgmma from registers (`gpu_mosaic_prefill._consumer`)."""
 
     segment: int
     block_k: int
     stages: int
     approx_math: bool
     ping_pong: bool = False
+    p_in_registers: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +131,9 @@ PREFILL = _gpu(
 PREFILL_MOSAIC = _gpu(
     {
         (ANY, ANY): Entry(
-            PrefillMosaicTiles(segment=8192, block_k=64, stages=2, approx_math=True, ping_pong=True),
+            PrefillMosaicTiles(
+                segment=8192, block_k=64, stages=2, approx_math=True, ping_pong=True, p_in_registers=False
+            ),
             "docs/benchmarks/mla.md#the-mosaic-gpu-prefill-kernel-against-the-triton-one-on-an-h100-2026-12-07-"
             "thirty-third-session: segment 8192 with ping-pong 12.983 ms against 14.421 without and 14.788 / "
             "14.422 at segment 4096 (H=32); 64-key tiles in two stages, the most that fits 227 KiB of shared "

@@ -61,12 +61,12 @@ def _ling_args(heads: int, length: int, slots: int):
 @pytest.mark.parametrize("heads", [32, 64])
 def test_mosaic_kernel_lowers_for_cuda_at_ling_width(heads):
     """Ling-3.0-flash's (32 heads) and Ling-3.1-flash's (64) last 8192-token chunk of a 32k prompt, the consumers
-    unscheduled and ping-ponged; 64-key tiles in three stages would exceed shared memory, which the lowering
-    refuses."""
+    unscheduled and ping-ponged, P through shared memory and from registers; 64-key tiles in three stages would
+    exceed shared memory, which the lowering refuses."""
     args = _ling_args(heads, 8192, 32768)
     tiles = lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16)
-    for ping_pong in (False, True):
-        scheduled = dataclasses.replace(tiles, ping_pong=ping_pong)
+    for ping_pong, registers in ((False, False), (True, False), (True, True)):
+        scheduled = dataclasses.replace(tiles, ping_pong=ping_pong, p_in_registers=registers)
         lowered = lower_for_cuda(functools.partial(flash_expanded_attention_mgpu, scale=0.07, tiles=scheduled), *args)
         assert "mosaic_gpu" in lowered.as_text()
     too_deep = dataclasses.replace(tiles, stages=3)
@@ -75,10 +75,11 @@ def test_mosaic_kernel_lowers_for_cuda_at_ling_width(heads):
 
 
 @gpu_test("the compiled Mosaic GPU prefill kernel (Hopper)")
+@pytest.mark.parametrize("registers", [False, True], ids=["p-smem", "p-registers"])
 @pytest.mark.parametrize("dims", [MOSAIC_DIMS, dict(nope=128, rope=64, value=128)], ids=["small", "ling"])
-def test_compiled_mosaic_kernel_matches_dense_float64(dims):
+def test_compiled_mosaic_kernel_matches_dense_float64(dims, registers):
     args, ref = random_case(jnp.bfloat16, seed=7, length=300, slots=700, **dims)
-    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256)
+    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256, p_in_registers=registers)
     assert_matches(flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles), ref, jnp.bfloat16, 2e-2, "compiled")
     out = mla_prefill(*args, scale=0.2, backend="pallas_gpu", variant="gpu_mosaic")
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "mla_prefill, gpu_mosaic")
