@@ -18,6 +18,8 @@
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --context 32768 \
         --prefill-tokens 8192 --prefill-only --kda-prefill default,gpu_triton   # the prefill under each KDA kernel
     python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --context 32768 \
+        --prefill-tokens 8192 --prefill-only --mla-prefill gpu_triton,gpu_mosaic   # and under each MLA kernel
+    python -m benchmarks.generate --preset ling-3.0-flash --weights stored --batches 1 --context 32768 \
         --prefill-tokens 8192 --prefill-only --prefill-command-buffers on,off   # with and without command buffers
 
 Weights: "bf16" (every parameter dense) and/or "stored" (block FP8 where a published checkpoint stores it, kept

@@ -35,7 +35,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.mla import mosaic_parts, tuned
 from pallas_kernels.mla.reference import combine_splits
 from pallas_kernels.tuning import lookup
@@ -321,14 +320,7 @@ def _run(
         ),
         grid=(batch, num_splits),
         grid_names=("batch", "split"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-            reduction_scratch_bytes=0,  # row reductions stay within warps
-            approx_math=tiles.approx_math,
-        ),
-        interpret=mosaic_gpu_interpret(interpret),
+        **mosaic_parts.warpgroup_launch(CONSUMERS + 1, approx_math=tiles.approx_math, interpret=interpret),
     )(lengths_B.astype(jnp.int32), q_BHA, *cache_args)
     return combine_splits(o_BSHR, lse_BSH)[:, :heads]
 

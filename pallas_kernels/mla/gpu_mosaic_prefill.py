@@ -34,7 +34,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.compat import mosaic_gpu_interpret
 from pallas_kernels.mla import key_segments, mosaic_parts, tuned
 from pallas_kernels.tuning import lookup
 
@@ -273,14 +272,7 @@ def attention_segment_mgpu(
         ),
         grid=(length // QUERY_BLOCK, heads, batch),
         grid_names=("q", "heads", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-            reduction_scratch_bytes=0,  # row reductions stay within warps
-            approx_math=tiles.approx_math,
-        ),
-        interpret=mosaic_gpu_interpret(interpret),
+        **mosaic_parts.warpgroup_launch(CONSUMERS + 1, approx_math=tiles.approx_math, interpret=interpret),
     )(
         jnp.asarray(first_slot, jnp.int32).reshape(1),
         tiles_BQ,

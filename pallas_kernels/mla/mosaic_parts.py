@@ -1,6 +1,6 @@
-"""Pieces the Mosaic GPU MLA kernels share (`gpu_mosaic.py`: decode, `gpu_mosaic_prefill.py`): the layout of a
-16-bit wgmma operand in shared memory, interpret mode's stand-in for layout casts, and the producer's side of a
-ring of shared-memory buffers filled by TMA. Called while a kernel is traced."""
+"""Pieces the Mosaic GPU MLA kernels share (`gpu_mosaic.py`: decode, `gpu_mosaic_prefill.py`): their launch
+settings, the layout of a 16-bit wgmma operand in shared memory, interpret mode's stand-in for layout casts, and the
+producer's side of a ring of shared-memory buffers filled by TMA (called while a kernel is traced)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.compat import mosaic_gpu_interpret
+
 SWIZZLE = 128  # bytes: 64 16-bit columns per swizzle tile
+
+
+def warpgroup_launch(warpgroups: int, *, approx_math: bool, interpret: bool) -> dict:
+    """`plgpu.kernel`'s keywords for a kernel of `warpgroups` warpgroups (axis "wg") in warpgroup semantics, whose
+    row reductions stay within warps; approx_math: exp as ex2.approx; interpret: in jax's Mosaic GPU interpreter."""
+    return dict(
+        num_threads=warpgroups,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, reduction_scratch_bytes=0, approx_math=approx_math
+        ),
+        interpret=mosaic_gpu_interpret(interpret),
+    )
 
 
 def operand_layout():
