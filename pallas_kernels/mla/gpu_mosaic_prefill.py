@@ -3,13 +3,14 @@ and two consumer warpgroups) over segments of expanded keys.
 
 `flash_expanded_attention_mgpu` has the semantics of `flash_expanded_attention` (`mla/reference.py`) and walks
 the latent cache in segments as the Triton kernel does (`gpu_triton/prefill.py`): per segment XLA expands the
-keys once, laid out for wgmma without transposes, K^T [B, H, N + P, S] (the rope key repeated for each head)
+keys once, laid out for wgmma without transposes, nope K^T [B, H, N, S], the heads' shared rope K^T [B, P, S]
 and V [B, H, S, V], and the kernel merges the segment into the running (output, log-sum-exp) pair.
 
 A CTA serves 128 queries of one head and sequence with three warpgroups:
 
 - the producer loads each consumer's 64 queries [64, N + P], running output [64, V] fp32, log-sum-exp and
-  query slots once, then streams key tiles (K^T [N + P, block_k], V [block_k, V] and the keys' validity)
+  query slots once, then streams key tiles (K^T [N + P, block_k] from its nope and rope rows, V [block_k, V] and
+  the keys' validity)
   through a ring of `stages` shared-memory buffers with TMA, refilling a buffer when both consumers release it;
 - each consumer resumes the online softmax from its rows' running pair (`online_softmax.resume`'s rule: the max
   at the log-sum-exp, a sum of 1), forms S = Q K^T for a tile, masks it (key slot <= query slot, key valid),
@@ -41,14 +42,15 @@ ROWS = 64  # queries a consumer warpgroup: wgmma's M
 CONSUMERS = 2
 QUERY_BLOCK = CONSUMERS * ROWS
 PRODUCER_LOADS = 4  # a consumer's queries, running output, log-sum-exp, query slots
-TILE_LOADS = 3  # a key tile's K^T, V, validity
+TILE_LOADS = 4  # a key tile's K^T (nope rows, rope rows), V, validity
 
 
 def kernel_dims_fit(*head_dims: int) -> bool:
     """Whether the kernel takes these nope, rope and value dims: nope + rope and value multiples of 64 (whole
-    128-byte swizzle tiles of 16-bit values)."""
+    128-byte swizzle tiles of 16-bit values), nope a multiple of 8 (the rope rows of a key tile start on a tile of
+    8 rows)."""
     nope, rope, value = head_dims
-    return (nope + rope) % 64 == 0 and value % 64 == 0
+    return (nope + rope) % 64 == 0 and value % 64 == 0 and nope % 8 == 0
 
 
 def _operand(shape, dtype):
@@ -163,7 +165,8 @@ def _kernel(
     slots_gmem,
     valid_gmem,
     q_gmem,
-    k_gmem,
+    k_nope_gmem,
+    k_pe_gmem,
     v_gmem,
     o_in_gmem,
     lse_in_gmem,
@@ -196,7 +199,8 @@ def _kernel(
     def tile(t, slot):
         keys = pl.ds(t * block_k, block_k)
         return (
-            (k_gmem.at[batch, head, :, keys], k_smem.at[slot]),
+            (k_nope_gmem.at[batch, head, :, keys], k_smem.at[slot, : k_nope_gmem.shape[2]]),
+            (k_pe_gmem.at[batch, :, keys], k_smem.at[slot, k_nope_gmem.shape[2] :]),
             (v_gmem.at[batch, head, keys], v_smem.at[slot]),
             (valid_gmem.at[batch, keys], valid_smem.at[slot]),
         )
@@ -224,7 +228,8 @@ def _kernel(
 
 def attention_segment_mgpu(
     q_BTHD,
-    k_BHDS,
+    k_nope_BHNS,
+    k_pe_BPS,
     v_BHSV,
     query_slots_BT,
     key_valid_BS,
@@ -237,10 +242,11 @@ def attention_segment_mgpu(
     interpret: bool = False,
 ):
     """The running attention (o [B, T, H, V] fp32, normalised, lse [B, H, T]; zeros and -inf where no key was
-    seen) with the segment's keys (slots first_slot + [0, S)) merged in. q [B, T, H, D] (nope then rope
-    columns), K^T [B, H, D, S], V [B, H, S, V], 16-bit; T a multiple of 128, S of block_k."""
+    seen) with the segment's keys (slots first_slot + [0, S)) merged in. q [B, T, H, N + P] (nope then rope
+    columns), the keys transposed: nope K^T [B, H, N, S] and the heads' shared rope K^T [B, P, S]; V [B, H, S, V];
+    16-bit, T a multiple of 128, S of block_k."""
     batch, length, heads, width = q_BTHD.shape
-    segment, value_dim = k_BHDS.shape[-1], v_BHSV.shape[-1]
+    segment, value_dim = k_nope_BHNS.shape[-1], v_BHSV.shape[-1]
     block_k, stages = tiles.block_k, tiles.stages
     dtype = q_BTHD.dtype
     # key tiles a query block needs: up to its last visible slot
@@ -279,7 +285,8 @@ def attention_segment_mgpu(
         query_slots_BT.astype(jnp.int32),
         key_valid_BS.astype(jnp.int32),
         q_BTHD,
-        k_BHDS,
+        k_nope_BHNS,
+        k_pe_BPS,
         v_BHSV,
         o_BTHV,
         lse_BHT,
@@ -308,7 +315,8 @@ def flash_expanded_attention_mgpu(
     if dtype not in (jnp.bfloat16, jnp.float16) or not kernel_dims_fit(nope, rope, value_dim):
         raise ValueError(
             "the Mosaic GPU MLA prefill kernel takes bf16 or fp16 queries, nope + rope and value dims that are "
-            f"multiples of 64; got {jnp.dtype(dtype).name}, nope {nope}, rope {rope}, value {value_dim}"
+            f"multiples of 64, nope a multiple of 8; got {jnp.dtype(dtype).name}, nope {nope}, rope {rope}, "
+            f"value {value_dim}"
         )
     tiles = tiles or lookup(tuned.PREFILL_MOSAIC, dtype=dtype)
     segment = min(tiles.segment, pl.cdiv(latent_BSA.shape[1], tiles.block_k) * tiles.block_k)
@@ -327,10 +335,8 @@ def flash_expanded_attention_mgpu(
     def add_segment(first, block_BSA, valid_BS, carry):
         c_kv, k_pe_BSP = block_BSA[..., :latent_dim], block_BSA[..., latent_dim:]
         k_nope_BHNS = jnp.einsum("bsr,hnr->bhns", c_kv, w_uk)
-        k_pe_BHPS = jnp.broadcast_to(k_pe_BSP.transpose(0, 2, 1)[:, None], (batch, heads, rope, segment))
-        k_BHDS = jnp.concatenate([k_nope_BHNS, k_pe_BHPS], axis=2)
         v_BHSV = jnp.einsum("bsr,hvr->bhsv", c_kv, w_uv)
-        return attend(q_BTHD, k_BHDS, v_BHSV, query_slots, valid_BS, first, *carry)
+        return attend(q_BTHD, k_nope_BHNS, k_pe_BSP.transpose(0, 2, 1), v_BHSV, query_slots, valid_BS, first, *carry)
 
     nothing_seen = (
         jnp.zeros((batch, padded, heads, value_dim), jnp.float32),

@@ -41,7 +41,7 @@ def test_mosaic_kernel_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="bf16 or fp16 queries.*got float32"):
         flash_expanded_attention_mgpu(*args, scale=0.2)
     args, _ = random_case(jnp.bfloat16, seed=1, nope=32, rope=16, value=64)
-    with pytest.raises(ValueError, match="multiples of 64; got bfloat16, nope 32, rope 16, value 64"):
+    with pytest.raises(ValueError, match="multiple of 8; got bfloat16, nope 32, rope 16, value 64"):
         mla_prefill(*args, scale=0.2, backend="interpret_gpu", variant="gpu_mosaic")
 
 
