@@ -10,12 +10,12 @@ A CTA serves 128 queries of one head and sequence with three warpgroups:
 
 - the producer loads each consumer's 64 queries [64, N + P], running output [64, V] fp32, log-sum-exp and
   query slots once, then streams key tiles (K^T [N + P, block_k] from its nope and rope rows, V [block_k, V] and
-  the keys' validity)
-  through a ring of `stages` shared-memory buffers with TMA, refilling a buffer when both consumers release it;
+  the keys' validity) through a ring of `stages` shared-memory buffers with TMA, refilling a buffer when both
+  consumers release it;
 - each consumer resumes the online softmax from its rows' running pair (`online_softmax.resume`'s rule: the max
   at the log-sum-exp, a sum of 1), forms S = Q K^T for a tile, masks it (key slot <= query slot, key valid),
-  writes P (16-bit) to shared memory and adds P V to its [64, V] fp32 accumulator; at the end it writes the
-  pair back through shared memory with TMA.
+  writes P (16-bit) to shared memory (or keeps it in registers: `p_in_registers`) and adds P V to its [64, V]
+  fp32 accumulator; at the end it writes the pair back through shared memory with TMA.
 
 The CTA walks the key tiles up to the last one its queries can see (counted by XLA per segment). Queries go in
 padded to whole 128-row blocks (pad rows see no key). P V is a fresh wgmma product added to the rescaled
