@@ -12,8 +12,8 @@ A CTA serves 128 queries of one head and sequence with three warpgroups:
   query slots once, then streams key tiles (K^T [N + P, block_k] from its nope and rope rows, V [block_k, V] and
   the keys' validity) through a ring of `stages` shared-memory buffers with TMA, refilling a buffer when both
   consumers release it;
-- each consumer resumes the online softmax from its rows' running pair (`online_softmax.resume`'s rule: the max
-  at the log-sum-exp, a sum of 1), forms S = Q K^T for a tile, masks it (key slot <= query slot, key valid),
+- each consumer resumes the online softmax from its rows' running pair (`online_softmax.resume`: the max at the
+  log-sum-exp, a sum of 1), forms S = Q K^T for a tile, masks it (key slot <= query slot, key valid),
   writes P (16-bit) to shared memory (or keeps it in registers: `p_in_registers`) and adds P V to its [64, V]
   fp32 accumulator; at the end it writes the pair back through shared memory with TMA.
 
@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla import key_segments, mosaic_parts, tuned
+from pallas_kernels.mla.gpu_triton import online_softmax
 from pallas_kernels.tuning import lookup
 
 ROWS = 64  # queries a consumer warpgroup: wgmma's M
@@ -92,12 +93,8 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, ti
     plgpu.set_max_registers(232, action="increase")
     plgpu.barrier_wait(start_ready.at[consumer])
     slots_R = cast(slots_smem.at[consumer][...], row_layout)
-    lse_R = cast(lse_smem.at[consumer][...], row_layout)
-    seen_R = lse_R > -jnp.inf
-    running = (
-        cast(o_smem.at[consumer][...], plgpu.Layout.WGMMA),
-        jnp.where(seen_R, lse_R, -1e30),
-        seen_R.astype(jnp.float32),
+    running = online_softmax.resume(
+        cast(o_smem.at[consumer][...], plgpu.Layout.WGMMA), cast(lse_smem.at[consumer][...], row_layout)
     )
     shape, value_dim = (ROWS, block_k), o_smem.shape[-1]
     column_RK = cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)

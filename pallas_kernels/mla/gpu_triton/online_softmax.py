@@ -1,6 +1,7 @@
 """Flash attention's online softmax inside a Triton kernel, as the MLA decode and prefill kernels both run it: a
 running (accumulator [rows, width] fp32, row max, row sum) updated key block by key block, then stored normalised
-with its log-sum-exp (-inf and zeros for a row that saw no key). Called while a kernel is traced."""
+with its log-sum-exp (-inf and zeros for a row that saw no key). Called while a kernel is traced; the Mosaic GPU
+prefill kernel resumes from a running pair with `resume` too."""
 
 from __future__ import annotations
 
