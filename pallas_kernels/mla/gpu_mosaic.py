@@ -48,11 +48,7 @@ def _rescaled_plus_values(acc_chunks, correction_H, p_smem, values_smem, chunk_c
     accumulator per chunk: interpret mode has no in-place accumulation, and a chunk needs fewer registers)."""
 
     def plus_chunk(acc_HC, cols):
-        def weighted_values(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, values_smem.at[:, cols])
-            return acc_ref[...]
-
-        values_HC = pl.run_scoped(weighted_values, plgpu.ACC(acc_HC.shape, jnp.float32))
+        values_HC = mosaic_parts.product(p_smem, values_smem.at[:, cols], *acc_HC.shape)
         return acc_HC * lax.broadcast_in_dim(correction_H, acc_HC.shape, [0]) + values_HC
 
     return tuple(plus_chunk(acc_HC, cols) for acc_HC, cols in zip(acc_chunks, chunk_cols))

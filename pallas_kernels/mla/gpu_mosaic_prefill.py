@@ -58,18 +58,6 @@ def _operand(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=mosaic_parts.operand_layout())
 
 
-def _product(a, b_smem, rows: int, cols: int, after_issue=lambda: None):
-    """a [rows, K] (shared memory or registers) @ b [K, cols] from shared memory, fp32, in a fresh accumulator;
-    after_issue() runs while the tensor cores work on it."""
-
-    def run(acc_ref):
-        plgpu.wgmma(acc_ref, a, b_smem)
-        after_issue()
-        return acc_ref[...]
-
-    return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
-
-
 def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, tiles, interpret):
     """One consumer warpgroup: its 64 queries' attention over the segment's first num_tiles key tiles, merged
     into their running pair, written to `out` (its GMEM views of the output and log-sum-exp).
@@ -104,7 +92,7 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, ti
         acc_RV, m_R, l_R = carry
         slot = lax.rem(t, stages)
         plgpu.barrier_wait(kv_ready.at[slot])
-        scores_RK = _product(q_smem.at[consumer], k_smem.at[slot], *shape, after_issue=meet)
+        scores_RK = mosaic_parts.product(q_smem.at[consumer], k_smem.at[slot], *shape, after_issue=meet)
         valid_RK = lax.broadcast_in_dim(cast(valid_smem.at[slot][...], col_layout), shape, [1]) != 0
         visible_RK = (first_slot + t * block_k + column_RK <= query_slots_RK) & valid_RK
         scores_RK = jnp.where(visible_RK, scores_RK * scale, -jnp.inf)
@@ -120,7 +108,7 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, ti
             p_operand = p_smem.at[consumer]
         meet()
         rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
-        acc_RV = rescaled_RV + _product(p_operand, v_smem.at[slot], ROWS, value_dim)
+        acc_RV = rescaled_RV + mosaic_parts.product(p_operand, v_smem.at[slot], ROWS, value_dim)
         plgpu.barrier_arrive(kv_free.at[slot])
         return acc_RV, m_new, l_R
 

@@ -1,6 +1,7 @@
 """Pieces the Mosaic GPU MLA kernels share (`gpu_mosaic.py`: decode, `gpu_mosaic_prefill.py`): their launch
-settings, the layout of a 16-bit wgmma operand in shared memory, interpret mode's stand-in for layout casts, and the
-producer's side of a ring of shared-memory buffers filled by TMA (called while a kernel is traced)."""
+settings, a product in a fresh accumulator, the layout of a 16-bit wgmma operand in shared memory, interpret mode's
+stand-in for layout casts, and the producer's side of a ring of shared-memory buffers filled by TMA (called while a
+kernel is traced)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ def warpgroup_launch(warpgroups: int, *, approx_math: bool, interpret: bool) -> 
 def operand_layout():
     """Tiling and swizzle of a 16-bit wgmma operand in shared memory (rows of 64 or more columns)."""
     return (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def product(a, b_smem, rows: int, cols: int, after_issue=lambda: None):
+    """a [rows, K] (shared memory or registers) @ b [K, cols] from shared memory, fp32, in a fresh wgmma
+    accumulator (jax 0.10's interpreter has no in-place accumulation); after_issue() runs while the tensor cores
+    work on it."""
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_smem)
+        after_issue()
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
 
 
 def keep_layout(x, layout):
