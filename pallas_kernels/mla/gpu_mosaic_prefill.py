@@ -13,11 +13,13 @@ A CTA serves 128 queries of one head and sequence with three warpgroups:
   the keys' validity) through a ring of `stages` shared-memory buffers with TMA, refilling a buffer when both
   consumers release it;
 - each consumer resumes the online softmax from its rows' running pair (`online_softmax.resume`: the max at the
-  log-sum-exp, a sum of 1), forms S = Q K^T for a tile, masks it (key slot <= query slot, key valid),
-  writes P (16-bit) to shared memory (or keeps it in registers: `p_in_registers`) and adds P V to its [64, V]
-  fp32 accumulator; at the end it writes the pair back through shared memory with TMA.
+  log-sum-exp, a sum of 1), forms S = Q K^T for a tile, masks it (key slot <= query slot, key valid) unless
+  every query of the block sees the whole tile, takes the softmax in base 2 (the scale folded into one fused
+  multiply-add before exp2), writes P (16-bit) to shared memory (or keeps it in registers: `p_in_registers`)
+  and adds P V to its [64, V] fp32 accumulator; at the end it writes the pair back through shared memory with TMA.
 
-The CTA walks the key tiles up to the last one its queries can see (counted by XLA per segment). Queries go in
+The CTA walks the key tiles up to the last one its queries can see, the tiles its queries see whole unmasked
+(both counted by XLA per segment: `_tile_walk`). Queries go in
 padded to whole 128-row blocks (pad rows see no key). P V is a fresh wgmma product added to the rescaled
 accumulator in registers: jax 0.10's Mosaic GPU interpreter cannot accumulate into a pre-initialised
 accumulator, nor its warpgroup lowering lower one inside the key loop. No operand is transposed, so the kernel
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +47,7 @@ CONSUMERS = 2
 QUERY_BLOCK = CONSUMERS * ROWS
 PRODUCER_LOADS = 4  # a consumer's queries, running output, log-sum-exp, query slots
 TILE_LOADS = 4  # a key tile's K^T (nope rows, rope rows), V, validity
+LOG2_E, LN_2 = math.log2(math.e), math.log(2.0)
 
 
 def kernel_dims_fit(*head_dims: int) -> bool:
@@ -58,18 +62,23 @@ def _operand(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=mosaic_parts.operand_layout())
 
 
-def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, tiles, interpret):
-    """One consumer warpgroup: its 64 queries' attention over the segment's first num_tiles key tiles, merged
-    into their running pair, written to `out` (its GMEM views of the output and log-sum-exp).
+def _consumer(consumer, first_slot, walk, smem, barriers, out, *, scale, tiles, interpret):
+    """One consumer warpgroup: its 64 queries' attention over the segment's first key tiles, merged into their
+    running pair, written to `out` (its GMEM views of the output and log-sum-exp).
 
+    walk = (tiles, open_start, open_end): the block's key tiles, and the tiles [open_start, open_end) that every
+    query of the block sees whole (valid keys at or before every query's slot), taken without the mask.
+    The softmax runs in base 2 with the scale folded in: the max on the unscaled scores, p = 2^(s c - m c).
     ping_pong: the two consumers meet at two points a tile (after issuing the scores' product, after the softmax),
     consumer 1 one meeting behind, so that one's softmax runs while the other's products occupy the tensor cores.
     p_in_registers (compiled only: jax 0.10's interpreter takes no register operand): P goes to wgmma from
     registers, not through shared memory."""
+    num_tiles, open_start, open_end = walk
     block_k, stages = tiles.block_k, tiles.stages
     p_in_registers = tiles.p_in_registers and not interpret
     q_smem, k_smem, v_smem, p_smem, valid_smem, slots_smem, o_smem, lse_smem = smem
     kv_ready, kv_free, start_ready, schedule = barriers
+    to_log2 = scale * LOG2_E  # unscaled score -> base-2 exponent
 
     def meet():
         if tiles.ping_pong:
@@ -81,46 +90,53 @@ def _consumer(consumer, first_slot, num_tiles, smem, barriers, out, *, scale, ti
     plgpu.set_max_registers(232, action="increase")
     plgpu.barrier_wait(start_ready.at[consumer])
     slots_R = cast(slots_smem.at[consumer][...], row_layout)
-    running = online_softmax.resume(
+    acc_RV, lse_max_R, l_R = online_softmax.resume(
         cast(o_smem.at[consumer][...], plgpu.Layout.WGMMA), cast(lse_smem.at[consumer][...], row_layout)
     )
     shape, value_dim = (ROWS, block_k), o_smem.shape[-1]
     column_RK = cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
     query_slots_RK = lax.broadcast_in_dim(slots_R, shape, [0])
 
-    def tile_step(t, carry):
-        acc_RV, m_R, l_R = carry
-        slot = lax.rem(t, stages)
-        plgpu.barrier_wait(kv_ready.at[slot])
-        scores_RK = mosaic_parts.product(q_smem.at[consumer], k_smem.at[slot], *shape, after_issue=meet)
-        valid_RK = lax.broadcast_in_dim(cast(valid_smem.at[slot][...], col_layout), shape, [1]) != 0
-        visible_RK = (first_slot + t * block_k + column_RK <= query_slots_RK) & valid_RK
-        scores_RK = jnp.where(visible_RK, scores_RK * scale, -jnp.inf)
-        m_new = jnp.maximum(m_R, scores_RK.max(axis=1))
-        correction_R = jnp.exp(m_R - m_new)
-        p_RK = jnp.exp(scores_RK - lax.broadcast_in_dim(m_new, shape, [0]))
-        l_R = l_R * correction_R + p_RK.sum(axis=1)
-        if p_in_registers:
-            p_operand = p_RK.astype(p_smem.dtype)
-        else:
-            p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
-            plgpu.commit_smem()
-            p_operand = p_smem.at[consumer]
-        meet()
-        rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
-        acc_RV = rescaled_RV + mosaic_parts.product(p_operand, v_smem.at[slot], ROWS, value_dim)
-        plgpu.barrier_arrive(kv_free.at[slot])
-        return acc_RV, m_new, l_R
+    def tile_step(masked: bool):
+        def step(t, carry):
+            acc_RV, m_R, l_R = carry  # m_R: base-2 exponent
+            slot = lax.rem(t, stages)
+            plgpu.barrier_wait(kv_ready.at[slot])
+            scores_RK = mosaic_parts.product(q_smem.at[consumer], k_smem.at[slot], *shape, after_issue=meet)
+            if masked:
+                valid_RK = lax.broadcast_in_dim(cast(valid_smem.at[slot][...], col_layout), shape, [1]) != 0
+                visible_RK = (first_slot + t * block_k + column_RK <= query_slots_RK) & valid_RK
+                scores_RK = jnp.where(visible_RK, scores_RK, -jnp.inf)
+            m_new = jnp.maximum(m_R, scores_RK.max(axis=1) * to_log2)
+            correction_R = jnp.exp2(m_R - m_new)
+            p_RK = jnp.exp2(scores_RK * to_log2 - lax.broadcast_in_dim(m_new, shape, [0]))
+            l_R = l_R * correction_R + p_RK.sum(axis=1)
+            if p_in_registers:
+                p_operand = p_RK.astype(p_smem.dtype)
+            else:
+                p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
+                plgpu.commit_smem()
+                p_operand = p_smem.at[consumer]
+            meet()
+            rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
+            acc_RV = rescaled_RV + mosaic_parts.product(p_operand, v_smem.at[slot], ROWS, value_dim)
+            plgpu.barrier_arrive(kv_free.at[slot])
+            return acc_RV, m_new, l_R
+
+        return step
 
     if consumer == 1:
         meet()
-    acc_RV, m_R, l_R = lax.fori_loop(0, num_tiles, tile_step, running)
+    carry = (acc_RV, lse_max_R * LOG2_E, l_R)
+    carry = lax.fori_loop(0, open_start, tile_step(masked=True), carry)
+    carry = lax.fori_loop(open_start, open_end, tile_step(masked=False), carry)
+    acc_RV, m_R, l_R = lax.fori_loop(open_end, num_tiles, tile_step(masked=True), carry)
     if consumer == 0:
         meet()
     seen_R = l_R > 0
     total_R = jnp.where(seen_R, l_R, 1.0)
     o_smem.at[consumer][...] = acc_RV / lax.broadcast_in_dim(total_R, acc_RV.shape, [0])
-    lse_smem.at[consumer][...] = jnp.where(seen_R, m_R + jnp.log(total_R), -jnp.inf)
+    lse_smem.at[consumer][...] = jnp.where(seen_R, m_R * LN_2 + jnp.log(total_R), -jnp.inf)
     plgpu.commit_smem()
     o_gmem, lse_gmem = out
     plgpu.copy_smem_to_gmem(o_smem.at[consumer], o_gmem)
@@ -146,7 +162,7 @@ def _producer(num_tiles, starts, tile, smem, barriers, *, stages):
 
 def _kernel(
     first_gmem,
-    tiles_gmem,
+    walk_gmem,
     slots_gmem,
     valid_gmem,
     q_gmem,
@@ -168,7 +184,7 @@ def _kernel(
     q_smem, k_smem, v_smem, _, valid_smem, slots_smem, o_smem, lse_smem = smem
     block, head, batch = lax.axis_index("q"), lax.axis_index("heads"), lax.axis_index("batch")
     warpgroup = lax.axis_index("wg")
-    num_tiles = tiles_gmem[batch, block]
+    walk = tuple(walk_gmem[batch, block, i] for i in range(3))
 
     def rows(consumer):
         return pl.ds(block * QUERY_BLOCK + consumer * ROWS, ROWS)
@@ -197,7 +213,7 @@ def _kernel(
                 _consumer,
                 consumer,
                 first_gmem[0],
-                num_tiles,
+                walk,
                 smem,
                 barriers,
                 out,
@@ -206,9 +222,24 @@ def _kernel(
                 interpret=interpret,
             )
         )
-    pl.when(warpgroup == CONSUMERS)(
-        functools.partial(_producer, num_tiles, starts, tile, smem, barriers, stages=stages)
-    )
+    pl.when(warpgroup == CONSUMERS)(functools.partial(_producer, walk[0], starts, tile, smem, barriers, stages=stages))
+
+
+def _tile_walk(query_slots_BT, key_valid_BS, first_slot, block_k: int):
+    """Each query block's walk over the segment's key tiles [B, T / 128, 3] int32: the tiles up to its last
+    visible slot, and the range [open_start, open_end) of tiles every query of the block sees whole (each key
+    valid and at or before the block's first slot; a block with a pad query, slot -1, has none)."""
+    batch, length = query_slots_BT.shape
+    segment = key_valid_BS.shape[1]
+    slots_BQR = query_slots_BT.reshape(batch, length // QUERY_BLOCK, QUERY_BLOCK)
+    count = segment // block_k
+    tiles_BQ = jnp.clip((slots_BQR.max(axis=-1) - first_slot) // block_k + 1, 0, count)
+    whole_BQ = jnp.clip((slots_BQR.min(axis=-1) - first_slot + 1) // block_k, 0, tiles_BQ)
+    partly_invalid_BN = ~key_valid_BS.reshape(batch, count, block_k).all(axis=-1)
+    after_tile_N = jnp.arange(1, count + 1)
+    below_whole_BQN = after_tile_N[None, None, :] <= whole_BQ[..., None]
+    open_start_BQ = jnp.max(jnp.where(below_whole_BQN & partly_invalid_BN[:, None, :], after_tile_N, 0), axis=-1)
+    return jnp.stack([tiles_BQ, open_start_BQ, whole_BQ], axis=-1).astype(jnp.int32)
 
 
 def attention_segment_mgpu(
@@ -231,12 +262,10 @@ def attention_segment_mgpu(
     columns), the keys transposed: nope K^T [B, H, N, S] and the heads' shared rope K^T [B, P, S]; V [B, H, S, V];
     16-bit, T a multiple of 128, S of block_k."""
     batch, length, heads, width = q_BTHD.shape
-    segment, value_dim = k_nope_BHNS.shape[-1], v_BHSV.shape[-1]
+    value_dim = v_BHSV.shape[-1]
     block_k, stages = tiles.block_k, tiles.stages
     dtype = q_BTHD.dtype
-    # key tiles a query block needs: up to its last visible slot
-    last_slot_BQ = query_slots_BT.reshape(batch, length // QUERY_BLOCK, QUERY_BLOCK).max(axis=-1)
-    tiles_BQ = jnp.clip((last_slot_BQ - first_slot) // block_k + 1, 0, segment // block_k).astype(jnp.int32)
+    walk_BQ3 = _tile_walk(query_slots_BT, key_valid_BS, first_slot, block_k)
 
     def mla_prefill_mgpu(*refs):  # the kernel's name in jaxprs and profiles
         _kernel(*refs, scale=scale, tiles=tiles, interpret=interpret)
@@ -266,7 +295,7 @@ def attention_segment_mgpu(
         **mosaic_parts.warpgroup_launch(CONSUMERS + 1, approx_math=tiles.approx_math, interpret=interpret),
     )(
         jnp.asarray(first_slot, jnp.int32).reshape(1),
-        tiles_BQ,
+        walk_BQ3,
         query_slots_BT.astype(jnp.int32),
         key_valid_BS.astype(jnp.int32),
         q_BTHD,

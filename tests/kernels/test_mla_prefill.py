@@ -40,9 +40,10 @@ def float64_expanded(q_nope, q_pe, latent, query_slots, key_valid, w_uk, w_uv, s
     return np.einsum("bhts,bshv->bthv", weights / np.where(total > 0, total, 1), v)
 
 
-def random_case(dtype, seed, nope=NOPE, value=VALUE, rope=ROPE, length=45, slots=100):
+def random_case(dtype, seed, nope=NOPE, value=VALUE, rope=ROPE, length=45, slots=100, cached=30, left_pad=0):
     """Inputs (in dtype, as passed to the attention) and the float64 reference on their rounded values.
-    Row 0: a chunk appended after 30 cached tokens (causal with an offset); row 1: ragged, one pad query."""
+    Row 0: a chunk appended after `cached` cache slots, the first left_pad of them invalid (causal with an
+    offset); row 1: ragged, one pad query."""
     r = np.random.default_rng(seed)
     batch = 2
     q_nope = r.normal(size=(batch, length, HEADS, nope))
@@ -50,8 +51,10 @@ def random_case(dtype, seed, nope=NOPE, value=VALUE, rope=ROPE, length=45, slots
     latent = r.normal(size=(batch, slots, LATENT + rope))
     w_uk = r.normal(size=(HEADS, nope, LATENT)) / np.sqrt(LATENT)
     w_uv = r.normal(size=(HEADS, value, LATENT)) / np.sqrt(LATENT)
-    query_slots = np.stack([30 + np.arange(length), np.r_[-1, np.arange(length - 1) * 2]])
-    key_valid = np.stack([np.arange(slots) < 30 + length, r.uniform(size=slots) < 0.7])
+    query_slots = np.stack([cached + np.arange(length), np.r_[-1, np.arange(length - 1) * 2]])
+    key_valid = np.stack(
+        [(np.arange(slots) < cached + length) & (np.arange(slots) >= left_pad), r.uniform(size=slots) < 0.7]
+    )
     rounded = [
         np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64) for x in (q_nope, q_pe, latent, w_uk, w_uv)
     ]

@@ -18,7 +18,7 @@ from test_mla_prefill import assert_matches, random_case
 
 from ling_jax import ExecutionPolicy, LingConfig, LingForCausalLM
 from ling_jax.presets import TINY
-from pallas_kernels.mla import ops
+from pallas_kernels.mla import gpu_mosaic_prefill, ops
 from pallas_kernels.mla.ops import kernel, mla_prefill
 from pallas_kernels.mla.tuned import PREFILL_MOSAIC
 from pallas_kernels.tuning import lookup
@@ -34,6 +34,23 @@ def test_mosaic_kernel_matches_dense_float64_in_the_interpreter():
     tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256, stages=3)
     out = flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles, interpret=True)
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "Mosaic GPU interpreter")
+
+
+def test_mosaic_kernel_skips_the_mask_where_a_block_sees_whole_tiles():
+    """Row 0 after 200 cache slots, the first 70 invalid: its first query block sees tiles 0-2 of the first
+    segment whole, and takes tile 2 alone unmasked (tiles 0-1 hold invalid keys, tile 3 the diagonal); its second
+    block all four; row 1's random validity leaves none unmasked (an empty range after its last partly invalid
+    tile). The walk's counts, then the kernel against
+    float64."""
+    args, ref = random_case(jnp.bfloat16, seed=3, length=256, slots=500, cached=200, left_pad=70, **MOSAIC_DIMS)
+    query_slots, key_valid = args[3], jnp.pad(args[4], ((0, 0), (0, 12)))
+    walk = gpu_mosaic_prefill._tile_walk(query_slots, key_valid[:, :256], 0, 64)
+    np.testing.assert_array_equal(walk, [[[4, 2, 3], [4, 2, 4]], [[4, 0, 0], [4, 3, 3]]])
+    walk = gpu_mosaic_prefill._tile_walk(query_slots, key_valid[:, 256:], 256, 64)
+    np.testing.assert_array_equal(walk[0], [[2, 0, 0], [4, 0, 1]])
+    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256)
+    out = flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles, interpret=True)
+    assert_matches(out, ref, jnp.bfloat16, 2e-2, "Mosaic GPU interpreter, unmasked tiles")
 
 
 def test_mosaic_kernel_refuses_what_it_cannot_run():
