@@ -35,14 +35,22 @@ flash_expanded_attention_mgpu = kernel("mla_prefill", "gpu_mosaic")
 
 HEADS, NOPE, ROPE, VALUE, LATENT = 64, 128, 64, 128, 512
 SEGMENTS = (2048, 4096, 8192)  # the Triton kernel's key segment, swept
-# the Mosaic GPU kernel's (segment, ping_pong, p_in_registers), all timed; the third is the tuned default
+# the Mosaic GPU kernel's (segment, ping_pong, p_in_registers, overlap_softmax), all timed; the third is the tuned
+# default
+MOSAIC_FLAGS = (
+    ("ping_pong", "ping-pong"),
+    ("p_in_registers", "P in registers"),
+    ("overlap_softmax", "overlapped softmax"),
+)
 MOSAIC_SWEEP = [
-    (4096, False, False),
-    (8192, False, False),
-    (8192, True, False),
-    (8192, True, True),
-    (32768, True, False),
-    (32768, True, True),
+    (4096, False, False, False),
+    (8192, False, False, False),
+    (8192, True, False, False),
+    (8192, True, True, False),
+    (8192, False, False, True),
+    (8192, True, False, True),
+    (8192, True, True, True),
+    (32768, True, False, False),
 ]
 # (block_q, block_k, num_warps, num_stages) at segment 4096 for --sweep; the first is the tuned default
 SWEEP = [
@@ -127,22 +135,13 @@ def main(argv=None) -> int:
             )
             for tiles in sweep
         ]
-        paths += [
-            (
-                f"Mosaic GPU kernel, segment {segment}"
-                + "".join(
-                    f", {label}" for label, on in (("ping-pong", ping_pong), ("P in registers", registers)) if on
-                ),
-                jax.jit(
-                    functools.partial(
-                        flash_expanded_attention_mgpu,
-                        scale=scale,
-                        tiles=mosaic_tiles(segment, ping_pong=ping_pong, p_in_registers=registers),
-                    )
-                ),
+        for segment, *flags in MOSAIC_SWEEP:
+            fields = {field: on for (field, _), on in zip(MOSAIC_FLAGS, flags, strict=True)}
+            name = f"Mosaic GPU kernel, segment {segment}" + "".join(
+                f", {label}" for (_, label), on in zip(MOSAIC_FLAGS, flags, strict=True) if on
             )
-            for segment, ping_pong, registers in MOSAIC_SWEEP
-        ]
+            tiles = mosaic_tiles(segment, **fields)
+            paths.append((name, jax.jit(functools.partial(flash_expanded_attention_mgpu, scale=scale, tiles=tiles))))
         for name, fn in paths:
             try:
                 err = rel_error(fn(*case), ref)

@@ -72,7 +72,9 @@ def _consumer(consumer, first_slot, walk, smem, barriers, out, *, scale, tiles, 
     ping_pong: the two consumers meet at two points a tile (after issuing the scores' product, after the softmax),
     consumer 1 one meeting behind, so that one's softmax runs while the other's products occupy the tensor cores.
     p_in_registers (compiled only: jax 0.10's interpreter takes no register operand): P goes to wgmma from
-    registers, not through shared memory."""
+    registers, not through shared memory.
+    overlap_softmax: tile t's softmax runs while the tensor cores form tile t + 1's scores (two score tiles live in
+    registers); the last tile's softmax and P V follow the loop, masked."""
     num_tiles, open_start, open_end = walk
     block_k, stages = tiles.block_k, tiles.stages
     p_in_registers = tiles.p_in_registers and not interpret
@@ -94,43 +96,83 @@ def _consumer(consumer, first_slot, walk, smem, barriers, out, *, scale, tiles, 
         cast(o_smem.at[consumer][...], plgpu.Layout.WGMMA), cast(lse_smem.at[consumer][...], row_layout)
     )
     shape, value_dim = (ROWS, block_k), o_smem.shape[-1]
-    column_RK = cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
-    query_slots_RK = lax.broadcast_in_dim(slots_R, shape, [0])
+
+    def scores(t, during):
+        """S = Q K^T for tile t, during() run while the tensor cores form it: (S [64, block_k], during's)."""
+        plgpu.barrier_wait(kv_ready.at[lax.rem(t, stages)])
+        return mosaic_parts.product_while(q_smem.at[consumer], k_smem.at[lax.rem(t, stages)], *shape, during)
+
+    def softmax(t, scores_RK, m_R, l_R, masked: bool):
+        """Tile t's softmax weights P (16-bit, in registers; None: written to shared memory) against the new running
+        max (a base-2 exponent), the new sum and the old accumulator's correction."""
+        if masked:
+            column_RK = cast(lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
+            valid_RK = lax.broadcast_in_dim(cast(valid_smem.at[lax.rem(t, stages)][...], col_layout), shape, [1])
+            visible_RK = first_slot + t * block_k + column_RK <= lax.broadcast_in_dim(slots_R, shape, [0])
+            scores_RK = jnp.where(visible_RK & (valid_RK != 0), scores_RK, -jnp.inf)
+        m_new = jnp.maximum(m_R, scores_RK.max(axis=1) * to_log2)
+        correction_R = jnp.exp2(m_R - m_new)
+        p_RK = jnp.exp2(scores_RK * to_log2 - lax.broadcast_in_dim(m_new, shape, [0]))
+        l_R = l_R * correction_R + p_RK.sum(axis=1)
+        if p_in_registers:
+            return p_RK.astype(p_smem.dtype), m_new, l_R, correction_R
+        p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
+        plgpu.commit_smem()
+        return None, m_new, l_R, correction_R
+
+    def add_values(t, p_RK, acc_RV, correction_R):
+        """The accumulator rescaled plus P V for tile t (P: p_RK, or shared memory's where None), whose buffer is
+        then released."""
+        operand = p_smem.at[consumer] if p_RK is None else p_RK
+        rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
+        acc_RV = rescaled_RV + mosaic_parts.product(operand, v_smem.at[lax.rem(t, stages)], ROWS, value_dim)
+        plgpu.barrier_arrive(kv_free.at[lax.rem(t, stages)])
+        return acc_RV
 
     def tile_step(masked: bool):
+        """One key tile: S, then (ping-pong's second meeting) P and P V."""
+
         def step(t, carry):
-            acc_RV, m_R, l_R = carry  # m_R: base-2 exponent
-            slot = lax.rem(t, stages)
-            plgpu.barrier_wait(kv_ready.at[slot])
-            scores_RK = mosaic_parts.product(q_smem.at[consumer], k_smem.at[slot], *shape, after_issue=meet)
-            if masked:
-                valid_RK = lax.broadcast_in_dim(cast(valid_smem.at[slot][...], col_layout), shape, [1]) != 0
-                visible_RK = (first_slot + t * block_k + column_RK <= query_slots_RK) & valid_RK
-                scores_RK = jnp.where(visible_RK, scores_RK, -jnp.inf)
-            m_new = jnp.maximum(m_R, scores_RK.max(axis=1) * to_log2)
-            correction_R = jnp.exp2(m_R - m_new)
-            p_RK = jnp.exp2(scores_RK * to_log2 - lax.broadcast_in_dim(m_new, shape, [0]))
-            l_R = l_R * correction_R + p_RK.sum(axis=1)
-            if p_in_registers:
-                p_operand = p_RK.astype(p_smem.dtype)
-            else:
-                p_smem.at[consumer][...] = p_RK.astype(p_smem.dtype)
-                plgpu.commit_smem()
-                p_operand = p_smem.at[consumer]
+            acc_RV, m_R, l_R = carry
+            scores_RK, _ = scores(t, meet)
+            p_RK, m_R, l_R, correction_R = softmax(t, scores_RK, m_R, l_R, masked)
             meet()
-            rescaled_RV = acc_RV * lax.broadcast_in_dim(correction_R, acc_RV.shape, [0])
-            acc_RV = rescaled_RV + mosaic_parts.product(p_operand, v_smem.at[slot], ROWS, value_dim)
-            plgpu.barrier_arrive(kv_free.at[slot])
-            return acc_RV, m_new, l_R
+            return add_values(t, p_RK, acc_RV, correction_R), m_R, l_R
+
+        return step
+
+    def overlapped_step(masked: bool):
+        """Tile t's softmax while the tensor cores form tile t + 1's S, then tile t's P V (ping-pong's meetings
+        before the S product and before P V)."""
+
+        def step(t, carry):
+            acc_RV, m_R, l_R, scores_RK = carry
+            meet()  # before the wait for tile t + 1, whose buffer the other consumer frees after this meeting
+            next_scores_RK, (p_RK, m_R, l_R, correction_R) = scores(
+                t + 1, lambda: softmax(t, scores_RK, m_R, l_R, masked)
+            )
+            meet()
+            return add_values(t, p_RK, acc_RV, correction_R), m_R, l_R, next_scores_RK
 
         return step
 
     if consumer == 1:
         meet()
     carry = (acc_RV, lse_max_R * LOG2_E, l_R)
-    carry = lax.fori_loop(0, open_start, tile_step(masked=True), carry)
-    carry = lax.fori_loop(open_start, open_end, tile_step(masked=False), carry)
-    acc_RV, m_R, l_R = lax.fori_loop(open_end, num_tiles, tile_step(masked=True), carry)
+    if tiles.overlap_softmax:  # the last tile (tile 0, fully masked, where the block sees none) after the loop
+        last = jnp.maximum(num_tiles, 1) - 1
+        start, end = jnp.minimum(open_start, last), jnp.minimum(open_end, last)
+        carry = (*carry, scores(0, meet)[0])
+        carry = lax.fori_loop(0, start, overlapped_step(masked=True), carry)
+        carry = lax.fori_loop(start, end, overlapped_step(masked=False), carry)
+        acc_RV, m_R, l_R, scores_RK = lax.fori_loop(end, last, overlapped_step(masked=True), carry)
+        p_RK, m_R, l_R, correction_R = softmax(last, scores_RK, m_R, l_R, masked=True)
+        meet()
+        acc_RV = add_values(last, p_RK, acc_RV, correction_R)
+    else:
+        carry = lax.fori_loop(0, open_start, tile_step(masked=True), carry)
+        carry = lax.fori_loop(open_start, open_end, tile_step(masked=False), carry)
+        acc_RV, m_R, l_R = lax.fori_loop(open_end, num_tiles, tile_step(masked=True), carry)
     if consumer == 0:
         meet()
     seen_R = l_R > 0
@@ -142,6 +184,12 @@ def _consumer(consumer, first_slot, walk, smem, barriers, out, *, scale, tiles, 
     plgpu.copy_smem_to_gmem(o_smem.at[consumer], o_gmem)
     plgpu.copy_smem_to_gmem(lse_smem.at[consumer], lse_gmem)
     plgpu.wait_smem_to_gmem(0)
+
+
+def _tiles_loaded(num_tiles, tiles: tuned.PrefillMosaicTiles):
+    """The key tiles the producer streams: the block's, at least one with overlap_softmax (whose consumers take
+    a first tile's scores before their loop)."""
+    return jnp.maximum(num_tiles, 1) if tiles.overlap_softmax else num_tiles
 
 
 def _producer(num_tiles, starts, tile, smem, barriers, *, stages):
@@ -222,7 +270,9 @@ def _kernel(
                 interpret=interpret,
             )
         )
-    pl.when(warpgroup == CONSUMERS)(functools.partial(_producer, walk[0], starts, tile, smem, barriers, stages=stages))
+    pl.when(warpgroup == CONSUMERS)(
+        functools.partial(_producer, _tiles_loaded(walk[0], tiles), starts, tile, smem, barriers, stages=stages)
+    )
 
 
 def _tile_walk(query_slots_BT, key_valid_BS, first_slot, block_k: int):

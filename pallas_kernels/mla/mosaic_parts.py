@@ -37,11 +37,16 @@ def product(a, b_smem, rows: int, cols: int, after_issue=lambda: None):
     """a [rows, K] (shared memory or registers) @ b [K, cols] from shared memory, fp32, in a fresh wgmma
     accumulator (jax 0.10's interpreter has no in-place accumulation); after_issue() runs while the tensor cores
     work on it."""
+    return product_while(a, b_smem, rows, cols, after_issue)[0]
+
+
+def product_while(a, b_smem, rows: int, cols: int, work):
+    """(`product`'s a @ b, work()): work runs while the tensor cores compute the product, its values returned."""
 
     def run(acc_ref):
         plgpu.wgmma(acc_ref, a, b_smem)
-        after_issue()
-        return acc_ref[...]
+        done = work()
+        return acc_ref[...], done
 
     return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
 

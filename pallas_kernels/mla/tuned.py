@@ -53,7 +53,8 @@ class PrefillTiles:
 class PrefillMosaicTiles:
     """gpu_mosaic prefill: keys expanded `segment` slots at a time, block_k keys a tile through `stages` ring
     buffers; approx_math: the softmax's exp as ex2.approx; ping_pong: the consumers' softmax and products
-    alternate; p_in_registers: P to wgmma from registers (`gpu_mosaic_prefill._consumer`)."""
+    alternate; p_in_registers: P to wgmma from registers; overlap_softmax: a tile's softmax runs while the tensor
+    cores form the next tile's scores (`gpu_mosaic_prefill._consumer`)."""
 
     segment: int
     block_k: int
@@ -61,6 +62,7 @@ class PrefillMosaicTiles:
     approx_math: bool
     ping_pong: bool = False
     p_in_registers: bool = False
+    overlap_softmax: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,21 +36,23 @@ def test_mosaic_kernel_matches_dense_float64_in_the_interpreter():
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "Mosaic GPU interpreter")
 
 
-def test_mosaic_kernel_skips_the_mask_where_a_block_sees_whole_tiles():
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap-softmax"])
+def test_mosaic_kernel_skips_the_mask_where_a_block_sees_whole_tiles(overlap):
     """Row 0 after 200 cache slots, the first 70 invalid: its first query block sees tiles 0-2 of the first
     segment whole, and takes tile 2 alone unmasked (tiles 0-1 hold invalid keys, tile 3 the diagonal); its second
     block all four; row 1's random validity leaves none unmasked (an empty range after its last partly invalid
     tile). The walk's counts, then the kernel against
-    float64."""
+    float64, its softmax serial or overlapping the next tile's scores (row 1's first block sees no key of the
+    second segment: one fully masked tile)."""
     args, ref = random_case(jnp.bfloat16, seed=3, length=256, slots=500, cached=200, left_pad=70, **MOSAIC_DIMS)
     query_slots, key_valid = args[3], jnp.pad(args[4], ((0, 0), (0, 12)))
     walk = gpu_mosaic_prefill._tile_walk(query_slots, key_valid[:, :256], 0, 64)
     np.testing.assert_array_equal(walk, [[[4, 2, 3], [4, 2, 4]], [[4, 0, 0], [4, 3, 3]]])
     walk = gpu_mosaic_prefill._tile_walk(query_slots, key_valid[:, 256:], 256, 64)
     np.testing.assert_array_equal(walk[0], [[2, 0, 0], [4, 0, 1]])
-    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256)
+    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256, overlap_softmax=overlap)
     out = flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles, interpret=True)
-    assert_matches(out, ref, jnp.bfloat16, 2e-2, "Mosaic GPU interpreter, unmasked tiles")
+    assert_matches(out, ref, jnp.bfloat16, 2e-2, f"Mosaic GPU interpreter, unmasked tiles, overlap {overlap}")
 
 
 def test_mosaic_kernel_refuses_what_it_cannot_run():
@@ -78,12 +80,13 @@ def _ling_args(heads: int, length: int, slots: int):
 @pytest.mark.parametrize("heads", [32, 64])
 def test_mosaic_kernel_lowers_for_cuda_at_ling_width(heads):
     """Ling-3.0-flash's (32 heads) and Ling-3.1-flash's (64) last 8192-token chunk of a 32k prompt, the consumers
-    unscheduled and ping-ponged, P through shared memory and from registers; 64-key tiles in three stages would
+    unscheduled and ping-ponged, P through shared memory and from registers with the softmax overlapping the next
+    scores; 64-key tiles in three stages would
     exceed shared memory, which the lowering refuses."""
     args = _ling_args(heads, 8192, 32768)
     tiles = lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16)
-    for ping_pong, registers in ((False, False), (True, False), (True, True)):
-        scheduled = dataclasses.replace(tiles, ping_pong=ping_pong, p_in_registers=registers)
+    for ping_pong, registers, overlap in ((False, False, False), (True, False, False), (True, True, True)):
+        scheduled = dataclasses.replace(tiles, ping_pong=ping_pong, p_in_registers=registers, overlap_softmax=overlap)
         lowered = lower_for_cuda(functools.partial(flash_expanded_attention_mgpu, scale=0.07, tiles=scheduled), *args)
         assert "mosaic_gpu" in lowered.as_text()
     too_deep = dataclasses.replace(tiles, stages=3)
@@ -92,11 +95,14 @@ def test_mosaic_kernel_lowers_for_cuda_at_ling_width(heads):
 
 
 @gpu_test("the compiled Mosaic GPU prefill kernel (Hopper)")
-@pytest.mark.parametrize("registers", [False, True], ids=["p-smem", "p-registers"])
+@pytest.mark.parametrize(
+    "registers, overlap", [(False, False), (True, False), (True, True)], ids=["p-smem", "p-registers", "overlapped"]
+)
 @pytest.mark.parametrize("dims", [MOSAIC_DIMS, dict(nope=128, rope=64, value=128)], ids=["small", "ling"])
-def test_compiled_mosaic_kernel_matches_dense_float64(dims, registers):
+def test_compiled_mosaic_kernel_matches_dense_float64(dims, registers, overlap):
     args, ref = random_case(jnp.bfloat16, seed=7, length=300, slots=700, **dims)
-    tiles = dataclasses.replace(lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16), segment=256, p_in_registers=registers)
+    tiles = lookup(PREFILL_MOSAIC, dtype=jnp.bfloat16)
+    tiles = dataclasses.replace(tiles, segment=256, p_in_registers=registers, overlap_softmax=overlap)
     assert_matches(flash_expanded_attention_mgpu(*args, scale=0.2, tiles=tiles), ref, jnp.bfloat16, 2e-2, "compiled")
     out = mla_prefill(*args, scale=0.2, backend="pallas_gpu", variant="gpu_mosaic")
     assert_matches(out, ref, jnp.bfloat16, 2e-2, "mla_prefill, gpu_mosaic")
