@@ -19,11 +19,10 @@ A CTA serves 128 queries of one head and sequence with three warpgroups:
   and adds P V to its [64, V] fp32 accumulator; at the end it writes the pair back through shared memory with TMA.
 
 The CTA walks the key tiles up to the last one its queries can see, the tiles its queries see whole unmasked
-(both counted by XLA per segment: `_tile_walk`). Queries go in
-padded to whole 128-row blocks (pad rows see no key). P V is a fresh wgmma product added to the rescaled
-accumulator in registers: jax 0.10's Mosaic GPU interpreter cannot accumulate into a pre-initialised
-accumulator, nor its warpgroup lowering lower one inside the key loop. No operand is transposed, so the kernel
-runs in that interpreter on a CPU.
+(both counted by XLA per segment: `_tile_walk`). Queries go in padded to whole 128-row blocks (pad rows see no
+key). P V is a fresh wgmma product added to the rescaled accumulator in registers: jax 0.10's Mosaic GPU
+interpreter cannot accumulate into a pre-initialised accumulator, nor its warpgroup lowering lower one inside the
+key loop. No operand is transposed, so the kernel runs in that interpreter on a CPU.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def _consumer(consumer, first_slot, walk, smem, barriers, out, *, scale, tiles, 
     """One consumer warpgroup: its 64 queries' attention over the segment's first key tiles, merged into their
     running pair, written to `out` (its GMEM views of the output and log-sum-exp).
 
-    walk = (tiles, open_start, open_end): the block's key tiles, and the tiles [open_start, open_end) that every
+    walk = (num_tiles, open_start, open_end): the block's key tiles, and the tiles [open_start, open_end) that every
     query of the block sees whole (valid keys at or before every query's slot), taken without the mask.
     The softmax runs in base 2 with the scale folded in: the max on the unscaled scores, p = 2^(s c - m c).
     ping_pong: the two consumers meet at two points a tile (after issuing the scores' product, after the softmax),
@@ -156,23 +155,24 @@ def _consumer(consumer, first_slot, walk, smem, barriers, out, *, scale, tiles, 
 
         return step
 
+    def walk_tiles(step_of, end, carry):
+        """carry after step_of(masked)(t, ...) for t in [0, end): unmasked within the block's open range."""
+        start, stop = jnp.minimum(open_start, end), jnp.minimum(open_end, end)
+        for masked, low, high in ((True, 0, start), (False, start, stop), (True, stop, end)):
+            carry = lax.fori_loop(low, high, step_of(masked), carry)
+        return carry
+
     if consumer == 1:
         meet()
     carry = (acc_RV, lse_max_R * LOG2_E, l_R)
     if tiles.overlap_softmax:  # the last tile (tile 0, fully masked, where the block sees none) after the loop
         last = jnp.maximum(num_tiles, 1) - 1
-        start, end = jnp.minimum(open_start, last), jnp.minimum(open_end, last)
-        carry = (*carry, scores(0, meet)[0])
-        carry = lax.fori_loop(0, start, overlapped_step(masked=True), carry)
-        carry = lax.fori_loop(start, end, overlapped_step(masked=False), carry)
-        acc_RV, m_R, l_R, scores_RK = lax.fori_loop(end, last, overlapped_step(masked=True), carry)
+        acc_RV, m_R, l_R, scores_RK = walk_tiles(overlapped_step, last, (*carry, scores(0, meet)[0]))
         p_RK, m_R, l_R, correction_R = softmax(last, scores_RK, m_R, l_R, masked=True)
         meet()
         acc_RV = add_values(last, p_RK, acc_RV, correction_R)
     else:
-        carry = lax.fori_loop(0, open_start, tile_step(masked=True), carry)
-        carry = lax.fori_loop(open_start, open_end, tile_step(masked=False), carry)
-        acc_RV, m_R, l_R = lax.fori_loop(open_end, num_tiles, tile_step(masked=True), carry)
+        acc_RV, m_R, l_R = walk_tiles(tile_step, num_tiles, carry)
     if consumer == 0:
         meet()
     seen_R = l_R > 0
